@@ -1,0 +1,193 @@
+use super::ops::*;
+use super::{ModelGraph, Operand};
+use crate::config::{AttentionKind, MlpKind, ModelConfig, Quantization};
+use crate::model::Part;
+use petgraph::graph::{DiGraph, NodeIndex};
+
+struct Builder<'a> {
+    cfg: &'a ModelConfig,
+    g: DiGraph<Node, Operand>,
+    part: Part,
+}
+
+fn ty(shape: &[Dim], elem: Elem) -> TensorType {
+    TensorType { shape: shape.to_vec(), elem }
+}
+
+impl Builder<'_> {
+    fn node(&mut self, op: Op, ty: TensorType, operands: &[NodeIndex]) -> NodeIndex {
+        let n = self.g.add_node(Node { op, ty, part: self.part });
+        for (i, &src) in operands.iter().enumerate() {
+            self.g.add_edge(src, n, i);
+        }
+        n
+    }
+
+    fn mxfp8_block(&self) -> Option<usize> {
+        match &self.cfg.quantization {
+            Quantization::Mxfp8 { block, .. } => Some(*block),
+            Quantization::None => None,
+        }
+    }
+
+    fn linear(&mut self, x: NodeIndex, stem: &str, out: usize, inp: usize) -> NodeIndex {
+        let op = Op::Linear { weight: format!("{stem}.weight"), out, inp, mxfp8_block: self.mxfp8_block() };
+        self.node(op, ty(&[Dim::Tokens, Dim::Fixed(out)], Elem::Act), &[x])
+    }
+
+    fn norm(&mut self, x: NodeIndex, weight: String, width: usize) -> NodeIndex {
+        let eps = self.cfg.text.rms_norm_eps;
+        self.node(Op::RmsNorm { weight, eps }, ty(&[Dim::Tokens, Dim::Fixed(width)], Elem::Act), &[x])
+    }
+
+    /// Per-head QK-norm then partial RoPE, as `[S, heads, head_dim]`.
+    fn norm_rope(&mut self, x: NodeIndex, pos: NodeIndex, weight: String, heads: usize) -> NodeIndex {
+        let t = &self.cfg.text;
+        let (d, eps) = (t.head_dim, t.rms_norm_eps);
+        let shape = [Dim::Tokens, Dim::Fixed(heads), Dim::Fixed(d)];
+        let n = self.node(Op::HeadRmsNorm { weight, heads, head_dim: d, eps }, ty(&shape, Elem::Act), &[x]);
+        let rope = Op::Rope { heads, head_dim: d, rotary_dim: t.rotary_dim, theta: t.rope_theta };
+        self.node(rope, ty(&shape, Elem::Act), &[n, pos])
+    }
+
+    fn cache(&mut self, x: NodeIndex, kind: CacheKind, layer: usize, heads: usize, dim: usize) -> NodeIndex {
+        let shape = [Dim::Context, Dim::Fixed(heads), Dim::Fixed(dim)];
+        self.node(Op::CacheAppend { kind, layer, heads, dim }, ty(&shape, Elem::Act), &[x])
+    }
+
+    /// SwiGLU-OAI MLP (dense layers and the shared expert).
+    fn mlp(&mut self, h: NodeIndex, stem: &str, width: usize) -> NodeIndex {
+        let t = &self.cfg.text;
+        let hidden = t.hidden_size;
+        let (alpha, limit, beta) = (t.swiglu_alpha, t.swiglu_limit, t.swiglu_beta);
+        let gate = self.linear(h, &format!("{stem}.gate_proj"), width, hidden);
+        let up = self.linear(h, &format!("{stem}.up_proj"), width, hidden);
+        let act = self.node(Op::SwiGluOai { alpha, limit, beta }, ty(&[Dim::Tokens, Dim::Fixed(width)], Elem::Act), &[gate, up]);
+        self.linear(act, &format!("{stem}.down_proj"), hidden, width)
+    }
+
+    fn layer(&mut self, l: usize, x: NodeIndex, pos: NodeIndex) -> NodeIndex {
+        let cfg = self.cfg;
+        let t = &cfg.text;
+        let kind = t.layers[l];
+        let (h, d) = (t.hidden_size, t.head_dim);
+        let lp = format!("{}model.layers.{l}", cfg.text_prefix);
+        let a = format!("{lp}.self_attn");
+        let hidden = [Dim::Tokens, Dim::Fixed(h)];
+
+        let hn = self.norm(x, format!("{lp}.input_layernorm.weight"), h);
+        let q = self.linear(hn, &format!("{a}.q_proj"), t.q_dim(), h);
+        let k = self.linear(hn, &format!("{a}.k_proj"), t.kv_dim(), h);
+        let v = self.linear(hn, &format!("{a}.v_proj"), t.kv_dim(), h);
+        let q = self.norm_rope(q, pos, format!("{a}.q_norm.weight"), t.num_heads);
+        let k = self.norm_rope(k, pos, format!("{a}.k_norm.weight"), t.num_kv_heads);
+        let kc = self.cache(k, CacheKind::Key, l, t.num_kv_heads, d);
+        let vc = self.cache(v, CacheKind::Value, l, t.num_kv_heads, d);
+        let scale = 1.0 / (d as f64).sqrt();
+        let attn_out = [Dim::Tokens, Dim::Fixed(t.q_dim())];
+        let o = match kind.attention {
+            AttentionKind::Full => {
+                let op = Op::Attention { heads: t.num_heads, kv_heads: t.num_kv_heads, head_dim: d, scale, sparse_block: None };
+                self.node(op, ty(&attn_out, Elem::Act), &[q, kc, vc, pos])
+            }
+            AttentionKind::Sparse => {
+                let s = t.sparse.as_ref().expect("sparse layer without sparse config");
+                let iq = self.linear(hn, &format!("{a}.index_q_proj"), s.num_index_heads * s.index_dim, h);
+                let ik = self.linear(hn, &format!("{a}.index_k_proj"), s.index_dim, h);
+                let iq = self.norm_rope(iq, pos, format!("{a}.index_q_norm.weight"), s.num_index_heads);
+                let ik = self.norm_rope(ik, pos, format!("{a}.index_k_norm.weight"), 1);
+                let ikc = self.cache(ik, CacheKind::IndexKey, l, 1, s.index_dim);
+                let g = Dim::Fixed(s.num_index_heads);
+                let scores = self.node(
+                    Op::IndexScores { heads: s.num_index_heads, dim: s.index_dim },
+                    ty(&[g, Dim::Tokens, Dim::Context], Elem::F32),
+                    &[iq, ikc, pos],
+                );
+                let blocks = self.node(
+                    Op::BlockMaxScore { block: s.block_size },
+                    ty(&[g, Dim::Tokens, Dim::Blocks], Elem::F32),
+                    &[scores],
+                );
+                let sel = self.node(
+                    Op::TopKBlocks { k: s.topk_blocks, block: s.block_size, local: s.local_blocks, init: s.init_blocks },
+                    ty(&[g, Dim::Tokens, Dim::Fixed(s.topk_blocks)], Elem::I32),
+                    &[blocks, pos],
+                );
+                let op = Op::Attention {
+                    heads: t.num_heads,
+                    kv_heads: t.num_kv_heads,
+                    head_dim: d,
+                    scale,
+                    sparse_block: Some(s.block_size),
+                };
+                self.node(op, ty(&attn_out, Elem::Act), &[q, kc, vc, pos, sel])
+            }
+        };
+        let o = self.linear(o, &format!("{a}.o_proj"), h, t.q_dim());
+        let x = self.node(Op::Add, ty(&hidden, Elem::Act), &[x, o]);
+
+        let h2 = self.norm(x, format!("{lp}.post_attention_layernorm.weight"), h);
+        let ffn = match kind.mlp {
+            MlpKind::Dense => self.mlp(h2, &format!("{lp}.mlp"), t.dense_intermediate_size),
+            MlpKind::Moe => {
+                let m = format!("{lp}.block_sparse_moe");
+                let k = t.experts_per_token;
+                let router = Op::Router {
+                    weight: format!("{m}.gate.weight"),
+                    bias: t.use_routing_bias.then(|| format!("{m}.e_score_correction_bias")),
+                    experts: t.num_experts,
+                    top_k: k,
+                    scale: t.routed_scaling_factor,
+                };
+                let routing = self.node(router, ty(&[Dim::Tokens, Dim::Fixed(k)], Elem::F32), &[h2]);
+                let experts = Op::RoutedExperts {
+                    stem: format!("{m}.experts"),
+                    experts: t.num_experts,
+                    hidden: h,
+                    intermediate: t.expert_intermediate_size,
+                    mxfp8_block: self.mxfp8_block(),
+                    alpha: t.swiglu_alpha,
+                    limit: t.swiglu_limit,
+                    beta: t.swiglu_beta,
+                };
+                let routed = self.node(experts, ty(&hidden, Elem::Act), &[h2, routing]);
+                if t.num_shared_experts > 0 {
+                    let shared = self.mlp(h2, &format!("{m}.shared_experts"), t.shared_intermediate_size);
+                    self.node(Op::Add, ty(&hidden, Elem::Act), &[routed, shared])
+                } else {
+                    routed
+                }
+            }
+        };
+        self.node(Op::Add, ty(&hidden, Elem::Act), &[x, ffn])
+    }
+}
+
+/// Builds the text backbone of `cfg`: embedding, every decoder layer, final
+/// norm, lm_head and greedy argmax.
+pub fn build_graph(cfg: &ModelConfig) -> ModelGraph {
+    let t = &cfg.text;
+    let p = &cfg.text_prefix;
+    let mut b = Builder { cfg, g: DiGraph::new(), part: Part::Embedding };
+    let ids = b.node(Op::TokenIds, ty(&[Dim::Tokens], Elem::I64), &[]);
+    let pos = b.node(Op::Positions, ty(&[Dim::Tokens], Elem::I64), &[]);
+    let mut x = b.node(
+        Op::Embedding { weight: format!("{p}model.embed_tokens.weight") },
+        ty(&[Dim::Tokens, Dim::Fixed(t.hidden_size)], Elem::Act),
+        &[ids],
+    );
+    // The vision tower (spec §3) joins here: its patch-merged rows replace the
+    // embedding rows of image/video placeholder tokens before layer 0. Its
+    // weights are already part of the checkpoint layout (Part::Vision).
+    for l in 0..t.num_layers {
+        b.part = Part::Layer(l);
+        x = b.layer(l, x, pos);
+    }
+    b.part = Part::FinalNorm;
+    let xn = b.norm(x, format!("{p}model.norm.weight"), t.hidden_size);
+    b.part = Part::LmHead;
+    let lm = Op::Linear { weight: format!("{p}lm_head.weight"), out: t.vocab_size, inp: t.hidden_size, mxfp8_block: None };
+    let logits = b.node(lm, ty(&[Dim::Tokens, Dim::Fixed(t.vocab_size)], Elem::F32), &[xn]);
+    b.node(Op::Argmax, ty(&[Dim::Tokens], Elem::I64), &[logits]);
+    ModelGraph { graph: b.g, logits }
+}

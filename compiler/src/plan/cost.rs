@@ -1,0 +1,158 @@
+//! Per-part cost model for one decode step: weight bytes, cache bytes per
+//! token, FLOPs and bytes read at batch B and context T, turned into time with
+//! a roofline of the chosen GPU.
+
+use crate::config::{AttentionKind, ModelConfig};
+use crate::model::{expected_tensors, Part, Role};
+use std::collections::BTreeMap;
+
+/// A GPU as the planner sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GpuProfile {
+    pub name: String,
+    /// Memory in bytes.
+    pub memory: f64,
+    /// HBM bandwidth in bytes/s.
+    pub bandwidth: f64,
+    /// Dense bf16 tensor throughput in FLOP/s.
+    pub flops: f64,
+}
+
+/// Known GPUs: (name, memory GB, bandwidth TB/s, dense bf16 TFLOP/s).
+const PROFILES: &[(&str, f64, f64, f64)] = &[
+    ("H200", 141.0, 4.8, 990.0),
+    ("H100", 80.0, 3.35, 990.0),
+    ("H20", 96.0, 4.0, 148.0),
+    ("B200", 180.0, 8.0, 2250.0),
+    ("A100", 80.0, 2.039, 312.0),
+    ("L40S", 48.0, 0.864, 362.0),
+];
+
+/// Share of GPU memory the planner fills with weights and caches; the rest is
+/// kept for activations, workspace and the CUDA context.
+pub const USABLE_MEMORY: f64 = 0.92;
+
+impl GpuProfile {
+    pub fn named(name: &str) -> Option<GpuProfile> {
+        PROFILES.iter().find(|p| p.0.eq_ignore_ascii_case(name)).map(|&(n, m, bw, f)| GpuProfile {
+            name: n.to_string(),
+            memory: m * 1e9,
+            bandwidth: bw * 1e12,
+            flops: f * 1e12,
+        })
+    }
+    pub fn known_names() -> Vec<&'static str> {
+        PROFILES.iter().map(|p| p.0).collect()
+    }
+    pub fn usable_memory(&self) -> f64 {
+        self.memory * USABLE_MEMORY
+    }
+}
+
+/// What the step is sized for.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Workload {
+    /// Sequences decoded together.
+    pub batch: usize,
+    /// Context length each of them has reached.
+    pub context: usize,
+}
+
+/// The cost of one part of the model for one decode step.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PartCost {
+    /// Resident weight bytes (MXFP8 scales included).
+    pub weight_bytes: f64,
+    /// KV (and MSA index-key) cache bytes per token of context.
+    pub cache_bytes_per_token: f64,
+    /// Bytes read from memory in one decode step.
+    pub step_bytes: f64,
+    pub step_flops: f64,
+}
+
+impl PartCost {
+    /// Roofline time of one step on `gpu`.
+    pub fn time(&self, gpu: &GpuProfile) -> f64 {
+        (self.step_bytes / gpu.bandwidth).max(self.step_flops / gpu.flops)
+    }
+    /// Memory this part needs at the workload: weights plus its caches.
+    pub fn memory(&self, w: Workload) -> f64 {
+        self.weight_bytes + self.cache_bytes_per_token * (w.batch * w.context) as f64
+    }
+    pub fn add(&mut self, o: &PartCost) {
+        self.weight_bytes += o.weight_bytes;
+        self.cache_bytes_per_token += o.cache_bytes_per_token;
+        self.step_bytes += o.step_bytes;
+        self.step_flops += o.step_flops;
+    }
+}
+
+/// Bytes of one cached activation element (bf16 caches).
+const CACHE_ELEM: f64 = 2.0;
+
+/// Expected number of distinct experts that `batch` tokens touch when each
+/// picks `k` of `e` experts (uniform routing).
+pub fn expected_experts(e: usize, k: usize, batch: usize) -> f64 {
+    let miss = 1.0 - k as f64 / e as f64;
+    e as f64 * (1.0 - miss.powi(batch as i32))
+}
+
+/// Costs of every part of the text model, in pipeline order (embedding, layers, final norm, lm_head).
+pub fn part_costs(cfg: &ModelConfig, w: Workload) -> BTreeMap<Part, PartCost> {
+    let t = &cfg.text;
+    let b = w.batch as f64;
+    let ctx = w.context as f64;
+    let mut costs: BTreeMap<Part, PartCost> = BTreeMap::new();
+    let mut expert_bytes: BTreeMap<Part, f64> = BTreeMap::new();
+    let mut expert_params: BTreeMap<Part, f64> = BTreeMap::new();
+    for spec in expected_tensors(cfg) {
+        if spec.part == Part::Vision {
+            continue;
+        }
+        let c = costs.entry(spec.part).or_default();
+        let bytes = spec.nominal_bytes() as f64;
+        c.weight_bytes += bytes;
+        let params = if spec.is_parameter() { spec.numel() as f64 } else { 0.0 };
+        match (spec.part, spec.role) {
+            (_, Role::Expert(_)) => {
+                *expert_bytes.entry(spec.part).or_default() += bytes;
+                *expert_params.entry(spec.part).or_default() += params;
+            }
+            (Part::Embedding, _) => {
+                // A step gathers B rows of the table.
+                c.step_bytes += b * (t.hidden_size * spec.nominal.size_bytes()) as f64;
+            }
+            _ => {
+                c.step_bytes += bytes;
+                c.step_flops += 2.0 * b * params;
+            }
+        }
+    }
+    let touched = expected_experts(t.num_experts, t.experts_per_token, w.batch);
+    for (part, bytes) in &expert_bytes {
+        let c = costs.get_mut(part).expect("expert part has a cost");
+        let per_expert = bytes / t.num_experts as f64;
+        c.step_bytes += touched * per_expert;
+        let per_expert_params = expert_params[part] / t.num_experts as f64;
+        c.step_flops += 2.0 * b * t.experts_per_token as f64 * per_expert_params;
+    }
+    for (l, kind) in t.layers.iter().enumerate() {
+        let c = costs.get_mut(&Part::Layer(l)).expect("every layer has weights");
+        let kv = (2 * t.num_kv_heads * t.head_dim) as f64 * CACHE_ELEM;
+        c.cache_bytes_per_token += kv;
+        // Keys each query attends to, and the indexer scan on sparse layers.
+        let attended = match (kind.attention, &t.sparse) {
+            (AttentionKind::Sparse, Some(s)) => {
+                let ik = s.index_dim as f64 * CACHE_ELEM;
+                c.cache_bytes_per_token += ik;
+                c.step_bytes += b * ctx * ik;
+                c.step_flops += 2.0 * b * ctx * (s.num_index_heads * s.index_dim) as f64;
+                ctx.min((s.topk_blocks * s.block_size) as f64)
+            }
+            _ => ctx,
+        };
+        c.step_bytes += b * attended * kv;
+        c.step_flops += 4.0 * b * attended * (t.num_heads * t.head_dim) as f64;
+    }
+    costs
+}

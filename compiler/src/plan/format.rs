@@ -1,0 +1,364 @@
+//! The YAML partition plan: parsing and validation against a model config.
+//! See docs/plan.md for the format.
+
+use super::locate::{locate, Locations, Pos};
+use crate::config::ModelConfig;
+use crate::model::Part;
+use serde::Deserialize;
+use std::collections::BTreeSet;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+/// An inclusive range of decoder layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct LayerRange {
+    pub first: usize,
+    pub last: usize,
+}
+
+impl LayerRange {
+    pub fn len(&self) -> usize {
+        self.last - self.first + 1
+    }
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+    pub fn iter(&self) -> impl Iterator<Item = usize> {
+        self.first..=self.last
+    }
+}
+
+impl fmt::Display for LayerRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.first == self.last {
+            write!(f, "{}", self.first)
+        } else {
+            write!(f, "{}-{}", self.first, self.last)
+        }
+    }
+}
+
+/// What the stages are compiled for.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub enum Target {
+    /// x86-64 host code; stages talk over MPI.
+    Host,
+    /// NVIDIA GPUs of the given architecture (`sm_90a`); stages talk over NCCL.
+    Cuda { arch: String },
+}
+
+impl fmt::Display for Target {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Target::Host => f.write_str("host"),
+            Target::Cuda { arch } => write!(f, "cuda ({arch})"),
+        }
+    }
+}
+
+/// One pipeline stage: a contiguous range of layers and the non-layer parts it holds.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct StagePlan {
+    pub layers: Option<LayerRange>,
+    pub embedding: bool,
+    pub final_norm: bool,
+    pub lm_head: bool,
+    /// CUDA device ordinal on its host (cuda target).
+    pub device: Option<usize>,
+    /// The host (MPI node) the stage should run on.
+    pub host: Option<String>,
+}
+
+impl StagePlan {
+    pub fn parts(&self) -> BTreeSet<Part> {
+        let mut p = BTreeSet::new();
+        if self.embedding {
+            p.insert(Part::Embedding);
+        }
+        if let Some(r) = self.layers {
+            p.extend(r.iter().map(Part::Layer));
+        }
+        if self.final_norm {
+            p.insert(Part::FinalNorm);
+        }
+        if self.lm_head {
+            p.insert(Part::LmHead);
+        }
+        p
+    }
+
+    pub fn describe(&self) -> String {
+        let mut s = Vec::new();
+        if self.embedding {
+            s.push("embed".to_string());
+        }
+        if let Some(r) = self.layers {
+            s.push(format!("layers {r}"));
+        }
+        if self.final_norm {
+            s.push("norm".to_string());
+        }
+        if self.lm_head {
+            s.push("lm_head".to_string());
+        }
+        s.join(" + ")
+    }
+}
+
+/// A validated partition plan.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Plan {
+    /// The model the plan names, resolved against the plan file's folder.
+    pub model: Option<PathBuf>,
+    pub target: Target,
+    pub stages: Vec<StagePlan>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    #[error("cannot read {file}: {source}")]
+    Io { file: PathBuf, source: std::io::Error },
+    #[error("{file}:{line}:{col}: {message}")]
+    At { file: PathBuf, line: usize, col: usize, message: String },
+    #[error("{file}: {message}")]
+    File { file: PathBuf, message: String },
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPlan {
+    version: Option<u32>,
+    model: Option<String>,
+    target: Option<String>,
+    arch: Option<String>,
+    stages: Vec<RawStage>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawStage {
+    layers: Option<serde_yaml::Value>,
+    embedding: Option<bool>,
+    final_norm: Option<bool>,
+    lm_head: Option<bool>,
+    device: Option<usize>,
+    host: Option<String>,
+}
+
+struct Ctx<'a> {
+    file: &'a Path,
+    loc: Locations,
+}
+
+impl Ctx<'_> {
+    fn at(&self, pos: Option<Pos>, message: String) -> PlanError {
+        match pos {
+            Some(p) => PlanError::At { file: self.file.to_path_buf(), line: p.line, col: p.col, message },
+            None => PlanError::File { file: self.file.to_path_buf(), message },
+        }
+    }
+    fn value(&self, path: &str, message: String) -> PlanError {
+        self.at(self.loc.value(path), message)
+    }
+    fn key(&self, path: &str, message: String) -> PlanError {
+        self.at(self.loc.key(path), message)
+    }
+}
+
+/// Reads a plan file; see [`parse_plan`].
+pub fn load_plan(path: &Path, cfg: Option<&ModelConfig>) -> Result<Plan, PlanError> {
+    let text = std::fs::read_to_string(path).map_err(|source| PlanError::Io { file: path.to_path_buf(), source })?;
+    parse_plan(path, &text, cfg)
+}
+
+/// Reads only the `model:` entry of a plan (to find the model before validating).
+pub fn plan_model(path: &Path) -> Result<Option<PathBuf>, PlanError> {
+    let text = std::fs::read_to_string(path).map_err(|source| PlanError::Io { file: path.to_path_buf(), source })?;
+    let raw: RawPlan = from_yaml(path, &text)?;
+    Ok(raw.model.map(|m| resolve(path, &m)))
+}
+
+fn resolve(plan: &Path, model: &str) -> PathBuf {
+    let m = Path::new(model);
+    if m.is_absolute() {
+        m.to_path_buf()
+    } else {
+        plan.parent().unwrap_or(Path::new(".")).join(m)
+    }
+}
+
+fn from_yaml(path: &Path, text: &str) -> Result<RawPlan, PlanError> {
+    serde_yaml::from_str(text).map_err(|e| {
+        let message = e.to_string();
+        // serde_yaml appends " at line L column C"; put the place first instead.
+        let message = message.split(" at line ").next().unwrap_or(&message).to_string();
+        match e.location() {
+            Some(l) => PlanError::At { file: path.to_path_buf(), line: l.line(), col: l.column(), message },
+            None => PlanError::File { file: path.to_path_buf(), message },
+        }
+    })
+}
+
+fn parse_layers(ctx: &Ctx, path: &str, v: &serde_yaml::Value, num_layers: Option<usize>) -> Result<LayerRange, PlanError> {
+    let bad = || ctx.value(path, format!("`layers` must be a layer number or an inclusive range like \"0-14\", found {}", show(v)));
+    let range = match v {
+        serde_yaml::Value::Number(n) => {
+            let l = n.as_u64().ok_or_else(bad)? as usize;
+            LayerRange { first: l, last: l }
+        }
+        serde_yaml::Value::String(s) => {
+            let (a, b) = s.split_once('-').ok_or_else(bad)?;
+            let a: usize = a.trim().parse().map_err(|_| bad())?;
+            let b: usize = b.trim().parse().map_err(|_| bad())?;
+            if a > b {
+                return Err(ctx.value(path, format!("layer range \"{s}\" is backwards: the first layer must not exceed the last")));
+            }
+            LayerRange { first: a, last: b }
+        }
+        _ => return Err(bad()),
+    };
+    if let Some(n) = num_layers {
+        if range.last >= n {
+            return Err(ctx.value(
+                path,
+                format!("layer {} is out of range: the model has {n} layers (0-{})", range.last, n - 1),
+            ));
+        }
+    }
+    Ok(range)
+}
+
+fn show(v: &serde_yaml::Value) -> String {
+    serde_yaml::to_string(v).map(|s| s.trim().to_string()).unwrap_or_else(|_| "?".into())
+}
+
+/// Parses and validates plan text. With a config, layer numbers are checked
+/// against the model and every layer must be in exactly one stage.
+pub fn parse_plan(path: &Path, text: &str, cfg: Option<&ModelConfig>) -> Result<Plan, PlanError> {
+    let raw = from_yaml(path, text)?;
+    let ctx = Ctx { file: path, loc: locate(text) };
+    if let Some(v) = raw.version {
+        if v != 1 {
+            return Err(ctx.value("version", format!("unsupported plan version {v}: this m3c reads version 1")));
+        }
+    }
+    let target = match (raw.target.as_deref().unwrap_or("host"), raw.arch) {
+        ("host", None) => Target::Host,
+        ("host", Some(_)) => return Err(ctx.key("arch", "`arch` applies to target cuda only; this plan's target is host".into())),
+        ("cuda", arch) => {
+            let arch = arch.unwrap_or_else(|| "sm_90a".into());
+            let ok = arch.strip_prefix("sm_").is_some_and(|r| {
+                let digits = r.strip_suffix('a').unwrap_or(r);
+                !digits.is_empty() && digits.chars().all(|c| c.is_ascii_digit())
+            });
+            if !ok {
+                return Err(ctx.value("arch", format!("`arch` must be a CUDA architecture like \"sm_90a\", found \"{arch}\"")));
+            }
+            Target::Cuda { arch }
+        }
+        (other, _) => return Err(ctx.value("target", format!("unknown target \"{other}\": expected \"host\" or \"cuda\""))),
+    };
+    if raw.stages.is_empty() {
+        return Err(ctx.value("stages", "`stages` is empty: a plan needs at least one stage".into()));
+    }
+    let num_layers = cfg.map(|c| c.text.num_layers);
+    let n = raw.stages.len();
+    let mut stages = Vec::with_capacity(n);
+    for (i, s) in raw.stages.iter().enumerate() {
+        let p = format!("stages[{i}]");
+        let layers = match &s.layers {
+            Some(v) => Some(parse_layers(&ctx, &format!("{p}.layers"), v, num_layers)?),
+            None => None,
+        };
+        if s.device.is_some() && target == Target::Host {
+            return Err(ctx.key(&format!("{p}.device"), format!("stage {i}: `device` applies to target cuda only; this plan's target is host")));
+        }
+        stages.push(StagePlan {
+            layers,
+            embedding: s.embedding.unwrap_or(false),
+            final_norm: s.final_norm.unwrap_or(false),
+            lm_head: s.lm_head.unwrap_or(false),
+            device: s.device,
+            host: s.host.clone(),
+        });
+    }
+
+    // Non-layer parts: default first / last stage; exactly one place each.
+    let place = |key: &str, default: usize, stages: &mut Vec<StagePlan>, get: fn(&mut StagePlan) -> &mut bool| -> Result<usize, PlanError> {
+        let set: Vec<usize> = (0..n).filter(|&i| raw.stages[i].field(key) == Some(true)).collect();
+        match set.as_slice() {
+            [] => {
+                *get(&mut stages[default]) = true;
+                Ok(default)
+            }
+            [one] => Ok(*one),
+            [_, second, ..] => Err(ctx.key(&format!("stages[{second}].{key}"), format!("`{key}` is set on stages {} and {second}: it lives on exactly one stage", set[0]))),
+        }
+    };
+    let emb = place("embedding", 0, &mut stages, |s| &mut s.embedding)?;
+    if emb != 0 {
+        return Err(ctx.key(&format!("stages[{emb}].embedding"), format!("the embedding must be on the first stage (stage 0), where token ids enter the pipeline; found on stage {emb}")));
+    }
+    let head = place("lm_head", n - 1, &mut stages, |s| &mut s.lm_head)?;
+    if head != n - 1 {
+        return Err(ctx.key(&format!("stages[{head}].lm_head"), format!("the lm_head must be on the last stage (stage {}), which samples the next token; found on stage {head}", n - 1)));
+    }
+    let norm = place("final_norm", head, &mut stages, |s| &mut s.final_norm)?;
+
+    // Layers: in order, contiguous, each in exactly one stage.
+    let mut next = 0usize;
+    let mut last_layer_stage = 0usize;
+    for (i, s) in stages.iter().enumerate() {
+        let Some(r) = s.layers else { continue };
+        let path = format!("stages[{i}].layers");
+        if r.first < next {
+            let owner = stages[..i].iter().rposition(|p| p.layers.is_some_and(|q| q.last >= r.first)).unwrap_or(0);
+            return Err(ctx.value(&path, format!("stage {i}: layers {r} overlap stage {owner} (layers {}); each layer belongs to exactly one stage", stages[owner].layers.map(|x| x.to_string()).unwrap_or_default())));
+        }
+        if r.first > next {
+            let gap = LayerRange { first: next, last: r.first - 1 };
+            return Err(ctx.value(&path, format!("stage {i} starts at layer {}, so layers {gap} are in no stage", r.first)));
+        }
+        next = r.last + 1;
+        last_layer_stage = i;
+    }
+    if let Some(total) = num_layers {
+        if next < total {
+            let gap = LayerRange { first: next, last: total - 1 };
+            let path = if next == 0 { "stages".to_string() } else { format!("stages[{last_layer_stage}].layers") };
+            return Err(ctx.value(&path, format!("layers {gap} are in no stage (the model has {total} layers)")));
+        }
+    }
+    if norm < last_layer_stage {
+        return Err(ctx.key(&format!("stages[{norm}].final_norm"), format!("the final norm on stage {norm} would run before layer {} on stage {last_layer_stage}", next.saturating_sub(1))));
+    }
+    for (i, s) in stages.iter().enumerate() {
+        if s.parts().is_empty() {
+            return Err(ctx.value(&format!("stages[{i}]"), format!("stage {i} is empty: it holds no layers, embedding, final norm or lm_head")));
+        }
+    }
+    Ok(Plan { model: raw.model.as_deref().map(|m| resolve(path, m)), target, stages })
+}
+
+impl RawStage {
+    fn field(&self, key: &str) -> Option<bool> {
+        match key {
+            "embedding" => self.embedding,
+            "final_norm" => self.final_norm,
+            "lm_head" => self.lm_head,
+            _ => None,
+        }
+    }
+}
+
+impl Plan {
+    /// Checks the stage count against `--pp N`.
+    pub fn check_pp(&self, file: &Path, pp: usize) -> Result<(), PlanError> {
+        if self.stages.len() != pp {
+            let loc = locate(&std::fs::read_to_string(file).unwrap_or_default());
+            let ctx = Ctx { file, loc };
+            return Err(ctx.value("stages", format!("the plan has {} stages but --pp {pp} was given", self.stages.len())));
+        }
+        Ok(())
+    }
+}

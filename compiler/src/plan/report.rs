@@ -1,0 +1,182 @@
+//! The per-stage table (`m3c plan`, `m3c plan --check`) and plan YAML output.
+
+use super::cost::{part_costs, GpuProfile, PartCost, Workload, USABLE_MEMORY};
+use super::format::{LayerRange, Plan, StagePlan, Target};
+use crate::config::ModelConfig;
+use std::fmt::Write;
+
+/// The summed cost of one stage.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StageCost {
+    pub cost: PartCost,
+    pub time: f64,
+    pub memory: f64,
+}
+
+pub fn stage_costs(cfg: &ModelConfig, plan: &Plan, gpu: &GpuProfile, w: Workload) -> Vec<StageCost> {
+    let parts = part_costs(cfg, w);
+    plan.stages
+        .iter()
+        .map(|s| {
+            let mut cost = PartCost::default();
+            for p in s.parts() {
+                cost.add(&parts[&p]);
+            }
+            let time = cost.time(gpu);
+            let memory = cost.memory(w);
+            StageCost { cost, time, memory }
+        })
+        .collect()
+}
+
+/// An even split by layer count (the default of other engines), for comparison.
+pub fn even_plan(cfg: &ModelConfig, pp: usize) -> Option<Plan> {
+    let n = cfg.text.num_layers;
+    if pp == 0 || pp > n {
+        return None;
+    }
+    let mut first = 0;
+    let stages = (0..pp)
+        .map(|k| {
+            let len = n / pp + usize::from(k < n % pp);
+            let r = LayerRange { first, last: first + len - 1 };
+            first += len;
+            StagePlan { layers: Some(r), embedding: k == 0, final_norm: k == pp - 1, lm_head: k == pp - 1, device: None, host: None }
+        })
+        .collect();
+    Some(Plan { model: None, target: Target::Host, stages })
+}
+
+fn summary(costs: &[StageCost]) -> (f64, f64, usize) {
+    let slow = costs.iter().map(|c| c.time).fold(0.0, f64::max);
+    let sum: f64 = costs.iter().map(|c| c.time).sum();
+    let bubble = if slow > 0.0 { 1.0 - sum / (costs.len() as f64 * slow) } else { 0.0 };
+    let at = costs.iter().position(|c| c.time == slow).unwrap_or(0);
+    (slow, bubble, at)
+}
+
+fn counts(plan: &Plan) -> String {
+    plan.stages.iter().map(|s| s.layers.map_or(0, |r| r.len()).to_string()).collect::<Vec<_>>().join("/")
+}
+
+/// The per-stage table, with the bottleneck, the bubble and (for comparison)
+/// what an even split by layer count would give.
+pub fn table(cfg: &ModelConfig, plan: &Plan, gpu: &GpuProfile, w: Workload) -> String {
+    let costs = stage_costs(cfg, plan, gpu, w);
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "GPU {}: {:.0} GB ({:.0}% usable for weights and caches), {:.2} TB/s, {:.0} TFLOP/s bf16; decode step at batch {}, context {}",
+        gpu.name,
+        gpu.memory / 1e9,
+        USABLE_MEMORY * 100.0,
+        gpu.bandwidth / 1e12,
+        gpu.flops / 1e12,
+        w.batch,
+        w.context
+    );
+    let _ = writeln!(
+        o,
+        "{:<5} {:<32} {:>7} {:>11} {:>13} {:>11} {:>12} {:>9}",
+        "stage", "holds", "layers", "weights GB", "KV GB/1k tok", "memory GB", "step GB read", "step ms"
+    );
+    let cap = gpu.usable_memory();
+    for (k, (s, c)) in plan.stages.iter().zip(&costs).enumerate() {
+        let over = if c.memory > cap { "  > GPU memory" } else { "" };
+        let _ = writeln!(
+            o,
+            "{:<5} {:<32} {:>7} {:>11.2} {:>13.3} {:>11.2} {:>12.3} {:>9.3}{over}",
+            k,
+            s.describe(),
+            s.layers.map_or(0, |r| r.len()),
+            c.cost.weight_bytes / 1e9,
+            c.cost.cache_bytes_per_token * 1000.0 / 1e9,
+            c.memory / 1e9,
+            c.cost.step_bytes / 1e9,
+            c.time * 1e3
+        );
+    }
+    let (slow, bubble, at) = summary(&costs);
+    let _ = writeln!(
+        o,
+        "slowest stage {at}: {:.3} ms per step; pipeline bubble (idle share of stage time at steady state) {:.1}%",
+        slow * 1e3,
+        bubble * 100.0
+    );
+    let fits = costs.iter().all(|c| c.memory <= cap);
+    if !fits {
+        let _ = writeln!(o, "warning: some stage does not fit {} ({:.1} GB usable)", gpu.name, cap / 1e9);
+    }
+    if let Some(even) = even_plan(cfg, plan.stages.len()) {
+        if even.stages != plan.stages.iter().map(|s| StagePlan { device: None, host: None, ..s.clone() }).collect::<Vec<_>>() {
+            let ec = stage_costs(cfg, &even, gpu, w);
+            let (eslow, ebubble, eat) = summary(&ec);
+            let emax = ec.iter().map(|c| c.memory).fold(0.0, f64::max);
+            let _ = writeln!(
+                o,
+                "even split {} would be: slowest stage {eat} ({}) {:.3} ms, bubble {:.1}%, largest stage {:.2} GB{}; this plan ({}) is {:.2}x faster per step",
+                counts(&even),
+                even.stages[eat].describe(),
+                eslow * 1e3,
+                ebubble * 100.0,
+                emax / 1e9,
+                if emax > cap { " (does not fit)" } else { "" },
+                counts(plan),
+                eslow / slow
+            );
+        }
+    }
+    o
+}
+
+/// The plan as YAML, with the table as comments. `model` is written as given.
+pub fn plan_yaml(plan: &Plan, model: Option<&str>, header: &str, table: &str) -> String {
+    let mut o = String::new();
+    for line in header.lines().chain(table.lines()) {
+        let _ = writeln!(o, "# {line}");
+    }
+    let _ = writeln!(o, "version: 1");
+    if let Some(m) = model {
+        let _ = writeln!(o, "model: {}", yaml_str(m));
+    }
+    match &plan.target {
+        Target::Host => {
+            let _ = writeln!(o, "target: host");
+        }
+        Target::Cuda { arch } => {
+            let _ = writeln!(o, "target: cuda\narch: {arch}");
+        }
+    }
+    let _ = writeln!(o, "stages:");
+    for (k, s) in plan.stages.iter().enumerate() {
+        let mut fields: Vec<String> = Vec::new();
+        if let Some(r) = s.layers {
+            fields.push(format!("layers: \"{r}\""));
+        }
+        if s.embedding {
+            fields.push("embedding: true".into());
+        }
+        if s.final_norm {
+            fields.push("final_norm: true".into());
+        }
+        if s.lm_head {
+            fields.push("lm_head: true".into());
+        }
+        if let Some(d) = s.device {
+            fields.push(format!("device: {d}"));
+        }
+        if let Some(h) = &s.host {
+            fields.push(format!("host: {}", yaml_str(h)));
+        }
+        for (i, f) in fields.iter().enumerate() {
+            let lead = if i == 0 { "  - " } else { "    " };
+            let note = if i == 0 { format!("   # stage {k}") } else { String::new() };
+            let _ = writeln!(o, "{lead}{f}{note}");
+        }
+    }
+    o
+}
+
+fn yaml_str(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_else(|_| format!("\"{s}\""))
+}

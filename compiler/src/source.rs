@@ -1,0 +1,50 @@
+//! Where a model comes from: a checkpoint folder (config.json + safetensors)
+//! or a bare config.json (enough for everything but running).
+
+use crate::config::{load_config, ConfigError, ModelConfig};
+use crate::weights::{Checkpoint, WeightsError};
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    #[error("{0}: no such file or folder (expected a checkpoint folder or its config.json)")]
+    NotFound(PathBuf),
+    #[error("{0}: no config.json in this folder (expected a Hugging Face checkpoint folder)")]
+    NoConfig(PathBuf),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Weights(#[from] WeightsError),
+}
+
+pub struct ModelSource {
+    pub config: ModelConfig,
+    /// The folder holding the weights, when the source is a folder that has them.
+    pub weights_dir: Option<PathBuf>,
+}
+
+impl ModelSource {
+    /// A folder with config.json (weights optional), or a config.json file.
+    pub fn open(path: &Path) -> Result<ModelSource, SourceError> {
+        if path.is_dir() {
+            let cfg_path = path.join("config.json");
+            if !cfg_path.is_file() {
+                return Err(SourceError::NoConfig(path.to_path_buf()));
+            }
+            let config = load_config(&cfg_path)?;
+            let has_weights = path.join("model.safetensors").is_file() || path.join("model.safetensors.index.json").is_file();
+            Ok(ModelSource { config, weights_dir: has_weights.then(|| path.to_path_buf()) })
+        } else if path.is_file() {
+            Ok(ModelSource { config: load_config(path)?, weights_dir: None })
+        } else {
+            Err(SourceError::NotFound(path.to_path_buf()))
+        }
+    }
+
+    pub fn checkpoint(&self) -> Result<Option<Checkpoint>, SourceError> {
+        Ok(match &self.weights_dir {
+            Some(d) => Some(Checkpoint::open(d)?),
+            None => None,
+        })
+    }
+}

@@ -1,0 +1,216 @@
+//! `m3c init-tiny`: a random MiniMax-M3 checkpoint in the hub layout
+//! (config.json + model.safetensors) with every structural feature of the real
+//! model — full and MSA attention, dense and MoE layers, shared expert,
+//! routing bias, partial RoPE, the vision tower — small enough for tests and
+//! the demo. The same options give byte-identical files.
+
+pub mod encode;
+mod rng;
+
+use crate::config::parse_config;
+use crate::dtype::DType;
+use crate::fsutil::write_dir_atomically;
+use crate::model::{expected_tensors, Role, TensorSpec, TypeRule};
+use anyhow::{bail, Context, Result};
+use rng::Rng;
+use serde_json::json;
+use std::borrow::Cow;
+use std::path::Path;
+
+/// The shape of a tiny model. Defaults mirror the golden fixtures.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TinySpec {
+    pub seed: u64,
+    pub layers: usize,
+    pub hidden: usize,
+    pub mxfp8: bool,
+}
+
+impl Default for TinySpec {
+    fn default() -> Self {
+        TinySpec { seed: 0, layers: 8, hidden: 128, mxfp8: false }
+    }
+}
+
+const HEAD_DIM: usize = 32;
+
+impl TinySpec {
+    fn check(&self) -> Result<()> {
+        if self.layers == 0 {
+            bail!("--layers must be at least 1");
+        }
+        if self.hidden < 128 || self.hidden % 128 != 0 {
+            bail!("--hidden must be a positive multiple of 128 (found {}): heads are {HEAD_DIM} wide and come in groups of 4", self.hidden);
+        }
+        Ok(())
+    }
+
+    /// The hub-style config.json of this model.
+    pub fn config_json(&self) -> serde_json::Value {
+        let l = self.layers;
+        let h = self.hidden;
+        let heads = h / 16;
+        // Layer pattern of the fixtures: 0 full+dense, 1 MSA+dense, 2 full+MoE, 3.. MSA+MoE.
+        let moe: Vec<u8> = (0..l).map(|i| u8::from(i >= 2)).collect();
+        let sparse: Vec<u8> = (0..l).map(|i| u8::from(i == 1 || i >= 3)).collect();
+        let mut cfg = json!({
+            "architectures": ["MiniMaxM3SparseForConditionalGeneration"],
+            "model_type": "minimax_m3_vl",
+            "text_config": {
+                "architectures": ["MiniMaxM3SparseForCausalLM"],
+                "hidden_size": h, "intermediate_size": h / 2, "num_hidden_layers": l,
+                "num_attention_heads": heads, "num_key_value_heads": heads / 4, "head_dim": HEAD_DIM,
+                "vocab_size": 512, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+                "use_gemma_norm": true, "attention_output_gate": false, "rope_theta": 5000000,
+                "rotary_dim": HEAD_DIM / 2, "partial_rotary_factor": 0.5, "hidden_act": "swigluoai",
+                "use_qk_norm": true, "qk_norm_type": "per_head", "tie_word_embeddings": false,
+                "dense_intermediate_size": h * 3 / 2, "shared_intermediate_size": h / 2,
+                "num_local_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+                "scoring_func": "sigmoid", "use_routing_bias": true, "routed_scaling_factor": 2.0,
+                "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "num_mtp_modules": 0,
+                "bos_token_id": 1, "eos_token_id": 2,
+                "moe_layer_freq": moe,
+                "sparse_attention_config": {
+                    "use_sparse_attention": true, "sparse_index_dim": HEAD_DIM,
+                    "sparse_num_index_heads": heads / 4, "sparse_topk_blocks": 2, "sparse_block_size": 4,
+                    "sparse_score_type": "max", "sparse_init_block": 0, "sparse_local_block": 1,
+                    "sparse_attention_freq": sparse, "sparse_disable_index_value": sparse
+                }
+            },
+            "vision_config": {
+                "model_type": "clip_vision_model", "hidden_size": 64, "num_attention_heads": 4,
+                "num_hidden_layers": 2, "intermediate_size": 128, "patch_size": 14, "image_size": 56,
+                "num_channels": 3, "hidden_act": "gelu", "layer_norm_eps": 1e-5, "rope_theta": 10000.0,
+                "rope_mode": "3d",
+                "img_token_compression_config": {
+                    "image_token_compression_method": "patch_merge", "spatial_merge_size": 2, "temporal_patch_size": 2
+                },
+                "vision_segment_max_frames": 4
+            },
+            "image_token_index": 500, "video_token_index": 501, "projector_hidden_size": 96,
+            "projector_hidden_act": "gelu", "multimodal_projector_bias": true,
+            "vision_feature_layer": -1, "vision_feature_select_strategy": "full",
+            "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+            "m3c_init_tiny": { "seed": self.seed }
+        });
+        if self.mxfp8 {
+            let mut ignored = vec![
+                "lm_head".to_string(),
+                "model.embed_tokens".into(),
+                "vision_tower".into(),
+                "multi_modal_projector".into(),
+                "patch_merge_mlp".into(),
+            ];
+            ignored.extend((2..l).map(|i| format!("language_model.model.layers.{i}.block_sparse_moe.gate")));
+            cfg["quantization_config"] = json!({
+                "quant_method": "mxfp8", "activation_scheme": "dynamic",
+                "weight_block_size": [1, 32], "ignored_layers": ignored
+            });
+        }
+        cfg
+    }
+}
+
+/// A tensor ready to be written.
+struct Owned {
+    name: String,
+    dtype: DType,
+    shape: Vec<usize>,
+    data: Vec<u8>,
+}
+
+impl safetensors::View for &Owned {
+    fn dtype(&self) -> safetensors::Dtype {
+        self.dtype.to_safetensors()
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(&self.data)
+    }
+    fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// The standard deviation (or uniform half-width for norms) of a tensor's
+/// random values: large enough that the clamps, the routing bias and the
+/// block selection all matter.
+fn values(rng: &mut Rng, spec: &TensorSpec) -> Vec<f32> {
+    let n = spec.numel() as usize;
+    let name = spec.name.as_str();
+    let fan_in = *spec.shape.last().unwrap_or(&1) as f64;
+    let fan_in = if spec.shape.len() == 5 { spec.shape[1..].iter().product::<usize>() as f64 } else { fan_in };
+    let normal = |rng: &mut Rng, std: f64| (0..n).map(|_| (rng.normal() * std) as f32).collect::<Vec<_>>();
+    let is_norm_weight = spec.role == Role::Norm || (name.contains("norm") && name.ends_with(".weight"));
+    if is_norm_weight {
+        return (0..n).map(|_| (rng.uniform() - 0.5) as f32).collect();
+    }
+    if name.ends_with("e_score_correction_bias") {
+        return normal(rng, 0.5);
+    }
+    if name.ends_with(".bias") || name.contains("layrnorm") {
+        return normal(rng, 0.1);
+    }
+    if spec.role == Role::Embedding {
+        return normal(rng, 1.0);
+    }
+    let gated = [".gate_proj.", ".up_proj.", ".w1.", ".w3."].iter().any(|p| name.contains(p));
+    normal(rng, if gated { 3.0 } else { 1.0 } / fan_in.sqrt())
+}
+
+fn encode(spec: &TensorSpec, v: &[f32]) -> (DType, Vec<u8>) {
+    match spec.nominal {
+        DType::F32 => (DType::F32, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+        _ => (DType::BF16, v.iter().flat_map(|x| encode::bf16_bits(*x).to_le_bytes()).collect()),
+    }
+}
+
+/// Generates the checkpoint's tensors.
+fn tensors(spec: &TinySpec, cfg: &crate::config::ModelConfig) -> Vec<Owned> {
+    let mut rng = Rng::new(spec.seed);
+    let mut out = Vec::new();
+    for t in expected_tensors(cfg) {
+        match t.rule {
+            // Scales are written together with their weight.
+            TypeRule::E8M0 => continue,
+            TypeRule::Fp8 => {
+                let v = values(&mut rng, &t);
+                let inp = t.shape[1];
+                let (q, s) = encode::mxfp8_quantize(&v, inp, 32);
+                out.push(Owned { name: t.name.clone(), dtype: DType::F8E4M3, shape: t.shape.clone(), data: q });
+                out.push(Owned {
+                    name: t.name.replace(".weight", ".weight_scale_inv"),
+                    dtype: DType::U8,
+                    shape: vec![t.shape[0], inp / 32],
+                    data: s,
+                });
+            }
+            TypeRule::Float => {
+                let v = values(&mut rng, &t);
+                let (dtype, data) = encode(&t, &v);
+                out.push(Owned { name: t.name.clone(), dtype, shape: t.shape.clone(), data });
+            }
+        }
+    }
+    out
+}
+
+/// Writes the tiny checkpoint into the new folder `out`.
+pub fn init_tiny(out: &Path, spec: &TinySpec) -> Result<()> {
+    spec.check()?;
+    let json = spec.config_json();
+    let text = serde_json::to_string_pretty(&json)? + "\n";
+    let cfg = parse_config(&out.join("config.json"), &text).context("internal: the generated config does not validate")?;
+    let tensors = tensors(spec, &cfg);
+    write_dir_atomically(out, false, |tmp| {
+        std::fs::write(tmp.join("config.json"), &text)?;
+        let views: Vec<(&str, &Owned)> = tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+        let mut meta = std::collections::HashMap::new();
+        meta.insert("format".to_string(), "pt".to_string());
+        let bytes = safetensors::serialize(views, Some(meta)).context("cannot encode model.safetensors")?;
+        std::fs::write(tmp.join("model.safetensors"), bytes)?;
+        Ok(())
+    })
+}
