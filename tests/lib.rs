@@ -17,12 +17,12 @@ pub fn configs(name: &str) -> PathBuf {
     root().join("configs").join(name)
 }
 
-/// The `m3c` binary built for these tests.
+/// The `m3c` CLI built for these tests (cargo builds it before the tests run).
 pub fn m3c_bin() -> PathBuf {
     let exe = std::env::current_exe().expect("test binary path");
-    // target/<profile>/deps/it-xxxx → target/<profile>/m3c
+    // target/<profile>/deps/it-xxxx → target/<profile>/m3c-cli
     let dir = exe.parent().and_then(Path::parent).expect("target dir");
-    dir.join(format!("m3c{}", std::env::consts::EXE_SUFFIX))
+    dir.join(format!("m3c-cli{}", std::env::consts::EXE_SUFFIX))
 }
 
 /// Runs `m3c ARGS` and returns its output.

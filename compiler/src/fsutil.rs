@@ -42,6 +42,9 @@ pub fn write_dir_atomically(out: &Path, replace: bool, fill: impl FnOnce(&Path) 
 
 /// Writes a file atomically (temporary sibling, then rename).
 pub fn write_file_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
+    }
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let tmp = path.with_file_name(format!(".{name}.partial-{}", std::process::id()));
     std::fs::write(&tmp, bytes).with_context(|| format!("cannot write {}", tmp.display()))?;

@@ -1,1 +1,9 @@
-mod smoke { #[test] fn builds() { assert!(m3c_tests::m3c_bin().exists(), "m3c binary missing"); } }
+//! End-to-end tests of m3c. One binary on purpose: every test binary that
+//! links the compiler is large, so areas are modules here.
+
+mod cli;
+mod config;
+mod graph;
+mod plan;
+mod tiny;
+mod weights;

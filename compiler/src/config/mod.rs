@@ -15,10 +15,10 @@ pub use parse::{load_config, parse_config};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read {file}: {source}")]
-    Io { file: PathBuf, source: std::io::Error },
-    #[error("{file}: not valid JSON: {source}")]
-    Json { file: PathBuf, source: serde_json::Error },
+    #[error("cannot read {file}: {err}")]
+    Io { file: PathBuf, err: std::io::Error },
+    #[error("{file}: not valid JSON: {err}")]
+    Json { file: PathBuf, err: serde_json::Error },
     #[error("{file}: missing key `{key}` (expected {expected})")]
     Missing { file: PathBuf, key: String, expected: String },
     #[error("{file}: `{key}`: expected {expected}, found {found}")]

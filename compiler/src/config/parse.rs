@@ -12,14 +12,14 @@ const TEXT_ARCHITECTURES: &[&str] = &["MiniMaxM3SparseForCausalLM", "MiniMaxM3VL
 
 /// Reads and validates a config.json file.
 pub fn load_config(path: &Path) -> Result<ModelConfig, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io { file: path.to_path_buf(), source })?;
+    let text = std::fs::read_to_string(path).map_err(|err| ConfigError::Io { file: path.to_path_buf(), err })?;
     parse_config(path, &text)
 }
 
 /// Parses and validates config.json text; `path` is used in messages.
 pub fn parse_config(path: &Path, text: &str) -> Result<ModelConfig, ConfigError> {
     let value: Value =
-        serde_json::from_str(text).map_err(|source| ConfigError::Json { file: path.to_path_buf(), source })?;
+        serde_json::from_str(text).map_err(|err| ConfigError::Json { file: path.to_path_buf(), err })?;
     let root = Obj::root(path, &value)?;
     let architecture = architecture(&root)?;
     let is_vl = VL_ARCHITECTURES.contains(&architecture.as_str());

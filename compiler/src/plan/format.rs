@@ -93,7 +93,7 @@ impl StagePlan {
             s.push("embed".to_string());
         }
         if let Some(r) = self.layers {
-            s.push(format!("layers {r}"));
+            s.push(if r.len() == 1 { format!("layer {r}") } else { format!("layers {r}") });
         }
         if self.final_norm {
             s.push("norm".to_string());
@@ -116,8 +116,8 @@ pub struct Plan {
 
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
-    #[error("cannot read {file}: {source}")]
-    Io { file: PathBuf, source: std::io::Error },
+    #[error("cannot read {file}: {err}")]
+    Io { file: PathBuf, err: std::io::Error },
     #[error("{file}:{line}:{col}: {message}")]
     At { file: PathBuf, line: usize, col: usize, message: String },
     #[error("{file}: {message}")]
@@ -167,13 +167,13 @@ impl Ctx<'_> {
 
 /// Reads a plan file; see [`parse_plan`].
 pub fn load_plan(path: &Path, cfg: Option<&ModelConfig>) -> Result<Plan, PlanError> {
-    let text = std::fs::read_to_string(path).map_err(|source| PlanError::Io { file: path.to_path_buf(), source })?;
+    let text = std::fs::read_to_string(path).map_err(|err| PlanError::Io { file: path.to_path_buf(), err })?;
     parse_plan(path, &text, cfg)
 }
 
 /// Reads only the `model:` entry of a plan (to find the model before validating).
 pub fn plan_model(path: &Path) -> Result<Option<PathBuf>, PlanError> {
-    let text = std::fs::read_to_string(path).map_err(|source| PlanError::Io { file: path.to_path_buf(), source })?;
+    let text = std::fs::read_to_string(path).map_err(|err| PlanError::Io { file: path.to_path_buf(), err })?;
     let raw: RawPlan = from_yaml(path, &text)?;
     Ok(raw.model.map(|m| resolve(path, &m)))
 }
@@ -207,7 +207,7 @@ fn parse_layers(ctx: &Ctx, path: &str, v: &serde_yaml::Value, num_layers: Option
             LayerRange { first: l, last: l }
         }
         serde_yaml::Value::String(s) => {
-            let (a, b) = s.split_once('-').ok_or_else(bad)?;
+            let (a, b) = s.split_once('-').unwrap_or((s, s));
             let a: usize = a.trim().parse().map_err(|_| bad())?;
             let b: usize = b.trim().parse().map_err(|_| bad())?;
             if a > b {

@@ -61,6 +61,11 @@ impl Walker {
                 Some(k) => Some(join(path, &k)),
                 None => {
                     let k = scalar.unwrap_or("?").to_string();
+                    // A block mapping's own mark is unreliable; its first key
+                    // is where a reader sees it start.
+                    if !self.loc.keys.keys().any(|p| p.starts_with(path.as_str()) && p.len() > path.len()) {
+                        self.loc.values.insert(path.clone(), pos);
+                    }
                     self.loc.keys.insert(join(path, &k), pos);
                     *key = Some(k);
                     None

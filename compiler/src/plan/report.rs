@@ -75,10 +75,20 @@ pub fn table(cfg: &ModelConfig, plan: &Plan, gpu: &GpuProfile, w: Workload) -> S
         w.batch,
         w.context
     );
+    // Tiny models get MB and µs so that the table says something.
+    let small = costs.iter().all(|c| c.memory < 1e9);
+    let (bu, bs, tu, ts) = if small { ("MB", 1e6, "us", 1e6) } else { ("GB", 1e9, "ms", 1e3) };
     let _ = writeln!(
         o,
         "{:<5} {:<32} {:>7} {:>11} {:>13} {:>11} {:>12} {:>9}",
-        "stage", "holds", "layers", "weights GB", "KV GB/1k tok", "memory GB", "step GB read", "step ms"
+        "stage",
+        "holds",
+        "layers",
+        format!("weights {bu}"),
+        format!("KV {bu}/1k tok"),
+        format!("memory {bu}"),
+        format!("step {bu} read"),
+        format!("step {tu}")
     );
     let cap = gpu.usable_memory();
     for (k, (s, c)) in plan.stages.iter().zip(&costs).enumerate() {
@@ -89,18 +99,18 @@ pub fn table(cfg: &ModelConfig, plan: &Plan, gpu: &GpuProfile, w: Workload) -> S
             k,
             s.describe(),
             s.layers.map_or(0, |r| r.len()),
-            c.cost.weight_bytes / 1e9,
-            c.cost.cache_bytes_per_token * 1000.0 / 1e9,
-            c.memory / 1e9,
-            c.cost.step_bytes / 1e9,
-            c.time * 1e3
+            c.cost.weight_bytes / bs,
+            c.cost.cache_bytes_per_token * 1000.0 / bs,
+            c.memory / bs,
+            c.cost.step_bytes / bs,
+            c.time * ts
         );
     }
     let (slow, bubble, at) = summary(&costs);
     let _ = writeln!(
         o,
-        "slowest stage {at}: {:.3} ms per step; pipeline bubble (idle share of stage time at steady state) {:.1}%",
-        slow * 1e3,
+        "slowest stage {at}: {:.3} {tu} per step; pipeline bubble (idle share of stage time at steady state) {:.1}%",
+        slow * ts,
         bubble * 100.0
     );
     let fits = costs.iter().all(|c| c.memory <= cap);
@@ -114,12 +124,12 @@ pub fn table(cfg: &ModelConfig, plan: &Plan, gpu: &GpuProfile, w: Workload) -> S
             let emax = ec.iter().map(|c| c.memory).fold(0.0, f64::max);
             let _ = writeln!(
                 o,
-                "even split {} would be: slowest stage {eat} ({}) {:.3} ms, bubble {:.1}%, largest stage {:.2} GB{}; this plan ({}) is {:.2}x faster per step",
+                "even split {} would be: slowest stage {eat} ({}) {:.3} {tu}, bubble {:.1}%, largest stage {:.2} {bu}{}; this plan ({}) is {:.2}x faster per step",
                 counts(&even),
                 even.stages[eat].describe(),
-                eslow * 1e3,
+                eslow * ts,
                 ebubble * 100.0,
-                emax / 1e9,
+                emax / bs,
                 if emax > cap { " (does not fit)" } else { "" },
                 counts(plan),
                 eslow / slow

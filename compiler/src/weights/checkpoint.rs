@@ -9,8 +9,8 @@ pub const SINGLE_FILE: &str = "model.safetensors";
 
 #[derive(Debug, thiserror::Error)]
 pub enum WeightsError {
-    #[error("cannot read {file}: {source}")]
-    Io { file: PathBuf, source: std::io::Error },
+    #[error("cannot read {file}: {err}")]
+    Io { file: PathBuf, err: std::io::Error },
     #[error("{file}: not a valid safetensors file: {message}")]
     Header { file: PathBuf, message: String },
     #[error("{file}: not a valid shard index: {message}")]
@@ -70,7 +70,7 @@ impl Checkpoint {
     }
 
     fn open_sharded(dir: &Path, index: &Path) -> Result<Checkpoint, WeightsError> {
-        let text = std::fs::read_to_string(index).map_err(|source| WeightsError::Io { file: index.into(), source })?;
+        let text = std::fs::read_to_string(index).map_err(|err| WeightsError::Io { file: index.into(), err })?;
         let bad = |message: String| WeightsError::Index { file: index.to_path_buf(), message };
         let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
         let map = value
@@ -109,10 +109,10 @@ impl Checkpoint {
     }
 
     fn add_shard(&mut self, path: &Path) -> Result<(), WeightsError> {
-        let file = File::open(path).map_err(|source| WeightsError::Io { file: path.into(), source })?;
+        let file = File::open(path).map_err(|err| WeightsError::Io { file: path.into(), err })?;
         // SAFETY: the checkpoint is read-only input; m3c never writes to it, and
         // a concurrent writer is outside what any loader can defend against.
-        let map = unsafe { Mmap::map(&file) }.map_err(|source| WeightsError::Io { file: path.into(), source })?;
+        let map = unsafe { Mmap::map(&file) }.map_err(|err| WeightsError::Io { file: path.into(), err })?;
         let header_err = |message: String| WeightsError::Header { file: path.to_path_buf(), message };
         let (header_len, meta) = safetensors::SafeTensors::read_metadata(&map[..]).map_err(|e| header_err(e.to_string()))?;
         let data_start = 8 + header_len;

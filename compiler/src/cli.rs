@@ -1,0 +1,197 @@
+//! The `m3c` command line. Library code returns typed errors; this is the
+//! edge where they get context and become a message and an exit code.
+//! `src/main.rs` only calls [`main`], so that tests can build the same CLI.
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use crate::plan::{self, GpuProfile, Target, Workload};
+use crate::source::ModelSource;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "m3c", bin_name = "m3c", version, about = "Compile MiniMax-M3 into pipeline-parallel executables")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Show what a model holds: layers by kind, parameters, bytes by dtype, per-layer weights.
+    Inspect {
+        /// A checkpoint folder (config.json + safetensors) or a config.json.
+        model: PathBuf,
+        /// Print the model graph in its stable text form instead.
+        #[arg(long)]
+        graph: bool,
+    },
+    /// Write a balanced partition plan, or check one (`--check PLAN.yaml`).
+    Plan(PlanArgs),
+    /// Write a random tiny MiniMax-M3 checkpoint (hub layout) into a new folder.
+    InitTiny {
+        /// The folder to create.
+        out: PathBuf,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        #[arg(long, default_value_t = 8)]
+        layers: usize,
+        /// Hidden size (a multiple of 128); heads are 32 wide.
+        #[arg(long, default_value_t = 128)]
+        hidden: usize,
+        /// Store every text-layer linear in MXFP8 like MiniMax-M3-MXFP8.
+        #[arg(long)]
+        mxfp8: bool,
+    },
+}
+
+#[derive(clap::Args)]
+struct PlanArgs {
+    /// The model (folder or config.json). May be omitted with --check when the plan names it.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Validate this plan and print its per-stage table.
+    #[arg(long, value_name = "PLAN.yaml", conflicts_with = "out")]
+    check: Option<PathBuf>,
+    /// Number of pipeline stages.
+    #[arg(long)]
+    pp: Option<usize>,
+    /// Sequences decoded together (the cost model's batch).
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    /// Context length the KV caches must hold per sequence.
+    #[arg(long, default_value_t = 8192)]
+    context: usize,
+    /// GPU profile (H200, H100, H20, B200, A100, L40S).
+    #[arg(long, default_value = "H200")]
+    gpu: String,
+    /// GPU memory in GB (overrides the profile's).
+    #[arg(long, value_name = "GB")]
+    gpu_mem: Option<f64>,
+    /// Target the plan compiles for.
+    #[arg(long, default_value = "host", value_parser = ["host", "cuda"])]
+    target: String,
+    /// CUDA architecture for --target cuda.
+    #[arg(long, default_value = "sm_90a")]
+    arch: String,
+    /// Write the plan here instead of standard output.
+    #[arg(short = 'o', long = "out", value_name = "PLAN.yaml")]
+    out: Option<PathBuf>,
+}
+
+/// Parses the process arguments, runs the command, and turns errors into a message and exit code 1.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Inspect { model, graph } => inspect(&model, graph),
+        Command::Plan(args) => plan_cmd(args),
+        Command::InitTiny { out, seed, layers, hidden, mxfp8 } => {
+            let spec = crate::tiny::TinySpec { seed, layers, hidden, mxfp8 };
+            crate::tiny::init_tiny(&out, &spec)?;
+            println!("wrote {} ({} layers, hidden {}, {}, seed {seed})", out.display(), layers, hidden, if mxfp8 { "MXFP8" } else { "bf16" });
+            Ok(())
+        }
+    }
+}
+
+fn inspect(model: &Path, graph: bool) -> Result<()> {
+    let src = ModelSource::open(model)?;
+    if graph {
+        print!("{}", crate::graph::build_graph(&src.config).text());
+        return Ok(());
+    }
+    let ck = src.checkpoint()?;
+    let report = crate::inspect::report(&src.config, ck.as_ref())?;
+    print!("{report}");
+    Ok(())
+}
+
+fn gpu_profile(args: &PlanArgs) -> Result<GpuProfile> {
+    let mut gpu = GpuProfile::named(&args.gpu)
+        .with_context(|| format!("--gpu {}: unknown GPU; known: {}", args.gpu, GpuProfile::known_names().join(", ")))?;
+    if let Some(gb) = args.gpu_mem {
+        if !(gb.is_finite() && gb > 0.0) {
+            bail!("--gpu-mem {gb}: expected a positive number of GB");
+        }
+        gpu.memory = gb * 1e9;
+        gpu.name = format!("{} with {gb} GB", gpu.name);
+    }
+    Ok(gpu)
+}
+
+fn plan_cmd(args: PlanArgs) -> Result<()> {
+    let gpu = gpu_profile(&args)?;
+    if args.batch == 0 || args.context == 0 {
+        bail!("--batch and --context must be at least 1");
+    }
+    let w = Workload { batch: args.batch, context: args.context };
+    if let Some(file) = &args.check {
+        let model = match (&args.model, plan::plan_model(file)?) {
+            (Some(m), _) => m.clone(),
+            (None, Some(m)) => m,
+            (None, None) => bail!("{}: the plan names no `model:`; pass --model", file.display()),
+        };
+        let src = ModelSource::open(&model)?;
+        let p = plan::load_plan(file, Some(&src.config))?;
+        if let Some(pp) = args.pp {
+            p.check_pp(file, pp)?;
+        }
+        println!("{}: valid plan, {} stages, target {}", file.display(), p.stages.len(), p.target);
+        print!("{}", plan::table(&src.config, &p, &gpu, w));
+        return Ok(());
+    }
+    let model = args.model.as_ref().context("--model is required (a checkpoint folder or config.json)")?;
+    let pp = args.pp.context("--pp N is required to make a plan (or --check PLAN.yaml to check one)")?;
+    let src = ModelSource::open(model)?;
+    let target = if args.target == "cuda" { Target::Cuda { arch: args.arch.clone() } } else { Target::Host };
+    let p = plan::make_plan(&src.config, pp, &gpu, w, target)?;
+    let table = plan::table(&src.config, &p, &gpu, w);
+    let header = format!(
+        "m3c partition plan for {}, made by `m3c plan --pp {pp} --batch {} --context {} --gpu {}`",
+        model.display(),
+        args.batch,
+        args.context,
+        args.gpu
+    );
+    match &args.out {
+        Some(out) => {
+            let model_ref = relative_to(model, out.parent().unwrap_or(Path::new(".")));
+            let yaml = plan::plan_yaml(&p, Some(&model_ref), &header, &table);
+            // Round-trip: what we write must validate.
+            plan::parse_plan(out, &yaml, Some(&src.config)).context("internal: the written plan does not validate")?;
+            crate::fsutil::write_file_atomically(out, yaml.as_bytes())?;
+            print!("{table}");
+            println!("wrote {}", out.display());
+        }
+        None => print!("{}", plan::plan_yaml(&p, Some(&model.display().to_string()), &header, &table)),
+    }
+    Ok(())
+}
+
+/// `target` written relative to `base` (both made absolute first), so a plan
+/// names its model relative to the plan file's folder.
+fn relative_to(target: &Path, base: &Path) -> String {
+    let abs = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+    let (t, b) = (abs(target), abs(if base.as_os_str().is_empty() { Path::new(".") } else { base }));
+    let tc: Vec<_> = t.components().collect();
+    let bc: Vec<_> = b.components().collect();
+    let common = tc.iter().zip(&bc).take_while(|(a, b)| a == b).count();
+    let mut r = PathBuf::new();
+    for _ in common..bc.len() {
+        r.push("..");
+    }
+    for c in &tc[common..] {
+        r.push(c);
+    }
+    r.display().to_string()
+}

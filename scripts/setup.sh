@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs what m3c needs to build and test on Debian 12, and nothing that is
+# already there. Safe to run again; quick when everything is present.
+set -euo pipefail
+
+# Debian packages the build and the tests use.
+PACKAGES=(build-essential pkg-config)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if ! command -v cargo >/dev/null 2>&1; then
+  echo "setup: cargo not found. Install Rust 1.85 or newer with rustup (https://rustup.rs), then run this again." >&2
+  exit 1
+fi

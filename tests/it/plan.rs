@@ -1,0 +1,153 @@
+use m3c::config::{load_config, ModelConfig};
+use m3c::plan::{balance, brute_force, make_plan, parse_plan, table, GpuProfile, Item, Target, Workload};
+use m3c_tests::{configs, fixture, m3c, stderr, stdout};
+use std::path::Path;
+
+fn tiny() -> ModelConfig {
+    load_config(&fixture("tiny-m3/config.json")).unwrap()
+}
+
+/// The error message of an invalid plan (fails if it is valid).
+fn plan_error(text: &str) -> String {
+    match parse_plan(Path::new("p.yaml"), text, Some(&tiny())) {
+        Ok(p) => panic!("plan unexpectedly valid: {p:?}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn valid_plan_with_defaults() {
+    let p = parse_plan(Path::new("dir/p.yaml"), "model: m\nstages:\n  - layers: 0-3\n  - layers: \"4-7\"\n", Some(&tiny())).unwrap();
+    assert_eq!(p.target, Target::Host);
+    assert_eq!(p.model.as_deref(), Some(Path::new("dir/m")));
+    assert!(p.stages[0].embedding && !p.stages[0].lm_head);
+    assert!(p.stages[1].final_norm && p.stages[1].lm_head && !p.stages[1].embedding);
+    // A stage may hold only the head.
+    let p = parse_plan(Path::new("p.yaml"), "target: cuda\nstages:\n  - layers: 0-7\n    device: 0\n  - lm_head: true\n    device: 1\n", Some(&tiny())).unwrap();
+    assert_eq!(p.target, Target::Cuda { arch: "sm_90a".into() });
+    assert!(p.stages[1].final_norm && p.stages[1].layers.is_none());
+}
+
+#[test]
+fn plan_errors_point_at_line_and_column() {
+    let cases: &[(&str, &str)] = &[
+        ("stages:\n  - layers: 0-3\n    layerz: 4\n", "p.yaml:3:5: stages[0]: unknown field `layerz`"),
+        ("stages:\n  - layers: 0-3\n  - layers: 5-7\n", "p.yaml:3:13: stage 1 starts at layer 5, so layers 4 are in no stage"),
+        ("stages:\n  - layers: 0-4\n  - layers: 3-7\n", "p.yaml:3:13: stage 1: layers 3-7 overlap stage 0 (layers 0-4)"),
+        ("stages:\n  - layers: 0-3\n  - layers: 4-9\n", "p.yaml:3:13: layer 9 is out of range: the model has 8 layers (0-7)"),
+        ("stages:\n  - layers: 0-7\n  - host: b\n  - lm_head: true\n", "p.yaml:3:5: stage 1 is empty"),
+        ("stages:\n  - layers: 0-5\n", "p.yaml:2:13: layers 6-7 are in no stage (the model has 8 layers)"),
+        ("target: tpu\nstages:\n  - layers: 0-7\n", "p.yaml:1:9: unknown target \"tpu\""),
+        ("target: cuda\narch: hopper\nstages:\n  - layers: 0-7\n", "p.yaml:2:7: `arch` must be a CUDA architecture"),
+        ("stages:\n  - layers: 0-7\n    device: 1\n", "p.yaml:3:5: stage 0: `device` applies to target cuda only"),
+        ("stages:\n  - layers: 7-2\n", "p.yaml:2:13: layer range \"7-2\" is backwards"),
+        ("stages:\n  - layers: [0, 7]\n", "p.yaml:2:13: `layers` must be a layer number or an inclusive range"),
+        ("stages:\n  - layers: 0-3\n  - layers: 4-7\n    embedding: true\n", "p.yaml:4:5: the embedding must be on the first stage"),
+        ("stages:\n  - layers: 0-3\n    lm_head: true\n  - layers: 4-7\n", "p.yaml:3:5: the lm_head must be on the last stage (stage 1)"),
+        ("stages:\n  - layers: 0-3\n    final_norm: true\n  - layers: 4-7\n", "p.yaml:3:5: the final norm on stage 0 would run before layer 7 on stage 1"),
+        ("stages:\n  - layers: 0-3\n    lm_head: true\n  - layers: 4-7\n    lm_head: true\n", "p.yaml:5:5: `lm_head` is set on stages 0 and 1"),
+        ("stages: []\n", "p.yaml:1:9: `stages` is empty"),
+        ("version: 2\nstages:\n  - layers: 0-7\n", "p.yaml:1:10: unsupported plan version 2"),
+        ("stages:\n  - layers: 0-3\n   bad indent\n", "p.yaml:3:"),
+    ];
+    for (text, expected) in cases {
+        let e = plan_error(text);
+        assert!(e.starts_with(expected), "plan:\n{text}\nexpected: {expected}\ngot:      {e}");
+    }
+}
+
+#[test]
+fn stage_count_must_match_pp() {
+    let out = m3c(&["plan", "--check", configs("tiny-m3.pp2.yaml").to_str().unwrap(), "--pp", "4"]);
+    assert!(!out.status.success());
+    let e = stderr(&out);
+    assert!(e.contains("tiny-m3.pp2.yaml:") && e.contains("the plan has 2 stages but --pp 4 was given"), "{e}");
+}
+
+#[test]
+fn shipped_plans_validate() {
+    for (plan, stages) in [("tiny-m3.pp2.yaml", 2), ("tiny-m3.pp4.yaml", 4), ("minimax-m3-mxfp8.pp4.yaml", 4), ("minimax-m3-mxfp8.pp8.yaml", 8), ("minimax-m3.pp8.yaml", 8)] {
+        let out = m3c(&["plan", "--check", configs(plan).to_str().unwrap(), "--pp", &stages.to_string()]);
+        assert!(out.status.success(), "{plan}: {}", stderr(&out));
+        assert!(stdout(&out).contains(&format!("valid plan, {stages} stages")), "{plan}");
+    }
+}
+
+/// A small deterministic generator for random cost tables.
+struct Lcg(u64);
+impl Lcg {
+    fn next(&mut self) -> f64 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (self.0 >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+#[test]
+fn planner_equals_brute_force_on_random_tables() {
+    let mut rng = Lcg(7);
+    let mut feasible = 0;
+    for case in 0..400 {
+        let n = 1 + (rng.next() * 9.0) as usize;
+        let items: Vec<Item> = (0..n).map(|_| Item { time: rng.next() * 10.0, memory: rng.next() * 10.0 }).collect();
+        let stages = 1 + (rng.next() * n as f64) as usize;
+        let cap = 5.0 + rng.next() * 30.0;
+        let dp = balance(&items, stages, cap);
+        let bf = brute_force(&items, stages, cap);
+        match (&dp, bf) {
+            (None, None) => {}
+            (Some(s), Some(b)) => {
+                feasible += 1;
+                assert!((s.bottleneck - b).abs() <= 1e-9 * b.max(1.0), "case {case}: dp {} vs brute force {b}", s.bottleneck);
+                // The split it returns really has that bottleneck and fits.
+                for w in s.bounds.windows(2) {
+                    assert!(w[0] < w[1], "case {case}: empty stage");
+                    let t: f64 = items[w[0]..w[1]].iter().map(|i| i.time).sum();
+                    let m: f64 = items[w[0]..w[1]].iter().map(|i| i.memory).sum();
+                    assert!(t <= s.bottleneck + 1e-9 && m <= cap * (1.0 + 1e-12), "case {case}");
+                }
+                assert_eq!((s.bounds[0], *s.bounds.last().unwrap(), s.bounds.len()), (0, n, stages + 1));
+            }
+            _ => panic!("case {case}: dp {dp:?} vs brute force {bf:?}"),
+        }
+    }
+    assert!(feasible > 100, "too few feasible cases ({feasible}) to mean anything");
+}
+
+#[test]
+fn real_model_pp4_moves_away_from_even_split() {
+    let cfg = load_config(&configs("minimax-m3-mxfp8.config.json")).unwrap();
+    let gpu = GpuProfile::named("H200").unwrap();
+    let w = Workload { batch: 1, context: 8192 };
+    let p = make_plan(&cfg, 4, &gpu, w, Target::Host).unwrap();
+    let counts: Vec<usize> = p.stages.iter().map(|s| s.layers.unwrap().len()).collect();
+    assert_ne!(counts, vec![15, 15, 15, 15]);
+    // The dense layers make stage 0 take more layers; the lm_head makes the last take fewer.
+    assert!(counts[0] > 15 && counts[3] < 15, "{counts:?}");
+    let t = table(&cfg, &p, &gpu, w);
+    assert!(t.contains("even split 15/15/15/15 would be: slowest stage 3 (layers 45-59 + norm + lm_head)"), "{t}");
+}
+
+#[test]
+fn plan_that_cannot_fit_says_how_many_stages_would() {
+    let out = m3c(&["plan", "--model", configs("minimax-m3.config.json").to_str().unwrap(), "--pp", "4"]);
+    assert!(!out.status.success());
+    let e = stderr(&out);
+    assert!(e.contains("no split into 4 stages fits H200") && e.contains("at least --pp 8"), "{e}");
+}
+
+#[test]
+fn written_plan_round_trips() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("plans/tiny.yaml");
+    let model = fixture("tiny-m3");
+    let o = m3c(&["plan", "--model", model.to_str().unwrap(), "--pp", "3", "-o", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = std::fs::read_to_string(&out).unwrap();
+    assert!(text.contains("# stage") && text.contains("pipeline bubble"), "{text}");
+    let p = m3c::plan::load_plan(&out, Some(&tiny())).unwrap();
+    assert_eq!(p.stages.len(), 3);
+    // The model path is relative to the plan file and resolves to the fixture.
+    assert_eq!(std::fs::canonicalize(p.model.unwrap()).unwrap(), std::fs::canonicalize(model).unwrap());
+    let check = m3c(&["plan", "--check", out.to_str().unwrap()]);
+    assert!(check.status.success(), "{}", stderr(&check));
+}
