@@ -3,8 +3,11 @@
 # already there. Safe to run again; quick when everything is present.
 set -euo pipefail
 
-# Debian packages the build and the tests use.
-PACKAGES=(build-essential pkg-config)
+# Debian packages the build and the tests use. LLVM/MLIR 22 comes from
+# bookworm-security (bookworm's 19 conflicts with it); melior, mlir-sys and
+# inkwell link it statically into m3c.
+PACKAGES=(build-essential pkg-config llvm-22-dev libmlir-22-dev libpolly-22-dev libclang1-22
+          libclang-common-22-dev libzstd-dev zlib1g-dev libxml2-dev libz3-dev)
 
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -4,6 +4,7 @@
 // serde_json::json! of the tiny config nests deeply.
 #![recursion_limit = "256"]
 
+pub mod backend;
 pub mod cli;
 pub mod config;
 pub mod dtype;

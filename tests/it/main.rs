@@ -4,6 +4,7 @@
 mod cli;
 mod config;
 mod graph;
+mod host_kernels;
 mod plan;
 mod tiny;
 mod weights;

@@ -1,0 +1,98 @@
+//! The host back end: kernels in MLIR → LLVM dialect → LLVM IR → x86-64
+//! object, through melior (MLIR) and inkwell (LLVM) linked into one binary.
+
+use super::BackendError;
+use inkwell::targets::{CodeModel, FileType, InitializationConfig, RelocMode, Target, TargetTriple};
+use inkwell::OptimizationLevel;
+use melior::dialect::DialectRegistry;
+use melior::ir::Module;
+use melior::pass::PassManager;
+use melior::utility::{parse_pass_pipeline, register_all_dialects, register_all_llvm_translations, register_all_passes};
+use melior::Context;
+
+/// From target-neutral kernels to the LLVM dialect.
+pub const HOST_PIPELINE: &str = "builtin.module(convert-scf-to-cf, convert-cf-to-llvm, expand-strided-metadata, \
+lower-affine, finalize-memref-to-llvm, convert-math-to-llvm, convert-arith-to-llvm, convert-index-to-llvm, \
+convert-func-to-llvm, reconcile-unrealized-casts)";
+
+pub const HOST_TRIPLE: &str = "x86_64-unknown-linux-gnu";
+
+/// What the host back end makes of one module.
+pub struct HostArtifacts {
+    /// The module after lowering to the LLVM dialect.
+    pub llvm_dialect: String,
+    /// The LLVM IR it translates to.
+    pub llvm_ir: String,
+    /// An x86-64 ELF object.
+    pub object: Vec<u8>,
+}
+
+fn context() -> Context {
+    let registry = DialectRegistry::new();
+    register_all_dialects(&registry);
+    let context = Context::new();
+    context.append_dialect_registry(&registry);
+    context.load_all_available_dialects();
+    register_all_llvm_translations(&context);
+    context
+}
+
+/// Parses `mlir` and runs `pipeline` on it; returns the resulting module text.
+pub fn run_pipeline(mlir: &str, pipeline: &str) -> Result<String, BackendError> {
+    let context = context();
+    let mut module = parse(&context, mlir)?;
+    run(&context, &mut module, pipeline)?;
+    Ok(module.as_operation().to_string())
+}
+
+fn parse<'c>(context: &'c Context, mlir: &str) -> Result<Module<'c>, BackendError> {
+    Module::parse(context, mlir).ok_or_else(|| BackendError::Parse { head: mlir.lines().take(12).collect::<Vec<_>>().join("\n") })
+}
+
+fn run(context: &Context, module: &mut Module, pipeline: &str) -> Result<(), BackendError> {
+    register_all_passes();
+    let pm = PassManager::new(context);
+    pm.enable_verifier(true);
+    let err = |e: melior::Error| BackendError::Passes { pipeline: pipeline.to_string(), message: e.to_string() };
+    parse_pass_pipeline(pm.as_operation_pass_manager(), pipeline).map_err(err)?;
+    pm.run(module).map_err(err)
+}
+
+/// Lowers a module of kernels to an x86-64 object. `cpu` is the LLVM CPU
+/// name (`x86-64-v3` by default for AVX2 machines; `x86-64` is portable).
+pub fn compile(mlir: &str, cpu: &str) -> Result<HostArtifacts, BackendError> {
+    let context = context();
+    let mut module = parse(&context, mlir)?;
+    run(&context, &mut module, HOST_PIPELINE)?;
+    let llvm_dialect = module.as_operation().to_string();
+
+    Target::initialize_x86(&InitializationConfig::default());
+    let llvm = inkwell::context::Context::create();
+    // SAFETY: the LLVM context outlives the module made in it (both live to
+    // the end of this function), and mlir-sys and inkwell link the same LLVM.
+    let raw = unsafe {
+        mlir_sys::mlirTranslateModuleToLLVMIR(module.as_operation().to_raw(), llvm.raw() as mlir_sys::LLVMContextRef)
+    };
+    if raw.is_null() {
+        return Err(BackendError::Translate);
+    }
+    let llvm_module = unsafe { inkwell::module::Module::new(raw as inkwell::llvm_sys::prelude::LLVMModuleRef) };
+    let triple = TargetTriple::create(HOST_TRIPLE);
+    llvm_module.set_triple(&triple);
+    let target = Target::from_triple(&triple).map_err(|e| BackendError::Codegen(e.to_string()))?;
+    let machine = target
+        .create_target_machine(&triple, cpu, "", OptimizationLevel::Aggressive, RelocMode::PIC, CodeModel::Default)
+        .ok_or_else(|| BackendError::Codegen(format!("no target machine for {HOST_TRIPLE} / {cpu}")))?;
+    llvm_module.set_data_layout(&machine.get_target_data().get_data_layout());
+    let passes = inkwell::passes::PassBuilderOptions::create();
+    llvm_module
+        .run_passes("default<O3>", &machine, passes)
+        .map_err(|e| BackendError::Codegen(e.to_string()))?;
+    let llvm_ir = llvm_module.print_to_string().to_string();
+    let object = machine
+        .write_to_memory_buffer(&llvm_module, FileType::Object)
+        .map_err(|e| BackendError::Codegen(e.to_string()))?
+        .as_slice()
+        .to_vec();
+    Ok(HostArtifacts { llvm_dialect, llvm_ir, object })
+}

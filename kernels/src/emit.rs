@@ -1,0 +1,80 @@
+//! Small pieces of MLIR text shared by the generators.
+
+use crate::WeightType;
+
+/// An f32 literal MLIR parses back to the same bits.
+pub fn f32_lit(x: f64) -> String {
+    let v = x as f32;
+    if v.is_finite() {
+        // MLIR float literals need a decimal point; 9 significant digits round-trip an f32.
+        format!("{:.8e}", v)
+    } else {
+        format!("0x{:08X}", v.to_bits())
+    }
+}
+
+/// Loads element `[idx]` of a weight memref `w` of type `ty` and widens it to
+/// f32 (`%dst`); not for MXFP8, whose elements go through the lookup table.
+pub fn load_weight_f32(dst: &str, w: &str, idx: &str, ty: &str, weight: WeightType) -> String {
+    match weight {
+        WeightType::F32 => format!("{dst} = memref.load {w}[{idx}] : {ty}\n"),
+        WeightType::BF16 | WeightType::F16 => format!(
+            "{dst}_n = memref.load {w}[{idx}] : {ty}\n{dst} = arith.extf {dst}_n : {} to f32\n",
+            weight.mlir_elem()
+        ),
+        WeightType::Mxfp8 { .. } => unreachable!("MXFP8 weights are decoded per block"),
+    }
+}
+
+/// Value of every `float8_e4m3fn` byte (0x7F and 0xFF are NaN).
+pub fn fp8_e4m3_value(byte: u8) -> f32 {
+    let sign = if byte & 0x80 != 0 { -1.0 } else { 1.0 };
+    let exp = ((byte >> 3) & 0x0F) as i32;
+    let man = (byte & 0x07) as f32;
+    if exp == 0x0F && byte & 0x07 == 0x07 {
+        return f32::NAN;
+    }
+    let mag = if exp == 0 { man / 8.0 * 2f32.powi(-6) } else { (1.0 + man / 8.0) * 2f32.powi(exp - 7) };
+    sign * mag
+}
+
+/// The fp8 → f32 table as a private constant global.
+pub fn fp8_lut_global() -> String {
+    let vals: Vec<String> = (0..=255u8)
+        .map(|b| {
+            let v = fp8_e4m3_value(b);
+            if v.is_nan() { "0x7FC00000".to_string() } else { f32_lit(v as f64) }
+        })
+        .collect();
+    format!(
+        "  memref.global \"private\" constant @m3c_fp8_e4m3_lut : memref<256xf32> = dense<[{}]>\n",
+        vals.join(", ")
+    )
+}
+
+/// `%dst` = 2^(s − 127) for the E8M0 byte `%src` (i8): the exponent bits of
+/// an f32, with 0 → 2^-127 (a subnormal) and 255 → NaN as in the format.
+pub fn e8m0_to_f32(dst: &str, src: &str) -> String {
+    format!(
+        "{dst}_u = arith.extui {src} : i8 to i32\n\
+         {dst}_sh = arith.shli {dst}_u, %c23_i32 : i32\n\
+         {dst}_is0 = arith.cmpi eq, {dst}_u, %c0_i32 : i32\n\
+         {dst}_is255 = arith.cmpi eq, {dst}_u, %c255_i32 : i32\n\
+         {dst}_a = arith.select {dst}_is0, %c_sub_i32, {dst}_sh : i32\n\
+         {dst}_b = arith.select {dst}_is255, %c_nan_i32, {dst}_a : i32\n\
+         {dst} = arith.bitcast {dst}_b : i32 to f32\n"
+    )
+}
+
+/// The integer constants `e8m0_to_f32` uses.
+pub const E8M0_CONSTANTS: &str = "%c23_i32 = arith.constant 23 : i32\n\
+     %c0_i32 = arith.constant 0 : i32\n\
+     %c255_i32 = arith.constant 255 : i32\n\
+     %c_sub_i32 = arith.constant 4194304 : i32\n\
+     %c_nan_i32 = arith.constant 2143289344 : i32\n";
+
+/// Indents every line of `body` by `n` spaces.
+pub fn indent(body: &str, n: usize) -> String {
+    let pad = " ".repeat(n);
+    body.lines().map(|l| if l.is_empty() { "\n".to_string() } else { format!("{pad}{l}\n") }).collect()
+}

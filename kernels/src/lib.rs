@@ -1,0 +1,112 @@
+//! m3c's kernel generators. Each [`Kernel`] is one fused operation at one
+//! shape; [`Kernel::mlir`] writes it as an MLIR `func.func` over memrefs in
+//! target-neutral dialects (`scf`, `arith`, `math`, `memref`), which the
+//! compiler's back ends lower for the host (LLVM) or for GPUs.
+//!
+//! This crate knows shapes and arithmetic, never files or weights: weights
+//! arrive as memref arguments at run time.
+
+mod emit;
+mod linear;
+mod norm;
+
+use std::fmt;
+
+/// How a weight operand is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum WeightType {
+    F32,
+    BF16,
+    F16,
+    /// `float8_e4m3fn` elements with one E8M0 (`uint8`) scale per 1×`block` input block.
+    Mxfp8 { block: usize },
+}
+
+impl WeightType {
+    /// The MLIR element type of the weight memref.
+    pub fn mlir_elem(self) -> &'static str {
+        match self {
+            WeightType::F32 => "f32",
+            WeightType::BF16 => "bf16",
+            WeightType::F16 => "f16",
+            WeightType::Mxfp8 { .. } => "i8",
+        }
+    }
+    fn tag(self) -> String {
+        match self {
+            WeightType::F32 => "f32".into(),
+            WeightType::BF16 => "bf16".into(),
+            WeightType::F16 => "f16".into(),
+            WeightType::Mxfp8 { block } => format!("mxfp8b{block}"),
+        }
+    }
+}
+
+/// One kernel at one shape. Activations are f32 rows `[S, width]` with S
+/// dynamic (prompt length at prefill, 1 at decode).
+#[derive(Debug, Clone, PartialEq, PartialOrd)]
+pub enum Kernel {
+    /// Gemma RMSNorm of each row: `x · rsqrt(mean(x²) + eps) · (1 + w)`.
+    RmsNorm { width: usize, eps: f64, weight: WeightType },
+    /// `y = x Wᵀ` with `W: [out, inp]`.
+    Linear { inp: usize, out: usize, weight: WeightType },
+}
+
+impl Kernel {
+    /// The kernel's function name: a pure function of its parameters, so the
+    /// same kernel generated twice has one name (and is emitted once).
+    pub fn symbol(&self) -> String {
+        match self {
+            Kernel::RmsNorm { width, eps, weight } => format!("m3c_rms_norm_w{width}_eps{}_{}", eps_tag(*eps), weight.tag()),
+            Kernel::Linear { inp, out, weight } => format!("m3c_linear_i{inp}_o{out}_{}", weight.tag()),
+        }
+    }
+
+    /// The MLIR text of this kernel (a `func.func` plus any private globals it uses).
+    pub fn mlir(&self) -> String {
+        match self {
+            Kernel::RmsNorm { width, eps, weight } => norm::rms_norm(&self.symbol(), *width, *eps, *weight),
+            Kernel::Linear { inp, out, weight } => linear::linear(&self.symbol(), *inp, *out, *weight),
+        }
+    }
+
+    /// Globals (lookup tables) the kernel refers to, by name and MLIR text.
+    pub fn globals(&self) -> Vec<(&'static str, String)> {
+        match self {
+            Kernel::Linear { weight: WeightType::Mxfp8 { .. }, .. } => vec![("m3c_fp8_e4m3_lut", emit::fp8_lut_global())],
+            _ => Vec::new(),
+        }
+    }
+}
+
+fn eps_tag(eps: f64) -> String {
+    format!("{eps:e}").replace('-', "m").replace('.', "p")
+}
+
+impl fmt::Display for Kernel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.symbol())
+    }
+}
+
+/// A module holding `kernels` (each once, in the order given) and the globals they need.
+pub fn module(kernels: &[Kernel]) -> String {
+    let mut seen = std::collections::BTreeSet::new();
+    let mut globals = std::collections::BTreeMap::new();
+    let mut body = String::new();
+    for k in kernels {
+        if seen.insert(k.symbol()) {
+            for (name, text) in k.globals() {
+                globals.insert(name, text);
+            }
+            body.push_str(&k.mlir());
+        }
+    }
+    let mut out = String::from("module {\n");
+    for text in globals.values() {
+        out.push_str(text);
+    }
+    out.push_str(&body);
+    out.push_str("}\n");
+    out
+}
