@@ -6,9 +6,11 @@
 //! This crate knows shapes and arithmetic, never files or weights: weights
 //! arrive as memref arguments at run time.
 
+mod elementwise;
 mod emit;
 mod linear;
 mod norm;
+mod rope;
 
 use std::fmt;
 
@@ -50,6 +52,13 @@ pub enum Kernel {
     RmsNorm { width: usize, eps: f64, weight: WeightType },
     /// `y = x Wᵀ` with `W: [out, inp]`.
     Linear { inp: usize, out: usize, weight: WeightType },
+    /// Per-head Gemma RMSNorm fused with partial NeoX RoPE (QK-norm + RoPE,
+    /// also the MSA indexer's).
+    HeadNormRope { heads: usize, head_dim: usize, rotary_dim: usize, theta: f64, eps: f64, weight: WeightType },
+    /// SwiGLU-OAI of a gate and an up projection.
+    SwiGluOai { width: usize, alpha: f64, limit: f64, beta: f64 },
+    /// Greedy sampling: the first index of each row's maximum.
+    Argmax { width: usize },
 }
 
 impl Kernel {
@@ -57,8 +66,18 @@ impl Kernel {
     /// same kernel generated twice has one name (and is emitted once).
     pub fn symbol(&self) -> String {
         match self {
-            Kernel::RmsNorm { width, eps, weight } => format!("m3c_rms_norm_w{width}_eps{}_{}", eps_tag(*eps), weight.tag()),
+            Kernel::RmsNorm { width, eps, weight } => format!("m3c_rms_norm_w{width}_eps{}_{}", num_tag(*eps), weight.tag()),
             Kernel::Linear { inp, out, weight } => format!("m3c_linear_i{inp}_o{out}_{}", weight.tag()),
+            Kernel::HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight } => format!(
+                "m3c_head_norm_rope_h{heads}_d{head_dim}_r{rotary_dim}_t{}_eps{}_{}",
+                num_tag(*theta),
+                num_tag(*eps),
+                weight.tag()
+            ),
+            Kernel::SwiGluOai { width, alpha, limit, beta } => {
+                format!("m3c_swiglu_oai_w{width}_a{}_l{}_b{}", num_tag(*alpha), num_tag(*limit), num_tag(*beta))
+            }
+            Kernel::Argmax { width } => format!("m3c_argmax_w{width}"),
         }
     }
 
@@ -67,20 +86,29 @@ impl Kernel {
         match self {
             Kernel::RmsNorm { width, eps, weight } => norm::rms_norm(&self.symbol(), *width, *eps, *weight),
             Kernel::Linear { inp, out, weight } => linear::linear(&self.symbol(), *inp, *out, *weight),
+            Kernel::HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight } => {
+                rope::head_norm_rope(&self.symbol(), *heads, *head_dim, *rotary_dim, *theta, *eps, *weight)
+            }
+            Kernel::SwiGluOai { width, alpha, limit, beta } => elementwise::swiglu_oai(&self.symbol(), *width, *alpha, *limit, *beta),
+            Kernel::Argmax { width } => elementwise::argmax(&self.symbol(), *width),
         }
     }
 
     /// Globals (lookup tables) the kernel refers to, by name and MLIR text.
-    pub fn globals(&self) -> Vec<(&'static str, String)> {
+    pub fn globals(&self) -> Vec<(String, String)> {
         match self {
-            Kernel::Linear { weight: WeightType::Mxfp8 { .. }, .. } => vec![("m3c_fp8_e4m3_lut", emit::fp8_lut_global())],
+            Kernel::Linear { weight: WeightType::Mxfp8 { .. }, .. } => vec![("m3c_fp8_e4m3_lut".into(), emit::fp8_lut_global())],
+            Kernel::HeadNormRope { rotary_dim, theta, .. } => {
+                vec![(rope::rope_table_name(*rotary_dim, *theta), rope::rope_table(*rotary_dim, *theta))]
+            }
             _ => Vec::new(),
         }
     }
 }
 
-fn eps_tag(eps: f64) -> String {
-    format!("{eps:e}").replace('-', "m").replace('.', "p")
+/// A number as part of a symbol name: `1e-6` → `1em6`, `1.702` → `1p702e0`.
+pub(crate) fn num_tag(x: f64) -> String {
+    format!("{x:e}").replace('-', "m").replace('.', "p")
 }
 
 impl fmt::Display for Kernel {

@@ -42,7 +42,7 @@ fn build(kernels: &[Kernel], dir: &std::path::Path) -> libloading::Library {
     let obj = dir.join("k.o");
     let so = dir.join("k.so");
     std::fs::write(&obj, &art.object).unwrap();
-    let st = std::process::Command::new("cc").args(["-shared", "-o"]).arg(&so).arg(&obj).status().unwrap();
+    let st = std::process::Command::new("cc").args(["-shared", "-o"]).arg(&so).arg(&obj).arg("-lm").status().unwrap();
     assert!(st.success(), "cc -shared failed");
     unsafe { libloading::Library::new(&so).unwrap() }
 }
@@ -140,4 +140,78 @@ fn kernels_are_emitted_once_per_shape() {
     assert_eq!(text.matches("func.func @m3c_linear_i128_o64_bf16(").count(), 1);
     assert_eq!(text.matches("func.func @m3c_linear_i128_o64_mxfp8b32(").count(), 1);
     assert_eq!(text.matches("memref.global").count(), 1, "one fp8 table for all MXFP8 kernels");
+}
+
+#[test]
+fn head_norm_rope_matches_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = Checkpoint::open(&fixture("tiny-m3")).unwrap();
+    let w = bf16s(ck.bytes(&ck.tensors["language_model.model.layers.0.self_attn.q_norm.weight"]));
+    let (heads, d, rot, theta) = (8, 32, 16, 5.0e6);
+    let k = Kernel::HeadNormRope { heads, head_dim: d, rotary_dim: rot, theta, eps: 1e-6, weight: WeightType::BF16 };
+    let lib = build(&[k.clone()], dir.path());
+    let rows = 4;
+    let x = input(rows, heads * d);
+    // Positions far apart, so a wrong frequency table shows.
+    let pos: Vec<i64> = vec![0, 1, 39, 1000];
+    let y = vec![0f32; rows * heads * d];
+    let f: libloading::Symbol<unsafe extern "C" fn(*const Memref2<f32>, *const Memref1<u16>, *const Memref1<i64>, *const Memref2<f32>)> =
+        unsafe { lib.get(format!("_mlir_ciface_{}", k.symbol()).as_bytes()).unwrap() };
+    unsafe { f(&m2(&x, rows, heads * d), &m1(&w), &m1(&pos), &m2(&y, rows, heads * d)) };
+    let mut want = vec![0f32; rows * heads * d];
+    for r in 0..rows {
+        for h in 0..heads {
+            let o = r * heads * d + h * d;
+            let v = &x[o..o + d];
+            let inv = 1.0 / ((v.iter().map(|a| a * a).sum::<f32>() / d as f32) + 1e-6).sqrt();
+            let n: Vec<f32> = (0..d).map(|i| v[i] * inv * (1.0 + bf16_to_f32(w[i]))).collect();
+            for j in 0..rot / 2 {
+                let f = 1.0 / (theta as f32).powf((2 * j) as f32 / rot as f32);
+                let a = pos[r] as f32 * f;
+                want[o + j] = n[j] * a.cos() - n[j + rot / 2] * a.sin();
+                want[o + j + rot / 2] = n[j + rot / 2] * a.cos() + n[j] * a.sin();
+            }
+            want[o + rot..o + d].copy_from_slice(&n[rot..]);
+        }
+    }
+    close(&y, &want, 2e-5);
+}
+
+#[test]
+fn swiglu_oai_clamps_and_gates() {
+    let dir = tempfile::tempdir().unwrap();
+    let k = Kernel::SwiGluOai { width: 16, alpha: 1.702, limit: 7.0, beta: 1.0 };
+    let lib = build(&[k.clone()], dir.path());
+    let rows = 2;
+    // Values well past ±7 on both inputs, so both clamps fire.
+    let g: Vec<f32> = (0..rows * 16).map(|i| (i as f32 - 16.0) * 0.9).collect();
+    let u: Vec<f32> = (0..rows * 16).map(|i| (16.0 - i as f32) * 0.8).collect();
+    let y = vec![0f32; rows * 16];
+    let f: libloading::Symbol<unsafe extern "C" fn(*const Memref2<f32>, *const Memref2<f32>, *const Memref2<f32>)> =
+        unsafe { lib.get(format!("_mlir_ciface_{}", k.symbol()).as_bytes()).unwrap() };
+    unsafe { f(&m2(&g, rows, 16), &m2(&u, rows, 16), &m2(&y, rows, 16)) };
+    let want: Vec<f32> = g
+        .iter()
+        .zip(&u)
+        .map(|(&g, &u)| {
+            let gc = g.min(7.0);
+            let uc = u.clamp(-7.0, 7.0);
+            gc * (1.0 / (1.0 + (-1.702 * gc).exp())) * (uc + 1.0)
+        })
+        .collect();
+    close(&y, &want, 1e-5);
+    assert!(g.iter().any(|&v| v > 7.0) && u.iter().any(|&v| v < -7.0));
+}
+
+#[test]
+fn argmax_takes_the_first_maximum() {
+    let dir = tempfile::tempdir().unwrap();
+    let k = Kernel::Argmax { width: 6 };
+    let lib = build(&[k.clone()], dir.path());
+    let x = [0.0f32, 3.0, 1.0, 3.0, -1.0, 2.0, /* row 1 */ -5.0, -4.0, -3.0, -2.0, -1.0, -1.5];
+    let ids = vec![-1i64; 2];
+    let f: libloading::Symbol<unsafe extern "C" fn(*const Memref2<f32>, *const Memref1<i64>)> =
+        unsafe { lib.get(format!("_mlir_ciface_{}", k.symbol()).as_bytes()).unwrap() };
+    unsafe { f(&m2(&x, 2, 6), &m1(&ids)) };
+    assert_eq!(ids, vec![1, 4]);
 }

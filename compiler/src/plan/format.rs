@@ -20,9 +20,6 @@ impl LayerRange {
     pub fn len(&self) -> usize {
         self.last - self.first + 1
     }
-    pub fn is_empty(&self) -> bool {
-        false
-    }
     pub fn iter(&self) -> impl Iterator<Item = usize> {
         self.first..=self.last
     }

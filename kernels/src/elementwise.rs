@@ -1,0 +1,68 @@
+use crate::emit::{f32_lit, indent};
+
+/// SwiGLU-OAI: `g' = min(g, limit)`, `u' = clamp(u, −limit, limit)`,
+/// `y = g' · σ(alpha · g') · (u' + beta)`. `g`, `u`, `y`: `[S, width]`.
+pub fn swiglu_oai(name: &str, width: usize, alpha: f64, limit: f64, beta: f64) -> String {
+    let t = format!("memref<?x{width}xf32>");
+    let body = format!(
+        "%c0 = arith.constant 0 : index\n\
+         %c1 = arith.constant 1 : index\n\
+         %cw = arith.constant {width} : index\n\
+         %one = arith.constant 1.0 : f32\n\
+         %alpha = arith.constant {alpha} : f32\n\
+         %lim = arith.constant {limit} : f32\n\
+         %nlim = arith.constant {nlimit} : f32\n\
+         %beta = arith.constant {beta} : f32\n\
+         %rows = memref.dim %g, %c0 : {t}\n\
+         scf.for %r = %c0 to %rows step %c1 {{\n\
+         \x20 scf.for %i = %c0 to %cw step %c1 {{\n\
+         \x20   %gv = memref.load %g[%r, %i] : {t}\n\
+         \x20   %uv = memref.load %u[%r, %i] : {t}\n\
+         \x20   %gc = arith.minimumf %gv, %lim : f32\n\
+         \x20   %u1 = arith.minimumf %uv, %lim : f32\n\
+         \x20   %uc = arith.maximumf %u1, %nlim : f32\n\
+         \x20   %ag = arith.mulf %alpha, %gc : f32\n\
+         \x20   %nag = arith.negf %ag : f32\n\
+         \x20   %e = math.exp %nag : f32\n\
+         \x20   %den = arith.addf %one, %e : f32\n\
+         \x20   %sig = arith.divf %one, %den : f32\n\
+         \x20   %glu = arith.mulf %gc, %sig : f32\n\
+         \x20   %up = arith.addf %uc, %beta : f32\n\
+         \x20   %o = arith.mulf %glu, %up : f32\n\
+         \x20   memref.store %o, %y[%r, %i] : {t}\n\
+         \x20 }}\n\
+         }}\n\
+         return\n",
+        alpha = f32_lit(alpha),
+        limit = f32_lit(limit),
+        nlimit = f32_lit(-limit),
+        beta = f32_lit(beta),
+    );
+    format!("  func.func @{name}(%g: {t}, %u: {t}, %y: {t}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n", indent(&body, 4))
+}
+
+/// Greedy sampling: the index of each row's largest value (the first on ties).
+/// `x`: `[S, width]`, `ids`: `[S]` i64.
+pub fn argmax(name: &str, width: usize) -> String {
+    let t = format!("memref<?x{width}xf32>");
+    let body = format!(
+        "%c0 = arith.constant 0 : index\n\
+         %c1 = arith.constant 1 : index\n\
+         %cw = arith.constant {width} : index\n\
+         %rows = memref.dim %x, %c0 : {t}\n\
+         scf.for %r = %c0 to %rows step %c1 {{\n\
+         \x20 %first = memref.load %x[%r, %c0] : {t}\n\
+         \x20 %best:2 = scf.for %i = %c1 to %cw step %c1 iter_args(%bv = %first, %bi = %c0) -> (f32, index) {{\n\
+         \x20   %v = memref.load %x[%r, %i] : {t}\n\
+         \x20   %gt = arith.cmpf ogt, %v, %bv : f32\n\
+         \x20   %nv = arith.select %gt, %v, %bv : f32\n\
+         \x20   %ni = arith.select %gt, %i, %bi : index\n\
+         \x20   scf.yield %nv, %ni : f32, index\n\
+         \x20 }}\n\
+         \x20 %id = arith.index_cast %best#1 : index to i64\n\
+         \x20 memref.store %id, %ids[%r] : memref<?xi64>\n\
+         }}\n\
+         return\n"
+    );
+    format!("  func.func @{name}(%x: {t}, %ids: memref<?xi64>) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n", indent(&body, 4))
+}
