@@ -32,7 +32,7 @@ fn valid_plan_with_defaults() {
 fn plan_errors_point_at_line_and_column() {
     let cases: &[(&str, &str)] = &[
         ("stages:\n  - layers: 0-3\n    layerz: 4\n", "p.yaml:3:5: stages[0]: unknown field `layerz`"),
-        ("stages:\n  - layers: 0-3\n  - layers: 5-7\n", "p.yaml:3:13: stage 1 starts at layer 5, so layers 4 are in no stage"),
+        ("stages:\n  - layers: 0-3\n  - layers: 5-7\n", "p.yaml:3:13: stage 1 starts at layer 5, so layer 4 is in no stage"),
         ("stages:\n  - layers: 0-4\n  - layers: 3-7\n", "p.yaml:3:13: stage 1: layers 3-7 overlap stage 0 (layers 0-4)"),
         ("stages:\n  - layers: 0-3\n  - layers: 4-9\n", "p.yaml:3:13: layer 9 is out of range: the model has 8 layers (0-7)"),
         ("stages:\n  - layers: 0-7\n  - host: b\n  - lm_head: true\n", "p.yaml:3:5: stage 1 is empty"),

@@ -20,6 +20,14 @@ impl LayerRange {
     pub fn len(&self) -> usize {
         self.last - self.first + 1
     }
+    /// "layer 4 is" / "layers 4-7 are", for messages.
+    fn phrase(&self) -> String {
+        if self.len() == 1 {
+            format!("layer {self} is")
+        } else {
+            format!("layers {self} are")
+        }
+    }
     pub fn iter(&self) -> impl Iterator<Item = usize> {
         self.first..=self.last
     }
@@ -314,7 +322,7 @@ pub fn parse_plan(path: &Path, text: &str, cfg: Option<&ModelConfig>) -> Result<
         }
         if r.first > next {
             let gap = LayerRange { first: next, last: r.first - 1 };
-            return Err(ctx.value(&path, format!("stage {i} starts at layer {}, so layers {gap} are in no stage", r.first)));
+            return Err(ctx.value(&path, format!("stage {i} starts at layer {}, so {} in no stage", r.first, gap.phrase())));
         }
         next = r.last + 1;
         last_layer_stage = i;
@@ -323,7 +331,7 @@ pub fn parse_plan(path: &Path, text: &str, cfg: Option<&ModelConfig>) -> Result<
         if next < total {
             let gap = LayerRange { first: next, last: total - 1 };
             let path = if next == 0 { "stages".to_string() } else { format!("stages[{last_layer_stage}].layers") };
-            return Err(ctx.value(&path, format!("layers {gap} are in no stage (the model has {total} layers)")));
+            return Err(ctx.value(&path, format!("{} in no stage (the model has {total} layers)", gap.phrase())));
         }
     }
     if norm < last_layer_stage {
