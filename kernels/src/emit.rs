@@ -78,3 +78,34 @@ pub fn indent(body: &str, n: usize) -> String {
     let pad = " ".repeat(n);
     body.lines().map(|l| if l.is_empty() { "\n".to_string() } else { format!("{pad}{l}\n") }).collect()
 }
+
+/// Gemma RMSNorm of one span of a row, as MLIR statements: the `width`
+/// columns of row `%r` of `%x` (type `xty`) starting at index `%base`,
+/// normalised in f32 and scaled by `(1 + w[i])`. `store` is the statement
+/// that writes each result `%o` (it may use `%i`, the position in the span,
+/// and `%c`, the column). Needs `%c0`, `%c1`, `%zero`, `%one`, `%n` (the width
+/// as f32) and `%eps` in scope.
+pub fn gemma_norm_span(xty: &str, base: &str, width: &str, wty: &str, weight: WeightType, store: &str) -> String {
+    format!(
+        "%ss = scf.for %i = %c0 to {width} step %c1 iter_args(%acc = %zero) -> (f32) {{\n\
+         \x20 %c = arith.addi {base}, %i : index\n\
+         \x20 %v = memref.load %x[%r, %c] : {xty}\n\
+         \x20 %sq = arith.mulf %v, %v : f32\n\
+         \x20 %a = arith.addf %acc, %sq : f32\n\
+         \x20 scf.yield %a : f32\n\
+         }}\n\
+         %mean = arith.divf %ss, %n : f32\n\
+         %me = arith.addf %mean, %eps : f32\n\
+         %rs = math.rsqrt %me : f32\n\
+         scf.for %i = %c0 to {width} step %c1 {{\n\
+         \x20 %c = arith.addi {base}, %i : index\n\
+         \x20 %v = memref.load %x[%r, %c] : {xty}\n\
+         {load}\
+         \x20 %s = arith.addf %one, %wf : f32\n\
+         \x20 %t = arith.mulf %v, %rs : f32\n\
+         \x20 %o = arith.mulf %t, %s : f32\n\
+         \x20 {store}\n\
+         }}\n",
+        load = indent(&load_weight_f32("%wf", "%w", "%i", wty, weight), 2),
+    )
+}

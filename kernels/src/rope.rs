@@ -1,4 +1,4 @@
-use crate::emit::{f32_lit, indent, load_weight_f32};
+use crate::emit::{f32_lit, gemma_norm_span, indent};
 use crate::WeightType;
 
 /// Per-head Gemma RMSNorm over `head_dim` channels (one weight for all heads)
@@ -30,25 +30,7 @@ pub fn head_norm_rope(name: &str, heads: usize, head_dim: usize, rotary_dim: usi
          \x20 %pf = arith.sitofp %p64 : i64 to f32\n\
          \x20 scf.for %hd = %c0 to %ch step %c1 {{\n\
          \x20   %base = arith.muli %hd, %cd : index\n\
-         \x20   %ss = scf.for %i = %c0 to %cd step %c1 iter_args(%acc = %zero) -> (f32) {{\n\
-         \x20     %c = arith.addi %base, %i : index\n\
-         \x20     %v = memref.load %x[%r, %c] : {x}\n\
-         \x20     %sq = arith.mulf %v, %v : f32\n\
-         \x20     %a = arith.addf %acc, %sq : f32\n\
-         \x20     scf.yield %a : f32\n\
-         \x20   }}\n\
-         \x20   %mean = arith.divf %ss, %n : f32\n\
-         \x20   %me = arith.addf %mean, %eps : f32\n\
-         \x20   %rs = math.rsqrt %me : f32\n\
-         \x20   scf.for %i = %c0 to %cd step %c1 {{\n\
-         \x20     %c = arith.addi %base, %i : index\n\
-         \x20     %v = memref.load %x[%r, %c] : {x}\n\
-         {load}\
-         \x20     %s = arith.addf %one, %wf : f32\n\
-         \x20     %t = arith.mulf %v, %rs : f32\n\
-         \x20     %o = arith.mulf %t, %s : f32\n\
-         \x20     memref.store %o, %tmp[%i] : memref<{head_dim}xf32>\n\
-         \x20   }}\n\
+         {span}\
          \x20   scf.for %j = %c0 to %chalf step %c1 {{\n\
          \x20     %f = memref.load %inv[%j] : memref<{half}xf32>\n\
          \x20     %ang = arith.mulf %pf, %f : f32\n\
@@ -79,7 +61,7 @@ pub fn head_norm_rope(name: &str, heads: usize, head_dim: usize, rotary_dim: usi
         n = f32_lit(head_dim as f64),
         eps = f32_lit(eps),
         table = rope_table_name(rotary_dim, theta),
-        load = indent(&load_weight_f32("%wf", "%w", "%i", &wt, weight), 6),
+        span = indent(&gemma_norm_span(&x, "%base", "%cd", &wt, weight, &format!("memref.store %o, %tmp[%i] : memref<{head_dim}xf32>")), 4),
     );
     format!(
         "  func.func @{name}(%x: {x}, %w: {wt}, %pos: memref<?xi64>, %y: {x}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n",
