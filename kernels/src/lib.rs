@@ -14,6 +14,9 @@ mod rope;
 
 use std::fmt;
 
+/// The value of a `float8_e4m3fn` byte: the table MXFP8 kernels decode with.
+pub use emit::fp8_e4m3_value;
+
 /// How a weight operand is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum WeightType {

@@ -115,7 +115,7 @@ fn mxfp8_linear_matches_dequantized_reference() {
     let lib = build(&[lin.clone()], dir.path());
     let rows = 3;
     let x = input(rows, inp);
-    let mut y = vec![0f32; rows * out];
+    let y = vec![0f32; rows * out];
     let f: libloading::Symbol<unsafe extern "C" fn(*const Memref2<f32>, *const Memref2<u8>, *const Memref2<u8>, *const Memref2<f32>)> =
         unsafe { lib.get(format!("_mlir_ciface_{}", lin.symbol()).as_bytes()).unwrap() };
     unsafe { f(&m2(&x, rows, inp), &m2(&w, out, inp), &m2(&s, out, inp / 32), &m2(&y, rows, out)) };

@@ -14,16 +14,10 @@ pub fn bf16_to_f32(bits: u16) -> f32 {
     f32::from_bits((bits as u32) << 16)
 }
 
-/// The value of an e4m3fn byte (bias 7, no infinities, 0x7F/0xFF are NaN).
+/// The value of an e4m3fn byte (bias 7, no infinities, 0x7F/0xFF are NaN):
+/// the same definition the MXFP8 kernels decode with.
 pub fn e4m3_to_f32(byte: u8) -> f32 {
-    let sign = if byte & 0x80 != 0 { -1.0 } else { 1.0 };
-    let exp = ((byte >> 3) & 0x0F) as i32;
-    let man = (byte & 0x07) as f32;
-    if exp == 0x0F && (byte & 0x07) == 0x07 {
-        return f32::NAN;
-    }
-    let mag = if exp == 0 { man / 8.0 * 2f32.powi(-6) } else { (1.0 + man / 8.0) * 2f32.powi(exp - 7) };
-    sign * mag
+    m3c_kernels::fp8_e4m3_value(byte)
 }
 
 /// f32 → e4m3fn byte, round to nearest, ties to even, saturating at ±448.
