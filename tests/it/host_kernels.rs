@@ -90,7 +90,7 @@ fn rms_norm_and_bf16_linear_match_reference() {
     close(&y, &want, 1e-5);
 
     let h = y.clone();
-    let mut q = vec![0f32; rows * 256];
+    let q = vec![0f32; rows * 256];
     let f: libloading::Symbol<unsafe extern "C" fn(*const Memref2<f32>, *const Memref2<u16>, *const Memref2<f32>)> =
         unsafe { lib.get(format!("_mlir_ciface_{}", lin.symbol()).as_bytes()).unwrap() };
     unsafe { f(&m2(&h, rows, 128), &m2(&q_w, 256, 128), &m2(&q, rows, 256)) };
