@@ -28,6 +28,10 @@ enum Command {
     },
     /// Write a balanced partition plan, or check one (`--check PLAN.yaml`).
     Plan(PlanArgs),
+    /// Compile the model into one executable per pipeline stage (OUT/stage-K), a manifest and a launcher.
+    Compile(CompileArgs),
+    /// Run a compiled OUT folder under mpirun: one rank per stage, greedy decoding.
+    Run(RunArgs),
     /// Write a random tiny MiniMax-M3 checkpoint (hub layout) into a new folder.
     InitTiny {
         /// The folder to create.
@@ -79,6 +83,54 @@ struct PlanArgs {
     out: Option<PathBuf>,
 }
 
+#[derive(clap::Args)]
+struct CompileArgs {
+    /// A partition plan; without one, the planner's balanced plan for --pp stages.
+    plan: Option<PathBuf>,
+    /// The model: a checkpoint folder or its config.json (weights are not read). May be omitted when the plan names it.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Number of pipeline stages (must equal the plan's).
+    #[arg(long)]
+    pp: usize,
+    /// Target to compile for (default: the plan's, else host).
+    #[arg(long, value_parser = ["host", "cuda"])]
+    target: Option<String>,
+    /// Output folder; an earlier m3c output there is replaced, anything else is refused.
+    #[arg(short = 'o', long = "out", default_value = "out")]
+    out: PathBuf,
+    /// Also write intermediate code per stage: `mlir` (fused steps + MLIR), `llvm` (LLVM dialect + LLVM IR).
+    #[arg(long, value_parser = ["mlir", "llvm"], action = clap::ArgAction::Append)]
+    emit: Vec<String>,
+    /// LLVM CPU for host code (`x86-64` runs anywhere; `x86-64-v3` needs AVX2).
+    #[arg(long, default_value = "x86-64-v3")]
+    cpu: String,
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// A folder written by `m3c compile`.
+    out: PathBuf,
+    /// The checkpoint folder (config.json + safetensors) the stages were compiled for.
+    #[arg(long)]
+    model: PathBuf,
+    /// A prompt as token ids, `1,2,3`; repeat for several prompts (they run as concurrent micro-batches).
+    #[arg(long = "prompt-ids", value_name = "IDS", required_unless_present = "prompts", conflicts_with = "prompts")]
+    prompt_ids: Vec<String>,
+    /// A file with one prompt per line (token ids separated by commas).
+    #[arg(long, value_name = "FILE")]
+    prompts: Option<PathBuf>,
+    /// Tokens to generate per prompt (greedy).
+    #[arg(long)]
+    max_new_tokens: usize,
+    /// Write prompt_ids, prefill_logits, generated_ids and decode_logits here (several prompts: FILE.p0.safetensors, ...).
+    #[arg(long, value_name = "FILE.safetensors")]
+    dump: Option<PathBuf>,
+    /// Seconds a stage waits for its neighbour before failing.
+    #[arg(long, default_value_t = 300.0)]
+    timeout_s: f64,
+}
+
 /// Parses the process arguments, runs the command, and turns errors into a message and exit code 1.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -95,6 +147,8 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Inspect { model, graph } => inspect(&model, graph),
         Command::Plan(args) => plan_cmd(args),
+        Command::Compile(args) => compile_cmd(args),
+        Command::Run(args) => run_cmd(args),
         Command::InitTiny { out, seed, layers, hidden, mxfp8 } => {
             let spec = crate::tiny::TinySpec { seed, layers, hidden, mxfp8 };
             crate::tiny::init_tiny(&out, &spec)?;
@@ -194,4 +248,114 @@ fn relative_to(target: &Path, base: &Path) -> String {
         r.push(c);
     }
     r.display().to_string()
+}
+
+fn compile_cmd(args: CompileArgs) -> Result<()> {
+    let plan_model = match &args.plan {
+        Some(p) => plan::plan_model(p)?,
+        None => None,
+    };
+    let model = match (&args.model, plan_model) {
+        (Some(m), _) => m.clone(),
+        (None, Some(m)) => m,
+        (None, None) => bail!("--model is required (a checkpoint folder or config.json), unless the plan names its model"),
+    };
+    let src = ModelSource::open(&model)?;
+    let cfg = &src.config;
+    let want_target = args.target.as_deref().map(|t| if t == "cuda" { Target::Cuda { arch: "sm_90a".into() } } else { Target::Host });
+    let p = match &args.plan {
+        Some(file) => {
+            let p = plan::load_plan(file, Some(cfg))?;
+            p.check_pp(file, args.pp)?;
+            if let Some(t) = &want_target {
+                if std::mem::discriminant(t) != std::mem::discriminant(&p.target) {
+                    bail!("--target {}: {} says `target: {}`; change one of them", args.target.as_deref().unwrap_or(""), file.display(), p.target);
+                }
+            }
+            p
+        }
+        None => {
+            let gpu = GpuProfile::named("H200").context("built-in H200 profile")?;
+            plan::make_plan(cfg, args.pp, &gpu, Workload { batch: 1, context: 8192 }, want_target.unwrap_or(Target::Host))?
+        }
+    };
+    let mut emit = Vec::new();
+    for e in &args.emit {
+        emit.push(if e == "mlir" { crate::compile::Emit::Mlir } else { crate::compile::Emit::Llvm });
+    }
+    // Replace only an earlier m3c output, never an unrelated folder.
+    let replace = args.out.join("manifest.json").is_file();
+    let runtime_lib = crate::compile::find_runtime_lib()?;
+    let t0 = std::time::Instant::now();
+    let req = crate::compile::CompileRequest { config: cfg, plan: &p, out: &args.out, emit, cpu: args.cpu.clone(), runtime_lib, replace };
+    let m = crate::compile::compile(&req)?;
+    for s in &m.stages {
+        println!("{}/{}: {} ({} kernels, {} tensors)", args.out.display(), s.executable, s.holds, s.kernels.len(), s.tensors.len());
+    }
+    println!(
+        "compiled {} stage(s) for {} in {:.1} s; run: m3c run {} --model DIR --prompt-ids 1,2,3 --max-new-tokens 16",
+        m.stages.len(),
+        m.target,
+        t0.elapsed().as_secs_f64(),
+        args.out.display()
+    );
+    Ok(())
+}
+
+fn run_cmd(args: RunArgs) -> Result<()> {
+    let manifest = args.out.join("manifest.json");
+    let text = std::fs::read_to_string(&manifest)
+        .with_context(|| format!("{}: not an m3c output folder (no manifest.json); make one with `m3c compile`", args.out.display()))?;
+    let m: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{}: not JSON", manifest.display()))?;
+    let stages = m["stages"].as_array().map(|a| a.len()).filter(|&n| n > 0).with_context(|| format!("{}: no stages", manifest.display()))?;
+    if !args.model.is_dir() {
+        bail!("--model {}: not a folder (expected the checkpoint folder with config.json and safetensors)", args.model.display());
+    }
+    let mut pass: Vec<String> = vec!["--model".into(), args.model.display().to_string()];
+    for p in &args.prompt_ids {
+        pass.push("--prompt-ids".into());
+        pass.push(p.clone());
+    }
+    if let Some(f) = &args.prompts {
+        pass.push("--prompts".into());
+        pass.push(f.display().to_string());
+    }
+    pass.push("--max-new-tokens".into());
+    pass.push(args.max_new_tokens.to_string());
+    if let Some(d) = &args.dump {
+        pass.push("--dump".into());
+        pass.push(d.display().to_string());
+    }
+    pass.push("--timeout-s".into());
+    pass.push(args.timeout_s.to_string());
+    let mut cmd = std::process::Command::new("mpirun");
+    cmd.arg("--oversubscribe");
+    if is_root() {
+        cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1").env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    }
+    for k in 0..stages {
+        if k > 0 {
+            cmd.arg(":");
+        }
+        let exe = args.out.join(format!("stage-{k}"));
+        if !exe.is_file() {
+            bail!("{}: missing; recompile {}", exe.display(), args.out.display());
+        }
+        cmd.args(["-np", "1"]).arg(&exe).args(&pass);
+    }
+    let status = match cmd.status() {
+        Ok(s) => s,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            bail!("`mpirun` not found: install Open MPI (`apt install openmpi-bin`, or run scripts/setup.sh)")
+        }
+        Err(e) => return Err(e).context("cannot start mpirun"),
+    };
+    if !status.success() {
+        bail!("the pipeline failed (mpirun exit status {}); the failing stage's message is above", status.code().map_or("signal".into(), |c| c.to_string()));
+    }
+    Ok(())
+}
+
+fn is_root() -> bool {
+    std::process::Command::new("id").arg("-u").output().map(|o| o.stdout.trim_ascii() == b"0").unwrap_or(false)
 }

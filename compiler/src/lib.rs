@@ -6,11 +6,13 @@
 
 pub mod backend;
 pub mod cli;
+pub mod compile;
 pub mod config;
 pub mod dtype;
 pub mod fsutil;
 pub mod graph;
 pub mod inspect;
+pub mod lower;
 pub mod model;
 pub mod plan;
 pub mod source;

@@ -66,3 +66,51 @@ pub fn argmax(name: &str, width: usize) -> String {
     );
     format!("  func.func @{name}(%x: {t}, %ids: memref<?xi64>) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n", indent(&body, 4))
 }
+
+/// `y = a + b` over rows of `width` (`y` may be `a`: the residual add in place).
+pub fn add(name: &str, width: usize) -> String {
+    let t = format!("memref<?x{width}xf32>");
+    let body = format!(
+        "%c0 = arith.constant 0 : index\n\
+         %c1 = arith.constant 1 : index\n\
+         %cw = arith.constant {width} : index\n\
+         %rows = memref.dim %a, %c0 : {t}\n\
+         scf.for %r = %c0 to %rows step %c1 {{\n\
+         \x20 scf.for %i = %c0 to %cw step %c1 {{\n\
+         \x20   %x = memref.load %a[%r, %i] : {t}\n\
+         \x20   %z = memref.load %b[%r, %i] : {t}\n\
+         \x20   %s = arith.addf %x, %z : f32\n\
+         \x20   memref.store %s, %y[%r, %i] : {t}\n\
+         \x20 }}\n\
+         }}\n\
+         return\n"
+    );
+    format!("  func.func @{name}(%a: {t}, %b: {t}, %y: {t}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n", indent(&body, 4))
+}
+
+/// Row gather: `y[r] = f32(W[ids[r]])`. Ids are checked against the vocabulary
+/// by the runtime before a step starts.
+pub fn embedding(name: &str, vocab: usize, width: usize, weight: crate::WeightType) -> String {
+    let t = format!("memref<?x{width}xf32>");
+    let wt = format!("memref<{vocab}x{width}x{}>", weight.mlir_elem());
+    let body = format!(
+        "%c0 = arith.constant 0 : index\n\
+         %c1 = arith.constant 1 : index\n\
+         %cw = arith.constant {width} : index\n\
+         %rows = memref.dim %ids, %c0 : memref<?xi64>\n\
+         scf.for %r = %c0 to %rows step %c1 {{\n\
+         \x20 %id64 = memref.load %ids[%r] : memref<?xi64>\n\
+         \x20 %id = arith.index_cast %id64 : i64 to index\n\
+         \x20 scf.for %i = %c0 to %cw step %c1 {{\n\
+         {load}\
+         \x20   memref.store %wv, %y[%r, %i] : {t}\n\
+         \x20 }}\n\
+         }}\n\
+         return\n",
+        load = indent(&crate::emit::load_weight_f32("%wv", "%w", "%id, %i", &wt, weight), 4),
+    );
+    format!(
+        "  func.func @{name}(%ids: memref<?xi64>, %w: {wt}, %y: {t}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n",
+        indent(&body, 4)
+    )
+}

@@ -6,16 +6,22 @@
 //! This crate knows shapes and arithmetic, never files or weights: weights
 //! arrive as memref arguments at run time.
 
+mod attention;
 mod elementwise;
 mod emit;
 mod linear;
+mod moe;
 mod norm;
 mod rope;
+mod view;
 
 use std::fmt;
 
 /// The value of a `float8_e4m3fn` byte: the table MXFP8 kernels decode with.
 pub use emit::fp8_e4m3_value;
+pub use attention::SparseSel;
+pub use moe::{expert_table_stride, expert_tensor_types};
+pub use view::MemTy;
 
 /// How a weight operand is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -62,6 +68,16 @@ pub enum Kernel {
     SwiGluOai { width: usize, alpha: f64, limit: f64, beta: f64 },
     /// Greedy sampling: the first index of each row's maximum.
     Argmax { width: usize },
+    /// Row gather from an embedding table `[vocab, width]`.
+    Embedding { vocab: usize, width: usize, weight: WeightType },
+    /// Elementwise `a + b` (the residual adds, routed + shared expert).
+    Add { width: usize },
+    /// Causal GQA attention over the cache; MSA block selection fused in when `sparse` is set.
+    Attention { heads: usize, kv_heads: usize, head_dim: usize, scale: f64, sparse: Option<SparseSel> },
+    /// fp32 sigmoid router with selection bias, top-k, renormalisation and routed scaling.
+    Router { width: usize, experts: usize, top_k: usize, scale: f64, weight: WeightType, bias: Option<WeightType> },
+    /// The routed experts' SwiGLU-OAI MLPs, weighted and summed per token.
+    RoutedExperts { hidden: usize, inter: usize, top_k: usize, weight: WeightType, alpha: f64, limit: f64, beta: f64 },
 }
 
 impl Kernel {
@@ -81,6 +97,41 @@ impl Kernel {
                 format!("m3c_swiglu_oai_w{width}_a{}_l{}_b{}", num_tag(*alpha), num_tag(*limit), num_tag(*beta))
             }
             Kernel::Argmax { width } => format!("m3c_argmax_w{width}"),
+            Kernel::Embedding { vocab, width, weight } => format!("m3c_embedding_v{vocab}_w{width}_{}", weight.tag()),
+            Kernel::Add { width } => format!("m3c_add_w{width}"),
+            Kernel::Attention { heads, kv_heads, head_dim, scale, sparse } => {
+                let mut s = format!("m3c_attention_h{heads}_kv{kv_heads}_d{head_dim}_s{}", num_tag(*scale));
+                if let Some(m) = sparse {
+                    s.push_str(&format!(
+                        "_msa_ih{}_id{}_b{}_k{}_l{}_i{}",
+                        m.index_heads, m.index_dim, m.block, m.topk, m.local, m.init
+                    ));
+                }
+                s
+            }
+            Kernel::Router { width, experts, top_k, scale, weight, bias } => format!(
+                "m3c_router_w{width}_e{experts}_k{top_k}_s{}_{}{}",
+                num_tag(*scale),
+                weight.tag(),
+                bias.map_or(String::new(), |b| format!("_bias{}", b.tag()))
+            ),
+            Kernel::RoutedExperts { hidden, inter, top_k, weight, alpha, limit, beta } => format!(
+                "m3c_routed_experts_h{hidden}_i{inter}_k{top_k}_{}_a{}_l{}_b{}",
+                weight.tag(),
+                num_tag(*alpha),
+                num_tag(*limit),
+                num_tag(*beta)
+            ),
+        }
+    }
+
+    /// Kernels this one calls (emitted with it).
+    pub fn deps(&self) -> Vec<Kernel> {
+        match self {
+            Kernel::RoutedExperts { hidden, inter, weight, alpha, limit, beta, .. } => {
+                moe::expert_deps(*hidden, *inter, *weight, *alpha, *limit, *beta)
+            }
+            _ => Vec::new(),
         }
     }
 
@@ -94,6 +145,17 @@ impl Kernel {
             }
             Kernel::SwiGluOai { width, alpha, limit, beta } => elementwise::swiglu_oai(&self.symbol(), *width, *alpha, *limit, *beta),
             Kernel::Argmax { width } => elementwise::argmax(&self.symbol(), *width),
+            Kernel::Embedding { vocab, width, weight } => elementwise::embedding(&self.symbol(), *vocab, *width, *weight),
+            Kernel::Add { width } => elementwise::add(&self.symbol(), *width),
+            Kernel::Attention { heads, kv_heads, head_dim, scale, sparse } => {
+                attention::attention(&self.symbol(), *heads, *kv_heads, *head_dim, *scale, *sparse)
+            }
+            Kernel::Router { width, experts, top_k, scale, weight, bias } => {
+                moe::router(&self.symbol(), *width, *experts, *top_k, *scale, *weight, *bias)
+            }
+            Kernel::RoutedExperts { hidden, inter, top_k, weight, alpha, limit, beta } => {
+                moe::routed_experts(&self.symbol(), *hidden, *inter, *top_k, *weight, *alpha, *limit, *beta)
+            }
         }
     }
 
@@ -104,6 +166,10 @@ impl Kernel {
             Kernel::HeadNormRope { rotary_dim, theta, .. } => {
                 vec![(rope::rope_table_name(*rotary_dim, *theta), rope::rope_table(*rotary_dim, *theta))]
             }
+            Kernel::RoutedExperts { hidden, inter, weight, .. } => moe::expert_tensor_types(*hidden, *inter, *weight)
+                .into_iter()
+                .map(|t| (t.view_fn(), t.view_fn_text()))
+                .collect(),
             _ => Vec::new(),
         }
     }
@@ -120,24 +186,42 @@ impl fmt::Display for Kernel {
     }
 }
 
-/// A module holding `kernels` (each once, in the order given) and the globals they need.
+/// A module holding `kernels` and what they call (each once, in the order
+/// first needed) and the globals they need.
 pub fn module(kernels: &[Kernel]) -> String {
+    module_with(kernels, &[], "")
+}
+
+/// [`module`] plus view helpers for `views` and extra functions (`tail`, a
+/// stage entry) that call them.
+pub fn module_with(kernels: &[Kernel], views: &[MemTy], tail: &str) -> String {
     let mut seen = std::collections::BTreeSet::new();
     let mut globals = std::collections::BTreeMap::new();
     let mut body = String::new();
-    for k in kernels {
-        if seen.insert(k.symbol()) {
-            for (name, text) in k.globals() {
-                globals.insert(name, text);
-            }
-            body.push_str(&k.mlir());
+    fn visit(k: &Kernel, seen: &mut std::collections::BTreeSet<String>, globals: &mut std::collections::BTreeMap<String, String>, body: &mut String) {
+        if !seen.insert(k.symbol()) {
+            return;
         }
+        for d in k.deps() {
+            visit(&d, seen, globals, body);
+        }
+        for (name, text) in k.globals() {
+            globals.insert(name, text);
+        }
+        body.push_str(&k.mlir());
+    }
+    for k in kernels {
+        visit(k, &mut seen, &mut globals, &mut body);
+    }
+    for v in views {
+        globals.insert(v.view_fn(), v.view_fn_text());
     }
     let mut out = String::from("module {\n");
     for text in globals.values() {
         out.push_str(text);
     }
     out.push_str(&body);
+    out.push_str(tail);
     out.push_str("}\n");
     out
 }

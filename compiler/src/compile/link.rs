@@ -1,0 +1,75 @@
+//! Linking a stage object with the runtime, and the launcher script.
+
+use anyhow::{bail, Context, Result};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Environment variable naming the runtime static library explicitly.
+pub const RUNTIME_LIB_ENV: &str = "M3C_RUNTIME_LIB";
+const RUNTIME_LIB: &str = "libm3c_runtime.a";
+
+/// The runtime library: `$M3C_RUNTIME_LIB`, else next to the m3c executable
+/// (cargo puts `libm3c_runtime.a` beside `m3c` in target/<profile>/).
+pub fn find_runtime_lib() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os(RUNTIME_LIB_ENV) {
+        let p = PathBuf::from(p);
+        if !p.is_file() {
+            bail!("{RUNTIME_LIB_ENV}={}: no such file", p.display());
+        }
+        return Ok(p);
+    }
+    let exe = std::env::current_exe().context("cannot locate the m3c executable")?;
+    let mut tried = Vec::new();
+    for dir in exe.ancestors().skip(1).take(2) {
+        let p = dir.join(RUNTIME_LIB);
+        if p.is_file() {
+            return Ok(p);
+        }
+        tried.push(p.display().to_string());
+    }
+    bail!(
+        "the stage runtime ({RUNTIME_LIB}) is not next to m3c (looked at {}); build it with `cargo build --release -p m3c-runtime` or set {RUNTIME_LIB_ENV}",
+        tried.join(", ")
+    )
+}
+
+/// `mpicc` links: the stage object, the runtime (which has `main`), MPI and
+/// what Rust's std needs from libc.
+pub fn link(obj: &Path, runtime: &Path, exe: &Path) -> Result<()> {
+    let out = Command::new("mpicc")
+        .arg("-o")
+        .arg(exe)
+        .arg(obj)
+        .arg(runtime)
+        .args(["-lm", "-ldl", "-lpthread", "-lrt", "-lutil", "-lgcc_s"])
+        .output();
+    let out = match out {
+        Ok(o) => o,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            bail!("`mpicc` not found: install Open MPI (`apt install openmpi-bin libopenmpi-dev`, or run scripts/setup.sh)")
+        }
+        Err(e) => return Err(e).context("cannot run mpicc"),
+    };
+    if !out.status.success() {
+        bail!("mpicc failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(())
+}
+
+/// `OUT/run.sh ARGS`: every stage under one mpirun, each with ARGS.
+pub fn launcher(stages: usize) -> String {
+    let mut apps = Vec::new();
+    for k in 0..stages {
+        apps.push(format!("-np 1 \"$here/stage-{k}\" \"$@\""));
+    }
+    format!(
+        "#!/bin/sh\n\
+         # Runs the {stages} stage(s) of this folder as one MPI job; arguments go to every stage:\n\
+         #   ./run.sh --model DIR --prompt-ids 1,2,3 --max-new-tokens 16 [--dump FILE]\n\
+         # Extra mpirun options (hosts, binding) can come from MPIRUN_FLAGS.\n\
+         here=$(cd \"$(dirname \"$0\")\" && pwd)\n\
+         if [ \"$(id -u)\" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi\n\
+         exec mpirun --oversubscribe $MPIRUN_FLAGS {}\n",
+        apps.join(" : ")
+    )
+}

@@ -1,0 +1,74 @@
+//! OUT/manifest.json: what was compiled from what, with content hashes.
+
+use crate::config::ModelConfig;
+use crate::lower::{Boundary, CacheSlot, StageProgram};
+use serde::Serialize;
+
+#[derive(Debug, Serialize)]
+pub struct Manifest {
+    pub format: &'static str,
+    pub compiler: String,
+    pub target: String,
+    pub cpu: String,
+    /// Hash of every compile input; every stage embeds it and checks its peers.
+    pub compile_id: String,
+    /// The config's file name (not its path, so OUT does not depend on where it was built).
+    pub config_file: String,
+    pub config_sha256: String,
+    pub plan_sha256: String,
+    pub runtime_sha256: String,
+    pub launcher: &'static str,
+    pub stages: Vec<StageEntry>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct StageEntry {
+    pub stage: usize,
+    pub executable: String,
+    pub sha256: String,
+    pub holds: String,
+    /// First and last layer, if the stage has layers.
+    pub layers: Option<[usize; 2]>,
+    pub input: Boundary,
+    pub output: Boundary,
+    pub tensors: Vec<String>,
+    pub caches: Vec<CacheSlot>,
+    pub kernels: Vec<String>,
+}
+
+impl Manifest {
+    pub fn new(cfg: &ModelConfig, config_sha: &str, plan_json: &str, runtime_sha: &str, compile_id: &str, cpu: &str) -> Manifest {
+        Manifest {
+            format: "m3c-out/1",
+            compiler: format!("m3c {}", env!("CARGO_PKG_VERSION")),
+            target: "host".into(),
+            cpu: cpu.into(),
+            compile_id: compile_id.into(),
+            config_file: cfg.source.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+            config_sha256: config_sha.into(),
+            plan_sha256: super::sha256_hex(plan_json.as_bytes()),
+            runtime_sha256: runtime_sha.into(),
+            launcher: "run.sh",
+            stages: Vec::new(),
+        }
+    }
+}
+
+impl StageEntry {
+    pub fn new(p: &StageProgram, exe: &str, bytes: &[u8]) -> StageEntry {
+        use crate::model::Part;
+        let layers: Vec<usize> = p.parts.iter().filter_map(|x| if let Part::Layer(l) = x { Some(*l) } else { None }).collect();
+        StageEntry {
+            stage: p.index,
+            executable: exe.into(),
+            sha256: super::sha256_hex(bytes),
+            holds: super::holds(p),
+            layers: layers.first().map(|&a| [a, *layers.last().unwrap_or(&a)]),
+            input: p.input,
+            output: p.output,
+            tensors: p.tensors.iter().map(|t| t.name.clone()).collect(),
+            caches: p.caches.clone(),
+            kernels: p.kernels.iter().map(|k| k.symbol()).collect(),
+        }
+    }
+}

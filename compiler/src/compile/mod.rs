@@ -1,0 +1,188 @@
+//! `m3c compile`: config + plan → OUT/ with one executable per stage, a
+//! manifest and a launcher.
+//!
+//! Per stage: lower (graph slice → fused kernel calls → MLIR), back end
+//! (MLIR → LLVM → x86-64 object), link with the runtime (`mpicc`). OUT is
+//! built in a temporary folder and renamed into place, so a failed compile
+//! leaves nothing behind; nothing in it depends on time, paths or thread
+//! timing, so the same inputs give byte-identical folders.
+
+mod link;
+mod manifest;
+
+pub use link::{find_runtime_lib, RUNTIME_LIB_ENV};
+pub use manifest::{Manifest, StageEntry};
+
+use crate::backend::host;
+use crate::config::ModelConfig;
+use crate::graph::build_graph;
+use crate::lower::{lower_stage, Boundary, StageProgram};
+use crate::plan::{Plan, Target};
+use anyhow::{bail, Context, Result};
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+
+/// What `--emit` adds to OUT besides the executables.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Emit {
+    /// `stage-K.steps.txt` (fused program) and `stage-K.mlir` (before lowering).
+    Mlir,
+    /// `stage-K.llvm.mlir` (LLVM dialect) and `stage-K.ll` (LLVM IR).
+    Llvm,
+}
+
+pub struct CompileRequest<'a> {
+    pub config: &'a ModelConfig,
+    pub plan: &'a Plan,
+    pub out: &'a Path,
+    pub emit: Vec<Emit>,
+    /// LLVM CPU name for host code.
+    pub cpu: String,
+    pub runtime_lib: PathBuf,
+    /// Replace a non-empty OUT.
+    pub replace: bool,
+}
+
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The stage metadata embedded in each executable (read by runtime/src/meta.rs).
+fn stage_meta(p: &StageProgram, stages: usize, cfg: &ModelConfig, compile_id: &str, config_sha: &str, cpu: &str) -> String {
+    let tensors: Vec<serde_json::Value> = p
+        .tensors
+        .iter()
+        .map(|t| serde_json::json!({"name": t.name, "shape": t.shape, "dtype": t.dtype.safetensors_name()}))
+        .collect();
+    let caches: Vec<serde_json::Value> = p.caches.iter().map(|c| serde_json::json!({"layer": c.layer, "kind": c.kind, "width": c.width})).collect();
+    serde_json::json!({
+        "compile_id": compile_id,
+        "config_sha256": config_sha,
+        "stage": p.index,
+        "stages": stages,
+        "hidden": cfg.text.hidden_size,
+        "vocab": cfg.text.vocab_size,
+        "holds": holds(p),
+        "first_stage": p.input == Boundary::TokenIds,
+        "last_stage": matches!(p.output, Boundary::Logits { .. }),
+        "cpu": cpu,
+        "tensors": tensors,
+        "caches": caches,
+    })
+    .to_string()
+}
+
+pub fn holds(p: &StageProgram) -> String {
+    use crate::model::Part;
+    let mut s = Vec::new();
+    if p.parts.contains(&Part::Embedding) {
+        s.push("embed".to_string());
+    }
+    let layers: Vec<usize> = p.parts.iter().filter_map(|x| if let Part::Layer(l) = x { Some(*l) } else { None }).collect();
+    match layers.as_slice() {
+        [] => {}
+        [l] => s.push(format!("layer {l}")),
+        [a, .., b] => s.push(format!("layers {a}-{b}")),
+    }
+    if p.parts.contains(&Part::FinalNorm) {
+        s.push("norm".into());
+    }
+    if p.parts.contains(&Part::LmHead) {
+        s.push("lm_head".into());
+    }
+    s.join(" + ")
+}
+
+/// The embedded metadata as two LLVM-dialect globals the runtime reads.
+fn meta_globals(json: &str) -> String {
+    let mut esc = String::with_capacity(json.len() * 2);
+    for b in json.bytes() {
+        if b.is_ascii_alphanumeric() || b" _-.:,{}[]".contains(&b) {
+            esc.push(b as char);
+        } else {
+            esc.push_str(&format!("\\{b:02X}"));
+        }
+    }
+    format!(
+        "  llvm.mlir.global external constant @m3c_stage_meta(\"{esc}\") {{addr_space = 0 : i32}} : !llvm.array<{} x i8>\n\
+         \x20 llvm.mlir.global external constant @m3c_stage_meta_len({} : i64) {{addr_space = 0 : i32}} : i64\n",
+        json.len(),
+        json.len()
+    )
+}
+
+/// Lowers every stage of `plan` (no back end): what `--emit mlir` shows and
+/// what the compile id hashes.
+pub fn lower_all(cfg: &ModelConfig, plan: &Plan) -> Result<Vec<StageProgram>> {
+    let graph = build_graph(cfg);
+    plan.stages.iter().enumerate().map(|(i, s)| Ok(lower_stage(cfg, &graph, i, s)?)).collect()
+}
+
+pub fn compile(req: &CompileRequest) -> Result<Manifest> {
+    if req.plan.target != Target::Host {
+        bail!("target {}: only `--target host` is implemented so far; the CUDA back end is not built yet", req.plan.target);
+    }
+    let cfg = req.config;
+    let config_bytes = std::fs::read(&cfg.source).with_context(|| format!("cannot read {}", cfg.source.display()))?;
+    let config_sha = sha256_hex(&config_bytes);
+    let runtime = std::fs::read(&req.runtime_lib).with_context(|| format!("cannot read the runtime library {}", req.runtime_lib.display()))?;
+    let runtime_sha = sha256_hex(&runtime);
+    let mut plan = req.plan.clone();
+    plan.model = None;
+    let plan_json = serde_json::to_string(&plan).context("plan serialisation")?;
+    let programs = lower_all(cfg, req.plan)?;
+
+    // The compile id covers every input: compiler version, target and CPU,
+    // the config's bytes, the plan, the runtime library and the generated
+    // code of every stage (which is where the kernel generators show).
+    let mut h = Sha256::new();
+    for part in [env!("CARGO_PKG_VERSION"), "host", &req.cpu, &config_sha, &plan_json, &runtime_sha] {
+        h.update((part.len() as u64).to_le_bytes());
+        h.update(part.as_bytes());
+    }
+    for p in &programs {
+        h.update((p.mlir.len() as u64).to_le_bytes());
+        h.update(p.mlir.as_bytes());
+    }
+    let compile_id: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+
+    let n = programs.len();
+    let mut manifest = Manifest::new(cfg, &config_sha, &plan_json, &runtime_sha, &compile_id, &req.cpu);
+    crate::fsutil::write_dir_atomically(req.out, req.replace, |dir| {
+        let work = dir.join(".obj");
+        std::fs::create_dir(&work)?;
+        for p in &programs {
+            let meta = stage_meta(p, n, cfg, &compile_id, &config_sha, &req.cpu);
+            let mlir = format!("{}{}}}\n", p.mlir.trim_end().strip_suffix('}').unwrap_or(&p.mlir), meta_globals(&meta));
+            let name = format!("stage-{}", p.index);
+            if req.emit.contains(&Emit::Mlir) {
+                std::fs::write(dir.join(format!("{name}.steps.txt")), p.listing())?;
+                std::fs::write(dir.join(format!("{name}.mlir")), &p.mlir)?;
+            }
+            let art = host::compile(&mlir, &req.cpu).with_context(|| format!("stage {}: back end", p.index))?;
+            if req.emit.contains(&Emit::Llvm) {
+                std::fs::write(dir.join(format!("{name}.llvm.mlir")), &art.llvm_dialect)?;
+                std::fs::write(dir.join(format!("{name}.ll")), &art.llvm_ir)?;
+            }
+            let obj = work.join(format!("{name}.o"));
+            std::fs::write(&obj, &art.object)?;
+            let exe = dir.join(&name);
+            link::link(&obj, &req.runtime_lib, &exe).with_context(|| format!("stage {}: linking {}", p.index, exe.display()))?;
+            let bytes = std::fs::read(&exe)?;
+            manifest.stages.push(StageEntry::new(p, &name, &bytes));
+        }
+        std::fs::remove_dir_all(&work)?;
+        std::fs::write(dir.join("run.sh"), link::launcher(n))?;
+        set_executable(&dir.join("run.sh"))?;
+        let text = serde_json::to_string_pretty(&manifest)? + "\n";
+        std::fs::write(dir.join("manifest.json"), text)?;
+        Ok(())
+    })?;
+    Ok(manifest)
+}
+
+fn set_executable(p: &Path) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755))?;
+    Ok(())
+}

@@ -1,0 +1,500 @@
+//! Fusion: the stage's graph nodes become kernel calls. The patterns:
+//! - per-head RMSNorm → RoPE (→ cache append): one `HeadNormRope` call that
+//!   writes straight into the cache rows of this step;
+//! - a linear whose only consumer is a cache append (V) writes into the cache;
+//! - index scores → block max → top-k blocks → attention: one attention call
+//!   with the MSA selection inside;
+//! - a residual add whose first operand dies there runs in place;
+//! - router and routed experts are one call each; the experts' weights are a
+//!   pointer table, not 3×E arguments.
+
+use super::{cache_kind_name, Boundary, CacheSlot, TensorSlot};
+use crate::config::ModelConfig;
+use crate::dtype::DType;
+use crate::graph::{CacheKind, Dim, ModelGraph, Op};
+use crate::model::{expected_tensors, Part, TensorSpec};
+use m3c_kernels::{expert_tensor_types, Kernel, MemTy, SparseSel, WeightType};
+use petgraph::graph::NodeIndex;
+use petgraph::Direction;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fmt;
+
+/// An operand of a kernel call in the stage entry.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Arg {
+    /// The stage's activation rows `[S, hidden]`: its input, and (in place) its output.
+    X,
+    /// This step's token ids `[S]`.
+    Ids,
+    /// This step's positions `[S]`.
+    Pos,
+    /// Position of the step's first token (an index).
+    Pos0,
+    /// A scratch buffer `[S, width]` of `elem`.
+    Buf { id: usize, width: usize, elem: &'static str },
+    /// A weight from the pointer table.
+    Weight { slot: usize, ty: MemTy },
+    /// A pointer into the weight table: the first of a layer's expert tensors.
+    ExpertTable { first_slot: usize },
+    /// A whole cache `[pos0 + S, width]`.
+    Cache { slot: usize, width: usize },
+    /// This step's rows of a cache `[S, width]` (from row `pos0`).
+    CacheRows { slot: usize, width: usize },
+    /// The logits output `[S, vocab]`.
+    Logits { vocab: usize },
+    /// The argmax output `[S]`.
+    OutIds,
+}
+
+impl Arg {
+    /// The memref type the argument has in the entry.
+    pub fn mem_ty(&self, hidden: usize) -> Option<MemTy> {
+        Some(match self {
+            Arg::X => MemTy::rows(hidden, "f32"),
+            Arg::Ids | Arg::Pos | Arg::OutIds => MemTy { dims: vec![None], elem: "i64" },
+            Arg::Pos0 | Arg::ExpertTable { .. } => return None,
+            Arg::Buf { width, elem, .. } => MemTy::rows(*width, elem),
+            Arg::Weight { ty, .. } => ty.clone(),
+            Arg::Cache { width, .. } | Arg::CacheRows { width, .. } => MemTy::rows(*width, "f32"),
+            Arg::Logits { vocab } => MemTy::rows(*vocab, "f32"),
+        })
+    }
+}
+
+impl fmt::Display for Arg {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Arg::X => f.write_str("x"),
+            Arg::Ids => f.write_str("ids"),
+            Arg::Pos => f.write_str("pos"),
+            Arg::Pos0 => f.write_str("pos0"),
+            Arg::Buf { id, .. } => write!(f, "b{id}"),
+            Arg::Weight { slot, .. } => write!(f, "w{slot}"),
+            Arg::ExpertTable { first_slot } => write!(f, "&w{first_slot}"),
+            Arg::Cache { slot, .. } => write!(f, "cache{slot}[..pos0+S]"),
+            Arg::CacheRows { slot, .. } => write!(f, "cache{slot}[pos0..pos0+S]"),
+            Arg::Logits { .. } => f.write_str("logits"),
+            Arg::OutIds => f.write_str("out_ids"),
+        }
+    }
+}
+
+/// One statement of the stage entry.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Step {
+    /// A scratch buffer `[S, width]` comes to life.
+    Alloc { id: usize, width: usize, elem: &'static str },
+    /// Buffers of a finished part are freed.
+    Free { id: usize, width: usize, elem: &'static str },
+    Call { kernel: Kernel, args: Vec<Arg>, what: String },
+    /// The stage's result was not computed in place: copy it to `x`.
+    CopyToX { id: usize, width: usize },
+}
+
+impl fmt::Display for Step {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Step::Alloc { id, width, elem } => write!(f, "  b{id} = alloc [S, {width}] {elem}"),
+            Step::Free { id, .. } => write!(f, "  free b{id}"),
+            Step::Call { kernel, args, what } => {
+                let a: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+                write!(f, "  {}({})  # {what}", kernel.symbol(), a.join(", "))
+            }
+            Step::CopyToX { id, .. } => write!(f, "  x = copy b{id}"),
+        }
+    }
+}
+
+pub struct FusedStage {
+    pub hidden: usize,
+    pub tensors: Vec<TensorSlot>,
+    pub caches: Vec<CacheSlot>,
+    pub input: Boundary,
+    pub output: Boundary,
+    pub steps: Vec<Step>,
+    pub kernels: Vec<Kernel>,
+}
+
+struct Fuser<'a> {
+    cfg: &'a ModelConfig,
+    graph: &'a ModelGraph,
+    parts: &'a BTreeSet<Part>,
+    specs: HashMap<String, TensorSpec>,
+    tensors: Vec<TensorSlot>,
+    caches: Vec<CacheSlot>,
+    cache_slots: HashMap<(usize, CacheKind), usize>,
+    steps: Vec<Step>,
+    kernels: Vec<Kernel>,
+    vals: HashMap<NodeIndex, Arg>,
+    /// The expert ids a router node produced (its weights are in `vals`).
+    router_ids: HashMap<NodeIndex, Arg>,
+    next_buf: usize,
+    live: Vec<(usize, usize, &'static str)>,
+}
+
+fn weight_type(d: DType) -> Result<WeightType, String> {
+    match d {
+        DType::F32 => Ok(WeightType::F32),
+        DType::BF16 => Ok(WeightType::BF16),
+        DType::F16 => Ok(WeightType::F16),
+        other => Err(format!("no kernel reads {other} weights")),
+    }
+}
+
+fn width_of(shape: &[Dim]) -> usize {
+    shape.iter().skip(1).map(|d| if let Dim::Fixed(n) = d { *n } else { 1 }).product()
+}
+
+impl Fuser<'_> {
+    fn node(&self, n: NodeIndex) -> &Op {
+        &self.graph.graph[n].op
+    }
+
+    fn in_stage(&self, n: NodeIndex) -> bool {
+        self.parts.contains(&self.graph.graph[n].part)
+    }
+
+    fn consumers(&self, n: NodeIndex) -> Vec<NodeIndex> {
+        let mut c: Vec<NodeIndex> = self.graph.graph.neighbors_directed(n, Direction::Outgoing).collect();
+        c.sort();
+        c.dedup();
+        c
+    }
+
+    /// The value of operand `n`: computed in this stage, or the stage input.
+    fn val(&self, n: NodeIndex) -> Result<Arg, String> {
+        if let Some(v) = self.vals.get(&n) {
+            return Ok(v.clone());
+        }
+        match self.node(n) {
+            Op::TokenIds => Ok(Arg::Ids),
+            Op::Positions => Ok(Arg::Pos),
+            _ if !self.in_stage(n) => Ok(Arg::X),
+            op => Err(format!("operand {} ({}) used before it is computed", n.index(), op.name())),
+        }
+    }
+
+    fn weight(&mut self, name: &str) -> Result<(usize, DType, Vec<usize>), String> {
+        let spec = self.specs.get(name).ok_or_else(|| format!("the graph names tensor `{name}`, which the layout lacks"))?;
+        let (dtype, shape) = (spec.nominal, spec.shape.clone());
+        let slot = self.tensors.len();
+        self.tensors.push(TensorSlot { name: name.to_string(), shape: shape.clone(), dtype });
+        Ok((slot, dtype, shape))
+    }
+
+    fn weight_arg(&mut self, name: &str, elem: &'static str) -> Result<Arg, String> {
+        let (slot, _, shape) = self.weight(name)?;
+        Ok(Arg::Weight { slot, ty: MemTy::fixed(&shape, elem) })
+    }
+
+    fn float_weight(&mut self, name: &str) -> Result<(Arg, WeightType), String> {
+        let (slot, dtype, shape) = self.weight(name)?;
+        let wt = weight_type(dtype)?;
+        Ok((Arg::Weight { slot, ty: MemTy::fixed(&shape, wt.mlir_elem()) }, wt))
+    }
+
+    fn alloc(&mut self, width: usize, elem: &'static str) -> Arg {
+        let id = self.next_buf;
+        self.next_buf += 1;
+        self.steps.push(Step::Alloc { id, width, elem });
+        self.live.push((id, width, elem));
+        Arg::Buf { id, width, elem }
+    }
+
+    fn call(&mut self, kernel: Kernel, args: Vec<Arg>, what: String) {
+        if !self.kernels.contains(&kernel) {
+            self.kernels.push(kernel.clone());
+        }
+        self.steps.push(Step::Call { kernel, args, what });
+    }
+
+    fn cache_slot(&mut self, layer: usize, kind: CacheKind, width: usize) -> usize {
+        *self.cache_slots.entry((layer, kind)).or_insert_with(|| {
+            self.caches.push(CacheSlot { layer, kind: cache_kind_name(kind), width });
+            self.caches.len() - 1
+        })
+    }
+
+    /// Where node `n` (of `width` columns) writes: this step's cache rows when
+    /// its one consumer is a cache append, else a fresh buffer.
+    fn output_for(&mut self, n: NodeIndex, width: usize) -> Arg {
+        let cons = self.consumers(n);
+        if let [c] = cons.as_slice() {
+            if let Op::CacheAppend { kind, layer, .. } = *self.node(*c) {
+                let slot = self.cache_slot(layer, kind, width);
+                self.vals.insert(*c, Arg::Cache { slot, width });
+                return Arg::CacheRows { slot, width };
+            }
+        }
+        self.alloc(width, "f32")
+    }
+
+
+    fn lower(&mut self, n: NodeIndex, what: String) -> Result<(), String> {
+        let g = self.graph;
+        let node = &g.graph[n];
+        let ops = g.operands(n);
+        let t = &self.cfg.text;
+        let width = width_of(&node.ty.shape);
+        match node.op.clone() {
+            Op::TokenIds | Op::Positions | Op::HeadRmsNorm { .. } | Op::IndexScores { .. } | Op::BlockMaxScore { .. } | Op::TopKBlocks { .. } => {}
+            Op::CacheAppend { .. } => {
+                if !self.vals.contains_key(&n) {
+                    return Err(format!("{what}: cache append of a value not written into the cache"));
+                }
+            }
+            Op::Embedding { weight } => {
+                let (w, wt) = self.float_weight(&weight)?;
+                let k = Kernel::Embedding { vocab: t.vocab_size, width: t.hidden_size, weight: wt };
+                self.call(k, vec![Arg::Ids, w, Arg::X], what);
+                self.vals.insert(n, Arg::X);
+            }
+            Op::RmsNorm { weight, eps } => {
+                let x = self.val(ops[0])?;
+                let (w, wt) = self.float_weight(&weight)?;
+                let y = self.alloc(width, "f32");
+                self.call(Kernel::RmsNorm { width, eps, weight: wt }, vec![x, w, y.clone()], what);
+                self.vals.insert(n, y);
+            }
+            Op::Linear { weight, out, inp, mxfp8_block } => {
+                let x = self.val(ops[0])?;
+                let y = if self.consumers(n).iter().any(|&c| matches!(self.node(c), Op::Argmax)) {
+                    Arg::Logits { vocab: out }
+                } else {
+                    self.output_for(n, out)
+                };
+                let (k, mut args) = match mxfp8_block {
+                    Some(block) => {
+                        let w = self.weight_arg(&weight, "i8")?;
+                        let s = self.weight_arg(&weight.replace(".weight", ".weight_scale_inv"), "i8")?;
+                        (Kernel::Linear { inp, out, weight: WeightType::Mxfp8 { block } }, vec![x, w, s])
+                    }
+                    None => {
+                        let (w, wt) = self.float_weight(&weight)?;
+                        (Kernel::Linear { inp, out, weight: wt }, vec![x, w])
+                    }
+                };
+                args.push(y.clone());
+                self.call(k, args, what);
+                self.vals.insert(n, y);
+            }
+            Op::Rope { heads, head_dim, rotary_dim, theta } => {
+                let norm = ops[0];
+                let Op::HeadRmsNorm { weight, eps, .. } = self.node(norm).clone() else {
+                    return Err(format!("{what}: RoPE without a per-head norm before it"));
+                };
+                let x = self.val(g.operands(norm)[0])?;
+                let (w, wt) = self.float_weight(&weight)?;
+                let y = self.output_for(n, heads * head_dim);
+                let k = Kernel::HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight: wt };
+                self.call(k, vec![x, w, Arg::Pos, y.clone()], what);
+                self.vals.insert(n, y);
+            }
+            Op::Attention { heads, kv_heads, head_dim, scale, sparse_block } => {
+                let (q, kc, vc) = (self.val(ops[0])?, self.val(ops[1])?, self.val(ops[2])?);
+                let mut args = vec![q, kc, vc, Arg::Pos0];
+                let sparse = match sparse_block {
+                    None => None,
+                    Some(block) => {
+                        let sel = ops[4];
+                        let Op::TopKBlocks { k, local, init, .. } = *self.node(sel) else {
+                            return Err(format!("{what}: sparse attention without a top-k block selection"));
+                        };
+                        let bmax = g.operands(sel)[0];
+                        let scores = g.operands(bmax)[0];
+                        let Op::IndexScores { heads: ih, dim } = *self.node(scores) else {
+                            return Err(format!("{what}: block selection without indexer scores"));
+                        };
+                        let so = g.operands(scores);
+                        args.push(self.val(so[0])?);
+                        args.push(self.val(so[1])?);
+                        Some(SparseSel { index_heads: ih, index_dim: dim, block, topk: k, local, init })
+                    }
+                };
+                let o = self.alloc(heads * head_dim, "f32");
+                args.push(o.clone());
+                self.call(Kernel::Attention { heads, kv_heads, head_dim, scale, sparse }, args, what);
+                self.vals.insert(n, o);
+            }
+            Op::Add => {
+                let (a, b) = (self.val(ops[0])?, self.val(ops[1])?);
+                // In place when the first operand dies here (residual stream, routed sum).
+                let a_dies = self.consumers(ops[0]).iter().all(|&c| c <= n);
+                let y = if a_dies { a.clone() } else { self.alloc(width, "f32") };
+                self.call(Kernel::Add { width }, vec![a, b, y.clone()], what);
+                self.vals.insert(n, y);
+            }
+            Op::SwiGluOai { alpha, limit, beta } => {
+                let (gt, up) = (self.val(ops[0])?, self.val(ops[1])?);
+                let y = self.alloc(width, "f32");
+                self.call(Kernel::SwiGluOai { width, alpha, limit, beta }, vec![gt, up, y.clone()], what);
+                self.vals.insert(n, y);
+            }
+            Op::Router { weight, bias, experts, top_k, scale } => {
+                let h = self.val(ops[0])?;
+                let (w, wt) = self.float_weight(&weight)?;
+                let mut args = vec![h, w];
+                let bt = match bias {
+                    Some(b) => {
+                        let (ba, bt) = self.float_weight(&b)?;
+                        args.push(ba);
+                        Some(bt)
+                    }
+                    None => None,
+                };
+                let wts = self.alloc(top_k, "f32");
+                let ids = self.alloc(top_k, "i64");
+                args.push(wts.clone());
+                args.push(ids.clone());
+                let k = Kernel::Router { width: t.hidden_size, experts, top_k, scale, weight: wt, bias: bt };
+                self.call(k, args, what);
+                // The routing value is the pair; consumers read both.
+                self.vals.insert(n, wts);
+                self.router_ids.insert(n, ids);
+            }
+            Op::RoutedExperts { stem, experts, hidden, intermediate, mxfp8_block, alpha, limit, beta } => {
+                let h = self.val(ops[0])?;
+                let routing = ops[1];
+                let wts = self.val(routing)?;
+                let ids = self.router_ids.get(&routing).cloned().ok_or("routed experts without router ids")?;
+                let top_k = t.experts_per_token;
+                let weight = match mxfp8_block {
+                    Some(block) => WeightType::Mxfp8 { block },
+                    None => {
+                        let d = self.specs.get(&format!("{stem}.0.w1.weight")).map(|s| s.nominal).ok_or("no expert 0 in the layout")?;
+                        weight_type(d)?
+                    }
+                };
+                let first_slot = self.tensors.len();
+                for e in 0..experts {
+                    for proj in ["w1", "w3", "w2"] {
+                        self.weight(&format!("{stem}.{e}.{proj}.weight"))?;
+                        if mxfp8_block.is_some() {
+                            self.weight(&format!("{stem}.{e}.{proj}.weight_scale_inv"))?;
+                        }
+                    }
+                }
+                debug_assert_eq!(self.tensors.len() - first_slot, experts * expert_tensor_types(hidden, intermediate, weight).len());
+                let y = self.alloc(hidden, "f32");
+                let k = Kernel::RoutedExperts { hidden, inter: intermediate, top_k, weight, alpha, limit, beta };
+                self.call(k, vec![h, wts, ids, Arg::ExpertTable { first_slot }, y.clone()], what);
+                self.vals.insert(n, y);
+            }
+            Op::Argmax => {
+                let x = self.val(ops[0])?;
+                let Arg::Logits { vocab } = x else {
+                    return Err(format!("{what}: argmax of a value that is not the logits"));
+                };
+                self.call(Kernel::Argmax { width: vocab }, vec![x, Arg::OutIds], what);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Fuses and schedules the nodes of `parts`.
+pub fn fuse_stage(cfg: &ModelConfig, graph: &ModelGraph, parts: &BTreeSet<Part>) -> Result<FusedStage, String> {
+    let specs = expected_tensors(cfg).into_iter().map(|s| (s.name.clone(), s)).collect();
+    let mut f = Fuser {
+        cfg,
+        graph,
+        parts,
+        specs,
+        tensors: Vec::new(),
+        caches: Vec::new(),
+        cache_slots: HashMap::new(),
+        steps: Vec::new(),
+        kernels: Vec::new(),
+        vals: HashMap::new(),
+        router_ids: HashMap::new(),
+        next_buf: 0,
+        live: Vec::new(),
+    };
+    let hidden = cfg.text.hidden_size;
+    // Nodes in graph order (a topological order), grouped by part.
+    let mut by_part: BTreeMap<Part, Vec<NodeIndex>> = BTreeMap::new();
+    for n in graph.graph.node_indices() {
+        let p = graph.graph[n].part;
+        if parts.contains(&p) {
+            by_part.entry(p).or_default().push(n);
+        }
+    }
+    for (part, nodes) in &by_part {
+        for &n in nodes {
+            let what = format!("{} {}", part_label(*part), graph.graph[n].op.name());
+            f.lower(n, what)?;
+        }
+        f.end_part(graph, *part)?;
+    }
+    let input = if parts.contains(&Part::Embedding) { Boundary::TokenIds } else { Boundary::Hidden { width: hidden } };
+    // The stage's result: the value that a later stage (or nobody) reads.
+    let output = if parts.contains(&Part::LmHead) {
+        Boundary::Logits { vocab: cfg.text.vocab_size }
+    } else {
+        Boundary::Hidden { width: hidden }
+    };
+    Ok(FusedStage {
+        hidden,
+        tensors: f.tensors,
+        caches: f.caches,
+        input,
+        output,
+        steps: f.steps,
+        kernels: f.kernels,
+    })
+}
+
+impl Fuser<'_> {
+    /// At the end of `part`: a value read by a later stage must be in `x`
+    /// (copied there unless computed in place); a value read by a later part
+    /// of this stage stays alive; every other buffer of the part is freed.
+    fn end_part(&mut self, graph: &ModelGraph, part: Part) -> Result<(), String> {
+        let parts = self.parts;
+        let mut keep = BTreeSet::new();
+        let mut leaving: Vec<NodeIndex> = Vec::new();
+        for (&n, v) in &self.vals {
+            if graph.graph[n].part != part {
+                continue;
+            }
+            for c in graph.graph.neighbors_directed(n, Direction::Outgoing) {
+                let cp = graph.graph[c].part;
+                if !parts.contains(&cp) {
+                    leaving.push(n);
+                } else if cp != part {
+                    if let Arg::Buf { id, .. } = v {
+                        keep.insert(*id);
+                    }
+                }
+            }
+        }
+        leaving.sort();
+        leaving.dedup();
+        for n in leaving {
+            match self.vals[&n].clone() {
+                Arg::X => {}
+                Arg::Buf { id, width, elem: "f32" } if width == self.cfg.text.hidden_size => {
+                    self.steps.push(Step::CopyToX { id, width });
+                    self.vals.insert(n, Arg::X);
+                }
+                other => return Err(format!("value {other} leaves the stage but is not the hidden state")),
+            }
+        }
+        let (stay, free): (Vec<_>, Vec<_>) = std::mem::take(&mut self.live).into_iter().partition(|(id, _, _)| keep.contains(id));
+        for (id, width, elem) in free {
+            self.steps.push(Step::Free { id, width, elem });
+        }
+        self.live = stay;
+        Ok(())
+    }
+}
+
+pub fn part_label(p: Part) -> String {
+    match p {
+        Part::Embedding => "embed".into(),
+        Part::Layer(l) => format!("layer {l}"),
+        Part::FinalNorm => "final norm".into(),
+        Part::LmHead => "lm_head".into(),
+        Part::Vision => "vision".into(),
+    }
+}
+

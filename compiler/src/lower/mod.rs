@@ -1,0 +1,112 @@
+//! Stage lowering: a stage's slice of the model graph → fused kernel calls →
+//! one MLIR module (the kernels it needs, each once per shape, and the stage
+//! entry `m3c_stage_step` that runs them in graph order).
+//!
+//! The module is target-neutral; `backend::host` turns it into an object.
+//! Weights are not read here: the entry receives a table of pointers, in the
+//! order of [`StageProgram::tensors`], which the runtime fills at start-up.
+
+mod entry;
+mod fuse;
+
+pub use entry::ENTRY_SYMBOL;
+pub use fuse::{fuse_stage, Step};
+
+use crate::config::ModelConfig;
+use crate::dtype::DType;
+use crate::graph::{CacheKind, ModelGraph};
+use crate::model::Part;
+use crate::plan::StagePlan;
+use m3c_kernels::Kernel;
+use serde::Serialize;
+use std::collections::BTreeSet;
+
+/// One weight the stage reads, in pointer-table order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct TensorSlot {
+    pub name: String,
+    pub shape: Vec<usize>,
+    /// The element type the kernels were compiled for.
+    pub dtype: DType,
+}
+
+/// One per-layer cache the stage keeps for each sequence: `[capacity, width]` f32.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct CacheSlot {
+    pub layer: usize,
+    pub kind: &'static str,
+    pub width: usize,
+}
+
+/// What flows into or out of a stage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Boundary {
+    /// Token ids `[S]` (the first stage's input).
+    TokenIds,
+    /// f32 rows `[S, width]` (activations between stages).
+    Hidden { width: usize },
+    /// f32 logits `[S, vocab]` and their argmax (the last stage's output).
+    Logits { vocab: usize },
+}
+
+/// Everything m3c generates for one stage.
+#[derive(Debug, Clone)]
+pub struct StageProgram {
+    pub index: usize,
+    pub parts: BTreeSet<Part>,
+    pub tensors: Vec<TensorSlot>,
+    pub caches: Vec<CacheSlot>,
+    pub input: Boundary,
+    pub output: Boundary,
+    /// The fused steps, in execution order.
+    pub steps: Vec<Step>,
+    /// Distinct kernels, in first-use order.
+    pub kernels: Vec<Kernel>,
+    /// The MLIR module: kernels, view helpers and the stage entry.
+    pub mlir: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LowerError {
+    #[error("stage {stage}: {message}")]
+    Stage { stage: usize, message: String },
+}
+
+pub(crate) fn cache_kind_name(k: CacheKind) -> &'static str {
+    match k {
+        CacheKind::Key => "key",
+        CacheKind::Value => "value",
+        CacheKind::IndexKey => "index_key",
+    }
+}
+
+/// Lowers stage `index` of a plan.
+pub fn lower_stage(cfg: &ModelConfig, graph: &ModelGraph, index: usize, stage: &StagePlan) -> Result<StageProgram, LowerError> {
+    let parts = stage.parts();
+    let fused = fuse_stage(cfg, graph, &parts).map_err(|message| LowerError::Stage { stage: index, message })?;
+    let mlir = entry::module(&fused);
+    Ok(StageProgram {
+        index,
+        parts,
+        tensors: fused.tensors,
+        caches: fused.caches,
+        input: fused.input,
+        output: fused.output,
+        steps: fused.steps,
+        kernels: fused.kernels,
+        mlir,
+    })
+}
+
+impl StageProgram {
+    /// The fused program as text, one step per line (for `--emit` and snapshots).
+    pub fn listing(&self) -> String {
+        let mut s = format!("stage {} input {:?} output {:?}\n", self.index, self.input, self.output);
+        for step in &self.steps {
+            s.push_str(&step.to_string());
+            s.push('\n');
+        }
+        s
+    }
+}

@@ -1,0 +1,202 @@
+use crate::emit::{f32_lit, indent};
+
+/// MiniMax Sparse Attention's block selection, as fixed by the config.
+#[derive(Debug, Clone, Copy, PartialEq, PartialOrd)]
+pub struct SparseSel {
+    pub index_heads: usize,
+    pub index_dim: usize,
+    pub block: usize,
+    pub topk: usize,
+    /// The query's own block and the `local − 1` before it are always selected.
+    pub local: usize,
+    /// The first `init` blocks are always selected.
+    pub init: usize,
+}
+
+const NEG_INF: &str = "0xFF800000";
+const POS_INF: &str = "0x7F800000";
+
+/// Causal GQA attention of this step's queries over the whole cache, with the
+/// MSA indexer fused in when `sparse` is set: per KV group, token scores
+/// `<iq, ik>` max-pooled per key block, local/initial blocks forced, the
+/// top-k blocks kept (score descending, lower block first on ties), and the
+/// attention restricted to keys in selected blocks.
+///
+/// `q`, `o`: `[S, heads·d]`; `k`, `v`: `[T, kv_heads·d]` (the cache, this
+/// step's rows already written); query row `r` sits at position `pos0 + r`.
+/// Sparse: `iq`: `[S, index_heads·index_dim]`, `ik`: `[T, index_dim]`.
+pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64, sparse: Option<SparseSel>) -> String {
+    let group = heads / kv_heads;
+    let qt = format!("memref<?x{}xf32>", heads * d);
+    let kt = format!("memref<?x{}xf32>", kv_heads * d);
+    let mut args = format!("%q: {qt}, %k: {kt}, %v: {kt}, %pos0: index");
+    let mut setup = String::new();
+    let mut select = String::new();
+    let mut allowed = String::from("%allowed = arith.constant true\n");
+    let mut teardown = String::new();
+    if let Some(s) = sparse {
+        let iqt = format!("memref<?x{}xf32>", s.index_heads * s.index_dim);
+        let ikt = format!("memref<?x{}xf32>", s.index_dim);
+        args.push_str(&format!(", %iq: {iqt}, %ik: {ikt}"));
+        setup = format!(
+            "%cB = arith.constant {block} : index\n\
+             %cBm1 = arith.constant {bm1} : index\n\
+             %cK = arith.constant {topk} : index\n\
+             %cid = arith.constant {id} : index\n\
+             %clocal = arith.constant {local} : index\n\
+             %cinit = arith.constant {init} : index\n\
+             %pinf = arith.constant {POS_INF} : f32\n\
+             %i32_0 = arith.constant 0 : i32\n\
+             %i32_1 = arith.constant 1 : i32\n\
+             %ctxp = arith.addi %ctx, %cBm1 : index\n\
+             %nbmax = arith.divui %ctxp, %cB : index\n\
+             %bs = memref.alloc(%nbmax) : memref<?xf32>\n\
+             %sel = memref.alloc(%nbmax) : memref<?xi32>\n",
+            block = s.block,
+            bm1 = s.block - 1,
+            topk = s.topk,
+            id = s.index_dim,
+            local = s.local,
+            init = s.init,
+        );
+        teardown = "memref.dealloc %bs : memref<?xf32>\nmemref.dealloc %sel : memref<?xi32>\n".into();
+        select = format!(
+            "%bq = arith.divui %p, %cB : index\n\
+             %nb = arith.addi %bq, %c1 : index\n\
+             scf.for %b = %c0 to %nb step %c1 {{\n\
+             \x20 memref.store %ninf, %bs[%b] : memref<?xf32>\n\
+             \x20 memref.store %i32_0, %sel[%b] : memref<?xi32>\n\
+             }}\n\
+             %iqb = arith.muli %g, %cid : index\n\
+             scf.for %t = %c0 to %nk step %c1 {{\n\
+             \x20 %dot = scf.for %c = %c0 to %cid step %c1 iter_args(%a = %zero) -> (f32) {{\n\
+             \x20   %qc = arith.addi %iqb, %c : index\n\
+             \x20   %x1 = memref.load %iq[%r, %qc] : {iqt}\n\
+             \x20   %x2 = memref.load %ik[%t, %c] : {ikt}\n\
+             \x20   %m = arith.mulf %x1, %x2 : f32\n\
+             \x20   %a2 = arith.addf %a, %m : f32\n\
+             \x20   scf.yield %a2 : f32\n\
+             \x20 }}\n\
+             \x20 %b = arith.divui %t, %cB : index\n\
+             \x20 %old = memref.load %bs[%b] : memref<?xf32>\n\
+             \x20 %mx = arith.maximumf %old, %dot : f32\n\
+             \x20 memref.store %mx, %bs[%b] : memref<?xf32>\n\
+             }}\n\
+             // Forced blocks: the query's own (and `local - 1` before it), and the first `init`.\n\
+             %nloc = arith.minui %clocal, %nb : index\n\
+             scf.for %j = %c0 to %nloc step %c1 {{\n\
+             \x20 %b = arith.subi %bq, %j : index\n\
+             \x20 memref.store %pinf, %bs[%b] : memref<?xf32>\n\
+             }}\n\
+             %ninit = arith.minui %cinit, %nb : index\n\
+             scf.for %b = %c0 to %ninit step %c1 {{\n\
+             \x20 memref.store %pinf, %bs[%b] : memref<?xf32>\n\
+             }}\n\
+             // Top-k by repeated argmax: strict `>` keeps the lower block on ties,\n\
+             // and a block still at -inf (no causal key) is never taken.\n\
+             scf.for %s = %c0 to %cK step %c1 {{\n\
+             \x20 %best:2 = scf.for %b = %c0 to %nb step %c1 iter_args(%bv = %ninf, %bi = %nb) -> (f32, index) {{\n\
+             \x20   %taken = memref.load %sel[%b] : memref<?xi32>\n\
+             \x20   %free = arith.cmpi eq, %taken, %i32_0 : i32\n\
+             \x20   %bsv = memref.load %bs[%b] : memref<?xf32>\n\
+             \x20   %gt = arith.cmpf ogt, %bsv, %bv : f32\n\
+             \x20   %ok = arith.andi %free, %gt : i1\n\
+             \x20   %nv = arith.select %ok, %bsv, %bv : f32\n\
+             \x20   %ni = arith.select %ok, %b, %bi : index\n\
+             \x20   scf.yield %nv, %ni : f32, index\n\
+             \x20 }}\n\
+             \x20 %found = arith.cmpi ult, %best#1, %nb : index\n\
+             \x20 scf.if %found {{\n\
+             \x20   memref.store %i32_1, %sel[%best#1] : memref<?xi32>\n\
+             \x20 }}\n\
+             }}\n"
+        );
+        allowed = "%tb = arith.divui %t, %cB : index\n\
+                   %sv = memref.load %sel[%tb] : memref<?xi32>\n\
+                   %allowed = arith.cmpi ne, %sv, %i32_0 : i32\n"
+            .into();
+    }
+    args.push_str(&format!(", %o: {qt}"));
+    let body = format!(
+        "%c0 = arith.constant 0 : index\n\
+         %c1 = arith.constant 1 : index\n\
+         %cg = arith.constant {group} : index\n\
+         %ckv = arith.constant {kv_heads} : index\n\
+         %cd = arith.constant {d} : index\n\
+         %zero = arith.constant 0.0 : f32\n\
+         %one = arith.constant 1.0 : f32\n\
+         %scale = arith.constant {scale} : f32\n\
+         %ninf = arith.constant {NEG_INF} : f32\n\
+         %rows = memref.dim %q, %c0 : {qt}\n\
+         %ctx = memref.dim %k, %c0 : {kt}\n\
+         %sc = memref.alloc(%ctx) : memref<?xf32>\n\
+         {setup}\
+         scf.for %r = %c0 to %rows step %c1 {{\n\
+         \x20 %p = arith.addi %pos0, %r : index\n\
+         \x20 %nk = arith.addi %p, %c1 : index\n\
+         \x20 scf.for %g = %c0 to %ckv step %c1 {{\n\
+         {select}\
+         \x20   %kb = arith.muli %g, %cd : index\n\
+         \x20   scf.for %hh = %c0 to %cg step %c1 {{\n\
+         \x20     %gi = arith.muli %g, %cg : index\n\
+         \x20     %i = arith.addi %gi, %hh : index\n\
+         \x20     %qb = arith.muli %i, %cd : index\n\
+         \x20     %mx = scf.for %t = %c0 to %nk step %c1 iter_args(%m = %ninf) -> (f32) {{\n\
+         {allowed}\
+         \x20       %s = scf.if %allowed -> (f32) {{\n\
+         \x20         %dot = scf.for %c = %c0 to %cd step %c1 iter_args(%a = %zero) -> (f32) {{\n\
+         \x20           %qc = arith.addi %qb, %c : index\n\
+         \x20           %kc = arith.addi %kb, %c : index\n\
+         \x20           %x1 = memref.load %q[%r, %qc] : {qt}\n\
+         \x20           %x2 = memref.load %k[%t, %kc] : {kt}\n\
+         \x20           %mm = arith.mulf %x1, %x2 : f32\n\
+         \x20           %a2 = arith.addf %a, %mm : f32\n\
+         \x20           scf.yield %a2 : f32\n\
+         \x20         }}\n\
+         \x20         %sd = arith.mulf %dot, %scale : f32\n\
+         \x20         scf.yield %sd : f32\n\
+         \x20       }} else {{\n\
+         \x20         scf.yield %ninf : f32\n\
+         \x20       }}\n\
+         \x20       memref.store %s, %sc[%t] : memref<?xf32>\n\
+         \x20       %m2 = arith.maximumf %m, %s : f32\n\
+         \x20       scf.yield %m2 : f32\n\
+         \x20     }}\n\
+         \x20     %sum = scf.for %t = %c0 to %nk step %c1 iter_args(%a = %zero) -> (f32) {{\n\
+         \x20       %s = memref.load %sc[%t] : memref<?xf32>\n\
+         \x20       %sh = arith.subf %s, %mx : f32\n\
+         \x20       %e = math.exp %sh : f32\n\
+         \x20       memref.store %e, %sc[%t] : memref<?xf32>\n\
+         \x20       %a2 = arith.addf %a, %e : f32\n\
+         \x20       scf.yield %a2 : f32\n\
+         \x20     }}\n\
+         \x20     %inv = arith.divf %one, %sum : f32\n\
+         \x20     scf.for %c = %c0 to %cd step %c1 {{\n\
+         \x20       %oc = arith.addi %qb, %c : index\n\
+         \x20       memref.store %zero, %o[%r, %oc] : {qt}\n\
+         \x20     }}\n\
+         \x20     scf.for %t = %c0 to %nk step %c1 {{\n\
+         \x20       %e = memref.load %sc[%t] : memref<?xf32>\n\
+         \x20       %pw = arith.mulf %e, %inv : f32\n\
+         \x20       scf.for %c = %c0 to %cd step %c1 {{\n\
+         \x20         %oc = arith.addi %qb, %c : index\n\
+         \x20         %vc = arith.addi %kb, %c : index\n\
+         \x20         %vv = memref.load %v[%t, %vc] : {kt}\n\
+         \x20         %ov = memref.load %o[%r, %oc] : {qt}\n\
+         \x20         %pv = arith.mulf %pw, %vv : f32\n\
+         \x20         %o2 = arith.addf %ov, %pv : f32\n\
+         \x20         memref.store %o2, %o[%r, %oc] : {qt}\n\
+         \x20       }}\n\
+         \x20     }}\n\
+         \x20   }}\n\
+         \x20 }}\n\
+         }}\n\
+         memref.dealloc %sc : memref<?xf32>\n\
+         {teardown}\
+         return\n",
+        scale = f32_lit(scale),
+        select = indent(&select, 4),
+        allowed = indent(&allowed, 8),
+    );
+    format!("  func.func @{name}({args}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n", indent(&body, 4))
+}

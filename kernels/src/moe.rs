@@ -1,0 +1,216 @@
+use crate::emit::{f32_lit, indent, load_weight_f32};
+use crate::view::MemTy;
+use crate::{Kernel, WeightType};
+
+/// The MoE router, in f32: `s = σ(h Wᵀ)`, top-k of `s + bias` (the bias only
+/// selects; first index on ties), weights `scale · s[idx] / Σ s[idx]`.
+/// `h`: `[S, width]`, `w`: `[experts, width]`, `bias`: `[experts]`;
+/// out: `wts` `[S, k]` f32 and `ids` `[S, k]` i64, in selection order.
+pub fn router(name: &str, width: usize, experts: usize, k: usize, scale: f64, weight: WeightType, bias: Option<WeightType>) -> String {
+    let ht = format!("memref<?x{width}xf32>");
+    let wt = format!("memref<{experts}x{width}x{}>", weight.mlir_elem());
+    let wts = format!("memref<?x{k}xf32>");
+    let ids = format!("memref<?x{k}xi64>");
+    let mut args = format!("%h: {ht}, %w: {wt}");
+    let add_bias = match bias {
+        Some(bt) => {
+            let bty = format!("memref<{experts}x{}>", bt.mlir_elem());
+            args.push_str(&format!(", %bias: {bty}"));
+            format!("{}%ch = arith.addf %sg, %bv : f32\n", load_weight_f32("%bv", "%bias", "%e", &bty, bt))
+        }
+        None => "%ch = arith.addf %sg, %zero : f32\n".into(),
+    };
+    args.push_str(&format!(", %wts: {wts}, %ids: {ids}"));
+    let body = format!(
+        "%c0 = arith.constant 0 : index\n\
+         %c1 = arith.constant 1 : index\n\
+         %cw = arith.constant {width} : index\n\
+         %ce = arith.constant {experts} : index\n\
+         %ck = arith.constant {k} : index\n\
+         %zero = arith.constant 0.0 : f32\n\
+         %one = arith.constant 1.0 : f32\n\
+         %scale = arith.constant {scale} : f32\n\
+         %ninf = arith.constant 0xFF800000 : f32\n\
+         %i32_0 = arith.constant 0 : i32\n\
+         %i32_1 = arith.constant 1 : i32\n\
+         %s = memref.alloca() : memref<{experts}xf32>\n\
+         %choice = memref.alloca() : memref<{experts}xf32>\n\
+         %taken = memref.alloca() : memref<{experts}xi32>\n\
+         %rows = memref.dim %h, %c0 : {ht}\n\
+         scf.for %r = %c0 to %rows step %c1 {{\n\
+         \x20 scf.for %e = %c0 to %ce step %c1 {{\n\
+         \x20   %l = scf.for %i = %c0 to %cw step %c1 iter_args(%a = %zero) -> (f32) {{\n\
+         \x20     %xv = memref.load %h[%r, %i] : {ht}\n\
+         {wload}\
+         \x20     %m = arith.mulf %xv, %wv : f32\n\
+         \x20     %a2 = arith.addf %a, %m : f32\n\
+         \x20     scf.yield %a2 : f32\n\
+         \x20   }}\n\
+         \x20   %nl = arith.negf %l : f32\n\
+         \x20   %ex = math.exp %nl : f32\n\
+         \x20   %den = arith.addf %one, %ex : f32\n\
+         \x20   %sg = arith.divf %one, %den : f32\n\
+         \x20   memref.store %sg, %s[%e] : memref<{experts}xf32>\n\
+         {add_bias}\
+         \x20   memref.store %ch, %choice[%e] : memref<{experts}xf32>\n\
+         \x20   memref.store %i32_0, %taken[%e] : memref<{experts}xi32>\n\
+         \x20 }}\n\
+         \x20 %sum = scf.for %j = %c0 to %ck step %c1 iter_args(%acc = %zero) -> (f32) {{\n\
+         \x20   %best:2 = scf.for %e = %c0 to %ce step %c1 iter_args(%bv = %ninf, %bi = %c0) -> (f32, index) {{\n\
+         \x20     %t = memref.load %taken[%e] : memref<{experts}xi32>\n\
+         \x20     %free = arith.cmpi eq, %t, %i32_0 : i32\n\
+         \x20     %v = memref.load %choice[%e] : memref<{experts}xf32>\n\
+         \x20     %gt = arith.cmpf ogt, %v, %bv : f32\n\
+         \x20     %ok = arith.andi %free, %gt : i1\n\
+         \x20     %nv = arith.select %ok, %v, %bv : f32\n\
+         \x20     %ni = arith.select %ok, %e, %bi : index\n\
+         \x20     scf.yield %nv, %ni : f32, index\n\
+         \x20   }}\n\
+         \x20   memref.store %i32_1, %taken[%best#1] : memref<{experts}xi32>\n\
+         \x20   %id = arith.index_cast %best#1 : index to i64\n\
+         \x20   memref.store %id, %ids[%r, %j] : {ids}\n\
+         \x20   %sv = memref.load %s[%best#1] : memref<{experts}xf32>\n\
+         \x20   memref.store %sv, %wts[%r, %j] : {wts}\n\
+         \x20   %acc2 = arith.addf %acc, %sv : f32\n\
+         \x20   scf.yield %acc2 : f32\n\
+         \x20 }}\n\
+         \x20 scf.for %j = %c0 to %ck step %c1 {{\n\
+         \x20   %sv = memref.load %wts[%r, %j] : {wts}\n\
+         \x20   %nw = arith.divf %sv, %sum : f32\n\
+         \x20   %sw = arith.mulf %nw, %scale : f32\n\
+         \x20   memref.store %sw, %wts[%r, %j] : {wts}\n\
+         \x20 }}\n\
+         }}\n\
+         return\n",
+        scale = f32_lit(scale),
+        wload = indent(&load_weight_f32("%wv", "%w", "%e, %i", &wt, weight), 6),
+        add_bias = indent(&add_bias, 4),
+    );
+    format!("  func.func @{name}({args}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n", indent(&body, 4))
+}
+
+/// Pointers per expert in the expert table: w1 (gate), w3 (up), w2 (down),
+/// each followed by its E8M0 scales for MXFP8.
+pub fn expert_table_stride(weight: WeightType) -> usize {
+    match weight {
+        WeightType::Mxfp8 { .. } => 6,
+        _ => 3,
+    }
+}
+
+/// The memref types of one expert's tensors, in table order.
+pub fn expert_tensor_types(hidden: usize, inter: usize, weight: WeightType) -> Vec<MemTy> {
+    let e = weight.mlir_elem();
+    let mut out = Vec::new();
+    for (o, i) in [(inter, hidden), (inter, hidden), (hidden, inter)] {
+        out.push(MemTy::fixed(&[o, i], e));
+        if let WeightType::Mxfp8 { block } = weight {
+            out.push(MemTy::fixed(&[o, i / block], "i8"));
+        }
+    }
+    out
+}
+
+/// The kernels the routed-experts kernel calls.
+pub fn expert_deps(hidden: usize, inter: usize, weight: WeightType, alpha: f64, limit: f64, beta: f64) -> Vec<Kernel> {
+    vec![
+        Kernel::Linear { inp: hidden, out: inter, weight },
+        Kernel::Linear { inp: inter, out: hidden, weight },
+        Kernel::SwiGluOai { width: inter, alpha, limit, beta },
+    ]
+}
+
+/// Routed experts: `y[r] = Σ_j wts[r, j] · Expert_{ids[r, j]}(h[r])` with
+/// SwiGLU-OAI experts. The experts' weights come through `table`, a pointer
+/// array with [`expert_table_stride`] entries per expert, so a layer's 128
+/// experts are one argument and only the chosen experts' bytes are read.
+pub fn routed_experts(name: &str, hidden: usize, inter: usize, k: usize, weight: WeightType, alpha: f64, limit: f64, beta: f64) -> String {
+    let ht = format!("memref<?x{hidden}xf32>");
+    let it = format!("memref<?x{inter}xf32>");
+    let wts = format!("memref<?x{k}xf32>");
+    let ids = format!("memref<?x{k}xi64>");
+    let stride = expert_table_stride(weight);
+    let types = expert_tensor_types(hidden, inter, weight);
+    let deps = expert_deps(hidden, inter, weight, alpha, limit, beta);
+    let (up_fn, down_fn, act_fn) = (deps[0].symbol(), deps[1].symbol(), deps[2].symbol());
+    let mut views = String::new();
+    for (j, ty) in types.iter().enumerate() {
+        views.push_str(&format!(
+            "%off{j} = arith.addi %ebase, %c{j}_i64 : i64\n\
+             %gp{j} = llvm.getelementptr %table[%off{j}] : (!llvm.ptr, i64) -> !llvm.ptr, !llvm.ptr\n\
+             %p{j} = llvm.load %gp{j} : !llvm.ptr -> !llvm.ptr\n\
+             %t{j} = func.call @{}(%p{j}, %c0) : (!llvm.ptr, index) -> {}\n",
+            ty.view_fn(),
+            ty.mlir()
+        ));
+    }
+    let tys: Vec<String> = types.iter().map(MemTy::mlir).collect();
+    let (gate_args, up_args, down_args, gate_ty, down_ty) = if stride == 6 {
+        (
+            "%hr, %t0, %t1, %gb",
+            "%hr, %t2, %t3, %ub",
+            "%ab, %t4, %t5, %ob",
+            format!("{ht}, {}, {}, {it}", tys[0], tys[1]),
+            format!("{it}, {}, {}, {ht}", tys[4], tys[5]),
+        )
+    } else {
+        (
+            "%hr, %t0, %gb",
+            "%hr, %t1, %ub",
+            "%ab, %t2, %ob",
+            format!("{ht}, {}, {it}", tys[0]),
+            format!("{it}, {}, {ht}", tys[2]),
+        )
+    };
+    let consts: String = (0..stride).map(|j| format!("%c{j}_i64 = arith.constant {j} : i64\n")).collect();
+    let body = format!(
+        "%c0 = arith.constant 0 : index\n\
+         %c1 = arith.constant 1 : index\n\
+         %ch = arith.constant {hidden} : index\n\
+         %ck = arith.constant {k} : index\n\
+         %cstride = arith.constant {stride} : i64\n\
+         {consts}\
+         %zero = arith.constant 0.0 : f32\n\
+         %hr = memref.alloc(%c1) : {ht}\n\
+         %gb = memref.alloc(%c1) : {it}\n\
+         %ub = memref.alloc(%c1) : {it}\n\
+         %ab = memref.alloc(%c1) : {it}\n\
+         %ob = memref.alloc(%c1) : {ht}\n\
+         %rows = memref.dim %h, %c0 : {ht}\n\
+         scf.for %r = %c0 to %rows step %c1 {{\n\
+         \x20 scf.for %c = %c0 to %ch step %c1 {{\n\
+         \x20   %hv = memref.load %h[%r, %c] : {ht}\n\
+         \x20   memref.store %hv, %hr[%c0, %c] : {ht}\n\
+         \x20   memref.store %zero, %y[%r, %c] : {ht}\n\
+         \x20 }}\n\
+         \x20 scf.for %j = %c0 to %ck step %c1 {{\n\
+         \x20   %e = memref.load %ids[%r, %j] : {ids}\n\
+         \x20   %ebase = arith.muli %e, %cstride : i64\n\
+         {views}\
+         \x20   func.call @{up_fn}({gate_args}) : ({gate_ty}) -> ()\n\
+         \x20   func.call @{up_fn}({up_args}) : ({gate_ty}) -> ()\n\
+         \x20   func.call @{act_fn}(%gb, %ub, %ab) : ({it}, {it}, {it}) -> ()\n\
+         \x20   func.call @{down_fn}({down_args}) : ({down_ty}) -> ()\n\
+         \x20   %wj = memref.load %wts[%r, %j] : {wts}\n\
+         \x20   scf.for %c = %c0 to %ch step %c1 {{\n\
+         \x20     %ov = memref.load %ob[%c0, %c] : {ht}\n\
+         \x20     %yv = memref.load %y[%r, %c] : {ht}\n\
+         \x20     %m = arith.mulf %wj, %ov : f32\n\
+         \x20     %y2 = arith.addf %yv, %m : f32\n\
+         \x20     memref.store %y2, %y[%r, %c] : {ht}\n\
+         \x20   }}\n\
+         \x20 }}\n\
+         }}\n\
+         memref.dealloc %hr : {ht}\n\
+         memref.dealloc %gb : {it}\n\
+         memref.dealloc %ub : {it}\n\
+         memref.dealloc %ab : {it}\n\
+         memref.dealloc %ob : {ht}\n\
+         return\n",
+        views = indent(&views, 4),
+    );
+    format!(
+        "  func.func @{name}(%h: {ht}, %wts: {wts}, %ids: {ids}, %table: !llvm.ptr, %y: {ht}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n",
+        indent(&body, 4)
+    )
+}

@@ -1,0 +1,82 @@
+//! Command-line arguments of a stage executable (every rank gets the same).
+
+use std::path::PathBuf;
+
+#[derive(Debug, Clone)]
+pub struct RunArgs {
+    pub model: PathBuf,
+    pub prompts: Vec<Vec<i64>>,
+    pub max_new_tokens: usize,
+    pub dump: Option<PathBuf>,
+    /// Seconds a rank waits for a message before it gives up.
+    pub timeout_s: f64,
+}
+
+pub const USAGE: &str = "usage: stage-K --model DIR (--prompt-ids 1,2,3 [--prompt-ids ...] | --prompts FILE) \
+--max-new-tokens N [--dump FILE.safetensors] [--timeout-s S]";
+
+pub fn parse_ids(text: &str, what: &str) -> Result<Vec<i64>, String> {
+    let ids: Result<Vec<i64>, String> = text
+        .split(|c: char| c == ',' || c.is_whitespace())
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse::<i64>().map_err(|_| format!("{what}: `{s}` is not a token id (expected integers separated by commas)")))
+        .collect();
+    let ids = ids?;
+    if ids.is_empty() {
+        return Err(format!("{what}: a prompt needs at least one token id"));
+    }
+    Ok(ids)
+}
+
+pub fn parse(args: &[String]) -> Result<RunArgs, String> {
+    let mut model = None;
+    let mut prompts = Vec::new();
+    let mut prompts_file = None;
+    let mut max_new = None;
+    let mut dump = None;
+    let mut timeout_s = 300.0;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut value = |name: &str| it.next().cloned().ok_or_else(|| format!("{name} needs a value; {USAGE}"));
+        match a.as_str() {
+            "--model" => model = Some(PathBuf::from(value("--model")?)),
+            "--prompt-ids" => prompts.push(parse_ids(&value("--prompt-ids")?, "--prompt-ids")?),
+            "--prompts" => prompts_file = Some(PathBuf::from(value("--prompts")?)),
+            "--max-new-tokens" => {
+                let v = value("--max-new-tokens")?;
+                max_new = Some(v.parse::<usize>().map_err(|_| format!("--max-new-tokens: `{v}` is not a count"))?);
+            }
+            "--dump" => dump = Some(PathBuf::from(value("--dump")?)),
+            "--timeout-s" => {
+                let v = value("--timeout-s")?;
+                timeout_s = v.parse::<f64>().ok().filter(|t| *t > 0.0).ok_or_else(|| format!("--timeout-s: `{v}` is not a positive number"))?;
+            }
+            other => return Err(format!("unknown argument `{other}`; {USAGE}")),
+        }
+    }
+    if let Some(f) = prompts_file {
+        if !prompts.is_empty() {
+            return Err("give --prompt-ids or --prompts, not both".into());
+        }
+        let text = std::fs::read_to_string(&f).map_err(|e| format!("--prompts {}: {e}", f.display()))?;
+        for (i, line) in text.lines().enumerate() {
+            if line.trim().is_empty() || line.trim_start().starts_with('#') {
+                continue;
+            }
+            prompts.push(parse_ids(line, &format!("{}:{}", f.display(), i + 1))?);
+        }
+        if prompts.is_empty() {
+            return Err(format!("--prompts {}: no prompts in the file (one per line, ids separated by commas)", f.display()));
+        }
+    }
+    if prompts.is_empty() {
+        return Err(format!("no prompt: give --prompt-ids or --prompts; {USAGE}"));
+    }
+    Ok(RunArgs {
+        model: model.ok_or_else(|| format!("--model DIR is required; {USAGE}"))?,
+        prompts,
+        max_new_tokens: max_new.ok_or_else(|| format!("--max-new-tokens is required; {USAGE}"))?,
+        dump,
+        timeout_s,
+    })
+}

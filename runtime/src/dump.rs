@@ -1,0 +1,58 @@
+//! `--dump`: the last stage's logits and ids as safetensors, with the tensor
+//! names of the fixtures' golden.safetensors.
+
+use std::path::{Path, PathBuf};
+
+pub struct SeqRecord {
+    pub prompt: Vec<i64>,
+    pub prefill_logits: Vec<f32>,
+    pub generated: Vec<i64>,
+    pub decode_logits: Vec<f32>,
+}
+
+/// The dump file of prompt `i` of `n`: FILE itself for one prompt, else
+/// `STEM.p{i}.EXT` (`out.safetensors` → `out.p0.safetensors`, ...).
+pub fn dump_path(file: &Path, i: usize, n: usize) -> PathBuf {
+    if n == 1 {
+        return file.to_path_buf();
+    }
+    let stem = file.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = match file.extension() {
+        Some(ext) => format!("{stem}.p{i}.{}", ext.to_string_lossy()),
+        None => format!("{stem}.p{i}"),
+    };
+    file.with_file_name(name)
+}
+
+pub fn write(path: &Path, r: &SeqRecord, vocab: usize) -> Result<(), String> {
+    let le_i64 = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let le_f32 = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let tensors: Vec<(&str, &str, Vec<usize>, Vec<u8>)> = vec![
+        ("decode_logits", "F32", vec![r.decode_logits.len() / vocab, vocab], le_f32(&r.decode_logits)),
+        ("generated_ids", "I64", vec![r.generated.len()], le_i64(&r.generated)),
+        ("prefill_logits", "F32", vec![r.prefill_logits.len() / vocab, vocab], le_f32(&r.prefill_logits)),
+        ("prompt_ids", "I64", vec![r.prompt.len()], le_i64(&r.prompt)),
+    ];
+    let mut header = serde_json::Map::new();
+    let mut off = 0usize;
+    for (name, dtype, shape, data) in &tensors {
+        header.insert(
+            name.to_string(),
+            serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [off, off + data.len()]}),
+        );
+        off += data.len();
+    }
+    let mut h = serde_json::to_vec(&serde_json::Value::Object(header)).map_err(|e| e.to_string())?;
+    while h.len() % 8 != 0 {
+        h.push(b' ');
+    }
+    let mut out = Vec::with_capacity(8 + h.len() + off);
+    out.extend((h.len() as u64).to_le_bytes());
+    out.extend(h);
+    for (_, _, _, data) in tensors {
+        out.extend(data);
+    }
+    let tmp = path.with_extension("partial");
+    std::fs::write(&tmp, &out).map_err(|e| format!("--dump {}: {e}", tmp.display()))?;
+    std::fs::rename(&tmp, path).map_err(|e| format!("--dump {}: {e}", path.display()))
+}

@@ -1,0 +1,340 @@
+//! The m3c runtime: linked into every stage executable (`OUT/stage-K`), it
+//! provides `main`. MPI starts the ranks (one per stage) and carries
+//! activations between them; each rank checks it belongs to this compile,
+//! maps its own weights, keeps its sequences' KV and index-key caches and
+//! runs the compiled `m3c_stage_step`.
+//!
+//! Pipeline: each prompt is a micro-batch. The first stage pushes every
+//! prompt's prefill into the pipeline, then feeds each generated token back
+//! in as soon as the last stage returns it, so stage k works on one sequence
+//! while stage k+1 works on another.
+
+mod args;
+mod dump;
+mod meta;
+mod stage;
+mod weights;
+
+use mpi::point_to_point::{Destination, MatchedReceiveVec, Source};
+use mpi::topology::{Communicator, SimpleCommunicator};
+use mpi::traits::CommunicatorCollectives;
+use std::collections::VecDeque;
+use std::os::raw::{c_char, c_int};
+use std::time::{Duration, Instant};
+
+extern "C" {
+    static m3c_stage_meta: u8;
+    static m3c_stage_meta_len: u64;
+}
+
+const TAG_ACT: i32 = 7;
+const TAG_IDS: i32 = 8;
+const KIND_STEP: i64 = 0;
+const KIND_STOP: i64 = 1;
+
+fn embedded_meta() -> Result<meta::StageMeta, String> {
+    // SAFETY: m3c emits both symbols: `m3c_stage_meta_len` bytes of JSON at `m3c_stage_meta`.
+    let bytes = unsafe { std::slice::from_raw_parts(&m3c_stage_meta as *const u8, m3c_stage_meta_len as usize) };
+    meta::StageMeta::parse(bytes)
+}
+
+#[no_mangle]
+pub extern "C" fn main(_argc: c_int, _argv: *const *const c_char) -> c_int {
+    match std::panic::catch_unwind(run) {
+        Ok(code) => code,
+        Err(_) => 101,
+    }
+}
+
+/// Resident and peak resident memory of this process, from /proc.
+fn resident() -> (f64, f64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kb = |key: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+            / 1024.0
+    };
+    (kb("VmRSS:"), kb("VmHWM:"))
+}
+
+fn run() -> c_int {
+    let meta = match embedded_meta() {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("m3c stage: error: {e}");
+            return 1;
+        }
+    };
+    let who = format!("m3c stage {}/{}", meta.stage, meta.stages);
+    let Some(universe) = mpi::initialize() else {
+        eprintln!("{who}: error: MPI could not be initialised");
+        return 1;
+    };
+    let world = universe.world();
+    let (rank, size) = (world.rank() as usize, world.size() as usize);
+
+    // Every check below gives every rank the same verdict, so all of them
+    // report and exit together instead of leaving a peer waiting.
+    if size != meta.stages {
+        eprintln!(
+            "{who}: error: this pipeline has {} stages but MPI started {size} rank(s); run one rank per stage: \
+             mpirun -np 1 OUT/stage-0 : ... : -np 1 OUT/stage-{}",
+            meta.stages,
+            meta.stages - 1
+        );
+        return 1;
+    }
+    let mut id = [0u8; 64];
+    let b = meta.compile_id.as_bytes();
+    id[..b.len().min(64)].copy_from_slice(&b[..b.len().min(64)]);
+    let mut ids = vec![0u8; 64 * size];
+    world.all_gather_into(&id[..], &mut ids[..]);
+    let mut stage_of = vec![0u64; size];
+    world.all_gather_into(&(meta.stage as u64), &mut stage_of[..]);
+    let foreign: Vec<usize> = (0..size).filter(|&r| ids[r * 64..(r + 1) * 64] != id[..]).collect();
+    if !foreign.is_empty() {
+        let list: Vec<String> = (0..size)
+            .map(|r| format!("rank {r}: {}", String::from_utf8_lossy(&ids[r * 64..(r + 1) * 64]).trim_end_matches('\0').chars().take(12).collect::<String>()))
+            .collect();
+        eprintln!(
+            "{who}: error: the ranks come from different compiles (compile ids {}); start the stage executables of one OUT folder",
+            list.join(", ")
+        );
+        return 1;
+    }
+    if stage_of.iter().enumerate().any(|(r, &s)| r as u64 != s) {
+        eprintln!("{who}: error: stages started out of order (rank r must run stage-r; ranks run stages {stage_of:?})");
+        return 1;
+    }
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let args = match args::parse(&argv).and_then(|a| {
+        for (i, p) in a.prompts.iter().enumerate() {
+            if let Some(bad) = p.iter().find(|&&t| t < 0 || t as usize >= meta.vocab) {
+                return Err(format!("prompt {i}: token id {bad} is outside the vocabulary (0..{})", meta.vocab));
+            }
+        }
+        Ok(a)
+    }) {
+        Ok(a) => a,
+        Err(e) => {
+            if rank == 0 {
+                eprintln!("m3c: error: {e}");
+            }
+            return 1;
+        }
+    };
+
+    // Weights: each rank maps its own; then all agree on whether to go on.
+    let t0 = Instant::now();
+    let loaded = weights::check_config(&args.model, &meta).and_then(|_| weights::StageWeights::open(&args.model, &meta));
+    let ok = loaded.is_ok() as u8;
+    let mut oks = vec![0u8; size];
+    world.all_gather_into(&ok, &mut oks[..]);
+    let weights = match loaded {
+        Err(e) => {
+            eprintln!("{who} ({}): error: {e}", meta.holds);
+            return 1;
+        }
+        Ok(_) if oks.contains(&0) => return 1,
+        Ok(w) => w,
+    };
+    let (rss, _) = resident();
+    eprintln!(
+        "{who}: {}: {} tensors mapped ({:.2} MB) in {:.2} s, resident {:.1} MB",
+        meta.holds,
+        weights.mapped(),
+        weights.bytes as f64 / 1e6,
+        t0.elapsed().as_secs_f64(),
+        rss
+    );
+    let mut st = stage::Stage::new(meta, weights);
+    let timeout = Duration::from_secs_f64(args.timeout_s);
+    match pipeline(&world, &mut st, &args, timeout) {
+        Ok(()) => {
+            let (rss, peak) = resident();
+            eprintln!(
+                "{who}: done; caches {:.2} MB, resident {rss:.1} MB, peak {peak:.1} MB",
+                st.cache_bytes() as f64 / 1e6
+            );
+            0
+        }
+        Err(e) => {
+            eprintln!("{who}: error: {e}");
+            world.abort(1)
+        }
+    }
+}
+
+fn message(kind: i64, seq: usize, pos0: usize, tokens: usize, payload: &[u8]) -> Vec<u8> {
+    let mut m = Vec::with_capacity(32 + payload.len());
+    for v in [kind, seq as i64, pos0 as i64, tokens as i64] {
+        m.extend(v.to_le_bytes());
+    }
+    m.extend_from_slice(payload);
+    m
+}
+
+struct Msg {
+    kind: i64,
+    seq: usize,
+    pos0: usize,
+    tokens: usize,
+    payload: Vec<u8>,
+}
+
+fn parse_msg(m: Vec<u8>) -> Result<Msg, String> {
+    if m.len() < 32 {
+        return Err(format!("malformed message of {} bytes", m.len()));
+    }
+    let h = |i: usize| i64::from_le_bytes(m[i * 8..i * 8 + 8].try_into().unwrap());
+    Ok(Msg { kind: h(0), seq: h(1) as usize, pos0: h(2) as usize, tokens: h(3) as usize, payload: m[32..].to_vec() })
+}
+
+/// Receives the next message with `tag` from rank `from`, or fails after `timeout`.
+fn recv(world: &SimpleCommunicator, from: usize, tag: i32, timeout: Duration) -> Result<Msg, String> {
+    let p = world.process_at_rank(from as i32);
+    let start = Instant::now();
+    let mut spins = 0u32;
+    loop {
+        if let Some(m) = p.immediate_matched_probe_with_tag(tag) {
+            let (v, _) = m.matched_receive_vec::<u8>();
+            return parse_msg(v);
+        }
+        if start.elapsed() > timeout {
+            return Err(format!("nothing from stage {from} for {:.0} s (--timeout-s); is that stage alive?", timeout.as_secs_f64()));
+        }
+        spins += 1;
+        if spins < 2000 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn bytes_f32(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+}
+
+/// The last stage's record of each sequence.
+fn record_logits(records: &mut [dump::SeqRecord], seq: usize, pos0: usize, logits: Vec<f32>, vocab: usize, id: i64, max_new: usize) {
+    let r = &mut records[seq];
+    if pos0 == 0 {
+        r.prefill_logits = logits;
+    } else {
+        let rows = logits.len() / vocab;
+        r.decode_logits.extend_from_slice(&logits[(rows - 1) * vocab..]);
+    }
+    if r.generated.len() < max_new {
+        r.generated.push(id);
+    }
+}
+
+fn pipeline(world: &SimpleCommunicator, st: &mut stage::Stage, args: &args::RunArgs, timeout: Duration) -> Result<(), String> {
+    let (first, last) = (st.meta.first_stage, st.meta.last_stage);
+    let (rank, size) = (st.meta.stage, st.meta.stages);
+    let (hidden, vocab) = (st.meta.hidden, st.meta.vocab);
+    let n_new = args.max_new_tokens;
+    for (s, p) in args.prompts.iter().enumerate() {
+        st.start_seq(s, p.len() + n_new + 1);
+    }
+    let mut records: Vec<dump::SeqRecord> = args
+        .prompts
+        .iter()
+        .map(|p| dump::SeqRecord { prompt: p.clone(), prefill_logits: Vec::new(), generated: Vec::new(), decode_logits: Vec::new() })
+        .collect();
+
+    if first {
+        // Work: (seq, pos0, token ids). Every prompt's prefill enters first.
+        let mut queue: VecDeque<(usize, usize, Vec<i64>)> = args.prompts.iter().enumerate().map(|(s, p)| (s, 0, p.clone())).collect();
+        let mut generated: Vec<Vec<i64>> = vec![Vec::new(); args.prompts.len()];
+        let mut open = args.prompts.len();
+        let start = Instant::now();
+        let mut prefill_done = vec![None; args.prompts.len()];
+        // What the first stage does with a sequence's next id (pass = pos0-derived step index).
+        let mut on_id = |seq: usize, pos0: usize, id: i64, queue: &mut VecDeque<(usize, usize, Vec<i64>)>, open: &mut usize| {
+            let plen = args.prompts[seq].len();
+            let pass = if pos0 == 0 { 0 } else { pos0 + 1 - plen };
+            if pass == 0 {
+                prefill_done[seq] = Some(start.elapsed());
+            }
+            if pass < n_new {
+                generated[seq].push(id);
+                queue.push_back((seq, plen + pass, vec![id]));
+            } else {
+                *open -= 1;
+            }
+        };
+        while open > 0 {
+            if let Some((seq, pos0, ids)) = queue.pop_front() {
+                let mut x = vec![0f32; ids.len() * hidden];
+                let out = st.step(seq, pos0, ids.len(), &ids, &mut x)?;
+                if last {
+                    let id = *out.ids.last().expect("a step has rows");
+                    record_logits(&mut records, seq, pos0, out.logits, vocab, id, n_new);
+                    on_id(seq, pos0, id, &mut queue, &mut open);
+                } else {
+                    world.process_at_rank(1).send_with_tag(&message(KIND_STEP, seq, pos0, ids.len(), &f32_bytes(&x))[..], TAG_ACT);
+                }
+            } else {
+                let m = recv(world, size - 1, TAG_IDS, timeout)?;
+                let id = i64::from_le_bytes(m.payload[..8].try_into().map_err(|_| "malformed id message")?);
+                on_id(m.seq, m.pos0, id, &mut queue, &mut open);
+            }
+        }
+        let total = start.elapsed();
+        if !last {
+            world.process_at_rank(1).send_with_tag(&message(KIND_STOP, 0, 0, 0, &[])[..], TAG_ACT);
+        }
+        for (s, g) in generated.iter().enumerate() {
+            let ids: Vec<String> = g.iter().map(|i| i.to_string()).collect();
+            println!("prompt {s}: {}", ids.join(","));
+        }
+        let prefill_end = prefill_done.iter().flatten().max().copied().unwrap_or_default();
+        let prompt_tokens: usize = args.prompts.iter().map(|p| p.len()).sum();
+        let decode_steps = args.prompts.len() * n_new;
+        let dt = (total - prefill_end).as_secs_f64();
+        eprintln!(
+            "m3c timing: prefill {prompt_tokens} tokens in {:.1} ms ({:.1} tok/s); decode {decode_steps} steps in {:.1} ms ({:.1} tok/s)",
+            prefill_end.as_secs_f64() * 1e3,
+            prompt_tokens as f64 / prefill_end.as_secs_f64().max(1e-9),
+            dt * 1e3,
+            decode_steps as f64 / dt.max(1e-9)
+        );
+    } else {
+        loop {
+            let m = recv(world, rank - 1, TAG_ACT, timeout)?;
+            if m.kind == KIND_STOP {
+                if !last {
+                    world.process_at_rank(rank as i32 + 1).send_with_tag(&message(KIND_STOP, 0, 0, 0, &[])[..], TAG_ACT);
+                }
+                break;
+            }
+            let mut x = bytes_f32(&m.payload);
+            let out = st.step(m.seq, m.pos0, m.tokens, &[], &mut x)?;
+            if last {
+                let id = *out.ids.last().expect("a step has rows");
+                record_logits(&mut records, m.seq, m.pos0, out.logits, vocab, id, n_new);
+                world.process_at_rank(0).send_with_tag(&message(KIND_STEP, m.seq, m.pos0, 1, &id.to_le_bytes())[..], TAG_IDS);
+            } else {
+                world.process_at_rank(rank as i32 + 1).send_with_tag(&message(KIND_STEP, m.seq, m.pos0, m.tokens, &f32_bytes(&x))[..], TAG_ACT);
+            }
+        }
+    }
+    if last {
+        if let Some(file) = &args.dump {
+            for (i, r) in records.iter().enumerate() {
+                dump::write(&dump::dump_path(file, i, records.len()), r, vocab)?;
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,42 @@
+//! What `m3c compile` tells a stage about itself: embedded in the executable
+//! as JSON (the `m3c_stage_meta` symbol), so a stage binary is self-describing.
+
+use serde::Deserialize;
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct TensorSlot {
+    pub name: String,
+    pub shape: Vec<usize>,
+    /// safetensors dtype name (`BF16`, `F32`, `F8_E4M3`, `U8`, ...).
+    pub dtype: String,
+}
+
+/// One per-layer cache (key, value or MSA index key) of each sequence.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CacheSlot {
+    pub width: usize,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct StageMeta {
+    /// Hash of every compile input; all ranks of a job must agree on it.
+    pub compile_id: String,
+    /// sha256 of the config.json the stages were compiled from.
+    pub config_sha256: String,
+    pub stage: usize,
+    pub stages: usize,
+    pub hidden: usize,
+    pub vocab: usize,
+    /// What the stage holds, e.g. `embed + layers 0-3`.
+    pub holds: String,
+    pub first_stage: bool,
+    pub last_stage: bool,
+    pub tensors: Vec<TensorSlot>,
+    pub caches: Vec<CacheSlot>,
+}
+
+impl StageMeta {
+    pub fn parse(bytes: &[u8]) -> Result<StageMeta, String> {
+        serde_json::from_slice(bytes).map_err(|e| format!("embedded stage metadata is unreadable ({e}): the executable is damaged"))
+    }
+}
