@@ -38,3 +38,36 @@ pub fn stdout(o: &Output) -> String {
 pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
+
+/// A tensor of a safetensors file as f32 or i64 values.
+pub fn read_tensor_f32(path: &Path, name: &str) -> (Vec<usize>, Vec<f32>) {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = st.tensor(name).unwrap_or_else(|_| panic!("{}: no tensor {name}", path.display()));
+    assert_eq!(t.dtype(), safetensors::Dtype::F32, "{name}");
+    (t.shape().to_vec(), t.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect())
+}
+
+pub fn read_tensor_i64(path: &Path, name: &str) -> Vec<i64> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = st.tensor(name).unwrap_or_else(|_| panic!("{}: no tensor {name}", path.display()));
+    assert_eq!(t.dtype(), safetensors::Dtype::I64, "{name}");
+    t.data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect()
+}
+
+/// `m3c compile --model MODEL --pp N [extra] -o DIR/out`; panics with m3c's message on failure.
+pub fn compile(model: &Path, pp: usize, dir: &Path, extra: &[&str]) -> PathBuf {
+    let out = dir.join("out");
+    let pp = pp.to_string();
+    let mut args = vec!["compile", "--model", model.to_str().unwrap(), "--pp", &pp, "-o", out.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let o = m3c(&args);
+    assert!(o.status.success(), "m3c {args:?} failed:\n{}", stderr(&o));
+    out
+}
+
+/// Comma-separated ids, as `--prompt-ids` takes them.
+pub fn ids_arg(ids: &[i64]) -> String {
+    ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",")
+}

@@ -275,8 +275,14 @@ fn compile_cmd(args: CompileArgs) -> Result<()> {
             p
         }
         None => {
-            let gpu = GpuProfile::named("H200").context("built-in H200 profile")?;
-            plan::make_plan(cfg, args.pp, &gpu, Workload { batch: 1, context: 8192 }, want_target.unwrap_or(Target::Host))?
+            let target = want_target.unwrap_or(Target::Host);
+            let mut gpu = GpuProfile::named("H200").context("built-in H200 profile")?;
+            if target == Target::Host {
+                // Host stages live in host memory: balance time, do not cap by HBM.
+                gpu.memory = f64::INFINITY;
+                gpu.name = "host".into();
+            }
+            plan::make_plan(cfg, args.pp, &gpu, Workload { batch: 1, context: 8192 }, target)?
         }
     };
     let mut emit = Vec::new();

@@ -2,9 +2,11 @@
 //! links the compiler is large, so areas are modules here.
 
 mod cli;
+mod compile;
 mod config;
 mod graph;
 mod host_kernels;
+mod pipeline;
 mod plan;
 mod tiny;
 mod weights;

@@ -45,6 +45,11 @@ fn part_title(part: Part, layer_titles: &[String]) -> String {
 }
 
 pub fn dump(g: &ModelGraph) -> String {
+    dump_where(g, |_| true)
+}
+
+/// The nodes of some parts only (a stage's slice, before fusion).
+pub fn dump_where(g: &ModelGraph, keep: impl Fn(Part) -> bool) -> String {
     // Layer titles come from the ops themselves: attention kind and MLP kind.
     let mut titles = Vec::new();
     for n in g.graph.node_indices() {
@@ -67,6 +72,9 @@ pub fn dump(g: &ModelGraph) -> String {
     let mut part = None;
     for n in g.graph.node_indices() {
         let node = &g.graph[n];
+        if !keep(node.part) {
+            continue;
+        }
         if part != Some(node.part) {
             part = Some(node.part);
             let _ = writeln!(out, "// {}", part_title(node.part, &titles));

@@ -42,4 +42,9 @@ impl ModelGraph {
     pub fn text(&self) -> String {
         dump::dump(self)
     }
+
+    /// [`ModelGraph::text`] restricted to `parts`.
+    pub fn text_of(&self, parts: &std::collections::BTreeSet<Part>) -> String {
+        dump::dump_where(self, |p| parts.contains(&p))
+    }
 }

@@ -421,7 +421,7 @@ pub fn fuse_stage(cfg: &ModelConfig, graph: &ModelGraph, parts: &BTreeSet<Part>)
     }
     for (part, nodes) in &by_part {
         for &n in nodes {
-            let what = format!("{} {}", part_label(*part), graph.graph[n].op.name());
+            let what = format!("{} {}{}", part_label(*part), graph.graph[n].op.name(), weight_label(&graph.graph[n].op));
             f.lower(n, what)?;
         }
         f.end_part(graph, *part)?;
@@ -486,6 +486,22 @@ impl Fuser<'_> {
         self.live = stay;
         Ok(())
     }
+}
+
+/// ` q_proj`, ` input_layernorm`, ...: which weight an op reads, for listings.
+fn weight_label(op: &Op) -> String {
+    let w = match op {
+        Op::Linear { weight, .. } | Op::RmsNorm { weight, .. } | Op::Embedding { weight } | Op::Router { weight, .. } => weight.as_str(),
+        Op::Rope { .. } => return String::new(),
+        Op::RoutedExperts { stem, .. } => stem.as_str(),
+        _ => return String::new(),
+    };
+    let w = w.strip_suffix(".weight").unwrap_or(w);
+    let short = match w.find(".layers.") {
+        Some(i) => w[i + 8..].split_once('.').map_or(w, |(_, rest)| rest),
+        None => w.rsplit_once("model.").map_or(w, |(_, r)| r),
+    };
+    format!(" {short}")
 }
 
 pub fn part_label(p: Part) -> String {

@@ -1,0 +1,111 @@
+//! `m3c compile`: snapshots of each stage's code at every level (tiny model,
+//! pp = 2), byte-identical output folders, the compile id over every input,
+//! and errors that leave nothing behind.
+
+use m3c::backend::host::{run_pipeline, HOST_PIPELINE};
+use m3c::graph::build_graph;
+use m3c::plan::load_plan;
+use m3c::source::ModelSource;
+use m3c_tests::{compile, configs, fixture, m3c, stderr};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+#[test]
+fn tiny_pp2_stages_snapshots() {
+    let src = ModelSource::open(&fixture("tiny-m3")).unwrap();
+    let plan = load_plan(&configs("tiny-m3.pp2.yaml"), Some(&src.config)).unwrap();
+    let graph = build_graph(&src.config);
+    let programs = m3c::compile::lower_all(&src.config, &plan).unwrap();
+    assert_eq!(programs.len(), 2);
+    for p in &programs {
+        let k = p.index;
+        // Before fusion: the stage's slice of the graph.
+        insta::assert_snapshot!(format!("stage{k}_0_graph"), graph.text_of(&p.parts));
+        // After fusion: the kernel calls of the stage entry.
+        insta::assert_snapshot!(format!("stage{k}_1_fused"), p.listing());
+        // The MLIR module (kernels + entry), before lowering.
+        insta::assert_snapshot!(format!("stage{k}_2_mlir"), p.mlir);
+        // After lowering to the LLVM dialect.
+        let lowered = run_pipeline(&p.mlir, HOST_PIPELINE).expect("lowering");
+        insta::assert_snapshot!(format!("stage{k}_3_llvm_dialect"), lowered);
+    }
+    // Each kernel is generated once per shape: stage 1 has five MoE layers but one router kernel.
+    let routers = programs[1].kernels.iter().filter(|k| k.symbol().starts_with("m3c_router")).count();
+    assert_eq!(routers, 1);
+    assert_eq!(programs[1].mlir.matches("func.func @m3c_router").count(), 1);
+}
+
+fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            (e.file_name().to_string_lossy().into_owned(), std::fs::read(e.path()).unwrap())
+        })
+        .collect()
+}
+
+fn compile_id(out: &Path) -> String {
+    let m: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
+    m["compile_id"].as_str().unwrap().to_string()
+}
+
+#[test]
+fn same_inputs_give_byte_identical_out_and_every_input_changes_the_compile_id() {
+    let model = fixture("tiny-m3");
+    let dirs: Vec<tempfile::TempDir> = (0..4).map(|_| tempfile::tempdir().unwrap()).collect();
+    let a = compile(&model, 2, dirs[0].path(), &["--emit", "mlir"]);
+    let b = compile(&model, 2, dirs[1].path(), &["--emit", "mlir"]);
+    let (fa, fb) = (files(&a), files(&b));
+    assert_eq!(fa.keys().collect::<Vec<_>>(), fb.keys().collect::<Vec<_>>());
+    for (name, bytes) in &fa {
+        assert!(fb[name] == *bytes, "{name} differs between two compiles of the same inputs");
+    }
+    assert!(fa.contains_key("stage-0") && fa.contains_key("stage-1") && fa.contains_key("manifest.json") && fa.contains_key("run.sh"));
+    assert!(fa.contains_key("stage-1.mlir") && fa.contains_key("stage-1.steps.txt"));
+    let id = compile_id(&a);
+    // Another CPU, another plan (pp), another config: each gives another compile id.
+    let cpu = compile(&model, 2, dirs[2].path(), &["--cpu", "x86-64"]);
+    assert_ne!(compile_id(&cpu), id, "the CPU is an input");
+    let pp = compile(&model, 3, dirs[3].path(), &[]);
+    assert_ne!(compile_id(&pp), id, "the plan is an input");
+    let cfg_dir = dirs[3].path().join("model");
+    std::fs::create_dir(&cfg_dir).unwrap();
+    let text = std::fs::read_to_string(model.join("config.json")).unwrap().replace("\"rms_norm_eps\": 1e-06", "\"rms_norm_eps\": 1e-05");
+    std::fs::write(cfg_dir.join("config.json"), text).unwrap();
+    let cfg_out = compile(&cfg_dir, 2, dirs[2].path(), &[]);
+    assert_ne!(compile_id(&cfg_out), id, "the config is an input");
+}
+
+#[test]
+fn compile_errors_leave_nothing_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let o = m3c(&["compile", "--pp", "3", configs("tiny-m3.pp2.yaml").to_str().unwrap(), "-o", out.to_str().unwrap()]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("2 stages") || stderr(&o).contains("--pp 3"), "{}", stderr(&o));
+    assert!(!out.exists());
+    // An unrelated folder is never overwritten.
+    std::fs::create_dir(&out).unwrap();
+    std::fs::write(out.join("notes.txt"), "mine").unwrap();
+    let o = m3c(&["compile", "--model", fixture("tiny-m3").to_str().unwrap(), "--pp", "1", "-o", out.to_str().unwrap()]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("already exists and is not empty"), "{}", stderr(&o));
+    assert_eq!(std::fs::read_to_string(out.join("notes.txt")).unwrap(), "mine");
+    // No partial folders are left beside it.
+    let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(left.len(), 1, "{left:?}");
+}
+
+#[test]
+fn a_plan_that_names_its_model_compiles_as_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    // `m3c compile --pp 2 plan.yaml`: the plan says which model.
+    let o = m3c(&["compile", "--pp", "2", configs("tiny-m3.pp2.yaml").to_str().unwrap(), "-o", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let m: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(m["stages"][0]["holds"], "embed + layers 0-2");
+    assert_eq!(m["stages"][1]["holds"], "layers 3-7 + norm + lm_head");
+    assert_eq!(m["stages"][1]["layers"], serde_json::json!([3, 7]));
+}

@@ -1,0 +1,188 @@
+//! Compiled stages under mpirun, against the golden fixtures: every pp gives
+//! the golden logits and tokens, and exactly the bytes pp = 1 gives.
+
+use m3c_tests::{compile, fixture, ids_arg, m3c, read_tensor_f32, read_tensor_i64, stderr, stdout};
+use std::path::{Path, PathBuf};
+
+const NEW_TOKENS: usize = 16;
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+fn run_dump(out: &Path, model: &Path, prompts: &[&[i64]], n: usize, dump: &Path) -> String {
+    let n = n.to_string();
+    let ids: Vec<String> = prompts.iter().map(|p| ids_arg(p)).collect();
+    let mut args = vec!["run", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--max-new-tokens", &n, "--dump", dump.to_str().unwrap()];
+    for i in &ids {
+        args.push("--prompt-ids");
+        args.push(i);
+    }
+    let o = m3c(&args);
+    assert!(o.status.success(), "m3c run failed:\n{}", stderr(&o));
+    stdout(&o)
+}
+
+/// Compiles `name` at each pp, runs the golden prompt, and checks the dump.
+fn check_fixture(name: &str) {
+    let model = fixture(name);
+    let golden = model.join("golden.safetensors");
+    let prompt = read_tensor_i64(&golden, "prompt_ids");
+    let want_ids = read_tensor_i64(&golden, "generated_ids");
+    let (_, want_prefill) = read_tensor_f32(&golden, "prefill_logits");
+    let (_, want_decode) = read_tensor_f32(&golden, "decode_logits");
+    let dir = tempfile::tempdir().unwrap();
+    let mut first: Option<Vec<u8>> = None;
+    for pp in [1, 2, 4, 8] {
+        let d = dir.path().join(format!("pp{pp}"));
+        std::fs::create_dir(&d).unwrap();
+        let out = compile(&model, pp, &d, &[]);
+        let manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
+        assert_eq!(manifest["stages"].as_array().unwrap().len(), pp);
+        let dump = d.join("dump.safetensors");
+        let printed = run_dump(&out, &model, &[&prompt], NEW_TOKENS, &dump);
+        let got_ids = read_tensor_i64(&dump, "generated_ids");
+        assert_eq!(got_ids, want_ids, "{name} pp={pp}: generated ids");
+        assert!(printed.contains(&format!("prompt 0: {}", ids_arg(&want_ids))), "{name} pp={pp}: printed {printed}");
+        assert_eq!(read_tensor_i64(&dump, "prompt_ids"), prompt);
+        let (shape, prefill) = read_tensor_f32(&dump, "prefill_logits");
+        assert_eq!(shape, vec![prompt.len(), 512]);
+        let (shape, decode) = read_tensor_f32(&dump, "decode_logits");
+        assert_eq!(shape, vec![NEW_TOKENS, 512]);
+        let (dp, dd) = (max_abs_diff(&prefill, &want_prefill), max_abs_diff(&decode, &want_decode));
+        assert!(dp <= 1e-3 && dd <= 1e-3, "{name} pp={pp}: max |Δ| prefill {dp}, decode {dd}");
+        let bytes = std::fs::read(&dump).unwrap();
+        match &first {
+            None => first = Some(bytes),
+            Some(b) => assert!(*b == bytes, "{name}: the pp={pp} dump differs from pp=1"),
+        }
+    }
+}
+
+#[test]
+fn bf16_fixture_matches_golden_at_pp_1_2_4_8() {
+    check_fixture("tiny-m3");
+}
+
+#[test]
+fn mxfp8_fixture_matches_golden_at_pp_1_2_4_8() {
+    check_fixture("tiny-m3-mxfp8");
+}
+
+fn golden_prompt() -> Vec<i64> {
+    read_tensor_i64(&fixture("tiny-m3").join("golden.safetensors"), "prompt_ids")
+}
+
+#[test]
+fn batched_prompts_equal_one_at_a_time() {
+    let model = fixture("tiny-m3");
+    let p = golden_prompt();
+    let prompts: [&[i64]; 3] = [&p[..40], &p[3..10], &p[11..30]];
+    let dir = tempfile::tempdir().unwrap();
+    let out = compile(&model, 3, dir.path(), &[]);
+    let batched = dir.path().join("b.safetensors");
+    let printed = run_dump(&out, &model, &prompts, 6, &batched);
+    for (i, pr) in prompts.iter().enumerate() {
+        let single = dir.path().join(format!("s{i}.safetensors"));
+        let one = run_dump(&out, &model, &[pr], 6, &single);
+        let line = one.lines().find(|l| l.starts_with("prompt 0: ")).expect("ids printed").replace("prompt 0: ", &format!("prompt {i}: "));
+        assert!(printed.contains(&line), "batched output\n{printed}\nlacks `{line}`");
+        let part = dir.path().join(format!("b.p{i}.safetensors"));
+        assert_eq!(std::fs::read(&part).unwrap(), std::fs::read(&single).unwrap(), "prompt {i}: batched dump differs");
+        assert_eq!(read_tensor_i64(&part, "prompt_ids"), pr.to_vec());
+    }
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+fn run_fails(args: &[&str]) -> String {
+    let o = m3c(args);
+    assert!(!o.status.success(), "m3c {args:?} should fail; stdout:\n{}", stdout(&o));
+    stderr(&o)
+}
+
+struct Compiled {
+    _dir: tempfile::TempDir,
+    out: PathBuf,
+}
+
+fn tiny_pp2() -> Compiled {
+    let dir = tempfile::tempdir().unwrap();
+    let out = compile(&fixture("tiny-m3"), 2, dir.path(), &[]);
+    Compiled { _dir: dir, out }
+}
+
+#[test]
+fn wrong_model_folder_missing_tensor_and_bad_ids_are_clear_errors() {
+    let c = tiny_pp2();
+    let out = c.out.to_str().unwrap();
+    // The MXFP8 fixture is another model: its config is not the compiled one.
+    let mx = fixture("tiny-m3-mxfp8");
+    let e = run_fails(&["run", out, "--model", mx.to_str().unwrap(), "--prompt-ids", "1,2,3", "--max-new-tokens", "2"]);
+    assert!(e.contains("is not the config these stages were compiled from"), "{e}");
+
+    // A checkpoint without one of stage 1's tensors.
+    let dir = tempfile::tempdir().unwrap();
+    let broken = dir.path().join("broken");
+    copy_dir(&fixture("tiny-m3"), &broken);
+    let bytes = std::fs::read(broken.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let victim = "language_model.model.layers.6.self_attn.o_proj.weight";
+    let kept: Vec<(String, safetensors::tensor::TensorView)> = st.tensors().into_iter().filter(|(n, _)| n != victim).collect();
+    assert_eq!(kept.len() + 1, st.len());
+    safetensors::serialize_to_file(kept, None, &broken.join("model.safetensors")).unwrap();
+    let e = run_fails(&["run", out, "--model", broken.to_str().unwrap(), "--prompt-ids", "1,2,3", "--max-new-tokens", "2"]);
+    assert!(e.contains(&format!("tensor `{victim}` is missing")), "{e}");
+    assert!(e.contains("m3c stage 1/2"), "the stage holding the tensor reports it: {e}");
+
+    let e = run_fails(&["run", out, "--model", fixture("tiny-m3").to_str().unwrap(), "--prompt-ids", "1,900", "--max-new-tokens", "2"]);
+    assert!(e.contains("token id 900 is outside the vocabulary (0..512)"), "{e}");
+    let e = run_fails(&["run", c._dir.path().to_str().unwrap(), "--model", fixture("tiny-m3").to_str().unwrap(), "--prompt-ids", "1", "--max-new-tokens", "2"]);
+    assert!(e.contains("not an m3c output folder"), "{e}");
+}
+
+fn mpirun(apps: &[Vec<String>]) -> std::process::Output {
+    let mut cmd = std::process::Command::new("mpirun");
+    cmd.arg("--oversubscribe").env("OMPI_ALLOW_RUN_AS_ROOT", "1").env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    for (i, app) in apps.iter().enumerate() {
+        if i > 0 {
+            cmd.arg(":");
+        }
+        cmd.args(["-np", "1"]).args(app);
+    }
+    cmd.output().expect("mpirun")
+}
+
+#[test]
+fn stages_run_by_hand_and_reject_a_wrong_world_or_a_foreign_stage() {
+    let c = tiny_pp2();
+    let model = fixture("tiny-m3");
+    let args = |exe: &Path| -> Vec<String> {
+        let mut v = vec![exe.display().to_string()];
+        v.extend(["--model", model.to_str().unwrap(), "--prompt-ids", "5,6,7", "--max-new-tokens", "3"].map(String::from));
+        v
+    };
+    let (s0, s1) = (c.out.join("stage-0"), c.out.join("stage-1"));
+    // By hand, as the README shows.
+    let o = mpirun(&[args(&s0), args(&s1)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("prompt 0: "), "{}", stdout(&o));
+    // Three ranks for a two-stage compile.
+    let o = mpirun(&[args(&s0), args(&s1), args(&s1)]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(e.contains("this pipeline has 2 stages but MPI started 3 rank(s)"), "{e}");
+    // A stage from another compile (the MXFP8 model) in the same job.
+    let dir = tempfile::tempdir().unwrap();
+    let other = compile(&fixture("tiny-m3-mxfp8"), 2, dir.path(), &[]);
+    let o = mpirun(&[args(&s0), args(&other.join("stage-1"))]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("the ranks come from different compiles"), "{}", stderr(&o));
+}
