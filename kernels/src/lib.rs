@@ -77,7 +77,7 @@ pub enum Kernel {
     /// fp32 sigmoid router with selection bias, top-k, renormalisation and routed scaling.
     Router { width: usize, experts: usize, top_k: usize, scale: f64, weight: WeightType, bias: Option<WeightType> },
     /// The routed experts' SwiGLU-OAI MLPs, weighted and summed per token.
-    RoutedExperts { hidden: usize, inter: usize, top_k: usize, weight: WeightType, alpha: f64, limit: f64, beta: f64 },
+    RoutedExperts { experts: usize, hidden: usize, inter: usize, top_k: usize, weight: WeightType, alpha: f64, limit: f64, beta: f64 },
 }
 
 impl Kernel {
@@ -115,8 +115,8 @@ impl Kernel {
                 weight.tag(),
                 bias.map_or(String::new(), |b| format!("_bias{}", b.tag()))
             ),
-            Kernel::RoutedExperts { hidden, inter, top_k, weight, alpha, limit, beta } => format!(
-                "m3c_routed_experts_h{hidden}_i{inter}_k{top_k}_{}_a{}_l{}_b{}",
+            Kernel::RoutedExperts { experts, hidden, inter, top_k, weight, alpha, limit, beta } => format!(
+                "m3c_routed_experts_e{experts}_h{hidden}_i{inter}_k{top_k}_{}_a{}_l{}_b{}",
                 weight.tag(),
                 num_tag(*alpha),
                 num_tag(*limit),
@@ -153,8 +153,8 @@ impl Kernel {
             Kernel::Router { width, experts, top_k, scale, weight, bias } => {
                 moe::router(&self.symbol(), *width, *experts, *top_k, *scale, *weight, *bias)
             }
-            Kernel::RoutedExperts { hidden, inter, top_k, weight, alpha, limit, beta } => {
-                moe::routed_experts(&self.symbol(), *hidden, *inter, *top_k, *weight, *alpha, *limit, *beta)
+            Kernel::RoutedExperts { experts, hidden, inter, top_k, weight, alpha, limit, beta } => {
+                moe::routed_experts(&self.symbol(), *experts, *hidden, *inter, *top_k, *weight, *alpha, *limit, *beta)
             }
         }
     }
@@ -162,7 +162,9 @@ impl Kernel {
     /// Globals (lookup tables) the kernel refers to, by name and MLIR text.
     pub fn globals(&self) -> Vec<(String, String)> {
         match self {
-            Kernel::Linear { weight: WeightType::Mxfp8 { .. }, .. } => vec![("m3c_fp8_e4m3_lut".into(), emit::fp8_lut_global())],
+            Kernel::Linear { inp, weight: w @ WeightType::Mxfp8 { .. }, .. } if !linear::vectorizes(*inp, *w) => {
+                vec![("m3c_fp8_e4m3_lut".into(), emit::fp8_lut_global())]
+            }
             Kernel::HeadNormRope { rotary_dim, theta, .. } => {
                 vec![(rope::rope_table_name(*rotary_dim, *theta), rope::rope_table(*rotary_dim, *theta))]
             }

@@ -124,7 +124,12 @@ pub fn expert_deps(hidden: usize, inter: usize, weight: WeightType, alpha: f64, 
 /// SwiGLU-OAI experts. The experts' weights come through `table`, a pointer
 /// array with [`expert_table_stride`] entries per expert, so a layer's 128
 /// experts are one argument and only the chosen experts' bytes are read.
-pub fn routed_experts(name: &str, hidden: usize, inter: usize, k: usize, weight: WeightType, alpha: f64, limit: f64, beta: f64) -> String {
+///
+/// Tokens are grouped by expert: each expert that any row chose runs once,
+/// on all of its rows together (gathered, then scattered back with their
+/// weights), so at prefill an expert's weights are read once, not once per
+/// token. Each row's sum runs over its experts in expert-id order.
+pub fn routed_experts(name: &str, experts: usize, hidden: usize, inter: usize, k: usize, weight: WeightType, alpha: f64, limit: f64, beta: f64) -> String {
     let ht = format!("memref<?x{hidden}xf32>");
     let it = format!("memref<?x{inter}xf32>");
     let wts = format!("memref<?x{k}xf32>");
@@ -147,17 +152,17 @@ pub fn routed_experts(name: &str, hidden: usize, inter: usize, k: usize, weight:
     let tys: Vec<String> = types.iter().map(MemTy::mlir).collect();
     let (gate_args, up_args, down_args, gate_ty, down_ty) = if stride == 6 {
         (
-            "%hr, %t0, %t1, %gb",
-            "%hr, %t2, %t3, %ub",
-            "%ab, %t4, %t5, %ob",
+            "%hv, %t0, %t1, %gv",
+            "%hv, %t2, %t3, %uv",
+            "%av, %t4, %t5, %ov",
             format!("{ht}, {}, {}, {it}", tys[0], tys[1]),
             format!("{it}, {}, {}, {ht}", tys[4], tys[5]),
         )
     } else {
         (
-            "%hr, %t0, %gb",
-            "%hr, %t1, %ub",
-            "%ab, %t2, %ob",
+            "%hv, %t0, %gv",
+            "%hv, %t1, %uv",
+            "%av, %t2, %ov",
             format!("{ht}, {}, {it}", tys[0]),
             format!("{it}, {}, {ht}", tys[2]),
         )
@@ -171,37 +176,74 @@ pub fn routed_experts(name: &str, hidden: usize, inter: usize, k: usize, weight:
          %cstride = arith.constant {stride} : i64\n\
          {consts}\
          %zero = arith.constant 0.0 : f32\n\
-         %hr = memref.alloc(%c1) : {ht}\n\
-         %gb = memref.alloc(%c1) : {it}\n\
-         %ub = memref.alloc(%c1) : {it}\n\
-         %ab = memref.alloc(%c1) : {it}\n\
-         %ob = memref.alloc(%c1) : {ht}\n\
          %rows = memref.dim %h, %c0 : {ht}\n\
+         %ne = arith.constant {experts} : index\n\
+         %sel = memref.alloc(%rows) : memref<?xindex>\n\
+         %selw = memref.alloc(%rows) : memref<?xf32>\n\
+         %hb = memref.alloc(%rows) : {ht}\n\
+         %gb = memref.alloc(%rows) : {it}\n\
+         %ub = memref.alloc(%rows) : {it}\n\
+         %ab = memref.alloc(%rows) : {it}\n\
+         %ob = memref.alloc(%rows) : {ht}\n\
          scf.for %r = %c0 to %rows step %c1 {{\n\
          \x20 scf.for %c = %c0 to %ch step %c1 {{\n\
-         \x20   %hv = memref.load %h[%r, %c] : {ht}\n\
-         \x20   memref.store %hv, %hr[%c0, %c] : {ht}\n\
          \x20   memref.store %zero, %y[%r, %c] : {ht}\n\
          \x20 }}\n\
-         \x20 scf.for %j = %c0 to %ck step %c1 {{\n\
-         \x20   %e = memref.load %ids[%r, %j] : {ids}\n\
-         \x20   %ebase = arith.muli %e, %cstride : i64\n\
+         }}\n\
+         scf.for %e = %c0 to %ne step %c1 {{\n\
+         \x20 %e64 = arith.index_cast %e : index to i64\n\
+         \x20 // Gather the rows that chose expert e.\n\
+         \x20 %n = scf.for %r = %c0 to %rows step %c1 iter_args(%cnt = %c0) -> (index) {{\n\
+         \x20   %c2 = scf.for %j = %c0 to %ck step %c1 iter_args(%cj = %cnt) -> (index) {{\n\
+         \x20     %id = memref.load %ids[%r, %j] : {ids}\n\
+         \x20     %hit = arith.cmpi eq, %id, %e64 : i64\n\
+         \x20     %cn = scf.if %hit -> (index) {{\n\
+         \x20       memref.store %r, %sel[%cj] : memref<?xindex>\n\
+         \x20       %wj = memref.load %wts[%r, %j] : {wts}\n\
+         \x20       memref.store %wj, %selw[%cj] : memref<?xf32>\n\
+         \x20       scf.for %c = %c0 to %ch step %c1 {{\n\
+         \x20         %hv0 = memref.load %h[%r, %c] : {ht}\n\
+         \x20         memref.store %hv0, %hb[%cj, %c] : {ht}\n\
+         \x20       }}\n\
+         \x20       %cj1 = arith.addi %cj, %c1 : index\n\
+         \x20       scf.yield %cj1 : index\n\
+         \x20     }} else {{\n\
+         \x20       scf.yield %cj : index\n\
+         \x20     }}\n\
+         \x20     scf.yield %cn : index\n\
+         \x20   }}\n\
+         \x20   scf.yield %c2 : index\n\
+         \x20 }}\n\
+         \x20 %any = arith.cmpi ugt, %n, %c0 : index\n\
+         \x20 scf.if %any {{\n\
+         \x20   %ebase = arith.muli %e64, %cstride : i64\n\
          {views}\
+         \x20   %hv = memref.reinterpret_cast %hb to offset: [0], sizes: [%n, {hidden}], strides: [{hidden}, 1] : {ht} to {ht}\n\
+         \x20   %gv = memref.reinterpret_cast %gb to offset: [0], sizes: [%n, {inter}], strides: [{inter}, 1] : {it} to {it}\n\
+         \x20   %uv = memref.reinterpret_cast %ub to offset: [0], sizes: [%n, {inter}], strides: [{inter}, 1] : {it} to {it}\n\
+         \x20   %av = memref.reinterpret_cast %ab to offset: [0], sizes: [%n, {inter}], strides: [{inter}, 1] : {it} to {it}\n\
+         \x20   %ov = memref.reinterpret_cast %ob to offset: [0], sizes: [%n, {hidden}], strides: [{hidden}, 1] : {ht} to {ht}\n\
          \x20   func.call @{up_fn}({gate_args}) : ({gate_ty}) -> ()\n\
          \x20   func.call @{up_fn}({up_args}) : ({gate_ty}) -> ()\n\
-         \x20   func.call @{act_fn}(%gb, %ub, %ab) : ({it}, {it}, {it}) -> ()\n\
+         \x20   func.call @{act_fn}(%gv, %uv, %av) : ({it}, {it}, {it}) -> ()\n\
          \x20   func.call @{down_fn}({down_args}) : ({down_ty}) -> ()\n\
-         \x20   %wj = memref.load %wts[%r, %j] : {wts}\n\
-         \x20   scf.for %c = %c0 to %ch step %c1 {{\n\
-         \x20     %ov = memref.load %ob[%c0, %c] : {ht}\n\
-         \x20     %yv = memref.load %y[%r, %c] : {ht}\n\
-         \x20     %m = arith.mulf %wj, %ov : f32\n\
-         \x20     %y2 = arith.addf %yv, %m : f32\n\
-         \x20     memref.store %y2, %y[%r, %c] : {ht}\n\
+         \x20   // Scatter back, weighted.\n\
+         \x20   scf.for %i = %c0 to %n step %c1 {{\n\
+         \x20     %r = memref.load %sel[%i] : memref<?xindex>\n\
+         \x20     %wi = memref.load %selw[%i] : memref<?xf32>\n\
+         \x20     scf.for %c = %c0 to %ch step %c1 {{\n\
+         \x20       %ovv = memref.load %ob[%i, %c] : {ht}\n\
+         \x20       %yv = memref.load %y[%r, %c] : {ht}\n\
+         \x20       %m = arith.mulf %wi, %ovv : f32\n\
+         \x20       %y2 = arith.addf %yv, %m : f32\n\
+         \x20       memref.store %y2, %y[%r, %c] : {ht}\n\
+         \x20     }}\n\
          \x20   }}\n\
          \x20 }}\n\
          }}\n\
-         memref.dealloc %hr : {ht}\n\
+         memref.dealloc %sel : memref<?xindex>\n\
+         memref.dealloc %selw : memref<?xf32>\n\
+         memref.dealloc %hb : {ht}\n\
          memref.dealloc %gb : {it}\n\
          memref.dealloc %ub : {it}\n\
          memref.dealloc %ab : {it}\n\

@@ -12,7 +12,7 @@ use melior::Context;
 
 /// From target-neutral kernels to the LLVM dialect.
 pub const HOST_PIPELINE: &str = "builtin.module(convert-scf-to-cf, convert-cf-to-llvm, expand-strided-metadata, \
-lower-affine, finalize-memref-to-llvm, convert-math-to-llvm, convert-arith-to-llvm, convert-index-to-llvm, \
+lower-affine, convert-vector-to-llvm, finalize-memref-to-llvm, convert-math-to-llvm, convert-arith-to-llvm, convert-index-to-llvm, \
 convert-func-to-llvm, reconcile-unrealized-casts)";
 
 pub const HOST_TRIPLE: &str = "x86_64-unknown-linux-gnu";

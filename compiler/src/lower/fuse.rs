@@ -376,7 +376,7 @@ impl Fuser<'_> {
                 }
                 debug_assert_eq!(self.tensors.len() - first_slot, experts * expert_tensor_types(hidden, intermediate, weight).len());
                 let y = self.alloc(hidden, "f32");
-                let k = Kernel::RoutedExperts { hidden, inter: intermediate, top_k, weight, alpha, limit, beta };
+                let k = Kernel::RoutedExperts { experts, hidden, inter: intermediate, top_k, weight, alpha, limit, beta };
                 self.call(k, vec![h, wts, ids, Arg::ExpertTable { first_slot }, y.clone()], what);
                 self.vals.insert(n, y);
             }
