@@ -1,22 +1,33 @@
 #!/usr/bin/env bash
 # The m3c demo: installs what is missing, builds m3c, writes a tiny random
-# MiniMax-M3 checkpoint, inspects it and makes a 4-stage pipeline plan for it.
+# MiniMax-M3 checkpoint, compiles it into a 4-stage pipeline, runs the four
+# stage executables under mpirun, and checks the tokens against a 1-stage run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-cargo build --release --locked --bin m3c
+export PATH="$HOME/.cargo/bin:$PATH"
+cargo build --release --locked -p m3c -p m3c-runtime
 M3C=target/release/m3c
 work=$(mktemp -d "${TMPDIR:-/tmp}/m3c-demo.XXXXXX")
 trap 'rm -rf "$work"' EXIT
+PROMPT=1,17,42,99,7,256,3,88,120,5,64,301
 
-echo "== m3c init-tiny: a random 8-layer MiniMax-M3 in the hub layout"
+echo "== m3c init-tiny: a random 8-layer MiniMax-M3 (MSA, MoE, hub layout)"
 $M3C init-tiny "$work/tiny" --seed 1
 echo
-echo "== m3c inspect"
-$M3C inspect "$work/tiny"
+echo "== m3c compile --pp 4: the planner splits it; one executable per stage"
+$M3C compile --model "$work/tiny" --pp 4 -o "$work/pp4"
 echo
-echo "== m3c plan --pp 4 (balanced by the cost model)"
-$M3C plan --model "$work/tiny" --pp 4 -o "$work/plan.yaml"
+echo "== m3c run: 4 MPI ranks, one per stage, greedy decoding of 16 tokens"
+$M3C run "$work/pp4" --model "$work/tiny" --prompt-ids $PROMPT --max-new-tokens 16 --dump "$work/pp4.safetensors" | tee "$work/pp4.txt"
 echo
-echo "== m3c plan --pp 4 for the real MiniMax-M3-MXFP8 on H200 (config only, no weights needed)"
-$M3C plan --model configs/minimax-m3-mxfp8.config.json --pp 4 --target cuda -o "$work/m3.yaml"
+echo "== the same model compiled as one stage"
+$M3C compile --model "$work/tiny" --pp 1 -o "$work/pp1" >/dev/null
+$M3C run "$work/pp1" --model "$work/tiny" --prompt-ids $PROMPT --max-new-tokens 16 --dump "$work/pp1.safetensors" 2>/dev/null | tee "$work/pp1.txt"
+echo
+if cmp -s "$work/pp1.txt" "$work/pp4.txt" && cmp -s "$work/pp1.safetensors" "$work/pp4.safetensors"; then
+  echo "pp = 4 tokens equal pp = 1: yes (and every logit is bit-identical)"
+else
+  echo "pp = 4 tokens equal pp = 1: NO" >&2
+  exit 1
+fi

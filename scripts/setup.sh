@@ -6,8 +6,10 @@ set -euo pipefail
 # Debian packages the build and the tests use. LLVM/MLIR 22 comes from
 # bookworm-security (bookworm's 19 conflicts with it); melior, mlir-sys and
 # inkwell link it statically into m3c.
+# Open MPI links and launches the stage executables.
 PACKAGES=(build-essential pkg-config llvm-22-dev libmlir-22-dev libpolly-22-dev libclang1-22
-          libclang-common-22-dev libzstd-dev zlib1g-dev libxml2-dev libz3-dev)
+          libclang-common-22-dev libzstd-dev zlib1g-dev libxml2-dev libz3-dev
+          openmpi-bin libopenmpi-dev curl ca-certificates)
 
 missing=()
 for p in "${PACKAGES[@]}"; do
@@ -21,7 +23,8 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-if ! command -v cargo >/dev/null 2>&1; then
-  echo "setup: cargo not found. Install Rust 1.85 or newer with rustup (https://rustup.rs), then run this again." >&2
-  exit 1
+# Rust: rustup's minimal profile when there is no cargo at all.
+if ! command -v cargo >/dev/null 2>&1 && [ ! -x "$HOME/.cargo/bin/cargo" ]; then
+  echo "setup: installing Rust (rustup, minimal profile)"
+  curl -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal >/dev/null
 fi

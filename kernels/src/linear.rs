@@ -238,25 +238,49 @@ fn linear_vec(name: &str, inp: usize, out: usize, weight: WeightType) -> String 
     let block_rows: Vec<String> = (0..ROW_BLOCK).map(|j| format!("%r{j}")).collect();
     let row_idx: String = (1..ROW_BLOCK).map(|j| format!("%r{j} = arith.addi %r0, %c{j}_rb : index\n")).collect();
     let rb_consts: String = (1..ROW_BLOCK).map(|j| format!("%c{j}_rb = arith.constant {j} : index\n")).collect();
+    // Tiles: a tile of activation rows small enough for L1 (about 32 KB)
+    // meets every output row of the tile of outputs before moving on, so
+    // activations are read from L1, not L2, at long prefills.
+    // And a tile of outputs whose weights fit L2 (about 256 KB) is reused by
+    // every row tile, so weights stream from memory once per output tile.
+    let row_tile = ((32 * 1024) / (inp * 4)).clamp(ROW_BLOCK, 64) / ROW_BLOCK * ROW_BLOCK;
+    let wbytes = match weight {
+        WeightType::F32 => 4,
+        WeightType::BF16 | WeightType::F16 => 2,
+        WeightType::Mxfp8 { .. } => 1,
+    };
+    let out_tile = ((256 * 1024) / (inp * wbytes)).clamp(1, out);
     let body = format!(
         "{consts}\
          {rb_consts}\
+         %crt = arith.constant {row_tile} : index\n\
+         %cot = arith.constant {out_tile} : index\n\
          %rows = memref.dim %x, %c0 : {x}\n\
-         %nfull = arith.divui %rows, %crb : index\n\
-         %rfull = arith.muli %nfull, %crb : index\n\
-         scf.for %o = %c0 to %cout step %c1 {{\n\
-         \x20 scf.for %r0 = %c0 to %rfull step %crb {{\n\
+         scf.for %ot = %c0 to %cout step %cot {{\n\
+         %ot_end0 = arith.addi %ot, %cot : index\n\
+         %ot_end = arith.minui %ot_end0, %cout : index\n\
+         scf.for %rt = %c0 to %rows step %crt {{\n\
+         \x20 %rt_end0 = arith.addi %rt, %crt : index\n\
+         \x20 %rt_end = arith.minui %rt_end0, %rows : index\n\
+         \x20 %rt_n = arith.subi %rt_end, %rt : index\n\
+         \x20 %nfull = arith.divui %rt_n, %crb : index\n\
+         \x20 %nfr = arith.muli %nfull, %crb : index\n\
+         \x20 %rfull = arith.addi %rt, %nfr : index\n\
+         \x20 scf.for %o = %ot to %ot_end step %c1 {{\n\
+         \x20   scf.for %r0 = %rt to %rfull step %crb {{\n\
          {row_idx}\
          {block}\
-         \x20 }}\n\
-         \x20 scf.for %r = %rfull to %rows step %c1 {{\n\
+         \x20   }}\n\
+         \x20   scf.for %r = %rfull to %rt_end step %c1 {{\n\
          {single}\
+         \x20   }}\n\
          \x20 }}\n\
          }}\n\
+         }}\n\
          return\n",
-        row_idx = indent(&row_idx, 4),
-        block = indent(&reduce_rows(&block_rows), 4),
-        single = indent(&reduce_rows(&["%r".to_string()]), 4),
+        row_idx = indent(&row_idx, 6),
+        block = indent(&reduce_rows(&block_rows), 6),
+        single = indent(&reduce_rows(&["%r".to_string()]), 6),
     );
     let args = match weight {
         WeightType::Mxfp8 { .. } => format!("%x: {x}, %w: {wt}, %s: {st}, %y: {y}"),

@@ -9,6 +9,16 @@
 //! in as soon as the last stage returns it, so stage k works on one sequence
 //! while stage k+1 works on another.
 
+/// `eprintln!` as one write, so lines of different ranks do not interleave
+/// when mpirun merges them.
+macro_rules! say {
+    ($($t:tt)*) => {{
+        use std::io::Write;
+        let line = format!("{}\n", format!($($t)*));
+        let _ = std::io::stderr().lock().write_all(line.as_bytes());
+    }};
+}
+
 mod args;
 mod dump;
 mod meta;
@@ -65,13 +75,13 @@ fn run() -> c_int {
     let meta = match embedded_meta() {
         Ok(m) => m,
         Err(e) => {
-            eprintln!("m3c stage: error: {e}");
+            say!("m3c stage: error: {e}");
             return 1;
         }
     };
     let who = format!("m3c stage {}/{}", meta.stage, meta.stages);
     let Some(universe) = mpi::initialize() else {
-        eprintln!("{who}: error: MPI could not be initialised");
+        say!("{who}: error: MPI could not be initialised");
         return 1;
     };
     let world = universe.world();
@@ -80,7 +90,7 @@ fn run() -> c_int {
     // Every check below gives every rank the same verdict, so all of them
     // report and exit together instead of leaving a peer waiting.
     if size != meta.stages {
-        eprintln!(
+        say!(
             "{who}: error: this pipeline has {} stages but MPI started {size} rank(s); run one rank per stage: \
              mpirun -np 1 OUT/stage-0 : ... : -np 1 OUT/stage-{}",
             meta.stages,
@@ -100,14 +110,14 @@ fn run() -> c_int {
         let list: Vec<String> = (0..size)
             .map(|r| format!("rank {r}: {}", String::from_utf8_lossy(&ids[r * 64..(r + 1) * 64]).trim_end_matches('\0').chars().take(12).collect::<String>()))
             .collect();
-        eprintln!(
+        say!(
             "{who}: error: the ranks come from different compiles (compile ids {}); start the stage executables of one OUT folder",
             list.join(", ")
         );
         return 1;
     }
     if stage_of.iter().enumerate().any(|(r, &s)| r as u64 != s) {
-        eprintln!("{who}: error: stages started out of order (rank r must run stage-r; ranks run stages {stage_of:?})");
+        say!("{who}: error: stages started out of order (rank r must run stage-r; ranks run stages {stage_of:?})");
         return 1;
     }
     let argv: Vec<String> = std::env::args().skip(1).collect();
@@ -122,7 +132,7 @@ fn run() -> c_int {
         Ok(a) => a,
         Err(e) => {
             if rank == 0 {
-                eprintln!("m3c: error: {e}");
+                say!("m3c: error: {e}");
             }
             return 1;
         }
@@ -136,14 +146,14 @@ fn run() -> c_int {
     world.all_gather_into(&ok, &mut oks[..]);
     let weights = match loaded {
         Err(e) => {
-            eprintln!("{who} ({}): error: {e}", meta.holds);
+            say!("{who} ({}): error: {e}", meta.holds);
             return 1;
         }
         Ok(_) if oks.contains(&0) => return 1,
         Ok(w) => w,
     };
     let (rss, _) = resident();
-    eprintln!(
+    say!(
         "{who}: {}: {} tensors mapped ({:.2} MB) in {:.2} s, resident {:.1} MB",
         meta.holds,
         weights.mapped(),
@@ -156,14 +166,14 @@ fn run() -> c_int {
     match pipeline(&world, &mut st, &args, timeout) {
         Ok(()) => {
             let (rss, peak) = resident();
-            eprintln!(
+            say!(
                 "{who}: done; caches {:.2} MB, resident {rss:.1} MB, peak {peak:.1} MB",
                 st.cache_bytes() as f64 / 1e6
             );
             0
         }
         Err(e) => {
-            eprintln!("{who}: error: {e}");
+            say!("{who}: error: {e}");
             world.abort(1)
         }
     }
@@ -296,13 +306,16 @@ fn pipeline(world: &SimpleCommunicator, st: &mut stage::Stage, args: &args::RunA
         }
         for (s, g) in generated.iter().enumerate() {
             let ids: Vec<String> = g.iter().map(|i| i.to_string()).collect();
-            println!("prompt {s}: {}", ids.join(","));
+            use std::io::Write;
+            let line = format!("prompt {s}: {}\n", ids.join(","));
+            let mut out = std::io::stdout().lock();
+            let _ = out.write_all(line.as_bytes()).and_then(|_| out.flush());
         }
         let prefill_end = prefill_done.iter().flatten().max().copied().unwrap_or_default();
         let prompt_tokens: usize = args.prompts.iter().map(|p| p.len()).sum();
         let decode_steps = args.prompts.len() * n_new;
         let dt = (total - prefill_end).as_secs_f64();
-        eprintln!(
+        say!(
             "m3c timing: prefill {prompt_tokens} tokens in {:.1} ms ({:.1} tok/s); decode {decode_steps} steps in {:.1} ms ({:.1} tok/s)",
             prefill_end.as_secs_f64() * 1e3,
             prompt_tokens as f64 / prefill_end.as_secs_f64().max(1e-9),

@@ -229,3 +229,29 @@ fn argmax_takes_the_first_maximum() {
     unsafe { f(&m2(&x, 2, 6), &m1(&ids)) };
     assert_eq!(ids, vec![1, 4]);
 }
+
+/// A shape that crosses every tile edge of the vector path: 19 rows (row
+/// tiles of 8, pairs and a single row), 300 outputs (output tiles of 128).
+#[test]
+fn linear_tiles_cover_every_row_and_output() {
+    let dir = tempfile::tempdir().unwrap();
+    let (rows, inp, out) = (19, 1024, 300);
+    let x = input(rows, inp);
+    // bf16 weights: the top halves of f32 values in [-1, 1).
+    let wf: Vec<f32> = (0..out * inp).map(|i| ((i * 7919 % 2003) as f32 / 1001.5) - 1.0).collect();
+    let w: Vec<u16> = wf.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+    let lin = Kernel::Linear { inp, out, weight: WeightType::BF16 };
+    let lib = build(&[lin.clone()], dir.path());
+    let y = vec![f32::NAN; rows * out];
+    let f: libloading::Symbol<unsafe extern "C" fn(*const Memref2<f32>, *const Memref2<u16>, *const Memref2<f32>)> =
+        unsafe { lib.get(format!("_mlir_ciface_{}", lin.symbol()).as_bytes()).unwrap() };
+    unsafe { f(&m2(&x, rows, inp), &m2(&w, out, inp), &m2(&y, rows, out)) };
+    let mut want = vec![0f32; rows * out];
+    for r in 0..rows {
+        for o in 0..out {
+            want[r * out + o] = (0..inp).map(|i| x[r * inp + i] as f64 * bf16_to_f32(w[o * inp + i]) as f64).sum::<f64>() as f32;
+        }
+    }
+    assert!(y.iter().all(|v| v.is_finite()), "every output is written");
+    close(&y, &want, 1e-5);
+}

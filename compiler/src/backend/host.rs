@@ -49,8 +49,17 @@ fn parse<'c>(context: &'c Context, mlir: &str) -> Result<Module<'c>, BackendErro
     Module::parse(context, mlir).ok_or_else(|| BackendError::Parse { head: mlir.lines().take(12).collect::<Vec<_>>().join("\n") })
 }
 
+/// Process-wide LLVM/MLIR registrations, done once (stages compile on several threads).
+fn init_once() {
+    static INIT: std::sync::Once = std::sync::Once::new();
+    INIT.call_once(|| {
+        register_all_passes();
+        Target::initialize_x86(&InitializationConfig::default());
+    });
+}
+
 fn run(context: &Context, module: &mut Module, pipeline: &str) -> Result<(), BackendError> {
-    register_all_passes();
+    init_once();
     let pm = PassManager::new(context);
     pm.enable_verifier(true);
     let err = |e: melior::Error| BackendError::Passes { pipeline: pipeline.to_string(), message: e.to_string() };
@@ -66,7 +75,7 @@ pub fn compile(mlir: &str, cpu: &str) -> Result<HostArtifacts, BackendError> {
     run(&context, &mut module, HOST_PIPELINE)?;
     let llvm_dialect = module.as_operation().to_string();
 
-    Target::initialize_x86(&InitializationConfig::default());
+    init_once();
     let llvm = inkwell::context::Context::create();
     // SAFETY: the LLVM context outlives the module made in it (both live to
     // the end of this function), and mlir-sys and inkwell link the same LLVM.

@@ -151,15 +151,23 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
     crate::fsutil::write_dir_atomically(req.out, req.replace, |dir| {
         let work = dir.join(".obj");
         std::fs::create_dir(&work)?;
-        for p in &programs {
-            let meta = stage_meta(p, n, cfg, &compile_id, &config_sha, &req.cpu);
-            let mlir = format!("{}{}}}\n", p.mlir.trim_end().strip_suffix('}').unwrap_or(&p.mlir), meta_globals(&meta));
+        // The back end runs one thread per stage (bounded by the cores);
+        // each stage's output depends only on its own module, so the result
+        // is the same in any order.
+        let modules: Vec<String> = programs
+            .iter()
+            .map(|p| {
+                let meta = stage_meta(p, n, cfg, &compile_id, &config_sha, &req.cpu);
+                format!("{}{}}}\n", p.mlir.trim_end().strip_suffix('}').unwrap_or(&p.mlir), meta_globals(&meta))
+            })
+            .collect();
+        let arts = parallel_map(&modules, |i, m| host::compile(m, &req.cpu).with_context(|| format!("stage {i}: back end")))?;
+        for (p, art) in programs.iter().zip(arts) {
             let name = format!("stage-{}", p.index);
             if req.emit.contains(&Emit::Mlir) {
                 std::fs::write(dir.join(format!("{name}.steps.txt")), p.listing())?;
                 std::fs::write(dir.join(format!("{name}.mlir")), &p.mlir)?;
             }
-            let art = host::compile(&mlir, &req.cpu).with_context(|| format!("stage {}: back end", p.index))?;
             if req.emit.contains(&Emit::Llvm) {
                 std::fs::write(dir.join(format!("{name}.llvm.mlir")), &art.llvm_dialect)?;
                 std::fs::write(dir.join(format!("{name}.ll")), &art.llvm_ir)?;
@@ -179,6 +187,27 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
         Ok(())
     })?;
     Ok(manifest)
+}
+
+/// `f` over `items` on up to `available_parallelism` threads; results in
+/// item order, the first error wins.
+fn parallel_map<T: Sync, R: Send>(items: &[T], f: impl Fn(usize, &T) -> Result<R> + Sync) -> Result<Vec<R>> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(items.len()).max(1);
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results: Vec<std::sync::Mutex<Option<Result<R>>>> = items.iter().map(|_| std::sync::Mutex::new(None)).collect();
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if i >= items.len() {
+                    break;
+                }
+                let r = f(i, &items[i]);
+                *results[i].lock().expect("no panics while holding the lock") = Some(r);
+            });
+        }
+    });
+    results.into_iter().map(|m| m.into_inner().expect("lock").expect("every item ran")).collect()
 }
 
 fn set_executable(p: &Path) -> Result<()> {
