@@ -31,6 +31,17 @@ pub fn m3c(args: &[&str]) -> Output {
     Command::new(&bin).args(args).output().unwrap_or_else(|e| panic!("cannot run {}: {e}", bin.display()))
 }
 
+/// Runs `m3c ARGS` with extra environment variables.
+pub fn m3c_env(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let bin = m3c_bin();
+    let mut cmd = Command::new(&bin);
+    cmd.args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().unwrap_or_else(|e| panic!("cannot run {}: {e}", bin.display()))
+}
+
 pub fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }

@@ -335,7 +335,9 @@ fn run_cmd(args: RunArgs) -> Result<()> {
     pass.push("--timeout-s".into());
     pass.push(args.timeout_s.to_string());
     let mut cmd = std::process::Command::new("mpirun");
-    cmd.arg("--oversubscribe");
+    // No core binding: each rank runs its kernels on several threads (the
+    // runtime shares the node's cores among its ranks).
+    cmd.args(["--oversubscribe", "--bind-to", "none"]);
     if is_root() {
         cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1").env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
     }

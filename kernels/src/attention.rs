@@ -1,4 +1,4 @@
-use crate::emit::{f32_lit, indent};
+use crate::emit::{f32_lit, indent, parallel_or_serial};
 
 /// MiniMax Sparse Attention's block selection, as fixed by the config.
 #[derive(Debug, Clone, Copy, PartialEq, PartialOrd)]
@@ -48,10 +48,7 @@ pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64
              %pinf = arith.constant {POS_INF} : f32\n\
              %i32_0 = arith.constant 0 : i32\n\
              %i32_1 = arith.constant 1 : i32\n\
-             %ctxp = arith.addi %ctx, %cBm1 : index\n\
-             %nbmax = arith.divui %ctxp, %cB : index\n\
-             %bs = memref.alloc(%nbmax) : memref<?xf32>\n\
-             %sel = memref.alloc(%nbmax) : memref<?xi32>\n",
+",
             block = s.block,
             bm1 = s.block - 1,
             topk = s.topk,
@@ -63,6 +60,8 @@ pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64
         select = format!(
             "%bq = arith.divui %p, %cB : index\n\
              %nb = arith.addi %bq, %c1 : index\n\
+             %bs = memref.alloc(%nb) : memref<?xf32>\n\
+             %sel = memref.alloc(%nb) : memref<?xi32>\n\
              scf.for %b = %c0 to %nb step %c1 {{\n\
              \x20 memref.store %ninf, %bs[%b] : memref<?xf32>\n\
              \x20 memref.store %i32_0, %sel[%b] : memref<?xi32>\n\
@@ -117,24 +116,12 @@ pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64
             .into();
     }
     args.push_str(&format!(", %o: {qt}"));
-    let body = format!(
-        "%c0 = arith.constant 0 : index\n\
-         %c1 = arith.constant 1 : index\n\
-         %cg = arith.constant {group} : index\n\
-         %ckv = arith.constant {kv_heads} : index\n\
-         %cd = arith.constant {d} : index\n\
-         %zero = arith.constant 0.0 : f32\n\
-         %one = arith.constant 1.0 : f32\n\
-         %scale = arith.constant {scale} : f32\n\
-         %ninf = arith.constant {NEG_INF} : f32\n\
-         %rows = memref.dim %q, %c0 : {qt}\n\
-         %ctx = memref.dim %k, %c0 : {kt}\n\
-         %sc = memref.alloc(%ctx) : memref<?xf32>\n\
-         {setup}\
-         scf.for %r = %c0 to %rows step %c1 {{\n\
-         \x20 %p = arith.addi %pos0, %r : index\n\
+    // The work of one (query row, KV group): what the parallel loop runs.
+    let iteration = format!(
+        "%p = arith.addi %pos0, %r : index\n\
          \x20 %nk = arith.addi %p, %c1 : index\n\
-         \x20 scf.for %g = %c0 to %ckv step %c1 {{\n\
+         \x20 %sc = memref.alloc(%nk) : memref<?xf32>\n\
+         \x20 scf.execute_region {{\n\
          {select}\
          \x20   %kb = arith.muli %g, %cd : index\n\
          \x20   scf.for %hh = %c0 to %cg step %c1 {{\n\
@@ -189,14 +176,37 @@ pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64
          \x20       }}\n\
          \x20     }}\n\
          \x20   }}\n\
-         \x20 }}\n\
-         }}\n\
-         memref.dealloc %sc : memref<?xf32>\n\
+         \x20   memref.dealloc %sc : memref<?xf32>\n\
          {teardown}\
-         return\n",
-        scale = f32_lit(scale),
+         \x20   scf.yield\n\
+         \x20 }}\n\
+",
         select = indent(&select, 4),
         allowed = indent(&allowed, 8),
+        teardown = indent(&teardown, 4),
+    );
+    let body = format!(
+        "%c0 = arith.constant 0 : index\n\
+         %c1 = arith.constant 1 : index\n\
+         %cg = arith.constant {group} : index\n\
+         %ckv = arith.constant {kv_heads} : index\n\
+         %cd = arith.constant {d} : index\n\
+         %zero = arith.constant 0.0 : f32\n\
+         %one = arith.constant 1.0 : f32\n\
+         %scale = arith.constant {scale} : f32\n\
+         %ninf = arith.constant {NEG_INF} : f32\n\
+         %rows = memref.dim %q, %c0 : {qt}\n\
+         %ctx = memref.dim %k, %c0 : {kt}\n\
+         {setup}\
+         // One (query row, KV group) per iteration, with its own scratch.\n\
+         %work0 = arith.muli %rows, %ctx : index\n\
+         %work1 = arith.constant {per_key} : index\n\
+         %work = arith.muli %work0, %work1 : index\n\
+         {iters}\
+         return\n",
+        scale = f32_lit(scale),
+        per_key = heads * d * 2,
+        iters = parallel_or_serial("%work", &["%r", "%g"], &["%c0", "%c0"], &["%rows", "%ckv"], &["%c1", "%c1"], &iteration),
     );
     format!("  func.func @{name}({args}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n", indent(&body, 4))
 }

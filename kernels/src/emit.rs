@@ -109,3 +109,41 @@ pub fn gemma_norm_span(xty: &str, base: &str, width: &str, wty: &str, weight: We
         load = indent(&load_weight_f32("%wf", "%w", "%i", wty, weight), 2),
     )
 }
+
+/// Multiply-adds below which a kernel runs on the calling thread: forking
+/// threads costs a few microseconds, about this much work on one core.
+pub const PARALLEL_MIN_WORK: usize = 1 << 17;
+
+/// `body` over the loop nest `ivs` (with bounds `lbs`, `ubs`, `steps`, SSA
+/// names): as one `scf.parallel` (an OpenMP loop on the host) when `work`
+/// (an index SSA value: multiply-adds of the call) reaches
+/// [`PARALLEL_MIN_WORK`], else as plain `scf.for` loops. Both run the same
+/// body text, so results do not depend on which ran.
+pub fn parallel_or_serial(work: &str, ivs: &[&str], lbs: &[&str], ubs: &[&str], steps: &[&str], body: &str) -> String {
+    let mut serial_open = String::new();
+    let mut serial_close = String::new();
+    for (i, iv) in ivs.iter().enumerate() {
+        serial_open.push_str(&format!("{}scf.for {iv} = {} to {} step {} {{\n", "  ".repeat(i), lbs[i], ubs[i], steps[i]));
+    }
+    for i in (0..ivs.len()).rev() {
+        serial_close.push_str(&format!("{}}}\n", "  ".repeat(i)));
+    }
+    format!(
+        "%par_min = arith.constant {PARALLEL_MIN_WORK} : index\n\
+         %par_big = arith.cmpi uge, {work}, %par_min : index\n\
+         scf.if %par_big {{\n\
+         \x20 scf.parallel ({}) = ({}) to ({}) step ({}) {{\n\
+         {}\
+         \x20   scf.reduce\n\
+         \x20 }}\n\
+         }} else {{\n\
+         {}\
+         }}\n",
+        ivs.join(", "),
+        lbs.join(", "),
+        ubs.join(", "),
+        steps.join(", "),
+        indent(body, 4),
+        indent(&format!("{serial_open}{}{serial_close}", indent(body, 2 * ivs.len())), 2),
+    )
+}

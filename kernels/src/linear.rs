@@ -1,4 +1,4 @@
-use crate::emit::{e8m0_to_f32, indent, load_weight_f32, E8M0_CONSTANTS};
+use crate::emit::{e8m0_to_f32, indent, load_weight_f32, parallel_or_serial, E8M0_CONSTANTS};
 use crate::WeightType;
 
 /// `y[S, out] = x[S, inp] · W[out, inp]ᵀ`, f32 accumulation. MXFP8 weights are
@@ -249,15 +249,12 @@ fn linear_vec(name: &str, inp: usize, out: usize, weight: WeightType) -> String 
         WeightType::BF16 | WeightType::F16 => 2,
         WeightType::Mxfp8 { .. } => 1,
     };
-    let out_tile = ((256 * 1024) / (inp * wbytes)).clamp(1, out);
-    let body = format!(
-        "{consts}\
-         {rb_consts}\
-         %crt = arith.constant {row_tile} : index\n\
-         %cot = arith.constant {out_tile} : index\n\
-         %rows = memref.dim %x, %c0 : {x}\n\
-         scf.for %ot = %c0 to %cout step %cot {{\n\
-         %ot_end0 = arith.addi %ot, %cot : index\n\
+    // At most ~1/64 of the outputs per tile, so the tiles (run in parallel,
+    // one thread per tile at a time) keep every core busy at decode.
+    let out_tile = ((256 * 1024) / (inp * wbytes)).clamp(1, out).min(out.div_ceil(64).max(8));
+    // One tile of outputs: every row tile of the activations against it.
+    let tile = format!(
+        "%ot_end0 = arith.addi %ot, %cot : index\n\
          %ot_end = arith.minui %ot_end0, %cout : index\n\
          scf.for %rt = %c0 to %rows step %crt {{\n\
          \x20 %rt_end0 = arith.addi %rt, %crt : index\n\
@@ -275,12 +272,23 @@ fn linear_vec(name: &str, inp: usize, out: usize, weight: WeightType) -> String 
          {single}\
          \x20   }}\n\
          \x20 }}\n\
-         }}\n\
-         }}\n\
-         return\n",
+         }}\n",
         row_idx = indent(&row_idx, 6),
         block = indent(&reduce_rows(&block_rows), 6),
         single = indent(&reduce_rows(&["%r".to_string()]), 6),
+    );
+    let body = format!(
+        "{consts}\
+         {rb_consts}\
+         %crt = arith.constant {row_tile} : index\n\
+         %cot = arith.constant {out_tile} : index\n\
+         %rows = memref.dim %x, %c0 : {x}\n\
+         %work0 = arith.constant {macs} : index\n\
+         %work = arith.muli %rows, %work0 : index\n\
+         {tiles}\
+         return\n",
+        macs = inp * out,
+        tiles = parallel_or_serial("%work", &["%ot"], &["%c0"], &["%cout"], &["%cot"], &tile),
     );
     let args = match weight {
         WeightType::Mxfp8 { .. } => format!("%x: {x}, %w: {wt}, %s: {st}, %y: {y}"),

@@ -1,4 +1,4 @@
-use crate::emit::{f32_lit, indent, load_weight_f32};
+use crate::emit::{f32_lit, indent, load_weight_f32, parallel_or_serial};
 use crate::view::MemTy;
 use crate::{Kernel, WeightType};
 
@@ -21,23 +21,11 @@ pub fn router(name: &str, width: usize, experts: usize, k: usize, scale: f64, we
         None => "%ch = arith.addf %sg, %zero : f32\n".into(),
     };
     args.push_str(&format!(", %wts: {wts}, %ids: {ids}"));
-    let body = format!(
-        "%c0 = arith.constant 0 : index\n\
-         %c1 = arith.constant 1 : index\n\
-         %cw = arith.constant {width} : index\n\
-         %ce = arith.constant {experts} : index\n\
-         %ck = arith.constant {k} : index\n\
-         %zero = arith.constant 0.0 : f32\n\
-         %one = arith.constant 1.0 : f32\n\
-         %scale = arith.constant {scale} : f32\n\
-         %ninf = arith.constant 0xFF800000 : f32\n\
-         %i32_0 = arith.constant 0 : i32\n\
-         %i32_1 = arith.constant 1 : i32\n\
-         %s = memref.alloca() : memref<{experts}xf32>\n\
-         %choice = memref.alloca() : memref<{experts}xf32>\n\
-         %taken = memref.alloca() : memref<{experts}xi32>\n\
-         %rows = memref.dim %h, %c0 : {ht}\n\
-         scf.for %r = %c0 to %rows step %c1 {{\n\
+    // One token: logits, sigmoid, top-k, renormalised weights.
+    let row = format!(
+        "%s = memref.alloc() : memref<{experts}xf32>\n\
+         %choice = memref.alloc() : memref<{experts}xf32>\n\
+         %taken = memref.alloc() : memref<{experts}xi32>\n\
          \x20 scf.for %e = %c0 to %ce step %c1 {{\n\
          \x20   %l = scf.for %i = %c0 to %cw step %c1 iter_args(%a = %zero) -> (f32) {{\n\
          \x20     %xv = memref.load %h[%r, %i] : {ht}\n\
@@ -80,11 +68,32 @@ pub fn router(name: &str, width: usize, experts: usize, k: usize, scale: f64, we
          \x20   %sw = arith.mulf %nw, %scale : f32\n\
          \x20   memref.store %sw, %wts[%r, %j] : {wts}\n\
          \x20 }}\n\
-         }}\n\
-         return\n",
-        scale = f32_lit(scale),
+         memref.dealloc %s : memref<{experts}xf32>\n\
+         memref.dealloc %choice : memref<{experts}xf32>\n\
+         memref.dealloc %taken : memref<{experts}xi32>\n",
         wload = indent(&load_weight_f32("%wv", "%w", "%e, %i", &wt, weight), 6),
         add_bias = indent(&add_bias, 4),
+    );
+    let body = format!(
+        "%c0 = arith.constant 0 : index\n\
+         %c1 = arith.constant 1 : index\n\
+         %cw = arith.constant {width} : index\n\
+         %ce = arith.constant {experts} : index\n\
+         %ck = arith.constant {k} : index\n\
+         %zero = arith.constant 0.0 : f32\n\
+         %one = arith.constant 1.0 : f32\n\
+         %scale = arith.constant {scale} : f32\n\
+         %ninf = arith.constant 0xFF800000 : f32\n\
+         %i32_0 = arith.constant 0 : i32\n\
+         %i32_1 = arith.constant 1 : i32\n\
+         %rows = memref.dim %h, %c0 : {ht}\n\
+         %work0 = arith.constant {macs} : index\n\
+         %work = arith.muli %rows, %work0 : index\n\
+         {rows_loop}\
+         return\n",
+        scale = f32_lit(scale),
+        macs = experts * width,
+        rows_loop = parallel_or_serial("%work", &["%r"], &["%c0"], &["%rows"], &["%c1"], &row),
     );
     format!("  func.func @{name}({args}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n", indent(&body, 4))
 }

@@ -35,6 +35,23 @@ use std::time::{Duration, Instant};
 extern "C" {
     static m3c_stage_meta: u8;
     static m3c_stage_meta_len: u64;
+    /// OpenMP (libomp): the generated kernels' parallel loops use this many threads.
+    fn omp_set_num_threads(n: c_int);
+}
+
+/// Kernel threads for this rank: `OMP_NUM_THREADS` when set, else the cores
+/// shared evenly by the ranks on this node, so stages on one machine do not
+/// oversubscribe it.
+fn set_kernel_threads() -> usize {
+    if let Some(n) = std::env::var("OMP_NUM_THREADS").ok().and_then(|v| v.parse::<usize>().ok()).filter(|&n| n > 0) {
+        return n;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let local = std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(1).max(1);
+    let n = (cores / local).max(1);
+    // SAFETY: a plain setter of the OpenMP runtime, called before any kernel runs.
+    unsafe { omp_set_num_threads(n as c_int) };
+    n
 }
 
 const TAG_ACT: i32 = 7;
@@ -153,8 +170,9 @@ fn run() -> c_int {
         Ok(w) => w,
     };
     let (rss, _) = resident();
+    let threads = set_kernel_threads();
     say!(
-        "{who}: {}: {} tensors mapped ({:.2} MB) in {:.2} s, resident {:.1} MB",
+        "{who}: {}: {} tensors mapped ({:.2} MB) in {:.2} s, resident {:.1} MB, {threads} kernel thread(s)",
         meta.holds,
         weights.mapped(),
         weights.bytes as f64 / 1e6,

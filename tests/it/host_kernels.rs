@@ -42,7 +42,13 @@ fn build(kernels: &[Kernel], dir: &std::path::Path) -> libloading::Library {
     let obj = dir.join("k.o");
     let so = dir.join("k.so");
     std::fs::write(&obj, &art.object).unwrap();
-    let st = std::process::Command::new("cc").args(["-shared", "-o"]).arg(&so).arg(&obj).arg("-lm").status().unwrap();
+    let st = std::process::Command::new("cc")
+        .args(["-shared", "-o"])
+        .arg(&so)
+        .arg(&obj)
+        .args(["-L/usr/lib/llvm-22/lib", "-Wl,-rpath,/usr/lib/llvm-22/lib", "-lomp", "-lm"])
+        .status()
+        .unwrap();
     assert!(st.success(), "cc -shared failed");
     unsafe { libloading::Library::new(&so).unwrap() }
 }

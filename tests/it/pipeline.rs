@@ -1,7 +1,7 @@
 //! Compiled stages under mpirun, against the golden fixtures: every pp gives
 //! the golden logits and tokens, and exactly the bytes pp = 1 gives.
 
-use m3c_tests::{compile, fixture, ids_arg, m3c, read_tensor_f32, read_tensor_i64, stderr, stdout};
+use m3c_tests::{compile, fixture, ids_arg, m3c, m3c_env, read_tensor_f32, read_tensor_i64, stderr, stdout};
 use std::path::{Path, PathBuf};
 
 const NEW_TOKENS: usize = 16;
@@ -185,4 +185,24 @@ fn stages_run_by_hand_and_reject_a_wrong_world_or_a_foreign_stage() {
     let o = mpirun(&[args(&s0), args(&other.join("stage-1"))]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("the ranks come from different compiles"), "{}", stderr(&o));
+}
+
+/// Kernels split their loops over threads (OpenMP) only by whole output
+/// elements, so the thread count never changes a bit of the result.
+#[test]
+fn kernel_thread_count_does_not_change_results() {
+    let model = fixture("tiny-m3");
+    let dir = tempfile::tempdir().unwrap();
+    let out = compile(&model, 1, dir.path(), &[]);
+    let prompt = ids_arg(&golden_prompt());
+    let mut dumps = Vec::new();
+    for threads in ["1", "3"] {
+        let dump = dir.path().join(format!("t{threads}.safetensors"));
+        let args = ["run", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--prompt-ids", &prompt, "--max-new-tokens", "4", "--dump", dump.to_str().unwrap()];
+        let o = m3c_env(&args, &[("OMP_NUM_THREADS", threads)]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert!(stderr(&o).contains(&format!("{threads} kernel thread(s)")), "{}", stderr(&o));
+        dumps.push(std::fs::read(&dump).unwrap());
+    }
+    assert!(dumps[0] == dumps[1], "1 and 3 kernel threads give different results");
 }

@@ -33,6 +33,9 @@ pub fn find_runtime_lib() -> Result<PathBuf> {
     )
 }
 
+/// Where Debian's libomp-22-dev puts libomp.
+pub const OMP_DIR: &str = "/usr/lib/llvm-22/lib";
+
 /// `mpicc` links: the stage object, the runtime (which has `main`), MPI and
 /// what Rust's std needs from libc.
 pub fn link(obj: &Path, runtime: &Path, exe: &Path) -> Result<()> {
@@ -41,7 +44,11 @@ pub fn link(obj: &Path, runtime: &Path, exe: &Path) -> Result<()> {
         .arg(exe)
         .arg(obj)
         .arg(runtime)
-        .args(["-lm", "-ldl", "-lpthread", "-lrt", "-lutil", "-lgcc_s"])
+        // OpenMP runs the kernels' parallel loops (LLVM's libomp, as MLIR's
+        // OpenMP lowering targets its ABI).
+        .arg(format!("-L{OMP_DIR}"))
+        .arg(format!("-Wl,-rpath,{OMP_DIR}"))
+        .args(["-lomp", "-lm", "-ldl", "-lpthread", "-lrt", "-lutil", "-lgcc_s"])
         .output();
     let out = match out {
         Ok(o) => o,
@@ -69,7 +76,7 @@ pub fn launcher(stages: usize) -> String {
          # Extra mpirun options (hosts, binding) can come from MPIRUN_FLAGS.\n\
          here=$(cd \"$(dirname \"$0\")\" && pwd)\n\
          if [ \"$(id -u)\" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi\n\
-         exec mpirun --oversubscribe $MPIRUN_FLAGS {}\n",
+         exec mpirun --oversubscribe --bind-to none $MPIRUN_FLAGS {}\n",
         apps.join(" : ")
     )
 }
