@@ -349,7 +349,11 @@ fn run_cmd(args: RunArgs) -> Result<()> {
         if !exe.is_file() {
             bail!("{}: missing; recompile {}", exe.display(), args.out.display());
         }
-        cmd.args(["-np", "1"]).arg(&exe).args(&pass);
+        cmd.args(["-np", "1"]);
+        if let Some(host) = m["stages"][k]["host"].as_str() {
+            cmd.args(["--host", host]);
+        }
+        cmd.arg(&exe).args(&pass);
     }
     let status = match cmd.status() {
         Ok(s) => s,

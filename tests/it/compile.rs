@@ -109,3 +109,27 @@ fn a_plan_that_names_its_model_compiles_as_written() {
     assert_eq!(m["stages"][1]["holds"], "layers 3-7 + norm + lm_head");
     assert_eq!(m["stages"][1]["layers"], serde_json::json!([3, 7]));
 }
+
+/// A plan's `host:` per stage reaches the manifest, the launcher and `m3c run`
+/// (here every stage on localhost, so it runs on this machine).
+#[test]
+fn plan_hosts_place_the_stages() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = dir.path().join("plan.yaml");
+    let model = fixture("tiny-m3");
+    std::fs::write(
+        &plan,
+        "version: 1\ntarget: host\nstages:\n  - layers: \"0-3\"\n    embedding: true\n    host: localhost\n  - layers: \"4-7\"\n    final_norm: true\n    lm_head: true\n    host: localhost\n",
+    )
+    .unwrap();
+    let out = dir.path().join("out");
+    let o = m3c(&["compile", "--model", model.to_str().unwrap(), "--pp", "2", plan.to_str().unwrap(), "-o", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let m: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(m["stages"][1]["host"], "localhost");
+    let launcher = std::fs::read_to_string(out.join("run.sh")).unwrap();
+    assert!(launcher.contains("-np 1 --host localhost \"$here/stage-1\""), "{launcher}");
+    let o = m3c(&["run", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--prompt-ids", "3,4,5", "--max-new-tokens", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(m3c_tests::stdout(&o).starts_with("prompt 0: "));
+}

@@ -63,11 +63,14 @@ pub fn link(obj: &Path, runtime: &Path, exe: &Path) -> Result<()> {
     Ok(())
 }
 
-/// `OUT/run.sh ARGS`: every stage under one mpirun, each with ARGS.
-pub fn launcher(stages: usize) -> String {
+/// `OUT/run.sh ARGS`: every stage under one mpirun, each with ARGS, on
+/// the host its plan names (`hosts[k]`).
+pub fn launcher(hosts: &[Option<String>]) -> String {
+    let stages = hosts.len();
     let mut apps = Vec::new();
-    for k in 0..stages {
-        apps.push(format!("-np 1 \"$here/stage-{k}\" \"$@\""));
+    for (k, h) in hosts.iter().enumerate() {
+        let host = h.as_ref().map(|h| format!("--host {h} ")).unwrap_or_default();
+        apps.push(format!("-np 1 {host}\"$here/stage-{k}\" \"$@\""));
     }
     format!(
         "#!/bin/sh\n\

@@ -27,6 +27,8 @@ pub struct StageEntry {
     pub executable: String,
     pub sha256: String,
     pub holds: String,
+    /// The MPI host the plan puts this stage on (`mpirun --host`), if any.
+    pub host: Option<String>,
     /// First and last layer, if the stage has layers.
     pub layers: Option<[usize; 2]>,
     pub input: Boundary,
@@ -55,7 +57,7 @@ impl Manifest {
 }
 
 impl StageEntry {
-    pub fn new(p: &StageProgram, exe: &str, bytes: &[u8]) -> StageEntry {
+    pub fn new(p: &StageProgram, exe: &str, bytes: &[u8], host: Option<String>) -> StageEntry {
         use crate::model::Part;
         let layers: Vec<usize> = p.parts.iter().filter_map(|x| if let Part::Layer(l) = x { Some(*l) } else { None }).collect();
         StageEntry {
@@ -63,6 +65,7 @@ impl StageEntry {
             executable: exe.into(),
             sha256: super::sha256_hex(bytes),
             holds: super::holds(p),
+            host,
             layers: layers.first().map(|&a| [a, *layers.last().unwrap_or(&a)]),
             input: p.input,
             output: p.output,

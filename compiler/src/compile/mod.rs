@@ -177,10 +177,11 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
             let exe = dir.join(&name);
             link::link(&obj, &req.runtime_lib, &exe).with_context(|| format!("stage {}: linking {}", p.index, exe.display()))?;
             let bytes = std::fs::read(&exe)?;
-            manifest.stages.push(StageEntry::new(p, &name, &bytes));
+            manifest.stages.push(StageEntry::new(p, &name, &bytes, req.plan.stages[p.index].host.clone()));
         }
         std::fs::remove_dir_all(&work)?;
-        std::fs::write(dir.join("run.sh"), link::launcher(n))?;
+        let hosts: Vec<Option<String>> = req.plan.stages.iter().map(|s| s.host.clone()).collect();
+        std::fs::write(dir.join("run.sh"), link::launcher(&hosts))?;
         set_executable(&dir.join("run.sh"))?;
         let text = serde_json::to_string_pretty(&manifest)? + "\n";
         std::fs::write(dir.join("manifest.json"), text)?;
