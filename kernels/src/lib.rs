@@ -9,6 +9,7 @@
 mod attention;
 mod elementwise;
 mod emit;
+pub mod gpu;
 mod linear;
 mod moe;
 mod norm;
@@ -22,6 +23,11 @@ pub use emit::fp8_e4m3_value;
 pub use attention::SparseSel;
 pub use moe::{expert_table_stride, expert_tensor_types};
 pub use view::MemTy;
+
+/// Indents every line of `body` by `n` spaces.
+pub fn indent(body: &str, n: usize) -> String {
+    emit::indent(body, n)
+}
 
 /// How a weight operand is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -4,6 +4,7 @@
 mod cli;
 mod compile;
 mod config;
+mod cuda;
 mod graph;
 mod host_kernels;
 mod pipeline;

@@ -1,6 +1,7 @@
 //! Back ends: MLIR modules of kernels in, target code out. Everything
 //! target-specific lives here, at the end of the pipeline.
 
+pub mod cuda;
 pub mod host;
 
 #[derive(Debug, thiserror::Error)]
@@ -13,4 +14,6 @@ pub enum BackendError {
     Translate,
     #[error("LLVM code generation failed: {0}")]
     Codegen(String),
+    #[error("CUDA toolkit: {0}")]
+    Toolkit(String),
 }

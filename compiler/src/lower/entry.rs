@@ -27,6 +27,8 @@ pub const ENTRY_SYMBOL: &str = "m3c_stage_step";
 
 struct Emitter {
     hidden: usize,
+    /// The pointer table the device reads expert weights through.
+    expert_table: &'static str,
     body: String,
     views: BTreeSet<MemTy>,
     n: usize,
@@ -74,7 +76,7 @@ impl Emitter {
             Arg::OutIds => "%out_ids".to_string(),
             Arg::ExpertTable { first_slot } => {
                 let v = self.fresh();
-                let _ = writeln!(self.body, "{v} = llvm.getelementptr %weights[{first_slot}] : (!llvm.ptr) -> !llvm.ptr, !llvm.ptr");
+                let _ = writeln!(self.body, "{v} = llvm.getelementptr {}[{first_slot}] : (!llvm.ptr) -> !llvm.ptr, !llvm.ptr", self.expert_table);
                 return (v, "!llvm.ptr".into());
             }
             Arg::Weight { slot, ty } => {
@@ -108,7 +110,7 @@ impl Emitter {
 
 /// The whole module of a stage: kernels, view helpers and the entry.
 pub fn module(f: &FusedStage) -> String {
-    let mut e = Emitter { hidden: f.hidden, body: String::new(), views: BTreeSet::new(), n: 0, cache_ptrs: BTreeSet::new() };
+    let mut e = Emitter { hidden: f.hidden, expert_table: "%weights", body: String::new(), views: BTreeSet::new(), n: 0, cache_ptrs: BTreeSet::new() };
     let h = f.hidden;
     e.body.push_str(
         "%c0 = arith.constant 0 : index\n\
@@ -158,4 +160,82 @@ pub fn module(f: &FusedStage) -> String {
     );
     let views: Vec<MemTy> = e.views.into_iter().collect();
     m3c_kernels::module_with(&f.kernels, &views, &entry)
+}
+
+/// The module of a stage for NVIDIA GPUs: the kernels as `gpu.func`s in one
+/// `gpu.module`, and the entry, which launches them in order. Its C
+/// signature adds the device copy of the weight table (the routed experts
+/// read expert pointers on the device) and a device array of positions:
+///
+/// ```c
+/// void m3c_stage_step(void *const *weights, void *const *weights_dev, void *const *caches,
+///                     int64_t tokens, int64_t pos0, const int64_t *ids, float *x,
+///                     float *logits, int64_t *out_ids, const int64_t *pos);
+/// ```
+pub fn cuda_module(f: &FusedStage) -> String {
+    let mut e = Emitter { hidden: f.hidden, expert_table: "%weights_dev", body: String::new(), views: BTreeSet::new(), n: 0, cache_ptrs: BTreeSet::new() };
+    let h = f.hidden;
+    e.body.push_str(
+        "%c0 = arith.constant 0 : index\n\
+         %c1 = arith.constant 1 : index\n\
+         %S = arith.index_cast %tokens : i64 to index\n\
+         %pos0 = arith.index_cast %pos0_i : i64 to index\n\
+         %ctx = arith.addi %pos0, %S : index\n",
+    );
+    let ids_ty = MemTy { dims: vec![None], elem: "i64" };
+    e.view_as("%x", "%x_p", "%S", MemTy::rows(h, "f32"));
+    e.view_as("%ids", "%ids_p", "%S", ids_ty.clone());
+    e.view_as("%pos", "%pos_p", "%S", ids_ty.clone());
+    if let super::Boundary::Logits { vocab } = f.output {
+        e.view_as("%logits", "%logits_p", "%S", MemTy::rows(vocab, "f32"));
+        e.view_as("%out_ids", "%out_ids_p", "%S", ids_ty);
+    }
+    let mut funcs: Vec<(String, String)> = Vec::new();
+    let mut device_views: BTreeSet<MemTy> = BTreeSet::new();
+    for (n, step) in f.steps.iter().enumerate() {
+        let _ = writeln!(e.body, "// {}", step.to_string().trim());
+        match step {
+            Step::Alloc { id, width, elem } => {
+                let _ = writeln!(e.body, "%b{id} = gpu.alloc(%S) : memref<?x{width}x{elem}>");
+            }
+            Step::Free { id, width, elem } => {
+                let _ = writeln!(e.body, "gpu.dealloc %b{id} : memref<?x{width}x{elem}>");
+            }
+            Step::CopyToX { id, width } => {
+                let _ = writeln!(e.body, "gpu.memcpy %x, %b{id} : memref<?x{width}xf32>, memref<?x{width}xf32>");
+            }
+            Step::Call { kernel, args, .. } => {
+                let a: Vec<(String, String)> = args.iter().map(|a| e.arg(a)).collect();
+                let call = kernel.gpu_call(&a, "%S", &n.to_string());
+                e.body.push_str(&call.text);
+                device_views.extend(call.device_views);
+                for g in kernel.gpu_funcs() {
+                    if !funcs.iter().any(|(name, _)| *name == g.name) {
+                        funcs.push((g.name, g.text));
+                    }
+                }
+            }
+        }
+    }
+    e.body.push_str("return\n");
+    let entry = format!(
+        "  func.func @{ENTRY_SYMBOL}(%weights: !llvm.ptr, %weights_dev: !llvm.ptr, %caches: !llvm.ptr, %tokens: i64, %pos0_i: i64, \
+         %ids_p: !llvm.ptr, %x_p: !llvm.ptr, %logits_p: !llvm.ptr, %out_ids_p: !llvm.ptr, %pos_p: !llvm.ptr) {{\n{}  }}\n",
+        indent(&e.body, 4)
+    );
+    let mut out = String::from("module attributes {gpu.container_module} {\n");
+    for v in &e.views {
+        out.push_str(&v.view_fn_text());
+    }
+    out.push_str(&format!("  gpu.module @{} {{\n", m3c_kernels::gpu::GPU_MODULE));
+    for v in &device_views {
+        out.push_str(&indent(&v.view_fn_text(), 2));
+    }
+    for (_, text) in &funcs {
+        out.push_str(text);
+    }
+    out.push_str("  }\n");
+    out.push_str(&entry);
+    out.push_str("}\n");
+    out
 }

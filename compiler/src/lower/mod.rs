@@ -9,7 +9,7 @@
 mod entry;
 mod fuse;
 
-pub use entry::ENTRY_SYMBOL;
+pub use entry::{cuda_module, ENTRY_SYMBOL};
 pub use fuse::{fuse_stage, Step};
 
 use crate::config::ModelConfig;
@@ -65,6 +65,8 @@ pub struct StageProgram {
     pub kernels: Vec<Kernel>,
     /// The MLIR module: kernels, view helpers and the stage entry.
     pub mlir: String,
+    /// The same stage for NVIDIA GPUs: `gpu.func` kernels and a launching entry.
+    pub cuda_mlir: String,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -86,6 +88,7 @@ pub fn lower_stage(cfg: &ModelConfig, graph: &ModelGraph, index: usize, stage: &
     let parts = stage.parts();
     let fused = fuse_stage(cfg, graph, &parts).map_err(|message| LowerError::Stage { stage: index, message })?;
     let mlir = entry::module(&fused);
+    let cuda_mlir = entry::cuda_module(&fused);
     Ok(StageProgram {
         index,
         parts,
@@ -96,6 +99,7 @@ pub fn lower_stage(cfg: &ModelConfig, graph: &ModelGraph, index: usize, stage: &
         steps: fused.steps,
         kernels: fused.kernels,
         mlir,
+        cuda_mlir,
     })
 }
 

@@ -1,0 +1,709 @@
+//! The kernels for NVIDIA GPUs: the same [`Kernel`] values as the host
+//! generators, written as `gpu.func` kernels (f32 activations, weights in
+//! their stored type, f32 accumulation) plus the host-side launches that
+//! run them. The CUDA back end lowers them through NVVM to PTX.
+//!
+//! Work split: a warp per output row of a linear (lanes stride over the
+//! inputs, so a warp reads a weight row with coalesced loads, each byte
+//! once per activation row, then one shuffle reduction); a block per row for
+//! norms and elementwise ops; a warp per (query row, KV group) for attention,
+//! with an online softmax per lane merged by shuffles and the MSA block
+//! selection done by the same warp. Routed experts run as three launches over
+//! (token, choice) pairs: gate/up + SwiGLU-OAI, down, weighted combine.
+
+use crate::emit::{e8m0_to_f32, f32_lit, indent, E8M0_CONSTANTS};
+use crate::view::MemTy;
+use crate::{moe, Kernel, SparseSel, WeightType};
+
+/// Name of the `gpu.module` holding a stage's kernels.
+pub const GPU_MODULE: &str = "m3c_kernels";
+
+/// Outputs (warps) per block of a linear.
+const WARPS: usize = 8;
+const BLOCK: usize = 256;
+
+/// A `gpu.func` by name and text.
+pub struct GpuFunc {
+    pub name: String,
+    pub text: String,
+}
+
+/// The host side of one kernel call on the GPU: statements that launch the
+/// kernel(s) over the arguments the host kernel would take.
+pub struct GpuCall {
+    pub text: String,
+    /// View helpers the device code needs (for expert weight tables).
+    pub device_views: Vec<MemTy>,
+}
+
+const FP8_CONSTS: &str = "%k80 = arith.constant 128 : i32\n\
+     %k24 = arith.constant 24 : i32\n\
+     %k3 = arith.constant 3 : i32\n\
+     %kF = arith.constant 15 : i32\n\
+     %k7 = arith.constant 7 : i32\n\
+     %k120 = arith.constant 120 : i32\n\
+     %k23 = arith.constant 23 : i32\n\
+     %k20 = arith.constant 20 : i32\n\
+     %k0i = arith.constant 0 : i32\n\
+     %k7f = arith.constant 127 : i32\n\
+     %knan = arith.constant 2143289344 : i32\n\
+     %ksub = arith.constant 1.953125e-03 : f32\n";
+
+/// `%{d}` = the f32 value of the `float8_e4m3fn` byte `%{q}` (i8), by integer ops.
+fn fp8_scalar(d: &str, q: &str) -> String {
+    format!(
+        "%{d}_u = arith.extui %{q} : i8 to i32\n\
+         %{d}_sg0 = arith.andi %{d}_u, %k80 : i32\n\
+         %{d}_sg = arith.shli %{d}_sg0, %k24 : i32\n\
+         %{d}_e0 = arith.shrui %{d}_u, %k3 : i32\n\
+         %{d}_e = arith.andi %{d}_e0, %kF : i32\n\
+         %{d}_m = arith.andi %{d}_u, %k7 : i32\n\
+         %{d}_eb = arith.addi %{d}_e, %k120 : i32\n\
+         %{d}_es = arith.shli %{d}_eb, %k23 : i32\n\
+         %{d}_ms = arith.shli %{d}_m, %k20 : i32\n\
+         %{d}_n0 = arith.ori %{d}_sg, %{d}_es : i32\n\
+         %{d}_nb = arith.ori %{d}_n0, %{d}_ms : i32\n\
+         %{d}_mf = arith.uitofp %{d}_m : i32 to f32\n\
+         %{d}_sm = arith.mulf %{d}_mf, %ksub : f32\n\
+         %{d}_si = arith.bitcast %{d}_sm : f32 to i32\n\
+         %{d}_sb = arith.ori %{d}_si, %{d}_sg : i32\n\
+         %{d}_issub = arith.cmpi eq, %{d}_e, %k0i : i32\n\
+         %{d}_low = arith.andi %{d}_u, %k7f : i32\n\
+         %{d}_isnan = arith.cmpi eq, %{d}_low, %k7f : i32\n\
+         %{d}_b0 = arith.select %{d}_issub, %{d}_sb, %{d}_nb : i32\n\
+         %{d}_b = arith.select %{d}_isnan, %knan, %{d}_b0 : i32\n\
+         %{d} = arith.bitcast %{d}_b : i32 to f32\n"
+    )
+}
+
+/// A weight operand of a GPU kernel: its memref names and types.
+struct WeightArgs {
+    weight: WeightType,
+    /// `%w` and, for MXFP8, `%s`.
+    w: String,
+    s: String,
+    wty: String,
+    sty: String,
+}
+
+impl WeightArgs {
+    fn new(w: &str, s: &str, out: usize, inp: usize, weight: WeightType) -> WeightArgs {
+        let sty = match weight {
+            WeightType::Mxfp8 { block } => format!("memref<{out}x{}xi8>", inp / block),
+            _ => String::new(),
+        };
+        WeightArgs { weight, w: w.into(), s: s.into(), wty: format!("memref<{out}x{inp}x{}>", weight.mlir_elem()), sty }
+    }
+
+    fn params(&self) -> String {
+        match self.weight {
+            WeightType::Mxfp8 { .. } => format!("{}: {}, {}: {}", self.w, self.wty, self.s, self.sty),
+            _ => format!("{}: {}", self.w, self.wty),
+        }
+    }
+
+    /// `%{d}` = W[o, i] as f32.
+    fn load(&self, d: &str, o: &str, i: &str) -> String {
+        match self.weight {
+            WeightType::F32 => format!("%{d} = memref.load {}[{o}, {i}] : {}\n", self.w, self.wty),
+            WeightType::BF16 | WeightType::F16 => format!(
+                "%{d}_n = memref.load {}[{o}, {i}] : {}\n%{d} = arith.extf %{d}_n : {} to f32\n",
+                self.w,
+                self.wty,
+                self.weight.mlir_elem()
+            ),
+            WeightType::Mxfp8 { block } => format!(
+                "%{d}_q = memref.load {w}[{o}, {i}] : {wty}\n\
+                 %{d}_cb = arith.constant {block} : index\n\
+                 %{d}_bi = arith.divui {i}, %{d}_cb : index\n\
+                 %{d}_sq = memref.load {s}[{o}, %{d}_bi] : {sty}\n\
+                 {dec}\
+                 {scale}\
+                 %{d} = arith.mulf %{d}_v, %{d}_sc : f32\n",
+                w = self.w,
+                wty = self.wty,
+                s = self.s,
+                sty = self.sty,
+                dec = fp8_scalar(&format!("{d}_v"), &format!("{d}_q")),
+                scale = e8m0_to_f32(&format!("%{d}_sc"), &format!("%{d}_sq")),
+            ),
+        }
+    }
+
+    fn consts(&self) -> String {
+        match self.weight {
+            WeightType::Mxfp8 { .. } => format!("{FP8_CONSTS}{E8M0_CONSTANTS}"),
+            _ => String::new(),
+        }
+    }
+}
+
+fn func(name: &str, params: &str, body: &str) -> GpuFunc {
+    GpuFunc {
+        name: name.to_string(),
+        text: expand_warp_reductions(&format!("    gpu.func @{name}({params}) kernel {{\n{}      gpu.return\n    }}\n", indent(body, 6))),
+    }
+}
+
+/// Warp reductions, written `%d = gpu.subgroup_reduce OP %s : (T) -> T` in
+/// the generators, expanded into a butterfly of `gpu.shuffle xor` (offsets
+/// 16, 8, 4, 2, 1) so every lane ends with the result: the NVVM lowering has
+/// no f32 subgroup reduction.
+fn expand_warp_reductions(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for line in text.lines() {
+        let t = line.trim_start();
+        let pad = &line[..line.len() - t.len()];
+        let parsed = (|| {
+            let (dst, rest) = t.split_once(" = gpu.subgroup_reduce ")?;
+            let (op, rest) = rest.split_once(' ')?;
+            let (src, ty) = rest.split_once(" : (")?;
+            let ty = ty.split_once(')')?.0;
+            Some((dst.to_string(), op.to_string(), src.to_string(), ty.to_string()))
+        })();
+        let Some((dst, op, src, ty)) = parsed else {
+            out.push_str(line);
+            out.push('\n');
+            continue;
+        };
+        let combine = match op.as_str() {
+            "add" => "arith.addf",
+            "maximumf" => "arith.maximumf",
+            "minsi" => "arith.minsi",
+            other => panic!("no warp reduction for `{other}`"),
+        };
+        let base = dst.trim_start_matches('%');
+        out.push_str(&format!("{pad}%{base}_w32 = arith.constant 32 : i32\n"));
+        let mut cur = src.clone();
+        for (k, off) in [16, 8, 4, 2, 1].iter().enumerate() {
+            out.push_str(&format!(
+                "{pad}%{base}_o{k} = arith.constant {off} : i32\n\
+                 {pad}%{base}_s{k}, %{base}_v{k} = gpu.shuffle xor {cur}, %{base}_o{k}, %{base}_w32 : {ty}\n"
+            ));
+            let next = if k == 4 { dst.clone() } else { format!("%{base}_r{k}") };
+            out.push_str(&format!("{pad}{next} = {combine} {cur}, %{base}_s{k} : {ty}\n"));
+            cur = next;
+        }
+    }
+    out
+}
+
+const IDX: &str = "%c0 = arith.constant 0 : index\n\
+     %c1 = arith.constant 1 : index\n\
+     %c32 = arith.constant 32 : index\n\
+     %c256 = arith.constant 256 : index\n\
+     %zero = arith.constant 0.0 : f32\n\
+     %one = arith.constant 1.0 : f32\n\
+     %ninf = arith.constant 0xFF800000 : f32\n\
+     %pinf = arith.constant 0x7F800000 : f32\n";
+
+/// Lane-strided dot product of activation row `%r` of `x` with weight row `o`,
+/// reduced over the warp into `%{d}` (every lane gets it).
+fn warp_dot(d: &str, x: &str, xty: &str, r: &str, wa: &WeightArgs, o: &str, inp: usize) -> String {
+    format!(
+        "%{d}_n = arith.constant {inp} : index\n\
+         %{d}_p = scf.for %{d}_i = %lane to %{d}_n step %c32 iter_args(%{d}_a = %zero) -> (f32) {{\n\
+         \x20 %{d}_x = memref.load {x}[{r}, %{d}_i] : {xty}\n\
+         {load}\
+         \x20 %{d}_m = arith.mulf %{d}_x, %{d}_w : f32\n\
+         \x20 %{d}_a2 = arith.addf %{d}_a, %{d}_m : f32\n\
+         \x20 scf.yield %{d}_a2 : f32\n\
+         }}\n\
+         %{d} = gpu.subgroup_reduce add %{d}_p : (f32) -> f32\n",
+        load = indent(&wa.load(&format!("{d}_w"), o, &format!("%{d}_i")), 2),
+    )
+}
+
+const WARP_IDS: &str = "%tid = gpu.thread_id x\n\
+     %lane = arith.remui %tid, %c32 : index\n\
+     %warp = arith.divui %tid, %c32 : index\n";
+
+impl Kernel {
+    /// The `gpu.func` kernels this kernel runs as.
+    pub fn gpu_funcs(&self) -> Vec<GpuFunc> {
+        let sym = self.symbol();
+        match self {
+            Kernel::Embedding { vocab, width, weight } => {
+                let wa = WeightArgs::new("%w", "", *vocab, *width, *weight);
+                let yt = format!("memref<?x{width}xf32>");
+                let body = format!(
+                    "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
+                     %id64 = memref.load %ids[%r] : memref<?xi64>\n%id = arith.index_cast %id64 : i64 to index\n\
+                     scf.for %c = %t to %cw step %c256 {{\n{}  memref.store %v, %y[%r, %c] : {yt}\n}}\n",
+                    indent(&wa.load("v", "%id", "%c"), 2)
+                );
+                vec![func(&sym, &format!("%ids: memref<?xi64>, {}, %y: {yt}", wa.params()), &body)]
+            }
+            Kernel::RmsNorm { width, eps, weight } => {
+                let t = format!("memref<?x{width}xf32>");
+                let wt = format!("memref<{width}x{}>", weight.mlir_elem());
+                let wl = crate::emit::load_weight_f32("%wv", "%w", "%c", &wt, *weight);
+                let body = format!(
+                    "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
+                     %n = arith.constant {n} : f32\n%eps = arith.constant {eps} : f32\n\
+                     %part = scf.for %c = %t to %cw step %c256 iter_args(%a = %zero) -> (f32) {{\n\
+                     \x20 %v = memref.load %x[%r, %c] : {t}\n  %q = arith.mulf %v, %v : f32\n  %a2 = arith.addf %a, %q : f32\n  scf.yield %a2 : f32\n}}\n\
+                     %ss = gpu.all_reduce add %part uniform {{}} : (f32) -> (f32)\n\
+                     %mean = arith.divf %ss, %n : f32\n%me = arith.addf %mean, %eps : f32\n%rs = math.rsqrt %me : f32\n\
+                     scf.for %c = %t to %cw step %c256 {{\n\
+                     \x20 %v = memref.load %x[%r, %c] : {t}\n{}\
+                     \x20 %s = arith.addf %one, %wv : f32\n  %u = arith.mulf %v, %rs : f32\n  %o = arith.mulf %u, %s : f32\n\
+                     \x20 memref.store %o, %y[%r, %c] : {t}\n}}\n",
+                    indent(&wl, 2),
+                    n = f32_lit(*width as f64),
+                    eps = f32_lit(*eps),
+                );
+                vec![func(&sym, &format!("%x: {t}, %w: {wt}, %y: {t}"), &body)]
+            }
+            Kernel::Linear { inp, out, weight } => {
+                let wa = WeightArgs::new("%w", "%s", *out, *inp, *weight);
+                let xt = format!("memref<?x{inp}xf32>");
+                let yt = format!("memref<?x{out}xf32>");
+                let body = format!(
+                    "{IDX}{WARP_IDS}{consts}%r = gpu.block_id y\n%bx = gpu.block_id x\n%cwarps = arith.constant {WARPS} : index\n\
+                     %ob = arith.muli %bx, %cwarps : index\n%o = arith.addi %ob, %warp : index\n\
+                     %cout = arith.constant {out} : index\n%ok = arith.cmpi ult, %o, %cout : index\n\
+                     scf.if %ok {{\n{dot}\
+                     \x20 %first = arith.cmpi eq, %lane, %c0 : index\n\
+                     \x20 scf.if %first {{\n    memref.store %acc, %y[%r, %o] : {yt}\n  }}\n}}\n",
+                    consts = wa.consts(),
+                    dot = indent(&warp_dot("acc", "%x", &xt, "%r", &wa, "%o", *inp), 2),
+                );
+                vec![func(&sym, &format!("%x: {xt}, {}, %y: {yt}", wa.params()), &body)]
+            }
+            Kernel::HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight } => {
+                let (d, half) = (*head_dim, rotary_dim / 2);
+                let t = format!("memref<?x{}xf32>", heads * d);
+                let wt = format!("memref<{d}x{}>", weight.mlir_elem());
+                let inv: Vec<String> = (0..half.max(1))
+                    .map(|j| f32_lit((1.0 / (*theta as f32).powf((2 * j) as f32 / *rotary_dim as f32)) as f64))
+                    .collect();
+                let wl = crate::emit::load_weight_f32("%wv", "%w", "%t", &wt, *weight);
+                let body = format!(
+                    "{IDX}%r = gpu.block_id x\n%h = gpu.block_id y\n%t = gpu.thread_id x\n\
+                     %cd = arith.constant {d} : index\n%chalf = arith.constant {half} : index\n%crot = arith.constant {rotary_dim} : index\n\
+                     %n = arith.constant {nf} : f32\n%eps = arith.constant {epsf} : f32\n\
+                     %inv = arith.constant dense<[{inv}]> : vector<{hv}xf32>\n\
+                     %base = arith.muli %h, %cd : index\n%col = arith.addi %base, %t : index\n\
+                     %v = memref.load %x[%r, %col] : {t}\n%q = arith.mulf %v, %v : f32\n\
+                     %ss = gpu.all_reduce add %q uniform {{}} : (f32) -> (f32)\n\
+                     %mean = arith.divf %ss, %n : f32\n%me = arith.addf %mean, %eps : f32\n%rs = math.rsqrt %me : f32\n\
+                     {wl}%s = arith.addf %one, %wv : f32\n%u = arith.mulf %v, %rs : f32\n%nv = arith.mulf %u, %s : f32\n\
+                     memref.store %nv, %sh[%t] : memref<{d}xf32, #gpu.address_space<workgroup>>\n\
+                     gpu.barrier\n\
+                     %p64 = memref.load %pos[%r] : memref<?xi64>\n%pf = arith.sitofp %p64 : i64 to f32\n\
+                     %lo = arith.cmpi ult, %t, %chalf : index\n\
+                     scf.if %lo {{\n\
+                     \x20 %f = vector.extract %inv[%t] : f32 from vector<{hv}xf32>\n\
+                     \x20 %ang = arith.mulf %pf, %f : f32\n  %cs = math.cos %ang : f32\n  %sn = math.sin %ang : f32\n\
+                     \x20 %j2 = arith.addi %t, %chalf : index\n\
+                     \x20 %a = memref.load %sh[%t] : memref<{d}xf32, #gpu.address_space<workgroup>>\n\
+                     \x20 %b = memref.load %sh[%j2] : memref<{d}xf32, #gpu.address_space<workgroup>>\n\
+                     \x20 %ac = arith.mulf %a, %cs : f32\n  %bs = arith.mulf %b, %sn : f32\n  %y1 = arith.subf %ac, %bs : f32\n\
+                     \x20 %bc = arith.mulf %b, %cs : f32\n  %as = arith.mulf %a, %sn : f32\n  %y2 = arith.addf %bc, %as : f32\n\
+                     \x20 %o2 = arith.addi %base, %j2 : index\n\
+                     \x20 memref.store %y1, %y[%r, %col] : {t}\n  memref.store %y2, %y[%r, %o2] : {t}\n\
+                     }}\n\
+                     %pass = arith.cmpi uge, %t, %crot : index\n\
+                     scf.if %pass {{\n  memref.store %nv, %y[%r, %col] : {t}\n}}\n",
+                    nf = f32_lit(d as f64),
+                    epsf = f32_lit(*eps),
+                    inv = inv.join(", "),
+                    hv = half.max(1),
+                );
+                vec![GpuFunc {
+                    name: sym.clone(),
+                    text: format!(
+                        "    gpu.func @{sym}(%x: {t}, %w: {wt}, %pos: memref<?xi64>, %y: {t}) workgroup(%sh: memref<{d}xf32, #gpu.address_space<workgroup>>) kernel {{\n{}      gpu.return\n    }}\n",
+                        indent(&body, 6)
+                    ),
+                }]
+            }
+            Kernel::SwiGluOai { width, alpha, limit, beta } => {
+                let t = format!("memref<?x{width}xf32>");
+                let body = format!(
+                    "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
+                     %alpha = arith.constant {a} : f32\n%lim = arith.constant {l} : f32\n%nlim = arith.constant {nl} : f32\n%beta = arith.constant {b} : f32\n\
+                     scf.for %i = %t to %cw step %c256 {{\n\
+                     \x20 %gv = memref.load %g[%r, %i] : {t}\n  %uv = memref.load %u[%r, %i] : {t}\n\
+                     \x20 %gc = arith.minimumf %gv, %lim : f32\n  %u1 = arith.minimumf %uv, %lim : f32\n  %uc = arith.maximumf %u1, %nlim : f32\n\
+                     \x20 %ag = arith.mulf %alpha, %gc : f32\n  %nag = arith.negf %ag : f32\n  %e = math.exp %nag : f32\n\
+                     \x20 %den = arith.addf %one, %e : f32\n  %sig = arith.divf %one, %den : f32\n  %glu = arith.mulf %gc, %sig : f32\n\
+                     \x20 %up = arith.addf %uc, %beta : f32\n  %o = arith.mulf %glu, %up : f32\n  memref.store %o, %y[%r, %i] : {t}\n}}\n",
+                    a = f32_lit(*alpha),
+                    l = f32_lit(*limit),
+                    nl = f32_lit(-limit),
+                    b = f32_lit(*beta),
+                );
+                vec![func(&sym, &format!("%g: {t}, %u: {t}, %y: {t}"), &body)]
+            }
+            Kernel::Add { width } => {
+                let t = format!("memref<?x{width}xf32>");
+                let body = format!(
+                    "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
+                     scf.for %i = %t to %cw step %c256 {{\n\
+                     \x20 %x = memref.load %a[%r, %i] : {t}\n  %z = memref.load %b[%r, %i] : {t}\n  %s = arith.addf %x, %z : f32\n\
+                     \x20 memref.store %s, %y[%r, %i] : {t}\n}}\n"
+                );
+                vec![func(&sym, &format!("%a: {t}, %b: {t}, %y: {t}"), &body)]
+            }
+            Kernel::Argmax { width } => {
+                let t = format!("memref<?x{width}xf32>");
+                let body = format!(
+                    "{IDX}%r = gpu.block_id x\n%lane = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
+                     %big = arith.constant 2147483647 : i32\n\
+                     %best:2 = scf.for %i = %lane to %cw step %c32 iter_args(%bv = %ninf, %bi = %cw) -> (f32, index) {{\n\
+                     \x20 %v = memref.load %x[%r, %i] : {t}\n  %gt = arith.cmpf ogt, %v, %bv : f32\n\
+                     \x20 %nv = arith.select %gt, %v, %bv : f32\n  %ni = arith.select %gt, %i, %bi : index\n  scf.yield %nv, %ni : f32, index\n}}\n\
+                     %m = gpu.subgroup_reduce maximumf %best#0 : (f32) -> f32\n\
+                     %is = arith.cmpf oeq, %best#0, %m : f32\n\
+                     %bi32 = arith.index_cast %best#1 : index to i32\n\
+                     %cand = arith.select %is, %bi32, %big : i32\n\
+                     %win = gpu.subgroup_reduce minsi %cand : (i32) -> i32\n\
+                     %first = arith.cmpi eq, %lane, %c0 : index\n\
+                     scf.if %first {{\n  %id = arith.extsi %win : i32 to i64\n  memref.store %id, %ids[%r] : memref<?xi64>\n}}\n"
+                );
+                vec![func(&sym, &format!("%x: {t}, %ids: memref<?xi64>"), &body)]
+            }
+            Kernel::Router { width, experts, top_k, scale, weight, bias } => {
+                let ht = format!("memref<?x{width}xf32>");
+                let wa = WeightArgs::new("%w", "", *experts, *width, *weight);
+                let e = *experts;
+                let wts = format!("memref<?x{top_k}xf32>");
+                let ids = format!("memref<?x{top_k}xi64>");
+                let sh = format!("memref<{e}xf32, #gpu.address_space<workgroup>>");
+                let (bias_param, bias_add) = match bias {
+                    Some(bt) => {
+                        let bty = format!("memref<{e}x{}>", bt.mlir_elem());
+                        (
+                            format!(", %bias: {bty}"),
+                            format!("{}    %ch = arith.addf %sg, %bv : f32\n", indent(&crate::emit::load_weight_f32("%bv", "%bias", "%e", &bty, *bt), 4)),
+                        )
+                    }
+                    None => (String::new(), "    %ch = arith.addf %sg, %zero : f32\n".into()),
+                };
+                let body = format!(
+                    "{IDX}%r = gpu.block_id x\n%lane = gpu.thread_id x\n%ce = arith.constant {e} : index\n%ck = arith.constant {top_k} : index\n\
+                     %scale = arith.constant {sc} : f32\n%first = arith.cmpi eq, %lane, %c0 : index\n\
+                     scf.for %e = %c0 to %ce step %c1 {{\n\
+                     {dot}\
+                     \x20 scf.if %first {{\n\
+                     \x20   %nl = arith.negf %l : f32\n    %ex = math.exp %nl : f32\n    %den = arith.addf %one, %ex : f32\n    %sg = arith.divf %one, %den : f32\n\
+                     \x20   memref.store %sg, %ss[%e] : {sh}\n\
+                     {bias_add}\
+                     \x20   memref.store %ch, %sc_[%e] : {sh}\n\
+                     \x20 }}\n\
+                     }}\n\
+                     scf.if %first {{\n\
+                     \x20 %sum = scf.for %j = %c0 to %ck step %c1 iter_args(%acc = %zero) -> (f32) {{\n\
+                     \x20   %best:2 = scf.for %e = %c0 to %ce step %c1 iter_args(%bv = %ninf, %bi = %c0) -> (f32, index) {{\n\
+                     \x20     %v = memref.load %sc_[%e] : {sh}\n      %gt = arith.cmpf ogt, %v, %bv : f32\n\
+                     \x20     %nv = arith.select %gt, %v, %bv : f32\n      %ni = arith.select %gt, %e, %bi : index\n      scf.yield %nv, %ni : f32, index\n    }}\n\
+                     \x20   memref.store %ninf, %sc_[%best#1] : {sh}\n\
+                     \x20   %id = arith.index_cast %best#1 : index to i64\n    memref.store %id, %ids[%r, %j] : {ids}\n\
+                     \x20   %sv = memref.load %ss[%best#1] : {sh}\n    memref.store %sv, %wts[%r, %j] : {wts}\n\
+                     \x20   %acc2 = arith.addf %acc, %sv : f32\n    scf.yield %acc2 : f32\n  }}\n\
+                     \x20 scf.for %j = %c0 to %ck step %c1 {{\n\
+                     \x20   %sv = memref.load %wts[%r, %j] : {wts}\n    %nw = arith.divf %sv, %sum : f32\n    %sw = arith.mulf %nw, %scale : f32\n\
+                     \x20   memref.store %sw, %wts[%r, %j] : {wts}\n  }}\n\
+                     }}\n",
+                    sc = f32_lit(*scale),
+                    dot = indent(&warp_dot("l", "%h", &ht, "%r", &wa, "%e", *width), 2),
+                );
+                vec![GpuFunc {
+                    name: sym.clone(),
+                    text: expand_warp_reductions(&format!(
+                        "    gpu.func @{sym}(%h: {ht}, {}{bias_param}, %wts: {wts}, %ids: {ids}) workgroup(%ss: {sh}, %sc_: {sh}) kernel {{\n{}      gpu.return\n    }}\n",
+                        wa.params(),
+                        indent(&body, 6)
+                    )),
+                }]
+            }
+            Kernel::Attention { heads, kv_heads, head_dim, scale, sparse } => vec![attention(&sym, *heads, *kv_heads, *head_dim, *scale, *sparse)],
+            Kernel::RoutedExperts { hidden, inter, top_k, weight, alpha, limit, beta, .. } => {
+                routed_experts(&sym, *hidden, *inter, *top_k, *weight, *alpha, *limit, *beta)
+            }
+        }
+    }
+
+    /// Host statements launching this kernel on the GPU. `args` are the SSA
+    /// names and types of the host kernel's arguments, in order; `rows` is
+    /// the step's row count (an index SSA name); `tag` makes local names unique.
+    pub fn gpu_call(&self, args: &[(String, String)], rows: &str, tag: &str) -> GpuCall {
+        let sym = self.symbol();
+        let launch = |name: &str, grid: [&str; 3], block: usize, a: &[(String, String)]| -> String {
+            let list: Vec<String> = a.iter().map(|(n, t)| format!("{n} : {t}")).collect();
+            format!(
+                "gpu.launch_func @{GPU_MODULE}::@{name} blocks in ({}, {}, {}) threads in (%g{tag}_b{block}, %g{tag}_one, %g{tag}_one) args({})\n",
+                grid[0],
+                grid[1],
+                grid[2],
+                list.join(", ")
+            )
+        };
+        let mut text = format!("%g{tag}_one = arith.constant 1 : index\n");
+        for b in [32usize, 256] {
+            text.push_str(&format!("%g{tag}_b{b} = arith.constant {b} : index\n"));
+        }
+        let one = format!("%g{tag}_one");
+        match self {
+            Kernel::Linear { out, .. } => {
+                text.push_str(&format!("%g{tag}_ob = arith.constant {} : index\n", out.div_ceil(WARPS)));
+                text.push_str(&launch(&sym, [&format!("%g{tag}_ob"), rows, &one], BLOCK, args));
+            }
+            Kernel::HeadNormRope { heads, head_dim, .. } => {
+                text.push_str(&format!("%g{tag}_h = arith.constant {heads} : index\n%g{tag}_d = arith.constant {head_dim} : index\n"));
+                let list: Vec<String> = args.iter().map(|(n, t)| format!("{n} : {t}")).collect();
+                text.push_str(&format!(
+                    "gpu.launch_func @{GPU_MODULE}::@{sym} blocks in ({rows}, %g{tag}_h, {one}) threads in (%g{tag}_d, {one}, {one}) args({})\n",
+                    list.join(", ")
+                ));
+            }
+            Kernel::Argmax { .. } | Kernel::Router { .. } => text.push_str(&launch(&sym, [rows, &one, &one], 32, args)),
+            Kernel::Attention { kv_heads, sparse, .. } => {
+                text.push_str(&format!("%g{tag}_kv = arith.constant {kv_heads} : index\n"));
+                let mut a = args.to_vec();
+                if let Some(s) = sparse {
+                    // Per (row, group) block scores and selection flags, in global scratch.
+                    let (k_name, k_ty) = &args[1];
+                    text.push_str(&format!(
+                        "%g{tag}_c0 = arith.constant 0 : index\n\
+                         %g{tag}_ctx = memref.dim {k_name}, %g{tag}_c0 : {k_ty}\n\
+                         %g{tag}_bm1 = arith.constant {} : index\n\
+                         %g{tag}_bsz = arith.constant {} : index\n\
+                         %g{tag}_cp = arith.addi %g{tag}_ctx, %g{tag}_bm1 : index\n\
+                         %g{tag}_nbmax = arith.divui %g{tag}_cp, %g{tag}_bsz : index\n\
+                         %g{tag}_rk = arith.muli {rows}, %g{tag}_kv : index\n\
+                         %g{tag}_n = arith.muli %g{tag}_rk, %g{tag}_nbmax : index\n\
+                         %g{tag}_bs = gpu.alloc(%g{tag}_n) : memref<?xf32>\n\
+                         %g{tag}_sel = gpu.alloc(%g{tag}_n) : memref<?xi32>\n",
+                        s.block - 1,
+                        s.block
+                    ));
+                    let o = a.pop().expect("attention has an output");
+                    a.push((format!("%g{tag}_bs"), "memref<?xf32>".into()));
+                    a.push((format!("%g{tag}_sel"), "memref<?xi32>".into()));
+                    a.push((format!("%g{tag}_nbmax"), "index".into()));
+                    a.push(o);
+                }
+                text.push_str(&launch(&sym, [rows, &format!("%g{tag}_kv"), &one], 32, &a));
+                if sparse.is_some() {
+                    text.push_str(&format!("gpu.dealloc %g{tag}_bs : memref<?xf32>\ngpu.dealloc %g{tag}_sel : memref<?xi32>\n"));
+                }
+            }
+            Kernel::RoutedExperts { hidden, inter, top_k, .. } => {
+                // args: h, wts, ids, table, y
+                let (h, wts, ids, table, y) = (&args[0], &args[1], &args[2], &args[3], &args[4]);
+                let it = format!("memref<?x{inter}xf32>");
+                let ht = format!("memref<?x{hidden}xf32>");
+                text.push_str(&format!(
+                    "%g{tag}_k = arith.constant {top_k} : index\n\
+                     %g{tag}_pairs = arith.muli {rows}, %g{tag}_k : index\n\
+                     %g{tag}_act = gpu.alloc(%g{tag}_pairs) : {it}\n\
+                     %g{tag}_dn = gpu.alloc(%g{tag}_pairs) : {ht}\n\
+                     %g{tag}_ib = arith.constant {} : index\n\
+                     %g{tag}_hb = arith.constant {} : index\n",
+                    inter.div_ceil(WARPS),
+                    hidden.div_ceil(WARPS)
+                ));
+                let act = (format!("%g{tag}_act"), it.clone());
+                let dn = (format!("%g{tag}_dn"), ht.clone());
+                text.push_str(&launch(
+                    &format!("{sym}_up"),
+                    [&format!("%g{tag}_ib"), &format!("%g{tag}_pairs"), &one],
+                    BLOCK,
+                    &[h.clone(), ids.clone(), table.clone(), act.clone()],
+                ));
+                text.push_str(&launch(
+                    &format!("{sym}_down"),
+                    [&format!("%g{tag}_hb"), &format!("%g{tag}_pairs"), &one],
+                    BLOCK,
+                    &[act.clone(), ids.clone(), table.clone(), dn.clone()],
+                ));
+                text.push_str(&launch(&format!("{sym}_combine"), [rows, &one, &one], BLOCK, &[dn.clone(), wts.clone(), y.clone()]));
+                text.push_str(&format!("gpu.dealloc %g{tag}_act : {it}\ngpu.dealloc %g{tag}_dn : {ht}\n"));
+                let weight = match self {
+                    Kernel::RoutedExperts { weight, .. } => *weight,
+                    _ => unreachable!(),
+                };
+                return GpuCall { text, device_views: moe::expert_tensor_types(*hidden, *inter, weight) };
+            }
+            _ => text.push_str(&launch(&sym, [rows, &one, &one], BLOCK, args)),
+        }
+        GpuCall { text, device_views: Vec::new() }
+    }
+}
+
+/// Attention on the GPU: one warp per (query row, KV group).
+fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64, sparse: Option<SparseSel>) -> GpuFunc {
+    let group = heads / kv_heads;
+    let qt = format!("memref<?x{}xf32>", heads * d);
+    let kt = format!("memref<?x{}xf32>", kv_heads * d);
+    let mut params = format!("%q: {qt}, %k: {kt}, %v: {kt}, %pos0: index");
+    let mut select = String::new();
+    let mut allowed = "%allowed = arith.constant true\n".to_string();
+    if let Some(s) = sparse {
+        let iqt = format!("memref<?x{}xf32>", s.index_heads * s.index_dim);
+        let ikt = format!("memref<?x{}xf32>", s.index_dim);
+        params.push_str(&format!(", %iq: {iqt}, %ik: {ikt}, %bs: memref<?xf32>, %sel: memref<?xi32>, %nbmax: index"));
+        select = format!(
+            "%cB = arith.constant {block} : index\n%cK = arith.constant {topk} : index\n%cid = arith.constant {id} : index\n\
+             %clocal = arith.constant {local} : index\n%cinit = arith.constant {init} : index\n\
+             %i0 = arith.constant 0 : i32\n%i1 = arith.constant 1 : i32\n%big = arith.constant 2147483647 : i32\n\
+             %row0 = arith.muli %r, %ckv : index\n%row = arith.addi %row0, %g : index\n%rbase = arith.muli %row, %nbmax : index\n\
+             %bq = arith.divui %p, %cB : index\n%nb = arith.addi %bq, %c1 : index\n%iqb = arith.muli %g, %cid : index\n\
+             // Block scores: lane-strided blocks, max over the block's causal keys.\n\
+             scf.for %b = %lane to %nb step %c32 {{\n\
+             \x20 %t0 = arith.muli %b, %cB : index\n  %t1a = arith.addi %t0, %cB : index\n  %t1 = arith.minui %t1a, %nk : index\n\
+             \x20 %mx = scf.for %t = %t0 to %t1 step %c1 iter_args(%m = %ninf) -> (f32) {{\n\
+             \x20   %dot = scf.for %c = %c0 to %cid step %c1 iter_args(%a = %zero) -> (f32) {{\n\
+             \x20     %qc = arith.addi %iqb, %c : index\n      %x1 = memref.load %iq[%r, %qc] : {iqt}\n      %x2 = memref.load %ik[%t, %c] : {ikt}\n\
+             \x20     %mm = arith.mulf %x1, %x2 : f32\n      %a2 = arith.addf %a, %mm : f32\n      scf.yield %a2 : f32\n    }}\n\
+             \x20   %m2 = arith.maximumf %m, %dot : f32\n    scf.yield %m2 : f32\n  }}\n\
+             \x20 %bl = arith.addi %b, %clocal : index\n  %isloc = arith.cmpi ugt, %bl, %bq : index\n  %isinit = arith.cmpi ult, %b, %cinit : index\n\
+             \x20 %forced = arith.ori %isloc, %isinit : i1\n  %val = arith.select %forced, %pinf, %mx : f32\n\
+             \x20 %at = arith.addi %rbase, %b : index\n  memref.store %val, %bs[%at] : memref<?xf32>\n  memref.store %i0, %sel[%at] : memref<?xi32>\n\
+             }}\n\
+             gpu.barrier\n\
+             // Top-k by repeated warp argmax; ties go to the lower block.\n\
+             scf.for %s = %c0 to %cK step %c1 {{\n\
+             \x20 %best:2 = scf.for %b = %lane to %nb step %c32 iter_args(%bv = %ninf, %bi = %nb) -> (f32, index) {{\n\
+             \x20   %at = arith.addi %rbase, %b : index\n    %tk = memref.load %sel[%at] : memref<?xi32>\n    %free = arith.cmpi eq, %tk, %i0 : i32\n\
+             \x20   %x = memref.load %bs[%at] : memref<?xf32>\n    %gt = arith.cmpf ogt, %x, %bv : f32\n    %ok = arith.andi %free, %gt : i1\n\
+             \x20   %nv = arith.select %ok, %x, %bv : f32\n    %ni = arith.select %ok, %b, %bi : index\n    scf.yield %nv, %ni : f32, index\n  }}\n\
+             \x20 %wm = gpu.subgroup_reduce maximumf %best#0 : (f32) -> f32\n\
+             \x20 %mine = arith.cmpf oeq, %best#0, %wm : f32\n  %bi32 = arith.index_cast %best#1 : index to i32\n\
+             \x20 %cand = arith.select %mine, %bi32, %big : i32\n  %win = gpu.subgroup_reduce minsi %cand : (i32) -> i32\n\
+             \x20 %found = arith.cmpf ogt, %wm, %ninf : f32\n  %lead = arith.cmpi eq, %lane, %c0 : index\n  %mark = arith.andi %found, %lead : i1\n\
+             \x20 scf.if %mark {{\n    %wi = arith.index_cast %win : i32 to index\n    %at = arith.addi %rbase, %wi : index\n    memref.store %i1, %sel[%at] : memref<?xi32>\n  }}\n\
+             \x20 gpu.barrier\n\
+             }}\n",
+            block = s.block,
+            topk = s.topk,
+            id = s.index_dim,
+            local = s.local,
+            init = s.init,
+        );
+        allowed = "%tb = arith.divui %t, %cB : index\n%at = arith.addi %rbase, %tb : index\n%sv = memref.load %sel[%at] : memref<?xi32>\n%allowed = arith.cmpi ne, %sv, %i0 : i32\n".into();
+    }
+    params.push_str(&format!(", %o: {qt}"));
+    let body = format!(
+        "{IDX}%r = gpu.block_id x\n%g = gpu.block_id y\n%lane = gpu.thread_id x\n\
+         %cg = arith.constant {group} : index\n%ckv = arith.constant {kv_heads} : index\n%cd = arith.constant {d} : index\n\
+         %scale = arith.constant {sc} : f32\n\
+         %p = arith.addi %pos0, %r : index\n%nk = arith.addi %p, %c1 : index\n\
+         {select}\
+         %kb = arith.muli %g, %cd : index\n\
+         %acc = memref.alloca() : memref<{d}xf32>\n\
+         scf.for %hh = %c0 to %cg step %c1 {{\n\
+         \x20 %gi = arith.muli %g, %cg : index\n  %i = arith.addi %gi, %hh : index\n  %qb = arith.muli %i, %cd : index\n\
+         \x20 scf.for %c = %c0 to %cd step %c1 {{\n    memref.store %zero, %acc[%c] : memref<{d}xf32>\n  }}\n\
+         \x20 // Online softmax over this lane's keys.\n\
+         \x20 %ml:2 = scf.for %t = %lane to %nk step %c32 iter_args(%m = %ninf, %l = %zero) -> (f32, f32) {{\n\
+         {allowed}\
+         \x20   %res:2 = scf.if %allowed -> (f32, f32) {{\n\
+         \x20     %dot = scf.for %c = %c0 to %cd step %c1 iter_args(%a = %zero) -> (f32) {{\n\
+         \x20       %qc = arith.addi %qb, %c : index\n        %kc = arith.addi %kb, %c : index\n\
+         \x20       %x1 = memref.load %q[%r, %qc] : {qt}\n        %x2 = memref.load %k[%t, %kc] : {kt}\n\
+         \x20       %mm = arith.mulf %x1, %x2 : f32\n        %a2 = arith.addf %a, %mm : f32\n        scf.yield %a2 : f32\n      }}\n\
+         \x20     %s = arith.mulf %dot, %scale : f32\n      %m2 = arith.maximumf %m, %s : f32\n\
+         \x20     %dm = arith.subf %m, %m2 : f32\n      %cold = math.exp %dm : f32\n      %ds = arith.subf %s, %m2 : f32\n      %pw = math.exp %ds : f32\n\
+         \x20     %lc = arith.mulf %l, %cold : f32\n      %l2 = arith.addf %lc, %pw : f32\n\
+         \x20     scf.for %c = %c0 to %cd step %c1 {{\n\
+         \x20       %vc = arith.addi %kb, %c : index\n        %vv = memref.load %v[%t, %vc] : {kt}\n        %av = memref.load %acc[%c] : memref<{d}xf32>\n\
+         \x20       %a1 = arith.mulf %av, %cold : f32\n        %pv = arith.mulf %pw, %vv : f32\n        %a2 = arith.addf %a1, %pv : f32\n\
+         \x20       memref.store %a2, %acc[%c] : memref<{d}xf32>\n      }}\n\
+         \x20     scf.yield %m2, %l2 : f32, f32\n    }} else {{\n      scf.yield %m, %l : f32, f32\n    }}\n\
+         \x20   scf.yield %res#0, %res#1 : f32, f32\n  }}\n\
+         \x20 // Merge the lanes: one max, rescaled sums.\n\
+         \x20 %gm = gpu.subgroup_reduce maximumf %ml#0 : (f32) -> f32\n\
+         \x20 %dl = arith.subf %ml#0, %gm : f32\n  %f = math.exp %dl : f32\n  %lf = arith.mulf %ml#1, %f : f32\n\
+         \x20 %gl = gpu.subgroup_reduce add %lf : (f32) -> f32\n  %inv = arith.divf %one, %gl : f32\n\
+         \x20 %lead = arith.cmpi eq, %lane, %c0 : index\n\
+         \x20 scf.for %c = %c0 to %cd step %c1 {{\n\
+         \x20   %av = memref.load %acc[%c] : memref<{d}xf32>\n    %af = arith.mulf %av, %f : f32\n\
+         \x20   %sum = gpu.subgroup_reduce add %af : (f32) -> f32\n    %ov = arith.mulf %sum, %inv : f32\n\
+         \x20   scf.if %lead {{\n      %oc = arith.addi %qb, %c : index\n      memref.store %ov, %o[%r, %oc] : {qt}\n    }}\n  }}\n\
+         }}\n",
+        sc = f32_lit(scale),
+        allowed = indent(&allowed, 4),
+    );
+    func(name, &params, &body)
+}
+
+/// Routed experts on the GPU: `{name}_up` (gate and up of each (token,
+/// choice) pair + SwiGLU-OAI), `{name}_down`, `{name}_combine`.
+#[allow(clippy::too_many_arguments)]
+fn routed_experts(name: &str, hidden: usize, inter: usize, k: usize, weight: WeightType, alpha: f64, limit: f64, beta: f64) -> Vec<GpuFunc> {
+    let ht = format!("memref<?x{hidden}xf32>");
+    let it = format!("memref<?x{inter}xf32>");
+    let ids = format!("memref<?x{k}xi64>");
+    let wts = format!("memref<?x{k}xf32>");
+    let stride = moe::expert_table_stride(weight);
+    let types = moe::expert_tensor_types(hidden, inter, weight);
+    // Views of expert `%e`'s tensors `first..first+n` from the device pointer table.
+    let views = |first: usize, n: usize| -> String {
+        let mut s = format!("%cstride = arith.constant {stride} : i64\n%e64 = memref.load %ids[%r, %j] : {ids}\n%ebase = arith.muli %e64, %cstride : i64\n");
+        for (j, ty) in types.iter().enumerate().skip(first).take(n) {
+            s.push_str(&format!(
+                "%off{j}c = arith.constant {j} : i64\n%off{j} = arith.addi %ebase, %off{j}c : i64\n\
+                 %gp{j} = llvm.getelementptr %table[%off{j}] : (!llvm.ptr, i64) -> !llvm.ptr, !llvm.ptr\n\
+                 %p{j} = llvm.load %gp{j} : !llvm.ptr -> !llvm.ptr\n\
+                 %t{j} = func.call @{}(%p{j}, %c0) : (!llvm.ptr, index) -> {}\n",
+                ty.view_fn(),
+                ty.mlir()
+            ));
+        }
+        s
+    };
+    let pair = format!("%ck = arith.constant {k} : index\n%pk = gpu.block_id y\n%r = arith.divui %pk, %ck : index\n%j = arith.remui %pk, %ck : index\n");
+    let mx = matches!(weight, WeightType::Mxfp8 { .. });
+    let (g_w, g_s, u_w, u_s, d_w, d_s) = if mx { ("%t0", "%t1", "%t2", "%t3", "%t4", "%t5") } else { ("%t0", "", "%t1", "", "%t2", "") };
+    let gate = WeightArgs::new(g_w, g_s, inter, hidden, weight);
+    let up = WeightArgs::new(u_w, u_s, inter, hidden, weight);
+    let down = WeightArgs::new(d_w, d_s, hidden, inter, weight);
+    let consts = gate.consts();
+    let up_body = format!(
+        "{IDX}{WARP_IDS}{consts}{pair}{views}\
+         %bx = gpu.block_id x\n%cwarps = arith.constant {WARPS} : index\n%ob = arith.muli %bx, %cwarps : index\n%o = arith.addi %ob, %warp : index\n\
+         %cout = arith.constant {inter} : index\n%ok = arith.cmpi ult, %o, %cout : index\n\
+         %alpha = arith.constant {a} : f32\n%lim = arith.constant {l} : f32\n%nlim = arith.constant {nl} : f32\n%beta = arith.constant {b} : f32\n\
+         scf.if %ok {{\n{gd}{ud}\
+         \x20 %gc = arith.minimumf %gv, %lim : f32\n  %u1 = arith.minimumf %uv, %lim : f32\n  %uc = arith.maximumf %u1, %nlim : f32\n\
+         \x20 %ag = arith.mulf %alpha, %gc : f32\n  %nag = arith.negf %ag : f32\n  %ex = math.exp %nag : f32\n\
+         \x20 %den = arith.addf %one, %ex : f32\n  %sig = arith.divf %one, %den : f32\n  %glu = arith.mulf %gc, %sig : f32\n\
+         \x20 %upb = arith.addf %uc, %beta : f32\n  %act = arith.mulf %glu, %upb : f32\n\
+         \x20 %first = arith.cmpi eq, %lane, %c0 : index\n  scf.if %first {{\n    memref.store %act, %out[%pk, %o] : {it}\n  }}\n}}\n",
+        views = views(0, if mx { 4 } else { 2 }),
+        a = f32_lit(alpha),
+        l = f32_lit(limit),
+        nl = f32_lit(-limit),
+        b = f32_lit(beta),
+        gd = indent(&warp_dot("gv", "%h", &ht, "%r", &gate, "%o", hidden), 2),
+        ud = indent(&warp_dot("uv", "%h", &ht, "%r", &up, "%o", hidden), 2),
+    );
+    let down_first = if mx { 4 } else { 2 };
+    let down_body = format!(
+        "{IDX}{WARP_IDS}{consts}{pair}{views}\
+         %bx = gpu.block_id x\n%cwarps = arith.constant {WARPS} : index\n%ob = arith.muli %bx, %cwarps : index\n%o = arith.addi %ob, %warp : index\n\
+         %cout = arith.constant {hidden} : index\n%ok = arith.cmpi ult, %o, %cout : index\n\
+         scf.if %ok {{\n{dd}\
+         \x20 %first = arith.cmpi eq, %lane, %c0 : index\n  scf.if %first {{\n    memref.store %dv, %out[%pk, %o] : {ht}\n  }}\n}}\n",
+        views = views(down_first, if mx { 2 } else { 1 }),
+        dd = indent(&warp_dot("dv", "%act", &it, "%pk", &down, "%o", inter), 2),
+    );
+    let combine_body = format!(
+        "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%ch = arith.constant {hidden} : index\n%ck = arith.constant {k} : index\n\
+         %rk = arith.muli %r, %ck : index\n\
+         scf.for %c = %t to %ch step %c256 {{\n\
+         \x20 %s = scf.for %j = %c0 to %ck step %c1 iter_args(%a = %zero) -> (f32) {{\n\
+         \x20   %pk = arith.addi %rk, %j : index\n    %w = memref.load %wts[%r, %j] : {wts}\n    %x = memref.load %dn[%pk, %c] : {ht}\n\
+         \x20   %m = arith.mulf %w, %x : f32\n    %a2 = arith.addf %a, %m : f32\n    scf.yield %a2 : f32\n  }}\n\
+         \x20 memref.store %s, %y[%r, %c] : {ht}\n}}\n"
+    );
+    vec![
+        func(&format!("{name}_up"), &format!("%h: {ht}, %ids: {ids}, %table: !llvm.ptr, %out: {it}"), &up_body),
+        func(&format!("{name}_down"), &format!("%act: {it}, %ids: {ids}, %table: !llvm.ptr, %out: {ht}"), &down_body),
+        func(&format!("{name}_combine"), &format!("%dn: {ht}, %wts: {wts}, %y: {ht}"), &combine_body),
+    ]
+}
