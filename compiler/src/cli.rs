@@ -99,8 +99,8 @@ struct CompileArgs {
     /// Output folder; an earlier m3c output there is replaced, anything else is refused.
     #[arg(short = 'o', long = "out", default_value = "out")]
     out: PathBuf,
-    /// Also write intermediate code per stage: `mlir` (fused steps + MLIR), `llvm` (LLVM dialect + LLVM IR).
-    #[arg(long, value_parser = ["mlir", "llvm"], action = clap::ArgAction::Append)]
+    /// Also write intermediate code per stage: `mlir` (fused steps + MLIR), `llvm` (LLVM dialect + LLVM IR), `ptx` (CUDA).
+    #[arg(long, value_parser = ["mlir", "llvm", "ptx"], action = clap::ArgAction::Append)]
     emit: Vec<String>,
     /// LLVM CPU for host code (`x86-64` runs anywhere; `x86-64-v3` needs AVX2).
     #[arg(long, default_value = "x86-64-v3")]
@@ -287,7 +287,11 @@ fn compile_cmd(args: CompileArgs) -> Result<()> {
     };
     let mut emit = Vec::new();
     for e in &args.emit {
-        emit.push(if e == "mlir" { crate::compile::Emit::Mlir } else { crate::compile::Emit::Llvm });
+        emit.push(match e.as_str() {
+            "mlir" => crate::compile::Emit::Mlir,
+            "llvm" => crate::compile::Emit::Llvm,
+            _ => crate::compile::Emit::Ptx,
+        });
     }
     // Replace only an earlier m3c output, never an unrelated folder.
     let replace = args.out.join("manifest.json").is_file();

@@ -34,6 +34,33 @@ pub struct GpuCall {
     pub text: String,
     /// View helpers the device code needs (for expert weight tables).
     pub device_views: Vec<MemTy>,
+    /// View helpers the host code needs (scratch buffers).
+    pub host_views: Vec<MemTy>,
+}
+
+/// Device memory comes from the runtime (`m3c_device_alloc(bytes) -> ptr`,
+/// `m3c_device_free(ptr)`), so it can pool and account for it; the launch
+/// code views the pointers as memrefs. `%{name}` gets a `[n, width]` buffer.
+pub fn device_buffer(name: &str, n: &str, width: usize, elem: &'static str) -> (String, MemTy) {
+    let ty = if width == 0 { MemTy { dims: vec![None], elem } } else { MemTy::rows(width, elem) };
+    let size = match elem {
+        "i64" | "f64" => 8,
+        "i8" => 1,
+        _ => 4,
+    } * width.max(1);
+    (
+        format!(
+            "{name}_sz = arith.constant {size} : index
+             {name}_nb = arith.muli {n}, {name}_sz : index
+             {name}_nb64 = arith.index_cast {name}_nb : index to i64
+             {name}_p = func.call @m3c_device_alloc({name}_nb64) : (i64) -> !llvm.ptr
+             {name} = func.call @{}({name}_p, {n}) : (!llvm.ptr, index) -> {}
+",
+            ty.view_fn(),
+            ty.mlir()
+        ),
+        ty,
+    )
 }
 
 const FP8_CONSTS: &str = "%k80 = arith.constant 128 : i32\n\
@@ -446,6 +473,7 @@ impl Kernel {
             text.push_str(&format!("%g{tag}_b{b} = arith.constant {b} : index\n"));
         }
         let one = format!("%g{tag}_one");
+        let mut host_views = Vec::new();
         match self {
             Kernel::Linear { out, .. } => {
                 text.push_str(&format!("%g{tag}_ob = arith.constant {} : index\n", out.div_ceil(WARPS)));
@@ -474,12 +502,16 @@ impl Kernel {
                          %g{tag}_cp = arith.addi %g{tag}_ctx, %g{tag}_bm1 : index\n\
                          %g{tag}_nbmax = arith.divui %g{tag}_cp, %g{tag}_bsz : index\n\
                          %g{tag}_rk = arith.muli {rows}, %g{tag}_kv : index\n\
-                         %g{tag}_n = arith.muli %g{tag}_rk, %g{tag}_nbmax : index\n\
-                         %g{tag}_bs = gpu.alloc(%g{tag}_n) : memref<?xf32>\n\
-                         %g{tag}_sel = gpu.alloc(%g{tag}_n) : memref<?xi32>\n",
+                         %g{tag}_n = arith.muli %g{tag}_rk, %g{tag}_nbmax : index\n",
                         s.block - 1,
                         s.block
                     ));
+                    let (a1, t1) = device_buffer(&format!("%g{tag}_bs"), &format!("%g{tag}_n"), 0, "f32");
+                    let (a2, t2) = device_buffer(&format!("%g{tag}_sel"), &format!("%g{tag}_n"), 0, "i32");
+                    text.push_str(&a1);
+                    text.push_str(&a2);
+                    host_views.push(t1);
+                    host_views.push(t2);
                     let o = a.pop().expect("attention has an output");
                     a.push((format!("%g{tag}_bs"), "memref<?xf32>".into()));
                     a.push((format!("%g{tag}_sel"), "memref<?xi32>".into()));
@@ -488,7 +520,9 @@ impl Kernel {
                 }
                 text.push_str(&launch(&sym, [rows, &format!("%g{tag}_kv"), &one], 32, &a));
                 if sparse.is_some() {
-                    text.push_str(&format!("gpu.dealloc %g{tag}_bs : memref<?xf32>\ngpu.dealloc %g{tag}_sel : memref<?xi32>\n"));
+                    text.push_str(&format!(
+                        "func.call @m3c_device_free(%g{tag}_bs_p) : (!llvm.ptr) -> ()\nfunc.call @m3c_device_free(%g{tag}_sel_p) : (!llvm.ptr) -> ()\n"
+                    ));
                 }
             }
             Kernel::RoutedExperts { hidden, inter, top_k, .. } => {
@@ -499,13 +533,17 @@ impl Kernel {
                 text.push_str(&format!(
                     "%g{tag}_k = arith.constant {top_k} : index\n\
                      %g{tag}_pairs = arith.muli {rows}, %g{tag}_k : index\n\
-                     %g{tag}_act = gpu.alloc(%g{tag}_pairs) : {it}\n\
-                     %g{tag}_dn = gpu.alloc(%g{tag}_pairs) : {ht}\n\
                      %g{tag}_ib = arith.constant {} : index\n\
                      %g{tag}_hb = arith.constant {} : index\n",
                     inter.div_ceil(WARPS),
                     hidden.div_ceil(WARPS)
                 ));
+                let (a1, t1) = device_buffer(&format!("%g{tag}_act"), &format!("%g{tag}_pairs"), *inter, "f32");
+                let (a2, t2) = device_buffer(&format!("%g{tag}_dn"), &format!("%g{tag}_pairs"), *hidden, "f32");
+                text.push_str(&a1);
+                text.push_str(&a2);
+                host_views.push(t1);
+                host_views.push(t2);
                 let act = (format!("%g{tag}_act"), it.clone());
                 let dn = (format!("%g{tag}_dn"), ht.clone());
                 text.push_str(&launch(
@@ -521,16 +559,18 @@ impl Kernel {
                     &[act.clone(), ids.clone(), table.clone(), dn.clone()],
                 ));
                 text.push_str(&launch(&format!("{sym}_combine"), [rows, &one, &one], BLOCK, &[dn.clone(), wts.clone(), y.clone()]));
-                text.push_str(&format!("gpu.dealloc %g{tag}_act : {it}\ngpu.dealloc %g{tag}_dn : {ht}\n"));
+                text.push_str(&format!(
+                    "func.call @m3c_device_free(%g{tag}_act_p) : (!llvm.ptr) -> ()\nfunc.call @m3c_device_free(%g{tag}_dn_p) : (!llvm.ptr) -> ()\n"
+                ));
                 let weight = match self {
                     Kernel::RoutedExperts { weight, .. } => *weight,
                     _ => unreachable!(),
                 };
-                return GpuCall { text, device_views: moe::expert_tensor_types(*hidden, *inter, weight) };
+                return GpuCall { text, device_views: moe::expert_tensor_types(*hidden, *inter, weight), host_views };
             }
             _ => text.push_str(&launch(&sym, [rows, &one, &one], BLOCK, args)),
         }
-        GpuCall { text, device_views: Vec::new() }
+        GpuCall { text, device_views: Vec::new(), host_views }
     }
 }
 

@@ -20,6 +20,7 @@ macro_rules! say {
 }
 
 mod args;
+mod cuda;
 mod dump;
 mod meta;
 mod stage;
@@ -169,23 +170,40 @@ fn run() -> c_int {
         Ok(_) if oks.contains(&0) => return 1,
         Ok(w) => w,
     };
-    let (rss, _) = resident();
     let threads = set_kernel_threads();
+    let holds = meta.holds.clone();
+    let st = if meta.target.starts_with("cuda") {
+        let local_rank = std::env::var("OMPI_COMM_WORLD_LOCAL_RANK").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+        stage::Stage::gpu(meta, weights, local_rank, &who)
+    } else {
+        Ok(stage::Stage::host(meta, weights))
+    };
+    // Every rank learns whether every device came up.
+    let ok = st.is_ok() as u8;
+    let mut oks = vec![0u8; size];
+    world.all_gather_into(&ok, &mut oks[..]);
+    let mut st = match st {
+        Err(e) => {
+            say!("{who} ({holds}): error: {e}");
+            return 1;
+        }
+        Ok(_) if oks.contains(&0) => return 1,
+        Ok(s) => s,
+    };
+    let (rss, _) = resident();
     say!(
-        "{who}: {}: {} tensors mapped ({:.2} MB) in {:.2} s, resident {:.1} MB, {threads} kernel thread(s)",
-        meta.holds,
-        weights.mapped(),
-        weights.bytes as f64 / 1e6,
+        "{who}: {holds}: {} in {:.2} s, resident {:.1} MB, {threads} kernel thread(s)",
+        st.placement(),
         t0.elapsed().as_secs_f64(),
         rss
     );
-    let mut st = stage::Stage::new(meta, weights);
     let timeout = Duration::from_secs_f64(args.timeout_s);
     match pipeline(&world, &mut st, &args, timeout) {
         Ok(()) => {
             let (rss, peak) = resident();
+            let gpu = st.gpu_scratch().map(|(_, p)| format!(", GPU scratch peak {:.1} MB", p as f64 / 1e6)).unwrap_or_default();
             say!(
-                "{who}: done; caches {:.2} MB, resident {rss:.1} MB, peak {peak:.1} MB",
+                "{who}: done; caches {:.2} MB, resident {rss:.1} MB, peak {peak:.1} MB{gpu}",
                 st.cache_bytes() as f64 / 1e6
             );
             0
@@ -272,7 +290,7 @@ fn pipeline(world: &SimpleCommunicator, st: &mut stage::Stage, args: &args::RunA
     let (hidden, vocab) = (st.meta.hidden, st.meta.vocab);
     let n_new = args.max_new_tokens;
     for (s, p) in args.prompts.iter().enumerate() {
-        st.start_seq(s, p.len() + n_new + 1);
+        st.start_seq(s, p.len() + n_new + 1)?;
     }
     let mut records: Vec<dump::SeqRecord> = args
         .prompts

@@ -33,6 +33,16 @@ pub struct StageMeta {
     pub last_stage: bool,
     pub tensors: Vec<TensorSlot>,
     pub caches: Vec<CacheSlot>,
+    /// `host`, or `cuda ARCH`.
+    #[serde(default = "host")]
+    pub target: String,
+    /// The plan's CUDA device ordinal for this stage, if it names one.
+    #[serde(default)]
+    pub device: Option<i32>,
+}
+
+fn host() -> String {
+    "host".into()
 }
 
 impl StageMeta {

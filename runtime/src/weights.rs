@@ -14,6 +14,8 @@ pub struct StageWeights {
     maps: Vec<Mmap>,
     /// Pointer to each tensor's first element, in slot order.
     pub ptrs: Vec<*const u8>,
+    /// Each tensor's size in bytes, in slot order.
+    pub sizes: Vec<u64>,
     pub bytes: u64,
 }
 
@@ -169,6 +171,7 @@ impl StageWeights {
         let page = 4096u64;
         let mut maps = Vec::new();
         let mut ptrs = Vec::new();
+        let mut sizes = Vec::new();
         let mut bytes = 0;
         let mut files: HashMap<PathBuf, File> = HashMap::new();
         for e in entries {
@@ -186,9 +189,10 @@ impl StageWeights {
             let map = unsafe { MmapOptions::new().offset(base).len(len).map(file) }.map_err(|err| format!("{}: mmap: {err}", e.file.display()))?;
             ptrs.push(unsafe { map.as_ptr().add((e.start - base) as usize) });
             bytes += e.end - e.start;
+            sizes.push(e.end - e.start);
             maps.push(map);
         }
-        Ok(StageWeights { maps, ptrs, bytes })
+        Ok(StageWeights { maps, ptrs, sizes, bytes })
     }
 
     pub fn mapped(&self) -> usize {

@@ -78,6 +78,11 @@ pub fn compile(mlir: &str, arch: &str) -> Result<CudaArtifacts, BackendError> {
         return Err(BackendError::Passes { pipeline, message: "the lowered module does not verify".into() });
     }
     let lowered = module.as_operation().to_string();
+    if let Some(d) = std::env::var_os("M3C_DUMP_DIR") {
+        // Debugging aid: the module before and after the NVVM pipeline.
+        let _ = std::fs::write(Path::new(&d).join("cuda-in.mlir"), mlir);
+        let _ = std::fs::write(Path::new(&d).join("cuda-lowered.mlir"), &lowered);
+    }
     let ptx = extract_ptx(&lowered).ok_or_else(|| BackendError::Codegen("no PTX in the lowered module".into()))?;
     Ok(CudaArtifacts { ptx, lowered })
 }

@@ -83,8 +83,19 @@ pub fn compile(mlir: &str, cpu: &str) -> Result<HostArtifacts, BackendError> {
     let context = context();
     let mut module = parse(&context, mlir)?;
     run(&context, &mut module, HOST_PIPELINE)?;
-    let llvm_dialect = module.as_operation().to_string();
+    object(&module, cpu)
+}
 
+/// Translates `lowered` (a module already in the LLVM dialect, possibly with
+/// embedded GPU binaries) to LLVM IR and an x86-64 object for `cpu`.
+pub fn object_from_lowered(lowered: &str, cpu: &str) -> Result<HostArtifacts, BackendError> {
+    let context = context();
+    let module = parse(&context, lowered)?;
+    object(&module, cpu)
+}
+
+fn object(module: &Module, cpu: &str) -> Result<HostArtifacts, BackendError> {
+    let llvm_dialect = module.as_operation().to_string();
     init_once();
     let llvm = inkwell::context::Context::create();
     // SAFETY: the LLVM context outlives the module made in it (both live to

@@ -39,11 +39,11 @@ pub struct StageEntry {
 }
 
 impl Manifest {
-    pub fn new(cfg: &ModelConfig, config_sha: &str, plan_json: &str, runtime_sha: &str, compile_id: &str, cpu: &str) -> Manifest {
+    pub fn new(cfg: &ModelConfig, config_sha: &str, plan_json: &str, runtime_sha: &str, compile_id: &str, cpu: &str, target: &str) -> Manifest {
         Manifest {
             format: "m3c-out/1",
             compiler: format!("m3c {}", env!("CARGO_PKG_VERSION")),
-            target: "host".into(),
+            target: target.into(),
             cpu: cpu.into(),
             compile_id: compile_id.into(),
             config_file: cfg.source.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),

@@ -9,6 +9,7 @@
 
 mod link;
 mod manifest;
+pub mod ptx_report;
 
 pub use link::{find_runtime_lib, RUNTIME_LIB_ENV};
 pub use manifest::{Manifest, StageEntry};
@@ -18,7 +19,7 @@ use crate::config::ModelConfig;
 use crate::graph::build_graph;
 use crate::lower::{lower_stage, Boundary, StageProgram};
 use crate::plan::{Plan, Target};
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 
@@ -29,6 +30,8 @@ pub enum Emit {
     Mlir,
     /// `stage-K.llvm.mlir` (LLVM dialect) and `stage-K.ll` (LLVM IR).
     Llvm,
+    /// `stage-K.ptx` (CUDA target).
+    Ptx,
 }
 
 pub struct CompileRequest<'a> {
@@ -48,7 +51,8 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
 }
 
 /// The stage metadata embedded in each executable (read by runtime/src/meta.rs).
-fn stage_meta(p: &StageProgram, stages: usize, cfg: &ModelConfig, compile_id: &str, config_sha: &str, cpu: &str) -> String {
+#[allow(clippy::too_many_arguments)]
+fn stage_meta(p: &StageProgram, stages: usize, cfg: &ModelConfig, compile_id: &str, config_sha: &str, cpu: &str, target: &str, device: Option<usize>) -> String {
     let tensors: Vec<serde_json::Value> = p
         .tensors
         .iter()
@@ -66,6 +70,8 @@ fn stage_meta(p: &StageProgram, stages: usize, cfg: &ModelConfig, compile_id: &s
         "first_stage": p.input == Boundary::TokenIds,
         "last_stage": matches!(p.output, Boundary::Logits { .. }),
         "cpu": cpu,
+        "target": target,
+        "device": device,
         "tensors": tensors,
         "caches": caches,
     })
@@ -118,10 +124,20 @@ pub fn lower_all(cfg: &ModelConfig, plan: &Plan) -> Result<Vec<StageProgram>> {
     plan.stages.iter().enumerate().map(|(i, s)| Ok(lower_stage(cfg, &graph, i, s)?)).collect()
 }
 
+/// What the back end made of one stage, whichever the target.
+struct StageCode {
+    object: Vec<u8>,
+    /// (file suffix, text) written with `--emit`.
+    emitted: Vec<(String, String)>,
+    /// PTX (CUDA target).
+    ptx: Option<String>,
+}
+
 pub fn compile(req: &CompileRequest) -> Result<Manifest> {
-    if req.plan.target != Target::Host {
-        bail!("target {}: only `--target host` is implemented so far; the CUDA back end is not built yet", req.plan.target);
-    }
+    let cuda_arch = match &req.plan.target {
+        Target::Host => None,
+        Target::Cuda { arch } => Some(arch.clone()),
+    };
     let cfg = req.config;
     let config_bytes = std::fs::read(&cfg.source).with_context(|| format!("cannot read {}", cfg.source.display()))?;
     let config_sha = sha256_hex(&config_bytes);
@@ -135,19 +151,26 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
     // The compile id covers every input: compiler version, target and CPU,
     // the config's bytes, the plan, the runtime library and the generated
     // code of every stage (which is where the kernel generators show).
+    let target_name = match &cuda_arch {
+        None => "host".to_string(),
+        Some(a) => format!("cuda {a}"),
+    };
+    let code_of = |p: &StageProgram| if cuda_arch.is_some() { p.cuda_mlir.clone() } else { p.mlir.clone() };
     let mut h = Sha256::new();
-    for part in [env!("CARGO_PKG_VERSION"), "host", &req.cpu, &config_sha, &plan_json, &runtime_sha] {
+    for part in [env!("CARGO_PKG_VERSION"), &target_name, &req.cpu, &config_sha, &plan_json, &runtime_sha] {
         h.update((part.len() as u64).to_le_bytes());
         h.update(part.as_bytes());
     }
     for p in &programs {
-        h.update((p.mlir.len() as u64).to_le_bytes());
-        h.update(p.mlir.as_bytes());
+        let code = code_of(p);
+        h.update((code.len() as u64).to_le_bytes());
+        h.update(code.as_bytes());
     }
     let compile_id: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
 
     let n = programs.len();
-    let mut manifest = Manifest::new(cfg, &config_sha, &plan_json, &runtime_sha, &compile_id, &req.cpu);
+    let mut manifest = Manifest::new(cfg, &config_sha, &plan_json, &runtime_sha, &compile_id, &req.cpu, &target_name);
+    let mut report = String::new();
     crate::fsutil::write_dir_atomically(req.out, req.replace, |dir| {
         let work = dir.join(".obj");
         std::fs::create_dir(&work)?;
@@ -157,20 +180,49 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
         let modules: Vec<String> = programs
             .iter()
             .map(|p| {
-                let meta = stage_meta(p, n, cfg, &compile_id, &config_sha, &req.cpu);
-                format!("{}{}}}\n", p.mlir.trim_end().strip_suffix('}').unwrap_or(&p.mlir), meta_globals(&meta))
+                let meta = stage_meta(p, n, cfg, &compile_id, &config_sha, &req.cpu, &target_name, req.plan.stages[p.index].device);
+                let code = code_of(p);
+                format!("{}{}}}\n", code.trim_end().strip_suffix('}').unwrap_or(&code), meta_globals(&meta))
             })
             .collect();
-        let arts = parallel_map(&modules, |i, m| host::compile(m, &req.cpu).with_context(|| format!("stage {i}: back end")))?;
+        let arts = parallel_map(&modules, |i, m| -> Result<StageCode> {
+            let ctx = || format!("stage {i}: back end");
+            match &cuda_arch {
+                None => {
+                    let art = host::compile(m, &req.cpu).with_context(ctx)?;
+                    Ok(StageCode {
+                        object: art.object,
+                        emitted: vec![(".llvm.mlir".into(), art.llvm_dialect), (".ll".into(), art.llvm_ir)],
+                        ptx: None,
+                    })
+                }
+                Some(arch) => {
+                    let gpu = crate::backend::cuda::compile(m, arch).with_context(ctx)?;
+                    let art = host::object_from_lowered(&gpu.lowered, &req.cpu).with_context(ctx)?;
+                    Ok(StageCode {
+                        object: art.object,
+                        emitted: vec![(".llvm.mlir".into(), art.llvm_dialect), (".ll".into(), art.llvm_ir)],
+                        ptx: Some(gpu.ptx),
+                    })
+                }
+            }
+        })?;
         for (p, art) in programs.iter().zip(arts) {
             let name = format!("stage-{}", p.index);
             if req.emit.contains(&Emit::Mlir) {
                 std::fs::write(dir.join(format!("{name}.steps.txt")), p.listing())?;
-                std::fs::write(dir.join(format!("{name}.mlir")), &p.mlir)?;
+                std::fs::write(dir.join(format!("{name}.mlir")), code_of(p))?;
             }
             if req.emit.contains(&Emit::Llvm) {
-                std::fs::write(dir.join(format!("{name}.llvm.mlir")), &art.llvm_dialect)?;
-                std::fs::write(dir.join(format!("{name}.ll")), &art.llvm_ir)?;
+                for (suffix, text) in &art.emitted {
+                    std::fs::write(dir.join(format!("{name}{suffix}")), text)?;
+                }
+            }
+            if let Some(ptx) = &art.ptx {
+                if req.emit.contains(&Emit::Ptx) {
+                    std::fs::write(dir.join(format!("{name}.ptx")), ptx)?;
+                }
+                report.push_str(&ptx_report::stage_report(p.index, ptx, &work)?);
             }
             let obj = work.join(format!("{name}.o"));
             std::fs::write(&obj, &art.object)?;
@@ -183,6 +235,9 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
         let hosts: Vec<Option<String>> = req.plan.stages.iter().map(|s| s.host.clone()).collect();
         std::fs::write(dir.join("run.sh"), link::launcher(&hosts))?;
         set_executable(&dir.join("run.sh"))?;
+        if !report.is_empty() {
+            std::fs::write(dir.join("compile-report.txt"), ptx_report::header() + &report)?;
+        }
         let text = serde_json::to_string_pretty(&manifest)? + "\n";
         std::fs::write(dir.join("manifest.json"), text)?;
         Ok(())

@@ -196,19 +196,22 @@ pub fn cuda_module(f: &FusedStage) -> String {
         let _ = writeln!(e.body, "// {}", step.to_string().trim());
         match step {
             Step::Alloc { id, width, elem } => {
-                let _ = writeln!(e.body, "%b{id} = gpu.alloc(%S) : memref<?x{width}x{elem}>");
+                let (text, ty) = m3c_kernels::gpu::device_buffer(&format!("%b{id}"), "%S", *width, elem);
+                e.body.push_str(&text);
+                e.views.insert(ty);
             }
-            Step::Free { id, width, elem } => {
-                let _ = writeln!(e.body, "gpu.dealloc %b{id} : memref<?x{width}x{elem}>");
+            Step::Free { id, .. } => {
+                let _ = writeln!(e.body, "func.call @m3c_device_free(%b{id}_p) : (!llvm.ptr) -> ()");
             }
-            Step::CopyToX { id, width } => {
-                let _ = writeln!(e.body, "gpu.memcpy %x, %b{id} : memref<?x{width}xf32>, memref<?x{width}xf32>");
+            Step::CopyToX { id, .. } => {
+                let _ = writeln!(e.body, "func.call @m3c_device_copy(%x_p, %b{id}_p, %b{id}_nb64) : (!llvm.ptr, !llvm.ptr, i64) -> ()");
             }
             Step::Call { kernel, args, .. } => {
                 let a: Vec<(String, String)> = args.iter().map(|a| e.arg(a)).collect();
                 let call = kernel.gpu_call(&a, "%S", &n.to_string());
                 e.body.push_str(&call.text);
                 device_views.extend(call.device_views);
+                e.views.extend(call.host_views);
                 for g in kernel.gpu_funcs() {
                     if !funcs.iter().any(|(name, _)| *name == g.name) {
                         funcs.push((g.name, g.text));
@@ -224,6 +227,12 @@ pub fn cuda_module(f: &FusedStage) -> String {
         indent(&e.body, 4)
     );
     let mut out = String::from("module attributes {gpu.container_module} {\n");
+    // Device memory and copies come from the runtime (runtime/src/cuda.rs).
+    out.push_str(
+        "  func.func private @m3c_device_alloc(i64) -> !llvm.ptr\n\
+         \x20 func.func private @m3c_device_free(!llvm.ptr)\n\
+         \x20 func.func private @m3c_device_copy(!llvm.ptr, !llvm.ptr, i64)\n",
+    );
     for v in &e.views {
         out.push_str(&v.view_fn_text());
     }

@@ -1,0 +1,299 @@
+//! The device layer of stages compiled with `--target cuda`, on the CUDA
+//! driver API through cudarc (loaded at run time, so a stage started on a
+//! machine without a driver says so and exits).
+//!
+//! Generated host code reaches the GPU through two small ABIs:
+//! - MLIR's `mgpu*` functions (module load, function lookup, launch,
+//!   streams), which `gpu.launch_func` lowers to. Every launch goes to this
+//!   process's one stream, in order; the runtime synchronises once per step.
+//! - `m3c_device_alloc/free/copy`, for scratch buffers: a size-keyed pool, so
+//!   a decode step allocates nothing after the first.
+//!
+//! Modules are registered by static constructors before `main` (MLIR emits
+//! one per stage binary) and loaded only when [`Device::open`] has a context.
+
+use cudarc::driver::sys as cu;
+use std::collections::BTreeMap;
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::sync::Mutex;
+
+/// Turns a failed driver call inside a callback from generated code into a
+/// message and exit code 1 (unwinding across that boundary is not allowed).
+fn fail(what: &str, r: cu::CUresult) -> ! {
+    let mut p: *const c_char = std::ptr::null();
+    // SAFETY: cuGetErrorString writes a static string pointer or leaves null.
+    unsafe { cu::cuGetErrorString(r, &mut p) };
+    let msg = if p.is_null() { format!("{r:?}") } else { unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned() };
+    let line = format!("m3c stage: CUDA error in {what}: {msg}\n");
+    let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+    std::process::exit(1)
+}
+
+fn check(what: &str, r: cu::CUresult) {
+    if r != cu::CUresult::CUDA_SUCCESS {
+        fail(what, r)
+    }
+}
+
+fn checked(what: &str, r: cu::CUresult) -> Result<(), String> {
+    if r == cu::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        let mut p: *const c_char = std::ptr::null();
+        unsafe { cu::cuGetErrorString(r, &mut p) };
+        let msg = if p.is_null() { format!("{r:?}") } else { unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned() };
+        Err(format!("{what}: {msg}"))
+    }
+}
+
+struct State {
+    /// PTX images registered by the binaries' constructors (address of a NUL-terminated string).
+    images: Vec<usize>,
+    modules: Vec<Option<usize>>,
+    functions: BTreeMap<(usize, String), usize>,
+    stream: usize,
+    /// Free device buffers by size.
+    pool: BTreeMap<u64, Vec<u64>>,
+    sizes: BTreeMap<u64, u64>,
+    live_bytes: u64,
+    peak_bytes: u64,
+}
+
+static STATE: Mutex<State> = Mutex::new(State {
+    images: Vec::new(),
+    modules: Vec::new(),
+    functions: BTreeMap::new(),
+    stream: 0,
+    pool: BTreeMap::new(),
+    sizes: BTreeMap::new(),
+    live_bytes: 0,
+    peak_bytes: 0,
+});
+
+fn state() -> std::sync::MutexGuard<'static, State> {
+    STATE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The GPU this rank runs on.
+pub struct Device {
+    pub ordinal: i32,
+    pub name: String,
+    pub total_bytes: usize,
+}
+
+impl Device {
+    /// Initialises the driver, makes `ordinal`'s primary context current,
+    /// creates the stream and loads the registered modules.
+    pub fn open(ordinal: Option<i32>, local_rank: i32) -> Result<Device, String> {
+        // SAFETY: probing for the library has no preconditions.
+        if !unsafe { cu::is_culib_present() } {
+            return Err("this stage was compiled for CUDA, but the NVIDIA driver (libcuda.so) is not on this machine; \
+                        run it on a GPU machine, or compile with --target host"
+                .into());
+        }
+        unsafe {
+            checked("cuInit", cu::cuInit(0))?;
+            let mut count = 0;
+            checked("cuDeviceGetCount", cu::cuDeviceGetCount(&mut count))?;
+            if count == 0 {
+                return Err("this stage was compiled for CUDA, but the driver reports no GPU".into());
+            }
+            let ordinal = ordinal.unwrap_or(local_rank % count);
+            if ordinal >= count {
+                return Err(format!("the plan puts this stage on device {ordinal}, but this machine has {count} GPU(s)"));
+            }
+            let mut dev = 0;
+            checked("cuDeviceGet", cu::cuDeviceGet(&mut dev, ordinal))?;
+            let mut name = [0 as c_char; 128];
+            checked("cuDeviceGetName", cu::cuDeviceGetName(name.as_mut_ptr(), 128, dev))?;
+            let mut ctx = std::ptr::null_mut();
+            checked("cuDevicePrimaryCtxRetain", cu::cuDevicePrimaryCtxRetain(&mut ctx, dev))?;
+            checked("cuCtxSetCurrent", cu::cuCtxSetCurrent(ctx))?;
+            let mut stream = std::ptr::null_mut();
+            checked("cuStreamCreate", cu::cuStreamCreate(&mut stream, 0))?;
+            let (mut free, mut total) = (0, 0);
+            checked("cuMemGetInfo", cu::cuMemGetInfo_v2(&mut free, &mut total))?;
+            let mut st = state();
+            st.stream = stream as usize;
+            for i in 0..st.images.len() {
+                let mut m = std::ptr::null_mut();
+                checked("loading the stage's PTX (cuModuleLoadData)", cu::cuModuleLoadData(&mut m, st.images[i] as *const c_void))?;
+                st.modules[i] = Some(m as usize);
+            }
+            Ok(Device { ordinal, name: CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned(), total_bytes: total })
+        }
+    }
+
+    /// Copies `bytes` from the host into new device memory.
+    pub fn upload(&self, bytes: &[u8]) -> Result<u64, String> {
+        let mut d = 0;
+        unsafe {
+            checked("cuMemAlloc", cu::cuMemAlloc_v2(&mut d, bytes.len().max(1)))?;
+            if !bytes.is_empty() {
+                checked("cuMemcpyHtoD", cu::cuMemcpyHtoD_v2(d, bytes.as_ptr() as *const c_void, bytes.len()))?;
+            }
+        }
+        Ok(d)
+    }
+
+    /// Zeroed device memory of `bytes`.
+    pub fn zeros(&self, bytes: usize) -> Result<u64, String> {
+        let mut d = 0;
+        unsafe {
+            checked("cuMemAlloc", cu::cuMemAlloc_v2(&mut d, bytes.max(1)))?;
+            checked("cuMemsetD8", cu::cuMemsetD8_v2(d, 0, bytes.max(1)))?;
+        }
+        Ok(d)
+    }
+
+    pub fn download(&self, src: u64, dst: &mut [u8]) -> Result<(), String> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        unsafe { checked("cuMemcpyDtoH", cu::cuMemcpyDtoH_v2(dst.as_mut_ptr() as *mut c_void, src, dst.len())) }
+    }
+
+    pub fn copy_in(&self, dst: u64, src: &[u8]) -> Result<(), String> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        unsafe { checked("cuMemcpyHtoD", cu::cuMemcpyHtoD_v2(dst, src.as_ptr() as *const c_void, src.len())) }
+    }
+
+    /// Waits for every launch of the step.
+    pub fn sync(&self) -> Result<(), String> {
+        let s = state().stream;
+        unsafe { checked("cuStreamSynchronize", cu::cuStreamSynchronize(s as cu::CUstream)) }
+    }
+
+    /// Device bytes held by the scratch pool now and at most.
+    pub fn scratch_bytes(&self) -> (u64, u64) {
+        let st = state();
+        (st.live_bytes, st.peak_bytes)
+    }
+}
+
+/// Scratch memory for generated code.
+#[no_mangle]
+pub extern "C" fn m3c_device_alloc(bytes: i64) -> *mut c_void {
+    let bytes = bytes.max(1) as u64;
+    let mut st = state();
+    let d = match st.pool.get_mut(&bytes).and_then(|v| v.pop()) {
+        Some(d) => d,
+        None => {
+            let mut d = 0;
+            check("cuMemAlloc (scratch)", unsafe { cu::cuMemAlloc_v2(&mut d, bytes as usize) });
+            st.sizes.insert(d, bytes);
+            d
+        }
+    };
+    st.live_bytes += bytes;
+    st.peak_bytes = st.peak_bytes.max(st.live_bytes);
+    d as *mut c_void
+}
+
+/// Returns a scratch buffer to the pool; launches already queued on the one
+/// stream that use it run before any later launch that reuses it.
+#[no_mangle]
+pub extern "C" fn m3c_device_free(ptr: *mut c_void) {
+    let mut st = state();
+    let d = ptr as u64;
+    let size = st.sizes.get(&d).copied().unwrap_or(0);
+    st.live_bytes = st.live_bytes.saturating_sub(size);
+    st.pool.entry(size).or_default().push(d);
+}
+
+#[no_mangle]
+pub extern "C" fn m3c_device_copy(dst: *mut c_void, src: *mut c_void, bytes: i64) {
+    let s = state().stream;
+    check("cuMemcpyAsync", unsafe { cu::cuMemcpyAsync(dst as u64, src as u64, bytes as usize, s as cu::CUstream) });
+}
+
+/// MLIR ABI: registers a PTX image (called by a static constructor, before
+/// `main`; loading waits for [`Device::open`]).
+#[no_mangle]
+pub extern "C" fn mgpuModuleLoadJIT(data: *mut c_void, _opt_level: c_int) -> *mut c_void {
+    let mut st = state();
+    st.images.push(data as usize);
+    st.modules.push(None);
+    st.images.len() as *mut c_void
+}
+
+#[no_mangle]
+pub extern "C" fn mgpuModuleLoad(data: *mut c_void, _size: usize) -> *mut c_void {
+    mgpuModuleLoadJIT(data, 0)
+}
+
+/// MLIR ABI: modules live as long as the process.
+#[no_mangle]
+pub extern "C" fn mgpuModuleUnload(_module: *mut c_void) {}
+
+#[no_mangle]
+pub extern "C" fn mgpuModuleGetFunction(module: *mut c_void, name: *const c_char) -> *mut c_void {
+    let idx = (module as usize).wrapping_sub(1);
+    // SAFETY: MLIR passes a NUL-terminated kernel name.
+    let name = unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned();
+    let mut st = state();
+    if let Some(&f) = st.functions.get(&(idx, name.clone())) {
+        return f as *mut c_void;
+    }
+    let Some(Some(m)) = st.modules.get(idx).copied() else {
+        let line = "m3c stage: a kernel was launched before the GPU was opened (runtime bug)\n";
+        let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+        std::process::exit(1)
+    };
+    let cname = std::ffi::CString::new(name.clone()).unwrap_or_default();
+    let mut f = std::ptr::null_mut();
+    check(&format!("cuModuleGetFunction({name})"), unsafe { cu::cuModuleGetFunction(&mut f, m as cu::CUmodule, cname.as_ptr()) });
+    st.functions.insert((idx, name), f as usize);
+    f as *mut c_void
+}
+
+/// MLIR ABI: every "new" stream is this process's one stream.
+#[no_mangle]
+pub extern "C" fn mgpuStreamCreate() -> *mut c_void {
+    state().stream as *mut c_void
+}
+
+/// MLIR ABI: launches stay queued in order; the step synchronises once.
+#[no_mangle]
+pub extern "C" fn mgpuStreamSynchronize(_stream: *mut c_void) {}
+
+#[no_mangle]
+pub extern "C" fn mgpuStreamDestroy(_stream: *mut c_void) {}
+
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub extern "C" fn mgpuLaunchKernel(
+    function: *mut c_void,
+    grid_x: isize,
+    grid_y: isize,
+    grid_z: isize,
+    block_x: isize,
+    block_y: isize,
+    block_z: isize,
+    smem: i32,
+    stream: *mut c_void,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+    _param_count: usize,
+) {
+    if grid_x == 0 || grid_y == 0 || grid_z == 0 {
+        return; // an empty step (no rows)
+    }
+    check("cuLaunchKernel", unsafe {
+        cu::cuLaunchKernel(
+            function as cu::CUfunction,
+            grid_x as u32,
+            grid_y as u32,
+            grid_z as u32,
+            block_x as u32,
+            block_y as u32,
+            block_z as u32,
+            smem as u32,
+            stream as cu::CUstream,
+            params,
+            extra,
+        )
+    });
+}
