@@ -10,7 +10,7 @@ set -euo pipefail
 # runs the generated kernels' parallel loops.
 PACKAGES=(build-essential pkg-config llvm-22-dev libmlir-22-dev libpolly-22-dev libclang1-22
           libclang-common-22-dev libzstd-dev zlib1g-dev libxml2-dev libz3-dev
-          openmpi-bin libopenmpi-dev libomp-22-dev curl ca-certificates)
+          openmpi-bin libopenmpi-dev libomp-22-dev curl ca-certificates python3-venv)
 
 missing=()
 for p in "${PACKAGES[@]}"; do
@@ -28,4 +28,14 @@ fi
 if ! command -v cargo >/dev/null 2>&1 && [ ! -x "$HOME/.cargo/bin/cargo" ]; then
   echo "setup: installing Rust (rustup, minimal profile)"
   curl -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal >/dev/null
+fi
+
+# The CUDA back end needs libdevice (math functions) and ptxas (assembling
+# PTX, the compile report); NVIDIA's nvidia-cuda-nvcc wheel has both and
+# needs no GPU. It goes into .venv-cuda at the repository root.
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+if ! ls "$ROOT"/.venv-cuda/lib/python3*/site-packages/nvidia/cuda_nvcc/bin/ptxas >/dev/null 2>&1; then
+  echo "setup: installing ptxas and libdevice (nvidia-cuda-nvcc-cu12) into .venv-cuda"
+  python3 -m venv "$ROOT/.venv-cuda"
+  "$ROOT/.venv-cuda/bin/pip" install -q nvidia-cuda-nvcc-cu12==12.9.86
 fi
