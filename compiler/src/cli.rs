@@ -126,6 +126,9 @@ struct RunArgs {
     /// Write prompt_ids, prefill_logits, generated_ids and decode_logits here (several prompts: FILE.p0.safetensors, ...).
     #[arg(long, value_name = "FILE.safetensors")]
     dump: Option<PathBuf>,
+    /// Compare the first prompt's logits and ids with a golden file (the fixtures' tensor names); fail if they differ.
+    #[arg(long, value_name = "GOLDEN.safetensors")]
+    expect: Option<PathBuf>,
     /// Seconds a stage waits for its neighbour before failing.
     #[arg(long, default_value_t = 300.0)]
     timeout_s: f64,
@@ -335,6 +338,10 @@ fn run_cmd(args: RunArgs) -> Result<()> {
     if let Some(d) = &args.dump {
         pass.push("--dump".into());
         pass.push(d.display().to_string());
+    }
+    if let Some(g) = &args.expect {
+        pass.push("--expect".into());
+        pass.push(g.display().to_string());
     }
     pass.push("--timeout-s".into());
     pass.push(args.timeout_s.to_string());

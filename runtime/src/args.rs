@@ -4,7 +4,13 @@ use std::path::PathBuf;
 
 #[derive(Debug, Clone)]
 pub struct RunArgs {
-    pub model: PathBuf,
+    /// The checkpoint folder; `None` with `--synthetic-weights`.
+    pub model: Option<PathBuf>,
+    /// Random weights of the compiled shapes instead of a checkpoint (for
+    /// timing real-size layers without their files).
+    pub synthetic_seed: Option<u64>,
+    /// A golden file (the fixtures' tensor names) the last stage compares its results with.
+    pub expect: Option<PathBuf>,
     pub prompts: Vec<Vec<i64>>,
     pub max_new_tokens: usize,
     pub dump: Option<PathBuf>,
@@ -12,8 +18,8 @@ pub struct RunArgs {
     pub timeout_s: f64,
 }
 
-pub const USAGE: &str = "usage: stage-K --model DIR (--prompt-ids 1,2,3 [--prompt-ids ...] | --prompts FILE) \
---max-new-tokens N [--dump FILE.safetensors] [--timeout-s S]";
+pub const USAGE: &str = "usage: stage-K (--model DIR | --synthetic-weights SEED) (--prompt-ids 1,2,3 [--prompt-ids ...] | --prompts FILE) \
+--max-new-tokens N [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S]";
 
 pub fn parse_ids(text: &str, what: &str) -> Result<Vec<i64>, String> {
     let ids: Result<Vec<i64>, String> = text
@@ -34,6 +40,8 @@ pub fn parse(args: &[String]) -> Result<RunArgs, String> {
     let mut prompts_file = None;
     let mut max_new = None;
     let mut dump = None;
+    let mut expect = None;
+    let mut synthetic_seed = None;
     let mut timeout_s = 300.0;
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -47,6 +55,11 @@ pub fn parse(args: &[String]) -> Result<RunArgs, String> {
                 max_new = Some(v.parse::<usize>().map_err(|_| format!("--max-new-tokens: `{v}` is not a count"))?);
             }
             "--dump" => dump = Some(PathBuf::from(value("--dump")?)),
+            "--expect" => expect = Some(PathBuf::from(value("--expect")?)),
+            "--synthetic-weights" => {
+                let v = value("--synthetic-weights")?;
+                synthetic_seed = Some(v.parse::<u64>().map_err(|_| format!("--synthetic-weights: `{v}` is not a seed (an integer)"))?);
+            }
             "--timeout-s" => {
                 let v = value("--timeout-s")?;
                 timeout_s = v.parse::<f64>().ok().filter(|t| *t > 0.0).ok_or_else(|| format!("--timeout-s: `{v}` is not a positive number"))?;
@@ -72,8 +85,16 @@ pub fn parse(args: &[String]) -> Result<RunArgs, String> {
     if prompts.is_empty() {
         return Err(format!("no prompt: give --prompt-ids or --prompts; {USAGE}"));
     }
+    if model.is_none() && synthetic_seed.is_none() {
+        return Err(format!("--model DIR is required; {USAGE}"));
+    }
+    if model.is_some() && synthetic_seed.is_some() {
+        return Err("give --model or --synthetic-weights, not both".into());
+    }
     Ok(RunArgs {
-        model: model.ok_or_else(|| format!("--model DIR is required; {USAGE}"))?,
+        model,
+        synthetic_seed,
+        expect,
         prompts,
         max_new_tokens: max_new.ok_or_else(|| format!("--max-new-tokens is required; {USAGE}"))?,
         dump,

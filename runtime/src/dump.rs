@@ -56,3 +56,40 @@ pub fn write(path: &Path, r: &SeqRecord, vocab: usize) -> Result<(), String> {
     std::fs::write(&tmp, &out).map_err(|e| format!("--dump {}: {e}", tmp.display()))?;
     std::fs::rename(&tmp, path).map_err(|e| format!("--dump {}: {e}", path.display()))
 }
+
+/// `--expect GOLDEN`: compares a sequence's record with the golden file of
+/// the fixtures (same tensor names). Returns the report line, or an error
+/// when the tokens differ or a logit is off by more than `tol`.
+pub fn check(golden: &Path, r: &SeqRecord, vocab: usize, tol: f32) -> Result<String, String> {
+    let bytes = std::fs::read(golden).map_err(|e| format!("--expect {}: {e}", golden.display()))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| format!("--expect {}: {e}", golden.display()))?;
+    let get = |name: &str| st.tensor(name).map_err(|_| format!("--expect {}: no tensor `{name}`", golden.display()));
+    let i64s = |name: &str| -> Result<Vec<i64>, String> { Ok(get(name)?.data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect()) };
+    let f32s = |name: &str| -> Result<Vec<f32>, String> { Ok(get(name)?.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()) };
+    if i64s("prompt_ids")? != r.prompt {
+        return Err(format!("--expect {}: its prompt_ids are not this run's prompt", golden.display()));
+    }
+    let max_diff = |a: &[f32], b: &[f32]| -> Result<f32, String> {
+        if a.len() != b.len() {
+            return Err(format!("--expect: {} logits here, {} in the golden file (vocab {vocab})", a.len(), b.len()));
+        }
+        Ok(a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max))
+    };
+    let gen = i64s("generated_ids")?;
+    let n = r.generated.len().min(gen.len());
+    let dp = max_diff(&r.prefill_logits, &f32s("prefill_logits")?)?;
+    let want_decode = f32s("decode_logits")?;
+    let rows = (r.decode_logits.len() / vocab).min(want_decode.len() / vocab);
+    let dd = max_diff(&r.decode_logits[..rows * vocab], &want_decode[..rows * vocab])?;
+    let same = r.generated[..n] == gen[..n];
+    let line = format!(
+        "m3c check against {}: prefill max |Δ| {dp:.2e}, decode max |Δ| {dd:.2e} (tolerance {tol:.0e}), {n} generated ids {}",
+        golden.display(),
+        if same { "equal" } else { "DIFFER" }
+    );
+    if same && dp <= tol && dd <= tol {
+        Ok(line)
+    } else {
+        Err(line)
+    }
+}

@@ -158,7 +158,11 @@ fn run() -> c_int {
 
     // Weights: each rank maps its own; then all agree on whether to go on.
     let t0 = Instant::now();
-    let loaded = weights::check_config(&args.model, &meta).and_then(|_| weights::StageWeights::open(&args.model, &meta));
+    let loaded = match (&args.model, args.synthetic_seed) {
+        (Some(model), _) => weights::check_config(model, &meta).and_then(|_| weights::StageWeights::open(model, &meta)),
+        (None, Some(seed)) => Ok(weights::StageWeights::synthetic(&meta, seed)),
+        (None, None) => Err("no weights".into()),
+    };
     let ok = loaded.is_ok() as u8;
     let mut oks = vec![0u8; size];
     world.all_gather_into(&ok, &mut oks[..]);
@@ -203,7 +207,8 @@ fn run() -> c_int {
             let (rss, peak) = resident();
             let gpu = st.gpu_scratch().map(|(_, p)| format!(", GPU scratch peak {:.1} MB", p as f64 / 1e6)).unwrap_or_default();
             say!(
-                "{who}: done; caches {:.2} MB, resident {rss:.1} MB, peak {peak:.1} MB{gpu}",
+                "{who}: done; {}; caches {:.2} MB, resident {rss:.1} MB, peak {peak:.1} MB{gpu}",
+                st.timing(),
                 st.cache_bytes() as f64 / 1e6
             );
             0
@@ -383,6 +388,10 @@ fn pipeline(world: &SimpleCommunicator, st: &mut stage::Stage, args: &args::RunA
             for (i, r) in records.iter().enumerate() {
                 dump::write(&dump::dump_path(file, i, records.len()), r, vocab)?;
             }
+        }
+        if let Some(golden) = &args.expect {
+            // The golden file describes one prompt: the first.
+            say!("{}", dump::check(golden, &records[0], vocab, 1e-3)?);
         }
     }
     Ok(())

@@ -52,6 +52,9 @@ enum Backing {
 pub struct Stage {
     pub meta: StageMeta,
     backing: Backing,
+    /// (steps, seconds) of prefill steps (position 0) and of decode steps.
+    prefill: (usize, f64),
+    decode: (usize, f64),
 }
 
 /// What a step produced.
@@ -74,7 +77,7 @@ fn bytes_of_mut<T>(v: &mut [T]) -> &mut [u8] {
 
 impl Stage {
     pub fn host(meta: StageMeta, weights: StageWeights) -> Stage {
-        Stage { meta, backing: Backing::Host { weights, seqs: HashMap::new() } }
+        Stage { meta, backing: Backing::Host { weights, seqs: HashMap::new() }, prefill: (0, 0.0), decode: (0, 0.0) }
     }
 
     /// Opens the GPU and uploads the stage's weights to it, reporting progress.
@@ -104,7 +107,7 @@ impl Stage {
         }
         let table_dev = device.upload(bytes_of(&table))?;
         // The mapped checkpoint is no longer needed: `weights` is dropped here.
-        Ok(Stage { meta, backing: Backing::Gpu { device, table, table_dev, bytes: total, seqs: HashMap::new() } })
+        Ok(Stage { meta, backing: Backing::Gpu { device, table, table_dev, bytes: total, seqs: HashMap::new() }, prefill: (0, 0.0), decode: (0, 0.0) })
     }
 
     /// Opens the caches of sequence `seq`, sized for `capacity` positions.
@@ -160,6 +163,28 @@ impl Stage {
     /// `ids` (first stage) are the tokens; `x` is `[S, hidden]`, read unless
     /// this is the first stage and written unless it is the last.
     pub fn step(&mut self, seq: usize, pos0: usize, tokens: usize, ids: &[i64], x: &mut [f32]) -> Result<StepOut, String> {
+        let t0 = std::time::Instant::now();
+        let out = self.run_step(seq, pos0, tokens, ids, x)?;
+        let dt = t0.elapsed().as_secs_f64();
+        let acc = if pos0 == 0 { &mut self.prefill } else { &mut self.decode };
+        acc.0 += 1;
+        acc.1 += dt;
+        Ok(out)
+    }
+
+    /// This stage's own compute per step (transfers between stages excluded).
+    pub fn timing(&self) -> String {
+        let mean = |(n, t): (usize, f64)| if n == 0 { 0.0 } else { t / n as f64 * 1e3 };
+        format!(
+            "prefill {} step(s), mean {:.3} ms; decode {} step(s), mean {:.3} ms",
+            self.prefill.0,
+            mean(self.prefill),
+            self.decode.0,
+            mean(self.decode)
+        )
+    }
+
+    fn run_step(&mut self, seq: usize, pos0: usize, tokens: usize, ids: &[i64], x: &mut [f32]) -> Result<StepOut, String> {
         let m = &self.meta;
         if x.len() != tokens * m.hidden || (m.first_stage && ids.len() != tokens) {
             return Err(format!("step of {tokens} rows got {} activations and {} ids", x.len(), ids.len()));

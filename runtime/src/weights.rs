@@ -12,6 +12,8 @@ use std::path::{Path, PathBuf};
 
 pub struct StageWeights {
     maps: Vec<Mmap>,
+    /// Synthetic weights own their bytes.
+    owned: Vec<Vec<u8>>,
     /// Pointer to each tensor's first element, in slot order.
     pub ptrs: Vec<*const u8>,
     /// Each tensor's size in bytes, in slot order.
@@ -192,10 +194,75 @@ impl StageWeights {
             sizes.push(e.end - e.start);
             maps.push(map);
         }
-        Ok(StageWeights { maps, ptrs, sizes, bytes })
+        Ok(StageWeights { maps, owned: Vec::new(), ptrs, sizes, bytes })
     }
 
     pub fn mapped(&self) -> usize {
-        self.maps.len()
+        self.maps.len() + self.owned.len()
+    }
+
+    /// Random weights of the compiled dtypes and shapes: small bf16/f32
+    /// values, fp8 bytes that are never NaN, E8M0 scales of 2^-7..2^-4.
+    /// For timing layers of the real size without their checkpoint.
+    pub fn synthetic(meta: &StageMeta, seed: u64) -> StageWeights {
+        let sizes: Vec<u64> = meta.tensors.iter().map(|t| (t.shape.iter().product::<usize>() * dtype_size(&t.dtype)) as u64).collect();
+        let mut owned: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0u8; n as usize]).collect();
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let chunks: Vec<(usize, &mut Vec<u8>)> = owned.iter_mut().enumerate().collect();
+        let per = chunks.len().div_ceil(threads).max(1);
+        let mut rest = chunks;
+        std::thread::scope(|s| {
+            while !rest.is_empty() {
+                let take = per.min(rest.len());
+                let batch: Vec<(usize, &mut Vec<u8>)> = rest.drain(..take).collect();
+                s.spawn(move || {
+                    for (i, buf) in batch {
+                        fill(buf, &meta.tensors[i].dtype, seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+                    }
+                });
+            }
+        });
+        let ptrs = owned.iter().map(|b| b.as_ptr()).collect();
+        let bytes = sizes.iter().sum();
+        StageWeights { maps: Vec::new(), owned, ptrs, sizes, bytes }
+    }
+}
+
+fn fill(buf: &mut [u8], dtype: &str, seed: u64) {
+    let mut x = seed | 1;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    match dtype {
+        "BF16" => {
+            for c in buf.chunks_exact_mut(2) {
+                // ±[0, 0.03): sign, exponent 2^-8..2^-6, random mantissa.
+                let r = next();
+                let bits: u16 = (((r & 1) as u16) << 15) | ((119 + (r >> 1) % 3) as u16) << 7 | ((r >> 8) & 0x7F) as u16;
+                c.copy_from_slice(&bits.to_le_bytes());
+            }
+        }
+        "F32" => {
+            for c in buf.chunks_exact_mut(4) {
+                let r = next();
+                let v = ((r >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.06;
+                c.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        "F8_E4M3" => {
+            for b in buf.iter_mut() {
+                let r = next();
+                *b = ((r & 0x80) as u8) | ((r >> 8) % 0x7F) as u8;
+            }
+        }
+        "U8" => {
+            for b in buf.iter_mut() {
+                *b = 120 + (next() % 4) as u8;
+            }
+        }
+        _ => {}
     }
 }
