@@ -1,0 +1,185 @@
+#!/usr/bin/env bash
+# The prepared GPU check of the CUDA back end, in two phases:
+#
+#   scripts/gpu-check.sh prepare     # on a CPU build machine (network, Rust, LLVM 22)
+#   scripts/gpu-check.sh run         # on the GPU machine (NVIDIA driver, no network), < 8 min
+#
+# `prepare` builds m3c, compiles every executable the check runs for
+# --target cuda (sm_90a), and packs them with the Open MPI and libomp
+# libraries they need into gpu-bundle.tar.xz at the repository root; `run`
+# (in the repository copy on the GPU machine, the bundle beside it) unpacks
+# it and runs:
+#   1. the tiny fixtures (bf16 and MXFP8) at pp = 1 and pp = 2 (both stages
+#      on GPU 0, host-staged transfers) against their goldens: f32 activations,
+#      so the tokens must be exact and logits within 1e-3;
+#   2. one decode step of a real-size M3 layer (dense: full attention + dense
+#      MLP; MoE: MSA + 128 experts top-4 + shared), bf16 and MXFP8, with
+#      synthetic weights of the real shapes, at batch 1, next to the HBM floor
+#      (bytes the layer reads per step / 4.8 TB/s). The layer runs alone in
+#      the middle stage of a 3-stage pipeline (embedding | layer | head), and
+#      that stage reports its own compute time per step.
+# It prints one table last.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+BUNDLE="$ROOT/gpu-bundle.tar.xz"
+
+# Open MPI's runtime packages (Debian 12), minus what every Linux has.
+OMPI_DEBS=(openmpi-bin libopenmpi3 openmpi-common libpmix2 libhwloc15 libevent-core-2.1-7 libevent-pthreads-2.1-7
+           libfabric1 libucx0 libibverbs1 librdmacm1 libpsm2-2 libpsm-infinipath1 libnl-3-200 libnl-route-3-200
+           libmunge2 libnuma1 libpciaccess0 libxnvctrl0 ocl-icd-libopencl1)
+
+plan3() { # a 3-stage plan: embedding | layer 0 | norm + lm_head, all on GPU 0
+  cat <<EOF
+version: 1
+target: cuda
+arch: sm_90a
+stages:
+  - embedding: true
+    device: 0
+  - layers: "0"
+    device: 0
+  - final_norm: true
+    lm_head: true
+    device: 0
+EOF
+}
+
+plan2() { # the tiny fixtures at pp = 2, both stages on GPU 0
+  cat <<EOF
+version: 1
+target: cuda
+arch: sm_90a
+stages:
+  - layers: "0-3"
+    embedding: true
+    device: 0
+  - layers: "4-7"
+    final_norm: true
+    lm_head: true
+    device: 0
+EOF
+}
+
+prepare() {
+  ./scripts/setup.sh
+  export PATH="$HOME/.cargo/bin:$PATH"
+  cargo build --release --locked -q -p m3c -p m3c-runtime
+  M3C="$ROOT/target/release/m3c"
+  CUDA_ROOT=$(ls -d "$ROOT"/.venv-cuda/lib/python3*/site-packages/nvidia/cuda_nvcc | head -1)
+  export CUDA_ROOT
+  work=$(mktemp -d "${TMPDIR:-/tmp}/m3c-gpu.XXXXXX")
+  trap 'rm -rf "$work"' EXIT
+  b="$work/bundle"
+  mkdir -p "$b/out" "$b/lib" "$b/ompi" "$b/plans"
+
+  echo "== fixtures: cuda stages at pp = 1 and pp = 2"
+  for m in tiny-m3 tiny-m3-mxfp8; do
+    $M3C compile --model "tests/fixtures/$m" --pp 1 --target cuda -o "$b/out/$m-pp1" >/dev/null
+    plan2 > "$b/plans/tiny-pp2.yaml"
+    $M3C compile --model "tests/fixtures/$m" --pp 2 "$b/plans/tiny-pp2.yaml" -o "$b/out/$m-pp2" >/dev/null
+  done
+
+  echo "== real-size single layers (config only; weights are synthesised on the GPU machine)"
+  : > "$b/floors.txt"
+  for q in bf16 mxfp8; do
+    base=configs/minimax-m3.config.json
+    [ $q = mxfp8 ] && base=configs/minimax-m3-mxfp8.config.json
+    for kind in dense moe; do
+      d="$b/models/$kind-$q"
+      mkdir -p "$d"
+      python3 - "$base" "$kind" "$d/config.json" <<'PY'
+import json, sys
+base, kind, out = sys.argv[1:]
+c = json.load(open(base))
+t = c["text_config"]
+moe = 1 if kind == "moe" else 0
+t["num_hidden_layers"] = 1
+t["moe_layer_freq"] = [moe]
+s = t["sparse_attention_config"]
+s["sparse_attention_freq"] = [moe]
+s["sparse_disable_index_value"] = [moe]
+q = c.get("quantization_config")
+if q:
+    q["ignored_layers"] = [x for x in q["ignored_layers"] if "block_sparse_moe.gate" not in x] + \
+        (["language_model.model.layers.0.block_sparse_moe.gate"] if moe else [])
+json.dump(c, open(out, "w"), indent=1)
+PY
+      plan3 > "$b/plans/layer.yaml"
+      $M3C compile --model "$d" --pp 3 "$b/plans/layer.yaml" -o "$b/out/$kind-$q" >/dev/null
+      # Bytes the layer stage reads per decode step at batch 1 (the cost model's figure).
+      gb=$($M3C plan --check "$b/plans/layer.yaml" --model "$d" --batch 1 --context 4096 | awk '$1 == "1" {print $(NF-1)}')
+      echo "$kind-$q $gb" >> "$b/floors.txt"
+    done
+  done
+  strip "$b"/out/*/stage-*
+
+  echo "== Open MPI and libomp for the GPU machine"
+  (cd "$work" && apt-get download "${OMPI_DEBS[@]}" >/dev/null)
+  for deb in "$work"/*.deb; do dpkg -x "$deb" "$b/ompi"; done
+  cp -L /usr/lib/llvm-22/lib/libomp.so.5 "$b/lib/"
+  tar -C "$work" -cJf "$BUNDLE" bundle
+  echo "wrote $BUNDLE ($(du -h "$BUNDLE" | cut -f1)); run it there with: scripts/gpu-check.sh run"
+}
+
+# The first error a stage reported in LOG, else its last line.
+why() { grep -m1 'error' "$1" || tail -1 "$1"; }
+
+run() {
+  [ -f "$BUNDLE" ] || { echo "gpu-check: $BUNDLE is missing; make it with scripts/gpu-check.sh prepare" >&2; exit 1; }
+  work=$(mktemp -d "${TMPDIR:-/tmp}/m3c-gpu.XXXXXX")
+  trap 'rm -rf "$work"' EXIT
+  tar -C "$work" -xJf "$BUNDLE"
+  b="$work/bundle"
+  # Logs stay (under $OUT when the device tool runs this, so they come back).
+  logs="${OUT:-$ROOT/gpu-check-logs}"
+  mkdir -p "$logs"
+  export OPAL_PREFIX="$b/ompi/usr"
+  export PATH="$b/ompi/usr/bin:$PATH"
+  export LD_LIBRARY_PATH="$b/lib:$b/ompi/usr/lib/x86_64-linux-gnu:$b/ompi/usr/lib/x86_64-linux-gnu/openmpi/lib:${LD_LIBRARY_PATH:-}"
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+  export OMPI_MCA_btl=self,vader OMPI_MCA_pml=ob1
+  gpu=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1 || echo "no nvidia-smi")
+  echo "GPU: $gpu"
+  rows=()
+
+  for m in tiny-m3 tiny-m3-mxfp8; do
+    golden="tests/fixtures/$m/golden.safetensors"
+    prompt=$(python3 -c "
+import json, struct, sys
+b = open('$golden', 'rb').read(); n = struct.unpack('<Q', b[:8])[0]; h = json.loads(b[8:8+n])
+s, e = h['prompt_ids']['data_offsets']; d = b[8+n+s:8+n+e]
+print(','.join(str(x) for x in struct.unpack('<%dq' % (len(d)//8), d)))")
+    for pp in 1 2; do
+      log="$logs/$m-pp$pp.log"
+      if timeout 120 "$b/out/$m-pp$pp/run.sh" --model "tests/fixtures/$m" --prompt-ids "$prompt" --max-new-tokens 16 \
+           --expect "$golden" >"$log" 2>&1; then verdict=pass; else verdict=FAIL; fi
+      check=$(grep -o 'prefill max.*' "$log" | head -1 || true)
+      rows+=("$(printf '%-28s %-6s %-5s %s' "$m (f32 act.)" "pp=$pp" "$verdict" "${check:-$(why "$log")}")")
+    done
+  done
+
+  for q in bf16 mxfp8; do
+    for kind in dense moe; do
+      log="$logs/$kind-$q.log"
+      gb=$(awk -v k="$kind-$q" '$1 == k {print $2}' "$b/floors.txt")
+      if timeout 150 "$b/out/$kind-$q/run.sh" --synthetic-weights 1 --prompt-ids "$(seq -s, 1 16)" --max-new-tokens 32 >"$log" 2>&1; then
+        ms=$(grep 'm3c stage 1/3: done' "$log" | sed -E 's/.*decode [0-9]+ step\(s\), mean ([0-9.]+) ms.*/\1/')
+        floor=$(awk -v g="$gb" 'BEGIN {printf "%.3f", g / 4.8}')
+        frac=$(awk -v f="$floor" -v m="$ms" 'BEGIN {printf "%.0f%%", 100 * f / m}')
+        rows+=("$(printf '%-28s %-6s %-5s decode step %s ms at batch 1; HBM floor %s ms (%s GB); %s of the floor' "$kind layer, $q" "real" "ran" "$ms" "$floor" "$gb" "$frac")")
+      else
+        rows+=("$(printf '%-28s %-6s %-5s %s' "$kind layer, $q" "real" "FAIL" "$(why "$log")")")
+      fi
+    done
+  done
+  echo
+  echo "m3c GPU check on $gpu (batch 16: not measured, a step holds one sequence so far)"
+  printf '%s\n' "${rows[@]}"
+}
+
+case "${1:-}" in
+  prepare) prepare ;;
+  run) run ;;
+  *) echo "usage: scripts/gpu-check.sh prepare | run" >&2; exit 2 ;;
+esac
