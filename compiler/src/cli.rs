@@ -126,6 +126,9 @@ struct RunArgs {
     /// Write prompt_ids, prefill_logits, generated_ids and decode_logits here (several prompts: FILE.p0.safetensors, ...).
     #[arg(long, value_name = "FILE.safetensors")]
     dump: Option<PathBuf>,
+    /// Sequences per micro-batch (default: the prompts shared evenly over the stages).
+    #[arg(long, value_name = "SEQS")]
+    micro_batch: Option<usize>,
     /// Compare the first prompt's logits and ids with a golden file (the fixtures' tensor names); fail if they differ.
     #[arg(long, value_name = "GOLDEN.safetensors")]
     expect: Option<PathBuf>,
@@ -338,6 +341,10 @@ fn run_cmd(args: RunArgs) -> Result<()> {
     if let Some(d) = &args.dump {
         pass.push("--dump".into());
         pass.push(d.display().to_string());
+    }
+    if let Some(n) = args.micro_batch {
+        pass.push("--micro-batch".into());
+        pass.push(n.to_string());
     }
     if let Some(g) = &args.expect {
         pass.push("--expect".into());

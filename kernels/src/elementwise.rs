@@ -114,3 +114,22 @@ pub fn embedding(name: &str, vocab: usize, width: usize, weight: crate::WeightTy
         indent(&body, 4)
     )
 }
+
+/// `y = x` over rows of `width` (a step's keys and values into a cache).
+pub fn copy_rows(name: &str, width: usize) -> String {
+    let t = format!("memref<?x{width}xf32>");
+    let body = format!(
+        "%c0 = arith.constant 0 : index\n\
+         %c1 = arith.constant 1 : index\n\
+         %cw = arith.constant {width} : index\n\
+         %rows = memref.dim %x, %c0 : {t}\n\
+         scf.for %r = %c0 to %rows step %c1 {{\n\
+         \x20 scf.for %i = %c0 to %cw step %c1 {{\n\
+         \x20   %v = memref.load %x[%r, %i] : {t}\n\
+         \x20   memref.store %v, %y[%r, %i] : {t}\n\
+         \x20 }}\n\
+         }}\n\
+         return\n"
+    );
+    format!("  func.func @{name}(%x: {t}, %y: {t}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n", indent(&body, 4))
+}

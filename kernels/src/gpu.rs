@@ -38,8 +38,8 @@ pub struct GpuCall {
     pub host_views: Vec<MemTy>,
 }
 
-/// Device memory comes from the runtime (`m3c_device_alloc(bytes) -> ptr`,
-/// `m3c_device_free(ptr)`), so it can pool and account for it; the launch
+/// Device memory comes from the runtime (`m3c_buf_alloc(bytes) -> ptr`,
+/// `m3c_buf_free(ptr)`), so it can pool and account for it; the launch
 /// code views the pointers as memrefs. `%{name}` gets a `[n, width]` buffer.
 pub fn device_buffer(name: &str, n: &str, width: usize, elem: &'static str) -> (String, MemTy) {
     let ty = if width == 0 { MemTy { dims: vec![None], elem } } else { MemTy::rows(width, elem) };
@@ -53,7 +53,7 @@ pub fn device_buffer(name: &str, n: &str, width: usize, elem: &'static str) -> (
             "{name}_sz = arith.constant {size} : index
              {name}_nb = arith.muli {n}, {name}_sz : index
              {name}_nb64 = arith.index_cast {name}_nb : index to i64
-             {name}_p = func.call @m3c_device_alloc({name}_nb64) : (i64) -> !llvm.ptr
+             {name}_p = func.call @m3c_buf_alloc({name}_nb64) : (i64) -> !llvm.ptr
              {name} = func.call @{}({name}_p, {n}) : (!llvm.ptr, index) -> {}
 ",
             ty.view_fn(),
@@ -374,6 +374,14 @@ impl Kernel {
                 );
                 vec![func(&sym, &format!("%a: {t}, %b: {t}, %y: {t}"), &body)]
             }
+            Kernel::CopyRows { width } => {
+                let t = format!("memref<?x{width}xf32>");
+                let body = format!(
+                    "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
+                     scf.for %i = %t to %cw step %c256 {{\n  %v = memref.load %x[%r, %i] : {t}\n  memref.store %v, %y[%r, %i] : {t}\n}}\n"
+                );
+                vec![func(&sym, &format!("%x: {t}, %y: {t}"), &body)]
+            }
             Kernel::Argmax { width } => {
                 let t = format!("memref<?x{width}xf32>");
                 let body = format!(
@@ -521,7 +529,7 @@ impl Kernel {
                 text.push_str(&launch(&sym, [rows, &format!("%g{tag}_kv"), &one], 32, &a));
                 if sparse.is_some() {
                     text.push_str(&format!(
-                        "func.call @m3c_device_free(%g{tag}_bs_p) : (!llvm.ptr) -> ()\nfunc.call @m3c_device_free(%g{tag}_sel_p) : (!llvm.ptr) -> ()\n"
+                        "func.call @m3c_buf_free(%g{tag}_bs_p) : (!llvm.ptr) -> ()\nfunc.call @m3c_buf_free(%g{tag}_sel_p) : (!llvm.ptr) -> ()\n"
                     ));
                 }
             }
@@ -560,7 +568,7 @@ impl Kernel {
                 ));
                 text.push_str(&launch(&format!("{sym}_combine"), [rows, &one, &one], BLOCK, &[dn.clone(), wts.clone(), y.clone()]));
                 text.push_str(&format!(
-                    "func.call @m3c_device_free(%g{tag}_act_p) : (!llvm.ptr) -> ()\nfunc.call @m3c_device_free(%g{tag}_dn_p) : (!llvm.ptr) -> ()\n"
+                    "func.call @m3c_buf_free(%g{tag}_act_p) : (!llvm.ptr) -> ()\nfunc.call @m3c_buf_free(%g{tag}_dn_p) : (!llvm.ptr) -> ()\n"
                 ));
                 let weight = match self {
                     Kernel::RoutedExperts { weight, .. } => *weight,

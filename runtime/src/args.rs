@@ -16,10 +16,12 @@ pub struct RunArgs {
     pub dump: Option<PathBuf>,
     /// Seconds a rank waits for a message before it gives up.
     pub timeout_s: f64,
+    /// Sequences per micro-batch (default: the prompts shared over the stages).
+    pub micro_batch: Option<usize>,
 }
 
 pub const USAGE: &str = "usage: stage-K (--model DIR | --synthetic-weights SEED) (--prompt-ids 1,2,3 [--prompt-ids ...] | --prompts FILE) \
---max-new-tokens N [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S]";
+--max-new-tokens N [--micro-batch SEQS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S]";
 
 pub fn parse_ids(text: &str, what: &str) -> Result<Vec<i64>, String> {
     let ids: Result<Vec<i64>, String> = text
@@ -43,6 +45,7 @@ pub fn parse(args: &[String]) -> Result<RunArgs, String> {
     let mut expect = None;
     let mut synthetic_seed = None;
     let mut timeout_s = 300.0;
+    let mut micro_batch = None;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = |name: &str| it.next().cloned().ok_or_else(|| format!("{name} needs a value; {USAGE}"));
@@ -56,6 +59,10 @@ pub fn parse(args: &[String]) -> Result<RunArgs, String> {
             }
             "--dump" => dump = Some(PathBuf::from(value("--dump")?)),
             "--expect" => expect = Some(PathBuf::from(value("--expect")?)),
+            "--micro-batch" => {
+                let v = value("--micro-batch")?;
+                micro_batch = Some(v.parse::<usize>().ok().filter(|n| *n > 0).ok_or_else(|| format!("--micro-batch: `{v}` is not a positive count"))?);
+            }
             "--synthetic-weights" => {
                 let v = value("--synthetic-weights")?;
                 synthetic_seed = Some(v.parse::<u64>().map_err(|_| format!("--synthetic-weights: `{v}` is not a seed (an integer)"))?);
@@ -99,5 +106,6 @@ pub fn parse(args: &[String]) -> Result<RunArgs, String> {
         max_new_tokens: max_new.ok_or_else(|| format!("--max-new-tokens is required; {USAGE}"))?,
         dump,
         timeout_s,
+        micro_batch,
     })
 }

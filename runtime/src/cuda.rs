@@ -6,7 +6,7 @@
 //! - MLIR's `mgpu*` functions (module load, function lookup, launch,
 //!   streams), which `gpu.launch_func` lowers to. Every launch goes to this
 //!   process's one stream, in order; the runtime synchronises once per step.
-//! - `m3c_device_alloc/free/copy`, for scratch buffers: a size-keyed pool, so
+//! - `m3c_buf_alloc/free/copy`, for scratch buffers: a size-keyed pool, so
 //!   a decode step allocates nothing after the first.
 //!
 //! Modules are registered by static constructors before `main` (MLIR emits
@@ -15,7 +15,16 @@
 use cudarc::driver::sys as cu;
 use std::collections::BTreeMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
+
+/// Whether `m3c_buf_*` hand out device memory (a CUDA stage) or host memory.
+static ON_DEVICE: AtomicBool = AtomicBool::new(false);
+
+extern "C" {
+    fn malloc(n: usize) -> *mut c_void;
+    fn free(p: *mut c_void);
+}
 
 /// Turns a failed driver call inside a callback from generated code into a
 /// message and exit code 1 (unwinding across that boundary is not allowed).
@@ -115,6 +124,7 @@ impl Device {
             checked("cuMemGetInfo", cu::cuMemGetInfo_v2(&mut free, &mut total))?;
             let mut st = state();
             st.stream = stream as usize;
+            ON_DEVICE.store(true, Ordering::SeqCst);
             for i in 0..st.images.len() {
                 let mut m = std::ptr::null_mut();
                 checked("loading the stage's PTX (cuModuleLoadData)", cu::cuModuleLoadData(&mut m, st.images[i] as *const c_void))?;
@@ -173,9 +183,14 @@ impl Device {
     }
 }
 
-/// Scratch memory for generated code.
+/// Scratch memory for generated code: host memory on the host, a pooled
+/// device buffer on a GPU.
 #[no_mangle]
-pub extern "C" fn m3c_device_alloc(bytes: i64) -> *mut c_void {
+pub extern "C" fn m3c_buf_alloc(bytes: i64) -> *mut c_void {
+    if !ON_DEVICE.load(Ordering::Relaxed) {
+        // SAFETY: plain malloc; the generated code frees it with m3c_buf_free.
+        return unsafe { malloc(bytes.max(1) as usize) };
+    }
     let bytes = bytes.max(1) as u64;
     let mut st = state();
     let d = match st.pool.get_mut(&bytes).and_then(|v| v.pop()) {
@@ -195,7 +210,11 @@ pub extern "C" fn m3c_device_alloc(bytes: i64) -> *mut c_void {
 /// Returns a scratch buffer to the pool; launches already queued on the one
 /// stream that use it run before any later launch that reuses it.
 #[no_mangle]
-pub extern "C" fn m3c_device_free(ptr: *mut c_void) {
+pub extern "C" fn m3c_buf_free(ptr: *mut c_void) {
+    if !ON_DEVICE.load(Ordering::Relaxed) {
+        // SAFETY: `ptr` came from m3c_buf_alloc's malloc.
+        return unsafe { free(ptr) };
+    }
     let mut st = state();
     let d = ptr as u64;
     let size = st.sizes.get(&d).copied().unwrap_or(0);
@@ -204,7 +223,12 @@ pub extern "C" fn m3c_device_free(ptr: *mut c_void) {
 }
 
 #[no_mangle]
-pub extern "C" fn m3c_device_copy(dst: *mut c_void, src: *mut c_void, bytes: i64) {
+pub extern "C" fn m3c_buf_copy(dst: *mut c_void, src: *mut c_void, bytes: i64) {
+    if !ON_DEVICE.load(Ordering::Relaxed) {
+        // SAFETY: the generated code copies between two buffers of `bytes`.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes as usize) };
+        return;
+    }
     let s = state().stream;
     check("cuMemcpyAsync", unsafe { cu::cuMemcpyAsync(dst as u64, src as u64, bytes as usize, s as cu::CUstream) });
 }

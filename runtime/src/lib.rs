@@ -29,6 +29,7 @@ mod weights;
 use mpi::point_to_point::{Destination, MatchedReceiveVec, Source};
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::traits::CommunicatorCollectives;
+
 use std::collections::VecDeque;
 use std::os::raw::{c_char, c_int};
 use std::time::{Duration, Instant};
@@ -220,10 +221,16 @@ fn run() -> c_int {
     }
 }
 
-fn message(kind: i64, seq: usize, pos0: usize, tokens: usize, payload: &[u8]) -> Vec<u8> {
-    let mut m = Vec::with_capacity(32 + payload.len());
-    for v in [kind, seq as i64, pos0 as i64, tokens as i64] {
-        m.extend(v.to_le_bytes());
+/// A message between stages: a kind, the micro-batch's segments, and a payload
+/// (activations f32 [S, hidden], or the last stage's ids, one per segment).
+fn message(kind: i64, segments: &[stage::Segment], payload: &[u8]) -> Vec<u8> {
+    let mut m = Vec::with_capacity(16 + 24 * segments.len() + payload.len());
+    m.extend(kind.to_le_bytes());
+    m.extend((segments.len() as i64).to_le_bytes());
+    for s in segments {
+        for v in [s.seq as i64, s.pos0 as i64, s.rows as i64] {
+            m.extend(v.to_le_bytes());
+        }
     }
     m.extend_from_slice(payload);
     m
@@ -231,18 +238,22 @@ fn message(kind: i64, seq: usize, pos0: usize, tokens: usize, payload: &[u8]) ->
 
 struct Msg {
     kind: i64,
-    seq: usize,
-    pos0: usize,
-    tokens: usize,
+    segments: Vec<stage::Segment>,
     payload: Vec<u8>,
 }
 
 fn parse_msg(m: Vec<u8>) -> Result<Msg, String> {
-    if m.len() < 32 {
-        return Err(format!("malformed message of {} bytes", m.len()));
+    let h = |i: usize| -> Result<i64, String> {
+        m.get(i * 8..i * 8 + 8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).ok_or_else(|| format!("malformed message of {} bytes", m.len()))
+    };
+    let kind = h(0)?;
+    let n = h(1)? as usize;
+    let mut segments = Vec::with_capacity(n);
+    for i in 0..n {
+        segments.push(stage::Segment { seq: h(2 + 3 * i)? as usize, pos0: h(3 + 3 * i)? as usize, rows: h(4 + 3 * i)? as usize });
     }
-    let h = |i: usize| i64::from_le_bytes(m[i * 8..i * 8 + 8].try_into().unwrap());
-    Ok(Msg { kind: h(0), seq: h(1) as usize, pos0: h(2) as usize, tokens: h(3) as usize, payload: m[32..].to_vec() })
+    let start = (2 + 3 * n) * 8;
+    Ok(Msg { kind, segments, payload: m.get(start..).unwrap_or_default().to_vec() })
 }
 
 /// Receives the next message with `tag` from rank `from`, or fails after `timeout`.
@@ -275,21 +286,36 @@ fn bytes_f32(b: &[u8]) -> Vec<f32> {
     b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
 }
 
-/// The last stage's record of each sequence.
-fn record_logits(records: &mut [dump::SeqRecord], seq: usize, pos0: usize, logits: Vec<f32>, vocab: usize, id: i64, max_new: usize) {
-    let r = &mut records[seq];
-    if pos0 == 0 {
-        r.prefill_logits = logits;
+/// The last stage's record of one sequence's step; returns the greedy id of
+/// its last row.
+fn record(records: &mut [dump::SeqRecord], s: &stage::Segment, logits: &[f32], ids: &[i64], row0: usize, vocab: usize, max_new: usize) -> i64 {
+    let r = &mut records[s.seq];
+    let rows = &logits[row0 * vocab..(row0 + s.rows) * vocab];
+    if s.pos0 == 0 {
+        r.prefill_logits = rows.to_vec();
     } else {
-        let rows = logits.len() / vocab;
-        r.decode_logits.extend_from_slice(&logits[(rows - 1) * vocab..]);
+        r.decode_logits.extend_from_slice(&rows[(s.rows - 1) * vocab..]);
     }
+    let id = ids[row0 + s.rows - 1];
     if r.generated.len() < max_new {
         r.generated.push(id);
     }
+    id
+}
+
+/// The last stage's part of a step: records, and one id per segment.
+fn finish(records: &mut [dump::SeqRecord], segs: &[stage::Segment], out: &stage::StepOut, vocab: usize, max_new: usize) -> Vec<i64> {
+    let mut row0 = 0;
+    let mut ids = Vec::with_capacity(segs.len());
+    for s in segs {
+        ids.push(record(records, s, &out.logits, &out.ids, row0, vocab, max_new));
+        row0 += s.rows;
+    }
+    ids
 }
 
 fn pipeline(world: &SimpleCommunicator, st: &mut stage::Stage, args: &args::RunArgs, timeout: Duration) -> Result<(), String> {
+    use stage::Segment;
     let (first, last) = (st.meta.first_stage, st.meta.last_stage);
     let (rank, size) = (st.meta.stage, st.meta.stages);
     let (hidden, vocab) = (st.meta.hidden, st.meta.vocab);
@@ -302,15 +328,18 @@ fn pipeline(world: &SimpleCommunicator, st: &mut stage::Stage, args: &args::RunA
         .iter()
         .map(|p| dump::SeqRecord { prompt: p.clone(), prefill_logits: Vec::new(), generated: Vec::new(), decode_logits: Vec::new() })
         .collect();
+    // Sequences per micro-batch: enough micro-batches to keep every stage busy
+    // (one per stage), as few as that allows (weights are read once per step).
+    let per_batch = args.micro_batch.unwrap_or_else(|| args.prompts.len().div_ceil(size)).max(1);
 
     if first {
-        // Work: (seq, pos0, token ids). Every prompt's prefill enters first.
-        let mut queue: VecDeque<(usize, usize, Vec<i64>)> = args.prompts.iter().enumerate().map(|(s, p)| (s, 0, p.clone())).collect();
+        // Ready work: (seq, pos0, token ids). Every prompt's prefill comes first.
+        let mut queue: VecDeque<(usize, usize, Vec<i64>)> =
+            args.prompts.iter().enumerate().map(|(s, p)| (s, 0, p.clone())).collect();
         let mut generated: Vec<Vec<i64>> = vec![Vec::new(); args.prompts.len()];
         let mut open = args.prompts.len();
         let start = Instant::now();
         let mut prefill_done = vec![None; args.prompts.len()];
-        // What the first stage does with a sequence's next id (pass = pos0-derived step index).
         let mut on_id = |seq: usize, pos0: usize, id: i64, queue: &mut VecDeque<(usize, usize, Vec<i64>)>, open: &mut usize| {
             let plen = args.prompts[seq].len();
             let pass = if pos0 == 0 { 0 } else { pos0 + 1 - plen };
@@ -325,29 +354,36 @@ fn pipeline(world: &SimpleCommunicator, st: &mut stage::Stage, args: &args::RunA
             }
         };
         while open > 0 {
-            if let Some((seq, pos0, ids)) = queue.pop_front() {
+            if !queue.is_empty() {
+                let take = per_batch.min(queue.len());
+                let items: Vec<(usize, usize, Vec<i64>)> = queue.drain(..take).collect();
+                let segs: Vec<Segment> = items.iter().map(|(s, p, ids)| Segment { seq: *s, pos0: *p, rows: ids.len() }).collect();
+                let ids: Vec<i64> = items.iter().flat_map(|(_, _, ids)| ids.iter().copied()).collect();
                 let mut x = vec![0f32; ids.len() * hidden];
-                let out = st.step(seq, pos0, ids.len(), &ids, &mut x)?;
+                let out = st.step(&segs, &ids, &mut x)?;
                 if last {
-                    let id = *out.ids.last().expect("a step has rows");
-                    record_logits(&mut records, seq, pos0, out.logits, vocab, id, n_new);
-                    on_id(seq, pos0, id, &mut queue, &mut open);
+                    let got = finish(&mut records, &segs, &out, vocab, n_new);
+                    for (s, id) in segs.iter().zip(got) {
+                        on_id(s.seq, s.pos0, id, &mut queue, &mut open);
+                    }
                 } else {
-                    world.process_at_rank(1).send_with_tag(&message(KIND_STEP, seq, pos0, ids.len(), &f32_bytes(&x))[..], TAG_ACT);
+                    world.process_at_rank(1).send_with_tag(&message(KIND_STEP, &segs, &f32_bytes(&x))[..], TAG_ACT);
                 }
             } else {
                 let m = recv(world, size - 1, TAG_IDS, timeout)?;
-                let id = i64::from_le_bytes(m.payload[..8].try_into().map_err(|_| "malformed id message")?);
-                on_id(m.seq, m.pos0, id, &mut queue, &mut open);
+                for (i, s) in m.segments.iter().enumerate() {
+                    let id = m.payload.get(i * 8..i * 8 + 8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).ok_or("malformed id message")?;
+                    on_id(s.seq, s.pos0, id, &mut queue, &mut open);
+                }
             }
         }
         let total = start.elapsed();
         if !last {
-            world.process_at_rank(1).send_with_tag(&message(KIND_STOP, 0, 0, 0, &[])[..], TAG_ACT);
+            world.process_at_rank(1).send_with_tag(&message(KIND_STOP, &[], &[])[..], TAG_ACT);
         }
         for (s, g) in generated.iter().enumerate() {
-            let ids: Vec<String> = g.iter().map(|i| i.to_string()).collect();
             use std::io::Write;
+            let ids: Vec<String> = g.iter().map(|i| i.to_string()).collect();
             let line = format!("prompt {s}: {}\n", ids.join(","));
             let mut out = std::io::stdout().lock();
             let _ = out.write_all(line.as_bytes()).and_then(|_| out.flush());
@@ -357,7 +393,7 @@ fn pipeline(world: &SimpleCommunicator, st: &mut stage::Stage, args: &args::RunA
         let decode_steps = args.prompts.len() * n_new;
         let dt = (total - prefill_end).as_secs_f64();
         say!(
-            "m3c timing: prefill {prompt_tokens} tokens in {:.1} ms ({:.1} tok/s); decode {decode_steps} steps in {:.1} ms ({:.1} tok/s)",
+            "m3c timing: prefill {prompt_tokens} tokens in {:.1} ms ({:.1} tok/s); decode {decode_steps} steps in {:.1} ms ({:.1} tok/s); up to {per_batch} sequence(s) per micro-batch",
             prefill_end.as_secs_f64() * 1e3,
             prompt_tokens as f64 / prefill_end.as_secs_f64().max(1e-9),
             dt * 1e3,
@@ -368,18 +404,18 @@ fn pipeline(world: &SimpleCommunicator, st: &mut stage::Stage, args: &args::RunA
             let m = recv(world, rank - 1, TAG_ACT, timeout)?;
             if m.kind == KIND_STOP {
                 if !last {
-                    world.process_at_rank(rank as i32 + 1).send_with_tag(&message(KIND_STOP, 0, 0, 0, &[])[..], TAG_ACT);
+                    world.process_at_rank(rank as i32 + 1).send_with_tag(&message(KIND_STOP, &[], &[])[..], TAG_ACT);
                 }
                 break;
             }
             let mut x = bytes_f32(&m.payload);
-            let out = st.step(m.seq, m.pos0, m.tokens, &[], &mut x)?;
+            let out = st.step(&m.segments, &[], &mut x)?;
             if last {
-                let id = *out.ids.last().expect("a step has rows");
-                record_logits(&mut records, m.seq, m.pos0, out.logits, vocab, id, n_new);
-                world.process_at_rank(0).send_with_tag(&message(KIND_STEP, m.seq, m.pos0, 1, &id.to_le_bytes())[..], TAG_IDS);
+                let got = finish(&mut records, &m.segments, &out, vocab, n_new);
+                let payload: Vec<u8> = got.iter().flat_map(|i| i.to_le_bytes()).collect();
+                world.process_at_rank(0).send_with_tag(&message(KIND_STEP, &m.segments, &payload)[..], TAG_IDS);
             } else {
-                world.process_at_rank(rank as i32 + 1).send_with_tag(&message(KIND_STEP, m.seq, m.pos0, m.tokens, &f32_bytes(&x))[..], TAG_ACT);
+                world.process_at_rank(rank as i32 + 1).send_with_tag(&message(KIND_STEP, &m.segments, &f32_bytes(&x))[..], TAG_ACT);
             }
         }
     }

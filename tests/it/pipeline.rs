@@ -11,10 +11,11 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
-fn run_dump(out: &Path, model: &Path, prompts: &[&[i64]], n: usize, dump: &Path) -> String {
+fn run_dump(out: &Path, model: &Path, prompts: &[&[i64]], n: usize, dump: &Path, extra: &[&str]) -> String {
     let n = n.to_string();
     let ids: Vec<String> = prompts.iter().map(|p| ids_arg(p)).collect();
     let mut args = vec!["run", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--max-new-tokens", &n, "--dump", dump.to_str().unwrap()];
+    args.extend_from_slice(extra);
     for i in &ids {
         args.push("--prompt-ids");
         args.push(i);
@@ -41,7 +42,7 @@ fn check_fixture(name: &str) {
         let manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
         assert_eq!(manifest["stages"].as_array().unwrap().len(), pp);
         let dump = d.join("dump.safetensors");
-        let printed = run_dump(&out, &model, &[&prompt], NEW_TOKENS, &dump);
+        let printed = run_dump(&out, &model, &[&prompt], NEW_TOKENS, &dump, &[]);
         let got_ids = read_tensor_i64(&dump, "generated_ids");
         assert_eq!(got_ids, want_ids, "{name} pp={pp}: generated ids");
         assert!(printed.contains(&format!("prompt 0: {}", ids_arg(&want_ids))), "{name} pp={pp}: printed {printed}");
@@ -74,6 +75,10 @@ fn golden_prompt() -> Vec<i64> {
     read_tensor_i64(&fixture("tiny-m3").join("golden.safetensors"), "prompt_ids")
 }
 
+/// Three prompts of different lengths, batched, give each prompt's bytes of
+/// a run alone: as one sequence per micro-batch (pp = 3 shares three prompts
+/// over three stages) and as all three in one micro-batch (--micro-batch 3,
+/// so every step stacks the sequences' rows and runs attention per sequence).
 #[test]
 fn batched_prompts_equal_one_at_a_time() {
     let model = fixture("tiny-m3");
@@ -81,16 +86,22 @@ fn batched_prompts_equal_one_at_a_time() {
     let prompts: [&[i64]; 3] = [&p[..40], &p[3..10], &p[11..30]];
     let dir = tempfile::tempdir().unwrap();
     let out = compile(&model, 3, dir.path(), &[]);
-    let batched = dir.path().join("b.safetensors");
-    let printed = run_dump(&out, &model, &prompts, 6, &batched);
+    let mut singles = Vec::new();
     for (i, pr) in prompts.iter().enumerate() {
         let single = dir.path().join(format!("s{i}.safetensors"));
-        let one = run_dump(&out, &model, &[pr], 6, &single);
+        let one = run_dump(&out, &model, &[pr], 6, &single, &[]);
         let line = one.lines().find(|l| l.starts_with("prompt 0: ")).expect("ids printed").replace("prompt 0: ", &format!("prompt {i}: "));
-        assert!(printed.contains(&line), "batched output\n{printed}\nlacks `{line}`");
-        let part = dir.path().join(format!("b.p{i}.safetensors"));
-        assert_eq!(std::fs::read(&part).unwrap(), std::fs::read(&single).unwrap(), "prompt {i}: batched dump differs");
-        assert_eq!(read_tensor_i64(&part, "prompt_ids"), pr.to_vec());
+        singles.push((line, std::fs::read(&single).unwrap()));
+    }
+    for (tag, extra) in [("b", &[][..]), ("m", &["--micro-batch", "3"][..])] {
+        let batched = dir.path().join(format!("{tag}.safetensors"));
+        let printed = run_dump(&out, &model, &prompts, 6, &batched, extra);
+        for (i, (line, bytes)) in singles.iter().enumerate() {
+            assert!(printed.contains(line), "{tag}: batched output\n{printed}\nlacks `{line}`");
+            let part = dir.path().join(format!("{tag}.p{i}.safetensors"));
+            assert!(std::fs::read(&part).unwrap() == *bytes, "{tag}: prompt {i}: batched dump differs");
+            assert_eq!(read_tensor_i64(&part, "prompt_ids"), prompts[i].to_vec());
+        }
     }
 }
 

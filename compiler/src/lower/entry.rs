@@ -1,38 +1,66 @@
 //! The stage entry: `m3c_stage_step`, a C-ABI function that runs the stage's
-//! fused kernel calls in order over one step (a prefill chunk or a decode
-//! token) of one sequence.
+//! fused kernel calls in order over one step of a micro-batch: one or more
+//! sequences, each with some rows (its whole prompt at prefill, one token at
+//! decode), stacked into one activation matrix. Calls marked per-sequence
+//! (cache writes, attention) run once per sequence over its rows, positions
+//! and caches; every other call runs once over all rows, so a weight is read
+//! once per micro-batch.
 //!
 //! ```c
-//! void m3c_stage_step(void *const *weights,   // one pointer per StageProgram::tensors slot
-//!                     void *const *caches,    // one pointer per cache slot, [capacity, width] f32
-//!                     int64_t tokens,         // S, rows in this step
-//!                     int64_t pos0,           // position of the first row
-//!                     const int64_t *ids,     // [S] token ids (first stage)
-//!                     float *x,               // [S, hidden] in (unless first) and out (unless last)
-//!                     float *logits,          // [S, vocab] (last stage)
-//!                     int64_t *out_ids);      // [S] greedy ids (last stage)
+//! void m3c_stage_step(void *const *weights,     // one pointer per StageProgram::tensors slot
+//!                     void *const *weights_dev, // the same table where kernels can read it (GPU); = weights on the host
+//!                     void *const *const *caches, // per sequence: a table with one pointer per cache slot, [capacity, width] f32
+//!                     int64_t sequences,        // sequences in the micro-batch
+//!                     const int64_t *rows,      // [sequences] rows of each
+//!                     const int64_t *pos0,      // [sequences] position of each one's first row
+//!                     int64_t tokens,           // S = Σ rows
+//!                     const int64_t *ids,       // [S] token ids (first stage)
+//!                     float *x,                 // [S, hidden] in (unless first) and out (unless last)
+//!                     float *logits,            // [S, vocab] (last stage)
+//!                     int64_t *out_ids,         // [S] greedy ids (last stage)
+//!                     const int64_t *pos);      // [S] position of each row
 //! ```
+//!
+//! On the GPU every array the kernels touch (weights, caches, ids, x,
+//! logits, out_ids, pos) is device memory; the small per-sequence arrays and
+//! the tables are host memory read by the host code. Scratch buffers come from
+//! the runtime (`m3c_buf_alloc/free/copy`), host or device memory by target.
 
 use super::fuse::{Arg, FusedStage, Step};
 use m3c_kernels::MemTy;
 use std::collections::BTreeSet;
 use std::fmt::Write;
 
+pub const ENTRY_SYMBOL: &str = "m3c_stage_step";
+
 fn indent(body: &str, n: usize) -> String {
     let pad = " ".repeat(n);
     body.lines().map(|l| format!("{pad}{l}\n")).collect()
 }
 
-pub const ENTRY_SYMBOL: &str = "m3c_stage_step";
+#[derive(Clone, Copy, PartialEq)]
+enum Flavor {
+    Host,
+    Cuda,
+}
 
 struct Emitter {
     hidden: usize,
-    /// The pointer table the device reads expert weights through.
-    expert_table: &'static str,
+    flavor: Flavor,
     body: String,
     views: BTreeSet<MemTy>,
+    device_views: BTreeSet<MemTy>,
+    funcs: Vec<(String, String)>,
     n: usize,
-    cache_ptrs: BTreeSet<usize>,
+}
+
+fn elem_bytes(elem: &str) -> usize {
+    match elem {
+        "i64" | "f64" => 8,
+        "i8" => 1,
+        "bf16" | "f16" => 2,
+        _ => 4,
+    }
 }
 
 impl Emitter {
@@ -52,135 +80,118 @@ impl Emitter {
         self.views.insert(ty);
     }
 
-    fn cache_ptr(&mut self, slot: usize) -> String {
-        if self.cache_ptrs.insert(slot) {
-            let _ = writeln!(
-                self.body,
-                "%cg{slot} = llvm.getelementptr %caches[{slot}] : (!llvm.ptr) -> !llvm.ptr, !llvm.ptr\n\
-                 %cp{slot} = llvm.load %cg{slot} : !llvm.ptr -> !llvm.ptr"
-            );
-        }
-        format!("%cp{slot}")
+    /// `base` (a pointer) advanced by `rows` rows of `width` elements of `elem`.
+    fn rows_ptr(&mut self, base: &str, rows: &str, width: usize, elem: &str) -> String {
+        let (w, o, o64, q) = (self.fresh(), self.fresh(), self.fresh(), self.fresh());
+        let _ = writeln!(
+            self.body,
+            "{w} = arith.constant {width} : index\n\
+             {o} = arith.muli {rows}, {w} : index\n\
+             {o64} = arith.index_cast {o} : index to i64\n\
+             {q} = llvm.getelementptr {base}[{o64}] : (!llvm.ptr, i64) -> !llvm.ptr, {elem}"
+        );
+        q
     }
 
-    /// The SSA value and MLIR type of an argument.
-    fn arg(&mut self, a: &Arg) -> (String, String) {
+    /// Loads pointer `slot` of the pointer table `table`.
+    fn table_ptr(&mut self, table: &str, slot: usize) -> String {
+        let (g, p) = (self.fresh(), self.fresh());
+        let _ = writeln!(
+            self.body,
+            "{g} = llvm.getelementptr {table}[{slot}] : (!llvm.ptr) -> !llvm.ptr, !llvm.ptr\n\
+             {p} = llvm.load {g} : !llvm.ptr -> !llvm.ptr"
+        );
+        p
+    }
+
+    /// The SSA value and MLIR type of an argument. `seq` is set inside the
+    /// per-sequence loop: then row arguments are that sequence's rows.
+    fn arg(&mut self, a: &Arg, seq: bool) -> (String, String) {
         let ty = a.mem_ty(self.hidden);
+        let rows_of = |e: &mut Emitter, base: &str, width: usize, elem: &'static str| {
+            let q = e.rows_ptr(base, "%roff", width.max(1), elem);
+            let t = if width == 0 { MemTy { dims: vec![None], elem } } else { MemTy::rows(width, elem) };
+            e.view(&q, "%srows", t)
+        };
         let name = match a {
-            Arg::X => "%x".to_string(),
-            Arg::Ids => "%ids".to_string(),
-            Arg::Pos => "%pos".to_string(),
-            Arg::Pos0 => return ("%pos0".into(), "index".into()),
-            Arg::Buf { id, .. } => format!("%b{id}"),
-            Arg::Logits { .. } => "%logits".to_string(),
-            Arg::OutIds => "%out_ids".to_string(),
+            Arg::Pos0 => return ("%spos0".into(), "index".into()),
             Arg::ExpertTable { first_slot } => {
                 let v = self.fresh();
-                let _ = writeln!(self.body, "{v} = llvm.getelementptr {}[{first_slot}] : (!llvm.ptr) -> !llvm.ptr, !llvm.ptr", self.expert_table);
+                let _ = writeln!(self.body, "{v} = llvm.getelementptr %weights_dev[{first_slot}] : (!llvm.ptr) -> !llvm.ptr, !llvm.ptr");
                 return (v, "!llvm.ptr".into());
             }
             Arg::Weight { slot, ty } => {
-                let (g, p) = (self.fresh(), self.fresh());
-                let _ = writeln!(
-                    self.body,
-                    "{g} = llvm.getelementptr %weights[{slot}] : (!llvm.ptr) -> !llvm.ptr, !llvm.ptr\n\
-                     {p} = llvm.load {g} : !llvm.ptr -> !llvm.ptr"
-                );
+                let p = self.table_ptr("%weights", *slot);
                 self.view(&p, "%c0", ty.clone())
             }
+            Arg::X if seq => rows_of(self, "%x_p", self.hidden, "f32"),
+            Arg::Pos if seq => rows_of(self, "%pos_p", 0, "i64"),
+            Arg::Ids if seq => rows_of(self, "%ids_p", 0, "i64"),
+            Arg::Buf { id, width, elem } if seq => rows_of(self, &format!("%b{id}_p"), *width, elem),
+            Arg::X => "%x".to_string(),
+            Arg::Ids => "%ids".to_string(),
+            Arg::Pos => "%pos".to_string(),
+            Arg::Buf { id, .. } => format!("%b{id}"),
+            Arg::Logits { .. } => "%logits".to_string(),
+            Arg::OutIds => "%out_ids".to_string(),
             Arg::Cache { slot, width } => {
-                let p = self.cache_ptr(*slot);
-                self.view(&p, "%ctx", MemTy::rows(*width, "f32"))
+                let p = self.table_ptr("%ctab", *slot);
+                let ctx = self.fresh();
+                let _ = writeln!(self.body, "{ctx} = arith.addi %spos0, %srows : index");
+                self.view(&p, &ctx, MemTy::rows(*width, "f32"))
             }
             Arg::CacheRows { slot, width } => {
-                let p = self.cache_ptr(*slot);
-                let (w, off, q) = (self.fresh(), self.fresh(), self.fresh());
-                let _ = writeln!(
-                    self.body,
-                    "{w} = arith.constant {width} : i64\n\
-                     {off} = arith.muli %pos0_i, {w} : i64\n\
-                     {q} = llvm.getelementptr {p}[{off}] : (!llvm.ptr, i64) -> !llvm.ptr, f32"
-                );
-                self.view(&q, "%S", MemTy::rows(*width, "f32"))
+                let p = self.table_ptr("%ctab", *slot);
+                let q = self.rows_ptr(&p, "%spos0", *width, "f32");
+                self.view(&q, "%srows", MemTy::rows(*width, "f32"))
             }
         };
         (name, ty.expect("memref argument").mlir())
     }
-}
 
-/// The whole module of a stage: kernels, view helpers and the entry.
-pub fn module(f: &FusedStage) -> String {
-    let mut e = Emitter { hidden: f.hidden, expert_table: "%weights", body: String::new(), views: BTreeSet::new(), n: 0, cache_ptrs: BTreeSet::new() };
-    let h = f.hidden;
-    e.body.push_str(
-        "%c0 = arith.constant 0 : index\n\
-         %c1 = arith.constant 1 : index\n\
-         %S = arith.index_cast %tokens : i64 to index\n\
-         %pos0 = arith.index_cast %pos0_i : i64 to index\n\
-         %ctx = arith.addi %pos0, %S : index\n",
-    );
-    let ids_ty = MemTy { dims: vec![None], elem: "i64" };
-    e.view_as("%x", "%x_p", "%S", MemTy::rows(h, "f32"));
-    e.view_as("%ids", "%ids_p", "%S", ids_ty.clone());
-    if let super::Boundary::Logits { vocab } = f.output {
-        e.view_as("%logits", "%logits_p", "%S", MemTy::rows(vocab, "f32"));
-        e.view_as("%out_ids", "%out_ids_p", "%S", ids_ty);
-    }
-    e.body.push_str(
-        "%pos = memref.alloc(%S) : memref<?xi64>\n\
-         scf.for %i = %c0 to %S step %c1 {\n\
-         \x20 %p = arith.addi %pos0, %i : index\n\
-         \x20 %pi = arith.index_cast %p : index to i64\n\
-         \x20 memref.store %pi, %pos[%i] : memref<?xi64>\n\
-         }\n",
-    );
-    for step in &f.steps {
-        let _ = writeln!(e.body, "// {}", step.to_string().trim());
-        match step {
-            Step::Alloc { id, width, elem } => {
-                let _ = writeln!(e.body, "%b{id} = memref.alloc(%S) : memref<?x{width}x{elem}>");
+    fn call(&mut self, kernel: &m3c_kernels::Kernel, args: &[Arg], seq: bool, tag: usize) {
+        let a: Vec<(String, String)> = args.iter().map(|x| self.arg(x, seq)).collect();
+        match self.flavor {
+            Flavor::Host => {
+                let (names, tys): (Vec<String>, Vec<String>) = a.into_iter().unzip();
+                let _ = writeln!(self.body, "func.call @{}({}) : ({}) -> ()", kernel.symbol(), names.join(", "), tys.join(", "));
             }
-            Step::Free { id, width, elem } => {
-                let _ = writeln!(e.body, "memref.dealloc %b{id} : memref<?x{width}x{elem}>");
-            }
-            Step::CopyToX { id, width } => {
-                let _ = writeln!(e.body, "memref.copy %b{id}, %x : memref<?x{width}xf32> to memref<?x{width}xf32>");
-            }
-            Step::Call { kernel, args, .. } => {
-                let (names, tys): (Vec<String>, Vec<String>) = args.iter().map(|a| e.arg(a)).unzip();
-                let _ = writeln!(e.body, "func.call @{}({}) : ({}) -> ()", kernel.symbol(), names.join(", "), tys.join(", "));
+            Flavor::Cuda => {
+                let call = kernel.gpu_call(&a, if seq { "%srows" } else { "%S" }, &tag.to_string());
+                self.body.push_str(&call.text);
+                self.device_views.extend(call.device_views);
+                self.views.extend(call.host_views);
+                for g in kernel.gpu_funcs() {
+                    if !self.funcs.iter().any(|(name, _)| *name == g.name) {
+                        self.funcs.push((g.name, g.text));
+                    }
+                }
             }
         }
     }
-    e.body.push_str("memref.dealloc %pos : memref<?xi64>\nreturn\n");
-    let entry = format!(
-        "  func.func @{ENTRY_SYMBOL}(%weights: !llvm.ptr, %caches: !llvm.ptr, %tokens: i64, %pos0_i: i64, \
-         %ids_p: !llvm.ptr, %x_p: !llvm.ptr, %logits_p: !llvm.ptr, %out_ids_p: !llvm.ptr) {{\n{}  }}\n",
-        indent(&e.body, 4)
-    );
-    let views: Vec<MemTy> = e.views.into_iter().collect();
-    m3c_kernels::module_with(&f.kernels, &views, &entry)
 }
 
-/// The module of a stage for NVIDIA GPUs: the kernels as `gpu.func`s in one
-/// `gpu.module`, and the entry, which launches them in order. Its C
-/// signature adds the device copy of the weight table (the routed experts
-/// read expert pointers on the device) and a device array of positions:
-///
-/// ```c
-/// void m3c_stage_step(void *const *weights, void *const *weights_dev, void *const *caches,
-///                     int64_t tokens, int64_t pos0, const int64_t *ids, float *x,
-///                     float *logits, int64_t *out_ids, const int64_t *pos);
-/// ```
-pub fn cuda_module(f: &FusedStage) -> String {
-    let mut e = Emitter { hidden: f.hidden, expert_table: "%weights_dev", body: String::new(), views: BTreeSet::new(), n: 0, cache_ptrs: BTreeSet::new() };
+/// The declarations of the runtime functions the entry calls.
+const RUNTIME_DECLS: &str = "  func.func private @m3c_buf_alloc(i64) -> !llvm.ptr\n\
+     \x20 func.func private @m3c_buf_free(!llvm.ptr)\n\
+     \x20 func.func private @m3c_buf_copy(!llvm.ptr, !llvm.ptr, i64)\n";
+
+fn entry_body(f: &FusedStage, flavor: Flavor) -> Emitter {
+    let mut e = Emitter {
+        hidden: f.hidden,
+        flavor,
+        body: String::new(),
+        views: BTreeSet::new(),
+        device_views: BTreeSet::new(),
+        funcs: Vec::new(),
+        n: 0,
+    };
     let h = f.hidden;
     e.body.push_str(
         "%c0 = arith.constant 0 : index\n\
          %c1 = arith.constant 1 : index\n\
          %S = arith.index_cast %tokens : i64 to index\n\
-         %pos0 = arith.index_cast %pos0_i : i64 to index\n\
-         %ctx = arith.addi %pos0, %S : index\n",
+         %nseq = arith.index_cast %sequences : i64 to index\n",
     );
     let ids_ty = MemTy { dims: vec![None], elem: "i64" };
     e.view_as("%x", "%x_p", "%S", MemTy::rows(h, "f32"));
@@ -190,61 +201,88 @@ pub fn cuda_module(f: &FusedStage) -> String {
         e.view_as("%logits", "%logits_p", "%S", MemTy::rows(vocab, "f32"));
         e.view_as("%out_ids", "%out_ids_p", "%S", ids_ty);
     }
-    let mut funcs: Vec<(String, String)> = Vec::new();
-    let mut device_views: BTreeSet<MemTy> = BTreeSet::new();
     for (n, step) in f.steps.iter().enumerate() {
         let _ = writeln!(e.body, "// {}", step.to_string().trim());
         match step {
             Step::Alloc { id, width, elem } => {
-                let (text, ty) = m3c_kernels::gpu::device_buffer(&format!("%b{id}"), "%S", *width, elem);
-                e.body.push_str(&text);
-                e.views.insert(ty);
+                let bytes = width * elem_bytes(elem);
+                let ty = MemTy::rows(*width, elem);
+                let _ = writeln!(
+                    e.body,
+                    "%b{id}_sz = arith.constant {bytes} : index\n\
+                     %b{id}_n = arith.muli %S, %b{id}_sz : index\n\
+                     %b{id}_nb64 = arith.index_cast %b{id}_n : index to i64\n\
+                     %b{id}_p = func.call @m3c_buf_alloc(%b{id}_nb64) : (i64) -> !llvm.ptr"
+                );
+                e.view_as(&format!("%b{id}"), &format!("%b{id}_p"), "%S", ty);
             }
             Step::Free { id, .. } => {
-                let _ = writeln!(e.body, "func.call @m3c_device_free(%b{id}_p) : (!llvm.ptr) -> ()");
+                let _ = writeln!(e.body, "func.call @m3c_buf_free(%b{id}_p) : (!llvm.ptr) -> ()");
             }
             Step::CopyToX { id, .. } => {
-                let _ = writeln!(e.body, "func.call @m3c_device_copy(%x_p, %b{id}_p, %b{id}_nb64) : (!llvm.ptr, !llvm.ptr, i64) -> ()");
+                let _ = writeln!(e.body, "func.call @m3c_buf_copy(%x_p, %b{id}_p, %b{id}_nb64) : (!llvm.ptr, !llvm.ptr, i64) -> ()");
             }
-            Step::Call { kernel, args, .. } => {
-                let a: Vec<(String, String)> = args.iter().map(|a| e.arg(a)).collect();
-                let call = kernel.gpu_call(&a, "%S", &n.to_string());
-                e.body.push_str(&call.text);
-                device_views.extend(call.device_views);
-                e.views.extend(call.host_views);
-                for g in kernel.gpu_funcs() {
-                    if !funcs.iter().any(|(name, _)| *name == g.name) {
-                        funcs.push((g.name, g.text));
-                    }
-                }
+            Step::Call { kernel, args, per_sequence: false, .. } => e.call(kernel, args, false, n),
+            Step::Call { kernel, args, per_sequence: true, .. } => {
+                let _ = writeln!(
+                    e.body,
+                    "%seq_end{n} = scf.for %sq = %c0 to %nseq step %c1 iter_args(%roff = %c0) -> (index) {{\n\
+                     \x20 %sqi = arith.index_cast %sq : index to i64\n\
+                     \x20 %srp = llvm.getelementptr %rows_p[%sqi] : (!llvm.ptr, i64) -> !llvm.ptr, i64\n\
+                     \x20 %srows_i = llvm.load %srp : !llvm.ptr -> i64\n\
+                     \x20 %srows = arith.index_cast %srows_i : i64 to index\n\
+                     \x20 %spp = llvm.getelementptr %pos0_p[%sqi] : (!llvm.ptr, i64) -> !llvm.ptr, i64\n\
+                     \x20 %spos0_i = llvm.load %spp : !llvm.ptr -> i64\n\
+                     \x20 %spos0 = arith.index_cast %spos0_i : i64 to index\n\
+                     \x20 %ctp = llvm.getelementptr %caches[%sqi] : (!llvm.ptr, i64) -> !llvm.ptr, !llvm.ptr\n\
+                     \x20 %ctab = llvm.load %ctp : !llvm.ptr -> !llvm.ptr"
+                );
+                let outer = std::mem::take(&mut e.body);
+                e.call(kernel, args, true, n);
+                let inner = std::mem::replace(&mut e.body, outer);
+                e.body.push_str(&indent(&inner, 2));
+                let _ = writeln!(e.body, "  %roff2 = arith.addi %roff, %srows : index\n  scf.yield %roff2 : index\n}}");
             }
         }
     }
     e.body.push_str("return\n");
-    let entry = format!(
-        "  func.func @{ENTRY_SYMBOL}(%weights: !llvm.ptr, %weights_dev: !llvm.ptr, %caches: !llvm.ptr, %tokens: i64, %pos0_i: i64, \
-         %ids_p: !llvm.ptr, %x_p: !llvm.ptr, %logits_p: !llvm.ptr, %out_ids_p: !llvm.ptr, %pos_p: !llvm.ptr) {{\n{}  }}\n",
-        indent(&e.body, 4)
-    );
+    e
+}
+
+fn entry_func(body: &str) -> String {
+    format!(
+        "  func.func @{ENTRY_SYMBOL}(%weights: !llvm.ptr, %weights_dev: !llvm.ptr, %caches: !llvm.ptr, %sequences: i64, \
+         %rows_p: !llvm.ptr, %pos0_p: !llvm.ptr, %tokens: i64, %ids_p: !llvm.ptr, %x_p: !llvm.ptr, %logits_p: !llvm.ptr, \
+         %out_ids_p: !llvm.ptr, %pos_p: !llvm.ptr) {{\n{}  }}\n",
+        indent(body, 4)
+    )
+}
+
+/// The whole module of a stage for the host: kernels, view helpers and the entry.
+pub fn module(f: &FusedStage) -> String {
+    let e = entry_body(f, Flavor::Host);
+    let views: Vec<MemTy> = e.views.iter().cloned().collect();
+    m3c_kernels::module_with(&f.kernels, &views, &format!("{RUNTIME_DECLS}{}", entry_func(&e.body)))
+}
+
+/// The module of a stage for NVIDIA GPUs: the kernels as `gpu.func`s in one
+/// `gpu.module`, and the same entry, launching them.
+pub fn cuda_module(f: &FusedStage) -> String {
+    let e = entry_body(f, Flavor::Cuda);
     let mut out = String::from("module attributes {gpu.container_module} {\n");
-    // Device memory and copies come from the runtime (runtime/src/cuda.rs).
-    out.push_str(
-        "  func.func private @m3c_device_alloc(i64) -> !llvm.ptr\n\
-         \x20 func.func private @m3c_device_free(!llvm.ptr)\n\
-         \x20 func.func private @m3c_device_copy(!llvm.ptr, !llvm.ptr, i64)\n",
-    );
+    out.push_str(RUNTIME_DECLS);
     for v in &e.views {
         out.push_str(&v.view_fn_text());
     }
     out.push_str(&format!("  gpu.module @{} {{\n", m3c_kernels::gpu::GPU_MODULE));
-    for v in &device_views {
+    for v in &e.device_views {
         out.push_str(&indent(&v.view_fn_text(), 2));
     }
-    for (_, text) in &funcs {
+    for (_, text) in &e.funcs {
         out.push_str(text);
     }
     out.push_str("  }\n");
-    out.push_str(&entry);
+    out.push_str(&entry_func(&e.body));
     out.push_str("}\n");
     out
 }

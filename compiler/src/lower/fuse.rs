@@ -1,7 +1,8 @@
 //! Fusion: the stage's graph nodes become kernel calls. The patterns:
-//! - per-head RMSNorm → RoPE (→ cache append): one `HeadNormRope` call that
-//!   writes straight into the cache rows of this step;
-//! - a linear whose only consumer is a cache append (V) writes into the cache;
+//! - per-head RMSNorm → RoPE: one `HeadNormRope` call;
+//! - a cache append becomes a per-sequence row copy after the producer (the
+//!   producer runs once over all rows of the micro-batch, each sequence's
+//!   rows then go to its own cache);
 //! - index scores → block max → top-k blocks → attention: one attention call
 //!   with the MSA selection inside;
 //! - a residual add whose first operand dies there runs in place;
@@ -86,7 +87,9 @@ pub enum Step {
     Alloc { id: usize, width: usize, elem: &'static str },
     /// Buffers of a finished part are freed.
     Free { id: usize, width: usize, elem: &'static str },
-    Call { kernel: Kernel, args: Vec<Arg>, what: String },
+    /// A kernel call over all rows of the step, or (`per_sequence`) once per
+    /// sequence of the micro-batch, over that sequence's rows, positions and caches.
+    Call { kernel: Kernel, args: Vec<Arg>, what: String, per_sequence: bool },
     /// The stage's result was not computed in place: copy it to `x`.
     CopyToX { id: usize, width: usize },
 }
@@ -96,9 +99,10 @@ impl fmt::Display for Step {
         match self {
             Step::Alloc { id, width, elem } => write!(f, "  b{id} = alloc [S, {width}] {elem}"),
             Step::Free { id, .. } => write!(f, "  free b{id}"),
-            Step::Call { kernel, args, what } => {
+            Step::Call { kernel, args, what, per_sequence } => {
                 let a: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-                write!(f, "  {}({})  # {what}", kernel.symbol(), a.join(", "))
+                let each = if *per_sequence { "each sequence: " } else { "" };
+                write!(f, "  {each}{}({})  # {what}", kernel.symbol(), a.join(", "))
             }
             Step::CopyToX { id, .. } => write!(f, "  x = copy b{id}"),
         }
@@ -205,7 +209,9 @@ impl Fuser<'_> {
         if !self.kernels.contains(&kernel) {
             self.kernels.push(kernel.clone());
         }
-        self.steps.push(Step::Call { kernel, args, what });
+        // Attention and cache writes run per sequence; everything else over all rows.
+        let per_sequence = args.iter().any(|a| matches!(a, Arg::Cache { .. } | Arg::CacheRows { .. } | Arg::Pos0));
+        self.steps.push(Step::Call { kernel, args, what, per_sequence });
     }
 
     fn cache_slot(&mut self, layer: usize, kind: CacheKind, width: usize) -> usize {
@@ -215,18 +221,27 @@ impl Fuser<'_> {
         })
     }
 
-    /// Where node `n` (of `width` columns) writes: this step's cache rows when
-    /// its one consumer is a cache append, else a fresh buffer.
-    fn output_for(&mut self, n: NodeIndex, width: usize) -> Arg {
+    /// A fresh buffer for node `n` (of `width` columns), and the cache slot
+    /// its rows go to when its one consumer is a cache append.
+    fn output_for(&mut self, n: NodeIndex, width: usize) -> (Arg, Option<usize>) {
         let cons = self.consumers(n);
+        let buf = self.alloc(width, "f32");
         if let [c] = cons.as_slice() {
             if let Op::CacheAppend { kind, layer, .. } = *self.node(*c) {
                 let slot = self.cache_slot(layer, kind, width);
                 self.vals.insert(*c, Arg::Cache { slot, width });
-                return Arg::CacheRows { slot, width };
+                return (buf, Some(slot));
             }
         }
-        self.alloc(width, "f32")
+        (buf, None)
+    }
+
+    /// After a producer of cached rows: each sequence's rows into its cache.
+    /// (The producer itself runs once over every row of the micro-batch.)
+    fn write_cache(&mut self, buf: &Arg, slot: Option<usize>, width: usize, what: &str) {
+        if let Some(slot) = slot {
+            self.call(Kernel::CopyRows { width }, vec![buf.clone(), Arg::CacheRows { slot, width }], format!("{what} → cache"));
+        }
     }
 
 
@@ -258,8 +273,8 @@ impl Fuser<'_> {
             }
             Op::Linear { weight, out, inp, mxfp8_block } => {
                 let x = self.val(ops[0])?;
-                let y = if self.consumers(n).iter().any(|&c| matches!(self.node(c), Op::Argmax)) {
-                    Arg::Logits { vocab: out }
+                let (y, cache) = if self.consumers(n).iter().any(|&c| matches!(self.node(c), Op::Argmax)) {
+                    (Arg::Logits { vocab: out }, None)
                 } else {
                     self.output_for(n, out)
                 };
@@ -275,7 +290,8 @@ impl Fuser<'_> {
                     }
                 };
                 args.push(y.clone());
-                self.call(k, args, what);
+                self.call(k, args, what.clone());
+                self.write_cache(&y, cache, out, &what);
                 self.vals.insert(n, y);
             }
             Op::Rope { heads, head_dim, rotary_dim, theta } => {
@@ -285,9 +301,10 @@ impl Fuser<'_> {
                 };
                 let x = self.val(g.operands(norm)[0])?;
                 let (w, wt) = self.float_weight(&weight)?;
-                let y = self.output_for(n, heads * head_dim);
+                let (y, cache) = self.output_for(n, heads * head_dim);
                 let k = Kernel::HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight: wt };
-                self.call(k, vec![x, w, Arg::Pos, y.clone()], what);
+                self.call(k, vec![x, w, Arg::Pos, y.clone()], what.clone());
+                self.write_cache(&y, cache, heads * head_dim, &what);
                 self.vals.insert(n, y);
             }
             Op::Attention { heads, kv_heads, head_dim, scale, sparse_block } => {
