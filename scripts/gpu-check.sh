@@ -14,8 +14,9 @@
 #      so the tokens must be exact and logits within 1e-3;
 #   2. one decode step of a real-size M3 layer (dense: full attention + dense
 #      MLP; MoE: MSA + 128 experts top-4 + shared), bf16 and MXFP8, with
-#      synthetic weights of the real shapes, at batch 1, next to the HBM floor
-#      (bytes the layer reads per step / 4.8 TB/s). The layer runs alone in
+#      synthetic weights of the real shapes, at batch 1 and 16 (16 sequences
+#      in one micro-batch), next to the HBM floor (bytes the layer reads per
+#      step at that batch, from m3c's cost model, / 4.8 TB/s). The layer runs alone in
 #      the middle stage of a 3-stage pipeline (embedding | layer | head), and
 #      that stage reports its own compute time per step.
 # It prints one table last.
@@ -107,9 +108,11 @@ json.dump(c, open(out, "w"), indent=1)
 PY
       plan3 > "$b/plans/layer.yaml"
       $M3C compile --model "$d" --pp 3 "$b/plans/layer.yaml" -o "$b/out/$kind-$q" >/dev/null
-      # Bytes the layer stage reads per decode step at batch 1 (the cost model's figure).
-      gb=$($M3C plan --check "$b/plans/layer.yaml" --model "$d" --batch 1 --context 4096 | awk '$1 == "1" {print $(NF-1)}')
-      echo "$kind-$q $gb" >> "$b/floors.txt"
+      # Bytes the layer stage reads per decode step (the cost model's figure).
+      for batch in 1 16; do
+        gb=$($M3C plan --check "$b/plans/layer.yaml" --model "$d" --batch $batch --context 4096 | awk '$1 == "1" {print $(NF-1)}')
+        echo "$kind-$q-$batch $gb" >> "$b/floors.txt"
+      done
     done
   done
   strip "$b"/out/*/stage-*
@@ -161,20 +164,24 @@ print(','.join(str(x) for x in struct.unpack('<%dq' % (len(d)//8), d)))")
 
   for q in bf16 mxfp8; do
     for kind in dense moe; do
-      log="$logs/$kind-$q.log"
-      gb=$(awk -v k="$kind-$q" '$1 == k {print $2}' "$b/floors.txt")
-      if timeout 150 "$b/out/$kind-$q/run.sh" --synthetic-weights 1 --prompt-ids "$(seq -s, 1 16)" --max-new-tokens 32 >"$log" 2>&1; then
-        ms=$(grep 'm3c stage 1/3: done' "$log" | sed -E 's/.*decode [0-9]+ step\(s\), mean ([0-9.]+) ms.*/\1/')
-        floor=$(awk -v g="$gb" 'BEGIN {printf "%.3f", g / 4.8}')
-        frac=$(awk -v f="$floor" -v m="$ms" 'BEGIN {printf "%.0f%%", 100 * f / m}')
-        rows+=("$(printf '%-28s %-6s %-5s decode step %s ms at batch 1; HBM floor %s ms (%s GB); %s of the floor' "$kind layer, $q" "real" "ran" "$ms" "$floor" "$gb" "$frac")")
-      else
-        rows+=("$(printf '%-28s %-6s %-5s %s' "$kind layer, $q" "real" "FAIL" "$(why "$log")")")
-      fi
+      for batch in 1 16; do
+        log="$logs/$kind-$q-b$batch.log"
+        gb=$(awk -v k="$kind-$q-$batch" '$1 == k {print $2}' "$b/floors.txt")
+        prompts=()
+        for i in $(seq 1 $batch); do prompts+=(--prompt-ids "$(seq -s, $i $((i + 15)))"); done
+        if timeout 150 "$b/out/$kind-$q/run.sh" --synthetic-weights 1 "${prompts[@]}" --micro-batch $batch --max-new-tokens 16 >"$log" 2>&1; then
+          ms=$(grep 'm3c stage 1/3: done' "$log" | sed -E 's/.*decode [0-9]+ step\(s\), mean ([0-9.]+) ms.*/\1/')
+          floor=$(awk -v g="$gb" 'BEGIN {printf "%.3f", g / 4.8}')
+          frac=$(awk -v f="$floor" -v m="$ms" 'BEGIN {printf "%.0f%%", 100 * f / m}')
+          rows+=("$(printf '%-28s %-8s %-5s decode step %s ms; HBM floor %s ms (%s GB); %s of the floor' "$kind layer, $q" "batch $batch" "ran" "$ms" "$floor" "$gb" "$frac")")
+        else
+          rows+=("$(printf '%-28s %-8s %-5s %s' "$kind layer, $q" "batch $batch" "FAIL" "$(why "$log")")")
+        fi
+      done
     done
   done
   echo
-  echo "m3c GPU check on $gpu (batch 16: not measured, a step holds one sequence so far)"
+  echo "m3c GPU check on $gpu"
   printf '%s\n' "${rows[@]}"
 }
 
