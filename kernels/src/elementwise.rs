@@ -1,44 +1,63 @@
 use crate::emit::{f32_lit, indent};
 
-/// SwiGLU-OAI: `g' = min(g, limit)`, `u' = clamp(u, −limit, limit)`,
-/// `y = g' · σ(alpha · g') · (u' + beta)`. `g`, `u`, `y`: `[S, width]`.
-pub fn swiglu_oai(name: &str, width: usize, alpha: f64, limit: f64, beta: f64) -> String {
+/// A kernel over rows of `width` f32 columns: `args` are its memref
+/// arguments (all `[S, width]` f32, the first gives S), `consts` statements
+/// before the loops, `element` the body for row `%r`, column `%i`.
+fn rowwise(name: &str, width: usize, args: &[&str], consts: &str, element: &str) -> String {
     let t = format!("memref<?x{width}xf32>");
+    let params: Vec<String> = args.iter().map(|a| format!("%{a}: {t}")).collect();
     let body = format!(
         "%c0 = arith.constant 0 : index\n\
          %c1 = arith.constant 1 : index\n\
          %cw = arith.constant {width} : index\n\
-         %one = arith.constant 1.0 : f32\n\
-         %alpha = arith.constant {alpha} : f32\n\
-         %lim = arith.constant {limit} : f32\n\
-         %nlim = arith.constant {nlimit} : f32\n\
-         %beta = arith.constant {beta} : f32\n\
-         %rows = memref.dim %g, %c0 : {t}\n\
+         {consts}\
+         %rows = memref.dim %{first}, %c0 : {t}\n\
          scf.for %r = %c0 to %rows step %c1 {{\n\
          \x20 scf.for %i = %c0 to %cw step %c1 {{\n\
-         \x20   %gv = memref.load %g[%r, %i] : {t}\n\
-         \x20   %uv = memref.load %u[%r, %i] : {t}\n\
-         \x20   %gc = arith.minimumf %gv, %lim : f32\n\
-         \x20   %u1 = arith.minimumf %uv, %lim : f32\n\
-         \x20   %uc = arith.maximumf %u1, %nlim : f32\n\
-         \x20   %ag = arith.mulf %alpha, %gc : f32\n\
-         \x20   %nag = arith.negf %ag : f32\n\
-         \x20   %e = math.exp %nag : f32\n\
-         \x20   %den = arith.addf %one, %e : f32\n\
-         \x20   %sig = arith.divf %one, %den : f32\n\
-         \x20   %glu = arith.mulf %gc, %sig : f32\n\
-         \x20   %up = arith.addf %uc, %beta : f32\n\
-         \x20   %o = arith.mulf %glu, %up : f32\n\
-         \x20   memref.store %o, %y[%r, %i] : {t}\n\
+         {element}\
          \x20 }}\n\
          }}\n\
          return\n",
-        alpha = f32_lit(alpha),
-        limit = f32_lit(limit),
-        nlimit = f32_lit(-limit),
-        beta = f32_lit(beta),
+        first = args[0],
+        element = indent(&element.replace("{t}", &t), 4),
     );
-    format!("  func.func @{name}(%g: {t}, %u: {t}, %y: {t}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n", indent(&body, 4))
+    format!("  func.func @{name}({}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n", params.join(", "), indent(&body, 4))
+}
+
+/// SwiGLU-OAI: `g' = min(g, limit)`, `u' = clamp(u, −limit, limit)`,
+/// `y = g' · σ(alpha · g') · (u' + beta)`. `g`, `u`, `y`: `[S, width]`.
+pub fn swiglu_oai(name: &str, width: usize, alpha: f64, limit: f64, beta: f64) -> String {
+    let consts = format!(
+        "%one = arith.constant 1.0 : f32\n\
+         %alpha = arith.constant {} : f32\n\
+         %lim = arith.constant {} : f32\n\
+         %nlim = arith.constant {} : f32\n\
+         %beta = arith.constant {} : f32\n",
+        f32_lit(alpha),
+        f32_lit(limit),
+        f32_lit(-limit),
+        f32_lit(beta)
+    );
+    rowwise(
+        name,
+        width,
+        &["g", "u", "y"],
+        &consts,
+        "%gv = memref.load %g[%r, %i] : {t}\n\
+         %uv = memref.load %u[%r, %i] : {t}\n\
+         %gc = arith.minimumf %gv, %lim : f32\n\
+         %u1 = arith.minimumf %uv, %lim : f32\n\
+         %uc = arith.maximumf %u1, %nlim : f32\n\
+         %ag = arith.mulf %alpha, %gc : f32\n\
+         %nag = arith.negf %ag : f32\n\
+         %e = math.exp %nag : f32\n\
+         %den = arith.addf %one, %e : f32\n\
+         %sig = arith.divf %one, %den : f32\n\
+         %glu = arith.mulf %gc, %sig : f32\n\
+         %up = arith.addf %uc, %beta : f32\n\
+         %o = arith.mulf %glu, %up : f32\n\
+         memref.store %o, %y[%r, %i] : {t}\n",
+    )
 }
 
 /// Greedy sampling: the index of each row's largest value (the first on ties).
@@ -69,23 +88,16 @@ pub fn argmax(name: &str, width: usize) -> String {
 
 /// `y = a + b` over rows of `width` (`y` may be `a`: the residual add in place).
 pub fn add(name: &str, width: usize) -> String {
-    let t = format!("memref<?x{width}xf32>");
-    let body = format!(
-        "%c0 = arith.constant 0 : index\n\
-         %c1 = arith.constant 1 : index\n\
-         %cw = arith.constant {width} : index\n\
-         %rows = memref.dim %a, %c0 : {t}\n\
-         scf.for %r = %c0 to %rows step %c1 {{\n\
-         \x20 scf.for %i = %c0 to %cw step %c1 {{\n\
-         \x20   %x = memref.load %a[%r, %i] : {t}\n\
-         \x20   %z = memref.load %b[%r, %i] : {t}\n\
-         \x20   %s = arith.addf %x, %z : f32\n\
-         \x20   memref.store %s, %y[%r, %i] : {t}\n\
-         \x20 }}\n\
-         }}\n\
-         return\n"
-    );
-    format!("  func.func @{name}(%a: {t}, %b: {t}, %y: {t}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n", indent(&body, 4))
+    rowwise(
+        name,
+        width,
+        &["a", "b", "y"],
+        "",
+        "%x = memref.load %a[%r, %i] : {t}\n\
+         %z = memref.load %b[%r, %i] : {t}\n\
+         %s = arith.addf %x, %z : f32\n\
+         memref.store %s, %y[%r, %i] : {t}\n",
+    )
 }
 
 /// Row gather: `y[r] = f32(W[ids[r]])`. Ids are checked against the vocabulary
@@ -117,19 +129,5 @@ pub fn embedding(name: &str, vocab: usize, width: usize, weight: crate::WeightTy
 
 /// `y = x` over rows of `width` (a step's keys and values into a cache).
 pub fn copy_rows(name: &str, width: usize) -> String {
-    let t = format!("memref<?x{width}xf32>");
-    let body = format!(
-        "%c0 = arith.constant 0 : index\n\
-         %c1 = arith.constant 1 : index\n\
-         %cw = arith.constant {width} : index\n\
-         %rows = memref.dim %x, %c0 : {t}\n\
-         scf.for %r = %c0 to %rows step %c1 {{\n\
-         \x20 scf.for %i = %c0 to %cw step %c1 {{\n\
-         \x20   %v = memref.load %x[%r, %i] : {t}\n\
-         \x20   memref.store %v, %y[%r, %i] : {t}\n\
-         \x20 }}\n\
-         }}\n\
-         return\n"
-    );
-    format!("  func.func @{name}(%x: {t}, %y: {t}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n", indent(&body, 4))
+    rowwise(name, width, &["x", "y"], "", "%v = memref.load %x[%r, %i] : {t}\nmemref.store %v, %y[%r, %i] : {t}\n")
 }

@@ -5,12 +5,10 @@
 //! runtime ABI.
 
 use super::BackendError;
-use melior::dialect::DialectRegistry;
 use melior::ir::operation::OperationLike;
 use melior::ir::Module;
 use melior::pass::PassManager;
-use melior::utility::{parse_pass_pipeline, register_all_dialects, register_all_llvm_translations, register_all_passes};
-use melior::Context;
+use melior::utility::{parse_pass_pipeline, register_all_passes};
 use std::path::{Path, PathBuf};
 
 /// What the CUDA back end makes of one stage.
@@ -49,16 +47,6 @@ pub fn ptxas(root: &Path) -> Option<PathBuf> {
     p.is_file().then_some(p)
 }
 
-fn context() -> Context {
-    let registry = DialectRegistry::new();
-    register_all_dialects(&registry);
-    let context = Context::new();
-    context.append_dialect_registry(&registry);
-    context.load_all_available_dialects();
-    register_all_llvm_translations(&context);
-    context
-}
-
 /// Lowers one stage's GPU module for `arch` (e.g. `sm_90a`).
 pub fn compile(mlir: &str, arch: &str) -> Result<CudaArtifacts, BackendError> {
     let root = cuda_root()?;
@@ -66,7 +54,7 @@ pub fn compile(mlir: &str, arch: &str) -> Result<CudaArtifacts, BackendError> {
     std::env::set_var("CUDA_ROOT", &root);
     static INIT: std::sync::Once = std::sync::Once::new();
     INIT.call_once(register_all_passes);
-    let context = context();
+    let context = super::host::context();
     let mut module = Module::parse(&context, mlir).ok_or_else(|| BackendError::Parse { head: mlir.lines().take(12).collect::<Vec<_>>().join("\n") })?;
     let pipeline = pipeline(arch);
     let pm = PassManager::new(&context);

@@ -33,7 +33,8 @@ pub struct HostArtifacts {
     pub object: Vec<u8>,
 }
 
-fn context() -> Context {
+/// An MLIR context with every dialect and LLVM translation registered.
+pub(crate) fn context() -> Context {
     let registry = DialectRegistry::new();
     register_all_dialects(&registry);
     let context = Context::new();
