@@ -129,6 +129,9 @@ struct RunArgs {
     /// Sequences per micro-batch (default: the prompts shared evenly over the stages).
     #[arg(long, value_name = "SEQS")]
     micro_batch: Option<usize>,
+    /// Prefill long prompts in chunks of this many tokens, so they pipeline through the stages.
+    #[arg(long, value_name = "TOKENS")]
+    prefill_chunk: Option<usize>,
     /// Compare the first prompt's logits and ids with a golden file (the fixtures' tensor names); fail if they differ.
     #[arg(long, value_name = "GOLDEN.safetensors")]
     expect: Option<PathBuf>,
@@ -341,6 +344,10 @@ fn run_cmd(args: RunArgs) -> Result<()> {
     if let Some(d) = &args.dump {
         pass.push("--dump".into());
         pass.push(d.display().to_string());
+    }
+    if let Some(n) = args.prefill_chunk {
+        pass.push("--prefill-chunk".into());
+        pass.push(n.to_string());
     }
     if let Some(n) = args.micro_batch {
         pass.push("--micro-batch".into());

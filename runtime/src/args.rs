@@ -18,10 +18,12 @@ pub struct RunArgs {
     pub timeout_s: f64,
     /// Sequences per micro-batch (default: the prompts shared over the stages).
     pub micro_batch: Option<usize>,
+    /// Prefill prompts in chunks of this many tokens.
+    pub prefill_chunk: Option<usize>,
 }
 
 pub const USAGE: &str = "usage: stage-K (--model DIR | --synthetic-weights SEED) (--prompt-ids 1,2,3 [--prompt-ids ...] | --prompts FILE) \
---max-new-tokens N [--micro-batch SEQS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S]";
+--max-new-tokens N [--micro-batch SEQS] [--prefill-chunk TOKENS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S]";
 
 pub fn parse_ids(text: &str, what: &str) -> Result<Vec<i64>, String> {
     let ids: Result<Vec<i64>, String> = text
@@ -46,6 +48,7 @@ pub fn parse(args: &[String]) -> Result<RunArgs, String> {
     let mut synthetic_seed = None;
     let mut timeout_s = 300.0;
     let mut micro_batch = None;
+    let mut prefill_chunk = None;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = |name: &str| it.next().cloned().ok_or_else(|| format!("{name} needs a value; {USAGE}"));
@@ -59,6 +62,10 @@ pub fn parse(args: &[String]) -> Result<RunArgs, String> {
             }
             "--dump" => dump = Some(PathBuf::from(value("--dump")?)),
             "--expect" => expect = Some(PathBuf::from(value("--expect")?)),
+            "--prefill-chunk" => {
+                let v = value("--prefill-chunk")?;
+                prefill_chunk = Some(v.parse::<usize>().ok().filter(|n| *n > 0).ok_or_else(|| format!("--prefill-chunk: `{v}` is not a positive count"))?);
+            }
             "--micro-batch" => {
                 let v = value("--micro-batch")?;
                 micro_batch = Some(v.parse::<usize>().ok().filter(|n| *n > 0).ok_or_else(|| format!("--micro-batch: `{v}` is not a positive count"))?);
@@ -107,5 +114,6 @@ pub fn parse(args: &[String]) -> Result<RunArgs, String> {
         dump,
         timeout_s,
         micro_batch,
+        prefill_chunk,
     })
 }

@@ -291,13 +291,16 @@ fn bytes_f32(b: &[u8]) -> Vec<f32> {
 fn record(records: &mut [dump::SeqRecord], s: &stage::Segment, logits: &[f32], ids: &[i64], row0: usize, vocab: usize, max_new: usize) -> i64 {
     let r = &mut records[s.seq];
     let rows = &logits[row0 * vocab..(row0 + s.rows) * vocab];
-    if s.pos0 == 0 {
-        r.prefill_logits = rows.to_vec();
+    let plen = r.prompt.len();
+    if s.pos0 < plen {
+        // A prefill chunk (chunks of a sequence arrive in order).
+        r.prefill_logits.extend_from_slice(rows);
     } else {
         r.decode_logits.extend_from_slice(&rows[(s.rows - 1) * vocab..]);
     }
     let id = ids[row0 + s.rows - 1];
-    if r.generated.len() < max_new {
+    // Only the prompt's last row and decode rows give tokens.
+    if s.pos0 + s.rows >= plen && r.generated.len() < max_new {
         r.generated.push(id);
     }
     id
@@ -334,15 +337,26 @@ fn pipeline(world: &SimpleCommunicator, st: &mut stage::Stage, args: &args::RunA
 
     if first {
         // Ready work: (seq, pos0, token ids). Every prompt's prefill comes first.
-        let mut queue: VecDeque<(usize, usize, Vec<i64>)> =
-            args.prompts.iter().enumerate().map(|(s, p)| (s, 0, p.clone())).collect();
+        // Prompts longer than --prefill-chunk go in chunks, so a long prefill
+        // moves through the stages piece by piece instead of holding each
+        // stage in turn.
+        let chunk = args.prefill_chunk.unwrap_or(usize::MAX).max(1);
+        let mut queue: VecDeque<(usize, usize, Vec<i64>)> = args
+            .prompts
+            .iter()
+            .enumerate()
+            .flat_map(|(s, p)| p.chunks(chunk).enumerate().map(move |(k, c)| (s, k * chunk, c.to_vec())))
+            .collect();
         let mut generated: Vec<Vec<i64>> = vec![Vec::new(); args.prompts.len()];
         let mut open = args.prompts.len();
         let start = Instant::now();
         let mut prefill_done = vec![None; args.prompts.len()];
-        let mut on_id = |seq: usize, pos0: usize, id: i64, queue: &mut VecDeque<(usize, usize, Vec<i64>)>, open: &mut usize| {
+        let mut on_id = |seq: usize, pos0: usize, rows: usize, id: i64, queue: &mut VecDeque<(usize, usize, Vec<i64>)>, open: &mut usize| {
             let plen = args.prompts[seq].len();
-            let pass = if pos0 == 0 { 0 } else { pos0 + 1 - plen };
+            if pos0 + rows < plen {
+                return; // a prefill chunk before the prompt's last: no token yet
+            }
+            let pass = if pos0 < plen { 0 } else { pos0 + 1 - plen };
             if pass == 0 {
                 prefill_done[seq] = Some(start.elapsed());
             }
@@ -364,7 +378,7 @@ fn pipeline(world: &SimpleCommunicator, st: &mut stage::Stage, args: &args::RunA
                 if last {
                     let got = finish(&mut records, &segs, &out, vocab, n_new);
                     for (s, id) in segs.iter().zip(got) {
-                        on_id(s.seq, s.pos0, id, &mut queue, &mut open);
+                        on_id(s.seq, s.pos0, s.rows, id, &mut queue, &mut open);
                     }
                 } else {
                     world.process_at_rank(1).send_with_tag(&message(KIND_STEP, &segs, &f32_bytes(&x))[..], TAG_ACT);
@@ -373,7 +387,7 @@ fn pipeline(world: &SimpleCommunicator, st: &mut stage::Stage, args: &args::RunA
                 let m = recv(world, size - 1, TAG_IDS, timeout)?;
                 for (i, s) in m.segments.iter().enumerate() {
                     let id = m.payload.get(i * 8..i * 8 + 8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).ok_or("malformed id message")?;
-                    on_id(s.seq, s.pos0, id, &mut queue, &mut open);
+                    on_id(s.seq, s.pos0, s.rows, id, &mut queue, &mut open);
                 }
             }
         }

@@ -217,3 +217,22 @@ fn kernel_thread_count_does_not_change_results() {
     }
     assert!(dumps[0] == dumps[1], "1 and 3 kernel threads give different results");
 }
+
+/// A prompt prefilled in chunks (each chunk a step that moves through the
+/// stages on its own; several chunks of one prompt may share a micro-batch)
+/// gives the bytes of a prefill in one piece.
+#[test]
+fn chunked_prefill_equals_one_piece() {
+    let model = fixture("tiny-m3");
+    let prompt = golden_prompt();
+    let dir = tempfile::tempdir().unwrap();
+    let out = compile(&model, 2, dir.path(), &[]);
+    let whole = dir.path().join("whole.safetensors");
+    run_dump(&out, &model, &[&prompt], 4, &whole, &[]);
+    let want = std::fs::read(&whole).unwrap();
+    for (tag, extra) in [("c7", &["--prefill-chunk", "7"][..]), ("c5m4", &["--prefill-chunk", "5", "--micro-batch", "4"][..])] {
+        let f = dir.path().join(format!("{tag}.safetensors"));
+        run_dump(&out, &model, &[&prompt], 4, &f, extra);
+        assert!(std::fs::read(&f).unwrap() == want, "{tag}: chunked prefill differs");
+    }
+}
