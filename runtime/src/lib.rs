@@ -278,6 +278,59 @@ fn recv(world: &SimpleCommunicator, from: usize, tag: i32, timeout: Duration) ->
     }
 }
 
+/// Sends in flight. A stage hands a message to MPI and goes on computing;
+/// the buffer lives until MPI reports the send complete (a blocking send
+/// would wait for the next stage to finish its own step first).
+#[derive(Default)]
+struct Outbox {
+    pending: Vec<(mpi::request::Request<'static, [u8], mpi::request::StaticScope>, *mut [u8])>,
+}
+
+impl Outbox {
+    fn send(&mut self, world: &SimpleCommunicator, to: usize, tag: i32, data: Vec<u8>) {
+        self.poll();
+        let buf: &'static mut [u8] = Box::leak(data.into_boxed_slice());
+        let ptr: *mut [u8] = buf;
+        // SAFETY: the leaked buffer stays alive until the request completes
+        // (`poll`/`drain` free it only then) and is never written meanwhile.
+        let req = world.process_at_rank(to as i32).immediate_send_with_tag(mpi::request::StaticScope, unsafe { &*ptr }, tag);
+        self.pending.push((req, ptr));
+    }
+
+    /// Frees the buffers of completed sends.
+    fn poll(&mut self) {
+        let mut still = Vec::with_capacity(self.pending.len());
+        for (req, ptr) in self.pending.drain(..) {
+            match req.test() {
+                // SAFETY: the send is complete; the buffer came from Box::leak.
+                Ok(_) => drop(unsafe { Box::from_raw(ptr) }),
+                Err(req) => still.push((req, ptr)),
+            }
+        }
+        self.pending = still;
+    }
+
+    /// Waits for every send (before the stage finishes).
+    /// (On an error path the job is aborted instead; see `Drop`.)
+    fn drain(&mut self) {
+        for (req, ptr) in self.pending.drain(..) {
+            req.wait();
+            // SAFETY: as in `poll`.
+            drop(unsafe { Box::from_raw(ptr) });
+        }
+    }
+}
+
+impl Drop for Outbox {
+    /// Only reached with sends pending when a step failed and the job is about
+    /// to be aborted: forget them rather than panic in rsmpi's request drop.
+    fn drop(&mut self) {
+        for (req, _) in self.pending.drain(..) {
+            std::mem::forget(req);
+        }
+    }
+}
+
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
@@ -334,6 +387,7 @@ fn pipeline(world: &SimpleCommunicator, st: &mut stage::Stage, args: &args::RunA
     // Sequences per micro-batch: enough micro-batches to keep every stage busy
     // (one per stage), as few as that allows (weights are read once per step).
     let per_batch = args.micro_batch.unwrap_or_else(|| args.prompts.len().div_ceil(size)).max(1);
+    let mut outbox = Outbox::default();
 
     if first {
         // Ready work: (seq, pos0, token ids). Every prompt's prefill comes first.
@@ -381,9 +435,10 @@ fn pipeline(world: &SimpleCommunicator, st: &mut stage::Stage, args: &args::RunA
                         on_id(s.seq, s.pos0, s.rows, id, &mut queue, &mut open);
                     }
                 } else {
-                    world.process_at_rank(1).send_with_tag(&message(KIND_STEP, &segs, &f32_bytes(&x))[..], TAG_ACT);
+                    outbox.send(world, 1, TAG_ACT, message(KIND_STEP, &segs, &f32_bytes(&x)));
                 }
             } else {
+                outbox.poll();
                 let m = recv(world, size - 1, TAG_IDS, timeout)?;
                 for (i, s) in m.segments.iter().enumerate() {
                     let id = m.payload.get(i * 8..i * 8 + 8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).ok_or("malformed id message")?;
@@ -393,8 +448,9 @@ fn pipeline(world: &SimpleCommunicator, st: &mut stage::Stage, args: &args::RunA
         }
         let total = start.elapsed();
         if !last {
-            world.process_at_rank(1).send_with_tag(&message(KIND_STOP, &[], &[])[..], TAG_ACT);
+            outbox.send(world, 1, TAG_ACT, message(KIND_STOP, &[], &[]));
         }
+        outbox.drain();
         for (s, g) in generated.iter().enumerate() {
             use std::io::Write;
             let ids: Vec<String> = g.iter().map(|i| i.to_string()).collect();
@@ -415,11 +471,13 @@ fn pipeline(world: &SimpleCommunicator, st: &mut stage::Stage, args: &args::RunA
         );
     } else {
         loop {
+            outbox.poll();
             let m = recv(world, rank - 1, TAG_ACT, timeout)?;
             if m.kind == KIND_STOP {
                 if !last {
-                    world.process_at_rank(rank as i32 + 1).send_with_tag(&message(KIND_STOP, &[], &[])[..], TAG_ACT);
+                    outbox.send(world, rank + 1, TAG_ACT, message(KIND_STOP, &[], &[]));
                 }
+                outbox.drain();
                 break;
             }
             let mut x = bytes_f32(&m.payload);
@@ -427,9 +485,9 @@ fn pipeline(world: &SimpleCommunicator, st: &mut stage::Stage, args: &args::RunA
             if last {
                 let got = finish(&mut records, &m.segments, &out, vocab, n_new);
                 let payload: Vec<u8> = got.iter().flat_map(|i| i.to_le_bytes()).collect();
-                world.process_at_rank(0).send_with_tag(&message(KIND_STEP, &m.segments, &payload)[..], TAG_IDS);
+                outbox.send(world, 0, TAG_IDS, message(KIND_STEP, &m.segments, &payload));
             } else {
-                world.process_at_rank(rank as i32 + 1).send_with_tag(&message(KIND_STEP, &m.segments, &f32_bytes(&x))[..], TAG_ACT);
+                outbox.send(world, rank + 1, TAG_ACT, message(KIND_STEP, &m.segments, &f32_bytes(&x)));
             }
         }
     }
