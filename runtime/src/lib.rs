@@ -388,6 +388,11 @@ fn pipeline(world: &SimpleCommunicator, st: &mut stage::Stage, args: &args::RunA
     // (one per stage), as few as that allows (weights are read once per step).
     let per_batch = args.micro_batch.unwrap_or_else(|| args.prompts.len().div_ceil(size)).max(1);
     let mut outbox = Outbox::default();
+    // Fault injection for the tests: this stage stops answering, as a hung
+    // or lost peer would, so the others must time out rather than hang.
+    if std::env::var("M3C_TEST_STALL_STAGE").ok().and_then(|v| v.parse::<usize>().ok()) == Some(rank) {
+        std::thread::sleep(Duration::from_secs(3600));
+    }
 
     if first {
         // Ready work: (seq, pos0, token ids). Every prompt's prefill comes first.

@@ -236,3 +236,20 @@ fn chunked_prefill_equals_one_piece() {
         assert!(std::fs::read(&f).unwrap() == want, "{tag}: chunked prefill differs");
     }
 }
+
+/// A stage that stops answering (fault injected with M3C_TEST_STALL_STAGE):
+/// its neighbours give up after --timeout-s with a message naming it, and
+/// the job exits non-zero instead of hanging.
+#[test]
+fn a_silent_stage_times_out_instead_of_hanging() {
+    let model = fixture("tiny-m3");
+    let dir = tempfile::tempdir().unwrap();
+    let out = compile(&model, 2, dir.path(), &[]);
+    let t0 = std::time::Instant::now();
+    let args = ["run", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--timeout-s", "3"];
+    let o = m3c_env(&args, &[("M3C_TEST_STALL_STAGE", "1")]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(e.contains("nothing from stage 1 for 3 s"), "{e}");
+    assert!(t0.elapsed() < std::time::Duration::from_secs(60), "took {:?}", t0.elapsed());
+}
