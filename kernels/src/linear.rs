@@ -89,9 +89,9 @@ pub const LANES: usize = 32;
 /// Whether the vector path applies: every input width of MiniMax-M3 (and of
 /// the tiny fixtures) is a multiple of 32, as MXFP8's 32-wide blocks require.
 pub fn vectorizes(inp: usize, weight: WeightType) -> bool {
-    inp % LANES == 0
+    inp.is_multiple_of(LANES)
         && match weight {
-            WeightType::Mxfp8 { block } => block % LANES == 0,
+            WeightType::Mxfp8 { block } => block.is_multiple_of(LANES),
             _ => true,
         }
 }

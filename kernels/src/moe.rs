@@ -129,6 +129,7 @@ pub fn expert_deps(hidden: usize, inter: usize, weight: WeightType, alpha: f64, 
     ]
 }
 
+#[allow(clippy::too_many_arguments)]
 /// Routed experts: `y[r] = Σ_j wts[r, j] · Expert_{ids[r, j]}(h[r])` with
 /// SwiGLU-OAI experts. The experts' weights come through `table`, a pointer
 /// array with [`expert_table_stride`] entries per expert, so a layer's 128

@@ -69,10 +69,7 @@ fn embedded_meta() -> Result<meta::StageMeta, String> {
 
 #[no_mangle]
 pub extern "C" fn main(_argc: c_int, _argv: *const *const c_char) -> c_int {
-    match std::panic::catch_unwind(run) {
-        Ok(code) => code,
-        Err(_) => 101,
-    }
+    std::panic::catch_unwind(run).unwrap_or(101)
 }
 
 /// Resident and peak resident memory of this process, from /proc.
@@ -281,9 +278,12 @@ fn recv(world: &SimpleCommunicator, from: usize, tag: i32, timeout: Duration) ->
 /// Sends in flight. A stage hands a message to MPI and goes on computing;
 /// the buffer lives until MPI reports the send complete (a blocking send
 /// would wait for the next stage to finish its own step first).
+/// A send in flight and the leaked buffer it reads.
+type Pending = (mpi::request::Request<'static, [u8], mpi::request::StaticScope>, *mut [u8]);
+
 #[derive(Default)]
 struct Outbox {
-    pending: Vec<(mpi::request::Request<'static, [u8], mpi::request::StaticScope>, *mut [u8])>,
+    pending: Vec<Pending>,
 }
 
 impl Outbox {

@@ -83,7 +83,7 @@ impl Stage {
             let bytes = unsafe { std::slice::from_raw_parts(*p, n as usize) };
             table.push(device.upload(bytes).map_err(|e| format!("uploading weights to GPU {}: {e}", device.ordinal))?);
             done += n;
-            let pct = if total == 0 { 100 } else { (done * 100 / total) as usize };
+            let pct = (done * 100).checked_div(total).unwrap_or(100) as usize;
             if pct / 10 > shown / 10 || done == total {
                 shown = pct;
                 let line = format!(

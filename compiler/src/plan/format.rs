@@ -20,6 +20,10 @@ impl LayerRange {
     pub fn len(&self) -> usize {
         self.last - self.first + 1
     }
+    /// A range always holds at least its first layer.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
     /// "layer 4 is" / "layers 4-7 are", for messages.
     fn phrase(&self) -> String {
         if self.len() == 1 {

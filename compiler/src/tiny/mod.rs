@@ -39,7 +39,7 @@ impl TinySpec {
         if self.layers == 0 {
             bail!("--layers must be at least 1");
         }
-        if self.hidden < 128 || self.hidden % 128 != 0 {
+        if self.hidden < 128 || !self.hidden.is_multiple_of(128) {
             bail!("--hidden must be a positive multiple of 128 (found {}): heads are {HEAD_DIM} wide and come in groups of 4", self.hidden);
         }
         Ok(())
