@@ -26,7 +26,7 @@ fi
 
 # Rust: rustup's minimal profile when there is no cargo at all.
 if ! command -v cargo >/dev/null 2>&1 && [ ! -x "$HOME/.cargo/bin/cargo" ]; then
-  echo "setup: installing Rust (rustup, minimal profile)"
+  echo "setup: installing Rust 1.87 or newer (rustup, minimal profile)"
   curl -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal >/dev/null
 fi
 

@@ -321,3 +321,67 @@ pub extern "C" fn mgpuLaunchKernel(
         )
     });
 }
+
+/// NCCL between GPU stages: activations go device to device on the stage's
+/// stream; the small step headers and the returned ids stay on MPI. Set up
+/// only when every rank is a CUDA stage on its own GPU (NCCL refuses two
+/// ranks on one device) and NCCL loads; otherwise activations go through
+/// host memory and MPI.
+pub mod nccl {
+    use cudarc::nccl::sys as nc;
+    use std::ffi::c_void;
+
+    pub struct Link {
+        comm: usize,
+        stream: usize,
+    }
+
+    fn check(what: &str, r: nc::ncclResult_t) -> Result<(), String> {
+        if r == nc::ncclResult_t::ncclSuccess {
+            Ok(())
+        } else {
+            Err(format!("NCCL {what}: {r:?}"))
+        }
+    }
+
+    /// Whether libnccl can be loaded here.
+    pub fn available() -> bool {
+        // SAFETY: probing for the library has no preconditions.
+        unsafe { nc::is_culib_present() }
+    }
+
+    /// A fresh unique id (rank 0 makes it; the others receive it over MPI).
+    pub fn unique_id() -> Result<[u8; 128], String> {
+        let mut id = nc::ncclUniqueId { internal: [0; 128] };
+        // SAFETY: writes the id struct.
+        check("ncclGetUniqueId", unsafe { nc::ncclGetUniqueId(&mut id) })?;
+        Ok(id.internal.map(|c| c as u8))
+    }
+
+    impl Link {
+        /// Joins the communicator of all `ranks` (collective: every rank calls it).
+        pub fn join(id: [u8; 128], ranks: i32, rank: i32) -> Result<Link, String> {
+            let id = nc::ncclUniqueId { internal: id.map(|b| b as std::ffi::c_char) };
+            let mut comm = std::ptr::null_mut();
+            // SAFETY: the device context is current (Device::open ran first).
+            check("ncclCommInitRank", unsafe { nc::ncclCommInitRank(&mut comm, ranks, id, rank) })?;
+            Ok(Link { comm: comm as usize, stream: super::state().stream })
+        }
+
+        /// Queues sending `count` f32 at device address `buf` to `peer`.
+        pub fn send(&self, buf: u64, count: usize, peer: usize) -> Result<(), String> {
+            // SAFETY: `buf` holds `count` f32 of device memory, live until the stream passes this point.
+            check("ncclSend", unsafe {
+                nc::ncclSend(buf as *const c_void, count, nc::ncclDataType_t::ncclFloat32, peer as i32, self.comm as nc::ncclComm_t, self.stream as nc::cudaStream_t)
+            })
+        }
+
+        /// Queues receiving `count` f32 into device address `buf` from `peer`.
+        pub fn recv(&self, buf: u64, count: usize, peer: usize) -> Result<(), String> {
+            // SAFETY: as for `send`.
+            check("ncclRecv", unsafe {
+                nc::ncclRecv(buf as *mut c_void, count, nc::ncclDataType_t::ncclFloat32, peer as i32, self.comm as nc::ncclComm_t, self.stream as nc::cudaStream_t)
+            })
+        }
+    }
+}

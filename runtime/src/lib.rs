@@ -28,6 +28,7 @@ mod weights;
 
 use mpi::point_to_point::{Destination, MatchedReceiveVec, Source};
 use mpi::topology::{Communicator, SimpleCommunicator};
+use mpi::collective::Root;
 use mpi::traits::CommunicatorCollectives;
 
 use std::collections::VecDeque;
@@ -192,12 +193,17 @@ fn run() -> c_int {
         Ok(_) if oks.contains(&0) => return 1,
         Ok(s) => s,
     };
+    if let Err(e) = connect_gpus(&world, &mut st) {
+        say!("{who}: error: {e}");
+        return 1;
+    }
     let (rss, _) = resident();
     say!(
-        "{who}: {holds}: {} in {:.2} s, resident {:.1} MB, {threads} kernel thread(s)",
+        "{who}: {holds}: {} in {:.2} s, resident {:.1} MB, {threads} kernel thread(s){}",
         st.placement(),
         t0.elapsed().as_secs_f64(),
-        rss
+        rss,
+        if st.uses_nccl() { ", activations over NCCL" } else { "" }
     );
     let timeout = Duration::from_secs_f64(args.timeout_s);
     match pipeline(&world, &mut st, &args, timeout) {
@@ -220,6 +226,39 @@ fn run() -> c_int {
 
 /// A message between stages: a kind, the micro-batch's segments, and a payload
 /// (activations f32 [S, hidden], or the last stage's ids, one per segment).
+/// Sets up NCCL between the stages when every rank is a GPU stage on its
+/// own device and NCCL loads everywhere (`M3C_TRANSPORT=host` keeps MPI).
+/// Every rank reaches the same decision from the same gathered facts.
+fn connect_gpus(world: &SimpleCommunicator, st: &mut stage::Stage) -> Result<(), String> {
+    let size = world.size() as usize;
+    if size < 2 {
+        return Ok(());
+    }
+    let forced_host = std::env::var("M3C_TRANSPORT").map(|v| v == "host").unwrap_or(false);
+    let key = match st.device_key() {
+        Some(k) if !forced_host && cuda::nccl::available() => k,
+        _ => String::new(),
+    };
+    let mut mine = [0u8; 64];
+    let kb = key.as_bytes();
+    mine[..kb.len().min(64)].copy_from_slice(&kb[..kb.len().min(64)]);
+    let mut all = vec![0u8; 64 * size];
+    world.all_gather_into(&mine[..], &mut all[..]);
+    let keys: Vec<&[u8]> = all.chunks(64).collect();
+    let distinct: std::collections::BTreeSet<&[u8]> = keys.iter().copied().collect();
+    if keys.iter().any(|k| k.iter().all(|&b| b == 0)) || distinct.len() != size {
+        return Ok(()); // a host stage, no NCCL, or two stages on one GPU: host-staged transfers
+    }
+    let mut id = [0u8; 128];
+    if world.rank() == 0 {
+        id = cuda::nccl::unique_id()?;
+    }
+    world.process_at_rank(0).broadcast_into(&mut id[..]);
+    let link = cuda::nccl::Link::join(id, size as i32, world.rank())?;
+    st.use_nccl(link);
+    Ok(())
+}
+
 fn message(kind: i64, segments: &[stage::Segment], payload: &[u8]) -> Vec<u8> {
     let mut m = Vec::with_capacity(16 + 24 * segments.len() + payload.len());
     m.extend(kind.to_le_bytes());
@@ -433,13 +472,17 @@ fn pipeline(world: &SimpleCommunicator, st: &mut stage::Stage, args: &args::RunA
                 let segs: Vec<Segment> = items.iter().map(|(s, p, ids)| Segment { seq: *s, pos0: *p, rows: ids.len() }).collect();
                 let ids: Vec<i64> = items.iter().flat_map(|(_, _, ids)| ids.iter().copied()).collect();
                 let mut x = vec![0f32; ids.len() * hidden];
+                if !last && st.uses_nccl() {
+                    // The step's NCCL send waits for the receiver, who needs the header first.
+                    outbox.send(world, 1, TAG_ACT, message(KIND_STEP, &segs, &[]));
+                }
                 let out = st.step(&segs, &ids, &mut x)?;
                 if last {
                     let got = finish(&mut records, &segs, &out, vocab, n_new);
                     for (s, id) in segs.iter().zip(got) {
                         on_id(s.seq, s.pos0, s.rows, id, &mut queue, &mut open);
                     }
-                } else {
+                } else if !st.uses_nccl() {
                     outbox.send(world, 1, TAG_ACT, message(KIND_STEP, &segs, &f32_bytes(&x)));
                 }
             } else {
@@ -485,13 +528,17 @@ fn pipeline(world: &SimpleCommunicator, st: &mut stage::Stage, args: &args::RunA
                 outbox.drain();
                 break;
             }
-            let mut x = bytes_f32(&m.payload);
+            let tokens: usize = m.segments.iter().map(|s| s.rows).sum();
+            let mut x = if st.uses_nccl() { vec![0f32; tokens * hidden] } else { bytes_f32(&m.payload) };
+            if !last && st.uses_nccl() {
+                outbox.send(world, rank + 1, TAG_ACT, message(KIND_STEP, &m.segments, &[]));
+            }
             let out = st.step(&m.segments, &[], &mut x)?;
             if last {
                 let got = finish(&mut records, &m.segments, &out, vocab, n_new);
                 let payload: Vec<u8> = got.iter().flat_map(|i| i.to_le_bytes()).collect();
                 outbox.send(world, 0, TAG_IDS, message(KIND_STEP, &m.segments, &payload));
-            } else {
+            } else if !st.uses_nccl() {
                 outbox.send(world, rank + 1, TAG_ACT, message(KIND_STEP, &m.segments, &f32_bytes(&x)));
             }
         }

@@ -43,6 +43,8 @@ enum Backing {
 pub struct Stage {
     pub meta: StageMeta,
     backing: Backing,
+    /// NCCL to the neighbouring GPU stages, when every stage has its own GPU.
+    nccl: Option<cuda::nccl::Link>,
     /// (steps, seconds) of prefill steps (position 0) and of decode steps.
     prefill: (usize, f64),
     decode: (usize, f64),
@@ -68,7 +70,7 @@ fn bytes_of_mut<T>(v: &mut [T]) -> &mut [u8] {
 
 impl Stage {
     pub fn host(meta: StageMeta, weights: StageWeights) -> Stage {
-        Stage { meta, backing: Backing::Host { weights, seqs: HashMap::new() }, prefill: (0, 0.0), decode: (0, 0.0) }
+        Stage { meta, backing: Backing::Host { weights, seqs: HashMap::new() }, nccl: None, prefill: (0, 0.0), decode: (0, 0.0) }
     }
 
     /// Opens the GPU and uploads the stage's weights to it, reporting progress.
@@ -98,7 +100,7 @@ impl Stage {
         }
         let table_dev = device.upload(bytes_of(&table))?;
         // The mapped checkpoint is no longer needed: `weights` is dropped here.
-        Ok(Stage { meta, backing: Backing::Gpu { device, table, table_dev, bytes: total, seqs: HashMap::new() }, prefill: (0, 0.0), decode: (0, 0.0) })
+        Ok(Stage { meta, backing: Backing::Gpu { device, table, table_dev, bytes: total, seqs: HashMap::new() }, nccl: None, prefill: (0, 0.0), decode: (0, 0.0) })
     }
 
     /// Opens the caches of sequence `seq`, sized for `capacity` positions.
@@ -125,6 +127,28 @@ impl Stage {
             Backing::Host { seqs, .. } => seqs.values().map(|(cap, _)| cap * per_pos).sum(),
             Backing::Gpu { seqs, .. } => seqs.values().map(|(cap, _)| cap * per_pos).sum(),
         }
+    }
+
+    /// `host:device` of a GPU stage (ranks on one device cannot use NCCL).
+    pub fn device_key(&self) -> Option<String> {
+        match &self.backing {
+            Backing::Gpu { device, .. } => {
+                let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+                Some(format!("{}:{}", host.trim(), device.ordinal))
+            }
+            Backing::Host { .. } => None,
+        }
+    }
+
+    /// From now on, activations to and from the neighbouring stages go over
+    /// NCCL: the caller sends each step's header over MPI before the step
+    /// (the step's NCCL send waits for the receiver) and no payload.
+    pub fn use_nccl(&mut self, link: cuda::nccl::Link) {
+        self.nccl = Some(link);
+    }
+
+    pub fn uses_nccl(&self) -> bool {
+        self.nccl.is_some()
     }
 
     /// GPU scratch bytes held now and at most (GPU stages).
@@ -238,6 +262,8 @@ impl Stage {
                 device.copy_in(d_pos, bytes_of(&pos))?;
                 if m.first_stage {
                     device.copy_in(d_ids, bytes_of(ids))?;
+                } else if let Some(link) = &self.nccl {
+                    link.recv(d_x, x.len(), m.stage - 1)?;
                 } else {
                     device.copy_in(d_x, bytes_of(x))?;
                 }
@@ -259,11 +285,16 @@ impl Stage {
                         d_pos as *const i64,
                     );
                 }
+                if !m.last_stage {
+                    if let Some(link) = &self.nccl {
+                        link.send(d_x, x.len(), m.stage + 1)?;
+                    }
+                }
                 device.sync()?;
                 if m.last_stage {
                     device.download(d_logits, bytes_of_mut(&mut logits))?;
                     device.download(d_out, bytes_of_mut(&mut out_ids))?;
-                } else {
+                } else if self.nccl.is_none() {
                     device.download(d_x, bytes_of_mut(x))?;
                 }
                 for d in [d_ids, d_pos, d_x, d_logits, d_out] {
