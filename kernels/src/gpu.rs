@@ -287,7 +287,7 @@ impl Kernel {
                 let xt = format!("memref<?x{inp}xf32>");
                 let yt = format!("memref<?x{out}xf32>");
                 let body = format!(
-                    "{IDX}{WARP_IDS}{consts}%r = gpu.block_id y\n%bx = gpu.block_id x\n%cwarps = arith.constant {WARPS} : index\n\
+                    "{IDX}{WARP_IDS}{consts}%r = gpu.block_id x\n%bx = gpu.block_id y\n%cwarps = arith.constant {WARPS} : index\n\
                      %ob = arith.muli %bx, %cwarps : index\n%o = arith.addi %ob, %warp : index\n\
                      %cout = arith.constant {out} : index\n%ok = arith.cmpi ult, %o, %cout : index\n\
                      scf.if %ok {{\n{dot}\
@@ -485,7 +485,9 @@ impl Kernel {
         match self {
             Kernel::Linear { out, .. } => {
                 text.push_str(&format!("%g{tag}_ob = arith.constant {} : index\n", out.div_ceil(WARPS)));
-                text.push_str(&launch(&sym, [&format!("%g{tag}_ob"), rows, &one], BLOCK, args));
+                // Rows on x (up to 2^31 - 1 blocks), output blocks on y (at most 65535:
+                // 200064 vocabulary rows / 8 per block fit).
+                text.push_str(&launch(&sym, [rows, &format!("%g{tag}_ob"), &one], BLOCK, args));
             }
             Kernel::HeadNormRope { heads, head_dim, .. } => {
                 text.push_str(&format!("%g{tag}_h = arith.constant {heads} : index\n%g{tag}_d = arith.constant {head_dim} : index\n"));
@@ -556,13 +558,13 @@ impl Kernel {
                 let dn = (format!("%g{tag}_dn"), ht.clone());
                 text.push_str(&launch(
                     &format!("{sym}_up"),
-                    [&format!("%g{tag}_ib"), &format!("%g{tag}_pairs"), &one],
+                    [&format!("%g{tag}_pairs"), &format!("%g{tag}_ib"), &one],
                     BLOCK,
                     &[h.clone(), ids.clone(), table.clone(), act.clone()],
                 ));
                 text.push_str(&launch(
                     &format!("{sym}_down"),
-                    [&format!("%g{tag}_hb"), &format!("%g{tag}_pairs"), &one],
+                    [&format!("%g{tag}_pairs"), &format!("%g{tag}_hb"), &one],
                     BLOCK,
                     &[act.clone(), ids.clone(), table.clone(), dn.clone()],
                 ));
@@ -704,7 +706,7 @@ fn routed_experts(name: &str, hidden: usize, inter: usize, k: usize, weight: Wei
         }
         s
     };
-    let pair = format!("%ck = arith.constant {k} : index\n%pk = gpu.block_id y\n%r = arith.divui %pk, %ck : index\n%j = arith.remui %pk, %ck : index\n");
+    let pair = format!("%ck = arith.constant {k} : index\n%pk = gpu.block_id x\n%r = arith.divui %pk, %ck : index\n%j = arith.remui %pk, %ck : index\n");
     let mx = matches!(weight, WeightType::Mxfp8 { .. });
     let (g_w, g_s, u_w, u_s, d_w, d_s) = if mx { ("%t0", "%t1", "%t2", "%t3", "%t4", "%t5") } else { ("%t0", "", "%t1", "", "%t2", "") };
     let gate = WeightArgs::new(g_w, g_s, inter, hidden, weight);
@@ -713,7 +715,7 @@ fn routed_experts(name: &str, hidden: usize, inter: usize, k: usize, weight: Wei
     let consts = gate.consts();
     let up_body = format!(
         "{IDX}{WARP_IDS}{consts}{pair}{views}\
-         %bx = gpu.block_id x\n%cwarps = arith.constant {WARPS} : index\n%ob = arith.muli %bx, %cwarps : index\n%o = arith.addi %ob, %warp : index\n\
+         %bx = gpu.block_id y\n%cwarps = arith.constant {WARPS} : index\n%ob = arith.muli %bx, %cwarps : index\n%o = arith.addi %ob, %warp : index\n\
          %cout = arith.constant {inter} : index\n%ok = arith.cmpi ult, %o, %cout : index\n\
          %alpha = arith.constant {a} : f32\n%lim = arith.constant {l} : f32\n%nlim = arith.constant {nl} : f32\n%beta = arith.constant {b} : f32\n\
          scf.if %ok {{\n{gd}{ud}\
@@ -733,7 +735,7 @@ fn routed_experts(name: &str, hidden: usize, inter: usize, k: usize, weight: Wei
     let down_first = if mx { 4 } else { 2 };
     let down_body = format!(
         "{IDX}{WARP_IDS}{consts}{pair}{views}\
-         %bx = gpu.block_id x\n%cwarps = arith.constant {WARPS} : index\n%ob = arith.muli %bx, %cwarps : index\n%o = arith.addi %ob, %warp : index\n\
+         %bx = gpu.block_id y\n%cwarps = arith.constant {WARPS} : index\n%ob = arith.muli %bx, %cwarps : index\n%o = arith.addi %ob, %warp : index\n\
          %cout = arith.constant {hidden} : index\n%ok = arith.cmpi ult, %o, %cout : index\n\
          scf.if %ok {{\n{dd}\
          \x20 %first = arith.cmpi eq, %lane, %c0 : index\n  scf.if %first {{\n    memref.store %dv, %out[%pk, %o] : {ht}\n  }}\n}}\n",
