@@ -143,6 +143,14 @@ fn run() -> c_int {
             if let Some(bad) = p.iter().find(|&&t| t < 0 || t as usize >= meta.vocab) {
                 return Err(format!("prompt {i}: token id {bad} is outside the vocabulary (0..{})", meta.vocab));
             }
+            if p.len() + a.max_new_tokens > meta.max_positions {
+                return Err(format!(
+                    "prompt {i}: {} tokens + --max-new-tokens {} exceed the model's {} positions (max_position_embeddings)",
+                    p.len(),
+                    a.max_new_tokens,
+                    meta.max_positions
+                ));
+            }
         }
         Ok(a)
     }) {

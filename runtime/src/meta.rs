@@ -27,6 +27,9 @@ pub struct StageMeta {
     pub stages: usize,
     pub hidden: usize,
     pub vocab: usize,
+    /// `max_position_embeddings` of the config: the longest sequence.
+    #[serde(default = "unbounded")]
+    pub max_positions: usize,
     /// What the stage holds, e.g. `embed + layers 0-3`.
     pub holds: String,
     pub first_stage: bool,
@@ -39,6 +42,10 @@ pub struct StageMeta {
     /// The plan's CUDA device ordinal for this stage, if it names one.
     #[serde(default)]
     pub device: Option<i32>,
+}
+
+fn unbounded() -> usize {
+    usize::MAX
 }
 
 fn host() -> String {

@@ -155,6 +155,8 @@ fn wrong_model_folder_missing_tensor_and_bad_ids_are_clear_errors() {
 
     let e = run_fails(&["run", out, "--model", fixture("tiny-m3").to_str().unwrap(), "--prompt-ids", "1,900", "--max-new-tokens", "2"]);
     assert!(e.contains("token id 900 is outside the vocabulary (0..512)"), "{e}");
+    let e = run_fails(&["run", out, "--model", fixture("tiny-m3").to_str().unwrap(), "--prompt-ids", "1,2", "--max-new-tokens", "5000"]);
+    assert!(e.contains("exceed the model's 4096 positions"), "{e}");
     let e = run_fails(&["run", c._dir.path().to_str().unwrap(), "--model", fixture("tiny-m3").to_str().unwrap(), "--prompt-ids", "1", "--max-new-tokens", "2"]);
     assert!(e.contains("not an m3c output folder"), "{e}");
 }

@@ -66,6 +66,7 @@ fn stage_meta(p: &StageProgram, stages: usize, cfg: &ModelConfig, compile_id: &s
         "stages": stages,
         "hidden": cfg.text.hidden_size,
         "vocab": cfg.text.vocab_size,
+        "max_positions": cfg.text.max_position_embeddings,
         "holds": holds(p),
         "first_stage": p.input == Boundary::TokenIds,
         "last_stage": matches!(p.output, Boundary::Logits { .. }),
