@@ -20,6 +20,8 @@ pub const GPU_MODULE: &str = "m3c_kernels";
 
 /// Outputs (warps) per block of a linear.
 const WARPS: usize = 8;
+/// Activation rows a linear's warp takes per pass over a weight row.
+const ROWS_PER_PASS: usize = 4;
 const BLOCK: usize = 256;
 
 /// A `gpu.func` by name and text.
@@ -283,18 +285,63 @@ impl Kernel {
                 vec![func(&sym, &format!("%x: {t}, %w: {wt}, %y: {t}"), &body)]
             }
             Kernel::Linear { inp, out, weight } => {
+                // A warp per output row, looping over the activation rows
+                // four at a time: each weight element is loaded (and, for
+                // MXFP8, decoded) once per four rows, so a decode
+                // micro-batch of up to four sequences reads each weight byte
+                // once. Rows past the end are clamped for the loads and not stored.
                 let wa = WeightArgs::new("%w", "%s", *out, *inp, *weight);
                 let xt = format!("memref<?x{inp}xf32>");
                 let yt = format!("memref<?x{out}xf32>");
+                let rows = ROWS_PER_PASS;
+                let mut clamp = String::new();
+                for j in 0..rows {
+                    clamp.push_str(&format!(
+                        "%cj{j} = arith.constant {j} : index\n%ru{j} = arith.addi %rb, %cj{j} : index\n\
+                         %ok{j} = arith.cmpi ult, %ru{j}, %rows : index\n%r{j} = arith.select %ok{j}, %ru{j}, %rb : index\n"
+                    ));
+                }
+                let inits: Vec<String> = (0..rows).map(|j| format!("%a{j} = %zero")).collect();
+                let tys = vec!["f32"; rows].join(", ");
+                let mut fma = String::new();
+                for j in 0..rows {
+                    fma.push_str(&format!(
+                        "%x{j} = memref.load %x[%r{j}, %i] : {xt}\n%m{j} = arith.mulf %x{j}, %wv : f32\n%n{j} = arith.addf %a{j}, %m{j} : f32\n"
+                    ));
+                }
+                let nexts: Vec<String> = (0..rows).map(|j| format!("%n{j}")).collect();
+                let mut stores = String::new();
+                for j in 0..rows {
+                    stores.push_str(&format!(
+                        "%sum{j} = gpu.subgroup_reduce add %acc#{j} : (f32) -> f32\n\
+                         %st{j} = arith.andi %first, %ok{j} : i1\n\
+                         scf.if %st{j} {{\n  memref.store %sum{j}, %y[%r{j}, %o] : {yt}\n}}\n"
+                    ));
+                }
                 let body = format!(
-                    "{IDX}{WARP_IDS}{consts}%r = gpu.block_id x\n%bx = gpu.block_id y\n%cwarps = arith.constant {WARPS} : index\n\
+                    "{IDX}{WARP_IDS}{consts}%bx = gpu.block_id x\n%cwarps = arith.constant {WARPS} : index\n\
                      %ob = arith.muli %bx, %cwarps : index\n%o = arith.addi %ob, %warp : index\n\
                      %cout = arith.constant {out} : index\n%ok = arith.cmpi ult, %o, %cout : index\n\
-                     scf.if %ok {{\n{dot}\
-                     \x20 %first = arith.cmpi eq, %lane, %c0 : index\n\
-                     \x20 scf.if %first {{\n    memref.store %acc, %y[%r, %o] : {yt}\n  }}\n}}\n",
+                     %rows = memref.dim %x, %c0 : {xt}\n%cr = arith.constant {rows} : index\n\
+                     %cin = arith.constant {inp} : index\n%first = arith.cmpi eq, %lane, %c0 : index\n\
+                     scf.if %ok {{\n\
+                     \x20 scf.for %rb = %c0 to %rows step %cr {{\n\
+                     {clamp}\
+                     \x20   %acc:{rows} = scf.for %i = %lane to %cin step %c32 iter_args({inits}) -> ({tys}) {{\n\
+                     {load}\
+                     {fma}\
+                     \x20     scf.yield {nexts} : {tys}\n\
+                     \x20   }}\n\
+                     {stores}\
+                     \x20 }}\n\
+                     }}\n",
                     consts = wa.consts(),
-                    dot = indent(&warp_dot("acc", "%x", &xt, "%r", &wa, "%o", *inp), 2),
+                    clamp = indent(&clamp, 4),
+                    inits = inits.join(", "),
+                    load = indent(&wa.load("wv", "%o", "%i"), 6),
+                    fma = indent(&fma, 6),
+                    nexts = nexts.join(", "),
+                    stores = indent(&stores, 4),
                 );
                 vec![func(&sym, &format!("%x: {xt}, {}, %y: {yt}", wa.params()), &body)]
             }
@@ -485,9 +532,8 @@ impl Kernel {
         match self {
             Kernel::Linear { out, .. } => {
                 text.push_str(&format!("%g{tag}_ob = arith.constant {} : index\n", out.div_ceil(WARPS)));
-                // Rows on x (up to 2^31 - 1 blocks), output blocks on y (at most 65535:
-                // 200064 vocabulary rows / 8 per block fit).
-                text.push_str(&launch(&sym, [rows, &format!("%g{tag}_ob"), &one], BLOCK, args));
+                // One block per 8 output rows; each warp covers every activation row.
+                text.push_str(&launch(&sym, [&format!("%g{tag}_ob"), &one, &one], BLOCK, args));
             }
             Kernel::HeadNormRope { heads, head_dim, .. } => {
                 text.push_str(&format!("%g{tag}_h = arith.constant {heads} : index\n%g{tag}_d = arith.constant {head_dim} : index\n"));
