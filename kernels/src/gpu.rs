@@ -5,7 +5,7 @@
 //!
 //! Work split: a warp per output row of a linear (lanes stride over the
 //! inputs, so a warp reads a weight row with coalesced loads, each byte
-//! once per activation row, then one shuffle reduction); a block per row for
+//! once per four activation rows, then one shuffle reduction per row); a block per row for
 //! norms and elementwise ops; a warp per (query row, KV group) for attention,
 //! with an online softmax per lane merged by shuffles and the MSA block
 //! selection done by the same warp. Routed experts run as three launches over
