@@ -302,6 +302,9 @@ fn compile_cmd(args: CompileArgs) -> Result<()> {
             _ => crate::compile::Emit::Ptx,
         });
     }
+    if emit.contains(&crate::compile::Emit::Ptx) && p.target == Target::Host {
+        bail!("--emit ptx needs the cuda target (--target cuda, or `target: cuda` in the plan)");
+    }
     // Replace only an earlier m3c output, never an unrelated folder.
     let replace = args.out.join("manifest.json").is_file();
     let runtime_lib = crate::compile::find_runtime_lib()?;

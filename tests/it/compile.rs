@@ -92,6 +92,9 @@ fn compile_errors_leave_nothing_behind() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("already exists and is not empty"), "{}", stderr(&o));
     assert_eq!(std::fs::read_to_string(out.join("notes.txt")).unwrap(), "mine");
+    let o = m3c(&["compile", "--model", fixture("tiny-m3").to_str().unwrap(), "--pp", "1", "--emit", "ptx", "-o", dir.path().join("p").to_str().unwrap()]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--emit ptx needs the cuda target"), "{}", stderr(&o));
     // No partial folders are left beside it.
     let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(left.len(), 1, "{left:?}");
