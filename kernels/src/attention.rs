@@ -68,14 +68,7 @@ pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64
              }}\n\
              %iqb = arith.muli %g, %cid : index\n\
              scf.for %t = %c0 to %nk step %c1 {{\n\
-             \x20 %dot = scf.for %c = %c0 to %cid step %c1 iter_args(%a = %zero) -> (f32) {{\n\
-             \x20   %qc = arith.addi %iqb, %c : index\n\
-             \x20   %x1 = memref.load %iq[%r, %qc] : {iqt}\n\
-             \x20   %x2 = memref.load %ik[%t, %c] : {ikt}\n\
-             \x20   %m = arith.mulf %x1, %x2 : f32\n\
-             \x20   %a2 = arith.addf %a, %m : f32\n\
-             \x20   scf.yield %a2 : f32\n\
-             \x20 }}\n\
+             {dot_idx}\
              \x20 %b = arith.divui %t, %cB : index\n\
              \x20 %old = memref.load %bs[%b] : memref<?xf32>\n\
              \x20 %mx = arith.maximumf %old, %dot : f32\n\
@@ -108,7 +101,8 @@ pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64
              \x20 scf.if %found {{\n\
              \x20   memref.store %i32_1, %sel[%best#1] : memref<?xi32>\n\
              \x20 }}\n\
-             }}\n"
+             }}\n",
+            dot_idx = indent(&dot("%dot", "%iq", &iqt, "%r", "%iqb", "%ik", &ikt, "%t", "%c0", "%cid", s.index_dim), 2),
         );
         allowed = "%tb = arith.divui %t, %cB : index\n\
                    %sv = memref.load %sel[%tb] : memref<?xi32>\n\
@@ -131,15 +125,7 @@ pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64
          \x20     %mx = scf.for %t = %c0 to %nk step %c1 iter_args(%m = %ninf) -> (f32) {{\n\
          {allowed}\
          \x20       %s = scf.if %allowed -> (f32) {{\n\
-         \x20         %dot = scf.for %c = %c0 to %cd step %c1 iter_args(%a = %zero) -> (f32) {{\n\
-         \x20           %qc = arith.addi %qb, %c : index\n\
-         \x20           %kc = arith.addi %kb, %c : index\n\
-         \x20           %x1 = memref.load %q[%r, %qc] : {qt}\n\
-         \x20           %x2 = memref.load %k[%t, %kc] : {kt}\n\
-         \x20           %mm = arith.mulf %x1, %x2 : f32\n\
-         \x20           %a2 = arith.addf %a, %mm : f32\n\
-         \x20           scf.yield %a2 : f32\n\
-         \x20         }}\n\
+         {dot_qk}\
          \x20         %sd = arith.mulf %dot, %scale : f32\n\
          \x20         scf.yield %sd : f32\n\
          \x20       }} else {{\n\
@@ -165,15 +151,7 @@ pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64
          \x20     scf.for %t = %c0 to %nk step %c1 {{\n\
          \x20       %e = memref.load %sc[%t] : memref<?xf32>\n\
          \x20       %pw = arith.mulf %e, %inv : f32\n\
-         \x20       scf.for %c = %c0 to %cd step %c1 {{\n\
-         \x20         %oc = arith.addi %qb, %c : index\n\
-         \x20         %vc = arith.addi %kb, %c : index\n\
-         \x20         %vv = memref.load %v[%t, %vc] : {kt}\n\
-         \x20         %ov = memref.load %o[%r, %oc] : {qt}\n\
-         \x20         %pv = arith.mulf %pw, %vv : f32\n\
-         \x20         %o2 = arith.addf %ov, %pv : f32\n\
-         \x20         memref.store %o2, %o[%r, %oc] : {qt}\n\
-         \x20       }}\n\
+         {pv}\
          \x20     }}\n\
          \x20   }}\n\
          \x20   memref.dealloc %sc : memref<?xf32>\n\
@@ -182,6 +160,8 @@ pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64
          \x20 }}\n\
 ",
         select = indent(&select, 4),
+        dot_qk = indent(&dot("%dot", "%q", &qt, "%r", "%qb", "%k", &kt, "%t", "%kb", "%cd", d), 10),
+        pv = indent(&pv(&qt, &kt, d), 8),
         allowed = indent(&allowed, 8),
         teardown = indent(&teardown, 4),
     );
@@ -209,4 +189,72 @@ pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64
         iters = parallel_or_serial("%work", &["%r", "%g"], &["%c0", "%c0"], &["%rows", "%ckv"], &["%c1", "%c1"], &iteration),
     );
     format!("  func.func @{name}({args}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n", indent(&body, 4))
+}
+
+/// `dst` = Σ_c x[xr, xb + c] · y[yr, yb + c] over `len` (its index constant
+/// `n`): eight lanes at a time when `len` allows (the lane sums are added at
+/// the end), else one by one.
+#[allow(clippy::too_many_arguments)]
+fn dot(dst: &str, x: &str, xt: &str, xr: &str, xb: &str, y: &str, yt: &str, yr: &str, yb: &str, n: &str, len: usize) -> String {
+    let d = dst.trim_start_matches('%');
+    if len % 8 == 0 {
+        format!(
+            "%{d}_c8 = arith.constant 8 : index\n\
+             %{d}_z = arith.constant dense<0.0> : vector<8xf32>\n\
+             %{d}_v = scf.for %c = %c0 to {n} step %{d}_c8 iter_args(%a = %{d}_z) -> (vector<8xf32>) {{\n\
+             \x20 %xc = arith.addi {xb}, %c : index\n\
+             \x20 %yc = arith.addi {yb}, %c : index\n\
+             \x20 %x1 = vector.load {x}[{xr}, %xc] : {xt}, vector<8xf32>\n\
+             \x20 %x2 = vector.load {y}[{yr}, %yc] : {yt}, vector<8xf32>\n\
+             \x20 %mm = arith.mulf %x1, %x2 : vector<8xf32>\n\
+             \x20 %a2 = arith.addf %a, %mm : vector<8xf32>\n\
+             \x20 scf.yield %a2 : vector<8xf32>\n\
+             }}\n\
+             {dst} = vector.reduction <add>, %{d}_v fastmath<reassoc> : vector<8xf32> into f32\n"
+        )
+    } else {
+        format!(
+            "{dst} = scf.for %c = %c0 to {n} step %c1 iter_args(%a = %zero) -> (f32) {{\n\
+             \x20 %xc = arith.addi {xb}, %c : index\n\
+             \x20 %yc = arith.addi {yb}, %c : index\n\
+             \x20 %x1 = memref.load {x}[{xr}, %xc] : {xt}\n\
+             \x20 %x2 = memref.load {y}[{yr}, %yc] : {yt}\n\
+             \x20 %mm = arith.mulf %x1, %x2 : f32\n\
+             \x20 %a2 = arith.addf %a, %mm : f32\n\
+             \x20 scf.yield %a2 : f32\n\
+             }}\n"
+        )
+    }
+}
+
+/// `o[r, qb + c] += pw · v[t, kb + c]` over the head: eight lanes at a time
+/// when the head allows (the same multiply and add per element either way).
+fn pv(qt: &str, kt: &str, d: usize) -> String {
+    if d % 8 == 0 {
+        format!(
+            "%pv_c8 = arith.constant 8 : index\n\
+             %pwv = vector.broadcast %pw : f32 to vector<8xf32>\n\
+             scf.for %c = %c0 to %cd step %pv_c8 {{\n\
+             \x20 %oc = arith.addi %qb, %c : index\n\
+             \x20 %vc = arith.addi %kb, %c : index\n\
+             \x20 %vv = vector.load %v[%t, %vc] : {kt}, vector<8xf32>\n\
+             \x20 %ov = vector.load %o[%r, %oc] : {qt}, vector<8xf32>\n\
+             \x20 %pvv = arith.mulf %pwv, %vv : vector<8xf32>\n\
+             \x20 %o2 = arith.addf %ov, %pvv : vector<8xf32>\n\
+             \x20 vector.store %o2, %o[%r, %oc] : {qt}, vector<8xf32>\n\
+             }}\n"
+        )
+    } else {
+        format!(
+            "scf.for %c = %c0 to %cd step %c1 {{\n\
+             \x20 %oc = arith.addi %qb, %c : index\n\
+             \x20 %vc = arith.addi %kb, %c : index\n\
+             \x20 %vv = memref.load %v[%t, %vc] : {kt}\n\
+             \x20 %ov = memref.load %o[%r, %oc] : {qt}\n\
+             \x20 %pvv = arith.mulf %pw, %vv : f32\n\
+             \x20 %o2 = arith.addf %ov, %pvv : f32\n\
+             \x20 memref.store %o2, %o[%r, %oc] : {qt}\n\
+             }}\n"
+        )
+    }
 }
