@@ -581,7 +581,7 @@ impl Kernel {
                     ));
                 }
             }
-            Kernel::RoutedExperts { hidden, inter, top_k, .. } => {
+            Kernel::RoutedExperts { hidden, inter, top_k, weight, .. } => {
                 // args: h, wts, ids, table, y
                 let (h, wts, ids, table, y) = (&args[0], &args[1], &args[2], &args[3], &args[4]);
                 let it = format!("memref<?x{inter}xf32>");
@@ -618,11 +618,7 @@ impl Kernel {
                 text.push_str(&format!(
                     "func.call @m3c_buf_free(%g{tag}_act_p) : (!llvm.ptr) -> ()\nfunc.call @m3c_buf_free(%g{tag}_dn_p) : (!llvm.ptr) -> ()\n"
                 ));
-                let weight = match self {
-                    Kernel::RoutedExperts { weight, .. } => *weight,
-                    _ => unreachable!(),
-                };
-                return GpuCall { text, device_views: moe::expert_tensor_types(*hidden, *inter, weight), host_views };
+                return GpuCall { text, device_views: moe::expert_tensor_types(*hidden, *inter, *weight), host_views };
             }
             _ => text.push_str(&launch(&sym, [rows, &one, &one], BLOCK, args)),
         }
