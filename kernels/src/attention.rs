@@ -197,7 +197,7 @@ pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64
 #[allow(clippy::too_many_arguments)]
 fn dot(dst: &str, x: &str, xt: &str, xr: &str, xb: &str, y: &str, yt: &str, yr: &str, yb: &str, n: &str, len: usize) -> String {
     let d = dst.trim_start_matches('%');
-    if len % 8 == 0 {
+    if len.is_multiple_of(8) {
         format!(
             "%{d}_c8 = arith.constant 8 : index\n\
              %{d}_z = arith.constant dense<0.0> : vector<8xf32>\n\
@@ -230,7 +230,7 @@ fn dot(dst: &str, x: &str, xt: &str, xr: &str, xb: &str, y: &str, yt: &str, yr: 
 /// `o[r, qb + c] += pw · v[t, kb + c]` over the head: eight lanes at a time
 /// when the head allows (the same multiply and add per element either way).
 fn pv(qt: &str, kt: &str, d: usize) -> String {
-    if d % 8 == 0 {
+    if d.is_multiple_of(8) {
         format!(
             "%pv_c8 = arith.constant 8 : index\n\
              %pwv = vector.broadcast %pw : f32 to vector<8xf32>\n\

@@ -118,11 +118,11 @@ fn meta_globals(json: &str) -> String {
     )
 }
 
-/// Lowers every stage of `plan` (no back end): what `--emit mlir` shows and
-/// what the compile id hashes.
+/// Lowers every stage of `plan` for its target (no back end): what
+/// `--emit mlir` shows and what the compile id hashes.
 pub fn lower_all(cfg: &ModelConfig, plan: &Plan) -> Result<Vec<StageProgram>> {
     let graph = build_graph(cfg);
-    plan.stages.iter().enumerate().map(|(i, s)| Ok(lower_stage(cfg, &graph, i, s)?)).collect()
+    plan.stages.iter().enumerate().map(|(i, s)| Ok(lower_stage(cfg, &graph, i, s, &plan.target)?)).collect()
 }
 
 /// What the back end made of one stage, whichever the target.
@@ -156,16 +156,14 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
         None => "host".to_string(),
         Some(a) => format!("cuda {a}"),
     };
-    let code_of = |p: &StageProgram| if cuda_arch.is_some() { p.cuda_mlir.clone() } else { p.mlir.clone() };
     let mut h = Sha256::new();
     for part in [env!("CARGO_PKG_VERSION"), &target_name, &req.cpu, &config_sha, &plan_json, &runtime_sha] {
         h.update((part.len() as u64).to_le_bytes());
         h.update(part.as_bytes());
     }
     for p in &programs {
-        let code = code_of(p);
-        h.update((code.len() as u64).to_le_bytes());
-        h.update(code.as_bytes());
+        h.update((p.mlir.len() as u64).to_le_bytes());
+        h.update(p.mlir.as_bytes());
     }
     let compile_id: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
 
@@ -182,8 +180,7 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
             .iter()
             .map(|p| {
                 let meta = stage_meta(p, n, cfg, &compile_id, &config_sha, &req.cpu, &target_name, req.plan.stages[p.index].device);
-                let code = code_of(p);
-                format!("{}{}}}\n", code.trim_end().strip_suffix('}').unwrap_or(&code), meta_globals(&meta))
+                format!("{}{}}}\n", p.mlir.trim_end().strip_suffix('}').unwrap_or(&p.mlir), meta_globals(&meta))
             })
             .collect();
         let arts = parallel_map(&modules, |i, m| -> Result<StageCode> {
@@ -212,7 +209,7 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
             let name = format!("stage-{}", p.index);
             if req.emit.contains(&Emit::Mlir) {
                 std::fs::write(dir.join(format!("{name}.steps.txt")), p.listing())?;
-                std::fs::write(dir.join(format!("{name}.mlir")), code_of(p))?;
+                std::fs::write(dir.join(format!("{name}.mlir")), &p.mlir)?;
             }
             if req.emit.contains(&Emit::Llvm) {
                 for (suffix, text) in &art.emitted {

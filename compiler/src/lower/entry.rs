@@ -51,6 +51,7 @@ struct Emitter {
     views: BTreeSet<MemTy>,
     device_views: BTreeSet<MemTy>,
     funcs: Vec<(String, String)>,
+    gpu_kernels: BTreeSet<String>,
     n: usize,
 }
 
@@ -161,10 +162,9 @@ impl Emitter {
                 self.body.push_str(&call.text);
                 self.device_views.extend(call.device_views);
                 self.views.extend(call.host_views);
-                for g in kernel.gpu_funcs() {
-                    if !self.funcs.iter().any(|(name, _)| *name == g.name) {
-                        self.funcs.push((g.name, g.text));
-                    }
+                // Each kernel's device code once, however many calls it has.
+                if self.gpu_kernels.insert(kernel.symbol()) {
+                    self.funcs.extend(kernel.gpu_funcs().into_iter().map(|g| (g.name, g.text)));
                 }
             }
         }
@@ -184,6 +184,7 @@ fn entry_body(f: &FusedStage, flavor: Flavor) -> Emitter {
         views: BTreeSet::new(),
         device_views: BTreeSet::new(),
         funcs: Vec::new(),
+        gpu_kernels: BTreeSet::new(),
         n: 0,
     };
     let h = f.hidden;

@@ -9,14 +9,14 @@
 mod entry;
 mod fuse;
 
-pub use entry::{cuda_module, ENTRY_SYMBOL};
+pub use entry::ENTRY_SYMBOL;
 pub use fuse::{fuse_stage, Step};
 
 use crate::config::ModelConfig;
 use crate::dtype::DType;
 use crate::graph::{CacheKind, ModelGraph};
 use crate::model::Part;
-use crate::plan::StagePlan;
+use crate::plan::{StagePlan, Target};
 use m3c_kernels::Kernel;
 use serde::Serialize;
 use std::collections::BTreeSet;
@@ -63,10 +63,9 @@ pub struct StageProgram {
     pub steps: Vec<Step>,
     /// Distinct kernels, in first-use order.
     pub kernels: Vec<Kernel>,
-    /// The MLIR module: kernels, view helpers and the stage entry.
+    /// The MLIR module for the plan's target: kernels, view helpers and the
+    /// stage entry (for CUDA, the kernels as `gpu.func`s and a launching entry).
     pub mlir: String,
-    /// The same stage for NVIDIA GPUs: `gpu.func` kernels and a launching entry.
-    pub cuda_mlir: String,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -83,12 +82,14 @@ pub(crate) fn cache_kind_name(k: CacheKind) -> &'static str {
     }
 }
 
-/// Lowers stage `index` of a plan.
-pub fn lower_stage(cfg: &ModelConfig, graph: &ModelGraph, index: usize, stage: &StagePlan) -> Result<StageProgram, LowerError> {
+/// Lowers stage `index` of a plan for `target`.
+pub fn lower_stage(cfg: &ModelConfig, graph: &ModelGraph, index: usize, stage: &StagePlan, target: &Target) -> Result<StageProgram, LowerError> {
     let parts = stage.parts();
     let fused = fuse_stage(cfg, graph, &parts).map_err(|message| LowerError::Stage { stage: index, message })?;
-    let mlir = entry::module(&fused);
-    let cuda_mlir = entry::cuda_module(&fused);
+    let mlir = match target {
+        Target::Host => entry::module(&fused),
+        Target::Cuda { .. } => entry::cuda_module(&fused),
+    };
     Ok(StageProgram {
         index,
         parts,
@@ -99,7 +100,6 @@ pub fn lower_stage(cfg: &ModelConfig, graph: &ModelGraph, index: usize, stage: &
         steps: fused.steps,
         kernels: fused.kernels,
         mlir,
-        cuda_mlir,
     })
 }
 

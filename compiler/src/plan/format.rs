@@ -17,12 +17,10 @@ pub struct LayerRange {
 }
 
 impl LayerRange {
+    /// Layers in the range (at least one: `first <= last` by construction).
+    #[allow(clippy::len_without_is_empty)]
     pub fn len(&self) -> usize {
         self.last - self.first + 1
-    }
-    /// A range always holds at least its first layer.
-    pub fn is_empty(&self) -> bool {
-        false
     }
     /// "layer 4 is" / "layers 4-7 are", for messages.
     fn phrase(&self) -> String {
