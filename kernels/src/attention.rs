@@ -23,13 +23,14 @@ const POS_INF: &str = "0x7F800000";
 /// attention restricted to keys in selected blocks.
 ///
 /// `q`, `o`: `[S, heads·d]`; `k`, `v`: `[T, kv_heads·d]` (the cache, this
-/// step's rows already written); query row `r` sits at position `pos0 + r`.
+/// step's rows already written; it may be longer, up to its capacity); query
+/// row `r` sits at position `pos[r]` and sees keys `0..=pos[r]`.
 /// Sparse: `iq`: `[S, index_heads·index_dim]`, `ik`: `[T, index_dim]`.
 pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64, sparse: Option<SparseSel>) -> String {
     let group = heads / kv_heads;
     let qt = format!("memref<?x{}xf32>", heads * d);
     let kt = format!("memref<?x{}xf32>", kv_heads * d);
-    let mut args = format!("%q: {qt}, %k: {kt}, %v: {kt}, %pos0: index");
+    let mut args = format!("%q: {qt}, %k: {kt}, %v: {kt}, %pos: memref<?xi64>");
     let mut setup = String::new();
     let mut select = String::new();
     let mut allowed = String::from("%allowed = arith.constant true\n");
@@ -112,7 +113,8 @@ pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64
     args.push_str(&format!(", %o: {qt}"));
     // The work of one (query row, KV group): what the parallel loop runs.
     let iteration = format!(
-        "%p = arith.addi %pos0, %r : index\n\
+        "%p64 = memref.load %pos[%r] : memref<?xi64>\n\
+         \x20 %p = arith.index_cast %p64 : i64 to index\n\
          \x20 %nk = arith.addi %p, %c1 : index\n\
          \x20 %sc = memref.alloc(%nk) : memref<?xf32>\n\
          \x20 scf.execute_region {{\n\
@@ -176,7 +178,17 @@ pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64
          %scale = arith.constant {scale} : f32\n\
          %ninf = arith.constant {NEG_INF} : f32\n\
          %rows = memref.dim %q, %c0 : {qt}\n\
-         %ctx = memref.dim %k, %c0 : {kt}\n\
+         %has_rows = arith.cmpi ugt, %rows, %c0 : index\n\
+         // Keys the last row sees (the cache view may be longer: its capacity).\n\
+         %ctx = scf.if %has_rows -> (index) {{\n\
+         \x20 %last = arith.subi %rows, %c1 : index\n\
+         \x20 %lp64 = memref.load %pos[%last] : memref<?xi64>\n\
+         \x20 %lp = arith.index_cast %lp64 : i64 to index\n\
+         \x20 %lk = arith.addi %lp, %c1 : index\n\
+         \x20 scf.yield %lk : index\n\
+         }} else {{\n\
+         \x20 scf.yield %c0 : index\n\
+         }}\n\
          {setup}\
          // One (query row, KV group) per iteration, with its own scratch.\n\
          %work0 = arith.muli %rows, %ctx : index\n\

@@ -127,7 +127,27 @@ pub fn embedding(name: &str, vocab: usize, width: usize, weight: crate::WeightTy
     )
 }
 
-/// `y = x` over rows of `width` (a step's keys and values into a cache).
-pub fn copy_rows(name: &str, width: usize) -> String {
-    rowwise(name, width, &["x", "y"], "", "%v = memref.load %x[%r, %i] : {t}\nmemref.store %v, %y[%r, %i] : {t}\n")
+/// Row `r` of `x` into row `pos[r]` of `y`. `x`: `[S, width]`, `pos`: `[S]`,
+/// `y`: `[T, width]` (a cache; every `pos[r] < T`).
+pub fn scatter_rows(name: &str, width: usize) -> String {
+    let t = format!("memref<?x{width}xf32>");
+    let body = format!(
+        "%c0 = arith.constant 0 : index\n\
+         %c1 = arith.constant 1 : index\n\
+         %cw = arith.constant {width} : index\n\
+         %rows = memref.dim %x, %c0 : {t}\n\
+         scf.for %r = %c0 to %rows step %c1 {{\n\
+         \x20 %p64 = memref.load %pos[%r] : memref<?xi64>\n\
+         \x20 %p = arith.index_cast %p64 : i64 to index\n\
+         \x20 scf.for %i = %c0 to %cw step %c1 {{\n\
+         \x20   %v = memref.load %x[%r, %i] : {t}\n\
+         \x20   memref.store %v, %y[%p, %i] : {t}\n\
+         \x20 }}\n\
+         }}\n\
+         return\n"
+    );
+    format!(
+        "  func.func @{name}(%x: {t}, %pos: memref<?xi64>, %y: {t}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n",
+        indent(&body, 4)
+    )
 }

@@ -421,13 +421,14 @@ impl Kernel {
                 );
                 vec![func(&sym, &format!("%a: {t}, %b: {t}, %y: {t}"), &body)]
             }
-            Kernel::CopyRows { width } => {
+            Kernel::ScatterRows { width } => {
                 let t = format!("memref<?x{width}xf32>");
                 let body = format!(
                     "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
-                     scf.for %i = %t to %cw step %c256 {{\n  %v = memref.load %x[%r, %i] : {t}\n  memref.store %v, %y[%r, %i] : {t}\n}}\n"
+                     %p64 = memref.load %pos[%r] : memref<?xi64>\n%p = arith.index_cast %p64 : i64 to index\n\
+                     scf.for %i = %t to %cw step %c256 {{\n  %v = memref.load %x[%r, %i] : {t}\n  memref.store %v, %y[%p, %i] : {t}\n}}\n"
                 );
-                vec![func(&sym, &format!("%x: {t}, %y: {t}"), &body)]
+                vec![func(&sym, &format!("%x: {t}, %pos: memref<?xi64>, %y: {t}"), &body)]
             }
             Kernel::Argmax { width } => {
                 let t = format!("memref<?x{width}xf32>");
@@ -631,7 +632,7 @@ fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64, sp
     let group = heads / kv_heads;
     let qt = format!("memref<?x{}xf32>", heads * d);
     let kt = format!("memref<?x{}xf32>", kv_heads * d);
-    let mut params = format!("%q: {qt}, %k: {kt}, %v: {kt}, %pos0: index");
+    let mut params = format!("%q: {qt}, %k: {kt}, %v: {kt}, %pos: memref<?xi64>");
     let mut select = String::new();
     let mut allowed = "%allowed = arith.constant true\n".to_string();
     if let Some(s) = sparse {
@@ -683,7 +684,7 @@ fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64, sp
         "{IDX}%r = gpu.block_id x\n%g = gpu.block_id y\n%lane = gpu.thread_id x\n\
          %cg = arith.constant {group} : index\n%ckv = arith.constant {kv_heads} : index\n%cd = arith.constant {d} : index\n\
          %scale = arith.constant {sc} : f32\n\
-         %p = arith.addi %pos0, %r : index\n%nk = arith.addi %p, %c1 : index\n\
+         %p64 = memref.load %pos[%r] : memref<?xi64>\n%p = arith.index_cast %p64 : i64 to index\n%nk = arith.addi %p, %c1 : index\n\
          {select}\
          %kb = arith.muli %g, %cd : index\n\
          %acc = memref.alloca() : memref<{d}xf32>\n\

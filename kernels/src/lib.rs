@@ -78,8 +78,10 @@ pub enum Kernel {
     Embedding { vocab: usize, width: usize, weight: WeightType },
     /// Elementwise `a + b` (the residual adds, routed + shared expert).
     Add { width: usize },
-    /// `y = x` row by row: a sequence's new keys and values into its cache.
-    CopyRows { width: usize },
+    /// Row `r` of `x` into row `pos[r]` of `y`: a sequence's new keys and
+    /// values into its cache, at positions read from memory (not baked into
+    /// the call), so a decode step's launches are the same at every position.
+    ScatterRows { width: usize },
     /// Causal GQA attention over the cache; MSA block selection fused in when `sparse` is set.
     Attention { heads: usize, kv_heads: usize, head_dim: usize, scale: f64, sparse: Option<SparseSel> },
     /// fp32 sigmoid router with selection bias, top-k, renormalisation and routed scaling.
@@ -107,7 +109,7 @@ impl Kernel {
             Kernel::Argmax { width } => format!("m3c_argmax_w{width}"),
             Kernel::Embedding { vocab, width, weight } => format!("m3c_embedding_v{vocab}_w{width}_{}", weight.tag()),
             Kernel::Add { width } => format!("m3c_add_w{width}"),
-            Kernel::CopyRows { width } => format!("m3c_copy_rows_w{width}"),
+            Kernel::ScatterRows { width } => format!("m3c_scatter_rows_w{width}"),
             Kernel::Attention { heads, kv_heads, head_dim, scale, sparse } => {
                 let mut s = format!("m3c_attention_h{heads}_kv{kv_heads}_d{head_dim}_s{}", num_tag(*scale));
                 if let Some(m) = sparse {
@@ -156,7 +158,7 @@ impl Kernel {
             Kernel::Argmax { width } => elementwise::argmax(&self.symbol(), *width),
             Kernel::Embedding { vocab, width, weight } => elementwise::embedding(&self.symbol(), *vocab, *width, *weight),
             Kernel::Add { width } => elementwise::add(&self.symbol(), *width),
-            Kernel::CopyRows { width } => elementwise::copy_rows(&self.symbol(), *width),
+            Kernel::ScatterRows { width } => elementwise::scatter_rows(&self.symbol(), *width),
             Kernel::Attention { heads, kv_heads, head_dim, scale, sparse } => {
                 attention::attention(&self.symbol(), *heads, *kv_heads, *head_dim, *scale, *sparse)
             }

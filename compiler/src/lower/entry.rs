@@ -12,7 +12,7 @@
 //!                     void *const *const *caches, // per sequence: a table with one pointer per cache slot, [capacity, width] f32
 //!                     int64_t sequences,        // sequences in the micro-batch
 //!                     const int64_t *rows,      // [sequences] rows of each
-//!                     const int64_t *pos0,      // [sequences] position of each one's first row
+//!                     const int64_t *caps,      // [sequences] cache capacity (rows) of each
 //!                     int64_t tokens,           // S = Σ rows
 //!                     const int64_t *ids,       // [S] token ids (first stage)
 //!                     float *x,                 // [S, hidden] in (unless first) and out (unless last)
@@ -115,7 +115,6 @@ impl Emitter {
             e.view(&q, "%srows", t)
         };
         let name = match a {
-            Arg::Pos0 => return ("%spos0".into(), "index".into()),
             Arg::ExpertTable { first_slot } => {
                 let v = self.fresh();
                 let _ = writeln!(self.body, "{v} = llvm.getelementptr %weights_dev[{first_slot}] : (!llvm.ptr) -> !llvm.ptr, !llvm.ptr");
@@ -137,14 +136,7 @@ impl Emitter {
             Arg::OutIds => "%out_ids".to_string(),
             Arg::Cache { slot, width } => {
                 let p = self.table_ptr("%ctab", *slot);
-                let ctx = self.fresh();
-                let _ = writeln!(self.body, "{ctx} = arith.addi %spos0, %srows : index");
-                self.view(&p, &ctx, MemTy::rows(*width, "f32"))
-            }
-            Arg::CacheRows { slot, width } => {
-                let p = self.table_ptr("%ctab", *slot);
-                let q = self.rows_ptr(&p, "%spos0", *width, "f32");
-                self.view(&q, "%srows", MemTy::rows(*width, "f32"))
+                self.view(&p, "%scap", MemTy::rows(*width, "f32"))
             }
         };
         (name, ty.expect("memref argument").mlir())
@@ -232,9 +224,9 @@ fn entry_body(f: &FusedStage, flavor: Flavor) -> Emitter {
                      \x20 %srp = llvm.getelementptr %rows_p[%sqi] : (!llvm.ptr, i64) -> !llvm.ptr, i64\n\
                      \x20 %srows_i = llvm.load %srp : !llvm.ptr -> i64\n\
                      \x20 %srows = arith.index_cast %srows_i : i64 to index\n\
-                     \x20 %spp = llvm.getelementptr %pos0_p[%sqi] : (!llvm.ptr, i64) -> !llvm.ptr, i64\n\
-                     \x20 %spos0_i = llvm.load %spp : !llvm.ptr -> i64\n\
-                     \x20 %spos0 = arith.index_cast %spos0_i : i64 to index\n\
+                     \x20 %scp = llvm.getelementptr %caps_p[%sqi] : (!llvm.ptr, i64) -> !llvm.ptr, i64\n\
+                     \x20 %scap_i = llvm.load %scp : !llvm.ptr -> i64\n\
+                     \x20 %scap = arith.index_cast %scap_i : i64 to index\n\
                      \x20 %ctp = llvm.getelementptr %caches[%sqi] : (!llvm.ptr, i64) -> !llvm.ptr, !llvm.ptr\n\
                      \x20 %ctab = llvm.load %ctp : !llvm.ptr -> !llvm.ptr"
                 );
@@ -253,7 +245,7 @@ fn entry_body(f: &FusedStage, flavor: Flavor) -> Emitter {
 fn entry_func(body: &str) -> String {
     format!(
         "  func.func @{ENTRY_SYMBOL}(%weights: !llvm.ptr, %weights_dev: !llvm.ptr, %caches: !llvm.ptr, %sequences: i64, \
-         %rows_p: !llvm.ptr, %pos0_p: !llvm.ptr, %tokens: i64, %ids_p: !llvm.ptr, %x_p: !llvm.ptr, %logits_p: !llvm.ptr, \
+         %rows_p: !llvm.ptr, %caps_p: !llvm.ptr, %tokens: i64, %ids_p: !llvm.ptr, %x_p: !llvm.ptr, %logits_p: !llvm.ptr, \
          %out_ids_p: !llvm.ptr, %pos_p: !llvm.ptr) {{\n{}  }}\n",
         indent(body, 4)
     )

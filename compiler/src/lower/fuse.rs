@@ -29,18 +29,15 @@ pub enum Arg {
     Ids,
     /// This step's positions `[S]`.
     Pos,
-    /// Position of the step's first token (an index).
-    Pos0,
     /// A scratch buffer `[S, width]` of `elem`.
     Buf { id: usize, width: usize, elem: &'static str },
     /// A weight from the pointer table.
     Weight { slot: usize, ty: MemTy },
     /// A pointer into the weight table: the first of a layer's expert tensors.
     ExpertTable { first_slot: usize },
-    /// A whole cache `[pos0 + S, width]`.
+    /// A sequence's whole cache `[capacity, width]`; kernels reach its rows
+    /// through positions read from `pos`, so no call depends on the position.
     Cache { slot: usize, width: usize },
-    /// This step's rows of a cache `[S, width]` (from row `pos0`).
-    CacheRows { slot: usize, width: usize },
     /// The logits output `[S, vocab]`.
     Logits { vocab: usize },
     /// The argmax output `[S]`.
@@ -53,10 +50,10 @@ impl Arg {
         Some(match self {
             Arg::X => MemTy::rows(hidden, "f32"),
             Arg::Ids | Arg::Pos | Arg::OutIds => MemTy { dims: vec![None], elem: "i64" },
-            Arg::Pos0 | Arg::ExpertTable { .. } => return None,
+            Arg::ExpertTable { .. } => return None,
             Arg::Buf { width, elem, .. } => MemTy::rows(*width, elem),
             Arg::Weight { ty, .. } => ty.clone(),
-            Arg::Cache { width, .. } | Arg::CacheRows { width, .. } => MemTy::rows(*width, "f32"),
+            Arg::Cache { width, .. } => MemTy::rows(*width, "f32"),
             Arg::Logits { vocab } => MemTy::rows(*vocab, "f32"),
         })
     }
@@ -68,12 +65,10 @@ impl fmt::Display for Arg {
             Arg::X => f.write_str("x"),
             Arg::Ids => f.write_str("ids"),
             Arg::Pos => f.write_str("pos"),
-            Arg::Pos0 => f.write_str("pos0"),
             Arg::Buf { id, .. } => write!(f, "b{id}"),
             Arg::Weight { slot, .. } => write!(f, "w{slot}"),
             Arg::ExpertTable { first_slot } => write!(f, "&w{first_slot}"),
-            Arg::Cache { slot, .. } => write!(f, "cache{slot}[..pos0+S]"),
-            Arg::CacheRows { slot, .. } => write!(f, "cache{slot}[pos0..pos0+S]"),
+            Arg::Cache { slot, .. } => write!(f, "cache{slot}"),
             Arg::Logits { .. } => f.write_str("logits"),
             Arg::OutIds => f.write_str("out_ids"),
         }
@@ -210,7 +205,7 @@ impl Fuser<'_> {
             self.kernels.push(kernel.clone());
         }
         // Attention and cache writes run per sequence; everything else over all rows.
-        let per_sequence = args.iter().any(|a| matches!(a, Arg::Cache { .. } | Arg::CacheRows { .. } | Arg::Pos0));
+        let per_sequence = args.iter().any(|a| matches!(a, Arg::Cache { .. }));
         self.steps.push(Step::Call { kernel, args, what, per_sequence });
     }
 
@@ -240,7 +235,7 @@ impl Fuser<'_> {
     /// (The producer itself runs once over every row of the micro-batch.)
     fn write_cache(&mut self, buf: &Arg, slot: Option<usize>, width: usize, what: &str) {
         if let Some(slot) = slot {
-            self.call(Kernel::CopyRows { width }, vec![buf.clone(), Arg::CacheRows { slot, width }], format!("{what} → cache"));
+            self.call(Kernel::ScatterRows { width }, vec![buf.clone(), Arg::Pos, Arg::Cache { slot, width }], format!("{what} → cache"));
         }
     }
 
@@ -309,7 +304,7 @@ impl Fuser<'_> {
             }
             Op::Attention { heads, kv_heads, head_dim, scale, sparse_block } => {
                 let (q, kc, vc) = (self.val(ops[0])?, self.val(ops[1])?, self.val(ops[2])?);
-                let mut args = vec![q, kc, vc, Arg::Pos0];
+                let mut args = vec![q, kc, vc, Arg::Pos];
                 let sparse = match sparse_block {
                     None => None,
                     Some(block) => {
