@@ -11,14 +11,17 @@
 # it and runs:
 #   1. the tiny fixtures (bf16 and MXFP8) at pp = 1 and pp = 2 (both stages
 #      on GPU 0, host-staged transfers) against their goldens: f32 activations,
-#      so the tokens must be exact and logits within 1e-3;
+#      so the tokens must be exact and logits within 1e-3; then two prompts in
+#      one micro-batch with decode replayed from CUDA graphs and without,
+#      whose dumps must be byte-identical;
 #   2. one decode step of a real-size M3 layer (dense: full attention + dense
 #      MLP; MoE: MSA + 128 experts top-4 + shared), bf16 and MXFP8, with
 #      synthetic weights of the real shapes, at batch 1 and 16 (16 sequences
 #      in one micro-batch), next to the HBM floor (bytes the layer reads per
 #      step at that batch, from m3c's cost model, / 4.8 TB/s). The layer runs alone in
 #      the middle stage of a 3-stage pipeline (embedding | layer | head), and
-#      that stage reports its own compute time per step.
+#      that stage reports its own compute time per step (bf16 at batch 1 also
+#      with --cuda-graphs off, to show what graph replay saves).
 # It prints one table last.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -160,6 +163,16 @@ print(','.join(str(x) for x in struct.unpack('<%dq' % (len(d)//8), d)))")
       check=$(grep -o 'prefill max.*' "$log" | head -1 || true)
       rows+=("$(printf '%-28s %-6s %-5s %s' "$m (f32 act.)" "pp=$pp" "$verdict" "${check:-$(why "$log")}")")
     done
+    # CUDA graphs change nothing: two prompts in one micro-batch, decode
+    # replayed from graphs vs every kernel launched, dump bytes compared.
+    for g in on off; do
+      timeout 120 "$b/out/$m-pp2/run.sh" --model "tests/fixtures/$m" --prompt-ids "$prompt" --prompt-ids "3,1,4,1,5" \
+        --micro-batch 2 --max-new-tokens 12 --cuda-graphs $g --dump "$work/$m-graphs-$g.safetensors" >"$logs/$m-graphs-$g.log" 2>&1 || true
+    done
+    replays=$(grep -o '[0-9]* decode step(s) replayed' "$logs/$m-graphs-on.log" | head -1 || true)
+    if cmp -s "$work/$m-graphs-on.p0.safetensors" "$work/$m-graphs-off.p0.safetensors" \
+       && cmp -s "$work/$m-graphs-on.p1.safetensors" "$work/$m-graphs-off.p1.safetensors"; then verdict=pass; else verdict=FAIL; fi
+    rows+=("$(printf '%-28s %-6s %-5s %s' "$m CUDA graphs" "pp=2" "$verdict" "graphs on = off, dump bytes of 2 prompts; ${replays:-$(why "$logs/$m-graphs-on.log")}")")
   done
 
   for q in bf16 mxfp8; do
@@ -173,7 +186,12 @@ print(','.join(str(x) for x in struct.unpack('<%dq' % (len(d)//8), d)))")
           ms=$(grep 'm3c stage 1/3: done' "$log" | sed -E 's/.*decode [0-9]+ step\(s\), mean ([0-9.]+) ms.*/\1/')
           floor=$(awk -v g="$gb" 'BEGIN {printf "%.3f", g / 4.8}')
           frac=$(awk -v f="$floor" -v m="$ms" 'BEGIN {printf "%.0f%%", 100 * f / m}')
-          rows+=("$(printf '%-28s %-8s %-5s decode step %s ms; HBM floor %s ms (%s GB); %s of the floor' "$kind layer, $q" "batch $batch" "ran" "$ms" "$floor" "$gb" "$frac")")
+          nograph=""
+          if [ "$batch" = 1 ] && [ "$q" = bf16 ] && timeout 150 "$b/out/$kind-$q/run.sh" --synthetic-weights 1 "${prompts[@]}" --micro-batch $batch \
+               --max-new-tokens 16 --cuda-graphs off >"$log.nographs" 2>&1; then
+            nograph="; without graphs $(grep 'm3c stage 1/3: done' "$log.nographs" | sed -E 's/.*decode [0-9]+ step\(s\), mean ([0-9.]+) ms.*/\1/') ms"
+          fi
+          rows+=("$(printf '%-28s %-8s %-5s decode step %s ms; HBM floor %s ms (%s GB); %s of the floor%s' "$kind layer, $q" "batch $batch" "ran" "$ms" "$floor" "$gb" "$frac" "$nograph")")
         else
           rows+=("$(printf '%-28s %-8s %-5s %s' "$kind layer, $q" "batch $batch" "FAIL" "$(why "$log")")")
         fi

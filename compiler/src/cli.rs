@@ -138,6 +138,9 @@ struct RunArgs {
     /// Seconds a stage waits for its neighbour before failing.
     #[arg(long, default_value_t = 300.0)]
     timeout_s: f64,
+    /// CUDA stages: capture each decode micro-batch's step once as a CUDA graph and replay it (`off`: launch every kernel each step).
+    #[arg(long, value_parser = ["on", "off"], default_value = "on")]
+    cuda_graphs: String,
 }
 
 /// Parses the process arguments, runs the command, and turns errors into a message and exit code 1.
@@ -362,6 +365,8 @@ fn run_cmd(args: RunArgs) -> Result<()> {
     }
     pass.push("--timeout-s".into());
     pass.push(args.timeout_s.to_string());
+    pass.push("--cuda-graphs".into());
+    pass.push(args.cuda_graphs.clone());
     let mut cmd = std::process::Command::new("mpirun");
     // No core binding: each rank runs its kernels on several threads (the
     // runtime shares the node's cores among its ranks).

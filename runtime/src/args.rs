@@ -20,10 +20,12 @@ pub struct RunArgs {
     pub micro_batch: Option<usize>,
     /// Prefill prompts in chunks of this many tokens.
     pub prefill_chunk: Option<usize>,
+    /// CUDA stages: replay each decode micro-batch's step as a captured CUDA graph.
+    pub cuda_graphs: bool,
 }
 
 pub const USAGE: &str = "usage: stage-K (--model DIR | --synthetic-weights SEED) (--prompt-ids 1,2,3 [--prompt-ids ...] | --prompts FILE) \
---max-new-tokens N [--micro-batch SEQS] [--prefill-chunk TOKENS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S]";
+--max-new-tokens N [--micro-batch SEQS] [--prefill-chunk TOKENS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S] [--cuda-graphs on|off]";
 
 pub fn parse_ids(text: &str, what: &str) -> Result<Vec<i64>, String> {
     let ids: Result<Vec<i64>, String> = text
@@ -49,6 +51,7 @@ pub fn parse(args: &[String]) -> Result<RunArgs, String> {
     let mut timeout_s = 300.0;
     let mut micro_batch = None;
     let mut prefill_chunk = None;
+    let mut cuda_graphs = true;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = |name: &str| it.next().cloned().ok_or_else(|| format!("{name} needs a value; {USAGE}"));
@@ -77,6 +80,13 @@ pub fn parse(args: &[String]) -> Result<RunArgs, String> {
             "--timeout-s" => {
                 let v = value("--timeout-s")?;
                 timeout_s = v.parse::<f64>().ok().filter(|t| *t > 0.0).ok_or_else(|| format!("--timeout-s: `{v}` is not a positive number"))?;
+            }
+            "--cuda-graphs" => {
+                cuda_graphs = match value("--cuda-graphs")?.as_str() {
+                    "on" => true,
+                    "off" => false,
+                    v => return Err(format!("--cuda-graphs: `{v}` is not `on` or `off`")),
+                }
             }
             other => return Err(format!("unknown argument `{other}`; {USAGE}")),
         }
@@ -115,5 +125,6 @@ pub fn parse(args: &[String]) -> Result<RunArgs, String> {
         timeout_s,
         micro_batch,
         prefill_chunk,
+        cuda_graphs,
     })
 }

@@ -7,7 +7,10 @@
 //!   streams), which `gpu.launch_func` lowers to. Every launch goes to this
 //!   process's one stream, in order; the runtime synchronises once per step.
 //! - `m3c_buf_alloc/free/copy`, for scratch buffers: a size-keyed pool, so
-//!   a decode step allocates nothing after the first.
+//!   a decode step allocates nothing after the first. The pool never gives
+//!   memory back to the driver, so addresses baked into a captured
+//!   [`Graph`] stay valid; every step runs on the one stream, so a graph
+//!   replay and any other step never use a scratch buffer at once.
 //!
 //! Modules are registered by static constructors before `main` (MLIR emits
 //! one per stage binary) and loaded only when [`Device::open`] has a context.
@@ -180,6 +183,47 @@ impl Device {
     pub fn scratch_bytes(&self) -> (u64, u64) {
         let st = state();
         (st.live_bytes, st.peak_bytes)
+    }
+}
+
+/// A step captured from the stream as a CUDA graph: replaying it is one
+/// launch instead of one per kernel.
+pub struct Graph {
+    exec: usize,
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        // SAFETY: `exec` came from cuGraphInstantiateWithFlags and is destroyed once.
+        unsafe { cu::cuGraphExecDestroy(self.exec as cu::CUgraphExec) };
+    }
+}
+
+impl Device {
+    /// Runs `f` (the generated step) with the stream capturing: its launches
+    /// and copies are recorded, not run. Relaxed mode, so a scratch pool miss
+    /// may still allocate. Returns the instantiated graph.
+    pub fn capture(&self, f: impl FnOnce()) -> Result<Graph, String> {
+        let s = state().stream as cu::CUstream;
+        // SAFETY: `s` is this process's stream, idle between steps' launches.
+        unsafe { checked("cuStreamBeginCapture", cu::cuStreamBeginCapture_v2(s, cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED))? };
+        f();
+        let mut g = std::ptr::null_mut();
+        // SAFETY: ends the capture begun above; `g` receives the graph.
+        unsafe { checked("cuStreamEndCapture", cu::cuStreamEndCapture(s, &mut g))? };
+        let mut exec = std::ptr::null_mut();
+        // SAFETY: `g` is a valid graph; the exec keeps its own copy of it.
+        let r = unsafe { cu::cuGraphInstantiateWithFlags(&mut exec, g, 0) };
+        unsafe { cu::cuGraphDestroy(g) };
+        checked("cuGraphInstantiate", r)?;
+        Ok(Graph { exec: exec as usize })
+    }
+
+    /// Queues a captured step on the stream.
+    pub fn replay(&self, g: &Graph) -> Result<(), String> {
+        let s = state().stream as cu::CUstream;
+        // SAFETY: a live exec graph on this context's stream.
+        unsafe { checked("cuGraphLaunch", cu::cuGraphLaunch(g.exec as cu::CUgraphExec, s)) }
     }
 }
 

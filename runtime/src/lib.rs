@@ -201,6 +201,7 @@ fn run() -> c_int {
         Ok(_) if oks.contains(&0) => return 1,
         Ok(s) => s,
     };
+    st.set_cuda_graphs(args.cuda_graphs);
     if let Err(e) = connect_gpus(&world, &mut st) {
         say!("{who}: error: {e}");
         return 1;
@@ -217,7 +218,10 @@ fn run() -> c_int {
     match pipeline(&world, &mut st, &args, timeout) {
         Ok(()) => {
             let (rss, peak) = resident();
-            let gpu = st.gpu_scratch().map(|(_, p)| format!(", GPU scratch peak {:.1} MB", p as f64 / 1e6)).unwrap_or_default();
+            let gpu = st
+                .gpu_scratch()
+                .map(|(_, p)| format!(", GPU scratch peak {:.1} MB, {} decode step(s) replayed from CUDA graphs", p as f64 / 1e6, st.graph_replays()))
+                .unwrap_or_default();
             say!(
                 "{who}: done; {}; caches {:.2} MB, resident {rss:.1} MB, peak {peak:.1} MB{gpu}",
                 st.timing(),

@@ -37,7 +37,61 @@ pub struct Segment {
 /// Where a stage's tensors and caches live.
 enum Backing {
     Host { weights: StageWeights, seqs: HashMap<usize, (usize, Vec<Vec<f32>>)> },
-    Gpu { device: Device, table: Vec<u64>, table_dev: u64, bytes: u64, seqs: HashMap<usize, (usize, Vec<u64>)> },
+    Gpu { device: Device, table: Vec<u64>, table_dev: u64, bytes: u64, seqs: HashMap<usize, (usize, Vec<u64>)>, graphs: Graphs },
+}
+
+/// The device buffers a step's entry reads and writes besides weights,
+/// caches and scratch: ids, positions, activations, logits, sampled ids.
+#[derive(Clone, Copy)]
+struct Io {
+    ids: u64,
+    pos: u64,
+    x: u64,
+    logits: u64,
+    out: u64,
+}
+
+impl Io {
+    fn alloc(tokens: usize, hidden: usize, vocab: usize) -> Io {
+        let a = |n: usize| cuda::m3c_buf_alloc(n as i64) as u64;
+        Io { ids: a(tokens * 8), pos: a(tokens * 8), x: a(tokens * hidden * 4), logits: a(tokens * vocab * 4), out: a(tokens * 8) }
+    }
+
+    fn free(self) {
+        for d in [self.ids, self.pos, self.x, self.logits, self.out] {
+            cuda::m3c_buf_free(d as *mut c_void);
+        }
+    }
+}
+
+/// Decode steps captured as CUDA graphs, by micro-batch: its sequences, one
+/// row each. Kernels read positions from memory (`pos`), so a micro-batch's
+/// decode step launches the same kernels with the same arguments at every
+/// position; the graph owns its `Io` buffers and the runtime writes each
+/// step's inputs into them.
+#[derive(Default)]
+pub struct Graphs {
+    on: bool,
+    by_batch: HashMap<Vec<usize>, GraphSlot>,
+    /// Steps run by replaying a graph.
+    replays: usize,
+}
+
+enum GraphSlot {
+    /// Seen once, run eagerly (which also fills the scratch pool).
+    Seen,
+    Ready(cuda::Graph, Io),
+    /// Capture failed once (the message was reported): always eager.
+    Eager,
+}
+
+/// At most this many captured micro-batches per stage; later ones run eagerly.
+const MAX_GRAPHS: usize = 256;
+
+enum Plan {
+    Eager,
+    Capture,
+    Replay,
 }
 
 pub struct Stage {
@@ -100,7 +154,8 @@ impl Stage {
         }
         let table_dev = device.upload(bytes_of(&table))?;
         // The mapped checkpoint is no longer needed: `weights` is dropped here.
-        Ok(Stage { meta, backing: Backing::Gpu { device, table, table_dev, bytes: total, seqs: HashMap::new() }, nccl: None, prefill: (0, 0.0), decode: (0, 0.0) })
+        let backing = Backing::Gpu { device, table, table_dev, bytes: total, seqs: HashMap::new(), graphs: Graphs { on: true, ..Graphs::default() } };
+        Ok(Stage { meta, backing, nccl: None, prefill: (0, 0.0), decode: (0, 0.0) })
     }
 
     /// Opens the caches of sequence `seq`, sized for `capacity` positions.
@@ -110,12 +165,14 @@ impl Stage {
                 let bufs = self.meta.caches.iter().map(|c| vec![0f32; capacity * c.width]).collect();
                 seqs.insert(seq, (capacity, bufs));
             }
-            Backing::Gpu { device, seqs, .. } => {
+            Backing::Gpu { device, seqs, graphs, .. } => {
                 let mut bufs = Vec::new();
                 for c in &self.meta.caches {
                     bufs.push(device.zeros(capacity * c.width * 4)?);
                 }
                 seqs.insert(seq, (capacity, bufs));
+                // Graphs of micro-batches with this sequence point at its old caches.
+                graphs.by_batch.retain(|k, _| !k.contains(&seq));
             }
         }
         Ok(())
@@ -145,6 +202,21 @@ impl Stage {
     /// (the step's NCCL send waits for the receiver) and no payload.
     pub fn use_nccl(&mut self, link: cuda::nccl::Link) {
         self.nccl = Some(link);
+    }
+
+    /// CUDA stages: whether decode steps are captured and replayed as graphs.
+    pub fn set_cuda_graphs(&mut self, on: bool) {
+        if let Backing::Gpu { graphs, .. } = &mut self.backing {
+            graphs.on = on;
+        }
+    }
+
+    /// Decode steps replayed from CUDA graphs so far.
+    pub fn graph_replays(&self) -> usize {
+        match &self.backing {
+            Backing::Gpu { graphs, .. } => graphs.replays,
+            Backing::Host { .. } => 0,
+        }
     }
 
     pub fn uses_nccl(&self) -> bool {
@@ -249,7 +321,7 @@ impl Stage {
                     );
                 }
             }
-            Backing::Gpu { device, table, table_dev, seqs, .. } => {
+            Backing::Gpu { device, table, table_dev, seqs, graphs, .. } => {
                 let mut tables: Vec<&Vec<u64>> = Vec::new();
                 for s in segments {
                     let (capacity, bufs) = seqs.get(&s.seq).ok_or_else(|| format!("sequence {} has no caches", s.seq))?;
@@ -258,49 +330,93 @@ impl Stage {
                     tables.push(bufs);
                 }
                 let table_ptrs: Vec<*const u64> = tables.iter().map(|t| t.as_ptr()).collect();
-                let alloc = |n: usize| cuda::m3c_buf_alloc(n as i64) as u64;
-                let (d_ids, d_pos, d_x) = (alloc(tokens * 8), alloc(tokens * 8), alloc(x.len() * 4));
-                let (d_logits, d_out) = (alloc(logits.len() * 4), alloc(out_ids.len() * 8));
-                device.copy_in(d_pos, bytes_of(&pos))?;
+                // Decode steps (one row per sequence) go through a graph from their
+                // micro-batch's second step on; everything else runs eagerly.
+                let key: Option<Vec<usize>> = (graphs.on && segments.iter().all(|s| s.rows == 1)).then(|| segments.iter().map(|s| s.seq).collect());
+                let plan = match key.as_ref().map(|k| graphs.by_batch.get(k)) {
+                    Some(None) if graphs.by_batch.len() < MAX_GRAPHS => {
+                        graphs.by_batch.insert(key.clone().unwrap_or_default(), GraphSlot::Seen);
+                        Plan::Eager
+                    }
+                    Some(Some(GraphSlot::Seen)) => Plan::Capture,
+                    Some(Some(GraphSlot::Ready(..))) => Plan::Replay,
+                    _ => Plan::Eager,
+                };
+                let io = match (&plan, key.as_ref().and_then(|k| graphs.by_batch.get(k))) {
+                    (Plan::Replay, Some(GraphSlot::Ready(_, io))) => *io,
+                    _ => Io::alloc(tokens, m.hidden, if m.last_stage { m.vocab } else { 0 }),
+                };
+                device.copy_in(io.pos, bytes_of(&pos))?;
                 if m.first_stage {
-                    device.copy_in(d_ids, bytes_of(ids))?;
+                    device.copy_in(io.ids, bytes_of(ids))?;
                 } else if let Some(link) = &self.nccl {
-                    link.recv(d_x, x.len(), m.stage - 1)?;
+                    link.recv(io.x, x.len(), m.stage - 1)?;
                 } else {
-                    device.copy_in(d_x, bytes_of(x))?;
+                    device.copy_in(io.x, bytes_of(x))?;
                 }
-                // SAFETY: as on the host, with device buffers of the same sizes
-                // and host tables of device pointers.
-                unsafe {
-                    m3c_stage_step(
-                        table.as_ptr() as *const *const u8,
-                        *table_dev as *const *const u8,
-                        table_ptrs.as_ptr() as *const *const *mut f32,
-                        n,
-                        rows.as_ptr(),
-                        caps.as_ptr(),
-                        tokens as i64,
-                        d_ids as *const i64,
-                        d_x as *mut f32,
-                        d_logits as *mut f32,
-                        d_out as *mut i64,
-                        d_pos as *const i64,
-                    );
+                let run = || {
+                    // SAFETY: as on the host, with device buffers of the same sizes
+                    // and host tables of device pointers.
+                    unsafe {
+                        m3c_stage_step(
+                            table.as_ptr() as *const *const u8,
+                            *table_dev as *const *const u8,
+                            table_ptrs.as_ptr() as *const *const *mut f32,
+                            n,
+                            rows.as_ptr(),
+                            caps.as_ptr(),
+                            tokens as i64,
+                            io.ids as *const i64,
+                            io.x as *mut f32,
+                            io.logits as *mut f32,
+                            io.out as *mut i64,
+                            io.pos as *const i64,
+                        );
+                    }
+                };
+                // The graph's own buffers stay with it; fresh ones go back to the pool.
+                let mut keep_io = matches!(plan, Plan::Replay);
+                match plan {
+                    Plan::Eager => run(),
+                    Plan::Replay => {
+                        let Some(GraphSlot::Ready(g, _)) = key.as_ref().and_then(|k| graphs.by_batch.get(k)) else {
+                            return Err("runtime bug: a graph replay without a graph".into());
+                        };
+                        device.replay(g)?;
+                        graphs.replays += 1;
+                    }
+                    Plan::Capture => {
+                        let k = key.clone().unwrap_or_default();
+                        match device.capture(run) {
+                            Ok(g) => {
+                                device.replay(&g)?;
+                                graphs.replays += 1;
+                                graphs.by_batch.insert(k, GraphSlot::Ready(g, io));
+                                keep_io = true;
+                            }
+                            Err(e) => {
+                                let line = format!("m3c stage {}: CUDA graph capture failed ({e}); this micro-batch runs without a graph\n", m.stage);
+                                let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+                                graphs.by_batch.insert(k, GraphSlot::Eager);
+                                run();
+                            }
+                        }
+                    }
                 }
                 if !m.last_stage {
                     if let Some(link) = &self.nccl {
-                        link.send(d_x, x.len(), m.stage + 1)?;
+                        link.send(io.x, x.len(), m.stage + 1)?;
                     }
                 }
                 device.sync()?;
                 if m.last_stage {
-                    device.download(d_logits, bytes_of_mut(&mut logits))?;
-                    device.download(d_out, bytes_of_mut(&mut out_ids))?;
+                    device.download(io.logits, bytes_of_mut(&mut logits))?;
+                    device.download(io.out, bytes_of_mut(&mut out_ids))?;
                 } else if self.nccl.is_none() {
-                    device.download(d_x, bytes_of_mut(x))?;
+                    device.download(io.x, bytes_of_mut(x))?;
                 }
-                for d in [d_ids, d_pos, d_x, d_logits, d_out] {
-                    cuda::m3c_buf_free(d as *mut c_void);
+                if !keep_io {
+                    io.free();
                 }
             }
         }

@@ -187,6 +187,15 @@ fn stages_run_by_hand_and_reject_a_wrong_world_or_a_foreign_stage() {
     let o = mpirun(&[args(&s0), args(&s1)]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).contains("prompt 0: "), "{}", stdout(&o));
+    // A stage argument with a wrong value.
+    let bad = |exe: &Path| -> Vec<String> {
+        let mut v = args(exe);
+        v.extend(["--cuda-graphs", "maybe"].map(String::from));
+        v
+    };
+    let o = mpirun(&[bad(&s0), bad(&s1)]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--cuda-graphs: `maybe` is not `on` or `off`"), "{}", stderr(&o));
     // Three ranks for a two-stage compile.
     let o = mpirun(&[args(&s0), args(&s1), args(&s1)]);
     assert!(!o.status.success());
