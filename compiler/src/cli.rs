@@ -105,6 +105,9 @@ struct CompileArgs {
     /// LLVM CPU for host code (`x86-64` runs anywhere; `x86-64-v3` needs AVX2).
     #[arg(long, default_value = "x86-64-v3")]
     cpu: String,
+    /// How KV and MSA index-key caches store elements: `f32` (exact), or `bf16` (half the memory and attention reads; values rounded to nearest even).
+    #[arg(long = "kv-cache", value_parser = ["f32", "bf16"], default_value = "f32")]
+    kv_cache: String,
 }
 
 #[derive(clap::Args)]
@@ -312,7 +315,8 @@ fn compile_cmd(args: CompileArgs) -> Result<()> {
     let replace = args.out.join("manifest.json").is_file();
     let runtime_lib = crate::compile::find_runtime_lib()?;
     let t0 = std::time::Instant::now();
-    let req = crate::compile::CompileRequest { config: cfg, plan: &p, out: &args.out, emit, cpu: args.cpu.clone(), runtime_lib, replace };
+    let kv_cache = if args.kv_cache == "bf16" { m3c_kernels::CacheType::Bf16 } else { m3c_kernels::CacheType::F32 };
+    let req = crate::compile::CompileRequest { config: cfg, plan: &p, out: &args.out, emit, cpu: args.cpu.clone(), kv_cache, runtime_lib, replace };
     let m = crate::compile::compile(&req)?;
     for s in &m.stages {
         println!("{}/{}: {} ({} kernels, {} tensors)", args.out.display(), s.executable, s.holds, s.kernels.len(), s.tensors.len());

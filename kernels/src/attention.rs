@@ -1,4 +1,5 @@
-use crate::emit::{f32_lit, indent, parallel_or_serial};
+use crate::emit::{cache_load, cache_load8, f32_lit, indent, parallel_or_serial};
+use crate::CacheType;
 
 /// MiniMax Sparse Attention's block selection, as fixed by the config.
 #[derive(Debug, Clone, Copy, PartialEq, PartialOrd)]
@@ -26,10 +27,10 @@ const POS_INF: &str = "0x7F800000";
 /// step's rows already written; it may be longer, up to its capacity); query
 /// row `r` sits at position `pos[r]` and sees keys `0..=pos[r]`.
 /// Sparse: `iq`: `[S, index_heads·index_dim]`, `ik`: `[T, index_dim]`.
-pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64, sparse: Option<SparseSel>) -> String {
+pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64, sparse: Option<SparseSel>, cache: CacheType) -> String {
     let group = heads / kv_heads;
     let qt = format!("memref<?x{}xf32>", heads * d);
-    let kt = format!("memref<?x{}xf32>", kv_heads * d);
+    let kt = format!("memref<?x{}x{}>", kv_heads * d, cache.mlir_elem());
     let mut args = format!("%q: {qt}, %k: {kt}, %v: {kt}, %pos: memref<?xi64>");
     let mut setup = String::new();
     let mut select = String::new();
@@ -103,7 +104,7 @@ pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64
              \x20   memref.store %i32_1, %sel[%best#1] : memref<?xi32>\n\
              \x20 }}\n\
              }}\n",
-            dot_idx = indent(&dot("%dot", "%iq", &iqt, "%r", "%iqb", "%ik", &ikt, "%t", "%c0", "%cid", s.index_dim), 2),
+            dot_idx = indent(&dot("%dot", "%iq", &iqt, "%r", "%iqb", "%ik", &ikt, "%t", "%c0", "%cid", s.index_dim, CacheType::F32), 2),
         );
         allowed = "%tb = arith.divui %t, %cB : index\n\
                    %sv = memref.load %sel[%tb] : memref<?xi32>\n\
@@ -162,8 +163,8 @@ pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64
          \x20 }}\n\
 ",
         select = indent(&select, 4),
-        dot_qk = indent(&dot("%dot", "%q", &qt, "%r", "%qb", "%k", &kt, "%t", "%kb", "%cd", d), 10),
-        pv = indent(&pv(&qt, &kt, d), 8),
+        dot_qk = indent(&dot("%dot", "%q", &qt, "%r", "%qb", "%k", &kt, "%t", "%kb", "%cd", d, cache), 10),
+        pv = indent(&pv(&qt, &kt, d, cache), 8),
         allowed = indent(&allowed, 8),
         teardown = indent(&teardown, 4),
     );
@@ -207,7 +208,7 @@ pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64
 /// `n`): eight lanes at a time when `len` allows (the lane sums are added at
 /// the end), else one by one.
 #[allow(clippy::too_many_arguments)]
-fn dot(dst: &str, x: &str, xt: &str, xr: &str, xb: &str, y: &str, yt: &str, yr: &str, yb: &str, n: &str, len: usize) -> String {
+fn dot(dst: &str, x: &str, xt: &str, xr: &str, xb: &str, y: &str, yt: &str, yr: &str, yb: &str, n: &str, len: usize, ycache: CacheType) -> String {
     let d = dst.trim_start_matches('%');
     if len.is_multiple_of(8) {
         format!(
@@ -217,12 +218,13 @@ fn dot(dst: &str, x: &str, xt: &str, xr: &str, xb: &str, y: &str, yt: &str, yr: 
              \x20 %xc = arith.addi {xb}, %c : index\n\
              \x20 %yc = arith.addi {yb}, %c : index\n\
              \x20 %x1 = vector.load {x}[{xr}, %xc] : {xt}, vector<8xf32>\n\
-             \x20 %x2 = vector.load {y}[{yr}, %yc] : {yt}, vector<8xf32>\n\
+             {y8}\
              \x20 %mm = arith.mulf %x1, %x2 : vector<8xf32>\n\
              \x20 %a2 = arith.addf %a, %mm : vector<8xf32>\n\
              \x20 scf.yield %a2 : vector<8xf32>\n\
              }}\n\
-             {dst} = vector.reduction <add>, %{d}_v fastmath<reassoc> : vector<8xf32> into f32\n"
+             {dst} = vector.reduction <add>, %{d}_v fastmath<reassoc> : vector<8xf32> into f32\n",
+            y8 = indent(&cache_load8("%x2", y, yt, yr, "%yc", ycache), 2),
         )
     } else {
         format!(
@@ -230,18 +232,19 @@ fn dot(dst: &str, x: &str, xt: &str, xr: &str, xb: &str, y: &str, yt: &str, yr: 
              \x20 %xc = arith.addi {xb}, %c : index\n\
              \x20 %yc = arith.addi {yb}, %c : index\n\
              \x20 %x1 = memref.load {x}[{xr}, %xc] : {xt}\n\
-             \x20 %x2 = memref.load {y}[{yr}, %yc] : {yt}\n\
+             {y1}\
              \x20 %mm = arith.mulf %x1, %x2 : f32\n\
              \x20 %a2 = arith.addf %a, %mm : f32\n\
              \x20 scf.yield %a2 : f32\n\
-             }}\n"
+             }}\n",
+            y1 = indent(&cache_load("%x2", y, yt, yr, "%yc", ycache), 2),
         )
     }
 }
 
 /// `o[r, qb + c] += pw · v[t, kb + c]` over the head: eight lanes at a time
 /// when the head allows (the same multiply and add per element either way).
-fn pv(qt: &str, kt: &str, d: usize) -> String {
+fn pv(qt: &str, kt: &str, d: usize, cache: CacheType) -> String {
     if d.is_multiple_of(8) {
         format!(
             "%pv_c8 = arith.constant 8 : index\n\
@@ -249,24 +252,26 @@ fn pv(qt: &str, kt: &str, d: usize) -> String {
              scf.for %c = %c0 to %cd step %pv_c8 {{\n\
              \x20 %oc = arith.addi %qb, %c : index\n\
              \x20 %vc = arith.addi %kb, %c : index\n\
-             \x20 %vv = vector.load %v[%t, %vc] : {kt}, vector<8xf32>\n\
+             {v8}\
              \x20 %ov = vector.load %o[%r, %oc] : {qt}, vector<8xf32>\n\
              \x20 %pvv = arith.mulf %pwv, %vv : vector<8xf32>\n\
              \x20 %o2 = arith.addf %ov, %pvv : vector<8xf32>\n\
              \x20 vector.store %o2, %o[%r, %oc] : {qt}, vector<8xf32>\n\
-             }}\n"
+             }}\n",
+            v8 = indent(&cache_load8("%vv", "%v", kt, "%t", "%vc", cache), 2),
         )
     } else {
         format!(
             "scf.for %c = %c0 to %cd step %c1 {{\n\
              \x20 %oc = arith.addi %qb, %c : index\n\
              \x20 %vc = arith.addi %kb, %c : index\n\
-             \x20 %vv = memref.load %v[%t, %vc] : {kt}\n\
+             {v1}\
              \x20 %ov = memref.load %o[%r, %oc] : {qt}\n\
              \x20 %pvv = arith.mulf %pw, %vv : f32\n\
              \x20 %o2 = arith.addf %ov, %pvv : f32\n\
              \x20 memref.store %o2, %o[%r, %oc] : {qt}\n\
-             }}\n"
+             }}\n",
+            v1 = indent(&cache_load("%vv", "%v", kt, "%t", "%vc", cache), 2),
         )
     }
 }

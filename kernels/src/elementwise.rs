@@ -127,10 +127,12 @@ pub fn embedding(name: &str, vocab: usize, width: usize, weight: crate::WeightTy
     )
 }
 
-/// Row `r` of `x` into row `pos[r]` of `y`. `x`: `[S, width]`, `pos`: `[S]`,
-/// `y`: `[T, width]` (a cache; every `pos[r] < T`).
-pub fn scatter_rows(name: &str, width: usize) -> String {
+/// Row `r` of `x` into row `pos[r]` of `y`. `x`: `[S, width]` f32, `pos`:
+/// `[S]`, `y`: `[T, width]` (a cache of `cache`'s type; every `pos[r] < T`).
+pub fn scatter_rows(name: &str, width: usize, cache: crate::CacheType) -> String {
     let t = format!("memref<?x{width}xf32>");
+    let yt = format!("memref<?x{width}x{}>", cache.mlir_elem());
+    let store = crate::emit::cache_store("%v", "%y", &yt, "%p", "%i", cache);
     let body = format!(
         "%c0 = arith.constant 0 : index\n\
          %c1 = arith.constant 1 : index\n\
@@ -141,13 +143,14 @@ pub fn scatter_rows(name: &str, width: usize) -> String {
          \x20 %p = arith.index_cast %p64 : i64 to index\n\
          \x20 scf.for %i = %c0 to %cw step %c1 {{\n\
          \x20   %v = memref.load %x[%r, %i] : {t}\n\
-         \x20   memref.store %v, %y[%p, %i] : {t}\n\
+         {store}\
          \x20 }}\n\
          }}\n\
-         return\n"
+         return\n",
+        store = indent(&store, 4),
     );
     format!(
-        "  func.func @{name}(%x: {t}, %pos: memref<?xi64>, %y: {t}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n",
+        "  func.func @{name}(%x: {t}, %pos: memref<?xi64>, %y: {yt}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n",
         indent(&body, 4)
     )
 }

@@ -147,3 +147,56 @@ pub fn parallel_or_serial(work: &str, ivs: &[&str], lbs: &[&str], ubs: &[&str], 
         indent(&format!("{serial_open}{}{serial_close}", indent(body, 2 * ivs.len())), 2),
     )
 }
+
+/// `{dst}` (f32) = element `[r, c]` of cache `mem` (type `ty`): a load, and
+/// for bf16 bits the widening `f32::from_bits((b as u32) << 16)`.
+pub fn cache_load(dst: &str, mem: &str, ty: &str, r: &str, c: &str, cache: crate::CacheType) -> String {
+    match cache {
+        crate::CacheType::F32 => format!("{dst} = memref.load {mem}[{r}, {c}] : {ty}\n"),
+        crate::CacheType::Bf16 => format!(
+            "{dst}_h = memref.load {mem}[{r}, {c}] : {ty}\n\
+             {dst}_w = arith.extui {dst}_h : i16 to i32\n\
+             {dst}_k = arith.constant 16 : i32\n\
+             {dst}_s = arith.shli {dst}_w, {dst}_k : i32\n\
+             {dst} = arith.bitcast {dst}_s : i32 to f32\n"
+        ),
+    }
+}
+
+/// [`cache_load`] of eight consecutive elements into a `vector<8xf32>`.
+pub fn cache_load8(dst: &str, mem: &str, ty: &str, r: &str, c: &str, cache: crate::CacheType) -> String {
+    match cache {
+        crate::CacheType::F32 => format!("{dst} = vector.load {mem}[{r}, {c}] : {ty}, vector<8xf32>\n"),
+        crate::CacheType::Bf16 => format!(
+            "{dst}_h = vector.load {mem}[{r}, {c}] : {ty}, vector<8xi16>\n\
+             {dst}_w = arith.extui {dst}_h : vector<8xi16> to vector<8xi32>\n\
+             {dst}_k = arith.constant dense<16> : vector<8xi32>\n\
+             {dst}_s = arith.shli {dst}_w, {dst}_k : vector<8xi32>\n\
+             {dst} = arith.bitcast {dst}_s : vector<8xi32> to vector<8xf32>\n"
+        ),
+    }
+}
+
+/// Stores f32 `{v}` at `[r, c]` of cache `mem`; for bf16, rounded to nearest
+/// even (`(b + 0x7FFF + ((b >> 16) & 1)) >> 16`), NaN kept a quiet NaN.
+pub fn cache_store(v: &str, mem: &str, ty: &str, r: &str, c: &str, cache: crate::CacheType) -> String {
+    match cache {
+        crate::CacheType::F32 => format!("memref.store {v}, {mem}[{r}, {c}] : {ty}\n"),
+        crate::CacheType::Bf16 => format!(
+            "{v}_b = arith.bitcast {v} : f32 to i32\n\
+             {v}_k16 = arith.constant 16 : i32\n\
+             {v}_k1 = arith.constant 1 : i32\n\
+             {v}_kr = arith.constant 32767 : i32\n\
+             {v}_kn = arith.constant 32704 : i32\n\
+             {v}_hi = arith.shrui {v}_b, {v}_k16 : i32\n\
+             {v}_lsb = arith.andi {v}_hi, {v}_k1 : i32\n\
+             {v}_r0 = arith.addi {v}_b, {v}_kr : i32\n\
+             {v}_r1 = arith.addi {v}_r0, {v}_lsb : i32\n\
+             {v}_r = arith.shrui {v}_r1, {v}_k16 : i32\n\
+             {v}_nan = arith.cmpf uno, {v}, {v} : f32\n\
+             {v}_sel = arith.select {v}_nan, {v}_kn, {v}_r : i32\n\
+             {v}_h = arith.trunci {v}_sel : i32 to i16\n\
+             memref.store {v}_h, {mem}[{r}, {c}] : {ty}\n"
+        ),
+    }
+}

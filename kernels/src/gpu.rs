@@ -421,14 +421,16 @@ impl Kernel {
                 );
                 vec![func(&sym, &format!("%a: {t}, %b: {t}, %y: {t}"), &body)]
             }
-            Kernel::ScatterRows { width } => {
+            Kernel::ScatterRows { width, cache } => {
                 let t = format!("memref<?x{width}xf32>");
+                let yt = format!("memref<?x{width}x{}>", cache.mlir_elem());
                 let body = format!(
                     "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
                      %p64 = memref.load %pos[%r] : memref<?xi64>\n%p = arith.index_cast %p64 : i64 to index\n\
-                     scf.for %i = %t to %cw step %c256 {{\n  %v = memref.load %x[%r, %i] : {t}\n  memref.store %v, %y[%p, %i] : {t}\n}}\n"
+                     scf.for %i = %t to %cw step %c256 {{\n  %v = memref.load %x[%r, %i] : {t}\n{}}}\n",
+                    indent(&crate::emit::cache_store("%v", "%y", &yt, "%p", "%i", *cache), 2)
                 );
-                vec![func(&sym, &format!("%x: {t}, %pos: memref<?xi64>, %y: {t}"), &body)]
+                vec![func(&sym, &format!("%x: {t}, %pos: memref<?xi64>, %y: {yt}"), &body)]
             }
             Kernel::Argmax { width } => {
                 let t = format!("memref<?x{width}xf32>");
@@ -502,7 +504,7 @@ impl Kernel {
                     )),
                 }]
             }
-            Kernel::Attention { heads, kv_heads, head_dim, scale, sparse } => vec![attention(&sym, *heads, *kv_heads, *head_dim, *scale, *sparse)],
+            Kernel::Attention { heads, kv_heads, head_dim, scale, sparse, cache } => vec![attention(&sym, *heads, *kv_heads, *head_dim, *scale, *sparse, *cache)],
             Kernel::RoutedExperts { hidden, inter, top_k, weight, alpha, limit, beta, .. } => {
                 routed_experts(&sym, *hidden, *inter, *top_k, *weight, *alpha, *limit, *beta)
             }
@@ -628,10 +630,11 @@ impl Kernel {
 }
 
 /// Attention on the GPU: one warp per (query row, KV group).
-fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64, sparse: Option<SparseSel>) -> GpuFunc {
+fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64, sparse: Option<SparseSel>, cache: crate::CacheType) -> GpuFunc {
     let group = heads / kv_heads;
     let qt = format!("memref<?x{}xf32>", heads * d);
-    let kt = format!("memref<?x{}xf32>", kv_heads * d);
+    let kt = format!("memref<?x{}x{}>", kv_heads * d, cache.mlir_elem());
+    let load = |dst: &str, mem: &str, ty: &str, r: &str, c: &str| crate::emit::cache_load(dst, mem, ty, r, c, cache);
     let mut params = format!("%q: {qt}, %k: {kt}, %v: {kt}, %pos: memref<?xi64>");
     let mut select = String::new();
     let mut allowed = "%allowed = arith.constant true\n".to_string();
@@ -650,7 +653,7 @@ fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64, sp
              \x20 %t0 = arith.muli %b, %cB : index\n  %t1a = arith.addi %t0, %cB : index\n  %t1 = arith.minui %t1a, %nk : index\n\
              \x20 %mx = scf.for %t = %t0 to %t1 step %c1 iter_args(%m = %ninf) -> (f32) {{\n\
              \x20   %dot = scf.for %c = %c0 to %cid step %c1 iter_args(%a = %zero) -> (f32) {{\n\
-             \x20     %qc = arith.addi %iqb, %c : index\n      %x1 = memref.load %iq[%r, %qc] : {iqt}\n      %x2 = memref.load %ik[%t, %c] : {ikt}\n\
+             \x20     %qc = arith.addi %iqb, %c : index\n      %x1 = memref.load %iq[%r, %qc] : {iqt}\n{ik_load}\
              \x20     %mm = arith.mulf %x1, %x2 : f32\n      %a2 = arith.addf %a, %mm : f32\n      scf.yield %a2 : f32\n    }}\n\
              \x20   %m2 = arith.maximumf %m, %dot : f32\n    scf.yield %m2 : f32\n  }}\n\
              \x20 %bl = arith.addi %b, %clocal : index\n  %isloc = arith.cmpi ugt, %bl, %bq : index\n  %isinit = arith.cmpi ult, %b, %cinit : index\n\
@@ -676,6 +679,7 @@ fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64, sp
             id = s.index_dim,
             local = s.local,
             init = s.init,
+            ik_load = indent(&crate::emit::cache_load("%x2", "%ik", &ikt, "%t", "%c", crate::CacheType::F32), 6),
         );
         allowed = "%tb = arith.divui %t, %cB : index\n%at = arith.addi %rbase, %tb : index\n%sv = memref.load %sel[%at] : memref<?xi32>\n%allowed = arith.cmpi ne, %sv, %i0 : i32\n".into();
     }
@@ -697,13 +701,13 @@ fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64, sp
          \x20   %res:2 = scf.if %allowed -> (f32, f32) {{\n\
          \x20     %dot = scf.for %c = %c0 to %cd step %c1 iter_args(%a = %zero) -> (f32) {{\n\
          \x20       %qc = arith.addi %qb, %c : index\n        %kc = arith.addi %kb, %c : index\n\
-         \x20       %x1 = memref.load %q[%r, %qc] : {qt}\n        %x2 = memref.load %k[%t, %kc] : {kt}\n\
+         \x20       %x1 = memref.load %q[%r, %qc] : {qt}\n{k_load}\
          \x20       %mm = arith.mulf %x1, %x2 : f32\n        %a2 = arith.addf %a, %mm : f32\n        scf.yield %a2 : f32\n      }}\n\
          \x20     %s = arith.mulf %dot, %scale : f32\n      %m2 = arith.maximumf %m, %s : f32\n\
          \x20     %dm = arith.subf %m, %m2 : f32\n      %cold = math.exp %dm : f32\n      %ds = arith.subf %s, %m2 : f32\n      %pw = math.exp %ds : f32\n\
          \x20     %lc = arith.mulf %l, %cold : f32\n      %l2 = arith.addf %lc, %pw : f32\n\
          \x20     scf.for %c = %c0 to %cd step %c1 {{\n\
-         \x20       %vc = arith.addi %kb, %c : index\n        %vv = memref.load %v[%t, %vc] : {kt}\n        %av = memref.load %acc[%c] : memref<{d}xf32>\n\
+         \x20       %vc = arith.addi %kb, %c : index\n{v_load}        %av = memref.load %acc[%c] : memref<{d}xf32>\n\
          \x20       %a1 = arith.mulf %av, %cold : f32\n        %pv = arith.mulf %pw, %vv : f32\n        %a2 = arith.addf %a1, %pv : f32\n\
          \x20       memref.store %a2, %acc[%c] : memref<{d}xf32>\n      }}\n\
          \x20     scf.yield %m2, %l2 : f32, f32\n    }} else {{\n      scf.yield %m, %l : f32, f32\n    }}\n\
@@ -720,6 +724,8 @@ fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64, sp
          }}\n",
         sc = f32_lit(scale),
         allowed = indent(&allowed, 4),
+        k_load = indent(&load("%x2", "%k", &kt, "%t", "%kc"), 8),
+        v_load = indent(&load("%vv", "%v", &kt, "%t", "%vc"), 8),
     );
     func(name, &params, &body)
 }

@@ -29,6 +29,51 @@ pub fn indent(body: &str, n: usize) -> String {
     emit::indent(body, n)
 }
 
+/// How a KV (and MSA index-key) cache stores its elements. Kernels compute
+/// in f32 either way; `Bf16` halves cache memory and the bytes attention
+/// reads, rounding each written value to nearest-even bf16 (as
+/// `torch.Tensor.to(torch.bfloat16)` does). Stored as `i16` bit patterns
+/// and converted with integer ops, so no back end needs bf16 arithmetic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub enum CacheType {
+    #[default]
+    F32,
+    Bf16,
+}
+
+impl CacheType {
+    /// The memref element type of a cache of this type.
+    pub fn mlir_elem(self) -> &'static str {
+        match self {
+            CacheType::F32 => "f32",
+            CacheType::Bf16 => "i16",
+        }
+    }
+
+    pub fn bytes(self) -> usize {
+        match self {
+            CacheType::F32 => 4,
+            CacheType::Bf16 => 2,
+        }
+    }
+
+    /// The name users write (`--kv-cache`) and manifests record.
+    pub fn name(self) -> &'static str {
+        match self {
+            CacheType::F32 => "f32",
+            CacheType::Bf16 => "bf16",
+        }
+    }
+
+    /// Suffix of kernel symbols that touch a cache of this type (none for f32).
+    fn suffix(self) -> &'static str {
+        match self {
+            CacheType::F32 => "",
+            CacheType::Bf16 => "_kvbf16",
+        }
+    }
+}
+
 /// How a weight operand is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum WeightType {
@@ -81,9 +126,9 @@ pub enum Kernel {
     /// Row `r` of `x` into row `pos[r]` of `y`: a sequence's new keys and
     /// values into its cache, at positions read from memory (not baked into
     /// the call), so a decode step's launches are the same at every position.
-    ScatterRows { width: usize },
+    ScatterRows { width: usize, cache: CacheType },
     /// Causal GQA attention over the cache; MSA block selection fused in when `sparse` is set.
-    Attention { heads: usize, kv_heads: usize, head_dim: usize, scale: f64, sparse: Option<SparseSel> },
+    Attention { heads: usize, kv_heads: usize, head_dim: usize, scale: f64, sparse: Option<SparseSel>, cache: CacheType },
     /// fp32 sigmoid router with selection bias, top-k, renormalisation and routed scaling.
     Router { width: usize, experts: usize, top_k: usize, scale: f64, weight: WeightType, bias: Option<WeightType> },
     /// The routed experts' SwiGLU-OAI MLPs, weighted and summed per token.
@@ -109,8 +154,8 @@ impl Kernel {
             Kernel::Argmax { width } => format!("m3c_argmax_w{width}"),
             Kernel::Embedding { vocab, width, weight } => format!("m3c_embedding_v{vocab}_w{width}_{}", weight.tag()),
             Kernel::Add { width } => format!("m3c_add_w{width}"),
-            Kernel::ScatterRows { width } => format!("m3c_scatter_rows_w{width}"),
-            Kernel::Attention { heads, kv_heads, head_dim, scale, sparse } => {
+            Kernel::ScatterRows { width, cache } => format!("m3c_scatter_rows_w{width}{}", cache.suffix()),
+            Kernel::Attention { heads, kv_heads, head_dim, scale, sparse, cache } => {
                 let mut s = format!("m3c_attention_h{heads}_kv{kv_heads}_d{head_dim}_s{}", num_tag(*scale));
                 if let Some(m) = sparse {
                     s.push_str(&format!(
@@ -118,6 +163,7 @@ impl Kernel {
                         m.index_heads, m.index_dim, m.block, m.topk, m.local, m.init
                     ));
                 }
+                s.push_str(cache.suffix());
                 s
             }
             Kernel::Router { width, experts, top_k, scale, weight, bias } => format!(
@@ -158,9 +204,9 @@ impl Kernel {
             Kernel::Argmax { width } => elementwise::argmax(&self.symbol(), *width),
             Kernel::Embedding { vocab, width, weight } => elementwise::embedding(&self.symbol(), *vocab, *width, *weight),
             Kernel::Add { width } => elementwise::add(&self.symbol(), *width),
-            Kernel::ScatterRows { width } => elementwise::scatter_rows(&self.symbol(), *width),
-            Kernel::Attention { heads, kv_heads, head_dim, scale, sparse } => {
-                attention::attention(&self.symbol(), *heads, *kv_heads, *head_dim, *scale, *sparse)
+            Kernel::ScatterRows { width, cache } => elementwise::scatter_rows(&self.symbol(), *width, *cache),
+            Kernel::Attention { heads, kv_heads, head_dim, scale, sparse, cache } => {
+                attention::attention(&self.symbol(), *heads, *kv_heads, *head_dim, *scale, *sparse, *cache)
             }
             Kernel::Router { width, experts, top_k, scale, weight, bias } => {
                 moe::router(&self.symbol(), *width, *experts, *top_k, *scale, *weight, *bias)

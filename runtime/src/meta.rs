@@ -15,6 +15,13 @@ pub struct TensorSlot {
 #[derive(Debug, Clone, Deserialize)]
 pub struct CacheSlot {
     pub width: usize,
+    /// Bytes per element: 4 (f32) or 2 (bf16).
+    #[serde(default = "f32_bytes")]
+    pub bytes: usize,
+}
+
+fn f32_bytes() -> usize {
+    4
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -162,13 +162,14 @@ impl Stage {
     pub fn start_seq(&mut self, seq: usize, capacity: usize) -> Result<(), String> {
         match &mut self.backing {
             Backing::Host { seqs, .. } => {
-                let bufs = self.meta.caches.iter().map(|c| vec![0f32; capacity * c.width]).collect();
+                // f32 words holding `capacity × width` elements of the cache's type.
+                let bufs = self.meta.caches.iter().map(|c| vec![0f32; (capacity * c.width * c.bytes).div_ceil(4)]).collect();
                 seqs.insert(seq, (capacity, bufs));
             }
             Backing::Gpu { device, seqs, graphs, .. } => {
                 let mut bufs = Vec::new();
                 for c in &self.meta.caches {
-                    bufs.push(device.zeros(capacity * c.width * 4)?);
+                    bufs.push(device.zeros(capacity * c.width * c.bytes)?);
                 }
                 seqs.insert(seq, (capacity, bufs));
                 // Graphs of micro-batches with this sequence point at its old caches.
@@ -179,7 +180,7 @@ impl Stage {
     }
 
     pub fn cache_bytes(&self) -> usize {
-        let per_pos: usize = self.meta.caches.iter().map(|c| c.width * 4).sum();
+        let per_pos: usize = self.meta.caches.iter().map(|c| c.width * c.bytes).sum();
         match &self.backing {
             Backing::Host { seqs, .. } => seqs.values().map(|(cap, _)| cap * per_pos).sum(),
             Backing::Gpu { seqs, .. } => seqs.values().map(|(cap, _)| cap * per_pos).sum(),

@@ -131,3 +131,20 @@ fn a_cuda_stage_without_a_gpu_fails_cleanly() {
         assert!(!e.contains("panicked"), "{e}");
     }
 }
+
+/// `--kv-cache bf16` on the GPU: the cache kernels come in their bf16
+/// variants and every stage still assembles for sm_90a.
+#[test]
+fn bf16_kv_cache_stages_assemble_for_sm90a() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = compile_cuda(&fixture("tiny-m3"), 2, dir.path(), &["--emit", "ptx", "--kv-cache", "bf16"]);
+    for k in 0..2 {
+        let ptx_file = out.join(format!("stage-{k}.ptx"));
+        let ptx = std::fs::read_to_string(&ptx_file).unwrap();
+        let list = entries(&ptx);
+        assert!(list.iter().any(|e| e.starts_with("m3c_scatter_rows_w64_kvbf16 ")), "stage {k}: {list:?}");
+        assert!(list.iter().filter(|e| e.starts_with("m3c_attention_")).all(|e| e.contains("_kvbf16 ")), "stage {k}: {list:?}");
+        let o = std::process::Command::new(cuda_root().join("bin/ptxas")).args(["-arch=sm_90a", "-o", "/dev/null"]).arg(&ptx_file).output().unwrap();
+        assert!(o.status.success(), "stage {k}: ptxas: {}", String::from_utf8_lossy(&o.stderr));
+    }
+}

@@ -261,3 +261,121 @@ fn linear_tiles_cover_every_row_and_output() {
     assert!(y.iter().all(|v| v.is_finite()), "every output is written");
     close(&y, &want, 1e-5);
 }
+
+/// bf16 by exact comparison: the nearer of the two bf16 values around `x`
+/// (ties to the even one), found without the bit trick the kernel uses.
+fn bf16_nearest_even(x: f32) -> u16 {
+    if x.is_nan() {
+        return 0x7FC0;
+    }
+    if x.is_infinite() {
+        return (x.to_bits() >> 16) as u16;
+    }
+    let lo = (x.to_bits() >> 16) as u16;
+    let hi = lo.wrapping_add(1);
+    // Past the largest finite value, rounding sees infinity as 2^128 (IEEE overflow).
+    let val = |h: u16| {
+        let v = f32::from_bits((h as u32) << 16);
+        if v.is_infinite() {
+            v.signum() as f64 * 2f64.powi(128)
+        } else {
+            v as f64
+        }
+    };
+    let (dl, dh) = ((x as f64 - val(lo)).abs(), (val(hi) - x as f64).abs());
+    if dl < dh || (dl == dh && lo % 2 == 0) {
+        lo
+    } else {
+        hi
+    }
+}
+
+#[test]
+fn bf16_cache_writes_round_to_nearest_even_at_their_positions() {
+    use m3c_kernels::CacheType;
+    let dir = tempfile::tempdir().unwrap();
+    let k = Kernel::ScatterRows { width: 8, cache: CacheType::Bf16 };
+    let lib = build(&[k.clone()], dir.path());
+    let step = f32::from_bits(1 << 16); // the smallest bf16 subnormal
+    let x: Vec<f32> = vec![
+        1.0 + 1.0 / 256.0, // halfway: even (1.0) wins
+        1.0 + 3.0 / 256.0, // halfway: even (1.0 + 4/256) wins
+        1.0 + 1.5 / 256.0, // nearer the upper
+        -2.718_281_8,
+        f32::NAN,
+        f32::INFINITY,
+        f32::MAX, // rounds to infinity
+        step,
+        // row 1
+        0.1, -0.1, 3.0e-40, 65504.0, 1.0e10, -0.0, 0.333_333_34, 7.999_999_5,
+    ];
+    let pos = [3i64, 0];
+    let y = vec![0x5555u16; 4 * 8];
+    let f: libloading::Symbol<unsafe extern "C" fn(*const Memref2<f32>, *const Memref1<i64>, *const Memref2<u16>)> =
+        unsafe { lib.get(format!("_mlir_ciface_{}", k.symbol()).as_bytes()).unwrap() };
+    unsafe { f(&m2(&x, 2, 8), &m1(&pos), &m2(&y, 4, 8)) };
+    let want = |r: usize| -> Vec<u16> { x[r * 8..r * 8 + 8].iter().map(|&v| bf16_nearest_even(v)).collect() };
+    assert_eq!(&y[24..32], &want(0)[..], "row 0 lands at position 3");
+    assert_eq!(&y[0..8], &want(1)[..], "row 1 lands at position 0");
+    assert!(y[8..24].iter().all(|&b| b == 0x5555), "other positions untouched");
+    assert_eq!(y[24], 0x3F80, "1 + 2^-8 ties to 1.0");
+    assert_eq!(y[30], 0x7F80, "f32::MAX rounds to +inf");
+}
+
+/// Attention over bf16 caches equals f32 attention over the same (rounded)
+/// values bit for bit: the cache type changes storage, never arithmetic.
+/// Dense and MSA (whose index-key cache stays f32); the caches are
+/// longer than the context (their capacity), positions come from `pos`.
+#[test]
+fn attention_over_bf16_caches_equals_f32_attention_over_the_rounded_values() {
+    use m3c_kernels::{CacheType, SparseSel};
+    let dir = tempfile::tempdir().unwrap();
+    let (heads, kv, d, cap) = (4usize, 2usize, 16usize, 12usize);
+    let sel = SparseSel { index_heads: 2, index_dim: 16, block: 2, topk: 2, local: 1, init: 0 };
+    let mk = |sparse: Option<SparseSel>, cache| Kernel::Attention { heads, kv_heads: kv, head_dim: d, scale: 0.25, sparse, cache };
+    let kernels = [mk(None, CacheType::F32), mk(None, CacheType::Bf16), mk(Some(sel), CacheType::F32), mk(Some(sel), CacheType::Bf16)];
+    let lib = build(&kernels, dir.path());
+    let rows = 3;
+    let q = input(rows, heads * d);
+    let iq: Vec<f32> = input(rows, 2 * 16).iter().map(|v| v * 0.7 + 0.1).collect();
+    let pos = [6i64, 7, 8];
+    let bits = |n: usize, salt: usize| -> Vec<u16> {
+        (0..n).map(|i| bf16_nearest_even(((i * 7919 + salt) % 1000) as f32 / 400.0 - 1.2)).collect()
+    };
+    let widen = |b: &[u16]| -> Vec<f32> { b.iter().map(|&h| f32::from_bits((h as u32) << 16)).collect() };
+    let (kb, vb) = (bits(cap * kv * d, 1), bits(cap * kv * d, 2));
+    let (kf, vf, ifl) = (widen(&kb), widen(&vb), widen(&bits(cap * 16, 3)));
+    for sparse in [false, true] {
+        let mut outs = Vec::new();
+        for (i, bf) in [(0usize, false), (1, true)] {
+            let k = &kernels[i + if sparse { 2 } else { 0 }];
+            let o = vec![0f32; rows * heads * d];
+            unsafe {
+                if sparse {
+                    // Index keys stay f32 whatever the K/V cache type.
+                    type F<T> = unsafe extern "C" fn(*const Memref2<f32>, *const Memref2<T>, *const Memref2<T>, *const Memref1<i64>, *const Memref2<f32>, *const Memref2<f32>, *const Memref2<f32>);
+                    if bf {
+                        let f: libloading::Symbol<F<u16>> = lib.get(format!("_mlir_ciface_{}", k.symbol()).as_bytes()).unwrap();
+                        f(&m2(&q, rows, heads * d), &m2(&kb, cap, kv * d), &m2(&vb, cap, kv * d), &m1(&pos), &m2(&iq, rows, 32), &m2(&ifl, cap, 16), &m2(&o, rows, heads * d));
+                    } else {
+                        let f: libloading::Symbol<F<f32>> = lib.get(format!("_mlir_ciface_{}", k.symbol()).as_bytes()).unwrap();
+                        f(&m2(&q, rows, heads * d), &m2(&kf, cap, kv * d), &m2(&vf, cap, kv * d), &m1(&pos), &m2(&iq, rows, 32), &m2(&ifl, cap, 16), &m2(&o, rows, heads * d));
+                    }
+                } else {
+                    type F<T> = unsafe extern "C" fn(*const Memref2<f32>, *const Memref2<T>, *const Memref2<T>, *const Memref1<i64>, *const Memref2<f32>);
+                    if bf {
+                        let f: libloading::Symbol<F<u16>> = lib.get(format!("_mlir_ciface_{}", k.symbol()).as_bytes()).unwrap();
+                        f(&m2(&q, rows, heads * d), &m2(&kb, cap, kv * d), &m2(&vb, cap, kv * d), &m1(&pos), &m2(&o, rows, heads * d));
+                    } else {
+                        let f: libloading::Symbol<F<f32>> = lib.get(format!("_mlir_ciface_{}", k.symbol()).as_bytes()).unwrap();
+                        f(&m2(&q, rows, heads * d), &m2(&kf, cap, kv * d), &m2(&vf, cap, kv * d), &m1(&pos), &m2(&o, rows, heads * d));
+                    }
+                }
+            }
+            outs.push(o);
+        }
+        assert!(outs[0].iter().any(|v| *v != 0.0), "attention wrote its output (sparse: {sparse})");
+        let (a, b): (Vec<u32>, Vec<u32>) = (outs[0].iter().map(|v| v.to_bits()).collect(), outs[1].iter().map(|v| v.to_bits()).collect());
+        assert_eq!(a, b, "bf16-cache attention differs from f32 attention on the same values (sparse: {sparse})");
+    }
+}

@@ -41,6 +41,8 @@ pub struct CompileRequest<'a> {
     pub emit: Vec<Emit>,
     /// LLVM CPU name for host code.
     pub cpu: String,
+    /// How the stages store their KV and index-key caches.
+    pub kv_cache: m3c_kernels::CacheType,
     pub runtime_lib: PathBuf,
     /// Replace a non-empty OUT.
     pub replace: bool,
@@ -58,7 +60,11 @@ fn stage_meta(p: &StageProgram, stages: usize, cfg: &ModelConfig, compile_id: &s
         .iter()
         .map(|t| serde_json::json!({"name": t.name, "shape": t.shape, "dtype": t.dtype.safetensors_name()}))
         .collect();
-    let caches: Vec<serde_json::Value> = p.caches.iter().map(|c| serde_json::json!({"layer": c.layer, "kind": c.kind, "width": c.width})).collect();
+    let caches: Vec<serde_json::Value> = p
+        .caches
+        .iter()
+        .map(|c| serde_json::json!({"layer": c.layer, "kind": c.kind, "width": c.width, "bytes": if c.dtype == "bf16" { 2 } else { 4 }}))
+        .collect();
     serde_json::json!({
         "compile_id": compile_id,
         "config_sha256": config_sha,
@@ -120,9 +126,9 @@ fn meta_globals(json: &str) -> String {
 
 /// Lowers every stage of `plan` for its target (no back end): what
 /// `--emit mlir` shows and what the compile id hashes.
-pub fn lower_all(cfg: &ModelConfig, plan: &Plan) -> Result<Vec<StageProgram>> {
+pub fn lower_all(cfg: &ModelConfig, plan: &Plan, kv_cache: m3c_kernels::CacheType) -> Result<Vec<StageProgram>> {
     let graph = build_graph(cfg);
-    plan.stages.iter().enumerate().map(|(i, s)| Ok(lower_stage(cfg, &graph, i, s, &plan.target)?)).collect()
+    plan.stages.iter().enumerate().map(|(i, s)| Ok(lower_stage(cfg, &graph, i, s, &plan.target, kv_cache)?)).collect()
 }
 
 /// What the back end made of one stage, whichever the target.
@@ -147,7 +153,7 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
     let mut plan = req.plan.clone();
     plan.model = None;
     let plan_json = serde_json::to_string(&plan).context("plan serialisation")?;
-    let programs = lower_all(cfg, req.plan)?;
+    let programs = lower_all(cfg, req.plan, req.kv_cache)?;
 
     // The compile id covers every input: compiler version, target and CPU,
     // the config's bytes, the plan, the runtime library and the generated
@@ -157,7 +163,7 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
         Some(a) => format!("cuda {a}"),
     };
     let mut h = Sha256::new();
-    for part in [env!("CARGO_PKG_VERSION"), &target_name, &req.cpu, &config_sha, &plan_json, &runtime_sha] {
+    for part in [env!("CARGO_PKG_VERSION"), &target_name, &req.cpu, req.kv_cache.name(), &config_sha, &plan_json, &runtime_sha] {
         h.update((part.len() as u64).to_le_bytes());
         h.update(part.as_bytes());
     }
@@ -168,7 +174,7 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
     let compile_id: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
 
     let n = programs.len();
-    let mut manifest = Manifest::new(cfg, &config_sha, &plan_json, &runtime_sha, &compile_id, &req.cpu, &target_name);
+    let mut manifest = Manifest::new(cfg, &config_sha, &plan_json, &runtime_sha, &compile_id, &req.cpu, &target_name, req.kv_cache.name());
     let mut report = String::new();
     crate::fsutil::write_dir_atomically(req.out, req.replace, |dir| {
         let work = dir.join(".obj");

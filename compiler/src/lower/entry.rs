@@ -9,7 +9,7 @@
 //! ```c
 //! void m3c_stage_step(void *const *weights,     // one pointer per StageProgram::tensors slot
 //!                     void *const *weights_dev, // the same table where kernels can read it (GPU); = weights on the host
-//!                     void *const *const *caches, // per sequence: a table with one pointer per cache slot, [capacity, width] f32
+//!                     void *const *const *caches, // per sequence: a table with one pointer per cache slot, [capacity, width] f32 or bf16 bits
 //!                     int64_t sequences,        // sequences in the micro-batch
 //!                     const int64_t *rows,      // [sequences] rows of each
 //!                     const int64_t *caps,      // [sequences] cache capacity (rows) of each
@@ -134,9 +134,9 @@ impl Emitter {
             Arg::Buf { id, .. } => format!("%b{id}"),
             Arg::Logits { .. } => "%logits".to_string(),
             Arg::OutIds => "%out_ids".to_string(),
-            Arg::Cache { slot, width } => {
+            Arg::Cache { slot, width, cache } => {
                 let p = self.table_ptr("%ctab", *slot);
-                self.view(&p, "%scap", MemTy::rows(*width, "f32"))
+                self.view(&p, "%scap", MemTy::rows(*width, cache.mlir_elem()))
             }
         };
         (name, ty.expect("memref argument").mlir())

@@ -14,7 +14,7 @@ use crate::config::ModelConfig;
 use crate::dtype::DType;
 use crate::graph::{CacheKind, Dim, ModelGraph, Op};
 use crate::model::{expected_tensors, Part, TensorSpec};
-use m3c_kernels::{expert_tensor_types, Kernel, MemTy, SparseSel, WeightType};
+use m3c_kernels::{expert_tensor_types, CacheType, Kernel, MemTy, SparseSel, WeightType};
 use petgraph::graph::NodeIndex;
 use petgraph::Direction;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -35,9 +35,10 @@ pub enum Arg {
     Weight { slot: usize, ty: MemTy },
     /// A pointer into the weight table: the first of a layer's expert tensors.
     ExpertTable { first_slot: usize },
-    /// A sequence's whole cache `[capacity, width]`; kernels reach its rows
-    /// through positions read from `pos`, so no call depends on the position.
-    Cache { slot: usize, width: usize },
+    /// A sequence's whole cache `[capacity, width]` of `cache`'s type; kernels
+    /// reach its rows through positions read from `pos`, so no call depends
+    /// on the position.
+    Cache { slot: usize, width: usize, cache: CacheType },
     /// The logits output `[S, vocab]`.
     Logits { vocab: usize },
     /// The argmax output `[S]`.
@@ -53,7 +54,7 @@ impl Arg {
             Arg::ExpertTable { .. } => return None,
             Arg::Buf { width, elem, .. } => MemTy::rows(*width, elem),
             Arg::Weight { ty, .. } => ty.clone(),
-            Arg::Cache { width, .. } => MemTy::rows(*width, "f32"),
+            Arg::Cache { width, cache, .. } => MemTy::rows(*width, cache.mlir_elem()),
             Arg::Logits { vocab } => MemTy::rows(*vocab, "f32"),
         })
     }
@@ -122,6 +123,8 @@ struct Fuser<'a> {
     tensors: Vec<TensorSlot>,
     caches: Vec<CacheSlot>,
     cache_slots: HashMap<(usize, CacheKind), usize>,
+    /// How every cache of the stage stores its elements.
+    cache: CacheType,
     steps: Vec<Step>,
     kernels: Vec<Kernel>,
     vals: HashMap<NodeIndex, Arg>,
@@ -209,23 +212,37 @@ impl Fuser<'_> {
         self.steps.push(Step::Call { kernel, args, what, per_sequence });
     }
 
-    fn cache_slot(&mut self, layer: usize, kind: CacheKind, width: usize) -> usize {
-        *self.cache_slots.entry((layer, kind)).or_insert_with(|| {
-            self.caches.push(CacheSlot { layer, kind: cache_kind_name(kind), width });
+    /// How a cache of `kind` stores elements: MSA index keys stay f32
+    /// whatever `--kv-cache` says, since block selection is a hard top-k
+    /// (a rounded key can swap a block in or out) and they are a small part
+    /// of the cache (one `index_dim` row per token against K and V's
+    /// `2 · kv_heads · head_dim`).
+    fn cache_type(&self, kind: CacheKind) -> CacheType {
+        match kind {
+            CacheKind::IndexKey => CacheType::F32,
+            CacheKind::Key | CacheKind::Value => self.cache,
+        }
+    }
+
+    fn cache_slot(&mut self, layer: usize, kind: CacheKind, width: usize) -> (usize, CacheType) {
+        let cache = self.cache_type(kind);
+        let slot = *self.cache_slots.entry((layer, kind)).or_insert_with(|| {
+            self.caches.push(CacheSlot { layer, kind: cache_kind_name(kind), width, dtype: cache.name() });
             self.caches.len() - 1
-        })
+        });
+        (slot, cache)
     }
 
     /// A fresh buffer for node `n` (of `width` columns), and the cache slot
     /// its rows go to when its one consumer is a cache append.
-    fn output_for(&mut self, n: NodeIndex, width: usize) -> (Arg, Option<usize>) {
+    fn output_for(&mut self, n: NodeIndex, width: usize) -> (Arg, Option<(usize, CacheType)>) {
         let cons = self.consumers(n);
         let buf = self.alloc(width, "f32");
         if let [c] = cons.as_slice() {
             if let Op::CacheAppend { kind, layer, .. } = *self.node(*c) {
-                let slot = self.cache_slot(layer, kind, width);
-                self.vals.insert(*c, Arg::Cache { slot, width });
-                return (buf, Some(slot));
+                let (slot, cache) = self.cache_slot(layer, kind, width);
+                self.vals.insert(*c, Arg::Cache { slot, width, cache });
+                return (buf, Some((slot, cache)));
             }
         }
         (buf, None)
@@ -233,9 +250,9 @@ impl Fuser<'_> {
 
     /// After a producer of cached rows: each sequence's rows into its cache.
     /// (The producer itself runs once over every row of the micro-batch.)
-    fn write_cache(&mut self, buf: &Arg, slot: Option<usize>, width: usize, what: &str) {
-        if let Some(slot) = slot {
-            self.call(Kernel::ScatterRows { width }, vec![buf.clone(), Arg::Pos, Arg::Cache { slot, width }], format!("{what} → cache"));
+    fn write_cache(&mut self, buf: &Arg, slot: Option<(usize, CacheType)>, width: usize, what: &str) {
+        if let Some((slot, cache)) = slot {
+            self.call(Kernel::ScatterRows { width, cache }, vec![buf.clone(), Arg::Pos, Arg::Cache { slot, width, cache }], format!("{what} → cache"));
         }
     }
 
@@ -325,7 +342,7 @@ impl Fuser<'_> {
                 };
                 let o = self.alloc(heads * head_dim, "f32");
                 args.push(o.clone());
-                self.call(Kernel::Attention { heads, kv_heads, head_dim, scale, sparse }, args, what);
+                self.call(Kernel::Attention { heads, kv_heads, head_dim, scale, sparse, cache: self.cache }, args, what);
                 self.vals.insert(n, o);
             }
             Op::Add => {
@@ -405,7 +422,7 @@ impl Fuser<'_> {
 }
 
 /// Fuses and schedules the nodes of `parts`.
-pub fn fuse_stage(cfg: &ModelConfig, graph: &ModelGraph, parts: &BTreeSet<Part>) -> Result<FusedStage, String> {
+pub fn fuse_stage(cfg: &ModelConfig, graph: &ModelGraph, parts: &BTreeSet<Part>, cache: CacheType) -> Result<FusedStage, String> {
     let specs = expected_tensors(cfg).into_iter().map(|s| (s.name.clone(), s)).collect();
     let mut f = Fuser {
         cfg,
@@ -415,6 +432,7 @@ pub fn fuse_stage(cfg: &ModelConfig, graph: &ModelGraph, parts: &BTreeSet<Part>)
         tensors: Vec::new(),
         caches: Vec::new(),
         cache_slots: HashMap::new(),
+        cache,
         steps: Vec::new(),
         kernels: Vec::new(),
         vals: HashMap::new(),

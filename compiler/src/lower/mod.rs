@@ -17,7 +17,7 @@ use crate::dtype::DType;
 use crate::graph::{CacheKind, ModelGraph};
 use crate::model::Part;
 use crate::plan::{StagePlan, Target};
-use m3c_kernels::Kernel;
+use m3c_kernels::{CacheType, Kernel};
 use serde::Serialize;
 use std::collections::BTreeSet;
 
@@ -30,12 +30,14 @@ pub struct TensorSlot {
     pub dtype: DType,
 }
 
-/// One per-layer cache the stage keeps for each sequence: `[capacity, width]` f32.
+/// One per-layer cache the stage keeps for each sequence: `[capacity, width]`
+/// of `dtype` (`f32`, or `bf16` stored as its 16 bits).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct CacheSlot {
     pub layer: usize,
     pub kind: &'static str,
     pub width: usize,
+    pub dtype: &'static str,
 }
 
 /// What flows into or out of a stage.
@@ -82,10 +84,10 @@ pub(crate) fn cache_kind_name(k: CacheKind) -> &'static str {
     }
 }
 
-/// Lowers stage `index` of a plan for `target`.
-pub fn lower_stage(cfg: &ModelConfig, graph: &ModelGraph, index: usize, stage: &StagePlan, target: &Target) -> Result<StageProgram, LowerError> {
+/// Lowers stage `index` of a plan for `target`, with KV caches of `cache`'s type.
+pub fn lower_stage(cfg: &ModelConfig, graph: &ModelGraph, index: usize, stage: &StagePlan, target: &Target, cache: CacheType) -> Result<StageProgram, LowerError> {
     let parts = stage.parts();
-    let fused = fuse_stage(cfg, graph, &parts).map_err(|message| LowerError::Stage { stage: index, message })?;
+    let fused = fuse_stage(cfg, graph, &parts, cache).map_err(|message| LowerError::Stage { stage: index, message })?;
     let mlir = match target {
         Target::Host => entry::module(&fused),
         Target::Cuda { .. } => entry::cuda_module(&fused),
