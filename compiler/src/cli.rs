@@ -66,6 +66,9 @@ struct PlanArgs {
     /// Context length the KV caches must hold per sequence.
     #[arg(long, default_value_t = 8192)]
     context: usize,
+    /// How the compiled stages will store K and V (as `m3c compile --kv-cache`).
+    #[arg(long = "kv-cache", value_parser = ["f32", "bf16"], default_value = "f32")]
+    kv_cache: String,
     /// GPU profile (H200, H100, H20, B200, A100, L40S).
     #[arg(long, default_value = "H200")]
     gpu: String,
@@ -198,12 +201,21 @@ fn gpu_profile(args: &PlanArgs) -> Result<GpuProfile> {
     Ok(gpu)
 }
 
+/// `--kv-cache` (clap has checked it is `f32` or `bf16`).
+fn cache_type(name: &str) -> m3c_kernels::CacheType {
+    if name == "bf16" {
+        m3c_kernels::CacheType::Bf16
+    } else {
+        m3c_kernels::CacheType::F32
+    }
+}
+
 fn plan_cmd(args: PlanArgs) -> Result<()> {
     let gpu = gpu_profile(&args)?;
     if args.batch == 0 || args.context == 0 {
         bail!("--batch and --context must be at least 1");
     }
-    let w = Workload { batch: args.batch, context: args.context };
+    let w = Workload { batch: args.batch, context: args.context, kv_cache: cache_type(&args.kv_cache) };
     if let Some(file) = &args.check {
         let model = match (&args.model, plan::plan_model(file)?) {
             (Some(m), _) => m.clone(),
@@ -226,10 +238,11 @@ fn plan_cmd(args: PlanArgs) -> Result<()> {
     let p = plan::make_plan(&src.config, pp, &gpu, w, target)?;
     let table = plan::table(&src.config, &p, &gpu, w);
     let header = format!(
-        "m3c partition plan for {}, made by `m3c plan --pp {pp} --batch {} --context {} --gpu {}`",
+        "m3c partition plan for {}, made by `m3c plan --pp {pp} --batch {} --context {} --kv-cache {} --gpu {}`",
         model.display(),
         args.batch,
         args.context,
+        args.kv_cache,
         args.gpu
     );
     match &args.out {
@@ -297,7 +310,7 @@ fn compile_cmd(args: CompileArgs) -> Result<()> {
                 gpu.memory = f64::INFINITY;
                 gpu.name = "host".into();
             }
-            plan::make_plan(cfg, args.pp, &gpu, Workload { batch: 1, context: 8192 }, target)?
+            plan::make_plan(cfg, args.pp, &gpu, Workload { batch: 1, context: 8192, kv_cache: cache_type(&args.kv_cache) }, target)?
         }
     };
     let mut emit = Vec::new();
@@ -315,7 +328,7 @@ fn compile_cmd(args: CompileArgs) -> Result<()> {
     let replace = args.out.join("manifest.json").is_file();
     let runtime_lib = crate::compile::find_runtime_lib()?;
     let t0 = std::time::Instant::now();
-    let kv_cache = if args.kv_cache == "bf16" { m3c_kernels::CacheType::Bf16 } else { m3c_kernels::CacheType::F32 };
+    let kv_cache = cache_type(&args.kv_cache);
     let req = crate::compile::CompileRequest { config: cfg, plan: &p, out: &args.out, emit, cpu: args.cpu.clone(), kv_cache, runtime_lib, replace };
     let m = crate::compile::compile(&req)?;
     for s in &m.stages {

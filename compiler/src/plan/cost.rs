@@ -56,6 +56,9 @@ pub struct Workload {
     pub batch: usize,
     /// Context length each of them has reached.
     pub context: usize,
+    /// How the stages store K and V (`m3c compile --kv-cache`); MSA index
+    /// keys are f32 either way.
+    pub kv_cache: m3c_kernels::CacheType,
 }
 
 /// The cost of one part of the model for one decode step.
@@ -87,8 +90,8 @@ impl PartCost {
     }
 }
 
-/// Bytes of one cached activation element (bf16 caches).
-const CACHE_ELEM: f64 = 2.0;
+/// Bytes of one MSA index-key cache element (always f32).
+const INDEX_KEY_ELEM: f64 = 4.0;
 
 /// Expected number of distinct experts that `batch` tokens touch when each
 /// picks `k` of `e` experts (uniform routing).
@@ -138,12 +141,12 @@ pub fn part_costs(cfg: &ModelConfig, w: Workload) -> BTreeMap<Part, PartCost> {
     }
     for (l, kind) in t.layers.iter().enumerate() {
         let c = costs.get_mut(&Part::Layer(l)).expect("every layer has weights");
-        let kv = (2 * t.num_kv_heads * t.head_dim) as f64 * CACHE_ELEM;
+        let kv = (2 * t.num_kv_heads * t.head_dim * w.kv_cache.bytes()) as f64;
         c.cache_bytes_per_token += kv;
         // Keys each query attends to, and the indexer scan on sparse layers.
         let attended = match (kind.attention, &t.sparse) {
             (AttentionKind::Sparse, Some(s)) => {
-                let ik = s.index_dim as f64 * CACHE_ELEM;
+                let ik = s.index_dim as f64 * INDEX_KEY_ELEM;
                 c.cache_bytes_per_token += ik;
                 c.step_bytes += b * ctx * ik;
                 c.step_flops += 2.0 * b * ctx * (s.num_index_heads * s.index_dim) as f64;
