@@ -173,7 +173,12 @@ impl Stage {
                 }
                 seqs.insert(seq, (capacity, bufs));
                 // Graphs of micro-batches with this sequence point at its old caches.
-                graphs.by_batch.retain(|k, _| !k.contains(&seq));
+                let stale: Vec<Vec<usize>> = graphs.by_batch.keys().filter(|k| k.contains(&seq)).cloned().collect();
+                for k in stale {
+                    if let Some(GraphSlot::Ready(_, io)) = graphs.by_batch.remove(&k) {
+                        io.free();
+                    }
+                }
             }
         }
         Ok(())
