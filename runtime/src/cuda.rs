@@ -130,7 +130,7 @@ impl Device {
             ON_DEVICE.store(true, Ordering::SeqCst);
             for i in 0..st.images.len() {
                 let mut m = std::ptr::null_mut();
-                checked("loading the stage's PTX (cuModuleLoadData)", cu::cuModuleLoadData(&mut m, st.images[i] as *const c_void))?;
+                checked("loading the stage's device code (cuModuleLoadData; a cubin for the compiled arch, or PTX)", cu::cuModuleLoadData(&mut m, st.images[i] as *const c_void))?;
                 st.modules[i] = Some(m as usize);
             }
             Ok(Device { ordinal, name: CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned(), total_bytes: total })

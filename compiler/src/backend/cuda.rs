@@ -75,6 +75,43 @@ pub fn compile(mlir: &str, arch: &str) -> Result<CudaArtifacts, BackendError> {
     Ok(CudaArtifacts { ptx, lowered })
 }
 
+/// The lowered module with its `gpu.binary` object replaced by `cubin` (an
+/// ELF for the same architecture, from ptxas): the stage then loads machine
+/// code instead of PTX that the driver would JIT-compile at start-up, and
+/// runs exactly the code the compile report describes. MLIR's translation
+/// embeds a `bin` object and registers it with `mgpuModuleLoad`.
+pub fn embed_cubin(lowered: &str, cubin: &[u8]) -> Option<String> {
+    let key = "assembly = \"";
+    let start = lowered.find(key)?;
+    let end = start + key.len() + string_end(&lowered.as_bytes()[start + key.len()..])?;
+    let mut out = String::with_capacity(lowered.len() + 3 * cubin.len());
+    out.push_str(&lowered[..start]);
+    out.push_str("bin = \"");
+    for &b in cubin {
+        if b.is_ascii_alphanumeric() {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("\\{b:02X}"));
+        }
+    }
+    out.push('"');
+    out.push_str(&lowered[end + 1..]);
+    Some(out)
+}
+
+/// Index of the closing quote of an MLIR string body (escapes skipped).
+fn string_end(body: &[u8]) -> Option<usize> {
+    let mut i = 0;
+    while i < body.len() {
+        match body[i] {
+            b'"' => return Some(i),
+            b'\\' => i += if body.get(i + 1).is_some_and(|c| c.is_ascii_hexdigit()) { 3 } else { 2 },
+            _ => i += 1,
+        }
+    }
+    None
+}
+
 /// The `assembly = "..."` string of the module's `gpu.binary`, unescaped.
 fn extract_ptx(lowered: &str) -> Option<String> {
     let start = lowered.find("assembly = \"")? + "assembly = \"".len();

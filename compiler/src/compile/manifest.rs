@@ -38,6 +38,10 @@ pub struct StageEntry {
     pub tensors: Vec<String>,
     pub caches: Vec<CacheSlot>,
     pub kernels: Vec<String>,
+    /// CUDA stages: what the executable embeds, `cubin ARCH` (assembled by
+    /// ptxas at compile time) or `ptx ARCH` (no ptxas: JIT at start-up).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_code: Option<String>,
 }
 
 impl Manifest {
@@ -76,6 +80,7 @@ impl StageEntry {
             tensors: p.tensors.iter().map(|t| t.name.clone()).collect(),
             caches: p.caches.clone(),
             kernels: p.kernels.iter().map(|k| k.symbol()).collect(),
+            device_code: None,
         }
     }
 }

@@ -138,6 +138,10 @@ struct StageCode {
     emitted: Vec<(String, String)>,
     /// PTX (CUDA target).
     ptx: Option<String>,
+    /// The cubin ptxas made of it, embedded instead of the PTX (CUDA target, ptxas present).
+    cubin: Option<Vec<u8>>,
+    /// Compile-report lines (CUDA target).
+    report: String,
 }
 
 pub fn compile(req: &CompileRequest) -> Result<Manifest> {
@@ -198,15 +202,25 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
                         object: art.object,
                         emitted: vec![(".llvm.mlir".into(), art.llvm_dialect), (".ll".into(), art.llvm_ir)],
                         ptx: None,
+                        cubin: None,
+                        report: String::new(),
                     })
                 }
                 Some(arch) => {
                     let gpu = crate::backend::cuda::compile(m, arch).with_context(ctx)?;
-                    let art = host::object_from_lowered(&gpu.lowered, &req.cpu).with_context(ctx)?;
+                    let asm = ptx_report::assemble(i, &gpu.ptx, &work)?;
+                    let lowered = match &asm.cubin {
+                        Some(cubin) => crate::backend::cuda::embed_cubin(&gpu.lowered, cubin)
+                            .with_context(|| format!("stage {i}: no device object in the lowered module to replace with the cubin"))?,
+                        None => gpu.lowered,
+                    };
+                    let art = host::object_from_lowered(&lowered, &req.cpu).with_context(ctx)?;
                     Ok(StageCode {
                         object: art.object,
                         emitted: vec![(".llvm.mlir".into(), art.llvm_dialect), (".ll".into(), art.llvm_ir)],
                         ptx: Some(gpu.ptx),
+                        cubin: asm.cubin,
+                        report: asm.report,
                     })
                 }
             }
@@ -225,15 +239,22 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
             if let Some(ptx) = &art.ptx {
                 if req.emit.contains(&Emit::Ptx) {
                     std::fs::write(dir.join(format!("{name}.ptx")), ptx)?;
+                    if let Some(cubin) = &art.cubin {
+                        std::fs::write(dir.join(format!("{name}.cubin")), cubin)?;
+                    }
                 }
-                report.push_str(&ptx_report::stage_report(p.index, ptx, &work)?);
+                report.push_str(&art.report);
             }
             let obj = work.join(format!("{name}.o"));
             std::fs::write(&obj, &art.object)?;
             let exe = dir.join(&name);
             link::link(&obj, &req.runtime_lib, &exe).with_context(|| format!("stage {}: linking {}", p.index, exe.display()))?;
             let bytes = std::fs::read(&exe)?;
-            manifest.stages.push(StageEntry::new(p, &name, &bytes, req.plan.stages[p.index].host.clone()));
+            let mut entry = StageEntry::new(p, &name, &bytes, req.plan.stages[p.index].host.clone());
+            if let Some(arch) = &cuda_arch {
+                entry.device_code = Some(if art.cubin.is_some() { format!("cubin {arch}") } else { format!("ptx {arch} (JIT-compiled by the driver at start-up)") });
+            }
+            manifest.stages.push(entry);
         }
         std::fs::remove_dir_all(&work)?;
         let hosts: Vec<Option<String>> = req.plan.stages.iter().map(|s| s.host.clone()).collect();

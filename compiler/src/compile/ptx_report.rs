@@ -43,19 +43,28 @@ pub fn parse_ptxas(text: &str) -> Vec<KernelFigures> {
     out
 }
 
-/// Runs ptxas on a stage's PTX (when the toolkit has it) and formats its figures.
-pub fn stage_report(stage: usize, ptx: &str, work: &Path) -> Result<String> {
+/// A stage's PTX assembled by ptxas: the cubin and the report lines.
+pub struct Assembled {
+    /// `None` when the toolkit has no ptxas (the stage then embeds PTX).
+    pub cubin: Option<Vec<u8>>,
+    pub report: String,
+}
+
+/// Runs ptxas on a stage's PTX (when the toolkit has it): the cubin to
+/// embed, and the report of its figures.
+pub fn assemble(stage: usize, ptx: &str, work: &Path) -> Result<Assembled> {
     let root = crate::backend::cuda::cuda_root()?;
     let Some(ptxas) = crate::backend::cuda::ptxas(&root) else {
-        return Ok(format!("{stage:<6} (no ptxas in {}: PTX not assembled, no figures)\n", root.display()));
+        return Ok(Assembled { cubin: None, report: format!("{stage:<6} (no ptxas in {}: PTX not assembled, no figures; the stage embeds PTX)\n", root.display()) });
     };
     let file = work.join(format!("stage-{stage}.ptx"));
     std::fs::write(&file, ptx)?;
     let arch = ptx.lines().find_map(|l| l.strip_prefix(".target ")).unwrap_or("sm_90a").trim().to_string();
+    let cubin = work.join(format!("stage-{stage}.cubin"));
     let o = std::process::Command::new(&ptxas)
         .arg(format!("-arch={arch}"))
         .args(["-v", "-o"])
-        .arg(work.join(format!("stage-{stage}.cubin")))
+        .arg(&cubin)
         .arg(&file)
         .output()
         .with_context(|| format!("cannot run {}", ptxas.display()))?;
@@ -65,5 +74,6 @@ pub fn stage_report(stage: usize, ptx: &str, work: &Path) -> Result<String> {
     for k in parse_ptxas(&text) {
         let _ = writeln!(s, "{stage:<6} {:<72} {:>5} {:>9} {:>7} {:>12} {:>11}", k.name, k.registers, k.shared, k.stack, k.spill_stores, k.spill_loads);
     }
-    Ok(s)
+    let cubin = std::fs::read(&cubin).with_context(|| format!("stage {stage}: ptxas wrote no {}", cubin.display()))?;
+    Ok(Assembled { cubin: Some(cubin), report: s })
 }
