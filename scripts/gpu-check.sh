@@ -176,7 +176,7 @@ print(','.join(str(x) for x in struct.unpack('<%dq' % (len(d)//8), d)))")
        && cmp -s "$work/$m-graphs-on.p1.safetensors" "$work/$m-graphs-off.p1.safetensors"; then verdict=pass; else verdict=FAIL; fi
     rows+=("$(printf '%-28s %-6s %-5s %s' "$m CUDA graphs" "pp=2" "$verdict" "graphs on = off, dump bytes of 2 prompts; ${replays:-$(why "$logs/$m-graphs-on.log")}")")
     if [ "$m" = tiny-m3 ]; then
-      # bf16 K/V caches: logits move by rounding (on the host: max |Δ| ~1e-2, one
+      # bf16 caches: logits move by rounding (on the host: max |Δ| ~1e-2, one
       # position 1.4 where an MSA block choice flips), so this row reports, not judges.
       log="$logs/$m-kvbf16.log"
       timeout 120 "$b/out/$m-pp1-kvbf16/run.sh" --model "tests/fixtures/$m" --prompt-ids "$prompt" --max-new-tokens 16 \

@@ -38,7 +38,7 @@ pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64
     let mut teardown = String::new();
     if let Some(s) = sparse {
         let iqt = format!("memref<?x{}xf32>", s.index_heads * s.index_dim);
-        let ikt = format!("memref<?x{}xf32>", s.index_dim);
+        let ikt = format!("memref<?x{}x{}>", s.index_dim, cache.mlir_elem());
         args.push_str(&format!(", %iq: {iqt}, %ik: {ikt}"));
         setup = format!(
             "%cB = arith.constant {block} : index\n\
@@ -104,7 +104,7 @@ pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64
              \x20   memref.store %i32_1, %sel[%best#1] : memref<?xi32>\n\
              \x20 }}\n\
              }}\n",
-            dot_idx = indent(&dot("%dot", "%iq", &iqt, "%r", "%iqb", "%ik", &ikt, "%t", "%c0", "%cid", s.index_dim, CacheType::F32), 2),
+            dot_idx = indent(&dot("%dot", "%iq", &iqt, "%r", "%iqb", "%ik", &ikt, "%t", "%c0", "%cid", s.index_dim, cache), 2),
         );
         allowed = "%tb = arith.divui %t, %cB : index\n\
                    %sv = memref.load %sel[%tb] : memref<?xi32>\n\

@@ -640,7 +640,7 @@ fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64, sp
     let mut allowed = "%allowed = arith.constant true\n".to_string();
     if let Some(s) = sparse {
         let iqt = format!("memref<?x{}xf32>", s.index_heads * s.index_dim);
-        let ikt = format!("memref<?x{}xf32>", s.index_dim);
+        let ikt = format!("memref<?x{}x{}>", s.index_dim, cache.mlir_elem());
         params.push_str(&format!(", %iq: {iqt}, %ik: {ikt}, %bs: memref<?xf32>, %sel: memref<?xi32>, %nbmax: index"));
         select = format!(
             "%cB = arith.constant {block} : index\n%cK = arith.constant {topk} : index\n%cid = arith.constant {id} : index\n\
@@ -679,7 +679,7 @@ fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64, sp
             id = s.index_dim,
             local = s.local,
             init = s.init,
-            ik_load = indent(&crate::emit::cache_load("%x2", "%ik", &ikt, "%t", "%c", crate::CacheType::F32), 6),
+            ik_load = indent(&load("%x2", "%ik", &ikt, "%t", "%c"), 6),
         );
         allowed = "%tb = arith.divui %t, %cB : index\n%at = arith.addi %rbase, %tb : index\n%sv = memref.load %sel[%at] : memref<?xi32>\n%allowed = arith.cmpi ne, %sv, %i0 : i32\n".into();
     }

@@ -324,7 +324,7 @@ fn bf16_cache_writes_round_to_nearest_even_at_their_positions() {
 
 /// Attention over bf16 caches equals f32 attention over the same (rounded)
 /// values bit for bit: the cache type changes storage, never arithmetic.
-/// Dense and MSA (whose index-key cache stays f32); the caches are
+/// Dense and MSA (its index keys come from a cache too); the caches are
 /// longer than the context (their capacity), positions come from `pos`.
 #[test]
 fn attention_over_bf16_caches_equals_f32_attention_over_the_rounded_values() {
@@ -343,8 +343,8 @@ fn attention_over_bf16_caches_equals_f32_attention_over_the_rounded_values() {
         (0..n).map(|i| bf16_nearest_even(((i * 7919 + salt) % 1000) as f32 / 400.0 - 1.2)).collect()
     };
     let widen = |b: &[u16]| -> Vec<f32> { b.iter().map(|&h| f32::from_bits((h as u32) << 16)).collect() };
-    let (kb, vb) = (bits(cap * kv * d, 1), bits(cap * kv * d, 2));
-    let (kf, vf, ifl) = (widen(&kb), widen(&vb), widen(&bits(cap * 16, 3)));
+    let (kb, vb, ib) = (bits(cap * kv * d, 1), bits(cap * kv * d, 2), bits(cap * 16, 3));
+    let (kf, vf, ifl) = (widen(&kb), widen(&vb), widen(&ib));
     for sparse in [false, true] {
         let mut outs = Vec::new();
         for (i, bf) in [(0usize, false), (1, true)] {
@@ -352,11 +352,10 @@ fn attention_over_bf16_caches_equals_f32_attention_over_the_rounded_values() {
             let o = vec![0f32; rows * heads * d];
             unsafe {
                 if sparse {
-                    // Index keys stay f32 whatever the K/V cache type.
-                    type F<T> = unsafe extern "C" fn(*const Memref2<f32>, *const Memref2<T>, *const Memref2<T>, *const Memref1<i64>, *const Memref2<f32>, *const Memref2<f32>, *const Memref2<f32>);
+                    type F<T> = unsafe extern "C" fn(*const Memref2<f32>, *const Memref2<T>, *const Memref2<T>, *const Memref1<i64>, *const Memref2<f32>, *const Memref2<T>, *const Memref2<f32>);
                     if bf {
                         let f: libloading::Symbol<F<u16>> = lib.get(format!("_mlir_ciface_{}", k.symbol()).as_bytes()).unwrap();
-                        f(&m2(&q, rows, heads * d), &m2(&kb, cap, kv * d), &m2(&vb, cap, kv * d), &m1(&pos), &m2(&iq, rows, 32), &m2(&ifl, cap, 16), &m2(&o, rows, heads * d));
+                        f(&m2(&q, rows, heads * d), &m2(&kb, cap, kv * d), &m2(&vb, cap, kv * d), &m1(&pos), &m2(&iq, rows, 32), &m2(&ib, cap, 16), &m2(&o, rows, heads * d));
                     } else {
                         let f: libloading::Symbol<F<f32>> = lib.get(format!("_mlir_ciface_{}", k.symbol()).as_bytes()).unwrap();
                         f(&m2(&q, rows, heads * d), &m2(&kf, cap, kv * d), &m2(&vf, cap, kv * d), &m1(&pos), &m2(&iq, rows, 32), &m2(&ifl, cap, 16), &m2(&o, rows, heads * d));

@@ -265,7 +265,7 @@ fn a_silent_stage_times_out_instead_of_hanging() {
     assert!(t0.elapsed() < std::time::Duration::from_secs(60), "took {:?}", t0.elapsed());
 }
 
-/// `--kv-cache bf16`: K and V caches hold bf16 (index keys stay f32), so
+/// `--kv-cache bf16`: K, V and index-key caches hold bf16, so
 /// logits move by rounding, not by bugs: nearly every prompt position stays
 /// within 5e-2 of the f32 golden (a position whose MSA block choice flips
 /// may move more), pp = 2 gives exactly pp = 1's bytes, the manifest says

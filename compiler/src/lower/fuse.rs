@@ -212,20 +212,11 @@ impl Fuser<'_> {
         self.steps.push(Step::Call { kernel, args, what, per_sequence });
     }
 
-    /// How a cache of `kind` stores elements: MSA index keys stay f32
-    /// whatever `--kv-cache` says, since block selection is a hard top-k
-    /// (a rounded key can swap a block in or out) and they are a small part
-    /// of the cache (one `index_dim` row per token against K and V's
-    /// `2 · kv_heads · head_dim`).
-    fn cache_type(&self, kind: CacheKind) -> CacheType {
-        match kind {
-            CacheKind::IndexKey => CacheType::F32,
-            CacheKind::Key | CacheKind::Value => self.cache,
-        }
-    }
-
+    /// Every cache of the stage (K, V and MSA index keys) stores `--kv-cache`'s
+    /// type: at long context the indexer's scan of index keys is the largest
+    /// read of a decode step, so it gains the most from bf16.
     fn cache_slot(&mut self, layer: usize, kind: CacheKind, width: usize) -> (usize, CacheType) {
-        let cache = self.cache_type(kind);
+        let cache = self.cache;
         let slot = *self.cache_slots.entry((layer, kind)).or_insert_with(|| {
             self.caches.push(CacheSlot { layer, kind: cache_kind_name(kind), width, dtype: cache.name() });
             self.caches.len() - 1

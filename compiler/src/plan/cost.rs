@@ -56,8 +56,7 @@ pub struct Workload {
     pub batch: usize,
     /// Context length each of them has reached.
     pub context: usize,
-    /// How the stages store K and V (`m3c compile --kv-cache`); MSA index
-    /// keys are f32 either way.
+    /// How the stages store K, V and MSA index keys (`m3c compile --kv-cache`).
     pub kv_cache: m3c_kernels::CacheType,
 }
 
@@ -90,8 +89,6 @@ impl PartCost {
     }
 }
 
-/// Bytes of one MSA index-key cache element (always f32).
-const INDEX_KEY_ELEM: f64 = 4.0;
 
 /// Expected number of distinct experts that `batch` tokens touch when each
 /// picks `k` of `e` experts (uniform routing).
@@ -146,7 +143,7 @@ pub fn part_costs(cfg: &ModelConfig, w: Workload) -> BTreeMap<Part, PartCost> {
         // Keys each query attends to, and the indexer scan on sparse layers.
         let attended = match (kind.attention, &t.sparse) {
             (AttentionKind::Sparse, Some(s)) => {
-                let ik = s.index_dim as f64 * INDEX_KEY_ELEM;
+                let ik = (s.index_dim * w.kv_cache.bytes()) as f64;
                 c.cache_bytes_per_token += ik;
                 c.step_bytes += b * ctx * ik;
                 c.step_flops += 2.0 * b * ctx * (s.num_index_heads * s.index_dim) as f64;
