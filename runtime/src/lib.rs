@@ -247,8 +247,15 @@ fn connect_gpus(world: &SimpleCommunicator, st: &mut stage::Stage) -> Result<(),
         return Ok(());
     }
     let forced_host = std::env::var("M3C_TRANSPORT").map(|v| v == "host").unwrap_or(false);
-    let key = match st.device_key() {
-        Some(k) if !forced_host && cuda::nccl::available() => k,
+    let key = match (st.device_key(), forced_host) {
+        (Some(k), false) => match cuda::nccl::availability() {
+            Ok(()) => k,
+            Err(why) => {
+                // Not silent: host-staged transfers cost every step.
+                say!("m3c stage {}: {why}; activations go through host memory and MPI", st.meta.stage);
+                String::new()
+            }
+        },
         _ => String::new(),
     };
     let mut mine = [0u8; 64];
