@@ -13,7 +13,7 @@
 #      on GPU 0, host-staged transfers) against their goldens: f32 activations,
 #      so the tokens must be exact and logits within 1e-3; then two prompts in
 #      one micro-batch with decode replayed from CUDA graphs and without,
-#      whose dumps must be byte-identical; and tiny-m3 with bf16 K/V caches
+#      whose dumps must be byte-identical; and tiny-m3 with bf16 caches
 #      (its distance from the f32 golden, reported);
 #   2. one decode step of a real-size M3 layer (dense: full attention + dense
 #      MLP; MoE: MSA + 128 experts top-4 + shared), bf16 and MXFP8, with
@@ -22,7 +22,10 @@
 #      step at that batch, from m3c's cost model, / 4.8 TB/s). The layer runs alone in
 #      the middle stage of a 3-stage pipeline (embedding | layer | head), and
 #      that stage reports its own compute time per step (bf16 at batch 1 also
-#      with --cuda-graphs off, to show what graph replay saves).
+#      with --cuda-graphs off, to show what graph replay saves);
+#   3. prefill linears on cuBLAS tensor cores (--prefill-gemm cublas) against
+#      m3c's GEMV kernel: the tiny fixture's distance from its golden, and a
+#      1024-token prefill of the real-size dense bf16 layer timed both ways.
 # It prints one table last.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -149,6 +152,11 @@ run() {
   export OMPI_MCA_btl=self,vader OMPI_MCA_pml=ob1
   gpu=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1 || echo "no nvidia-smi")
   echo "GPU: $gpu"
+  # cuBLAS and NCCL as that machine has them (e.g. in its Python's nvidia-* wheels).
+  for lib in cublas nccl; do
+    f=$(find /opt /usr/local /usr/lib -name "lib$lib.so.[0-9]*" 2>/dev/null | grep -v stub | sort | tail -1 || true)
+    [ -n "$f" ] && export "M3C_$(echo $lib | tr a-z A-Z)_LIB=$f" && echo "lib$lib: $f"
+  done
   rows=()
 
   for m in tiny-m3 tiny-m3-mxfp8; do
@@ -185,6 +193,33 @@ print(','.join(str(x) for x in struct.unpack('<%dq' % (len(d)//8), d)))")
       rows+=("$(printf '%-28s %-6s %-5s %s' "$m bf16 KV cache" "pp=1" "ran" "${check:-$(why "$log")}")")
     fi
   done
+
+  # Tensor-core GEMMs (cuBLAS) for prefill vs m3c's GEMV kernel: the tiny
+  # fixture with every linear on cuBLAS (inputs rounded to bf16: reported),
+  # and one 1024-token prefill of the real-size dense layer both ways.
+  m=tiny-m3
+  golden="tests/fixtures/$m/golden.safetensors"
+  prompt=$(python3 -c "
+import json, struct
+b = open('$golden', 'rb').read(); n = struct.unpack('<Q', b[:8])[0]; h = json.loads(b[8:8+n])
+s, e = h['prompt_ids']['data_offsets']; d = b[8+n+s:8+n+e]
+print(','.join(str(x) for x in struct.unpack('<%dq' % (len(d)//8), d)))")
+  log="$logs/$m-cublas.log"
+  M3C_GEMM_MIN_ROWS=1 timeout 120 "$b/out/$m-pp1/run.sh" --model "tests/fixtures/$m" --prompt-ids "$prompt" --max-new-tokens 16 \
+    --prefill-gemm cublas --expect "$golden" >"$log" 2>&1 || true
+  check=$(grep -o 'prefill max.*' "$log" | head -1 || true)
+  rows+=("$(printf '%-28s %-6s %-5s %s' "$m prefill on cuBLAS" "pp=1" "ran" "${check:-$(why "$log")}; $(grep -o 'run on cuBLAS\|cuBLAS not found[^;]*' "$log" | head -1)")")
+  long=$(seq -s, 1 1024)
+  times=""
+  for g in off cublas; do
+    log="$logs/dense-bf16-prefill-$g.log"
+    if timeout 150 "$b/out/dense-bf16/run.sh" --synthetic-weights 1 --prompt-ids "$long" --max-new-tokens 2 --prefill-gemm $g >"$log" 2>&1; then
+      times="$times $g $(grep 'm3c stage 1/3: done' "$log" | sed -E 's/.*prefill [0-9]+ step\(s\), mean ([0-9.]+) ms.*/\1/') ms;"
+    else
+      times="$times $g FAIL ($(why "$log"));"
+    fi
+  done
+  rows+=("$(printf '%-28s %-8s %-5s %s' "dense layer, bf16" "prefill" "ran" "1024 tokens, layer stage:$times")")
 
   for q in bf16 mxfp8; do
     for kind in dense moe; do

@@ -147,6 +147,9 @@ struct RunArgs {
     /// CUDA stages: capture each decode micro-batch's step once as a CUDA graph and replay it (`off`: launch every kernel each step).
     #[arg(long, value_parser = ["on", "off"], default_value = "on")]
     cuda_graphs: String,
+    /// CUDA stages: run prefill linears with bf16 weights as cuBLAS tensor-core GEMMs (activations rounded to bf16 for them; `M3C_GEMM_MIN_ROWS`, default 32, sets the smallest step), or `off`: m3c's GEMV kernel, exact f32.
+    #[arg(long, value_parser = ["cublas", "off"], default_value = "off")]
+    prefill_gemm: String,
 }
 
 /// Parses the process arguments, runs the command, and turns errors into a message and exit code 1.
@@ -384,6 +387,8 @@ fn run_cmd(args: RunArgs) -> Result<()> {
     pass.push(args.timeout_s.to_string());
     pass.push("--cuda-graphs".into());
     pass.push(args.cuda_graphs.clone());
+    pass.push("--prefill-gemm".into());
+    pass.push(args.prefill_gemm.clone());
     let mut cmd = std::process::Command::new("mpirun");
     // No core binding: each rank runs its kernels on several threads (the
     // runtime shares the node's cores among its ranks).

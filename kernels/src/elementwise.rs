@@ -154,3 +154,25 @@ pub fn scatter_rows(name: &str, width: usize, cache: crate::CacheType) -> String
         indent(&body, 4)
     )
 }
+
+/// `y = bf16(x)` (nearest even, as `i16` bits). `x`, `y`: `[S, width]`.
+pub fn to_bf16(name: &str, width: usize) -> String {
+    let t = format!("memref<?x{width}xf32>");
+    let yt = format!("memref<?x{width}xi16>");
+    let store = crate::emit::cache_store("%v", "%y", &yt, "%r", "%i", crate::CacheType::Bf16);
+    let body = format!(
+        "%c0 = arith.constant 0 : index\n\
+         %c1 = arith.constant 1 : index\n\
+         %cw = arith.constant {width} : index\n\
+         %rows = memref.dim %x, %c0 : {t}\n\
+         scf.for %r = %c0 to %rows step %c1 {{\n\
+         \x20 scf.for %i = %c0 to %cw step %c1 {{\n\
+         \x20   %v = memref.load %x[%r, %i] : {t}\n\
+         {store}\
+         \x20 }}\n\
+         }}\n\
+         return\n",
+        store = indent(&store, 4),
+    );
+    format!("  func.func @{name}(%x: {t}, %y: {yt}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n", indent(&body, 4))
+}

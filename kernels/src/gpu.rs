@@ -48,6 +48,7 @@ pub fn device_buffer(name: &str, n: &str, width: usize, elem: &'static str) -> (
     let size = match elem {
         "i64" | "f64" => 8,
         "i8" => 1,
+        "i16" | "bf16" | "f16" => 2,
         _ => 4,
     } * width.max(1);
     (
@@ -431,6 +432,16 @@ impl Kernel {
                     indent(&crate::emit::cache_store("%v", "%y", &yt, "%p", "%i", *cache), 2)
                 );
                 vec![func(&sym, &format!("%x: {t}, %pos: memref<?xi64>, %y: {yt}"), &body)]
+            }
+            Kernel::ToBf16 { width } => {
+                let t = format!("memref<?x{width}xf32>");
+                let yt = format!("memref<?x{width}xi16>");
+                let body = format!(
+                    "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
+                     scf.for %i = %t to %cw step %c256 {{\n  %v = memref.load %x[%r, %i] : {t}\n{}}}\n",
+                    indent(&crate::emit::cache_store("%v", "%y", &yt, "%r", "%i", crate::CacheType::Bf16), 2)
+                );
+                vec![func(&sym, &format!("%x: {t}, %y: {yt}"), &body)]
             }
             Kernel::Argmax { width } => {
                 let t = format!("memref<?x{width}xf32>");

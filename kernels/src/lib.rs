@@ -127,6 +127,9 @@ pub enum Kernel {
     /// values into its cache, at positions read from memory (not baked into
     /// the call), so a decode step's launches are the same at every position.
     ScatterRows { width: usize, cache: CacheType },
+    /// `y = bf16(x)` row by row (nearest even), as bf16 bits: the input of a
+    /// tensor-core GEMM (cuBLAS) on the GPU.
+    ToBf16 { width: usize },
     /// Causal GQA attention over the cache; MSA block selection fused in when `sparse` is set.
     Attention { heads: usize, kv_heads: usize, head_dim: usize, scale: f64, sparse: Option<SparseSel>, cache: CacheType },
     /// fp32 sigmoid router with selection bias, top-k, renormalisation and routed scaling.
@@ -152,6 +155,7 @@ impl Kernel {
                 format!("m3c_swiglu_oai_w{width}_a{}_l{}_b{}", num_tag(*alpha), num_tag(*limit), num_tag(*beta))
             }
             Kernel::Argmax { width } => format!("m3c_argmax_w{width}"),
+            Kernel::ToBf16 { width } => format!("m3c_to_bf16_w{width}"),
             Kernel::Embedding { vocab, width, weight } => format!("m3c_embedding_v{vocab}_w{width}_{}", weight.tag()),
             Kernel::Add { width } => format!("m3c_add_w{width}"),
             Kernel::ScatterRows { width, cache } => format!("m3c_scatter_rows_w{width}{}", cache.suffix()),
@@ -202,6 +206,7 @@ impl Kernel {
             }
             Kernel::SwiGluOai { width, alpha, limit, beta } => elementwise::swiglu_oai(&self.symbol(), *width, *alpha, *limit, *beta),
             Kernel::Argmax { width } => elementwise::argmax(&self.symbol(), *width),
+            Kernel::ToBf16 { width } => elementwise::to_bf16(&self.symbol(), *width),
             Kernel::Embedding { vocab, width, weight } => elementwise::embedding(&self.symbol(), *vocab, *width, *weight),
             Kernel::Add { width } => elementwise::add(&self.symbol(), *width),
             Kernel::ScatterRows { width, cache } => elementwise::scatter_rows(&self.symbol(), *width, *cache),

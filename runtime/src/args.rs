@@ -22,10 +22,12 @@ pub struct RunArgs {
     pub prefill_chunk: Option<usize>,
     /// CUDA stages: replay each decode micro-batch's step as a captured CUDA graph.
     pub cuda_graphs: bool,
+    /// CUDA stages: prefill linears with bf16 weights on cuBLAS (tensor cores).
+    pub prefill_gemm_cublas: bool,
 }
 
 pub const USAGE: &str = "usage: stage-K (--model DIR | --synthetic-weights SEED) (--prompt-ids 1,2,3 [--prompt-ids ...] | --prompts FILE) \
---max-new-tokens N [--micro-batch SEQS] [--prefill-chunk TOKENS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S] [--cuda-graphs on|off]";
+--max-new-tokens N [--micro-batch SEQS] [--prefill-chunk TOKENS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S] [--cuda-graphs on|off] [--prefill-gemm cublas|off]";
 
 pub fn parse_ids(text: &str, what: &str) -> Result<Vec<i64>, String> {
     let ids: Result<Vec<i64>, String> = text
@@ -52,6 +54,7 @@ pub fn parse(args: &[String]) -> Result<RunArgs, String> {
     let mut micro_batch = None;
     let mut prefill_chunk = None;
     let mut cuda_graphs = true;
+    let mut prefill_gemm_cublas = false;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = |name: &str| it.next().cloned().ok_or_else(|| format!("{name} needs a value; {USAGE}"));
@@ -86,6 +89,13 @@ pub fn parse(args: &[String]) -> Result<RunArgs, String> {
                     "on" => true,
                     "off" => false,
                     v => return Err(format!("--cuda-graphs: `{v}` is not `on` or `off`")),
+                }
+            }
+            "--prefill-gemm" => {
+                prefill_gemm_cublas = match value("--prefill-gemm")?.as_str() {
+                    "cublas" => true,
+                    "off" => false,
+                    v => return Err(format!("--prefill-gemm: `{v}` is not `cublas` or `off`")),
                 }
             }
             other => return Err(format!("unknown argument `{other}`; {USAGE}")),
@@ -126,5 +136,6 @@ pub fn parse(args: &[String]) -> Result<RunArgs, String> {
         micro_batch,
         prefill_chunk,
         cuda_graphs,
+        prefill_gemm_cublas,
     })
 }

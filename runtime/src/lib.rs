@@ -183,7 +183,8 @@ fn run() -> c_int {
     };
     let threads = set_kernel_threads();
     let holds = meta.holds.clone();
-    let st = if meta.target.starts_with("cuda") {
+    let meta_is_cuda = meta.target.starts_with("cuda");
+    let st = if meta_is_cuda {
         let local_rank = std::env::var("OMPI_COMM_WORLD_LOCAL_RANK").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
         stage::Stage::gpu(meta, weights, local_rank, &who)
     } else {
@@ -202,6 +203,13 @@ fn run() -> c_int {
         Ok(s) => s,
     };
     st.set_cuda_graphs(args.cuda_graphs);
+    if args.prefill_gemm_cublas && meta_is_cuda {
+        let min_rows = std::env::var("M3C_GEMM_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(32);
+        match cuda::cublas::enable(min_rows) {
+            Ok(()) => say!("{who}: prefill linears with bf16 weights of {min_rows}+ rows run on cuBLAS"),
+            Err(e) => say!("{who}: {e}; prefill linears stay on m3c's GEMV kernel"),
+        }
+    }
     if let Err(e) = connect_gpus(&world, &mut st) {
         say!("{who}: error: {e}");
         return 1;

@@ -336,6 +336,7 @@ impl Stage {
                     tables.push(bufs);
                 }
                 let table_ptrs: Vec<*const u64> = tables.iter().map(|t| t.as_ptr()).collect();
+                cuda::cublas::set_prefill(segments.iter().any(|s| s.rows > 1));
                 // Decode steps (one row per sequence) go through a graph from their
                 // micro-batch's second step on; everything else runs eagerly.
                 let key: Option<Vec<usize>> = (graphs.on && segments.iter().all(|s| s.rows == 1)).then(|| segments.iter().map(|s| s.seq).collect());

@@ -150,18 +150,73 @@ impl Emitter {
                 let _ = writeln!(self.body, "func.call @{}({}) : ({}) -> ()", kernel.symbol(), names.join(", "), tys.join(", "));
             }
             Flavor::Cuda => {
-                let call = kernel.gpu_call(&a, if seq { "%srows" } else { "%S" }, &tag.to_string());
-                self.body.push_str(&call.text);
+                let rows = if seq { "%srows" } else { "%S" };
+                let call = kernel.gpu_call(&a, rows, &tag.to_string());
+                self.use_gpu_kernel(kernel);
                 self.device_views.extend(call.device_views);
                 self.views.extend(call.host_views);
-                // Each kernel's device code once, however many calls it has.
-                if self.gpu_kernels.insert(kernel.symbol()) {
-                    self.funcs.extend(kernel.gpu_funcs().into_iter().map(|g| (g.name, g.text)));
+                match kernel {
+                    m3c_kernels::Kernel::Linear { inp, out, weight: m3c_kernels::WeightType::BF16 } if !seq => {
+                        let gemm = self.cublas_gemm(&a, *inp, *out, &tag.to_string());
+                        let _ = writeln!(
+                            self.body,
+                            "%gq{tag}_rows = arith.index_cast %S : index to i64\n\
+                             %gq{tag}_want = func.call @m3c_gemm_wanted(%gq{tag}_rows) : (i64) -> i32\n\
+                             %gq{tag}_no = arith.constant 0 : i32\n\
+                             %gq{tag}_go = arith.cmpi ne, %gq{tag}_want, %gq{tag}_no : i32\n\
+                             scf.if %gq{tag}_go {{\n{}}} else {{\n{}}}",
+                            indent(&gemm, 2),
+                            indent(&call.text, 2)
+                        );
+                    }
+                    _ => self.body.push_str(&call.text),
                 }
             }
         }
     }
 }
+
+impl Emitter {
+    /// Each GPU kernel's device code once, however many calls it has.
+    fn use_gpu_kernel(&mut self, kernel: &m3c_kernels::Kernel) {
+        if self.gpu_kernels.insert(kernel.symbol()) {
+            self.funcs.extend(kernel.gpu_funcs().into_iter().map(|g| (g.name, g.text)));
+        }
+    }
+
+    /// A bf16-weight linear `y = x Wᵀ` on tensor cores: `x` rounded to bf16
+    /// into scratch, then cuBLAS (`m3c_gemm_bf16`, f32 accumulation and
+    /// output). Taken when the runtime says so (`m3c_gemm_wanted`: prefill
+    /// steps of enough rows, cuBLAS loaded, `--prefill-gemm cublas`).
+    fn cublas_gemm(&mut self, a: &[(String, String)], inp: usize, out: usize, tag: &str) -> String {
+        let conv = m3c_kernels::Kernel::ToBf16 { width: inp };
+        self.use_gpu_kernel(&conv);
+        let xb = format!("%gq{tag}_xb");
+        let (alloc, xb_ty) = m3c_kernels::gpu::device_buffer(&xb, "%S", inp, "i16");
+        self.views.insert(xb_ty.clone());
+        let launch = conv.gpu_call(&[a[0].clone(), (xb.clone(), xb_ty.mlir())], "%S", &format!("{tag}c"));
+        let ptr = |name: &str, ty: &str, v: &str| {
+            format!(
+                "{v}_ix = memref.extract_aligned_pointer_as_index {name} : {ty} -> index\n\
+                 {v}_i = arith.index_cast {v}_ix : index to i64\n\
+                 {v} = llvm.inttoptr {v}_i : i64 to !llvm.ptr\n"
+            )
+        };
+        format!(
+            "{alloc}{launch}{wp}{yp}%gq{tag}_inp = arith.constant {inp} : i64\n\
+             %gq{tag}_out = arith.constant {out} : i64\n\
+             func.call @m3c_gemm_bf16({xb}_p, %gq{tag}_wp, %gq{tag}_yp, %gq{tag}_rows, %gq{tag}_inp, %gq{tag}_out) : (!llvm.ptr, !llvm.ptr, !llvm.ptr, i64, i64, i64) -> ()\n\
+             func.call @m3c_buf_free({xb}_p) : (!llvm.ptr) -> ()\n",
+            launch = launch.text,
+            wp = ptr(&a[1].0, &a[1].1, &format!("%gq{tag}_wp")),
+            yp = ptr(&a[2].0, &a[2].1, &format!("%gq{tag}_yp")),
+        )
+    }
+}
+
+/// The runtime's tensor-core GEMM hooks (CUDA entries only).
+const CUDA_DECLS: &str = "  func.func private @m3c_gemm_wanted(i64) -> i32\n\
+     \x20 func.func private @m3c_gemm_bf16(!llvm.ptr, !llvm.ptr, !llvm.ptr, i64, i64, i64)\n";
 
 /// The declarations of the runtime functions the entry calls.
 const RUNTIME_DECLS: &str = "  func.func private @m3c_buf_alloc(i64) -> !llvm.ptr\n\
@@ -264,6 +319,7 @@ pub fn cuda_module(f: &FusedStage) -> String {
     let e = entry_body(f, Flavor::Cuda);
     let mut out = String::from("module attributes {gpu.container_module} {\n");
     out.push_str(RUNTIME_DECLS);
+    out.push_str(CUDA_DECLS);
     for v in &e.views {
         out.push_str(&v.view_fn_text());
     }
