@@ -190,7 +190,7 @@ print(','.join(str(x) for x in struct.unpack('<%dq' % (len(d)//8), d)))")
       timeout 120 "$b/out/$m-pp1-kvbf16/run.sh" --model "tests/fixtures/$m" --prompt-ids "$prompt" --max-new-tokens 16 \
         --expect "$golden" >"$log" 2>&1 || true
       check=$(grep -o 'prefill max.*' "$log" | head -1 || true)
-      rows+=("$(printf '%-28s %-6s %-5s %s' "$m bf16 KV cache" "pp=1" "ran" "${check:-$(why "$log")}")")
+      rows+=("$(printf '%-28s %-6s %-5s %s' "$m bf16 caches" "pp=1" "$([ -n "$check" ] && echo ran || echo FAIL)" "${check:-$(why "$log")}")")
     fi
   done
 
@@ -208,7 +208,7 @@ print(','.join(str(x) for x in struct.unpack('<%dq' % (len(d)//8), d)))")
   M3C_GEMM_MIN_ROWS=1 timeout 120 "$b/out/$m-pp1/run.sh" --model "tests/fixtures/$m" --prompt-ids "$prompt" --max-new-tokens 16 \
     --prefill-gemm cublas --expect "$golden" >"$log" 2>&1 || true
   check=$(grep -o 'prefill max.*' "$log" | head -1 || true)
-  rows+=("$(printf '%-28s %-6s %-5s %s' "$m prefill on cuBLAS" "pp=1" "ran" "${check:-$(why "$log")}; $(grep -o 'run on cuBLAS\|cuBLAS not found[^;]*' "$log" | head -1)")")
+  rows+=("$(printf '%-28s %-6s %-5s %s' "$m prefill on cuBLAS" "pp=1" "$([ -n "$check" ] && echo ran || echo FAIL)" "${check:-$(why "$log")}; $(grep -o 'run on cuBLAS\|cuBLAS not found[^;]*' "$log" | head -1)")")
   long=$(seq -s, 1 1024)
   times=""
   for g in off cublas; do
@@ -219,7 +219,7 @@ print(','.join(str(x) for x in struct.unpack('<%dq' % (len(d)//8), d)))")
       times="$times $g FAIL ($(why "$log"));"
     fi
   done
-  rows+=("$(printf '%-28s %-8s %-5s %s' "dense layer, bf16" "prefill" "ran" "1024 tokens, layer stage:$times")")
+  rows+=("$(printf '%-28s %-8s %-5s %s' "dense layer, bf16" "prefill" "$(case "$times" in *FAIL*) echo FAIL ;; *) echo ran ;; esac)" "1024 tokens, layer stage:$times")")
 
   for q in bf16 mxfp8; do
     for kind in dense moe; do
