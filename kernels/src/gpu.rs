@@ -8,8 +8,9 @@
 //! once per four activation rows, then one shuffle reduction per row); a block per row for
 //! norms and elementwise ops; a warp per (query row, KV group) for attention,
 //! with an online softmax per lane merged by shuffles and the MSA block
-//! selection done by the same warp. Routed experts run as three launches over
-//! (token, choice) pairs: gate/up + SwiGLU-OAI, down, weighted combine.
+//! selection done by the same warp. Routed experts are grouped by expert:
+//! a grouping launch, then gate/up + SwiGLU-OAI and down per (expert, output
+//! rows) over that expert's tokens four at a time, then a weighted combine.
 
 use crate::emit::{e8m0_to_f32, f32_lit, indent, E8M0_CONSTANTS};
 use crate::view::MemTy;
@@ -516,8 +517,8 @@ impl Kernel {
                 }]
             }
             Kernel::Attention { heads, kv_heads, head_dim, scale, sparse, cache } => vec![attention(&sym, *heads, *kv_heads, *head_dim, *scale, *sparse, *cache)],
-            Kernel::RoutedExperts { hidden, inter, top_k, weight, alpha, limit, beta, .. } => {
-                routed_experts(&sym, *hidden, *inter, *top_k, *weight, *alpha, *limit, *beta)
+            Kernel::RoutedExperts { experts, hidden, inter, top_k, weight, alpha, limit, beta } => {
+                routed_experts(&sym, *experts, *hidden, *inter, *top_k, *weight, *alpha, *limit, *beta)
             }
         }
     }
@@ -595,43 +596,51 @@ impl Kernel {
                     ));
                 }
             }
-            Kernel::RoutedExperts { hidden, inter, top_k, weight, .. } => {
+            Kernel::RoutedExperts { experts, hidden, inter, top_k, weight, .. } => {
                 // args: h, wts, ids, table, y
                 let (h, wts, ids, table, y) = (&args[0], &args[1], &args[2], &args[3], &args[4]);
-                let it = format!("memref<?x{inter}xf32>");
-                let ht = format!("memref<?x{hidden}xf32>");
                 text.push_str(&format!(
                     "%g{tag}_k = arith.constant {top_k} : index\n\
                      %g{tag}_pairs = arith.muli {rows}, %g{tag}_k : index\n\
+                     %g{tag}_ne = arith.constant {experts} : index\n\
+                     %g{tag}_ne1 = arith.constant {} : index\n\
+                     %g{tag}_slots = arith.minui %g{tag}_ne, %g{tag}_pairs : index\n\
                      %g{tag}_ib = arith.constant {} : index\n\
                      %g{tag}_hb = arith.constant {} : index\n",
+                    experts + 1,
                     inter.div_ceil(WARPS),
                     hidden.div_ceil(WARPS)
                 ));
-                let (a1, t1) = device_buffer(&format!("%g{tag}_act"), &format!("%g{tag}_pairs"), *inter, "f32");
-                let (a2, t2) = device_buffer(&format!("%g{tag}_dn"), &format!("%g{tag}_pairs"), *hidden, "f32");
-                text.push_str(&a1);
-                text.push_str(&a2);
-                host_views.push(t1);
-                host_views.push(t2);
-                let act = (format!("%g{tag}_act"), it.clone());
-                let dn = (format!("%g{tag}_dn"), ht.clone());
-                text.push_str(&launch(
-                    &format!("{sym}_up"),
-                    [&format!("%g{tag}_pairs"), &format!("%g{tag}_ib"), &one],
-                    BLOCK,
-                    &[h.clone(), ids.clone(), table.clone(), act.clone()],
-                ));
-                text.push_str(&launch(
-                    &format!("{sym}_down"),
-                    [&format!("%g{tag}_pairs"), &format!("%g{tag}_hb"), &one],
-                    BLOCK,
-                    &[act.clone(), ids.clone(), table.clone(), dn.clone()],
-                ));
+                let mut bufs = Vec::new();
+                for (n, count, width, elem) in [
+                    ("act", format!("%g{tag}_pairs"), *inter, "f32"),
+                    ("dn", format!("%g{tag}_pairs"), *hidden, "f32"),
+                    ("start", format!("%g{tag}_ne1"), 0, "i32"),
+                    ("order", format!("%g{tag}_pairs"), 0, "i32"),
+                    ("active", format!("%g{tag}_slots"), 0, "i32"),
+                ] {
+                    let (a, t) = device_buffer(&format!("%g{tag}_{n}"), &count, width, elem);
+                    text.push_str(&a);
+                    bufs.push((format!("%g{tag}_{n}"), t.mlir()));
+                    host_views.push(t);
+                }
+                let (act, dn, start, order, active) = (&bufs[0], &bufs[1], &bufs[2], &bufs[3], &bufs[4]);
+                let grouping = [start.clone(), order.clone(), active.clone()];
+                let mut group_args = vec![ids.clone()];
+                group_args.extend(grouping.iter().cloned());
+                text.push_str(&launch(&format!("{sym}_group"), [&one, &one, &one], BLOCK, &group_args));
+                let mut up_args = vec![h.clone()];
+                up_args.extend(grouping.iter().cloned());
+                up_args.extend([table.clone(), act.clone()]);
+                text.push_str(&launch(&format!("{sym}_up"), [&format!("%g{tag}_slots"), &format!("%g{tag}_ib"), &one], BLOCK, &up_args));
+                let mut down_args = vec![act.clone()];
+                down_args.extend(grouping.iter().cloned());
+                down_args.extend([table.clone(), dn.clone()]);
+                text.push_str(&launch(&format!("{sym}_down"), [&format!("%g{tag}_slots"), &format!("%g{tag}_hb"), &one], BLOCK, &down_args));
                 text.push_str(&launch(&format!("{sym}_combine"), [rows, &one, &one], BLOCK, &[dn.clone(), wts.clone(), y.clone()]));
-                text.push_str(&format!(
-                    "func.call @m3c_buf_free(%g{tag}_act_p) : (!llvm.ptr) -> ()\nfunc.call @m3c_buf_free(%g{tag}_dn_p) : (!llvm.ptr) -> ()\n"
-                ));
+                for n in ["act", "dn", "start", "order", "active"] {
+                    text.push_str(&format!("func.call @m3c_buf_free(%g{tag}_{n}_p) : (!llvm.ptr) -> ()\n"));
+                }
                 return GpuCall { text, device_views: moe::expert_tensor_types(*hidden, *inter, *weight), host_views };
             }
             _ => text.push_str(&launch(&sym, [rows, &one, &one], BLOCK, args)),
@@ -741,19 +750,75 @@ fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64, sp
     func(name, &params, &body)
 }
 
-/// Routed experts on the GPU: `{name}_up` (gate and up of each (token,
-/// choice) pair + SwiGLU-OAI), `{name}_down`, `{name}_combine`.
+/// Routed experts on the GPU, grouped by expert so that each expert's
+/// weights are read once per step for all the tokens that chose it (decode
+/// batches share experts; a prefill's tokens share them heavily):
+/// - `{name}_group` (one block): per expert, its (token, choice) pairs in
+///   pair order (`order`, from `start[e]` to `start[e + 1]`), and the list
+///   of experts with any pair (`active`, padded with −1); deterministic.
+/// - `{name}_up`: a block per (active expert, 8 intermediate rows); a warp
+///   per row walks the expert's pairs four at a time, loading each gate/up
+///   weight element once per four pairs; SwiGLU-OAI into `act[pair]`.
+/// - `{name}_down`: the same over the hidden rows, `act[pair]` → `dn[pair]`.
+/// - `{name}_combine`: `y[r] = Σ_j wts[r, j] · dn[r·k + j]`.
 #[allow(clippy::too_many_arguments)]
-fn routed_experts(name: &str, hidden: usize, inter: usize, k: usize, weight: WeightType, alpha: f64, limit: f64, beta: f64) -> Vec<GpuFunc> {
+fn routed_experts(name: &str, experts: usize, hidden: usize, inter: usize, k: usize, weight: WeightType, alpha: f64, limit: f64, beta: f64) -> Vec<GpuFunc> {
     let ht = format!("memref<?x{hidden}xf32>");
     let it = format!("memref<?x{inter}xf32>");
     let ids = format!("memref<?x{k}xi64>");
     let wts = format!("memref<?x{k}xf32>");
+    let i32v = "memref<?xi32>";
     let stride = moe::expert_table_stride(weight);
     let types = moe::expert_tensor_types(hidden, inter, weight);
+    let e_n = experts;
+    let group_body = format!(
+        "{IDX}%t = gpu.thread_id x\n%ck = arith.constant {k} : index\n%ce = arith.constant {e_n} : index\n\
+         %rows = memref.dim %ids, %c0 : {ids}\n%pairs = arith.muli %rows, %ck : index\n%slots = memref.dim %active, %c0 : {i32v}\n\
+         %i0 = arith.constant 0 : i32\n%i1 = arith.constant 1 : i32\n%neg = arith.constant -1 : i32\n\
+         // Pairs per expert.\n\
+         scf.for %e = %t to %ce step %c256 {{\n\
+         \x20 %e64 = arith.index_cast %e : index to i64\n\
+         \x20 %n = scf.for %p = %c0 to %pairs step %c1 iter_args(%a = %i0) -> (i32) {{\n\
+         \x20   %r = arith.divui %p, %ck : index\n    %j = arith.remui %p, %ck : index\n\
+         \x20   %x = memref.load %ids[%r, %j] : {ids}\n    %is = arith.cmpi eq, %x, %e64 : i64\n\
+         \x20   %a1 = arith.addi %a, %i1 : i32\n    %a2 = arith.select %is, %a1, %a : i32\n    scf.yield %a2 : i32\n  }}\n\
+         \x20 memref.store %n, %cnt[%e] : memref<{e_n}xi32, #gpu.address_space<workgroup>>\n\
+         }}\n\
+         gpu.barrier\n\
+         // Offsets and the active list (one thread: E is small).\n\
+         %lead = arith.cmpi eq, %t, %c0 : index\n\
+         scf.if %lead {{\n\
+         \x20 %tot:2 = scf.for %e = %c0 to %ce step %c1 iter_args(%off = %i0, %s = %c0) -> (i32, index) {{\n\
+         \x20   memref.store %off, %start[%e] : {i32v}\n\
+         \x20   %n = memref.load %cnt[%e] : memref<{e_n}xi32, #gpu.address_space<workgroup>>\n\
+         \x20   %off2 = arith.addi %off, %n : i32\n    %any = arith.cmpi sgt, %n, %i0 : i32\n\
+         \x20   %s1 = arith.addi %s, %c1 : index\n\
+         \x20   %s2 = scf.if %any -> (index) {{\n\
+         \x20     %fits = arith.cmpi ult, %s, %slots : index\n\
+         \x20     scf.if %fits {{\n        %e32 = arith.index_cast %e : index to i32\n        memref.store %e32, %active[%s] : {i32v}\n      }}\n\
+         \x20     scf.yield %s1 : index\n    }} else {{\n      scf.yield %s : index\n    }}\n\
+         \x20   scf.yield %off2, %s2 : i32, index\n  }}\n\
+         \x20 memref.store %tot#0, %start[%ce] : {i32v}\n\
+         \x20 scf.for %s = %tot#1 to %slots step %c1 {{\n    memref.store %neg, %active[%s] : {i32v}\n  }}\n\
+         }}\n\
+         gpu.barrier\n\
+         // Each expert's pairs, in pair order.\n\
+         scf.for %e = %t to %ce step %c256 {{\n\
+         \x20 %e64 = arith.index_cast %e : index to i64\n\
+         \x20 %s0 = memref.load %start[%e] : {i32v}\n\
+         \x20 %fin = scf.for %p = %c0 to %pairs step %c1 iter_args(%at = %s0) -> (i32) {{\n\
+         \x20   %r = arith.divui %p, %ck : index\n    %j = arith.remui %p, %ck : index\n\
+         \x20   %x = memref.load %ids[%r, %j] : {ids}\n    %is = arith.cmpi eq, %x, %e64 : i64\n\
+         \x20   %nx = scf.if %is -> (i32) {{\n\
+         \x20     %ati = arith.index_cast %at : i32 to index\n      %p32 = arith.index_cast %p : index to i32\n\
+         \x20     memref.store %p32, %order[%ati] : {i32v}\n      %at1 = arith.addi %at, %i1 : i32\n      scf.yield %at1 : i32\n\
+         \x20   }} else {{\n      scf.yield %at : i32\n    }}\n\
+         \x20   scf.yield %nx : i32\n  }}\n\
+         }}\n"
+    );
     // Views of expert `%e`'s tensors `first..first+n` from the device pointer table.
     let views = |first: usize, n: usize| -> String {
-        let mut s = format!("%cstride = arith.constant {stride} : i64\n%e64 = memref.load %ids[%r, %j] : {ids}\n%ebase = arith.muli %e64, %cstride : i64\n");
+        let mut s = format!("%cstride = arith.constant {stride} : i64\n%e64 = arith.index_cast %e : index to i64\n%ebase = arith.muli %e64, %cstride : i64\n");
         for (j, ty) in types.iter().enumerate().skip(first).take(n) {
             s.push_str(&format!(
                 "%off{j}c = arith.constant {j} : i64\n%off{j} = arith.addi %ebase, %off{j}c : i64\n\
@@ -766,41 +831,102 @@ fn routed_experts(name: &str, hidden: usize, inter: usize, k: usize, weight: Wei
         }
         s
     };
-    let pair = format!("%ck = arith.constant {k} : index\n%pk = gpu.block_id x\n%r = arith.divui %pk, %ck : index\n%j = arith.remui %pk, %ck : index\n");
     let mx = matches!(weight, WeightType::Mxfp8 { .. });
     let (g_w, g_s, u_w, u_s, d_w, d_s) = if mx { ("%t0", "%t1", "%t2", "%t3", "%t4", "%t5") } else { ("%t0", "", "%t1", "", "%t2", "") };
     let gate = WeightArgs::new(g_w, g_s, inter, hidden, weight);
     let up = WeightArgs::new(u_w, u_s, inter, hidden, weight);
     let down = WeightArgs::new(d_w, d_s, hidden, inter, weight);
     let consts = gate.consts();
+    let rows = ROWS_PER_PASS;
+    // The block's expert and output row, and the walk over its pairs
+    // `rows` at a time (`%q{j}`: pair, `%x{j}`: the activation row it reads).
+    let head = |out: usize| {
+        format!(
+            "{IDX}{WARP_IDS}{consts}%slot = gpu.block_id x\n%e32 = memref.load %active[%slot] : {i32v}\n%i0 = arith.constant 0 : i32\n\
+             %has = arith.cmpi sge, %e32, %i0 : i32\n%e = arith.index_cast %e32 : i32 to index\n\
+             %bx = gpu.block_id y\n%cwarps = arith.constant {WARPS} : index\n%ob = arith.muli %bx, %cwarps : index\n%o = arith.addi %ob, %warp : index\n\
+             %cout = arith.constant {out} : index\n%in = arith.cmpi ult, %o, %cout : index\n%ok = arith.andi %has, %in : i1\n\
+             %ck = arith.constant {k} : index\n%cr = arith.constant {rows} : index\n%first = arith.cmpi eq, %lane, %c0 : index\n"
+        )
+    };
+    let walk_open = |xrow_of_pair: bool| {
+        let mut s = String::from(
+            "%e1 = arith.addi %e, %c1 : index\n%s0i = memref.load %start[%e] : memref<?xi32>\n%s1i = memref.load %start[%e1] : memref<?xi32>\n\
+             %s0 = arith.index_cast %s0i : i32 to index\n%s1 = arith.index_cast %s1i : i32 to index\n\
+             scf.for %pb = %s0 to %s1 step %cr {\n",
+        );
+        for j in 0..rows {
+            s.push_str(&format!(
+                "  %cj{j} = arith.constant {j} : index\n  %pu{j} = arith.addi %pb, %cj{j} : index\n  %ok{j} = arith.cmpi ult, %pu{j}, %s1 : index\n\
+                 \x20 %pi{j} = arith.select %ok{j}, %pu{j}, %pb : index\n  %q{j}i = memref.load %order[%pi{j}] : memref<?xi32>\n\
+                 \x20 %q{j} = arith.index_cast %q{j}i : i32 to index\n"
+            ));
+            if xrow_of_pair {
+                s.push_str(&format!("  %x{j} = arith.addi %q{j}, %c0 : index\n"));
+            } else {
+                s.push_str(&format!("  %x{j} = arith.divui %q{j}, %ck : index\n"));
+            }
+        }
+        s
+    };
+    // `rows` dot products of weight row `%o` with activation rows `%x{j}` of `x`.
+    let dots = |tag: &str, wa: &WeightArgs, x: &str, xt: &str, n: usize| {
+        let inits: Vec<String> = (0..rows).map(|j| format!("%{tag}a{j} = %zero")).collect();
+        let tys = vec!["f32"; rows].join(", ");
+        let mut fma = String::new();
+        for j in 0..rows {
+            fma.push_str(&format!(
+                "  %{tag}v{j} = memref.load {x}[%x{j}, %i] : {xt}\n  %{tag}m{j} = arith.mulf %{tag}v{j}, %{tag}w : f32\n  %{tag}n{j} = arith.addf %{tag}a{j}, %{tag}m{j} : f32\n"
+            ));
+        }
+        let nexts: Vec<String> = (0..rows).map(|j| format!("%{tag}n{j}")).collect();
+        let mut s = format!(
+            "%{tag}cn = arith.constant {n} : index\n%{tag}acc:{rows} = scf.for %i = %lane to %{tag}cn step %c32 iter_args({}) -> ({tys}) {{\n{}{fma}  scf.yield {} : {tys}\n}}\n",
+            inits.join(", "),
+            indent(&wa.load(&format!("{tag}w"), "%o", "%i"), 2),
+            nexts.join(", ")
+        );
+        for j in 0..rows {
+            s.push_str(&format!("%{tag}s{j} = gpu.subgroup_reduce add %{tag}acc#{j} : (f32) -> f32\n"));
+        }
+        s
+    };
+    let mut swiglu = String::new();
+    for j in 0..rows {
+        swiglu.push_str(&format!(
+            "%gc{j} = arith.minimumf %gs{j}, %lim : f32\n%u1{j} = arith.minimumf %us{j}, %lim : f32\n%uc{j} = arith.maximumf %u1{j}, %nlim : f32\n\
+             %ag{j} = arith.mulf %alpha, %gc{j} : f32\n%nag{j} = arith.negf %ag{j} : f32\n%ex{j} = math.exp %nag{j} : f32\n\
+             %den{j} = arith.addf %one, %ex{j} : f32\n%sig{j} = arith.divf %one, %den{j} : f32\n%glu{j} = arith.mulf %gc{j}, %sig{j} : f32\n\
+             %upb{j} = arith.addf %uc{j}, %beta : f32\n%act{j} = arith.mulf %glu{j}, %upb{j} : f32\n\
+             %st{j} = arith.andi %first, %ok{j} : i1\nscf.if %st{j} {{\n  memref.store %act{j}, %out[%q{j}, %o] : {it}\n}}\n"
+        ));
+    }
     let up_body = format!(
-        "{IDX}{WARP_IDS}{consts}{pair}{views}\
-         %bx = gpu.block_id y\n%cwarps = arith.constant {WARPS} : index\n%ob = arith.muli %bx, %cwarps : index\n%o = arith.addi %ob, %warp : index\n\
-         %cout = arith.constant {inter} : index\n%ok = arith.cmpi ult, %o, %cout : index\n\
-         %alpha = arith.constant {a} : f32\n%lim = arith.constant {l} : f32\n%nlim = arith.constant {nl} : f32\n%beta = arith.constant {b} : f32\n\
-         scf.if %ok {{\n{gd}{ud}\
-         \x20 %gc = arith.minimumf %gv, %lim : f32\n  %u1 = arith.minimumf %uv, %lim : f32\n  %uc = arith.maximumf %u1, %nlim : f32\n\
-         \x20 %ag = arith.mulf %alpha, %gc : f32\n  %nag = arith.negf %ag : f32\n  %ex = math.exp %nag : f32\n\
-         \x20 %den = arith.addf %one, %ex : f32\n  %sig = arith.divf %one, %den : f32\n  %glu = arith.mulf %gc, %sig : f32\n\
-         \x20 %upb = arith.addf %uc, %beta : f32\n  %act = arith.mulf %glu, %upb : f32\n\
-         \x20 %first = arith.cmpi eq, %lane, %c0 : index\n  scf.if %first {{\n    memref.store %act, %out[%pk, %o] : {it}\n  }}\n}}\n",
-        views = views(0, if mx { 4 } else { 2 }),
+        "{head}%alpha = arith.constant {a} : f32\n%lim = arith.constant {l} : f32\n%nlim = arith.constant {nl} : f32\n%beta = arith.constant {b} : f32\n\
+         scf.if %ok {{\n{views}{walk}{gd}{ud}{sw}  }}\n}}\n",
+        head = head(inter),
         a = f32_lit(alpha),
         l = f32_lit(limit),
         nl = f32_lit(-limit),
         b = f32_lit(beta),
-        gd = indent(&warp_dot("gv", "%h", &ht, "%r", &gate, "%o", hidden), 2),
-        ud = indent(&warp_dot("uv", "%h", &ht, "%r", &up, "%o", hidden), 2),
+        views = indent(&views(0, if mx { 4 } else { 2 }), 2),
+        walk = indent(&walk_open(false), 2),
+        gd = indent(&dots("g", &gate, "%h", &ht, hidden), 4),
+        ud = indent(&dots("u", &up, "%h", &ht, hidden), 4),
+        sw = indent(&swiglu, 4),
     );
+    let mut down_store = String::new();
+    for j in 0..rows {
+        down_store.push_str(&format!("%st{j} = arith.andi %first, %ok{j} : i1\nscf.if %st{j} {{\n  memref.store %ds{j}, %out[%q{j}, %o] : {ht}\n}}\n"));
+    }
     let down_first = if mx { 4 } else { 2 };
     let down_body = format!(
-        "{IDX}{WARP_IDS}{consts}{pair}{views}\
-         %bx = gpu.block_id y\n%cwarps = arith.constant {WARPS} : index\n%ob = arith.muli %bx, %cwarps : index\n%o = arith.addi %ob, %warp : index\n\
-         %cout = arith.constant {hidden} : index\n%ok = arith.cmpi ult, %o, %cout : index\n\
-         scf.if %ok {{\n{dd}\
-         \x20 %first = arith.cmpi eq, %lane, %c0 : index\n  scf.if %first {{\n    memref.store %dv, %out[%pk, %o] : {ht}\n  }}\n}}\n",
-        views = views(down_first, if mx { 2 } else { 1 }),
-        dd = indent(&warp_dot("dv", "%act", &it, "%pk", &down, "%o", inter), 2),
+        "{head}scf.if %ok {{\n{views}{walk}{dd}{st}  }}\n}}\n",
+        head = head(hidden),
+        views = indent(&views(down_first, if mx { 2 } else { 1 }), 2),
+        walk = indent(&walk_open(true), 2),
+        dd = indent(&dots("d", &down, "%act", &it, inter), 4),
+        st = indent(&down_store, 4),
     );
     let combine_body = format!(
         "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%ch = arith.constant {hidden} : index\n%ck = arith.constant {k} : index\n\
@@ -811,9 +937,17 @@ fn routed_experts(name: &str, hidden: usize, inter: usize, k: usize, weight: Wei
          \x20   %m = arith.mulf %w, %x : f32\n    %a2 = arith.addf %a, %m : f32\n    scf.yield %a2 : f32\n  }}\n\
          \x20 memref.store %s, %y[%r, %c] : {ht}\n}}\n"
     );
+    let grouping = format!("%start: {i32v}, %order: {i32v}, %active: {i32v}");
     vec![
-        func(&format!("{name}_up"), &format!("%h: {ht}, %ids: {ids}, %table: !llvm.ptr, %out: {it}"), &up_body),
-        func(&format!("{name}_down"), &format!("%act: {it}, %ids: {ids}, %table: !llvm.ptr, %out: {ht}"), &down_body),
+        GpuFunc {
+            name: format!("{name}_group"),
+            text: format!(
+                "    gpu.func @{name}_group(%ids: {ids}, {grouping}) workgroup(%cnt: memref<{e_n}xi32, #gpu.address_space<workgroup>>) kernel {{\n{}      gpu.return\n    }}\n",
+                indent(&group_body, 6)
+            ),
+        },
+        func(&format!("{name}_up"), &format!("%h: {ht}, {grouping}, %table: !llvm.ptr, %out: {it}"), &up_body),
+        func(&format!("{name}_down"), &format!("%act: {it}, {grouping}, %table: !llvm.ptr, %out: {ht}"), &down_body),
         func(&format!("{name}_combine"), &format!("%dn: {ht}, %wts: {wts}, %y: {ht}"), &combine_body),
     ]
 }

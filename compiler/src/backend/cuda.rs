@@ -54,6 +54,10 @@ pub fn compile(mlir: &str, arch: &str) -> Result<CudaArtifacts, BackendError> {
     std::env::set_var("CUDA_ROOT", &root);
     static INIT: std::sync::Once = std::sync::Once::new();
     INIT.call_once(register_all_passes);
+    if let Some(d) = std::env::var_os("M3C_DUMP_DIR") {
+        // Debugging aid: the module as generated (also when it does not parse).
+        let _ = std::fs::write(Path::new(&d).join("cuda-in.mlir"), mlir);
+    }
     let context = super::host::context();
     let mut module = Module::parse(&context, mlir).ok_or_else(|| BackendError::Parse { head: mlir.lines().take(12).collect::<Vec<_>>().join("\n") })?;
     let pipeline = pipeline(arch);
@@ -67,8 +71,7 @@ pub fn compile(mlir: &str, arch: &str) -> Result<CudaArtifacts, BackendError> {
     }
     let lowered = module.as_operation().to_string();
     if let Some(d) = std::env::var_os("M3C_DUMP_DIR") {
-        // Debugging aid: the module before and after the NVVM pipeline.
-        let _ = std::fs::write(Path::new(&d).join("cuda-in.mlir"), mlir);
+        // Debugging aid: the module after the NVVM pipeline.
         let _ = std::fs::write(Path::new(&d).join("cuda-lowered.mlir"), &lowered);
     }
     let ptx = extract_ptx(&lowered).ok_or_else(|| BackendError::Codegen("no PTX in the lowered module".into()))?;
