@@ -4,8 +4,10 @@
 //! run them. The CUDA back end lowers them through NVVM to PTX.
 //!
 //! Work split: a warp per output row of a linear (lanes stride over the
-//! inputs, so a warp reads a weight row with coalesced loads, each byte
-//! once per four activation rows, then one shuffle reduction per row); a block per row for
+//! inputs 8 bytes at a time where the row allows, so a warp reads a weight
+//! row with coalesced 256-byte loads, each byte once per four activation
+//! rows, then one shuffle reduction per row; fp8 is decoded by the
+//! hardware converter); a block per row for
 //! norms and elementwise ops; a warp per (query row, KV group) for attention,
 //! with an online softmax per lane merged by shuffles and the MSA block
 //! selection done by the same warp. Routed experts are grouped by expert:
@@ -67,43 +69,18 @@ pub fn device_buffer(name: &str, n: &str, width: usize, elem: &'static str) -> (
     )
 }
 
-const FP8_CONSTS: &str = "%k80 = arith.constant 128 : i32\n\
-     %k24 = arith.constant 24 : i32\n\
-     %k3 = arith.constant 3 : i32\n\
-     %kF = arith.constant 15 : i32\n\
-     %k7 = arith.constant 7 : i32\n\
-     %k120 = arith.constant 120 : i32\n\
-     %k23 = arith.constant 23 : i32\n\
-     %k20 = arith.constant 20 : i32\n\
-     %k0i = arith.constant 0 : i32\n\
-     %k7f = arith.constant 127 : i32\n\
-     %knan = arith.constant 2143289344 : i32\n\
-     %ksub = arith.constant 1.953125e-03 : f32\n";
-
-/// `%{d}` = the f32 value of the `float8_e4m3fn` byte `%{q}` (i8), by integer ops.
-fn fp8_scalar(d: &str, q: &str) -> String {
+/// `%{d}` = the f32 value of the `float8_e4m3fn` byte `%{q}` (i8) with
+/// Hopper's converter (`cvt.rn.f16x2.e4m3x2`, sm_89+; e4m3 → f16 is exact,
+/// NaN stays NaN), then f16 → f32: a few instructions instead of the ~20
+/// integer ops a software decode takes, which would make an MXFP8 GEMV compute-bound
+/// far below HBM bandwidth.
+fn fp8_cvt(d: &str, q: &str) -> String {
     format!(
-        "%{d}_u = arith.extui %{q} : i8 to i32\n\
-         %{d}_sg0 = arith.andi %{d}_u, %k80 : i32\n\
-         %{d}_sg = arith.shli %{d}_sg0, %k24 : i32\n\
-         %{d}_e0 = arith.shrui %{d}_u, %k3 : i32\n\
-         %{d}_e = arith.andi %{d}_e0, %kF : i32\n\
-         %{d}_m = arith.andi %{d}_u, %k7 : i32\n\
-         %{d}_eb = arith.addi %{d}_e, %k120 : i32\n\
-         %{d}_es = arith.shli %{d}_eb, %k23 : i32\n\
-         %{d}_ms = arith.shli %{d}_m, %k20 : i32\n\
-         %{d}_n0 = arith.ori %{d}_sg, %{d}_es : i32\n\
-         %{d}_nb = arith.ori %{d}_n0, %{d}_ms : i32\n\
-         %{d}_mf = arith.uitofp %{d}_m : i32 to f32\n\
-         %{d}_sm = arith.mulf %{d}_mf, %ksub : f32\n\
-         %{d}_si = arith.bitcast %{d}_sm : f32 to i32\n\
-         %{d}_sb = arith.ori %{d}_si, %{d}_sg : i32\n\
-         %{d}_issub = arith.cmpi eq, %{d}_e, %k0i : i32\n\
-         %{d}_low = arith.andi %{d}_u, %k7f : i32\n\
-         %{d}_isnan = arith.cmpi eq, %{d}_low, %k7f : i32\n\
-         %{d}_b0 = arith.select %{d}_issub, %{d}_sb, %{d}_nb : i32\n\
-         %{d}_b = arith.select %{d}_isnan, %knan, %{d}_b0 : i32\n\
-         %{d} = arith.bitcast %{d}_b : i32 to f32\n"
+        "%{d}_h = arith.extui %{q} : i8 to i16\n\
+         %{d}_x2 = llvm.inline_asm \"cvt.rn.f16x2.e4m3x2 $0, $1;\", \"=r,h\" %{d}_h : (i16) -> i32\n\
+         %{d}_lo = arith.trunci %{d}_x2 : i32 to i16\n\
+         %{d}_f16 = arith.bitcast %{d}_lo : i16 to f16\n\
+         %{d} = arith.extf %{d}_f16 : f16 to f32\n"
     )
 }
 
@@ -155,15 +132,66 @@ impl WeightArgs {
                 wty = self.wty,
                 s = self.s,
                 sty = self.sty,
-                dec = fp8_scalar(&format!("{d}_v"), &format!("{d}_q")),
+                dec = fp8_cvt(&format!("{d}_v"), &format!("{d}_q")),
                 scale = e8m0_to_f32(&format!("%{d}_sc"), &format!("%{d}_sq")),
             ),
         }
     }
 
+    /// Elements of this weight in 8 bytes: what one lane loads at a time on the wide path.
+    fn lanes(&self) -> usize {
+        match self.weight {
+            WeightType::F32 => 2,
+            WeightType::BF16 | WeightType::F16 => 4,
+            WeightType::Mxfp8 { .. } => 8,
+        }
+    }
+
+    /// `%{d}` = W[o, i .. i + lanes] as `vector<lanes x f32>`, from one 8-byte
+    /// load (`i` a multiple of `lanes`; MXFP8: all in one scale block).
+    fn load_wide(&self, d: &str, o: &str, i: &str) -> String {
+        let n = self.lanes();
+        let elem = self.weight.mlir_elem();
+        let raw = format!("%{d}_raw = vector.load {}[{o}, {i}] {{alignment = 8}} : {}, vector<{n}x{elem}>\n", self.w, self.wty);
+        match self.weight {
+            WeightType::F32 => raw.replace(&format!("%{d}_raw ="), &format!("%{d} =")),
+            WeightType::BF16 | WeightType::F16 => format!("{raw}%{d} = arith.extf %{d}_raw : vector<{n}x{elem}> to vector<{n}xf32>\n"),
+            WeightType::Mxfp8 { block } => {
+                // Four `cvt.rn.f16x2.e4m3x2`, one per byte pair, then the block's scale.
+                let mut s = format!("{raw}%{d}_p = vector.bitcast %{d}_raw : vector<8xi8> to vector<4xi16>\n");
+                for k in 0..4 {
+                    s.push_str(&format!(
+                        "%{d}_h{k} = vector.extract %{d}_p[{k}] : i16 from vector<4xi16>\n\
+                         %{d}_x{k} = llvm.inline_asm \"cvt.rn.f16x2.e4m3x2 $0, $1;\", \"=r,h\" %{d}_h{k} : (i16) -> i32\n\
+                         %{d}_v{k} = llvm.bitcast %{d}_x{k} : i32 to vector<2xf16>\n\
+                         %{d}_f{k} = arith.extf %{d}_v{k} : vector<2xf16> to vector<2xf32>\n"
+                    ));
+                }
+                // The four pairs side by side, in element order.
+                s.push_str(&format!(
+                    "%{d}_lo = vector.shuffle %{d}_f0, %{d}_f1 [0, 1, 2, 3] : vector<2xf32>, vector<2xf32>\n\
+                     %{d}_hi = vector.shuffle %{d}_f2, %{d}_f3 [0, 1, 2, 3] : vector<2xf32>, vector<2xf32>\n\
+                     %{d}_all = vector.shuffle %{d}_lo, %{d}_hi [0, 1, 2, 3, 4, 5, 6, 7] : vector<4xf32>, vector<4xf32>\n"
+                ));
+                s.push_str(&format!(
+                    "%{d}_cb = arith.constant {block} : index\n\
+                     %{d}_bi = arith.divui {i}, %{d}_cb : index\n\
+                     %{d}_sq = memref.load {s}[{o}, %{d}_bi] : {sty}\n\
+                     {scale}\
+                     %{d}_scv = vector.broadcast %{d}_sc : f32 to vector<8xf32>\n\
+                     %{d} = arith.mulf %{d}_all, %{d}_scv : vector<8xf32>\n",
+                    s = self.s,
+                    sty = self.sty,
+                    scale = e8m0_to_f32(&format!("%{d}_sc"), &format!("%{d}_sq")),
+                ));
+                s
+            }
+        }
+    }
+
     fn consts(&self) -> String {
         match self.weight {
-            WeightType::Mxfp8 { .. } => format!("{FP8_CONSTS}{E8M0_CONSTANTS}"),
+            WeightType::Mxfp8 { .. } => E8M0_CONSTANTS.to_string(),
             _ => String::new(),
         }
     }
@@ -303,25 +331,48 @@ impl Kernel {
                          %ok{j} = arith.cmpi ult, %ru{j}, %rows : index\n%r{j} = arith.select %ok{j}, %ru{j}, %rb : index\n"
                     ));
                 }
-                let inits: Vec<String> = (0..rows).map(|j| format!("%a{j} = %zero")).collect();
-                let tys = vec!["f32"; rows].join(", ");
+                // Wide path: each lane loads 8 bytes of the weight row at a
+                // time (8 fp8, 4 bf16/f16 or 2 f32 elements) so a warp moves
+                // 256 B per load, enough in flight to approach HBM bandwidth;
+                // rows whose length is not a multiple of 32 such chunks take
+                // the one-element path.
+                let lanes = wa.lanes();
+                let wide = inp % (32 * lanes) == 0;
+                let (vt, step, first_i) = if wide {
+                    (format!("vector<{lanes}xf32>"), format!("%cstep = arith.constant {} : index\n%cl = arith.constant {lanes} : index\n%i0 = arith.muli %lane, %cl : index\n", 32 * lanes), "%i0")
+                } else {
+                    ("f32".to_string(), "%cstep = arith.constant 32 : index\n".to_string(), "%lane")
+                };
+                let zero = if wide { format!("%vzero = arith.constant dense<0.0> : {vt}\n") } else { String::new() };
+                let inits: Vec<String> = (0..rows).map(|j| if wide { format!("%a{j} = %vzero") } else { format!("%a{j} = %zero") }).collect();
+                let tys = vec![vt.as_str(); rows].join(", ");
                 let mut fma = String::new();
                 for j in 0..rows {
-                    fma.push_str(&format!(
-                        "%x{j} = memref.load %x[%r{j}, %i] : {xt}\n%m{j} = arith.mulf %x{j}, %wv : f32\n%n{j} = arith.addf %a{j}, %m{j} : f32\n"
-                    ));
+                    let xload = if wide {
+                        // Rows of a multiple of 32·lanes f32 from 256-byte-aligned buffers: aligned.
+                        format!("%x{j} = vector.load %x[%r{j}, %i] {{alignment = {}}} : {xt}, {vt}\n", (lanes * 4).min(16))
+                    } else {
+                        format!("%x{j} = memref.load %x[%r{j}, %i] : {xt}\n")
+                    };
+                    fma.push_str(&format!("{xload}%m{j} = arith.mulf %x{j}, %wv : {vt}\n%n{j} = arith.addf %a{j}, %m{j} : {vt}\n"));
                 }
                 let nexts: Vec<String> = (0..rows).map(|j| format!("%n{j}")).collect();
                 let mut stores = String::new();
                 for j in 0..rows {
+                    let lane_sum = if wide {
+                        format!("%ls{j} = vector.reduction <add>, %acc#{j} : {vt} into f32\n")
+                    } else {
+                        format!("%ls{j} = arith.addf %acc#{j}, %zero : f32\n")
+                    };
                     stores.push_str(&format!(
-                        "%sum{j} = gpu.subgroup_reduce add %acc#{j} : (f32) -> f32\n\
+                        "{lane_sum}%sum{j} = gpu.subgroup_reduce add %ls{j} : (f32) -> f32\n\
                          %st{j} = arith.andi %first, %ok{j} : i1\n\
                          scf.if %st{j} {{\n  memref.store %sum{j}, %y[%r{j}, %o] : {yt}\n}}\n"
                     ));
                 }
+                let load = if wide { wa.load_wide("wv", "%o", "%i") } else { wa.load("wv", "%o", "%i") };
                 let body = format!(
-                    "{IDX}{WARP_IDS}{consts}%bx = gpu.block_id x\n%cwarps = arith.constant {WARPS} : index\n\
+                    "{IDX}{WARP_IDS}{consts}{zero}{step}%bx = gpu.block_id x\n%cwarps = arith.constant {WARPS} : index\n\
                      %ob = arith.muli %bx, %cwarps : index\n%o = arith.addi %ob, %warp : index\n\
                      %cout = arith.constant {out} : index\n%ok = arith.cmpi ult, %o, %cout : index\n\
                      %rows = memref.dim %x, %c0 : {xt}\n%cr = arith.constant {rows} : index\n\
@@ -329,7 +380,7 @@ impl Kernel {
                      scf.if %ok {{\n\
                      \x20 scf.for %rb = %c0 to %rows step %cr {{\n\
                      {clamp}\
-                     \x20   %acc:{rows} = scf.for %i = %lane to %cin step %c32 iter_args({inits}) -> ({tys}) {{\n\
+                     \x20   %acc:{rows} = scf.for %i = {first_i} to %cin step %cstep iter_args({inits}) -> ({tys}) {{\n\
                      {load}\
                      {fma}\
                      \x20     scf.yield {nexts} : {tys}\n\
@@ -340,7 +391,7 @@ impl Kernel {
                     consts = wa.consts(),
                     clamp = indent(&clamp, 4),
                     inits = inits.join(", "),
-                    load = indent(&wa.load("wv", "%o", "%i"), 6),
+                    load = indent(&load, 6),
                     fma = indent(&fma, 6),
                     nexts = nexts.join(", "),
                     stores = indent(&stores, 4),
