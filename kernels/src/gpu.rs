@@ -320,83 +320,88 @@ impl Kernel {
                 // MXFP8, decoded) once per four rows, so a decode
                 // micro-batch of up to four sequences reads each weight byte
                 // once. Rows past the end are clamped for the loads and not stored.
+                // `{sym}_r1` takes one row per pass: a batch-1 decode step
+                // then does no clamped duplicate work.
                 let wa = WeightArgs::new("%w", "%s", *out, *inp, *weight);
                 let xt = format!("memref<?x{inp}xf32>");
                 let yt = format!("memref<?x{out}xf32>");
-                let rows = ROWS_PER_PASS;
-                let mut clamp = String::new();
-                for j in 0..rows {
-                    clamp.push_str(&format!(
-                        "%cj{j} = arith.constant {j} : index\n%ru{j} = arith.addi %rb, %cj{j} : index\n\
-                         %ok{j} = arith.cmpi ult, %ru{j}, %rows : index\n%r{j} = arith.select %ok{j}, %ru{j}, %rb : index\n"
-                    ));
-                }
-                // Wide path: each lane loads 8 bytes of the weight row at a
-                // time (8 fp8, 4 bf16/f16 or 2 f32 elements) so a warp moves
-                // 256 B per load, enough in flight to approach HBM bandwidth;
-                // rows whose length is not a multiple of 32 such chunks take
-                // the one-element path.
-                let lanes = wa.lanes();
-                let wide = inp % (32 * lanes) == 0;
-                let (vt, step, first_i) = if wide {
-                    (format!("vector<{lanes}xf32>"), format!("%cstep = arith.constant {} : index\n%cl = arith.constant {lanes} : index\n%i0 = arith.muli %lane, %cl : index\n", 32 * lanes), "%i0")
-                } else {
-                    ("f32".to_string(), "%cstep = arith.constant 32 : index\n".to_string(), "%lane")
-                };
-                let zero = if wide { format!("%vzero = arith.constant dense<0.0> : {vt}\n") } else { String::new() };
-                let inits: Vec<String> = (0..rows).map(|j| if wide { format!("%a{j} = %vzero") } else { format!("%a{j} = %zero") }).collect();
-                let tys = vec![vt.as_str(); rows].join(", ");
-                let mut fma = String::new();
-                for j in 0..rows {
-                    let xload = if wide {
-                        // Rows of a multiple of 32·lanes f32 from 256-byte-aligned buffers: aligned.
-                        format!("%x{j} = vector.load %x[%r{j}, %i] {{alignment = {}}} : {xt}, {vt}\n", (lanes * 4).min(16))
+                let mut funcs = Vec::new();
+                for (rows, name) in [(ROWS_PER_PASS, sym.clone()), (1, format!("{sym}_r1"))] {
+                    let mut clamp = String::new();
+                    for j in 0..rows {
+                        clamp.push_str(&format!(
+                            "%cj{j} = arith.constant {j} : index\n%ru{j} = arith.addi %rb, %cj{j} : index\n\
+                             %ok{j} = arith.cmpi ult, %ru{j}, %rows : index\n%r{j} = arith.select %ok{j}, %ru{j}, %rb : index\n"
+                        ));
+                    }
+                    // Wide path: each lane loads 8 bytes of the weight row at a
+                    // time (8 fp8, 4 bf16/f16 or 2 f32 elements) so a warp moves
+                    // 256 B per load, enough in flight to approach HBM bandwidth;
+                    // rows whose length is not a multiple of 32 such chunks take
+                    // the one-element path.
+                    let lanes = wa.lanes();
+                    let wide = inp % (32 * lanes) == 0;
+                    let (vt, step, first_i) = if wide {
+                        (format!("vector<{lanes}xf32>"), format!("%cstep = arith.constant {} : index\n%cl = arith.constant {lanes} : index\n%i0 = arith.muli %lane, %cl : index\n", 32 * lanes), "%i0")
                     } else {
-                        format!("%x{j} = memref.load %x[%r{j}, %i] : {xt}\n")
+                        ("f32".to_string(), "%cstep = arith.constant 32 : index\n".to_string(), "%lane")
                     };
-                    fma.push_str(&format!("{xload}%m{j} = arith.mulf %x{j}, %wv : {vt}\n%n{j} = arith.addf %a{j}, %m{j} : {vt}\n"));
+                    let zero = if wide { format!("%vzero = arith.constant dense<0.0> : {vt}\n") } else { String::new() };
+                    let inits: Vec<String> = (0..rows).map(|j| if wide { format!("%a{j} = %vzero") } else { format!("%a{j} = %zero") }).collect();
+                    let tys = vec![vt.as_str(); rows].join(", ");
+                    let mut fma = String::new();
+                    for j in 0..rows {
+                        let xload = if wide {
+                            // Rows of a multiple of 32·lanes f32 from 256-byte-aligned buffers: aligned.
+                            format!("%x{j} = vector.load %x[%r{j}, %i] {{alignment = {}}} : {xt}, {vt}\n", (lanes * 4).min(16))
+                        } else {
+                            format!("%x{j} = memref.load %x[%r{j}, %i] : {xt}\n")
+                        };
+                        fma.push_str(&format!("{xload}%m{j} = arith.mulf %x{j}, %wv : {vt}\n%n{j} = arith.addf %a{j}, %m{j} : {vt}\n"));
+                    }
+                    let nexts: Vec<String> = (0..rows).map(|j| format!("%n{j}")).collect();
+                    let mut stores = String::new();
+                    for j in 0..rows {
+                        let lane_sum = if wide {
+                            format!("%ls{j} = vector.reduction <add>, %acc#{j} : {vt} into f32\n")
+                        } else {
+                            format!("%ls{j} = arith.addf %acc#{j}, %zero : f32\n")
+                        };
+                        stores.push_str(&format!(
+                            "{lane_sum}%sum{j} = gpu.subgroup_reduce add %ls{j} : (f32) -> f32\n\
+                             %st{j} = arith.andi %first, %ok{j} : i1\n\
+                             scf.if %st{j} {{\n  memref.store %sum{j}, %y[%r{j}, %o] : {yt}\n}}\n"
+                        ));
+                    }
+                    let load = if wide { wa.load_wide("wv", "%o", "%i") } else { wa.load("wv", "%o", "%i") };
+                    let body = format!(
+                        "{IDX}{WARP_IDS}{consts}{zero}{step}%bx = gpu.block_id x\n%cwarps = arith.constant {WARPS} : index\n\
+                         %ob = arith.muli %bx, %cwarps : index\n%o = arith.addi %ob, %warp : index\n\
+                         %cout = arith.constant {out} : index\n%ok = arith.cmpi ult, %o, %cout : index\n\
+                         %rows = memref.dim %x, %c0 : {xt}\n%cr = arith.constant {rows} : index\n\
+                         %cin = arith.constant {inp} : index\n%first = arith.cmpi eq, %lane, %c0 : index\n\
+                         scf.if %ok {{\n\
+                         \x20 scf.for %rb = %c0 to %rows step %cr {{\n\
+                         {clamp}\
+                         \x20   %acc:{rows} = scf.for %i = {first_i} to %cin step %cstep iter_args({inits}) -> ({tys}) {{\n\
+                         {load}\
+                         {fma}\
+                         \x20     scf.yield {nexts} : {tys}\n\
+                         \x20   }}\n\
+                         {stores}\
+                         \x20 }}\n\
+                         }}\n",
+                        consts = wa.consts(),
+                        clamp = indent(&clamp, 4),
+                        inits = inits.join(", "),
+                        load = indent(&load, 6),
+                        fma = indent(&fma, 6),
+                        nexts = nexts.join(", "),
+                        stores = indent(&stores, 4),
+                    );
+                    funcs.push(func(&name, &format!("%x: {xt}, {}, %y: {yt}", wa.params()), &body));
                 }
-                let nexts: Vec<String> = (0..rows).map(|j| format!("%n{j}")).collect();
-                let mut stores = String::new();
-                for j in 0..rows {
-                    let lane_sum = if wide {
-                        format!("%ls{j} = vector.reduction <add>, %acc#{j} : {vt} into f32\n")
-                    } else {
-                        format!("%ls{j} = arith.addf %acc#{j}, %zero : f32\n")
-                    };
-                    stores.push_str(&format!(
-                        "{lane_sum}%sum{j} = gpu.subgroup_reduce add %ls{j} : (f32) -> f32\n\
-                         %st{j} = arith.andi %first, %ok{j} : i1\n\
-                         scf.if %st{j} {{\n  memref.store %sum{j}, %y[%r{j}, %o] : {yt}\n}}\n"
-                    ));
-                }
-                let load = if wide { wa.load_wide("wv", "%o", "%i") } else { wa.load("wv", "%o", "%i") };
-                let body = format!(
-                    "{IDX}{WARP_IDS}{consts}{zero}{step}%bx = gpu.block_id x\n%cwarps = arith.constant {WARPS} : index\n\
-                     %ob = arith.muli %bx, %cwarps : index\n%o = arith.addi %ob, %warp : index\n\
-                     %cout = arith.constant {out} : index\n%ok = arith.cmpi ult, %o, %cout : index\n\
-                     %rows = memref.dim %x, %c0 : {xt}\n%cr = arith.constant {rows} : index\n\
-                     %cin = arith.constant {inp} : index\n%first = arith.cmpi eq, %lane, %c0 : index\n\
-                     scf.if %ok {{\n\
-                     \x20 scf.for %rb = %c0 to %rows step %cr {{\n\
-                     {clamp}\
-                     \x20   %acc:{rows} = scf.for %i = {first_i} to %cin step %cstep iter_args({inits}) -> ({tys}) {{\n\
-                     {load}\
-                     {fma}\
-                     \x20     scf.yield {nexts} : {tys}\n\
-                     \x20   }}\n\
-                     {stores}\
-                     \x20 }}\n\
-                     }}\n",
-                    consts = wa.consts(),
-                    clamp = indent(&clamp, 4),
-                    inits = inits.join(", "),
-                    load = indent(&load, 6),
-                    fma = indent(&fma, 6),
-                    nexts = nexts.join(", "),
-                    stores = indent(&stores, 4),
-                );
-                vec![func(&sym, &format!("%x: {xt}, {}, %y: {yt}", wa.params()), &body)]
+                funcs
             }
             Kernel::HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight } => {
                 let (d, half) = (*head_dim, rotary_dim / 2);
@@ -598,8 +603,14 @@ impl Kernel {
         match self {
             Kernel::Linear { out, .. } => {
                 text.push_str(&format!("%g{tag}_ob = arith.constant {} : index\n", out.div_ceil(WARPS)));
-                // One block per 8 output rows; each warp covers every activation row.
-                text.push_str(&launch(&sym, [&format!("%g{tag}_ob"), &one, &one], BLOCK, args));
+                // One block per 8 output rows; each warp covers every activation
+                // row (one at a time for a single row, else four at a time).
+                let ob = format!("%g{tag}_ob");
+                text.push_str(&format!(
+                    "%g{tag}_single = arith.cmpi eq, {rows}, %g{tag}_one : index\nscf.if %g{tag}_single {{\n{}}} else {{\n{}}}\n",
+                    indent(&launch(&format!("{sym}_r1"), [&ob, &one, &one], BLOCK, args), 2),
+                    indent(&launch(&sym, [&ob, &one, &one], BLOCK, args), 2)
+                ));
             }
             Kernel::HeadNormRope { heads, head_dim, .. } => {
                 text.push_str(&format!("%g{tag}_h = arith.constant {heads} : index\n%g{tag}_d = arith.constant {head_dim} : index\n"));
