@@ -12,7 +12,8 @@
 //! with an online softmax per lane merged by shuffles and the MSA block
 //! selection done by the same warp. Routed experts are grouped by expert:
 //! a grouping launch, then gate/up + SwiGLU-OAI and down per (expert, output
-//! rows) over that expert's tokens four at a time, then a weighted combine.
+//! rows) over that expert's tokens four at a time (one at a time, in an
+//! `_r1` twin, for experts with a single token), then a weighted combine.
 
 use crate::emit::{e8m0_to_f32, f32_lit, indent, E8M0_CONSTANTS};
 use crate::view::MemTy;
@@ -694,11 +695,15 @@ impl Kernel {
                 let mut up_args = vec![h.clone()];
                 up_args.extend(grouping.iter().cloned());
                 up_args.extend([table.clone(), act.clone()]);
-                text.push_str(&launch(&format!("{sym}_up"), [&format!("%g{tag}_slots"), &format!("%g{tag}_ib"), &one], BLOCK, &up_args));
+                for kernel in ["up_r1", "up"] {
+                    text.push_str(&launch(&format!("{sym}_{kernel}"), [&format!("%g{tag}_slots"), &format!("%g{tag}_ib"), &one], BLOCK, &up_args));
+                }
                 let mut down_args = vec![act.clone()];
                 down_args.extend(grouping.iter().cloned());
                 down_args.extend([table.clone(), dn.clone()]);
-                text.push_str(&launch(&format!("{sym}_down"), [&format!("%g{tag}_slots"), &format!("%g{tag}_hb"), &one], BLOCK, &down_args));
+                for kernel in ["down_r1", "down"] {
+                    text.push_str(&launch(&format!("{sym}_{kernel}"), [&format!("%g{tag}_slots"), &format!("%g{tag}_hb"), &one], BLOCK, &down_args));
+                }
                 text.push_str(&launch(&format!("{sym}_combine"), [rows, &one, &one], BLOCK, &[dn.clone(), wts.clone(), y.clone()]));
                 for n in ["act", "dn", "start", "order", "active"] {
                     text.push_str(&format!("func.call @m3c_buf_free(%g{tag}_{n}_p) : (!llvm.ptr) -> ()\n"));
@@ -899,24 +904,25 @@ fn routed_experts(name: &str, experts: usize, hidden: usize, inter: usize, k: us
     let up = WeightArgs::new(u_w, u_s, inter, hidden, weight);
     let down = WeightArgs::new(d_w, d_s, hidden, inter, weight);
     let consts = gate.consts();
-    let rows = ROWS_PER_PASS;
-    // The block's expert and output row, and the walk over its pairs
-    // `rows` at a time (`%q{j}`: pair, `%x{j}`: the activation row it reads).
+    // The block's expert and output row.
     let head = |out: usize| {
         format!(
             "{IDX}{WARP_IDS}{consts}%slot = gpu.block_id x\n%e32 = memref.load %active[%slot] : {i32v}\n%i0 = arith.constant 0 : i32\n\
              %has = arith.cmpi sge, %e32, %i0 : i32\n%e = arith.index_cast %e32 : i32 to index\n\
              %bx = gpu.block_id y\n%cwarps = arith.constant {WARPS} : index\n%ob = arith.muli %bx, %cwarps : index\n%o = arith.addi %ob, %warp : index\n\
              %cout = arith.constant {out} : index\n%in = arith.cmpi ult, %o, %cout : index\n%ok = arith.andi %has, %in : i1\n\
-             %ck = arith.constant {k} : index\n%cr = arith.constant {rows} : index\n%first = arith.cmpi eq, %lane, %c0 : index\n"
+             %ck = arith.constant {k} : index\n%first = arith.cmpi eq, %lane, %c0 : index\n"
         )
     };
-    let walk_open = |xrow_of_pair: bool| {
-        let mut s = String::from(
-            "%e1 = arith.addi %e, %c1 : index\n%s0i = memref.load %start[%e] : memref<?xi32>\n%s1i = memref.load %start[%e1] : memref<?xi32>\n\
-             %s0 = arith.index_cast %s0i : i32 to index\n%s1 = arith.index_cast %s1i : i32 to index\n\
-             scf.for %pb = %s0 to %s1 step %cr {\n",
-        );
+    // The expert's pair range, and whether it has a single pair (a batch-1
+    // decode: then the one-pair walk, with no clamped duplicates).
+    let range = "%e1 = arith.addi %e, %c1 : index\n%s0i = memref.load %start[%e] : memref<?xi32>\n%s1i = memref.load %start[%e1] : memref<?xi32>\n\
+                 %s0 = arith.index_cast %s0i : i32 to index\n%s1 = arith.index_cast %s1i : i32 to index\n\
+                 %npairs = arith.subi %s1, %s0 : index\n%single = arith.cmpi eq, %npairs, %c1 : index\n";
+    // The walk over the expert's pairs `rows` at a time (`%q{j}`: pair,
+    // `%x{j}`: the activation row it reads, `%ok{j}`: not past the end).
+    let walk_open = |rows: usize, xrow_of_pair: bool| {
+        let mut s = format!("%cr = arith.constant {rows} : index\nscf.for %pb = %s0 to %s1 step %cr {{\n");
         for j in 0..rows {
             s.push_str(&format!(
                 "  %cj{j} = arith.constant {j} : index\n  %pu{j} = arith.addi %pb, %cj{j} : index\n  %ok{j} = arith.cmpi ult, %pu{j}, %s1 : index\n\
@@ -931,65 +937,121 @@ fn routed_experts(name: &str, experts: usize, hidden: usize, inter: usize, k: us
         }
         s
     };
-    // `rows` dot products of weight row `%o` with activation rows `%x{j}` of `x`.
-    let dots = |tag: &str, wa: &WeightArgs, x: &str, xt: &str, n: usize| {
-        let inits: Vec<String> = (0..rows).map(|j| format!("%{tag}a{j} = %zero")).collect();
-        let tys = vec!["f32"; rows].join(", ");
+    // `rows` dot products of weight row `%o` with activation rows `%x{j}` of
+    // `x` (width `n`), 8 bytes of weights per lane per load when `n` allows,
+    // like the linear's wide path.
+    let dots = |rows: usize, tag: &str, wa: &WeightArgs, x: &str, xt: &str, n: usize| {
+        let lanes = wa.lanes();
+        let wide = n % (32 * lanes) == 0;
+        let vt = if wide { format!("vector<{lanes}xf32>") } else { "f32".to_string() };
+        let zero = if wide { format!("%{tag}vz") } else { "%zero".to_string() };
+        let inits: Vec<String> = (0..rows).map(|j| format!("%{tag}a{j} = {zero}")).collect();
+        let tys = vec![vt.as_str(); rows].join(", ");
         let mut fma = String::new();
         for j in 0..rows {
+            let xload = if wide {
+                format!("  %{tag}v{j} = vector.load {x}[%x{j}, %i] {{alignment = {}}} : {xt}, {vt}\n", (lanes * 4).min(16))
+            } else {
+                format!("  %{tag}v{j} = memref.load {x}[%x{j}, %i] : {xt}\n")
+            };
             fma.push_str(&format!(
-                "  %{tag}v{j} = memref.load {x}[%x{j}, %i] : {xt}\n  %{tag}m{j} = arith.mulf %{tag}v{j}, %{tag}w : f32\n  %{tag}n{j} = arith.addf %{tag}a{j}, %{tag}m{j} : f32\n"
+                "{xload}  %{tag}m{j} = arith.mulf %{tag}v{j}, %{tag}w : {vt}\n  %{tag}n{j} = arith.addf %{tag}a{j}, %{tag}m{j} : {vt}\n"
             ));
         }
         let nexts: Vec<String> = (0..rows).map(|j| format!("%{tag}n{j}")).collect();
-        let mut s = format!(
-            "%{tag}cn = arith.constant {n} : index\n%{tag}acc:{rows} = scf.for %i = %lane to %{tag}cn step %c32 iter_args({}) -> ({tys}) {{\n{}{fma}  scf.yield {} : {tys}\n}}\n",
+        let (lb, step, load) = if wide {
+            (format!("%{tag}i0"), format!("%{tag}st"), wa.load_wide(&format!("{tag}w"), "%o", "%i"))
+        } else {
+            ("%lane".to_string(), "%c32".to_string(), wa.load(&format!("{tag}w"), "%o", "%i"))
+        };
+        let mut s = format!("%{tag}cn = arith.constant {n} : index\n");
+        if wide {
+            s.push_str(&format!(
+                "%{tag}vz = arith.constant dense<0.0> : {vt}\n%{tag}cl = arith.constant {lanes} : index\n%{tag}i0 = arith.muli %lane, %{tag}cl : index\n%{tag}st = arith.constant {} : index\n",
+                32 * lanes
+            ));
+        }
+        s.push_str(&format!(
+            "%{tag}acc:{rows} = scf.for %i = {lb} to %{tag}cn step {step} iter_args({}) -> ({tys}) {{\n{}{fma}  scf.yield {} : {tys}\n}}\n",
             inits.join(", "),
-            indent(&wa.load(&format!("{tag}w"), "%o", "%i"), 2),
+            indent(&load, 2),
             nexts.join(", ")
-        );
+        ));
         for j in 0..rows {
-            s.push_str(&format!("%{tag}s{j} = gpu.subgroup_reduce add %{tag}acc#{j} : (f32) -> f32\n"));
+            if wide {
+                s.push_str(&format!("%{tag}l{j} = vector.reduction <add>, %{tag}acc#{j} : {vt} into f32\n"));
+            } else {
+                s.push_str(&format!("%{tag}l{j} = arith.addf %{tag}acc#{j}, %zero : f32\n"));
+            }
+            s.push_str(&format!("%{tag}s{j} = gpu.subgroup_reduce add %{tag}l{j} : (f32) -> f32\n"));
         }
         s
     };
-    let mut swiglu = String::new();
-    for j in 0..rows {
-        swiglu.push_str(&format!(
-            "%gc{j} = arith.minimumf %gs{j}, %lim : f32\n%u1{j} = arith.minimumf %us{j}, %lim : f32\n%uc{j} = arith.maximumf %u1{j}, %nlim : f32\n\
-             %ag{j} = arith.mulf %alpha, %gc{j} : f32\n%nag{j} = arith.negf %ag{j} : f32\n%ex{j} = math.exp %nag{j} : f32\n\
-             %den{j} = arith.addf %one, %ex{j} : f32\n%sig{j} = arith.divf %one, %den{j} : f32\n%glu{j} = arith.mulf %gc{j}, %sig{j} : f32\n\
-             %upb{j} = arith.addf %uc{j}, %beta : f32\n%act{j} = arith.mulf %glu{j}, %upb{j} : f32\n\
-             %st{j} = arith.andi %first, %ok{j} : i1\nscf.if %st{j} {{\n  memref.store %act{j}, %out[%q{j}, %o] : {it}\n}}\n"
-        ));
-    }
-    let up_body = format!(
-        "{head}%alpha = arith.constant {a} : f32\n%lim = arith.constant {l} : f32\n%nlim = arith.constant {nl} : f32\n%beta = arith.constant {b} : f32\n\
-         scf.if %ok {{\n{views}{walk}{gd}{ud}{sw}  }}\n}}\n",
-        head = head(inter),
-        a = f32_lit(alpha),
-        l = f32_lit(limit),
-        nl = f32_lit(-limit),
-        b = f32_lit(beta),
-        views = indent(&views(0, if mx { 4 } else { 2 }), 2),
-        walk = indent(&walk_open(false), 2),
-        gd = indent(&dots("g", &gate, "%h", &ht, hidden), 4),
-        ud = indent(&dots("u", &up, "%h", &ht, hidden), 4),
-        sw = indent(&swiglu, 4),
-    );
-    let mut down_store = String::new();
-    for j in 0..rows {
-        down_store.push_str(&format!("%st{j} = arith.andi %first, %ok{j} : i1\nscf.if %st{j} {{\n  memref.store %ds{j}, %out[%q{j}, %o] : {ht}\n}}\n"));
-    }
+    let swiglu = |rows: usize| {
+        let mut out = String::new();
+        for j in 0..rows {
+            out.push_str(&format!(
+                "%gc{j} = arith.minimumf %gs{j}, %lim : f32\n%u1{j} = arith.minimumf %us{j}, %lim : f32\n%uc{j} = arith.maximumf %u1{j}, %nlim : f32\n\
+                 %ag{j} = arith.mulf %alpha, %gc{j} : f32\n%nag{j} = arith.negf %ag{j} : f32\n%ex{j} = math.exp %nag{j} : f32\n\
+                 %den{j} = arith.addf %one, %ex{j} : f32\n%sig{j} = arith.divf %one, %den{j} : f32\n%glu{j} = arith.mulf %gc{j}, %sig{j} : f32\n\
+                 %upb{j} = arith.addf %uc{j}, %beta : f32\n%act{j} = arith.mulf %glu{j}, %upb{j} : f32\n\
+                 %st{j} = arith.andi %first, %ok{j} : i1\nscf.if %st{j} {{\n  memref.store %act{j}, %out[%q{j}, %o] : {it}\n}}\n"
+            ));
+        }
+        out
+    };
+    let down_store = |rows: usize| {
+        let mut out = String::new();
+        for j in 0..rows {
+            out.push_str(&format!("%st{j} = arith.andi %first, %ok{j} : i1\nscf.if %st{j} {{\n  memref.store %ds{j}, %out[%q{j}, %o] : {ht}\n}}\n"));
+        }
+        out
+    };
+    // One walk (gate/up or down) for `rows` pairs per pass.
+    let up_walk = |rows: usize| {
+        format!(
+            "{}{}{}{}}}\n",
+            walk_open(rows, false),
+            indent(&dots(rows, "g", &gate, "%h", &ht, hidden), 2),
+            indent(&dots(rows, "u", &up, "%h", &ht, hidden), 2),
+            indent(&swiglu(rows), 2)
+        )
+    };
+    let down_walk = |rows: usize| format!("{}{}{}}}\n", walk_open(rows, true), indent(&dots(rows, "d", &down, "%act", &it, inter), 2), indent(&down_store(rows), 2));
+    // Two kernels per projection: `_r1` serves the experts with exactly one
+    // pair (all of them in a batch-1 decode) with a one-pair walk and few
+    // registers; the other serves the experts with more pairs, four per
+    // pass. Both are launched over the same grid; a block whose expert is
+    // the other kind's returns at once.
+    let only = |rows: usize, walk: &dyn Fn(usize) -> String| {
+        let cond = if rows == 1 { "%single".to_string() } else { "%multi".to_string() };
+        let pre = if rows == 1 { String::new() } else { "%yes = arith.constant true\n%multi = arith.xori %single, %yes : i1\n".to_string() };
+        format!("{pre}scf.if {cond} {{\n{}}}\n", indent(&walk(rows), 2))
+    };
+    let up_body = |rows: usize| {
+        format!(
+            "{head}%alpha = arith.constant {a} : f32\n%lim = arith.constant {l} : f32\n%nlim = arith.constant {nl} : f32\n%beta = arith.constant {b} : f32\n\
+             scf.if %ok {{\n{views}{range}{walks}}}\n",
+            head = head(inter),
+            a = f32_lit(alpha),
+            l = f32_lit(limit),
+            nl = f32_lit(-limit),
+            b = f32_lit(beta),
+            views = indent(&views(0, if mx { 4 } else { 2 }), 2),
+            range = indent(range, 2),
+            walks = indent(&only(rows, &up_walk), 2),
+        )
+    };
     let down_first = if mx { 4 } else { 2 };
-    let down_body = format!(
-        "{head}scf.if %ok {{\n{views}{walk}{dd}{st}  }}\n}}\n",
-        head = head(hidden),
-        views = indent(&views(down_first, if mx { 2 } else { 1 }), 2),
-        walk = indent(&walk_open(true), 2),
-        dd = indent(&dots("d", &down, "%act", &it, inter), 4),
-        st = indent(&down_store, 4),
-    );
+    let down_body = |rows: usize| {
+        format!(
+            "{head}scf.if %ok {{\n{views}{range}{walks}}}\n",
+            head = head(hidden),
+            views = indent(&views(down_first, if mx { 2 } else { 1 }), 2),
+            range = indent(range, 2),
+            walks = indent(&only(rows, &down_walk), 2),
+        )
+    };
     let combine_body = format!(
         "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%ch = arith.constant {hidden} : index\n%ck = arith.constant {k} : index\n\
          %rk = arith.muli %r, %ck : index\n\
@@ -1008,8 +1070,10 @@ fn routed_experts(name: &str, experts: usize, hidden: usize, inter: usize, k: us
                 indent(&group_body, 6)
             ),
         },
-        func(&format!("{name}_up"), &format!("%h: {ht}, {grouping}, %table: !llvm.ptr, %out: {it}"), &up_body),
-        func(&format!("{name}_down"), &format!("%act: {it}, {grouping}, %table: !llvm.ptr, %out: {ht}"), &down_body),
+        func(&format!("{name}_up_r1"), &format!("%h: {ht}, {grouping}, %table: !llvm.ptr, %out: {it}"), &up_body(1)),
+        func(&format!("{name}_up"), &format!("%h: {ht}, {grouping}, %table: !llvm.ptr, %out: {it}"), &up_body(ROWS_PER_PASS)),
+        func(&format!("{name}_down_r1"), &format!("%act: {it}, {grouping}, %table: !llvm.ptr, %out: {ht}"), &down_body(1)),
+        func(&format!("{name}_down"), &format!("%act: {it}, {grouping}, %table: !llvm.ptr, %out: {ht}"), &down_body(ROWS_PER_PASS)),
         func(&format!("{name}_combine"), &format!("%dn: {ht}, %wts: {wts}, %y: {ht}"), &combine_body),
     ]
 }
