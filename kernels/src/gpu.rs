@@ -257,21 +257,57 @@ const IDX: &str = "%c0 = arith.constant 0 : index\n\
      %ninf = arith.constant 0xFF800000 : f32\n\
      %pinf = arith.constant 0x7F800000 : f32\n";
 
-/// Lane-strided dot product of activation row `%r` of `x` with weight row `o`,
-/// reduced over the warp into `%{d}` (every lane gets it).
-fn warp_dot(d: &str, x: &str, xty: &str, r: &str, wa: &WeightArgs, o: &str, inp: usize) -> String {
-    format!(
-        "%{d}_n = arith.constant {inp} : index\n\
-         %{d}_p = scf.for %{d}_i = %lane to %{d}_n step %c32 iter_args(%{d}_a = %zero) -> (f32) {{\n\
-         \x20 %{d}_x = memref.load {x}[{r}, %{d}_i] : {xty}\n\
-         {load}\
-         \x20 %{d}_m = arith.mulf %{d}_x, %{d}_w : f32\n\
-         \x20 %{d}_a2 = arith.addf %{d}_a, %{d}_m : f32\n\
-         \x20 scf.yield %{d}_a2 : f32\n\
-         }}\n\
-         %{d} = gpu.subgroup_reduce add %{d}_p : (f32) -> f32\n",
-        load = indent(&wa.load(&format!("{d}_w"), o, &format!("%{d}_i")), 2),
-    )
+/// Warp dot products of weight row `o` with activation rows `rows` (index
+/// SSA names) of `x` (`n` columns): lanes stride over the columns, loading
+/// each weight element once for all the rows (8 bytes of weights per lane
+/// per load when `n` is a multiple of 32 such chunks: 8 fp8, 4 bf16/f16 or
+/// 2 f32 elements, so a warp moves 256 B per load; else one element), then
+/// one shuffle reduction per row into `%{tag}s{j}` (every lane gets it).
+fn warp_dots(tag: &str, wa: &WeightArgs, o: &str, x: &str, xt: &str, rows: &[String], n: usize) -> String {
+    let lanes = wa.lanes();
+    let wide = n.is_multiple_of(32 * lanes);
+    let vt = if wide { format!("vector<{lanes}xf32>") } else { "f32".to_string() };
+    let zero = if wide { format!("%{tag}vz") } else { "%zero".to_string() };
+    let inits: Vec<String> = (0..rows.len()).map(|j| format!("%{tag}a{j} = {zero}")).collect();
+    let tys = vec![vt.as_str(); rows.len()].join(", ");
+    let mut fma = String::new();
+    for (j, r) in rows.iter().enumerate() {
+        let xload = if wide {
+            // Rows of a multiple of 32·lanes f32 from 256-byte-aligned buffers: aligned.
+            format!("  %{tag}v{j} = vector.load {x}[{r}, %i] {{alignment = {}}} : {xt}, {vt}\n", (lanes * 4).min(16))
+        } else {
+            format!("  %{tag}v{j} = memref.load {x}[{r}, %i] : {xt}\n")
+        };
+        fma.push_str(&format!("{xload}  %{tag}m{j} = arith.mulf %{tag}v{j}, %{tag}w : {vt}\n  %{tag}n{j} = arith.addf %{tag}a{j}, %{tag}m{j} : {vt}\n"));
+    }
+    let nexts: Vec<String> = (0..rows.len()).map(|j| format!("%{tag}n{j}")).collect();
+    let (lb, step, load) = if wide {
+        (format!("%{tag}i0"), format!("%{tag}st"), wa.load_wide(&format!("{tag}w"), o, "%i"))
+    } else {
+        ("%lane".to_string(), "%c32".to_string(), wa.load(&format!("{tag}w"), o, "%i"))
+    };
+    let mut s = format!("%{tag}cn = arith.constant {n} : index\n");
+    if wide {
+        s.push_str(&format!(
+            "%{tag}vz = arith.constant dense<0.0> : {vt}\n%{tag}cl = arith.constant {lanes} : index\n%{tag}i0 = arith.muli %lane, %{tag}cl : index\n%{tag}st = arith.constant {} : index\n",
+            32 * lanes
+        ));
+    }
+    s.push_str(&format!(
+        "%{tag}acc:{} = scf.for %i = {lb} to %{tag}cn step {step} iter_args({}) -> ({tys}) {{\n{}{fma}  scf.yield {} : {tys}\n}}\n",
+        rows.len(),
+        inits.join(", "),
+        indent(&load, 2),
+        nexts.join(", ")
+    ));
+    for j in 0..rows.len() {
+        if wide {
+            s.push_str(&format!("%{tag}l{j} = vector.reduction <add>, %{tag}acc#{j} : {vt} into f32\n%{tag}s{j} = gpu.subgroup_reduce add %{tag}l{j} : (f32) -> f32\n"));
+        } else {
+            s.push_str(&format!("%{tag}s{j} = gpu.subgroup_reduce add %{tag}acc#{j} : (f32) -> f32\n"));
+        }
+    }
+    s
 }
 
 const WARP_IDS: &str = "%tid = gpu.thread_id x\n\
@@ -335,69 +371,30 @@ impl Kernel {
                              %ok{j} = arith.cmpi ult, %ru{j}, %rows : index\n%r{j} = arith.select %ok{j}, %ru{j}, %rb : index\n"
                         ));
                     }
-                    // Wide path: each lane loads 8 bytes of the weight row at a
-                    // time (8 fp8, 4 bf16/f16 or 2 f32 elements) so a warp moves
-                    // 256 B per load, enough in flight to approach HBM bandwidth;
-                    // rows whose length is not a multiple of 32 such chunks take
-                    // the one-element path.
-                    let lanes = wa.lanes();
-                    let wide = inp % (32 * lanes) == 0;
-                    let (vt, step, first_i) = if wide {
-                        (format!("vector<{lanes}xf32>"), format!("%cstep = arith.constant {} : index\n%cl = arith.constant {lanes} : index\n%i0 = arith.muli %lane, %cl : index\n", 32 * lanes), "%i0")
-                    } else {
-                        ("f32".to_string(), "%cstep = arith.constant 32 : index\n".to_string(), "%lane")
-                    };
-                    let zero = if wide { format!("%vzero = arith.constant dense<0.0> : {vt}\n") } else { String::new() };
-                    let inits: Vec<String> = (0..rows).map(|j| if wide { format!("%a{j} = %vzero") } else { format!("%a{j} = %zero") }).collect();
-                    let tys = vec![vt.as_str(); rows].join(", ");
-                    let mut fma = String::new();
-                    for j in 0..rows {
-                        let xload = if wide {
-                            // Rows of a multiple of 32·lanes f32 from 256-byte-aligned buffers: aligned.
-                            format!("%x{j} = vector.load %x[%r{j}, %i] {{alignment = {}}} : {xt}, {vt}\n", (lanes * 4).min(16))
-                        } else {
-                            format!("%x{j} = memref.load %x[%r{j}, %i] : {xt}\n")
-                        };
-                        fma.push_str(&format!("{xload}%m{j} = arith.mulf %x{j}, %wv : {vt}\n%n{j} = arith.addf %a{j}, %m{j} : {vt}\n"));
-                    }
-                    let nexts: Vec<String> = (0..rows).map(|j| format!("%n{j}")).collect();
+                    let names: Vec<String> = (0..rows).map(|j| format!("%r{j}")).collect();
                     let mut stores = String::new();
                     for j in 0..rows {
-                        let lane_sum = if wide {
-                            format!("%ls{j} = vector.reduction <add>, %acc#{j} : {vt} into f32\n")
-                        } else {
-                            format!("%ls{j} = arith.addf %acc#{j}, %zero : f32\n")
-                        };
                         stores.push_str(&format!(
-                            "{lane_sum}%sum{j} = gpu.subgroup_reduce add %ls{j} : (f32) -> f32\n\
-                             %st{j} = arith.andi %first, %ok{j} : i1\n\
-                             scf.if %st{j} {{\n  memref.store %sum{j}, %y[%r{j}, %o] : {yt}\n}}\n"
+                            "%st{j} = arith.andi %first, %ok{j} : i1\n\
+                             scf.if %st{j} {{\n  memref.store %ys{j}, %y[%r{j}, %o] : {yt}\n}}\n"
                         ));
                     }
-                    let load = if wide { wa.load_wide("wv", "%o", "%i") } else { wa.load("wv", "%o", "%i") };
                     let body = format!(
-                        "{IDX}{WARP_IDS}{consts}{zero}{step}%bx = gpu.block_id x\n%cwarps = arith.constant {WARPS} : index\n\
+                        "{IDX}{WARP_IDS}{consts}%bx = gpu.block_id x\n%cwarps = arith.constant {WARPS} : index\n\
                          %ob = arith.muli %bx, %cwarps : index\n%o = arith.addi %ob, %warp : index\n\
                          %cout = arith.constant {out} : index\n%ok = arith.cmpi ult, %o, %cout : index\n\
                          %rows = memref.dim %x, %c0 : {xt}\n%cr = arith.constant {rows} : index\n\
-                         %cin = arith.constant {inp} : index\n%first = arith.cmpi eq, %lane, %c0 : index\n\
+                         %first = arith.cmpi eq, %lane, %c0 : index\n\
                          scf.if %ok {{\n\
                          \x20 scf.for %rb = %c0 to %rows step %cr {{\n\
                          {clamp}\
-                         \x20   %acc:{rows} = scf.for %i = {first_i} to %cin step %cstep iter_args({inits}) -> ({tys}) {{\n\
-                         {load}\
-                         {fma}\
-                         \x20     scf.yield {nexts} : {tys}\n\
-                         \x20   }}\n\
+                         {dots}\
                          {stores}\
                          \x20 }}\n\
                          }}\n",
                         consts = wa.consts(),
                         clamp = indent(&clamp, 4),
-                        inits = inits.join(", "),
-                        load = indent(&load, 6),
-                        fma = indent(&fma, 6),
-                        nexts = nexts.join(", "),
+                        dots = indent(&warp_dots("y", &wa, "%o", "%x", &xt, &names, *inp), 4),
                         stores = indent(&stores, 4),
                     );
                     funcs.push(func(&name, &format!("%x: {xt}, {}, %y: {yt}", wa.params()), &body));
@@ -542,7 +539,7 @@ impl Kernel {
                      scf.for %e = %c0 to %ce step %c1 {{\n\
                      {dot}\
                      \x20 scf.if %first {{\n\
-                     \x20   %nl = arith.negf %l : f32\n    %ex = math.exp %nl : f32\n    %den = arith.addf %one, %ex : f32\n    %sg = arith.divf %one, %den : f32\n\
+                     \x20   %nl = arith.negf %ls0 : f32\n    %ex = math.exp %nl : f32\n    %den = arith.addf %one, %ex : f32\n    %sg = arith.divf %one, %den : f32\n\
                      \x20   memref.store %sg, %ss[%e] : {sh}\n\
                      {bias_add}\
                      \x20   memref.store %ch, %sc_[%e] : {sh}\n\
@@ -562,7 +559,7 @@ impl Kernel {
                      \x20   memref.store %sw, %wts[%r, %j] : {wts}\n  }}\n\
                      }}\n",
                     sc = f32_lit(*scale),
-                    dot = indent(&warp_dot("l", "%h", &ht, "%r", &wa, "%e", *width), 2),
+                    dot = indent(&warp_dots("l", &wa, "%e", "%h", &ht, &["%r".to_string()], *width), 2),
                 );
                 vec![GpuFunc {
                     name: sym.clone(),
@@ -937,55 +934,10 @@ fn routed_experts(name: &str, experts: usize, hidden: usize, inter: usize, k: us
         }
         s
     };
-    // `rows` dot products of weight row `%o` with activation rows `%x{j}` of
-    // `x` (width `n`), 8 bytes of weights per lane per load when `n` allows,
-    // like the linear's wide path.
+    // `rows` dot products of weight row `%o` with the pairs' activation rows `%x{j}`.
     let dots = |rows: usize, tag: &str, wa: &WeightArgs, x: &str, xt: &str, n: usize| {
-        let lanes = wa.lanes();
-        let wide = n % (32 * lanes) == 0;
-        let vt = if wide { format!("vector<{lanes}xf32>") } else { "f32".to_string() };
-        let zero = if wide { format!("%{tag}vz") } else { "%zero".to_string() };
-        let inits: Vec<String> = (0..rows).map(|j| format!("%{tag}a{j} = {zero}")).collect();
-        let tys = vec![vt.as_str(); rows].join(", ");
-        let mut fma = String::new();
-        for j in 0..rows {
-            let xload = if wide {
-                format!("  %{tag}v{j} = vector.load {x}[%x{j}, %i] {{alignment = {}}} : {xt}, {vt}\n", (lanes * 4).min(16))
-            } else {
-                format!("  %{tag}v{j} = memref.load {x}[%x{j}, %i] : {xt}\n")
-            };
-            fma.push_str(&format!(
-                "{xload}  %{tag}m{j} = arith.mulf %{tag}v{j}, %{tag}w : {vt}\n  %{tag}n{j} = arith.addf %{tag}a{j}, %{tag}m{j} : {vt}\n"
-            ));
-        }
-        let nexts: Vec<String> = (0..rows).map(|j| format!("%{tag}n{j}")).collect();
-        let (lb, step, load) = if wide {
-            (format!("%{tag}i0"), format!("%{tag}st"), wa.load_wide(&format!("{tag}w"), "%o", "%i"))
-        } else {
-            ("%lane".to_string(), "%c32".to_string(), wa.load(&format!("{tag}w"), "%o", "%i"))
-        };
-        let mut s = format!("%{tag}cn = arith.constant {n} : index\n");
-        if wide {
-            s.push_str(&format!(
-                "%{tag}vz = arith.constant dense<0.0> : {vt}\n%{tag}cl = arith.constant {lanes} : index\n%{tag}i0 = arith.muli %lane, %{tag}cl : index\n%{tag}st = arith.constant {} : index\n",
-                32 * lanes
-            ));
-        }
-        s.push_str(&format!(
-            "%{tag}acc:{rows} = scf.for %i = {lb} to %{tag}cn step {step} iter_args({}) -> ({tys}) {{\n{}{fma}  scf.yield {} : {tys}\n}}\n",
-            inits.join(", "),
-            indent(&load, 2),
-            nexts.join(", ")
-        ));
-        for j in 0..rows {
-            if wide {
-                s.push_str(&format!("%{tag}l{j} = vector.reduction <add>, %{tag}acc#{j} : {vt} into f32\n"));
-            } else {
-                s.push_str(&format!("%{tag}l{j} = arith.addf %{tag}acc#{j}, %zero : f32\n"));
-            }
-            s.push_str(&format!("%{tag}s{j} = gpu.subgroup_reduce add %{tag}l{j} : (f32) -> f32\n"));
-        }
-        s
+        let names: Vec<String> = (0..rows).map(|j| format!("%x{j}")).collect();
+        warp_dots(tag, wa, "%o", x, xt, &names, n)
     };
     let swiglu = |rows: usize| {
         let mut out = String::new();
