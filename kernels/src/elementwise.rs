@@ -130,42 +130,36 @@ pub fn embedding(name: &str, vocab: usize, width: usize, weight: crate::WeightTy
 /// Row `r` of `x` into row `pos[r]` of `y`. `x`: `[S, width]` f32, `pos`:
 /// `[S]`, `y`: `[T, width]` (a cache of `cache`'s type; every `pos[r] < T`).
 pub fn scatter_rows(name: &str, width: usize, cache: crate::CacheType) -> String {
-    let t = format!("memref<?x{width}xf32>");
-    let yt = format!("memref<?x{width}x{}>", cache.mlir_elem());
-    let store = crate::emit::cache_store("%v", "%y", &yt, "%p", "%i", cache);
-    let body = format!(
-        "%c0 = arith.constant 0 : index\n\
-         %c1 = arith.constant 1 : index\n\
-         %cw = arith.constant {width} : index\n\
-         %rows = memref.dim %x, %c0 : {t}\n\
-         scf.for %r = %c0 to %rows step %c1 {{\n\
-         \x20 %p64 = memref.load %pos[%r] : memref<?xi64>\n\
-         \x20 %p = arith.index_cast %p64 : i64 to index\n\
-         \x20 scf.for %i = %c0 to %cw step %c1 {{\n\
-         \x20   %v = memref.load %x[%r, %i] : {t}\n\
-         {store}\
-         \x20 }}\n\
-         }}\n\
-         return\n",
-        store = indent(&store, 4),
-    );
-    format!(
-        "  func.func @{name}(%x: {t}, %pos: memref<?xi64>, %y: {yt}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n",
-        indent(&body, 4)
-    )
+    store_rows(name, width, cache, true)
 }
 
 /// `y = bf16(x)` (nearest even, as `i16` bits). `x`, `y`: `[S, width]`.
 pub fn to_bf16(name: &str, width: usize) -> String {
+    store_rows(name, width, crate::CacheType::Bf16, false)
+}
+
+/// Each row of f32 `x` stored as `into`: at row `pos[r]` of `y` (`scatter`)
+/// or at row `r`.
+fn store_rows(name: &str, width: usize, into: crate::CacheType, scatter: bool) -> String {
     let t = format!("memref<?x{width}xf32>");
-    let yt = format!("memref<?x{width}xi16>");
-    let store = crate::emit::cache_store("%v", "%y", &yt, "%r", "%i", crate::CacheType::Bf16);
+    let yt = format!("memref<?x{width}x{}>", into.mlir_elem());
+    let (row, pos_param, pos_load) = if scatter {
+        (
+            "%p",
+            ", %pos: memref<?xi64>",
+            "\x20 %p64 = memref.load %pos[%r] : memref<?xi64>\n\x20 %p = arith.index_cast %p64 : i64 to index\n",
+        )
+    } else {
+        ("%r", "", "")
+    };
+    let store = crate::emit::cache_store("%v", "%y", &yt, row, "%i", into);
     let body = format!(
         "%c0 = arith.constant 0 : index\n\
          %c1 = arith.constant 1 : index\n\
          %cw = arith.constant {width} : index\n\
          %rows = memref.dim %x, %c0 : {t}\n\
          scf.for %r = %c0 to %rows step %c1 {{\n\
+         {pos_load}\
          \x20 scf.for %i = %c0 to %cw step %c1 {{\n\
          \x20   %v = memref.load %x[%r, %i] : {t}\n\
          {store}\
@@ -174,5 +168,5 @@ pub fn to_bf16(name: &str, width: usize) -> String {
          return\n",
         store = indent(&store, 4),
     );
-    format!("  func.func @{name}(%x: {t}, %y: {yt}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n", indent(&body, 4))
+    format!("  func.func @{name}(%x: {t}{pos_param}, %y: {yt}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n", indent(&body, 4))
 }
