@@ -29,16 +29,21 @@ extern "C" {
     fn free(p: *mut c_void);
 }
 
-/// Turns a failed driver call inside a callback from generated code into a
-/// message and exit code 1 (unwinding across that boundary is not allowed).
+/// Ends the process with `message` and exit code 1: how callbacks from
+/// generated code report failure (unwinding across that boundary is not allowed).
+fn die(message: &str) -> ! {
+    let line = format!("m3c stage: {message}\n");
+    let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+    std::process::exit(1)
+}
+
+/// [`die`] for a failed driver call.
 fn fail(what: &str, r: cu::CUresult) -> ! {
     let mut p: *const c_char = std::ptr::null();
     // SAFETY: cuGetErrorString writes a static string pointer or leaves null.
     unsafe { cu::cuGetErrorString(r, &mut p) };
     let msg = if p.is_null() { format!("{r:?}") } else { unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned() };
-    let line = format!("m3c stage: CUDA error in {what}: {msg}\n");
-    let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
-    std::process::exit(1)
+    die(&format!("CUDA error in {what}: {msg}"))
 }
 
 fn check(what: &str, r: cu::CUresult) {
@@ -306,9 +311,7 @@ pub extern "C" fn mgpuModuleGetFunction(module: *mut c_void, name: *const c_char
         return f as *mut c_void;
     }
     let Some(Some(m)) = st.modules.get(idx).copied() else {
-        let line = "m3c stage: a kernel was launched before the GPU was opened (runtime bug)\n";
-        let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
-        std::process::exit(1)
+        die("a kernel was launched before the GPU was opened (runtime bug)")
     };
     let cname = std::ffi::CString::new(name.clone()).unwrap_or_default();
     let mut f = std::ptr::null_mut();
@@ -405,7 +408,7 @@ pub mod nccl {
     }
 
     /// The library names tried, in order.
-    pub fn candidates() -> Vec<String> {
+    fn candidates() -> Vec<String> {
         let mut v: Vec<String> = std::env::var("M3C_NCCL_LIB").ok().into_iter().collect();
         v.extend(["libnccl.so.2".to_string(), "libnccl.so".to_string()]);
         v
@@ -620,7 +623,7 @@ pub mod cublas {
     #[no_mangle]
     pub extern "C" fn m3c_gemm_bf16(xb: *const c_void, w: *const c_void, y: *mut c_void, rows: i64, inp: i64, out: i64) {
         let Some(api) = API.get() else {
-            super::fail("m3c_gemm_bf16 (cuBLAS not loaded)", super::cu::CUresult::CUDA_ERROR_NOT_INITIALIZED)
+            super::die("m3c_gemm_bf16 called with cuBLAS not loaded (runtime bug)")
         };
         let (alpha, beta) = (1f32, 0f32);
         // SAFETY: the generated entry passes device buffers of these shapes.
@@ -648,9 +651,7 @@ pub mod cublas {
             )
         };
         if r != 0 {
-            let line = format!("m3c stage: cublasGemmEx failed (status {r}) for {rows}×{inp} · {out}×{inp}ᵀ\n");
-            let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
-            std::process::exit(1);
+            super::die(&format!("cublasGemmEx failed (status {r}) for {rows}×{inp} · {out}×{inp}ᵀ"));
         }
     }
 }

@@ -88,10 +88,11 @@ enum GraphSlot {
 /// At most this many captured micro-batches per stage; later ones run eagerly.
 const MAX_GRAPHS: usize = 256;
 
+/// How a GPU step runs: launches as they come, or through its micro-batch's graph.
 enum Plan {
     Eager,
-    Capture,
-    Replay,
+    Capture(Vec<usize>),
+    Replay(Vec<usize>),
 }
 
 pub struct Stage {
@@ -340,18 +341,20 @@ impl Stage {
                 // Decode steps (one row per sequence) go through a graph from their
                 // micro-batch's second step on; everything else runs eagerly.
                 let key: Option<Vec<usize>> = (graphs.on && segments.iter().all(|s| s.rows == 1)).then(|| segments.iter().map(|s| s.seq).collect());
-                let plan = match key.as_ref().map(|k| graphs.by_batch.get(k)) {
-                    Some(None) if graphs.by_batch.len() < MAX_GRAPHS => {
-                        graphs.by_batch.insert(key.clone().unwrap_or_default(), GraphSlot::Seen);
-                        Plan::Eager
-                    }
-                    Some(Some(GraphSlot::Seen)) => Plan::Capture,
-                    Some(Some(GraphSlot::Ready(..))) => Plan::Replay,
-                    _ => Plan::Eager,
-                };
-                let io = match (&plan, key.as_ref().and_then(|k| graphs.by_batch.get(k))) {
-                    (Plan::Replay, Some(GraphSlot::Ready(_, io))) => *io,
-                    _ => Io::alloc(tokens, m.hidden, if m.last_stage { m.vocab } else { 0 }),
+                let fresh = || Io::alloc(tokens, m.hidden, if m.last_stage { m.vocab } else { 0 });
+                let (plan, io) = match key {
+                    None => (Plan::Eager, fresh()),
+                    Some(k) => match graphs.by_batch.get(&k) {
+                        Some(GraphSlot::Ready(_, io)) => (Plan::Replay(k), *io),
+                        Some(GraphSlot::Seen) => (Plan::Capture(k), fresh()),
+                        Some(GraphSlot::Eager) => (Plan::Eager, fresh()),
+                        None => {
+                            if graphs.by_batch.len() < MAX_GRAPHS {
+                                graphs.by_batch.insert(k, GraphSlot::Seen);
+                            }
+                            (Plan::Eager, fresh())
+                        }
+                    },
                 };
                 device.copy_in(io.pos, bytes_of(&pos))?;
                 if m.first_stage {
@@ -382,33 +385,31 @@ impl Stage {
                     }
                 };
                 // The graph's own buffers stay with it; fresh ones go back to the pool.
-                let mut keep_io = matches!(plan, Plan::Replay);
+                let mut keep_io = false;
                 match plan {
                     Plan::Eager => run(),
-                    Plan::Replay => {
-                        let Some(GraphSlot::Ready(g, _)) = key.as_ref().and_then(|k| graphs.by_batch.get(k)) else {
+                    Plan::Replay(k) => {
+                        let Some(GraphSlot::Ready(g, _)) = graphs.by_batch.get(&k) else {
                             return Err("runtime bug: a graph replay without a graph".into());
                         };
                         device.replay(g)?;
                         graphs.replays += 1;
+                        keep_io = true;
                     }
-                    Plan::Capture => {
-                        let k = key.clone().unwrap_or_default();
-                        match device.capture(run) {
-                            Ok(g) => {
-                                device.replay(&g)?;
-                                graphs.replays += 1;
-                                graphs.by_batch.insert(k, GraphSlot::Ready(g, io));
-                                keep_io = true;
-                            }
-                            Err(e) => {
-                                let line = format!("m3c stage {}: CUDA graph capture failed ({e}); this micro-batch runs without a graph\n", m.stage);
-                                let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
-                                graphs.by_batch.insert(k, GraphSlot::Eager);
-                                run();
-                            }
+                    Plan::Capture(k) => match device.capture(run) {
+                        Ok(g) => {
+                            device.replay(&g)?;
+                            graphs.replays += 1;
+                            graphs.by_batch.insert(k, GraphSlot::Ready(g, io));
+                            keep_io = true;
                         }
-                    }
+                        Err(e) => {
+                            let line = format!("m3c stage {}: CUDA graph capture failed ({e}); this micro-batch runs without a graph\n", m.stage);
+                            let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+                            graphs.by_batch.insert(k, GraphSlot::Eager);
+                            run();
+                        }
+                    },
                 }
                 if !m.last_stage {
                     if let Some(link) = &self.nccl {
