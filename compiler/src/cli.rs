@@ -111,6 +111,9 @@ struct CompileArgs {
     /// How KV and MSA index-key caches store elements: `f32` (exact), or `bf16` (half the memory and attention reads; values rounded to nearest even).
     #[arg(long = "kv-cache", value_parser = ["f32", "bf16"], default_value = "f32")]
     kv_cache: String,
+    /// How activations between kernels and stages are stored: `f32` (exact; the host default) or `bf16` (the cuda default: half the activation memory and bytes sent between stages; every kernel still computes and accumulates in f32).
+    #[arg(long, value_parser = ["f32", "bf16"])]
+    activations: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -204,12 +207,12 @@ fn gpu_profile(args: &PlanArgs) -> Result<GpuProfile> {
     Ok(gpu)
 }
 
-/// `--kv-cache` (clap has checked it is `f32` or `bf16`).
-fn cache_type(name: &str) -> m3c_kernels::CacheType {
+/// `--kv-cache` or `--activations` (clap has checked it is `f32` or `bf16`).
+fn cache_type(name: &str) -> m3c_kernels::Storage {
     if name == "bf16" {
-        m3c_kernels::CacheType::Bf16
+        m3c_kernels::Storage::Bf16
     } else {
-        m3c_kernels::CacheType::F32
+        m3c_kernels::Storage::F32
     }
 }
 
@@ -331,8 +334,15 @@ fn compile_cmd(args: CompileArgs) -> Result<()> {
     let replace = args.out.join("manifest.json").is_file();
     let runtime_lib = crate::compile::find_runtime_lib()?;
     let t0 = std::time::Instant::now();
-    let kv_cache = cache_type(&args.kv_cache);
-    let req = crate::compile::CompileRequest { config: cfg, plan: &p, out: &args.out, emit, cpu: args.cpu.clone(), kv_cache, runtime_lib, replace };
+    // GPUs default to bf16 activations (what inference runs in); the host
+    // defaults to f32, the mode that matches the reference exactly.
+    let activations = match (args.activations.as_deref(), &p.target) {
+        (Some(a), _) => cache_type(a),
+        (None, Target::Host) => m3c_kernels::Storage::F32,
+        (None, Target::Cuda { .. }) => m3c_kernels::Storage::Bf16,
+    };
+    let storages = crate::lower::Storages { kv_cache: cache_type(&args.kv_cache), activations };
+    let req = crate::compile::CompileRequest { config: cfg, plan: &p, out: &args.out, emit, cpu: args.cpu.clone(), storages, runtime_lib, replace };
     let m = crate::compile::compile(&req)?;
     for s in &m.stages {
         println!("{}/{}: {} ({} kernels, {} tensors)", args.out.display(), s.executable, s.holds, s.kernels.len(), s.tensors.len());

@@ -1,5 +1,5 @@
-use crate::emit::{cache_load, cache_load8, f32_lit, indent, parallel_or_serial};
-use crate::CacheType;
+use crate::emit::{f32_lit, indent, load_f32, load_f32xn, parallel_or_serial, store_f32};
+use crate::Storage;
 
 /// MiniMax Sparse Attention's block selection, as fixed by the config.
 #[derive(Debug, Clone, Copy, PartialEq, PartialOrd)]
@@ -27,9 +27,12 @@ const POS_INF: &str = "0x7F800000";
 /// step's rows already written; it may be longer, up to its capacity); query
 /// row `r` sits at position `pos[r]` and sees keys `0..=pos[r]`.
 /// Sparse: `iq`: `[S, index_heads·index_dim]`, `ik`: `[T, index_dim]`.
-pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64, sparse: Option<SparseSel>, cache: CacheType) -> String {
+/// `q`, `o` and `iq` hold values stored as `act`; the output is accumulated
+/// in f32 (in `o` itself when that is f32, else in scratch) and stored once.
+#[allow(clippy::too_many_arguments)]
+pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64, sparse: Option<SparseSel>, cache: Storage, act: Storage) -> String {
     let group = heads / kv_heads;
-    let qt = format!("memref<?x{}xf32>", heads * d);
+    let qt = format!("memref<?x{}x{}>", heads * d, act.mlir_elem());
     let kt = format!("memref<?x{}x{}>", kv_heads * d, cache.mlir_elem());
     let mut args = format!("%q: {qt}, %k: {kt}, %v: {kt}, %pos: memref<?xi64>");
     let mut setup = String::new();
@@ -37,7 +40,7 @@ pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64
     let mut allowed = String::from("%allowed = arith.constant true\n");
     let mut teardown = String::new();
     if let Some(s) = sparse {
-        let iqt = format!("memref<?x{}xf32>", s.index_heads * s.index_dim);
+        let iqt = format!("memref<?x{}x{}>", s.index_heads * s.index_dim, act.mlir_elem());
         let ikt = format!("memref<?x{}x{}>", s.index_dim, cache.mlir_elem());
         args.push_str(&format!(", %iq: {iqt}, %ik: {ikt}"));
         setup = format!(
@@ -104,7 +107,7 @@ pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64
              \x20   memref.store %i32_1, %sel[%best#1] : memref<?xi32>\n\
              \x20 }}\n\
              }}\n",
-            dot_idx = indent(&dot("%dot", "%iq", &iqt, "%r", "%iqb", "%ik", &ikt, "%t", "%c0", "%cid", s.index_dim, cache), 2),
+            dot_idx = indent(&dot("%dot", ("%iq", &iqt, act), "%r", "%iqb", ("%ik", &ikt, cache), "%t", "%c0", "%cid", s.index_dim), 2),
         );
         allowed = "%tb = arith.divui %t, %cB : index\n\
                    %sv = memref.load %sel[%tb] : memref<?xi32>\n\
@@ -112,12 +115,34 @@ pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64
             .into();
     }
     args.push_str(&format!(", %o: {qt}"));
+    // Where P·V accumulates: `o` itself when it holds f32, else an f32 row
+    // stored into `o` (rounded once) when the head is done.
+    let acc_ty = format!("memref<{d}xf32>");
+    let (acc, acc_mem, acc_idx, acc_alloc, acc_free, acc_out) = match act {
+        Storage::F32 => ("%o", qt.as_str(), "%r, %oc", String::new(), String::new(), String::new()),
+        Storage::Bf16 => (
+            "%oacc",
+            acc_ty.as_str(),
+            "%c",
+            format!("\x20 %oacc = memref.alloc() : {acc_ty}\n"),
+            format!("\x20 memref.dealloc %oacc : {acc_ty}\n"),
+            format!(
+                "scf.for %c = %c0 to %cd step %c1 {{\n\
+                 \x20 %oc = arith.addi %qb, %c : index\n\
+                 \x20 %ov = memref.load %oacc[%c] : {acc_ty}\n\
+                 {}\
+                 }}\n",
+                indent(&store_f32("%ov", "%o", &qt, "%r", "%oc", act), 2)
+            ),
+        ),
+    };
     // The work of one (query row, KV group): what the parallel loop runs.
     let iteration = format!(
         "%p64 = memref.load %pos[%r] : memref<?xi64>\n\
          \x20 %p = arith.index_cast %p64 : i64 to index\n\
          \x20 %nk = arith.addi %p, %c1 : index\n\
          \x20 %sc = memref.alloc(%nk) : memref<?xf32>\n\
+         {acc_alloc}\
          \x20 scf.execute_region {{\n\
          {select}\
          \x20   %kb = arith.muli %g, %cd : index\n\
@@ -149,22 +174,26 @@ pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64
          \x20     %inv = arith.divf %one, %sum : f32\n\
          \x20     scf.for %c = %c0 to %cd step %c1 {{\n\
          \x20       %oc = arith.addi %qb, %c : index\n\
-         \x20       memref.store %zero, %o[%r, %oc] : {qt}\n\
+         \x20       memref.store %zero, {acc}[{acc_idx}] : {acc_mem}\n\
          \x20     }}\n\
          \x20     scf.for %t = %c0 to %nk step %c1 {{\n\
          \x20       %e = memref.load %sc[%t] : memref<?xf32>\n\
          \x20       %pw = arith.mulf %e, %inv : f32\n\
          {pv}\
          \x20     }}\n\
+         {acc_out}\
          \x20   }}\n\
          \x20   memref.dealloc %sc : memref<?xf32>\n\
+         {acc_free}\
          {teardown}\
          \x20   scf.yield\n\
          \x20 }}\n\
 ",
         select = indent(&select, 4),
-        dot_qk = indent(&dot("%dot", "%q", &qt, "%r", "%qb", "%k", &kt, "%t", "%kb", "%cd", d, cache), 10),
-        pv = indent(&pv(&qt, &kt, d, cache), 8),
+        dot_qk = indent(&dot("%dot", ("%q", &qt, act), "%r", "%qb", ("%k", &kt, cache), "%t", "%kb", "%cd", d), 10),
+        pv = indent(&pv(&format!("{acc}[{acc_idx}]"), acc_mem, &kt, d, cache), 8),
+        acc_out = indent(&acc_out, 6),
+        acc_free = indent(&acc_free, 2),
         allowed = indent(&allowed, 8),
         teardown = indent(&teardown, 4),
     );
@@ -206,10 +235,11 @@ pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64
 
 /// `dst` = Σ_c x[xr, xb + c] · y[yr, yb + c] over `len` (its index constant
 /// `n`): eight lanes at a time when `len` allows (the lane sums are added at
-/// the end), else one by one.
+/// the end), else one by one. `x` and `y` are (memref, type, storage).
 #[allow(clippy::too_many_arguments)]
-fn dot(dst: &str, x: &str, xt: &str, xr: &str, xb: &str, y: &str, yt: &str, yr: &str, yb: &str, n: &str, len: usize, ycache: CacheType) -> String {
+fn dot(dst: &str, x: (&str, &str, Storage), xr: &str, xb: &str, y: (&str, &str, Storage), yr: &str, yb: &str, n: &str, len: usize) -> String {
     let d = dst.trim_start_matches('%');
+    let ((x, xt, xs), (y, yt, ycache)) = (x, y);
     if len.is_multiple_of(8) {
         format!(
             "%{d}_c8 = arith.constant 8 : index\n\
@@ -217,34 +247,38 @@ fn dot(dst: &str, x: &str, xt: &str, xr: &str, xb: &str, y: &str, yt: &str, yr: 
              %{d}_v = scf.for %c = %c0 to {n} step %{d}_c8 iter_args(%a = %{d}_z) -> (vector<8xf32>) {{\n\
              \x20 %xc = arith.addi {xb}, %c : index\n\
              \x20 %yc = arith.addi {yb}, %c : index\n\
-             \x20 %x1 = vector.load {x}[{xr}, %xc] : {xt}, vector<8xf32>\n\
+             {x8}\
              {y8}\
              \x20 %mm = arith.mulf %x1, %x2 : vector<8xf32>\n\
              \x20 %a2 = arith.addf %a, %mm : vector<8xf32>\n\
              \x20 scf.yield %a2 : vector<8xf32>\n\
              }}\n\
              {dst} = vector.reduction <add>, %{d}_v fastmath<reassoc> : vector<8xf32> into f32\n",
-            y8 = indent(&cache_load8("%x2", y, yt, yr, "%yc", ycache), 2),
+            x8 = indent(&load_f32xn(8, "%x1", x, xt, xr, "%xc", xs), 2),
+            y8 = indent(&load_f32xn(8, "%x2", y, yt, yr, "%yc", ycache), 2),
         )
     } else {
         format!(
             "{dst} = scf.for %c = %c0 to {n} step %c1 iter_args(%a = %zero) -> (f32) {{\n\
              \x20 %xc = arith.addi {xb}, %c : index\n\
              \x20 %yc = arith.addi {yb}, %c : index\n\
-             \x20 %x1 = memref.load {x}[{xr}, %xc] : {xt}\n\
+             {x1}\
              {y1}\
              \x20 %mm = arith.mulf %x1, %x2 : f32\n\
              \x20 %a2 = arith.addf %a, %mm : f32\n\
              \x20 scf.yield %a2 : f32\n\
              }}\n",
-            y1 = indent(&cache_load("%x2", y, yt, yr, "%yc", ycache), 2),
+            x1 = indent(&load_f32("%x1", x, xt, xr, "%xc", xs), 2),
+            y1 = indent(&load_f32("%x2", y, yt, yr, "%yc", ycache), 2),
         )
     }
 }
 
-/// `o[r, qb + c] += pw · v[t, kb + c]` over the head: eight lanes at a time
-/// when the head allows (the same multiply and add per element either way).
-fn pv(qt: &str, kt: &str, d: usize, cache: CacheType) -> String {
+/// `acc += pw · v[t, kb + c]` over the head, where `acc` is the element
+/// (written with `%c`/`%oc`) of `acc_ty` the column accumulates in: eight
+/// lanes at a time when the head allows (the same multiply and add per
+/// element either way).
+fn pv(acc: &str, acc_ty: &str, kt: &str, d: usize, cache: Storage) -> String {
     if d.is_multiple_of(8) {
         format!(
             "%pv_c8 = arith.constant 8 : index\n\
@@ -253,12 +287,12 @@ fn pv(qt: &str, kt: &str, d: usize, cache: CacheType) -> String {
              \x20 %oc = arith.addi %qb, %c : index\n\
              \x20 %vc = arith.addi %kb, %c : index\n\
              {v8}\
-             \x20 %ov = vector.load %o[%r, %oc] : {qt}, vector<8xf32>\n\
+             \x20 %ov = vector.load {acc} : {acc_ty}, vector<8xf32>\n\
              \x20 %pvv = arith.mulf %pwv, %vv : vector<8xf32>\n\
              \x20 %o2 = arith.addf %ov, %pvv : vector<8xf32>\n\
-             \x20 vector.store %o2, %o[%r, %oc] : {qt}, vector<8xf32>\n\
+             \x20 vector.store %o2, {acc} : {acc_ty}, vector<8xf32>\n\
              }}\n",
-            v8 = indent(&cache_load8("%vv", "%v", kt, "%t", "%vc", cache), 2),
+            v8 = indent(&load_f32xn(8, "%vv", "%v", kt, "%t", "%vc", cache), 2),
         )
     } else {
         format!(
@@ -266,12 +300,12 @@ fn pv(qt: &str, kt: &str, d: usize, cache: CacheType) -> String {
              \x20 %oc = arith.addi %qb, %c : index\n\
              \x20 %vc = arith.addi %kb, %c : index\n\
              {v1}\
-             \x20 %ov = memref.load %o[%r, %oc] : {qt}\n\
+             \x20 %ov = memref.load {acc} : {acc_ty}\n\
              \x20 %pvv = arith.mulf %pw, %vv : f32\n\
              \x20 %o2 = arith.addf %ov, %pvv : f32\n\
-             \x20 memref.store %o2, %o[%r, %oc] : {qt}\n\
+             \x20 memref.store %o2, {acc} : {acc_ty}\n\
              }}\n",
-            v1 = indent(&cache_load("%vv", "%v", kt, "%t", "%vc", cache), 2),
+            v1 = indent(&load_f32("%vv", "%v", kt, "%t", "%vc", cache), 2),
         )
     }
 }

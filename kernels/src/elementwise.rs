@@ -1,10 +1,12 @@
-use crate::emit::{f32_lit, indent};
+use crate::emit::{f32_lit, indent, load_f32, store_f32};
+use crate::Storage;
 
-/// A kernel over rows of `width` f32 columns: `args` are its memref
-/// arguments (all `[S, width]` f32, the first gives S), `consts` statements
-/// before the loops, `element` the body for row `%r`, column `%i`.
-fn rowwise(name: &str, width: usize, args: &[&str], consts: &str, element: &str) -> String {
-    let t = format!("memref<?x{width}xf32>");
+/// A kernel over rows of `width` columns: `args` are its memref arguments
+/// (all `[S, width]` of f32 values stored as `act`, the first gives S),
+/// `consts` statements before the loops, `element` the body for row `%r`,
+/// column `%i`.
+fn rowwise(name: &str, width: usize, act: Storage, args: &[&str], consts: &str, element: &str) -> String {
+    let t = format!("memref<?x{width}x{}>", act.mlir_elem());
     let params: Vec<String> = args.iter().map(|a| format!("%{a}: {t}")).collect();
     let body = format!(
         "%c0 = arith.constant 0 : index\n\
@@ -19,14 +21,15 @@ fn rowwise(name: &str, width: usize, args: &[&str], consts: &str, element: &str)
          }}\n\
          return\n",
         first = args[0],
-        element = indent(&element.replace("{t}", &t), 4),
+        element = indent(element, 4),
     );
     format!("  func.func @{name}({}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n", params.join(", "), indent(&body, 4))
 }
 
 /// SwiGLU-OAI: `g' = min(g, limit)`, `u' = clamp(u, −limit, limit)`,
 /// `y = g' · σ(alpha · g') · (u' + beta)`. `g`, `u`, `y`: `[S, width]`.
-pub fn swiglu_oai(name: &str, width: usize, alpha: f64, limit: f64, beta: f64) -> String {
+pub fn swiglu_oai(name: &str, width: usize, alpha: f64, limit: f64, beta: f64, act: Storage) -> String {
+    let t = format!("memref<?x{width}x{}>", act.mlir_elem());
     let consts = format!(
         "%one = arith.constant 1.0 : f32\n\
          %alpha = arith.constant {} : f32\n\
@@ -41,11 +44,11 @@ pub fn swiglu_oai(name: &str, width: usize, alpha: f64, limit: f64, beta: f64) -
     rowwise(
         name,
         width,
+        act,
         &["g", "u", "y"],
         &consts,
-        "%gv = memref.load %g[%r, %i] : {t}\n\
-         %uv = memref.load %u[%r, %i] : {t}\n\
-         %gc = arith.minimumf %gv, %lim : f32\n\
+        &format!(
+            "{}{}%gc = arith.minimumf %gv, %lim : f32\n\
          %u1 = arith.minimumf %uv, %lim : f32\n\
          %uc = arith.maximumf %u1, %nlim : f32\n\
          %ag = arith.mulf %alpha, %gc : f32\n\
@@ -55,8 +58,11 @@ pub fn swiglu_oai(name: &str, width: usize, alpha: f64, limit: f64, beta: f64) -
          %sig = arith.divf %one, %den : f32\n\
          %glu = arith.mulf %gc, %sig : f32\n\
          %up = arith.addf %uc, %beta : f32\n\
-         %o = arith.mulf %glu, %up : f32\n\
-         memref.store %o, %y[%r, %i] : {t}\n",
+         %o = arith.mulf %glu, %up : f32\n{}",
+            load_f32("%gv", "%g", &t, "%r", "%i", act),
+            load_f32("%uv", "%u", &t, "%r", "%i", act),
+            store_f32("%o", "%y", &t, "%r", "%i", act)
+        ),
     )
 }
 
@@ -87,23 +93,27 @@ pub fn argmax(name: &str, width: usize) -> String {
 }
 
 /// `y = a + b` over rows of `width` (`y` may be `a`: the residual add in place).
-pub fn add(name: &str, width: usize) -> String {
+pub fn add(name: &str, width: usize, act: Storage) -> String {
+    let t = format!("memref<?x{width}x{}>", act.mlir_elem());
     rowwise(
         name,
         width,
+        act,
         &["a", "b", "y"],
         "",
-        "%x = memref.load %a[%r, %i] : {t}\n\
-         %z = memref.load %b[%r, %i] : {t}\n\
-         %s = arith.addf %x, %z : f32\n\
-         memref.store %s, %y[%r, %i] : {t}\n",
+        &format!(
+            "{}{}%s = arith.addf %x, %z : f32\n{}",
+            load_f32("%x", "%a", &t, "%r", "%i", act),
+            load_f32("%z", "%b", &t, "%r", "%i", act),
+            store_f32("%s", "%y", &t, "%r", "%i", act)
+        ),
     )
 }
 
 /// Row gather: `y[r] = f32(W[ids[r]])`. Ids are checked against the vocabulary
 /// by the runtime before a step starts.
-pub fn embedding(name: &str, vocab: usize, width: usize, weight: crate::WeightType) -> String {
-    let t = format!("memref<?x{width}xf32>");
+pub fn embedding(name: &str, vocab: usize, width: usize, weight: crate::WeightType, act: Storage) -> String {
+    let t = format!("memref<?x{width}x{}>", act.mlir_elem());
     let wt = format!("memref<{vocab}x{width}x{}>", weight.mlir_elem());
     let body = format!(
         "%c0 = arith.constant 0 : index\n\
@@ -115,11 +125,12 @@ pub fn embedding(name: &str, vocab: usize, width: usize, weight: crate::WeightTy
          \x20 %id = arith.index_cast %id64 : i64 to index\n\
          \x20 scf.for %i = %c0 to %cw step %c1 {{\n\
          {load}\
-         \x20   memref.store %wv, %y[%r, %i] : {t}\n\
+         {store}\
          \x20 }}\n\
          }}\n\
          return\n",
         load = indent(&crate::emit::load_weight_f32("%wv", "%w", "%id, %i", &wt, weight), 4),
+        store = indent(&store_f32("%wv", "%y", &t, "%r", "%i", act), 4),
     );
     format!(
         "  func.func @{name}(%ids: memref<?xi64>, %w: {wt}, %y: {t}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n",
@@ -127,21 +138,22 @@ pub fn embedding(name: &str, vocab: usize, width: usize, weight: crate::WeightTy
     )
 }
 
-/// Row `r` of `x` into row `pos[r]` of `y`. `x`: `[S, width]` f32, `pos`:
-/// `[S]`, `y`: `[T, width]` (a cache of `cache`'s type; every `pos[r] < T`).
-pub fn scatter_rows(name: &str, width: usize, cache: crate::CacheType) -> String {
-    store_rows(name, width, cache, true)
+/// Row `r` of `x` into row `pos[r]` of `y`. `x`: `[S, width]` stored as
+/// `act`, `pos`: `[S]`, `y`: `[T, width]` (a cache of `cache`'s type; every
+/// `pos[r] < T`).
+pub fn scatter_rows(name: &str, width: usize, cache: Storage, act: Storage) -> String {
+    store_rows(name, width, act, cache, true)
 }
 
 /// `y = bf16(x)` (nearest even, as `i16` bits). `x`, `y`: `[S, width]`.
 pub fn to_bf16(name: &str, width: usize) -> String {
-    store_rows(name, width, crate::CacheType::Bf16, false)
+    store_rows(name, width, Storage::F32, Storage::Bf16, false)
 }
 
-/// Each row of f32 `x` stored as `into`: at row `pos[r]` of `y` (`scatter`)
-/// or at row `r`.
-fn store_rows(name: &str, width: usize, into: crate::CacheType, scatter: bool) -> String {
-    let t = format!("memref<?x{width}xf32>");
+/// Each row of `x` (stored as `from`) stored as `into`: at row `pos[r]` of
+/// `y` (`scatter`) or at row `r`.
+fn store_rows(name: &str, width: usize, from: Storage, into: Storage, scatter: bool) -> String {
+    let t = format!("memref<?x{width}x{}>", from.mlir_elem());
     let yt = format!("memref<?x{width}x{}>", into.mlir_elem());
     let (row, pos_param, pos_load) = if scatter {
         (
@@ -152,7 +164,8 @@ fn store_rows(name: &str, width: usize, into: crate::CacheType, scatter: bool) -
     } else {
         ("%r", "", "")
     };
-    let store = crate::emit::cache_store("%v", "%y", &yt, row, "%i", into);
+    let load = load_f32("%v", "%x", &t, "%r", "%i", from);
+    let store = store_f32("%v", "%y", &yt, row, "%i", into);
     let body = format!(
         "%c0 = arith.constant 0 : index\n\
          %c1 = arith.constant 1 : index\n\
@@ -161,11 +174,12 @@ fn store_rows(name: &str, width: usize, into: crate::CacheType, scatter: bool) -
          scf.for %r = %c0 to %rows step %c1 {{\n\
          {pos_load}\
          \x20 scf.for %i = %c0 to %cw step %c1 {{\n\
-         \x20   %v = memref.load %x[%r, %i] : {t}\n\
+         {load}\
          {store}\
          \x20 }}\n\
          }}\n\
          return\n",
+        load = indent(&load, 4),
         store = indent(&store, 4),
     );
     format!("  func.func @{name}(%x: {t}{pos_param}, %y: {yt}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n", indent(&body, 4))

@@ -84,12 +84,13 @@ pub fn indent(body: &str, n: usize) -> String {
 /// normalised in f32 and scaled by `(1 + w[i])`. `store` is the statement
 /// that writes each result `%o` (it may use `%i`, the position in the span,
 /// and `%c`, the column). Needs `%c0`, `%c1`, `%zero`, `%one`, `%n` (the width
-/// as f32) and `%eps` in scope.
-pub fn gemma_norm_span(xty: &str, base: &str, width: &str, wty: &str, weight: WeightType, store: &str) -> String {
+/// as f32) and `%eps` in scope. `%x` holds values stored as `act`.
+pub fn gemma_norm_span(xty: &str, act: crate::Storage, base: &str, width: &str, wty: &str, weight: WeightType, store: &str) -> String {
+    let load = indent(&load_f32("%v", "%x", xty, "%r", "%c", act), 2);
     format!(
         "%ss = scf.for %i = %c0 to {width} step %c1 iter_args(%acc = %zero) -> (f32) {{\n\
          \x20 %c = arith.addi {base}, %i : index\n\
-         \x20 %v = memref.load %x[%r, %c] : {xty}\n\
+         {load}\
          \x20 %sq = arith.mulf %v, %v : f32\n\
          \x20 %a = arith.addf %acc, %sq : f32\n\
          \x20 scf.yield %a : f32\n\
@@ -99,14 +100,15 @@ pub fn gemma_norm_span(xty: &str, base: &str, width: &str, wty: &str, weight: We
          %rs = math.rsqrt %me : f32\n\
          scf.for %i = %c0 to {width} step %c1 {{\n\
          \x20 %c = arith.addi {base}, %i : index\n\
-         \x20 %v = memref.load %x[%r, %c] : {xty}\n\
          {load}\
+         {wload}\
          \x20 %s = arith.addf %one, %wf : f32\n\
          \x20 %t = arith.mulf %v, %rs : f32\n\
          \x20 %o = arith.mulf %t, %s : f32\n\
-         \x20 {store}\n\
+         {store}\
          }}\n",
-        load = indent(&load_weight_f32("%wf", "%w", "%i", wty, weight), 2),
+        wload = indent(&load_weight_f32("%wf", "%w", "%i", wty, weight), 2),
+        store = indent(store, 2),
     )
 }
 
@@ -148,55 +150,63 @@ pub fn parallel_or_serial(work: &str, ivs: &[&str], lbs: &[&str], ubs: &[&str], 
     )
 }
 
-/// `{dst}` (f32) = element `[r, c]` of cache `mem` (type `ty`): a load, and
-/// for bf16 bits the widening `f32::from_bits((b as u32) << 16)`.
-pub fn cache_load(dst: &str, mem: &str, ty: &str, r: &str, c: &str, cache: crate::CacheType) -> String {
-    match cache {
-        crate::CacheType::F32 => format!("{dst} = memref.load {mem}[{r}, {c}] : {ty}\n"),
-        crate::CacheType::Bf16 => format!(
-            "{dst}_h = memref.load {mem}[{r}, {c}] : {ty}\n\
-             {dst}_w = arith.extui {dst}_h : i16 to i32\n\
-             {dst}_k = arith.constant 16 : i32\n\
-             {dst}_s = arith.shli {dst}_w, {dst}_k : i32\n\
-             {dst} = arith.bitcast {dst}_s : i32 to f32\n"
+/// `{dst}` (f32) = element `[r, c]` of `mem` (type `ty`), stored as
+/// `store`: a load, and for bf16 bits the widening `f32::from_bits((b as u32) << 16)`.
+pub fn load_f32(dst: &str, mem: &str, ty: &str, r: &str, c: &str, store: crate::Storage) -> String {
+    match store {
+        crate::Storage::F32 => format!("{dst} = memref.load {mem}[{r}, {c}] : {ty}\n"),
+        crate::Storage::Bf16 => format!(
+            "{dst}_lh = memref.load {mem}[{r}, {c}] : {ty}\n\
+             {dst}_lw = arith.extui {dst}_lh : i16 to i32\n\
+             {dst}_lk = arith.constant 16 : i32\n\
+             {dst}_ls = arith.shli {dst}_lw, {dst}_lk : i32\n\
+             {dst} = arith.bitcast {dst}_ls : i32 to f32\n"
         ),
     }
 }
 
-/// [`cache_load`] of eight consecutive elements into a `vector<8xf32>`.
-pub fn cache_load8(dst: &str, mem: &str, ty: &str, r: &str, c: &str, cache: crate::CacheType) -> String {
-    match cache {
-        crate::CacheType::F32 => format!("{dst} = vector.load {mem}[{r}, {c}] : {ty}, vector<8xf32>\n"),
-        crate::CacheType::Bf16 => format!(
-            "{dst}_h = vector.load {mem}[{r}, {c}] : {ty}, vector<8xi16>\n\
-             {dst}_w = arith.extui {dst}_h : vector<8xi16> to vector<8xi32>\n\
-             {dst}_k = arith.constant dense<16> : vector<8xi32>\n\
-             {dst}_s = arith.shli {dst}_w, {dst}_k : vector<8xi32>\n\
-             {dst} = arith.bitcast {dst}_s : vector<8xi32> to vector<8xf32>\n"
+/// [`load_f32`] of `n` consecutive elements into a `vector<n x f32>`, with
+/// the load's `alignment` in bytes (0: the element's).
+pub fn load_f32xn(n: usize, dst: &str, mem: &str, ty: &str, r: &str, c: &str, store: crate::Storage) -> String {
+    load_f32xn_aligned(n, 0, dst, mem, ty, r, c, store)
+}
+
+/// [`load_f32xn`] with an alignment (bytes) promised for the load; 0 for none.
+#[allow(clippy::too_many_arguments)]
+pub fn load_f32xn_aligned(n: usize, align: usize, dst: &str, mem: &str, ty: &str, r: &str, c: &str, store: crate::Storage) -> String {
+    let al = if align == 0 { String::new() } else { format!(" {{alignment = {align}}}") };
+    match store {
+        crate::Storage::F32 => format!("{dst} = vector.load {mem}[{r}, {c}]{al} : {ty}, vector<{n}xf32>\n"),
+        crate::Storage::Bf16 => format!(
+            "{dst}_lh = vector.load {mem}[{r}, {c}]{al} : {ty}, vector<{n}xi16>\n\
+             {dst}_lw = arith.extui {dst}_lh : vector<{n}xi16> to vector<{n}xi32>\n\
+             {dst}_lk = arith.constant dense<16> : vector<{n}xi32>\n\
+             {dst}_ls = arith.shli {dst}_lw, {dst}_lk : vector<{n}xi32>\n\
+             {dst} = arith.bitcast {dst}_ls : vector<{n}xi32> to vector<{n}xf32>\n"
         ),
     }
 }
 
-/// Stores f32 `{v}` at `[r, c]` of cache `mem`; for bf16, rounded to nearest
-/// even (`(b + 0x7FFF + ((b >> 16) & 1)) >> 16`), NaN kept a quiet NaN.
-pub fn cache_store(v: &str, mem: &str, ty: &str, r: &str, c: &str, cache: crate::CacheType) -> String {
-    match cache {
-        crate::CacheType::F32 => format!("memref.store {v}, {mem}[{r}, {c}] : {ty}\n"),
-        crate::CacheType::Bf16 => format!(
-            "{v}_b = arith.bitcast {v} : f32 to i32\n\
-             {v}_k16 = arith.constant 16 : i32\n\
-             {v}_k1 = arith.constant 1 : i32\n\
-             {v}_kr = arith.constant 32767 : i32\n\
-             {v}_kn = arith.constant 32704 : i32\n\
-             {v}_hi = arith.shrui {v}_b, {v}_k16 : i32\n\
-             {v}_lsb = arith.andi {v}_hi, {v}_k1 : i32\n\
-             {v}_r0 = arith.addi {v}_b, {v}_kr : i32\n\
-             {v}_r1 = arith.addi {v}_r0, {v}_lsb : i32\n\
-             {v}_r = arith.shrui {v}_r1, {v}_k16 : i32\n\
-             {v}_nan = arith.cmpf uno, {v}, {v} : f32\n\
-             {v}_sel = arith.select {v}_nan, {v}_kn, {v}_r : i32\n\
-             {v}_h = arith.trunci {v}_sel : i32 to i16\n\
-             memref.store {v}_h, {mem}[{r}, {c}] : {ty}\n"
+/// Stores f32 `{v}` at `[r, c]` of `mem`, kept as `store`; for bf16, rounded
+/// to nearest even (`(b + 0x7FFF + ((b >> 16) & 1)) >> 16`), NaN kept a quiet NaN.
+pub fn store_f32(v: &str, mem: &str, ty: &str, r: &str, c: &str, store: crate::Storage) -> String {
+    match store {
+        crate::Storage::F32 => format!("memref.store {v}, {mem}[{r}, {c}] : {ty}\n"),
+        crate::Storage::Bf16 => format!(
+            "{v}_qb = arith.bitcast {v} : f32 to i32\n\
+             {v}_qk16 = arith.constant 16 : i32\n\
+             {v}_qk1 = arith.constant 1 : i32\n\
+             {v}_qkr = arith.constant 32767 : i32\n\
+             {v}_qkn = arith.constant 32704 : i32\n\
+             {v}_qhi = arith.shrui {v}_qb, {v}_qk16 : i32\n\
+             {v}_qlsb = arith.andi {v}_qhi, {v}_qk1 : i32\n\
+             {v}_qr0 = arith.addi {v}_qb, {v}_qkr : i32\n\
+             {v}_qr1 = arith.addi {v}_qr0, {v}_qlsb : i32\n\
+             {v}_qr = arith.shrui {v}_qr1, {v}_qk16 : i32\n\
+             {v}_qnan = arith.cmpf uno, {v}, {v} : f32\n\
+             {v}_qsel = arith.select {v}_qnan, {v}_qkn, {v}_qr : i32\n\
+             {v}_qbits = arith.trunci {v}_qsel : i32 to i16\n\
+             memref.store {v}_qbits, {mem}[{r}, {c}] : {ty}\n"
         ),
     }
 }

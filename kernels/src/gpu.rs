@@ -1,6 +1,7 @@
 //! The kernels for NVIDIA GPUs: the same [`Kernel`] values as the host
-//! generators, written as `gpu.func` kernels (f32 activations, weights in
-//! their stored type, f32 accumulation) plus the host-side launches that
+//! generators, written as `gpu.func` kernels (activations stored as f32 or
+//! bf16 bits as each kernel's `act` says, weights in their stored type, f32
+//! arithmetic and accumulation) plus the host-side launches that
 //! run them. The CUDA back end lowers them through NVVM to PTX.
 //!
 //! Work split: a warp per output row of a linear (lanes stride over the
@@ -15,9 +16,9 @@
 //! rows) over that expert's tokens four at a time (one at a time, in an
 //! `_r1` twin, for experts with a single token), then a weighted combine.
 
-use crate::emit::{e8m0_to_f32, f32_lit, indent, E8M0_CONSTANTS};
+use crate::emit::{e8m0_to_f32, f32_lit, indent, load_f32, load_f32xn_aligned, store_f32, E8M0_CONSTANTS};
 use crate::view::MemTy;
-use crate::{moe, Kernel, SparseSel, WeightType};
+use crate::{moe, Kernel, SparseSel, Storage, WeightType};
 
 /// Name of the `gpu.module` holding a stage's kernels.
 pub const GPU_MODULE: &str = "m3c_kernels";
@@ -263,7 +264,9 @@ const IDX: &str = "%c0 = arith.constant 0 : index\n\
 /// per load when `n` is a multiple of 32 such chunks: 8 fp8, 4 bf16/f16 or
 /// 2 f32 elements, so a warp moves 256 B per load; else one element), then
 /// one shuffle reduction per row into `%{tag}s{j}` (every lane gets it).
-fn warp_dots(tag: &str, wa: &WeightArgs, o: &str, x: &str, xt: &str, rows: &[String], n: usize) -> String {
+/// `x` holds values stored as `xs`.
+#[allow(clippy::too_many_arguments)]
+fn warp_dots(tag: &str, wa: &WeightArgs, o: &str, x: &str, xt: &str, xs: Storage, rows: &[String], n: usize) -> String {
     let lanes = wa.lanes();
     let wide = n.is_multiple_of(32 * lanes);
     let vt = if wide { format!("vector<{lanes}xf32>") } else { "f32".to_string() };
@@ -273,10 +276,10 @@ fn warp_dots(tag: &str, wa: &WeightArgs, o: &str, x: &str, xt: &str, rows: &[Str
     let mut fma = String::new();
     for (j, r) in rows.iter().enumerate() {
         let xload = if wide {
-            // Rows of a multiple of 32·lanes f32 from 256-byte-aligned buffers: aligned.
-            format!("  %{tag}v{j} = vector.load {x}[{r}, %i] {{alignment = {}}} : {xt}, {vt}\n", (lanes * 4).min(16))
+            // Rows of a multiple of 32·lanes elements from 256-byte-aligned buffers: aligned.
+            indent(&load_f32xn_aligned(lanes, (lanes * xs.bytes()).min(16), &format!("%{tag}v{j}"), x, xt, r, "%i", xs), 2)
         } else {
-            format!("  %{tag}v{j} = memref.load {x}[{r}, %i] : {xt}\n")
+            indent(&load_f32(&format!("%{tag}v{j}"), x, xt, r, "%i", xs), 2)
         };
         fma.push_str(&format!("{xload}  %{tag}m{j} = arith.mulf %{tag}v{j}, %{tag}w : {vt}\n  %{tag}n{j} = arith.addf %{tag}a{j}, %{tag}m{j} : {vt}\n"));
     }
@@ -319,39 +322,42 @@ impl Kernel {
     pub fn gpu_funcs(&self) -> Vec<GpuFunc> {
         let sym = self.symbol();
         match self {
-            Kernel::Embedding { vocab, width, weight } => {
+            Kernel::Embedding { vocab, width, weight, act } => {
                 let wa = WeightArgs::new("%w", "", *vocab, *width, *weight);
-                let yt = format!("memref<?x{width}xf32>");
+                let yt = format!("memref<?x{width}x{}>", act.mlir_elem());
                 let body = format!(
                     "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
                      %id64 = memref.load %ids[%r] : memref<?xi64>\n%id = arith.index_cast %id64 : i64 to index\n\
-                     scf.for %c = %t to %cw step %c256 {{\n{}  memref.store %v, %y[%r, %c] : {yt}\n}}\n",
-                    indent(&wa.load("v", "%id", "%c"), 2)
+                     scf.for %c = %t to %cw step %c256 {{\n{}{}}}\n",
+                    indent(&wa.load("v", "%id", "%c"), 2),
+                    indent(&store_f32("%v", "%y", &yt, "%r", "%c", *act), 2)
                 );
                 vec![func(&sym, &format!("%ids: memref<?xi64>, {}, %y: {yt}", wa.params()), &body)]
             }
-            Kernel::RmsNorm { width, eps, weight } => {
-                let t = format!("memref<?x{width}xf32>");
+            Kernel::RmsNorm { width, eps, weight, act } => {
+                let t = format!("memref<?x{width}x{}>", act.mlir_elem());
+                let xl = indent(&load_f32("%v", "%x", &t, "%r", "%c", *act), 2);
                 let wt = format!("memref<{width}x{}>", weight.mlir_elem());
                 let wl = crate::emit::load_weight_f32("%wv", "%w", "%c", &wt, *weight);
                 let body = format!(
                     "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
                      %n = arith.constant {n} : f32\n%eps = arith.constant {eps} : f32\n\
                      %part = scf.for %c = %t to %cw step %c256 iter_args(%a = %zero) -> (f32) {{\n\
-                     \x20 %v = memref.load %x[%r, %c] : {t}\n  %q = arith.mulf %v, %v : f32\n  %a2 = arith.addf %a, %q : f32\n  scf.yield %a2 : f32\n}}\n\
+                     {xl}  %q = arith.mulf %v, %v : f32\n  %a2 = arith.addf %a, %q : f32\n  scf.yield %a2 : f32\n}}\n\
                      %ss = gpu.all_reduce add %part uniform {{}} : (f32) -> (f32)\n\
                      %mean = arith.divf %ss, %n : f32\n%me = arith.addf %mean, %eps : f32\n%rs = math.rsqrt %me : f32\n\
                      scf.for %c = %t to %cw step %c256 {{\n\
-                     \x20 %v = memref.load %x[%r, %c] : {t}\n{}\
+                     {xl}{}\
                      \x20 %s = arith.addf %one, %wv : f32\n  %u = arith.mulf %v, %rs : f32\n  %o = arith.mulf %u, %s : f32\n\
-                     \x20 memref.store %o, %y[%r, %c] : {t}\n}}\n",
+                     {}}}\n",
                     indent(&wl, 2),
+                    indent(&store_f32("%o", "%y", &t, "%r", "%c", *act), 2),
                     n = f32_lit(*width as f64),
                     eps = f32_lit(*eps),
                 );
                 vec![func(&sym, &format!("%x: {t}, %w: {wt}, %y: {t}"), &body)]
             }
-            Kernel::Linear { inp, out, weight } => {
+            Kernel::Linear { inp, out, weight, act, out_act } => {
                 // A warp per output row, looping over the activation rows
                 // four at a time: each weight element is loaded (and, for
                 // MXFP8, decoded) once per four rows, so a decode
@@ -360,8 +366,8 @@ impl Kernel {
                 // `{sym}_r1` takes one row per pass: a batch-1 decode step
                 // then does no clamped duplicate work.
                 let wa = WeightArgs::new("%w", "%s", *out, *inp, *weight);
-                let xt = format!("memref<?x{inp}xf32>");
-                let yt = format!("memref<?x{out}xf32>");
+                let xt = format!("memref<?x{inp}x{}>", act.mlir_elem());
+                let yt = format!("memref<?x{out}x{}>", out_act.mlir_elem());
                 let mut funcs = Vec::new();
                 for (rows, name) in [(ROWS_PER_PASS, sym.clone()), (1, format!("{sym}_r1"))] {
                     let mut clamp = String::new();
@@ -376,7 +382,8 @@ impl Kernel {
                     for j in 0..rows {
                         stores.push_str(&format!(
                             "%st{j} = arith.andi %first, %ok{j} : i1\n\
-                             scf.if %st{j} {{\n  memref.store %ys{j}, %y[%r{j}, %o] : {yt}\n}}\n"
+                             scf.if %st{j} {{\n{}}}\n",
+                            indent(&store_f32(&format!("%ys{j}"), "%y", &yt, &format!("%r{j}"), "%o", *out_act), 2)
                         ));
                     }
                     let body = format!(
@@ -394,16 +401,17 @@ impl Kernel {
                          }}\n",
                         consts = wa.consts(),
                         clamp = indent(&clamp, 4),
-                        dots = indent(&warp_dots("y", &wa, "%o", "%x", &xt, &names, *inp), 4),
+                        dots = indent(&warp_dots("y", &wa, "%o", "%x", &xt, *act, &names, *inp), 4),
                         stores = indent(&stores, 4),
                     );
                     funcs.push(func(&name, &format!("%x: {xt}, {}, %y: {yt}", wa.params()), &body));
                 }
                 funcs
             }
-            Kernel::HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight } => {
+            Kernel::HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight, act } => {
                 let (d, half) = (*head_dim, rotary_dim / 2);
-                let t = format!("memref<?x{}xf32>", heads * d);
+                let t = format!("memref<?x{}x{}>", heads * d, act.mlir_elem());
+                let st = |v: &str, c: &str| store_f32(v, "%y", &t, "%r", c, *act);
                 let wt = format!("memref<{d}x{}>", weight.mlir_elem());
                 let inv: Vec<String> = (0..half.max(1))
                     .map(|j| f32_lit((1.0 / (*theta as f32).powf((2 * j) as f32 / *rotary_dim as f32)) as f64))
@@ -415,7 +423,7 @@ impl Kernel {
                      %n = arith.constant {nf} : f32\n%eps = arith.constant {epsf} : f32\n\
                      %inv = arith.constant dense<[{inv}]> : vector<{hv}xf32>\n\
                      %base = arith.muli %h, %cd : index\n%col = arith.addi %base, %t : index\n\
-                     %v = memref.load %x[%r, %col] : {t}\n%q = arith.mulf %v, %v : f32\n\
+                     {xl}%q = arith.mulf %v, %v : f32\n\
                      %ss = gpu.all_reduce add %q uniform {{}} : (f32) -> (f32)\n\
                      %mean = arith.divf %ss, %n : f32\n%me = arith.addf %mean, %eps : f32\n%rs = math.rsqrt %me : f32\n\
                      {wl}%s = arith.addf %one, %wv : f32\n%u = arith.mulf %v, %rs : f32\n%nv = arith.mulf %u, %s : f32\n\
@@ -432,10 +440,13 @@ impl Kernel {
                      \x20 %ac = arith.mulf %a, %cs : f32\n  %bs = arith.mulf %b, %sn : f32\n  %y1 = arith.subf %ac, %bs : f32\n\
                      \x20 %bc = arith.mulf %b, %cs : f32\n  %as = arith.mulf %a, %sn : f32\n  %y2 = arith.addf %bc, %as : f32\n\
                      \x20 %o2 = arith.addi %base, %j2 : index\n\
-                     \x20 memref.store %y1, %y[%r, %col] : {t}\n  memref.store %y2, %y[%r, %o2] : {t}\n\
+                     {st12}\
                      }}\n\
                      %pass = arith.cmpi uge, %t, %crot : index\n\
-                     scf.if %pass {{\n  memref.store %nv, %y[%r, %col] : {t}\n}}\n",
+                     scf.if %pass {{\n{stp}}}\n",
+                    xl = load_f32("%v", "%x", &t, "%r", "%col", *act),
+                    st12 = indent(&format!("{}{}", st("%y1", "%col"), st("%y2", "%o2")), 2),
+                    stp = indent(&st("%nv", "%col"), 2),
                     nf = f32_lit(d as f64),
                     epsf = f32_lit(*eps),
                     inv = inv.join(", "),
@@ -449,17 +460,20 @@ impl Kernel {
                     ),
                 }]
             }
-            Kernel::SwiGluOai { width, alpha, limit, beta } => {
-                let t = format!("memref<?x{width}xf32>");
+            Kernel::SwiGluOai { width, alpha, limit, beta, act } => {
+                let t = format!("memref<?x{width}x{}>", act.mlir_elem());
                 let body = format!(
                     "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
                      %alpha = arith.constant {a} : f32\n%lim = arith.constant {l} : f32\n%nlim = arith.constant {nl} : f32\n%beta = arith.constant {b} : f32\n\
                      scf.for %i = %t to %cw step %c256 {{\n\
-                     \x20 %gv = memref.load %g[%r, %i] : {t}\n  %uv = memref.load %u[%r, %i] : {t}\n\
+                     {gl}{ul}\
                      \x20 %gc = arith.minimumf %gv, %lim : f32\n  %u1 = arith.minimumf %uv, %lim : f32\n  %uc = arith.maximumf %u1, %nlim : f32\n\
                      \x20 %ag = arith.mulf %alpha, %gc : f32\n  %nag = arith.negf %ag : f32\n  %e = math.exp %nag : f32\n\
                      \x20 %den = arith.addf %one, %e : f32\n  %sig = arith.divf %one, %den : f32\n  %glu = arith.mulf %gc, %sig : f32\n\
-                     \x20 %up = arith.addf %uc, %beta : f32\n  %o = arith.mulf %glu, %up : f32\n  memref.store %o, %y[%r, %i] : {t}\n}}\n",
+                     \x20 %up = arith.addf %uc, %beta : f32\n  %o = arith.mulf %glu, %up : f32\n{yst}}}\n",
+                    gl = indent(&load_f32("%gv", "%g", &t, "%r", "%i", *act), 2),
+                    ul = indent(&load_f32("%uv", "%u", &t, "%r", "%i", *act), 2),
+                    yst = indent(&store_f32("%o", "%y", &t, "%r", "%i", *act), 2),
                     a = f32_lit(*alpha),
                     l = f32_lit(*limit),
                     nl = f32_lit(-limit),
@@ -467,24 +481,26 @@ impl Kernel {
                 );
                 vec![func(&sym, &format!("%g: {t}, %u: {t}, %y: {t}"), &body)]
             }
-            Kernel::Add { width } => {
-                let t = format!("memref<?x{width}xf32>");
+            Kernel::Add { width, act } => {
+                let t = format!("memref<?x{width}x{}>", act.mlir_elem());
                 let body = format!(
                     "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
-                     scf.for %i = %t to %cw step %c256 {{\n\
-                     \x20 %x = memref.load %a[%r, %i] : {t}\n  %z = memref.load %b[%r, %i] : {t}\n  %s = arith.addf %x, %z : f32\n\
-                     \x20 memref.store %s, %y[%r, %i] : {t}\n}}\n"
+                     scf.for %i = %t to %cw step %c256 {{\n{}{}  %s = arith.addf %x, %z : f32\n{}}}\n",
+                    indent(&load_f32("%x", "%a", &t, "%r", "%i", *act), 2),
+                    indent(&load_f32("%z", "%b", &t, "%r", "%i", *act), 2),
+                    indent(&store_f32("%s", "%y", &t, "%r", "%i", *act), 2),
                 );
                 vec![func(&sym, &format!("%a: {t}, %b: {t}, %y: {t}"), &body)]
             }
-            Kernel::ScatterRows { width, cache } => {
-                let t = format!("memref<?x{width}xf32>");
+            Kernel::ScatterRows { width, cache, act } => {
+                let t = format!("memref<?x{width}x{}>", act.mlir_elem());
                 let yt = format!("memref<?x{width}x{}>", cache.mlir_elem());
                 let body = format!(
                     "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
                      %p64 = memref.load %pos[%r] : memref<?xi64>\n%p = arith.index_cast %p64 : i64 to index\n\
-                     scf.for %i = %t to %cw step %c256 {{\n  %v = memref.load %x[%r, %i] : {t}\n{}}}\n",
-                    indent(&crate::emit::cache_store("%v", "%y", &yt, "%p", "%i", *cache), 2)
+                     scf.for %i = %t to %cw step %c256 {{\n{}{}}}\n",
+                    indent(&load_f32("%v", "%x", &t, "%r", "%i", *act), 2),
+                    indent(&store_f32("%v", "%y", &yt, "%p", "%i", *cache), 2)
                 );
                 vec![func(&sym, &format!("%x: {t}, %pos: memref<?xi64>, %y: {yt}"), &body)]
             }
@@ -494,7 +510,7 @@ impl Kernel {
                 let body = format!(
                     "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
                      scf.for %i = %t to %cw step %c256 {{\n  %v = memref.load %x[%r, %i] : {t}\n{}}}\n",
-                    indent(&crate::emit::cache_store("%v", "%y", &yt, "%r", "%i", crate::CacheType::Bf16), 2)
+                    indent(&crate::emit::store_f32("%v", "%y", &yt, "%r", "%i", crate::Storage::Bf16), 2)
                 );
                 vec![func(&sym, &format!("%x: {t}, %y: {yt}"), &body)]
             }
@@ -516,8 +532,8 @@ impl Kernel {
                 );
                 vec![func(&sym, &format!("%x: {t}, %ids: memref<?xi64>"), &body)]
             }
-            Kernel::Router { width, experts, top_k, scale, weight, bias } => {
-                let ht = format!("memref<?x{width}xf32>");
+            Kernel::Router { width, experts, top_k, scale, weight, bias, act } => {
+                let ht = format!("memref<?x{width}x{}>", act.mlir_elem());
                 let wa = WeightArgs::new("%w", "", *experts, *width, *weight);
                 let e = *experts;
                 let wts = format!("memref<?x{top_k}xf32>");
@@ -559,7 +575,7 @@ impl Kernel {
                      \x20   memref.store %sw, %wts[%r, %j] : {wts}\n  }}\n\
                      }}\n",
                     sc = f32_lit(*scale),
-                    dot = indent(&warp_dots("l", &wa, "%e", "%h", &ht, &["%r".to_string()], *width), 2),
+                    dot = indent(&warp_dots("l", &wa, "%e", "%h", &ht, *act, &["%r".to_string()], *width), 2),
                 );
                 vec![GpuFunc {
                     name: sym.clone(),
@@ -570,9 +586,11 @@ impl Kernel {
                     )),
                 }]
             }
-            Kernel::Attention { heads, kv_heads, head_dim, scale, sparse, cache } => vec![attention(&sym, *heads, *kv_heads, *head_dim, *scale, *sparse, *cache)],
-            Kernel::RoutedExperts { experts, hidden, inter, top_k, weight, alpha, limit, beta } => {
-                routed_experts(&sym, *experts, *hidden, *inter, *top_k, *weight, *alpha, *limit, *beta)
+            Kernel::Attention { heads, kv_heads, head_dim, scale, sparse, cache, act } => {
+                vec![attention(&sym, *heads, *kv_heads, *head_dim, *scale, *sparse, *cache, *act)]
+            }
+            Kernel::RoutedExperts { experts, hidden, inter, top_k, weight, alpha, limit, beta, act } => {
+                routed_experts(&sym, *experts, *hidden, *inter, *top_k, *weight, *alpha, *limit, *beta, *act)
             }
         }
     }
@@ -713,17 +731,19 @@ impl Kernel {
     }
 }
 
-/// Attention on the GPU: one warp per (query row, KV group).
-fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64, sparse: Option<SparseSel>, cache: crate::CacheType) -> GpuFunc {
+/// Attention on the GPU: one warp per (query row, KV group). `q`, `iq` and
+/// `o` hold values stored as `act`.
+#[allow(clippy::too_many_arguments)]
+fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64, sparse: Option<SparseSel>, cache: Storage, act: Storage) -> GpuFunc {
     let group = heads / kv_heads;
-    let qt = format!("memref<?x{}xf32>", heads * d);
+    let qt = format!("memref<?x{}x{}>", heads * d, act.mlir_elem());
     let kt = format!("memref<?x{}x{}>", kv_heads * d, cache.mlir_elem());
-    let load = |dst: &str, mem: &str, ty: &str, r: &str, c: &str| crate::emit::cache_load(dst, mem, ty, r, c, cache);
+    let load = |dst: &str, mem: &str, ty: &str, r: &str, c: &str| crate::emit::load_f32(dst, mem, ty, r, c, cache);
     let mut params = format!("%q: {qt}, %k: {kt}, %v: {kt}, %pos: memref<?xi64>");
     let mut select = String::new();
     let mut allowed = "%allowed = arith.constant true\n".to_string();
     if let Some(s) = sparse {
-        let iqt = format!("memref<?x{}xf32>", s.index_heads * s.index_dim);
+        let iqt = format!("memref<?x{}x{}>", s.index_heads * s.index_dim, act.mlir_elem());
         let ikt = format!("memref<?x{}x{}>", s.index_dim, cache.mlir_elem());
         params.push_str(&format!(", %iq: {iqt}, %ik: {ikt}, %bs: memref<?xf32>, %sel: memref<?xi32>, %nbmax: index"));
         select = format!(
@@ -737,7 +757,7 @@ fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64, sp
              \x20 %t0 = arith.muli %b, %cB : index\n  %t1a = arith.addi %t0, %cB : index\n  %t1 = arith.minui %t1a, %nk : index\n\
              \x20 %mx = scf.for %t = %t0 to %t1 step %c1 iter_args(%m = %ninf) -> (f32) {{\n\
              \x20   %dot = scf.for %c = %c0 to %cid step %c1 iter_args(%a = %zero) -> (f32) {{\n\
-             \x20     %qc = arith.addi %iqb, %c : index\n      %x1 = memref.load %iq[%r, %qc] : {iqt}\n{ik_load}\
+             \x20     %qc = arith.addi %iqb, %c : index\n{iq_load}{ik_load}\
              \x20     %mm = arith.mulf %x1, %x2 : f32\n      %a2 = arith.addf %a, %mm : f32\n      scf.yield %a2 : f32\n    }}\n\
              \x20   %m2 = arith.maximumf %m, %dot : f32\n    scf.yield %m2 : f32\n  }}\n\
              \x20 %bl = arith.addi %b, %clocal : index\n  %isloc = arith.cmpi ugt, %bl, %bq : index\n  %isinit = arith.cmpi ult, %b, %cinit : index\n\
@@ -763,6 +783,7 @@ fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64, sp
             id = s.index_dim,
             local = s.local,
             init = s.init,
+            iq_load = indent(&load_f32("%x1", "%iq", &iqt, "%r", "%qc", act), 6),
             ik_load = indent(&load("%x2", "%ik", &ikt, "%t", "%c"), 6),
         );
         allowed = "%tb = arith.divui %t, %cB : index\n%at = arith.addi %rbase, %tb : index\n%sv = memref.load %sel[%at] : memref<?xi32>\n%allowed = arith.cmpi ne, %sv, %i0 : i32\n".into();
@@ -785,7 +806,7 @@ fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64, sp
          \x20   %res:2 = scf.if %allowed -> (f32, f32) {{\n\
          \x20     %dot = scf.for %c = %c0 to %cd step %c1 iter_args(%a = %zero) -> (f32) {{\n\
          \x20       %qc = arith.addi %qb, %c : index\n        %kc = arith.addi %kb, %c : index\n\
-         \x20       %x1 = memref.load %q[%r, %qc] : {qt}\n{k_load}\
+         {q_load}{k_load}\
          \x20       %mm = arith.mulf %x1, %x2 : f32\n        %a2 = arith.addf %a, %mm : f32\n        scf.yield %a2 : f32\n      }}\n\
          \x20     %s = arith.mulf %dot, %scale : f32\n      %m2 = arith.maximumf %m, %s : f32\n\
          \x20     %dm = arith.subf %m, %m2 : f32\n      %cold = math.exp %dm : f32\n      %ds = arith.subf %s, %m2 : f32\n      %pw = math.exp %ds : f32\n\
@@ -804,10 +825,12 @@ fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64, sp
          \x20 scf.for %c = %c0 to %cd step %c1 {{\n\
          \x20   %av = memref.load %acc[%c] : memref<{d}xf32>\n    %af = arith.mulf %av, %f : f32\n\
          \x20   %sum = gpu.subgroup_reduce add %af : (f32) -> f32\n    %ov = arith.mulf %sum, %inv : f32\n\
-         \x20   scf.if %lead {{\n      %oc = arith.addi %qb, %c : index\n      memref.store %ov, %o[%r, %oc] : {qt}\n    }}\n  }}\n\
+         \x20   scf.if %lead {{\n      %oc = arith.addi %qb, %c : index\n{o_store}    }}\n  }}\n\
          }}\n",
         sc = f32_lit(scale),
         allowed = indent(&allowed, 4),
+        q_load = indent(&load_f32("%x1", "%q", &qt, "%r", "%qc", act), 8),
+        o_store = indent(&store_f32("%ov", "%o", &qt, "%r", "%oc", act), 6),
         k_load = indent(&load("%x2", "%k", &kt, "%t", "%kc"), 8),
         v_load = indent(&load("%vv", "%v", &kt, "%t", "%vc"), 8),
     );
@@ -825,9 +848,12 @@ fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64, sp
 ///   weight element once per four pairs; SwiGLU-OAI into `act[pair]`.
 /// - `{name}_down`: the same over the hidden rows, `act[pair]` → `dn[pair]`.
 /// - `{name}_combine`: `y[r] = Σ_j wts[r, j] · dn[r·k + j]`.
+///
+/// `h` and `y` hold values stored as `act`; `act` and `dn` are f32 scratch.
 #[allow(clippy::too_many_arguments)]
-fn routed_experts(name: &str, experts: usize, hidden: usize, inter: usize, k: usize, weight: WeightType, alpha: f64, limit: f64, beta: f64) -> Vec<GpuFunc> {
+fn routed_experts(name: &str, experts: usize, hidden: usize, inter: usize, k: usize, weight: WeightType, alpha: f64, limit: f64, beta: f64, act: Storage) -> Vec<GpuFunc> {
     let ht = format!("memref<?x{hidden}xf32>");
+    let hat = format!("memref<?x{hidden}x{}>", act.mlir_elem());
     let it = format!("memref<?x{inter}xf32>");
     let ids = format!("memref<?x{k}xi64>");
     let wts = format!("memref<?x{k}xf32>");
@@ -935,9 +961,9 @@ fn routed_experts(name: &str, experts: usize, hidden: usize, inter: usize, k: us
         s
     };
     // `rows` dot products of weight row `%o` with the pairs' activation rows `%x{j}`.
-    let dots = |rows: usize, tag: &str, wa: &WeightArgs, x: &str, xt: &str, n: usize| {
+    let dots = |rows: usize, tag: &str, wa: &WeightArgs, x: &str, xt: &str, xs: Storage, n: usize| {
         let names: Vec<String> = (0..rows).map(|j| format!("%x{j}")).collect();
-        warp_dots(tag, wa, "%o", x, xt, &names, n)
+        warp_dots(tag, wa, "%o", x, xt, xs, &names, n)
     };
     let swiglu = |rows: usize| {
         let mut out = String::new();
@@ -964,12 +990,12 @@ fn routed_experts(name: &str, experts: usize, hidden: usize, inter: usize, k: us
         format!(
             "{}{}{}{}}}\n",
             walk_open(rows, false),
-            indent(&dots(rows, "g", &gate, "%h", &ht, hidden), 2),
-            indent(&dots(rows, "u", &up, "%h", &ht, hidden), 2),
+            indent(&dots(rows, "g", &gate, "%h", &hat, act, hidden), 2),
+            indent(&dots(rows, "u", &up, "%h", &hat, act, hidden), 2),
             indent(&swiglu(rows), 2)
         )
     };
-    let down_walk = |rows: usize| format!("{}{}{}}}\n", walk_open(rows, true), indent(&dots(rows, "d", &down, "%act", &it, inter), 2), indent(&down_store(rows), 2));
+    let down_walk = |rows: usize| format!("{}{}{}}}\n", walk_open(rows, true), indent(&dots(rows, "d", &down, "%act", &it, Storage::F32, inter), 2), indent(&down_store(rows), 2));
     // Two kernels per projection: `_r1` serves the experts with exactly one
     // pair (all of them in a batch-1 decode) with a one-pair walk and few
     // registers; the other serves the experts with more pairs, four per
@@ -1011,7 +1037,8 @@ fn routed_experts(name: &str, experts: usize, hidden: usize, inter: usize, k: us
          \x20 %s = scf.for %j = %c0 to %ck step %c1 iter_args(%a = %zero) -> (f32) {{\n\
          \x20   %pk = arith.addi %rk, %j : index\n    %w = memref.load %wts[%r, %j] : {wts}\n    %x = memref.load %dn[%pk, %c] : {ht}\n\
          \x20   %m = arith.mulf %w, %x : f32\n    %a2 = arith.addf %a, %m : f32\n    scf.yield %a2 : f32\n  }}\n\
-         \x20 memref.store %s, %y[%r, %c] : {ht}\n}}\n"
+         {}}}\n",
+        indent(&store_f32("%s", "%y", &hat, "%r", "%c", act), 2)
     );
     let grouping = format!("%start: {i32v}, %order: {i32v}, %active: {i32v}");
     vec![
@@ -1022,10 +1049,10 @@ fn routed_experts(name: &str, experts: usize, hidden: usize, inter: usize, k: us
                 indent(&group_body, 6)
             ),
         },
-        func(&format!("{name}_up_r1"), &format!("%h: {ht}, {grouping}, %table: !llvm.ptr, %out: {it}"), &up_body(1)),
-        func(&format!("{name}_up"), &format!("%h: {ht}, {grouping}, %table: !llvm.ptr, %out: {it}"), &up_body(ROWS_PER_PASS)),
+        func(&format!("{name}_up_r1"), &format!("%h: {hat}, {grouping}, %table: !llvm.ptr, %out: {it}"), &up_body(1)),
+        func(&format!("{name}_up"), &format!("%h: {hat}, {grouping}, %table: !llvm.ptr, %out: {it}"), &up_body(ROWS_PER_PASS)),
         func(&format!("{name}_down_r1"), &format!("%act: {it}, {grouping}, %table: !llvm.ptr, %out: {ht}"), &down_body(1)),
         func(&format!("{name}_down"), &format!("%act: {it}, {grouping}, %table: !llvm.ptr, %out: {ht}"), &down_body(ROWS_PER_PASS)),
-        func(&format!("{name}_combine"), &format!("%dn: {ht}, %wts: {wts}, %y: {ht}"), &combine_body),
+        func(&format!("{name}_combine"), &format!("%dn: {ht}, %wts: {wts}, %y: {hat}"), &combine_body),
     ]
 }

@@ -1,16 +1,18 @@
-use crate::emit::{e8m0_to_f32, indent, load_weight_f32, parallel_or_serial, E8M0_CONSTANTS};
-use crate::WeightType;
+use crate::emit::{e8m0_to_f32, indent, load_f32, load_f32xn, load_weight_f32, parallel_or_serial, store_f32, E8M0_CONSTANTS};
+use crate::{Storage, WeightType};
 
 /// `y[S, out] = x[S, inp] · W[out, inp]ᵀ`, f32 accumulation. MXFP8 weights are
 /// decoded in the inner loop (fp8 through a 256-entry table, one E8M0 scale
 /// per block applied to the block's partial sum), so each weight byte is read
-/// once and never expanded in memory.
-pub fn linear(name: &str, inp: usize, out: usize, weight: WeightType) -> String {
+/// once and never expanded in memory. `x` is stored as `act`, `y` as `out_act`.
+pub fn linear(name: &str, inp: usize, out: usize, weight: WeightType, act: Storage, out_act: Storage) -> String {
     if vectorizes(inp, weight) {
-        return linear_vec(name, inp, out, weight);
+        return linear_vec(name, inp, out, weight, act, out_act);
     }
-    let x = format!("memref<?x{inp}xf32>");
-    let y = format!("memref<?x{out}xf32>");
+    let x = format!("memref<?x{inp}x{}>", act.mlir_elem());
+    let y = format!("memref<?x{out}x{}>", out_act.mlir_elem());
+    let xload = indent(&load_f32("%xv", "%x", &x, "%r", "%i", act), 6);
+    let ystore = indent(&store_f32("%acc", "%y", &y, "%r", "%o", out_act), 4);
     let wt = format!("memref<{out}x{inp}x{}>", weight.mlir_elem());
     let head = "%c0 = arith.constant 0 : index\n\
                 %c1 = arith.constant 1 : index\n\
@@ -32,7 +34,7 @@ pub fn linear(name: &str, inp: usize, out: usize, weight: WeightType) -> String 
                  \x20     %base = arith.muli %b, %cb : index\n\
                  \x20     %part = scf.for %j = %c0 to %cb step %c1 iter_args(%p = %zero) -> (f32) {{\n\
                  \x20       %i = arith.addi %base, %j : index\n\
-                 \x20       %xv = memref.load %x[%r, %i] : {x}\n\
+                 {xload8}\
                  \x20       %q = memref.load %w[%o, %i] : {wt}\n\
                  \x20       %qi = arith.extui %q : i8 to i32\n\
                  \x20       %qx = arith.index_cast %qi : i32 to index\n\
@@ -47,10 +49,11 @@ pub fn linear(name: &str, inp: usize, out: usize, weight: WeightType) -> String 
                  \x20     %a2 = arith.addf %a, %ps : f32\n\
                  \x20     scf.yield %a2 : f32\n\
                  \x20   }}\n\
-                 \x20   memref.store %acc, %y[%r, %o] : {y}\n\
+                 {ystore}\
                  \x20 }}\n\
                  }}\n\
                  return\n",
+                xload8 = indent(&xload, 2),
                 dec = indent(&e8m0_to_f32("%scale", "%sb"), 6),
             );
             (format!("%x: {x}, %w: {wt}, %s: {st}, %y: {y}"), body)
@@ -64,13 +67,13 @@ pub fn linear(name: &str, inp: usize, out: usize, weight: WeightType) -> String 
                  scf.for %r = %c0 to %rows step %c1 {{\n\
                  \x20 scf.for %o = %c0 to %cout step %c1 {{\n\
                  \x20   %acc = scf.for %i = %c0 to %cin step %c1 iter_args(%a = %zero) -> (f32) {{\n\
-                 \x20     %xv = memref.load %x[%r, %i] : {x}\n\
+                 {xload}\
                  {load}\
                  \x20     %m = arith.mulf %xv, %wv : f32\n\
                  \x20     %a2 = arith.addf %a, %m : f32\n\
                  \x20     scf.yield %a2 : f32\n\
                  \x20   }}\n\
-                 \x20   memref.store %acc, %y[%r, %o] : {y}\n\
+                 {ystore}\
                  \x20 }}\n\
                  }}\n\
                  return\n",
@@ -112,9 +115,9 @@ const ROW_BLOCK: usize = 2;
 /// times the block's E8M0 scale, so no table lookups and no expanded copy.
 /// The code is the same whichever stage runs it, so results do not depend
 /// on the pipeline split.
-fn linear_vec(name: &str, inp: usize, out: usize, weight: WeightType) -> String {
-    let x = format!("memref<?x{inp}xf32>");
-    let y = format!("memref<?x{out}xf32>");
+fn linear_vec(name: &str, inp: usize, out: usize, weight: WeightType, act: Storage, out_act: Storage) -> String {
+    let x = format!("memref<?x{inp}x{}>", act.mlir_elem());
+    let y = format!("memref<?x{out}x{}>", out_act.mlir_elem());
     let wt = format!("memref<{out}x{inp}x{}>", weight.mlir_elem());
     let v = format!("vector<{LANES}xf32>");
     let vi = format!("vector<{LANES}xi32>");
@@ -152,10 +155,9 @@ fn linear_vec(name: &str, inp: usize, out: usize, weight: WeightType) -> String 
             (0..n)
                 .map(|j| {
                     format!(
-                        "%xv{j} = vector.load %x[{r}, %i] : {x}, {v}\n\
-                         %p{j} = arith.mulf %xv{j}, {w} fastmath<contract> : {v}\n\
+                        "{}%p{j} = arith.mulf %xv{j}, {w} fastmath<contract> : {v}\n\
                          %{new}{j} = arith.addf %{acc}{j}, %p{j} fastmath<contract> : {v}\n",
-                        r = rows[j]
+                        load_f32xn(LANES, &format!("%xv{j}"), "%x", &x, &rows[j], "%i", act)
                     )
                 })
                 .collect()
@@ -228,10 +230,8 @@ fn linear_vec(name: &str, inp: usize, out: usize, weight: WeightType) -> String 
         };
         let mut text = result;
         for (j, r) in rows.iter().enumerate() {
-            text.push_str(&format!(
-                "%sum{j} = vector.reduction <add>, %acc#{j} fastmath<reassoc> : {v} into f32\n\
-                 memref.store %sum{j}, %y[{r}, %o] : {y}\n"
-            ));
+            text.push_str(&format!("%sum{j} = vector.reduction <add>, %acc#{j} fastmath<reassoc> : {v} into f32\n"));
+            text.push_str(&store_f32(&format!("%sum{j}"), "%y", &y, r, "%o", out_act));
         }
         text
     };

@@ -1,13 +1,15 @@
-use crate::emit::{f32_lit, indent, load_weight_f32, parallel_or_serial};
+use crate::emit::{f32_lit, indent, load_f32, load_weight_f32, parallel_or_serial, store_f32};
 use crate::view::MemTy;
-use crate::{Kernel, WeightType};
+use crate::{Kernel, Storage, WeightType};
 
 /// The MoE router, in f32: `s = σ(h Wᵀ)`, top-k of `s + bias` (the bias only
 /// selects; first index on ties), weights `scale · s[idx] / Σ s[idx]`.
 /// `h`: `[S, width]`, `w`: `[experts, width]`, `bias`: `[experts]`;
 /// out: `wts` `[S, k]` f32 and `ids` `[S, k]` i64, in selection order.
-pub fn router(name: &str, width: usize, experts: usize, k: usize, scale: f64, weight: WeightType, bias: Option<WeightType>) -> String {
-    let ht = format!("memref<?x{width}xf32>");
+/// `h` holds values stored as `act`.
+#[allow(clippy::too_many_arguments)]
+pub fn router(name: &str, width: usize, experts: usize, k: usize, scale: f64, weight: WeightType, bias: Option<WeightType>, act: Storage) -> String {
+    let ht = format!("memref<?x{width}x{}>", act.mlir_elem());
     let wt = format!("memref<{experts}x{width}x{}>", weight.mlir_elem());
     let wts = format!("memref<?x{k}xf32>");
     let ids = format!("memref<?x{k}xi64>");
@@ -28,7 +30,7 @@ pub fn router(name: &str, width: usize, experts: usize, k: usize, scale: f64, we
          %taken = memref.alloc() : memref<{experts}xi32>\n\
          \x20 scf.for %e = %c0 to %ce step %c1 {{\n\
          \x20   %l = scf.for %i = %c0 to %cw step %c1 iter_args(%a = %zero) -> (f32) {{\n\
-         \x20     %xv = memref.load %h[%r, %i] : {ht}\n\
+         {xload}\
          {wload}\
          \x20     %m = arith.mulf %xv, %wv : f32\n\
          \x20     %a2 = arith.addf %a, %m : f32\n\
@@ -71,6 +73,7 @@ pub fn router(name: &str, width: usize, experts: usize, k: usize, scale: f64, we
          memref.dealloc %s : memref<{experts}xf32>\n\
          memref.dealloc %choice : memref<{experts}xf32>\n\
          memref.dealloc %taken : memref<{experts}xi32>\n",
+        xload = indent(&load_f32("%xv", "%h", &ht, "%r", "%i", act), 6),
         wload = indent(&load_weight_f32("%wv", "%w", "%e, %i", &wt, weight), 6),
         add_bias = indent(&add_bias, 4),
     );
@@ -120,16 +123,17 @@ pub fn expert_tensor_types(hidden: usize, inter: usize, weight: WeightType) -> V
     out
 }
 
-/// The kernels the routed-experts kernel calls.
+/// The kernels the routed-experts kernel calls: on its own f32 scratch,
+/// whatever the activations are.
 pub fn expert_deps(hidden: usize, inter: usize, weight: WeightType, alpha: f64, limit: f64, beta: f64) -> Vec<Kernel> {
+    let f = Storage::F32;
     vec![
-        Kernel::Linear { inp: hidden, out: inter, weight },
-        Kernel::Linear { inp: inter, out: hidden, weight },
-        Kernel::SwiGluOai { width: inter, alpha, limit, beta },
+        Kernel::Linear { inp: hidden, out: inter, weight, act: f, out_act: f },
+        Kernel::Linear { inp: inter, out: hidden, weight, act: f, out_act: f },
+        Kernel::SwiGluOai { width: inter, alpha, limit, beta, act: f },
     ]
 }
 
-#[allow(clippy::too_many_arguments)]
 /// Routed experts: `y[r] = Σ_j wts[r, j] · Expert_{ids[r, j]}(h[r])` with
 /// SwiGLU-OAI experts. The experts' weights come through `table`, a pointer
 /// array with [`expert_table_stride`] entries per expert, so a layer's 128
@@ -138,9 +142,30 @@ pub fn expert_deps(hidden: usize, inter: usize, weight: WeightType, alpha: f64, 
 /// Tokens are grouped by expert: each expert that any row chose runs once,
 /// on all of its rows together (gathered, then scattered back with their
 /// weights), so at prefill an expert's weights are read once, not once per
-/// token. Each row's sum runs over its experts in expert-id order.
-pub fn routed_experts(name: &str, experts: usize, hidden: usize, inter: usize, k: usize, weight: WeightType, alpha: f64, limit: f64, beta: f64) -> String {
+/// token. Each row's sum runs over its experts in expert-id order, in f32
+/// (in `y` itself when `act` is f32, else in scratch stored into `y` once).
+#[allow(clippy::too_many_arguments)]
+pub fn routed_experts(name: &str, experts: usize, hidden: usize, inter: usize, k: usize, weight: WeightType, alpha: f64, limit: f64, beta: f64, act: Storage) -> String {
     let ht = format!("memref<?x{hidden}xf32>");
+    // `h` and `y` as the stage stores activations; the rest is f32 scratch.
+    let hat = format!("memref<?x{hidden}x{}>", act.mlir_elem());
+    let (sum, sum_alloc, sum_out) = match act {
+        Storage::F32 => ("%y", String::new(), String::new()),
+        Storage::Bf16 => (
+            "%ysum",
+            format!("%ysum = memref.alloc(%rows) : {ht}\n"),
+            format!(
+                "scf.for %r = %c0 to %rows step %c1 {{\n\
+                 \x20 scf.for %c = %c0 to %ch step %c1 {{\n\
+                 \x20   %sv = memref.load %ysum[%r, %c] : {ht}\n\
+                 {}\
+                 \x20 }}\n\
+                 }}\n\
+                 memref.dealloc %ysum : {ht}\n",
+                indent(&store_f32("%sv", "%y", &hat, "%r", "%c", act), 4)
+            ),
+        ),
+    };
     let it = format!("memref<?x{inter}xf32>");
     let wts = format!("memref<?x{k}xf32>");
     let ids = format!("memref<?x{k}xi64>");
@@ -186,7 +211,7 @@ pub fn routed_experts(name: &str, experts: usize, hidden: usize, inter: usize, k
          %cstride = arith.constant {stride} : i64\n\
          {consts}\
          %zero = arith.constant 0.0 : f32\n\
-         %rows = memref.dim %h, %c0 : {ht}\n\
+         %rows = memref.dim %h, %c0 : {hat}\n\
          %ne = arith.constant {experts} : index\n\
          %sel = memref.alloc(%rows) : memref<?xindex>\n\
          %selw = memref.alloc(%rows) : memref<?xf32>\n\
@@ -195,9 +220,10 @@ pub fn routed_experts(name: &str, experts: usize, hidden: usize, inter: usize, k
          %ub = memref.alloc(%rows) : {it}\n\
          %ab = memref.alloc(%rows) : {it}\n\
          %ob = memref.alloc(%rows) : {ht}\n\
+         {sum_alloc}\
          scf.for %r = %c0 to %rows step %c1 {{\n\
          \x20 scf.for %c = %c0 to %ch step %c1 {{\n\
-         \x20   memref.store %zero, %y[%r, %c] : {ht}\n\
+         \x20   memref.store %zero, {sum}[%r, %c] : {ht}\n\
          \x20 }}\n\
          }}\n\
          scf.for %e = %c0 to %ne step %c1 {{\n\
@@ -212,7 +238,7 @@ pub fn routed_experts(name: &str, experts: usize, hidden: usize, inter: usize, k
          \x20       %wj = memref.load %wts[%r, %j] : {wts}\n\
          \x20       memref.store %wj, %selw[%cj] : memref<?xf32>\n\
          \x20       scf.for %c = %c0 to %ch step %c1 {{\n\
-         \x20         %hv0 = memref.load %h[%r, %c] : {ht}\n\
+         {hload}\
          \x20         memref.store %hv0, %hb[%cj, %c] : {ht}\n\
          \x20       }}\n\
          \x20       %cj1 = arith.addi %cj, %c1 : index\n\
@@ -243,14 +269,15 @@ pub fn routed_experts(name: &str, experts: usize, hidden: usize, inter: usize, k
          \x20     %wi = memref.load %selw[%i] : memref<?xf32>\n\
          \x20     scf.for %c = %c0 to %ch step %c1 {{\n\
          \x20       %ovv = memref.load %ob[%i, %c] : {ht}\n\
-         \x20       %yv = memref.load %y[%r, %c] : {ht}\n\
+         \x20       %yv = memref.load {sum}[%r, %c] : {ht}\n\
          \x20       %m = arith.mulf %wi, %ovv : f32\n\
          \x20       %y2 = arith.addf %yv, %m : f32\n\
-         \x20       memref.store %y2, %y[%r, %c] : {ht}\n\
+         \x20       memref.store %y2, {sum}[%r, %c] : {ht}\n\
          \x20     }}\n\
          \x20   }}\n\
          \x20 }}\n\
          }}\n\
+         {sum_out}\
          memref.dealloc %sel : memref<?xindex>\n\
          memref.dealloc %selw : memref<?xf32>\n\
          memref.dealloc %hb : {ht}\n\
@@ -260,9 +287,10 @@ pub fn routed_experts(name: &str, experts: usize, hidden: usize, inter: usize, k
          memref.dealloc %ob : {ht}\n\
          return\n",
         views = indent(&views, 4),
+        hload = indent(&load_f32("%hv0", "%h", &hat, "%r", "%c", act), 10),
     );
     format!(
-        "  func.func @{name}(%h: {ht}, %wts: {wts}, %ids: {ids}, %table: !llvm.ptr, %y: {ht}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n",
+        "  func.func @{name}(%h: {hat}, %wts: {wts}, %ids: {ids}, %table: !llvm.ptr, %y: {hat}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n",
         indent(&body, 4)
     )
 }

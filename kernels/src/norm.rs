@@ -1,9 +1,10 @@
 use crate::emit::{f32_lit, gemma_norm_span, indent};
-use crate::WeightType;
+use crate::{Storage, WeightType};
 
 /// Gemma RMSNorm over rows of `width`, in f32: `x · rsqrt(mean(x²) + eps) · (1 + w)`.
-pub fn rms_norm(name: &str, width: usize, eps: f64, weight: WeightType) -> String {
-    let x = format!("memref<?x{width}xf32>");
+/// `x` and `y` hold values stored as `act`.
+pub fn rms_norm(name: &str, width: usize, eps: f64, weight: WeightType, act: Storage) -> String {
+    let x = format!("memref<?x{width}x{}>", act.mlir_elem());
     let wt = format!("memref<{width}x{}>", weight.mlir_elem());
     let body = format!(
         "%c0 = arith.constant 0 : index\n\
@@ -20,7 +21,7 @@ pub fn rms_norm(name: &str, width: usize, eps: f64, weight: WeightType) -> Strin
          return\n",
         n = f32_lit(width as f64),
         eps = f32_lit(eps),
-        span = indent(&gemma_norm_span(&x, "%c0", "%cw", &wt, weight, &format!("memref.store %o, %y[%r, %c] : {x}")), 2),
+        span = indent(&gemma_norm_span(&x, act, "%c0", "%cw", &wt, weight, crate::emit::store_f32("%o", "%y", &x, "%r", "%c", act).trim_end()), 2),
     );
     format!(
         "  func.func @{name}(%x: {x}, %w: {wt}, %y: {x}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n",

@@ -1,15 +1,16 @@
 use crate::emit::{f32_lit, gemma_norm_span, indent};
-use crate::WeightType;
+use crate::{Storage, WeightType};
 
 /// Per-head Gemma RMSNorm over `head_dim` channels (one weight for all heads)
 /// fused with NeoX rotate-half RoPE on channels `0..rotary_dim`:
 /// for `j < rotary_dim/2`, `y[j] = x[j]·cos − x[j+h]·sin`, `y[j+h] = x[j+h]·cos + x[j]·sin`
 /// with `h = rotary_dim/2`, angle `pos · θ^(−2j/rotary_dim)` in f32.
-/// `x`, `y`: `[S, heads·head_dim]`; `pos`: `[S]` i64.
-pub fn head_norm_rope(name: &str, heads: usize, head_dim: usize, rotary_dim: usize, theta: f64, eps: f64, weight: WeightType) -> String {
+/// `x`, `y`: `[S, heads·head_dim]` stored as `act`; `pos`: `[S]` i64.
+#[allow(clippy::too_many_arguments)]
+pub fn head_norm_rope(name: &str, heads: usize, head_dim: usize, rotary_dim: usize, theta: f64, eps: f64, weight: WeightType, act: Storage) -> String {
     let width = heads * head_dim;
     let half = rotary_dim / 2;
-    let x = format!("memref<?x{width}xf32>");
+    let x = format!("memref<?x{width}x{}>", act.mlir_elem());
     let wt = format!("memref<{head_dim}x{}>", weight.mlir_elem());
     let body = format!(
         "%c0 = arith.constant 0 : index\n\
@@ -47,13 +48,12 @@ pub fn head_norm_rope(name: &str, heads: usize, head_dim: usize, rotary_dim: usi
          \x20     %y2 = arith.addf %bc, %as : f32\n\
          \x20     %o1 = arith.addi %base, %j : index\n\
          \x20     %o2 = arith.addi %base, %j2 : index\n\
-         \x20     memref.store %y1, %y[%r, %o1] : {x}\n\
-         \x20     memref.store %y2, %y[%r, %o2] : {x}\n\
+         {st12}\
          \x20   }}\n\
          \x20   scf.for %i = %crot to %cd step %c1 {{\n\
          \x20     %v = memref.load %tmp[%i] : memref<{head_dim}xf32>\n\
          \x20     %c = arith.addi %base, %i : index\n\
-         \x20     memref.store %v, %y[%r, %c] : {x}\n\
+         {stv}\
          \x20   }}\n\
          \x20 }}\n\
          }}\n\
@@ -61,7 +61,9 @@ pub fn head_norm_rope(name: &str, heads: usize, head_dim: usize, rotary_dim: usi
         n = f32_lit(head_dim as f64),
         eps = f32_lit(eps),
         table = rope_table_name(rotary_dim, theta),
-        span = indent(&gemma_norm_span(&x, "%base", "%cd", &wt, weight, &format!("memref.store %o, %tmp[%i] : memref<{head_dim}xf32>")), 4),
+        st12 = indent(&format!("{}{}", crate::emit::store_f32("%y1", "%y", &x, "%r", "%o1", act), crate::emit::store_f32("%y2", "%y", &x, "%r", "%o2", act)), 6),
+        stv = indent(&crate::emit::store_f32("%v", "%y", &x, "%r", "%c", act), 6),
+        span = indent(&gemma_norm_span(&x, act, "%base", "%cd", &wt, weight, &format!("memref.store %o, %tmp[%i] : memref<{head_dim}xf32>")), 4),
     );
     format!(
         "  func.func @{name}(%x: {x}, %w: {wt}, %pos: memref<?xi64>, %y: {x}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n",

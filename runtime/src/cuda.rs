@@ -618,10 +618,11 @@ pub mod cublas {
     }
 
     /// Generated code: `y[rows, out] = xb[rows, inp] · w[out, inp]ᵀ` with bf16
-    /// `xb` and `w` (row-major) and f32 `y`, queued on the stage's stream.
+    /// `xb` and `w` (row-major), f32 accumulation, and `y` f32 or (`y_bf16`
+    /// ≠ 0) rounded to bf16, queued on the stage's stream.
     /// In cuBLAS's column-major terms: `yᵀ (out × rows) = op_T(w) · xb`.
     #[no_mangle]
-    pub extern "C" fn m3c_gemm_bf16(xb: *const c_void, w: *const c_void, y: *mut c_void, rows: i64, inp: i64, out: i64) {
+    pub extern "C" fn m3c_gemm_bf16(xb: *const c_void, w: *const c_void, y: *mut c_void, rows: i64, inp: i64, out: i64, y_bf16: i32) {
         let Some(api) = API.get() else {
             super::die("m3c_gemm_bf16 called with cuBLAS not loaded (runtime bug)")
         };
@@ -644,7 +645,7 @@ pub mod cublas {
                 inp as c_int,
                 &beta as *const f32 as *const c_void,
                 y,
-                R_32F,
+                if y_bf16 != 0 { R_16BF } else { R_32F },
                 out as c_int,
                 COMPUTE_32F,
                 GEMM_DEFAULT,

@@ -245,7 +245,7 @@ fn run() -> c_int {
 }
 
 /// A message between stages: a kind, the micro-batch's segments, and a payload
-/// (activations f32 [S, hidden], or the last stage's ids, one per segment).
+/// (activations [S, hidden] as f32 words, two bf16 to a word under `--activations bf16`; or the last stage's ids, one per segment).
 /// Sets up NCCL between the stages when every rank is a GPU stage on its
 /// own device and NCCL loads everywhere (`M3C_TRANSPORT=host` keeps MPI).
 /// Every rank reaches the same decision from the same gathered facts.
@@ -440,7 +440,8 @@ fn pipeline(world: &SimpleCommunicator, st: &mut stage::Stage, args: &args::RunA
     use stage::Segment;
     let (first, last) = (st.meta.first_stage, st.meta.last_stage);
     let (rank, size) = (st.meta.stage, st.meta.stages);
-    let (hidden, vocab) = (st.meta.hidden, st.meta.vocab);
+    // Activations travel as f32 words: `hidden` of them per row, or half as many for bf16.
+    let (x_words, vocab) = (st.meta.x_words(), st.meta.vocab);
     let n_new = args.max_new_tokens;
     for (s, p) in args.prompts.iter().enumerate() {
         st.start_seq(s, p.len() + n_new + 1)?;
@@ -498,7 +499,7 @@ fn pipeline(world: &SimpleCommunicator, st: &mut stage::Stage, args: &args::RunA
                 let items: Vec<(usize, usize, Vec<i64>)> = queue.drain(..take).collect();
                 let segs: Vec<Segment> = items.iter().map(|(s, p, ids)| Segment { seq: *s, pos0: *p, rows: ids.len() }).collect();
                 let ids: Vec<i64> = items.iter().flat_map(|(_, _, ids)| ids.iter().copied()).collect();
-                let mut x = vec![0f32; ids.len() * hidden];
+                let mut x = vec![0f32; ids.len() * x_words];
                 if !last && st.uses_nccl() {
                     // The step's NCCL send waits for the receiver, who needs the header first.
                     outbox.send(world, 1, TAG_ACT, message(KIND_STEP, &segs, &[]));
@@ -556,7 +557,7 @@ fn pipeline(world: &SimpleCommunicator, st: &mut stage::Stage, args: &args::RunA
                 break;
             }
             let tokens: usize = m.segments.iter().map(|s| s.rows).sum();
-            let mut x = if st.uses_nccl() { vec![0f32; tokens * hidden] } else { bytes_f32(&m.payload) };
+            let mut x = if st.uses_nccl() { vec![0f32; tokens * x_words] } else { bytes_f32(&m.payload) };
             if !last && st.uses_nccl() {
                 outbox.send(world, rank + 1, TAG_ACT, message(KIND_STEP, &m.segments, &[]));
             }

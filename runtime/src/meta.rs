@@ -33,6 +33,9 @@ pub struct StageMeta {
     pub stage: usize,
     pub stages: usize,
     pub hidden: usize,
+    /// Bytes per stored activation: 4 (f32) or 2 (bf16 bits, `--activations bf16`).
+    #[serde(default = "f32_bytes")]
+    pub act_bytes: usize,
     pub vocab: usize,
     /// `max_position_embeddings` of the config: the longest sequence.
     #[serde(default = "unbounded")]
@@ -60,6 +63,13 @@ fn host() -> String {
 }
 
 impl StageMeta {
+    /// f32 words per row of `x` (the activations a stage takes and passes
+    /// on): the runtime moves `x` as f32 words whatever it holds, so bf16
+    /// rows (an even hidden size, checked at compile time) take half as many.
+    pub fn x_words(&self) -> usize {
+        self.hidden * self.act_bytes / 4
+    }
+
     pub fn parse(bytes: &[u8]) -> Result<StageMeta, String> {
         serde_json::from_slice(bytes).map_err(|e| format!("embedded stage metadata is unreadable ({e}): the executable is damaged"))
     }

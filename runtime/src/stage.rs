@@ -52,9 +52,9 @@ struct Io {
 }
 
 impl Io {
-    fn alloc(tokens: usize, hidden: usize, vocab: usize) -> Io {
+    fn alloc(tokens: usize, x_words: usize, vocab: usize) -> Io {
         let a = |n: usize| cuda::m3c_buf_alloc(n as i64) as u64;
-        Io { ids: a(tokens * 8), pos: a(tokens * 8), x: a(tokens * hidden * 4), logits: a(tokens * vocab * 4), out: a(tokens * 8) }
+        Io { ids: a(tokens * 8), pos: a(tokens * 8), x: a(tokens * x_words * 4), logits: a(tokens * vocab * 4), out: a(tokens * 8) }
     }
 
     fn free(self) {
@@ -255,8 +255,8 @@ impl Stage {
 
     /// Runs one step of a micro-batch: `segments` give each sequence's rows
     /// (stacked in that order in `ids` and `x`) and first position. `x` is
-    /// `[S, hidden]`, read unless this is the first stage and written unless
-    /// it is the last.
+    /// `[S, hidden]` (f32, or bf16 bits two to a word: `x_words` per row),
+    /// read unless this is the first stage and written unless it is the last.
     pub fn step(&mut self, segments: &[Segment], ids: &[i64], x: &mut [f32]) -> Result<StepOut, String> {
         let t0 = std::time::Instant::now();
         let out = self.run_step(segments, ids, x)?;
@@ -282,7 +282,7 @@ impl Stage {
     fn run_step(&mut self, segments: &[Segment], ids: &[i64], x: &mut [f32]) -> Result<StepOut, String> {
         let m = &self.meta;
         let tokens: usize = segments.iter().map(|s| s.rows).sum();
-        if x.len() != tokens * m.hidden || (m.first_stage && ids.len() != tokens) {
+        if x.len() != tokens * m.x_words() || (m.first_stage && ids.len() != tokens) {
             return Err(format!("step of {tokens} rows got {} activations and {} ids", x.len(), ids.len()));
         }
         let mut logits = if m.last_stage { vec![0f32; tokens * m.vocab] } else { Vec::new() };
@@ -341,7 +341,7 @@ impl Stage {
                 // Decode steps (one row per sequence) go through a graph from their
                 // micro-batch's second step on; everything else runs eagerly.
                 let key: Option<Vec<usize>> = (graphs.on && segments.iter().all(|s| s.rows == 1)).then(|| segments.iter().map(|s| s.seq).collect());
-                let fresh = || Io::alloc(tokens, m.hidden, if m.last_stage { m.vocab } else { 0 });
+                let fresh = || Io::alloc(tokens, m.x_words(), if m.last_stage { m.vocab } else { 0 });
                 let (plan, io) = match key {
                     None => (Plan::Eager, fresh()),
                     Some(k) => match graphs.by_batch.get(&k) {

@@ -15,7 +15,7 @@ fn tiny_pp2_stages_snapshots() {
     let src = ModelSource::open(&fixture("tiny-m3")).unwrap();
     let plan = load_plan(&configs("tiny-m3.pp2.yaml"), Some(&src.config)).unwrap();
     let graph = build_graph(&src.config);
-    let programs = m3c::compile::lower_all(&src.config, &plan, m3c_kernels::CacheType::F32).unwrap();
+    let programs = m3c::compile::lower_all(&src.config, &plan, Default::default()).unwrap();
     assert_eq!(programs.len(), 2);
     for p in &programs {
         let k = p.index;

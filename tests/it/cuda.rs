@@ -57,6 +57,7 @@ fn tiny_cuda_stages_assemble_for_sm90a_and_their_kernels_are_pinned() {
         let out = compile_cuda(&fixture(model), 2, dir.path(), &["--emit", "ptx"]);
         let manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
         assert_eq!(manifest["target"], "cuda sm_90a");
+        assert_eq!(manifest["activations"], "bf16", "the GPU default");
         let report = std::fs::read_to_string(out.join("compile-report.txt")).unwrap();
         for k in 0..2 {
             let ptx_file = out.join(format!("stage-{k}.ptx"));
@@ -128,7 +129,8 @@ fn driver_present() -> bool {
 fn a_cuda_stage_without_a_gpu_fails_cleanly() {
     let dir = tempfile::tempdir().unwrap();
     let model = fixture("tiny-m3");
-    let out = compile_cuda(&model, 2, dir.path(), &[]);
+    // f32 activations: the mode that reproduces the golden's tokens exactly.
+    let out = compile_cuda(&model, 2, dir.path(), &["--activations", "f32"]);
     let golden = model.join("golden.safetensors");
     let prompt = ids_arg(&read_tensor_i64(&golden, "prompt_ids"));
     let o = m3c(&["run", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--prompt-ids", &prompt, "--max-new-tokens", "16"]);
@@ -145,18 +147,25 @@ fn a_cuda_stage_without_a_gpu_fails_cleanly() {
     }
 }
 
-/// `--kv-cache bf16` on the GPU: the cache kernels come in their bf16
-/// variants and every stage still assembles for sm_90a.
+/// The other storage modes on the GPU (the pinned default is bf16
+/// activations with f32 caches): `--kv-cache bf16 --activations f32` gives
+/// the bf16 cache kernels over f32 activations, and every stage still
+/// assembles for sm_90a; the manifest records both choices.
 #[test]
-fn bf16_kv_cache_stages_assemble_for_sm90a() {
+fn f32_activations_and_bf16_kv_cache_stages_assemble_for_sm90a() {
     let dir = tempfile::tempdir().unwrap();
-    let out = compile_cuda(&fixture("tiny-m3"), 2, dir.path(), &["--emit", "ptx", "--kv-cache", "bf16"]);
+    let out = compile_cuda(&fixture("tiny-m3"), 2, dir.path(), &["--emit", "ptx", "--kv-cache", "bf16", "--activations", "f32"]);
+    let manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!((manifest["kv_cache"].as_str(), manifest["activations"].as_str()), (Some("bf16"), Some("f32")));
     for k in 0..2 {
         let ptx_file = out.join(format!("stage-{k}.ptx"));
         let ptx = std::fs::read_to_string(&ptx_file).unwrap();
         let list = entries(&ptx);
         assert!(list.iter().any(|e| e.starts_with("m3c_scatter_rows_w64_kvbf16 ")), "stage {k}: {list:?}");
         assert!(list.iter().filter(|e| e.starts_with("m3c_attention_")).all(|e| e.contains("_kvbf16 ")), "stage {k}: {list:?}");
+        assert!(!list.iter().any(|e| e.contains("_abf16")), "stage {k}: f32 activations: {list:?}");
+        // With f32 activations the prefill GEMM path rounds x to bf16 first.
+        assert!(list.iter().any(|e| e.starts_with("m3c_to_bf16_w128 ")), "stage {k}: {list:?}");
         let o = std::process::Command::new(cuda_root().join("bin/ptxas")).args(["-arch=sm_90a", "-o", "/dev/null"]).arg(&ptx_file).output().unwrap();
         assert!(o.status.success(), "stage {k}: ptxas: {}", String::from_utf8_lossy(&o.stderr));
     }

@@ -5,7 +5,7 @@
 use m3c::backend::host;
 use m3c::tiny::encode::{bf16_to_f32, e4m3_to_f32, e8m0_to_f32};
 use m3c::weights::Checkpoint;
-use m3c_kernels::{module, Kernel, WeightType};
+use m3c_kernels::{module, Kernel, Storage, WeightType};
 use m3c_tests::fixture;
 
 #[repr(C)]
@@ -74,8 +74,8 @@ fn rms_norm_and_bf16_linear_match_reference() {
     let get = |n: &str| ck.bytes(&ck.tensors[n]);
     let norm_w = bf16s(get("language_model.model.layers.0.input_layernorm.weight"));
     let q_w = bf16s(get("language_model.model.layers.0.self_attn.q_proj.weight"));
-    let norm = Kernel::RmsNorm { width: 128, eps: 1e-6, weight: WeightType::BF16 };
-    let lin = Kernel::Linear { inp: 128, out: 256, weight: WeightType::BF16 };
+    let norm = Kernel::RmsNorm { width: 128, eps: 1e-6, weight: WeightType::BF16, act: Storage::F32 };
+    let lin = Kernel::Linear { inp: 128, out: 256, weight: WeightType::BF16, act: Storage::F32, out_act: Storage::F32 };
     let lib = build(&[norm.clone(), lin.clone(), norm.clone()], dir.path());
     let rows = 5;
     let x = input(rows, 128);
@@ -135,7 +135,7 @@ fn mxfp8_linear_matches_dequantized_reference() {
     }
     assert!(want.iter().any(|v| v.abs() > 1.0), "the test must see real values");
     for (block, s) in [(32, &s32), (16, &s16)] {
-        let lin = Kernel::Linear { inp, out, weight: WeightType::Mxfp8 { block } };
+        let lin = Kernel::Linear { inp, out, weight: WeightType::Mxfp8 { block }, act: Storage::F32, out_act: Storage::F32 };
         let sub = dir.path().join(format!("b{block}"));
         std::fs::create_dir(&sub).unwrap();
         let lib = build(&[lin.clone()], &sub);
@@ -149,15 +149,15 @@ fn mxfp8_linear_matches_dequantized_reference() {
 
 #[test]
 fn kernels_are_emitted_once_per_shape() {
-    let a = Kernel::Linear { inp: 128, out: 64, weight: WeightType::BF16 };
-    let b = Kernel::Linear { inp: 128, out: 64, weight: WeightType::Mxfp8 { block: 32 } };
+    let a = Kernel::Linear { inp: 128, out: 64, weight: WeightType::BF16, act: Storage::F32, out_act: Storage::F32 };
+    let b = Kernel::Linear { inp: 128, out: 64, weight: WeightType::Mxfp8 { block: 32 }, act: Storage::F32, out_act: Storage::F32 };
     let text = module(&[a.clone(), b.clone(), a.clone(), b]);
     assert_eq!(text.matches("func.func @m3c_linear_i128_o64_bf16(").count(), 1);
     assert_eq!(text.matches("func.func @m3c_linear_i128_o64_mxfp8b32(").count(), 1);
     assert_eq!(text.matches("memref.global").count(), 0, "the vector path decodes fp8 without a table");
     // The scalar path (blocks not a multiple of 32) shares one table.
-    let c = Kernel::Linear { inp: 128, out: 64, weight: WeightType::Mxfp8 { block: 16 } };
-    let d = Kernel::Linear { inp: 96, out: 64, weight: WeightType::Mxfp8 { block: 16 } };
+    let c = Kernel::Linear { inp: 128, out: 64, weight: WeightType::Mxfp8 { block: 16 }, act: Storage::F32, out_act: Storage::F32 };
+    let d = Kernel::Linear { inp: 96, out: 64, weight: WeightType::Mxfp8 { block: 16 }, act: Storage::F32, out_act: Storage::F32 };
     let text = module(&[c, d]);
     assert_eq!(text.matches("memref.global").count(), 1, "one fp8 table for all scalar MXFP8 kernels");
 }
@@ -168,7 +168,7 @@ fn head_norm_rope_matches_reference() {
     let ck = Checkpoint::open(&fixture("tiny-m3")).unwrap();
     let w = bf16s(ck.bytes(&ck.tensors["language_model.model.layers.0.self_attn.q_norm.weight"]));
     let (heads, d, rot, theta) = (8, 32, 16, 5.0e6);
-    let k = Kernel::HeadNormRope { heads, head_dim: d, rotary_dim: rot, theta, eps: 1e-6, weight: WeightType::BF16 };
+    let k = Kernel::HeadNormRope { heads, head_dim: d, rotary_dim: rot, theta, eps: 1e-6, weight: WeightType::BF16, act: Storage::F32 };
     let lib = build(&[k.clone()], dir.path());
     let rows = 4;
     let x = input(rows, heads * d);
@@ -200,7 +200,7 @@ fn head_norm_rope_matches_reference() {
 #[test]
 fn swiglu_oai_clamps_and_gates() {
     let dir = tempfile::tempdir().unwrap();
-    let k = Kernel::SwiGluOai { width: 16, alpha: 1.702, limit: 7.0, beta: 1.0 };
+    let k = Kernel::SwiGluOai { width: 16, alpha: 1.702, limit: 7.0, beta: 1.0, act: Storage::F32 };
     let lib = build(&[k.clone()], dir.path());
     let rows = 2;
     // Values well past ±7 on both inputs, so both clamps fire.
@@ -246,7 +246,7 @@ fn linear_tiles_cover_every_row_and_output() {
     // bf16 weights: the top halves of f32 values in [-1, 1).
     let wf: Vec<f32> = (0..out * inp).map(|i| ((i * 7919 % 2003) as f32 / 1001.5) - 1.0).collect();
     let w: Vec<u16> = wf.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
-    let lin = Kernel::Linear { inp, out, weight: WeightType::BF16 };
+    let lin = Kernel::Linear { inp, out, weight: WeightType::BF16, act: Storage::F32, out_act: Storage::F32 };
     let lib = build(&[lin.clone()], dir.path());
     let y = vec![f32::NAN; rows * out];
     let f: libloading::Symbol<unsafe extern "C" fn(*const Memref2<f32>, *const Memref2<u16>, *const Memref2<f32>)> =
@@ -292,9 +292,9 @@ fn bf16_nearest_even(x: f32) -> u16 {
 
 #[test]
 fn bf16_cache_writes_round_to_nearest_even_at_their_positions() {
-    use m3c_kernels::CacheType;
+    use m3c_kernels::Storage;
     let dir = tempfile::tempdir().unwrap();
-    let k = Kernel::ScatterRows { width: 8, cache: CacheType::Bf16 };
+    let k = Kernel::ScatterRows { width: 8, cache: Storage::Bf16, act: Storage::F32 };
     let lib = build(&[k.clone()], dir.path());
     let step = f32::from_bits(1 << 16); // the smallest bf16 subnormal
     let x: Vec<f32> = vec![
@@ -328,12 +328,12 @@ fn bf16_cache_writes_round_to_nearest_even_at_their_positions() {
 /// longer than the context (their capacity), positions come from `pos`.
 #[test]
 fn attention_over_bf16_caches_equals_f32_attention_over_the_rounded_values() {
-    use m3c_kernels::{CacheType, SparseSel};
+    use m3c_kernels::{Storage, SparseSel};
     let dir = tempfile::tempdir().unwrap();
     let (heads, kv, d, cap) = (4usize, 2usize, 16usize, 12usize);
     let sel = SparseSel { index_heads: 2, index_dim: 16, block: 2, topk: 2, local: 1, init: 0 };
-    let mk = |sparse: Option<SparseSel>, cache| Kernel::Attention { heads, kv_heads: kv, head_dim: d, scale: 0.25, sparse, cache };
-    let kernels = [mk(None, CacheType::F32), mk(None, CacheType::Bf16), mk(Some(sel), CacheType::F32), mk(Some(sel), CacheType::Bf16)];
+    let mk = |sparse: Option<SparseSel>, cache| Kernel::Attention { heads, kv_heads: kv, head_dim: d, scale: 0.25, sparse, cache, act: Storage::F32 };
+    let kernels = [mk(None, Storage::F32), mk(None, Storage::Bf16), mk(Some(sel), Storage::F32), mk(Some(sel), Storage::Bf16)];
     let lib = build(&kernels, dir.path());
     let rows = 3;
     let q = input(rows, heads * d);
@@ -377,4 +377,161 @@ fn attention_over_bf16_caches_equals_f32_attention_over_the_rounded_values() {
         let (a, b): (Vec<u32>, Vec<u32>) = (outs[0].iter().map(|v| v.to_bits()).collect(), outs[1].iter().map(|v| v.to_bits()).collect());
         assert_eq!(a, b, "bf16-cache attention differs from f32 attention on the same values (sparse: {sparse})");
     }
+}
+
+/// Calls the C interface of kernel `k` with memref descriptors (as pointers).
+unsafe fn call(lib: &libloading::Library, k: &Kernel, a: &[*const std::ffi::c_void]) {
+    type P = *const std::ffi::c_void;
+    let name = format!("_mlir_ciface_{}", k.symbol());
+    unsafe {
+        match a.len() {
+            3 => lib.get::<unsafe extern "C" fn(P, P, P)>(name.as_bytes()).unwrap()(a[0], a[1], a[2]),
+            4 => lib.get::<unsafe extern "C" fn(P, P, P, P)>(name.as_bytes()).unwrap()(a[0], a[1], a[2], a[3]),
+            5 => lib.get::<unsafe extern "C" fn(P, P, P, P, P)>(name.as_bytes()).unwrap()(a[0], a[1], a[2], a[3], a[4]),
+            7 => lib.get::<unsafe extern "C" fn(P, P, P, P, P, P, P)>(name.as_bytes()).unwrap()(a[0], a[1], a[2], a[3], a[4], a[5], a[6]),
+            n => panic!("no call shape for {n} arguments"),
+        }
+    }
+}
+
+fn p<T>(m: &T) -> *const std::ffi::c_void {
+    m as *const T as *const std::ffi::c_void
+}
+
+/// `--activations bf16` changes storage, never arithmetic: every kernel with
+/// bf16 activations gives, bit for bit, its f32 twin's result on the same
+/// (bf16-rounded) inputs, rounded to nearest even once. Covered: linear on
+/// all three code paths (bf16 vector, MXFP8 vector, MXFP8 table) and with
+/// f32 output (the logits), RMSNorm, QK-norm + RoPE, SwiGLU-OAI, add, the
+/// router (f32 outputs) and MSA attention.
+#[test]
+fn bf16_activation_kernels_round_their_f32_twins_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = Checkpoint::open(&fixture("tiny-m3-mxfp8")).unwrap();
+    let get = |n: &str| ck.bytes(&ck.tensors[n]).to_vec();
+    let stem = "language_model.model.layers.0.mlp.down_proj";
+    let (w8, s32) = (get(&format!("{stem}.weight")), get(&format!("{stem}.weight_scale_inv")));
+    let s16: Vec<u8> = s32.iter().flat_map(|&b| [b, b]).collect();
+    let wb: Vec<u16> = (0..128 * 192).map(|i| bf16_nearest_even(((i * 7919 % 997) as f32 / 997.0 - 0.5) * 0.2)).collect();
+    let norm_w = vec![0x3E80u16; 128]; // 0.25
+    let (f, b) = (Storage::F32, Storage::Bf16);
+    let sel = m3c_kernels::SparseSel { index_heads: 2, index_dim: 16, block: 2, topk: 2, local: 1, init: 0 };
+    let twins = |mk: &dyn Fn(Storage) -> Kernel| [mk(f), mk(b)];
+    let lin = |weight, out_act: Option<Storage>| move |a: Storage| Kernel::Linear { inp: 192, out: 128, weight, act: a, out_act: out_act.unwrap_or(a) };
+    let kernels: Vec<[Kernel; 2]> = vec![
+        twins(&lin(WeightType::BF16, None)),
+        twins(&lin(WeightType::Mxfp8 { block: 32 }, None)),
+        twins(&lin(WeightType::Mxfp8 { block: 16 }, None)),
+        twins(&lin(WeightType::BF16, Some(f))),
+        twins(&|a| Kernel::RmsNorm { width: 128, eps: 1e-6, weight: WeightType::BF16, act: a }),
+        twins(&|a| Kernel::HeadNormRope { heads: 4, head_dim: 32, rotary_dim: 16, theta: 5e6, eps: 1e-6, weight: WeightType::BF16, act: a }),
+        twins(&|a| Kernel::SwiGluOai { width: 128, alpha: 1.702, limit: 7.0, beta: 1.0, act: a }),
+        twins(&|a| Kernel::Add { width: 128, act: a }),
+        twins(&|a| Kernel::Router { width: 128, experts: 8, top_k: 2, scale: 2.5, weight: WeightType::BF16, bias: None, act: a }),
+        twins(&|a| Kernel::Attention { heads: 4, kv_heads: 2, head_dim: 16, scale: 0.25, sparse: Some(sel), cache: f, act: a }),
+    ];
+    let all: Vec<Kernel> = kernels.iter().flat_map(|t| t.iter().cloned()).collect();
+    let lib = build(&all, dir.path());
+    let rows = 5;
+    let round = |x: &[f32]| -> (Vec<u16>, Vec<f32>) {
+        let bits: Vec<u16> = x.iter().map(|&v| bf16_nearest_even(v)).collect();
+        let wide = bits.iter().map(|&h| f32::from_bits((h as u32) << 16)).collect();
+        (bits, wide)
+    };
+    let (x192b, x192) = round(&input(rows, 192));
+    let (x128b, x128) = round(&input(rows, 128));
+    let (y128b, y128) = round(&input(rows, 128).iter().map(|v| v * 0.37 - 0.2).collect::<Vec<_>>());
+    let pos = [6i64, 7, 8, 9, 10];
+    let cap = 12;
+    let kc = input(cap, 32);
+    let vc: Vec<f32> = input(cap, 32).iter().map(|v| 0.5 - v).collect();
+    let ic = input(cap, 16);
+    let (q64b, q64) = round(&input(rows, 64));
+    let (iq32b, iq32) = round(&input(rows, 32).iter().map(|v| v * 0.7 + 0.1).collect::<Vec<_>>());
+    let mut checked = 0;
+    for [kf, kb] in &kernels {
+        // (f32 output, bf16-act output) per kernel, from the same values.
+        let (want, got): (Vec<f32>, Vec<u32>) = unsafe {
+            match kf {
+                Kernel::Linear { weight, out_act, .. } => {
+                    let yf = vec![0f32; rows * 128];
+                    let ybf = vec![0u16; rows * 128];
+                    let y32 = vec![0f32; rows * 128];
+                    let w = match weight {
+                        WeightType::BF16 => m2(&wb, 128, 192),
+                        _ => m2(&[0u16; 0][..], 0, 0),
+                    };
+                    let (args_f, args_b): (Vec<*const std::ffi::c_void>, Vec<*const std::ffi::c_void>);
+                    let (xf, xb) = (m2(&x192, rows, 192), m2(&x192b, rows, 192));
+                    let (w8m, s) = (m2(&w8, 128, 192), match weight {
+                        WeightType::Mxfp8 { block: 16 } => m2(&s16, 128, 12),
+                        _ => m2(&s32, 128, 6),
+                    });
+                    let (yfm, ybm, y32m) = (m2(&yf, rows, 128), m2(&ybf, rows, 128), m2(&y32, rows, 128));
+                    let yb_out = if *out_act == f && kb.symbol().contains("_yf32") { p(&y32m) } else { p(&ybm) };
+                    if let WeightType::BF16 = weight {
+                        args_f = vec![p(&xf), p(&w), p(&yfm)];
+                        args_b = vec![p(&xb), p(&w), yb_out];
+                    } else {
+                        args_f = vec![p(&xf), p(&w8m), p(&s), p(&yfm)];
+                        args_b = vec![p(&xb), p(&w8m), p(&s), yb_out];
+                    }
+                    call(&lib, kf, &args_f);
+                    call(&lib, kb, &args_b);
+                    if kb.symbol().contains("_yf32") {
+                        // f32 output (logits): exactly the f32 twin's, no rounding.
+                        (yf.clone(), y32.iter().map(|v| v.to_bits()).collect())
+                    } else {
+                        (yf.clone(), ybf.iter().map(|&h| h as u32).collect())
+                    }
+                }
+                Kernel::RmsNorm { .. } | Kernel::SwiGluOai { .. } | Kernel::Add { .. } => {
+                    let (yf, yb) = (vec![0f32; rows * 128], vec![0u16; rows * 128]);
+                    let (af, ab, bf, bb) = (m2(&x128, rows, 128), m2(&x128b, rows, 128), m2(&y128, rows, 128), m2(&y128b, rows, 128));
+                    let (yfm, ybm, wm) = (m2(&yf, rows, 128), m2(&yb, rows, 128), m1(&norm_w));
+                    let second_f = if matches!(kf, Kernel::RmsNorm { .. }) { p(&wm) } else { p(&bf) };
+                    let second_b = if matches!(kf, Kernel::RmsNorm { .. }) { p(&wm) } else { p(&bb) };
+                    call(&lib, kf, &[p(&af), second_f, p(&yfm)]);
+                    call(&lib, kb, &[p(&ab), second_b, p(&ybm)]);
+                    (yf.clone(), yb.iter().map(|&h| h as u32).collect())
+                }
+                Kernel::HeadNormRope { .. } => {
+                    let nw = vec![0x3E80u16; 32];
+                    let (yf, yb) = (vec![0f32; rows * 128], vec![0u16; rows * 128]);
+                    let (xf, xb, wm, pm) = (m2(&x128, rows, 128), m2(&x128b, rows, 128), m1(&nw), m1(&pos));
+                    let (yfm, ybm) = (m2(&yf, rows, 128), m2(&yb, rows, 128));
+                    call(&lib, kf, &[p(&xf), p(&wm), p(&pm), p(&yfm)]);
+                    call(&lib, kb, &[p(&xb), p(&wm), p(&pm), p(&ybm)]);
+                    (yf.clone(), yb.iter().map(|&h| h as u32).collect())
+                }
+                Kernel::Router { .. } => {
+                    let rw: Vec<u16> = wb[..8 * 128].to_vec();
+                    let (wf, wbt, idf, idb) = (vec![0f32; rows * 2], vec![0f32; rows * 2], vec![0i64; rows * 2], vec![0i64; rows * 2]);
+                    let (xf, xb, wm) = (m2(&x128, rows, 128), m2(&x128b, rows, 128), m2(&rw, 8, 128));
+                    let (wfm, wbm, ifm, ibm) = (m2(&wf, rows, 2), m2(&wbt, rows, 2), m2(&idf, rows, 2), m2(&idb, rows, 2));
+                    call(&lib, kf, &[p(&xf), p(&wm), p(&wfm), p(&ifm)]);
+                    call(&lib, kb, &[p(&xb), p(&wm), p(&wbm), p(&ibm)]);
+                    assert_eq!(idf, idb, "router picks the same experts from the same values");
+                    // Router outputs stay f32: equal bits, no rounding.
+                    (wf.clone(), wbt.iter().map(|v| v.to_bits()).collect())
+                }
+                Kernel::Attention { .. } => {
+                    let (of, ob) = (vec![0f32; rows * 64], vec![0u16; rows * 64]);
+                    let (qf, qb, km, vm, pm) = (m2(&q64, rows, 64), m2(&q64b, rows, 64), m2(&kc, cap, 32), m2(&vc, cap, 32), m1(&pos));
+                    let (iqf, iqb, ikm) = (m2(&iq32, rows, 32), m2(&iq32b, rows, 32), m2(&ic, cap, 16));
+                    let (ofm, obm) = (m2(&of, rows, 64), m2(&ob, rows, 64));
+                    call(&lib, kf, &[p(&qf), p(&km), p(&vm), p(&pm), p(&iqf), p(&ikm), p(&ofm)]);
+                    call(&lib, kb, &[p(&qb), p(&km), p(&vm), p(&pm), p(&iqb), p(&ikm), p(&obm)]);
+                    (of.clone(), ob.iter().map(|&h| h as u32).collect())
+                }
+                other => panic!("no twin check for {other}"),
+            }
+        };
+        assert!(want.iter().any(|v| v.abs() > 0.05), "{kf}: the test must see real values");
+        let f32_out = matches!(kf, Kernel::Router { .. }) || kb.symbol().contains("_yf32");
+        let expect: Vec<u32> = if f32_out { want.iter().map(|v| v.to_bits()).collect() } else { want.iter().map(|&v| bf16_nearest_even(v) as u32).collect() };
+        assert_eq!(got, expect, "{kb} is not its f32 twin rounded once");
+        checked += 1;
+    }
+    assert_eq!(checked, kernels.len());
 }

@@ -117,7 +117,7 @@ fn planner_equals_brute_force_on_random_tables() {
 fn real_model_pp4_moves_away_from_even_split() {
     let cfg = load_config(&configs("minimax-m3-mxfp8.config.json")).unwrap();
     let gpu = GpuProfile::named("H200").unwrap();
-    let w = Workload { batch: 1, context: 8192, kv_cache: m3c_kernels::CacheType::Bf16 };
+    let w = Workload { batch: 1, context: 8192, kv_cache: m3c_kernels::Storage::Bf16 };
     let p = make_plan(&cfg, 4, &gpu, w, Target::Host).unwrap();
     let counts: Vec<usize> = p.stages.iter().map(|s| s.layers.unwrap().len()).collect();
     assert_ne!(counts, vec![15, 15, 15, 15]);

@@ -12,6 +12,8 @@ pub struct Manifest {
     pub cpu: String,
     /// How the KV and index-key caches store elements (`f32` or `bf16`).
     pub kv_cache: &'static str,
+    /// How activations between kernels and stages are stored (`f32` or `bf16`).
+    pub activations: &'static str,
     /// Hash of every compile input; every stage embeds it and checks its peers.
     pub compile_id: String,
     /// The config's file name (not its path, so OUT does not depend on where it was built).
@@ -46,13 +48,14 @@ pub struct StageEntry {
 
 impl Manifest {
     #[allow(clippy::too_many_arguments)]
-    pub fn new(cfg: &ModelConfig, config_sha: &str, plan_json: &str, runtime_sha: &str, compile_id: &str, cpu: &str, target: &str, kv_cache: &'static str) -> Manifest {
+    pub fn new(cfg: &ModelConfig, config_sha: &str, plan_json: &str, runtime_sha: &str, compile_id: &str, cpu: &str, target: &str, kv_cache: &'static str, activations: &'static str) -> Manifest {
         Manifest {
             format: "m3c-out/1",
             compiler: format!("m3c {}", env!("CARGO_PKG_VERSION")),
             target: target.into(),
             cpu: cpu.into(),
             kv_cache,
+            activations,
             compile_id: compile_id.into(),
             config_file: cfg.source.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
             config_sha256: config_sha.into(),

@@ -17,7 +17,7 @@ pub use manifest::{Manifest, StageEntry};
 use crate::backend::host;
 use crate::config::ModelConfig;
 use crate::graph::build_graph;
-use crate::lower::{lower_stage, Boundary, StageProgram};
+use crate::lower::{lower_stage, Boundary, StageProgram, Storages};
 use crate::plan::{Plan, Target};
 use anyhow::{Context, Result};
 use sha2::{Digest, Sha256};
@@ -41,8 +41,8 @@ pub struct CompileRequest<'a> {
     pub emit: Vec<Emit>,
     /// LLVM CPU name for host code.
     pub cpu: String,
-    /// How the stages store their KV and index-key caches.
-    pub kv_cache: m3c_kernels::CacheType,
+    /// How the stages store their KV and index-key caches and their activations.
+    pub storages: Storages,
     pub runtime_lib: PathBuf,
     /// Replace a non-empty OUT.
     pub replace: bool,
@@ -54,7 +54,7 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
 
 /// The stage metadata embedded in each executable (read by runtime/src/meta.rs).
 #[allow(clippy::too_many_arguments)]
-fn stage_meta(p: &StageProgram, stages: usize, cfg: &ModelConfig, compile_id: &str, config_sha: &str, cpu: &str, target: &str, device: Option<usize>) -> String {
+fn stage_meta(p: &StageProgram, stages: usize, cfg: &ModelConfig, compile_id: &str, config_sha: &str, cpu: &str, target: &str, device: Option<usize>, act: m3c_kernels::Storage) -> String {
     let tensors: Vec<serde_json::Value> = p
         .tensors
         .iter()
@@ -71,6 +71,7 @@ fn stage_meta(p: &StageProgram, stages: usize, cfg: &ModelConfig, compile_id: &s
         "stage": p.index,
         "stages": stages,
         "hidden": cfg.text.hidden_size,
+        "act_bytes": act.bytes(),
         "vocab": cfg.text.vocab_size,
         "max_positions": cfg.text.max_position_embeddings,
         "holds": holds(p),
@@ -126,9 +127,17 @@ fn meta_globals(json: &str) -> String {
 
 /// Lowers every stage of `plan` for its target (no back end): what
 /// `--emit mlir` shows and what the compile id hashes.
-pub fn lower_all(cfg: &ModelConfig, plan: &Plan, kv_cache: m3c_kernels::CacheType) -> Result<Vec<StageProgram>> {
+pub fn lower_all(cfg: &ModelConfig, plan: &Plan, storages: Storages) -> Result<Vec<StageProgram>> {
+    // bf16 rows travel between stages as f32 words (MPI, NCCL), two to a word.
+    if storages.activations == m3c_kernels::Storage::Bf16 && !cfg.text.hidden_size.is_multiple_of(2) {
+        anyhow::bail!(
+            "--activations bf16: hidden_size {} of {} is odd; bf16 activations need an even hidden size",
+            cfg.text.hidden_size,
+            cfg.source.display()
+        );
+    }
     let graph = build_graph(cfg);
-    plan.stages.iter().enumerate().map(|(i, s)| Ok(lower_stage(cfg, &graph, i, s, &plan.target, kv_cache)?)).collect()
+    plan.stages.iter().enumerate().map(|(i, s)| Ok(lower_stage(cfg, &graph, i, s, &plan.target, storages)?)).collect()
 }
 
 /// What the back end made of one stage, whichever the target.
@@ -157,7 +166,7 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
     let mut plan = req.plan.clone();
     plan.model = None;
     let plan_json = serde_json::to_string(&plan).context("plan serialisation")?;
-    let programs = lower_all(cfg, req.plan, req.kv_cache)?;
+    let programs = lower_all(cfg, req.plan, req.storages)?;
 
     // The compile id covers every input: compiler version, target and CPU,
     // the config's bytes, the plan, the runtime library and the generated
@@ -167,7 +176,8 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
         Some(a) => format!("cuda {a}"),
     };
     let mut h = Sha256::new();
-    for part in [env!("CARGO_PKG_VERSION"), &target_name, &req.cpu, req.kv_cache.name(), &config_sha, &plan_json, &runtime_sha] {
+    let (kv_cache, activations) = (req.storages.kv_cache.name(), req.storages.activations.name());
+    for part in [env!("CARGO_PKG_VERSION"), &target_name, &req.cpu, kv_cache, activations, &config_sha, &plan_json, &runtime_sha] {
         h.update((part.len() as u64).to_le_bytes());
         h.update(part.as_bytes());
     }
@@ -178,7 +188,7 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
     let compile_id: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
 
     let n = programs.len();
-    let mut manifest = Manifest::new(cfg, &config_sha, &plan_json, &runtime_sha, &compile_id, &req.cpu, &target_name, req.kv_cache.name());
+    let mut manifest = Manifest::new(cfg, &config_sha, &plan_json, &runtime_sha, &compile_id, &req.cpu, &target_name, kv_cache, activations);
     let mut report = String::new();
     crate::fsutil::write_dir_atomically(req.out, req.replace, |dir| {
         let work = dir.join(".obj");
@@ -189,7 +199,7 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
         let modules: Vec<String> = programs
             .iter()
             .map(|p| {
-                let meta = stage_meta(p, n, cfg, &compile_id, &config_sha, &req.cpu, &target_name, req.plan.stages[p.index].device);
+                let meta = stage_meta(p, n, cfg, &compile_id, &config_sha, &req.cpu, &target_name, req.plan.stages[p.index].device, req.storages.activations);
                 format!("{}{}}}\n", p.mlir.trim_end().strip_suffix('}').unwrap_or(&p.mlir), meta_globals(&meta))
             })
             .collect();

@@ -15,7 +15,7 @@
 //!                     const int64_t *caps,      // [sequences] cache capacity (rows) of each
 //!                     int64_t tokens,           // S = Σ rows
 //!                     const int64_t *ids,       // [S] token ids (first stage)
-//!                     float *x,                 // [S, hidden] in (unless first) and out (unless last)
+//!                     void *x,                  // [S, hidden] f32 or bf16 bits (--activations): in (unless first) and out (unless last)
 //!                     float *logits,            // [S, vocab] (last stage)
 //!                     int64_t *out_ids,         // [S] greedy ids (last stage)
 //!                     const int64_t *pos);      // [S] position of each row
@@ -27,7 +27,7 @@
 //! the runtime (`m3c_buf_alloc/free/copy`), host or device memory by target.
 
 use super::fuse::{Arg, FusedStage, Step};
-use m3c_kernels::MemTy;
+use m3c_kernels::{MemTy, Storage};
 use std::collections::BTreeSet;
 use std::fmt::Write;
 
@@ -46,6 +46,7 @@ enum Flavor {
 
 struct Emitter {
     hidden: usize,
+    act: Storage,
     flavor: Flavor,
     body: String,
     views: BTreeSet<MemTy>,
@@ -59,7 +60,7 @@ fn elem_bytes(elem: &str) -> usize {
     match elem {
         "i64" | "f64" => 8,
         "i8" => 1,
-        "bf16" | "f16" => 2,
+        "bf16" | "f16" | "i16" => 2,
         _ => 4,
     }
 }
@@ -108,7 +109,7 @@ impl Emitter {
     /// The SSA value and MLIR type of an argument. `seq` is set inside the
     /// per-sequence loop: then row arguments are that sequence's rows.
     fn arg(&mut self, a: &Arg, seq: bool) -> (String, String) {
-        let ty = a.mem_ty(self.hidden);
+        let ty = a.mem_ty(self.hidden, self.act);
         let rows_of = |e: &mut Emitter, base: &str, width: usize, elem: &'static str| {
             let q = e.rows_ptr(base, "%roff", width.max(1), elem);
             let t = if width == 0 { MemTy { dims: vec![None], elem } } else { MemTy::rows(width, elem) };
@@ -124,7 +125,7 @@ impl Emitter {
                 let p = self.table_ptr("%weights", *slot);
                 self.view(&p, "%c0", ty.clone())
             }
-            Arg::X if seq => rows_of(self, "%x_p", self.hidden, "f32"),
+            Arg::X if seq => rows_of(self, "%x_p", self.hidden, self.act.mlir_elem()),
             Arg::Pos if seq => rows_of(self, "%pos_p", 0, "i64"),
             Arg::Ids if seq => rows_of(self, "%ids_p", 0, "i64"),
             Arg::Buf { id, width, elem } if seq => rows_of(self, &format!("%b{id}_p"), *width, elem),
@@ -156,8 +157,8 @@ impl Emitter {
                 self.device_views.extend(call.device_views);
                 self.views.extend(call.host_views);
                 match kernel {
-                    m3c_kernels::Kernel::Linear { inp, out, weight: m3c_kernels::WeightType::BF16 } if !seq => {
-                        let gemm = self.cublas_gemm(&a, *inp, *out, &tag.to_string());
+                    m3c_kernels::Kernel::Linear { inp, out, weight: m3c_kernels::WeightType::BF16, act, out_act } if !seq => {
+                        let gemm = self.cublas_gemm(&a, *inp, *out, *act, *out_act, &tag.to_string());
                         let _ = writeln!(
                             self.body,
                             "%gq{tag}_rows = arith.index_cast %S : index to i64\n\
@@ -184,17 +185,13 @@ impl Emitter {
         }
     }
 
-    /// A bf16-weight linear `y = x Wᵀ` on tensor cores: `x` rounded to bf16
-    /// into scratch, then cuBLAS (`m3c_gemm_bf16`, f32 accumulation and
-    /// output). Taken when the runtime says so (`m3c_gemm_wanted`: prefill
-    /// steps of enough rows, cuBLAS loaded, `--prefill-gemm cublas`).
-    fn cublas_gemm(&mut self, a: &[(String, String)], inp: usize, out: usize, tag: &str) -> String {
-        let conv = m3c_kernels::Kernel::ToBf16 { width: inp };
-        self.use_gpu_kernel(&conv);
-        let xb = format!("%gq{tag}_xb");
-        let (alloc, xb_ty) = m3c_kernels::gpu::device_buffer(&xb, "%S", inp, "i16");
-        self.views.insert(xb_ty.clone());
-        let launch = conv.gpu_call(&[a[0].clone(), (xb.clone(), xb_ty.mlir())], "%S", &format!("{tag}c"));
+    /// A bf16-weight linear `y = x Wᵀ` on tensor cores: cuBLAS
+    /// (`m3c_gemm_bf16`, f32 accumulation, output f32 or rounded to bf16 as
+    /// `out_act` says) on `x` as bf16: as it is when activations are bf16,
+    /// else rounded into scratch first. Taken when the runtime says so
+    /// (`m3c_gemm_wanted`: prefill steps of enough rows, cuBLAS loaded,
+    /// `--prefill-gemm cublas`).
+    fn cublas_gemm(&mut self, a: &[(String, String)], inp: usize, out: usize, act: Storage, out_act: Storage, tag: &str) -> String {
         let ptr = |name: &str, ty: &str, v: &str| {
             format!(
                 "{v}_ix = memref.extract_aligned_pointer_as_index {name} : {ty} -> index\n\
@@ -202,21 +199,34 @@ impl Emitter {
                  {v} = llvm.inttoptr {v}_i : i64 to !llvm.ptr\n"
             )
         };
+        let (convert, xp, free) = match act {
+            Storage::Bf16 => (ptr(&a[0].0, &a[0].1, &format!("%gq{tag}_xp")), format!("%gq{tag}_xp"), String::new()),
+            Storage::F32 => {
+                let conv = m3c_kernels::Kernel::ToBf16 { width: inp };
+                self.use_gpu_kernel(&conv);
+                let xb = format!("%gq{tag}_xb");
+                let (alloc, xb_ty) = m3c_kernels::gpu::device_buffer(&xb, "%S", inp, "i16");
+                self.views.insert(xb_ty.clone());
+                let launch = conv.gpu_call(&[a[0].clone(), (xb.clone(), xb_ty.mlir())], "%S", &format!("{tag}c"));
+                (format!("{alloc}{}", launch.text), format!("{xb}_p"), format!("func.call @m3c_buf_free({xb}_p) : (!llvm.ptr) -> ()\n"))
+            }
+        };
         format!(
-            "{alloc}{launch}{wp}{yp}%gq{tag}_inp = arith.constant {inp} : i64\n\
+            "{convert}{wp}{yp}%gq{tag}_inp = arith.constant {inp} : i64\n\
              %gq{tag}_out = arith.constant {out} : i64\n\
-             func.call @m3c_gemm_bf16({xb}_p, %gq{tag}_wp, %gq{tag}_yp, %gq{tag}_rows, %gq{tag}_inp, %gq{tag}_out) : (!llvm.ptr, !llvm.ptr, !llvm.ptr, i64, i64, i64) -> ()\n\
-             func.call @m3c_buf_free({xb}_p) : (!llvm.ptr) -> ()\n",
-            launch = launch.text,
+             %gq{tag}_ybf = arith.constant {ybf} : i32\n\
+             func.call @m3c_gemm_bf16({xp}, %gq{tag}_wp, %gq{tag}_yp, %gq{tag}_rows, %gq{tag}_inp, %gq{tag}_out, %gq{tag}_ybf) : (!llvm.ptr, !llvm.ptr, !llvm.ptr, i64, i64, i64, i32) -> ()\n\
+             {free}",
             wp = ptr(&a[1].0, &a[1].1, &format!("%gq{tag}_wp")),
             yp = ptr(&a[2].0, &a[2].1, &format!("%gq{tag}_yp")),
+            ybf = i32::from(out_act == Storage::Bf16),
         )
     }
 }
 
 /// The runtime's tensor-core GEMM hooks (CUDA entries only).
 const CUDA_DECLS: &str = "  func.func private @m3c_gemm_wanted(i64) -> i32\n\
-     \x20 func.func private @m3c_gemm_bf16(!llvm.ptr, !llvm.ptr, !llvm.ptr, i64, i64, i64)\n";
+     \x20 func.func private @m3c_gemm_bf16(!llvm.ptr, !llvm.ptr, !llvm.ptr, i64, i64, i64, i32)\n";
 
 /// The declarations of the runtime functions the entry calls.
 const RUNTIME_DECLS: &str = "  func.func private @m3c_buf_alloc(i64) -> !llvm.ptr\n\
@@ -226,6 +236,7 @@ const RUNTIME_DECLS: &str = "  func.func private @m3c_buf_alloc(i64) -> !llvm.pt
 fn entry_body(f: &FusedStage, flavor: Flavor) -> Emitter {
     let mut e = Emitter {
         hidden: f.hidden,
+        act: f.act,
         flavor,
         body: String::new(),
         views: BTreeSet::new(),
@@ -242,7 +253,7 @@ fn entry_body(f: &FusedStage, flavor: Flavor) -> Emitter {
          %nseq = arith.index_cast %sequences : i64 to index\n",
     );
     let ids_ty = MemTy { dims: vec![None], elem: "i64" };
-    e.view_as("%x", "%x_p", "%S", MemTy::rows(h, "f32"));
+    e.view_as("%x", "%x_p", "%S", MemTy::rows(h, f.act.mlir_elem()));
     e.view_as("%ids", "%ids_p", "%S", ids_ty.clone());
     e.view_as("%pos", "%pos_p", "%S", ids_ty.clone());
     if let super::Boundary::Logits { vocab } = f.output {

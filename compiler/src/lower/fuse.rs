@@ -9,12 +9,12 @@
 //! - router and routed experts are one call each; the experts' weights are a
 //!   pointer table, not 3×E arguments.
 
-use super::{cache_kind_name, Boundary, CacheSlot, TensorSlot};
+use super::{cache_kind_name, Boundary, CacheSlot, Storages, TensorSlot};
 use crate::config::ModelConfig;
 use crate::dtype::DType;
 use crate::graph::{CacheKind, Dim, ModelGraph, Op};
 use crate::model::{expected_tensors, Part, TensorSpec};
-use m3c_kernels::{expert_tensor_types, CacheType, Kernel, MemTy, SparseSel, WeightType};
+use m3c_kernels::{expert_tensor_types, Storage, Kernel, MemTy, SparseSel, WeightType};
 use petgraph::graph::NodeIndex;
 use petgraph::Direction;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -38,7 +38,7 @@ pub enum Arg {
     /// A sequence's whole cache `[capacity, width]` of `cache`'s type; kernels
     /// reach its rows through positions read from `pos`, so no call depends
     /// on the position.
-    Cache { slot: usize, width: usize, cache: CacheType },
+    Cache { slot: usize, width: usize, cache: Storage },
     /// The logits output `[S, vocab]`.
     Logits { vocab: usize },
     /// The argmax output `[S]`.
@@ -46,10 +46,10 @@ pub enum Arg {
 }
 
 impl Arg {
-    /// The memref type the argument has in the entry.
-    pub fn mem_ty(&self, hidden: usize) -> Option<MemTy> {
+    /// The memref type the argument has in the entry (`act`: how activations are stored).
+    pub fn mem_ty(&self, hidden: usize, act: Storage) -> Option<MemTy> {
         Some(match self {
-            Arg::X => MemTy::rows(hidden, "f32"),
+            Arg::X => MemTy::rows(hidden, act.mlir_elem()),
             Arg::Ids | Arg::Pos | Arg::OutIds => MemTy { dims: vec![None], elem: "i64" },
             Arg::ExpertTable { .. } => return None,
             Arg::Buf { width, elem, .. } => MemTy::rows(*width, elem),
@@ -107,6 +107,8 @@ impl fmt::Display for Step {
 
 pub struct FusedStage {
     pub hidden: usize,
+    /// How activations (`x` and the scratch rows between kernels) are stored.
+    pub act: Storage,
     pub tensors: Vec<TensorSlot>,
     pub caches: Vec<CacheSlot>,
     pub input: Boundary,
@@ -124,7 +126,9 @@ struct Fuser<'a> {
     caches: Vec<CacheSlot>,
     cache_slots: HashMap<(usize, CacheKind), usize>,
     /// How every cache of the stage stores its elements.
-    cache: CacheType,
+    cache: Storage,
+    /// How activations between kernels are stored.
+    act: Storage,
     steps: Vec<Step>,
     kernels: Vec<Kernel>,
     vals: HashMap<NodeIndex, Arg>,
@@ -215,7 +219,7 @@ impl Fuser<'_> {
     /// Every cache of the stage (K, V and MSA index keys) stores `--kv-cache`'s
     /// type: at long context the indexer's scan of index keys is the largest
     /// read of a decode step, so it gains the most from bf16.
-    fn cache_slot(&mut self, layer: usize, kind: CacheKind, width: usize) -> (usize, CacheType) {
+    fn cache_slot(&mut self, layer: usize, kind: CacheKind, width: usize) -> (usize, Storage) {
         let cache = self.cache;
         let slot = *self.cache_slots.entry((layer, kind)).or_insert_with(|| {
             self.caches.push(CacheSlot { layer, kind: cache_kind_name(kind), width, dtype: cache.name() });
@@ -226,9 +230,9 @@ impl Fuser<'_> {
 
     /// A fresh buffer for node `n` (of `width` columns), and the cache slot
     /// its rows go to when its one consumer is a cache append.
-    fn output_for(&mut self, n: NodeIndex, width: usize) -> (Arg, Option<(usize, CacheType)>) {
+    fn output_for(&mut self, n: NodeIndex, width: usize) -> (Arg, Option<(usize, Storage)>) {
         let cons = self.consumers(n);
-        let buf = self.alloc(width, "f32");
+        let buf = self.alloc(width, self.act.mlir_elem());
         if let [c] = cons.as_slice() {
             if let Op::CacheAppend { kind, layer, .. } = *self.node(*c) {
                 let (slot, cache) = self.cache_slot(layer, kind, width);
@@ -241,9 +245,9 @@ impl Fuser<'_> {
 
     /// After a producer of cached rows: each sequence's rows into its cache.
     /// (The producer itself runs once over every row of the micro-batch.)
-    fn write_cache(&mut self, buf: &Arg, slot: Option<(usize, CacheType)>, width: usize, what: &str) {
+    fn write_cache(&mut self, buf: &Arg, slot: Option<(usize, Storage)>, width: usize, what: &str) {
         if let Some((slot, cache)) = slot {
-            self.call(Kernel::ScatterRows { width, cache }, vec![buf.clone(), Arg::Pos, Arg::Cache { slot, width, cache }], format!("{what} → cache"));
+            self.call(Kernel::ScatterRows { width, cache, act: self.act }, vec![buf.clone(), Arg::Pos, Arg::Cache { slot, width, cache }], format!("{what} → cache"));
         }
     }
 
@@ -263,33 +267,37 @@ impl Fuser<'_> {
             }
             Op::Embedding { weight } => {
                 let (w, wt) = self.float_weight(&weight)?;
-                let k = Kernel::Embedding { vocab: t.vocab_size, width: t.hidden_size, weight: wt };
+                let k = Kernel::Embedding { vocab: t.vocab_size, width: t.hidden_size, weight: wt, act: self.act };
                 self.call(k, vec![Arg::Ids, w, Arg::X], what);
                 self.vals.insert(n, Arg::X);
             }
             Op::RmsNorm { weight, eps } => {
                 let x = self.val(ops[0])?;
                 let (w, wt) = self.float_weight(&weight)?;
-                let y = self.alloc(width, "f32");
-                self.call(Kernel::RmsNorm { width, eps, weight: wt }, vec![x, w, y.clone()], what);
+                let y = self.alloc(width, self.act.mlir_elem());
+                self.call(Kernel::RmsNorm { width, eps, weight: wt, act: self.act }, vec![x, w, y.clone()], what);
                 self.vals.insert(n, y);
             }
             Op::Linear { weight, out, inp, mxfp8_block } => {
                 let x = self.val(ops[0])?;
-                let (y, cache) = if self.consumers(n).iter().any(|&c| matches!(self.node(c), Op::Argmax)) {
-                    (Arg::Logits { vocab: out }, None)
+                // Logits stay f32 whatever the activations are: they are the
+                // stage's result, and sampling compares them.
+                let (y, cache, out_act) = if self.consumers(n).iter().any(|&c| matches!(self.node(c), Op::Argmax)) {
+                    (Arg::Logits { vocab: out }, None, Storage::F32)
                 } else {
-                    self.output_for(n, out)
+                    let (y, cache) = self.output_for(n, out);
+                    (y, cache, self.act)
                 };
+                let act = self.act;
                 let (k, mut args) = match mxfp8_block {
                     Some(block) => {
                         let w = self.weight_arg(&weight, "i8")?;
                         let s = self.weight_arg(&weight.replace(".weight", ".weight_scale_inv"), "i8")?;
-                        (Kernel::Linear { inp, out, weight: WeightType::Mxfp8 { block } }, vec![x, w, s])
+                        (Kernel::Linear { inp, out, weight: WeightType::Mxfp8 { block }, act, out_act }, vec![x, w, s])
                     }
                     None => {
                         let (w, wt) = self.float_weight(&weight)?;
-                        (Kernel::Linear { inp, out, weight: wt }, vec![x, w])
+                        (Kernel::Linear { inp, out, weight: wt, act, out_act }, vec![x, w])
                     }
                 };
                 args.push(y.clone());
@@ -305,7 +313,7 @@ impl Fuser<'_> {
                 let x = self.val(g.operands(norm)[0])?;
                 let (w, wt) = self.float_weight(&weight)?;
                 let (y, cache) = self.output_for(n, heads * head_dim);
-                let k = Kernel::HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight: wt };
+                let k = Kernel::HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight: wt, act: self.act };
                 self.call(k, vec![x, w, Arg::Pos, y.clone()], what.clone());
                 self.write_cache(&y, cache, heads * head_dim, &what);
                 self.vals.insert(n, y);
@@ -331,23 +339,23 @@ impl Fuser<'_> {
                         Some(SparseSel { index_heads: ih, index_dim: dim, block, topk: k, local, init })
                     }
                 };
-                let o = self.alloc(heads * head_dim, "f32");
+                let o = self.alloc(heads * head_dim, self.act.mlir_elem());
                 args.push(o.clone());
-                self.call(Kernel::Attention { heads, kv_heads, head_dim, scale, sparse, cache: self.cache }, args, what);
+                self.call(Kernel::Attention { heads, kv_heads, head_dim, scale, sparse, cache: self.cache, act: self.act }, args, what);
                 self.vals.insert(n, o);
             }
             Op::Add => {
                 let (a, b) = (self.val(ops[0])?, self.val(ops[1])?);
                 // In place when the first operand dies here (residual stream, routed sum).
                 let a_dies = self.consumers(ops[0]).iter().all(|&c| c <= n);
-                let y = if a_dies { a.clone() } else { self.alloc(width, "f32") };
-                self.call(Kernel::Add { width }, vec![a, b, y.clone()], what);
+                let y = if a_dies { a.clone() } else { self.alloc(width, self.act.mlir_elem()) };
+                self.call(Kernel::Add { width, act: self.act }, vec![a, b, y.clone()], what);
                 self.vals.insert(n, y);
             }
             Op::SwiGluOai { alpha, limit, beta } => {
                 let (gt, up) = (self.val(ops[0])?, self.val(ops[1])?);
-                let y = self.alloc(width, "f32");
-                self.call(Kernel::SwiGluOai { width, alpha, limit, beta }, vec![gt, up, y.clone()], what);
+                let y = self.alloc(width, self.act.mlir_elem());
+                self.call(Kernel::SwiGluOai { width, alpha, limit, beta, act: self.act }, vec![gt, up, y.clone()], what);
                 self.vals.insert(n, y);
             }
             Op::Router { weight, bias, experts, top_k, scale } => {
@@ -366,7 +374,7 @@ impl Fuser<'_> {
                 let ids = self.alloc(top_k, "i64");
                 args.push(wts.clone());
                 args.push(ids.clone());
-                let k = Kernel::Router { width: t.hidden_size, experts, top_k, scale, weight: wt, bias: bt };
+                let k = Kernel::Router { width: t.hidden_size, experts, top_k, scale, weight: wt, bias: bt, act: self.act };
                 self.call(k, args, what);
                 // The routing value is the pair; consumers read both.
                 self.vals.insert(n, wts);
@@ -395,8 +403,8 @@ impl Fuser<'_> {
                     }
                 }
                 debug_assert_eq!(self.tensors.len() - first_slot, experts * expert_tensor_types(hidden, intermediate, weight).len());
-                let y = self.alloc(hidden, "f32");
-                let k = Kernel::RoutedExperts { experts, hidden, inter: intermediate, top_k, weight, alpha, limit, beta };
+                let y = self.alloc(hidden, self.act.mlir_elem());
+                let k = Kernel::RoutedExperts { experts, hidden, inter: intermediate, top_k, weight, alpha, limit, beta, act: self.act };
                 self.call(k, vec![h, wts, ids, Arg::ExpertTable { first_slot }, y.clone()], what);
                 self.vals.insert(n, y);
             }
@@ -413,7 +421,7 @@ impl Fuser<'_> {
 }
 
 /// Fuses and schedules the nodes of `parts`.
-pub fn fuse_stage(cfg: &ModelConfig, graph: &ModelGraph, parts: &BTreeSet<Part>, cache: CacheType) -> Result<FusedStage, String> {
+pub fn fuse_stage(cfg: &ModelConfig, graph: &ModelGraph, parts: &BTreeSet<Part>, storages: Storages) -> Result<FusedStage, String> {
     let specs = expected_tensors(cfg).into_iter().map(|s| (s.name.clone(), s)).collect();
     let mut f = Fuser {
         cfg,
@@ -423,7 +431,8 @@ pub fn fuse_stage(cfg: &ModelConfig, graph: &ModelGraph, parts: &BTreeSet<Part>,
         tensors: Vec::new(),
         caches: Vec::new(),
         cache_slots: HashMap::new(),
-        cache,
+        cache: storages.kv_cache,
+        act: storages.activations,
         steps: Vec::new(),
         kernels: Vec::new(),
         vals: HashMap::new(),
@@ -456,6 +465,7 @@ pub fn fuse_stage(cfg: &ModelConfig, graph: &ModelGraph, parts: &BTreeSet<Part>,
     };
     Ok(FusedStage {
         hidden,
+        act: storages.activations,
         tensors: f.tensors,
         caches: f.caches,
         input,
@@ -493,7 +503,7 @@ impl Fuser<'_> {
         for n in leaving {
             match self.vals[&n].clone() {
                 Arg::X => {}
-                Arg::Buf { id, width, elem: "f32" } if width == self.cfg.text.hidden_size => {
+                Arg::Buf { id, width, elem } if width == self.cfg.text.hidden_size && elem == self.act.mlir_elem() => {
                     self.steps.push(Step::CopyToX { id, width });
                     self.vals.insert(n, Arg::X);
                 }

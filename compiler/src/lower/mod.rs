@@ -17,7 +17,7 @@ use crate::dtype::DType;
 use crate::graph::{CacheKind, ModelGraph};
 use crate::model::Part;
 use crate::plan::{StagePlan, Target};
-use m3c_kernels::{CacheType, Kernel};
+use m3c_kernels::{Kernel, Storage};
 use serde::Serialize;
 use std::collections::BTreeSet;
 
@@ -40,13 +40,22 @@ pub struct CacheSlot {
     pub dtype: &'static str,
 }
 
+/// How a stage keeps f32 values in memory: its KV and index-key caches
+/// (`--kv-cache`) and the activations between its kernels and between
+/// stages (`--activations`). Arithmetic is f32 either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Storages {
+    pub kv_cache: Storage,
+    pub activations: Storage,
+}
+
 /// What flows into or out of a stage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Boundary {
     /// Token ids `[S]` (the first stage's input).
     TokenIds,
-    /// f32 rows `[S, width]` (activations between stages).
+    /// Rows `[S, width]` of activations between stages, f32 or bf16 bits (`--activations`).
     Hidden { width: usize },
     /// f32 logits `[S, vocab]` and their argmax (the last stage's output).
     Logits { vocab: usize },
@@ -84,10 +93,10 @@ pub(crate) fn cache_kind_name(k: CacheKind) -> &'static str {
     }
 }
 
-/// Lowers stage `index` of a plan for `target`, with KV caches of `cache`'s type.
-pub fn lower_stage(cfg: &ModelConfig, graph: &ModelGraph, index: usize, stage: &StagePlan, target: &Target, cache: CacheType) -> Result<StageProgram, LowerError> {
+/// Lowers stage `index` of a plan for `target`, storing caches and activations as `storages` says.
+pub fn lower_stage(cfg: &ModelConfig, graph: &ModelGraph, index: usize, stage: &StagePlan, target: &Target, storages: Storages) -> Result<StageProgram, LowerError> {
     let parts = stage.parts();
-    let fused = fuse_stage(cfg, graph, &parts, cache).map_err(|message| LowerError::Stage { stage: index, message })?;
+    let fused = fuse_stage(cfg, graph, &parts, storages).map_err(|message| LowerError::Stage { stage: index, message })?;
     let mlir = match target {
         Target::Host => entry::module(&fused),
         Target::Cuda { .. } => entry::cuda_module(&fused),

@@ -57,7 +57,7 @@ pub struct Workload {
     /// Context length each of them has reached.
     pub context: usize,
     /// How the stages store K, V and MSA index keys (`m3c compile --kv-cache`).
-    pub kv_cache: m3c_kernels::CacheType,
+    pub kv_cache: m3c_kernels::Storage,
 }
 
 /// The cost of one part of the model for one decode step.
