@@ -25,9 +25,10 @@
 #      the middle stage of a 3-stage pipeline (embedding | layer | head), and
 #      that stage reports its own compute time per step (bf16 at batch 1 also
 #      with --cuda-graphs off, to show what graph replay saves);
-#   3. prefill linears on cuBLAS tensor cores (--prefill-gemm cublas) against
-#      m3c's GEMV kernel: the tiny fixture's distance from its golden, and a
-#      1024-token prefill of the real-size dense bf16 layer timed both ways.
+#   3. prefill linears on cuBLAS tensor cores (--prefill-gemm cublas; MXFP8
+#      weights decoded to bf16 per call) against m3c's GEMV kernel: both tiny
+#      fixtures' distance from their goldens, and a 1024-token prefill of the
+#      real-size dense layer, bf16 and MXFP8, timed both ways.
 # It prints one table last.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -204,32 +205,35 @@ print(','.join(str(x) for x in struct.unpack('<%dq' % (len(d)//8), d)))")
     rows+=("$(printf '%-28s %-6s %-5s %s' "$m bf16 act." "pp=1" "$([ -n "$check" ] && echo ran || echo FAIL)" "${check:-$(why "$log")}")")
   done
 
-  # Tensor-core GEMMs (cuBLAS) for prefill vs m3c's GEMV kernel: the tiny
+  # Tensor-core GEMMs (cuBLAS) for prefill vs m3c's GEMV kernel: each tiny
   # fixture with every linear on cuBLAS (inputs rounded to bf16: reported),
   # and one 1024-token prefill of the real-size dense layer both ways.
-  m=tiny-m3
-  golden="tests/fixtures/$m/golden.safetensors"
-  prompt=$(python3 -c "
+  for m in tiny-m3 tiny-m3-mxfp8; do
+    golden="tests/fixtures/$m/golden.safetensors"
+    prompt=$(python3 -c "
 import json, struct
 b = open('$golden', 'rb').read(); n = struct.unpack('<Q', b[:8])[0]; h = json.loads(b[8:8+n])
 s, e = h['prompt_ids']['data_offsets']; d = b[8+n+s:8+n+e]
 print(','.join(str(x) for x in struct.unpack('<%dq' % (len(d)//8), d)))")
-  log="$logs/$m-cublas.log"
-  M3C_GEMM_MIN_ROWS=1 timeout 120 "$b/out/$m-pp1/run.sh" --model "tests/fixtures/$m" --prompt-ids "$prompt" --max-new-tokens 16 \
-    --prefill-gemm cublas --expect "$golden" >"$log" 2>&1 || true
-  check=$(grep -o 'prefill max.*' "$log" | head -1 || true)
-  rows+=("$(printf '%-28s %-6s %-5s %s' "$m prefill on cuBLAS" "pp=1" "$([ -n "$check" ] && echo ran || echo FAIL)" "${check:-$(why "$log")}; $(grep -o 'run on cuBLAS\|cuBLAS not found[^;]*' "$log" | head -1)")")
-  long=$(seq -s, 1 1024)
-  times=""
-  for g in off cublas; do
-    log="$logs/dense-bf16-prefill-$g.log"
-    if timeout 150 "$b/out/dense-bf16/run.sh" --synthetic-weights 1 --prompt-ids "$long" --max-new-tokens 2 --prefill-gemm $g >"$log" 2>&1; then
-      times="$times $g $(grep 'm3c stage 1/3: done' "$log" | sed -E 's/.*prefill [0-9]+ step\(s\), mean ([0-9.]+) ms.*/\1/') ms;"
-    else
-      times="$times $g FAIL ($(why "$log"));"
-    fi
+    log="$logs/$m-cublas.log"
+    M3C_GEMM_MIN_ROWS=1 timeout 120 "$b/out/$m-pp1/run.sh" --model "tests/fixtures/$m" --prompt-ids "$prompt" --max-new-tokens 16 \
+      --prefill-gemm cublas --expect "$golden" >"$log" 2>&1 || true
+    check=$(grep -o 'prefill max.*' "$log" | head -1 || true)
+    rows+=("$(printf '%-28s %-6s %-5s %s' "$m prefill on cuBLAS" "pp=1" "$([ -n "$check" ] && echo ran || echo FAIL)" "${check:-$(why "$log")}; $(grep -o 'run on cuBLAS\|cuBLAS not found[^;]*' "$log" | head -1)")")
   done
-  rows+=("$(printf '%-28s %-8s %-5s %s' "dense layer, bf16" "prefill" "$(case "$times" in *FAIL*) echo FAIL ;; *) echo ran ;; esac)" "1024 tokens, layer stage:$times")")
+  long=$(seq -s, 1 1024)
+  for q in bf16 mxfp8; do
+    times=""
+    for g in off cublas; do
+      log="$logs/dense-$q-prefill-$g.log"
+      if timeout 150 "$b/out/dense-$q/run.sh" --synthetic-weights 1 --prompt-ids "$long" --max-new-tokens 2 --prefill-gemm $g >"$log" 2>&1; then
+        times="$times $g $(grep 'm3c stage 1/3: done' "$log" | sed -E 's/.*prefill [0-9]+ step\(s\), mean ([0-9.]+) ms.*/\1/') ms;"
+      else
+        times="$times $g FAIL ($(why "$log"));"
+      fi
+    done
+    rows+=("$(printf '%-28s %-8s %-5s %s' "dense layer, $q" "prefill" "$(case "$times" in *FAIL*) echo FAIL ;; *) echo ran ;; esac)" "1024 tokens, layer stage:$times")")
+  done
 
   for q in bf16 mxfp8; do
     for kind in dense moe; do

@@ -514,6 +514,19 @@ impl Kernel {
                 );
                 vec![func(&sym, &format!("%x: {t}, %y: {yt}"), &body)]
             }
+            Kernel::DequantMxfp8 { out, inp, block } => {
+                // A block per weight row; threads stride its columns.
+                let wa = WeightArgs::new("%w", "%s", *out, *inp, WeightType::Mxfp8 { block: *block });
+                let yt = format!("memref<{out}x{inp}xi16>");
+                let body = format!(
+                    "{IDX}{consts}%o = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {inp} : index\n\
+                     scf.for %i = %t to %cw step %c256 {{\n{}{}}}\n",
+                    indent(&wa.load("v", "%o", "%i"), 2),
+                    indent(&store_f32("%v", "%y", &yt, "%o", "%i", Storage::Bf16), 2),
+                    consts = wa.consts(),
+                );
+                vec![func(&sym, &format!("{}, %y: {yt}", wa.params()), &body)]
+            }
             Kernel::Argmax { width } => {
                 let t = format!("memref<?x{width}xf32>");
                 let body = format!(
@@ -637,6 +650,10 @@ impl Kernel {
                 ));
             }
             Kernel::Argmax { .. } | Kernel::Router { .. } => text.push_str(&launch(&sym, [rows, &one, &one], 32, args)),
+            Kernel::DequantMxfp8 { out, .. } => {
+                text.push_str(&format!("%g{tag}_o = arith.constant {out} : index\n"));
+                text.push_str(&launch(&sym, [&format!("%g{tag}_o"), &one, &one], BLOCK, args));
+            }
             Kernel::Attention { kv_heads, sparse, .. } => {
                 text.push_str(&format!("%g{tag}_kv = arith.constant {kv_heads} : index\n"));
                 let mut a = args.to_vec();

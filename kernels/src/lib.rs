@@ -141,6 +141,12 @@ pub enum Kernel {
     /// `y = bf16(x)` row by row (nearest even), as bf16 bits: the input of a
     /// tensor-core GEMM (cuBLAS) on the GPU.
     ToBf16 { width: usize },
+    /// An MXFP8 weight `[out, inp]` (fp8 + E8M0 scale per 1×`block`)
+    /// decoded to bf16 bits `[out, inp]`: one linear's weight, transiently,
+    /// for a tensor-core GEMM at prefill (Hopper's cuBLAS has no MXFP8).
+    /// fp8 · 2^k is exact in bf16 (3 mantissa bits into 7) unless the scale
+    /// pushes it out of range, so the GEMM sees the weights the GEMV does.
+    DequantMxfp8 { out: usize, inp: usize, block: usize },
     /// Causal GQA attention over the cache; MSA block selection fused in when `sparse` is set.
     Attention { heads: usize, kv_heads: usize, head_dim: usize, scale: f64, sparse: Option<SparseSel>, cache: Storage, act: Storage },
     /// fp32 sigmoid router with selection bias, top-k, renormalisation and routed scaling.
@@ -171,6 +177,7 @@ impl Kernel {
             }
             Kernel::Argmax { width } => format!("m3c_argmax_w{width}"),
             Kernel::ToBf16 { width } => format!("m3c_to_bf16_w{width}"),
+            Kernel::DequantMxfp8 { out, inp, block } => format!("m3c_dequant_mxfp8b{block}_o{out}_i{inp}"),
             Kernel::Embedding { vocab, width, weight, .. } => format!("m3c_embedding_v{vocab}_w{width}_{}", weight.tag()),
             Kernel::Add { width, .. } => format!("m3c_add_w{width}"),
             Kernel::ScatterRows { width, cache, .. } => format!("m3c_scatter_rows_w{width}{}", cache.suffix()),
@@ -216,7 +223,7 @@ impl Kernel {
             | Kernel::Attention { act, .. }
             | Kernel::Router { act, .. }
             | Kernel::RoutedExperts { act, .. } => Some(*act),
-            Kernel::Argmax { .. } | Kernel::ToBf16 { .. } => None,
+            Kernel::Argmax { .. } | Kernel::ToBf16 { .. } | Kernel::DequantMxfp8 { .. } => None,
         }
     }
 
@@ -241,6 +248,7 @@ impl Kernel {
             Kernel::SwiGluOai { width, alpha, limit, beta, act } => elementwise::swiglu_oai(&self.symbol(), *width, *alpha, *limit, *beta, *act),
             Kernel::Argmax { width } => elementwise::argmax(&self.symbol(), *width),
             Kernel::ToBf16 { width } => elementwise::to_bf16(&self.symbol(), *width),
+            Kernel::DequantMxfp8 { out, inp, block } => linear::dequant_mxfp8(&self.symbol(), *out, *inp, *block),
             Kernel::Embedding { vocab, width, weight, act } => elementwise::embedding(&self.symbol(), *vocab, *width, *weight, *act),
             Kernel::Add { width, act } => elementwise::add(&self.symbol(), *width, *act),
             Kernel::ScatterRows { width, cache, act } => elementwise::scatter_rows(&self.symbol(), *width, *cache, *act),
@@ -262,6 +270,7 @@ impl Kernel {
             Kernel::Linear { inp, weight: w @ WeightType::Mxfp8 { .. }, .. } if !linear::vectorizes(*inp, *w) => {
                 vec![("m3c_fp8_e4m3_lut".into(), emit::fp8_lut_global())]
             }
+            Kernel::DequantMxfp8 { .. } => vec![("m3c_fp8_e4m3_lut".into(), emit::fp8_lut_global())],
             Kernel::HeadNormRope { rotary_dim, theta, .. } => {
                 vec![(rope::rope_table_name(*rotary_dim, *theta), rope::rope_table(*rotary_dim, *theta))]
             }

@@ -296,3 +296,37 @@ fn linear_vec(name: &str, inp: usize, out: usize, weight: WeightType, act: Stora
     };
     format!("  func.func @{name}({args}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n", indent(&body, 4))
 }
+
+/// `y[o, i] = bf16(fp8(w[o, i]) · 2^(s[o, i / block] − 127))` as bf16 bits:
+/// an MXFP8 weight decoded for a tensor-core GEMM (see `Kernel::DequantMxfp8`).
+pub fn dequant_mxfp8(name: &str, out: usize, inp: usize, block: usize) -> String {
+    let wt = format!("memref<{out}x{inp}xi8>");
+    let st = format!("memref<{out}x{}xi8>", inp / block);
+    let yt = format!("memref<{out}x{inp}xi16>");
+    let body = format!(
+        "%c0 = arith.constant 0 : index\n\
+         %c1 = arith.constant 1 : index\n\
+         %cout = arith.constant {out} : index\n\
+         %cin = arith.constant {inp} : index\n\
+         %cb = arith.constant {block} : index\n\
+         {E8M0_CONSTANTS}\
+         %lut = memref.get_global @m3c_fp8_e4m3_lut : memref<256xf32>\n\
+         scf.for %o = %c0 to %cout step %c1 {{\n\
+         \x20 scf.for %i = %c0 to %cin step %c1 {{\n\
+         \x20   %q = memref.load %w[%o, %i] : {wt}\n\
+         \x20   %qi = arith.extui %q : i8 to i32\n\
+         \x20   %qx = arith.index_cast %qi : i32 to index\n\
+         \x20   %wv = memref.load %lut[%qx] : memref<256xf32>\n\
+         \x20   %b = arith.divui %i, %cb : index\n\
+         \x20   %sb = memref.load %s[%o, %b] : {st}\n\
+         {dec}\
+         \x20   %v = arith.mulf %wv, %scale : f32\n\
+         {store}\
+         \x20 }}\n\
+         }}\n\
+         return\n",
+        dec = indent(&e8m0_to_f32("%scale", "%sb"), 4),
+        store = indent(&store_f32("%v", "%y", &yt, "%o", "%i", Storage::Bf16), 4),
+    );
+    format!("  func.func @{name}(%w: {wt}, %s: {st}, %y: {yt}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n", indent(&body, 4))
+}

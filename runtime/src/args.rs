@@ -22,7 +22,7 @@ pub struct RunArgs {
     pub prefill_chunk: Option<usize>,
     /// CUDA stages: replay each decode micro-batch's step as a captured CUDA graph.
     pub cuda_graphs: bool,
-    /// CUDA stages: prefill linears with bf16 weights on cuBLAS (tensor cores).
+    /// CUDA stages: prefill linears with bf16 or MXFP8 weights on cuBLAS (tensor cores).
     pub prefill_gemm_cublas: bool,
 }
 

@@ -504,9 +504,10 @@ pub mod nccl {
 }
 
 /// Tensor-core GEMMs for prefill through cuBLAS (`--prefill-gemm cublas`):
-/// a bf16-weight linear of a prefill step with at least `min_rows` rows runs
-/// as `cublasGemmEx` (bf16 inputs, f32 accumulation and output) instead of
-/// m3c's GEMV kernel; the generated entry asks [`m3c_gemm_wanted`] per call.
+/// a linear with bf16 or MXFP8 weights (the latter decoded to bf16 for the
+/// call) in a prefill step with at least `min_rows` rows runs as
+/// `cublasGemmEx` (bf16 inputs, f32 accumulation, output as the activations
+/// are stored) instead of m3c's GEMV kernel; the generated entry asks [`m3c_gemm_wanted`] per call.
 /// Decode steps always use the GEMV (memory-bound: it reads each weight byte
 /// once), which also keeps cuBLAS out of captured CUDA graphs. cuBLAS is
 /// loaded by its file names (`$M3C_CUBLAS_LIB`, `libcublas.so.13`, `.so.12`,

@@ -535,3 +535,32 @@ fn bf16_activation_kernels_round_their_f32_twins_once() {
     }
     assert_eq!(checked, kernels.len());
 }
+
+/// The MXFP8 → bf16 decode that feeds prefill GEMMs on tensor cores: every
+/// weight of a real fixture tensor decodes to the bf16 of fp8 · 2^(s − 127),
+/// and that bf16 is the exact product (so the GEMM sees the weights the
+/// GEMV kernel does).
+#[test]
+fn mxfp8_weights_decode_to_bf16_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = Checkpoint::open(&fixture("tiny-m3-mxfp8")).unwrap();
+    let stem = "language_model.model.layers.0.mlp.down_proj";
+    let w = ck.bytes(&ck.tensors[&format!("{stem}.weight")]).to_vec();
+    let s = ck.bytes(&ck.tensors[&format!("{stem}.weight_scale_inv")]).to_vec();
+    let (out, inp) = (128, 192);
+    let k = Kernel::DequantMxfp8 { out, inp, block: 32 };
+    let lib = build(std::slice::from_ref(&k), dir.path());
+    let y = vec![0u16; out * inp];
+    unsafe { call(&lib, &k, &[p(&m2(&w, out, inp)), p(&m2(&s, out, inp / 32)), p(&m2(&y, out, inp))]) };
+    let mut nonzero = 0;
+    for o in 0..out {
+        for i in 0..inp {
+            let exact = e4m3_to_f32(w[o * inp + i]) * e8m0_to_f32(s[o * (inp / 32) + i / 32]);
+            let got = y[o * inp + i];
+            assert_eq!(got, bf16_nearest_even(exact), "w[{o}, {i}]");
+            assert_eq!(f32::from_bits((got as u32) << 16), exact, "w[{o}, {i}] is exact in bf16");
+            nonzero += (exact != 0.0) as usize;
+        }
+    }
+    assert!(nonzero > out * inp / 2, "the test must see real weights");
+}

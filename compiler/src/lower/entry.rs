@@ -157,8 +157,10 @@ impl Emitter {
                 self.device_views.extend(call.device_views);
                 self.views.extend(call.host_views);
                 match kernel {
-                    m3c_kernels::Kernel::Linear { inp, out, weight: m3c_kernels::WeightType::BF16, act, out_act } if !seq => {
-                        let gemm = self.cublas_gemm(&a, *inp, *out, *act, *out_act, &tag.to_string());
+                    m3c_kernels::Kernel::Linear { inp, out, weight: weight @ (m3c_kernels::WeightType::BF16 | m3c_kernels::WeightType::Mxfp8 { .. }), act, out_act }
+                        if !seq =>
+                    {
+                        let gemm = self.cublas_gemm(&a, *inp, *out, *weight, *act, *out_act, &tag.to_string());
                         let _ = writeln!(
                             self.body,
                             "%gq{tag}_rows = arith.index_cast %S : index to i64\n\
@@ -185,13 +187,17 @@ impl Emitter {
         }
     }
 
-    /// A bf16-weight linear `y = x Wᵀ` on tensor cores: cuBLAS
-    /// (`m3c_gemm_bf16`, f32 accumulation, output f32 or rounded to bf16 as
-    /// `out_act` says) on `x` as bf16: as it is when activations are bf16,
-    /// else rounded into scratch first. Taken when the runtime says so
-    /// (`m3c_gemm_wanted`: prefill steps of enough rows, cuBLAS loaded,
-    /// `--prefill-gemm cublas`).
-    fn cublas_gemm(&mut self, a: &[(String, String)], inp: usize, out: usize, act: Storage, out_act: Storage, tag: &str) -> String {
+    /// A linear `y = x Wᵀ` on tensor cores: cuBLAS (`m3c_gemm_bf16`, f32
+    /// accumulation, output f32 or rounded to bf16 as `out_act` says) on `x`
+    /// as bf16 (as it is when activations are bf16, else rounded into
+    /// scratch first) and W as bf16: bf16 weights as they are, MXFP8 ones
+    /// decoded into scratch for this call only (exact: fp8 · 2^k fits bf16),
+    /// so no stage ever holds an expanded copy. Taken when the runtime says
+    /// so (`m3c_gemm_wanted`: prefill steps of enough rows, cuBLAS loaded,
+    /// `--prefill-gemm cublas`), where the GEMM's reuse of each weight over
+    /// many rows outweighs decoding it once.
+    #[allow(clippy::too_many_arguments)]
+    fn cublas_gemm(&mut self, a: &[(String, String)], inp: usize, out: usize, weight: m3c_kernels::WeightType, act: Storage, out_act: Storage, tag: &str) -> String {
         let ptr = |name: &str, ty: &str, v: &str| {
             format!(
                 "{v}_ix = memref.extract_aligned_pointer_as_index {name} : {ty} -> index\n\
@@ -211,14 +217,38 @@ impl Emitter {
                 (format!("{alloc}{}", launch.text), format!("{xb}_p"), format!("func.call @m3c_buf_free({xb}_p) : (!llvm.ptr) -> ()\n"))
             }
         };
+        // The weight as bf16 and the output: `a` is (x, w, y) or, for MXFP8, (x, w, scales, y).
+        let (wconv, wp, wfree, y) = match weight {
+            m3c_kernels::WeightType::Mxfp8 { block } => {
+                let dq = m3c_kernels::Kernel::DequantMxfp8 { out, inp, block };
+                self.use_gpu_kernel(&dq);
+                let wb = format!("%gq{tag}_wb");
+                let (alloc, rows_ty) = m3c_kernels::gpu::device_buffer(&wb, &format!("%gq{tag}_on"), inp, "i16");
+                self.views.insert(rows_ty);
+                let wb_ty = m3c_kernels::MemTy::fixed(&[out, inp], "i16");
+                self.views.insert(wb_ty.clone());
+                let view = format!(
+                    "{wb}_w = func.call @{}({wb}_p, %gq{tag}_on) : (!llvm.ptr, index) -> {}\n",
+                    wb_ty.view_fn(),
+                    wb_ty.mlir()
+                );
+                let launch = dq.gpu_call(&[a[1].clone(), a[2].clone(), (format!("{wb}_w"), wb_ty.mlir())], "%S", &format!("{tag}d"));
+                (
+                    format!("%gq{tag}_on = arith.constant {out} : index\n{alloc}{view}{}", launch.text),
+                    format!("{wb}_p"),
+                    format!("func.call @m3c_buf_free({wb}_p) : (!llvm.ptr) -> ()\n"),
+                    &a[3],
+                )
+            }
+            _ => (ptr(&a[1].0, &a[1].1, &format!("%gq{tag}_wp")), format!("%gq{tag}_wp"), String::new(), &a[2]),
+        };
         format!(
-            "{convert}{wp}{yp}%gq{tag}_inp = arith.constant {inp} : i64\n\
+            "{convert}{wconv}{yp}%gq{tag}_inp = arith.constant {inp} : i64\n\
              %gq{tag}_out = arith.constant {out} : i64\n\
              %gq{tag}_ybf = arith.constant {ybf} : i32\n\
-             func.call @m3c_gemm_bf16({xp}, %gq{tag}_wp, %gq{tag}_yp, %gq{tag}_rows, %gq{tag}_inp, %gq{tag}_out, %gq{tag}_ybf) : (!llvm.ptr, !llvm.ptr, !llvm.ptr, i64, i64, i64, i32) -> ()\n\
-             {free}",
-            wp = ptr(&a[1].0, &a[1].1, &format!("%gq{tag}_wp")),
-            yp = ptr(&a[2].0, &a[2].1, &format!("%gq{tag}_yp")),
+             func.call @m3c_gemm_bf16({xp}, {wp}, %gq{tag}_yp, %gq{tag}_rows, %gq{tag}_inp, %gq{tag}_out, %gq{tag}_ybf) : (!llvm.ptr, !llvm.ptr, !llvm.ptr, i64, i64, i64, i32) -> ()\n\
+             {free}{wfree}",
+            yp = ptr(&y.0, &y.1, &format!("%gq{tag}_yp")),
             ybf = i32::from(out_act == Storage::Bf16),
         )
     }
