@@ -1,6 +1,8 @@
 //! Shared helpers of the end-to-end tests: where the fixtures are, and how to
 //! run the `m3c` binary.
 
+pub mod simt;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 

@@ -9,7 +9,7 @@ use m3c_kernels::{module, Kernel, Storage, WeightType};
 use m3c_tests::fixture;
 
 #[repr(C)]
-struct Memref2<T> {
+pub(crate) struct Memref2<T> {
     allocated: *const T,
     aligned: *const T,
     offset: i64,
@@ -18,7 +18,7 @@ struct Memref2<T> {
 }
 
 #[repr(C)]
-struct Memref1<T> {
+pub(crate) struct Memref1<T> {
     allocated: *const T,
     aligned: *const T,
     offset: i64,
@@ -26,17 +26,17 @@ struct Memref1<T> {
     strides: [i64; 1],
 }
 
-fn m2<T>(data: &[T], rows: usize, cols: usize) -> Memref2<T> {
+pub(crate) fn m2<T>(data: &[T], rows: usize, cols: usize) -> Memref2<T> {
     assert_eq!(data.len(), rows * cols);
     Memref2 { allocated: data.as_ptr(), aligned: data.as_ptr(), offset: 0, sizes: [rows as i64, cols as i64], strides: [cols as i64, 1] }
 }
 
-fn m1<T>(data: &[T]) -> Memref1<T> {
+pub(crate) fn m1<T>(data: &[T]) -> Memref1<T> {
     Memref1 { allocated: data.as_ptr(), aligned: data.as_ptr(), offset: 0, sizes: [data.len() as i64], strides: [1] }
 }
 
 /// Compiles `kernels` and loads them as a shared library.
-fn build(kernels: &[Kernel], dir: &std::path::Path) -> libloading::Library {
+pub(crate) fn build(kernels: &[Kernel], dir: &std::path::Path) -> libloading::Library {
     let art = host::compile(&module(kernels), "x86-64-v2").expect("host back end");
     assert!(art.llvm_ir.contains("define"), "LLVM IR has functions");
     let obj = dir.join("k.o");
@@ -264,7 +264,7 @@ fn linear_tiles_cover_every_row_and_output() {
 
 /// bf16 by exact comparison: the nearer of the two bf16 values around `x`
 /// (ties to the even one), found without the bit trick the kernel uses.
-fn bf16_nearest_even(x: f32) -> u16 {
+pub(crate) fn bf16_nearest_even(x: f32) -> u16 {
     if x.is_nan() {
         return 0x7FC0;
     }
@@ -380,21 +380,23 @@ fn attention_over_bf16_caches_equals_f32_attention_over_the_rounded_values() {
 }
 
 /// Calls the C interface of kernel `k` with memref descriptors (as pointers).
-unsafe fn call(lib: &libloading::Library, k: &Kernel, a: &[*const std::ffi::c_void]) {
+pub(crate) unsafe fn call(lib: &libloading::Library, k: &Kernel, a: &[*const std::ffi::c_void]) {
     type P = *const std::ffi::c_void;
     let name = format!("_mlir_ciface_{}", k.symbol());
     unsafe {
         match a.len() {
+            2 => lib.get::<unsafe extern "C" fn(P, P)>(name.as_bytes()).unwrap()(a[0], a[1]),
             3 => lib.get::<unsafe extern "C" fn(P, P, P)>(name.as_bytes()).unwrap()(a[0], a[1], a[2]),
             4 => lib.get::<unsafe extern "C" fn(P, P, P, P)>(name.as_bytes()).unwrap()(a[0], a[1], a[2], a[3]),
             5 => lib.get::<unsafe extern "C" fn(P, P, P, P, P)>(name.as_bytes()).unwrap()(a[0], a[1], a[2], a[3], a[4]),
+            6 => lib.get::<unsafe extern "C" fn(P, P, P, P, P, P)>(name.as_bytes()).unwrap()(a[0], a[1], a[2], a[3], a[4], a[5]),
             7 => lib.get::<unsafe extern "C" fn(P, P, P, P, P, P, P)>(name.as_bytes()).unwrap()(a[0], a[1], a[2], a[3], a[4], a[5], a[6]),
             n => panic!("no call shape for {n} arguments"),
         }
     }
 }
 
-fn p<T>(m: &T) -> *const std::ffi::c_void {
+pub(crate) fn p<T>(m: &T) -> *const std::ffi::c_void {
     m as *const T as *const std::ffi::c_void
 }
 

@@ -5,6 +5,7 @@ mod cli;
 mod compile;
 mod config;
 mod cuda;
+mod gpu_kernels;
 mod graph;
 mod host_kernels;
 mod pipeline;

@@ -1,0 +1,363 @@
+//! The GPU kernels run without a GPU: each `Kernel`'s `gpu.func` text and
+//! the launch code the stage entry uses for it (`gpu_call`: grid, block,
+//! scratch buffers, argument order) run in the SIMT interpreter
+//! (`m3c_tests::simt`), and must give what the host kernel (itself checked
+//! against references and the goldens) gives on the same inputs. Every
+//! kernel, every weight type, both activation storages, and row counts that
+//! take the one-row (`_r1`) and four-rows-per-pass variants with a ragged tail.
+
+use crate::host_kernels::{bf16_nearest_even, build, call, m1, m2, p};
+use m3c_kernels::{Kernel, MemTy, SparseSel, Storage, WeightType};
+use m3c_tests::simt::{Arg, Gpu};
+use std::collections::BTreeSet;
+
+/// One argument buffer: its bytes (in u64 words, so host vector loads are
+/// aligned), dims, the MLIR type the kernel takes, and whether it is written.
+struct Buf {
+    words: Vec<u64>,
+    bytes: usize,
+    dims: Vec<usize>,
+    ty: String,
+    out: bool,
+}
+
+enum B {
+    Data(Buf),
+    /// A pointer table over other arguments (the experts' weights).
+    Table(Vec<usize>),
+}
+
+fn buf<T: Copy>(data: &[T], dims: &[usize], ty: &str, out: bool) -> B {
+    let bytes = std::mem::size_of_val(data);
+    let mut words = vec![0u64; bytes.div_ceil(8)];
+    // SAFETY: plain old data copied as bytes.
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr() as *const u8, words.as_mut_ptr() as *mut u8, bytes) };
+    B::Data(Buf { words, bytes, dims: dims.to_vec(), ty: ty.to_string(), out })
+}
+
+/// Deterministic values in [-scale, scale), without the repeats a short
+/// linear congruence has (they make MSA block scores tie exactly, and then
+/// summation order alone decides the selection).
+fn vals(n: usize, salt: usize, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            // splitmix64
+            let mut z = (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (salt as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            ((z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+fn bits16(x: &[f32]) -> Vec<u16> {
+    x.iter().map(|&v| bf16_nearest_even(v)).collect()
+}
+
+/// Activation rows of `width` stored as `act`.
+fn act_rows(rows: usize, width: usize, act: Storage, salt: usize, out: bool) -> B {
+    let v = vals(rows * width, salt, 1.5);
+    let ty = format!("memref<?x{width}x{}>", act.mlir_elem());
+    match act {
+        Storage::F32 => buf(&v, &[rows, width], &ty, out),
+        Storage::Bf16 => buf(&bits16(&v), &[rows, width], &ty, out),
+    }
+}
+
+fn weight(out: usize, inp: usize, w: WeightType, salt: usize) -> Vec<B> {
+    let ty = format!("memref<{out}x{inp}x{}>", w.mlir_elem());
+    let v = vals(out * inp, salt, 0.2);
+    match w {
+        WeightType::F32 => vec![buf(&v, &[out, inp], &ty, false)],
+        WeightType::BF16 => vec![buf(&bits16(&v), &[out, inp], &ty, false)],
+        WeightType::F16 => unreachable!(),
+        WeightType::Mxfp8 { block } => {
+            // fp8 of magnitude 2^-3 .. 2^2·1.875 (exponent fields 4..9, any
+            // sign and mantissa: no NaN), E8M0 scales 2^-6 .. 2^-2.
+            let h = vals(out * inp, salt, 1.0);
+            let q: Vec<u8> = h.iter().map(|v| (v.to_bits() >> 7) as u8).map(|b| (b & 0x87) | ((4 + (b >> 3) % 6) << 3)).collect();
+            let s: Vec<u8> = (0..out * inp / block).map(|i| 121 + ((i * 7 + salt) % 5) as u8).collect();
+            vec![buf(&q, &[out, inp], &ty, false), buf(&s, &[out, inp / block], &format!("memref<{out}x{}xi8>", inp / block), false)]
+        }
+    }
+}
+
+/// The kernel's GPU module and a host function `@host(%S, args...)` holding
+/// exactly the launch code the stage entry emits for it.
+fn gpu_module(k: &Kernel, tys: &[String]) -> String {
+    let args: Vec<(String, String)> = tys.iter().enumerate().map(|(i, t)| (format!("%a{i}"), t.clone())).collect();
+    let call = k.gpu_call(&args, "%S", "t");
+    let host_views: BTreeSet<MemTy> = call.host_views.into_iter().collect();
+    let device_views: BTreeSet<MemTy> = call.device_views.into_iter().collect();
+    let mut s = String::from("module attributes {gpu.container_module} {\n  func.func private @m3c_buf_alloc(i64) -> !llvm.ptr\n  func.func private @m3c_buf_free(!llvm.ptr)\n");
+    for v in &host_views {
+        s.push_str(&v.view_fn_text());
+    }
+    s.push_str(&format!("  gpu.module @{} {{\n", m3c_kernels::gpu::GPU_MODULE));
+    for v in &device_views {
+        s.push_str(&m3c_kernels::indent(&v.view_fn_text(), 2));
+    }
+    for f in k.gpu_funcs() {
+        s.push_str(&f.text);
+    }
+    s.push_str("  }\n");
+    let params: Vec<String> = args.iter().map(|(n, t)| format!("{n}: {t}")).collect();
+    s.push_str(&format!("  func.func @host(%S: index, {}) {{\n{}    return\n  }}\n}}\n", params.join(", "), m3c_kernels::indent(&call.text, 4)));
+    s
+}
+
+/// Runs `k` on the host and in the interpreter with the same arguments;
+/// returns each output buffer's bytes, (host, gpu).
+fn run_both(k: &Kernel, rows: usize, args: &[B]) -> Vec<(Vec<u8>, Vec<u8>)> {
+    run_both_prefix(k, rows, args, args.len())
+}
+
+/// [`run_both`] for a kernel that takes only the first `n` arguments (the
+/// rest are buffers its pointer table reaches).
+fn run_both_prefix(k: &Kernel, rows: usize, args: &[B], n: usize) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let dir = tempfile::tempdir().unwrap();
+    let lib = build(std::slice::from_ref(k), dir.path());
+    // Host: descriptors over copies of the buffers.
+    let mut host: Vec<Vec<u64>> = args.iter().map(|a| if let B::Data(b) = a { b.words.clone() } else { Vec::new() }).collect();
+    let tables: Vec<Vec<*const u8>> = args.iter().map(|a| if let B::Table(ix) = a { ix.iter().map(|&i| host[i].as_ptr() as *const u8).collect() } else { Vec::new() }).collect();
+    let descs2: Vec<Option<crate::host_kernels::Memref2<u8>>> = args
+        .iter()
+        .zip(&host)
+        .map(|(a, h)| match a {
+            B::Data(b) if b.dims.len() == 2 => Some(m2(unsafe { std::slice::from_raw_parts(h.as_ptr() as *const u8, b.dims[0] * b.dims[1]) }, b.dims[0], b.dims[1])),
+            _ => None,
+        })
+        .collect();
+    let descs1: Vec<Option<crate::host_kernels::Memref1<u8>>> = args
+        .iter()
+        .zip(&host)
+        .map(|(a, h)| match a {
+            B::Data(b) if b.dims.len() == 1 => Some(m1(unsafe { std::slice::from_raw_parts(h.as_ptr() as *const u8, b.dims[0]) })),
+            _ => None,
+        })
+        .collect();
+    let ptrs: Vec<*const std::ffi::c_void> = (0..n)
+        .map(|i| match (&args[i], &descs2[i], &descs1[i]) {
+            (B::Table(_), _, _) => tables[i].as_ptr() as *const std::ffi::c_void,
+            (_, Some(d), _) => p(d),
+            (_, _, Some(d)) => p(d),
+            _ => unreachable!(),
+        })
+        .collect();
+    unsafe { call(&lib, k, &ptrs) };
+    // GPU: the same buffers in interpreter memory, through the launch code.
+    let tys: Vec<String> = args[..n].iter().map(|a| if let B::Data(b) = a { b.ty.clone() } else { "!llvm.ptr".into() }).collect();
+    let text = gpu_module(k, &tys);
+    let mut g = Gpu::new(&text).unwrap_or_else(|e| panic!("{k}: {e}\n{text}"));
+    let mut gp = Vec::new();
+    for a in args {
+        gp.push(match a {
+            B::Data(b) => g.mem.put(&b.words),
+            B::Table(_) => 0,
+        });
+    }
+    for (i, a) in args.iter().enumerate() {
+        if let B::Table(ix) = a {
+            let t: Vec<u64> = ix.iter().map(|&j| gp[j]).collect();
+            gp[i] = g.mem.put(&t);
+        }
+    }
+    let mut gargs = vec![Arg::Index(rows)];
+    for (i, a) in args[..n].iter().enumerate() {
+        gargs.push(match a {
+            B::Data(b) => Arg::Mem(gp[i], b.dims.clone()),
+            B::Table(_) => Arg::Ptr(gp[i]),
+        });
+    }
+    g.call_host("host", &gargs).unwrap_or_else(|e| panic!("{k} on the GPU: {e}"));
+    let mut outs = Vec::new();
+    for (i, a) in args.iter().enumerate() {
+        if let B::Data(b) = a {
+            if b.out {
+                let hb: Vec<u8> = unsafe { std::slice::from_raw_parts(host[i].as_ptr() as *const u8, b.bytes) }.to_vec();
+                let gb: Vec<u8> = g.mem.get::<u8>(gp[i])[..b.bytes].to_vec();
+                outs.push((hb, gb));
+            }
+        }
+    }
+    host.clear();
+    outs
+}
+
+fn f32s(b: &[u8]) -> Vec<f32> {
+    b.chunks(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+fn widen(b: &[u8]) -> Vec<f32> {
+    b.chunks(2).map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16)).collect()
+}
+
+/// Host and GPU agree: f32 outputs within float reassociation (`tol`
+/// relative to the largest output: sums with cancellation lose digits in
+/// either order), bf16 outputs within that plus one bf16 step of the element
+/// (a sum that lands next to a rounding boundary may round the other way).
+fn agree(what: &str, host: &[u8], gpu: &[u8], st: Storage, tol: f32) {
+    let (h, g) = match st {
+        Storage::F32 => (f32s(host), f32s(gpu)),
+        Storage::Bf16 => (widen(host), widen(gpu)),
+    };
+    assert!(h.iter().any(|v| *v != 0.0), "{what}: the host wrote nothing");
+    let step = if st == Storage::Bf16 { 1.0 / 128.0 } else { 0.0 };
+    let big = h.iter().fold(0f32, |m, v| m.max(v.abs()));
+    for (i, (a, b)) in h.iter().zip(&g).enumerate() {
+        let ok = (a.is_nan() && b.is_nan()) || (a - b).abs() <= tol * (1.0 + big) + step * a.abs();
+        assert!(ok, "{what}: element {i}: host {a}, gpu {b}");
+    }
+}
+
+const ACTS: [Storage; 2] = [Storage::F32, Storage::Bf16];
+
+#[test]
+fn linear_on_the_gpu_matches_the_host_for_every_weight_type_and_row_count() {
+    for act in ACTS {
+        for (inp, out, w) in [
+            (128, 40, WeightType::BF16),                // wide loads (4 bf16 per lane)
+            (96, 24, WeightType::BF16),                 // one element per lane
+            (256, 24, WeightType::Mxfp8 { block: 32 }), // wide loads (8 fp8 per lane)
+            (192, 16, WeightType::Mxfp8 { block: 32 }), // one element per lane
+            (64, 8, WeightType::F32),
+        ] {
+            for rows in [1, 6] {
+                let k = Kernel::Linear { inp, out, weight: w, act, out_act: act };
+                let mut args = vec![act_rows(rows, inp, act, 1, false)];
+                args.extend(weight(out, inp, w, 2));
+                args.push(act_rows(rows, out, act, 3, true));
+                let o = run_both(&k, rows, &args);
+                agree(&format!("{k} rows {rows}"), &o[0].0, &o[0].1, act, 1e-5);
+            }
+        }
+    }
+    // The logits: bf16 activations in, f32 out.
+    let k = Kernel::Linear { inp: 128, out: 40, weight: WeightType::BF16, act: Storage::Bf16, out_act: Storage::F32 };
+    let mut args = vec![act_rows(3, 128, Storage::Bf16, 1, false)];
+    args.extend(weight(40, 128, WeightType::BF16, 2));
+    args.push(act_rows(3, 40, Storage::F32, 3, true));
+    let o = run_both(&k, 3, &args);
+    agree(&k.symbol(), &o[0].0, &o[0].1, Storage::F32, 1e-5);
+}
+
+#[test]
+fn rowwise_gpu_kernels_match_the_host() {
+    let rows = 3;
+    for act in ACTS {
+        let a = |salt, out| act_rows(rows, 96, act, salt, out);
+        // RMSNorm
+        let k = Kernel::RmsNorm { width: 96, eps: 1e-6, weight: WeightType::BF16, act };
+        let o = run_both(&k, rows, &[a(1, false), buf(&bits16(&vals(96, 4, 0.3)), &[96], "memref<96xbf16>", false), a(2, true)]);
+        agree(&k.symbol(), &o[0].0, &o[0].1, act, 1e-5);
+        // add, in place as the residual add runs
+        let k = Kernel::Add { width: 96, act };
+        let o = run_both(&k, rows, &[a(1, false), a(2, false), a(3, true)]);
+        agree(&k.symbol(), &o[0].0, &o[0].1, act, 0.0);
+        // SwiGLU-OAI (inputs past the clamp included)
+        let k = Kernel::SwiGluOai { width: 96, alpha: 1.702, limit: 1.2, beta: 1.0, act };
+        let o = run_both(&k, rows, &[a(1, false), a(2, false), a(3, true)]);
+        agree(&k.symbol(), &o[0].0, &o[0].1, act, 1e-5);
+        // embedding gather
+        let k = Kernel::Embedding { vocab: 50, width: 96, weight: WeightType::BF16, act };
+        let ids: Vec<i64> = vec![7, 0, 49];
+        let o = run_both(&k, rows, &[buf(&ids, &[rows], "memref<?xi64>", false), weight(50, 96, WeightType::BF16, 5).remove(0), a(3, true)]);
+        agree(&k.symbol(), &o[0].0, &o[0].1, act, 0.0);
+        // QK-norm + partial RoPE (3 heads of 32, 16 rotary channels)
+        let k = Kernel::HeadNormRope { heads: 3, head_dim: 32, rotary_dim: 16, theta: 5e6, eps: 1e-6, weight: WeightType::BF16, act };
+        let pos: Vec<i64> = vec![0, 5, 4000];
+        let o = run_both(&k, rows, &[a(1, false), buf(&bits16(&vals(32, 6, 0.3)), &[32], "memref<32xbf16>", false), buf(&pos, &[rows], "memref<?xi64>", false), a(3, true)]);
+        agree(&k.symbol(), &o[0].0, &o[0].1, act, 1e-4);
+        // cache scatter to rows `pos` of a longer cache, both cache types
+        for cache in ACTS {
+            let k = Kernel::ScatterRows { width: 96, cache, act };
+            let pos: Vec<i64> = vec![4, 0, 2];
+            let o = run_both(&k, rows, &[a(1, false), buf(&pos, &[rows], "memref<?xi64>", false), act_rows(6, 96, cache, 7, true)]);
+            assert_eq!(o[0].0, o[0].1, "{k}: the cache bytes");
+        }
+    }
+    // to_bf16 and argmax (f32 logits)
+    let k = Kernel::ToBf16 { width: 96 };
+    let o = run_both(&k, rows, &[act_rows(rows, 96, Storage::F32, 1, false), act_rows(rows, 96, Storage::Bf16, 2, true)]);
+    assert_eq!(o[0].0, o[0].1, "{k}");
+    let k = Kernel::Argmax { width: 300 };
+    let mut logits = vals(rows * 300, 9, 2.0);
+    logits[300 + 17] = 5.0;
+    logits[300 + 200] = 5.0; // a tie: the first wins
+    let o = run_both(&k, rows, &[buf(&logits, &[rows, 300], "memref<?x300xf32>", false), buf(&[0i64; 3], &[rows], "memref<?xi64>", true)]);
+    assert_eq!(o[0].0, o[0].1, "{k}");
+    // MXFP8 decode for the tensor-core GEMM
+    let k = Kernel::DequantMxfp8 { out: 24, inp: 256, block: 32 };
+    let mut args = weight(24, 256, WeightType::Mxfp8 { block: 32 }, 3);
+    args.push(buf(&vec![0u16; 24 * 256], &[24, 256], "memref<24x256xi16>", true));
+    let o = run_both(&k, 24, &args);
+    assert_eq!(o[0].0, o[0].1, "{k}");
+}
+
+#[test]
+fn attention_and_the_msa_selection_on_the_gpu_match_the_host() {
+    let (heads, kv, d, cap) = (4usize, 2usize, 16usize, 40usize);
+    for act in ACTS {
+        for cache in ACTS {
+            for sparse in [None, Some(SparseSel { index_heads: 2, index_dim: 16, block: 4, topk: 3, local: 1, init: 1 })] {
+                // A prefill of 5 rows at positions 30..34 and a decode row.
+                for pos in [vec![30i64, 31, 32, 33, 34], vec![37]] {
+                    let rows = pos.len();
+                    let k = Kernel::Attention { heads, kv_heads: kv, head_dim: d, scale: 0.25, sparse, cache, act };
+                    let mut args = vec![act_rows(rows, heads * d, act, 1, false), act_rows(cap, kv * d, cache, 2, false), act_rows(cap, kv * d, cache, 3, false), buf(&pos, &[rows], "memref<?xi64>", false)];
+                    if let Some(s) = sparse {
+                        args.push(act_rows(rows, s.index_heads * s.index_dim, act, 4, false));
+                        args.push(act_rows(cap, s.index_dim, cache, 5, false));
+                    }
+                    args.push(act_rows(rows, heads * d, act, 6, true));
+                    let o = run_both(&k, rows, &args);
+                    agree(&format!("{k} at {pos:?}"), &o[0].0, &o[0].1, act, 1e-5);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn router_and_routed_experts_on_the_gpu_match_the_host() {
+    let (e, hidden, inter, top) = (8usize, 256usize, 64usize, 2usize);
+    for act in ACTS {
+        for rows in [1usize, 5] {
+            let k = Kernel::Router { width: hidden, experts: e, top_k: top, scale: 2.5, weight: WeightType::F32, bias: Some(WeightType::F32), act };
+            let mut args = vec![act_rows(rows, hidden, act, 1, false)];
+            args.extend(weight(e, hidden, WeightType::F32, 2));
+            args.push(buf(&vals(e, 3, 0.1), &[e], &format!("memref<{e}xf32>"), false));
+            args.push(buf(&vec![0f32; rows * top], &[rows, top], &format!("memref<?x{top}xf32>"), true));
+            args.push(buf(&vec![0i64; rows * top], &[rows, top], &format!("memref<?x{top}xi64>"), true));
+            let o = run_both(&k, rows, &args);
+            agree(&format!("{k} weights"), &o[0].0, &o[0].1, Storage::F32, 1e-5);
+            assert_eq!(o[1].0, o[1].1, "{k}: the chosen experts");
+            for w in [WeightType::BF16, WeightType::Mxfp8 { block: 32 }] {
+                // Experts 1 and 6 get three tokens (the four-pair walk and its
+                // tail), others one (the `_r1` walk), expert 0 none.
+                let ids: Vec<i64> = [1, 6, 6, 2, 1, 3, 6, 1, 4, 5].into_iter().take(rows * top).collect();
+                let wts = vals(rows * top, 8, 0.5);
+                let mut args = vec![act_rows(rows, hidden, act, 1, false), buf(&wts, &[rows, top], &format!("memref<?x{top}xf32>"), false), buf(&ids, &[rows, top], &format!("memref<?x{top}xi64>"), false)];
+                let first = args.len() + 2;
+                let mut table = Vec::new();
+                let mut tensors = Vec::new();
+                for x in 0..e {
+                    for (o, i) in [(inter, hidden), (inter, hidden), (hidden, inter)] {
+                        for t in weight(o, i, w, 10 + x) {
+                            table.push(first + tensors.len());
+                            tensors.push(t);
+                        }
+                    }
+                }
+                args.push(B::Table(table));
+                args.push(act_rows(rows, hidden, act, 9, true));
+                // The output precedes the tensors so its index is fixed.
+                args.extend(tensors);
+                let k = Kernel::RoutedExperts { experts: e, hidden, inter, top_k: top, weight: w, alpha: 1.702, limit: 7.0, beta: 1.0, act };
+                let o = run_both_prefix(&k, rows, &args, 5);
+                agree(&format!("{k} rows {rows}"), &o[0].0, &o[0].1, act, 1e-5);
+            }
+        }
+    }
+}
