@@ -18,6 +18,7 @@
 use melior::ir::{Attribute, Module, Type};
 use mlir_sys::*;
 use std::collections::HashMap;
+use std::rc::Rc;
 
 /// One thread-major value: `w` 64-bit words per thread (1 for scalars, the
 /// lane count for vectors, the field count for LLVM structs).
@@ -27,13 +28,29 @@ enum Data {
     Mem(Vec<Desc>),
 }
 
-/// A memref descriptor: aligned pointer, offset and strides in elements.
-#[derive(Clone, Debug, Default)]
+/// A memref descriptor: aligned pointer, offset and strides in elements
+/// (rank ≤ 4, inline so that per-thread descriptors cost no allocation).
+#[derive(Clone, Copy, Debug, Default)]
 struct Desc {
     ptr: u64,
     off: i64,
-    sizes: Vec<i64>,
-    strides: Vec<i64>,
+    rank: usize,
+    sizes: [i64; 4],
+    strides: [i64; 4],
+}
+
+impl Desc {
+    /// A row-major descriptor of `sizes` at `ptr`.
+    fn new(ptr: u64, sizes: &[i64]) -> Desc {
+        let mut d = Desc { ptr, off: 0, rank: sizes.len(), ..Default::default() };
+        d.sizes[..sizes.len()].copy_from_slice(sizes);
+        let mut st = 1;
+        for i in (0..sizes.len()).rev() {
+            d.strides[i] = st;
+            st *= sizes[i];
+        }
+        d
+    }
 }
 
 /// Element kinds of the values the kernels use.
@@ -303,18 +320,35 @@ fn attr_ints(s: &str) -> Vec<i64> {
 
 /// A parsed module whose `gpu.func` kernels can be launched.
 pub struct Gpu {
+    /// What the runtime's `m3c_gemm_wanted` answers: whether linears take the
+    /// tensor-core GEMM branch (`m3c_gemm_bf16`, computed here in f32 from bf16 inputs).
+    pub gemm: bool,
     funcs: HashMap<String, MlirOperation>,
     /// Per operation: its name and result/first-operand types, parsed once.
-    info: HashMap<usize, OpInfo>,
+    info: HashMap<usize, Rc<OpInfo>>,
+    blocks: HashMap<usize, Rc<Vec<MlirOperation>>>,
     _module: Module<'static>,
     pub mem: Memory,
 }
 
-#[derive(Clone)]
+/// What the interpreter needs of an operation, read through the C API once.
 struct OpInfo {
     name: String,
     out: Option<Ty>,
     inp: Option<Ty>,
+    ins: Vec<MlirValue>,
+    outs: Vec<MlirValue>,
+    /// Types of every operand and result (None: not a type the interpreter models).
+    in_tys: Vec<Option<Ty>>,
+    out_tys: Vec<Option<Ty>>,
+    /// Attributes as text, read on first use.
+    attrs: std::cell::RefCell<HashMap<&'static str, Option<String>>>,
+}
+
+impl OpInfo {
+    fn attr(&self, op: MlirOperation, name: &'static str) -> Option<String> {
+        self.attrs.borrow_mut().entry(name).or_insert_with(|| attr(op, name)).clone()
+    }
 }
 
 struct Frame<'m> {
@@ -323,8 +357,10 @@ struct Frame<'m> {
     block_id: [u64; 3],
     mem: &'m mut Memory,
     funcs: &'m HashMap<String, MlirOperation>,
-    info: &'m mut HashMap<usize, OpInfo>,
+    info: &'m mut HashMap<usize, Rc<OpInfo>>,
+    blocks: &'m mut HashMap<usize, Rc<Vec<MlirOperation>>>,
     kernel: &'m str,
+    gemm: bool,
 }
 
 impl Gpu {
@@ -357,12 +393,12 @@ impl Gpu {
                 }
             }
         }
-        Ok(Gpu { funcs, info: HashMap::new(), _module: module, mem: Memory::default() })
+        Ok(Gpu { gemm: false, funcs, info: HashMap::new(), blocks: HashMap::new(), _module: module, mem: Memory::default() })
     }
 
     /// Runs kernel `name` over `grid` blocks of `threads` threads (x only).
     pub fn launch(&mut self, name: &str, grid: [usize; 3], threads: usize, args: &[Arg]) -> Result<(), String> {
-        launch(&self.funcs, &mut self.info, &mut self.mem, name, grid, threads, args)
+        launch(&self.funcs, &mut self.info, &mut self.blocks, &mut self.mem, name, grid, threads, args)
     }
 
     /// Runs the host function `name` (one thread): what the stage entry
@@ -371,7 +407,7 @@ impl Gpu {
     pub fn call_host(&mut self, name: &str, args: &[Arg]) -> Result<(), String> {
         let f = *self.funcs.get(name).ok_or_else(|| format!("simt: no function {name}"))?;
         let entry = region_block(f, 0);
-        let mut fr = Frame { vals: HashMap::new(), threads: 1, block_id: [0; 3], mem: &mut self.mem, funcs: &self.funcs, info: &mut self.info, kernel: name };
+        let mut fr = Frame { vals: HashMap::new(), threads: 1, block_id: [0; 3], mem: &mut self.mem, funcs: &self.funcs, info: &mut self.info, blocks: &mut self.blocks, kernel: name, gemm: self.gemm };
         for (p, a) in block_args(entry).iter().zip(args) {
             fr.vals.insert(p.ptr as usize, arg_data(a, 1));
         }
@@ -383,18 +419,24 @@ fn arg_data(a: &Arg, threads: usize) -> Data {
     match a {
         Arg::Mem(ptr, sizes) => {
             let sizes: Vec<i64> = sizes.iter().map(|&s| s as i64).collect();
-            let mut strides = vec![1i64; sizes.len()];
-            for i in (0..sizes.len().saturating_sub(1)).rev() {
-                strides[i] = strides[i + 1] * sizes[i + 1];
-            }
-            Data::Mem(vec![Desc { ptr: *ptr, off: 0, sizes, strides }; threads])
+            Data::Mem(vec![Desc::new(*ptr, &sizes); threads])
         }
         Arg::Index(x) => Data::Bits { w: 1, v: vec![*x as u64; threads] },
         Arg::Ptr(x) => Data::Bits { w: 1, v: vec![*x; threads] },
     }
 }
 
-fn launch(funcs: &HashMap<String, MlirOperation>, info: &mut HashMap<usize, OpInfo>, mem: &mut Memory, name: &str, grid: [usize; 3], threads: usize, args: &[Arg]) -> Result<(), String> {
+#[allow(clippy::too_many_arguments)]
+fn launch(
+    funcs: &HashMap<String, MlirOperation>,
+    info: &mut HashMap<usize, Rc<OpInfo>>,
+    blocks: &mut HashMap<usize, Rc<Vec<MlirOperation>>>,
+    mem: &mut Memory,
+    name: &str,
+    grid: [usize; 3],
+    threads: usize,
+    args: &[Arg],
+) -> Result<(), String> {
     let f = *funcs.get(name).ok_or_else(|| format!("simt: no kernel {name}"))?;
     let entry = region_block(f, 0);
     let all = block_args(entry);
@@ -419,13 +461,13 @@ fn launch(funcs: &HashMap<String, MlirOperation>, info: &mut HashMap<usize, OpIn
     for bz in 0..grid[2] {
         for by in 0..grid[1] {
             for bx in 0..grid[0] {
-                let mut fr = Frame { vals: HashMap::new(), threads, block_id: [bx as u64, by as u64, bz as u64], mem, funcs, info, kernel: name };
+                let mut fr = Frame { vals: HashMap::new(), threads, block_id: [bx as u64, by as u64, bz as u64], mem, funcs, info, blocks, kernel: name, gemm: false };
                 for (p, a) in params.iter().zip(args) {
                     fr.vals.insert(p.ptr as usize, arg_data(a, threads));
                 }
                 for (v, n, e) in &wg {
                     let p = fr.mem.alloc(n * e.bytes());
-                    fr.vals.insert(v.ptr as usize, Data::Mem(vec![Desc { ptr: p, off: 0, sizes: vec![*n as i64], strides: vec![1] }; threads]));
+                    fr.vals.insert(v.ptr as usize, Data::Mem(vec![Desc::new(p, &[*n as i64]); threads]));
                 }
                 let mask = vec![true; threads];
                 fr.block(entry, &mask).map_err(|e| format!("{name} block ({bx}, {by}, {bz}): {e}"))?;
@@ -460,61 +502,64 @@ impl Frame<'_> {
 
     /// Runs a block's operations under `mask`; returns the terminator's operand values.
     fn block(&mut self, b: MlirBlock, mask: &[bool]) -> Result<Vec<Data>, String> {
-        for op in block_ops(b) {
-            let name = self.info(op)?.name;
-            match name.as_str() {
+        let ops = self.blocks.entry(b.ptr as usize).or_insert_with(|| Rc::new(block_ops(b))).clone();
+        for &op in ops.iter() {
+            let info = self.info(op)?;
+            match info.name.as_str() {
                 "scf.yield" | "gpu.return" | "func.return" | "scf.reduce" | "gpu.yield" => {
-                    return operands(op).iter().map(|v| self.get(*v).cloned()).collect();
+                    return info.ins.iter().map(|v| self.get(*v).cloned()).collect();
                 }
-                _ => self.op(op, &name, mask).map_err(|e| if e.starts_with("simt:") || e.contains(" at ") { e } else { format!("{name}: {e}") })?,
+                name => self.op(op, &info, mask).map_err(|e| if e.starts_with("simt:") || e.contains(" at ") { e } else { format!("{name}: {e}") })?,
             }
         }
         Ok(Vec::new())
     }
 
-    fn elementwise(&mut self, op: MlirOperation, f: impl Fn(&[u64]) -> Result<u64, String>) -> Result<(), String> {
-        let ins = operands(op);
-        let out = results(op)[0];
-        let t = value_ty(out)?;
-        let w = width(&t);
+    fn elementwise(&mut self, info: &OpInfo, f: impl Fn(&[u64]) -> Result<u64, String>) -> Result<(), String> {
+        let w = info.out.as_ref().map_or(1, width);
         let n = self.threads * w;
-        let srcs: Vec<Vec<u64>> = ins
-            .iter()
-            .map(|v| {
-                let (wi, d) = self.bits(*v)?;
-                // A scalar operand next to vectors (a select's i1) is broadcast.
-                Ok(if wi == w { d.clone() } else { (0..n).map(|i| d[i / w]).collect() })
-            })
-            .collect::<Result<_, String>>()?;
-        let mut res = vec![0u64; n];
-        let mut a = vec![0u64; srcs.len()];
-        for (i, r) in res.iter_mut().enumerate() {
-            for (k, s) in srcs.iter().enumerate() {
-                a[k] = s[i];
-            }
-            *r = f(&a)?;
+        let mut srcs: Vec<(usize, &Vec<u64>)> = Vec::with_capacity(info.ins.len());
+        for v in &info.ins {
+            srcs.push(self.bits(*v)?);
         }
-        self.set(out, Data::Bits { w, v: res });
+        let mut res = vec![0u64; n];
+        let mut a = [0u64; 4];
+        for (i, r) in res.iter_mut().enumerate() {
+            for (k, (wi, s)) in srcs.iter().enumerate() {
+                // A scalar operand next to vectors (a select's i1) is broadcast.
+                a[k] = if *wi == w { s[i] } else { s[i / w] };
+            }
+            *r = f(&a[..srcs.len()])?;
+        }
+        self.set(info.outs[0], Data::Bits { w, v: res });
         Ok(())
     }
 
-    fn info(&mut self, op: MlirOperation) -> Result<OpInfo, String> {
+    fn info(&mut self, op: MlirOperation) -> Result<Rc<OpInfo>, String> {
         if let Some(i) = self.info.get(&(op.ptr as usize)) {
             return Ok(i.clone());
         }
-        let i = OpInfo {
+        let (ins, outs) = (operands(op), results(op));
+        let i = Rc::new(OpInfo {
             name: op_name(op),
-            out: results(op).first().map(|r| value_ty(*r)).transpose()?,
-            inp: operands(op).first().and_then(|v| value_ty(*v).ok()),
-        };
+            out: outs.first().map(|r| value_ty(*r)).transpose()?,
+            inp: ins.first().and_then(|v| value_ty(*v).ok()),
+            in_tys: ins.iter().map(|v| value_ty(*v).ok()).collect(),
+            out_tys: outs.iter().map(|v| value_ty(*v).ok()).collect(),
+            ins,
+            outs,
+            attrs: Default::default(),
+        });
         self.info.insert(op.ptr as usize, i.clone());
         Ok(i)
     }
 
-    fn op(&mut self, op: MlirOperation, name: &str, mask: &[bool]) -> Result<(), String> {
+    fn op(&mut self, op: MlirOperation, info: &OpInfo, mask: &[bool]) -> Result<(), String> {
         let t = self.threads;
-        let res = results(op);
-        let info = self.info(op)?;
+        let name = info.name.as_str();
+        let res = &info.outs;
+        let attr = |op: MlirOperation, n: &'static str| info.attr(op, n);
+        let operands = |_: MlirOperation| &info.ins[..];
         let out_ty = info.out.clone();
         let e = out_ty.as_ref().map(elem);
         let ibits = match e {
@@ -578,7 +623,12 @@ impl Frame<'_> {
                 let d = (0..t)
                     .map(|th| {
                         let f = &s[th * n..(th + 1) * n];
-                        Desc { ptr: f[1], off: f[2] as i64, sizes: f[3..3 + rank].iter().map(|&x| x as i64).collect(), strides: f[3 + rank..].iter().map(|&x| x as i64).collect() }
+                        let mut d = Desc { ptr: f[1], off: f[2] as i64, rank, ..Default::default() };
+                        for k in 0..rank {
+                            d.sizes[k] = f[3 + k] as i64;
+                            d.strides[k] = f[3 + rank + k] as i64;
+                        }
+                        d
                     })
                     .collect();
                 self.set(res[0], Data::Mem(d));
@@ -589,37 +639,37 @@ impl Frame<'_> {
                 let v = (0..t).map(|th| if name == "gpu.thread_id" { if k == 0 { th as u64 } else { 0 } } else { self.block_id[k] }).collect();
                 self.set(res[0], Data::Bits { w: 1, v });
             }
-            "arith.addi" => self.elementwise(op, move |a| Ok(mask_bits(a[0].wrapping_add(a[1]), ibits)))?,
-            "arith.subi" => self.elementwise(op, move |a| Ok(mask_bits(a[0].wrapping_sub(a[1]), ibits)))?,
-            "arith.muli" => self.elementwise(op, move |a| Ok(mask_bits(a[0].wrapping_mul(a[1]), ibits)))?,
-            "arith.divui" => self.elementwise(op, |a| Ok(a[0].checked_div(a[1]).unwrap_or(0)))?,
-            "arith.remui" => self.elementwise(op, |a| Ok(a[0].checked_rem(a[1]).unwrap_or(0)))?,
-            "arith.minui" => self.elementwise(op, |a| Ok(a[0].min(a[1])))?,
-            "arith.minsi" => self.elementwise(op, move |a| Ok(if sext(a[0], ibits) <= sext(a[1], ibits) { a[0] } else { a[1] }))?,
-            "arith.andi" => self.elementwise(op, |a| Ok(a[0] & a[1]))?,
-            "arith.ori" => self.elementwise(op, |a| Ok(a[0] | a[1]))?,
-            "arith.xori" => self.elementwise(op, move |a| Ok(mask_bits(a[0] ^ a[1], ibits)))?,
-            "arith.shli" => self.elementwise(op, move |a| Ok(if a[1] >= ibits as u64 { 0 } else { mask_bits(a[0] << a[1], ibits) }))?,
-            "arith.shrui" => self.elementwise(op, move |a| Ok(if a[1] >= ibits as u64 { 0 } else { a[0] >> a[1] }))?,
-            "arith.extui" => self.elementwise(op, |a| Ok(a[0]))?,
-            "arith.extsi" => self.elementwise(op, move |a| Ok(mask_bits(sext(a[0], in_bits) as u64, ibits)))?,
-            "arith.trunci" => self.elementwise(op, move |a| Ok(mask_bits(a[0], ibits)))?,
-            "arith.index_cast" => self.elementwise(op, move |a| Ok(mask_bits(sext(a[0], in_bits) as u64, ibits)))?,
-            "arith.sitofp" => self.elementwise(op, move |a| Ok(fb(sext(a[0], in_bits) as f32)))?,
-            "arith.addf" => self.elementwise(op, fl(|x, y| x + y))?,
-            "arith.subf" => self.elementwise(op, fl(|x, y| x - y))?,
-            "arith.mulf" => self.elementwise(op, fl(|x, y| x * y))?,
-            "arith.divf" => self.elementwise(op, fl(|x, y| x / y))?,
-            "arith.maximumf" => self.elementwise(op, fl(|x, y| if x.is_nan() || y.is_nan() { f32::NAN } else { x.max(y) }))?,
-            "arith.minimumf" => self.elementwise(op, fl(|x, y| if x.is_nan() || y.is_nan() { f32::NAN } else { x.min(y) }))?,
-            "arith.negf" => self.elementwise(op, |a| Ok(fb(-f32v(a[0]))))?,
-            "math.exp" => self.elementwise(op, |a| Ok(fb(f32v(a[0]).exp())))?,
-            "math.rsqrt" => self.elementwise(op, |a| Ok(fb(1.0 / f32v(a[0]).sqrt())))?,
-            "math.sin" => self.elementwise(op, |a| Ok(fb(f32v(a[0]).sin())))?,
-            "math.cos" => self.elementwise(op, |a| Ok(fb(f32v(a[0]).cos())))?,
+            "arith.addi" => self.elementwise(info, move |a| Ok(mask_bits(a[0].wrapping_add(a[1]), ibits)))?,
+            "arith.subi" => self.elementwise(info, move |a| Ok(mask_bits(a[0].wrapping_sub(a[1]), ibits)))?,
+            "arith.muli" => self.elementwise(info, move |a| Ok(mask_bits(a[0].wrapping_mul(a[1]), ibits)))?,
+            "arith.divui" => self.elementwise(info, |a| Ok(a[0].checked_div(a[1]).unwrap_or(0)))?,
+            "arith.remui" => self.elementwise(info, |a| Ok(a[0].checked_rem(a[1]).unwrap_or(0)))?,
+            "arith.minui" => self.elementwise(info, |a| Ok(a[0].min(a[1])))?,
+            "arith.minsi" => self.elementwise(info, move |a| Ok(if sext(a[0], ibits) <= sext(a[1], ibits) { a[0] } else { a[1] }))?,
+            "arith.andi" => self.elementwise(info, |a| Ok(a[0] & a[1]))?,
+            "arith.ori" => self.elementwise(info, |a| Ok(a[0] | a[1]))?,
+            "arith.xori" => self.elementwise(info, move |a| Ok(mask_bits(a[0] ^ a[1], ibits)))?,
+            "arith.shli" => self.elementwise(info, move |a| Ok(if a[1] >= ibits as u64 { 0 } else { mask_bits(a[0] << a[1], ibits) }))?,
+            "arith.shrui" => self.elementwise(info, move |a| Ok(if a[1] >= ibits as u64 { 0 } else { a[0] >> a[1] }))?,
+            "arith.extui" => self.elementwise(info, |a| Ok(a[0]))?,
+            "arith.extsi" => self.elementwise(info, move |a| Ok(mask_bits(sext(a[0], in_bits) as u64, ibits)))?,
+            "arith.trunci" => self.elementwise(info, move |a| Ok(mask_bits(a[0], ibits)))?,
+            "arith.index_cast" => self.elementwise(info, move |a| Ok(mask_bits(sext(a[0], in_bits) as u64, ibits)))?,
+            "arith.sitofp" => self.elementwise(info, move |a| Ok(fb(sext(a[0], in_bits) as f32)))?,
+            "arith.addf" => self.elementwise(info, fl(|x, y| x + y))?,
+            "arith.subf" => self.elementwise(info, fl(|x, y| x - y))?,
+            "arith.mulf" => self.elementwise(info, fl(|x, y| x * y))?,
+            "arith.divf" => self.elementwise(info, fl(|x, y| x / y))?,
+            "arith.maximumf" => self.elementwise(info, fl(|x, y| if x.is_nan() || y.is_nan() { f32::NAN } else { x.max(y) }))?,
+            "arith.minimumf" => self.elementwise(info, fl(|x, y| if x.is_nan() || y.is_nan() { f32::NAN } else { x.min(y) }))?,
+            "arith.negf" => self.elementwise(info, |a| Ok(fb(-f32v(a[0]))))?,
+            "math.exp" => self.elementwise(info, |a| Ok(fb(f32v(a[0]).exp())))?,
+            "math.rsqrt" => self.elementwise(info, |a| Ok(fb(1.0 / f32v(a[0]).sqrt())))?,
+            "math.sin" => self.elementwise(info, |a| Ok(fb(f32v(a[0]).sin())))?,
+            "math.cos" => self.elementwise(info, |a| Ok(fb(f32v(a[0]).cos())))?,
             "arith.extf" => {
                 let from = in_ty.as_ref().map(elem);
-                self.elementwise(op, move |a| Ok(match from {
+                self.elementwise(info, move |a| Ok(match from {
                     Some(Elem::F16) => fb(f16_to_f32(a[0] as u16)),
                     Some(Elem::Bf16) => a[0] << 16,
                     _ => a[0],
@@ -652,7 +702,7 @@ impl Frame<'_> {
             }
             "arith.cmpi" => {
                 let p = attr_ints(&attr(op, "predicate").ok_or("cmpi without predicate")?)[0];
-                self.elementwise(op, move |a| {
+                self.elementwise(info, move |a| {
                     let (x, y) = (a[0], a[1]);
                     let (sx, sy) = (sext(x, in_bits), sext(y, in_bits));
                     Ok(match p {
@@ -672,7 +722,7 @@ impl Frame<'_> {
             }
             "arith.cmpf" => {
                 let p = attr_ints(&attr(op, "predicate").ok_or("cmpf without predicate")?)[0];
-                self.elementwise(op, move |a| {
+                self.elementwise(info, move |a| {
                     let (x, y) = (f32v(a[0]), f32v(a[1]));
                     let ord = !x.is_nan() && !y.is_nan();
                     Ok(match p {
@@ -688,8 +738,8 @@ impl Frame<'_> {
                     } as u64)
                 })?
             }
-            "arith.select" => self.elementwise(op, |a| Ok(if a[0] & 1 != 0 { a[1] } else { a[2] }))?,
-            "vector.broadcast" => self.elementwise(op, |a| Ok(a[0]))?,
+            "arith.select" => self.elementwise(info, |a| Ok(if a[0] & 1 != 0 { a[1] } else { a[2] }))?,
+            "vector.broadcast" => self.elementwise(info, |a| Ok(a[0]))?,
             "vector.extract" => {
                 let ins = operands(op);
                 let (w, d) = self.bits(ins[0])?;
@@ -734,7 +784,7 @@ impl Frame<'_> {
                 if !s.contains("cvt.rn.f16x2.e4m3x2") {
                     return Err(format!("inline asm {s}"));
                 }
-                self.elementwise(op, |a| {
+                self.elementwise(info, |a| {
                     let lo = e4m3_to_f16(a[0] as u8) as u64;
                     let hi = e4m3_to_f16((a[0] >> 8) as u8) as u64;
                     Ok(lo | (hi << 16))
@@ -793,23 +843,33 @@ impl Frame<'_> {
                 let el = elem_of(parts.pop().unwrap_or(""))?;
                 let sizes: Vec<i64> = parts.iter().map(|p| p.parse().unwrap_or(1)).collect();
                 let n: i64 = sizes.iter().product();
-                let mut strides = vec![1i64; sizes.len()];
-                for i in (0..sizes.len().saturating_sub(1)).rev() {
-                    strides[i] = strides[i + 1] * sizes[i + 1];
-                }
-                let d = (0..t).map(|_| Desc { ptr: self.mem.alloc(n as usize * el.bytes()), off: 0, sizes: sizes.clone(), strides: strides.clone() }).collect();
+                let d = (0..t).map(|_| Desc::new(self.mem.alloc(n as usize * el.bytes()), &sizes)).collect();
                 self.set(res[0], Data::Mem(d));
             }
             "memref.load" | "memref.store" | "vector.load" => {
-                let ins = operands(op);
+                let ins = &info.ins;
                 let (mref, idx0, val) = if name == "memref.store" { (ins[1], 2, Some(ins[0])) } else { (ins[0], 1, None) };
-                let mty = value_ty(mref)?;
-                let el = elem(&mty);
-                let d = self.descs(mref)?.clone();
-                let idx: Vec<Vec<u64>> = ins[idx0..].iter().map(|v| self.bits(*v).map(|(_, x)| x.clone())).collect::<Result<_, _>>()?;
+                let mty = info.in_tys[if name == "memref.store" { 1 } else { 0 }].clone().ok_or("a memref of unknown type")?;
+                let eb = elem(&mty).bytes();
                 let lanes = if name == "vector.load" { width(out_ty.as_ref().unwrap()) } else { 1 };
-                let src = val.map(|v| self.bits(v).map(|(_, x)| x.clone())).transpose()?;
-                let mut v = vec![0u64; t * lanes];
+                // Borrow the operands and the memory side by side (distinct fields).
+                let vals = &self.vals;
+                let mem = &mut *self.mem;
+                let look = |v: MlirValue| vals.get(&(v.ptr as usize)).ok_or_else(|| "simt: a value used before it is defined".to_string());
+                let Data::Mem(d) = look(mref)? else { return Err("a scalar where a memref was expected".into()) };
+                let mut idx: Vec<&Vec<u64>> = Vec::with_capacity(ins.len() - idx0);
+                for v in &ins[idx0..] {
+                    match look(*v)? {
+                        Data::Bits { v, .. } => idx.push(v),
+                        _ => return Err("a memref index".into()),
+                    }
+                }
+                let src = match val.map(look).transpose()? {
+                    Some(Data::Bits { v, .. }) => Some(v),
+                    Some(_) => return Err("storing a memref".into()),
+                    None => None,
+                };
+                let mut v = if val.is_none() { vec![0u64; t * lanes] } else { Vec::new() };
                 for th in 0..t {
                     if !mask[th] {
                         continue;
@@ -825,10 +885,10 @@ impl Frame<'_> {
                         lin += i * ds.strides[k];
                     }
                     for l in 0..lanes {
-                        let addr = ds.ptr + ((lin + l as i64) as u64) * el.bytes() as u64;
-                        match &src {
-                            Some(s) => self.mem.store(addr, el.bytes(), s[th])?,
-                            None => v[th * lanes + l] = self.mem.load(addr, el.bytes())?,
+                        let addr = ds.ptr + ((lin + l as i64) as u64) * eb as u64;
+                        match src {
+                            Some(s) => mem.store(addr, eb, s[th])?,
+                            None => v[th * lanes + l] = mem.load(addr, eb)?,
                         }
                     }
                 }
@@ -897,13 +957,13 @@ impl Frame<'_> {
                             if d.off != 0 {
                                 return Err(format!("launch of {kname}: a memref argument with an offset"));
                             }
-                            Arg::Mem(d.ptr, d.sizes.iter().map(|&x| x as usize).collect())
+                            Arg::Mem(d.ptr, d.sizes[..d.rank].iter().map(|&x| x as usize).collect())
                         }
                         // index scalars and !llvm.ptr values alike: one word.
                         Data::Bits { v, .. } => Arg::Ptr(v[0]),
                     });
                 }
-                launch(self.funcs, self.info, self.mem, &kname, grid, threads, &args)?;
+                launch(self.funcs, self.info, self.blocks, self.mem, &kname, grid, threads, &args)?;
             }
             "func.call" if attr(op, "callee").is_some_and(|c| c.contains("m3c_buf_alloc")) => {
                 let (_, n) = self.bits(operands(op)[0])?;
@@ -911,13 +971,49 @@ impl Frame<'_> {
                 self.set(res[0], Data::Bits { w: 1, v: vec![p; t] });
             }
             "func.call" if attr(op, "callee").is_some_and(|c| c.contains("m3c_buf_free")) => {}
+            "func.call" if attr(op, "callee").is_some_and(|c| c.contains("m3c_buf_copy")) => {
+                let ins = operands(op);
+                let (d, s, n) = (self.bits(ins[0])?.1[0], self.bits(ins[1])?.1[0], self.bits(ins[2])?.1[0] as usize);
+                for i in 0..n as u64 {
+                    let b = self.mem.load(s + i, 1)?;
+                    self.mem.store(d + i, 1, b)?;
+                }
+            }
+            "func.call" if attr(op, "callee").is_some_and(|c| c.contains("m3c_gemm_wanted")) => {
+                self.set(res[0], Data::Bits { w: 1, v: vec![self.gemm as u64; t] });
+            }
+            "func.call" if attr(op, "callee").is_some_and(|c| c.contains("m3c_gemm_bf16")) => {
+                // y[r, o] = Σ_i x[r, i] · w[o, i], bf16 inputs, f32 sums; y f32 or bf16 (rounded to nearest even).
+                let a: Vec<u64> = operands(op).iter().map(|v| self.bits(*v).map(|(_, x)| x[0])).collect::<Result<_, _>>()?;
+                let (x, w, y, rows, inp, out, ybf) = (a[0], a[1], a[2], a[3] as usize, a[4] as usize, a[5] as usize, a[6] != 0);
+                let bf = |m: &mut Memory, p: u64| -> Result<f32, String> { Ok(f32::from_bits((m.load(p, 2)? as u32) << 16)) };
+                for r in 0..rows {
+                    for o in 0..out {
+                        let mut acc = 0f32;
+                        for i in 0..inp {
+                            acc += bf(self.mem, x + 2 * (r * inp + i) as u64)? * bf(self.mem, w + 2 * (o * inp + i) as u64)?;
+                        }
+                        if ybf {
+                            self.mem.store(y + 2 * (r * out + o) as u64, 2, bf16_bits(acc) as u64)?;
+                        } else {
+                            self.mem.store(y + 4 * (r * out + o) as u64, 4, acc.to_bits() as u64)?;
+                        }
+                    }
+                }
+            }
+            "memref.extract_aligned_pointer_as_index" => {
+                let d = self.descs(operands(op)[0])?;
+                let v = d.iter().map(|x| x.ptr).collect();
+                self.set(res[0], Data::Bits { w: 1, v });
+            }
+            "llvm.inttoptr" | "llvm.ptrtoint" => self.elementwise(info, |a| Ok(a[0]))?,
             "func.call" => {
                 let callee = attr(op, "callee").ok_or("call without callee")?;
                 let callee = callee.trim_start_matches('@').trim_matches('"').to_string();
                 let f = *self.funcs.get(&callee).ok_or_else(|| format!("call of unknown {callee}"))?;
                 let entry = region_block(f, 0);
                 for (p, a) in block_args(entry).iter().zip(operands(op)) {
-                    let d = self.get(a)?.clone();
+                    let d = self.get(*a)?.clone();
                     self.set(*p, d);
                 }
                 let outs = self.block(entry, mask)?;
@@ -933,7 +1029,7 @@ impl Frame<'_> {
                 let has_else = unsafe { !mlirRegionGetFirstBlock(mlirOperationGetRegion(op, 1)).ptr.is_null() };
                 let b = if has_else && else_m.iter().any(|&m| m) { Some(self.block(region_block(op, 1), &else_m)?) } else { None };
                 for (k, r) in res.iter().enumerate() {
-                    let w = width(&value_ty(*r)?);
+                    let w = width(info.out_tys[k].as_ref().ok_or("an scf.if result of unknown type")?);
                     let mut v = vec![0u64; t * w];
                     for th in 0..t {
                         let src = if then_m[th] { a.as_ref() } else if else_m[th] { b.as_ref() } else { None };
@@ -1007,4 +1103,13 @@ fn scalar_lit(s: &str, e: Elem) -> Result<u64, String> {
             _ => mask_bits(s.parse::<i64>().map_err(|_| format!("integer literal {s}"))? as u64, b),
         },
     })
+}
+
+/// f32 → bf16 bits, nearest even (NaN kept a quiet NaN), as the kernels round.
+fn bf16_bits(x: f32) -> u16 {
+    if x.is_nan() {
+        return 0x7FC0;
+    }
+    let b = x.to_bits();
+    (b.wrapping_add(0x7FFF + ((b >> 16) & 1)) >> 16) as u16
 }
