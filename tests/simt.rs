@@ -194,9 +194,59 @@ fn e4m3_to_f16(b: u8) -> u16 {
 #[derive(Default)]
 pub struct Memory {
     bufs: Vec<Vec<u8>>,
+    /// Scratch from `m3c_buf_alloc`, pooled by size and never freed, as the
+    /// runtime's device pool does: so a step that allocates in the same
+    /// order gets the same addresses (what CUDA graph replay relies on).
+    pool: HashMap<usize, Vec<u64>>,
+    pooled: HashMap<u64, usize>,
+    /// Every kernel launch, in order.
+    pub launches: Vec<Launch>,
+}
+
+/// One kernel launch as the interpreter saw it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Launch {
+    pub kernel: String,
+    pub grid: [usize; 3],
+    pub threads: usize,
+    pub args: Vec<Arg>,
 }
 
 impl Memory {
+    /// `m3c_buf_alloc`: a pooled buffer of `bytes`.
+    fn pool_alloc(&mut self, bytes: usize) -> u64 {
+        if let Some(p) = self.pool.get_mut(&bytes).and_then(|v| v.pop()) {
+            return p;
+        }
+        let p = self.alloc(bytes);
+        self.pooled.insert(p, bytes);
+        p
+    }
+
+    /// `m3c_buf_free`: back to the pool.
+    fn pool_free(&mut self, p: u64) -> Result<(), String> {
+        let bytes = *self.pooled.get(&p).ok_or_else(|| format!("simt: m3c_buf_free of {p:#x}, which m3c_buf_alloc did not return"))?;
+        let list = self.pool.entry(bytes).or_default();
+        if list.contains(&p) {
+            return Err(format!("simt: {p:#x} freed twice"));
+        }
+        list.push(p);
+        Ok(())
+    }
+
+    /// Whether `ptr` points into scratch from `m3c_buf_alloc`.
+    pub fn is_scratch(&self, ptr: u64) -> bool {
+        self.pooled.contains_key(&(ptr >> 40 << 40))
+    }
+
+    /// Overwrites the start of the buffer `ptr` points to with `data`.
+    pub fn write<T: Copy>(&mut self, ptr: u64, data: &[T]) -> Result<(), String> {
+        // SAFETY: plain old data viewed as bytes.
+        let bytes = unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, std::mem::size_of_val(data)) };
+        self.slot(ptr, bytes.len())?.copy_from_slice(bytes);
+        Ok(())
+    }
+
     /// A new buffer of `bytes` zero bytes; its pointer.
     pub fn alloc(&mut self, bytes: usize) -> u64 {
         self.bufs.push(vec![0; bytes]);
@@ -244,7 +294,7 @@ impl Memory {
 }
 
 /// A kernel argument.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum Arg {
     /// A memref over a buffer: pointer and sizes (row-major strides).
     Mem(u64, Vec<usize>),
@@ -963,14 +1013,18 @@ impl Frame<'_> {
                         Data::Bits { v, .. } => Arg::Ptr(v[0]),
                     });
                 }
+                self.mem.launches.push(Launch { kernel: kname.clone(), grid, threads, args: args.clone() });
                 launch(self.funcs, self.info, self.blocks, self.mem, &kname, grid, threads, &args)?;
             }
             "func.call" if attr(op, "callee").is_some_and(|c| c.contains("m3c_buf_alloc")) => {
                 let (_, n) = self.bits(operands(op)[0])?;
-                let p = self.mem.alloc(n[0] as usize);
+                let p = self.mem.pool_alloc(n[0] as usize);
                 self.set(res[0], Data::Bits { w: 1, v: vec![p; t] });
             }
-            "func.call" if attr(op, "callee").is_some_and(|c| c.contains("m3c_buf_free")) => {}
+            "func.call" if attr(op, "callee").is_some_and(|c| c.contains("m3c_buf_free")) => {
+                let p = self.bits(operands(op)[0])?.1[0];
+                self.mem.pool_free(p)?;
+            }
             "func.call" if attr(op, "callee").is_some_and(|c| c.contains("m3c_buf_copy")) => {
                 let ins = operands(op);
                 let (d, s, n) = (self.bits(ins[0])?.1[0], self.bits(ins[1])?.1[0], self.bits(ins[2])?.1[0] as usize);

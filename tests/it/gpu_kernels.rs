@@ -366,7 +366,8 @@ fn router_and_routed_experts_on_the_gpu_match_the_host() {
 /// the CUDA back end generates it — its launches, per-sequence loops,
 /// scratch buffers, cache writes and (with `gemm`) the tensor-core GEMM
 /// branch — in the interpreter, on the fixture's real weights. Returns the
-/// logits of the prefill and of each decode step.
+/// logits of the prefill and of each decode step, after checking that every
+/// decode step launched exactly what the first did.
 fn cuda_stage_logits(model: &str, act: Storage, gemm: bool, decode: &[i64]) -> Vec<Vec<f32>> {
     use m3c::source::ModelSource;
     let dir = m3c_tests::fixture(model);
@@ -394,23 +395,61 @@ fn cuda_stage_logits(model: &str, act: Storage, gemm: bool, decode: &[i64]) -> V
     for (t, &id) in decode.iter().enumerate() {
         steps.push((vec![id], prompt.len() + t));
     }
+    // Prefill buffers, then one set of decode buffers that every decode step
+    // refills (as a captured CUDA graph's inputs are refilled).
+    let io = |g: &mut Gpu, rows: usize| [g.mem.alloc(8), g.mem.put(&[cap as i64]), g.mem.alloc(rows * 8), g.mem.alloc(rows * hidden * 4), g.mem.alloc(rows * vocab * 4), g.mem.alloc(rows * 8), g.mem.alloc(rows * 8)];
+    let (prefill_io, decode_io) = (io(&mut g, prompt.len()), io(&mut g, 1));
     let mut out = Vec::new();
+    let mut traces = Vec::new();
     for (ids, pos0) in steps {
         let rows = ids.len();
+        let a = if pos0 == 0 { prefill_io } else { decode_io };
         let pos: Vec<i64> = (pos0..pos0 + rows).map(|p| p as i64).collect();
-        let a = [
-            g.mem.put(&[rows as i64]),
-            g.mem.put(&[cap as i64]),
-            g.mem.put(&ids),
-            g.mem.alloc(rows * hidden * 4),
-            g.mem.alloc(rows * vocab * 4),
-            g.mem.alloc(rows * 8),
-            g.mem.put(&pos),
-        ];
+        g.mem.write(a[0], &[rows as i64]).unwrap();
+        g.mem.write(a[2], &ids).unwrap();
+        g.mem.write(a[6], &pos).unwrap();
         let args = [weights, weights, caches, 1, a[0], a[1], rows as u64, a[2], a[3], a[4], a[5], a[6]].map(Arg::Ptr);
+        g.mem.launches.clear();
         g.call_host(m3c::lower::ENTRY_SYMBOL, &args).unwrap_or_else(|e| panic!("{model}: {e}"));
-        out.push(g.mem.get::<f32>(a[4]));
+        traces.push(std::mem::take(&mut g.mem.launches));
+        out.push(g.mem.get::<f32>(a[4])[..rows * vocab].to_vec());
     }
+    // What CUDA graph replay relies on: every decode step makes the same
+    // launches — kernels, grids, sizes, the same weights, caches and step
+    // buffers, scratch used in the same pattern — whatever its position.
+    // (Which pooled scratch buffer a step gets does not matter: a replayed
+    // graph keeps the ones it was captured with, and steps run one at a time
+    // on the stream.)
+    let shape = |tr: &[m3c_tests::simt::Launch], mem: &m3c_tests::simt::Memory| -> Vec<String> {
+        let mut names: Vec<u64> = Vec::new();
+        tr.iter()
+            .map(|l| {
+                let args: Vec<String> = l
+                    .args
+                    .iter()
+                    .map(|a| match a {
+                        Arg::Mem(p, dims) if mem.is_scratch(*p) => {
+                            let base = *p >> 40;
+                            let k = names.iter().position(|&b| b == base).unwrap_or_else(|| {
+                                names.push(base);
+                                names.len() - 1
+                            });
+                            format!("scratch{k}+{}{dims:?}", *p & ((1 << 40) - 1))
+                        }
+                        other => format!("{other:?}"),
+                    })
+                    .collect();
+                format!("{} {:?} {} {}", l.kernel, l.grid, l.threads, args.join(", "))
+            })
+            .collect()
+    };
+    let first = shape(&traces[1], &g.mem);
+    for (t, tr) in traces.iter().enumerate().skip(2) {
+        let this = shape(tr, &g.mem);
+        let at = this.iter().zip(&first).position(|(a, b)| a != b);
+        assert!(this == first, "{model}: decode step {} launches differently from decode step 0 at {at:?}: {:?} vs {:?}", t - 1, at.map(|i| &this[i]), at.map(|i| &first[i]));
+    }
+    assert!(traces[1].len() > 20, "{model}: {} launches per decode step", traces[1].len());
     out
 }
 
@@ -420,6 +459,8 @@ fn cuda_stage_logits(model: &str, act: Storage, gemm: bool, decode: &[i64]) -> V
 /// sum in another order), for the bf16 and the MXFP8 fixture; and with bf16
 /// activations and every linear on the tensor-core branch (bf16 GEMM inputs,
 /// MXFP8 weights decoded), within the bf16 tolerance the host run is held to.
+/// Decode steps at positions 40 and 41 make identical launches (pointers
+/// included, with scratch pooled as the runtime pools it).
 #[test]
 fn tiny_cuda_stage_reproduces_the_golden_in_the_interpreter() {
     for (model, act, gemm) in [("tiny-m3", Storage::F32, false), ("tiny-m3-mxfp8", Storage::F32, false), ("tiny-m3-mxfp8", Storage::Bf16, true)] {
