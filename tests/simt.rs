@@ -352,6 +352,17 @@ fn attr(op: MlirOperation, name: &str) -> Option<String> {
     }
 }
 
+/// The sizes and element of a statically shaped memref value (workgroup
+/// buffers, `memref.alloca`).
+fn static_memref(v: MlirValue) -> Result<(Vec<i64>, Elem), String> {
+    let t = unsafe { Type::from_raw(mlirValueGetType(v)) }.to_string();
+    let dims = t.trim_start_matches("memref<").split(['>', ',']).next().unwrap_or("").to_string();
+    let mut parts: Vec<&str> = dims.split('x').collect();
+    let e = elem_of(parts.pop().unwrap_or(""))?;
+    let sizes = parts.iter().map(|p| p.parse().map_err(|_| format!("simt: {t} is not statically shaped"))).collect::<Result<_, _>>()?;
+    Ok((sizes, e))
+}
+
 fn value_ty(v: MlirValue) -> Result<Ty, String> {
     parse_ty(&unsafe { Type::from_raw(mlirValueGetType(v)) }.to_string())
 }
@@ -520,12 +531,8 @@ fn launch(
     }
     let mut wg = Vec::new();
     for v in wg_args {
-        let t = unsafe { Type::from_raw(mlirValueGetType(*v)) }.to_string();
-        let dims = t.trim_start_matches("memref<").split(',').next().unwrap_or("").to_string();
-        let mut parts: Vec<&str> = dims.split('x').collect();
-        let e = elem_of(parts.pop().unwrap_or(""))?;
-        let n: usize = parts.iter().map(|p| p.parse::<usize>().unwrap_or(1)).product();
-        wg.push((*v, n, e));
+        let (sizes, e) = static_memref(*v)?;
+        wg.push((*v, sizes.iter().product::<i64>() as usize, e));
     }
     if threads == 0 || threads > 1024 {
         return Err(format!("{name}: {threads} threads per block"));
@@ -909,11 +916,7 @@ impl Frame<'_> {
                 self.set(res[0], Data::Bits { w: 1, v });
             }
             "memref.alloca" => {
-                let ty = unsafe { Type::from_raw(mlirValueGetType(res[0])) }.to_string();
-                let dims = ty.trim_start_matches("memref<").split(['>', ',']).next().unwrap_or("").to_string();
-                let mut parts: Vec<&str> = dims.split('x').collect();
-                let el = elem_of(parts.pop().unwrap_or(""))?;
-                let sizes: Vec<i64> = parts.iter().map(|p| p.parse().unwrap_or(1)).collect();
+                let (sizes, el) = static_memref(res[0])?;
                 let n: i64 = sizes.iter().product();
                 let d = (0..t).map(|_| Desc::new(self.mem.alloc(n as usize * el.bytes()), &sizes)).collect();
                 self.set(res[0], Data::Mem(d));
