@@ -176,7 +176,7 @@ print(','.join(str(x) for x in struct.unpack('<%dq' % (len(d)//8), d)))")
       if timeout 120 "$b/out/$m-pp$pp/run.sh" --model "tests/fixtures/$m" --prompt-ids "$prompt" --max-new-tokens 16 \
            --expect "$golden" >"$log" 2>&1; then verdict=pass; else verdict=FAIL; fi
       check=$(grep -o 'prefill max.*' "$log" | head -1 || true)
-      rows+=("$(printf '%-28s %-6s %-5s %s' "$m (f32 act.)" "pp=$pp" "$verdict" "${check:-$(why "$log")}")")
+      rows+=("$(printf '%-32s %-6s %-5s %s' "$m (f32 act.)" "pp=$pp" "$verdict" "${check:-$(why "$log")}")")
     done
     # CUDA graphs change nothing: two prompts in one micro-batch, decode
     # replayed from graphs vs every kernel launched, dump bytes compared.
@@ -187,7 +187,7 @@ print(','.join(str(x) for x in struct.unpack('<%dq' % (len(d)//8), d)))")
     replays=$(grep -o '[0-9]* decode step(s) replayed' "$logs/$m-graphs-on.log" | head -1 || true)
     if cmp -s "$work/$m-graphs-on.p0.safetensors" "$work/$m-graphs-off.p0.safetensors" \
        && cmp -s "$work/$m-graphs-on.p1.safetensors" "$work/$m-graphs-off.p1.safetensors"; then verdict=pass; else verdict=FAIL; fi
-    rows+=("$(printf '%-28s %-6s %-5s %s' "$m CUDA graphs" "pp=2" "$verdict" "graphs on = off, dump bytes of 2 prompts; ${replays:-$(why "$logs/$m-graphs-on.log")}")")
+    rows+=("$(printf '%-32s %-6s %-5s %s' "$m CUDA graphs" "pp=2" "$verdict" "graphs on = off, dump bytes of 2 prompts; ${replays:-$(why "$logs/$m-graphs-on.log")}")")
     if [ "$m" = tiny-m3 ]; then
       # bf16 caches: logits move by rounding (on the host: max |Δ| ~1e-2, one
       # position 1.4 where an MSA block choice flips), so this row reports, not judges.
@@ -195,14 +195,14 @@ print(','.join(str(x) for x in struct.unpack('<%dq' % (len(d)//8), d)))")
       timeout 120 "$b/out/$m-pp1-kvbf16/run.sh" --model "tests/fixtures/$m" --prompt-ids "$prompt" --max-new-tokens 16 \
         --expect "$golden" >"$log" 2>&1 || true
       check=$(grep -o 'prefill max.*' "$log" | head -1 || true)
-      rows+=("$(printf '%-28s %-6s %-5s %s' "$m bf16 caches" "pp=1" "$([ -n "$check" ] && echo ran || echo FAIL)" "${check:-$(why "$log")}")")
+      rows+=("$(printf '%-32s %-6s %-5s %s' "$m bf16 caches" "pp=1" "$([ -n "$check" ] && echo ran || echo FAIL)" "${check:-$(why "$log")}")")
     fi
     # bf16 activations (the GPU default): reported, not judged, like the caches.
     log="$logs/$m-abf16.log"
     timeout 120 "$b/out/$m-pp1-abf16/run.sh" --model "tests/fixtures/$m" --prompt-ids "$prompt" --max-new-tokens 16 \
       --expect "$golden" >"$log" 2>&1 || true
     check=$(grep -o 'prefill max.*' "$log" | head -1 || true)
-    rows+=("$(printf '%-28s %-6s %-5s %s' "$m bf16 act." "pp=1" "$([ -n "$check" ] && echo ran || echo FAIL)" "${check:-$(why "$log")}")")
+    rows+=("$(printf '%-32s %-6s %-5s %s' "$m bf16 act." "pp=1" "$([ -n "$check" ] && echo ran || echo FAIL)" "${check:-$(why "$log")}")")
   done
 
   # Tensor-core GEMMs (cuBLAS) for prefill vs m3c's GEMV kernel: each tiny
@@ -219,7 +219,7 @@ print(','.join(str(x) for x in struct.unpack('<%dq' % (len(d)//8), d)))")
     M3C_GEMM_MIN_ROWS=1 timeout 120 "$b/out/$m-pp1/run.sh" --model "tests/fixtures/$m" --prompt-ids "$prompt" --max-new-tokens 16 \
       --prefill-gemm cublas --expect "$golden" >"$log" 2>&1 || true
     check=$(grep -o 'prefill max.*' "$log" | head -1 || true)
-    rows+=("$(printf '%-28s %-6s %-5s %s' "$m prefill on cuBLAS" "pp=1" "$([ -n "$check" ] && echo ran || echo FAIL)" "${check:-$(why "$log")}; $(grep -o 'run on cuBLAS\|cuBLAS not found[^;]*' "$log" | head -1)")")
+    rows+=("$(printf '%-32s %-6s %-5s %s' "$m prefill on cuBLAS" "pp=1" "$([ -n "$check" ] && echo ran || echo FAIL)" "${check:-$(why "$log")}; $(grep -o 'run on cuBLAS\|cuBLAS not found[^;]*' "$log" | head -1)")")
   done
   long=$(seq -s, 1 1024)
   for q in bf16 mxfp8; do
@@ -232,7 +232,7 @@ print(','.join(str(x) for x in struct.unpack('<%dq' % (len(d)//8), d)))")
         times="$times $g FAIL ($(why "$log"));"
       fi
     done
-    rows+=("$(printf '%-28s %-8s %-5s %s' "dense layer, $q" "prefill" "$(case "$times" in *FAIL*) echo FAIL ;; *) echo ran ;; esac)" "1024 tokens, layer stage:$times")")
+    rows+=("$(printf '%-32s %-8s %-5s %s' "dense layer, $q" "prefill" "$(case "$times" in *FAIL*) echo FAIL ;; *) echo ran ;; esac)" "1024 tokens, layer stage:$times")")
   done
 
   for q in bf16 mxfp8; do
@@ -251,9 +251,9 @@ print(','.join(str(x) for x in struct.unpack('<%dq' % (len(d)//8), d)))")
                --max-new-tokens 16 --cuda-graphs off >"$log.nographs" 2>&1; then
             nograph="; without graphs $(grep 'm3c stage 1/3: done' "$log.nographs" | sed -E 's/.*decode [0-9]+ step\(s\), mean ([0-9.]+) ms.*/\1/') ms"
           fi
-          rows+=("$(printf '%-28s %-8s %-5s decode step %s ms; HBM floor %s ms (%s GB); %s of the floor%s' "$kind layer, $q" "batch $batch" "ran" "$ms" "$floor" "$gb" "$frac" "$nograph")")
+          rows+=("$(printf '%-32s %-8s %-5s decode step %s ms; HBM floor %s ms (%s GB); %s of the floor%s' "$kind layer, $q" "batch $batch" "ran" "$ms" "$floor" "$gb" "$frac" "$nograph")")
         else
-          rows+=("$(printf '%-28s %-8s %-5s %s' "$kind layer, $q" "batch $batch" "FAIL" "$(why "$log")")")
+          rows+=("$(printf '%-32s %-8s %-5s %s' "$kind layer, $q" "batch $batch" "FAIL" "$(why "$log")")")
         fi
       done
     done
