@@ -517,7 +517,7 @@ impl Kernel {
             Kernel::DequantMxfp8 { out, inp, block } => {
                 // A block per weight row; threads stride its columns.
                 let wa = WeightArgs::new("%w", "%s", *out, *inp, WeightType::Mxfp8 { block: *block });
-                let yt = format!("memref<{out}x{inp}xi16>");
+                let yt = format!("memref<?x{inp}xi16>");
                 let body = format!(
                     "{IDX}{consts}%o = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {inp} : index\n\
                      scf.for %i = %t to %cw step %c256 {{\n{}{}}}\n",

@@ -302,7 +302,8 @@ fn linear_vec(name: &str, inp: usize, out: usize, weight: WeightType, act: Stora
 pub fn dequant_mxfp8(name: &str, out: usize, inp: usize, block: usize) -> String {
     let wt = format!("memref<{out}x{inp}xi8>");
     let st = format!("memref<{out}x{}xi8>", inp / block);
-    let yt = format!("memref<{out}x{inp}xi16>");
+    // Rows of bf16 bits, as the scratch the entry allocates for it is viewed.
+    let yt = format!("memref<?x{inp}xi16>");
     let body = format!(
         "%c0 = arith.constant 0 : index\n\
          %c1 = arith.constant 1 : index\n\

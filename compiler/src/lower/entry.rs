@@ -223,18 +223,11 @@ impl Emitter {
                 let dq = m3c_kernels::Kernel::DequantMxfp8 { out, inp, block };
                 self.use_gpu_kernel(&dq);
                 let wb = format!("%gq{tag}_wb");
-                let (alloc, rows_ty) = m3c_kernels::gpu::device_buffer(&wb, &format!("%gq{tag}_on"), inp, "i16");
-                self.views.insert(rows_ty);
-                let wb_ty = m3c_kernels::MemTy::fixed(&[out, inp], "i16");
+                let (alloc, wb_ty) = m3c_kernels::gpu::device_buffer(&wb, &format!("%gq{tag}_on"), inp, "i16");
                 self.views.insert(wb_ty.clone());
-                let view = format!(
-                    "{wb}_w = func.call @{}({wb}_p, %gq{tag}_on) : (!llvm.ptr, index) -> {}\n",
-                    wb_ty.view_fn(),
-                    wb_ty.mlir()
-                );
-                let launch = dq.gpu_call(&[a[1].clone(), a[2].clone(), (format!("{wb}_w"), wb_ty.mlir())], "%S", &format!("{tag}d"));
+                let launch = dq.gpu_call(&[a[1].clone(), a[2].clone(), (wb.clone(), wb_ty.mlir())], "%S", &format!("{tag}d"));
                 (
-                    format!("%gq{tag}_on = arith.constant {out} : index\n{alloc}{view}{}", launch.text),
+                    format!("%gq{tag}_on = arith.constant {out} : index\n{alloc}{}", launch.text),
                     format!("{wb}_p"),
                     format!("func.call @m3c_buf_free({wb}_p) : (!llvm.ptr) -> ()\n"),
                     &a[3],
