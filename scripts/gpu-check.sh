@@ -138,6 +138,16 @@ PY
   echo "wrote $BUNDLE ($(du -h "$BUNDLE" | cut -f1)); run it there with: scripts/gpu-check.sh run"
 }
 
+# A golden file's prompt_ids as `1,2,3`.
+prompt_ids() {
+  python3 - "$1" <<'PY'
+import json, struct, sys
+b = open(sys.argv[1], 'rb').read(); n = struct.unpack('<Q', b[:8])[0]; h = json.loads(b[8:8+n])
+s, e = h['prompt_ids']['data_offsets']; d = b[8+n+s:8+n+e]
+print(','.join(str(x) for x in struct.unpack('<%dq' % (len(d)//8), d)))
+PY
+}
+
 # The first error a stage reported in LOG, else its last line.
 why() { grep -m1 'error' "$1" || tail -1 "$1"; }
 
@@ -166,11 +176,7 @@ run() {
 
   for m in tiny-m3 tiny-m3-mxfp8; do
     golden="tests/fixtures/$m/golden.safetensors"
-    prompt=$(python3 -c "
-import json, struct, sys
-b = open('$golden', 'rb').read(); n = struct.unpack('<Q', b[:8])[0]; h = json.loads(b[8:8+n])
-s, e = h['prompt_ids']['data_offsets']; d = b[8+n+s:8+n+e]
-print(','.join(str(x) for x in struct.unpack('<%dq' % (len(d)//8), d)))")
+    prompt=$(prompt_ids "$golden")
     for pp in 1 2; do
       log="$logs/$m-pp$pp.log"
       if timeout 120 "$b/out/$m-pp$pp/run.sh" --model "tests/fixtures/$m" --prompt-ids "$prompt" --max-new-tokens 16 \
@@ -210,11 +216,7 @@ print(','.join(str(x) for x in struct.unpack('<%dq' % (len(d)//8), d)))")
   # and one 1024-token prefill of the real-size dense layer both ways.
   for m in tiny-m3 tiny-m3-mxfp8; do
     golden="tests/fixtures/$m/golden.safetensors"
-    prompt=$(python3 -c "
-import json, struct
-b = open('$golden', 'rb').read(); n = struct.unpack('<Q', b[:8])[0]; h = json.loads(b[8:8+n])
-s, e = h['prompt_ids']['data_offsets']; d = b[8+n+s:8+n+e]
-print(','.join(str(x) for x in struct.unpack('<%dq' % (len(d)//8), d)))")
+    prompt=$(prompt_ids "$golden")
     log="$logs/$m-cublas.log"
     M3C_GEMM_MIN_ROWS=1 timeout 120 "$b/out/$m-pp1/run.sh" --model "tests/fixtures/$m" --prompt-ids "$prompt" --max-new-tokens 16 \
       --prefill-gemm cublas --expect "$golden" >"$log" 2>&1 || true
