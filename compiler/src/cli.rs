@@ -208,7 +208,7 @@ fn gpu_profile(args: &PlanArgs) -> Result<GpuProfile> {
 }
 
 /// `--kv-cache` or `--activations` (clap has checked it is `f32` or `bf16`).
-fn cache_type(name: &str) -> m3c_kernels::Storage {
+fn storage(name: &str) -> m3c_kernels::Storage {
     if name == "bf16" {
         m3c_kernels::Storage::Bf16
     } else {
@@ -221,7 +221,7 @@ fn plan_cmd(args: PlanArgs) -> Result<()> {
     if args.batch == 0 || args.context == 0 {
         bail!("--batch and --context must be at least 1");
     }
-    let w = Workload { batch: args.batch, context: args.context, kv_cache: cache_type(&args.kv_cache) };
+    let w = Workload { batch: args.batch, context: args.context, kv_cache: storage(&args.kv_cache) };
     if let Some(file) = &args.check {
         let model = match (&args.model, plan::plan_model(file)?) {
             (Some(m), _) => m.clone(),
@@ -316,7 +316,7 @@ fn compile_cmd(args: CompileArgs) -> Result<()> {
                 gpu.memory = f64::INFINITY;
                 gpu.name = "host".into();
             }
-            plan::make_plan(cfg, args.pp, &gpu, Workload { batch: 1, context: 8192, kv_cache: cache_type(&args.kv_cache) }, target)?
+            plan::make_plan(cfg, args.pp, &gpu, Workload { batch: 1, context: 8192, kv_cache: storage(&args.kv_cache) }, target)?
         }
     };
     let mut emit = Vec::new();
@@ -337,11 +337,11 @@ fn compile_cmd(args: CompileArgs) -> Result<()> {
     // GPUs default to bf16 activations (what inference runs in); the host
     // defaults to f32, the mode that matches the reference exactly.
     let activations = match (args.activations.as_deref(), &p.target) {
-        (Some(a), _) => cache_type(a),
+        (Some(a), _) => storage(a),
         (None, Target::Host) => m3c_kernels::Storage::F32,
         (None, Target::Cuda { .. }) => m3c_kernels::Storage::Bf16,
     };
-    let storages = crate::lower::Storages { kv_cache: cache_type(&args.kv_cache), activations };
+    let storages = crate::lower::Storages { kv_cache: storage(&args.kv_cache), activations };
     let req = crate::compile::CompileRequest { config: cfg, plan: &p, out: &args.out, emit, cpu: args.cpu.clone(), storages, runtime_lib, replace };
     let m = crate::compile::compile(&req)?;
     for s in &m.stages {
