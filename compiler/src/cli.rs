@@ -25,6 +25,9 @@ enum Command {
         /// Print the model graph in its stable text form instead.
         #[arg(long)]
         graph: bool,
+        /// Also read every weight and report each tensor holding NaN or Inf (exit 1 if any).
+        #[arg(long, conflicts_with = "graph")]
+        check_values: bool,
     },
     /// Write a balanced partition plan, or check one (`--check PLAN.yaml`).
     Plan(PlanArgs),
@@ -130,22 +133,22 @@ struct RunArgs {
     #[arg(long, value_name = "FILE")]
     prompts: Option<PathBuf>,
     /// Tokens to generate per prompt (greedy).
-    #[arg(long)]
+    #[arg(long, value_parser = count)]
     max_new_tokens: usize,
     /// Write prompt_ids, prefill_logits, generated_ids and decode_logits here (several prompts: FILE.p0.safetensors, ...).
     #[arg(long, value_name = "FILE.safetensors")]
     dump: Option<PathBuf>,
     /// Sequences per micro-batch (default: the prompts shared evenly over the stages).
-    #[arg(long, value_name = "SEQS")]
+    #[arg(long, value_name = "SEQS", value_parser = positive_count)]
     micro_batch: Option<usize>,
     /// Prefill long prompts in chunks of this many tokens, so they pipeline through the stages.
-    #[arg(long, value_name = "TOKENS")]
+    #[arg(long, value_name = "TOKENS", value_parser = positive_count)]
     prefill_chunk: Option<usize>,
     /// Compare the first prompt's logits and ids with a golden file (the fixtures' tensor names); fail if they differ.
     #[arg(long, value_name = "GOLDEN.safetensors")]
     expect: Option<PathBuf>,
-    /// Seconds a stage waits for its neighbour before failing.
-    #[arg(long, default_value_t = 300.0)]
+    /// Seconds without a sign of life (a heartbeat) from a neighbour before a stage gives up on it; a stage that computes counts as alive.
+    #[arg(long, default_value_t = 30.0, value_parser = timeout_s)]
     timeout_s: f64,
     /// CUDA stages: capture each decode micro-batch's step once as a CUDA graph and replay it (`off`: launch every kernel each step).
     #[arg(long, value_parser = ["on", "off"], default_value = "on")]
@@ -155,8 +158,35 @@ struct RunArgs {
     prefill_gemm: String,
 }
 
+fn count(v: &str) -> Result<usize, String> {
+    m3c_contract::prompts::parse_count(v, "count", false).map_err(|_| format!("`{v}` is not a count (0 to {})", usize::MAX))
+}
+
+fn positive_count(v: &str) -> Result<usize, String> {
+    m3c_contract::prompts::parse_count(v, "count", true).map_err(|_| format!("`{v}` is not a positive count"))
+}
+
+fn timeout_s(v: &str) -> Result<f64, String> {
+    m3c_contract::prompts::parse_timeout_s(v)
+}
+
+/// Writes to standard output. A closed pipe ends the process quietly by
+/// SIGPIPE, as `cat` does (see [`main`]); any other failure, such as a full
+/// disk, is an error.
+pub fn say(text: &str) -> Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes()).and_then(|()| out.flush()).context("cannot write to standard output")
+}
+
 /// Parses the process arguments, runs the command, and turns errors into a message and exit code 1.
 pub fn main() -> ExitCode {
+    // Rust ignores SIGPIPE; restore the default so that `m3c ... | head`
+    // ends like other command-line tools instead of failing a write.
+    // SAFETY: setting a signal disposition before any thread is started.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    crate::signals::install();
+    crate::signals::install_llvm_fatal_handler();
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
@@ -169,28 +199,39 @@ pub fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Inspect { model, graph } => inspect(&model, graph),
+        Command::Inspect { model, graph, check_values } => inspect(&model, graph, check_values),
         Command::Plan(args) => plan_cmd(args),
         Command::Compile(args) => compile_cmd(args),
         Command::Run(args) => run_cmd(args),
         Command::InitTiny { out, seed, layers, hidden, mxfp8 } => {
             let spec = crate::tiny::TinySpec { seed, layers, hidden, mxfp8 };
             crate::tiny::init_tiny(&out, &spec)?;
-            println!("wrote {} ({} layers, hidden {}, {}, seed {seed})", out.display(), layers, hidden, if mxfp8 { "MXFP8" } else { "bf16" });
+            say(&format!("wrote {} ({} layers, hidden {}, {}, seed {seed})\n", out.display(), layers, hidden, if mxfp8 { "MXFP8" } else { "bf16" }))?;
             Ok(())
         }
     }
 }
 
-fn inspect(model: &Path, graph: bool) -> Result<()> {
+fn inspect(model: &Path, graph: bool, check_values: bool) -> Result<()> {
     let src = ModelSource::open(model)?;
     if graph {
-        print!("{}", crate::graph::build_graph(&src.config).text());
-        return Ok(());
+        return say(&crate::graph::build_graph(&src.config).text());
     }
     let ck = src.checkpoint()?;
     let report = crate::inspect::report(&src.config, ck.as_ref())?;
-    print!("{report}");
+    say(&report)?;
+    if check_values {
+        let Some(ck) = &ck else { bail!("--check-values: {} has no weights to check", model.display()) };
+        let bad = crate::inspect::check_values(ck);
+        if bad.is_empty() {
+            return say(&format!("values      all {} tensors finite\n", ck.tensors.len()));
+        }
+        let lines: Vec<String> = bad
+            .iter()
+            .map(|b| format!("  {} in {}: {} NaN, {} Inf (first at element {})", b.tensor, b.file.display(), b.nan, b.inf, b.first))
+            .collect();
+        bail!("{} tensor(s) hold non-finite values:\n{}", bad.len(), lines.join("\n"));
+    }
     Ok(())
 }
 
@@ -233,13 +274,15 @@ fn plan_cmd(args: PlanArgs) -> Result<()> {
         if let Some(pp) = args.pp {
             p.check_pp(file, pp)?;
         }
-        println!("{}: valid plan, {} stages, target {}", file.display(), p.stages.len(), p.target);
-        print!("{}", plan::table(&src.config, &p, &gpu, w));
-        return Ok(());
+        say(&format!("{}: valid plan, {} stages, target {}\n", file.display(), p.stages.len(), p.target))?;
+        return say(&plan::table(&src.config, &p, &gpu, w));
     }
     let model = args.model.as_ref().context("--model is required (a checkpoint folder or config.json)")?;
     let pp = args.pp.context("--pp N is required to make a plan (or --check PLAN.yaml to check one)")?;
     let src = ModelSource::open(model)?;
+    if args.target == "cuda" && !plan::valid_arch(&args.arch) {
+        bail!("--arch {:?}: expected a CUDA architecture like sm_90a", args.arch);
+    }
     let target = if args.target == "cuda" { Target::Cuda { arch: args.arch.clone() } } else { Target::Host };
     let p = plan::make_plan(&src.config, pp, &gpu, w, target)?;
     let table = plan::table(&src.config, &p, &gpu, w);
@@ -258,10 +301,13 @@ fn plan_cmd(args: PlanArgs) -> Result<()> {
             // Round-trip: what we write must validate.
             plan::parse_plan(out, &yaml, Some(&src.config)).context("internal: the written plan does not validate")?;
             crate::fsutil::write_file_atomically(out, yaml.as_bytes())?;
-            print!("{table}");
-            println!("wrote {}", out.display());
+            say(&format!("{table}wrote {}\n", out.display()))?;
         }
-        None => print!("{}", plan::plan_yaml(&p, Some(&model.display().to_string()), &header, &table)),
+        None => {
+            let yaml = plan::plan_yaml(&p, Some(&model.display().to_string()), &header, &table);
+            plan::parse_plan(Path::new("<stdout>"), &yaml, Some(&src.config)).context("internal: the printed plan does not validate")?;
+            say(&yaml)?;
+        }
     }
     Ok(())
 }
@@ -330,8 +376,8 @@ fn compile_cmd(args: CompileArgs) -> Result<()> {
     if emit.contains(&crate::compile::Emit::Ptx) && p.target == Target::Host {
         bail!("--emit ptx needs the cuda target (--target cuda, or `target: cuda` in the plan)");
     }
-    // Replace only an earlier m3c output, never an unrelated folder.
-    let replace = args.out.join("manifest.json").is_file();
+    crate::compile::check_out_path(&args.out, &model)?;
+    crate::backend::check_cpu(&args.cpu)?;
     let runtime_lib = crate::compile::find_runtime_lib()?;
     let t0 = std::time::Instant::now();
     // GPUs default to bf16 activations (what inference runs in); the host
@@ -342,29 +388,44 @@ fn compile_cmd(args: CompileArgs) -> Result<()> {
         (None, Target::Cuda { .. }) => m3c_kernels::Storage::Bf16,
     };
     let storages = crate::lower::Storages { kv_cache: storage(&args.kv_cache), activations };
-    let req = crate::compile::CompileRequest { config: cfg, plan: &p, out: &args.out, emit, cpu: args.cpu.clone(), storages, runtime_lib, replace };
+    let req = crate::compile::CompileRequest { config: cfg, plan: &p, out: &args.out, emit, cpu: args.cpu.clone(), storages, runtime_lib };
     let m = crate::compile::compile(&req)?;
+    let mut text = String::new();
     for s in &m.stages {
-        println!("{}/{}: {} ({} kernels, {} tensors)", args.out.display(), s.executable, s.holds, s.kernels.len(), s.tensors.len());
+        text += &format!("{}/{}: {} ({} kernels, {} tensors)\n", args.out.display(), s.executable, s.holds, s.kernels.len(), s.tensors.len());
     }
-    println!(
-        "compiled {} stage(s) for {} in {:.1} s; run: m3c run {} --model DIR --prompt-ids 1,2,3 --max-new-tokens 16",
+    text += &format!(
+        "compiled {} stage(s) for {} in {:.1} s; run: m3c run {} --model DIR --prompt-ids 1,2,3 --max-new-tokens 16\n",
         m.stages.len(),
         m.target,
         t0.elapsed().as_secs_f64(),
         args.out.display()
     );
-    Ok(())
+    say(&text)
 }
 
 fn run_cmd(args: RunArgs) -> Result<()> {
     let manifest = args.out.join("manifest.json");
-    let text = std::fs::read_to_string(&manifest)
-        .with_context(|| format!("{}: not an m3c output folder (no manifest.json); make one with `m3c compile`", args.out.display()))?;
+    let text = m3c_contract::read_user_file(&manifest, "manifest", 64 << 20)
+        .with_context(|| format!("{}: not an m3c output folder (no readable manifest.json); make one with `m3c compile`", args.out.display()))?;
     let m: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{}: not JSON", manifest.display()))?;
     let stages = m["stages"].as_array().map(|a| a.len()).filter(|&n| n > 0).with_context(|| format!("{}: no stages", manifest.display()))?;
     if !args.model.is_dir() {
         bail!("--model {}: not a folder (expected the checkpoint folder with config.json and safetensors)", args.model.display());
+    }
+    if let Some(d) = &args.dump {
+        crate::fsutil::check_replaceable_file(d).context("--dump")?;
+    }
+    // Each executable must be the one compiled: a damaged or swapped file
+    // would otherwise surface as a crash ("exit status 139") mid-job.
+    for k in 0..stages {
+        let exe = args.out.join(format!("stage-{k}"));
+        let want = m["stages"][k]["sha256"].as_str().with_context(|| format!("{}: stage {k} has no sha256", manifest.display()))?;
+        let bytes = m3c_contract::input::read_bytes(&exe, "stage executable", 16 << 30)
+            .with_context(|| format!("{}: missing or unreadable; recompile {}", exe.display(), args.out.display()))?;
+        if crate::compile::sha256_hex(&bytes) != want {
+            bail!("{}: is not the executable manifest.json lists (its sha256 differs: damaged or replaced); recompile {}", exe.display(), args.out.display());
+        }
     }
     let mut pass: Vec<String> = vec!["--model".into(), args.model.display().to_string()];
     for p in &args.prompt_ids {
@@ -410,23 +471,43 @@ fn run_cmd(args: RunArgs) -> Result<()> {
         if k > 0 {
             cmd.arg(":");
         }
-        let exe = args.out.join(format!("stage-{k}"));
-        if !exe.is_file() {
-            bail!("{}: missing; recompile {}", exe.display(), args.out.display());
-        }
         cmd.args(["-np", "1"]);
         if let Some(host) = m["stages"][k]["host"].as_str() {
+            if !plan::valid_host(host) {
+                bail!("{}: stage {k} names host {host:?}, which is not a host name", manifest.display());
+            }
             cmd.args(["--host", host]);
         }
-        cmd.arg(&exe).args(&pass);
+        cmd.arg(args.out.join(format!("stage-{k}"))).args(&pass);
     }
-    let status = match cmd.status() {
-        Ok(s) => s,
+    // mpirun dies with m3c (even by SIGKILL, which cannot be forwarded), and
+    // takes its ranks with it.
+    {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: prctl is async-signal-safe, as a pre_exec hook requires.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong, 0, 0, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            })
+        };
+    }
+    let mut child = match cmd.spawn() {
+        Ok(c) => c,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             bail!("`mpirun` not found: install Open MPI (`apt install openmpi-bin`, or run scripts/setup.sh)")
         }
         Err(e) => return Err(e).context("cannot start mpirun"),
     };
+    // SIGINT/SIGTERM to m3c are passed on to mpirun, which ends the job.
+    let forwarding = crate::signals::ChildRegistration::new(child.id());
+    let status = child.wait().context("waiting for mpirun")?;
+    if let Some(sig) = forwarding.received() {
+        bail!("interrupted (signal {sig}): the pipeline was stopped");
+    }
+    drop(forwarding);
     if !status.success() {
         bail!("the pipeline failed (mpirun exit status {}); the failing stage's message is above", status.code().map_or("signal".into(), |c| c.to_string()));
     }

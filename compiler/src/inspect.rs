@@ -59,7 +59,7 @@ fn stats_of(cfg: &ModelConfig, specs: &[TensorSpec]) -> ModelStats {
         }
     }
     // Each token runs top-k of the routed experts; they all have the same size.
-    let routed_active = expert_params * t.experts_per_token as u64 / t.num_experts as u64;
+    let routed_active = (expert_params as u128 * t.experts_per_token as u128 / t.num_experts as u128) as u64;
     s.active_params = s.text_params - expert_params + routed_active;
     s
 }
@@ -153,4 +153,58 @@ pub fn report(cfg: &ModelConfig, checkpoint: Option<&Checkpoint>) -> Result<Stri
         i = j + 1;
     }
     Ok(o)
+}
+
+/// Non-finite values found in one tensor by `m3c inspect --check-values`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BadValues {
+    pub tensor: String,
+    pub file: std::path::PathBuf,
+    pub nan: u64,
+    pub inf: u64,
+    /// Element index of the first one.
+    pub first: u64,
+}
+
+/// Counts NaN and ±Inf in every floating tensor of the checkpoint (fp8
+/// E4M3 has NaN only; an E8M0 scale of 0xFF is NaN). Tensors in name order.
+pub fn check_values(ck: &Checkpoint) -> Vec<BadValues> {
+    let mut out = Vec::new();
+    for e in ck.tensors.values() {
+        let bytes = ck.bytes(e);
+        let (mut nan, mut inf, mut first) = (0u64, 0u64, None);
+        let mut see = |i: usize, is_nan: bool, is_inf: bool| {
+            if is_nan || is_inf {
+                nan += is_nan as u64;
+                inf += is_inf as u64;
+                first.get_or_insert(i as u64);
+            }
+        };
+        match e.dtype {
+            DType::F32 => bytes.chunks_exact(4).enumerate().for_each(|(i, c)| {
+                let v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                see(i, v.is_nan(), v.is_infinite())
+            }),
+            DType::BF16 | DType::F16 => {
+                // Exponent all ones: Inf (zero mantissa) or NaN.
+                let (exp, man) = if e.dtype == DType::BF16 { (0x7F80u16, 0x007Fu16) } else { (0x7C00, 0x03FF) };
+                bytes.chunks_exact(2).enumerate().for_each(|(i, c)| {
+                    let b = u16::from_le_bytes([c[0], c[1]]);
+                    let all = b & exp == exp;
+                    see(i, all && b & man != 0, all && b & man == 0)
+                })
+            }
+            DType::F8E4M3 => bytes.iter().enumerate().for_each(|(i, &b)| see(i, b & 0x7F == 0x7F, false)),
+            DType::U8 if e.name.ends_with("weight_scale_inv") => bytes.iter().enumerate().for_each(|(i, &b)| see(i, b == 0xFF, false)),
+            DType::F64 => bytes.chunks_exact(8).enumerate().for_each(|(i, c)| {
+                let v = f64::from_le_bytes(c.try_into().unwrap_or([0; 8]));
+                see(i, v.is_nan(), v.is_infinite())
+            }),
+            _ => {}
+        }
+        if let Some(first) = first {
+            out.push(BadValues { tensor: e.name.clone(), file: ck.file_of(e).to_path_buf(), nan, inf, first });
+        }
+    }
+    out
 }

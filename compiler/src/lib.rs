@@ -15,6 +15,7 @@ pub mod inspect;
 pub mod lower;
 pub mod model;
 pub mod plan;
+pub mod signals;
 pub mod source;
 pub mod tiny;
 pub mod units;

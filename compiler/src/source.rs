@@ -2,6 +2,7 @@
 //! or a bare config.json (enough for everything but running).
 
 use crate::config::{load_config, ConfigError, ModelConfig};
+use crate::weights::checkpoint::{INDEX_FILE, SINGLE_FILE};
 use crate::weights::{Checkpoint, WeightsError};
 use std::path::{Path, PathBuf};
 
@@ -32,7 +33,11 @@ impl ModelSource {
                 return Err(SourceError::NoConfig(path.to_path_buf()));
             }
             let config = load_config(&cfg_path)?;
-            let has_weights = path.join("model.safetensors").is_file() || path.join("model.safetensors.index.json").is_file();
+            // Anything at either name counts (a folder, a dangling link or a
+            // device there is then reported by the checkpoint reader, not
+            // silently taken for "no weights").
+            let present = |name: &str| std::fs::symlink_metadata(path.join(name)).is_ok();
+            let has_weights = present(SINGLE_FILE) || present(INDEX_FILE);
             Ok(ModelSource { config, weights_dir: has_weights.then(|| path.to_path_buf()) })
         } else if path.is_file() {
             Ok(ModelSource { config: load_config(path)?, weights_dir: None })

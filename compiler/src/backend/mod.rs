@@ -16,4 +16,20 @@ pub enum BackendError {
     Codegen(String),
     #[error("CUDA toolkit: {0}")]
     Toolkit(String),
+    #[error("--cpu {0}: not an x86-64 CPU LLVM knows; use x86-64 (any x86-64), x86-64-v2/v3/v4, or a name such as znver4 or sapphirerapids")]
+    Cpu(String),
+}
+
+/// The x86-64 CPUs LLVM 22 emits 64-bit code for (`llc -mcpu=help`, less
+/// the 32-bit-only ones such as i686, for which LLVM aborts the process).
+pub const X86_64_CPUS: &[&str] = &["alderlake", "amdfam10", "arrowlake", "arrowlake-s", "arrowlake_s", "athlon-fx", "athlon64", "athlon64-sse3", "atom", "atom_sse4_2", "atom_sse4_2_movbe", "barcelona", "bdver1", "bdver2", "bdver3", "bdver4", "bonnell", "broadwell", "btver1", "btver2", "cannonlake", "cascadelake", "clearwaterforest", "cooperlake", "core-avx-i", "core-avx2", "core2", "core_2_duo_sse4_1", "core_2_duo_ssse3", "core_2nd_gen_avx", "core_3rd_gen_avx", "core_4th_gen_avx", "core_4th_gen_avx_tsx", "core_5th_gen_avx", "core_5th_gen_avx_tsx", "core_aes_pclmulqdq", "core_i7_sse4_2", "corei7", "corei7-avx", "diamondrapids", "emeraldrapids", "generic", "goldmont", "goldmont-plus", "goldmont_plus", "gracemont", "grandridge", "graniterapids", "graniterapids-d", "graniterapids_d", "haswell", "icelake-client", "icelake-server", "icelake_client", "icelake_server", "ivybridge", "k8", "k8-sse3", "knl", "knm", "lunarlake", "meteorlake", "mic_avx512", "nehalem", "nocona", "novalake", "opteron", "opteron-sse3", "pantherlake", "penryn", "raptorlake", "rocketlake", "sandybridge", "sapphirerapids", "sierraforest", "silvermont", "skx", "skylake", "skylake-avx512", "skylake_avx512", "slm", "tigerlake", "tremont", "westmere", "wildcatlake", "x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4", "znver1", "znver2", "znver3", "znver4", "znver5"];
+
+/// Checks `--cpu` before LLVM sees it: an unknown or 32-bit CPU makes LLVM
+/// abort the whole process instead of returning an error.
+pub fn check_cpu(cpu: &str) -> Result<(), BackendError> {
+    if X86_64_CPUS.contains(&cpu) {
+        Ok(())
+    } else {
+        Err(BackendError::Cpu(cpu.chars().take(40).collect()))
+    }
 }

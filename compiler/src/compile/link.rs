@@ -63,13 +63,20 @@ pub fn link(obj: &Path, runtime: &Path, exe: &Path) -> Result<()> {
     Ok(())
 }
 
+/// `s` as one POSIX shell word: single-quoted, with each `'` written `'\''`.
+pub fn sh_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "'\\''"))
+}
+
 /// `OUT/run.sh ARGS`: every stage under one mpirun, each with ARGS, on
 /// the host its plan names (`hosts[k]`).
 pub fn launcher(hosts: &[Option<String>]) -> String {
     let stages = hosts.len();
     let mut apps = Vec::new();
     for (k, h) in hosts.iter().enumerate() {
-        let host = h.as_ref().map(|h| format!("--host {h} ")).unwrap_or_default();
+        // Plans only admit host names (`plan::valid_host`); quoted anyway,
+        // so no value can ever be read by the shell as code.
+        let host = h.as_ref().map(|h| format!("--host {} ", sh_quote(h))).unwrap_or_default();
         apps.push(format!("-np 1 {host}\"$here/stage-{k}\" \"$@\""));
     }
     format!(

@@ -44,8 +44,59 @@ pub struct CompileRequest<'a> {
     /// How the stages store their KV and index-key caches and their activations.
     pub storages: Storages,
     pub runtime_lib: PathBuf,
-    /// Replace a non-empty OUT.
-    pub replace: bool,
+}
+
+/// The names m3c writes into OUT: anything else there means the folder is
+/// not (only) an m3c output, and it is never replaced.
+fn is_output_name(name: &str) -> bool {
+    if matches!(name, "manifest.json" | "run.sh" | "compile-report.txt") {
+        return true;
+    }
+    let Some(rest) = name.strip_prefix("stage-") else { return false };
+    let digits = rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len());
+    digits > 0 && matches!(&rest[digits..], "" | ".steps.txt" | ".mlir" | ".llvm.mlir" | ".ll" | ".ptx" | ".cubin")
+}
+
+/// Refuses to replace `dir` unless it is provably an earlier m3c output:
+/// its manifest.json parses as m3c's and it holds only files m3c writes.
+pub fn check_replaceable_output(dir: &Path) -> Result<()> {
+    let refuse = |why: String| anyhow::anyhow!("{}: {why}; m3c replaces only an earlier m3c output (choose a new folder, or remove it first)", dir.display());
+    let manifest = dir.join("manifest.json");
+    let text = m3c_contract::read_user_file(&manifest, "manifest", 64 << 20).map_err(|_| refuse("already exists, is not empty and has no m3c manifest.json".into()))?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|_| refuse("its manifest.json is not m3c's".into()))?;
+    let ours = v["format"].as_str().is_some_and(|f| f.starts_with("m3c-out/")) && v["compiler"].as_str().is_some_and(|c| c.starts_with("m3c "));
+    if !ours {
+        return Err(refuse("its manifest.json is not m3c's".into()));
+    }
+    let entries = std::fs::read_dir(dir).with_context(|| format!("cannot read {}", dir.display()))?;
+    for e in entries {
+        let e = e.with_context(|| format!("cannot read {}", dir.display()))?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        let is_file = e.file_type().map(|t| t.is_file()).unwrap_or(false);
+        if !is_file || !is_output_name(&name) {
+            return Err(refuse(format!("it holds `{name}`, which m3c did not write")));
+        }
+    }
+    Ok(())
+}
+
+/// Refuses output folders that would swallow their own inputs: OUT equal to
+/// or containing the model's folder, or the current folder.
+pub fn check_out_path(out: &Path, model: &Path) -> Result<()> {
+    let abs = |p: &Path| std::fs::canonicalize(p).or_else(|_| std::path::absolute(p));
+    let Ok(out_abs) = abs(out) else { return Ok(()) };
+    if let Ok(cwd) = std::env::current_dir().and_then(|c| abs(&c)) {
+        if cwd.starts_with(&out_abs) {
+            anyhow::bail!("-o {}: the current folder (or a folder above it) cannot be the output folder; name a new folder, such as `-o out`", out.display());
+        }
+    }
+    let model_dir = if model.is_dir() { model.to_path_buf() } else { model.parent().map(Path::to_path_buf).unwrap_or_default() };
+    if let Ok(m) = abs(if model_dir.as_os_str().is_empty() { Path::new(".") } else { &model_dir }) {
+        if m.starts_with(&out_abs) {
+            anyhow::bail!("-o {}: it holds the model {} ; the output folder must be somewhere else", out.display(), model.display());
+        }
+    }
+    Ok(())
 }
 
 pub fn sha256_hex(bytes: &[u8]) -> String {
@@ -190,7 +241,7 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
     let n = programs.len();
     let mut manifest = Manifest::new(cfg, &config_sha, &plan_json, &runtime_sha, &compile_id, &req.cpu, &target_name, kv_cache, activations);
     let mut report = String::new();
-    crate::fsutil::write_dir_atomically(req.out, req.replace, |dir| {
+    crate::fsutil::write_dir_atomically(req.out, check_replaceable_output, |dir| {
         let work = dir.join(".obj");
         std::fs::create_dir(&work)?;
         // The back end runs one thread per stage (bounded by the cores);

@@ -17,6 +17,8 @@ pub use parse::{load_config, parse_config};
 pub enum ConfigError {
     #[error("cannot read {file}: {err}")]
     Io { file: PathBuf, err: std::io::Error },
+    #[error(transparent)]
+    Input(#[from] m3c_contract::InputError),
     #[error("{file}: not valid JSON: {err}")]
     Json { file: PathBuf, err: serde_json::Error },
     #[error("{file}: missing key `{key}` (expected {expected})")]

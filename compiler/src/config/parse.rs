@@ -10,14 +10,52 @@ const VL_ARCHITECTURES: &[&str] = &["MiniMaxM3SparseForConditionalGeneration"];
 /// Architectures of a flat, text-only config.
 const TEXT_ARCHITECTURES: &[&str] = &["MiniMaxM3SparseForCausalLM", "MiniMaxM3VLForCausalLM"];
 
-/// Reads and validates a config.json file.
+/// Upper bounds of the config's sizes: far above any real model (MiniMax-M3
+/// uses hidden 6144, 200,064 tokens, 1M positions, 128 experts), low enough
+/// that every product the compiler forms (a tensor's elements, the
+/// parameter count, a kernel's index arithmetic) fits 64 bits with room.
+pub mod bounds {
+    pub const WIDTH: usize = 1 << 16;
+    pub const INTERMEDIATE: usize = 1 << 18;
+    pub const LAYERS: usize = 1024;
+    pub const HEADS: usize = 1024;
+    pub const HEAD_DIM: usize = 1024;
+    pub const VOCAB: usize = 1 << 22;
+    pub const EXPERTS: usize = 4096;
+    pub const EXPERTS_PER_TOKEN: usize = 256;
+    pub const SHARED_EXPERTS: usize = 64;
+    pub const POSITIONS: usize = 1 << 24;
+    pub const BLOCK: usize = 1 << 16;
+    pub const BLOCKS: usize = 1 << 20;
+    pub const PATCH: usize = 1024;
+    pub const CHANNELS: usize = 64;
+}
+
+/// A positive size of at most `max`.
+fn size(o: &Obj, key: &str, max: usize) -> Result<usize, ConfigError> {
+    let n = o.positive(key)?;
+    check(n <= max, o, key, &format!("a positive integer of at most {max}"))?;
+    Ok(n)
+}
+
+/// An optional size in `0..=max`.
+fn opt_size(o: &Obj, key: &str, max: usize) -> Result<Option<usize>, ConfigError> {
+    let n = o.opt_uint(key)?;
+    if let Some(n) = n {
+        check(n <= max, o, key, &format!("an integer of at most {max}"))?;
+    }
+    Ok(n)
+}
+
+/// Reads and validates a config.json file (a regular file of at most 4 MB).
 pub fn load_config(path: &Path) -> Result<ModelConfig, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|err| ConfigError::Io { file: path.to_path_buf(), err })?;
+    let text = m3c_contract::read_user_file(path, "config", m3c_contract::input::limits::CONFIG)?;
     parse_config(path, &text)
 }
 
 /// Parses and validates config.json text; `path` is used in messages.
 pub fn parse_config(path: &Path, text: &str) -> Result<ModelConfig, ConfigError> {
+    let text = m3c_contract::input::strip_bom(text);
     let value: Value =
         serde_json::from_str(text).map_err(|err| ConfigError::Json { file: path.to_path_buf(), err })?;
     let root = Obj::root(path, &value)?;
@@ -69,17 +107,17 @@ fn check(cond: bool, obj: &Obj, key: &str, expected: &str) -> Result<(), ConfigE
 }
 
 fn parse_text(t: &Obj) -> Result<TextConfig, ConfigError> {
-    let hidden_size = t.positive("hidden_size")?;
-    let num_layers = t.positive("num_hidden_layers")?;
-    let num_heads = t.positive("num_attention_heads")?;
-    let num_kv_heads = t.positive("num_key_value_heads")?;
+    let hidden_size = size(t, "hidden_size", bounds::WIDTH)?;
+    let num_layers = size(t, "num_hidden_layers", bounds::LAYERS)?;
+    let num_heads = size(t, "num_attention_heads", bounds::HEADS)?;
+    let num_kv_heads = size(t, "num_key_value_heads", bounds::HEADS)?;
     check(
         num_heads % num_kv_heads == 0,
         t,
         "num_key_value_heads",
         &format!("a divisor of num_attention_heads = {num_heads}"),
     )?;
-    let head_dim = match t.opt_uint("head_dim")? {
+    let head_dim = match opt_size(t, "head_dim", bounds::HEAD_DIM)? {
         Some(d) => d,
         None => {
             check(hidden_size % num_heads == 0, t, "num_attention_heads", "a divisor of hidden_size")?;
@@ -87,7 +125,7 @@ fn parse_text(t: &Obj) -> Result<TextConfig, ConfigError> {
         }
     };
     check(head_dim > 0 && head_dim % 2 == 0, t, "head_dim", "a positive even number")?;
-    let vocab_size = t.positive("vocab_size")?;
+    let vocab_size = size(t, "vocab_size", bounds::VOCAB)?;
 
     t.one_of("hidden_act", &["swigluoai"])?;
     if t.has("scoring_func") {
@@ -114,14 +152,14 @@ fn parse_text(t: &Obj) -> Result<TextConfig, ConfigError> {
     // Partial RoPE: `partial_rotary_factor` is what the reference reads;
     // `rotary_dim`, when present, must agree with it.
     let from_factor = t.opt_float("partial_rotary_factor")?.map(|f| f * head_dim as f64);
-    let rotary_dim = match (t.opt_uint("rotary_dim")?, from_factor) {
+    let rotary_dim = match (opt_size(t, "rotary_dim", bounds::HEAD_DIM)?, from_factor) {
         (Some(r), Some(f)) => {
             check((r as f64 - f).abs() < 1e-9, t, "rotary_dim", &format!("partial_rotary_factor × head_dim = {f}"))?;
             r
         }
         (Some(r), None) => r,
         (None, Some(f)) => {
-            check(f.fract() == 0.0 && f > 0.0, t, "partial_rotary_factor", "a factor giving a whole number of channels")?;
+            check(f.fract() == 0.0 && f > 0.0 && f <= head_dim as f64, t, "partial_rotary_factor", "a factor giving a whole number of channels")?;
             f as usize
         }
         (None, None) => head_dim,
@@ -133,19 +171,23 @@ fn parse_text(t: &Obj) -> Result<TextConfig, ConfigError> {
         &format!("an even number of channels ≤ head_dim = {head_dim}"),
     )?;
 
-    let num_experts = t.positive("num_local_experts")?;
-    let experts_per_token = t.positive("num_experts_per_tok")?;
+    let num_experts = size(t, "num_local_experts", bounds::EXPERTS)?;
+    let experts_per_token = size(t, "num_experts_per_tok", bounds::EXPERTS_PER_TOKEN)?;
     check(
         experts_per_token <= num_experts,
         t,
         "num_experts_per_tok",
         &format!("at most num_local_experts = {num_experts}"),
     )?;
-    let expert_intermediate_size = t.positive("intermediate_size")?;
-    let num_shared_experts = t.opt_uint("n_shared_experts")?.unwrap_or(0);
-    let shared_intermediate_size = match t.opt_uint("shared_intermediate_size")? {
+    let expert_intermediate_size = size(t, "intermediate_size", bounds::INTERMEDIATE)?;
+    let num_shared_experts = opt_size(t, "n_shared_experts", bounds::SHARED_EXPERTS)?.unwrap_or(0);
+    let shared_intermediate_size = match opt_size(t, "shared_intermediate_size", bounds::INTERMEDIATE)? {
         Some(s) => s,
-        None => expert_intermediate_size * num_shared_experts,
+        None => {
+            let s = expert_intermediate_size * num_shared_experts;
+            check(s <= bounds::INTERMEDIATE, t, "n_shared_experts", &format!("few enough that n_shared_experts × intermediate_size ≤ {}", bounds::INTERMEDIATE))?;
+            s
+        }
     };
     check(
         (num_shared_experts == 0) == (shared_intermediate_size == 0),
@@ -156,9 +198,9 @@ fn parse_text(t: &Obj) -> Result<TextConfig, ConfigError> {
 
     let moe = t.flags("moe_layer_freq", num_layers)?;
     let dense_intermediate_size = if moe.iter().any(|m| !m) {
-        t.positive("dense_intermediate_size")?
+        size(t, "dense_intermediate_size", bounds::INTERMEDIATE)?
     } else {
-        t.opt_uint("dense_intermediate_size")?.unwrap_or(0)
+        opt_size(t, "dense_intermediate_size", bounds::INTERMEDIATE)?.unwrap_or(0)
     };
 
     let (sparse, sparse_flags) = match t.opt_obj("sparse_attention_config")? {
@@ -190,7 +232,13 @@ fn parse_text(t: &Obj) -> Result<TextConfig, ConfigError> {
         num_kv_heads,
         head_dim,
         vocab_size,
-        max_position_embeddings: t.opt_uint("max_position_embeddings")?.unwrap_or(4096),
+        max_position_embeddings: match t.opt_uint("max_position_embeddings")? {
+            Some(n) => {
+                check(n >= 2 && n <= bounds::POSITIONS, t, "max_position_embeddings", &format!("an integer from 2 (a prompt token and one generated) to {}", bounds::POSITIONS))?;
+                n
+            }
+            None => 4096,
+        },
         rms_norm_eps,
         rope_theta,
         rotary_dim,
@@ -209,9 +257,18 @@ fn parse_text(t: &Obj) -> Result<TextConfig, ConfigError> {
         tie_word_embeddings: false,
         layers,
         sparse,
-        bos_token_id: t.opt_uint("bos_token_id")?,
-        eos_token_id: t.opt_uint("eos_token_id")?,
+        bos_token_id: token_id(t, "bos_token_id", vocab_size)?,
+        eos_token_id: token_id(t, "eos_token_id", vocab_size)?,
     })
+}
+
+/// An optional token id, which must lie in the vocabulary.
+fn token_id(t: &Obj, key: &str, vocab: usize) -> Result<Option<usize>, ConfigError> {
+    let id = t.opt_uint(key)?;
+    if let Some(id) = id {
+        check(id < vocab, t, key, &format!("a token id < vocab_size = {vocab}"))?;
+    }
+    Ok(id)
 }
 
 fn parse_sparse(
@@ -221,14 +278,14 @@ fn parse_sparse(
     num_layers: usize,
     sparse_flags: &[bool],
 ) -> Result<SparseConfig, ConfigError> {
-    let num_index_heads = s.positive("sparse_num_index_heads")?;
+    let num_index_heads = size(s, "sparse_num_index_heads", bounds::HEADS)?;
     check(
         num_index_heads == num_kv_heads,
         s,
         "sparse_num_index_heads",
         &format!("num_key_value_heads = {num_kv_heads} (one index head per KV group)"),
     )?;
-    let index_dim = s.positive("sparse_index_dim")?;
+    let index_dim = size(s, "sparse_index_dim", bounds::HEAD_DIM)?;
     check(
         index_dim == head_dim,
         s,
@@ -236,12 +293,12 @@ fn parse_sparse(
         &format!("head_dim = {head_dim} (the indexer reuses the main RoPE table)"),
     )?;
     s.one_of("sparse_score_type", &["max"])?;
-    let block_size = s.positive("sparse_block_size")?;
-    let topk_blocks = s.positive("sparse_topk_blocks")?;
-    let local_blocks = s.opt_uint("sparse_local_block")?.unwrap_or(1);
-    let init_blocks = s.opt_uint("sparse_init_block")?.unwrap_or(0);
+    let block_size = size(s, "sparse_block_size", bounds::BLOCK)?;
+    let topk_blocks = size(s, "sparse_topk_blocks", bounds::BLOCKS)?;
+    let local_blocks = opt_size(s, "sparse_local_block", bounds::BLOCKS)?.unwrap_or(1);
+    let init_blocks = opt_size(s, "sparse_init_block", bounds::BLOCKS)?.unwrap_or(0);
     check(
-        local_blocks + init_blocks <= topk_blocks,
+        local_blocks.checked_add(init_blocks).is_some_and(|n| n <= topk_blocks),
         s,
         "sparse_local_block",
         &format!("sparse_local_block + sparse_init_block ≤ sparse_topk_blocks = {topk_blocks}"),
@@ -264,8 +321,8 @@ fn parse_sparse(
 
 fn parse_vision(root: &Obj, text: &TextConfig) -> Result<VisionConfig, ConfigError> {
     let v = root.obj("vision_config")?;
-    let hidden_size = v.positive("hidden_size")?;
-    let num_heads = v.positive("num_attention_heads")?;
+    let hidden_size = size(&v, "hidden_size", bounds::WIDTH)?;
+    let num_heads = size(&v, "num_attention_heads", bounds::HEADS)?;
     check(
         hidden_size % num_heads == 0,
         &v,
@@ -281,7 +338,7 @@ fn parse_vision(root: &Obj, text: &TextConfig) -> Result<VisionConfig, ConfigErr
             if c.has("image_token_compression_method") {
                 c.one_of("image_token_compression_method", &["patch_merge"])?;
             }
-            (c.positive("temporal_patch_size")?, c.positive("spatial_merge_size")?)
+            (size(&c, "temporal_patch_size", bounds::PATCH)?, size(&c, "spatial_merge_size", bounds::PATCH)?)
         }
         None => (2, 2),
     };
@@ -293,15 +350,15 @@ fn parse_vision(root: &Obj, text: &TextConfig) -> Result<VisionConfig, ConfigErr
     Ok(VisionConfig {
         hidden_size,
         num_heads,
-        num_layers: v.positive("num_hidden_layers")?,
-        intermediate_size: v.positive("intermediate_size")?,
-        patch_size: v.positive("patch_size")?,
-        num_channels: v.opt_uint("num_channels")?.unwrap_or(3),
+        num_layers: size(&v, "num_hidden_layers", bounds::LAYERS)?,
+        intermediate_size: size(&v, "intermediate_size", bounds::INTERMEDIATE)?,
+        patch_size: size(&v, "patch_size", bounds::PATCH)?,
+        num_channels: opt_size(&v, "num_channels", bounds::CHANNELS)?.unwrap_or(3),
         temporal_patch_size,
         spatial_merge_size,
         layer_norm_eps: v.opt_float("layer_norm_eps")?.unwrap_or(1e-5),
         rope_theta: v.opt_float("rope_theta")?.unwrap_or(10000.0),
-        projector_hidden_size: root.positive("projector_hidden_size")?,
+        projector_hidden_size: size(root, "projector_hidden_size", bounds::INTERMEDIATE)?,
         projector_bias: root.opt_bool("multimodal_projector_bias")?.unwrap_or(true),
         image_token_id,
         video_token_id,

@@ -125,6 +125,8 @@ pub struct Plan {
 pub enum PlanError {
     #[error("cannot read {file}: {err}")]
     Io { file: PathBuf, err: std::io::Error },
+    #[error(transparent)]
+    Input(#[from] m3c_contract::InputError),
     #[error("{file}:{line}:{col}: {message}")]
     At { file: PathBuf, line: usize, col: usize, message: String },
     #[error("{file}: {message}")]
@@ -174,13 +176,81 @@ impl Ctx<'_> {
 
 /// Reads a plan file; see [`parse_plan`].
 pub fn load_plan(path: &Path, cfg: Option<&ModelConfig>) -> Result<Plan, PlanError> {
-    let text = std::fs::read_to_string(path).map_err(|err| PlanError::Io { file: path.to_path_buf(), err })?;
-    parse_plan(path, &text, cfg)
+    parse_plan(path, &read_plan_text(path)?, cfg)
+}
+
+/// A plan file's text: a regular file of at most 1 MB (a plan of 1,000
+/// stages is 60 KB), without a byte-order mark.
+fn read_plan_text(path: &Path) -> Result<String, PlanError> {
+    Ok(m3c_contract::read_user_file(path, "plan", m3c_contract::input::limits::PLAN)?)
+}
+
+/// The deepest nesting of YAML flow collections (`[`, `{`) a plan may use.
+/// A plan needs 1; the YAML parser and the locator are quadratic in depth.
+const MAX_FLOW_DEPTH: usize = 16;
+
+/// The line of the first flow collection nested deeper than
+/// [`MAX_FLOW_DEPTH`] (quotes and comments are skipped), if any.
+fn too_deep(text: &str) -> Option<usize> {
+    let (mut depth, mut line) = (0usize, 1usize);
+    let mut quote: Option<char> = None;
+    let mut comment = false;
+    let mut prev = '\n';
+    for c in text.chars() {
+        if c == '\n' {
+            line += 1;
+            comment = false;
+        } else if comment {
+        } else if let Some(q) = quote {
+            if c == q {
+                quote = None;
+            }
+        } else {
+            match c {
+                '"' | '\'' => quote = Some(c),
+                '#' if prev.is_whitespace() => comment = true,
+                '[' | '{' => {
+                    depth += 1;
+                    if depth > MAX_FLOW_DEPTH {
+                        return Some(line);
+                    }
+                }
+                ']' | '}' => depth = depth.saturating_sub(1),
+                _ => {}
+            }
+        }
+        prev = c;
+    }
+    None
+}
+
+/// Whether `h` can name a host for mpirun: a DNS name or IPv4 address
+/// (letters, digits, `-`, `_` and `.`-separated labels of at most 63
+/// characters, none starting with `-`). Anything else, such as a space, a
+/// quote, `$(...)` or mpirun's `:slots` suffix, is refused when the plan is
+/// read, before it can reach a launcher.
+pub fn valid_host(h: &str) -> bool {
+    !h.is_empty()
+        && h.len() <= 253
+        && h.split('.').all(|label| {
+            !label.is_empty() && label.len() <= 63 && !label.starts_with('-') && label.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        })
+}
+
+/// Whether `arch` is a CUDA architecture name like `sm_90a`.
+pub fn valid_arch(arch: &str) -> bool {
+    arch.strip_prefix("sm_").is_some_and(|r| {
+        let digits = r.strip_suffix('a').unwrap_or(r);
+        !digits.is_empty() && digits.len() <= 4 && digits.chars().all(|c| c.is_ascii_digit())
+    })
 }
 
 /// Reads only the `model:` entry of a plan (to find the model before validating).
 pub fn plan_model(path: &Path) -> Result<Option<PathBuf>, PlanError> {
-    let text = std::fs::read_to_string(path).map_err(|err| PlanError::Io { file: path.to_path_buf(), err })?;
+    let text = read_plan_text(path)?;
+    if let Some(line) = too_deep(&text) {
+        return Err(PlanError::At { file: path.to_path_buf(), line, col: 1, message: format!("flow collections nested deeper than {MAX_FLOW_DEPTH} levels") });
+    }
     let raw: RawPlan = from_yaml(path, &text)?;
     Ok(raw.model.map(|m| resolve(path, &m)))
 }
@@ -242,6 +312,10 @@ fn show(v: &serde_yaml::Value) -> String {
 /// Parses and validates plan text. With a config, layer numbers are checked
 /// against the model and every layer must be in exactly one stage.
 pub fn parse_plan(path: &Path, text: &str, cfg: Option<&ModelConfig>) -> Result<Plan, PlanError> {
+    let text = m3c_contract::input::strip_bom(text);
+    if let Some(line) = too_deep(text) {
+        return Err(PlanError::At { file: path.to_path_buf(), line, col: 1, message: format!("flow collections nested deeper than {MAX_FLOW_DEPTH} levels") });
+    }
     let raw = from_yaml(path, text)?;
     let ctx = Ctx { file: path, loc: locate(text) };
     if let Some(v) = raw.version {
@@ -254,11 +328,7 @@ pub fn parse_plan(path: &Path, text: &str, cfg: Option<&ModelConfig>) -> Result<
         ("host", Some(_)) => return Err(ctx.key("arch", "`arch` applies to target cuda only; this plan's target is host".into())),
         ("cuda", arch) => {
             let arch = arch.unwrap_or_else(|| "sm_90a".into());
-            let ok = arch.strip_prefix("sm_").is_some_and(|r| {
-                let digits = r.strip_suffix('a').unwrap_or(r);
-                !digits.is_empty() && digits.chars().all(|c| c.is_ascii_digit())
-            });
-            if !ok {
+            if !valid_arch(&arch) {
                 return Err(ctx.value("arch", format!("`arch` must be a CUDA architecture like \"sm_90a\", found \"{arch}\"")));
             }
             Target::Cuda { arch }
@@ -277,6 +347,14 @@ pub fn parse_plan(path: &Path, text: &str, cfg: Option<&ModelConfig>) -> Result<
             Some(v) => Some(parse_layers(&ctx, &format!("{p}.layers"), v, num_layers)?),
             None => None,
         };
+        if let Some(h) = &s.host {
+            if !valid_host(h) {
+                return Err(ctx.value(
+                    &format!("{p}.host"),
+                    format!("stage {i}: `host` must be a host name or IPv4 address (letters, digits, `-`, `_`, `.`), found {h:?}"),
+                ));
+            }
+        }
         if s.device.is_some() && target == Target::Host {
             return Err(ctx.key(&format!("{p}.device"), format!("stage {i}: `device` applies to target cuda only; this plan's target is host")));
         }
@@ -362,7 +440,7 @@ impl Plan {
     /// Checks the stage count against `--pp N`.
     pub fn check_pp(&self, file: &Path, pp: usize) -> Result<(), PlanError> {
         if self.stages.len() != pp {
-            let loc = locate(&std::fs::read_to_string(file).unwrap_or_default());
+            let loc = locate(&read_plan_text(file).unwrap_or_default());
             let ctx = Ctx { file, loc };
             return Err(ctx.value("stages", format!("the plan has {} stages but --pp {pp} was given", self.stages.len())));
         }

@@ -33,11 +33,16 @@ impl Default for TinySpec {
 }
 
 const HEAD_DIM: usize = 32;
+/// The largest checkpoint init-tiny builds (in memory, then written).
+const MAX_BYTES: u64 = 4_000_000_000;
 
 impl TinySpec {
     fn check(&self) -> Result<()> {
-        if self.layers == 0 {
-            bail!("--layers must be at least 1");
+        if self.layers == 0 || self.layers > 256 {
+            bail!("--layers must be from 1 to 256 (found {})", self.layers);
+        }
+        if self.hidden > 16384 {
+            bail!("--hidden must be at most 16384 (found {}): init-tiny makes small test models", self.hidden);
         }
         if self.hidden < 128 || !self.hidden.is_multiple_of(128) {
             bail!("--hidden must be a positive multiple of 128 (found {}): heads are {HEAD_DIM} wide and come in groups of 4", self.hidden);
@@ -121,7 +126,7 @@ struct Owned {
 
 impl safetensors::View for &Owned {
     fn dtype(&self) -> safetensors::Dtype {
-        self.dtype.to_safetensors()
+        crate::dtype::to_safetensors(self.dtype)
     }
     fn shape(&self) -> &[usize] {
         &self.shape
@@ -203,8 +208,19 @@ pub fn init_tiny(out: &Path, spec: &TinySpec) -> Result<()> {
     let json = spec.config_json();
     let text = serde_json::to_string_pretty(&json)? + "\n";
     let cfg = parse_config(&out.join("config.json"), &text).context("internal: the generated config does not validate")?;
+    // Checked before allocating: the tensors are built in memory, then encoded.
+    let bytes: u64 = crate::model::expected_tensors(&cfg).iter().map(|t| t.nominal_bytes()).sum();
+    if bytes > MAX_BYTES {
+        bail!(
+            "--hidden {} --layers {} would make a {:.1} GB checkpoint; init-tiny writes at most {:.0} GB (fewer layers or a smaller hidden size)",
+            spec.hidden,
+            spec.layers,
+            bytes as f64 / 1e9,
+            MAX_BYTES as f64 / 1e9
+        );
+    }
     let tensors = tensors(spec, &cfg);
-    write_dir_atomically(out, false, |tmp| {
+    write_dir_atomically(out, |o| anyhow::bail!("{}: already exists and is not empty (choose a new folder, or remove it first)", o.display()), |tmp| {
         std::fs::write(tmp.join("config.json"), &text)?;
         let views: Vec<(&str, &Owned)> = tensors.iter().map(|t| (t.name.as_str(), t)).collect();
         let mut meta = std::collections::HashMap::new();

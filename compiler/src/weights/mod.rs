@@ -5,7 +5,7 @@
 //! mapped file.
 
 mod bind;
-mod checkpoint;
+pub mod checkpoint;
 
 pub use bind::{bind, BindProblem, BindReport, BoundWeights};
 pub use checkpoint::{Checkpoint, TensorEntry, WeightsError};

@@ -1,0 +1,24 @@
+//! The contract between `m3c` (the compiler) and the stage runtime it links
+//! into every executable: what both sides must read the same way.
+//!
+//! - [`dtype`]: the one table of checkpoint element types and their sizes
+//!   (no default for an unknown name: it is an error).
+//! - [`checkpoint`]: the one safetensors reader (single file or sharded),
+//!   which rejects exactly the same damaged or hostile files on both sides.
+//! - [`input`]: reading user files with a size limit, regular files only,
+//!   a UTF-8 byte-order mark tolerated.
+//! - [`prompts`]: token-id prompts (`--prompt-ids`, prompts files) and the
+//!   numbers of the run command line.
+//!
+//! This crate does no MPI, no mmap and no printing: it is plain parsing, so
+//! its parsers can be property-tested on arbitrary input.
+
+pub mod checkpoint;
+pub mod dtype;
+pub mod input;
+pub mod prompts;
+mod unique_map;
+
+pub use checkpoint::{CheckpointError, CheckpointLayout, TensorLocation};
+pub use dtype::DType;
+pub use input::{read_user_file, InputError};
