@@ -66,7 +66,8 @@ pub fn swiglu_oai(name: &str, width: usize, alpha: f64, limit: f64, beta: f64, a
     )
 }
 
-/// Greedy sampling: the index of each row's largest value (the first on ties).
+/// Greedy sampling: the index of each row's largest value (the first on
+/// ties; NaN ranks as -inf, so the id is always in range).
 /// `x`: `[S, width]`, `ids`: `[S]` i64.
 pub fn argmax(name: &str, width: usize) -> String {
     let t = format!("memref<?x{width}xf32>");
@@ -74,11 +75,16 @@ pub fn argmax(name: &str, width: usize) -> String {
         "%c0 = arith.constant 0 : index\n\
          %c1 = arith.constant 1 : index\n\
          %cw = arith.constant {width} : index\n\
+         %ninf = arith.constant 0xFF800000 : f32\n\
          %rows = memref.dim %x, %c0 : {t}\n\
          scf.for %r = %c0 to %rows step %c1 {{\n\
-         \x20 %first = memref.load %x[%r, %c0] : {t}\n\
+         \x20 %f0 = memref.load %x[%r, %c0] : {t}\n\
+         \x20 %f0nan = arith.cmpf uno, %f0, %f0 : f32\n\
+         \x20 %first = arith.select %f0nan, %ninf, %f0 : f32\n\
          \x20 %best:2 = scf.for %i = %c1 to %cw step %c1 iter_args(%bv = %first, %bi = %c0) -> (f32, index) {{\n\
-         \x20   %v = memref.load %x[%r, %i] : {t}\n\
+         \x20   %v0 = memref.load %x[%r, %i] : {t}\n\
+         \x20   %vnan = arith.cmpf uno, %v0, %v0 : f32\n\
+         \x20   %v = arith.select %vnan, %ninf, %v0 : f32\n\
          \x20   %gt = arith.cmpf ogt, %v, %bv : f32\n\
          \x20   %nv = arith.select %gt, %v, %bv : f32\n\
          \x20   %ni = arith.select %gt, %i, %bi : index\n\

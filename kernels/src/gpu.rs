@@ -533,7 +533,8 @@ impl Kernel {
                     "{IDX}%r = gpu.block_id x\n%lane = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
                      %big = arith.constant 2147483647 : i32\n\
                      %best:2 = scf.for %i = %lane to %cw step %c32 iter_args(%bv = %ninf, %bi = %cw) -> (f32, index) {{\n\
-                     \x20 %v = memref.load %x[%r, %i] : {t}\n  %gt = arith.cmpf ogt, %v, %bv : f32\n\
+                     \x20 %v0 = memref.load %x[%r, %i] : {t}\n  %isnan = arith.cmpf uno, %v0, %v0 : f32\n  %v = arith.select %isnan, %ninf, %v0 : f32\n\
+                     \x20 %gt0 = arith.cmpf ogt, %v, %bv : f32\n  %none = arith.cmpi eq, %bi, %cw : index\n  %gt = arith.ori %gt0, %none : i1\n\
                      \x20 %nv = arith.select %gt, %v, %bv : f32\n  %ni = arith.select %gt, %i, %bi : index\n  scf.yield %nv, %ni : f32, index\n}}\n\
                      %m = gpu.subgroup_reduce maximumf %best#0 : (f32) -> f32\n\
                      %is = arith.cmpf oeq, %best#0, %m : f32\n\
@@ -571,15 +572,17 @@ impl Kernel {
                      \x20   %nl = arith.negf %ls0 : f32\n    %ex = math.exp %nl : f32\n    %den = arith.addf %one, %ex : f32\n    %sg = arith.divf %one, %den : f32\n\
                      \x20   memref.store %sg, %ss[%e] : {sh}\n\
                      {bias_add}\
-                     \x20   memref.store %ch, %sc_[%e] : {sh}\n\
+                     \x20   %chnan = arith.cmpf uno, %ch, %ch : f32\n    %chs = arith.select %chnan, %ninf, %ch : f32\n\
+                     \x20   memref.store %chs, %sc_[%e] : {sh}\n\
                      \x20 }}\n\
                      }}\n\
                      scf.if %first {{\n\
                      \x20 %sum = scf.for %j = %c0 to %ck step %c1 iter_args(%acc = %zero) -> (f32) {{\n\
-                     \x20   %best:2 = scf.for %e = %c0 to %ce step %c1 iter_args(%bv = %ninf, %bi = %c0) -> (f32, index) {{\n\
-                     \x20     %v = memref.load %sc_[%e] : {sh}\n      %gt = arith.cmpf ogt, %v, %bv : f32\n\
+                     \x20   %best:2 = scf.for %e = %c0 to %ce step %c1 iter_args(%bv = %ninf, %bi = %ce) -> (f32, index) {{\n\
+                     \x20     %v = memref.load %sc_[%e] : {sh}\n      %free = arith.cmpf ord, %v, %v : f32\n      %gt0 = arith.cmpf ogt, %v, %bv : f32\n\
+                     \x20     %none = arith.cmpi eq, %bi, %ce : index\n      %better = arith.ori %gt0, %none : i1\n      %gt = arith.andi %free, %better : i1\n\
                      \x20     %nv = arith.select %gt, %v, %bv : f32\n      %ni = arith.select %gt, %e, %bi : index\n      scf.yield %nv, %ni : f32, index\n    }}\n\
-                     \x20   memref.store %ninf, %sc_[%best#1] : {sh}\n\
+                     \x20   %taken = arith.constant 0x7FC00000 : f32\n    memref.store %taken, %sc_[%best#1] : {sh}\n\
                      \x20   %id = arith.index_cast %best#1 : index to i64\n    memref.store %id, %ids[%r, %j] : {ids}\n\
                      \x20   %sv = memref.load %ss[%best#1] : {sh}\n    memref.store %sv, %wts[%r, %j] : {wts}\n\
                      \x20   %acc2 = arith.addf %acc, %sv : f32\n    scf.yield %acc2 : f32\n  }}\n\

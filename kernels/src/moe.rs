@@ -4,6 +4,9 @@ use crate::{Kernel, Storage, WeightType};
 
 /// The MoE router, in f32: `s = σ(h Wᵀ)`, top-k of `s + bias` (the bias only
 /// selects; first index on ties), weights `scale · s[idx] / Σ s[idx]`.
+/// Whatever the scores, the k ids are distinct and in range: a NaN score
+/// ranks as -inf, and each round takes the first free expert unless a
+/// later one scores strictly higher (the routed experts index by these ids).
 /// `h`: `[S, width]`, `w`: `[experts, width]`, `bias`: `[experts]`;
 /// out: `wts` `[S, k]` f32 and `ids` `[S, k]` i64, in selection order.
 /// `h` holds values stored as `act`.
@@ -46,12 +49,16 @@ pub fn router(name: &str, width: usize, experts: usize, k: usize, scale: f64, we
          \x20   memref.store %i32_0, %taken[%e] : memref<{experts}xi32>\n\
          \x20 }}\n\
          \x20 %sum = scf.for %j = %c0 to %ck step %c1 iter_args(%acc = %zero) -> (f32) {{\n\
-         \x20   %best:2 = scf.for %e = %c0 to %ce step %c1 iter_args(%bv = %ninf, %bi = %c0) -> (f32, index) {{\n\
+         \x20   %best:2 = scf.for %e = %c0 to %ce step %c1 iter_args(%bv = %ninf, %bi = %ce) -> (f32, index) {{\n\
          \x20     %t = memref.load %taken[%e] : memref<{experts}xi32>\n\
          \x20     %free = arith.cmpi eq, %t, %i32_0 : i32\n\
-         \x20     %v = memref.load %choice[%e] : memref<{experts}xf32>\n\
+         \x20     %v0 = memref.load %choice[%e] : memref<{experts}xf32>\n\
+         \x20     %isnan = arith.cmpf uno, %v0, %v0 : f32\n\
+         \x20     %v = arith.select %isnan, %ninf, %v0 : f32\n\
          \x20     %gt = arith.cmpf ogt, %v, %bv : f32\n\
-         \x20     %ok = arith.andi %free, %gt : i1\n\
+         \x20     %none = arith.cmpi eq, %bi, %ce : index\n\
+         \x20     %better = arith.ori %gt, %none : i1\n\
+         \x20     %ok = arith.andi %free, %better : i1\n\
          \x20     %nv = arith.select %ok, %v, %bv : f32\n\
          \x20     %ni = arith.select %ok, %e, %bi : index\n\
          \x20     scf.yield %nv, %ni : f32, index\n\

@@ -26,21 +26,13 @@ pub struct RunArgs {
     pub prefill_gemm_cublas: bool,
 }
 
+/// Seconds without a heartbeat before a peer counts as lost.
+pub const DEFAULT_TIMEOUT_S: f64 = 30.0;
+
 pub const USAGE: &str = "usage: stage-K (--model DIR | --synthetic-weights SEED) (--prompt-ids 1,2,3 [--prompt-ids ...] | --prompts FILE) \
 --max-new-tokens N [--micro-batch SEQS] [--prefill-chunk TOKENS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S] [--cuda-graphs on|off] [--prefill-gemm cublas|off]";
 
-pub fn parse_ids(text: &str, what: &str) -> Result<Vec<i64>, String> {
-    let ids: Result<Vec<i64>, String> = text
-        .split(|c: char| c == ',' || c.is_whitespace())
-        .filter(|s| !s.is_empty())
-        .map(|s| s.parse::<i64>().map_err(|_| format!("{what}: `{s}` is not a token id (expected integers separated by commas)")))
-        .collect();
-    let ids = ids?;
-    if ids.is_empty() {
-        return Err(format!("{what}: a prompt needs at least one token id"));
-    }
-    Ok(ids)
-}
+use m3c_contract::prompts::{parse_count, parse_ids, parse_prompts_file, parse_timeout_s};
 
 pub fn parse(args: &[String]) -> Result<RunArgs, String> {
     let mut model = None;
@@ -50,7 +42,7 @@ pub fn parse(args: &[String]) -> Result<RunArgs, String> {
     let mut dump = None;
     let mut expect = None;
     let mut synthetic_seed = None;
-    let mut timeout_s = 300.0;
+    let mut timeout_s = DEFAULT_TIMEOUT_S;
     let mut micro_batch = None;
     let mut prefill_chunk = None;
     let mut cuda_graphs = true;
@@ -62,28 +54,16 @@ pub fn parse(args: &[String]) -> Result<RunArgs, String> {
             "--model" => model = Some(PathBuf::from(value("--model")?)),
             "--prompt-ids" => prompts.push(parse_ids(&value("--prompt-ids")?, "--prompt-ids")?),
             "--prompts" => prompts_file = Some(PathBuf::from(value("--prompts")?)),
-            "--max-new-tokens" => {
-                let v = value("--max-new-tokens")?;
-                max_new = Some(v.parse::<usize>().map_err(|_| format!("--max-new-tokens: `{v}` is not a count"))?);
-            }
+            "--max-new-tokens" => max_new = Some(parse_count(&value("--max-new-tokens")?, "--max-new-tokens", false)?),
             "--dump" => dump = Some(PathBuf::from(value("--dump")?)),
             "--expect" => expect = Some(PathBuf::from(value("--expect")?)),
-            "--prefill-chunk" => {
-                let v = value("--prefill-chunk")?;
-                prefill_chunk = Some(v.parse::<usize>().ok().filter(|n| *n > 0).ok_or_else(|| format!("--prefill-chunk: `{v}` is not a positive count"))?);
-            }
-            "--micro-batch" => {
-                let v = value("--micro-batch")?;
-                micro_batch = Some(v.parse::<usize>().ok().filter(|n| *n > 0).ok_or_else(|| format!("--micro-batch: `{v}` is not a positive count"))?);
-            }
+            "--prefill-chunk" => prefill_chunk = Some(parse_count(&value("--prefill-chunk")?, "--prefill-chunk", true)?),
+            "--micro-batch" => micro_batch = Some(parse_count(&value("--micro-batch")?, "--micro-batch", true)?),
             "--synthetic-weights" => {
                 let v = value("--synthetic-weights")?;
                 synthetic_seed = Some(v.parse::<u64>().map_err(|_| format!("--synthetic-weights: `{v}` is not a seed (an integer)"))?);
             }
-            "--timeout-s" => {
-                let v = value("--timeout-s")?;
-                timeout_s = v.parse::<f64>().ok().filter(|t| *t > 0.0).ok_or_else(|| format!("--timeout-s: `{v}` is not a positive number"))?;
-            }
+            "--timeout-s" => timeout_s = parse_timeout_s(&value("--timeout-s")?)?,
             "--cuda-graphs" => {
                 cuda_graphs = match value("--cuda-graphs")?.as_str() {
                     "on" => true,
@@ -105,16 +85,8 @@ pub fn parse(args: &[String]) -> Result<RunArgs, String> {
         if !prompts.is_empty() {
             return Err("give --prompt-ids or --prompts, not both".into());
         }
-        let text = std::fs::read_to_string(&f).map_err(|e| format!("--prompts {}: {e}", f.display()))?;
-        for (i, line) in text.lines().enumerate() {
-            if line.trim().is_empty() || line.trim_start().starts_with('#') {
-                continue;
-            }
-            prompts.push(parse_ids(line, &format!("{}:{}", f.display(), i + 1))?);
-        }
-        if prompts.is_empty() {
-            return Err(format!("--prompts {}: no prompts in the file (one per line, ids separated by commas)", f.display()));
-        }
+        let text = m3c_contract::read_user_file(&f, "--prompts", m3c_contract::input::limits::PROMPTS).map_err(|e| e.to_string())?;
+        prompts = parse_prompts_file(&text, &f.display().to_string())?;
     }
     if prompts.is_empty() {
         return Err(format!("no prompt: give --prompt-ids or --prompts; {USAGE}"));

@@ -52,16 +52,47 @@ pub fn write(path: &Path, r: &SeqRecord, vocab: usize) -> Result<(), String> {
     for (_, _, _, data) in tensors {
         out.extend(data);
     }
-    let tmp = path.with_extension("partial");
-    std::fs::write(&tmp, &out).map_err(|e| format!("--dump {}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, path).map_err(|e| format!("--dump {}: {e}", path.display()))
+    check_target(path)?;
+    // A name no other writer uses, beside the target, then a rename: the
+    // target is whole or untouched, and nothing else is overwritten.
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.{}.partial", std::process::id()));
+    let written = std::fs::write(&tmp, &out).and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = written {
+        std::fs::remove_file(&tmp).ok();
+        return Err(format!("--dump {}: {e}", path.display()));
+    }
+    Ok(())
+}
+
+/// Checks a dump target before any work: its folder exists, and what is
+/// there now, if anything, is a regular file (a device, folder or symbolic
+/// link is never replaced).
+pub fn check_target(path: &Path) -> Result<(), String> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    if !dir.is_dir() {
+        return Err(format!("--dump {}: the folder {} does not exist", path.display(), dir.display()));
+    }
+    if path.file_name().is_none() {
+        return Err(format!("--dump {}: needs a file name", path.display()));
+    }
+    if let Ok(m) = std::fs::symlink_metadata(path) {
+        if !m.file_type().is_file() {
+            let kind = if m.file_type().is_symlink() { "a symbolic link" } else { m3c_contract::input::kind_of(&m) };
+            return Err(format!("--dump {}: is {kind}; m3c only replaces regular files", path.display()));
+        }
+    }
+    Ok(())
 }
 
 /// `--expect GOLDEN`: compares a sequence's record with the golden file of
 /// the fixtures (same tensor names). Returns the report line, or an error
 /// when the tokens differ or a logit is off by more than `tol`.
 pub fn check(golden: &Path, r: &SeqRecord, vocab: usize, tol: f32) -> Result<String, String> {
-    let bytes = std::fs::read(golden).map_err(|e| format!("--expect {}: {e}", golden.display()))?;
+    let bytes = m3c_contract::input::read_bytes(golden, "--expect", 1 << 32).map_err(|e| e.to_string())?;
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| format!("--expect {}: {e}", golden.display()))?;
     let get = |name: &str| st.tensor(name).map_err(|_| format!("--expect {}: no tensor `{name}`", golden.display()));
     let i64s = |name: &str| -> Result<Vec<i64>, String> { Ok(get(name)?.data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect()) };

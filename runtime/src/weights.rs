@@ -3,15 +3,18 @@
 //! memory-mapped one tensor at a time, so a stage maps only its own bytes.
 
 use crate::meta::StageMeta;
+use m3c_contract::{CheckpointLayout, DType};
 use memmap2::{Mmap, MmapOptions};
 use sha2::{Digest, Sha256};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::fs::File;
-use std::io::Read;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 pub struct StageWeights {
     maps: Vec<Mmap>,
+    /// Each mapping's address range and file, for naming a file that
+    /// changes under the mapping (SIGBUS).
+    pub regions: Vec<(usize, usize, std::path::PathBuf)>,
     /// Synthetic weights own their bytes.
     owned: Vec<Vec<u8>>,
     /// Pointer to each tensor's first element, in slot order.
@@ -21,67 +24,10 @@ pub struct StageWeights {
     pub bytes: u64,
 }
 
-struct Entry {
-    file: PathBuf,
-    dtype: String,
-    shape: Vec<usize>,
-    /// Absolute byte range in the file.
-    start: u64,
-    end: u64,
-}
-
-fn read_header(path: &Path) -> Result<BTreeMap<String, Entry>, String> {
-    let bad = |m: String| format!("{}: not a safetensors file: {m}", path.display());
-    let mut f = File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let size = f.metadata().map_err(|e| format!("{}: {e}", path.display()))?.len();
-    let mut n = [0u8; 8];
-    f.read_exact(&mut n).map_err(|_| bad("shorter than 8 bytes".into()))?;
-    let n = u64::from_le_bytes(n);
-    if n > 100_000_000 || 8 + n > size {
-        return Err(bad(format!("header length {n} does not fit the file ({size} bytes)")));
-    }
-    let mut h = vec![0u8; n as usize];
-    f.read_exact(&mut h).map_err(|e| bad(e.to_string()))?;
-    let v: serde_json::Value = serde_json::from_slice(&h).map_err(|e| bad(format!("header is not JSON: {e}")))?;
-    let obj = v.as_object().ok_or_else(|| bad("header is not an object".into()))?;
-    let mut out = BTreeMap::new();
-    for (name, t) in obj {
-        if name == "__metadata__" {
-            continue;
-        }
-        let dtype = t.get("dtype").and_then(|d| d.as_str()).ok_or_else(|| bad(format!("{name}: no dtype")))?;
-        let shape = t
-            .get("shape")
-            .and_then(|s| s.as_array())
-            .and_then(|a| a.iter().map(|d| d.as_u64().map(|d| d as usize)).collect::<Option<Vec<_>>>())
-            .ok_or_else(|| bad(format!("{name}: no shape")))?;
-        let off = t
-            .get("data_offsets")
-            .and_then(|s| s.as_array())
-            .and_then(|a| Some((a.first()?.as_u64()?, a.get(1)?.as_u64()?)))
-            .ok_or_else(|| bad(format!("{name}: no data_offsets")))?;
-        let (start, end) = (8 + n + off.0, 8 + n + off.1);
-        if start > end || end > size {
-            return Err(bad(format!("{name}: data_offsets {:?} run past the end of the file", off)));
-        }
-        out.insert(name.clone(), Entry { file: path.to_path_buf(), dtype: dtype.to_string(), shape, start, end });
-    }
-    Ok(out)
-}
-
-fn dtype_size(d: &str) -> usize {
-    match d {
-        "F64" | "I64" => 8,
-        "F32" | "I32" => 4,
-        "BF16" | "F16" => 2,
-        _ => 1,
-    }
-}
-
 /// sha256 of `DIR/config.json`, which must equal the one OUT was compiled from.
 pub fn check_config(dir: &Path, meta: &StageMeta) -> Result<(), String> {
     let cfg = dir.join("config.json");
-    let bytes = std::fs::read(&cfg).map_err(|e| format!("--model {}: cannot read {} ({e})", dir.display(), cfg.display()))?;
+    let bytes = m3c_contract::input::read_bytes(&cfg, "config", m3c_contract::input::limits::CONFIG).map_err(|e| format!("--model {}: {e}", dir.display()))?;
     let hash = hex(&Sha256::digest(&bytes));
     if hash != meta.config_sha256 {
         return Err(format!(
@@ -101,68 +47,28 @@ pub fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-fn checkpoint_index(dir: &Path) -> Result<HashMap<String, Entry>, String> {
-    let index = dir.join("model.safetensors.index.json");
-    let single = dir.join("model.safetensors");
-    let mut files: Vec<PathBuf> = Vec::new();
-    if index.is_file() {
-        let text = std::fs::read_to_string(&index).map_err(|e| format!("{}: {e}", index.display()))?;
-        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{}: not JSON: {e}", index.display()))?;
-        let map = v
-            .get("weight_map")
-            .and_then(|m| m.as_object())
-            .ok_or_else(|| format!("{}: missing object `weight_map`", index.display()))?;
-        for f in map.values().filter_map(|f| f.as_str()) {
-            let p = dir.join(f);
-            if !files.contains(&p) {
-                files.push(p);
-            }
-        }
-        files.sort();
-    } else if single.is_file() {
-        files.push(single);
-    } else {
-        return Err(format!(
-            "--model {}: no weights (neither model.safetensors nor model.safetensors.index.json)",
-            dir.display()
-        ));
-    }
-    let mut all = HashMap::new();
-    for f in files {
-        if !f.is_file() {
-            return Err(format!("{}: lists shard {}, which does not exist", index.display(), f.display()));
-        }
-        all.extend(read_header(&f)?);
-    }
-    Ok(all)
-}
-
 impl StageWeights {
     /// Finds, checks and maps every tensor of the stage. All problems are
     /// reported together.
     pub fn open(dir: &Path, meta: &StageMeta) -> Result<StageWeights, String> {
-        let index = checkpoint_index(dir)?;
+        // The contract's reader: exactly what `m3c inspect` accepts.
+        let layout = CheckpointLayout::open(dir).map_err(|e| e.to_string())?;
         let mut problems = Vec::new();
         let mut entries = Vec::new();
         for slot in &meta.tensors {
-            match index.get(&slot.name) {
+            let file = |t: &m3c_contract::TensorLocation| layout.files[t.file].display().to_string();
+            match layout.tensors.get(&slot.name) {
                 None => problems.push(format!("tensor `{}` is missing from the checkpoint in {}", slot.name, dir.display())),
-                Some(e) if e.dtype != slot.dtype || e.shape != slot.shape => problems.push(format!(
+                Some(e) if Some(e.dtype) != DType::from_safetensors_name(&slot.dtype) || e.shape != slot.shape => problems.push(format!(
                     "tensor `{}` in {} is {} {:?}; the stage was compiled for {} {:?}",
                     slot.name,
-                    e.file.display(),
-                    e.dtype,
+                    file(e),
+                    e.dtype.safetensors_name(),
                     e.shape,
                     slot.dtype,
                     slot.shape
                 )),
-                Some(e) => {
-                    let want = slot.shape.iter().product::<usize>() * dtype_size(&e.dtype);
-                    if (e.end - e.start) as usize != want {
-                        problems.push(format!("tensor `{}` in {}: {} bytes stored, {want} expected", slot.name, e.file.display(), e.end - e.start));
-                    }
-                    entries.push(e);
-                }
+                Some(e) => entries.push(e),
             }
         }
         if !problems.is_empty() {
@@ -175,26 +81,36 @@ impl StageWeights {
         let mut ptrs = Vec::new();
         let mut sizes = Vec::new();
         let mut bytes = 0;
-        let mut files: HashMap<PathBuf, File> = HashMap::new();
+        let mut files: HashMap<usize, File> = HashMap::new();
         for e in entries {
+            let path = &layout.files[e.file];
             let file = match files.get(&e.file) {
                 Some(f) => f,
                 None => {
-                    let f = File::open(&e.file).map_err(|err| format!("{}: {err}", e.file.display()))?;
-                    files.entry(e.file.clone()).or_insert(f)
+                    let f = File::open(path).map_err(|err| format!("{}: {err}", path.display()))?;
+                    // The headers were checked against this size; a file
+                    // changed since then is refused rather than mapped.
+                    let now = f.metadata().map_err(|err| format!("{}: {err}", path.display()))?.len();
+                    if now != layout.file_sizes[e.file] {
+                        return Err(format!("{}: changed while the stage was starting ({} → {now} bytes)", path.display(), layout.file_sizes[e.file]));
+                    }
+                    files.entry(e.file).or_insert(f)
                 }
             };
             let base = e.start / page * page;
             let len = (e.end - base).max(1) as usize;
-            // SAFETY: read-only private mapping; the checkpoint must not be
-            // modified while the stage runs (as with every mmap loader).
-            let map = unsafe { MmapOptions::new().offset(base).len(len).map(file) }.map_err(|err| format!("{}: mmap: {err}", e.file.display()))?;
+            // SAFETY: a read-only private mapping of a range the checked
+            // header places inside the file. A file truncated later makes a
+            // read fault, which `liveness::watch_mappings` reports by name.
+            let map = unsafe { MmapOptions::new().offset(base).len(len).map(file) }.map_err(|err| format!("{}: mmap: {err}", path.display()))?;
+            // SAFETY: `e.start - base` < `len`, so the pointer is inside the mapping.
             ptrs.push(unsafe { map.as_ptr().add((e.start - base) as usize) });
             bytes += e.end - e.start;
             sizes.push(e.end - e.start);
-            maps.push(map);
+            maps.push((map, path.clone()));
         }
-        Ok(StageWeights { maps, owned: Vec::new(), ptrs, sizes, bytes })
+        let regions = maps.iter().map(|(m, p)| (m.as_ptr() as usize, m.len(), p.clone())).collect();
+        Ok(StageWeights { maps: maps.into_iter().map(|(m, _)| m).collect(), regions, owned: Vec::new(), ptrs, sizes, bytes })
     }
 
     pub fn mapped(&self) -> usize {
@@ -206,6 +122,7 @@ impl StageWeights {
     /// For timing layers of the real size without their checkpoint.
     pub fn synthetic(meta: &StageMeta, seed: u64) -> StageWeights {
         let sizes: Vec<u64> = meta.tensors.iter().map(|t| (t.shape.iter().product::<usize>() * dtype_size(&t.dtype)) as u64).collect();
+        // (The compiler only emits dtypes of the contract's table.)
         let mut owned: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0u8; n as usize]).collect();
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let chunks: Vec<(usize, &mut Vec<u8>)> = owned.iter_mut().enumerate().collect();
@@ -224,7 +141,7 @@ impl StageWeights {
         });
         let ptrs = owned.iter().map(|b| b.as_ptr()).collect();
         let bytes = sizes.iter().sum();
-        StageWeights { maps: Vec::new(), owned, ptrs, sizes, bytes }
+        StageWeights { maps: Vec::new(), regions: Vec::new(), owned, ptrs, sizes, bytes }
     }
 }
 
@@ -265,4 +182,11 @@ fn fill(buf: &mut [u8], dtype: &str, seed: u64) {
         }
         _ => {}
     }
+}
+
+/// Bytes per element of a compiled tensor slot (the contract's table; the
+/// compiler writes only names from it, so 0 marks a damaged executable and
+/// makes the slot empty).
+fn dtype_size(d: &str) -> usize {
+    DType::from_safetensors_name(d).map_or(0, DType::size_bytes)
 }

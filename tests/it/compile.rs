@@ -90,7 +90,7 @@ fn compile_errors_leave_nothing_behind() {
     std::fs::write(out.join("notes.txt"), "mine").unwrap();
     let o = m3c(&["compile", "--model", fixture("tiny-m3").to_str().unwrap(), "--pp", "1", "-o", out.to_str().unwrap()]);
     assert!(!o.status.success());
-    assert!(stderr(&o).contains("already exists and is not empty"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("already exists, is not empty and has no m3c manifest.json"), "{}", stderr(&o));
     assert_eq!(std::fs::read_to_string(out.join("notes.txt")).unwrap(), "mine");
     let o = m3c(&["compile", "--model", fixture("tiny-m3").to_str().unwrap(), "--pp", "1", "--emit", "ptx", "-o", dir.path().join("p").to_str().unwrap()]);
     assert!(!o.status.success());
@@ -131,7 +131,7 @@ fn plan_hosts_place_the_stages() {
     let m: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
     assert_eq!(m["stages"][1]["host"], "localhost");
     let launcher = std::fs::read_to_string(out.join("run.sh")).unwrap();
-    assert!(launcher.contains("-np 1 --host localhost \"$here/stage-1\""), "{launcher}");
+    assert!(launcher.contains("-np 1 --host 'localhost' \"$here/stage-1\""), "{launcher}");
     let o = m3c(&["run", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--prompt-ids", "3,4,5", "--max-new-tokens", "2"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(m3c_tests::stdout(&o).starts_with("prompt 0: "));

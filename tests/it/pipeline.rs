@@ -261,7 +261,7 @@ fn a_silent_stage_times_out_instead_of_hanging() {
     let o = m3c_env(&args, &[("M3C_TEST_STALL_STAGE", "1")]);
     assert!(!o.status.success());
     let e = stderr(&o);
-    assert!(e.contains("nothing from stage 1 for 3 s"), "{e}");
+    assert!(e.contains("no sign of life from stage 1 for 3 s"), "{e}");
     assert!(t0.elapsed() < std::time::Duration::from_secs(60), "took {:?}", t0.elapsed());
 }
 

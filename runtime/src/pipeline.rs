@@ -1,0 +1,227 @@
+//! The pipeline schedule. The first stage groups ready sequences into
+//! micro-batches of `--micro-batch` sequences (default: the prompts shared
+//! over the stages), pushes every prompt's prefill (in `--prefill-chunk`
+//! pieces), then feeds each id the last stage returns back in as the next
+//! decode step, so stages work on different micro-batches at once and each
+//! step reads a stage's weights once for all its sequences.
+
+use crate::args::RunArgs;
+use crate::dump;
+use crate::liveness::{self, Peers};
+use crate::stage::{self, Segment};
+use crate::wire::{self, bytes_f32, f32_bytes, message, Outbox, KIND_STEP, KIND_STOP, TAG_ACT, TAG_IDS};
+use mpi::topology::SimpleCommunicator;
+use std::collections::VecDeque;
+use std::time::Instant;
+
+/// The last stage's record of one sequence's step; returns the greedy id of
+/// its last row.
+fn record(records: &mut [dump::SeqRecord], s: &Segment, logits: &[f32], ids: &[i64], row0: usize, vocab: usize, max_new: usize) -> i64 {
+    let r = &mut records[s.seq];
+    let rows = &logits[row0 * vocab..(row0 + s.rows) * vocab];
+    let plen = r.prompt.len();
+    if s.pos0 < plen {
+        // A prefill chunk (chunks of a sequence arrive in order).
+        r.prefill_logits.extend_from_slice(rows);
+    } else {
+        r.decode_logits.extend_from_slice(&rows[(s.rows - 1) * vocab..]);
+    }
+    let id = ids[row0 + s.rows - 1];
+    // Only the prompt's last row and decode rows give tokens.
+    if s.pos0 + s.rows >= plen && r.generated.len() < max_new {
+        r.generated.push(id);
+    }
+    id
+}
+
+/// The last stage's part of a step: checks the logits, records them, and
+/// returns one id per segment. Non-finite logits (NaN or Inf in the
+/// weights, or an overflow) end the run with the sequence and position.
+fn finish(records: &mut [dump::SeqRecord], segs: &[Segment], out: &stage::StepOut, vocab: usize, max_new: usize, stage: usize) -> Result<Vec<i64>, String> {
+    let mut row0 = 0;
+    let mut ids = Vec::with_capacity(segs.len());
+    for s in segs {
+        let rows = out.logits.get(row0 * vocab..(row0 + s.rows) * vocab).ok_or("a step returned fewer logits than rows")?;
+        if let Some(i) = rows.iter().position(|v| !v.is_finite()) {
+            return Err(format!(
+                "stage {stage}: non-finite logits ({}) at step for prompt {}, position {}; the weights or activations hold NaN or Inf \
+                 (check the checkpoint with `m3c inspect MODEL --check-values`)",
+                rows[i],
+                s.seq,
+                s.pos0 + i / vocab
+            ));
+        }
+        let id = record(records, s, &out.logits, &out.ids, row0, vocab, max_new);
+        if id < 0 || id as usize >= vocab {
+            return Err(format!("stage {stage}: the sampler chose id {id}, outside the vocabulary (0..{vocab})"));
+        }
+        ids.push(id);
+        row0 += s.rows;
+    }
+    Ok(ids)
+}
+
+/// Runs this stage's part of the pipeline. `Err`: a failure mid-run, after
+/// which the job must be aborted (peers may be waiting on this stage);
+/// `Ok(Err)`: a failure in the closing work (dump, `--expect`), reported
+/// through the closing verdict.
+pub fn run(world: &SimpleCommunicator, peers: &mut Peers, st: &mut stage::Stage, args: &RunArgs) -> Result<Result<(), String>, String> {
+    let (first, last) = (st.meta.first_stage, st.meta.last_stage);
+    let (rank, size) = (st.meta.stage, st.meta.stages);
+    // Activations travel as f32 words: `hidden` of them per row, or half as many for bf16.
+    let (x_words, vocab) = (st.meta.x_words(), st.meta.vocab);
+    let n_new = args.max_new_tokens;
+    for (s, p) in args.prompts.iter().enumerate() {
+        st.start_seq(s, p.len() + n_new + 1)?;
+    }
+    let mut records: Vec<dump::SeqRecord> = args
+        .prompts
+        .iter()
+        .map(|p| dump::SeqRecord { prompt: p.clone(), prefill_logits: Vec::new(), generated: Vec::new(), decode_logits: Vec::new() })
+        .collect();
+    // Sequences per micro-batch: enough micro-batches to keep every stage busy
+    // (one per stage), as few as that allows (weights are read once per step).
+    let per_batch = args.micro_batch.unwrap_or_else(|| args.prompts.len().div_ceil(size)).max(1);
+    let mut outbox = Outbox::default();
+    // Test hook (documented in ARCHITECTURE.md): this stage falls silent,
+    // heartbeats included, as a hung or lost peer would, so that the tests
+    // can check the others notice within --timeout-s instead of hanging.
+    if std::env::var("M3C_TEST_STALL_STAGE").ok().and_then(|v| v.parse::<usize>().ok()) == Some(rank) {
+        liveness::fall_silent();
+        std::thread::sleep(std::time::Duration::from_secs(3600));
+    }
+
+    if first {
+        // Ready work: (seq, pos0, token ids). Every prompt's prefill comes first.
+        let chunk = args.prefill_chunk.unwrap_or(usize::MAX).max(1);
+        let mut queue: VecDeque<(usize, usize, Vec<i64>)> = args
+            .prompts
+            .iter()
+            .enumerate()
+            .flat_map(|(s, p)| p.chunks(chunk).enumerate().map(move |(k, c)| (s, k * chunk, c.to_vec())))
+            .collect();
+        let mut generated: Vec<Vec<i64>> = vec![Vec::new(); args.prompts.len()];
+        let mut open = args.prompts.len();
+        let start = Instant::now();
+        let mut prefill_done = vec![None; args.prompts.len()];
+        let mut on_id = |seq: usize, pos0: usize, rows: usize, id: i64, queue: &mut VecDeque<(usize, usize, Vec<i64>)>, open: &mut usize| -> Result<(), String> {
+            let plen = args.prompts.get(seq).ok_or_else(|| format!("an id for unknown prompt {seq}"))?.len();
+            if pos0 + rows < plen {
+                return Ok(()); // a prefill chunk before the prompt's last: no token yet
+            }
+            let pass = if pos0 < plen { 0 } else { pos0 + 1 - plen };
+            if pass == 0 {
+                prefill_done[seq] = Some(start.elapsed());
+            }
+            if pass < n_new {
+                generated[seq].push(id);
+                queue.push_back((seq, plen + pass, vec![id]));
+            } else {
+                *open = open.saturating_sub(1);
+            }
+            Ok(())
+        };
+        while open > 0 {
+            if !queue.is_empty() {
+                let take = per_batch.min(queue.len());
+                let items: Vec<(usize, usize, Vec<i64>)> = queue.drain(..take).collect();
+                let segs: Vec<Segment> = items.iter().map(|(s, p, ids)| Segment { seq: *s, pos0: *p, rows: ids.len() }).collect();
+                let ids: Vec<i64> = items.iter().flat_map(|(_, _, ids)| ids.iter().copied()).collect();
+                let mut x = vec![0f32; ids.len() * x_words];
+                if !last && st.uses_nccl() {
+                    // The step's NCCL send waits for the receiver, who needs the header first.
+                    outbox.send(world, 1, TAG_ACT, message(KIND_STEP, &segs, &[]));
+                }
+                let out = st.step(&segs, &ids, &mut x)?;
+                if last {
+                    let got = finish(&mut records, &segs, &out, vocab, n_new, rank)?;
+                    for (s, id) in segs.iter().zip(got) {
+                        on_id(s.seq, s.pos0, s.rows, id, &mut queue, &mut open)?;
+                    }
+                } else if !st.uses_nccl() {
+                    outbox.send(world, 1, TAG_ACT, message(KIND_STEP, &segs, &f32_bytes(&x)));
+                }
+            } else {
+                outbox.poll();
+                let m = wire::recv(world, peers, size - 1, TAG_IDS)?;
+                for (i, s) in m.segments.iter().enumerate() {
+                    let id = m.payload.get(i * 8..i * 8 + 8).map(|b| i64::from_le_bytes(b.try_into().unwrap_or([0; 8]))).ok_or("malformed id message")?;
+                    on_id(s.seq, s.pos0, s.rows, id, &mut queue, &mut open)?;
+                }
+            }
+        }
+        let total = start.elapsed();
+        if !last {
+            outbox.send(world, 1, TAG_ACT, message(KIND_STOP, &[], &[]));
+        }
+        outbox.drain(world, peers)?;
+        for (s, g) in generated.iter().enumerate() {
+            use std::io::Write;
+            let ids: Vec<String> = g.iter().map(|i| i.to_string()).collect();
+            let line = format!("prompt {s}: {}\n", ids.join(","));
+            let mut out = std::io::stdout().lock();
+            let _ = out.write_all(line.as_bytes()).and_then(|_| out.flush());
+        }
+        let prefill_end = prefill_done.iter().flatten().max().copied().unwrap_or_default();
+        let prompt_tokens: usize = args.prompts.iter().map(|p| p.len()).sum();
+        let decode_steps = args.prompts.len() * n_new;
+        let dt = (total - prefill_end).as_secs_f64();
+        say!(
+            "m3c timing: prefill {prompt_tokens} tokens in {:.1} ms ({:.1} tok/s); decode {decode_steps} steps in {:.1} ms ({:.1} tok/s); up to {per_batch} sequence(s) per micro-batch",
+            prefill_end.as_secs_f64() * 1e3,
+            prompt_tokens as f64 / prefill_end.as_secs_f64().max(1e-9),
+            dt * 1e3,
+            decode_steps as f64 / dt.max(1e-9)
+        );
+    } else {
+        loop {
+            outbox.poll();
+            let m = wire::recv(world, peers, rank - 1, TAG_ACT)?;
+            if m.kind == KIND_STOP {
+                if !last {
+                    outbox.send(world, rank + 1, TAG_ACT, message(KIND_STOP, &[], &[]));
+                }
+                outbox.drain(world, peers)?;
+                break;
+            }
+            let tokens: usize = m.segments.iter().map(|s| s.rows).sum();
+            let mut x = if st.uses_nccl() { vec![0f32; tokens * x_words] } else { bytes_f32(&m.payload) };
+            if !last && st.uses_nccl() {
+                outbox.send(world, rank + 1, TAG_ACT, message(KIND_STEP, &m.segments, &[]));
+            }
+            let out = st.step(&m.segments, &[], &mut x)?;
+            if last {
+                let got = finish(&mut records, &m.segments, &out, vocab, n_new, rank)?;
+                let payload: Vec<u8> = got.iter().flat_map(|i| i.to_le_bytes()).collect();
+                outbox.send(world, 0, TAG_IDS, message(KIND_STEP, &m.segments, &payload));
+            } else if !st.uses_nccl() {
+                outbox.send(world, rank + 1, TAG_ACT, message(KIND_STEP, &m.segments, &f32_bytes(&x)));
+            }
+        }
+    }
+    finish_records(last, args, &records, vocab)
+}
+
+/// The last stage's closing work: dumps and the `--expect` check. Runs after
+/// every stage has left its loop, so a failure here is reported through the
+/// closing verdict instead of aborting peers that are shutting down.
+fn finish_records(last: bool, args: &RunArgs, records: &[dump::SeqRecord], vocab: usize) -> Result<Result<(), String>, String> {
+    if !last {
+        return Ok(Ok(()));
+    }
+    if let Some(file) = &args.dump {
+        for (i, r) in records.iter().enumerate() {
+            if let Err(e) = dump::write(&dump::dump_path(file, i, records.len()), r, vocab) {
+                return Ok(Err(e));
+            }
+        }
+    }
+    if let Some(golden) = &args.expect {
+        // The golden file describes one prompt: the first.
+        match dump::check(golden, &records[0], vocab, 1e-3) {
+            Ok(line) => say!("{line}"),
+            Err(e) => return Ok(Err(e)),
+        }
+    }
+    Ok(Ok(()))
+}

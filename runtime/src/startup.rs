@@ -1,0 +1,132 @@
+//! Start-up: the checks every rank makes before any work, each ending in a
+//! verdict that every rank shares, so the whole job goes on or stops
+//! together (no rank is left waiting for a peer that has already exited).
+//!
+//! Every collective here waits only while its peers are alive (heartbeats,
+//! `liveness`): a peer that crashed or hangs before joining makes the
+//! waiting ranks end the whole job after `--timeout-s`.
+
+use crate::liveness::{self, Peers};
+use mpi::collective::{CommunicatorCollectives, Root};
+use mpi::topology::{Communicator, SimpleCommunicator};
+use std::time::Duration;
+
+/// Bytes each rank contributes to the identity gather.
+pub const ID_BYTES: usize = 1 + 64 + 8 + 32;
+
+/// Ends the job: prints nothing more, every rank is killed by mpirun.
+pub fn abort_job(world: &SimpleCommunicator, who: &str, message: &str) -> ! {
+    say!("{who}: error: {message}");
+    world.abort(1)
+}
+
+/// `all_gather` of equal-sized byte records, waiting while every peer is alive.
+pub fn gather(world: &SimpleCommunicator, peers: &mut Peers, who: &str, mine: &[u8]) -> Vec<u8> {
+    let size = world.size() as usize;
+    let mut all = vec![0u8; mine.len() * size];
+    mpi::request::scope(|scope| {
+        let mut req = world.immediate_all_gather_into(scope, mine, &mut all[..]);
+        loop {
+            match req.test() {
+                Ok(_) => break,
+                Err(r) => req = r,
+            }
+            peers.drain(world);
+            if let Some(r) = peers.silent(0..size) {
+                abort_job(world, who, &liveness::silent_message(r, peers.timeout));
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    });
+    all
+}
+
+/// `broadcast` from rank 0, waiting while every peer is alive.
+pub fn broadcast(world: &SimpleCommunicator, peers: &mut Peers, who: &str, buf: &mut [u8]) {
+    let size = world.size() as usize;
+    mpi::request::scope(|scope| {
+        let mut req = world.process_at_rank(0).immediate_broadcast_into(scope, buf);
+        loop {
+            match req.test() {
+                Ok(_) => break,
+                Err(r) => req = r,
+            }
+            peers.drain(world);
+            if let Some(r) = peers.silent(0..size) {
+                abort_job(world, who, &liveness::silent_message(r, peers.timeout));
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    });
+}
+
+/// A local result shared with every rank: `Ok` everywhere, or `Err` on
+/// every rank, with the message printed once (by the lowest failing rank).
+pub fn agree<T>(world: &SimpleCommunicator, peers: &mut Peers, who: &str, local: Result<T, String>) -> Result<T, ()> {
+    let ok = [local.is_ok() as u8];
+    let all = gather(world, peers, who, &ok);
+    let first_bad = all.iter().position(|&b| b == 0);
+    match (local, first_bad) {
+        (Ok(v), None) => Ok(v),
+        (Err(e), Some(r)) => {
+            if r == world.rank() as usize {
+                say!("{who}: error: {e}");
+            }
+            Err(())
+        }
+        (Ok(_), Some(_)) => Err(()),
+        (Err(e), None) => {
+            say!("{who}: error: {e}");
+            Err(())
+        }
+    }
+}
+
+/// This rank's identity record: ok flag, compile id, stage, arguments hash.
+pub fn identity(ok: bool, compile_id: &str, stage: usize, args_hash: &[u8; 32]) -> [u8; ID_BYTES] {
+    let mut rec = [0u8; ID_BYTES];
+    rec[0] = ok as u8;
+    let b = compile_id.as_bytes();
+    rec[1..1 + b.len().min(64)].copy_from_slice(&b[..b.len().min(64)]);
+    rec[65..73].copy_from_slice(&(stage as u64).to_le_bytes());
+    rec[73..105].copy_from_slice(args_hash);
+    rec
+}
+
+/// What every rank concludes from the gathered identities (the same on
+/// every rank): `None` when the ranks belong together.
+pub fn judge_identities(all: &[u8]) -> Option<String> {
+    let recs: Vec<&[u8]> = all.chunks(ID_BYTES).collect();
+    if recs.iter().any(|r| r[0] == 0) {
+        return Some(String::new()); // a rank failed locally and says why itself
+    }
+    let id = |r: &[u8]| String::from_utf8_lossy(&r[1..65]).trim_end_matches('\0').to_string();
+    if recs.iter().any(|r| r[1..65] != recs[0][1..65]) {
+        let list: Vec<String> = recs.iter().enumerate().map(|(k, r)| format!("rank {k}: {}", id(r).chars().take(12).collect::<String>())).collect();
+        return Some(format!(
+            "the ranks come from different compiles (compile ids {}); start the stage executables of one OUT folder",
+            list.join(", ")
+        ));
+    }
+    let stages: Vec<u64> = recs.iter().map(|r| u64::from_le_bytes(r[65..73].try_into().unwrap_or([0; 8]))).collect();
+    if stages.iter().enumerate().any(|(k, &s)| k as u64 != s) {
+        return Some(format!("stages started out of order (rank r must run stage-r; ranks run stages {stages:?})"));
+    }
+    if let Some(k) = recs.iter().position(|r| r[73..105] != recs[0][73..105]) {
+        return Some(format!(
+            "the ranks were started with different arguments (rank {k} differs from rank 0); every stage needs the same prompts and options"
+        ));
+    }
+    None
+}
+
+/// sha256 of the stage arguments, NUL-separated.
+pub fn args_hash(argv: &[String]) -> [u8; 32] {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for a in argv {
+        h.update(a.as_bytes());
+        h.update([0u8]);
+    }
+    h.finalize().into()
+}

@@ -1,0 +1,148 @@
+//! The wire protocol between stages (MPI point-to-point): a step header
+//! (kind, then each sequence's segment) followed by a payload, which is the
+//! step's activations (`[S, hidden]` as f32 words, two bf16 to a word under
+//! `--activations bf16`) on the way down the pipeline, or the last stage's
+//! ids (one per segment) on the way back to the first.
+
+use crate::liveness::{self, Peers};
+use crate::stage::Segment;
+use mpi::point_to_point::{Destination, MatchedReceiveVec, Source};
+use mpi::topology::{Communicator, SimpleCommunicator};
+use std::time::Duration;
+
+pub const TAG_ACT: i32 = 7;
+pub const TAG_IDS: i32 = 8;
+pub const KIND_STEP: i64 = 0;
+pub const KIND_STOP: i64 = 1;
+
+/// The most segments a step may carry (a micro-batch's sequences).
+const MAX_SEGMENTS: usize = 1 << 20;
+
+pub fn message(kind: i64, segments: &[Segment], payload: &[u8]) -> Vec<u8> {
+    let mut m = Vec::with_capacity(16 + 24 * segments.len() + payload.len());
+    m.extend(kind.to_le_bytes());
+    m.extend((segments.len() as i64).to_le_bytes());
+    for s in segments {
+        for v in [s.seq as i64, s.pos0 as i64, s.rows as i64] {
+            m.extend(v.to_le_bytes());
+        }
+    }
+    m.extend_from_slice(payload);
+    m
+}
+
+pub struct Msg {
+    pub kind: i64,
+    pub segments: Vec<Segment>,
+    pub payload: Vec<u8>,
+}
+
+/// Parses a message; a malformed one (which only a damaged or foreign peer
+/// could send) is an error, never an out-of-range read.
+pub fn parse_msg(m: Vec<u8>) -> Result<Msg, String> {
+    let bad = || format!("malformed message of {} bytes from the previous stage", m.len());
+    let h = |i: usize| -> Result<i64, String> { m.get(i * 8..i * 8 + 8).map(|b| i64::from_le_bytes(b.try_into().unwrap_or([0; 8]))).ok_or_else(bad) };
+    let kind = h(0)?;
+    let n = usize::try_from(h(1)?).ok().filter(|&n| n <= MAX_SEGMENTS).ok_or_else(bad)?;
+    let mut segments = Vec::with_capacity(n.min(1024));
+    for i in 0..n {
+        let field = |k: usize| -> Result<usize, String> { usize::try_from(h(2 + 3 * i + k)?).map_err(|_| bad()) };
+        segments.push(Segment { seq: field(0)?, pos0: field(1)?, rows: field(2)? });
+    }
+    let start = (2 + 3 * n) * 8;
+    let payload = m.get(start..).ok_or_else(bad)?.to_vec();
+    Ok(Msg { kind, segments, payload })
+}
+
+/// Receives the next message with `tag` from rank `from`. Fails only when
+/// `from` has been silent (no message, no heartbeat) for the peers' timeout:
+/// a neighbour that is busy computing keeps waiting.
+pub fn recv(world: &SimpleCommunicator, peers: &mut Peers, from: usize, tag: i32) -> Result<Msg, String> {
+    let p = world.process_at_rank(from as i32);
+    let mut spins = 0u32;
+    loop {
+        if let Some(m) = p.immediate_matched_probe_with_tag(tag) {
+            let (v, _) = m.matched_receive_vec::<u8>();
+            peers.heard(from);
+            return parse_msg(v);
+        }
+        peers.drain(world);
+        if peers.silent([from]).is_some() {
+            return Err(liveness::silent_message(from, peers.timeout));
+        }
+        spins += 1;
+        if spins < 2000 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+}
+
+/// A send in flight and the leaked buffer it reads.
+type Pending = (mpi::request::Request<'static, [u8], mpi::request::StaticScope>, *mut [u8]);
+
+/// Sends in flight. A stage hands a message to MPI and goes on computing;
+/// the buffer lives until MPI reports the send complete (a blocking send
+/// would wait for the next stage to finish its own step first).
+#[derive(Default)]
+pub struct Outbox {
+    pending: Vec<Pending>,
+}
+
+impl Outbox {
+    pub fn send(&mut self, world: &SimpleCommunicator, to: usize, tag: i32, data: Vec<u8>) {
+        self.poll();
+        let buf: &'static mut [u8] = Box::leak(data.into_boxed_slice());
+        let ptr: *mut [u8] = buf;
+        // SAFETY: the leaked buffer stays alive until the request completes
+        // (`poll`/`drain` free it only then) and is never written meanwhile.
+        let req = world.process_at_rank(to as i32).immediate_send_with_tag(mpi::request::StaticScope, unsafe { &*ptr }, tag);
+        self.pending.push((req, ptr));
+    }
+
+    /// Frees the buffers of completed sends.
+    pub fn poll(&mut self) {
+        let mut still = Vec::with_capacity(self.pending.len());
+        for (req, ptr) in self.pending.drain(..) {
+            match req.test() {
+                // SAFETY: the send is complete; the buffer came from Box::leak.
+                Ok(_) => drop(unsafe { Box::from_raw(ptr) }),
+                Err(req) => still.push((req, ptr)),
+            }
+        }
+        self.pending = still;
+    }
+
+    /// Waits for every send (before the stage finishes), while the receiver
+    /// is alive.
+    pub fn drain(&mut self, world: &SimpleCommunicator, peers: &mut Peers) -> Result<(), String> {
+        while !self.pending.is_empty() {
+            self.poll();
+            peers.drain(world);
+            if let Some(r) = peers.silent(0..world.size() as usize) {
+                return Err(liveness::silent_message(r, peers.timeout));
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Outbox {
+    /// Only reached with sends pending when a step failed and the job is about
+    /// to be aborted: forget them rather than panic in rsmpi's request drop.
+    fn drop(&mut self) {
+        for (req, _) in self.pending.drain(..) {
+            std::mem::forget(req);
+        }
+    }
+}
+
+pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+pub fn bytes_f32(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
