@@ -39,7 +39,9 @@ impl ModelSource {
             let present = |name: &str| std::fs::symlink_metadata(path.join(name)).is_ok();
             let has_weights = present(SINGLE_FILE) || present(INDEX_FILE);
             Ok(ModelSource { config, weights_dir: has_weights.then(|| path.to_path_buf()) })
-        } else if path.is_file() {
+        } else if std::fs::symlink_metadata(path).is_ok() {
+            // A file, or something that is not one (a device, a dangling
+            // link): the config reader says which.
             Ok(ModelSource { config: load_config(path)?, weights_dir: None })
         } else {
             Err(SourceError::NotFound(path.to_path_buf()))

@@ -134,7 +134,7 @@ fn run_both_prefix(k: &Kernel, rows: usize, args: &[B], n: usize) -> Vec<(Vec<u8
     let dir = tempfile::tempdir().unwrap();
     let lib = build(std::slice::from_ref(k), dir.path());
     // Host: descriptors over copies of the buffers.
-    let mut host: Vec<Vec<u64>> = args.iter().map(|a| if let B::Data(b) = a { b.words.clone() } else { Vec::new() }).collect();
+    let host: Vec<Vec<u64>> = args.iter().map(|a| if let B::Data(b) = a { b.words.clone() } else { Vec::new() }).collect();
     let tables: Vec<Vec<*const u8>> = args.iter().map(|a| if let B::Table(ix) = a { ix.iter().map(|&i| host[i].as_ptr() as *const u8).collect() } else { Vec::new() }).collect();
     let descs2: Vec<Option<crate::host_kernels::Memref2<u8>>> = args
         .iter()
@@ -641,4 +641,51 @@ fn cuda_stages_are_pp_and_batch_invariant_in_the_interpreter() {
     assert!(bits(&pre[prompt.len() * v..]) == bits(&pre1), "sequence 1's prefill changes when batched");
     assert!(bits(&dec[..v]) == bits(&one[1]), "sequence 0's decode changes when batched");
     assert!(bits(&dec[v..]) == bits(&dec1), "sequence 1's decode changes when batched");
+}
+
+/// Scores that are NaN (a NaN weight, an overflow) still give in-range ids,
+/// the same on host and GPU: the router picks k distinct experts (NaN ranks
+/// as -inf, first index on ties) and argmax a valid token, even for a row
+/// that is all NaN. The routed experts and the embedding index by these ids.
+#[test]
+fn nan_scores_still_give_distinct_valid_ids_on_host_and_gpu() {
+    let ids_of = |b: &[u8]| -> Vec<i64> { b.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect() };
+    let (e, hidden, top, rows) = (8usize, 64usize, 4usize, 3usize);
+    for act in ACTS {
+        let k = Kernel::Router { width: hidden, experts: e, top_k: top, scale: 1.0, weight: WeightType::F32, bias: Some(WeightType::F32), act };
+        // Experts 0, 2 and 5 get a NaN bias; a second case makes every score NaN.
+        for nan_experts in [vec![0usize, 2, 5], (0..e).collect()] {
+            let mut bias = vals(e, 3, 0.1);
+            for &x in &nan_experts {
+                bias[x] = f32::NAN;
+            }
+            let mut args = vec![act_rows(rows, hidden, act, 1, false)];
+            args.extend(weight(e, hidden, WeightType::F32, 2));
+            args.push(buf(&bias, &[e], &format!("memref<{e}xf32>"), false));
+            args.push(buf(&vec![0f32; rows * top], &[rows, top], &format!("memref<?x{top}xf32>"), true));
+            args.push(buf(&vec![-1i64; rows * top], &[rows, top], &format!("memref<?x{top}xi64>"), true));
+            let o = run_both(&k, rows, &args);
+            assert_eq!(o[1].0, o[1].1, "{k}: host and GPU choose alike");
+            for r in ids_of(&o[1].0).chunks(top) {
+                let mut s = r.to_vec();
+                s.sort();
+                s.dedup();
+                assert!(s.len() == top && s.iter().all(|&i| (0..e as i64).contains(&i)), "{k}, NaN experts {nan_experts:?}: ids {r:?}");
+                if nan_experts.len() < e {
+                    assert!(r.iter().all(|i| !nan_experts.contains(&(*i as usize))), "a NaN expert outranked a finite one: {r:?}");
+                }
+            }
+        }
+    }
+    let k = Kernel::Argmax { width: 300 };
+    let mut logits = vals(rows * 300, 9, 2.0);
+    logits[0] = f32::NAN; // row 0: NaN first, the best is elsewhere
+    logits[123] = 7.0;
+    for v in &mut logits[300..600] {
+        *v = f32::NAN; // row 1: all NaN
+    }
+    logits[600 + 299] = f32::INFINITY;
+    let o = run_both(&k, rows, &[buf(&logits, &[rows, 300], "memref<?x300xf32>", false), buf(&[-1i64; 3], &[rows], "memref<?xi64>", true)]);
+    assert_eq!(o[0].0, o[0].1, "{k}");
+    assert_eq!(ids_of(&o[0].0), [123, 0, 299]);
 }

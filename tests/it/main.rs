@@ -8,6 +8,8 @@ mod cuda;
 mod gpu_kernels;
 mod graph;
 mod host_kernels;
+mod hostile;
+mod parsers;
 mod pipeline;
 mod plan;
 mod tiny;

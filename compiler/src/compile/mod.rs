@@ -11,7 +11,7 @@ mod link;
 mod manifest;
 pub mod ptx_report;
 
-pub use link::{find_runtime_lib, RUNTIME_LIB_ENV};
+pub use link::{find_runtime_lib, sh_quote, RUNTIME_LIB_ENV};
 pub use manifest::{Manifest, StageEntry};
 
 use crate::backend::host;

@@ -22,6 +22,8 @@ pub mod bounds {
     pub const HEAD_DIM: usize = 1024;
     pub const VOCAB: usize = 1 << 22;
     pub const EXPERTS: usize = 4096;
+    /// Experts over all layers (MiniMax-M3: 60 × 128 = 7,680).
+    pub const EXPERT_TENSORS: usize = 1 << 16;
     pub const EXPERTS_PER_TOKEN: usize = 256;
     pub const SHARED_EXPERTS: usize = 64;
     pub const POSITIONS: usize = 1 << 24;
@@ -178,6 +180,13 @@ fn parse_text(t: &Obj) -> Result<TextConfig, ConfigError> {
         t,
         "num_experts_per_tok",
         &format!("at most num_local_experts = {num_experts}"),
+    )?;
+    // Every expert of every layer is a tensor of its own: bound their count.
+    check(
+        num_experts * num_layers <= bounds::EXPERT_TENSORS,
+        t,
+        "num_local_experts",
+        &format!("at most {} experts in all layers together (num_local_experts × num_hidden_layers)", bounds::EXPERT_TENSORS),
     )?;
     let expert_intermediate_size = size(t, "intermediate_size", bounds::INTERMEDIATE)?;
     let num_shared_experts = opt_size(t, "n_shared_experts", bounds::SHARED_EXPERTS)?.unwrap_or(0);
