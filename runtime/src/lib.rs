@@ -1,13 +1,10 @@
 //! The m3c runtime: linked into every stage executable (`OUT/stage-K`), it
 //! provides `main`. MPI starts the ranks (one per stage) and carries
-//! activations between them; each rank checks it belongs to this compile,
-//! maps its own weights, keeps its sequences' KV and index-key caches and
-//! runs the compiled `m3c_stage_step`.
-//!
-//! Pipeline: each prompt is a micro-batch. The first stage pushes every
-//! prompt's prefill into the pipeline, then feeds each generated token back
-//! in as soon as the last stage returns it, so stage k works on one sequence
-//! while stage k+1 works on another.
+//! activations between them; each rank checks it belongs to this compile
+//! (`startup`), maps its own weights (`weights`), keeps its sequences' KV
+//! and index-key caches and runs the compiled `m3c_stage_step` (`stage`),
+//! on micro-batches scheduled by `pipeline` and moved by `wire`, while
+//! `liveness` tells live peers from lost ones.
 
 /// `eprintln!` as one write, so lines of different ranks do not interleave
 /// when mpirun merges them.
@@ -111,7 +108,14 @@ fn run() -> c_int {
         Ok(()) => 0,
         Err(()) => 1,
     };
+    let had_beats = beats.is_some();
     liveness::stop_heartbeats(beats);
+    if had_beats && !startup::barrier_within(&world, timeout) {
+        say!("{who}: error: a peer did not reach the end of the job within --timeout-s");
+        // SAFETY: _exit skips MPI_Finalize, which would wait for the missing
+        // peer; mpirun reports the exit and ends the job.
+        unsafe { libc::_exit(1) };
+    }
     code
 }
 

@@ -122,6 +122,8 @@ pub fn run(world: &SimpleCommunicator, peers: &mut Peers, st: &mut stage::Stage,
             Ok(())
         };
         while open > 0 {
+            // Heartbeats pile up while this stage only computes.
+            peers.drain(world);
             if !queue.is_empty() {
                 let take = per_batch.min(queue.len());
                 let items: Vec<(usize, usize, Vec<i64>)> = queue.drain(..take).collect();

@@ -60,6 +60,26 @@ pub fn broadcast(world: &SimpleCommunicator, peers: &mut Peers, who: &str, buf: 
     });
 }
 
+/// A barrier that gives up after `deadline` (used once heartbeats have
+/// stopped, before MPI is finalised, so that no rank's last heartbeat can
+/// reach a peer that has already left MPI). Returns whether every rank came.
+pub fn barrier_within(world: &SimpleCommunicator, deadline: Duration) -> bool {
+    let t0 = std::time::Instant::now();
+    let mut req = world.immediate_barrier();
+    loop {
+        match req.test() {
+            Ok(_) => return true,
+            Err(r) => req = r,
+        }
+        if t0.elapsed() > deadline {
+            // The request cannot be dropped unfinished; the process is about to exit anyway.
+            std::mem::forget(req);
+            return false;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
 /// A local result shared with every rank: `Ok` everywhere, or `Err` on
 /// every rank, with the message printed once (by the lowest failing rank).
 pub fn agree<T>(world: &SimpleCommunicator, peers: &mut Peers, who: &str, local: Result<T, String>) -> Result<T, ()> {
