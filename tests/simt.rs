@@ -296,7 +296,8 @@ impl Memory {
     fn slot(&mut self, addr: u64, bytes: usize) -> Result<&mut [u8], String> {
         let id = (addr >> 40) as usize;
         let off = (addr & ((1 << 40) - 1)) as usize;
-        let b = id.checked_sub(1).and_then(|i| self.bufs.get_mut(i)).ok_or_else(|| format!("simt: access through a wild pointer {addr:#x}"))?;
+        let b =
+            id.checked_sub(1).and_then(|i| self.bufs.get_mut(i)).ok_or_else(|| format!("simt: access through a wild pointer {addr:#x}"))?;
         let len = b.len();
         b.get_mut(off..off + bytes).ok_or_else(|| format!("simt: access of {bytes} B at byte {off} of a {len}-byte buffer"))
     }
@@ -490,7 +491,17 @@ impl Gpu {
     pub fn call_host(&mut self, name: &str, args: &[Arg]) -> Result<(), String> {
         let f = *self.funcs.get(name).ok_or_else(|| format!("simt: no function {name}"))?;
         let entry = region_block(f, 0);
-        let mut fr = Frame { vals: PtrMap::default(), threads: 1, block_id: [0; 3], mem: &mut self.mem, funcs: &self.funcs, info: &mut self.info, blocks: &mut self.blocks, kernel: name, gemm: self.gemm };
+        let mut fr = Frame {
+            vals: PtrMap::default(),
+            threads: 1,
+            block_id: [0; 3],
+            mem: &mut self.mem,
+            funcs: &self.funcs,
+            info: &mut self.info,
+            blocks: &mut self.blocks,
+            kernel: name,
+            gemm: self.gemm,
+        };
         for (p, a) in block_args(entry).iter().zip(args) {
             fr.vals.insert(p.ptr as usize, arg_data(a, 1));
         }
@@ -540,7 +551,17 @@ fn launch(
     for bz in 0..grid[2] {
         for by in 0..grid[1] {
             for bx in 0..grid[0] {
-                let mut fr = Frame { vals: PtrMap::default(), threads, block_id: [bx as u64, by as u64, bz as u64], mem, funcs, info, blocks, kernel: name, gemm: false };
+                let mut fr = Frame {
+                    vals: PtrMap::default(),
+                    threads,
+                    block_id: [bx as u64, by as u64, bz as u64],
+                    mem,
+                    funcs,
+                    info,
+                    blocks,
+                    kernel: name,
+                    gemm: false,
+                };
                 for (p, a) in params.iter().zip(args) {
                     fr.vals.insert(p.ptr as usize, arg_data(a, threads));
                 }
@@ -588,7 +609,13 @@ impl Frame<'_> {
                 "scf.yield" | "gpu.return" | "func.return" | "scf.reduce" | "gpu.yield" => {
                     return info.ins.iter().map(|v| self.get(*v).cloned()).collect();
                 }
-                name => self.op(op, &info, mask).map_err(|e| if e.starts_with("simt:") || e.contains(" at ") { e } else { format!("{name}: {e}") })?,
+                name => self.op(op, &info, mask).map_err(|e| {
+                    if e.starts_with("simt:") || e.contains(" at ") {
+                        e
+                    } else {
+                        format!("{name}: {e}")
+                    }
+                })?,
             }
         }
         Ok(Vec::new())
@@ -661,7 +688,11 @@ impl Frame<'_> {
                 let lanes: Vec<u64> = if let Some(d) = body.strip_prefix("dense<") {
                     let inner = d.split('>').next().unwrap_or("").trim_start_matches('[').trim_end_matches(']');
                     let vals: Vec<u64> = inner.split(',').map(|x| scalar_lit(x.trim(), el)).collect::<Result<_, _>>()?;
-                    if vals.len() == 1 { vec![vals[0]; w] } else { vals }
+                    if vals.len() == 1 {
+                        vec![vals[0]; w]
+                    } else {
+                        vals
+                    }
                 } else {
                     let lit = body.split(" : ").next().unwrap_or(body);
                     vec![scalar_lit(lit.trim(), el)?; w]
@@ -714,8 +745,26 @@ impl Frame<'_> {
             }
             "gpu.thread_id" | "gpu.block_id" => {
                 let dim = attr(op, "dimension").unwrap_or_default();
-                let k = if dim.contains('x') { 0 } else if dim.contains('y') { 1 } else { 2 };
-                let v = (0..t).map(|th| if name == "gpu.thread_id" { if k == 0 { th as u64 } else { 0 } } else { self.block_id[k] }).collect();
+                let k = if dim.contains('x') {
+                    0
+                } else if dim.contains('y') {
+                    1
+                } else {
+                    2
+                };
+                let v = (0..t)
+                    .map(|th| {
+                        if name == "gpu.thread_id" {
+                            if k == 0 {
+                                th as u64
+                            } else {
+                                0
+                            }
+                        } else {
+                            self.block_id[k]
+                        }
+                    })
+                    .collect();
                 self.set(res[0], Data::Bits { w: 1, v });
             }
             "arith.addi" => self.elementwise(info, move |a| Ok(mask_bits(a[0].wrapping_add(a[1]), ibits)))?,
@@ -748,11 +797,13 @@ impl Frame<'_> {
             "math.cos" => self.elementwise(info, |a| Ok(fb(f32v(a[0]).cos())))?,
             "arith.extf" => {
                 let from = in_ty.as_ref().map(elem);
-                self.elementwise(info, move |a| Ok(match from {
-                    Some(Elem::F16) => fb(f16_to_f32(a[0] as u16)),
-                    Some(Elem::Bf16) => a[0] << 16,
-                    _ => a[0],
-                }))?
+                self.elementwise(info, move |a| {
+                    Ok(match from {
+                        Some(Elem::F16) => fb(f16_to_f32(a[0] as u16)),
+                        Some(Elem::Bf16) => a[0] << 16,
+                        _ => a[0],
+                    })
+                })?
             }
             "arith.bitcast" | "llvm.bitcast" | "vector.bitcast" => {
                 let ins = operands(op);
@@ -955,7 +1006,10 @@ impl Frame<'_> {
                         let i = ix[th] as i64;
                         let extra = if k + 1 == idx.len() { lanes as i64 - 1 } else { 0 };
                         if i < 0 || i + extra >= ds.sizes[k] {
-                            return Err(format!("{} out of bounds in {}: index {i} (+{extra}) of dim {k} with size {} (thread {th})", name, self.kernel, ds.sizes[k]));
+                            return Err(format!(
+                                "{} out of bounds in {}: index {i} (+{extra}) of dim {k} with size {} (thread {th})",
+                                name, self.kernel, ds.sizes[k]
+                            ));
                         }
                         lin += i * ds.strides[k];
                     }
@@ -1111,7 +1165,13 @@ impl Frame<'_> {
                     let w = width(info.out_tys[k].as_ref().ok_or("an scf.if result of unknown type")?);
                     let mut v = vec![0u64; t * w];
                     for th in 0..t {
-                        let src = if then_m[th] { a.as_ref() } else if else_m[th] { b.as_ref() } else { None };
+                        let src = if then_m[th] {
+                            a.as_ref()
+                        } else if else_m[th] {
+                            b.as_ref()
+                        } else {
+                            None
+                        };
                         if let Some(Data::Bits { v: s, .. }) = src.map(|x| &x[k]) {
                             v[th * w..(th + 1) * w].copy_from_slice(&s[th * w..(th + 1) * w]);
                         }
@@ -1173,7 +1233,11 @@ fn scalar_lit(s: &str, e: Elem) -> Result<u64, String> {
                 u64::from_str_radix(h, 16).map_err(|_| format!("float literal {s}"))?
             } else {
                 let x: f32 = s.parse().map_err(|_| format!("float literal {s}"))?;
-                if e == Elem::F32 { fb(x) } else { return Err("f16 literal".into()) }
+                if e == Elem::F32 {
+                    fb(x)
+                } else {
+                    return Err("f16 literal".into());
+                }
             }
         }
         Elem::Int(b) => match s {

@@ -2,10 +2,10 @@
 //! edge where they get context and become a message and an exit code.
 //! `src/main.rs` only calls [`main`], so that tests can build the same CLI.
 
-use anyhow::{bail, Context, Result};
-use clap::{Parser, Subcommand};
 use crate::plan::{self, GpuProfile, Target, Workload};
 use crate::source::ModelSource;
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -206,7 +206,13 @@ fn run(cli: Cli) -> Result<()> {
         Command::InitTiny { out, seed, layers, hidden, mxfp8 } => {
             let spec = crate::tiny::TinySpec { seed, layers, hidden, mxfp8 };
             crate::tiny::init_tiny(&out, &spec)?;
-            say(&format!("wrote {} ({} layers, hidden {}, {}, seed {seed})\n", out.display(), layers, hidden, if mxfp8 { "MXFP8" } else { "bf16" }))?;
+            say(&format!(
+                "wrote {} ({} layers, hidden {}, {}, seed {seed})\n",
+                out.display(),
+                layers,
+                hidden,
+                if mxfp8 { "MXFP8" } else { "bf16" }
+            ))?;
             Ok(())
         }
     }
@@ -349,7 +355,12 @@ fn compile_cmd(args: CompileArgs) -> Result<()> {
             p.check_pp(file, args.pp)?;
             if let Some(t) = &want_target {
                 if std::mem::discriminant(t) != std::mem::discriminant(&p.target) {
-                    bail!("--target {}: {} says `target: {}`; change one of them", args.target.as_deref().unwrap_or(""), file.display(), p.target);
+                    bail!(
+                        "--target {}: {} says `target: {}`; change one of them",
+                        args.target.as_deref().unwrap_or(""),
+                        file.display(),
+                        p.target
+                    );
                 }
             }
             p
@@ -392,7 +403,8 @@ fn compile_cmd(args: CompileArgs) -> Result<()> {
     let m = crate::compile::compile(&req)?;
     let mut text = String::new();
     for s in &m.stages {
-        text += &format!("{}/{}: {} ({} kernels, {} tensors)\n", args.out.display(), s.executable, s.holds, s.kernels.len(), s.tensors.len());
+        text +=
+            &format!("{}/{}: {} ({} kernels, {} tensors)\n", args.out.display(), s.executable, s.holds, s.kernels.len(), s.tensors.len());
     }
     text += &format!(
         "compiled {} stage(s) for {} in {:.1} s; run: m3c run {} --model DIR --prompt-ids 1,2,3 --max-new-tokens 16\n",
@@ -406,10 +418,12 @@ fn compile_cmd(args: CompileArgs) -> Result<()> {
 
 fn run_cmd(args: RunArgs) -> Result<()> {
     let manifest = args.out.join("manifest.json");
-    let text = m3c_contract::read_user_file(&manifest, "manifest", 64 << 20)
-        .with_context(|| format!("{}: not an m3c output folder (no readable manifest.json); make one with `m3c compile`", args.out.display()))?;
+    let text = m3c_contract::read_user_file(&manifest, "manifest", 64 << 20).with_context(|| {
+        format!("{}: not an m3c output folder (no readable manifest.json); make one with `m3c compile`", args.out.display())
+    })?;
     let m: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{}: not JSON", manifest.display()))?;
-    let stages = m["stages"].as_array().map(|a| a.len()).filter(|&n| n > 0).with_context(|| format!("{}: no stages", manifest.display()))?;
+    let stages =
+        m["stages"].as_array().map(|a| a.len()).filter(|&n| n > 0).with_context(|| format!("{}: no stages", manifest.display()))?;
     if !args.model.is_dir() {
         bail!("--model {}: not a folder (expected the checkpoint folder with config.json and safetensors)", args.model.display());
     }
@@ -424,7 +438,11 @@ fn run_cmd(args: RunArgs) -> Result<()> {
         let bytes = m3c_contract::input::read_bytes(&exe, "stage executable", 16 << 30)
             .with_context(|| format!("{}: missing or unreadable; recompile {}", exe.display(), args.out.display()))?;
         if crate::compile::sha256_hex(&bytes) != want {
-            bail!("{}: is not the executable manifest.json lists (its sha256 differs: damaged or replaced); recompile {}", exe.display(), args.out.display());
+            bail!(
+                "{}: is not the executable manifest.json lists (its sha256 differs: damaged or replaced); recompile {}",
+                exe.display(),
+                args.out.display()
+            );
         }
     }
     let mut pass: Vec<String> = vec!["--model".into(), args.model.display().to_string()];
@@ -509,7 +527,10 @@ fn run_cmd(args: RunArgs) -> Result<()> {
     }
     drop(forwarding);
     if !status.success() {
-        bail!("the pipeline failed (mpirun exit status {}); the failing stage's message is above", status.code().map_or("signal".into(), |c| c.to_string()));
+        bail!(
+            "the pipeline failed (mpirun exit status {}); the failing stage's message is above",
+            status.code().map_or("signal".into(), |c| c.to_string())
+        );
     }
     Ok(())
 }

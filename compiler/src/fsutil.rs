@@ -27,7 +27,8 @@ pub fn sweep_stale(out: &Path) {
     let Ok(entries) = std::fs::read_dir(parent_of(out)) else { return };
     for e in entries.flatten() {
         let file = e.file_name().to_string_lossy().into_owned();
-        let pid = [".partial-", ".old-"].iter().find_map(|tag| file.strip_prefix(&format!(".{name}{tag}")).and_then(|p| p.parse::<u32>().ok()));
+        let pid =
+            [".partial-", ".old-"].iter().find_map(|tag| file.strip_prefix(&format!(".{name}{tag}")).and_then(|p| p.parse::<u32>().ok()));
         if let Some(pid) = pid {
             if pid != std::process::id() && !pid_alive(pid) {
                 std::fs::remove_dir_all(e.path()).or_else(|_| std::fs::remove_file(e.path())).ok();

@@ -78,7 +78,11 @@ pub fn report(cfg: &ModelConfig, checkpoint: Option<&Checkpoint>) -> Result<Stri
         t.hidden_size, t.num_heads, t.num_kv_heads, t.head_dim, t.vocab_size, t.num_experts, t.experts_per_token, t.num_shared_experts
     );
     if let Some(v) = &cfg.vision {
-        let _ = writeln!(o, "vision      {} layers, hidden {}, patch {} (tower present in checkpoint layout)", v.num_layers, v.hidden_size, v.patch_size);
+        let _ = writeln!(
+            o,
+            "vision      {} layers, hidden {}, patch {} (tower present in checkpoint layout)",
+            v.num_layers, v.hidden_size, v.patch_size
+        );
     }
 
     let _ = writeln!(o, "\nlayers by kind ({} layers)", t.num_layers);
@@ -141,7 +145,12 @@ pub fn report(cfg: &ModelConfig, checkpoint: Option<&Checkpoint>) -> Result<Stri
     while i < rows.len() {
         let mut j = i;
         let is_layer = rows[i].0.parse::<usize>().is_ok();
-        while is_layer && j + 1 < rows.len() && rows[j + 1].0.parse::<usize>().is_ok() && rows[j + 1].1 == rows[i].1 && rows[j + 1].3 == rows[i].3 {
+        while is_layer
+            && j + 1 < rows.len()
+            && rows[j + 1].0.parse::<usize>().is_ok()
+            && rows[j + 1].1 == rows[i].1
+            && rows[j + 1].3 == rows[i].3
+        {
             j += 1;
         }
         let name = match (is_layer, i == j) {

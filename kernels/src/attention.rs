@@ -30,7 +30,16 @@ const POS_INF: &str = "0x7F800000";
 /// `q`, `o` and `iq` hold values stored as `act`; the output is accumulated
 /// in f32 (in `o` itself when that is f32, else in scratch) and stored once.
 #[allow(clippy::too_many_arguments)]
-pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64, sparse: Option<SparseSel>, cache: Storage, act: Storage) -> String {
+pub fn attention(
+    name: &str,
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+    scale: f64,
+    sparse: Option<SparseSel>,
+    cache: Storage,
+    act: Storage,
+) -> String {
     let group = heads / kv_heads;
     let qt = format!("memref<?x{}x{}>", heads * d, act.mlir_elem());
     let kt = format!("memref<?x{}x{}>", kv_heads * d, cache.mlir_elem());
@@ -237,7 +246,17 @@ pub fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64
 /// `n`): eight lanes at a time when `len` allows (the lane sums are added at
 /// the end), else one by one. `x` and `y` are (memref, type, storage).
 #[allow(clippy::too_many_arguments)]
-fn dot(dst: &str, x: (&str, &str, Storage), xr: &str, xb: &str, y: (&str, &str, Storage), yr: &str, yb: &str, n: &str, len: usize) -> String {
+fn dot(
+    dst: &str,
+    x: (&str, &str, Storage),
+    xr: &str,
+    xb: &str,
+    y: (&str, &str, Storage),
+    yr: &str,
+    yb: &str,
+    n: &str,
+    len: usize,
+) -> String {
     let d = dst.trim_start_matches('%');
     let ((x, xt, xs), (y, yt, ycache)) = (x, y);
     if len.is_multiple_of(8) {

@@ -18,10 +18,9 @@ pub fn f32_lit(x: f64) -> String {
 pub fn load_weight_f32(dst: &str, w: &str, idx: &str, ty: &str, weight: WeightType) -> String {
     match weight {
         WeightType::F32 => format!("{dst} = memref.load {w}[{idx}] : {ty}\n"),
-        WeightType::BF16 | WeightType::F16 => format!(
-            "{dst}_n = memref.load {w}[{idx}] : {ty}\n{dst} = arith.extf {dst}_n : {} to f32\n",
-            weight.mlir_elem()
-        ),
+        WeightType::BF16 | WeightType::F16 => {
+            format!("{dst}_n = memref.load {w}[{idx}] : {ty}\n{dst} = arith.extf {dst}_n : {} to f32\n", weight.mlir_elem())
+        }
         WeightType::Mxfp8 { .. } => unreachable!("MXFP8 weights are decoded per block"),
     }
 }
@@ -43,13 +42,14 @@ pub fn fp8_lut_global() -> String {
     let vals: Vec<String> = (0..=255u8)
         .map(|b| {
             let v = fp8_e4m3_value(b);
-            if v.is_nan() { "0x7FC00000".to_string() } else { f32_lit(v as f64) }
+            if v.is_nan() {
+                "0x7FC00000".to_string()
+            } else {
+                f32_lit(v as f64)
+            }
         })
         .collect();
-    format!(
-        "  memref.global \"private\" constant @m3c_fp8_e4m3_lut : memref<256xf32> = dense<[{}]>\n",
-        vals.join(", ")
-    )
+    format!("  memref.global \"private\" constant @m3c_fp8_e4m3_lut : memref<256xf32> = dense<[{}]>\n", vals.join(", "))
 }
 
 /// `%dst` = 2^(s − 127) for the E8M0 byte `%src` (i8): the exponent bits of

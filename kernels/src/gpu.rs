@@ -281,7 +281,9 @@ fn warp_dots(tag: &str, wa: &WeightArgs, o: &str, x: &str, xt: &str, xs: Storage
         } else {
             indent(&load_f32(&format!("%{tag}v{j}"), x, xt, r, "%i", xs), 2)
         };
-        fma.push_str(&format!("{xload}  %{tag}m{j} = arith.mulf %{tag}v{j}, %{tag}w : {vt}\n  %{tag}n{j} = arith.addf %{tag}a{j}, %{tag}m{j} : {vt}\n"));
+        fma.push_str(&format!(
+            "{xload}  %{tag}m{j} = arith.mulf %{tag}v{j}, %{tag}w : {vt}\n  %{tag}n{j} = arith.addf %{tag}a{j}, %{tag}m{j} : {vt}\n"
+        ));
     }
     let nexts: Vec<String> = (0..rows.len()).map(|j| format!("%{tag}n{j}")).collect();
     let (lb, step, load) = if wide {
@@ -413,9 +415,8 @@ impl Kernel {
                 let t = format!("memref<?x{}x{}>", heads * d, act.mlir_elem());
                 let st = |v: &str, c: &str| store_f32(v, "%y", &t, "%r", c, *act);
                 let wt = format!("memref<{d}x{}>", weight.mlir_elem());
-                let inv: Vec<String> = (0..half.max(1))
-                    .map(|j| f32_lit((1.0 / (*theta as f32).powf((2 * j) as f32 / *rotary_dim as f32)) as f64))
-                    .collect();
+                let inv: Vec<String> =
+                    (0..half.max(1)).map(|j| f32_lit((1.0 / (*theta as f32).powf((2 * j) as f32 / *rotary_dim as f32)) as f64)).collect();
                 let wl = crate::emit::load_weight_f32("%wv", "%w", "%t", &wt, *weight);
                 let body = format!(
                     "{IDX}%r = gpu.block_id x\n%h = gpu.block_id y\n%t = gpu.thread_id x\n\
@@ -558,7 +559,10 @@ impl Kernel {
                         let bty = format!("memref<{e}x{}>", bt.mlir_elem());
                         (
                             format!(", %bias: {bty}"),
-                            format!("{}    %ch = arith.addf %sg, %bv : f32\n", indent(&crate::emit::load_weight_f32("%bv", "%bias", "%e", &bty, *bt), 4)),
+                            format!(
+                                "{}    %ch = arith.addf %sg, %bv : f32\n",
+                                indent(&crate::emit::load_weight_f32("%bv", "%bias", "%e", &bty, *bt), 4)
+                            ),
                         )
                     }
                     None => (String::new(), "    %ch = arith.addf %sg, %zero : f32\n".into()),
@@ -731,13 +735,23 @@ impl Kernel {
                 up_args.extend(grouping.iter().cloned());
                 up_args.extend([table.clone(), act.clone()]);
                 for kernel in ["up_r1", "up"] {
-                    text.push_str(&launch(&format!("{sym}_{kernel}"), [&format!("%g{tag}_slots"), &format!("%g{tag}_ib"), &one], BLOCK, &up_args));
+                    text.push_str(&launch(
+                        &format!("{sym}_{kernel}"),
+                        [&format!("%g{tag}_slots"), &format!("%g{tag}_ib"), &one],
+                        BLOCK,
+                        &up_args,
+                    ));
                 }
                 let mut down_args = vec![act.clone()];
                 down_args.extend(grouping.iter().cloned());
                 down_args.extend([table.clone(), dn.clone()]);
                 for kernel in ["down_r1", "down"] {
-                    text.push_str(&launch(&format!("{sym}_{kernel}"), [&format!("%g{tag}_slots"), &format!("%g{tag}_hb"), &one], BLOCK, &down_args));
+                    text.push_str(&launch(
+                        &format!("{sym}_{kernel}"),
+                        [&format!("%g{tag}_slots"), &format!("%g{tag}_hb"), &one],
+                        BLOCK,
+                        &down_args,
+                    ));
                 }
                 text.push_str(&launch(&format!("{sym}_combine"), [rows, &one, &one], BLOCK, &[dn.clone(), wts.clone(), y.clone()]));
                 for n in ["act", "dn", "start", "order", "active"] {
@@ -754,7 +768,16 @@ impl Kernel {
 /// Attention on the GPU: one warp per (query row, KV group). `q`, `iq` and
 /// `o` hold values stored as `act`.
 #[allow(clippy::too_many_arguments)]
-fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64, sparse: Option<SparseSel>, cache: Storage, act: Storage) -> GpuFunc {
+fn attention(
+    name: &str,
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+    scale: f64,
+    sparse: Option<SparseSel>,
+    cache: Storage,
+    act: Storage,
+) -> GpuFunc {
     let group = heads / kv_heads;
     let qt = format!("memref<?x{}x{}>", heads * d, act.mlir_elem());
     let kt = format!("memref<?x{}x{}>", kv_heads * d, cache.mlir_elem());
@@ -871,7 +894,18 @@ fn attention(name: &str, heads: usize, kv_heads: usize, d: usize, scale: f64, sp
 ///
 /// `h` and `y` hold values stored as `act`; `act` and `dn` are f32 scratch.
 #[allow(clippy::too_many_arguments)]
-fn routed_experts(name: &str, experts: usize, hidden: usize, inter: usize, k: usize, weight: WeightType, alpha: f64, limit: f64, beta: f64, act: Storage) -> Vec<GpuFunc> {
+fn routed_experts(
+    name: &str,
+    experts: usize,
+    hidden: usize,
+    inter: usize,
+    k: usize,
+    weight: WeightType,
+    alpha: f64,
+    limit: f64,
+    beta: f64,
+    act: Storage,
+) -> Vec<GpuFunc> {
     let ht = format!("memref<?x{hidden}xf32>");
     let hat = format!("memref<?x{hidden}x{}>", act.mlir_elem());
     let it = format!("memref<?x{inter}xf32>");
@@ -959,7 +993,8 @@ fn routed_experts(name: &str, experts: usize, hidden: usize, inter: usize, k: us
     };
     // The expert's pair range, and whether it has a single pair (a batch-1
     // decode: then the one-pair walk, with no clamped duplicates).
-    let range = "%e1 = arith.addi %e, %c1 : index\n%s0i = memref.load %start[%e] : memref<?xi32>\n%s1i = memref.load %start[%e1] : memref<?xi32>\n\
+    let range =
+        "%e1 = arith.addi %e, %c1 : index\n%s0i = memref.load %start[%e] : memref<?xi32>\n%s1i = memref.load %start[%e1] : memref<?xi32>\n\
                  %s0 = arith.index_cast %s0i : i32 to index\n%s1 = arith.index_cast %s1i : i32 to index\n\
                  %npairs = arith.subi %s1, %s0 : index\n%single = arith.cmpi eq, %npairs, %c1 : index\n";
     // The walk over the expert's pairs `rows` at a time (`%q{j}`: pair,
@@ -1001,7 +1036,9 @@ fn routed_experts(name: &str, experts: usize, hidden: usize, inter: usize, k: us
     let down_store = |rows: usize| {
         let mut out = String::new();
         for j in 0..rows {
-            out.push_str(&format!("%st{j} = arith.andi %first, %ok{j} : i1\nscf.if %st{j} {{\n  memref.store %ds{j}, %out[%q{j}, %o] : {ht}\n}}\n"));
+            out.push_str(&format!(
+                "%st{j} = arith.andi %first, %ok{j} : i1\nscf.if %st{j} {{\n  memref.store %ds{j}, %out[%q{j}, %o] : {ht}\n}}\n"
+            ));
         }
         out
     };
@@ -1015,7 +1052,14 @@ fn routed_experts(name: &str, experts: usize, hidden: usize, inter: usize, k: us
             indent(&swiglu(rows), 2)
         )
     };
-    let down_walk = |rows: usize| format!("{}{}{}}}\n", walk_open(rows, true), indent(&dots(rows, "d", &down, "%act", &it, Storage::F32, inter), 2), indent(&down_store(rows), 2));
+    let down_walk = |rows: usize| {
+        format!(
+            "{}{}{}}}\n",
+            walk_open(rows, true),
+            indent(&dots(rows, "d", &down, "%act", &it, Storage::F32, inter), 2),
+            indent(&down_store(rows), 2)
+        )
+    };
     // Two kernels per projection: `_r1` serves the experts with exactly one
     // pair (all of them in a batch-1 decode) with a one-pair walk and few
     // registers; the other serves the experts with more pairs, four per
@@ -1023,7 +1067,8 @@ fn routed_experts(name: &str, experts: usize, hidden: usize, inter: usize, k: us
     // the other kind's returns at once.
     let only = |rows: usize, walk: &dyn Fn(usize) -> String| {
         let cond = if rows == 1 { "%single".to_string() } else { "%multi".to_string() };
-        let pre = if rows == 1 { String::new() } else { "%yes = arith.constant true\n%multi = arith.xori %single, %yes : i1\n".to_string() };
+        let pre =
+            if rows == 1 { String::new() } else { "%yes = arith.constant true\n%multi = arith.xori %single, %yes : i1\n".to_string() };
         format!("{pre}scf.if {cond} {{\n{}}}\n", indent(&walk(rows), 2))
     };
     let up_body = |rows: usize| {

@@ -18,9 +18,9 @@ mod view;
 
 use std::fmt;
 
+pub use attention::SparseSel;
 /// The value of a `float8_e4m3fn` byte: the table MXFP8 kernels decode with.
 pub use emit::fp8_e4m3_value;
-pub use attention::SparseSel;
 pub use moe::{expert_table_stride, expert_tensor_types};
 pub use view::MemTy;
 
@@ -91,7 +91,9 @@ pub enum WeightType {
     BF16,
     F16,
     /// `float8_e4m3fn` elements with one E8M0 (`uint8`) scale per 1×`block` input block.
-    Mxfp8 { block: usize },
+    Mxfp8 {
+        block: usize,
+    },
 }
 
 impl WeightType {
@@ -152,7 +154,17 @@ pub enum Kernel {
     /// fp32 sigmoid router with selection bias, top-k, renormalisation and routed scaling.
     Router { width: usize, experts: usize, top_k: usize, scale: f64, weight: WeightType, bias: Option<WeightType>, act: Storage },
     /// The routed experts' SwiGLU-OAI MLPs, weighted and summed per token.
-    RoutedExperts { experts: usize, hidden: usize, inter: usize, top_k: usize, weight: WeightType, alpha: f64, limit: f64, beta: f64, act: Storage },
+    RoutedExperts {
+        experts: usize,
+        hidden: usize,
+        inter: usize,
+        top_k: usize,
+        weight: WeightType,
+        alpha: f64,
+        limit: f64,
+        beta: f64,
+        act: Storage,
+    },
 }
 
 impl Kernel {
@@ -166,12 +178,9 @@ impl Kernel {
                 let y = if out_act != act { format!("_y{}", out_act.name()) } else { String::new() };
                 format!("m3c_linear_i{inp}_o{out}_{}{y}", weight.tag())
             }
-            Kernel::HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight, .. } => format!(
-                "m3c_head_norm_rope_h{heads}_d{head_dim}_r{rotary_dim}_t{}_eps{}_{}",
-                num_tag(*theta),
-                num_tag(*eps),
-                weight.tag()
-            ),
+            Kernel::HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight, .. } => {
+                format!("m3c_head_norm_rope_h{heads}_d{head_dim}_r{rotary_dim}_t{}_eps{}_{}", num_tag(*theta), num_tag(*eps), weight.tag())
+            }
             Kernel::SwiGluOai { width, alpha, limit, beta, .. } => {
                 format!("m3c_swiglu_oai_w{width}_a{}_l{}_b{}", num_tag(*alpha), num_tag(*limit), num_tag(*beta))
             }
@@ -184,10 +193,7 @@ impl Kernel {
             Kernel::Attention { heads, kv_heads, head_dim, scale, sparse, cache, .. } => {
                 let mut s = format!("m3c_attention_h{heads}_kv{kv_heads}_d{head_dim}_s{}", num_tag(*scale));
                 if let Some(m) = sparse {
-                    s.push_str(&format!(
-                        "_msa_ih{}_id{}_b{}_k{}_l{}_i{}",
-                        m.index_heads, m.index_dim, m.block, m.topk, m.local, m.init
-                    ));
+                    s.push_str(&format!("_msa_ih{}_id{}_b{}_k{}_l{}_i{}", m.index_heads, m.index_dim, m.block, m.topk, m.local, m.init));
                 }
                 s.push_str(cache.suffix());
                 s
@@ -245,7 +251,9 @@ impl Kernel {
             Kernel::HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight, act } => {
                 rope::head_norm_rope(&self.symbol(), *heads, *head_dim, *rotary_dim, *theta, *eps, *weight, *act)
             }
-            Kernel::SwiGluOai { width, alpha, limit, beta, act } => elementwise::swiglu_oai(&self.symbol(), *width, *alpha, *limit, *beta, *act),
+            Kernel::SwiGluOai { width, alpha, limit, beta, act } => {
+                elementwise::swiglu_oai(&self.symbol(), *width, *alpha, *limit, *beta, *act)
+            }
             Kernel::Argmax { width } => elementwise::argmax(&self.symbol(), *width),
             Kernel::ToBf16 { width } => elementwise::to_bf16(&self.symbol(), *width),
             Kernel::DequantMxfp8 { out, inp, block } => linear::dequant_mxfp8(&self.symbol(), *out, *inp, *block),
@@ -274,10 +282,9 @@ impl Kernel {
             Kernel::HeadNormRope { rotary_dim, theta, .. } => {
                 vec![(rope::rope_table_name(*rotary_dim, *theta), rope::rope_table(*rotary_dim, *theta))]
             }
-            Kernel::RoutedExperts { hidden, inter, weight, .. } => moe::expert_tensor_types(*hidden, *inter, *weight)
-                .into_iter()
-                .map(|t| (t.view_fn(), t.view_fn_text()))
-                .collect(),
+            Kernel::RoutedExperts { hidden, inter, weight, .. } => {
+                moe::expert_tensor_types(*hidden, *inter, *weight).into_iter().map(|t| (t.view_fn(), t.view_fn_text())).collect()
+            }
             _ => Vec::new(),
         }
     }
@@ -306,7 +313,12 @@ pub fn module_with(kernels: &[Kernel], views: &[MemTy], tail: &str) -> String {
     let mut seen = std::collections::BTreeSet::new();
     let mut globals = std::collections::BTreeMap::new();
     let mut body = String::new();
-    fn visit(k: &Kernel, seen: &mut std::collections::BTreeSet<String>, globals: &mut std::collections::BTreeMap<String, String>, body: &mut String) {
+    fn visit(
+        k: &Kernel,
+        seen: &mut std::collections::BTreeSet<String>,
+        globals: &mut std::collections::BTreeMap<String, String>,
+        body: &mut String,
+    ) {
         if !seen.insert(k.symbol()) {
             return;
         }

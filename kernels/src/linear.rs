@@ -136,7 +136,19 @@ fn linear_vec(name: &str, inp: usize, out: usize, weight: WeightType, act: Stora
         st = format!("memref<{out}x{nb}xi8>");
         consts.push_str(&format!("%cnb = arith.constant {nb} : index\n%cb = arith.constant {block} : index\n"));
         consts.push_str(E8M0_CONSTANTS);
-        for (n, val) in [("v_sign", 0x80), ("v_7f", 0x7F), ("v_e", 0xF), ("v_m", 7), ("v_3", 3), ("v_24", 24), ("v_120", 120), ("v_23", 23), ("v_20", 20), ("v_0", 0), ("v_nan", 0x7FC0_0000)] {
+        for (n, val) in [
+            ("v_sign", 0x80),
+            ("v_7f", 0x7F),
+            ("v_e", 0xF),
+            ("v_m", 7),
+            ("v_3", 3),
+            ("v_24", 24),
+            ("v_120", 120),
+            ("v_23", 23),
+            ("v_20", 20),
+            ("v_0", 0),
+            ("v_nan", 0x7FC0_0000),
+        ] {
             consts.push_str(&format!("%{n} = arith.constant dense<{val}> : {vi}\n"));
         }
         // 2^-9: the value of the fp8 subnormal with mantissa 1.

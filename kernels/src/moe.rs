@@ -11,7 +11,16 @@ use crate::{Kernel, Storage, WeightType};
 /// out: `wts` `[S, k]` f32 and `ids` `[S, k]` i64, in selection order.
 /// `h` holds values stored as `act`.
 #[allow(clippy::too_many_arguments)]
-pub fn router(name: &str, width: usize, experts: usize, k: usize, scale: f64, weight: WeightType, bias: Option<WeightType>, act: Storage) -> String {
+pub fn router(
+    name: &str,
+    width: usize,
+    experts: usize,
+    k: usize,
+    scale: f64,
+    weight: WeightType,
+    bias: Option<WeightType>,
+    act: Storage,
+) -> String {
     let ht = format!("memref<?x{width}x{}>", act.mlir_elem());
     let wt = format!("memref<{experts}x{width}x{}>", weight.mlir_elem());
     let wts = format!("memref<?x{k}xf32>");
@@ -152,7 +161,18 @@ pub fn expert_deps(hidden: usize, inter: usize, weight: WeightType, alpha: f64, 
 /// token. Each row's sum runs over its experts in expert-id order, in f32
 /// (in `y` itself when `act` is f32, else in scratch stored into `y` once).
 #[allow(clippy::too_many_arguments)]
-pub fn routed_experts(name: &str, experts: usize, hidden: usize, inter: usize, k: usize, weight: WeightType, alpha: f64, limit: f64, beta: f64, act: Storage) -> String {
+pub fn routed_experts(
+    name: &str,
+    experts: usize,
+    hidden: usize,
+    inter: usize,
+    k: usize,
+    weight: WeightType,
+    alpha: f64,
+    limit: f64,
+    beta: f64,
+    act: Storage,
+) -> String {
     let ht = format!("memref<?x{hidden}xf32>");
     // `h` and `y` as the stage stores activations; the rest is f32 scratch.
     let hat = format!("memref<?x{hidden}x{}>", act.mlir_elem());
@@ -201,13 +221,7 @@ pub fn routed_experts(name: &str, experts: usize, hidden: usize, inter: usize, k
             format!("{it}, {}, {}, {ht}", tys[4], tys[5]),
         )
     } else {
-        (
-            "%hv, %t0, %gv",
-            "%hv, %t1, %uv",
-            "%av, %t2, %ov",
-            format!("{ht}, {}, {it}", tys[0]),
-            format!("{it}, {}, {ht}", tys[2]),
-        )
+        ("%hv, %t0, %gv", "%hv, %t1, %uv", "%av, %t2, %ov", format!("{ht}, {}, {it}", tys[0]), format!("{it}, {}, {ht}", tys[2]))
     };
     let consts: String = (0..stride).map(|j| format!("%c{j}_i64 = arith.constant {j} : i64\n")).collect();
     let body = format!(

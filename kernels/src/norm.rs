@@ -21,10 +21,10 @@ pub fn rms_norm(name: &str, width: usize, eps: f64, weight: WeightType, act: Sto
          return\n",
         n = f32_lit(width as f64),
         eps = f32_lit(eps),
-        span = indent(&gemma_norm_span(&x, act, "%c0", "%cw", &wt, weight, crate::emit::store_f32("%o", "%y", &x, "%r", "%c", act).trim_end()), 2),
+        span = indent(
+            &gemma_norm_span(&x, act, "%c0", "%cw", &wt, weight, crate::emit::store_f32("%o", "%y", &x, "%r", "%c", act).trim_end()),
+            2
+        ),
     );
-    format!(
-        "  func.func @{name}(%x: {x}, %w: {wt}, %y: {x}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n",
-        indent(&body, 4)
-    )
+    format!("  func.func @{name}(%x: {x}, %w: {wt}, %y: {x}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n", indent(&body, 4))
 }

@@ -7,7 +7,16 @@ use crate::{Storage, WeightType};
 /// with `h = rotary_dim/2`, angle `pos · θ^(−2j/rotary_dim)` in f32.
 /// `x`, `y`: `[S, heads·head_dim]` stored as `act`; `pos`: `[S]` i64.
 #[allow(clippy::too_many_arguments)]
-pub fn head_norm_rope(name: &str, heads: usize, head_dim: usize, rotary_dim: usize, theta: f64, eps: f64, weight: WeightType, act: Storage) -> String {
+pub fn head_norm_rope(
+    name: &str,
+    heads: usize,
+    head_dim: usize,
+    rotary_dim: usize,
+    theta: f64,
+    eps: f64,
+    weight: WeightType,
+    act: Storage,
+) -> String {
     let width = heads * head_dim;
     let half = rotary_dim / 2;
     let x = format!("memref<?x{width}x{}>", act.mlir_elem());
@@ -61,9 +70,19 @@ pub fn head_norm_rope(name: &str, heads: usize, head_dim: usize, rotary_dim: usi
         n = f32_lit(head_dim as f64),
         eps = f32_lit(eps),
         table = rope_table_name(rotary_dim, theta),
-        st12 = indent(&format!("{}{}", crate::emit::store_f32("%y1", "%y", &x, "%r", "%o1", act), crate::emit::store_f32("%y2", "%y", &x, "%r", "%o2", act)), 6),
+        st12 = indent(
+            &format!(
+                "{}{}",
+                crate::emit::store_f32("%y1", "%y", &x, "%r", "%o1", act),
+                crate::emit::store_f32("%y2", "%y", &x, "%r", "%o2", act)
+            ),
+            6
+        ),
         stv = indent(&crate::emit::store_f32("%v", "%y", &x, "%r", "%c", act), 6),
-        span = indent(&gemma_norm_span(&x, act, "%base", "%cd", &wt, weight, &format!("memref.store %o, %tmp[%i] : memref<{head_dim}xf32>")), 4),
+        span = indent(
+            &gemma_norm_span(&x, act, "%base", "%cd", &wt, weight, &format!("memref.store %o, %tmp[%i] : memref<{head_dim}xf32>")),
+            4
+        ),
     );
     format!(
         "  func.func @{name}(%x: {x}, %w: {wt}, %pos: memref<?xi64>, %y: {x}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n",
@@ -79,9 +98,7 @@ pub fn rope_table_name(rotary_dim: usize, theta: f64) -> String {
 /// as a private constant global.
 pub fn rope_table(rotary_dim: usize, theta: f64) -> String {
     let half = rotary_dim / 2;
-    let inv: Vec<String> = (0..half)
-        .map(|j| f32_lit((1.0 / (theta as f32).powf((2 * j) as f32 / rotary_dim as f32)) as f64))
-        .collect();
+    let inv: Vec<String> = (0..half).map(|j| f32_lit((1.0 / (theta as f32).powf((2 * j) as f32 / rotary_dim as f32)) as f64)).collect();
     format!(
         "  memref.global \"private\" constant @{} : memref<{half}xf32> = dense<[{}]>\n",
         rope_table_name(rotary_dim, theta),

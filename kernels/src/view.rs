@@ -78,10 +78,6 @@ impl MemTy {
         }
         let ty = self.mlir();
         body.push_str(&format!("%m = builtin.unrealized_conversion_cast %d{cur} : {st} to {ty}\nreturn %m : {ty}\n"));
-        format!(
-            "  func.func private @{}(%p: !llvm.ptr, %n: index) -> {ty} {{\n{}  }}\n",
-            self.view_fn(),
-            indent(&body, 4)
-        )
+        format!("  func.func private @{}(%p: !llvm.ptr, %n: index) -> {ty} {{\n{}  }}\n", self.view_fn(), indent(&body, 4))
     }
 }

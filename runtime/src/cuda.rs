@@ -135,7 +135,10 @@ impl Device {
             ON_DEVICE.store(true, Ordering::SeqCst);
             for i in 0..st.images.len() {
                 let mut m = std::ptr::null_mut();
-                checked("loading the stage's device code (cuModuleLoadData; a cubin for the compiled arch, or PTX)", cu::cuModuleLoadData(&mut m, st.images[i] as *const c_void))?;
+                checked(
+                    "loading the stage's device code (cuModuleLoadData; a cubin for the compiled arch, or PTX)",
+                    cu::cuModuleLoadData(&mut m, st.images[i] as *const c_void),
+                )?;
                 st.modules[i] = Some(m as usize);
             }
             Ok(Device { ordinal, name: CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned(), total_bytes: total })
@@ -211,7 +214,9 @@ impl Device {
     pub fn capture(&self, f: impl FnOnce()) -> Result<Graph, String> {
         let s = state().stream as cu::CUstream;
         // SAFETY: `s` is this process's stream, idle between steps' launches.
-        unsafe { checked("cuStreamBeginCapture", cu::cuStreamBeginCapture_v2(s, cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED))? };
+        unsafe {
+            checked("cuStreamBeginCapture", cu::cuStreamBeginCapture_v2(s, cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED))?
+        };
         f();
         let mut g = std::ptr::null_mut();
         // SAFETY: ends the capture begun above; `g` receives the graph.
@@ -310,9 +315,7 @@ pub extern "C" fn mgpuModuleGetFunction(module: *mut c_void, name: *const c_char
     if let Some(&f) = st.functions.get(&(idx, name.clone())) {
         return f as *mut c_void;
     }
-    let Some(Some(m)) = st.modules.get(idx).copied() else {
-        die("a kernel was launched before the GPU was opened (runtime bug)")
-    };
+    let Some(Some(m)) = st.modules.get(idx).copied() else { die("a kernel was launched before the GPU was opened (runtime bug)") };
     let cname = std::ffi::CString::new(name.clone()).unwrap_or_default();
     let mut f = std::ptr::null_mut();
     check(&format!("cuModuleGetFunction({name})"), unsafe { cu::cuModuleGetFunction(&mut f, m as cu::CUmodule, cname.as_ptr()) });
@@ -491,14 +494,18 @@ pub mod nccl {
         pub fn send(&self, buf: u64, count: usize, peer: usize) -> Result<(), String> {
             let a = api()?;
             // SAFETY: `buf` holds `count` f32 of device memory, live until the stream passes this point.
-            check("ncclSend", unsafe { (a.send)(buf as *const c_void, count, FLOAT32, peer as c_int, self.comm as *mut c_void, self.stream as *mut c_void) })
+            check("ncclSend", unsafe {
+                (a.send)(buf as *const c_void, count, FLOAT32, peer as c_int, self.comm as *mut c_void, self.stream as *mut c_void)
+            })
         }
 
         /// Queues receiving `count` f32 into device address `buf` from `peer`.
         pub fn recv(&self, buf: u64, count: usize, peer: usize) -> Result<(), String> {
             let a = api()?;
             // SAFETY: as for `send`.
-            check("ncclRecv", unsafe { (a.recv)(buf as *mut c_void, count, FLOAT32, peer as c_int, self.comm as *mut c_void, self.stream as *mut c_void) })
+            check("ncclRecv", unsafe {
+                (a.recv)(buf as *mut c_void, count, FLOAT32, peer as c_int, self.comm as *mut c_void, self.stream as *mut c_void)
+            })
         }
     }
 }
@@ -584,7 +591,8 @@ pub mod cublas {
                     Err(e) => errors.push(format!("{name} ({e})")),
                 }
             }
-            let (name, lib) = found.ok_or_else(|| format!("cuBLAS not found: tried {}; set M3C_CUBLAS_LIB to its path", errors.join(", ")))?;
+            let (name, lib) =
+                found.ok_or_else(|| format!("cuBLAS not found: tried {}; set M3C_CUBLAS_LIB to its path", errors.join(", ")))?;
             // SAFETY: these symbols have these C signatures in cuBLAS 12 and 13 (cublas_api.h).
             let api = unsafe {
                 let create = *lib.get::<Create>(b"cublasCreate_v2\0").map_err(|_| format!("{name}: no cublasCreate_v2"))?;
@@ -624,9 +632,7 @@ pub mod cublas {
     /// In cuBLAS's column-major terms: `yᵀ (out × rows) = op_T(w) · xb`.
     #[no_mangle]
     pub extern "C" fn m3c_gemm_bf16(xb: *const c_void, w: *const c_void, y: *mut c_void, rows: i64, inp: i64, out: i64, y_bf16: i32) {
-        let Some(api) = API.get() else {
-            super::die("m3c_gemm_bf16 called with cuBLAS not loaded (runtime bug)")
-        };
+        let Some(api) = API.get() else { super::die("m3c_gemm_bf16 called with cuBLAS not loaded (runtime bug)") };
         let (alpha, beta) = (1f32, 0f32);
         // SAFETY: the generated entry passes device buffers of these shapes.
         let r = unsafe {

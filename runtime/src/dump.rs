@@ -36,10 +36,7 @@ pub fn write(path: &Path, r: &SeqRecord, vocab: usize) -> Result<(), String> {
     let mut header = serde_json::Map::new();
     let mut off = 0usize;
     for (name, dtype, shape, data) in &tensors {
-        header.insert(
-            name.to_string(),
-            serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [off, off + data.len()]}),
-        );
+        header.insert(name.to_string(), serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [off, off + data.len()]}));
         off += data.len();
     }
     let mut h = serde_json::to_vec(&serde_json::Value::Object(header)).map_err(|e| e.to_string())?;
@@ -95,8 +92,12 @@ pub fn check(golden: &Path, r: &SeqRecord, vocab: usize, tol: f32) -> Result<Str
     let bytes = m3c_contract::input::read_bytes(golden, "--expect", 1 << 32).map_err(|e| e.to_string())?;
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| format!("--expect {}: {e}", golden.display()))?;
     let get = |name: &str| st.tensor(name).map_err(|_| format!("--expect {}: no tensor `{name}`", golden.display()));
-    let i64s = |name: &str| -> Result<Vec<i64>, String> { Ok(get(name)?.data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect()) };
-    let f32s = |name: &str| -> Result<Vec<f32>, String> { Ok(get(name)?.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()) };
+    let i64s = |name: &str| -> Result<Vec<i64>, String> {
+        Ok(get(name)?.data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect())
+    };
+    let f32s = |name: &str| -> Result<Vec<f32>, String> {
+        Ok(get(name)?.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect())
+    };
     if i64s("prompt_ids")? != r.prompt {
         return Err(format!("--expect {}: its prompt_ids are not this run's prompt", golden.display()));
     }

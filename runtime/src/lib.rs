@@ -122,7 +122,14 @@ fn run() -> c_int {
 /// Everything between MPI's start and end: start-up verdicts, weights,
 /// device, pipeline, closing verdict. `Err(())` once the reason has been
 /// printed and every rank agrees to stop.
-fn stage_main(world: &SimpleCommunicator, peers: &mut Peers, who: &str, meta: Result<meta::StageMeta, String>, parsed: Result<args::RunArgs, String>, argv: &[String]) -> Result<(), ()> {
+fn stage_main(
+    world: &SimpleCommunicator,
+    peers: &mut Peers,
+    who: &str,
+    meta: Result<meta::StageMeta, String>,
+    parsed: Result<args::RunArgs, String>,
+    argv: &[String],
+) -> Result<(), ()> {
     let (rank, size) = (world.rank() as usize, world.size() as usize);
     // Local checks first; then one gather tells every rank every verdict.
     let local: Result<(meta::StageMeta, args::RunArgs), String> = meta.and_then(|meta| {
@@ -242,7 +249,9 @@ fn stage_main(world: &SimpleCommunicator, peers: &mut Peers, who: &str, meta: Re
     let (rss, peak) = resident();
     let gpu = st
         .gpu_scratch()
-        .map(|(_, p)| format!(", GPU scratch peak {:.1} MB, {} decode step(s) replayed from CUDA graphs", p as f64 / 1e6, st.graph_replays()))
+        .map(|(_, p)| {
+            format!(", GPU scratch peak {:.1} MB, {} decode step(s) replayed from CUDA graphs", p as f64 / 1e6, st.graph_replays())
+        })
         .unwrap_or_default();
     if ok {
         say!("{who}: done; {}; caches {:.2} MB, resident {rss:.1} MB, peak {peak:.1} MB{gpu}", st.timing(), st.cache_bytes() as f64 / 1e6);
@@ -288,4 +297,3 @@ fn connect_gpus(world: &SimpleCommunicator, peers: &mut Peers, who: &str, st: &m
     st.use_nccl(link);
     Ok(())
 }
-

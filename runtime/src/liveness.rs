@@ -94,10 +94,7 @@ impl Peers {
 
 /// The message for a peer that fell silent.
 pub fn silent_message(rank: usize, timeout: Duration) -> String {
-    format!(
-        "no sign of life from stage {rank} for {:.0} s (--timeout-s): that stage stopped or was lost",
-        timeout.as_secs_f64()
-    )
+    format!("no sign of life from stage {rank} for {:.0} s (--timeout-s): that stage stopped or was lost", timeout.as_secs_f64())
 }
 
 /// Ends this stage when its parent (mpirun or orted) dies.
@@ -119,7 +116,8 @@ static FALLBACK: OnceLock<Vec<u8>> = OnceLock::new();
 
 /// Installs the SIGBUS handler for the stage's mapped weights.
 pub fn watch_mappings(who: &str, maps: Vec<Mapping>) {
-    let _ = FALLBACK.set(format!("{who}: error: bus error (SIGBUS): a memory-mapped file changed or became unreadable during the run\n").into_bytes());
+    let _ = FALLBACK
+        .set(format!("{who}: error: bus error (SIGBUS): a memory-mapped file changed or became unreadable during the run\n").into_bytes());
     let _ = MAPPINGS.set(maps);
     extern "C" fn on_sigbus(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
         // SAFETY: the kernel passes a valid siginfo for SA_SIGINFO handlers.

@@ -37,7 +37,14 @@ fn record(records: &mut [dump::SeqRecord], s: &Segment, logits: &[f32], ids: &[i
 /// The last stage's part of a step: checks the logits, records them, and
 /// returns one id per segment. Non-finite logits (NaN or Inf in the
 /// weights, or an overflow) end the run with the sequence and position.
-fn finish(records: &mut [dump::SeqRecord], segs: &[Segment], out: &stage::StepOut, vocab: usize, max_new: usize, stage: usize) -> Result<Vec<i64>, String> {
+fn finish(
+    records: &mut [dump::SeqRecord],
+    segs: &[Segment],
+    out: &stage::StepOut,
+    vocab: usize,
+    max_new: usize,
+    stage: usize,
+) -> Result<Vec<i64>, String> {
     let mut row0 = 0;
     let mut ids = Vec::with_capacity(segs.len());
     for s in segs {
@@ -104,7 +111,13 @@ pub fn run(world: &SimpleCommunicator, peers: &mut Peers, st: &mut stage::Stage,
         let mut open = args.prompts.len();
         let start = Instant::now();
         let mut prefill_done = vec![None; args.prompts.len()];
-        let mut on_id = |seq: usize, pos0: usize, rows: usize, id: i64, queue: &mut VecDeque<(usize, usize, Vec<i64>)>, open: &mut usize| -> Result<(), String> {
+        let mut on_id = |seq: usize,
+                         pos0: usize,
+                         rows: usize,
+                         id: i64,
+                         queue: &mut VecDeque<(usize, usize, Vec<i64>)>,
+                         open: &mut usize|
+         -> Result<(), String> {
             let plen = args.prompts.get(seq).ok_or_else(|| format!("an id for unknown prompt {seq}"))?.len();
             if pos0 + rows < plen {
                 return Ok(()); // a prefill chunk before the prompt's last: no token yet
@@ -147,7 +160,11 @@ pub fn run(world: &SimpleCommunicator, peers: &mut Peers, st: &mut stage::Stage,
                 outbox.poll();
                 let m = wire::recv(world, peers, size - 1, TAG_IDS)?;
                 for (i, s) in m.segments.iter().enumerate() {
-                    let id = m.payload.get(i * 8..i * 8 + 8).map(|b| i64::from_le_bytes(b.try_into().unwrap_or([0; 8]))).ok_or("malformed id message")?;
+                    let id = m
+                        .payload
+                        .get(i * 8..i * 8 + 8)
+                        .map(|b| i64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+                        .ok_or("malformed id message")?;
                     on_id(s.seq, s.pos0, s.rows, id, &mut queue, &mut open)?;
                 }
             }

@@ -155,7 +155,8 @@ impl Stage {
         }
         let table_dev = device.upload(bytes_of(&table))?;
         // The mapped checkpoint is no longer needed: `weights` is dropped here.
-        let backing = Backing::Gpu { device, table, table_dev, bytes: total, seqs: HashMap::new(), graphs: Graphs { on: true, ..Graphs::default() } };
+        let backing =
+            Backing::Gpu { device, table, table_dev, bytes: total, seqs: HashMap::new(), graphs: Graphs { on: true, ..Graphs::default() } };
         Ok(Stage { meta, backing, nccl: None, prefill: (0, 0.0), decode: (0, 0.0) })
     }
 
@@ -340,7 +341,8 @@ impl Stage {
                 cuda::cublas::set_prefill(segments.iter().any(|s| s.rows > 1));
                 // Decode steps (one row per sequence) go through a graph from their
                 // micro-batch's second step on; everything else runs eagerly.
-                let key: Option<Vec<usize>> = (graphs.on && segments.iter().all(|s| s.rows == 1)).then(|| segments.iter().map(|s| s.seq).collect());
+                let key: Option<Vec<usize>> =
+                    (graphs.on && segments.iter().all(|s| s.rows == 1)).then(|| segments.iter().map(|s| s.seq).collect());
                 let fresh = || Io::alloc(tokens, m.x_words(), if m.last_stage { m.vocab } else { 0 });
                 let (plan, io) = match key {
                     None => (Plan::Eager, fresh()),
@@ -404,7 +406,8 @@ impl Stage {
                             keep_io = true;
                         }
                         Err(e) => {
-                            let line = format!("m3c stage {}: CUDA graph capture failed ({e}); this micro-batch runs without a graph\n", m.stage);
+                            let line =
+                                format!("m3c stage {}: CUDA graph capture failed ({e}); this micro-batch runs without a graph\n", m.stage);
                             let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
                             graphs.by_batch.insert(k, GraphSlot::Eager);
                             run();

@@ -122,7 +122,8 @@ pub fn judge_identities(all: &[u8]) -> Option<String> {
     }
     let id = |r: &[u8]| String::from_utf8_lossy(&r[1..65]).trim_end_matches('\0').to_string();
     if recs.iter().any(|r| r[1..65] != recs[0][1..65]) {
-        let list: Vec<String> = recs.iter().enumerate().map(|(k, r)| format!("rank {k}: {}", id(r).chars().take(12).collect::<String>())).collect();
+        let list: Vec<String> =
+            recs.iter().enumerate().map(|(k, r)| format!("rank {k}: {}", id(r).chars().take(12).collect::<String>())).collect();
         return Some(format!(
             "the ranks come from different compiles (compile ids {}); start the stage executables of one OUT folder",
             list.join(", ")

@@ -27,7 +27,8 @@ pub struct StageWeights {
 /// sha256 of `DIR/config.json`, which must equal the one OUT was compiled from.
 pub fn check_config(dir: &Path, meta: &StageMeta) -> Result<(), String> {
     let cfg = dir.join("config.json");
-    let bytes = m3c_contract::input::read_bytes(&cfg, "config", m3c_contract::input::limits::CONFIG).map_err(|e| format!("--model {}: {e}", dir.display()))?;
+    let bytes = m3c_contract::input::read_bytes(&cfg, "config", m3c_contract::input::limits::CONFIG)
+        .map_err(|e| format!("--model {}: {e}", dir.display()))?;
     let hash = hex(&Sha256::digest(&bytes));
     if hash != meta.config_sha256 {
         return Err(format!(
@@ -92,7 +93,11 @@ impl StageWeights {
                     // changed since then is refused rather than mapped.
                     let now = f.metadata().map_err(|err| format!("{}: {err}", path.display()))?.len();
                     if now != layout.file_sizes[e.file] {
-                        return Err(format!("{}: changed while the stage was starting ({} → {now} bytes)", path.display(), layout.file_sizes[e.file]));
+                        return Err(format!(
+                            "{}: changed while the stage was starting ({} → {now} bytes)",
+                            path.display(),
+                            layout.file_sizes[e.file]
+                        ));
                     }
                     files.entry(e.file).or_insert(f)
                 }
@@ -102,7 +107,8 @@ impl StageWeights {
             // SAFETY: a read-only private mapping of a range the checked
             // header places inside the file. A file truncated later makes a
             // read fault, which `liveness::watch_mappings` reports by name.
-            let map = unsafe { MmapOptions::new().offset(base).len(len).map(file) }.map_err(|err| format!("{}: mmap: {err}", path.display()))?;
+            let map =
+                unsafe { MmapOptions::new().offset(base).len(len).map(file) }.map_err(|err| format!("{}: mmap: {err}", path.display()))?;
             // SAFETY: `e.start - base` < `len`, so the pointer is inside the mapping.
             ptrs.push(unsafe { map.as_ptr().add((e.start - base) as usize) });
             bytes += e.end - e.start;

@@ -41,7 +41,9 @@ pub struct Msg {
 /// could send) is an error, never an out-of-range read.
 pub fn parse_msg(m: Vec<u8>) -> Result<Msg, String> {
     let bad = || format!("malformed message of {} bytes from the previous stage", m.len());
-    let h = |i: usize| -> Result<i64, String> { m.get(i * 8..i * 8 + 8).map(|b| i64::from_le_bytes(b.try_into().unwrap_or([0; 8]))).ok_or_else(bad) };
+    let h = |i: usize| -> Result<i64, String> {
+        m.get(i * 8..i * 8 + 8).map(|b| i64::from_le_bytes(b.try_into().unwrap_or([0; 8]))).ok_or_else(bad)
+    };
     let kind = h(0)?;
     let n = usize::try_from(h(1)?).ok().filter(|&n| n <= MAX_SEGMENTS).ok_or_else(bad)?;
     let mut segments = Vec::with_capacity(n.min(1024));

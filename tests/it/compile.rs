@@ -92,7 +92,17 @@ fn compile_errors_leave_nothing_behind() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("already exists, is not empty and has no m3c manifest.json"), "{}", stderr(&o));
     assert_eq!(std::fs::read_to_string(out.join("notes.txt")).unwrap(), "mine");
-    let o = m3c(&["compile", "--model", fixture("tiny-m3").to_str().unwrap(), "--pp", "1", "--emit", "ptx", "-o", dir.path().join("p").to_str().unwrap()]);
+    let o = m3c(&[
+        "compile",
+        "--model",
+        fixture("tiny-m3").to_str().unwrap(),
+        "--pp",
+        "1",
+        "--emit",
+        "ptx",
+        "-o",
+        dir.path().join("p").to_str().unwrap(),
+    ]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("--emit ptx needs the cuda target"), "{}", stderr(&o));
     // No partial folders are left beside it.

@@ -79,7 +79,10 @@ fn unknown_architecture_is_an_error() {
     let mut v = tiny();
     v["architectures"] = serde_json::json!(["LlamaForCausalLM"]);
     let e = error_of(&v);
-    assert!(e.contains("cfg/config.json") && e.contains("LlamaForCausalLM") && e.contains("MiniMaxM3SparseForConditionalGeneration"), "{e}");
+    assert!(
+        e.contains("cfg/config.json") && e.contains("LlamaForCausalLM") && e.contains("MiniMaxM3SparseForConditionalGeneration"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -88,18 +91,36 @@ fn validation_errors_name_key_and_expectation() {
     let cases: Vec<(Edit, &str, &str)> = vec![
         (|v| v["text_config"]["num_key_value_heads"] = 3.into(), "text_config.num_key_value_heads", "a divisor of num_attention_heads = 8"),
         (|v| v["text_config"]["moe_layer_freq"] = serde_json::json!([0, 1]), "text_config.moe_layer_freq", "8 entries"),
-        (|v| v["text_config"]["sparse_attention_config"]["sparse_attention_freq"] = serde_json::json!([0, 1, 0]), "sparse_attention_freq", "one per layer"),
+        (
+            |v| v["text_config"]["sparse_attention_config"]["sparse_attention_freq"] = serde_json::json!([0, 1, 0]),
+            "sparse_attention_freq",
+            "one per layer",
+        ),
         (|v| v["text_config"]["moe_layer_freq"][3] = 2.into(), "text_config.moe_layer_freq[3]", "0 or 1"),
-        (|v| v["text_config"]["sparse_attention_config"]["sparse_num_index_heads"] = 4.into(), "sparse_num_index_heads", "num_key_value_heads = 2"),
+        (
+            |v| v["text_config"]["sparse_attention_config"]["sparse_num_index_heads"] = 4.into(),
+            "sparse_num_index_heads",
+            "num_key_value_heads = 2",
+        ),
         (|v| v["text_config"]["sparse_attention_config"]["sparse_index_dim"] = 64.into(), "sparse_index_dim", "head_dim = 32"),
         (|v| v["text_config"]["hidden_act"] = "gelu".into(), "text_config.hidden_act", "\"swigluoai\""),
         (|v| v["text_config"]["scoring_func"] = "softmax".into(), "text_config.scoring_func", "\"sigmoid\""),
         (|v| v["text_config"]["sparse_attention_config"]["sparse_score_type"] = "mean".into(), "sparse_score_type", "\"max\""),
-        (|v| { v["text_config"].as_object_mut().unwrap().remove("hidden_size"); }, "text_config.hidden_size", "missing key"),
+        (
+            |v| {
+                v["text_config"].as_object_mut().unwrap().remove("hidden_size");
+            },
+            "text_config.hidden_size",
+            "missing key",
+        ),
         (|v| v["text_config"]["hidden_size"] = "big".into(), "text_config.hidden_size", "a positive integer"),
         (|v| v["text_config"]["rotary_dim"] = 12.into(), "text_config.rotary_dim", "partial_rotary_factor × head_dim = 16"),
         (|v| v["text_config"]["num_experts_per_tok"] = 9.into(), "num_experts_per_tok", "at most num_local_experts = 8"),
-        (|v| v["text_config"]["sparse_attention_config"]["sparse_disable_index_value"][3] = 0.into(), "sparse_disable_index_value[3]", "selection-only"),
+        (
+            |v| v["text_config"]["sparse_attention_config"]["sparse_disable_index_value"][3] = 0.into(),
+            "sparse_disable_index_value[3]",
+            "selection-only",
+        ),
         (|v| v["text_config"]["attention_output_gate"] = true.into(), "attention_output_gate", "false"),
         (|v| v["vision_config"]["hidden_act"] = "relu".into(), "vision_config.hidden_act", "\"gelu\""),
     ];

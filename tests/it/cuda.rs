@@ -16,7 +16,11 @@ pub fn cuda_root() -> PathBuf {
         .and_then(|d| d.filter_map(|e| e.ok()).map(|e| e.path().join("site-packages/nvidia/cuda_nvcc")).find(|p| p.is_dir()))
         .unwrap_or_else(|| venv.join("python3/site-packages/nvidia/cuda_nvcc"));
     let p = std::env::var_os("CUDA_ROOT").map(PathBuf::from).unwrap_or(wheel);
-    assert!(p.join("bin/ptxas").is_file(), "{}: no ptxas; run scripts/setup.sh (it installs nvidia-cuda-nvcc-cu12 in .venv-cuda)", p.display());
+    assert!(
+        p.join("bin/ptxas").is_file(),
+        "{}: no ptxas; run scripts/setup.sh (it installs nvidia-cuda-nvcc-cu12 in .venv-cuda)",
+        p.display()
+    );
     p
 }
 
@@ -91,7 +95,10 @@ fn tiny_cuda_stages_assemble_for_sm90a_and_their_kernels_are_pinned() {
         std::fs::create_dir(dir.path().join("again")).unwrap();
         let again = compile_cuda(&fixture(model), 2, &dir.path().join("again"), &["--emit", "ptx"]);
         for f in ["stage-0", "stage-1", "stage-0.cubin", "manifest.json", "compile-report.txt"] {
-            assert!(std::fs::read(out.join(f)).unwrap() == std::fs::read(again.join(f)).unwrap(), "{model}: {f} differs between two compiles");
+            assert!(
+                std::fs::read(out.join(f)).unwrap() == std::fs::read(again.join(f)).unwrap(),
+                "{model}: {f} differs between two compiles"
+            );
         }
     }
 }
@@ -122,7 +129,9 @@ fn real_config_compiles_for_cuda_at_pp4_without_weights() {
 }
 
 fn driver_present() -> bool {
-    ["/usr/lib/x86_64-linux-gnu/libcuda.so.1", "/usr/lib64/libcuda.so.1", "/usr/lib/wsl/lib/libcuda.so.1"].iter().any(|p| Path::new(p).exists())
+    ["/usr/lib/x86_64-linux-gnu/libcuda.so.1", "/usr/lib64/libcuda.so.1", "/usr/lib/wsl/lib/libcuda.so.1"]
+        .iter()
+        .any(|p| Path::new(p).exists())
 }
 
 #[test]
@@ -166,7 +175,11 @@ fn f32_activations_and_bf16_kv_cache_stages_assemble_for_sm90a() {
         assert!(!list.iter().any(|e| e.contains("_abf16")), "stage {k}: f32 activations: {list:?}");
         // With f32 activations the prefill GEMM path rounds x to bf16 first.
         assert!(list.iter().any(|e| e.starts_with("m3c_to_bf16_w128 ")), "stage {k}: {list:?}");
-        let o = std::process::Command::new(cuda_root().join("bin/ptxas")).args(["-arch=sm_90a", "-o", "/dev/null"]).arg(&ptx_file).output().unwrap();
+        let o = std::process::Command::new(cuda_root().join("bin/ptxas"))
+            .args(["-arch=sm_90a", "-o", "/dev/null"])
+            .arg(&ptx_file)
+            .output()
+            .unwrap();
         assert!(o.status.success(), "stage {k}: ptxas: {}", String::from_utf8_lossy(&o.stderr));
     }
 }

@@ -118,7 +118,11 @@ fn gpu_module(k: &Kernel, tys: &[String]) -> String {
     }
     s.push_str("  }\n");
     let params: Vec<String> = args.iter().map(|(n, t)| format!("{n}: {t}")).collect();
-    s.push_str(&format!("  func.func @host(%S: index, {}) {{\n{}    return\n  }}\n}}\n", params.join(", "), m3c_kernels::indent(&call.text, 4)));
+    s.push_str(&format!(
+        "  func.func @host(%S: index, {}) {{\n{}    return\n  }}\n}}\n",
+        params.join(", "),
+        m3c_kernels::indent(&call.text, 4)
+    ));
     s
 }
 
@@ -135,12 +139,17 @@ fn run_both_prefix(k: &Kernel, rows: usize, args: &[B], n: usize) -> Vec<(Vec<u8
     let lib = build(std::slice::from_ref(k), dir.path());
     // Host: descriptors over copies of the buffers.
     let host: Vec<Vec<u64>> = args.iter().map(|a| if let B::Data(b) = a { b.words.clone() } else { Vec::new() }).collect();
-    let tables: Vec<Vec<*const u8>> = args.iter().map(|a| if let B::Table(ix) = a { ix.iter().map(|&i| host[i].as_ptr() as *const u8).collect() } else { Vec::new() }).collect();
+    let tables: Vec<Vec<*const u8>> = args
+        .iter()
+        .map(|a| if let B::Table(ix) = a { ix.iter().map(|&i| host[i].as_ptr() as *const u8).collect() } else { Vec::new() })
+        .collect();
     let descs2: Vec<Option<crate::host_kernels::Memref2<u8>>> = args
         .iter()
         .zip(&host)
         .map(|(a, h)| match a {
-            B::Data(b) if b.dims.len() == 2 => Some(m2(unsafe { std::slice::from_raw_parts(h.as_ptr() as *const u8, b.dims[0] * b.dims[1]) }, b.dims[0], b.dims[1])),
+            B::Data(b) if b.dims.len() == 2 => {
+                Some(m2(unsafe { std::slice::from_raw_parts(h.as_ptr() as *const u8, b.dims[0] * b.dims[1]) }, b.dims[0], b.dims[1]))
+            }
             _ => None,
         })
         .collect();
@@ -277,12 +286,22 @@ fn rowwise_gpu_kernels_match_the_host() {
         // embedding gather
         let k = Kernel::Embedding { vocab: 50, width: 96, weight: WeightType::BF16, act };
         let ids: Vec<i64> = vec![7, 0, 49];
-        let o = run_both(&k, rows, &[buf(&ids, &[rows], "memref<?xi64>", false), weight(50, 96, WeightType::BF16, 5).remove(0), a(3, true)]);
+        let o =
+            run_both(&k, rows, &[buf(&ids, &[rows], "memref<?xi64>", false), weight(50, 96, WeightType::BF16, 5).remove(0), a(3, true)]);
         agree(&k.symbol(), &o[0].0, &o[0].1, act, 0.0);
         // QK-norm + partial RoPE (3 heads of 32, 16 rotary channels)
         let k = Kernel::HeadNormRope { heads: 3, head_dim: 32, rotary_dim: 16, theta: 5e6, eps: 1e-6, weight: WeightType::BF16, act };
         let pos: Vec<i64> = vec![0, 5, 4000];
-        let o = run_both(&k, rows, &[a(1, false), buf(&bits16(&vals(32, 6, 0.3)), &[32], "memref<32xbf16>", false), buf(&pos, &[rows], "memref<?xi64>", false), a(3, true)]);
+        let o = run_both(
+            &k,
+            rows,
+            &[
+                a(1, false),
+                buf(&bits16(&vals(32, 6, 0.3)), &[32], "memref<32xbf16>", false),
+                buf(&pos, &[rows], "memref<?xi64>", false),
+                a(3, true),
+            ],
+        );
         agree(&k.symbol(), &o[0].0, &o[0].1, act, 1e-4);
         // cache scatter to rows `pos` of a longer cache, both cache types
         for cache in ACTS {
@@ -320,7 +339,12 @@ fn attention_and_the_msa_selection_on_the_gpu_match_the_host() {
                 for pos in [vec![30i64, 31, 32, 33, 34], vec![37]] {
                     let rows = pos.len();
                     let k = Kernel::Attention { heads, kv_heads: kv, head_dim: d, scale: 0.25, sparse, cache, act };
-                    let mut args = vec![act_rows(rows, heads * d, act, 1, false), act_rows(cap, kv * d, cache, 2, false), act_rows(cap, kv * d, cache, 3, false), buf(&pos, &[rows], "memref<?xi64>", false)];
+                    let mut args = vec![
+                        act_rows(rows, heads * d, act, 1, false),
+                        act_rows(cap, kv * d, cache, 2, false),
+                        act_rows(cap, kv * d, cache, 3, false),
+                        buf(&pos, &[rows], "memref<?xi64>", false),
+                    ];
                     if let Some(s) = sparse {
                         args.push(act_rows(rows, s.index_heads * s.index_dim, act, 4, false));
                         args.push(act_rows(cap, s.index_dim, cache, 5, false));
@@ -339,7 +363,15 @@ fn router_and_routed_experts_on_the_gpu_match_the_host() {
     let (e, hidden, inter, top) = (8usize, 256usize, 64usize, 2usize);
     for act in ACTS {
         for rows in [1usize, 5] {
-            let k = Kernel::Router { width: hidden, experts: e, top_k: top, scale: 2.5, weight: WeightType::F32, bias: Some(WeightType::F32), act };
+            let k = Kernel::Router {
+                width: hidden,
+                experts: e,
+                top_k: top,
+                scale: 2.5,
+                weight: WeightType::F32,
+                bias: Some(WeightType::F32),
+                act,
+            };
             let mut args = vec![act_rows(rows, hidden, act, 1, false)];
             args.extend(weight(e, hidden, WeightType::F32, 2));
             args.push(buf(&vals(e, 3, 0.1), &[e], &format!("memref<{e}xf32>"), false));
@@ -353,7 +385,11 @@ fn router_and_routed_experts_on_the_gpu_match_the_host() {
                 // tail), others one (the `_r1` walk), expert 0 none.
                 let ids: Vec<i64> = [1, 6, 6, 2, 1, 3, 6, 1, 4, 5].into_iter().take(rows * top).collect();
                 let wts = vals(rows * top, 8, 0.5);
-                let mut args = vec![act_rows(rows, hidden, act, 1, false), buf(&wts, &[rows, top], &format!("memref<?x{top}xf32>"), false), buf(&ids, &[rows, top], &format!("memref<?x{top}xi64>"), false)];
+                let mut args = vec![
+                    act_rows(rows, hidden, act, 1, false),
+                    buf(&wts, &[rows, top], &format!("memref<?x{top}xf32>"), false),
+                    buf(&ids, &[rows, top], &format!("memref<?x{top}xi64>"), false),
+                ];
                 let first = args.len() + 2;
                 let mut table = Vec::new();
                 let mut tensors = Vec::new();
@@ -369,7 +405,8 @@ fn router_and_routed_experts_on_the_gpu_match_the_host() {
                 args.push(act_rows(rows, hidden, act, 9, true));
                 // The output precedes the tensors so its index is fixed.
                 args.extend(tensors);
-                let k = Kernel::RoutedExperts { experts: e, hidden, inter, top_k: top, weight: w, alpha: 1.702, limit: 7.0, beta: 1.0, act };
+                let k =
+                    Kernel::RoutedExperts { experts: e, hidden, inter, top_k: top, weight: w, alpha: 1.702, limit: 7.0, beta: 1.0, act };
                 let o = run_both_prefix(&k, rows, &args, 5);
                 agree(&format!("{k} rows {rows}"), &o[0].0, &o[0].1, act, 1e-5);
             }
@@ -412,7 +449,17 @@ fn cuda_stage_logits(model: &str, act: Storage, gemm: bool, decode: &[i64]) -> V
     }
     // Prefill buffers, then one set of decode buffers that every decode step
     // refills (as a captured CUDA graph's inputs are refilled).
-    let io = |g: &mut Gpu, rows: usize| [g.mem.alloc(8), g.mem.put(&[cap as i64]), g.mem.alloc(rows * 8), g.mem.alloc(rows * hidden * 4), g.mem.alloc(rows * vocab * 4), g.mem.alloc(rows * 8), g.mem.alloc(rows * 8)];
+    let io = |g: &mut Gpu, rows: usize| {
+        [
+            g.mem.alloc(8),
+            g.mem.put(&[cap as i64]),
+            g.mem.alloc(rows * 8),
+            g.mem.alloc(rows * hidden * 4),
+            g.mem.alloc(rows * vocab * 4),
+            g.mem.alloc(rows * 8),
+            g.mem.alloc(rows * 8),
+        ]
+    };
     let (prefill_io, decode_io) = (io(&mut g, prompt.len()), io(&mut g, 1));
     let mut out = Vec::new();
     let mut traces = Vec::new();
@@ -462,7 +509,13 @@ fn cuda_stage_logits(model: &str, act: Storage, gemm: bool, decode: &[i64]) -> V
     for (t, tr) in traces.iter().enumerate().skip(2) {
         let this = shape(tr, &g.mem);
         let at = this.iter().zip(&first).position(|(a, b)| a != b);
-        assert!(this == first, "{model}: decode step {} launches differently from decode step 0 at {at:?}: {:?} vs {:?}", t - 1, at.map(|i| &this[i]), at.map(|i| &first[i]));
+        assert!(
+            this == first,
+            "{model}: decode step {} launches differently from decode step 0 at {at:?}: {:?} vs {:?}",
+            t - 1,
+            at.map(|i| &this[i]),
+            at.map(|i| &first[i])
+        );
     }
     assert!(traces[1].len() > 20, "{model}: {} launches per decode step", traces[1].len());
     out
@@ -478,7 +531,9 @@ fn cuda_stage_logits(model: &str, act: Storage, gemm: bool, decode: &[i64]) -> V
 /// included, with scratch pooled as the runtime pools it).
 #[test]
 fn tiny_cuda_stage_reproduces_the_golden_in_the_interpreter() {
-    for (model, act, gemm) in [("tiny-m3", Storage::F32, false), ("tiny-m3-mxfp8", Storage::F32, false), ("tiny-m3-mxfp8", Storage::Bf16, true)] {
+    for (model, act, gemm) in
+        [("tiny-m3", Storage::F32, false), ("tiny-m3-mxfp8", Storage::F32, false), ("tiny-m3-mxfp8", Storage::Bf16, true)]
+    {
         let golden = m3c_tests::fixture(model).join("golden.safetensors");
         let gen = m3c_tests::read_tensor_i64(&golden, "generated_ids");
         let (shape, prefill) = m3c_tests::read_tensor_f32(&golden, "prefill_logits");
@@ -652,7 +707,8 @@ fn nan_scores_still_give_distinct_valid_ids_on_host_and_gpu() {
     let ids_of = |b: &[u8]| -> Vec<i64> { b.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect() };
     let (e, hidden, top, rows) = (8usize, 64usize, 4usize, 3usize);
     for act in ACTS {
-        let k = Kernel::Router { width: hidden, experts: e, top_k: top, scale: 1.0, weight: WeightType::F32, bias: Some(WeightType::F32), act };
+        let k =
+            Kernel::Router { width: hidden, experts: e, top_k: top, scale: 1.0, weight: WeightType::F32, bias: Some(WeightType::F32), act };
         // Experts 0, 2 and 5 get a NaN bias; a second case makes every score NaN.
         for nan_experts in [vec![0usize, 2, 5], (0..e).collect()] {
             let mut bias = vals(e, 3, 0.1);

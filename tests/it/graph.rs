@@ -20,7 +20,10 @@ fn every_layer_has_its_structure() {
         assert_eq!(sparse, kind.attention == m3c::config::AttentionKind::Sparse, "layer {l}");
         assert_eq!(moe, kind.mlp == m3c::config::MlpKind::Moe, "layer {l}");
         // MXFP8 linears carry their block size.
-        assert!(ops.iter().filter_map(|o| if let Op::Linear { mxfp8_block, .. } = o { Some(*mxfp8_block) } else { None }).all(|b| b == Some(32)));
+        assert!(ops
+            .iter()
+            .filter_map(|o| if let Op::Linear { mxfp8_block, .. } = o { Some(*mxfp8_block) } else { None })
+            .all(|b| b == Some(32)));
     }
     assert!(matches!(g.graph[g.logits].op, Op::Linear { mxfp8_block: None, .. }), "lm_head is never quantized");
 }

@@ -128,9 +128,8 @@ fn mxfp8_linear_matches_dequantized_reference() {
     let mut want = vec![0f32; rows * out];
     for r in 0..rows {
         for o in 0..out {
-            want[r * out + o] = (0..inp)
-                .map(|i| x[r * inp + i] * e4m3_to_f32(w[o * inp + i]) * e8m0_to_f32(s32[o * (inp / 32) + i / 32]))
-                .sum();
+            want[r * out + o] =
+                (0..inp).map(|i| x[r * inp + i] * e4m3_to_f32(w[o * inp + i]) * e8m0_to_f32(s32[o * (inp / 32) + i / 32])).sum();
         }
     }
     assert!(want.iter().any(|v| v.abs() > 1.0), "the test must see real values");
@@ -307,7 +306,14 @@ fn bf16_cache_writes_round_to_nearest_even_at_their_positions() {
         f32::MAX, // rounds to infinity
         step,
         // row 1
-        0.1, -0.1, 3.0e-40, 65504.0, 1.0e10, -0.0, 0.333_333_34, 7.999_999_5,
+        0.1,
+        -0.1,
+        3.0e-40,
+        65504.0,
+        1.0e10,
+        -0.0,
+        0.333_333_34,
+        7.999_999_5,
     ];
     let pos = [3i64, 0];
     let y = vec![0x5555u16; 4 * 8];
@@ -328,11 +334,19 @@ fn bf16_cache_writes_round_to_nearest_even_at_their_positions() {
 /// longer than the context (their capacity), positions come from `pos`.
 #[test]
 fn attention_over_bf16_caches_equals_f32_attention_over_the_rounded_values() {
-    use m3c_kernels::{Storage, SparseSel};
+    use m3c_kernels::{SparseSel, Storage};
     let dir = tempfile::tempdir().unwrap();
     let (heads, kv, d, cap) = (4usize, 2usize, 16usize, 12usize);
     let sel = SparseSel { index_heads: 2, index_dim: 16, block: 2, topk: 2, local: 1, init: 0 };
-    let mk = |sparse: Option<SparseSel>, cache| Kernel::Attention { heads, kv_heads: kv, head_dim: d, scale: 0.25, sparse, cache, act: Storage::F32 };
+    let mk = |sparse: Option<SparseSel>, cache| Kernel::Attention {
+        heads,
+        kv_heads: kv,
+        head_dim: d,
+        scale: 0.25,
+        sparse,
+        cache,
+        act: Storage::F32,
+    };
     let kernels = [mk(None, Storage::F32), mk(None, Storage::Bf16), mk(Some(sel), Storage::F32), mk(Some(sel), Storage::Bf16)];
     let lib = build(&kernels, dir.path());
     let rows = 3;
@@ -352,16 +366,46 @@ fn attention_over_bf16_caches_equals_f32_attention_over_the_rounded_values() {
             let o = vec![0f32; rows * heads * d];
             unsafe {
                 if sparse {
-                    type F<T> = unsafe extern "C" fn(*const Memref2<f32>, *const Memref2<T>, *const Memref2<T>, *const Memref1<i64>, *const Memref2<f32>, *const Memref2<T>, *const Memref2<f32>);
+                    type F<T> = unsafe extern "C" fn(
+                        *const Memref2<f32>,
+                        *const Memref2<T>,
+                        *const Memref2<T>,
+                        *const Memref1<i64>,
+                        *const Memref2<f32>,
+                        *const Memref2<T>,
+                        *const Memref2<f32>,
+                    );
                     if bf {
                         let f: libloading::Symbol<F<u16>> = lib.get(format!("_mlir_ciface_{}", k.symbol()).as_bytes()).unwrap();
-                        f(&m2(&q, rows, heads * d), &m2(&kb, cap, kv * d), &m2(&vb, cap, kv * d), &m1(&pos), &m2(&iq, rows, 32), &m2(&ib, cap, 16), &m2(&o, rows, heads * d));
+                        f(
+                            &m2(&q, rows, heads * d),
+                            &m2(&kb, cap, kv * d),
+                            &m2(&vb, cap, kv * d),
+                            &m1(&pos),
+                            &m2(&iq, rows, 32),
+                            &m2(&ib, cap, 16),
+                            &m2(&o, rows, heads * d),
+                        );
                     } else {
                         let f: libloading::Symbol<F<f32>> = lib.get(format!("_mlir_ciface_{}", k.symbol()).as_bytes()).unwrap();
-                        f(&m2(&q, rows, heads * d), &m2(&kf, cap, kv * d), &m2(&vf, cap, kv * d), &m1(&pos), &m2(&iq, rows, 32), &m2(&ifl, cap, 16), &m2(&o, rows, heads * d));
+                        f(
+                            &m2(&q, rows, heads * d),
+                            &m2(&kf, cap, kv * d),
+                            &m2(&vf, cap, kv * d),
+                            &m1(&pos),
+                            &m2(&iq, rows, 32),
+                            &m2(&ifl, cap, 16),
+                            &m2(&o, rows, heads * d),
+                        );
                     }
                 } else {
-                    type F<T> = unsafe extern "C" fn(*const Memref2<f32>, *const Memref2<T>, *const Memref2<T>, *const Memref1<i64>, *const Memref2<f32>);
+                    type F<T> = unsafe extern "C" fn(
+                        *const Memref2<f32>,
+                        *const Memref2<T>,
+                        *const Memref2<T>,
+                        *const Memref1<i64>,
+                        *const Memref2<f32>,
+                    );
                     if bf {
                         let f: libloading::Symbol<F<u16>> = lib.get(format!("_mlir_ciface_{}", k.symbol()).as_bytes()).unwrap();
                         f(&m2(&q, rows, heads * d), &m2(&kb, cap, kv * d), &m2(&vb, cap, kv * d), &m1(&pos), &m2(&o, rows, heads * d));
@@ -419,14 +463,24 @@ fn bf16_activation_kernels_round_their_f32_twins_once() {
     let (f, b) = (Storage::F32, Storage::Bf16);
     let sel = m3c_kernels::SparseSel { index_heads: 2, index_dim: 16, block: 2, topk: 2, local: 1, init: 0 };
     let twins = |mk: &dyn Fn(Storage) -> Kernel| [mk(f), mk(b)];
-    let lin = |weight, out_act: Option<Storage>| move |a: Storage| Kernel::Linear { inp: 192, out: 128, weight, act: a, out_act: out_act.unwrap_or(a) };
+    let lin = |weight, out_act: Option<Storage>| {
+        move |a: Storage| Kernel::Linear { inp: 192, out: 128, weight, act: a, out_act: out_act.unwrap_or(a) }
+    };
     let kernels: Vec<[Kernel; 2]> = vec![
         twins(&lin(WeightType::BF16, None)),
         twins(&lin(WeightType::Mxfp8 { block: 32 }, None)),
         twins(&lin(WeightType::Mxfp8 { block: 16 }, None)),
         twins(&lin(WeightType::BF16, Some(f))),
         twins(&|a| Kernel::RmsNorm { width: 128, eps: 1e-6, weight: WeightType::BF16, act: a }),
-        twins(&|a| Kernel::HeadNormRope { heads: 4, head_dim: 32, rotary_dim: 16, theta: 5e6, eps: 1e-6, weight: WeightType::BF16, act: a }),
+        twins(&|a| Kernel::HeadNormRope {
+            heads: 4,
+            head_dim: 32,
+            rotary_dim: 16,
+            theta: 5e6,
+            eps: 1e-6,
+            weight: WeightType::BF16,
+            act: a,
+        }),
         twins(&|a| Kernel::SwiGluOai { width: 128, alpha: 1.702, limit: 7.0, beta: 1.0, act: a }),
         twins(&|a| Kernel::Add { width: 128, act: a }),
         twins(&|a| Kernel::Router { width: 128, experts: 8, top_k: 2, scale: 2.5, weight: WeightType::BF16, bias: None, act: a }),
@@ -465,10 +519,13 @@ fn bf16_activation_kernels_round_their_f32_twins_once() {
                     };
                     let (args_f, args_b): (Vec<*const std::ffi::c_void>, Vec<*const std::ffi::c_void>);
                     let (xf, xb) = (m2(&x192, rows, 192), m2(&x192b, rows, 192));
-                    let (w8m, s) = (m2(&w8, 128, 192), match weight {
-                        WeightType::Mxfp8 { block: 16 } => m2(&s16, 128, 12),
-                        _ => m2(&s32, 128, 6),
-                    });
+                    let (w8m, s) = (
+                        m2(&w8, 128, 192),
+                        match weight {
+                            WeightType::Mxfp8 { block: 16 } => m2(&s16, 128, 12),
+                            _ => m2(&s32, 128, 6),
+                        },
+                    );
                     let (yfm, ybm, y32m) = (m2(&yf, rows, 128), m2(&ybf, rows, 128), m2(&y32, rows, 128));
                     let yb_out = if *out_act == f && kb.symbol().contains("_yf32") { p(&y32m) } else { p(&ybm) };
                     if let WeightType::BF16 = weight {
@@ -531,7 +588,8 @@ fn bf16_activation_kernels_round_their_f32_twins_once() {
         };
         assert!(want.iter().any(|v| v.abs() > 0.05), "{kf}: the test must see real values");
         let f32_out = matches!(kf, Kernel::Router { .. }) || kb.symbol().contains("_yf32");
-        let expect: Vec<u32> = if f32_out { want.iter().map(|v| v.to_bits()).collect() } else { want.iter().map(|&v| bf16_nearest_even(v) as u32).collect() };
+        let expect: Vec<u32> =
+            if f32_out { want.iter().map(|v| v.to_bits()).collect() } else { want.iter().map(|&v| bf16_nearest_even(v) as u32).collect() };
         assert_eq!(got, expect, "{kb} is not its f32 twin rounded once");
         checked += 1;
     }

@@ -211,7 +211,10 @@ fn d03_plan_hosts_cannot_inject_shell_code() {
         let plan = dir.path().join("plan.yaml");
         std::fs::write(&plan, format!("version: 1\nstages:\n  - layers: \"0-7\"\n    host: {host}\n")).unwrap();
         let out = dir.path().join("out");
-        let o = m3c_in(dir.path(), &["compile", "--model", model.to_str().unwrap(), "--pp", "1", plan.to_str().unwrap(), "-o", out.to_str().unwrap()]);
+        let o = m3c_in(
+            dir.path(),
+            &["compile", "--model", model.to_str().unwrap(), "--pp", "1", plan.to_str().unwrap(), "-o", out.to_str().unwrap()],
+        );
         assert_clean_failure(&o, host);
         assert!(stderr(&o).contains("plan.yaml:4:11") && stderr(&o).contains("`host` must be a host name"), "{host}: {}", stderr(&o));
         assert!(!out.exists() && !dir.path().join("PWNED").exists());
@@ -232,7 +235,8 @@ fn d04_dump_replaces_only_regular_files() {
     let out = shared_out(1);
     let model = fixture("tiny-m3");
     let dir = tempfile::tempdir().unwrap();
-    let run = |dump: &Path| m3c(&run_args(&out, &model, &["--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--dump", dump.to_str().unwrap()]));
+    let run =
+        |dump: &Path| m3c(&run_args(&out, &model, &["--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--dump", dump.to_str().unwrap()]));
     // A device (as root this would have become a regular file).
     let o = run(Path::new("/dev/full"));
     assert_clean_failure(&o, "/dev/full");
@@ -280,7 +284,8 @@ fn d04_dump_replaces_only_regular_files() {
     assert!(std::fs::metadata(&good).unwrap().len() > 100);
     assert_eq!(std::fs::read_to_string(dir.path().join("d.safetensors.partial")).unwrap(), "unrelated");
     assert_eq!(std::fs::read_to_string(dir.path().join("d.partial")).unwrap(), "unrelated");
-    let mut names: Vec<String> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    let mut names: Vec<String> =
+        std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     names.sort();
     assert_eq!(names, ["d.partial", "d.safetensors", "d.safetensors.partial", "link.safetensors", "target.txt", "x"]);
 }
@@ -296,7 +301,12 @@ fn d05_stages_reject_what_inspect_rejects() {
     let other = "language_model.model.layers.0.input_layernorm.weight";
     type Edit = Box<dyn Fn(&mut serde_json::Map<String, serde_json::Value>, &mut Vec<u8>)>;
     let cases: Vec<(&str, Edit, Option<&str>, &str)> = vec![
-        ("wrapping offsets", Box::new(|h, _| h[norm]["data_offsets"] = serde_json::json!([u64::MAX - 3, 252u64])), None, "does not fit its shape"),
+        (
+            "wrapping offsets",
+            Box::new(|h, _| h[norm]["data_offsets"] = serde_json::json!([u64::MAX - 3, 252u64])),
+            None,
+            "does not fit its shape",
+        ),
         (
             "overlapping ranges",
             Box::new(move |h, _| {
@@ -306,10 +316,20 @@ fn d05_stages_reject_what_inspect_rejects() {
             None,
             "overlaps",
         ),
-        ("a shard outside the folder", Box::new(|_, _| {}), Some(r#"{"weight_map": {"W": "../outside/evil.safetensors"}}"#), "inside the checkpoint folder"),
+        (
+            "a shard outside the folder",
+            Box::new(|_, _| {}),
+            Some(r#"{"weight_map": {"W": "../outside/evil.safetensors"}}"#),
+            "inside the checkpoint folder",
+        ),
         ("an absolute shard path", Box::new(|_, _| {}), Some(r#"{"weight_map": {"W": "/etc/passwd"}}"#), "inside the checkpoint folder"),
         ("a non-string entry", Box::new(|_, _| {}), Some(r#"{"weight_map": {"W": 7}}"#), "expected a shard file name"),
-        ("a duplicate entry", Box::new(|_, _| {}), Some(r#"{"weight_map": {"W": "model.safetensors", "W": "model.safetensors"}}"#), "twice"),
+        (
+            "a duplicate entry",
+            Box::new(|_, _| {}),
+            Some(r#"{"weight_map": {"W": "model.safetensors", "W": "model.safetensors"}}"#),
+            "twice",
+        ),
         ("no weight_map", Box::new(|_, _| {}), Some(r#"{"metadata": {}}"#), "weight_map"),
     ];
     for (i, (what, edit, index, expect)) in cases.into_iter().enumerate() {
@@ -437,7 +457,12 @@ fn d09_no_panics_on_numbers_or_closed_outputs() {
         assert!(stderr(&o).contains("--timeout-s") && !stderr(&o).contains("panicked"), "{}", stderr(&o));
     }
     // A closed pipe: ends like `cat` (SIGPIPE), not with a panic (101).
-    let mut child = Command::new(m3c_tests::m3c_bin()).args(["inspect", fixture("tiny-m3").to_str().unwrap(), "--graph"]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut child = Command::new(m3c_tests::m3c_bin())
+        .args(["inspect", fixture("tiny-m3").to_str().unwrap(), "--graph"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     let mut first = [0u8; 16];
     std::io::Read::read_exact(child.stdout.as_mut().unwrap(), &mut first).unwrap();
     drop(child.stdout.take());
@@ -446,7 +471,11 @@ fn d09_no_panics_on_numbers_or_closed_outputs() {
     assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
     // A full disk is an error that says so.
     let full = std::fs::File::create("/dev/full").unwrap();
-    let o = Command::new(m3c_tests::m3c_bin()).args(["inspect", fixture("tiny-m3").to_str().unwrap(), "--graph"]).stdout(full).output().unwrap();
+    let o = Command::new(m3c_tests::m3c_bin())
+        .args(["inspect", fixture("tiny-m3").to_str().unwrap(), "--graph"])
+        .stdout(full)
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     assert!(stderr(&o).contains("cannot write to standard output"), "{}", stderr(&o));
     // hidden_size 2^62 used to divide by zero in the kernel generator.
@@ -558,8 +587,14 @@ fn d12_byte_order_marks_are_accepted() {
 fn d13_config_bounds_name_the_key() {
     let dir = tempfile::tempdir().unwrap();
     for (key, edit) in [
-        ("hidden_size", Box::new(|t: &mut serde_json::Value| t["hidden_size"] = serde_json::json!(u64::MAX)) as Box<dyn Fn(&mut serde_json::Value)>),
-        ("sparse_topk_blocks", Box::new(|t: &mut serde_json::Value| t["sparse_attention_config"]["sparse_topk_blocks"] = serde_json::json!(u64::MAX))),
+        (
+            "hidden_size",
+            Box::new(|t: &mut serde_json::Value| t["hidden_size"] = serde_json::json!(u64::MAX)) as Box<dyn Fn(&mut serde_json::Value)>,
+        ),
+        (
+            "sparse_topk_blocks",
+            Box::new(|t: &mut serde_json::Value| t["sparse_attention_config"]["sparse_topk_blocks"] = serde_json::json!(u64::MAX)),
+        ),
         ("vocab_size", Box::new(|t: &mut serde_json::Value| t["vocab_size"] = serde_json::json!(1u64 << 40))),
         ("eos_token_id", Box::new(|t: &mut serde_json::Value| t["eos_token_id"] = serde_json::json!(100_000))),
     ] {
@@ -614,9 +649,19 @@ fn d16_ranks_with_different_arguments_refuse() {
     let out = shared_out(2);
     let model = fixture("tiny-m3");
     let app = |exe: &str, ids: &str, n: &str| -> Vec<String> {
-        vec![out.join(exe).display().to_string(), "--model".into(), model.display().to_string(), "--prompt-ids".into(), ids.into(), "--max-new-tokens".into(), n.into()]
+        vec![
+            out.join(exe).display().to_string(),
+            "--model".into(),
+            model.display().to_string(),
+            "--prompt-ids".into(),
+            ids.into(),
+            "--max-new-tokens".into(),
+            n.into(),
+        ]
     };
-    for (a, b) in [(app("stage-0", "1,2,3", "2"), app("stage-1", "1,2,4", "2")), (app("stage-0", "1,2,3", "2"), app("stage-1", "1,2,3", "5"))] {
+    for (a, b) in
+        [(app("stage-0", "1,2,3", "2"), app("stage-1", "1,2,4", "2")), (app("stage-0", "1,2,3", "2"), app("stage-1", "1,2,3", "5"))]
+    {
         let o = Command::new("mpirun")
             .args(["--oversubscribe", "-np", "1"])
             .args(&a)
@@ -644,10 +689,20 @@ fn d17_busy_stages_are_alive_and_stopped_ones_are_lost() {
     let out = compile(&model, 2, dir.path(), &[]);
     let prompt = ids_arg(&(0..2500).map(|i| i % 500).collect::<Vec<i64>>());
     let t0 = Instant::now();
-    let o = m3c_tests::m3c_env(&run_args(&out, &model, &["--prompt-ids", &prompt, "--max-new-tokens", "2", "--timeout-s", "1"]), &[("OMP_NUM_THREADS", "1")]);
+    let o = m3c_tests::m3c_env(
+        &run_args(&out, &model, &["--prompt-ids", &prompt, "--max-new-tokens", "2", "--timeout-s", "1"]),
+        &[("OMP_NUM_THREADS", "1")],
+    );
     assert!(o.status.success(), "a busy stage was declared dead:\n{}", stderr(&o));
-    let step_ms: f64 = stderr(&o).lines().filter_map(|l| l.split("prefill 1 step(s), mean ").nth(1)?.split(" ms").next()?.parse().ok()).fold(0.0, f64::max);
-    assert!(step_ms > 1000.0, "the prefill step took only {step_ms} ms, which proves nothing about a 1 s timeout ({:?} in all)", t0.elapsed());
+    let step_ms: f64 = stderr(&o)
+        .lines()
+        .filter_map(|l| l.split("prefill 1 step(s), mean ").nth(1)?.split(" ms").next()?.parse().ok())
+        .fold(0.0, f64::max);
+    assert!(
+        step_ms > 1000.0,
+        "the prefill step took only {step_ms} ms, which proves nothing about a 1 s timeout ({:?} in all)",
+        t0.elapsed()
+    );
     // SIGSTOP a stage mid-run: the others end the job within the timeout.
     let mut args = run_args(&out, &model, &["--max-new-tokens", "3000", "--timeout-s", "2"]);
     args.extend(["--prompt-ids", "1,2,3"]);
@@ -655,7 +710,10 @@ fn d17_busy_stages_are_alive_and_stopped_ones_are_lost() {
     let needle = out.join("stage-1").display().to_string();
     let t1 = Instant::now();
     let stage1 = loop {
-        let found: Vec<u32> = processes_with(&needle).into_iter().filter(|&p| std::fs::read_link(format!("/proc/{p}/exe")).map(|e| e.ends_with("stage-1")).unwrap_or(false)).collect();
+        let found: Vec<u32> = processes_with(&needle)
+            .into_iter()
+            .filter(|&p| std::fs::read_link(format!("/proc/{p}/exe")).map(|e| e.ends_with("stage-1")).unwrap_or(false))
+            .collect();
         if let Some(&p) = found.first() {
             break p;
         }

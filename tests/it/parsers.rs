@@ -130,10 +130,8 @@ fn tiny_config() -> m3c::config::ModelConfig {
 
 #[test]
 fn plan_yaml_never_panics_or_hangs() {
-    let seeds: Vec<Vec<u8>> = ["tiny-m3.pp2.yaml", "tiny-m3.pp4.yaml", "minimax-m3-mxfp8.pp4.yaml"]
-        .iter()
-        .map(|f| std::fs::read(configs(f)).unwrap())
-        .collect();
+    let seeds: Vec<Vec<u8>> =
+        ["tiny-m3.pp2.yaml", "tiny-m3.pp4.yaml", "minimax-m3-mxfp8.pp4.yaml"].iter().map(|f| std::fs::read(configs(f)).unwrap()).collect();
     let cfg = tiny_config();
     run("plan", 3000, seeded(seeds), |b| {
         if let Ok(p) = m3c::plan::parse_plan(Path::new("p.yaml"), &text(b), Some(&cfg)) {
@@ -171,7 +169,10 @@ fn config_json_never_panics_or_hangs() {
             let t = &c.text;
             let bounded = t.hidden_size <= 1 << 16 && t.vocab_size <= 1 << 22 && t.num_layers <= 1024 && t.max_position_embeddings >= 2;
             if !bounded || t.experts_per_token > t.num_experts {
-                return Err(format!("out-of-bounds config passed: hidden {}, vocab {}, layers {}", t.hidden_size, t.vocab_size, t.num_layers));
+                return Err(format!(
+                    "out-of-bounds config passed: hidden {}, vocab {}, layers {}",
+                    t.hidden_size, t.vocab_size, t.num_layers
+                ));
             }
             // The parameter count of any accepted config fits.
             let _ = m3c::inspect::model_stats(&c);
@@ -195,7 +196,8 @@ fn safetensors_headers_never_panic_and_values_tile_the_data() {
         let (h, len) = b.split_at(b.len() - 8);
         let len = u64::from_le_bytes(len.try_into().unwrap());
         if let Ok(ts) = parse_header(h, len) {
-            let mut ranges: Vec<(u64, u64, u64)> = ts.iter().map(|t| (t.start, t.end, t.shape.iter().product::<usize>() as u64 * t.dtype.size_bytes() as u64)).collect();
+            let mut ranges: Vec<(u64, u64, u64)> =
+                ts.iter().map(|t| (t.start, t.end, t.shape.iter().product::<usize>() as u64 * t.dtype.size_bytes() as u64)).collect();
             ranges.sort();
             let mut at = 0;
             for (s, e, bytes) in ranges {

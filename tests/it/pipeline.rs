@@ -14,7 +14,8 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 fn run_dump(out: &Path, model: &Path, prompts: &[&[i64]], n: usize, dump: &Path, extra: &[&str]) -> String {
     let n = n.to_string();
     let ids: Vec<String> = prompts.iter().map(|p| ids_arg(p)).collect();
-    let mut args = vec!["run", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--max-new-tokens", &n, "--dump", dump.to_str().unwrap()];
+    let mut args =
+        vec!["run", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--max-new-tokens", &n, "--dump", dump.to_str().unwrap()];
     args.extend_from_slice(extra);
     for i in &ids {
         args.push("--prompt-ids");
@@ -157,7 +158,16 @@ fn wrong_model_folder_missing_tensor_and_bad_ids_are_clear_errors() {
     assert!(e.contains("token id 900 is outside the vocabulary (0..512)"), "{e}");
     let e = run_fails(&["run", out, "--model", fixture("tiny-m3").to_str().unwrap(), "--prompt-ids", "1,2", "--max-new-tokens", "5000"]);
     assert!(e.contains("exceed the model's 4096 positions"), "{e}");
-    let e = run_fails(&["run", c._dir.path().to_str().unwrap(), "--model", fixture("tiny-m3").to_str().unwrap(), "--prompt-ids", "1", "--max-new-tokens", "2"]);
+    let e = run_fails(&[
+        "run",
+        c._dir.path().to_str().unwrap(),
+        "--model",
+        fixture("tiny-m3").to_str().unwrap(),
+        "--prompt-ids",
+        "1",
+        "--max-new-tokens",
+        "2",
+    ]);
     assert!(e.contains("not an m3c output folder"), "{e}");
 }
 
@@ -220,7 +230,18 @@ fn kernel_thread_count_does_not_change_results() {
     let mut dumps = Vec::new();
     for threads in ["1", "3"] {
         let dump = dir.path().join(format!("t{threads}.safetensors"));
-        let args = ["run", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--prompt-ids", &prompt, "--max-new-tokens", "4", "--dump", dump.to_str().unwrap()];
+        let args = [
+            "run",
+            out.to_str().unwrap(),
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt-ids",
+            &prompt,
+            "--max-new-tokens",
+            "4",
+            "--dump",
+            dump.to_str().unwrap(),
+        ];
         let o = m3c_env(&args, &[("OMP_NUM_THREADS", threads)]);
         assert!(o.status.success(), "{}", stderr(&o));
         assert!(stderr(&o).contains(&format!("{threads} kernel thread(s)")), "{}", stderr(&o));
@@ -257,7 +278,18 @@ fn a_silent_stage_times_out_instead_of_hanging() {
     let dir = tempfile::tempdir().unwrap();
     let out = compile(&model, 2, dir.path(), &[]);
     let t0 = std::time::Instant::now();
-    let args = ["run", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--timeout-s", "3"];
+    let args = [
+        "run",
+        out.to_str().unwrap(),
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt-ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "2",
+        "--timeout-s",
+        "3",
+    ];
     let o = m3c_env(&args, &[("M3C_TEST_STALL_STAGE", "1")]);
     assert!(!o.status.success());
     let e = stderr(&o);
@@ -287,17 +319,30 @@ fn bf16_kv_cache_stays_near_the_golden_and_pp_invariant() {
             let manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
             assert_eq!(manifest["kv_cache"], kv);
             let dump = d.join("dump.safetensors");
-            let o = m3c(&["run", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--prompt-ids", &ids_arg(&prompt), "--max-new-tokens", "4", "--dump", dump.to_str().unwrap()]);
+            let o = m3c(&[
+                "run",
+                out.to_str().unwrap(),
+                "--model",
+                model.to_str().unwrap(),
+                "--prompt-ids",
+                &ids_arg(&prompt),
+                "--max-new-tokens",
+                "4",
+                "--dump",
+                dump.to_str().unwrap(),
+            ]);
             assert!(o.status.success(), "{}", stderr(&o));
-            let mb: f64 = stderr(&o)
-                .lines()
-                .filter_map(|l| l.split("; caches ").nth(1)?.split(" MB").next()?.parse::<f64>().ok())
-                .sum();
+            let mb: f64 = stderr(&o).lines().filter_map(|l| l.split("; caches ").nth(1)?.split(" MB").next()?.parse::<f64>().ok()).sum();
             cache_mb.push(mb);
             dumps.push((dump, std::fs::read(d.join("dump.safetensors")).unwrap()));
         }
         assert!(dumps[0].1 == dumps[1].1, "{name}: bf16 KV at pp=2 differs from pp=1");
-        assert!(cache_mb[0] > 0.0 && cache_mb[0] < 0.6 * cache_mb[2], "{name}: caches {} MB (bf16) vs {} MB (f32)", cache_mb[0], cache_mb[2]);
+        assert!(
+            cache_mb[0] > 0.0 && cache_mb[0] < 0.6 * cache_mb[2],
+            "{name}: caches {} MB (bf16) vs {} MB (f32)",
+            cache_mb[0],
+            cache_mb[2]
+        );
         let (_, got) = read_tensor_f32(&dumps[0].0, "prefill_logits");
         let v = shape[1];
         let worst: Vec<f32> = (0..shape[0]).map(|r| max_abs_diff(&got[r * v..(r + 1) * v], &want[r * v..(r + 1) * v])).collect();
@@ -332,7 +377,18 @@ fn bf16_activations_stay_near_the_golden_and_pp_invariant() {
             let manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
             assert_eq!(manifest["activations"], "bf16");
             let dump = d.join("dump.safetensors");
-            let o = m3c(&["run", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--prompt-ids", &ids_arg(&prompt), "--max-new-tokens", "4", "--dump", dump.to_str().unwrap()]);
+            let o = m3c(&[
+                "run",
+                out.to_str().unwrap(),
+                "--model",
+                model.to_str().unwrap(),
+                "--prompt-ids",
+                &ids_arg(&prompt),
+                "--max-new-tokens",
+                "4",
+                "--dump",
+                dump.to_str().unwrap(),
+            ]);
             assert!(o.status.success(), "{}", stderr(&o));
             dumps.push((dump.clone(), std::fs::read(&dump).unwrap()));
         }

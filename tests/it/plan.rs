@@ -23,7 +23,12 @@ fn valid_plan_with_defaults() {
     assert!(p.stages[0].embedding && !p.stages[0].lm_head);
     assert!(p.stages[1].final_norm && p.stages[1].lm_head && !p.stages[1].embedding);
     // A stage may hold only the head.
-    let p = parse_plan(Path::new("p.yaml"), "target: cuda\nstages:\n  - layers: 0-7\n    device: 0\n  - lm_head: true\n    device: 1\n", Some(&tiny())).unwrap();
+    let p = parse_plan(
+        Path::new("p.yaml"),
+        "target: cuda\nstages:\n  - layers: 0-7\n    device: 0\n  - lm_head: true\n    device: 1\n",
+        Some(&tiny()),
+    )
+    .unwrap();
     assert_eq!(p.target, Target::Cuda { arch: "sm_90a".into() });
     assert!(p.stages[1].final_norm && p.stages[1].layers.is_none());
 }
@@ -44,8 +49,14 @@ fn plan_errors_point_at_line_and_column() {
         ("stages:\n  - layers: [0, 7]\n", "p.yaml:2:13: `layers` must be a layer number or an inclusive range"),
         ("stages:\n  - layers: 0-3\n  - layers: 4-7\n    embedding: true\n", "p.yaml:4:5: the embedding must be on the first stage"),
         ("stages:\n  - layers: 0-3\n    lm_head: true\n  - layers: 4-7\n", "p.yaml:3:5: the lm_head must be on the last stage (stage 1)"),
-        ("stages:\n  - layers: 0-3\n    final_norm: true\n  - layers: 4-7\n", "p.yaml:3:5: the final norm on stage 0 would run before layer 7 on stage 1"),
-        ("stages:\n  - layers: 0-3\n    lm_head: true\n  - layers: 4-7\n    lm_head: true\n", "p.yaml:5:5: `lm_head` is set on stages 0 and 1"),
+        (
+            "stages:\n  - layers: 0-3\n    final_norm: true\n  - layers: 4-7\n",
+            "p.yaml:3:5: the final norm on stage 0 would run before layer 7 on stage 1",
+        ),
+        (
+            "stages:\n  - layers: 0-3\n    lm_head: true\n  - layers: 4-7\n    lm_head: true\n",
+            "p.yaml:5:5: `lm_head` is set on stages 0 and 1",
+        ),
         ("stages: []\n", "p.yaml:1:9: `stages` is empty"),
         ("version: 2\nstages:\n  - layers: 0-7\n", "p.yaml:1:10: unsupported plan version 2"),
         ("stages:\n  - layers: 0-3\n   bad indent\n", "p.yaml:3:"),
@@ -66,7 +77,13 @@ fn stage_count_must_match_pp() {
 
 #[test]
 fn shipped_plans_validate() {
-    for (plan, stages) in [("tiny-m3.pp2.yaml", 2), ("tiny-m3.pp4.yaml", 4), ("minimax-m3-mxfp8.pp4.yaml", 4), ("minimax-m3-mxfp8.pp8.yaml", 8), ("minimax-m3.pp8.yaml", 8)] {
+    for (plan, stages) in [
+        ("tiny-m3.pp2.yaml", 2),
+        ("tiny-m3.pp4.yaml", 4),
+        ("minimax-m3-mxfp8.pp4.yaml", 4),
+        ("minimax-m3-mxfp8.pp8.yaml", 8),
+        ("minimax-m3.pp8.yaml", 8),
+    ] {
         let out = m3c(&["plan", "--check", configs(plan).to_str().unwrap(), "--pp", &stages.to_string()]);
         assert!(out.status.success(), "{plan}: {}", stderr(&out));
         assert!(stdout(&out).contains(&format!("valid plan, {stages} stages")), "{plan}");

@@ -110,7 +110,10 @@ fn all_binding_problems_are_reported_at_once() {
     assert!(p.iter().any(|x| matches!(x, BindProblem::Dtype { found, .. } if found == "i32")));
     let text = report.to_string();
     assert!(text.contains("1 missing, 1 unexpected, 2 mismatched"), "{text}");
-    assert!(text.contains("model.safetensors: tensor `language_model.model.layers.2.self_attn.q_norm.weight` has shape [16], expected [32]"), "{text}");
+    assert!(
+        text.contains("model.safetensors: tensor `language_model.model.layers.2.self_attn.q_norm.weight` has shape [16], expected [32]"),
+        "{text}"
+    );
 }
 
 #[test]

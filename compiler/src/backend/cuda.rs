@@ -28,7 +28,8 @@ pub fn pipeline(arch: &str) -> String {
 
 /// Where libdevice (and ptxas) come from: `$CUDA_ROOT`, else `/usr/local/cuda`.
 pub fn cuda_root() -> Result<PathBuf, BackendError> {
-    let candidates: Vec<PathBuf> = std::env::var_os("CUDA_ROOT").map(PathBuf::from).into_iter().chain([PathBuf::from("/usr/local/cuda")]).collect();
+    let candidates: Vec<PathBuf> =
+        std::env::var_os("CUDA_ROOT").map(PathBuf::from).into_iter().chain([PathBuf::from("/usr/local/cuda")]).collect();
     for c in &candidates {
         if c.join("nvvm/libdevice/libdevice.10.bc").is_file() {
             return Ok(c.clone());
@@ -59,7 +60,8 @@ pub fn compile(mlir: &str, arch: &str) -> Result<CudaArtifacts, BackendError> {
         let _ = std::fs::write(Path::new(&d).join("cuda-in.mlir"), mlir);
     }
     let context = super::host::context();
-    let mut module = Module::parse(&context, mlir).ok_or_else(|| BackendError::Parse { head: mlir.lines().take(12).collect::<Vec<_>>().join("\n") })?;
+    let mut module =
+        Module::parse(&context, mlir).ok_or_else(|| BackendError::Parse { head: mlir.lines().take(12).collect::<Vec<_>>().join("\n") })?;
     let pipeline = pipeline(arch);
     let pm = PassManager::new(&context);
     pm.enable_verifier(true);

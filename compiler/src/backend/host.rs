@@ -101,9 +101,7 @@ fn object(module: &Module, cpu: &str) -> Result<HostArtifacts, BackendError> {
     let llvm = inkwell::context::Context::create();
     // SAFETY: the LLVM context outlives the module made in it (both live to
     // the end of this function), and mlir-sys and inkwell link the same LLVM.
-    let raw = unsafe {
-        mlir_sys::mlirTranslateModuleToLLVMIR(module.as_operation().to_raw(), llvm.raw() as mlir_sys::LLVMContextRef)
-    };
+    let raw = unsafe { mlir_sys::mlirTranslateModuleToLLVMIR(module.as_operation().to_raw(), llvm.raw() as mlir_sys::LLVMContextRef) };
     if raw.is_null() {
         return Err(BackendError::Translate);
     }
@@ -116,9 +114,7 @@ fn object(module: &Module, cpu: &str) -> Result<HostArtifacts, BackendError> {
         .ok_or_else(|| BackendError::Codegen(format!("no target machine for {HOST_TRIPLE} / {cpu}")))?;
     llvm_module.set_data_layout(&machine.get_target_data().get_data_layout());
     let passes = inkwell::passes::PassBuilderOptions::create();
-    llvm_module
-        .run_passes("default<O3>", &machine, passes)
-        .map_err(|e| BackendError::Codegen(e.to_string()))?;
+    llvm_module.run_passes("default<O3>", &machine, passes).map_err(|e| BackendError::Codegen(e.to_string()))?;
     let llvm_ir = llvm_module.print_to_string().to_string();
     let object = machine
         .write_to_memory_buffer(&llvm_module, FileType::Object)

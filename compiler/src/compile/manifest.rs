@@ -48,7 +48,17 @@ pub struct StageEntry {
 
 impl Manifest {
     #[allow(clippy::too_many_arguments)]
-    pub fn new(cfg: &ModelConfig, config_sha: &str, plan_json: &str, runtime_sha: &str, compile_id: &str, cpu: &str, target: &str, kv_cache: &'static str, activations: &'static str) -> Manifest {
+    pub fn new(
+        cfg: &ModelConfig,
+        config_sha: &str,
+        plan_json: &str,
+        runtime_sha: &str,
+        compile_id: &str,
+        cpu: &str,
+        target: &str,
+        kv_cache: &'static str,
+        activations: &'static str,
+    ) -> Manifest {
         Manifest {
             format: "m3c-out/1",
             compiler: format!("m3c {}", env!("CARGO_PKG_VERSION")),

@@ -60,11 +60,15 @@ fn is_output_name(name: &str) -> bool {
 /// Refuses to replace `dir` unless it is provably an earlier m3c output:
 /// its manifest.json parses as m3c's and it holds only files m3c writes.
 pub fn check_replaceable_output(dir: &Path) -> Result<()> {
-    let refuse = |why: String| anyhow::anyhow!("{}: {why}; m3c replaces only an earlier m3c output (choose a new folder, or remove it first)", dir.display());
+    let refuse = |why: String| {
+        anyhow::anyhow!("{}: {why}; m3c replaces only an earlier m3c output (choose a new folder, or remove it first)", dir.display())
+    };
     let manifest = dir.join("manifest.json");
-    let text = m3c_contract::read_user_file(&manifest, "manifest", 64 << 20).map_err(|_| refuse("already exists, is not empty and has no m3c manifest.json".into()))?;
+    let text = m3c_contract::read_user_file(&manifest, "manifest", 64 << 20)
+        .map_err(|_| refuse("already exists, is not empty and has no m3c manifest.json".into()))?;
     let v: serde_json::Value = serde_json::from_str(&text).map_err(|_| refuse("its manifest.json is not m3c's".into()))?;
-    let ours = v["format"].as_str().is_some_and(|f| f.starts_with("m3c-out/")) && v["compiler"].as_str().is_some_and(|c| c.starts_with("m3c "));
+    let ours =
+        v["format"].as_str().is_some_and(|f| f.starts_with("m3c-out/")) && v["compiler"].as_str().is_some_and(|c| c.starts_with("m3c "));
     if !ours {
         return Err(refuse("its manifest.json is not m3c's".into()));
     }
@@ -87,7 +91,10 @@ pub fn check_out_path(out: &Path, model: &Path) -> Result<()> {
     let Ok(out_abs) = abs(out) else { return Ok(()) };
     if let Ok(cwd) = std::env::current_dir().and_then(|c| abs(&c)) {
         if cwd.starts_with(&out_abs) {
-            anyhow::bail!("-o {}: the current folder (or a folder above it) cannot be the output folder; name a new folder, such as `-o out`", out.display());
+            anyhow::bail!(
+                "-o {}: the current folder (or a folder above it) cannot be the output folder; name a new folder, such as `-o out`",
+                out.display()
+            );
         }
     }
     let model_dir = if model.is_dir() { model.to_path_buf() } else { model.parent().map(Path::to_path_buf).unwrap_or_default() };
@@ -105,12 +112,19 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
 
 /// The stage metadata embedded in each executable (read by runtime/src/meta.rs).
 #[allow(clippy::too_many_arguments)]
-fn stage_meta(p: &StageProgram, stages: usize, cfg: &ModelConfig, compile_id: &str, config_sha: &str, cpu: &str, target: &str, device: Option<usize>, act: m3c_kernels::Storage) -> String {
-    let tensors: Vec<serde_json::Value> = p
-        .tensors
-        .iter()
-        .map(|t| serde_json::json!({"name": t.name, "shape": t.shape, "dtype": t.dtype.safetensors_name()}))
-        .collect();
+fn stage_meta(
+    p: &StageProgram,
+    stages: usize,
+    cfg: &ModelConfig,
+    compile_id: &str,
+    config_sha: &str,
+    cpu: &str,
+    target: &str,
+    device: Option<usize>,
+    act: m3c_kernels::Storage,
+) -> String {
+    let tensors: Vec<serde_json::Value> =
+        p.tensors.iter().map(|t| serde_json::json!({"name": t.name, "shape": t.shape, "dtype": t.dtype.safetensors_name()})).collect();
     let caches: Vec<serde_json::Value> = p
         .caches
         .iter()
@@ -212,7 +226,8 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
     let cfg = req.config;
     let config_bytes = std::fs::read(&cfg.source).with_context(|| format!("cannot read {}", cfg.source.display()))?;
     let config_sha = sha256_hex(&config_bytes);
-    let runtime = std::fs::read(&req.runtime_lib).with_context(|| format!("cannot read the runtime library {}", req.runtime_lib.display()))?;
+    let runtime =
+        std::fs::read(&req.runtime_lib).with_context(|| format!("cannot read the runtime library {}", req.runtime_lib.display()))?;
     let runtime_sha = sha256_hex(&runtime);
     let mut plan = req.plan.clone();
     plan.model = None;
@@ -239,7 +254,8 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
     let compile_id: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
 
     let n = programs.len();
-    let mut manifest = Manifest::new(cfg, &config_sha, &plan_json, &runtime_sha, &compile_id, &req.cpu, &target_name, kv_cache, activations);
+    let mut manifest =
+        Manifest::new(cfg, &config_sha, &plan_json, &runtime_sha, &compile_id, &req.cpu, &target_name, kv_cache, activations);
     let mut report = String::new();
     crate::fsutil::write_dir_atomically(req.out, check_replaceable_output, |dir| {
         let work = dir.join(".obj");
@@ -250,7 +266,17 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
         let modules: Vec<String> = programs
             .iter()
             .map(|p| {
-                let meta = stage_meta(p, n, cfg, &compile_id, &config_sha, &req.cpu, &target_name, req.plan.stages[p.index].device, req.storages.activations);
+                let meta = stage_meta(
+                    p,
+                    n,
+                    cfg,
+                    &compile_id,
+                    &config_sha,
+                    &req.cpu,
+                    &target_name,
+                    req.plan.stages[p.index].device,
+                    req.storages.activations,
+                );
                 format!("{}{}}}\n", p.mlir.trim_end().strip_suffix('}').unwrap_or(&p.mlir), meta_globals(&meta))
             })
             .collect();
@@ -313,7 +339,11 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
             let bytes = std::fs::read(&exe)?;
             let mut entry = StageEntry::new(p, &name, &bytes, req.plan.stages[p.index].host.clone());
             if let Some(arch) = &cuda_arch {
-                entry.device_code = Some(if art.cubin.is_some() { format!("cubin {arch}") } else { format!("ptx {arch} (JIT-compiled by the driver at start-up)") });
+                entry.device_code = Some(if art.cubin.is_some() {
+                    format!("cubin {arch}")
+                } else {
+                    format!("ptx {arch} (JIT-compiled by the driver at start-up)")
+                });
             }
             manifest.stages.push(entry);
         }

@@ -35,8 +35,13 @@ pub fn parse_ptxas(text: &str) -> Vec<KernelFigures> {
                 k.spill_stores = num_before(line, "spill stores");
                 k.spill_loads = num_before(line, "spill loads");
             } else if line.contains("Used") && line.contains("registers") {
-                k.registers = line.split("Used ").nth(1).and_then(|s| s.split_whitespace().next()).and_then(|n| n.parse().ok()).unwrap_or(0);
-                k.shared = line.split(',').find(|p| p.contains("bytes smem")).and_then(|p| p.split_whitespace().find_map(|w| w.parse().ok())).unwrap_or(0);
+                k.registers =
+                    line.split("Used ").nth(1).and_then(|s| s.split_whitespace().next()).and_then(|n| n.parse().ok()).unwrap_or(0);
+                k.shared = line
+                    .split(',')
+                    .find(|p| p.contains("bytes smem"))
+                    .and_then(|p| p.split_whitespace().find_map(|w| w.parse().ok()))
+                    .unwrap_or(0);
             }
         }
     }
@@ -55,7 +60,10 @@ pub struct Assembled {
 pub fn assemble(stage: usize, ptx: &str, work: &Path) -> Result<Assembled> {
     let root = crate::backend::cuda::cuda_root()?;
     let Some(ptxas) = crate::backend::cuda::ptxas(&root) else {
-        return Ok(Assembled { cubin: None, report: format!("{stage:<6} (no ptxas in {}: PTX not assembled, no figures; the stage embeds PTX)\n", root.display()) });
+        return Ok(Assembled {
+            cubin: None,
+            report: format!("{stage:<6} (no ptxas in {}: PTX not assembled, no figures; the stage embeds PTX)\n", root.display()),
+        });
     };
     let file = work.join(format!("stage-{stage}.ptx"));
     std::fs::write(&file, ptx)?;
@@ -72,7 +80,11 @@ pub fn assemble(stage: usize, ptx: &str, work: &Path) -> Result<Assembled> {
     anyhow::ensure!(o.status.success(), "stage {stage}: ptxas rejected the generated PTX:\n{text}");
     let mut s = String::new();
     for k in parse_ptxas(&text) {
-        let _ = writeln!(s, "{stage:<6} {:<72} {:>5} {:>9} {:>7} {:>12} {:>11}", k.name, k.registers, k.shared, k.stack, k.spill_stores, k.spill_loads);
+        let _ = writeln!(
+            s,
+            "{stage:<6} {:<72} {:>5} {:>9} {:>7} {:>12} {:>11}",
+            k.name, k.registers, k.shared, k.stack, k.spill_stores, k.spill_loads
+        );
     }
     let cubin = std::fs::read(&cubin).with_context(|| format!("stage {stage}: ptxas wrote no {}", cubin.display()))?;
     Ok(Assembled { cubin: Some(cubin), report: s })

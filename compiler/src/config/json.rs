@@ -40,12 +40,7 @@ impl<'a> Obj<'a> {
     }
 
     pub fn invalid(&self, k: &str, expected: impl Into<String>, found: &Value) -> ConfigError {
-        ConfigError::Invalid {
-            file: self.file.to_path_buf(),
-            key: self.key(k),
-            expected: expected.into(),
-            found: short(found),
-        }
+        ConfigError::Invalid { file: self.file.to_path_buf(), key: self.key(k), expected: expected.into(), found: short(found) }
     }
 
     pub fn missing(&self, k: &str, expected: impl Into<String>) -> ConfigError {
@@ -86,9 +81,7 @@ impl<'a> Obj<'a> {
 
     pub fn uint(&self, k: &str) -> Result<usize, ConfigError> {
         let v = self.get(k, "a non-negative integer")?;
-        v.as_u64()
-            .and_then(|n| usize::try_from(n).ok())
-            .ok_or_else(|| self.invalid(k, "a non-negative integer", v))
+        v.as_u64().and_then(|n| usize::try_from(n).ok()).ok_or_else(|| self.invalid(k, "a non-negative integer", v))
     }
 
     pub fn opt_uint(&self, k: &str) -> Result<Option<usize>, ConfigError> {
@@ -179,9 +172,7 @@ impl<'a> Obj<'a> {
     pub fn string_list(&self, k: &str) -> Result<Vec<String>, ConfigError> {
         let v = self.get(k, "a list of strings")?;
         let list = v.as_array().ok_or_else(|| self.invalid(k, "a list of strings", v))?;
-        list.iter()
-            .map(|e| e.as_str().map(str::to_string).ok_or_else(|| self.invalid(k, "a list of strings", v)))
-            .collect()
+        list.iter().map(|e| e.as_str().map(str::to_string).ok_or_else(|| self.invalid(k, "a list of strings", v))).collect()
     }
 }
 

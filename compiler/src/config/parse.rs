@@ -58,8 +58,7 @@ pub fn load_config(path: &Path) -> Result<ModelConfig, ConfigError> {
 /// Parses and validates config.json text; `path` is used in messages.
 pub fn parse_config(path: &Path, text: &str) -> Result<ModelConfig, ConfigError> {
     let text = m3c_contract::input::strip_bom(text);
-    let value: Value =
-        serde_json::from_str(text).map_err(|err| ConfigError::Json { file: path.to_path_buf(), err })?;
+    let value: Value = serde_json::from_str(text).map_err(|err| ConfigError::Json { file: path.to_path_buf(), err })?;
     let root = Obj::root(path, &value)?;
     let architecture = architecture(&root)?;
     let is_vl = VL_ARCHITECTURES.contains(&architecture.as_str());
@@ -113,12 +112,7 @@ fn parse_text(t: &Obj) -> Result<TextConfig, ConfigError> {
     let num_layers = size(t, "num_hidden_layers", bounds::LAYERS)?;
     let num_heads = size(t, "num_attention_heads", bounds::HEADS)?;
     let num_kv_heads = size(t, "num_key_value_heads", bounds::HEADS)?;
-    check(
-        num_heads % num_kv_heads == 0,
-        t,
-        "num_key_value_heads",
-        &format!("a divisor of num_attention_heads = {num_heads}"),
-    )?;
+    check(num_heads % num_kv_heads == 0, t, "num_key_value_heads", &format!("a divisor of num_attention_heads = {num_heads}"))?;
     let head_dim = match opt_size(t, "head_dim", bounds::HEAD_DIM)? {
         Some(d) => d,
         None => {
@@ -161,7 +155,12 @@ fn parse_text(t: &Obj) -> Result<TextConfig, ConfigError> {
         }
         (Some(r), None) => r,
         (None, Some(f)) => {
-            check(f.fract() == 0.0 && f > 0.0 && f <= head_dim as f64, t, "partial_rotary_factor", "a factor giving a whole number of channels")?;
+            check(
+                f.fract() == 0.0 && f > 0.0 && f <= head_dim as f64,
+                t,
+                "partial_rotary_factor",
+                "a factor giving a whole number of channels",
+            )?;
             f as usize
         }
         (None, None) => head_dim,
@@ -175,12 +174,7 @@ fn parse_text(t: &Obj) -> Result<TextConfig, ConfigError> {
 
     let num_experts = size(t, "num_local_experts", bounds::EXPERTS)?;
     let experts_per_token = size(t, "num_experts_per_tok", bounds::EXPERTS_PER_TOKEN)?;
-    check(
-        experts_per_token <= num_experts,
-        t,
-        "num_experts_per_tok",
-        &format!("at most num_local_experts = {num_experts}"),
-    )?;
+    check(experts_per_token <= num_experts, t, "num_experts_per_tok", &format!("at most num_local_experts = {num_experts}"))?;
     // Every expert of every layer is a tensor of its own: bound their count.
     check(
         num_experts * num_layers <= bounds::EXPERT_TENSORS,
@@ -194,7 +188,12 @@ fn parse_text(t: &Obj) -> Result<TextConfig, ConfigError> {
         Some(s) => s,
         None => {
             let s = expert_intermediate_size * num_shared_experts;
-            check(s <= bounds::INTERMEDIATE, t, "n_shared_experts", &format!("few enough that n_shared_experts × intermediate_size ≤ {}", bounds::INTERMEDIATE))?;
+            check(
+                s <= bounds::INTERMEDIATE,
+                t,
+                "n_shared_experts",
+                &format!("few enough that n_shared_experts × intermediate_size ≤ {}", bounds::INTERMEDIATE),
+            )?;
             s
         }
     };
@@ -243,7 +242,12 @@ fn parse_text(t: &Obj) -> Result<TextConfig, ConfigError> {
         vocab_size,
         max_position_embeddings: match t.opt_uint("max_position_embeddings")? {
             Some(n) => {
-                check(n >= 2 && n <= bounds::POSITIONS, t, "max_position_embeddings", &format!("an integer from 2 (a prompt token and one generated) to {}", bounds::POSITIONS))?;
+                check(
+                    n >= 2 && n <= bounds::POSITIONS,
+                    t,
+                    "max_position_embeddings",
+                    &format!("an integer from 2 (a prompt token and one generated) to {}", bounds::POSITIONS),
+                )?;
                 n
             }
             None => 4096,
@@ -295,12 +299,7 @@ fn parse_sparse(
         &format!("num_key_value_heads = {num_kv_heads} (one index head per KV group)"),
     )?;
     let index_dim = size(s, "sparse_index_dim", bounds::HEAD_DIM)?;
-    check(
-        index_dim == head_dim,
-        s,
-        "sparse_index_dim",
-        &format!("head_dim = {head_dim} (the indexer reuses the main RoPE table)"),
-    )?;
+    check(index_dim == head_dim, s, "sparse_index_dim", &format!("head_dim = {head_dim} (the indexer reuses the main RoPE table)"))?;
     s.one_of("sparse_score_type", &["max"])?;
     let block_size = size(s, "sparse_block_size", bounds::BLOCK)?;
     let topk_blocks = size(s, "sparse_topk_blocks", bounds::BLOCKS)?;
@@ -332,12 +331,7 @@ fn parse_vision(root: &Obj, text: &TextConfig) -> Result<VisionConfig, ConfigErr
     let v = root.obj("vision_config")?;
     let hidden_size = size(&v, "hidden_size", bounds::WIDTH)?;
     let num_heads = size(&v, "num_attention_heads", bounds::HEADS)?;
-    check(
-        hidden_size % num_heads == 0,
-        &v,
-        "num_attention_heads",
-        &format!("a divisor of vision hidden_size = {hidden_size}"),
-    )?;
+    check(hidden_size % num_heads == 0, &v, "num_attention_heads", &format!("a divisor of vision hidden_size = {hidden_size}"))?;
     v.one_of("hidden_act", &["gelu"])?;
     if root.has("projector_hidden_act") {
         root.one_of("projector_hidden_act", &["gelu"])?;

@@ -103,23 +103,14 @@ impl Builder<'_> {
                     ty(&[g, Dim::Tokens, Dim::Context], Elem::F32),
                     &[iq, ikc, pos],
                 );
-                let blocks = self.node(
-                    Op::BlockMaxScore { block: s.block_size },
-                    ty(&[g, Dim::Tokens, Dim::Blocks], Elem::F32),
-                    &[scores],
-                );
+                let blocks = self.node(Op::BlockMaxScore { block: s.block_size }, ty(&[g, Dim::Tokens, Dim::Blocks], Elem::F32), &[scores]);
                 let sel = self.node(
                     Op::TopKBlocks { k: s.topk_blocks, block: s.block_size, local: s.local_blocks, init: s.init_blocks },
                     ty(&[g, Dim::Tokens, Dim::Fixed(s.topk_blocks)], Elem::I32),
                     &[blocks, pos],
                 );
-                let op = Op::Attention {
-                    heads: t.num_heads,
-                    kv_heads: t.num_kv_heads,
-                    head_dim: d,
-                    scale,
-                    sparse_block: Some(s.block_size),
-                };
+                let op =
+                    Op::Attention { heads: t.num_heads, kv_heads: t.num_kv_heads, head_dim: d, scale, sparse_block: Some(s.block_size) };
                 self.node(op, ty(&attn_out, Elem::Act), &[q, kc, vc, pos, sel])
             }
         };

@@ -104,7 +104,16 @@ pub enum Op {
     /// weights times `scale`. Yields `[S, k]` weights and `[S, k]` expert ids.
     Router { weight: String, bias: Option<String>, experts: usize, top_k: usize, scale: f64 },
     /// `Σ_k w_k · Expert_{id_k}(h)` with SwiGLU-OAI experts `w1` (gate), `w3` (up), `w2` (down).
-    RoutedExperts { stem: String, experts: usize, hidden: usize, intermediate: usize, mxfp8_block: Option<usize>, alpha: f64, limit: f64, beta: f64 },
+    RoutedExperts {
+        stem: String,
+        experts: usize,
+        hidden: usize,
+        intermediate: usize,
+        mxfp8_block: Option<usize>,
+        alpha: f64,
+        limit: f64,
+        beta: f64,
+    },
     /// Per-token argmax of the logits (greedy sampling).
     Argmax,
 }

@@ -157,9 +157,13 @@ impl Emitter {
                 self.device_views.extend(call.device_views);
                 self.views.extend(call.host_views);
                 match kernel {
-                    m3c_kernels::Kernel::Linear { inp, out, weight: weight @ (m3c_kernels::WeightType::BF16 | m3c_kernels::WeightType::Mxfp8 { .. }), act, out_act }
-                        if !seq =>
-                    {
+                    m3c_kernels::Kernel::Linear {
+                        inp,
+                        out,
+                        weight: weight @ (m3c_kernels::WeightType::BF16 | m3c_kernels::WeightType::Mxfp8 { .. }),
+                        act,
+                        out_act,
+                    } if !seq => {
                         let gemm = self.cublas_gemm(&a, *inp, *out, *weight, *act, *out_act, &tag.to_string());
                         let _ = writeln!(
                             self.body,
@@ -197,7 +201,16 @@ impl Emitter {
     /// `--prefill-gemm cublas`), where the GEMM's reuse of each weight over
     /// many rows outweighs decoding it once.
     #[allow(clippy::too_many_arguments)]
-    fn cublas_gemm(&mut self, a: &[(String, String)], inp: usize, out: usize, weight: m3c_kernels::WeightType, act: Storage, out_act: Storage, tag: &str) -> String {
+    fn cublas_gemm(
+        &mut self,
+        a: &[(String, String)],
+        inp: usize,
+        out: usize,
+        weight: m3c_kernels::WeightType,
+        act: Storage,
+        out_act: Storage,
+        tag: &str,
+    ) -> String {
         let ptr = |name: &str, ty: &str, v: &str| {
             format!(
                 "{v}_ix = memref.extract_aligned_pointer_as_index {name} : {ty} -> index\n\

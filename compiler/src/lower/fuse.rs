@@ -14,7 +14,7 @@ use crate::config::ModelConfig;
 use crate::dtype::DType;
 use crate::graph::{CacheKind, Dim, ModelGraph, Op};
 use crate::model::{expected_tensors, Part, TensorSpec};
-use m3c_kernels::{expert_tensor_types, Storage, Kernel, MemTy, SparseSel, WeightType};
+use m3c_kernels::{expert_tensor_types, Kernel, MemTy, SparseSel, Storage, WeightType};
 use petgraph::graph::NodeIndex;
 use petgraph::Direction;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -247,10 +247,13 @@ impl Fuser<'_> {
     /// (The producer itself runs once over every row of the micro-batch.)
     fn write_cache(&mut self, buf: &Arg, slot: Option<(usize, Storage)>, width: usize, what: &str) {
         if let Some((slot, cache)) = slot {
-            self.call(Kernel::ScatterRows { width, cache, act: self.act }, vec![buf.clone(), Arg::Pos, Arg::Cache { slot, width, cache }], format!("{what} → cache"));
+            self.call(
+                Kernel::ScatterRows { width, cache, act: self.act },
+                vec![buf.clone(), Arg::Pos, Arg::Cache { slot, width, cache }],
+                format!("{what} → cache"),
+            );
         }
     }
-
 
     fn lower(&mut self, n: NodeIndex, what: String) -> Result<(), String> {
         let g = self.graph;
@@ -259,7 +262,12 @@ impl Fuser<'_> {
         let t = &self.cfg.text;
         let width = width_of(&node.ty.shape);
         match node.op.clone() {
-            Op::TokenIds | Op::Positions | Op::HeadRmsNorm { .. } | Op::IndexScores { .. } | Op::BlockMaxScore { .. } | Op::TopKBlocks { .. } => {}
+            Op::TokenIds
+            | Op::Positions
+            | Op::HeadRmsNorm { .. }
+            | Op::IndexScores { .. }
+            | Op::BlockMaxScore { .. }
+            | Op::TopKBlocks { .. } => {}
             Op::CacheAppend { .. } => {
                 if !self.vals.contains_key(&n) {
                     return Err(format!("{what}: cache append of a value not written into the cache"));
@@ -458,11 +466,8 @@ pub fn fuse_stage(cfg: &ModelConfig, graph: &ModelGraph, parts: &BTreeSet<Part>,
     }
     let input = if parts.contains(&Part::Embedding) { Boundary::TokenIds } else { Boundary::Hidden { width: hidden } };
     // The stage's result: the value that a later stage (or nobody) reads.
-    let output = if parts.contains(&Part::LmHead) {
-        Boundary::Logits { vocab: cfg.text.vocab_size }
-    } else {
-        Boundary::Hidden { width: hidden }
-    };
+    let output =
+        if parts.contains(&Part::LmHead) { Boundary::Logits { vocab: cfg.text.vocab_size } } else { Boundary::Hidden { width: hidden } };
     Ok(FusedStage {
         hidden,
         act: storages.activations,
@@ -544,4 +549,3 @@ pub fn part_label(p: Part) -> String {
         Part::Vision => "vision".into(),
     }
 }
-

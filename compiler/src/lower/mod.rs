@@ -94,7 +94,14 @@ pub(crate) fn cache_kind_name(k: CacheKind) -> &'static str {
 }
 
 /// Lowers stage `index` of a plan for `target`, storing caches and activations as `storages` says.
-pub fn lower_stage(cfg: &ModelConfig, graph: &ModelGraph, index: usize, stage: &StagePlan, target: &Target, storages: Storages) -> Result<StageProgram, LowerError> {
+pub fn lower_stage(
+    cfg: &ModelConfig,
+    graph: &ModelGraph,
+    index: usize,
+    stage: &StagePlan,
+    target: &Target,
+    storages: Storages,
+) -> Result<StageProgram, LowerError> {
     let parts = stage.parts();
     let fused = fuse_stage(cfg, graph, &parts, storages).map_err(|message| LowerError::Stage { stage: index, message })?;
     let mlir = match target {

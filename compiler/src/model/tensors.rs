@@ -102,14 +102,7 @@ impl Builder<'_> {
             Quantization::Mxfp8 { block, .. } => {
                 let scale_role = if let Role::Expert(e) = role { Role::Expert(e) } else { Role::Scale };
                 self.push(format!("{stem}.weight"), vec![out, inp], TypeRule::Fp8, DType::F8E4M3, part, role);
-                self.push(
-                    format!("{stem}.weight_scale_inv"),
-                    vec![out, inp / block],
-                    TypeRule::E8M0,
-                    DType::U8,
-                    part,
-                    scale_role,
-                );
+                self.push(format!("{stem}.weight_scale_inv"), vec![out, inp / block], TypeRule::E8M0, DType::U8, part, scale_role);
             }
             Quantization::None => self.float(format!("{stem}.weight"), vec![out, inp], part, role),
         }
@@ -157,14 +150,7 @@ pub fn expected_tensors(cfg: &ModelConfig) -> Vec<TensorSpec> {
                 // The router is stored in fp32 and is never quantized.
                 b.push(format!("{m}.gate.weight"), vec![t.num_experts, h], TypeRule::Float, DType::F32, part, Role::Router);
                 if t.use_routing_bias {
-                    b.push(
-                        format!("{m}.e_score_correction_bias"),
-                        vec![t.num_experts],
-                        TypeRule::Float,
-                        DType::F32,
-                        part,
-                        Role::Router,
-                    );
+                    b.push(format!("{m}.e_score_correction_bias"), vec![t.num_experts], TypeRule::Float, DType::F32, part, Role::Router);
                 }
                 let i = t.expert_intermediate_size;
                 for e in 0..t.num_experts {

@@ -89,7 +89,6 @@ impl PartCost {
     }
 }
 
-
 /// Expected number of distinct experts that `batch` tokens touch when each
 /// picks `k` of `e` experts (uniform routing).
 pub fn expected_experts(e: usize, k: usize, batch: usize) -> f64 {

@@ -233,7 +233,10 @@ pub fn valid_host(h: &str) -> bool {
     !h.is_empty()
         && h.len() <= 253
         && h.split('.').all(|label| {
-            !label.is_empty() && label.len() <= 63 && !label.starts_with('-') && label.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+            !label.is_empty()
+                && label.len() <= 63
+                && !label.starts_with('-')
+                && label.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
         })
 }
 
@@ -249,7 +252,12 @@ pub fn valid_arch(arch: &str) -> bool {
 pub fn plan_model(path: &Path) -> Result<Option<PathBuf>, PlanError> {
     let text = read_plan_text(path)?;
     if let Some(line) = too_deep(&text) {
-        return Err(PlanError::At { file: path.to_path_buf(), line, col: 1, message: format!("flow collections nested deeper than {MAX_FLOW_DEPTH} levels") });
+        return Err(PlanError::At {
+            file: path.to_path_buf(),
+            line,
+            col: 1,
+            message: format!("flow collections nested deeper than {MAX_FLOW_DEPTH} levels"),
+        });
     }
     let raw: RawPlan = from_yaml(path, &text)?;
     Ok(raw.model.map(|m| resolve(path, &m)))
@@ -296,10 +304,7 @@ fn parse_layers(ctx: &Ctx, path: &str, v: &serde_yaml::Value, num_layers: Option
     };
     if let Some(n) = num_layers {
         if range.last >= n {
-            return Err(ctx.value(
-                path,
-                format!("layer {} is out of range: the model has {n} layers (0-{})", range.last, n - 1),
-            ));
+            return Err(ctx.value(path, format!("layer {} is out of range: the model has {n} layers (0-{})", range.last, n - 1)));
         }
     }
     Ok(range)
@@ -314,7 +319,12 @@ fn show(v: &serde_yaml::Value) -> String {
 pub fn parse_plan(path: &Path, text: &str, cfg: Option<&ModelConfig>) -> Result<Plan, PlanError> {
     let text = m3c_contract::input::strip_bom(text);
     if let Some(line) = too_deep(text) {
-        return Err(PlanError::At { file: path.to_path_buf(), line, col: 1, message: format!("flow collections nested deeper than {MAX_FLOW_DEPTH} levels") });
+        return Err(PlanError::At {
+            file: path.to_path_buf(),
+            line,
+            col: 1,
+            message: format!("flow collections nested deeper than {MAX_FLOW_DEPTH} levels"),
+        });
     }
     let raw = from_yaml(path, text)?;
     let ctx = Ctx { file: path, loc: locate(text) };
@@ -356,7 +366,9 @@ pub fn parse_plan(path: &Path, text: &str, cfg: Option<&ModelConfig>) -> Result<
             }
         }
         if s.device.is_some() && target == Target::Host {
-            return Err(ctx.key(&format!("{p}.device"), format!("stage {i}: `device` applies to target cuda only; this plan's target is host")));
+            return Err(
+                ctx.key(&format!("{p}.device"), format!("stage {i}: `device` applies to target cuda only; this plan's target is host"))
+            );
         }
         stages.push(StagePlan {
             layers,
@@ -369,24 +381,34 @@ pub fn parse_plan(path: &Path, text: &str, cfg: Option<&ModelConfig>) -> Result<
     }
 
     // Non-layer parts: default first / last stage; exactly one place each.
-    let place = |key: &str, default: usize, stages: &mut Vec<StagePlan>, get: fn(&mut StagePlan) -> &mut bool| -> Result<usize, PlanError> {
-        let set: Vec<usize> = (0..n).filter(|&i| raw.stages[i].field(key) == Some(true)).collect();
-        match set.as_slice() {
-            [] => {
-                *get(&mut stages[default]) = true;
-                Ok(default)
+    let place =
+        |key: &str, default: usize, stages: &mut Vec<StagePlan>, get: fn(&mut StagePlan) -> &mut bool| -> Result<usize, PlanError> {
+            let set: Vec<usize> = (0..n).filter(|&i| raw.stages[i].field(key) == Some(true)).collect();
+            match set.as_slice() {
+                [] => {
+                    *get(&mut stages[default]) = true;
+                    Ok(default)
+                }
+                [one] => Ok(*one),
+                [_, second, ..] => Err(ctx.key(
+                    &format!("stages[{second}].{key}"),
+                    format!("`{key}` is set on stages {} and {second}: it lives on exactly one stage", set[0]),
+                )),
             }
-            [one] => Ok(*one),
-            [_, second, ..] => Err(ctx.key(&format!("stages[{second}].{key}"), format!("`{key}` is set on stages {} and {second}: it lives on exactly one stage", set[0]))),
-        }
-    };
+        };
     let emb = place("embedding", 0, &mut stages, |s| &mut s.embedding)?;
     if emb != 0 {
-        return Err(ctx.key(&format!("stages[{emb}].embedding"), format!("the embedding must be on the first stage (stage 0), where token ids enter the pipeline; found on stage {emb}")));
+        return Err(ctx.key(
+            &format!("stages[{emb}].embedding"),
+            format!("the embedding must be on the first stage (stage 0), where token ids enter the pipeline; found on stage {emb}"),
+        ));
     }
     let head = place("lm_head", n - 1, &mut stages, |s| &mut s.lm_head)?;
     if head != n - 1 {
-        return Err(ctx.key(&format!("stages[{head}].lm_head"), format!("the lm_head must be on the last stage (stage {}), which samples the next token; found on stage {head}", n - 1)));
+        return Err(ctx.key(
+            &format!("stages[{head}].lm_head"),
+            format!("the lm_head must be on the last stage (stage {}), which samples the next token; found on stage {head}", n - 1),
+        ));
     }
     let norm = place("final_norm", head, &mut stages, |s| &mut s.final_norm)?;
 
@@ -398,7 +420,13 @@ pub fn parse_plan(path: &Path, text: &str, cfg: Option<&ModelConfig>) -> Result<
         let path = format!("stages[{i}].layers");
         if r.first < next {
             let owner = stages[..i].iter().rposition(|p| p.layers.is_some_and(|q| q.last >= r.first)).unwrap_or(0);
-            return Err(ctx.value(&path, format!("stage {i}: layers {r} overlap stage {owner} (layers {}); each layer belongs to exactly one stage", stages[owner].layers.map(|x| x.to_string()).unwrap_or_default())));
+            return Err(ctx.value(
+                &path,
+                format!(
+                    "stage {i}: layers {r} overlap stage {owner} (layers {}); each layer belongs to exactly one stage",
+                    stages[owner].layers.map(|x| x.to_string()).unwrap_or_default()
+                ),
+            ));
         }
         if r.first > next {
             let gap = LayerRange { first: next, last: r.first - 1 };
@@ -415,11 +443,16 @@ pub fn parse_plan(path: &Path, text: &str, cfg: Option<&ModelConfig>) -> Result<
         }
     }
     if norm < last_layer_stage {
-        return Err(ctx.key(&format!("stages[{norm}].final_norm"), format!("the final norm on stage {norm} would run before layer {} on stage {last_layer_stage}", next.saturating_sub(1))));
+        return Err(ctx.key(
+            &format!("stages[{norm}].final_norm"),
+            format!("the final norm on stage {norm} would run before layer {} on stage {last_layer_stage}", next.saturating_sub(1)),
+        ));
     }
     for (i, s) in stages.iter().enumerate() {
         if s.parts().is_empty() {
-            return Err(ctx.value(&format!("stages[{i}]"), format!("stage {i} is empty: it holds no layers, embedding, final norm or lm_head")));
+            return Err(
+                ctx.value(&format!("stages[{i}]"), format!("stage {i} is empty: it holds no layers, embedding, final norm or lm_head"))
+            );
         }
     }
     Ok(Plan { model: raw.model.as_deref().map(|m| resolve(path, m)), target, stages })

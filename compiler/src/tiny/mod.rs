@@ -220,13 +220,17 @@ pub fn init_tiny(out: &Path, spec: &TinySpec) -> Result<()> {
         );
     }
     let tensors = tensors(spec, &cfg);
-    write_dir_atomically(out, |o| anyhow::bail!("{}: already exists and is not empty (choose a new folder, or remove it first)", o.display()), |tmp| {
-        std::fs::write(tmp.join("config.json"), &text)?;
-        let views: Vec<(&str, &Owned)> = tensors.iter().map(|t| (t.name.as_str(), t)).collect();
-        let mut meta = std::collections::HashMap::new();
-        meta.insert("format".to_string(), "pt".to_string());
-        let bytes = safetensors::serialize(views, Some(meta)).context("cannot encode model.safetensors")?;
-        std::fs::write(tmp.join("model.safetensors"), bytes)?;
-        Ok(())
-    })
+    write_dir_atomically(
+        out,
+        |o| anyhow::bail!("{}: already exists and is not empty (choose a new folder, or remove it first)", o.display()),
+        |tmp| {
+            std::fs::write(tmp.join("config.json"), &text)?;
+            let views: Vec<(&str, &Owned)> = tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+            let mut meta = std::collections::HashMap::new();
+            meta.insert("format".to_string(), "pt".to_string());
+            let bytes = safetensors::serialize(views, Some(meta)).context("cannot encode model.safetensors")?;
+            std::fs::write(tmp.join("model.safetensors"), bytes)?;
+            Ok(())
+        },
+    )
 }

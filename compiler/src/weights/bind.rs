@@ -108,7 +108,12 @@ pub fn bind<'a>(cfg: &ModelConfig, ck: &'a Checkpoint, parts: Option<&BTreeSet<P
         let file = ck.file_of(e).to_path_buf();
         let mut ok = true;
         if e.shape != spec.shape {
-            problems.push(BindProblem::Shape { name: spec.name.clone(), file: file.clone(), expected: spec.shape.clone(), found: e.shape.clone() });
+            problems.push(BindProblem::Shape {
+                name: spec.name.clone(),
+                file: file.clone(),
+                expected: spec.shape.clone(),
+                found: e.shape.clone(),
+            });
             ok = false;
         }
         if !spec.rule.accepts(e.dtype) {

@@ -48,7 +48,10 @@ impl Checkpoint {
             // read through the map lies inside it while the file is unchanged.
             let map = unsafe { Mmap::map(&file) }.map_err(|err| WeightsError::Io { file: path.clone(), err })?;
             if map.len() as u64 != size {
-                return Err(WeightsError::Header { file: path.clone(), message: format!("changed size while being read ({size} → {} bytes)", map.len()) });
+                return Err(WeightsError::Header {
+                    file: path.clone(),
+                    message: format!("changed size while being read ({size} → {} bytes)", map.len()),
+                });
             }
             shards.push(Shard { path: path.clone(), map });
         }
@@ -56,7 +59,13 @@ impl Checkpoint {
             .tensors
             .into_iter()
             .map(|(name, t)| {
-                let e = TensorEntry { name: name.clone(), dtype: t.dtype, shape: t.shape, shard: t.file, range: (t.start as usize, t.end as usize) };
+                let e = TensorEntry {
+                    name: name.clone(),
+                    dtype: t.dtype,
+                    shape: t.shape,
+                    shard: t.file,
+                    range: (t.start as usize, t.end as usize),
+                };
                 (name, e)
             })
             .collect();

@@ -81,7 +81,8 @@ pub fn parse_header(json: &[u8], data_len: u64) -> Result<Vec<HeaderTensor>, Hea
         }
         let obj = t.as_object().ok_or_else(|| bad(format!("`{name}`: expected an object with dtype, shape and data_offsets")))?;
         let dtype_name = obj.get("dtype").and_then(|d| d.as_str()).ok_or_else(|| bad(format!("`{name}`: no string `dtype`")))?;
-        let dtype = DType::from_safetensors_name(dtype_name).ok_or_else(|| HeaderProblem::Dtype { tensor: name.clone(), dtype: dtype_name.into() })?;
+        let dtype = DType::from_safetensors_name(dtype_name)
+            .ok_or_else(|| HeaderProblem::Dtype { tensor: name.clone(), dtype: dtype_name.into() })?;
         let shape: Vec<usize> = obj
             .get("shape")
             .and_then(|s| s.as_array())
@@ -157,10 +158,7 @@ pub fn read_header(path: &Path) -> Result<(u64, Vec<HeaderTensor>), CheckpointEr
 /// `..`), so an index can never point outside its checkpoint folder.
 pub fn parse_index(text: &str) -> Result<Vec<(String, String)>, String> {
     let root: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
-    let map = root
-        .as_object()
-        .and_then(|o| o.get("weight_map"))
-        .ok_or("missing object `weight_map` (tensor name → shard file)")?;
+    let map = root.as_object().and_then(|o| o.get("weight_map")).ok_or("missing object `weight_map` (tensor name → shard file)")?;
     // Read `weight_map` again with duplicates refused.
     let entries: UniqueMap = serde_json::from_value(map.clone()).map_err(|e| {
         let m = e.to_string();
@@ -235,7 +233,8 @@ impl CheckpointLayout {
     pub fn open(dir: &Path) -> Result<CheckpointLayout, CheckpointError> {
         let index = dir.join(INDEX_FILE);
         let single = dir.join(SINGLE_FILE);
-        let mut ck = CheckpointLayout { dir: dir.to_path_buf(), files: Vec::new(), file_sizes: Vec::new(), index: None, tensors: BTreeMap::new() };
+        let mut ck =
+            CheckpointLayout { dir: dir.to_path_buf(), files: Vec::new(), file_sizes: Vec::new(), index: None, tensors: BTreeMap::new() };
         if std::fs::symlink_metadata(&index).is_ok() {
             ck.open_sharded(&index)?;
         } else if std::fs::symlink_metadata(&single).is_ok() {
@@ -280,7 +279,14 @@ impl CheckpointLayout {
             if let Some(prev) = self.tensors.get(&t.name) {
                 return Err(CheckpointError::Duplicate { tensor: t.name, first: self.files[prev.file].clone(), second: path.into() });
             }
-            let loc = TensorLocation { name: t.name.clone(), dtype: t.dtype, shape: t.shape, file, start: data_start + t.start, end: data_start + t.end };
+            let loc = TensorLocation {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape,
+                file,
+                start: data_start + t.start,
+                end: data_start + t.end,
+            };
             self.tensors.insert(t.name, loc);
         }
         self.files.push(path.to_path_buf());
