@@ -332,6 +332,7 @@ fn str_ref(s: &str) -> MlirStringRef {
 }
 
 fn op_name(op: MlirOperation) -> String {
+    // SAFETY: `op`, `v`, `b` are handles into the module this interpreter owns and keeps alive; the MLIR C API calls only read them.
     unsafe {
         let id = mlirOperationGetName(op);
         let s = mlirIdentifierStr(id);
@@ -340,6 +341,7 @@ fn op_name(op: MlirOperation) -> String {
 }
 
 fn attr(op: MlirOperation, name: &str) -> Option<String> {
+    // SAFETY: `op`, `v`, `b` are handles into the module this interpreter owns and keeps alive; the MLIR C API calls only read them.
     unsafe {
         let mut a = mlirOperationGetInherentAttributeByName(op, str_ref(name));
         if a.ptr.is_null() {
@@ -356,6 +358,7 @@ fn attr(op: MlirOperation, name: &str) -> Option<String> {
 /// The sizes and element of a statically shaped memref value (workgroup
 /// buffers, `memref.alloca`).
 fn static_memref(v: MlirValue) -> Result<(Vec<i64>, Elem), String> {
+    // SAFETY: `op`, `v`, `b` are handles into the module this interpreter owns and keeps alive; the MLIR C API calls only read them.
     let t = unsafe { Type::from_raw(mlirValueGetType(v)) }.to_string();
     let dims = t.trim_start_matches("memref<").split(['>', ',']).next().unwrap_or("").to_string();
     let mut parts: Vec<&str> = dims.split('x').collect();
@@ -365,27 +368,33 @@ fn static_memref(v: MlirValue) -> Result<(Vec<i64>, Elem), String> {
 }
 
 fn value_ty(v: MlirValue) -> Result<Ty, String> {
+    // SAFETY: `op`, `v`, `b` are handles into the module this interpreter owns and keeps alive; the MLIR C API calls only read them.
     parse_ty(&unsafe { Type::from_raw(mlirValueGetType(v)) }.to_string())
 }
 
 fn operands(op: MlirOperation) -> Vec<MlirValue> {
+    // SAFETY: `op`, `v`, `b` are handles into the module this interpreter owns and keeps alive; the MLIR C API calls only read them.
     unsafe { (0..mlirOperationGetNumOperands(op)).map(|i| mlirOperationGetOperand(op, i)).collect() }
 }
 
 fn results(op: MlirOperation) -> Vec<MlirValue> {
+    // SAFETY: `op`, `v`, `b` are handles into the module this interpreter owns and keeps alive; the MLIR C API calls only read them.
     unsafe { (0..mlirOperationGetNumResults(op)).map(|i| mlirOperationGetResult(op, i)).collect() }
 }
 
 fn region_block(op: MlirOperation, i: isize) -> MlirBlock {
+    // SAFETY: `op`, `v`, `b` are handles into the module this interpreter owns and keeps alive; the MLIR C API calls only read them.
     unsafe { mlirRegionGetFirstBlock(mlirOperationGetRegion(op, i)) }
 }
 
 fn block_args(b: MlirBlock) -> Vec<MlirValue> {
+    // SAFETY: `op`, `v`, `b` are handles into the module this interpreter owns and keeps alive; the MLIR C API calls only read them.
     unsafe { (0..mlirBlockGetNumArguments(b)).map(|i| mlirBlockGetArgument(b, i)).collect() }
 }
 
 fn block_ops(b: MlirBlock) -> Vec<MlirOperation> {
     let mut out = Vec::new();
+    // SAFETY: `op`, `v`, `b` are handles into the module this interpreter owns and keeps alive; the MLIR C API calls only read them.
     unsafe {
         let mut op = mlirBlockGetFirstOperation(b);
         while !op.ptr.is_null() {
@@ -467,6 +476,7 @@ impl Gpu {
                 }
                 continue;
             }
+            // SAFETY: `op`, `v`, `b` are handles into the module this interpreter owns and keeps alive; the MLIR C API calls only read them.
             unsafe {
                 for r in 0..mlirOperationGetNumRegions(op) {
                     let mut b = mlirRegionGetFirstBlock(mlirOperationGetRegion(op, r));
@@ -1159,6 +1169,7 @@ impl Frame<'_> {
                 let then_m: Vec<bool> = (0..t).map(|th| mask[th] && c[th] & 1 != 0).collect();
                 let else_m: Vec<bool> = (0..t).map(|th| mask[th] && c[th] & 1 == 0).collect();
                 let a = if then_m.iter().any(|&m| m) { Some(self.block(region_block(op, 0), &then_m)?) } else { None };
+                // SAFETY: `op`, `v`, `b` are handles into the module this interpreter owns and keeps alive; the MLIR C API calls only read them.
                 let has_else = unsafe { !mlirRegionGetFirstBlock(mlirOperationGetRegion(op, 1)).ptr.is_null() };
                 let b = if has_else && else_m.iter().any(|&m| m) { Some(self.block(region_block(op, 1), &else_m)?) } else { None };
                 for (k, r) in res.iter().enumerate() {

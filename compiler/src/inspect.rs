@@ -204,7 +204,7 @@ pub fn check_values(ck: &Checkpoint) -> Vec<BadValues> {
                 })
             }
             DType::F8E4M3 => bytes.iter().enumerate().for_each(|(i, &b)| see(i, b & 0x7F == 0x7F, false)),
-            DType::U8 if e.name.ends_with("weight_scale_inv") => bytes.iter().enumerate().for_each(|(i, &b)| see(i, b == 0xFF, false)),
+            DType::U8 if crate::model::names::is_scales(&e.name) => bytes.iter().enumerate().for_each(|(i, &b)| see(i, b == 0xFF, false)),
             DType::F64 => bytes.chunks_exact(8).enumerate().for_each(|(i, c)| {
                 let v = f64::from_le_bytes(c.try_into().unwrap_or([0; 8]));
                 see(i, v.is_nan(), v.is_infinite())

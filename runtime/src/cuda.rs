@@ -57,6 +57,7 @@ fn checked(what: &str, r: cu::CUresult) -> Result<(), String> {
         Ok(())
     } else {
         let mut p: *const c_char = std::ptr::null();
+        // SAFETY: cuGetErrorString writes a pointer to a static string, or leaves null.
         unsafe { cu::cuGetErrorString(r, &mut p) };
         let msg = if p.is_null() { format!("{r:?}") } else { unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned() };
         Err(format!("{what}: {msg}"))
@@ -108,6 +109,7 @@ impl Device {
                         run it on a GPU machine, or compile with --target host"
                 .into());
         }
+        // SAFETY: driver calls in their documented order (init, device, primary context, stream); every out-pointer is a live local, and the images were registered by the stage's static constructors and stay alive for the process.
         unsafe {
             checked("cuInit", cu::cuInit(0))?;
             let mut count = 0;
@@ -148,6 +150,7 @@ impl Device {
     /// Copies `bytes` from the host into new device memory.
     pub fn upload(&self, bytes: &[u8]) -> Result<u64, String> {
         let mut d = 0;
+        // SAFETY: `d` receives a new allocation of at least `bytes.len()` bytes, which the copy fills from a live slice of that length.
         unsafe {
             checked("cuMemAlloc", cu::cuMemAlloc_v2(&mut d, bytes.len().max(1)))?;
             if !bytes.is_empty() {
@@ -160,6 +163,7 @@ impl Device {
     /// Zeroed device memory of `bytes`.
     pub fn zeros(&self, bytes: usize) -> Result<u64, String> {
         let mut d = 0;
+        // SAFETY: `d` receives a new allocation of `bytes.max(1)` bytes, all of which the memset writes.
         unsafe {
             checked("cuMemAlloc", cu::cuMemAlloc_v2(&mut d, bytes.max(1)))?;
             checked("cuMemsetD8", cu::cuMemsetD8_v2(d, 0, bytes.max(1)))?;
@@ -171,6 +175,7 @@ impl Device {
         if dst.is_empty() {
             return Ok(());
         }
+        // SAFETY: `dst` is a live, writable slice of `dst.len()` bytes; the caller passes a device buffer of at least that size.
         unsafe { checked("cuMemcpyDtoH", cu::cuMemcpyDtoH_v2(dst.as_mut_ptr() as *mut c_void, src, dst.len())) }
     }
 
@@ -178,12 +183,14 @@ impl Device {
         if src.is_empty() {
             return Ok(());
         }
+        // SAFETY: `src` is a live slice of `src.len()` bytes; the caller passes a device buffer of at least that size.
         unsafe { checked("cuMemcpyHtoD", cu::cuMemcpyHtoD_v2(dst, src.as_ptr() as *const c_void, src.len())) }
     }
 
     /// Waits for every launch of the step.
     pub fn sync(&self) -> Result<(), String> {
         let s = state().stream;
+        // SAFETY: `s` is this process's stream, created in `Device::open`.
         unsafe { checked("cuStreamSynchronize", cu::cuStreamSynchronize(s as cu::CUstream)) }
     }
 
@@ -251,6 +258,7 @@ pub extern "C" fn m3c_buf_alloc(bytes: i64) -> *mut c_void {
         Some(d) => d,
         None => {
             let mut d = 0;
+            // SAFETY: `d` is a live out-pointer; the pool records the allocation and never frees it.
             check("cuMemAlloc (scratch)", unsafe { cu::cuMemAlloc_v2(&mut d, bytes as usize) });
             st.sizes.insert(d, bytes);
             d
@@ -264,7 +272,9 @@ pub extern "C" fn m3c_buf_alloc(bytes: i64) -> *mut c_void {
 /// Returns a scratch buffer to the pool; launches already queued on the one
 /// stream that use it run before any later launch that reuses it.
 #[no_mangle]
-pub extern "C" fn m3c_buf_free(ptr: *mut c_void) {
+/// # Safety
+/// `ptr` must come from [`m3c_buf_alloc`] and not be used afterwards.
+pub unsafe extern "C" fn m3c_buf_free(ptr: *mut c_void) {
     if !ON_DEVICE.load(Ordering::Relaxed) {
         // SAFETY: `ptr` came from m3c_buf_alloc's malloc.
         return unsafe { free(ptr) };
@@ -277,20 +287,26 @@ pub extern "C" fn m3c_buf_free(ptr: *mut c_void) {
 }
 
 #[no_mangle]
-pub extern "C" fn m3c_buf_copy(dst: *mut c_void, src: *mut c_void, bytes: i64) {
+/// # Safety
+/// `dst` and `src` must be buffers of this process's memory kind (host, or
+/// device on a GPU stage) of at least `bytes` bytes each.
+pub unsafe extern "C" fn m3c_buf_copy(dst: *mut c_void, src: *mut c_void, bytes: i64) {
     if !ON_DEVICE.load(Ordering::Relaxed) {
         // SAFETY: the generated code copies between two buffers of `bytes`.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes as usize) };
         return;
     }
     let s = state().stream;
+    // SAFETY: the generated code passes two device buffers of at least `bytes` bytes; the copy is ordered on the stage's stream.
     check("cuMemcpyAsync", unsafe { cu::cuMemcpyAsync(dst as u64, src as u64, bytes as usize, s as cu::CUstream) });
 }
 
 /// MLIR ABI: registers a PTX image (called by a static constructor, before
 /// `main`; loading waits for [`Device::open`]).
 #[no_mangle]
-pub extern "C" fn mgpuModuleLoadJIT(data: *mut c_void, _opt_level: c_int) -> *mut c_void {
+/// # Safety
+/// `data` must be a device image registered by the stage's constructors.
+pub unsafe extern "C" fn mgpuModuleLoadJIT(data: *mut c_void, _opt_level: c_int) -> *mut c_void {
     let mut st = state();
     st.images.push(data as usize);
     st.modules.push(None);
@@ -298,7 +314,9 @@ pub extern "C" fn mgpuModuleLoadJIT(data: *mut c_void, _opt_level: c_int) -> *mu
 }
 
 #[no_mangle]
-pub extern "C" fn mgpuModuleLoad(data: *mut c_void, _size: usize) -> *mut c_void {
+/// # Safety
+/// `data` must be a device image registered by the stage's constructors.
+pub unsafe extern "C" fn mgpuModuleLoad(data: *mut c_void, _size: usize) -> *mut c_void {
     mgpuModuleLoadJIT(data, 0)
 }
 
@@ -307,7 +325,9 @@ pub extern "C" fn mgpuModuleLoad(data: *mut c_void, _size: usize) -> *mut c_void
 pub extern "C" fn mgpuModuleUnload(_module: *mut c_void) {}
 
 #[no_mangle]
-pub extern "C" fn mgpuModuleGetFunction(module: *mut c_void, name: *const c_char) -> *mut c_void {
+/// # Safety
+/// `module` must come from `mgpuModuleLoad`, `name` must be NUL-terminated.
+pub unsafe extern "C" fn mgpuModuleGetFunction(module: *mut c_void, name: *const c_char) -> *mut c_void {
     let idx = (module as usize).wrapping_sub(1);
     // SAFETY: MLIR passes a NUL-terminated kernel name.
     let name = unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned();
@@ -318,6 +338,7 @@ pub extern "C" fn mgpuModuleGetFunction(module: *mut c_void, name: *const c_char
     let Some(Some(m)) = st.modules.get(idx).copied() else { die("a kernel was launched before the GPU was opened (runtime bug)") };
     let cname = std::ffi::CString::new(name.clone()).unwrap_or_default();
     let mut f = std::ptr::null_mut();
+    // SAFETY: `m` is a module loaded in `Device::open`; `cname` is a NUL-terminated copy of the kernel name and `f` a live out-pointer.
     check(&format!("cuModuleGetFunction({name})"), unsafe { cu::cuModuleGetFunction(&mut f, m as cu::CUmodule, cname.as_ptr()) });
     st.functions.insert((idx, name), f as usize);
     f as *mut c_void
@@ -338,7 +359,10 @@ pub extern "C" fn mgpuStreamDestroy(_stream: *mut c_void) {}
 
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
-pub extern "C" fn mgpuLaunchKernel(
+/// # Safety
+/// `function` must come from `mgpuModuleGetFunction` and `params` must point
+/// to one live pointer per kernel argument, as MLIR's launch lowering passes.
+pub unsafe extern "C" fn mgpuLaunchKernel(
     function: *mut c_void,
     grid_x: isize,
     grid_y: isize,
@@ -355,6 +379,7 @@ pub extern "C" fn mgpuLaunchKernel(
     if grid_x == 0 || grid_y == 0 || grid_z == 0 {
         return; // an empty step (no rows)
     }
+    // SAFETY: MLIR's launch lowering passes a function from mgpuModuleGetFunction and an array of pointers to each kernel argument, live for the call; the launch is queued on the stage's stream.
     check("cuLaunchKernel", unsafe {
         cu::cuLaunchKernel(
             function as cu::CUfunction,
@@ -631,7 +656,18 @@ pub mod cublas {
     /// ≠ 0) rounded to bf16, queued on the stage's stream.
     /// In cuBLAS's column-major terms: `yᵀ (out × rows) = op_T(w) · xb`.
     #[no_mangle]
-    pub extern "C" fn m3c_gemm_bf16(xb: *const c_void, w: *const c_void, y: *mut c_void, rows: i64, inp: i64, out: i64, y_bf16: i32) {
+    /// # Safety
+    /// The pointers must be device buffers of `rows × inp`, `out × inp` and
+    /// `rows × out` elements as the generated entry passes them.
+    pub unsafe extern "C" fn m3c_gemm_bf16(
+        xb: *const c_void,
+        w: *const c_void,
+        y: *mut c_void,
+        rows: i64,
+        inp: i64,
+        out: i64,
+        y_bf16: i32,
+    ) {
         let Some(api) = API.get() else { super::die("m3c_gemm_bf16 called with cuBLAS not loaded (runtime bug)") };
         let (alpha, beta) = (1f32, 0f32);
         // SAFETY: the generated entry passes device buffers of these shapes.

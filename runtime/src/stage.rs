@@ -59,7 +59,8 @@ impl Io {
 
     fn free(self) {
         for d in [self.ids, self.pos, self.x, self.logits, self.out] {
-            cuda::m3c_buf_free(d as *mut c_void);
+            // SAFETY: every `Io` buffer came from m3c_buf_alloc and is freed once, here.
+            unsafe { cuda::m3c_buf_free(d as *mut c_void) };
         }
     }
 }
@@ -113,14 +114,14 @@ pub struct StepOut {
     pub ids: Vec<i64>,
 }
 
-fn bytes_of<T>(v: &[T]) -> &[u8] {
-    // SAFETY: plain old data viewed as bytes.
-    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+/// A slice of plain values (f32, i64, u64) as bytes, for copies to and from
+/// the device: `Pod` guarantees every byte pattern is a valid value.
+fn bytes_of<T: bytemuck::Pod>(v: &[T]) -> &[u8] {
+    bytemuck::cast_slice(v)
 }
 
-fn bytes_of_mut<T>(v: &mut [T]) -> &mut [u8] {
-    // SAFETY: plain old data (f32, i64) viewed as bytes; every pattern is valid.
-    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, std::mem::size_of_val(v)) }
+fn bytes_of_mut<T: bytemuck::Pod>(v: &mut [T]) -> &mut [u8] {
+    bytemuck::cast_slice_mut(v)
 }
 
 impl Stage {

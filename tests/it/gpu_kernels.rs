@@ -148,6 +148,7 @@ fn run_both_prefix(k: &Kernel, rows: usize, args: &[B], n: usize) -> Vec<(Vec<u8
         .zip(&host)
         .map(|(a, h)| match a {
             B::Data(b) if b.dims.len() == 2 => {
+                // SAFETY: `h` (or `host[i]`) holds at least the buffer's bytes: it was allocated for these dims.
                 Some(m2(unsafe { std::slice::from_raw_parts(h.as_ptr() as *const u8, b.dims[0] * b.dims[1]) }, b.dims[0], b.dims[1]))
             }
             _ => None,
@@ -157,6 +158,7 @@ fn run_both_prefix(k: &Kernel, rows: usize, args: &[B], n: usize) -> Vec<(Vec<u8
         .iter()
         .zip(&host)
         .map(|(a, h)| match a {
+            // SAFETY: `h` (or `host[i]`) holds at least the buffer's bytes: it was allocated for these dims.
             B::Data(b) if b.dims.len() == 1 => Some(m1(unsafe { std::slice::from_raw_parts(h.as_ptr() as *const u8, b.dims[0]) })),
             _ => None,
         })
@@ -169,6 +171,7 @@ fn run_both_prefix(k: &Kernel, rows: usize, args: &[B], n: usize) -> Vec<(Vec<u8
             (B::Data(b), _, _) => panic!("{k}: argument {i} has rank {}; these tests pass rank 1 or 2", b.dims.len()),
         })
         .collect();
+    // SAFETY: one live descriptor per kernel argument, each over a buffer of the compiled shape.
     unsafe { call(&lib, k, &ptrs) };
     // GPU: the same buffers in interpreter memory, through the launch code.
     let tys: Vec<String> = args[..n].iter().map(|a| if let B::Data(b) = a { b.ty.clone() } else { "!llvm.ptr".into() }).collect();
@@ -199,6 +202,7 @@ fn run_both_prefix(k: &Kernel, rows: usize, args: &[B], n: usize) -> Vec<(Vec<u8
     for (i, a) in args.iter().enumerate() {
         if let B::Data(b) = a {
             if b.out {
+                // SAFETY: `h` (or `host[i]`) holds at least the buffer's bytes: it was allocated for these dims.
                 let hb: Vec<u8> = unsafe { std::slice::from_raw_parts(host[i].as_ptr() as *const u8, b.bytes) }.to_vec();
                 let gb: Vec<u8> = g.mem.get::<u8>(gp[i])[..b.bytes].to_vec();
                 outs.push((hb, gb));

@@ -50,6 +50,7 @@ pub(crate) fn build(kernels: &[Kernel], dir: &std::path::Path) -> libloading::Li
         .status()
         .unwrap();
     assert!(st.success(), "cc -shared failed");
+    // SAFETY: loading the shared library this test just linked from m3c's kernels runs no foreign initialisers.
     unsafe { libloading::Library::new(&so).unwrap() }
 }
 
@@ -82,6 +83,7 @@ fn rms_norm_and_bf16_linear_match_reference() {
 
     let mut y = vec![0f32; rows * 128];
     let f: libloading::Symbol<unsafe extern "C" fn(*const Memref2<f32>, *const Memref1<u16>, *const Memref2<f32>)> =
+        // SAFETY: the kernel's C interface symbol (`_mlir_ciface_`) takes one memref descriptor pointer per argument, as declared.
         unsafe { lib.get(format!("_mlir_ciface_{}", norm.symbol()).as_bytes()).unwrap() };
     unsafe { f(&m2(&x, rows, 128), &m1(&norm_w), &m2(&y, rows, 128)) };
     let mut want = vec![0f32; rows * 128];
@@ -98,6 +100,7 @@ fn rms_norm_and_bf16_linear_match_reference() {
     let h = y.clone();
     let q = vec![0f32; rows * 256];
     let f: libloading::Symbol<unsafe extern "C" fn(*const Memref2<f32>, *const Memref2<u16>, *const Memref2<f32>)> =
+        // SAFETY: the kernel's C interface symbol (`_mlir_ciface_`) takes one memref descriptor pointer per argument, as declared.
         unsafe { lib.get(format!("_mlir_ciface_{}", lin.symbol()).as_bytes()).unwrap() };
     unsafe { f(&m2(&h, rows, 128), &m2(&q_w, 256, 128), &m2(&q, rows, 256)) };
     y = vec![0f32; rows * 256];
@@ -137,9 +140,10 @@ fn mxfp8_linear_matches_dequantized_reference() {
         let lin = Kernel::Linear { inp, out, weight: WeightType::Mxfp8 { block }, act: Storage::F32, out_act: Storage::F32 };
         let sub = dir.path().join(format!("b{block}"));
         std::fs::create_dir(&sub).unwrap();
-        let lib = build(&[lin.clone()], &sub);
+        let lib = build(std::slice::from_ref(&lin), &sub);
         let y = vec![0f32; rows * out];
         let f: libloading::Symbol<unsafe extern "C" fn(*const Memref2<f32>, *const Memref2<u8>, *const Memref2<u8>, *const Memref2<f32>)> =
+            // SAFETY: the kernel's C interface symbol (`_mlir_ciface_`) takes one memref descriptor pointer per argument, as declared.
             unsafe { lib.get(format!("_mlir_ciface_{}", lin.symbol()).as_bytes()).unwrap() };
         unsafe { f(&m2(&x, rows, inp), &m2(&w, out, inp), &m2(s, out, inp / block), &m2(&y, rows, out)) };
         close(&y, &want, 1e-5);
@@ -168,17 +172,18 @@ fn head_norm_rope_matches_reference() {
     let w = bf16s(ck.bytes(&ck.tensors["language_model.model.layers.0.self_attn.q_norm.weight"]));
     let (heads, d, rot, theta) = (8, 32, 16, 5.0e6);
     let k = Kernel::HeadNormRope { heads, head_dim: d, rotary_dim: rot, theta, eps: 1e-6, weight: WeightType::BF16, act: Storage::F32 };
-    let lib = build(&[k.clone()], dir.path());
+    let lib = build(std::slice::from_ref(&k), dir.path());
     let rows = 4;
     let x = input(rows, heads * d);
     // Positions far apart, so a wrong frequency table shows.
     let pos: Vec<i64> = vec![0, 1, 39, 1000];
     let y = vec![0f32; rows * heads * d];
     let f: libloading::Symbol<unsafe extern "C" fn(*const Memref2<f32>, *const Memref1<u16>, *const Memref1<i64>, *const Memref2<f32>)> =
+        // SAFETY: the kernel's C interface symbol (`_mlir_ciface_`) takes one memref descriptor pointer per argument, as declared.
         unsafe { lib.get(format!("_mlir_ciface_{}", k.symbol()).as_bytes()).unwrap() };
     unsafe { f(&m2(&x, rows, heads * d), &m1(&w), &m1(&pos), &m2(&y, rows, heads * d)) };
     let mut want = vec![0f32; rows * heads * d];
-    for r in 0..rows {
+    for (r, &p) in pos.iter().enumerate().take(rows) {
         for h in 0..heads {
             let o = r * heads * d + h * d;
             let v = &x[o..o + d];
@@ -186,7 +191,7 @@ fn head_norm_rope_matches_reference() {
             let n: Vec<f32> = (0..d).map(|i| v[i] * inv * (1.0 + bf16_to_f32(w[i]))).collect();
             for j in 0..rot / 2 {
                 let f = 1.0 / (theta as f32).powf((2 * j) as f32 / rot as f32);
-                let a = pos[r] as f32 * f;
+                let a = p as f32 * f;
                 want[o + j] = n[j] * a.cos() - n[j + rot / 2] * a.sin();
                 want[o + j + rot / 2] = n[j + rot / 2] * a.cos() + n[j] * a.sin();
             }
@@ -200,13 +205,14 @@ fn head_norm_rope_matches_reference() {
 fn swiglu_oai_clamps_and_gates() {
     let dir = tempfile::tempdir().unwrap();
     let k = Kernel::SwiGluOai { width: 16, alpha: 1.702, limit: 7.0, beta: 1.0, act: Storage::F32 };
-    let lib = build(&[k.clone()], dir.path());
+    let lib = build(std::slice::from_ref(&k), dir.path());
     let rows = 2;
     // Values well past ±7 on both inputs, so both clamps fire.
     let g: Vec<f32> = (0..rows * 16).map(|i| (i as f32 - 16.0) * 0.9).collect();
     let u: Vec<f32> = (0..rows * 16).map(|i| (16.0 - i as f32) * 0.8).collect();
     let y = vec![0f32; rows * 16];
     let f: libloading::Symbol<unsafe extern "C" fn(*const Memref2<f32>, *const Memref2<f32>, *const Memref2<f32>)> =
+        // SAFETY: the kernel's C interface symbol (`_mlir_ciface_`) takes one memref descriptor pointer per argument, as declared.
         unsafe { lib.get(format!("_mlir_ciface_{}", k.symbol()).as_bytes()).unwrap() };
     unsafe { f(&m2(&g, rows, 16), &m2(&u, rows, 16), &m2(&y, rows, 16)) };
     let want: Vec<f32> = g
@@ -226,10 +232,11 @@ fn swiglu_oai_clamps_and_gates() {
 fn argmax_takes_the_first_maximum() {
     let dir = tempfile::tempdir().unwrap();
     let k = Kernel::Argmax { width: 6 };
-    let lib = build(&[k.clone()], dir.path());
+    let lib = build(std::slice::from_ref(&k), dir.path());
     let x = [0.0f32, 3.0, 1.0, 3.0, -1.0, 2.0, /* row 1 */ -5.0, -4.0, -3.0, -2.0, -1.0, -1.5];
     let ids = vec![-1i64; 2];
     let f: libloading::Symbol<unsafe extern "C" fn(*const Memref2<f32>, *const Memref1<i64>)> =
+        // SAFETY: the kernel's C interface symbol (`_mlir_ciface_`) takes one memref descriptor pointer per argument, as declared.
         unsafe { lib.get(format!("_mlir_ciface_{}", k.symbol()).as_bytes()).unwrap() };
     unsafe { f(&m2(&x, 2, 6), &m1(&ids)) };
     assert_eq!(ids, vec![1, 4]);
@@ -246,9 +253,10 @@ fn linear_tiles_cover_every_row_and_output() {
     let wf: Vec<f32> = (0..out * inp).map(|i| ((i * 7919 % 2003) as f32 / 1001.5) - 1.0).collect();
     let w: Vec<u16> = wf.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
     let lin = Kernel::Linear { inp, out, weight: WeightType::BF16, act: Storage::F32, out_act: Storage::F32 };
-    let lib = build(&[lin.clone()], dir.path());
+    let lib = build(std::slice::from_ref(&lin), dir.path());
     let y = vec![f32::NAN; rows * out];
     let f: libloading::Symbol<unsafe extern "C" fn(*const Memref2<f32>, *const Memref2<u16>, *const Memref2<f32>)> =
+        // SAFETY: the kernel's C interface symbol (`_mlir_ciface_`) takes one memref descriptor pointer per argument, as declared.
         unsafe { lib.get(format!("_mlir_ciface_{}", lin.symbol()).as_bytes()).unwrap() };
     unsafe { f(&m2(&x, rows, inp), &m2(&w, out, inp), &m2(&y, rows, out)) };
     let mut want = vec![0f32; rows * out];
@@ -282,7 +290,7 @@ pub(crate) fn bf16_nearest_even(x: f32) -> u16 {
         }
     };
     let (dl, dh) = ((x as f64 - val(lo)).abs(), (val(hi) - x as f64).abs());
-    if dl < dh || (dl == dh && lo % 2 == 0) {
+    if dl < dh || (dl == dh && lo.is_multiple_of(2)) {
         lo
     } else {
         hi
@@ -290,17 +298,18 @@ pub(crate) fn bf16_nearest_even(x: f32) -> u16 {
 }
 
 #[test]
+#[allow(clippy::approx_constant)] // -2.718… is just a value with a long mantissa
 fn bf16_cache_writes_round_to_nearest_even_at_their_positions() {
     use m3c_kernels::Storage;
     let dir = tempfile::tempdir().unwrap();
     let k = Kernel::ScatterRows { width: 8, cache: Storage::Bf16, act: Storage::F32 };
-    let lib = build(&[k.clone()], dir.path());
+    let lib = build(std::slice::from_ref(&k), dir.path());
     let step = f32::from_bits(1 << 16); // the smallest bf16 subnormal
     let x: Vec<f32> = vec![
         1.0 + 1.0 / 256.0, // halfway: even (1.0) wins
         1.0 + 3.0 / 256.0, // halfway: even (1.0 + 4/256) wins
         1.0 + 1.5 / 256.0, // nearer the upper
-        -2.718_281_8,
+        -2.718_281_8,      // any value with many mantissa bits
         f32::NAN,
         f32::INFINITY,
         f32::MAX, // rounds to infinity
@@ -318,6 +327,7 @@ fn bf16_cache_writes_round_to_nearest_even_at_their_positions() {
     let pos = [3i64, 0];
     let y = vec![0x5555u16; 4 * 8];
     let f: libloading::Symbol<unsafe extern "C" fn(*const Memref2<f32>, *const Memref1<i64>, *const Memref2<u16>)> =
+        // SAFETY: the kernel's C interface symbol (`_mlir_ciface_`) takes one memref descriptor pointer per argument, as declared.
         unsafe { lib.get(format!("_mlir_ciface_{}", k.symbol()).as_bytes()).unwrap() };
     unsafe { f(&m2(&x, 2, 8), &m1(&pos), &m2(&y, 4, 8)) };
     let want = |r: usize| -> Vec<u16> { x[r * 8..r * 8 + 8].iter().map(|&v| bf16_nearest_even(v)).collect() };
@@ -364,6 +374,7 @@ fn attention_over_bf16_caches_equals_f32_attention_over_the_rounded_values() {
         for (i, bf) in [(0usize, false), (1, true)] {
             let k = &kernels[i + if sparse { 2 } else { 0 }];
             let o = vec![0f32; rows * heads * d];
+            // SAFETY: the symbol and descriptors follow the kernel's C interface; every buffer outlives the call.
             unsafe {
                 if sparse {
                     type F<T> = unsafe extern "C" fn(
@@ -424,6 +435,7 @@ fn attention_over_bf16_caches_equals_f32_attention_over_the_rounded_values() {
 }
 
 /// Calls the C interface of kernel `k` with memref descriptors (as pointers).
+// SAFETY: callers pass one live descriptor per kernel argument (see the # Safety note).
 pub(crate) unsafe fn call(lib: &libloading::Library, k: &Kernel, a: &[*const std::ffi::c_void]) {
     type P = *const std::ffi::c_void;
     let name = format!("_mlir_ciface_{}", k.symbol());
@@ -507,6 +519,7 @@ fn bf16_activation_kernels_round_their_f32_twins_once() {
     let mut checked = 0;
     for [kf, kb] in &kernels {
         // (f32 output, bf16-act output) per kernel, from the same values.
+        // SAFETY: the symbol and descriptors follow the kernel's C interface; every buffer outlives the call.
         let (want, got): (Vec<f32>, Vec<u32>) = unsafe {
             match kf {
                 Kernel::Linear { weight, out_act, .. } => {
@@ -611,6 +624,7 @@ fn mxfp8_weights_decode_to_bf16_exactly() {
     let k = Kernel::DequantMxfp8 { out, inp, block: 32 };
     let lib = build(std::slice::from_ref(&k), dir.path());
     let y = vec![0u16; out * inp];
+    // SAFETY: each pointer is a live descriptor of the compiled shape, for the whole call.
     unsafe { call(&lib, &k, &[p(&m2(&w, out, inp)), p(&m2(&s, out, inp / 32)), p(&m2(&y, out, inp))]) };
     let mut nonzero = 0;
     for o in 0..out {

@@ -37,7 +37,7 @@ fn model_copy(dir: &Path, edit: impl FnOnce(&mut serde_json::Map<String, serde_j
     let mut data = bytes[8 + n..].to_vec();
     edit(&mut header, &mut data);
     let mut h = serde_json::to_vec(&header).unwrap();
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let mut out = (h.len() as u64).to_le_bytes().to_vec();
@@ -120,7 +120,7 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
     v
 }
 
-/// 1. `compile -o` replaces only a provable m3c output: never a folder that
+/// Defect 1: `compile -o` replaces only a provable m3c output: never a folder that
 /// merely holds a `manifest.json`, never the model's folder, never `.`.
 #[test]
 fn d01_compile_never_deletes_what_it_did_not_write() {
@@ -169,7 +169,7 @@ fn d01_compile_never_deletes_what_it_did_not_write() {
     assert!(left.iter().all(|n| !n.contains("partial") && !n.contains(".old-")), "{left:?}");
 }
 
-/// 2. NaN or Inf in weights: the run ends with a message naming the stage
+/// Defect 2: NaN or Inf in weights: the run ends with a message naming the stage
 /// and position (no heap corruption), and `inspect --check-values` names the
 /// tensors.
 #[test]
@@ -201,7 +201,7 @@ fn d02_non_finite_weights_end_the_run_cleanly() {
     assert!(o.status.success() && stdout(&o).contains("tensors finite"), "{}", stderr(&o));
 }
 
-/// 3. A plan's `host:` can never run shell code: it is validated when the
+/// Defect 3: A plan's `host:` can never run shell code: it is validated when the
 /// plan is read (file, line, column), and quoted in run.sh anyway.
 #[test]
 fn d03_plan_hosts_cannot_inject_shell_code() {
@@ -228,7 +228,7 @@ fn d03_plan_hosts_cannot_inject_shell_code() {
     assert!(!dir.path().join("PWNED").exists());
 }
 
-/// 4. `--dump` is checked before any work and replaces only a regular file,
+/// Defect 4: `--dump` is checked before any work and replaces only a regular file,
 /// through a temporary name no one else uses.
 #[test]
 fn d04_dump_replaces_only_regular_files() {
@@ -290,7 +290,7 @@ fn d04_dump_replaces_only_regular_files() {
     assert_eq!(names, ["d.partial", "d.safetensors", "d.safetensors.partial", "link.safetensors", "target.txt", "x"]);
 }
 
-/// 5. The stages reject exactly what `m3c inspect` rejects: wrapped or
+/// Defect 5: The stages reject exactly what `m3c inspect` rejects: wrapped or
 /// overlapping offsets, shard paths outside the folder, non-string,
 /// missing and duplicate index entries.
 #[test]
@@ -347,7 +347,7 @@ fn d05_stages_reject_what_inspect_rejects() {
     }
 }
 
-/// 6. A rank from another compile in the job: every rank stops within
+/// Defect 6: A rank from another compile in the job: every rank stops within
 /// seconds (no start-up deadlock) and mpirun is not left behind.
 #[test]
 fn d06_a_foreign_rank_ends_the_job() {
@@ -369,7 +369,7 @@ fn d06_a_foreign_rank_ends_the_job() {
     assert!(t0.elapsed() < Duration::from_secs(30), "took {:?}", t0.elapsed());
 }
 
-/// 7. Killing `m3c run` (as a supervisor does) ends mpirun and every stage.
+/// Defect 7: Killing `m3c run` (as a supervisor does) ends mpirun and every stage.
 #[test]
 fn d07_killing_m3c_run_leaves_no_process() {
     let dir = tempfile::tempdir().unwrap();
@@ -406,7 +406,7 @@ fn copy_dir(from: &Path, to: &Path) {
     }
 }
 
-/// 8. An interrupted compile leaves no temporary folder; stale ones of dead
+/// Defect 8: An interrupted compile leaves no temporary folder; stale ones of dead
 /// processes are swept; a bad `--cpu` is refused before LLVM can abort.
 #[test]
 fn d08_interrupted_compiles_leave_nothing() {
@@ -445,7 +445,7 @@ fn d08_interrupted_compiles_leave_nothing() {
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }
 
-/// 9. Numbers and closed outputs that used to panic.
+/// Defect 9: Numbers and closed outputs that used to panic.
 #[test]
 fn d09_no_panics_on_numbers_or_closed_outputs() {
     let out = shared_out(1);
@@ -495,7 +495,7 @@ fn config_with(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) -> PathBuf
     p
 }
 
-/// 10. Numbers that used to wrap past validation.
+/// Defect 10: Numbers that used to wrap past validation.
 #[test]
 fn d10_overflowing_numbers_are_refused() {
     let out = shared_out(1);
@@ -525,7 +525,7 @@ fn d10_overflowing_numbers_are_refused() {
     assert!(stdout(&o).contains("parameters"), "{}", stdout(&o));
 }
 
-/// 11. Sizes that took unbounded memory or time.
+/// Defect 11: Sizes that took unbounded memory or time.
 #[test]
 fn d11_unbounded_inputs_are_refused_quickly() {
     let dir = tempfile::tempdir().unwrap();
@@ -558,7 +558,7 @@ fn d11_unbounded_inputs_are_refused_quickly() {
     assert!(t0.elapsed() < Duration::from_secs(30), "took {:?}", t0.elapsed());
 }
 
-/// 12. A UTF-8 byte-order mark, as Windows editors write, is accepted in
+/// Defect 12: A UTF-8 byte-order mark, as Windows editors write, is accepted in
 /// plans, configs and prompts files.
 #[test]
 fn d12_byte_order_marks_are_accepted() {
@@ -581,7 +581,7 @@ fn d12_byte_order_marks_are_accepted() {
     assert!(stdout(&o).contains("prompt 1: "), "{}", stdout(&o));
 }
 
-/// 13. Configs that inspect accepted but compile failed on with raw MLIR
+/// Defect 13: Configs that inspect accepted but compile failed on with raw MLIR
 /// errors are refused up front, naming the key.
 #[test]
 fn d13_config_bounds_name_the_key() {
@@ -605,7 +605,7 @@ fn d13_config_bounds_name_the_key() {
     }
 }
 
-/// 14. model.safetensors that is a folder, a dangling link or a device.
+/// Defect 14: model.safetensors that is a folder, a dangling link or a device.
 #[test]
 fn d14_weights_that_are_not_files_are_named() {
     let dir = tempfile::tempdir().unwrap();
@@ -628,7 +628,7 @@ fn d14_weights_that_are_not_files_are_named() {
     }
 }
 
-/// 15. A damaged stage executable is caught by its sha256 before launch.
+/// Defect 15: A damaged stage executable is caught by its sha256 before launch.
 #[test]
 fn d15_a_damaged_stage_is_caught_before_launch() {
     let dir = tempfile::tempdir().unwrap();
@@ -643,7 +643,7 @@ fn d15_a_damaged_stage_is_caught_before_launch() {
     assert!(!stderr(&o).contains("139"), "{}", stderr(&o));
 }
 
-/// 16. Ranks started by hand with different arguments refuse to run.
+/// Defect 16: Ranks started by hand with different arguments refuse to run.
 #[test]
 fn d16_ranks_with_different_arguments_refuse() {
     let out = shared_out(2);
@@ -677,7 +677,7 @@ fn d16_ranks_with_different_arguments_refuse() {
     }
 }
 
-/// 17. A stage busy with a long step counts as alive (its heartbeats keep
+/// Defect 17: A stage busy with a long step counts as alive (its heartbeats keep
 /// coming); a stopped one is declared lost within seconds.
 #[test]
 fn d17_busy_stages_are_alive_and_stopped_ones_are_lost() {
@@ -732,7 +732,7 @@ fn d17_busy_stages_are_alive_and_stopped_ones_are_lost() {
     assert!(all_gone(&out.display().to_string(), 15), "left {:?}", processes_with(&out.display().to_string()));
 }
 
-/// 18. `max_position_embeddings: 0` is a config error, not a compile whose
+/// Defect 18: `max_position_embeddings: 0` is a config error, not a compile whose
 /// every run is refused.
 #[test]
 fn d18_zero_positions_is_a_config_error() {
@@ -744,7 +744,7 @@ fn d18_zero_positions_is_a_config_error() {
     assert!(!dir.path().join("o").exists());
 }
 
-/// 19. `m3c plan --arch` is validated before anything is printed or written.
+/// Defect 19: `m3c plan --arch` is validated before anything is printed or written.
 #[test]
 fn d19_plan_arch_is_checked_before_writing() {
     let dir = tempfile::tempdir().unwrap();
@@ -763,7 +763,7 @@ fn d19_plan_arch_is_checked_before_writing() {
     }
 }
 
-/// 20. A failing `--expect` ends the job promptly with its verdict shared,
+/// Defect 20: A failing `--expect` ends the job promptly with its verdict shared,
 /// leaving no mpirun behind (it once hung after MPI_Abort).
 #[test]
 fn d20_a_failing_expect_ends_promptly() {
@@ -784,7 +784,7 @@ fn d20_a_failing_expect_ends_promptly() {
     }
 }
 
-/// 21. A model file truncated during a run: the stage names it instead of
+/// Defect 21: A model file truncated during a run: the stage names it instead of
 /// dying of a bare SIGBUS.
 #[test]
 fn d21_a_model_truncated_during_a_run_is_named() {

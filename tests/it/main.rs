@@ -12,5 +12,6 @@ mod hostile;
 mod parsers;
 mod pipeline;
 mod plan;
+mod tidy;
 mod tiny;
 mod weights;

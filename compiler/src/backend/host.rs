@@ -105,6 +105,7 @@ fn object(module: &Module, cpu: &str) -> Result<HostArtifacts, BackendError> {
     if raw.is_null() {
         return Err(BackendError::Translate);
     }
+    // SAFETY: `raw` is the non-null module just translated into `llvm`'s context, which outlives it; inkwell takes ownership.
     let llvm_module = unsafe { inkwell::module::Module::new(raw as inkwell::llvm_sys::prelude::LLVMModuleRef) };
     let triple = TargetTriple::create(HOST_TRIPLE);
     llvm_module.set_triple(&triple);

@@ -63,7 +63,7 @@ pub fn parse_config(path: &Path, text: &str) -> Result<ModelConfig, ConfigError>
     let architecture = architecture(&root)?;
     let is_vl = VL_ARCHITECTURES.contains(&architecture.as_str());
 
-    let (text_obj, text_prefix) = if is_vl { (root.obj("text_config")?, "language_model.") } else { (root.clone(), "") };
+    let (text_obj, text_prefix) = if is_vl { (root.obj("text_config")?, crate::model::names::VL_TEXT_PREFIX) } else { (root.clone(), "") };
     // Flat configs are sometimes used with the hub shards, whose names carry
     // `language_model.`; the weight binder accepts either (see weights::bind).
     let text = parse_text(&text_obj)?;
@@ -243,7 +243,7 @@ fn parse_text(t: &Obj) -> Result<TextConfig, ConfigError> {
         max_position_embeddings: match t.opt_uint("max_position_embeddings")? {
             Some(n) => {
                 check(
-                    n >= 2 && n <= bounds::POSITIONS,
+                    (2..=bounds::POSITIONS).contains(&n),
                     t,
                     "max_position_embeddings",
                     &format!("an integer from 2 (a prompt token and one generated) to {}", bounds::POSITIONS),
@@ -384,7 +384,7 @@ fn parse_quantization(q: &Obj, text: &TextConfig) -> Result<Quantization, Config
     // Every quantized linear's in-features must split into whole blocks.
     let ins = [
         ("hidden_size", text.hidden_size),
-        ("num_attention_heads × head_dim (o_proj input)", text.q_dim()),
+        ("num_attention_heads × head_dim (the attention output projection's input)", text.q_dim()),
         ("intermediate_size", text.expert_intermediate_size),
         ("shared_intermediate_size", text.shared_intermediate_size),
         ("dense_intermediate_size", text.dense_intermediate_size),

@@ -1,6 +1,7 @@
 use super::ops::*;
 use super::{ModelGraph, Operand};
 use crate::config::{AttentionKind, MlpKind, ModelConfig, Quantization};
+use crate::model::names::{self, MlpProj, TextNames};
 use crate::model::Part;
 use petgraph::graph::{DiGraph, NodeIndex};
 
@@ -31,7 +32,7 @@ impl Builder<'_> {
     }
 
     fn linear(&mut self, x: NodeIndex, stem: &str, out: usize, inp: usize) -> NodeIndex {
-        let op = Op::Linear { weight: format!("{stem}.weight"), out, inp, mxfp8_block: self.mxfp8_block() };
+        let op = Op::Linear { weight: names::weight(stem), out, inp, mxfp8_block: self.mxfp8_block() };
         self.node(op, ty(&[Dim::Tokens, Dim::Fixed(out)], Elem::Act), &[x])
     }
 
@@ -60,10 +61,10 @@ impl Builder<'_> {
         let t = &self.cfg.text;
         let hidden = t.hidden_size;
         let (alpha, limit, beta) = (t.swiglu_alpha, t.swiglu_limit, t.swiglu_beta);
-        let gate = self.linear(h, &format!("{stem}.gate_proj"), width, hidden);
-        let up = self.linear(h, &format!("{stem}.up_proj"), width, hidden);
+        let gate = self.linear(h, &names::mlp_proj(stem, MlpProj::Gate), width, hidden);
+        let up = self.linear(h, &names::mlp_proj(stem, MlpProj::Up), width, hidden);
         let act = self.node(Op::SwiGluOai { alpha, limit, beta }, ty(&[Dim::Tokens, Dim::Fixed(width)], Elem::Act), &[gate, up]);
-        self.linear(act, &format!("{stem}.down_proj"), hidden, width)
+        self.linear(act, &names::mlp_proj(stem, MlpProj::Down), hidden, width)
     }
 
     fn layer(&mut self, l: usize, x: NodeIndex, pos: NodeIndex) -> NodeIndex {
@@ -71,16 +72,15 @@ impl Builder<'_> {
         let t = &cfg.text;
         let kind = t.layers[l];
         let (h, d) = (t.hidden_size, t.head_dim);
-        let lp = format!("{}model.layers.{l}", cfg.text_prefix);
-        let a = format!("{lp}.self_attn");
+        let n = TextNames::new(&cfg.text_prefix).layer(l);
         let hidden = [Dim::Tokens, Dim::Fixed(h)];
 
-        let hn = self.norm(x, format!("{lp}.input_layernorm.weight"), h);
-        let q = self.linear(hn, &format!("{a}.q_proj"), t.q_dim(), h);
-        let k = self.linear(hn, &format!("{a}.k_proj"), t.kv_dim(), h);
-        let v = self.linear(hn, &format!("{a}.v_proj"), t.kv_dim(), h);
-        let q = self.norm_rope(q, pos, format!("{a}.q_norm.weight"), t.num_heads);
-        let k = self.norm_rope(k, pos, format!("{a}.k_norm.weight"), t.num_kv_heads);
+        let hn = self.norm(x, n.input_norm(), h);
+        let q = self.linear(hn, &n.q_proj(), t.q_dim(), h);
+        let k = self.linear(hn, &n.k_proj(), t.kv_dim(), h);
+        let v = self.linear(hn, &n.v_proj(), t.kv_dim(), h);
+        let q = self.norm_rope(q, pos, n.q_norm(), t.num_heads);
+        let k = self.norm_rope(k, pos, n.k_norm(), t.num_kv_heads);
         let kc = self.cache(k, CacheKind::Key, l, t.num_kv_heads, d);
         let vc = self.cache(v, CacheKind::Value, l, t.num_kv_heads, d);
         let scale = 1.0 / (d as f64).sqrt();
@@ -92,10 +92,10 @@ impl Builder<'_> {
             }
             AttentionKind::Sparse => {
                 let s = t.sparse.as_ref().expect("sparse layer without sparse config");
-                let iq = self.linear(hn, &format!("{a}.index_q_proj"), s.num_index_heads * s.index_dim, h);
-                let ik = self.linear(hn, &format!("{a}.index_k_proj"), s.index_dim, h);
-                let iq = self.norm_rope(iq, pos, format!("{a}.index_q_norm.weight"), s.num_index_heads);
-                let ik = self.norm_rope(ik, pos, format!("{a}.index_k_norm.weight"), 1);
+                let iq = self.linear(hn, &n.index_q_proj(), s.num_index_heads * s.index_dim, h);
+                let ik = self.linear(hn, &n.index_k_proj(), s.index_dim, h);
+                let iq = self.norm_rope(iq, pos, n.index_q_norm(), s.num_index_heads);
+                let ik = self.norm_rope(ik, pos, n.index_k_norm(), 1);
                 let ikc = self.cache(ik, CacheKind::IndexKey, l, 1, s.index_dim);
                 let g = Dim::Fixed(s.num_index_heads);
                 let scores = self.node(
@@ -114,25 +114,24 @@ impl Builder<'_> {
                 self.node(op, ty(&attn_out, Elem::Act), &[q, kc, vc, pos, sel])
             }
         };
-        let o = self.linear(o, &format!("{a}.o_proj"), h, t.q_dim());
+        let o = self.linear(o, &n.o_proj(), h, t.q_dim());
         let x = self.node(Op::Add, ty(&hidden, Elem::Act), &[x, o]);
 
-        let h2 = self.norm(x, format!("{lp}.post_attention_layernorm.weight"), h);
+        let h2 = self.norm(x, n.post_attention_norm(), h);
         let ffn = match kind.mlp {
-            MlpKind::Dense => self.mlp(h2, &format!("{lp}.mlp"), t.dense_intermediate_size),
+            MlpKind::Dense => self.mlp(h2, &n.mlp(), t.dense_intermediate_size),
             MlpKind::Moe => {
-                let m = format!("{lp}.block_sparse_moe");
                 let k = t.experts_per_token;
                 let router = Op::Router {
-                    weight: format!("{m}.gate.weight"),
-                    bias: t.use_routing_bias.then(|| format!("{m}.e_score_correction_bias")),
+                    weight: n.router(),
+                    bias: t.use_routing_bias.then(|| n.router_bias()),
                     experts: t.num_experts,
                     top_k: k,
                     scale: t.routed_scaling_factor,
                 };
                 let routing = self.node(router, ty(&[Dim::Tokens, Dim::Fixed(k)], Elem::F32), &[h2]);
                 let experts = Op::RoutedExperts {
-                    stem: format!("{m}.experts"),
+                    stem: n.experts(),
                     experts: t.num_experts,
                     hidden: h,
                     intermediate: t.expert_intermediate_size,
@@ -143,7 +142,7 @@ impl Builder<'_> {
                 };
                 let routed = self.node(experts, ty(&hidden, Elem::Act), &[h2, routing]);
                 if t.num_shared_experts > 0 {
-                    let shared = self.mlp(h2, &format!("{m}.shared_experts"), t.shared_intermediate_size);
+                    let shared = self.mlp(h2, &n.shared_experts(), t.shared_intermediate_size);
                     self.node(Op::Add, ty(&hidden, Elem::Act), &[routed, shared])
                 } else {
                     routed
@@ -158,15 +157,11 @@ impl Builder<'_> {
 /// norm, lm_head and greedy argmax.
 pub fn build_graph(cfg: &ModelConfig) -> ModelGraph {
     let t = &cfg.text;
-    let p = &cfg.text_prefix;
+    let names = TextNames::new(&cfg.text_prefix);
     let mut b = Builder { cfg, g: DiGraph::new(), part: Part::Embedding };
     let ids = b.node(Op::TokenIds, ty(&[Dim::Tokens], Elem::I64), &[]);
     let pos = b.node(Op::Positions, ty(&[Dim::Tokens], Elem::I64), &[]);
-    let mut x = b.node(
-        Op::Embedding { weight: format!("{p}model.embed_tokens.weight") },
-        ty(&[Dim::Tokens, Dim::Fixed(t.hidden_size)], Elem::Act),
-        &[ids],
-    );
+    let mut x = b.node(Op::Embedding { weight: names.embedding() }, ty(&[Dim::Tokens, Dim::Fixed(t.hidden_size)], Elem::Act), &[ids]);
     // The vision tower (spec §3) joins here: its patch-merged rows replace the
     // embedding rows of image/video placeholder tokens before layer 0. Its
     // weights are already part of the checkpoint layout (Part::Vision).
@@ -175,9 +170,9 @@ pub fn build_graph(cfg: &ModelConfig) -> ModelGraph {
         x = b.layer(l, x, pos);
     }
     b.part = Part::FinalNorm;
-    let xn = b.norm(x, format!("{p}model.norm.weight"), t.hidden_size);
+    let xn = b.norm(x, names.final_norm(), t.hidden_size);
     b.part = Part::LmHead;
-    let lm = Op::Linear { weight: format!("{p}lm_head.weight"), out: t.vocab_size, inp: t.hidden_size, mxfp8_block: None };
+    let lm = Op::Linear { weight: names::weight(&names.lm_head()), out: t.vocab_size, inp: t.hidden_size, mxfp8_block: None };
     let logits = b.node(lm, ty(&[Dim::Tokens, Dim::Fixed(t.vocab_size)], Elem::F32), &[xn]);
     b.node(Op::Argmax, ty(&[Dim::Tokens], Elem::I64), &[logits]);
     ModelGraph { graph: b.g, logits }

@@ -13,6 +13,7 @@ use super::{cache_kind_name, Boundary, CacheSlot, Storages, TensorSlot};
 use crate::config::ModelConfig;
 use crate::dtype::DType;
 use crate::graph::{CacheKind, Dim, ModelGraph, Op};
+use crate::model::names::{self, ExpertProj};
 use crate::model::{expected_tensors, Part, TensorSpec};
 use m3c_kernels::{expert_tensor_types, Kernel, MemTy, SparseSel, Storage, WeightType};
 use petgraph::graph::NodeIndex;
@@ -300,7 +301,7 @@ impl Fuser<'_> {
                 let (k, mut args) = match mxfp8_block {
                     Some(block) => {
                         let w = self.weight_arg(&weight, "i8")?;
-                        let s = self.weight_arg(&weight.replace(".weight", ".weight_scale_inv"), "i8")?;
+                        let s = self.weight_arg(&names::scales(names::without_weight(&weight)), "i8")?;
                         (Kernel::Linear { inp, out, weight: WeightType::Mxfp8 { block }, act, out_act }, vec![x, w, s])
                     }
                     None => {
@@ -397,16 +398,18 @@ impl Fuser<'_> {
                 let weight = match mxfp8_block {
                     Some(block) => WeightType::Mxfp8 { block },
                     None => {
-                        let d = self.specs.get(&format!("{stem}.0.w1.weight")).map(|s| s.nominal).ok_or("no expert 0 in the layout")?;
+                        let first = names::weight(&names::expert(&stem, 0, ExpertProj::W1));
+                        let d = self.specs.get(&first).map(|s| s.nominal).ok_or("no expert 0 in the layout")?;
                         weight_type(d)?
                     }
                 };
                 let first_slot = self.tensors.len();
                 for e in 0..experts {
-                    for proj in ["w1", "w3", "w2"] {
-                        self.weight(&format!("{stem}.{e}.{proj}.weight"))?;
+                    for proj in ExpertProj::TABLE_ORDER {
+                        let x = names::expert(&stem, e, proj);
+                        self.weight(&names::weight(&x))?;
                         if mxfp8_block.is_some() {
-                            self.weight(&format!("{stem}.{e}.{proj}.weight_scale_inv"))?;
+                            self.weight(&names::scales(&x))?;
                         }
                     }
                 }
@@ -532,7 +535,7 @@ fn weight_label(op: &Op) -> String {
         Op::RoutedExperts { stem, .. } => stem.as_str(),
         _ => return String::new(),
     };
-    let w = w.strip_suffix(".weight").unwrap_or(w);
+    let w = names::without_weight(w);
     let short = match w.find(".layers.") {
         Some(i) => w[i + 8..].split_once('.').map_or(w, |(_, rest)| rest),
         None => w.rsplit_once("model.").map_or(w, |(_, r)| r),

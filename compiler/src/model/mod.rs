@@ -3,6 +3,7 @@
 //! belongs to. Weight binding, `m3c inspect`, the planner's cost model and
 //! `m3c init-tiny` all read this one list, so they cannot disagree.
 
+pub mod names;
 mod tensors;
 
 pub use tensors::{expected_tensors, Part, Role, TensorSpec, TypeRule};

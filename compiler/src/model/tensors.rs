@@ -1,3 +1,4 @@
+use super::names::{self, ExpertProj, MlpProj, TextNames};
 use crate::config::{AttentionKind, MlpKind, ModelConfig, Quantization};
 use crate::dtype::DType;
 
@@ -101,10 +102,10 @@ impl Builder<'_> {
         match &self.cfg.quantization {
             Quantization::Mxfp8 { block, .. } => {
                 let scale_role = if let Role::Expert(e) = role { Role::Expert(e) } else { Role::Scale };
-                self.push(format!("{stem}.weight"), vec![out, inp], TypeRule::Fp8, DType::F8E4M3, part, role);
-                self.push(format!("{stem}.weight_scale_inv"), vec![out, inp / block], TypeRule::E8M0, DType::U8, part, scale_role);
+                self.push(names::weight(stem), vec![out, inp], TypeRule::Fp8, DType::F8E4M3, part, role);
+                self.push(names::scales(stem), vec![out, inp / block], TypeRule::E8M0, DType::U8, part, scale_role);
             }
-            Quantization::None => self.float(format!("{stem}.weight"), vec![out, inp], part, role),
+            Quantization::None => self.float(names::weight(stem), vec![out, inp], part, role),
         }
     }
 }
@@ -114,62 +115,51 @@ pub fn expected_tensors(cfg: &ModelConfig) -> Vec<TensorSpec> {
     let t = &cfg.text;
     let float = cfg.torch_dtype.as_deref().and_then(DType::from_torch).unwrap_or(DType::BF16);
     let mut b = Builder { cfg, float, out: Vec::new() };
-    let p = &cfg.text_prefix;
+    let names = TextNames::new(&cfg.text_prefix);
     let h = t.hidden_size;
 
-    b.float(format!("{p}model.embed_tokens.weight"), vec![t.vocab_size, h], Part::Embedding, Role::Embedding);
+    b.float(names.embedding(), vec![t.vocab_size, h], Part::Embedding, Role::Embedding);
     for (l, kind) in t.layers.iter().enumerate() {
         let part = Part::Layer(l);
-        let lp = format!("{p}model.layers.{l}");
-        b.float(format!("{lp}.input_layernorm.weight"), vec![h], part, Role::Norm);
-        b.float(format!("{lp}.post_attention_layernorm.weight"), vec![h], part, Role::Norm);
-        let a = format!("{lp}.self_attn");
-        b.linear(&format!("{a}.q_proj"), t.q_dim(), h, part, Role::Linear);
-        b.linear(&format!("{a}.k_proj"), t.kv_dim(), h, part, Role::Linear);
-        b.linear(&format!("{a}.v_proj"), t.kv_dim(), h, part, Role::Linear);
-        b.linear(&format!("{a}.o_proj"), h, t.q_dim(), part, Role::Linear);
-        b.float(format!("{a}.q_norm.weight"), vec![t.head_dim], part, Role::Norm);
-        b.float(format!("{a}.k_norm.weight"), vec![t.head_dim], part, Role::Norm);
+        let n = names.layer(l);
+        b.float(n.input_norm(), vec![h], part, Role::Norm);
+        b.float(n.post_attention_norm(), vec![h], part, Role::Norm);
+        b.linear(&n.q_proj(), t.q_dim(), h, part, Role::Linear);
+        b.linear(&n.k_proj(), t.kv_dim(), h, part, Role::Linear);
+        b.linear(&n.v_proj(), t.kv_dim(), h, part, Role::Linear);
+        b.linear(&n.o_proj(), h, t.q_dim(), part, Role::Linear);
+        b.float(n.q_norm(), vec![t.head_dim], part, Role::Norm);
+        b.float(n.k_norm(), vec![t.head_dim], part, Role::Norm);
         if kind.attention == AttentionKind::Sparse {
             let s = t.sparse.as_ref().expect("sparse layers imply a sparse config");
-            b.linear(&format!("{a}.index_q_proj"), s.num_index_heads * s.index_dim, h, part, Role::Linear);
-            b.linear(&format!("{a}.index_k_proj"), s.index_dim, h, part, Role::Linear);
-            b.float(format!("{a}.index_q_norm.weight"), vec![s.index_dim], part, Role::Norm);
-            b.float(format!("{a}.index_k_norm.weight"), vec![s.index_dim], part, Role::Norm);
+            b.linear(&n.index_q_proj(), s.num_index_heads * s.index_dim, h, part, Role::Linear);
+            b.linear(&n.index_k_proj(), s.index_dim, h, part, Role::Linear);
+            b.float(n.index_q_norm(), vec![s.index_dim], part, Role::Norm);
+            b.float(n.index_k_norm(), vec![s.index_dim], part, Role::Norm);
         }
         match kind.mlp {
-            MlpKind::Dense => {
-                let m = format!("{lp}.mlp");
-                let i = t.dense_intermediate_size;
-                b.linear(&format!("{m}.gate_proj"), i, h, part, Role::Linear);
-                b.linear(&format!("{m}.up_proj"), i, h, part, Role::Linear);
-                b.linear(&format!("{m}.down_proj"), h, i, part, Role::Linear);
-            }
+            MlpKind::Dense => mlp(&mut b, &n.mlp(), t.dense_intermediate_size, h, part),
             MlpKind::Moe => {
-                let m = format!("{lp}.block_sparse_moe");
                 // The router is stored in fp32 and is never quantized.
-                b.push(format!("{m}.gate.weight"), vec![t.num_experts, h], TypeRule::Float, DType::F32, part, Role::Router);
+                b.push(n.router(), vec![t.num_experts, h], TypeRule::Float, DType::F32, part, Role::Router);
                 if t.use_routing_bias {
-                    b.push(format!("{m}.e_score_correction_bias"), vec![t.num_experts], TypeRule::Float, DType::F32, part, Role::Router);
+                    b.push(n.router_bias(), vec![t.num_experts], TypeRule::Float, DType::F32, part, Role::Router);
                 }
                 let i = t.expert_intermediate_size;
+                let experts = n.experts();
                 for e in 0..t.num_experts {
-                    let ep = format!("{m}.experts.{e}");
-                    b.linear(&format!("{ep}.w1"), i, h, part, Role::Expert(e));
-                    b.linear(&format!("{ep}.w2"), h, i, part, Role::Expert(e));
-                    b.linear(&format!("{ep}.w3"), i, h, part, Role::Expert(e));
+                    b.linear(&names::expert(&experts, e, ExpertProj::W1), i, h, part, Role::Expert(e));
+                    b.linear(&names::expert(&experts, e, ExpertProj::W2), h, i, part, Role::Expert(e));
+                    b.linear(&names::expert(&experts, e, ExpertProj::W3), i, h, part, Role::Expert(e));
                 }
                 if t.num_shared_experts > 0 {
-                    let s = t.shared_intermediate_size;
-                    b.linear(&format!("{m}.shared_experts.gate_proj"), s, h, part, Role::Linear);
-                    b.linear(&format!("{m}.shared_experts.up_proj"), s, h, part, Role::Linear);
-                    b.linear(&format!("{m}.shared_experts.down_proj"), h, s, part, Role::Linear);
+                    mlp(&mut b, &n.shared_experts(), t.shared_intermediate_size, h, part);
                 }
             }
         }
     }
-    b.float(format!("{p}model.norm.weight"), vec![h], Part::FinalNorm, Role::Norm);
-    b.float(format!("{p}lm_head.weight"), vec![t.vocab_size, h], Part::LmHead, Role::Linear);
+    b.float(names.final_norm(), vec![h], Part::FinalNorm, Role::Norm);
+    b.float(names::weight(&names.lm_head()), vec![t.vocab_size, h], Part::LmHead, Role::Linear);
 
     if let Some(v) = &cfg.vision {
         vision_tensors(&mut b, v, h);
@@ -177,46 +167,53 @@ pub fn expected_tensors(cfg: &ModelConfig) -> Vec<TensorSpec> {
     b.out
 }
 
+/// A SwiGLU MLP's three linears (dense layers and the shared expert).
+fn mlp(b: &mut Builder, stem: &str, inter: usize, h: usize, part: Part) {
+    b.linear(&names::mlp_proj(stem, MlpProj::Gate), inter, h, part, Role::Linear);
+    b.linear(&names::mlp_proj(stem, MlpProj::Up), inter, h, part, Role::Linear);
+    b.linear(&names::mlp_proj(stem, MlpProj::Down), h, inter, part, Role::Linear);
+}
+
 fn vision_tensors(b: &mut Builder, v: &crate::config::VisionConfig, text_hidden: usize) {
+    use names::vision as vn;
     let (part, role) = (Part::Vision, Role::Vision);
     let vh = v.hidden_size;
-    let vm = "vision_tower.vision_model";
     // The patch convolution is stored in fp32 in the published checkpoints.
     b.push(
-        format!("{vm}.embeddings.patch_embedding.weight"),
+        vn::patch_embedding(),
         vec![vh, v.num_channels, v.temporal_patch_size, v.patch_size, v.patch_size],
         TypeRule::Float,
         DType::F32,
         part,
         role,
     );
-    b.float(format!("{vm}.pre_layrnorm.weight"), vec![vh], part, role);
-    b.float(format!("{vm}.pre_layrnorm.bias"), vec![vh], part, role);
+    b.float(vn::pre_norm("weight"), vec![vh], part, role);
+    b.float(vn::pre_norm("bias"), vec![vh], part, role);
     for l in 0..v.num_layers {
-        let lp = format!("{vm}.encoder.layers.{l}");
-        for n in ["layer_norm1", "layer_norm2"] {
-            b.float(format!("{lp}.{n}.weight"), vec![vh], part, role);
-            b.float(format!("{lp}.{n}.bias"), vec![vh], part, role);
+        let lp = vn::layer(l);
+        for which in [1, 2] {
+            b.float(vn::layer_norm(&lp, which, "weight"), vec![vh], part, role);
+            b.float(vn::layer_norm(&lp, which, "bias"), vec![vh], part, role);
         }
-        for n in ["q_proj", "k_proj", "v_proj", "out_proj"] {
-            b.float(format!("{lp}.self_attn.{n}.weight"), vec![vh, vh], part, role);
-            b.float(format!("{lp}.self_attn.{n}.bias"), vec![vh], part, role);
+        for proj in vn::ATTN_PROJS {
+            b.float(vn::attn(&lp, proj, "weight"), vec![vh, vh], part, role);
+            b.float(vn::attn(&lp, proj, "bias"), vec![vh], part, role);
         }
-        b.float(format!("{lp}.mlp.fc1.weight"), vec![v.intermediate_size, vh], part, role);
-        b.float(format!("{lp}.mlp.fc1.bias"), vec![v.intermediate_size], part, role);
-        b.float(format!("{lp}.mlp.fc2.weight"), vec![vh, v.intermediate_size], part, role);
-        b.float(format!("{lp}.mlp.fc2.bias"), vec![vh], part, role);
+        b.float(vn::fc(&lp, 1, "weight"), vec![v.intermediate_size, vh], part, role);
+        b.float(vn::fc(&lp, 1, "bias"), vec![v.intermediate_size], part, role);
+        b.float(vn::fc(&lp, 2, "weight"), vec![vh, v.intermediate_size], part, role);
+        b.float(vn::fc(&lp, 2, "bias"), vec![vh], part, role);
     }
     let ph = v.projector_hidden_size;
     let merged = v.spatial_merge_size * v.spatial_merge_size * text_hidden;
-    for (stem, ins) in [("multi_modal_projector", vh), ("patch_merge_mlp", merged)] {
-        b.float(format!("{stem}.linear_1.weight"), vec![ph, ins], part, role);
+    for (stem, ins) in [(vn::PROJECTOR, vh), (vn::PATCH_MERGE, merged)] {
+        b.float(vn::projector(stem, 1, "weight"), vec![ph, ins], part, role);
         if v.projector_bias {
-            b.float(format!("{stem}.linear_1.bias"), vec![ph], part, role);
+            b.float(vn::projector(stem, 1, "bias"), vec![ph], part, role);
         }
-        b.float(format!("{stem}.linear_2.weight"), vec![text_hidden, ph], part, role);
+        b.float(vn::projector(stem, 2, "weight"), vec![text_hidden, ph], part, role);
         if v.projector_bias {
-            b.float(format!("{stem}.linear_2.bias"), vec![text_hidden], part, role);
+            b.float(vn::projector(stem, 2, "bias"), vec![text_hidden], part, role);
         }
     }
 }

@@ -10,6 +10,7 @@ mod rng;
 use crate::config::parse_config;
 use crate::dtype::DType;
 use crate::fsutil::write_dir_atomically;
+use crate::model::names::{self, TextNames};
 use crate::model::{expected_tensors, Role, TensorSpec, TypeRule};
 use anyhow::{bail, Context, Result};
 use rng::Rng;
@@ -99,14 +100,17 @@ impl TinySpec {
             "m3c_init_tiny": { "seed": self.seed }
         });
         if self.mxfp8 {
+            // The published checkpoint's spelling: module names without the text prefix.
+            let bare = TextNames::new("");
             let mut ignored = vec![
-                "lm_head".to_string(),
-                "model.embed_tokens".into(),
-                "vision_tower".into(),
-                "multi_modal_projector".into(),
-                "patch_merge_mlp".into(),
+                bare.lm_head(),
+                names::without_weight(&bare.embedding()).to_string(),
+                names::vision::TOWER.into(),
+                names::vision::PROJECTOR.into(),
+                names::vision::PATCH_MERGE.into(),
             ];
-            ignored.extend((2..l).map(|i| format!("language_model.model.layers.{i}.block_sparse_moe.gate")));
+            let vl = TextNames::new(names::VL_TEXT_PREFIX);
+            ignored.extend((2..l).map(|i| vl.layer(i).router_stem()));
             cfg["quantization_config"] = json!({
                 "quant_method": "mxfp8", "activation_scheme": "dynamic",
                 "weight_block_size": [1, 32], "ignored_layers": ignored
@@ -148,20 +152,21 @@ fn values(rng: &mut Rng, spec: &TensorSpec) -> Vec<f32> {
     let fan_in = *spec.shape.last().unwrap_or(&1) as f64;
     let fan_in = if spec.shape.len() == 5 { spec.shape[1..].iter().product::<usize>() as f64 } else { fan_in };
     let normal = |rng: &mut Rng, std: f64| (0..n).map(|_| (rng.normal() * std) as f32).collect::<Vec<_>>();
-    let is_norm_weight = spec.role == Role::Norm || (name.contains("norm") && name.ends_with(".weight"));
+    let is_norm_weight = spec.role == Role::Norm || names::is_norm_weight(name);
     if is_norm_weight {
         return (0..n).map(|_| (rng.uniform() - 0.5) as f32).collect();
     }
-    if name.ends_with("e_score_correction_bias") {
+    if spec.role == Role::Router && spec.shape.len() == 1 {
+        // The routing bias.
         return normal(rng, 0.5);
     }
-    if name.ends_with(".bias") || name.contains("layrnorm") {
+    if name.ends_with(".bias") {
         return normal(rng, 0.1);
     }
     if spec.role == Role::Embedding {
         return normal(rng, 1.0);
     }
-    let gated = [".gate_proj.", ".up_proj.", ".w1.", ".w3."].iter().any(|p| name.contains(p));
+    let gated = names::is_gate_or_up(name);
     normal(rng, if gated { 3.0 } else { 1.0 } / fan_in.sqrt())
 }
 
@@ -186,7 +191,7 @@ fn tensors(spec: &TinySpec, cfg: &crate::config::ModelConfig) -> Vec<Owned> {
                 let (q, s) = encode::mxfp8_quantize(&v, inp, 32);
                 out.push(Owned { name: t.name.clone(), dtype: DType::F8E4M3, shape: t.shape.clone(), data: q });
                 out.push(Owned {
-                    name: t.name.replace(".weight", ".weight_scale_inv"),
+                    name: names::scales(names::without_weight(&t.name)),
                     dtype: DType::U8,
                     shape: vec![t.shape[0], inp / 32],
                     data: s,

@@ -1,0 +1,176 @@
+//! The written invariants that code review alone would let slip: every
+//! `unsafe` says why it is sound, and tensor names are spelled only in the
+//! model's name table (`compiler/src/model/`).
+
+use m3c_tests::root;
+use std::path::{Path, PathBuf};
+
+/// The workspace's Rust sources (tracked or not), without `target/`.
+fn rust_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let p = e.path();
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') || name == "target" || name == "fixtures" || name == "snapshots" {
+            continue;
+        }
+        if p.is_dir() {
+            out.extend(rust_files(&p));
+        } else if name.ends_with(".rs") {
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// The code of a line without its `//` comment (string literals are kept
+/// whole, so a `//` inside one does not cut it).
+fn code_of(line: &str) -> &str {
+    let b = line.as_bytes();
+    let mut in_str = false;
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'\\' if in_str => i += 1,
+            b'"' => in_str = !in_str,
+            b'/' if !in_str && b.get(i + 1) == Some(&b'/') => return &line[..i],
+            _ => {}
+        }
+        i += 1;
+    }
+    line
+}
+
+/// `code` with the contents of its string literals blanked.
+fn without_strings(code: &str) -> String {
+    let mut out = String::with_capacity(code.len());
+    let (mut in_str, mut escaped) = (false, false);
+    for c in code.chars() {
+        if in_str {
+            if escaped {
+                escaped = false;
+            } else if c == '\\' {
+                escaped = true;
+            } else if c == '"' {
+                in_str = false;
+                out.push(c);
+            }
+            continue;
+        }
+        if c == '"' {
+            in_str = true;
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// Whether `code` uses `unsafe` as a block, fn, impl or extern block (not in
+/// a function-pointer type such as `unsafe extern "C" fn(...)`, nor in a
+/// string).
+fn uses_unsafe(code: &str) -> bool {
+    let code = without_strings(code);
+    let mut rest = code.as_str();
+    while let Some(i) = rest.find("unsafe") {
+        let before = rest[..i].chars().last();
+        let after = &rest[i + 6..];
+        let word = before.is_none_or(|c| !c.is_alphanumeric() && c != '_')
+            && after.chars().next().is_none_or(|c| !c.is_alphanumeric() && c != '_');
+        let a = after.trim_start();
+        // After blanking strings, `extern "C" fn(` reads `extern "" fn(`.
+        let after_abi = a.strip_prefix("extern").map(|r| r.trim_start().trim_start_matches('"').trim_start_matches('"').trim_start());
+        let pointer_type =
+            [Some(a), after_abi].into_iter().flatten().any(|r| r.strip_prefix("fn").is_some_and(|f| f.trim_start().starts_with('(')));
+        if word && !pointer_type {
+            return true;
+        }
+        rest = after;
+    }
+    false
+}
+
+#[test]
+fn every_unsafe_says_why_it_is_sound() {
+    let mut missing = Vec::new();
+    for f in ["compiler", "kernels", "runtime", "tests"].iter().flat_map(|d| rust_files(&root().join(d))) {
+        let text = std::fs::read_to_string(&f).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        for (i, line) in lines.iter().enumerate() {
+            if line.trim_start().starts_with("//") || !uses_unsafe(code_of(line)) {
+                continue;
+            }
+            let window = &lines[i.saturating_sub(4)..=i];
+            let said = window.iter().any(|l| l.contains("SAFETY:") || l.contains("# Safety"));
+            if !said {
+                missing.push(format!("{}:{}: {}", f.strip_prefix(root()).unwrap().display(), i + 1, line.trim()));
+            }
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "{} `unsafe` without a SAFETY comment (on the line or the 4 above):\n{}",
+        missing.len(),
+        missing.join("\n")
+    );
+}
+
+/// Fragments of hub tensor names.
+const TENSOR_NAME_PARTS: &[&str] = &[
+    "embed_tokens",
+    "self_attn",
+    "block_sparse_moe",
+    "layernorm",
+    "layrnorm",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "out_proj",
+    "weight_scale_inv",
+    "e_score_correction",
+    ".shared_experts",
+    "vision_tower",
+    "multi_modal_projector",
+    "patch_merge_mlp",
+    ".weight",
+];
+
+#[test]
+fn tensor_names_are_spelled_only_in_the_name_table() {
+    let table = root().join("compiler/src/model");
+    let mut found = Vec::new();
+    for f in ["compiler/src", "kernels/src", "runtime/src"].iter().flat_map(|d| rust_files(&root().join(d))) {
+        if f.starts_with(&table) {
+            continue;
+        }
+        let text = std::fs::read_to_string(&f).unwrap();
+        let mut in_tests = false;
+        for (i, line) in text.lines().enumerate() {
+            // Unit tests may name tensors to check the table.
+            in_tests |= line.trim_start().starts_with("#[cfg(test)]");
+            if in_tests || line.trim_start().starts_with("//") {
+                continue;
+            }
+            let code = code_of(line);
+            for lit in code.split('"').skip(1).step_by(2) {
+                if let Some(p) = TENSOR_NAME_PARTS.iter().find(|p| lit.contains(*p)) {
+                    found.push(format!("{}:{}: `{p}` in \"{lit}\"", f.strip_prefix(root()).unwrap().display(), i + 1));
+                }
+            }
+        }
+    }
+    assert!(found.is_empty(), "tensor names outside compiler/src/model/ (use model::names):\n{}", found.join("\n"));
+}
+
+#[test]
+fn the_tidy_checks_can_fail() {
+    assert!(uses_unsafe("    unsafe { f() };"));
+    assert!(uses_unsafe("pub unsafe extern \"C\" fn m3c_buf_free(p: *mut u8) {"));
+    assert!(!uses_unsafe("type F = unsafe extern \"C\" fn(*mut u8) -> i32;"));
+    assert!(!uses_unsafe("let unsafe_count = 3;"));
+    assert!(!uses_unsafe("say(\"an unsafe { call }\");"));
+    assert_eq!(code_of("let a = \"x // y\"; // note"), "let a = \"x // y\"; ");
+}
