@@ -6,22 +6,21 @@
 //! This crate knows shapes and arithmetic, never files or weights: weights
 //! arrive as memref arguments at run time.
 
-mod attention;
-mod elementwise;
 mod emit;
 pub mod gpu;
-mod linear;
-mod moe;
-mod norm;
-mod rope;
+mod host;
+pub mod unit;
 mod view;
 
 use std::fmt;
 
-pub use attention::SparseSel;
 /// The value of a `float8_e4m3fn` byte: the table MXFP8 kernels decode with.
 pub use emit::fp8_e4m3_value;
-pub use moe::{expert_table_stride, expert_tensor_types};
+pub use gpu::{GpuCall, GpuFunc};
+pub use ops::attention::SparseSel;
+pub use ops::routed_experts::{expert_table_stride, expert_tensor_types};
+pub use ops::*;
+pub use unit::{KernelUnit, Launch, Param};
 pub use view::MemTy;
 
 /// Indents every line of `body` by `n` spaces.
@@ -68,7 +67,7 @@ impl Storage {
     }
 
     /// Suffix of kernel symbols that touch a cache of this type (none for f32).
-    fn suffix(self) -> &'static str {
+    pub(crate) fn suffix(self) -> &'static str {
         match self {
             Storage::F32 => "",
             Storage::Bf16 => "_kvbf16",
@@ -76,7 +75,7 @@ impl Storage {
     }
 
     /// Suffix of kernel symbols whose activations are of this type (none for f32).
-    fn act_suffix(self) -> &'static str {
+    pub(crate) fn act_suffix(self) -> &'static str {
         match self {
             Storage::F32 => "",
             Storage::Bf16 => "_abf16",
@@ -106,7 +105,7 @@ impl WeightType {
             WeightType::Mxfp8 { .. } => "i8",
         }
     }
-    fn tag(self) -> String {
+    pub(crate) fn tag(self) -> String {
         match self {
             WeightType::F32 => "f32".into(),
             WeightType::BF16 => "bf16".into(),
@@ -116,177 +115,101 @@ impl WeightType {
     }
 }
 
-/// One kernel at one shape. Activations are rows `[S, width]` (S dynamic:
-/// prompt length at prefill, 1 at decode) of f32 values stored as `act`.
-#[derive(Debug, Clone, PartialEq, PartialOrd)]
-pub enum Kernel {
-    /// Gemma RMSNorm of each row: `x · rsqrt(mean(x²) + eps) · (1 + w)`.
-    RmsNorm { width: usize, eps: f64, weight: WeightType, act: Storage },
-    /// `y = x Wᵀ` with `W: [out, inp]`; `x` stored as `act`, `y` as
-    /// `out_act` (f32 for the logits whatever the activations are).
-    Linear { inp: usize, out: usize, weight: WeightType, act: Storage, out_act: Storage },
-    /// Per-head Gemma RMSNorm fused with partial NeoX RoPE (QK-norm + RoPE,
-    /// also the MSA indexer's).
-    HeadNormRope { heads: usize, head_dim: usize, rotary_dim: usize, theta: f64, eps: f64, weight: WeightType, act: Storage },
-    /// SwiGLU-OAI of a gate and an up projection.
-    SwiGluOai { width: usize, alpha: f64, limit: f64, beta: f64, act: Storage },
-    /// Greedy sampling: the first index of each row's maximum.
-    Argmax { width: usize },
-    /// Row gather from an embedding table `[vocab, width]`.
-    Embedding { vocab: usize, width: usize, weight: WeightType, act: Storage },
-    /// Elementwise `a + b` (the residual adds, routed + shared expert).
-    Add { width: usize, act: Storage },
-    /// Row `r` of `x` into row `pos[r]` of `y`: a sequence's new keys and
-    /// values into its cache, at positions read from memory (not baked into
-    /// the call), so a decode step's launches are the same at every position.
-    ScatterRows { width: usize, cache: Storage, act: Storage },
-    /// `y = bf16(x)` row by row (nearest even), as bf16 bits: the input of a
-    /// tensor-core GEMM (cuBLAS) on the GPU.
-    ToBf16 { width: usize },
-    /// An MXFP8 weight `[out, inp]` (fp8 + E8M0 scale per 1×`block`)
-    /// decoded to bf16 bits `[out, inp]`: one linear's weight, transiently,
-    /// for a tensor-core GEMM at prefill (Hopper's cuBLAS has no MXFP8).
-    /// fp8 · 2^k is exact in bf16 (3 mantissa bits into 7) unless the scale
-    /// pushes it out of range, so the GEMM sees the weights the GEMV does.
-    DequantMxfp8 { out: usize, inp: usize, block: usize },
-    /// Causal GQA attention over the cache; MSA block selection fused in when `sparse` is set.
-    Attention { heads: usize, kv_heads: usize, head_dim: usize, scale: f64, sparse: Option<SparseSel>, cache: Storage, act: Storage },
-    /// fp32 sigmoid router with selection bias, top-k, renormalisation and routed scaling.
-    Router { width: usize, experts: usize, top_k: usize, scale: f64, weight: WeightType, bias: Option<WeightType>, act: Storage },
-    /// The routed experts' SwiGLU-OAI MLPs, weighted and summed per token.
-    RoutedExperts {
-        experts: usize,
-        hidden: usize,
-        inter: usize,
-        top_k: usize,
-        weight: WeightType,
-        alpha: f64,
-        limit: f64,
-        beta: f64,
-        act: Storage,
-    },
+/// The kernels: one file each under `ops/`, one line each here. The list
+/// makes the [`Kernel`] enum (a variant per kernel type), `From` for each
+/// type, and the dispatch to its [`KernelUnit`].
+macro_rules! kernels {
+    ($($module:ident :: $name:ident),* $(,)?) => {
+        /// The kernel types, one module (file) each.
+        pub mod ops {
+            $(pub mod $module;)*
+            $(pub use $module::$name;)*
+        }
+
+        /// One kernel at one shape. Activations are rows `[S, width]` (S
+        /// dynamic: prompt length at prefill, 1 at decode) of f32 values
+        /// stored as the kernel's `act`.
+        #[derive(Debug, Clone, PartialEq, PartialOrd)]
+        pub enum Kernel {
+            $($name(ops::$name),)*
+        }
+
+        impl Kernel {
+            /// The kernel as its unit: everything it knows about itself.
+            pub fn unit(&self) -> &dyn KernelUnit {
+                match self {
+                    $(Kernel::$name(k) => k,)*
+                }
+            }
+        }
+
+        $(impl From<ops::$name> for Kernel {
+            fn from(k: ops::$name) -> Kernel {
+                Kernel::$name(k)
+            }
+        })*
+    };
+}
+
+kernels! {
+    rms_norm::RmsNorm,
+    linear::Linear,
+    head_norm_rope::HeadNormRope,
+    swiglu_oai::SwiGluOai,
+    argmax::Argmax,
+    embedding::Embedding,
+    add::Add,
+    scatter_rows::ScatterRows,
+    to_bf16::ToBf16,
+    dequant_mxfp8::DequantMxfp8,
+    attention::Attention,
+    router::Router,
+    routed_experts::RoutedExperts,
 }
 
 impl Kernel {
-    /// The kernel's function name: a pure function of its parameters, so the
-    /// same kernel generated twice has one name (and is emitted once).
+    /// The kernel's function name (see [`KernelUnit::symbol`]).
     pub fn symbol(&self) -> String {
-        let base = match self {
-            Kernel::RmsNorm { width, eps, weight, .. } => format!("m3c_rms_norm_w{width}_eps{}_{}", num_tag(*eps), weight.tag()),
-            Kernel::Linear { inp, out, weight, act, out_act } => {
-                // The output type is named only when it differs (the logits).
-                let y = if out_act != act { format!("_y{}", out_act.name()) } else { String::new() };
-                format!("m3c_linear_i{inp}_o{out}_{}{y}", weight.tag())
-            }
-            Kernel::HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight, .. } => {
-                format!("m3c_head_norm_rope_h{heads}_d{head_dim}_r{rotary_dim}_t{}_eps{}_{}", num_tag(*theta), num_tag(*eps), weight.tag())
-            }
-            Kernel::SwiGluOai { width, alpha, limit, beta, .. } => {
-                format!("m3c_swiglu_oai_w{width}_a{}_l{}_b{}", num_tag(*alpha), num_tag(*limit), num_tag(*beta))
-            }
-            Kernel::Argmax { width } => format!("m3c_argmax_w{width}"),
-            Kernel::ToBf16 { width } => format!("m3c_to_bf16_w{width}"),
-            Kernel::DequantMxfp8 { out, inp, block } => format!("m3c_dequant_mxfp8b{block}_o{out}_i{inp}"),
-            Kernel::Embedding { vocab, width, weight, .. } => format!("m3c_embedding_v{vocab}_w{width}_{}", weight.tag()),
-            Kernel::Add { width, .. } => format!("m3c_add_w{width}"),
-            Kernel::ScatterRows { width, cache, .. } => format!("m3c_scatter_rows_w{width}{}", cache.suffix()),
-            Kernel::Attention { heads, kv_heads, head_dim, scale, sparse, cache, .. } => {
-                let mut s = format!("m3c_attention_h{heads}_kv{kv_heads}_d{head_dim}_s{}", num_tag(*scale));
-                if let Some(m) = sparse {
-                    s.push_str(&format!("_msa_ih{}_id{}_b{}_k{}_l{}_i{}", m.index_heads, m.index_dim, m.block, m.topk, m.local, m.init));
-                }
-                s.push_str(cache.suffix());
-                s
-            }
-            Kernel::Router { width, experts, top_k, scale, weight, bias, .. } => format!(
-                "m3c_router_w{width}_e{experts}_k{top_k}_s{}_{}{}",
-                num_tag(*scale),
-                weight.tag(),
-                bias.map_or(String::new(), |b| format!("_bias{}", b.tag()))
-            ),
-            Kernel::RoutedExperts { experts, hidden, inter, top_k, weight, alpha, limit, beta, .. } => format!(
-                "m3c_routed_experts_e{experts}_h{hidden}_i{inter}_k{top_k}_{}_a{}_l{}_b{}",
-                weight.tag(),
-                num_tag(*alpha),
-                num_tag(*limit),
-                num_tag(*beta)
-            ),
-        };
-        format!("{base}{}", self.act().map_or("", |a| a.act_suffix()))
+        self.unit().symbol()
+    }
+
+    /// Its arguments, written once (see [`KernelUnit::params`]).
+    pub fn params(&self) -> Vec<Param> {
+        self.unit().params()
     }
 
     /// How the kernel's activations are stored (`None`: it has none, or
     /// only f32 logits).
     pub fn act(&self) -> Option<Storage> {
-        match self {
-            Kernel::RmsNorm { act, .. }
-            | Kernel::Linear { act, .. }
-            | Kernel::HeadNormRope { act, .. }
-            | Kernel::SwiGluOai { act, .. }
-            | Kernel::Embedding { act, .. }
-            | Kernel::Add { act, .. }
-            | Kernel::ScatterRows { act, .. }
-            | Kernel::Attention { act, .. }
-            | Kernel::Router { act, .. }
-            | Kernel::RoutedExperts { act, .. } => Some(*act),
-            Kernel::Argmax { .. } | Kernel::ToBf16 { .. } | Kernel::DequantMxfp8 { .. } => None,
-        }
+        self.unit().act()
     }
 
     /// Kernels this one calls (emitted with it).
     pub fn deps(&self) -> Vec<Kernel> {
-        match self {
-            Kernel::RoutedExperts { hidden, inter, weight, alpha, limit, beta, .. } => {
-                moe::expert_deps(*hidden, *inter, *weight, *alpha, *limit, *beta)
-            }
-            _ => Vec::new(),
-        }
+        self.unit().deps()
     }
 
-    /// The MLIR text of this kernel (a `func.func` plus any private globals it uses).
+    /// The MLIR text of this kernel's host `func.func`.
     pub fn mlir(&self) -> String {
-        match self {
-            Kernel::RmsNorm { width, eps, weight, act } => norm::rms_norm(&self.symbol(), *width, *eps, *weight, *act),
-            Kernel::Linear { inp, out, weight, act, out_act } => linear::linear(&self.symbol(), *inp, *out, *weight, *act, *out_act),
-            Kernel::HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight, act } => {
-                rope::head_norm_rope(&self.symbol(), *heads, *head_dim, *rotary_dim, *theta, *eps, *weight, *act)
-            }
-            Kernel::SwiGluOai { width, alpha, limit, beta, act } => {
-                elementwise::swiglu_oai(&self.symbol(), *width, *alpha, *limit, *beta, *act)
-            }
-            Kernel::Argmax { width } => elementwise::argmax(&self.symbol(), *width),
-            Kernel::ToBf16 { width } => elementwise::to_bf16(&self.symbol(), *width),
-            Kernel::DequantMxfp8 { out, inp, block } => linear::dequant_mxfp8(&self.symbol(), *out, *inp, *block),
-            Kernel::Embedding { vocab, width, weight, act } => elementwise::embedding(&self.symbol(), *vocab, *width, *weight, *act),
-            Kernel::Add { width, act } => elementwise::add(&self.symbol(), *width, *act),
-            Kernel::ScatterRows { width, cache, act } => elementwise::scatter_rows(&self.symbol(), *width, *cache, *act),
-            Kernel::Attention { heads, kv_heads, head_dim, scale, sparse, cache, act } => {
-                attention::attention(&self.symbol(), *heads, *kv_heads, *head_dim, *scale, *sparse, *cache, *act)
-            }
-            Kernel::Router { width, experts, top_k, scale, weight, bias, act } => {
-                moe::router(&self.symbol(), *width, *experts, *top_k, *scale, *weight, *bias, *act)
-            }
-            Kernel::RoutedExperts { experts, hidden, inter, top_k, weight, alpha, limit, beta, act } => {
-                moe::routed_experts(&self.symbol(), *experts, *hidden, *inter, *top_k, *weight, *alpha, *limit, *beta, *act)
-            }
-        }
+        unit::host_func(self.unit())
     }
 
     /// Globals (lookup tables) the kernel refers to, by name and MLIR text.
     pub fn globals(&self) -> Vec<(String, String)> {
-        match self {
-            Kernel::Linear { inp, weight: w @ WeightType::Mxfp8 { .. }, .. } if !linear::vectorizes(*inp, *w) => {
-                vec![("m3c_fp8_e4m3_lut".into(), emit::fp8_lut_global())]
-            }
-            Kernel::DequantMxfp8 { .. } => vec![("m3c_fp8_e4m3_lut".into(), emit::fp8_lut_global())],
-            Kernel::HeadNormRope { rotary_dim, theta, .. } => {
-                vec![(rope::rope_table_name(*rotary_dim, *theta), rope::rope_table(*rotary_dim, *theta))]
-            }
-            Kernel::RoutedExperts { hidden, inter, weight, .. } => {
-                moe::expert_tensor_types(*hidden, *inter, *weight).into_iter().map(|t| (t.view_fn(), t.view_fn_text())).collect()
-            }
-            _ => Vec::new(),
-        }
+        self.unit().globals()
+    }
+
+    /// The `gpu.func` kernels this kernel runs as.
+    pub fn gpu_funcs(&self) -> Vec<GpuFunc> {
+        self.unit().gpu_funcs()
+    }
+
+    /// Host statements launching this kernel on the GPU. `args` are the SSA
+    /// names and types of the call's arguments, in [`Kernel::params`] order;
+    /// `rows` is the step's row count (an index SSA name); `tag` makes local
+    /// names unique.
+    pub fn gpu_call(&self, args: &[(String, String)], rows: &str, tag: &str) -> GpuCall {
+        self.unit().launch(&Launch { args, rows, tag })
     }
 }
 

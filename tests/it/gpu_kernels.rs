@@ -252,7 +252,7 @@ fn linear_on_the_gpu_matches_the_host_for_every_weight_type_and_row_count() {
             (128, 8, WeightType::F16), // wide loads (4 f16 per lane)
         ] {
             for rows in [1, 6] {
-                let k = Kernel::Linear { inp, out, weight: w, act, out_act: act };
+                let k = Kernel::Linear(m3c_kernels::Linear { inp, out, weight: w, act, out_act: act });
                 let mut args = vec![act_rows(rows, inp, act, 1, false)];
                 args.extend(weight(out, inp, w, 2));
                 args.push(act_rows(rows, out, act, 3, true));
@@ -262,7 +262,7 @@ fn linear_on_the_gpu_matches_the_host_for_every_weight_type_and_row_count() {
         }
     }
     // The logits: bf16 activations in, f32 out.
-    let k = Kernel::Linear { inp: 128, out: 40, weight: WeightType::BF16, act: Storage::Bf16, out_act: Storage::F32 };
+    let k = Kernel::Linear(m3c_kernels::Linear { inp: 128, out: 40, weight: WeightType::BF16, act: Storage::Bf16, out_act: Storage::F32 });
     let mut args = vec![act_rows(3, 128, Storage::Bf16, 1, false)];
     args.extend(weight(40, 128, WeightType::BF16, 2));
     args.push(act_rows(3, 40, Storage::F32, 3, true));
@@ -276,25 +276,33 @@ fn rowwise_gpu_kernels_match_the_host() {
     for act in ACTS {
         let a = |salt, out| act_rows(rows, 96, act, salt, out);
         // RMSNorm
-        let k = Kernel::RmsNorm { width: 96, eps: 1e-6, weight: WeightType::BF16, act };
+        let k = Kernel::RmsNorm(m3c_kernels::RmsNorm { width: 96, eps: 1e-6, weight: WeightType::BF16, act });
         let o = run_both(&k, rows, &[a(1, false), buf(&bits16(&vals(96, 4, 0.3)), &[96], "memref<96xbf16>", false), a(2, true)]);
         agree(&k.symbol(), &o[0].0, &o[0].1, act, 1e-5);
         // add, in place as the residual add runs
-        let k = Kernel::Add { width: 96, act };
+        let k = Kernel::Add(m3c_kernels::Add { width: 96, act });
         let o = run_both(&k, rows, &[a(1, false), a(2, false), a(3, true)]);
         agree(&k.symbol(), &o[0].0, &o[0].1, act, 0.0);
         // SwiGLU-OAI (inputs past the clamp included)
-        let k = Kernel::SwiGluOai { width: 96, alpha: 1.702, limit: 1.2, beta: 1.0, act };
+        let k = Kernel::SwiGluOai(m3c_kernels::SwiGluOai { width: 96, alpha: 1.702, limit: 1.2, beta: 1.0, act });
         let o = run_both(&k, rows, &[a(1, false), a(2, false), a(3, true)]);
         agree(&k.symbol(), &o[0].0, &o[0].1, act, 1e-5);
         // embedding gather
-        let k = Kernel::Embedding { vocab: 50, width: 96, weight: WeightType::BF16, act };
+        let k = Kernel::Embedding(m3c_kernels::Embedding { vocab: 50, width: 96, weight: WeightType::BF16, act });
         let ids: Vec<i64> = vec![7, 0, 49];
         let o =
             run_both(&k, rows, &[buf(&ids, &[rows], "memref<?xi64>", false), weight(50, 96, WeightType::BF16, 5).remove(0), a(3, true)]);
         agree(&k.symbol(), &o[0].0, &o[0].1, act, 0.0);
         // QK-norm + partial RoPE (3 heads of 32, 16 rotary channels)
-        let k = Kernel::HeadNormRope { heads: 3, head_dim: 32, rotary_dim: 16, theta: 5e6, eps: 1e-6, weight: WeightType::BF16, act };
+        let k = Kernel::HeadNormRope(m3c_kernels::HeadNormRope {
+            heads: 3,
+            head_dim: 32,
+            rotary_dim: 16,
+            theta: 5e6,
+            eps: 1e-6,
+            weight: WeightType::BF16,
+            act,
+        });
         let pos: Vec<i64> = vec![0, 5, 4000];
         let o = run_both(
             &k,
@@ -309,24 +317,24 @@ fn rowwise_gpu_kernels_match_the_host() {
         agree(&k.symbol(), &o[0].0, &o[0].1, act, 1e-4);
         // cache scatter to rows `pos` of a longer cache, both cache types
         for cache in ACTS {
-            let k = Kernel::ScatterRows { width: 96, cache, act };
+            let k = Kernel::ScatterRows(m3c_kernels::ScatterRows { width: 96, cache, act });
             let pos: Vec<i64> = vec![4, 0, 2];
             let o = run_both(&k, rows, &[a(1, false), buf(&pos, &[rows], "memref<?xi64>", false), act_rows(6, 96, cache, 7, true)]);
             assert_eq!(o[0].0, o[0].1, "{k}: the cache bytes");
         }
     }
     // to_bf16 and argmax (f32 logits)
-    let k = Kernel::ToBf16 { width: 96 };
+    let k = Kernel::ToBf16(m3c_kernels::ToBf16 { width: 96 });
     let o = run_both(&k, rows, &[act_rows(rows, 96, Storage::F32, 1, false), act_rows(rows, 96, Storage::Bf16, 2, true)]);
     assert_eq!(o[0].0, o[0].1, "{k}");
-    let k = Kernel::Argmax { width: 300 };
+    let k = Kernel::Argmax(m3c_kernels::Argmax { width: 300 });
     let mut logits = vals(rows * 300, 9, 2.0);
     logits[300 + 17] = 5.0;
     logits[300 + 200] = 5.0; // a tie: the first wins
     let o = run_both(&k, rows, &[buf(&logits, &[rows, 300], "memref<?x300xf32>", false), buf(&[0i64; 3], &[rows], "memref<?xi64>", true)]);
     assert_eq!(o[0].0, o[0].1, "{k}");
     // MXFP8 decode for the tensor-core GEMM
-    let k = Kernel::DequantMxfp8 { out: 24, inp: 256, block: 32 };
+    let k = Kernel::DequantMxfp8(m3c_kernels::DequantMxfp8 { out: 24, inp: 256, block: 32 });
     let mut args = weight(24, 256, WeightType::Mxfp8 { block: 32 }, 3);
     args.push(buf(&vec![0u16; 24 * 256], &[24, 256], "memref<?x256xi16>", true));
     let o = run_both(&k, 24, &args);
@@ -342,7 +350,7 @@ fn attention_and_the_msa_selection_on_the_gpu_match_the_host() {
                 // A prefill of 5 rows at positions 30..34 and a decode row.
                 for pos in [vec![30i64, 31, 32, 33, 34], vec![37]] {
                     let rows = pos.len();
-                    let k = Kernel::Attention { heads, kv_heads: kv, head_dim: d, scale: 0.25, sparse, cache, act };
+                    let k = Kernel::Attention(m3c_kernels::Attention { heads, kv_heads: kv, head_dim: d, scale: 0.25, sparse, cache, act });
                     let mut args = vec![
                         act_rows(rows, heads * d, act, 1, false),
                         act_rows(cap, kv * d, cache, 2, false),
@@ -367,7 +375,7 @@ fn router_and_routed_experts_on_the_gpu_match_the_host() {
     let (e, hidden, inter, top) = (8usize, 256usize, 64usize, 2usize);
     for act in ACTS {
         for rows in [1usize, 5] {
-            let k = Kernel::Router {
+            let k = Kernel::Router(m3c_kernels::Router {
                 width: hidden,
                 experts: e,
                 top_k: top,
@@ -375,7 +383,7 @@ fn router_and_routed_experts_on_the_gpu_match_the_host() {
                 weight: WeightType::F32,
                 bias: Some(WeightType::F32),
                 act,
-            };
+            });
             let mut args = vec![act_rows(rows, hidden, act, 1, false)];
             args.extend(weight(e, hidden, WeightType::F32, 2));
             args.push(buf(&vals(e, 3, 0.1), &[e], &format!("memref<{e}xf32>"), false));
@@ -409,8 +417,17 @@ fn router_and_routed_experts_on_the_gpu_match_the_host() {
                 args.push(act_rows(rows, hidden, act, 9, true));
                 // The output precedes the tensors so its index is fixed.
                 args.extend(tensors);
-                let k =
-                    Kernel::RoutedExperts { experts: e, hidden, inter, top_k: top, weight: w, alpha: 1.702, limit: 7.0, beta: 1.0, act };
+                let k = Kernel::RoutedExperts(m3c_kernels::RoutedExperts {
+                    experts: e,
+                    hidden,
+                    inter,
+                    top_k: top,
+                    weight: w,
+                    alpha: 1.702,
+                    limit: 7.0,
+                    beta: 1.0,
+                    act,
+                });
                 let o = run_both_prefix(&k, rows, &args, 5);
                 agree(&format!("{k} rows {rows}"), &o[0].0, &o[0].1, act, 1e-5);
             }
@@ -711,8 +728,15 @@ fn nan_scores_still_give_distinct_valid_ids_on_host_and_gpu() {
     let ids_of = |b: &[u8]| -> Vec<i64> { b.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect() };
     let (e, hidden, top, rows) = (8usize, 64usize, 4usize, 3usize);
     for act in ACTS {
-        let k =
-            Kernel::Router { width: hidden, experts: e, top_k: top, scale: 1.0, weight: WeightType::F32, bias: Some(WeightType::F32), act };
+        let k = Kernel::Router(m3c_kernels::Router {
+            width: hidden,
+            experts: e,
+            top_k: top,
+            scale: 1.0,
+            weight: WeightType::F32,
+            bias: Some(WeightType::F32),
+            act,
+        });
         // Experts 0, 2 and 5 get a NaN bias; a second case makes every score NaN.
         for nan_experts in [vec![0usize, 2, 5], (0..e).collect()] {
             let mut bias = vals(e, 3, 0.1);
@@ -737,7 +761,7 @@ fn nan_scores_still_give_distinct_valid_ids_on_host_and_gpu() {
             }
         }
     }
-    let k = Kernel::Argmax { width: 300 };
+    let k = Kernel::Argmax(m3c_kernels::Argmax { width: 300 });
     let mut logits = vals(rows * 300, 9, 2.0);
     logits[0] = f32::NAN; // row 0: NaN first, the best is elsewhere
     logits[123] = 7.0;

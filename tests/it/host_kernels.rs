@@ -75,8 +75,9 @@ fn rms_norm_and_bf16_linear_match_reference() {
     let get = |n: &str| ck.bytes(&ck.tensors[n]);
     let norm_w = bf16s(get("language_model.model.layers.0.input_layernorm.weight"));
     let q_w = bf16s(get("language_model.model.layers.0.self_attn.q_proj.weight"));
-    let norm = Kernel::RmsNorm { width: 128, eps: 1e-6, weight: WeightType::BF16, act: Storage::F32 };
-    let lin = Kernel::Linear { inp: 128, out: 256, weight: WeightType::BF16, act: Storage::F32, out_act: Storage::F32 };
+    let norm = Kernel::RmsNorm(m3c_kernels::RmsNorm { width: 128, eps: 1e-6, weight: WeightType::BF16, act: Storage::F32 });
+    let lin =
+        Kernel::Linear(m3c_kernels::Linear { inp: 128, out: 256, weight: WeightType::BF16, act: Storage::F32, out_act: Storage::F32 });
     let lib = build(&[norm.clone(), lin.clone(), norm.clone()], dir.path());
     let rows = 5;
     let x = input(rows, 128);
@@ -137,7 +138,8 @@ fn mxfp8_linear_matches_dequantized_reference() {
     }
     assert!(want.iter().any(|v| v.abs() > 1.0), "the test must see real values");
     for (block, s) in [(32, &s32), (16, &s16)] {
-        let lin = Kernel::Linear { inp, out, weight: WeightType::Mxfp8 { block }, act: Storage::F32, out_act: Storage::F32 };
+        let lin =
+            Kernel::Linear(m3c_kernels::Linear { inp, out, weight: WeightType::Mxfp8 { block }, act: Storage::F32, out_act: Storage::F32 });
         let sub = dir.path().join(format!("b{block}"));
         std::fs::create_dir(&sub).unwrap();
         let lib = build(std::slice::from_ref(&lin), &sub);
@@ -152,15 +154,33 @@ fn mxfp8_linear_matches_dequantized_reference() {
 
 #[test]
 fn kernels_are_emitted_once_per_shape() {
-    let a = Kernel::Linear { inp: 128, out: 64, weight: WeightType::BF16, act: Storage::F32, out_act: Storage::F32 };
-    let b = Kernel::Linear { inp: 128, out: 64, weight: WeightType::Mxfp8 { block: 32 }, act: Storage::F32, out_act: Storage::F32 };
+    let a = Kernel::Linear(m3c_kernels::Linear { inp: 128, out: 64, weight: WeightType::BF16, act: Storage::F32, out_act: Storage::F32 });
+    let b = Kernel::Linear(m3c_kernels::Linear {
+        inp: 128,
+        out: 64,
+        weight: WeightType::Mxfp8 { block: 32 },
+        act: Storage::F32,
+        out_act: Storage::F32,
+    });
     let text = module(&[a.clone(), b.clone(), a.clone(), b]);
     assert_eq!(text.matches("func.func @m3c_linear_i128_o64_bf16(").count(), 1);
     assert_eq!(text.matches("func.func @m3c_linear_i128_o64_mxfp8b32(").count(), 1);
     assert_eq!(text.matches("memref.global").count(), 0, "the vector path decodes fp8 without a table");
     // The scalar path (blocks not a multiple of 32) shares one table.
-    let c = Kernel::Linear { inp: 128, out: 64, weight: WeightType::Mxfp8 { block: 16 }, act: Storage::F32, out_act: Storage::F32 };
-    let d = Kernel::Linear { inp: 96, out: 64, weight: WeightType::Mxfp8 { block: 16 }, act: Storage::F32, out_act: Storage::F32 };
+    let c = Kernel::Linear(m3c_kernels::Linear {
+        inp: 128,
+        out: 64,
+        weight: WeightType::Mxfp8 { block: 16 },
+        act: Storage::F32,
+        out_act: Storage::F32,
+    });
+    let d = Kernel::Linear(m3c_kernels::Linear {
+        inp: 96,
+        out: 64,
+        weight: WeightType::Mxfp8 { block: 16 },
+        act: Storage::F32,
+        out_act: Storage::F32,
+    });
     let text = module(&[c, d]);
     assert_eq!(text.matches("memref.global").count(), 1, "one fp8 table for all scalar MXFP8 kernels");
 }
@@ -171,7 +191,15 @@ fn head_norm_rope_matches_reference() {
     let ck = Checkpoint::open(&fixture("tiny-m3")).unwrap();
     let w = bf16s(ck.bytes(&ck.tensors["language_model.model.layers.0.self_attn.q_norm.weight"]));
     let (heads, d, rot, theta) = (8, 32, 16, 5.0e6);
-    let k = Kernel::HeadNormRope { heads, head_dim: d, rotary_dim: rot, theta, eps: 1e-6, weight: WeightType::BF16, act: Storage::F32 };
+    let k = Kernel::HeadNormRope(m3c_kernels::HeadNormRope {
+        heads,
+        head_dim: d,
+        rotary_dim: rot,
+        theta,
+        eps: 1e-6,
+        weight: WeightType::BF16,
+        act: Storage::F32,
+    });
     let lib = build(std::slice::from_ref(&k), dir.path());
     let rows = 4;
     let x = input(rows, heads * d);
@@ -204,7 +232,7 @@ fn head_norm_rope_matches_reference() {
 #[test]
 fn swiglu_oai_clamps_and_gates() {
     let dir = tempfile::tempdir().unwrap();
-    let k = Kernel::SwiGluOai { width: 16, alpha: 1.702, limit: 7.0, beta: 1.0, act: Storage::F32 };
+    let k = Kernel::SwiGluOai(m3c_kernels::SwiGluOai { width: 16, alpha: 1.702, limit: 7.0, beta: 1.0, act: Storage::F32 });
     let lib = build(std::slice::from_ref(&k), dir.path());
     let rows = 2;
     // Values well past ±7 on both inputs, so both clamps fire.
@@ -231,7 +259,7 @@ fn swiglu_oai_clamps_and_gates() {
 #[test]
 fn argmax_takes_the_first_maximum() {
     let dir = tempfile::tempdir().unwrap();
-    let k = Kernel::Argmax { width: 6 };
+    let k = Kernel::Argmax(m3c_kernels::Argmax { width: 6 });
     let lib = build(std::slice::from_ref(&k), dir.path());
     let x = [0.0f32, 3.0, 1.0, 3.0, -1.0, 2.0, /* row 1 */ -5.0, -4.0, -3.0, -2.0, -1.0, -1.5];
     let ids = vec![-1i64; 2];
@@ -252,7 +280,7 @@ fn linear_tiles_cover_every_row_and_output() {
     // bf16 weights: the top halves of f32 values in [-1, 1).
     let wf: Vec<f32> = (0..out * inp).map(|i| ((i * 7919 % 2003) as f32 / 1001.5) - 1.0).collect();
     let w: Vec<u16> = wf.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
-    let lin = Kernel::Linear { inp, out, weight: WeightType::BF16, act: Storage::F32, out_act: Storage::F32 };
+    let lin = Kernel::Linear(m3c_kernels::Linear { inp, out, weight: WeightType::BF16, act: Storage::F32, out_act: Storage::F32 });
     let lib = build(std::slice::from_ref(&lin), dir.path());
     let y = vec![f32::NAN; rows * out];
     let f: libloading::Symbol<unsafe extern "C" fn(*const Memref2<f32>, *const Memref2<u16>, *const Memref2<f32>)> =
@@ -302,7 +330,7 @@ pub(crate) fn bf16_nearest_even(x: f32) -> u16 {
 fn bf16_cache_writes_round_to_nearest_even_at_their_positions() {
     use m3c_kernels::Storage;
     let dir = tempfile::tempdir().unwrap();
-    let k = Kernel::ScatterRows { width: 8, cache: Storage::Bf16, act: Storage::F32 };
+    let k = Kernel::ScatterRows(m3c_kernels::ScatterRows { width: 8, cache: Storage::Bf16, act: Storage::F32 });
     let lib = build(std::slice::from_ref(&k), dir.path());
     let step = f32::from_bits(1 << 16); // the smallest bf16 subnormal
     let x: Vec<f32> = vec![
@@ -348,14 +376,8 @@ fn attention_over_bf16_caches_equals_f32_attention_over_the_rounded_values() {
     let dir = tempfile::tempdir().unwrap();
     let (heads, kv, d, cap) = (4usize, 2usize, 16usize, 12usize);
     let sel = SparseSel { index_heads: 2, index_dim: 16, block: 2, topk: 2, local: 1, init: 0 };
-    let mk = |sparse: Option<SparseSel>, cache| Kernel::Attention {
-        heads,
-        kv_heads: kv,
-        head_dim: d,
-        scale: 0.25,
-        sparse,
-        cache,
-        act: Storage::F32,
+    let mk = |sparse: Option<SparseSel>, cache| {
+        Kernel::Attention(m3c_kernels::Attention { heads, kv_heads: kv, head_dim: d, scale: 0.25, sparse, cache, act: Storage::F32 })
     };
     let kernels = [mk(None, Storage::F32), mk(None, Storage::Bf16), mk(Some(sel), Storage::F32), mk(Some(sel), Storage::Bf16)];
     let lib = build(&kernels, dir.path());
@@ -476,27 +498,49 @@ fn bf16_activation_kernels_round_their_f32_twins_once() {
     let sel = m3c_kernels::SparseSel { index_heads: 2, index_dim: 16, block: 2, topk: 2, local: 1, init: 0 };
     let twins = |mk: &dyn Fn(Storage) -> Kernel| [mk(f), mk(b)];
     let lin = |weight, out_act: Option<Storage>| {
-        move |a: Storage| Kernel::Linear { inp: 192, out: 128, weight, act: a, out_act: out_act.unwrap_or(a) }
+        move |a: Storage| Kernel::Linear(m3c_kernels::Linear { inp: 192, out: 128, weight, act: a, out_act: out_act.unwrap_or(a) })
     };
     let kernels: Vec<[Kernel; 2]> = vec![
         twins(&lin(WeightType::BF16, None)),
         twins(&lin(WeightType::Mxfp8 { block: 32 }, None)),
         twins(&lin(WeightType::Mxfp8 { block: 16 }, None)),
         twins(&lin(WeightType::BF16, Some(f))),
-        twins(&|a| Kernel::RmsNorm { width: 128, eps: 1e-6, weight: WeightType::BF16, act: a }),
-        twins(&|a| Kernel::HeadNormRope {
-            heads: 4,
-            head_dim: 32,
-            rotary_dim: 16,
-            theta: 5e6,
-            eps: 1e-6,
-            weight: WeightType::BF16,
-            act: a,
+        twins(&|a| Kernel::RmsNorm(m3c_kernels::RmsNorm { width: 128, eps: 1e-6, weight: WeightType::BF16, act: a })),
+        twins(&|a| {
+            Kernel::HeadNormRope(m3c_kernels::HeadNormRope {
+                heads: 4,
+                head_dim: 32,
+                rotary_dim: 16,
+                theta: 5e6,
+                eps: 1e-6,
+                weight: WeightType::BF16,
+                act: a,
+            })
         }),
-        twins(&|a| Kernel::SwiGluOai { width: 128, alpha: 1.702, limit: 7.0, beta: 1.0, act: a }),
-        twins(&|a| Kernel::Add { width: 128, act: a }),
-        twins(&|a| Kernel::Router { width: 128, experts: 8, top_k: 2, scale: 2.5, weight: WeightType::BF16, bias: None, act: a }),
-        twins(&|a| Kernel::Attention { heads: 4, kv_heads: 2, head_dim: 16, scale: 0.25, sparse: Some(sel), cache: f, act: a }),
+        twins(&|a| Kernel::SwiGluOai(m3c_kernels::SwiGluOai { width: 128, alpha: 1.702, limit: 7.0, beta: 1.0, act: a })),
+        twins(&|a| Kernel::Add(m3c_kernels::Add { width: 128, act: a })),
+        twins(&|a| {
+            Kernel::Router(m3c_kernels::Router {
+                width: 128,
+                experts: 8,
+                top_k: 2,
+                scale: 2.5,
+                weight: WeightType::BF16,
+                bias: None,
+                act: a,
+            })
+        }),
+        twins(&|a| {
+            Kernel::Attention(m3c_kernels::Attention {
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 16,
+                scale: 0.25,
+                sparse: Some(sel),
+                cache: f,
+                act: a,
+            })
+        }),
     ];
     let all: Vec<Kernel> = kernels.iter().flat_map(|t| t.iter().cloned()).collect();
     let lib = build(&all, dir.path());
@@ -522,7 +566,7 @@ fn bf16_activation_kernels_round_their_f32_twins_once() {
         // SAFETY: the symbol and descriptors follow the kernel's C interface; every buffer outlives the call.
         let (want, got): (Vec<f32>, Vec<u32>) = unsafe {
             match kf {
-                Kernel::Linear { weight, out_act, .. } => {
+                Kernel::Linear(m3c_kernels::Linear { weight, out_act, .. }) => {
                     let yf = vec![0f32; rows * 128];
                     let ybf = vec![0u16; rows * 128];
                     let y32 = vec![0f32; rows * 128];
@@ -557,17 +601,19 @@ fn bf16_activation_kernels_round_their_f32_twins_once() {
                         (yf.clone(), ybf.iter().map(|&h| h as u32).collect())
                     }
                 }
-                Kernel::RmsNorm { .. } | Kernel::SwiGluOai { .. } | Kernel::Add { .. } => {
+                Kernel::RmsNorm(m3c_kernels::RmsNorm { .. })
+                | Kernel::SwiGluOai(m3c_kernels::SwiGluOai { .. })
+                | Kernel::Add(m3c_kernels::Add { .. }) => {
                     let (yf, yb) = (vec![0f32; rows * 128], vec![0u16; rows * 128]);
                     let (af, ab, bf, bb) = (m2(&x128, rows, 128), m2(&x128b, rows, 128), m2(&y128, rows, 128), m2(&y128b, rows, 128));
                     let (yfm, ybm, wm) = (m2(&yf, rows, 128), m2(&yb, rows, 128), m1(&norm_w));
-                    let second_f = if matches!(kf, Kernel::RmsNorm { .. }) { p(&wm) } else { p(&bf) };
-                    let second_b = if matches!(kf, Kernel::RmsNorm { .. }) { p(&wm) } else { p(&bb) };
+                    let second_f = if matches!(kf, Kernel::RmsNorm(m3c_kernels::RmsNorm { .. })) { p(&wm) } else { p(&bf) };
+                    let second_b = if matches!(kf, Kernel::RmsNorm(m3c_kernels::RmsNorm { .. })) { p(&wm) } else { p(&bb) };
                     call(&lib, kf, &[p(&af), second_f, p(&yfm)]);
                     call(&lib, kb, &[p(&ab), second_b, p(&ybm)]);
                     (yf.clone(), yb.iter().map(|&h| h as u32).collect())
                 }
-                Kernel::HeadNormRope { .. } => {
+                Kernel::HeadNormRope(m3c_kernels::HeadNormRope { .. }) => {
                     let nw = vec![0x3E80u16; 32];
                     let (yf, yb) = (vec![0f32; rows * 128], vec![0u16; rows * 128]);
                     let (xf, xb, wm, pm) = (m2(&x128, rows, 128), m2(&x128b, rows, 128), m1(&nw), m1(&pos));
@@ -576,7 +622,7 @@ fn bf16_activation_kernels_round_their_f32_twins_once() {
                     call(&lib, kb, &[p(&xb), p(&wm), p(&pm), p(&ybm)]);
                     (yf.clone(), yb.iter().map(|&h| h as u32).collect())
                 }
-                Kernel::Router { .. } => {
+                Kernel::Router(m3c_kernels::Router { .. }) => {
                     let rw: Vec<u16> = wb[..8 * 128].to_vec();
                     let (wf, wbt, idf, idb) = (vec![0f32; rows * 2], vec![0f32; rows * 2], vec![0i64; rows * 2], vec![0i64; rows * 2]);
                     let (xf, xb, wm) = (m2(&x128, rows, 128), m2(&x128b, rows, 128), m2(&rw, 8, 128));
@@ -587,7 +633,7 @@ fn bf16_activation_kernels_round_their_f32_twins_once() {
                     // Router outputs stay f32: equal bits, no rounding.
                     (wf.clone(), wbt.iter().map(|v| v.to_bits()).collect())
                 }
-                Kernel::Attention { .. } => {
+                Kernel::Attention(m3c_kernels::Attention { .. }) => {
                     let (of, ob) = (vec![0f32; rows * 64], vec![0u16; rows * 64]);
                     let (qf, qb, km, vm, pm) = (m2(&q64, rows, 64), m2(&q64b, rows, 64), m2(&kc, cap, 32), m2(&vc, cap, 32), m1(&pos));
                     let (iqf, iqb, ikm) = (m2(&iq32, rows, 32), m2(&iq32b, rows, 32), m2(&ic, cap, 16));
@@ -600,7 +646,7 @@ fn bf16_activation_kernels_round_their_f32_twins_once() {
             }
         };
         assert!(want.iter().any(|v| v.abs() > 0.05), "{kf}: the test must see real values");
-        let f32_out = matches!(kf, Kernel::Router { .. }) || kb.symbol().contains("_yf32");
+        let f32_out = matches!(kf, Kernel::Router(m3c_kernels::Router { .. })) || kb.symbol().contains("_yf32");
         let expect: Vec<u32> =
             if f32_out { want.iter().map(|v| v.to_bits()).collect() } else { want.iter().map(|&v| bf16_nearest_even(v) as u32).collect() };
         assert_eq!(got, expect, "{kb} is not its f32 twin rounded once");
@@ -621,7 +667,7 @@ fn mxfp8_weights_decode_to_bf16_exactly() {
     let w = ck.bytes(&ck.tensors[&format!("{stem}.weight")]).to_vec();
     let s = ck.bytes(&ck.tensors[&format!("{stem}.weight_scale_inv")]).to_vec();
     let (out, inp) = (128, 192);
-    let k = Kernel::DequantMxfp8 { out, inp, block: 32 };
+    let k = Kernel::DequantMxfp8(m3c_kernels::DequantMxfp8 { out, inp, block: 32 });
     let lib = build(std::slice::from_ref(&k), dir.path());
     let y = vec![0u16; out * inp];
     // SAFETY: each pointer is a live descriptor of the compiled shape, for the whole call.

@@ -54,6 +54,8 @@ struct Emitter {
     funcs: Vec<(String, String)>,
     gpu_kernels: BTreeSet<String>,
     n: usize,
+    /// Calls whose arguments do not match the kernel's signature (a compiler bug).
+    mismatches: Vec<String>,
 }
 
 fn elem_bytes(elem: &str) -> usize {
@@ -145,6 +147,19 @@ impl Emitter {
 
     fn call(&mut self, kernel: &m3c_kernels::Kernel, args: &[Arg], seq: bool, tag: usize) {
         let a: Vec<(String, String)> = args.iter().map(|x| self.arg(x, seq)).collect();
+        // The kernel's signature, written once in its unit, is what every
+        // call must pass: checked here, before MLIR's verifier would.
+        let params = kernel.params();
+        let passed: Vec<&str> = a.iter().map(|(_, t)| t.as_str()).collect();
+        let wanted: Vec<&str> = params.iter().map(|p| p.ty.as_str()).collect();
+        if passed != wanted {
+            self.mismatches.push(format!(
+                "{} takes ({}), the fused step passes ({})",
+                kernel.symbol(),
+                wanted.join(", "),
+                passed.join(", ")
+            ));
+        }
         match self.flavor {
             Flavor::Host => {
                 let (names, tys): (Vec<String>, Vec<String>) = a.into_iter().unzip();
@@ -157,13 +172,13 @@ impl Emitter {
                 self.device_views.extend(call.device_views);
                 self.views.extend(call.host_views);
                 match kernel {
-                    m3c_kernels::Kernel::Linear {
+                    m3c_kernels::Kernel::Linear(m3c_kernels::Linear {
                         inp,
                         out,
                         weight: weight @ (m3c_kernels::WeightType::BF16 | m3c_kernels::WeightType::Mxfp8 { .. }),
                         act,
                         out_act,
-                    } if !seq => {
+                    }) if !seq => {
                         let gemm = self.cublas_gemm(&a, *inp, *out, *weight, *act, *out_act, &tag.to_string());
                         let _ = writeln!(
                             self.body,
@@ -221,7 +236,7 @@ impl Emitter {
         let (convert, xp, free) = match act {
             Storage::Bf16 => (ptr(&a[0].0, &a[0].1, &format!("%gq{tag}_xp")), format!("%gq{tag}_xp"), String::new()),
             Storage::F32 => {
-                let conv = m3c_kernels::Kernel::ToBf16 { width: inp };
+                let conv = m3c_kernels::Kernel::ToBf16(m3c_kernels::ToBf16 { width: inp });
                 self.use_gpu_kernel(&conv);
                 let xb = format!("%gq{tag}_xb");
                 let (alloc, xb_ty) = m3c_kernels::gpu::device_buffer(&xb, "%S", inp, "i16");
@@ -233,7 +248,7 @@ impl Emitter {
         // The weight as bf16 and the output: `a` is (x, w, y) or, for MXFP8, (x, w, scales, y).
         let (wconv, wp, wfree, y) = match weight {
             m3c_kernels::WeightType::Mxfp8 { block } => {
-                let dq = m3c_kernels::Kernel::DequantMxfp8 { out, inp, block };
+                let dq = m3c_kernels::Kernel::DequantMxfp8(m3c_kernels::DequantMxfp8 { out, inp, block });
                 self.use_gpu_kernel(&dq);
                 let wb = format!("%gq{tag}_wb");
                 let (alloc, wb_ty) = m3c_kernels::gpu::device_buffer(&wb, &format!("%gq{tag}_on"), inp, "i16");
@@ -280,6 +295,7 @@ fn entry_body(f: &FusedStage, flavor: Flavor) -> Emitter {
         funcs: Vec::new(),
         gpu_kernels: BTreeSet::new(),
         n: 0,
+        mismatches: Vec::new(),
     };
     let h = f.hidden;
     e.body.push_str(
@@ -353,17 +369,27 @@ fn entry_func(body: &str) -> String {
     )
 }
 
+/// Calls that disagree with their kernel's signature, as an error.
+fn check(e: &Emitter) -> Result<(), String> {
+    match e.mismatches.first() {
+        None => Ok(()),
+        Some(m) => Err(format!("internal: a kernel call does not match its signature: {m}")),
+    }
+}
+
 /// The whole module of a stage for the host: kernels, view helpers and the entry.
-pub fn module(f: &FusedStage) -> String {
+pub fn module(f: &FusedStage) -> Result<String, String> {
     let e = entry_body(f, Flavor::Host);
+    check(&e)?;
     let views: Vec<MemTy> = e.views.iter().cloned().collect();
-    m3c_kernels::module_with(&f.kernels, &views, &format!("{RUNTIME_DECLS}{}", entry_func(&e.body)))
+    Ok(m3c_kernels::module_with(&f.kernels, &views, &format!("{RUNTIME_DECLS}{}", entry_func(&e.body))))
 }
 
 /// The module of a stage for NVIDIA GPUs: the kernels as `gpu.func`s in one
 /// `gpu.module`, and the same entry, launching them.
-pub fn cuda_module(f: &FusedStage) -> String {
+pub fn cuda_module(f: &FusedStage) -> Result<String, String> {
     let e = entry_body(f, Flavor::Cuda);
+    check(&e)?;
     let mut out = String::from("module attributes {gpu.container_module} {\n");
     out.push_str(RUNTIME_DECLS);
     out.push_str(CUDA_DECLS);
@@ -380,5 +406,5 @@ pub fn cuda_module(f: &FusedStage) -> String {
     out.push_str("  }\n");
     out.push_str(&entry_func(&e.body));
     out.push_str("}\n");
-    out
+    Ok(out)
 }

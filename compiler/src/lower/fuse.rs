@@ -249,7 +249,7 @@ impl Fuser<'_> {
     fn write_cache(&mut self, buf: &Arg, slot: Option<(usize, Storage)>, width: usize, what: &str) {
         if let Some((slot, cache)) = slot {
             self.call(
-                Kernel::ScatterRows { width, cache, act: self.act },
+                Kernel::ScatterRows(m3c_kernels::ScatterRows { width, cache, act: self.act }),
                 vec![buf.clone(), Arg::Pos, Arg::Cache { slot, width, cache }],
                 format!("{what} → cache"),
             );
@@ -276,7 +276,7 @@ impl Fuser<'_> {
             }
             Op::Embedding { weight } => {
                 let (w, wt) = self.float_weight(&weight)?;
-                let k = Kernel::Embedding { vocab: t.vocab_size, width: t.hidden_size, weight: wt, act: self.act };
+                let k = Kernel::Embedding(m3c_kernels::Embedding { vocab: t.vocab_size, width: t.hidden_size, weight: wt, act: self.act });
                 self.call(k, vec![Arg::Ids, w, Arg::X], what);
                 self.vals.insert(n, Arg::X);
             }
@@ -284,7 +284,7 @@ impl Fuser<'_> {
                 let x = self.val(ops[0])?;
                 let (w, wt) = self.float_weight(&weight)?;
                 let y = self.alloc(width, self.act.mlir_elem());
-                self.call(Kernel::RmsNorm { width, eps, weight: wt, act: self.act }, vec![x, w, y.clone()], what);
+                self.call(Kernel::RmsNorm(m3c_kernels::RmsNorm { width, eps, weight: wt, act: self.act }), vec![x, w, y.clone()], what);
                 self.vals.insert(n, y);
             }
             Op::Linear { weight, out, inp, mxfp8_block } => {
@@ -302,11 +302,11 @@ impl Fuser<'_> {
                     Some(block) => {
                         let w = self.weight_arg(&weight, "i8")?;
                         let s = self.weight_arg(&names::scales(names::without_weight(&weight)), "i8")?;
-                        (Kernel::Linear { inp, out, weight: WeightType::Mxfp8 { block }, act, out_act }, vec![x, w, s])
+                        (Kernel::Linear(m3c_kernels::Linear { inp, out, weight: WeightType::Mxfp8 { block }, act, out_act }), vec![x, w, s])
                     }
                     None => {
                         let (w, wt) = self.float_weight(&weight)?;
-                        (Kernel::Linear { inp, out, weight: wt, act, out_act }, vec![x, w])
+                        (Kernel::Linear(m3c_kernels::Linear { inp, out, weight: wt, act, out_act }), vec![x, w])
                     }
                 };
                 args.push(y.clone());
@@ -322,7 +322,8 @@ impl Fuser<'_> {
                 let x = self.val(g.operands(norm)[0])?;
                 let (w, wt) = self.float_weight(&weight)?;
                 let (y, cache) = self.output_for(n, heads * head_dim);
-                let k = Kernel::HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight: wt, act: self.act };
+                let k =
+                    Kernel::HeadNormRope(m3c_kernels::HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight: wt, act: self.act });
                 self.call(k, vec![x, w, Arg::Pos, y.clone()], what.clone());
                 self.write_cache(&y, cache, heads * head_dim, &what);
                 self.vals.insert(n, y);
@@ -350,7 +351,19 @@ impl Fuser<'_> {
                 };
                 let o = self.alloc(heads * head_dim, self.act.mlir_elem());
                 args.push(o.clone());
-                self.call(Kernel::Attention { heads, kv_heads, head_dim, scale, sparse, cache: self.cache, act: self.act }, args, what);
+                self.call(
+                    Kernel::Attention(m3c_kernels::Attention {
+                        heads,
+                        kv_heads,
+                        head_dim,
+                        scale,
+                        sparse,
+                        cache: self.cache,
+                        act: self.act,
+                    }),
+                    args,
+                    what,
+                );
                 self.vals.insert(n, o);
             }
             Op::Add => {
@@ -358,13 +371,17 @@ impl Fuser<'_> {
                 // In place when the first operand dies here (residual stream, routed sum).
                 let a_dies = self.consumers(ops[0]).iter().all(|&c| c <= n);
                 let y = if a_dies { a.clone() } else { self.alloc(width, self.act.mlir_elem()) };
-                self.call(Kernel::Add { width, act: self.act }, vec![a, b, y.clone()], what);
+                self.call(Kernel::Add(m3c_kernels::Add { width, act: self.act }), vec![a, b, y.clone()], what);
                 self.vals.insert(n, y);
             }
             Op::SwiGluOai { alpha, limit, beta } => {
                 let (gt, up) = (self.val(ops[0])?, self.val(ops[1])?);
                 let y = self.alloc(width, self.act.mlir_elem());
-                self.call(Kernel::SwiGluOai { width, alpha, limit, beta, act: self.act }, vec![gt, up, y.clone()], what);
+                self.call(
+                    Kernel::SwiGluOai(m3c_kernels::SwiGluOai { width, alpha, limit, beta, act: self.act }),
+                    vec![gt, up, y.clone()],
+                    what,
+                );
                 self.vals.insert(n, y);
             }
             Op::Router { weight, bias, experts, top_k, scale } => {
@@ -383,7 +400,15 @@ impl Fuser<'_> {
                 let ids = self.alloc(top_k, "i64");
                 args.push(wts.clone());
                 args.push(ids.clone());
-                let k = Kernel::Router { width: t.hidden_size, experts, top_k, scale, weight: wt, bias: bt, act: self.act };
+                let k = Kernel::Router(m3c_kernels::Router {
+                    width: t.hidden_size,
+                    experts,
+                    top_k,
+                    scale,
+                    weight: wt,
+                    bias: bt,
+                    act: self.act,
+                });
                 self.call(k, args, what);
                 // The routing value is the pair; consumers read both.
                 self.vals.insert(n, wts);
@@ -415,7 +440,17 @@ impl Fuser<'_> {
                 }
                 debug_assert_eq!(self.tensors.len() - first_slot, experts * expert_tensor_types(hidden, intermediate, weight).len());
                 let y = self.alloc(hidden, self.act.mlir_elem());
-                let k = Kernel::RoutedExperts { experts, hidden, inter: intermediate, top_k, weight, alpha, limit, beta, act: self.act };
+                let k = Kernel::RoutedExperts(m3c_kernels::RoutedExperts {
+                    experts,
+                    hidden,
+                    inter: intermediate,
+                    top_k,
+                    weight,
+                    alpha,
+                    limit,
+                    beta,
+                    act: self.act,
+                });
                 self.call(k, vec![h, wts, ids, Arg::ExpertTable { first_slot }, y.clone()], what);
                 self.vals.insert(n, y);
             }
@@ -424,7 +459,7 @@ impl Fuser<'_> {
                 let Arg::Logits { vocab } = x else {
                     return Err(format!("{what}: argmax of a value that is not the logits"));
                 };
-                self.call(Kernel::Argmax { width: vocab }, vec![x, Arg::OutIds], what);
+                self.call(Kernel::Argmax(m3c_kernels::Argmax { width: vocab }), vec![x, Arg::OutIds], what);
             }
         }
         Ok(())

@@ -107,7 +107,8 @@ pub fn lower_stage(
     let mlir = match target {
         Target::Host => entry::module(&fused),
         Target::Cuda { .. } => entry::cuda_module(&fused),
-    };
+    }
+    .map_err(|message| LowerError::Stage { stage: index, message })?;
     Ok(StageProgram {
         index,
         parts,

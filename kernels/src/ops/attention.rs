@@ -1,5 +1,10 @@
-use crate::emit::{f32_lit, indent, load_f32, load_f32xn, parallel_or_serial, store_f32};
-use crate::Storage;
+//! Causal GQA attention over the cache, with the MSA block selection
+//! (MiniMax Sparse Attention's indexer) fused in when it is set.
+
+use crate::emit::{f32_lit, load_f32, load_f32xn, parallel_or_serial, store_f32};
+use crate::gpu::{device_buffer, func, GpuCall, GpuFunc, IDX};
+use crate::unit::{param, KernelUnit, Launch, Param};
+use crate::{indent, num_tag, Storage};
 
 /// MiniMax Sparse Attention's block selection, as fixed by the config.
 #[derive(Debug, Clone, Copy, PartialEq, PartialOrd)]
@@ -12,6 +17,105 @@ pub struct SparseSel {
     pub local: usize,
     /// The first `init` blocks are always selected.
     pub init: usize,
+}
+
+/// Causal GQA attention over the cache; MSA block selection fused in when
+/// `sparse` is set.
+#[derive(Debug, Clone, PartialEq, PartialOrd)]
+pub struct Attention {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f64,
+    pub sparse: Option<SparseSel>,
+    pub cache: Storage,
+    pub act: Storage,
+}
+
+impl KernelUnit for Attention {
+    fn symbol(&self) -> String {
+        let Attention { heads, kv_heads, head_dim, scale, sparse, cache, act } = self;
+        let mut s = format!("m3c_attention_h{heads}_kv{kv_heads}_d{head_dim}_s{}", num_tag(*scale));
+        if let Some(m) = sparse {
+            s.push_str(&format!("_msa_ih{}_id{}_b{}_k{}_l{}_i{}", m.index_heads, m.index_dim, m.block, m.topk, m.local, m.init));
+        }
+        s.push_str(cache.suffix());
+        s.push_str(act.act_suffix());
+        s
+    }
+    fn params(&self) -> Vec<Param> {
+        let Attention { heads, kv_heads, head_dim: d, sparse, cache, act, .. } = self;
+        let qt = format!("memref<?x{}x{}>", heads * d, act.mlir_elem());
+        let kt = format!("memref<?x{}x{}>", kv_heads * d, cache.mlir_elem());
+        let mut p = vec![param("q", &qt), param("k", &kt), param("v", &kt), param("pos", "memref<?xi64>")];
+        if let Some(s) = sparse {
+            p.push(param("iq", format!("memref<?x{}x{}>", s.index_heads * s.index_dim, act.mlir_elem())));
+            p.push(param("ik", format!("memref<?x{}x{}>", s.index_dim, cache.mlir_elem())));
+        }
+        p.push(param("o", &qt));
+        p
+    }
+    fn act(&self) -> Option<Storage> {
+        Some(self.act)
+    }
+    fn host_body(&self) -> String {
+        let k = self;
+        host(k.heads, k.kv_heads, k.head_dim, k.scale, k.sparse, k.cache, k.act)
+    }
+    fn gpu_funcs(&self) -> Vec<GpuFunc> {
+        let k = self;
+        vec![gpu_attention(&self.symbol(), k.heads, k.kv_heads, k.head_dim, k.scale, k.sparse, k.cache, k.act)]
+    }
+    /// A warp per (query row, KV group); sparse attention gets per-(row,
+    /// group) block scores and selection flags in global scratch.
+    fn launch(&self, l: &Launch) -> GpuCall {
+        let (kv_heads, sparse) = (&self.kv_heads, &self.sparse);
+        let (tag, rows, args) = (l.tag, l.rows, l.args);
+        let sym = self.symbol();
+        let one = l.one();
+        let launch = |name: &str, grid: [&str; 3], block: usize, a: &[(String, String)]| l.grid(name, grid, block, a);
+        let mut text = String::new();
+        let mut host_views = Vec::new();
+
+        text.push_str(&format!("%g{tag}_kv = arith.constant {kv_heads} : index\n"));
+        let mut a = args.to_vec();
+        if let Some(s) = sparse {
+            // Per (row, group) block scores and selection flags, in global scratch.
+            let (k_name, k_ty) = &args[1];
+            text.push_str(&format!(
+                "%g{tag}_c0 = arith.constant 0 : index\n\
+                 %g{tag}_ctx = memref.dim {k_name}, %g{tag}_c0 : {k_ty}\n\
+                 %g{tag}_bm1 = arith.constant {} : index\n\
+                 %g{tag}_bsz = arith.constant {} : index\n\
+                 %g{tag}_cp = arith.addi %g{tag}_ctx, %g{tag}_bm1 : index\n\
+                 %g{tag}_nbmax = arith.divui %g{tag}_cp, %g{tag}_bsz : index\n\
+                 %g{tag}_rk = arith.muli {rows}, %g{tag}_kv : index\n\
+                 %g{tag}_n = arith.muli %g{tag}_rk, %g{tag}_nbmax : index\n",
+                s.block - 1,
+                s.block
+            ));
+            let (a1, t1) = device_buffer(&format!("%g{tag}_bs"), &format!("%g{tag}_n"), 0, "f32");
+            let (a2, t2) = device_buffer(&format!("%g{tag}_sel"), &format!("%g{tag}_n"), 0, "i32");
+            text.push_str(&a1);
+            text.push_str(&a2);
+            host_views.push(t1);
+            host_views.push(t2);
+            let o = a.pop().expect("attention has an output");
+            a.push((format!("%g{tag}_bs"), "memref<?xf32>".into()));
+            a.push((format!("%g{tag}_sel"), "memref<?xi32>".into()));
+            a.push((format!("%g{tag}_nbmax"), "index".into()));
+            a.push(o);
+        }
+        text.push_str(&launch(&sym, [rows, &format!("%g{tag}_kv"), &one], 32, &a));
+        if sparse.is_some() {
+            text.push_str(&format!(
+                "func.call @m3c_buf_free(%g{tag}_bs_p) : (!llvm.ptr) -> ()\nfunc.call @m3c_buf_free(%g{tag}_sel_p) : (!llvm.ptr) -> ()\n"
+            ));
+        }
+                    let mut call = l.call(text);
+        call.host_views = host_views;
+        call
+    }
 }
 
 const NEG_INF: &str = "0xFF800000";
@@ -30,8 +134,7 @@ const POS_INF: &str = "0x7F800000";
 /// `q`, `o` and `iq` hold values stored as `act`; the output is accumulated
 /// in f32 (in `o` itself when that is f32, else in scratch) and stored once.
 #[allow(clippy::too_many_arguments)]
-pub fn attention(
-    name: &str,
+fn host(
     heads: usize,
     kv_heads: usize,
     d: usize,
@@ -43,7 +146,6 @@ pub fn attention(
     let group = heads / kv_heads;
     let qt = format!("memref<?x{}x{}>", heads * d, act.mlir_elem());
     let kt = format!("memref<?x{}x{}>", kv_heads * d, cache.mlir_elem());
-    let mut args = format!("%q: {qt}, %k: {kt}, %v: {kt}, %pos: memref<?xi64>");
     let mut setup = String::new();
     let mut select = String::new();
     let mut allowed = String::from("%allowed = arith.constant true\n");
@@ -51,7 +153,6 @@ pub fn attention(
     if let Some(s) = sparse {
         let iqt = format!("memref<?x{}x{}>", s.index_heads * s.index_dim, act.mlir_elem());
         let ikt = format!("memref<?x{}x{}>", s.index_dim, cache.mlir_elem());
-        args.push_str(&format!(", %iq: {iqt}, %ik: {ikt}"));
         setup = format!(
             "%cB = arith.constant {block} : index\n\
              %cBm1 = arith.constant {bm1} : index\n\
@@ -123,7 +224,6 @@ pub fn attention(
                    %allowed = arith.cmpi ne, %sv, %i32_0 : i32\n"
             .into();
     }
-    args.push_str(&format!(", %o: {qt}"));
     // Where P·V accumulates: `o` itself when it holds f32, else an f32 row
     // stored into `o` (rounded once) when the head is done.
     let acc_ty = format!("memref<{d}xf32>");
@@ -239,7 +339,7 @@ pub fn attention(
         per_key = heads * d * 2,
         iters = parallel_or_serial("%work", &["%r", "%g"], &["%c0", "%c0"], &["%rows", "%ckv"], &["%c1", "%c1"], &iteration),
     );
-    format!("  func.func @{name}({args}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n", indent(&body, 4))
+    body
 }
 
 /// `dst` = Σ_c x[xr, xb + c] · y[yr, yb + c] over `len` (its index constant
@@ -327,4 +427,119 @@ fn pv(acc: &str, acc_ty: &str, kt: &str, d: usize, cache: Storage) -> String {
             v1 = indent(&load_f32("%vv", "%v", kt, "%t", "%vc", cache), 2),
         )
     }
+}
+
+/// Attention on the GPU: one warp per (query row, KV group). `q`, `iq` and
+/// `o` hold values stored as `act`.
+#[allow(clippy::too_many_arguments)]
+fn gpu_attention(
+    name: &str,
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+    scale: f64,
+    sparse: Option<SparseSel>,
+    cache: Storage,
+    act: Storage,
+) -> GpuFunc {
+    let group = heads / kv_heads;
+    let qt = format!("memref<?x{}x{}>", heads * d, act.mlir_elem());
+    let kt = format!("memref<?x{}x{}>", kv_heads * d, cache.mlir_elem());
+    let load = |dst: &str, mem: &str, ty: &str, r: &str, c: &str| crate::emit::load_f32(dst, mem, ty, r, c, cache);
+    let mut params = format!("%q: {qt}, %k: {kt}, %v: {kt}, %pos: memref<?xi64>");
+    let mut select = String::new();
+    let mut allowed = "%allowed = arith.constant true\n".to_string();
+    if let Some(s) = sparse {
+        let iqt = format!("memref<?x{}x{}>", s.index_heads * s.index_dim, act.mlir_elem());
+        let ikt = format!("memref<?x{}x{}>", s.index_dim, cache.mlir_elem());
+        params.push_str(&format!(", %iq: {iqt}, %ik: {ikt}, %bs: memref<?xf32>, %sel: memref<?xi32>, %nbmax: index"));
+        select = format!(
+            "%cB = arith.constant {block} : index\n%cK = arith.constant {topk} : index\n%cid = arith.constant {id} : index\n\
+             %clocal = arith.constant {local} : index\n%cinit = arith.constant {init} : index\n\
+             %i0 = arith.constant 0 : i32\n%i1 = arith.constant 1 : i32\n%big = arith.constant 2147483647 : i32\n\
+             %row0 = arith.muli %r, %ckv : index\n%row = arith.addi %row0, %g : index\n%rbase = arith.muli %row, %nbmax : index\n\
+             %bq = arith.divui %p, %cB : index\n%nb = arith.addi %bq, %c1 : index\n%iqb = arith.muli %g, %cid : index\n\
+             // Block scores: lane-strided blocks, max over the block's causal keys.\n\
+             scf.for %b = %lane to %nb step %c32 {{\n\
+             \x20 %t0 = arith.muli %b, %cB : index\n  %t1a = arith.addi %t0, %cB : index\n  %t1 = arith.minui %t1a, %nk : index\n\
+             \x20 %mx = scf.for %t = %t0 to %t1 step %c1 iter_args(%m = %ninf) -> (f32) {{\n\
+             \x20   %dot = scf.for %c = %c0 to %cid step %c1 iter_args(%a = %zero) -> (f32) {{\n\
+             \x20     %qc = arith.addi %iqb, %c : index\n{iq_load}{ik_load}\
+             \x20     %mm = arith.mulf %x1, %x2 : f32\n      %a2 = arith.addf %a, %mm : f32\n      scf.yield %a2 : f32\n    }}\n\
+             \x20   %m2 = arith.maximumf %m, %dot : f32\n    scf.yield %m2 : f32\n  }}\n\
+             \x20 %bl = arith.addi %b, %clocal : index\n  %isloc = arith.cmpi ugt, %bl, %bq : index\n  %isinit = arith.cmpi ult, %b, %cinit : index\n\
+             \x20 %forced = arith.ori %isloc, %isinit : i1\n  %val = arith.select %forced, %pinf, %mx : f32\n\
+             \x20 %at = arith.addi %rbase, %b : index\n  memref.store %val, %bs[%at] : memref<?xf32>\n  memref.store %i0, %sel[%at] : memref<?xi32>\n\
+             }}\n\
+             gpu.barrier\n\
+             // Top-k by repeated warp argmax; ties go to the lower block.\n\
+             scf.for %s = %c0 to %cK step %c1 {{\n\
+             \x20 %best:2 = scf.for %b = %lane to %nb step %c32 iter_args(%bv = %ninf, %bi = %nb) -> (f32, index) {{\n\
+             \x20   %at = arith.addi %rbase, %b : index\n    %tk = memref.load %sel[%at] : memref<?xi32>\n    %free = arith.cmpi eq, %tk, %i0 : i32\n\
+             \x20   %x = memref.load %bs[%at] : memref<?xf32>\n    %gt = arith.cmpf ogt, %x, %bv : f32\n    %ok = arith.andi %free, %gt : i1\n\
+             \x20   %nv = arith.select %ok, %x, %bv : f32\n    %ni = arith.select %ok, %b, %bi : index\n    scf.yield %nv, %ni : f32, index\n  }}\n\
+             \x20 %wm = gpu.subgroup_reduce maximumf %best#0 : (f32) -> f32\n\
+             \x20 %mine = arith.cmpf oeq, %best#0, %wm : f32\n  %bi32 = arith.index_cast %best#1 : index to i32\n\
+             \x20 %cand = arith.select %mine, %bi32, %big : i32\n  %win = gpu.subgroup_reduce minsi %cand : (i32) -> i32\n\
+             \x20 %found = arith.cmpf ogt, %wm, %ninf : f32\n  %lead = arith.cmpi eq, %lane, %c0 : index\n  %mark = arith.andi %found, %lead : i1\n\
+             \x20 scf.if %mark {{\n    %wi = arith.index_cast %win : i32 to index\n    %at = arith.addi %rbase, %wi : index\n    memref.store %i1, %sel[%at] : memref<?xi32>\n  }}\n\
+             \x20 gpu.barrier\n\
+             }}\n",
+            block = s.block,
+            topk = s.topk,
+            id = s.index_dim,
+            local = s.local,
+            init = s.init,
+            iq_load = indent(&load_f32("%x1", "%iq", &iqt, "%r", "%qc", act), 6),
+            ik_load = indent(&load("%x2", "%ik", &ikt, "%t", "%c"), 6),
+        );
+        allowed = "%tb = arith.divui %t, %cB : index\n%at = arith.addi %rbase, %tb : index\n%sv = memref.load %sel[%at] : memref<?xi32>\n%allowed = arith.cmpi ne, %sv, %i0 : i32\n".into();
+    }
+    params.push_str(&format!(", %o: {qt}"));
+    let body = format!(
+        "{IDX}%r = gpu.block_id x\n%g = gpu.block_id y\n%lane = gpu.thread_id x\n\
+         %cg = arith.constant {group} : index\n%ckv = arith.constant {kv_heads} : index\n%cd = arith.constant {d} : index\n\
+         %scale = arith.constant {sc} : f32\n\
+         %p64 = memref.load %pos[%r] : memref<?xi64>\n%p = arith.index_cast %p64 : i64 to index\n%nk = arith.addi %p, %c1 : index\n\
+         {select}\
+         %kb = arith.muli %g, %cd : index\n\
+         %acc = memref.alloca() : memref<{d}xf32>\n\
+         scf.for %hh = %c0 to %cg step %c1 {{\n\
+         \x20 %gi = arith.muli %g, %cg : index\n  %i = arith.addi %gi, %hh : index\n  %qb = arith.muli %i, %cd : index\n\
+         \x20 scf.for %c = %c0 to %cd step %c1 {{\n    memref.store %zero, %acc[%c] : memref<{d}xf32>\n  }}\n\
+         \x20 // Online softmax over this lane's keys.\n\
+         \x20 %ml:2 = scf.for %t = %lane to %nk step %c32 iter_args(%m = %ninf, %l = %zero) -> (f32, f32) {{\n\
+         {allowed}\
+         \x20   %res:2 = scf.if %allowed -> (f32, f32) {{\n\
+         \x20     %dot = scf.for %c = %c0 to %cd step %c1 iter_args(%a = %zero) -> (f32) {{\n\
+         \x20       %qc = arith.addi %qb, %c : index\n        %kc = arith.addi %kb, %c : index\n\
+         {q_load}{k_load}\
+         \x20       %mm = arith.mulf %x1, %x2 : f32\n        %a2 = arith.addf %a, %mm : f32\n        scf.yield %a2 : f32\n      }}\n\
+         \x20     %s = arith.mulf %dot, %scale : f32\n      %m2 = arith.maximumf %m, %s : f32\n\
+         \x20     %dm = arith.subf %m, %m2 : f32\n      %cold = math.exp %dm : f32\n      %ds = arith.subf %s, %m2 : f32\n      %pw = math.exp %ds : f32\n\
+         \x20     %lc = arith.mulf %l, %cold : f32\n      %l2 = arith.addf %lc, %pw : f32\n\
+         \x20     scf.for %c = %c0 to %cd step %c1 {{\n\
+         \x20       %vc = arith.addi %kb, %c : index\n{v_load}        %av = memref.load %acc[%c] : memref<{d}xf32>\n\
+         \x20       %a1 = arith.mulf %av, %cold : f32\n        %pv = arith.mulf %pw, %vv : f32\n        %a2 = arith.addf %a1, %pv : f32\n\
+         \x20       memref.store %a2, %acc[%c] : memref<{d}xf32>\n      }}\n\
+         \x20     scf.yield %m2, %l2 : f32, f32\n    }} else {{\n      scf.yield %m, %l : f32, f32\n    }}\n\
+         \x20   scf.yield %res#0, %res#1 : f32, f32\n  }}\n\
+         \x20 // Merge the lanes: one max, rescaled sums.\n\
+         \x20 %gm = gpu.subgroup_reduce maximumf %ml#0 : (f32) -> f32\n\
+         \x20 %dl = arith.subf %ml#0, %gm : f32\n  %f = math.exp %dl : f32\n  %lf = arith.mulf %ml#1, %f : f32\n\
+         \x20 %gl = gpu.subgroup_reduce add %lf : (f32) -> f32\n  %inv = arith.divf %one, %gl : f32\n\
+         \x20 %lead = arith.cmpi eq, %lane, %c0 : index\n\
+         \x20 scf.for %c = %c0 to %cd step %c1 {{\n\
+         \x20   %av = memref.load %acc[%c] : memref<{d}xf32>\n    %af = arith.mulf %av, %f : f32\n\
+         \x20   %sum = gpu.subgroup_reduce add %af : (f32) -> f32\n    %ov = arith.mulf %sum, %inv : f32\n\
+         \x20   scf.if %lead {{\n      %oc = arith.addi %qb, %c : index\n{o_store}    }}\n  }}\n\
+         }}\n",
+        sc = f32_lit(scale),
+        allowed = indent(&allowed, 4),
+        q_load = indent(&load_f32("%x1", "%q", &qt, "%r", "%qc", act), 8),
+        o_store = indent(&store_f32("%ov", "%o", &qt, "%r", "%oc", act), 6),
+        k_load = indent(&load("%x2", "%k", &kt, "%t", "%kc"), 8),
+        v_load = indent(&load("%vv", "%v", &kt, "%t", "%vc"), 8),
+    );
+    func(name, &params, &body)
 }

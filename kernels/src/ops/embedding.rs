@@ -1,0 +1,75 @@
+//! Row gather from an embedding table `[vocab, width]`.
+
+use crate::emit::store_f32;
+use crate::gpu::{GpuFunc, WeightArgs, IDX};
+use crate::unit::{gpu_func, param, KernelUnit, Param};
+use crate::{indent, Storage, WeightType};
+
+/// `y[r] = W[ids[r]]`.
+#[derive(Debug, Clone, PartialEq, PartialOrd)]
+pub struct Embedding {
+    pub vocab: usize,
+    pub width: usize,
+    pub weight: WeightType,
+    pub act: Storage,
+}
+
+impl KernelUnit for Embedding {
+    fn symbol(&self) -> String {
+        let Embedding { vocab, width, weight, act } = self;
+        format!("m3c_embedding_v{vocab}_w{width}_{}{}", weight.tag(), act.act_suffix())
+    }
+    fn params(&self) -> Vec<Param> {
+        let Embedding { vocab, width, weight, act } = self;
+        vec![
+            param("ids", "memref<?xi64>"),
+            param("w", format!("memref<{vocab}x{width}x{}>", weight.mlir_elem())),
+            param("y", format!("memref<?x{width}x{}>", act.mlir_elem())),
+        ]
+    }
+    fn act(&self) -> Option<Storage> {
+        Some(self.act)
+    }
+    fn host_body(&self) -> String {
+        host(self.vocab, self.width, self.weight, self.act)
+    }
+    fn gpu_funcs(&self) -> Vec<GpuFunc> {
+        let Embedding { vocab, width, weight, act } = self;
+
+                let wa = WeightArgs::new("%w", "", *vocab, *width, *weight);
+                let yt = format!("memref<?x{width}x{}>", act.mlir_elem());
+                let body = format!(
+                    "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
+                     %id64 = memref.load %ids[%r] : memref<?xi64>\n%id = arith.index_cast %id64 : i64 to index\n\
+                     scf.for %c = %t to %cw step %c256 {{\n{}{}}}\n",
+                    indent(&wa.load("v", "%id", "%c"), 2),
+                    indent(&store_f32("%v", "%y", &yt, "%r", "%c", *act), 2)
+                );
+                vec![gpu_func(&self.symbol(), &self.params(), &body)]
+                }
+}
+
+/// Row gather: `y[r] = f32(W[ids[r]])`. Ids are checked against the vocabulary
+/// by the runtime before a step starts.
+fn host(vocab: usize, width: usize, weight: WeightType, act: Storage) -> String {
+    let t = format!("memref<?x{width}x{}>", act.mlir_elem());
+    let wt = format!("memref<{vocab}x{width}x{}>", weight.mlir_elem());
+    let body = format!(
+        "%c0 = arith.constant 0 : index\n\
+         %c1 = arith.constant 1 : index\n\
+         %cw = arith.constant {width} : index\n\
+         %rows = memref.dim %ids, %c0 : memref<?xi64>\n\
+         scf.for %r = %c0 to %rows step %c1 {{\n\
+         \x20 %id64 = memref.load %ids[%r] : memref<?xi64>\n\
+         \x20 %id = arith.index_cast %id64 : i64 to index\n\
+         \x20 scf.for %i = %c0 to %cw step %c1 {{\n\
+         {load}\
+         {store}\
+         \x20 }}\n\
+         }}\n\
+         return\n",
+        load = indent(&crate::emit::load_weight_f32("%wv", "%w", "%id, %i", &wt, weight), 4),
+        store = indent(&store_f32("%wv", "%y", &t, "%r", "%i", act), 4),
+    );
+    body
+}

@@ -1,0 +1,86 @@
+//! Gemma RMSNorm over rows of `width`, in f32: `x · rsqrt(mean(x²) + eps) · (1 + w)`.
+
+use crate::emit::{f32_lit, gemma_norm_span, load_f32, store_f32};
+use crate::gpu::{GpuFunc, IDX};
+use crate::unit::{gpu_func, param, KernelUnit, Param};
+use crate::{indent, num_tag, Storage, WeightType};
+
+/// Gemma RMSNorm of each row; `x` and `y` hold values stored as `act`.
+#[derive(Debug, Clone, PartialEq, PartialOrd)]
+pub struct RmsNorm {
+    pub width: usize,
+    pub eps: f64,
+    pub weight: WeightType,
+    pub act: Storage,
+}
+
+impl KernelUnit for RmsNorm {
+    fn symbol(&self) -> String {
+        let RmsNorm { width, eps, weight, act } = self;
+        format!("m3c_rms_norm_w{width}_eps{}_{}{}", num_tag(*eps), weight.tag(), act.act_suffix())
+    }
+    fn params(&self) -> Vec<Param> {
+        let RmsNorm { width, weight, act, .. } = self;
+        let x = format!("memref<?x{width}x{}>", act.mlir_elem());
+        vec![param("x", &x), param("w", format!("memref<{width}x{}>", weight.mlir_elem())), param("y", &x)]
+    }
+    fn act(&self) -> Option<Storage> {
+        Some(self.act)
+    }
+    fn host_body(&self) -> String {
+        host(self.width, self.eps, self.weight, self.act)
+    }
+    fn gpu_funcs(&self) -> Vec<GpuFunc> {
+        let RmsNorm { width, eps, weight, act } = self;
+
+                let t = format!("memref<?x{width}x{}>", act.mlir_elem());
+                let xl = indent(&load_f32("%v", "%x", &t, "%r", "%c", *act), 2);
+                let wt = format!("memref<{width}x{}>", weight.mlir_elem());
+                let wl = crate::emit::load_weight_f32("%wv", "%w", "%c", &wt, *weight);
+                let body = format!(
+                    "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
+                     %n = arith.constant {n} : f32\n%eps = arith.constant {eps} : f32\n\
+                     %part = scf.for %c = %t to %cw step %c256 iter_args(%a = %zero) -> (f32) {{\n\
+                     {xl}  %q = arith.mulf %v, %v : f32\n  %a2 = arith.addf %a, %q : f32\n  scf.yield %a2 : f32\n}}\n\
+                     %ss = gpu.all_reduce add %part uniform {{}} : (f32) -> (f32)\n\
+                     %mean = arith.divf %ss, %n : f32\n%me = arith.addf %mean, %eps : f32\n%rs = math.rsqrt %me : f32\n\
+                     scf.for %c = %t to %cw step %c256 {{\n\
+                     {xl}{}\
+                     \x20 %s = arith.addf %one, %wv : f32\n  %u = arith.mulf %v, %rs : f32\n  %o = arith.mulf %u, %s : f32\n\
+                     {}}}\n",
+                    indent(&wl, 2),
+                    indent(&store_f32("%o", "%y", &t, "%r", "%c", *act), 2),
+                    n = f32_lit(*width as f64),
+                    eps = f32_lit(*eps),
+                );
+                vec![gpu_func(&self.symbol(), &self.params(), &body)]
+                }
+}
+
+/// Gemma RMSNorm over rows of `width`, in f32: `x · rsqrt(mean(x²) + eps) · (1 + w)`.
+/// `x` and `y` hold values stored as `act`.
+fn host(width: usize, eps: f64, weight: WeightType, act: Storage) -> String {
+    let x = format!("memref<?x{width}x{}>", act.mlir_elem());
+    let wt = format!("memref<{width}x{}>", weight.mlir_elem());
+    let body = format!(
+        "%c0 = arith.constant 0 : index\n\
+         %c1 = arith.constant 1 : index\n\
+         %cw = arith.constant {width} : index\n\
+         %zero = arith.constant 0.0 : f32\n\
+         %one = arith.constant 1.0 : f32\n\
+         %n = arith.constant {n} : f32\n\
+         %eps = arith.constant {eps} : f32\n\
+         %rows = memref.dim %x, %c0 : {x}\n\
+         scf.for %r = %c0 to %rows step %c1 {{\n\
+         {span}\
+         }}\n\
+         return\n",
+        n = f32_lit(width as f64),
+        eps = f32_lit(eps),
+        span = indent(
+            &gemma_norm_span(&x, act, "%c0", "%cw", &wt, weight, crate::emit::store_f32("%o", "%y", &x, "%r", "%c", act).trim_end()),
+            2
+        ),
+    );
+    body
+}
