@@ -16,6 +16,7 @@
 //! rows) over that expert's tokens four at a time (one at a time, in an
 //! `_r1` twin, for experts with a single token), then a weighted combine.
 
+use crate::builder::{warp_reduce, Reduce};
 use crate::emit::{e8m0_to_f32, indent, load_f32, load_f32xn_aligned, E8M0_CONSTANTS};
 use crate::view::MemTy;
 use crate::{Storage, WeightType};
@@ -195,51 +196,8 @@ impl WeightArgs {
 pub(crate) fn func(name: &str, params: &str, body: &str) -> GpuFunc {
     GpuFunc {
         name: name.to_string(),
-        text: expand_warp_reductions(&format!("    gpu.func @{name}({params}) kernel {{\n{}      gpu.return\n    }}\n", indent(body, 6))),
+        text: format!("    gpu.func @{name}({params}) kernel {{\n{}      gpu.return\n    }}\n", indent(body, 6)),
     }
-}
-
-/// Warp reductions, written `%d = gpu.subgroup_reduce OP %s : (T) -> T` in
-/// the generators, expanded into a butterfly of `gpu.shuffle xor` (offsets
-/// 16, 8, 4, 2, 1) so every lane ends with the result: the NVVM lowering has
-/// no f32 subgroup reduction.
-pub(crate) fn expand_warp_reductions(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for line in text.lines() {
-        let t = line.trim_start();
-        let pad = &line[..line.len() - t.len()];
-        let parsed = (|| {
-            let (dst, rest) = t.split_once(" = gpu.subgroup_reduce ")?;
-            let (op, rest) = rest.split_once(' ')?;
-            let (src, ty) = rest.split_once(" : (")?;
-            let ty = ty.split_once(')')?.0;
-            Some((dst.to_string(), op.to_string(), src.to_string(), ty.to_string()))
-        })();
-        let Some((dst, op, src, ty)) = parsed else {
-            out.push_str(line);
-            out.push('\n');
-            continue;
-        };
-        let combine = match op.as_str() {
-            "add" => "arith.addf",
-            "maximumf" => "arith.maximumf",
-            "minsi" => "arith.minsi",
-            other => panic!("no warp reduction for `{other}`"),
-        };
-        let base = dst.trim_start_matches('%');
-        out.push_str(&format!("{pad}%{base}_w32 = arith.constant 32 : i32\n"));
-        let mut cur = src.clone();
-        for (k, off) in [16, 8, 4, 2, 1].iter().enumerate() {
-            out.push_str(&format!(
-                "{pad}%{base}_o{k} = arith.constant {off} : i32\n\
-                 {pad}%{base}_s{k}, %{base}_v{k} = gpu.shuffle xor {cur}, %{base}_o{k}, %{base}_w32 : {ty}\n"
-            ));
-            let next = if k == 4 { dst.clone() } else { format!("%{base}_r{k}") };
-            out.push_str(&format!("{pad}{next} = {combine} {cur}, %{base}_s{k} : {ty}\n"));
-            cur = next;
-        }
-    }
-    out
 }
 
 pub(crate) const IDX: &str = "%c0 = arith.constant 0 : index\n\
@@ -300,9 +258,10 @@ pub(crate) fn warp_dots(tag: &str, wa: &WeightArgs, o: &str, x: &str, xt: &str, 
     ));
     for j in 0..rows.len() {
         if wide {
-            s.push_str(&format!("%{tag}l{j} = vector.reduction <add>, %{tag}acc#{j} : {vt} into f32\n%{tag}s{j} = gpu.subgroup_reduce add %{tag}l{j} : (f32) -> f32\n"));
+            s.push_str(&format!("%{tag}l{j} = vector.reduction <add>, %{tag}acc#{j} : {vt} into f32\n"));
+            s.push_str(&warp_reduce(&format!("%{tag}s{j}"), Reduce::Add, &format!("%{tag}l{j}"), "f32"));
         } else {
-            s.push_str(&format!("%{tag}s{j} = gpu.subgroup_reduce add %{tag}acc#{j} : (f32) -> f32\n"));
+            s.push_str(&warp_reduce(&format!("%{tag}s{j}"), Reduce::Add, &format!("%{tag}acc#{j}"), "f32"));
         }
     }
     s

@@ -6,6 +6,7 @@
 //! This crate knows shapes and arithmetic, never files or weights: weights
 //! arrive as memref arguments at run time.
 
+pub mod builder;
 mod emit;
 pub mod gpu;
 mod host;

@@ -1,5 +1,6 @@
 //! Greedy sampling: the index of each row's largest value.
 
+use crate::builder::{warp_reduce, Reduce};
 use crate::gpu::{GpuCall, GpuFunc, IDX};
 use crate::unit::{gpu_func, param, KernelUnit, Launch, Param};
 use crate::Storage;
@@ -28,6 +29,8 @@ impl KernelUnit for Argmax {
         let Argmax { width } = self;
 
                 let t = format!("memref<?x{width}xf32>");
+                let wr0 = warp_reduce("%m", Reduce::Max, "%best#0", "f32");
+                let wr1 = warp_reduce("%win", Reduce::MinSi, "%cand", "i32");
                 let body = format!(
                     "{IDX}%r = gpu.block_id x\n%lane = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
                      %big = arith.constant 2147483647 : i32\n\
@@ -35,11 +38,11 @@ impl KernelUnit for Argmax {
                      \x20 %v0 = memref.load %x[%r, %i] : {t}\n  %isnan = arith.cmpf uno, %v0, %v0 : f32\n  %v = arith.select %isnan, %ninf, %v0 : f32\n\
                      \x20 %gt0 = arith.cmpf ogt, %v, %bv : f32\n  %none = arith.cmpi eq, %bi, %cw : index\n  %gt = arith.ori %gt0, %none : i1\n\
                      \x20 %nv = arith.select %gt, %v, %bv : f32\n  %ni = arith.select %gt, %i, %bi : index\n  scf.yield %nv, %ni : f32, index\n}}\n\
-                     %m = gpu.subgroup_reduce maximumf %best#0 : (f32) -> f32\n\
+                     {wr0}\
                      %is = arith.cmpf oeq, %best#0, %m : f32\n\
                      %bi32 = arith.index_cast %best#1 : index to i32\n\
                      %cand = arith.select %is, %bi32, %big : i32\n\
-                     %win = gpu.subgroup_reduce minsi %cand : (i32) -> i32\n\
+                     {wr1}\
                      %first = arith.cmpi eq, %lane, %c0 : index\n\
                      scf.if %first {{\n  %id = arith.extsi %win : i32 to i64\n  memref.store %id, %ids[%r] : memref<?xi64>\n}}\n"
                 );

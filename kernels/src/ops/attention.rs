@@ -2,6 +2,7 @@
 //! (MiniMax Sparse Attention's indexer) fused in when it is set.
 
 use crate::emit::{f32_lit, load_f32, load_f32xn, parallel_or_serial, store_f32};
+use crate::builder::{warp_reduce, Reduce};
 use crate::gpu::{device_buffer, func, GpuCall, GpuFunc, IDX};
 use crate::unit::{param, KernelUnit, Launch, Param};
 use crate::{indent, num_tag, Storage};
@@ -453,6 +454,8 @@ fn gpu_attention(
         let iqt = format!("memref<?x{}x{}>", s.index_heads * s.index_dim, act.mlir_elem());
         let ikt = format!("memref<?x{}x{}>", s.index_dim, cache.mlir_elem());
         params.push_str(&format!(", %iq: {iqt}, %ik: {ikt}, %bs: memref<?xf32>, %sel: memref<?xi32>, %nbmax: index"));
+        let wr0 = warp_reduce("%wm", Reduce::Max, "%best#0", "f32");
+        let wr1 = warp_reduce("%win", Reduce::MinSi, "%cand", "i32");
         select = format!(
             "%cB = arith.constant {block} : index\n%cK = arith.constant {topk} : index\n%cid = arith.constant {id} : index\n\
              %clocal = arith.constant {local} : index\n%cinit = arith.constant {init} : index\n\
@@ -478,9 +481,9 @@ fn gpu_attention(
              \x20   %at = arith.addi %rbase, %b : index\n    %tk = memref.load %sel[%at] : memref<?xi32>\n    %free = arith.cmpi eq, %tk, %i0 : i32\n\
              \x20   %x = memref.load %bs[%at] : memref<?xf32>\n    %gt = arith.cmpf ogt, %x, %bv : f32\n    %ok = arith.andi %free, %gt : i1\n\
              \x20   %nv = arith.select %ok, %x, %bv : f32\n    %ni = arith.select %ok, %b, %bi : index\n    scf.yield %nv, %ni : f32, index\n  }}\n\
-             \x20 %wm = gpu.subgroup_reduce maximumf %best#0 : (f32) -> f32\n\
+             \x20 {wr0}\
              \x20 %mine = arith.cmpf oeq, %best#0, %wm : f32\n  %bi32 = arith.index_cast %best#1 : index to i32\n\
-             \x20 %cand = arith.select %mine, %bi32, %big : i32\n  %win = gpu.subgroup_reduce minsi %cand : (i32) -> i32\n\
+             \x20 %cand = arith.select %mine, %bi32, %big : i32\n  {wr1}\
              \x20 %found = arith.cmpf ogt, %wm, %ninf : f32\n  %lead = arith.cmpi eq, %lane, %c0 : index\n  %mark = arith.andi %found, %lead : i1\n\
              \x20 scf.if %mark {{\n    %wi = arith.index_cast %win : i32 to index\n    %at = arith.addi %rbase, %wi : index\n    memref.store %i1, %sel[%at] : memref<?xi32>\n  }}\n\
              \x20 gpu.barrier\n\
@@ -496,6 +499,9 @@ fn gpu_attention(
         allowed = "%tb = arith.divui %t, %cB : index\n%at = arith.addi %rbase, %tb : index\n%sv = memref.load %sel[%at] : memref<?xi32>\n%allowed = arith.cmpi ne, %sv, %i0 : i32\n".into();
     }
     params.push_str(&format!(", %o: {qt}"));
+    let wr2 = warp_reduce("%gm", Reduce::Max, "%ml#0", "f32");
+    let wr3 = warp_reduce("%gl", Reduce::Add, "%lf", "f32");
+    let wr4 = warp_reduce("%sum", Reduce::Add, "%af", "f32");
     let body = format!(
         "{IDX}%r = gpu.block_id x\n%g = gpu.block_id y\n%lane = gpu.thread_id x\n\
          %cg = arith.constant {group} : index\n%ckv = arith.constant {kv_heads} : index\n%cd = arith.constant {d} : index\n\
@@ -525,13 +531,13 @@ fn gpu_attention(
          \x20     scf.yield %m2, %l2 : f32, f32\n    }} else {{\n      scf.yield %m, %l : f32, f32\n    }}\n\
          \x20   scf.yield %res#0, %res#1 : f32, f32\n  }}\n\
          \x20 // Merge the lanes: one max, rescaled sums.\n\
-         \x20 %gm = gpu.subgroup_reduce maximumf %ml#0 : (f32) -> f32\n\
+         \x20 {wr2}\
          \x20 %dl = arith.subf %ml#0, %gm : f32\n  %f = math.exp %dl : f32\n  %lf = arith.mulf %ml#1, %f : f32\n\
-         \x20 %gl = gpu.subgroup_reduce add %lf : (f32) -> f32\n  %inv = arith.divf %one, %gl : f32\n\
+         \x20 {wr3}  %inv = arith.divf %one, %gl : f32\n\
          \x20 %lead = arith.cmpi eq, %lane, %c0 : index\n\
          \x20 scf.for %c = %c0 to %cd step %c1 {{\n\
          \x20   %av = memref.load %acc[%c] : memref<{d}xf32>\n    %af = arith.mulf %av, %f : f32\n\
-         \x20   %sum = gpu.subgroup_reduce add %af : (f32) -> f32\n    %ov = arith.mulf %sum, %inv : f32\n\
+         \x20   {wr4}    %ov = arith.mulf %sum, %inv : f32\n\
          \x20   scf.if %lead {{\n      %oc = arith.addi %qb, %c : index\n{o_store}    }}\n  }}\n\
          }}\n",
         sc = f32_lit(scale),

@@ -2,7 +2,7 @@
 //! only selects; first index on ties), weights `scale · s[idx] / Σ s[idx]`.
 
 use crate::emit::{f32_lit, load_f32, load_weight_f32, parallel_or_serial};
-use crate::gpu::{expand_warp_reductions, warp_dots, GpuCall, GpuFunc, WeightArgs, IDX};
+use crate::gpu::{warp_dots, GpuCall, GpuFunc, WeightArgs, IDX};
 use crate::unit::{param, params_text, KernelUnit, Launch, Param};
 use crate::{indent, num_tag, Storage, WeightType};
 
@@ -96,7 +96,7 @@ impl KernelUnit for Router {
                 );
                 vec![GpuFunc {
                     name: sym.clone(),
-                    text: expand_warp_reductions(&format!(
+                    text: (format!(
                         "    gpu.func @{sym}({}) workgroup(%ss: {sh}, %sc_: {sh}) kernel {{\n{}      gpu.return\n    }}\n",
                         params_text(&self.params()),
                         indent(&body, 6)
