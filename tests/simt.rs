@@ -805,6 +805,8 @@ impl Frame<'_> {
             "math.rsqrt" => self.elementwise(info, |a| Ok(fb(1.0 / f32v(a[0]).sqrt())))?,
             "math.sin" => self.elementwise(info, |a| Ok(fb(f32v(a[0]).sin())))?,
             "math.cos" => self.elementwise(info, |a| Ok(fb(f32v(a[0]).cos())))?,
+            // SAFETY: erff is libm's pure function of one float.
+            "math.erf" => self.elementwise(info, |a| Ok(fb(unsafe { erff(f32v(a[0])) })))?,
             "arith.extf" => {
                 let from = in_ty.as_ref().map(elem);
                 self.elementwise(info, move |a| {
@@ -1266,4 +1268,10 @@ fn bf16_bits(x: f32) -> u16 {
     }
     let b = x.to_bits();
     (b.wrapping_add(0x7FFF + ((b >> 16) & 1)) >> 16) as u16
+}
+
+extern "C" {
+    /// libm's erf in f32: what the host kernels call, so the interpreter's
+    /// `math.erf` is the host's (as its other `math` functions are).
+    fn erff(x: f32) -> f32;
 }

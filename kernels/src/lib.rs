@@ -166,6 +166,7 @@ kernels! {
     attention::Attention,
     router::Router,
     routed_experts::RoutedExperts,
+    gelu::Gelu,
 }
 
 impl Kernel {

@@ -287,6 +287,10 @@ fn rowwise_gpu_kernels_match_the_host() {
         let k = Kernel::SwiGluOai(m3c_kernels::SwiGluOai { width: 96, alpha: 1.702, limit: 1.2, beta: 1.0, act });
         let o = run_both(&k, rows, &[a(1, false), a(2, false), a(3, true)]);
         agree(&k.symbol(), &o[0].0, &o[0].1, act, 1e-5);
+        // exact GELU (the vision MLP's): libdevice's erf on the GPU, libm's on the host
+        let k = Kernel::Gelu(m3c_kernels::Gelu { width: 96, act });
+        let o = run_both(&k, rows, &[a(1, false), a(2, true)]);
+        agree(&k.symbol(), &o[0].0, &o[0].1, act, 1e-6);
         // embedding gather
         let k = Kernel::Embedding(m3c_kernels::Embedding { vocab: 50, width: 96, weight: WeightType::BF16, act });
         let ids: Vec<i64> = vec![7, 0, 49];

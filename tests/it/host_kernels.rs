@@ -684,3 +684,25 @@ fn mxfp8_weights_decode_to_bf16_exactly() {
     }
     assert!(nonzero > out * inp / 2, "the test must see real weights");
 }
+
+/// Exact GELU against an f64 reference (`½ x (1 + erf(x/√2))` with libm's
+/// double erf), over the range where it bends and past it, both storages.
+#[test]
+fn gelu_is_the_exact_erf_gelu() {
+    let dir = tempfile::tempdir().unwrap();
+    let (rows, width) = (3usize, 96usize);
+    let x: Vec<f32> = (0..rows * width).map(|i| (i as f32 - 144.0) / 16.0).collect(); // -9 .. 9
+    let want: Vec<f64> = x.iter().map(|&v| 0.5 * v as f64 * (1.0 + libm::erf(v as f64 / std::f64::consts::SQRT_2))).collect();
+    let k = Kernel::Gelu(m3c_kernels::Gelu { width, act: Storage::F32 });
+    let lib = build(std::slice::from_ref(&k), dir.path());
+    let y = vec![0f32; rows * width];
+    let p = |m: &Memref2<f32>| m as *const Memref2<f32> as *const std::ffi::c_void;
+    // SAFETY: two live descriptors of the compiled shape, for the whole call.
+    unsafe { call(&lib, &k, &[p(&m2(&x, rows, width)), p(&m2(&y, rows, width))]) };
+    for (i, (&g, &w)) in y.iter().zip(&want).enumerate() {
+        assert!((g as f64 - w).abs() <= 2e-7 * w.abs().max(1.0), "x = {}: {g} vs {w}", x[i]);
+    }
+    assert_eq!(y[144], 0.0, "gelu(0)");
+    assert_eq!(y[rows * width - 1], x[rows * width - 1], "gelu(x) = x once erf(x/√2) rounds to 1");
+    assert!(y[0] <= 0.0 && y[0] > -1e-6, "gelu(-9) is a tiny negative: {}", y[0]);
+}
