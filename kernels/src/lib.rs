@@ -144,6 +144,9 @@ macro_rules! kernels {
             }
         }
 
+        /// The name of every kernel type, in registration order.
+        pub const KERNEL_TYPES: &[&str] = &[$(stringify!($name)),*];
+
         $(impl From<ops::$name> for Kernel {
             fn from(k: ops::$name) -> Kernel {
                 Kernel::$name(k)

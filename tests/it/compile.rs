@@ -1,9 +1,8 @@
-//! `m3c compile`: snapshots of each stage's code at every level (tiny model,
-//! pp = 2), byte-identical output folders, the compile id over every input,
-//! and errors that leave nothing behind.
+//! `m3c compile`: the fused step list of each stage (tiny model, pp = 2),
+//! byte-identical output folders, the compile id over every input, and
+//! errors that leave nothing behind.
 
 use m3c::backend::host::{run_pipeline, HOST_PIPELINE};
-use m3c::graph::build_graph;
 use m3c::plan::load_plan;
 use m3c::source::ModelSource;
 use m3c_tests::{compile, configs, fixture, m3c, stderr};
@@ -14,20 +13,17 @@ use std::path::Path;
 fn tiny_pp2_stages_snapshots() {
     let src = ModelSource::open(&fixture("tiny-m3")).unwrap();
     let plan = load_plan(&configs("tiny-m3.pp2.yaml"), Some(&src.config)).unwrap();
-    let graph = build_graph(&src.config);
     let programs = m3c::compile::lower_all(&src.config, &plan, Default::default()).unwrap();
     assert_eq!(programs.len(), 2);
     for p in &programs {
         let k = p.index;
-        // Before fusion: the stage's slice of the graph.
-        insta::assert_snapshot!(format!("stage{k}_0_graph"), graph.text_of(&p.parts));
-        // After fusion: the kernel calls of the stage entry.
+        // After fusion: the kernel calls of the stage entry, the whole
+        // stage at a size a reviewer reads. Each kernel's own MLIR is pinned
+        // in kernels/tests/snapshots/, one small file per kernel.
         insta::assert_snapshot!(format!("stage{k}_1_fused"), p.listing());
-        // The MLIR module (kernels + entry), before lowering.
-        insta::assert_snapshot!(format!("stage{k}_2_mlir"), p.mlir);
-        // After lowering to the LLVM dialect.
+        // The module lowers to the LLVM dialect (what the back end does next).
         let lowered = run_pipeline(&p.mlir, HOST_PIPELINE).expect("lowering");
-        insta::assert_snapshot!(format!("stage{k}_3_llvm_dialect"), lowered);
+        assert!(lowered.contains("llvm.func @m3c_stage_step"), "stage {k}: no entry after lowering");
     }
     // Each kernel is generated once per shape: stage 1 has five MoE layers but one router kernel.
     let routers = programs[1].kernels.iter().filter(|k| k.symbol().starts_with("m3c_router")).count();
