@@ -33,7 +33,10 @@ fn samples() -> Vec<(&'static str, Kernel)> {
         ("dequant_mxfp8", DequantMxfp8 { out: 4, inp: 64, block: 32 }.into()),
         ("attention", Attention { heads: 4, kv_heads: 2, head_dim: 16, scale: 0.25, sparse: None, cache: f, act: f }.into()),
         ("attention_msa", Attention { heads: 4, kv_heads: 2, head_dim: 16, scale: 0.25, sparse: Some(sel), cache: f, act: f }.into()),
-        ("router", Router { width: 32, experts: 8, top_k: 2, scale: 2.5, weight: WeightType::F32, bias: Some(WeightType::F32), act: f }.into()),
+        (
+            "router",
+            Router { width: 32, experts: 8, top_k: 2, scale: 2.5, weight: WeightType::F32, bias: Some(WeightType::F32), act: f }.into(),
+        ),
         (
             "routed_experts",
             RoutedExperts { experts: 4, hidden: 32, inter: 32, top_k: 2, weight: bf16, alpha: 1.702, limit: 7.0, beta: 1.0, act: f }.into(),

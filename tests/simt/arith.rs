@@ -1,0 +1,158 @@
+//! The SIMT interpreter's `arith` and `math`: integer and float arithmetic, comparisons, casts, constants.
+
+use super::*;
+
+impl Frame<'_> {
+    /// Runs `op` if it is one of this file's; `Ok(false)` if not.
+    // Every handler starts from the same view of the op (its result and
+    // operand types, widths, helpers); not every handler uses all of it.
+    #[allow(unused_variables)]
+    pub(super) fn arith_op(&mut self, op: MlirOperation, info: &OpInfo, mask: &[bool]) -> Result<bool, String> {
+        let t = self.threads;
+        let name = info.name.as_str();
+        let res = &info.outs;
+        let attr = |op: MlirOperation, n: &'static str| info.attr(op, n);
+        let operands = |_: MlirOperation| &info.ins[..];
+        let out_ty = info.out.clone();
+        let e = out_ty.as_ref().map(elem);
+        let ibits = match e {
+            Some(Elem::Int(b)) => b,
+            _ => 64,
+        };
+        let in_ty = info.inp.clone();
+        let in_bits = match in_ty.as_ref().map(elem) {
+            Some(Elem::Int(b)) => b,
+            _ => 64,
+        };
+        let fl = |f: fn(f32, f32) -> f32| move |a: &[u64]| Ok(fb(f(f32v(a[0]), f32v(a[1]))));
+        match name {
+            "arith.constant" | "llvm.mlir.constant" => {
+                let a = attr(op, "value").ok_or("constant without a value")?;
+                let ty = out_ty.ok_or("constant without a result")?;
+                let w = width(&ty);
+                let el = elem(&ty);
+                let body = a.trim();
+                let lanes: Vec<u64> = if let Some(d) = body.strip_prefix("dense<") {
+                    let inner = d.split('>').next().unwrap_or("").trim_start_matches('[').trim_end_matches(']');
+                    let vals: Vec<u64> = inner.split(',').map(|x| scalar_lit(x.trim(), el)).collect::<Result<_, _>>()?;
+                    if vals.len() == 1 {
+                        vec![vals[0]; w]
+                    } else {
+                        vals
+                    }
+                } else {
+                    let lit = body.split(" : ").next().unwrap_or(body);
+                    vec![scalar_lit(lit.trim(), el)?; w]
+                };
+                let v: Vec<u64> = (0..t).flat_map(|_| lanes.iter().copied()).collect();
+                self.set(res[0], Data::Bits { w, v });
+            }
+            "arith.addi" => self.elementwise(info, move |a| Ok(mask_bits(a[0].wrapping_add(a[1]), ibits)))?,
+            "arith.subi" => self.elementwise(info, move |a| Ok(mask_bits(a[0].wrapping_sub(a[1]), ibits)))?,
+            "arith.muli" => self.elementwise(info, move |a| Ok(mask_bits(a[0].wrapping_mul(a[1]), ibits)))?,
+            "arith.divui" => self.elementwise(info, |a| Ok(a[0].checked_div(a[1]).unwrap_or(0)))?,
+            "arith.remui" => self.elementwise(info, |a| Ok(a[0].checked_rem(a[1]).unwrap_or(0)))?,
+            "arith.minui" => self.elementwise(info, |a| Ok(a[0].min(a[1])))?,
+            "arith.minsi" => self.elementwise(info, move |a| Ok(if sext(a[0], ibits) <= sext(a[1], ibits) { a[0] } else { a[1] }))?,
+            "arith.andi" => self.elementwise(info, |a| Ok(a[0] & a[1]))?,
+            "arith.ori" => self.elementwise(info, |a| Ok(a[0] | a[1]))?,
+            "arith.xori" => self.elementwise(info, move |a| Ok(mask_bits(a[0] ^ a[1], ibits)))?,
+            "arith.shli" => self.elementwise(info, move |a| Ok(if a[1] >= ibits as u64 { 0 } else { mask_bits(a[0] << a[1], ibits) }))?,
+            "arith.shrui" => self.elementwise(info, move |a| Ok(if a[1] >= ibits as u64 { 0 } else { a[0] >> a[1] }))?,
+            "arith.extui" => self.elementwise(info, |a| Ok(a[0]))?,
+            "arith.extsi" => self.elementwise(info, move |a| Ok(mask_bits(sext(a[0], in_bits) as u64, ibits)))?,
+            "arith.trunci" => self.elementwise(info, move |a| Ok(mask_bits(a[0], ibits)))?,
+            "arith.index_cast" => self.elementwise(info, move |a| Ok(mask_bits(sext(a[0], in_bits) as u64, ibits)))?,
+            "arith.sitofp" => self.elementwise(info, move |a| Ok(fb(sext(a[0], in_bits) as f32)))?,
+            "arith.addf" => self.elementwise(info, fl(|x, y| x + y))?,
+            "arith.subf" => self.elementwise(info, fl(|x, y| x - y))?,
+            "arith.mulf" => self.elementwise(info, fl(|x, y| x * y))?,
+            "arith.divf" => self.elementwise(info, fl(|x, y| x / y))?,
+            "arith.maximumf" => self.elementwise(info, fl(|x, y| if x.is_nan() || y.is_nan() { f32::NAN } else { x.max(y) }))?,
+            "arith.minimumf" => self.elementwise(info, fl(|x, y| if x.is_nan() || y.is_nan() { f32::NAN } else { x.min(y) }))?,
+            "arith.negf" => self.elementwise(info, |a| Ok(fb(-f32v(a[0]))))?,
+            "math.exp" => self.elementwise(info, |a| Ok(fb(f32v(a[0]).exp())))?,
+            "math.rsqrt" => self.elementwise(info, |a| Ok(fb(1.0 / f32v(a[0]).sqrt())))?,
+            "math.sin" => self.elementwise(info, |a| Ok(fb(f32v(a[0]).sin())))?,
+            "math.cos" => self.elementwise(info, |a| Ok(fb(f32v(a[0]).cos())))?,
+            // SAFETY: erff is libm's pure function of one float.
+            "math.erf" => self.elementwise(info, |a| Ok(fb(unsafe { erff(f32v(a[0])) })))?,
+            "arith.extf" => {
+                let from = in_ty.as_ref().map(elem);
+                self.elementwise(info, move |a| {
+                    Ok(match from {
+                        Some(Elem::F16) => fb(f16_to_f32(a[0] as u16)),
+                        Some(Elem::Bf16) => a[0] << 16,
+                        _ => a[0],
+                    })
+                })?
+            }
+            "arith.bitcast" | "llvm.bitcast" | "vector.bitcast" => {
+                let ins = operands(op);
+                let (wi, d) = self.bits(ins[0])?;
+                let d = d.clone();
+                let ti = in_ty.clone().unwrap();
+                let to = out_ty.clone().unwrap();
+                let (bi, bo) = (elem(&ti).bytes(), elem(&to).bytes());
+                let wo = width(&to);
+                if wi * bi != wo * bo {
+                    return Err(format!("bitcast of {} B to {} B", wi * bi, wo * bo));
+                }
+                let mut v = vec![0u64; t * wo];
+                for th in 0..t {
+                    let mut bytes = Vec::with_capacity(wi * bi);
+                    for k in 0..wi {
+                        bytes.extend_from_slice(&d[th * wi + k].to_le_bytes()[..bi]);
+                    }
+                    for k in 0..wo {
+                        let mut b8 = [0u8; 8];
+                        b8[..bo].copy_from_slice(&bytes[k * bo..(k + 1) * bo]);
+                        v[th * wo + k] = u64::from_le_bytes(b8);
+                    }
+                }
+                self.set(res[0], Data::Bits { w: wo, v });
+            }
+            "arith.cmpi" => {
+                let p = attr_ints(&attr(op, "predicate").ok_or("cmpi without predicate")?)[0];
+                self.elementwise(info, move |a| {
+                    let (x, y) = (a[0], a[1]);
+                    let (sx, sy) = (sext(x, in_bits), sext(y, in_bits));
+                    Ok(match p {
+                        0 => x == y,
+                        1 => x != y,
+                        2 => sx < sy,
+                        3 => sx <= sy,
+                        4 => sx > sy,
+                        5 => sx >= sy,
+                        6 => x < y,
+                        7 => x <= y,
+                        8 => x > y,
+                        9 => x >= y,
+                        _ => return Err(format!("cmpi predicate {p}")),
+                    } as u64)
+                })?
+            }
+            "arith.cmpf" => {
+                let p = attr_ints(&attr(op, "predicate").ok_or("cmpf without predicate")?)[0];
+                self.elementwise(info, move |a| {
+                    let (x, y) = (f32v(a[0]), f32v(a[1]));
+                    let ord = !x.is_nan() && !y.is_nan();
+                    Ok(match p {
+                        1 => ord && x == y,
+                        2 => ord && x > y,
+                        3 => ord && x >= y,
+                        4 => ord && x < y,
+                        5 => ord && x <= y,
+                        6 => ord && x != y,
+                        7 => ord,
+                        14 => !ord,
+                        _ => return Err(format!("cmpf predicate {p}")),
+                    } as u64)
+                })?
+            }
+            "arith.select" => self.elementwise(info, |a| Ok(if a[0] & 1 != 0 { a[1] } else { a[2] }))?,
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+}

@@ -1,0 +1,86 @@
+//! The SIMT interpreter's What the lowering leaves of memref descriptors and inline PTX: `llvm.mlir.undef`, `llvm.insertvalue`, casts, `llvm.inline_asm`.
+
+use super::*;
+
+impl Frame<'_> {
+    /// Runs `op` if it is one of this file's; `Ok(false)` if not.
+    // Every handler starts from the same view of the op (its result and
+    // operand types, widths, helpers); not every handler uses all of it.
+    #[allow(unused_variables)]
+    pub(super) fn llvm_op(&mut self, op: MlirOperation, info: &OpInfo, mask: &[bool]) -> Result<bool, String> {
+        let t = self.threads;
+        let name = info.name.as_str();
+        let res = &info.outs;
+        let attr = |op: MlirOperation, n: &'static str| info.attr(op, n);
+        let operands = |_: MlirOperation| &info.ins[..];
+        let out_ty = info.out.clone();
+        let e = out_ty.as_ref().map(elem);
+        let ibits = match e {
+            Some(Elem::Int(b)) => b,
+            _ => 64,
+        };
+        let in_ty = info.inp.clone();
+        let in_bits = match in_ty.as_ref().map(elem) {
+            Some(Elem::Int(b)) => b,
+            _ => 64,
+        };
+        match name {
+            "llvm.mlir.undef" => {
+                let w = width(out_ty.as_ref().unwrap());
+                self.set(res[0], Data::Bits { w, v: vec![0; t * w] });
+            }
+            "llvm.insertvalue" => {
+                let ins = operands(op);
+                let pos = attr_ints(&attr(op, "position").ok_or("insertvalue without position")?);
+                let st = out_ty.as_ref().unwrap();
+                let n = width(st);
+                let rank = (n - 3) / 2;
+                let idx = match pos.as_slice() {
+                    [p] if *p < 3 => *p as usize,
+                    [3, k] => 3 + *k as usize,
+                    [4, k] => 3 + rank + *k as usize,
+                    other => return Err(format!("insertvalue at {other:?}")),
+                };
+                // Operands: the container, then the value inserted.
+                let (_, x) = self.bits(ins[1])?;
+                let x = x.clone();
+                let (_, s) = self.bits(ins[0])?;
+                let mut s = s.clone();
+                for th in 0..t {
+                    s[th * n + idx] = x[th];
+                }
+                self.set(res[0], Data::Bits { w: n, v: s });
+            }
+            "builtin.unrealized_conversion_cast" => {
+                let ins = operands(op);
+                let (n, s) = self.bits(ins[0])?;
+                let rank = (n - 3) / 2;
+                let d = (0..t)
+                    .map(|th| {
+                        let f = &s[th * n..(th + 1) * n];
+                        let mut d = Desc { ptr: f[1], off: f[2] as i64, rank, ..Default::default() };
+                        for k in 0..rank {
+                            d.sizes[k] = f[3 + k] as i64;
+                            d.strides[k] = f[3 + rank + k] as i64;
+                        }
+                        d
+                    })
+                    .collect();
+                self.set(res[0], Data::Mem(d));
+            }
+            "llvm.inline_asm" => {
+                let s = attr(op, "asm_string").unwrap_or_default();
+                if !s.contains("cvt.rn.f16x2.e4m3x2") {
+                    return Err(format!("inline asm {s}"));
+                }
+                self.elementwise(info, |a| {
+                    let lo = e4m3_to_f16(a[0] as u8) as u64;
+                    let hi = e4m3_to_f16((a[0] >> 8) as u8) as u64;
+                    Ok(lo | (hi << 16))
+                })?
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+}

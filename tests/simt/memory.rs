@@ -1,0 +1,141 @@
+//! The SIMT interpreter's `memref` loads, stores, views and allocas, and `llvm` pointers (`getelementptr`, `load`, `inttoptr`), every access bounds-checked.
+
+use super::*;
+
+impl Frame<'_> {
+    /// Runs `op` if it is one of this file's; `Ok(false)` if not.
+    // Every handler starts from the same view of the op (its result and
+    // operand types, widths, helpers); not every handler uses all of it.
+    #[allow(unused_variables)]
+    pub(super) fn memory_op(&mut self, op: MlirOperation, info: &OpInfo, mask: &[bool]) -> Result<bool, String> {
+        let t = self.threads;
+        let name = info.name.as_str();
+        let res = &info.outs;
+        let attr = |op: MlirOperation, n: &'static str| info.attr(op, n);
+        let operands = |_: MlirOperation| &info.ins[..];
+        let out_ty = info.out.clone();
+        let e = out_ty.as_ref().map(elem);
+        let ibits = match e {
+            Some(Elem::Int(b)) => b,
+            _ => 64,
+        };
+        let in_ty = info.inp.clone();
+        let in_bits = match in_ty.as_ref().map(elem) {
+            Some(Elem::Int(b)) => b,
+            _ => 64,
+        };
+        match name {
+            "memref.dim" => {
+                let ins = operands(op);
+                let d = self.descs(ins[0])?;
+                let (_, k) = self.bits(ins[1])?;
+                let v = (0..t).map(|th| d[th].sizes[k[th] as usize] as u64).collect();
+                self.set(res[0], Data::Bits { w: 1, v });
+            }
+            "memref.alloca" => {
+                let (sizes, el) = static_memref(res[0])?;
+                let n: i64 = sizes.iter().product();
+                let d = (0..t).map(|_| Desc::new(self.mem.alloc(n as usize * el.bytes()), &sizes)).collect();
+                self.set(res[0], Data::Mem(d));
+            }
+            "memref.load" | "memref.store" | "vector.load" => {
+                let ins = &info.ins;
+                let (mref, idx0, val) = if name == "memref.store" { (ins[1], 2, Some(ins[0])) } else { (ins[0], 1, None) };
+                let mty = info.in_tys[if name == "memref.store" { 1 } else { 0 }].clone().ok_or("a memref of unknown type")?;
+                let eb = elem(&mty).bytes();
+                let lanes = if name == "vector.load" { width(out_ty.as_ref().unwrap()) } else { 1 };
+                // Borrow the operands and the memory side by side (distinct fields).
+                let vals = &self.vals;
+                let mem = &mut *self.mem;
+                let look = |v: MlirValue| vals.get(&(v.ptr as usize)).ok_or_else(|| "simt: a value used before it is defined".to_string());
+                let Data::Mem(d) = look(mref)? else { return Err("a scalar where a memref was expected".into()) };
+                let mut idx: Vec<&Vec<u64>> = Vec::with_capacity(ins.len() - idx0);
+                for v in &ins[idx0..] {
+                    match look(*v)? {
+                        Data::Bits { v, .. } => idx.push(v),
+                        _ => return Err("a memref index".into()),
+                    }
+                }
+                let src = match val.map(look).transpose()? {
+                    Some(Data::Bits { v, .. }) => Some(v),
+                    Some(_) => return Err("storing a memref".into()),
+                    None => None,
+                };
+                let mut v = if val.is_none() { vec![0u64; t * lanes] } else { Vec::new() };
+                for th in 0..t {
+                    if !mask[th] {
+                        continue;
+                    }
+                    let ds = &d[th];
+                    let mut lin = ds.off;
+                    for (k, ix) in idx.iter().enumerate() {
+                        let i = ix[th] as i64;
+                        let extra = if k + 1 == idx.len() { lanes as i64 - 1 } else { 0 };
+                        if i < 0 || i + extra >= ds.sizes[k] {
+                            return Err(format!(
+                                "{} out of bounds in {}: index {i} (+{extra}) of dim {k} with size {} (thread {th})",
+                                name, self.kernel, ds.sizes[k]
+                            ));
+                        }
+                        lin += i * ds.strides[k];
+                    }
+                    for l in 0..lanes {
+                        let addr = ds.ptr + ((lin + l as i64) as u64) * eb as u64;
+                        match src {
+                            Some(s) => mem.store(addr, eb, s[th])?,
+                            None => v[th * lanes + l] = mem.load(addr, eb)?,
+                        }
+                    }
+                }
+                if val.is_none() {
+                    self.set(res[0], Data::Bits { w: lanes, v });
+                }
+            }
+            "llvm.getelementptr" => {
+                let ins = operands(op);
+                let (_, base) = self.bits(ins[0])?;
+                let base = base.clone();
+                let et = attr(op, "elem_type").unwrap_or_default();
+                let size = match et.trim() {
+                    "!llvm.ptr" | "i64" | "f64" => 8,
+                    "i32" | "f32" => 4,
+                    "i16" | "f16" | "bf16" => 2,
+                    "i8" => 1,
+                    other => return Err(format!("getelementptr over {other}")),
+                };
+                let raw = attr_ints(&attr(op, "rawConstantIndices").unwrap_or_default());
+                let dynamic = if ins.len() > 1 { Some(self.bits(ins[1])?.1.clone()) } else { None };
+                let v = (0..t)
+                    .map(|th| {
+                        let i = match (&dynamic, raw.first()) {
+                            (Some(d), _) => sext(d[th], 64),
+                            (None, Some(c)) => *c,
+                            _ => 0,
+                        };
+                        (base[th] as i64 + i * size) as u64
+                    })
+                    .collect();
+                self.set(res[0], Data::Bits { w: 1, v });
+            }
+            "llvm.load" => {
+                let (_, p) = self.bits(operands(op)[0])?;
+                let p = p.clone();
+                let mut v = vec![0u64; t];
+                for th in 0..t {
+                    if mask[th] {
+                        v[th] = self.mem.load(p[th], 8)?;
+                    }
+                }
+                self.set(res[0], Data::Bits { w: 1, v });
+            }
+            "memref.extract_aligned_pointer_as_index" => {
+                let d = self.descs(operands(op)[0])?;
+                let v = d.iter().map(|x| x.ptr).collect();
+                self.set(res[0], Data::Bits { w: 1, v });
+            }
+            "llvm.inttoptr" | "llvm.ptrtoint" => self.elementwise(info, |a| Ok(a[0]))?,
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+}
