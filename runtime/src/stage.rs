@@ -78,6 +78,29 @@ pub struct Graphs {
     replays: usize,
 }
 
+impl Graphs {
+    /// How a step of the micro-batch `key` (its sequences; `None`: not a
+    /// graph candidate) runs, and the I/O buffers it uses: a graph's own, or
+    /// fresh ones. A micro-batch's first decode step runs eagerly, its
+    /// second is captured, later ones replay.
+    fn plan(&mut self, key: Option<Vec<usize>>, fresh: impl Fn() -> Io) -> (Plan, Io) {
+        match key {
+            None => (Plan::Eager, fresh()),
+            Some(k) => match self.by_batch.get(&k) {
+                Some(GraphSlot::Ready(_, io)) => (Plan::Replay(k), *io),
+                Some(GraphSlot::Seen) => (Plan::Capture(k), fresh()),
+                Some(GraphSlot::Eager) => (Plan::Eager, fresh()),
+                None => {
+                    if self.by_batch.len() < MAX_GRAPHS {
+                        self.by_batch.insert(k, GraphSlot::Seen);
+                    }
+                    (Plan::Eager, fresh())
+                }
+            },
+        }
+    }
+}
+
 enum GraphSlot {
     /// Seen once, run eagerly (which also fills the scratch pool).
     Seen,
@@ -345,20 +368,7 @@ impl Stage {
                 let key: Option<Vec<usize>> =
                     (graphs.on && segments.iter().all(|s| s.rows == 1)).then(|| segments.iter().map(|s| s.seq).collect());
                 let fresh = || Io::alloc(tokens, m.x_words(), if m.last_stage { m.vocab } else { 0 });
-                let (plan, io) = match key {
-                    None => (Plan::Eager, fresh()),
-                    Some(k) => match graphs.by_batch.get(&k) {
-                        Some(GraphSlot::Ready(_, io)) => (Plan::Replay(k), *io),
-                        Some(GraphSlot::Seen) => (Plan::Capture(k), fresh()),
-                        Some(GraphSlot::Eager) => (Plan::Eager, fresh()),
-                        None => {
-                            if graphs.by_batch.len() < MAX_GRAPHS {
-                                graphs.by_batch.insert(k, GraphSlot::Seen);
-                            }
-                            (Plan::Eager, fresh())
-                        }
-                    },
-                };
+                let (plan, io) = graphs.plan(key, fresh);
                 device.copy_in(io.pos, bytes_of(&pos))?;
                 if m.first_stage {
                     device.copy_in(io.ids, bytes_of(ids))?;

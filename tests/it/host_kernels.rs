@@ -478,29 +478,16 @@ pub(crate) fn p<T>(m: &T) -> *const std::ffi::c_void {
     m as *const T as *const std::ffi::c_void
 }
 
-/// `--activations bf16` changes storage, never arithmetic: every kernel with
-/// bf16 activations gives, bit for bit, its f32 twin's result on the same
-/// (bf16-rounded) inputs, rounded to nearest even once. Covered: linear on
-/// all three code paths (bf16 vector, MXFP8 vector, MXFP8 table) and with
-/// f32 output (the logits), RMSNorm, QK-norm + RoPE, SwiGLU-OAI, add, the
-/// router (f32 outputs) and MSA attention.
-#[test]
-fn bf16_activation_kernels_round_their_f32_twins_once() {
-    let dir = tempfile::tempdir().unwrap();
-    let ck = Checkpoint::open(&fixture("tiny-m3-mxfp8")).unwrap();
-    let get = |n: &str| ck.bytes(&ck.tensors[n]).to_vec();
-    let stem = "language_model.model.layers.0.mlp.down_proj";
-    let (w8, s32) = (get(&format!("{stem}.weight")), get(&format!("{stem}.weight_scale_inv")));
-    let s16: Vec<u8> = s32.iter().flat_map(|&b| [b, b]).collect();
-    let wb: Vec<u16> = (0..128 * 192).map(|i| bf16_nearest_even(((i * 7919 % 997) as f32 / 997.0 - 0.5) * 0.2)).collect();
-    let norm_w = vec![0x3E80u16; 128]; // 0.25
+/// The kernels checked in both activation storages: each pair is the f32
+/// kernel and its bf16-activation twin.
+fn bf16_twins() -> Vec<[Kernel; 2]> {
     let (f, b) = (Storage::F32, Storage::Bf16);
     let sel = m3c_kernels::SparseSel { index_heads: 2, index_dim: 16, block: 2, topk: 2, local: 1, init: 0 };
     let twins = |mk: &dyn Fn(Storage) -> Kernel| [mk(f), mk(b)];
     let lin = |weight, out_act: Option<Storage>| {
         move |a: Storage| Kernel::Linear(m3c_kernels::Linear { inp: 192, out: 128, weight, act: a, out_act: out_act.unwrap_or(a) })
     };
-    let kernels: Vec<[Kernel; 2]> = vec![
+    vec![
         twins(&lin(WeightType::BF16, None)),
         twins(&lin(WeightType::Mxfp8 { block: 32 }, None)),
         twins(&lin(WeightType::Mxfp8 { block: 16 }, None)),
@@ -541,7 +528,27 @@ fn bf16_activation_kernels_round_their_f32_twins_once() {
                 act: a,
             })
         }),
-    ];
+    ]
+}
+
+/// `--activations bf16` changes storage, never arithmetic: every kernel with
+/// bf16 activations gives, bit for bit, its f32 twin's result on the same
+/// (bf16-rounded) inputs, rounded to nearest even once. Covered: linear on
+/// all three code paths (bf16 vector, MXFP8 vector, MXFP8 table) and with
+/// f32 output (the logits), RMSNorm, QK-norm + RoPE, SwiGLU-OAI, add, the
+/// router (f32 outputs) and MSA attention.
+#[test]
+fn bf16_activation_kernels_round_their_f32_twins_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = Checkpoint::open(&fixture("tiny-m3-mxfp8")).unwrap();
+    let get = |n: &str| ck.bytes(&ck.tensors[n]).to_vec();
+    let stem = "language_model.model.layers.0.mlp.down_proj";
+    let (w8, s32) = (get(&format!("{stem}.weight")), get(&format!("{stem}.weight_scale_inv")));
+    let s16: Vec<u8> = s32.iter().flat_map(|&b| [b, b]).collect();
+    let wb: Vec<u16> = (0..128 * 192).map(|i| bf16_nearest_even(((i * 7919 % 997) as f32 / 997.0 - 0.5) * 0.2)).collect();
+    let norm_w = vec![0x3E80u16; 128]; // 0.25
+    let f = Storage::F32;
+    let kernels = bf16_twins();
     let all: Vec<Kernel> = kernels.iter().flat_map(|t| t.iter().cloned()).collect();
     let lib = build(&all, dir.path());
     let rows = 5;

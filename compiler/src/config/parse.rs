@@ -145,32 +145,7 @@ fn parse_text(t: &Obj) -> Result<TextConfig, ConfigError> {
         check(!tie, t, "tie_word_embeddings", "false (MiniMax-M3 ships a separate lm_head)")?;
     }
 
-    // Partial RoPE: `partial_rotary_factor` is what the reference reads;
-    // `rotary_dim`, when present, must agree with it.
-    let from_factor = t.opt_float("partial_rotary_factor")?.map(|f| f * head_dim as f64);
-    let rotary_dim = match (opt_size(t, "rotary_dim", bounds::HEAD_DIM)?, from_factor) {
-        (Some(r), Some(f)) => {
-            check((r as f64 - f).abs() < 1e-9, t, "rotary_dim", &format!("partial_rotary_factor × head_dim = {f}"))?;
-            r
-        }
-        (Some(r), None) => r,
-        (None, Some(f)) => {
-            check(
-                f.fract() == 0.0 && f > 0.0 && f <= head_dim as f64,
-                t,
-                "partial_rotary_factor",
-                "a factor giving a whole number of channels",
-            )?;
-            f as usize
-        }
-        (None, None) => head_dim,
-    };
-    check(
-        rotary_dim > 0 && rotary_dim % 2 == 0 && rotary_dim <= head_dim,
-        t,
-        if t.has("rotary_dim") { "rotary_dim" } else { "partial_rotary_factor" },
-        &format!("an even number of channels ≤ head_dim = {head_dim}"),
-    )?;
+    let rotary_dim = rotary_dim(t, head_dim)?;
 
     let num_experts = size(t, "num_local_experts", bounds::EXPERTS)?;
     let experts_per_token = size(t, "num_experts_per_tok", bounds::EXPERTS_PER_TOKEN)?;
@@ -401,4 +376,35 @@ fn parse_quantization(q: &Obj, text: &TextConfig) -> Result<Quantization, Config
     }
     let ignored_layers = if q.has("ignored_layers") { q.string_list("ignored_layers")? } else { Vec::new() };
     Ok(Quantization::Mxfp8 { block, ignored_layers })
+}
+
+/// Partial RoPE: `partial_rotary_factor` is what the reference reads;
+/// `rotary_dim`, when present, must agree with it.
+fn rotary_dim(t: &Obj, head_dim: usize) -> Result<usize, ConfigError> {
+    let from_factor = t.opt_float("partial_rotary_factor")?.map(|f| f * head_dim as f64);
+    let rotary_dim = match (opt_size(t, "rotary_dim", bounds::HEAD_DIM)?, from_factor) {
+        (Some(r), Some(f)) => {
+            check((r as f64 - f).abs() < 1e-9, t, "rotary_dim", &format!("partial_rotary_factor × head_dim = {f}"))?;
+            r
+        }
+        (Some(r), None) => r,
+        (None, Some(f)) => {
+            check(
+                f.fract() == 0.0 && f > 0.0 && f <= head_dim as f64,
+                t,
+                "partial_rotary_factor",
+                "a factor giving a whole number of channels",
+            )?;
+            f as usize
+        }
+        (None, None) => head_dim,
+    };
+    check(
+        rotary_dim > 0 && rotary_dim % 2 == 0 && rotary_dim <= head_dim,
+        t,
+        if t.has("rotary_dim") { "rotary_dim" } else { "partial_rotary_factor" },
+        &format!("an even number of channels ≤ head_dim = {head_dim}"),
+    )?;
+
+    Ok(rotary_dim)
 }

@@ -287,85 +287,9 @@ impl Fuser<'_> {
                 self.call(Kernel::RmsNorm(m3c_kernels::RmsNorm { width, eps, weight: wt, act: self.act }), vec![x, w, y.clone()], what);
                 self.vals.insert(n, y);
             }
-            Op::Linear { weight, out, inp, mxfp8_block } => {
-                let x = self.val(ops[0])?;
-                // Logits stay f32 whatever the activations are: they are the
-                // stage's result, and sampling compares them.
-                let (y, cache, out_act) = if self.consumers(n).iter().any(|&c| matches!(self.node(c), Op::Argmax)) {
-                    (Arg::Logits { vocab: out }, None, Storage::F32)
-                } else {
-                    let (y, cache) = self.output_for(n, out);
-                    (y, cache, self.act)
-                };
-                let act = self.act;
-                let (k, mut args) = match mxfp8_block {
-                    Some(block) => {
-                        let w = self.weight_arg(&weight, "i8")?;
-                        let s = self.weight_arg(&names::scales(names::without_weight(&weight)), "i8")?;
-                        (Kernel::Linear(m3c_kernels::Linear { inp, out, weight: WeightType::Mxfp8 { block }, act, out_act }), vec![x, w, s])
-                    }
-                    None => {
-                        let (w, wt) = self.float_weight(&weight)?;
-                        (Kernel::Linear(m3c_kernels::Linear { inp, out, weight: wt, act, out_act }), vec![x, w])
-                    }
-                };
-                args.push(y.clone());
-                self.call(k, args, what.clone());
-                self.write_cache(&y, cache, out, &what);
-                self.vals.insert(n, y);
-            }
-            Op::Rope { heads, head_dim, rotary_dim, theta } => {
-                let norm = ops[0];
-                let Op::HeadRmsNorm { weight, eps, .. } = self.node(norm).clone() else {
-                    return Err(format!("{what}: RoPE without a per-head norm before it"));
-                };
-                let x = self.val(g.operands(norm)[0])?;
-                let (w, wt) = self.float_weight(&weight)?;
-                let (y, cache) = self.output_for(n, heads * head_dim);
-                let k =
-                    Kernel::HeadNormRope(m3c_kernels::HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight: wt, act: self.act });
-                self.call(k, vec![x, w, Arg::Pos, y.clone()], what.clone());
-                self.write_cache(&y, cache, heads * head_dim, &what);
-                self.vals.insert(n, y);
-            }
-            Op::Attention { heads, kv_heads, head_dim, scale, sparse_block } => {
-                let (q, kc, vc) = (self.val(ops[0])?, self.val(ops[1])?, self.val(ops[2])?);
-                let mut args = vec![q, kc, vc, Arg::Pos];
-                let sparse = match sparse_block {
-                    None => None,
-                    Some(block) => {
-                        let sel = ops[4];
-                        let Op::TopKBlocks { k, local, init, .. } = *self.node(sel) else {
-                            return Err(format!("{what}: sparse attention without a top-k block selection"));
-                        };
-                        let bmax = g.operands(sel)[0];
-                        let scores = g.operands(bmax)[0];
-                        let Op::IndexScores { heads: ih, dim } = *self.node(scores) else {
-                            return Err(format!("{what}: block selection without indexer scores"));
-                        };
-                        let so = g.operands(scores);
-                        args.push(self.val(so[0])?);
-                        args.push(self.val(so[1])?);
-                        Some(SparseSel { index_heads: ih, index_dim: dim, block, topk: k, local, init })
-                    }
-                };
-                let o = self.alloc(heads * head_dim, self.act.mlir_elem());
-                args.push(o.clone());
-                self.call(
-                    Kernel::Attention(m3c_kernels::Attention {
-                        heads,
-                        kv_heads,
-                        head_dim,
-                        scale,
-                        sparse,
-                        cache: self.cache,
-                        act: self.act,
-                    }),
-                    args,
-                    what,
-                );
-                self.vals.insert(n, o);
-            }
+            Op::Linear { .. } => self.lower_linear(n, &node.op, what)?,
+            Op::Rope { .. } => self.lower_rope(n, &node.op, what)?,
+            Op::Attention { .. } => self.lower_attention(n, &node.op, what)?,
             Op::Add => {
                 let (a, b) = (self.val(ops[0])?, self.val(ops[1])?);
                 // In place when the first operand dies here (residual stream, routed sum).
@@ -384,76 +308,8 @@ impl Fuser<'_> {
                 );
                 self.vals.insert(n, y);
             }
-            Op::Router { weight, bias, experts, top_k, scale } => {
-                let h = self.val(ops[0])?;
-                let (w, wt) = self.float_weight(&weight)?;
-                let mut args = vec![h, w];
-                let bt = match bias {
-                    Some(b) => {
-                        let (ba, bt) = self.float_weight(&b)?;
-                        args.push(ba);
-                        Some(bt)
-                    }
-                    None => None,
-                };
-                let wts = self.alloc(top_k, "f32");
-                let ids = self.alloc(top_k, "i64");
-                args.push(wts.clone());
-                args.push(ids.clone());
-                let k = Kernel::Router(m3c_kernels::Router {
-                    width: t.hidden_size,
-                    experts,
-                    top_k,
-                    scale,
-                    weight: wt,
-                    bias: bt,
-                    act: self.act,
-                });
-                self.call(k, args, what);
-                // The routing value is the pair; consumers read both.
-                self.vals.insert(n, wts);
-                self.router_ids.insert(n, ids);
-            }
-            Op::RoutedExperts { stem, experts, hidden, intermediate, mxfp8_block, alpha, limit, beta } => {
-                let h = self.val(ops[0])?;
-                let routing = ops[1];
-                let wts = self.val(routing)?;
-                let ids = self.router_ids.get(&routing).cloned().ok_or("routed experts without router ids")?;
-                let top_k = t.experts_per_token;
-                let weight = match mxfp8_block {
-                    Some(block) => WeightType::Mxfp8 { block },
-                    None => {
-                        let first = names::weight(&names::expert(&stem, 0, ExpertProj::W1));
-                        let d = self.specs.get(&first).map(|s| s.nominal).ok_or("no expert 0 in the layout")?;
-                        weight_type(d)?
-                    }
-                };
-                let first_slot = self.tensors.len();
-                for e in 0..experts {
-                    for proj in ExpertProj::TABLE_ORDER {
-                        let x = names::expert(&stem, e, proj);
-                        self.weight(&names::weight(&x))?;
-                        if mxfp8_block.is_some() {
-                            self.weight(&names::scales(&x))?;
-                        }
-                    }
-                }
-                debug_assert_eq!(self.tensors.len() - first_slot, experts * expert_tensor_types(hidden, intermediate, weight).len());
-                let y = self.alloc(hidden, self.act.mlir_elem());
-                let k = Kernel::RoutedExperts(m3c_kernels::RoutedExperts {
-                    experts,
-                    hidden,
-                    inter: intermediate,
-                    top_k,
-                    weight,
-                    alpha,
-                    limit,
-                    beta,
-                    act: self.act,
-                });
-                self.call(k, vec![h, wts, ids, Arg::ExpertTable { first_slot }, y.clone()], what);
-                self.vals.insert(n, y);
-            }
+            Op::Router { .. } => self.lower_router(n, &node.op, what)?,
+            Op::RoutedExperts { .. } => self.lower_routed_experts(n, &node.op, what)?,
             Op::Argmax => {
                 let x = self.val(ops[0])?;
                 let Arg::Logits { vocab } = x else {
@@ -462,6 +318,186 @@ impl Fuser<'_> {
                 self.call(Kernel::Argmax(m3c_kernels::Argmax { width: vocab }), vec![x, Arg::OutIds], what);
             }
         }
+        Ok(())
+    }
+    /// A linear: logits (f32, for the argmax) or an activation, MXFP8 or float weights.
+    fn lower_linear(&mut self, n: NodeIndex, op: &Op, what: String) -> Result<(), String> {
+        let Op::Linear { weight, out, inp, mxfp8_block } = op.clone() else {
+            return Err(format!("{what}: not a Linear node"));
+        };
+        let ops = self.graph.operands(n);
+
+        let x = self.val(ops[0])?;
+        // Logits stay f32 whatever the activations are: they are the
+        // stage's result, and sampling compares them.
+        let (y, cache, out_act) = if self.consumers(n).iter().any(|&c| matches!(self.node(c), Op::Argmax)) {
+            (Arg::Logits { vocab: out }, None, Storage::F32)
+        } else {
+            let (y, cache) = self.output_for(n, out);
+            (y, cache, self.act)
+        };
+        let act = self.act;
+        let (k, mut args) = match mxfp8_block {
+            Some(block) => {
+                let w = self.weight_arg(&weight, "i8")?;
+                let s = self.weight_arg(&names::scales(names::without_weight(&weight)), "i8")?;
+                (Kernel::Linear(m3c_kernels::Linear { inp, out, weight: WeightType::Mxfp8 { block }, act, out_act }), vec![x, w, s])
+            }
+            None => {
+                let (w, wt) = self.float_weight(&weight)?;
+                (Kernel::Linear(m3c_kernels::Linear { inp, out, weight: wt, act, out_act }), vec![x, w])
+            }
+        };
+        args.push(y.clone());
+        self.call(k, args, what.clone());
+        self.write_cache(&y, cache, out, &what);
+        self.vals.insert(n, y);
+
+        Ok(())
+    }
+
+    /// Per-head norm + RoPE, fused (the norm is the RoPE's operand).
+    fn lower_rope(&mut self, n: NodeIndex, op: &Op, what: String) -> Result<(), String> {
+        let Op::Rope { heads, head_dim, rotary_dim, theta } = op.clone() else {
+            return Err(format!("{what}: not a Rope node"));
+        };
+        let ops = self.graph.operands(n);
+        let g = self.graph;
+
+        let norm = ops[0];
+        let Op::HeadRmsNorm { weight, eps, .. } = self.node(norm).clone() else {
+            return Err(format!("{what}: RoPE without a per-head norm before it"));
+        };
+        let x = self.val(g.operands(norm)[0])?;
+        let (w, wt) = self.float_weight(&weight)?;
+        let (y, cache) = self.output_for(n, heads * head_dim);
+        let k = Kernel::HeadNormRope(m3c_kernels::HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight: wt, act: self.act });
+        self.call(k, vec![x, w, Arg::Pos, y.clone()], what.clone());
+        self.write_cache(&y, cache, heads * head_dim, &what);
+        self.vals.insert(n, y);
+
+        Ok(())
+    }
+
+    /// Attention, with the MSA indexer (scores, block max, top-k) fused in.
+    fn lower_attention(&mut self, n: NodeIndex, op: &Op, what: String) -> Result<(), String> {
+        let Op::Attention { heads, kv_heads, head_dim, scale, sparse_block } = op.clone() else {
+            return Err(format!("{what}: not a Attention node"));
+        };
+        let ops = self.graph.operands(n);
+        let g = self.graph;
+
+        let (q, kc, vc) = (self.val(ops[0])?, self.val(ops[1])?, self.val(ops[2])?);
+        let mut args = vec![q, kc, vc, Arg::Pos];
+        let sparse = match sparse_block {
+            None => None,
+            Some(block) => {
+                let sel = ops[4];
+                let Op::TopKBlocks { k, local, init, .. } = *self.node(sel) else {
+                    return Err(format!("{what}: sparse attention without a top-k block selection"));
+                };
+                let bmax = g.operands(sel)[0];
+                let scores = g.operands(bmax)[0];
+                let Op::IndexScores { heads: ih, dim } = *self.node(scores) else {
+                    return Err(format!("{what}: block selection without indexer scores"));
+                };
+                let so = g.operands(scores);
+                args.push(self.val(so[0])?);
+                args.push(self.val(so[1])?);
+                Some(SparseSel { index_heads: ih, index_dim: dim, block, topk: k, local, init })
+            }
+        };
+        let o = self.alloc(heads * head_dim, self.act.mlir_elem());
+        args.push(o.clone());
+        self.call(
+            Kernel::Attention(m3c_kernels::Attention { heads, kv_heads, head_dim, scale, sparse, cache: self.cache, act: self.act }),
+            args,
+            what,
+        );
+        self.vals.insert(n, o);
+
+        Ok(())
+    }
+
+    /// The router: weights and ids, the pair every routed-experts call reads.
+    fn lower_router(&mut self, n: NodeIndex, op: &Op, what: String) -> Result<(), String> {
+        let Op::Router { weight, bias, experts, top_k, scale } = op.clone() else {
+            return Err(format!("{what}: not a Router node"));
+        };
+        let ops = self.graph.operands(n);
+        let t = &self.cfg.text;
+
+        let h = self.val(ops[0])?;
+        let (w, wt) = self.float_weight(&weight)?;
+        let mut args = vec![h, w];
+        let bt = match bias {
+            Some(b) => {
+                let (ba, bt) = self.float_weight(&b)?;
+                args.push(ba);
+                Some(bt)
+            }
+            None => None,
+        };
+        let wts = self.alloc(top_k, "f32");
+        let ids = self.alloc(top_k, "i64");
+        args.push(wts.clone());
+        args.push(ids.clone());
+        let k = Kernel::Router(m3c_kernels::Router { width: t.hidden_size, experts, top_k, scale, weight: wt, bias: bt, act: self.act });
+        self.call(k, args, what);
+        // The routing value is the pair; consumers read both.
+        self.vals.insert(n, wts);
+        self.router_ids.insert(n, ids);
+
+        Ok(())
+    }
+
+    /// The routed experts, their tensors bound as one pointer table.
+    fn lower_routed_experts(&mut self, n: NodeIndex, op: &Op, what: String) -> Result<(), String> {
+        let Op::RoutedExperts { stem, experts, hidden, intermediate, mxfp8_block, alpha, limit, beta } = op.clone() else {
+            return Err(format!("{what}: not a RoutedExperts node"));
+        };
+        let ops = self.graph.operands(n);
+        let t = &self.cfg.text;
+
+        let h = self.val(ops[0])?;
+        let routing = ops[1];
+        let wts = self.val(routing)?;
+        let ids = self.router_ids.get(&routing).cloned().ok_or("routed experts without router ids")?;
+        let top_k = t.experts_per_token;
+        let weight = match mxfp8_block {
+            Some(block) => WeightType::Mxfp8 { block },
+            None => {
+                let first = names::weight(&names::expert(&stem, 0, ExpertProj::W1));
+                let d = self.specs.get(&first).map(|s| s.nominal).ok_or("no expert 0 in the layout")?;
+                weight_type(d)?
+            }
+        };
+        let first_slot = self.tensors.len();
+        for e in 0..experts {
+            for proj in ExpertProj::TABLE_ORDER {
+                let x = names::expert(&stem, e, proj);
+                self.weight(&names::weight(&x))?;
+                if mxfp8_block.is_some() {
+                    self.weight(&names::scales(&x))?;
+                }
+            }
+        }
+        debug_assert_eq!(self.tensors.len() - first_slot, experts * expert_tensor_types(hidden, intermediate, weight).len());
+        let y = self.alloc(hidden, self.act.mlir_elem());
+        let k = Kernel::RoutedExperts(m3c_kernels::RoutedExperts {
+            experts,
+            hidden,
+            inter: intermediate,
+            top_k,
+            weight,
+            alpha,
+            limit,
+            beta,
+            act: self.act,
+        });
+        self.call(k, vec![h, wts, ids, Arg::ExpertTable { first_slot }, y.clone()], what);
+        self.vals.insert(n, y);
+
         Ok(())
     }
 }

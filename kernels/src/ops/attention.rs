@@ -152,78 +152,7 @@ fn host(
     let mut allowed = String::from("%allowed = arith.constant true\n");
     let mut teardown = String::new();
     if let Some(s) = sparse {
-        let iqt = format!("memref<?x{}x{}>", s.index_heads * s.index_dim, act.mlir_elem());
-        let ikt = format!("memref<?x{}x{}>", s.index_dim, cache.mlir_elem());
-        setup = format!(
-            "%cB = arith.constant {block} : index\n\
-             %cBm1 = arith.constant {bm1} : index\n\
-             %cK = arith.constant {topk} : index\n\
-             %cid = arith.constant {id} : index\n\
-             %clocal = arith.constant {local} : index\n\
-             %cinit = arith.constant {init} : index\n\
-             %pinf = arith.constant {POS_INF} : f32\n\
-             %i32_0 = arith.constant 0 : i32\n\
-             %i32_1 = arith.constant 1 : i32\n\
-",
-            block = s.block,
-            bm1 = s.block - 1,
-            topk = s.topk,
-            id = s.index_dim,
-            local = s.local,
-            init = s.init,
-        );
-        teardown = "memref.dealloc %bs : memref<?xf32>\nmemref.dealloc %sel : memref<?xi32>\n".into();
-        select = format!(
-            "%bq = arith.divui %p, %cB : index\n\
-             %nb = arith.addi %bq, %c1 : index\n\
-             %bs = memref.alloc(%nb) : memref<?xf32>\n\
-             %sel = memref.alloc(%nb) : memref<?xi32>\n\
-             scf.for %b = %c0 to %nb step %c1 {{\n\
-             \x20 memref.store %ninf, %bs[%b] : memref<?xf32>\n\
-             \x20 memref.store %i32_0, %sel[%b] : memref<?xi32>\n\
-             }}\n\
-             %iqb = arith.muli %g, %cid : index\n\
-             scf.for %t = %c0 to %nk step %c1 {{\n\
-             {dot_idx}\
-             \x20 %b = arith.divui %t, %cB : index\n\
-             \x20 %old = memref.load %bs[%b] : memref<?xf32>\n\
-             \x20 %mx = arith.maximumf %old, %dot : f32\n\
-             \x20 memref.store %mx, %bs[%b] : memref<?xf32>\n\
-             }}\n\
-             // Forced blocks: the query's own (and `local - 1` before it), and the first `init`.\n\
-             %nloc = arith.minui %clocal, %nb : index\n\
-             scf.for %j = %c0 to %nloc step %c1 {{\n\
-             \x20 %b = arith.subi %bq, %j : index\n\
-             \x20 memref.store %pinf, %bs[%b] : memref<?xf32>\n\
-             }}\n\
-             %ninit = arith.minui %cinit, %nb : index\n\
-             scf.for %b = %c0 to %ninit step %c1 {{\n\
-             \x20 memref.store %pinf, %bs[%b] : memref<?xf32>\n\
-             }}\n\
-             // Top-k by repeated argmax: strict `>` keeps the lower block on ties,\n\
-             // and a block still at -inf (no causal key) is never taken.\n\
-             scf.for %s = %c0 to %cK step %c1 {{\n\
-             \x20 %best:2 = scf.for %b = %c0 to %nb step %c1 iter_args(%bv = %ninf, %bi = %nb) -> (f32, index) {{\n\
-             \x20   %taken = memref.load %sel[%b] : memref<?xi32>\n\
-             \x20   %free = arith.cmpi eq, %taken, %i32_0 : i32\n\
-             \x20   %bsv = memref.load %bs[%b] : memref<?xf32>\n\
-             \x20   %gt = arith.cmpf ogt, %bsv, %bv : f32\n\
-             \x20   %ok = arith.andi %free, %gt : i1\n\
-             \x20   %nv = arith.select %ok, %bsv, %bv : f32\n\
-             \x20   %ni = arith.select %ok, %b, %bi : index\n\
-             \x20   scf.yield %nv, %ni : f32, index\n\
-             \x20 }}\n\
-             \x20 %found = arith.cmpi ult, %best#1, %nb : index\n\
-             \x20 scf.if %found {{\n\
-             \x20   memref.store %i32_1, %sel[%best#1] : memref<?xi32>\n\
-             \x20 }}\n\
-             }}\n",
-            dot_idx = indent(&dot("%dot", ("%iq", &iqt, act), "%r", "%iqb", ("%ik", &ikt, cache), "%t", "%c0", "%cid", s.index_dim), 2),
-        );
-        allowed = "%tb = arith.divui %t, %cB : index\n\
-                   %sv = memref.load %sel[%tb] : memref<?xi32>\n\
-                   %allowed = arith.cmpi ne, %sv, %i32_0 : i32\n"
-            .into();
+        (setup, select, allowed, teardown) = msa_host(s, cache, act);
     }
     // Where P·V accumulates: `o` itself when it holds f32, else an f32 row
     // stored into `o` (rounded once) when the head is done.
@@ -548,4 +477,86 @@ fn gpu_attention(
         v_load = indent(&load("%vv", "%v", &kt, "%t", "%vc"), 8),
     );
     func(name, &params, &body)
+}
+
+/// The host attention's MSA block selection for one (query row, KV group):
+/// constants (`setup`), the block scores and top-k (`select`), the per-key
+/// test (`allowed`) and the scratch release (`teardown`).
+fn msa_host(s: SparseSel, cache: Storage, act: Storage) -> (String, String, String, String) {
+    let (setup, select, allowed, teardown): (String, String, String, String);
+
+        let iqt = format!("memref<?x{}x{}>", s.index_heads * s.index_dim, act.mlir_elem());
+        let ikt = format!("memref<?x{}x{}>", s.index_dim, cache.mlir_elem());
+        setup = format!(
+            "%cB = arith.constant {block} : index\n\
+             %cBm1 = arith.constant {bm1} : index\n\
+             %cK = arith.constant {topk} : index\n\
+             %cid = arith.constant {id} : index\n\
+             %clocal = arith.constant {local} : index\n\
+             %cinit = arith.constant {init} : index\n\
+             %pinf = arith.constant {POS_INF} : f32\n\
+             %i32_0 = arith.constant 0 : i32\n\
+             %i32_1 = arith.constant 1 : i32\n\
+",
+            block = s.block,
+            bm1 = s.block - 1,
+            topk = s.topk,
+            id = s.index_dim,
+            local = s.local,
+            init = s.init,
+        );
+        teardown = "memref.dealloc %bs : memref<?xf32>\nmemref.dealloc %sel : memref<?xi32>\n".into();
+        select = format!(
+            "%bq = arith.divui %p, %cB : index\n\
+             %nb = arith.addi %bq, %c1 : index\n\
+             %bs = memref.alloc(%nb) : memref<?xf32>\n\
+             %sel = memref.alloc(%nb) : memref<?xi32>\n\
+             scf.for %b = %c0 to %nb step %c1 {{\n\
+             \x20 memref.store %ninf, %bs[%b] : memref<?xf32>\n\
+             \x20 memref.store %i32_0, %sel[%b] : memref<?xi32>\n\
+             }}\n\
+             %iqb = arith.muli %g, %cid : index\n\
+             scf.for %t = %c0 to %nk step %c1 {{\n\
+             {dot_idx}\
+             \x20 %b = arith.divui %t, %cB : index\n\
+             \x20 %old = memref.load %bs[%b] : memref<?xf32>\n\
+             \x20 %mx = arith.maximumf %old, %dot : f32\n\
+             \x20 memref.store %mx, %bs[%b] : memref<?xf32>\n\
+             }}\n\
+             // Forced blocks: the query's own (and `local - 1` before it), and the first `init`.\n\
+             %nloc = arith.minui %clocal, %nb : index\n\
+             scf.for %j = %c0 to %nloc step %c1 {{\n\
+             \x20 %b = arith.subi %bq, %j : index\n\
+             \x20 memref.store %pinf, %bs[%b] : memref<?xf32>\n\
+             }}\n\
+             %ninit = arith.minui %cinit, %nb : index\n\
+             scf.for %b = %c0 to %ninit step %c1 {{\n\
+             \x20 memref.store %pinf, %bs[%b] : memref<?xf32>\n\
+             }}\n\
+             // Top-k by repeated argmax: strict `>` keeps the lower block on ties,\n\
+             // and a block still at -inf (no causal key) is never taken.\n\
+             scf.for %s = %c0 to %cK step %c1 {{\n\
+             \x20 %best:2 = scf.for %b = %c0 to %nb step %c1 iter_args(%bv = %ninf, %bi = %nb) -> (f32, index) {{\n\
+             \x20   %taken = memref.load %sel[%b] : memref<?xi32>\n\
+             \x20   %free = arith.cmpi eq, %taken, %i32_0 : i32\n\
+             \x20   %bsv = memref.load %bs[%b] : memref<?xf32>\n\
+             \x20   %gt = arith.cmpf ogt, %bsv, %bv : f32\n\
+             \x20   %ok = arith.andi %free, %gt : i1\n\
+             \x20   %nv = arith.select %ok, %bsv, %bv : f32\n\
+             \x20   %ni = arith.select %ok, %b, %bi : index\n\
+             \x20   scf.yield %nv, %ni : f32, index\n\
+             \x20 }}\n\
+             \x20 %found = arith.cmpi ult, %best#1, %nb : index\n\
+             \x20 scf.if %found {{\n\
+             \x20   memref.store %i32_1, %sel[%best#1] : memref<?xi32>\n\
+             \x20 }}\n\
+             }}\n",
+            dot_idx = indent(&dot("%dot", ("%iq", &iqt, act), "%r", "%iqb", ("%ik", &ikt, cache), "%t", "%c0", "%cid", s.index_dim), 2),
+        );
+        allowed = "%tb = arith.divui %t, %cB : index\n\
+                   %sv = memref.load %sel[%tb] : memref<?xi32>\n\
+                   %allowed = arith.cmpi ne, %sv, %i32_0 : i32\n"
+            .into();
+    
+    (setup, select, allowed, teardown)
 }

@@ -268,7 +268,85 @@ fn host_vec(inp: usize, out: usize, weight: WeightType, act: Storage, out_act: S
     }
     // One output `o` for the activation rows `rows` (SSA index names):
     // accumulate, reduce, store.
-    let reduce_rows = |rows: &[String]| -> String {
+    let ctx = VecCtx { x: x.clone(), y: y.clone(), wt: wt.clone(), st: st.clone(), v: v.clone(), vi: vi.clone(), weight, act, out_act };
+    let reduce_rows = |rows: &[String]| reduce_rows(rows, &ctx);
+    let block_rows: Vec<String> = (0..ROW_BLOCK).map(|j| format!("%r{j}")).collect();
+    let row_idx: String = (1..ROW_BLOCK).map(|j| format!("%r{j} = arith.addi %r0, %c{j}_rb : index\n")).collect();
+    let rb_consts: String = (1..ROW_BLOCK).map(|j| format!("%c{j}_rb = arith.constant {j} : index\n")).collect();
+    // Tiles: a tile of activation rows small enough for L1 (about 32 KB)
+    // meets every output row of the tile of outputs before moving on, so
+    // activations are read from L1, not L2, at long prefills.
+    // And a tile of outputs whose weights fit L2 (about 256 KB) is reused by
+    // every row tile, so weights stream from memory once per output tile.
+    let row_tile = ((32 * 1024) / (inp * 4)).clamp(ROW_BLOCK, 64) / ROW_BLOCK * ROW_BLOCK;
+    let wbytes = match weight {
+        WeightType::F32 => 4,
+        WeightType::BF16 | WeightType::F16 => 2,
+        WeightType::Mxfp8 { .. } => 1,
+    };
+    // At most ~1/64 of the outputs per tile, so the tiles (run in parallel,
+    // one thread per tile at a time) keep every core busy at decode.
+    let out_tile = ((256 * 1024) / (inp * wbytes)).clamp(1, out).min(out.div_ceil(64).max(8));
+    // One tile of outputs: every row tile of the activations against it.
+    let tile = format!(
+        "%ot_end0 = arith.addi %ot, %cot : index\n\
+         %ot_end = arith.minui %ot_end0, %cout : index\n\
+         scf.for %rt = %c0 to %rows step %crt {{\n\
+         \x20 %rt_end0 = arith.addi %rt, %crt : index\n\
+         \x20 %rt_end = arith.minui %rt_end0, %rows : index\n\
+         \x20 %rt_n = arith.subi %rt_end, %rt : index\n\
+         \x20 %nfull = arith.divui %rt_n, %crb : index\n\
+         \x20 %nfr = arith.muli %nfull, %crb : index\n\
+         \x20 %rfull = arith.addi %rt, %nfr : index\n\
+         \x20 scf.for %o = %ot to %ot_end step %c1 {{\n\
+         \x20   scf.for %r0 = %rt to %rfull step %crb {{\n\
+         {row_idx}\
+         {block}\
+         \x20   }}\n\
+         \x20   scf.for %r = %rfull to %rt_end step %c1 {{\n\
+         {single}\
+         \x20   }}\n\
+         \x20 }}\n\
+         }}\n",
+        row_idx = indent(&row_idx, 6),
+        block = indent(&reduce_rows(&block_rows), 6),
+        single = indent(&reduce_rows(&["%r".to_string()]), 6),
+    );
+    let body = format!(
+        "{consts}\
+         {rb_consts}\
+         %crt = arith.constant {row_tile} : index\n\
+         %cot = arith.constant {out_tile} : index\n\
+         %rows = memref.dim %x, %c0 : {x}\n\
+         %work0 = arith.constant {macs} : index\n\
+         %work = arith.muli %rows, %work0 : index\n\
+         {tiles}\
+         return\n",
+        macs = inp * out,
+        tiles = parallel_or_serial("%work", &["%ot"], &["%c0"], &["%cout"], &["%cot"], &tile),
+    );
+    body
+}
+
+/// What the vector path's inner loops need to know of the linear.
+struct VecCtx {
+    x: String,
+    y: String,
+    wt: String,
+    st: String,
+    v: String,
+    vi: String,
+    weight: WeightType,
+    act: Storage,
+    out_act: Storage,
+}
+
+/// One output `o` for the activation rows `rows` (SSA index names):
+/// accumulate, reduce, store.
+fn reduce_rows(rows: &[String], c: &VecCtx) -> String {
+    let (x, y, wt, st, v, vi) = (&c.x, &c.y, &c.wt, &c.st, &c.v, &c.vi);
+    let (weight, act, out_act) = (c.weight, c.act, c.out_act);
+
         let n = rows.len();
         let accs = |p: &str| (0..n).map(|j| format!("%{p}{j}")).collect::<Vec<_>>();
         let iter = |p: &str, init: &[String]| (0..n).map(|j| format!("%{p}{j} = {}", init[j])).collect::<Vec<_>>().join(", ");
@@ -358,61 +436,4 @@ fn host_vec(inp: usize, out: usize, weight: WeightType, act: Storage, out_act: S
             text.push_str(&store_f32(&format!("%sum{j}"), "%y", &y, r, "%o", out_act));
         }
         text
-    };
-    let block_rows: Vec<String> = (0..ROW_BLOCK).map(|j| format!("%r{j}")).collect();
-    let row_idx: String = (1..ROW_BLOCK).map(|j| format!("%r{j} = arith.addi %r0, %c{j}_rb : index\n")).collect();
-    let rb_consts: String = (1..ROW_BLOCK).map(|j| format!("%c{j}_rb = arith.constant {j} : index\n")).collect();
-    // Tiles: a tile of activation rows small enough for L1 (about 32 KB)
-    // meets every output row of the tile of outputs before moving on, so
-    // activations are read from L1, not L2, at long prefills.
-    // And a tile of outputs whose weights fit L2 (about 256 KB) is reused by
-    // every row tile, so weights stream from memory once per output tile.
-    let row_tile = ((32 * 1024) / (inp * 4)).clamp(ROW_BLOCK, 64) / ROW_BLOCK * ROW_BLOCK;
-    let wbytes = match weight {
-        WeightType::F32 => 4,
-        WeightType::BF16 | WeightType::F16 => 2,
-        WeightType::Mxfp8 { .. } => 1,
-    };
-    // At most ~1/64 of the outputs per tile, so the tiles (run in parallel,
-    // one thread per tile at a time) keep every core busy at decode.
-    let out_tile = ((256 * 1024) / (inp * wbytes)).clamp(1, out).min(out.div_ceil(64).max(8));
-    // One tile of outputs: every row tile of the activations against it.
-    let tile = format!(
-        "%ot_end0 = arith.addi %ot, %cot : index\n\
-         %ot_end = arith.minui %ot_end0, %cout : index\n\
-         scf.for %rt = %c0 to %rows step %crt {{\n\
-         \x20 %rt_end0 = arith.addi %rt, %crt : index\n\
-         \x20 %rt_end = arith.minui %rt_end0, %rows : index\n\
-         \x20 %rt_n = arith.subi %rt_end, %rt : index\n\
-         \x20 %nfull = arith.divui %rt_n, %crb : index\n\
-         \x20 %nfr = arith.muli %nfull, %crb : index\n\
-         \x20 %rfull = arith.addi %rt, %nfr : index\n\
-         \x20 scf.for %o = %ot to %ot_end step %c1 {{\n\
-         \x20   scf.for %r0 = %rt to %rfull step %crb {{\n\
-         {row_idx}\
-         {block}\
-         \x20   }}\n\
-         \x20   scf.for %r = %rfull to %rt_end step %c1 {{\n\
-         {single}\
-         \x20   }}\n\
-         \x20 }}\n\
-         }}\n",
-        row_idx = indent(&row_idx, 6),
-        block = indent(&reduce_rows(&block_rows), 6),
-        single = indent(&reduce_rows(&["%r".to_string()]), 6),
-    );
-    let body = format!(
-        "{consts}\
-         {rb_consts}\
-         %crt = arith.constant {row_tile} : index\n\
-         %cot = arith.constant {out_tile} : index\n\
-         %rows = memref.dim %x, %c0 : {x}\n\
-         %work0 = arith.constant {macs} : index\n\
-         %work = arith.muli %rows, %work0 : index\n\
-         {tiles}\
-         return\n",
-        macs = inp * out,
-        tiles = parallel_or_serial("%work", &["%ot"], &["%c0"], &["%cout"], &["%cot"], &tile),
-    );
-    body
-}
+    }

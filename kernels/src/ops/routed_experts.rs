@@ -368,7 +368,128 @@ fn gpu_routed_experts(
     let stride = expert_table_stride(weight);
     let types = expert_tensor_types(hidden, inter, weight);
     let e_n = experts;
-    let group_body = format!(
+    let group_body = group_body(k, e_n);
+    // Views of expert `%e`'s tensors `first..first+n` from the device pointer table.
+    let views = |first: usize, n: usize| -> String {
+        let mut s = format!("%cstride = arith.constant {stride} : i64\n%e64 = arith.index_cast %e : index to i64\n%ebase = arith.muli %e64, %cstride : i64\n");
+        for (j, ty) in types.iter().enumerate().skip(first).take(n) {
+            s.push_str(&format!(
+                "%off{j}c = arith.constant {j} : i64\n%off{j} = arith.addi %ebase, %off{j}c : i64\n\
+                 %gp{j} = llvm.getelementptr %table[%off{j}] : (!llvm.ptr, i64) -> !llvm.ptr, !llvm.ptr\n\
+                 %p{j} = llvm.load %gp{j} : !llvm.ptr -> !llvm.ptr\n\
+                 %t{j} = func.call @{}(%p{j}, %c0) : (!llvm.ptr, index) -> {}\n",
+                ty.view_fn(),
+                ty.mlir()
+            ));
+        }
+        s
+    };
+    let mx = matches!(weight, WeightType::Mxfp8 { .. });
+    let (g_w, g_s, u_w, u_s, d_w, d_s) = if mx { ("%t0", "%t1", "%t2", "%t3", "%t4", "%t5") } else { ("%t0", "", "%t1", "", "%t2", "") };
+    let gate = WeightArgs::new(g_w, g_s, inter, hidden, weight);
+    let up = WeightArgs::new(u_w, u_s, inter, hidden, weight);
+    let down = WeightArgs::new(d_w, d_s, hidden, inter, weight);
+    let consts = gate.consts();
+    // The block's expert and output row.
+    let head = |out: usize| {
+        format!(
+            "{IDX}{WARP_IDS}{consts}%slot = gpu.block_id x\n%e32 = memref.load %active[%slot] : {i32v}\n%i0 = arith.constant 0 : i32\n\
+             %has = arith.cmpi sge, %e32, %i0 : i32\n%e = arith.index_cast %e32 : i32 to index\n\
+             %bx = gpu.block_id y\n%cwarps = arith.constant {WARPS} : index\n%ob = arith.muli %bx, %cwarps : index\n%o = arith.addi %ob, %warp : index\n\
+             %cout = arith.constant {out} : index\n%in = arith.cmpi ult, %o, %cout : index\n%ok = arith.andi %has, %in : i1\n\
+             %ck = arith.constant {k} : index\n%first = arith.cmpi eq, %lane, %c0 : index\n"
+        )
+    };
+    // The expert's pair range, and whether it has a single pair (a batch-1
+    // decode: then the one-pair walk, with no clamped duplicates).
+    let range =
+        "%e1 = arith.addi %e, %c1 : index\n%s0i = memref.load %start[%e] : memref<?xi32>\n%s1i = memref.load %start[%e1] : memref<?xi32>\n\
+                 %s0 = arith.index_cast %s0i : i32 to index\n%s1 = arith.index_cast %s1i : i32 to index\n\
+                 %npairs = arith.subi %s1, %s0 : index\n%single = arith.cmpi eq, %npairs, %c1 : index\n";
+    // The walk over the expert's pairs `rows` at a time (`%q{j}`: pair,
+    // `%x{j}`: the activation row it reads, `%ok{j}`: not past the end).
+    // `rows` dot products of weight row `%o` with the pairs' activation rows `%x{j}`.
+    let dots = |rows: usize, tag: &str, wa: &WeightArgs, x: &str, xt: &str, xs: Storage, n: usize| {
+        let names: Vec<String> = (0..rows).map(|j| format!("%x{j}")).collect();
+        warp_dots(tag, wa, "%o", x, xt, xs, &names, n)
+    };
+    // One walk (gate/up or down) for `rows` pairs per pass.
+    let up_walk = |rows: usize| {
+        format!(
+            "{}{}{}{}}}\n",
+            walk_open(rows, false),
+            indent(&dots(rows, "g", &gate, "%h", &hat, act, hidden), 2),
+            indent(&dots(rows, "u", &up, "%h", &hat, act, hidden), 2),
+            indent(&swiglu(rows, &it), 2)
+        )
+    };
+    let down_walk = |rows: usize| {
+        format!(
+            "{}{}{}}}\n",
+            walk_open(rows, true),
+            indent(&dots(rows, "d", &down, "%act", &it, Storage::F32, inter), 2),
+            indent(&down_store(rows, &ht), 2)
+        )
+    };
+    // Two kernels per projection: `_r1` serves the experts with exactly one
+    // pair (all of them in a batch-1 decode) with a one-pair walk and few
+    // registers; the other serves the experts with more pairs, four per
+    // pass. Both are launched over the same grid; a block whose expert is
+    // the other kind's returns at once.
+    let only = |rows: usize, walk: &dyn Fn(usize) -> String| {
+        let cond = if rows == 1 { "%single".to_string() } else { "%multi".to_string() };
+        let pre =
+            if rows == 1 { String::new() } else { "%yes = arith.constant true\n%multi = arith.xori %single, %yes : i1\n".to_string() };
+        format!("{pre}scf.if {cond} {{\n{}}}\n", indent(&walk(rows), 2))
+    };
+    let up_body = |rows: usize| {
+        format!(
+            "{head}%alpha = arith.constant {a} : f32\n%lim = arith.constant {l} : f32\n%nlim = arith.constant {nl} : f32\n%beta = arith.constant {b} : f32\n\
+             scf.if %ok {{\n{views}{range}{walks}}}\n",
+            head = head(inter),
+            a = f32_lit(alpha),
+            l = f32_lit(limit),
+            nl = f32_lit(-limit),
+            b = f32_lit(beta),
+            views = indent(&views(0, if mx { 4 } else { 2 }), 2),
+            range = indent(range, 2),
+            walks = indent(&only(rows, &up_walk), 2),
+        )
+    };
+    let down_first = if mx { 4 } else { 2 };
+    let down_body = |rows: usize| {
+        format!(
+            "{head}scf.if %ok {{\n{views}{range}{walks}}}\n",
+            head = head(hidden),
+            views = indent(&views(down_first, if mx { 2 } else { 1 }), 2),
+            range = indent(range, 2),
+            walks = indent(&only(rows, &down_walk), 2),
+        )
+    };
+    let combine_body = combine_body(hidden, k, act);
+    let grouping = format!("%start: {i32v}, %order: {i32v}, %active: {i32v}");
+    vec![
+        GpuFunc {
+            name: format!("{name}_group"),
+            text: format!(
+                "    gpu.func @{name}_group(%ids: {ids}, {grouping}) workgroup(%cnt: memref<{e_n}xi32, #gpu.address_space<workgroup>>) kernel {{\n{}      gpu.return\n    }}\n",
+                indent(&group_body, 6)
+            ),
+        },
+        func(&format!("{name}_up_r1"), &format!("%h: {hat}, {grouping}, %table: !llvm.ptr, %out: {it}"), &up_body(1)),
+        func(&format!("{name}_up"), &format!("%h: {hat}, {grouping}, %table: !llvm.ptr, %out: {it}"), &up_body(ROWS_PER_PASS)),
+        func(&format!("{name}_down_r1"), &format!("%act: {it}, {grouping}, %table: !llvm.ptr, %out: {ht}"), &down_body(1)),
+        func(&format!("{name}_down"), &format!("%act: {it}, {grouping}, %table: !llvm.ptr, %out: {ht}"), &down_body(ROWS_PER_PASS)),
+        func(&format!("{name}_combine"), &format!("%dn: {ht}, %wts: {wts}, %y: {hat}"), &combine_body),
+    ]
+}
+
+/// The grouping kernel's body: pairs per expert, their offsets, the active
+/// experts, then each expert's pairs in pair order.
+fn group_body(k: usize, e_n: usize) -> String {
+    let ids = format!("memref<?x{k}xi64>");
+    let i32v = "memref<?xi32>";
+    format!(
         "{IDX}%t = gpu.thread_id x\n%ck = arith.constant {k} : index\n%ce = arith.constant {e_n} : index\n\
          %rows = memref.dim %ids, %c0 : {ids}\n%pairs = arith.muli %rows, %ck : index\n%slots = memref.dim %active, %c0 : {i32v}\n\
          %i0 = arith.constant 0 : i32\n%i1 = arith.constant 1 : i32\n%neg = arith.constant -1 : i32\n\
@@ -412,47 +533,29 @@ fn gpu_routed_experts(
          \x20   }} else {{\n      scf.yield %at : i32\n    }}\n\
          \x20   scf.yield %nx : i32\n  }}\n\
          }}\n"
-    );
-    // Views of expert `%e`'s tensors `first..first+n` from the device pointer table.
-    let views = |first: usize, n: usize| -> String {
-        let mut s = format!("%cstride = arith.constant {stride} : i64\n%e64 = arith.index_cast %e : index to i64\n%ebase = arith.muli %e64, %cstride : i64\n");
-        for (j, ty) in types.iter().enumerate().skip(first).take(n) {
-            s.push_str(&format!(
-                "%off{j}c = arith.constant {j} : i64\n%off{j} = arith.addi %ebase, %off{j}c : i64\n\
-                 %gp{j} = llvm.getelementptr %table[%off{j}] : (!llvm.ptr, i64) -> !llvm.ptr, !llvm.ptr\n\
-                 %p{j} = llvm.load %gp{j} : !llvm.ptr -> !llvm.ptr\n\
-                 %t{j} = func.call @{}(%p{j}, %c0) : (!llvm.ptr, index) -> {}\n",
-                ty.view_fn(),
-                ty.mlir()
-            ));
-        }
-        s
-    };
-    let mx = matches!(weight, WeightType::Mxfp8 { .. });
-    let (g_w, g_s, u_w, u_s, d_w, d_s) = if mx { ("%t0", "%t1", "%t2", "%t3", "%t4", "%t5") } else { ("%t0", "", "%t1", "", "%t2", "") };
-    let gate = WeightArgs::new(g_w, g_s, inter, hidden, weight);
-    let up = WeightArgs::new(u_w, u_s, inter, hidden, weight);
-    let down = WeightArgs::new(d_w, d_s, hidden, inter, weight);
-    let consts = gate.consts();
-    // The block's expert and output row.
-    let head = |out: usize| {
-        format!(
-            "{IDX}{WARP_IDS}{consts}%slot = gpu.block_id x\n%e32 = memref.load %active[%slot] : {i32v}\n%i0 = arith.constant 0 : i32\n\
-             %has = arith.cmpi sge, %e32, %i0 : i32\n%e = arith.index_cast %e32 : i32 to index\n\
-             %bx = gpu.block_id y\n%cwarps = arith.constant {WARPS} : index\n%ob = arith.muli %bx, %cwarps : index\n%o = arith.addi %ob, %warp : index\n\
-             %cout = arith.constant {out} : index\n%in = arith.cmpi ult, %o, %cout : index\n%ok = arith.andi %has, %in : i1\n\
-             %ck = arith.constant {k} : index\n%first = arith.cmpi eq, %lane, %c0 : index\n"
-        )
-    };
-    // The expert's pair range, and whether it has a single pair (a batch-1
-    // decode: then the one-pair walk, with no clamped duplicates).
-    let range =
-        "%e1 = arith.addi %e, %c1 : index\n%s0i = memref.load %start[%e] : memref<?xi32>\n%s1i = memref.load %start[%e1] : memref<?xi32>\n\
-                 %s0 = arith.index_cast %s0i : i32 to index\n%s1 = arith.index_cast %s1i : i32 to index\n\
-                 %npairs = arith.subi %s1, %s0 : index\n%single = arith.cmpi eq, %npairs, %c1 : index\n";
-    // The walk over the expert's pairs `rows` at a time (`%q{j}`: pair,
-    // `%x{j}`: the activation row it reads, `%ok{j}`: not past the end).
-    let walk_open = |rows: usize, xrow_of_pair: bool| {
+    )
+}
+
+/// The combine kernel's body: each row's weighted sum of its experts' outputs.
+fn combine_body(hidden: usize, k: usize, act: Storage) -> String {
+    let ht = format!("memref<?x{hidden}xf32>");
+    let hat = format!("memref<?x{hidden}x{}>", act.mlir_elem());
+    let wts = format!("memref<?x{k}xf32>");
+    format!(
+        "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%ch = arith.constant {hidden} : index\n%ck = arith.constant {k} : index\n\
+         %rk = arith.muli %r, %ck : index\n\
+         scf.for %c = %t to %ch step %c256 {{\n\
+         \x20 %s = scf.for %j = %c0 to %ck step %c1 iter_args(%a = %zero) -> (f32) {{\n\
+         \x20   %pk = arith.addi %rk, %j : index\n    %w = memref.load %wts[%r, %j] : {wts}\n    %x = memref.load %dn[%pk, %c] : {ht}\n\
+         \x20   %m = arith.mulf %w, %x : f32\n    %a2 = arith.addf %a, %m : f32\n    scf.yield %a2 : f32\n  }}\n\
+         {}}}\n",
+        indent(&store_f32("%s", "%y", &hat, "%r", "%c", act), 2)
+    )
+}
+
+/// The walk over an expert's pairs `rows` at a time (`%q{j}`: pair,
+/// `%x{j}`: the activation row it reads, `%ok{j}`: not past the end).
+fn walk_open(rows: usize, xrow_of_pair: bool) -> String {
         let mut s = format!("%cr = arith.constant {rows} : index\nscf.for %pb = %s0 to %s1 step %cr {{\n");
         for j in 0..rows {
             s.push_str(&format!(
@@ -467,13 +570,10 @@ fn gpu_routed_experts(
             }
         }
         s
-    };
-    // `rows` dot products of weight row `%o` with the pairs' activation rows `%x{j}`.
-    let dots = |rows: usize, tag: &str, wa: &WeightArgs, x: &str, xt: &str, xs: Storage, n: usize| {
-        let names: Vec<String> = (0..rows).map(|j| format!("%x{j}")).collect();
-        warp_dots(tag, wa, "%o", x, xt, xs, &names, n)
-    };
-    let swiglu = |rows: usize| {
+    }
+
+/// SwiGLU-OAI of the gate and up sums of `rows` pairs, stored into `%out`.
+fn swiglu(rows: usize, it: &str) -> String {
         let mut out = String::new();
         for j in 0..rows {
             out.push_str(&format!(
@@ -485,8 +585,10 @@ fn gpu_routed_experts(
             ));
         }
         out
-    };
-    let down_store = |rows: usize| {
+    }
+
+/// The down projection's sums of `rows` pairs, stored into `%out`.
+fn down_store(rows: usize, ht: &str) -> String {
         let mut out = String::new();
         for j in 0..rows {
             out.push_str(&format!(
@@ -494,83 +596,4 @@ fn gpu_routed_experts(
             ));
         }
         out
-    };
-    // One walk (gate/up or down) for `rows` pairs per pass.
-    let up_walk = |rows: usize| {
-        format!(
-            "{}{}{}{}}}\n",
-            walk_open(rows, false),
-            indent(&dots(rows, "g", &gate, "%h", &hat, act, hidden), 2),
-            indent(&dots(rows, "u", &up, "%h", &hat, act, hidden), 2),
-            indent(&swiglu(rows), 2)
-        )
-    };
-    let down_walk = |rows: usize| {
-        format!(
-            "{}{}{}}}\n",
-            walk_open(rows, true),
-            indent(&dots(rows, "d", &down, "%act", &it, Storage::F32, inter), 2),
-            indent(&down_store(rows), 2)
-        )
-    };
-    // Two kernels per projection: `_r1` serves the experts with exactly one
-    // pair (all of them in a batch-1 decode) with a one-pair walk and few
-    // registers; the other serves the experts with more pairs, four per
-    // pass. Both are launched over the same grid; a block whose expert is
-    // the other kind's returns at once.
-    let only = |rows: usize, walk: &dyn Fn(usize) -> String| {
-        let cond = if rows == 1 { "%single".to_string() } else { "%multi".to_string() };
-        let pre =
-            if rows == 1 { String::new() } else { "%yes = arith.constant true\n%multi = arith.xori %single, %yes : i1\n".to_string() };
-        format!("{pre}scf.if {cond} {{\n{}}}\n", indent(&walk(rows), 2))
-    };
-    let up_body = |rows: usize| {
-        format!(
-            "{head}%alpha = arith.constant {a} : f32\n%lim = arith.constant {l} : f32\n%nlim = arith.constant {nl} : f32\n%beta = arith.constant {b} : f32\n\
-             scf.if %ok {{\n{views}{range}{walks}}}\n",
-            head = head(inter),
-            a = f32_lit(alpha),
-            l = f32_lit(limit),
-            nl = f32_lit(-limit),
-            b = f32_lit(beta),
-            views = indent(&views(0, if mx { 4 } else { 2 }), 2),
-            range = indent(range, 2),
-            walks = indent(&only(rows, &up_walk), 2),
-        )
-    };
-    let down_first = if mx { 4 } else { 2 };
-    let down_body = |rows: usize| {
-        format!(
-            "{head}scf.if %ok {{\n{views}{range}{walks}}}\n",
-            head = head(hidden),
-            views = indent(&views(down_first, if mx { 2 } else { 1 }), 2),
-            range = indent(range, 2),
-            walks = indent(&only(rows, &down_walk), 2),
-        )
-    };
-    let combine_body = format!(
-        "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%ch = arith.constant {hidden} : index\n%ck = arith.constant {k} : index\n\
-         %rk = arith.muli %r, %ck : index\n\
-         scf.for %c = %t to %ch step %c256 {{\n\
-         \x20 %s = scf.for %j = %c0 to %ck step %c1 iter_args(%a = %zero) -> (f32) {{\n\
-         \x20   %pk = arith.addi %rk, %j : index\n    %w = memref.load %wts[%r, %j] : {wts}\n    %x = memref.load %dn[%pk, %c] : {ht}\n\
-         \x20   %m = arith.mulf %w, %x : f32\n    %a2 = arith.addf %a, %m : f32\n    scf.yield %a2 : f32\n  }}\n\
-         {}}}\n",
-        indent(&store_f32("%s", "%y", &hat, "%r", "%c", act), 2)
-    );
-    let grouping = format!("%start: {i32v}, %order: {i32v}, %active: {i32v}");
-    vec![
-        GpuFunc {
-            name: format!("{name}_group"),
-            text: format!(
-                "    gpu.func @{name}_group(%ids: {ids}, {grouping}) workgroup(%cnt: memref<{e_n}xi32, #gpu.address_space<workgroup>>) kernel {{\n{}      gpu.return\n    }}\n",
-                indent(&group_body, 6)
-            ),
-        },
-        func(&format!("{name}_up_r1"), &format!("%h: {hat}, {grouping}, %table: !llvm.ptr, %out: {it}"), &up_body(1)),
-        func(&format!("{name}_up"), &format!("%h: {hat}, {grouping}, %table: !llvm.ptr, %out: {it}"), &up_body(ROWS_PER_PASS)),
-        func(&format!("{name}_down_r1"), &format!("%act: {it}, {grouping}, %table: !llvm.ptr, %out: {ht}"), &down_body(1)),
-        func(&format!("{name}_down"), &format!("%act: {it}, {grouping}, %table: !llvm.ptr, %out: {ht}"), &down_body(ROWS_PER_PASS)),
-        func(&format!("{name}_combine"), &format!("%dn: {ht}, %wts: {wts}, %y: {hat}"), &combine_body),
-    ]
-}
+    }
