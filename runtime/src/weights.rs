@@ -60,13 +60,13 @@ impl StageWeights {
             let file = |t: &m3c_contract::TensorLocation| layout.files[t.file].display().to_string();
             match layout.tensors.get(&slot.name) {
                 None => problems.push(format!("tensor `{}` is missing from the checkpoint in {}", slot.name, dir.display())),
-                Some(e) if Some(e.dtype) != DType::from_safetensors_name(&slot.dtype) || e.shape != slot.shape => problems.push(format!(
+                Some(e) if e.dtype != slot.dtype || e.shape != slot.shape => problems.push(format!(
                     "tensor `{}` in {} is {} {:?}; the stage was compiled for {} {:?}",
                     slot.name,
                     file(e),
                     e.dtype.safetensors_name(),
                     e.shape,
-                    slot.dtype,
+                    slot.dtype.safetensors_name(),
                     slot.shape
                 )),
                 Some(e) => entries.push(e),
@@ -127,8 +127,7 @@ impl StageWeights {
     /// values, fp8 bytes that are never NaN, E8M0 scales of 2^-7..2^-4.
     /// For timing layers of the real size without their checkpoint.
     pub fn synthetic(meta: &StageMeta, seed: u64) -> StageWeights {
-        let sizes: Vec<u64> = meta.tensors.iter().map(|t| (t.shape.iter().product::<usize>() * dtype_size(&t.dtype)) as u64).collect();
-        // (The compiler only emits dtypes of the contract's table.)
+        let sizes: Vec<u64> = meta.tensors.iter().map(|t| (t.shape.iter().product::<usize>() * t.dtype.size_bytes()) as u64).collect();
         let mut owned: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0u8; n as usize]).collect();
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let chunks: Vec<(usize, &mut Vec<u8>)> = owned.iter_mut().enumerate().collect();
@@ -140,7 +139,7 @@ impl StageWeights {
                 let batch: Vec<(usize, &mut Vec<u8>)> = rest.drain(..take).collect();
                 s.spawn(move || {
                     for (i, buf) in batch {
-                        fill(buf, &meta.tensors[i].dtype, seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+                        fill(buf, meta.tensors[i].dtype, seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
                     }
                 });
             }
@@ -151,7 +150,7 @@ impl StageWeights {
     }
 }
 
-fn fill(buf: &mut [u8], dtype: &str, seed: u64) {
+fn fill(buf: &mut [u8], dtype: DType, seed: u64) {
     let mut x = seed | 1;
     let mut next = move || {
         x ^= x << 13;
@@ -160,7 +159,7 @@ fn fill(buf: &mut [u8], dtype: &str, seed: u64) {
         x
     };
     match dtype {
-        "BF16" => {
+        DType::BF16 => {
             for c in buf.chunks_exact_mut(2) {
                 // ±[0, 0.03): sign, exponent 2^-8..2^-6, random mantissa.
                 let r = next();
@@ -168,31 +167,24 @@ fn fill(buf: &mut [u8], dtype: &str, seed: u64) {
                 c.copy_from_slice(&bits.to_le_bytes());
             }
         }
-        "F32" => {
+        DType::F32 => {
             for c in buf.chunks_exact_mut(4) {
                 let r = next();
                 let v = ((r >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.06;
                 c.copy_from_slice(&v.to_le_bytes());
             }
         }
-        "F8_E4M3" => {
+        DType::F8E4M3 => {
             for b in buf.iter_mut() {
                 let r = next();
                 *b = ((r & 0x80) as u8) | ((r >> 8) % 0x7F) as u8;
             }
         }
-        "U8" => {
+        DType::U8 => {
             for b in buf.iter_mut() {
                 *b = 120 + (next() % 4) as u8;
             }
         }
         _ => {}
     }
-}
-
-/// Bytes per element of a compiled tensor slot (the contract's table; the
-/// compiler writes only names from it, so 0 marks a damaged executable and
-/// makes the slot empty).
-fn dtype_size(d: &str) -> usize {
-    DType::from_safetensors_name(d).map_or(0, DType::size_bytes)
 }

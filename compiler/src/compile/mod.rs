@@ -110,7 +110,8 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
     Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// The stage metadata embedded in each executable (read by runtime/src/meta.rs).
+/// The stage metadata embedded in each executable (the contract's
+/// `StageMeta`, which the runtime reads back).
 #[allow(clippy::too_many_arguments)]
 fn stage_meta(
     p: &StageProgram,
@@ -123,32 +124,30 @@ fn stage_meta(
     device: Option<usize>,
     act: m3c_kernels::Storage,
 ) -> String {
-    let tensors: Vec<serde_json::Value> =
-        p.tensors.iter().map(|t| serde_json::json!({"name": t.name, "shape": t.shape, "dtype": t.dtype.safetensors_name()})).collect();
-    let caches: Vec<serde_json::Value> = p
-        .caches
-        .iter()
-        .map(|c| serde_json::json!({"layer": c.layer, "kind": c.kind, "width": c.width, "bytes": if c.dtype == "bf16" { 2 } else { 4 }}))
-        .collect();
-    serde_json::json!({
-        "compile_id": compile_id,
-        "config_sha256": config_sha,
-        "stage": p.index,
-        "stages": stages,
-        "hidden": cfg.text.hidden_size,
-        "act_bytes": act.bytes(),
-        "vocab": cfg.text.vocab_size,
-        "max_positions": cfg.text.max_position_embeddings,
-        "holds": holds(p),
-        "first_stage": p.input == Boundary::TokenIds,
-        "last_stage": matches!(p.output, Boundary::Logits { .. }),
-        "cpu": cpu,
-        "target": target,
-        "device": device,
-        "tensors": tensors,
-        "caches": caches,
-    })
-    .to_string()
+    use m3c_contract::stage::{CacheSlot, StageMeta, TensorSlot};
+    StageMeta {
+        compile_id: compile_id.into(),
+        config_sha256: config_sha.into(),
+        stage: p.index,
+        stages,
+        hidden: cfg.text.hidden_size,
+        act_bytes: act.bytes(),
+        vocab: cfg.text.vocab_size,
+        max_positions: cfg.text.max_position_embeddings,
+        holds: holds(p),
+        first_stage: p.input == Boundary::TokenIds,
+        last_stage: matches!(p.output, Boundary::Logits { .. }),
+        cpu: cpu.into(),
+        target: target.into(),
+        device: device.map(|d| d as i32),
+        tensors: p.tensors.iter().map(|t| TensorSlot { name: t.name.clone(), shape: t.shape.clone(), dtype: t.dtype }).collect(),
+        caches: p
+            .caches
+            .iter()
+            .map(|c| CacheSlot { layer: c.layer, kind: c.kind.into(), width: c.width, bytes: if c.dtype == "bf16" { 2 } else { 4 } })
+            .collect(),
+    }
+    .to_json()
 }
 
 pub fn holds(p: &StageProgram) -> String {
@@ -182,9 +181,10 @@ fn meta_globals(json: &str) -> String {
             esc.push_str(&format!("\\{b:02X}"));
         }
     }
+    use m3c_contract::stage::abi::{META, META_LEN};
     format!(
-        "  llvm.mlir.global external constant @m3c_stage_meta(\"{esc}\") {{addr_space = 0 : i32}} : !llvm.array<{} x i8>\n\
-         \x20 llvm.mlir.global external constant @m3c_stage_meta_len({} : i64) {{addr_space = 0 : i32}} : i64\n",
+        "  llvm.mlir.global external constant @{META}(\"{esc}\") {{addr_space = 0 : i32}} : !llvm.array<{} x i8>\n\
+         \x20 llvm.mlir.global external constant @{META_LEN}({} : i64) {{addr_space = 0 : i32}} : i64\n",
         json.len(),
         json.len()
     )

@@ -31,7 +31,7 @@ use m3c_kernels::{MemTy, Storage};
 use std::collections::BTreeSet;
 use std::fmt::Write;
 
-pub const ENTRY_SYMBOL: &str = "m3c_stage_step";
+pub const ENTRY_SYMBOL: &str = m3c_contract::stage::abi::ENTRY;
 
 fn indent(body: &str, n: usize) -> String {
     let pad = " ".repeat(n);
@@ -275,14 +275,24 @@ impl Emitter {
     }
 }
 
-/// The runtime's tensor-core GEMM hooks (CUDA entries only).
-const CUDA_DECLS: &str = "  func.func private @m3c_gemm_wanted(i64) -> i32\n\
-     \x20 func.func private @m3c_gemm_bf16(!llvm.ptr, !llvm.ptr, !llvm.ptr, i64, i64, i64, i32)\n";
+/// The runtime's tensor-core GEMM hooks (CUDA entries only; names from the contract's ABI).
+fn cuda_decls() -> String {
+    use m3c_contract::stage::abi::{GEMM_BF16, GEMM_WANTED};
+    format!(
+        "  func.func private @{GEMM_WANTED}(i64) -> i32\n\
+         \x20 func.func private @{GEMM_BF16}(!llvm.ptr, !llvm.ptr, !llvm.ptr, i64, i64, i64, i32)\n"
+    )
+}
 
 /// The declarations of the runtime functions the entry calls.
-const RUNTIME_DECLS: &str = "  func.func private @m3c_buf_alloc(i64) -> !llvm.ptr\n\
-     \x20 func.func private @m3c_buf_free(!llvm.ptr)\n\
-     \x20 func.func private @m3c_buf_copy(!llvm.ptr, !llvm.ptr, i64)\n";
+fn runtime_decls() -> String {
+    use m3c_contract::stage::abi::{BUF_ALLOC, BUF_COPY, BUF_FREE};
+    format!(
+        "  func.func private @{BUF_ALLOC}(i64) -> !llvm.ptr\n\
+         \x20 func.func private @{BUF_FREE}(!llvm.ptr)\n\
+         \x20 func.func private @{BUF_COPY}(!llvm.ptr, !llvm.ptr, i64)\n"
+    )
+}
 
 fn entry_body(f: &FusedStage, flavor: Flavor) -> Emitter {
     let mut e = Emitter {
@@ -382,7 +392,7 @@ pub fn module(f: &FusedStage) -> Result<String, String> {
     let e = entry_body(f, Flavor::Host);
     check(&e)?;
     let views: Vec<MemTy> = e.views.iter().cloned().collect();
-    Ok(m3c_kernels::module_with(&f.kernels, &views, &format!("{RUNTIME_DECLS}{}", entry_func(&e.body))))
+    Ok(m3c_kernels::module_with(&f.kernels, &views, &format!("{}{}", runtime_decls(), entry_func(&e.body))))
 }
 
 /// The module of a stage for NVIDIA GPUs: the kernels as `gpu.func`s in one
@@ -391,8 +401,8 @@ pub fn cuda_module(f: &FusedStage) -> Result<String, String> {
     let e = entry_body(f, Flavor::Cuda);
     check(&e)?;
     let mut out = String::from("module attributes {gpu.container_module} {\n");
-    out.push_str(RUNTIME_DECLS);
-    out.push_str(CUDA_DECLS);
+    out.push_str(&runtime_decls());
+    out.push_str(&cuda_decls());
     for v in &e.views {
         out.push_str(&v.view_fn_text());
     }

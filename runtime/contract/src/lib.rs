@@ -7,6 +7,8 @@
 //!   which rejects exactly the same damaged or hostile files on both sides.
 //! - [`input`]: reading user files with a size limit, regular files only,
 //!   a UTF-8 byte-order mark tolerated.
+//! - [`stage`]: the stage metadata the compiler embeds in each executable
+//!   and the runtime reads, and the C ABI between them.
 //! - [`prompts`]: token-id prompts (`--prompt-ids`, prompts files) and the
 //!   numbers of the run command line.
 //!
@@ -17,8 +19,10 @@ pub mod checkpoint;
 pub mod dtype;
 pub mod input;
 pub mod prompts;
+pub mod stage;
 mod unique_map;
 
 pub use checkpoint::{CheckpointError, CheckpointLayout, TensorLocation};
 pub use dtype::DType;
 pub use input::{read_user_file, InputError};
+pub use stage::{CacheSlot, StageMeta, TensorSlot};

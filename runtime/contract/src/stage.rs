@@ -1,0 +1,136 @@
+//! What `m3c compile` tells a stage executable about itself, and the C ABI
+//! between the generated code and the runtime. The compiler writes
+//! [`StageMeta`] as JSON into the executable (the `m3c_stage_meta` symbol);
+//! the runtime reads it back with the same type.
+
+use crate::dtype::DType;
+use serde::{Deserialize, Serialize};
+
+/// One weight slot of the stage's pointer table, in slot order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorSlot {
+    /// The hub name the runtime binds.
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+}
+
+/// One per-layer cache (key, value or MSA index key) of each sequence.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CacheSlot {
+    pub layer: usize,
+    /// `key`, `value` or `index_key`.
+    pub kind: String,
+    /// Elements per row.
+    pub width: usize,
+    /// Bytes per element: 4 (f32) or 2 (bf16).
+    pub bytes: usize,
+}
+
+/// Everything a stage executable knows about itself.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageMeta {
+    /// Hash of every compile input; all ranks of a job must agree on it.
+    pub compile_id: String,
+    /// sha256 of the config.json the stages were compiled from.
+    pub config_sha256: String,
+    pub stage: usize,
+    pub stages: usize,
+    pub hidden: usize,
+    /// Bytes per stored activation: 4 (f32) or 2 (bf16 bits).
+    pub act_bytes: usize,
+    pub vocab: usize,
+    /// `max_position_embeddings` of the config: the longest sequence.
+    pub max_positions: usize,
+    /// What the stage holds, e.g. `embed + layers 0-3`.
+    pub holds: String,
+    pub first_stage: bool,
+    pub last_stage: bool,
+    /// LLVM CPU of the host code.
+    pub cpu: String,
+    /// `host`, or `cuda ARCH`.
+    pub target: String,
+    /// The plan's CUDA device ordinal for this stage, if it names one.
+    pub device: Option<i32>,
+    pub tensors: Vec<TensorSlot>,
+    pub caches: Vec<CacheSlot>,
+}
+
+impl StageMeta {
+    /// f32 words per row of `x` (the activations a stage takes and passes
+    /// on): `x` moves as f32 words whatever it holds, so bf16 rows (an even
+    /// hidden size, checked at compile time) take half as many.
+    pub fn x_words(&self) -> usize {
+        self.hidden * self.act_bytes / 4
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    pub fn parse(bytes: &[u8]) -> Result<StageMeta, String> {
+        serde_json::from_slice(bytes).map_err(|e| format!("embedded stage metadata is unreadable ({e}): the executable is damaged"))
+    }
+}
+
+/// The C ABI between a stage's generated code and the runtime.
+pub mod abi {
+    /// The generated step function:
+    ///
+    /// ```c
+    /// void m3c_stage_step(void *const *weights,     // one pointer per StageMeta::tensors slot
+    ///                     void *const *weights_dev, // the same table where kernels can read it (GPU); = weights on the host
+    ///                     void *const *const *caches, // per sequence: one pointer per cache slot, [capacity, width]
+    ///                     int64_t sequences,        // sequences in the micro-batch
+    ///                     const int64_t *rows,      // [sequences] rows of each
+    ///                     const int64_t *caps,      // [sequences] cache capacity (rows) of each
+    ///                     int64_t tokens,           // S = Σ rows
+    ///                     const int64_t *ids,       // [S] token ids (first stage)
+    ///                     void *x,                  // [S, hidden] activations: in (unless first) and out (unless last)
+    ///                     float *logits,            // [S, vocab] (last stage)
+    ///                     int64_t *out_ids,         // [S] greedy ids (last stage)
+    ///                     const int64_t *pos);      // [S] position of each row
+    /// ```
+    pub const ENTRY: &str = "m3c_stage_step";
+    /// The embedded metadata (`StageMeta` as JSON) and its length.
+    pub const META: &str = "m3c_stage_meta";
+    pub const META_LEN: &str = "m3c_stage_meta_len";
+    /// Scratch buffers the generated code takes from the runtime: host
+    /// memory, or a device pool on a GPU stage.
+    pub const BUF_ALLOC: &str = "m3c_buf_alloc"; // void *(int64_t bytes)
+    pub const BUF_FREE: &str = "m3c_buf_free"; // void (void *)
+    pub const BUF_COPY: &str = "m3c_buf_copy"; // void (void *dst, void *src, int64_t bytes)
+    /// The tensor-core GEMM hooks of CUDA stages.
+    pub const GEMM_WANTED: &str = "m3c_gemm_wanted"; // int32_t (int64_t rows)
+    pub const GEMM_BF16: &str = "m3c_gemm_bf16"; // void (x, w, y, rows, inp, out, y_bf16)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metadata_round_trips_and_damage_is_named() {
+        let m = StageMeta {
+            compile_id: "c".into(),
+            config_sha256: "s".into(),
+            stage: 1,
+            stages: 2,
+            hidden: 8,
+            act_bytes: 2,
+            vocab: 16,
+            max_positions: 64,
+            holds: "layers 1-2".into(),
+            first_stage: false,
+            last_stage: true,
+            cpu: "x86-64".into(),
+            target: "host".into(),
+            device: None,
+            tensors: vec![TensorSlot { name: "w".into(), shape: vec![2, 8], dtype: DType::BF16 }],
+            caches: vec![CacheSlot { layer: 1, kind: "key".into(), width: 8, bytes: 4 }],
+        };
+        assert_eq!(StageMeta::parse(m.to_json().as_bytes()).unwrap(), m);
+        assert_eq!(m.x_words(), 4);
+        assert!(StageMeta::parse(b"{").unwrap_err().contains("damaged"));
+    }
+}
