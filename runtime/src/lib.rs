@@ -17,7 +17,7 @@ macro_rules! say {
 }
 
 mod args;
-mod cuda;
+mod device;
 mod dump;
 mod liveness;
 mod meta;
@@ -223,7 +223,7 @@ fn stage_main(
     st.set_cuda_graphs(args.cuda_graphs);
     if args.prefill_gemm_cublas && meta_is_cuda {
         let min_rows = std::env::var("M3C_GEMM_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(32);
-        match cuda::cublas::enable(min_rows) {
+        match device::cublas::enable(min_rows) {
             Ok(()) => say!("{who}: prefill linears with bf16 weights of {min_rows}+ rows run on cuBLAS"),
             Err(e) => say!("{who}: {e}; prefill linears stay on m3c's GEMV kernel"),
         }
@@ -269,7 +269,7 @@ fn connect_gpus(world: &SimpleCommunicator, peers: &mut Peers, who: &str, st: &m
     }
     let forced_host = std::env::var("M3C_TRANSPORT").map(|v| v == "host").unwrap_or(false);
     let key = match (st.device_key(), forced_host) {
-        (Some(k), false) => match cuda::nccl::availability() {
+        (Some(k), false) => match device::nccl::availability() {
             Ok(()) => k,
             Err(why) => {
                 // Not silent: host-staged transfers cost every step.
@@ -290,10 +290,10 @@ fn connect_gpus(world: &SimpleCommunicator, peers: &mut Peers, who: &str, st: &m
     }
     let mut id = [0u8; 128];
     if world.rank() == 0 {
-        id = cuda::nccl::unique_id()?;
+        id = device::nccl::unique_id()?;
     }
     startup::broadcast(world, peers, who, &mut id[..]);
-    let link = cuda::nccl::Link::join(id, size as i32, world.rank())?;
+    let link = device::nccl::Link::join(id, size as i32, world.rank())?;
     st.use_nccl(link);
     Ok(())
 }

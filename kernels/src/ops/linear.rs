@@ -359,7 +359,7 @@ fn reduce_rows(rows: &[String], c: &VecCtx) -> String {
                     format!(
                         "{}%p{j} = arith.mulf %xv{j}, {w} fastmath<contract> : {v}\n\
                          %{new}{j} = arith.addf %{acc}{j}, %p{j} fastmath<contract> : {v}\n",
-                        load_f32xn(LANES, &format!("%xv{j}"), "%x", &x, &rows[j], "%i", act)
+                        load_f32xn(LANES, &format!("%xv{j}"), "%x", x, &rows[j], "%i", act)
                     )
                 })
                 .collect()
@@ -433,7 +433,7 @@ fn reduce_rows(rows: &[String], c: &VecCtx) -> String {
         let mut text = result;
         for (j, r) in rows.iter().enumerate() {
             text.push_str(&format!("%sum{j} = vector.reduction <add>, %acc#{j} fastmath<reassoc> : {v} into f32\n"));
-            text.push_str(&store_f32(&format!("%sum{j}"), "%y", &y, r, "%o", out_act));
+            text.push_str(&store_f32(&format!("%sum{j}"), "%y", y, r, "%o", out_act));
         }
         text
     }

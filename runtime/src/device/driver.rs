@@ -1,0 +1,185 @@
+//! The GPU this rank runs on, device memory that frees itself, and CUDA
+//! graphs of captured steps.
+
+use super::{checked, cu, state, ON_DEVICE};
+use std::ffi::{c_char, c_void, CStr};
+use std::sync::atomic::Ordering;
+
+/// The GPU this rank runs on.
+pub struct Device {
+    pub ordinal: i32,
+    pub name: String,
+    pub total_bytes: usize,
+}
+
+impl Device {
+    /// Initialises the driver, makes `ordinal`'s primary context current,
+    /// creates the stream and loads the registered modules.
+    pub fn open(ordinal: Option<i32>, local_rank: i32) -> Result<Device, String> {
+        // SAFETY: probing for the library has no preconditions.
+        if !unsafe { cu::is_culib_present() } {
+            return Err("this stage was compiled for CUDA, but the NVIDIA driver (libcuda.so) is not on this machine; \
+                        run it on a GPU machine, or compile with --target host"
+                .into());
+        }
+        // SAFETY: driver calls in their documented order (init, device, primary context, stream); every out-pointer is a live local, and the images were registered by the stage's static constructors and stay alive for the process.
+        unsafe {
+            checked("cuInit", cu::cuInit(0))?;
+            let mut count = 0;
+            checked("cuDeviceGetCount", cu::cuDeviceGetCount(&mut count))?;
+            if count == 0 {
+                return Err("this stage was compiled for CUDA, but the driver reports no GPU".into());
+            }
+            let ordinal = ordinal.unwrap_or(local_rank % count);
+            if ordinal >= count {
+                return Err(format!("the plan puts this stage on device {ordinal}, but this machine has {count} GPU(s)"));
+            }
+            let mut dev = 0;
+            checked("cuDeviceGet", cu::cuDeviceGet(&mut dev, ordinal))?;
+            let mut name = [0 as c_char; 128];
+            checked("cuDeviceGetName", cu::cuDeviceGetName(name.as_mut_ptr(), 128, dev))?;
+            let mut ctx = std::ptr::null_mut();
+            checked("cuDevicePrimaryCtxRetain", cu::cuDevicePrimaryCtxRetain(&mut ctx, dev))?;
+            checked("cuCtxSetCurrent", cu::cuCtxSetCurrent(ctx))?;
+            let mut stream = std::ptr::null_mut();
+            checked("cuStreamCreate", cu::cuStreamCreate(&mut stream, 0))?;
+            let (mut free, mut total) = (0, 0);
+            checked("cuMemGetInfo", cu::cuMemGetInfo_v2(&mut free, &mut total))?;
+            let mut st = state();
+            st.stream = stream as usize;
+            ON_DEVICE.store(true, Ordering::SeqCst);
+            for i in 0..st.images.len() {
+                let mut m = std::ptr::null_mut();
+                checked(
+                    "loading the stage's device code (cuModuleLoadData; a cubin for the compiled arch, or PTX)",
+                    cu::cuModuleLoadData(&mut m, st.images[i] as *const c_void),
+                )?;
+                st.modules[i] = Some(m as usize);
+            }
+            Ok(Device { ordinal, name: CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned(), total_bytes: total })
+        }
+    }
+
+    /// Copies `bytes` from the host into new device memory.
+    pub fn upload(&self, bytes: &[u8]) -> Result<DeviceBuffer, String> {
+        let buf = DeviceBuffer::alloc(bytes.len())?;
+        if !bytes.is_empty() {
+            // SAFETY: `buf` holds at least `bytes.len()` bytes, filled from a live slice of that length.
+            unsafe { checked("cuMemcpyHtoD", cu::cuMemcpyHtoD_v2(buf.ptr, bytes.as_ptr() as *const c_void, bytes.len()))? };
+        }
+        Ok(buf)
+    }
+
+    /// Zeroed device memory of `bytes`.
+    pub fn zeros(&self, bytes: usize) -> Result<DeviceBuffer, String> {
+        let buf = DeviceBuffer::alloc(bytes)?;
+        // SAFETY: the memset writes the `bytes.max(1)` bytes `buf` holds.
+        unsafe { checked("cuMemsetD8", cu::cuMemsetD8_v2(buf.ptr, 0, bytes.max(1)))? };
+        Ok(buf)
+    }
+
+    pub fn download(&self, src: u64, dst: &mut [u8]) -> Result<(), String> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `dst` is a live, writable slice of `dst.len()` bytes; the caller passes a device buffer of at least that size.
+        unsafe { checked("cuMemcpyDtoH", cu::cuMemcpyDtoH_v2(dst.as_mut_ptr() as *mut c_void, src, dst.len())) }
+    }
+
+    pub fn copy_in(&self, dst: u64, src: &[u8]) -> Result<(), String> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `src` is a live slice of `src.len()` bytes; the caller passes a device buffer of at least that size.
+        unsafe { checked("cuMemcpyHtoD", cu::cuMemcpyHtoD_v2(dst, src.as_ptr() as *const c_void, src.len())) }
+    }
+
+    /// Waits for every launch of the step.
+    pub fn sync(&self) -> Result<(), String> {
+        let s = state().stream;
+        // SAFETY: `s` is this process's stream, created in `Device::open`.
+        unsafe { checked("cuStreamSynchronize", cu::cuStreamSynchronize(s as cu::CUstream)) }
+    }
+
+    /// Device bytes held by the scratch pool now and at most.
+    pub fn scratch_bytes(&self) -> (u64, u64) {
+        let st = state();
+        (st.live_bytes, st.peak_bytes)
+    }
+}
+
+/// Device memory with one owner: freed when dropped (weights, caches).
+pub struct DeviceBuffer {
+    ptr: u64,
+    bytes: usize,
+}
+
+impl DeviceBuffer {
+    fn alloc(bytes: usize) -> Result<DeviceBuffer, String> {
+        let mut ptr = 0;
+        // SAFETY: `ptr` is a live out-pointer for a new allocation of `bytes.max(1)` bytes.
+        unsafe { checked("cuMemAlloc", cu::cuMemAlloc_v2(&mut ptr, bytes.max(1)))? };
+        Ok(DeviceBuffer { ptr, bytes })
+    }
+
+    /// The device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Its size in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from cuMemAlloc and this is its only owner; the
+        // primary context it was allocated in stays retained for the process.
+        unsafe { cu::cuMemFree_v2(self.ptr) };
+    }
+}
+
+/// A step captured from the stream as a CUDA graph: replaying it is one
+/// launch instead of one per kernel.
+pub struct Graph {
+    exec: usize,
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        // SAFETY: `exec` came from cuGraphInstantiateWithFlags and is destroyed once.
+        unsafe { cu::cuGraphExecDestroy(self.exec as cu::CUgraphExec) };
+    }
+}
+
+impl Device {
+    /// Runs `f` (the generated step) with the stream capturing: its launches
+    /// and copies are recorded, not run. Relaxed mode, so a scratch pool miss
+    /// may still allocate. Returns the instantiated graph.
+    pub fn capture(&self, f: impl FnOnce()) -> Result<Graph, String> {
+        let s = state().stream as cu::CUstream;
+        // SAFETY: `s` is this process's stream, idle between steps' launches.
+        unsafe {
+            checked("cuStreamBeginCapture", cu::cuStreamBeginCapture_v2(s, cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED))?
+        };
+        f();
+        let mut g = std::ptr::null_mut();
+        // SAFETY: ends the capture begun above; `g` receives the graph.
+        unsafe { checked("cuStreamEndCapture", cu::cuStreamEndCapture(s, &mut g))? };
+        let mut exec = std::ptr::null_mut();
+        // SAFETY: `g` is a valid graph; the exec keeps its own copy of it.
+        let r = unsafe { cu::cuGraphInstantiateWithFlags(&mut exec, g, 0) };
+        unsafe { cu::cuGraphDestroy(g) };
+        checked("cuGraphInstantiate", r)?;
+        Ok(Graph { exec: exec as usize })
+    }
+
+    /// Queues a captured step on the stream.
+    pub fn replay(&self, g: &Graph) -> Result<(), String> {
+        let s = state().stream as cu::CUstream;
+        // SAFETY: a live exec graph on this context's stream.
+        unsafe { checked("cuGraphLaunch", cu::cuGraphLaunch(g.exec as cu::CUgraphExec, s)) }
+    }
+}
