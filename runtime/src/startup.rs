@@ -25,38 +25,38 @@ pub fn gather(world: &SimpleCommunicator, peers: &mut Peers, who: &str, mine: &[
     let size = world.size() as usize;
     let mut all = vec![0u8; mine.len() * size];
     mpi::request::scope(|scope| {
-        let mut req = world.immediate_all_gather_into(scope, mine, &mut all[..]);
-        loop {
-            match req.test() {
-                Ok(_) => break,
-                Err(r) => req = r,
-            }
-            peers.drain(world);
-            if let Some(r) = peers.silent(0..size) {
-                abort_job(world, who, &liveness::silent_message(r, peers.timeout));
-            }
-            std::thread::sleep(Duration::from_micros(200));
-        }
+        let req = world.immediate_all_gather_into(scope, mine, &mut all[..]);
+        wait_alive(world, peers, who, req);
     });
     all
 }
 
+/// Waits for a collective while every peer is alive; a silent peer ends the job.
+fn wait_alive<'a, D: ?Sized, S: mpi::request::Scope<'a>>(
+    world: &SimpleCommunicator,
+    peers: &mut Peers,
+    who: &str,
+    mut req: mpi::request::Request<'a, D, S>,
+) {
+    let size = world.size() as usize;
+    loop {
+        match req.test() {
+            Ok(_) => return,
+            Err(r) => req = r,
+        }
+        peers.drain(world);
+        if let Some(r) = peers.silent(0..size) {
+            abort_job(world, who, &liveness::silent_message(r, peers.timeout));
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
 /// `broadcast` from rank 0, waiting while every peer is alive.
 pub fn broadcast(world: &SimpleCommunicator, peers: &mut Peers, who: &str, buf: &mut [u8]) {
-    let size = world.size() as usize;
     mpi::request::scope(|scope| {
-        let mut req = world.process_at_rank(0).immediate_broadcast_into(scope, buf);
-        loop {
-            match req.test() {
-                Ok(_) => break,
-                Err(r) => req = r,
-            }
-            peers.drain(world);
-            if let Some(r) = peers.silent(0..size) {
-                abort_job(world, who, &liveness::silent_message(r, peers.timeout));
-            }
-            std::thread::sleep(Duration::from_micros(200));
-        }
+        let req = world.process_at_rank(0).immediate_broadcast_into(scope, buf);
+        wait_alive(world, peers, who, req);
     });
 }
 

@@ -72,6 +72,23 @@ fn mxfp8_fixture_matches_golden_at_pp_1_2_4_8() {
     check_fixture("tiny-m3-mxfp8");
 }
 
+/// `m3c run OUT --model MODEL --prompt-ids PROMPT --max-new-tokens N --dump DUMP`.
+fn run_prompt(out: &Path, model: &Path, prompt: &[i64], n: usize, dump: &Path) -> std::process::Output {
+    let n = n.to_string();
+    m3c(&[
+        "run",
+        out.to_str().unwrap(),
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt-ids",
+        &ids_arg(prompt),
+        "--max-new-tokens",
+        &n,
+        "--dump",
+        dump.to_str().unwrap(),
+    ])
+}
+
 fn golden_prompt() -> Vec<i64> {
     read_tensor_i64(&fixture("tiny-m3").join("golden.safetensors"), "prompt_ids")
 }
@@ -319,18 +336,7 @@ fn bf16_kv_cache_stays_near_the_golden_and_pp_invariant() {
             let manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
             assert_eq!(manifest["kv_cache"], kv);
             let dump = d.join("dump.safetensors");
-            let o = m3c(&[
-                "run",
-                out.to_str().unwrap(),
-                "--model",
-                model.to_str().unwrap(),
-                "--prompt-ids",
-                &ids_arg(&prompt),
-                "--max-new-tokens",
-                "4",
-                "--dump",
-                dump.to_str().unwrap(),
-            ]);
+            let o = run_prompt(&out, &model, &prompt, 4, &dump);
             assert!(o.status.success(), "{}", stderr(&o));
             let mb: f64 = stderr(&o).lines().filter_map(|l| l.split("; caches ").nth(1)?.split(" MB").next()?.parse::<f64>().ok()).sum();
             cache_mb.push(mb);
@@ -377,18 +383,7 @@ fn bf16_activations_stay_near_the_golden_and_pp_invariant() {
             let manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
             assert_eq!(manifest["activations"], "bf16");
             let dump = d.join("dump.safetensors");
-            let o = m3c(&[
-                "run",
-                out.to_str().unwrap(),
-                "--model",
-                model.to_str().unwrap(),
-                "--prompt-ids",
-                &ids_arg(&prompt),
-                "--max-new-tokens",
-                "4",
-                "--dump",
-                dump.to_str().unwrap(),
-            ]);
+            let o = run_prompt(&out, &model, &prompt, 4, &dump);
             assert!(o.status.success(), "{}", stderr(&o));
             dumps.push((dump.clone(), std::fs::read(&dump).unwrap()));
         }

@@ -4,26 +4,9 @@ use super::*;
 
 impl Frame<'_> {
     /// Runs `op` if it is one of this file's; `Ok(false)` if not.
-    // Every handler starts from the same view of the op (its result and
-    // operand types, widths, helpers); not every handler uses all of it.
-    #[allow(unused_variables)]
+    #[allow(unused_variables)] // the shared view of the op; not every handler uses all of it
     pub(super) fn arith_op(&mut self, op: MlirOperation, info: &OpInfo, mask: &[bool]) -> Result<bool, String> {
-        let t = self.threads;
-        let name = info.name.as_str();
-        let res = &info.outs;
-        let attr = |op: MlirOperation, n: &'static str| info.attr(op, n);
-        let operands = |_: MlirOperation| &info.ins[..];
-        let out_ty = info.out.clone();
-        let e = out_ty.as_ref().map(elem);
-        let ibits = match e {
-            Some(Elem::Int(b)) => b,
-            _ => 64,
-        };
-        let in_ty = info.inp.clone();
-        let in_bits = match in_ty.as_ref().map(elem) {
-            Some(Elem::Int(b)) => b,
-            _ => 64,
-        };
+        view!(self, info => t, name, res, out_ty, in_ty, e, ibits, in_bits, attr, operands);
         let fl = |f: fn(f32, f32) -> f32| move |a: &[u64]| Ok(fb(f(f32v(a[0]), f32v(a[1]))));
         match name {
             "arith.constant" | "llvm.mlir.constant" => {

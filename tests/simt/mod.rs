@@ -15,6 +15,17 @@
 //! Memory: buffers owned by the interpreter; a pointer is `(buffer + 1) << 40
 //! | byte offset`, so `!llvm.ptr` values (the experts' pointer tables) work.
 
+/// The names every op handler works with ([`View`], plus `attr(op, name)`
+/// and `operands(op)`), bound in the handler's scope under the names given.
+macro_rules! view {
+    ($self:ident, $info:ident => $t:ident, $name:ident, $res:ident, $out_ty:ident, $in_ty:ident, $e:ident, $ibits:ident, $in_bits:ident, $attr:ident, $operands:ident) => {
+        let View { t: $t, name: $name, res: $res, out_ty: $out_ty, in_ty: $in_ty, e: $e, ibits: $ibits, in_bits: $in_bits } =
+            View::of($self.threads, $info);
+        let $attr = |op: MlirOperation, n: &'static str| $info.attr(op, n);
+        let $operands = |_: MlirOperation| &$info.ins[..];
+    };
+}
+
 mod arith;
 mod control;
 mod gpu;
@@ -432,6 +443,39 @@ pub struct Gpu {
 }
 
 /// What the interpreter needs of an operation, read through the C API once.
+/// What every op handler looks at first: the thread count, the op's name
+/// and results, its result and first operand types, and their integer widths.
+struct View<'a> {
+    t: usize,
+    name: &'a str,
+    res: &'a [MlirValue],
+    out_ty: Option<Ty>,
+    in_ty: Option<Ty>,
+    e: Option<Elem>,
+    ibits: u32,
+    in_bits: u32,
+}
+
+impl<'a> View<'a> {
+    fn of(t: usize, info: &'a OpInfo) -> View<'a> {
+        let bits = |ty: Option<&Ty>| match ty.map(elem) {
+            Some(Elem::Int(b)) => b,
+            _ => 64,
+        };
+        let (out_ty, in_ty) = (info.out.clone(), info.inp.clone());
+        View {
+            t,
+            name: info.name.as_str(),
+            res: &info.outs,
+            e: out_ty.as_ref().map(elem),
+            ibits: bits(out_ty.as_ref()),
+            in_bits: bits(in_ty.as_ref()),
+            out_ty,
+            in_ty,
+        }
+    }
+}
+
 struct OpInfo {
     name: String,
     out: Option<Ty>,

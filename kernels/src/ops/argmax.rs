@@ -1,6 +1,7 @@
 //! Greedy sampling: the index of each row's largest value.
 
 use crate::builder::{warp_reduce, Reduce};
+use crate::host::BASICS;
 use crate::gpu::{GpuCall, GpuFunc, IDX};
 use crate::unit::{gpu_func, param, KernelUnit, Launch, Param};
 use crate::Storage;
@@ -60,8 +61,7 @@ impl KernelUnit for Argmax {
 fn host(width: usize) -> String {
     let t = format!("memref<?x{width}xf32>");
     let body = format!(
-        "%c0 = arith.constant 0 : index\n\
-         %c1 = arith.constant 1 : index\n\
+        "{BASICS}\
          %cw = arith.constant {width} : index\n\
          %ninf = arith.constant 0xFF800000 : f32\n\
          %rows = memref.dim %x, %c0 : {t}\n\

@@ -3,6 +3,7 @@
 
 use crate::emit::{f32_lit, load_f32, load_f32xn, parallel_or_serial, store_f32};
 use crate::builder::{warp_reduce, Reduce};
+use crate::host::BASICS;
 use crate::gpu::{device_buffer, func, GpuCall, GpuFunc, IDX};
 use crate::unit::{param, KernelUnit, Launch, Param};
 use crate::{indent, num_tag, Storage};
@@ -22,7 +23,7 @@ pub struct SparseSel {
 
 /// Causal GQA attention over the cache; MSA block selection fused in when
 /// `sparse` is set.
-#[derive(Debug, Clone, PartialEq, PartialOrd)]
+#[derive(Debug, Clone, Copy, PartialEq, PartialOrd)]
 pub struct Attention {
     pub heads: usize,
     pub kv_heads: usize,
@@ -60,12 +61,10 @@ impl KernelUnit for Attention {
         Some(self.act)
     }
     fn host_body(&self) -> String {
-        let k = self;
-        host(k.heads, k.kv_heads, k.head_dim, k.scale, k.sparse, k.cache, k.act)
+        host(self)
     }
     fn gpu_funcs(&self) -> Vec<GpuFunc> {
-        let k = self;
-        vec![gpu_attention(&self.symbol(), k.heads, k.kv_heads, k.head_dim, k.scale, k.sparse, k.cache, k.act)]
+        vec![gpu_attention(&self.symbol(), self)]
     }
     /// A warp per (query row, KV group); sparse attention gets per-(row,
     /// group) block scores and selection flags in global scratch.
@@ -134,16 +133,8 @@ const POS_INF: &str = "0x7F800000";
 /// Sparse: `iq`: `[S, index_heads·index_dim]`, `ik`: `[T, index_dim]`.
 /// `q`, `o` and `iq` hold values stored as `act`; the output is accumulated
 /// in f32 (in `o` itself when that is f32, else in scratch) and stored once.
-#[allow(clippy::too_many_arguments)]
-fn host(
-    heads: usize,
-    kv_heads: usize,
-    d: usize,
-    scale: f64,
-    sparse: Option<SparseSel>,
-    cache: Storage,
-    act: Storage,
-) -> String {
+fn host(k: &Attention) -> String {
+    let Attention { heads, kv_heads, head_dim: d, scale, sparse, cache, act } = *k;
     let group = heads / kv_heads;
     let qt = format!("memref<?x{}x{}>", heads * d, act.mlir_elem());
     let kt = format!("memref<?x{}x{}>", kv_heads * d, cache.mlir_elem());
@@ -237,13 +228,10 @@ fn host(
         teardown = indent(&teardown, 4),
     );
     let body = format!(
-        "%c0 = arith.constant 0 : index\n\
-         %c1 = arith.constant 1 : index\n\
+        "{BASICS}\
          %cg = arith.constant {group} : index\n\
          %ckv = arith.constant {kv_heads} : index\n\
          %cd = arith.constant {d} : index\n\
-         %zero = arith.constant 0.0 : f32\n\
-         %one = arith.constant 1.0 : f32\n\
          %scale = arith.constant {scale} : f32\n\
          %ninf = arith.constant {NEG_INF} : f32\n\
          %rows = memref.dim %q, %c0 : {qt}\n\
@@ -361,17 +349,8 @@ fn pv(acc: &str, acc_ty: &str, kt: &str, d: usize, cache: Storage) -> String {
 
 /// Attention on the GPU: one warp per (query row, KV group). `q`, `iq` and
 /// `o` hold values stored as `act`.
-#[allow(clippy::too_many_arguments)]
-fn gpu_attention(
-    name: &str,
-    heads: usize,
-    kv_heads: usize,
-    d: usize,
-    scale: f64,
-    sparse: Option<SparseSel>,
-    cache: Storage,
-    act: Storage,
-) -> GpuFunc {
+fn gpu_attention(name: &str, k: &Attention) -> GpuFunc {
+    let Attention { heads, kv_heads, head_dim: d, scale, sparse, cache, act } = *k;
     let group = heads / kv_heads;
     let qt = format!("memref<?x{}x{}>", heads * d, act.mlir_elem());
     let kt = format!("memref<?x{}x{}>", kv_heads * d, cache.mlir_elem());

@@ -1,6 +1,7 @@
 //! An MXFP8 weight decoded to bf16 for a tensor-core GEMM.
 
 use crate::emit::{e8m0_to_f32, fp8_lut_global, store_f32, E8M0_CONSTANTS};
+use crate::host::BASICS;
 use crate::gpu::{GpuCall, GpuFunc, WeightArgs, BLOCK, IDX};
 use crate::unit::{gpu_func, param, KernelUnit, Launch, Param};
 use crate::{indent, Storage, WeightType};
@@ -70,8 +71,7 @@ fn host(out: usize, inp: usize, block: usize) -> String {
     // Rows of bf16 bits, as the scratch the entry allocates for it is viewed.
     let yt = format!("memref<?x{inp}xi16>");
     let body = format!(
-        "%c0 = arith.constant 0 : index\n\
-         %c1 = arith.constant 1 : index\n\
+        "{BASICS}\
          %cout = arith.constant {out} : index\n\
          %cin = arith.constant {inp} : index\n\
          %cb = arith.constant {block} : index\n\

@@ -1,6 +1,7 @@
 //! Row gather from an embedding table `[vocab, width]`.
 
 use crate::emit::store_f32;
+use crate::host::row_loop;
 use crate::gpu::{GpuFunc, WeightArgs, IDX};
 use crate::unit::{gpu_func, param, KernelUnit, Param};
 use crate::{indent, Storage, WeightType};
@@ -49,27 +50,12 @@ impl KernelUnit for Embedding {
                 }
 }
 
-/// Row gather: `y[r] = f32(W[ids[r]])`. Ids are checked against the vocabulary
-/// by the runtime before a step starts.
+/// Row gather: `y[r] = f32(W[ids[r]])`. Ids are checked against the
+/// vocabulary by the runtime before a step starts.
 fn host(vocab: usize, width: usize, weight: WeightType, act: Storage) -> String {
     let t = format!("memref<?x{width}x{}>", act.mlir_elem());
     let wt = format!("memref<{vocab}x{width}x{}>", weight.mlir_elem());
-    let body = format!(
-        "%c0 = arith.constant 0 : index\n\
-         %c1 = arith.constant 1 : index\n\
-         %cw = arith.constant {width} : index\n\
-         %rows = memref.dim %ids, %c0 : memref<?xi64>\n\
-         scf.for %r = %c0 to %rows step %c1 {{\n\
-         \x20 %id64 = memref.load %ids[%r] : memref<?xi64>\n\
-         \x20 %id = arith.index_cast %id64 : i64 to index\n\
-         \x20 scf.for %i = %c0 to %cw step %c1 {{\n\
-         {load}\
-         {store}\
-         \x20 }}\n\
-         }}\n\
-         return\n",
-        load = indent(&crate::emit::load_weight_f32("%wv", "%w", "%id, %i", &wt, weight), 4),
-        store = indent(&store_f32("%wv", "%y", &t, "%r", "%i", act), 4),
-    );
-    body
+    let row = "%id64 = memref.load %ids[%r] : memref<?xi64>\n%id = arith.index_cast %id64 : i64 to index\n";
+    let element = crate::emit::load_weight_f32("%wv", "%w", "%id, %i", &wt, weight) + &store_f32("%wv", "%y", &t, "%r", "%i", act);
+    row_loop("ids", "memref<?xi64>", width, "", row, &element)
 }

@@ -2,6 +2,7 @@
 //! also the MSA indexer's).
 
 use crate::emit::{f32_lit, gemma_norm_span, load_f32, store_f32};
+use crate::host::BASICS;
 use crate::gpu::{GpuCall, GpuFunc, GPU_MODULE, IDX};
 use crate::unit::{param, params_text, KernelUnit, Launch, Param};
 use crate::{indent, num_tag, Storage, WeightType};
@@ -134,14 +135,11 @@ fn host(
     let x = format!("memref<?x{width}x{}>", act.mlir_elem());
     let wt = format!("memref<{head_dim}x{}>", weight.mlir_elem());
     let body = format!(
-        "%c0 = arith.constant 0 : index\n\
-         %c1 = arith.constant 1 : index\n\
+        "{BASICS}\
          %ch = arith.constant {heads} : index\n\
          %cd = arith.constant {head_dim} : index\n\
          %chalf = arith.constant {half} : index\n\
          %crot = arith.constant {rotary_dim} : index\n\
-         %zero = arith.constant 0.0 : f32\n\
-         %one = arith.constant 1.0 : f32\n\
          %n = arith.constant {n} : f32\n\
          %eps = arith.constant {eps} : f32\n\
          %inv = memref.get_global @{table} : memref<{half}xf32>\n\

@@ -2,6 +2,7 @@
 //! weight type; on the host a vectorised path when the widths allow.
 
 use crate::emit::{e8m0_to_f32, fp8_lut_global, load_f32, load_f32xn, load_weight_f32, parallel_or_serial, store_f32, E8M0_CONSTANTS};
+use crate::host::BASICS;
 use crate::gpu::{warp_dots, GpuCall, GpuFunc, WeightArgs, BLOCK, IDX, ROWS_PER_PASS, WARPS, WARP_IDS};
 use crate::unit::{gpu_func, param, KernelUnit, Launch, Param};
 use crate::{indent, Storage, WeightType};
@@ -234,8 +235,7 @@ fn host_vec(inp: usize, out: usize, weight: WeightType, act: Storage, out_act: S
     let v = format!("vector<{LANES}xf32>");
     let vi = format!("vector<{LANES}xi32>");
     let mut consts = format!(
-        "%c0 = arith.constant 0 : index\n\
-         %c1 = arith.constant 1 : index\n\
+        "{BASICS}\
          %crb = arith.constant {ROW_BLOCK} : index\n\
          %cl = arith.constant {LANES} : index\n\
          %cout = arith.constant {out} : index\n\

@@ -1,6 +1,7 @@
 //! Gemma RMSNorm over rows of `width`, in f32: `x · rsqrt(mean(x²) + eps) · (1 + w)`.
 
 use crate::emit::{f32_lit, gemma_norm_span, load_f32, store_f32};
+use crate::host::BASICS;
 use crate::gpu::{GpuFunc, IDX};
 use crate::unit::{gpu_func, param, KernelUnit, Param};
 use crate::{indent, num_tag, Storage, WeightType};
@@ -63,11 +64,8 @@ fn host(width: usize, eps: f64, weight: WeightType, act: Storage) -> String {
     let x = format!("memref<?x{width}x{}>", act.mlir_elem());
     let wt = format!("memref<{width}x{}>", weight.mlir_elem());
     let body = format!(
-        "%c0 = arith.constant 0 : index\n\
-         %c1 = arith.constant 1 : index\n\
+        "{BASICS}\
          %cw = arith.constant {width} : index\n\
-         %zero = arith.constant 0.0 : f32\n\
-         %one = arith.constant 1.0 : f32\n\
          %n = arith.constant {n} : f32\n\
          %eps = arith.constant {eps} : f32\n\
          %rows = memref.dim %x, %c0 : {x}\n\

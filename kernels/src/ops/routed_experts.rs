@@ -3,6 +3,7 @@
 //! read once per step.
 
 use crate::emit::{f32_lit, indent, load_f32, store_f32};
+use crate::host::BASICS;
 use crate::gpu::{device_buffer, func, warp_dots, GpuCall, GpuFunc, WeightArgs, BLOCK, IDX, ROWS_PER_PASS, WARPS, WARP_IDS};
 use crate::ops::{Linear, SwiGluOai};
 use crate::unit::{param, KernelUnit, Launch, Param};
@@ -99,27 +100,15 @@ impl KernelUnit for RoutedExperts {
         let mut group_args = vec![ids.clone()];
         group_args.extend(grouping.iter().cloned());
         text.push_str(&launch(&format!("{sym}_group"), [&one, &one, &one], BLOCK, &group_args));
-        let mut up_args = vec![h.clone()];
-        up_args.extend(grouping.iter().cloned());
-        up_args.extend([table.clone(), act.clone()]);
-        for kernel in ["up_r1", "up"] {
-            text.push_str(&launch(
-                &format!("{sym}_{kernel}"),
-                [&format!("%g{tag}_slots"), &format!("%g{tag}_ib"), &one],
-                BLOCK,
-                &up_args,
-            ));
-        }
-        let mut down_args = vec![act.clone()];
-        down_args.extend(grouping.iter().cloned());
-        down_args.extend([table.clone(), dn.clone()]);
-        for kernel in ["down_r1", "down"] {
-            text.push_str(&launch(
-                &format!("{sym}_{kernel}"),
-                [&format!("%g{tag}_slots"), &format!("%g{tag}_hb"), &one],
-                BLOCK,
-                &down_args,
-            ));
+        // Gate/up then down, each as its `_r1` and multi-pair kernels, over
+        // (active expert slot, blocks of 8 output rows).
+        for (stage, input, output, row_blocks) in [("up", h, act, "ib"), ("down", act, dn, "hb")] {
+            let mut a = vec![input.clone()];
+            a.extend(grouping.iter().cloned());
+            a.extend([table.clone(), output.clone()]);
+            for kernel in [format!("{stage}_r1"), stage.to_string()] {
+                text.push_str(&launch(&format!("{sym}_{kernel}"), [&format!("%g{tag}_slots"), &format!("%g{tag}_{row_blocks}"), &one], BLOCK, &a));
+            }
         }
         text.push_str(&launch(&format!("{sym}_combine"), [rows, &one, &one], BLOCK, &[dn.clone(), wts.clone(), y.clone()]));
         for n in ["act", "dn", "start", "order", "active"] {
@@ -245,13 +234,11 @@ fn host(
     };
     let consts: String = (0..stride).map(|j| format!("%c{j}_i64 = arith.constant {j} : i64\n")).collect();
     let body = format!(
-        "%c0 = arith.constant 0 : index\n\
-         %c1 = arith.constant 1 : index\n\
+        "{BASICS}\
          %ch = arith.constant {hidden} : index\n\
          %ck = arith.constant {k} : index\n\
          %cstride = arith.constant {stride} : i64\n\
          {consts}\
-         %zero = arith.constant 0.0 : f32\n\
          %rows = memref.dim %h, %c0 : {hat}\n\
          %ne = arith.constant {experts} : index\n\
          %sel = memref.alloc(%rows) : memref<?xindex>\n\

@@ -2,6 +2,7 @@
 //! only selects; first index on ties), weights `scale · s[idx] / Σ s[idx]`.
 
 use crate::emit::{f32_lit, load_f32, load_weight_f32, parallel_or_serial};
+use crate::host::BASICS;
 use crate::gpu::{warp_dots, GpuCall, GpuFunc, WeightArgs, IDX};
 use crate::unit::{param, params_text, KernelUnit, Launch, Param};
 use crate::{indent, num_tag, Storage, WeightType};
@@ -197,13 +198,10 @@ fn host(
         add_bias = indent(&add_bias, 4),
     );
     let body = format!(
-        "%c0 = arith.constant 0 : index\n\
-         %c1 = arith.constant 1 : index\n\
+        "{BASICS}\
          %cw = arith.constant {width} : index\n\
          %ce = arith.constant {experts} : index\n\
          %ck = arith.constant {k} : index\n\
-         %zero = arith.constant 0.0 : f32\n\
-         %one = arith.constant 1.0 : f32\n\
          %scale = arith.constant {scale} : f32\n\
          %ninf = arith.constant 0xFF800000 : f32\n\
          %i32_0 = arith.constant 0 : i32\n\

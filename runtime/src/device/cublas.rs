@@ -14,28 +14,10 @@ use std::sync::OnceLock;
 
 type Create = unsafe extern "C" fn(*mut *mut c_void) -> c_int;
 type SetStream = unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int;
+/// `cublasGemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc, computeType, algo)`.
+#[rustfmt::skip]
 #[allow(clippy::type_complexity)]
-type GemmEx = unsafe extern "C" fn(
-    *mut c_void,
-    c_int,
-    c_int,
-    c_int,
-    c_int,
-    c_int,
-    *const c_void,
-    *const c_void,
-    c_int,
-    c_int,
-    *const c_void,
-    c_int,
-    c_int,
-    *const c_void,
-    *mut c_void,
-    c_int,
-    c_int,
-    c_int,
-    c_int,
-) -> c_int;
+type GemmEx = unsafe extern "C" fn(*mut c_void, c_int, c_int, c_int, c_int, c_int, *const c_void, *const c_void, c_int, c_int, *const c_void, c_int, c_int, *const c_void, *mut c_void, c_int, c_int, c_int, c_int) -> c_int;
 
 // cublas_api.h / library_types.h values.
 const OP_N: c_int = 0;
