@@ -445,39 +445,29 @@ fn run_cmd(args: RunArgs) -> Result<()> {
             );
         }
     }
-    let mut pass: Vec<String> = vec!["--model".into(), args.model.display().to_string()];
+    // The stage command line: every stage gets the same arguments.
+    let mut pass: Vec<String> = Vec::new();
+    let mut flag = |name: &str, value: String| pass.extend([name.to_string(), value]);
+    flag("--model", args.model.display().to_string());
     for p in &args.prompt_ids {
-        pass.push("--prompt-ids".into());
-        pass.push(p.clone());
+        flag("--prompt-ids", p.clone());
     }
-    if let Some(f) = &args.prompts {
-        pass.push("--prompts".into());
-        pass.push(f.display().to_string());
+    let path = |p: &Option<PathBuf>| p.as_ref().map(|p| p.display().to_string());
+    for (name, value) in [
+        ("--prompts", path(&args.prompts)),
+        ("--max-new-tokens", Some(args.max_new_tokens.to_string())),
+        ("--dump", path(&args.dump)),
+        ("--prefill-chunk", args.prefill_chunk.map(|n| n.to_string())),
+        ("--micro-batch", args.micro_batch.map(|n| n.to_string())),
+        ("--expect", path(&args.expect)),
+        ("--timeout-s", Some(args.timeout_s.to_string())),
+        ("--cuda-graphs", Some(args.cuda_graphs.clone())),
+        ("--prefill-gemm", Some(args.prefill_gemm.clone())),
+    ] {
+        if let Some(v) = value {
+            flag(name, v);
+        }
     }
-    pass.push("--max-new-tokens".into());
-    pass.push(args.max_new_tokens.to_string());
-    if let Some(d) = &args.dump {
-        pass.push("--dump".into());
-        pass.push(d.display().to_string());
-    }
-    if let Some(n) = args.prefill_chunk {
-        pass.push("--prefill-chunk".into());
-        pass.push(n.to_string());
-    }
-    if let Some(n) = args.micro_batch {
-        pass.push("--micro-batch".into());
-        pass.push(n.to_string());
-    }
-    if let Some(g) = &args.expect {
-        pass.push("--expect".into());
-        pass.push(g.display().to_string());
-    }
-    pass.push("--timeout-s".into());
-    pass.push(args.timeout_s.to_string());
-    pass.push("--cuda-graphs".into());
-    pass.push(args.cuda_graphs.clone());
-    pass.push("--prefill-gemm".into());
-    pass.push(args.prefill_gemm.clone());
     let mut cmd = std::process::Command::new("mpirun");
     // No core binding: each rank runs its kernels on several threads (the
     // runtime shares the node's cores among its ranks).

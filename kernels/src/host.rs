@@ -10,6 +10,11 @@ pub const BASICS: &str = "%c0 = arith.constant 0 : index\n\
                           %zero = arith.constant 0.0 : f32\n\
                           %one = arith.constant 1.0 : f32\n";
 
+/// `%NAME = arith.constant VALUE : index` for each pair, one per line.
+pub fn index_consts(pairs: &[(&str, usize)]) -> String {
+    pairs.iter().map(|(n, v)| format!("%{n} = arith.constant {v} : index\n")).collect()
+}
+
 /// The body of a loop over the rows of `%{rows_of}` (a memref of type
 /// `ty` whose first dimension is S) and the `width` columns of each:
 /// `consts` before the loops, `row` at the start of row `%r`, `element` for

@@ -90,6 +90,26 @@ fn all_gone(needle: &str, secs: u64) -> bool {
     false
 }
 
+/// One rank of an mpirun command line: a stage executable and its arguments.
+fn stage_app(exe: &Path, model: &Path, extra: &[&str]) -> Vec<String> {
+    let mut v = vec![exe.display().to_string(), "--model".into(), model.display().to_string()];
+    v.extend(extra.iter().map(|s| s.to_string()));
+    v
+}
+
+/// `mpirun -np 1 APP : -np 1 APP ...`, as root if need be.
+fn mpirun(apps: &[Vec<String>]) -> Output {
+    let mut cmd = Command::new("mpirun");
+    cmd.arg("--oversubscribe").env("OMPI_ALLOW_RUN_AS_ROOT", "1").env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    for (i, app) in apps.iter().enumerate() {
+        if i > 0 {
+            cmd.arg(":");
+        }
+        cmd.args(["-np", "1"]).args(app);
+    }
+    cmd.output().unwrap()
+}
+
 fn assert_clean_failure(o: &Output, what: &str) {
     let e = stderr(o);
     assert!(!o.status.success(), "{what}: succeeded:\n{e}");
@@ -243,14 +263,7 @@ fn d04_dump_replaces_only_regular_files() {
     assert!(stderr(&o).contains("/dev/full: is a character device"), "{}", stderr(&o));
     assert!(std::fs::metadata("/dev/full").unwrap().file_type().is_char_device());
     // The stage itself checks too, before generating (started by hand).
-    let o = Command::new("mpirun")
-        .args(["--oversubscribe", "-np", "1"])
-        .arg(out.join("stage-0"))
-        .args(["--model", model.to_str().unwrap(), "--prompt-ids", "1,2", "--max-new-tokens", "2", "--dump", "/dev/full"])
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .output()
-        .unwrap();
+    let o = mpirun(&[stage_app(&out.join("stage-0"), &model, &["--prompt-ids", "1,2", "--max-new-tokens", "2", "--dump", "/dev/full"])]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("--dump /dev/full: is a character device"), "{}", stderr(&o));
     assert!(!stdout(&o).contains("prompt 0:"), "refused only after generating");
@@ -354,16 +367,10 @@ fn d06_a_foreign_rank_ends_the_job() {
     let (out1, out2) = (shared_out(1), shared_out(2));
     let model = fixture("tiny-m3");
     let t0 = Instant::now();
-    let o = Command::new("mpirun")
-        .args(["--oversubscribe", "-np", "1"])
-        .arg(out2.join("stage-0"))
-        .args(["--model", model.to_str().unwrap(), "--prompt-ids", "1,2", "--max-new-tokens", "1", ":", "-np", "1"])
-        .arg(out1.join("stage-0"))
-        .args(["--model", model.to_str().unwrap(), "--prompt-ids", "1,2", "--max-new-tokens", "1"])
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .output()
-        .unwrap();
+    let o = {
+        let extra = ["--prompt-ids", "1,2", "--max-new-tokens", "1"];
+        mpirun(&[stage_app(&out2.join("stage-0"), &model, &extra), stage_app(&out1.join("stage-0"), &model, &extra)])
+    };
     assert!(!o.status.success());
     assert!(stderr(&o).contains("this pipeline has 1 stages but MPI started 2 rank(s)"), "{}", stderr(&o));
     assert!(t0.elapsed() < Duration::from_secs(30), "took {:?}", t0.elapsed());
@@ -648,29 +655,11 @@ fn d15_a_damaged_stage_is_caught_before_launch() {
 fn d16_ranks_with_different_arguments_refuse() {
     let out = shared_out(2);
     let model = fixture("tiny-m3");
-    let app = |exe: &str, ids: &str, n: &str| -> Vec<String> {
-        vec![
-            out.join(exe).display().to_string(),
-            "--model".into(),
-            model.display().to_string(),
-            "--prompt-ids".into(),
-            ids.into(),
-            "--max-new-tokens".into(),
-            n.into(),
-        ]
-    };
+    let app = |exe: &str, ids: &str, n: &str| stage_app(&out.join(exe), &model, &["--prompt-ids", ids, "--max-new-tokens", n]);
     for (a, b) in
         [(app("stage-0", "1,2,3", "2"), app("stage-1", "1,2,4", "2")), (app("stage-0", "1,2,3", "2"), app("stage-1", "1,2,3", "5"))]
     {
-        let o = Command::new("mpirun")
-            .args(["--oversubscribe", "-np", "1"])
-            .args(&a)
-            .args([":", "-np", "1"])
-            .args(&b)
-            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-            .output()
-            .unwrap();
+        let o = mpirun(&[a, b]);
         assert!(!o.status.success());
         assert!(stderr(&o).contains("started with different arguments"), "{}", stderr(&o));
         assert!(!stdout(&o).contains("prompt 0:"), "{}", stdout(&o));

@@ -72,6 +72,16 @@ fn mxfp8_fixture_matches_golden_at_pp_1_2_4_8() {
     check_fixture("tiny-m3-mxfp8");
 }
 
+/// A fixture, its golden file, the golden prompt and prefill logits.
+#[allow(clippy::type_complexity)]
+fn fixture_golden(name: &str) -> (PathBuf, PathBuf, Vec<i64>, (Vec<usize>, Vec<f32>)) {
+    let model = fixture(name);
+    let golden = model.join("golden.safetensors");
+    let prompt = read_tensor_i64(&golden, "prompt_ids");
+    let logits = read_tensor_f32(&golden, "prefill_logits");
+    (model, golden, prompt, logits)
+}
+
 /// `m3c run OUT --model MODEL --prompt-ids PROMPT --max-new-tokens N --dump DUMP`.
 fn run_prompt(out: &Path, model: &Path, prompt: &[i64], n: usize, dump: &Path) -> std::process::Output {
     let n = n.to_string();
@@ -322,10 +332,7 @@ fn a_silent_stage_times_out_instead_of_hanging() {
 #[test]
 fn bf16_kv_cache_stays_near_the_golden_and_pp_invariant() {
     for name in ["tiny-m3", "tiny-m3-mxfp8"] {
-        let model = fixture(name);
-        let golden = model.join("golden.safetensors");
-        let prompt = read_tensor_i64(&golden, "prompt_ids");
-        let (shape, want) = read_tensor_f32(&golden, "prefill_logits");
+        let (model, _, prompt, (shape, want)) = fixture_golden(name);
         let dir = tempfile::tempdir().unwrap();
         let mut dumps = Vec::new();
         let mut cache_mb = Vec::new();
@@ -369,10 +376,7 @@ fn bf16_kv_cache_stays_near_the_golden_and_pp_invariant() {
 #[test]
 fn bf16_activations_stay_near_the_golden_and_pp_invariant() {
     for name in ["tiny-m3", "tiny-m3-mxfp8"] {
-        let model = fixture(name);
-        let golden = model.join("golden.safetensors");
-        let prompt = read_tensor_i64(&golden, "prompt_ids");
-        let (shape, want) = read_tensor_f32(&golden, "prefill_logits");
+        let (model, golden, prompt, (shape, want)) = fixture_golden(name);
         let want_ids = read_tensor_i64(&golden, "generated_ids");
         let dir = tempfile::tempdir().unwrap();
         let mut dumps = Vec::new();

@@ -3,7 +3,7 @@
 
 use crate::emit::{f32_lit, load_f32, load_f32xn, parallel_or_serial, store_f32};
 use crate::builder::{warp_reduce, Reduce};
-use crate::host::BASICS;
+use crate::host::{BASICS, index_consts};
 use crate::gpu::{device_buffer, func, GpuCall, GpuFunc, IDX};
 use crate::unit::{param, KernelUnit, Launch, Param};
 use crate::{indent, num_tag, Storage};
@@ -70,12 +70,8 @@ impl KernelUnit for Attention {
     /// group) block scores and selection flags in global scratch.
     fn launch(&self, l: &Launch) -> GpuCall {
         let (kv_heads, sparse) = (&self.kv_heads, &self.sparse);
-        let (tag, rows, args) = (l.tag, l.rows, l.args);
-        let sym = self.symbol();
-        let one = l.one();
-        let launch = |name: &str, grid: [&str; 3], block: usize, a: &[(String, String)]| l.grid(name, grid, block, a);
-        let mut text = String::new();
-        let mut host_views = Vec::new();
+        let (tag, rows, args, sym, one) = (l.tag, l.rows, l.args, self.symbol(), l.one());
+        let (mut text, mut host_views) = (String::new(), Vec::new());
 
         text.push_str(&format!("%g{tag}_kv = arith.constant {kv_heads} : index\n"));
         let mut a = args.to_vec();
@@ -106,7 +102,7 @@ impl KernelUnit for Attention {
             a.push((format!("%g{tag}_nbmax"), "index".into()));
             a.push(o);
         }
-        text.push_str(&launch(&sym, [rows, &format!("%g{tag}_kv"), &one], 32, &a));
+        text.push_str(&l.grid(&sym, [rows, &format!("%g{tag}_kv"), &one], 32, &a));
         if sparse.is_some() {
             text.push_str(&format!(
                 "func.call @m3c_buf_free(%g{tag}_bs_p) : (!llvm.ptr) -> ()\nfunc.call @m3c_buf_free(%g{tag}_sel_p) : (!llvm.ptr) -> ()\n"
@@ -227,11 +223,10 @@ fn host(k: &Attention) -> String {
         allowed = indent(&allowed, 8),
         teardown = indent(&teardown, 4),
     );
+    let idx0 = index_consts(&[("cg", group), ("ckv", kv_heads), ("cd", d)]);
     let body = format!(
         "{BASICS}\
-         %cg = arith.constant {group} : index\n\
-         %ckv = arith.constant {kv_heads} : index\n\
-         %cd = arith.constant {d} : index\n\
+         {idx0}\
          %scale = arith.constant {scale} : f32\n\
          %ninf = arith.constant {NEG_INF} : f32\n\
          %rows = memref.dim %q, %c0 : {qt}\n\
@@ -466,23 +461,12 @@ fn msa_host(s: SparseSel, cache: Storage, act: Storage) -> (String, String, Stri
 
         let iqt = format!("memref<?x{}x{}>", s.index_heads * s.index_dim, act.mlir_elem());
         let ikt = format!("memref<?x{}x{}>", s.index_dim, cache.mlir_elem());
+        let idx1 = index_consts(&[("cB", s.block), ("cBm1", s.block - 1), ("cK", s.topk), ("cid", s.index_dim), ("clocal", s.local), ("cinit", s.init)]);
         setup = format!(
-            "%cB = arith.constant {block} : index\n\
-             %cBm1 = arith.constant {bm1} : index\n\
-             %cK = arith.constant {topk} : index\n\
-             %cid = arith.constant {id} : index\n\
-             %clocal = arith.constant {local} : index\n\
-             %cinit = arith.constant {init} : index\n\
+            "{idx1}\
              %pinf = arith.constant {POS_INF} : f32\n\
              %i32_0 = arith.constant 0 : i32\n\
-             %i32_1 = arith.constant 1 : i32\n\
-",
-            block = s.block,
-            bm1 = s.block - 1,
-            topk = s.topk,
-            id = s.index_dim,
-            local = s.local,
-            init = s.init,
+             %i32_1 = arith.constant 1 : i32\n"
         );
         teardown = "memref.dealloc %bs : memref<?xf32>\nmemref.dealloc %sel : memref<?xi32>\n".into();
         select = format!(

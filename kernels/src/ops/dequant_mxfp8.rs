@@ -1,7 +1,7 @@
 //! An MXFP8 weight decoded to bf16 for a tensor-core GEMM.
 
 use crate::emit::{e8m0_to_f32, fp8_lut_global, store_f32, E8M0_CONSTANTS};
-use crate::host::BASICS;
+use crate::host::{BASICS, index_consts};
 use crate::gpu::{GpuCall, GpuFunc, WeightArgs, BLOCK, IDX};
 use crate::unit::{gpu_func, param, KernelUnit, Launch, Param};
 use crate::{indent, Storage, WeightType};
@@ -70,11 +70,10 @@ fn host(out: usize, inp: usize, block: usize) -> String {
     let st = format!("memref<{out}x{}xi8>", inp / block);
     // Rows of bf16 bits, as the scratch the entry allocates for it is viewed.
     let yt = format!("memref<?x{inp}xi16>");
+    let idx0 = index_consts(&[("cout", out), ("cin", inp), ("cb", block)]);
     let body = format!(
         "{BASICS}\
-         %cout = arith.constant {out} : index\n\
-         %cin = arith.constant {inp} : index\n\
-         %cb = arith.constant {block} : index\n\
+         {idx0}\
          {E8M0_CONSTANTS}\
          %lut = memref.get_global @m3c_fp8_e4m3_lut : memref<256xf32>\n\
          scf.for %o = %c0 to %cout step %c1 {{\n\

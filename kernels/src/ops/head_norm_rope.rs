@@ -2,7 +2,7 @@
 //! also the MSA indexer's).
 
 use crate::emit::{f32_lit, gemma_norm_span, load_f32, store_f32};
-use crate::host::BASICS;
+use crate::host::{BASICS, index_consts};
 use crate::gpu::{GpuCall, GpuFunc, GPU_MODULE, IDX};
 use crate::unit::{param, params_text, KernelUnit, Launch, Param};
 use crate::{indent, num_tag, Storage, WeightType};
@@ -134,12 +134,10 @@ fn host(
     let half = rotary_dim / 2;
     let x = format!("memref<?x{width}x{}>", act.mlir_elem());
     let wt = format!("memref<{head_dim}x{}>", weight.mlir_elem());
+    let idx0 = index_consts(&[("ch", heads), ("cd", head_dim), ("chalf", half), ("crot", rotary_dim)]);
     let body = format!(
         "{BASICS}\
-         %ch = arith.constant {heads} : index\n\
-         %cd = arith.constant {head_dim} : index\n\
-         %chalf = arith.constant {half} : index\n\
-         %crot = arith.constant {rotary_dim} : index\n\
+         {idx0}\
          %n = arith.constant {n} : f32\n\
          %eps = arith.constant {eps} : f32\n\
          %inv = memref.get_global @{table} : memref<{half}xf32>\n\

@@ -2,7 +2,7 @@
 //! weight type; on the host a vectorised path when the widths allow.
 
 use crate::emit::{e8m0_to_f32, fp8_lut_global, load_f32, load_f32xn, load_weight_f32, parallel_or_serial, store_f32, E8M0_CONSTANTS};
-use crate::host::BASICS;
+use crate::host::{BASICS, index_consts};
 use crate::gpu::{warp_dots, GpuCall, GpuFunc, WeightArgs, BLOCK, IDX, ROWS_PER_PASS, WARPS, WARP_IDS};
 use crate::unit::{gpu_func, param, KernelUnit, Launch, Param};
 use crate::{indent, Storage, WeightType};
@@ -135,11 +135,10 @@ fn host(inp: usize, out: usize, weight: WeightType, act: Storage, out_act: Stora
         WeightType::Mxfp8 { block } => {
             let nb = inp / block;
             let st = format!("memref<{out}x{nb}xi8>");
+            let idx0 = index_consts(&[("cout", out), ("cnb", nb), ("cb", block)]);
             let body = format!(
                 "{head}{E8M0_CONSTANTS}\
-                 %cout = arith.constant {out} : index\n\
-                 %cnb = arith.constant {nb} : index\n\
-                 %cb = arith.constant {block} : index\n\
+                 {idx0}\
                  %lut = memref.get_global @m3c_fp8_e4m3_lut : memref<256xf32>\n\
                  %rows = memref.dim %x, %c0 : {x}\n\
                  scf.for %r = %c0 to %rows step %c1 {{\n\
@@ -234,12 +233,10 @@ fn host_vec(inp: usize, out: usize, weight: WeightType, act: Storage, out_act: S
     let wt = format!("memref<{out}x{inp}x{}>", weight.mlir_elem());
     let v = format!("vector<{LANES}xf32>");
     let vi = format!("vector<{LANES}xi32>");
+    let idx1 = index_consts(&[("crb", ROW_BLOCK), ("cl", LANES), ("cout", out), ("cin", inp)]);
     let mut consts = format!(
         "{BASICS}\
-         %crb = arith.constant {ROW_BLOCK} : index\n\
-         %cl = arith.constant {LANES} : index\n\
-         %cout = arith.constant {out} : index\n\
-         %cin = arith.constant {inp} : index\n\
+         {idx1}\
          %vz = arith.constant dense<0.0> : {v}\n"
     );
     let mut st = String::new();

@@ -11,7 +11,7 @@ use crate::view::MemTy;
 use crate::{num_tag, Kernel, Storage, WeightType};
 
 /// The routed experts' SwiGLU-OAI MLPs, weighted and summed per token.
-#[derive(Debug, Clone, PartialEq, PartialOrd)]
+#[derive(Debug, Clone, Copy, PartialEq, PartialOrd)]
 pub struct RoutedExperts {
     pub experts: usize,
     pub hidden: usize,
@@ -51,22 +51,16 @@ impl KernelUnit for RoutedExperts {
         Some(self.act)
     }
     fn host_body(&self) -> String {
-        let k = self;
-        host(k.experts, k.hidden, k.inter, k.top_k, k.weight, k.alpha, k.limit, k.beta, k.act)
+        host(self)
     }
     fn gpu_funcs(&self) -> Vec<GpuFunc> {
-        let k = self;
-        gpu_routed_experts(&self.symbol(), k.experts, k.hidden, k.inter, k.top_k, k.weight, k.alpha, k.limit, k.beta, k.act)
+        gpu_routed_experts(&self.symbol(), self)
     }
     /// Grouping, gate/up, down and combine launches over scratch buffers.
     fn launch(&self, l: &Launch) -> GpuCall {
         let RoutedExperts { experts, hidden, inter, top_k, weight, .. } = self;
-        let (tag, rows, args) = (l.tag, l.rows, l.args);
-        let sym = self.symbol();
-        let one = l.one();
-        let launch = |name: &str, grid: [&str; 3], block: usize, a: &[(String, String)]| l.grid(name, grid, block, a);
-        let mut text = String::new();
-        let mut host_views = Vec::new();
+        let (tag, rows, args, sym, one) = (l.tag, l.rows, l.args, self.symbol(), l.one());
+        let (mut text, mut host_views) = (String::new(), Vec::new());
 
         // args: h, wts, ids, table, y
         let (h, wts, ids, table, y) = (&args[0], &args[1], &args[2], &args[3], &args[4]);
@@ -99,7 +93,7 @@ impl KernelUnit for RoutedExperts {
         let grouping = [start.clone(), order.clone(), active.clone()];
         let mut group_args = vec![ids.clone()];
         group_args.extend(grouping.iter().cloned());
-        text.push_str(&launch(&format!("{sym}_group"), [&one, &one, &one], BLOCK, &group_args));
+        text.push_str(&l.grid(&format!("{sym}_group"), [&one, &one, &one], BLOCK, &group_args));
         // Gate/up then down, each as its `_r1` and multi-pair kernels, over
         // (active expert slot, blocks of 8 output rows).
         for (stage, input, output, row_blocks) in [("up", h, act, "ib"), ("down", act, dn, "hb")] {
@@ -107,10 +101,10 @@ impl KernelUnit for RoutedExperts {
             a.extend(grouping.iter().cloned());
             a.extend([table.clone(), output.clone()]);
             for kernel in [format!("{stage}_r1"), stage.to_string()] {
-                text.push_str(&launch(&format!("{sym}_{kernel}"), [&format!("%g{tag}_slots"), &format!("%g{tag}_{row_blocks}"), &one], BLOCK, &a));
+                text.push_str(&l.grid(&format!("{sym}_{kernel}"), [&format!("%g{tag}_slots"), &format!("%g{tag}_{row_blocks}"), &one], BLOCK, &a));
             }
         }
-        text.push_str(&launch(&format!("{sym}_combine"), [rows, &one, &one], BLOCK, &[dn.clone(), wts.clone(), y.clone()]));
+        text.push_str(&l.grid(&format!("{sym}_combine"), [rows, &one, &one], BLOCK, &[dn.clone(), wts.clone(), y.clone()]));
         for n in ["act", "dn", "start", "order", "active"] {
             text.push_str(&format!("func.call @m3c_buf_free(%g{tag}_{n}_p) : (!llvm.ptr) -> ()\n"));
         }
@@ -170,18 +164,8 @@ pub fn expert_deps(hidden: usize, inter: usize, weight: WeightType, alpha: f64, 
 /// weights), so at prefill an expert's weights are read once, not once per
 /// token. Each row's sum runs over its experts in expert-id order, in f32
 /// (in `y` itself when `act` is f32, else in scratch stored into `y` once).
-#[allow(clippy::too_many_arguments)]
-fn host(
-    experts: usize,
-    hidden: usize,
-    inter: usize,
-    k: usize,
-    weight: WeightType,
-    alpha: f64,
-    limit: f64,
-    beta: f64,
-    act: Storage,
-) -> String {
+fn host(re: &RoutedExperts) -> String {
+    let RoutedExperts { experts, hidden, inter, top_k: k, weight, alpha, limit, beta, act } = *re;
     let ht = format!("memref<?x{hidden}xf32>");
     // `h` and `y` as the stage stores activations; the rest is f32 scratch.
     let hat = format!("memref<?x{hidden}x{}>", act.mlir_elem());
@@ -333,19 +317,8 @@ fn host(
 /// - `{name}_combine`: `y[r] = Σ_j wts[r, j] · dn[r·k + j]`.
 ///
 /// `h` and `y` hold values stored as `act`; `act` and `dn` are f32 scratch.
-#[allow(clippy::too_many_arguments)]
-fn gpu_routed_experts(
-    name: &str,
-    experts: usize,
-    hidden: usize,
-    inter: usize,
-    k: usize,
-    weight: WeightType,
-    alpha: f64,
-    limit: f64,
-    beta: f64,
-    act: Storage,
-) -> Vec<GpuFunc> {
+fn gpu_routed_experts(name: &str, re: &RoutedExperts) -> Vec<GpuFunc> {
+    let RoutedExperts { experts, hidden, inter, top_k: k, weight, alpha, limit, beta, act } = *re;
     let ht = format!("memref<?x{hidden}xf32>");
     let hat = format!("memref<?x{hidden}x{}>", act.mlir_elem());
     let it = format!("memref<?x{inter}xf32>");

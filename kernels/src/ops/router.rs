@@ -2,7 +2,7 @@
 //! only selects; first index on ties), weights `scale · s[idx] / Σ s[idx]`.
 
 use crate::emit::{f32_lit, load_f32, load_weight_f32, parallel_or_serial};
-use crate::host::BASICS;
+use crate::host::{BASICS, index_consts};
 use crate::gpu::{warp_dots, GpuCall, GpuFunc, WeightArgs, IDX};
 use crate::unit::{param, params_text, KernelUnit, Launch, Param};
 use crate::{indent, num_tag, Storage, WeightType};
@@ -197,11 +197,10 @@ fn host(
         wload = indent(&load_weight_f32("%wv", "%w", "%e, %i", &wt, weight), 6),
         add_bias = indent(&add_bias, 4),
     );
+    let idx0 = index_consts(&[("cw", width), ("ce", experts), ("ck", k)]);
     let body = format!(
         "{BASICS}\
-         %cw = arith.constant {width} : index\n\
-         %ce = arith.constant {experts} : index\n\
-         %ck = arith.constant {k} : index\n\
+         {idx0}\
          %scale = arith.constant {scale} : f32\n\
          %ninf = arith.constant 0xFF800000 : f32\n\
          %i32_0 = arith.constant 0 : i32\n\
