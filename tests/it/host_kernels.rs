@@ -396,58 +396,22 @@ fn attention_over_bf16_caches_equals_f32_attention_over_the_rounded_values() {
         for (i, bf) in [(0usize, false), (1, true)] {
             let k = &kernels[i + if sparse { 2 } else { 0 }];
             let o = vec![0f32; rows * heads * d];
-            // SAFETY: the symbol and descriptors follow the kernel's C interface; every buffer outlives the call.
-            unsafe {
-                if sparse {
-                    type F<T> = unsafe extern "C" fn(
-                        *const Memref2<f32>,
-                        *const Memref2<T>,
-                        *const Memref2<T>,
-                        *const Memref1<i64>,
-                        *const Memref2<f32>,
-                        *const Memref2<T>,
-                        *const Memref2<f32>,
-                    );
-                    if bf {
-                        let f: libloading::Symbol<F<u16>> = lib.get(format!("_mlir_ciface_{}", k.symbol()).as_bytes()).unwrap();
-                        f(
-                            &m2(&q, rows, heads * d),
-                            &m2(&kb, cap, kv * d),
-                            &m2(&vb, cap, kv * d),
-                            &m1(&pos),
-                            &m2(&iq, rows, 32),
-                            &m2(&ib, cap, 16),
-                            &m2(&o, rows, heads * d),
-                        );
-                    } else {
-                        let f: libloading::Symbol<F<f32>> = lib.get(format!("_mlir_ciface_{}", k.symbol()).as_bytes()).unwrap();
-                        f(
-                            &m2(&q, rows, heads * d),
-                            &m2(&kf, cap, kv * d),
-                            &m2(&vf, cap, kv * d),
-                            &m1(&pos),
-                            &m2(&iq, rows, 32),
-                            &m2(&ifl, cap, 16),
-                            &m2(&o, rows, heads * d),
-                        );
-                    }
-                } else {
-                    type F<T> = unsafe extern "C" fn(
-                        *const Memref2<f32>,
-                        *const Memref2<T>,
-                        *const Memref2<T>,
-                        *const Memref1<i64>,
-                        *const Memref2<f32>,
-                    );
-                    if bf {
-                        let f: libloading::Symbol<F<u16>> = lib.get(format!("_mlir_ciface_{}", k.symbol()).as_bytes()).unwrap();
-                        f(&m2(&q, rows, heads * d), &m2(&kb, cap, kv * d), &m2(&vb, cap, kv * d), &m1(&pos), &m2(&o, rows, heads * d));
-                    } else {
-                        let f: libloading::Symbol<F<f32>> = lib.get(format!("_mlir_ciface_{}", k.symbol()).as_bytes()).unwrap();
-                        f(&m2(&q, rows, heads * d), &m2(&kf, cap, kv * d), &m2(&vf, cap, kv * d), &m1(&pos), &m2(&o, rows, heads * d));
-                    }
-                }
+            // One descriptor per argument: q, k, v, pos, [iq, ik,] o; the
+            // caches in the kernel's storage.
+            let p2f = |m: &Memref2<f32>| m as *const Memref2<f32> as *const std::ffi::c_void;
+            let p2h = |m: &Memref2<u16>| m as *const Memref2<u16> as *const std::ffi::c_void;
+            let (qm, om, posm, iqm) = (m2(&q, rows, heads * d), m2(&o, rows, heads * d), m1(&pos), m2(&iq, rows, 32));
+            let (kfm, vfm, ifm) = (m2(&kf, cap, kv * d), m2(&vf, cap, kv * d), m2(&ifl, cap, 16));
+            let (kbm, vbm, ibm) = (m2(&kb, cap, kv * d), m2(&vb, cap, kv * d), m2(&ib, cap, 16));
+            let (kp, vp, ip) = if bf { (p2h(&kbm), p2h(&vbm), p2h(&ibm)) } else { (p2f(&kfm), p2f(&vfm), p2f(&ifm)) };
+            let posp = &posm as *const Memref1<i64> as *const std::ffi::c_void;
+            let mut args = vec![p2f(&qm), kp, vp, posp];
+            if sparse {
+                args.extend([p2f(&iqm), ip]);
             }
+            args.push(p2f(&om));
+            // SAFETY: every descriptor views a live buffer of the compiled shape for the whole call.
+            unsafe { call(&lib, k, &args) };
             outs.push(o);
         }
         assert!(outs[0].iter().any(|v| *v != 0.0), "attention wrote its output (sparse: {sparse})");

@@ -54,6 +54,15 @@ impl<'a> Obj<'a> {
         }
     }
 
+    /// `read(self, k)` when the key is present, else `None`.
+    fn optional<T>(&self, k: &str, read: impl Fn(&Self, &str) -> Result<T, ConfigError>) -> Result<Option<T>, ConfigError> {
+        if self.has(k) {
+            read(self, k).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
     pub fn obj(&self, k: &str) -> Result<Obj<'a>, ConfigError> {
         let v = self.get(k, "an object")?;
         match v.as_object() {
@@ -63,11 +72,7 @@ impl<'a> Obj<'a> {
     }
 
     pub fn opt_obj(&self, k: &str) -> Result<Option<Obj<'a>>, ConfigError> {
-        if self.has(k) {
-            self.obj(k).map(Some)
-        } else {
-            Ok(None)
-        }
+        self.optional(k, Self::obj)
     }
 
     /// A positive integer that fits `usize`.
@@ -85,11 +90,7 @@ impl<'a> Obj<'a> {
     }
 
     pub fn opt_uint(&self, k: &str) -> Result<Option<usize>, ConfigError> {
-        if self.has(k) {
-            self.uint(k).map(Some)
-        } else {
-            Ok(None)
-        }
+        self.optional(k, Self::uint)
     }
 
     pub fn float(&self, k: &str) -> Result<f64, ConfigError> {
@@ -98,11 +99,7 @@ impl<'a> Obj<'a> {
     }
 
     pub fn opt_float(&self, k: &str) -> Result<Option<f64>, ConfigError> {
-        if self.has(k) {
-            self.float(k).map(Some)
-        } else {
-            Ok(None)
-        }
+        self.optional(k, Self::float)
     }
 
     pub fn boolean(&self, k: &str) -> Result<bool, ConfigError> {
@@ -111,11 +108,7 @@ impl<'a> Obj<'a> {
     }
 
     pub fn opt_bool(&self, k: &str) -> Result<Option<bool>, ConfigError> {
-        if self.has(k) {
-            self.boolean(k).map(Some)
-        } else {
-            Ok(None)
-        }
+        self.optional(k, Self::boolean)
     }
 
     pub fn string(&self, k: &str) -> Result<&'a str, ConfigError> {
@@ -124,11 +117,7 @@ impl<'a> Obj<'a> {
     }
 
     pub fn opt_string(&self, k: &str) -> Result<Option<&'a str>, ConfigError> {
-        if self.has(k) {
-            self.string(k).map(Some)
-        } else {
-            Ok(None)
-        }
+        self.optional(k, Self::string)
     }
 
     /// A string that must be one of `allowed`.

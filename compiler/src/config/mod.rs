@@ -15,8 +15,7 @@ pub use parse::{load_config, parse_config};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read {file}: {err}")]
-    Io { file: PathBuf, err: std::io::Error },
+    /// The file is missing, not a regular file, too large or not UTF-8.
     #[error(transparent)]
     Input(#[from] m3c_contract::InputError),
     #[error("{file}: not valid JSON: {err}")]

@@ -106,6 +106,7 @@ impl fmt::Display for Step {
     }
 }
 
+#[derive(Debug, Clone)]
 pub struct FusedStage {
     pub hidden: usize,
     /// How activations (`x` and the scratch rows between kernels) are stored.

@@ -10,14 +10,14 @@ mod entry;
 mod fuse;
 
 pub use entry::ENTRY_SYMBOL;
-pub use fuse::{fuse_stage, Step};
+pub use fuse::{fuse_stage, FusedStage, Step};
 
 use crate::config::ModelConfig;
 use crate::dtype::DType;
 use crate::graph::{CacheKind, ModelGraph};
 use crate::model::Part;
 use crate::plan::{StagePlan, Target};
-use m3c_kernels::{Kernel, Storage};
+use m3c_kernels::Storage;
 use serde::Serialize;
 use std::collections::BTreeSet;
 
@@ -66,14 +66,9 @@ pub enum Boundary {
 pub struct StageProgram {
     pub index: usize,
     pub parts: BTreeSet<Part>,
-    pub tensors: Vec<TensorSlot>,
-    pub caches: Vec<CacheSlot>,
-    pub input: Boundary,
-    pub output: Boundary,
-    /// The fused steps, in execution order.
-    pub steps: Vec<Step>,
-    /// Distinct kernels, in first-use order.
-    pub kernels: Vec<Kernel>,
+    /// Its fused steps, kernels, tensor and cache slots and boundaries
+    /// (`StageProgram` reads as one, through `Deref`).
+    pub fused: FusedStage,
     /// The MLIR module for the plan's target: kernels, view helpers and the
     /// stage entry (for CUDA, the kernels as `gpu.func`s and a launching entry).
     pub mlir: String,
@@ -109,17 +104,14 @@ pub fn lower_stage(
         Target::Cuda { .. } => entry::cuda_module(&fused),
     }
     .map_err(|message| LowerError::Stage { stage: index, message })?;
-    Ok(StageProgram {
-        index,
-        parts,
-        tensors: fused.tensors,
-        caches: fused.caches,
-        input: fused.input,
-        output: fused.output,
-        steps: fused.steps,
-        kernels: fused.kernels,
-        mlir,
-    })
+    Ok(StageProgram { index, parts, fused, mlir })
+}
+
+impl std::ops::Deref for StageProgram {
+    type Target = FusedStage;
+    fn deref(&self) -> &FusedStage {
+        &self.fused
+    }
 }
 
 impl StageProgram {

@@ -123,8 +123,7 @@ pub struct Plan {
 
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
-    #[error("cannot read {file}: {err}")]
-    Io { file: PathBuf, err: std::io::Error },
+    /// The file is missing, not a regular file, too large or not UTF-8.
     #[error(transparent)]
     Input(#[from] m3c_contract::InputError),
     #[error("{file}:{line}:{col}: {message}")]
