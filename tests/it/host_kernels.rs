@@ -8,31 +8,31 @@ use m3c::weights::Checkpoint;
 use m3c_kernels::{module, Kernel, Storage, WeightType};
 use m3c_tests::fixture;
 
+/// A memref descriptor of rank `N`, as MLIR's C interface passes it.
 #[repr(C)]
-pub(crate) struct Memref2<T> {
+pub(crate) struct Memref<T, const N: usize> {
     allocated: *const T,
     aligned: *const T,
     offset: i64,
-    sizes: [i64; 2],
-    strides: [i64; 2],
+    sizes: [i64; N],
+    strides: [i64; N],
 }
 
-#[repr(C)]
-pub(crate) struct Memref1<T> {
-    allocated: *const T,
-    aligned: *const T,
-    offset: i64,
-    sizes: [i64; 1],
-    strides: [i64; 1],
-}
+pub(crate) type Memref2<T> = Memref<T, 2>;
+pub(crate) type Memref1<T> = Memref<T, 1>;
 
 pub(crate) fn m2<T>(data: &[T], rows: usize, cols: usize) -> Memref2<T> {
     assert_eq!(data.len(), rows * cols);
-    Memref2 { allocated: data.as_ptr(), aligned: data.as_ptr(), offset: 0, sizes: [rows as i64, cols as i64], strides: [cols as i64, 1] }
+    Memref { allocated: data.as_ptr(), aligned: data.as_ptr(), offset: 0, sizes: [rows as i64, cols as i64], strides: [cols as i64, 1] }
 }
 
 pub(crate) fn m1<T>(data: &[T]) -> Memref1<T> {
-    Memref1 { allocated: data.as_ptr(), aligned: data.as_ptr(), offset: 0, sizes: [data.len() as i64], strides: [1] }
+    Memref { allocated: data.as_ptr(), aligned: data.as_ptr(), offset: 0, sizes: [data.len() as i64], strides: [1] }
+}
+
+/// A linear with f32 activations in and out.
+fn lin_f32(inp: usize, out: usize, weight: WeightType) -> Kernel {
+    Kernel::Linear(m3c_kernels::Linear { inp, out, weight, act: Storage::F32, out_act: Storage::F32 })
 }
 
 /// Compiles `kernels` and loads them as a shared library.
@@ -76,8 +76,7 @@ fn rms_norm_and_bf16_linear_match_reference() {
     let norm_w = bf16s(get("language_model.model.layers.0.input_layernorm.weight"));
     let q_w = bf16s(get("language_model.model.layers.0.self_attn.q_proj.weight"));
     let norm = Kernel::RmsNorm(m3c_kernels::RmsNorm { width: 128, eps: 1e-6, weight: WeightType::BF16, act: Storage::F32 });
-    let lin =
-        Kernel::Linear(m3c_kernels::Linear { inp: 128, out: 256, weight: WeightType::BF16, act: Storage::F32, out_act: Storage::F32 });
+    let lin = lin_f32(128, 256, WeightType::BF16);
     let lib = build(&[norm.clone(), lin.clone(), norm.clone()], dir.path());
     let rows = 5;
     let x = input(rows, 128);
@@ -113,16 +112,22 @@ fn rms_norm_and_bf16_linear_match_reference() {
     close(&q, &y, 1e-5);
 }
 
+/// Layer 0's MLP down projection of the MXFP8 fixture, `[128, 192]`: its
+/// fp8 bytes and its E8M0 scales `[128, 6]`.
+fn mxfp8_down_proj() -> (Vec<u8>, Vec<u8>) {
+    let ck = Checkpoint::open(&fixture("tiny-m3-mxfp8")).unwrap();
+    let stem = "language_model.model.layers.0.mlp.down_proj";
+    let get = |n: String| ck.bytes(&ck.tensors[&n]).to_vec();
+    (get(format!("{stem}.weight")), get(format!("{stem}.weight_scale_inv")))
+}
+
 /// Both MXFP8 code paths: 32-wide blocks take the vector path (fp8 decoded
 /// by integer ops); 16-wide blocks (same weights, each scale repeated) take
 /// the scalar path through the fp8 table.
 #[test]
 fn mxfp8_linear_matches_dequantized_reference() {
     let dir = tempfile::tempdir().unwrap();
-    let ck = Checkpoint::open(&fixture("tiny-m3-mxfp8")).unwrap();
-    let stem = "language_model.model.layers.0.mlp.down_proj";
-    let w = ck.bytes(&ck.tensors[&format!("{stem}.weight")]).to_vec();
-    let s32 = ck.bytes(&ck.tensors[&format!("{stem}.weight_scale_inv")]).to_vec();
+    let (w, s32) = mxfp8_down_proj();
     let (out, inp) = (128, 192);
     let s16: Vec<u8> = s32.iter().flat_map(|&b| [b, b]).collect();
     // Seven rows: three blocks of two rows, then one single row.
@@ -138,8 +143,7 @@ fn mxfp8_linear_matches_dequantized_reference() {
     }
     assert!(want.iter().any(|v| v.abs() > 1.0), "the test must see real values");
     for (block, s) in [(32, &s32), (16, &s16)] {
-        let lin =
-            Kernel::Linear(m3c_kernels::Linear { inp, out, weight: WeightType::Mxfp8 { block }, act: Storage::F32, out_act: Storage::F32 });
+        let lin = lin_f32(inp, out, WeightType::Mxfp8 { block });
         let sub = dir.path().join(format!("b{block}"));
         std::fs::create_dir(&sub).unwrap();
         let lib = build(std::slice::from_ref(&lin), &sub);
@@ -154,33 +158,15 @@ fn mxfp8_linear_matches_dequantized_reference() {
 
 #[test]
 fn kernels_are_emitted_once_per_shape() {
-    let a = Kernel::Linear(m3c_kernels::Linear { inp: 128, out: 64, weight: WeightType::BF16, act: Storage::F32, out_act: Storage::F32 });
-    let b = Kernel::Linear(m3c_kernels::Linear {
-        inp: 128,
-        out: 64,
-        weight: WeightType::Mxfp8 { block: 32 },
-        act: Storage::F32,
-        out_act: Storage::F32,
-    });
+    let a = lin_f32(128, 64, WeightType::BF16);
+    let b = lin_f32(128, 64, WeightType::Mxfp8 { block: 32 });
     let text = module(&[a.clone(), b.clone(), a.clone(), b]);
     assert_eq!(text.matches("func.func @m3c_linear_i128_o64_bf16(").count(), 1);
     assert_eq!(text.matches("func.func @m3c_linear_i128_o64_mxfp8b32(").count(), 1);
     assert_eq!(text.matches("memref.global").count(), 0, "the vector path decodes fp8 without a table");
     // The scalar path (blocks not a multiple of 32) shares one table.
-    let c = Kernel::Linear(m3c_kernels::Linear {
-        inp: 128,
-        out: 64,
-        weight: WeightType::Mxfp8 { block: 16 },
-        act: Storage::F32,
-        out_act: Storage::F32,
-    });
-    let d = Kernel::Linear(m3c_kernels::Linear {
-        inp: 96,
-        out: 64,
-        weight: WeightType::Mxfp8 { block: 16 },
-        act: Storage::F32,
-        out_act: Storage::F32,
-    });
+    let c = lin_f32(128, 64, WeightType::Mxfp8 { block: 16 });
+    let d = lin_f32(96, 64, WeightType::Mxfp8 { block: 16 });
     let text = module(&[c, d]);
     assert_eq!(text.matches("memref.global").count(), 1, "one fp8 table for all scalar MXFP8 kernels");
 }
@@ -280,7 +266,7 @@ fn linear_tiles_cover_every_row_and_output() {
     // bf16 weights: the top halves of f32 values in [-1, 1).
     let wf: Vec<f32> = (0..out * inp).map(|i| ((i * 7919 % 2003) as f32 / 1001.5) - 1.0).collect();
     let w: Vec<u16> = wf.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
-    let lin = Kernel::Linear(m3c_kernels::Linear { inp, out, weight: WeightType::BF16, act: Storage::F32, out_act: Storage::F32 });
+    let lin = lin_f32(inp, out, WeightType::BF16);
     let lib = build(std::slice::from_ref(&lin), dir.path());
     let y = vec![f32::NAN; rows * out];
     let f: libloading::Symbol<unsafe extern "C" fn(*const Memref2<f32>, *const Memref2<u16>, *const Memref2<f32>)> =
@@ -504,10 +490,7 @@ fn bf16_twins() -> Vec<[Kernel; 2]> {
 #[test]
 fn bf16_activation_kernels_round_their_f32_twins_once() {
     let dir = tempfile::tempdir().unwrap();
-    let ck = Checkpoint::open(&fixture("tiny-m3-mxfp8")).unwrap();
-    let get = |n: &str| ck.bytes(&ck.tensors[n]).to_vec();
-    let stem = "language_model.model.layers.0.mlp.down_proj";
-    let (w8, s32) = (get(&format!("{stem}.weight")), get(&format!("{stem}.weight_scale_inv")));
+    let (w8, s32) = mxfp8_down_proj();
     let s16: Vec<u8> = s32.iter().flat_map(|&b| [b, b]).collect();
     let wb: Vec<u16> = (0..128 * 192).map(|i| bf16_nearest_even(((i * 7919 % 997) as f32 / 997.0 - 0.5) * 0.2)).collect();
     let norm_w = vec![0x3E80u16; 128]; // 0.25
@@ -633,10 +616,7 @@ fn bf16_activation_kernels_round_their_f32_twins_once() {
 #[test]
 fn mxfp8_weights_decode_to_bf16_exactly() {
     let dir = tempfile::tempdir().unwrap();
-    let ck = Checkpoint::open(&fixture("tiny-m3-mxfp8")).unwrap();
-    let stem = "language_model.model.layers.0.mlp.down_proj";
-    let w = ck.bytes(&ck.tensors[&format!("{stem}.weight")]).to_vec();
-    let s = ck.bytes(&ck.tensors[&format!("{stem}.weight_scale_inv")]).to_vec();
+    let (w, s) = mxfp8_down_proj();
     let (out, inp) = (128, 192);
     let k = Kernel::DequantMxfp8(m3c_kernels::DequantMxfp8 { out, inp, block: 32 });
     let lib = build(std::slice::from_ref(&k), dir.path());

@@ -110,6 +110,12 @@ fn mpirun(apps: &[Vec<String>]) -> Output {
     cmd.output().unwrap()
 }
 
+/// The command's standard error says `what`.
+fn says(o: &Output, what: &str) {
+    let e = stderr(o);
+    assert!(e.contains(what), "expected `{what}` in:\n{e}");
+}
+
 fn assert_clean_failure(o: &Output, what: &str) {
     let e = stderr(o);
     assert!(!o.status.success(), "{what}: succeeded:\n{e}");
@@ -156,14 +162,14 @@ fn d01_compile_never_deletes_what_it_did_not_write() {
     let before = app_before.clone();
     let o = m3c(&["compile", "--model", model.to_str().unwrap(), "--pp", "1", "-o", app.to_str().unwrap()]);
     assert_clean_failure(&o, "-o app");
-    assert!(stderr(&o).contains("not m3c's"), "{}", stderr(&o));
+    says(&o, "not m3c's");
     assert_eq!(tree(&app), before);
     // The model folder itself.
     let copy = model_copy(dir.path(), |_, _| {});
     let before = tree(&copy);
     let o = m3c(&["compile", "--model", copy.to_str().unwrap(), "--pp", "1", "-o", copy.to_str().unwrap()]);
     assert_clean_failure(&o, "-o MODEL");
-    assert!(stderr(&o).contains("holds the model"), "{}", stderr(&o));
+    says(&o, "holds the model");
     assert_eq!(tree(&copy), before);
     // A folder above the model.
     let o = m3c(&["compile", "--model", copy.to_str().unwrap(), "--pp", "1", "-o", dir.path().to_str().unwrap()]);
@@ -172,7 +178,7 @@ fn d01_compile_never_deletes_what_it_did_not_write() {
     // `-o .` in a folder with a manifest.json.
     let o = m3c_in(&app, &["compile", "--model", model.to_str().unwrap(), "--pp", "1", "-o", "."]);
     assert_clean_failure(&o, "-o .");
-    assert!(stderr(&o).contains("current folder"), "{}", stderr(&o));
+    says(&o, "current folder");
     assert_eq!(tree(&app), app_before);
     // An earlier m3c output is replaced; one with a file added is not.
     let out = dir.path().join("out");
@@ -183,7 +189,7 @@ fn d01_compile_never_deletes_what_it_did_not_write() {
     std::fs::write(out.join("results.csv"), "precious").unwrap();
     let o = m3c(&["compile", "--model", model.to_str().unwrap(), "--pp", "1", "-o", out.to_str().unwrap()]);
     assert_clean_failure(&o, "-o out with a user file");
-    assert!(stderr(&o).contains("results.csv"), "{}", stderr(&o));
+    says(&o, "results.csv");
     assert_eq!(std::fs::read_to_string(out.join("results.csv")).unwrap(), "precious");
     let left: Vec<String> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     assert!(left.iter().all(|n| !n.contains("partial") && !n.contains(".old-")), "{left:?}");
@@ -260,12 +266,12 @@ fn d04_dump_replaces_only_regular_files() {
     // A device (as root this would have become a regular file).
     let o = run(Path::new("/dev/full"));
     assert_clean_failure(&o, "/dev/full");
-    assert!(stderr(&o).contains("/dev/full: is a character device"), "{}", stderr(&o));
+    says(&o, "/dev/full: is a character device");
     assert!(std::fs::metadata("/dev/full").unwrap().file_type().is_char_device());
     // The stage itself checks too, before generating (started by hand).
     let o = mpirun(&[stage_app(&out.join("stage-0"), &model, &["--prompt-ids", "1,2", "--max-new-tokens", "2", "--dump", "/dev/full"])]);
     assert!(!o.status.success());
-    assert!(stderr(&o).contains("--dump /dev/full: is a character device"), "{}", stderr(&o));
+    says(&o, "--dump /dev/full: is a character device");
     assert!(!stdout(&o).contains("prompt 0:"), "refused only after generating");
     assert!(std::fs::metadata("/dev/full").unwrap().file_type().is_char_device());
     // A symbolic link, left as it is.
@@ -275,7 +281,7 @@ fn d04_dump_replaces_only_regular_files() {
     std::os::unix::fs::symlink(&target, &link).unwrap();
     let o = run(&link);
     assert_clean_failure(&o, "symlink");
-    assert!(stderr(&o).contains("symbolic link"), "{}", stderr(&o));
+    says(&o, "symbolic link");
     assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
     assert_eq!(std::fs::read_to_string(&target).unwrap(), "keep");
     // A folder: refused, nothing left beside it.
@@ -283,11 +289,11 @@ fn d04_dump_replaces_only_regular_files() {
     std::fs::create_dir(&folder).unwrap();
     let o = run(&folder);
     assert_clean_failure(&o, "folder");
-    assert!(stderr(&o).contains("a folder"), "{}", stderr(&o));
+    says(&o, "a folder");
     // A missing folder is named.
     let o = run(&dir.path().join("nowhere/x.safetensors"));
     assert_clean_failure(&o, "missing folder");
-    assert!(stderr(&o).contains("does not exist"), "{}", stderr(&o));
+    says(&o, "does not exist");
     // An unrelated file with the old temporary name survives a good dump.
     let good = dir.path().join("d.safetensors");
     std::fs::write(dir.path().join("d.safetensors.partial"), "unrelated").unwrap();
@@ -372,7 +378,7 @@ fn d06_a_foreign_rank_ends_the_job() {
         mpirun(&[stage_app(&out2.join("stage-0"), &model, &extra), stage_app(&out1.join("stage-0"), &model, &extra)])
     };
     assert!(!o.status.success());
-    assert!(stderr(&o).contains("this pipeline has 1 stages but MPI started 2 rank(s)"), "{}", stderr(&o));
+    says(&o, "this pipeline has 1 stages but MPI started 2 rank(s)");
     assert!(t0.elapsed() < Duration::from_secs(30), "took {:?}", t0.elapsed());
 }
 
@@ -447,7 +453,7 @@ fn d08_interrupted_compiles_leave_nothing() {
     for cpu in ["bogus9000", "i686", "native"] {
         let o = m3c(&["compile", "--model", fixture("tiny-m3").to_str().unwrap(), "--pp", "1", "--cpu", cpu, "-o", out.to_str().unwrap()]);
         assert_clean_failure(&o, cpu);
-        assert!(stderr(&o).contains(&format!("--cpu {cpu}: not an x86-64 CPU")), "{}", stderr(&o));
+        says(&o, &format!("--cpu {cpu}: not an x86-64 CPU"));
     }
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }
@@ -484,7 +490,7 @@ fn d09_no_panics_on_numbers_or_closed_outputs() {
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
-    assert!(stderr(&o).contains("cannot write to standard output"), "{}", stderr(&o));
+    says(&o, "cannot write to standard output");
     // hidden_size 2^62 used to divide by zero in the kernel generator.
     let dir = tempfile::tempdir().unwrap();
     let cfg = config_with(dir.path(), |t| t["hidden_size"] = serde_json::json!(1u64 << 62));
@@ -509,7 +515,7 @@ fn d10_overflowing_numbers_are_refused() {
     let model = fixture("tiny-m3");
     let o = m3c(&run_args(&out, &model, &["--prompt-ids", "1,2", "--max-new-tokens", "18446744073709551615"]));
     assert_clean_failure(&o, "max-new-tokens");
-    assert!(stderr(&o).contains("exceed the model's 4096 positions"), "{}", stderr(&o));
+    says(&o, "exceed the model's 4096 positions");
     let dir = tempfile::tempdir().unwrap();
     let cfg = config_with(dir.path(), |t| {
         t["sparse_attention_config"]["sparse_local_block"] = serde_json::json!(u64::MAX);
@@ -517,7 +523,7 @@ fn d10_overflowing_numbers_are_refused() {
     });
     let o = m3c(&["inspect", cfg.to_str().unwrap()]);
     assert_clean_failure(&o, "sparse blocks");
-    assert!(stderr(&o).contains("sparse_local_block"), "{}", stderr(&o));
+    says(&o, "sparse_local_block");
     // The largest config the bounds admit has a parameter count that fits.
     let cfg = config_with(dir.path(), |t| {
         t["num_local_experts"] = serde_json::json!(64);
@@ -540,7 +546,7 @@ fn d11_unbounded_inputs_are_refused_quickly() {
     let cfg = config_with(dir.path(), |t| t["num_local_experts"] = serde_json::json!(1u64 << 40));
     let o = m3c(&["inspect", cfg.to_str().unwrap()]);
     assert_clean_failure(&o, "2^40 experts");
-    assert!(stderr(&o).contains("num_local_experts"), "{}", stderr(&o));
+    says(&o, "num_local_experts");
     let model = fixture("tiny-m3");
     for (what, o) in [
         ("plan", m3c(&["plan", "--check", "/dev/zero", "--model", model.to_str().unwrap()])),
@@ -552,16 +558,16 @@ fn d11_unbounded_inputs_are_refused_quickly() {
     }
     let o = m3c(&["init-tiny", dir.path().join("big").to_str().unwrap(), "--hidden", "65536"]);
     assert_clean_failure(&o, "init-tiny --hidden 65536");
-    assert!(stderr(&o).contains("--hidden must be at most"), "{}", stderr(&o));
+    says(&o, "--hidden must be at most");
     let o = m3c(&["init-tiny", dir.path().join("big").to_str().unwrap(), "--hidden", "8192", "--layers", "64"]);
     assert_clean_failure(&o, "init-tiny of 100 GB");
-    assert!(stderr(&o).contains("GB checkpoint"), "{}", stderr(&o));
+    says(&o, "GB checkpoint");
     // 400 KB of nested flow sequences.
     let plan = dir.path().join("deep.yaml");
     std::fs::write(&plan, format!("stages: {}{}", "[".repeat(200_000), "]".repeat(200_000))).unwrap();
     let o = m3c(&["plan", "--check", plan.to_str().unwrap(), "--model", model.to_str().unwrap()]);
     assert_clean_failure(&o, "deep plan");
-    assert!(stderr(&o).contains("nested deeper than"), "{}", stderr(&o));
+    says(&o, "nested deeper than");
     assert!(t0.elapsed() < Duration::from_secs(30), "took {:?}", t0.elapsed());
 }
 
@@ -646,7 +652,7 @@ fn d15_a_damaged_stage_is_caught_before_launch() {
     std::fs::OpenOptions::new().write(true).open(&exe).unwrap().set_len(len / 2).unwrap();
     let o = m3c(&run_args(&out, &fixture("tiny-m3"), &["--prompt-ids", "1", "--max-new-tokens", "1"]));
     assert_clean_failure(&o, "truncated stage");
-    assert!(stderr(&o).contains("stage-1: is not the executable manifest.json lists"), "{}", stderr(&o));
+    says(&o, "stage-1: is not the executable manifest.json lists");
     assert!(!stderr(&o).contains("139"), "{}", stderr(&o));
 }
 
@@ -661,7 +667,7 @@ fn d16_ranks_with_different_arguments_refuse() {
     {
         let o = mpirun(&[a, b]);
         assert!(!o.status.success());
-        assert!(stderr(&o).contains("started with different arguments"), "{}", stderr(&o));
+        says(&o, "started with different arguments");
         assert!(!stdout(&o).contains("prompt 0:"), "{}", stdout(&o));
     }
 }
@@ -716,7 +722,7 @@ fn d17_busy_stages_are_alive_and_stopped_ones_are_lost() {
     let o = child.wait_with_output().unwrap();
     let waited = stopped.elapsed();
     assert!(!o.status.success());
-    assert!(stderr(&o).contains("no sign of life from stage 1 for 2 s"), "{}", stderr(&o));
+    says(&o, "no sign of life from stage 1 for 2 s");
     assert!(waited < Duration::from_secs(15), "took {waited:?} to notice");
     assert!(all_gone(&out.display().to_string(), 15), "left {:?}", processes_with(&out.display().to_string()));
 }
@@ -729,7 +735,7 @@ fn d18_zero_positions_is_a_config_error() {
     let cfg = config_with(dir.path(), |t| t["max_position_embeddings"] = serde_json::json!(0));
     let o = m3c(&["compile", "--model", cfg.to_str().unwrap(), "--pp", "1", "-o", dir.path().join("o").to_str().unwrap()]);
     assert_clean_failure(&o, "0 positions");
-    assert!(stderr(&o).contains("max_position_embeddings"), "{}", stderr(&o));
+    says(&o, "max_position_embeddings");
     assert!(!dir.path().join("o").exists());
 }
 
@@ -766,7 +772,7 @@ fn d20_a_failing_expect_ends_promptly() {
         let t0 = Instant::now();
         let o = m3c(&run_args(&out, &model, &["--prompt-ids", &prompt, "--max-new-tokens", "2", "--expect", golden.to_str().unwrap()]));
         assert_clean_failure(&o, "--expect");
-        assert!(stderr(&o).contains("m3c check against"), "{}", stderr(&o));
+        says(&o, "m3c check against");
         assert!(!stderr(&o).contains("MPI_ABORT"), "a closing failure aborts nobody:\n{}", stderr(&o));
         assert!(t0.elapsed() < Duration::from_secs(30), "took {:?}", t0.elapsed());
         assert!(all_gone(&out.display().to_string(), 10));

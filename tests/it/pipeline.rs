@@ -72,6 +72,13 @@ fn mxfp8_fixture_matches_golden_at_pp_1_2_4_8() {
     check_fixture("tiny-m3-mxfp8");
 }
 
+/// `m3c run OUT --model MODEL REST...` with extra environment variables.
+fn run_env(out: &Path, model: &Path, rest: &[&str], env: &[(&str, &str)]) -> std::process::Output {
+    let mut args = vec!["run", out.to_str().unwrap(), "--model", model.to_str().unwrap()];
+    args.extend_from_slice(rest);
+    m3c_env(&args, env)
+}
+
 /// A fixture, its golden file, the golden prompt and prefill logits.
 #[allow(clippy::type_complexity)]
 fn fixture_golden(name: &str) -> (PathBuf, PathBuf, Vec<i64>, (Vec<usize>, Vec<f32>)) {
@@ -257,19 +264,12 @@ fn kernel_thread_count_does_not_change_results() {
     let mut dumps = Vec::new();
     for threads in ["1", "3"] {
         let dump = dir.path().join(format!("t{threads}.safetensors"));
-        let args = [
-            "run",
-            out.to_str().unwrap(),
-            "--model",
-            model.to_str().unwrap(),
-            "--prompt-ids",
-            &prompt,
-            "--max-new-tokens",
-            "4",
-            "--dump",
-            dump.to_str().unwrap(),
-        ];
-        let o = m3c_env(&args, &[("OMP_NUM_THREADS", threads)]);
+        let o = run_env(
+            &out,
+            &model,
+            &["--prompt-ids", &prompt, "--max-new-tokens", "4", "--dump", dump.to_str().unwrap()],
+            &[("OMP_NUM_THREADS", threads)],
+        );
         assert!(o.status.success(), "{}", stderr(&o));
         assert!(stderr(&o).contains(&format!("{threads} kernel thread(s)")), "{}", stderr(&o));
         dumps.push(std::fs::read(&dump).unwrap());
@@ -305,19 +305,8 @@ fn a_silent_stage_times_out_instead_of_hanging() {
     let dir = tempfile::tempdir().unwrap();
     let out = compile(&model, 2, dir.path(), &[]);
     let t0 = std::time::Instant::now();
-    let args = [
-        "run",
-        out.to_str().unwrap(),
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt-ids",
-        "1,2,3",
-        "--max-new-tokens",
-        "2",
-        "--timeout-s",
-        "3",
-    ];
-    let o = m3c_env(&args, &[("M3C_TEST_STALL_STAGE", "1")]);
+    let o =
+        run_env(&out, &model, &["--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--timeout-s", "3"], &[("M3C_TEST_STALL_STAGE", "1")]);
     assert!(!o.status.success());
     let e = stderr(&o);
     assert!(e.contains("no sign of life from stage 1 for 3 s"), "{e}");

@@ -67,12 +67,18 @@ fn plan_errors_point_at_line_and_column() {
     }
 }
 
+/// `m3c plan` refusals say what is wrong: a plan whose stage count is not
+/// `--pp`, and a model that cannot fit the stages asked for (with how many would).
 #[test]
-fn stage_count_must_match_pp() {
-    let out = m3c(&["plan", "--check", configs("tiny-m3.pp2.yaml").to_str().unwrap(), "--pp", "4"]);
-    assert!(!out.status.success());
-    let e = stderr(&out);
-    assert!(e.contains("tiny-m3.pp2.yaml:") && e.contains("the plan has 2 stages but --pp 4 was given"), "{e}");
+fn plan_refusals_say_what_is_wrong() {
+    let (pp2, real) = (configs("tiny-m3.pp2.yaml"), configs("minimax-m3.config.json"));
+    let cases: [(Vec<&str>, &[&str]); 2] = [
+        (vec!["plan", "--check", pp2.to_str().unwrap(), "--pp", "4"], &["tiny-m3.pp2.yaml:", "the plan has 2 stages but --pp 4 was given"]),
+        (vec!["plan", "--model", real.to_str().unwrap(), "--pp", "4"], &["no split into 4 stages fits H200", "at least --pp 8"]),
+    ];
+    for (args, parts) in cases {
+        fails_with(&m3c(&args), parts);
+    }
 }
 
 #[test]
@@ -145,14 +151,6 @@ fn real_model_pp4_moves_away_from_even_split() {
 }
 
 #[test]
-fn plan_that_cannot_fit_says_how_many_stages_would() {
-    let out = m3c(&["plan", "--model", configs("minimax-m3.config.json").to_str().unwrap(), "--pp", "4"]);
-    assert!(!out.status.success());
-    let e = stderr(&out);
-    assert!(e.contains("no split into 4 stages fits H200") && e.contains("at least --pp 8"), "{e}");
-}
-
-#[test]
 fn written_plan_round_trips() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("plans/tiny.yaml");
@@ -167,4 +165,13 @@ fn written_plan_round_trips() {
     assert_eq!(std::fs::canonicalize(p.model.unwrap()).unwrap(), std::fs::canonicalize(model).unwrap());
     let check = m3c(&["plan", "--check", out.to_str().unwrap()]);
     assert!(check.status.success(), "{}", stderr(&check));
+}
+
+/// The command failed, and its message says each of `parts`.
+fn fails_with(out: &std::process::Output, parts: &[&str]) {
+    let e = stderr(out);
+    assert!(!out.status.success(), "succeeded:\n{e}");
+    for p in parts {
+        assert!(e.contains(p), "expected `{p}` in:\n{e}");
+    }
 }

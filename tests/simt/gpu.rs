@@ -33,10 +33,7 @@ impl Frame<'_> {
                 self.set(res[0], Data::Bits { w: 1, v });
             }
             "gpu.shuffle" => {
-                let mode = attr(op, "mode").unwrap_or_default();
-                if !mode.contains("xor") {
-                    return Err(format!("shuffle mode {mode}"));
-                }
+                require(attr(op, "mode"), "xor")?;
                 let ins = operands(op);
                 let (_, x) = self.bits(ins[0])?;
                 let (_, off) = self.bits(ins[1])?;

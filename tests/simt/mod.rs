@@ -736,6 +736,16 @@ impl Frame<'_> {
     }
 }
 
+/// An attribute must mention `what` (a shuffle's `xor` mode, a reduction's
+/// `add` kind): the only forms m3c's kernels use, and so the only ones the
+/// interpreter gives meaning to.
+fn require(attr: Option<String>, what: &str) -> Result<(), String> {
+    match attr {
+        Some(a) if a.contains(what) => Ok(()),
+        other => Err(format!("unsupported attribute {other:?} (expected {what})")),
+    }
+}
+
 /// The bits of a scalar literal of element kind `e`.
 fn scalar_lit(s: &str, e: Elem) -> Result<u64, String> {
     let s = s.trim();

@@ -39,10 +39,7 @@ impl Frame<'_> {
                 self.set(res[0], Data::Bits { w: wo, v });
             }
             "vector.reduction" => {
-                let kind = attr(op, "kind").unwrap_or_default();
-                if !kind.contains("add") {
-                    return Err(format!("reduction {kind}"));
-                }
+                require(attr(op, "kind"), "add")?;
                 let ins = operands(op);
                 let (w, d) = self.bits(ins[0])?;
                 let v = (0..t).map(|th| fb((0..w).map(|k| f32v(d[th * w + k])).fold(0.0f32, |s, x| s + x))).collect();

@@ -170,6 +170,12 @@ impl Fuser<'_> {
     }
 
     /// The value of operand `n`: computed in this stage, or the stage input.
+    /// Records that node `n`'s value lives in `v`.
+    fn define(&mut self, n: NodeIndex, v: Arg) -> Result<(), String> {
+        self.vals.insert(n, v);
+        Ok(())
+    }
+
     fn val(&self, n: NodeIndex) -> Result<Arg, String> {
         if let Some(v) = self.vals.get(&n) {
             return Ok(v.clone());
@@ -327,7 +333,6 @@ impl Fuser<'_> {
             return Err(format!("{what}: not a Linear node"));
         };
         let ops = self.graph.operands(n);
-
         let x = self.val(ops[0])?;
         // Logits stay f32 whatever the activations are: they are the
         // stage's result, and sampling compares them.
@@ -352,9 +357,7 @@ impl Fuser<'_> {
         args.push(y.clone());
         self.call(k, args, what.clone());
         self.write_cache(&y, cache, out, &what);
-        self.vals.insert(n, y);
-
-        Ok(())
+        self.define(n, y)
     }
 
     /// Per-head norm + RoPE, fused (the norm is the RoPE's operand).
@@ -362,9 +365,7 @@ impl Fuser<'_> {
         let Op::Rope { heads, head_dim, rotary_dim, theta } = op.clone() else {
             return Err(format!("{what}: not a Rope node"));
         };
-        let ops = self.graph.operands(n);
-        let g = self.graph;
-
+        let (g, ops) = (self.graph, self.graph.operands(n));
         let norm = ops[0];
         let Op::HeadRmsNorm { weight, eps, .. } = self.node(norm).clone() else {
             return Err(format!("{what}: RoPE without a per-head norm before it"));
@@ -375,9 +376,7 @@ impl Fuser<'_> {
         let k = Kernel::HeadNormRope(m3c_kernels::HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight: wt, act: self.act });
         self.call(k, vec![x, w, Arg::Pos, y.clone()], what.clone());
         self.write_cache(&y, cache, heads * head_dim, &what);
-        self.vals.insert(n, y);
-
-        Ok(())
+        self.define(n, y)
     }
 
     /// Attention, with the MSA indexer (scores, block max, top-k) fused in.
@@ -385,9 +384,7 @@ impl Fuser<'_> {
         let Op::Attention { heads, kv_heads, head_dim, scale, sparse_block } = op.clone() else {
             return Err(format!("{what}: not a Attention node"));
         };
-        let ops = self.graph.operands(n);
-        let g = self.graph;
-
+        let (g, ops) = (self.graph, self.graph.operands(n));
         let (q, kc, vc) = (self.val(ops[0])?, self.val(ops[1])?, self.val(ops[2])?);
         let mut args = vec![q, kc, vc, Arg::Pos];
         let sparse = match sparse_block {
@@ -415,9 +412,7 @@ impl Fuser<'_> {
             args,
             what,
         );
-        self.vals.insert(n, o);
-
-        Ok(())
+        self.define(n, o)
     }
 
     /// The router: weights and ids, the pair every routed-experts call reads.
@@ -425,9 +420,7 @@ impl Fuser<'_> {
         let Op::Router { weight, bias, experts, top_k, scale } = op.clone() else {
             return Err(format!("{what}: not a Router node"));
         };
-        let ops = self.graph.operands(n);
-        let t = &self.cfg.text;
-
+        let (t, ops) = (&self.cfg.text, self.graph.operands(n));
         let h = self.val(ops[0])?;
         let (w, wt) = self.float_weight(&weight)?;
         let mut args = vec![h, w];
@@ -457,9 +450,7 @@ impl Fuser<'_> {
         let Op::RoutedExperts { stem, experts, hidden, intermediate, mxfp8_block, alpha, limit, beta } = op.clone() else {
             return Err(format!("{what}: not a RoutedExperts node"));
         };
-        let ops = self.graph.operands(n);
-        let t = &self.cfg.text;
-
+        let (t, ops) = (&self.cfg.text, self.graph.operands(n));
         let h = self.val(ops[0])?;
         let routing = ops[1];
         let wts = self.val(routing)?;
@@ -497,9 +488,7 @@ impl Fuser<'_> {
             act: self.act,
         });
         self.call(k, vec![h, wts, ids, Arg::ExpertTable { first_slot }, y.clone()], what);
-        self.vals.insert(n, y);
-
-        Ok(())
+        self.define(n, y)
     }
 }
 

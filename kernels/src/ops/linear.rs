@@ -125,76 +125,74 @@ fn host(inp: usize, out: usize, weight: WeightType, act: Storage, out_act: Stora
     }
     let x = format!("memref<?x{inp}x{}>", act.mlir_elem());
     let y = format!("memref<?x{out}x{}>", out_act.mlir_elem());
-    let xload = indent(&load_f32("%xv", "%x", &x, "%r", "%i", act), 6);
+    let xload = load_f32("%xv", "%x", &x, "%r", "%i", act);
     let ystore = indent(&store_f32("%acc", "%y", &y, "%r", "%o", out_act), 4);
     let wt = format!("memref<{out}x{inp}x{}>", weight.mlir_elem());
     let head = "%c0 = arith.constant 0 : index\n\
                 %c1 = arith.constant 1 : index\n\
                 %zero = arith.constant 0.0 : f32\n";
-    match weight {
+    // The reduction over the inputs of output `%o` for row `%r` into `%acc`
+    // (written 4 columns in), and the constants it needs.
+    let (consts, acc) = match weight {
         WeightType::Mxfp8 { block } => {
             let nb = inp / block;
             let st = format!("memref<{out}x{nb}xi8>");
-            let idx0 = index_consts(&[("cout", out), ("cnb", nb), ("cb", block)]);
-            let body = format!(
-                "{head}{E8M0_CONSTANTS}\
-                 {idx0}\
-                 %lut = memref.get_global @m3c_fp8_e4m3_lut : memref<256xf32>\n\
-                 %rows = memref.dim %x, %c0 : {x}\n\
-                 scf.for %r = %c0 to %rows step %c1 {{\n\
-                 \x20 scf.for %o = %c0 to %cout step %c1 {{\n\
-                 \x20   %acc = scf.for %b = %c0 to %cnb step %c1 iter_args(%a = %zero) -> (f32) {{\n\
-                 \x20     %base = arith.muli %b, %cb : index\n\
-                 \x20     %part = scf.for %j = %c0 to %cb step %c1 iter_args(%p = %zero) -> (f32) {{\n\
-                 \x20       %i = arith.addi %base, %j : index\n\
-                 {xload8}\
-                 \x20       %q = memref.load %w[%o, %i] : {wt}\n\
-                 \x20       %qi = arith.extui %q : i8 to i32\n\
-                 \x20       %qx = arith.index_cast %qi : i32 to index\n\
-                 \x20       %wv = memref.load %lut[%qx] : memref<256xf32>\n\
-                 \x20       %m = arith.mulf %xv, %wv : f32\n\
-                 \x20       %p2 = arith.addf %p, %m : f32\n\
-                 \x20       scf.yield %p2 : f32\n\
-                 \x20     }}\n\
-                 \x20     %sb = memref.load %s[%o, %b] : {st}\n\
-                 {dec}\
-                 \x20     %ps = arith.mulf %part, %scale : f32\n\
-                 \x20     %a2 = arith.addf %a, %ps : f32\n\
-                 \x20     scf.yield %a2 : f32\n\
-                 \x20   }}\n\
-                 {ystore}\
-                 \x20 }}\n\
-                 }}\n\
-                 return\n",
-                xload8 = indent(&xload, 2),
-                dec = indent(&e8m0_to_f32("%scale", "%sb"), 6),
+            let consts = format!(
+                "{E8M0_CONSTANTS}{}%lut = memref.get_global @m3c_fp8_e4m3_lut : memref<256xf32>\n",
+                index_consts(&[("cout", out), ("cnb", nb), ("cb", block)])
             );
-            body
+            let acc = format!(
+                "%acc = scf.for %b = %c0 to %cnb step %c1 iter_args(%a = %zero) -> (f32) {{\n\
+                 \x20 %base = arith.muli %b, %cb : index\n\
+                 \x20 %part = scf.for %j = %c0 to %cb step %c1 iter_args(%p = %zero) -> (f32) {{\n\
+                 \x20   %i = arith.addi %base, %j : index\n\
+                 {xload}\
+                 \x20   %q = memref.load %w[%o, %i] : {wt}\n\
+                 \x20   %qi = arith.extui %q : i8 to i32\n\
+                 \x20   %qx = arith.index_cast %qi : i32 to index\n\
+                 \x20   %wv = memref.load %lut[%qx] : memref<256xf32>\n\
+                 \x20   %m = arith.mulf %xv, %wv : f32\n\
+                 \x20   %p2 = arith.addf %p, %m : f32\n\
+                 \x20   scf.yield %p2 : f32\n\
+                 \x20 }}\n\
+                 \x20 %sb = memref.load %s[%o, %b] : {st}\n\
+                 {dec}\
+                 \x20 %ps = arith.mulf %part, %scale : f32\n\
+                 \x20 %a2 = arith.addf %a, %ps : f32\n\
+                 \x20 scf.yield %a2 : f32\n\
+                 }}\n",
+                xload = indent(&xload, 4),
+                dec = indent(&e8m0_to_f32("%scale", "%sb"), 2),
+            );
+            (consts, acc)
         }
         _ => {
-            let body = format!(
-                "{head}\
-                 %cout = arith.constant {out} : index\n\
-                 %cin = arith.constant {inp} : index\n\
-                 %rows = memref.dim %x, %c0 : {x}\n\
-                 scf.for %r = %c0 to %rows step %c1 {{\n\
-                 \x20 scf.for %o = %c0 to %cout step %c1 {{\n\
-                 \x20   %acc = scf.for %i = %c0 to %cin step %c1 iter_args(%a = %zero) -> (f32) {{\n\
+            let acc = format!(
+                "%acc = scf.for %i = %c0 to %cin step %c1 iter_args(%a = %zero) -> (f32) {{\n\
                  {xload}\
                  {load}\
-                 \x20     %m = arith.mulf %xv, %wv : f32\n\
-                 \x20     %a2 = arith.addf %a, %m : f32\n\
-                 \x20     scf.yield %a2 : f32\n\
-                 \x20   }}\n\
-                 {ystore}\
-                 \x20 }}\n\
-                 }}\n\
-                 return\n",
-                load = indent(&load_weight_f32("%wv", "%w", "%o, %i", &wt, weight), 6),
+                 \x20 %m = arith.mulf %xv, %wv : f32\n\
+                 \x20 %a2 = arith.addf %a, %m : f32\n\
+                 \x20 scf.yield %a2 : f32\n\
+                 }}\n",
+                xload = indent(&xload, 2),
+                load = indent(&load_weight_f32("%wv", "%w", "%o, %i", &wt, weight), 2),
             );
-            body
+            (index_consts(&[("cout", out), ("cin", inp)]), acc)
         }
-    }
+    };
+    format!(
+        "{head}{consts}\
+         %rows = memref.dim %x, %c0 : {x}\n\
+         scf.for %r = %c0 to %rows step %c1 {{\n\
+         \x20 scf.for %o = %c0 to %cout step %c1 {{\n\
+         {acc}\
+         {ystore}\
+         \x20 }}\n\
+         }}\n\
+         return\n",
+        acc = indent(&acc, 4),
+    )
 }
 
 /// Lanes of the vector path: 32 f32 = four AVX2 registers, so the four
