@@ -32,9 +32,15 @@ pub const DEFAULT_TIMEOUT_S: f64 = 30.0;
 pub const USAGE: &str = "usage: stage-K (--model DIR | --synthetic-weights SEED) (--prompt-ids 1,2,3 [--prompt-ids ...] | --prompts FILE) \
 --max-new-tokens N [--micro-batch SEQS] [--prefill-chunk TOKENS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S] [--cuda-graphs on|off] [--prefill-gemm cublas|off]";
 
+use crate::error::StageError;
 use m3c_contract::prompts::{parse_count, parse_ids, parse_prompts_file, parse_timeout_s};
 
-pub fn parse(args: &[String]) -> Result<RunArgs, String> {
+/// Parses the stage arguments.
+pub fn parse(args: &[String]) -> Result<RunArgs, StageError> {
+    parse_args(args).map_err(StageError::Args)
+}
+
+fn parse_args(args: &[String]) -> Result<RunArgs, String> {
     let mut model = None;
     let mut prompts = Vec::new();
     let mut prompts_file = None;

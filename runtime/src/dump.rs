@@ -1,6 +1,7 @@
 //! `--dump`: the last stage's logits and ids as safetensors, with the tensor
 //! names of the fixtures' golden.safetensors.
 
+use crate::error::StageError;
 use std::path::{Path, PathBuf};
 
 pub struct SeqRecord {
@@ -24,7 +25,7 @@ pub fn dump_path(file: &Path, i: usize, n: usize) -> PathBuf {
     file.with_file_name(name)
 }
 
-pub fn write(path: &Path, r: &SeqRecord, vocab: usize) -> Result<(), String> {
+pub fn write(path: &Path, r: &SeqRecord, vocab: usize) -> Result<(), StageError> {
     let le_i64 = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
     let le_f32 = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
     let tensors: Vec<(&str, &str, Vec<usize>, Vec<u8>)> = vec![
@@ -39,7 +40,7 @@ pub fn write(path: &Path, r: &SeqRecord, vocab: usize) -> Result<(), String> {
         header.insert(name.to_string(), serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [off, off + data.len()]}));
         off += data.len();
     }
-    let mut h = serde_json::to_vec(&serde_json::Value::Object(header)).map_err(|e| e.to_string())?;
+    let mut h = serde_json::to_vec(&serde_json::Value::Object(header)).map_err(|e| StageError::Output(e.to_string()))?;
     while h.len() % 8 != 0 {
         h.push(b' ');
     }
@@ -57,7 +58,7 @@ pub fn write(path: &Path, r: &SeqRecord, vocab: usize) -> Result<(), String> {
     let written = std::fs::write(&tmp, &out).and_then(|()| std::fs::rename(&tmp, path));
     if let Err(e) = written {
         std::fs::remove_file(&tmp).ok();
-        return Err(format!("--dump {}: {e}", path.display()));
+        return Err(StageError::Output(format!("--dump {}: {e}", path.display())));
     }
     Ok(())
 }
@@ -65,21 +66,21 @@ pub fn write(path: &Path, r: &SeqRecord, vocab: usize) -> Result<(), String> {
 /// Checks a dump target before any work: its folder exists, and what is
 /// there now, if anything, is a regular file (a device, folder or symbolic
 /// link is never replaced).
-pub fn check_target(path: &Path) -> Result<(), String> {
+pub fn check_target(path: &Path) -> Result<(), StageError> {
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
     };
     if !dir.is_dir() {
-        return Err(format!("--dump {}: the folder {} does not exist", path.display(), dir.display()));
+        return Err(StageError::Output(format!("--dump {}: the folder {} does not exist", path.display(), dir.display())));
     }
     if path.file_name().is_none() {
-        return Err(format!("--dump {}: needs a file name", path.display()));
+        return Err(StageError::Output(format!("--dump {}: needs a file name", path.display())));
     }
     if let Ok(m) = std::fs::symlink_metadata(path) {
         if !m.file_type().is_file() {
             let kind = if m.file_type().is_symlink() { "a symbolic link" } else { m3c_contract::input::kind_of(&m) };
-            return Err(format!("--dump {}: is {kind}; m3c only replaces regular files", path.display()));
+            return Err(StageError::Output(format!("--dump {}: is {kind}; m3c only replaces regular files", path.display())));
         }
     }
     Ok(())
@@ -88,22 +89,23 @@ pub fn check_target(path: &Path) -> Result<(), String> {
 /// `--expect GOLDEN`: compares a sequence's record with the golden file of
 /// the fixtures (same tensor names). Returns the report line, or an error
 /// when the tokens differ or a logit is off by more than `tol`.
-pub fn check(golden: &Path, r: &SeqRecord, vocab: usize, tol: f32) -> Result<String, String> {
-    let bytes = m3c_contract::input::read_bytes(golden, "--expect", 1 << 32).map_err(|e| e.to_string())?;
-    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| format!("--expect {}: {e}", golden.display()))?;
-    let get = |name: &str| st.tensor(name).map_err(|_| format!("--expect {}: no tensor `{name}`", golden.display()));
-    let i64s = |name: &str| -> Result<Vec<i64>, String> {
+pub fn check(golden: &Path, r: &SeqRecord, vocab: usize, tol: f32) -> Result<String, StageError> {
+    let bytes = m3c_contract::input::read_bytes(golden, "--expect", 1 << 32).map_err(|e| StageError::Output(e.to_string()))?;
+    let st =
+        safetensors::SafeTensors::deserialize(&bytes).map_err(|e| StageError::Output(format!("--expect {}: {e}", golden.display())))?;
+    let get = |name: &str| st.tensor(name).map_err(|_| StageError::Output(format!("--expect {}: no tensor `{name}`", golden.display())));
+    let i64s = |name: &str| -> Result<Vec<i64>, StageError> {
         Ok(get(name)?.data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect())
     };
-    let f32s = |name: &str| -> Result<Vec<f32>, String> {
+    let f32s = |name: &str| -> Result<Vec<f32>, StageError> {
         Ok(get(name)?.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect())
     };
     if i64s("prompt_ids")? != r.prompt {
-        return Err(format!("--expect {}: its prompt_ids are not this run's prompt", golden.display()));
+        return Err(StageError::Output(format!("--expect {}: its prompt_ids are not this run's prompt", golden.display())));
     }
-    let max_diff = |a: &[f32], b: &[f32]| -> Result<f32, String> {
+    let max_diff = |a: &[f32], b: &[f32]| -> Result<f32, StageError> {
         if a.len() != b.len() {
-            return Err(format!("--expect: {} logits here, {} in the golden file (vocab {vocab})", a.len(), b.len()));
+            return Err(StageError::Output(format!("--expect: {} logits here, {} in the golden file (vocab {vocab})", a.len(), b.len())));
         }
         Ok(a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max))
     };
@@ -122,6 +124,6 @@ pub fn check(golden: &Path, r: &SeqRecord, vocab: usize, tol: f32) -> Result<Str
     if same && dp <= tol && dd <= tol {
         Ok(line)
     } else {
-        Err(line)
+        Err(StageError::Output(line))
     }
 }

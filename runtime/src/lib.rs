@@ -18,6 +18,9 @@ macro_rules! say {
 
 mod args;
 mod device;
+mod error;
+
+use error::StageError;
 mod dump;
 mod liveness;
 mod meta;
@@ -127,7 +130,7 @@ fn stage_main(
     peers: &mut Peers,
     who: &str,
     meta: Result<meta::StageMeta, String>,
-    parsed: Result<args::RunArgs, String>,
+    parsed: Result<args::RunArgs, StageError>,
     argv: &[String],
 ) -> Result<(), ()> {
     let (rank, size) = (world.rank() as usize, world.size() as usize);
@@ -141,7 +144,7 @@ fn stage_main(
                 meta.stages - 1
             ));
         }
-        let a = parsed?;
+        let a = parsed.map_err(|e| e.to_string())?;
         for (i, p) in a.prompts.iter().enumerate() {
             if let Some(bad) = p.iter().find(|&&t| t < 0 || t as usize >= meta.vocab) {
                 return Err(format!("prompt {i}: token id {bad} is outside the vocabulary (0..{})", meta.vocab));
@@ -186,7 +189,7 @@ fn stage_main(
     let loaded = match (&args.model, args.synthetic_seed) {
         (Some(model), _) => weights::check_config(model, &meta).and_then(|_| weights::StageWeights::open(model, &meta)),
         (None, Some(seed)) => Ok(weights::StageWeights::synthetic(&meta, seed)),
-        (None, None) => Err("no weights".into()),
+        (None, None) => Err(StageError::Weights("no weights: give --model DIR or --synthetic-weights SEED".into())),
     }
     .and_then(|w| {
         if let (true, Some(file)) = (meta.last_stage, &args.dump) {
@@ -241,7 +244,7 @@ fn stage_main(
     let closing = match pipeline::run(world, peers, &mut st, &args) {
         Ok(c) => c,
         // Mid-run: peers may be blocked on this stage; end the whole job.
-        Err(e) => startup::abort_job(world, who, &e),
+        Err(e) => startup::abort_job(world, who, &e.to_string()),
     };
     let ok = closing.is_ok();
     // The closing verdict: every rank has left its loop; all exit alike.
@@ -262,7 +265,7 @@ fn stage_main(
 /// Sets up NCCL between the stages when every rank is a GPU stage on its
 /// own device and NCCL loads everywhere (`M3C_TRANSPORT=host` keeps MPI).
 /// Every rank reaches the same decision from the same gathered facts.
-fn connect_gpus(world: &SimpleCommunicator, peers: &mut Peers, who: &str, st: &mut stage::Stage) -> Result<(), String> {
+fn connect_gpus(world: &SimpleCommunicator, peers: &mut Peers, who: &str, st: &mut stage::Stage) -> Result<(), StageError> {
     let size = world.size() as usize;
     if size < 2 {
         return Ok(());

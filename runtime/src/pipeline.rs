@@ -7,6 +7,7 @@
 
 use crate::args::RunArgs;
 use crate::dump;
+use crate::error::StageError;
 use crate::liveness::{self, Peers};
 use crate::stage::{self, Segment};
 use crate::wire::{self, bytes_f32, f32_bytes, message, Outbox, KIND_STEP, KIND_STOP, TAG_ACT, TAG_IDS};
@@ -44,23 +45,26 @@ fn finish(
     vocab: usize,
     max_new: usize,
     stage: usize,
-) -> Result<Vec<i64>, String> {
+) -> Result<Vec<i64>, StageError> {
     let mut row0 = 0;
     let mut ids = Vec::with_capacity(segs.len());
     for s in segs {
-        let rows = out.logits.get(row0 * vocab..(row0 + s.rows) * vocab).ok_or("a step returned fewer logits than rows")?;
+        let rows = out
+            .logits
+            .get(row0 * vocab..(row0 + s.rows) * vocab)
+            .ok_or_else(|| StageError::Step("a step returned fewer logits than rows".into()))?;
         if let Some(i) = rows.iter().position(|v| !v.is_finite()) {
-            return Err(format!(
+            return Err(StageError::Step(format!(
                 "stage {stage}: non-finite logits ({}) at step for prompt {}, position {}; the weights or activations hold NaN or Inf \
                  (check the checkpoint with `m3c inspect MODEL --check-values`)",
                 rows[i],
                 s.seq,
                 s.pos0 + i / vocab
-            ));
+            )));
         }
         let id = record(records, s, &out.logits, &out.ids, row0, vocab, max_new);
         if id < 0 || id as usize >= vocab {
-            return Err(format!("stage {stage}: the sampler chose id {id}, outside the vocabulary (0..{vocab})"));
+            return Err(StageError::Step(format!("stage {stage}: the sampler chose id {id}, outside the vocabulary (0..{vocab})")));
         }
         ids.push(id);
         row0 += s.rows;
@@ -72,7 +76,12 @@ fn finish(
 /// which the job must be aborted (peers may be waiting on this stage);
 /// `Ok(Err)`: a failure in the closing work (dump, `--expect`), reported
 /// through the closing verdict.
-pub fn run(world: &SimpleCommunicator, peers: &mut Peers, st: &mut stage::Stage, args: &RunArgs) -> Result<Result<(), String>, String> {
+pub fn run(
+    world: &SimpleCommunicator,
+    peers: &mut Peers,
+    st: &mut stage::Stage,
+    args: &RunArgs,
+) -> Result<Result<(), StageError>, StageError> {
     let (first, last) = (st.meta.first_stage, st.meta.last_stage);
     let (rank, size) = (st.meta.stage, st.meta.stages);
     // Activations travel as f32 words: `hidden` of them per row, or half as many for bf16.
@@ -117,8 +126,8 @@ pub fn run(world: &SimpleCommunicator, peers: &mut Peers, st: &mut stage::Stage,
                          id: i64,
                          queue: &mut VecDeque<(usize, usize, Vec<i64>)>,
                          open: &mut usize|
-         -> Result<(), String> {
-            let plen = args.prompts.get(seq).ok_or_else(|| format!("an id for unknown prompt {seq}"))?.len();
+         -> Result<(), StageError> {
+            let plen = args.prompts.get(seq).ok_or_else(|| StageError::Step(format!("an id for unknown prompt {seq}")))?.len();
             if pos0 + rows < plen {
                 return Ok(()); // a prefill chunk before the prompt's last: no token yet
             }
@@ -164,7 +173,7 @@ pub fn run(world: &SimpleCommunicator, peers: &mut Peers, st: &mut stage::Stage,
                         .payload
                         .get(i * 8..i * 8 + 8)
                         .map(|b| i64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
-                        .ok_or("malformed id message")?;
+                        .ok_or_else(|| StageError::Step("malformed id message".into()))?;
                     on_id(s.seq, s.pos0, s.rows, id, &mut queue, &mut open)?;
                 }
             }
@@ -224,7 +233,7 @@ pub fn run(world: &SimpleCommunicator, peers: &mut Peers, st: &mut stage::Stage,
 /// The last stage's closing work: dumps and the `--expect` check. Runs after
 /// every stage has left its loop, so a failure here is reported through the
 /// closing verdict instead of aborting peers that are shutting down.
-fn finish_records(last: bool, args: &RunArgs, records: &[dump::SeqRecord], vocab: usize) -> Result<Result<(), String>, String> {
+fn finish_records(last: bool, args: &RunArgs, records: &[dump::SeqRecord], vocab: usize) -> Result<Result<(), StageError>, StageError> {
     if !last {
         return Ok(Ok(()));
     }

@@ -2,6 +2,7 @@
 //! the host or on a GPU (`meta.target`).
 
 use crate::device::{self, Device, DeviceBuffer, ScratchBuffer};
+use crate::error::StageError;
 use crate::meta::StageMeta;
 use crate::weights::StageWeights;
 use std::collections::HashMap;
@@ -183,7 +184,7 @@ impl Stage {
     }
 
     /// Opens the GPU and uploads the stage's weights to it, reporting progress.
-    pub fn gpu(meta: StageMeta, weights: StageWeights, local_rank: i32, who: &str) -> Result<Stage, String> {
+    pub fn gpu(meta: StageMeta, weights: StageWeights, local_rank: i32, who: &str) -> Result<Stage, StageError> {
         let device = Device::open(meta.device, local_rank)?;
         let total: u64 = weights.sizes.iter().sum();
         let mut uploaded = Vec::with_capacity(weights.ptrs.len());
@@ -192,7 +193,7 @@ impl Stage {
         for (p, &n) in weights.ptrs.iter().zip(&weights.sizes) {
             // SAFETY: `p` points at `n` mapped bytes of this tensor.
             let bytes = unsafe { std::slice::from_raw_parts(*p, n as usize) };
-            uploaded.push(device.upload(bytes).map_err(|e| format!("uploading weights to GPU {}: {e}", device.ordinal))?);
+            uploaded.push(device.upload(bytes).map_err(|e| StageError::Step(format!("uploading weights to GPU {}: {e}", device.ordinal)))?);
             done += n;
             let pct = (done * 100).checked_div(total).unwrap_or(100) as usize;
             if pct / 10 > shown / 10 || done == total {
@@ -216,7 +217,7 @@ impl Stage {
     }
 
     /// Opens the caches of sequence `seq`, sized for `capacity` positions.
-    pub fn start_seq(&mut self, seq: usize, capacity: usize) -> Result<(), String> {
+    pub fn start_seq(&mut self, seq: usize, capacity: usize) -> Result<(), StageError> {
         match &mut self.backing {
             Backing::Host { seqs, .. } => {
                 // f32 words holding `capacity × width` elements of the cache's type.
@@ -309,7 +310,7 @@ impl Stage {
     /// (stacked in that order in `ids` and `x`) and first position. `x` is
     /// `[S, hidden]` (f32, or bf16 bits two to a word: `x_words` per row),
     /// read unless this is the first stage and written unless it is the last.
-    pub fn step(&mut self, segments: &[Segment], ids: &[i64], x: &mut [f32]) -> Result<StepOut, String> {
+    pub fn step(&mut self, segments: &[Segment], ids: &[i64], x: &mut [f32]) -> Result<StepOut, StageError> {
         let t0 = std::time::Instant::now();
         let out = self.run_step(segments, ids, x)?;
         let dt = t0.elapsed().as_secs_f64();
@@ -331,20 +332,25 @@ impl Stage {
         )
     }
 
-    fn run_step(&mut self, segments: &[Segment], ids: &[i64], x: &mut [f32]) -> Result<StepOut, String> {
+    fn run_step(&mut self, segments: &[Segment], ids: &[i64], x: &mut [f32]) -> Result<StepOut, StageError> {
         let m = &self.meta;
         let tokens: usize = segments.iter().map(|s| s.rows).sum();
         if x.len() != tokens * m.x_words() || (m.first_stage && ids.len() != tokens) {
-            return Err(format!("step of {tokens} rows got {} activations and {} ids", x.len(), ids.len()));
+            return Err(StageError::Step(format!("step of {tokens} rows got {} activations and {} ids", x.len(), ids.len())));
         }
         let mut logits = if m.last_stage { vec![0f32; tokens * m.vocab] } else { Vec::new() };
         let mut out_ids = if m.last_stage { vec![0i64; tokens] } else { Vec::new() };
         let rows: Vec<i64> = segments.iter().map(|s| s.rows as i64).collect();
         let mut caps: Vec<i64> = Vec::with_capacity(segments.len());
         let pos: Vec<i64> = segments.iter().flat_map(|s| (s.pos0..s.pos0 + s.rows).map(|p| p as i64)).collect();
-        let check = |capacity: usize, s: &Segment| -> Result<(), String> {
+        let check = |capacity: usize, s: &Segment| -> Result<(), StageError> {
             if s.pos0 + s.rows > capacity {
-                return Err(format!("sequence {}: positions {}..{} exceed the cache capacity {capacity}", s.seq, s.pos0, s.pos0 + s.rows));
+                return Err(StageError::Step(format!(
+                    "sequence {}: positions {}..{} exceed the cache capacity {capacity}",
+                    s.seq,
+                    s.pos0,
+                    s.pos0 + s.rows
+                )));
             }
             Ok(())
         };
@@ -353,7 +359,8 @@ impl Stage {
             Backing::Host { weights, seqs } => {
                 let mut tables: Vec<Vec<*mut f32>> = Vec::new();
                 for s in segments {
-                    let (capacity, bufs) = seqs.get_mut(&s.seq).ok_or_else(|| format!("sequence {} has no caches", s.seq))?;
+                    let (capacity, bufs) =
+                        seqs.get_mut(&s.seq).ok_or_else(|| StageError::Step(format!("sequence {} has no caches", s.seq)))?;
                     check(*capacity, s)?;
                     caps.push(*capacity as i64);
                     tables.push(bufs.iter_mut().map(|b| b.as_mut_ptr()).collect());
@@ -383,7 +390,8 @@ impl Stage {
             Backing::Gpu { device, table, table_dev, seqs, graphs, .. } => {
                 let mut tables: Vec<&Vec<u64>> = Vec::new();
                 for s in segments {
-                    let (capacity, _, ptrs) = seqs.get(&s.seq).ok_or_else(|| format!("sequence {} has no caches", s.seq))?;
+                    let (capacity, _, ptrs) =
+                        seqs.get(&s.seq).ok_or_else(|| StageError::Step(format!("sequence {} has no caches", s.seq)))?;
                     check(*capacity, s)?;
                     caps.push(*capacity as i64);
                     tables.push(ptrs);
@@ -430,7 +438,7 @@ impl Stage {
                     Plan::Eager => run(),
                     Plan::Replay(k) => {
                         let Some(GraphSlot::Ready(g, _)) = graphs.by_batch.get(&k) else {
-                            return Err("runtime bug: a graph replay without a graph".into());
+                            return Err(StageError::Step("runtime bug: a graph replay without a graph".into()));
                         };
                         device.replay(g)?;
                         graphs.replays += 1;
@@ -439,7 +447,8 @@ impl Stage {
                         Ok(g) => {
                             device.replay(&g)?;
                             graphs.replays += 1;
-                            let own = fresh_io.take().ok_or("runtime bug: a capture without its buffers")?;
+                            let own =
+                                fresh_io.take().ok_or_else(|| StageError::Step("runtime bug: a capture without its buffers".into()))?;
                             graphs.by_batch.insert(k, GraphSlot::Ready(g, own));
                         }
                         Err(e) => {

@@ -6,6 +6,7 @@
 //! `liveness`): a peer that crashed or hangs before joining makes the
 //! waiting ranks end the whole job after `--timeout-s`.
 
+use crate::error::StageError;
 use crate::liveness::{self, Peers};
 use mpi::collective::{CommunicatorCollectives, Root};
 use mpi::topology::{Communicator, SimpleCommunicator};
@@ -82,7 +83,7 @@ pub fn barrier_within(world: &SimpleCommunicator, deadline: Duration) -> bool {
 
 /// A local result shared with every rank: `Ok` everywhere, or `Err` on
 /// every rank, with the message printed once (by the lowest failing rank).
-pub fn agree<T>(world: &SimpleCommunicator, peers: &mut Peers, who: &str, local: Result<T, String>) -> Result<T, ()> {
+pub fn agree<T>(world: &SimpleCommunicator, peers: &mut Peers, who: &str, local: Result<T, StageError>) -> Result<T, ()> {
     let ok = [local.is_ok() as u8];
     let all = gather(world, peers, who, &ok);
     let first_bad = all.iter().position(|&b| b == 0);

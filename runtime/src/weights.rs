@@ -2,6 +2,7 @@
 //! sharded with an index), checked against the compiled dtype and shape, and
 //! memory-mapped one tensor at a time, so a stage maps only its own bytes.
 
+use crate::error::StageError;
 use crate::meta::StageMeta;
 use m3c_contract::{CheckpointLayout, DType};
 use memmap2::{Mmap, MmapOptions};
@@ -25,13 +26,13 @@ pub struct StageWeights {
 }
 
 /// sha256 of `DIR/config.json`, which must equal the one OUT was compiled from.
-pub fn check_config(dir: &Path, meta: &StageMeta) -> Result<(), String> {
+pub fn check_config(dir: &Path, meta: &StageMeta) -> Result<(), StageError> {
     let cfg = dir.join("config.json");
     let bytes = m3c_contract::input::read_bytes(&cfg, "config", m3c_contract::input::limits::CONFIG)
-        .map_err(|e| format!("--model {}: {e}", dir.display()))?;
+        .map_err(|e| StageError::Weights(format!("--model {}: {e}", dir.display())))?;
     let hash = hex(&Sha256::digest(&bytes));
     if hash != meta.config_sha256 {
-        return Err(format!(
+        return Err(StageError::Weights(format!(
             "--model {}: {} is not the config these stages were compiled from (sha256 {}…, compiled for {}…); \
              recompile with `m3c compile --model {}` or pass the model folder it was compiled for",
             dir.display(),
@@ -39,7 +40,7 @@ pub fn check_config(dir: &Path, meta: &StageMeta) -> Result<(), String> {
             &hash[..12],
             &meta.config_sha256[..12.min(meta.config_sha256.len())],
             dir.display()
-        ));
+        )));
     }
     Ok(())
 }
@@ -51,9 +52,9 @@ pub fn hex(b: &[u8]) -> String {
 impl StageWeights {
     /// Finds, checks and maps every tensor of the stage. All problems are
     /// reported together.
-    pub fn open(dir: &Path, meta: &StageMeta) -> Result<StageWeights, String> {
+    pub fn open(dir: &Path, meta: &StageMeta) -> Result<StageWeights, StageError> {
         // The contract's reader: exactly what `m3c inspect` accepts.
-        let layout = CheckpointLayout::open(dir).map_err(|e| e.to_string())?;
+        let layout = CheckpointLayout::open(dir).map_err(|e| StageError::Weights(e.to_string()))?;
         let mut problems = Vec::new();
         let mut entries = Vec::new();
         for slot in &meta.tensors {
@@ -75,7 +76,7 @@ impl StageWeights {
         if !problems.is_empty() {
             let n = problems.len();
             let shown: Vec<String> = problems.into_iter().take(20).collect();
-            return Err(format!("{n} weight problem(s) for {}:\n  {}", meta.holds, shown.join("\n  ")));
+            return Err(StageError::Weights(format!("{n} weight problem(s) for {}:\n  {}", meta.holds, shown.join("\n  "))));
         }
         let page = 4096u64;
         let mut maps = Vec::new();
@@ -88,16 +89,16 @@ impl StageWeights {
             let file = match files.get(&e.file) {
                 Some(f) => f,
                 None => {
-                    let f = File::open(path).map_err(|err| format!("{}: {err}", path.display()))?;
+                    let f = File::open(path).map_err(|err| StageError::Weights(format!("{}: {err}", path.display())))?;
                     // The headers were checked against this size; a file
                     // changed since then is refused rather than mapped.
-                    let now = f.metadata().map_err(|err| format!("{}: {err}", path.display()))?.len();
+                    let now = f.metadata().map_err(|err| StageError::Weights(format!("{}: {err}", path.display())))?.len();
                     if now != layout.file_sizes[e.file] {
-                        return Err(format!(
+                        return Err(StageError::Weights(format!(
                             "{}: changed while the stage was starting ({} → {now} bytes)",
                             path.display(),
                             layout.file_sizes[e.file]
-                        ));
+                        )));
                     }
                     files.entry(e.file).or_insert(f)
                 }
@@ -107,8 +108,8 @@ impl StageWeights {
             // SAFETY: a read-only private mapping of a range the checked
             // header places inside the file. A file truncated later makes a
             // read fault, which `liveness::watch_mappings` reports by name.
-            let map =
-                unsafe { MmapOptions::new().offset(base).len(len).map(file) }.map_err(|err| format!("{}: mmap: {err}", path.display()))?;
+            let map = unsafe { MmapOptions::new().offset(base).len(len).map(file) }
+                .map_err(|err| StageError::Weights(format!("{}: mmap: {err}", path.display())))?;
             // SAFETY: `e.start - base` < `len`, so the pointer is inside the mapping.
             ptrs.push(unsafe { map.as_ptr().add((e.start - base) as usize) });
             bytes += e.end - e.start;

@@ -4,6 +4,7 @@
 //! `--activations bf16`) on the way down the pipeline, or the last stage's
 //! ids (one per segment) on the way back to the first.
 
+use crate::error::StageError;
 use crate::liveness::{self, Peers};
 use crate::stage::Segment;
 use mpi::point_to_point::{Destination, MatchedReceiveVec, Source};
@@ -39,16 +40,16 @@ pub struct Msg {
 
 /// Parses a message; a malformed one (which only a damaged or foreign peer
 /// could send) is an error, never an out-of-range read.
-pub fn parse_msg(m: Vec<u8>) -> Result<Msg, String> {
-    let bad = || format!("malformed message of {} bytes from the previous stage", m.len());
-    let h = |i: usize| -> Result<i64, String> {
+pub fn parse_msg(m: Vec<u8>) -> Result<Msg, StageError> {
+    let bad = || StageError::Peer(format!("malformed message of {} bytes from the previous stage", m.len()));
+    let h = |i: usize| -> Result<i64, StageError> {
         m.get(i * 8..i * 8 + 8).map(|b| i64::from_le_bytes(b.try_into().unwrap_or([0; 8]))).ok_or_else(bad)
     };
     let kind = h(0)?;
     let n = usize::try_from(h(1)?).ok().filter(|&n| n <= MAX_SEGMENTS).ok_or_else(bad)?;
     let mut segments = Vec::with_capacity(n.min(1024));
     for i in 0..n {
-        let field = |k: usize| -> Result<usize, String> { usize::try_from(h(2 + 3 * i + k)?).map_err(|_| bad()) };
+        let field = |k: usize| -> Result<usize, StageError> { usize::try_from(h(2 + 3 * i + k)?).map_err(|_| bad()) };
         segments.push(Segment { seq: field(0)?, pos0: field(1)?, rows: field(2)? });
     }
     let start = (2 + 3 * n) * 8;
@@ -59,7 +60,7 @@ pub fn parse_msg(m: Vec<u8>) -> Result<Msg, String> {
 /// Receives the next message with `tag` from rank `from`. Fails only when
 /// `from` has been silent (no message, no heartbeat) for the peers' timeout:
 /// a neighbour that is busy computing keeps waiting.
-pub fn recv(world: &SimpleCommunicator, peers: &mut Peers, from: usize, tag: i32) -> Result<Msg, String> {
+pub fn recv(world: &SimpleCommunicator, peers: &mut Peers, from: usize, tag: i32) -> Result<Msg, StageError> {
     let p = world.process_at_rank(from as i32);
     let mut spins = 0u32;
     loop {
@@ -70,7 +71,7 @@ pub fn recv(world: &SimpleCommunicator, peers: &mut Peers, from: usize, tag: i32
         }
         peers.drain(world);
         if peers.silent([from]).is_some() {
-            return Err(liveness::silent_message(from, peers.timeout));
+            return Err(StageError::Peer(liveness::silent_message(from, peers.timeout)));
         }
         spins += 1;
         if spins < 2000 {
@@ -118,12 +119,12 @@ impl Outbox {
 
     /// Waits for every send (before the stage finishes), while the receiver
     /// is alive.
-    pub fn drain(&mut self, world: &SimpleCommunicator, peers: &mut Peers) -> Result<(), String> {
+    pub fn drain(&mut self, world: &SimpleCommunicator, peers: &mut Peers) -> Result<(), StageError> {
         while !self.pending.is_empty() {
             self.poll();
             peers.drain(world);
             if let Some(r) = peers.silent(0..world.size() as usize) {
-                return Err(liveness::silent_message(r, peers.timeout));
+                return Err(StageError::Peer(liveness::silent_message(r, peers.timeout)));
             }
             std::thread::sleep(Duration::from_micros(100));
         }

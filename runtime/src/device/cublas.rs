@@ -8,6 +8,7 @@
 //! loaded by its file names (`$M3C_CUBLAS_LIB`, `libcublas.so.13`, `.so.12`,
 //! `libcublas.so`).
 
+use crate::error::StageError;
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::OnceLock;
@@ -47,7 +48,7 @@ fn candidates() -> Vec<String> {
 
 /// Loads cuBLAS and makes its handle on this process's stream; from then
 /// on prefill linears of at least `min_rows` rows use it.
-pub fn enable(min_rows: usize) -> Result<(), String> {
+pub fn enable(min_rows: usize) -> Result<(), StageError> {
     if API.get().is_none() {
         let mut errors = Vec::new();
         let mut found = None;
@@ -61,20 +62,22 @@ pub fn enable(min_rows: usize) -> Result<(), String> {
                 Err(e) => errors.push(format!("{name} ({e})")),
             }
         }
-        let (name, lib) = found.ok_or_else(|| format!("cuBLAS not found: tried {}; set M3C_CUBLAS_LIB to its path", errors.join(", ")))?;
+        let (name, lib) = found
+            .ok_or_else(|| StageError::Device(format!("cuBLAS not found: tried {}; set M3C_CUBLAS_LIB to its path", errors.join(", "))))?;
         // SAFETY: these symbols have these C signatures in cuBLAS 12 and 13 (cublas_api.h).
         let api = unsafe {
-            let create = *lib.get::<Create>(b"cublasCreate_v2\0").map_err(|_| format!("{name}: no cublasCreate_v2"))?;
-            let set_stream = *lib.get::<SetStream>(b"cublasSetStream_v2\0").map_err(|_| format!("{name}: no cublasSetStream_v2"))?;
-            let gemm = *lib.get::<GemmEx>(b"cublasGemmEx\0").map_err(|_| format!("{name}: no cublasGemmEx"))?;
+            let create = *lib.get::<Create>(b"cublasCreate_v2\0").map_err(|_| StageError::Device(format!("{name}: no cublasCreate_v2")))?;
+            let set_stream =
+                *lib.get::<SetStream>(b"cublasSetStream_v2\0").map_err(|_| StageError::Device(format!("{name}: no cublasSetStream_v2")))?;
+            let gemm = *lib.get::<GemmEx>(b"cublasGemmEx\0").map_err(|_| StageError::Device(format!("{name}: no cublasGemmEx")))?;
             let mut h = std::ptr::null_mut();
             let r = create(&mut h);
             if r != 0 {
-                return Err(format!("{name}: cublasCreate failed (status {r})"));
+                return Err(StageError::Device(format!("{name}: cublasCreate failed (status {r})")));
             }
             let r = set_stream(h, super::state().stream as *mut c_void);
             if r != 0 {
-                return Err(format!("{name}: cublasSetStream failed (status {r})"));
+                return Err(StageError::Device(format!("{name}: cublasSetStream failed (status {r})")));
             }
             Api { _lib: lib, gemm, handle: h as usize }
         };

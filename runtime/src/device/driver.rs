@@ -2,6 +2,7 @@
 //! graphs of captured steps.
 
 use super::{checked, cu, state, ON_DEVICE};
+use crate::error::StageError;
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::atomic::Ordering;
 
@@ -15,12 +16,14 @@ pub struct Device {
 impl Device {
     /// Initialises the driver, makes `ordinal`'s primary context current,
     /// creates the stream and loads the registered modules.
-    pub fn open(ordinal: Option<i32>, local_rank: i32) -> Result<Device, String> {
+    pub fn open(ordinal: Option<i32>, local_rank: i32) -> Result<Device, StageError> {
         // SAFETY: probing for the library has no preconditions.
         if !unsafe { cu::is_culib_present() } {
-            return Err("this stage was compiled for CUDA, but the NVIDIA driver (libcuda.so) is not on this machine; \
-                        run it on a GPU machine, or compile with --target host"
-                .into());
+            return Err(StageError::Device(
+                "this stage was compiled for CUDA, but the NVIDIA driver (libcuda.so) is not on this machine; \
+                 run it on a GPU machine, or compile with --target host"
+                    .into(),
+            ));
         }
         // SAFETY: driver calls in their documented order (init, device, primary context, stream); every out-pointer is a live local, and the images were registered by the stage's static constructors and stay alive for the process.
         unsafe {
@@ -28,11 +31,13 @@ impl Device {
             let mut count = 0;
             checked("cuDeviceGetCount", cu::cuDeviceGetCount(&mut count))?;
             if count == 0 {
-                return Err("this stage was compiled for CUDA, but the driver reports no GPU".into());
+                return Err(StageError::Device("this stage was compiled for CUDA, but the driver reports no GPU".into()));
             }
             let ordinal = ordinal.unwrap_or(local_rank % count);
             if ordinal >= count {
-                return Err(format!("the plan puts this stage on device {ordinal}, but this machine has {count} GPU(s)"));
+                return Err(StageError::Device(format!(
+                    "the plan puts this stage on device {ordinal}, but this machine has {count} GPU(s)"
+                )));
             }
             let mut dev = 0;
             checked("cuDeviceGet", cu::cuDeviceGet(&mut dev, ordinal))?;
@@ -61,7 +66,7 @@ impl Device {
     }
 
     /// Copies `bytes` from the host into new device memory.
-    pub fn upload(&self, bytes: &[u8]) -> Result<DeviceBuffer, String> {
+    pub fn upload(&self, bytes: &[u8]) -> Result<DeviceBuffer, StageError> {
         let buf = DeviceBuffer::alloc(bytes.len())?;
         if !bytes.is_empty() {
             // SAFETY: `buf` holds at least `bytes.len()` bytes, filled from a live slice of that length.
@@ -71,14 +76,14 @@ impl Device {
     }
 
     /// Zeroed device memory of `bytes`.
-    pub fn zeros(&self, bytes: usize) -> Result<DeviceBuffer, String> {
+    pub fn zeros(&self, bytes: usize) -> Result<DeviceBuffer, StageError> {
         let buf = DeviceBuffer::alloc(bytes)?;
         // SAFETY: the memset writes the `bytes.max(1)` bytes `buf` holds.
         unsafe { checked("cuMemsetD8", cu::cuMemsetD8_v2(buf.ptr, 0, bytes.max(1)))? };
         Ok(buf)
     }
 
-    pub fn download(&self, src: u64, dst: &mut [u8]) -> Result<(), String> {
+    pub fn download(&self, src: u64, dst: &mut [u8]) -> Result<(), StageError> {
         if dst.is_empty() {
             return Ok(());
         }
@@ -86,7 +91,7 @@ impl Device {
         unsafe { checked("cuMemcpyDtoH", cu::cuMemcpyDtoH_v2(dst.as_mut_ptr() as *mut c_void, src, dst.len())) }
     }
 
-    pub fn copy_in(&self, dst: u64, src: &[u8]) -> Result<(), String> {
+    pub fn copy_in(&self, dst: u64, src: &[u8]) -> Result<(), StageError> {
         if src.is_empty() {
             return Ok(());
         }
@@ -95,7 +100,7 @@ impl Device {
     }
 
     /// Waits for every launch of the step.
-    pub fn sync(&self) -> Result<(), String> {
+    pub fn sync(&self) -> Result<(), StageError> {
         let s = state().stream;
         // SAFETY: `s` is this process's stream, created in `Device::open`.
         unsafe { checked("cuStreamSynchronize", cu::cuStreamSynchronize(s as cu::CUstream)) }
@@ -115,7 +120,7 @@ pub struct DeviceBuffer {
 }
 
 impl DeviceBuffer {
-    fn alloc(bytes: usize) -> Result<DeviceBuffer, String> {
+    fn alloc(bytes: usize) -> Result<DeviceBuffer, StageError> {
         let mut ptr = 0;
         // SAFETY: `ptr` is a live out-pointer for a new allocation of `bytes.max(1)` bytes.
         unsafe { checked("cuMemAlloc", cu::cuMemAlloc_v2(&mut ptr, bytes.max(1)))? };
@@ -158,7 +163,7 @@ impl Device {
     /// Runs `f` (the generated step) with the stream capturing: its launches
     /// and copies are recorded, not run. Relaxed mode, so a scratch pool miss
     /// may still allocate. Returns the instantiated graph.
-    pub fn capture(&self, f: impl FnOnce()) -> Result<Graph, String> {
+    pub fn capture(&self, f: impl FnOnce()) -> Result<Graph, StageError> {
         let s = state().stream as cu::CUstream;
         // SAFETY: `s` is this process's stream, idle between steps' launches.
         unsafe {
@@ -177,7 +182,7 @@ impl Device {
     }
 
     /// Queues a captured step on the stream.
-    pub fn replay(&self, g: &Graph) -> Result<(), String> {
+    pub fn replay(&self, g: &Graph) -> Result<(), StageError> {
         let s = state().stream as cu::CUstream;
         // SAFETY: a live exec graph on this context's stream.
         unsafe { checked("cuGraphLaunch", cu::cuGraphLaunch(g.exec as cu::CUgraphExec, s)) }

@@ -23,6 +23,7 @@
 //! caller; callbacks from generated code, which cannot return errors, end
 //! the process through [`die`] with the same message.
 
+use crate::error::StageError;
 pub mod cublas;
 mod driver;
 mod mgpu;
@@ -64,7 +65,7 @@ pub(crate) fn check(what: &str, r: cu::CUresult) {
     }
 }
 
-pub(crate) fn checked(what: &str, r: cu::CUresult) -> Result<(), String> {
+pub(crate) fn checked(what: &str, r: cu::CUresult) -> Result<(), StageError> {
     if r == cu::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
@@ -72,7 +73,7 @@ pub(crate) fn checked(what: &str, r: cu::CUresult) -> Result<(), String> {
         // SAFETY: cuGetErrorString writes a pointer to a static string, or leaves null.
         unsafe { cu::cuGetErrorString(r, &mut p) };
         let msg = if p.is_null() { format!("{r:?}") } else { unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned() };
-        Err(format!("{what}: {msg}"))
+        Err(StageError::Device(format!("{what}: {msg}")))
     }
 }
 

@@ -9,6 +9,7 @@
 //! or `$M3C_NCCL_LIB`): a generic loader that looks only for `libnccl.so`
 //! would miss it on most machines and fall back to host copies silently.
 
+use crate::error::StageError;
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::OnceLock;
 
@@ -43,7 +44,7 @@ fn candidates() -> Vec<String> {
     v
 }
 
-fn load() -> Result<Api, String> {
+fn load() -> Result<Api, StageError> {
     let mut errors = Vec::new();
     for name in candidates() {
         // SAFETY: loading NCCL runs its initialisers, which have no preconditions.
@@ -51,7 +52,7 @@ fn load() -> Result<Api, String> {
             Ok(lib) => {
                 // SAFETY: the symbols have these C signatures in every NCCL 2.x (nccl.h).
                 unsafe {
-                    let sym = |n: &str| format!("{name}: no symbol {n}");
+                    let sym = |n: &str| StageError::Device(format!("{name}: no symbol {n}"));
                     let api = Api {
                         get_unique_id: *lib.get::<GetUniqueId>(b"ncclGetUniqueId\0").map_err(|_| sym("ncclGetUniqueId"))?,
                         comm_init_rank: *lib.get::<CommInitRank>(b"ncclCommInitRank\0").map_err(|_| sym("ncclCommInitRank"))?,
@@ -66,20 +67,20 @@ fn load() -> Result<Api, String> {
             Err(e) => errors.push(format!("{name} ({e})")),
         }
     }
-    Err(format!("NCCL not found: tried {}; set M3C_NCCL_LIB to its path", errors.join(", ")))
+    Err(StageError::Device(format!("NCCL not found: tried {}; set M3C_NCCL_LIB to its path", errors.join(", "))))
 }
 
-fn api() -> Result<&'static Api, String> {
-    static API: OnceLock<Result<Api, String>> = OnceLock::new();
+fn api() -> Result<&'static Api, StageError> {
+    static API: OnceLock<Result<Api, StageError>> = OnceLock::new();
     API.get_or_init(load).as_ref().map_err(|e| e.clone())
 }
 
 /// Whether NCCL loads here, and if not, why.
-pub fn availability() -> Result<(), String> {
+pub fn availability() -> Result<(), StageError> {
     api().map(|_| ())
 }
 
-fn check(what: &str, r: c_int) -> Result<(), String> {
+fn check(what: &str, r: c_int) -> Result<(), StageError> {
     if r == 0 {
         return Ok(());
     }
@@ -88,7 +89,7 @@ fn check(what: &str, r: c_int) -> Result<(), String> {
         // SAFETY: ncclGetErrorString returns a static string.
         .map(|a| unsafe { CStr::from_ptr((a.error_string)(r)) }.to_string_lossy().into_owned())
         .unwrap_or_default();
-    Err(format!("NCCL {what}: error {r} ({msg})"))
+    Err(StageError::Device(format!("NCCL {what}: error {r} ({msg})")))
 }
 
 pub struct Link {
@@ -97,7 +98,7 @@ pub struct Link {
 }
 
 /// A fresh unique id (rank 0 makes it; the others receive it over MPI).
-pub fn unique_id() -> Result<[u8; 128], String> {
+pub fn unique_id() -> Result<[u8; 128], StageError> {
     let a = api()?;
     let mut id = UniqueId { internal: [0; 128] };
     // SAFETY: writes the id struct.
@@ -107,7 +108,7 @@ pub fn unique_id() -> Result<[u8; 128], String> {
 
 impl Link {
     /// Joins the communicator of all `ranks` (collective: every rank calls it).
-    pub fn join(id: [u8; 128], ranks: i32, rank: i32) -> Result<Link, String> {
+    pub fn join(id: [u8; 128], ranks: i32, rank: i32) -> Result<Link, StageError> {
         let a = api()?;
         let id = UniqueId { internal: id.map(|b| b as c_char) };
         let mut comm = std::ptr::null_mut();
@@ -117,7 +118,7 @@ impl Link {
     }
 
     /// Queues sending `count` f32 at device address `buf` to `peer`.
-    pub fn send(&self, buf: u64, count: usize, peer: usize) -> Result<(), String> {
+    pub fn send(&self, buf: u64, count: usize, peer: usize) -> Result<(), StageError> {
         let a = api()?;
         // SAFETY: `buf` holds `count` f32 of device memory, live until the stream passes this point.
         check("ncclSend", unsafe {
@@ -126,7 +127,7 @@ impl Link {
     }
 
     /// Queues receiving `count` f32 into device address `buf` from `peer`.
-    pub fn recv(&self, buf: u64, count: usize, peer: usize) -> Result<(), String> {
+    pub fn recv(&self, buf: u64, count: usize, peer: usize) -> Result<(), StageError> {
         let a = api()?;
         // SAFETY: as for `send`.
         check("ncclRecv", unsafe {
