@@ -17,6 +17,7 @@ pub mod model;
 pub mod plan;
 pub mod signals;
 pub mod source;
+pub mod text;
 pub mod tiny;
 pub mod units;
 pub mod weights;

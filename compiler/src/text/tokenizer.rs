@@ -1,0 +1,96 @@
+//! The checkpoint's tokenizer: encoding without added special tokens (the
+//! chat template writes every control token), decoding with or without the
+//! special ones, and streaming decode that never splits a UTF-8 character.
+
+use super::TextError;
+use m3c_contract::input::{limits, read_user_file};
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+pub struct TextTokenizer {
+    tk: tokenizers::Tokenizer,
+    /// Ids of the added tokens flagged special (dropped by `skip_special`).
+    special: BTreeSet<u32>,
+    pub file: PathBuf,
+}
+
+impl TextTokenizer {
+    /// `DIR/tokenizer.json`.
+    pub fn from_dir(dir: &Path) -> Result<TextTokenizer, TextError> {
+        let file = dir.join("tokenizer.json");
+        if std::fs::symlink_metadata(&file).is_err() {
+            return Err(TextError::NoTokenizer { dir: dir.to_path_buf() });
+        }
+        let text = read_user_file(&file, "tokenizer", limits::TOKENIZER)?;
+        let tk = <tokenizers::Tokenizer as std::str::FromStr>::from_str(&text)
+            .map_err(|e| TextError::Tokenizer { file: file.clone(), message: e.to_string() })?;
+        let special = tk.get_added_tokens_decoder().iter().filter(|(_, t)| t.special).map(|(id, _)| *id).collect();
+        Ok(TextTokenizer { tk, special, file })
+    }
+
+    /// Token ids of `text` (no special tokens added).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TextError> {
+        let enc = self.tk.encode(text, false).map_err(|e| TextError::Tokenizer { file: self.file.clone(), message: e.to_string() })?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// The tokens' strings (the tokenizer's symbols, e.g. `Ġwor`).
+    pub fn tokens(&self, text: &str) -> Result<Vec<String>, TextError> {
+        let enc = self.tk.encode(text, false).map_err(|e| TextError::Tokenizer { file: self.file.clone(), message: e.to_string() })?;
+        Ok(enc.get_tokens().to_vec())
+    }
+
+    /// The text of `ids`; special tokens dropped when `skip_special`.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TextError> {
+        self.tk.decode(ids, skip_special).map_err(|e| TextError::Tokenizer { file: self.file.clone(), message: e.to_string() })
+    }
+
+    /// Whether `id` is a special (control) token.
+    pub fn is_special(&self, id: u32) -> bool {
+        self.special.contains(&id)
+    }
+
+    /// The id of a token string, if it is in the vocabulary.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.tk.token_to_id(token)
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.tk.get_vocab_size(true)
+    }
+}
+
+/// Streams the text of a growing list of ids: each call returns the new
+/// complete characters only, so a multi-byte character split over tokens
+/// comes out whole once its last byte has arrived.
+pub struct IncrementalDecoder {
+    ids: Vec<u32>,
+    /// Bytes of text already returned.
+    emitted: usize,
+    skip_special: bool,
+}
+
+impl IncrementalDecoder {
+    pub fn new(skip_special: bool) -> IncrementalDecoder {
+        IncrementalDecoder { ids: Vec::new(), emitted: 0, skip_special }
+    }
+
+    /// Adds `id`; returns the text it completes (possibly empty).
+    pub fn push(&mut self, tk: &TextTokenizer, id: u32) -> Result<String, TextError> {
+        self.ids.push(id);
+        let text = tk.decode(&self.ids, self.skip_special)?;
+        // A character still missing bytes decodes to U+FFFD at the end: wait for it.
+        let complete = text.strip_suffix('\u{FFFD}').unwrap_or(&text);
+        if complete.len() <= self.emitted || !complete.is_char_boundary(self.emitted) {
+            return Ok(String::new());
+        }
+        let new = complete[self.emitted..].to_string();
+        self.emitted = complete.len();
+        Ok(new)
+    }
+
+    /// All the text so far.
+    pub fn text(&self, tk: &TextTokenizer) -> Result<String, TextError> {
+        tk.decode(&self.ids, self.skip_special)
+    }
+}

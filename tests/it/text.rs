@@ -1,0 +1,111 @@
+//! The text front against the reference (transformers 5.24 over tokenizers
+//! 0.23.3, `tokenizer_golden.json`): every golden string's ids, tokens and
+//! decodes, every golden conversation's rendered prompt and ids; streaming
+//! decode; errors that name the file.
+
+use m3c::text::{ChatTemplate, IncrementalDecoder, TextTokenizer};
+use m3c_tests::fixture;
+use minijinja::Value;
+
+/// The golden file as a template value (map keys in file order, as the
+/// reference's Python dicts keep them).
+fn golden() -> Value {
+    let text = std::fs::read_to_string(fixture("tiny-m3").join("tokenizer_golden.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.try_iter().unwrap().map(|x| x.as_i64().unwrap() as u32).collect()
+}
+
+fn string(v: &Value, key: &str) -> String {
+    v.get_attr(key).unwrap().as_str().unwrap_or_else(|| panic!("{key}: not a string")).to_string()
+}
+
+#[test]
+fn every_golden_string_encodes_and_decodes_as_the_reference() {
+    let tk = TextTokenizer::from_dir(&fixture("tiny-m3")).unwrap();
+    assert_eq!(tk.vocab_size(), 512);
+    let g = golden();
+    let cases = g.get_attr("encode").unwrap();
+    let mut n = 0;
+    for case in cases.try_iter().unwrap() {
+        let text = string(&case, "text");
+        let want = ids(&case.get_attr("ids").unwrap());
+        assert_eq!(tk.encode(&text).unwrap(), want, "ids of {text:?}");
+        let tokens: Vec<String> = case.get_attr("tokens").unwrap().try_iter().unwrap().map(|t| t.as_str().unwrap().to_string()).collect();
+        assert_eq!(tk.tokens(&text).unwrap(), tokens, "tokens of {text:?}");
+        assert_eq!(tk.decode(&want, false).unwrap(), string(&case, "decoded"), "decode of {text:?}");
+        assert_eq!(tk.decode(&want, true).unwrap(), string(&case, "decoded_skip_special"), "decode without specials of {text:?}");
+        n += 1;
+    }
+    assert_eq!(n, 22);
+    // The control tokens of the real model are single tokens here too.
+    for (tok, id) in [("]~!b[", 492), ("[e~[", 494), ("<mm:think>", 495), ("]<]image[>[", 500)] {
+        assert_eq!(tk.token_id(tok), Some(id), "{tok}");
+    }
+    assert!(tk.is_special(494) && !tk.is_special(495), "[e~[ is special, <mm:think> is not");
+}
+
+#[test]
+fn every_golden_conversation_renders_byte_identically() {
+    let dir = fixture("tiny-m3");
+    let tk = TextTokenizer::from_dir(&dir).unwrap();
+    let tmpl = ChatTemplate::from_dir(&dir).unwrap().expect("the fixture has a chat template");
+    let g = golden();
+    let mut n = 0;
+    for case in g.get_attr("chat").unwrap().try_iter().unwrap() {
+        let name = string(&case, "name");
+        let kwargs_v = case.get_attr("template_kwargs").unwrap();
+        let keys: Vec<String> = kwargs_v.try_iter().unwrap().map(|k| k.as_str().unwrap().to_string()).collect();
+        let kwargs: Vec<(&str, Value)> = keys.iter().map(|k| (k.as_str(), kwargs_v.get_attr(k).unwrap())).collect();
+        let rendered = tmpl.render(&case.get_attr("messages").unwrap(), &kwargs).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let want = string(&case, "rendered");
+        assert_eq!(rendered, want, "{name}: rendered prompt");
+        assert_eq!(tk.encode(&rendered).unwrap(), ids(&case.get_attr("ids").unwrap()), "{name}: ids");
+        n += 1;
+    }
+    assert_eq!(n, 6);
+}
+
+#[test]
+fn streaming_decode_never_splits_a_character() {
+    let tk = TextTokenizer::from_dir(&fixture("tiny-m3")).unwrap();
+    for text in ["日本語のテキスト、中文文本。한국어", "emoji 😀👍🏽 family 👨\u{200d}👩\u{200d}👧 🚀", "héllo wörld — naïve café"]
+    {
+        let ids = tk.encode(text).unwrap();
+        let mut dec = IncrementalDecoder::new(true);
+        let mut streamed = String::new();
+        let mut pieces = 0;
+        for &id in &ids {
+            let piece = dec.push(&tk, id).unwrap();
+            assert!(!piece.contains('\u{FFFD}'), "{text:?}: a split character streamed as {piece:?}");
+            pieces += !piece.is_empty() as usize;
+            streamed.push_str(&piece);
+        }
+        assert_eq!(streamed, text, "the stream adds up to the text");
+        assert!(
+            pieces > 1 && pieces < ids.len(),
+            "{text:?}: {pieces} pieces for {} tokens (byte-level tokens split characters)",
+            ids.len()
+        );
+    }
+}
+
+#[test]
+fn a_template_error_and_damaged_files_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = TextTokenizer::from_dir(dir.path()).err().unwrap().to_string();
+    assert!(e.contains("no tokenizer.json") && e.contains("--prompt-ids"), "{e}");
+    std::fs::write(dir.path().join("tokenizer.json"), "{\"model\": 3}").unwrap();
+    let e = TextTokenizer::from_dir(dir.path()).err().unwrap().to_string();
+    assert!(e.contains("tokenizer.json: not a tokenizer"), "{e}");
+    std::fs::write(dir.path().join("tokenizer_config.json"), r#"{"chat_template": "{% for m in messages %}{{ m.content "}"#).unwrap();
+    let e = ChatTemplate::from_dir(dir.path()).err().unwrap().to_string();
+    assert!(e.contains("tokenizer_config.json: the chat template does not compile"), "{e}");
+    // The template's own error (a tool turn with no call before it).
+    let tmpl = ChatTemplate::from_dir(&fixture("tiny-m3")).unwrap().unwrap();
+    let messages: Value = serde_json::from_str(r#"[{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]"#).unwrap();
+    let e = tmpl.render(&messages, &[]).err().unwrap().to_string();
+    assert!(e.contains("tool role, but there was no previous assistant message with a tool call"), "{e}");
+}
