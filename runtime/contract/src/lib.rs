@@ -19,6 +19,7 @@ pub mod checkpoint;
 pub mod dtype;
 pub mod input;
 pub mod prompts;
+pub mod sampling;
 pub mod stage;
 mod unique_map;
 
