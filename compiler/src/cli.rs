@@ -127,11 +127,28 @@ struct RunArgs {
     #[arg(long)]
     model: PathBuf,
     /// A prompt as token ids, `1,2,3`; repeat for several prompts (they run as concurrent micro-batches).
-    #[arg(long = "prompt-ids", value_name = "IDS", required_unless_present = "prompts", conflicts_with = "prompts")]
+    #[arg(
+        long = "prompt-ids",
+        value_name = "IDS",
+        required_unless_present_any = ["prompts", "prompt", "chat"],
+        conflicts_with_all = ["prompts", "prompt", "chat"]
+    )]
     prompt_ids: Vec<String>,
     /// A file with one prompt per line (token ids separated by commas).
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["prompt", "chat"])]
     prompts: Option<PathBuf>,
+    /// A prompt as text, completed as it is (the checkpoint's tokenizer.json); repeat for several. The continuation streams to stdout.
+    #[arg(long, value_name = "TEXT")]
+    prompt: Vec<String>,
+    /// One user turn through the checkpoint's chat template, with the generation prompt; repeat for several conversations.
+    #[arg(long, value_name = "TEXT")]
+    chat: Vec<String>,
+    /// A system message before each --chat turn.
+    #[arg(long, value_name = "TEXT", requires = "chat")]
+    system: Option<String>,
+    /// The template's thinking mode for --chat (default: the template's own, adaptive for MiniMax-M3).
+    #[arg(long, value_parser = ["enabled", "disabled", "adaptive"], requires = "chat")]
+    thinking: Option<String>,
     /// Tokens to generate per prompt (greedy).
     #[arg(long, value_parser = count)]
     max_new_tokens: usize,
@@ -445,12 +462,31 @@ fn run_cmd(args: RunArgs) -> Result<()> {
             );
         }
     }
+    // Text prompts become ids here; the stages only see ids.
+    let text_in = if args.prompt.is_empty() && args.chat.is_empty() {
+        None
+    } else {
+        let thinking = args.thinking.as_deref().map(|t| match t {
+            "enabled" => crate::text::ThinkingMode::Enabled,
+            "disabled" => crate::text::ThinkingMode::Disabled,
+            _ => crate::text::ThinkingMode::Adaptive,
+        });
+        let req = crate::text::front::TextRequest { prompts: &args.prompt, chats: &args.chat, system: args.system.as_deref(), thinking };
+        let enc = crate::text::front::encode(&args.model, &req)?;
+        if let Some(i) = enc.ids.iter().position(|p| p.is_empty()) {
+            bail!("prompt {i} is empty: it has no tokens to continue from");
+        }
+        Some(enc)
+    };
     // The stage command line: every stage gets the same arguments.
     let mut pass: Vec<String> = Vec::new();
     let mut flag = |name: &str, value: String| pass.extend([name.to_string(), value]);
     flag("--model", args.model.display().to_string());
     for p in &args.prompt_ids {
         flag("--prompt-ids", p.clone());
+    }
+    for p in text_in.iter().flat_map(|t| &t.ids) {
+        flag("--prompt-ids", p.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(","));
     }
     let path = |p: &Option<PathBuf>| p.as_ref().map(|p| p.display().to_string());
     for (name, value) in [
@@ -487,6 +523,12 @@ fn run_cmd(args: RunArgs) -> Result<()> {
             cmd.args(["--host", host]);
         }
         cmd.arg(args.out.join(format!("stage-{k}"))).args(&pass);
+        if text_in.is_some() {
+            cmd.arg("--stream-ids");
+        }
+    }
+    if text_in.is_some() {
+        cmd.stdout(std::process::Stdio::piped());
     }
     // mpirun dies with m3c (even by SIGKILL, which cannot be forwarded), and
     // takes its ranks with it.
@@ -511,6 +553,18 @@ fn run_cmd(args: RunArgs) -> Result<()> {
     };
     // SIGINT/SIGTERM to m3c are passed on to mpirun, which ends the job.
     let forwarding = crate::signals::ChildRegistration::new(child.id());
+    let streamed = match (&text_in, child.stdout.take()) {
+        (Some(enc), Some(pipe)) => {
+            let done = crate::text::front::stream(std::io::BufReader::new(pipe), enc, args.max_new_tokens, std::io::stdout().lock());
+            if done.is_err() {
+                // Nobody reads the pipe any more: end the job rather than
+                // leave a stage blocked on a write.
+                let _ = child.kill();
+            }
+            Some(done)
+        }
+        _ => None,
+    };
     let status = child.wait().context("waiting for mpirun")?;
     if let Some(sig) = forwarding.received() {
         bail!("interrupted (signal {sig}): the pipeline was stopped");
@@ -521,6 +575,12 @@ fn run_cmd(args: RunArgs) -> Result<()> {
             "the pipeline failed (mpirun exit status {}); the failing stage's message is above",
             status.code().map_or("signal".into(), |c| c.to_string())
         );
+    }
+    if let Some(done) = streamed {
+        for (i, f) in done.context("streaming the generated text")?.iter().enumerate() {
+            // Stopping on EOS and stop strings is not in yet: every prompt runs to --max-new-tokens.
+            eprintln!("prompt {i}: {} prompt tokens, {} generated, finish: length", f.prompt_tokens, f.generated.len());
+        }
     }
     Ok(())
 }

@@ -24,13 +24,16 @@ pub struct RunArgs {
     pub cuda_graphs: bool,
     /// CUDA stages: prefill linears with bf16 or MXFP8 weights on cuBLAS (tensor cores).
     pub prefill_gemm_cublas: bool,
+    /// Print each generated id as it arrives (`m3c-id SEQ ID`) instead of
+    /// every prompt's ids at the end: what `m3c run` reads to stream text.
+    pub stream_ids: bool,
 }
 
 /// Seconds without a heartbeat before a peer counts as lost.
 pub const DEFAULT_TIMEOUT_S: f64 = 30.0;
 
 pub const USAGE: &str = "usage: stage-K (--model DIR | --synthetic-weights SEED) (--prompt-ids 1,2,3 [--prompt-ids ...] | --prompts FILE) \
---max-new-tokens N [--micro-batch SEQS] [--prefill-chunk TOKENS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S] [--cuda-graphs on|off] [--prefill-gemm cublas|off]";
+--max-new-tokens N [--micro-batch SEQS] [--prefill-chunk TOKENS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S] [--cuda-graphs on|off] [--prefill-gemm cublas|off] [--stream-ids]";
 
 use crate::error::StageError;
 use m3c_contract::prompts::{parse_count, parse_ids, parse_prompts_file, parse_timeout_s};
@@ -53,6 +56,7 @@ fn parse_args(args: &[String]) -> Result<RunArgs, String> {
     let mut prefill_chunk = None;
     let mut cuda_graphs = true;
     let mut prefill_gemm_cublas = false;
+    let mut stream_ids = false;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = |name: &str| it.next().cloned().ok_or_else(|| format!("{name} needs a value; {USAGE}"));
@@ -84,6 +88,7 @@ fn parse_args(args: &[String]) -> Result<RunArgs, String> {
                     v => return Err(format!("--prefill-gemm: `{v}` is not `cublas` or `off`")),
                 }
             }
+            "--stream-ids" => stream_ids = true,
             other => return Err(format!("unknown argument `{other}`; {USAGE}")),
         }
     }
@@ -115,5 +120,6 @@ fn parse_args(args: &[String]) -> Result<RunArgs, String> {
         prefill_chunk,
         cuda_graphs,
         prefill_gemm_cublas,
+        stream_ids,
     })
 }

@@ -15,6 +15,14 @@ use mpi::topology::SimpleCommunicator;
 use std::collections::VecDeque;
 use std::time::Instant;
 
+/// One line to standard output, flushed so a reader sees it now. A closed
+/// pipe is not this stage's failure: `m3c run` reports its own.
+fn print_line(line: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = out.write_all(line.as_bytes()).and_then(|_| out.flush());
+}
+
 /// The last stage's record of one sequence's step; returns the greedy id of
 /// its last row.
 fn record(records: &mut [dump::SeqRecord], s: &Segment, logits: &[f32], ids: &[i64], row0: usize, vocab: usize, max_new: usize) -> i64 {
@@ -137,6 +145,9 @@ pub fn run(
             }
             if pass < n_new {
                 generated[seq].push(id);
+                if args.stream_ids {
+                    print_line(&format!("m3c-id {seq} {id}\n"));
+                }
                 queue.push_back((seq, plen + pass, vec![id]));
             } else {
                 *open = open.saturating_sub(1);
@@ -183,12 +194,9 @@ pub fn run(
             outbox.send(world, 1, TAG_ACT, message(KIND_STOP, &[], &[]));
         }
         outbox.drain(world, peers)?;
-        for (s, g) in generated.iter().enumerate() {
-            use std::io::Write;
+        for (s, g) in generated.iter().enumerate().filter(|_| !args.stream_ids) {
             let ids: Vec<String> = g.iter().map(|i| i.to_string()).collect();
-            let line = format!("prompt {s}: {}\n", ids.join(","));
-            let mut out = std::io::stdout().lock();
-            let _ = out.write_all(line.as_bytes()).and_then(|_| out.flush());
+            print_line(&format!("prompt {s}: {}\n", ids.join(",")));
         }
         let prefill_end = prefill_done.iter().flatten().max().copied().unwrap_or_default();
         let prompt_tokens: usize = args.prompts.iter().map(|p| p.len()).sum();

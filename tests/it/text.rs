@@ -109,3 +109,92 @@ fn a_template_error_and_damaged_files_are_named() {
     let e = tmpl.render(&messages, &[]).err().unwrap().to_string();
     assert!(e.contains("tool role, but there was no previous assistant message with a tool call"), "{e}");
 }
+
+/// The ids the first stage prints for one prompt (`prompt 0: 1,2,3`).
+fn printed_ids(stdout: &str) -> Vec<u32> {
+    let line = stdout.lines().find_map(|l| l.strip_prefix("prompt 0: ")).unwrap_or_else(|| panic!("no ids in {stdout}"));
+    line.split(',').map(|x| x.parse().unwrap()).collect()
+}
+
+#[test]
+fn text_prompts_run_through_the_stages_and_stream_back_as_text() {
+    use m3c::text::ThinkingMode;
+    use m3c_tests::{compile, m3c, stderr, stdout};
+    let model = fixture("tiny-m3");
+    let m = model.to_str().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out = compile(&model, 2, dir.path(), &[]);
+    let o = out.to_str().unwrap();
+    let tk = TextTokenizer::from_dir(&model).unwrap();
+    // The same run given ids: its greedy ids, decoded, are what --prompt prints.
+    let reference = |ids: &[u32]| {
+        let arg = ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",");
+        let r = m3c(&["run", o, "--model", m, "--prompt-ids", &arg, "--max-new-tokens", "12"]);
+        assert!(r.status.success(), "{}", stderr(&r));
+        printed_ids(&stdout(&r))
+    };
+
+    let text = "The capital of France is";
+    let want = reference(&tk.encode(text).unwrap());
+    assert_eq!(want.len(), 12);
+    let r = m3c(&["run", o, "--model", m, "--prompt", text, "--max-new-tokens", "12"]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    assert_eq!(stdout(&r), format!("{}\n", tk.decode(&want, true).unwrap()), "--prompt prints the decoded continuation only");
+    let prompt_tokens = tk.encode(text).unwrap().len();
+    assert!(stderr(&r).contains(&format!("prompt 0: {prompt_tokens} prompt tokens, 12 generated, finish: length")), "{}", stderr(&r));
+
+    // --chat goes through the template, with the system turn and thinking mode.
+    let tmpl = ChatTemplate::from_dir(&model).unwrap().unwrap();
+    let messages: Value =
+        serde_json::from_str(r#"[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]"#).unwrap();
+    let kwargs = [("add_generation_prompt", Value::from(true)), ("thinking_mode", Value::from(ThinkingMode::Disabled.name()))];
+    let rendered = tk.encode(&tmpl.render(&messages, &kwargs).unwrap()).unwrap();
+    let want_chat = reference(&rendered);
+    let r = m3c(&[
+        "run",
+        o,
+        "--model",
+        m,
+        "--prompt",
+        text,
+        "--chat",
+        "Hi!",
+        "--system",
+        "Be brief.",
+        "--thinking",
+        "disabled",
+        "--max-new-tokens",
+        "12",
+    ]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    let both = format!("### prompt 0\n{}\n### prompt 1\n{}\n", tk.decode(&want, true).unwrap(), tk.decode(&want_chat, true).unwrap());
+    assert_eq!(stdout(&r), both, "two prompts: each under its heading, in order, whatever order their tokens came in");
+    assert!(stderr(&r).contains(&format!("prompt 1: {} prompt tokens", rendered.len())), "{}", stderr(&r));
+}
+
+#[test]
+fn text_prompts_on_a_checkpoint_without_a_tokenizer_point_to_prompt_ids() {
+    use m3c_tests::{m3c, stderr};
+    let model = fixture("tiny-m3-mxfp8");
+    let dir = tempfile::tempdir().unwrap();
+    let out = m3c_tests::compile(&model, 1, dir.path(), &[]);
+    let r = m3c(&["run", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--prompt", "Hello", "--max-new-tokens", "2"]);
+    assert!(!r.status.success());
+    let e = stderr(&r);
+    assert!(e.contains("no tokenizer.json") && e.contains("--prompt-ids"), "{e}");
+    // --system without --chat is a usage error, before anything runs.
+    let r = m3c(&[
+        "run",
+        out.to_str().unwrap(),
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "Hi",
+        "--system",
+        "x",
+        "--max-new-tokens",
+        "2",
+    ]);
+    assert!(!r.status.success());
+    assert!(stderr(&r).contains("--chat"), "{}", stderr(&r));
+}

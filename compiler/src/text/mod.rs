@@ -4,6 +4,7 @@
 //! transformers configures Jinja2, so that the rendered prompt is
 //! byte-identical).
 
+pub mod front;
 pub mod pyjson;
 mod template;
 mod tokenizer;

@@ -1,0 +1,115 @@
+//! `m3c run`'s text front: turns `--prompt` and `--chat` text into the
+//! token ids the stages take, and the ids the first stage streams back
+//! (`m3c-id SEQ ID` lines) into text as they arrive.
+
+use super::{ChatTemplate, IncrementalDecoder, TextError, TextTokenizer, ThinkingMode};
+use minijinja::Value;
+use std::io::{BufRead, Write};
+use std::path::Path;
+
+/// What the user asked for as text.
+pub struct TextRequest<'a> {
+    /// Raw completions, as they are.
+    pub prompts: &'a [String],
+    /// User turns through the chat template, each with the generation prompt.
+    pub chats: &'a [String],
+    pub system: Option<&'a str>,
+    pub thinking: Option<ThinkingMode>,
+}
+
+/// The encoded prompts, in the order given: `--prompt`s, then `--chat`s.
+pub struct Encoded {
+    pub tokenizer: TextTokenizer,
+    pub ids: Vec<Vec<u32>>,
+}
+
+/// Tokenizes every prompt of `req` with the checkpoint's tokenizer (and
+/// chat template for `--chat`).
+pub fn encode(model: &Path, req: &TextRequest) -> Result<Encoded, TextError> {
+    let tokenizer = TextTokenizer::from_dir(model)?;
+    let mut ids = Vec::new();
+    for p in req.prompts {
+        ids.push(tokenizer.encode(p)?);
+    }
+    if !req.chats.is_empty() {
+        let template = ChatTemplate::from_dir(model)?.ok_or_else(|| TextError::Config {
+            file: model.join("tokenizer_config.json"),
+            message: "no chat_template (this checkpoint has no chat format; use --prompt for a raw completion)".into(),
+        })?;
+        for user in req.chats {
+            let mut messages = Vec::new();
+            if let Some(s) = req.system {
+                messages.push(serde_json::json!({"role": "system", "content": s}));
+            }
+            messages.push(serde_json::json!({"role": "user", "content": user}));
+            let mut kwargs = vec![("add_generation_prompt", Value::from(true))];
+            if let Some(t) = req.thinking {
+                kwargs.push(("thinking_mode", Value::from(t.name())));
+            }
+            let messages: Value = serde_json::from_value(serde_json::Value::Array(messages))
+                .map_err(|e| TextError::Render { file: template.file.clone(), message: format!("the messages: {e}") })?;
+            let rendered = template.render(&messages, &kwargs)?;
+            ids.push(tokenizer.encode(&rendered)?);
+        }
+    }
+    Ok(Encoded { tokenizer, ids })
+}
+
+/// How one prompt's generation went.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Finished {
+    pub prompt_tokens: usize,
+    pub generated: Vec<u32>,
+}
+
+/// Reads the stages' output, writes each prompt's continuation to `out` as
+/// it is generated, and passes any other line through. One prompt streams
+/// at a time, in order; the others' text waits in a buffer until their turn
+/// (so several prompts never interleave mid-line). With several prompts each
+/// continuation gets a `### prompt N` heading.
+pub fn stream(stages: impl BufRead, enc: &Encoded, max_new: usize, mut out: impl Write) -> Result<Vec<Finished>, anyhow::Error> {
+    let n = enc.ids.len();
+    let mut decoders: Vec<IncrementalDecoder> = (0..n).map(|_| IncrementalDecoder::new(true)).collect();
+    let mut generated: Vec<Vec<u32>> = vec![Vec::new(); n];
+    let mut pending: Vec<String> = vec![String::new(); n];
+    let mut current = 0;
+    let heading = |i: usize| if n > 1 { format!("### prompt {i}\n") } else { String::new() };
+    if n > 0 {
+        out.write_all(heading(0).as_bytes())?;
+    }
+    for line in stages.lines() {
+        let line = line?;
+        let Some(rest) = line.strip_prefix("m3c-id ") else {
+            writeln!(out, "{line}")?;
+            continue;
+        };
+        let parsed = rest.split_once(' ').and_then(|(s, id)| Some((s.parse::<usize>().ok()?, id.parse::<u32>().ok()?)));
+        let Some((seq, id)) = parsed.filter(|&(s, _)| s < n) else {
+            anyhow::bail!("the first stage printed a malformed id line: {line:?}");
+        };
+        generated[seq].push(id);
+        pending[seq].push_str(&decoders[seq].push(&enc.tokenizer, id)?);
+        // Write what the current prompt has; move on past finished ones.
+        loop {
+            out.write_all(std::mem::take(&mut pending[current]).as_bytes())?;
+            if generated[current].len() < max_new || current + 1 == n {
+                break;
+            }
+            current += 1;
+            out.write_all(format!("\n{}", heading(current)).as_bytes())?;
+        }
+        out.flush()?;
+    }
+    // The run ended (fewer ids than asked only if it failed): the rest.
+    for (i, text) in pending.iter_mut().enumerate().skip(current) {
+        if i > current {
+            out.write_all(format!("\n{}", heading(i)).as_bytes())?;
+        }
+        out.write_all(std::mem::take(text).as_bytes())?;
+    }
+    if n > 0 {
+        out.write_all(b"\n")?;
+    }
+    out.flush()?;
+    Ok(enc.ids.iter().zip(generated).map(|(p, g)| Finished { prompt_tokens: p.len(), generated: g }).collect())
+}
