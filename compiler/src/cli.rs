@@ -423,8 +423,10 @@ fn compile_cmd(args: CompileArgs) -> Result<()> {
         text +=
             &format!("{}/{}: {} ({} kernels, {} tensors)\n", args.out.display(), s.executable, s.holds, s.kernels.len(), s.tensors.len());
     }
+    // The hint shows text prompts where the checkpoint can read them.
+    let prompt = if model.is_dir() && model.join("tokenizer.json").is_file() { "--prompt \"Hello\"" } else { "--prompt-ids 1,2,3" };
     text += &format!(
-        "compiled {} stage(s) for {} in {:.1} s; run: m3c run {} --model DIR --prompt-ids 1,2,3 --max-new-tokens 16\n",
+        "compiled {} stage(s) for {} in {:.1} s; run: m3c run {} --model DIR {prompt} --max-new-tokens 16\n",
         m.stages.len(),
         m.target,
         t0.elapsed().as_secs_f64(),

@@ -44,3 +44,22 @@ fn init_tiny_refuses_to_overwrite_and_bad_sizes() {
     assert!(!o.status.success() && stderr(&o).contains("--hidden must be a positive multiple of 128"));
     assert!(!dir.path().join("x").exists(), "nothing half written");
 }
+
+#[test]
+fn init_tiny_writes_the_fixture_tokenizer_so_text_prompts_work() {
+    use m3c::text::TextTokenizer;
+    let dir = tempfile::tempdir().unwrap();
+    let a = init(dir.path(), "t", &["--seed", "1", "--layers", "2"]);
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        let fixture = m3c_tests::fixture("tiny-m3").join(f);
+        assert_eq!(
+            std::fs::read(a.join(f)).unwrap(),
+            std::fs::read(fixture).unwrap(),
+            "{f}: not the fixture's (compiler/data/tiny-tokenizer is stale)"
+        );
+    }
+    let tk = TextTokenizer::from_dir(&a).unwrap();
+    let cfg = load_config(&a.join("config.json")).unwrap();
+    assert_eq!(tk.vocab_size(), cfg.text.vocab_size, "the tokenizer covers the tiny model's vocabulary");
+    assert!(m3c::text::ChatTemplate::from_dir(&a).unwrap().is_some(), "a chat template comes with it");
+}
