@@ -149,9 +149,30 @@ struct RunArgs {
     /// The template's thinking mode for --chat (default: the template's own, adaptive for MiniMax-M3).
     #[arg(long, value_parser = ["enabled", "disabled", "adaptive"], requires = "chat")]
     thinking: Option<String>,
-    /// Tokens to generate per prompt (greedy).
+    /// Tokens to generate per prompt, at most (a sequence also ends on an EOS id).
     #[arg(long, value_parser = count)]
     max_new_tokens: usize,
+    /// Sampling temperature; 0 = greedy. Default: the checkpoint's generation_config.json, else 0.
+    #[arg(long, value_parser = number)]
+    temperature: Option<f32>,
+    /// Sample among the K most likely tokens only (0 = all). Default: generation_config.json's, else 0.
+    #[arg(long, value_name = "K", value_parser = count)]
+    top_k: Option<usize>,
+    /// Sample among the most likely tokens that together reach probability P (1 = all). Default: generation_config.json's, else 1.
+    #[arg(long, value_name = "P", value_parser = number)]
+    top_p: Option<f32>,
+    /// Drop tokens less likely than P times the most likely one (0 = none). Default: generation_config.json's, else 0.
+    #[arg(long, value_name = "P", value_parser = number)]
+    min_p: Option<f32>,
+    /// Above 1, tokens already in the sequence become less likely (Hugging Face's rule). Default: generation_config.json's, else 1.
+    #[arg(long, value_name = "R", value_parser = number)]
+    repetition_penalty: Option<f32>,
+    /// Seed of the draws: with it, a prompt's tokens are the same at any pp, batch or thread count.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Do not end a sequence on an EOS id (generation_config.json's eos_token_id, else config.json's).
+    #[arg(long)]
+    ignore_eos: bool,
     /// Write prompt_ids, prefill_logits, generated_ids and decode_logits here (several prompts: FILE.p0.safetensors, ...).
     #[arg(long, value_name = "FILE.safetensors")]
     dump: Option<PathBuf>,
@@ -181,6 +202,10 @@ fn count(v: &str) -> Result<usize, String> {
 
 fn positive_count(v: &str) -> Result<usize, String> {
     m3c_contract::prompts::parse_count(v, "count", true).map_err(|_| format!("`{v}` is not a positive count"))
+}
+
+fn number(v: &str) -> Result<f32, String> {
+    v.trim().parse::<f32>().ok().filter(|x| x.is_finite()).ok_or_else(|| format!("`{v}` is not a number"))
 }
 
 fn timeout_s(v: &str) -> Result<f64, String> {
@@ -480,6 +505,31 @@ fn run_cmd(args: RunArgs) -> Result<()> {
         }
         Some(enc)
     };
+    // Sampling: the flags, else the checkpoint's defaults, else greedy.
+    let defaults = crate::text::generation::GenerationDefaults::from_dir(&args.model)?;
+    let sampling = m3c_contract::sampling::SamplingParams {
+        temperature: args.temperature.or(defaults.temperature).unwrap_or(0.0),
+        top_k: args.top_k.or(defaults.top_k).unwrap_or(0),
+        top_p: args.top_p.or(defaults.top_p).unwrap_or(1.0),
+        min_p: args.min_p.or(defaults.min_p).unwrap_or(0.0),
+        repetition_penalty: args.repetition_penalty.or(defaults.repetition_penalty).unwrap_or(1.0),
+        seed: args.seed,
+    };
+    sampling.check().map_err(|e| anyhow::anyhow!("{e} (from the flags or {}/generation_config.json)", args.model.display()))?;
+    let eos: &[i64] = if args.ignore_eos { &[] } else { &defaults.eos_ids };
+    eprintln!(
+        "m3c: {}; {}{}",
+        if sampling.temperature == 0.0 {
+            format!("greedy (repetition penalty {})", sampling.repetition_penalty)
+        } else {
+            format!(
+                "sampling at temperature {}, top-k {}, top-p {}, min-p {}, repetition penalty {}, seed {}",
+                sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.repetition_penalty, sampling.seed
+            )
+        },
+        if eos.is_empty() { "no EOS stop".to_string() } else { format!("stops on EOS id(s) {eos:?}") },
+        if defaults.sources.is_empty() { String::new() } else { format!(" (defaults from {})", defaults.sources.join(", ")) }
+    );
     // The stage command line: every stage gets the same arguments.
     let mut pass: Vec<String> = Vec::new();
     let mut flag = |name: &str, value: String| pass.extend([name.to_string(), value]);
@@ -501,6 +551,13 @@ fn run_cmd(args: RunArgs) -> Result<()> {
         ("--timeout-s", Some(args.timeout_s.to_string())),
         ("--cuda-graphs", Some(args.cuda_graphs.clone())),
         ("--prefill-gemm", Some(args.prefill_gemm.clone())),
+        ("--temperature", Some(sampling.temperature.to_string())),
+        ("--top-k", Some(sampling.top_k.to_string())),
+        ("--top-p", Some(sampling.top_p.to_string())),
+        ("--min-p", Some(sampling.min_p.to_string())),
+        ("--repetition-penalty", Some(sampling.repetition_penalty.to_string())),
+        ("--seed", Some(sampling.seed.to_string())),
+        ("--eos-ids", (!eos.is_empty()).then(|| eos.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(","))),
     ] {
         if let Some(v) = value {
             flag(name, v);
@@ -557,7 +614,7 @@ fn run_cmd(args: RunArgs) -> Result<()> {
     let forwarding = crate::signals::ChildRegistration::new(child.id());
     let streamed = match (&text_in, child.stdout.take()) {
         (Some(enc), Some(pipe)) => {
-            let done = crate::text::front::stream(std::io::BufReader::new(pipe), enc, args.max_new_tokens, std::io::stdout().lock());
+            let done = crate::text::front::stream(std::io::BufReader::new(pipe), enc, std::io::stdout().lock());
             if done.is_err() {
                 // Nobody reads the pipe any more: end the job rather than
                 // leave a stage blocked on a write.
@@ -580,8 +637,7 @@ fn run_cmd(args: RunArgs) -> Result<()> {
     }
     if let Some(done) = streamed {
         for (i, f) in done.context("streaming the generated text")?.iter().enumerate() {
-            // Stopping on EOS and stop strings is not in yet: every prompt runs to --max-new-tokens.
-            eprintln!("prompt {i}: {} prompt tokens, {} generated, finish: length", f.prompt_tokens, f.generated.len());
+            eprintln!("prompt {i}: {} prompt tokens, {} generated, finish: {}", f.prompt_tokens, f.generated.len(), f.reason);
         }
     }
     Ok(())

@@ -27,16 +27,27 @@ pub struct RunArgs {
     /// Print each generated id as it arrives (`m3c-id SEQ ID`) instead of
     /// every prompt's ids at the end: what `m3c run` reads to stream text.
     pub stream_ids: bool,
+    /// How the last stage picks each token (greedy by default).
+    pub sampling: SamplingParams,
+    /// Ids that end a sequence (after being emitted); empty: none.
+    pub eos_ids: Vec<i64>,
 }
 
 /// Seconds without a heartbeat before a peer counts as lost.
 pub const DEFAULT_TIMEOUT_S: f64 = 30.0;
 
 pub const USAGE: &str = "usage: stage-K (--model DIR | --synthetic-weights SEED) (--prompt-ids 1,2,3 [--prompt-ids ...] | --prompts FILE) \
---max-new-tokens N [--micro-batch SEQS] [--prefill-chunk TOKENS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S] [--cuda-graphs on|off] [--prefill-gemm cublas|off] [--stream-ids]";
+--max-new-tokens N [--micro-batch SEQS] [--prefill-chunk TOKENS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S] [--cuda-graphs on|off] [--prefill-gemm cublas|off] [--stream-ids] \
+[--temperature T] [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S] [--eos-ids 1,2]";
 
 use crate::error::StageError;
 use m3c_contract::prompts::{parse_count, parse_ids, parse_prompts_file, parse_timeout_s};
+use m3c_contract::sampling::SamplingParams;
+
+/// A sampling number: finite, in range (checked with the others after parsing).
+fn parse_f32(v: &str, flag: &str) -> Result<f32, String> {
+    v.trim().parse::<f32>().ok().filter(|x| x.is_finite()).ok_or_else(|| format!("{flag}: `{v}` is not a number"))
+}
 
 /// Parses the stage arguments.
 pub fn parse(args: &[String]) -> Result<RunArgs, StageError> {
@@ -57,6 +68,8 @@ fn parse_args(args: &[String]) -> Result<RunArgs, String> {
     let mut cuda_graphs = true;
     let mut prefill_gemm_cublas = false;
     let mut stream_ids = false;
+    let mut sampling = SamplingParams::GREEDY;
+    let mut eos_ids = Vec::new();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = |name: &str| it.next().cloned().ok_or_else(|| format!("{name} needs a value; {USAGE}"));
@@ -89,6 +102,17 @@ fn parse_args(args: &[String]) -> Result<RunArgs, String> {
                 }
             }
             "--stream-ids" => stream_ids = true,
+            "--temperature" => sampling.temperature = parse_f32(&value("--temperature")?, "--temperature")?,
+            "--top-k" => sampling.top_k = parse_count(&value("--top-k")?, "--top-k", false)?,
+            "--top-p" => sampling.top_p = parse_f32(&value("--top-p")?, "--top-p")?,
+            "--min-p" => sampling.min_p = parse_f32(&value("--min-p")?, "--min-p")?,
+            "--repetition-penalty" => sampling.repetition_penalty = parse_f32(&value("--repetition-penalty")?, "--repetition-penalty")?,
+            "--seed" => {
+                let v = value("--seed")?;
+                sampling.seed =
+                    v.trim().parse::<u64>().map_err(|_| format!("--seed: `{v}` is not a seed (an integer 0 to {})", u64::MAX))?;
+            }
+            "--eos-ids" => eos_ids = parse_ids(&value("--eos-ids")?, "--eos-ids")?,
             other => return Err(format!("unknown argument `{other}`; {USAGE}")),
         }
     }
@@ -99,6 +123,7 @@ fn parse_args(args: &[String]) -> Result<RunArgs, String> {
         let text = m3c_contract::read_user_file(&f, "--prompts", m3c_contract::input::limits::PROMPTS).map_err(|e| e.to_string())?;
         prompts = parse_prompts_file(&text, &f.display().to_string())?;
     }
+    sampling.check()?;
     if prompts.is_empty() {
         return Err(format!("no prompt: give --prompt-ids or --prompts; {USAGE}"));
     }
@@ -121,5 +146,7 @@ fn parse_args(args: &[String]) -> Result<RunArgs, String> {
         cuda_graphs,
         prefill_gemm_cublas,
         stream_ids,
+        sampling,
+        eos_ids,
     })
 }

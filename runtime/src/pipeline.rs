@@ -23,9 +23,9 @@ fn print_line(line: &str) {
     let _ = out.write_all(line.as_bytes()).and_then(|_| out.flush());
 }
 
-/// The last stage's record of one sequence's step; returns the greedy id of
-/// its last row.
-fn record(records: &mut [dump::SeqRecord], s: &Segment, logits: &[f32], ids: &[i64], row0: usize, vocab: usize, max_new: usize) -> i64 {
+/// The last stage's record of one sequence's step, whose last row gave
+/// `id`; returns it.
+fn record(records: &mut [dump::SeqRecord], s: &Segment, logits: &[f32], id: i64, row0: usize, vocab: usize, max_new: usize) -> i64 {
     let r = &mut records[s.seq];
     let rows = &logits[row0 * vocab..(row0 + s.rows) * vocab];
     let plen = r.prompt.len();
@@ -35,7 +35,6 @@ fn record(records: &mut [dump::SeqRecord], s: &Segment, logits: &[f32], ids: &[i
     } else {
         r.decode_logits.extend_from_slice(&rows[(s.rows - 1) * vocab..]);
     }
-    let id = ids[row0 + s.rows - 1];
     // Only the prompt's last row and decode rows give tokens.
     if s.pos0 + s.rows >= plen && r.generated.len() < max_new {
         r.generated.push(id);
@@ -53,6 +52,7 @@ fn finish(
     vocab: usize,
     max_new: usize,
     stage: usize,
+    sampling: &m3c_contract::sampling::SamplingParams,
 ) -> Result<Vec<i64>, StageError> {
     let mut row0 = 0;
     let mut ids = Vec::with_capacity(segs.len());
@@ -70,7 +70,20 @@ fn finish(
                 s.pos0 + i / vocab
             )));
         }
-        let id = record(records, s, &out.logits, &out.ids, row0, vocab, max_new);
+        let kernel_id =
+            out.ids.get(row0 + s.rows - 1).copied().ok_or_else(|| StageError::Step("a step returned fewer ids than rows".into()))?;
+        let r = &records[s.seq];
+        let gives_token = s.pos0 + s.rows >= r.prompt.len();
+        let id = if gives_token && !sampling.is_plain_greedy() {
+            // Keyed by the sequence's own step, so the draw is the same
+            // whatever the split, the batch or the chunking.
+            let context: Vec<u32> = r.prompt.iter().chain(&r.generated).map(|&i| i as u32).collect();
+            let last_row = &rows[(s.rows - 1) * vocab..];
+            m3c_contract::sampling::sample(last_row, &context, sampling, 0, r.generated.len() as u64) as i64
+        } else {
+            kernel_id
+        };
+        let id = record(records, s, &out.logits, id, row0, vocab, max_new);
         if id < 0 || id as usize >= vocab {
             return Err(StageError::Step(format!("stage {stage}: the sampler chose id {id}, outside the vocabulary (0..{vocab})")));
         }
@@ -148,9 +161,18 @@ pub fn run(
                 if args.stream_ids {
                     print_line(&format!("m3c-id {seq} {id}\n"));
                 }
-                queue.push_back((seq, plen + pass, vec![id]));
-            } else {
+            }
+            // The sequence ends on an EOS id (kept as its last token), or
+            // after one more step past its last token (whose logits the dump
+            // records); it then leaves the micro-batches, the others go on.
+            let eos = pass < n_new && args.eos_ids.contains(&id);
+            if eos || pass >= n_new {
                 *open = open.saturating_sub(1);
+                if args.stream_ids {
+                    print_line(&format!("m3c-end {seq} {}\n", if eos { "stop" } else { "length" }));
+                }
+            } else {
+                queue.push_back((seq, plen + pass, vec![id]));
             }
             Ok(())
         };
@@ -169,7 +191,7 @@ pub fn run(
                 }
                 let out = st.step(&segs, &ids, &mut x)?;
                 if last {
-                    let got = finish(&mut records, &segs, &out, vocab, n_new, rank)?;
+                    let got = finish(&mut records, &segs, &out, vocab, n_new, rank, &args.sampling)?;
                     for (s, id) in segs.iter().zip(got) {
                         on_id(s.seq, s.pos0, s.rows, id, &mut queue, &mut open)?;
                     }
@@ -227,7 +249,7 @@ pub fn run(
             }
             let out = st.step(&m.segments, &[], &mut x)?;
             if last {
-                let got = finish(&mut records, &m.segments, &out, vocab, n_new, rank)?;
+                let got = finish(&mut records, &m.segments, &out, vocab, n_new, rank, &args.sampling)?;
                 let payload: Vec<u8> = got.iter().flat_map(|i| i.to_le_bytes()).collect();
                 outbox.send(world, 0, TAG_IDS, message(KIND_STEP, &m.segments, &payload));
             } else if !st.uses_nccl() {

@@ -391,7 +391,7 @@ fn d07_killing_m3c_run_leaves_no_process() {
     copy_dir(&shared_out(2), &out);
     let model = fixture("tiny-m3");
     for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGKILL] {
-        let mut args = run_args(&out, &model, &["--max-new-tokens", "4000"]);
+        let mut args = run_args(&out, &model, &["--max-new-tokens", "4000", "--ignore-eos"]);
         let p = "1,2,3";
         for _ in 0..8 {
             args.extend(["--prompt-ids", p]);
@@ -699,7 +699,8 @@ fn d17_busy_stages_are_alive_and_stopped_ones_are_lost() {
         t0.elapsed()
     );
     // SIGSTOP a stage mid-run: the others end the job within the timeout.
-    let mut args = run_args(&out, &model, &["--max-new-tokens", "3000", "--timeout-s", "2"]);
+    // --ignore-eos: a random model may emit its EOS id early, ending the run before the stop.
+    let mut args = run_args(&out, &model, &["--max-new-tokens", "3000", "--timeout-s", "2", "--ignore-eos"]);
     args.extend(["--prompt-ids", "1,2,3"]);
     let child = Command::new(m3c_tests::m3c_bin()).args(&args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
     let needle = out.join("stage-1").display().to_string();
@@ -786,7 +787,7 @@ fn d21_a_model_truncated_during_a_run_is_named() {
     let dir = tempfile::tempdir().unwrap();
     let model = model_copy(dir.path(), |_, _| {});
     let out = shared_out(1);
-    let mut args = run_args(&out, &model, &["--max-new-tokens", "4000"]);
+    let mut args = run_args(&out, &model, &["--max-new-tokens", "4000", "--ignore-eos"]);
     for _ in 0..4 {
         args.extend(["--prompt-ids", "1,2,3"]);
     }

@@ -198,3 +198,120 @@ fn text_prompts_on_a_checkpoint_without_a_tokenizer_point_to_prompt_ids() {
     assert!(!r.status.success());
     assert!(stderr(&r).contains("--chat"), "{}", stderr(&r));
 }
+
+/// A copy of the tiny fixture's checkpoint with `generation_config.json`
+/// set to `gen` (none when empty).
+fn fixture_with_generation_config(dir: &std::path::Path, gen: &str) -> std::path::PathBuf {
+    let model = dir.join("model");
+    std::fs::create_dir(&model).unwrap();
+    for f in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(fixture("tiny-m3").join(f), model.join(f)).unwrap();
+    }
+    if !gen.is_empty() {
+        std::fs::write(model.join("generation_config.json"), gen).unwrap();
+    }
+    model
+}
+
+#[test]
+fn sampled_tokens_depend_only_on_the_seed_not_on_pp_batch_or_threads() {
+    use m3c_tests::{compile, m3c_env, read_tensor_i64, stderr, stdout};
+    let model = fixture("tiny-m3");
+    let m = model.to_str().unwrap();
+    let prompt = read_tensor_i64(&model.join("golden.safetensors"), "prompt_ids");
+    let golden_greedy = read_tensor_i64(&model.join("golden.safetensors"), "generated_ids");
+    let a = prompt.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",");
+    let dir = tempfile::tempdir().unwrap();
+    let outs: Vec<(usize, std::path::PathBuf)> = [1, 2, 4]
+        .into_iter()
+        .map(|pp| {
+            let d = dir.path().join(format!("pp{pp}"));
+            std::fs::create_dir(&d).unwrap();
+            (pp, compile(&model, pp, &d, &[]))
+        })
+        .collect();
+    // Prompt 0's ids from a run with these prompts and flags.
+    let run = |out: &std::path::Path, prompts: &[&str], extra: &[&str], threads: &str| -> Vec<i64> {
+        let mut args = vec!["run", out.to_str().unwrap(), "--model", m, "--max-new-tokens", "16", "--temperature", "0.9", "--top-k", "40"];
+        args.extend_from_slice(&["--top-p", "0.95", "--repetition-penalty", "1.1"]);
+        args.extend_from_slice(extra);
+        for p in prompts {
+            args.extend_from_slice(&["--prompt-ids", p]);
+        }
+        let r = m3c_env(&args, &[("OMP_NUM_THREADS", threads)]);
+        assert!(r.status.success(), "{}", stderr(&r));
+        let line = stdout(&r).lines().find_map(|l| l.strip_prefix("prompt 0: ").map(str::to_string)).unwrap();
+        line.split(',').map(|x| x.parse().unwrap()).collect()
+    };
+    let base = run(&outs[0].1, &[&a], &["--seed", "7"], "1");
+    assert_eq!(base.len(), 16);
+    assert_ne!(base, golden_greedy, "sampling at T = 0.9 should leave the greedy path");
+    assert_ne!(run(&outs[0].1, &[&a], &["--seed", "8"], "1"), base, "another seed, other tokens");
+    for (pp, out) in &outs {
+        assert_eq!(run(out, &[&a], &["--seed", "7"], "2"), base, "pp {pp}, 2 threads");
+        // With other prompts beside it, in micro-batches of 3 or of 1.
+        for mb in ["1", "3"] {
+            assert_eq!(run(out, &[&a, "5,6,7", "400,3"], &["--seed", "7", "--micro-batch", mb], "1"), base, "pp {pp}, micro-batch {mb}");
+        }
+        assert_eq!(run(out, &[&a], &["--seed", "7", "--prefill-chunk", "3"], "1"), base, "pp {pp}, prefill in chunks of 3");
+    }
+}
+
+#[test]
+fn eos_ends_a_sequence_and_generation_config_sets_the_defaults() {
+    use m3c_tests::{compile, m3c, read_tensor_i64, stderr, stdout};
+    let golden = fixture("tiny-m3").join("golden.safetensors");
+    let prompt = read_tensor_i64(&golden, "prompt_ids");
+    let greedy = read_tensor_i64(&golden, "generated_ids");
+    let a = prompt.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",");
+    let dir = tempfile::tempdir().unwrap();
+    // The third greedy token as the checkpoint's EOS.
+    let model = fixture_with_generation_config(dir.path(), &format!(r#"{{"eos_token_id": [{}, 100000]}}"#, greedy[2]));
+    let m = model.to_str().unwrap();
+    let out = compile(&model, 2, dir.path(), &[]);
+    let o = out.to_str().unwrap();
+    let ids = |r: &std::process::Output| -> Vec<i64> {
+        assert!(r.status.success(), "{}", stderr(r));
+        let line = stdout(r).lines().find_map(|l| l.strip_prefix("prompt 0: ").map(str::to_string)).unwrap();
+        line.split(',').map(|x| x.parse().unwrap()).collect()
+    };
+    let r = m3c(&["run", o, "--model", m, "--prompt-ids", &a, "--prompt-ids", "5,6,7", "--max-new-tokens", "16"]);
+    assert_eq!(ids(&r), greedy[..3], "stops after the EOS id, which it keeps");
+    assert!(stderr(&r).contains("stops on EOS id(s)") && stderr(&r).contains("generation_config.json"), "{}", stderr(&r));
+    // The other prompt is not cut short by the first one's end.
+    let other = stdout(&r).lines().find_map(|l| l.strip_prefix("prompt 1: ").map(str::to_string)).unwrap();
+    let alone = m3c(&["run", o, "--model", m, "--prompt-ids", "5,6,7", "--max-new-tokens", "16"]);
+    assert_eq!(other.split(',').map(|x| x.parse::<i64>().unwrap()).collect::<Vec<_>>(), ids(&alone));
+    let r = m3c(&["run", o, "--model", m, "--prompt-ids", &a, "--max-new-tokens", "16", "--ignore-eos"]);
+    assert_eq!(ids(&r), greedy, "--ignore-eos runs to --max-new-tokens");
+
+    // Text: the finish reason is `stop`, and the EOS token (special) is not printed.
+    let tk = TextTokenizer::from_dir(&model).unwrap();
+    let text = "The capital of France is";
+    let enc = tk.encode(text).unwrap().iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",");
+    let cont = ids(&m3c(&["run", o, "--model", m, "--prompt-ids", &enc, "--max-new-tokens", "16", "--ignore-eos"]));
+    let dir3 = tempfile::tempdir().unwrap();
+    let model3 = fixture_with_generation_config(dir3.path(), &format!(r#"{{"eos_token_id": {}}}"#, cont[2]));
+    let r = m3c(&["run", o, "--model", model3.to_str().unwrap(), "--prompt", text, "--max-new-tokens", "16"]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    let stop_at = cont.iter().position(|&i| i == cont[2]).unwrap() + 1;
+    assert!(stderr(&r).contains(&format!("{stop_at} generated, finish: stop")), "{}", stderr(&r));
+    let shown: Vec<u32> = cont[..stop_at].iter().map(|&i| i as u32).collect();
+    assert_eq!(stdout(&r), format!("{}\n", tk.decode(&shown, true).unwrap()));
+
+    // Sampling defaults come from generation_config.json; a flag overrides them.
+    let dir2 = tempfile::tempdir().unwrap();
+    let model2 = fixture_with_generation_config(dir2.path(), r#"{"temperature": 0.7, "top_k": 20, "top_p": 0.9, "eos_token_id": 100000}"#);
+    let m2 = model2.to_str().unwrap();
+    let r = m3c(&["run", o, "--model", m2, "--prompt-ids", &a, "--max-new-tokens", "16", "--seed", "1"]);
+    assert!(stderr(&r).contains("sampling at temperature 0.7, top-k 20, top-p 0.9"), "{}", stderr(&r));
+    assert_ne!(ids(&r), greedy);
+    let r = m3c(&["run", o, "--model", m2, "--prompt-ids", &a, "--max-new-tokens", "16", "--temperature", "0"]);
+    assert_eq!(ids(&r), greedy, "--temperature 0 overrides the default: greedy, the golden tokens");
+    // A bad value names the flag or the file.
+    let r = m3c(&["run", o, "--model", m2, "--prompt-ids", &a, "--max-new-tokens", "4", "--top-p", "1.5"]);
+    assert!(!r.status.success() && stderr(&r).contains("top_p 1.5"), "{}", stderr(&r));
+    std::fs::write(model2.join("generation_config.json"), r#"{"temperature": "hot"}"#).unwrap();
+    let r = m3c(&["run", o, "--model", m2, "--prompt-ids", &a, "--max-new-tokens", "4"]);
+    assert!(!r.status.success() && stderr(&r).contains("generation_config.json") && stderr(&r).contains("temperature"), "{}", stderr(&r));
+}

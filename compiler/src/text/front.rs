@@ -60,6 +60,9 @@ pub fn encode(model: &Path, req: &TextRequest) -> Result<Encoded, TextError> {
 pub struct Finished {
     pub prompt_tokens: usize,
     pub generated: Vec<u32>,
+    /// `stop` (an EOS id), `length` (--max-new-tokens), or `unfinished`
+    /// (the run ended first).
+    pub reason: String,
 }
 
 /// Reads the stages' output, writes each prompt's continuation to `out` as
@@ -67,11 +70,12 @@ pub struct Finished {
 /// at a time, in order; the others' text waits in a buffer until their turn
 /// (so several prompts never interleave mid-line). With several prompts each
 /// continuation gets a `### prompt N` heading.
-pub fn stream(stages: impl BufRead, enc: &Encoded, max_new: usize, mut out: impl Write) -> Result<Vec<Finished>, anyhow::Error> {
+pub fn stream(stages: impl BufRead, enc: &Encoded, mut out: impl Write) -> Result<Vec<Finished>, anyhow::Error> {
     let n = enc.ids.len();
     let mut decoders: Vec<IncrementalDecoder> = (0..n).map(|_| IncrementalDecoder::new(true)).collect();
     let mut generated: Vec<Vec<u32>> = vec![Vec::new(); n];
     let mut pending: Vec<String> = vec![String::new(); n];
+    let mut reasons: Vec<Option<String>> = vec![None; n];
     let mut current = 0;
     let heading = |i: usize| if n > 1 { format!("### prompt {i}\n") } else { String::new() };
     if n > 0 {
@@ -79,20 +83,26 @@ pub fn stream(stages: impl BufRead, enc: &Encoded, max_new: usize, mut out: impl
     }
     for line in stages.lines() {
         let line = line?;
-        let Some(rest) = line.strip_prefix("m3c-id ") else {
+        let malformed = || anyhow::anyhow!("the first stage printed a malformed line: {line:?}");
+        let seq_of = |s: &str| s.parse::<usize>().ok().filter(|&s| s < n);
+        if let Some(rest) = line.strip_prefix("m3c-id ") {
+            let (s, id) = rest.split_once(' ').ok_or_else(malformed)?;
+            let (seq, id) = (seq_of(s).ok_or_else(malformed)?, id.parse::<u32>().map_err(|_| malformed())?);
+            generated[seq].push(id);
+            pending[seq].push_str(&decoders[seq].push(&enc.tokenizer, id)?);
+        } else if let Some(rest) = line.strip_prefix("m3c-end ") {
+            let (s, reason) = rest.split_once(' ').ok_or_else(malformed)?;
+            let seq = seq_of(s).ok_or_else(malformed)?;
+            reasons[seq] = Some(reason.to_string());
+            pending[seq].push_str(&decoders[seq].finish(&enc.tokenizer)?);
+        } else {
             writeln!(out, "{line}")?;
             continue;
-        };
-        let parsed = rest.split_once(' ').and_then(|(s, id)| Some((s.parse::<usize>().ok()?, id.parse::<u32>().ok()?)));
-        let Some((seq, id)) = parsed.filter(|&(s, _)| s < n) else {
-            anyhow::bail!("the first stage printed a malformed id line: {line:?}");
-        };
-        generated[seq].push(id);
-        pending[seq].push_str(&decoders[seq].push(&enc.tokenizer, id)?);
+        }
         // Write what the current prompt has; move on past finished ones.
         loop {
             out.write_all(std::mem::take(&mut pending[current]).as_bytes())?;
-            if generated[current].len() < max_new || current + 1 == n {
+            if reasons[current].is_none() || current + 1 == n {
                 break;
             }
             current += 1;
@@ -100,7 +110,10 @@ pub fn stream(stages: impl BufRead, enc: &Encoded, max_new: usize, mut out: impl
         }
         out.flush()?;
     }
-    // The run ended (fewer ids than asked only if it failed): the rest.
+    // The run ended (with sequences unfinished only if it failed): the rest.
+    for (d, text) in decoders.iter_mut().zip(pending.iter_mut()).skip(current) {
+        text.push_str(&d.finish(&enc.tokenizer)?);
+    }
     for (i, text) in pending.iter_mut().enumerate().skip(current) {
         if i > current {
             out.write_all(format!("\n{}", heading(i)).as_bytes())?;
@@ -111,5 +124,11 @@ pub fn stream(stages: impl BufRead, enc: &Encoded, max_new: usize, mut out: impl
         out.write_all(b"\n")?;
     }
     out.flush()?;
-    Ok(enc.ids.iter().zip(generated).map(|(p, g)| Finished { prompt_tokens: p.len(), generated: g }).collect())
+    Ok(enc
+        .ids
+        .iter()
+        .zip(generated)
+        .zip(reasons)
+        .map(|((p, g), r)| Finished { prompt_tokens: p.len(), generated: g, reason: r.unwrap_or_else(|| "unfinished".into()) })
+        .collect())
 }

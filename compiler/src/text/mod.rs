@@ -5,6 +5,7 @@
 //! byte-identical).
 
 pub mod front;
+pub mod generation;
 pub mod pyjson;
 mod template;
 mod tokenizer;

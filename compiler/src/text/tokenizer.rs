@@ -89,6 +89,15 @@ impl IncrementalDecoder {
         Ok(new)
     }
 
+    /// The text held back at the end of the sequence: a character that
+    /// will never be completed comes out as U+FFFD, as a full decode shows it.
+    pub fn finish(&mut self, tk: &TextTokenizer) -> Result<String, TextError> {
+        let text = tk.decode(&self.ids, self.skip_special)?;
+        let rest = text.get(self.emitted..).unwrap_or_default().to_string();
+        self.emitted = text.len();
+        Ok(rest)
+    }
+
     /// All the text so far.
     pub fn text(&self, tk: &TextTokenizer) -> Result<String, TextError> {
         tk.decode(&self.ids, self.skip_special)

@@ -36,6 +36,11 @@ impl SamplingParams {
     pub const GREEDY: SamplingParams =
         SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0 };
 
+    /// Greedy with nothing to adjust: the argmax kernels' id is the answer.
+    pub fn is_plain_greedy(&self) -> bool {
+        self.temperature == 0.0 && self.repetition_penalty == 1.0
+    }
+
     /// Checks every field's range; the message names the field.
     pub fn check(&self) -> Result<(), String> {
         let SamplingParams { temperature: t, top_p, min_p, repetition_penalty: r, .. } = *self;
