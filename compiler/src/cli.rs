@@ -34,7 +34,7 @@ enum Command {
     /// Compile the model into one executable per pipeline stage (OUT/stage-K), a manifest and a launcher.
     Compile(CompileArgs),
     /// Run a compiled OUT folder under mpirun: one rank per stage, greedy decoding.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Write a random tiny MiniMax-M3 checkpoint (hub layout) into a new folder.
     InitTiny {
         /// The folder to create.
@@ -170,6 +170,9 @@ struct RunArgs {
     /// Seed of the draws: with it, a prompt's tokens are the same at any pp, batch or thread count.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// End a sequence once its text holds STR (repeatable; it may span tokens). The stop string is not printed.
+    #[arg(long, value_name = "STR", value_parser = stop_string)]
+    stop: Vec<String>,
     /// Do not end a sequence on an EOS id (generation_config.json's eos_token_id, else config.json's).
     #[arg(long)]
     ignore_eos: bool,
@@ -202,6 +205,14 @@ fn count(v: &str) -> Result<usize, String> {
 
 fn positive_count(v: &str) -> Result<usize, String> {
     m3c_contract::prompts::parse_count(v, "count", true).map_err(|_| format!("`{v}` is not a positive count"))
+}
+
+fn stop_string(v: &str) -> Result<String, String> {
+    match v.len() {
+        0 => Err("a stop string cannot be empty".into()),
+        1..=1024 => Ok(v.to_string()),
+        n => Err(format!("a stop string of {n} bytes; at most 1024")),
+    }
 }
 
 fn number(v: &str) -> Result<f32, String> {
@@ -244,7 +255,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Inspect { model, graph, check_values } => inspect(&model, graph, check_values),
         Command::Plan(args) => plan_cmd(args),
         Command::Compile(args) => compile_cmd(args),
-        Command::Run(args) => run_cmd(args),
+        Command::Run(args) => run_cmd(*args),
         Command::InitTiny { out, seed, layers, hidden, mxfp8 } => {
             let spec = crate::tiny::TinySpec { seed, layers, hidden, mxfp8 };
             crate::tiny::init_tiny(&out, &spec)?;
@@ -563,6 +574,9 @@ fn run_cmd(args: RunArgs) -> Result<()> {
             flag(name, v);
         }
     }
+    for stop in &args.stop {
+        pass.extend(["--stop".to_string(), stop.bytes().map(|b| format!("{b:02x}")).collect()]);
+    }
     let mut cmd = std::process::Command::new("mpirun");
     // No core binding: each rank runs its kernels on several threads (the
     // runtime shares the node's cores among its ranks).
@@ -614,7 +628,7 @@ fn run_cmd(args: RunArgs) -> Result<()> {
     let forwarding = crate::signals::ChildRegistration::new(child.id());
     let streamed = match (&text_in, child.stdout.take()) {
         (Some(enc), Some(pipe)) => {
-            let done = crate::text::front::stream(std::io::BufReader::new(pipe), enc, std::io::stdout().lock());
+            let done = crate::text::front::stream(std::io::BufReader::new(pipe), enc, &args.stop, std::io::stdout().lock());
             if done.is_err() {
                 // Nobody reads the pipe any more: end the job rather than
                 // leave a stage blocked on a write.

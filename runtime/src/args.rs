@@ -31,6 +31,9 @@ pub struct RunArgs {
     pub sampling: SamplingParams,
     /// Ids that end a sequence (after being emitted); empty: none.
     pub eos_ids: Vec<i64>,
+    /// Byte strings that end a sequence once its generated text holds one
+    /// (given in hex, so any bytes survive the command line).
+    pub stops: Vec<Vec<u8>>,
 }
 
 /// Seconds without a heartbeat before a peer counts as lost.
@@ -38,11 +41,20 @@ pub const DEFAULT_TIMEOUT_S: f64 = 30.0;
 
 pub const USAGE: &str = "usage: stage-K (--model DIR | --synthetic-weights SEED) (--prompt-ids 1,2,3 [--prompt-ids ...] | --prompts FILE) \
 --max-new-tokens N [--micro-batch SEQS] [--prefill-chunk TOKENS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S] [--cuda-graphs on|off] [--prefill-gemm cublas|off] [--stream-ids] \
-[--temperature T] [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S] [--eos-ids 1,2]";
+[--temperature T] [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S] [--eos-ids 1,2] [--stop HEX ...]";
 
 use crate::error::StageError;
 use m3c_contract::prompts::{parse_count, parse_ids, parse_prompts_file, parse_timeout_s};
 use m3c_contract::sampling::SamplingParams;
+
+/// A stop string's bytes from hex (`0a0a` for "\n\n").
+fn parse_hex(v: &str) -> Result<Vec<u8>, String> {
+    let bad = || format!("--stop: `{v}` is not a non-empty even-length hex string");
+    if v.is_empty() || !v.len().is_multiple_of(2) || v.len() > 2048 {
+        return Err(bad());
+    }
+    (0..v.len()).step_by(2).map(|i| v.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok()).ok_or_else(bad)).collect()
+}
 
 /// A sampling number: finite, in range (checked with the others after parsing).
 fn parse_f32(v: &str, flag: &str) -> Result<f32, String> {
@@ -70,6 +82,7 @@ fn parse_args(args: &[String]) -> Result<RunArgs, String> {
     let mut stream_ids = false;
     let mut sampling = SamplingParams::GREEDY;
     let mut eos_ids = Vec::new();
+    let mut stops = Vec::new();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = |name: &str| it.next().cloned().ok_or_else(|| format!("{name} needs a value; {USAGE}"));
@@ -113,6 +126,7 @@ fn parse_args(args: &[String]) -> Result<RunArgs, String> {
                     v.trim().parse::<u64>().map_err(|_| format!("--seed: `{v}` is not a seed (an integer 0 to {})", u64::MAX))?;
             }
             "--eos-ids" => eos_ids = parse_ids(&value("--eos-ids")?, "--eos-ids")?,
+            "--stop" => stops.push(parse_hex(&value("--stop")?)?),
             other => return Err(format!("unknown argument `{other}`; {USAGE}")),
         }
     }
@@ -148,5 +162,6 @@ fn parse_args(args: &[String]) -> Result<RunArgs, String> {
         stream_ids,
         sampling,
         eos_ids,
+        stops,
     })
 }

@@ -315,3 +315,68 @@ fn eos_ends_a_sequence_and_generation_config_sets_the_defaults() {
     let r = m3c(&["run", o, "--model", m2, "--prompt-ids", &a, "--max-new-tokens", "4"]);
     assert!(!r.status.success() && stderr(&r).contains("generation_config.json") && stderr(&r).contains("temperature"), "{}", stderr(&r));
 }
+
+#[test]
+fn a_stop_string_spanning_tokens_ends_the_sequence_and_is_not_printed() {
+    use m3c_tests::{compile, m3c, stderr, stdout};
+    let model = fixture("tiny-m3");
+    let m = model.to_str().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out = compile(&model, 2, dir.path(), &[]);
+    let o = out.to_str().unwrap();
+    let tk = TextTokenizer::from_dir(&model).unwrap();
+    let text = "The capital of France is";
+    let enc = tk.encode(text).unwrap().iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",");
+    let r = m3c(&["run", o, "--model", m, "--prompt-ids", &enc, "--max-new-tokens", "24", "--ignore-eos"]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    let cont: Vec<u32> = printed_ids(&stdout(&r));
+    // A stop string made of the last character of one token and the first
+    // of the next: it completes only with the second token.
+    let piece = |id: u32| tk.decode(&[id], true).unwrap();
+    let clean = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_graphic() || c == ' ');
+    let i = (1..cont.len() - 1).find(|&i| clean(&piece(cont[i])) && clean(&piece(cont[i + 1]))).expect("two plain-text tokens in a row");
+    let stop = format!("{}{}", piece(cont[i]).chars().last().unwrap(), piece(cont[i + 1]).chars().next().unwrap());
+    let full = tk.decode(&cont, true).unwrap();
+    let want_text = &full[..full.find(&stop).unwrap()];
+    let want_count = (1..=cont.len()).find(|&k| tk.decode(&cont[..k], true).unwrap().contains(&stop)).unwrap();
+    let r = m3c(&[
+        "run",
+        o,
+        "--model",
+        m,
+        "--prompt",
+        text,
+        "--max-new-tokens",
+        "24",
+        "--ignore-eos",
+        "--stop",
+        &stop,
+        "--stop",
+        "never-there",
+    ]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    assert_eq!(stdout(&r), format!("{want_text}\n"), "stop string {stop:?}");
+    assert!(stderr(&r).contains(&format!("{want_count} generated, finish: stop")), "want {want_count}: {}", stderr(&r));
+    // Bad --stop values are refused before anything runs.
+    let r = m3c(&["run", o, "--model", m, "--prompt", text, "--max-new-tokens", "4", "--stop", ""]);
+    assert!(!r.status.success() && stderr(&r).contains("stop string cannot be empty"), "{}", stderr(&r));
+}
+
+#[test]
+fn the_stages_token_byte_table_decodes_as_the_tokenizer_does() {
+    let dir = fixture("tiny-m3");
+    let tk = TextTokenizer::from_dir(&dir).unwrap();
+    let table = m3c_contract::token_bytes::byte_level_table(&std::fs::read_to_string(dir.join("tokenizer.json")).unwrap()).unwrap();
+    assert_eq!(table.len(), 512);
+    let g = golden();
+    let mut checked = 0;
+    for case in g.get_attr("encode").unwrap().try_iter().unwrap() {
+        let ids = ids(&case.get_attr("ids").unwrap());
+        let bytes: Vec<u8> = ids.iter().flat_map(|&i| table[i as usize].clone()).collect();
+        assert_eq!(String::from_utf8_lossy(&bytes), tk.decode(&ids, true).unwrap(), "{ids:?}");
+        checked += 1;
+    }
+    assert_eq!(checked, 22);
+    let e = m3c_contract::token_bytes::byte_level_table(r#"{"decoder": {"type": "WordPiece"}}"#).unwrap_err();
+    assert!(e.contains("not ByteLevel"), "{e}");
+}

@@ -55,6 +55,47 @@ pub fn encode(model: &Path, req: &TextRequest) -> Result<Encoded, TextError> {
     Ok(Encoded { tokenizer, ids })
 }
 
+/// A sequence's text on its way out: cut before the first stop string, and
+/// holding back an end that may yet become one (a stop string can span
+/// tokens), so no part of a stop string is ever printed.
+#[derive(Default)]
+struct StopFilter {
+    text: String,
+    released: usize,
+    cut: bool,
+}
+
+impl StopFilter {
+    /// Adds `new`; returns the text now safe to print. `end`: nothing follows.
+    fn push(&mut self, new: &str, stops: &[String], end: bool) -> String {
+        if self.cut {
+            return String::new();
+        }
+        self.text.push_str(new);
+        let first = stops.iter().filter(|s| !s.is_empty()).filter_map(|s| self.text.find(s.as_str())).min();
+        let upto = match first {
+            Some(i) => {
+                self.cut = true;
+                i
+            }
+            None if end => self.text.len(),
+            None => {
+                // The longest end of the text that begins some stop string.
+                let hold = stops
+                    .iter()
+                    .filter_map(|s| (1..s.len()).rev().find(|&k| s.is_char_boundary(k) && self.text.ends_with(&s[..k])))
+                    .max()
+                    .unwrap_or(0);
+                self.text.len() - hold
+            }
+        };
+        let upto = upto.max(self.released);
+        let out = self.text[self.released..upto].to_string();
+        self.released = upto;
+        out
+    }
+}
+
 /// How one prompt's generation went.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Finished {
@@ -70,9 +111,10 @@ pub struct Finished {
 /// at a time, in order; the others' text waits in a buffer until their turn
 /// (so several prompts never interleave mid-line). With several prompts each
 /// continuation gets a `### prompt N` heading.
-pub fn stream(stages: impl BufRead, enc: &Encoded, mut out: impl Write) -> Result<Vec<Finished>, anyhow::Error> {
+pub fn stream(stages: impl BufRead, enc: &Encoded, stops: &[String], mut out: impl Write) -> Result<Vec<Finished>, anyhow::Error> {
     let n = enc.ids.len();
     let mut decoders: Vec<IncrementalDecoder> = (0..n).map(|_| IncrementalDecoder::new(true)).collect();
+    let mut filters: Vec<StopFilter> = (0..n).map(|_| StopFilter::default()).collect();
     let mut generated: Vec<Vec<u32>> = vec![Vec::new(); n];
     let mut pending: Vec<String> = vec![String::new(); n];
     let mut reasons: Vec<Option<String>> = vec![None; n];
@@ -89,12 +131,14 @@ pub fn stream(stages: impl BufRead, enc: &Encoded, mut out: impl Write) -> Resul
             let (s, id) = rest.split_once(' ').ok_or_else(malformed)?;
             let (seq, id) = (seq_of(s).ok_or_else(malformed)?, id.parse::<u32>().map_err(|_| malformed())?);
             generated[seq].push(id);
-            pending[seq].push_str(&decoders[seq].push(&enc.tokenizer, id)?);
+            let new = decoders[seq].push(&enc.tokenizer, id)?;
+            pending[seq].push_str(&filters[seq].push(&new, stops, false));
         } else if let Some(rest) = line.strip_prefix("m3c-end ") {
             let (s, reason) = rest.split_once(' ').ok_or_else(malformed)?;
             let seq = seq_of(s).ok_or_else(malformed)?;
             reasons[seq] = Some(reason.to_string());
-            pending[seq].push_str(&decoders[seq].finish(&enc.tokenizer)?);
+            let new = decoders[seq].finish(&enc.tokenizer)?;
+            pending[seq].push_str(&filters[seq].push(&new, stops, true));
         } else {
             writeln!(out, "{line}")?;
             continue;
@@ -111,8 +155,9 @@ pub fn stream(stages: impl BufRead, enc: &Encoded, mut out: impl Write) -> Resul
         out.flush()?;
     }
     // The run ended (with sequences unfinished only if it failed): the rest.
-    for (d, text) in decoders.iter_mut().zip(pending.iter_mut()).skip(current) {
-        text.push_str(&d.finish(&enc.tokenizer)?);
+    for ((d, f), text) in decoders.iter_mut().zip(filters.iter_mut()).zip(pending.iter_mut()).skip(current) {
+        let new = d.finish(&enc.tokenizer)?;
+        text.push_str(&f.push(&new, stops, true));
     }
     for (i, text) in pending.iter_mut().enumerate().skip(current) {
         if i > current {
@@ -131,4 +176,28 @@ pub fn stream(stages: impl BufRead, enc: &Encoded, mut out: impl Write) -> Resul
         .zip(reasons)
         .map(|((p, g), r)| Finished { prompt_tokens: p.len(), generated: g, reason: r.unwrap_or_else(|| "unfinished".into()) })
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StopFilter;
+
+    #[test]
+    fn a_stop_string_split_over_pieces_is_never_printed() {
+        let stops = ["\n\nUser:".to_string(), "END".to_string()];
+        let mut f = StopFilter::default();
+        let mut shown = String::new();
+        for piece in ["Hello", " world", "\n", "\nUs", "er: more"] {
+            shown += &f.push(piece, &stops, false);
+        }
+        shown += &f.push("", &stops, true);
+        assert_eq!(shown, "Hello world");
+        // A held-back start that does not become a stop string comes out.
+        let mut f = StopFilter::default();
+        let shown = f.push("a\n\nUs", &stops, false) + &f.push("ed", &stops, false) + &f.push("", &stops, true);
+        assert_eq!(shown, "a\n\nUsed");
+        let mut f = StopFilter::default();
+        assert_eq!(f.push("xEN", &stops, false), "x");
+        assert_eq!(f.push("", &stops, true), "EN");
+    }
 }

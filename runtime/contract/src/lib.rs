@@ -21,6 +21,7 @@ pub mod input;
 pub mod prompts;
 pub mod sampling;
 pub mod stage;
+pub mod token_bytes;
 mod unique_map;
 
 pub use checkpoint::{CheckpointError, CheckpointLayout, TensorLocation};
