@@ -134,7 +134,7 @@ struct RunArgs {
         conflicts_with_all = ["prompts", "prompt", "chat"]
     )]
     prompt_ids: Vec<String>,
-    /// A file with one prompt per line (token ids separated by commas).
+    /// A file with one prompt per line: token ids separated by commas, or JSON lines ({"prompt": TEXT} or {"messages": [...]}, with optional sampling fields).
     #[arg(long, value_name = "FILE", conflicts_with_all = ["prompt", "chat"])]
     prompts: Option<PathBuf>,
     /// A prompt as text, completed as it is (the checkpoint's tokenizer.json); repeat for several. The continuation streams to stdout.
@@ -501,7 +501,15 @@ fn run_cmd(args: RunArgs) -> Result<()> {
         }
     }
     // Text prompts become ids here; the stages only see ids.
-    let text_in = if args.prompt.is_empty() && args.chat.is_empty() {
+    // A --prompts file of JSON lines is text too; one of ids goes to the stages as it is.
+    let jsonl = match &args.prompts {
+        Some(f) => {
+            let text = m3c_contract::read_user_file(f, "--prompts", m3c_contract::input::limits::PROMPTS)?;
+            crate::text::front::is_jsonl(&text).then(|| (f.clone(), text))
+        }
+        None => None,
+    };
+    let text_in = if args.prompt.is_empty() && args.chat.is_empty() && jsonl.is_none() {
         None
     } else {
         let thinking = args.thinking.as_deref().map(|t| match t {
@@ -510,7 +518,13 @@ fn run_cmd(args: RunArgs) -> Result<()> {
             _ => crate::text::ThinkingMode::Adaptive,
         });
         let req = crate::text::front::TextRequest { prompts: &args.prompt, chats: &args.chat, system: args.system.as_deref(), thinking };
-        let enc = crate::text::front::encode(&args.model, &req)?;
+        let mut enc = crate::text::front::encode(&args.model, &req)?;
+        if let Some((file, text)) = &jsonl {
+            crate::text::front::encode_jsonl(&args.model, file, text, &mut enc)?;
+            if enc.ids.is_empty() {
+                bail!("--prompts {}: no prompts in it", file.display());
+            }
+        }
         if let Some(i) = enc.ids.iter().position(|p| p.is_empty()) {
             bail!("prompt {i} is empty: it has no tokens to continue from");
         }
@@ -553,7 +567,7 @@ fn run_cmd(args: RunArgs) -> Result<()> {
     }
     let path = |p: &Option<PathBuf>| p.as_ref().map(|p| p.display().to_string());
     for (name, value) in [
-        ("--prompts", path(&args.prompts)),
+        ("--prompts", path(&args.prompts).filter(|_| jsonl.is_none())),
         ("--max-new-tokens", Some(args.max_new_tokens.to_string())),
         ("--dump", path(&args.dump)),
         ("--prefill-chunk", args.prefill_chunk.map(|n| n.to_string())),
@@ -573,6 +587,23 @@ fn run_cmd(args: RunArgs) -> Result<()> {
         if let Some(v) = value {
             flag(name, v);
         }
+    }
+    // A JSONL line's own sampling fields, over the run's.
+    for (seq, o) in text_in.iter().flat_map(|t| t.overrides.iter().enumerate()) {
+        if *o == crate::text::front::LineSampling::default() {
+            continue;
+        }
+        let p = m3c_contract::sampling::SamplingParams {
+            temperature: o.temperature.unwrap_or(sampling.temperature),
+            top_k: o.top_k.unwrap_or(sampling.top_k),
+            top_p: o.top_p.unwrap_or(sampling.top_p),
+            min_p: o.min_p.unwrap_or(sampling.min_p),
+            repetition_penalty: o.repetition_penalty.unwrap_or(sampling.repetition_penalty),
+            seed: o.seed.unwrap_or(sampling.seed),
+        };
+        p.check().map_err(|e| anyhow::anyhow!("--prompts: prompt {seq}: {e}"))?;
+        let f = [p.temperature.to_string(), p.top_k.to_string(), p.top_p.to_string(), p.min_p.to_string()];
+        pass.extend(["--seq-sampling".to_string(), format!("{seq}:{}:{}:{}", f.join(":"), p.repetition_penalty, p.seed)]);
     }
     for stop in &args.stop {
         pass.extend(["--stop".to_string(), stop.bytes().map(|b| format!("{b:02x}")).collect()]);

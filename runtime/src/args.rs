@@ -34,6 +34,16 @@ pub struct RunArgs {
     /// Byte strings that end a sequence once its generated text holds one
     /// (given in hex, so any bytes survive the command line).
     pub stops: Vec<Vec<u8>>,
+    /// Per-sequence sampling that differs from `sampling` (a `--prompts`
+    /// JSONL line's own settings).
+    pub seq_sampling: Vec<(usize, SamplingParams)>,
+}
+
+impl RunArgs {
+    /// The sampling of sequence `seq`.
+    pub fn sampling_for(&self, seq: usize) -> &SamplingParams {
+        self.seq_sampling.iter().rev().find(|(s, _)| *s == seq).map_or(&self.sampling, |(_, p)| p)
+    }
 }
 
 /// Seconds without a heartbeat before a peer counts as lost.
@@ -41,11 +51,31 @@ pub const DEFAULT_TIMEOUT_S: f64 = 30.0;
 
 pub const USAGE: &str = "usage: stage-K (--model DIR | --synthetic-weights SEED) (--prompt-ids 1,2,3 [--prompt-ids ...] | --prompts FILE) \
 --max-new-tokens N [--micro-batch SEQS] [--prefill-chunk TOKENS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S] [--cuda-graphs on|off] [--prefill-gemm cublas|off] [--stream-ids] \
-[--temperature T] [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S] [--eos-ids 1,2] [--stop HEX ...]";
+[--temperature T] [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S] [--eos-ids 1,2] [--stop HEX ...] [--seq-sampling SEQ:T:K:P:MINP:R:SEED ...]";
 
 use crate::error::StageError;
 use m3c_contract::prompts::{parse_count, parse_ids, parse_prompts_file, parse_timeout_s};
 use m3c_contract::sampling::SamplingParams;
+
+/// `SEQ:T:K:P:MINP:R:SEED`, one sequence's sampling.
+fn parse_seq_sampling(v: &str) -> Result<(usize, SamplingParams), String> {
+    let bad = |what: &str| format!("--seq-sampling `{v}`: {what}; expected SEQ:T:K:P:MINP:R:SEED");
+    let f: Vec<&str> = v.split(':').collect();
+    if f.len() != 7 {
+        return Err(bad("not seven fields"));
+    }
+    let num = |i: usize| parse_f32(f[i], "--seq-sampling");
+    let p = SamplingParams {
+        temperature: num(1)?,
+        top_k: parse_count(f[2], "--seq-sampling top-k", false)?,
+        top_p: num(3)?,
+        min_p: num(4)?,
+        repetition_penalty: num(5)?,
+        seed: f[6].parse::<u64>().map_err(|_| bad("the seed is not an integer"))?,
+    };
+    p.check().map_err(|e| bad(&e))?;
+    Ok((parse_count(f[0], "--seq-sampling sequence", false)?, p))
+}
 
 /// A stop string's bytes from hex (`0a0a` for "\n\n").
 fn parse_hex(v: &str) -> Result<Vec<u8>, String> {
@@ -83,6 +113,7 @@ fn parse_args(args: &[String]) -> Result<RunArgs, String> {
     let mut sampling = SamplingParams::GREEDY;
     let mut eos_ids = Vec::new();
     let mut stops = Vec::new();
+    let mut seq_sampling = Vec::new();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = |name: &str| it.next().cloned().ok_or_else(|| format!("{name} needs a value; {USAGE}"));
@@ -127,6 +158,7 @@ fn parse_args(args: &[String]) -> Result<RunArgs, String> {
             }
             "--eos-ids" => eos_ids = parse_ids(&value("--eos-ids")?, "--eos-ids")?,
             "--stop" => stops.push(parse_hex(&value("--stop")?)?),
+            "--seq-sampling" => seq_sampling.push(parse_seq_sampling(&value("--seq-sampling")?)?),
             other => return Err(format!("unknown argument `{other}`; {USAGE}")),
         }
     }
@@ -163,5 +195,6 @@ fn parse_args(args: &[String]) -> Result<RunArgs, String> {
         sampling,
         eos_ids,
         stops,
+        seq_sampling,
     })
 }

@@ -61,7 +61,7 @@ fn finish(
     vocab: usize,
     max_new: usize,
     stage: usize,
-    sampling: &m3c_contract::sampling::SamplingParams,
+    args: &RunArgs,
 ) -> Result<Vec<i64>, StageError> {
     let mut row0 = 0;
     let mut ids = Vec::with_capacity(segs.len());
@@ -83,6 +83,7 @@ fn finish(
             out.ids.get(row0 + s.rows - 1).copied().ok_or_else(|| StageError::Step("a step returned fewer ids than rows".into()))?;
         let r = &records[s.seq];
         let gives_token = s.pos0 + s.rows >= r.prompt.len();
+        let sampling = args.sampling_for(s.seq);
         let id = if gives_token && !sampling.is_plain_greedy() {
             // Keyed by the sequence's own step, so the draw is the same
             // whatever the split, the batch or the chunking.
@@ -209,7 +210,7 @@ pub fn run(
                 }
                 let out = st.step(&segs, &ids, &mut x)?;
                 if last {
-                    let got = finish(&mut records, &segs, &out, vocab, n_new, rank, &args.sampling)?;
+                    let got = finish(&mut records, &segs, &out, vocab, n_new, rank, args)?;
                     for (s, id) in segs.iter().zip(got) {
                         on_id(s.seq, s.pos0, s.rows, id, &mut queue, &mut open)?;
                     }
@@ -267,7 +268,7 @@ pub fn run(
             }
             let out = st.step(&m.segments, &[], &mut x)?;
             if last {
-                let got = finish(&mut records, &m.segments, &out, vocab, n_new, rank, &args.sampling)?;
+                let got = finish(&mut records, &m.segments, &out, vocab, n_new, rank, args)?;
                 let payload: Vec<u8> = got.iter().flat_map(|i| i.to_le_bytes()).collect();
                 outbox.send(world, 0, TAG_IDS, message(KIND_STEP, &m.segments, &payload));
             } else if !st.uses_nccl() {

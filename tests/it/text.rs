@@ -380,3 +380,44 @@ fn the_stages_token_byte_table_decodes_as_the_tokenizer_does() {
     let e = m3c_contract::token_bytes::byte_level_table(r#"{"decoder": {"type": "WordPiece"}}"#).unwrap_err();
     assert!(e.contains("not ByteLevel"), "{e}");
 }
+
+#[test]
+fn a_jsonl_prompts_file_takes_text_chats_and_per_line_sampling() {
+    use m3c_tests::{compile, m3c, stderr, stdout};
+    let model = fixture("tiny-m3");
+    let m = model.to_str().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out = compile(&model, 2, dir.path(), &[]);
+    let o = out.to_str().unwrap();
+    let text = "The capital of France is";
+    let solo = |extra: &[&str]| {
+        let mut args = vec!["run", o, "--model", m, "--max-new-tokens", "10", "--ignore-eos"];
+        args.extend_from_slice(extra);
+        let r = m3c(&args);
+        assert!(r.status.success(), "{}", stderr(&r));
+        stdout(&r)
+    };
+    let file = dir.path().join("p.jsonl");
+    std::fs::write(
+        &file,
+        format!(
+            "{{\"prompt\": \"{text}\"}}\n\n{{\"messages\": [{{\"role\": \"user\", \"content\": \"Hi!\"}}], \"thinking\": \"disabled\"}}\n\
+             {{\"prompt\": \"{text}\", \"temperature\": 0.9, \"seed\": 5}}\n"
+        ),
+    )
+    .unwrap();
+    let all = solo(&["--prompts", file.to_str().unwrap()]);
+    let want = format!(
+        "### prompt 0\n{}### prompt 1\n{}### prompt 2\n{}",
+        solo(&["--prompt", text]),
+        solo(&["--chat", "Hi!", "--thinking", "disabled"]),
+        solo(&["--prompt", text, "--temperature", "0.9", "--seed", "5"])
+    );
+    assert_eq!(all, want, "each line as its own run, with its own sampling");
+    assert_ne!(solo(&["--prompt", text]), solo(&["--prompt", text, "--temperature", "0.9", "--seed", "5"]));
+    // A misspelt field names the file, the line and the field.
+    std::fs::write(&file, format!("{{\"prompt\": \"a\"}}\n{{\"prompt\": \"{text}\", \"temprature\": 1}}\n")).unwrap();
+    let r = m3c(&["run", o, "--model", m, "--max-new-tokens", "2", "--prompts", file.to_str().unwrap()]);
+    let e = stderr(&r);
+    assert!(!r.status.success() && e.contains("p.jsonl") && e.contains("line 2") && e.contains("temprature"), "{e}");
+}

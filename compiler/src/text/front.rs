@@ -17,10 +17,87 @@ pub struct TextRequest<'a> {
     pub thinking: Option<ThinkingMode>,
 }
 
-/// The encoded prompts, in the order given: `--prompt`s, then `--chat`s.
+/// The encoded prompts, in the order given: `--prompt`s, then `--chat`s,
+/// then the lines of a `--prompts` JSONL file.
 pub struct Encoded {
     pub tokenizer: TextTokenizer,
     pub ids: Vec<Vec<u32>>,
+    /// A JSONL line's own sampling fields (empty for the others).
+    pub overrides: Vec<LineSampling>,
+}
+
+/// The sampling fields a `--prompts` JSONL line may set.
+#[derive(Debug, Clone, Default, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LineSampling {
+    pub temperature: Option<f32>,
+    pub top_k: Option<usize>,
+    pub top_p: Option<f32>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub seed: Option<u64>,
+}
+
+/// One line of a `--prompts` JSONL file.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Line {
+    prompt: Option<String>,
+    messages: Option<serde_json::Value>,
+    thinking: Option<String>,
+    #[serde(flatten)]
+    sampling: LineSampling,
+}
+
+/// Whether a `--prompts` file is JSONL (its first non-blank byte is `{`)
+/// rather than lines of comma-separated ids.
+pub fn is_jsonl(text: &str) -> bool {
+    text.trim_start().starts_with('{')
+}
+
+/// Encodes the lines of a JSONL file: `{"prompt": TEXT}` or
+/// `{"messages": [...], "thinking": MODE}`, each with optional sampling
+/// fields. Errors name the file, the line and the field.
+pub fn encode_jsonl(model: &Path, file: &Path, text: &str, enc: &mut Encoded) -> Result<(), TextError> {
+    let mut template = None;
+    for (n, raw) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let bad = |message: String| TextError::Config { file: file.to_path_buf(), message: format!("line {}: {message}", n + 1) };
+        let line: Line = serde_json::from_str(raw).map_err(|e| bad(e.to_string()))?;
+        let ids = match (line.prompt, line.messages) {
+            (Some(p), None) if line.thinking.is_none() => enc.tokenizer.encode(&p)?,
+            (None, Some(m)) => {
+                if !m.is_array() {
+                    return Err(bad("`messages`: expected a list of {role, content}".into()));
+                }
+                let kwargs_thinking = match line.thinking.as_deref() {
+                    None => None,
+                    Some(t @ ("enabled" | "disabled" | "adaptive")) => Some(t.to_string()),
+                    Some(t) => return Err(bad(format!("`thinking`: {t:?} is not enabled, disabled or adaptive"))),
+                };
+                if template.is_none() {
+                    template = Some(
+                        ChatTemplate::from_dir(model)?
+                            .ok_or_else(|| bad("`messages` need a chat template, and the checkpoint has none".into()))?,
+                    );
+                }
+                let t = template.as_ref().expect("set just above");
+                let mut kwargs = vec![("add_generation_prompt", Value::from(true))];
+                if let Some(k) = kwargs_thinking {
+                    kwargs.push(("thinking_mode", Value::from(k)));
+                }
+                let messages: Value = serde_json::from_value(m).map_err(|e| bad(format!("`messages`: {e}")))?;
+                enc.tokenizer.encode(&t.render(&messages, &kwargs)?)?
+            }
+            _ => {
+                return Err(bad(
+                    "expected `prompt` (text) or `messages` (a chat), not both or neither; `thinking` goes with `messages`".into()
+                ))
+            }
+        };
+        enc.ids.push(ids);
+        enc.overrides.push(line.sampling);
+    }
+    Ok(())
 }
 
 /// Tokenizes every prompt of `req` with the checkpoint's tokenizer (and
@@ -52,7 +129,8 @@ pub fn encode(model: &Path, req: &TextRequest) -> Result<Encoded, TextError> {
             ids.push(tokenizer.encode(&rendered)?);
         }
     }
-    Ok(Encoded { tokenizer, ids })
+    let overrides = vec![LineSampling::default(); ids.len()];
+    Ok(Encoded { tokenizer, ids, overrides })
 }
 
 /// A sequence's text on its way out: cut before the first stop string, and
