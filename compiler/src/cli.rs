@@ -216,7 +216,7 @@ fn stop_string(v: &str) -> Result<String, String> {
 }
 
 fn number(v: &str) -> Result<f32, String> {
-    v.trim().parse::<f32>().ok().filter(|x| x.is_finite()).ok_or_else(|| format!("`{v}` is not a number"))
+    m3c_contract::prompts::parse_number(v, "value").map_err(|_| format!("`{v}` is not a number"))
 }
 
 fn timeout_s(v: &str) -> Result<f64, String> {

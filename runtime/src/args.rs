@@ -54,7 +54,7 @@ pub const USAGE: &str = "usage: stage-K (--model DIR | --synthetic-weights SEED)
 [--temperature T] [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S] [--eos-ids 1,2] [--stop HEX ...] [--seq-sampling SEQ:T:K:P:MINP:R:SEED ...]";
 
 use crate::error::StageError;
-use m3c_contract::prompts::{parse_count, parse_ids, parse_prompts_file, parse_timeout_s};
+use m3c_contract::prompts::{parse_count, parse_ids, parse_number, parse_prompts_file, parse_timeout_s};
 use m3c_contract::sampling::SamplingParams;
 
 /// `SEQ:T:K:P:MINP:R:SEED`, one sequence's sampling.
@@ -64,7 +64,7 @@ fn parse_seq_sampling(v: &str) -> Result<(usize, SamplingParams), String> {
     if f.len() != 7 {
         return Err(bad("not seven fields"));
     }
-    let num = |i: usize| parse_f32(f[i], "--seq-sampling");
+    let num = |i: usize| parse_number(f[i], "--seq-sampling");
     let p = SamplingParams {
         temperature: num(1)?,
         top_k: parse_count(f[2], "--seq-sampling top-k", false)?,
@@ -84,11 +84,6 @@ fn parse_hex(v: &str) -> Result<Vec<u8>, String> {
         return Err(bad());
     }
     (0..v.len()).step_by(2).map(|i| v.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok()).ok_or_else(bad)).collect()
-}
-
-/// A sampling number: finite, in range (checked with the others after parsing).
-fn parse_f32(v: &str, flag: &str) -> Result<f32, String> {
-    v.trim().parse::<f32>().ok().filter(|x| x.is_finite()).ok_or_else(|| format!("{flag}: `{v}` is not a number"))
 }
 
 /// Parses the stage arguments.
@@ -146,11 +141,11 @@ fn parse_args(args: &[String]) -> Result<RunArgs, String> {
                 }
             }
             "--stream-ids" => stream_ids = true,
-            "--temperature" => sampling.temperature = parse_f32(&value("--temperature")?, "--temperature")?,
+            "--temperature" => sampling.temperature = parse_number(&value("--temperature")?, "--temperature")?,
             "--top-k" => sampling.top_k = parse_count(&value("--top-k")?, "--top-k", false)?,
-            "--top-p" => sampling.top_p = parse_f32(&value("--top-p")?, "--top-p")?,
-            "--min-p" => sampling.min_p = parse_f32(&value("--min-p")?, "--min-p")?,
-            "--repetition-penalty" => sampling.repetition_penalty = parse_f32(&value("--repetition-penalty")?, "--repetition-penalty")?,
+            "--top-p" => sampling.top_p = parse_number(&value("--top-p")?, "--top-p")?,
+            "--min-p" => sampling.min_p = parse_number(&value("--min-p")?, "--min-p")?,
+            "--repetition-penalty" => sampling.repetition_penalty = parse_number(&value("--repetition-penalty")?, "--repetition-penalty")?,
             "--seed" => {
                 let v = value("--seed")?;
                 sampling.seed =

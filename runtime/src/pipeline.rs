@@ -87,7 +87,12 @@ fn finish(
         let id = if gives_token && !sampling.is_plain_greedy() {
             // Keyed by the sequence's own step, so the draw is the same
             // whatever the split, the batch or the chunking.
-            let context: Vec<u32> = r.prompt.iter().chain(&r.generated).map(|&i| i as u32).collect();
+            // The sequence so far matters only to the repetition penalty.
+            let context: Vec<u32> = if sampling.repetition_penalty != 1.0 {
+                r.prompt.iter().chain(&r.generated).map(|&i| i as u32).collect()
+            } else {
+                Vec::new()
+            };
             let last_row = &rows[(s.rows - 1) * vocab..];
             m3c_contract::sampling::sample(last_row, &context, sampling, 0, r.generated.len() as u64) as i64
         } else {

@@ -110,10 +110,15 @@ fn a_template_error_and_damaged_files_are_named() {
     assert!(e.contains("tool role, but there was no previous assistant message with a tool call"), "{e}");
 }
 
-/// The ids the first stage prints for one prompt (`prompt 0: 1,2,3`).
+/// The ids the first stage prints for prompt `k` (`prompt K: 1,2,3`).
+fn printed<T: std::str::FromStr>(stdout: &str, k: usize) -> Vec<T> {
+    let tag = format!("prompt {k}: ");
+    let line = stdout.lines().find_map(|l| l.strip_prefix(tag.as_str())).unwrap_or_else(|| panic!("no ids for prompt {k} in {stdout}"));
+    line.split(',').map(|x| x.parse().ok().unwrap_or_else(|| panic!("{x}: not an id"))).collect()
+}
+
 fn printed_ids(stdout: &str) -> Vec<u32> {
-    let line = stdout.lines().find_map(|l| l.strip_prefix("prompt 0: ")).unwrap_or_else(|| panic!("no ids in {stdout}"));
-    line.split(',').map(|x| x.parse().unwrap()).collect()
+    printed(stdout, 0)
 }
 
 #[test]
@@ -240,8 +245,7 @@ fn sampled_tokens_depend_only_on_the_seed_not_on_pp_batch_or_threads() {
         }
         let r = m3c_env(&args, &[("OMP_NUM_THREADS", threads)]);
         assert!(r.status.success(), "{}", stderr(&r));
-        let line = stdout(&r).lines().find_map(|l| l.strip_prefix("prompt 0: ").map(str::to_string)).unwrap();
-        line.split(',').map(|x| x.parse().unwrap()).collect()
+        printed(&stdout(&r), 0)
     };
     let base = run(&outs[0].1, &[&a], &["--seed", "7"], "1");
     assert_eq!(base.len(), 16);
@@ -272,16 +276,15 @@ fn eos_ends_a_sequence_and_generation_config_sets_the_defaults() {
     let o = out.to_str().unwrap();
     let ids = |r: &std::process::Output| -> Vec<i64> {
         assert!(r.status.success(), "{}", stderr(r));
-        let line = stdout(r).lines().find_map(|l| l.strip_prefix("prompt 0: ").map(str::to_string)).unwrap();
-        line.split(',').map(|x| x.parse().unwrap()).collect()
+        printed(&stdout(r), 0)
     };
     let r = m3c(&["run", o, "--model", m, "--prompt-ids", &a, "--prompt-ids", "5,6,7", "--max-new-tokens", "16"]);
     assert_eq!(ids(&r), greedy[..3], "stops after the EOS id, which it keeps");
     assert!(stderr(&r).contains("stops on EOS id(s)") && stderr(&r).contains("generation_config.json"), "{}", stderr(&r));
     // The other prompt is not cut short by the first one's end.
-    let other = stdout(&r).lines().find_map(|l| l.strip_prefix("prompt 1: ").map(str::to_string)).unwrap();
+    let other: Vec<i64> = printed(&stdout(&r), 1);
     let alone = m3c(&["run", o, "--model", m, "--prompt-ids", "5,6,7", "--max-new-tokens", "16"]);
-    assert_eq!(other.split(',').map(|x| x.parse::<i64>().unwrap()).collect::<Vec<_>>(), ids(&alone));
+    assert_eq!(other, ids(&alone));
     let r = m3c(&["run", o, "--model", m, "--prompt-ids", &a, "--max-new-tokens", "16", "--ignore-eos"]);
     assert_eq!(ids(&r), greedy, "--ignore-eos runs to --max-new-tokens");
 

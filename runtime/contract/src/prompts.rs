@@ -45,6 +45,12 @@ pub fn parse_count(v: &str, flag: &str, positive: bool) -> Result<usize, String>
     }
 }
 
+/// A finite number flag (the sampling settings; their ranges are checked
+/// by `SamplingParams::check`).
+pub fn parse_number(v: &str, flag: &str) -> Result<f32, String> {
+    v.trim().parse::<f32>().ok().filter(|x| x.is_finite()).ok_or_else(|| format!("{flag}: `{}` is not a number", short(v)))
+}
+
 /// `--timeout-s`: a finite number of seconds in (0, a week].
 pub fn parse_timeout_s(v: &str) -> Result<f64, String> {
     match v.trim().parse::<f64>() {
