@@ -160,7 +160,7 @@ kernels! {
     linear::Linear,
     head_norm_rope::HeadNormRope,
     swiglu_oai::SwiGluOai,
-    argmax::Argmax,
+    sample::Sample,
     embedding::Embedding,
     add::Add,
     scatter_rows::ScatterRows,

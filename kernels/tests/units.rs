@@ -25,7 +25,7 @@ fn samples() -> Vec<(&'static str, Kernel)> {
         ("linear_logits_abf16", Linear { inp: 64, out: 8, weight: bf16, act: b, out_act: f }.into()),
         ("head_norm_rope", HeadNormRope { heads: 2, head_dim: 32, rotary_dim: 16, theta: 1e4, eps: 1e-6, weight: bf16, act: f }.into()),
         ("swiglu_oai", SwiGluOai { width: 32, alpha: 1.702, limit: 7.0, beta: 1.0, act: f }.into()),
-        ("argmax", Argmax { width: 40 }.into()),
+        ("sample", Sample { width: 40 }.into()),
         ("embedding", Embedding { vocab: 10, width: 32, weight: bf16, act: f }.into()),
         ("add", Add { width: 32, act: f }.into()),
         ("scatter_rows_kvbf16", ScatterRows { width: 32, cache: b, act: f }.into()),

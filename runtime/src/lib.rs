@@ -25,6 +25,7 @@ mod dump;
 mod liveness;
 mod meta;
 mod pipeline;
+mod sampler;
 mod stage;
 mod startup;
 mod weights;

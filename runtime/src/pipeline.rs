@@ -32,28 +32,44 @@ fn print_line(line: &str) {
     let _ = out.write_all(line.as_bytes()).and_then(|_| out.flush());
 }
 
-/// The last stage's record of one sequence's step, whose last row gave
-/// `id`; returns it.
-fn record(records: &mut [dump::SeqRecord], s: &Segment, logits: &[f32], id: i64, row0: usize, vocab: usize, max_new: usize) -> i64 {
-    let r = &mut records[s.seq];
-    let rows = &logits[row0 * vocab..(row0 + s.rows) * vocab];
-    let plen = r.prompt.len();
-    if s.pos0 < plen {
-        // A prefill chunk (chunks of a sequence arrive in order).
-        r.prefill_logits.extend_from_slice(rows);
-    } else {
-        r.decode_logits.extend_from_slice(&rows[(s.rows - 1) * vocab..]);
-    }
-    // Only the prompt's last row and decode rows give tokens.
-    if s.pos0 + s.rows >= plen && r.generated.len() < max_new {
-        r.generated.push(id);
-    }
-    id
+/// Whether a sequence's step ends at or past its prompt's last row, so its
+/// last row gives a token.
+fn gives_token(r: &dump::SeqRecord, s: &Segment) -> bool {
+    s.pos0 + s.rows >= r.prompt.len()
 }
 
-/// The last stage's part of a step: checks the logits, records them, and
-/// returns one id per segment. Non-finite logits (NaN or Inf in the
-/// weights, or an overflow) end the run with the sequence and position.
+/// The last stage's sampling inputs for a step: one table row per row of
+/// the step (the last row of each segment that gives a token draws, keyed by
+/// the sequence's own step, so the draw is the same whatever the split, the
+/// batch or the chunking), and a seen-id bitmap per segment for those with
+/// a repetition penalty.
+fn sample_in(records: &[dump::SeqRecord], segs: &[Segment], args: &RunArgs, vocab: usize) -> stage::SampleIn {
+    use m3c_contract::sampling::{row_words, seen_bitmap, seen_words, ROW_WORDS};
+    let words = seen_words(vocab);
+    let tokens: usize = segs.iter().map(|s| s.rows).sum();
+    let mut table = Vec::with_capacity(tokens * ROW_WORDS);
+    let mut seen = vec![0u32; segs.len() * words];
+    let mut penalised = false;
+    for (k, s) in segs.iter().enumerate() {
+        let r = &records[s.seq];
+        let p = args.sampling_for(s.seq);
+        let draws = gives_token(r, s);
+        if draws && p.repetition_penalty != 1.0 {
+            penalised = true;
+            let bits = seen_bitmap(r.prompt.iter().chain(&r.generated).map(|&i| i as u32), vocab);
+            seen[k * words..(k + 1) * words].copy_from_slice(&bits);
+        }
+        for j in 0..s.rows {
+            table.extend_from_slice(&row_words(p, 0, r.generated.len() as u64, draws && j + 1 == s.rows, k));
+        }
+    }
+    stage::SampleIn { table, seen, penalised, want_logits: args.dump.is_some() || args.expect.is_some() }
+}
+
+/// The last stage's part of a step: checks the logits, records them (when a
+/// dump or `--expect` wants them), and returns one id per segment.
+/// Non-finite logits (NaN or Inf in the weights, or an overflow) end the run
+/// with the sequence and position.
 fn finish(
     records: &mut [dump::SeqRecord],
     segs: &[Segment],
@@ -61,46 +77,42 @@ fn finish(
     vocab: usize,
     max_new: usize,
     stage: usize,
-    args: &RunArgs,
 ) -> Result<Vec<i64>, StageError> {
+    use m3c_contract::sampling::{row, ROW_WORDS};
     let mut row0 = 0;
     let mut ids = Vec::with_capacity(segs.len());
     for s in segs {
-        let rows = out
-            .logits
-            .get(row0 * vocab..(row0 + s.rows) * vocab)
-            .ok_or_else(|| StageError::Step("a step returned fewer logits than rows".into()))?;
-        if let Some(i) = rows.iter().position(|v| !v.is_finite()) {
-            return Err(StageError::Step(format!(
-                "stage {stage}: non-finite logits ({}) at step for prompt {}, position {}; the weights or activations hold NaN or Inf \
-                 (check the checkpoint with `m3c inspect MODEL --check-values`)",
-                rows[i],
-                s.seq,
-                s.pos0 + i / vocab
-            )));
+        for j in 0..s.rows {
+            let bad = out
+                .table
+                .get((row0 + j) * ROW_WORDS + row::NON_FINITE)
+                .copied()
+                .ok_or_else(|| StageError::Step("a step returned a short sampling table".into()))?;
+            if bad != 0 {
+                return Err(StageError::Step(format!(
+                    "stage {stage}: {bad} non-finite logits (NaN or Inf) at step for prompt {}, position {}; the weights or activations \
+                     hold NaN or Inf (check the checkpoint with `m3c inspect MODEL --check-values`)",
+                    s.seq,
+                    s.pos0 + j
+                )));
+            }
         }
-        let kernel_id =
-            out.ids.get(row0 + s.rows - 1).copied().ok_or_else(|| StageError::Step("a step returned fewer ids than rows".into()))?;
-        let r = &records[s.seq];
-        let gives_token = s.pos0 + s.rows >= r.prompt.len();
-        let sampling = args.sampling_for(s.seq);
-        let id = if gives_token && !sampling.is_plain_greedy() {
-            // Keyed by the sequence's own step, so the draw is the same
-            // whatever the split, the batch or the chunking.
-            // The sequence so far matters only to the repetition penalty.
-            let context: Vec<u32> = if sampling.repetition_penalty != 1.0 {
-                r.prompt.iter().chain(&r.generated).map(|&i| i as u32).collect()
-            } else {
-                Vec::new()
-            };
-            let last_row = &rows[(s.rows - 1) * vocab..];
-            m3c_contract::sampling::sample(last_row, &context, sampling, 0, r.generated.len() as u64) as i64
-        } else {
-            kernel_id
-        };
-        let id = record(records, s, &out.logits, id, row0, vocab, max_new);
+        let id = out.ids.get(row0 + s.rows - 1).copied().ok_or_else(|| StageError::Step("a step returned fewer ids than rows".into()))?;
         if id < 0 || id as usize >= vocab {
             return Err(StageError::Step(format!("stage {stage}: the sampler chose id {id}, outside the vocabulary (0..{vocab})")));
+        }
+        let r = &mut records[s.seq];
+        if let Some(rows) = out.logits.get(row0 * vocab..(row0 + s.rows) * vocab) {
+            if s.pos0 < r.prompt.len() {
+                // A prefill chunk (chunks of a sequence arrive in order).
+                r.prefill_logits.extend_from_slice(rows);
+            } else {
+                r.decode_logits.extend_from_slice(&rows[(s.rows - 1) * vocab..]);
+            }
+        }
+        // Only the prompt's last row and decode rows give tokens.
+        if gives_token(r, s) && r.generated.len() < max_new {
+            r.generated.push(id);
         }
         ids.push(id);
         row0 += s.rows;
@@ -213,9 +225,10 @@ pub fn run(
                     // The step's NCCL send waits for the receiver, who needs the header first.
                     outbox.send(world, 1, TAG_ACT, message(KIND_STEP, &segs, &[]));
                 }
-                let out = st.step(&segs, &ids, &mut x)?;
+                let sample = last.then(|| sample_in(&records, &segs, args, vocab));
+                let out = st.step(&segs, &ids, &mut x, sample)?;
                 if last {
-                    let got = finish(&mut records, &segs, &out, vocab, n_new, rank, args)?;
+                    let got = finish(&mut records, &segs, &out, vocab, n_new, rank)?;
                     for (s, id) in segs.iter().zip(got) {
                         on_id(s.seq, s.pos0, s.rows, id, &mut queue, &mut open)?;
                     }
@@ -271,9 +284,10 @@ pub fn run(
             if !last && st.uses_nccl() {
                 outbox.send(world, rank + 1, TAG_ACT, message(KIND_STEP, &m.segments, &[]));
             }
-            let out = st.step(&m.segments, &[], &mut x)?;
+            let sample = last.then(|| sample_in(&records, &m.segments, args, vocab));
+            let out = st.step(&m.segments, &[], &mut x, sample)?;
             if last {
-                let got = finish(&mut records, &m.segments, &out, vocab, n_new, rank, args)?;
+                let got = finish(&mut records, &m.segments, &out, vocab, n_new, rank)?;
                 let payload: Vec<u8> = got.iter().flat_map(|i| i.to_le_bytes()).collect();
                 outbox.send(world, 0, TAG_IDS, message(KIND_STEP, &m.segments, &payload));
             } else if !st.uses_nccl() {

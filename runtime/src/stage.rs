@@ -22,6 +22,8 @@ extern "C" {
         x: *mut f32,
         logits: *mut f32,
         out_ids: *mut i64,
+        table: *mut i64,
+        seen: *const u32,
         pos: *const i64,
     );
 }
@@ -54,14 +56,17 @@ enum Backing {
 }
 
 /// The device buffers a step's entry reads and writes besides weights,
-/// caches and scratch: ids, positions, activations, logits, sampled ids.
-/// Owned: they go back to the scratch pool when dropped.
+/// caches and scratch: ids, positions, activations, logits, sampled ids,
+/// the sampling table and the seen-id bitmaps. Owned: they go back to the
+/// scratch pool when dropped.
 struct Io {
     ids: ScratchBuffer,
     pos: ScratchBuffer,
     x: ScratchBuffer,
     logits: ScratchBuffer,
     out: ScratchBuffer,
+    table: ScratchBuffer,
+    seen: ScratchBuffer,
 }
 
 /// The addresses of an [`Io`], for one step.
@@ -72,16 +77,38 @@ struct IoPtrs {
     x: u64,
     logits: u64,
     out: u64,
+    table: u64,
+    seen: u64,
 }
 
 impl Io {
-    fn alloc(tokens: usize, x_words: usize, vocab: usize) -> Io {
+    /// Buffers for a step of `tokens` rows over `sequences` sequences
+    /// (`vocab` 0 unless this is the last stage).
+    fn alloc(tokens: usize, sequences: usize, x_words: usize, vocab: usize) -> Io {
         let a = |n: usize| ScratchBuffer::new(n);
-        Io { ids: a(tokens * 8), pos: a(tokens * 8), x: a(tokens * x_words * 4), logits: a(tokens * vocab * 4), out: a(tokens * 8) }
+        let last = vocab > 0;
+        let words = if last { m3c_contract::sampling::seen_words(vocab) } else { 0 };
+        Io {
+            ids: a(tokens * 8),
+            pos: a(tokens * 8),
+            x: a(tokens * x_words * 4),
+            logits: a(tokens * vocab * 4),
+            out: a(tokens * 8),
+            table: a(if last { tokens * m3c_contract::sampling::ROW_WORDS * 8 } else { 0 }),
+            seen: a(sequences * words * 4),
+        }
     }
 
     fn ptrs(&self) -> IoPtrs {
-        IoPtrs { ids: self.ids.ptr(), pos: self.pos.ptr(), x: self.x.ptr(), logits: self.logits.ptr(), out: self.out.ptr() }
+        IoPtrs {
+            ids: self.ids.ptr(),
+            pos: self.pos.ptr(),
+            x: self.x.ptr(),
+            logits: self.logits.ptr(),
+            out: self.out.ptr(),
+            table: self.table.ptr(),
+            seen: self.seen.ptr(),
+        }
     }
 }
 
@@ -160,12 +187,26 @@ pub struct Stage {
     decode: (usize, f64),
 }
 
+/// What the last stage's sampler is given for a step: the sampling table
+/// (`[S, ROW_WORDS]`, see `m3c_contract::sampling::row`), the seen-id
+/// bitmaps (`[sequences, ⌈vocab/32⌉]`, read only by rows with a repetition
+/// penalty) and whether the logits must come back (for `--dump` and
+/// `--expect`; a GPU stage otherwise returns only the ids and the table).
+pub struct SampleIn {
+    pub table: Vec<i64>,
+    pub seen: Vec<u32>,
+    pub penalised: bool,
+    pub want_logits: bool,
+}
+
 /// What a step produced.
 pub struct StepOut {
-    /// `[S, vocab]` (last stage only).
+    /// `[S, vocab]` (last stage, when asked for).
     pub logits: Vec<f32>,
-    /// `[S]` greedy ids (last stage only).
+    /// `[S]` sampled ids (last stage only).
     pub ids: Vec<i64>,
+    /// The sampling table, with each row's non-finite logit count (last stage).
+    pub table: Vec<i64>,
 }
 
 /// A slice of plain values (f32, i64, u64) as bytes, for copies to and from
@@ -310,9 +351,9 @@ impl Stage {
     /// (stacked in that order in `ids` and `x`) and first position. `x` is
     /// `[S, hidden]` (f32, or bf16 bits two to a word: `x_words` per row),
     /// read unless this is the first stage and written unless it is the last.
-    pub fn step(&mut self, segments: &[Segment], ids: &[i64], x: &mut [f32]) -> Result<StepOut, StageError> {
+    pub fn step(&mut self, segments: &[Segment], ids: &[i64], x: &mut [f32], sample: Option<SampleIn>) -> Result<StepOut, StageError> {
         let t0 = std::time::Instant::now();
-        let out = self.run_step(segments, ids, x)?;
+        let out = self.run_step(segments, ids, x, sample)?;
         let dt = t0.elapsed().as_secs_f64();
         let acc = if segments.iter().any(|s| s.pos0 == 0) { &mut self.prefill } else { &mut self.decode };
         acc.0 += 1;
@@ -332,13 +373,33 @@ impl Stage {
         )
     }
 
-    fn run_step(&mut self, segments: &[Segment], ids: &[i64], x: &mut [f32]) -> Result<StepOut, StageError> {
+    fn run_step(&mut self, segments: &[Segment], ids: &[i64], x: &mut [f32], sample: Option<SampleIn>) -> Result<StepOut, StageError> {
         let m = &self.meta;
         let tokens: usize = segments.iter().map(|s| s.rows).sum();
         if x.len() != tokens * m.x_words() || (m.first_stage && ids.len() != tokens) {
             return Err(StageError::Step(format!("step of {tokens} rows got {} activations and {} ids", x.len(), ids.len())));
         }
-        let mut logits = if m.last_stage { vec![0f32; tokens * m.vocab] } else { Vec::new() };
+        let words = m3c_contract::sampling::seen_words(m.vocab);
+        let SampleIn { table: mut samp, seen, penalised, want_logits } = match sample {
+            Some(s) if m.last_stage => s,
+            None if !m.last_stage => SampleIn { table: Vec::new(), seen: Vec::new(), penalised: false, want_logits: false },
+            _ => {
+                return Err(StageError::Step(
+                    "runtime bug: sampling inputs for a stage that does not sample, or none for one that does".into(),
+                ))
+            }
+        };
+        if m.last_stage && (samp.len() != tokens * m3c_contract::sampling::ROW_WORDS || seen.len() != segments.len() * words) {
+            return Err(StageError::Step(format!(
+                "step of {tokens} rows got a sampling table of {} words and {} bitmap words",
+                samp.len(),
+                seen.len()
+            )));
+        }
+        // The host's kernels write the logits here; a GPU's stay on the
+        // device unless they are wanted.
+        let on_host = matches!(self.backing, Backing::Host { .. });
+        let mut logits = if m.last_stage && (on_host || want_logits) { vec![0f32; tokens * m.vocab] } else { Vec::new() };
         let mut out_ids = if m.last_stage { vec![0i64; tokens] } else { Vec::new() };
         let rows: Vec<i64> = segments.iter().map(|s| s.rows as i64).collect();
         let mut caps: Vec<i64> = Vec::with_capacity(segments.len());
@@ -366,10 +427,12 @@ impl Stage {
                     tables.push(bufs.iter_mut().map(|b| b.as_mut_ptr()).collect());
                 }
                 let table_ptrs: Vec<*const *mut f32> = tables.iter().map(|t| t.as_ptr()).collect();
+                // Seen holds one bitmap per sequence (or nothing on a stage
+                // that does not sample, whose entry never reads it).
                 // SAFETY: every pointer covers what the compiled step reads or
                 // writes: weights were checked against the compiled shapes, each
                 // sequence's caches hold `capacity ≥ pos0 + rows` rows, and x,
-                // ids, logits, out_ids and pos hold `tokens` rows.
+                // ids, logits, out_ids, table and pos hold `tokens` rows.
                 unsafe {
                     m3c_stage_step(
                         weights.ptrs.as_ptr(),
@@ -383,6 +446,8 @@ impl Stage {
                         x.as_mut_ptr(),
                         logits.as_mut_ptr(),
                         out_ids.as_mut_ptr(),
+                        samp.as_mut_ptr(),
+                        seen.as_ptr(),
                         pos.as_ptr(),
                     );
                 }
@@ -402,9 +467,16 @@ impl Stage {
                 // micro-batch's second step on; everything else runs eagerly.
                 let key: Option<Vec<usize>> =
                     (graphs.on && segments.iter().all(|s| s.rows == 1)).then(|| segments.iter().map(|s| s.seq).collect());
-                let fresh = || Io::alloc(tokens, m.x_words(), if m.last_stage { m.vocab } else { 0 });
+                let fresh = || Io::alloc(tokens, segments.len(), m.x_words(), if m.last_stage { m.vocab } else { 0 });
                 let (plan, io, mut fresh_io) = graphs.plan(key, fresh);
                 device.copy_in(io.pos, bytes_of(&pos))?;
+                if m.last_stage {
+                    device.copy_in(io.table, bytes_of(&samp))?;
+                    // The bitmaps matter only to penalised rows.
+                    if penalised {
+                        device.copy_in(io.seen, bytes_of(&seen))?;
+                    }
+                }
                 if m.first_stage {
                     device.copy_in(io.ids, bytes_of(ids))?;
                 } else if let Some(link) = &self.nccl {
@@ -428,6 +500,8 @@ impl Stage {
                             io.x as *mut f32,
                             io.logits as *mut f32,
                             io.out as *mut i64,
+                            io.table as *mut i64,
+                            io.seen as *const u32,
                             io.pos as *const i64,
                         );
                     }
@@ -467,13 +541,23 @@ impl Stage {
                 }
                 device.sync()?;
                 if m.last_stage {
-                    device.download(io.logits, bytes_of_mut(&mut logits))?;
+                    // Only the ids and the table leave the device, unless the
+                    // logits are wanted.
+                    if want_logits {
+                        device.download(io.logits, bytes_of_mut(&mut logits))?;
+                    } else {
+                        logits = Vec::new();
+                    }
                     device.download(io.out, bytes_of_mut(&mut out_ids))?;
+                    device.download(io.table, bytes_of_mut(&mut samp))?;
                 } else if self.nccl.is_none() {
                     device.download(io.x, bytes_of_mut(x))?;
                 }
             }
         }
-        Ok(StepOut { logits, ids: out_ids })
+        if !want_logits {
+            logits = Vec::new();
+        }
+        Ok(StepOut { logits, ids: out_ids, table: samp })
     }
 }

@@ -82,6 +82,19 @@ fn tiny_cuda_stages_assemble_for_sm90a_and_their_kernels_are_pinned() {
                 assert!(report.lines().any(|l| l.starts_with(&format!("{k:<6} {name} "))), "{name} missing from the report:\n{report}");
             }
             insta::assert_snapshot!(format!("{model}_pp2_stage{k}_cuda_kernels"), list.join("\n"));
+            if k == 1 {
+                // The device sampler matches the host's bit for bit only if
+                // every product is rounded on its own (no fused multiply-add)
+                // and every division is IEEE's.
+                let at = ptx.find(".entry m3c_sample_w").expect("the last stage samples on the device");
+                let body = &ptx[at + 6..];
+                let body = &body[..body.find(".entry").unwrap_or(body.len())];
+                assert!(!body.contains("fma.") && !body.contains("mad.rn.f"), "{model}: the sampler's PTX fuses a multiply-add");
+                assert!(
+                    body.contains("div.rn.f32") && !body.contains("div.approx") && !body.contains("div.full"),
+                    "{model}: the sampler's divisions"
+                );
+            }
             // The executable embeds the cubin ptxas made (machine code, no JIT
             // at start-up), not the PTX.
             let cubin = std::fs::read(out.join(format!("stage-{k}.cubin"))).unwrap();

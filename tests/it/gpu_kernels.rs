@@ -173,7 +173,24 @@ fn run_both_prefix(k: &Kernel, rows: usize, args: &[B], n: usize) -> Vec<(Vec<u8
         .collect();
     // SAFETY: one live descriptor per kernel argument, each over a buffer of the compiled shape.
     unsafe { call(&lib, k, &ptrs) };
-    // GPU: the same buffers in interpreter memory, through the launch code.
+    let gpu = run_gpu(k, rows, args, n);
+    let mut outs = Vec::new();
+    for (i, a) in args.iter().enumerate() {
+        if let B::Data(b) = a {
+            if b.out {
+                // SAFETY: `h` (or `host[i]`) holds at least the buffer's bytes: it was allocated for these dims.
+                let hb: Vec<u8> = unsafe { std::slice::from_raw_parts(host[i].as_ptr() as *const u8, b.bytes) }.to_vec();
+                outs.push(hb);
+            }
+        }
+    }
+    outs.into_iter().zip(gpu).collect()
+}
+
+/// Runs `k`'s GPU functions in the interpreter, through the launch code the
+/// stage entry emits, on its first `n` arguments; returns each output
+/// buffer's bytes.
+fn run_gpu(k: &Kernel, rows: usize, args: &[B], n: usize) -> Vec<Vec<u8>> {
     let tys: Vec<String> = args[..n].iter().map(|a| if let B::Data(b) = a { b.ty.clone() } else { "!llvm.ptr".into() }).collect();
     let text = gpu_module(k, &tys);
     let mut g = Gpu::new(&text).unwrap_or_else(|e| panic!("{k}: {e}\n{text}"));
@@ -202,10 +219,7 @@ fn run_both_prefix(k: &Kernel, rows: usize, args: &[B], n: usize) -> Vec<(Vec<u8
     for (i, a) in args.iter().enumerate() {
         if let B::Data(b) = a {
             if b.out {
-                // SAFETY: `h` (or `host[i]`) holds at least the buffer's bytes: it was allocated for these dims.
-                let hb: Vec<u8> = unsafe { std::slice::from_raw_parts(host[i].as_ptr() as *const u8, b.bytes) }.to_vec();
-                let gb: Vec<u8> = g.mem.get::<u8>(gp[i])[..b.bytes].to_vec();
-                outs.push((hb, gb));
+                outs.push(g.mem.get::<u8>(gp[i])[..b.bytes].to_vec());
             }
         }
     }
@@ -327,15 +341,9 @@ fn rowwise_gpu_kernels_match_the_host() {
             assert_eq!(o[0].0, o[0].1, "{k}: the cache bytes");
         }
     }
-    // to_bf16 and argmax (f32 logits)
+    // to_bf16
     let k = Kernel::ToBf16(m3c_kernels::ToBf16 { width: 96 });
     let o = run_both(&k, rows, &[act_rows(rows, 96, Storage::F32, 1, false), act_rows(rows, 96, Storage::Bf16, 2, true)]);
-    assert_eq!(o[0].0, o[0].1, "{k}");
-    let k = Kernel::Argmax(m3c_kernels::Argmax { width: 300 });
-    let mut logits = vals(rows * 300, 9, 2.0);
-    logits[300 + 17] = 5.0;
-    logits[300 + 200] = 5.0; // a tie: the first wins
-    let o = run_both(&k, rows, &[buf(&logits, &[rows, 300], "memref<?x300xf32>", false), buf(&[0i64; 3], &[rows], "memref<?xi64>", true)]);
     assert_eq!(o[0].0, o[0].1, "{k}");
     // MXFP8 decode for the tensor-core GEMM
     let k = Kernel::DequantMxfp8(m3c_kernels::DequantMxfp8 { out: 24, inp: 256, block: 32 });
@@ -483,6 +491,8 @@ fn cuda_stage_logits(model: &str, act: Storage, gemm: bool, decode: &[i64]) -> V
             g.mem.alloc(rows * vocab * 4),
             g.mem.alloc(rows * 8),
             g.mem.alloc(rows * 8),
+            g.mem.alloc(rows * m3c_contract::sampling::ROW_WORDS * 8),
+            g.mem.alloc(m3c_contract::sampling::seen_words(vocab) * 4),
         ]
     };
     let (prefill_io, decode_io) = (io(&mut g, prompt.len()), io(&mut g, 1));
@@ -495,11 +505,23 @@ fn cuda_stage_logits(model: &str, act: Storage, gemm: bool, decode: &[i64]) -> V
         g.mem.write(a[0], &[rows as i64]).unwrap();
         g.mem.write(a[2], &ids).unwrap();
         g.mem.write(a[6], &pos).unwrap();
-        let args = [weights, weights, caches, 1, a[0], a[1], rows as u64, a[2], a[3], a[4], a[5], a[6]].map(Arg::Ptr);
+        // The last row draws greedily; the others are only checked.
+        let greedy = m3c_contract::sampling::SamplingParams::GREEDY;
+        let table: Vec<i64> = (0..rows).flat_map(|r| m3c_contract::sampling::row_words(&greedy, 0, 0, r + 1 == rows, 0)).collect();
+        g.mem.write(a[7], &table).unwrap();
+        let args = [weights, weights, caches, 1, a[0], a[1], rows as u64, a[2], a[3], a[4], a[5], a[7], a[8], a[6]].map(Arg::Ptr);
         g.mem.launches.clear();
         g.call_host(m3c::lower::ENTRY_SYMBOL, &args).unwrap_or_else(|e| panic!("{model}: {e}"));
         traces.push(std::mem::take(&mut g.mem.launches));
-        out.push(g.mem.get::<f32>(a[4])[..rows * vocab].to_vec());
+        let logits = g.mem.get::<f32>(a[4])[..rows * vocab].to_vec();
+        // The stage's own sampler took the last row's first maximum.
+        let id = g.mem.get::<i64>(a[5])[rows - 1];
+        assert_eq!(
+            id as usize,
+            m3c_contract::sampling::greedy(&logits[(rows - 1) * vocab..]),
+            "{model}: the sampled id at position {pos0}"
+        );
+        out.push(logits);
     }
     // What CUDA graph replay relies on: every decode step makes the same
     // launches — kernels, grids, sizes, the same weights, caches and step
@@ -668,8 +690,11 @@ impl CudaPipeline {
                 g.mem.alloc(if k + 1 == n { s * self.vocab * 4 } else { 4 }),
                 g.mem.alloc(s * 8),
                 g.mem.put(&pos),
+                g.mem.alloc(s * m3c_contract::sampling::ROW_WORDS * 8),
+                g.mem.alloc(segs.len() * m3c_contract::sampling::seen_words(self.vocab) * 4),
             ];
-            let args = [st.weights, st.weights, a[0], segs.len() as u64, a[1], a[2], s as u64, a[3], a[4], a[5], a[6], a[7]].map(Arg::Ptr);
+            let args = [st.weights, st.weights, a[0], segs.len() as u64, a[1], a[2], s as u64, a[3], a[4], a[5], a[6], a[8], a[9], a[7]]
+                .map(Arg::Ptr);
             g.call_host(m3c::lower::ENTRY_SYMBOL, &args).unwrap_or_else(|e| panic!("stage {k}: {e}"));
             if k + 1 == n {
                 logits = g.mem.get::<f32>(a[5])[..s * self.vocab].to_vec();
@@ -725,8 +750,8 @@ fn cuda_stages_are_pp_and_batch_invariant_in_the_interpreter() {
 
 /// Scores that are NaN (a NaN weight, an overflow) still give in-range ids,
 /// the same on host and GPU: the router picks k distinct experts (NaN ranks
-/// as -inf, first index on ties) and argmax a valid token, even for a row
-/// that is all NaN. The routed experts and the embedding index by these ids.
+/// as -inf, first index on ties) and the greedy sampler a valid token, even
+/// for a row that is all NaN. The routed experts and the embedding index by these ids.
 #[test]
 fn nan_scores_still_give_distinct_valid_ids_on_host_and_gpu() {
     let ids_of = |b: &[u8]| -> Vec<i64> { b.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect() };
@@ -765,7 +790,8 @@ fn nan_scores_still_give_distinct_valid_ids_on_host_and_gpu() {
             }
         }
     }
-    let k = Kernel::Argmax(m3c_kernels::Argmax { width: 300 });
+    use m3c_contract::sampling::{row_words, sample_row, SamplingParams, ROW_WORDS};
+    let k = Kernel::Sample(m3c_kernels::Sample { width: 300 });
     let mut logits = vals(rows * 300, 9, 2.0);
     logits[0] = f32::NAN; // row 0: NaN first, the best is elsewhere
     logits[123] = 7.0;
@@ -773,7 +799,106 @@ fn nan_scores_still_give_distinct_valid_ids_on_host_and_gpu() {
         *v = f32::NAN; // row 1: all NaN
     }
     logits[600 + 299] = f32::INFINITY;
-    let o = run_both(&k, rows, &[buf(&logits, &[rows, 300], "memref<?x300xf32>", false), buf(&[-1i64; 3], &[rows], "memref<?xi64>", true)]);
-    assert_eq!(o[0].0, o[0].1, "{k}");
-    assert_eq!(ids_of(&o[0].0), [123, 0, 299]);
+    let table: Vec<i64> = (0..rows).flat_map(|_| row_words(&SamplingParams::GREEDY, 0, 0, true, 0)).collect();
+    let args = [
+        buf(&logits, &[rows, 300], "memref<?x300xf32>", false),
+        buf(&table, &[rows, ROW_WORDS], &format!("memref<?x{ROW_WORDS}xi64>"), true),
+        buf(&[0u32; 10], &[1, 10], "memref<?x10xi32>", false),
+        buf(&[-1i64; 3], &[rows], "memref<?xi64>", true),
+    ];
+    let gpu = ids_of(&run_gpu(&k, rows, &args, args.len())[1]);
+    let host: Vec<i64> = (0..rows)
+        .map(|r| {
+            let mut w = row_words(&SamplingParams::GREEDY, 0, 0, true, 0);
+            sample_row(&logits[r * 300..(r + 1) * 300], &[0; 10], &mut w) as i64
+        })
+        .collect();
+    assert_eq!(gpu, host, "{k}: host and GPU choose alike");
+    assert_eq!(gpu, [123, 0, 299]);
+}
+
+/// The device sampler against the host's (`m3c_contract::sampling`), row by
+/// row: rows with ties, NaN, ±∞ and a repetition penalty, under greedy and
+/// every filter, must give the very same ids and non-finite counts.
+#[test]
+fn the_device_sampler_picks_the_host_samplers_ids() {
+    use m3c_contract::sampling::{row, row_words, sample_row, seen_bitmap, seen_words, SamplingParams, ROW_WORDS};
+    // Not a multiple of 32 (the bitmap's last word) nor of the block.
+    let width = 1100;
+    let greedy = SamplingParams::GREEDY;
+    let p = |temperature: f32, top_k: usize, top_p: f32, min_p: f32, repetition_penalty: f32, seed: u64| SamplingParams {
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        repetition_penalty,
+        seed,
+    };
+    // (params, request, step, gives a token, the row's bitmap)
+    let cases: Vec<(SamplingParams, u64, u64, bool, usize)> = vec![
+        (greedy, 0, 0, true, 0),
+        (greedy, 0, 0, false, 0),
+        (p(0.0, 0, 1.0, 0.0, 1.8, 0), 0, 3, true, 1),
+        (p(1.0, 0, 1.0, 0.0, 1.0, 1), 0, 0, true, 0),
+        (p(0.7, 0, 0.9, 0.0, 1.0, 2), 5, 9, true, 0),
+        (p(0.7, 40, 1.0, 0.0, 1.0, 3), 1, 2, true, 0),
+        (p(1.3, 7, 0.5, 0.0, 1.0, u64::MAX), 2, 1 << 33, true, 0),
+        (p(0.6, 0, 1.0, 0.2, 1.3, 4), 0, 17, true, 2),
+        (p(1.0, 3, 0.95, 0.05, 0.7, 5), 9, 4, true, 1),
+        (p(2.5, 2000, 1e-6, 0.0, 1.0, 6), 0, 0, true, 0),
+    ];
+    // Ten draws from one flat, tied row: the draw lands among many tokens of
+    // equal weight, spread over the block's threads.
+    let mut cases = cases;
+    cases.extend((0..10).map(|step| (p(1.0, 0, 0.99, 0.0, 1.0, 8), 3, step, true, 0)));
+    let rows = cases.len();
+    let mut logits = vals(rows * width, 21, 6.0);
+    for r in 0..rows {
+        let row = &mut logits[r * width..(r + 1) * width];
+        // Coarse levels make ties in value (and so in weight) common.
+        if r >= 10 {
+            for v in row.iter_mut() {
+                *v = (*v / 3.0).round();
+            }
+            continue;
+        }
+        if r % 2 == 1 {
+            for v in row.iter_mut() {
+                *v = (*v * 2.0).round() / 2.0;
+            }
+        }
+        row[7] = f32::NAN;
+        row[900] = f32::NEG_INFINITY;
+        row[(r * 97) % width] = 9.0;
+        row[(r * 131 + 5) % width] = 9.0;
+    }
+    logits[width + 33] = f32::INFINITY; // a non-finite row that still samples
+    let vocab_words = seen_words(width);
+    let seen: Vec<u32> = [vec![], vec![(2 * 97) as u32, 5, 6, 7, 1099], (0..400).map(|i| i * 2).collect::<Vec<u32>>()]
+        .into_iter()
+        .flat_map(|ids| seen_bitmap(ids, width))
+        .collect();
+    let mut table: Vec<i64> = Vec::new();
+    for &(p, req, step, give, bitmap) in &cases {
+        table.extend_from_slice(&row_words(&p, req, step, give, bitmap));
+    }
+    let k = Kernel::Sample(m3c_kernels::Sample { width });
+    let args = [
+        buf(&logits, &[rows, width], &format!("memref<?x{width}xf32>"), false),
+        buf(&table, &[rows, ROW_WORDS], &format!("memref<?x{ROW_WORDS}xi64>"), true),
+        buf(&seen, &[3, vocab_words], &format!("memref<?x{vocab_words}xi32>"), false),
+        buf(&vec![-1i64; rows], &[rows], "memref<?xi64>", true),
+    ];
+    let out = run_gpu(&k, rows, &args, args.len());
+    let gpu_table: Vec<i64> = out[0].chunks(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect();
+    let gpu_ids: Vec<i64> = out[1].chunks(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect();
+    for (r, &(p, _, _, give, bitmap)) in cases.iter().enumerate() {
+        let mut w: [i64; ROW_WORDS] = table[r * ROW_WORDS..(r + 1) * ROW_WORDS].try_into().unwrap();
+        let host = sample_row(&logits[r * width..(r + 1) * width], &seen[bitmap * vocab_words..(bitmap + 1) * vocab_words], &mut w);
+        assert_eq!(gpu_ids[r], host as i64, "row {r} ({p:?}, gives a token: {give}): device id vs host id");
+        assert_eq!(gpu_table[r * ROW_WORDS + row::NON_FINITE], w[row::NON_FINITE], "row {r}: non-finite count");
+    }
+    assert_eq!(gpu_table[ROW_WORDS + row::NON_FINITE], 3, "NaN, -inf and +inf");
+    let draws: BTreeSet<i64> = gpu_ids[10..].iter().copied().collect();
+    assert!(draws.len() >= 5, "ten draws from a flat row should mostly differ: {:?}", &gpu_ids[10..]);
 }

@@ -242,20 +242,6 @@ fn swiglu_oai_clamps_and_gates() {
     assert!(g.iter().any(|&v| v > 7.0) && u.iter().any(|&v| v < -7.0));
 }
 
-#[test]
-fn argmax_takes_the_first_maximum() {
-    let dir = tempfile::tempdir().unwrap();
-    let k = Kernel::Argmax(m3c_kernels::Argmax { width: 6 });
-    let lib = build(std::slice::from_ref(&k), dir.path());
-    let x = [0.0f32, 3.0, 1.0, 3.0, -1.0, 2.0, /* row 1 */ -5.0, -4.0, -3.0, -2.0, -1.0, -1.5];
-    let ids = vec![-1i64; 2];
-    let f: libloading::Symbol<unsafe extern "C" fn(*const Memref2<f32>, *const Memref1<i64>)> =
-        // SAFETY: the kernel's C interface symbol (`_mlir_ciface_`) takes one memref descriptor pointer per argument, as declared.
-        unsafe { lib.get(format!("_mlir_ciface_{}", k.symbol()).as_bytes()).unwrap() };
-    unsafe { f(&m2(&x, 2, 6), &m1(&ids)) };
-    assert_eq!(ids, vec![1, 4]);
-}
-
 /// A shape that crosses every tile edge of the vector path: 19 rows (row
 /// tiles of 8, pairs and a single row), 300 outputs (output tiles of 128).
 #[test]

@@ -7,7 +7,11 @@ impl Frame<'_> {
     #[allow(unused_variables)] // the shared view of the op; not every handler uses all of it
     pub(super) fn arith_op(&mut self, op: MlirOperation, info: &OpInfo, mask: &[bool]) -> Result<bool, String> {
         view!(self, info => t, name, res, out_ty, in_ty, e, ibits, in_bits, attr, operands);
-        let fl = |f: fn(f32, f32) -> f32| move |a: &[u64]| Ok(fb(f(f32v(a[0]), f32v(a[1]))));
+        let wide = e == Some(Elem::F64);
+        // f32 arithmetic, or f64 where the result is f64 (bits in the same words).
+        let fl = |f: fn(f32, f32) -> f32, g: fn(f64, f64) -> f64| {
+            move |a: &[u64]| Ok(if wide { g(f64::from_bits(a[0]), f64::from_bits(a[1])).to_bits() } else { fb(f(f32v(a[0]), f32v(a[1]))) })
+        };
         match name {
             "arith.constant" | "llvm.mlir.constant" => {
                 let a = attr(op, "value").ok_or("constant without a value")?;
@@ -47,12 +51,41 @@ impl Frame<'_> {
             "arith.trunci" => self.elementwise(info, move |a| Ok(mask_bits(a[0], ibits)))?,
             "arith.index_cast" => self.elementwise(info, move |a| Ok(mask_bits(sext(a[0], in_bits) as u64, ibits)))?,
             "arith.sitofp" => self.elementwise(info, move |a| Ok(fb(sext(a[0], in_bits) as f32)))?,
-            "arith.addf" => self.elementwise(info, fl(|x, y| x + y))?,
-            "arith.subf" => self.elementwise(info, fl(|x, y| x - y))?,
-            "arith.mulf" => self.elementwise(info, fl(|x, y| x * y))?,
-            "arith.divf" => self.elementwise(info, fl(|x, y| x / y))?,
-            "arith.maximumf" => self.elementwise(info, fl(|x, y| if x.is_nan() || y.is_nan() { f32::NAN } else { x.max(y) }))?,
-            "arith.minimumf" => self.elementwise(info, fl(|x, y| if x.is_nan() || y.is_nan() { f32::NAN } else { x.min(y) }))?,
+            "arith.addf" => self.elementwise(info, fl(|x, y| x + y, |x, y| x + y))?,
+            "arith.subf" => self.elementwise(info, fl(|x, y| x - y, |x, y| x - y))?,
+            "arith.mulf" => self.elementwise(info, fl(|x, y| x * y, |x, y| x * y))?,
+            "arith.divf" => self.elementwise(info, fl(|x, y| x / y, |x, y| x / y))?,
+            "arith.maximumf" => self.elementwise(
+                info,
+                fl(
+                    |x, y| if x.is_nan() || y.is_nan() { f32::NAN } else { x.max(y) },
+                    |x, y| if x.is_nan() || y.is_nan() { f64::NAN } else { x.max(y) },
+                ),
+            )?,
+            "arith.minimumf" => self.elementwise(
+                info,
+                fl(
+                    |x, y| if x.is_nan() || y.is_nan() { f32::NAN } else { x.min(y) },
+                    |x, y| if x.is_nan() || y.is_nan() { f64::NAN } else { x.min(y) },
+                ),
+            )?,
+            "math.ceil" => {
+                self.elementwise(info, move |a| Ok(if wide { f64::from_bits(a[0]).ceil().to_bits() } else { fb(f32v(a[0]).ceil()) }))?
+            }
+            // Unsigned integer to float, float to integer (truncating toward
+            // zero; the kernels only convert values in range).
+            "arith.uitofp" => self.elementwise(info, move |a| {
+                let v = mask_bits(a[0], in_bits);
+                Ok(if wide { (v as f64).to_bits() } else { fb(v as f32) })
+            })?,
+            "arith.fptoui" | "arith.fptosi" => {
+                let from64 = in_ty.as_ref().map(elem) == Some(Elem::F64);
+                let signed = name == "arith.fptosi";
+                self.elementwise(info, move |a| {
+                    let f = if from64 { f64::from_bits(a[0]) } else { f32v(a[0]) as f64 };
+                    Ok(mask_bits(if signed { f as i64 as u64 } else { f as u64 }, ibits))
+                })?
+            }
             "arith.negf" => self.elementwise(info, |a| Ok(fb(-f32v(a[0]))))?,
             "math.exp" => self.elementwise(info, |a| Ok(fb(f32v(a[0]).exp())))?,
             "math.rsqrt" => self.elementwise(info, |a| Ok(fb(1.0 / f32v(a[0]).sqrt())))?,
@@ -63,11 +96,12 @@ impl Frame<'_> {
             "arith.extf" => {
                 let from = in_ty.as_ref().map(elem);
                 self.elementwise(info, move |a| {
-                    Ok(match from {
+                    let f = match from {
                         Some(Elem::F16) => fb(f16_to_f32(a[0] as u16)),
                         Some(Elem::Bf16) => a[0] << 16,
                         _ => a[0],
-                    })
+                    };
+                    Ok(if wide { (f32v(f) as f64).to_bits() } else { f })
                 })?
             }
             "arith.bitcast" | "llvm.bitcast" | "vector.bitcast" => {

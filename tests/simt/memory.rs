@@ -74,6 +74,51 @@ impl Frame<'_> {
                     self.set(res[0], Data::Bits { w: lanes, v });
                 }
             }
+            "memref.atomic_rmw" => {
+                // (value, memref, indices...): the threads of the block in
+                // order, each reading the old value and writing the new.
+                let kind = attr(op, "kind").unwrap_or_default();
+                let ins = &info.ins;
+                let mty = info.in_tys[1].clone().ok_or("an atomic on a memref of unknown type")?;
+                let eb = elem(&mty).bytes();
+                let bits = (eb * 8) as u32;
+                let val = self.bits(ins[0])?.1.clone();
+                let idx: Vec<Vec<u64>> = ins[2..].iter().map(|v| self.bits(*v).map(|b| b.1.clone())).collect::<Result<_, _>>()?;
+                let d = self.descs(ins[1])?.to_vec();
+                let mut out = vec![0u64; t];
+                for th in 0..t {
+                    if !mask[th] {
+                        continue;
+                    }
+                    let ds = &d[th];
+                    let mut lin = ds.off;
+                    for (k, ix) in idx.iter().enumerate() {
+                        let i = ix[th] as i64;
+                        if i < 0 || i >= ds.sizes[k] {
+                            return Err(format!(
+                                "atomic_rmw out of bounds in {}: index {i} of dim {k} with size {}",
+                                self.kernel, ds.sizes[k]
+                            ));
+                        }
+                        lin += i * ds.strides[k];
+                    }
+                    let addr = ds.ptr + lin as u64 * eb as u64;
+                    let old = self.mem.load(addr, eb)?;
+                    let v = mask_bits(val[th], bits);
+                    // The kind prints as its number in MLIR's AtomicRMWKind
+                    // (addi = 1, maxu = 7, minu = 11, ori = 14).
+                    let new = match kind.split(':').next().unwrap_or("").trim() {
+                        "1" => mask_bits(old.wrapping_add(v), bits),
+                        "7" => old.max(v),
+                        "11" => old.min(v),
+                        "14" => old | v,
+                        other => return Err(format!("atomic_rmw kind {other}")),
+                    };
+                    self.mem.store(addr, eb, new)?;
+                    out[th] = old;
+                }
+                self.set(res[0], Data::Bits { w: 1, v: out });
+            }
             "llvm.getelementptr" => {
                 let ins = operands(op);
                 let (_, base) = self.bits(ins[0])?;

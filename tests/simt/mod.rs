@@ -100,6 +100,7 @@ enum Elem {
     F16,
     Bf16,
     F32,
+    F64,
 }
 
 impl Elem {
@@ -108,6 +109,7 @@ impl Elem {
             Elem::Int(b) => (b as usize).div_ceil(8).max(1),
             Elem::F16 | Elem::Bf16 => 2,
             Elem::F32 => 4,
+            Elem::F64 => 8,
         }
     }
 }
@@ -130,6 +132,7 @@ fn elem_of(s: &str) -> Result<Elem, String> {
         "f16" => Elem::F16,
         "bf16" => Elem::Bf16,
         "f32" => Elem::F32,
+        "f64" => Elem::F64,
         other => return Err(format!("simt: no element type `{other}`")),
     })
 }
@@ -760,6 +763,13 @@ fn scalar_lit(s: &str, e: Elem) -> Result<u64, String> {
                 } else {
                     return Err("f16 literal".into());
                 }
+            }
+        }
+        Elem::F64 => {
+            if let Some(h) = s.strip_prefix("0x") {
+                u64::from_str_radix(h, 16).map_err(|_| format!("float literal {s}"))?
+            } else {
+                s.parse::<f64>().map_err(|_| format!("float literal {s}"))?.to_bits()
             }
         }
         Elem::Int(b) => match s {

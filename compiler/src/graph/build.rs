@@ -154,7 +154,7 @@ impl Builder<'_> {
 }
 
 /// Builds the text backbone of `cfg`: embedding, every decoder layer, final
-/// norm, lm_head and greedy argmax.
+/// norm, lm_head and the sampler.
 pub fn build_graph(cfg: &ModelConfig) -> ModelGraph {
     let t = &cfg.text;
     let names = TextNames::new(&cfg.text_prefix);
@@ -174,6 +174,6 @@ pub fn build_graph(cfg: &ModelConfig) -> ModelGraph {
     b.part = Part::LmHead;
     let lm = Op::Linear { weight: names::weight(&names.lm_head()), out: t.vocab_size, inp: t.hidden_size, mxfp8_block: None };
     let logits = b.node(lm, ty(&[Dim::Tokens, Dim::Fixed(t.vocab_size)], Elem::F32), &[xn]);
-    b.node(Op::Argmax, ty(&[Dim::Tokens], Elem::I64), &[logits]);
+    b.node(Op::Sample, ty(&[Dim::Tokens], Elem::I64), &[logits]);
     ModelGraph { graph: b.g, logits }
 }

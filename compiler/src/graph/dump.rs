@@ -8,7 +8,7 @@ use std::fmt::Write;
 fn attrs(op: &Op) -> String {
     let q = |b: &Option<usize>| b.map(|b| format!(" mxfp8(block={b})")).unwrap_or_default();
     match op {
-        Op::TokenIds | Op::Positions | Op::Add | Op::Argmax => String::new(),
+        Op::TokenIds | Op::Positions | Op::Add | Op::Sample => String::new(),
         Op::Embedding { weight } => format!(" w={weight}"),
         Op::RmsNorm { weight, eps } => format!(" w={weight} eps={eps:e} gemma"),
         Op::Linear { weight, out, inp, mxfp8_block } => format!(" w={weight} {inp}->{out}{}", q(mxfp8_block)),

@@ -114,8 +114,9 @@ pub enum Op {
         limit: f64,
         beta: f64,
     },
-    /// Per-token argmax of the logits (greedy sampling).
-    Argmax,
+    /// The next token of each row of logits, under the row's sampling
+    /// parameters (greedy or drawn), which the runtime passes at each step.
+    Sample,
 }
 
 impl Op {
@@ -137,7 +138,7 @@ impl Op {
             Op::SwiGluOai { .. } => "swiglu_oai",
             Op::Router { .. } => "router",
             Op::RoutedExperts { .. } => "routed_experts",
-            Op::Argmax => "argmax",
+            Op::Sample => "sample",
         }
     }
 }

@@ -17,12 +17,14 @@
 //!                     const int64_t *ids,       // [S] token ids (first stage)
 //!                     void *x,                  // [S, hidden] f32 or bf16 bits (--activations): in (unless first) and out (unless last)
 //!                     float *logits,            // [S, vocab] (last stage)
-//!                     int64_t *out_ids,         // [S] greedy ids (last stage)
+//!                     int64_t *out_ids,         // [S] sampled ids (last stage)
+//!                     int64_t *table,           // [S, 8] sampling table (last stage; m3c_contract::sampling::row)
+//!                     const int32_t *seen,      // [sequences, ⌈vocab/32⌉] seen-id bitmaps (last stage)
 //!                     const int64_t *pos);      // [S] position of each row
 //! ```
 //!
 //! On the GPU every array the kernels touch (weights, caches, ids, x,
-//! logits, out_ids, pos) is device memory; the small per-sequence arrays and
+//! logits, out_ids, table, seen, pos) is device memory; the small per-sequence arrays and
 //! the tables are host memory read by the host code. Scratch buffers come from
 //! the runtime (`m3c_buf_alloc/free/copy`), host or device memory by target.
 
@@ -137,6 +139,8 @@ impl Emitter {
             Arg::Buf { id, .. } => format!("%b{id}"),
             Arg::Logits { .. } => "%logits".to_string(),
             Arg::OutIds => "%out_ids".to_string(),
+            Arg::Table => "%table".to_string(),
+            Arg::Seen { .. } => "%seen".to_string(),
             Arg::Cache { slot, width, cache } => {
                 let p = self.table_ptr("%ctab", *slot);
                 self.view(&p, "%scap", MemTy::rows(*width, cache.mlir_elem()))
@@ -321,6 +325,9 @@ fn entry_body(f: &FusedStage, flavor: Flavor) -> Emitter {
     if let super::Boundary::Logits { vocab } = f.output {
         e.view_as("%logits", "%logits_p", "%S", MemTy::rows(vocab, "f32"));
         e.view_as("%out_ids", "%out_ids_p", "%S", ids_ty);
+        e.view_as("%table", "%table_p", "%S", MemTy::rows(m3c_contract::sampling::ROW_WORDS, "i64"));
+        let words = m3c_contract::sampling::seen_words(vocab);
+        e.view_as("%seen", "%seen_p", "%nseq", MemTy::rows(words, "i32"));
     }
     for (n, step) in f.steps.iter().enumerate() {
         let _ = writeln!(e.body, "// {}", step.to_string().trim());
@@ -374,7 +381,7 @@ fn entry_func(body: &str) -> String {
     format!(
         "  func.func @{ENTRY_SYMBOL}(%weights: !llvm.ptr, %weights_dev: !llvm.ptr, %caches: !llvm.ptr, %sequences: i64, \
          %rows_p: !llvm.ptr, %caps_p: !llvm.ptr, %tokens: i64, %ids_p: !llvm.ptr, %x_p: !llvm.ptr, %logits_p: !llvm.ptr, \
-         %out_ids_p: !llvm.ptr, %pos_p: !llvm.ptr) {{\n{}  }}\n",
+         %out_ids_p: !llvm.ptr, %table_p: !llvm.ptr, %seen_p: !llvm.ptr, %pos_p: !llvm.ptr) {{\n{}  }}\n",
         indent(body, 4)
     )
 }

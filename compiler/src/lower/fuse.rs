@@ -42,8 +42,12 @@ pub enum Arg {
     Cache { slot: usize, width: usize, cache: Storage },
     /// The logits output `[S, vocab]`.
     Logits { vocab: usize },
-    /// The argmax output `[S]`.
+    /// The sampled ids `[S]`.
     OutIds,
+    /// The sampling table `[S, ROW_WORDS]` (parameters in, non-finite counts out).
+    Table,
+    /// The seen-id bitmaps of the repetition penalty, one row per sequence.
+    Seen { words: usize },
 }
 
 impl Arg {
@@ -57,6 +61,8 @@ impl Arg {
             Arg::Weight { ty, .. } => ty.clone(),
             Arg::Cache { width, cache, .. } => MemTy::rows(*width, cache.mlir_elem()),
             Arg::Logits { vocab } => MemTy::rows(*vocab, "f32"),
+            Arg::Table => MemTy::rows(m3c_contract::sampling::ROW_WORDS, "i64"),
+            Arg::Seen { words } => MemTy::rows(*words, "i32"),
         })
     }
 }
@@ -73,6 +79,8 @@ impl fmt::Display for Arg {
             Arg::Cache { slot, .. } => write!(f, "cache{slot}"),
             Arg::Logits { .. } => f.write_str("logits"),
             Arg::OutIds => f.write_str("out_ids"),
+            Arg::Table => f.write_str("table"),
+            Arg::Seen { .. } => f.write_str("seen"),
         }
     }
 }
@@ -317,17 +325,22 @@ impl Fuser<'_> {
             }
             Op::Router { .. } => self.lower_router(n, &node.op, what)?,
             Op::RoutedExperts { .. } => self.lower_routed_experts(n, &node.op, what)?,
-            Op::Argmax => {
+            Op::Sample => {
                 let x = self.val(ops[0])?;
                 let Arg::Logits { vocab } = x else {
-                    return Err(format!("{what}: argmax of a value that is not the logits"));
+                    return Err(format!("{what}: sampling from a value that is not the logits"));
                 };
-                self.call(Kernel::Argmax(m3c_kernels::Argmax { width: vocab }), vec![x, Arg::OutIds], what);
+                let words = m3c_contract::sampling::seen_words(vocab);
+                self.call(
+                    Kernel::Sample(m3c_kernels::Sample { width: vocab }),
+                    vec![x, Arg::Table, Arg::Seen { words }, Arg::OutIds],
+                    what,
+                );
             }
         }
         Ok(())
     }
-    /// A linear: logits (f32, for the argmax) or an activation, MXFP8 or float weights.
+    /// A linear: logits (f32, for the sampler) or an activation, MXFP8 or float weights.
     fn lower_linear(&mut self, n: NodeIndex, op: &Op, what: String) -> Result<(), String> {
         let Op::Linear { weight, out, inp, mxfp8_block } = op.clone() else {
             return Err(format!("{what}: not a Linear node"));
@@ -336,7 +349,7 @@ impl Fuser<'_> {
         let x = self.val(ops[0])?;
         // Logits stay f32 whatever the activations are: they are the
         // stage's result, and sampling compares them.
-        let (y, cache, out_act) = if self.consumers(n).iter().any(|&c| matches!(self.node(c), Op::Argmax)) {
+        let (y, cache, out_act) = if self.consumers(n).iter().any(|&c| matches!(self.node(c), Op::Sample)) {
             (Arg::Logits { vocab: out }, None, Storage::F32)
         } else {
             let (y, cache) = self.output_for(n, out);

@@ -57,7 +57,7 @@ pub enum Boundary {
     TokenIds,
     /// Rows `[S, width]` of activations between stages, f32 or bf16 bits (`--activations`).
     Hidden { width: usize },
-    /// f32 logits `[S, vocab]` and their argmax (the last stage's output).
+    /// f32 logits `[S, vocab]` and the sampled ids (the last stage's output).
     Logits { vocab: usize },
 }
 

@@ -3,7 +3,7 @@
 //!
 //!     cargo run --release -p m3c-contract --example sampling_bench
 
-use m3c_contract::sampling::{sample, uniform, SamplingParams};
+use m3c_contract::sampling::{sample, seen_bitmap, uniform, SamplingParams};
 use std::time::Instant;
 
 const VOCAB: usize = 200_064;
@@ -22,7 +22,7 @@ fn main() {
         peaked[id] = 22.0 - 1.5 * j as f32;
     }
     let flat: Vec<f32> = (0..VOCAB).map(|i| ((i as u64 * 2_654_435_761) % 10_007) as f32 / 700.0).collect();
-    let context: Vec<u32> = (0..512u32).map(|i| i * 97 % VOCAB as u32).collect();
+    let context = seen_bitmap((0..512u32).map(|i| i * 97 % VOCAB as u32), VOCAB);
     let cases = [
         ("greedy", SamplingParams::GREEDY),
         (
@@ -38,10 +38,15 @@ fn main() {
             SamplingParams { temperature: 0.7, top_k: 40, top_p: 1.0, min_p: 0.05, repetition_penalty: 1.1, seed: 1 },
         ),
     ];
+    // An argument keeps only the cases whose row and name contain it.
+    let only = std::env::args().nth(1).unwrap_or_default();
     println!("{:<8} {:<40} {:>10} {:>10}", "logits", "case", "median ms", "p99 ms");
     for (row, logits) in [("peaked", &peaked), ("flat", &flat)] {
         for (name, p) in cases {
-            let mut times: Vec<f64> = (0..300u64)
+            if !format!("{row} {name}").contains(&only) {
+                continue;
+            }
+            let mut times: Vec<f64> = (0..if only.is_empty() { 300u64 } else { 3000 })
                 .map(|step| {
                     let t = Instant::now();
                     std::hint::black_box(sample(std::hint::black_box(logits), &context, &p, 0, step));

@@ -76,32 +76,109 @@ pub fn philox4x32(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
     c
 }
 
-/// The uniform number in [0, 1) of draw `step` of request `request` under
-/// `seed`: 24 random bits, so it is exact in f32.
+/// A uniform number in [0, 1) from the same generator (24 random bits, exact
+/// in f32), for tests and benches that need reproducible noise.
 pub fn uniform(seed: u64, request: u64, step: u64) -> f32 {
     let r = philox4x32([request as u32, (request >> 32) as u32, step as u32, (step >> 32) as u32], [seed as u32, (seed >> 32) as u32]);
     (r[0] >> 8) as f32 * (1.0 / (1u32 << 24) as f32)
 }
 
-/// The largest value, NaN ignored (-∞ when there is none), in eight lanes so
-/// it vectorises.
-fn lane_max(values: &[f32]) -> f32 {
-    let mut lanes = [f32::NEG_INFINITY; 8];
-    for (i, &v) in values.iter().enumerate() {
-        let l = &mut lanes[i % 8];
-        *l = if v > *l { v } else { *l };
-    }
-    lanes.into_iter().fold(f32::NEG_INFINITY, |a, b| if b > a { b } else { a })
+/// Draw `step` of request `request` under `seed`: 64 random bits, the
+/// first two words of one Philox block (counter = request, step; key = seed).
+pub fn draw_bits(seed: u64, request: u64, step: u64) -> u64 {
+    let r = philox4x32([request as u32, (request >> 32) as u32, step as u32, (step >> 32) as u32], [seed as u32, (seed >> 32) as u32]);
+    r[0] as u64 | (r[1] as u64) << 32
 }
 
-/// Index of the first maximum, NaN ranking as -inf (what the argmax
-/// kernels compute).
-pub fn greedy(logits: &[f32]) -> usize {
-    let max = lane_max(logits);
-    if max == f32::NEG_INFINITY {
-        return 0;
+/// The constants of [`exp_neg`], which the device sampler writes into its
+/// code bit for bit so that it computes the same weights.
+pub mod exp_consts {
+    pub const LOG2_E: f32 = std::f32::consts::LOG2_E;
+    /// Adding 1.5·2^23 pushes the fraction out of the mantissa: round to
+    /// nearest without SSE4.1's roundps.
+    pub const ROUND: f32 = 12_582_912.0;
+    /// ln 2 split in two so that n·LN2_HI is exact.
+    pub const LN2_HI: f32 = 0.693_145_75;
+    pub const LN2_LO: f32 = 1.428_606_8e-6;
+    /// Taylor coefficients of e^r, innermost (1/720) first, for Horner's scheme.
+    pub const POLY: [f32; 7] = [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0];
+    /// Past this, exp(-d) is taken as 0 (f32 would go subnormal).
+    pub const CUTOFF: f32 = 87.0;
+}
+
+/// exp(-d) for d ≥ 0, in plain f32 arithmetic that the compiler turns into
+/// vector code (libm's expf is a call per element) and that a GPU computes
+/// to the same bits (no fused multiply-add: every product is rounded):
+/// Cody-Waite reduction to r in [-ln2/2, ln2/2], a degree-6 Taylor
+/// polynomial (relative error below 2e-7) and the power of two written into
+/// the exponent bits. Zero past d = 87 and for d = ∞ (masked tokens).
+#[inline(always)]
+pub fn exp_neg(d: f32) -> f32 {
+    use exp_consts::*;
+    // Clamped to [0, 87] (NaN to 0), so n below is an integer in [-126,
+    // 0]; compares and selects, which vectorise (f32::max would not).
+    let c = if d > 0.0 { d } else { 0.0 };
+    let x = -(if c < CUTOFF { c } else { CUTOFF });
+    let n = (x * LOG2_E + ROUND) - ROUND;
+    let r = (x - n * LN2_HI) - n * LN2_LO;
+    let mut poly = POLY[0];
+    for c in &POLY[1..] {
+        poly = poly * r + c;
     }
-    logits.iter().position(|&x| x == max).unwrap_or(0)
+    // SAFETY: n is finite and integral in [-126, 0] (x is in [-87, 0]), so
+    // it converts exactly. (The checked `as` would not vectorise.)
+    let n = unsafe { n.to_int_unchecked::<i32>() };
+    let scale = f32::from_bits(((n + 127) as u32) << 23);
+    if d < CUTOFF {
+        poly * scale
+    } else {
+        0.0
+    }
+}
+
+/// A token's weight is `exp(x - max)` in units of 2^-30: the most likely
+/// token weighs exactly 2^30.
+pub const WEIGHT_ONE: f32 = 1_073_741_824.0;
+
+/// The integer weight of a token `d` below the maximum (scaled logits).
+/// Every decision of the sampler is made on these integers, whose sums are
+/// exact in any order: that is what lets a GPU, summing in its own order,
+/// pick the very token the host picks. A token more than ~20.8 below the
+/// maximum weighs 0 (less than 1e-9 of the most likely one).
+#[inline(always)]
+pub fn weight(d: f32) -> u32 {
+    // exp_neg is at most 1 (the clamp only makes that visible to the reader).
+    let e = exp_neg(d) * WEIGHT_ONE;
+    let scaled = if e < WEIGHT_ONE { e } else { WEIGHT_ONE };
+    // SAFETY: `scaled` is finite and in [0, 2^30], inside i32.
+    unsafe { scaled.to_int_unchecked::<i32>() as u32 }
+}
+
+/// Words of a seen-id bitmap over a vocabulary of `vocab` ids.
+pub fn seen_words(vocab: usize) -> usize {
+    vocab.div_ceil(32)
+}
+
+/// The bitmap of the ids in `ids` (bit `i % 32` of word `i / 32`): which
+/// tokens the repetition penalty applies to. Ids outside the vocabulary are
+/// ignored.
+pub fn seen_bitmap(ids: impl IntoIterator<Item = u32>, vocab: usize) -> Vec<u32> {
+    let mut seen = vec![0u32; seen_words(vocab)];
+    for id in ids {
+        if (id as usize) < vocab {
+            seen[id as usize / 32] |= 1 << (id % 32);
+        }
+    }
+    seen
+}
+
+/// NaN as -∞: NaN never wins and is never drawn.
+fn fix(v: f32) -> f32 {
+    if v.is_nan() {
+        f32::NEG_INFINITY
+    } else {
+        v
+    }
 }
 
 /// Hugging Face's repetition penalty on one logit: a positive one is
@@ -114,221 +191,494 @@ fn penalised(x: f32, penalty: f32) -> f32 {
     }
 }
 
-/// The ids seen in the sequence, each once however often it occurs.
-fn seen(context: &[u32]) -> Vec<u32> {
-    let mut seen = context.to_vec();
-    seen.sort_unstable();
-    seen.dedup();
-    seen
-}
-
-/// Logits with NaN as -∞, the repetition penalty applied, divided by the
-/// temperature, written into `x` (reused between calls: a vocabulary row is
-/// 800 kB, and a fresh one per token costs more in page faults than the
-/// sampling itself).
-fn scaled_into(x: &mut Vec<f32>, logits: &[f32], context: &[u32], p: &SamplingParams) {
-    let t = p.temperature.max(f32::MIN_POSITIVE);
-    let fix = |v: f32| if v.is_nan() { f32::NEG_INFINITY } else { v };
-    x.clear();
-    x.extend(logits.iter().map(|&v| fix(v) / t));
-    if p.repetition_penalty != 1.0 {
-        for id in seen(context) {
-            if let Some(v) = logits.get(id as usize) {
-                x[id as usize] = fix(penalised(*v, p.repetition_penalty)) / t;
-            }
-        }
-    }
-}
-
-/// exp(-d) for d ≥ 0, in plain f32 arithmetic that the compiler turns into
-/// vector code (libm's expf is a call per element): Cody-Waite reduction to
-/// r in [-ln2/2, ln2/2], a degree-6 Taylor polynomial (relative error below
-/// 2e-7) and the power of two written into the exponent bits. Zero past
-/// d = 87, where f32 would go subnormal, and for d = ∞ (masked tokens).
+/// The scaled value of one token: NaN as -∞, the repetition penalty if the
+/// token was seen, divided by the temperature (by 1 when greedy, which
+/// changes nothing).
 #[inline(always)]
-fn exp_neg(d: f32) -> f32 {
-    const LOG2_E: f32 = std::f32::consts::LOG2_E;
-    // Round to nearest without SSE4.1's roundps: adding 1.5·2^23 pushes the
-    // fraction out of the mantissa.
-    const ROUND: f32 = 12_582_912.0;
-    let x = -d.min(87.0);
-    let n = (x * LOG2_E + ROUND) - ROUND;
-    let r = (x - n * 0.693_145_75) - n * 1.428_606_8e-6;
-    let poly = 1.0 + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
-    let scale = f32::from_bits((((n as i32) + 127) as u32) << 23);
-    if d < 87.0 {
-        poly * scale
-    } else {
-        0.0
+fn scaled(l: f32, seen: bool, penalty: f32, t: f32) -> f32 {
+    (if seen { fix(penalised(l, penalty)) } else { fix(l) }) / t
+}
+
+/// Index of the first maximum, NaN ranking as -inf.
+pub fn greedy(logits: &[f32]) -> usize {
+    let max = lanes::max(logits);
+    logits.iter().position(|&x| x == max).unwrap_or(0)
+}
+
+/// Where, in the order of descending weight then ascending id, a goal is
+/// reached: every token above `tau` comes before it (`above_count` tokens
+/// of `above_mass` weight), then tokens of weight `tau`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Boundary {
+    tau: u32,
+    above_count: u64,
+    above_mass: u64,
+}
+
+/// A goal along that order: the first `k` tokens, or the shortest prefix
+/// whose weight reaches `g`.
+#[derive(Debug, Clone, Copy)]
+enum Goal {
+    Count(u64),
+    Mass(u64),
+}
+
+impl Goal {
+    fn reached(self, count: u64, mass: u64) -> bool {
+        match self {
+            Goal::Count(k) => count >= k,
+            Goal::Mass(g) => mass >= g,
+        }
     }
 }
 
-/// Sum in eight lanes so it vectorises, then in f64.
-fn lane_sum(values: impl Iterator<Item = f32>) -> f64 {
-    let mut lanes = [0.0f32; 8];
-    for (i, v) in values.enumerate() {
-        lanes[i % 8] += v;
-    }
-    lanes.iter().map(|&l| l as f64).sum()
+/// The weight levels at which tokens are gathered, heaviest first. The
+/// first holds the tokens within ~6.9 of the maximum (in scaled logits, a
+/// thousandth of the most likely token): in a language model's row they are
+/// few and hold nearly all the weight, so most goals are settled among a
+/// handful of tokens; a goal beyond a level's count or weight moves to the
+/// next, which a scan of the row gathers when first needed.
+const LEVELS: [u32; 5] = [1 << 20, 1 << 15, 1 << 10, 1 << 5, 1];
+
+/// One row's weights, the per-call scratch of the sampler.
+#[derive(Default)]
+struct Row {
+    w: Vec<u32>,
+    total: u64,
+    /// Weight of the tokens at or above the min-p floor.
+    floor_mass: u64,
+    /// Per level gathered so far: the ids of weight ≥ `LEVELS[j]`,
+    /// ascending, and their weight.
+    levels: Vec<(Vec<u32>, u64)>,
 }
 
-/// Most likely first, ties to the lower id: the one order every decision
-/// after the draw uses.
-fn ranked(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
-    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
-}
-
-/// The ids of the `k` largest values (ties to the lower id), in one pass
-/// over a bounded heap whose weakest member most tokens fail to beat.
-fn top_k_ids(x: &[f32], k: usize) -> Vec<(u32, f32)> {
-    use std::collections::BinaryHeap;
-    // The heap's top is its weakest member: the greatest under `ranked`.
-    #[derive(PartialEq)]
-    struct Weakest((u32, f32));
-    impl Eq for Weakest {}
-    impl PartialOrd for Weakest {
-        fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-            Some(self.cmp(other))
-        }
-    }
-    impl Ord for Weakest {
-        fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-            ranked(&self.0, &other.0)
-        }
-    }
-    let mut heap: BinaryHeap<Weakest> = BinaryHeap::with_capacity(k + 1);
-    for (i, &v) in x.iter().enumerate() {
-        if heap.len() == k {
-            // Ids rise, so a tie with the weakest loses to it.
-            if v <= heap.peek().map_or(f32::NEG_INFINITY, |w| w.0 .1) {
-                continue;
-            }
-            heap.pop();
-        }
-        heap.push(Weakest((i as u32, v)));
-    }
-    heap.into_iter().map(|w| w.0).collect()
-}
-
-/// Widths below the maximum (in scaled logits) tried for the top-p band.
-const BANDS: [f32; 7] = [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0];
-
-/// The probability mass (unnormalised) within each of [`BANDS`] below
-/// `max`, and the total, in one pass of eight-wide lanes (each element's
-/// exponential computed once).
-fn band_masses(x: &[f32], max: f32) -> ([f64; 7], f64) {
-    let mut acc = [[0.0f32; 8]; 8];
-    let mut add = |c: &[f32; 8]| {
-        let d: [f32; 8] = std::array::from_fn(|l| max - c[l]);
-        let e: [f32; 8] = std::array::from_fn(|l| exp_neg(d[l]));
-        for (j, w) in BANDS.iter().enumerate() {
-            for l in 0..8 {
-                acc[j][l] += if d[l] <= *w { e[l] } else { 0.0 };
-            }
-        }
-        for l in 0..8 {
-            acc[7][l] += e[l];
-        }
-    };
-    let mut chunks = x.chunks_exact(8);
-    for c in &mut chunks {
-        add(c.try_into().expect("chunks_exact(8) yields eight"));
-    }
-    let mut tail = [f32::NEG_INFINITY; 8];
-    tail[..chunks.remainder().len()].copy_from_slice(chunks.remainder());
-    add(&tail);
-    let sum = |j: usize| acc[j].iter().map(|&v| v as f64).sum::<f64>();
-    (std::array::from_fn(sum), sum(7))
-}
-
-/// The candidates of a draw: ids with their probabilities, most likely
-/// first (ties to the lower id), after every filter, not yet renormalised.
-///
-/// Probabilities are relative to the k best (every token without top-k).
-/// Top-p keeps the shortest most-likely-first prefix reaching `top_p` of
-/// that mass; only the tokens near the top are ever sorted: the smallest
-/// band below the maximum that holds enough mass is found by masked sums
-/// first, and everything outside the band is less likely than everything
-/// in it, so the band's sorted prefix is the whole vocabulary's.
-pub fn candidates(logits: &[f32], context: &[u32], p: &SamplingParams) -> Vec<(u32, f32)> {
-    thread_local! {
-        static SCALED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-    }
-    SCALED.with_borrow_mut(|x| {
-        scaled_into(x, logits, context, p);
-        filtered(x, logits, p)
+/// The ids set in a seen bitmap.
+fn seen_ids(seen: &[u32]) -> impl Iterator<Item = usize> + '_ {
+    seen.iter().enumerate().flat_map(|(wi, &word)| {
+        let mut bits = word;
+        std::iter::from_fn(move || {
+            (bits != 0).then(|| {
+                let i = wi * 32 + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                i
+            })
+        })
     })
 }
 
-/// [`candidates`] on logits already scaled.
-fn filtered(x: &[f32], logits: &[f32], p: &SamplingParams) -> Vec<(u32, f32)> {
-    let k = if p.top_k == 0 { x.len() } else { p.top_k.min(x.len()) };
-    let max = lane_max(x);
-    if max == f32::NEG_INFINITY {
-        // Nothing is possible: fall back to what greedy would pick.
-        return vec![(greedy(logits) as u32, 1.0)];
+/// The hot loops, compiled twice: for AVX2 (eight lanes) where the CPU has
+/// it, and for the x86-64 baseline. Rust never fuses a multiply and an add,
+/// so both give the same bits.
+mod lanes {
+    use super::{fix, weight};
+
+    #[inline(always)]
+    fn max_body(logits: &[f32]) -> f32 {
+        let mut lanes = [f32::NEG_INFINITY; 8];
+        let chunks = logits.chunks_exact(8);
+        let tail = chunks.remainder();
+        for c in chunks {
+            for l in 0..8 {
+                lanes[l] = if c[l] > lanes[l] { c[l] } else { lanes[l] };
+            }
+        }
+        for (l, &v) in tail.iter().enumerate() {
+            lanes[l] = if v > lanes[l] { v } else { lanes[l] };
+        }
+        lanes.into_iter().fold(f32::NEG_INFINITY, |a, b| if b > a { b } else { a })
     }
-    let (sorted, total) = if k < x.len() {
-        let mut best = top_k_ids(x, k);
-        best.sort_unstable_by(ranked);
-        let total = lane_sum(best.iter().map(|&(_, v)| exp_neg(max - v)));
-        (best, total)
-    } else {
-        let (band_mass, total) = band_masses(x, max);
-        let goal = p.top_p as f64 * total;
-        // The narrowest band [max - width, max] holding the nucleus.
-        let band = BANDS.iter().zip(band_mass).find(|&(_, m)| m >= goal).map_or(f32::INFINITY, |(&w, _)| w);
-        let mut inside: Vec<(u32, f32)> =
-            x.iter().enumerate().filter(|&(_, &v)| max - v <= band && v > f32::NEG_INFINITY).map(|(i, &v)| (i as u32, v)).collect();
-        inside.sort_unstable_by(ranked);
-        (inside, total)
-    };
-    // Top-p: the shortest prefix reaching p (at least one token).
-    let goal = p.top_p as f64 * total;
-    let mut cum = 0.0f64;
-    let mut kept = Vec::new();
-    for &(id, v) in &sorted {
-        let e = exp_neg(max - v) as f64;
-        kept.push((id, (e / total) as f32));
-        cum += e;
-        if cum >= goal {
-            break;
+
+    #[inline(always)]
+    fn weigh_body(w: &mut [u32], logits: &[f32], max: f32, t: f32, floor: u32) -> (u64, u64) {
+        // Past 21 below the maximum a weight is surely 0 (e^-21·2^30 < 0.82
+        // even with the polynomial's error), so a block of such tokens, most
+        // of a peaked row at low temperature, skips the exponential. The test
+        // is on the raw logit against a cut whose own distance is checked:
+        // l ↦ max − l/t, rounded as the weights round it, never increases,
+        // so l ≤ cut puts l at least as far down as the cut. Blocks of 64
+        // keep the loops plain enough to vectorise.
+        let cut = (max - 21.5) * t;
+        let cut = if max - cut / t >= 21.0 { cut } else { f32::NEG_INFINITY };
+        for (w64, l64) in w.chunks_mut(64).zip(logits.chunks(64)) {
+            if l64.iter().fold(true, |a, &l| a & (fix(l) <= cut)) {
+                w64.fill(0);
+            } else {
+                for (w, &l) in w64.iter_mut().zip(l64) {
+                    *w = weight(max - fix(l) / t);
+                }
+            }
+        }
+        let total = w.iter().map(|&w| w as u64).sum();
+        let above = w.iter().map(|&w| if w >= floor { w as u64 } else { 0 }).sum();
+        (total, above)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    fn max_avx2(logits: &[f32]) -> f32 {
+        max_body(logits)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    fn weigh_avx2(w: &mut [u32], logits: &[f32], max: f32, t: f32, floor: u32) -> (u64, u64) {
+        weigh_body(w, logits, max, t, floor)
+    }
+
+    fn avx2() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        return std::is_x86_feature_detected!("avx2");
+        #[allow(unreachable_code)]
+        false
+    }
+
+    /// The largest value, NaN ignored (-∞ when there is none).
+    pub fn max(logits: &[f32]) -> f32 {
+        #[cfg(target_arch = "x86_64")]
+        if avx2() {
+            // SAFETY: the CPU has AVX2 (checked just above).
+            return unsafe { max_avx2(logits) };
+        }
+        max_body(logits)
+    }
+
+    /// Every token's weight below `max` at temperature `t` (no penalty),
+    /// into `w`; returns the total and the weight at or above `floor`.
+    pub fn weigh(w: &mut [u32], logits: &[f32], max: f32, t: f32, floor: u32) -> (u64, u64) {
+        #[cfg(target_arch = "x86_64")]
+        if avx2() {
+            // SAFETY: the CPU has AVX2 (checked just above).
+            return unsafe { weigh_avx2(w, logits, max, t, floor) };
+        }
+        weigh_body(w, logits, max, t, floor)
+    }
+}
+
+impl Row {
+    /// The largest scaled value: the plain maximum unless a penalised token
+    /// may change it.
+    fn max(logits: &[f32], seen: &[u32], p: &SamplingParams, t: f32) -> f32 {
+        let plain = lanes::max(logits) / t;
+        if p.repetition_penalty == 1.0 {
+            return plain;
+        }
+        let hit = |i: usize| seen.get(i / 32).is_some_and(|w| w >> (i % 32) & 1 == 1);
+        let penalised = seen_ids(seen).filter_map(|i| logits.get(i).map(|&l| scaled(l, true, p.repetition_penalty, t)));
+        let best_seen = penalised.fold(f32::NEG_INFINITY, |a, b| if b > a { b } else { a });
+        // If a seen token held the plain maximum, the unseen maximum needs a
+        // scan without it (rare: only when the penalty applies to the top).
+        let top_seen = seen_ids(seen).any(|i| logits.get(i).is_some_and(|&l| fix(l) / t == plain));
+        let unseen = if top_seen {
+            logits
+                .iter()
+                .enumerate()
+                .filter(|&(i, _)| !hit(i))
+                .map(|(_, &l)| fix(l) / t)
+                .fold(f32::NEG_INFINITY, |a, b| if b > a { b } else { a })
+        } else {
+            plain
+        };
+        if best_seen > unseen {
+            best_seen
+        } else {
+            unseen
         }
     }
-    if p.min_p > 0.0 {
-        let floor = p.min_p * kept[0].1;
-        kept.retain(|&(_, q)| q >= floor);
+
+    /// The weights below `max` (finite), their histogram, total, and the
+    /// weight at or above `floor`; penalised tokens weighed by their
+    /// penalised value.
+    fn weigh(&mut self, logits: &[f32], seen: &[u32], p: &SamplingParams, max: f32, floor: u32) {
+        let t = p.temperature;
+        self.w.clear();
+        self.w.resize(logits.len(), 0);
+        self.levels.clear();
+        (self.total, self.floor_mass) = lanes::weigh(&mut self.w, logits, max, t, floor);
+        if p.repetition_penalty != 1.0 {
+            for i in seen_ids(seen).filter(|&i| i < logits.len()) {
+                let (old, new) = (self.w[i], weight(max - scaled(logits[i], true, p.repetition_penalty, t)));
+                self.total = self.total - old as u64 + new as u64;
+                let above = |w: u32| if w >= floor { w as u64 } else { 0 };
+                self.floor_mass = self.floor_mass - above(old) + above(new);
+                self.w[i] = new;
+            }
+        }
     }
-    kept
+
+    /// Level `j`, gathered by a scan when first needed.
+    fn level(&mut self, j: usize) -> &(Vec<u32>, u64) {
+        while self.levels.len() <= j {
+            let lo = LEVELS[self.levels.len()];
+            let ids = gather(&self.w, |w| w >= lo);
+            let mass = ids.iter().map(|&i| self.w[i as usize] as u64).sum();
+            self.levels.push((ids, mass));
+        }
+        &self.levels[j]
+    }
+
+    /// The boundary of `goal` (1 ≤ goal ≤ the row's count or mass), among
+    /// the first level that reaches it: every token above the boundary is
+    /// in that level too.
+    fn select(&mut self, goal: Goal) -> Boundary {
+        for j in 0..LEVELS.len() {
+            self.level(j);
+            let (ids, mass) = &self.levels[j];
+            if goal.reached(ids.len() as u64, *mass) {
+                let values = ids.iter().map(|&i| self.w[i as usize]).collect();
+                return select_in(values, goal);
+            }
+        }
+        // A count beyond every token of some weight: the rest weigh 0.
+        let (ids, mass) = self.level(LEVELS.len() - 1);
+        Boundary { tau: 0, above_count: ids.len() as u64, above_mass: *mass }
+    }
+
+    /// The boundary of the first `k` tokens (k ≥ 1): one scan that keeps
+    /// the weights at or above a threshold, raised to the k-th largest kept
+    /// whenever the kept pile grows past 4k, so most of the row is skipped by
+    /// a vector compare.
+    fn select_top(&self, k: usize) -> Boundary {
+        let mut threshold = 1u32;
+        let mut kept: Vec<u32> = Vec::with_capacity(4 * k + 8);
+        for w8 in self.w.chunks(8) {
+            if w8.iter().fold(false, |a, &w| a | (w >= threshold)) {
+                kept.extend(w8.iter().copied().filter(|&w| w >= threshold));
+                if kept.len() >= (4 * k).max(1024) {
+                    kept.select_nth_unstable_by(k - 1, |a, b| b.cmp(a));
+                    threshold = kept[k - 1];
+                    kept.truncate(k);
+                }
+            }
+        }
+        if kept.len() < k {
+            // Fewer than k tokens weigh anything (the threshold never rose).
+            return Boundary { tau: 0, above_count: kept.len() as u64, above_mass: self.total };
+        }
+        select_in(kept, Goal::Count(k as u64))
+    }
+
+    /// The `n`-th (from 1) lowest id of weight `tau` > 0, from the first
+    /// level holding that weight (gathered by the select that found it).
+    fn nth_of_weight(&mut self, tau: u32, n: usize) -> u32 {
+        let j = LEVELS.iter().position(|&lo| tau >= lo).unwrap_or(LEVELS.len() - 1);
+        self.level(j);
+        let w = &self.w;
+        self.levels[j].0.iter().copied().filter(|&i| w[i as usize] == tau).nth(n - 1).unwrap_or(0)
+    }
+}
+
+/// The ids of the weights that `keep` accepts, ascending; chunks of eight
+/// with none (most of them) are skipped with a vector compare.
+fn gather(w: &[u32], keep: impl Fn(u32) -> bool) -> Vec<u32> {
+    let mut ids = Vec::new();
+    for (c, w8) in w.chunks(8).enumerate() {
+        if w8.iter().fold(false, |a, &w| a | keep(w)) {
+            ids.extend(w8.iter().enumerate().filter(|&(_, &w)| keep(w)).map(|(l, _)| (c * 8 + l) as u32));
+        }
+    }
+    ids
+}
+
+/// The boundary of `goal` among `values` (every token above it is among
+/// them): first by leading zeros (a power-of-two bucket, which splits
+/// exponentially spread weights well), then a radix select within the
+/// bucket, eight bits at a time, then a sort of the few left.
+fn select_in(mut current: Vec<u32>, goal: Goal) -> Boundary {
+    let (mut ac, mut am) = (0u64, 0u64);
+    // Bits from `shift` up are shared by every value left.
+    let mut shift = 32;
+    if current.len() > 64 {
+        // Four copies, so that neighbours landing in one bucket do not wait
+        // on each other's stores.
+        let (mut hc, mut hm) = ([[0u64; 33]; 4], [[0u64; 33]; 4]);
+        for (i, &w) in current.iter().enumerate() {
+            let b = w.leading_zeros() as usize;
+            hc[i & 3][b] += 1;
+            hm[i & 3][b] += w as u64;
+        }
+        let sum = |h: &[[u64; 33]; 4], b: usize| h.iter().map(|c| c[b]).sum::<u64>();
+        let mut b = 0;
+        while !goal.reached(ac + sum(&hc, b), am + sum(&hm, b)) {
+            ac += sum(&hc, b);
+            am += sum(&hm, b);
+            b += 1;
+        }
+        current.retain(|&w| w.leading_zeros() as usize == b);
+        shift = 31u32.saturating_sub(b as u32);
+    }
+    while current.len() > 64 && shift > 0 {
+        let low = shift.saturating_sub(8);
+        let digit = |w: u32| ((w as u64 >> low) & ((1u64 << (shift - low)) - 1)) as usize;
+        let (mut hc, mut hm) = ([0u64; 256], [0u64; 256]);
+        for &w in &current {
+            hc[digit(w)] += 1;
+            hm[digit(w)] += w as u64;
+        }
+        let mut d = (1usize << (shift - low)) - 1;
+        while !goal.reached(ac + hc[d], am + hm[d]) {
+            ac += hc[d];
+            am += hm[d];
+            d -= 1;
+        }
+        current.retain(|&w| digit(w) == d);
+        shift = low;
+    }
+    current.sort_unstable_by(|a, b| b.cmp(a));
+    for group in current.chunk_by(|a, b| a == b) {
+        let (c, m) = (group.len() as u64, group.len() as u64 * group[0] as u64);
+        if goal.reached(ac + c, am + m) {
+            return Boundary { tau: group[0], above_count: ac, above_mass: am };
+        }
+        ac += c;
+        am += m;
+    }
+    unreachable!("the goal lies within the values given")
+}
+
+/// The weight of the kept prefix before the draw: the least of top-k's,
+/// top-p's and min-p's prefixes (all three are prefixes of one order).
+fn kept_mass(row: &mut Row, p: &SamplingParams, vocab: usize) -> u64 {
+    let top_k = if p.top_k == 0 || p.top_k >= vocab {
+        row.total
+    } else {
+        let b = row.select_top(p.top_k);
+        b.above_mass + (p.top_k as u64 - b.above_count) * b.tau as u64
+    };
+    let top_p = if p.top_p < 1.0 {
+        let goal = nucleus_goal(top_k, p.top_p);
+        let b = row.select(Goal::Mass(goal));
+        b.above_mass + (goal - b.above_mass).div_ceil(b.tau as u64) * b.tau as u64
+    } else {
+        top_k
+    };
+    let min_p = if p.min_p > 0.0 { row.floor_mass } else { row.total };
+    top_k.min(top_p).min(min_p)
+}
+
+/// The weight top-p must reach: ⌈mass · p⌉, in f64 (exact for any mass
+/// below 2^53; the product is rounded once, as on the GPU).
+pub fn nucleus_goal(mass: u64, top_p: f32) -> u64 {
+    (mass as f64 * top_p as f64).ceil() as u64
+}
+
+/// The least weight min-p keeps: ⌈min_p · 2^30⌉ (the most likely token
+/// weighs 2^30); 0 keeps everything.
+pub fn min_p_floor(min_p: f32) -> u32 {
+    if min_p > 0.0 {
+        (min_p as f64 * WEIGHT_ONE as f64).ceil() as u32
+    } else {
+        0
+    }
+}
+
+/// Where a draw of 64 random bits lands in a prefix of weight `kept`:
+/// ⌊kept · bits / 2^64⌋, in [0, kept).
+pub fn draw_target(kept: u64, bits: u64) -> u64 {
+    ((kept as u128 * bits as u128) >> 64) as u64
+}
+
+thread_local! {
+    static ROW: std::cell::RefCell<Row> = std::cell::RefCell::new(Row::default());
 }
 
 /// The next token of request `request` at `step` (its position among the
-/// request's draws): greedy at temperature 0, else a draw from the
-/// candidates with the counter-based uniform number.
-pub fn sample(logits: &[f32], context: &[u32], p: &SamplingParams, request: u64, step: u64) -> u32 {
-    if p.temperature == 0.0 {
-        if p.repetition_penalty == 1.0 {
-            return greedy(logits) as u32;
-        }
-        let mut adjusted = logits.to_vec();
-        for id in seen(context) {
-            if let Some(x) = adjusted.get_mut(id as usize) {
-                *x = penalised(*x, p.repetition_penalty);
-            }
-        }
-        return greedy(&adjusted) as u32;
+/// request's draws), with `seen` the bitmap of the ids the repetition
+/// penalty applies to ([`seen_bitmap`]).
+///
+/// Greedy (temperature 0) takes the first maximum of the penalised logits.
+/// Otherwise every token gets an integer [`weight`] from its scaled logit
+/// and the tokens are ordered by descending weight, ties to the lower id;
+/// top-k, top-p (the shortest prefix reaching ⌈p · top-k's weight⌉) and
+/// min-p each keep a prefix of that order, and the draw picks the token
+/// where ⌊kept · bits / 2^64⌋ falls in the shortest one. Nothing is sorted
+/// but the few weights at a boundary, and every sum is an exact integer, so
+/// the device sampler picks the same token.
+pub fn sample(logits: &[f32], seen: &[u32], p: &SamplingParams, request: u64, step: u64) -> u32 {
+    let t = if p.temperature > 0.0 { p.temperature } else { 1.0 };
+    let max = Row::max(logits, seen, p, t);
+    if p.temperature == 0.0 || !max.is_finite() {
+        // Greedy, or nothing finite to weigh: the first maximum.
+        let hit = |i: usize| p.repetition_penalty != 1.0 && seen.get(i / 32).is_some_and(|w| w >> (i % 32) & 1 == 1);
+        return logits.iter().enumerate().position(|(i, &l)| scaled(l, hit(i), p.repetition_penalty, t) == max).unwrap_or(0) as u32;
     }
-    let kept = candidates(logits, context, p);
-    let total: f64 = kept.iter().map(|&(_, q)| q as f64).sum();
-    let u = uniform(p.seed, request, step) as f64 * total;
-    let mut cum = 0.0f64;
-    for &(id, q) in &kept {
-        cum += q as f64;
-        if u < cum {
-            return id;
-        }
+    ROW.with_borrow_mut(|row| {
+        row.weigh(logits, seen, p, max, min_p_floor(p.min_p));
+        let kept = kept_mass(row, p, logits.len());
+        let g = draw_target(kept, draw_bits(p.seed, request, step)) + 1;
+        let b = row.select(Goal::Mass(g));
+        let nth = (g - b.above_mass).div_ceil(b.tau as u64) as usize;
+        row.nth_of_weight(b.tau, nth)
+    })
+}
+
+/// Words per row of the sampling table that the stage entry hands its
+/// sampling kernel (`[rows, ROW_WORDS]` i64), and what each holds.
+pub const ROW_WORDS: usize = 8;
+pub mod row {
+    /// Temperature (f32 bits, low half) and top-p (f32 bits, high half).
+    pub const TEMPERATURE_TOP_P: usize = 0;
+    /// Min-p (low half) and the repetition penalty (high half), f32 bits.
+    pub const MIN_P_PENALTY: usize = 1;
+    pub const TOP_K: usize = 2;
+    pub const SEED: usize = 3;
+    pub const STEP: usize = 4;
+    pub const REQUEST: usize = 5;
+    /// Bit 0: [`SAMPLE`] (rows that give no token are only checked); bits
+    /// 32 and up: the row of the seen-id bitmaps that belongs to this row's
+    /// sequence.
+    pub const FLAGS: usize = 6;
+    /// Written by the sampler: how many of the row's logits are NaN or ±∞.
+    pub const NON_FINITE: usize = 7;
+    pub const SAMPLE: i64 = 1;
+}
+
+/// The sampling-table row of a draw (`sample` = false: a row that gives no
+/// token, whose logits are only checked), whose sequence's seen-id bitmap is
+/// row `seen_row` of the bitmaps.
+pub fn row_words(p: &SamplingParams, request: u64, step: u64, sample: bool, seen_row: usize) -> [i64; ROW_WORDS] {
+    let pair = |lo: f32, hi: f32| (lo.to_bits() as u64 | (hi.to_bits() as u64) << 32) as i64;
+    let mut w = [0i64; ROW_WORDS];
+    w[row::TEMPERATURE_TOP_P] = pair(p.temperature, p.top_p);
+    w[row::MIN_P_PENALTY] = pair(p.min_p, p.repetition_penalty);
+    w[row::TOP_K] = p.top_k as i64;
+    w[row::SEED] = p.seed as i64;
+    w[row::STEP] = step as i64;
+    w[row::REQUEST] = request as i64;
+    w[row::FLAGS] = if sample { row::SAMPLE } else { 0 } | (seen_row as i64) << 32;
+    w
+}
+
+/// The seen-bitmap row a table row names.
+pub fn seen_row(w: &[i64; ROW_WORDS]) -> usize {
+    (w[row::FLAGS] as u64 >> 32) as usize
+}
+
+/// The inverse of [`row_words`]: the parameters, request, step and whether
+/// the row gives a token.
+pub fn row_params(w: &[i64; ROW_WORDS]) -> (SamplingParams, u64, u64, bool) {
+    let half = |v: i64, hi: bool| f32::from_bits(if hi { (v as u64 >> 32) as u32 } else { v as u32 });
+    let p = SamplingParams {
+        temperature: half(w[row::TEMPERATURE_TOP_P], false),
+        top_p: half(w[row::TEMPERATURE_TOP_P], true),
+        min_p: half(w[row::MIN_P_PENALTY], false),
+        repetition_penalty: half(w[row::MIN_P_PENALTY], true),
+        top_k: w[row::TOP_K] as u64 as usize,
+        seed: w[row::SEED] as u64,
+    };
+    (p, w[row::REQUEST] as u64, w[row::STEP] as u64, w[row::FLAGS] & row::SAMPLE != 0)
+}
+
+/// One row of the sampling kernel's work, as the host target runs it:
+/// counts the row's non-finite logits into its table row and returns the
+/// sampled id (0 for a row that gives no token).
+pub fn sample_row(logits: &[f32], seen: &[u32], words: &mut [i64; ROW_WORDS]) -> u32 {
+    words[row::NON_FINITE] = logits.iter().filter(|v| !v.is_finite()).count() as i64;
+    let (p, request, step, give) = row_params(words);
+    if give {
+        sample(logits, seen, &p, request, step)
+    } else {
+        0
     }
-    kept[kept.len() - 1].0
 }
 
 #[cfg(test)]
@@ -350,20 +700,24 @@ mod tests {
     fn greedy_takes_the_first_maximum_and_skips_nan() {
         assert_eq!(greedy(&[1.0, 3.0, 3.0, 2.0]), 1);
         assert_eq!(greedy(&[f32::NAN, 0.5, f32::NAN]), 1);
-        assert_eq!(sample(&[0.0, 2.0, 1.0], &[], &SamplingParams::GREEDY, 0, 0), 1);
+        assert_eq!(sample(&[0.0, 2.0, 1.0], &[0], &SamplingParams::GREEDY, 0, 0), 1);
         // A repetition penalty can move the greedy choice.
         let p = SamplingParams { repetition_penalty: 4.0, ..SamplingParams::GREEDY };
-        assert_eq!(sample(&[0.0, 2.0, 1.0], &[1], &p, 0, 0), 2);
+        assert_eq!(sample(&[0.0, 2.0, 1.0], &seen_bitmap([1], 3), &p, 0, 0), 2);
+        // Nothing finite: the first position.
+        let t = SamplingParams { temperature: 1.0, ..SamplingParams::GREEDY };
+        assert_eq!(sample(&[f32::NAN, f32::NAN], &[0], &t, 0, 0), 0);
     }
 
     #[test]
     fn draws_depend_only_on_seed_request_and_step() {
         let logits: Vec<f32> = (0..1000).map(|i| ((i * 7919) % 1000) as f32 / 300.0).collect();
         let p = SamplingParams { temperature: 0.8, top_k: 50, top_p: 0.9, min_p: 0.0, repetition_penalty: 1.0, seed: 7 };
-        let a: Vec<u32> = (0..20).map(|s| sample(&logits, &[], &p, 3, s)).collect();
-        let b: Vec<u32> = (0..20).map(|s| sample(&logits, &[], &p, 3, s)).collect();
+        let none = seen_bitmap([], 1000);
+        let a: Vec<u32> = (0..20).map(|s| sample(&logits, &none, &p, 3, s)).collect();
+        let b: Vec<u32> = (0..20).map(|s| sample(&logits, &none, &p, 3, s)).collect();
         assert_eq!(a, b);
-        let c: Vec<u32> = (0..20).map(|s| sample(&logits, &[], &p, 4, s)).collect();
+        let c: Vec<u32> = (0..20).map(|s| sample(&logits, &none, &p, 4, s)).collect();
         assert_ne!(a, c, "another request draws other numbers");
         assert!(p.check().is_ok());
         assert!(SamplingParams { top_p: 0.0, ..p }.check().unwrap_err().contains("top_p"));
@@ -403,8 +757,9 @@ mod tests {
         let want = expected(&logits, 0.7, 24, 0.9);
         let n = 100_000u64;
         let mut counts = vec![0u64; logits.len()];
+        let none = seen_bitmap([], logits.len());
         for step in 0..n {
-            counts[sample(&logits, &[], &p, 11, step) as usize] += 1;
+            counts[sample(&logits, &none, &p, 11, step) as usize] += 1;
         }
         let allowed: Vec<u32> = want.iter().map(|&(id, _)| id).collect();
         for (id, &c) in counts.iter().enumerate() {
@@ -435,22 +790,110 @@ mod tests {
         assert!(worst < 5e-7, "relative error {worst:e}");
         assert_eq!(exp_neg(f32::INFINITY), 0.0);
         assert_eq!(exp_neg(90.0), 0.0);
+        assert_eq!(weight(0.0), 1 << 30, "the most likely token weighs exactly 2^30");
+        assert_eq!(weight(f32::INFINITY), 0);
+    }
+
+    /// The sampler's definition, the slow way: every token weighed, the
+    /// whole vocabulary sorted, prefix sums walked.
+    fn reference(logits: &[f32], seen: &[u32], p: &SamplingParams, request: u64, step: u64) -> u32 {
+        let t = if p.temperature > 0.0 { p.temperature } else { 1.0 };
+        let hit = |i: usize| p.repetition_penalty != 1.0 && seen[i / 32] >> (i % 32) & 1 == 1;
+        let x: Vec<f32> = logits.iter().enumerate().map(|(i, &l)| scaled(l, hit(i), p.repetition_penalty, t)).collect();
+        let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        if p.temperature == 0.0 || !max.is_finite() {
+            return x.iter().position(|&v| v == max).unwrap_or(0) as u32;
+        }
+        let w: Vec<u64> = x.iter().map(|&v| weight(max - v) as u64).collect();
+        let mut order: Vec<usize> = (0..w.len()).collect();
+        order.sort_by(|&a, &b| w[b].cmp(&w[a]).then(a.cmp(&b)));
+        let cum: Vec<u64> = order
+            .iter()
+            .scan(0u64, |s, &i| {
+                *s += w[i];
+                Some(*s)
+            })
+            .collect();
+        let total = *cum.last().unwrap();
+        let first_reaching = |g: u64| cum.iter().position(|&c| c >= g).unwrap();
+        let k = if p.top_k == 0 { w.len() } else { p.top_k.min(w.len()) };
+        let m_k = cum[k - 1];
+        let m_p = if p.top_p < 1.0 { cum[first_reaching(nucleus_goal(m_k, p.top_p))] } else { m_k };
+        let floor = min_p_floor(p.min_p) as u64;
+        let m_min = w.iter().filter(|&&v| v >= floor).sum::<u64>();
+        let kept = m_k.min(m_p).min(if p.min_p > 0.0 { m_min } else { total });
+        order[first_reaching(draw_target(kept, draw_bits(p.seed, request, step)) + 1)] as u32
+    }
+
+    #[test]
+    fn the_fast_sampler_is_its_definition() {
+        // Random rows (with ties, NaN, -∞ and penalties) and parameters: the
+        // histogram-and-radix path must pick the very token the sorted
+        // reference picks, every time.
+        let mut n = 0u64;
+        let mut rnd = || {
+            n += 1;
+            draw_bits(99, n, 0)
+        };
+        for case in 0..400 {
+            let vocab = 1 + (rnd() % 3000) as usize;
+            let levels = 1 + rnd() % 200;
+            let spread = (rnd() % 40) as f32 + 0.5;
+            let logits: Vec<f32> = (0..vocab)
+                .map(|_| match rnd() % 50 {
+                    0 => f32::NAN,
+                    1 => f32::NEG_INFINITY,
+                    _ => (rnd() % levels) as f32 * spread / levels as f32,
+                })
+                .collect();
+            let seen = seen_bitmap((0..rnd() % 20).map(|_| (rnd() % vocab as u64) as u32), vocab);
+            let p = SamplingParams {
+                temperature: [0.0, 0.3, 0.7, 1.0, 2.5][(rnd() % 5) as usize],
+                top_k: [0, 1, 2, 5, 50, 5000][(rnd() % 6) as usize],
+                top_p: [1.0, 0.95, 0.5, 0.1, 1e-6][(rnd() % 5) as usize],
+                min_p: [0.0, 0.05, 0.5, 1.0][(rnd() % 4) as usize],
+                repetition_penalty: [1.0, 1.3, 0.8][(rnd() % 3) as usize],
+                seed: rnd(),
+            };
+            for step in 0..5 {
+                assert_eq!(
+                    sample(&logits, &seen, &p, case, step),
+                    reference(&logits, &seen, &p, case, step),
+                    "case {case} step {step}: {p:?}"
+                );
+            }
+        }
     }
 
     #[test]
     fn top_k_breaks_ties_towards_the_lower_id() {
-        let mut got = top_k_ids(&[1.0, 2.0, 2.0, 0.5, 2.0, 3.0], 3);
-        got.sort_unstable_by(ranked);
-        assert_eq!(got, [(5, 3.0), (1, 2.0), (2, 2.0)]);
         let p = SamplingParams { temperature: 1.0, top_k: 1, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0 };
-        assert_eq!(candidates(&[f32::NAN, 1.0, 1.0], &[], &p), [(1, 1.0)]);
-        assert_eq!(candidates(&[f32::NAN, f32::NAN], &[], &p).len(), 1, "an all-NaN row still yields one token");
+        let none = seen_bitmap([], 6);
+        for step in 0..50 {
+            assert_eq!(sample(&[1.0, 2.0, 3.0, 0.5, 3.0, 3.0], &none, &p, 0, step), 2);
+            assert_eq!(sample(&[f32::NAN, 1.0, 1.0], &none, &p, 0, step), 1);
+        }
     }
 
     #[test]
     fn the_repetition_penalty_counts_each_id_once() {
         let p = SamplingParams { repetition_penalty: 2.0, ..SamplingParams::GREEDY };
         // 3.0 / 2 = 1.5 beats 1.2; halving twice (0.75) would not.
-        assert_eq!(sample(&[1.2, 3.0], &[1, 1, 1], &p, 0, 0), 1);
+        assert_eq!(sample(&[1.2, 3.0], &seen_bitmap([1, 1, 1], 2), &p, 0, 0), 1);
+    }
+
+    #[test]
+    fn table_rows_round_trip_and_count_non_finite_logits() {
+        let p = SamplingParams { temperature: 0.6, top_k: 20, top_p: 0.95, min_p: 0.01, repetition_penalty: 1.1, seed: u64::MAX - 3 };
+        let mut w = row_words(&p, 5, 1 << 40, true, 3);
+        assert_eq!(row_params(&w), (p, 5, 1 << 40, true));
+        assert_eq!(seen_row(&w), 3);
+        let logits = [0.5, f32::NAN, 2.0, f32::INFINITY, -1.0];
+        let id = sample_row(&logits, &seen_bitmap([], 5), &mut w);
+        assert_eq!(w[row::NON_FINITE], 2);
+        assert!(id < 5);
+        let mut off = row_words(&p, 5, 0, false, 0);
+        assert_eq!(sample_row(&logits, &seen_bitmap([], 5), &mut off), 0);
+        assert_eq!(off[row::NON_FINITE], 2);
     }
 }

@@ -88,7 +88,9 @@ pub mod abi {
     ///                     const int64_t *ids,       // [S] token ids (first stage)
     ///                     void *x,                  // [S, hidden] activations: in (unless first) and out (unless last)
     ///                     float *logits,            // [S, vocab] (last stage)
-    ///                     int64_t *out_ids,         // [S] greedy ids (last stage)
+    ///                     int64_t *out_ids,         // [S] sampled ids (last stage)
+    ///                     int64_t *table,           // [S, ROW_WORDS] sampling table (last stage; sampling::row)
+    ///                     const int32_t *seen,      // [sequences, ⌈vocab/32⌉] seen-id bitmaps (last stage)
     ///                     const int64_t *pos);      // [S] position of each row
     /// ```
     pub const ENTRY: &str = "m3c_stage_step";
@@ -103,6 +105,9 @@ pub mod abi {
     /// The tensor-core GEMM hooks of CUDA stages.
     pub const GEMM_WANTED: &str = "m3c_gemm_wanted"; // int32_t (int64_t rows)
     pub const GEMM_BF16: &str = "m3c_gemm_bf16"; // void (x, w, y, rows, inp, out, y_bf16)
+    /// The host target's sampler (`sampling::sample_row` over every row):
+    /// void (logits, table, seen, ids, rows, vocab, seen rows, seen words).
+    pub const SAMPLE_ROWS: &str = "m3c_sample_rows";
 }
 
 #[cfg(test)]

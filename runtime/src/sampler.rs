@@ -1,0 +1,45 @@
+//! The host target's sampling kernel: the compiled `Sample` kernel's host
+//! body calls `m3c_sample_rows`, which runs the contract's sampler over
+//! every row of a step. (On a GPU the kernel's own device code samples, and
+//! is checked to pick the same ids.)
+
+use m3c_contract::sampling::{sample_row, seen_row, ROW_WORDS};
+
+/// Samples `rows` rows of `vocab` logits under their sampling-table rows
+/// (writing each row's non-finite count into it) into `ids`. The stage
+/// entry passes the step's own buffers, sized by the same `rows`, `vocab`
+/// and sequence count.
+///
+/// # Safety
+/// `logits` holds `rows × vocab` f32, `table` `rows × ROW_WORDS` i64, `ids`
+/// `rows` i64 and `seen` `seen_rows × seen_words` u32, none overlapping.
+#[no_mangle]
+pub unsafe extern "C" fn m3c_sample_rows(
+    logits: *const f32,
+    table: *mut i64,
+    seen: *const u32,
+    ids: *mut i64,
+    rows: i64,
+    vocab: i64,
+    seen_rows: i64,
+    seen_words: i64,
+) {
+    let (rows, vocab) = (rows.max(0) as usize, vocab.max(0) as usize);
+    let (seen_rows, seen_words) = (seen_rows.max(0) as usize, seen_words.max(0) as usize);
+    // SAFETY: the sizes are the caller's contract above.
+    let (logits, table, ids) = unsafe {
+        (
+            std::slice::from_raw_parts(logits, rows * vocab),
+            std::slice::from_raw_parts_mut(table, rows * ROW_WORDS),
+            std::slice::from_raw_parts_mut(ids, rows),
+        )
+    };
+    // SAFETY: as above; no bitmaps (a zero count) is an empty slice.
+    let seen = if seen_rows * seen_words == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(seen, seen_rows * seen_words) } };
+    for ((row, words), id) in logits.chunks_exact(vocab.max(1)).zip(table.chunks_exact_mut(ROW_WORDS)).zip(ids.iter_mut()) {
+        let words: &mut [i64; ROW_WORDS] = words.try_into().expect("chunks of ROW_WORDS");
+        let s = seen_row(words);
+        let bitmap = seen.get(s * seen_words..(s + 1) * seen_words).unwrap_or(&[]);
+        *id = sample_row(row, bitmap, words) as i64;
+    }
+}
