@@ -92,6 +92,25 @@ fn streaming_decode_never_splits_a_character() {
     }
 }
 
+/// The windowed stream adds up to the full decode for any ids: random ones
+/// (special tokens, byte tokens that never complete a character, words)
+/// over a long sequence, where the decoder looks at a few tokens at a time.
+#[test]
+fn streaming_decode_of_random_ids_adds_up_to_the_full_decode() {
+    let tk = TextTokenizer::from_dir(&fixture("tiny-m3")).unwrap();
+    let vocab = tk.vocab_size() as u64;
+    for seed in 0..4u64 {
+        let ids: Vec<u32> = (0..1500u64).map(|i| (m3c_contract::sampling::draw_bits(seed, 0, i) % vocab) as u32).collect();
+        let mut dec = IncrementalDecoder::new(true);
+        let mut streamed = String::new();
+        for &id in &ids {
+            streamed.push_str(&dec.push(&tk, id).unwrap());
+        }
+        streamed.push_str(&dec.finish(&tk).unwrap());
+        assert_eq!(streamed, tk.decode(&ids, true).unwrap(), "seed {seed}");
+    }
+}
+
 #[test]
 fn a_template_error_and_damaged_files_are_named() {
     let dir = tempfile::tempdir().unwrap();

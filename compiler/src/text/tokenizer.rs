@@ -63,38 +63,56 @@ impl TextTokenizer {
 /// Streams the text of a growing list of ids: each call returns the new
 /// complete characters only, so a multi-byte character split over tokens
 /// comes out whole once its last byte has arrived.
+///
+/// Each call decodes only a window, as vLLM's and TGI's detokenisers do:
+/// the ids from `prefix` (a few tokens of context before the text not yet
+/// returned, so a decoder that looks at neighbours sees them) to the end,
+/// against the same window without the new ids. A token costs the window,
+/// not the whole sequence.
 pub struct IncrementalDecoder {
     ids: Vec<u32>,
-    /// Bytes of text already returned.
-    emitted: usize,
+    /// Start of the decode window.
+    prefix: usize,
+    /// The ids before this have had their text returned.
+    read: usize,
     skip_special: bool,
 }
 
+/// Tokens of context kept before the unreturned text.
+const CONTEXT: usize = 5;
+
 impl IncrementalDecoder {
     pub fn new(skip_special: bool) -> IncrementalDecoder {
-        IncrementalDecoder { ids: Vec::new(), emitted: 0, skip_special }
+        IncrementalDecoder { ids: Vec::new(), prefix: 0, read: 0, skip_special }
+    }
+
+    /// The window's text without and with the ids not yet returned.
+    fn window(&self, tk: &TextTokenizer) -> Result<(String, String), TextError> {
+        let before = tk.decode(&self.ids[self.prefix..self.read], self.skip_special)?;
+        let all = tk.decode(&self.ids[self.prefix..], self.skip_special)?;
+        Ok((before, all))
     }
 
     /// Adds `id`; returns the text it completes (possibly empty).
     pub fn push(&mut self, tk: &TextTokenizer, id: u32) -> Result<String, TextError> {
         self.ids.push(id);
-        let text = tk.decode(&self.ids, self.skip_special)?;
+        let (before, all) = self.window(tk)?;
         // A character still missing bytes decodes to U+FFFD at the end: wait for it.
-        let complete = text.strip_suffix('\u{FFFD}').unwrap_or(&text);
-        if complete.len() <= self.emitted || !complete.is_char_boundary(self.emitted) {
+        if all.ends_with('\u{FFFD}') || all.len() <= before.len() || !all.is_char_boundary(before.len()) {
             return Ok(String::new());
         }
-        let new = complete[self.emitted..].to_string();
-        self.emitted = complete.len();
+        let new = all[before.len()..].to_string();
+        self.read = self.ids.len();
+        self.prefix = self.read.saturating_sub(CONTEXT);
         Ok(new)
     }
 
     /// The text held back at the end of the sequence: a character that
     /// will never be completed comes out as U+FFFD, as a full decode shows it.
     pub fn finish(&mut self, tk: &TextTokenizer) -> Result<String, TextError> {
-        let text = tk.decode(&self.ids, self.skip_special)?;
-        let rest = text.get(self.emitted..).unwrap_or_default().to_string();
-        self.emitted = text.len();
+        let (before, all) = self.window(tk)?;
+        let rest = all.get(before.len()..).unwrap_or_default().to_string();
+        self.read = self.ids.len();
         Ok(rest)
     }
 

@@ -270,7 +270,7 @@ fn seen_ids(seen: &[u32]) -> impl Iterator<Item = usize> + '_ {
 /// it, and for the x86-64 baseline. Rust never fuses a multiply and an add,
 /// so both give the same bits.
 mod lanes {
-    use super::{fix, weight};
+    use super::{fix, weight, LEVELS};
 
     #[inline(always)]
     fn max_body(logits: &[f32]) -> f32 {
@@ -289,7 +289,7 @@ mod lanes {
     }
 
     #[inline(always)]
-    fn weigh_body(w: &mut [u32], logits: &[f32], max: f32, t: f32, floor: u32) -> (u64, u64) {
+    fn weigh_body(w: &mut [u32], logits: &[f32], max: f32, t: f32, floor: u32, heavy: &mut Vec<u32>) -> (u64, u64) {
         // Past 21 below the maximum a weight is surely 0 (e^-21·2^30 < 0.82
         // even with the polynomial's error), so a block of such tokens, most
         // of a peaked row at low temperature, skips the exponential. The test
@@ -299,12 +299,16 @@ mod lanes {
         // keep the loops plain enough to vectorise.
         let cut = (max - 21.5) * t;
         let cut = if max - cut / t >= 21.0 { cut } else { f32::NEG_INFINITY };
-        for (w64, l64) in w.chunks_mut(64).zip(logits.chunks(64)) {
+        for (block, (w64, l64)) in w.chunks_mut(64).zip(logits.chunks(64)).enumerate() {
             if l64.iter().fold(true, |a, &l| a & (fix(l) <= cut)) {
                 w64.fill(0);
             } else {
                 for (w, &l) in w64.iter_mut().zip(l64) {
                     *w = weight(max - fix(l) / t);
+                }
+                // The first level's tokens, gathered on the way.
+                if w64.iter().fold(0, |a, &w| a.max(w)) >= LEVELS[0] {
+                    heavy.extend(w64.iter().enumerate().filter(|&(_, &w)| w >= LEVELS[0]).map(|(i, _)| (block * 64 + i) as u32));
                 }
             }
         }
@@ -321,8 +325,8 @@ mod lanes {
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
-    fn weigh_avx2(w: &mut [u32], logits: &[f32], max: f32, t: f32, floor: u32) -> (u64, u64) {
-        weigh_body(w, logits, max, t, floor)
+    fn weigh_avx2(w: &mut [u32], logits: &[f32], max: f32, t: f32, floor: u32, heavy: &mut Vec<u32>) -> (u64, u64) {
+        weigh_body(w, logits, max, t, floor, heavy)
     }
 
     fn avx2() -> bool {
@@ -343,14 +347,15 @@ mod lanes {
     }
 
     /// Every token's weight below `max` at temperature `t` (no penalty),
-    /// into `w`; returns the total and the weight at or above `floor`.
-    pub fn weigh(w: &mut [u32], logits: &[f32], max: f32, t: f32, floor: u32) -> (u64, u64) {
+    /// into `w`, and the ids of weight ≥ `LEVELS[0]` into `heavy`; returns
+    /// the total and the weight at or above `floor`.
+    pub fn weigh(w: &mut [u32], logits: &[f32], max: f32, t: f32, floor: u32, heavy: &mut Vec<u32>) -> (u64, u64) {
         #[cfg(target_arch = "x86_64")]
         if avx2() {
             // SAFETY: the CPU has AVX2 (checked just above).
-            return unsafe { weigh_avx2(w, logits, max, t, floor) };
+            return unsafe { weigh_avx2(w, logits, max, t, floor, heavy) };
         }
-        weigh_body(w, logits, max, t, floor)
+        weigh_body(w, logits, max, t, floor, heavy)
     }
 }
 
@@ -390,10 +395,11 @@ impl Row {
     /// penalised value.
     fn weigh(&mut self, logits: &[f32], seen: &[u32], p: &SamplingParams, max: f32, floor: u32) {
         let t = p.temperature;
-        self.w.clear();
+        // Every weight is written below: no need to clear them first.
         self.w.resize(logits.len(), 0);
         self.levels.clear();
-        (self.total, self.floor_mass) = lanes::weigh(&mut self.w, logits, max, t, floor);
+        let mut heavy = Vec::new();
+        (self.total, self.floor_mass) = lanes::weigh(&mut self.w, logits, max, t, floor, &mut heavy);
         if p.repetition_penalty != 1.0 {
             for i in seen_ids(seen).filter(|&i| i < logits.len()) {
                 let (old, new) = (self.w[i], weight(max - scaled(logits[i], true, p.repetition_penalty, t)));
@@ -402,7 +408,11 @@ impl Row {
                 self.floor_mass = self.floor_mass - above(old) + above(new);
                 self.w[i] = new;
             }
+            // A penalty moves weights across the first level: gather it afresh.
+            heavy = gather(&self.w, |w| w >= LEVELS[0]);
         }
+        let mass = heavy.iter().map(|&i| self.w[i as usize] as u64).sum();
+        self.levels.push((heavy, mass));
     }
 
     /// Level `j`, gathered by a scan when first needed.
