@@ -37,6 +37,9 @@ pub struct RunArgs {
     /// Per-sequence sampling that differs from `sampling` (a `--prompts`
     /// JSONL line's own settings).
     pub seq_sampling: Vec<(usize, SamplingParams)>,
+    /// Serve requests that arrive on the first stage's standard input
+    /// (`m3c serve`) instead of running a fixed set of prompts.
+    pub serve: bool,
 }
 
 impl RunArgs {
@@ -49,8 +52,8 @@ impl RunArgs {
 /// Seconds without a heartbeat before a peer counts as lost.
 pub const DEFAULT_TIMEOUT_S: f64 = 30.0;
 
-pub const USAGE: &str = "usage: stage-K (--model DIR | --synthetic-weights SEED) (--prompt-ids 1,2,3 [--prompt-ids ...] | --prompts FILE) \
---max-new-tokens N [--micro-batch SEQS] [--prefill-chunk TOKENS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S] [--cuda-graphs on|off] [--prefill-gemm cublas|off] [--stream-ids] \
+pub const USAGE: &str = "usage: stage-K (--model DIR | --synthetic-weights SEED) ((--prompt-ids 1,2,3 [--prompt-ids ...] | --prompts FILE) \
+--max-new-tokens N | --serve) [--micro-batch SEQS] [--prefill-chunk TOKENS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S] [--cuda-graphs on|off] [--prefill-gemm cublas|off] [--stream-ids] \
 [--temperature T] [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S] [--eos-ids 1,2] [--stop HEX ...] [--seq-sampling SEQ:T:K:P:MINP:R:SEED ...]";
 
 use crate::error::StageError;
@@ -109,6 +112,7 @@ fn parse_args(args: &[String]) -> Result<RunArgs, String> {
     let mut eos_ids = Vec::new();
     let mut stops = Vec::new();
     let mut seq_sampling = Vec::new();
+    let mut serve = false;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = |name: &str| it.next().cloned().ok_or_else(|| format!("{name} needs a value; {USAGE}"));
@@ -141,6 +145,7 @@ fn parse_args(args: &[String]) -> Result<RunArgs, String> {
                 }
             }
             "--stream-ids" => stream_ids = true,
+            "--serve" => serve = true,
             "--temperature" => sampling.temperature = parse_number(&value("--temperature")?, "--temperature")?,
             "--top-k" => sampling.top_k = parse_count(&value("--top-k")?, "--top-k", false)?,
             "--top-p" => sampling.top_p = parse_number(&value("--top-p")?, "--top-p")?,
@@ -165,7 +170,10 @@ fn parse_args(args: &[String]) -> Result<RunArgs, String> {
         prompts = parse_prompts_file(&text, &f.display().to_string())?;
     }
     sampling.check()?;
-    if prompts.is_empty() {
+    if serve && (!prompts.is_empty() || max_new.is_some() || dump.is_some() || expect.is_some()) {
+        return Err("--serve takes its prompts from the first stage's standard input: no --prompt-ids, --prompts, --max-new-tokens, --dump or --expect".into());
+    }
+    if prompts.is_empty() && !serve {
         return Err(format!("no prompt: give --prompt-ids or --prompts; {USAGE}"));
     }
     if model.is_none() && synthetic_seed.is_none() {
@@ -179,7 +187,7 @@ fn parse_args(args: &[String]) -> Result<RunArgs, String> {
         synthetic_seed,
         expect,
         prompts,
-        max_new_tokens: max_new.ok_or_else(|| format!("--max-new-tokens is required; {USAGE}"))?,
+        max_new_tokens: if serve { 0 } else { max_new.ok_or_else(|| format!("--max-new-tokens is required; {USAGE}"))? },
         dump,
         timeout_s,
         micro_batch,
@@ -191,5 +199,6 @@ fn parse_args(args: &[String]) -> Result<RunArgs, String> {
         eos_ids,
         stops,
         seq_sampling,
+        serve,
     })
 }

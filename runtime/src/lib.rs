@@ -26,6 +26,7 @@ mod liveness;
 mod meta;
 mod pipeline;
 mod sampler;
+mod serve;
 mod stage;
 mod startup;
 mod weights;
@@ -242,7 +243,8 @@ fn stage_main(
         rss,
         if st.uses_nccl() { ", activations over NCCL" } else { "" }
     );
-    let closing = match pipeline::run(world, peers, &mut st, &args) {
+    let run = if args.serve { serve::run(world, peers, &mut st, &args).map(Ok) } else { pipeline::run(world, peers, &mut st, &args) };
+    let closing = match run {
         Ok(c) => c,
         // Mid-run: peers may be blocked on this stage; end the whole job.
         Err(e) => startup::abort_job(world, who, &e.to_string()),

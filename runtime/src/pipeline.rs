@@ -11,6 +11,7 @@ use crate::error::StageError;
 use crate::liveness::{self, Peers};
 use crate::stage::{self, Segment};
 use crate::wire::{self, bytes_f32, f32_bytes, message, Outbox, KIND_STEP, KIND_STOP, TAG_ACT, TAG_IDS};
+use m3c_contract::sampling::SamplingParams;
 use mpi::topology::SimpleCommunicator;
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -38,12 +39,35 @@ fn gives_token(r: &dump::SeqRecord, s: &Segment) -> bool {
     s.pos0 + s.rows >= r.prompt.len()
 }
 
+/// What the last stage knows of each sequence: its record (prompt,
+/// generated ids, logits when wanted) and its sampling.
+pub(crate) trait Books {
+    fn seq(&self, seq: usize) -> Result<(&dump::SeqRecord, &SamplingParams), StageError>;
+    fn seq_mut(&mut self, seq: usize) -> Result<&mut dump::SeqRecord, StageError>;
+}
+
+/// A run's sequences: one per prompt, sampled as the arguments say.
+struct RunBooks<'a> {
+    records: Vec<dump::SeqRecord>,
+    args: &'a RunArgs,
+}
+
+impl Books for RunBooks<'_> {
+    fn seq(&self, seq: usize) -> Result<(&dump::SeqRecord, &SamplingParams), StageError> {
+        let r = self.records.get(seq).ok_or_else(|| StageError::Step(format!("a step for unknown prompt {seq}")))?;
+        Ok((r, self.args.sampling_for(seq)))
+    }
+    fn seq_mut(&mut self, seq: usize) -> Result<&mut dump::SeqRecord, StageError> {
+        self.records.get_mut(seq).ok_or_else(|| StageError::Step(format!("a step for unknown prompt {seq}")))
+    }
+}
+
 /// The last stage's sampling inputs for a step: one table row per row of
 /// the step (the last row of each segment that gives a token draws, keyed by
 /// the sequence's own step, so the draw is the same whatever the split, the
 /// batch or the chunking), and a seen-id bitmap per segment for those with
 /// a repetition penalty.
-fn sample_in(records: &[dump::SeqRecord], segs: &[Segment], args: &RunArgs, vocab: usize) -> stage::SampleIn {
+pub(crate) fn sample_in(books: &impl Books, segs: &[Segment], vocab: usize, want_logits: bool) -> Result<stage::SampleIn, StageError> {
     use m3c_contract::sampling::{row_words, seen_bitmap, seen_words, ROW_WORDS};
     let words = seen_words(vocab);
     let tokens: usize = segs.iter().map(|s| s.rows).sum();
@@ -51,8 +75,7 @@ fn sample_in(records: &[dump::SeqRecord], segs: &[Segment], args: &RunArgs, voca
     let mut seen = vec![0u32; segs.len() * words];
     let mut penalised = false;
     for (k, s) in segs.iter().enumerate() {
-        let r = &records[s.seq];
-        let p = args.sampling_for(s.seq);
+        let (r, p) = books.seq(s.seq)?;
         let draws = gives_token(r, s);
         if draws && p.repetition_penalty != 1.0 {
             penalised = true;
@@ -63,15 +86,15 @@ fn sample_in(records: &[dump::SeqRecord], segs: &[Segment], args: &RunArgs, voca
             table.extend_from_slice(&row_words(p, 0, r.generated.len() as u64, draws && j + 1 == s.rows, k));
         }
     }
-    stage::SampleIn { table, seen, penalised, want_logits: args.dump.is_some() || args.expect.is_some() }
+    Ok(stage::SampleIn { table, seen, penalised, want_logits })
 }
 
 /// The last stage's part of a step: checks the logits, records them (when a
 /// dump or `--expect` wants them), and returns one id per segment.
 /// Non-finite logits (NaN or Inf in the weights, or an overflow) end the run
 /// with the sequence and position.
-fn finish(
-    records: &mut [dump::SeqRecord],
+pub(crate) fn finish(
+    books: &mut impl Books,
     segs: &[Segment],
     out: &stage::StepOut,
     vocab: usize,
@@ -101,7 +124,7 @@ fn finish(
         if id < 0 || id as usize >= vocab {
             return Err(StageError::Step(format!("stage {stage}: the sampler chose id {id}, outside the vocabulary (0..{vocab})")));
         }
-        let r = &mut records[s.seq];
+        let r = books.seq_mut(s.seq)?;
         if let Some(rows) = out.logits.get(row0 * vocab..(row0 + s.rows) * vocab) {
             if s.pos0 < r.prompt.len() {
                 // A prefill chunk (chunks of a sequence arrive in order).
@@ -138,11 +161,13 @@ pub fn run(
     for (s, p) in args.prompts.iter().enumerate() {
         st.start_seq(s, p.len() + n_new + 1)?;
     }
-    let mut records: Vec<dump::SeqRecord> = args
+    let records: Vec<dump::SeqRecord> = args
         .prompts
         .iter()
         .map(|p| dump::SeqRecord { prompt: p.clone(), prefill_logits: Vec::new(), generated: Vec::new(), decode_logits: Vec::new() })
         .collect();
+    let mut books = RunBooks { records, args };
+    let want_logits = args.dump.is_some() || args.expect.is_some();
     // Sequences per micro-batch: enough micro-batches to keep every stage busy
     // (one per stage), as few as that allows (weights are read once per step).
     let per_batch = args.micro_batch.unwrap_or_else(|| args.prompts.len().div_ceil(size)).max(1);
@@ -225,10 +250,10 @@ pub fn run(
                     // The step's NCCL send waits for the receiver, who needs the header first.
                     outbox.send(world, 1, TAG_ACT, message(KIND_STEP, &segs, &[]));
                 }
-                let sample = last.then(|| sample_in(&records, &segs, args, vocab));
+                let sample = if last { Some(sample_in(&books, &segs, vocab, want_logits)?) } else { None };
                 let out = st.step(&segs, &ids, &mut x, sample)?;
                 if last {
-                    let got = finish(&mut records, &segs, &out, vocab, n_new, rank)?;
+                    let got = finish(&mut books, &segs, &out, vocab, n_new, rank)?;
                     for (s, id) in segs.iter().zip(got) {
                         on_id(s.seq, s.pos0, s.rows, id, &mut queue, &mut open)?;
                     }
@@ -284,10 +309,10 @@ pub fn run(
             if !last && st.uses_nccl() {
                 outbox.send(world, rank + 1, TAG_ACT, message(KIND_STEP, &m.segments, &[]));
             }
-            let sample = last.then(|| sample_in(&records, &m.segments, args, vocab));
+            let sample = if last { Some(sample_in(&books, &m.segments, vocab, want_logits)?) } else { None };
             let out = st.step(&m.segments, &[], &mut x, sample)?;
             if last {
-                let got = finish(&mut records, &m.segments, &out, vocab, n_new, rank)?;
+                let got = finish(&mut books, &m.segments, &out, vocab, n_new, rank)?;
                 let payload: Vec<u8> = got.iter().flat_map(|i| i.to_le_bytes()).collect();
                 outbox.send(world, 0, TAG_IDS, message(KIND_STEP, &m.segments, &payload));
             } else if !st.uses_nccl() {
@@ -295,7 +320,7 @@ pub fn run(
             }
         }
     }
-    finish_records(last, args, &records, vocab)
+    finish_records(last, args, &books.records, vocab)
 }
 
 /// The last stage's closing work: dumps and the `--expect` check. Runs after

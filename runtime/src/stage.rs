@@ -279,6 +279,25 @@ impl Stage {
         Ok(())
     }
 
+    /// Frees sequence `seq`'s caches (and the graphs of micro-batches that
+    /// point at them): a served request that finished or was cancelled.
+    pub fn end_seq(&mut self, seq: usize) {
+        match &mut self.backing {
+            Backing::Host { seqs, .. } => {
+                seqs.remove(&seq);
+            }
+            Backing::Gpu { seqs, graphs, .. } => {
+                seqs.remove(&seq);
+                graphs.forget(seq);
+            }
+        }
+    }
+
+    /// Steps run and the seconds spent in them (this stage's own compute).
+    pub fn busy(&self) -> (usize, f64) {
+        (self.prefill.0 + self.decode.0, self.prefill.1 + self.decode.1)
+    }
+
     pub fn cache_bytes(&self) -> usize {
         let per_pos: usize = self.meta.caches.iter().map(|c| c.width * c.bytes).sum();
         match &self.backing {

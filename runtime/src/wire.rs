@@ -15,6 +15,14 @@ pub const TAG_ACT: i32 = 7;
 pub const TAG_IDS: i32 = 8;
 pub const KIND_STEP: i64 = 0;
 pub const KIND_STOP: i64 = 1;
+/// `m3c serve`: a sequence joins (one segment: the sequence and its cache
+/// capacity in `rows`; payload: its sampling-table row, then its prompt ids).
+pub const KIND_ADD: i64 = 2;
+/// `m3c serve`: sequences leave (their caches are freed).
+pub const KIND_DROP: i64 = 3;
+/// `m3c serve`: each stage appends (stage, steps, busy seconds) and passes
+/// it on; the last stage returns it to the first.
+pub const KIND_STATS: i64 = 4;
 
 /// The most segments a step may carry (a micro-batch's sequences).
 const MAX_SEGMENTS: usize = 1 << 20;
@@ -80,6 +88,14 @@ pub fn recv(world: &SimpleCommunicator, peers: &mut Peers, from: usize, tag: i32
             std::thread::sleep(Duration::from_micros(50));
         }
     }
+}
+
+/// The next message with `tag` from rank `from`, if one has arrived.
+pub fn try_recv(world: &SimpleCommunicator, peers: &mut Peers, from: usize, tag: i32) -> Option<Result<Msg, StageError>> {
+    let m = world.process_at_rank(from as i32).immediate_matched_probe_with_tag(tag)?;
+    let (v, _) = m.matched_receive_vec::<u8>();
+    peers.heard(from);
+    Some(parse_msg(v))
 }
 
 /// A send in flight and the leaked buffer it reads.
