@@ -35,6 +35,8 @@ enum Command {
     Compile(CompileArgs),
     /// Run a compiled OUT folder under mpirun: one rank per stage, greedy decoding.
     Run(Box<RunArgs>),
+    /// Serve a compiled OUT folder over HTTP with OpenAI's API (completions, chat), batching requests continuously.
+    Serve(Box<ServeArgs>),
     /// Write a random tiny MiniMax-M3 checkpoint (hub layout) into a new folder.
     InitTiny {
         /// The folder to create.
@@ -199,6 +201,50 @@ struct RunArgs {
     prefill_gemm: String,
 }
 
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// A folder written by `m3c compile`.
+    out: PathBuf,
+    /// The checkpoint folder (config.json, safetensors, tokenizer.json) the stages were compiled for.
+    #[arg(long)]
+    model: PathBuf,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// The model name clients use (default: the checkpoint folder's name).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Require `Authorization: Bearer KEY` on the /v1 routes (default: $M3C_API_KEY, else none).
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Sequences running at once (more wait).
+    #[arg(long, default_value_t = 64, value_parser = positive_count)]
+    max_batch: usize,
+    /// Cache memory per stage for the running sequences, in GB; a request reserves its prompt plus max_tokens.
+    #[arg(long, value_name = "GB", default_value_t = 8.0, value_parser = number)]
+    kv_budget: f32,
+    /// Requests that may wait for a slot; past that a request gets 503.
+    #[arg(long, default_value_t = 256, value_parser = count)]
+    max_queue: usize,
+    /// Prefill long prompts in chunks of this many tokens, alongside the running decodes.
+    #[arg(long, value_name = "TOKENS", default_value_t = 256, value_parser = positive_count)]
+    prefill_chunk: usize,
+    /// Seconds without a heartbeat before a stage is declared lost.
+    #[arg(long, default_value_t = 30.0, value_parser = timeout_s)]
+    timeout_s: f64,
+    /// Seconds in-flight requests get to finish after SIGTERM or SIGINT.
+    #[arg(long, default_value_t = 30.0, value_parser = timeout_s)]
+    grace_s: f64,
+    /// CUDA stages: replay decode steps as CUDA graphs.
+    #[arg(long, value_parser = ["on", "off"], default_value = "on")]
+    cuda_graphs: String,
+    /// CUDA stages: prefill linears on cuBLAS tensor cores (`cublas`) or m3c's GEMV (`off`).
+    #[arg(long, value_parser = ["cublas", "off"], default_value = "off")]
+    prefill_gemm: String,
+}
+
 fn count(v: &str) -> Result<usize, String> {
     m3c_contract::prompts::parse_count(v, "count", false).map_err(|_| format!("`{v}` is not a count (0 to {})", usize::MAX))
 }
@@ -256,6 +302,27 @@ fn run(cli: Cli) -> Result<()> {
         Command::Plan(args) => plan_cmd(args),
         Command::Compile(args) => compile_cmd(args),
         Command::Run(args) => run_cmd(*args),
+        Command::Serve(a) => {
+            if !(a.kv_budget > 0.0 && a.kv_budget <= 1e6) {
+                bail!("--kv-budget {}: expected a positive number of GB (at most 1e6)", a.kv_budget);
+            }
+            crate::serve::run(crate::serve::Options {
+                out: a.out,
+                model: a.model,
+                host: a.host,
+                port: a.port,
+                served_model_name: a.served_model_name,
+                api_key: a.api_key.or_else(|| std::env::var("M3C_API_KEY").ok().filter(|k| !k.is_empty())),
+                max_batch: a.max_batch,
+                kv_budget_bytes: (a.kv_budget as f64 * 1e9) as u64,
+                max_queue: a.max_queue,
+                prefill_chunk: a.prefill_chunk,
+                timeout_s: a.timeout_s,
+                grace_s: a.grace_s,
+                cuda_graphs: a.cuda_graphs,
+                prefill_gemm: a.prefill_gemm,
+            })
+        }
         Command::InitTiny { out, seed, layers, hidden, mxfp8 } => {
             let spec = crate::tiny::TinySpec { seed, layers, hidden, mxfp8 };
             crate::tiny::init_tiny(&out, &spec)?;
@@ -472,33 +539,9 @@ fn compile_cmd(args: CompileArgs) -> Result<()> {
 }
 
 fn run_cmd(args: RunArgs) -> Result<()> {
-    let manifest = args.out.join("manifest.json");
-    let text = m3c_contract::read_user_file(&manifest, "manifest", 64 << 20).with_context(|| {
-        format!("{}: not an m3c output folder (no readable manifest.json); make one with `m3c compile`", args.out.display())
-    })?;
-    let m: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{}: not JSON", manifest.display()))?;
-    let stages =
-        m["stages"].as_array().map(|a| a.len()).filter(|&n| n > 0).with_context(|| format!("{}: no stages", manifest.display()))?;
-    if !args.model.is_dir() {
-        bail!("--model {}: not a folder (expected the checkpoint folder with config.json and safetensors)", args.model.display());
-    }
+    let compiled = crate::launch::Compiled::open(&args.out, &args.model)?;
     if let Some(d) = &args.dump {
         crate::fsutil::check_replaceable_file(d).context("--dump")?;
-    }
-    // Each executable must be the one compiled: a damaged or swapped file
-    // would otherwise surface as a crash ("exit status 139") mid-job.
-    for k in 0..stages {
-        let exe = args.out.join(format!("stage-{k}"));
-        let want = m["stages"][k]["sha256"].as_str().with_context(|| format!("{}: stage {k} has no sha256", manifest.display()))?;
-        let bytes = m3c_contract::input::read_bytes(&exe, "stage executable", 16 << 30)
-            .with_context(|| format!("{}: missing or unreadable; recompile {}", exe.display(), args.out.display()))?;
-        if crate::compile::sha256_hex(&bytes) != want {
-            bail!(
-                "{}: is not the executable manifest.json lists (its sha256 differs: damaged or replaced); recompile {}",
-                exe.display(),
-                args.out.display()
-            );
-        }
     }
     // Text prompts become ids here; the stages only see ids.
     // A --prompts file of JSON lines is text too; one of ids goes to the stages as it is.
@@ -608,53 +651,14 @@ fn run_cmd(args: RunArgs) -> Result<()> {
     for stop in &args.stop {
         pass.extend(["--stop".to_string(), stop.bytes().map(|b| format!("{b:02x}")).collect()]);
     }
-    let mut cmd = std::process::Command::new("mpirun");
-    // No core binding: each rank runs its kernels on several threads (the
-    // runtime shares the node's cores among its ranks).
-    cmd.args(["--oversubscribe", "--bind-to", "none"]);
-    if is_root() {
-        cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1").env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    if text_in.is_some() {
+        pass.push("--stream-ids".into());
     }
-    for k in 0..stages {
-        if k > 0 {
-            cmd.arg(":");
-        }
-        cmd.args(["-np", "1"]);
-        if let Some(host) = m["stages"][k]["host"].as_str() {
-            if !plan::valid_host(host) {
-                bail!("{}: stage {k} names host {host:?}, which is not a host name", manifest.display());
-            }
-            cmd.args(["--host", host]);
-        }
-        cmd.arg(args.out.join(format!("stage-{k}"))).args(&pass);
-        if text_in.is_some() {
-            cmd.arg("--stream-ids");
-        }
-    }
+    let mut cmd = compiled.mpirun(&pass)?;
     if text_in.is_some() {
         cmd.stdout(std::process::Stdio::piped());
     }
-    // mpirun dies with m3c (even by SIGKILL, which cannot be forwarded), and
-    // takes its ranks with it.
-    {
-        use std::os::unix::process::CommandExt;
-        // SAFETY: prctl is async-signal-safe, as a pre_exec hook requires.
-        unsafe {
-            cmd.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong, 0, 0, 0) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            })
-        };
-    }
-    let mut child = match cmd.spawn() {
-        Ok(c) => c,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            bail!("`mpirun` not found: install Open MPI (`apt install openmpi-bin`, or run scripts/setup.sh)")
-        }
-        Err(e) => return Err(e).context("cannot start mpirun"),
-    };
+    let mut child = cmd.spawn().map_err(crate::launch::spawn_error)?;
     // SIGINT/SIGTERM to m3c are passed on to mpirun, which ends the job.
     let forwarding = crate::signals::ChildRegistration::new(child.id());
     let streamed = match (&text_in, child.stdout.take()) {
@@ -686,8 +690,4 @@ fn run_cmd(args: RunArgs) -> Result<()> {
         }
     }
     Ok(())
-}
-
-fn is_root() -> bool {
-    std::process::Command::new("id").arg("-u").output().map(|o| o.stdout.trim_ascii() == b"0").unwrap_or(false)
 }

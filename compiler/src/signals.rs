@@ -14,6 +14,17 @@ static TEMPS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 static CHILD: AtomicI32 = AtomicI32::new(0);
 /// The last signal received while a child ran, or 0.
 static RECEIVED: AtomicI32 = AtomicI32::new(0);
+/// A program that handles the signals itself (`m3c serve`'s graceful
+/// shutdown): the signal thread hands them over instead of acting.
+type Handler = Box<dyn Fn(i32) + Send>;
+static HANDLER: Mutex<Option<Handler>> = Mutex::new(None);
+
+/// From now on SIGINT, SIGTERM and SIGHUP go to `f` (on the signal thread).
+pub fn handle_with(f: impl Fn(i32) + Send + 'static) {
+    if let Ok(mut h) = HANDLER.lock() {
+        *h = Some(Box::new(f));
+    }
+}
 
 /// Starts the signal thread (once, from `cli::main`).
 pub fn install() {
@@ -23,6 +34,12 @@ pub fn install() {
     };
     std::thread::spawn(move || {
         for sig in signals.forever() {
+            if let Ok(h) = HANDLER.lock() {
+                if let Some(f) = h.as_ref() {
+                    f(sig);
+                    continue;
+                }
+            }
             let child = CHILD.load(Ordering::SeqCst);
             if child > 0 {
                 // mpirun ends the job on SIGINT/SIGTERM; a second signal

@@ -137,15 +137,20 @@ pub fn encode(model: &Path, req: &TextRequest) -> Result<Encoded, TextError> {
 /// holding back an end that may yet become one (a stop string can span
 /// tokens), so no part of a stop string is ever printed.
 #[derive(Default)]
-struct StopFilter {
+pub struct StopFilter {
     text: String,
     released: usize,
     cut: bool,
 }
 
 impl StopFilter {
+    /// A stop string has been found: nothing more will be released.
+    pub fn stopped(&self) -> bool {
+        self.cut
+    }
+
     /// Adds `new`; returns the text now safe to print. `end`: nothing follows.
-    fn push(&mut self, new: &str, stops: &[String], end: bool) -> String {
+    pub fn push(&mut self, new: &str, stops: &[String], end: bool) -> String {
         if self.cut {
             return String::new();
         }

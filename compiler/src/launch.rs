@@ -1,0 +1,118 @@
+//! Starting a compiled OUT folder's stages under mpirun, for `m3c run` and
+//! `m3c serve`: the manifest read and every executable checked against it,
+//! then one rank per stage on the plan's hosts, every stage with the same
+//! arguments.
+
+use crate::plan;
+use anyhow::{bail, Context, Result};
+use std::path::{Path, PathBuf};
+
+/// A compiled OUT folder whose executables are the ones its manifest lists.
+pub struct Compiled {
+    pub out: PathBuf,
+    pub manifest: serde_json::Value,
+    pub stages: usize,
+}
+
+impl Compiled {
+    /// Reads OUT's manifest and checks each stage's sha256 against it, and
+    /// that `model` is a folder.
+    pub fn open(out: &Path, model: &Path) -> Result<Compiled> {
+        let file = out.join("manifest.json");
+        let text = m3c_contract::read_user_file(&file, "manifest", 64 << 20).with_context(|| {
+            format!("{}: not an m3c output folder (no readable manifest.json); make one with `m3c compile`", out.display())
+        })?;
+        let manifest: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{}: not JSON", file.display()))?;
+        let stages =
+            manifest["stages"].as_array().map(|a| a.len()).filter(|&n| n > 0).with_context(|| format!("{}: no stages", file.display()))?;
+        if !model.is_dir() {
+            bail!("--model {}: not a folder (expected the checkpoint folder with config.json and safetensors)", model.display());
+        }
+        // Each executable must be the one compiled: a damaged or swapped file
+        // would otherwise surface as a crash ("exit status 139") mid-job.
+        for k in 0..stages {
+            let exe = out.join(format!("stage-{k}"));
+            let want = manifest["stages"][k]["sha256"].as_str().with_context(|| format!("{}: stage {k} has no sha256", file.display()))?;
+            let bytes = m3c_contract::input::read_bytes(&exe, "stage executable", 16 << 30)
+                .with_context(|| format!("{}: missing or unreadable; recompile {}", exe.display(), out.display()))?;
+            if crate::compile::sha256_hex(&bytes) != want {
+                bail!(
+                    "{}: is not the executable manifest.json lists (its sha256 differs: damaged or replaced); recompile {}",
+                    exe.display(),
+                    out.display()
+                );
+            }
+        }
+        Ok(Compiled { out: out.to_path_buf(), manifest, stages })
+    }
+
+    /// Cache bytes per position of each stage (every cache row of a
+    /// sequence), from the manifest's cache slots.
+    pub fn cache_bytes_per_position(&self) -> Vec<u64> {
+        (0..self.stages)
+            .map(|k| {
+                self.manifest["stages"][k]["caches"]
+                    .as_array()
+                    .map(|slots| {
+                        slots
+                            .iter()
+                            .map(|c| c["width"].as_u64().unwrap_or(0) * if c["dtype"].as_str() == Some("bf16") { 2 } else { 4 })
+                            .sum()
+                    })
+                    .unwrap_or(0)
+            })
+            .collect()
+    }
+
+    /// `mpirun` over the stages, each given `args`; mpirun dies with this
+    /// process (even by SIGKILL) and takes its ranks with it.
+    pub fn mpirun(&self, args: &[String]) -> Result<std::process::Command> {
+        let mut cmd = std::process::Command::new("mpirun");
+        // No core binding: each rank runs its kernels on several threads (the
+        // runtime shares the node's cores among its ranks).
+        cmd.args(["--oversubscribe", "--bind-to", "none"]);
+        if is_root() {
+            cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1").env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+        }
+        for k in 0..self.stages {
+            if k > 0 {
+                cmd.arg(":");
+            }
+            cmd.args(["-np", "1"]);
+            if let Some(host) = self.manifest["stages"][k]["host"].as_str() {
+                if !plan::valid_host(host) {
+                    bail!("{}: stage {k} names host {host:?}, which is not a host name", self.out.join("manifest.json").display());
+                }
+                cmd.args(["--host", host]);
+            }
+            cmd.arg(self.out.join(format!("stage-{k}"))).args(args);
+        }
+        {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: prctl is async-signal-safe, as a pre_exec hook requires.
+            unsafe {
+                cmd.pre_exec(|| {
+                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong, 0, 0, 0) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                })
+            };
+        }
+        Ok(cmd)
+    }
+}
+
+/// What a failed `spawn` of mpirun means to a user.
+pub fn spawn_error(e: std::io::Error) -> anyhow::Error {
+    if e.kind() == std::io::ErrorKind::NotFound {
+        anyhow::anyhow!("`mpirun` not found: install Open MPI (`apt install openmpi-bin`, or run scripts/setup.sh)")
+    } else {
+        anyhow::Error::new(e).context("cannot start mpirun")
+    }
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}

@@ -1,0 +1,379 @@
+//! The front's side of the pipeline: the stages run under mpirun with
+//! `--serve`; requests become `add` lines on the first stage's standard
+//! input and come back as `m3c-id`/`m3c-end` lines on its standard output.
+//! Here requests are admitted against the cache budget and the batch limit
+//! (the rest wait, up to `--max-queue`), tokens are routed to their request,
+//! and a pipeline that stops fails every request still open.
+
+use super::metrics::{Gauges, Metrics, StageStat};
+use m3c_contract::sampling::SamplingParams;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+use tokio::sync::{mpsc, watch};
+
+/// What a request hears from the pipeline.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    Token(u32),
+    /// `stop` (EOS), `length`, or `cancelled`.
+    End(String),
+    /// The pipeline stopped, or the server is shutting down.
+    Failed(String),
+}
+
+/// A request as the stages take it.
+pub struct Submission {
+    pub prompt: Vec<u32>,
+    pub max_new: usize,
+    pub ignore_eos: bool,
+    pub sampling: SamplingParams,
+}
+
+/// Why a request was not taken.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SubmitError {
+    /// The waiting queue is full (503).
+    QueueFull(usize),
+    /// It could never fit the cache budget (400).
+    TooLarge(String),
+    /// The pipeline is not up (503).
+    Down(String),
+}
+
+/// Limits of admission.
+pub struct Limits {
+    /// Cache bytes per stage for all running sequences together.
+    pub budget: u64,
+    /// Cache bytes per position of the largest stage.
+    pub per_position: u64,
+    /// Sequences running at once.
+    pub max_batch: usize,
+    /// Requests waiting at once.
+    pub max_queue: usize,
+}
+
+struct Running {
+    tx: mpsc::UnboundedSender<Event>,
+    bytes: u64,
+    arrived: Instant,
+    last: Option<Instant>,
+}
+
+struct Waiting {
+    seq: usize,
+    line: String,
+    bytes: u64,
+    prompt_tokens: usize,
+    tx: mpsc::UnboundedSender<Event>,
+    arrived: Instant,
+}
+
+#[derive(Default)]
+struct State {
+    next_seq: usize,
+    running: HashMap<usize, Running>,
+    waiting: VecDeque<Waiting>,
+    cache_used: u64,
+    /// Per stage: the last report (steps, busy seconds, when).
+    reports: Vec<Option<(u64, f64, Instant)>>,
+}
+
+pub struct Engine {
+    lines: Mutex<Option<mpsc::UnboundedSender<String>>>,
+    st: Mutex<State>,
+    limits: Limits,
+    pub metrics: Metrics,
+    ready: AtomicBool,
+    /// Why the pipeline is down (None while it runs).
+    down: watch::Sender<Option<String>>,
+}
+
+/// A submitted request: its events, and a cancel when dropped before the
+/// end (a client that went away).
+pub struct Ticket {
+    pub seq: usize,
+    pub rx: mpsc::UnboundedReceiver<Event>,
+    engine: Arc<Engine>,
+    done: bool,
+}
+
+impl Ticket {
+    /// The request has ended: nothing to cancel on drop.
+    pub fn done(&mut self) {
+        self.done = true;
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if !self.done {
+            self.engine.cancel(self.seq);
+        }
+    }
+}
+
+impl Engine {
+    /// Starts the pipeline (`cmd` is mpirun over the stages with `--serve`).
+    pub fn start(cmd: std::process::Command, limits: Limits, stages: usize) -> anyhow::Result<(Arc<Engine>, tokio::process::Child)> {
+        let mut cmd = tokio::process::Command::from(cmd);
+        cmd.stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).kill_on_drop(true);
+        let mut child = cmd.spawn().map_err(crate::launch::spawn_error)?;
+        let (Some(mut stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
+            anyhow::bail!("mpirun started without its pipes");
+        };
+        let (tx, mut rx) = mpsc::unbounded_channel::<String>();
+        let (down, _) = watch::channel(None);
+        let engine = Arc::new(Engine {
+            lines: Mutex::new(Some(tx)),
+            st: Mutex::new(State { reports: vec![None; stages], ..State::default() }),
+            limits,
+            metrics: Metrics::default(),
+            ready: AtomicBool::new(false),
+            down,
+        });
+        engine.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).stages = vec![StageStat::default(); stages];
+        // Writer: commands to the first stage; dropping the sender closes its input.
+        tokio::spawn(async move {
+            while let Some(line) = rx.recv().await {
+                if stdin.write_all(line.as_bytes()).await.is_err() || stdin.flush().await.is_err() {
+                    break;
+                }
+            }
+        });
+        // Reader: the first stage's lines.
+        let e = engine.clone();
+        tokio::spawn(async move {
+            let mut lines = tokio::io::BufReader::new(stdout).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                e.on_line(&line);
+            }
+            e.fail("the pipeline stopped (a stage ended or was lost; its message is in the server's log)");
+        });
+        Ok((engine, child))
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn send(&self, line: String) {
+        if let Some(tx) = self.lines.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            let _ = tx.send(line);
+        }
+    }
+
+    /// Every stage is up and nothing has failed.
+    pub fn healthy(&self) -> bool {
+        self.ready.load(Ordering::SeqCst) && self.down.borrow().is_none()
+    }
+
+    /// Why the pipeline is down, once it is.
+    pub fn down_reason(&self) -> Option<String> {
+        self.down.borrow().clone()
+    }
+
+    /// Resolves when the pipeline goes down.
+    pub async fn wait_down(&self) -> String {
+        let mut rx = self.down.subscribe();
+        loop {
+            if let Some(why) = rx.borrow().clone() {
+                return why;
+            }
+            if rx.changed().await.is_err() {
+                return "the engine ended".into();
+            }
+        }
+    }
+
+    /// Closes the first stage's input: it finishes the open sequences and
+    /// stops the pipeline.
+    pub fn close_input(&self) {
+        self.lines.lock().unwrap_or_else(|e| e.into_inner()).take();
+    }
+
+    pub fn gauges(&self) -> Gauges {
+        let st = self.state();
+        Gauges { running: st.running.len(), waiting: st.waiting.len(), cache_used: st.cache_used, cache_budget: self.limits.budget }
+    }
+
+    /// Admits a request, or queues it while the budget or the batch is full.
+    pub fn submit(self: &Arc<Engine>, s: Submission) -> Result<Ticket, SubmitError> {
+        if let Some(why) = self.down_reason() {
+            return Err(SubmitError::Down(why));
+        }
+        if !self.ready.load(Ordering::SeqCst) {
+            return Err(SubmitError::Down("the model is still loading".into()));
+        }
+        let bytes = (s.prompt.len() + s.max_new + 1) as u64 * self.limits.per_position;
+        if bytes > self.limits.budget {
+            return Err(SubmitError::TooLarge(format!(
+                "the prompt ({} tokens) and max_tokens ({}) need {:.1} MB of cache per stage; the server's --kv-budget is {:.1} MB",
+                s.prompt.len(),
+                s.max_new,
+                bytes as f64 / 1e6,
+                self.limits.budget as f64 / 1e6
+            )));
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut st = self.state();
+        let would_wait = !st.waiting.is_empty() || !self.fits(&st, bytes);
+        if would_wait && st.waiting.len() >= self.limits.max_queue {
+            return Err(SubmitError::QueueFull(self.limits.max_queue));
+        }
+        let seq = st.next_seq;
+        st.next_seq += 1;
+        let p = &s.sampling;
+        let ids: Vec<String> = s.prompt.iter().map(u32::to_string).collect();
+        let line = format!(
+            "add {seq} {} {} {} {} {} {} {} {} {}\n",
+            s.max_new,
+            s.ignore_eos as u8,
+            p.temperature,
+            p.top_k,
+            p.top_p,
+            p.min_p,
+            p.repetition_penalty,
+            p.seed,
+            ids.join(",")
+        );
+        st.waiting.push_back(Waiting { seq, line, bytes, prompt_tokens: s.prompt.len(), tx, arrived: Instant::now() });
+        self.admit(&mut st);
+        drop(st);
+        Ok(Ticket { seq, rx, engine: self.clone(), done: false })
+    }
+
+    fn fits(&self, st: &State, bytes: u64) -> bool {
+        st.running.len() < self.limits.max_batch && st.cache_used + bytes <= self.limits.budget
+    }
+
+    /// Starts waiting requests, in order, while they fit.
+    fn admit(&self, st: &mut State) {
+        while let Some(w) = st.waiting.front() {
+            if !self.fits(st, w.bytes) {
+                break;
+            }
+            let w = st.waiting.pop_front().expect("front exists");
+            st.cache_used += w.bytes;
+            self.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).prompt_tokens += w.prompt_tokens as u64;
+            self.send(w.line);
+            st.running.insert(w.seq, Running { tx: w.tx, bytes: w.bytes, arrived: w.arrived, last: None });
+        }
+    }
+
+    /// Cancels a request: a waiting one leaves the queue, a running one is
+    /// told to the first stage (its caches are freed within a step).
+    pub fn cancel(&self, seq: usize) {
+        let mut st = self.state();
+        if let Some(i) = st.waiting.iter().position(|w| w.seq == seq) {
+            if let Some(w) = st.waiting.remove(i) {
+                let _ = w.tx.send(Event::End("cancelled".into()));
+            }
+        } else if st.running.contains_key(&seq) {
+            self.send(format!("cancel {seq}\n"));
+        }
+    }
+
+    /// Ends every open request with `why` and marks the pipeline down.
+    pub fn fail(&self, why: &str) {
+        let mut st = self.state();
+        for (_, r) in st.running.drain() {
+            let _ = r.tx.send(Event::Failed(why.to_string()));
+        }
+        for w in st.waiting.drain(..) {
+            let _ = w.tx.send(Event::Failed(why.to_string()));
+        }
+        st.cache_used = 0;
+        self.down.send_if_modified(|d| {
+            if d.is_none() {
+                *d = Some(why.to_string());
+                true
+            } else {
+                false
+            }
+        });
+    }
+
+    /// Ends every open request with `why`; the pipeline stays up (the grace
+    /// period of a shutdown ran out).
+    pub fn fail_open(&self, why: &str) {
+        let seqs: Vec<usize> = {
+            let mut st = self.state();
+            for w in st.waiting.drain(..) {
+                let _ = w.tx.send(Event::Failed(why.to_string()));
+            }
+            st.running
+                .iter()
+                .map(|(&s, r)| {
+                    let _ = r.tx.send(Event::Failed(why.to_string()));
+                    s
+                })
+                .collect()
+        };
+        for s in seqs {
+            self.send(format!("cancel {s}\n"));
+        }
+    }
+
+    fn on_line(&self, line: &str) {
+        let mut words = line.split_ascii_whitespace();
+        match words.next() {
+            Some("m3c-ready") => {
+                self.ready.store(true, Ordering::SeqCst);
+                eprintln!("m3c serve: every stage is up");
+            }
+            Some("m3c-id") => {
+                let (Some(seq), Some(id)) = (words.next().and_then(|v| v.parse().ok()), words.next().and_then(|v| v.parse::<u32>().ok()))
+                else {
+                    return eprintln!("m3c serve: a malformed line from the first stage: {line}");
+                };
+                let mut st = self.state();
+                if let Some(r) = st.running.get_mut(&seq) {
+                    let now = Instant::now();
+                    let mut c = self.metrics.c.lock().unwrap_or_else(|e| e.into_inner());
+                    match r.last {
+                        None => c.ttft.observe(now.duration_since(r.arrived).as_secs_f64()),
+                        Some(t) => c.itl.observe(now.duration_since(t).as_secs_f64()),
+                    }
+                    c.generation_tokens += 1;
+                    r.last = Some(now);
+                    let _ = r.tx.send(Event::Token(id));
+                }
+            }
+            Some("m3c-end") => {
+                let (Some(seq), Some(reason)) = (words.next().and_then(|v| v.parse::<usize>().ok()), words.next()) else {
+                    return eprintln!("m3c serve: a malformed line from the first stage: {line}");
+                };
+                let mut st = self.state();
+                if let Some(r) = st.running.remove(&seq) {
+                    st.cache_used -= r.bytes;
+                    self.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).requests_ok += 1;
+                    let _ = r.tx.send(Event::End(reason.to_string()));
+                }
+                self.admit(&mut st);
+            }
+            Some("m3c-stat") => {
+                let v: Vec<f64> = words.filter_map(|w| w.parse().ok()).collect();
+                let [k, steps, busy] = v[..] else { return };
+                let k = k as usize;
+                let now = Instant::now();
+                let mut st = self.state();
+                let Some(slot) = st.reports.get_mut(k) else { return };
+                let mut c = self.metrics.c.lock().unwrap_or_else(|e| e.into_inner());
+                if let (Some((s0, b0, t0)), Some(stat)) = (*slot, c.stages.get_mut(k)) {
+                    let (ds, db, dt) = (steps as u64 - s0.min(steps as u64), (busy - b0).max(0.0), now.duration_since(t0).as_secs_f64());
+                    stat.steps = steps as u64;
+                    stat.busy_s = busy;
+                    stat.step_s = if ds > 0 { db / ds as f64 } else { 0.0 };
+                    stat.busy_fraction = if dt > 0.0 { (db / dt).min(1.0) } else { 0.0 };
+                }
+                *slot = Some((steps as u64, busy, now));
+            }
+            Some("m3c-bad") => eprintln!("m3c serve: the first stage refused a command (a bug in m3c serve): {line}"),
+            // The stages' own messages (their logs go to standard error).
+            _ => eprintln!("{line}"),
+        }
+    }
+}

@@ -1,0 +1,116 @@
+//! `GET /metrics`: Prometheus text, with vLLM-like names under `m3c:`.
+
+use std::fmt::Write;
+use std::sync::Mutex;
+
+/// Upper bounds (seconds) of the latency histograms' buckets.
+const BUCKETS: [f64; 14] = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];
+
+#[derive(Default, Clone)]
+pub struct Histogram {
+    counts: [u64; BUCKETS.len()],
+    count: u64,
+    sum: f64,
+}
+
+impl Histogram {
+    pub fn observe(&mut self, seconds: f64) {
+        for (c, &b) in self.counts.iter_mut().zip(&BUCKETS) {
+            if seconds <= b {
+                *c += 1;
+            }
+        }
+        self.count += 1;
+        self.sum += seconds;
+    }
+
+    fn write(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (c, b) in self.counts.iter().zip(BUCKETS) {
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {c}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}", self.count, self.sum, self.count);
+    }
+}
+
+/// One stage's figures over the last report interval.
+#[derive(Default, Clone, Copy)]
+pub struct StageStat {
+    pub steps: u64,
+    pub busy_s: f64,
+    /// Mean compute time of a step over the last interval (seconds).
+    pub step_s: f64,
+    /// Busy share of the last interval's wall time.
+    pub busy_fraction: f64,
+}
+
+#[derive(Default)]
+pub struct Counters {
+    pub prompt_tokens: u64,
+    pub generation_tokens: u64,
+    pub requests_ok: u64,
+    pub requests_failed: u64,
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    pub stages: Vec<StageStat>,
+}
+
+#[derive(Default)]
+pub struct Metrics {
+    pub c: Mutex<Counters>,
+}
+
+/// What the engine knows at the moment of a scrape.
+pub struct Gauges {
+    pub running: usize,
+    pub waiting: usize,
+    pub cache_used: u64,
+    pub cache_budget: u64,
+}
+
+impl Metrics {
+    pub fn render(&self, g: &Gauges) -> String {
+        let c = self.c.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out = String::new();
+        let gauge = |out: &mut String, name: &str, help: &str, v: String| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+        };
+        let counter = |out: &mut String, name: &str, help: &str, v: u64| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
+        };
+        gauge(&mut out, "m3c:num_requests_running", "Requests whose sequences are in the pipeline.", g.running.to_string());
+        gauge(&mut out, "m3c:num_requests_waiting", "Requests waiting for cache budget or a batch slot.", g.waiting.to_string());
+        gauge(
+            &mut out,
+            "m3c:cache_bytes_used",
+            "Cache bytes reserved by the running sequences (per stage, the largest stage).",
+            g.cache_used.to_string(),
+        );
+        gauge(&mut out, "m3c:cache_bytes_budget", "The --kv-budget, per stage.", g.cache_budget.to_string());
+        counter(&mut out, "m3c:prompt_tokens_total", "Prompt tokens of admitted requests.", c.prompt_tokens);
+        counter(&mut out, "m3c:generation_tokens_total", "Tokens generated.", c.generation_tokens);
+        counter(&mut out, "m3c:requests_success_total", "Requests that finished.", c.requests_ok);
+        counter(&mut out, "m3c:requests_failed_total", "Requests that ended with an error.", c.requests_failed);
+        c.ttft.write(&mut out, "m3c:time_to_first_token_seconds", "Time from a request's arrival to its first token.");
+        c.itl.write(&mut out, "m3c:inter_token_latency_seconds", "Time between a request's consecutive tokens.");
+        let _ = writeln!(
+            out,
+            "# HELP m3c:stage_step_seconds Mean compute time of a stage's step over the last second.\n# TYPE m3c:stage_step_seconds gauge"
+        );
+        for (k, s) in c.stages.iter().enumerate() {
+            let _ = writeln!(out, "m3c:stage_step_seconds{{stage=\"{k}\"}} {}", s.step_s);
+        }
+        let _ = writeln!(
+            out,
+            "# HELP m3c:stage_busy_fraction Share of the last second a stage spent computing.\n# TYPE m3c:stage_busy_fraction gauge"
+        );
+        for (k, s) in c.stages.iter().enumerate() {
+            let _ = writeln!(out, "m3c:stage_busy_fraction{{stage=\"{k}\"}} {}", s.busy_fraction);
+        }
+        let _ = writeln!(out, "# HELP m3c:stage_steps_total Steps a stage has run.\n# TYPE m3c:stage_steps_total counter");
+        for (k, s) in c.stages.iter().enumerate() {
+            let _ = writeln!(out, "m3c:stage_steps_total{{stage=\"{k}\"}} {}", s.steps);
+        }
+        out
+    }
+}

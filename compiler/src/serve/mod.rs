@@ -1,0 +1,182 @@
+//! `m3c serve`: an OpenAI-compatible HTTP server over a compiled pipeline.
+//!
+//! One process, the front, holds the HTTP server (axum on tokio), the
+//! tokenizer and chat template, sampling defaults, admission and metrics;
+//! it starts the stage executables under mpirun with `--serve`, as `m3c run`
+//! does (the plan's hosts included), and talks to the first stage over its
+//! standard input and output, which mpirun carries to whichever host runs
+//! it. The stages stay compute-only: the first one schedules the steps
+//! (runtime/src/serve.rs), the last one samples.
+
+mod engine;
+mod http;
+mod metrics;
+mod openai;
+pub mod output;
+
+use anyhow::{Context, Result};
+use m3c_contract::sampling::SamplingParams;
+use std::future::IntoFuture;
+use std::path::PathBuf;
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// What `m3c serve` was asked for.
+pub struct Options {
+    pub out: PathBuf,
+    pub model: PathBuf,
+    pub host: String,
+    pub port: u16,
+    pub served_model_name: Option<String>,
+    pub api_key: Option<String>,
+    /// Sequences running at once.
+    pub max_batch: usize,
+    /// Cache bytes per stage for all running sequences.
+    pub kv_budget_bytes: u64,
+    pub max_queue: usize,
+    pub prefill_chunk: usize,
+    pub timeout_s: f64,
+    /// Seconds in-flight requests get to finish after SIGTERM.
+    pub grace_s: f64,
+    pub cuda_graphs: String,
+    pub prefill_gemm: String,
+}
+
+/// Why the server stops.
+#[derive(Debug, Clone)]
+enum Stop {
+    Signal(i32),
+    Down(String),
+}
+
+pub fn run(o: Options) -> Result<()> {
+    let compiled = crate::launch::Compiled::open(&o.out, &o.model)?;
+    let src = crate::source::ModelSource::open(&o.model)?;
+    let context = src.config.text.max_position_embeddings;
+    let tokenizer = crate::text::TextTokenizer::from_dir(&o.model)?;
+    let template = crate::text::ChatTemplate::from_dir(&o.model)?;
+    let gen = crate::text::generation::GenerationDefaults::from_dir(&o.model)?;
+    // vLLM's defaults: the checkpoint's generation_config.json, else
+    // OpenAI's (temperature 1, everything kept).
+    let sampling = SamplingParams {
+        temperature: gen.temperature.unwrap_or(1.0),
+        top_k: gen.top_k.unwrap_or(0),
+        top_p: gen.top_p.unwrap_or(1.0),
+        min_p: gen.min_p.unwrap_or(0.0),
+        repetition_penalty: gen.repetition_penalty.unwrap_or(1.0),
+        seed: 0,
+    };
+    sampling.check().map_err(|e| anyhow::anyhow!("{}/generation_config.json: {e}", o.model.display()))?;
+    let name = o.served_model_name.clone().unwrap_or_else(|| {
+        o.model.canonicalize().ok().and_then(|p| p.file_name().map(|f| f.to_string_lossy().into_owned())).unwrap_or_else(|| "model".into())
+    });
+    let per_position = compiled.cache_bytes_per_position().into_iter().max().unwrap_or(0).max(1);
+    let stages = compiled.stages;
+    // Sequences per micro-batch: the running ones shared over the stages,
+    // so every stage has a micro-batch to work on.
+    let micro = o.max_batch.div_ceil(stages).max(1);
+    let mut args: Vec<String> = vec!["--model".into(), o.model.display().to_string(), "--serve".into()];
+    for (k, v) in [
+        ("--micro-batch", micro.to_string()),
+        ("--prefill-chunk", o.prefill_chunk.to_string()),
+        ("--timeout-s", o.timeout_s.to_string()),
+        ("--cuda-graphs", o.cuda_graphs.clone()),
+        ("--prefill-gemm", o.prefill_gemm.clone()),
+    ] {
+        args.extend([k.to_string(), v]);
+    }
+    if !gen.eos_ids.is_empty() {
+        args.extend(["--eos-ids".to_string(), gen.eos_ids.iter().map(i64::to_string).collect::<Vec<_>>().join(",")]);
+    }
+    let cmd = compiled.mpirun(&args)?;
+    let limits = engine::Limits { budget: o.kv_budget_bytes, per_position, max_batch: o.max_batch.max(1), max_queue: o.max_queue };
+    let rt =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().context("cannot start the async runtime")?;
+    let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let defaults = openai::Defaults { sampling };
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind((o.host.as_str(), o.port))
+            .await
+            .with_context(|| format!("cannot listen on {}:{}", o.host, o.port))?;
+        let addr = listener.local_addr()?;
+        let (engine, mut child) = engine::Engine::start(cmd, limits, stages)?;
+        let shared = http::Shared { engine: engine.clone(), tokenizer, template, defaults, name: name.clone(), api_key: o.api_key.clone(), context, created };
+        let app = http::router(shared);
+        eprintln!(
+            "m3c serve: http://{addr}/v1 serves `{name}` ({stages} stage(s), context {context}, up to {} running, cache budget {:.1} GB per stage); /health answers 200 once every stage is up",
+            o.max_batch,
+            o.kv_budget_bytes as f64 / 1e9
+        );
+        // Signals and a lost pipeline both stop the server.
+        let (stop_tx, stop_rx) = watch::channel(None::<Stop>);
+        let tx = stop_tx.clone();
+        crate::signals::handle_with(move |sig| {
+            tx.send_if_modified(|s| {
+                if s.is_none() {
+                    *s = Some(Stop::Signal(sig));
+                    true
+                } else {
+                    false
+                }
+            });
+        });
+        let e = engine.clone();
+        let tx = stop_tx.clone();
+        tokio::spawn(async move {
+            let why = e.wait_down().await;
+            tx.send_if_modified(|s| {
+                if s.is_none() {
+                    *s = Some(Stop::Down(why));
+                    true
+                } else {
+                    false
+                }
+            });
+        });
+        let mut rx = stop_rx.clone();
+        let graceful = async move {
+            let _ = rx.wait_for(Option::is_some).await;
+        };
+        let mut server = tokio::spawn(axum::serve(listener, app).with_graceful_shutdown(graceful).into_future());
+        let mut rx = stop_rx.clone();
+        let stop = rx.wait_for(Option::is_some).await.map(|s| s.clone()).ok().flatten();
+        match stop {
+            Some(Stop::Signal(sig)) => {
+                let open = engine.gauges();
+                eprintln!(
+                    "m3c serve: signal {sig}: no new requests; {} running and {} waiting get {} s to finish",
+                    open.running, open.waiting, o.grace_s
+                );
+                if tokio::time::timeout(Duration::from_secs_f64(o.grace_s), &mut server).await.is_err() {
+                    engine.fail_open("the server shut down before this request finished");
+                    let _ = tokio::time::timeout(Duration::from_secs(10), &mut server).await;
+                }
+                // The first stage finishes what is open and stops the pipeline.
+                engine.close_input();
+                match tokio::time::timeout(Duration::from_secs_f64(o.timeout_s + 10.0), child.wait()).await {
+                    Ok(Ok(s)) if s.success() => {
+                        eprintln!("m3c serve: stopped");
+                        Ok(())
+                    }
+                    Ok(Ok(s)) => anyhow::bail!("the pipeline ended with {s} while shutting down"),
+                    Ok(Err(e)) => Err(e).context("waiting for mpirun"),
+                    Err(_) => {
+                        let _ = child.kill().await;
+                        anyhow::bail!("the pipeline did not stop within {} s; it was killed", o.timeout_s + 10.0)
+                    }
+                }
+            }
+            Some(Stop::Down(why)) => {
+                // Every open request has its error; let the responses go out.
+                let _ = tokio::time::timeout(Duration::from_secs(5), &mut server).await;
+                let _ = child.kill().await;
+                let status = child.wait().await.ok();
+                anyhow::bail!(
+                    "{why} (mpirun exit status {})",
+                    status.and_then(|s| s.code()).map_or("signal".to_string(), |c| c.to_string())
+                )
+            }
+            None => anyhow::bail!("the server's stop channel closed"),
+        }
+    })
+}
