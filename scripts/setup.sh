@@ -39,3 +39,10 @@ if ! ls "$ROOT"/.venv-cuda/lib/python3*/site-packages/nvidia/cuda_nvcc/bin/ptxas
   python3 -m venv "$ROOT/.venv-cuda"
   "$ROOT/.venv-cuda/bin/pip" install -q nvidia-cuda-nvcc-cu12==12.9.86
 fi
+
+# m3c serve's tests talk to it with OpenAI's own Python client, in .venv-serve.
+if ! "$ROOT/.venv-serve/bin/python" -c "import openai" >/dev/null 2>&1; then
+  echo "setup: installing the openai Python client into .venv-serve (for m3c serve's tests)"
+  python3 -m venv "$ROOT/.venv-serve"
+  "$ROOT/.venv-serve/bin/pip" install -q openai==2.8.0
+fi

@@ -12,6 +12,7 @@ mod hostile;
 mod parsers;
 mod pipeline;
 mod plan;
+mod serve;
 mod text;
 mod tidy;
 mod tiny;

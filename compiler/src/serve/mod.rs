@@ -42,6 +42,9 @@ pub struct Options {
     pub prefill_gemm: String,
 }
 
+/// How long a server whose pipeline was lost still answers (with 503s).
+const LINGER: Duration = Duration::from_secs(2);
+
 /// Why the server stops.
 #[derive(Debug, Clone)]
 enum Stop {
@@ -133,9 +136,15 @@ pub fn run(o: Options) -> Result<()> {
                 }
             });
         });
+        // The server stops accepting at once on a signal; when the pipeline
+        // is lost it keeps answering for a moment (503 on /health and on new
+        // requests) so that a supervisor sees why, then stops.
         let mut rx = stop_rx.clone();
         let graceful = async move {
-            let _ = rx.wait_for(Option::is_some).await;
+            let down = rx.wait_for(Option::is_some).await.map(|s| matches!(*s, Some(Stop::Down(_)))).unwrap_or(false);
+            if down {
+                tokio::time::sleep(LINGER).await;
+            }
         };
         let mut server = tokio::spawn(axum::serve(listener, app).with_graceful_shutdown(graceful).into_future());
         let mut rx = stop_rx.clone();
@@ -168,7 +177,7 @@ pub fn run(o: Options) -> Result<()> {
             }
             Some(Stop::Down(why)) => {
                 // Every open request has its error; let the responses go out.
-                let _ = tokio::time::timeout(Duration::from_secs(5), &mut server).await;
+                let _ = tokio::time::timeout(LINGER + Duration::from_secs(5), &mut server).await;
                 let _ = child.kill().await;
                 let status = child.wait().await.ok();
                 anyhow::bail!(

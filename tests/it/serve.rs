@@ -1,0 +1,315 @@
+//! `m3c serve` on the tiny fixture (with its tokenizer), driven by OpenAI's
+//! official Python client (tests/serve/client.py, in the .venv-serve that
+//! scripts/setup.sh makes) and by curl, against real mpirun stages: the
+//! same text as `m3c run`, 32 concurrent streams each as if alone, a client
+//! that disconnects, a tool-call round trip, every error case, SIGTERM, and
+//! a stage killed mid-stream.
+
+use m3c_tests::{compile, fixture, m3c, m3c_bin, root, stderr, stdout};
+use serde_json::Value;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+fn python() -> PathBuf {
+    let p = root().join(".venv-serve/bin/python");
+    assert!(p.is_file(), "{}: missing; run scripts/setup.sh (it installs the openai client for these tests)", p.display());
+    p
+}
+
+/// A running `m3c serve`, killed (with its stages) when dropped.
+struct Server {
+    child: Child,
+    base: String,
+    log: Arc<Mutex<String>>,
+}
+
+impl Server {
+    fn start(out: &Path, model: &Path, extra: &[&str]) -> Server {
+        let mut child = Command::new(m3c_bin())
+            .args(["serve", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--port", "0", "--served-model-name", "tiny"])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("m3c serve starts");
+        let log = Arc::new(Mutex::new(String::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let err = child.stderr.take().unwrap();
+        let l = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                if let Some(i) = line.find("http://127.0.0.1:") {
+                    let port: String = line[i + 17..].chars().take_while(char::is_ascii_digit).collect();
+                    let _ = tx.send(port);
+                }
+                l.lock().unwrap().push_str(&(line + "\n"));
+            }
+        });
+        let port = rx.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| panic!("m3c serve did not start:\n{}", log.lock().unwrap()));
+        let s = Server { child, base: format!("http://127.0.0.1:{port}/v1"), log };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while s.health() != 200 {
+            assert!(Instant::now() < deadline, "/health never answered 200:\n{}", s.log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        s
+    }
+
+    fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    fn root(&self) -> String {
+        self.base.trim_end_matches("/v1").to_string()
+    }
+
+    /// `GET /health`'s status (0: no answer).
+    fn health(&self) -> u16 {
+        let o = Command::new("curl")
+            .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "-m", "5"])
+            .arg(format!("{}/health", self.root()))
+            .output();
+        o.ok().and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok()).unwrap_or(0)
+    }
+
+    /// The client script's subcommand; its JSON answer (it must succeed).
+    fn client(&self, args: &[&str]) -> Value {
+        let o = Command::new(python()).arg(root().join("tests/serve/client.py")).arg(&self.base).arg("tiny").args(args).output().unwrap();
+        assert!(o.status.success(), "client {args:?} failed:\n{}\n{}\nserver log:\n{}", stdout(&o), stderr(&o), self.log());
+        let out = stdout(&o);
+        serde_json::from_str(out.lines().last().unwrap_or("")).unwrap_or_else(|e| panic!("client {args:?}: {e}: {out}"))
+    }
+
+    /// The client script's subcommand, started; with its output's reader.
+    fn client_spawn(&self, args: &[&str]) -> (Child, BufReader<std::process::ChildStdout>) {
+        let mut c = Command::new(python())
+            .arg(root().join("tests/serve/client.py"))
+            .arg(&self.base)
+            .arg("tiny")
+            .args(args)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = BufReader::new(c.stdout.take().unwrap());
+        (c, out)
+    }
+
+    /// Waits for the server to exit; its status.
+    fn wait(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s;
+            }
+            assert!(Instant::now() < deadline, "m3c serve did not exit within {limit:?}:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The tiny fixture compiled at pp = 2 (host, f32: batch-invariant logits).
+fn compiled(dir: &Path) -> (PathBuf, PathBuf) {
+    let model = fixture("tiny-m3");
+    (compile(&model, 2, dir, &[]), model)
+}
+
+/// `m3c run`'s printed text for a prompt (its trailing newline dropped).
+fn run_text(out: &Path, model: &Path, args: &[&str]) -> (String, String) {
+    let mut all = vec!["run", out.to_str().unwrap(), "--model", model.to_str().unwrap()];
+    all.extend_from_slice(args);
+    let r = m3c(&all);
+    assert!(r.status.success(), "{}", stderr(&r));
+    (stdout(&r).strip_suffix('\n').unwrap_or_default().to_string(), stderr(&r))
+}
+
+#[test]
+fn completions_and_chat_give_the_text_m3c_run_gives() {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, model) = compiled(dir.path());
+    let prompt = "The capital of France is";
+    let (want, _) = run_text(
+        &out,
+        &model,
+        &["--prompt", prompt, "--max-new-tokens", "12", "--temperature", "0.8", "--top-p", "0.9", "--seed", "5", "--ignore-eos"],
+    );
+    let (want_stop, _) = run_text(
+        &out,
+        &model,
+        &["--prompt", prompt, "--max-new-tokens", "24", "--temperature", "1", "--seed", "2", "--stop", "e", "--ignore-eos"],
+    );
+    let user = "What is the capital of France?";
+    let (want_chat, log) = run_text(
+        &out,
+        &model,
+        &["--chat", user, "--thinking", "disabled", "--max-new-tokens", "10", "--temperature", "0.7", "--seed", "9", "--ignore-eos"],
+    );
+    let chat_tokens: usize = log.split("prompt 0: ").nth(1).and_then(|s| s.split(' ').next()).and_then(|n| n.parse().ok()).unwrap();
+    let s = Server::start(&out, &model, &[]);
+    let got = s.client(&[
+        "complete",
+        prompt,
+        r#"{"max_tokens": 12, "temperature": 0.8, "top_p": 0.9, "seed": 5, "extra_body": {"ignore_eos": true}}"#,
+    ]);
+    assert_eq!(got["whole"], want, "completion vs m3c run");
+    assert_eq!(got["streamed"], want, "streamed completion vs m3c run");
+    assert_eq!((got["finish"].as_str(), got["completion_tokens"].as_u64()), (Some("length"), Some(12)));
+    let got = s.client(&[
+        "complete",
+        prompt,
+        r#"{"max_tokens": 24, "temperature": 1, "seed": 2, "stop": "e", "extra_body": {"ignore_eos": true}}"#,
+    ]);
+    assert_eq!((&got["whole"], &got["streamed"]), (&Value::from(want_stop.clone()), &Value::from(want_stop)), "a stop string");
+    assert_eq!(got["finish"], "stop");
+    let got = s.client(&[
+        "chat",
+        user,
+        r#"{"max_tokens": 10, "temperature": 0.7, "seed": 9, "extra_body": {"ignore_eos": true, "chat_template_kwargs": {"thinking_mode": "disabled"}}}"#,
+    ]);
+    assert_eq!(got["prompt_tokens"].as_u64(), Some(chat_tokens as u64), "the chat template renders as m3c run's --chat");
+    // With no tag in the text, the content is the text (as the parser reads it).
+    assert!(!["<mm:think>", "</mm:think>", "<tool_call>"].iter().any(|t| want_chat.contains(t)), "pick another seed: {want_chat:?}");
+    let want_chat = want_chat.trim_start_matches('\n');
+    assert_eq!((got["whole"].as_str(), got["streamed"].as_str()), (Some(want_chat), Some(want_chat)), "chat vs m3c run --chat");
+}
+
+#[test]
+fn thirty_two_concurrent_streams_each_get_their_solo_result() {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, model) = compiled(dir.path());
+    let s = Server::start(&out, &model, &[]);
+    let got = s.client(&["concurrent", "32", "24"]);
+    assert_eq!(got["identical"], 32);
+}
+
+#[test]
+fn a_client_that_disconnects_frees_its_cache_and_tools_round_trip() {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, model) = compiled(dir.path());
+    let s = Server::start(&out, &model, &[]);
+    let got = s.client(&["disconnect"]);
+    assert_eq!(got["freed"], true);
+    let got = s.client(&["tools"]);
+    assert!(got["round_trip"].as_u64() > got["with_tools"].as_u64(), "{got}");
+}
+
+#[test]
+fn bad_requests_get_openai_errors_and_the_server_stays_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, model) = compiled(dir.path());
+    let s = Server::start(&out, &model, &[]);
+    let got = s.client(&["errors"]);
+    for (case, status) in [
+        ("malformed", 400),
+        ("not_object", 400),
+        ("wrong_type", 400),
+        ("unknown_model", 404),
+        ("no_messages", 400),
+        ("bad_role", 400),
+        ("too_long", 400),
+        ("n", 400),
+        ("top_p", 400),
+        ("bad_id", 400),
+        ("route", 404),
+    ] {
+        assert_eq!(got[case].as_u64(), Some(status), "{case}: {got}");
+    }
+    assert_eq!(got["after"], 2);
+    drop(s);
+    // --api-key, and a full queue.
+    let s = Server::start(&out, &model, &["--api-key", "sesame"]);
+    let got = s.client(&["auth", "sesame"]);
+    assert_eq!((got["health"].as_u64(), got["wrong_key"].as_u64()), (Some(200), Some(401)));
+    assert_eq!(got["models"], serde_json::json!(["tiny"]));
+    drop(s);
+    let s = Server::start(&out, &model, &["--max-batch", "1", "--max-queue", "0"]);
+    let got = s.client(&["busy"]);
+    assert_eq!(got["second"], 503);
+    // Bad flags never start a server.
+    let r = m3c(&["serve", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--kv-budget=0"]);
+    assert!(!r.status.success() && stderr(&r).contains("--kv-budget"), "{}", stderr(&r));
+}
+
+#[test]
+fn sigterm_lets_running_requests_finish_then_exits_0() {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, model) = compiled(dir.path());
+    // Within the grace period the stream ends normally.
+    let mut s = Server::start(&out, &model, &[]);
+    let (mut c, mut lines) = s.client_spawn(&["stream"]);
+    let mut line = String::new();
+    lines.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "streaming");
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) };
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut lines, &mut rest).unwrap();
+    assert!(c.wait().unwrap().success());
+    let got: Value = serde_json::from_str(rest.lines().last().unwrap()).unwrap();
+    assert_eq!((got["finish"].as_str(), &got["error"]), (Some("length"), &Value::Null), "{got}");
+    assert!(s.wait(Duration::from_secs(30)).success(), "{}", s.log());
+    // Past the grace period the stream ends with an error; still exit 0.
+    let mut s = Server::start(&out, &model, &["--grace-s", "0.05"]);
+    let (mut c, mut lines) = s.client_spawn(&["stream"]);
+    let mut line = String::new();
+    lines.read_line(&mut line).unwrap();
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) };
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut lines, &mut rest).unwrap();
+    c.wait().unwrap();
+    let got: Value = serde_json::from_str(rest.lines().last().unwrap()).unwrap();
+    assert!(got["error"].as_str().is_some_and(|e| e.contains("shut down")), "{got}");
+    assert!(s.wait(Duration::from_secs(30)).success(), "{}", s.log());
+}
+
+/// The pid of the process whose command line names `exe`.
+fn pid_of(exe: &Path) -> Option<i32> {
+    let want = exe.to_str()?;
+    std::fs::read_dir("/proc").ok()?.filter_map(Result::ok).find_map(|e| {
+        let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+        let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
+        (cmd.split(|&b| b == 0).next()? == want.as_bytes()).then_some(pid)
+    })
+}
+
+#[test]
+fn a_stage_killed_mid_stream_fails_the_request_and_the_server_exits_non_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, model) = compiled(dir.path());
+    let mut s = Server::start(&out, &model, &["--timeout-s", "5"]);
+    let (mut c, mut lines) = s.client_spawn(&["stream"]);
+    let mut line = String::new();
+    lines.read_line(&mut line).unwrap();
+    let stage = pid_of(&out.join("stage-1")).expect("stage 1 runs");
+    // SAFETY: kill(2) on a stage process of this test's own server.
+    unsafe { libc::kill(stage, libc::SIGKILL) };
+    let t0 = Instant::now();
+    let mut saw_503 = false;
+    while t0.elapsed() < Duration::from_secs(10) && s.child.try_wait().unwrap().is_none() {
+        if s.health() == 503 {
+            saw_503 = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(saw_503, "/health should answer 503 once a stage is lost:\n{}", s.log());
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut lines, &mut rest).unwrap();
+    c.wait().unwrap();
+    let got: Value = serde_json::from_str(rest.lines().last().unwrap()).unwrap();
+    assert!(got["error"].as_str().is_some_and(|e| e.contains("pipeline stopped")), "{got}");
+    let status = s.wait(Duration::from_secs(15));
+    assert!(!status.success(), "a lost stage must end the server with a failure");
+    assert!(t0.elapsed() < Duration::from_secs(15), "it took {:?}", t0.elapsed());
+    assert!(s.log().contains("pipeline stopped"), "{}", s.log());
+}

@@ -1,0 +1,264 @@
+"""m3c serve's tests, as a user's program: OpenAI's official Python client
+against a running `m3c serve`. Each subcommand checks one behaviour, prints
+what it saw as JSON on stdout, and exits non-zero (with the reason) when the
+server misbehaves. The Rust side (tests/it/serve.rs) starts the server and
+compares with `m3c run`.
+
+    python client.py BASE_URL MODEL SUBCOMMAND [ARGS...]
+"""
+
+import asyncio
+import json
+import sys
+import time
+
+import httpx
+import openai
+
+
+def client(base, **kw):
+    return openai.OpenAI(base_url=base, api_key=kw.pop("api_key", "unused"), max_retries=0, timeout=120, **kw)
+
+
+def complete(base, model, prompt, params):
+    """Completions, whole and streamed: both texts, finish reasons, usage."""
+    c = client(base)
+    whole = c.completions.create(model=model, prompt=prompt, **params)
+    text = ""
+    finish = None
+    usage = None
+    for chunk in c.completions.create(model=model, prompt=prompt, stream=True, stream_options={"include_usage": True}, **params):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            text += ch.text
+            finish = ch.finish_reason or finish
+    assert usage is not None, "include_usage gave no usage chunk"
+    assert usage.completion_tokens == whole.usage.completion_tokens, (usage, whole.usage)
+    assert finish == whole.choices[0].finish_reason, (finish, whole.choices[0].finish_reason)
+    return {
+        "whole": whole.choices[0].text,
+        "streamed": text,
+        "finish": finish,
+        "prompt_tokens": whole.usage.prompt_tokens,
+        "completion_tokens": whole.usage.completion_tokens,
+    }
+
+
+def chat(base, model, user, params):
+    """Chat completions, whole and streamed."""
+    c = client(base)
+    messages = [{"role": "user", "content": user}]
+    whole = c.chat.completions.create(model=model, messages=messages, **params)
+    content, reasoning, finish = "", "", None
+    for chunk in c.chat.completions.create(model=model, messages=messages, stream=True, **params):
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            reasoning += getattr(ch.delta, "reasoning_content", None) or ""
+            finish = ch.finish_reason or finish
+    m = whole.choices[0].message
+    return {
+        "whole": m.content or "",
+        "whole_reasoning": getattr(m, "reasoning_content", None) or "",
+        "streamed": content,
+        "streamed_reasoning": reasoning,
+        "finish": finish,
+        "prompt_tokens": whole.usage.prompt_tokens,
+        "completion_tokens": whole.usage.completion_tokens,
+    }
+
+
+async def concurrent(base, model, n, max_tokens):
+    """n streaming clients at once, each against its own solo run."""
+    prompts = [f"Request {i}: tell me about the number {i * 7}." for i in range(n)]
+    params = lambda i: dict(max_tokens=max_tokens, temperature=0.9, top_p=0.95, seed=1000 + i, extra_body={"ignore_eos": True})
+    sync = client(base)
+    solo = [sync.completions.create(model=model, prompt=p, **params(i)).choices[0].text for i, p in enumerate(prompts)]
+    a = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=300)
+
+    async def one(i):
+        text = ""
+        stream = await a.completions.create(model=model, prompt=prompts[i], stream=True, **params(i))
+        async for chunk in stream:
+            for ch in chunk.choices:
+                text += ch.text
+        return text
+
+    together = await asyncio.gather(*[one(i) for i in range(n)])
+    differ = [i for i in range(n) if together[i] != solo[i]]
+    assert not differ, f"requests {differ} got other text together than alone"
+    assert len(set(solo)) > n // 2, "the requests should differ from each other"
+    return {"n": n, "identical": n - len(differ)}
+
+
+def metric(base, name):
+    root = base.rsplit("/v1", 1)[0]
+    for line in httpx.get(f"{root}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no {name} in /metrics")
+
+
+def disconnect(base, model):
+    """A client that goes away mid-stream: its sequence is cancelled and its
+    cache returns to the budget."""
+    c = client(base)
+    stream = c.completions.create(model=model, prompt="Go on forever", max_tokens=3000, stream=True, extra_body={"ignore_eos": True})
+    got = 0
+    for chunk in stream:
+        got += 1
+        if got == 5:
+            break
+    assert metric(base, "m3c:cache_bytes_used") > 0, "the open stream should hold cache"
+    stream.response.close()
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        if metric(base, "m3c:cache_bytes_used") == 0 and metric(base, "m3c:num_requests_running") == 0:
+            return {"chunks": got, "freed": True}
+        time.sleep(0.1)
+    raise AssertionError("the cache was not freed within 20 s of the disconnect")
+
+
+def tools(base, model):
+    """A tool-call round trip: tools rendered into the prompt, then the
+    assistant's call and the tool's result sent back."""
+    c = client(base)
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    plain = c.chat.completions.create(model=model, messages=ask, max_tokens=4, seed=1)
+    first = c.chat.completions.create(model=model, messages=ask, tools=[weather], max_tokens=4, seed=1)
+    assert first.usage.prompt_tokens > plain.usage.prompt_tokens, "the tools should be in the prompt"
+    none = c.chat.completions.create(model=model, messages=ask, tools=[weather], tool_choice="none", max_tokens=4, seed=1)
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens, "tool_choice none leaves the tools out"
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}
+    follow = ask + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"},
+    ]
+    second = c.chat.completions.create(model=model, messages=follow, tools=[weather], max_tokens=4, seed=1)
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens, "the call and its result should be in the prompt"
+    return {"plain": plain.usage.prompt_tokens, "with_tools": first.usage.prompt_tokens, "round_trip": second.usage.prompt_tokens,
+            "finish": second.choices[0].finish_reason}
+
+
+def errors(base, model):
+    """Bad input gets 4xx with OpenAI's error object, and the server stays up."""
+    root = base.rsplit("/v1", 1)[0]
+    seen = {}
+
+    def post(path, body, raw=False):
+        r = httpx.post(f"{root}{path}", content=body if raw else json.dumps(body), headers={"content-type": "application/json"}, timeout=30)
+        e = r.json().get("error", {})
+        assert e.get("message"), f"{path} {body!r}: no OpenAI error object in {r.text}"
+        return r.status_code, e
+
+    seen["malformed"] = post("/v1/completions", b"{not json", raw=True)[0]
+    seen["not_object"] = post("/v1/completions", [1, 2], )[0]
+    seen["wrong_type"], e = post("/v1/completions", {"model": model, "prompt": "x", "temperature": "hot"})
+    assert e["param"] == "temperature", e
+    seen["unknown_model"] = post("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]})[0]
+    seen["no_messages"] = post("/v1/chat/completions", {"model": model})[0]
+    seen["bad_role"] = post("/v1/chat/completions", {"model": model, "messages": [{"role": "wizard", "content": "x"}]})[0]
+    seen["too_long"], e = post("/v1/completions", {"model": model, "prompt": "x", "max_tokens": 10_000_000})
+    assert "maximum context length" in e["message"], e
+    seen["n"] = post("/v1/completions", {"model": model, "prompt": "x", "n": 2})[0]
+    seen["top_p"] = post("/v1/completions", {"model": model, "prompt": "x", "top_p": 0})[0]
+    seen["bad_id"] = post("/v1/completions", {"model": model, "prompt": [10**9]})[0]
+    seen["route"] = httpx.get(f"{root}/v1/nothing", timeout=10).status_code
+    # The official client raises the matching exceptions.
+    c = client(base)
+    try:
+        c.completions.create(model="nope", prompt="x", max_tokens=1)
+        raise AssertionError("an unknown model was served")
+    except openai.NotFoundError:
+        seen["client_404"] = True
+    try:
+        c.completions.create(model=model, prompt="x", max_tokens=1, temperature=-1)
+        raise AssertionError("a negative temperature was taken")
+    except openai.BadRequestError:
+        seen["client_400"] = True
+    # Still serving.
+    ok = c.completions.create(model=model, prompt="x", max_tokens=2)
+    seen["after"] = ok.usage.completion_tokens
+    return seen
+
+
+def auth(base, model, key):
+    """--api-key: Bearer auth on /v1, none on /health."""
+    root = base.rsplit("/v1", 1)[0]
+    out = {"health": httpx.get(f"{root}/health", timeout=10).status_code}
+    try:
+        client(base, api_key="wrong").models.list()
+        raise AssertionError("a wrong key was accepted")
+    except openai.AuthenticationError:
+        out["wrong_key"] = 401
+    out["models"] = [m.id for m in client(base, api_key=key).models.list().data]
+    return out
+
+
+def busy(base, model):
+    """--max-batch 1 --max-queue 0: a second request while one runs gets 503."""
+    c = client(base)
+    stream = c.completions.create(model=model, prompt="Hold the slot", max_tokens=3000, stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    try:
+        c.completions.create(model=model, prompt="x", max_tokens=1)
+        raise AssertionError("a request past --max-queue was taken")
+    except openai.InternalServerError as e:
+        status = e.status_code
+    stream.response.close()
+    return {"second": status}
+
+
+def stream_until_end(base, model):
+    """One long streaming request, reporting how it ended (for the shutdown
+    and lost-stage tests, which act on the server while it runs)."""
+    c = client(base)
+    text, finish, error, told = "", None, None, False
+    try:
+        for chunk in c.completions.create(model=model, prompt="Keep going", max_tokens=3000, stream=True, extra_body={"ignore_eos": True}):
+            for ch in chunk.choices:
+                text += ch.text
+                finish = ch.finish_reason or finish
+            if text and not told:
+                print("streaming", flush=True)
+                told = True
+    except Exception as e:  # the error event of a failed stream
+        error = f"{type(e).__name__}: {e}"
+    return {"finish": finish, "error": error, "chars": len(text)}
+
+
+def main():
+    base, model, cmd, *rest = sys.argv[1:]
+    if cmd == "complete":
+        out = complete(base, model, rest[0], json.loads(rest[1]))
+    elif cmd == "chat":
+        out = chat(base, model, rest[0], json.loads(rest[1]))
+    elif cmd == "concurrent":
+        out = asyncio.run(concurrent(base, model, int(rest[0]), int(rest[1])))
+    elif cmd == "disconnect":
+        out = disconnect(base, model)
+    elif cmd == "tools":
+        out = tools(base, model)
+    elif cmd == "errors":
+        out = errors(base, model)
+    elif cmd == "auth":
+        out = auth(base, model, rest[0])
+    elif cmd == "busy":
+        out = busy(base, model)
+    elif cmd == "stream":
+        out = stream_until_end(base, model)
+    else:
+        raise SystemExit(f"unknown subcommand {cmd}")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
