@@ -362,6 +362,10 @@ impl Engine {
                 let mut st = self.state();
                 let Some(slot) = st.reports.get_mut(k) else { return };
                 let mut c = self.metrics.c.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(stat) = c.stages.get_mut(k) {
+                    stat.steps = steps as u64;
+                    stat.busy_s = busy;
+                }
                 if let (Some((s0, b0, t0)), Some(stat)) = (*slot, c.stages.get_mut(k)) {
                     let (ds, db, dt) = (steps as u64 - s0.min(steps as u64), (busy - b0).max(0.0), now.duration_since(t0).as_secs_f64());
                     stat.steps = steps as u64;

@@ -107,6 +107,13 @@ impl Metrics {
         for (k, s) in c.stages.iter().enumerate() {
             let _ = writeln!(out, "m3c:stage_busy_fraction{{stage=\"{k}\"}} {}", s.busy_fraction);
         }
+        let _ = writeln!(
+            out,
+            "# HELP m3c:stage_busy_seconds_total Seconds a stage has spent computing.\n# TYPE m3c:stage_busy_seconds_total counter"
+        );
+        for (k, s) in c.stages.iter().enumerate() {
+            let _ = writeln!(out, "m3c:stage_busy_seconds_total{{stage=\"{k}\"}} {}", s.busy_s);
+        }
         let _ = writeln!(out, "# HELP m3c:stage_steps_total Steps a stage has run.\n# TYPE m3c:stage_steps_total counter");
         for (k, s) in c.stages.iter().enumerate() {
             let _ = writeln!(out, "m3c:stage_steps_total{{stage=\"{k}\"}} {}", s.steps);
