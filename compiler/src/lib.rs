@@ -22,4 +22,5 @@ pub mod source;
 pub mod text;
 pub mod tiny;
 pub mod units;
+pub mod vision;
 pub mod weights;

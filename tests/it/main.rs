@@ -16,4 +16,5 @@ mod serve;
 mod text;
 mod tidy;
 mod tiny;
+mod vision;
 mod weights;
