@@ -20,7 +20,11 @@ pub const ROW: usize = 3 * TEMPORAL * PATCH * PATCH;
 const FACTOR: usize = PATCH * MERGE;
 pub const MIN_PIXELS: usize = 56 * 56;
 pub const MAX_PIXELS: usize = 672 * 672;
+// OpenAI CLIP's constants as the reference writes them; like it, m3c rounds
+// them to f32 before use (fp32(mean)·255), so the extra digits are intended.
+#[allow(clippy::excessive_precision)]
 const MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
+#[allow(clippy::excessive_precision)]
 const STD: [f32; 3] = [0.268_629_54, 0.261_302_58, 0.275_777_11];
 
 #[derive(Debug, Error, PartialEq)]
