@@ -231,6 +231,9 @@ struct ServeArgs {
     /// Prefill long prompts in chunks of this many tokens, alongside the running decodes.
     #[arg(long, value_name = "TOKENS", default_value_t = 256, value_parser = positive_count)]
     prefill_chunk: usize,
+    /// `max_tokens` of a chat request that sets none (capped by the context); a request reserves cache for all of it.
+    #[arg(long, value_name = "TOKENS", default_value_t = 4096, value_parser = positive_count)]
+    default_max_tokens: usize,
     /// Seconds without a heartbeat before a stage is declared lost.
     #[arg(long, default_value_t = 30.0, value_parser = timeout_s)]
     timeout_s: f64,
@@ -317,6 +320,7 @@ fn run(cli: Cli) -> Result<()> {
                 kv_budget_bytes: (a.kv_budget as f64 * 1e9) as u64,
                 max_queue: a.max_queue,
                 prefill_chunk: a.prefill_chunk,
+                default_max_tokens: a.default_max_tokens,
                 timeout_s: a.timeout_s,
                 grace_s: a.grace_s,
                 cuda_graphs: a.cuda_graphs,

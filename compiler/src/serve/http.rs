@@ -28,6 +28,8 @@ pub struct Shared {
     pub api_key: Option<String>,
     /// The model's context length (prompt + completion).
     pub context: usize,
+    /// `max_tokens` of a chat request that gives none.
+    pub default_max_tokens: usize,
     pub created: u64,
 }
 
@@ -258,7 +260,9 @@ async fn generate(app: App, ids: Vec<u32>, common: Common, kind: Kind) -> Respon
         return error(&ApiError::bad("prompt", format!("token id {bad} is outside the vocabulary")));
     }
     let room = app.context.saturating_sub(ids.len());
-    let max_new = common.max_tokens.unwrap_or(room);
+    // Without max_tokens: to the end of the context, up to the server's
+    // default (a request reserves its whole cache when admitted).
+    let max_new = common.max_tokens.unwrap_or(room.min(app.default_max_tokens));
     if ids.len() + max_new > app.context || max_new == 0 {
         return error(&ApiError::bad(
             "max_tokens",

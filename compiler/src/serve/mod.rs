@@ -35,6 +35,8 @@ pub struct Options {
     pub kv_budget_bytes: u64,
     pub max_queue: usize,
     pub prefill_chunk: usize,
+    /// `max_tokens` of a chat request that gives none (capped by the context).
+    pub default_max_tokens: usize,
     pub timeout_s: f64,
     /// Seconds in-flight requests get to finish after SIGTERM.
     pub grace_s: f64,
@@ -103,7 +105,7 @@ pub fn run(o: Options) -> Result<()> {
             .with_context(|| format!("cannot listen on {}:{}", o.host, o.port))?;
         let addr = listener.local_addr()?;
         let (engine, mut child) = engine::Engine::start(cmd, limits, stages)?;
-        let shared = http::Shared { engine: engine.clone(), tokenizer, template, defaults, name: name.clone(), api_key: o.api_key.clone(), context, created };
+        let shared = http::Shared { engine: engine.clone(), tokenizer, template, defaults, name: name.clone(), api_key: o.api_key.clone(), context, default_max_tokens: o.default_max_tokens, created };
         let app = http::router(shared);
         eprintln!(
             "m3c serve: http://{addr}/v1 serves `{name}` ({stages} stage(s), context {context}, up to {} running, cache budget {:.1} GB per stage); /health answers 200 once every stage is up",
