@@ -69,7 +69,8 @@ def chat(base, model, user, params):
 
 
 async def concurrent(base, model, n, max_tokens):
-    """n streaming clients at once, each against its own solo run."""
+    """n streaming clients, at once or arriving while the others run, each
+    against its own solo run."""
     prompts = [f"Request {i}: tell me about the number {i * 7}." for i in range(n)]
     params = lambda i: dict(max_tokens=max_tokens, temperature=0.9, top_p=0.95, seed=1000 + i, extra_body={"ignore_eos": True})
     sync = client(base)
@@ -77,6 +78,9 @@ async def concurrent(base, model, n, max_tokens):
     a = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=300)
 
     async def one(i):
+        # Odd requests arrive while the others are already decoding.
+        if i % 2:
+            await asyncio.sleep(0.002 * i)
         text = ""
         stream = await a.completions.create(model=model, prompt=prompts[i], stream=True, **params(i))
         async for chunk in stream:
