@@ -271,6 +271,24 @@ fn sigterm_lets_running_requests_finish_then_exits_0() {
     let got: Value = serde_json::from_str(rest.lines().last().unwrap()).unwrap();
     assert!(got["error"].as_str().is_some_and(|e| e.contains("shut down")), "{got}");
     assert!(s.wait(Duration::from_secs(30)).success(), "{}", s.log());
+    // A second signal stops at once, and takes mpirun and the stages along.
+    let mut s = Server::start(&out, &model, &[]);
+    let (mut c, mut lines) = s.client_spawn(&["stream"]);
+    let mut line = String::new();
+    lines.read_line(&mut line).unwrap();
+    for _ in 0..2 {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) };
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let status = s.wait(Duration::from_secs(10));
+    assert_eq!(std::os::unix::process::ExitStatusExt::into_raw(status) >> 8, 128 + libc::SIGTERM, "{}", s.log());
+    let _ = c.wait();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pid_of(&out.join("stage-0")).is_some() || pid_of(&out.join("stage-1")).is_some() {
+        assert!(Instant::now() < deadline, "stages outlived the server");
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// The pid of the process whose command line names `exe`.

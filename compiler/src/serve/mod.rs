@@ -116,7 +116,7 @@ pub fn run(o: Options) -> Result<()> {
         let (stop_tx, stop_rx) = watch::channel(None::<Stop>);
         let tx = stop_tx.clone();
         crate::signals::handle_with(move |sig| {
-            tx.send_if_modified(|s| {
+            let first = tx.send_if_modified(|s| {
                 if s.is_none() {
                     *s = Some(Stop::Signal(sig));
                     true
@@ -124,6 +124,14 @@ pub fn run(o: Options) -> Result<()> {
                     false
                 }
             });
+            if !first {
+                // A second signal means now: mpirun and the stages die with
+                // this process (PR_SET_PDEATHSIG).
+                eprintln!("m3c serve: signal {sig} again: stopping now");
+                // SAFETY: _exit ends the process at once, without running
+                // destructors that could wait on the runtime's threads.
+                unsafe { libc::_exit(128 + sig) };
+            }
         });
         let e = engine.clone();
         let tx = stop_tx.clone();
