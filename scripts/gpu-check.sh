@@ -13,7 +13,10 @@
 #      on GPU 0, host-staged transfers) against their goldens: f32 activations,
 #      so the tokens must be exact and logits within 1e-3; then two prompts in
 #      one micro-batch with decode replayed from CUDA graphs and without,
-#      whose dumps must be byte-identical; tiny-m3 with bf16 caches, and
+#      whose dumps must be byte-identical; the device sampler (temperature,
+#      top-k, top-p, min-p, repetition penalty) against the host sampler
+#      replayed on the GPU's own dumped logits: every id must be equal;
+#      tiny-m3 with bf16 caches, and
 #      both fixtures with bf16 activations (the GPU default), their distance
 #      from the f32 golden reported (on the host: median position 0.07-0.09,
 #      a few positions where an expert or MSA block choice flips up to 2.3);
@@ -76,13 +79,15 @@ prepare() {
   ./scripts/setup.sh
   export PATH="$HOME/.cargo/bin:$PATH"
   cargo build --release --locked -q -p m3c -p m3c-runtime
+  cargo build --release --locked -q -p m3c-contract --example sampled_check
   M3C="$ROOT/target/release/m3c"
   CUDA_ROOT=$(ls -d "$ROOT"/.venv-cuda/lib/python3*/site-packages/nvidia/cuda_nvcc | head -1)
   export CUDA_ROOT
   work=$(mktemp -d "${TMPDIR:-/tmp}/m3c-gpu.XXXXXX")
   trap 'rm -rf "$work"' EXIT
   b="$work/bundle"
-  mkdir -p "$b/out" "$b/lib" "$b/ompi" "$b/plans"
+  mkdir -p "$b/out" "$b/lib" "$b/ompi" "$b/plans" "$b/bin"
+  cp "$ROOT/target/release/examples/sampled_check" "$b/bin/"
 
   echo "== fixtures: cuda stages at pp = 1 and pp = 2"
   for m in tiny-m3 tiny-m3-mxfp8; do
@@ -195,6 +200,15 @@ run() {
        && cmp -s "$work/$m-graphs-on.p1.safetensors" "$work/$m-graphs-off.p1.safetensors"; then verdict=pass; else verdict=FAIL; fi
     rows+=("$(printf '%-32s %-6s %-5s %s' "$m CUDA graphs" "pp=2" "$verdict" "graphs on = off, dump bytes of 2 prompts; ${replays:-$(why "$logs/$m-graphs-on.log")}")")
     if [ "$m" = tiny-m3 ]; then
+      # The device sampler picks what the host sampler picks on the same
+      # logits: the GPU's own, dumped.
+      log="$logs/$m-sampled.log"
+      sp=(0.8 40 0.95 0.02 1.1 7)
+      timeout 120 "$b/out/$m-pp1/run.sh" --model "tests/fixtures/$m" --prompt-ids "$prompt" --max-new-tokens 32 \
+        --temperature ${sp[0]} --top-k ${sp[1]} --top-p ${sp[2]} --min-p ${sp[3]} --repetition-penalty ${sp[4]} --seed ${sp[5]} \
+        --dump "$work/$m-sampled.safetensors" >"$log" 2>&1 || true
+      if "$b/bin/sampled_check" "$work/$m-sampled.safetensors" "${sp[@]}" >>"$log" 2>&1; then verdict=pass; else verdict=FAIL; fi
+      rows+=("$(printf '%-32s %-6s %-5s %s' "$m device sampler" "pp=1" "$verdict" "$(grep -o 'device sampler:.*\|error.*' "$log" | head -1)")")
       # bf16 caches: logits move by rounding (on the host: max |Δ| ~1e-2, one
       # position 1.4 where an MSA block choice flips), so this row reports, not judges.
       log="$logs/$m-kvbf16.log"

@@ -443,3 +443,51 @@ fn a_jsonl_prompts_file_takes_text_chats_and_per_line_sampling() {
     let e = stderr(&r);
     assert!(!r.status.success() && e.contains("p.jsonl") && e.contains("line 2") && e.contains("temprature"), "{e}");
 }
+
+/// The harness `scripts/gpu-check.sh` checks the device sampler with, run
+/// here on the host: a sampled run's dump replays exactly through the host
+/// sampler (and a wrong seed would not).
+#[test]
+fn a_sampled_runs_dump_replays_through_the_host_sampler() {
+    use m3c_contract::sampling::{replay_mismatches, SamplingParams};
+    let dir = tempfile::tempdir().unwrap();
+    let model = fixture("tiny-m3");
+    let out = m3c_tests::compile(&model, 2, dir.path(), &[]);
+    let dump = dir.path().join("s.safetensors");
+    let r = m3c_tests::m3c(&[
+        "run",
+        out.to_str().unwrap(),
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt-ids",
+        "1,2,3,4,5",
+        "--max-new-tokens",
+        "16",
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "40",
+        "--top-p",
+        "0.95",
+        "--min-p",
+        "0.02",
+        "--repetition-penalty",
+        "1.1",
+        "--seed",
+        "7",
+        "--ignore-eos",
+        "--dump",
+        dump.to_str().unwrap(),
+    ]);
+    assert!(r.status.success(), "{}", m3c_tests::stderr(&r));
+    let ids = |n: &str| m3c_tests::read_tensor_i64(&dump, n).into_iter().map(|i| i as u32).collect::<Vec<u32>>();
+    let (shape, prefill) = m3c_tests::read_tensor_f32(&dump, "prefill_logits");
+    let vocab = shape[1];
+    let mut rows = prefill[(shape[0] - 1) * vocab..].to_vec();
+    rows.extend(m3c_tests::read_tensor_f32(&dump, "decode_logits").1);
+    let p = SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.02, repetition_penalty: 1.1, seed: 7 };
+    let generated = ids("generated_ids");
+    assert_eq!(generated.len(), 16);
+    assert!(replay_mismatches(&ids("prompt_ids"), &rows, vocab, &generated, &p).is_empty());
+    assert!(!replay_mismatches(&ids("prompt_ids"), &rows, vocab, &generated, &SamplingParams { seed: 8, ..p }).is_empty());
+}

@@ -691,6 +691,25 @@ pub fn sample_row(logits: &[f32], seen: &[u32], words: &mut [i64; ROW_WORDS]) ->
     }
 }
 
+/// Replays a sequence's draws from its logits: token 0 from the prompt's
+/// last row of logits, token j from decode row j − 1 (`rows`: the logits
+/// rows in that order, `vocab` wide), each with the sequence so far as the
+/// repetition penalty's context. Returns the positions where `generated`
+/// differs from what this host sampler picks: how a device sampler is
+/// checked against it on the device's own logits.
+pub fn replay_mismatches(prompt: &[u32], rows: &[f32], vocab: usize, generated: &[u32], p: &SamplingParams) -> Vec<usize> {
+    let mut context: Vec<u32> = prompt.to_vec();
+    let mut bad = Vec::new();
+    for (j, (row, &got)) in rows.chunks_exact(vocab.max(1)).zip(generated).enumerate() {
+        let seen = seen_bitmap(context.iter().copied(), vocab);
+        if sample(row, &seen, p, 0, j as u64) != got {
+            bad.push(j);
+        }
+        context.push(got);
+    }
+    bad
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -890,6 +909,24 @@ mod tests {
         let p = SamplingParams { repetition_penalty: 2.0, ..SamplingParams::GREEDY };
         // 3.0 / 2 = 1.5 beats 1.2; halving twice (0.75) would not.
         assert_eq!(sample(&[1.2, 3.0], &seen_bitmap([1, 1, 1], 2), &p, 0, 0), 1);
+    }
+
+    #[test]
+    fn replaying_draws_finds_exactly_the_changed_token() {
+        let vocab = 300;
+        let rows: Vec<f32> = (0..vocab * 6).map(|i| ((i * 7919) % 997) as f32 / 150.0).collect();
+        let p = SamplingParams { temperature: 0.9, top_k: 50, top_p: 0.95, min_p: 0.0, repetition_penalty: 1.2, seed: 4 };
+        let prompt = [1u32, 2, 3];
+        let mut gen = Vec::new();
+        let mut ctx = prompt.to_vec();
+        for (j, row) in rows.chunks_exact(vocab).enumerate() {
+            let id = sample(row, &seen_bitmap(ctx.iter().copied(), vocab), &p, 0, j as u64);
+            gen.push(id);
+            ctx.push(id);
+        }
+        assert!(replay_mismatches(&prompt, &rows, vocab, &gen, &p).is_empty());
+        gen[3] = (gen[3] + 1) % vocab as u32;
+        assert_eq!(replay_mismatches(&prompt, &rows, vocab, &gen, &p)[0], 3);
     }
 
     #[test]
