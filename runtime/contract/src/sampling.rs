@@ -250,7 +250,16 @@ struct Row {
     /// Per level gathered so far: the ids of weight ≥ `LEVELS[j]`,
     /// ascending, and their weight.
     levels: Vec<(Vec<u32>, u64)>,
+    /// The first level overflowed ([`WIDE`]): a flat row, where goals are
+    /// found from a histogram of the whole row instead of id lists.
+    wide: bool,
+    /// That histogram by leading zeros (count, weight), once built.
+    histogram: Option<Box<([u64; 33], [u64; 33])>>,
 }
+
+/// Heavy tokens past which a row counts as flat: gathering ids would cost
+/// more than a histogram of every weight.
+const WIDE: usize = 8192;
 
 /// The ids set in a seen bitmap.
 fn seen_ids(seen: &[u32]) -> impl Iterator<Item = usize> + '_ {
@@ -306,8 +315,9 @@ mod lanes {
                 for (w, &l) in w64.iter_mut().zip(l64) {
                     *w = weight(max - fix(l) / t);
                 }
-                // The first level's tokens, gathered on the way.
-                if w64.iter().fold(0, |a, &w| a.max(w)) >= LEVELS[0] {
+                // The first level's tokens, gathered on the way (until there
+                // are too many to be worth listing).
+                if heavy.len() <= super::WIDE && w64.iter().fold(0, |a, &w| a.max(w)) >= LEVELS[0] {
                     heavy.extend(w64.iter().enumerate().filter(|&(_, &w)| w >= LEVELS[0]).map(|(i, _)| (block * 64 + i) as u32));
                 }
             }
@@ -398,6 +408,7 @@ impl Row {
         // Every weight is written below: no need to clear them first.
         self.w.resize(logits.len(), 0);
         self.levels.clear();
+        self.histogram = None;
         let mut heavy = Vec::new();
         (self.total, self.floor_mass) = lanes::weigh(&mut self.w, logits, max, t, floor, &mut heavy);
         if p.repetition_penalty != 1.0 {
@@ -411,8 +422,44 @@ impl Row {
             // A penalty moves weights across the first level: gather it afresh.
             heavy = gather(&self.w, |w| w >= LEVELS[0]);
         }
+        self.wide = heavy.len() > WIDE;
         let mass = heavy.iter().map(|&i| self.w[i as usize] as u64).sum();
         self.levels.push((heavy, mass));
+    }
+
+    /// The whole row's histogram by leading zeros, in four copies so that
+    /// neighbours landing in one bucket do not wait on each other's stores.
+    fn histogram(&mut self) -> ([u64; 33], [u64; 33]) {
+        if self.histogram.is_none() {
+            let (mut hc, mut hm) = ([[0u64; 33]; 4], [[0u64; 33]; 4]);
+            for (i, &w) in self.w.iter().enumerate() {
+                let b = w.leading_zeros() as usize;
+                hc[i & 3][b] += 1;
+                hm[i & 3][b] += w as u64;
+            }
+            let sum = |h: &[[u64; 33]; 4]| -> [u64; 33] { std::array::from_fn(|b| h.iter().map(|c| c[b]).sum()) };
+            self.histogram = Some(Box::new((sum(&hc), sum(&hm))));
+        }
+        *self.histogram.as_deref().expect("built above")
+    }
+
+    /// A mass goal on a flat row: the bucket from the row's histogram, then
+    /// the digits of that bucket's weights.
+    fn select_wide(&mut self, goal: Goal) -> Boundary {
+        let (hc, hm) = self.histogram();
+        let (mut ac, mut am) = (0u64, 0u64);
+        let mut b = 0;
+        while b < 32 && !goal.reached(ac + hc[b], am + hm[b]) {
+            ac += hc[b];
+            am += hm[b];
+            b += 1;
+        }
+        if b == 32 {
+            return Boundary { tau: 0, above_count: ac, above_mass: am };
+        }
+        let lo = 1u32 << (31 - b);
+        let values: Vec<u32> = self.w.iter().copied().filter(|&w| w >= lo && w <= 2 * lo - 1).collect();
+        select_digits(values, goal, ac, am, 31 - b as u32)
     }
 
     /// Level `j`, gathered by a scan when first needed.
@@ -430,6 +477,9 @@ impl Row {
     /// the first level that reaches it: every token above the boundary is
     /// in that level too.
     fn select(&mut self, goal: Goal) -> Boundary {
+        if self.wide {
+            return self.select_wide(goal);
+        }
         for j in 0..LEVELS.len() {
             self.level(j);
             let (ids, mass) = &self.levels[j];
@@ -470,6 +520,9 @@ impl Row {
     /// The `n`-th (from 1) lowest id of weight `tau` > 0, from the first
     /// level holding that weight (gathered by the select that found it).
     fn nth_of_weight(&mut self, tau: u32, n: usize) -> u32 {
+        if self.wide {
+            return self.w.iter().enumerate().filter(|&(_, &w)| w == tau).nth(n - 1).map_or(0, |(i, _)| i as u32);
+        }
         let j = LEVELS.iter().position(|&lo| tau >= lo).unwrap_or(LEVELS.len() - 1);
         self.level(j);
         let w = &self.w;
@@ -516,6 +569,14 @@ fn select_in(mut current: Vec<u32>, goal: Goal) -> Boundary {
         current.retain(|&w| w.leading_zeros() as usize == b);
         shift = 31u32.saturating_sub(b as u32);
     }
+    select_digits(current, goal, ac, am, shift)
+}
+
+/// The boundary of `goal` among `current`, values that share their bits
+/// from `shift` up and lie below every token already counted (`ac` tokens
+/// of weight `am`): a radix select eight bits at a time, then a sort of the
+/// few left.
+fn select_digits(mut current: Vec<u32>, goal: Goal, mut ac: u64, mut am: u64, mut shift: u32) -> Boundary {
     while current.len() > 64 && shift > 0 {
         let low = shift.saturating_sub(8);
         let digit = |w: u32| ((w as u64 >> low) & ((1u64 << (shift - low)) - 1)) as usize;
@@ -892,6 +953,28 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn a_flat_row_takes_the_histogram_path_and_is_still_its_definition() {
+        // 40 000 tokens within a few units of each other: far more heavy
+        // tokens than WIDE, so goals come from the whole row's histogram.
+        let vocab = 40_000;
+        let logits: Vec<f32> = (0..vocab as u64).map(|i| (draw_bits(5, i, 0) % 3001) as f32 / 1000.0).collect();
+        let seen = seen_bitmap((0..300u32).map(|i| i * 131), vocab);
+        for (case, p) in [
+            SamplingParams { temperature: 1.0, top_k: 0, top_p: 0.95, min_p: 0.0, repetition_penalty: 1.0, seed: 1 },
+            SamplingParams { temperature: 0.7, top_k: 0, top_p: 0.5, min_p: 0.1, repetition_penalty: 1.3, seed: 2 },
+            SamplingParams { temperature: 2.0, top_k: 20_000, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 3 },
+        ]
+        .iter()
+        .enumerate()
+        {
+            for step in 0..4 {
+                assert_eq!(sample(&logits, &seen, p, 0, step), reference(&logits, &seen, p, 0, step), "case {case} step {step}");
+            }
+        }
+        ROW.with_borrow(|r| assert!(r.wide, "the test should exercise the flat path"));
     }
 
     #[test]
