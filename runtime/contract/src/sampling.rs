@@ -457,8 +457,7 @@ impl Row {
         if b == 32 {
             return Boundary { tau: 0, above_count: ac, above_mass: am };
         }
-        let lo = 1u32 << (31 - b);
-        let values: Vec<u32> = self.w.iter().copied().filter(|&w| w >= lo && w <= 2 * lo - 1).collect();
+        let values: Vec<u32> = self.w.iter().copied().filter(|&w| w.leading_zeros() as usize == b).collect();
         select_digits(values, goal, ac, am, 31 - b as u32)
     }
 
