@@ -44,6 +44,9 @@ use std::time::{Duration, Instant};
 const SERVE_PREFILL_CHUNK: usize = 256;
 /// Default sequences per micro-batch when serving.
 const SERVE_MICRO_BATCH: usize = 32;
+/// The most cache rows a sequence may ask for (a bound, not a budget: the
+/// front admits requests against its cache budget and the model's context).
+const MAX_CAPACITY: usize = 1 << 24;
 
 /// One line of standard output, flushed.
 fn say(line: &str) {
@@ -314,10 +317,14 @@ impl Leader {
                     }
                 }
             }
-            // One micro-batch per stage in flight.
+            // One micro-batch per stage in flight. With one stage a step runs
+            // to its end here: one per turn, so commands are read between steps.
             while self.in_flight < self.stages && !self.ready.is_empty() {
                 self.launch(world, st)?;
                 worked = true;
+                if self.stages == 1 {
+                    break;
+                }
             }
             // Ids (and stats) back from the last stage.
             if self.stages > 1 {
@@ -381,6 +388,10 @@ impl Leader {
                 }
                 if a.prompt.is_empty() || a.prompt.iter().any(|&i| i < 0 || i as usize >= st.meta.vocab) {
                     say(&format!("m3c-bad add {}: the prompt is empty or has ids outside the vocabulary", a.seq));
+                    return Ok(());
+                }
+                if a.prompt.len().checked_add(a.max_new).and_then(|n| n.checked_add(1)).is_none_or(|n| n > MAX_CAPACITY) {
+                    say(&format!("m3c-bad add {}: the prompt and MAX_NEW exceed {MAX_CAPACITY} positions", a.seq));
                     return Ok(());
                 }
                 st.start_seq(a.seq, capacity(&a))?;

@@ -195,6 +195,12 @@ fn thirty_two_concurrent_streams_each_get_their_solo_result_whenever_they_arrive
 #[test]
 fn a_client_that_disconnects_frees_its_cache_and_tools_round_trip() {
     let dir = tempfile::tempdir().unwrap();
+    // One stage too: there a step runs to its end on the first stage itself,
+    // and commands (the join, the cancel) must still get in between steps.
+    let pp1 = compile(&fixture("tiny-m3"), 1, &dir.path().join("pp1"), &[]);
+    let s = Server::start(&pp1, &fixture("tiny-m3"), &[]);
+    assert_eq!(s.client(&["disconnect"])["freed"], true);
+    drop(s);
     let (out, model) = compiled(dir.path());
     let s = Server::start(&out, &model, &[]);
     let got = s.client(&["disconnect"]);
@@ -218,6 +224,8 @@ fn bad_requests_get_openai_errors_and_the_server_stays_up() {
         ("bad_role", 400),
         ("too_long", 400),
         ("n", 400),
+        ("huge_max", 400),
+        ("tiny_temperature", 400),
         ("top_p", 400),
         ("bad_id", 400),
         ("route", 404),

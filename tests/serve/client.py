@@ -114,12 +114,21 @@ def disconnect(base, model):
         if got == 5:
             break
     assert metric(base, "m3c:cache_bytes_used") > 0, "the open stream should hold cache"
+    # A request that arrives meanwhile joins the running batch: it ends
+    # while the long one still runs.
+    short = c.completions.create(model=model, prompt="A short one", max_tokens=2)
+    assert short.usage.completion_tokens == 2
+    assert metric(base, "m3c:num_requests_running") >= 1, "the long stream should still be running"
     stream.response.close()
+    at_close = metric(base, "m3c:generation_tokens_total")
     deadline = time.time() + 20
     while time.time() < deadline:
         if metric(base, "m3c:cache_bytes_used") == 0 and metric(base, "m3c:num_requests_running") == 0:
-            return {"chunks": got, "freed": True}
-        time.sleep(0.1)
+            after = metric(base, "m3c:generation_tokens_total") - at_close
+            # Cancelled within a few steps, not run out to its 3000 tokens.
+            assert after < 500, f"{after} tokens were generated after the disconnect"
+            return {"chunks": got, "freed": True, "after_close": after}
+        time.sleep(0.05)
     raise AssertionError("the cache was not freed within 20 s of the disconnect")
 
 
@@ -173,6 +182,8 @@ def errors(base, model):
     seen["too_long"], e = post("/v1/completions", {"model": model, "prompt": "x", "max_tokens": 10_000_000})
     assert "maximum context length" in e["message"], e
     seen["n"] = post("/v1/completions", {"model": model, "prompt": "x", "n": 2})[0]
+    seen["huge_max"] = post("/v1/completions", {"model": model, "prompt": "x", "max_tokens": 2**64 - 1})[0]
+    seen["tiny_temperature"] = post("/v1/completions", {"model": model, "prompt": "x", "temperature": 1e-30})[0]
     seen["top_p"] = post("/v1/completions", {"model": model, "prompt": "x", "top_p": 0})[0]
     seen["bad_id"] = post("/v1/completions", {"model": model, "prompt": [10**9]})[0]
     seen["route"] = httpx.get(f"{root}/v1/nothing", timeout=10).status_code

@@ -117,7 +117,11 @@ impl Drop for Ticket {
 
 impl Engine {
     /// Starts the pipeline (`cmd` is mpirun over the stages with `--serve`).
-    pub fn start(cmd: std::process::Command, limits: Limits, stages: usize) -> anyhow::Result<(Arc<Engine>, tokio::process::Child)> {
+    pub fn start(mut cmd: std::process::Command, limits: Limits, stages: usize) -> anyhow::Result<(Arc<Engine>, tokio::process::Child)> {
+        // A process group of its own: a terminal's Ctrl-C (or a service
+        // manager's SIGTERM to the group) reaches the front only, which then
+        // drains; mpirun still dies with the front (PR_SET_PDEATHSIG).
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         let mut cmd = tokio::process::Command::from(cmd);
         cmd.stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).kill_on_drop(true);
         let mut child = cmd.spawn().map_err(crate::launch::spawn_error)?;
@@ -136,9 +140,11 @@ impl Engine {
         });
         engine.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).stages = vec![StageStat::default(); stages];
         // Writer: commands to the first stage; dropping the sender closes its input.
+        let e = engine.clone();
         tokio::spawn(async move {
             while let Some(line) = rx.recv().await {
                 if stdin.write_all(line.as_bytes()).await.is_err() || stdin.flush().await.is_err() {
+                    e.fail("the first stage's input closed (the pipeline stopped)");
                     break;
                 }
             }
@@ -271,6 +277,7 @@ impl Engine {
             if let Some(w) = st.waiting.remove(i) {
                 let _ = w.tx.send(Event::End("cancelled".into()));
             }
+            self.admit(&mut st);
         } else if st.running.contains_key(&seq) {
             self.send(format!("cancel {seq}\n"));
         }
@@ -279,6 +286,7 @@ impl Engine {
     /// Ends every open request with `why` and marks the pipeline down.
     pub fn fail(&self, why: &str) {
         let mut st = self.state();
+        self.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).requests_failed += (st.running.len() + st.waiting.len()) as u64;
         for (_, r) in st.running.drain() {
             let _ = r.tx.send(Event::Failed(why.to_string()));
         }
@@ -349,7 +357,12 @@ impl Engine {
                 let mut st = self.state();
                 if let Some(r) = st.running.remove(&seq) {
                     st.cache_used -= r.bytes;
-                    self.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).requests_ok += 1;
+                    let mut c = self.metrics.c.lock().unwrap_or_else(|e| e.into_inner());
+                    if reason == "cancelled" {
+                        c.requests_cancelled += 1;
+                    } else {
+                        c.requests_ok += 1;
+                    }
                     let _ = r.tx.send(Event::End(reason.to_string()));
                 }
                 self.admit(&mut st);
@@ -375,7 +388,19 @@ impl Engine {
                 }
                 *slot = Some((steps as u64, busy, now));
             }
-            Some("m3c-bad") => eprintln!("m3c serve: the first stage refused a command (a bug in m3c serve): {line}"),
+            Some("m3c-bad") => {
+                eprintln!("m3c serve: the first stage refused a command: {line}");
+                // A refused add ends its request (and frees its reservation).
+                let seq = line.strip_prefix("m3c-bad add ").and_then(|r| r.split(':').next()).and_then(|s| s.trim().parse::<usize>().ok());
+                let mut st = self.state();
+                if let Some(r) = seq.and_then(|s| st.running.remove(&s)) {
+                    st.cache_used -= r.bytes;
+                    self.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).requests_failed += 1;
+                    let why = line.split_once(": ").map_or(line, |(_, w)| w);
+                    let _ = r.tx.send(Event::Failed(format!("the pipeline refused the request: {why}")));
+                }
+                self.admit(&mut st);
+            }
             // The stages' own messages (their logs go to standard error).
             _ => eprintln!("{line}"),
         }

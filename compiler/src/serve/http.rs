@@ -263,13 +263,13 @@ async fn generate(app: App, ids: Vec<u32>, common: Common, kind: Kind) -> Respon
     // Without max_tokens: to the end of the context, up to the server's
     // default (a request reserves its whole cache when admitted).
     let max_new = common.max_tokens.unwrap_or(room.min(app.default_max_tokens));
-    if ids.len() + max_new > app.context || max_new == 0 {
+    if ids.len().checked_add(max_new).is_none_or(|n| n > app.context) || max_new == 0 {
         return error(&ApiError::bad(
             "max_tokens",
             format!(
                 "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the prompt, {max_new} for the completion).",
                 app.context,
-                ids.len() + max_new,
+                ids.len().saturating_add(max_new),
                 ids.len()
             ),
         ));
@@ -383,7 +383,13 @@ fn stream(g: Generation) -> Response {
                 if !end {
                     return Some((out, (g, 1)));
                 }
+                let shown = g.chat.as_ref().map_or(0, |c| c.content.len());
                 let calls = g.tool_calls();
+                // A block that was not a call comes back as text.
+                if let Some(rest) = g.chat.as_ref().and_then(|c| c.content.get(shown..)).filter(|r| !r.is_empty()) {
+                    let rest = rest.to_string();
+                    out.push(data(&g.chunk(json!({"index": 0, "delta": {"content": rest}, "logprobs": null, "finish_reason": null}))));
+                }
                 if chat && !calls.is_empty() {
                     let indexed: Vec<Value> = calls
                         .into_iter()

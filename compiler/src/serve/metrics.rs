@@ -50,6 +50,7 @@ pub struct Counters {
     pub generation_tokens: u64,
     pub requests_ok: u64,
     pub requests_failed: u64,
+    pub requests_cancelled: u64,
     pub ttft: Histogram,
     pub itl: Histogram,
     pub stages: Vec<StageStat>,
@@ -91,6 +92,12 @@ impl Metrics {
         counter(&mut out, "m3c:generation_tokens_total", "Tokens generated.", c.generation_tokens);
         counter(&mut out, "m3c:requests_success_total", "Requests that finished.", c.requests_ok);
         counter(&mut out, "m3c:requests_failed_total", "Requests that ended with an error.", c.requests_failed);
+        counter(
+            &mut out,
+            "m3c:requests_cancelled_total",
+            "Requests cancelled: the client went away or a stop string ended them.",
+            c.requests_cancelled,
+        );
         c.ttft.write(&mut out, "m3c:time_to_first_token_seconds", "Time from a request's arrival to its first token.");
         c.itl.write(&mut out, "m3c:inter_token_latency_seconds", "Time between a request's consecutive tokens.");
         let _ = writeln!(

@@ -150,7 +150,8 @@ pub fn common(m: &Map<String, Value>, d: &Defaults, max_keys: &[&str], seed_fall
             if v == 0 {
                 return Err(ApiError::bad(k, format!("`{k}` must be at least 1")));
             }
-            max_tokens = Some(v as usize);
+            // Past any context; the length check names the numbers.
+            max_tokens = Some(usize::try_from(v).unwrap_or(usize::MAX));
         }
     }
     let stop = match m.get("stop") {

@@ -147,7 +147,8 @@ impl ChatOutput {
             return Vec::new();
         }
         let block = self.calls.split(END_CALLS).next().unwrap_or("").to_string();
-        let calls = parse_invokes(&block, tools);
+        // Without tools the request allowed no call: the block is text.
+        let calls = if tools.is_empty() { Vec::new() } else { parse_invokes(&block, tools) };
         if calls.is_empty() {
             self.content.push_str(CALLS);
             self.content.push_str(&self.calls);

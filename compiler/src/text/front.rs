@@ -155,7 +155,14 @@ impl StopFilter {
             return String::new();
         }
         self.text.push_str(new);
-        let first = stops.iter().filter(|s| !s.is_empty()).filter_map(|s| self.text.find(s.as_str())).min();
+        // A stop string not found before can only end in the new text: the
+        // search starts a stop string's length back from what was held.
+        let longest = stops.iter().map(String::len).max().unwrap_or(0);
+        let mut from = self.released.saturating_sub(longest);
+        while !self.text.is_char_boundary(from) {
+            from -= 1;
+        }
+        let first = stops.iter().filter(|s| !s.is_empty()).filter_map(|s| self.text[from..].find(s.as_str()).map(|i| i + from)).min();
         let upto = match first {
             Some(i) => {
                 self.cut = true;

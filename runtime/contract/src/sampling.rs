@@ -44,8 +44,9 @@ impl SamplingParams {
     /// Checks every field's range; the message names the field.
     pub fn check(&self) -> Result<(), String> {
         let SamplingParams { temperature: t, top_p, min_p, repetition_penalty: r, .. } = *self;
-        if !(t.is_finite() && t >= 0.0) {
-            return Err(format!("temperature {t}: expected a number ≥ 0 (0 = greedy)"));
+        // Below 1e-5 (vLLM's threshold) logit / temperature overflows f32.
+        if !(t.is_finite() && (t == 0.0 || t >= 1e-5)) {
+            return Err(format!("temperature {t}: expected 0 (greedy) or a number ≥ 1e-5"));
         }
         if !(top_p > 0.0 && top_p <= 1.0) {
             return Err(format!("top_p {top_p}: expected a number in (0, 1]"));
