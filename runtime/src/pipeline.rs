@@ -39,6 +39,14 @@ fn gives_token(r: &dump::SeqRecord, s: &Segment) -> bool {
     s.pos0 + s.rows >= r.prompt.len()
 }
 
+/// What non-finite logits end: the run (`m3c run`: the weights are broken),
+/// or only the sequence that met them (`m3c serve`: the others go on).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum OnNonFinite {
+    EndRun,
+    EndSequence,
+}
+
 /// What the last stage knows of each sequence: its record (prompt,
 /// generated ids, logits when wanted) and its sampling.
 pub(crate) trait Books {
@@ -100,17 +108,24 @@ pub(crate) fn finish(
     vocab: usize,
     max_new: usize,
     stage: usize,
+    on_bad: OnNonFinite,
 ) -> Result<Vec<i64>, StageError> {
     use m3c_contract::sampling::{row, ROW_WORDS};
     let mut row0 = 0;
     let mut ids = Vec::with_capacity(segs.len());
-    for s in segs {
+    'segments: for s in segs {
         for j in 0..s.rows {
             let bad = out
                 .table
                 .get((row0 + j) * ROW_WORDS + row::NON_FINITE)
                 .copied()
                 .ok_or_else(|| StageError::Step("a step returned a short sampling table".into()))?;
+            if bad != 0 && on_bad == OnNonFinite::EndSequence {
+                // Only this sequence fails: its id is -1, which ends it.
+                ids.push(-1);
+                row0 += s.rows;
+                continue 'segments;
+            }
             if bad != 0 {
                 return Err(StageError::Step(format!(
                     "stage {stage}: {bad} non-finite logits (NaN or Inf) at step for prompt {}, position {}; the weights or activations \
@@ -253,7 +268,7 @@ pub fn run(
                 let sample = if last { Some(sample_in(&books, &segs, vocab, want_logits)?) } else { None };
                 let out = st.step(&segs, &ids, &mut x, sample)?;
                 if last {
-                    let got = finish(&mut books, &segs, &out, vocab, n_new, rank)?;
+                    let got = finish(&mut books, &segs, &out, vocab, n_new, rank, OnNonFinite::EndRun)?;
                     for (s, id) in segs.iter().zip(got) {
                         on_id(s.seq, s.pos0, s.rows, id, &mut queue, &mut open)?;
                     }
@@ -312,7 +327,7 @@ pub fn run(
             let sample = if last { Some(sample_in(&books, &m.segments, vocab, want_logits)?) } else { None };
             let out = st.step(&m.segments, &[], &mut x, sample)?;
             if last {
-                let got = finish(&mut books, &m.segments, &out, vocab, n_new, rank)?;
+                let got = finish(&mut books, &m.segments, &out, vocab, n_new, rank, OnNonFinite::EndRun)?;
                 let payload: Vec<u8> = got.iter().flat_map(|i| i.to_le_bytes()).collect();
                 outbox.send(world, 0, TAG_IDS, message(KIND_STEP, &m.segments, &payload));
             } else if !st.uses_nccl() {

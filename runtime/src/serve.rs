@@ -11,7 +11,8 @@
 //! ```
 //!
 //! The first stage answers on standard output: `m3c-ready` once the loop
-//! runs, `m3c-id SEQ ID` per token, `m3c-end SEQ stop|length|cancelled`, and
+//! runs, `m3c-id SEQ ID` per token, `m3c-end SEQ stop|length|cancelled|error`
+//! (error: the sequence met non-finite logits; the others go on), and
 //! about once a second `m3c-stat STAGE STEPS BUSY_SECONDS` per stage (its
 //! cumulative steps and compute time, from which the front derives step
 //! time and busy fraction). A malformed command gets `m3c-bad LINE: WHY`
@@ -31,7 +32,7 @@ use crate::args::RunArgs;
 use crate::dump::SeqRecord;
 use crate::error::StageError;
 use crate::liveness::Peers;
-use crate::pipeline::{finish, sample_in, Books};
+use crate::pipeline::{finish, sample_in, Books, OnNonFinite};
 use crate::stage::{Segment, Stage};
 use crate::wire::{self, bytes_f32, f32_bytes, message, Outbox, KIND_ADD, KIND_DROP, KIND_STATS, KIND_STEP, KIND_STOP, TAG_ACT, TAG_IDS};
 use m3c_contract::sampling::{row_params, row_words, SamplingParams, ROW_WORDS};
@@ -238,7 +239,7 @@ fn follow(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Stage) -> Resu
                 let sample = if last { Some(sample_in(&books, &m.segments, vocab, false)?) } else { None };
                 let out = st.step(&m.segments, &[], &mut x, sample)?;
                 if last {
-                    let got = finish(&mut books, &m.segments, &out, vocab, usize::MAX, rank)?;
+                    let got = finish(&mut books, &m.segments, &out, vocab, usize::MAX, rank, OnNonFinite::EndSequence)?;
                     let payload: Vec<u8> = got.iter().flat_map(|i| i.to_le_bytes()).collect();
                     outbox.send(world, 0, TAG_IDS, message(KIND_STEP, &m.segments, &payload));
                 } else if !st.uses_nccl() {
@@ -454,7 +455,7 @@ impl Leader {
         if self.stages == 1 {
             let sample = sample_in(&self.books, &segs, st.meta.vocab, false)?;
             let out = st.step(&segs, &ids, &mut x, Some(sample))?;
-            let got = finish(&mut self.books, &segs, &out, st.meta.vocab, usize::MAX, 0)?;
+            let got = finish(&mut self.books, &segs, &out, st.meta.vocab, usize::MAX, 0, OnNonFinite::EndSequence)?;
             return self.returned(world, st, &segs, &got);
         }
         if st.uses_nccl() {
@@ -479,6 +480,11 @@ impl Leader {
             l.busy = false;
             if l.cancelled {
                 self.end(world, st, s.seq, "cancelled");
+                continue;
+            }
+            if id < 0 {
+                // Its logits were not finite: it ends, the others go on.
+                self.end(world, st, s.seq, "error");
                 continue;
             }
             if s.pos0 + s.rows < l.prompt_len {

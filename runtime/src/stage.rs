@@ -117,10 +117,16 @@ impl Io {
 /// decode step launches the same kernels with the same arguments at every
 /// position; the graph owns its `Io` buffers and the runtime writes each
 /// step's inputs into them.
+///
+/// Under `m3c serve` micro-batches change as requests come and go, so the
+/// table keeps the most recently used [`MAX_GRAPHS`] and evicts the least
+/// recently used (its buffers go back to the pool).
 #[derive(Default)]
 pub struct Graphs {
     on: bool,
-    by_batch: HashMap<Vec<usize>, GraphSlot>,
+    /// Each micro-batch's slot and when it was last used.
+    by_batch: HashMap<Vec<usize>, (GraphSlot, u64)>,
+    clock: u64,
     /// Steps run by replaying a graph.
     replays: usize,
 }
@@ -142,19 +148,43 @@ impl Graphs {
             let io = fresh();
             (plan, io.ptrs(), Some(io))
         };
+        self.clock += 1;
+        let now = self.clock;
         match key {
             None => new(Plan::Eager),
-            Some(k) => match self.by_batch.get(&k) {
-                Some(GraphSlot::Ready(_, io)) => (Plan::Replay(k), io.ptrs(), None),
-                Some(GraphSlot::Seen) => new(Plan::Capture(k)),
-                Some(GraphSlot::Eager) => new(Plan::Eager),
-                None => {
-                    if self.by_batch.len() < MAX_GRAPHS {
-                        self.by_batch.insert(k, GraphSlot::Seen);
+            Some(k) => match self.by_batch.get_mut(&k) {
+                Some((slot, used)) => {
+                    *used = now;
+                    match slot {
+                        GraphSlot::Ready(_, io) => (Plan::Replay(k), io.ptrs(), None),
+                        GraphSlot::Seen => new(Plan::Capture(k)),
+                        GraphSlot::Eager => new(Plan::Eager),
                     }
+                }
+                None => {
+                    self.set(k, GraphSlot::Seen);
                     new(Plan::Eager)
                 }
             },
+        }
+    }
+
+    /// Records `slot` for micro-batch `k`, evicting the least recently used
+    /// entry when the table is full.
+    fn set(&mut self, k: Vec<usize>, slot: GraphSlot) {
+        if !self.by_batch.contains_key(&k) && self.by_batch.len() >= MAX_GRAPHS {
+            if let Some(old) = self.by_batch.iter().min_by_key(|(_, (_, used))| *used).map(|(k, _)| k.clone()) {
+                self.by_batch.remove(&old);
+            }
+        }
+        self.by_batch.insert(k, (slot, self.clock));
+    }
+
+    /// The captured graph of micro-batch `k`.
+    fn ready(&self, k: &[usize]) -> Option<&device::Graph> {
+        match self.by_batch.get(k) {
+            Some((GraphSlot::Ready(g, _), _)) => Some(g),
+            _ => None,
         }
     }
 }
@@ -167,8 +197,10 @@ enum GraphSlot {
     Eager,
 }
 
-/// At most this many captured micro-batches per stage; later ones run eagerly.
-const MAX_GRAPHS: usize = 256;
+/// At most this many micro-batches' graphs per stage (least recently used
+/// evicted). Each holds its step's buffers: the last stage's logits are
+/// rows × vocab × 4 bytes (13 MB at 16 rows of MiniMax-M3).
+const MAX_GRAPHS: usize = 64;
 
 /// How a GPU step runs: launches as they come, or through its micro-batch's graph.
 enum Plan {
@@ -530,7 +562,7 @@ impl Stage {
                 match plan {
                     Plan::Eager => run(),
                     Plan::Replay(k) => {
-                        let Some(GraphSlot::Ready(g, _)) = graphs.by_batch.get(&k) else {
+                        let Some(g) = graphs.ready(&k) else {
                             return Err(StageError::Step("runtime bug: a graph replay without a graph".into()));
                         };
                         device.replay(g)?;
@@ -542,13 +574,13 @@ impl Stage {
                             graphs.replays += 1;
                             let own =
                                 fresh_io.take().ok_or_else(|| StageError::Step("runtime bug: a capture without its buffers".into()))?;
-                            graphs.by_batch.insert(k, GraphSlot::Ready(g, own));
+                            graphs.set(k, GraphSlot::Ready(g, own));
                         }
                         Err(e) => {
                             let line =
                                 format!("m3c stage {}: CUDA graph capture failed ({e}); this micro-batch runs without a graph\n", m.stage);
                             let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
-                            graphs.by_batch.insert(k, GraphSlot::Eager);
+                            graphs.set(k, GraphSlot::Eager);
                             run();
                         }
                     },

@@ -26,7 +26,7 @@ fn shared_out(pp: usize) -> PathBuf {
 
 /// A copy of the tiny fixture (config.json byte for byte, so compiled
 /// stages accept it) whose model.safetensors `edit` may change.
-fn model_copy(dir: &Path, edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>, &mut Vec<u8>)) -> PathBuf {
+pub(crate) fn model_copy(dir: &Path, edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>, &mut Vec<u8>)) -> PathBuf {
     let src = fixture("tiny-m3");
     let m = dir.join("model");
     std::fs::create_dir_all(&m).unwrap();
@@ -48,7 +48,7 @@ fn model_copy(dir: &Path, edit: impl FnOnce(&mut serde_json::Map<String, serde_j
 }
 
 /// The data range of `tensor` in a header.
-fn range(header: &serde_json::Map<String, serde_json::Value>, tensor: &str) -> (usize, usize) {
+pub(crate) fn range(header: &serde_json::Map<String, serde_json::Value>, tensor: &str) -> (usize, usize) {
     let o = &header[tensor]["data_offsets"];
     (o[0].as_u64().unwrap() as usize, o[1].as_u64().unwrap() as usize)
 }

@@ -340,3 +340,23 @@ fn a_stage_killed_mid_stream_fails_the_request_and_the_server_exits_non_zero() {
     assert!(t0.elapsed() < Duration::from_secs(15), "it took {:?}", t0.elapsed());
     assert!(s.log().contains("pipeline stopped"), "{}", s.log());
 }
+
+#[test]
+fn a_request_that_meets_non_finite_logits_fails_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    // Inf in the embedding rows of ids 0-15: prompts with them go non-finite.
+    let model = crate::hostile::model_copy(dir.path(), |h, data| {
+        let (a, b) = crate::hostile::range(h, "language_model.model.embed_tokens.weight");
+        for c in data[a..b.min(a + 4096)].chunks_exact_mut(4) {
+            c.copy_from_slice(&[0x80, 0x7F, 0x80, 0x7F]);
+        }
+    });
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(fixture("tiny-m3").join(f), model.join(f)).unwrap();
+    }
+    let out = compile(&model, 2, &dir.path().join("c"), &[]);
+    let s = Server::start(&out, &model, &[]);
+    let got = s.client(&["poison"]);
+    assert_eq!((got["failed"].as_u64(), got["after"].as_u64(), got["health"].as_u64()), (Some(503), Some(3), Some(200)), "{got}");
+    assert_eq!(got["failed_total"].as_f64(), Some(1.0));
+}

@@ -232,6 +232,25 @@ def busy(base, model):
     return {"second": status}
 
 
+def poison(base, model):
+    """A prompt that meets non-finite logits (its first token's embedding is
+    Inf) fails alone; the others, before and after, are served."""
+    c = client(base)
+    root = base.rsplit("/v1", 1)[0]
+    # Greedy, so the continuation is fixed (and stays clear of ids 0-15).
+    ok1 = c.completions.create(model=model, prompt=[20, 21, 22], max_tokens=3, temperature=0)
+    try:
+        c.completions.create(model=model, prompt=[3, 20, 21], max_tokens=3)
+        raise AssertionError("the poisoned prompt was served")
+    except openai.APIStatusError as e:
+        failed = e.status_code
+        assert "non-finite" in str(e), e
+    ok2 = c.completions.create(model=model, prompt=[20, 21, 22], max_tokens=3, temperature=0)
+    assert ok1.usage.completion_tokens == 3
+    return {"failed": failed, "after": ok2.usage.completion_tokens, "health": httpx.get(f"{root}/health", timeout=10).status_code,
+            "failed_total": metric(base, "m3c:requests_failed_total")}
+
+
 def stream_until_end(base, model):
     """One long streaming request, reporting how it ended (for the shutdown
     and lost-stage tests, which act on the server while it runs)."""
@@ -268,6 +287,8 @@ def main():
         out = auth(base, model, rest[0])
     elif cmd == "busy":
         out = busy(base, model)
+    elif cmd == "poison":
+        out = poison(base, model)
     elif cmd == "stream":
         out = stream_until_end(base, model)
     else:

@@ -358,12 +358,17 @@ impl Engine {
                 if let Some(r) = st.running.remove(&seq) {
                     st.cache_used -= r.bytes;
                     let mut c = self.metrics.c.lock().unwrap_or_else(|e| e.into_inner());
-                    if reason == "cancelled" {
-                        c.requests_cancelled += 1;
-                    } else {
-                        c.requests_ok += 1;
+                    match reason {
+                        "cancelled" => c.requests_cancelled += 1,
+                        "error" => c.requests_failed += 1,
+                        _ => c.requests_ok += 1,
                     }
-                    let _ = r.tx.send(Event::End(reason.to_string()));
+                    let ev = if reason == "error" {
+                        Event::Failed("the model produced non-finite logits (NaN or Inf) for this request".into())
+                    } else {
+                        Event::End(reason.to_string())
+                    };
+                    let _ = r.tx.send(ev);
                 }
                 self.admit(&mut st);
             }
