@@ -50,18 +50,7 @@ impl Frame<'_> {
                         continue;
                     }
                     let ds = &d[th];
-                    let mut lin = ds.off;
-                    for (k, ix) in idx.iter().enumerate() {
-                        let i = ix[th] as i64;
-                        let extra = if k + 1 == idx.len() { lanes as i64 - 1 } else { 0 };
-                        if i < 0 || i + extra >= ds.sizes[k] {
-                            return Err(format!(
-                                "{} out of bounds in {}: index {i} (+{extra}) of dim {k} with size {} (thread {th})",
-                                name, self.kernel, ds.sizes[k]
-                            ));
-                        }
-                        lin += i * ds.strides[k];
-                    }
+                    let lin = element(ds, &idx, th, lanes).map_err(|e| format!("{name} {e} in {}", self.kernel))?;
                     for l in 0..lanes {
                         let addr = ds.ptr + ((lin + l as i64) as u64) * eb as u64;
                         match src {
@@ -91,17 +80,8 @@ impl Frame<'_> {
                         continue;
                     }
                     let ds = &d[th];
-                    let mut lin = ds.off;
-                    for (k, ix) in idx.iter().enumerate() {
-                        let i = ix[th] as i64;
-                        if i < 0 || i >= ds.sizes[k] {
-                            return Err(format!(
-                                "atomic_rmw out of bounds in {}: index {i} of dim {k} with size {}",
-                                self.kernel, ds.sizes[k]
-                            ));
-                        }
-                        lin += i * ds.strides[k];
-                    }
+                    let refs: Vec<&Vec<u64>> = idx.iter().collect();
+                    let lin = element(ds, &refs, th, 1).map_err(|e| format!("atomic_rmw {e} in {}", self.kernel))?;
                     let addr = ds.ptr + lin as u64 * eb as u64;
                     let old = self.mem.load(addr, eb)?;
                     let v = mask_bits(val[th], bits);
@@ -166,4 +146,19 @@ impl Frame<'_> {
         }
         Ok(true)
     }
+}
+
+/// The element offset of thread `th`'s indices into `ds`, each index checked
+/// against its dimension (the last one spanning `lanes` elements).
+fn element(ds: &Desc, idx: &[&Vec<u64>], th: usize, lanes: usize) -> Result<i64, String> {
+    let mut lin = ds.off;
+    for (k, ix) in idx.iter().enumerate() {
+        let i = ix[th] as i64;
+        let extra = if k + 1 == idx.len() { lanes as i64 - 1 } else { 0 };
+        if i < 0 || i + extra >= ds.sizes[k] {
+            return Err(format!("out of bounds: index {i} (+{extra}) of dim {k} with size {} (thread {th})", ds.sizes[k]));
+        }
+        lin += i * ds.strides[k];
+    }
+    Ok(lin)
 }
