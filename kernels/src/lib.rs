@@ -170,6 +170,9 @@ kernels! {
     router::Router,
     routed_experts::RoutedExperts,
     gelu::Gelu,
+    layer_norm::LayerNorm,
+    bias_act::BiasAct,
+    axial_rope::AxialRope,
 }
 
 impl Kernel {

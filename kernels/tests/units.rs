@@ -42,6 +42,9 @@ fn samples() -> Vec<(&'static str, Kernel)> {
             RoutedExperts { experts: 4, hidden: 32, inter: 32, top_k: 2, weight: bf16, alpha: 1.702, limit: 7.0, beta: 1.0, act: f }.into(),
         ),
         ("gelu", Gelu { width: 32, act: f }.into()),
+        ("layer_norm", LayerNorm { width: 32, eps: 1e-5, weight: bf16, act: f }.into()),
+        ("bias_gelu_abf16", BiasAct { width: 32, weight: bf16, gelu: true, act: b }.into()),
+        ("axial_rope", AxialRope { heads: 2, head_dim: 16, axis_dim: 4, theta: 10000.0, act: f }.into()),
     ]
 }
 

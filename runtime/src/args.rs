@@ -40,6 +40,9 @@ pub struct RunArgs {
     /// Serve requests that arrive on the first stage's standard input
     /// (`m3c serve`) instead of running a fixed set of prompts.
     pub serve: bool,
+    /// The images of the prompts (`m3c_contract::images`), read by the stage
+    /// that encodes them.
+    pub images: Option<PathBuf>,
 }
 
 impl RunArgs {
@@ -54,7 +57,7 @@ pub const DEFAULT_TIMEOUT_S: f64 = 30.0;
 
 pub const USAGE: &str = "usage: stage-K (--model DIR | --synthetic-weights SEED) ((--prompt-ids 1,2,3 [--prompt-ids ...] | --prompts FILE) \
 --max-new-tokens N | --serve) [--micro-batch SEQS] [--prefill-chunk TOKENS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S] [--cuda-graphs on|off] [--prefill-gemm cublas|off] [--stream-ids] \
-[--temperature T] [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S] [--eos-ids 1,2] [--stop HEX ...] [--seq-sampling SEQ:T:K:P:MINP:R:SEED ...]";
+[--temperature T] [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S] [--eos-ids 1,2] [--stop HEX ...] [--seq-sampling SEQ:T:K:P:MINP:R:SEED ...] [--images FILE.safetensors]";
 
 use crate::error::StageError;
 use m3c_contract::prompts::{parse_count, parse_ids, parse_number, parse_prompts_file, parse_timeout_s};
@@ -113,6 +116,7 @@ fn parse_args(args: &[String]) -> Result<RunArgs, String> {
     let mut stops = Vec::new();
     let mut seq_sampling = Vec::new();
     let mut serve = false;
+    let mut images = None;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = |name: &str| it.next().cloned().ok_or_else(|| format!("{name} needs a value; {USAGE}"));
@@ -145,6 +149,7 @@ fn parse_args(args: &[String]) -> Result<RunArgs, String> {
                 }
             }
             "--stream-ids" => stream_ids = true,
+            "--images" => images = Some(PathBuf::from(value("--images")?)),
             "--serve" => serve = true,
             "--temperature" => sampling.temperature = parse_number(&value("--temperature")?, "--temperature")?,
             "--top-k" => sampling.top_k = parse_count(&value("--top-k")?, "--top-k", false)?,
@@ -200,5 +205,6 @@ fn parse_args(args: &[String]) -> Result<RunArgs, String> {
         stops,
         seq_sampling,
         serve,
+        images,
     })
 }

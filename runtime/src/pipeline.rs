@@ -162,6 +162,48 @@ pub(crate) fn finish(
 /// which the job must be aborted (peers may be waiting on this stage);
 /// `Ok(Err)`: a failure in the closing work (dump, `--expect`), reported
 /// through the closing verdict.
+/// Reads the prompts' images (`--images`) and encodes them on the stage
+/// that holds the vision tower. A prompt with image placeholders and no
+/// images is an error, as in the reference.
+fn encode_images(st: &mut stage::Stage, args: &RunArgs) -> Result<(), StageError> {
+    let mut images = match (&args.images, &st.meta.vision) {
+        (None, _) => Default::default(),
+        (Some(f), None) => {
+            return Err(StageError::Args(format!(
+                "--images {}: this pipeline was compiled without the vision tower (the plan says `vision: false`)",
+                f.display()
+            )))
+        }
+        (Some(f), Some(v)) => read_images(f, v.patch_row)?,
+    };
+    for (s, p) in args.prompts.iter().enumerate() {
+        match images.remove(&s) {
+            Some(im) => st.encode_images(s, p, &im)?,
+            None => {
+                if let Some(v) = &st.meta.vision {
+                    let n = p.iter().filter(|&&id| id == v.image_token).count();
+                    if n > 0 {
+                        return Err(StageError::Args(format!("prompt {s} has {n} image placeholder(s) (id {}) but no image", v.image_token)));
+                    }
+                }
+            }
+        }
+    }
+    if let Some(s) = images.keys().next() {
+        return Err(StageError::Args(format!("--images has images for sequence {s}, but there are {} prompts", args.prompts.len())));
+    }
+    Ok(())
+}
+
+/// An images file (`m3c_contract::images`), every error naming it.
+pub(crate) fn read_images(
+    f: &std::path::Path,
+    patch_row: usize,
+) -> Result<std::collections::BTreeMap<usize, m3c_contract::images::SeqImages>, StageError> {
+    let bytes = m3c_contract::input::read_bytes(f, "--images", m3c_contract::images::MAX_BYTES).map_err(|e| StageError::Args(e.to_string()))?;
+    m3c_contract::images::decode(&bytes, patch_row).map_err(|e| StageError::Args(format!("{}: {e}", f.display())))
+}
+
 pub fn run(
     world: &SimpleCommunicator,
     peers: &mut Peers,
@@ -175,6 +217,9 @@ pub fn run(
     let n_new = args.max_new_tokens;
     for (s, p) in args.prompts.iter().enumerate() {
         st.start_seq(s, p.len() + n_new + 1)?;
+    }
+    if first {
+        encode_images(st, args)?;
     }
     let records: Vec<dump::SeqRecord> = args
         .prompts

@@ -146,6 +146,11 @@ fn stage_meta(
             .iter()
             .map(|c| CacheSlot { layer: c.layer, kind: c.kind.into(), width: c.width, bytes: if c.dtype == "bf16" { 2 } else { 4 } })
             .collect(),
+        vision: p.vision.as_ref().zip(cfg.vision.as_ref()).map(|(v, vc)| m3c_contract::stage::VisionMeta {
+            patch_row: v.patch_row,
+            merge: v.merge,
+            image_token: vc.image_token_id as i64,
+        }),
     }
     .to_json()
 }

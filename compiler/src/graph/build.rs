@@ -153,6 +153,76 @@ impl Builder<'_> {
     }
 }
 
+impl Builder<'_> {
+    /// A linear with a bias (and GELU after it when `gelu`) over rows of `rows`.
+    fn biased(&mut self, x: NodeIndex, stem: &str, out: usize, inp: usize, gelu: bool, rows: Dim) -> NodeIndex {
+        let shape = [rows, Dim::Fixed(out)];
+        let op = Op::Linear { weight: names::weight(stem), out, inp, mxfp8_block: None };
+        let y = self.node(op, ty(&shape, Elem::Act), &[x]);
+        self.node(Op::BiasAct { bias: names::bias(stem), gelu }, ty(&shape, Elem::Act), &[y])
+    }
+
+    fn layer_norm(&mut self, x: NodeIndex, stem: &str, width: usize, eps: f64) -> NodeIndex {
+        let op = Op::LayerNorm { weight: names::weight(stem), bias: names::bias(stem), eps };
+        self.node(op, ty(&[Dim::Patches, Dim::Fixed(width)], Elem::Act), &[x])
+    }
+
+    /// The vision tower, projector and 2×2 merge (vision spec §4-5): patch
+    /// rows in, one row of text width per merged 2×2 group out. Linears of
+    /// the tower are unquantised in every published checkpoint.
+    fn vision(&mut self) -> NodeIndex {
+        use names::vision as vn;
+        let cfg = self.cfg;
+        let Some(v) = cfg.vision.as_ref() else { unreachable!("vision() without a vision config") };
+        self.part = Part::Vision;
+        let (vh, heads) = (v.hidden_size, v.num_heads);
+        let d = vh / heads;
+        let row = v.num_channels * v.temporal_patch_size * v.patch_size * v.patch_size;
+        let p = Dim::Patches;
+        let pix = self.node(Op::PixelRows, ty(&[p, Dim::Fixed(row)], Elem::F32), &[]);
+        let ppos = self.node(Op::PatchPositions, ty(&[p, Dim::Fixed(3)], Elem::I64), &[]);
+        let segs = self.node(Op::ImageSegments, ty(&[p], Elem::I64), &[]);
+        // The patch Conv3d's kernel is the whole row: a linear over it.
+        let patch = Op::Linear { weight: vn::patch_embedding(), out: vh, inp: row, mxfp8_block: None };
+        let x = self.node(patch, ty(&[p, Dim::Fixed(vh)], Elem::Act), &[pix]);
+        let pre = names::without_weight(&vn::pre_norm("weight")).to_string();
+        let mut x = self.layer_norm(x, &pre, vh, v.layer_norm_eps);
+        let axis_dim = 2 * ((d / 3) / 2);
+        let hidden = ty(&[p, Dim::Fixed(vh)], Elem::Act);
+        for l in 0..v.num_layers {
+            let lp = vn::layer(l);
+            let stem = |which: &str| names::without_weight(which).to_string();
+            let h = self.layer_norm(x, &stem(&vn::layer_norm(&lp, 1, "weight")), vh, v.layer_norm_eps);
+            let qkv: Vec<NodeIndex> = vn::ATTN_PROJS[..3]
+                .iter()
+                .map(|proj| self.biased(h, &stem(&vn::attn(&lp, proj, "weight")), vh, vh, false, p))
+                .collect();
+            let rope = |b: &mut Self, x: NodeIndex| {
+                let op = Op::AxialRope { heads, head_dim: d, axis_dim, theta: v.rope_theta };
+                b.node(op, ty(&[p, Dim::Fixed(heads), Dim::Fixed(d)], Elem::Act), &[x, ppos])
+            };
+            let (q, k) = (rope(self, qkv[0]), rope(self, qkv[1]));
+            let att = Op::ImageAttention { heads, head_dim: d, scale: 1.0 / (d as f64).sqrt() };
+            let o = self.node(att, hidden.clone(), &[q, k, qkv[2], segs]);
+            let o = self.biased(o, &stem(&vn::attn(&lp, vn::ATTN_PROJS[3], "weight")), vh, vh, false, p);
+            x = self.node(Op::Add, hidden.clone(), &[x, o]);
+            let h = self.layer_norm(x, &stem(&vn::layer_norm(&lp, 2, "weight")), vh, v.layer_norm_eps);
+            let f = self.biased(h, &stem(&vn::fc(&lp, 1, "weight")), v.intermediate_size, vh, true, p);
+            let f = self.biased(f, &stem(&vn::fc(&lp, 2, "weight")), vh, v.intermediate_size, false, p);
+            x = self.node(Op::Add, hidden.clone(), &[x, f]);
+        }
+        let (ph, th) = (v.projector_hidden_size, cfg.text.hidden_size);
+        let proj = |which| names::without_weight(&vn::projector(vn::PROJECTOR, which, "weight")).to_string();
+        let merge = |which| names::without_weight(&vn::projector(vn::PATCH_MERGE, which, "weight")).to_string();
+        let y = self.biased(x, &proj(1), ph, vh, true, p);
+        let y = self.biased(y, &proj(2), th, ph, false, p);
+        let factor = v.spatial_merge_size * v.spatial_merge_size;
+        let m = self.node(Op::MergePatches { factor }, ty(&[Dim::Merged, Dim::Fixed(factor * th)], Elem::Act), &[y]);
+        let z = self.biased(m, &merge(1), ph, factor * th, true, Dim::Merged);
+        self.biased(z, &merge(2), th, ph, false, Dim::Merged)
+    }
+}
+
 /// Builds the text backbone of `cfg`: embedding, every decoder layer, final
 /// norm, lm_head and the sampler.
 pub fn build_graph(cfg: &ModelConfig) -> ModelGraph {
@@ -162,9 +232,14 @@ pub fn build_graph(cfg: &ModelConfig) -> ModelGraph {
     let ids = b.node(Op::TokenIds, ty(&[Dim::Tokens], Elem::I64), &[]);
     let pos = b.node(Op::Positions, ty(&[Dim::Tokens], Elem::I64), &[]);
     let mut x = b.node(Op::Embedding { weight: names.embedding() }, ty(&[Dim::Tokens, Dim::Fixed(t.hidden_size)], Elem::Act), &[ids]);
-    // The vision tower (spec §3) joins here: its patch-merged rows replace the
-    // embedding rows of image/video placeholder tokens before layer 0. Its
-    // weights are already part of the checkpoint layout (Part::Vision).
+    // The vision tower (vision spec §4-6) joins here: its patch-merged rows
+    // replace the embedding rows of image placeholder tokens before layer 0.
+    if cfg.vision.is_some() {
+        let feats = b.vision();
+        b.part = Part::Embedding;
+        let token = cfg.vision.as_ref().map_or(0, |v| v.image_token_id);
+        x = b.node(Op::ImageScatter { token }, ty(&[Dim::Tokens, Dim::Fixed(t.hidden_size)], Elem::Act), &[x, feats]);
+    }
     for l in 0..t.num_layers {
         b.part = Part::Layer(l);
         x = b.layer(l, x, pos);

@@ -8,7 +8,13 @@ use std::fmt::Write;
 fn attrs(op: &Op) -> String {
     let q = |b: &Option<usize>| b.map(|b| format!(" mxfp8(block={b})")).unwrap_or_default();
     match op {
-        Op::TokenIds | Op::Positions | Op::Add | Op::Sample => String::new(),
+        Op::TokenIds | Op::Positions | Op::Add | Op::Sample | Op::PixelRows | Op::PatchPositions | Op::ImageSegments => String::new(),
+        Op::LayerNorm { weight, bias, eps } => format!(" w={weight} b={bias} eps={eps:e}"),
+        Op::BiasAct { bias, gelu } => format!(" b={bias}{}", if *gelu { " gelu(exact)" } else { "" }),
+        Op::AxialRope { heads, head_dim, axis_dim, theta } => format!(" heads={heads} dim={head_dim} axis={axis_dim}x3 theta={theta}"),
+        Op::ImageAttention { heads, head_dim, scale } => format!(" heads={heads} dim={head_dim} scale={scale:.6} bidirectional per-image"),
+        Op::MergePatches { factor } => format!(" factor={factor}"),
+        Op::ImageScatter { token } => format!(" token={token}"),
         Op::Embedding { weight } => format!(" w={weight}"),
         Op::RmsNorm { weight, eps } => format!(" w={weight} eps={eps:e} gemma"),
         Op::Linear { weight, out, inp, mxfp8_block } => format!(" w={weight} {inp}->{out}{}", q(mxfp8_block)),

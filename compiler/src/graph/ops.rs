@@ -10,6 +10,10 @@ pub enum Dim {
     Context,
     /// Key blocks of the context: ceil(Context / block size).
     Blocks,
+    /// Patch rows of the images being encoded (vision tower).
+    Patches,
+    /// Image tokens after the 2×2 patch merge: `Patches / 4`.
+    Merged,
     Fixed(usize),
 }
 
@@ -19,6 +23,8 @@ impl fmt::Display for Dim {
             Dim::Tokens => f.write_str("S"),
             Dim::Context => f.write_str("T"),
             Dim::Blocks => f.write_str("NB"),
+            Dim::Patches => f.write_str("P"),
+            Dim::Merged => f.write_str("M"),
             Dim::Fixed(n) => write!(f, "{n}"),
         }
     }
@@ -117,6 +123,26 @@ pub enum Op {
     /// The next token of each row of logits, under the row's sampling
     /// parameters (greedy or drawn), which the runtime passes at each step.
     Sample,
+    /// Normalised patch rows of the images `[P, patch_row] f32` (vision input).
+    PixelRows,
+    /// Each patch row's `(t, h, w)` position `[P, 3] i64` (vision input).
+    PatchPositions,
+    /// Each patch row's last row within its image `[P] i64`: attention
+    /// sees exactly its own image (one segment per image).
+    ImageSegments,
+    /// LayerNorm with weight and bias over the last dim, in f32.
+    LayerNorm { weight: String, bias: String, eps: f64 },
+    /// `y = x + b`, then exact GELU when `gelu`: a linear's bias and the activation after it.
+    BiasAct { bias: String, gelu: bool },
+    /// 3-D axial RoPE on channels `0..3·axis_dim` of each head (vision spec §4.3).
+    AxialRope { heads: usize, head_dim: usize, axis_dim: usize, theta: f64 },
+    /// Bidirectional attention within each image.
+    ImageAttention { heads: usize, head_dim: usize, scale: f64 },
+    /// `[P, w]` viewed as `[P/4, 4w]`: the 2×2 merge groups are consecutive rows.
+    MergePatches { factor: usize },
+    /// The embedding rows of image placeholder tokens replaced by the
+    /// merged image features, in order (operands: embeddings, features).
+    ImageScatter { token: usize },
 }
 
 impl Op {
@@ -139,6 +165,16 @@ impl Op {
             Op::Router { .. } => "router",
             Op::RoutedExperts { .. } => "routed_experts",
             Op::Sample => "sample",
+            Op::PixelRows => "pixel_rows",
+            Op::PatchPositions => "patch_positions",
+            Op::ImageSegments => "image_segments",
+            Op::LayerNorm { .. } => "layer_norm",
+            Op::BiasAct { gelu: false, .. } => "bias",
+            Op::BiasAct { gelu: true, .. } => "bias_gelu",
+            Op::AxialRope { .. } => "axial_rope",
+            Op::ImageAttention { .. } => "image_attention",
+            Op::MergePatches { .. } => "merge_patches",
+            Op::ImageScatter { .. } => "image_scatter",
         }
     }
 }

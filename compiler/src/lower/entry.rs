@@ -34,6 +34,7 @@ use std::collections::BTreeSet;
 use std::fmt::Write;
 
 pub const ENTRY_SYMBOL: &str = m3c_contract::stage::abi::ENTRY;
+pub const VISION_SYMBOL: &str = m3c_contract::stage::abi::VISION;
 
 fn indent(body: &str, n: usize) -> String {
     let pad = " ".repeat(n);
@@ -48,6 +49,9 @@ enum Flavor {
 
 struct Emitter {
     hidden: usize,
+    /// The SSA name of the row count that buffers and launches use now:
+    /// `%S`, `%M` after a vision entry's merge, `%K` for image rows.
+    rows: String,
     act: Storage,
     flavor: Flavor,
     body: String,
@@ -133,6 +137,12 @@ impl Emitter {
             Arg::Pos if seq => rows_of(self, "%pos_p", 0, "i64"),
             Arg::Ids if seq => rows_of(self, "%ids_p", 0, "i64"),
             Arg::Buf { id, width, elem } if seq => rows_of(self, &format!("%b{id}_p"), *width, elem),
+            Arg::Segments if seq => rows_of(self, "%segs_p", 0, "i64"),
+            Arg::Pixels { .. } => "%pixels".to_string(),
+            Arg::PatchPos => "%ppos".to_string(),
+            Arg::Segments => "%segs".to_string(),
+            Arg::Img => "%img".to_string(),
+            Arg::ImgRows => "%img_rows".to_string(),
             Arg::X => "%x".to_string(),
             Arg::Ids => "%ids".to_string(),
             Arg::Pos => "%pos".to_string(),
@@ -170,8 +180,8 @@ impl Emitter {
                 let _ = writeln!(self.body, "func.call @{}({}) : ({}) -> ()", kernel.symbol(), names.join(", "), tys.join(", "));
             }
             Flavor::Cuda => {
-                let rows = if seq { "%srows" } else { "%S" };
-                let call = kernel.gpu_call(&a, rows, &tag.to_string());
+                let rows = if seq { "%srows".to_string() } else { self.rows.clone() };
+                let call = kernel.gpu_call(&a, &rows, &tag.to_string());
                 self.use_gpu_kernel(kernel);
                 self.device_views.extend(call.device_views);
                 self.views.extend(call.host_views);
@@ -186,7 +196,7 @@ impl Emitter {
                         let gemm = self.cublas_gemm(&a, *inp, *out, *weight, *act, *out_act, &tag.to_string());
                         let _ = writeln!(
                             self.body,
-                            "%gq{tag}_rows = arith.index_cast %S : index to i64\n\
+                            "%gq{tag}_rows = arith.index_cast {rows} : index to i64\n\
                              %gq{tag}_want = func.call @m3c_gemm_wanted(%gq{tag}_rows) : (i64) -> i32\n\
                              %gq{tag}_no = arith.constant 0 : i32\n\
                              %gq{tag}_go = arith.cmpi ne, %gq{tag}_want, %gq{tag}_no : i32\n\
@@ -243,9 +253,10 @@ impl Emitter {
                 let conv = m3c_kernels::Kernel::ToBf16(m3c_kernels::ToBf16 { width: inp });
                 self.use_gpu_kernel(&conv);
                 let xb = format!("%gq{tag}_xb");
-                let (alloc, xb_ty) = m3c_kernels::gpu::device_buffer(&xb, "%S", inp, "i16");
+                let rows = self.rows.clone();
+                let (alloc, xb_ty) = m3c_kernels::gpu::device_buffer(&xb, &rows, inp, "i16");
                 self.views.insert(xb_ty.clone());
-                let launch = conv.gpu_call(&[a[0].clone(), (xb.clone(), xb_ty.mlir())], "%S", &format!("{tag}c"));
+                let launch = conv.gpu_call(&[a[0].clone(), (xb.clone(), xb_ty.mlir())], &rows, &format!("{tag}c"));
                 (format!("{alloc}{}", launch.text), format!("{xb}_p"), format!("func.call @m3c_buf_free({xb}_p) : (!llvm.ptr) -> ()\n"))
             }
         };
@@ -257,7 +268,7 @@ impl Emitter {
                 let wb = format!("%gq{tag}_wb");
                 let (alloc, wb_ty) = m3c_kernels::gpu::device_buffer(&wb, &format!("%gq{tag}_on"), inp, "i16");
                 self.views.insert(wb_ty.clone());
-                let launch = dq.gpu_call(&[a[1].clone(), a[2].clone(), (wb.clone(), wb_ty.mlir())], "%S", &format!("{tag}d"));
+                let launch = dq.gpu_call(&[a[1].clone(), a[2].clone(), (wb.clone(), wb_ty.mlir())], &self.rows.clone(), &format!("{tag}d"));
                 (
                     format!("%gq{tag}_on = arith.constant {out} : index\n{alloc}{}", launch.text),
                     format!("{wb}_p"),
@@ -298,9 +309,10 @@ fn runtime_decls() -> String {
     )
 }
 
-fn entry_body(f: &FusedStage, flavor: Flavor) -> Emitter {
-    let mut e = Emitter {
+fn emitter(f: &FusedStage, flavor: Flavor) -> Emitter {
+    Emitter {
         hidden: f.hidden,
+        rows: "%S".into(),
         act: f.act,
         flavor,
         body: String::new(),
@@ -310,18 +322,27 @@ fn entry_body(f: &FusedStage, flavor: Flavor) -> Emitter {
         gpu_kernels: BTreeSet::new(),
         n: 0,
         mismatches: Vec::new(),
-    };
+    }
+}
+
+fn entry_body(f: &FusedStage, flavor: Flavor) -> Emitter {
+    let mut e = emitter(f, flavor);
     let h = f.hidden;
     e.body.push_str(
         "%c0 = arith.constant 0 : index\n\
          %c1 = arith.constant 1 : index\n\
          %S = arith.index_cast %tokens : i64 to index\n\
+         %K = arith.index_cast %nimg : i64 to index\n\
          %nseq = arith.index_cast %sequences : i64 to index\n",
     );
     let ids_ty = MemTy { dims: vec![None], elem: "i64" };
     e.view_as("%x", "%x_p", "%S", MemTy::rows(h, f.act.mlir_elem()));
     e.view_as("%ids", "%ids_p", "%S", ids_ty.clone());
     e.view_as("%pos", "%pos_p", "%S", ids_ty.clone());
+    if f.vision.is_some() {
+        e.view_as("%img", "%img_p", "%K", MemTy::rows(h, f.act.mlir_elem()));
+        e.view_as("%img_rows", "%img_rows_p", "%K", ids_ty.clone());
+    }
     if let super::Boundary::Logits { vocab } = f.output {
         e.view_as("%logits", "%logits_p", "%S", MemTy::rows(vocab, "f32"));
         e.view_as("%out_ids", "%out_ids_p", "%S", ids_ty);
@@ -329,26 +350,73 @@ fn entry_body(f: &FusedStage, flavor: Flavor) -> Emitter {
         let words = m3c_contract::sampling::seen_words(vocab);
         e.view_as("%seen", "%seen_p", "%nseq", MemTy::rows(words, "i32"));
     }
-    for (n, step) in f.steps.iter().enumerate() {
+    emit_steps(&mut e, &f.steps);
+    e.body.push_str("return\n");
+    e
+}
+
+/// The vision entry's body (see [`vision_func`]): the stage's vision steps
+/// over the patch rows of every image (`%S`), the merged rows (`%M`) after
+/// the 2×2 merge, one "sequence" per image for attention.
+fn vision_body(e: &mut Emitter, f: &FusedStage, v: &super::fuse::VisionProgram) {
+    e.rows = "%S".into();
+    e.body.push_str(&format!(
+        "%c0 = arith.constant 0 : index\n\
+         %c1 = arith.constant 1 : index\n\
+         %S = arith.index_cast %tokens : i64 to index\n\
+         %nseq = arith.index_cast %sequences : i64 to index\n\
+         %cmerge = arith.constant {} : index\n\
+         %M = arith.divui %S, %cmerge : index\n",
+        v.merge
+    ));
+    e.view_as("%pixels", "%pixels_p", "%S", MemTy::rows(v.patch_row, "f32"));
+    e.view_as("%ppos", "%ppos_p", "%S", MemTy::rows(3, "i64"));
+    e.view_as("%segs", "%segs_p", "%S", MemTy { dims: vec![None], elem: "i64" });
+    e.view_as("%x", "%x_p", "%M", MemTy::rows(f.hidden, f.act.mlir_elem()));
+    emit_steps(e, &v.steps);
+    e.body.push_str("return\n");
+}
+
+fn emit_steps(e: &mut Emitter, steps: &[Step]) {
+    for (n, step) in steps.iter().enumerate() {
         let _ = writeln!(e.body, "// {}", step.to_string().trim());
         match step {
             Step::Alloc { id, width, elem } => {
                 let bytes = width * elem_bytes(elem);
                 let ty = MemTy::rows(*width, elem);
+                let rows = e.rows.clone();
                 let _ = writeln!(
                     e.body,
                     "%b{id}_sz = arith.constant {bytes} : index\n\
-                     %b{id}_n = arith.muli %S, %b{id}_sz : index\n\
+                     %b{id}_n = arith.muli {rows}, %b{id}_sz : index\n\
                      %b{id}_nb64 = arith.index_cast %b{id}_n : index to i64\n\
                      %b{id}_p = func.call @m3c_buf_alloc(%b{id}_nb64) : (i64) -> !llvm.ptr"
                 );
-                e.view_as(&format!("%b{id}"), &format!("%b{id}_p"), "%S", ty);
+                e.view_as(&format!("%b{id}"), &format!("%b{id}_p"), &rows, ty);
             }
             Step::Free { id, .. } => {
                 let _ = writeln!(e.body, "func.call @m3c_buf_free(%b{id}_p) : (!llvm.ptr) -> ()");
             }
             Step::CopyToX { id, .. } => {
                 let _ = writeln!(e.body, "func.call @m3c_buf_copy(%x_p, %b{id}_p, %b{id}_nb64) : (!llvm.ptr, !llvm.ptr, i64) -> ()");
+            }
+            Step::Regroup { from, to, width, factor, elem } => {
+                // The merged rows are consecutive: the same bytes, fewer and wider rows.
+                let _ = writeln!(e.body, "%b{to}_p = llvm.getelementptr %b{from}_p[0] : (!llvm.ptr) -> !llvm.ptr, i8");
+                e.view_as(&format!("%b{to}"), &format!("%b{to}_p"), "%M", MemTy::rows(width * factor, elem));
+                e.rows = "%M".into();
+            }
+            Step::ImageRows { kernel, args, .. } => {
+                // Only prefill steps that reach image placeholders have rows
+                // here, and a GPU launch of zero blocks is an error.
+                let _ = writeln!(e.body, "%img_any{n} = arith.cmpi ugt, %K, %c0 : index\nscf.if %img_any{n} {{");
+                let outer = std::mem::take(&mut e.body);
+                let rows = std::mem::replace(&mut e.rows, "%K".into());
+                e.call(kernel, args, false, n);
+                e.rows = rows;
+                let inner = std::mem::replace(&mut e.body, outer);
+                e.body.push_str(&indent(&inner, 2));
+                e.body.push_str("}\n");
             }
             Step::Call { kernel, args, per_sequence: false, .. } => e.call(kernel, args, false, n),
             Step::Call { kernel, args, per_sequence: true, .. } => {
@@ -358,13 +426,20 @@ fn entry_body(f: &FusedStage, flavor: Flavor) -> Emitter {
                      \x20 %sqi = arith.index_cast %sq : index to i64\n\
                      \x20 %srp = llvm.getelementptr %rows_p[%sqi] : (!llvm.ptr, i64) -> !llvm.ptr, i64\n\
                      \x20 %srows_i = llvm.load %srp : !llvm.ptr -> i64\n\
-                     \x20 %srows = arith.index_cast %srows_i : i64 to index\n\
-                     \x20 %scp = llvm.getelementptr %caps_p[%sqi] : (!llvm.ptr, i64) -> !llvm.ptr, i64\n\
-                     \x20 %scap_i = llvm.load %scp : !llvm.ptr -> i64\n\
-                     \x20 %scap = arith.index_cast %scap_i : i64 to index\n\
-                     \x20 %ctp = llvm.getelementptr %caches[%sqi] : (!llvm.ptr, i64) -> !llvm.ptr, !llvm.ptr\n\
-                     \x20 %ctab = llvm.load %ctp : !llvm.ptr -> !llvm.ptr"
+                     \x20 %srows = arith.index_cast %srows_i : i64 to index"
                 );
+                // Caches only where the call has some (the vision entry's
+                // per-image calls have none).
+                if args.iter().any(|a| matches!(a, Arg::Cache { .. })) {
+                    let _ = writeln!(
+                        e.body,
+                        "\x20 %scp = llvm.getelementptr %caps_p[%sqi] : (!llvm.ptr, i64) -> !llvm.ptr, i64\n\
+                         \x20 %scap_i = llvm.load %scp : !llvm.ptr -> i64\n\
+                         \x20 %scap = arith.index_cast %scap_i : i64 to index\n\
+                         \x20 %ctp = llvm.getelementptr %caches[%sqi] : (!llvm.ptr, i64) -> !llvm.ptr, !llvm.ptr\n\
+                         \x20 %ctab = llvm.load %ctp : !llvm.ptr -> !llvm.ptr"
+                    );
+                }
                 let outer = std::mem::take(&mut e.body);
                 e.call(kernel, args, true, n);
                 let inner = std::mem::replace(&mut e.body, outer);
@@ -373,15 +448,37 @@ fn entry_body(f: &FusedStage, flavor: Flavor) -> Emitter {
             }
         }
     }
-    e.body.push_str("return\n");
-    e
+}
+
+/// `m3c_stage_vision` (see `m3c_contract::stage::abi::VISION`): the
+/// stage's vision entry, or, on a stage without the tower, one that does
+/// nothing (the runtime links the symbol in every stage and calls it only
+/// where the metadata says the stage encodes images).
+fn vision_func(body: &str) -> String {
+    format!(
+        "  func.func @{VISION_SYMBOL}(%weights: !llvm.ptr, %weights_dev: !llvm.ptr, %sequences: i64, %rows_p: !llvm.ptr, \
+         %tokens: i64, %pixels_p: !llvm.ptr, %ppos_p: !llvm.ptr, %segs_p: !llvm.ptr, %x_p: !llvm.ptr) {{\n{}  }}\n",
+        indent(body, 4)
+    )
+}
+
+/// The vision entry's text, with the emitter that holds its views and GPU functions.
+fn vision_text(e: &mut Emitter, f: &FusedStage) -> String {
+    let step_body = std::mem::take(&mut e.body);
+    match &f.vision {
+        Some(v) => vision_body(e, f, v),
+        None => e.body.push_str("return\n"),
+    }
+    let body = std::mem::replace(&mut e.body, step_body);
+    vision_func(&body)
 }
 
 fn entry_func(body: &str) -> String {
     format!(
         "  func.func @{ENTRY_SYMBOL}(%weights: !llvm.ptr, %weights_dev: !llvm.ptr, %caches: !llvm.ptr, %sequences: i64, \
          %rows_p: !llvm.ptr, %caps_p: !llvm.ptr, %tokens: i64, %ids_p: !llvm.ptr, %x_p: !llvm.ptr, %logits_p: !llvm.ptr, \
-         %out_ids_p: !llvm.ptr, %table_p: !llvm.ptr, %seen_p: !llvm.ptr, %pos_p: !llvm.ptr) {{\n{}  }}\n",
+         %out_ids_p: !llvm.ptr, %table_p: !llvm.ptr, %seen_p: !llvm.ptr, %pos_p: !llvm.ptr, %nimg: i64, %img_p: !llvm.ptr, \
+         %img_rows_p: !llvm.ptr) {{\n{}  }}\n",
         indent(body, 4)
     )
 }
@@ -396,16 +493,18 @@ fn check(e: &Emitter) -> Result<(), String> {
 
 /// The whole module of a stage for the host: kernels, view helpers and the entry.
 pub fn module(f: &FusedStage) -> Result<String, String> {
-    let e = entry_body(f, Flavor::Host);
+    let mut e = entry_body(f, Flavor::Host);
+    let vision = vision_text(&mut e, f);
     check(&e)?;
     let views: Vec<MemTy> = e.views.iter().cloned().collect();
-    Ok(m3c_kernels::module_with(&f.kernels, &views, &format!("{}{}", runtime_decls(), entry_func(&e.body))))
+    Ok(m3c_kernels::module_with(&f.kernels, &views, &format!("{}{}{vision}", runtime_decls(), entry_func(&e.body))))
 }
 
 /// The module of a stage for NVIDIA GPUs: the kernels as `gpu.func`s in one
 /// `gpu.module`, and the same entry, launching them.
 pub fn cuda_module(f: &FusedStage) -> Result<String, String> {
-    let e = entry_body(f, Flavor::Cuda);
+    let mut e = entry_body(f, Flavor::Cuda);
+    let vision = vision_text(&mut e, f);
     check(&e)?;
     let mut out = String::from("module attributes {gpu.container_module} {\n");
     out.push_str(&runtime_decls());
@@ -422,6 +521,7 @@ pub fn cuda_module(f: &FusedStage) -> Result<String, String> {
     }
     out.push_str("  }\n");
     out.push_str(&entry_func(&e.body));
+    out.push_str(&vision);
     out.push_str("}\n");
     Ok(out)
 }

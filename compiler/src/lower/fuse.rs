@@ -48,6 +48,16 @@ pub enum Arg {
     Table,
     /// The seen-id bitmaps of the repetition penalty, one row per sequence.
     Seen { words: usize },
+    /// Vision entry: the images' normalised patch rows `[P, row]` f32.
+    Pixels { row: usize },
+    /// Vision entry: each patch row's `(t, h, w)` `[P, 3]`.
+    PatchPos,
+    /// Vision entry: each patch row's last row within its image `[P]`.
+    Segments,
+    /// Step entry: the image features of this step's placeholder rows `[K, hidden]`.
+    Img,
+    /// Step entry: the row of `x` each `Img` row replaces `[K]`.
+    ImgRows,
 }
 
 impl Arg {
@@ -63,6 +73,10 @@ impl Arg {
             Arg::Logits { vocab } => MemTy::rows(*vocab, "f32"),
             Arg::Table => MemTy::rows(m3c_contract::sampling::ROW_WORDS, "i64"),
             Arg::Seen { words } => MemTy::rows(*words, "i32"),
+            Arg::Pixels { row } => MemTy::rows(*row, "f32"),
+            Arg::PatchPos => MemTy::rows(3, "i64"),
+            Arg::Segments | Arg::ImgRows => MemTy { dims: vec![None], elem: "i64" },
+            Arg::Img => MemTy::rows(hidden, act.mlir_elem()),
         })
     }
 }
@@ -81,6 +95,11 @@ impl fmt::Display for Arg {
             Arg::OutIds => f.write_str("out_ids"),
             Arg::Table => f.write_str("table"),
             Arg::Seen { .. } => f.write_str("seen"),
+            Arg::Pixels { .. } => f.write_str("pixels"),
+            Arg::PatchPos => f.write_str("patch_pos"),
+            Arg::Segments => f.write_str("segments"),
+            Arg::Img => f.write_str("img"),
+            Arg::ImgRows => f.write_str("img_rows"),
         }
     }
 }
@@ -97,6 +116,11 @@ pub enum Step {
     Call { kernel: Kernel, args: Vec<Arg>, what: String, per_sequence: bool },
     /// The stage's result was not computed in place: copy it to `x`.
     CopyToX { id: usize, width: usize },
+    /// Buffer `from` (`[S, width]`) viewed as `to` (`[S/factor, factor·width]`);
+    /// later buffers have `S/factor` rows (the vision entry's 2×2 merge).
+    Regroup { from: usize, to: usize, width: usize, factor: usize, elem: &'static str },
+    /// A call over the `K` image rows of the step, made only when there are some.
+    ImageRows { kernel: Kernel, args: Vec<Arg>, what: String },
 }
 
 impl fmt::Display for Step {
@@ -110,6 +134,11 @@ impl fmt::Display for Step {
                 write!(f, "  {each}{}({})  # {what}", kernel.symbol(), a.join(", "))
             }
             Step::CopyToX { id, .. } => write!(f, "  x = copy b{id}"),
+            Step::Regroup { from, to, width, factor, .. } => write!(f, "  b{to} = b{from} as [S/{factor}, {}]", width * factor),
+            Step::ImageRows { kernel, args, what } => {
+                let a: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+                write!(f, "  image rows: {}({})  # {what}", kernel.symbol(), a.join(", "))
+            }
         }
     }
 }
@@ -125,6 +154,19 @@ pub struct FusedStage {
     pub output: Boundary,
     pub steps: Vec<Step>,
     pub kernels: Vec<Kernel>,
+    /// The vision entry's steps (patch rows in, merged image features out
+    /// in `x`), when the stage holds the vision tower.
+    pub vision: Option<VisionProgram>,
+}
+
+/// The stage's vision entry: what it takes and its steps.
+#[derive(Debug, Clone)]
+pub struct VisionProgram {
+    /// Values per patch row (1176 for MiniMax-M3).
+    pub patch_row: usize,
+    /// Patch rows per image token (the 2×2 merge: 4).
+    pub merge: usize,
+    pub steps: Vec<Step>,
 }
 
 struct Fuser<'a> {
@@ -191,6 +233,9 @@ impl Fuser<'_> {
         match self.node(n) {
             Op::TokenIds => Ok(Arg::Ids),
             Op::Positions => Ok(Arg::Pos),
+            Op::PixelRows => Ok(Arg::Pixels { row: width_of(&self.graph.graph[n].ty.shape) }),
+            Op::PatchPositions => Ok(Arg::PatchPos),
+            Op::ImageSegments => Ok(Arg::Segments),
             _ if !self.in_stage(n) => Ok(Arg::X),
             op => Err(format!("operand {} ({}) used before it is computed", n.index(), op.name())),
         }
@@ -230,6 +275,14 @@ impl Fuser<'_> {
         // Attention and cache writes run per sequence; everything else over all rows.
         let per_sequence = args.iter().any(|a| matches!(a, Arg::Cache { .. }));
         self.steps.push(Step::Call { kernel, args, what, per_sequence });
+    }
+
+    /// A call once per image (the vision entry's "sequences").
+    fn call_per_image(&mut self, kernel: Kernel, args: Vec<Arg>, what: String) {
+        if !self.kernels.contains(&kernel) {
+            self.kernels.push(kernel.clone());
+        }
+        self.steps.push(Step::Call { kernel, args, what, per_sequence: true });
     }
 
     /// Every cache of the stage (K, V and MSA index keys) stores `--kv-cache`'s
@@ -280,6 +333,9 @@ impl Fuser<'_> {
         match node.op.clone() {
             Op::TokenIds
             | Op::Positions
+            | Op::PixelRows
+            | Op::PatchPositions
+            | Op::ImageSegments
             | Op::HeadRmsNorm { .. }
             | Op::IndexScores { .. }
             | Op::BlockMaxScore { .. }
@@ -323,6 +379,61 @@ impl Fuser<'_> {
                 );
                 self.vals.insert(n, y);
             }
+            Op::LayerNorm { weight, bias, eps } => {
+                let x = self.val(ops[0])?;
+                let (w, wt) = self.float_weight(&weight)?;
+                let (b, _) = self.float_weight(&bias)?;
+                let y = self.alloc(width, self.act.mlir_elem());
+                self.call(Kernel::LayerNorm(m3c_kernels::LayerNorm { width, eps, weight: wt, act: self.act }), vec![x, w, b, y.clone()], what);
+                self.vals.insert(n, y);
+            }
+            Op::BiasAct { bias, gelu } => {
+                // In place: a bias always follows the linear that made its operand.
+                let x = self.val(ops[0])?;
+                let (b, wt) = self.float_weight(&bias)?;
+                self.call(Kernel::BiasAct(m3c_kernels::BiasAct { width, weight: wt, gelu, act: self.act }), vec![x.clone(), b, x.clone()], what);
+                self.vals.insert(n, x);
+            }
+            Op::AxialRope { heads, head_dim, axis_dim, theta } => {
+                let x = self.val(ops[0])?;
+                let k = m3c_kernels::AxialRope { heads, head_dim, axis_dim, theta, act: self.act };
+                self.call(Kernel::AxialRope(k), vec![x.clone(), Arg::PatchPos, x.clone()], what);
+                self.vals.insert(n, x);
+            }
+            Op::ImageAttention { heads, head_dim, scale } => {
+                // Causal attention whose every row's "position" is its image's
+                // last row sees exactly its image: bidirectional, one segment each.
+                let (q, k, v) = (self.val(ops[0])?, self.val(ops[1])?, self.val(ops[2])?);
+                let o = self.alloc(heads * head_dim, self.act.mlir_elem());
+                let att = m3c_kernels::Attention { heads, kv_heads: heads, head_dim, scale, sparse: None, cache: self.act, act: self.act };
+                self.call_per_image(Kernel::Attention(att), vec![q, k, v, Arg::Segments, o.clone()], what);
+                self.vals.insert(n, o);
+            }
+            Op::MergePatches { factor } => {
+                let x = self.val(ops[0])?;
+                let Arg::Buf { id, width: w, elem } = x else {
+                    return Err(format!("{what}: merging patches of a value that is not a scratch buffer"));
+                };
+                let to = self.next_buf;
+                self.next_buf += 1;
+                self.steps.push(Step::Regroup { from: id, to, width: w, factor, elem });
+                self.vals.insert(n, Arg::Buf { id: to, width: w * factor, elem });
+            }
+            Op::ImageScatter { .. } => {
+                // Only where this stage encodes images; `x` holds the embeddings.
+                if self.parts.contains(&Part::Vision) {
+                    let x = self.val(ops[0])?;
+                    let k = Kernel::ScatterRows(m3c_kernels::ScatterRows { width, cache: self.act, act: self.act });
+                    if !self.kernels.contains(&k) {
+                        self.kernels.push(k.clone());
+                    }
+                    self.steps.push(Step::ImageRows { kernel: k, args: vec![Arg::Img, Arg::ImgRows, x.clone()], what });
+                    self.vals.insert(n, x);
+                } else {
+                    let x = self.val(ops[0])?;
+                    self.vals.insert(n, x);
+                }
+            }
             Op::Router { .. } => self.lower_router(n, &node.op, what)?,
             Op::RoutedExperts { .. } => self.lower_routed_experts(n, &node.op, what)?,
             Op::Sample => {
@@ -363,7 +474,13 @@ impl Fuser<'_> {
                 (Kernel::Linear(m3c_kernels::Linear { inp, out, weight: WeightType::Mxfp8 { block }, act, out_act }), vec![x, w, s])
             }
             None => {
-                let (w, wt) = self.float_weight(&weight)?;
+                let (slot, dtype, _) = self.weight(&weight)?;
+                let wt = weight_type(dtype)?;
+                // Viewed as [out, inp] whatever its stored rank: the patch
+                // Conv3d's [out, c, t, y, x] is that matrix in C order.
+                let w = Arg::Weight { slot, ty: MemTy::fixed(&[out, inp], wt.mlir_elem()) };
+                // Pixels enter as f32 whatever the activations are (vision spec §7).
+                let act = if matches!(x, Arg::Pixels { .. }) { Storage::F32 } else { act };
                 (Kernel::Linear(m3c_kernels::Linear { inp, out, weight: wt, act, out_act }), vec![x, w])
             }
         };
@@ -526,11 +643,12 @@ pub fn fuse_stage(cfg: &ModelConfig, graph: &ModelGraph, parts: &BTreeSet<Part>,
         live: Vec::new(),
     };
     let hidden = cfg.text.hidden_size;
-    // Nodes in graph order (a topological order), grouped by part.
+    // Nodes in graph order (a topological order), grouped by part; the
+    // vision tower is its own entry.
     let mut by_part: BTreeMap<Part, Vec<NodeIndex>> = BTreeMap::new();
     for n in graph.graph.node_indices() {
         let p = graph.graph[n].part;
-        if parts.contains(&p) {
+        if parts.contains(&p) && p != Part::Vision {
             by_part.entry(p).or_default().push(n);
         }
     }
@@ -541,6 +659,10 @@ pub fn fuse_stage(cfg: &ModelConfig, graph: &ModelGraph, parts: &BTreeSet<Part>,
         }
         f.end_part(graph, *part)?;
     }
+    let vision = match (parts.contains(&Part::Vision), cfg.vision.as_ref()) {
+        (true, Some(v)) => Some(f.vision_program(graph, v)?),
+        _ => None,
+    };
     let input = if parts.contains(&Part::Embedding) { Boundary::TokenIds } else { Boundary::Hidden { width: hidden } };
     // The stage's result: the value that a later stage (or nobody) reads.
     let output =
@@ -554,10 +676,41 @@ pub fn fuse_stage(cfg: &ModelConfig, graph: &ModelGraph, parts: &BTreeSet<Part>,
         output,
         steps: f.steps,
         kernels: f.kernels,
+        vision,
     })
 }
 
 impl Fuser<'_> {
+    /// The vision entry: every vision node in graph order, its result
+    /// copied to `x` (`[P/4, hidden]`), every buffer freed.
+    fn vision_program(&mut self, graph: &ModelGraph, v: &crate::config::VisionConfig) -> Result<VisionProgram, String> {
+        let outer = std::mem::take(&mut self.steps);
+        let outer_live = std::mem::take(&mut self.live);
+        let nodes = graph.nodes_of(Part::Vision);
+        for &n in &nodes {
+            let what = format!("vision {}{}", graph.graph[n].op.name(), weight_label(&graph.graph[n].op));
+            self.lower(n, what)?;
+        }
+        let last = *nodes.last().ok_or("a vision config without vision nodes")?;
+        match self.vals.get(&last) {
+            Some(Arg::Buf { id, width, .. }) => {
+                let (id, width) = (*id, *width);
+                self.steps.push(Step::CopyToX { id, width })
+            }
+            other => return Err(format!("the vision tower's result is not a scratch buffer: {other:?}")),
+        }
+        for (id, width, elem) in std::mem::take(&mut self.live) {
+            self.steps.push(Step::Free { id, width, elem });
+        }
+        let steps = std::mem::replace(&mut self.steps, outer);
+        self.live = outer_live;
+        Ok(VisionProgram {
+            patch_row: v.num_channels * v.temporal_patch_size * v.patch_size * v.patch_size,
+            merge: v.spatial_merge_size * v.spatial_merge_size,
+            steps,
+        })
+    }
+
     /// At the end of `part`: a value read by a later stage must be in `x`
     /// (copied there unless computed in place); a value read by a later part
     /// of this stage stays alive; every other buffer of the part is freed.
@@ -604,7 +757,12 @@ impl Fuser<'_> {
 /// ` q_proj`, ` input_layernorm`, ...: which weight an op reads, for listings.
 fn weight_label(op: &Op) -> String {
     let w = match op {
-        Op::Linear { weight, .. } | Op::RmsNorm { weight, .. } | Op::Embedding { weight } | Op::Router { weight, .. } => weight.as_str(),
+        Op::Linear { weight, .. }
+        | Op::RmsNorm { weight, .. }
+        | Op::LayerNorm { weight, .. }
+        | Op::Embedding { weight }
+        | Op::Router { weight, .. }
+        | Op::BiasAct { bias: weight, .. } => weight.as_str(),
         Op::Rope { .. } => return String::new(),
         Op::RoutedExperts { stem, .. } => stem.as_str(),
         _ => return String::new(),

@@ -10,7 +10,7 @@ mod entry;
 mod fuse;
 
 pub use entry::ENTRY_SYMBOL;
-pub use fuse::{fuse_stage, FusedStage, Step};
+pub use fuse::{fuse_stage, FusedStage, Step, VisionProgram};
 
 use crate::config::ModelConfig;
 use crate::dtype::DType;
@@ -121,6 +121,13 @@ impl StageProgram {
         for step in &self.steps {
             s.push_str(&step.to_string());
             s.push('\n');
+        }
+        if let Some(v) = &self.vision {
+            s.push_str(&format!("vision entry: patch rows of {} values, {} per image token\n", v.patch_row, v.merge));
+            for step in &v.steps {
+                s.push_str(&step.to_string());
+                s.push('\n');
+            }
         }
         s
     }

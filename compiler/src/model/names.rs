@@ -10,6 +10,11 @@ pub fn weight(stem: &str) -> String {
     format!("{stem}.weight")
 }
 
+/// The bias of a stem (the vision tower's linears and LayerNorms).
+pub fn bias(stem: &str) -> String {
+    format!("{stem}.bias")
+}
+
 /// The E8M0 block scales of an MXFP8 linear stem.
 pub fn scales(stem: &str) -> String {
     format!("{stem}.weight_scale_inv")

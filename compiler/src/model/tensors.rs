@@ -207,13 +207,11 @@ fn vision_tensors(b: &mut Builder, v: &crate::config::VisionConfig, text_hidden:
     let ph = v.projector_hidden_size;
     let merged = v.spatial_merge_size * v.spatial_merge_size * text_hidden;
     for (stem, ins) in [(vn::PROJECTOR, vh), (vn::PATCH_MERGE, merged)] {
+        // The reference always has these biases, whatever
+        // `multimodal_projector_bias` says (vision spec §1).
         b.float(vn::projector(stem, 1, "weight"), vec![ph, ins], part, role);
-        if v.projector_bias {
-            b.float(vn::projector(stem, 1, "bias"), vec![ph], part, role);
-        }
+        b.float(vn::projector(stem, 1, "bias"), vec![ph], part, role);
         b.float(vn::projector(stem, 2, "weight"), vec![text_hidden, ph], part, role);
-        if v.projector_bias {
-            b.float(vn::projector(stem, 2, "bias"), vec![text_hidden], part, role);
-        }
+        b.float(vn::projector(stem, 2, "bias"), vec![text_hidden], part, role);
     }
 }

@@ -70,6 +70,9 @@ pub struct StagePlan {
     pub embedding: bool,
     pub final_norm: bool,
     pub lm_head: bool,
+    /// Holds the vision tower, projector and patch merge (the embedding's
+    /// stage unless the plan says `vision: false` there: a text-only deployment).
+    pub vision: bool,
     /// CUDA device ordinal on its host (cuda target).
     pub device: Option<usize>,
     /// The host (MPI node) the stage should run on.
@@ -90,6 +93,9 @@ impl StagePlan {
         }
         if self.lm_head {
             p.insert(Part::LmHead);
+        }
+        if self.vision {
+            p.insert(Part::Vision);
         }
         p
     }
@@ -149,6 +155,7 @@ struct RawStage {
     embedding: Option<bool>,
     final_norm: Option<bool>,
     lm_head: Option<bool>,
+    vision: Option<bool>,
     device: Option<usize>,
     host: Option<String>,
 }
@@ -374,6 +381,7 @@ pub fn parse_plan(path: &Path, text: &str, cfg: Option<&ModelConfig>) -> Result<
             embedding: s.embedding.unwrap_or(false),
             final_norm: s.final_norm.unwrap_or(false),
             lm_head: s.lm_head.unwrap_or(false),
+            vision: false,
             device: s.device,
             host: s.host.clone(),
         });
@@ -402,6 +410,19 @@ pub fn parse_plan(path: &Path, text: &str, cfg: Option<&ModelConfig>) -> Result<
             format!("the embedding must be on the first stage (stage 0), where token ids enter the pipeline; found on stage {emb}"),
         ));
     }
+    // The vision tower's features replace embedding rows before layer 0,
+    // so it lives with the embedding; `vision: false` there leaves it out.
+    for (i, r) in raw.stages.iter().enumerate() {
+        if r.vision == Some(true) && i != emb {
+            return Err(ctx.key(
+                &format!("stages[{i}].vision"),
+                format!(
+                    "the vision tower must be on the embedding's stage (stage {emb}): its image features replace embedding rows before layer 0; found on stage {i}"
+                ),
+            ));
+        }
+    }
+    stages[emb].vision = raw.stages[emb].vision != Some(false);
     let head = place("lm_head", n - 1, &mut stages, |s| &mut s.lm_head)?;
     if head != n - 1 {
         return Err(ctx.key(

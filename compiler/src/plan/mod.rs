@@ -71,6 +71,7 @@ pub fn make_plan(cfg: &ModelConfig, pp: usize, gpu: &GpuProfile, w: Workload, ta
                 embedding: a == 0,
                 final_norm: e == n_layers + 2,
                 lm_head: e == n_layers + 2,
+                vision: a == 0,
                 device: None,
                 host: None,
             }

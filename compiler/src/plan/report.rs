@@ -41,7 +41,7 @@ pub fn even_plan(cfg: &ModelConfig, pp: usize) -> Option<Plan> {
             let len = n / pp + usize::from(k < n % pp);
             let r = LayerRange { first, last: first + len - 1 };
             first += len;
-            StagePlan { layers: Some(r), embedding: k == 0, final_norm: k == pp - 1, lm_head: k == pp - 1, device: None, host: None }
+            StagePlan { layers: Some(r), embedding: k == 0, final_norm: k == pp - 1, lm_head: k == pp - 1, vision: k == 0, device: None, host: None }
         })
         .collect();
     Some(Plan { model: None, target: Target::Host, stages })
@@ -171,6 +171,9 @@ pub fn plan_yaml(plan: &Plan, model: Option<&str>, header: &str, table: &str) ->
         }
         if s.lm_head {
             fields.push("lm_head: true".into());
+        }
+        if s.embedding && !s.vision {
+            fields.push("vision: false".into());
         }
         if let Some(d) = s.device {
             fields.push(format!("device: {d}"));

@@ -9,6 +9,8 @@
 //!   a UTF-8 byte-order mark tolerated.
 //! - [`stage`]: the stage metadata the compiler embeds in each executable
 //!   and the runtime reads, and the C ABI between them.
+//! - [`images`]: the images file the front writes and the stage that
+//!   encodes images reads (patch rows and grids per sequence).
 //! - [`prompts`]: token-id prompts (`--prompt-ids`, prompts files) and the
 //!   numbers of the run command line.
 //!
@@ -17,6 +19,7 @@
 
 pub mod checkpoint;
 pub mod dtype;
+pub mod images;
 pub mod input;
 pub mod prompts;
 pub mod sampling;

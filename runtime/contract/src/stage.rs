@@ -54,6 +54,19 @@ pub struct StageMeta {
     pub device: Option<i32>,
     pub tensors: Vec<TensorSlot>,
     pub caches: Vec<CacheSlot>,
+    /// Set on the stage that encodes images (the embedding's, with the vision tower).
+    pub vision: Option<VisionMeta>,
+}
+
+/// What the stage that encodes images knows about them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VisionMeta {
+    /// Values per patch row (3 · 2 · 14 · 14 = 1176 for MiniMax-M3).
+    pub patch_row: usize,
+    /// Patch rows per image token (the 2×2 merge: 4).
+    pub merge: usize,
+    /// The placeholder id whose embedding rows image features replace.
+    pub image_token: i64,
 }
 
 impl StageMeta {
@@ -91,9 +104,25 @@ pub mod abi {
     ///                     int64_t *out_ids,         // [S] sampled ids (last stage)
     ///                     int64_t *table,           // [S, ROW_WORDS] sampling table (last stage; sampling::row)
     ///                     const int32_t *seen,      // [sequences, ⌈vocab/32⌉] seen-id bitmaps (last stage)
-    ///                     const int64_t *pos);      // [S] position of each row
+    ///                     const int64_t *pos,       // [S] position of each row
+    ///                     int64_t nimg,             // K: rows of this step that are image placeholders (vision stage)
+    ///                     const void *img,          // [K, hidden] their image features (activation storage)
+    ///                     const int64_t *img_rows); // [K] the row of x each replaces
     /// ```
     pub const ENTRY: &str = "m3c_stage_step";
+    /// The generated vision entry (a no-op on stages without the tower):
+    ///
+    /// ```c
+    /// void m3c_stage_vision(void *const *weights, void *const *weights_dev, // as the step's
+    ///                       int64_t images,          // images encoded together
+    ///                       const int64_t *rows,     // [images] patch rows of each (a multiple of 4)
+    ///                       int64_t patches,         // P = Σ rows
+    ///                       const float *pixels,     // [P, patch_row] normalised patch rows
+    ///                       const int64_t *ppos,     // [P, 3] (t, h, w) of each patch row
+    ///                       const int64_t *segs,     // [P] each row's last row index within its image
+    ///                       void *out);              // [P/4, hidden] merged image features (activation storage)
+    /// ```
+    pub const VISION: &str = "m3c_stage_vision";
     /// The embedded metadata (`StageMeta` as JSON) and its length.
     pub const META: &str = "m3c_stage_meta";
     pub const META_LEN: &str = "m3c_stage_meta_len";
@@ -133,6 +162,7 @@ mod tests {
             device: None,
             tensors: vec![TensorSlot { name: "w".into(), shape: vec![2, 8], dtype: DType::BF16 }],
             caches: vec![CacheSlot { layer: 1, kind: "key".into(), width: 8, bytes: 4 }],
+            vision: Some(VisionMeta { patch_row: 1176, merge: 4, image_token: 200025 }),
         };
         assert_eq!(StageMeta::parse(m.to_json().as_bytes()).unwrap(), m);
         assert_eq!(m.x_words(), 4);
