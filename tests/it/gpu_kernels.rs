@@ -305,6 +305,21 @@ fn rowwise_gpu_kernels_match_the_host() {
         let k = Kernel::Gelu(m3c_kernels::Gelu { width: 96, act });
         let o = run_both(&k, rows, &[a(1, false), a(2, true)]);
         agree(&k.symbol(), &o[0].0, &o[0].1, act, 1e-6);
+        // LayerNorm with bias, and bias + exact GELU in place (the vision tower's)
+        let k = Kernel::LayerNorm(m3c_kernels::LayerNorm { width: 96, eps: 1e-5, weight: WeightType::BF16, act });
+        let wb = |salt| buf(&bits16(&vals(96, salt, 0.5)), &[96], "memref<96xbf16>", false);
+        let o = run_both(&k, rows, &[a(1, false), wb(4), wb(5), a(2, true)]);
+        agree(&k.symbol(), &o[0].0, &o[0].1, act, 1e-5);
+        for gelu in [false, true] {
+            let k = Kernel::BiasAct(m3c_kernels::BiasAct { width: 96, weight: WeightType::BF16, gelu, act });
+            let o = run_both(&k, rows, &[a(1, false), wb(6), a(2, true)]);
+            agree(&k.symbol(), &o[0].0, &o[0].1, act, 1e-6);
+        }
+        // 3-D axial RoPE: 2 heads of 48, 14 channels per axis (42 rotated, 6 passed)
+        let k = Kernel::AxialRope(m3c_kernels::AxialRope { heads: 2, head_dim: 48, axis_dim: 14, theta: 1e4, act });
+        let ppos: Vec<i64> = vec![0, 0, 0, 1, 7, 3, 0, 47, 46];
+        let o = run_both(&k, rows, &[a(1, false), buf(&ppos, &[rows, 3], "memref<?x3xi64>", false), a(2, true)]);
+        agree(&k.symbol(), &o[0].0, &o[0].1, act, 1e-5);
         // embedding gather
         let k = Kernel::Embedding(m3c_kernels::Embedding { vocab: 50, width: 96, weight: WeightType::BF16, act });
         let ids: Vec<i64> = vec![7, 0, 49];
@@ -509,7 +524,7 @@ fn cuda_stage_logits(model: &str, act: Storage, gemm: bool, decode: &[i64]) -> V
         let greedy = m3c_contract::sampling::SamplingParams::GREEDY;
         let table: Vec<i64> = (0..rows).flat_map(|r| m3c_contract::sampling::row_words(&greedy, 0, 0, r + 1 == rows, 0)).collect();
         g.mem.write(a[7], &table).unwrap();
-        let args = [weights, weights, caches, 1, a[0], a[1], rows as u64, a[2], a[3], a[4], a[5], a[7], a[8], a[6]].map(Arg::Ptr);
+        let args = [weights, weights, caches, 1, a[0], a[1], rows as u64, a[2], a[3], a[4], a[5], a[7], a[8], a[6], 0, 0, 0].map(Arg::Ptr);
         g.mem.launches.clear();
         g.call_host(m3c::lower::ENTRY_SYMBOL, &args).unwrap_or_else(|e| panic!("{model}: {e}"));
         traces.push(std::mem::take(&mut g.mem.launches));
@@ -603,6 +618,89 @@ fn tiny_cuda_stage_reproduces_the_golden_in_the_interpreter() {
     }
 }
 
+/// The tiny fixture's image through the generated CUDA stage in the
+/// interpreter: the vision entry (LayerNorms, biased linears, axial RoPE,
+/// per-image attention, GELU, the 2×2 merge) gives the reference's merged
+/// image features, and the step entry with those features over the image
+/// placeholder rows gives the reference's `mm_logits`, both within 1e-4.
+#[test]
+fn tiny_cuda_vision_reproduces_the_golden_in_the_interpreter() {
+    use m3c::source::ModelSource;
+    let dir = m3c_tests::fixture("tiny-m3");
+    let cfg = &ModelSource::open(&dir).unwrap().config;
+    let tmp = tempfile::tempdir().unwrap();
+    let plan_file = tmp.path().join("plan.yaml");
+    std::fs::write(&plan_file, "version: 1\ntarget: cuda\narch: sm_90a\nstages:\n  - layers: \"0-7\"\n").unwrap();
+    let plan = m3c::plan::load_plan(&plan_file, Some(cfg)).unwrap();
+    let storages = m3c::lower::Storages { kv_cache: Storage::F32, activations: Storage::F32 };
+    let prog = m3c::compile::lower_all(cfg, &plan, storages).unwrap().remove(0);
+    let mut g = Gpu::new(&prog.mlir).unwrap();
+    let ck = m3c::weights::Checkpoint::open(&dir).unwrap();
+    let table: Vec<u64> = prog.tensors.iter().map(|t| g.mem.put(ck.bytes(&ck.tensors[&t.name]))).collect();
+    let weights = g.mem.put(&table);
+    let golden = dir.join("golden.safetensors");
+    let (_, pixels) = m3c_tests::read_tensor_f32(&golden, "mm_pixel_values");
+    let grid = m3c_tests::read_tensor_i64(&golden, "mm_image_grid_thw");
+    let im = m3c_contract::images::SeqImages { grids: vec![[grid[0] as usize, grid[1] as usize, grid[2] as usize]], pixels };
+    let (p, hidden, vocab) = (im.patches(), cfg.text.hidden_size, cfg.text.vocab_size);
+    let out = g.mem.alloc(p / 4 * hidden * 4);
+    let v = [
+        weights,
+        weights,
+        1,
+        g.mem.put(&[p as i64]),
+        p as u64,
+        g.mem.put(&im.pixels),
+        g.mem.put(&im.positions()),
+        g.mem.put(&im.segment_ends()),
+        out,
+    ]
+    .map(Arg::Ptr);
+    g.call_host(m3c::lower::VISION_SYMBOL, &v).unwrap_or_else(|e| panic!("vision entry: {e}"));
+    let feats = g.mem.get::<f32>(out)[..p / 4 * hidden].to_vec();
+    let inter = m3c_tests::fixture("vision").join("tiny_m3_vision_intermediates.safetensors");
+    let (_, want) = m3c_tests::read_tensor_f32(&inter, "image_embeds");
+    let d = max_diff(&feats, &want);
+    assert!(d <= 1e-4, "image features off by {d}");
+
+    let ids = m3c_tests::read_tensor_i64(&golden, "mm_input_ids");
+    let token = cfg.vision.as_ref().unwrap().image_token_id as i64;
+    let img_rows: Vec<i64> = (0..ids.len() as i64).filter(|&r| ids[r as usize] == token).collect();
+    assert_eq!(img_rows.len(), p / 4);
+    let s = ids.len();
+    let caches: Vec<u64> = prog.caches.iter().map(|c| g.mem.alloc(64 * c.width * 4)).collect();
+    let seq_tables = [g.mem.put(&caches)];
+    let pos: Vec<i64> = (0..s as i64).collect();
+    let greedy = m3c_contract::sampling::SamplingParams::GREEDY;
+    let samp: Vec<i64> = (0..s).flat_map(|r| m3c_contract::sampling::row_words(&greedy, 0, 0, r + 1 == s, 0)).collect();
+    let logits = g.mem.alloc(s * vocab * 4);
+    let a = [
+        weights,
+        weights,
+        g.mem.put(&seq_tables),
+        1,
+        g.mem.put(&[s as i64]),
+        g.mem.put(&[64i64]),
+        s as u64,
+        g.mem.put(&ids),
+        g.mem.alloc(s * hidden * 4),
+        logits,
+        g.mem.alloc(s * 8),
+        g.mem.put(&samp),
+        g.mem.alloc(m3c_contract::sampling::seen_words(vocab) * 4),
+        g.mem.put(&pos),
+        img_rows.len() as u64,
+        g.mem.put(&feats),
+        g.mem.put(&img_rows),
+    ]
+    .map(Arg::Ptr);
+    g.call_host(m3c::lower::ENTRY_SYMBOL, &a).unwrap_or_else(|e| panic!("step entry: {e}"));
+    let got = g.mem.get::<f32>(logits)[..s * vocab].to_vec();
+    let (_, mm) = m3c_tests::read_tensor_f32(&golden, "mm_logits");
+    let d = max_diff(&got, &mm);
+    assert!(d <= 1e-4, "image prompt logits off by {d}");
+}
+
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max)
 }
@@ -693,7 +791,7 @@ impl CudaPipeline {
                 g.mem.alloc(s * m3c_contract::sampling::ROW_WORDS * 8),
                 g.mem.alloc(segs.len() * m3c_contract::sampling::seen_words(self.vocab) * 4),
             ];
-            let args = [st.weights, st.weights, a[0], segs.len() as u64, a[1], a[2], s as u64, a[3], a[4], a[5], a[6], a[8], a[9], a[7]]
+            let args = [st.weights, st.weights, a[0], segs.len() as u64, a[1], a[2], s as u64, a[3], a[4], a[5], a[6], a[8], a[9], a[7], 0, 0, 0]
                 .map(Arg::Ptr);
             g.call_host(m3c::lower::ENTRY_SYMBOL, &args).unwrap_or_else(|e| panic!("stage {k}: {e}"));
             if k + 1 == n {

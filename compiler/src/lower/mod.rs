@@ -7,9 +7,9 @@
 //! order of [`StageProgram::tensors`], which the runtime fills at start-up.
 
 mod entry;
-mod fuse;
+pub mod fuse;
 
-pub use entry::ENTRY_SYMBOL;
+pub use entry::{ENTRY_SYMBOL, VISION_SYMBOL};
 pub use fuse::{fuse_stage, FusedStage, Step, VisionProgram};
 
 use crate::config::ModelConfig;
