@@ -145,6 +145,9 @@ struct RunArgs {
     /// One user turn through the checkpoint's chat template, with the generation prompt; repeat for several conversations.
     #[arg(long, value_name = "TEXT")]
     chat: Vec<String>,
+    /// An image for the prompt (PNG, JPEG, WebP or GIF; repeatable, in order). With --chat, the user turn holds the images first, then the text; with --prompt-ids, the ids already hold one placeholder run per image.
+    #[arg(long, value_name = "FILE")]
+    image: Vec<PathBuf>,
     /// A system message before each --chat turn.
     #[arg(long, value_name = "TEXT", requires = "chat")]
     system: Option<String>,
@@ -542,6 +545,56 @@ fn compile_cmd(args: CompileArgs) -> Result<()> {
     say(&text)
 }
 
+/// The images file's name in its private folder.
+const IMAGES_FILE: &str = "images.safetensors";
+
+/// `--image`: processes the images, puts each one's placeholder run into
+/// the one prompt they go with (a --chat's are expanded here; a
+/// --prompt-ids prompt must hold them already), checks the prompt fits the
+/// context, and writes the images file into a private folder that lives
+/// as long as the returned handle.
+fn image_prompt(args: &RunArgs, text_in: Option<&mut crate::text::front::Encoded>) -> Result<Option<tempfile::TempDir>> {
+    use crate::vision::prompt::{self, ImageTokens, PromptImageError};
+    if args.image.is_empty() {
+        return Ok(None);
+    }
+    let cfg = crate::source::ModelSource::open(&args.model)?.config;
+    let vision = cfg.vision.as_ref().ok_or(PromptImageError::NoVision)?;
+    let prompts = args.prompt_ids.len() + args.prompt.len() + args.chat.len() + usize::from(args.prompts.is_some());
+    if prompts != 1 || !args.prompt.is_empty() || args.prompts.is_some() {
+        bail!("--image goes with exactly one --chat or one --prompt-ids (this run has {prompts} prompt source(s))");
+    }
+    let processed = prompt::load(&args.image)?;
+    let tokens: Vec<usize> = processed.iter().map(|p| p.tokens()).collect();
+    let names: Vec<String> = args.image.iter().map(|f| f.display().to_string()).collect();
+    let len = match text_in {
+        Some(enc) => {
+            let t = ImageTokens::new(&enc.tokenizer, vision.image_token_id)?;
+            enc.ids[0] = t.expand(&enc.ids[0], &tokens)?;
+            enc.ids[0].len()
+        }
+        None => {
+            let ids = m3c_contract::prompts::parse_ids(&args.prompt_ids[0], "--prompt-ids").map_err(|e| anyhow::anyhow!(e))?;
+            let t = ImageTokens { start: 0, image: vision.image_token_id as u32, end: 0 };
+            t.check_runs(&ids, &tokens, &names)?;
+            ids.len()
+        }
+    };
+    let ctx = cfg.text.max_position_embeddings;
+    if len + args.max_new_tokens > ctx {
+        bail!(
+            "the prompt is {len} tokens ({} of them for the image(s): {}) and --max-new-tokens {}: more than the model's context of {ctx} positions",
+            tokens.iter().sum::<usize>(),
+            names.iter().zip(&tokens).map(|(n, t)| format!("{n} takes {t}")).collect::<Vec<_>>().join(", "),
+            args.max_new_tokens
+        );
+    }
+    let dir = tempfile::Builder::new().prefix("m3c-images-").tempdir().context("a folder for the images file")?;
+    let seqs = std::collections::BTreeMap::from([(0usize, prompt::seq_images(&processed))]);
+    prompt::write_images_file(&dir.path().join(IMAGES_FILE), &seqs).context("writing the images file")?;
+    Ok(Some(dir))
+}
+
 fn run_cmd(args: RunArgs) -> Result<()> {
     let compiled = crate::launch::Compiled::open(&args.out, &args.model)?;
     if let Some(d) = &args.dump {
@@ -564,7 +617,13 @@ fn run_cmd(args: RunArgs) -> Result<()> {
             "disabled" => crate::text::ThinkingMode::Disabled,
             _ => crate::text::ThinkingMode::Adaptive,
         });
-        let req = crate::text::front::TextRequest { prompts: &args.prompt, chats: &args.chat, system: args.system.as_deref(), thinking };
+        let req = crate::text::front::TextRequest {
+            prompts: &args.prompt,
+            chats: &args.chat,
+            system: args.system.as_deref(),
+            thinking,
+            chat_images: args.image.len(),
+        };
         let mut enc = crate::text::front::encode(&args.model, &req)?;
         if let Some((file, text)) = &jsonl {
             crate::text::front::encode_jsonl(&args.model, file, text, &mut enc)?;
@@ -577,6 +636,10 @@ fn run_cmd(args: RunArgs) -> Result<()> {
         }
         Some(enc)
     };
+    // Images: processed here, expanded into (or checked against) the one
+    // prompt they belong to, and handed to the stage that encodes them.
+    let mut text_in = text_in;
+    let images_dir = image_prompt(&args, text_in.as_mut())?;
     // Sampling: the flags, else the checkpoint's defaults, else greedy.
     let defaults = crate::text::generation::GenerationDefaults::from_dir(&args.model)?;
     let sampling = m3c_contract::sampling::SamplingParams {
@@ -611,6 +674,9 @@ fn run_cmd(args: RunArgs) -> Result<()> {
     }
     for p in text_in.iter().flat_map(|t| &t.ids) {
         flag("--prompt-ids", p.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(","));
+    }
+    if let Some(dir) = &images_dir {
+        flag("--images", dir.path().join(IMAGES_FILE).display().to_string());
     }
     let path = |p: &Option<PathBuf>| p.as_ref().map(|p| p.display().to_string());
     for (name, value) in [

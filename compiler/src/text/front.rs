@@ -15,6 +15,9 @@ pub struct TextRequest<'a> {
     pub chats: &'a [String],
     pub system: Option<&'a str>,
     pub thinking: Option<ThinkingMode>,
+    /// Images that open each chat's user turn (`{"type": "image"}` parts
+    /// before its text, as the reference's processor expects).
+    pub chat_images: usize,
 }
 
 /// The encoded prompts, in the order given: `--prompt`s, then `--chat`s,
@@ -118,7 +121,13 @@ pub fn encode(model: &Path, req: &TextRequest) -> Result<Encoded, TextError> {
             if let Some(s) = req.system {
                 messages.push(serde_json::json!({"role": "system", "content": s}));
             }
-            messages.push(serde_json::json!({"role": "user", "content": user}));
+            if req.chat_images == 0 {
+                messages.push(serde_json::json!({"role": "user", "content": user}));
+            } else {
+                let mut parts = vec![serde_json::json!({"type": "image"}); req.chat_images];
+                parts.push(serde_json::json!({"type": "text", "text": user}));
+                messages.push(serde_json::json!({"role": "user", "content": parts}));
+            }
             let mut kwargs = vec![("add_generation_prompt", Value::from(true))];
             if let Some(t) = req.thinking {
                 kwargs.push(("thinking_mode", Value::from(t.name())));

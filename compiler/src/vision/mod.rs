@@ -1,6 +1,8 @@
-//! Images in: MiniMax-M3's image processor (`processor.rs`). The vision
-//! tower, projector and merge are compiled like the text model (not yet:
-//! see the vision issue); this module is what turns a user's image file into
-//! the `pixel_values` and grid they take.
+//! Images in: MiniMax-M3's image processor (`processor.rs`) and image
+//! prompts (`prompt.rs`: placeholders expanded or checked, the images file
+//! the stage that encodes them reads). The tower, projector and merge are
+//! compiled like the text model (`graph::build`, `lower`): the embedding's
+//! stage has a second entry, `m3c_stage_vision`.
 
 pub mod processor;
+pub mod prompt;
