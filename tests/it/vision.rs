@@ -193,3 +193,184 @@ fn the_compiled_vision_tower_matches_every_reference_intermediate() {
         assert!(d <= 1e-5, "{name}: off by {d}");
     }
 }
+
+/// The tiny golden's image input (`mm_pixel_values`, `mm_image_grid_thw`:
+/// random values, not a picture) as the images file a stage reads, for
+/// sequence 0.
+fn golden_images_file(dir: &std::path::Path) -> std::path::PathBuf {
+    let golden = fixture("tiny-m3").join("golden.safetensors");
+    let (_, pixels) = m3c_tests::read_tensor_f32(&golden, "mm_pixel_values");
+    let g = m3c_tests::read_tensor_i64(&golden, "mm_image_grid_thw");
+    let im = m3c_contract::images::SeqImages { grids: vec![[g[0] as usize, g[1] as usize, g[2] as usize]], pixels };
+    let path = dir.join("golden-images.safetensors");
+    m3c::vision::prompt::write_images_file(&path, &std::collections::BTreeMap::from([(0usize, im)])).unwrap();
+    path
+}
+
+/// The stage executables run by hand (OUT/run.sh) with `args`.
+fn run_stages(out: &std::path::Path, args: &[&str]) -> std::process::Output {
+    std::process::Command::new(out.join("run.sh")).args(args).output().unwrap()
+}
+
+/// The reference's image + text prefill through the compiled stages: the
+/// prefill logits within 1e-3 of `mm_logits` at pp = 1, 2 and 4, the same
+/// bytes at every pp (greedy decode after the image included), and the same
+/// bytes when a text-only prompt shares its micro-batches, whole or in
+/// prefill chunks that split the image's placeholder run.
+#[test]
+fn image_prompts_match_the_golden_at_every_pp_and_beside_text_prompts() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = fixture("tiny-m3");
+    let golden = model.join("golden.safetensors");
+    let images = golden_images_file(dir.path());
+    let ids = m3c_tests::ids_arg(&m3c_tests::read_tensor_i64(&golden, "mm_input_ids"));
+    let text = m3c_tests::ids_arg(&m3c_tests::read_tensor_i64(&golden, "prompt_ids"));
+    let (_, want) = m3c_tests::read_tensor_f32(&golden, "mm_logits");
+    let m = model.to_str().unwrap();
+    let mut first: Option<Vec<u8>> = None;
+    for pp in [1, 2, 4] {
+        let d = dir.path().join(format!("pp{pp}"));
+        std::fs::create_dir(&d).unwrap();
+        let out = m3c_tests::compile(&model, pp, &d, &[]);
+        let dump = d.join("mm.safetensors");
+        let base = ["--model", m, "--max-new-tokens", "6", "--images", images.to_str().unwrap()];
+        let o = run_stages(&out, &[&base[..], &["--prompt-ids", &ids, "--dump", dump.to_str().unwrap()]].concat());
+        assert!(o.status.success(), "pp={pp}: {}", String::from_utf8_lossy(&o.stderr));
+        let got = m3c_tests::read_tensor_f32(&dump, "prefill_logits").1;
+        let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(diff <= 1e-3, "pp={pp}: mm_logits off by {diff}");
+        let bytes = std::fs::read(&dump).unwrap();
+        match &first {
+            None => first = Some(bytes),
+            Some(b) => assert!(*b == bytes, "pp={pp}: the image prompt's dump (prefill and greedy decode) differs from pp=1"),
+        }
+        if pp != 2 {
+            continue;
+        }
+        let solo_text = d.join("text.safetensors");
+        let o = run_stages(&out, &["--model", m, "--max-new-tokens", "6", "--prompt-ids", &text, "--dump", solo_text.to_str().unwrap()]);
+        assert!(o.status.success());
+        for extra in [&["--micro-batch", "2"][..], &["--micro-batch", "2", "--prefill-chunk", "7"][..]] {
+            let both = d.join("both.safetensors");
+            let args = [&base[..], &["--prompt-ids", &ids, "--prompt-ids", &text, "--dump", both.to_str().unwrap()], extra].concat();
+            let o = run_stages(&out, &args);
+            assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+            let (p0, p1) = (d.join("both.p0.safetensors"), d.join("both.p1.safetensors"));
+            assert!(std::fs::read(&p0).unwrap() == std::fs::read(&dump).unwrap(), "{extra:?}: the image prompt beside a text prompt");
+            assert!(std::fs::read(&p1).unwrap() == std::fs::read(&solo_text).unwrap(), "{extra:?}: the text prompt beside an image prompt");
+        }
+    }
+}
+
+/// `m3c run --chat TEXT --image PNG` as a user runs it: the prompt is the
+/// reference processor's ids (the tokenizer golden's image chat, its image
+/// drawn by the recorded rule), and pp = 2 prints and dumps what pp = 1 does.
+#[test]
+fn an_image_chat_runs_as_the_reference_processor_prompts_it() {
+    use m3c_tests::{compile, m3c, stderr, stdout};
+    let dir = tempfile::tempdir().unwrap();
+    let model = fixture("tiny-m3");
+    let golden: serde_json::Value = serde_json::from_slice(&std::fs::read(model.join("tokenizer_golden.json")).unwrap()).unwrap();
+    let case = &golden["processor"];
+    // "R = 3*x, G = 4*y, B = 128 for column x in 0..83, row y in 0..55"
+    let (w, h) = (84usize, 56usize);
+    let rgb: Vec<u8> = (0..h).flat_map(|y| (0..w).flat_map(move |x| [(3 * x) as u8, (4 * y) as u8, 128])).collect();
+    let png = dir.path().join("rule.png");
+    image::save_buffer(&png, &rgb, w as u32, h as u32, image::ExtendedColorType::Rgb8).unwrap();
+    let mut dumps = Vec::new();
+    for pp in [1, 2] {
+        let d = dir.path().join(format!("pp{pp}"));
+        std::fs::create_dir(&d).unwrap();
+        let out = compile(&model, pp, &d, &[]);
+        let dump = d.join("d.safetensors");
+        let o = m3c(&[
+            "run",
+            out.to_str().unwrap(),
+            "--model",
+            model.to_str().unwrap(),
+            "--chat",
+            "What is in this picture?",
+            "--system",
+            "You are a helpful assistant.",
+            "--thinking",
+            "disabled",
+            "--image",
+            png.to_str().unwrap(),
+            "--max-new-tokens",
+            "5",
+            "--dump",
+            dump.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let want: Vec<i64> = case["input_ids"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap()).collect();
+        assert_eq!(m3c_tests::read_tensor_i64(&dump, "prompt_ids"), want, "pp={pp}: the image chat's prompt ids");
+        dumps.push((stdout(&o), std::fs::read(&dump).unwrap()));
+    }
+    assert!(dumps[0] == dumps[1], "pp=2 differs from pp=1");
+}
+
+/// Bad image input is a clear error and a non-zero exit: a corrupt file, a
+/// placeholder run of the wrong length (the expected count named), an
+/// extreme aspect ratio, an image too large for the context, an images
+/// file that does not match the prompt, and images for a deployment
+/// compiled without the vision tower.
+#[test]
+fn bad_image_input_is_a_clear_error() {
+    use m3c_tests::{compile, ids_arg, m3c, stderr};
+    let dir = tempfile::tempdir().unwrap();
+    let model = fixture("tiny-m3");
+    let png = fixture("vision/A_rgb_56x84_noresize.png");
+    let out = compile(&model, 1, dir.path(), &[]);
+    let fails = |extra: &[&str]| -> String {
+        let mut a = vec!["run", out.to_str().unwrap(), "--model", model.to_str().unwrap()];
+        a.extend_from_slice(extra);
+        if !extra.contains(&"--max-new-tokens") {
+            a.extend_from_slice(&["--max-new-tokens", "2"]);
+        }
+        let o = m3c(&a);
+        assert_eq!(o.status.code(), Some(1), "{extra:?} should fail: {}", stderr(&o));
+        stderr(&o)
+    };
+    let run_of = |n: usize| -> String {
+        let mut ids = vec![1i64, 2, 502];
+        ids.extend(std::iter::repeat_n(500, n));
+        ids.extend([503, 3]);
+        ids_arg(&ids)
+    };
+    // The 56×84 image takes (56/28)·(84/28) = 6 tokens.
+    let ok = m3c(&["run", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--max-new-tokens", "2", "--prompt-ids", &run_of(6), "--image", png.to_str().unwrap()]);
+    assert!(ok.status.success(), "{}", stderr(&ok));
+    let e = fails(&["--prompt-ids", &run_of(7), "--image", png.to_str().unwrap()]);
+    assert!(e.contains("takes 6 placeholder tokens") && e.contains("has 7"), "{e}");
+    let corrupt = dir.path().join("corrupt.png");
+    std::fs::write(&corrupt, b"\x89PNG\r\n\x1a\nnot really").unwrap();
+    let e = fails(&["--chat", "hi", "--image", corrupt.to_str().unwrap()]);
+    assert!(e.contains("corrupt.png") && e.contains("not an image"), "{e}");
+    let thin = dir.path().join("thin.png");
+    image::save_buffer(&thin, &vec![9u8; 300 * 3], 300, 1, image::ExtendedColorType::Rgb8).unwrap();
+    let e = fails(&["--chat", "hi", "--image", thin.to_str().unwrap()]);
+    assert!(e.contains("thin.png") && e.contains("200"), "{e}");
+    let big = dir.path().join("big.png");
+    image::save_buffer(&big, &vec![90u8; 672 * 672 * 3], 672, 672, image::ExtendedColorType::Rgb8).unwrap();
+    let e = fails(&["--chat", "hi", "--image", big.to_str().unwrap(), "--max-new-tokens", "4000"]);
+    assert!(e.contains("big.png takes 576") && e.contains("context of 4096"), "{e}");
+    let e = fails(&["--chat", "a", "--chat", "b", "--image", png.to_str().unwrap()]);
+    assert!(e.contains("exactly one"), "{e}");
+    // The stages check an images file against the prompt too.
+    let images = golden_images_file(dir.path());
+    let o = run_stages(&out, &["--model", model.to_str().unwrap(), "--max-new-tokens", "2", "--prompt-ids", "1,2,500,3", "--images", images.to_str().unwrap()]);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && e.contains("1 image placeholder(s)") && e.contains("make 4 image tokens"), "{e}");
+    let o = run_stages(&out, &["--model", model.to_str().unwrap(), "--max-new-tokens", "2", "--prompt-ids", "1,2,500,3"]);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && e.contains("but no image"), "{e}");
+    // A text-only deployment (`vision: false`) refuses images.
+    let plan = dir.path().join("text-only.yaml");
+    std::fs::write(&plan, "version: 1\nstages:\n  - layers: \"0-7\"\n    vision: false\n").unwrap();
+    let t = dir.path().join("t");
+    let o = m3c(&["compile", plan.to_str().unwrap(), "--model", model.to_str().unwrap(), "--pp", "1", "-o", t.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = run_stages(&t, &["--model", model.to_str().unwrap(), "--max-new-tokens", "2", "--prompt-ids", &run_of(4), "--images", images.to_str().unwrap()]);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && e.contains("without the vision tower"), "{e}");
+}
