@@ -249,6 +249,15 @@ struct ServeArgs {
     /// CUDA stages: prefill linears on cuBLAS tensor cores (`cublas`) or m3c's GEMV (`off`).
     #[arg(long, value_parser = ["cublas", "off"], default_value = "off")]
     prefill_gemm: String,
+    /// Chat images given as file:// URLs are read only from inside this folder (without it, file:// URLs are refused).
+    #[arg(long, value_name = "DIR")]
+    allowed_local_media_path: Option<PathBuf>,
+    /// Seconds an http(s) image fetch may take in all.
+    #[arg(long, default_value_t = 10.0, value_parser = timeout_s)]
+    media_timeout_s: f64,
+    /// The largest image a request may bring, in MB (data:, http(s) or file).
+    #[arg(long, default_value_t = 20, value_parser = positive_count)]
+    max_image_mb: usize,
 }
 
 fn count(v: &str) -> Result<usize, String> {
@@ -328,6 +337,9 @@ fn run(cli: Cli) -> Result<()> {
                 grace_s: a.grace_s,
                 cuda_graphs: a.cuda_graphs,
                 prefill_gemm: a.prefill_gemm,
+                allowed_local_media_path: a.allowed_local_media_path,
+                media_timeout_s: a.media_timeout_s,
+                max_image_bytes: a.max_image_mb as u64 * (1 << 20),
             })
         }
         Command::InitTiny { out, seed, layers, hidden, mxfp8 } => {

@@ -46,6 +46,11 @@ impl Compiled {
         Ok(Compiled { out: out.to_path_buf(), manifest, stages })
     }
 
+    /// Whether the first stage encodes images (it holds the vision tower).
+    pub fn encodes_images(&self) -> bool {
+        self.manifest["stages"][0]["vision"].as_bool() == Some(true)
+    }
+
     /// Cache bytes per position of each stage (every cache row of a
     /// sequence), from the manifest's cache slots.
     pub fn cache_bytes_per_position(&self) -> Vec<u64> {

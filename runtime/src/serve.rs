@@ -6,8 +6,15 @@
 //! Commands, one per line (written by `m3c serve`'s front):
 //!
 //! ```text
-//! add SEQ MAX_NEW IGNORE_EOS TEMPERATURE TOP_K TOP_P MIN_P PENALTY SEED ID,ID,...
+//! add SEQ MAX_NEW IGNORE_EOS TEMPERATURE TOP_K TOP_P MIN_P PENALTY SEED ID,ID,... [images=HEX]
 //! cancel SEQ
+//! ```
+//!
+//! `images=HEX` names (hex of the path's bytes) the request's images file
+//! (`m3c_contract::images`, its sequence 0), which the first stage reads
+//! and encodes before the request's first step.
+//!
+//! ```text
 //! ```
 //!
 //! The first stage answers on standard output: `m3c-ready` once the loop
@@ -63,6 +70,8 @@ struct Add {
     ignore_eos: bool,
     sampling: SamplingParams,
     prompt: Vec<i64>,
+    /// The images file, if the request has images.
+    images: Option<std::path::PathBuf>,
 }
 
 enum Command {
@@ -81,7 +90,7 @@ fn parse_command(line: &str) -> Result<Command, String> {
     };
     match f.first().copied() {
         Some("cancel") if f.len() == 2 => Ok(Command::Cancel(int(1, "SEQ")? as usize)),
-        Some("add") if f.len() == 11 => {
+        Some("add") if f.len() == 11 || f.len() == 12 => {
             let sampling = SamplingParams {
                 temperature: num(4, "TEMPERATURE")?,
                 top_k: int(5, "TOP_K")? as usize,
@@ -92,7 +101,20 @@ fn parse_command(line: &str) -> Result<Command, String> {
             };
             sampling.check()?;
             let prompt = m3c_contract::prompts::parse_ids(f[10], "IDS")?;
+            let images = match f.get(11) {
+                None => None,
+                Some(v) => {
+                    let hex = v.strip_prefix("images=").ok_or("the 12th field must be images=HEX")?;
+                    let bytes: Option<Vec<u8>> = (0..hex.len())
+                        .step_by(2)
+                        .map(|i| hex.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok()))
+                        .collect();
+                    let bytes = bytes.filter(|b| !b.is_empty() && hex.len() % 2 == 0).ok_or("images=HEX: not a hex path")?;
+                    Some(std::path::PathBuf::from(<std::ffi::OsString as std::os::unix::ffi::OsStringExt>::from_vec(bytes)))
+                }
+            };
             Ok(Command::Add(Add {
+                images,
                 seq: int(1, "SEQ")? as usize,
                 max_new: int(2, "MAX_NEW")? as usize,
                 ignore_eos: int(3, "IGNORE_EOS")? != 0,
@@ -141,6 +163,24 @@ impl Books for ServeBooks {
 }
 
 /// A `KIND_ADD` message: the sequence, its cache capacity, sampling and prompt.
+/// The request's images, read and encoded on this (the first) stage; a
+/// prompt with image placeholders and no images is refused.
+fn encode_images(st: &mut Stage, a: &Add) -> Result<(), String> {
+    match (&a.images, st.meta.vision.clone()) {
+        (None, None) => Ok(()),
+        (None, Some(v)) => match a.prompt.iter().filter(|&&id| id == v.image_token).count() {
+            0 => Ok(()),
+            n => Err(format!("the prompt has {n} image placeholder(s) (id {}) but no image", v.image_token)),
+        },
+        (Some(_), None) => Err("this pipeline was compiled without the vision tower".into()),
+        (Some(f), Some(v)) => {
+            let mut seqs = crate::pipeline::read_images(f, v.patch_row).map_err(|e| e.to_string())?;
+            let im = seqs.remove(&0).ok_or("the images file has no sequence 0")?;
+            st.encode_images(a.seq, &a.prompt, &im).map_err(|e| e.to_string())
+        }
+    }
+}
+
 fn add_message(a: &Add) -> Vec<u8> {
     let mut payload: Vec<u8> = row_words(&a.sampling, 0, 0, true, 0).iter().flat_map(|w| w.to_le_bytes()).collect();
     payload.extend(a.prompt.iter().flat_map(|i| i.to_le_bytes()));
@@ -396,6 +436,11 @@ impl Leader {
                     return Ok(());
                 }
                 st.start_seq(a.seq, capacity(&a))?;
+                if let Err(why) = encode_images(st, &a) {
+                    st.end_seq(a.seq);
+                    say(&format!("m3c-bad add {}: {why}", a.seq));
+                    return Ok(());
+                }
                 if self.stages > 1 {
                     self.outbox.send(world, 1, TAG_ACT, add_message(&a));
                 } else {

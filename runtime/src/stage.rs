@@ -396,11 +396,10 @@ impl Stage {
         let mut feats = vec![0f32; want * m.x_words()];
         match &mut self.backing {
             Backing::Host { weights, .. } => {
-                // SAFETY: the compiled vision entry reads `patches` rows of
-                // pixels (patch_row f32 each), positions (3 i64) and segment
-                // ends, `rows.len()` image sizes summing to `patches`, and
-                // writes `patches / merge` rows of `x_words` words to `feats`
-                // (every image has a multiple of 4 rows: even grid sides).
+                // SAFETY: the entry reads `patches` rows of pixels, positions
+                // and segment ends and `rows.len()` sizes summing to `patches`,
+                // and writes `patches / 4` rows of `x_words` words to `feats`
+                // (the images file was checked: even grid sides, sizes match).
                 unsafe {
                     m3c_stage_vision(
                         weights.ptrs.as_ptr(),

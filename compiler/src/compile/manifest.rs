@@ -39,6 +39,8 @@ pub struct StageEntry {
     pub output: Boundary,
     pub tensors: Vec<String>,
     pub caches: Vec<CacheSlot>,
+    /// Whether the stage encodes images (holds the vision tower).
+    pub vision: bool,
     pub kernels: Vec<String>,
     /// CUDA stages: what the executable embeds, `cubin ARCH` (assembled by
     /// ptxas at compile time) or `ptx ARCH` (no ptxas: JIT at start-up).
@@ -92,6 +94,7 @@ impl StageEntry {
             output: p.output,
             tensors: p.tensors.iter().map(|t| t.name.clone()).collect(),
             caches: p.caches.clone(),
+            vision: p.vision.is_some(),
             kernels: p.kernels.iter().map(|k| k.symbol()).collect(),
             device_code: None,
         }

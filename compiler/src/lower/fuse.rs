@@ -687,11 +687,34 @@ impl Fuser<'_> {
         let outer = std::mem::take(&mut self.steps);
         let outer_live = std::mem::take(&mut self.live);
         let nodes = graph.nodes_of(Part::Vision);
-        for &n in &nodes {
+        let last = *nodes.last().ok_or("a vision config without vision nodes")?;
+        // A merged view's buffer is its source's.
+        let mut alias: HashMap<usize, usize> = HashMap::new();
+        for (i, &n) in nodes.iter().enumerate() {
             let what = format!("vision {}{}", graph.graph[n].op.name(), weight_label(&graph.graph[n].op));
             self.lower(n, what)?;
+            if let Some(Step::Regroup { from, to, .. }) = self.steps.last() {
+                alias.insert(*to, *from);
+            }
+            // A buffer no later node reads is freed now: 32 layers' worth of
+            // [patches, width] buffers would not fit.
+            let base = |v: Option<&Arg>| match v {
+                Some(Arg::Buf { id, .. }) => Some(*alias.get(id).unwrap_or(id)),
+                _ => None,
+            };
+            let mut needed: BTreeSet<usize> = nodes[i + 1..]
+                .iter()
+                .flat_map(|&m| graph.operands(m))
+                .filter_map(|o| base(self.vals.get(&o)))
+                .collect();
+            needed.extend(base(self.vals.get(&last)));
+            needed.extend(base(self.vals.get(&n)));
+            let (keep, free): (Vec<_>, Vec<_>) = std::mem::take(&mut self.live).into_iter().partition(|(id, _, _)| needed.contains(id));
+            for (id, width, elem) in free {
+                self.steps.push(Step::Free { id, width, elem });
+            }
+            self.live = keep;
         }
-        let last = *nodes.last().ok_or("a vision config without vision nodes")?;
         match self.vals.get(&last) {
             Some(Arg::Buf { id, width, .. }) => {
                 let (id, width) = (*id, *width);

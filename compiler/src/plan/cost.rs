@@ -105,11 +105,13 @@ pub fn part_costs(cfg: &ModelConfig, w: Workload) -> BTreeMap<Part, PartCost> {
     let mut expert_bytes: BTreeMap<Part, f64> = BTreeMap::new();
     let mut expert_params: BTreeMap<Part, f64> = BTreeMap::new();
     for spec in expected_tensors(cfg) {
-        if spec.part == Part::Vision {
-            continue;
-        }
         let c = costs.entry(spec.part).or_default();
         let bytes = spec.nominal_bytes() as f64;
+        if spec.part == Part::Vision {
+            // Held with the embedding; it runs once per image at prefill, not per decode step.
+            c.weight_bytes += bytes;
+            continue;
+        }
         c.weight_bytes += bytes;
         let params = if spec.is_parameter() { spec.numel() as f64 } else { 0.0 };
         match (spec.part, spec.role) {

@@ -30,6 +30,9 @@ pub struct Submission {
     pub max_new: usize,
     pub ignore_eos: bool,
     pub sampling: SamplingParams,
+    /// The request's images file (`m3c_contract::images`, sequence 0),
+    /// kept until the request ends.
+    pub images: Option<tempfile::TempPath>,
 }
 
 /// Why a request was not taken.
@@ -57,6 +60,8 @@ pub struct Limits {
 
 struct Running {
     tx: mpsc::UnboundedSender<Event>,
+    /// The images file, deleted when the request ends.
+    _images: Option<tempfile::TempPath>,
     bytes: u64,
     arrived: Instant,
     last: Option<Instant>,
@@ -64,6 +69,7 @@ struct Running {
 
 struct Waiting {
     seq: usize,
+    images: Option<tempfile::TempPath>,
     line: String,
     bytes: u64,
     prompt_tokens: usize,
@@ -245,7 +251,13 @@ impl Engine {
             p.seed,
             ids.join(",")
         );
-        st.waiting.push_back(Waiting { seq, line, bytes, prompt_tokens: s.prompt.len(), tx, arrived: Instant::now() });
+        // Hex, so any path survives the whitespace-separated line.
+        let line = match &s.images {
+            Some(p) => format!("{} images={}\n", line.trim_end(), p.as_os_str().as_encoded_bytes().iter().map(|b| format!("{b:02x}")).collect::<String>()),
+            None => line,
+        };
+        let images = s.images;
+        st.waiting.push_back(Waiting { seq, images, line, bytes, prompt_tokens: s.prompt.len(), tx, arrived: Instant::now() });
         self.admit(&mut st);
         drop(st);
         Ok(Ticket { seq, rx, engine: self.clone(), done: false })
@@ -265,7 +277,7 @@ impl Engine {
             st.cache_used += w.bytes;
             self.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).prompt_tokens += w.prompt_tokens as u64;
             self.send(w.line);
-            st.running.insert(w.seq, Running { tx: w.tx, bytes: w.bytes, arrived: w.arrived, last: None });
+            st.running.insert(w.seq, Running { tx: w.tx, _images: w.images, bytes: w.bytes, arrived: w.arrived, last: None });
         }
     }
 

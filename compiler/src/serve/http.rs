@@ -3,6 +3,7 @@
 //! events or answered whole.
 
 use super::engine::{Engine, Event, Submission, SubmitError, Ticket};
+use m3c_contract::images::SeqImages;
 use super::openai::{self, ApiError, Common, Defaults};
 use super::output::ChatOutput;
 use crate::text::front::StopFilter;
@@ -31,6 +32,12 @@ pub struct Shared {
     /// `max_tokens` of a chat request that gives none.
     pub default_max_tokens: usize,
     pub created: u64,
+    /// The image placeholder id (models with a vision tower).
+    pub image_token: Option<usize>,
+    /// Where images may come from.
+    pub media: super::media::MediaPolicy,
+    /// A private folder for the requests' images files.
+    pub media_dir: tempfile::TempDir,
 }
 
 type App = Arc<Shared>;
@@ -111,13 +118,13 @@ async fn completions(State(app): State<App>, headers: HeaderMap, body: Bytes) ->
         Ok((ids, common))
     };
     match run() {
-        Ok((ids, common)) => generate(app, ids, common, Kind::Completion).await,
+        Ok((ids, common)) => generate(app, ids, common, Kind::Completion, None).await,
         Err(e) => error(&e),
     }
 }
 
 async fn chat_completions(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
-    let run = || -> Result<(Vec<u32>, Common, Kind), ApiError> {
+    let run = || -> Result<(Vec<u32>, Common, Kind, Vec<(String, String)>), ApiError> {
         authorize(&app, &headers)?;
         let m = openai::object(&body)?;
         openai::check_model(&m, &app.name)?;
@@ -144,12 +151,42 @@ async fn chat_completions(State(app): State<App>, headers: HeaderMap, body: Byte
         let ids = app.tokenizer.encode(&rendered).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?;
         // Thinking enabled leaves the prompt inside an open <mm:think>.
         let thinking = rendered.trim_end().ends_with("<mm:think>");
-        Ok((ids, common, Kind::Chat { thinking, tools: chat.tools }))
+        Ok((ids, common, Kind::Chat { thinking, tools: chat.tools }, chat.images))
     };
-    match run() {
-        Ok((ids, common, kind)) => generate(app, ids, common, kind).await,
+    let (ids, common, kind, urls) = match run() {
+        Ok(r) => r,
+        Err(e) => return error(&e),
+    };
+    if urls.is_empty() {
+        return generate(app, ids, common, kind, None).await;
+    }
+    match images(&app, &ids, &urls).await {
+        Ok((ids, im)) => generate(app, ids, common, kind, Some(im)).await,
         Err(e) => error(&e),
     }
+}
+
+/// A chat's images: fetched, processed as the reference processor does
+/// (off the async threads), and each placeholder the template wrote
+/// expanded into that image's run of tokens.
+async fn images(app: &App, ids: &[u32], urls: &[(String, String)]) -> Result<(Vec<u32>, SeqImages), ApiError> {
+    let Some(token) = app.image_token else {
+        return Err(ApiError::bad(&urls[0].0, "this model has no vision tower: images are not accepted"));
+    };
+    let mut processed = Vec::new();
+    for (at, url) in urls {
+        let bytes = super::media::fetch(url, &app.media, at).await?;
+        let what = at.clone();
+        let p = tokio::task::spawn_blocking(move || crate::vision::processor::process(&bytes, &what))
+            .await
+            .map_err(|e| ApiError::new(500, "server_error", format!("processing an image: {e}")))?
+            .map_err(|e| ApiError::bad(at, e.to_string()))?;
+        processed.push(p);
+    }
+    let tokens: Vec<usize> = processed.iter().map(|p| p.tokens()).collect();
+    let t = crate::vision::prompt::ImageTokens::new(&app.tokenizer, token).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?;
+    let ids = t.expand(ids, &tokens).map_err(|e| ApiError::bad("messages", e.to_string()))?;
+    Ok((ids, crate::vision::prompt::seq_images(&processed)))
 }
 
 /// A JSON value as the template sees it.
@@ -252,7 +289,7 @@ impl Generation {
     }
 }
 
-async fn generate(app: App, ids: Vec<u32>, common: Common, kind: Kind) -> Response {
+async fn generate(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: Option<SeqImages>) -> Response {
     if ids.is_empty() {
         return error(&ApiError::bad("prompt", "the prompt has no tokens"));
     }
@@ -274,7 +311,16 @@ async fn generate(app: App, ids: Vec<u32>, common: Common, kind: Kind) -> Respon
             ),
         ));
     }
-    let sub = Submission { prompt: ids.clone(), max_new, ignore_eos: common.ignore_eos, sampling: common.sampling };
+    // The images go to the first stage as a file it reads when it takes
+    // the request; the file lives as long as the request.
+    let images = match images {
+        None => None,
+        Some(im) => match write_images(&app, im) {
+            Ok(p) => Some(p),
+            Err(e) => return error(&ApiError::new(500, "server_error", format!("writing the request's images: {e}"))),
+        },
+    };
+    let sub = Submission { prompt: ids.clone(), max_new, ignore_eos: common.ignore_eos, sampling: common.sampling, images };
     let ticket = match app.engine.submit(sub) {
         Ok(t) => t,
         Err(SubmitError::QueueFull(n)) => {
@@ -308,6 +354,15 @@ async fn generate(app: App, ids: Vec<u32>, common: Common, kind: Kind) -> Respon
     } else {
         whole(g).await
     }
+}
+
+/// A request's images file, in the server's private media folder (deleted
+/// when the returned path drops).
+fn write_images(app: &App, im: SeqImages) -> std::io::Result<tempfile::TempPath> {
+    let f = tempfile::Builder::new().prefix("req-").suffix(".safetensors").tempfile_in(app.media_dir.path())?;
+    let path = f.into_temp_path();
+    crate::vision::prompt::write_images_file(&path, &std::collections::BTreeMap::from([(0usize, im)]))?;
+    Ok(path)
 }
 
 /// The answer in one response.

@@ -10,6 +10,7 @@
 
 mod engine;
 mod http;
+mod media;
 mod metrics;
 mod openai;
 pub mod output;
@@ -42,6 +43,10 @@ pub struct Options {
     pub grace_s: f64,
     pub cuda_graphs: String,
     pub prefill_gemm: String,
+    /// `file://` images only from inside this folder.
+    pub allowed_local_media_path: Option<PathBuf>,
+    pub media_timeout_s: f64,
+    pub max_image_bytes: u64,
 }
 
 /// How long a server whose pipeline was lost still answers (with 503s).
@@ -94,6 +99,24 @@ pub fn run(o: Options) -> Result<()> {
         args.extend(["--eos-ids".to_string(), gen.eos_ids.iter().map(i64::to_string).collect::<Vec<_>>().join(",")]);
     }
     let cmd = compiled.mpirun(&args)?;
+    // Images: only where the first stage encodes them (the manifest's
+    // stages were compiled with the vision tower unless the plan said not).
+    let image_token = src.config.vision.as_ref().filter(|_| compiled.encodes_images()).map(|v| v.image_token_id);
+    let allowed_local = match &o.allowed_local_media_path {
+        None => None,
+        Some(d) => Some(
+            d.canonicalize()
+                .ok()
+                .filter(|p| p.is_dir())
+                .ok_or_else(|| anyhow::anyhow!("--allowed-local-media-path {}: not a folder", d.display()))?,
+        ),
+    };
+    let media = media::MediaPolicy {
+        allowed_local,
+        max_bytes: o.max_image_bytes,
+        timeout: Duration::from_secs_f64(o.media_timeout_s),
+    };
+    let media_dir = tempfile::Builder::new().prefix("m3c-serve-media-").tempdir().context("a folder for request images")?;
     let limits = engine::Limits { budget: o.kv_budget_bytes, per_position, max_batch: o.max_batch.max(1), max_queue: o.max_queue };
     let rt =
         tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().context("cannot start the async runtime")?;
@@ -105,7 +128,20 @@ pub fn run(o: Options) -> Result<()> {
             .with_context(|| format!("cannot listen on {}:{}", o.host, o.port))?;
         let addr = listener.local_addr()?;
         let (engine, mut child) = engine::Engine::start(cmd, limits, stages)?;
-        let shared = http::Shared { engine: engine.clone(), tokenizer, template, defaults, name: name.clone(), api_key: o.api_key.clone(), context, default_max_tokens: o.default_max_tokens, created };
+        let shared = http::Shared {
+            engine: engine.clone(),
+            tokenizer,
+            template,
+            defaults,
+            name: name.clone(),
+            api_key: o.api_key.clone(),
+            context,
+            default_max_tokens: o.default_max_tokens,
+            created,
+            image_token,
+            media,
+            media_dir,
+        };
         let app = http::router(shared);
         eprintln!(
             "m3c serve: http://{addr}/v1 serves `{name}` ({stages} stage(s), context {context}, up to {} running, cache budget {:.1} GB per stage); /health answers 200 once every stage is up",

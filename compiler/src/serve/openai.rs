@@ -205,6 +205,10 @@ pub struct Chat {
     pub messages: Value,
     pub tools: Vec<Value>,
     pub kwargs: Map<String, Value>,
+    /// The `image_url` parts, in order: (the part's field, its URL). Each
+    /// became an `{"type": "image"}` part the template writes as the image
+    /// placeholder.
+    pub images: Vec<(String, String)>,
 }
 
 pub fn chat(m: &Map<String, Value>) -> Result<Chat, ApiError> {
@@ -215,6 +219,7 @@ pub fn chat(m: &Map<String, Value>) -> Result<Chat, ApiError> {
         return Err(ApiError::bad("messages", "`messages` is empty"));
     }
     let mut messages = Vec::new();
+    let mut images = Vec::new();
     for (i, msg) in list.iter().enumerate() {
         let at = format!("messages[{i}]");
         let Value::Object(o) = msg else {
@@ -230,22 +235,46 @@ pub fn chat(m: &Map<String, Value>) -> Result<Chat, ApiError> {
             None | Some(Value::Null) if role == "assistant" => {}
             Some(Value::String(_)) => {}
             Some(Value::Array(parts)) => {
+                // Text parts join into one string, unless the message has
+                // images: then the parts stay a list of text and image parts
+                // in order, as the template takes them.
                 let mut text = String::new();
+                let mut kept = Vec::new();
                 for (j, p) in parts.iter().enumerate() {
+                    let field = format!("{at}.content[{j}]");
                     match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
-                        (Some("text"), Some(t)) => text.push_str(t),
+                        (Some("text"), Some(t)) => {
+                            text.push_str(t);
+                            kept.push(serde_json::json!({"type": "text", "text": t}));
+                        }
+                        (Some("image_url"), _) => {
+                            if role != "user" {
+                                return Err(ApiError::bad(&field, format!("{field}: images go in user messages")));
+                            }
+                            let url = match p.get("image_url") {
+                                Some(Value::String(u)) => u.as_str(),
+                                Some(Value::Object(o)) => o.get("url").and_then(Value::as_str).unwrap_or_default(),
+                                _ => "",
+                            };
+                            if url.is_empty() {
+                                return Err(ApiError::bad(&field, format!("{field} must be {{\"type\": \"image_url\", \"image_url\": {{\"url\": ...}}}}")));
+                            }
+                            images.push((format!("{field}.image_url"), url.to_string()));
+                            kept.push(serde_json::json!({"type": "image"}));
+                        }
                         (Some(t), _) => {
                             return Err(ApiError::bad(
                                 &at,
-                                format!("{at}.content[{j}]: content parts of type `{t}` are not supported (text only)"),
+                                format!("{field}: content parts of type `{t}` are not supported (text and image_url)"),
                             ))
                         }
-                        _ => return Err(ApiError::bad(&at, format!("{at}.content[{j}] must be {{\"type\": \"text\", \"text\": ...}}"))),
+                        _ => return Err(ApiError::bad(&at, format!("{field} must be {{\"type\": \"text\", \"text\": ...}}"))),
                     }
                 }
-                out.insert("content".into(), Value::String(text));
+                let has_image = kept.iter().any(|k| k["type"] == "image");
+                out.insert("content".into(), if has_image { Value::Array(kept) } else { Value::String(text) });
             }
-            _ => return Err(ApiError::bad(&at, format!("{at}.content must be a string or an array of text parts"))),
+            _ => return Err(ApiError::bad(&at, format!("{at}.content must be a string or an array of content parts"))),
         }
         if role == "tool" && !o.get("content").is_some_and(Value::is_string) && !o.get("content").is_some_and(Value::is_array) {
             return Err(ApiError::bad(&at, format!("{at}: a tool message needs its content")));
@@ -305,5 +334,5 @@ pub fn chat(m: &Map<String, Value>) -> Result<Chat, ApiError> {
         Some(Value::Object(o)) => o.clone(),
         Some(v) => return Err(ApiError::bad("chat_template_kwargs", format!("`chat_template_kwargs` must be an object, not {}", kind(v)))),
     };
-    Ok(Chat { messages: Value::Array(messages), tools, kwargs })
+    Ok(Chat { messages: Value::Array(messages), tools, kwargs, images })
 }

@@ -1,0 +1,113 @@
+//! Images a chat request brings (`image_url` content parts): `data:` URIs
+//! (base64), `http(s)` URLs fetched with a size limit and a deadline, and
+//! `file://` paths inside `--allowed-local-media-path` only. Every failure
+//! is a 400 that names the content part and what went wrong.
+
+use super::openai::ApiError;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Where images may come from, and how much of them.
+#[derive(Debug, Clone)]
+pub struct MediaPolicy {
+    /// `file://` URLs must resolve inside this folder (canonical); none: refused.
+    pub allowed_local: Option<PathBuf>,
+    /// The largest image, in bytes, from any source.
+    pub max_bytes: u64,
+    /// The deadline of a whole fetch (connect, headers and body).
+    pub timeout: Duration,
+}
+
+impl Default for MediaPolicy {
+    fn default() -> Self {
+        MediaPolicy { allowed_local: None, max_bytes: 20 << 20, timeout: Duration::from_secs(10) }
+    }
+}
+
+/// The bytes of the image at `url` (field `at` for errors).
+pub async fn fetch(url: &str, policy: &MediaPolicy, at: &str) -> Result<Vec<u8>, ApiError> {
+    let bad = |m: String| ApiError::bad(at, format!("{at}: {m}"));
+    if let Some(rest) = url.strip_prefix("data:") {
+        return data_uri(rest, policy.max_bytes).map_err(bad);
+    }
+    if url.starts_with("http://") || url.starts_with("https://") {
+        return http(url, policy).await.map_err(bad);
+    }
+    if let Some(path) = url.strip_prefix("file://") {
+        return local(Path::new(path), policy).map_err(bad);
+    }
+    let shown: String = url.chars().take(40).collect();
+    Err(bad(format!("`{shown}` is not a data:, http(s):// or file:// URL")))
+}
+
+/// `[<mediatype>][;base64],<data>`: base64 only (images are binary).
+fn data_uri(rest: &str, max: u64) -> Result<Vec<u8>, String> {
+    use base64::Engine as _;
+    let (meta, data) = rest.split_once(',').ok_or("a data: URI without a comma")?;
+    if !meta.ends_with(";base64") {
+        return Err("a data: URI must be base64 (`data:image/png;base64,...`)".into());
+    }
+    // 4 base64 characters carry 3 bytes: refuse before decoding.
+    if data.len() as u64 / 4 * 3 > max {
+        return Err(format!("the image is larger than the server's limit of {max} bytes"));
+    }
+    base64::engine::general_purpose::STANDARD.decode(data.trim()).map_err(|e| format!("the data: URI is not valid base64: {e}"))
+}
+
+/// An http(s) image: the whole fetch within the deadline, the body within the size limit.
+async fn http(url: &str, policy: &MediaPolicy) -> Result<Vec<u8>, String> {
+    let client = reqwest::Client::builder()
+        .timeout(policy.timeout)
+        .connect_timeout(policy.timeout)
+        .redirect(reqwest::redirect::Policy::limited(5))
+        .build()
+        .map_err(|e| format!("no HTTP client: {e}"))?;
+    let secs = policy.timeout.as_secs_f64();
+    let describe = |e: reqwest::Error| {
+        if e.is_timeout() {
+            format!("fetching {url}: no complete answer within {secs} s")
+        } else {
+            format!("fetching {url}: {e}")
+        }
+    };
+    let mut resp = client.get(url).send().await.map_err(describe)?;
+    if !resp.status().is_success() {
+        return Err(format!("fetching {url}: the server answered {}", resp.status()));
+    }
+    if resp.content_length().is_some_and(|n| n > policy.max_bytes) {
+        return Err(format!("fetching {url}: the image is larger than the server's limit of {} bytes", policy.max_bytes));
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = resp.chunk().await.map_err(describe)? {
+        if body.len() as u64 + chunk.len() as u64 > policy.max_bytes {
+            return Err(format!("fetching {url}: the image is larger than the server's limit of {} bytes", policy.max_bytes));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
+}
+
+/// A local file, only inside the allowed folder (after resolving links).
+fn local(path: &Path, policy: &MediaPolicy) -> Result<Vec<u8>, String> {
+    let Some(root) = &policy.allowed_local else {
+        return Err("file:// URLs are refused: the server was started without --allowed-local-media-path".into());
+    };
+    let real = path.canonicalize().map_err(|e| format!("{}: {e}", path.display()))?;
+    if !real.starts_with(root) {
+        return Err(format!("{} is outside the allowed media folder {}", path.display(), root.display()));
+    }
+    m3c_contract::input::read_bytes(&real, "image", policy.max_bytes).map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn data_uris() {
+        assert_eq!(data_uri("image/png;base64,aGVsbG8=", 100).unwrap(), b"hello");
+        assert!(data_uri("image/png,hello", 100).unwrap_err().contains("base64"));
+        assert!(data_uri("image/png;base64,aGVsbG8=", 2).unwrap_err().contains("limit"));
+        assert!(data_uri("image/png;base64,@@@@", 100).unwrap_err().contains("not valid base64"));
+    }
+}
