@@ -360,3 +360,43 @@ fn a_request_that_meets_non_finite_logits_fails_alone() {
     assert_eq!((got["failed"].as_u64(), got["after"].as_u64(), got["health"].as_u64()), (Some(503), Some(3), Some(200)), "{got}");
     assert_eq!(got["failed_total"].as_f64(), Some(1.0));
 }
+
+/// Chat images as OpenAI's client sends them: a data: URI, an http URL on a
+/// local server and a file:// path under --allowed-local-media-path give
+/// the same answer, whose prompt is `m3c run --chat --image`'s; the image
+/// request and text-only requests share micro-batches and each gets its
+/// solo answer; bad images (corrupt, not base64, 404, too slow, too big,
+/// outside the allowed folder, an unknown scheme, in an assistant turn) are
+/// 400s naming the content part.
+#[test]
+fn chat_images_by_data_uri_http_and_file_give_the_same_answer() {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, model) = compiled(dir.path());
+    let media = dir.path().join("media");
+    std::fs::create_dir(&media).unwrap();
+    let png = media.join("a.png");
+    std::fs::copy(fixture("vision/A_rgb_56x84_noresize.png"), &png).unwrap();
+    let outside = dir.path().join("outside.png");
+    std::fs::copy(&png, &outside).unwrap();
+    let user = "What is in this picture?";
+    let (want, log) = run_text(
+        &out,
+        &model,
+        &["--chat", user, "--thinking", "disabled", "--image", png.to_str().unwrap(), "--max-new-tokens", "8", "--temperature", "0", "--ignore-eos"],
+    );
+    let tokens: u64 = log.split("prompt 0: ").nth(1).and_then(|s| s.split(' ').next()).and_then(|n| n.parse().ok()).unwrap();
+    let s = Server::start(&out, &model, &["--allowed-local-media-path", media.to_str().unwrap(), "--media-timeout-s", "2", "--max-image-mb", "1"]);
+    let got = s.client(&["images", png.to_str().unwrap(), png.to_str().unwrap(), outside.to_str().unwrap()]);
+    assert_eq!(got["prompt_tokens"].as_u64(), Some(tokens), "the image chat's prompt is m3c run's");
+    if !["<mm:think>", "</mm:think>", "<tool_call>"].iter().any(|t| want.contains(t)) {
+        assert_eq!(got["text"].as_str(), Some(want.trim_start_matches('\n')), "the image chat's answer is m3c run's");
+    }
+    // No request's images file outlives it.
+    let leftover = std::fs::read_dir(std::env::temp_dir())
+        .unwrap()
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_string_lossy().starts_with("m3c-serve-media-"))
+        .flat_map(|e| std::fs::read_dir(e.path()).into_iter().flatten().filter_map(Result::ok))
+        .count();
+    assert_eq!(leftover, 0, "request images files left behind");
+}

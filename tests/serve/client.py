@@ -269,6 +269,129 @@ def stream_until_end(base, model):
     return {"finish": finish, "error": error, "chars": len(text)}
 
 
+class _Media:
+    """A local image server on 127.0.0.1: /image.png, /slow.png (answers
+    after 30 s), /big.png (a body past any limit), /missing.png (404)."""
+
+    def __init__(self, png_bytes):
+        import http.server
+        import threading
+
+        body = png_bytes
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                if self.path == "/image.png":
+                    data = body
+                elif self.path == "/slow.png":
+                    time.sleep(30)
+                    data = body
+                elif self.path == "/big.png":
+                    self.send_response(200)
+                    self.send_header("Content-Type", "image/png")
+                    self.end_headers()
+                    try:
+                        for _ in range(64):
+                            self.wfile.write(b"\0" * (1 << 20))
+                    except OSError:
+                        pass
+                    return
+                else:
+                    self.send_response(404)
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.srv.daemon_threads = True
+        threading.Thread(target=self.srv.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.srv.server_address[1]}"
+
+
+def _image_chat(c, model, url, user, **kw):
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": user}]}]
+    params = dict(max_tokens=8, temperature=0, extra_body={"ignore_eos": True, "chat_template_kwargs": {"thinking_mode": "disabled"}})
+    params.update(kw)
+    return c.chat.completions.create(model=model, messages=messages, **params)
+
+
+def images(base, model, png, allowed, outside):
+    """An image by data: URI, by http URL from a local server and as a
+    file:// path inside the allowed folder all give the same answer; it runs
+    beside text-only requests unchanged; bad images are 400s naming the part."""
+    import base64
+
+    c = client(base)
+    raw = open(png, "rb").read()
+    data_url = "data:image/png;base64," + base64.b64encode(raw).decode()
+    user = "What is in this picture?"
+    first = _image_chat(c, model, data_url, user)
+    text = first.choices[0].message.content or ""
+    streamed = ""
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url}}, {"type": "text", "text": user}]}]
+    for chunk in c.chat.completions.create(
+        model=model, messages=messages, stream=True, max_tokens=8, temperature=0,
+        extra_body={"ignore_eos": True, "chat_template_kwargs": {"thinking_mode": "disabled"}},
+    ):
+        for ch in chunk.choices:
+            streamed += ch.delta.content or ""
+    assert streamed == text, f"streamed {streamed!r} vs whole {text!r}"
+    media = _Media(raw)
+    by_http = _image_chat(c, model, media.url + "/image.png", user).choices[0].message.content or ""
+    assert by_http == text, f"http {by_http!r} vs data: {text!r}"
+    by_file = _image_chat(c, model, "file://" + allowed, user).choices[0].message.content or ""
+    assert by_file == text, f"file {by_file!r} vs data: {text!r}"
+
+    # Beside text-only requests: every request gets its solo answer.
+    prompts = [f"Tell me about {i}." for i in range(6)]
+    tparams = lambda i: dict(max_tokens=8, temperature=0.9, seed=40 + i, extra_body={"ignore_eos": True})
+    solo = [c.completions.create(model=model, prompt=p, **tparams(i)).choices[0].text for i, p in enumerate(prompts)]
+    a = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=300)
+
+    async def together():
+        img = a.chat.completions.create(
+            model=model, messages=messages, max_tokens=8, temperature=0,
+            extra_body={"ignore_eos": True, "chat_template_kwargs": {"thinking_mode": "disabled"}},
+        )
+        texts = [a.completions.create(model=model, prompt=p, **tparams(i)) for i, p in enumerate(prompts)]
+        return await asyncio.gather(img, *texts)
+
+    got = asyncio.run(together())
+    assert (got[0].choices[0].message.content or "") == text, "the image request beside text requests"
+    differ = [i for i in range(6) if got[i + 1].choices[0].text != solo[i]]
+    assert not differ, f"text requests {differ} changed beside an image request"
+
+    # Bad images: a 400 naming the content part, the server still up.
+    h = httpx.Client(timeout=120)
+    def bad(url, want, role="user"):
+        body = {"model": model, "max_tokens": 2, "messages": [
+            {"role": role, "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "hi"}]}]}
+        t0 = time.time()
+        r = h.post(base + "/chat/completions", json=body)
+        msg = r.json().get("error", {}).get("message", "")
+        assert r.status_code == 400 and want in msg, f"{url[:60]}: {r.status_code} {msg!r}"
+        return time.time() - t0
+    bad("data:image/png;base64," + base64.b64encode(b"not a png").decode(), "messages[0].content[0].image_url")
+    bad("data:image/png;base64,@@@", "not valid base64")
+    bad(media.url + "/missing.png", "404")
+    slow = bad(media.url + "/slow.png", "within 2 s")
+    assert slow < 15, f"the slow fetch took {slow:.1f} s"
+    bad(media.url + "/big.png", "limit")
+    bad("file://" + outside, "outside the allowed media folder")
+    bad("ftp://example/x.png", "not a data:, http(s):// or file:// URL")
+    bad(data_url, "images go in user messages", role="assistant")
+    ok = _image_chat(c, model, data_url, user).choices[0].message.content or ""
+    assert ok == text, "the server answers as before after the errors"
+    return {"text": text, "prompt_tokens": first.usage.prompt_tokens}
+
+
 def main():
     base, model, cmd, *rest = sys.argv[1:]
     if cmd == "complete":
@@ -291,6 +414,8 @@ def main():
         out = poison(base, model)
     elif cmd == "stream":
         out = stream_until_end(base, model)
+    elif cmd == "images":
+        out = images(base, model, rest[0], rest[1], rest[2])
     else:
         raise SystemExit(f"unknown subcommand {cmd}")
     print(json.dumps(out))
