@@ -51,6 +51,21 @@ enum Command {
         /// Store every text-layer linear in MXFP8 like MiniMax-M3-MXFP8.
         #[arg(long)]
         mxfp8: bool,
+        /// The vision tower's hidden size (MiniMax-M3: 1280).
+        #[arg(long, default_value_t = 64)]
+        vision_hidden: usize,
+        /// Its attention heads (MiniMax-M3: 16).
+        #[arg(long, default_value_t = 4)]
+        vision_heads: usize,
+        /// Its MLP width (MiniMax-M3: 5120).
+        #[arg(long, default_value_t = 128)]
+        vision_mlp: usize,
+        /// Its layers (MiniMax-M3: 32).
+        #[arg(long, default_value_t = 2)]
+        vision_layers: usize,
+        /// The projector and patch merger's hidden width (MiniMax-M3: 6144).
+        #[arg(long, default_value_t = 96)]
+        projector_hidden: usize,
     },
 }
 
@@ -342,8 +357,15 @@ fn run(cli: Cli) -> Result<()> {
                 max_image_bytes: a.max_image_mb as u64 * (1 << 20),
             })
         }
-        Command::InitTiny { out, seed, layers, hidden, mxfp8 } => {
-            let spec = crate::tiny::TinySpec { seed, layers, hidden, mxfp8 };
+        Command::InitTiny { out, seed, layers, hidden, mxfp8, vision_hidden, vision_heads, vision_mlp, vision_layers, projector_hidden } => {
+            let vision = crate::tiny::TinyVision {
+                hidden: vision_hidden,
+                heads: vision_heads,
+                intermediate: vision_mlp,
+                layers: vision_layers,
+                projector: projector_hidden,
+            };
+            let spec = crate::tiny::TinySpec { seed, layers, hidden, mxfp8, vision };
             crate::tiny::init_tiny(&out, &spec)?;
             say(&format!(
                 "wrote {} ({} layers, hidden {}, {}, seed {seed})\n",

@@ -25,11 +25,29 @@ pub struct TinySpec {
     pub layers: usize,
     pub hidden: usize,
     pub mxfp8: bool,
+    pub vision: TinyVision,
+}
+
+/// The vision tower's widths (MiniMax-M3's: hidden 1280, 16 heads, MLP
+/// 5120, 32 layers, projector 6144).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TinyVision {
+    pub hidden: usize,
+    pub heads: usize,
+    pub intermediate: usize,
+    pub layers: usize,
+    pub projector: usize,
+}
+
+impl Default for TinyVision {
+    fn default() -> Self {
+        TinyVision { hidden: 64, heads: 4, intermediate: 128, layers: 2, projector: 96 }
+    }
 }
 
 impl Default for TinySpec {
     fn default() -> Self {
-        TinySpec { seed: 0, layers: 8, hidden: 128, mxfp8: false }
+        TinySpec { seed: 0, layers: 8, hidden: 128, mxfp8: false, vision: TinyVision::default() }
     }
 }
 
@@ -47,6 +65,22 @@ impl TinySpec {
         }
         if self.hidden < 128 || !self.hidden.is_multiple_of(128) {
             bail!("--hidden must be a positive multiple of 128 (found {}): heads are {HEAD_DIM} wide and come in groups of 4", self.hidden);
+        }
+        let v = &self.vision;
+        for (flag, n) in [("--vision-hidden", v.hidden), ("--vision-mlp", v.intermediate), ("--projector-hidden", v.projector)] {
+            if n == 0 || n > 16384 {
+                bail!("{flag} must be from 1 to 16384 (found {n})");
+            }
+        }
+        if v.layers == 0 || v.layers > 64 {
+            bail!("--vision-layers must be from 1 to 64 (found {})", v.layers);
+        }
+        if v.heads == 0 || !v.hidden.is_multiple_of(v.heads) || v.hidden / v.heads < 6 || !(v.hidden / v.heads).is_multiple_of(8) {
+            bail!(
+                "--vision-heads {} must divide --vision-hidden {} into heads of at least 6 channels, a multiple of 8 (3-D RoPE takes a third of each)",
+                v.heads,
+                v.hidden
+            );
         }
         Ok(())
     }
@@ -84,8 +118,8 @@ impl TinySpec {
                 }
             },
             "vision_config": {
-                "model_type": "clip_vision_model", "hidden_size": 64, "num_attention_heads": 4,
-                "num_hidden_layers": 2, "intermediate_size": 128, "patch_size": 14, "image_size": 56,
+                "model_type": "clip_vision_model", "hidden_size": self.vision.hidden, "num_attention_heads": self.vision.heads,
+                "num_hidden_layers": self.vision.layers, "intermediate_size": self.vision.intermediate, "patch_size": 14, "image_size": 56,
                 "num_channels": 3, "hidden_act": "gelu", "layer_norm_eps": 1e-5, "rope_theta": 10000.0,
                 "rope_mode": "3d",
                 "img_token_compression_config": {
@@ -93,7 +127,7 @@ impl TinySpec {
                 },
                 "vision_segment_max_frames": 4
             },
-            "image_token_index": 500, "video_token_index": 501, "projector_hidden_size": 96,
+            "image_token_index": 500, "video_token_index": 501, "projector_hidden_size": self.vision.projector,
             "projector_hidden_act": "gelu", "multimodal_projector_bias": true,
             "vision_feature_layer": -1, "vision_feature_select_strategy": "full",
             "tie_word_embeddings": false, "torch_dtype": "bfloat16",
