@@ -357,7 +357,18 @@ fn run(cli: Cli) -> Result<()> {
                 max_image_bytes: a.max_image_mb as u64 * (1 << 20),
             })
         }
-        Command::InitTiny { out, seed, layers, hidden, mxfp8, vision_hidden, vision_heads, vision_mlp, vision_layers, projector_hidden } => {
+        Command::InitTiny {
+            out,
+            seed,
+            layers,
+            hidden,
+            mxfp8,
+            vision_hidden,
+            vision_heads,
+            vision_mlp,
+            vision_layers,
+            projector_hidden,
+        } => {
             let vision = crate::tiny::TinyVision {
                 hidden: vision_hidden,
                 heads: vision_heads,

@@ -183,7 +183,10 @@ fn encode_images(st: &mut stage::Stage, args: &RunArgs) -> Result<(), StageError
                 if let Some(v) = &st.meta.vision {
                     let n = p.iter().filter(|&&id| id == v.image_token).count();
                     if n > 0 {
-                        return Err(StageError::Args(format!("prompt {s} has {n} image placeholder(s) (id {}) but no image", v.image_token)));
+                        return Err(StageError::Args(format!(
+                            "prompt {s} has {n} image placeholder(s) (id {}) but no image",
+                            v.image_token
+                        )));
                     }
                 }
             }
@@ -200,7 +203,8 @@ pub(crate) fn read_images(
     f: &std::path::Path,
     patch_row: usize,
 ) -> Result<std::collections::BTreeMap<usize, m3c_contract::images::SeqImages>, StageError> {
-    let bytes = m3c_contract::input::read_bytes(f, "--images", m3c_contract::images::MAX_BYTES).map_err(|e| StageError::Args(e.to_string()))?;
+    let bytes =
+        m3c_contract::input::read_bytes(f, "--images", m3c_contract::images::MAX_BYTES).map_err(|e| StageError::Args(e.to_string()))?;
     m3c_contract::images::decode(&bytes, patch_row).map_err(|e| StageError::Args(format!("{}: {e}", f.display())))
 }
 

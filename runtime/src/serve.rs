@@ -105,10 +105,8 @@ fn parse_command(line: &str) -> Result<Command, String> {
                 None => None,
                 Some(v) => {
                     let hex = v.strip_prefix("images=").ok_or("the 12th field must be images=HEX")?;
-                    let bytes: Option<Vec<u8>> = (0..hex.len())
-                        .step_by(2)
-                        .map(|i| hex.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok()))
-                        .collect();
+                    let bytes: Option<Vec<u8>> =
+                        (0..hex.len()).step_by(2).map(|i| hex.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok())).collect();
                     let bytes = bytes.filter(|b| !b.is_empty() && hex.len() % 2 == 0).ok_or("images=HEX: not a hex path")?;
                     Some(std::path::PathBuf::from(<std::ffi::OsString as std::os::unix::ffi::OsStringExt>::from_vec(bytes)))
                 }

@@ -667,8 +667,8 @@ impl Stage {
                 // Decode steps (one row per sequence) go through a graph from their
                 // micro-batch's second step on; everything else runs eagerly.
                 // (A step with image rows is never a graph: its inputs differ.)
-                let key: Option<Vec<usize>> = (graphs.on && nimg == 0 && segments.iter().all(|s| s.rows == 1))
-                    .then(|| segments.iter().map(|s| s.seq).collect());
+                let key: Option<Vec<usize>> =
+                    (graphs.on && nimg == 0 && segments.iter().all(|s| s.rows == 1)).then(|| segments.iter().map(|s| s.seq).collect());
                 let img_dev = if nimg > 0 { Some((device.upload(bytes_of(&img))?, device.upload(bytes_of(&img_rows))?)) } else { None };
                 let (img_p, img_rows_p) = img_dev.as_ref().map_or((0, 0), |(a, b)| (a.ptr(), b.ptr()));
                 let fresh = || Io::alloc(tokens, segments.len(), m.x_words(), if m.last_stage { m.vocab } else { 0 });

@@ -791,8 +791,9 @@ impl CudaPipeline {
                 g.mem.alloc(s * m3c_contract::sampling::ROW_WORDS * 8),
                 g.mem.alloc(segs.len() * m3c_contract::sampling::seen_words(self.vocab) * 4),
             ];
-            let args = [st.weights, st.weights, a[0], segs.len() as u64, a[1], a[2], s as u64, a[3], a[4], a[5], a[6], a[8], a[9], a[7], 0, 0, 0]
-                .map(Arg::Ptr);
+            let args =
+                [st.weights, st.weights, a[0], segs.len() as u64, a[1], a[2], s as u64, a[3], a[4], a[5], a[6], a[8], a[9], a[7], 0, 0, 0]
+                    .map(Arg::Ptr);
             g.call_host(m3c::lower::ENTRY_SYMBOL, &args).unwrap_or_else(|e| panic!("stage {k}: {e}"));
             if k + 1 == n {
                 logits = g.mem.get::<f32>(a[5])[..s * self.vocab].to_vec();

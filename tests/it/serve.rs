@@ -382,10 +382,26 @@ fn chat_images_by_data_uri_http_and_file_give_the_same_answer() {
     let (want, log) = run_text(
         &out,
         &model,
-        &["--chat", user, "--thinking", "disabled", "--image", png.to_str().unwrap(), "--max-new-tokens", "8", "--temperature", "0", "--ignore-eos"],
+        &[
+            "--chat",
+            user,
+            "--thinking",
+            "disabled",
+            "--image",
+            png.to_str().unwrap(),
+            "--max-new-tokens",
+            "8",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+        ],
     );
     let tokens: u64 = log.split("prompt 0: ").nth(1).and_then(|s| s.split(' ').next()).and_then(|n| n.parse().ok()).unwrap();
-    let s = Server::start(&out, &model, &["--allowed-local-media-path", media.to_str().unwrap(), "--media-timeout-s", "2", "--max-image-mb", "1"]);
+    let s = Server::start(
+        &out,
+        &model,
+        &["--allowed-local-media-path", media.to_str().unwrap(), "--media-timeout-s", "2", "--max-image-mb", "1"],
+    );
     let got = s.client(&["images", png.to_str().unwrap(), png.to_str().unwrap(), outside.to_str().unwrap()]);
     assert_eq!(got["prompt_tokens"].as_u64(), Some(tokens), "the image chat's prompt is m3c run's");
     if !["<mm:think>", "</mm:think>", "<tool_call>"].iter().any(|t| want.contains(t)) {

@@ -338,7 +338,18 @@ fn bad_image_input_is_a_clear_error() {
         ids_arg(&ids)
     };
     // The 56×84 image takes (56/28)·(84/28) = 6 tokens.
-    let ok = m3c(&["run", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--max-new-tokens", "2", "--prompt-ids", &run_of(6), "--image", png.to_str().unwrap()]);
+    let ok = m3c(&[
+        "run",
+        out.to_str().unwrap(),
+        "--model",
+        model.to_str().unwrap(),
+        "--max-new-tokens",
+        "2",
+        "--prompt-ids",
+        &run_of(6),
+        "--image",
+        png.to_str().unwrap(),
+    ]);
     assert!(ok.status.success(), "{}", stderr(&ok));
     let e = fails(&["--prompt-ids", &run_of(7), "--image", png.to_str().unwrap()]);
     assert!(e.contains("takes 6 placeholder tokens") && e.contains("has 7"), "{e}");
@@ -358,7 +369,10 @@ fn bad_image_input_is_a_clear_error() {
     assert!(e.contains("exactly one"), "{e}");
     // The stages check an images file against the prompt too.
     let images = golden_images_file(dir.path());
-    let o = run_stages(&out, &["--model", model.to_str().unwrap(), "--max-new-tokens", "2", "--prompt-ids", "1,2,500,3", "--images", images.to_str().unwrap()]);
+    let o = run_stages(
+        &out,
+        &["--model", model.to_str().unwrap(), "--max-new-tokens", "2", "--prompt-ids", "1,2,500,3", "--images", images.to_str().unwrap()],
+    );
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && e.contains("1 image placeholder(s)") && e.contains("make 4 image tokens"), "{e}");
     let o = run_stages(&out, &["--model", model.to_str().unwrap(), "--max-new-tokens", "2", "--prompt-ids", "1,2,500,3"]);
@@ -370,7 +384,10 @@ fn bad_image_input_is_a_clear_error() {
     let t = dir.path().join("t");
     let o = m3c(&["compile", plan.to_str().unwrap(), "--model", model.to_str().unwrap(), "--pp", "1", "-o", t.to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let o = run_stages(&t, &["--model", model.to_str().unwrap(), "--max-new-tokens", "2", "--prompt-ids", &run_of(4), "--images", images.to_str().unwrap()]);
+    let o = run_stages(
+        &t,
+        &["--model", model.to_str().unwrap(), "--max-new-tokens", "2", "--prompt-ids", &run_of(4), "--images", images.to_str().unwrap()],
+    );
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && e.contains("without the vision tower"), "{e}");
 }

@@ -193,10 +193,8 @@ impl Builder<'_> {
             let lp = vn::layer(l);
             let stem = |which: &str| names::without_weight(which).to_string();
             let h = self.layer_norm(x, &stem(&vn::layer_norm(&lp, 1, "weight")), vh, v.layer_norm_eps);
-            let qkv: Vec<NodeIndex> = vn::ATTN_PROJS[..3]
-                .iter()
-                .map(|proj| self.biased(h, &stem(&vn::attn(&lp, proj, "weight")), vh, vh, false, p))
-                .collect();
+            let qkv: Vec<NodeIndex> =
+                vn::ATTN_PROJS[..3].iter().map(|proj| self.biased(h, &stem(&vn::attn(&lp, proj, "weight")), vh, vh, false, p)).collect();
             let rope = |b: &mut Self, x: NodeIndex| {
                 let op = Op::AxialRope { heads, head_dim: d, axis_dim, theta: v.rope_theta };
                 b.node(op, ty(&[p, Dim::Fixed(heads), Dim::Fixed(d)], Elem::Act), &[x, ppos])

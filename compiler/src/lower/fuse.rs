@@ -384,14 +384,22 @@ impl Fuser<'_> {
                 let (w, wt) = self.float_weight(&weight)?;
                 let (b, _) = self.float_weight(&bias)?;
                 let y = self.alloc(width, self.act.mlir_elem());
-                self.call(Kernel::LayerNorm(m3c_kernels::LayerNorm { width, eps, weight: wt, act: self.act }), vec![x, w, b, y.clone()], what);
+                self.call(
+                    Kernel::LayerNorm(m3c_kernels::LayerNorm { width, eps, weight: wt, act: self.act }),
+                    vec![x, w, b, y.clone()],
+                    what,
+                );
                 self.vals.insert(n, y);
             }
             Op::BiasAct { bias, gelu } => {
                 // In place: a bias always follows the linear that made its operand.
                 let x = self.val(ops[0])?;
                 let (b, wt) = self.float_weight(&bias)?;
-                self.call(Kernel::BiasAct(m3c_kernels::BiasAct { width, weight: wt, gelu, act: self.act }), vec![x.clone(), b, x.clone()], what);
+                self.call(
+                    Kernel::BiasAct(m3c_kernels::BiasAct { width, weight: wt, gelu, act: self.act }),
+                    vec![x.clone(), b, x.clone()],
+                    what,
+                );
                 self.vals.insert(n, x);
             }
             Op::AxialRope { heads, head_dim, axis_dim, theta } => {
@@ -702,11 +710,8 @@ impl Fuser<'_> {
                 Some(Arg::Buf { id, .. }) => Some(*alias.get(id).unwrap_or(id)),
                 _ => None,
             };
-            let mut needed: BTreeSet<usize> = nodes[i + 1..]
-                .iter()
-                .flat_map(|&m| graph.operands(m))
-                .filter_map(|o| base(self.vals.get(&o)))
-                .collect();
+            let mut needed: BTreeSet<usize> =
+                nodes[i + 1..].iter().flat_map(|&m| graph.operands(m)).filter_map(|o| base(self.vals.get(&o))).collect();
             needed.extend(base(self.vals.get(&last)));
             needed.extend(base(self.vals.get(&n)));
             let (keep, free): (Vec<_>, Vec<_>) = std::mem::take(&mut self.live).into_iter().partition(|(id, _, _)| needed.contains(id));

@@ -41,7 +41,15 @@ pub fn even_plan(cfg: &ModelConfig, pp: usize) -> Option<Plan> {
             let len = n / pp + usize::from(k < n % pp);
             let r = LayerRange { first, last: first + len - 1 };
             first += len;
-            StagePlan { layers: Some(r), embedding: k == 0, final_norm: k == pp - 1, lm_head: k == pp - 1, vision: k == 0, device: None, host: None }
+            StagePlan {
+                layers: Some(r),
+                embedding: k == 0,
+                final_norm: k == pp - 1,
+                lm_head: k == pp - 1,
+                vision: k == 0,
+                device: None,
+                host: None,
+            }
         })
         .collect();
     Some(Plan { model: None, target: Target::Host, stages })

@@ -253,7 +253,11 @@ impl Engine {
         );
         // Hex, so any path survives the whitespace-separated line.
         let line = match &s.images {
-            Some(p) => format!("{} images={}\n", line.trim_end(), p.as_os_str().as_encoded_bytes().iter().map(|b| format!("{b:02x}")).collect::<String>()),
+            Some(p) => format!(
+                "{} images={}\n",
+                line.trim_end(),
+                p.as_os_str().as_encoded_bytes().iter().map(|b| format!("{b:02x}")).collect::<String>()
+            ),
             None => line,
         };
         let images = s.images;

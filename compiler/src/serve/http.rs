@@ -3,7 +3,6 @@
 //! events or answered whole.
 
 use super::engine::{Engine, Event, Submission, SubmitError, Ticket};
-use m3c_contract::images::SeqImages;
 use super::openai::{self, ApiError, Common, Defaults};
 use super::output::ChatOutput;
 use crate::text::front::StopFilter;
@@ -15,6 +14,7 @@ use axum::response::sse::{Event as Sse_, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use m3c_contract::images::SeqImages;
 use serde_json::{json, Value};
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -124,7 +124,7 @@ async fn completions(State(app): State<App>, headers: HeaderMap, body: Bytes) ->
 }
 
 async fn chat_completions(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
-    let run = || -> Result<(Vec<u32>, Common, Kind, Vec<(String, String)>), ApiError> {
+    let run = || -> Result<(Vec<u32>, Common, Kind, ImageUrls), ApiError> {
         authorize(&app, &headers)?;
         let m = openai::object(&body)?;
         openai::check_model(&m, &app.name)?;
@@ -166,6 +166,9 @@ async fn chat_completions(State(app): State<App>, headers: HeaderMap, body: Byte
     }
 }
 
+/// A chat's `image_url` parts: (the part's field, its URL).
+type ImageUrls = Vec<(String, String)>;
+
 /// A chat's images: fetched, processed as the reference processor does
 /// (off the async threads), and each placeholder the template wrote
 /// expanded into that image's run of tokens.
@@ -184,7 +187,8 @@ async fn images(app: &App, ids: &[u32], urls: &[(String, String)]) -> Result<(Ve
         processed.push(p);
     }
     let tokens: Vec<usize> = processed.iter().map(|p| p.tokens()).collect();
-    let t = crate::vision::prompt::ImageTokens::new(&app.tokenizer, token).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?;
+    let t =
+        crate::vision::prompt::ImageTokens::new(&app.tokenizer, token).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?;
     let ids = t.expand(ids, &tokens).map_err(|e| ApiError::bad("messages", e.to_string()))?;
     Ok((ids, crate::vision::prompt::seq_images(&processed)))
 }

@@ -111,11 +111,7 @@ pub fn run(o: Options) -> Result<()> {
                 .ok_or_else(|| anyhow::anyhow!("--allowed-local-media-path {}: not a folder", d.display()))?,
         ),
     };
-    let media = media::MediaPolicy {
-        allowed_local,
-        max_bytes: o.max_image_bytes,
-        timeout: Duration::from_secs_f64(o.media_timeout_s),
-    };
+    let media = media::MediaPolicy { allowed_local, max_bytes: o.max_image_bytes, timeout: Duration::from_secs_f64(o.media_timeout_s) };
     let media_dir = tempfile::Builder::new().prefix("m3c-serve-media-").tempdir().context("a folder for request images")?;
     let limits = engine::Limits { budget: o.kv_budget_bytes, per_position, max_batch: o.max_batch.max(1), max_queue: o.max_queue };
     let rt =

@@ -257,7 +257,10 @@ pub fn chat(m: &Map<String, Value>) -> Result<Chat, ApiError> {
                                 _ => "",
                             };
                             if url.is_empty() {
-                                return Err(ApiError::bad(&field, format!("{field} must be {{\"type\": \"image_url\", \"image_url\": {{\"url\": ...}}}}")));
+                                return Err(ApiError::bad(
+                                    &field,
+                                    format!("{field} must be {{\"type\": \"image_url\", \"image_url\": {{\"url\": ...}}}}"),
+                                ));
                             }
                             images.push((format!("{field}.image_url"), url.to_string()));
                             kept.push(serde_json::json!({"type": "image"}));

@@ -46,10 +46,9 @@ impl AxialRope {
     }
     /// `%pf`: the position on the axis of angle `%j` (row `%r`), and `%fj` its frequency index.
     fn axis_position(&self) -> String {
-        format!(
-            "%axis = arith.divui %j, %cq : index\n%fj = arith.remui %j, %cq : index\n\
-             %p64 = memref.load %ppos[%r, %axis] : memref<?x3xi64>\n%pf = arith.sitofp %p64 : i64 to f32\n"
-        )
+        "%axis = arith.divui %j, %cq : index\n%fj = arith.remui %j, %cq : index\n\
+         %p64 = memref.load %ppos[%r, %axis] : memref<?x3xi64>\n%pf = arith.sitofp %p64 : i64 to f32\n"
+            .to_string()
     }
 }
 

@@ -71,16 +71,17 @@ pub fn encode(seqs: &BTreeMap<usize, SeqImages>) -> Vec<u8> {
         let row = im.pixels.len().checked_div(rows).unwrap_or(0);
         let grid: Vec<u8> = im.grids.iter().flat_map(|g| g.iter().flat_map(|&v| (v as i64).to_le_bytes())).collect();
         let pix: Vec<u8> = im.pixels.iter().flat_map(|v| v.to_le_bytes()).collect();
-        for (name, dtype, shape, bytes) in
-            [(format!("seq{seq}.image_grid_thw"), "I64", vec![im.grids.len(), 3], grid), (format!("seq{seq}.pixel_values"), "F32", vec![rows, row], pix)]
-        {
+        for (name, dtype, shape, bytes) in [
+            (format!("seq{seq}.image_grid_thw"), "I64", vec![im.grids.len(), 3], grid),
+            (format!("seq{seq}.pixel_values"), "F32", vec![rows, row], pix),
+        ] {
             let start = data.len();
             data.extend_from_slice(&bytes);
             header.insert(name, serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [start, data.len()]}));
         }
     }
     let mut h = serde_json::to_vec(&serde_json::Value::Object(header)).unwrap_or_default();
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let mut out = (h.len() as u64).to_le_bytes().to_vec();
