@@ -16,6 +16,9 @@
 #      whose dumps must be byte-identical; the device sampler (temperature,
 #      top-k, top-p, min-p, repetition penalty) against the host sampler
 #      replayed on the GPU's own dumped logits: every id must be equal;
+#      the tiny fixture's image + text prefill (the vision entry on the GPU,
+#      its features over the placeholder rows) against the reference's
+#      mm_logits at pp = 1 and 2 (within 1e-3, pp dumps byte-identical);
 #      tiny-m3 with bf16 caches, and
 #      both fixtures with bf16 activations (the GPU default), their distance
 #      from the f32 golden reported (on the host: median position 0.07-0.09,
@@ -98,6 +101,17 @@ prepare() {
     $M3C compile --model "tests/fixtures/$m" --pp 1 --target cuda --activations bf16 -o "$b/out/$m-pp1-abf16" >/dev/null
   done
   $M3C compile --model tests/fixtures/tiny-m3 --pp 1 --target cuda --activations f32 --kv-cache bf16 -o "$b/out/tiny-m3-pp1-kvbf16" >/dev/null
+  # The golden image input as the images file a first stage reads.
+  python3 - tests/fixtures/tiny-m3/golden.safetensors "$b/mm-images.safetensors" <<'PY'
+import json, struct, sys
+b = open(sys.argv[1], 'rb').read(); n = struct.unpack('<Q', b[:8])[0]; h = json.loads(b[8:8+n]); d = b[8+n:]
+raw = lambda k: d[h[k]['data_offsets'][0]:h[k]['data_offsets'][1]]
+grid, pix = raw('mm_image_grid_thw'), raw('mm_pixel_values')
+hdr = {"seq0.image_grid_thw": {"dtype": "I64", "shape": h['mm_image_grid_thw']['shape'], "data_offsets": [0, len(grid)]},
+       "seq0.pixel_values": {"dtype": "F32", "shape": h['mm_pixel_values']['shape'], "data_offsets": [len(grid), len(grid) + len(pix)]}}
+j = json.dumps(hdr).encode(); j += b' ' * ((8 - len(j) % 8) % 8)
+open(sys.argv[2], 'wb').write(struct.pack('<Q', len(j)) + j + grid + pix)
+PY
 
   echo "== real-size single layers (config only; weights are synthesised on the GPU machine)"
   : > "$b/floors.txt"
@@ -209,6 +223,31 @@ run() {
         --dump "$work/$m-sampled.safetensors" >"$log" 2>&1 || true
       if "$b/bin/sampled_check" "$work/$m-sampled.safetensors" "${sp[@]}" >>"$log" 2>&1; then verdict=pass; else verdict=FAIL; fi
       rows+=("$(printf '%-32s %-6s %-5s %s' "$m device sampler" "pp=1" "$verdict" "$(grep -o 'device sampler:.*\|error.*' "$log" | head -1)")")
+      # An image prompt: the vision entry on the GPU, against mm_logits.
+      mm=$(python3 - "$golden" <<'PY'
+import json, struct, sys
+b = open(sys.argv[1], 'rb').read(); n = struct.unpack('<Q', b[:8])[0]; h = json.loads(b[8:8+n])
+s, e = h['mm_input_ids']['data_offsets']; d = b[8+n+s:8+n+e]
+print(','.join(str(x) for x in struct.unpack('<%dq' % (len(d)//8), d)))
+PY
+)
+      for pp in 1 2; do
+        timeout 120 "$b/out/$m-pp$pp/run.sh" --model "tests/fixtures/$m" --prompt-ids "$mm" --images "$b/mm-images.safetensors" \
+          --max-new-tokens 4 --dump "$work/mm-pp$pp.safetensors" >"$logs/$m-image-pp$pp.log" 2>&1 || true
+      done
+      check=$(python3 - "$golden" "$work/mm-pp1.safetensors" <<'PY' 2>&1
+import json, struct, sys
+def f32(path, name):
+    b = open(path, 'rb').read(); n = struct.unpack('<Q', b[:8])[0]; h = json.loads(b[8:8+n])
+    s, e = h[name]['data_offsets']; d = b[8+n+s:8+n+e]
+    return struct.unpack('<%df' % (len(d)//4), d)
+a, g = f32(sys.argv[2], 'prefill_logits'), f32(sys.argv[1], 'mm_logits')
+m = max(abs(x - y) for x, y in zip(a, g))
+print(f"mm_logits max |d| {m:.2e}" + (" (over 1e-3)" if m > 1e-3 else ""))
+PY
+)
+      if [[ "$check" == "mm_logits max |d| "* && "$check" != *over* ]] && cmp -s "$work/mm-pp1.safetensors" "$work/mm-pp2.safetensors"; then verdict=pass; else verdict=FAIL; fi
+      rows+=("$(printf '%-32s %-6s %-5s %s' "$m image prompt" "pp=1,2" "$verdict" "$check; pp=2 dump = pp=1: $(cmp -s "$work/mm-pp1.safetensors" "$work/mm-pp2.safetensors" && echo yes || echo no); $(grep -o 'vision 1 image(s) in [0-9.]* ms' "$logs/$m-image-pp1.log" | head -1 || why "$logs/$m-image-pp1.log")")")
       # bf16 caches: logits move by rounding (on the host: max |Δ| ~1e-2, one
       # position 1.4 where an MSA block choice flips), so this row reports, not judges.
       log="$logs/$m-kvbf16.log"
