@@ -31,6 +31,29 @@ fn tiny_pp2_stages_snapshots() {
     assert_eq!(programs[1].mlir.matches("func.func @m3c_router").count(), 1);
 }
 
+/// The real MiniMax-M3's vision tower compiles to one loop over its 32
+/// encoder layers (layer l reading layer 0's slots + l·stride), so its host
+/// code stays one layer long; the tower's weights count once each.
+#[test]
+fn the_real_vision_tower_is_one_loop_of_32_layers() {
+    let src = ModelSource::open(&configs("minimax-m3-mxfp8.config.json")).unwrap();
+    let plan = load_plan(&configs("minimax-m3-mxfp8.pp4.yaml"), Some(&src.config)).unwrap();
+    let p = m3c::compile::lower_all(&src.config, &plan, Default::default()).unwrap().remove(0);
+    let v = p.vision.as_ref().expect("stage 0 holds the vision tower");
+    let l = v.layers.as_ref().expect("the encoder layers are one loop");
+    assert_eq!(
+        (l.count, l.stride),
+        (32, 16),
+        "32 layers of 16 tensors (2 LayerNorms, 4 attention and 2 MLP linears, weight and bias each)"
+    );
+    assert_eq!(p.mlir.matches("scf.for %vl = ").count(), 1);
+    for (layer, slot) in [(0usize, l.first_slot), (31, l.first_slot + 31 * l.stride)] {
+        assert!(p.tensors[slot].name.contains(&format!(".layers.{layer}.")), "slot {slot}: {}", p.tensors[slot].name);
+    }
+    let vision_tensors = p.tensors.iter().filter(|t| t.name.starts_with("vision_tower") || !t.name.starts_with("language_model")).count();
+    assert_eq!(vision_tensors, 1 + 2 + 32 * 16 + 8, "patch, pre-LayerNorm, 32 layers, projector and merge");
+}
+
 fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
     std::fs::read_dir(dir)
         .unwrap()

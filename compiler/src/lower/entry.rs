@@ -52,6 +52,9 @@ struct Emitter {
     /// The SSA name of the row count that buffers and launches use now:
     /// `%S`, `%M` after a vision entry's merge, `%K` for image rows.
     rows: String,
+    /// Inside the vision entry's layer loop: the SSA name of the loop
+    /// layer's weight table, and the slots of layer 0 it stands for.
+    layer_weights: Option<(String, std::ops::Range<usize>)>,
     act: Storage,
     flavor: Flavor,
     body: String,
@@ -130,7 +133,13 @@ impl Emitter {
                 return (v, "!llvm.ptr".into());
             }
             Arg::Weight { slot, ty } => {
-                let p = self.table_ptr("%weights", *slot);
+                let p = match &self.layer_weights {
+                    Some((table, slots)) if slots.contains(slot) => {
+                        let (table, at) = (table.clone(), slot - slots.start);
+                        self.table_ptr(&table, at)
+                    }
+                    _ => self.table_ptr("%weights", *slot),
+                };
                 self.view(&p, "%c0", ty.clone())
             }
             Arg::X if seq => rows_of(self, "%x_p", self.hidden, self.act.mlir_elem()),
@@ -313,6 +322,7 @@ fn emitter(f: &FusedStage, flavor: Flavor) -> Emitter {
     Emitter {
         hidden: f.hidden,
         rows: "%S".into(),
+        layer_weights: None,
         act: f.act,
         flavor,
         body: String::new(),
@@ -350,7 +360,7 @@ fn entry_body(f: &FusedStage, flavor: Flavor) -> Emitter {
         let words = m3c_contract::sampling::seen_words(vocab);
         e.view_as("%seen", "%seen_p", "%nseq", MemTy::rows(words, "i32"));
     }
-    emit_steps(&mut e, &f.steps);
+    emit_steps(&mut e, &f.steps, 0);
     e.body.push_str("return\n");
     e
 }
@@ -373,12 +383,46 @@ fn vision_body(e: &mut Emitter, f: &FusedStage, v: &super::fuse::VisionProgram) 
     e.view_as("%ppos", "%ppos_p", "%S", MemTy::rows(3, "i64"));
     e.view_as("%segs", "%segs_p", "%S", MemTy { dims: vec![None], elem: "i64" });
     e.view_as("%x", "%x_p", "%M", MemTy::rows(f.hidden, f.act.mlir_elem()));
-    emit_steps(e, &v.steps);
+    match &v.layers {
+        None => emit_steps(e, &v.steps, 0),
+        Some(lp) => {
+            // The encoder layers as one loop over layer 0's steps, each
+            // turn reading its own layer's weights: 32 layers of host code
+            // would be 32 times the code to compile for the same work.
+            let end = lp.start + lp.len * lp.count;
+            emit_steps(e, &v.steps[..lp.start], 0);
+            let _ = writeln!(
+                e.body,
+                "%vl_n = arith.constant {count} : index\n\
+                 scf.for %vl = %c0 to %vl_n step %c1 {{\n\
+                 \x20 %vl_stride = arith.constant {stride} : index\n\
+                 \x20 %vl_first = arith.constant {first} : index\n\
+                 \x20 %vl_o = arith.muli %vl, %vl_stride : index\n\
+                 \x20 %vl_s = arith.addi %vl_o, %vl_first : index\n\
+                 \x20 %vl_s64 = arith.index_cast %vl_s : index to i64\n\
+                 \x20 %vl_w = llvm.getelementptr %weights[%vl_s64] : (!llvm.ptr, i64) -> !llvm.ptr, !llvm.ptr",
+                count = lp.count,
+                stride = lp.stride,
+                first = lp.first_slot
+            );
+            let outer = std::mem::take(&mut e.body);
+            e.layer_weights = Some(("%vl_w".into(), lp.first_slot..lp.first_slot + lp.stride));
+            emit_steps(e, &v.steps[lp.start..lp.start + lp.len], lp.start);
+            e.layer_weights = None;
+            let inner = std::mem::replace(&mut e.body, outer);
+            e.body.push_str(&indent(&inner, 2));
+            e.body.push_str("}\n");
+            emit_steps(e, &v.steps[end..], end);
+        }
+    }
     e.body.push_str("return\n");
 }
 
-fn emit_steps(e: &mut Emitter, steps: &[Step]) {
+/// The statements of `steps`; `first` is the index of `steps[0]` in its
+/// program, so local names (tags) stay unique across calls.
+fn emit_steps(e: &mut Emitter, steps: &[Step], first: usize) {
     for (n, step) in steps.iter().enumerate() {
+        let n = n + first;
         let _ = writeln!(e.body, "// {}", step.to_string().trim());
         match step {
             Step::Alloc { id, width, elem } => {

@@ -166,7 +166,91 @@ pub struct VisionProgram {
     pub patch_row: usize,
     /// Patch rows per image token (the 2×2 merge: 4).
     pub merge: usize,
+    /// Every step, layer by layer (what the listing shows).
     pub steps: Vec<Step>,
+    /// The encoder layers as one loop, when every layer's steps are layer
+    /// 0's with its own weights (the entry then runs `steps[..start]`, the
+    /// loop, and the steps after the last layer).
+    pub layers: Option<LayerLoop>,
+}
+
+/// Encoder layers `0..count` at `steps[start..start + len·count]`, each
+/// `len` steps that differ from layer 0's only in their weight slots (layer
+/// l's are layer 0's + l·stride) and in which scratch buffers they use.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerLoop {
+    pub start: usize,
+    pub len: usize,
+    pub count: usize,
+    /// Layer 0's first weight slot and the slots of one layer.
+    pub first_slot: usize,
+    pub stride: usize,
+}
+
+/// `steps` with weight slots made relative to `first_slot` and buffers
+/// numbered by first use (buffers from before the range keep their id), so
+/// two layers compare equal when they run the same code.
+fn normalized(steps: &[Step], first_slot: usize, outer: &BTreeSet<usize>) -> Option<Vec<Step>> {
+    let mut ids: HashMap<usize, usize> = HashMap::new();
+    let id = |i: usize, ids: &mut HashMap<usize, usize>| {
+        if outer.contains(&i) {
+            i
+        } else {
+            let n = ids.len();
+            *ids.entry(i).or_insert(usize::MAX - n)
+        }
+    };
+    let arg = |a: &Arg, ids: &mut HashMap<usize, usize>| -> Option<Arg> {
+        Some(match a {
+            Arg::Weight { slot, ty } => Arg::Weight { slot: slot.checked_sub(first_slot)?, ty: ty.clone() },
+            Arg::Buf { id: i, width, elem } => Arg::Buf { id: id(*i, ids), width: *width, elem },
+            other => other.clone(),
+        })
+    };
+    steps
+        .iter()
+        .map(|s| {
+            Some(match s {
+                Step::Alloc { id: i, width, elem } => Step::Alloc { id: id(*i, &mut ids), width: *width, elem },
+                Step::Free { id: i, width, elem } => Step::Free { id: id(*i, &mut ids), width: *width, elem },
+                Step::Call { kernel, args, per_sequence, .. } => Step::Call {
+                    kernel: kernel.clone(),
+                    args: args.iter().map(|a| arg(a, &mut ids)).collect::<Option<_>>()?,
+                    what: String::new(),
+                    per_sequence: *per_sequence,
+                },
+                _ => return None,
+            })
+        })
+        .collect()
+}
+
+impl VisionProgram {
+    /// Finds the layer loop: layer l's steps start where its first weight
+    /// is read; every layer must normalise to layer 0's.
+    fn find_loop(steps: &[Step], starts: &[(usize, usize)], end: usize) -> Option<LayerLoop> {
+        let count = starts.len();
+        if count < 2 {
+            return None;
+        }
+        let start = starts[0].0;
+        let len = starts[1].0 - start;
+        let stride = starts[1].1 - starts[0].1;
+        if starts.iter().enumerate().any(|(l, &(s, w))| s != start + l * len || w != starts[0].1 + l * stride) || start + len * count != end
+        {
+            return None;
+        }
+        let outer: BTreeSet<usize> =
+            steps[..start].iter().filter_map(|s| if let Step::Alloc { id, .. } = s { Some(*id) } else { None }).collect();
+        let first = normalized(&steps[start..start + len], starts[0].1, &outer)?;
+        for l in 1..count {
+            let at = start + l * len;
+            if normalized(&steps[at..at + len], starts[0].1 + l * stride, &outer)? != first {
+                return None;
+            }
+        }
+        Some(LayerLoop { start, len, count, first_slot: starts[0].1, stride })
+    }
 }
 
 struct Fuser<'a> {
@@ -698,9 +782,22 @@ impl Fuser<'_> {
         let last = *nodes.last().ok_or("a vision config without vision nodes")?;
         // A merged view's buffer is its source's.
         let mut alias: HashMap<usize, usize> = HashMap::new();
+        // (step index, first weight slot) where each encoder layer begins,
+        // and where the steps after the last layer begin.
+        let mut layer_starts: Vec<(usize, usize)> = Vec::new();
+        let mut layers_end = None;
         for (i, &n) in nodes.iter().enumerate() {
             let what = format!("vision {}{}", graph.graph[n].op.name(), weight_label(&graph.graph[n].op));
+            let (at, slot) = (self.steps.len(), self.tensors.len());
             self.lower(n, what)?;
+            let read = self.tensors.get(slot).map(|t| t.name.clone());
+            if let Some(l) = read.as_deref().and_then(names::vision::layer_of) {
+                if l == layer_starts.len() {
+                    layer_starts.push((at, slot));
+                }
+            } else if read.is_some() && !layer_starts.is_empty() && layers_end.is_none() {
+                layers_end = Some(at);
+            }
             if let Some(Step::Regroup { from, to, .. }) = self.steps.last() {
                 alias.insert(*to, *from);
             }
@@ -732,10 +829,12 @@ impl Fuser<'_> {
         }
         let steps = std::mem::replace(&mut self.steps, outer);
         self.live = outer_live;
+        let layers = layers_end.and_then(|end| VisionProgram::find_loop(&steps, &layer_starts, end));
         Ok(VisionProgram {
             patch_row: v.num_channels * v.temporal_patch_size * v.patch_size * v.patch_size,
             merge: v.spatial_merge_size * v.spatial_merge_size,
             steps,
+            layers,
         })
     }
 

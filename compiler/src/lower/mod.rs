@@ -124,6 +124,17 @@ impl StageProgram {
         }
         if let Some(v) = &self.vision {
             s.push_str(&format!("vision entry: patch rows of {} values, {} per image token\n", v.patch_row, v.merge));
+            if let Some(l) = &v.layers {
+                s.push_str(&format!(
+                    "  (steps {}..{}: layer 0's {} steps run as a loop over {} layers, weights w{}.. + {}·layer)\n",
+                    l.start,
+                    l.start + l.len * l.count,
+                    l.len,
+                    l.count,
+                    l.first_slot,
+                    l.stride
+                ));
+            }
             for step in &v.steps {
                 s.push_str(&step.to_string());
                 s.push('\n');

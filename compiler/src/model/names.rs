@@ -187,6 +187,11 @@ pub mod vision {
     pub fn layer(l: usize) -> String {
         format!("{MODEL}.encoder.layers.{l}")
     }
+    /// The encoder layer a vision tensor belongs to, if any.
+    pub fn layer_of(name: &str) -> Option<usize> {
+        let rest = name.strip_prefix(MODEL)?.strip_prefix(".encoder.layers.")?;
+        rest.split('.').next()?.parse().ok()
+    }
     pub fn layer_norm(layer: &str, which: usize, param: &str) -> String {
         format!("{layer}.layer_norm{which}.{param}")
     }
