@@ -684,6 +684,12 @@ fn run_cmd(args: RunArgs) -> Result<()> {
     // Images: processed here, expanded into (or checked against) the one
     // prompt they belong to, and handed to the stage that encodes them.
     let mut text_in = text_in;
+    if !args.image.is_empty() && !compiled.encodes_images() {
+        bail!(
+            "--image: {} was compiled without the vision tower (its plan says `vision: false`); compile with it to run image prompts",
+            args.out.display()
+        );
+    }
     let images_dir = image_prompt(&args, text_in.as_mut())?;
     // Sampling: the flags, else the checkpoint's defaults, else greedy.
     let defaults = crate::text::generation::GenerationDefaults::from_dir(&args.model)?;

@@ -390,4 +390,17 @@ fn bad_image_input_is_a_clear_error() {
     );
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && e.contains("without the vision tower"), "{e}");
+    let o = m3c(&[
+        "run",
+        t.to_str().unwrap(),
+        "--model",
+        model.to_str().unwrap(),
+        "--max-new-tokens",
+        "2",
+        "--chat",
+        "hi",
+        "--image",
+        png.to_str().unwrap(),
+    ]);
+    assert!(o.status.code() == Some(1) && stderr(&o).contains("compiled without the vision tower"), "{}", stderr(&o));
 }
