@@ -273,6 +273,9 @@ struct ServeArgs {
     /// The largest image a request may bring, in MB (data:, http(s) or file).
     #[arg(long, default_value_t = 20, value_parser = positive_count)]
     max_image_mb: usize,
+    /// The most images one request may carry.
+    #[arg(long, default_value_t = 8, value_parser = positive_count)]
+    max_images_per_request: usize,
 }
 
 fn count(v: &str) -> Result<usize, String> {
@@ -355,6 +358,7 @@ fn run(cli: Cli) -> Result<()> {
                 allowed_local_media_path: a.allowed_local_media_path,
                 media_timeout_s: a.media_timeout_s,
                 max_image_bytes: a.max_image_mb as u64 * (1 << 20),
+                max_images_per_request: a.max_images_per_request,
             })
         }
         Command::InitTiny {

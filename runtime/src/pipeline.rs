@@ -158,10 +158,6 @@ pub(crate) fn finish(
     Ok(ids)
 }
 
-/// Runs this stage's part of the pipeline. `Err`: a failure mid-run, after
-/// which the job must be aborted (peers may be waiting on this stage);
-/// `Ok(Err)`: a failure in the closing work (dump, `--expect`), reported
-/// through the closing verdict.
 /// Reads the prompts' images (`--images`) and encodes them on the stage
 /// that holds the vision tower. A prompt with image placeholders and no
 /// images is an error, as in the reference.
@@ -208,6 +204,10 @@ pub(crate) fn read_images(
     m3c_contract::images::decode(&bytes, patch_row).map_err(|e| StageError::Args(format!("{}: {e}", f.display())))
 }
 
+/// Runs this stage's part of the pipeline. `Err`: a failure mid-run, after
+/// which the job must be aborted (peers may be waiting on this stage);
+/// `Ok(Err)`: a failure in the closing work (dump, `--expect`), reported
+/// through the closing verdict.
 pub fn run(
     world: &SimpleCommunicator,
     peers: &mut Peers,

@@ -14,9 +14,6 @@
 //! (`m3c_contract::images`, its sequence 0), which the first stage reads
 //! and encodes before the request's first step.
 //!
-//! ```text
-//! ```
-//!
 //! The first stage answers on standard output: `m3c-ready` once the loop
 //! runs, `m3c-id SEQ ID` per token, `m3c-end SEQ stop|length|cancelled|error`
 //! (error: the sequence met non-finite logits; the others go on), and
@@ -160,7 +157,6 @@ impl Books for ServeBooks {
     }
 }
 
-/// A `KIND_ADD` message: the sequence, its cache capacity, sampling and prompt.
 /// The request's images, read and encoded on this (the first) stage; a
 /// prompt with image placeholders and no images is refused.
 fn encode_images(st: &mut Stage, a: &Add) -> Result<(), String> {
@@ -179,6 +175,7 @@ fn encode_images(st: &mut Stage, a: &Add) -> Result<(), String> {
     }
 }
 
+/// A `KIND_ADD` message: the sequence, its cache capacity, sampling and prompt.
 fn add_message(a: &Add) -> Vec<u8> {
     let mut payload: Vec<u8> = row_words(&a.sampling, 0, 0, true, 0).iter().flat_map(|w| w.to_le_bytes()).collect();
     payload.extend(a.prompt.iter().flat_map(|i| i.to_le_bytes()));
@@ -378,6 +375,9 @@ impl Leader {
                     }
                     worked = true;
                 }
+                // Heartbeats that came in during a long command (an image
+                // encode) count before anyone is judged silent.
+                peers.drain(world);
                 if let Some(r) = peers.silent(1..self.stages) {
                     return Err(StageError::Peer(crate::liveness::silent_message(r, peers.timeout)));
                 }

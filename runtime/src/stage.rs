@@ -386,8 +386,18 @@ impl Stage {
                 im.tokens()
             )));
         }
-        if im.pixels.len() != im.patches() * v.patch_row {
-            return Err(StageError::Step(format!("sequence {seq}: pixel rows of the wrong width (expected {})", v.patch_row)));
+        // What the unsafe call below relies on, checked here too (the
+        // images file's reader checks it for files): rows of the compiled
+        // width, whole merge groups, the compiled merge.
+        let merge = m3c_contract::images::MERGE_SIDE * m3c_contract::images::MERGE_SIDE;
+        if im.pixels.len() != im.patches() * v.patch_row
+            || v.merge != merge
+            || im.grids.iter().any(|g| g.iter().product::<usize>() % merge != 0)
+        {
+            return Err(StageError::Step(format!(
+                "sequence {seq}: images must be whole {merge}-row merge groups of {} values per row (the compiled merge is {})",
+                v.patch_row, v.merge
+            )));
         }
         let t0 = std::time::Instant::now();
         let rows: Vec<i64> = im.grids.iter().map(|g| (g[0] * g[1] * g[2]) as i64).collect();
@@ -437,6 +447,9 @@ impl Stage {
                 }
                 device.sync()?;
                 device.download(out.ptr(), bytes_of_mut(&mut feats))?;
+                // The tower's scratch is sized by this request's patches;
+                // a pool keyed by size would keep every size it ever saw.
+                device::trim_pool();
             }
         }
         self.encoded.0 += im.grids.len();

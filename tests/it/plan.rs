@@ -175,3 +175,33 @@ fn fails_with(out: &std::process::Output, parts: &[&str]) {
         assert!(e.contains(p), "expected `{p}` in:\n{e}");
     }
 }
+
+/// The vision tower's weights count on stage 0 when the planner balances,
+/// and a text-only (flat) config plans and checks without one.
+#[test]
+fn vision_weights_count_on_stage_0_and_text_only_models_plan() {
+    let cfg = load_config(&configs("minimax-m3-mxfp8.config.json")).unwrap();
+    let gpu = GpuProfile::named("H200").unwrap();
+    let w = Workload { batch: 1, context: 8192, kv_cache: m3c_kernels::Storage::Bf16 };
+    let p = make_plan(&cfg, 4, &gpu, w, Target::Host).unwrap();
+    assert!(p.stages[0].vision && !p.stages[1].vision);
+    let mut off = p.clone();
+    off.stages[0].vision = false;
+    let (with, without) = (m3c::plan::stage_costs(&cfg, &p, &gpu, w), m3c::plan::stage_costs(&cfg, &off, &gpu, w));
+    let extra = with[0].memory - without[0].memory;
+    // 865,567,232 bf16 parameters (the tower's linears are unquantised; the patch conv is fp32).
+    assert!((1.7e9..1.8e9).contains(&extra), "vision adds {extra} bytes to stage 0");
+    assert_eq!(with[1].memory, without[1].memory);
+
+    let dir = tempfile::tempdir().unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(fixture("tiny-m3").join("config.json")).unwrap()).unwrap();
+    let mut text = v["text_config"].clone();
+    text["architectures"] = serde_json::json!(["MiniMaxM3SparseForCausalLM"]);
+    let flat = dir.path().join("config.json");
+    std::fs::write(&flat, text.to_string()).unwrap();
+    let out = dir.path().join("flat.yaml");
+    let o = m3c(&["plan", "--model", flat.to_str().unwrap(), "--pp", "2", "-o", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = m3c(&["plan", "--check", out.to_str().unwrap(), "--model", flat.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}

@@ -387,6 +387,20 @@ def images(base, model, png, allowed, outside):
     bad("file://" + outside, "outside the allowed media folder")
     bad("ftp://example/x.png", "not a data:, http(s):// or file:// URL")
     bad(data_url, "images go in user messages", role="assistant")
+    import os
+    # A data: URI past the server's image limit is a 400 naming the limit
+    # (not the HTTP layer's 413): 2 MB of bytes, 2.7 MB of base64.
+    bad("data:image/png;base64," + base64.b64encode(os.urandom(2 << 20)).decode(), "limit")
+    # More images than --max-images-per-request.
+    body = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content":
+            [{"type": "image_url", "image_url": {"url": data_url}}] * 9 + [{"type": "text", "text": "hi"}]}]}
+    r = h.post(base + "/chat/completions", json=body)
+    assert r.status_code == 400 and "at most 8" in r.text, f"nine images: {r.status_code} {r.text}"
+    # The placeholder token typed as text, or sent as an id, has no image.
+    r = h.post(base + "/chat/completions", json={"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "]<]image[>[ hi"}]})
+    assert r.status_code == 400 and "image placeholder" in r.text, f"placeholder text: {r.status_code} {r.text}"
+    r = h.post(base + "/completions", json={"model": model, "max_tokens": 2, "prompt": [1, 500, 2]})
+    assert r.status_code == 400 and "image placeholder" in r.text, f"placeholder id: {r.status_code} {r.text}"
     ok = _image_chat(c, model, data_url, user).choices[0].message.content or ""
     assert ok == text, "the server answers as before after the errors"
     return {"text": text, "prompt_tokens": first.usage.prompt_tokens}

@@ -776,6 +776,20 @@ impl Fuser<'_> {
     /// The vision entry: every vision node in graph order, its result
     /// copied to `x` (`[P/4, hidden]`), every buffer freed.
     fn vision_program(&mut self, graph: &ModelGraph, v: &crate::config::VisionConfig) -> Result<VisionProgram, String> {
+        // The stages take the image processor's rows; a tower of another
+        // patch geometry would read them wrongly.
+        use crate::vision::processor::{MERGE, PATCH, TEMPORAL};
+        let geometry = (v.num_channels, v.temporal_patch_size, v.patch_size, v.spatial_merge_size);
+        if geometry != (3, TEMPORAL, PATCH, MERGE) {
+            return Err(format!(
+                "{}: vision_config has {} channels, temporal patch {}, patch {} and spatial merge {}; m3c's image processor makes 3-channel rows of {TEMPORAL} frames of {PATCH}×{PATCH} patches in {MERGE}×{MERGE} merge groups (MiniMax-M3's)",
+                self.cfg.source.display(),
+                v.num_channels,
+                v.temporal_patch_size,
+                v.patch_size,
+                v.spatial_merge_size
+            ));
+        }
         let outer = std::mem::take(&mut self.steps);
         let outer_live = std::mem::take(&mut self.live);
         let nodes = graph.nodes_of(Part::Vision);

@@ -30,7 +30,12 @@ pub enum PlanningError {
 fn items(cfg: &ModelConfig, gpu: &GpuProfile, w: Workload) -> Vec<Item> {
     let costs = part_costs(cfg, w);
     let item = |c: PartCost| Item { time: c.time(gpu), memory: c.memory(w) };
-    let mut out = vec![item(costs[&Part::Embedding].clone())];
+    // The vision tower sits with the embedding (the plan's default).
+    let mut first = costs[&Part::Embedding].clone();
+    if let Some(v) = costs.get(&Part::Vision) {
+        first.add(v);
+    }
+    let mut out = vec![item(first)];
     for l in 0..cfg.text.num_layers {
         out.push(item(costs[&Part::Layer(l)].clone()));
     }
@@ -71,7 +76,7 @@ pub fn make_plan(cfg: &ModelConfig, pp: usize, gpu: &GpuProfile, w: Workload, ta
                 embedding: a == 0,
                 final_norm: e == n_layers + 2,
                 lm_head: e == n_layers + 2,
-                vision: a == 0,
+                vision: a == 0 && cfg.vision.is_some(),
                 device: None,
                 host: None,
             }

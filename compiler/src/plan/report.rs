@@ -20,7 +20,10 @@ pub fn stage_costs(cfg: &ModelConfig, plan: &Plan, gpu: &GpuProfile, w: Workload
         .map(|s| {
             let mut cost = PartCost::default();
             for p in s.parts() {
-                cost.add(&parts[&p]);
+                // (A text-only model has no vision part to add.)
+                if let Some(c) = parts.get(&p) {
+                    cost.add(c);
+                }
             }
             let time = cost.time(gpu);
             let memory = cost.memory(w);

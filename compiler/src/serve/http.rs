@@ -43,6 +43,9 @@ pub struct Shared {
 type App = Arc<Shared>;
 
 pub fn router(shared: Shared) -> Router {
+    // Bodies up to the images a request may carry as data: URIs (base64:
+    // 4/3 of their bytes), plus 8 MB of text.
+    let body_limit = (shared.media.max_images as u64 * shared.media.max_bytes * 4 / 3 + (8 << 20)).min(usize::MAX as u64) as usize;
     Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics))
@@ -50,6 +53,7 @@ pub fn router(shared: Shared) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .fallback(|| async { error(&ApiError::new(404, "not_found_error", "no such route")) })
+        .layer(axum::extract::DefaultBodyLimit::max(body_limit))
         .with_state(Arc::new(shared))
 }
 
@@ -176,6 +180,12 @@ async fn images(app: &App, ids: &[u32], urls: &[(String, String)]) -> Result<(Ve
     let Some(token) = app.image_token else {
         return Err(ApiError::bad(&urls[0].0, "this model has no vision tower: images are not accepted"));
     };
+    if urls.len() > app.media.max_images {
+        return Err(ApiError::bad(
+            &urls[app.media.max_images].0,
+            format!("{} images in one request; the server takes at most {} (--max-images-per-request)", urls.len(), app.media.max_images),
+        ));
+    }
     let mut processed = Vec::new();
     for (at, url) in urls {
         let bytes = super::media::fetch(url, &app.media, at).await?;
@@ -300,6 +310,20 @@ async fn generate(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: O
     if let Some(&bad) = ids.iter().find(|&&i| i as usize >= app.tokenizer.vocab_size()) {
         return error(&ApiError::bad("prompt", format!("token id {bad} is outside the vocabulary")));
     }
+    // Image placeholders come only from image parts: the same token typed
+    // into text (or sent as an id) has no image to stand for.
+    if let Some(t) = app.image_token {
+        let found = ids.iter().filter(|&&i| i as usize == t).count();
+        let expected: usize = images.as_ref().map_or(0, |im| im.tokens().iter().sum());
+        if found != expected {
+            return error(&ApiError::bad(
+                "messages",
+                format!(
+                    "the prompt holds {found} image placeholder token(s) (id {t}) for {expected} image token(s): send images as image_url content parts, not as placeholder text"
+                ),
+            ));
+        }
+    }
     let room = app.context.saturating_sub(ids.len());
     // Without max_tokens: to the end of the context, up to the server's
     // default (a request reserves its whole cache when admitted).
@@ -319,10 +343,14 @@ async fn generate(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: O
     // the request; the file lives as long as the request.
     let images = match images {
         None => None,
-        Some(im) => match write_images(&app, im) {
-            Ok(p) => Some(p),
-            Err(e) => return error(&ApiError::new(500, "server_error", format!("writing the request's images: {e}"))),
-        },
+        Some(im) => {
+            let a = app.clone();
+            match tokio::task::spawn_blocking(move || write_images(&a, im)).await {
+                Ok(Ok(p)) => Some(p),
+                Ok(Err(e)) => return error(&ApiError::new(500, "server_error", format!("writing the request's images: {e}"))),
+                Err(e) => return error(&ApiError::new(500, "server_error", format!("writing the request's images: {e}"))),
+            }
+        }
     };
     let sub = Submission { prompt: ids.clone(), max_new, ignore_eos: common.ignore_eos, sampling: common.sampling, images };
     let ticket = match app.engine.submit(sub) {

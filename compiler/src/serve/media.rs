@@ -16,11 +16,13 @@ pub struct MediaPolicy {
     pub max_bytes: u64,
     /// The deadline of a whole fetch (connect, headers and body).
     pub timeout: Duration,
+    /// Images one request may carry.
+    pub max_images: usize,
 }
 
 impl Default for MediaPolicy {
     fn default() -> Self {
-        MediaPolicy { allowed_local: None, max_bytes: 20 << 20, timeout: Duration::from_secs(10) }
+        MediaPolicy { allowed_local: None, max_bytes: 20 << 20, timeout: Duration::from_secs(10), max_images: 8 }
     }
 }
 
@@ -34,7 +36,12 @@ pub async fn fetch(url: &str, policy: &MediaPolicy, at: &str) -> Result<Vec<u8>,
         return http(url, policy).await.map_err(bad);
     }
     if let Some(path) = url.strip_prefix("file://") {
-        return local(Path::new(path), policy).map_err(bad);
+        let path = percent_decoded(path).ok_or_else(|| bad("a file:// URL with a bad %-escape or not UTF-8".into()))?;
+        let policy = policy.clone();
+        return tokio::task::spawn_blocking(move || local(Path::new(&path), &policy))
+            .await
+            .map_err(|e| bad(format!("reading the file: {e}")))?
+            .map_err(bad);
     }
     let shown: String = url.chars().take(40).collect();
     Err(bad(format!("`{shown}` is not a data:, http(s):// or file:// URL")))
@@ -87,14 +94,35 @@ async fn http(url: &str, policy: &MediaPolicy) -> Result<Vec<u8>, String> {
     Ok(body)
 }
 
+/// `%XX` escapes of a URL path decoded (`a%20b.png` → `a b.png`).
+fn percent_decoded(s: &str) -> Option<String> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let h = s.get(i + 1..i + 3)?;
+            out.push(u8::from_str_radix(h, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
 /// A local file, only inside the allowed folder (after resolving links).
 fn local(path: &Path, policy: &MediaPolicy) -> Result<Vec<u8>, String> {
     let Some(root) = &policy.allowed_local else {
         return Err("file:// URLs are refused: the server was started without --allowed-local-media-path".into());
     };
-    let real = path.canonicalize().map_err(|e| format!("{}: {e}", path.display()))?;
+    // The same answer for a missing file and one outside the folder, so
+    // requests cannot probe what exists elsewhere.
+    let outside = || format!("{} is outside the allowed media folder {} (or does not exist)", path.display(), root.display());
+    let real = path.canonicalize().map_err(|_| outside())?;
     if !real.starts_with(root) {
-        return Err(format!("{} is outside the allowed media folder {}", path.display(), root.display()));
+        return Err(outside());
     }
     m3c_contract::input::read_bytes(&real, "image", policy.max_bytes).map_err(|e| e.to_string())
 }
@@ -109,5 +137,12 @@ mod tests {
         assert!(data_uri("image/png,hello", 100).unwrap_err().contains("base64"));
         assert!(data_uri("image/png;base64,aGVsbG8=", 2).unwrap_err().contains("limit"));
         assert!(data_uri("image/png;base64,@@@@", 100).unwrap_err().contains("not valid base64"));
+    }
+
+    #[test]
+    fn file_urls_are_percent_decoded() {
+        assert_eq!(percent_decoded("/a%20b.png").as_deref(), Some("/a b.png"));
+        assert_eq!(percent_decoded("/x%2"), None);
+        assert_eq!(percent_decoded("/x%zz"), None);
     }
 }

@@ -47,6 +47,7 @@ pub struct Options {
     pub allowed_local_media_path: Option<PathBuf>,
     pub media_timeout_s: f64,
     pub max_image_bytes: u64,
+    pub max_images_per_request: usize,
 }
 
 /// How long a server whose pipeline was lost still answers (with 503s).
@@ -111,7 +112,12 @@ pub fn run(o: Options) -> Result<()> {
                 .ok_or_else(|| anyhow::anyhow!("--allowed-local-media-path {}: not a folder", d.display()))?,
         ),
     };
-    let media = media::MediaPolicy { allowed_local, max_bytes: o.max_image_bytes, timeout: Duration::from_secs_f64(o.media_timeout_s) };
+    let media = media::MediaPolicy {
+        allowed_local,
+        max_bytes: o.max_image_bytes,
+        timeout: Duration::from_secs_f64(o.media_timeout_s),
+        max_images: o.max_images_per_request,
+    };
     let media_dir = tempfile::Builder::new().prefix("m3c-serve-media-").tempdir().context("a folder for request images")?;
     let limits = engine::Limits { budget: o.kv_budget_bytes, per_position, max_batch: o.max_batch.max(1), max_queue: o.max_queue };
     let rt =

@@ -31,7 +31,7 @@ pub mod nccl;
 mod pool;
 
 pub use driver::{Device, DeviceBuffer, Graph};
-pub use pool::ScratchBuffer;
+pub use pool::{trim_pool, ScratchBuffer};
 
 use cudarc::driver::sys as cu;
 use std::collections::BTreeMap;

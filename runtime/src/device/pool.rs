@@ -35,6 +35,22 @@ pub extern "C" fn m3c_buf_alloc(bytes: i64) -> *mut c_void {
     d as *mut c_void
 }
 
+/// Frees the pooled buffers no one holds (after a synchronised step whose
+/// scratch sizes will not recur, such as an image encode sized by its
+/// patches). Buffers in use stay.
+pub fn trim_pool() {
+    if !ON_DEVICE.load(Ordering::Relaxed) {
+        return;
+    }
+    let mut st = state();
+    let idle: Vec<u64> = std::mem::take(&mut st.pool).into_values().flatten().collect();
+    for d in idle {
+        st.sizes.remove(&d);
+        // SAFETY: `d` came from cuMemAlloc, is in the pool (no one holds it) and the stream was synchronised.
+        check("cuMemFree (scratch)", unsafe { cu::cuMemFree_v2(d) });
+    }
+}
+
 /// Returns a scratch buffer to the pool; launches already queued on the one
 /// stream that use it run before any later launch that reuses it.
 #[no_mangle]
