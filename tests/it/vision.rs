@@ -190,6 +190,7 @@ fn the_compiled_vision_tower_matches_every_reference_intermediate() {
         let (_, want) = m3c_tests::read_tensor_f32(&inter, name);
         assert_eq!(got.len(), want.len(), "{name}: size");
         let d = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        eprintln!("vision intermediate {name}: max |Δ| {d:.2e}");
         assert!(d <= 1e-5, "{name}: off by {d}");
     }
 }
@@ -238,6 +239,7 @@ fn image_prompts_match_the_golden_at_every_pp_and_beside_text_prompts() {
         assert!(o.status.success(), "pp={pp}: {}", String::from_utf8_lossy(&o.stderr));
         let got = m3c_tests::read_tensor_f32(&dump, "prefill_logits").1;
         let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        eprintln!("pp={pp}: mm_logits max |Δ| {diff:.2e}");
         assert!(diff <= 1e-3, "pp={pp}: mm_logits off by {diff}");
         let bytes = std::fs::read(&dump).unwrap();
         match &first {
