@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The m3c demo: installs what is missing, builds m3c, writes a tiny random
 # MiniMax-M3 checkpoint, compiles it into a 4-stage pipeline, runs the four
-# stage executables under mpirun, and checks the tokens against a 1-stage run.
+# stage executables under mpirun, and checks the tokens against a 1-stage run;
+# then a chat turn, and a chat turn about a picture.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
@@ -28,6 +29,20 @@ $M3C run "$work/pp1" --model "$work/tiny" --prompt "$PROMPT" --max-new-tokens 16
 echo
 echo "== a chat turn through the checkpoint's chat template"
 $M3C run "$work/pp4" --model "$work/tiny" --chat "What is the capital of France?" --thinking disabled --max-new-tokens 16 2>/dev/null
+echo
+echo "== showing it a picture: the image processor, the vision tower on stage 0, then the chat"
+python3 - "$work/picture.png" <<'PY'
+import struct, sys, zlib
+w, h = 168, 112  # resized to 168x112: 6 x 4 blocks of 28 pixels = 24 image tokens
+rows = b"".join(b"\0" + bytes(v for x in range(w) for v in (2 * x % 256, 2 * y % 256, 160)) for y in range(h))
+chunk = lambda t, d: struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d) & 0xFFFFFFFF)
+open(sys.argv[1], "wb").write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+PY
+$M3C run "$work/pp4" --model "$work/tiny" --chat "What is in this picture?" --image "$work/picture.png" --thinking disabled \
+  --max-new-tokens 16 2>"$work/picture.log"
+echo
+grep -o 'vision 1 image(s) in [0-9.]* ms' "$work/picture.log" | sed 's/^/   stage 0: /'
+grep 'prompt 0:' "$work/picture.log" | sed 's/^/   /'
 echo
 if cmp -s "$work/pp1.txt" "$work/pp4.txt" && cmp -s "$work/pp1.safetensors" "$work/pp4.safetensors"; then
   echo "pp = 4 text equals pp = 1: yes (and every logit is bit-identical)"
