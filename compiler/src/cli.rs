@@ -597,49 +597,68 @@ fn compile_cmd(args: CompileArgs) -> Result<()> {
 /// The images file's name in its private folder.
 const IMAGES_FILE: &str = "images.safetensors";
 
-/// `--image`: processes the images, puts each one's placeholder run into
-/// the one prompt they go with (a --chat's are expanded here; a
-/// --prompt-ids prompt must hold them already), checks the prompt fits the
-/// context, and writes the images file into a private folder that lives
-/// as long as the returned handle.
-fn image_prompt(args: &RunArgs, text_in: Option<&mut crate::text::front::Encoded>) -> Result<Option<tempfile::TempDir>> {
+/// Images (`--image`, or a `--prompts` JSONL chat's image parts):
+/// processed, each one's placeholder run put into the prompt it goes with
+/// (a chat's are expanded here; a --prompt-ids prompt must hold them
+/// already), each prompt checked against the context, and the images file
+/// written into a private folder that lives as long as the returned handle.
+fn image_prompt(args: &RunArgs, text_in: Option<&mut crate::text::front::Encoded>, encodes: bool) -> Result<Option<tempfile::TempDir>> {
     use crate::vision::prompt::{self, ImageTokens, PromptImageError};
-    if args.image.is_empty() {
+    let from_lines = text_in.as_ref().is_some_and(|t| t.images.iter().any(|i| !i.is_empty()));
+    if args.image.is_empty() && !from_lines {
         return Ok(None);
+    }
+    if !encodes {
+        bail!(
+            "{} was compiled without the vision tower (its plan says `vision: false`); compile with it to run image prompts",
+            args.out.display()
+        );
     }
     let cfg = crate::source::ModelSource::open(&args.model)?.config;
     let vision = cfg.vision.as_ref().ok_or(PromptImageError::NoVision)?;
-    let prompts = args.prompt_ids.len() + args.prompt.len() + args.chat.len() + usize::from(args.prompts.is_some());
-    if prompts != 1 || !args.prompt.is_empty() || args.prompts.is_some() {
-        bail!("--image goes with exactly one --chat or one --prompt-ids (this run has {prompts} prompt source(s))");
-    }
-    let processed = prompt::load(&args.image)?;
-    let tokens: Vec<usize> = processed.iter().map(|p| p.tokens()).collect();
-    let names: Vec<String> = args.image.iter().map(|f| f.display().to_string()).collect();
-    let len = match text_in {
-        Some(enc) => {
-            let t = ImageTokens::new(&enc.tokenizer, vision.image_token_id)?;
-            enc.ids[0] = t.expand(&enc.ids[0], &tokens)?;
-            enc.ids[0].len()
+    // Which prompt gets which image files.
+    let per_seq: Vec<(usize, Vec<PathBuf>)> = if args.image.is_empty() {
+        text_in.as_ref().map_or(Vec::new(), |t| t.images.iter().cloned().enumerate().filter(|(_, f)| !f.is_empty()).collect())
+    } else {
+        let prompts = args.prompt_ids.len() + args.prompt.len() + args.chat.len() + usize::from(args.prompts.is_some());
+        if prompts != 1 || !args.prompt.is_empty() || args.prompts.is_some() {
+            bail!(
+                "--image goes with exactly one --chat or one --prompt-ids (this run has {prompts} prompt source(s)); a --prompts JSONL chat takes image parts per line"
+            );
         }
-        None => {
-            let ids = m3c_contract::prompts::parse_ids(&args.prompt_ids[0], "--prompt-ids").map_err(|e| anyhow::anyhow!(e))?;
-            let t = ImageTokens { start: 0, image: vision.image_token_id as u32, end: 0 };
-            t.check_runs(&ids, &tokens, &names)?;
-            ids.len()
-        }
+        vec![(0, args.image.clone())]
     };
     let ctx = cfg.text.max_position_embeddings;
-    if len + args.max_new_tokens > ctx {
-        bail!(
-            "the prompt is {len} tokens ({} of them for the image(s): {}) and --max-new-tokens {}: more than the model's context of {ctx} positions",
-            tokens.iter().sum::<usize>(),
-            names.iter().zip(&tokens).map(|(n, t)| format!("{n} takes {t}")).collect::<Vec<_>>().join(", "),
-            args.max_new_tokens
-        );
+    let mut text_in = text_in;
+    let mut seqs = std::collections::BTreeMap::new();
+    for (seq, files) in per_seq {
+        let processed = prompt::load(&files)?;
+        let tokens: Vec<usize> = processed.iter().map(|p| p.tokens()).collect();
+        let names: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
+        let len = match text_in.as_deref_mut() {
+            Some(enc) => {
+                let t = ImageTokens::new(&enc.tokenizer, vision.image_token_id)?;
+                enc.ids[seq] = t.expand(&enc.ids[seq], &tokens).with_context(|| format!("prompt {seq}"))?;
+                enc.ids[seq].len()
+            }
+            None => {
+                let ids = m3c_contract::prompts::parse_ids(&args.prompt_ids[seq], "--prompt-ids").map_err(|e| anyhow::anyhow!(e))?;
+                let t = ImageTokens { start: 0, image: vision.image_token_id as u32, end: 0 };
+                t.check_runs(&ids, &tokens, &names)?;
+                ids.len()
+            }
+        };
+        if len + args.max_new_tokens > ctx {
+            bail!(
+                "prompt {seq} is {len} tokens ({} of them for the image(s): {}) and --max-new-tokens {}: more than the model's context of {ctx} positions",
+                tokens.iter().sum::<usize>(),
+                names.iter().zip(&tokens).map(|(n, t)| format!("{n} takes {t}")).collect::<Vec<_>>().join(", "),
+                args.max_new_tokens
+            );
+        }
+        seqs.insert(seq, prompt::seq_images(&processed));
     }
     let dir = tempfile::Builder::new().prefix("m3c-images-").tempdir().context("a folder for the images file")?;
-    let seqs = std::collections::BTreeMap::from([(0usize, prompt::seq_images(&processed))]);
     prompt::write_images_file(&dir.path().join(IMAGES_FILE), &seqs).context("writing the images file")?;
     Ok(Some(dir))
 }
@@ -688,13 +707,7 @@ fn run_cmd(args: RunArgs) -> Result<()> {
     // Images: processed here, expanded into (or checked against) the one
     // prompt they belong to, and handed to the stage that encodes them.
     let mut text_in = text_in;
-    if !args.image.is_empty() && !compiled.encodes_images() {
-        bail!(
-            "--image: {} was compiled without the vision tower (its plan says `vision: false`); compile with it to run image prompts",
-            args.out.display()
-        );
-    }
-    let images_dir = image_prompt(&args, text_in.as_mut())?;
+    let images_dir = image_prompt(&args, text_in.as_mut(), compiled.encodes_images())?;
     // Sampling: the flags, else the checkpoint's defaults, else greedy.
     let defaults = crate::text::generation::GenerationDefaults::from_dir(&args.model)?;
     let sampling = m3c_contract::sampling::SamplingParams {

@@ -406,3 +406,39 @@ fn bad_image_input_is_a_clear_error() {
     ]);
     assert!(o.status.code() == Some(1) && stderr(&o).contains("compiled without the vision tower"), "{}", stderr(&o));
 }
+
+/// `m3c run --prompts FILE.jsonl` with an image chat beside a text chat, in
+/// one micro-batch at pp = 2: each prompt's dump equals its solo run's
+/// (`--chat --image` and `--chat`), bytes included.
+#[test]
+fn a_jsonl_image_chat_beside_a_text_chat_gets_its_solo_result() {
+    use m3c_tests::{compile, m3c, stderr};
+    let dir = tempfile::tempdir().unwrap();
+    let model = fixture("tiny-m3");
+    let out = compile(&model, 2, dir.path(), &[]);
+    std::fs::copy(fixture("vision/B_rgb_70x126_roundhalfeven.png"), dir.path().join("b.png")).unwrap();
+    let lines = [
+        r#"{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "b.png"}}, {"type": "text", "text": "What is this?"}]}], "thinking": "disabled"}"#,
+        r#"{"messages": [{"role": "user", "content": "Hello there"}], "thinking": "disabled"}"#,
+    ];
+    let jsonl = dir.path().join("prompts.jsonl");
+    std::fs::write(&jsonl, lines.join("\n")).unwrap();
+    let run = |extra: &[&str], dump: &str| {
+        let d = dir.path().join(dump);
+        let mut a =
+            vec!["run", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--max-new-tokens", "6", "--dump", d.to_str().unwrap()];
+        a.extend_from_slice(extra);
+        let o = m3c(&a);
+        assert!(o.status.success(), "{extra:?}: {}", stderr(&o));
+    };
+    run(&["--prompts", jsonl.to_str().unwrap(), "--micro-batch", "2"], "both.safetensors");
+    let png = dir.path().join("b.png");
+    run(&["--chat", "What is this?", "--thinking", "disabled", "--image", png.to_str().unwrap()], "image.safetensors");
+    run(&["--chat", "Hello there", "--thinking", "disabled"], "text.safetensors");
+    let read = |f: &str| std::fs::read(dir.path().join(f)).unwrap();
+    assert!(read("both.p0.safetensors") == read("image.safetensors"), "the JSONL image chat differs from its solo run");
+    assert!(read("both.p1.safetensors") == read("text.safetensors"), "the JSONL text chat differs from its solo run");
+    // The image's run: 70×126 resizes to 56×112, 2·4 = 8 tokens.
+    let ids = m3c_tests::read_tensor_i64(&dir.path().join("image.safetensors"), "prompt_ids");
+    assert_eq!(ids.iter().filter(|&&i| i == 500).count(), 8);
+}

@@ -27,6 +27,36 @@ pub struct Encoded {
     pub ids: Vec<Vec<u32>>,
     /// A JSONL line's own sampling fields (empty for the others).
     pub overrides: Vec<LineSampling>,
+    /// A JSONL chat's images, per prompt, in order (image files; empty for
+    /// the others): each left one placeholder in its prompt, expanded once
+    /// the image is processed.
+    pub images: Vec<Vec<std::path::PathBuf>>,
+}
+
+/// Replaces the image parts of `messages` (`{"type": "image_url",
+/// "image_url": {"url": PATH}}` or `{"type": "image", "image": PATH}`, a
+/// path relative to `base` or a `file://` URL) by `{"type": "image"}`, the
+/// part the template writes as a placeholder, and returns their files.
+fn take_images(messages: &mut serde_json::Value, base: &Path) -> Result<Vec<std::path::PathBuf>, String> {
+    let mut files = Vec::new();
+    for (i, m) in messages.as_array_mut().into_iter().flatten().enumerate() {
+        let Some(parts) = m.get_mut("content").and_then(|c| c.as_array_mut()) else { continue };
+        for (j, p) in parts.iter_mut().enumerate() {
+            let url = match p.get("type").and_then(|t| t.as_str()) {
+                Some("image_url") => p.get("image_url").and_then(|u| u.get("url").or(Some(u))).and_then(|u| u.as_str()),
+                Some("image") => p.get("image").and_then(|u| u.as_str()),
+                _ => continue,
+            };
+            let url = url.ok_or_else(|| format!("messages[{i}].content[{j}]: an image part needs a file path (image_url.url)"))?;
+            let path = url.strip_prefix("file://").unwrap_or(url);
+            if path.contains("://") || path.starts_with("data:") {
+                return Err(format!("messages[{i}].content[{j}]: m3c run reads images from files (`m3c serve` takes URLs); found {url:?}"));
+            }
+            files.push(base.join(path));
+            *p = serde_json::json!({"type": "image"});
+        }
+    }
+    Ok(files)
 }
 
 /// The sampling fields a `--prompts` JSONL line may set.
@@ -66,6 +96,7 @@ pub fn encode_jsonl(model: &Path, file: &Path, text: &str, enc: &mut Encoded) ->
     for (n, raw) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
         let bad = |message: String| TextError::Config { file: file.to_path_buf(), message: format!("line {}: {message}", n + 1) };
         let line: Line = serde_json::from_str(raw).map_err(|e| bad(e.to_string()))?;
+        let mut line_images = Vec::new();
         let ids = match (line.prompt, line.messages) {
             (Some(p), None) if line.thinking.is_none() => enc.tokenizer.encode(&p)?,
             (None, Some(m)) => {
@@ -88,6 +119,9 @@ pub fn encode_jsonl(model: &Path, file: &Path, text: &str, enc: &mut Encoded) ->
                 if let Some(k) = kwargs_thinking {
                     kwargs.push(("thinking_mode", Value::from(k)));
                 }
+                let mut m = m;
+                let base = file.parent().unwrap_or(Path::new("."));
+                line_images = take_images(&mut m, base).map_err(bad)?;
                 let messages: Value = serde_json::from_value(m).map_err(|e| bad(format!("`messages`: {e}")))?;
                 enc.tokenizer.encode(&t.render(&messages, &kwargs)?)?
             }
@@ -99,6 +133,7 @@ pub fn encode_jsonl(model: &Path, file: &Path, text: &str, enc: &mut Encoded) ->
         };
         enc.ids.push(ids);
         enc.overrides.push(line.sampling);
+        enc.images.push(line_images);
     }
     Ok(())
 }
@@ -139,7 +174,8 @@ pub fn encode(model: &Path, req: &TextRequest) -> Result<Encoded, TextError> {
         }
     }
     let overrides = vec![LineSampling::default(); ids.len()];
-    Ok(Encoded { tokenizer, ids, overrides })
+    let images = vec![Vec::new(); ids.len()];
+    Ok(Encoded { tokenizer, ids, overrides, images })
 }
 
 /// A sequence's text on its way out: cut before the first stop string, and
