@@ -16,7 +16,13 @@ extern "C" {
 pub extern "C" fn m3c_buf_alloc(bytes: i64) -> *mut c_void {
     if !ON_DEVICE.load(Ordering::Relaxed) {
         // SAFETY: plain malloc; the generated code frees it with m3c_buf_free.
-        return unsafe { malloc(bytes.max(1) as usize) };
+        let p = unsafe { malloc(bytes.max(1) as usize) };
+        if p.is_null() {
+            // The generated code cannot take an error: end the stage with
+            // a message rather than write through a null pointer.
+            super::die(&format!("out of host memory: {bytes} bytes of scratch (a long prompt or many image patches in one step)"));
+        }
+        return p;
     }
     let bytes = bytes.max(1) as u64;
     let mut st = state();
