@@ -118,6 +118,18 @@ impl Launch<'_> {
         )
     }
 
+    /// A block per (row, head) of `heads` heads, a thread per channel of
+    /// `head_dim`: the launch of the per-head RoPE kernels.
+    pub fn per_head(&self, name: &str, heads: usize, head_dim: usize) -> GpuCall {
+        let (h, d, one, rows) = (self.local("h"), self.local("d"), self.one(), self.rows);
+        let list: Vec<String> = self.args.iter().map(|(n, t)| format!("{n} : {t}")).collect();
+        self.call(format!(
+            "{h} = arith.constant {heads} : index\n{d} = arith.constant {head_dim} : index\n\
+             gpu.launch_func @{GPU_MODULE}::@{name} blocks in ({rows}, {h}, {one}) threads in ({d}, {one}, {one}) args({})\n",
+            list.join(", ")
+        ))
+    }
+
     /// A call of `text` (after the prelude) needing no view helpers.
     pub fn call(&self, text: String) -> GpuCall {
         GpuCall { text: self.prelude() + &text, device_views: Vec::new(), host_views: Vec::new() }

@@ -353,20 +353,21 @@ impl Fuser<'_> {
     }
 
     fn call(&mut self, kernel: Kernel, args: Vec<Arg>, what: String) {
-        if !self.kernels.contains(&kernel) {
-            self.kernels.push(kernel.clone());
-        }
         // Attention and cache writes run per sequence; everything else over all rows.
         let per_sequence = args.iter().any(|a| matches!(a, Arg::Cache { .. }));
-        self.steps.push(Step::Call { kernel, args, what, per_sequence });
+        self.push_call(kernel, args, what, per_sequence);
     }
 
     /// A call once per image (the vision entry's "sequences").
     fn call_per_image(&mut self, kernel: Kernel, args: Vec<Arg>, what: String) {
+        self.push_call(kernel, args, what, true);
+    }
+
+    fn push_call(&mut self, kernel: Kernel, args: Vec<Arg>, what: String, per_sequence: bool) {
         if !self.kernels.contains(&kernel) {
             self.kernels.push(kernel.clone());
         }
-        self.steps.push(Step::Call { kernel, args, what, per_sequence: true });
+        self.steps.push(Step::Call { kernel, args, what, per_sequence });
     }
 
     /// Every cache of the stage (K, V and MSA index keys) stores `--kv-cache`'s
@@ -513,18 +514,15 @@ impl Fuser<'_> {
             }
             Op::ImageScatter { .. } => {
                 // Only where this stage encodes images; `x` holds the embeddings.
+                let x = self.val(ops[0])?;
                 if self.parts.contains(&Part::Vision) {
-                    let x = self.val(ops[0])?;
                     let k = Kernel::ScatterRows(m3c_kernels::ScatterRows { width, cache: self.act, act: self.act });
                     if !self.kernels.contains(&k) {
                         self.kernels.push(k.clone());
                     }
                     self.steps.push(Step::ImageRows { kernel: k, args: vec![Arg::Img, Arg::ImgRows, x.clone()], what });
-                    self.vals.insert(n, x);
-                } else {
-                    let x = self.val(ops[0])?;
-                    self.vals.insert(n, x);
                 }
+                self.vals.insert(n, x);
             }
             Op::Router { .. } => self.lower_router(n, &node.op, what)?,
             Op::RoutedExperts { .. } => self.lower_routed_experts(n, &node.op, what)?,

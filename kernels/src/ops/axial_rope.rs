@@ -8,7 +8,7 @@
 //! `y` may be `x`: each pair is read before it is written.
 
 use crate::emit::{f32_lit, load_f32, store_f32};
-use crate::gpu::{GpuCall, GpuFunc, GPU_MODULE, IDX};
+use crate::gpu::{GpuCall, GpuFunc, IDX};
 use crate::host::{index_consts, BASICS};
 use crate::ops::head_norm_rope::{rope_table, rope_table_name};
 use crate::unit::{gpu_func, param, KernelUnit, Launch, Param};
@@ -122,16 +122,7 @@ impl KernelUnit for AxialRope {
         vec![gpu_func(&self.symbol(), &self.params(), &body)]
     }
     fn launch(&self, l: &Launch) -> GpuCall {
-        let sym = self.symbol();
-        let (h, d, one, rows) = (l.local("h"), l.local("d"), l.one(), l.rows);
-        let list: Vec<String> = l.args.iter().map(|(n, t)| format!("{n} : {t}")).collect();
-        l.call(format!(
-            "{h} = arith.constant {} : index\n{d} = arith.constant {} : index\n\
-             gpu.launch_func @{GPU_MODULE}::@{sym} blocks in ({rows}, {h}, {one}) threads in ({d}, {one}, {one}) args({})\n",
-            self.heads,
-            self.head_dim,
-            list.join(", ")
-        ))
+        l.per_head(&self.symbol(), self.heads, self.head_dim)
     }
     fn globals(&self) -> Vec<(String, String)> {
         vec![(rope_table_name(self.axis_dim, self.theta), rope_table(self.axis_dim, self.theta))]

@@ -31,17 +31,8 @@ impl BiasAct {
         let xv = Value { name: "%xv".into(), ty: "f32".into() };
         let bv = Value { name: "%bv".into(), ty: "f32".into() };
         let s = b.binary("arith.addf", &xv, &bv);
-        let y = if self.gelu {
-            // ½ · s · (1 + erf(s / √2)): PyTorch's gelu(approximate="none").
-            let (half, one, rsqrt2) = (b.f32(0.5), b.f32(1.0), b.f32(std::f64::consts::FRAC_1_SQRT_2));
-            let scaled = b.binary("arith.mulf", &s, &rsqrt2);
-            let e = erf(&mut b, &scaled);
-            let onep = b.binary("arith.addf", &one, &e);
-            let hs = b.binary("arith.mulf", &half, &s);
-            b.binary("arith.mulf", &hs, &onep)
-        } else {
-            s
-        };
+        // The GELU kernel's own element (PyTorch's gelu(approximate="none")).
+        let y = if self.gelu { super::gelu::Gelu::element(&mut b, &s.name, erf) } else { s };
         format!(
             "{}{}{}{}",
             load_f32("%xv", "%x", &x, "%r", "%i", self.act),

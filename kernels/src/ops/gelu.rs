@@ -22,7 +22,7 @@ const ERFF: &str = "  func.func private @erff(f32) -> f32\n";
 impl Gelu {
     /// `y = ½ · x · (1 + erf(x · 1/√2))` of the loaded `%x`, stored from the
     /// returned value; `erf` is how the target spells erf of a value.
-    fn element(b: &mut Builder, x: &str, erf: impl Fn(&mut Builder, &crate::builder::Value) -> crate::builder::Value) -> crate::builder::Value {
+    pub(crate) fn element(b: &mut Builder, x: &str, erf: impl Fn(&mut Builder, &crate::builder::Value) -> crate::builder::Value) -> crate::builder::Value {
         let x = crate::builder::Value { name: x.to_string(), ty: "f32".into() };
         let (half, one, rsqrt2) = (b.f32(0.5), b.f32(1.0), b.f32(std::f64::consts::FRAC_1_SQRT_2));
         let scaled = b.binary("arith.mulf", &x, &rsqrt2);

@@ -3,7 +3,7 @@
 
 use crate::emit::{f32_lit, gemma_norm_span, load_f32, store_f32};
 use crate::host::{BASICS, index_consts};
-use crate::gpu::{GpuCall, GpuFunc, GPU_MODULE, IDX};
+use crate::gpu::{GpuCall, GpuFunc, IDX};
 use crate::unit::{param, params_text, KernelUnit, Launch, Param};
 use crate::{indent, num_tag, Storage, WeightType};
 
@@ -99,16 +99,7 @@ impl KernelUnit for HeadNormRope {
                 }
     /// A block per (row, head), a thread per channel.
     fn launch(&self, l: &Launch) -> GpuCall {
-        let sym = self.symbol();
-        let (h, d, one, rows) = (l.local("h"), l.local("d"), l.one(), l.rows);
-        let list: Vec<String> = l.args.iter().map(|(n, t)| format!("{n} : {t}")).collect();
-        l.call(format!(
-            "{h} = arith.constant {} : index\n{d} = arith.constant {} : index\n\
-             gpu.launch_func @{GPU_MODULE}::@{sym} blocks in ({rows}, {h}, {one}) threads in ({d}, {one}, {one}) args({})\n",
-            self.heads,
-            self.head_dim,
-            list.join(", ")
-        ))
+        l.per_head(&self.symbol(), self.heads, self.head_dim)
     }
     fn globals(&self) -> Vec<(String, String)> {
         vec![(rope_table_name(self.rotary_dim, self.theta), rope_table(self.rotary_dim, self.theta))]

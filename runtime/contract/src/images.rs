@@ -7,7 +7,7 @@
 //! everything a stage relies on, so a damaged file is an error, never a
 //! wrong index.
 
-use crate::checkpoint::parse_header;
+use crate::checkpoint::{parse_header, HeaderProblem};
 use crate::dtype::DType;
 use std::collections::BTreeMap;
 
@@ -96,7 +96,10 @@ pub fn encode(seqs: &BTreeMap<usize, SeqImages>) -> Vec<u8> {
 pub fn decode(bytes: &[u8], patch_row: usize) -> Result<BTreeMap<usize, SeqImages>, String> {
     let n = bytes.get(..8).map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8]))).ok_or("shorter than a safetensors header")?;
     let hend = 8u64.checked_add(n).filter(|&e| e <= bytes.len() as u64).ok_or("the header length does not fit the file")? as usize;
-    let tensors = parse_header(&bytes[8..hend], (bytes.len() - hend) as u64).map_err(|p| format!("{p:?}"))?;
+    let tensors = parse_header(&bytes[8..hend], (bytes.len() - hend) as u64).map_err(|p| match p {
+        HeaderProblem::Invalid(m) => m,
+        HeaderProblem::Dtype { tensor, dtype } => format!("tensor `{tensor}` has element type {dtype}; expected F32 or I64"),
+    })?;
     let data = &bytes[hend..];
     let mut grids: BTreeMap<usize, Vec<[usize; 3]>> = BTreeMap::new();
     let mut pixels: BTreeMap<usize, Vec<f32>> = BTreeMap::new();
