@@ -232,6 +232,16 @@ fn bad_requests_get_openai_errors_and_the_server_stays_up() {
     ] {
         assert_eq!(got[case].as_u64(), Some(status), "{case}: {got}");
     }
+    for (case, param) in [
+        ("json_object", "response_format"),
+        ("json_schema", "response_format"),
+        ("structured_outputs", "structured_outputs"),
+        ("tool_required", "tool_choice"),
+        ("tool_named", "tool_choice"),
+        ("unknown", "frobnicate"),
+    ] {
+        assert_eq!(got[format!("refused_{case}")], param, "{case}: {got}");
+    }
     assert_eq!(got["after"], 2);
     drop(s);
     // --api-key, and a full queue.

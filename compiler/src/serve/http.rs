@@ -112,6 +112,7 @@ async fn completions(State(app): State<App>, headers: HeaderMap, body: Bytes) ->
         authorize(&app, &headers)?;
         let m = openai::object(&body)?;
         openai::check_model(&m, &app.name)?;
+        openai::check_fields(&m, openai::Endpoint::Completions)?;
         let common = openai::common(&m, &app.defaults, &["max_tokens"], fresh_seed())?;
         let ids = match openai::prompt(&m)? {
             openai::Prompt::Text(t) => app.tokenizer.encode(&t).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?,
@@ -132,6 +133,7 @@ async fn chat_completions(State(app): State<App>, headers: HeaderMap, body: Byte
         authorize(&app, &headers)?;
         let m = openai::object(&body)?;
         openai::check_model(&m, &app.name)?;
+        openai::check_fields(&m, openai::Endpoint::ChatCompletions)?;
         let common = openai::common(&m, &app.defaults, &["max_tokens", "max_completion_tokens"], fresh_seed())?;
         let chat = openai::chat(&m)?;
         let template = app

@@ -97,6 +97,142 @@ pub fn kind(v: &Value) -> &'static str {
     }
 }
 
+/// The generation endpoints, for the field check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Completions,
+    ChatCompletions,
+}
+
+impl Endpoint {
+    fn route(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::ChatCompletions => "/v1/chat/completions",
+        }
+    }
+
+    /// Every field this endpoint reads. A field outside this list is refused:
+    /// a client that asks for something m3c does not do must learn so from
+    /// a 400, not from an answer that quietly lacks it.
+    fn knows(self, field: &str) -> bool {
+        const SHARED: &[&str] = &[
+            "model",
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "seed",
+            "stop",
+            "stream",
+            "stream_options",
+            "ignore_eos",
+            "max_tokens",
+            // Checked by `common`: only their no-op values pass.
+            "n",
+            "presence_penalty",
+            "frequency_penalty",
+            "logprobs",
+            "logit_bias",
+            "min_tokens",
+            "stop_token_ids",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "response_format",
+            // OpenAI's end-user id, for abuse monitoring: by definition it
+            // changes no output, so taking it is honouring it.
+            "user",
+        ];
+        const COMPLETIONS: &[&str] = &["prompt", "echo", "best_of", "suffix"];
+        const CHAT: &[&str] =
+            &["messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "top_logprobs"];
+        let own = match self {
+            Endpoint::Completions => COMPLETIONS,
+            Endpoint::ChatCompletions => CHAT,
+        };
+        SHARED.contains(&field) || own.contains(&field)
+    }
+}
+
+/// Fields clients send that m3c knows but does not serve yet, with why; each
+/// is refused by name rather than answered as if it were absent.
+fn unsupported(field: &str) -> Option<&'static str> {
+    Some(match field {
+        "structured_outputs"
+        | "guided_json"
+        | "guided_regex"
+        | "guided_choice"
+        | "guided_grammar"
+        | "guided_decoding_backend"
+        | "guided_whitespace_pattern" => "structured outputs are not supported by m3c yet; the answer would be free text",
+        "prompt_logprobs" => "prompt logprobs are not supported by m3c yet",
+        "tool_choice" => "m3c cannot force a tool call yet (`tool_choice` may be \"none\" or \"auto\")",
+        "reasoning_effort" => "use `chat_template_kwargs: {\"thinking_mode\": ...}` to set MiniMax-M3's thinking",
+        "functions" | "function_call" => "the legacy `functions` API is not supported; use `tools`",
+        "modalities" | "audio" | "prediction" | "web_search_options" => "m3c serves text (and image input) only",
+        _ => return None,
+    })
+}
+
+/// Refuses every field `endpoint` does not honour, naming it. Null counts as
+/// absent, as in OpenAI's API.
+pub fn check_fields(m: &Map<String, Value>, endpoint: Endpoint) -> Result<(), ApiError> {
+    for (k, v) in m {
+        if v.is_null() || endpoint.knows(k) {
+            continue;
+        }
+        let why = unsupported(k).filter(|_| k != "tool_choice").map_or_else(
+            || {
+                format!(
+                    "`{k}` is not a field m3c's {} takes; m3c refuses fields it cannot honour rather than ignoring them",
+                    endpoint.route()
+                )
+            },
+            |why| format!("`{k}`: {why}"),
+        );
+        return Err(ApiError::bad(k, why));
+    }
+    // Values that would change the answer in ways m3c does not do yet.
+    let refuse = |k: &str, why: &str| Err(ApiError::bad(k, format!("`{k}`: {why}")));
+    match m.get("response_format") {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("text") && o.len() == 1 => {}
+        Some(_) => {
+            return refuse(
+                "response_format",
+                "JSON output (json_object, json_schema) is not supported by m3c yet; only {\"type\": \"text\"}",
+            )
+        }
+    }
+    if let Some(v) = m.get("tool_choice") {
+        if !(v.is_null() || v == "none" || v == "auto") {
+            return refuse("tool_choice", unsupported("tool_choice").unwrap_or_default());
+        }
+    }
+    if m.get("parallel_tool_calls").is_some_and(|v| v == &Value::Bool(false)) {
+        return refuse("parallel_tool_calls", "m3c cannot limit the model to one tool call (only true)");
+    }
+    if uint(m, "min_tokens")?.is_some_and(|v| v > 0) {
+        return refuse("min_tokens", "m3c cannot hold back EOS yet (only 0)");
+    }
+    if m.get("stop_token_ids").is_some_and(|v| !(v.is_null() || v.as_array().is_some_and(Vec::is_empty))) {
+        return refuse("stop_token_ids", "not supported by m3c yet (use `stop`)");
+    }
+    if boolean(m, "include_stop_str_in_output")? == Some(true) {
+        return refuse("include_stop_str_in_output", "not supported by m3c yet (only false)");
+    }
+    if boolean(m, "skip_special_tokens")? == Some(false) {
+        return refuse("skip_special_tokens", "m3c always skips special tokens in text (only true)");
+    }
+    if let Some(o) = m.get("stream_options").and_then(Value::as_object) {
+        if let Some(k) = o.keys().find(|k| k.as_str() != "include_usage" && !o[k.as_str()].is_null()) {
+            return Err(ApiError::bad("stream_options", format!("`stream_options.{k}` is not supported by m3c (only include_usage)")));
+        }
+    }
+    Ok(())
+}
+
 /// The `model` field: required, and the served name.
 pub fn check_model(m: &Map<String, Value>, served: &str) -> Result<(), ApiError> {
     match m.get("model") {
@@ -321,16 +457,9 @@ pub fn chat(m: &Map<String, Value>) -> Result<Chat, ApiError> {
     let tools = match m.get("tool_choice") {
         None | Some(Value::Null) => tools,
         Some(Value::String(s)) if s == "none" => Vec::new(),
-        Some(Value::String(s)) if s == "auto" || s == "required" => tools,
-        Some(Value::Object(o)) => {
-            let name = o.get("function").and_then(|f| f.get("name")).and_then(Value::as_str);
-            let chosen: Vec<Value> = tools.into_iter().filter(|t| t["function"]["name"].as_str() == name).collect();
-            if chosen.is_empty() {
-                return Err(ApiError::bad("tool_choice", "`tool_choice` names a function that is not in `tools`"));
-            }
-            chosen
-        }
-        Some(_) => return Err(ApiError::bad("tool_choice", "`tool_choice` must be none, auto, required or {\"function\": {\"name\"}}")),
+        Some(Value::String(s)) if s == "auto" => tools,
+        // `check_fields` refused "required" and named functions.
+        Some(_) => return Err(ApiError::bad("tool_choice", "`tool_choice` must be \"none\" or \"auto\"")),
     };
     let kwargs = match m.get("chat_template_kwargs") {
         None | Some(Value::Null) => Map::new(),
@@ -338,4 +467,103 @@ pub fn chat(m: &Map<String, Value>) -> Result<Chat, ApiError> {
         Some(v) => return Err(ApiError::bad("chat_template_kwargs", format!("`chat_template_kwargs` must be an object, not {}", kind(v)))),
     };
     Ok(Chat { messages: Value::Array(messages), tools, kwargs, images })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn body(extra: Value, endpoint: Endpoint) -> Map<String, Value> {
+        let mut m = match endpoint {
+            Endpoint::Completions => json!({"model": "m", "prompt": "x"}),
+            Endpoint::ChatCompletions => json!({"model": "m", "messages": [{"role": "user", "content": "x"}]}),
+        };
+        for (k, v) in extra.as_object().unwrap() {
+            m[k] = v.clone();
+        }
+        m.as_object().unwrap().clone()
+    }
+
+    fn param(extra: Value, endpoint: Endpoint) -> Option<String> {
+        let m = body(extra, endpoint);
+        let d = Defaults { sampling: SamplingParams::GREEDY };
+        let e = check_fields(&m, endpoint).and_then(|()| common(&m, &d, &["max_tokens"], 0).map(|_| ()));
+        let e = e.and_then(|()| if endpoint == Endpoint::ChatCompletions { chat(&m).map(|_| ()) } else { Ok(()) });
+        e.err().map(|e| {
+            assert_eq!(e.status, 400, "{e:?}");
+            assert!(e.message.contains(e.param.as_deref().unwrap()), "the message names the field: {e:?}");
+            e.param.unwrap()
+        })
+    }
+
+    /// Every field a client may send is honoured or refused by name; none
+    /// is answered as if it were absent.
+    #[test]
+    fn fields_m3c_cannot_honour_are_refused_by_name() {
+        use Endpoint::*;
+        let refused = [
+            (json!({"response_format": {"type": "json_object"}}), ChatCompletions, "response_format"),
+            (
+                json!({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}}}}),
+                ChatCompletions,
+                "response_format",
+            ),
+            (json!({"response_format": {"type": "json_object"}}), Completions, "response_format"),
+            (json!({"structured_outputs": {"choice": ["a", "b"]}}), ChatCompletions, "structured_outputs"),
+            (json!({"structured_outputs": {"regex": "[0-9]+"}}), Completions, "structured_outputs"),
+            (json!({"guided_json": {}}), ChatCompletions, "guided_json"),
+            (json!({"guided_choice": ["a"]}), Completions, "guided_choice"),
+            (
+                json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}),
+                ChatCompletions,
+                "tool_choice",
+            ),
+            (
+                json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+                ChatCompletions,
+                "tool_choice",
+            ),
+            (json!({"tool_choice": "auto"}), Completions, "tool_choice"),
+            (json!({"parallel_tool_calls": false}), ChatCompletions, "parallel_tool_calls"),
+            (json!({"min_tokens": 4}), Completions, "min_tokens"),
+            (json!({"stop_token_ids": [7]}), ChatCompletions, "stop_token_ids"),
+            (json!({"include_stop_str_in_output": true}), Completions, "include_stop_str_in_output"),
+            (json!({"skip_special_tokens": false}), ChatCompletions, "skip_special_tokens"),
+            (json!({"prompt_logprobs": 1}), Completions, "prompt_logprobs"),
+            (json!({"logprobs": true}), ChatCompletions, "logprobs"),
+            (json!({"logprobs": 0}), Completions, "logprobs"),
+            (json!({"top_logprobs": 2}), ChatCompletions, "top_logprobs"),
+            (json!({"echo": true}), Completions, "echo"),
+            (json!({"echo": true}), ChatCompletions, "echo"),
+            (json!({"n": 3}), ChatCompletions, "n"),
+            (json!({"presence_penalty": 0.5}), ChatCompletions, "presence_penalty"),
+            (json!({"frequency_penalty": 0.5}), Completions, "frequency_penalty"),
+            (json!({"logit_bias": {"5": 10}}), ChatCompletions, "logit_bias"),
+            (json!({"reasoning_effort": "low"}), ChatCompletions, "reasoning_effort"),
+            (json!({"functions": []}), ChatCompletions, "functions"),
+            (json!({"stream_options": {"include_usage": true, "continuous_usage_stats": true}}), Completions, "stream_options"),
+            (json!({"messages": []}), Completions, "messages"),
+            (json!({"prompt": "x"}), ChatCompletions, "prompt"),
+            (json!({"some_new_field": 1}), ChatCompletions, "some_new_field"),
+            (json!({"extra_body": {"top_k": 1}}), Completions, "extra_body"),
+        ];
+        for (extra, endpoint, want) in refused {
+            assert_eq!(param(extra.clone(), endpoint).as_deref(), Some(want), "{endpoint:?} {extra}");
+        }
+        // Their no-op values, and fields m3c honours, pass.
+        let honoured = [
+            (json!({"response_format": {"type": "text"}}), ChatCompletions),
+            (json!({"tool_choice": "none", "tools": [{"type": "function", "function": {"name": "f"}}]}), ChatCompletions),
+            (json!({"tool_choice": "auto", "parallel_tool_calls": true}), ChatCompletions),
+            (json!({"min_tokens": 0, "stop_token_ids": [], "include_stop_str_in_output": false, "skip_special_tokens": true}), Completions),
+            (json!({"n": 1, "best_of": 1, "logprobs": null, "echo": false, "presence_penalty": 0, "frequency_penalty": 0}), Completions),
+            (json!({"logprobs": false, "top_logprobs": null, "user": "alice", "max_completion_tokens": 5}), ChatCompletions),
+            (json!({"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "ignore_eos": true, "seed": 3, "stop": ["x"]}), Completions),
+            (json!({"stream": true, "stream_options": {"include_usage": true}, "chat_template_kwargs": {}}), ChatCompletions),
+            (json!({"structured_outputs": null, "guided_json": null}), ChatCompletions),
+        ];
+        for (extra, endpoint) in honoured {
+            assert_eq!(param(extra.clone(), endpoint), None, "{endpoint:?} {extra}");
+        }
+    }
 }
