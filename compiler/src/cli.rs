@@ -6,6 +6,7 @@ use crate::plan::{self, GpuProfile, Target, Workload};
 use crate::source::ModelSource;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
+use m3c_contract::stage_args::StageArgs;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -734,41 +735,28 @@ fn run_cmd(args: RunArgs) -> Result<()> {
         if defaults.sources.is_empty() { String::new() } else { format!(" (defaults from {})", defaults.sources.join(", ")) }
     );
     // The stage command line: every stage gets the same arguments.
-    let mut pass: Vec<String> = Vec::new();
-    let mut flag = |name: &str, value: String| pass.extend([name.to_string(), value]);
-    flag("--model", args.model.display().to_string());
-    for p in &args.prompt_ids {
-        flag("--prompt-ids", p.clone());
-    }
-    for p in text_in.iter().flat_map(|t| &t.ids) {
-        flag("--prompt-ids", p.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(","));
-    }
-    if let Some(dir) = &images_dir {
-        flag("--images", dir.path().join(IMAGES_FILE).display().to_string());
-    }
-    let path = |p: &Option<PathBuf>| p.as_ref().map(|p| p.display().to_string());
-    for (name, value) in [
-        ("--prompts", path(&args.prompts).filter(|_| jsonl.is_none())),
-        ("--max-new-tokens", Some(args.max_new_tokens.to_string())),
-        ("--dump", path(&args.dump)),
-        ("--prefill-chunk", args.prefill_chunk.map(|n| n.to_string())),
-        ("--micro-batch", args.micro_batch.map(|n| n.to_string())),
-        ("--expect", path(&args.expect)),
-        ("--timeout-s", Some(args.timeout_s.to_string())),
-        ("--cuda-graphs", Some(args.cuda_graphs.clone())),
-        ("--prefill-gemm", Some(args.prefill_gemm.clone())),
-        ("--temperature", Some(sampling.temperature.to_string())),
-        ("--top-k", Some(sampling.top_k.to_string())),
-        ("--top-p", Some(sampling.top_p.to_string())),
-        ("--min-p", Some(sampling.min_p.to_string())),
-        ("--repetition-penalty", Some(sampling.repetition_penalty.to_string())),
-        ("--seed", Some(sampling.seed.to_string())),
-        ("--eos-ids", (!eos.is_empty()).then(|| eos.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(","))),
-    ] {
-        if let Some(v) = value {
-            flag(name, v);
-        }
-    }
+    let mut stage = StageArgs::new(args.model.clone());
+    stage.prompts = args
+        .prompt_ids
+        .iter()
+        .map(|p| m3c_contract::prompts::parse_ids(p, "--prompt-ids").map_err(|e| anyhow::anyhow!(e)))
+        .collect::<Result<Vec<_>>>()?;
+    stage.prompts.extend(text_in.iter().flat_map(|t| &t.ids).map(|p| p.iter().map(|&i| i64::from(i)).collect::<Vec<_>>()));
+    // A prompts file of ids goes to the stages as it is.
+    stage.prompts_file = args.prompts.clone().filter(|_| jsonl.is_none());
+    stage.images = images_dir.as_ref().map(|d| d.path().join(IMAGES_FILE));
+    stage.max_new_tokens = args.max_new_tokens;
+    stage.dump = args.dump.clone();
+    stage.expect = args.expect.clone();
+    stage.prefill_chunk = args.prefill_chunk;
+    stage.micro_batch = args.micro_batch;
+    stage.timeout_s = args.timeout_s;
+    stage.cuda_graphs = args.cuda_graphs == "on";
+    stage.prefill_gemm_cublas = args.prefill_gemm == "cublas";
+    stage.sampling = sampling;
+    stage.eos_ids = eos.to_vec();
+    stage.stops = args.stop.iter().map(|s| s.as_bytes().to_vec()).collect();
+    stage.stream_ids = text_in.is_some();
     // A JSONL line's own sampling fields, over the run's.
     for (seq, o) in text_in.iter().flat_map(|t| t.overrides.iter().enumerate()) {
         if *o == crate::text::front::LineSampling::default() {
@@ -783,15 +771,9 @@ fn run_cmd(args: RunArgs) -> Result<()> {
             seed: o.seed.unwrap_or(sampling.seed),
         };
         p.check().map_err(|e| anyhow::anyhow!("--prompts: prompt {seq}: {e}"))?;
-        let f = [p.temperature.to_string(), p.top_k.to_string(), p.top_p.to_string(), p.min_p.to_string()];
-        pass.extend(["--seq-sampling".to_string(), format!("{seq}:{}:{}:{}", f.join(":"), p.repetition_penalty, p.seed)]);
+        stage.seq_sampling.push((seq, p));
     }
-    for stop in &args.stop {
-        pass.extend(["--stop".to_string(), stop.bytes().map(|b| format!("{b:02x}")).collect()]);
-    }
-    if text_in.is_some() {
-        pass.push("--stream-ids".into());
-    }
+    let pass = stage.to_args();
     let mut cmd = compiled.mpirun(&pass)?;
     if text_in.is_some() {
         cmd.stdout(std::process::Stdio::piped());

@@ -11,6 +11,7 @@ use crate::error::StageError;
 use crate::liveness::{self, Peers};
 use crate::stage::{self, Segment};
 use crate::wire::{self, bytes_f32, f32_bytes, message, Outbox, KIND_STEP, KIND_STOP, TAG_ACT, TAG_IDS};
+use m3c_contract::protocol::{EndReason, Event};
 use m3c_contract::sampling::SamplingParams;
 use mpi::topology::SimpleCommunicator;
 use std::collections::VecDeque;
@@ -278,7 +279,7 @@ pub fn run(
             if pass < n_new {
                 generated[seq].push(id);
                 if args.stream_ids {
-                    print_line(&format!("m3c-id {seq} {id}\n"));
+                    crate::serve::say(Event::Id { seq, id: id as u32 });
                 }
             }
             // The sequence ends on an EOS id (kept as its last token), or
@@ -294,7 +295,7 @@ pub fn run(
             if eos || pass >= n_new {
                 *open = open.saturating_sub(1);
                 if args.stream_ids {
-                    print_line(&format!("m3c-end {seq} {}\n", if eos { "stop" } else { "length" }));
+                    crate::serve::say(Event::End { seq, reason: if eos { EndReason::Stop } else { EndReason::Length } });
                 }
             } else {
                 queue.push_back((seq, plen + pass, vec![id]));

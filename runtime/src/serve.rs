@@ -3,25 +3,13 @@
 //! it to rank 0, on whichever host that runs), join micro-batches between
 //! steps and leave when they finish or are cancelled.
 //!
-//! Commands, one per line (written by `m3c serve`'s front):
-//!
-//! ```text
-//! add SEQ MAX_NEW IGNORE_EOS TEMPERATURE TOP_K TOP_P MIN_P PENALTY SEED ID,ID,... [images=HEX]
-//! cancel SEQ
-//! ```
-//!
-//! `images=HEX` names (hex of the path's bytes) the request's images file
-//! (`m3c_contract::images`, its sequence 0), which the first stage reads
-//! and encodes before the request's first step.
-//!
-//! The first stage answers on standard output: `m3c-ready` once the loop
-//! runs, `m3c-id SEQ ID` per token, `m3c-end SEQ stop|length|cancelled|error`
-//! (error: the sequence met non-finite logits; the others go on), and
-//! about once a second `m3c-stat STAGE STEPS BUSY_SECONDS` per stage (its
-//! cumulative steps and compute time, from which the front derives step
-//! time and busy fraction). A malformed command gets `m3c-bad LINE: WHY`
-//! and changes nothing. When its input closes, the first stage lets every
-//! open sequence finish, then stops the pipeline.
+//! Commands arrive one per line and events leave one per line, in the
+//! contract's line protocol (`m3c_contract::protocol`: `add`, `cancel`;
+//! `m3c-ready`, `m3c-id`, `m3c-end`, `m3c-stat`, `m3c-bad`). A request's
+//! images file is read and encoded before its first step; a malformed or
+//! refused command gets `m3c-bad` and changes nothing. When its input
+//! closes, the first stage lets every open sequence finish, then stops the
+//! pipeline.
 //!
 //! Scheduling: each sequence's next item (a prefill chunk of at most
 //! `--prefill-chunk` tokens, or one decode token) waits in a ready queue; up
@@ -39,6 +27,7 @@ use crate::liveness::Peers;
 use crate::pipeline::{finish, sample_in, Books, OnNonFinite};
 use crate::stage::{Segment, Stage};
 use crate::wire::{self, bytes_f32, f32_bytes, message, Outbox, KIND_ADD, KIND_DROP, KIND_STATS, KIND_STEP, KIND_STOP, TAG_ACT, TAG_IDS};
+use m3c_contract::protocol::{Command, EndReason, Event, SeqRequest};
 use m3c_contract::sampling::{row_params, row_words, SamplingParams, ROW_WORDS};
 use mpi::topology::SimpleCommunicator;
 use std::collections::{HashMap, VecDeque};
@@ -53,72 +42,16 @@ const SERVE_MICRO_BATCH: usize = 32;
 /// front admits requests against its cache budget and the model's context).
 const MAX_CAPACITY: usize = 1 << 24;
 
-/// One line of standard output, flushed.
-fn say(line: &str) {
+/// One event on standard output, flushed.
+pub(crate) fn say(event: Event) {
     use std::io::Write;
     let mut out = std::io::stdout().lock();
-    let _ = out.write_all(line.as_bytes()).and_then(|_| out.write_all(b"\n")).and_then(|_| out.flush());
+    let _ = out.write_all(event.encode().as_bytes()).and_then(|_| out.write_all(b"\n")).and_then(|_| out.flush());
 }
 
-/// A request as the first stage is told it.
-struct Add {
-    seq: usize,
-    max_new: usize,
-    ignore_eos: bool,
-    sampling: SamplingParams,
-    prompt: Vec<i64>,
-    /// The images file, if the request has images.
-    images: Option<std::path::PathBuf>,
-}
-
-enum Command {
-    Add(Add),
-    Cancel(usize),
-}
-
-/// Parses one command line; the error says why.
-fn parse_command(line: &str) -> Result<Command, String> {
-    let f: Vec<&str> = line.split_ascii_whitespace().collect();
-    let int = |i: usize, what: &str| -> Result<u64, String> {
-        f.get(i).and_then(|v| v.parse::<u64>().ok()).ok_or_else(|| format!("{what}: expected an unsigned integer"))
-    };
-    let num = |i: usize, what: &str| -> Result<f32, String> {
-        f.get(i).and_then(|v| v.parse::<f32>().ok()).filter(|v| v.is_finite()).ok_or_else(|| format!("{what}: expected a number"))
-    };
-    match f.first().copied() {
-        Some("cancel") if f.len() == 2 => Ok(Command::Cancel(int(1, "SEQ")? as usize)),
-        Some("add") if f.len() == 11 || f.len() == 12 => {
-            let sampling = SamplingParams {
-                temperature: num(4, "TEMPERATURE")?,
-                top_k: int(5, "TOP_K")? as usize,
-                top_p: num(6, "TOP_P")?,
-                min_p: num(7, "MIN_P")?,
-                repetition_penalty: num(8, "PENALTY")?,
-                seed: int(9, "SEED")?,
-            };
-            sampling.check()?;
-            let prompt = m3c_contract::prompts::parse_ids(f[10], "IDS")?;
-            let images = match f.get(11) {
-                None => None,
-                Some(v) => {
-                    let hex = v.strip_prefix("images=").ok_or("the 12th field must be images=HEX")?;
-                    let bytes: Option<Vec<u8>> =
-                        (0..hex.len()).step_by(2).map(|i| hex.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok())).collect();
-                    let bytes = bytes.filter(|b| !b.is_empty() && hex.len() % 2 == 0).ok_or("images=HEX: not a hex path")?;
-                    Some(std::path::PathBuf::from(<std::ffi::OsString as std::os::unix::ffi::OsStringExt>::from_vec(bytes)))
-                }
-            };
-            Ok(Command::Add(Add {
-                images,
-                seq: int(1, "SEQ")? as usize,
-                max_new: int(2, "MAX_NEW")? as usize,
-                ignore_eos: int(3, "IGNORE_EOS")? != 0,
-                sampling,
-                prompt,
-            }))
-        }
-        _ => Err("expected `add SEQ MAX_NEW IGNORE_EOS T K P MIN_P R SEED IDS` or `cancel SEQ`".into()),
-    }
+/// A refused command.
+fn refuse(seq: Option<usize>, why: impl Into<String>) {
+    say(Event::Bad { seq, why: why.into() });
 }
 
 /// Reads commands from standard input on a thread of its own; the channel
@@ -132,7 +65,7 @@ fn commands() -> mpsc::Receiver<Result<Command, String>> {
             if line.trim().is_empty() {
                 continue;
             }
-            let cmd = parse_command(&line).map_err(|e| format!("{}: {e}", line.chars().take(80).collect::<String>()));
+            let cmd = Command::parse(&line).map_err(|e| format!("{}: {e}", line.chars().take(80).collect::<String>()));
             if tx.send(cmd).is_err() {
                 break;
             }
@@ -159,7 +92,7 @@ impl Books for ServeBooks {
 
 /// The request's images, read and encoded on this (the first) stage; a
 /// prompt with image placeholders and no images is refused.
-fn encode_images(st: &mut Stage, a: &Add) -> Result<(), String> {
+fn encode_images(st: &mut Stage, a: &SeqRequest) -> Result<(), String> {
     match (&a.images, st.meta.vision.clone()) {
         (None, None) => Ok(()),
         (None, Some(v)) => match a.prompt.iter().filter(|&&id| id == v.image_token).count() {
@@ -176,14 +109,14 @@ fn encode_images(st: &mut Stage, a: &Add) -> Result<(), String> {
 }
 
 /// A `KIND_ADD` message: the sequence, its cache capacity, sampling and prompt.
-fn add_message(a: &Add) -> Vec<u8> {
+fn add_message(a: &SeqRequest) -> Vec<u8> {
     let mut payload: Vec<u8> = row_words(&a.sampling, 0, 0, true, 0).iter().flat_map(|w| w.to_le_bytes()).collect();
     payload.extend(a.prompt.iter().flat_map(|i| i.to_le_bytes()));
     message(KIND_ADD, &[Segment { seq: a.seq, pos0: 0, rows: capacity(a) }], &payload)
 }
 
 /// Cache rows a sequence needs: its prompt and every token it may generate.
-fn capacity(a: &Add) -> usize {
+fn capacity(a: &SeqRequest) -> usize {
     a.prompt.len() + a.max_new + 1
 }
 
@@ -200,7 +133,7 @@ fn stats_words(st: &Stage) -> [i64; 3] {
 
 fn print_stats(w: &[i64]) {
     for s in w.chunks_exact(3) {
-        say(&format!("m3c-stat {} {} {:.6}", s[0], s[1], s[2] as f64 / 1e6));
+        say(Event::Stat { stage: s[0] as usize, steps: s[1] as u64, busy_s: s[2] as f64 / 1e6 });
     }
 }
 
@@ -334,7 +267,7 @@ impl Leader {
         let mut input_open = true;
         let mut last_stats = Instant::now();
         let mut stats_pending = false;
-        say("m3c-ready");
+        say(Event::Ready);
         loop {
             peers.drain(world);
             let mut worked = false;
@@ -345,7 +278,7 @@ impl Leader {
                         self.command(world, st, cmd)?;
                         worked = true;
                     }
-                    Ok(Err(bad)) => say(&format!("m3c-bad {bad}")),
+                    Ok(Err(bad)) => refuse(None, bad),
                     Err(mpsc::TryRecvError::Empty) => break,
                     Err(mpsc::TryRecvError::Disconnected) => {
                         input_open = false;
@@ -403,7 +336,7 @@ impl Leader {
                 if input_open && self.in_flight == 0 {
                     match rx.recv_timeout(wait) {
                         Ok(Ok(cmd)) => self.command(world, st, cmd)?,
-                        Ok(Err(bad)) => say(&format!("m3c-bad {bad}")),
+                        Ok(Err(bad)) => refuse(None, bad),
                         Err(mpsc::RecvTimeoutError::Timeout) => {}
                         Err(mpsc::RecvTimeoutError::Disconnected) => input_open = false,
                     }
@@ -422,21 +355,21 @@ impl Leader {
         match cmd {
             Command::Add(a) => {
                 if self.live.contains_key(&a.seq) {
-                    say(&format!("m3c-bad add {}: the sequence is already live", a.seq));
+                    refuse(Some(a.seq), "the sequence is already live");
                     return Ok(());
                 }
                 if a.prompt.is_empty() || a.prompt.iter().any(|&i| i < 0 || i as usize >= st.meta.vocab) {
-                    say(&format!("m3c-bad add {}: the prompt is empty or has ids outside the vocabulary", a.seq));
+                    refuse(Some(a.seq), "the prompt is empty or has ids outside the vocabulary");
                     return Ok(());
                 }
                 if a.prompt.len().checked_add(a.max_new).and_then(|n| n.checked_add(1)).is_none_or(|n| n > MAX_CAPACITY) {
-                    say(&format!("m3c-bad add {}: the prompt and MAX_NEW exceed {MAX_CAPACITY} positions", a.seq));
+                    refuse(Some(a.seq), format!("the prompt and max_new exceed {MAX_CAPACITY} positions"));
                     return Ok(());
                 }
                 st.start_seq(a.seq, capacity(&a))?;
                 if let Err(why) = encode_images(st, &a) {
                     st.end_seq(a.seq);
-                    say(&format!("m3c-bad add {}: {why}", a.seq));
+                    refuse(Some(a.seq), why);
                     return Ok(());
                 }
                 if self.stages > 1 {
@@ -471,7 +404,7 @@ impl Leader {
                 l.cancelled = true;
                 if !l.busy {
                     self.ready.retain(|&s| s != seq);
-                    self.end(world, st, seq, "cancelled");
+                    self.end(world, st, seq, EndReason::Cancelled);
                 }
             }
         }
@@ -522,12 +455,12 @@ impl Leader {
             let l = self.live.get_mut(&s.seq).ok_or_else(|| StageError::Step(format!("ids for sequence {}, which is not live", s.seq)))?;
             l.busy = false;
             if l.cancelled {
-                self.end(world, st, s.seq, "cancelled");
+                self.end(world, st, s.seq, EndReason::Cancelled);
                 continue;
             }
             if id < 0 {
                 // Its logits were not finite: it ends, the others go on.
-                self.end(world, st, s.seq, "error");
+                self.end(world, st, s.seq, EndReason::Error);
                 continue;
             }
             if s.pos0 + s.rows < l.prompt_len {
@@ -537,10 +470,10 @@ impl Leader {
             }
             l.generated += 1;
             l.last_id = id;
-            say(&format!("m3c-id {} {id}", s.seq));
+            say(Event::Id { seq: s.seq, id: id as u32 });
             let eos = !l.ignore_eos && self.eos.contains(&id);
             if eos || l.generated >= l.max_new {
-                self.end(world, st, s.seq, if eos { "stop" } else { "length" });
+                self.end(world, st, s.seq, if eos { EndReason::Stop } else { EndReason::Length });
             } else {
                 self.ready.push_back(s.seq);
             }
@@ -549,13 +482,13 @@ impl Leader {
     }
 
     /// A sequence leaves: the front is told, every stage frees its caches.
-    fn end(&mut self, world: &SimpleCommunicator, st: &mut Stage, seq: usize, reason: &str) {
+    fn end(&mut self, world: &SimpleCommunicator, st: &mut Stage, seq: usize, reason: EndReason) {
         self.live.remove(&seq);
         self.books.seqs.remove(&seq);
         st.end_seq(seq);
         if self.stages > 1 {
             self.outbox.send(world, 1, TAG_ACT, message(KIND_DROP, &[Segment { seq, pos0: 0, rows: 0 }], &[]));
         }
-        say(&format!("m3c-end {seq} {reason}"));
+        say(Event::End { seq, reason });
     }
 }

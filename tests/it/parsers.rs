@@ -243,6 +243,58 @@ fn prompts_files_never_panic() {
     });
 }
 
+/// The front↔stage line protocol: damaged commands and events are errors,
+/// never panics, and whatever parses re-encodes to a line that parses back
+/// to the same message.
+#[test]
+fn protocol_lines_never_panic_and_round_trip() {
+    use m3c_contract::protocol::{Command, Event};
+    let seeds = vec![
+        b"add seq=3 max_new=16 ignore_eos=1 prompt=1,2,3 images=2f746d70 temperature=0.7 top_k=40 top_p=0.95 min_p=0 repetition_penalty=1.1 seed=7"
+            .to_vec(),
+        b"cancel 12".to_vec(),
+        b"m3c-id 3 200019".to_vec(),
+        b"m3c-end 3 cancelled".to_vec(),
+        b"m3c-stat 1 42 0.250000".to_vec(),
+        b"m3c-bad 4 the sequence is already live".to_vec(),
+    ];
+    run("protocol", 5000, seeded(seeds), |b| {
+        let line = text(b);
+        if let Ok(c) = Command::parse(&line) {
+            if Command::parse(&c.encode()).as_ref() != Ok(&c) {
+                return Err(format!("{line:?} parsed, but its encoding {:?} does not parse back", c.encode()));
+            }
+        }
+        if let Some(Ok(e)) = Event::parse(&line) {
+            if Event::parse(&e.encode()) != Some(Ok(e.clone())) {
+                return Err(format!("{line:?} parsed, but its encoding {:?} does not parse back", e.encode()));
+            }
+        }
+        Ok(())
+    });
+}
+
+/// A stage's command line: any argument list parses or is an error, and
+/// what parses re-encodes to the same arguments.
+#[test]
+fn stage_arguments_never_panic_and_round_trip() {
+    use m3c_contract::stage_args::StageArgs;
+    let seeds = vec![
+        b"--model\0m\0--prompt-ids\x001,2\0--max-new-tokens\x004\0--top-k\x0040\0--seq-sampling\x000:seed=3,top_p=0.5\0--stop\x000a0a"
+            .to_vec(),
+        b"--model\0m\0--serve\0--micro-batch\x0032\0--timeout-s\x002.5\0--cuda-graphs\0off\0--eos-ids\x00200020".to_vec(),
+    ];
+    run("stage arguments", 3000, seeded(seeds), |b| {
+        let args: Vec<String> = text(b).split('\0').map(str::to_string).collect();
+        if let Ok(a) = StageArgs::parse(&args) {
+            if a.prompts_file.is_none() && StageArgs::parse(&a.to_args()).as_ref() != Ok(&a) {
+                return Err(format!("{args:?} parsed, but {:?} does not parse back to it", a.to_args()));
+            }
+        }
+        Ok(())
+    });
+}
+
 #[test]
 fn command_line_numbers_never_panic() {
     let seeds: Vec<Vec<u8>> = ["300", "2.5", "1e3", "16", "0", "1,2,3"].iter().map(|s| s.as_bytes().to_vec()).collect();

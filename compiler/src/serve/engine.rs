@@ -6,6 +6,7 @@
 //! and a pipeline that stops fails every request still open.
 
 use super::metrics::{Gauges, Metrics, StageStat};
+use m3c_contract::protocol::{Command, EndReason, Event as StageEvent, SeqRequest};
 use m3c_contract::sampling::SamplingParams;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -237,29 +238,15 @@ impl Engine {
         }
         let seq = st.next_seq;
         st.next_seq += 1;
-        let p = &s.sampling;
-        let ids: Vec<String> = s.prompt.iter().map(u32::to_string).collect();
-        let line = format!(
-            "add {seq} {} {} {} {} {} {} {} {} {}\n",
-            s.max_new,
-            s.ignore_eos as u8,
-            p.temperature,
-            p.top_k,
-            p.top_p,
-            p.min_p,
-            p.repetition_penalty,
-            p.seed,
-            ids.join(",")
-        );
-        // Hex, so any path survives the whitespace-separated line.
-        let line = match &s.images {
-            Some(p) => format!(
-                "{} images={}\n",
-                line.trim_end(),
-                p.as_os_str().as_encoded_bytes().iter().map(|b| format!("{b:02x}")).collect::<String>()
-            ),
-            None => line,
+        let request = SeqRequest {
+            seq,
+            max_new: s.max_new,
+            ignore_eos: s.ignore_eos,
+            sampling: s.sampling,
+            prompt: s.prompt.iter().map(|&i| i64::from(i)).collect(),
+            images: s.images.as_ref().map(|p| p.to_path_buf()),
         };
+        let line = format!("{}\n", Command::Add(request).encode());
         let images = s.images;
         st.waiting.push_back(Waiting { seq, images, line, bytes, prompt_tokens: s.prompt.len(), tx, arrived: Instant::now() });
         self.admit(&mut st);
@@ -295,7 +282,7 @@ impl Engine {
             }
             self.admit(&mut st);
         } else if st.running.contains_key(&seq) {
-            self.send(format!("cancel {seq}\n"));
+            self.send(format!("{}\n", Command::Cancel(seq).encode()));
         }
     }
 
@@ -337,22 +324,22 @@ impl Engine {
                 .collect()
         };
         for s in seqs {
-            self.send(format!("cancel {s}\n"));
+            self.send(format!("{}\n", Command::Cancel(s).encode()));
         }
     }
 
     fn on_line(&self, line: &str) {
-        let mut words = line.split_ascii_whitespace();
-        match words.next() {
-            Some("m3c-ready") => {
+        let event = match StageEvent::parse(line) {
+            None => return eprintln!("{line}"),
+            Some(Err(e)) => return eprintln!("m3c serve: the first stage printed {e}"),
+            Some(Ok(ev)) => ev,
+        };
+        match event {
+            StageEvent::Ready => {
                 self.ready.store(true, Ordering::SeqCst);
                 eprintln!("m3c serve: every stage is up");
             }
-            Some("m3c-id") => {
-                let (Some(seq), Some(id)) = (words.next().and_then(|v| v.parse().ok()), words.next().and_then(|v| v.parse::<u32>().ok()))
-                else {
-                    return eprintln!("m3c serve: a malformed line from the first stage: {line}");
-                };
+            StageEvent::Id { seq, id } => {
                 let mut st = self.state();
                 if let Some(r) = st.running.get_mut(&seq) {
                     let now = Instant::now();
@@ -366,64 +353,52 @@ impl Engine {
                     let _ = r.tx.send(Event::Token(id));
                 }
             }
-            Some("m3c-end") => {
-                let (Some(seq), Some(reason)) = (words.next().and_then(|v| v.parse::<usize>().ok()), words.next()) else {
-                    return eprintln!("m3c serve: a malformed line from the first stage: {line}");
-                };
+            StageEvent::End { seq, reason } => {
                 let mut st = self.state();
                 if let Some(r) = st.running.remove(&seq) {
                     st.cache_used -= r.bytes;
                     let mut c = self.metrics.c.lock().unwrap_or_else(|e| e.into_inner());
                     match reason {
-                        "cancelled" => c.requests_cancelled += 1,
-                        "error" => c.requests_failed += 1,
-                        _ => c.requests_ok += 1,
+                        EndReason::Cancelled => c.requests_cancelled += 1,
+                        EndReason::Error => c.requests_failed += 1,
+                        EndReason::Stop | EndReason::Length => c.requests_ok += 1,
                     }
-                    let ev = if reason == "error" {
+                    let ev = if reason == EndReason::Error {
                         Event::Failed("the model produced non-finite logits (NaN or Inf) for this request".into())
                     } else {
-                        Event::End(reason.to_string())
+                        Event::End(reason.as_str().to_string())
                     };
                     let _ = r.tx.send(ev);
                 }
                 self.admit(&mut st);
             }
-            Some("m3c-stat") => {
-                let v: Vec<f64> = words.filter_map(|w| w.parse().ok()).collect();
-                let [k, steps, busy] = v[..] else { return };
-                let k = k as usize;
+            StageEvent::Stat { stage: k, steps, busy_s: busy } => {
                 let now = Instant::now();
                 let mut st = self.state();
                 let Some(slot) = st.reports.get_mut(k) else { return };
                 let mut c = self.metrics.c.lock().unwrap_or_else(|e| e.into_inner());
                 if let Some(stat) = c.stages.get_mut(k) {
-                    stat.steps = steps as u64;
+                    stat.steps = steps;
                     stat.busy_s = busy;
                 }
                 if let (Some((s0, b0, t0)), Some(stat)) = (*slot, c.stages.get_mut(k)) {
-                    let (ds, db, dt) = (steps as u64 - s0.min(steps as u64), (busy - b0).max(0.0), now.duration_since(t0).as_secs_f64());
-                    stat.steps = steps as u64;
-                    stat.busy_s = busy;
+                    let (ds, db, dt) = (steps - s0.min(steps), (busy - b0).max(0.0), now.duration_since(t0).as_secs_f64());
                     stat.step_s = if ds > 0 { db / ds as f64 } else { 0.0 };
                     stat.busy_fraction = if dt > 0.0 { (db / dt).min(1.0) } else { 0.0 };
                 }
-                *slot = Some((steps as u64, busy, now));
+                *slot = Some((steps, busy, now));
             }
-            Some("m3c-bad") => {
+            StageEvent::Bad { seq, why } => {
                 eprintln!("m3c serve: the first stage refused a command: {line}");
                 // A refused add ends its request (and frees its reservation).
-                let seq = line.strip_prefix("m3c-bad add ").and_then(|r| r.split(':').next()).and_then(|s| s.trim().parse::<usize>().ok());
                 let mut st = self.state();
                 if let Some(r) = seq.and_then(|s| st.running.remove(&s)) {
                     st.cache_used -= r.bytes;
                     self.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).requests_failed += 1;
-                    let why = line.split_once(": ").map_or(line, |(_, w)| w);
                     let _ = r.tx.send(Event::Failed(format!("the pipeline refused the request: {why}")));
                 }
                 self.admit(&mut st);
             }
-            // The stages' own messages (their logs go to standard error).
-            _ => eprintln!("{line}"),
         }
     }
 }

@@ -86,19 +86,15 @@ pub fn run(o: Options) -> Result<()> {
     // Sequences per micro-batch: the running ones shared over the stages,
     // so every stage has a micro-batch to work on.
     let micro = o.max_batch.div_ceil(stages).max(1);
-    let mut args: Vec<String> = vec!["--model".into(), o.model.display().to_string(), "--serve".into()];
-    for (k, v) in [
-        ("--micro-batch", micro.to_string()),
-        ("--prefill-chunk", o.prefill_chunk.to_string()),
-        ("--timeout-s", o.timeout_s.to_string()),
-        ("--cuda-graphs", o.cuda_graphs.clone()),
-        ("--prefill-gemm", o.prefill_gemm.clone()),
-    ] {
-        args.extend([k.to_string(), v]);
-    }
-    if !gen.eos_ids.is_empty() {
-        args.extend(["--eos-ids".to_string(), gen.eos_ids.iter().map(i64::to_string).collect::<Vec<_>>().join(",")]);
-    }
+    let mut stage = m3c_contract::stage_args::StageArgs::new(o.model.clone());
+    stage.serve = true;
+    stage.micro_batch = Some(micro);
+    stage.prefill_chunk = Some(o.prefill_chunk);
+    stage.timeout_s = o.timeout_s;
+    stage.cuda_graphs = o.cuda_graphs == "on";
+    stage.prefill_gemm_cublas = o.prefill_gemm == "cublas";
+    stage.eos_ids = gen.eos_ids.clone();
+    let args = stage.to_args();
     let cmd = compiled.mpirun(&args)?;
     // Images: only where the first stage encodes them (the manifest's
     // stages were compiled with the vision tower unless the plan said not).

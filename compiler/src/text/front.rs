@@ -3,6 +3,7 @@
 //! (`m3c-id SEQ ID` lines) into text as they arrive.
 
 use super::{ChatTemplate, IncrementalDecoder, TextError, TextTokenizer, ThinkingMode};
+use m3c_contract::protocol::Event;
 use minijinja::Value;
 use std::io::{BufRead, Write};
 use std::path::Path;
@@ -261,22 +262,25 @@ pub fn stream(stages: impl BufRead, enc: &Encoded, stops: &[String], mut out: im
     for line in stages.lines() {
         let line = line?;
         let malformed = || anyhow::anyhow!("the first stage printed a malformed line: {line:?}");
-        let seq_of = |s: &str| s.parse::<usize>().ok().filter(|&s| s < n);
-        if let Some(rest) = line.strip_prefix("m3c-id ") {
-            let (s, id) = rest.split_once(' ').ok_or_else(malformed)?;
-            let (seq, id) = (seq_of(s).ok_or_else(malformed)?, id.parse::<u32>().map_err(|_| malformed())?);
-            generated[seq].push(id);
-            let new = decoders[seq].push(&enc.tokenizer, id)?;
-            pending[seq].push_str(&filters[seq].push(&new, stops, false));
-        } else if let Some(rest) = line.strip_prefix("m3c-end ") {
-            let (s, reason) = rest.split_once(' ').ok_or_else(malformed)?;
-            let seq = seq_of(s).ok_or_else(malformed)?;
-            reasons[seq] = Some(reason.to_string());
-            let new = decoders[seq].finish(&enc.tokenizer)?;
-            pending[seq].push_str(&filters[seq].push(&new, stops, true));
-        } else {
-            writeln!(out, "{line}")?;
-            continue;
+        let seq_of = |s: usize| (s < n).then_some(s).ok_or_else(malformed);
+        match Event::parse(&line) {
+            Some(Ok(Event::Id { seq, id })) => {
+                let seq = seq_of(seq)?;
+                generated[seq].push(id);
+                let new = decoders[seq].push(&enc.tokenizer, id)?;
+                pending[seq].push_str(&filters[seq].push(&new, stops, false));
+            }
+            Some(Ok(Event::End { seq, reason })) => {
+                let seq = seq_of(seq)?;
+                reasons[seq] = Some(reason.as_str().to_string());
+                let new = decoders[seq].finish(&enc.tokenizer)?;
+                pending[seq].push_str(&filters[seq].push(&new, stops, true));
+            }
+            Some(Err(e)) => return Err(anyhow::anyhow!("the first stage printed {e}")),
+            Some(Ok(_)) | None => {
+                writeln!(out, "{line}")?;
+                continue;
+            }
         }
         // Write what the current prompt has; move on past finished ones.
         loop {

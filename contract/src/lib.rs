@@ -13,6 +13,12 @@
 //!   encodes images reads (patch rows and grids per sequence).
 //! - [`prompts`]: token-id prompts (`--prompt-ids`, prompts files) and the
 //!   numbers of the run command line.
+//! - [`stage_args`]: a stage executable's command line, as a type with one
+//!   encoder (the front's) and one parser (the stage's).
+//! - [`protocol`]: the commands and events between the front and the first
+//!   stage (`add`, `cancel`; `m3c-ready`, `m3c-id`, `m3c-end`, ...).
+//! - [`sampling`]: sampling parameters (with their one text form) and the
+//!   host sampler every target's sampler must agree with.
 //!
 //! This crate does no MPI, no mmap and no printing: it is plain parsing, so
 //! its parsers can be property-tested on arbitrary input.
@@ -22,8 +28,10 @@ pub mod dtype;
 pub mod images;
 pub mod input;
 pub mod prompts;
+pub mod protocol;
 pub mod sampling;
 pub mod stage;
+pub mod stage_args;
 pub mod token_bytes;
 mod unique_map;
 

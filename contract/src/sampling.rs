@@ -41,6 +41,56 @@ impl SamplingParams {
         self.temperature == 0.0 && self.repetition_penalty == 1.0
     }
 
+    /// Every field by name, in one order: the one text form of sampling
+    /// parameters wherever they cross a process boundary (stage arguments,
+    /// the serve protocol). A new field is a new line here and in
+    /// [`SamplingParams::set_field`]; no positional format to renumber.
+    pub fn fields(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("temperature", self.temperature.to_string()),
+            ("top_k", self.top_k.to_string()),
+            ("top_p", self.top_p.to_string()),
+            ("min_p", self.min_p.to_string()),
+            ("repetition_penalty", self.repetition_penalty.to_string()),
+            ("seed", self.seed.to_string()),
+        ]
+    }
+
+    /// Sets the field `name` from its text form; `Ok(false)` when no field
+    /// has that name (the caller decides whether that is an error).
+    pub fn set_field(&mut self, name: &str, value: &str) -> Result<bool, String> {
+        let num = || value.parse::<f32>().ok().filter(|v| v.is_finite()).ok_or_else(|| format!("{name} `{value}`: expected a number"));
+        let int = || value.parse::<u64>().map_err(|_| format!("{name} `{value}`: expected an unsigned integer"));
+        match name {
+            "temperature" => self.temperature = num()?,
+            "top_k" => self.top_k = usize::try_from(int()?).map_err(|_| format!("top_k `{value}` is too large"))?,
+            "top_p" => self.top_p = num()?,
+            "min_p" => self.min_p = num()?,
+            "repetition_penalty" => self.repetition_penalty = num()?,
+            "seed" => self.seed = int()?,
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// `name=value,...` of every field ([`SamplingParams::fields`]).
+    pub fn encode(&self) -> String {
+        self.fields().iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
+    }
+
+    /// The parameters of `text` (`name=value,...`) over `base`, checked.
+    pub fn decode(text: &str, base: SamplingParams) -> Result<SamplingParams, String> {
+        let mut p = base;
+        for pair in text.split(',').filter(|s| !s.is_empty()) {
+            let (k, v) = pair.split_once('=').ok_or_else(|| format!("`{pair}`: expected name=value"))?;
+            if !p.set_field(k, v)? {
+                return Err(format!("`{k}` is not a sampling parameter"));
+            }
+        }
+        p.check()?;
+        Ok(p)
+    }
+
     /// Checks every field's range; the message names the field.
     pub fn check(&self) -> Result<(), String> {
         let SamplingParams { temperature: t, top_p, min_p, repetition_penalty: r, .. } = *self;

@@ -1,0 +1,326 @@
+//! The command line of a stage executable (every rank gets the same): one
+//! type, [`StageArgs`], with its one encoder ([`StageArgs::to_args`], what
+//! the front passes to mpirun) and its one parser ([`StageArgs::parse`],
+//! what each stage reads).
+
+use std::path::PathBuf;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct StageArgs {
+    /// The checkpoint folder; `None` with `--synthetic-weights`.
+    pub model: Option<PathBuf>,
+    /// Random weights of the compiled shapes instead of a checkpoint (for
+    /// timing real-size layers without their files).
+    pub synthetic_seed: Option<u64>,
+    /// A golden file (the fixtures' tensor names) the last stage compares its results with.
+    pub expect: Option<PathBuf>,
+    /// The prompts' ids (read from `prompts_file` when that is given).
+    pub prompts: Vec<Vec<i64>>,
+    /// A prompts file of ids, one prompt a line (`--prompts`).
+    pub prompts_file: Option<PathBuf>,
+    pub max_new_tokens: usize,
+    pub dump: Option<PathBuf>,
+    /// Seconds a rank waits for a message before it gives up.
+    pub timeout_s: f64,
+    /// Sequences per micro-batch (default: the prompts shared over the stages).
+    pub micro_batch: Option<usize>,
+    /// Prefill prompts in chunks of this many tokens.
+    pub prefill_chunk: Option<usize>,
+    /// CUDA stages: replay each decode micro-batch's step as a captured CUDA graph.
+    pub cuda_graphs: bool,
+    /// CUDA stages: prefill linears with bf16 or MXFP8 weights on cuBLAS (tensor cores).
+    pub prefill_gemm_cublas: bool,
+    /// Print each generated id as it arrives (`m3c-id SEQ ID`) instead of
+    /// every prompt's ids at the end: what `m3c run` reads to stream text.
+    pub stream_ids: bool,
+    /// How the last stage picks each token (greedy by default).
+    pub sampling: SamplingParams,
+    /// Ids that end a sequence (after being emitted); empty: none.
+    pub eos_ids: Vec<i64>,
+    /// Byte strings that end a sequence once its generated text holds one
+    /// (given in hex, so any bytes survive the command line).
+    pub stops: Vec<Vec<u8>>,
+    /// Per-sequence sampling that differs from `sampling` (a `--prompts`
+    /// JSONL line's own settings).
+    pub seq_sampling: Vec<(usize, SamplingParams)>,
+    /// Serve requests that arrive on the first stage's standard input
+    /// (`m3c serve`) instead of running a fixed set of prompts.
+    pub serve: bool,
+    /// The images of the prompts (`m3c_contract::images`), read by the stage
+    /// that encodes them.
+    pub images: Option<PathBuf>,
+}
+
+impl StageArgs {
+    /// Arguments with every default: greedy, no prompts, no flags.
+    pub fn new(model: PathBuf) -> StageArgs {
+        StageArgs {
+            model: Some(model),
+            synthetic_seed: None,
+            expect: None,
+            prompts: Vec::new(),
+            prompts_file: None,
+            max_new_tokens: 0,
+            dump: None,
+            timeout_s: DEFAULT_TIMEOUT_S,
+            micro_batch: None,
+            prefill_chunk: None,
+            cuda_graphs: true,
+            prefill_gemm_cublas: false,
+            stream_ids: false,
+            sampling: SamplingParams::GREEDY,
+            eos_ids: Vec::new(),
+            stops: Vec::new(),
+            seq_sampling: Vec::new(),
+            serve: false,
+            images: None,
+        }
+    }
+
+    /// The command line that [`StageArgs::parse`] reads back as `self`.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        let mut flag = |name: &str, value: String| out.extend([name.to_string(), value]);
+        let path = |p: &PathBuf| p.display().to_string();
+        let ids = |p: &[i64]| p.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
+        if let Some(m) = &self.model {
+            flag("--model", path(m));
+        }
+        if let Some(s) = self.synthetic_seed {
+            flag("--synthetic-weights", s.to_string());
+        }
+        match &self.prompts_file {
+            Some(f) => flag("--prompts", path(f)),
+            None => self.prompts.iter().for_each(|p| flag("--prompt-ids", ids(p))),
+        }
+        if !self.serve {
+            flag("--max-new-tokens", self.max_new_tokens.to_string());
+        }
+        for (name, value) in [
+            ("--dump", self.dump.as_ref().map(path)),
+            ("--expect", self.expect.as_ref().map(path)),
+            ("--images", self.images.as_ref().map(path)),
+            ("--prefill-chunk", self.prefill_chunk.map(|n| n.to_string())),
+            ("--micro-batch", self.micro_batch.map(|n| n.to_string())),
+            ("--timeout-s", Some(self.timeout_s.to_string())),
+            ("--cuda-graphs", Some(if self.cuda_graphs { "on" } else { "off" }.to_string())),
+            ("--prefill-gemm", Some(if self.prefill_gemm_cublas { "cublas" } else { "off" }.to_string())),
+            ("--eos-ids", (!self.eos_ids.is_empty()).then(|| ids(&self.eos_ids))),
+        ] {
+            if let Some(v) = value {
+                flag(name, v);
+            }
+        }
+        // Each sampling field as a flag of its own name (`--top-k`).
+        for (k, v) in self.sampling.fields() {
+            flag(&format!("--{}", k.replace('_', "-")), v);
+        }
+        for (seq, p) in &self.seq_sampling {
+            flag("--seq-sampling", format!("{seq}:{}", p.encode()));
+        }
+        for stop in &self.stops {
+            flag("--stop", crate::protocol::hex(stop));
+        }
+        if self.stream_ids {
+            out.push("--stream-ids".into());
+        }
+        if self.serve {
+            out.push("--serve".into());
+        }
+        out
+    }
+
+    /// The sampling of sequence `seq`.
+    pub fn sampling_for(&self, seq: usize) -> &SamplingParams {
+        self.seq_sampling.iter().rev().find(|(s, _)| *s == seq).map_or(&self.sampling, |(_, p)| p)
+    }
+}
+
+/// Seconds without a heartbeat before a peer counts as lost.
+pub const DEFAULT_TIMEOUT_S: f64 = 30.0;
+
+pub const USAGE: &str = "usage: stage-K (--model DIR | --synthetic-weights SEED) ((--prompt-ids 1,2,3 [--prompt-ids ...] | --prompts FILE) \
+--max-new-tokens N | --serve) [--micro-batch SEQS] [--prefill-chunk TOKENS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S] [--cuda-graphs on|off] [--prefill-gemm cublas|off] [--stream-ids] \
+[--temperature T] [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S] [--eos-ids 1,2] [--stop HEX ...] [--seq-sampling SEQ:temperature=T,... ...] [--images FILE.safetensors]";
+
+use crate::prompts::{parse_count, parse_ids, parse_prompts_file, parse_timeout_s};
+use crate::sampling::SamplingParams;
+
+/// `SEQ:name=value,...`, one sequence's sampling (over the run's).
+fn parse_seq_sampling(v: &str, base: SamplingParams) -> Result<(usize, SamplingParams), String> {
+    let (seq, fields) = v.split_once(':').ok_or_else(|| format!("--seq-sampling `{v}`: expected SEQ:name=value,..."))?;
+    let p = SamplingParams::decode(fields, base).map_err(|e| format!("--seq-sampling `{v}`: {e}"))?;
+    Ok((parse_count(seq, "--seq-sampling sequence", false)?, p))
+}
+
+/// A stop string's bytes from hex (`0a0a` for "\n\n").
+fn parse_hex(v: &str) -> Result<Vec<u8>, String> {
+    crate::protocol::unhex(v)
+        .filter(|_| v.len() <= 2048)
+        .ok_or_else(|| format!("--stop: `{}` is not a non-empty even-length hex string", v.chars().take(40).collect::<String>()))
+}
+
+impl StageArgs {
+    /// Parses a stage's command line; the error names the flag. A prompts
+    /// file is read here (a bounded user file).
+    pub fn parse(args: &[String]) -> Result<StageArgs, String> {
+        parse_args(args)
+    }
+}
+
+fn parse_args(args: &[String]) -> Result<StageArgs, String> {
+    let mut model = None;
+    let mut prompts = Vec::new();
+    let mut prompts_file = None;
+    let mut max_new = None;
+    let mut dump = None;
+    let mut expect = None;
+    let mut synthetic_seed = None;
+    let mut timeout_s = DEFAULT_TIMEOUT_S;
+    let mut micro_batch = None;
+    let mut prefill_chunk = None;
+    let mut cuda_graphs = true;
+    let mut prefill_gemm_cublas = false;
+    let mut stream_ids = false;
+    let mut sampling = SamplingParams::GREEDY;
+    let mut eos_ids = Vec::new();
+    let mut stops = Vec::new();
+    let mut seq_sampling_text = Vec::new();
+    let mut serve = false;
+    let mut images = None;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut value = |name: &str| it.next().cloned().ok_or_else(|| format!("{name} needs a value; {USAGE}"));
+        match a.as_str() {
+            "--model" => model = Some(PathBuf::from(value("--model")?)),
+            "--prompt-ids" => prompts.push(parse_ids(&value("--prompt-ids")?, "--prompt-ids")?),
+            "--prompts" => prompts_file = Some(PathBuf::from(value("--prompts")?)),
+            "--max-new-tokens" => max_new = Some(parse_count(&value("--max-new-tokens")?, "--max-new-tokens", false)?),
+            "--dump" => dump = Some(PathBuf::from(value("--dump")?)),
+            "--expect" => expect = Some(PathBuf::from(value("--expect")?)),
+            "--prefill-chunk" => prefill_chunk = Some(parse_count(&value("--prefill-chunk")?, "--prefill-chunk", true)?),
+            "--micro-batch" => micro_batch = Some(parse_count(&value("--micro-batch")?, "--micro-batch", true)?),
+            "--synthetic-weights" => {
+                let v = value("--synthetic-weights")?;
+                synthetic_seed = Some(v.parse::<u64>().map_err(|_| format!("--synthetic-weights: `{v}` is not a seed (an integer)"))?);
+            }
+            "--timeout-s" => timeout_s = parse_timeout_s(&value("--timeout-s")?)?,
+            "--cuda-graphs" => {
+                cuda_graphs = match value("--cuda-graphs")?.as_str() {
+                    "on" => true,
+                    "off" => false,
+                    v => return Err(format!("--cuda-graphs: `{v}` is not `on` or `off`")),
+                }
+            }
+            "--prefill-gemm" => {
+                prefill_gemm_cublas = match value("--prefill-gemm")?.as_str() {
+                    "cublas" => true,
+                    "off" => false,
+                    v => return Err(format!("--prefill-gemm: `{v}` is not `cublas` or `off`")),
+                }
+            }
+            "--stream-ids" => stream_ids = true,
+            "--images" => images = Some(PathBuf::from(value("--images")?)),
+            "--serve" => serve = true,
+            "--eos-ids" => eos_ids = parse_ids(&value("--eos-ids")?, "--eos-ids")?,
+            "--stop" => stops.push(parse_hex(&value("--stop")?)?),
+            "--seq-sampling" => seq_sampling_text.push(value("--seq-sampling")?),
+            other => {
+                // A sampling field, by its own name (`--top-k K`).
+                let field = other.strip_prefix("--").map(|f| f.replace('-', "_")).unwrap_or_default();
+                if !SamplingParams::GREEDY.fields().iter().any(|(k, _)| *k == field) {
+                    return Err(format!("unknown argument `{other}`; {USAGE}"));
+                }
+                sampling.set_field(&field, &value(other)?).map_err(|e| format!("{other}: {e}"))?;
+            }
+        }
+    }
+    if let Some(f) = &prompts_file {
+        if !prompts.is_empty() {
+            return Err("give --prompt-ids or --prompts, not both".into());
+        }
+        let text = crate::read_user_file(f, "--prompts", crate::input::limits::PROMPTS).map_err(|e| e.to_string())?;
+        prompts = parse_prompts_file(&text, &f.display().to_string())?;
+    }
+    sampling.check()?;
+    // Per-sequence sampling is over the run's, wherever the flags stood.
+    let seq_sampling = seq_sampling_text.iter().map(|v| parse_seq_sampling(v, sampling)).collect::<Result<Vec<_>, _>>()?;
+    if serve && (!prompts.is_empty() || max_new.is_some() || dump.is_some() || expect.is_some()) {
+        return Err("--serve takes its prompts from the first stage's standard input: no --prompt-ids, --prompts, --max-new-tokens, --dump or --expect".into());
+    }
+    if prompts.is_empty() && !serve {
+        return Err(format!("no prompt: give --prompt-ids or --prompts; {USAGE}"));
+    }
+    if model.is_none() && synthetic_seed.is_none() {
+        return Err(format!("--model DIR is required; {USAGE}"));
+    }
+    if model.is_some() && synthetic_seed.is_some() {
+        return Err("give --model or --synthetic-weights, not both".into());
+    }
+    Ok(StageArgs {
+        model,
+        synthetic_seed,
+        expect,
+        prompts,
+        prompts_file,
+        max_new_tokens: if serve { 0 } else { max_new.ok_or_else(|| format!("--max-new-tokens is required; {USAGE}"))? },
+        dump,
+        timeout_s,
+        micro_batch,
+        prefill_chunk,
+        cuda_graphs,
+        prefill_gemm_cublas,
+        stream_ids,
+        sampling,
+        eos_ids,
+        stops,
+        seq_sampling,
+        serve,
+        images,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stage_arguments_round_trip() {
+        let mut a = StageArgs::new(PathBuf::from("/models/tiny m3"));
+        a.prompts = vec![vec![1, 2, 3], vec![4]];
+        a.max_new_tokens = 16;
+        a.micro_batch = Some(2);
+        a.prefill_chunk = Some(7);
+        a.timeout_s = 2.5;
+        a.cuda_graphs = false;
+        a.prefill_gemm_cublas = true;
+        a.stream_ids = true;
+        a.sampling = SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.0, repetition_penalty: 1.05, seed: 7 };
+        a.seq_sampling = vec![(1, SamplingParams { seed: 9, top_k: 3, ..a.sampling })];
+        a.eos_ids = vec![200_020];
+        a.stops = vec![b"\n\n".to_vec(), vec![0xff, 0]];
+        a.dump = Some(PathBuf::from("d.safetensors"));
+        a.images = Some(PathBuf::from("/tmp/i.safetensors"));
+        assert_eq!(StageArgs::parse(&a.to_args()), Ok(a.clone()));
+        let mut s = StageArgs::new(PathBuf::from("m"));
+        s.serve = true;
+        s.micro_batch = Some(32);
+        assert_eq!(StageArgs::parse(&s.to_args()), Ok(s));
+    }
+
+    #[test]
+    fn bad_arguments_name_the_flag() {
+        for (args, want) in [
+            (&["--model", "m", "--prompt-ids", "1", "--max-new-tokens", "2", "--top-p", "2"][..], "top_p"),
+            (&["--model", "m", "--prompt-ids", "1", "--max-new-tokens", "2", "--seed", "-1"], "--seed"),
+            (&["--model", "m", "--prompt-ids", "1", "--max-new-tokens", "2", "--seq-sampling", "0:colour=red"], "colour"),
+            (&["--model", "m", "--prompt-ids", "1", "--max-new-tokens", "2", "--seq-sampling", "x"], "--seq-sampling"),
+            (&["--model", "m", "--prompt-ids", "1"], "--max-new-tokens"),
+            (&["--model", "m", "--serve", "--max-new-tokens", "2"], "--serve"),
+        ] {
+            let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+            let e = StageArgs::parse(&args).unwrap_err();
+            assert!(e.contains(want), "{args:?}: {e}");
+        }
+    }
+}
