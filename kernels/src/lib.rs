@@ -116,23 +116,21 @@ impl WeightType {
     }
 }
 
+/// The kernel types, one module (file) each, declared in `ops/mod.rs` (where
+/// rustfmt sees them).
+pub mod ops;
+
 /// The kernels: one file each under `ops/`, one line each here. The list
 /// makes the [`Kernel`] enum (a variant per kernel type), `From` for each
 /// type, and the dispatch to its [`KernelUnit`].
 macro_rules! kernels {
     ($($module:ident :: $name:ident),* $(,)?) => {
-        /// The kernel types, one module (file) each.
-        pub mod ops {
-            $(pub mod $module;)*
-            $(pub use $module::$name;)*
-        }
-
         /// One kernel at one shape. Activations are rows `[S, width]` (S
         /// dynamic: prompt length at prefill, 1 at decode) of f32 values
         /// stored as the kernel's `act`.
         #[derive(Debug, Clone, PartialEq, PartialOrd)]
         pub enum Kernel {
-            $($name(ops::$name),)*
+            $($name(ops::$module::$name),)*
         }
 
         impl Kernel {

@@ -6,22 +6,8 @@
 //! and caches; every other call runs once over all rows, so a weight is read
 //! once per micro-batch.
 //!
-//! ```c
-//! void m3c_stage_step(void *const *weights,     // one pointer per StageProgram::tensors slot
-//!                     void *const *weights_dev, // the same table where kernels can read it (GPU); = weights on the host
-//!                     void *const *const *caches, // per sequence: a table with one pointer per cache slot, [capacity, width] f32 or bf16 bits
-//!                     int64_t sequences,        // sequences in the micro-batch
-//!                     const int64_t *rows,      // [sequences] rows of each
-//!                     const int64_t *caps,      // [sequences] cache capacity (rows) of each
-//!                     int64_t tokens,           // S = Σ rows
-//!                     const int64_t *ids,       // [S] token ids (first stage)
-//!                     void *x,                  // [S, hidden] f32 or bf16 bits (--activations): in (unless first) and out (unless last)
-//!                     float *logits,            // [S, vocab] (last stage)
-//!                     int64_t *out_ids,         // [S] sampled ids (last stage)
-//!                     int64_t *table,           // [S, 8] sampling table (last stage; m3c_contract::sampling::row)
-//!                     const int32_t *seen,      // [sequences, ⌈vocab/32⌉] seen-id bitmaps (last stage)
-//!                     const int64_t *pos);      // [S] position of each row
-//! ```
+//! Its C signature is written once, in `m3c_contract::stage::abi::ENTRY`
+//! (the runtime passes exactly those arguments).
 //!
 //! On the GPU every array the kernels touch (weights, caches, ids, x,
 //! logits, out_ids, table, seen, pos) is device memory; the small per-sequence arrays and

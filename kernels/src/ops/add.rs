@@ -42,14 +42,14 @@ impl KernelUnit for Add {
     }
     fn gpu_funcs(&self) -> Vec<GpuFunc> {
         let Add { width, act } = self;
-                let t = format!("memref<?x{width}x{}>", act.mlir_elem());
-                let body = format!(
-                    "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
+        let t = format!("memref<?x{width}x{}>", act.mlir_elem());
+        let body = format!(
+            "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
                      scf.for %i = %t to %cw step %c256 {{\n{}{}  %s = arith.addf %x, %z : f32\n{}}}\n",
-                    indent(&load_f32("%x", "%a", &t, "%r", "%i", *act), 2),
-                    indent(&load_f32("%z", "%b", &t, "%r", "%i", *act), 2),
-                    indent(&store_f32("%s", "%y", &t, "%r", "%i", *act), 2),
-                );
-                vec![gpu_func(&self.symbol(), &self.params(), &body)]
-                }
+            indent(&load_f32("%x", "%a", &t, "%r", "%i", *act), 2),
+            indent(&load_f32("%z", "%b", &t, "%r", "%i", *act), 2),
+            indent(&store_f32("%s", "%y", &t, "%r", "%i", *act), 2),
+        );
+        vec![gpu_func(&self.symbol(), &self.params(), &body)]
+    }
 }

@@ -1,10 +1,10 @@
 //! Causal GQA attention over the cache, with the MSA block selection
 //! (MiniMax Sparse Attention's indexer) fused in when it is set.
 
-use crate::emit::{f32_lit, load_f32, load_f32xn, parallel_or_serial, store_f32};
 use crate::builder::{warp_reduce, Reduce};
-use crate::host::{BASICS, index_consts};
+use crate::emit::{f32_lit, load_f32, load_f32xn, parallel_or_serial, store_f32};
 use crate::gpu::{device_buffer, func, GpuCall, GpuFunc, IDX};
+use crate::host::{index_consts, BASICS};
 use crate::unit::{param, KernelUnit, Launch, Param};
 use crate::{indent, num_tag, Storage};
 
@@ -108,7 +108,7 @@ impl KernelUnit for Attention {
                 "func.call @m3c_buf_free(%g{tag}_bs_p) : (!llvm.ptr) -> ()\nfunc.call @m3c_buf_free(%g{tag}_sel_p) : (!llvm.ptr) -> ()\n"
             ));
         }
-                    let mut call = l.call(text);
+        let mut call = l.call(text);
         call.host_views = host_views;
         call
     }
@@ -459,18 +459,25 @@ fn gpu_attention(name: &str, k: &Attention) -> GpuFunc {
 fn msa_host(s: SparseSel, cache: Storage, act: Storage) -> (String, String, String, String) {
     let (setup, select, allowed, teardown): (String, String, String, String);
 
-        let iqt = format!("memref<?x{}x{}>", s.index_heads * s.index_dim, act.mlir_elem());
-        let ikt = format!("memref<?x{}x{}>", s.index_dim, cache.mlir_elem());
-        let idx1 = index_consts(&[("cB", s.block), ("cBm1", s.block - 1), ("cK", s.topk), ("cid", s.index_dim), ("clocal", s.local), ("cinit", s.init)]);
-        setup = format!(
-            "{idx1}\
+    let iqt = format!("memref<?x{}x{}>", s.index_heads * s.index_dim, act.mlir_elem());
+    let ikt = format!("memref<?x{}x{}>", s.index_dim, cache.mlir_elem());
+    let idx1 = index_consts(&[
+        ("cB", s.block),
+        ("cBm1", s.block - 1),
+        ("cK", s.topk),
+        ("cid", s.index_dim),
+        ("clocal", s.local),
+        ("cinit", s.init),
+    ]);
+    setup = format!(
+        "{idx1}\
              %pinf = arith.constant {POS_INF} : f32\n\
              %i32_0 = arith.constant 0 : i32\n\
              %i32_1 = arith.constant 1 : i32\n"
-        );
-        teardown = "memref.dealloc %bs : memref<?xf32>\nmemref.dealloc %sel : memref<?xi32>\n".into();
-        select = format!(
-            "%bq = arith.divui %p, %cB : index\n\
+    );
+    teardown = "memref.dealloc %bs : memref<?xf32>\nmemref.dealloc %sel : memref<?xi32>\n".into();
+    select = format!(
+        "%bq = arith.divui %p, %cB : index\n\
              %nb = arith.addi %bq, %c1 : index\n\
              %bs = memref.alloc(%nb) : memref<?xf32>\n\
              %sel = memref.alloc(%nb) : memref<?xi32>\n\
@@ -514,12 +521,12 @@ fn msa_host(s: SparseSel, cache: Storage, act: Storage) -> (String, String, Stri
              \x20   memref.store %i32_1, %sel[%best#1] : memref<?xi32>\n\
              \x20 }}\n\
              }}\n",
-            dot_idx = indent(&dot("%dot", ("%iq", &iqt, act), "%r", "%iqb", ("%ik", &ikt, cache), "%t", "%c0", "%cid", s.index_dim), 2),
-        );
-        allowed = "%tb = arith.divui %t, %cB : index\n\
+        dot_idx = indent(&dot("%dot", ("%iq", &iqt, act), "%r", "%iqb", ("%ik", &ikt, cache), "%t", "%c0", "%cid", s.index_dim), 2),
+    );
+    allowed = "%tb = arith.divui %t, %cB : index\n\
                    %sv = memref.load %sel[%tb] : memref<?xi32>\n\
                    %allowed = arith.cmpi ne, %sv, %i32_0 : i32\n"
-            .into();
-    
+        .into();
+
     (setup, select, allowed, teardown)
 }

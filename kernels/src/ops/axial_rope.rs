@@ -68,11 +68,7 @@ impl KernelUnit for AxialRope {
         let (q, half) = (self.axis_dim / 2, 3 * self.axis_dim / 2);
         let x = self.x_ty();
         let consts = index_consts(&[("ch", self.heads), ("cd", self.head_dim), ("cq", q), ("chalf", half), ("crot", 2 * half)]);
-        let pass = format!(
-            "{}{}",
-            load_f32("%v", "%x", &x, "%r", "%c", self.act),
-            store_f32("%v", "%y", &x, "%r", "%c", self.act)
-        );
+        let pass = format!("{}{}", load_f32("%v", "%x", &x, "%r", "%c", self.act), store_f32("%v", "%y", &x, "%r", "%c", self.act));
         format!(
             "{BASICS}{consts}%inv = memref.get_global @{table} : memref<{q}xf32>\n%rows = memref.dim %x, %c0 : {x}\n\
              scf.for %r = %c0 to %rows step %c1 {{\n\

@@ -22,7 +22,11 @@ const ERFF: &str = "  func.func private @erff(f32) -> f32\n";
 impl Gelu {
     /// `y = ½ · x · (1 + erf(x · 1/√2))` of the loaded `%x`, stored from the
     /// returned value; `erf` is how the target spells erf of a value.
-    pub(crate) fn element(b: &mut Builder, x: &str, erf: impl Fn(&mut Builder, &crate::builder::Value) -> crate::builder::Value) -> crate::builder::Value {
+    pub(crate) fn element(
+        b: &mut Builder,
+        x: &str,
+        erf: impl Fn(&mut Builder, &crate::builder::Value) -> crate::builder::Value,
+    ) -> crate::builder::Value {
         let x = crate::builder::Value { name: x.to_string(), ty: "f32".into() };
         let (half, one, rsqrt2) = (b.f32(0.5), b.f32(1.0), b.f32(std::f64::consts::FRAC_1_SQRT_2));
         let scaled = b.binary("arith.mulf", &x, &rsqrt2);
@@ -52,7 +56,12 @@ impl KernelUnit for Gelu {
             b.line(&format!("{r} = func.call @erff({v}) : (f32) -> f32"));
             r
         });
-        let element = format!("{}{}{}", load_f32("%xv", "%x", &t, "%r", "%i", self.act), b.finish(), store_f32(&y.name, "%y", &t, "%r", "%i", self.act));
+        let element = format!(
+            "{}{}{}",
+            load_f32("%xv", "%x", &t, "%r", "%i", self.act),
+            b.finish(),
+            store_f32(&y.name, "%y", &t, "%r", "%i", self.act)
+        );
         rowwise(self.width, self.act, "x", "", &element)
     }
     fn gpu_funcs(&self) -> Vec<GpuFunc> {

@@ -2,8 +2,8 @@
 //! also the MSA indexer's).
 
 use crate::emit::{f32_lit, gemma_norm_span, load_f32, store_f32};
-use crate::host::{BASICS, index_consts};
 use crate::gpu::{GpuCall, GpuFunc, IDX};
+use crate::host::{index_consts, BASICS};
 use crate::unit::{param, params_text, KernelUnit, Launch, Param};
 use crate::{indent, num_tag, Storage, WeightType};
 
@@ -33,7 +33,12 @@ impl KernelUnit for HeadNormRope {
     fn params(&self) -> Vec<Param> {
         let HeadNormRope { heads, head_dim, weight, act, .. } = self;
         let x = format!("memref<?x{}x{}>", heads * head_dim, act.mlir_elem());
-        vec![param("x", &x), param("w", format!("memref<{head_dim}x{}>", weight.mlir_elem())), param("pos", "memref<?xi64>"), param("y", &x)]
+        vec![
+            param("x", &x),
+            param("w", format!("memref<{head_dim}x{}>", weight.mlir_elem())),
+            param("pos", "memref<?xi64>"),
+            param("y", &x),
+        ]
     }
     fn act(&self) -> Option<Storage> {
         Some(self.act)
@@ -46,14 +51,14 @@ impl KernelUnit for HeadNormRope {
         let sym = self.symbol();
         let HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight, act } = self;
 
-                let (d, half) = (*head_dim, rotary_dim / 2);
-                let t = format!("memref<?x{}x{}>", heads * d, act.mlir_elem());
-                let st = |v: &str, c: &str| store_f32(v, "%y", &t, "%r", c, *act);
-                let wt = format!("memref<{d}x{}>", weight.mlir_elem());
-                let inv: Vec<String> =
-                    (0..half.max(1)).map(|j| f32_lit((1.0 / (*theta as f32).powf((2 * j) as f32 / *rotary_dim as f32)) as f64)).collect();
-                let wl = crate::emit::load_weight_f32("%wv", "%w", "%t", &wt, *weight);
-                let body = format!(
+        let (d, half) = (*head_dim, rotary_dim / 2);
+        let t = format!("memref<?x{}x{}>", heads * d, act.mlir_elem());
+        let st = |v: &str, c: &str| store_f32(v, "%y", &t, "%r", c, *act);
+        let wt = format!("memref<{d}x{}>", weight.mlir_elem());
+        let inv: Vec<String> =
+            (0..half.max(1)).map(|j| f32_lit((1.0 / (*theta as f32).powf((2 * j) as f32 / *rotary_dim as f32)) as f64)).collect();
+        let wl = crate::emit::load_weight_f32("%wv", "%w", "%t", &wt, *weight);
+        let body = format!(
                     "{IDX}%r = gpu.block_id x\n%h = gpu.block_id y\n%t = gpu.thread_id x\n\
                      %cd = arith.constant {d} : index\n%chalf = arith.constant {half} : index\n%crot = arith.constant {rotary_dim} : index\n\
                      %n = arith.constant {nf} : f32\n%eps = arith.constant {epsf} : f32\n\
@@ -88,7 +93,7 @@ impl KernelUnit for HeadNormRope {
                     inv = inv.join(", "),
                     hv = half.max(1),
                 );
-                vec![GpuFunc {
+        vec![GpuFunc {
                     name: sym.clone(),
                     text: format!(
                         "    gpu.func @{sym}({}) workgroup(%sh: memref<{d}xf32, #gpu.address_space<workgroup>>) kernel {{\n{}      gpu.return\n    }}\n",
@@ -96,7 +101,7 @@ impl KernelUnit for HeadNormRope {
                         indent(&body, 6)
                     ),
                 }]
-                }
+    }
     /// A block per (row, head), a thread per channel.
     fn launch(&self, l: &Launch) -> GpuCall {
         l.per_head(&self.symbol(), self.heads, self.head_dim)
@@ -112,15 +117,7 @@ impl KernelUnit for HeadNormRope {
 /// with `h = rotary_dim/2`, angle `pos · θ^(−2j/rotary_dim)` in f32.
 /// `x`, `y`: `[S, heads·head_dim]` stored as `act`; `pos`: `[S]` i64.
 #[allow(clippy::too_many_arguments)]
-fn host(
-    heads: usize,
-    head_dim: usize,
-    rotary_dim: usize,
-    theta: f64,
-    eps: f64,
-    weight: WeightType,
-    act: Storage,
-) -> String {
+fn host(heads: usize, head_dim: usize, rotary_dim: usize, theta: f64, eps: f64, weight: WeightType, act: Storage) -> String {
     let width = heads * head_dim;
     let half = rotary_dim / 2;
     let x = format!("memref<?x{width}x{}>", act.mlir_elem());

@@ -2,8 +2,8 @@
 //! weight type; on the host a vectorised path when the widths allow.
 
 use crate::emit::{e8m0_to_f32, fp8_lut_global, load_f32, load_f32xn, load_weight_f32, parallel_or_serial, store_f32, E8M0_CONSTANTS};
-use crate::host::{BASICS, index_consts};
 use crate::gpu::{warp_dots, GpuCall, GpuFunc, WeightArgs, BLOCK, IDX, ROWS_PER_PASS, WARPS, WARP_IDS};
+use crate::host::{index_consts, BASICS};
 use crate::unit::{gpu_func, param, KernelUnit, Launch, Param};
 use crate::{indent, Storage, WeightType};
 
@@ -27,7 +27,10 @@ impl KernelUnit for Linear {
     }
     fn params(&self) -> Vec<Param> {
         let Linear { inp, out, weight, act, out_act } = self;
-        let mut p = vec![param("x", format!("memref<?x{inp}x{}>", act.mlir_elem())), param("w", format!("memref<{out}x{inp}x{}>", weight.mlir_elem()))];
+        let mut p = vec![
+            param("x", format!("memref<?x{inp}x{}>", act.mlir_elem())),
+            param("w", format!("memref<{out}x{inp}x{}>", weight.mlir_elem())),
+        ];
         if let WeightType::Mxfp8 { block } = weight {
             p.push(param("s", format!("memref<{out}x{}xi8>", inp / block)));
         }
@@ -44,36 +47,36 @@ impl KernelUnit for Linear {
         let sym = self.symbol();
         let Linear { inp, out, weight, act, out_act } = self;
 
-                // A warp per output row, looping over the activation rows
-                // four at a time: each weight element is loaded (and, for
-                // MXFP8, decoded) once per four rows, so a decode
-                // micro-batch of up to four sequences reads each weight byte
-                // once. Rows past the end are clamped for the loads and not stored.
-                // `{sym}_r1` takes one row per pass: a batch-1 decode step
-                // then does no clamped duplicate work.
-                let wa = WeightArgs::new("%w", "%s", *out, *inp, *weight);
-                let xt = format!("memref<?x{inp}x{}>", act.mlir_elem());
-                let yt = format!("memref<?x{out}x{}>", out_act.mlir_elem());
-                let mut funcs = Vec::new();
-                for (rows, name) in [(ROWS_PER_PASS, sym.clone()), (1, format!("{sym}_r1"))] {
-                    let mut clamp = String::new();
-                    for j in 0..rows {
-                        clamp.push_str(&format!(
-                            "%cj{j} = arith.constant {j} : index\n%ru{j} = arith.addi %rb, %cj{j} : index\n\
+        // A warp per output row, looping over the activation rows
+        // four at a time: each weight element is loaded (and, for
+        // MXFP8, decoded) once per four rows, so a decode
+        // micro-batch of up to four sequences reads each weight byte
+        // once. Rows past the end are clamped for the loads and not stored.
+        // `{sym}_r1` takes one row per pass: a batch-1 decode step
+        // then does no clamped duplicate work.
+        let wa = WeightArgs::new("%w", "%s", *out, *inp, *weight);
+        let xt = format!("memref<?x{inp}x{}>", act.mlir_elem());
+        let yt = format!("memref<?x{out}x{}>", out_act.mlir_elem());
+        let mut funcs = Vec::new();
+        for (rows, name) in [(ROWS_PER_PASS, sym.clone()), (1, format!("{sym}_r1"))] {
+            let mut clamp = String::new();
+            for j in 0..rows {
+                clamp.push_str(&format!(
+                    "%cj{j} = arith.constant {j} : index\n%ru{j} = arith.addi %rb, %cj{j} : index\n\
                              %ok{j} = arith.cmpi ult, %ru{j}, %rows : index\n%r{j} = arith.select %ok{j}, %ru{j}, %rb : index\n"
-                        ));
-                    }
-                    let names: Vec<String> = (0..rows).map(|j| format!("%r{j}")).collect();
-                    let mut stores = String::new();
-                    for j in 0..rows {
-                        stores.push_str(&format!(
-                            "%st{j} = arith.andi %first, %ok{j} : i1\n\
+                ));
+            }
+            let names: Vec<String> = (0..rows).map(|j| format!("%r{j}")).collect();
+            let mut stores = String::new();
+            for j in 0..rows {
+                stores.push_str(&format!(
+                    "%st{j} = arith.andi %first, %ok{j} : i1\n\
                              scf.if %st{j} {{\n{}}}\n",
-                            indent(&store_f32(&format!("%ys{j}"), "%y", &yt, &format!("%r{j}"), "%o", *out_act), 2)
-                        ));
-                    }
-                    let body = format!(
-                        "{IDX}{WARP_IDS}{consts}%bx = gpu.block_id x\n%cwarps = arith.constant {WARPS} : index\n\
+                    indent(&store_f32(&format!("%ys{j}"), "%y", &yt, &format!("%r{j}"), "%o", *out_act), 2)
+                ));
+            }
+            let body = format!(
+                "{IDX}{WARP_IDS}{consts}%bx = gpu.block_id x\n%cwarps = arith.constant {WARPS} : index\n\
                          %ob = arith.muli %bx, %cwarps : index\n%o = arith.addi %ob, %warp : index\n\
                          %cout = arith.constant {out} : index\n%ok = arith.cmpi ult, %o, %cout : index\n\
                          %rows = memref.dim %x, %c0 : {xt}\n%cr = arith.constant {rows} : index\n\
@@ -85,15 +88,15 @@ impl KernelUnit for Linear {
                          {stores}\
                          \x20 }}\n\
                          }}\n",
-                        consts = wa.consts(),
-                        clamp = indent(&clamp, 4),
-                        dots = indent(&warp_dots("y", &wa, "%o", "%x", &xt, *act, &names, *inp), 4),
-                        stores = indent(&stores, 4),
-                    );
-                    funcs.push(gpu_func(&name, &self.params(), &body));
-                }
-                funcs
-                }
+                consts = wa.consts(),
+                clamp = indent(&clamp, 4),
+                dots = indent(&warp_dots("y", &wa, "%o", "%x", &xt, *act, &names, *inp), 4),
+                stores = indent(&stores, 4),
+            );
+            funcs.push(gpu_func(&name, &self.params(), &body));
+        }
+        funcs
+    }
     /// One block per 8 output rows; each warp covers every activation row
     /// (one at a time for a single row, else four at a time).
     fn launch(&self, l: &Launch) -> GpuCall {
@@ -342,26 +345,26 @@ fn reduce_rows(rows: &[String], c: &VecCtx) -> String {
     let (x, y, wt, st, v, vi) = (&c.x, &c.y, &c.wt, &c.st, &c.v, &c.vi);
     let (weight, act, out_act) = (c.weight, c.act, c.out_act);
 
-        let n = rows.len();
-        let accs = |p: &str| (0..n).map(|j| format!("%{p}{j}")).collect::<Vec<_>>();
-        let iter = |p: &str, init: &[String]| (0..n).map(|j| format!("%{p}{j} = {}", init[j])).collect::<Vec<_>>().join(", ");
-        let tys = vec![v.clone(); n].join(", ");
-        let zeros = vec!["%vz".to_string(); n];
-        // Loads of the activation chunks at column %i and the FMA into `acc` → `new`.
-        let fma = |acc: &str, new: &str, w: &str| -> String {
-            (0..n)
-                .map(|j| {
-                    format!(
-                        "{}%p{j} = arith.mulf %xv{j}, {w} fastmath<contract> : {v}\n\
+    let n = rows.len();
+    let accs = |p: &str| (0..n).map(|j| format!("%{p}{j}")).collect::<Vec<_>>();
+    let iter = |p: &str, init: &[String]| (0..n).map(|j| format!("%{p}{j} = {}", init[j])).collect::<Vec<_>>().join(", ");
+    let tys = vec![v.clone(); n].join(", ");
+    let zeros = vec!["%vz".to_string(); n];
+    // Loads of the activation chunks at column %i and the FMA into `acc` → `new`.
+    let fma = |acc: &str, new: &str, w: &str| -> String {
+        (0..n)
+            .map(|j| {
+                format!(
+                    "{}%p{j} = arith.mulf %xv{j}, {w} fastmath<contract> : {v}\n\
                          %{new}{j} = arith.addf %{acc}{j}, %p{j} fastmath<contract> : {v}\n",
-                        load_f32xn(LANES, &format!("%xv{j}"), "%x", x, &rows[j], "%i", act)
-                    )
-                })
-                .collect()
-        };
-        let result = match weight {
-            WeightType::Mxfp8 { .. } => format!(
-                "%acc:{n} = scf.for %b = %c0 to %cnb step %c1 iter_args({}) -> ({tys}) {{\n\
+                    load_f32xn(LANES, &format!("%xv{j}"), "%x", x, &rows[j], "%i", act)
+                )
+            })
+            .collect()
+    };
+    let result = match weight {
+        WeightType::Mxfp8 { .. } => format!(
+            "%acc:{n} = scf.for %b = %c0 to %cnb step %c1 iter_args({}) -> ({tys}) {{\n\
                  \x20 %sb = memref.load %s[%o, %b] : {st}\n\
                  {dec}\
                  \x20 %sv = vector.broadcast %scale : f32 to {v}\n\
@@ -396,39 +399,39 @@ fn reduce_rows(rows: &[String], c: &VecCtx) -> String {
                  \x20 }}\n\
                  \x20 scf.yield {} : {tys}\n\
                  }}\n",
-                iter("a", &zeros),
-                iter("b", &accs("a")),
-                accs("n").join(", "),
-                (0..n).map(|j| format!("%ab#{j}")).collect::<Vec<_>>().join(", "),
-                dec = indent(&e8m0_to_f32("%scale", "%sb"), 2),
-                fma = indent(&fma("b", "n", "%ws"), 4),
-            ),
-            _ => {
-                let load = match weight {
-                    WeightType::F32 => format!("%wv = vector.load %w[%o, %i] : {wt}, {v}\n"),
-                    _ => format!(
-                        "%wn = vector.load %w[%o, %i] : {wt}, vector<{LANES}x{e}>\n\
+            iter("a", &zeros),
+            iter("b", &accs("a")),
+            accs("n").join(", "),
+            (0..n).map(|j| format!("%ab#{j}")).collect::<Vec<_>>().join(", "),
+            dec = indent(&e8m0_to_f32("%scale", "%sb"), 2),
+            fma = indent(&fma("b", "n", "%ws"), 4),
+        ),
+        _ => {
+            let load = match weight {
+                WeightType::F32 => format!("%wv = vector.load %w[%o, %i] : {wt}, {v}\n"),
+                _ => format!(
+                    "%wn = vector.load %w[%o, %i] : {wt}, vector<{LANES}x{e}>\n\
                          %wv = arith.extf %wn : vector<{LANES}x{e}> to {v}\n",
-                        e = weight.mlir_elem()
-                    ),
-                };
-                format!(
-                    "%acc:{n} = scf.for %i = %c0 to %cin step %cl iter_args({}) -> ({tys}) {{\n\
+                    e = weight.mlir_elem()
+                ),
+            };
+            format!(
+                "%acc:{n} = scf.for %i = %c0 to %cin step %cl iter_args({}) -> ({tys}) {{\n\
                      {}\
                      {}\
                      \x20 scf.yield {} : {tys}\n\
                      }}\n",
-                    iter("a", &zeros),
-                    indent(&load, 2),
-                    indent(&fma("a", "n", "%wv"), 2),
-                    accs("n").join(", "),
-                )
-            }
-        };
-        let mut text = result;
-        for (j, r) in rows.iter().enumerate() {
-            text.push_str(&format!("%sum{j} = vector.reduction <add>, %acc#{j} fastmath<reassoc> : {v} into f32\n"));
-            text.push_str(&store_f32(&format!("%sum{j}"), "%y", y, r, "%o", out_act));
+                iter("a", &zeros),
+                indent(&load, 2),
+                indent(&fma("a", "n", "%wv"), 2),
+                accs("n").join(", "),
+            )
         }
-        text
+    };
+    let mut text = result;
+    for (j, r) in rows.iter().enumerate() {
+        text.push_str(&format!("%sum{j} = vector.reduction <add>, %acc#{j} fastmath<reassoc> : {v} into f32\n"));
+        text.push_str(&store_f32(&format!("%sum{j}"), "%y", y, r, "%o", out_act));
     }
+    text
+}

@@ -1,8 +1,8 @@
 //! Gemma RMSNorm over rows of `width`, in f32: `x · rsqrt(mean(x²) + eps) · (1 + w)`.
 
 use crate::emit::{f32_lit, gemma_norm_span, load_f32, store_f32};
-use crate::host::BASICS;
 use crate::gpu::{GpuFunc, IDX};
+use crate::host::BASICS;
 use crate::unit::{gpu_func, param, KernelUnit, Param};
 use crate::{indent, num_tag, Storage, WeightType};
 
@@ -34,12 +34,12 @@ impl KernelUnit for RmsNorm {
     fn gpu_funcs(&self) -> Vec<GpuFunc> {
         let RmsNorm { width, eps, weight, act } = self;
 
-                let t = format!("memref<?x{width}x{}>", act.mlir_elem());
-                let xl = indent(&load_f32("%v", "%x", &t, "%r", "%c", *act), 2);
-                let wt = format!("memref<{width}x{}>", weight.mlir_elem());
-                let wl = crate::emit::load_weight_f32("%wv", "%w", "%c", &wt, *weight);
-                let body = format!(
-                    "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
+        let t = format!("memref<?x{width}x{}>", act.mlir_elem());
+        let xl = indent(&load_f32("%v", "%x", &t, "%r", "%c", *act), 2);
+        let wt = format!("memref<{width}x{}>", weight.mlir_elem());
+        let wl = crate::emit::load_weight_f32("%wv", "%w", "%c", &wt, *weight);
+        let body = format!(
+            "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
                      %n = arith.constant {n} : f32\n%eps = arith.constant {eps} : f32\n\
                      %part = scf.for %c = %t to %cw step %c256 iter_args(%a = %zero) -> (f32) {{\n\
                      {xl}  %q = arith.mulf %v, %v : f32\n  %a2 = arith.addf %a, %q : f32\n  scf.yield %a2 : f32\n}}\n\
@@ -49,13 +49,13 @@ impl KernelUnit for RmsNorm {
                      {xl}{}\
                      \x20 %s = arith.addf %one, %wv : f32\n  %u = arith.mulf %v, %rs : f32\n  %o = arith.mulf %u, %s : f32\n\
                      {}}}\n",
-                    indent(&wl, 2),
-                    indent(&store_f32("%o", "%y", &t, "%r", "%c", *act), 2),
-                    n = f32_lit(*width as f64),
-                    eps = f32_lit(*eps),
-                );
-                vec![gpu_func(&self.symbol(), &self.params(), &body)]
-                }
+            indent(&wl, 2),
+            indent(&store_f32("%o", "%y", &t, "%r", "%c", *act), 2),
+            n = f32_lit(*width as f64),
+            eps = f32_lit(*eps),
+        );
+        vec![gpu_func(&self.symbol(), &self.params(), &body)]
+    }
 }
 
 /// Gemma RMSNorm over rows of `width`, in f32: `x · rsqrt(mean(x²) + eps) · (1 + w)`.

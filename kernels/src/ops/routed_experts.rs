@@ -3,8 +3,8 @@
 //! read once per step.
 
 use crate::emit::{f32_lit, indent, load_f32, store_f32};
-use crate::host::BASICS;
 use crate::gpu::{device_buffer, func, warp_dots, GpuCall, GpuFunc, WeightArgs, BLOCK, IDX, ROWS_PER_PASS, WARPS, WARP_IDS};
+use crate::host::BASICS;
 use crate::ops::{Linear, SwiGluOai};
 use crate::unit::{param, KernelUnit, Launch, Param};
 use crate::view::MemTy;
@@ -101,7 +101,12 @@ impl KernelUnit for RoutedExperts {
             a.extend(grouping.iter().cloned());
             a.extend([table.clone(), output.clone()]);
             for kernel in [format!("{stage}_r1"), stage.to_string()] {
-                text.push_str(&l.grid(&format!("{sym}_{kernel}"), [&format!("%g{tag}_slots"), &format!("%g{tag}_{row_blocks}"), &one], BLOCK, &a));
+                text.push_str(&l.grid(
+                    &format!("{sym}_{kernel}"),
+                    [&format!("%g{tag}_slots"), &format!("%g{tag}_{row_blocks}"), &one],
+                    BLOCK,
+                    &a,
+                ));
             }
         }
         text.push_str(&l.grid(&format!("{sym}_combine"), [rows, &one, &one], BLOCK, &[dn.clone(), wts.clone(), y.clone()]));
@@ -112,7 +117,7 @@ impl KernelUnit for RoutedExperts {
         call.device_views = expert_tensor_types(*hidden, *inter, *weight);
         call.host_views = host_views;
         call
-                }
+    }
     fn deps(&self) -> Vec<Kernel> {
         expert_deps(self.hidden, self.inter, self.weight, self.alpha, self.limit, self.beta)
     }
@@ -516,44 +521,44 @@ fn combine_body(hidden: usize, k: usize, act: Storage) -> String {
 /// The walk over an expert's pairs `rows` at a time (`%q{j}`: pair,
 /// `%x{j}`: the activation row it reads, `%ok{j}`: not past the end).
 fn walk_open(rows: usize, xrow_of_pair: bool) -> String {
-        let mut s = format!("%cr = arith.constant {rows} : index\nscf.for %pb = %s0 to %s1 step %cr {{\n");
-        for j in 0..rows {
-            s.push_str(&format!(
+    let mut s = format!("%cr = arith.constant {rows} : index\nscf.for %pb = %s0 to %s1 step %cr {{\n");
+    for j in 0..rows {
+        s.push_str(&format!(
                 "  %cj{j} = arith.constant {j} : index\n  %pu{j} = arith.addi %pb, %cj{j} : index\n  %ok{j} = arith.cmpi ult, %pu{j}, %s1 : index\n\
                  \x20 %pi{j} = arith.select %ok{j}, %pu{j}, %pb : index\n  %q{j}i = memref.load %order[%pi{j}] : memref<?xi32>\n\
                  \x20 %q{j} = arith.index_cast %q{j}i : i32 to index\n"
             ));
-            if xrow_of_pair {
-                s.push_str(&format!("  %x{j} = arith.addi %q{j}, %c0 : index\n"));
-            } else {
-                s.push_str(&format!("  %x{j} = arith.divui %q{j}, %ck : index\n"));
-            }
+        if xrow_of_pair {
+            s.push_str(&format!("  %x{j} = arith.addi %q{j}, %c0 : index\n"));
+        } else {
+            s.push_str(&format!("  %x{j} = arith.divui %q{j}, %ck : index\n"));
         }
-        s
     }
+    s
+}
 
 /// SwiGLU-OAI of the gate and up sums of `rows` pairs, stored into `%out`.
 fn swiglu(rows: usize, it: &str) -> String {
-        let mut out = String::new();
-        for j in 0..rows {
-            out.push_str(&format!(
+    let mut out = String::new();
+    for j in 0..rows {
+        out.push_str(&format!(
                 "%gc{j} = arith.minimumf %gs{j}, %lim : f32\n%u1{j} = arith.minimumf %us{j}, %lim : f32\n%uc{j} = arith.maximumf %u1{j}, %nlim : f32\n\
                  %ag{j} = arith.mulf %alpha, %gc{j} : f32\n%nag{j} = arith.negf %ag{j} : f32\n%ex{j} = math.exp %nag{j} : f32\n\
                  %den{j} = arith.addf %one, %ex{j} : f32\n%sig{j} = arith.divf %one, %den{j} : f32\n%glu{j} = arith.mulf %gc{j}, %sig{j} : f32\n\
                  %upb{j} = arith.addf %uc{j}, %beta : f32\n%act{j} = arith.mulf %glu{j}, %upb{j} : f32\n\
                  %st{j} = arith.andi %first, %ok{j} : i1\nscf.if %st{j} {{\n  memref.store %act{j}, %out[%q{j}, %o] : {it}\n}}\n"
             ));
-        }
-        out
     }
+    out
+}
 
 /// The down projection's sums of `rows` pairs, stored into `%out`.
 fn down_store(rows: usize, ht: &str) -> String {
-        let mut out = String::new();
-        for j in 0..rows {
-            out.push_str(&format!(
-                "%st{j} = arith.andi %first, %ok{j} : i1\nscf.if %st{j} {{\n  memref.store %ds{j}, %out[%q{j}, %o] : {ht}\n}}\n"
-            ));
-        }
-        out
+    let mut out = String::new();
+    for j in 0..rows {
+        out.push_str(&format!(
+            "%st{j} = arith.andi %first, %ok{j} : i1\nscf.if %st{j} {{\n  memref.store %ds{j}, %out[%q{j}, %o] : {ht}\n}}\n"
+        ));
     }
+    out
+}

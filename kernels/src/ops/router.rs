@@ -2,8 +2,8 @@
 //! only selects; first index on ties), weights `scale · s[idx] / Σ s[idx]`.
 
 use crate::emit::{f32_lit, load_f32, load_weight_f32, parallel_or_serial};
-use crate::host::{BASICS, index_consts};
 use crate::gpu::{warp_dots, GpuCall, GpuFunc, WeightArgs, IDX};
+use crate::host::{index_consts, BASICS};
 use crate::unit::{param, params_text, KernelUnit, Launch, Param};
 use crate::{indent, num_tag, Storage, WeightType};
 
@@ -33,7 +33,10 @@ impl KernelUnit for Router {
     }
     fn params(&self) -> Vec<Param> {
         let Router { width, experts, top_k, weight, bias, act, .. } = self;
-        let mut p = vec![param("h", format!("memref<?x{width}x{}>", act.mlir_elem())), param("w", format!("memref<{experts}x{width}x{}>", weight.mlir_elem()))];
+        let mut p = vec![
+            param("h", format!("memref<?x{width}x{}>", act.mlir_elem())),
+            param("w", format!("memref<{experts}x{width}x{}>", weight.mlir_elem())),
+        ];
         if let Some(bt) = bias {
             p.push(param("bias", format!("memref<{experts}x{}>", bt.mlir_elem())));
         }
@@ -52,20 +55,23 @@ impl KernelUnit for Router {
         let sym = self.symbol();
         let Router { width, experts, top_k, scale, weight, bias, act } = self;
 
-                let ht = format!("memref<?x{width}x{}>", act.mlir_elem());
-                let wa = WeightArgs::new("%w", "", *experts, *width, *weight);
-                let e = *experts;
-                let wts = format!("memref<?x{top_k}xf32>");
-                let ids = format!("memref<?x{top_k}xi64>");
-                let sh = format!("memref<{e}xf32, #gpu.address_space<workgroup>>");
-                let bias_add = match bias {
-                    Some(bt) => {
-                        let bty = format!("memref<{e}x{}>", bt.mlir_elem());
-                        format!("{}    %ch = arith.addf %sg, %bv : f32\n", indent(&crate::emit::load_weight_f32("%bv", "%bias", "%e", &bty, *bt), 4))
-                    }
-                    None => "    %ch = arith.addf %sg, %zero : f32\n".into(),
-                };
-                let body = format!(
+        let ht = format!("memref<?x{width}x{}>", act.mlir_elem());
+        let wa = WeightArgs::new("%w", "", *experts, *width, *weight);
+        let e = *experts;
+        let wts = format!("memref<?x{top_k}xf32>");
+        let ids = format!("memref<?x{top_k}xi64>");
+        let sh = format!("memref<{e}xf32, #gpu.address_space<workgroup>>");
+        let bias_add = match bias {
+            Some(bt) => {
+                let bty = format!("memref<{e}x{}>", bt.mlir_elem());
+                format!(
+                    "{}    %ch = arith.addf %sg, %bv : f32\n",
+                    indent(&crate::emit::load_weight_f32("%bv", "%bias", "%e", &bty, *bt), 4)
+                )
+            }
+            None => "    %ch = arith.addf %sg, %zero : f32\n".into(),
+        };
+        let body = format!(
                     "{IDX}%r = gpu.block_id x\n%lane = gpu.thread_id x\n%ce = arith.constant {e} : index\n%ck = arith.constant {top_k} : index\n\
                      %scale = arith.constant {sc} : f32\n%first = arith.cmpi eq, %lane, %c0 : index\n\
                      scf.for %e = %c0 to %ce step %c1 {{\n\
@@ -95,15 +101,15 @@ impl KernelUnit for Router {
                     sc = f32_lit(*scale),
                     dot = indent(&warp_dots("l", &wa, "%e", "%h", &ht, *act, &["%r".to_string()], *width), 2),
                 );
-                vec![GpuFunc {
-                    name: sym.clone(),
-                    text: (format!(
-                        "    gpu.func @{sym}({}) workgroup(%ss: {sh}, %sc_: {sh}) kernel {{\n{}      gpu.return\n    }}\n",
-                        params_text(&self.params()),
-                        indent(&body, 6)
-                    )),
-                }]
-                }
+        vec![GpuFunc {
+            name: sym.clone(),
+            text: (format!(
+                "    gpu.func @{sym}({}) workgroup(%ss: {sh}, %sc_: {sh}) kernel {{\n{}      gpu.return\n    }}\n",
+                params_text(&self.params()),
+                indent(&body, 6)
+            )),
+        }]
+    }
     /// One warp per row.
     fn launch(&self, l: &Launch) -> GpuCall {
         l.call(l.grid(&self.symbol(), [l.rows, &l.one(), &l.one()], 32, l.args))
@@ -119,15 +125,7 @@ impl KernelUnit for Router {
 /// out: `wts` `[S, k]` f32 and `ids` `[S, k]` i64, in selection order.
 /// `h` holds values stored as `act`.
 #[allow(clippy::too_many_arguments)]
-fn host(
-    width: usize,
-    experts: usize,
-    k: usize,
-    scale: f64,
-    weight: WeightType,
-    bias: Option<WeightType>,
-    act: Storage,
-) -> String {
+fn host(width: usize, experts: usize, k: usize, scale: f64, weight: WeightType, bias: Option<WeightType>, act: Storage) -> String {
     let ht = format!("memref<?x{width}x{}>", act.mlir_elem());
     let wt = format!("memref<{experts}x{width}x{}>", weight.mlir_elem());
     let wts = format!("memref<?x{k}xf32>");

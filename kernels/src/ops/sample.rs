@@ -21,8 +21,8 @@
 //! Weights are recomputed from the logits in every pass rather than stored:
 //! a row is 800 kB at MiniMax-M3's vocabulary and stays in L2.
 
-use crate::unit::{params_text, KernelUnit, Launch, Param};
 use crate::gpu::{GpuCall, GpuFunc};
+use crate::unit::{params_text, KernelUnit, Launch, Param};
 use crate::{indent, Storage};
 use m3c_contract::sampling::{exp_consts, row, ROW_WORDS, WEIGHT_ONE};
 
@@ -182,9 +182,7 @@ fn weight(p: &str, x: &str) -> String {
     );
     let mut cur = "%poly0".to_string();
     for k in 1..exp_consts::POLY.len() {
-        s.push_str(&format!(
-            "%{p}pm{k} = arith.mulf {cur}, %{p}r : f32\n%{p}pa{k} = arith.addf %{p}pm{k}, %poly{k} : f32\n"
-        ));
+        s.push_str(&format!("%{p}pm{k} = arith.mulf {cur}, %{p}r : f32\n%{p}pa{k} = arith.addf %{p}pm{k}, %poly{k} : f32\n"));
         cur = format!("%{p}pa{k}");
     }
     s.push_str(&format!(
@@ -373,7 +371,9 @@ fn gpu_body(width: usize, nw: usize) -> String {
         s.push_str(&f32c(&format!("%poly{k}"), *c));
     }
     // The row's parameters.
-    s.push_str("%r = gpu.block_id x\n%t = gpu.thread_id x\n%lead = arith.cmpi eq, %t, %c0 : index\n%zeroer = arith.cmpi ult, %t, %c256 : index\n");
+    s.push_str(
+        "%r = gpu.block_id x\n%t = gpu.thread_id x\n%lead = arith.cmpi eq, %t, %c0 : index\n%zeroer = arith.cmpi ult, %t, %c256 : index\n",
+    );
     s.push_str(&word("w0", row::TEMPERATURE_TOP_P));
     s.push_str(&word("w1", row::MIN_P_PENALTY));
     s.push_str(&word("topk", row::TOP_K));

@@ -38,15 +38,15 @@ impl KernelUnit for ScatterRows {
     fn gpu_funcs(&self) -> Vec<GpuFunc> {
         let ScatterRows { width, cache, act } = self;
 
-                let t = format!("memref<?x{width}x{}>", act.mlir_elem());
-                let yt = format!("memref<?x{width}x{}>", cache.mlir_elem());
-                let body = format!(
-                    "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
+        let t = format!("memref<?x{width}x{}>", act.mlir_elem());
+        let yt = format!("memref<?x{width}x{}>", cache.mlir_elem());
+        let body = format!(
+            "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
                      %p64 = memref.load %pos[%r] : memref<?xi64>\n%p = arith.index_cast %p64 : i64 to index\n\
                      scf.for %i = %t to %cw step %c256 {{\n{}{}}}\n",
-                    indent(&load_f32("%v", "%x", &t, "%r", "%i", *act), 2),
-                    indent(&store_f32("%v", "%y", &yt, "%p", "%i", *cache), 2)
-                );
-                vec![gpu_func(&self.symbol(), &self.params(), &body)]
-                }
+            indent(&load_f32("%v", "%x", &t, "%r", "%i", *act), 2),
+            indent(&store_f32("%v", "%y", &yt, "%p", "%i", *cache), 2)
+        );
+        vec![gpu_func(&self.symbol(), &self.params(), &body)]
+    }
 }

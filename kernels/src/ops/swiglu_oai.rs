@@ -32,24 +32,24 @@ impl KernelUnit for SwiGluOai {
     fn host_body(&self) -> String {
         let SwiGluOai { width, alpha, limit, beta, act } = *self;
         let t = format!("memref<?x{width}x{}>", act.mlir_elem());
-    let consts = format!(
-        "%one = arith.constant 1.0 : f32\n\
+        let consts = format!(
+            "%one = arith.constant 1.0 : f32\n\
          %alpha = arith.constant {} : f32\n\
          %lim = arith.constant {} : f32\n\
          %nlim = arith.constant {} : f32\n\
          %beta = arith.constant {} : f32\n",
-        f32_lit(alpha),
-        f32_lit(limit),
-        f32_lit(-limit),
-        f32_lit(beta)
-    );
-    rowwise(
-        width,
-        act,
-        "g",
-        &consts,
-        &format!(
-            "{}{}%gc = arith.minimumf %gv, %lim : f32\n\
+            f32_lit(alpha),
+            f32_lit(limit),
+            f32_lit(-limit),
+            f32_lit(beta)
+        );
+        rowwise(
+            width,
+            act,
+            "g",
+            &consts,
+            &format!(
+                "{}{}%gc = arith.minimumf %gv, %lim : f32\n\
          %u1 = arith.minimumf %uv, %lim : f32\n\
          %uc = arith.maximumf %u1, %nlim : f32\n\
          %ag = arith.mulf %alpha, %gc : f32\n\
@@ -60,17 +60,17 @@ impl KernelUnit for SwiGluOai {
          %glu = arith.mulf %gc, %sig : f32\n\
          %up = arith.addf %uc, %beta : f32\n\
          %o = arith.mulf %glu, %up : f32\n{}",
-            load_f32("%gv", "%g", &t, "%r", "%i", act),
-            load_f32("%uv", "%u", &t, "%r", "%i", act),
-            store_f32("%o", "%y", &t, "%r", "%i", act)
-        ),
-    )
-}
+                load_f32("%gv", "%g", &t, "%r", "%i", act),
+                load_f32("%uv", "%u", &t, "%r", "%i", act),
+                store_f32("%o", "%y", &t, "%r", "%i", act)
+            ),
+        )
+    }
     fn gpu_funcs(&self) -> Vec<GpuFunc> {
         let SwiGluOai { width, alpha, limit, beta, act } = self;
 
-                let t = format!("memref<?x{width}x{}>", act.mlir_elem());
-                let body = format!(
+        let t = format!("memref<?x{width}x{}>", act.mlir_elem());
+        let body = format!(
                     "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
                      %alpha = arith.constant {a} : f32\n%lim = arith.constant {l} : f32\n%nlim = arith.constant {nl} : f32\n%beta = arith.constant {b} : f32\n\
                      scf.for %i = %t to %cw step %c256 {{\n\
@@ -87,6 +87,6 @@ impl KernelUnit for SwiGluOai {
                     nl = f32_lit(-limit),
                     b = f32_lit(*beta),
                 );
-                vec![gpu_func(&self.symbol(), &self.params(), &body)]
-                }
+        vec![gpu_func(&self.symbol(), &self.params(), &body)]
+    }
 }

@@ -29,13 +29,13 @@ impl KernelUnit for ToBf16 {
     fn gpu_funcs(&self) -> Vec<GpuFunc> {
         let ToBf16 { width } = self;
 
-                let t = format!("memref<?x{width}xf32>");
-                let yt = format!("memref<?x{width}xi16>");
-                let body = format!(
-                    "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
+        let t = format!("memref<?x{width}xf32>");
+        let yt = format!("memref<?x{width}xi16>");
+        let body = format!(
+            "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
                      scf.for %i = %t to %cw step %c256 {{\n  %v = memref.load %x[%r, %i] : {t}\n{}}}\n",
-                    indent(&crate::emit::store_f32("%v", "%y", &yt, "%r", "%i", crate::Storage::Bf16), 2)
-                );
-                vec![gpu_func(&self.symbol(), &self.params(), &body)]
-                }
+            indent(&crate::emit::store_f32("%v", "%y", &yt, "%r", "%i", crate::Storage::Bf16), 2)
+        );
+        vec![gpu_func(&self.symbol(), &self.params(), &body)]
+    }
 }
