@@ -491,3 +491,44 @@ fn a_sampled_runs_dump_replays_through_the_host_sampler() {
     assert!(replay_mismatches(&ids("prompt_ids"), &rows, vocab, &generated, &p).is_empty());
     assert!(!replay_mismatches(&ids("prompt_ids"), &rows, vocab, &generated, &SamplingParams { seed: 8, ..p }).is_empty());
 }
+
+/// One chat normaliser: OpenAI-shaped messages (a developer turn, text parts,
+/// tool-call arguments as a JSON string) give `m3c run --prompts` the very
+/// prompt ids that `m3c serve` renders for them, and the ids of their
+/// canonical form.
+#[test]
+fn the_same_messages_give_the_same_prompt_through_run_and_serve() {
+    use m3c::text::front::{encode, encode_jsonl, TextRequest};
+    let model = fixture("tiny-m3");
+    let dir = tempfile::tempdir().unwrap();
+    let messages = serde_json::json!([
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Paris?"}]},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "w", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c"},
+    ]);
+    let canonical = serde_json::json!([
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "w", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c"},
+    ]);
+    let run_ids = |m: &serde_json::Value| {
+        let file = dir.path().join("p.jsonl");
+        let text = format!("{}\n", serde_json::json!({"messages": m}));
+        let req = TextRequest { prompts: &[], chats: &[], system: None, thinking: None, chat_images: 0 };
+        let mut enc = encode(&model, &req).unwrap();
+        encode_jsonl(&model, &file, &text, &mut enc).unwrap();
+        enc.ids.pop().unwrap()
+    };
+    let body = serde_json::json!({"model": "tiny", "messages": messages});
+    let chat = m3c::serve::openai::chat(body.as_object().unwrap()).unwrap();
+    let template = ChatTemplate::from_dir(&model).unwrap().unwrap();
+    let rendered =
+        template.render(&serde_json::from_value(chat.messages).unwrap(), &[("add_generation_prompt", Value::from(true))]).unwrap();
+    let serve_ids = TextTokenizer::from_dir(&model).unwrap().encode(&rendered).unwrap();
+    let ids = run_ids(&messages);
+    assert_eq!(ids, serve_ids, "m3c run --prompts and m3c serve");
+    assert_eq!(ids, run_ids(&canonical), "OpenAI's shape and its canonical form");
+    assert!(rendered.contains("Weather in Paris?") && rendered.contains("Be brief."), "{rendered}");
+}

@@ -12,7 +12,7 @@ mod engine;
 mod http;
 mod media;
 mod metrics;
-mod openai;
+pub mod openai;
 pub mod output;
 
 use anyhow::{Context, Result};

@@ -354,91 +354,7 @@ pub fn chat(m: &Map<String, Value>) -> Result<Chat, ApiError> {
     if list.is_empty() {
         return Err(ApiError::bad("messages", "`messages` is empty"));
     }
-    let mut messages = Vec::new();
-    let mut images = Vec::new();
-    for (i, msg) in list.iter().enumerate() {
-        let at = format!("messages[{i}]");
-        let Value::Object(o) = msg else {
-            return Err(ApiError::bad(&at, format!("{at} must be an object")));
-        };
-        let role = o.get("role").and_then(Value::as_str).ok_or_else(|| ApiError::bad(&at, format!("{at}.role is required")))?;
-        if !["system", "developer", "user", "assistant", "tool"].contains(&role) {
-            return Err(ApiError::bad(&at, format!("{at}.role `{role}` is not one of system, user, assistant, tool")));
-        }
-        let mut out = o.clone();
-        out.insert("role".into(), Value::String(if role == "developer" { "system".into() } else { role.into() }));
-        match o.get("content") {
-            None | Some(Value::Null) if role == "assistant" => {}
-            Some(Value::String(_)) => {}
-            Some(Value::Array(parts)) => {
-                // Text parts join into one string, unless the message has
-                // images: then the parts stay a list of text and image parts
-                // in order, as the template takes them.
-                let mut text = String::new();
-                let mut kept = Vec::new();
-                for (j, p) in parts.iter().enumerate() {
-                    let field = format!("{at}.content[{j}]");
-                    match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
-                        (Some("text"), Some(t)) => {
-                            text.push_str(t);
-                            kept.push(serde_json::json!({"type": "text", "text": t}));
-                        }
-                        (Some("image_url"), _) => {
-                            if role != "user" {
-                                return Err(ApiError::bad(&field, format!("{field}: images go in user messages")));
-                            }
-                            let url = match p.get("image_url") {
-                                Some(Value::String(u)) => u.as_str(),
-                                Some(Value::Object(o)) => o.get("url").and_then(Value::as_str).unwrap_or_default(),
-                                _ => "",
-                            };
-                            if url.is_empty() {
-                                return Err(ApiError::bad(
-                                    &field,
-                                    format!("{field} must be {{\"type\": \"image_url\", \"image_url\": {{\"url\": ...}}}}"),
-                                ));
-                            }
-                            images.push((format!("{field}.image_url"), url.to_string()));
-                            kept.push(serde_json::json!({"type": "image"}));
-                        }
-                        (Some(t), _) => {
-                            return Err(ApiError::bad(
-                                &at,
-                                format!("{field}: content parts of type `{t}` are not supported (text and image_url)"),
-                            ))
-                        }
-                        _ => return Err(ApiError::bad(&at, format!("{field} must be {{\"type\": \"text\", \"text\": ...}}"))),
-                    }
-                }
-                let has_image = kept.iter().any(|k| k["type"] == "image");
-                out.insert("content".into(), if has_image { Value::Array(kept) } else { Value::String(text) });
-            }
-            _ => return Err(ApiError::bad(&at, format!("{at}.content must be a string or an array of content parts"))),
-        }
-        if role == "tool" && !o.get("content").is_some_and(Value::is_string) && !o.get("content").is_some_and(Value::is_array) {
-            return Err(ApiError::bad(&at, format!("{at}: a tool message needs its content")));
-        }
-        if let Some(calls) = o.get("tool_calls") {
-            let ok = calls.as_array().is_some_and(|a| a.iter().all(|c| c["function"]["name"].is_string()));
-            if !ok {
-                return Err(ApiError::bad(
-                    &at,
-                    format!("{at}.tool_calls must be an array of {{\"function\": {{\"name\", \"arguments\"}}}}"),
-                ));
-            }
-            // The template expands arguments; OpenAI sends them as a JSON string.
-            let mut fixed = calls.clone();
-            for c in fixed.as_array_mut().into_iter().flatten() {
-                if let Some(Value::String(a)) = c["function"].get("arguments").cloned() {
-                    let parsed: Value = serde_json::from_str(&a)
-                        .map_err(|_| ApiError::bad(&at, format!("{at}.tool_calls: `arguments` must be a JSON object (as a string)")))?;
-                    c["function"]["arguments"] = parsed;
-                }
-            }
-            out.insert("tool_calls".into(), fixed);
-        }
-        messages.push(Value::Object(out));
-    }
+    let (messages, images) = crate::text::messages::normalize(list).map_err(|e| ApiError::bad(&e.field, e.message))?;
     let tools = match m.get("tools") {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::Array(a)) => {
@@ -466,7 +382,7 @@ pub fn chat(m: &Map<String, Value>) -> Result<Chat, ApiError> {
         Some(Value::Object(o)) => o.clone(),
         Some(v) => return Err(ApiError::bad("chat_template_kwargs", format!("`chat_template_kwargs` must be an object, not {}", kind(v)))),
     };
-    Ok(Chat { messages: Value::Array(messages), tools, kwargs, images })
+    Ok(Chat { messages, tools, kwargs, images })
 }
 
 #[cfg(test)]

@@ -34,30 +34,30 @@ pub struct Encoded {
     pub images: Vec<Vec<std::path::PathBuf>>,
 }
 
-/// Replaces the image parts of `messages` (`{"type": "image_url",
-/// "image_url": {"url": PATH}}` or `{"type": "image", "image": PATH}`, a
-/// path relative to `base` or a `file://` URL) by `{"type": "image"}`, the
-/// part the template writes as a placeholder, and returns their files.
-fn take_images(messages: &mut serde_json::Value, base: &Path) -> Result<Vec<std::path::PathBuf>, String> {
-    let mut files = Vec::new();
-    for (i, m) in messages.as_array_mut().into_iter().flatten().enumerate() {
-        let Some(parts) = m.get_mut("content").and_then(|c| c.as_array_mut()) else { continue };
-        for (j, p) in parts.iter_mut().enumerate() {
-            let url = match p.get("type").and_then(|t| t.as_str()) {
-                Some("image_url") => p.get("image_url").and_then(|u| u.get("url").or(Some(u))).and_then(|u| u.as_str()),
-                Some("image") => p.get("image").and_then(|u| u.as_str()),
-                _ => continue,
-            };
-            let url = url.ok_or_else(|| format!("messages[{i}].content[{j}]: an image part needs a file path (image_url.url)"))?;
-            let path = url.strip_prefix("file://").unwrap_or(url);
-            if path.contains("://") || path.starts_with("data:") {
-                return Err(format!("messages[{i}].content[{j}]: m3c run reads images from files (`m3c serve` takes URLs); found {url:?}"));
+/// An image part's file: a path relative to the prompts file's folder, or
+/// a `file://` URL (`m3c serve` takes other URLs; `m3c run` reads files).
+fn image_file(field: &str, url: &str, base: &Path) -> Result<std::path::PathBuf, String> {
+    let path = url.strip_prefix("file://").unwrap_or(url);
+    if path.contains("://") || path.starts_with("data:") {
+        return Err(format!("{field}: m3c run reads images from files (`m3c serve` takes URLs); found {url:?}"));
+    }
+    Ok(base.join(path))
+}
+
+/// `{"type": "image", "image": PATH}` parts (accepted by `--prompts` before
+/// it took OpenAI's shape) as `image_url` parts.
+fn image_parts_as_urls(list: &[serde_json::Value]) -> Vec<serde_json::Value> {
+    let mut list = list.to_vec();
+    for m in &mut list {
+        for p in m.get_mut("content").and_then(|c| c.as_array_mut()).into_iter().flatten() {
+            if p.get("type").and_then(|t| t.as_str()) == Some("image") {
+                if let Some(path) = p.get("image").and_then(|u| u.as_str()).map(str::to_string) {
+                    *p = serde_json::json!({"type": "image_url", "image_url": {"url": path}});
+                }
             }
-            files.push(base.join(path));
-            *p = serde_json::json!({"type": "image"});
         }
     }
-    Ok(files)
+    list
 }
 
 /// The sampling fields a `--prompts` JSONL line may set.
@@ -120,10 +120,12 @@ pub fn encode_jsonl(model: &Path, file: &Path, text: &str, enc: &mut Encoded) ->
                 if let Some(k) = kwargs_thinking {
                     kwargs.push(("thinking_mode", Value::from(k)));
                 }
-                let mut m = m;
+                // The one normaliser `m3c serve` uses too: same messages, same prompt.
+                let list = image_parts_as_urls(m.as_array().map_or(&[][..], Vec::as_slice));
+                let (normalized, urls) = super::messages::normalize(&list).map_err(|e| bad(e.message))?;
                 let base = file.parent().unwrap_or(Path::new("."));
-                line_images = take_images(&mut m, base).map_err(bad)?;
-                let messages: Value = serde_json::from_value(m).map_err(|e| bad(format!("`messages`: {e}")))?;
+                line_images = urls.iter().map(|(field, url)| image_file(field, url, base)).collect::<Result<_, _>>().map_err(bad)?;
+                let messages: Value = serde_json::from_value(normalized).map_err(|e| bad(format!("`messages`: {e}")))?;
                 enc.tokenizer.encode(&t.render(&messages, &kwargs)?)?
             }
             _ => {

@@ -6,6 +6,7 @@
 
 pub mod front;
 pub mod generation;
+pub mod messages;
 pub mod pyjson;
 mod template;
 mod tokenizer;
