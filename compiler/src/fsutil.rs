@@ -62,7 +62,7 @@ pub fn write_dir_atomically(out: &Path, replaceable: impl Fn(&Path) -> Result<()
         std::fs::remove_dir_all(&tmp).with_context(|| format!("cannot remove {}", tmp.display()))?;
     }
     std::fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
-    let _registered = crate::signals::TempRegistration::new(&tmp);
+    let _registered = m3c_signals::TempRegistration::new(&tmp);
     let result = fill(&tmp).and_then(|()| {
         // Swap: the old folder steps aside, the new one moves in, the old
         // one goes. A failure in between puts the old one back.

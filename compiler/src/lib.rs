@@ -5,22 +5,16 @@
 #![recursion_limit = "256"]
 
 pub mod backend;
-pub mod cli;
 pub mod compile;
 pub mod config;
 pub mod dtype;
 pub mod fsutil;
 pub mod graph;
 pub mod inspect;
-pub mod launch;
 pub mod lower;
 pub mod model;
 pub mod plan;
-pub mod serve;
-pub mod signals;
 pub mod source;
-pub mod text;
 pub mod tiny;
 pub mod units;
-pub mod vision;
 pub mod weights;

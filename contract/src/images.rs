@@ -24,6 +24,13 @@ pub struct SeqImages {
 pub const MAX_BYTES: u64 = 1 << 30;
 /// The 2×2 patch merge: a grid's `h` and `w` must be even.
 pub const MERGE_SIDE: usize = 2;
+/// Patch side in pixels of the rows the front's image processor makes; the
+/// compiler refuses a vision tower of another geometry.
+pub const PATCH: usize = 14;
+/// A still image fills both temporal slots.
+pub const TEMPORAL: usize = 2;
+/// Values per patch row: 3 channels × 2 frames × 14 × 14.
+pub const PATCH_ROW: usize = 3 * TEMPORAL * PATCH * PATCH;
 
 impl SeqImages {
     /// Patch rows of all the images.

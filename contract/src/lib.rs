@@ -9,6 +9,8 @@
 //!   a UTF-8 byte-order mark tolerated.
 //! - [`stage`]: the stage metadata the compiler embeds in each executable
 //!   and the runtime reads, and the C ABI between them.
+//! - [`manifest`]: `OUT/manifest.json`, written by `m3c compile` and read
+//!   back typed by `m3c run` and `m3c serve`.
 //! - [`images`]: the images file the front writes and the stage that
 //!   encodes images reads (patch rows and grids per sequence).
 //! - [`prompts`]: token-id prompts (`--prompt-ids`, prompts files) and the
@@ -27,6 +29,7 @@ pub mod checkpoint;
 pub mod dtype;
 pub mod images;
 pub mod input;
+pub mod manifest;
 pub mod prompts;
 pub mod protocol;
 pub mod sampling;

@@ -32,9 +32,12 @@ pub struct SamplingParams {
 }
 
 impl SamplingParams {
-    /// Greedy decoding.
+    /// Greedy decoding: `m3c run`'s base.
     pub const GREEDY: SamplingParams =
         SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0 };
+    /// OpenAI's defaults (temperature 1, every token kept): `m3c serve`'s
+    /// base, as vLLM's.
+    pub const OPENAI: SamplingParams = SamplingParams { temperature: 1.0, ..SamplingParams::GREEDY };
 
     /// Greedy with nothing to adjust: the argmax kernels' id is the answer.
     pub fn is_plain_greedy(&self) -> bool {
@@ -108,6 +111,54 @@ impl SamplingParams {
             return Err(format!("repetition_penalty {r}: expected a positive number"));
         }
         Ok(())
+    }
+}
+
+/// The sampling fields one source sets, each optional: a request, a line
+/// of a prompts file, the command line, or a checkpoint's
+/// `generation_config.json`. Sources layer with [`SamplingOverrides::or`]
+/// and land on a base with [`SamplingOverrides::over`], so the precedence
+/// (request, then command line, then checkpoint, then the built-in base)
+/// is written once.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SamplingOverrides {
+    pub temperature: Option<f32>,
+    pub top_k: Option<usize>,
+    pub top_p: Option<f32>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub seed: Option<u64>,
+}
+
+impl SamplingOverrides {
+    /// `self`'s fields where set, else `lower`'s.
+    pub fn or(self, lower: SamplingOverrides) -> SamplingOverrides {
+        SamplingOverrides {
+            temperature: self.temperature.or(lower.temperature),
+            top_k: self.top_k.or(lower.top_k),
+            top_p: self.top_p.or(lower.top_p),
+            min_p: self.min_p.or(lower.min_p),
+            repetition_penalty: self.repetition_penalty.or(lower.repetition_penalty),
+            seed: self.seed.or(lower.seed),
+        }
+    }
+
+    /// `base` with `self`'s fields where set (not checked: the caller checks
+    /// and names the source of a bad value).
+    pub fn over(self, base: SamplingParams) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature.unwrap_or(base.temperature),
+            top_k: self.top_k.unwrap_or(base.top_k),
+            top_p: self.top_p.unwrap_or(base.top_p),
+            min_p: self.min_p.unwrap_or(base.min_p),
+            repetition_penalty: self.repetition_penalty.unwrap_or(base.repetition_penalty),
+            seed: self.seed.unwrap_or(base.seed),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        *self == SamplingOverrides::default()
     }
 }
 
@@ -824,6 +875,21 @@ pub fn replay_mismatches(prompt: &[u32], rows: &[f32], vocab: usize, generated: 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn overrides_layer_request_over_flags_over_checkpoint_over_base() {
+        let request = SamplingOverrides { temperature: Some(0.5), ..Default::default() };
+        let flags = SamplingOverrides { temperature: Some(0.9), top_k: Some(5), seed: Some(7), ..Default::default() };
+        let checkpoint = SamplingOverrides { top_k: Some(40), top_p: Some(0.8), ..Default::default() };
+        let p = request.or(flags.or(checkpoint)).over(SamplingParams::OPENAI);
+        assert_eq!(
+            p,
+            SamplingParams { temperature: 0.5, top_k: 5, top_p: 0.8, min_p: 0.0, repetition_penalty: 1.0, seed: 7 },
+            "each field from the highest source that sets it"
+        );
+        assert!(SamplingOverrides::default().is_empty() && !request.is_empty());
+        assert_eq!(SamplingOverrides::default().over(SamplingParams::GREEDY), SamplingParams::GREEDY);
+    }
 
     #[test]
     fn philox_matches_the_published_test_vectors() {

@@ -27,6 +27,18 @@ pub struct CacheSlot {
     pub bytes: usize,
 }
 
+/// What flows into or out of a stage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Boundary {
+    /// Token ids `[S]` (the first stage's input).
+    TokenIds,
+    /// Rows `[S, width]` of activations between stages, f32 or bf16 bits (`--activations`).
+    Hidden { width: usize },
+    /// f32 logits `[S, vocab]` and the sampled ids (the last stage's output).
+    Logits { vocab: usize },
+}
+
 /// Everything a stage executable knows about itself.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StageMeta {

@@ -469,19 +469,19 @@ fn router_and_routed_experts_on_the_gpu_match_the_host() {
 /// logits of the prefill and of each decode step, after checking that every
 /// decode step launched exactly what the first did.
 fn cuda_stage_logits(model: &str, act: Storage, gemm: bool, decode: &[i64]) -> Vec<Vec<f32>> {
-    use m3c::source::ModelSource;
+    use m3c_compiler::source::ModelSource;
     let dir = m3c_tests::fixture(model);
     let src = ModelSource::open(&dir).unwrap();
     let cfg = &src.config;
     let tmp = tempfile::tempdir().unwrap();
     let plan_file = tmp.path().join("plan.yaml");
     std::fs::write(&plan_file, "version: 1\ntarget: cuda\narch: sm_90a\nstages:\n  - layers: \"0-7\"\n    embedding: true\n    final_norm: true\n    lm_head: true\n").unwrap();
-    let plan = m3c::plan::load_plan(&plan_file, Some(cfg)).unwrap();
-    let storages = m3c::lower::Storages { kv_cache: Storage::F32, activations: act };
-    let prog = m3c::compile::lower_all(cfg, &plan, storages).unwrap().remove(0);
+    let plan = m3c_compiler::plan::load_plan(&plan_file, Some(cfg)).unwrap();
+    let storages = m3c_compiler::lower::Storages { kv_cache: Storage::F32, activations: act };
+    let prog = m3c_compiler::compile::lower_all(cfg, &plan, storages).unwrap().remove(0);
     let mut g = Gpu::new(&prog.mlir).unwrap();
     g.gemm = gemm;
-    let ck = m3c::weights::Checkpoint::open(&dir).unwrap();
+    let ck = m3c_compiler::weights::Checkpoint::open(&dir).unwrap();
     let table: Vec<u64> = prog.tensors.iter().map(|t| g.mem.put(ck.bytes(&ck.tensors[&t.name]))).collect();
     let weights = g.mem.put(&table);
     let cap = 64usize;
@@ -526,7 +526,7 @@ fn cuda_stage_logits(model: &str, act: Storage, gemm: bool, decode: &[i64]) -> V
         g.mem.write(a[7], &table).unwrap();
         let args = [weights, weights, caches, 1, a[0], a[1], rows as u64, a[2], a[3], a[4], a[5], a[7], a[8], a[6], 0, 0, 0].map(Arg::Ptr);
         g.mem.launches.clear();
-        g.call_host(m3c::lower::ENTRY_SYMBOL, &args).unwrap_or_else(|e| panic!("{model}: {e}"));
+        g.call_host(m3c_compiler::lower::ENTRY_SYMBOL, &args).unwrap_or_else(|e| panic!("{model}: {e}"));
         traces.push(std::mem::take(&mut g.mem.launches));
         let logits = g.mem.get::<f32>(a[4])[..rows * vocab].to_vec();
         // The stage's own sampler took the last row's first maximum.
@@ -625,17 +625,17 @@ fn tiny_cuda_stage_reproduces_the_golden_in_the_interpreter() {
 /// placeholder rows gives the reference's `mm_logits`, both within 1e-4.
 #[test]
 fn tiny_cuda_vision_reproduces_the_golden_in_the_interpreter() {
-    use m3c::source::ModelSource;
+    use m3c_compiler::source::ModelSource;
     let dir = m3c_tests::fixture("tiny-m3");
     let cfg = &ModelSource::open(&dir).unwrap().config;
     let tmp = tempfile::tempdir().unwrap();
     let plan_file = tmp.path().join("plan.yaml");
     std::fs::write(&plan_file, "version: 1\ntarget: cuda\narch: sm_90a\nstages:\n  - layers: \"0-7\"\n").unwrap();
-    let plan = m3c::plan::load_plan(&plan_file, Some(cfg)).unwrap();
-    let storages = m3c::lower::Storages { kv_cache: Storage::F32, activations: Storage::F32 };
-    let prog = m3c::compile::lower_all(cfg, &plan, storages).unwrap().remove(0);
+    let plan = m3c_compiler::plan::load_plan(&plan_file, Some(cfg)).unwrap();
+    let storages = m3c_compiler::lower::Storages { kv_cache: Storage::F32, activations: Storage::F32 };
+    let prog = m3c_compiler::compile::lower_all(cfg, &plan, storages).unwrap().remove(0);
     let mut g = Gpu::new(&prog.mlir).unwrap();
-    let ck = m3c::weights::Checkpoint::open(&dir).unwrap();
+    let ck = m3c_compiler::weights::Checkpoint::open(&dir).unwrap();
     let table: Vec<u64> = prog.tensors.iter().map(|t| g.mem.put(ck.bytes(&ck.tensors[&t.name]))).collect();
     let weights = g.mem.put(&table);
     let golden = dir.join("golden.safetensors");
@@ -656,7 +656,7 @@ fn tiny_cuda_vision_reproduces_the_golden_in_the_interpreter() {
         out,
     ]
     .map(Arg::Ptr);
-    g.call_host(m3c::lower::VISION_SYMBOL, &v).unwrap_or_else(|e| panic!("vision entry: {e}"));
+    g.call_host(m3c_compiler::lower::VISION_SYMBOL, &v).unwrap_or_else(|e| panic!("vision entry: {e}"));
     let feats = g.mem.get::<f32>(out)[..p / 4 * hidden].to_vec();
     let inter = m3c_tests::fixture("vision").join("tiny_m3_vision_intermediates.safetensors");
     let (_, want) = m3c_tests::read_tensor_f32(&inter, "image_embeds");
@@ -694,7 +694,7 @@ fn tiny_cuda_vision_reproduces_the_golden_in_the_interpreter() {
         g.mem.put(&img_rows),
     ]
     .map(Arg::Ptr);
-    g.call_host(m3c::lower::ENTRY_SYMBOL, &a).unwrap_or_else(|e| panic!("step entry: {e}"));
+    g.call_host(m3c_compiler::lower::ENTRY_SYMBOL, &a).unwrap_or_else(|e| panic!("step entry: {e}"));
     let got = g.mem.get::<f32>(logits)[..s * vocab].to_vec();
     let (_, mm) = m3c_tests::read_tensor_f32(&golden, "mm_logits");
     let d = max_diff(&got, &mm);
@@ -729,7 +729,7 @@ impl CudaPipeline {
     /// `splits`: each stage's layers, e.g. `["0-3", "4-7"]`.
     fn new(model: &str, act: Storage, splits: &[&str]) -> CudaPipeline {
         let dir = m3c_tests::fixture(model);
-        let src = m3c::source::ModelSource::open(&dir).unwrap();
+        let src = m3c_compiler::source::ModelSource::open(&dir).unwrap();
         let cfg = &src.config;
         let mut yaml = String::from("version: 1\ntarget: cuda\narch: sm_90a\nstages:\n");
         for (i, l) in splits.iter().enumerate() {
@@ -743,9 +743,11 @@ impl CudaPipeline {
         }
         let tmp = tempfile::tempdir().unwrap();
         std::fs::write(tmp.path().join("plan.yaml"), yaml).unwrap();
-        let plan = m3c::plan::load_plan(&tmp.path().join("plan.yaml"), Some(cfg)).unwrap();
-        let progs = m3c::compile::lower_all(cfg, &plan, m3c::lower::Storages { kv_cache: Storage::F32, activations: act }).unwrap();
-        let ck = m3c::weights::Checkpoint::open(&dir).unwrap();
+        let plan = m3c_compiler::plan::load_plan(&tmp.path().join("plan.yaml"), Some(cfg)).unwrap();
+        let progs =
+            m3c_compiler::compile::lower_all(cfg, &plan, m3c_compiler::lower::Storages { kv_cache: Storage::F32, activations: act })
+                .unwrap();
+        let ck = m3c_compiler::weights::Checkpoint::open(&dir).unwrap();
         let stages = progs
             .iter()
             .map(|p| {
@@ -794,7 +796,7 @@ impl CudaPipeline {
             let args =
                 [st.weights, st.weights, a[0], segs.len() as u64, a[1], a[2], s as u64, a[3], a[4], a[5], a[6], a[8], a[9], a[7], 0, 0, 0]
                     .map(Arg::Ptr);
-            g.call_host(m3c::lower::ENTRY_SYMBOL, &args).unwrap_or_else(|e| panic!("stage {k}: {e}"));
+            g.call_host(m3c_compiler::lower::ENTRY_SYMBOL, &args).unwrap_or_else(|e| panic!("stage {k}: {e}"));
             if k + 1 == n {
                 logits = g.mem.get::<f32>(a[5])[..s * self.vocab].to_vec();
             } else {

@@ -1,6 +1,6 @@
-use m3c::config::load_config;
-use m3c::graph::{build_graph, Op};
-use m3c::model::Part;
+use m3c_compiler::config::load_config;
+use m3c_compiler::graph::{build_graph, Op};
+use m3c_compiler::model::Part;
 use m3c_tests::fixture;
 
 #[test]
@@ -17,8 +17,8 @@ fn every_layer_has_its_structure() {
         let ops: Vec<&Op> = g.nodes_of(Part::Layer(l)).into_iter().map(|n| &g.graph[n].op).collect();
         let sparse = ops.iter().any(|o| matches!(o, Op::TopKBlocks { .. }));
         let moe = ops.iter().any(|o| matches!(o, Op::Router { .. }));
-        assert_eq!(sparse, kind.attention == m3c::config::AttentionKind::Sparse, "layer {l}");
-        assert_eq!(moe, kind.mlp == m3c::config::MlpKind::Moe, "layer {l}");
+        assert_eq!(sparse, kind.attention == m3c_compiler::config::AttentionKind::Sparse, "layer {l}");
+        assert_eq!(moe, kind.mlp == m3c_compiler::config::MlpKind::Moe, "layer {l}");
         // MXFP8 linears carry their block size.
         assert!(ops
             .iter()

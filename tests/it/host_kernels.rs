@@ -2,9 +2,9 @@
 //! melior and LLVM to an x86-64 object, linked into a shared library, and run
 //! on the fixtures' real weights against a plain Rust reference.
 
-use m3c::backend::host;
-use m3c::tiny::encode::{bf16_to_f32, e4m3_to_f32, e8m0_to_f32};
-use m3c::weights::Checkpoint;
+use m3c_compiler::backend::host;
+use m3c_compiler::tiny::encode::{bf16_to_f32, e4m3_to_f32, e8m0_to_f32};
+use m3c_compiler::weights::Checkpoint;
 use m3c_kernels::{module, Kernel, Storage, WeightType};
 use m3c_tests::fixture;
 

@@ -247,7 +247,7 @@ fn d03_plan_hosts_cannot_inject_shell_code() {
     }
     // What quoting makes of any string is that string, for the shell.
     for s in ["it's", "$(touch PWNED)", "a b", "'\"`\\"] {
-        let q = m3c::compile::sh_quote(s);
+        let q = m3c_compiler::compile::sh_quote(s);
         let o = Command::new("sh").arg("-c").arg(format!("printf %s {q}")).current_dir(dir.path()).output().unwrap();
         assert_eq!(String::from_utf8_lossy(&o.stdout), s);
     }

@@ -124,8 +124,8 @@ fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
-fn tiny_config() -> m3c::config::ModelConfig {
-    m3c::config::load_config(&fixture("tiny-m3").join("config.json")).unwrap()
+fn tiny_config() -> m3c_compiler::config::ModelConfig {
+    m3c_compiler::config::load_config(&fixture("tiny-m3").join("config.json")).unwrap()
 }
 
 #[test]
@@ -134,7 +134,7 @@ fn plan_yaml_never_panics_or_hangs() {
         ["tiny-m3.pp2.yaml", "tiny-m3.pp4.yaml", "minimax-m3-mxfp8.pp4.yaml"].iter().map(|f| std::fs::read(configs(f)).unwrap()).collect();
     let cfg = tiny_config();
     run("plan", 3000, seeded(seeds), |b| {
-        if let Ok(p) = m3c::plan::parse_plan(Path::new("p.yaml"), &text(b), Some(&cfg)) {
+        if let Ok(p) = m3c_compiler::plan::parse_plan(Path::new("p.yaml"), &text(b), Some(&cfg)) {
             // A value keeps the plan's promises: every layer once, in order.
             let mut next = 0;
             for s in &p.stages {
@@ -145,7 +145,7 @@ fn plan_yaml_never_panics_or_hangs() {
                     next = r.last + 1;
                 }
                 if let Some(h) = &s.host {
-                    if !m3c::plan::valid_host(h) {
+                    if !m3c_compiler::plan::valid_host(h) {
                         return Err(format!("host {h:?} passed"));
                     }
                 }
@@ -165,7 +165,7 @@ fn config_json_never_panics_or_hangs() {
         std::fs::read(configs("minimax-m3-mxfp8.config.json")).unwrap(),
     ];
     run("config", 2000, seeded(seeds), |b| {
-        if let Ok(c) = m3c::config::parse_config(Path::new("config.json"), &text(b)) {
+        if let Ok(c) = m3c_compiler::config::parse_config(Path::new("config.json"), &text(b)) {
             let t = &c.text;
             let bounded = t.hidden_size <= 1 << 16 && t.vocab_size <= 1 << 22 && t.num_layers <= 1024 && t.max_position_embeddings >= 2;
             if !bounded || t.experts_per_token > t.num_experts {
@@ -175,7 +175,7 @@ fn config_json_never_panics_or_hangs() {
                 ));
             }
             // The parameter count of any accepted config fits.
-            let _ = m3c::inspect::model_stats(&c);
+            let _ = m3c_compiler::inspect::model_stats(&c);
         }
         Ok(())
     });
@@ -336,8 +336,8 @@ fn the_corpus_of_hostile_inputs_still_parses_as_expected() {
         let bytes = std::fs::read(&path).unwrap();
         let t = text(&bytes);
         let ok = match parser {
-            "plan" => m3c::plan::parse_plan(&path, &t, Some(&cfg)).is_ok(),
-            "config" => m3c::config::parse_config(&path, &t).is_ok(),
+            "plan" => m3c_compiler::plan::parse_plan(&path, &t, Some(&cfg)).is_ok(),
+            "config" => m3c_compiler::config::parse_config(&path, &t).is_ok(),
             "header" => {
                 let (h, len) = bytes.split_at(bytes.len() - 8);
                 parse_header(h, u64::from_le_bytes(len.try_into().unwrap())).is_ok()

@@ -1,5 +1,5 @@
-use m3c::config::{load_config, ModelConfig};
-use m3c::plan::{balance, brute_force, make_plan, parse_plan, table, GpuProfile, Item, Target, Workload};
+use m3c_compiler::config::{load_config, ModelConfig};
+use m3c_compiler::plan::{balance, brute_force, make_plan, parse_plan, table, GpuProfile, Item, Target, Workload};
 use m3c_tests::{configs, fixture, m3c, stderr, stdout};
 use std::path::Path;
 
@@ -159,7 +159,7 @@ fn written_plan_round_trips() {
     assert!(o.status.success(), "{}", stderr(&o));
     let text = std::fs::read_to_string(&out).unwrap();
     assert!(text.contains("# stage") && text.contains("pipeline bubble"), "{text}");
-    let p = m3c::plan::load_plan(&out, Some(&tiny())).unwrap();
+    let p = m3c_compiler::plan::load_plan(&out, Some(&tiny())).unwrap();
     assert_eq!(p.stages.len(), 3);
     // The model path is relative to the plan file and resolves to the fixture.
     assert_eq!(std::fs::canonicalize(p.model.unwrap()).unwrap(), std::fs::canonicalize(model).unwrap());
@@ -187,7 +187,7 @@ fn vision_weights_count_on_stage_0_and_text_only_models_plan() {
     assert!(p.stages[0].vision && !p.stages[1].vision);
     let mut off = p.clone();
     off.stages[0].vision = false;
-    let (with, without) = (m3c::plan::stage_costs(&cfg, &p, &gpu, w), m3c::plan::stage_costs(&cfg, &off, &gpu, w));
+    let (with, without) = (m3c_compiler::plan::stage_costs(&cfg, &p, &gpu, w), m3c_compiler::plan::stage_costs(&cfg, &off, &gpu, w));
     let extra = with[0].memory - without[0].memory;
     // 865,567,232 bf16 parameters (the tower's linears are unquantised; the patch conv is fp32).
     assert!((1.7e9..1.8e9).contains(&extra), "vision adds {extra} bytes to stage 0");

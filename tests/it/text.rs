@@ -3,7 +3,7 @@
 //! decodes, every golden conversation's rendered prompt and ids; streaming
 //! decode; errors that name the file.
 
-use m3c::text::{ChatTemplate, IncrementalDecoder, TextTokenizer};
+use m3c_front::text::{ChatTemplate, IncrementalDecoder, TextTokenizer};
 use m3c_tests::fixture;
 use minijinja::Value;
 
@@ -142,7 +142,7 @@ fn printed_ids(stdout: &str) -> Vec<u32> {
 
 #[test]
 fn text_prompts_run_through_the_stages_and_stream_back_as_text() {
-    use m3c::text::ThinkingMode;
+    use m3c_front::text::ThinkingMode;
     use m3c_tests::{compile, m3c, stderr, stdout};
     let model = fixture("tiny-m3");
     let m = model.to_str().unwrap();
@@ -498,7 +498,7 @@ fn a_sampled_runs_dump_replays_through_the_host_sampler() {
 /// canonical form.
 #[test]
 fn the_same_messages_give_the_same_prompt_through_run_and_serve() {
-    use m3c::text::front::{encode, encode_jsonl, TextRequest};
+    use m3c_front::text::front::{encode, encode_jsonl, TextRequest};
     let model = fixture("tiny-m3");
     let dir = tempfile::tempdir().unwrap();
     let messages = serde_json::json!([
@@ -522,7 +522,7 @@ fn the_same_messages_give_the_same_prompt_through_run_and_serve() {
         enc.ids.pop().unwrap()
     };
     let body = serde_json::json!({"model": "tiny", "messages": messages});
-    let chat = m3c::serve::openai::chat(body.as_object().unwrap()).unwrap();
+    let chat = m3c_serve::openai::chat(body.as_object().unwrap()).unwrap();
     let template = ChatTemplate::from_dir(&model).unwrap().unwrap();
     let rendered =
         template.render(&serde_json::from_value(chat.messages).unwrap(), &[("add_generation_prompt", Value::from(true))]).unwrap();

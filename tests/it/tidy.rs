@@ -23,14 +23,22 @@ fn rust_files(dir: &Path) -> Vec<PathBuf> {
     out
 }
 
-/// The workspace's crate folders.
-const CRATES: &[&str] = &["contract", "compiler", "kernels", "runtime", "tests"];
+/// The workspace's crate folders: the `members` of the root Cargo.toml, so
+/// a new crate is checked without being listed here.
+fn crates() -> Vec<String> {
+    let manifest = std::fs::read_to_string(root().join("Cargo.toml")).unwrap();
+    let line = manifest.lines().find(|l| l.trim_start().starts_with("members")).expect("a members line");
+    let list = line.split_once('[').and_then(|(_, r)| r.split_once(']')).expect("members = [...] on one line").0;
+    let crates: Vec<String> = list.split(',').map(|c| c.trim().trim_matches('"').to_string()).filter(|c| !c.is_empty()).collect();
+    assert!(crates.len() >= 8 && crates.iter().all(|c| root().join(c).join("Cargo.toml").is_file()), "{crates:?}");
+    crates
+}
 
 /// rustfmt checks every source file, not only those `cargo fmt` reaches
 /// through `mod` items (modules declared inside a macro were once skipped).
 #[test]
 fn rustfmt_sees_every_source_file() {
-    let files: Vec<PathBuf> = CRATES.iter().flat_map(|d| rust_files(&root().join(d))).collect();
+    let files: Vec<PathBuf> = crates().iter().flat_map(|d| rust_files(&root().join(d))).collect();
     assert!(files.len() > 100, "{} files", files.len());
     let out = std::process::Command::new("rustfmt")
         .args(["--check", "--edition", "2021", "--config-path"])
@@ -110,7 +118,7 @@ fn uses_unsafe(code: &str) -> bool {
 #[test]
 fn every_unsafe_says_why_it_is_sound() {
     let mut missing = Vec::new();
-    for f in CRATES.iter().flat_map(|d| rust_files(&root().join(d))) {
+    for f in crates().iter().flat_map(|d| rust_files(&root().join(d))) {
         let text = std::fs::read_to_string(&f).unwrap();
         let lines: Vec<&str> = text.lines().collect();
         for (i, line) in lines.iter().enumerate() {
@@ -160,7 +168,9 @@ const TENSOR_NAME_PARTS: &[&str] = &[
 fn tensor_names_are_spelled_only_in_the_name_table() {
     let table = root().join("compiler/src/model");
     let mut found = Vec::new();
-    for f in ["compiler/src", "kernels/src", "runtime/src"].iter().flat_map(|d| rust_files(&root().join(d))) {
+    for f in
+        ["compiler/src", "kernels/src", "runtime/src", "front/src", "serve/src", "cli/src"].iter().flat_map(|d| rust_files(&root().join(d)))
+    {
         if f.starts_with(&table) {
             continue;
         }
@@ -191,4 +201,56 @@ fn the_tidy_checks_can_fail() {
     assert!(!uses_unsafe("let unsafe_count = 3;"));
     assert!(!uses_unsafe("say(\"an unsafe { call }\");"));
     assert_eq!(code_of("let a = \"x // y\"; // note"), "let a = \"x // y\"; ");
+}
+
+/// The packages `package` depends on for its normal (non-dev) build, by
+/// name, through `cargo tree` on the locked workspace.
+fn dependencies_of(package: &str) -> Vec<String> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = std::process::Command::new(cargo)
+        .current_dir(root())
+        .args(["tree", "--locked", "--offline", "-e", "normal", "--prefix", "none", "--format", "{p}", "-p", package])
+        .output()
+        .expect("cargo tree runs");
+    assert!(out.status.success(), "cargo tree -p {package}: {}", String::from_utf8_lossy(&out.stderr));
+    let mut names: Vec<String> =
+        String::from_utf8_lossy(&out.stdout).lines().filter_map(|l| l.split_whitespace().next()).map(str::to_string).collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// The crates follow the pipeline: the contract at the bottom; the
+/// compiler (MLIR and LLVM) beside the front (text and images) and the
+/// runtime, none of them knowing the others; the server on the front; the
+/// CLI on top. A server edit then never rebuilds the crate that links
+/// MLIR, and a stage executable links nothing of HTTP or the tokenizer.
+#[test]
+fn the_crates_are_layered_as_the_pipeline_is() {
+    const COMPILER: &[&str] = &["melior", "inkwell", "mlir-sys", "m3c-compiler", "m3c-kernels"];
+    const SERVING: &[&str] = &["axum", "tokio", "reqwest", "m3c-serve"];
+    const FRONT: &[&str] = &["tokenizers", "minijinja", "image", "m3c-front"];
+    let rules: &[(&str, &[&[&str]])] = &[
+        ("m3c-contract", &[COMPILER, SERVING, FRONT, &["m3c-runtime", "m3c-signals"]]),
+        ("m3c-compiler", &[SERVING, FRONT, &["m3c-runtime"]]),
+        ("m3c-front", &[COMPILER, SERVING, &["m3c-runtime"]]),
+        ("m3c-serve", &[COMPILER, &["m3c-runtime"]]),
+        ("m3c-runtime", &[COMPILER, SERVING, FRONT]),
+    ];
+    let mut broken = Vec::new();
+    for (package, forbidden) in rules {
+        let deps = dependencies_of(package);
+        assert!(deps.iter().any(|d| d == package), "cargo tree lists {package} itself: {deps:?}");
+        for f in forbidden.iter().flat_map(|set| set.iter()).filter(|f| *f != package) {
+            if deps.iter().any(|d| d == f) {
+                broken.push(format!("{package} depends on {f}"));
+            }
+        }
+    }
+    assert!(broken.is_empty(), "layering broken:\n{}", broken.join("\n"));
+    // The query sees through to what the command line links.
+    let cli = dependencies_of("m3c");
+    for d in ["m3c-compiler", "m3c-front", "m3c-serve", "melior", "axum", "tokenizers"] {
+        assert!(cli.iter().any(|c| c == d), "m3c depends on {d}: {cli:?}");
+    }
 }

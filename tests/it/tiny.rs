@@ -1,5 +1,5 @@
-use m3c::config::load_config;
-use m3c::weights::{bind, Checkpoint};
+use m3c_compiler::config::load_config;
+use m3c_compiler::weights::{bind, Checkpoint};
 use m3c_tests::{m3c, stderr};
 
 fn init(dir: &std::path::Path, name: &str, extra: &[&str]) -> std::path::PathBuf {
@@ -47,7 +47,7 @@ fn init_tiny_refuses_to_overwrite_and_bad_sizes() {
 
 #[test]
 fn init_tiny_writes_the_fixture_tokenizer_so_text_prompts_work() {
-    use m3c::text::TextTokenizer;
+    use m3c_front::text::TextTokenizer;
     let dir = tempfile::tempdir().unwrap();
     let a = init(dir.path(), "t", &["--seed", "1", "--layers", "2"]);
     for f in ["tokenizer.json", "tokenizer_config.json"] {
@@ -61,5 +61,5 @@ fn init_tiny_writes_the_fixture_tokenizer_so_text_prompts_work() {
     let tk = TextTokenizer::from_dir(&a).unwrap();
     let cfg = load_config(&a.join("config.json")).unwrap();
     assert_eq!(tk.vocab_size(), cfg.text.vocab_size, "the tokenizer covers the tiny model's vocabulary");
-    assert!(m3c::text::ChatTemplate::from_dir(&a).unwrap().is_some(), "a chat template comes with it");
+    assert!(m3c_front::text::ChatTemplate::from_dir(&a).unwrap().is_some(), "a chat template comes with it");
 }

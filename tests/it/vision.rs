@@ -3,7 +3,7 @@
 //! conversion, torchvision's resize and the `pixel_values` of each PNG,
 //! exactly; the `smart_resize` table; and bad images refused with a reason.
 
-use m3c::vision::processor::{self, ImageError};
+use m3c_front::vision::processor::{self, ImageError};
 use m3c_tests::fixture;
 
 fn tensor(name: &str) -> (Vec<usize>, Vec<u8>) {
@@ -105,15 +105,15 @@ fn call(lib: &libloading::Library, symbol: &str, args: &[Vec<u64>]) {
 /// output, the projector's output, the merged image features) within 1e-5.
 #[test]
 fn the_compiled_vision_tower_matches_every_reference_intermediate() {
-    use m3c::lower::Step;
-    use m3c::source::ModelSource;
+    use m3c_compiler::lower::Step;
+    use m3c_compiler::source::ModelSource;
     use m3c_kernels::MemTy;
     let dir = fixture("tiny-m3");
     let cfg = &ModelSource::open(&dir).unwrap().config;
     let tmp = tempfile::tempdir().unwrap();
     std::fs::write(tmp.path().join("plan.yaml"), "version: 1\nstages:\n  - layers: \"0-7\"\n").unwrap();
-    let plan = m3c::plan::load_plan(&tmp.path().join("plan.yaml"), Some(cfg)).unwrap();
-    let prog = m3c::compile::lower_all(cfg, &plan, m3c::lower::Storages::default()).unwrap().remove(0);
+    let plan = m3c_compiler::plan::load_plan(&tmp.path().join("plan.yaml"), Some(cfg)).unwrap();
+    let prog = m3c_compiler::compile::lower_all(cfg, &plan, m3c_compiler::lower::Storages::default()).unwrap().remove(0);
     let vision = prog.vision.clone().expect("the embedding's stage holds the vision tower");
     let used: Vec<m3c_kernels::Kernel> = prog
         .kernels
@@ -122,7 +122,7 @@ fn the_compiled_vision_tower_matches_every_reference_intermediate() {
         .cloned()
         .collect();
     let lib = crate::host_kernels::build(&used, tmp.path());
-    let ck = m3c::weights::Checkpoint::open(&dir).unwrap();
+    let ck = m3c_compiler::weights::Checkpoint::open(&dir).unwrap();
     let golden = dir.join("golden.safetensors");
     let (_, pixels) = m3c_tests::read_tensor_f32(&golden, "mm_pixel_values");
     let grid = m3c_tests::read_tensor_i64(&golden, "mm_image_grid_thw");
@@ -149,7 +149,7 @@ fn the_compiled_vision_tower_matches_every_reference_intermediate() {
             }
             Step::CopyToX { id, .. } => out = bufs[id].clone(),
             Step::Call { kernel, args, what, .. } => {
-                use m3c::lower::fuse::Arg;
+                use m3c_compiler::lower::fuse::Arg;
                 let descs: Vec<Vec<u64>> = args
                     .iter()
                     .map(|a| match a {
@@ -204,7 +204,7 @@ fn golden_images_file(dir: &std::path::Path) -> std::path::PathBuf {
     let g = m3c_tests::read_tensor_i64(&golden, "mm_image_grid_thw");
     let im = m3c_contract::images::SeqImages { grids: vec![[g[0] as usize, g[1] as usize, g[2] as usize]], pixels };
     let path = dir.join("golden-images.safetensors");
-    m3c::vision::prompt::write_images_file(&path, &std::collections::BTreeMap::from([(0usize, im)])).unwrap();
+    m3c_front::vision::prompt::write_images_file(&path, &std::collections::BTreeMap::from([(0usize, im)])).unwrap();
     path
 }
 

@@ -1,6 +1,6 @@
-use m3c::config::load_config;
-use m3c::model::Part;
-use m3c::weights::{bind, BindProblem, Checkpoint, WeightsError};
+use m3c_compiler::config::load_config;
+use m3c_compiler::model::Part;
+use m3c_compiler::weights::{bind, BindProblem, Checkpoint, WeightsError};
 use m3c_tests::fixture;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};

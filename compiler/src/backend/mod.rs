@@ -3,6 +3,9 @@
 
 pub mod cuda;
 pub mod host;
+mod llvm_fatal;
+
+pub use llvm_fatal::install_llvm_fatal_handler;
 
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {

@@ -12,7 +12,7 @@ mod manifest;
 pub mod ptx_report;
 
 pub use link::{find_runtime_lib, sh_quote, RUNTIME_LIB_ENV};
-pub use manifest::{Manifest, StageEntry};
+pub use m3c_contract::manifest::{sha256_hex, Manifest, StageEntry};
 
 use crate::backend::host;
 use crate::config::ModelConfig;
@@ -106,10 +106,6 @@ pub fn check_out_path(out: &Path, model: &Path) -> Result<()> {
     Ok(())
 }
 
-pub fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
-}
-
 /// The stage metadata embedded in each executable (the contract's
 /// `StageMeta`, which the runtime reads back).
 #[allow(clippy::too_many_arguments)]
@@ -124,7 +120,7 @@ fn stage_meta(
     device: Option<usize>,
     act: m3c_kernels::Storage,
 ) -> String {
-    use m3c_contract::stage::{CacheSlot, StageMeta, TensorSlot};
+    use m3c_contract::stage::StageMeta;
     StageMeta {
         compile_id: compile_id.into(),
         config_sha256: config_sha.into(),
@@ -140,12 +136,8 @@ fn stage_meta(
         cpu: cpu.into(),
         target: target.into(),
         device: device.map(|d| d as i32),
-        tensors: p.tensors.iter().map(|t| TensorSlot { name: t.name.clone(), shape: t.shape.clone(), dtype: t.dtype }).collect(),
-        caches: p
-            .caches
-            .iter()
-            .map(|c| CacheSlot { layer: c.layer, kind: c.kind.into(), width: c.width, bytes: if c.dtype == "bf16" { 2 } else { 4 } })
-            .collect(),
+        tensors: p.tensors.clone(),
+        caches: p.caches.clone(),
         vision: p.vision.as_ref().zip(cfg.vision.as_ref()).map(|(v, vc)| m3c_contract::stage::VisionMeta {
             patch_row: v.patch_row,
             merge: v.merge,
@@ -260,7 +252,7 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
 
     let n = programs.len();
     let mut manifest =
-        Manifest::new(cfg, &config_sha, &plan_json, &runtime_sha, &compile_id, &req.cpu, &target_name, kv_cache, activations);
+        manifest::new(cfg, &config_sha, &plan_json, &runtime_sha, &compile_id, &req.cpu, &target_name, kv_cache, activations);
     let mut report = String::new();
     crate::fsutil::write_dir_atomically(req.out, check_replaceable_output, |dir| {
         let work = dir.join(".obj");
@@ -342,7 +334,7 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
             let exe = dir.join(&name);
             link::link(&obj, &req.runtime_lib, &exe).with_context(|| format!("stage {}: linking {}", p.index, exe.display()))?;
             let bytes = std::fs::read(&exe)?;
-            let mut entry = StageEntry::new(p, &name, &bytes, req.plan.stages[p.index].host.clone());
+            let mut entry = manifest::stage_entry(p, &name, &bytes, req.plan.stages[p.index].host.clone());
             if let Some(arch) = &cuda_arch {
                 entry.device_code = Some(if art.cubin.is_some() {
                     format!("cubin {arch}")

@@ -376,7 +376,7 @@ impl Fuser<'_> {
     fn cache_slot(&mut self, layer: usize, kind: CacheKind, width: usize) -> (usize, Storage) {
         let cache = self.cache;
         let slot = *self.cache_slots.entry((layer, kind)).or_insert_with(|| {
-            self.caches.push(CacheSlot { layer, kind: cache_kind_name(kind), width, dtype: cache.name() });
+            self.caches.push(CacheSlot { layer, kind: cache_kind_name(kind).into(), width, bytes: cache.bytes() });
             self.caches.len() - 1
         });
         (slot, cache)
@@ -776,7 +776,7 @@ impl Fuser<'_> {
     fn vision_program(&mut self, graph: &ModelGraph, v: &crate::config::VisionConfig) -> Result<VisionProgram, String> {
         // The stages take the image processor's rows; a tower of another
         // patch geometry would read them wrongly.
-        use crate::vision::processor::{MERGE, PATCH, TEMPORAL};
+        use m3c_contract::images::{MERGE_SIDE as MERGE, PATCH, TEMPORAL};
         let geometry = (v.num_channels, v.temporal_patch_size, v.patch_size, v.spatial_merge_size);
         if geometry != (3, TEMPORAL, PATCH, MERGE) {
             return Err(format!(

@@ -11,34 +11,16 @@ pub mod fuse;
 
 pub use entry::{ENTRY_SYMBOL, VISION_SYMBOL};
 pub use fuse::{fuse_stage, FusedStage, Step, VisionProgram};
+/// The slots and boundaries are the contract's: the stage metadata and the
+/// manifest carry them as they are.
+pub use m3c_contract::stage::{Boundary, CacheSlot, TensorSlot};
 
 use crate::config::ModelConfig;
-use crate::dtype::DType;
 use crate::graph::{CacheKind, ModelGraph};
 use crate::model::Part;
 use crate::plan::{StagePlan, Target};
-use m3c_kernels::Storage;
-use serde::Serialize;
+pub use m3c_kernels::Storage;
 use std::collections::BTreeSet;
-
-/// One weight the stage reads, in pointer-table order.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct TensorSlot {
-    pub name: String,
-    pub shape: Vec<usize>,
-    /// The element type the kernels were compiled for.
-    pub dtype: DType,
-}
-
-/// One per-layer cache the stage keeps for each sequence: `[capacity, width]`
-/// of `dtype` (`f32`, or `bf16` stored as its 16 bits).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct CacheSlot {
-    pub layer: usize,
-    pub kind: &'static str,
-    pub width: usize,
-    pub dtype: &'static str,
-}
 
 /// How a stage keeps f32 values in memory: its KV and index-key caches
 /// (`--kv-cache`) and the activations between its kernels and between
@@ -47,18 +29,6 @@ pub struct CacheSlot {
 pub struct Storages {
     pub kv_cache: Storage,
     pub activations: Storage,
-}
-
-/// What flows into or out of a stage.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Boundary {
-    /// Token ids `[S]` (the first stage's input).
-    TokenIds,
-    /// Rows `[S, width]` of activations between stages, f32 or bf16 bits (`--activations`).
-    Hidden { width: usize },
-    /// f32 logits `[S, vocab]` and the sampled ids (the last stage's output).
-    Logits { vocab: usize },
 }
 
 /// Everything m3c generates for one stage.

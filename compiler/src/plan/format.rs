@@ -230,21 +230,7 @@ fn too_deep(text: &str) -> Option<usize> {
     None
 }
 
-/// Whether `h` can name a host for mpirun: a DNS name or IPv4 address
-/// (letters, digits, `-`, `_` and `.`-separated labels of at most 63
-/// characters, none starting with `-`). Anything else, such as a space, a
-/// quote, `$(...)` or mpirun's `:slots` suffix, is refused when the plan is
-/// read, before it can reach a launcher.
-pub fn valid_host(h: &str) -> bool {
-    !h.is_empty()
-        && h.len() <= 253
-        && h.split('.').all(|label| {
-            !label.is_empty()
-                && label.len() <= 63
-                && !label.starts_with('-')
-                && label.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
-        })
-}
+pub use m3c_contract::manifest::valid_host;
 
 /// Whether `arch` is a CUDA architecture name like `sm_90a`.
 pub fn valid_arch(arch: &str) -> bool {
@@ -339,7 +325,20 @@ pub fn parse_plan(path: &Path, text: &str, cfg: Option<&ModelConfig>) -> Result<
             return Err(ctx.value("version", format!("unsupported plan version {v}: this m3c reads version 1")));
         }
     }
-    let target = match (raw.target.as_deref().unwrap_or("host"), raw.arch) {
+    let target = parse_target(&ctx, &raw)?;
+    if raw.stages.is_empty() {
+        return Err(ctx.value("stages", "`stages` is empty: a plan needs at least one stage".into()));
+    }
+    let num_layers = cfg.map(|c| c.text.num_layers);
+    let mut stages = parse_stages(&ctx, &raw, &target, num_layers)?;
+    let norm = place_parts(&ctx, &raw, &mut stages)?;
+    check_layers(&ctx, &stages, num_layers, norm)?;
+    Ok(Plan { model: raw.model.as_deref().map(|m| resolve(path, m)), target, stages })
+}
+
+/// The plan's `target` and `arch`.
+fn parse_target(ctx: &Ctx, raw: &RawPlan) -> Result<Target, PlanError> {
+    Ok(match (raw.target.as_deref().unwrap_or("host"), raw.arch.clone()) {
         ("host", None) => Target::Host,
         ("host", Some(_)) => return Err(ctx.key("arch", "`arch` applies to target cuda only; this plan's target is host".into())),
         ("cuda", arch) => {
@@ -350,17 +349,18 @@ pub fn parse_plan(path: &Path, text: &str, cfg: Option<&ModelConfig>) -> Result<
             Target::Cuda { arch }
         }
         (other, _) => return Err(ctx.value("target", format!("unknown target \"{other}\": expected \"host\" or \"cuda\""))),
-    };
-    if raw.stages.is_empty() {
-        return Err(ctx.value("stages", "`stages` is empty: a plan needs at least one stage".into()));
-    }
-    let num_layers = cfg.map(|c| c.text.num_layers);
+    })
+}
+
+/// Each stage as written: its layer range, host and device checked, the
+/// non-layer parts only where the plan sets them.
+fn parse_stages(ctx: &Ctx, raw: &RawPlan, target: &Target, num_layers: Option<usize>) -> Result<Vec<StagePlan>, PlanError> {
     let n = raw.stages.len();
     let mut stages = Vec::with_capacity(n);
     for (i, s) in raw.stages.iter().enumerate() {
         let p = format!("stages[{i}]");
         let layers = match &s.layers {
-            Some(v) => Some(parse_layers(&ctx, &format!("{p}.layers"), v, num_layers)?),
+            Some(v) => Some(parse_layers(ctx, &format!("{p}.layers"), v, num_layers)?),
             None => None,
         };
         if let Some(h) = &s.host {
@@ -371,7 +371,7 @@ pub fn parse_plan(path: &Path, text: &str, cfg: Option<&ModelConfig>) -> Result<
                 ));
             }
         }
-        if s.device.is_some() && target == Target::Host {
+        if s.device.is_some() && *target == Target::Host {
             return Err(
                 ctx.key(&format!("{p}.device"), format!("stage {i}: `device` applies to target cuda only; this plan's target is host"))
             );
@@ -386,24 +386,29 @@ pub fn parse_plan(path: &Path, text: &str, cfg: Option<&ModelConfig>) -> Result<
             host: s.host.clone(),
         });
     }
+    Ok(stages)
+}
 
-    // Non-layer parts: default first / last stage; exactly one place each.
-    let place =
-        |key: &str, default: usize, stages: &mut Vec<StagePlan>, get: fn(&mut StagePlan) -> &mut bool| -> Result<usize, PlanError> {
-            let set: Vec<usize> = (0..n).filter(|&i| raw.stages[i].field(key) == Some(true)).collect();
-            match set.as_slice() {
-                [] => {
-                    *get(&mut stages[default]) = true;
-                    Ok(default)
-                }
-                [one] => Ok(*one),
-                [_, second, ..] => Err(ctx.key(
-                    &format!("stages[{second}].{key}"),
-                    format!("`{key}` is set on stages {} and {second}: it lives on exactly one stage", set[0]),
-                )),
+/// Places the non-layer parts: each on the stage the plan names, else the
+/// first (embedding, vision) or last (lm_head, final norm) stage, exactly
+/// once. Returns the final norm's stage.
+fn place_parts(ctx: &Ctx, raw: &RawPlan, stages: &mut [StagePlan]) -> Result<usize, PlanError> {
+    let n = stages.len();
+    let place = |key: &str, default: usize, stages: &mut [StagePlan], get: fn(&mut StagePlan) -> &mut bool| -> Result<usize, PlanError> {
+        let set: Vec<usize> = (0..n).filter(|&i| raw.stages[i].field(key) == Some(true)).collect();
+        match set.as_slice() {
+            [] => {
+                *get(&mut stages[default]) = true;
+                Ok(default)
             }
-        };
-    let emb = place("embedding", 0, &mut stages, |s| &mut s.embedding)?;
+            [one] => Ok(*one),
+            [_, second, ..] => Err(ctx.key(
+                &format!("stages[{second}].{key}"),
+                format!("`{key}` is set on stages {} and {second}: it lives on exactly one stage", set[0]),
+            )),
+        }
+    };
+    let emb = place("embedding", 0, stages, |s| &mut s.embedding)?;
     if emb != 0 {
         return Err(ctx.key(
             &format!("stages[{emb}].embedding"),
@@ -423,16 +428,19 @@ pub fn parse_plan(path: &Path, text: &str, cfg: Option<&ModelConfig>) -> Result<
         }
     }
     stages[emb].vision = raw.stages[emb].vision != Some(false);
-    let head = place("lm_head", n - 1, &mut stages, |s| &mut s.lm_head)?;
+    let head = place("lm_head", n - 1, stages, |s| &mut s.lm_head)?;
     if head != n - 1 {
         return Err(ctx.key(
             &format!("stages[{head}].lm_head"),
             format!("the lm_head must be on the last stage (stage {}), which samples the next token; found on stage {head}", n - 1),
         ));
     }
-    let norm = place("final_norm", head, &mut stages, |s| &mut s.final_norm)?;
+    place("final_norm", head, stages, |s| &mut s.final_norm)
+}
 
-    // Layers: in order, contiguous, each in exactly one stage.
+/// Layers in order, contiguous, each in exactly one stage; the final norm
+/// after the last layer; no empty stage.
+fn check_layers(ctx: &Ctx, stages: &[StagePlan], num_layers: Option<usize>, norm: usize) -> Result<(), PlanError> {
     let mut next = 0usize;
     let mut last_layer_stage = 0usize;
     for (i, s) in stages.iter().enumerate() {
@@ -475,7 +483,7 @@ pub fn parse_plan(path: &Path, text: &str, cfg: Option<&ModelConfig>) -> Result<
             );
         }
     }
-    Ok(Plan { model: raw.model.as_deref().map(|m| resolve(path, m)), target, stages })
+    Ok(())
 }
 
 impl RawStage {

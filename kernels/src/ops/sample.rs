@@ -332,10 +332,26 @@ fn div_ceil(p: &str, a: &str, b: &str) -> String {
 
 /// The GPU body: block `%r` samples row `%r`.
 fn gpu_body(width: usize, nw: usize) -> String {
-    let tab = format!("memref<?x{ROW_WORDS}xi64>");
-    let word = |name: &str, k: usize| format!("%{name} = memref.load %table[%r, %cw{k}] : {tab}\n");
-    let si = "memref<4xi32, #gpu.address_space<workgroup>>";
-    let sl = "memref<4xi64, #gpu.address_space<workgroup>>";
+    let mut s = gpu_constants(width);
+    s.push_str(&gpu_row_params());
+    s.push_str(&gpu_scan(width, nw));
+    s.push_str(&gpu_greedy(width, nw));
+    s.push_str("%notgreedy = arith.xori %greedy, %true : i1\n%dosample = arith.andi %give, %notgreedy : i1\n");
+    s.push_str(&format!("scf.if %dosample {{\n{}}}\n", indent(&gpu_draw(width, nw), 2)));
+    s
+}
+
+/// The sampling table's type.
+fn table_type() -> String {
+    format!("memref<?x{ROW_WORDS}xi64>")
+}
+
+/// The block's shared scalars (see [`gpu_scan`]).
+const SHARED_I32: &str = "memref<4xi32, #gpu.address_space<workgroup>>";
+const SHARED_I64: &str = "memref<4xi64, #gpu.address_space<workgroup>>";
+
+/// Every constant the body uses.
+fn gpu_constants(width: usize) -> String {
     let chunk = width.div_ceil(THREADS);
     let mut s = String::new();
     // Constants.
@@ -370,6 +386,14 @@ fn gpu_body(width: usize, nw: usize) -> String {
     for (k, c) in exp_consts::POLY.iter().enumerate() {
         s.push_str(&f32c(&format!("%poly{k}"), *c));
     }
+    s
+}
+
+/// The row's parameters, unpacked from its table words.
+fn gpu_row_params() -> String {
+    let tab = table_type();
+    let word = |name: &str, k: usize| format!("%{name} = memref.load %table[%r, %cw{k}] : {tab}\n");
+    let mut s = String::new();
     // The row's parameters.
     s.push_str(
         "%r = gpu.block_id x\n%t = gpu.thread_id x\n%lead = arith.cmpi eq, %t, %c0 : index\n%zeroer = arith.cmpi ult, %t, %c256 : index\n",
@@ -391,6 +415,14 @@ fn gpu_body(width: usize, nw: usize) -> String {
          %penne = arith.cmpf one, %pen, %fone : f32\n%penon = arith.andi %give, %penne : i1\n\
          %tpos = arith.cmpf ogt, %temp, %zero : f32\n%tt = arith.select %tpos, %temp, %fone : f32\n",
     );
+    s
+}
+
+/// Pass 1 over the row: the non-finite count (written to the table) and
+/// the maximum scaled value, shared through the block.
+fn gpu_scan(width: usize, nw: usize) -> String {
+    let (tab, si, sl) = (table_type(), SHARED_I32, SHARED_I64);
+    let mut s = String::new();
     // Shared scalars: si[0] the maximum's order key, si[1] the non-finite
     // count, si[2] the first maximum's index; sl[0] the total weight, sl[1]
     // the weight at or above the min-p floor.
@@ -434,6 +466,13 @@ fn gpu_body(width: usize, nw: usize) -> String {
          %t0 = arith.cmpf oeq, %temp, %zero : f32\n%greedy = arith.ori %t0, %mnf : i1\n\
          %nogive = arith.xori %give, %true : i1\n"
     ));
+    s
+}
+
+/// Rows that give no token get id 0; greedy rows the first maximum.
+fn gpu_greedy(width: usize, nw: usize) -> String {
+    let si = SHARED_I32;
+    let mut s = String::new();
     // Rows that give no token: id 0.
     s.push_str("scf.if %nogive {\n  scf.if %lead {\n    memref.store %z64, %ids[%r] : memref<?xi64>\n  }\n}\n");
     // Greedy: the first index of the maximum.
@@ -462,7 +501,13 @@ fn gpu_body(width: usize, nw: usize) -> String {
          }}\n",
         indent(&scaled("gg", "%gl", "%i", nw), 4),
     ));
-    // Sampling.
+    s
+}
+
+/// A draw: min-p, top-k and top-p on integer weights, the Philox draw and
+/// the token it lands on.
+fn gpu_draw(width: usize, nw: usize) -> String {
+    let sl = SHARED_I64;
     let mut d = String::new();
     // The min-p floor: ⌈min_p · 2^30⌉, 0 when min_p = 0.
     d.push_str(
@@ -557,7 +602,5 @@ fn gpu_body(width: usize, nw: usize) -> String {
         indent(&weigh_at("cw_", "%i", width, nw), 2),
         indent(&weigh_at("cv_", "%i", width, nw), 4),
     ));
-    s.push_str("%notgreedy = arith.xori %greedy, %true : i1\n%dosample = arith.andi %give, %notgreedy : i1\n");
-    s.push_str(&format!("scf.if %dosample {{\n{}}}\n", indent(&d, 2)));
-    s
+    d
 }

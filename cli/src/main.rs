@@ -1,3 +1,3 @@
 fn main() -> std::process::ExitCode {
-    m3c::cli::main()
+    m3c::main()
 }

@@ -60,17 +60,8 @@ fn image_parts_as_urls(list: &[serde_json::Value]) -> Vec<serde_json::Value> {
     list
 }
 
-/// The sampling fields a `--prompts` JSONL line may set.
-#[derive(Debug, Clone, Default, PartialEq, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct LineSampling {
-    pub temperature: Option<f32>,
-    pub top_k: Option<usize>,
-    pub top_p: Option<f32>,
-    pub min_p: Option<f32>,
-    pub repetition_penalty: Option<f32>,
-    pub seed: Option<u64>,
-}
+/// The sampling fields a `--prompts` JSONL line may set (over the run's).
+pub type LineSampling = m3c_contract::sampling::SamplingOverrides;
 
 /// One line of a `--prompts` JSONL file.
 #[derive(serde::Deserialize)]

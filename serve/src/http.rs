@@ -5,8 +5,6 @@
 use super::engine::{Engine, Event, Submission, SubmitError, Ticket};
 use super::openai::{self, ApiError, Common, Defaults};
 use super::output::ChatOutput;
-use crate::text::front::StopFilter;
-use crate::text::{ChatTemplate, IncrementalDecoder, TextTokenizer};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
@@ -15,6 +13,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use m3c_contract::images::SeqImages;
+use m3c_front::text::front::StopFilter;
+use m3c_front::text::{ChatTemplate, IncrementalDecoder, TextTokenizer};
 use serde_json::{json, Value};
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -192,17 +192,17 @@ async fn images(app: &App, ids: &[u32], urls: &[(String, String)]) -> Result<(Ve
     for (at, url) in urls {
         let bytes = super::media::fetch(url, &app.media, at).await?;
         let what = at.clone();
-        let p = tokio::task::spawn_blocking(move || crate::vision::processor::process(&bytes, &what))
+        let p = tokio::task::spawn_blocking(move || m3c_front::vision::processor::process(&bytes, &what))
             .await
             .map_err(|e| ApiError::new(500, "server_error", format!("processing an image: {e}")))?
             .map_err(|e| ApiError::bad(at, e.to_string()))?;
         processed.push(p);
     }
     let tokens: Vec<usize> = processed.iter().map(|p| p.tokens()).collect();
-    let t =
-        crate::vision::prompt::ImageTokens::new(&app.tokenizer, token).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?;
+    let t = m3c_front::vision::prompt::ImageTokens::new(&app.tokenizer, token)
+        .map_err(|e| ApiError::new(500, "server_error", e.to_string()))?;
     let ids = t.expand(ids, &tokens).map_err(|e| ApiError::bad("messages", e.to_string()))?;
-    Ok((ids, crate::vision::prompt::seq_images(&processed)))
+    Ok((ids, m3c_front::vision::prompt::seq_images(&processed)))
 }
 
 /// A JSON value as the template sees it.
@@ -395,7 +395,7 @@ async fn generate(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: O
 fn write_images(app: &App, im: SeqImages) -> std::io::Result<tempfile::TempPath> {
     let f = tempfile::Builder::new().prefix("req-").suffix(".safetensors").tempfile_in(app.media_dir.path())?;
     let path = f.into_temp_path();
-    crate::vision::prompt::write_images_file(&path, &std::collections::BTreeMap::from([(0usize, im)]))?;
+    m3c_front::vision::prompt::write_images_file(&path, &std::collections::BTreeMap::from([(0usize, im)]))?;
     Ok(path)
 }
 

@@ -9,14 +9,10 @@
 
 use thiserror::Error;
 
-/// Patch side in pixels.
-pub const PATCH: usize = 14;
-/// Patches per side of a merge group.
-pub const MERGE: usize = 2;
-/// A still image fills both temporal slots.
-pub const TEMPORAL: usize = 2;
-/// Values per patch row: 3 channels × 2 frames × 14 × 14.
-pub const ROW: usize = 3 * TEMPORAL * PATCH * PATCH;
+/// The patch geometry is the images file's (the contract with the stage
+/// that encodes images): 14-pixel patches, 2 frames, 2×2 merge groups, rows
+/// of 1176 values.
+pub use m3c_contract::images::{MERGE_SIDE as MERGE, PATCH, PATCH_ROW as ROW, TEMPORAL};
 const FACTOR: usize = PATCH * MERGE;
 pub const MIN_PIXELS: usize = 56 * 56;
 pub const MAX_PIXELS: usize = 672 * 672;

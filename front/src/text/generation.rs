@@ -6,16 +6,14 @@
 
 use super::TextError;
 use m3c_contract::input::{limits, read_user_file};
+use m3c_contract::sampling::SamplingOverrides;
 use std::path::Path;
 
 /// What the checkpoint asks for; `None` where it says nothing.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct GenerationDefaults {
-    pub temperature: Option<f32>,
-    pub top_k: Option<usize>,
-    pub top_p: Option<f32>,
-    pub min_p: Option<f32>,
-    pub repetition_penalty: Option<f32>,
+    /// The sampling fields it sets (never the seed).
+    pub sampling: SamplingOverrides,
     pub eos_ids: Vec<i64>,
     /// The files the values came from, for the run's report.
     pub sources: Vec<String>,
@@ -55,11 +53,11 @@ impl GenerationDefaults {
                     Some(v) => v.as_f64().map(|x| Some(x as f32)).ok_or_else(|| bad(key, "a number")),
                 }
             };
-            d.temperature = num("temperature")?;
-            d.top_p = num("top_p")?;
-            d.min_p = num("min_p")?;
-            d.repetition_penalty = num("repetition_penalty")?;
-            d.top_k = match g.get("top_k") {
+            d.sampling.temperature = num("temperature")?;
+            d.sampling.top_p = num("top_p")?;
+            d.sampling.min_p = num("min_p")?;
+            d.sampling.repetition_penalty = num("repetition_penalty")?;
+            d.sampling.top_k = match g.get("top_k") {
                 None | Some(serde_json::Value::Null) => None,
                 Some(v) => Some(v.as_u64().ok_or_else(|| bad("top_k", "a count"))? as usize),
             };

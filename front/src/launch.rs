@@ -3,14 +3,14 @@
 //! then one rank per stage on the plan's hosts, every stage with the same
 //! arguments.
 
-use crate::plan;
 use anyhow::{bail, Context, Result};
+use m3c_contract::manifest::{sha256_hex, Manifest};
 use std::path::{Path, PathBuf};
 
 /// A compiled OUT folder whose executables are the ones its manifest lists.
 pub struct Compiled {
     pub out: PathBuf,
-    pub manifest: serde_json::Value,
+    pub manifest: Manifest,
     pub stages: usize,
 }
 
@@ -22,20 +22,17 @@ impl Compiled {
         let text = m3c_contract::read_user_file(&file, "manifest", 64 << 20).with_context(|| {
             format!("{}: not an m3c output folder (no readable manifest.json); make one with `m3c compile`", out.display())
         })?;
-        let manifest: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{}: not JSON", file.display()))?;
-        let stages =
-            manifest["stages"].as_array().map(|a| a.len()).filter(|&n| n > 0).with_context(|| format!("{}: no stages", file.display()))?;
+        let manifest = Manifest::parse(&text).with_context(|| format!("{}: cannot be used", file.display()))?;
         if !model.is_dir() {
             bail!("--model {}: not a folder (expected the checkpoint folder with config.json and safetensors)", model.display());
         }
         // Each executable must be the one compiled: a damaged or swapped file
         // would otherwise surface as a crash ("exit status 139") mid-job.
-        for k in 0..stages {
+        for (k, entry) in manifest.stages.iter().enumerate() {
             let exe = out.join(format!("stage-{k}"));
-            let want = manifest["stages"][k]["sha256"].as_str().with_context(|| format!("{}: stage {k} has no sha256", file.display()))?;
             let bytes = m3c_contract::input::read_bytes(&exe, "stage executable", 16 << 30)
                 .with_context(|| format!("{}: missing or unreadable; recompile {}", exe.display(), out.display()))?;
-            if crate::compile::sha256_hex(&bytes) != want {
+            if sha256_hex(&bytes) != entry.sha256 {
                 bail!(
                     "{}: is not the executable manifest.json lists (its sha256 differs: damaged or replaced); recompile {}",
                     exe.display(),
@@ -43,30 +40,19 @@ impl Compiled {
                 );
             }
         }
+        let stages = manifest.stages.len();
         Ok(Compiled { out: out.to_path_buf(), manifest, stages })
     }
 
     /// Whether the first stage encodes images (it holds the vision tower).
     pub fn encodes_images(&self) -> bool {
-        self.manifest["stages"][0]["vision"].as_bool() == Some(true)
+        self.manifest.encodes_images()
     }
 
     /// Cache bytes per position of each stage (every cache row of a
     /// sequence), from the manifest's cache slots.
     pub fn cache_bytes_per_position(&self) -> Vec<u64> {
-        (0..self.stages)
-            .map(|k| {
-                self.manifest["stages"][k]["caches"]
-                    .as_array()
-                    .map(|slots| {
-                        slots
-                            .iter()
-                            .map(|c| c["width"].as_u64().unwrap_or(0) * if c["dtype"].as_str() == Some("bf16") { 2 } else { 4 })
-                            .sum()
-                    })
-                    .unwrap_or(0)
-            })
-            .collect()
+        self.manifest.cache_bytes_per_position()
     }
 
     /// `mpirun` over the stages, each given `args`; mpirun dies with this
@@ -79,15 +65,13 @@ impl Compiled {
         if is_root() {
             cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1").env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
         }
-        for k in 0..self.stages {
+        for (k, entry) in self.manifest.stages.iter().enumerate() {
             if k > 0 {
                 cmd.arg(":");
             }
             cmd.args(["-np", "1"]);
-            if let Some(host) = self.manifest["stages"][k]["host"].as_str() {
-                if !plan::valid_host(host) {
-                    bail!("{}: stage {k} names host {host:?}, which is not a host name", self.out.join("manifest.json").display());
-                }
+            // Manifest::parse checked that the host is a host name.
+            if let Some(host) = &entry.host {
                 cmd.args(["--host", host]);
             }
             cmd.arg(self.out.join(format!("stage-{k}"))).args(args);

@@ -1,6 +1,11 @@
 //! What m3c undoes when it is interrupted (SIGINT, SIGTERM, SIGHUP) or when
-//! LLVM aborts: temporary output folders are removed, and a running
-//! `mpirun` gets the signal too, so no stage is left computing.
+//! LLVM aborts (the compiler's fatal-error handler calls [`remove_temps`]):
+//! temporary output folders are removed, and a running `mpirun` gets the
+//! signal too, so no stage is left computing.
+//!
+//! The compiler (atomic output folders), the front (`m3c run`'s mpirun) and
+//! the server (graceful shutdown) share this one signal thread, so it is a
+//! crate of its own below all three.
 //!
 //! A dedicated thread receives the signals (signal-hook), so the cleanup
 //! runs as ordinary code, not inside a signal handler.
@@ -110,24 +115,4 @@ impl Drop for ChildRegistration {
     fn drop(&mut self) {
         CHILD.store(0, Ordering::SeqCst);
     }
-}
-
-/// LLVM's fatal errors (an invalid target option, say) end the process
-/// from inside LLVM; this handler removes the temporary folders first and
-/// says what happened.
-pub fn install_llvm_fatal_handler() {
-    extern "C" fn on_fatal(reason: *const std::os::raw::c_char) {
-        let msg = if reason.is_null() {
-            String::from("unknown")
-        } else {
-            // SAFETY: LLVM passes a NUL-terminated message that lives for the call.
-            unsafe { std::ffi::CStr::from_ptr(reason) }.to_string_lossy().into_owned()
-        };
-        remove_temps();
-        eprintln!("error: LLVM failed: {msg}");
-        // SAFETY: as in `install`: no destructors while LLVM is mid-failure.
-        unsafe { libc::_exit(1) };
-    }
-    // SAFETY: installs a plain C callback that never returns into LLVM.
-    unsafe { inkwell::support::error_handling::install_fatal_error_handler(on_fatal) };
 }

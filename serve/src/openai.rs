@@ -3,7 +3,7 @@
 //! error object), vLLM's extra sampling fields accepted, and fields m3c
 //! cannot honour refused rather than ignored.
 
-use m3c_contract::sampling::SamplingParams;
+use m3c_contract::sampling::{SamplingOverrides, SamplingParams};
 use serde_json::{json, Map, Value};
 
 /// A request error: HTTP status, OpenAI error type, message, offending field.
@@ -266,16 +266,16 @@ pub fn common(m: &Map<String, Value>, d: &Defaults, max_keys: &[&str], seed_fall
             Some(_) => return Err(ApiError::bad(k, format!("`{k}` is not supported by m3c"))),
         }
     }
-    let base = d.sampling;
-    let f32_of = |k: &str, dflt: f32| -> Result<f32, ApiError> { Ok(num(m, k)?.map_or(dflt, |v| v as f32)) };
-    let sampling = SamplingParams {
-        temperature: f32_of("temperature", base.temperature)?,
-        top_p: f32_of("top_p", base.top_p)?,
-        min_p: f32_of("min_p", base.min_p)?,
-        repetition_penalty: f32_of("repetition_penalty", base.repetition_penalty)?,
-        top_k: uint(m, "top_k")?.map_or(base.top_k, |v| v as usize),
-        seed: uint(m, "seed")?.unwrap_or(seed_fallback),
+    let f32_of = |k: &str| -> Result<Option<f32>, ApiError> { Ok(num(m, k)?.map(|v| v as f32)) };
+    let request = SamplingOverrides {
+        temperature: f32_of("temperature")?,
+        top_p: f32_of("top_p")?,
+        min_p: f32_of("min_p")?,
+        repetition_penalty: f32_of("repetition_penalty")?,
+        top_k: uint(m, "top_k")?.map(|v| usize::try_from(v).unwrap_or(usize::MAX)),
+        seed: Some(uint(m, "seed")?.unwrap_or(seed_fallback)),
     };
+    let sampling = request.over(d.sampling);
     if let Err(e) = sampling.check() {
         let field = e.split_whitespace().next().unwrap_or("temperature").to_string();
         return Err(ApiError::bad(&field, e));
@@ -354,7 +354,7 @@ pub fn chat(m: &Map<String, Value>) -> Result<Chat, ApiError> {
     if list.is_empty() {
         return Err(ApiError::bad("messages", "`messages` is empty"));
     }
-    let (messages, images) = crate::text::messages::normalize(list).map_err(|e| ApiError::bad(&e.field, e.message))?;
+    let (messages, images) = m3c_front::text::messages::normalize(list).map_err(|e| ApiError::bad(&e.field, e.message))?;
     let tools = match m.get("tools") {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::Array(a)) => {

@@ -131,7 +131,7 @@ impl Engine {
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         let mut cmd = tokio::process::Command::from(cmd);
         cmd.stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).kill_on_drop(true);
-        let mut child = cmd.spawn().map_err(crate::launch::spawn_error)?;
+        let mut child = cmd.spawn().map_err(m3c_front::launch::spawn_error)?;
         let (Some(mut stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
             anyhow::bail!("mpirun started without its pipes");
         };

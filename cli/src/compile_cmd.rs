@@ -1,0 +1,91 @@
+//! `m3c compile`: one executable per stage, a manifest and a launcher.
+
+use crate::flags::storage;
+use crate::flags::CompileArgs;
+use crate::say;
+use anyhow::{bail, Context, Result};
+use m3c_compiler::plan::{self, GpuProfile, Target, Workload};
+use m3c_compiler::source::ModelSource;
+
+pub(crate) fn compile_cmd(args: CompileArgs) -> Result<()> {
+    let plan_model = match &args.plan {
+        Some(p) => plan::plan_model(p)?,
+        None => None,
+    };
+    let model = match (&args.model, plan_model) {
+        (Some(m), _) => m.clone(),
+        (None, Some(m)) => m,
+        (None, None) => bail!("--model is required (a checkpoint folder or config.json), unless the plan names its model"),
+    };
+    let src = ModelSource::open(&model)?;
+    let cfg = &src.config;
+    let want_target = args.target.as_deref().map(|t| if t == "cuda" { Target::Cuda { arch: "sm_90a".into() } } else { Target::Host });
+    let p = match &args.plan {
+        Some(file) => {
+            let p = plan::load_plan(file, Some(cfg))?;
+            p.check_pp(file, args.pp)?;
+            if let Some(t) = &want_target {
+                if std::mem::discriminant(t) != std::mem::discriminant(&p.target) {
+                    bail!(
+                        "--target {}: {} says `target: {}`; change one of them",
+                        args.target.as_deref().unwrap_or(""),
+                        file.display(),
+                        p.target
+                    );
+                }
+            }
+            p
+        }
+        None => {
+            let target = want_target.unwrap_or(Target::Host);
+            let mut gpu = GpuProfile::named("H200").context("built-in H200 profile")?;
+            if target == Target::Host {
+                // Host stages live in host memory: balance time, do not cap by HBM.
+                gpu.memory = f64::INFINITY;
+                gpu.name = "host".into();
+            }
+            plan::make_plan(cfg, args.pp, &gpu, Workload { batch: 1, context: 8192, kv_cache: storage(&args.kv_cache) }, target)?
+        }
+    };
+    let mut emit = Vec::new();
+    for e in &args.emit {
+        emit.push(match e.as_str() {
+            "mlir" => m3c_compiler::compile::Emit::Mlir,
+            "llvm" => m3c_compiler::compile::Emit::Llvm,
+            _ => m3c_compiler::compile::Emit::Ptx,
+        });
+    }
+    if emit.contains(&m3c_compiler::compile::Emit::Ptx) && p.target == Target::Host {
+        bail!("--emit ptx needs the cuda target (--target cuda, or `target: cuda` in the plan)");
+    }
+    m3c_compiler::compile::check_out_path(&args.out, &model)?;
+    m3c_compiler::backend::check_cpu(&args.cpu)?;
+    let runtime_lib = m3c_compiler::compile::find_runtime_lib()?;
+    let t0 = std::time::Instant::now();
+    // GPUs default to bf16 activations (what inference runs in); the host
+    // defaults to f32, the mode that matches the reference exactly.
+    let activations = match (args.activations.as_deref(), &p.target) {
+        (Some(a), _) => storage(a),
+        (None, Target::Host) => m3c_compiler::lower::Storage::F32,
+        (None, Target::Cuda { .. }) => m3c_compiler::lower::Storage::Bf16,
+    };
+    let storages = m3c_compiler::lower::Storages { kv_cache: storage(&args.kv_cache), activations };
+    let req =
+        m3c_compiler::compile::CompileRequest { config: cfg, plan: &p, out: &args.out, emit, cpu: args.cpu.clone(), storages, runtime_lib };
+    let m = m3c_compiler::compile::compile(&req)?;
+    let mut text = String::new();
+    for s in &m.stages {
+        text +=
+            &format!("{}/{}: {} ({} kernels, {} tensors)\n", args.out.display(), s.executable, s.holds, s.kernels.len(), s.tensors.len());
+    }
+    // The hint shows text prompts where the checkpoint can read them.
+    let prompt = if model.is_dir() && model.join("tokenizer.json").is_file() { "--prompt \"Hello\"" } else { "--prompt-ids 1,2,3" };
+    text += &format!(
+        "compiled {} stage(s) for {} in {:.1} s; run: m3c run {} --model DIR {prompt} --max-new-tokens 16\n",
+        m.stages.len(),
+        m.target,
+        t0.elapsed().as_secs_f64(),
+        args.out.display()
+    );
+    say(&text)
+}

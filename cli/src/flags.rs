@@ -1,0 +1,245 @@
+//! The command line's flags (clap), and the parsers of their values.
+
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub(crate) struct PlanArgs {
+    /// The model (folder or config.json). May be omitted with --check when the plan names it.
+    #[arg(long)]
+    pub(crate) model: Option<PathBuf>,
+    /// Validate this plan and print its per-stage table.
+    #[arg(long, value_name = "PLAN.yaml", conflicts_with = "out")]
+    pub(crate) check: Option<PathBuf>,
+    /// Number of pipeline stages.
+    #[arg(long)]
+    pub(crate) pp: Option<usize>,
+    /// Sequences decoded together (the cost model's batch).
+    #[arg(long, default_value_t = 1)]
+    pub(crate) batch: usize,
+    /// Context length the KV caches must hold per sequence.
+    #[arg(long, default_value_t = 8192)]
+    pub(crate) context: usize,
+    /// How the compiled stages will store K and V (as `m3c compile --kv-cache`).
+    #[arg(long = "kv-cache", value_parser = ["f32", "bf16"], default_value = "f32")]
+    pub(crate) kv_cache: String,
+    /// GPU profile (H200, H100, H20, B200, A100, L40S).
+    #[arg(long, default_value = "H200")]
+    pub(crate) gpu: String,
+    /// GPU memory in GB (overrides the profile's).
+    #[arg(long, value_name = "GB")]
+    pub(crate) gpu_mem: Option<f64>,
+    /// Target the plan compiles for.
+    #[arg(long, default_value = "host", value_parser = ["host", "cuda"])]
+    pub(crate) target: String,
+    /// CUDA architecture for --target cuda.
+    #[arg(long, default_value = "sm_90a")]
+    pub(crate) arch: String,
+    /// Write the plan here instead of standard output.
+    #[arg(short = 'o', long = "out", value_name = "PLAN.yaml")]
+    pub(crate) out: Option<PathBuf>,
+}
+
+#[derive(clap::Args)]
+pub(crate) struct CompileArgs {
+    /// A partition plan; without one, the planner's balanced plan for --pp stages.
+    pub(crate) plan: Option<PathBuf>,
+    /// The model: a checkpoint folder or its config.json (weights are not read). May be omitted when the plan names it.
+    #[arg(long)]
+    pub(crate) model: Option<PathBuf>,
+    /// Number of pipeline stages (must equal the plan's).
+    #[arg(long)]
+    pub(crate) pp: usize,
+    /// Target to compile for (default: the plan's, else host).
+    #[arg(long, value_parser = ["host", "cuda"])]
+    pub(crate) target: Option<String>,
+    /// Output folder; an earlier m3c output there is replaced, anything else is refused.
+    #[arg(short = 'o', long = "out", default_value = "out")]
+    pub(crate) out: PathBuf,
+    /// Also write intermediate code per stage: `mlir` (fused steps + MLIR), `llvm` (LLVM dialect + LLVM IR), `ptx` (CUDA).
+    #[arg(long, value_parser = ["mlir", "llvm", "ptx"], action = clap::ArgAction::Append)]
+    pub(crate) emit: Vec<String>,
+    /// LLVM CPU for host code (`x86-64` runs anywhere; `x86-64-v3` needs AVX2).
+    #[arg(long, default_value = "x86-64-v3")]
+    pub(crate) cpu: String,
+    /// How KV and MSA index-key caches store elements: `f32` (exact), or `bf16` (half the memory and attention reads; values rounded to nearest even).
+    #[arg(long = "kv-cache", value_parser = ["f32", "bf16"], default_value = "f32")]
+    pub(crate) kv_cache: String,
+    /// How activations between kernels and stages are stored: `f32` (exact; the host default) or `bf16` (the cuda default: half the activation memory and bytes sent between stages; every kernel still computes and accumulates in f32).
+    #[arg(long, value_parser = ["f32", "bf16"])]
+    pub(crate) activations: Option<String>,
+}
+
+#[derive(clap::Args)]
+pub(crate) struct RunArgs {
+    /// A folder written by `m3c compile`.
+    pub(crate) out: PathBuf,
+    /// The checkpoint folder (config.json + safetensors) the stages were compiled for.
+    #[arg(long)]
+    pub(crate) model: PathBuf,
+    /// A prompt as token ids, `1,2,3`; repeat for several prompts (they run as concurrent micro-batches).
+    #[arg(
+        long = "prompt-ids",
+        value_name = "IDS",
+        required_unless_present_any = ["prompts", "prompt", "chat"],
+        conflicts_with_all = ["prompts", "prompt", "chat"]
+    )]
+    pub(crate) prompt_ids: Vec<String>,
+    /// A file with one prompt per line: token ids separated by commas, or JSON lines ({"prompt": TEXT} or {"messages": [...]}, with optional sampling fields).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["prompt", "chat"])]
+    pub(crate) prompts: Option<PathBuf>,
+    /// A prompt as text, completed as it is (the checkpoint's tokenizer.json); repeat for several. The continuation streams to stdout.
+    #[arg(long, value_name = "TEXT")]
+    pub(crate) prompt: Vec<String>,
+    /// One user turn through the checkpoint's chat template, with the generation prompt; repeat for several conversations.
+    #[arg(long, value_name = "TEXT")]
+    pub(crate) chat: Vec<String>,
+    /// An image for the prompt (PNG, JPEG, WebP or GIF; repeatable, in order). With --chat, the user turn holds the images first, then the text; with --prompt-ids, the ids already hold one placeholder run per image.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) image: Vec<PathBuf>,
+    /// A system message before each --chat turn.
+    #[arg(long, value_name = "TEXT", requires = "chat")]
+    pub(crate) system: Option<String>,
+    /// The template's thinking mode for --chat (default: the template's own, adaptive for MiniMax-M3).
+    #[arg(long, value_parser = ["enabled", "disabled", "adaptive"], requires = "chat")]
+    pub(crate) thinking: Option<String>,
+    /// Tokens to generate per prompt, at most (a sequence also ends on an EOS id).
+    #[arg(long, value_parser = count)]
+    pub(crate) max_new_tokens: usize,
+    /// Sampling temperature; 0 = greedy. Default: the checkpoint's generation_config.json, else 0.
+    #[arg(long, value_parser = number)]
+    pub(crate) temperature: Option<f32>,
+    /// Sample among the K most likely tokens only (0 = all). Default: generation_config.json's, else 0.
+    #[arg(long, value_name = "K", value_parser = count)]
+    pub(crate) top_k: Option<usize>,
+    /// Sample among the most likely tokens that together reach probability P (1 = all). Default: generation_config.json's, else 1.
+    #[arg(long, value_name = "P", value_parser = number)]
+    pub(crate) top_p: Option<f32>,
+    /// Drop tokens less likely than P times the most likely one (0 = none). Default: generation_config.json's, else 0.
+    #[arg(long, value_name = "P", value_parser = number)]
+    pub(crate) min_p: Option<f32>,
+    /// Above 1, tokens already in the sequence become less likely (Hugging Face's rule). Default: generation_config.json's, else 1.
+    #[arg(long, value_name = "R", value_parser = number)]
+    pub(crate) repetition_penalty: Option<f32>,
+    /// Seed of the draws: with it, a prompt's tokens are the same at any pp, batch or thread count.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) seed: u64,
+    /// End a sequence once its text holds STR (repeatable; it may span tokens). The stop string is not printed.
+    #[arg(long, value_name = "STR", value_parser = stop_string)]
+    pub(crate) stop: Vec<String>,
+    /// Do not end a sequence on an EOS id (generation_config.json's eos_token_id, else config.json's).
+    #[arg(long)]
+    pub(crate) ignore_eos: bool,
+    /// Write prompt_ids, prefill_logits, generated_ids and decode_logits here (several prompts: FILE.p0.safetensors, ...).
+    #[arg(long, value_name = "FILE.safetensors")]
+    pub(crate) dump: Option<PathBuf>,
+    /// Sequences per micro-batch (default: the prompts shared evenly over the stages).
+    #[arg(long, value_name = "SEQS", value_parser = positive_count)]
+    pub(crate) micro_batch: Option<usize>,
+    /// Prefill long prompts in chunks of this many tokens, so they pipeline through the stages.
+    #[arg(long, value_name = "TOKENS", value_parser = positive_count)]
+    pub(crate) prefill_chunk: Option<usize>,
+    /// Compare the first prompt's logits and ids with a golden file (the fixtures' tensor names); fail if they differ.
+    #[arg(long, value_name = "GOLDEN.safetensors")]
+    pub(crate) expect: Option<PathBuf>,
+    /// Seconds without a sign of life (a heartbeat) from a neighbour before a stage gives up on it; a stage that computes counts as alive.
+    #[arg(long, default_value_t = 30.0, value_parser = timeout_s)]
+    pub(crate) timeout_s: f64,
+    /// CUDA stages: capture each decode micro-batch's step once as a CUDA graph and replay it (`off`: launch every kernel each step).
+    #[arg(long, value_parser = ["on", "off"], default_value = "on")]
+    pub(crate) cuda_graphs: String,
+    /// CUDA stages: run prefill linears with bf16 weights as cuBLAS tensor-core GEMMs (activations rounded to bf16 for them; `M3C_GEMM_MIN_ROWS`, default 32, sets the smallest step), or `off`: m3c's GEMV kernel, exact f32.
+    #[arg(long, value_parser = ["cublas", "off"], default_value = "off")]
+    pub(crate) prefill_gemm: String,
+}
+
+#[derive(clap::Args)]
+pub(crate) struct ServeArgs {
+    /// A folder written by `m3c compile`.
+    pub(crate) out: PathBuf,
+    /// The checkpoint folder (config.json, safetensors, tokenizer.json) the stages were compiled for.
+    #[arg(long)]
+    pub(crate) model: PathBuf,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub(crate) host: String,
+    #[arg(long, default_value_t = 8000)]
+    pub(crate) port: u16,
+    /// The model name clients use (default: the checkpoint folder's name).
+    #[arg(long)]
+    pub(crate) served_model_name: Option<String>,
+    /// Require `Authorization: Bearer KEY` on the /v1 routes (default: $M3C_API_KEY, else none).
+    #[arg(long)]
+    pub(crate) api_key: Option<String>,
+    /// Sequences running at once (more wait).
+    #[arg(long, default_value_t = 64, value_parser = positive_count)]
+    pub(crate) max_batch: usize,
+    /// Cache memory per stage for the running sequences, in GB; a request reserves its prompt plus max_tokens.
+    #[arg(long, value_name = "GB", default_value_t = 8.0, value_parser = number)]
+    pub(crate) kv_budget: f32,
+    /// Requests that may wait for a slot; past that a request gets 503.
+    #[arg(long, default_value_t = 256, value_parser = count)]
+    pub(crate) max_queue: usize,
+    /// Prefill long prompts in chunks of this many tokens, alongside the running decodes.
+    #[arg(long, value_name = "TOKENS", default_value_t = 256, value_parser = positive_count)]
+    pub(crate) prefill_chunk: usize,
+    /// `max_tokens` of a chat request that sets none (capped by the context); a request reserves cache for all of it.
+    #[arg(long, value_name = "TOKENS", default_value_t = 4096, value_parser = positive_count)]
+    pub(crate) default_max_tokens: usize,
+    /// Seconds without a heartbeat before a stage is declared lost.
+    #[arg(long, default_value_t = 30.0, value_parser = timeout_s)]
+    pub(crate) timeout_s: f64,
+    /// Seconds in-flight requests get to finish after SIGTERM or SIGINT.
+    #[arg(long, default_value_t = 30.0, value_parser = timeout_s)]
+    pub(crate) grace_s: f64,
+    /// CUDA stages: replay decode steps as CUDA graphs.
+    #[arg(long, value_parser = ["on", "off"], default_value = "on")]
+    pub(crate) cuda_graphs: String,
+    /// CUDA stages: prefill linears on cuBLAS tensor cores (`cublas`) or m3c's GEMV (`off`).
+    #[arg(long, value_parser = ["cublas", "off"], default_value = "off")]
+    pub(crate) prefill_gemm: String,
+    /// Chat images given as file:// URLs are read only from inside this folder (without it, file:// URLs are refused).
+    #[arg(long, value_name = "DIR")]
+    pub(crate) allowed_local_media_path: Option<PathBuf>,
+    /// Seconds an http(s) image fetch may take in all.
+    #[arg(long, default_value_t = 10.0, value_parser = timeout_s)]
+    pub(crate) media_timeout_s: f64,
+    /// The largest image a request may bring, in MB (data:, http(s) or file).
+    #[arg(long, default_value_t = 20, value_parser = positive_count)]
+    pub(crate) max_image_mb: usize,
+    /// The most images one request may carry.
+    #[arg(long, default_value_t = 8, value_parser = positive_count)]
+    pub(crate) max_images_per_request: usize,
+}
+
+pub(crate) fn count(v: &str) -> Result<usize, String> {
+    m3c_contract::prompts::parse_count(v, "count", false).map_err(|_| format!("`{v}` is not a count (0 to {})", usize::MAX))
+}
+
+pub(crate) fn positive_count(v: &str) -> Result<usize, String> {
+    m3c_contract::prompts::parse_count(v, "count", true).map_err(|_| format!("`{v}` is not a positive count"))
+}
+
+pub(crate) fn stop_string(v: &str) -> Result<String, String> {
+    match v.len() {
+        0 => Err("a stop string cannot be empty".into()),
+        1..=1024 => Ok(v.to_string()),
+        n => Err(format!("a stop string of {n} bytes; at most 1024")),
+    }
+}
+
+pub(crate) fn number(v: &str) -> Result<f32, String> {
+    m3c_contract::prompts::parse_number(v, "value").map_err(|_| format!("`{v}` is not a number"))
+}
+
+pub(crate) fn timeout_s(v: &str) -> Result<f64, String> {
+    m3c_contract::prompts::parse_timeout_s(v)
+}
+
+/// `--kv-cache` or `--activations` (clap has checked it is `f32` or `bf16`).
+pub(crate) fn storage(name: &str) -> m3c_compiler::lower::Storage {
+    if name == "bf16" {
+        m3c_compiler::lower::Storage::Bf16
+    } else {
+        m3c_compiler::lower::Storage::F32
+    }
+}

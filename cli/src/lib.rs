@@ -1,0 +1,190 @@
+//! The `m3c` command line. Library code returns typed errors; this is the
+//! edge where they get context and become a message and an exit code.
+//! `src/main.rs` only calls [`main`], so that tests can build the same CLI.
+
+mod compile_cmd;
+mod flags;
+mod plan_cmd;
+mod run_cmd;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use flags::{CompileArgs, PlanArgs, RunArgs, ServeArgs};
+use m3c_compiler::source::ModelSource;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "m3c", bin_name = "m3c", version, about = "Compile MiniMax-M3 into pipeline-parallel executables")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Show what a model holds: layers by kind, parameters, bytes by dtype, per-layer weights.
+    Inspect {
+        /// A checkpoint folder (config.json + safetensors) or a config.json.
+        model: PathBuf,
+        /// Print the model graph in its stable text form instead.
+        #[arg(long)]
+        graph: bool,
+        /// Also read every weight and report each tensor holding NaN or Inf (exit 1 if any).
+        #[arg(long, conflicts_with = "graph")]
+        check_values: bool,
+    },
+    /// Write a balanced partition plan, or check one (`--check PLAN.yaml`).
+    Plan(PlanArgs),
+    /// Compile the model into one executable per pipeline stage (OUT/stage-K), a manifest and a launcher.
+    Compile(CompileArgs),
+    /// Run a compiled OUT folder under mpirun: one rank per stage, greedy decoding.
+    Run(Box<RunArgs>),
+    /// Serve a compiled OUT folder over HTTP with OpenAI's API (completions, chat), batching requests continuously.
+    Serve(Box<ServeArgs>),
+    /// Write a random tiny MiniMax-M3 checkpoint (hub layout) into a new folder.
+    InitTiny {
+        /// The folder to create.
+        out: PathBuf,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        #[arg(long, default_value_t = 8)]
+        layers: usize,
+        /// Hidden size (a multiple of 128); heads are 32 wide.
+        #[arg(long, default_value_t = 128)]
+        hidden: usize,
+        /// Store every text-layer linear in MXFP8 like MiniMax-M3-MXFP8.
+        #[arg(long)]
+        mxfp8: bool,
+        /// The vision tower's hidden size (MiniMax-M3: 1280).
+        #[arg(long, default_value_t = 64)]
+        vision_hidden: usize,
+        /// Its attention heads (MiniMax-M3: 16).
+        #[arg(long, default_value_t = 4)]
+        vision_heads: usize,
+        /// Its MLP width (MiniMax-M3: 5120).
+        #[arg(long, default_value_t = 128)]
+        vision_mlp: usize,
+        /// Its layers (MiniMax-M3: 32).
+        #[arg(long, default_value_t = 2)]
+        vision_layers: usize,
+        /// The projector and patch merger's hidden width (MiniMax-M3: 6144).
+        #[arg(long, default_value_t = 96)]
+        projector_hidden: usize,
+    },
+}
+
+/// Writes to standard output. A closed pipe ends the process quietly by
+/// SIGPIPE, as `cat` does (see [`main`]); any other failure, such as a full
+/// disk, is an error.
+pub fn say(text: &str) -> Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes()).and_then(|()| out.flush()).context("cannot write to standard output")
+}
+
+/// Parses the process arguments, runs the command, and turns errors into a message and exit code 1.
+pub fn main() -> ExitCode {
+    // Rust ignores SIGPIPE; restore the default so that `m3c ... | head`
+    // ends like other command-line tools instead of failing a write.
+    // SAFETY: setting a signal disposition before any thread is started.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    m3c_signals::install();
+    m3c_compiler::backend::install_llvm_fatal_handler();
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Inspect { model, graph, check_values } => inspect(&model, graph, check_values),
+        Command::Plan(args) => plan_cmd::plan_cmd(args),
+        Command::Compile(args) => compile_cmd::compile_cmd(args),
+        Command::Run(args) => run_cmd::run_cmd(*args),
+        Command::Serve(a) => {
+            if !(a.kv_budget > 0.0 && a.kv_budget <= 1e6) {
+                bail!("--kv-budget {}: expected a positive number of GB (at most 1e6)", a.kv_budget);
+            }
+            m3c_serve::run(m3c_serve::Options {
+                out: a.out,
+                model: a.model,
+                host: a.host,
+                port: a.port,
+                served_model_name: a.served_model_name,
+                api_key: a.api_key.or_else(|| std::env::var("M3C_API_KEY").ok().filter(|k| !k.is_empty())),
+                max_batch: a.max_batch,
+                kv_budget_bytes: (a.kv_budget as f64 * 1e9) as u64,
+                max_queue: a.max_queue,
+                prefill_chunk: a.prefill_chunk,
+                default_max_tokens: a.default_max_tokens,
+                timeout_s: a.timeout_s,
+                grace_s: a.grace_s,
+                cuda_graphs: a.cuda_graphs,
+                prefill_gemm: a.prefill_gemm,
+                allowed_local_media_path: a.allowed_local_media_path,
+                media_timeout_s: a.media_timeout_s,
+                max_image_bytes: a.max_image_mb as u64 * (1 << 20),
+                max_images_per_request: a.max_images_per_request,
+            })
+        }
+        Command::InitTiny {
+            out,
+            seed,
+            layers,
+            hidden,
+            mxfp8,
+            vision_hidden,
+            vision_heads,
+            vision_mlp,
+            vision_layers,
+            projector_hidden,
+        } => {
+            let vision = m3c_compiler::tiny::TinyVision {
+                hidden: vision_hidden,
+                heads: vision_heads,
+                intermediate: vision_mlp,
+                layers: vision_layers,
+                projector: projector_hidden,
+            };
+            let spec = m3c_compiler::tiny::TinySpec { seed, layers, hidden, mxfp8, vision };
+            m3c_compiler::tiny::init_tiny(&out, &spec)?;
+            say(&format!(
+                "wrote {} ({} layers, hidden {}, {}, seed {seed})\n",
+                out.display(),
+                layers,
+                hidden,
+                if mxfp8 { "MXFP8" } else { "bf16" }
+            ))?;
+            Ok(())
+        }
+    }
+}
+
+fn inspect(model: &Path, graph: bool, check_values: bool) -> Result<()> {
+    let src = ModelSource::open(model)?;
+    if graph {
+        return say(&m3c_compiler::graph::build_graph(&src.config).text());
+    }
+    let ck = src.checkpoint()?;
+    let report = m3c_compiler::inspect::report(&src.config, ck.as_ref())?;
+    say(&report)?;
+    if check_values {
+        let Some(ck) = &ck else { bail!("--check-values: {} has no weights to check", model.display()) };
+        let bad = m3c_compiler::inspect::check_values(ck);
+        if bad.is_empty() {
+            return say(&format!("values      all {} tensors finite\n", ck.tensors.len()));
+        }
+        let lines: Vec<String> = bad
+            .iter()
+            .map(|b| format!("  {} in {}: {} NaN, {} Inf (first at element {})", b.tensor, b.file.display(), b.nan, b.inf, b.first))
+            .collect();
+        bail!("{} tensor(s) hold non-finite values:\n{}", bad.len(), lines.join("\n"));
+    }
+    Ok(())
+}

@@ -1,0 +1,95 @@
+//! `m3c plan`: write a balanced partition plan, or check one.
+
+use crate::flags::storage;
+use crate::flags::PlanArgs;
+use crate::say;
+use anyhow::{bail, Context, Result};
+use m3c_compiler::plan::{self, GpuProfile, Target, Workload};
+use m3c_compiler::source::ModelSource;
+use std::path::{Path, PathBuf};
+
+fn gpu_profile(args: &PlanArgs) -> Result<GpuProfile> {
+    let mut gpu = GpuProfile::named(&args.gpu)
+        .with_context(|| format!("--gpu {}: unknown GPU; known: {}", args.gpu, GpuProfile::known_names().join(", ")))?;
+    if let Some(gb) = args.gpu_mem {
+        if !(gb.is_finite() && gb > 0.0) {
+            bail!("--gpu-mem {gb}: expected a positive number of GB");
+        }
+        gpu.memory = gb * 1e9;
+        gpu.name = format!("{} with {gb} GB", gpu.name);
+    }
+    Ok(gpu)
+}
+
+pub(crate) fn plan_cmd(args: PlanArgs) -> Result<()> {
+    let gpu = gpu_profile(&args)?;
+    if args.batch == 0 || args.context == 0 {
+        bail!("--batch and --context must be at least 1");
+    }
+    let w = Workload { batch: args.batch, context: args.context, kv_cache: storage(&args.kv_cache) };
+    if let Some(file) = &args.check {
+        let model = match (&args.model, plan::plan_model(file)?) {
+            (Some(m), _) => m.clone(),
+            (None, Some(m)) => m,
+            (None, None) => bail!("{}: the plan names no `model:`; pass --model", file.display()),
+        };
+        let src = ModelSource::open(&model)?;
+        let p = plan::load_plan(file, Some(&src.config))?;
+        if let Some(pp) = args.pp {
+            p.check_pp(file, pp)?;
+        }
+        say(&format!("{}: valid plan, {} stages, target {}\n", file.display(), p.stages.len(), p.target))?;
+        return say(&plan::table(&src.config, &p, &gpu, w));
+    }
+    let model = args.model.as_ref().context("--model is required (a checkpoint folder or config.json)")?;
+    let pp = args.pp.context("--pp N is required to make a plan (or --check PLAN.yaml to check one)")?;
+    let src = ModelSource::open(model)?;
+    if args.target == "cuda" && !plan::valid_arch(&args.arch) {
+        bail!("--arch {:?}: expected a CUDA architecture like sm_90a", args.arch);
+    }
+    let target = if args.target == "cuda" { Target::Cuda { arch: args.arch.clone() } } else { Target::Host };
+    let p = plan::make_plan(&src.config, pp, &gpu, w, target)?;
+    let table = plan::table(&src.config, &p, &gpu, w);
+    let header = format!(
+        "m3c partition plan for {}, made by `m3c plan --pp {pp} --batch {} --context {} --kv-cache {} --gpu {}`",
+        model.display(),
+        args.batch,
+        args.context,
+        args.kv_cache,
+        args.gpu
+    );
+    match &args.out {
+        Some(out) => {
+            let model_ref = relative_to(model, out.parent().unwrap_or(Path::new(".")));
+            let yaml = plan::plan_yaml(&p, Some(&model_ref), &header, &table);
+            // Round-trip: what we write must validate.
+            plan::parse_plan(out, &yaml, Some(&src.config)).context("internal: the written plan does not validate")?;
+            m3c_compiler::fsutil::write_file_atomically(out, yaml.as_bytes())?;
+            say(&format!("{table}wrote {}\n", out.display()))?;
+        }
+        None => {
+            let yaml = plan::plan_yaml(&p, Some(&model.display().to_string()), &header, &table);
+            plan::parse_plan(Path::new("<stdout>"), &yaml, Some(&src.config)).context("internal: the printed plan does not validate")?;
+            say(&yaml)?;
+        }
+    }
+    Ok(())
+}
+
+/// `target` written relative to `base` (both made absolute first), so a plan
+/// names its model relative to the plan file's folder.
+fn relative_to(target: &Path, base: &Path) -> String {
+    let abs = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+    let (t, b) = (abs(target), abs(if base.as_os_str().is_empty() { Path::new(".") } else { base }));
+    let tc: Vec<_> = t.components().collect();
+    let bc: Vec<_> = b.components().collect();
+    let common = tc.iter().zip(&bc).take_while(|(a, b)| a == b).count();
+    let mut r = PathBuf::new();
+    for _ in common..bc.len() {
+        r.push("..");
+    }
+    for c in &tc[common..] {
+        r.push(c);
+    }
+    r.display().to_string()
+}

@@ -1,0 +1,221 @@
+//! `m3c run`: a compiled OUT folder under mpirun, prompts in, tokens or
+//! text out.
+
+use crate::flags::RunArgs;
+use anyhow::{bail, Context, Result};
+use m3c_contract::stage_args::StageArgs;
+use std::path::PathBuf;
+
+/// The images file's name in its private folder.
+const IMAGES_FILE: &str = "images.safetensors";
+
+/// Images (`--image`, or a `--prompts` JSONL chat's image parts):
+/// processed, each one's placeholder run put into the prompt it goes with
+/// (a chat's are expanded here; a --prompt-ids prompt must hold them
+/// already), each prompt checked against the context, and the images file
+/// written into a private folder that lives as long as the returned handle.
+fn image_prompt(
+    args: &RunArgs,
+    text_in: Option<&mut m3c_front::text::front::Encoded>,
+    manifest: &m3c_contract::manifest::Manifest,
+) -> Result<Option<tempfile::TempDir>> {
+    use m3c_front::vision::prompt::{self, ImageTokens, PromptImageError};
+    let from_lines = text_in.as_ref().is_some_and(|t| t.images.iter().any(|i| !i.is_empty()));
+    if args.image.is_empty() && !from_lines {
+        return Ok(None);
+    }
+    if !manifest.encodes_images() {
+        bail!(
+            "{} was compiled without the vision tower (its plan says `vision: false`); compile with it to run image prompts",
+            args.out.display()
+        );
+    }
+    let image_token = manifest.image_token.ok_or(PromptImageError::NoVision)?;
+    // Which prompt gets which image files.
+    let per_seq: Vec<(usize, Vec<PathBuf>)> = if args.image.is_empty() {
+        text_in.as_ref().map_or(Vec::new(), |t| t.images.iter().cloned().enumerate().filter(|(_, f)| !f.is_empty()).collect())
+    } else {
+        let prompts = args.prompt_ids.len() + args.prompt.len() + args.chat.len() + usize::from(args.prompts.is_some());
+        if prompts != 1 || !args.prompt.is_empty() || args.prompts.is_some() {
+            bail!(
+                "--image goes with exactly one --chat or one --prompt-ids (this run has {prompts} prompt source(s)); a --prompts JSONL chat takes image parts per line"
+            );
+        }
+        vec![(0, args.image.clone())]
+    };
+    let ctx = manifest.max_positions;
+    let mut text_in = text_in;
+    let mut seqs = std::collections::BTreeMap::new();
+    for (seq, files) in per_seq {
+        let processed = prompt::load(&files)?;
+        let tokens: Vec<usize> = processed.iter().map(|p| p.tokens()).collect();
+        let names: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
+        let len = match text_in.as_deref_mut() {
+            Some(enc) => {
+                let t = ImageTokens::new(&enc.tokenizer, image_token)?;
+                enc.ids[seq] = t.expand(&enc.ids[seq], &tokens).with_context(|| format!("prompt {seq}"))?;
+                enc.ids[seq].len()
+            }
+            None => {
+                let ids = m3c_contract::prompts::parse_ids(&args.prompt_ids[seq], "--prompt-ids").map_err(|e| anyhow::anyhow!(e))?;
+                let t = ImageTokens { start: 0, image: image_token as u32, end: 0 };
+                t.check_runs(&ids, &tokens, &names)?;
+                ids.len()
+            }
+        };
+        if len + args.max_new_tokens > ctx {
+            bail!(
+                "prompt {seq} is {len} tokens ({} of them for the image(s): {}) and --max-new-tokens {}: more than the model's context of {ctx} positions",
+                tokens.iter().sum::<usize>(),
+                names.iter().zip(&tokens).map(|(n, t)| format!("{n} takes {t}")).collect::<Vec<_>>().join(", "),
+                args.max_new_tokens
+            );
+        }
+        seqs.insert(seq, prompt::seq_images(&processed));
+    }
+    let dir = tempfile::Builder::new().prefix("m3c-images-").tempdir().context("a folder for the images file")?;
+    prompt::write_images_file(&dir.path().join(IMAGES_FILE), &seqs).context("writing the images file")?;
+    Ok(Some(dir))
+}
+
+pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
+    let compiled = m3c_front::launch::Compiled::open(&args.out, &args.model)?;
+    if let Some(d) = &args.dump {
+        m3c_compiler::fsutil::check_replaceable_file(d).context("--dump")?;
+    }
+    // Text prompts become ids here; the stages only see ids.
+    // A --prompts file of JSON lines is text too; one of ids goes to the stages as it is.
+    let jsonl = match &args.prompts {
+        Some(f) => {
+            let text = m3c_contract::read_user_file(f, "--prompts", m3c_contract::input::limits::PROMPTS)?;
+            m3c_front::text::front::is_jsonl(&text).then(|| (f.clone(), text))
+        }
+        None => None,
+    };
+    let text_in = if args.prompt.is_empty() && args.chat.is_empty() && jsonl.is_none() {
+        None
+    } else {
+        let thinking = args.thinking.as_deref().map(|t| match t {
+            "enabled" => m3c_front::text::ThinkingMode::Enabled,
+            "disabled" => m3c_front::text::ThinkingMode::Disabled,
+            _ => m3c_front::text::ThinkingMode::Adaptive,
+        });
+        let req = m3c_front::text::front::TextRequest {
+            prompts: &args.prompt,
+            chats: &args.chat,
+            system: args.system.as_deref(),
+            thinking,
+            chat_images: args.image.len(),
+        };
+        let mut enc = m3c_front::text::front::encode(&args.model, &req)?;
+        if let Some((file, text)) = &jsonl {
+            m3c_front::text::front::encode_jsonl(&args.model, file, text, &mut enc)?;
+            if enc.ids.is_empty() {
+                bail!("--prompts {}: no prompts in it", file.display());
+            }
+        }
+        if let Some(i) = enc.ids.iter().position(|p| p.is_empty()) {
+            bail!("prompt {i} is empty: it has no tokens to continue from");
+        }
+        Some(enc)
+    };
+    // Images: processed here, expanded into (or checked against) the one
+    // prompt they belong to, and handed to the stage that encodes them.
+    let mut text_in = text_in;
+    let images_dir = image_prompt(&args, text_in.as_mut(), &compiled.manifest)?;
+    // Sampling: the flags, else the checkpoint's defaults, else greedy.
+    let defaults = m3c_front::text::generation::GenerationDefaults::from_dir(&args.model)?;
+    let flags = m3c_contract::sampling::SamplingOverrides {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        repetition_penalty: args.repetition_penalty,
+        seed: Some(args.seed),
+    };
+    let sampling = flags.or(defaults.sampling).over(m3c_contract::sampling::SamplingParams::GREEDY);
+    sampling.check().map_err(|e| anyhow::anyhow!("{e} (from the flags or {}/generation_config.json)", args.model.display()))?;
+    let eos: &[i64] = if args.ignore_eos { &[] } else { &defaults.eos_ids };
+    eprintln!(
+        "m3c: {}; {}{}",
+        if sampling.temperature == 0.0 {
+            format!("greedy (repetition penalty {})", sampling.repetition_penalty)
+        } else {
+            format!(
+                "sampling at temperature {}, top-k {}, top-p {}, min-p {}, repetition penalty {}, seed {}",
+                sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.repetition_penalty, sampling.seed
+            )
+        },
+        if eos.is_empty() { "no EOS stop".to_string() } else { format!("stops on EOS id(s) {eos:?}") },
+        if defaults.sources.is_empty() { String::new() } else { format!(" (defaults from {})", defaults.sources.join(", ")) }
+    );
+    // The stage command line: every stage gets the same arguments.
+    let mut stage = StageArgs::new(args.model.clone());
+    stage.prompts = args
+        .prompt_ids
+        .iter()
+        .map(|p| m3c_contract::prompts::parse_ids(p, "--prompt-ids").map_err(|e| anyhow::anyhow!(e)))
+        .collect::<Result<Vec<_>>>()?;
+    stage.prompts.extend(text_in.iter().flat_map(|t| &t.ids).map(|p| p.iter().map(|&i| i64::from(i)).collect::<Vec<_>>()));
+    // A prompts file of ids goes to the stages as it is.
+    stage.prompts_file = args.prompts.clone().filter(|_| jsonl.is_none());
+    stage.images = images_dir.as_ref().map(|d| d.path().join(IMAGES_FILE));
+    stage.max_new_tokens = args.max_new_tokens;
+    stage.dump = args.dump.clone();
+    stage.expect = args.expect.clone();
+    stage.prefill_chunk = args.prefill_chunk;
+    stage.micro_batch = args.micro_batch;
+    stage.timeout_s = args.timeout_s;
+    stage.cuda_graphs = args.cuda_graphs == "on";
+    stage.prefill_gemm_cublas = args.prefill_gemm == "cublas";
+    stage.sampling = sampling;
+    stage.eos_ids = eos.to_vec();
+    stage.stops = args.stop.iter().map(|s| s.as_bytes().to_vec()).collect();
+    stage.stream_ids = text_in.is_some();
+    // A JSONL line's own sampling fields, over the run's.
+    for (seq, o) in text_in.iter().flat_map(|t| t.overrides.iter().enumerate()) {
+        if o.is_empty() {
+            continue;
+        }
+        let p = o.over(sampling);
+        p.check().map_err(|e| anyhow::anyhow!("--prompts: prompt {seq}: {e}"))?;
+        stage.seq_sampling.push((seq, p));
+    }
+    let pass = stage.to_args();
+    let mut cmd = compiled.mpirun(&pass)?;
+    if text_in.is_some() {
+        cmd.stdout(std::process::Stdio::piped());
+    }
+    let mut child = cmd.spawn().map_err(m3c_front::launch::spawn_error)?;
+    // SIGINT/SIGTERM to m3c are passed on to mpirun, which ends the job.
+    let forwarding = m3c_signals::ChildRegistration::new(child.id());
+    let streamed = match (&text_in, child.stdout.take()) {
+        (Some(enc), Some(pipe)) => {
+            let done = m3c_front::text::front::stream(std::io::BufReader::new(pipe), enc, &args.stop, std::io::stdout().lock());
+            if done.is_err() {
+                // Nobody reads the pipe any more: end the job rather than
+                // leave a stage blocked on a write.
+                let _ = child.kill();
+            }
+            Some(done)
+        }
+        _ => None,
+    };
+    let status = child.wait().context("waiting for mpirun")?;
+    if let Some(sig) = forwarding.received() {
+        bail!("interrupted (signal {sig}): the pipeline was stopped");
+    }
+    drop(forwarding);
+    if !status.success() {
+        bail!(
+            "the pipeline failed (mpirun exit status {}); the failing stage's message is above",
+            status.code().map_or("signal".into(), |c| c.to_string())
+        );
+    }
+    if let Some(done) = streamed {
+        for (i, f) in done.context("streaming the generated text")?.iter().enumerate() {
+            eprintln!("prompt {i}: {} prompt tokens, {} generated, finish: {}", f.prompt_tokens, f.generated.len(), f.reason);
+        }
+    }
+    Ok(())
+}

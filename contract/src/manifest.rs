@@ -1,0 +1,200 @@
+//! `OUT/manifest.json`: what `m3c compile` made, from what, with content
+//! hashes. The compiler writes it; `m3c run` and `m3c serve` read it back
+//! with the same type before they start a stage.
+
+use crate::stage::{Boundary, CacheSlot};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// The `format` of the manifests this version writes and reads.
+pub const FORMAT: &str = "m3c-out/2";
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: String,
+    pub compiler: String,
+    /// `host`, or `cuda ARCH` (the stage metadata's target).
+    pub target: String,
+    pub cpu: String,
+    /// How the KV and index-key caches store elements (`f32` or `bf16`).
+    pub kv_cache: String,
+    /// How activations between kernels and stages are stored (`f32` or `bf16`).
+    pub activations: String,
+    /// Hash of every compile input; every stage embeds it and checks its peers.
+    pub compile_id: String,
+    /// The config's file name (not its path, so OUT does not depend on where it was built).
+    pub config_file: String,
+    pub config_sha256: String,
+    pub plan_sha256: String,
+    pub runtime_sha256: String,
+    pub launcher: String,
+    /// The model's context: its config's `max_position_embeddings`.
+    pub max_positions: usize,
+    /// The image placeholder id, when the model has a vision tower.
+    pub image_token: Option<usize>,
+    pub stages: Vec<StageEntry>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageEntry {
+    pub stage: usize,
+    pub executable: String,
+    pub sha256: String,
+    pub holds: String,
+    /// The MPI host the plan puts this stage on (`mpirun --host`), if any.
+    pub host: Option<String>,
+    /// First and last layer, if the stage has layers.
+    pub layers: Option<[usize; 2]>,
+    pub input: Boundary,
+    pub output: Boundary,
+    pub tensors: Vec<String>,
+    pub caches: Vec<CacheSlot>,
+    /// Whether the stage encodes images (holds the vision tower).
+    pub vision: bool,
+    pub kernels: Vec<String>,
+    /// CUDA stages: what the executable embeds, `cubin ARCH` (assembled by
+    /// ptxas at compile time) or `ptx ARCH` (no ptxas: JIT at start-up).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_code: Option<String>,
+}
+
+/// Why a manifest cannot be used; the caller names the file.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ManifestError {
+    #[error("not an m3c manifest ({0})")]
+    Unreadable(String),
+    #[error("format {found:?} is not the one this m3c reads ({FORMAT}); recompile with this m3c")]
+    Format { found: String },
+    #[error("it lists no stages")]
+    NoStages,
+    #[error("entry {position} is stage {found}: the stages must be listed in order")]
+    Order { position: usize, found: usize },
+    #[error("stage {stage} names host {host:?}, which is not a host name")]
+    Host { stage: usize, host: String },
+    #[error("stage {stage}'s sha256 {sha:?} is not 64 hex digits")]
+    Sha { stage: usize, sha: String },
+}
+
+impl Manifest {
+    /// Parses and checks a manifest: this version's format, stages listed
+    /// in order, valid host names and hashes.
+    pub fn parse(text: &str) -> Result<Manifest, ManifestError> {
+        let m: Manifest = serde_json::from_str(text).map_err(|e| ManifestError::Unreadable(e.to_string()))?;
+        if m.format != FORMAT {
+            return Err(ManifestError::Format { found: m.format });
+        }
+        if m.stages.is_empty() {
+            return Err(ManifestError::NoStages);
+        }
+        for (position, s) in m.stages.iter().enumerate() {
+            if s.stage != position {
+                return Err(ManifestError::Order { position, found: s.stage });
+            }
+            if let Some(host) = s.host.as_ref().filter(|h| !valid_host(h)) {
+                return Err(ManifestError::Host { stage: s.stage, host: host.clone() });
+            }
+            if s.sha256.len() != 64 || !s.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Err(ManifestError::Sha { stage: s.stage, sha: s.sha256.clone() });
+            }
+        }
+        Ok(m)
+    }
+
+    /// Whether the first stage encodes images (it holds the vision tower).
+    pub fn encodes_images(&self) -> bool {
+        self.stages.first().is_some_and(|s| s.vision)
+    }
+
+    /// Cache bytes per position of each stage (every cache row of a sequence).
+    pub fn cache_bytes_per_position(&self) -> Vec<u64> {
+        self.stages.iter().map(|s| s.caches.iter().map(|c| (c.width * c.bytes) as u64).sum()).collect()
+    }
+}
+
+/// Whether `h` can name a host for mpirun: a DNS name or IPv4 address
+/// (letters, digits, `-`, `_` and `.`-separated labels of at most 63
+/// characters, none starting with `-`). Anything else, such as a space, a
+/// quote, `$(...)` or mpirun's `:slots` suffix, is refused when the plan is
+/// read, before it can reach a launcher.
+pub fn valid_host(h: &str) -> bool {
+    !h.is_empty()
+        && h.len() <= 253
+        && h.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && !label.starts_with('-')
+                && label.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        })
+}
+
+/// Lower-case hex sha256 of `bytes`: the manifest's content hashes.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Manifest {
+        let stage = |k: usize| StageEntry {
+            stage: k,
+            executable: format!("stage-{k}"),
+            sha256: sha256_hex(&[k as u8]),
+            holds: "layer 0".into(),
+            host: Some("node-1".into()),
+            layers: Some([0, 0]),
+            input: Boundary::TokenIds,
+            output: Boundary::Logits { vocab: 8 },
+            tensors: vec!["w".into()],
+            caches: vec![CacheSlot { layer: 0, kind: "key".into(), width: 4, bytes: 2 }],
+            vision: k == 0,
+            kernels: vec![],
+            device_code: None,
+        };
+        Manifest {
+            format: FORMAT.into(),
+            compiler: "m3c 0.1.0".into(),
+            target: "host".into(),
+            cpu: "x86-64".into(),
+            kv_cache: "bf16".into(),
+            activations: "f32".into(),
+            compile_id: "id".into(),
+            config_file: "config.json".into(),
+            config_sha256: "c".into(),
+            plan_sha256: "p".into(),
+            runtime_sha256: "r".into(),
+            launcher: "run.sh".into(),
+            max_positions: 64,
+            image_token: Some(9),
+            stages: vec![stage(0), stage(1)],
+        }
+    }
+
+    #[test]
+    fn a_manifest_round_trips_and_answers_from_its_stages() {
+        let m = sample();
+        let back = Manifest::parse(&serde_json::to_string_pretty(&m).unwrap()).unwrap();
+        assert_eq!(back, m);
+        assert!(back.encodes_images());
+        assert_eq!(back.cache_bytes_per_position(), vec![8, 8]);
+    }
+
+    #[test]
+    fn a_damaged_manifest_is_an_error_naming_what_is_wrong() {
+        let text = |f: &dyn Fn(&mut Manifest)| {
+            let mut m = sample();
+            f(&mut m);
+            serde_json::to_string(&m).unwrap()
+        };
+        assert_eq!(Manifest::parse(&text(&|m| m.format = "m3c-out/0".into())), Err(ManifestError::Format { found: "m3c-out/0".into() }));
+        assert_eq!(Manifest::parse(&text(&|m| m.stages.clear())), Err(ManifestError::NoStages));
+        assert_eq!(Manifest::parse(&text(&|m| m.stages.swap(0, 1))), Err(ManifestError::Order { position: 0, found: 1 }));
+        assert_eq!(
+            Manifest::parse(&text(&|m| m.stages[1].host = Some("a b".into()))),
+            Err(ManifestError::Host { stage: 1, host: "a b".into() })
+        );
+        assert!(matches!(Manifest::parse(&text(&|m| m.stages[0].sha256 = "../x".into())), Err(ManifestError::Sha { stage: 0, .. })));
+        assert!(matches!(Manifest::parse("{\"format\": 1}"), Err(ManifestError::Unreadable(_))));
+    }
+}

@@ -1,0 +1,249 @@
+//! `m3c serve`: an OpenAI-compatible HTTP server over a compiled pipeline.
+//!
+//! One process, the front, holds the HTTP server (axum on tokio), the
+//! tokenizer and chat template, sampling defaults, admission and metrics;
+//! it starts the stage executables under mpirun with `--serve`, as `m3c run`
+//! does (the plan's hosts included), and talks to the first stage over its
+//! standard input and output, which mpirun carries to whichever host runs
+//! it. The stages stay compute-only: the first one schedules the steps
+//! (runtime/src/serve.rs), the last one samples.
+
+mod engine;
+mod http;
+mod media;
+mod metrics;
+pub mod openai;
+pub mod output;
+
+use anyhow::{Context, Result};
+use m3c_contract::sampling::SamplingParams;
+use std::future::IntoFuture;
+use std::path::PathBuf;
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// What `m3c serve` was asked for.
+pub struct Options {
+    pub out: PathBuf,
+    pub model: PathBuf,
+    pub host: String,
+    pub port: u16,
+    pub served_model_name: Option<String>,
+    pub api_key: Option<String>,
+    /// Sequences running at once.
+    pub max_batch: usize,
+    /// Cache bytes per stage for all running sequences.
+    pub kv_budget_bytes: u64,
+    pub max_queue: usize,
+    pub prefill_chunk: usize,
+    /// `max_tokens` of a chat request that gives none (capped by the context).
+    pub default_max_tokens: usize,
+    pub timeout_s: f64,
+    /// Seconds in-flight requests get to finish after SIGTERM.
+    pub grace_s: f64,
+    pub cuda_graphs: String,
+    pub prefill_gemm: String,
+    /// `file://` images only from inside this folder.
+    pub allowed_local_media_path: Option<PathBuf>,
+    pub media_timeout_s: f64,
+    pub max_image_bytes: u64,
+    pub max_images_per_request: usize,
+}
+
+/// How long a server whose pipeline was lost still answers (with 503s).
+const LINGER: Duration = Duration::from_secs(2);
+
+/// Why the server stops.
+#[derive(Debug, Clone)]
+enum Stop {
+    Signal(i32),
+    Down(String),
+}
+
+pub fn run(o: Options) -> Result<()> {
+    let prepared = prepare(&o)?;
+    let rt =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().context("cannot start the async runtime")?;
+    rt.block_on(serve(o, prepared))
+}
+
+/// What `prepare` read and checked; the engine (which needs the async
+/// runtime) completes the server's shared state.
+struct Prepared {
+    cmd: std::process::Command,
+    stages: usize,
+    limits: engine::Limits,
+    shared: Box<dyn FnOnce(std::sync::Arc<engine::Engine>) -> http::Shared + Send>,
+}
+
+/// Everything the server needs before it listens: OUT checked, the
+/// tokenizer, template and sampling defaults read, the stage command line,
+/// the media policy. Every error here is the user's and names its source.
+fn prepare(o: &Options) -> Result<Prepared> {
+    let compiled = m3c_front::launch::Compiled::open(&o.out, &o.model)?;
+    let tokenizer = m3c_front::text::TextTokenizer::from_dir(&o.model)?;
+    let template = m3c_front::text::ChatTemplate::from_dir(&o.model)?;
+    let gen = m3c_front::text::generation::GenerationDefaults::from_dir(&o.model)?;
+    // vLLM's defaults: the checkpoint's generation_config.json, else
+    // OpenAI's (temperature 1, everything kept).
+    let sampling = gen.sampling.over(SamplingParams::OPENAI);
+    sampling.check().map_err(|e| anyhow::anyhow!("{}/generation_config.json: {e}", o.model.display()))?;
+    let name = o.served_model_name.clone().unwrap_or_else(|| {
+        o.model.canonicalize().ok().and_then(|p| p.file_name().map(|f| f.to_string_lossy().into_owned())).unwrap_or_else(|| "model".into())
+    });
+    let per_position = compiled.cache_bytes_per_position().into_iter().max().unwrap_or(0).max(1);
+    let stages = compiled.stages;
+    // Sequences per micro-batch: the running ones shared over the stages,
+    // so every stage has a micro-batch to work on.
+    let micro = o.max_batch.div_ceil(stages).max(1);
+    let mut stage = m3c_contract::stage_args::StageArgs::new(o.model.clone());
+    stage.serve = true;
+    stage.micro_batch = Some(micro);
+    stage.prefill_chunk = Some(o.prefill_chunk);
+    stage.timeout_s = o.timeout_s;
+    stage.cuda_graphs = o.cuda_graphs == "on";
+    stage.prefill_gemm_cublas = o.prefill_gemm == "cublas";
+    stage.eos_ids = gen.eos_ids.clone();
+    let cmd = compiled.mpirun(&stage.to_args())?;
+    let allowed_local = match &o.allowed_local_media_path {
+        None => None,
+        Some(d) => Some(
+            d.canonicalize()
+                .ok()
+                .filter(|p| p.is_dir())
+                .ok_or_else(|| anyhow::anyhow!("--allowed-local-media-path {}: not a folder", d.display()))?,
+        ),
+    };
+    let limits = engine::Limits { budget: o.kv_budget_bytes, per_position, max_batch: o.max_batch.max(1), max_queue: o.max_queue };
+    let media = media::MediaPolicy {
+        allowed_local,
+        max_bytes: o.max_image_bytes,
+        timeout: Duration::from_secs_f64(o.media_timeout_s),
+        max_images: o.max_images_per_request,
+    };
+    let media_dir = tempfile::Builder::new().prefix("m3c-serve-media-").tempdir().context("a folder for request images")?;
+    let (api_key, default_max_tokens) = (o.api_key.clone(), o.default_max_tokens);
+    let context = compiled.manifest.max_positions;
+    // Images: only where the first stage encodes them (the manifest's
+    // stages were compiled with the vision tower unless the plan said not).
+    let image_token = compiled.manifest.image_token.filter(|_| compiled.encodes_images());
+    let shared = move |engine| http::Shared {
+        engine,
+        tokenizer,
+        template,
+        defaults: openai::Defaults { sampling },
+        name,
+        api_key,
+        context,
+        default_max_tokens,
+        created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        image_token,
+        media,
+        media_dir,
+    };
+    Ok(Prepared { cmd, stages, limits, shared: Box::new(shared) })
+}
+
+/// Listens, starts the pipeline, serves until a signal or a lost pipeline,
+/// then shuts down (in-flight requests get `--grace` seconds).
+async fn serve(o: Options, p: Prepared) -> Result<()> {
+    let listener = tokio::net::TcpListener::bind((o.host.as_str(), o.port))
+        .await
+        .with_context(|| format!("cannot listen on {}:{}", o.host, o.port))?;
+    let addr = listener.local_addr()?;
+    let (engine, mut child) = engine::Engine::start(p.cmd, p.limits, p.stages)?;
+    let shared = (p.shared)(engine.clone());
+    let (name, context, stages) = (shared.name.clone(), shared.context, p.stages);
+    let app = http::router(shared);
+    eprintln!(
+        "m3c serve: http://{addr}/v1 serves `{name}` ({stages} stage(s), context {context}, up to {} running, cache budget {:.1} GB per stage); /health answers 200 once every stage is up",
+        o.max_batch,
+        o.kv_budget_bytes as f64 / 1e9
+    );
+    // Signals and a lost pipeline both stop the server.
+    let (stop_tx, stop_rx) = watch::channel(None::<Stop>);
+    stop_on_signals(stop_tx.clone());
+    let e = engine.clone();
+    tokio::spawn(async move {
+        let why = e.wait_down().await;
+        stop_tx.send_if_modified(|s| {
+            if s.is_none() {
+                *s = Some(Stop::Down(why));
+                true
+            } else {
+                false
+            }
+        });
+    });
+    // The server stops accepting at once on a signal; when the pipeline
+    // is lost it keeps answering for a moment (503 on /health and on new
+    // requests) so that a supervisor sees why, then stops.
+    let mut rx = stop_rx.clone();
+    let graceful = async move {
+        let down = rx.wait_for(Option::is_some).await.map(|s| matches!(*s, Some(Stop::Down(_)))).unwrap_or(false);
+        if down {
+            tokio::time::sleep(LINGER).await;
+        }
+    };
+    let mut server = tokio::spawn(axum::serve(listener, app).with_graceful_shutdown(graceful).into_future());
+    let mut rx = stop_rx.clone();
+    let stop = rx.wait_for(Option::is_some).await.map(|s| s.clone()).ok().flatten();
+    match stop {
+        Some(Stop::Signal(sig)) => {
+            let open = engine.gauges();
+            eprintln!(
+                "m3c serve: signal {sig}: no new requests; {} running and {} waiting get {} s to finish",
+                open.running, open.waiting, o.grace_s
+            );
+            if tokio::time::timeout(Duration::from_secs_f64(o.grace_s), &mut server).await.is_err() {
+                engine.fail_open("the server shut down before this request finished");
+                let _ = tokio::time::timeout(Duration::from_secs(10), &mut server).await;
+            }
+            // The first stage finishes what is open and stops the pipeline.
+            engine.close_input();
+            match tokio::time::timeout(Duration::from_secs_f64(o.timeout_s + 10.0), child.wait()).await {
+                Ok(Ok(s)) if s.success() => {
+                    eprintln!("m3c serve: stopped");
+                    Ok(())
+                }
+                Ok(Ok(s)) => anyhow::bail!("the pipeline ended with {s} while shutting down"),
+                Ok(Err(e)) => Err(e).context("waiting for mpirun"),
+                Err(_) => {
+                    let _ = child.kill().await;
+                    anyhow::bail!("the pipeline did not stop within {} s; it was killed", o.timeout_s + 10.0)
+                }
+            }
+        }
+        Some(Stop::Down(why)) => {
+            // Every open request has its error; let the responses go out.
+            let _ = tokio::time::timeout(LINGER + Duration::from_secs(5), &mut server).await;
+            let _ = child.kill().await;
+            let status = child.wait().await.ok();
+            anyhow::bail!("{why} (mpirun exit status {})", status.and_then(|s| s.code()).map_or("signal".to_string(), |c| c.to_string()))
+        }
+        None => anyhow::bail!("the server's stop channel closed"),
+    }
+}
+
+/// The first SIGINT/SIGTERM/SIGHUP asks for a graceful stop; a second one
+/// ends the process at once.
+fn stop_on_signals(stop: watch::Sender<Option<Stop>>) {
+    m3c_signals::handle_with(move |sig| {
+        let first = stop.send_if_modified(|s| {
+            if s.is_none() {
+                *s = Some(Stop::Signal(sig));
+                true
+            } else {
+                false
+            }
+        });
+        if !first {
+            // A second signal means now: mpirun and the stages die with
+            // this process (PR_SET_PDEATHSIG).
+            eprintln!("m3c serve: signal {sig} again: stopping now");
+            // SAFETY: _exit ends the process at once, without running
+            // destructors that could wait on the runtime's threads.
+            unsafe { libc::_exit(128 + sig) };
+        }
+    });
+}
