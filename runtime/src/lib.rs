@@ -17,8 +17,10 @@ macro_rules! say {
 }
 
 mod args;
+mod books;
 mod device;
 mod error;
+mod follow;
 
 use error::StageError;
 mod dump;
@@ -26,6 +28,7 @@ mod liveness;
 mod meta;
 mod pipeline;
 mod sampler;
+mod schedule;
 mod serve;
 mod stage;
 mod startup;
@@ -243,7 +246,7 @@ fn stage_main(
         rss,
         if st.uses_nccl() { ", activations over NCCL" } else { "" }
     );
-    let run = if args.serve { serve::run(world, peers, &mut st, &args).map(Ok) } else { pipeline::run(world, peers, &mut st, &args) };
+    let run = pipeline::run(world, peers, &mut st, &args);
     let closing = match run {
         Ok(c) => c,
         // Mid-run: peers may be blocked on this stage; end the whole job.
@@ -260,7 +263,13 @@ fn stage_main(
         })
         .unwrap_or_default();
     if ok {
-        say!("{who}: done; {}; caches {:.2} MB, resident {rss:.1} MB, peak {peak:.1} MB{gpu}", st.timing(), st.cache_bytes() as f64 / 1e6);
+        // Caches live only as long as their sequences: the peak is what
+        // they needed.
+        say!(
+            "{who}: done; {}; caches {:.2} MB at the most, resident {rss:.1} MB, peak {peak:.1} MB{gpu}",
+            st.timing(),
+            st.cache_peak() as f64 / 1e6
+        );
     }
     Ok(())
 }

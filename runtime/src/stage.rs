@@ -247,6 +247,8 @@ pub struct Stage {
     images: HashMap<usize, SeqImageRows>,
     /// (images, seconds) spent encoding them.
     encoded: (usize, f64),
+    /// The most cache bytes the live sequences held at once.
+    cache_peak: usize,
 }
 
 /// What the last stage's sampler is given for a step: the sampling table
@@ -291,6 +293,7 @@ impl Stage {
             decode: (0, 0.0),
             images: HashMap::new(),
             encoded: (0, 0.0),
+            cache_peak: 0,
         }
     }
 
@@ -324,7 +327,16 @@ impl Stage {
         // The mapped checkpoint is no longer needed: `weights` is dropped here.
         let graphs = Graphs { on: true, ..Graphs::default() };
         let backing = Backing::Gpu { device, weights: uploaded, table, table_dev, seqs: HashMap::new(), graphs };
-        Ok(Stage { meta, backing, nccl: None, prefill: (0, 0.0), decode: (0, 0.0), images: HashMap::new(), encoded: (0, 0.0) })
+        Ok(Stage {
+            meta,
+            backing,
+            nccl: None,
+            prefill: (0, 0.0),
+            decode: (0, 0.0),
+            images: HashMap::new(),
+            encoded: (0, 0.0),
+            cache_peak: 0,
+        })
     }
 
     /// Opens the caches of sequence `seq`, sized for `capacity` positions.
@@ -346,6 +358,7 @@ impl Stage {
                 graphs.forget(seq);
             }
         }
+        self.cache_peak = self.cache_peak.max(self.cache_bytes());
         Ok(())
     }
 
@@ -484,6 +497,11 @@ impl Stage {
         (self.prefill.0 + self.decode.0, self.prefill.1 + self.decode.1)
     }
 
+    /// The most cache bytes the live sequences held at once.
+    pub fn cache_peak(&self) -> usize {
+        self.cache_peak
+    }
+
     pub fn cache_bytes(&self) -> usize {
         let per_pos: usize = self.meta.caches.iter().map(|c| c.width * c.bytes).sum();
         match &self.backing {
@@ -583,13 +601,35 @@ impl Stage {
     }
 
     fn run_step(&mut self, segments: &[Segment], ids: &[i64], x: &mut [f32], sample: Option<SampleIn>) -> Result<StepOut, StageError> {
+        let (inputs, mut out, want_logits) = self.step_inputs(segments, ids, x, sample)?;
+        match &mut self.backing {
+            Backing::Host { weights, seqs } => host_step(weights, seqs, &inputs, x, &mut out)?,
+            Backing::Gpu { device, table, table_dev, seqs, graphs, .. } => {
+                let gpu = GpuStep { device, table, table_dev, seqs, graphs, nccl: self.nccl.as_ref(), meta: &self.meta };
+                gpu.run(&inputs, x, &mut out, want_logits)?
+            }
+        }
+        if !want_logits {
+            out.logits = Vec::new();
+        }
+        Ok(out)
+    }
+
+    /// A step's inputs, checked against the stage, and its output buffers.
+    fn step_inputs<'a>(
+        &self,
+        segments: &'a [Segment],
+        ids: &'a [i64],
+        x: &[f32],
+        sample: Option<SampleIn>,
+    ) -> Result<(StepInputs<'a>, StepOut, bool), StageError> {
         let m = &self.meta;
         let tokens: usize = segments.iter().map(|s| s.rows).sum();
         if x.len() != tokens * m.x_words() || (m.first_stage && ids.len() != tokens) {
             return Err(StageError::Step(format!("step of {tokens} rows got {} activations and {} ids", x.len(), ids.len())));
         }
         let words = m3c_contract::sampling::seen_words(m.vocab);
-        let SampleIn { table: mut samp, seen, penalised, want_logits } = match sample {
+        let SampleIn { table, seen, penalised, want_logits } = match sample {
             Some(s) if m.last_stage => s,
             None if !m.last_stage => SampleIn { table: Vec::new(), seen: Vec::new(), penalised: false, want_logits: false },
             _ => {
@@ -598,186 +638,233 @@ impl Stage {
                 ))
             }
         };
-        if m.last_stage && (samp.len() != tokens * m3c_contract::sampling::ROW_WORDS || seen.len() != segments.len() * words) {
+        if m.last_stage && (table.len() != tokens * m3c_contract::sampling::ROW_WORDS || seen.len() != segments.len() * words) {
             return Err(StageError::Step(format!(
                 "step of {tokens} rows got a sampling table of {} words and {} bitmap words",
-                samp.len(),
+                table.len(),
                 seen.len()
             )));
         }
         // The host's kernels write the logits here; a GPU's stay on the
         // device unless they are wanted.
         let on_host = matches!(self.backing, Backing::Host { .. });
-        let mut logits = if m.last_stage && (on_host || want_logits) { vec![0f32; tokens * m.vocab] } else { Vec::new() };
-        let mut out_ids = if m.last_stage { vec![0i64; tokens] } else { Vec::new() };
-        let rows: Vec<i64> = segments.iter().map(|s| s.rows as i64).collect();
-        let mut caps: Vec<i64> = Vec::with_capacity(segments.len());
-        let pos: Vec<i64> = segments.iter().flat_map(|s| (s.pos0..s.pos0 + s.rows).map(|p| p as i64)).collect();
-        let check = |capacity: usize, s: &Segment| -> Result<(), StageError> {
-            if s.pos0 + s.rows > capacity {
-                return Err(StageError::Step(format!(
-                    "sequence {}: positions {}..{} exceed the cache capacity {capacity}",
-                    s.seq,
-                    s.pos0,
-                    s.pos0 + s.rows
-                )));
-            }
-            Ok(())
-        };
-        let n = segments.len() as i64;
+        let logits = if m.last_stage && (on_host || want_logits) { vec![0f32; tokens * m.vocab] } else { Vec::new() };
+        let out_ids = if m.last_stage { vec![0i64; tokens] } else { Vec::new() };
         let (img, img_rows) = self.image_rows(segments);
-        let nimg = img_rows.len() as i64;
-        match &mut self.backing {
-            Backing::Host { weights, seqs } => {
-                let mut tables: Vec<Vec<*mut f32>> = Vec::new();
-                for s in segments {
-                    let (capacity, bufs) =
-                        seqs.get_mut(&s.seq).ok_or_else(|| StageError::Step(format!("sequence {} has no caches", s.seq)))?;
-                    check(*capacity, s)?;
-                    caps.push(*capacity as i64);
-                    tables.push(bufs.iter_mut().map(|b| b.as_mut_ptr()).collect());
-                }
-                let table_ptrs: Vec<*const *mut f32> = tables.iter().map(|t| t.as_ptr()).collect();
-                // Seen holds one bitmap per sequence (or nothing on a stage
-                // that does not sample, whose entry never reads it).
-                // SAFETY: every pointer covers what the compiled step reads or
-                // writes: weights were checked against the compiled shapes, each
-                // sequence's caches hold `capacity ≥ pos0 + rows` rows, and x,
-                // ids, logits, out_ids, table and pos hold `tokens` rows.
-                unsafe {
-                    m3c_stage_step(
-                        weights.ptrs.as_ptr(),
-                        weights.ptrs.as_ptr(),
-                        table_ptrs.as_ptr(),
-                        n,
-                        rows.as_ptr(),
-                        caps.as_ptr(),
-                        tokens as i64,
-                        ids.as_ptr(),
-                        x.as_mut_ptr(),
-                        logits.as_mut_ptr(),
-                        out_ids.as_mut_ptr(),
-                        samp.as_mut_ptr(),
-                        seen.as_ptr(),
-                        pos.as_ptr(),
-                        nimg,
-                        img.as_ptr(),
-                        img_rows.as_ptr(),
-                    );
-                }
+        let inputs = StepInputs {
+            segments,
+            ids,
+            tokens,
+            rows: segments.iter().map(|s| s.rows as i64).collect(),
+            pos: segments.iter().flat_map(|s| (s.pos0..s.pos0 + s.rows).map(|p| p as i64)).collect(),
+            seen,
+            penalised,
+            img,
+            img_rows,
+        };
+        Ok((inputs, StepOut { logits, ids: out_ids, table }, want_logits))
+    }
+}
+
+/// What a step hands the entry besides weights and caches, the same for
+/// every backing.
+struct StepInputs<'a> {
+    segments: &'a [Segment],
+    ids: &'a [i64],
+    tokens: usize,
+    rows: Vec<i64>,
+    pos: Vec<i64>,
+    seen: Vec<u32>,
+    /// Some row has a repetition penalty (the bitmaps matter).
+    penalised: bool,
+    img: Vec<f32>,
+    img_rows: Vec<i64>,
+}
+
+/// A segment's positions must fit its sequence's caches.
+fn check_capacity(capacity: usize, s: &Segment) -> Result<(), StageError> {
+    if s.pos0 + s.rows > capacity {
+        return Err(StageError::Step(format!(
+            "sequence {}: positions {}..{} exceed the cache capacity {capacity}",
+            s.seq,
+            s.pos0,
+            s.pos0 + s.rows
+        )));
+    }
+    Ok(())
+}
+
+/// One step on the host: the entry reads and writes host memory directly.
+fn host_step(
+    weights: &StageWeights,
+    seqs: &mut HashMap<usize, (usize, Vec<Vec<f32>>)>,
+    inp: &StepInputs,
+    x: &mut [f32],
+    out: &mut StepOut,
+) -> Result<(), StageError> {
+    let mut caps: Vec<i64> = Vec::with_capacity(inp.segments.len());
+    let mut tables: Vec<Vec<*mut f32>> = Vec::new();
+    for s in inp.segments {
+        let (capacity, bufs) = seqs.get_mut(&s.seq).ok_or_else(|| StageError::Step(format!("sequence {} has no caches", s.seq)))?;
+        check_capacity(*capacity, s)?;
+        caps.push(*capacity as i64);
+        tables.push(bufs.iter_mut().map(|b| b.as_mut_ptr()).collect());
+    }
+    let table_ptrs: Vec<*const *mut f32> = tables.iter().map(|t| t.as_ptr()).collect();
+    // Seen holds one bitmap per sequence (or nothing on a stage
+    // that does not sample, whose entry never reads it).
+    // SAFETY: every pointer covers what the compiled step reads or
+    // writes: weights were checked against the compiled shapes, each
+    // sequence's caches hold `capacity ≥ pos0 + rows` rows, and x,
+    // ids, logits, out_ids, table and pos hold `tokens` rows.
+    unsafe {
+        m3c_stage_step(
+            weights.ptrs.as_ptr(),
+            weights.ptrs.as_ptr(),
+            table_ptrs.as_ptr(),
+            inp.segments.len() as i64,
+            inp.rows.as_ptr(),
+            caps.as_ptr(),
+            inp.tokens as i64,
+            inp.ids.as_ptr(),
+            x.as_mut_ptr(),
+            out.logits.as_mut_ptr(),
+            out.ids.as_mut_ptr(),
+            out.table.as_mut_ptr(),
+            inp.seen.as_ptr(),
+            inp.pos.as_ptr(),
+            inp.img_rows.len() as i64,
+            inp.img.as_ptr(),
+            inp.img_rows.as_ptr(),
+        );
+    }
+    Ok(())
+}
+
+/// A GPU stage's parts that one step uses.
+struct GpuStep<'a> {
+    device: &'a Device,
+    table: &'a [u64],
+    table_dev: &'a DeviceBuffer,
+    seqs: &'a HashMap<usize, (usize, Vec<DeviceBuffer>, Vec<u64>)>,
+    graphs: &'a mut Graphs,
+    nccl: Option<&'a device::nccl::Link>,
+    meta: &'a StageMeta,
+}
+
+impl GpuStep<'_> {
+    /// One step on the device: inputs copied in (or received over NCCL),
+    /// the entry run eagerly, captured or replayed as a CUDA graph, and only
+    /// what the host needs copied back.
+    fn run(self, inp: &StepInputs, x: &mut [f32], out: &mut StepOut, want_logits: bool) -> Result<(), StageError> {
+        let GpuStep { device, table, table_dev, seqs, graphs, nccl, meta: m } = self;
+        let (segments, tokens) = (inp.segments, inp.tokens);
+        let n = segments.len() as i64;
+        let nimg = inp.img_rows.len() as i64;
+        let mut caps: Vec<i64> = Vec::with_capacity(segments.len());
+        let mut tables: Vec<&Vec<u64>> = Vec::new();
+        for s in segments {
+            let (capacity, _, ptrs) = seqs.get(&s.seq).ok_or_else(|| StageError::Step(format!("sequence {} has no caches", s.seq)))?;
+            check_capacity(*capacity, s)?;
+            caps.push(*capacity as i64);
+            tables.push(ptrs);
+        }
+        let table_ptrs: Vec<*const u64> = tables.iter().map(|t| t.as_ptr()).collect();
+        device::cublas::set_prefill(segments.iter().any(|s| s.rows > 1));
+        // Decode steps (one row per sequence) go through a graph from their
+        // micro-batch's second step on; everything else runs eagerly.
+        // (A step with image rows is never a graph: its inputs differ.)
+        let key: Option<Vec<usize>> =
+            (graphs.on && nimg == 0 && segments.iter().all(|s| s.rows == 1)).then(|| segments.iter().map(|s| s.seq).collect());
+        let img_dev = if nimg > 0 { Some((device.upload(bytes_of(&inp.img))?, device.upload(bytes_of(&inp.img_rows))?)) } else { None };
+        let (img_p, img_rows_p) = img_dev.as_ref().map_or((0, 0), |(a, b)| (a.ptr(), b.ptr()));
+        let fresh = || Io::alloc(tokens, segments.len(), m.x_words(), if m.last_stage { m.vocab } else { 0 });
+        let (plan, io, mut fresh_io) = graphs.plan(key, fresh);
+        device.copy_in(io.pos, bytes_of(&inp.pos))?;
+        if m.last_stage {
+            device.copy_in(io.table, bytes_of(&out.table))?;
+            // The bitmaps matter only to penalised rows.
+            if inp.penalised {
+                device.copy_in(io.seen, bytes_of(&inp.seen))?;
             }
-            Backing::Gpu { device, table, table_dev, seqs, graphs, .. } => {
-                let mut tables: Vec<&Vec<u64>> = Vec::new();
-                for s in segments {
-                    let (capacity, _, ptrs) =
-                        seqs.get(&s.seq).ok_or_else(|| StageError::Step(format!("sequence {} has no caches", s.seq)))?;
-                    check(*capacity, s)?;
-                    caps.push(*capacity as i64);
-                    tables.push(ptrs);
-                }
-                let table_ptrs: Vec<*const u64> = tables.iter().map(|t| t.as_ptr()).collect();
-                device::cublas::set_prefill(segments.iter().any(|s| s.rows > 1));
-                // Decode steps (one row per sequence) go through a graph from their
-                // micro-batch's second step on; everything else runs eagerly.
-                // (A step with image rows is never a graph: its inputs differ.)
-                let key: Option<Vec<usize>> =
-                    (graphs.on && nimg == 0 && segments.iter().all(|s| s.rows == 1)).then(|| segments.iter().map(|s| s.seq).collect());
-                let img_dev = if nimg > 0 { Some((device.upload(bytes_of(&img))?, device.upload(bytes_of(&img_rows))?)) } else { None };
-                let (img_p, img_rows_p) = img_dev.as_ref().map_or((0, 0), |(a, b)| (a.ptr(), b.ptr()));
-                let fresh = || Io::alloc(tokens, segments.len(), m.x_words(), if m.last_stage { m.vocab } else { 0 });
-                let (plan, io, mut fresh_io) = graphs.plan(key, fresh);
-                device.copy_in(io.pos, bytes_of(&pos))?;
-                if m.last_stage {
-                    device.copy_in(io.table, bytes_of(&samp))?;
-                    // The bitmaps matter only to penalised rows.
-                    if penalised {
-                        device.copy_in(io.seen, bytes_of(&seen))?;
-                    }
-                }
-                if m.first_stage {
-                    device.copy_in(io.ids, bytes_of(ids))?;
-                } else if let Some(link) = &self.nccl {
-                    link.recv(io.x, x.len(), m.stage - 1)?;
-                } else {
-                    device.copy_in(io.x, bytes_of(x))?;
-                }
-                let run = || {
-                    // SAFETY: as on the host, with device buffers of the same sizes
-                    // and host tables of device pointers.
-                    unsafe {
-                        m3c_stage_step(
-                            table.as_ptr() as *const *const u8,
-                            table_dev.ptr() as *const *const u8,
-                            table_ptrs.as_ptr() as *const *const *mut f32,
-                            n,
-                            rows.as_ptr(),
-                            caps.as_ptr(),
-                            tokens as i64,
-                            io.ids as *const i64,
-                            io.x as *mut f32,
-                            io.logits as *mut f32,
-                            io.out as *mut i64,
-                            io.table as *mut i64,
-                            io.seen as *const u32,
-                            io.pos as *const i64,
-                            nimg,
-                            img_p as *const f32,
-                            img_rows_p as *const i64,
-                        );
-                    }
+        }
+        if m.first_stage {
+            device.copy_in(io.ids, bytes_of(inp.ids))?;
+        } else if let Some(link) = nccl {
+            link.recv(io.x, x.len(), m.stage - 1)?;
+        } else {
+            device.copy_in(io.x, bytes_of(x))?;
+        }
+        let run = || {
+            // SAFETY: as on the host, with device buffers of the same sizes
+            // and host tables of device pointers.
+            unsafe {
+                m3c_stage_step(
+                    table.as_ptr() as *const *const u8,
+                    table_dev.ptr() as *const *const u8,
+                    table_ptrs.as_ptr() as *const *const *mut f32,
+                    n,
+                    inp.rows.as_ptr(),
+                    caps.as_ptr(),
+                    tokens as i64,
+                    io.ids as *const i64,
+                    io.x as *mut f32,
+                    io.logits as *mut f32,
+                    io.out as *mut i64,
+                    io.table as *mut i64,
+                    io.seen as *const u32,
+                    io.pos as *const i64,
+                    nimg,
+                    img_p as *const f32,
+                    img_rows_p as *const i64,
+                );
+            }
+        };
+        // The graph's own buffers stay with it; fresh ones go back to
+        // the pool when `fresh_io` drops, unless a capture keeps them.
+        match plan {
+            Plan::Eager => run(),
+            Plan::Replay(k) => {
+                let Some(g) = graphs.ready(&k) else {
+                    return Err(StageError::Step("runtime bug: a graph replay without a graph".into()));
                 };
-                // The graph's own buffers stay with it; fresh ones go back to
-                // the pool when `fresh_io` drops, unless a capture keeps them.
-                match plan {
-                    Plan::Eager => run(),
-                    Plan::Replay(k) => {
-                        let Some(g) = graphs.ready(&k) else {
-                            return Err(StageError::Step("runtime bug: a graph replay without a graph".into()));
-                        };
-                        device.replay(g)?;
-                        graphs.replays += 1;
-                    }
-                    Plan::Capture(k) => match device.capture(run) {
-                        Ok(g) => {
-                            device.replay(&g)?;
-                            graphs.replays += 1;
-                            let own =
-                                fresh_io.take().ok_or_else(|| StageError::Step("runtime bug: a capture without its buffers".into()))?;
-                            graphs.set(k, GraphSlot::Ready(g, own));
-                        }
-                        Err(e) => {
-                            let line =
-                                format!("m3c stage {}: CUDA graph capture failed ({e}); this micro-batch runs without a graph\n", m.stage);
-                            let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
-                            graphs.set(k, GraphSlot::Eager);
-                            run();
-                        }
-                    },
+                device.replay(g)?;
+                graphs.replays += 1;
+            }
+            Plan::Capture(k) => match device.capture(run) {
+                Ok(g) => {
+                    device.replay(&g)?;
+                    graphs.replays += 1;
+                    let own = fresh_io.take().ok_or_else(|| StageError::Step("runtime bug: a capture without its buffers".into()))?;
+                    graphs.set(k, GraphSlot::Ready(g, own));
                 }
-                if !m.last_stage {
-                    if let Some(link) = &self.nccl {
-                        link.send(io.x, x.len(), m.stage + 1)?;
-                    }
+                Err(e) => {
+                    let line = format!("m3c stage {}: CUDA graph capture failed ({e}); this micro-batch runs without a graph\n", m.stage);
+                    let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+                    graphs.set(k, GraphSlot::Eager);
+                    run();
                 }
-                device.sync()?;
-                if m.last_stage {
-                    // Only the ids and the table leave the device, unless the
-                    // logits are wanted.
-                    if want_logits {
-                        device.download(io.logits, bytes_of_mut(&mut logits))?;
-                    } else {
-                        logits = Vec::new();
-                    }
-                    device.download(io.out, bytes_of_mut(&mut out_ids))?;
-                    device.download(io.table, bytes_of_mut(&mut samp))?;
-                } else if self.nccl.is_none() {
-                    device.download(io.x, bytes_of_mut(x))?;
-                }
+            },
+        }
+        if !m.last_stage {
+            if let Some(link) = nccl {
+                link.send(io.x, x.len(), m.stage + 1)?;
             }
         }
-        if !want_logits {
-            logits = Vec::new();
+        device.sync()?;
+        if m.last_stage {
+            // Only the ids and the table leave the device, unless the
+            // logits are wanted.
+            if want_logits {
+                device.download(io.logits, bytes_of_mut(&mut out.logits))?;
+            } else {
+                out.logits = Vec::new();
+            }
+            device.download(io.out, bytes_of_mut(&mut out.ids))?;
+            device.download(io.table, bytes_of_mut(&mut out.table))?;
+        } else if nccl.is_none() {
+            device.download(io.x, bytes_of_mut(x))?;
         }
-        Ok(StepOut { logits, ids: out_ids, table: samp })
+        Ok(())
     }
 }

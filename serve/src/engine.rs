@@ -34,6 +34,9 @@ pub struct Submission {
     /// The request's images file (`m3c_contract::images`, sequence 0),
     /// kept until the request ends.
     pub images: Option<tempfile::TempPath>,
+    /// Stop strings: the first stage ends the sequence on the token that
+    /// completes one (the text is cut before it here).
+    pub stops: Vec<String>,
 }
 
 /// Why a request was not taken.
@@ -245,6 +248,7 @@ impl Engine {
             sampling: s.sampling,
             prompt: s.prompt.iter().map(|&i| i64::from(i)).collect(),
             images: s.images.as_ref().map(|p| p.to_path_buf()),
+            stops: s.stops.iter().map(|t| t.as_bytes().to_vec()).collect(),
         };
         let line = format!("{}\n", Command::Add(request).encode());
         let images = s.images;

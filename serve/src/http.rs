@@ -252,8 +252,8 @@ impl Generation {
                 let piece = self.decoder.push(tk, id).unwrap_or_default();
                 let text = self.filter.push(&piece, &self.common.stop, false);
                 if self.filter.stopped() {
-                    // A stop string: the rest is not wanted (the ticket's
-                    // drop cancels the sequence).
+                    // A stop string: the rest is not wanted (the first
+                    // stage ends the sequence on the same token).
                     self.finish = Some("stop".into());
                 }
                 (text, self.filter.stopped())
@@ -354,7 +354,14 @@ async fn generate(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: O
             }
         }
     };
-    let sub = Submission { prompt: ids.clone(), max_new, ignore_eos: common.ignore_eos, sampling: common.sampling, images };
+    let sub = Submission {
+        prompt: ids.clone(),
+        max_new,
+        ignore_eos: common.ignore_eos,
+        sampling: common.sampling,
+        images,
+        stops: common.stop.clone(),
+    };
     let ticket = match app.engine.submit(sub) {
         Ok(t) => t,
         Err(SubmitError::QueueFull(n)) => {

@@ -1,0 +1,154 @@
+//! What the last stage keeps of each live sequence: its record (prompt,
+//! generated ids, logits when a dump or `--expect` wants them), its
+//! sampling and how many tokens it may generate. The sampling table of a
+//! step is built from it, and the step's ids and logits are written back.
+
+use crate::dump::SeqRecord;
+use crate::error::StageError;
+use crate::stage::{self, Segment};
+use m3c_contract::sampling::SamplingParams;
+use std::collections::{BTreeMap, HashMap};
+
+/// What non-finite logits end: the run (`m3c run`: the weights are broken),
+/// or only the sequence that met them (`m3c serve`: the others go on).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum OnNonFinite {
+    EndRun,
+    EndSequence,
+}
+
+/// One live sequence.
+struct SeqBook {
+    record: SeqRecord,
+    sampling: SamplingParams,
+    /// Tokens it may generate; a step past them only scores (its logits
+    /// are recorded, its id is not).
+    max_new: usize,
+}
+
+/// The last stage's books.
+pub(crate) struct LastBooks {
+    live: HashMap<usize, SeqBook>,
+    /// Whether steps return their logits (a dump or `--expect`).
+    pub want_logits: bool,
+    /// The records of ended sequences, when the run's closing work reads them.
+    pub finished: BTreeMap<usize, SeqRecord>,
+    pub on_bad: OnNonFinite,
+}
+
+impl LastBooks {
+    pub fn new(want_logits: bool, on_bad: OnNonFinite) -> LastBooks {
+        LastBooks { live: HashMap::new(), want_logits, finished: BTreeMap::new(), on_bad }
+    }
+
+    /// A sequence joins.
+    pub fn start(&mut self, seq: usize, prompt: Vec<i64>, sampling: SamplingParams, max_new: usize) {
+        let record = SeqRecord { prompt, prefill_logits: Vec::new(), generated: Vec::new(), decode_logits: Vec::new() };
+        self.live.insert(seq, SeqBook { record, sampling, max_new });
+    }
+
+    /// A sequence leaves; its record is kept when logits are wanted.
+    pub fn end(&mut self, seq: usize) {
+        if let Some(b) = self.live.remove(&seq) {
+            if self.want_logits {
+                self.finished.insert(seq, b.record);
+            }
+        }
+    }
+
+    fn seq(&self, seq: usize) -> Result<&SeqBook, StageError> {
+        self.live.get(&seq).ok_or_else(|| StageError::Step(format!("a step for sequence {seq}, which is not live")))
+    }
+
+    fn seq_mut(&mut self, seq: usize) -> Result<&mut SeqBook, StageError> {
+        self.live.get_mut(&seq).ok_or_else(|| StageError::Step(format!("a step for sequence {seq}, which is not live")))
+    }
+
+    /// The sampling inputs of a step: one table row per row of the step
+    /// (the last row of each segment that gives a token draws, keyed by the
+    /// sequence's own step, so the draw is the same whatever the split, the
+    /// batch or the chunking), and a seen-id bitmap per segment for those
+    /// with a repetition penalty.
+    pub fn sample_in(&self, segs: &[Segment], vocab: usize) -> Result<stage::SampleIn, StageError> {
+        use m3c_contract::sampling::{row_words, seen_bitmap, seen_words, ROW_WORDS};
+        let words = seen_words(vocab);
+        let tokens: usize = segs.iter().map(|s| s.rows).sum();
+        let mut table = Vec::with_capacity(tokens * ROW_WORDS);
+        let mut seen = vec![0u32; segs.len() * words];
+        let mut penalised = false;
+        for (k, s) in segs.iter().enumerate() {
+            let b = self.seq(s.seq)?;
+            let (r, p) = (&b.record, &b.sampling);
+            let draws = gives_token(r, s);
+            if draws && p.repetition_penalty != 1.0 {
+                penalised = true;
+                let bits = seen_bitmap(r.prompt.iter().chain(&r.generated).map(|&i| i as u32), vocab);
+                seen[k * words..(k + 1) * words].copy_from_slice(&bits);
+            }
+            for j in 0..s.rows {
+                table.extend_from_slice(&row_words(p, 0, r.generated.len() as u64, draws && j + 1 == s.rows, k));
+            }
+        }
+        Ok(stage::SampleIn { table, seen, penalised, want_logits: self.want_logits })
+    }
+
+    /// The last stage's part of a step: checks the logits, records them
+    /// (when wanted) and returns one id per segment. Non-finite logits (NaN
+    /// or Inf in the weights, or an overflow) end the run with the sequence
+    /// and position, or (serving) only that sequence, whose id is then -1.
+    pub fn finish(&mut self, segs: &[Segment], out: &stage::StepOut, vocab: usize, stage: usize) -> Result<Vec<i64>, StageError> {
+        use m3c_contract::sampling::{row, ROW_WORDS};
+        let mut row0 = 0;
+        let mut ids = Vec::with_capacity(segs.len());
+        'segments: for s in segs {
+            for j in 0..s.rows {
+                let bad = out
+                    .table
+                    .get((row0 + j) * ROW_WORDS + row::NON_FINITE)
+                    .copied()
+                    .ok_or_else(|| StageError::Step("a step returned a short sampling table".into()))?;
+                if bad != 0 && self.on_bad == OnNonFinite::EndSequence {
+                    ids.push(-1);
+                    row0 += s.rows;
+                    continue 'segments;
+                }
+                if bad != 0 {
+                    return Err(StageError::Step(format!(
+                        "stage {stage}: {bad} non-finite logits (NaN or Inf) at step for prompt {}, position {}; the weights or activations \
+                         hold NaN or Inf (check the checkpoint with `m3c inspect MODEL --check-values`)",
+                        s.seq,
+                        s.pos0 + j
+                    )));
+                }
+            }
+            let id =
+                out.ids.get(row0 + s.rows - 1).copied().ok_or_else(|| StageError::Step("a step returned fewer ids than rows".into()))?;
+            if id < 0 || id as usize >= vocab {
+                return Err(StageError::Step(format!("stage {stage}: the sampler chose id {id}, outside the vocabulary (0..{vocab})")));
+            }
+            let b = self.seq_mut(s.seq)?;
+            let r = &mut b.record;
+            if let Some(rows) = out.logits.get(row0 * vocab..(row0 + s.rows) * vocab) {
+                if s.pos0 < r.prompt.len() {
+                    // A prefill chunk (chunks of a sequence arrive in order).
+                    r.prefill_logits.extend_from_slice(rows);
+                } else {
+                    r.decode_logits.extend_from_slice(&rows[(s.rows - 1) * vocab..]);
+                }
+            }
+            // Only the prompt's last row and decode rows give tokens.
+            if gives_token(r, s) && r.generated.len() < b.max_new {
+                r.generated.push(id);
+            }
+            ids.push(id);
+            row0 += s.rows;
+        }
+        Ok(ids)
+    }
+}
+
+/// Whether a sequence's step ends at or past its prompt's last row, so its
+/// last row gives a token.
+fn gives_token(r: &SeqRecord, s: &Segment) -> bool {
+    s.pos0 + s.rows >= r.prompt.len()
+}

@@ -1,0 +1,120 @@
+//! A stage after the first, for `m3c run` and `m3c serve` alike: it applies
+//! joins and leaves (`KIND_ADD`, `KIND_DROP`: a sequence's caches live
+//! exactly as long as it does), steps each micro-batch it receives, passes
+//! the activations on, and (the last stage) samples and returns the ids to
+//! the first stage.
+
+use crate::books::LastBooks;
+use crate::error::StageError;
+use crate::liveness::Peers;
+use crate::stage::{Segment, Stage};
+use crate::wire::{self, bytes_f32, f32_bytes, message, Outbox, KIND_ADD, KIND_DROP, KIND_STATS, KIND_STEP, KIND_STOP, TAG_ACT, TAG_IDS};
+use m3c_contract::protocol::SeqRequest;
+use m3c_contract::sampling::{row_params, row_words, ROW_WORDS};
+use mpi::topology::SimpleCommunicator;
+
+/// A `KIND_ADD` message: the sequence, its cache capacity, sampling and prompt.
+pub(crate) fn add_message(a: &SeqRequest) -> Vec<u8> {
+    let mut payload: Vec<u8> = row_words(&a.sampling, 0, 0, true, 0).iter().flat_map(|w| w.to_le_bytes()).collect();
+    payload.extend(a.prompt.iter().flat_map(|i| i.to_le_bytes()));
+    message(KIND_ADD, &[Segment { seq: a.seq, pos0: 0, rows: capacity(a) }], &payload)
+}
+
+/// Cache rows a sequence needs: its prompt and every token it may generate
+/// (the last one's row too, for a step that only scores it).
+pub(crate) fn capacity(a: &SeqRequest) -> usize {
+    a.prompt.len() + a.max_new + 1
+}
+
+/// Words of an i64 payload.
+pub(crate) fn words(payload: &[u8]) -> Vec<i64> {
+    payload.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap_or([0; 8]))).collect()
+}
+
+/// A stage's own line of a stats message: (stage, steps, busy microseconds).
+pub(crate) fn stats_words(st: &Stage) -> [i64; 3] {
+    let (steps, busy) = st.busy();
+    [st.meta.stage as i64, steps as i64, (busy * 1e6) as i64]
+}
+
+/// Runs a stage after the first until the first stage stops the pipeline.
+pub(crate) fn follow(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Stage, books: &mut LastBooks) -> Result<(), StageError> {
+    let (rank, last) = (st.meta.stage, st.meta.last_stage);
+    let mut outbox = Outbox::default();
+    loop {
+        outbox.poll();
+        let m = wire::recv(world, peers, rank - 1, TAG_ACT)?;
+        let pass_on = |outbox: &mut Outbox, kind, payload: &[u8]| {
+            if !last {
+                outbox.send(world, rank + 1, TAG_ACT, message(kind, &m.segments, payload));
+            }
+        };
+        match m.kind {
+            KIND_STOP => {
+                pass_on(&mut outbox, KIND_STOP, &[]);
+                return outbox.drain(world, peers);
+            }
+            KIND_ADD => {
+                let s = m.segments.first().ok_or_else(|| StageError::Peer("an add message without its sequence".into()))?;
+                st.start_seq(s.seq, s.rows)?;
+                if last {
+                    let w = words(&m.payload);
+                    let table: [i64; ROW_WORDS] =
+                        w.get(..ROW_WORDS).and_then(|t| t.try_into().ok()).ok_or_else(|| StageError::Peer("a short add message".into()))?;
+                    let (sampling, ..) = row_params(&table);
+                    let prompt = w[ROW_WORDS..].to_vec();
+                    let max_new = s
+                        .rows
+                        .checked_sub(prompt.len() + 1)
+                        .ok_or_else(|| StageError::Peer("an add message's capacity is short".into()))?;
+                    books.start(s.seq, prompt, sampling, max_new);
+                }
+                pass_on(&mut outbox, KIND_ADD, &m.payload);
+            }
+            KIND_DROP => {
+                for s in &m.segments {
+                    st.end_seq(s.seq);
+                    books.end(s.seq);
+                }
+                pass_on(&mut outbox, KIND_DROP, &[]);
+            }
+            KIND_STATS => {
+                let mut payload = m.payload;
+                payload.extend(stats_words(st).iter().flat_map(|w| w.to_le_bytes()));
+                let (to, tag) = if last { (0, TAG_IDS) } else { (rank + 1, TAG_ACT) };
+                outbox.send(world, to, tag, message(KIND_STATS, &[], &payload));
+            }
+            KIND_STEP => step(world, st, books, &mut outbox, &m.segments, &m.payload)?,
+            k => return Err(StageError::Peer(format!("a message of unknown kind {k}"))),
+        }
+    }
+}
+
+/// One micro-batch through this stage: activations in, on to the next
+/// stage, or (the last) sampled and the ids back to the first.
+fn step(
+    world: &SimpleCommunicator,
+    st: &mut Stage,
+    books: &mut LastBooks,
+    outbox: &mut Outbox,
+    segs: &[Segment],
+    payload: &[u8],
+) -> Result<(), StageError> {
+    let (rank, last) = (st.meta.stage, st.meta.last_stage);
+    let tokens: usize = segs.iter().map(|s| s.rows).sum();
+    let mut x = if st.uses_nccl() { vec![0f32; tokens * st.meta.x_words()] } else { bytes_f32(payload) };
+    if !last && st.uses_nccl() {
+        // The step's NCCL send waits for the receiver, who needs the header first.
+        outbox.send(world, rank + 1, TAG_ACT, message(KIND_STEP, segs, &[]));
+    }
+    let sample = if last { Some(books.sample_in(segs, st.meta.vocab)?) } else { None };
+    let out = st.step(segs, &[], &mut x, sample)?;
+    if last {
+        let got = books.finish(segs, &out, st.meta.vocab, rank)?;
+        let payload: Vec<u8> = got.iter().flat_map(|i| i.to_le_bytes()).collect();
+        outbox.send(world, 0, TAG_IDS, message(KIND_STEP, segs, &payload));
+    } else if !st.uses_nccl() {
+        outbox.send(world, rank + 1, TAG_ACT, message(KIND_STEP, segs, &f32_bytes(&x)));
+    }
+    Ok(())
+}

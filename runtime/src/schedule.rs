@@ -1,0 +1,449 @@
+//! The first stage's scheduler, the one for `m3c run` and `m3c serve`:
+//! continuous batching over whatever the [`Feed`] adds. `m3c serve` feeds
+//! it the front's commands as they arrive on standard input; `m3c run`
+//! feeds it the run's prompts, all at once, and closes the feed.
+//!
+//! Each live sequence's next item (a prefill chunk of at most
+//! `--prefill-chunk` tokens, or one decode token) waits in a ready queue; up
+//! to one micro-batch per stage is in flight, each of up to `--micro-batch`
+//! sequences, so a long prompt is prefilled in chunks alongside the others'
+//! decodes and no stage idles while there is work. A sequence joins the
+//! stages (its caches are allocated) with a `KIND_ADD` message before its
+//! first step and leaves with `KIND_DROP` after its last, so each stage's
+//! memory holds only the live sequences. What a sequence generates does not
+//! depend on what else runs: the stages are batch-invariant and each draw
+//! is keyed by the sequence's own step.
+
+use crate::books::LastBooks;
+use crate::error::StageError;
+use crate::follow::{add_message, capacity, stats_words, words};
+use crate::liveness::Peers;
+use crate::stage::{Segment, Stage};
+use crate::wire::{self, f32_bytes, message, Outbox, KIND_DROP, KIND_STATS, KIND_STEP, KIND_STOP, TAG_ACT, TAG_IDS};
+use m3c_contract::images::SeqImages;
+use m3c_contract::protocol::{Command, EndReason, Event, SeqRequest};
+use mpi::topology::SimpleCommunicator;
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+/// The most cache rows a sequence may ask for (a bound, not a budget: the
+/// front admits requests against its cache budget and the model's context).
+const MAX_CAPACITY: usize = 1 << 24;
+
+/// What the feed has next.
+pub(crate) enum Next {
+    Command(Command),
+    /// A line that is not a command (serve: refused with `m3c-bad`).
+    Bad(String),
+    /// Nothing yet.
+    Empty,
+    /// Nothing ever again: the scheduler finishes what is live and stops.
+    Closed,
+}
+
+/// Where the scheduler's work comes from and where its events go.
+pub(crate) trait Feed {
+    /// The next command, waiting up to `wait` for one.
+    fn next(&mut self, wait: Duration) -> Next;
+    /// A sequence's images, encoded before its first step (`None`: it has none).
+    fn images(&mut self, a: &SeqRequest) -> Result<Option<SeqImages>, String>;
+    /// Something happened (a token, an end, readiness, stage stats).
+    fn event(&mut self, e: Event);
+    /// A command cannot be carried out. Serving, the front is told and the
+    /// others go on; a run fails.
+    fn refuse(&mut self, seq: Option<usize>, why: String) -> Result<(), StageError>;
+    /// Whether the stages' step counts are wanted (serve's metrics).
+    fn wants_stats(&self) -> bool;
+}
+
+/// How the scheduler batches.
+pub(crate) struct Batching {
+    /// Sequences per micro-batch.
+    pub per_batch: usize,
+    /// Prompt tokens per prefill step of a sequence.
+    pub chunk: usize,
+    /// The ids that end a sequence (kept as its last token).
+    pub eos: Vec<i64>,
+    /// One more step after a sequence's last token, whose logits the run's
+    /// dump or `--expect` records (its id is not kept).
+    pub score_last: bool,
+}
+
+/// A live sequence.
+struct Live {
+    prompt_len: usize,
+    max_new: usize,
+    ignore_eos: bool,
+    /// Prefill chunks not yet stepped: (first position, ids).
+    chunks: VecDeque<(usize, Vec<i64>)>,
+    generated: usize,
+    last_id: i64,
+    /// A step of it is in flight.
+    busy: bool,
+    cancelled: bool,
+    /// Stop strings (bytes), and the bytes it has generated so far.
+    stops: Vec<Vec<u8>>,
+    text: Vec<u8>,
+}
+
+/// The first stage's scheduler.
+pub(crate) struct Leader {
+    live: HashMap<usize, Live>,
+    ready: VecDeque<usize>,
+    in_flight: usize,
+    stages: usize,
+    batching: Batching,
+    /// Each token id's bytes, for stop strings (read when first needed).
+    token_bytes: Option<Vec<Vec<u8>>>,
+    model: Option<std::path::PathBuf>,
+    outbox: Outbox,
+}
+
+impl Leader {
+    pub fn new(st: &Stage, batching: Batching, model: Option<std::path::PathBuf>) -> Leader {
+        Leader {
+            live: HashMap::new(),
+            ready: VecDeque::new(),
+            in_flight: 0,
+            stages: st.meta.stages,
+            batching,
+            token_bytes: None,
+            model,
+            outbox: Outbox::default(),
+        }
+    }
+
+    /// Runs until the feed is closed and every sequence has ended, then
+    /// stops the pipeline.
+    pub fn run(
+        mut self,
+        world: &SimpleCommunicator,
+        peers: &mut Peers,
+        st: &mut Stage,
+        books: &mut LastBooks,
+        feed: &mut impl Feed,
+    ) -> Result<(), StageError> {
+        let mut feed_open = true;
+        let mut last_stats = Instant::now();
+        let mut stats_pending = false;
+        feed.event(Event::Ready);
+        loop {
+            peers.drain(world);
+            let mut worked = false;
+            // Commands first, so a new request joins the very next step.
+            while feed_open {
+                match feed.next(Duration::ZERO) {
+                    Next::Command(cmd) => {
+                        self.command(world, st, books, feed, cmd)?;
+                        worked = true;
+                    }
+                    Next::Bad(why) => feed.refuse(None, why)?,
+                    Next::Empty => break,
+                    Next::Closed => feed_open = false,
+                }
+            }
+            // One micro-batch per stage in flight. With one stage a step runs
+            // to its end here: one per turn, so commands are read between steps.
+            while self.in_flight < self.stages && !self.ready.is_empty() {
+                self.launch(world, st, books, feed)?;
+                worked = true;
+                if self.stages == 1 {
+                    break;
+                }
+            }
+            if self.stages > 1 {
+                worked |= self.collect(world, peers, st, books, feed, &mut stats_pending)?;
+            }
+            if feed.wants_stats() && last_stats.elapsed() >= Duration::from_secs(1) && !stats_pending {
+                last_stats = Instant::now();
+                if self.stages > 1 {
+                    let payload: Vec<u8> = stats_words(st).iter().flat_map(|w| w.to_le_bytes()).collect();
+                    self.outbox.send(world, 1, TAG_ACT, message(KIND_STATS, &[], &payload));
+                    stats_pending = true;
+                } else {
+                    stat_events(feed, &stats_words(st));
+                }
+            }
+            if !feed_open && self.live.is_empty() && self.in_flight == 0 {
+                break;
+            }
+            if !worked {
+                self.outbox.poll();
+                // Idle: wait briefly for a command (or, with steps in flight,
+                // for the ids, which the loop probes).
+                let wait = if self.in_flight > 0 { Duration::from_micros(50) } else { Duration::from_millis(2) };
+                if feed_open && self.in_flight == 0 {
+                    match feed.next(wait) {
+                        Next::Command(cmd) => self.command(world, st, books, feed, cmd)?,
+                        Next::Bad(why) => feed.refuse(None, why)?,
+                        Next::Empty => {}
+                        Next::Closed => feed_open = false,
+                    }
+                } else {
+                    std::thread::sleep(wait);
+                }
+            }
+        }
+        if self.stages > 1 {
+            self.outbox.send(world, 1, TAG_ACT, message(KIND_STOP, &[], &[]));
+        }
+        self.outbox.drain(world, peers)
+    }
+
+    /// Ids (and stats) back from the last stage; whether any came.
+    fn collect(
+        &mut self,
+        world: &SimpleCommunicator,
+        peers: &mut Peers,
+        st: &mut Stage,
+        books: &mut LastBooks,
+        feed: &mut impl Feed,
+        stats_pending: &mut bool,
+    ) -> Result<bool, StageError> {
+        let mut worked = false;
+        while let Some(m) = wire::try_recv(world, peers, self.stages - 1, TAG_IDS) {
+            let m = m?;
+            if m.kind == KIND_STATS {
+                stat_events(feed, &words(&m.payload));
+                *stats_pending = false;
+            } else {
+                self.in_flight -= 1;
+                self.returned(world, st, books, feed, &m.segments, &words(&m.payload))?;
+            }
+            worked = true;
+        }
+        // Heartbeats that came in during a long command (an image encode)
+        // count before anyone is judged silent.
+        peers.drain(world);
+        if let Some(r) = peers.silent(1..self.stages) {
+            return Err(StageError::Peer(crate::liveness::silent_message(r, peers.timeout)));
+        }
+        Ok(worked)
+    }
+
+    fn command(
+        &mut self,
+        world: &SimpleCommunicator,
+        st: &mut Stage,
+        books: &mut LastBooks,
+        feed: &mut impl Feed,
+        cmd: Command,
+    ) -> Result<(), StageError> {
+        match cmd {
+            Command::Add(a) => self.add(world, st, books, feed, a),
+            Command::Cancel(seq) => {
+                let Some(l) = self.live.get_mut(&seq) else { return Ok(()) };
+                l.cancelled = true;
+                if !l.busy {
+                    self.ready.retain(|&s| s != seq);
+                    self.end(world, st, books, feed, seq, EndReason::Cancelled);
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// A sequence joins: checked, its caches allocated on every stage, its
+    /// images encoded, its prefill queued.
+    fn add(
+        &mut self,
+        world: &SimpleCommunicator,
+        st: &mut Stage,
+        books: &mut LastBooks,
+        feed: &mut impl Feed,
+        a: SeqRequest,
+    ) -> Result<(), StageError> {
+        if self.live.contains_key(&a.seq) {
+            return feed.refuse(Some(a.seq), "the sequence is already live".into());
+        }
+        if a.prompt.is_empty() || a.prompt.iter().any(|&i| i < 0 || i as usize >= st.meta.vocab) {
+            return feed.refuse(Some(a.seq), "the prompt is empty or has ids outside the vocabulary".into());
+        }
+        if a.prompt.len().checked_add(a.max_new).and_then(|n| n.checked_add(1)).is_none_or(|n| n > MAX_CAPACITY) {
+            return feed.refuse(Some(a.seq), format!("the prompt and max_new exceed {MAX_CAPACITY} positions"));
+        }
+        if !a.stops.is_empty() && self.token_bytes.is_none() {
+            match load_token_bytes(self.model.as_deref()) {
+                Ok(t) => self.token_bytes = Some(t),
+                Err(why) => return feed.refuse(Some(a.seq), why),
+            }
+        }
+        st.start_seq(a.seq, capacity(&a))?;
+        let encoded = feed.images(&a).and_then(|im| match im {
+            Some(im) => st.encode_images(a.seq, &a.prompt, &im).map_err(|e| e.to_string()),
+            None => placeholders_without_images(st, &a.prompt),
+        });
+        if let Err(why) = encoded {
+            st.end_seq(a.seq);
+            return feed.refuse(Some(a.seq), why);
+        }
+        if self.stages > 1 {
+            self.outbox.send(world, 1, TAG_ACT, add_message(&a));
+        } else {
+            books.start(a.seq, a.prompt.clone(), a.sampling, a.max_new);
+        }
+        let chunk = self.batching.chunk;
+        let chunks = a.prompt.chunks(chunk).enumerate().map(|(k, c)| (k * chunk, c.to_vec())).collect();
+        self.live.insert(
+            a.seq,
+            Live {
+                prompt_len: a.prompt.len(),
+                max_new: a.max_new,
+                ignore_eos: a.ignore_eos,
+                chunks,
+                generated: 0,
+                last_id: 0,
+                busy: false,
+                cancelled: false,
+                stops: a.stops,
+                text: Vec::new(),
+            },
+        );
+        self.ready.push_back(a.seq);
+        Ok(())
+    }
+
+    /// Steps the next micro-batch of ready sequences.
+    fn launch(
+        &mut self,
+        world: &SimpleCommunicator,
+        st: &mut Stage,
+        books: &mut LastBooks,
+        feed: &mut impl Feed,
+    ) -> Result<(), StageError> {
+        let mut segs = Vec::new();
+        let mut ids = Vec::new();
+        while segs.len() < self.batching.per_batch {
+            let Some(seq) = self.ready.pop_front() else { break };
+            let l =
+                self.live.get_mut(&seq).ok_or_else(|| StageError::Step(format!("runtime bug: sequence {seq} is ready but not live")))?;
+            let (pos0, item) = match l.chunks.pop_front() {
+                Some(c) => c,
+                None => (l.prompt_len + l.generated - 1, vec![l.last_id]),
+            };
+            l.busy = true;
+            segs.push(Segment { seq, pos0, rows: item.len() });
+            ids.extend(item);
+        }
+        let mut x = vec![0f32; ids.len() * st.meta.x_words()];
+        if self.stages == 1 {
+            let sample = books.sample_in(&segs, st.meta.vocab)?;
+            let out = st.step(&segs, &ids, &mut x, Some(sample))?;
+            let got = books.finish(&segs, &out, st.meta.vocab, 0)?;
+            return self.returned(world, st, books, feed, &segs, &got);
+        }
+        if st.uses_nccl() {
+            // The step's NCCL send waits for the receiver, who needs the header first.
+            self.outbox.send(world, 1, TAG_ACT, message(KIND_STEP, &segs, &[]));
+        }
+        st.step(&segs, &ids, &mut x, None)?;
+        if !st.uses_nccl() {
+            self.outbox.send(world, 1, TAG_ACT, message(KIND_STEP, &segs, &f32_bytes(&x)));
+        }
+        self.in_flight += 1;
+        Ok(())
+    }
+
+    /// A micro-batch came back with one id per segment.
+    fn returned(
+        &mut self,
+        world: &SimpleCommunicator,
+        st: &mut Stage,
+        books: &mut LastBooks,
+        feed: &mut impl Feed,
+        segs: &[Segment],
+        ids: &[i64],
+    ) -> Result<(), StageError> {
+        if ids.len() != segs.len() {
+            return Err(StageError::Peer("an id message with one id per segment expected".into()));
+        }
+        for (s, &id) in segs.iter().zip(ids) {
+            let l = self.live.get_mut(&s.seq).ok_or_else(|| StageError::Step(format!("ids for sequence {}, which is not live", s.seq)))?;
+            l.busy = false;
+            let reason = if l.cancelled {
+                Some(EndReason::Cancelled)
+            } else if id < 0 {
+                // Its logits were not finite: it ends, the others go on.
+                Some(EndReason::Error)
+            } else if s.pos0 + s.rows < l.prompt_len {
+                // A prefill chunk before the prompt's last: no token yet.
+                None
+            } else if l.generated >= l.max_new {
+                // Nothing more to generate: this step only scored the last
+                // token (or, with max_new 0, the prompt).
+                Some(EndReason::Length)
+            } else {
+                l.generated += 1;
+                l.last_id = id;
+                feed.event(Event::Id { seq: s.seq, id: id as u32 });
+                let eos = !l.ignore_eos && self.batching.eos.contains(&id);
+                if eos || stop_string_ends(l, id, self.token_bytes.as_deref()) {
+                    Some(EndReason::Stop)
+                } else if l.generated >= l.max_new && !self.batching.score_last {
+                    Some(EndReason::Length)
+                } else {
+                    None
+                }
+            };
+            match reason {
+                Some(r) => self.end(world, st, books, feed, s.seq, r),
+                None => self.ready.push_back(s.seq),
+            }
+        }
+        Ok(())
+    }
+
+    /// A sequence leaves: the feed is told, every stage frees its caches.
+    fn end(
+        &mut self,
+        world: &SimpleCommunicator,
+        st: &mut Stage,
+        books: &mut LastBooks,
+        feed: &mut impl Feed,
+        seq: usize,
+        reason: EndReason,
+    ) {
+        self.live.remove(&seq);
+        books.end(seq);
+        st.end_seq(seq);
+        if self.stages > 1 {
+            self.outbox.send(world, 1, TAG_ACT, message(KIND_DROP, &[Segment { seq, pos0: 0, rows: 0 }], &[]));
+        }
+        feed.event(Event::End { seq, reason });
+    }
+}
+
+/// Whether the token `id` completes one of the sequence's stop strings (the
+/// token is kept; the text the front shows is cut before the stop string).
+fn stop_string_ends(l: &mut Live, id: i64, token_bytes: Option<&[Vec<u8>]>) -> bool {
+    let Some(table) = token_bytes.filter(|_| !l.stops.is_empty()) else { return false };
+    let from = l.text.len();
+    l.text.extend_from_slice(usize::try_from(id).ok().and_then(|i| table.get(i)).map_or(&[][..], Vec::as_slice));
+    m3c_contract::token_bytes::stop_end(&l.text, from, &l.stops).is_some()
+}
+
+/// A prompt with image placeholders needs its images, as in the reference.
+fn placeholders_without_images(st: &Stage, prompt: &[i64]) -> Result<(), String> {
+    match &st.meta.vision {
+        Some(v) => match prompt.iter().filter(|&&id| id == v.image_token).count() {
+            0 => Ok(()),
+            n => Err(format!("the prompt has {n} image placeholder(s) (id {}) but no image", v.image_token)),
+        },
+        None => Ok(()),
+    }
+}
+
+/// The bytes of every token id, from the checkpoint's `tokenizer.json`.
+fn load_token_bytes(model: Option<&std::path::Path>) -> Result<Vec<Vec<u8>>, String> {
+    let dir = model.ok_or("stop strings need --model DIR with a tokenizer.json")?;
+    let file = dir.join("tokenizer.json");
+    let json = m3c_contract::read_user_file(&file, "tokenizer", m3c_contract::input::limits::TOKENIZER)
+        .map_err(|e| format!("stop strings: {e}"))?;
+    m3c_contract::token_bytes::byte_level_table(&json).map_err(|e| format!("stop strings: {}: {e}", file.display()))
+}
+
+fn stat_events(feed: &mut impl Feed, w: &[i64]) {
+    for s in w.chunks_exact(3) {
+        feed.event(Event::Stat { stage: s[0] as usize, steps: s[1] as u64, busy_s: s[2] as f64 / 1e6 });
+    }
+}
