@@ -20,10 +20,38 @@ pub struct CudaArtifacts {
     pub lowered: String,
 }
 
-/// The pipeline: NVVM for device code (PTX via LLVM's NVPTX back end), LLVM
-/// dialect for host code.
-pub fn pipeline(arch: &str) -> String {
-    format!("builtin.module(gpu-lower-to-nvvm-pipeline{{cubin-chip={arch} cubin-features=+ptx80 cubin-format=isa opt-level=3}})")
+/// MLIR's `gpu-lower-to-nvvm-pipeline` as it expands for `arch`
+/// (NVVM for device code, PTX via LLVM's NVPTX back end; the LLVM dialect
+/// for host code), spelled out so that `gpu-module-to-binary` can be told
+/// where the toolkit is: the built-in pipeline only finds libdevice through
+/// the process environment, which worker threads must not change. A unit
+/// test checks this is exactly the built-in expansion but for `toolkit`.
+const NVVM_PIPELINE: &str = "builtin.module(convert-nvgpu-to-nvvm,gpu-kernel-outlining{data-layout-str=},\
+convert-vector-to-scf{full-unroll=false lower-scalable=false lower-tensors=false target-rank=1},\
+convert-scf-to-cf{allow-pattern-rollback=true},convert-nvvm-to-llvm,\
+convert-func-to-llvm{index-bitwidth=0 use-bare-ptr-memref-call-conv=false},expand-strided-metadata,\
+nvvm-attach-target{O=3 chip=ARCH fast=false features=+ptx80 ftz=false  module= ptxas-cmd-options= triple=nvptx64-nvidia-cuda},\
+lower-affine,convert-arith-to-llvm{index-bitwidth=0},convert-index-to-llvm{index-bitwidth=64},\
+canonicalize{  max-iterations=10 max-num-rewrites=-1 region-simplify=normal test-convergence=false top-down=true},cse,\
+gpu.module(convert-gpu-to-nvvm{allow-pattern-rollback=true  has-redux=false index-bitwidth=64 use-bare-ptr-memref-call-conv=false}),\
+gpu.module(canonicalize{  max-iterations=10 max-num-rewrites=-1 region-simplify=normal test-convergence=false top-down=true}),\
+gpu.module(cse),gpu.module(reconcile-unrealized-casts),\
+gpu-to-llvm{intersperse-sizes-for-kernels=false use-bare-pointers-for-host=false use-bare-pointers-for-kernels=false},\
+gpu-module-to-binary{format=isa  opts= section= toolkit=TOOLKIT},convert-math-to-llvm{approximate-log1p=true},\
+canonicalize{  max-iterations=10 max-num-rewrites=-1 region-simplify=normal test-convergence=false top-down=true},cse,\
+reconcile-unrealized-casts)";
+
+/// The pass pipeline for `arch` with libdevice from the toolkit at `toolkit`.
+pub fn pipeline(arch: &str, toolkit: &Path) -> Result<String, BackendError> {
+    let root = toolkit.to_str().filter(|t| !t.is_empty() && !t.contains(|c: char| c.is_whitespace() || ",{}\"'=".contains(c)));
+    let root = root.ok_or_else(|| {
+        BackendError::Toolkit(format!(
+            "{}: a CUDA toolkit path m3c can pass to MLIR must be UTF-8 without spaces, commas, quotes, braces or `=`; \
+             link or copy the toolkit to such a path and set CUDA_ROOT to it",
+            toolkit.display()
+        ))
+    })?;
+    Ok(NVVM_PIPELINE.replace("chip=ARCH", &format!("chip={arch}")).replace("toolkit=TOOLKIT", &format!("toolkit={root}")))
 }
 
 /// Where libdevice (and ptxas) come from: `$CUDA_ROOT`, else `/usr/local/cuda`.
@@ -50,9 +78,8 @@ pub fn ptxas(root: &Path) -> Option<PathBuf> {
 
 /// Lowers one stage's GPU module for `arch` (e.g. `sm_90a`).
 pub fn compile(mlir: &str, arch: &str) -> Result<CudaArtifacts, BackendError> {
-    let root = cuda_root()?;
-    // MLIR's NVVM target reads CUDA_ROOT to find libdevice (math functions).
-    std::env::set_var("CUDA_ROOT", &root);
+    // libdevice (math functions) comes from the toolkit the pipeline names.
+    let pipeline = pipeline(arch, &cuda_root()?)?;
     static INIT: std::sync::Once = std::sync::Once::new();
     INIT.call_once(register_all_passes);
     if let Some(d) = std::env::var_os("M3C_DUMP_DIR") {
@@ -62,7 +89,6 @@ pub fn compile(mlir: &str, arch: &str) -> Result<CudaArtifacts, BackendError> {
     let context = super::host::context();
     let mut module =
         Module::parse(&context, mlir).ok_or_else(|| BackendError::Parse { head: mlir.lines().take(12).collect::<Vec<_>>().join("\n") })?;
-    let pipeline = pipeline(arch);
     let pm = PassManager::new(&context);
     pm.enable_verifier(true);
     let err = |e: melior::Error| BackendError::Passes { pipeline: pipeline.clone(), message: e.to_string() };
@@ -147,4 +173,33 @@ fn extract_ptx(lowered: &str) -> Option<String> {
         }
     }
     None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The spelled-out pipeline is MLIR's own `gpu-lower-to-nvvm-pipeline`
+    /// (with our options) pass for pass and option for option, but for
+    /// the toolkit path: the same device code, without touching the
+    /// process environment.
+    #[test]
+    fn the_pipeline_is_mlirs_nvvm_pipeline_with_the_toolkit_named() {
+        static INIT: std::sync::Once = std::sync::Once::new();
+        INIT.call_once(register_all_passes);
+        let context = super::super::host::context();
+        let printed = |text: &str| {
+            let pm = PassManager::new(&context);
+            parse_pass_pipeline(pm.as_operation_pass_manager(), text).unwrap_or_else(|e| panic!("{text}: {e}"));
+            pm.as_operation_pass_manager().to_string()
+        };
+        let builtin =
+            printed("builtin.module(gpu-lower-to-nvvm-pipeline{cubin-chip=sm_90a cubin-features=+ptx80 cubin-format=isa opt-level=3})");
+        let ours = printed(&pipeline("sm_90a", Path::new("/opt/cuda-12.9")).unwrap());
+        assert!(ours.contains("toolkit=/opt/cuda-12.9") && builtin.contains("toolkit=}"), "{ours}\n{builtin}");
+        assert_eq!(ours.replace("toolkit=/opt/cuda-12.9", "toolkit="), builtin);
+        for bad in ["/opt/my cuda", "/a,b", "/x}y", ""] {
+            assert!(matches!(pipeline("sm_90a", Path::new(bad)), Err(BackendError::Toolkit(_))), "{bad:?}");
+        }
+    }
 }
