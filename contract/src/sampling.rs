@@ -784,8 +784,12 @@ pub fn sample(logits: &[f32], seen: &[u32], p: &SamplingParams, request: u64, st
 }
 
 /// Words per row of the sampling table that the stage entry hands its
-/// sampling kernel (`[rows, ROW_WORDS]` i64), and what each holds.
-pub const ROW_WORDS: usize = 8;
+/// sampling kernel (`[rows, ROW_WORDS]` i64), and what each holds. Words 8
+/// and up are reserved for the request fields OpenAI clients send that act
+/// on the logits (named below); until a sampler reads one it is 0, which
+/// every one of them defines as "off", so the table's width and the
+/// kernels' signature do not change when they land.
+pub const ROW_WORDS: usize = 16;
 pub mod row {
     /// Temperature (f32 bits, low half) and top-p (f32 bits, high half).
     pub const TEMPERATURE_TOP_P: usize = 0;
@@ -801,6 +805,21 @@ pub mod row {
     pub const FLAGS: usize = 6;
     /// Written by the sampler: how many of the row's logits are NaN or ±∞.
     pub const NON_FINITE: usize = 7;
+    /// Reserved: presence (low half) and frequency (high half) penalties,
+    /// f32 bits (0 = none).
+    pub const PRESENCE_FREQUENCY: usize = 8;
+    /// Reserved: min tokens (the EOS ids are masked until the sequence has
+    /// this many; 0 = none).
+    pub const MIN_TOKENS: usize = 9;
+    /// Reserved: how many most likely alternatives to report with each
+    /// token's log-probability (logprobs; 0 = none).
+    pub const LOGPROBS: usize = 10;
+    /// Reserved: the step's logit-bias entries of this row (first entry in
+    /// bits 0-31, count in bits 32 and up; 0 = none).
+    pub const LOGIT_BIAS: usize = 11;
+    /// Reserved: 1 + the row of the step's allowed-token bitmaps
+    /// (structured output; 0 = every token allowed).
+    pub const TOKEN_MASK: usize = 12;
     pub const SAMPLE: i64 = 1;
 }
 

@@ -374,7 +374,9 @@ fn gpu_constants(width: usize) -> String {
         i32c("%pw0", 0x9E37_79B9),
         i32c("%pw1", 0xBB67_AE85),
     ));
-    for idx in 0..ROW_WORDS {
+    // The words this kernel reads or writes (the reserved ones after them
+    // are not yet read).
+    for idx in 0..=row::NON_FINITE {
         s.push_str(&format!("%cw{idx} = arith.constant {idx} : index\n"));
     }
     s.push_str(&f32c("%log2e", exp_consts::LOG2_E));
