@@ -15,6 +15,8 @@
 //!   encodes images reads (patch rows and grids per sequence).
 //! - [`prompts`]: token-id prompts (`--prompt-ids`, prompts files) and the
 //!   numbers of the run command line.
+//! - [`target`]: what stages are compiled for (`host`, `cuda ARCH`), one
+//!   type from the plan to the manifest and the stage metadata.
 //! - [`stage_args`]: a stage executable's command line, as a type with one
 //!   encoder (the front's) and one parser (the stage's).
 //! - [`protocol`]: the commands and events between the front and the first
@@ -35,6 +37,7 @@ pub mod protocol;
 pub mod sampling;
 pub mod stage;
 pub mod stage_args;
+pub mod target;
 pub mod token_bytes;
 mod unique_map;
 

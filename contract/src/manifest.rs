@@ -13,8 +13,7 @@ pub const FORMAT: &str = "m3c-out/2";
 pub struct Manifest {
     pub format: String,
     pub compiler: String,
-    /// `host`, or `cuda ARCH` (the stage metadata's target).
-    pub target: String,
+    pub target: crate::target::Target,
     pub cpu: String,
     /// How the KV and index-key caches store elements (`f32` or `bf16`).
     pub kv_cache: String,
@@ -155,7 +154,7 @@ mod tests {
         Manifest {
             format: FORMAT.into(),
             compiler: "m3c 0.1.0".into(),
-            target: "host".into(),
+            target: crate::target::Target::Host,
             cpu: "x86-64".into(),
             kv_cache: "bf16".into(),
             activations: "f32".into(),

@@ -60,8 +60,7 @@ pub struct StageMeta {
     pub last_stage: bool,
     /// LLVM CPU of the host code.
     pub cpu: String,
-    /// `host`, or `cuda ARCH`.
-    pub target: String,
+    pub target: crate::target::Target,
     /// The plan's CUDA device ordinal for this stage, if it names one.
     pub device: Option<i32>,
     pub tensors: Vec<TensorSlot>,
@@ -170,7 +169,7 @@ mod tests {
             first_stage: false,
             last_stage: true,
             cpu: "x86-64".into(),
-            target: "host".into(),
+            target: crate::target::Target::Host,
             device: None,
             tensors: vec![TensorSlot { name: "w".into(), shape: vec![2, 8], dtype: DType::BF16 }],
             caches: vec![CacheSlot { layer: 1, kind: "key".into(), width: 8, bytes: 4 }],

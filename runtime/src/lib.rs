@@ -219,7 +219,7 @@ fn stage_main(
             .collect(),
     );
     let threads = set_kernel_threads();
-    let meta_is_cuda = meta.target.starts_with("cuda");
+    let meta_is_cuda = meta.target.is_gpu();
     let st = if meta_is_cuda {
         let local_rank = std::env::var("OMPI_COMM_WORLD_LOCAL_RANK").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
         stage::Stage::gpu(meta, weights, local_rank, who)

@@ -13,14 +13,14 @@ pub fn new(
     runtime_sha: &str,
     compile_id: &str,
     cpu: &str,
-    target: &str,
+    target: &m3c_contract::target::Target,
     kv_cache: &str,
     activations: &str,
 ) -> Manifest {
     Manifest {
         format: FORMAT.into(),
         compiler: format!("m3c {}", env!("CARGO_PKG_VERSION")),
-        target: target.into(),
+        target: target.clone(),
         cpu: cpu.into(),
         kv_cache: kv_cache.into(),
         activations: activations.into(),

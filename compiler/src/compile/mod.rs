@@ -116,7 +116,7 @@ fn stage_meta(
     compile_id: &str,
     config_sha: &str,
     cpu: &str,
-    target: &str,
+    target: &Target,
     device: Option<usize>,
     act: m3c_kernels::Storage,
 ) -> String {
@@ -134,7 +134,7 @@ fn stage_meta(
         first_stage: p.input == Boundary::TokenIds,
         last_stage: matches!(p.output, Boundary::Logits { .. }),
         cpu: cpu.into(),
-        target: target.into(),
+        target: target.clone(),
         device: device.map(|d| d as i32),
         tensors: p.tensors.clone(),
         caches: p.caches.clone(),
@@ -216,10 +216,7 @@ struct StageCode {
 }
 
 pub fn compile(req: &CompileRequest) -> Result<Manifest> {
-    let cuda_arch = match &req.plan.target {
-        Target::Host => None,
-        Target::Cuda { arch } => Some(arch.clone()),
-    };
+    let cuda_arch = req.plan.target.gpu_arch().map(str::to_string);
     let cfg = req.config;
     let config_bytes = std::fs::read(&cfg.source).with_context(|| format!("cannot read {}", cfg.source.display()))?;
     let config_sha = sha256_hex(&config_bytes);
@@ -234,10 +231,7 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
     // The compile id covers every input: compiler version, target and CPU,
     // the config's bytes, the plan, the runtime library and the generated
     // code of every stage (which is where the kernel generators show).
-    let target_name = match &cuda_arch {
-        None => "host".to_string(),
-        Some(a) => format!("cuda {a}"),
-    };
+    let target_name = req.plan.target.to_string();
     let mut h = Sha256::new();
     let (kv_cache, activations) = (req.storages.kv_cache.name(), req.storages.activations.name());
     for part in [env!("CARGO_PKG_VERSION"), &target_name, &req.cpu, kv_cache, activations, &config_sha, &plan_json, &runtime_sha] {
@@ -252,7 +246,7 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
 
     let n = programs.len();
     let mut manifest =
-        manifest::new(cfg, &config_sha, &plan_json, &runtime_sha, &compile_id, &req.cpu, &target_name, kv_cache, activations);
+        manifest::new(cfg, &config_sha, &plan_json, &runtime_sha, &compile_id, &req.cpu, &req.plan.target, kv_cache, activations);
     let mut report = String::new();
     crate::fsutil::write_dir_atomically(req.out, check_replaceable_output, |dir| {
         let work = dir.join(".obj");
@@ -270,7 +264,7 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
                     &compile_id,
                     &config_sha,
                     &req.cpu,
-                    &target_name,
+                    &req.plan.target,
                     req.plan.stages[p.index].device,
                     req.storages.activations,
                 );

@@ -45,23 +45,7 @@ impl fmt::Display for LayerRange {
     }
 }
 
-/// What the stages are compiled for.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-pub enum Target {
-    /// x86-64 host code; stages talk over MPI.
-    Host,
-    /// NVIDIA GPUs of the given architecture (`sm_90a`); stages talk over NCCL.
-    Cuda { arch: String },
-}
-
-impl fmt::Display for Target {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Target::Host => f.write_str("host"),
-            Target::Cuda { arch } => write!(f, "cuda ({arch})"),
-        }
-    }
-}
+pub use m3c_contract::target::{valid_arch, Target};
 
 /// One pipeline stage: a contiguous range of layers and the non-layer parts it holds.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -231,14 +215,6 @@ fn too_deep(text: &str) -> Option<usize> {
 }
 
 pub use m3c_contract::manifest::valid_host;
-
-/// Whether `arch` is a CUDA architecture name like `sm_90a`.
-pub fn valid_arch(arch: &str) -> bool {
-    arch.strip_prefix("sm_").is_some_and(|r| {
-        let digits = r.strip_suffix('a').unwrap_or(r);
-        !digits.is_empty() && digits.len() <= 4 && digits.chars().all(|c| c.is_ascii_digit())
-    })
-}
 
 /// Reads only the `model:` entry of a plan (to find the model before validating).
 pub fn plan_model(path: &Path) -> Result<Option<PathBuf>, PlanError> {
