@@ -284,17 +284,13 @@ fn bytes_of_mut<T: bytemuck::Pod>(v: &mut [T]) -> &mut [u8] {
 }
 
 impl Stage {
+    /// A stage with nothing run yet.
+    fn new(meta: StageMeta, backing: Backing) -> Stage {
+        Stage { meta, backing, nccl: None, prefill: (0, 0.0), decode: (0, 0.0), images: HashMap::new(), encoded: (0, 0.0), cache_peak: 0 }
+    }
+
     pub fn host(meta: StageMeta, weights: StageWeights) -> Stage {
-        Stage {
-            meta,
-            backing: Backing::Host { weights, seqs: HashMap::new() },
-            nccl: None,
-            prefill: (0, 0.0),
-            decode: (0, 0.0),
-            images: HashMap::new(),
-            encoded: (0, 0.0),
-            cache_peak: 0,
-        }
+        Stage::new(meta, Backing::Host { weights, seqs: HashMap::new() })
     }
 
     /// Opens the GPU and uploads the stage's weights to it, reporting progress.
@@ -327,16 +323,7 @@ impl Stage {
         // The mapped checkpoint is no longer needed: `weights` is dropped here.
         let graphs = Graphs { on: true, ..Graphs::default() };
         let backing = Backing::Gpu { device, weights: uploaded, table, table_dev, seqs: HashMap::new(), graphs };
-        Ok(Stage {
-            meta,
-            backing,
-            nccl: None,
-            prefill: (0, 0.0),
-            decode: (0, 0.0),
-            images: HashMap::new(),
-            encoded: (0, 0.0),
-            cache_peak: 0,
-        })
+        Ok(Stage::new(meta, backing))
     }
 
     /// Opens the caches of sequence `seq`, sized for `capacity` positions.
