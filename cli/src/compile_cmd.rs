@@ -55,8 +55,8 @@ pub(crate) fn compile_cmd(args: CompileArgs) -> Result<()> {
             _ => m3c_compiler::compile::Emit::Ptx,
         });
     }
-    if emit.contains(&m3c_compiler::compile::Emit::Ptx) && p.target == Target::Host {
-        bail!("--emit ptx needs the cuda target (--target cuda, or `target: cuda` in the plan)");
+    if emit.contains(&m3c_compiler::compile::Emit::Ptx) && !m3c_compiler::backend::backend(&p.target).has_device_code() {
+        bail!("--emit ptx needs a GPU target (--target cuda, or `target: cuda` in the plan); {} has no device code", p.target);
     }
     m3c_compiler::compile::check_out_path(&args.out, &model)?;
     m3c_compiler::backend::check_cpu(&args.cpu)?;

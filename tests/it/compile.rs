@@ -123,7 +123,7 @@ fn compile_errors_leave_nothing_behind() {
         dir.path().join("p").to_str().unwrap(),
     ]);
     assert!(!o.status.success());
-    assert!(stderr(&o).contains("--emit ptx needs the cuda target"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--emit ptx needs a GPU target"), "{}", stderr(&o));
     // No partial folders are left beside it.
     let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(left.len(), 1, "{left:?}");

@@ -4,8 +4,11 @@
 pub mod cuda;
 pub mod host;
 mod llvm_fatal;
+pub mod ptx_report;
+mod target;
 
 pub use llvm_fatal::install_llvm_fatal_handler;
+pub use target::{backend, Backend, StageCode};
 
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {

@@ -9,17 +9,17 @@
 
 mod link;
 mod manifest;
-pub mod ptx_report;
 
 pub use link::{find_runtime_lib, sh_quote, RUNTIME_LIB_ENV};
 pub use m3c_contract::manifest::{sha256_hex, Manifest, StageEntry};
 
-use crate::backend::host;
+use crate::backend::StageCode;
 use crate::config::ModelConfig;
 use crate::graph::build_graph;
 use crate::lower::{lower_stage, Boundary, StageProgram, Storages};
-use crate::plan::{Plan, Target};
+use crate::plan::Plan;
 use anyhow::{Context, Result};
+use m3c_contract::target::Target;
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 
@@ -199,24 +199,12 @@ pub fn lower_all(cfg: &ModelConfig, plan: &Plan, storages: Storages) -> Result<V
         );
     }
     let graph = build_graph(cfg);
-    plan.stages.iter().enumerate().map(|(i, s)| Ok(lower_stage(cfg, &graph, i, s, &plan.target, storages)?)).collect()
-}
-
-/// What the back end made of one stage, whichever the target.
-struct StageCode {
-    object: Vec<u8>,
-    /// (file suffix, text) written with `--emit`.
-    emitted: Vec<(String, String)>,
-    /// PTX (CUDA target).
-    ptx: Option<String>,
-    /// The cubin ptxas made of it, embedded instead of the PTX (CUDA target, ptxas present).
-    cubin: Option<Vec<u8>>,
-    /// Compile-report lines (CUDA target).
-    report: String,
+    let backend = crate::backend::backend(&plan.target);
+    plan.stages.iter().enumerate().map(|(i, s)| Ok(lower_stage(cfg, &graph, i, s, &*backend, storages)?)).collect()
 }
 
 pub fn compile(req: &CompileRequest) -> Result<Manifest> {
-    let cuda_arch = req.plan.target.gpu_arch().map(str::to_string);
+    let backend = crate::backend::backend(&req.plan.target);
     let cfg = req.config;
     let config_bytes = std::fs::read(&cfg.source).with_context(|| format!("cannot read {}", cfg.source.display()))?;
     let config_sha = sha256_hex(&config_bytes);
@@ -271,38 +259,7 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
                 format!("{}{}}}\n", p.mlir.trim_end().strip_suffix('}').unwrap_or(&p.mlir), meta_globals(&meta))
             })
             .collect();
-        let arts = parallel_map(&modules, |i, m| -> Result<StageCode> {
-            let ctx = || format!("stage {i}: back end");
-            match &cuda_arch {
-                None => {
-                    let art = host::compile(m, &req.cpu).with_context(ctx)?;
-                    Ok(StageCode {
-                        object: art.object,
-                        emitted: vec![(".llvm.mlir".into(), art.llvm_dialect), (".ll".into(), art.llvm_ir)],
-                        ptx: None,
-                        cubin: None,
-                        report: String::new(),
-                    })
-                }
-                Some(arch) => {
-                    let gpu = crate::backend::cuda::compile(m, arch).with_context(ctx)?;
-                    let asm = ptx_report::assemble(i, &gpu.ptx, &work)?;
-                    let lowered = match &asm.cubin {
-                        Some(cubin) => crate::backend::cuda::embed_cubin(&gpu.lowered, cubin)
-                            .with_context(|| format!("stage {i}: no device object in the lowered module to replace with the cubin"))?,
-                        None => gpu.lowered,
-                    };
-                    let art = host::object_from_lowered(&lowered, &req.cpu).with_context(ctx)?;
-                    Ok(StageCode {
-                        object: art.object,
-                        emitted: vec![(".llvm.mlir".into(), art.llvm_dialect), (".ll".into(), art.llvm_ir)],
-                        ptx: Some(gpu.ptx),
-                        cubin: asm.cubin,
-                        report: asm.report,
-                    })
-                }
-            }
-        })?;
+        let arts = parallel_map(&modules, |i, m| -> Result<StageCode> { backend.compile_stage(i, m, &req.cpu, &work) })?;
         for (p, art) in programs.iter().zip(arts) {
             let name = format!("stage-{}", p.index);
             if req.emit.contains(&Emit::Mlir) {
@@ -314,36 +271,27 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
                     std::fs::write(dir.join(format!("{name}{suffix}")), text)?;
                 }
             }
-            if let Some(ptx) = &art.ptx {
-                if req.emit.contains(&Emit::Ptx) {
-                    std::fs::write(dir.join(format!("{name}.ptx")), ptx)?;
-                    if let Some(cubin) = &art.cubin {
-                        std::fs::write(dir.join(format!("{name}.cubin")), cubin)?;
-                    }
+            if req.emit.contains(&Emit::Ptx) {
+                for (suffix, bytes) in &art.device_files {
+                    std::fs::write(dir.join(format!("{name}{suffix}")), bytes)?;
                 }
-                report.push_str(&art.report);
             }
+            report.push_str(&art.report);
             let obj = work.join(format!("{name}.o"));
             std::fs::write(&obj, &art.object)?;
             let exe = dir.join(&name);
             link::link(&obj, &req.runtime_lib, &exe).with_context(|| format!("stage {}: linking {}", p.index, exe.display()))?;
             let bytes = std::fs::read(&exe)?;
             let mut entry = manifest::stage_entry(p, &name, &bytes, req.plan.stages[p.index].host.clone());
-            if let Some(arch) = &cuda_arch {
-                entry.device_code = Some(if art.cubin.is_some() {
-                    format!("cubin {arch}")
-                } else {
-                    format!("ptx {arch} (JIT-compiled by the driver at start-up)")
-                });
-            }
+            entry.device_code = art.device_code;
             manifest.stages.push(entry);
         }
         std::fs::remove_dir_all(&work)?;
         let hosts: Vec<Option<String>> = req.plan.stages.iter().map(|s| s.host.clone()).collect();
         std::fs::write(dir.join("run.sh"), link::launcher(&hosts))?;
         set_executable(&dir.join("run.sh"))?;
-        if !report.is_empty() {
-            std::fs::write(dir.join("compile-report.txt"), ptx_report::header() + &report)?;
+        if let Some(header) = backend.report_header().filter(|_| !report.is_empty()) {
+            std::fs::write(dir.join("compile-report.txt"), header + &report)?;
         }
         let text = serde_json::to_string_pretty(&manifest)? + "\n";
         std::fs::write(dir.join("manifest.json"), text)?;

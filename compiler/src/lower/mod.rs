@@ -9,7 +9,7 @@
 mod entry;
 pub mod fuse;
 
-pub use entry::{ENTRY_SYMBOL, VISION_SYMBOL};
+pub use entry::{cuda_module, module as host_module, ENTRY_SYMBOL, VISION_SYMBOL};
 pub use fuse::{fuse_stage, FusedStage, Step, VisionProgram};
 /// The slots and boundaries are the contract's: the stage metadata and the
 /// manifest carry them as they are.
@@ -18,7 +18,7 @@ pub use m3c_contract::stage::{Boundary, CacheSlot, TensorSlot};
 use crate::config::ModelConfig;
 use crate::graph::{CacheKind, ModelGraph};
 use crate::model::Part;
-use crate::plan::{StagePlan, Target};
+use crate::plan::StagePlan;
 pub use m3c_kernels::Storage;
 use std::collections::BTreeSet;
 
@@ -58,22 +58,18 @@ pub(crate) fn cache_kind_name(k: CacheKind) -> &'static str {
     }
 }
 
-/// Lowers stage `index` of a plan for `target`, storing caches and activations as `storages` says.
+/// Lowers stage `index` of a plan for `backend`'s target, storing caches and activations as `storages` says.
 pub fn lower_stage(
     cfg: &ModelConfig,
     graph: &ModelGraph,
     index: usize,
     stage: &StagePlan,
-    target: &Target,
+    backend: &dyn crate::backend::Backend,
     storages: Storages,
 ) -> Result<StageProgram, LowerError> {
     let parts = stage.parts();
     let fused = fuse_stage(cfg, graph, &parts, storages).map_err(|message| LowerError::Stage { stage: index, message })?;
-    let mlir = match target {
-        Target::Host => entry::module(&fused),
-        Target::Cuda { .. } => entry::cuda_module(&fused),
-    }
-    .map_err(|message| LowerError::Stage { stage: index, message })?;
+    let mlir = backend.module(&fused).map_err(|message| LowerError::Stage { stage: index, message })?;
     Ok(StageProgram { index, parts, fused, mlir })
 }
 
