@@ -10,15 +10,10 @@
 #     the FLOPs of that encode and the fraction of this machine's f32 peak
 #     (cores × GHz × 32: two 8-wide FMA units per core).
 set -euo pipefail
-cd "$(dirname "$0")/.."
 RUNS=${RUNS:-3}
 VISION_LAYERS=${VISION_LAYERS:-2}
-export PATH="$HOME/.cargo/bin:$PATH"
-cargo build --release --locked -q -p m3c -p m3c-runtime
-M3C=target/release/m3c
-work=$(mktemp -d "${TMPDIR:-/tmp}/m3c-bench-vision.XXXXXX")
-trap 'rm -rf "$work"' EXIT
-median() { sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
+# shellcheck source=scripts/bench-common.sh
+. "$(dirname "$0")/bench-common.sh"
 
 # ptxas and libdevice from scripts/setup.sh's .venv-cuda, unless CUDA_ROOT is set.
 if [ -z "${CUDA_ROOT:-}" ]; then

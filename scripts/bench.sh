@@ -8,15 +8,9 @@
 # first stage's own clock ("m3c timing" line): prefill = until every prompt's
 # first token is back; decode = the rest.
 set -euo pipefail
-cd "$(dirname "$0")/.."
 RUNS=${RUNS:-3}
-export PATH="$HOME/.cargo/bin:$PATH"
-cargo build --release --locked -q -p m3c -p m3c-runtime
-M3C=target/release/m3c
-work=$(mktemp -d "${TMPDIR:-/tmp}/m3c-bench.XXXXXX")
-trap 'rm -rf "$work"' EXIT
-
-median() { sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
+# shellcheck source=scripts/bench-common.sh
+. "$(dirname "$0")/bench-common.sh"
 
 t0=$(date +%s.%N)
 $M3C compile --model configs/minimax-m3.config.json --pp 4 -o "$work/m3" >/dev/null

@@ -136,6 +136,28 @@ fn printed<T: std::str::FromStr>(stdout: &str, k: usize) -> Vec<T> {
     line.split(',').map(|x| x.parse().ok().unwrap_or_else(|| panic!("{x}: not an id"))).collect()
 }
 
+/// tiny-m3 compiled at pp 2 into a temporary folder that lives as long as this.
+struct Tiny {
+    model: std::path::PathBuf,
+    out: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Tiny {
+    fn compiled() -> Tiny {
+        let model = fixture("tiny-m3");
+        let dir = tempfile::tempdir().unwrap();
+        let out = m3c_tests::compile(&model, 2, dir.path(), &[]);
+        Tiny { model, out, _dir: dir }
+    }
+    fn model(&self) -> &str {
+        self.model.to_str().unwrap()
+    }
+    fn out(&self) -> &str {
+        self.out.to_str().unwrap()
+    }
+}
+
 fn printed_ids(stdout: &str) -> Vec<u32> {
     printed(stdout, 0)
 }
@@ -143,13 +165,10 @@ fn printed_ids(stdout: &str) -> Vec<u32> {
 #[test]
 fn text_prompts_run_through_the_stages_and_stream_back_as_text() {
     use m3c_front::text::ThinkingMode;
-    use m3c_tests::{compile, m3c, stderr, stdout};
-    let model = fixture("tiny-m3");
-    let m = model.to_str().unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let out = compile(&model, 2, dir.path(), &[]);
-    let o = out.to_str().unwrap();
-    let tk = TextTokenizer::from_dir(&model).unwrap();
+    use m3c_tests::{m3c, stderr, stdout};
+    let tiny = Tiny::compiled();
+    let (model, m, o) = (tiny.model.as_path(), tiny.model(), tiny.out());
+    let tk = TextTokenizer::from_dir(model).unwrap();
     // The same run given ids: its greedy ids, decoded, are what --prompt prints.
     let reference = |ids: &[u32]| {
         let arg = ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",");
@@ -168,7 +187,7 @@ fn text_prompts_run_through_the_stages_and_stream_back_as_text() {
     assert!(stderr(&r).contains(&format!("prompt 0: {prompt_tokens} prompt tokens, 12 generated, finish: length")), "{}", stderr(&r));
 
     // --chat goes through the template, with the system turn and thinking mode.
-    let tmpl = ChatTemplate::from_dir(&model).unwrap().unwrap();
+    let tmpl = ChatTemplate::from_dir(model).unwrap().unwrap();
     let messages: Value =
         serde_json::from_str(r#"[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]"#).unwrap();
     let kwargs = [("add_generation_prompt", Value::from(true)), ("thinking_mode", Value::from(ThinkingMode::Disabled.name()))];
@@ -340,13 +359,10 @@ fn eos_ends_a_sequence_and_generation_config_sets_the_defaults() {
 
 #[test]
 fn a_stop_string_spanning_tokens_ends_the_sequence_and_is_not_printed() {
-    use m3c_tests::{compile, m3c, stderr, stdout};
-    let model = fixture("tiny-m3");
-    let m = model.to_str().unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let out = compile(&model, 2, dir.path(), &[]);
-    let o = out.to_str().unwrap();
-    let tk = TextTokenizer::from_dir(&model).unwrap();
+    use m3c_tests::{m3c, stderr, stdout};
+    let tiny = Tiny::compiled();
+    let (model, m, o) = (tiny.model.as_path(), tiny.model(), tiny.out());
+    let tk = TextTokenizer::from_dir(model).unwrap();
     let text = "The capital of France is";
     let enc = tk.encode(text).unwrap().iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",");
     let r = m3c(&["run", o, "--model", m, "--prompt-ids", &enc, "--max-new-tokens", "24", "--ignore-eos"]);
@@ -405,12 +421,9 @@ fn the_stages_token_byte_table_decodes_as_the_tokenizer_does() {
 
 #[test]
 fn a_jsonl_prompts_file_takes_text_chats_and_per_line_sampling() {
-    use m3c_tests::{compile, m3c, stderr, stdout};
-    let model = fixture("tiny-m3");
-    let m = model.to_str().unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let out = compile(&model, 2, dir.path(), &[]);
-    let o = out.to_str().unwrap();
+    use m3c_tests::{m3c, stderr, stdout};
+    let tiny = Tiny::compiled();
+    let (m, o) = (tiny.model(), tiny.out());
     let text = "The capital of France is";
     let solo = |extra: &[&str]| {
         let mut args = vec!["run", o, "--model", m, "--max-new-tokens", "10", "--ignore-eos"];
@@ -419,7 +432,7 @@ fn a_jsonl_prompts_file_takes_text_chats_and_per_line_sampling() {
         assert!(r.status.success(), "{}", stderr(&r));
         stdout(&r)
     };
-    let file = dir.path().join("p.jsonl");
+    let file = tiny._dir.path().join("p.jsonl");
     std::fs::write(
         &file,
         format!(

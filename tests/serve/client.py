@@ -423,33 +423,27 @@ def images(base, model, png, allowed, outside):
     return {"text": text, "prompt_tokens": first.usage.prompt_tokens}
 
 
+# Each subcommand: its function and how it reads its arguments.
+COMMANDS = {
+    "complete": lambda base, model, rest: complete(base, model, rest[0], json.loads(rest[1])),
+    "chat": lambda base, model, rest: chat(base, model, rest[0], json.loads(rest[1])),
+    "concurrent": lambda base, model, rest: asyncio.run(concurrent(base, model, int(rest[0]), int(rest[1]))),
+    "disconnect": lambda base, model, rest: disconnect(base, model),
+    "tools": lambda base, model, rest: tools(base, model),
+    "errors": lambda base, model, rest: errors(base, model),
+    "auth": lambda base, model, rest: auth(base, model, rest[0]),
+    "busy": lambda base, model, rest: busy(base, model),
+    "poison": lambda base, model, rest: poison(base, model),
+    "stream": lambda base, model, rest: stream_until_end(base, model),
+    "images": lambda base, model, rest: images(base, model, rest[0], rest[1], rest[2]),
+}
+
+
 def main():
     base, model, cmd, *rest = sys.argv[1:]
-    if cmd == "complete":
-        out = complete(base, model, rest[0], json.loads(rest[1]))
-    elif cmd == "chat":
-        out = chat(base, model, rest[0], json.loads(rest[1]))
-    elif cmd == "concurrent":
-        out = asyncio.run(concurrent(base, model, int(rest[0]), int(rest[1])))
-    elif cmd == "disconnect":
-        out = disconnect(base, model)
-    elif cmd == "tools":
-        out = tools(base, model)
-    elif cmd == "errors":
-        out = errors(base, model)
-    elif cmd == "auth":
-        out = auth(base, model, rest[0])
-    elif cmd == "busy":
-        out = busy(base, model)
-    elif cmd == "poison":
-        out = poison(base, model)
-    elif cmd == "stream":
-        out = stream_until_end(base, model)
-    elif cmd == "images":
-        out = images(base, model, rest[0], rest[1], rest[2])
-    else:
+    if cmd not in COMMANDS:
         raise SystemExit(f"unknown subcommand {cmd}")
-    print(json.dumps(out))
+    print(json.dumps(COMMANDS[cmd](base, model, rest)))
 
 
 if __name__ == "__main__":
