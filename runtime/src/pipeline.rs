@@ -13,7 +13,7 @@ use crate::liveness::{self, Peers};
 use crate::schedule::{Batching, Feed, Leader, Next};
 use crate::stage::Stage;
 use m3c_contract::images::SeqImages;
-use m3c_contract::protocol::{Command, EndReason, Event, SeqRequest};
+use m3c_contract::protocol::{Command, Event, SeqRequest};
 use mpi::topology::SimpleCommunicator;
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -82,7 +82,6 @@ impl<'a> RunFeed<'a> {
         if let Some(s) = images.keys().find(|&&s| s >= args.prompts.len()) {
             return Err(StageError::Args(format!("--images has images for sequence {s}, but there are {} prompts", args.prompts.len())));
         }
-        let stops: Vec<Vec<u8>> = args.stops.clone();
         let requests = args
             .prompts
             .iter()
@@ -94,7 +93,7 @@ impl<'a> RunFeed<'a> {
                 sampling: *args.sampling_for(seq),
                 prompt: p.clone(),
                 images: None,
-                stops: stops.clone(),
+                stops: args.stops.clone(),
             })
             .collect();
         let n = args.prompts.len();
@@ -145,7 +144,7 @@ impl Feed for RunFeed<'_> {
         if let (Event::Id { id, .. }, Some(g)) = (&e, self.generated.get_mut(seq)) {
             g.push(i64::from(*id));
         }
-        if self.args.stream_ids && !matches!(e, Event::End { reason: EndReason::Cancelled, .. }) {
+        if self.args.stream_ids {
             crate::serve::say(e);
         }
     }

@@ -140,7 +140,7 @@ fn printed<T: std::str::FromStr>(stdout: &str, k: usize) -> Vec<T> {
 struct Tiny {
     model: std::path::PathBuf,
     out: std::path::PathBuf,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
 }
 
 impl Tiny {
@@ -148,7 +148,7 @@ impl Tiny {
         let model = fixture("tiny-m3");
         let dir = tempfile::tempdir().unwrap();
         let out = m3c_tests::compile(&model, 2, dir.path(), &[]);
-        Tiny { model, out, _dir: dir }
+        Tiny { model, out, dir }
     }
     fn model(&self) -> &str {
         self.model.to_str().unwrap()
@@ -432,7 +432,7 @@ fn a_jsonl_prompts_file_takes_text_chats_and_per_line_sampling() {
         assert!(r.status.success(), "{}", stderr(&r));
         stdout(&r)
     };
-    let file = tiny._dir.path().join("p.jsonl");
+    let file = tiny.dir.path().join("p.jsonl");
     std::fs::write(
         &file,
         format!(
