@@ -38,20 +38,23 @@ impl Reduce {
     }
 }
 
-/// `dst` = the reduction of `src` (of type `ty`) over the 32 lanes of a
-/// warp: a butterfly of `gpu.shuffle xor` (offsets 16, 8, 4, 2, 1), so every
-/// lane ends with the result (the NVVM lowering has no f32 subgroup
+/// `dst` = the reduction of `src` (of type `ty`) over the `warp` lanes of a
+/// warp: a butterfly of `gpu.shuffle xor` (offsets `warp/2`, …, 2, 1), so
+/// every lane ends with the result (the NVVM lowering has no f32 subgroup
 /// reduction). Local names derive from `dst`.
-pub fn warp_reduce(dst: &str, op: Reduce, src: &str, ty: &str) -> String {
+pub fn warp_reduce(warp: usize, dst: &str, op: Reduce, src: &str, ty: &str) -> String {
+    assert!(warp.is_power_of_two() && warp > 1, "a warp of {warp} lanes");
     let base = dst.trim_start_matches('%');
-    let mut out = format!("%{base}_w32 = arith.constant 32 : i32\n");
+    let mut out = format!("%{base}_w{warp} = arith.constant {warp} : i32\n");
     let mut cur = src.to_string();
-    for (k, off) in [16, 8, 4, 2, 1].iter().enumerate() {
+    let steps = warp.trailing_zeros() as usize;
+    for k in 0..steps {
+        let off = warp >> (k + 1);
         out.push_str(&format!(
             "%{base}_o{k} = arith.constant {off} : i32\n\
-             %{base}_s{k}, %{base}_v{k} = gpu.shuffle xor {cur}, %{base}_o{k}, %{base}_w32 : {ty}\n"
+             %{base}_s{k}, %{base}_v{k} = gpu.shuffle xor {cur}, %{base}_o{k}, %{base}_w{warp} : {ty}\n"
         ));
-        let next = if k == 4 { dst.to_string() } else { format!("%{base}_r{k}") };
+        let next = if k + 1 == steps { dst.to_string() } else { format!("%{base}_r{k}") };
         out.push_str(&format!("{next} = {} {cur}, %{base}_s{k} : {ty}\n", op.op()));
         cur = next;
     }
@@ -127,13 +130,6 @@ impl Builder {
         }
     }
 
-    /// The warp reduction of `v`, as a new value.
-    pub fn warp_reduce(&mut self, op: Reduce, v: &Value) -> Value {
-        let d = self.fresh(&v.ty);
-        self.body.push_str(&warp_reduce(&d.name, op, &v.name, &v.ty));
-        d
-    }
-
     /// The constants, then the statements.
     pub fn finish(self) -> String {
         let mut out = String::new();
@@ -162,9 +158,14 @@ mod tests {
     }
 
     #[test]
-    fn a_warp_reduction_is_a_five_step_butterfly() {
-        let t = warp_reduce("%s", Reduce::Add, "%a", "f32");
+    fn a_warp_reduction_is_a_butterfly_of_log2_warp_steps() {
+        let t = warp_reduce(32, "%s", Reduce::Add, "%a", "f32");
         assert_eq!(t.matches("gpu.shuffle xor").count(), 5);
+        assert!(t.contains("%s_o0 = arith.constant 16 : i32"), "{t}");
         assert!(t.trim_end().ends_with("%s = arith.addf %s_r3, %s_s4 : f32"), "{t}");
+        let w = warp_reduce(64, "%s", Reduce::Max, "%a", "f32");
+        assert_eq!(w.matches("gpu.shuffle xor").count(), 6);
+        assert!(w.contains("%s_o0 = arith.constant 32 : i32") && w.contains(", %s_w64 : f32"), "{w}");
+        assert!(w.trim_end().ends_with("%s = arith.maximumf %s_r4, %s_s5 : f32"), "{w}");
     }
 }

@@ -1,5 +1,6 @@
-//! The kernels for NVIDIA GPUs: the same [`Kernel`] values as the host
-//! generators, written as `gpu.func` kernels (activations stored as f32 or
+//! The kernels for GPUs: the same [`Kernel`] values as the host
+//! generators, written as `gpu.func` kernels for the GPU a [`GpuTarget`]
+//! describes (activations stored as f32 or
 //! bf16 bits as each kernel's `act` says, weights in their stored type, f32
 //! arithmetic and accumulation) plus the host-side launches that
 //! run them. The CUDA back end lowers them through NVVM to PTX.
@@ -72,23 +73,154 @@ pub fn device_buffer(name: &str, n: &str, width: usize, elem: &'static str) -> (
     )
 }
 
-/// `%{d}` = the f32 value of the `float8_e4m3fn` byte `%{q}` (i8) with
-/// Hopper's converter (`cvt.rn.f16x2.e4m3x2`, sm_89+; e4m3 → f16 is exact,
-/// NaN stays NaN), then f16 → f32: a few instructions instead of the ~20
-/// integer ops a software decode takes, which would make an MXFP8 GEMV compute-bound
-/// far below HBM bandwidth.
-fn fp8_cvt(d: &str, q: &str) -> String {
-    format!(
-        "%{d}_h = arith.extui %{q} : i8 to i16\n\
-         %{d}_x2 = llvm.inline_asm \"cvt.rn.f16x2.e4m3x2 $0, $1;\", \"=r,h\" %{d}_h : (i16) -> i32\n\
-         %{d}_lo = arith.trunci %{d}_x2 : i32 to i16\n\
-         %{d}_f16 = arith.bitcast %{d}_lo : i16 to f16\n\
-         %{d} = arith.extf %{d}_f16 : f16 to f32\n"
-    )
+/// What the kernel generators need to know of a GPU, so that they hold no
+/// vendor's constants: each GPU back end describes its target with one of
+/// these, and every generator takes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GpuTarget {
+    /// Threads that run in lock step and trade registers by shuffle: a warp
+    /// of 32 on NVIDIA GPUs, a wave of 64 on AMD's CDNA. A linear's block is
+    /// [`WARPS`] of them; attention and the router run one per block.
+    pub warp: usize,
+    /// How a `float8_e4m3fn` weight byte becomes an f32.
+    pub fp8: Fp8Decode,
+    /// Whether each `gpu.func` states the block size it is launched with
+    /// (`known_block_size`). AMDGPU needs it to allow blocks over 256
+    /// threads and to size registers; NVVM does not, and its output is kept
+    /// as it is without it.
+    pub declares_block_size: bool,
+}
+
+/// How a GPU target decodes `float8_e4m3fn`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fp8Decode {
+    /// Hopper's converter, `cvt.rn.f16x2.e4m3x2` (inline PTX, sm_89 and
+    /// later), two bytes at a time: a few instructions instead of the ~15
+    /// integer ops of [`Fp8Decode::Bits`], which would make an MXFP8 GEMV
+    /// compute-bound far below HBM bandwidth.
+    PtxCvt,
+    /// Integer and f32 arithmetic on the bits, exact for every byte: for a
+    /// target whose converter decodes another fp8 (gfx942's decodes
+    /// e4m3fnuz, whose bias and NaN differ) or has none.
+    Bits,
+}
+
+impl GpuTarget {
+    /// NVIDIA GPUs from sm_89 on (the CUDA back end's `sm_90a` included).
+    pub const CUDA: GpuTarget = GpuTarget { warp: 32, fp8: Fp8Decode::PtxCvt, declares_block_size: false };
+
+    /// Threads of a block of [`WARPS`] warps: a linear's or an expert projection's.
+    pub(crate) fn warps_block(&self) -> usize {
+        WARPS * self.warp
+    }
+
+    /// ` attributes {known_block_size = ...}` when the target declares
+    /// block sizes: what goes between `kernel` and the body of a `gpu.func`
+    /// launched with `block` threads.
+    pub(crate) fn block_attr(&self, block: usize) -> String {
+        if self.declares_block_size {
+            format!(" attributes {{known_block_size = array<i32: {block}, 1, 1>}}")
+        } else {
+            String::new()
+        }
+    }
+
+    /// The constants every kernel body starts with; `%cwarp` is the warp width.
+    pub(crate) fn idx(&self) -> String {
+        format!(
+            "%c0 = arith.constant 0 : index\n\
+             %c1 = arith.constant 1 : index\n\
+             %cwarp = arith.constant {} : index\n\
+             %c256 = arith.constant 256 : index\n\
+             %zero = arith.constant 0.0 : f32\n\
+             %one = arith.constant 1.0 : f32\n\
+             %ninf = arith.constant 0xFF800000 : f32\n\
+             %pinf = arith.constant 0x7F800000 : f32\n",
+            self.warp
+        )
+    }
+
+    /// `%tid`, and the thread's `%lane` in its warp and `%warp` in its block
+    /// (after [`GpuTarget::idx`]).
+    pub(crate) fn warp_ids(&self) -> &'static str {
+        "%tid = gpu.thread_id x\n\
+         %lane = arith.remui %tid, %cwarp : index\n\
+         %warp = arith.divui %tid, %cwarp : index\n"
+    }
+
+    /// `%{d}` = the f32 value of the `float8_e4m3fn` byte `%{q}` (i8).
+    fn fp8_decode(&self, d: &str, q: &str) -> String {
+        match self.fp8 {
+            // e4m3 → f16 is exact and keeps NaN; then f16 → f32.
+            Fp8Decode::PtxCvt => format!(
+                "%{d}_h = arith.extui %{q} : i8 to i16\n\
+                 %{d}_x2 = llvm.inline_asm \"cvt.rn.f16x2.e4m3x2 $0, $1;\", \"=r,h\" %{d}_h : (i16) -> i32\n\
+                 %{d}_lo = arith.trunci %{d}_x2 : i32 to i16\n\
+                 %{d}_f16 = arith.bitcast %{d}_lo : i16 to f16\n\
+                 %{d} = arith.extf %{d}_f16 : f16 to f32\n"
+            ),
+            Fp8Decode::Bits => format!("%{d}_b = arith.extui %{q} : i8 to i32\n{}", fp8_bits(d, &format!("%{d}_b"), None)),
+        }
+    }
+}
+
+/// `%{d}` = the f32 value(s) of the `float8_e4m3fn` byte(s) in the low 8 bits
+/// of `b` (i32, or `vector<N x i32>` when `lanes` is `Some(N)`), by
+/// arithmetic alone and exactly: with `m` the 3 mantissa bits and `e` the 4
+/// exponent bits, the value is `(e > 0 ? 8 + m : m) · 2^(max(e, 1) − 10)`,
+/// both factors exact f32 normals; then the sign bit, and NaN for `0x7F`
+/// and `0xFF`. No subnormal f32 is formed, so a target that flushes them
+/// decodes the same.
+fn fp8_bits(d: &str, b: &str, lanes: Option<usize>) -> String {
+    let (it, ft) = match lanes {
+        Some(n) => (format!("vector<{n}xi32>"), format!("vector<{n}xf32>")),
+        None => ("i32".to_string(), "f32".to_string()),
+    };
+    let bt = match lanes {
+        Some(n) => format!("vector<{n}xi1>"),
+        None => "i1".to_string(),
+    };
+    let c = |name: &str, v: &str, ty: &str| match lanes {
+        Some(_) => format!("%{d}_{name} = arith.constant dense<{v}> : {ty}\n"),
+        None => format!("%{d}_{name} = arith.constant {v} : {ty}\n"),
+    };
+    let mut s = String::new();
+    for (name, v) in [("k0", "0"), ("k1", "1"), ("k3", "3"), ("k7", "7"), ("k8", "8"), ("k15", "15"), ("k23", "23"), ("k24", "24")] {
+        s.push_str(&c(name, v, &it));
+    }
+    for (name, v) in [("k117", "117"), ("k127", "127"), ("k128", "128")] {
+        s.push_str(&c(name, v, &it));
+    }
+    s.push_str(&c("nan", "0x7FC00000", &ft));
+    s.push_str(&format!(
+        "%{d}_m = arith.andi {b}, %{d}_k7 : {it}\n\
+         %{d}_es = arith.shrui {b}, %{d}_k3 : {it}\n\
+         %{d}_e = arith.andi %{d}_es, %{d}_k15 : {it}\n\
+         %{d}_norm = arith.cmpi ne, %{d}_e, %{d}_k0 : {it}\n\
+         %{d}_lead = arith.select %{d}_norm, %{d}_k8, %{d}_k0 : {bt}, {it}\n\
+         %{d}_mm = arith.ori %{d}_m, %{d}_lead : {it}\n\
+         %{d}_ee = arith.select %{d}_norm, %{d}_e, %{d}_k1 : {bt}, {it}\n\
+         %{d}_eb = arith.addi %{d}_ee, %{d}_k117 : {it}\n\
+         %{d}_pb = arith.shli %{d}_eb, %{d}_k23 : {it}\n\
+         %{d}_p2 = arith.bitcast %{d}_pb : {it} to {ft}\n\
+         %{d}_mf = arith.uitofp %{d}_mm : {it} to {ft}\n\
+         %{d}_mag = arith.mulf %{d}_mf, %{d}_p2 : {ft}\n\
+         %{d}_magb = arith.bitcast %{d}_mag : {ft} to {it}\n\
+         %{d}_sb = arith.andi {b}, %{d}_k128 : {it}\n\
+         %{d}_sg = arith.shli %{d}_sb, %{d}_k24 : {it}\n\
+         %{d}_vb = arith.ori %{d}_magb, %{d}_sg : {it}\n\
+         %{d}_val = arith.bitcast %{d}_vb : {it} to {ft}\n\
+         %{d}_low = arith.andi {b}, %{d}_k127 : {it}\n\
+         %{d}_isnan = arith.cmpi eq, %{d}_low, %{d}_k127 : {it}\n\
+         %{d} = arith.select %{d}_isnan, %{d}_nan, %{d}_val : {bt}, {ft}\n"
+    ));
+    s
 }
 
 /// A weight operand of a GPU kernel: its memref names and types.
 pub(crate) struct WeightArgs {
+    /// The GPU it is decoded on (and whose warps [`warp_dots`] use).
+    pub(crate) t: GpuTarget,
     weight: WeightType,
     /// `%w` and, for MXFP8, `%s`.
     w: String,
@@ -98,12 +230,12 @@ pub(crate) struct WeightArgs {
 }
 
 impl WeightArgs {
-    pub(crate) fn new(w: &str, s: &str, out: usize, inp: usize, weight: WeightType) -> WeightArgs {
+    pub(crate) fn new(t: &GpuTarget, w: &str, s: &str, out: usize, inp: usize, weight: WeightType) -> WeightArgs {
         let sty = match weight {
             WeightType::Mxfp8 { block } => format!("memref<{out}x{}xi8>", inp / block),
             _ => String::new(),
         };
-        WeightArgs { weight, w: w.into(), s: s.into(), wty: format!("memref<{out}x{inp}x{}>", weight.mlir_elem()), sty }
+        WeightArgs { t: *t, weight, w: w.into(), s: s.into(), wty: format!("memref<{out}x{inp}x{}>", weight.mlir_elem()), sty }
     }
 
     /// `%{d}` = W[o, i] as f32.
@@ -128,7 +260,7 @@ impl WeightArgs {
                 wty = self.wty,
                 s = self.s,
                 sty = self.sty,
-                dec = fp8_cvt(&format!("{d}_v"), &format!("{d}_q")),
+                dec = self.t.fp8_decode(&format!("{d}_v"), &format!("{d}_q")),
                 scale = e8m0_to_f32(&format!("%{d}_sc"), &format!("%{d}_sq")),
             ),
         }
@@ -153,22 +285,32 @@ impl WeightArgs {
             WeightType::F32 => raw.replace(&format!("%{d}_raw ="), &format!("%{d} =")),
             WeightType::BF16 | WeightType::F16 => format!("{raw}%{d} = arith.extf %{d}_raw : vector<{n}x{elem}> to vector<{n}xf32>\n"),
             WeightType::Mxfp8 { block } => {
-                // Four `cvt.rn.f16x2.e4m3x2`, one per byte pair, then the block's scale.
-                let mut s = format!("{raw}%{d}_p = vector.bitcast %{d}_raw : vector<8xi8> to vector<4xi16>\n");
-                for k in 0..4 {
-                    s.push_str(&format!(
-                        "%{d}_h{k} = vector.extract %{d}_p[{k}] : i16 from vector<4xi16>\n\
-                         %{d}_x{k} = llvm.inline_asm \"cvt.rn.f16x2.e4m3x2 $0, $1;\", \"=r,h\" %{d}_h{k} : (i16) -> i32\n\
-                         %{d}_v{k} = llvm.bitcast %{d}_x{k} : i32 to vector<2xf16>\n\
-                         %{d}_f{k} = arith.extf %{d}_v{k} : vector<2xf16> to vector<2xf32>\n"
-                    ));
+                let mut s = raw;
+                match self.t.fp8 {
+                    Fp8Decode::PtxCvt => {
+                        // Four `cvt.rn.f16x2.e4m3x2`, one per byte pair, then the block's scale.
+                        s.push_str(&format!("%{d}_p = vector.bitcast %{d}_raw : vector<8xi8> to vector<4xi16>\n"));
+                        for k in 0..4 {
+                            s.push_str(&format!(
+                                "%{d}_h{k} = vector.extract %{d}_p[{k}] : i16 from vector<4xi16>\n\
+                                 %{d}_x{k} = llvm.inline_asm \"cvt.rn.f16x2.e4m3x2 $0, $1;\", \"=r,h\" %{d}_h{k} : (i16) -> i32\n\
+                                 %{d}_v{k} = llvm.bitcast %{d}_x{k} : i32 to vector<2xf16>\n\
+                                 %{d}_f{k} = arith.extf %{d}_v{k} : vector<2xf16> to vector<2xf32>\n"
+                            ));
+                        }
+                        // The four pairs side by side, in element order.
+                        s.push_str(&format!(
+                            "%{d}_lo = vector.shuffle %{d}_f0, %{d}_f1 [0, 1, 2, 3] : vector<2xf32>, vector<2xf32>\n\
+                             %{d}_hi = vector.shuffle %{d}_f2, %{d}_f3 [0, 1, 2, 3] : vector<2xf32>, vector<2xf32>\n\
+                             %{d}_all = vector.shuffle %{d}_lo, %{d}_hi [0, 1, 2, 3, 4, 5, 6, 7] : vector<4xf32>, vector<4xf32>\n"
+                        ));
+                    }
+                    Fp8Decode::Bits => {
+                        // All eight bytes at once, as a vector of i32.
+                        s.push_str(&format!("%{d}_b = arith.extui %{d}_raw : vector<8xi8> to vector<8xi32>\n"));
+                        s.push_str(&fp8_bits(&format!("{d}_all"), &format!("%{d}_b"), Some(8)));
+                    }
                 }
-                // The four pairs side by side, in element order.
-                s.push_str(&format!(
-                    "%{d}_lo = vector.shuffle %{d}_f0, %{d}_f1 [0, 1, 2, 3] : vector<2xf32>, vector<2xf32>\n\
-                     %{d}_hi = vector.shuffle %{d}_f2, %{d}_f3 [0, 1, 2, 3] : vector<2xf32>, vector<2xf32>\n\
-                     %{d}_all = vector.shuffle %{d}_lo, %{d}_hi [0, 1, 2, 3, 4, 5, 6, 7] : vector<4xf32>, vector<4xf32>\n"
-                ));
                 s.push_str(&format!(
                     "%{d}_cb = arith.constant {block} : index\n\
                      %{d}_bi = arith.divui {i}, %{d}_cb : index\n\
@@ -193,33 +335,42 @@ impl WeightArgs {
     }
 }
 
-pub(crate) fn func(name: &str, params: &str, body: &str) -> GpuFunc {
-    GpuFunc {
-        name: name.to_string(),
-        text: format!("    gpu.func @{name}({params}) kernel {{\n{}      gpu.return\n    }}\n", indent(body, 6)),
-    }
+/// A `gpu.func` kernel launched with `block` threads per block.
+pub(crate) fn func(t: &GpuTarget, name: &str, params: &str, body: &str, block: usize) -> GpuFunc {
+    func_shared(t, name, params, &[], body, block)
 }
 
-pub(crate) const IDX: &str = "%c0 = arith.constant 0 : index\n\
-     %c1 = arith.constant 1 : index\n\
-     %c32 = arith.constant 32 : index\n\
-     %c256 = arith.constant 256 : index\n\
-     %zero = arith.constant 0.0 : f32\n\
-     %one = arith.constant 1.0 : f32\n\
-     %ninf = arith.constant 0xFF800000 : f32\n\
-     %pinf = arith.constant 0x7F800000 : f32\n";
+/// [`func`] with workgroup (shared) memory: `shared` lists each buffer's
+/// name (without `%`) and memref type (in the workgroup address space).
+pub(crate) fn func_shared(t: &GpuTarget, name: &str, params: &str, shared: &[(&str, String)], body: &str, block: usize) -> GpuFunc {
+    let workgroup = if shared.is_empty() {
+        String::new()
+    } else {
+        let list: Vec<String> = shared.iter().map(|(n, ty)| format!("%{n}: {ty}")).collect();
+        format!(" workgroup({})", list.join(", "))
+    };
+    GpuFunc {
+        name: name.to_string(),
+        text: format!(
+            "    gpu.func @{name}({params}){workgroup} kernel{} {{\n{}      gpu.return\n    }}\n",
+            t.block_attr(block),
+            indent(body, 6)
+        ),
+    }
+}
 
 /// Warp dot products of weight row `o` with activation rows `rows` (index
 /// SSA names) of `x` (`n` columns): lanes stride over the columns, loading
 /// each weight element once for all the rows (8 bytes of weights per lane
-/// per load when `n` is a multiple of 32 such chunks: 8 fp8, 4 bf16/f16 or
-/// 2 f32 elements, so a warp moves 256 B per load; else one element), then
+/// per load when `n` is a multiple of a warp of such chunks: 8 fp8, 4
+/// bf16/f16 or 2 f32 elements, so a warp of 32 moves 256 B per load; else
+/// one element), then
 /// one shuffle reduction per row into `%{tag}s{j}` (every lane gets it).
 /// `x` holds values stored as `xs`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn warp_dots(tag: &str, wa: &WeightArgs, o: &str, x: &str, xt: &str, xs: Storage, rows: &[String], n: usize) -> String {
-    let lanes = wa.lanes();
-    let wide = n.is_multiple_of(32 * lanes);
+    let (lanes, warp) = (wa.lanes(), wa.t.warp);
+    let wide = n.is_multiple_of(warp * lanes);
     let vt = if wide { format!("vector<{lanes}xf32>") } else { "f32".to_string() };
     let zero = if wide { format!("%{tag}vz") } else { "%zero".to_string() };
     let inits: Vec<String> = (0..rows.len()).map(|j| format!("%{tag}a{j} = {zero}")).collect();
@@ -227,7 +378,7 @@ pub(crate) fn warp_dots(tag: &str, wa: &WeightArgs, o: &str, x: &str, xt: &str, 
     let mut fma = String::new();
     for (j, r) in rows.iter().enumerate() {
         let xload = if wide {
-            // Rows of a multiple of 32·lanes elements from 256-byte-aligned buffers: aligned.
+            // Rows of a multiple of warp·lanes elements from 256-byte-aligned buffers: aligned.
             indent(&load_f32xn_aligned(lanes, (lanes * xs.bytes()).min(16), &format!("%{tag}v{j}"), x, xt, r, "%i", xs), 2)
         } else {
             indent(&load_f32(&format!("%{tag}v{j}"), x, xt, r, "%i", xs), 2)
@@ -240,13 +391,13 @@ pub(crate) fn warp_dots(tag: &str, wa: &WeightArgs, o: &str, x: &str, xt: &str, 
     let (lb, step, load) = if wide {
         (format!("%{tag}i0"), format!("%{tag}st"), wa.load_wide(&format!("{tag}w"), o, "%i"))
     } else {
-        ("%lane".to_string(), "%c32".to_string(), wa.load(&format!("{tag}w"), o, "%i"))
+        ("%lane".to_string(), "%cwarp".to_string(), wa.load(&format!("{tag}w"), o, "%i"))
     };
     let mut s = format!("%{tag}cn = arith.constant {n} : index\n");
     if wide {
         s.push_str(&format!(
             "%{tag}vz = arith.constant dense<0.0> : {vt}\n%{tag}cl = arith.constant {lanes} : index\n%{tag}i0 = arith.muli %lane, %{tag}cl : index\n%{tag}st = arith.constant {} : index\n",
-            32 * lanes
+            warp * lanes
         ));
     }
     s.push_str(&format!(
@@ -259,14 +410,10 @@ pub(crate) fn warp_dots(tag: &str, wa: &WeightArgs, o: &str, x: &str, xt: &str, 
     for j in 0..rows.len() {
         if wide {
             s.push_str(&format!("%{tag}l{j} = vector.reduction <add>, %{tag}acc#{j} : {vt} into f32\n"));
-            s.push_str(&warp_reduce(&format!("%{tag}s{j}"), Reduce::Add, &format!("%{tag}l{j}"), "f32"));
+            s.push_str(&warp_reduce(warp, &format!("%{tag}s{j}"), Reduce::Add, &format!("%{tag}l{j}"), "f32"));
         } else {
-            s.push_str(&warp_reduce(&format!("%{tag}s{j}"), Reduce::Add, &format!("%{tag}acc#{j}"), "f32"));
+            s.push_str(&warp_reduce(warp, &format!("%{tag}s{j}"), Reduce::Add, &format!("%{tag}acc#{j}"), "f32"));
         }
     }
     s
 }
-
-pub(crate) const WARP_IDS: &str = "%tid = gpu.thread_id x\n\
-     %lane = arith.remui %tid, %c32 : index\n\
-     %warp = arith.divui %tid, %c32 : index\n";

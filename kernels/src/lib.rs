@@ -17,7 +17,7 @@ use std::fmt;
 
 /// The value of a `float8_e4m3fn` byte: the table MXFP8 kernels decode with.
 pub use emit::fp8_e4m3_value;
-pub use gpu::{GpuCall, GpuFunc};
+pub use gpu::{Fp8Decode, GpuCall, GpuFunc, GpuTarget};
 pub use ops::attention::SparseSel;
 pub use ops::routed_experts::{expert_table_stride, expert_tensor_types};
 pub use ops::*;
@@ -205,17 +205,17 @@ impl Kernel {
         self.unit().globals()
     }
 
-    /// The `gpu.func` kernels this kernel runs as.
-    pub fn gpu_funcs(&self) -> Vec<GpuFunc> {
-        self.unit().gpu_funcs()
+    /// The `gpu.func` kernels this kernel runs as on the GPU `t`.
+    pub fn gpu_funcs(&self, t: &GpuTarget) -> Vec<GpuFunc> {
+        self.unit().gpu_funcs(t)
     }
 
-    /// Host statements launching this kernel on the GPU. `args` are the SSA
-    /// names and types of the call's arguments, in [`Kernel::params`] order;
-    /// `rows` is the step's row count (an index SSA name); `tag` makes local
-    /// names unique.
-    pub fn gpu_call(&self, args: &[(String, String)], rows: &str, tag: &str) -> GpuCall {
-        self.unit().launch(&Launch { args, rows, tag })
+    /// Host statements launching this kernel on the GPU `target`. `args`
+    /// are the SSA names and types of the call's arguments, in
+    /// [`Kernel::params`] order; `rows` is the step's row count (an index
+    /// SSA name); `tag` makes local names unique.
+    pub fn gpu_call(&self, target: &GpuTarget, args: &[(String, String)], rows: &str, tag: &str) -> GpuCall {
+        self.unit().launch(&Launch { target, args, rows, tag })
     }
 }
 

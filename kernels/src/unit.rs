@@ -5,7 +5,7 @@
 //! under `ops/`.
 
 use crate::emit::indent;
-use crate::gpu::{GpuCall, GpuFunc, BLOCK, GPU_MODULE};
+use crate::gpu::{GpuCall, GpuFunc, GpuTarget, BLOCK, GPU_MODULE};
 use crate::{Kernel, Storage};
 use std::fmt;
 
@@ -42,10 +42,11 @@ pub trait KernelUnit: fmt::Debug {
     /// The host body: the statements of the `func.func`, its parameters in
     /// scope by name.
     fn host_body(&self) -> String;
-    /// The `gpu.func` kernels it runs as on a GPU.
-    fn gpu_funcs(&self) -> Vec<GpuFunc>;
+    /// The `gpu.func` kernels it runs as on the GPU `t`.
+    fn gpu_funcs(&self, t: &GpuTarget) -> Vec<GpuFunc>;
     /// Host statements launching the GPU functions over the arguments of a
-    /// call (see [`Launch`]). Default: one 256-thread block per row.
+    /// call (see [`Launch`]). Default: one 256-thread block per row (the
+    /// block [`gpu_func`] declares).
     fn launch(&self, l: &Launch) -> GpuCall {
         l.call(l.grid(&self.symbol(), [l.rows, &l.one(), &l.one()], BLOCK, l.args))
     }
@@ -69,15 +70,22 @@ pub fn host_func(k: &dyn KernelUnit) -> String {
     )
 }
 
-/// A `gpu.func` with the kernel's own parameters.
-pub fn gpu_func(name: &str, params: &[Param], body: &str) -> GpuFunc {
-    crate::gpu::func(name, &params_text(params), body)
+/// A `gpu.func` with the kernel's own parameters, launched with the
+/// default [`KernelUnit::launch`]'s 256 threads.
+pub fn gpu_func(t: &GpuTarget, name: &str, params: &[Param], body: &str) -> GpuFunc {
+    gpu_func_block(t, name, params, body, BLOCK)
 }
 
-/// Where a GPU launch is emitted: the call's argument SSA names and types
-/// (in [`KernelUnit::params`] order), the step's row count (an index SSA
-/// name) and a tag that makes local names unique.
+/// [`gpu_func`] for a kernel launched with `block` threads.
+pub fn gpu_func_block(t: &GpuTarget, name: &str, params: &[Param], body: &str, block: usize) -> GpuFunc {
+    crate::gpu::func(t, name, &params_text(params), body, block)
+}
+
+/// Where a GPU launch is emitted: the GPU, the call's argument SSA names
+/// and types (in [`KernelUnit::params`] order), the step's row count (an
+/// index SSA name) and a tag that makes local names unique.
 pub struct Launch<'a> {
+    pub target: &'a GpuTarget,
     pub args: &'a [(String, String)],
     pub rows: &'a str,
     pub tag: &'a str,
@@ -94,10 +102,12 @@ impl Launch<'_> {
         self.local("one")
     }
 
-    /// The constants every launch uses: 1 and the block sizes 32 and 256.
+    /// The constants every launch uses: 1 and the block sizes of a warp,
+    /// of [`GpuTarget::warps_block`] and of 256 threads, each once.
     pub fn prelude(&self) -> String {
         let mut text = format!("{} = arith.constant 1 : index\n", self.one());
-        for b in [32usize, 256] {
+        let blocks: std::collections::BTreeSet<usize> = [self.target.warp, self.target.warps_block(), BLOCK].into();
+        for b in blocks {
             text.push_str(&format!("{} = arith.constant {b} : index\n", self.local(&format!("b{b}"))));
         }
         text

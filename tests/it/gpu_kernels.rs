@@ -7,7 +7,7 @@
 //! take the one-row (`_r1`) and four-rows-per-pass variants with a ragged tail.
 
 use crate::host_kernels::{bf16_nearest_even, build, call, m1, m2, p};
-use m3c_kernels::{Kernel, MemTy, SparseSel, Storage, WeightType};
+use m3c_kernels::{GpuTarget, Kernel, MemTy, SparseSel, Storage, WeightType};
 use m3c_tests::simt::{Arg, Gpu};
 use std::collections::BTreeSet;
 
@@ -100,9 +100,9 @@ fn weight(out: usize, inp: usize, w: WeightType, salt: usize) -> Vec<B> {
 
 /// The kernel's GPU module and a host function `@host(%S, args...)` holding
 /// exactly the launch code the stage entry emits for it.
-fn gpu_module(k: &Kernel, tys: &[String]) -> String {
+fn gpu_module(target: &GpuTarget, k: &Kernel, tys: &[String]) -> String {
     let args: Vec<(String, String)> = tys.iter().enumerate().map(|(i, t)| (format!("%a{i}"), t.clone())).collect();
-    let call = k.gpu_call(&args, "%S", "t");
+    let call = k.gpu_call(target, &args, "%S", "t");
     let host_views: BTreeSet<MemTy> = call.host_views.into_iter().collect();
     let device_views: BTreeSet<MemTy> = call.device_views.into_iter().collect();
     let mut s = String::from("module attributes {gpu.container_module} {\n  func.func private @m3c_buf_alloc(i64) -> !llvm.ptr\n  func.func private @m3c_buf_free(!llvm.ptr)\n");
@@ -113,7 +113,7 @@ fn gpu_module(k: &Kernel, tys: &[String]) -> String {
     for v in &device_views {
         s.push_str(&m3c_kernels::indent(&v.view_fn_text(), 2));
     }
-    for f in k.gpu_funcs() {
+    for f in k.gpu_funcs(target) {
         s.push_str(&f.text);
     }
     s.push_str("  }\n");
@@ -126,15 +126,20 @@ fn gpu_module(k: &Kernel, tys: &[String]) -> String {
     s
 }
 
-/// Runs `k` on the host and in the interpreter with the same arguments;
-/// returns each output buffer's bytes, (host, gpu).
+/// Runs `k` on the host and in the interpreter (as CUDA's kernels) with the
+/// same arguments; returns each output buffer's bytes, (host, gpu).
 fn run_both(k: &Kernel, rows: usize, args: &[B]) -> Vec<(Vec<u8>, Vec<u8>)> {
-    run_both_prefix(k, rows, args, args.len())
+    run_both_on(&GpuTarget::CUDA, k, rows, args)
 }
 
-/// [`run_both`] for a kernel that takes only the first `n` arguments (the
+/// [`run_both`] with the kernels generated for `target`.
+fn run_both_on(target: &GpuTarget, k: &Kernel, rows: usize, args: &[B]) -> Vec<(Vec<u8>, Vec<u8>)> {
+    run_both_prefix(target, k, rows, args, args.len())
+}
+
+/// [`run_both_on`] for a kernel that takes only the first `n` arguments (the
 /// rest are buffers its pointer table reaches).
-fn run_both_prefix(k: &Kernel, rows: usize, args: &[B], n: usize) -> Vec<(Vec<u8>, Vec<u8>)> {
+fn run_both_prefix(target: &GpuTarget, k: &Kernel, rows: usize, args: &[B], n: usize) -> Vec<(Vec<u8>, Vec<u8>)> {
     let dir = tempfile::tempdir().unwrap();
     let lib = build(std::slice::from_ref(k), dir.path());
     // Host: descriptors over copies of the buffers.
@@ -173,7 +178,7 @@ fn run_both_prefix(k: &Kernel, rows: usize, args: &[B], n: usize) -> Vec<(Vec<u8
         .collect();
     // SAFETY: one live descriptor per kernel argument, each over a buffer of the compiled shape.
     unsafe { call(&lib, k, &ptrs) };
-    let gpu = run_gpu(k, rows, args, n);
+    let gpu = run_gpu(target, k, rows, args, n);
     let mut outs = Vec::new();
     for (i, a) in args.iter().enumerate() {
         if let B::Data(b) = a {
@@ -190,9 +195,9 @@ fn run_both_prefix(k: &Kernel, rows: usize, args: &[B], n: usize) -> Vec<(Vec<u8
 /// Runs `k`'s GPU functions in the interpreter, through the launch code the
 /// stage entry emits, on its first `n` arguments; returns each output
 /// buffer's bytes.
-fn run_gpu(k: &Kernel, rows: usize, args: &[B], n: usize) -> Vec<Vec<u8>> {
+fn run_gpu(target: &GpuTarget, k: &Kernel, rows: usize, args: &[B], n: usize) -> Vec<Vec<u8>> {
     let tys: Vec<String> = args[..n].iter().map(|a| if let B::Data(b) = a { b.ty.clone() } else { "!llvm.ptr".into() }).collect();
-    let text = gpu_module(k, &tys);
+    let text = gpu_module(target, k, &tys);
     let mut g = Gpu::new(&text).unwrap_or_else(|e| panic!("{k}: {e}\n{text}"));
     let mut gp = Vec::new();
     for a in args {
@@ -254,9 +259,14 @@ fn agree(what: &str, host: &[u8], gpu: &[u8], st: Storage, tol: f32) {
 
 const ACTS: [Storage; 2] = [Storage::F32, Storage::Bf16];
 
+/// The kernels whose work split follows the warp run for CUDA and for a GPU
+/// unlike it in every way the generators are told of: a wave of 64, fp8
+/// decoded by arithmetic, block sizes declared (AMD CDNA's shape).
+const TARGETS: [GpuTarget; 2] = [GpuTarget::CUDA, GpuTarget { warp: 64, fp8: m3c_kernels::Fp8Decode::Bits, declares_block_size: true }];
+
 #[test]
 fn linear_on_the_gpu_matches_the_host_for_every_weight_type_and_row_count() {
-    for act in ACTS {
+    for (target, act) in TARGETS.iter().flat_map(|t| ACTS.map(|a| (t, a))) {
         for (inp, out, w) in [
             (128, 40, WeightType::BF16),                // wide loads (4 bf16 per lane)
             (96, 24, WeightType::BF16),                 // one element per lane
@@ -270,8 +280,8 @@ fn linear_on_the_gpu_matches_the_host_for_every_weight_type_and_row_count() {
                 let mut args = vec![act_rows(rows, inp, act, 1, false)];
                 args.extend(weight(out, inp, w, 2));
                 args.push(act_rows(rows, out, act, 3, true));
-                let o = run_both(&k, rows, &args);
-                agree(&format!("{k} rows {rows}"), &o[0].0, &o[0].1, act, 1e-5);
+                let o = run_both_on(target, &k, rows, &args);
+                agree(&format!("{k} rows {rows} warp {}", target.warp), &o[0].0, &o[0].1, act, 1e-5);
             }
         }
     }
@@ -364,14 +374,17 @@ fn rowwise_gpu_kernels_match_the_host() {
     let k = Kernel::DequantMxfp8(m3c_kernels::DequantMxfp8 { out: 24, inp: 256, block: 32 });
     let mut args = weight(24, 256, WeightType::Mxfp8 { block: 32 }, 3);
     args.push(buf(&vec![0u16; 24 * 256], &[24, 256], "memref<?x256xi16>", true));
-    let o = run_both(&k, 24, &args);
-    assert_eq!(o[0].0, o[0].1, "{k}");
+    // Both fp8 decodes, the converter's and the arithmetic one, give the host's bits.
+    for target in &TARGETS {
+        let o = run_both_on(target, &k, 24, &args);
+        assert_eq!(o[0].0, o[0].1, "{k} decoded as {:?}", target.fp8);
+    }
 }
 
 #[test]
 fn attention_and_the_msa_selection_on_the_gpu_match_the_host() {
     let (heads, kv, d, cap) = (4usize, 2usize, 16usize, 40usize);
-    for act in ACTS {
+    for (target, act) in TARGETS.iter().flat_map(|t| ACTS.map(|a| (t, a))) {
         for cache in ACTS {
             for sparse in [None, Some(SparseSel { index_heads: 2, index_dim: 16, block: 4, topk: 3, local: 1, init: 1 })] {
                 // A prefill of 5 rows at positions 30..34 and a decode row.
@@ -389,8 +402,8 @@ fn attention_and_the_msa_selection_on_the_gpu_match_the_host() {
                         args.push(act_rows(cap, s.index_dim, cache, 5, false));
                     }
                     args.push(act_rows(rows, heads * d, act, 6, true));
-                    let o = run_both(&k, rows, &args);
-                    agree(&format!("{k} at {pos:?}"), &o[0].0, &o[0].1, act, 1e-5);
+                    let o = run_both_on(target, &k, rows, &args);
+                    agree(&format!("{k} at {pos:?} warp {}", target.warp), &o[0].0, &o[0].1, act, 1e-5);
                 }
             }
         }
@@ -400,7 +413,7 @@ fn attention_and_the_msa_selection_on_the_gpu_match_the_host() {
 #[test]
 fn router_and_routed_experts_on_the_gpu_match_the_host() {
     let (e, hidden, inter, top) = (8usize, 256usize, 64usize, 2usize);
-    for act in ACTS {
+    for (target, act) in TARGETS.iter().flat_map(|t| ACTS.map(|a| (t, a))) {
         for rows in [1usize, 5] {
             let k = Kernel::Router(m3c_kernels::Router {
                 width: hidden,
@@ -416,7 +429,7 @@ fn router_and_routed_experts_on_the_gpu_match_the_host() {
             args.push(buf(&vals(e, 3, 0.1), &[e], &format!("memref<{e}xf32>"), false));
             args.push(buf(&vec![0f32; rows * top], &[rows, top], &format!("memref<?x{top}xf32>"), true));
             args.push(buf(&vec![0i64; rows * top], &[rows, top], &format!("memref<?x{top}xi64>"), true));
-            let o = run_both(&k, rows, &args);
+            let o = run_both_on(target, &k, rows, &args);
             agree(&format!("{k} weights"), &o[0].0, &o[0].1, Storage::F32, 1e-5);
             assert_eq!(o[1].0, o[1].1, "{k}: the chosen experts");
             for w in [WeightType::BF16, WeightType::Mxfp8 { block: 32 }] {
@@ -455,7 +468,7 @@ fn router_and_routed_experts_on_the_gpu_match_the_host() {
                     beta: 1.0,
                     act,
                 });
-                let o = run_both_prefix(&k, rows, &args, 5);
+                let o = run_both_prefix(target, &k, rows, &args, 5);
                 agree(&format!("{k} rows {rows}"), &o[0].0, &o[0].1, act, 1e-5);
             }
         }
@@ -907,7 +920,7 @@ fn nan_scores_still_give_distinct_valid_ids_on_host_and_gpu() {
         buf(&[0u32; 10], &[1, 10], "memref<?x10xi32>", false),
         buf(&[-1i64; 3], &[rows], "memref<?xi64>", true),
     ];
-    let gpu = ids_of(&run_gpu(&k, rows, &args, args.len())[1]);
+    let gpu = ids_of(&run_gpu(&GpuTarget::CUDA, &k, rows, &args, args.len())[1]);
     let host: Vec<i64> = (0..rows)
         .map(|r| {
             let mut w = row_words(&SamplingParams::GREEDY, 0, 0, true, 0);
@@ -990,7 +1003,7 @@ fn the_device_sampler_picks_the_host_samplers_ids() {
         buf(&seen, &[3, vocab_words], &format!("memref<?x{vocab_words}xi32>"), false),
         buf(&vec![-1i64; rows], &[rows], "memref<?xi64>", true),
     ];
-    let out = run_gpu(&k, rows, &args, args.len());
+    let out = run_gpu(&GpuTarget::CUDA, &k, rows, &args, args.len());
     let gpu_table: Vec<i64> = out[0].chunks(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect();
     let gpu_ids: Vec<i64> = out[1].chunks(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect();
     for (r, &(p, _, _, give, bitmap)) in cases.iter().enumerate() {

@@ -37,12 +37,18 @@ impl Frame<'_> {
                 let ins = operands(op);
                 let (_, x) = self.bits(ins[0])?;
                 let (_, off) = self.bits(ins[1])?;
+                let (_, width) = self.bits(ins[2])?;
                 let mut v = vec![0u64; t];
                 for th in 0..t {
                     if !mask[th] {
                         continue;
                     }
-                    let src = (th & !31) | ((th % 32) ^ off[th] as usize);
+                    // Lanes trade within their warp (or wave) of `width`.
+                    let w = width[th] as usize;
+                    if !w.is_power_of_two() {
+                        return Err(format!("shuffle: a width of {w} lanes"));
+                    }
+                    let src = (th & !(w - 1)) | ((th % w) ^ off[th] as usize);
                     if src >= t || !mask[src] {
                         return Err(format!("shuffle: thread {th} reads lane {src}, which is not active"));
                     }

@@ -7,6 +7,7 @@ use super::{cuda, host, ptx_report};
 use crate::lower::FusedStage;
 use anyhow::{Context, Result};
 use m3c_contract::target::Target;
+use m3c_kernels::GpuTarget;
 use std::path::Path;
 
 /// What a back end made of one stage.
@@ -79,7 +80,7 @@ struct Cuda {
 
 impl Backend for Cuda {
     fn module(&self, fused: &FusedStage) -> Result<String, String> {
-        crate::lower::cuda_module(fused)
+        crate::lower::gpu_module(fused, &GpuTarget::CUDA)
     }
 
     fn compile_stage(&self, stage: usize, module: &str, cpu: &str, work: &Path) -> Result<StageCode> {

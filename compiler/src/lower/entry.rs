@@ -15,7 +15,7 @@
 //! the runtime (`m3c_buf_alloc/free/copy`), host or device memory by target.
 
 use super::fuse::{Arg, FusedStage, Step};
-use m3c_kernels::{MemTy, Storage};
+use m3c_kernels::{GpuTarget, MemTy, Storage};
 use std::collections::BTreeSet;
 use std::fmt::Write;
 
@@ -27,10 +27,11 @@ fn indent(body: &str, n: usize) -> String {
     body.lines().map(|l| format!("{pad}{l}\n")).collect()
 }
 
+/// How the entry runs its kernels: calls on the CPU, or launches on a GPU.
 #[derive(Clone, Copy, PartialEq)]
 enum Flavor {
     Host,
-    Cuda,
+    Gpu(GpuTarget),
 }
 
 struct Emitter {
@@ -174,10 +175,10 @@ impl Emitter {
                 let (names, tys): (Vec<String>, Vec<String>) = a.into_iter().unzip();
                 let _ = writeln!(self.body, "func.call @{}({}) : ({}) -> ()", kernel.symbol(), names.join(", "), tys.join(", "));
             }
-            Flavor::Cuda => {
+            Flavor::Gpu(target) => {
                 let rows = if seq { "%srows".to_string() } else { self.rows.clone() };
-                let call = kernel.gpu_call(&a, &rows, &tag.to_string());
-                self.use_gpu_kernel(kernel);
+                let call = kernel.gpu_call(&target, &a, &rows, &tag.to_string());
+                self.use_gpu_kernel(&target, kernel);
                 self.device_views.extend(call.device_views);
                 self.views.extend(call.host_views);
                 match kernel {
@@ -188,7 +189,7 @@ impl Emitter {
                         act,
                         out_act,
                     }) if !seq => {
-                        let gemm = self.cublas_gemm(&a, *inp, *out, *weight, *act, *out_act, &tag.to_string());
+                        let gemm = self.blas_gemm(&target, &a, *inp, *out, *weight, *act, *out_act, &tag.to_string());
                         let _ = writeln!(
                             self.body,
                             "%gq{tag}_rows = arith.index_cast {rows} : index to i64\n\
@@ -209,13 +210,14 @@ impl Emitter {
 
 impl Emitter {
     /// Each GPU kernel's device code once, however many calls it has.
-    fn use_gpu_kernel(&mut self, kernel: &m3c_kernels::Kernel) {
+    fn use_gpu_kernel(&mut self, target: &GpuTarget, kernel: &m3c_kernels::Kernel) {
         if self.gpu_kernels.insert(kernel.symbol()) {
-            self.funcs.extend(kernel.gpu_funcs().into_iter().map(|g| (g.name, g.text)));
+            self.funcs.extend(kernel.gpu_funcs(target).into_iter().map(|g| (g.name, g.text)));
         }
     }
 
-    /// A linear `y = x Wᵀ` on tensor cores: cuBLAS (`m3c_gemm_bf16`, f32
+    /// A linear `y = x Wᵀ` on tensor cores: the vendor's BLAS (cuBLAS on
+    /// CUDA, behind the runtime's `m3c_gemm_bf16`, f32
     /// accumulation, output f32 or rounded to bf16 as `out_act` says) on `x`
     /// as bf16 (as it is when activations are bf16, else rounded into
     /// scratch first) and W as bf16: bf16 weights as they are, MXFP8 ones
@@ -225,8 +227,9 @@ impl Emitter {
     /// `--prefill-gemm cublas`), where the GEMM's reuse of each weight over
     /// many rows outweighs decoding it once.
     #[allow(clippy::too_many_arguments)]
-    fn cublas_gemm(
+    fn blas_gemm(
         &mut self,
+        target: &GpuTarget,
         a: &[(String, String)],
         inp: usize,
         out: usize,
@@ -246,12 +249,12 @@ impl Emitter {
             Storage::Bf16 => (ptr(&a[0].0, &a[0].1, &format!("%gq{tag}_xp")), format!("%gq{tag}_xp"), String::new()),
             Storage::F32 => {
                 let conv = m3c_kernels::Kernel::ToBf16(m3c_kernels::ToBf16 { width: inp });
-                self.use_gpu_kernel(&conv);
+                self.use_gpu_kernel(target, &conv);
                 let xb = format!("%gq{tag}_xb");
                 let rows = self.rows.clone();
                 let (alloc, xb_ty) = m3c_kernels::gpu::device_buffer(&xb, &rows, inp, "i16");
                 self.views.insert(xb_ty.clone());
-                let launch = conv.gpu_call(&[a[0].clone(), (xb.clone(), xb_ty.mlir())], &rows, &format!("{tag}c"));
+                let launch = conv.gpu_call(target, &[a[0].clone(), (xb.clone(), xb_ty.mlir())], &rows, &format!("{tag}c"));
                 (format!("{alloc}{}", launch.text), format!("{xb}_p"), format!("func.call @m3c_buf_free({xb}_p) : (!llvm.ptr) -> ()\n"))
             }
         };
@@ -259,11 +262,12 @@ impl Emitter {
         let (wconv, wp, wfree, y) = match weight {
             m3c_kernels::WeightType::Mxfp8 { block } => {
                 let dq = m3c_kernels::Kernel::DequantMxfp8(m3c_kernels::DequantMxfp8 { out, inp, block });
-                self.use_gpu_kernel(&dq);
+                self.use_gpu_kernel(target, &dq);
                 let wb = format!("%gq{tag}_wb");
                 let (alloc, wb_ty) = m3c_kernels::gpu::device_buffer(&wb, &format!("%gq{tag}_on"), inp, "i16");
                 self.views.insert(wb_ty.clone());
-                let launch = dq.gpu_call(&[a[1].clone(), a[2].clone(), (wb.clone(), wb_ty.mlir())], &self.rows.clone(), &format!("{tag}d"));
+                let launch =
+                    dq.gpu_call(target, &[a[1].clone(), a[2].clone(), (wb.clone(), wb_ty.mlir())], &self.rows.clone(), &format!("{tag}d"));
                 (
                     format!("%gq{tag}_on = arith.constant {out} : index\n{alloc}{}", launch.text),
                     format!("{wb}_p"),
@@ -285,8 +289,8 @@ impl Emitter {
     }
 }
 
-/// The runtime's tensor-core GEMM hooks (CUDA entries only; names from the contract's ABI).
-fn cuda_decls() -> String {
+/// The runtime's tensor-core GEMM hooks (GPU entries only; names from the contract's ABI).
+fn gemm_decls() -> String {
     use m3c_contract::stage::abi::{GEMM_BF16, GEMM_WANTED};
     format!(
         "  func.func private @{GEMM_WANTED}(i64) -> i32\n\
@@ -530,15 +534,15 @@ pub fn module(f: &FusedStage) -> Result<String, String> {
     Ok(m3c_kernels::module_with(&f.kernels, &views, &format!("{}{}{vision}", runtime_decls(), entry_func(&e.body))))
 }
 
-/// The module of a stage for NVIDIA GPUs: the kernels as `gpu.func`s in one
-/// `gpu.module`, and the same entry, launching them.
-pub fn cuda_module(f: &FusedStage) -> Result<String, String> {
-    let mut e = entry_body(f, Flavor::Cuda);
+/// The module of a stage for the GPU `target`: the kernels as `gpu.func`s
+/// in one `gpu.module`, and the same entry, launching them.
+pub fn gpu_module(f: &FusedStage, target: &GpuTarget) -> Result<String, String> {
+    let mut e = entry_body(f, Flavor::Gpu(*target));
     let vision = vision_text(&mut e, f);
     check(&e)?;
     let mut out = String::from("module attributes {gpu.container_module} {\n");
     out.push_str(&runtime_decls());
-    out.push_str(&cuda_decls());
+    out.push_str(&gemm_decls());
     for v in &e.views {
         out.push_str(&v.view_fn_text());
     }

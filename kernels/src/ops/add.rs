@@ -1,7 +1,7 @@
 //! `y = a + b` over rows of `width` (`y` may be `a`: the residual add in place).
 
 use crate::emit::{load_f32, store_f32};
-use crate::gpu::{GpuFunc, IDX};
+use crate::gpu::{GpuFunc, GpuTarget};
 use crate::host::rowwise;
 use crate::unit::{gpu_func, param, KernelUnit, Param};
 use crate::{indent, Storage};
@@ -40,16 +40,17 @@ impl KernelUnit for Add {
             ),
         )
     }
-    fn gpu_funcs(&self) -> Vec<GpuFunc> {
+    fn gpu_funcs(&self, target: &GpuTarget) -> Vec<GpuFunc> {
+        let idx = target.idx();
         let Add { width, act } = self;
         let t = format!("memref<?x{width}x{}>", act.mlir_elem());
         let body = format!(
-            "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
+            "{idx}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
                      scf.for %i = %t to %cw step %c256 {{\n{}{}  %s = arith.addf %x, %z : f32\n{}}}\n",
             indent(&load_f32("%x", "%a", &t, "%r", "%i", *act), 2),
             indent(&load_f32("%z", "%b", &t, "%r", "%i", *act), 2),
             indent(&store_f32("%s", "%y", &t, "%r", "%i", *act), 2),
         );
-        vec![gpu_func(&self.symbol(), &self.params(), &body)]
+        vec![gpu_func(target, &self.symbol(), &self.params(), &body)]
     }
 }

@@ -3,7 +3,7 @@
 
 use crate::builder::{warp_reduce, Reduce};
 use crate::emit::{f32_lit, load_f32, load_f32xn, parallel_or_serial, store_f32};
-use crate::gpu::{device_buffer, func, GpuCall, GpuFunc, IDX};
+use crate::gpu::{device_buffer, func, GpuCall, GpuFunc, GpuTarget};
 use crate::host::{index_consts, BASICS};
 use crate::unit::{param, KernelUnit, Launch, Param};
 use crate::{indent, num_tag, Storage};
@@ -63,8 +63,8 @@ impl KernelUnit for Attention {
     fn host_body(&self) -> String {
         host(self)
     }
-    fn gpu_funcs(&self) -> Vec<GpuFunc> {
-        vec![gpu_attention(&self.symbol(), self)]
+    fn gpu_funcs(&self, target: &GpuTarget) -> Vec<GpuFunc> {
+        vec![gpu_attention(target, &self.symbol(), self)]
     }
     /// A warp per (query row, KV group); sparse attention gets per-(row,
     /// group) block scores and selection flags in global scratch.
@@ -102,7 +102,7 @@ impl KernelUnit for Attention {
             a.push((format!("%g{tag}_nbmax"), "index".into()));
             a.push(o);
         }
-        text.push_str(&l.grid(&sym, [rows, &format!("%g{tag}_kv"), &one], 32, &a));
+        text.push_str(&l.grid(&sym, [rows, &format!("%g{tag}_kv"), &one], l.target.warp, &a));
         if sparse.is_some() {
             text.push_str(&format!(
                 "func.call @m3c_buf_free(%g{tag}_bs_p) : (!llvm.ptr) -> ()\nfunc.call @m3c_buf_free(%g{tag}_sel_p) : (!llvm.ptr) -> ()\n"
@@ -344,8 +344,9 @@ fn pv(acc: &str, acc_ty: &str, kt: &str, d: usize, cache: Storage) -> String {
 
 /// Attention on the GPU: one warp per (query row, KV group). `q`, `iq` and
 /// `o` hold values stored as `act`.
-fn gpu_attention(name: &str, k: &Attention) -> GpuFunc {
+fn gpu_attention(target: &GpuTarget, name: &str, k: &Attention) -> GpuFunc {
     let Attention { heads, kv_heads, head_dim: d, scale, sparse, cache, act } = *k;
+    let (idx, warp) = (target.idx(), target.warp);
     let group = heads / kv_heads;
     let qt = format!("memref<?x{}x{}>", heads * d, act.mlir_elem());
     let kt = format!("memref<?x{}x{}>", kv_heads * d, cache.mlir_elem());
@@ -357,8 +358,8 @@ fn gpu_attention(name: &str, k: &Attention) -> GpuFunc {
         let iqt = format!("memref<?x{}x{}>", s.index_heads * s.index_dim, act.mlir_elem());
         let ikt = format!("memref<?x{}x{}>", s.index_dim, cache.mlir_elem());
         params.push_str(&format!(", %iq: {iqt}, %ik: {ikt}, %bs: memref<?xf32>, %sel: memref<?xi32>, %nbmax: index"));
-        let wr0 = warp_reduce("%wm", Reduce::Max, "%best#0", "f32");
-        let wr1 = warp_reduce("%win", Reduce::MinSi, "%cand", "i32");
+        let wr0 = warp_reduce(warp, "%wm", Reduce::Max, "%best#0", "f32");
+        let wr1 = warp_reduce(warp, "%win", Reduce::MinSi, "%cand", "i32");
         select = format!(
             "%cB = arith.constant {block} : index\n%cK = arith.constant {topk} : index\n%cid = arith.constant {id} : index\n\
              %clocal = arith.constant {local} : index\n%cinit = arith.constant {init} : index\n\
@@ -366,7 +367,7 @@ fn gpu_attention(name: &str, k: &Attention) -> GpuFunc {
              %row0 = arith.muli %r, %ckv : index\n%row = arith.addi %row0, %g : index\n%rbase = arith.muli %row, %nbmax : index\n\
              %bq = arith.divui %p, %cB : index\n%nb = arith.addi %bq, %c1 : index\n%iqb = arith.muli %g, %cid : index\n\
              // Block scores: lane-strided blocks, max over the block's causal keys.\n\
-             scf.for %b = %lane to %nb step %c32 {{\n\
+             scf.for %b = %lane to %nb step %cwarp {{\n\
              \x20 %t0 = arith.muli %b, %cB : index\n  %t1a = arith.addi %t0, %cB : index\n  %t1 = arith.minui %t1a, %nk : index\n\
              \x20 %mx = scf.for %t = %t0 to %t1 step %c1 iter_args(%m = %ninf) -> (f32) {{\n\
              \x20   %dot = scf.for %c = %c0 to %cid step %c1 iter_args(%a = %zero) -> (f32) {{\n\
@@ -380,7 +381,7 @@ fn gpu_attention(name: &str, k: &Attention) -> GpuFunc {
              gpu.barrier\n\
              // Top-k by repeated warp argmax; ties go to the lower block.\n\
              scf.for %s = %c0 to %cK step %c1 {{\n\
-             \x20 %best:2 = scf.for %b = %lane to %nb step %c32 iter_args(%bv = %ninf, %bi = %nb) -> (f32, index) {{\n\
+             \x20 %best:2 = scf.for %b = %lane to %nb step %cwarp iter_args(%bv = %ninf, %bi = %nb) -> (f32, index) {{\n\
              \x20   %at = arith.addi %rbase, %b : index\n    %tk = memref.load %sel[%at] : memref<?xi32>\n    %free = arith.cmpi eq, %tk, %i0 : i32\n\
              \x20   %x = memref.load %bs[%at] : memref<?xf32>\n    %gt = arith.cmpf ogt, %x, %bv : f32\n    %ok = arith.andi %free, %gt : i1\n\
              \x20   %nv = arith.select %ok, %x, %bv : f32\n    %ni = arith.select %ok, %b, %bi : index\n    scf.yield %nv, %ni : f32, index\n  }}\n\
@@ -402,11 +403,11 @@ fn gpu_attention(name: &str, k: &Attention) -> GpuFunc {
         allowed = "%tb = arith.divui %t, %cB : index\n%at = arith.addi %rbase, %tb : index\n%sv = memref.load %sel[%at] : memref<?xi32>\n%allowed = arith.cmpi ne, %sv, %i0 : i32\n".into();
     }
     params.push_str(&format!(", %o: {qt}"));
-    let wr2 = warp_reduce("%gm", Reduce::Max, "%ml#0", "f32");
-    let wr3 = warp_reduce("%gl", Reduce::Add, "%lf", "f32");
-    let wr4 = warp_reduce("%sum", Reduce::Add, "%af", "f32");
+    let wr2 = warp_reduce(warp, "%gm", Reduce::Max, "%ml#0", "f32");
+    let wr3 = warp_reduce(warp, "%gl", Reduce::Add, "%lf", "f32");
+    let wr4 = warp_reduce(warp, "%sum", Reduce::Add, "%af", "f32");
     let body = format!(
-        "{IDX}%r = gpu.block_id x\n%g = gpu.block_id y\n%lane = gpu.thread_id x\n\
+        "{idx}%r = gpu.block_id x\n%g = gpu.block_id y\n%lane = gpu.thread_id x\n\
          %cg = arith.constant {group} : index\n%ckv = arith.constant {kv_heads} : index\n%cd = arith.constant {d} : index\n\
          %scale = arith.constant {sc} : f32\n\
          %p64 = memref.load %pos[%r] : memref<?xi64>\n%p = arith.index_cast %p64 : i64 to index\n%nk = arith.addi %p, %c1 : index\n\
@@ -417,7 +418,7 @@ fn gpu_attention(name: &str, k: &Attention) -> GpuFunc {
          \x20 %gi = arith.muli %g, %cg : index\n  %i = arith.addi %gi, %hh : index\n  %qb = arith.muli %i, %cd : index\n\
          \x20 scf.for %c = %c0 to %cd step %c1 {{\n    memref.store %zero, %acc[%c] : memref<{d}xf32>\n  }}\n\
          \x20 // Online softmax over this lane's keys.\n\
-         \x20 %ml:2 = scf.for %t = %lane to %nk step %c32 iter_args(%m = %ninf, %l = %zero) -> (f32, f32) {{\n\
+         \x20 %ml:2 = scf.for %t = %lane to %nk step %cwarp iter_args(%m = %ninf, %l = %zero) -> (f32, f32) {{\n\
          {allowed}\
          \x20   %res:2 = scf.if %allowed -> (f32, f32) {{\n\
          \x20     %dot = scf.for %c = %c0 to %cd step %c1 iter_args(%a = %zero) -> (f32) {{\n\
@@ -450,7 +451,7 @@ fn gpu_attention(name: &str, k: &Attention) -> GpuFunc {
         k_load = indent(&load("%x2", "%k", &kt, "%t", "%kc"), 8),
         v_load = indent(&load("%vv", "%v", &kt, "%t", "%vc"), 8),
     );
-    func(name, &params, &body)
+    func(target, name, &params, &body, warp)
 }
 
 /// The host attention's MSA block selection for one (query row, KV group):

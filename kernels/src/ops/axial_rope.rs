@@ -8,10 +8,10 @@
 //! `y` may be `x`: each pair is read before it is written.
 
 use crate::emit::{f32_lit, load_f32, store_f32};
-use crate::gpu::{GpuCall, GpuFunc, IDX};
+use crate::gpu::{GpuCall, GpuFunc, GpuTarget};
 use crate::host::{index_consts, BASICS};
 use crate::ops::head_norm_rope::{rope_table, rope_table_name};
-use crate::unit::{gpu_func, param, KernelUnit, Launch, Param};
+use crate::unit::{gpu_func_block, param, KernelUnit, Launch, Param};
 use crate::{indent, num_tag, Storage};
 
 /// Axial RoPE over `heads` heads of `head_dim` channels, `axis_dim` (`d`) per axis.
@@ -93,13 +93,14 @@ impl KernelUnit for AxialRope {
     }
     /// A block per (row, head), a thread per channel: thread `j < 3d/2`
     /// rotates the pair `(j, j + 3d/2)`, threads from `3d` copy their channel.
-    fn gpu_funcs(&self) -> Vec<GpuFunc> {
+    fn gpu_funcs(&self, target: &GpuTarget) -> Vec<GpuFunc> {
+        let idx = target.idx();
         let (q, half) = (self.axis_dim / 2, 3 * self.axis_dim / 2);
         let x = self.x_ty();
         let inv: Vec<String> =
             (0..q.max(1)).map(|j| f32_lit((1.0 / (self.theta as f32).powf((2 * j) as f32 / self.axis_dim as f32)) as f64)).collect();
         let body = format!(
-            "{IDX}%r = gpu.block_id x\n%hd = gpu.block_id y\n%j = gpu.thread_id x\n\
+            "{idx}%r = gpu.block_id x\n%hd = gpu.block_id y\n%j = gpu.thread_id x\n\
              {consts}%inv = arith.constant dense<[{inv}]> : vector<{qv}xf32>\n%base = arith.muli %hd, %cd : index\n\
              %lo = arith.cmpi ult, %j, %chalf : index\n\
              scf.if %lo {{\n{ax}  %f = vector.extract %inv[%fj] : f32 from vector<{qv}xf32>\n{pair}}}\n\
@@ -115,7 +116,7 @@ impl KernelUnit for AxialRope {
                 2
             ),
         );
-        vec![gpu_func(&self.symbol(), &self.params(), &body)]
+        vec![gpu_func_block(target, &self.symbol(), &self.params(), &body, self.head_dim)]
     }
     fn launch(&self, l: &Launch) -> GpuCall {
         l.per_head(&self.symbol(), self.heads, self.head_dim)

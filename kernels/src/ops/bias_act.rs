@@ -4,7 +4,7 @@
 
 use crate::builder::{Builder, Value};
 use crate::emit::{load_f32, load_weight_f32, store_f32};
-use crate::gpu::{GpuFunc, IDX};
+use crate::gpu::{GpuFunc, GpuTarget};
 use crate::host::rowwise;
 use crate::unit::{gpu_func, param, KernelUnit, Param};
 use crate::{indent, Storage, WeightType};
@@ -63,15 +63,16 @@ impl KernelUnit for BiasAct {
         });
         rowwise(self.width, self.act, "x", "", &element)
     }
-    fn gpu_funcs(&self) -> Vec<GpuFunc> {
+    fn gpu_funcs(&self, target: &GpuTarget) -> Vec<GpuFunc> {
+        let idx = target.idx();
         let element = self.element(|b, v| b.unary("math.erf", v));
         let body = format!(
-            "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {} : index\n\
+            "{idx}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {} : index\n\
              scf.for %i = %t to %cw step %c256 {{\n{}}}\n",
             self.width,
             indent(&element, 2),
         );
-        vec![gpu_func(&self.symbol(), &self.params(), &body)]
+        vec![gpu_func(target, &self.symbol(), &self.params(), &body)]
     }
     fn globals(&self) -> Vec<(String, String)> {
         if self.gelu {

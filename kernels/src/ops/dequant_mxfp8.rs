@@ -1,7 +1,7 @@
 //! An MXFP8 weight decoded to bf16 for a tensor-core GEMM.
 
 use crate::emit::{e8m0_to_f32, fp8_lut_global, store_f32, E8M0_CONSTANTS};
-use crate::gpu::{GpuCall, GpuFunc, WeightArgs, BLOCK, IDX};
+use crate::gpu::{GpuCall, GpuFunc, GpuTarget, WeightArgs, BLOCK};
 use crate::host::{index_consts, BASICS};
 use crate::unit::{gpu_func, param, KernelUnit, Launch, Param};
 use crate::{indent, Storage, WeightType};
@@ -38,20 +38,21 @@ impl KernelUnit for DequantMxfp8 {
     fn host_body(&self) -> String {
         host(self.out, self.inp, self.block)
     }
-    fn gpu_funcs(&self) -> Vec<GpuFunc> {
+    fn gpu_funcs(&self, target: &GpuTarget) -> Vec<GpuFunc> {
+        let idx = target.idx();
         let DequantMxfp8 { out, inp, block } = self;
 
         // A block per weight row; threads stride its columns.
-        let wa = WeightArgs::new("%w", "%s", *out, *inp, WeightType::Mxfp8 { block: *block });
+        let wa = WeightArgs::new(target, "%w", "%s", *out, *inp, WeightType::Mxfp8 { block: *block });
         let yt = format!("memref<?x{inp}xi16>");
         let body = format!(
-            "{IDX}{consts}%o = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {inp} : index\n\
+            "{idx}{consts}%o = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {inp} : index\n\
                      scf.for %i = %t to %cw step %c256 {{\n{}{}}}\n",
             indent(&wa.load("v", "%o", "%i"), 2),
             indent(&store_f32("%v", "%y", &yt, "%o", "%i", Storage::Bf16), 2),
             consts = wa.consts(),
         );
-        vec![gpu_func(&self.symbol(), &self.params(), &body)]
+        vec![gpu_func(target, &self.symbol(), &self.params(), &body)]
     }
     /// A block per weight row.
     fn launch(&self, l: &Launch) -> GpuCall {

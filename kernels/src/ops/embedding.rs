@@ -1,7 +1,7 @@
 //! Row gather from an embedding table `[vocab, width]`.
 
 use crate::emit::store_f32;
-use crate::gpu::{GpuFunc, WeightArgs, IDX};
+use crate::gpu::{GpuFunc, GpuTarget, WeightArgs};
 use crate::host::row_loop;
 use crate::unit::{gpu_func, param, KernelUnit, Param};
 use crate::{indent, Storage, WeightType};
@@ -34,19 +34,20 @@ impl KernelUnit for Embedding {
     fn host_body(&self) -> String {
         host(self.vocab, self.width, self.weight, self.act)
     }
-    fn gpu_funcs(&self) -> Vec<GpuFunc> {
+    fn gpu_funcs(&self, target: &GpuTarget) -> Vec<GpuFunc> {
+        let idx = target.idx();
         let Embedding { vocab, width, weight, act } = self;
 
-        let wa = WeightArgs::new("%w", "", *vocab, *width, *weight);
+        let wa = WeightArgs::new(target, "%w", "", *vocab, *width, *weight);
         let yt = format!("memref<?x{width}x{}>", act.mlir_elem());
         let body = format!(
-            "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
+            "{idx}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
                      %id64 = memref.load %ids[%r] : memref<?xi64>\n%id = arith.index_cast %id64 : i64 to index\n\
                      scf.for %c = %t to %cw step %c256 {{\n{}{}}}\n",
             indent(&wa.load("v", "%id", "%c"), 2),
             indent(&store_f32("%v", "%y", &yt, "%r", "%c", *act), 2)
         );
-        vec![gpu_func(&self.symbol(), &self.params(), &body)]
+        vec![gpu_func(target, &self.symbol(), &self.params(), &body)]
     }
 }
 

@@ -4,7 +4,7 @@
 
 use crate::builder::Builder;
 use crate::emit::{load_f32, store_f32};
-use crate::gpu::{GpuFunc, IDX};
+use crate::gpu::{GpuFunc, GpuTarget};
 use crate::host::rowwise;
 use crate::unit::{gpu_func, param, KernelUnit, Param};
 use crate::{indent, Storage};
@@ -64,19 +64,20 @@ impl KernelUnit for Gelu {
         );
         rowwise(self.width, self.act, "x", "", &element)
     }
-    fn gpu_funcs(&self) -> Vec<GpuFunc> {
+    fn gpu_funcs(&self, target: &GpuTarget) -> Vec<GpuFunc> {
+        let idx = target.idx();
         let t = format!("memref<?x{}x{}>", self.width, self.act.mlir_elem());
         let mut b = Builder::new("ge");
         let y = Gelu::element(&mut b, "%xv", |b, v| b.unary("math.erf", v));
         let body = format!(
-            "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {} : index\n\
+            "{idx}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {} : index\n\
              scf.for %i = %t to %cw step %c256 {{\n{}{}{}}}\n",
             self.width,
             indent(&load_f32("%xv", "%x", &t, "%r", "%i", self.act), 2),
             indent(&b.finish(), 2),
             indent(&store_f32(&y.name, "%y", &t, "%r", "%i", self.act), 2),
         );
-        vec![gpu_func(&self.symbol(), &self.params(), &body)]
+        vec![gpu_func(target, &self.symbol(), &self.params(), &body)]
     }
     fn globals(&self) -> Vec<(String, String)> {
         vec![("erff".into(), ERFF.into())]

@@ -2,7 +2,7 @@
 //! also the MSA indexer's).
 
 use crate::emit::{f32_lit, gemma_norm_span, load_f32, store_f32};
-use crate::gpu::{GpuCall, GpuFunc, IDX};
+use crate::gpu::{func_shared, GpuCall, GpuFunc, GpuTarget};
 use crate::host::{index_consts, BASICS};
 use crate::unit::{param, params_text, KernelUnit, Launch, Param};
 use crate::{indent, num_tag, Storage, WeightType};
@@ -47,7 +47,8 @@ impl KernelUnit for HeadNormRope {
         let k = self;
         host(k.heads, k.head_dim, k.rotary_dim, k.theta, k.eps, k.weight, k.act)
     }
-    fn gpu_funcs(&self) -> Vec<GpuFunc> {
+    fn gpu_funcs(&self, target: &GpuTarget) -> Vec<GpuFunc> {
+        let idx = target.idx();
         let sym = self.symbol();
         let HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight, act } = self;
 
@@ -59,7 +60,7 @@ impl KernelUnit for HeadNormRope {
             (0..half.max(1)).map(|j| f32_lit((1.0 / (*theta as f32).powf((2 * j) as f32 / *rotary_dim as f32)) as f64)).collect();
         let wl = crate::emit::load_weight_f32("%wv", "%w", "%t", &wt, *weight);
         let body = format!(
-                    "{IDX}%r = gpu.block_id x\n%h = gpu.block_id y\n%t = gpu.thread_id x\n\
+                    "{idx}%r = gpu.block_id x\n%h = gpu.block_id y\n%t = gpu.thread_id x\n\
                      %cd = arith.constant {d} : index\n%chalf = arith.constant {half} : index\n%crot = arith.constant {rotary_dim} : index\n\
                      %n = arith.constant {nf} : f32\n%eps = arith.constant {epsf} : f32\n\
                      %inv = arith.constant dense<[{inv}]> : vector<{hv}xf32>\n\
@@ -93,14 +94,8 @@ impl KernelUnit for HeadNormRope {
                     inv = inv.join(", "),
                     hv = half.max(1),
                 );
-        vec![GpuFunc {
-                    name: sym.clone(),
-                    text: format!(
-                        "    gpu.func @{sym}({}) workgroup(%sh: memref<{d}xf32, #gpu.address_space<workgroup>>) kernel {{\n{}      gpu.return\n    }}\n",
-                        params_text(&self.params()),
-                        indent(&body, 6)
-                    ),
-                }]
+        let shared = [("sh", format!("memref<{d}xf32, #gpu.address_space<workgroup>>"))];
+        vec![func_shared(target, &sym, &params_text(&self.params()), &shared, &body, d)]
     }
     /// A block per (row, head), a thread per channel.
     fn launch(&self, l: &Launch) -> GpuCall {

@@ -3,7 +3,7 @@
 //! of the row, as PyTorch's `nn.LayerNorm` computes it.
 
 use crate::emit::{f32_lit, load_f32, load_weight_f32, parallel_or_serial, store_f32};
-use crate::gpu::{GpuFunc, IDX};
+use crate::gpu::{GpuFunc, GpuTarget};
 use crate::host::BASICS;
 use crate::unit::{gpu_func, param, KernelUnit, Param};
 use crate::{indent, num_tag, Storage, WeightType};
@@ -69,11 +69,12 @@ impl KernelUnit for LayerNorm {
         )
     }
     /// A block of 256 threads per row; the sums by `gpu.all_reduce`.
-    fn gpu_funcs(&self) -> Vec<GpuFunc> {
+    fn gpu_funcs(&self, target: &GpuTarget) -> Vec<GpuFunc> {
+        let idx = target.idx();
         let x = self.x_ty();
         let load = indent(&load_f32("%v", "%x", &x, "%r", "%c", self.act), 2);
         let body = format!(
-            "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {w} : index\n\
+            "{idx}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {w} : index\n\
              %n = arith.constant {n} : f32\n%eps = arith.constant {eps} : f32\n\
              %p1 = scf.for %c = %t to %cw step %c256 iter_args(%a = %zero) -> (f32) {{\n{load}  %a2 = arith.addf %a, %v : f32\n  scf.yield %a2 : f32\n}}\n\
              %sum = gpu.all_reduce add %p1 uniform {{}} : (f32) -> (f32)\n%mean = arith.divf %sum, %n : f32\n\
@@ -87,6 +88,6 @@ impl KernelUnit for LayerNorm {
             n = f32_lit(self.width as f64),
             eps = f32_lit(self.eps),
         );
-        vec![gpu_func(&self.symbol(), &self.params(), &body)]
+        vec![gpu_func(target, &self.symbol(), &self.params(), &body)]
     }
 }

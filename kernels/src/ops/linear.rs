@@ -2,9 +2,9 @@
 //! weight type; on the host a vectorised path when the widths allow.
 
 use crate::emit::{e8m0_to_f32, fp8_lut_global, load_f32, load_f32xn, load_weight_f32, parallel_or_serial, store_f32, E8M0_CONSTANTS};
-use crate::gpu::{warp_dots, GpuCall, GpuFunc, WeightArgs, BLOCK, IDX, ROWS_PER_PASS, WARPS, WARP_IDS};
+use crate::gpu::{warp_dots, GpuCall, GpuFunc, GpuTarget, WeightArgs, ROWS_PER_PASS, WARPS};
 use crate::host::{index_consts, BASICS};
-use crate::unit::{gpu_func, param, KernelUnit, Launch, Param};
+use crate::unit::{gpu_func_block, param, KernelUnit, Launch, Param};
 use crate::{indent, Storage, WeightType};
 
 /// `y = x Wᵀ` with `W: [out, inp]`; `x` stored as `act`, `y` as `out_act`
@@ -43,7 +43,8 @@ impl KernelUnit for Linear {
     fn host_body(&self) -> String {
         host(self.inp, self.out, self.weight, self.act, self.out_act)
     }
-    fn gpu_funcs(&self) -> Vec<GpuFunc> {
+    fn gpu_funcs(&self, target: &GpuTarget) -> Vec<GpuFunc> {
+        let idx = target.idx();
         let sym = self.symbol();
         let Linear { inp, out, weight, act, out_act } = self;
 
@@ -54,7 +55,7 @@ impl KernelUnit for Linear {
         // once. Rows past the end are clamped for the loads and not stored.
         // `{sym}_r1` takes one row per pass: a batch-1 decode step
         // then does no clamped duplicate work.
-        let wa = WeightArgs::new("%w", "%s", *out, *inp, *weight);
+        let wa = WeightArgs::new(target, "%w", "%s", *out, *inp, *weight);
         let xt = format!("memref<?x{inp}x{}>", act.mlir_elem());
         let yt = format!("memref<?x{out}x{}>", out_act.mlir_elem());
         let mut funcs = Vec::new();
@@ -76,7 +77,7 @@ impl KernelUnit for Linear {
                 ));
             }
             let body = format!(
-                "{IDX}{WARP_IDS}{consts}%bx = gpu.block_id x\n%cwarps = arith.constant {WARPS} : index\n\
+                "{idx}{warp_ids}{consts}%bx = gpu.block_id x\n%cwarps = arith.constant {WARPS} : index\n\
                          %ob = arith.muli %bx, %cwarps : index\n%o = arith.addi %ob, %warp : index\n\
                          %cout = arith.constant {out} : index\n%ok = arith.cmpi ult, %o, %cout : index\n\
                          %rows = memref.dim %x, %c0 : {xt}\n%cr = arith.constant {rows} : index\n\
@@ -88,17 +89,18 @@ impl KernelUnit for Linear {
                          {stores}\
                          \x20 }}\n\
                          }}\n",
+                warp_ids = target.warp_ids(),
                 consts = wa.consts(),
                 clamp = indent(&clamp, 4),
                 dots = indent(&warp_dots("y", &wa, "%o", "%x", &xt, *act, &names, *inp), 4),
                 stores = indent(&stores, 4),
             );
-            funcs.push(gpu_func(&name, &self.params(), &body));
+            funcs.push(gpu_func_block(target, &name, &self.params(), &body, target.warps_block()));
         }
         funcs
     }
-    /// One block per 8 output rows; each warp covers every activation row
-    /// (one at a time for a single row, else four at a time).
+    /// One block of 8 warps per 8 output rows; each warp covers every
+    /// activation row (one at a time for a single row, else four at a time).
     fn launch(&self, l: &Launch) -> GpuCall {
         let sym = self.symbol();
         let (ob, single, one, rows) = (l.local("ob"), l.local("single"), l.one(), l.rows);
@@ -106,8 +108,8 @@ impl KernelUnit for Linear {
             "{ob} = arith.constant {} : index\n\
              {single} = arith.cmpi eq, {rows}, {one} : index\nscf.if {single} {{\n{}}} else {{\n{}}}\n",
             self.out.div_ceil(WARPS),
-            indent(&l.grid(&format!("{sym}_r1"), [&ob, &one, &one], BLOCK, l.args), 2),
-            indent(&l.grid(&sym, [&ob, &one, &one], BLOCK, l.args), 2)
+            indent(&l.grid(&format!("{sym}_r1"), [&ob, &one, &one], l.target.warps_block(), l.args), 2),
+            indent(&l.grid(&sym, [&ob, &one, &one], l.target.warps_block(), l.args), 2)
         ))
     }
     fn globals(&self) -> Vec<(String, String)> {

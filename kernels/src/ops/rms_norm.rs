@@ -1,7 +1,7 @@
 //! Gemma RMSNorm over rows of `width`, in f32: `x · rsqrt(mean(x²) + eps) · (1 + w)`.
 
 use crate::emit::{f32_lit, gemma_norm_span, load_f32, store_f32};
-use crate::gpu::{GpuFunc, IDX};
+use crate::gpu::{GpuFunc, GpuTarget};
 use crate::host::BASICS;
 use crate::unit::{gpu_func, param, KernelUnit, Param};
 use crate::{indent, num_tag, Storage, WeightType};
@@ -31,7 +31,8 @@ impl KernelUnit for RmsNorm {
     fn host_body(&self) -> String {
         host(self.width, self.eps, self.weight, self.act)
     }
-    fn gpu_funcs(&self) -> Vec<GpuFunc> {
+    fn gpu_funcs(&self, target: &GpuTarget) -> Vec<GpuFunc> {
+        let idx = target.idx();
         let RmsNorm { width, eps, weight, act } = self;
 
         let t = format!("memref<?x{width}x{}>", act.mlir_elem());
@@ -39,7 +40,7 @@ impl KernelUnit for RmsNorm {
         let wt = format!("memref<{width}x{}>", weight.mlir_elem());
         let wl = crate::emit::load_weight_f32("%wv", "%w", "%c", &wt, *weight);
         let body = format!(
-            "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
+            "{idx}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
                      %n = arith.constant {n} : f32\n%eps = arith.constant {eps} : f32\n\
                      %part = scf.for %c = %t to %cw step %c256 iter_args(%a = %zero) -> (f32) {{\n\
                      {xl}  %q = arith.mulf %v, %v : f32\n  %a2 = arith.addf %a, %q : f32\n  scf.yield %a2 : f32\n}}\n\
@@ -54,7 +55,7 @@ impl KernelUnit for RmsNorm {
             n = f32_lit(*width as f64),
             eps = f32_lit(*eps),
         );
-        vec![gpu_func(&self.symbol(), &self.params(), &body)]
+        vec![gpu_func(target, &self.symbol(), &self.params(), &body)]
     }
 }
 

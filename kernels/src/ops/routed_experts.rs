@@ -3,7 +3,7 @@
 //! read once per step.
 
 use crate::emit::{f32_lit, indent, load_f32, store_f32};
-use crate::gpu::{device_buffer, func, warp_dots, GpuCall, GpuFunc, WeightArgs, BLOCK, IDX, ROWS_PER_PASS, WARPS, WARP_IDS};
+use crate::gpu::{device_buffer, func, warp_dots, GpuCall, GpuFunc, GpuTarget, WeightArgs, BLOCK, ROWS_PER_PASS, WARPS};
 use crate::host::BASICS;
 use crate::ops::{Linear, SwiGluOai};
 use crate::unit::{param, KernelUnit, Launch, Param};
@@ -53,8 +53,8 @@ impl KernelUnit for RoutedExperts {
     fn host_body(&self) -> String {
         host(self)
     }
-    fn gpu_funcs(&self) -> Vec<GpuFunc> {
-        gpu_routed_experts(&self.symbol(), self)
+    fn gpu_funcs(&self, target: &GpuTarget) -> Vec<GpuFunc> {
+        gpu_routed_experts(target, &self.symbol(), self)
     }
     /// Grouping, gate/up, down and combine launches over scratch buffers.
     fn launch(&self, l: &Launch) -> GpuCall {
@@ -104,7 +104,7 @@ impl KernelUnit for RoutedExperts {
                 text.push_str(&l.grid(
                     &format!("{sym}_{kernel}"),
                     [&format!("%g{tag}_slots"), &format!("%g{tag}_{row_blocks}"), &one],
-                    BLOCK,
+                    l.target.warps_block(),
                     &a,
                 ));
             }
@@ -322,8 +322,9 @@ fn host(re: &RoutedExperts) -> String {
 /// - `{name}_combine`: `y[r] = Σ_j wts[r, j] · dn[r·k + j]`.
 ///
 /// `h` and `y` hold values stored as `act`; `act` and `dn` are f32 scratch.
-fn gpu_routed_experts(name: &str, re: &RoutedExperts) -> Vec<GpuFunc> {
+fn gpu_routed_experts(target: &GpuTarget, name: &str, re: &RoutedExperts) -> Vec<GpuFunc> {
     let RoutedExperts { experts, hidden, inter, top_k: k, weight, alpha, limit, beta, act } = *re;
+    let (idx, warp_ids) = (target.idx(), target.warp_ids());
     let ht = format!("memref<?x{hidden}xf32>");
     let hat = format!("memref<?x{hidden}x{}>", act.mlir_elem());
     let it = format!("memref<?x{inter}xf32>");
@@ -333,7 +334,7 @@ fn gpu_routed_experts(name: &str, re: &RoutedExperts) -> Vec<GpuFunc> {
     let stride = expert_table_stride(weight);
     let types = expert_tensor_types(hidden, inter, weight);
     let e_n = experts;
-    let group_body = group_body(k, e_n);
+    let group_body = group_body(&idx, k, e_n);
     // Views of expert `%e`'s tensors `first..first+n` from the device pointer table.
     let views = |first: usize, n: usize| -> String {
         let mut s = format!("%cstride = arith.constant {stride} : i64\n%e64 = arith.index_cast %e : index to i64\n%ebase = arith.muli %e64, %cstride : i64\n");
@@ -351,14 +352,14 @@ fn gpu_routed_experts(name: &str, re: &RoutedExperts) -> Vec<GpuFunc> {
     };
     let mx = matches!(weight, WeightType::Mxfp8 { .. });
     let (g_w, g_s, u_w, u_s, d_w, d_s) = if mx { ("%t0", "%t1", "%t2", "%t3", "%t4", "%t5") } else { ("%t0", "", "%t1", "", "%t2", "") };
-    let gate = WeightArgs::new(g_w, g_s, inter, hidden, weight);
-    let up = WeightArgs::new(u_w, u_s, inter, hidden, weight);
-    let down = WeightArgs::new(d_w, d_s, hidden, inter, weight);
+    let gate = WeightArgs::new(target, g_w, g_s, inter, hidden, weight);
+    let up = WeightArgs::new(target, u_w, u_s, inter, hidden, weight);
+    let down = WeightArgs::new(target, d_w, d_s, hidden, inter, weight);
     let consts = gate.consts();
     // The block's expert and output row.
     let head = |out: usize| {
         format!(
-            "{IDX}{WARP_IDS}{consts}%slot = gpu.block_id x\n%e32 = memref.load %active[%slot] : {i32v}\n%i0 = arith.constant 0 : i32\n\
+            "{idx}{warp_ids}{consts}%slot = gpu.block_id x\n%e32 = memref.load %active[%slot] : {i32v}\n%i0 = arith.constant 0 : i32\n\
              %has = arith.cmpi sge, %e32, %i0 : i32\n%e = arith.index_cast %e32 : i32 to index\n\
              %bx = gpu.block_id y\n%cwarps = arith.constant {WARPS} : index\n%ob = arith.muli %bx, %cwarps : index\n%o = arith.addi %ob, %warp : index\n\
              %cout = arith.constant {out} : index\n%in = arith.cmpi ult, %o, %cout : index\n%ok = arith.andi %has, %in : i1\n\
@@ -431,31 +432,32 @@ fn gpu_routed_experts(name: &str, re: &RoutedExperts) -> Vec<GpuFunc> {
             walks = indent(&only(rows, &down_walk), 2),
         )
     };
-    let combine_body = combine_body(hidden, k, act);
+    let combine_body = combine_body(&idx, hidden, k, act);
     let grouping = format!("%start: {i32v}, %order: {i32v}, %active: {i32v}");
     vec![
         GpuFunc {
             name: format!("{name}_group"),
             text: format!(
-                "    gpu.func @{name}_group(%ids: {ids}, {grouping}) workgroup(%cnt: memref<{e_n}xi32, #gpu.address_space<workgroup>>) kernel {{\n{}      gpu.return\n    }}\n",
+                "    gpu.func @{name}_group(%ids: {ids}, {grouping}) workgroup(%cnt: memref<{e_n}xi32, #gpu.address_space<workgroup>>) kernel{} {{\n{}      gpu.return\n    }}\n",
+                target.block_attr(BLOCK),
                 indent(&group_body, 6)
             ),
         },
-        func(&format!("{name}_up_r1"), &format!("%h: {hat}, {grouping}, %table: !llvm.ptr, %out: {it}"), &up_body(1)),
-        func(&format!("{name}_up"), &format!("%h: {hat}, {grouping}, %table: !llvm.ptr, %out: {it}"), &up_body(ROWS_PER_PASS)),
-        func(&format!("{name}_down_r1"), &format!("%act: {it}, {grouping}, %table: !llvm.ptr, %out: {ht}"), &down_body(1)),
-        func(&format!("{name}_down"), &format!("%act: {it}, {grouping}, %table: !llvm.ptr, %out: {ht}"), &down_body(ROWS_PER_PASS)),
-        func(&format!("{name}_combine"), &format!("%dn: {ht}, %wts: {wts}, %y: {hat}"), &combine_body),
+        func(target, &format!("{name}_up_r1"), &format!("%h: {hat}, {grouping}, %table: !llvm.ptr, %out: {it}"), &up_body(1), target.warps_block()),
+        func(target, &format!("{name}_up"), &format!("%h: {hat}, {grouping}, %table: !llvm.ptr, %out: {it}"), &up_body(ROWS_PER_PASS), target.warps_block()),
+        func(target, &format!("{name}_down_r1"), &format!("%act: {it}, {grouping}, %table: !llvm.ptr, %out: {ht}"), &down_body(1), target.warps_block()),
+        func(target, &format!("{name}_down"), &format!("%act: {it}, {grouping}, %table: !llvm.ptr, %out: {ht}"), &down_body(ROWS_PER_PASS), target.warps_block()),
+        func(target, &format!("{name}_combine"), &format!("%dn: {ht}, %wts: {wts}, %y: {hat}"), &combine_body, BLOCK),
     ]
 }
 
 /// The grouping kernel's body: pairs per expert, their offsets, the active
 /// experts, then each expert's pairs in pair order.
-fn group_body(k: usize, e_n: usize) -> String {
+fn group_body(idx: &str, k: usize, e_n: usize) -> String {
     let ids = format!("memref<?x{k}xi64>");
     let i32v = "memref<?xi32>";
     format!(
-        "{IDX}%t = gpu.thread_id x\n%ck = arith.constant {k} : index\n%ce = arith.constant {e_n} : index\n\
+        "{idx}%t = gpu.thread_id x\n%ck = arith.constant {k} : index\n%ce = arith.constant {e_n} : index\n\
          %rows = memref.dim %ids, %c0 : {ids}\n%pairs = arith.muli %rows, %ck : index\n%slots = memref.dim %active, %c0 : {i32v}\n\
          %i0 = arith.constant 0 : i32\n%i1 = arith.constant 1 : i32\n%neg = arith.constant -1 : i32\n\
          // Pairs per expert.\n\
@@ -502,12 +504,12 @@ fn group_body(k: usize, e_n: usize) -> String {
 }
 
 /// The combine kernel's body: each row's weighted sum of its experts' outputs.
-fn combine_body(hidden: usize, k: usize, act: Storage) -> String {
+fn combine_body(idx: &str, hidden: usize, k: usize, act: Storage) -> String {
     let ht = format!("memref<?x{hidden}xf32>");
     let hat = format!("memref<?x{hidden}x{}>", act.mlir_elem());
     let wts = format!("memref<?x{k}xf32>");
     format!(
-        "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%ch = arith.constant {hidden} : index\n%ck = arith.constant {k} : index\n\
+        "{idx}%r = gpu.block_id x\n%t = gpu.thread_id x\n%ch = arith.constant {hidden} : index\n%ck = arith.constant {k} : index\n\
          %rk = arith.muli %r, %ck : index\n\
          scf.for %c = %t to %ch step %c256 {{\n\
          \x20 %s = scf.for %j = %c0 to %ck step %c1 iter_args(%a = %zero) -> (f32) {{\n\

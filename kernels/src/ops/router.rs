@@ -2,7 +2,7 @@
 //! only selects; first index on ties), weights `scale · s[idx] / Σ s[idx]`.
 
 use crate::emit::{f32_lit, load_f32, load_weight_f32, parallel_or_serial};
-use crate::gpu::{warp_dots, GpuCall, GpuFunc, WeightArgs, IDX};
+use crate::gpu::{func_shared, warp_dots, GpuCall, GpuFunc, GpuTarget, WeightArgs};
 use crate::host::{index_consts, BASICS};
 use crate::unit::{param, params_text, KernelUnit, Launch, Param};
 use crate::{indent, num_tag, Storage, WeightType};
@@ -51,12 +51,13 @@ impl KernelUnit for Router {
         let k = self;
         host(k.width, k.experts, k.top_k, k.scale, k.weight, k.bias, k.act)
     }
-    fn gpu_funcs(&self) -> Vec<GpuFunc> {
+    fn gpu_funcs(&self, target: &GpuTarget) -> Vec<GpuFunc> {
+        let idx = target.idx();
         let sym = self.symbol();
         let Router { width, experts, top_k, scale, weight, bias, act } = self;
 
         let ht = format!("memref<?x{width}x{}>", act.mlir_elem());
-        let wa = WeightArgs::new("%w", "", *experts, *width, *weight);
+        let wa = WeightArgs::new(target, "%w", "", *experts, *width, *weight);
         let e = *experts;
         let wts = format!("memref<?x{top_k}xf32>");
         let ids = format!("memref<?x{top_k}xi64>");
@@ -72,7 +73,7 @@ impl KernelUnit for Router {
             None => "    %ch = arith.addf %sg, %zero : f32\n".into(),
         };
         let body = format!(
-                    "{IDX}%r = gpu.block_id x\n%lane = gpu.thread_id x\n%ce = arith.constant {e} : index\n%ck = arith.constant {top_k} : index\n\
+                    "{idx}%r = gpu.block_id x\n%lane = gpu.thread_id x\n%ce = arith.constant {e} : index\n%ck = arith.constant {top_k} : index\n\
                      %scale = arith.constant {sc} : f32\n%first = arith.cmpi eq, %lane, %c0 : index\n\
                      scf.for %e = %c0 to %ce step %c1 {{\n\
                      {dot}\
@@ -101,18 +102,12 @@ impl KernelUnit for Router {
                     sc = f32_lit(*scale),
                     dot = indent(&warp_dots("l", &wa, "%e", "%h", &ht, *act, &["%r".to_string()], *width), 2),
                 );
-        vec![GpuFunc {
-            name: sym.clone(),
-            text: (format!(
-                "    gpu.func @{sym}({}) workgroup(%ss: {sh}, %sc_: {sh}) kernel {{\n{}      gpu.return\n    }}\n",
-                params_text(&self.params()),
-                indent(&body, 6)
-            )),
-        }]
+        let shared = [("ss", sh.clone()), ("sc_", sh)];
+        vec![func_shared(target, &sym, &params_text(&self.params()), &shared, &body, target.warp)]
     }
     /// One warp per row.
     fn launch(&self, l: &Launch) -> GpuCall {
-        l.call(l.grid(&self.symbol(), [l.rows, &l.one(), &l.one()], 32, l.args))
+        l.call(l.grid(&self.symbol(), [l.rows, &l.one(), &l.one()], l.target.warp, l.args))
     }
 }
 

@@ -21,7 +21,7 @@
 //! Weights are recomputed from the logits in every pass rather than stored:
 //! a row is 800 kB at MiniMax-M3's vocabulary and stays in L2.
 
-use crate::gpu::{GpuCall, GpuFunc};
+use crate::gpu::{func_shared, GpuCall, GpuFunc, GpuTarget};
 use crate::unit::{params_text, KernelUnit, Launch, Param};
 use crate::{indent, Storage};
 use m3c_contract::sampling::{exp_consts, row, ROW_WORDS, WEIGHT_ONE};
@@ -97,25 +97,19 @@ impl KernelUnit for Sample {
             format!("  func.func private @{HOST_SAMPLER}(!llvm.ptr, !llvm.ptr, !llvm.ptr, !llvm.ptr, i64, i64, i64, i64)\n"),
         )]
     }
-    fn gpu_funcs(&self) -> Vec<GpuFunc> {
+    fn gpu_funcs(&self, target: &GpuTarget) -> Vec<GpuFunc> {
         let sym = self.symbol();
         let body = gpu_body(self.width, self.seen_words());
         let wg = |ty: &str| format!("memref<{ty}, #gpu.address_space<workgroup>>");
-        vec![GpuFunc {
-            name: sym.clone(),
-            text: format!(
-                "    gpu.func @{sym}({}) workgroup(%hc: {}, %hm: {}, %tie: {}, %si: {}, %sl: {}) kernel {{\n{}      gpu.return\n    }}\n",
-                params_text(&self.params()),
-                wg("256xi32"),
-                wg("256xi64"),
-                wg(&format!("{THREADS}xi32")),
-                wg("4xi32"),
-                wg("4xi64"),
-                indent(&body, 6)
-            ),
-        }]
+        let shared = [
+            ("hc", wg("256xi32")),
+            ("hm", wg("256xi64")),
+            ("tie", wg(&format!("{THREADS}xi32"))),
+            ("si", wg("4xi32")),
+            ("sl", wg("4xi64")),
+        ];
+        vec![func_shared(target, &sym, &params_text(&self.params()), &shared, &body, THREADS)]
     }
-    /// A block of 1024 threads per row.
     fn launch(&self, l: &Launch) -> GpuCall {
         let threads = l.local(&format!("b{THREADS}"));
         let mut call = l.call(l.grid(&self.symbol(), [l.rows, &l.one(), &l.one()], THREADS, l.args));

@@ -3,7 +3,7 @@
 //! call), so a decode step's launches are the same at every position.
 
 use crate::emit::{load_f32, store_f32};
-use crate::gpu::{GpuFunc, IDX};
+use crate::gpu::{GpuFunc, GpuTarget};
 use crate::host::store_rows;
 use crate::unit::{gpu_func, param, KernelUnit, Param};
 use crate::{indent, Storage};
@@ -35,18 +35,19 @@ impl KernelUnit for ScatterRows {
     fn host_body(&self) -> String {
         store_rows(self.width, self.act, self.cache, true)
     }
-    fn gpu_funcs(&self) -> Vec<GpuFunc> {
+    fn gpu_funcs(&self, target: &GpuTarget) -> Vec<GpuFunc> {
+        let idx = target.idx();
         let ScatterRows { width, cache, act } = self;
 
         let t = format!("memref<?x{width}x{}>", act.mlir_elem());
         let yt = format!("memref<?x{width}x{}>", cache.mlir_elem());
         let body = format!(
-            "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
+            "{idx}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
                      %p64 = memref.load %pos[%r] : memref<?xi64>\n%p = arith.index_cast %p64 : i64 to index\n\
                      scf.for %i = %t to %cw step %c256 {{\n{}{}}}\n",
             indent(&load_f32("%v", "%x", &t, "%r", "%i", *act), 2),
             indent(&store_f32("%v", "%y", &yt, "%p", "%i", *cache), 2)
         );
-        vec![gpu_func(&self.symbol(), &self.params(), &body)]
+        vec![gpu_func(target, &self.symbol(), &self.params(), &body)]
     }
 }

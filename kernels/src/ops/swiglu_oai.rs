@@ -2,7 +2,7 @@
 //! `y = g' · σ(alpha · g') · (u' + beta)`. `g`, `u`, `y`: `[S, width]`.
 
 use crate::emit::{f32_lit, load_f32, store_f32};
-use crate::gpu::{GpuFunc, IDX};
+use crate::gpu::{GpuFunc, GpuTarget};
 use crate::host::rowwise;
 use crate::unit::{gpu_func, param, KernelUnit, Param};
 use crate::{indent, num_tag, Storage};
@@ -66,12 +66,13 @@ impl KernelUnit for SwiGluOai {
             ),
         )
     }
-    fn gpu_funcs(&self) -> Vec<GpuFunc> {
+    fn gpu_funcs(&self, target: &GpuTarget) -> Vec<GpuFunc> {
+        let idx = target.idx();
         let SwiGluOai { width, alpha, limit, beta, act } = self;
 
         let t = format!("memref<?x{width}x{}>", act.mlir_elem());
         let body = format!(
-                    "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
+                    "{idx}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
                      %alpha = arith.constant {a} : f32\n%lim = arith.constant {l} : f32\n%nlim = arith.constant {nl} : f32\n%beta = arith.constant {b} : f32\n\
                      scf.for %i = %t to %cw step %c256 {{\n\
                      {gl}{ul}\
@@ -87,6 +88,6 @@ impl KernelUnit for SwiGluOai {
                     nl = f32_lit(-limit),
                     b = f32_lit(*beta),
                 );
-        vec![gpu_func(&self.symbol(), &self.params(), &body)]
+        vec![gpu_func(target, &self.symbol(), &self.params(), &body)]
     }
 }

@@ -1,7 +1,7 @@
 //! `y = bf16(x)` row by row (nearest even), as bf16 bits: the input of a
 //! tensor-core GEMM (cuBLAS) on the GPU.
 
-use crate::gpu::{GpuFunc, IDX};
+use crate::gpu::{GpuFunc, GpuTarget};
 use crate::host::store_rows;
 use crate::unit::{gpu_func, param, KernelUnit, Param};
 use crate::{indent, Storage};
@@ -26,16 +26,17 @@ impl KernelUnit for ToBf16 {
     fn host_body(&self) -> String {
         store_rows(self.width, Storage::F32, Storage::Bf16, false)
     }
-    fn gpu_funcs(&self) -> Vec<GpuFunc> {
+    fn gpu_funcs(&self, target: &GpuTarget) -> Vec<GpuFunc> {
+        let idx = target.idx();
         let ToBf16 { width } = self;
 
         let t = format!("memref<?x{width}xf32>");
         let yt = format!("memref<?x{width}xi16>");
         let body = format!(
-            "{IDX}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
+            "{idx}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
                      scf.for %i = %t to %cw step %c256 {{\n  %v = memref.load %x[%r, %i] : {t}\n{}}}\n",
             indent(&crate::emit::store_f32("%v", "%y", &yt, "%r", "%i", crate::Storage::Bf16), 2)
         );
-        vec![gpu_func(&self.symbol(), &self.params(), &body)]
+        vec![gpu_func(target, &self.symbol(), &self.params(), &body)]
     }
 }
