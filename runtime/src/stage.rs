@@ -1,7 +1,7 @@
 //! One stage's compiled code, its weights and its per-sequence caches, on
 //! the host or on a GPU (`meta.target`).
 
-use crate::device::{self, Device, DeviceBuffer, ScratchBuffer};
+use crate::device::{self, DeviceBuffer, Gpu, PeerLink, ScratchBuffer};
 use crate::error::StageError;
 use crate::meta::StageMeta;
 use crate::weights::StageWeights;
@@ -69,7 +69,7 @@ enum Backing {
         seqs: HashMap<usize, (usize, Vec<Vec<f32>>)>,
     },
     Gpu {
-        device: Device,
+        device: Box<dyn Gpu>,
         /// The uploaded weights, owned; `table` holds their addresses in
         /// slot order, and `table_dev` is that table on the device.
         weights: Vec<DeviceBuffer>,
@@ -239,7 +239,7 @@ pub struct Stage {
     pub meta: StageMeta,
     backing: Backing,
     /// NCCL to the neighbouring GPU stages, when every stage has its own GPU.
-    nccl: Option<device::nccl::Link>,
+    nccl: Option<Box<dyn PeerLink>>,
     /// (steps, seconds) of prefill steps (position 0) and of decode steps.
     prefill: (usize, f64),
     decode: (usize, f64),
@@ -295,7 +295,7 @@ impl Stage {
 
     /// Opens the GPU and uploads the stage's weights to it, reporting progress.
     pub fn gpu(meta: StageMeta, weights: StageWeights, local_rank: i32, who: &str) -> Result<Stage, StageError> {
-        let device = Device::open(meta.device, local_rank)?;
+        let device = device::open(&meta.target, meta.device, local_rank)?;
         let total: u64 = weights.sizes.iter().sum();
         let mut uploaded = Vec::with_capacity(weights.ptrs.len());
         let mut done = 0u64;
@@ -303,15 +303,16 @@ impl Stage {
         for (p, &n) in weights.ptrs.iter().zip(&weights.sizes) {
             // SAFETY: `p` points at `n` mapped bytes of this tensor.
             let bytes = unsafe { std::slice::from_raw_parts(*p, n as usize) };
-            uploaded.push(device.upload(bytes).map_err(|e| StageError::Step(format!("uploading weights to GPU {}: {e}", device.ordinal)))?);
+            uploaded
+                .push(device.upload(bytes).map_err(|e| StageError::Step(format!("uploading weights to GPU {}: {e}", device.ordinal())))?);
             done += n;
             let pct = (done * 100).checked_div(total).unwrap_or(100) as usize;
             if pct / 10 > shown / 10 || done == total {
                 shown = pct;
                 let line = format!(
                     "{who}: weights to GPU {} ({}): {pct:>3}% ({:.2} of {:.2} GB)\n",
-                    device.ordinal,
-                    device.name,
+                    device.ordinal(),
+                    device.name(),
                     done as f64 / 1e9,
                     total as f64 / 1e9
                 );
@@ -429,7 +430,7 @@ impl Stage {
                 let pp = device.upload(bytes_of(&ppos))?;
                 let sg = device.upload(bytes_of(&segs))?;
                 let out = device.zeros(feats.len() * 4)?;
-                device::cublas::set_prefill(true);
+                device.set_prefill(true);
                 // SAFETY: as on the host, with device buffers of those sizes
                 // and the host and device weight tables.
                 unsafe {
@@ -449,7 +450,7 @@ impl Stage {
                 device.download(out.ptr(), bytes_of_mut(&mut feats))?;
                 // The tower's scratch is sized by this request's patches;
                 // a pool keyed by size would keep every size it ever saw.
-                device::trim_pool();
+                device.trim_scratch();
             }
         }
         self.encoded.0 += im.grids.len();
@@ -497,12 +498,20 @@ impl Stage {
         }
     }
 
+    /// The GPU of a GPU stage.
+    pub fn gpu(&self) -> Option<&dyn Gpu> {
+        match &self.backing {
+            Backing::Gpu { device, .. } => Some(device.as_ref()),
+            Backing::Host { .. } => None,
+        }
+    }
+
     /// `host:device` of a GPU stage (ranks on one device cannot use NCCL).
     pub fn device_key(&self) -> Option<String> {
         match &self.backing {
             Backing::Gpu { device, .. } => {
                 let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-                Some(format!("{}:{}", host.trim(), device.ordinal))
+                Some(format!("{}:{}", host.trim(), device.ordinal()))
             }
             Backing::Host { .. } => None,
         }
@@ -511,7 +520,7 @@ impl Stage {
     /// From now on, activations to and from the neighbouring stages go over
     /// NCCL: the caller sends each step's header over MPI before the step
     /// (the step's NCCL send waits for the receiver) and no payload.
-    pub fn use_nccl(&mut self, link: device::nccl::Link) {
+    pub fn use_nccl(&mut self, link: Box<dyn PeerLink>) {
         self.nccl = Some(link);
     }
 
@@ -549,9 +558,9 @@ impl Stage {
             Backing::Gpu { device, weights, .. } => format!(
                 "{} tensors on GPU {} ({}, {:.1} GB) ({:.2} MB)",
                 weights.len(),
-                device.ordinal,
-                device.name,
-                device.total_bytes as f64 / 1e9,
+                device.ordinal(),
+                device.name(),
+                device.total_bytes() as f64 / 1e9,
                 weights.iter().map(DeviceBuffer::len).sum::<usize>() as f64 / 1e6
             ),
         }
@@ -592,7 +601,7 @@ impl Stage {
         match &mut self.backing {
             Backing::Host { weights, seqs } => host_step(weights, seqs, &inputs, x, &mut out)?,
             Backing::Gpu { device, table, table_dev, seqs, graphs, .. } => {
-                let gpu = GpuStep { device, table, table_dev, seqs, graphs, nccl: self.nccl.as_ref(), meta: &self.meta };
+                let gpu = GpuStep { device: device.as_ref(), table, table_dev, seqs, graphs, nccl: self.nccl.as_deref(), meta: &self.meta };
                 gpu.run(&inputs, x, &mut out, want_logits)?
             }
         }
@@ -730,12 +739,12 @@ fn host_step(
 
 /// A GPU stage's parts that one step uses.
 struct GpuStep<'a> {
-    device: &'a Device,
+    device: &'a dyn Gpu,
     table: &'a [u64],
     table_dev: &'a DeviceBuffer,
     seqs: &'a HashMap<usize, (usize, Vec<DeviceBuffer>, Vec<u64>)>,
     graphs: &'a mut Graphs,
-    nccl: Option<&'a device::nccl::Link>,
+    nccl: Option<&'a dyn PeerLink>,
     meta: &'a StageMeta,
 }
 
@@ -757,7 +766,7 @@ impl GpuStep<'_> {
             tables.push(ptrs);
         }
         let table_ptrs: Vec<*const u64> = tables.iter().map(|t| t.as_ptr()).collect();
-        device::cublas::set_prefill(segments.iter().any(|s| s.rows > 1));
+        device.set_prefill(segments.iter().any(|s| s.rows > 1));
         // Decode steps (one row per sequence) go through a graph from their
         // micro-batch's second step on; everything else runs eagerly.
         // (A step with image rows is never a graph: its inputs differ.)
@@ -818,7 +827,7 @@ impl GpuStep<'_> {
                 device.replay(g)?;
                 graphs.replays += 1;
             }
-            Plan::Capture(k) => match device.capture(run) {
+            Plan::Capture(k) => match device.capture(&mut || run()) {
                 Ok(g) => {
                     device.replay(&g)?;
                     graphs.replays += 1;

@@ -1,106 +1,132 @@
-//! The device layer of stages compiled with `--target cuda`, on the CUDA
-//! driver API through cudarc (loaded at run time, so a stage started on a
-//! machine without a driver says so and exits).
+//! The GPU a stage runs on, behind one trait: what the stage needs of a
+//! vendor's runtime (memory, copies, the one stream, graphs of captured
+//! steps, the vendor's GEMM library and the links between stages' GPUs).
+//! `Stage` holds a `Box<dyn Gpu>` chosen by the manifest's target; only
+//! [`open`] names a vendor.
 //!
-//! Generated host code reaches the GPU through two small ABIs:
-//! - MLIR's `mgpu*` functions (module load, function lookup, launch,
-//!   streams), which `gpu.launch_func` lowers to. Every launch goes to this
-//!   process's one stream, in order; the runtime synchronises once per step.
-//! - `m3c_buf_alloc/free/copy`, for scratch buffers: a size-keyed pool, so
-//!   a decode step allocates nothing after the first. The pool never gives
-//!   memory back to the driver, so addresses baked into a captured
-//!   [`Graph`] stay valid; every step runs on the one stream, so a graph
-//!   replay and any other step never use a scratch buffer at once.
-//!
-//! Modules are registered by static constructors before `main` (MLIR emits
-//! one per stage binary) and loaded only when [`Device::open`] has a context.
+//! Generated code reaches the device through C ABIs of its own, which a
+//! vendor module provides as well: MLIR's `mgpu*` launch functions and the
+//! `m3c_buf_*` scratch hooks (see `cuda/`).
 
-//!
-//! Split by job: `driver` (the device, owning device buffers, CUDA graphs),
-//! `pool` (the `m3c_buf_*` scratch hooks), `mgpu` (MLIR's launch ABI),
-//! `nccl` and `cublas` (libraries loaded by name). Failures are reported
-//! one way: [`checked`] turns a driver result into a `String` error for the
-//! caller; callbacks from generated code, which cannot return errors, end
-//! the process through [`die`] with the same message.
+pub mod cuda;
 
 use crate::error::StageError;
-pub mod cublas;
-mod driver;
-mod mgpu;
-pub mod nccl;
-mod pool;
+use m3c_contract::target::Target;
 
-pub use driver::{Device, DeviceBuffer, Graph};
-pub use pool::{trim_pool, ScratchBuffer};
+pub use cuda::ScratchBuffer;
 
-use cudarc::driver::sys as cu;
-use std::collections::BTreeMap;
-use std::ffi::{c_char, CStr};
-use std::sync::atomic::AtomicBool;
-use std::sync::Mutex;
-
-/// Whether `m3c_buf_*` hand out device memory (a CUDA stage) or host memory.
-pub(crate) static ON_DEVICE: AtomicBool = AtomicBool::new(false);
-
-/// Ends the process with `message` and exit code 1: how callbacks from
-/// generated code report failure (unwinding across that boundary is not allowed).
-pub(crate) fn die(message: &str) -> ! {
-    let line = format!("m3c stage: {message}\n");
-    let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
-    std::process::exit(1)
+/// A GPU as a stage uses it. Addresses are the device's (`u64`); every
+/// operation is ordered on the device's one stream.
+pub trait Gpu {
+    /// The device's index on this machine.
+    fn ordinal(&self) -> i32;
+    /// Its product name.
+    fn name(&self) -> &str;
+    /// Its memory in bytes.
+    fn total_bytes(&self) -> usize;
+    /// New device memory holding a copy of `bytes`.
+    fn upload(&self, bytes: &[u8]) -> Result<DeviceBuffer, StageError>;
+    /// New zeroed device memory of `bytes`.
+    fn zeros(&self, bytes: usize) -> Result<DeviceBuffer, StageError>;
+    /// Copies `dst.len()` bytes from device address `src` to the host.
+    fn download(&self, src: u64, dst: &mut [u8]) -> Result<(), StageError>;
+    /// Copies `src` to device address `dst`.
+    fn copy_in(&self, dst: u64, src: &[u8]) -> Result<(), StageError>;
+    /// Waits for everything queued on the stream.
+    fn sync(&self) -> Result<(), StageError>;
+    /// Scratch bytes the generated code holds now and at most.
+    fn scratch_bytes(&self) -> (u64, u64);
+    /// Gives idle scratch back to the device (after a step whose scratch
+    /// sizes will not recur).
+    fn trim_scratch(&self);
+    /// Runs `f` (a generated step) with the stream capturing, and returns
+    /// the captured work as a graph to replay.
+    fn capture(&self, f: &mut dyn FnMut()) -> Result<Graph, StageError>;
+    /// Queues a captured graph on the stream.
+    fn replay(&self, g: &Graph) -> Result<(), StageError>;
+    /// Loads the vendor's GEMM library for prefill linears of `min_rows`
+    /// rows or more; an error says why it cannot (the GEMV kernels stay).
+    fn enable_gemm(&self, min_rows: usize) -> Result<(), StageError>;
+    /// Whether the coming step is a prefill (the GEMM library takes only those).
+    fn set_prefill(&self, prefill: bool);
+    /// Whether the vendor's library for links between GPUs loads here.
+    fn links_available(&self) -> Result<(), StageError>;
+    /// A new link id, made by one rank and broadcast to the others.
+    fn link_id(&self) -> Result<[u8; 128], StageError>;
+    /// Joins the link `id` of `ranks` ranks as `rank`.
+    fn join_link(&self, id: [u8; 128], ranks: i32, rank: i32) -> Result<Box<dyn PeerLink>, StageError>;
 }
 
-/// [`die`] for a failed driver call.
-fn fail(what: &str, r: cu::CUresult) -> ! {
-    let mut p: *const c_char = std::ptr::null();
-    // SAFETY: cuGetErrorString writes a static string pointer or leaves null.
-    unsafe { cu::cuGetErrorString(r, &mut p) };
-    let msg = if p.is_null() { format!("{r:?}") } else { unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned() };
-    die(&format!("CUDA error in {what}: {msg}"))
+/// Device-to-device transfers between stages' GPUs (NCCL on CUDA).
+pub trait PeerLink {
+    /// Sends `count` f32 words at device address `buf` to rank `peer`.
+    fn send(&self, buf: u64, count: usize, peer: usize) -> Result<(), StageError>;
+    /// Receives `count` f32 words from rank `peer` into device address `buf`.
+    fn recv(&self, buf: u64, count: usize, peer: usize) -> Result<(), StageError>;
 }
 
-pub(crate) fn check(what: &str, r: cu::CUresult) {
-    if r != cu::CUresult::CUDA_SUCCESS {
-        fail(what, r)
+/// Opens the GPU of a stage compiled for `target`: device `ordinal` when
+/// the plan names one, else the one this machine's `local_rank` falls on.
+pub fn open(target: &Target, ordinal: Option<i32>, local_rank: i32) -> Result<Box<dyn Gpu>, StageError> {
+    match target {
+        Target::Cuda { .. } => Ok(Box::new(cuda::CudaGpu::open(ordinal, local_rank)?)),
+        Target::Host => Err(StageError::Device("runtime bug: opening a GPU for a host stage".into())),
     }
 }
 
-pub(crate) fn checked(what: &str, r: cu::CUresult) -> Result<(), StageError> {
-    if r == cu::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        let mut p: *const c_char = std::ptr::null();
-        // SAFETY: cuGetErrorString writes a pointer to a static string, or leaves null.
-        unsafe { cu::cuGetErrorString(r, &mut p) };
-        let msg = if p.is_null() { format!("{r:?}") } else { unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned() };
-        Err(StageError::Device(format!("{what}: {msg}")))
+/// Device memory with one owner, given back to its device when dropped
+/// (weights, caches, step inputs).
+pub struct DeviceBuffer {
+    ptr: u64,
+    bytes: usize,
+    /// The device's free for `ptr`.
+    release: fn(u64),
+}
+
+impl DeviceBuffer {
+    /// Takes ownership of `bytes` at `ptr`, to be freed by `release`.
+    pub(crate) fn from_raw(ptr: u64, bytes: usize, release: fn(u64)) -> DeviceBuffer {
+        DeviceBuffer { ptr, bytes, release }
+    }
+
+    /// The device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Its size in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
     }
 }
 
-pub(crate) struct State {
-    /// PTX images registered by the binaries' constructors (address of a NUL-terminated string).
-    images: Vec<usize>,
-    modules: Vec<Option<usize>>,
-    functions: BTreeMap<(usize, String), usize>,
-    stream: usize,
-    /// Free device buffers by size.
-    pool: BTreeMap<u64, Vec<u64>>,
-    sizes: BTreeMap<u64, u64>,
-    live_bytes: u64,
-    peak_bytes: u64,
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        (self.release)(self.ptr)
+    }
 }
 
-static STATE: Mutex<State> = Mutex::new(State {
-    images: Vec::new(),
-    modules: Vec::new(),
-    functions: BTreeMap::new(),
-    stream: 0,
-    pool: BTreeMap::new(),
-    sizes: BTreeMap::new(),
-    live_bytes: 0,
-    peak_bytes: 0,
-});
+/// A captured step: replaying it is one launch instead of one per kernel.
+pub struct Graph {
+    handle: usize,
+    /// The device's destroy for `handle`.
+    release: fn(usize),
+}
 
-pub(crate) fn state() -> std::sync::MutexGuard<'static, State> {
-    STATE.lock().unwrap_or_else(|e| e.into_inner())
+impl Graph {
+    /// Takes ownership of the device's graph `handle`, destroyed by `release`.
+    pub(crate) fn from_raw(handle: usize, release: fn(usize)) -> Graph {
+        Graph { handle, release }
+    }
+
+    /// The device's handle.
+    pub(crate) fn handle(&self) -> usize {
+        self.handle
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        (self.release)(self.handle)
+    }
 }

@@ -112,13 +112,15 @@ impl Link {
         let a = api()?;
         let id = UniqueId { internal: id.map(|b| b as c_char) };
         let mut comm = std::ptr::null_mut();
-        // SAFETY: the device context is current (Device::open ran first).
+        // SAFETY: the device context is current (CudaGpu::open ran first).
         check("ncclCommInitRank", unsafe { (a.comm_init_rank)(&mut comm, ranks, id, rank) })?;
         Ok(Link { comm: comm as usize, stream: super::state().stream })
     }
+}
 
+impl crate::device::PeerLink for Link {
     /// Queues sending `count` f32 at device address `buf` to `peer`.
-    pub fn send(&self, buf: u64, count: usize, peer: usize) -> Result<(), StageError> {
+    fn send(&self, buf: u64, count: usize, peer: usize) -> Result<(), StageError> {
         let a = api()?;
         // SAFETY: `buf` holds `count` f32 of device memory, live until the stream passes this point.
         check("ncclSend", unsafe {
@@ -127,7 +129,7 @@ impl Link {
     }
 
     /// Queues receiving `count` f32 into device address `buf` from `peer`.
-    pub fn recv(&self, buf: u64, count: usize, peer: usize) -> Result<(), StageError> {
+    fn recv(&self, buf: u64, count: usize, peer: usize) -> Result<(), StageError> {
         let a = api()?;
         // SAFETY: as for `send`.
         check("ncclRecv", unsafe {

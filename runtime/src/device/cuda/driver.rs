@@ -1,22 +1,23 @@
-//! The GPU this rank runs on, device memory that frees itself, and CUDA
-//! graphs of captured steps.
+//! The CUDA GPU this rank runs on: the [`Gpu`] trait on the driver API,
+//! device memory that frees itself, and CUDA graphs of captured steps.
 
 use super::{checked, cu, state, ON_DEVICE};
+use crate::device::{DeviceBuffer, Gpu, Graph, PeerLink};
 use crate::error::StageError;
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::atomic::Ordering;
 
-/// The GPU this rank runs on.
-pub struct Device {
-    pub ordinal: i32,
-    pub name: String,
-    pub total_bytes: usize,
+/// The CUDA GPU this rank runs on.
+pub struct CudaGpu {
+    ordinal: i32,
+    name: String,
+    total_bytes: usize,
 }
 
-impl Device {
+impl CudaGpu {
     /// Initialises the driver, makes `ordinal`'s primary context current,
     /// creates the stream and loads the registered modules.
-    pub fn open(ordinal: Option<i32>, local_rank: i32) -> Result<Device, StageError> {
+    pub fn open(ordinal: Option<i32>, local_rank: i32) -> Result<CudaGpu, StageError> {
         // SAFETY: probing for the library has no preconditions.
         if !unsafe { cu::is_culib_present() } {
             return Err(StageError::Device(
@@ -61,29 +62,61 @@ impl Device {
                 )?;
                 st.modules[i] = Some(m as usize);
             }
-            Ok(Device { ordinal, name: CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned(), total_bytes: total })
+            Ok(CudaGpu { ordinal, name: CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned(), total_bytes: total })
         }
     }
+}
 
-    /// Copies `bytes` from the host into new device memory.
-    pub fn upload(&self, bytes: &[u8]) -> Result<DeviceBuffer, StageError> {
-        let buf = DeviceBuffer::alloc(bytes.len())?;
+/// New device memory of `bytes` (at least one byte), freed when dropped.
+fn alloc(bytes: usize) -> Result<DeviceBuffer, StageError> {
+    let mut ptr = 0;
+    // SAFETY: `ptr` is a live out-pointer for a new allocation of `bytes.max(1)` bytes.
+    unsafe { checked("cuMemAlloc", cu::cuMemAlloc_v2(&mut ptr, bytes.max(1)))? };
+    Ok(DeviceBuffer::from_raw(ptr, bytes, free))
+}
+
+fn free(ptr: u64) {
+    // SAFETY: `ptr` came from cuMemAlloc in `alloc` and its DeviceBuffer,
+    // its only owner, is being dropped; the primary context it was
+    // allocated in stays retained for the process.
+    unsafe { cu::cuMemFree_v2(ptr) };
+}
+
+fn destroy_graph(exec: usize) {
+    // SAFETY: `exec` came from cuGraphInstantiateWithFlags and its Graph, its only owner, is being dropped.
+    unsafe { cu::cuGraphExecDestroy(exec as cu::CUgraphExec) };
+}
+
+impl Gpu for CudaGpu {
+    fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn total_bytes(&self) -> usize {
+        self.total_bytes
+    }
+
+    fn upload(&self, bytes: &[u8]) -> Result<DeviceBuffer, StageError> {
+        let buf = alloc(bytes.len())?;
         if !bytes.is_empty() {
             // SAFETY: `buf` holds at least `bytes.len()` bytes, filled from a live slice of that length.
-            unsafe { checked("cuMemcpyHtoD", cu::cuMemcpyHtoD_v2(buf.ptr, bytes.as_ptr() as *const c_void, bytes.len()))? };
+            unsafe { checked("cuMemcpyHtoD", cu::cuMemcpyHtoD_v2(buf.ptr(), bytes.as_ptr() as *const c_void, bytes.len()))? };
         }
         Ok(buf)
     }
 
-    /// Zeroed device memory of `bytes`.
-    pub fn zeros(&self, bytes: usize) -> Result<DeviceBuffer, StageError> {
-        let buf = DeviceBuffer::alloc(bytes)?;
+    fn zeros(&self, bytes: usize) -> Result<DeviceBuffer, StageError> {
+        let buf = alloc(bytes)?;
         // SAFETY: the memset writes the `bytes.max(1)` bytes `buf` holds.
-        unsafe { checked("cuMemsetD8", cu::cuMemsetD8_v2(buf.ptr, 0, bytes.max(1)))? };
+        unsafe { checked("cuMemsetD8", cu::cuMemsetD8_v2(buf.ptr(), 0, bytes.max(1)))? };
         Ok(buf)
     }
 
-    pub fn download(&self, src: u64, dst: &mut [u8]) -> Result<(), StageError> {
+    fn download(&self, src: u64, dst: &mut [u8]) -> Result<(), StageError> {
         if dst.is_empty() {
             return Ok(());
         }
@@ -91,7 +124,7 @@ impl Device {
         unsafe { checked("cuMemcpyDtoH", cu::cuMemcpyDtoH_v2(dst.as_mut_ptr() as *mut c_void, src, dst.len())) }
     }
 
-    pub fn copy_in(&self, dst: u64, src: &[u8]) -> Result<(), StageError> {
+    fn copy_in(&self, dst: u64, src: &[u8]) -> Result<(), StageError> {
         if src.is_empty() {
             return Ok(());
         }
@@ -99,71 +132,25 @@ impl Device {
         unsafe { checked("cuMemcpyHtoD", cu::cuMemcpyHtoD_v2(dst, src.as_ptr() as *const c_void, src.len())) }
     }
 
-    /// Waits for every launch of the step.
-    pub fn sync(&self) -> Result<(), StageError> {
+    fn sync(&self) -> Result<(), StageError> {
         let s = state().stream;
         // SAFETY: `s` is this process's stream, created in `Device::open`.
         unsafe { checked("cuStreamSynchronize", cu::cuStreamSynchronize(s as cu::CUstream)) }
     }
 
-    /// Device bytes held by the scratch pool now and at most.
-    pub fn scratch_bytes(&self) -> (u64, u64) {
+    fn scratch_bytes(&self) -> (u64, u64) {
         let st = state();
         (st.live_bytes, st.peak_bytes)
     }
-}
 
-/// Device memory with one owner: freed when dropped (weights, caches).
-pub struct DeviceBuffer {
-    ptr: u64,
-    bytes: usize,
-}
-
-impl DeviceBuffer {
-    fn alloc(bytes: usize) -> Result<DeviceBuffer, StageError> {
-        let mut ptr = 0;
-        // SAFETY: `ptr` is a live out-pointer for a new allocation of `bytes.max(1)` bytes.
-        unsafe { checked("cuMemAlloc", cu::cuMemAlloc_v2(&mut ptr, bytes.max(1)))? };
-        Ok(DeviceBuffer { ptr, bytes })
+    fn trim_scratch(&self) {
+        super::pool::trim_pool()
     }
 
-    /// The device address.
-    pub fn ptr(&self) -> u64 {
-        self.ptr
-    }
-
-    /// Its size in bytes.
-    pub fn len(&self) -> usize {
-        self.bytes
-    }
-}
-
-impl Drop for DeviceBuffer {
-    fn drop(&mut self) {
-        // SAFETY: `ptr` came from cuMemAlloc and this is its only owner; the
-        // primary context it was allocated in stays retained for the process.
-        unsafe { cu::cuMemFree_v2(self.ptr) };
-    }
-}
-
-/// A step captured from the stream as a CUDA graph: replaying it is one
-/// launch instead of one per kernel.
-pub struct Graph {
-    exec: usize,
-}
-
-impl Drop for Graph {
-    fn drop(&mut self) {
-        // SAFETY: `exec` came from cuGraphInstantiateWithFlags and is destroyed once.
-        unsafe { cu::cuGraphExecDestroy(self.exec as cu::CUgraphExec) };
-    }
-}
-
-impl Device {
     /// Runs `f` (the generated step) with the stream capturing: its launches
     /// and copies are recorded, not run. Relaxed mode, so a scratch pool miss
     /// may still allocate. Returns the instantiated graph.
-    pub fn capture(&self, f: impl FnOnce()) -> Result<Graph, StageError> {
+    fn capture(&self, f: &mut dyn FnMut()) -> Result<Graph, StageError> {
         let s = state().stream as cu::CUstream;
         // SAFETY: `s` is this process's stream, idle between steps' launches.
         unsafe {
@@ -178,13 +165,32 @@ impl Device {
         let r = unsafe { cu::cuGraphInstantiateWithFlags(&mut exec, g, 0) };
         unsafe { cu::cuGraphDestroy(g) };
         checked("cuGraphInstantiate", r)?;
-        Ok(Graph { exec: exec as usize })
+        Ok(Graph::from_raw(exec as usize, destroy_graph))
     }
 
-    /// Queues a captured step on the stream.
-    pub fn replay(&self, g: &Graph) -> Result<(), StageError> {
+    fn replay(&self, g: &Graph) -> Result<(), StageError> {
         let s = state().stream as cu::CUstream;
         // SAFETY: a live exec graph on this context's stream.
-        unsafe { checked("cuGraphLaunch", cu::cuGraphLaunch(g.exec as cu::CUgraphExec, s)) }
+        unsafe { checked("cuGraphLaunch", cu::cuGraphLaunch(g.handle() as cu::CUgraphExec, s)) }
+    }
+
+    fn enable_gemm(&self, min_rows: usize) -> Result<(), StageError> {
+        super::cublas::enable(min_rows)
+    }
+
+    fn set_prefill(&self, prefill: bool) {
+        super::cublas::set_prefill(prefill)
+    }
+
+    fn links_available(&self) -> Result<(), StageError> {
+        super::nccl::availability()
+    }
+
+    fn link_id(&self) -> Result<[u8; 128], StageError> {
+        super::nccl::unique_id()
+    }
+
+    fn join_link(&self, id: [u8; 128], ranks: i32, rank: i32) -> Result<Box<dyn PeerLink>, StageError> {
+        Ok(Box::new(super::nccl::Link::join(id, ranks, rank)?))
     }
 }
