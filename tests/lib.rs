@@ -33,6 +33,13 @@ pub fn m3c(args: &[&str]) -> Output {
     Command::new(&bin).args(args).output().unwrap_or_else(|e| panic!("cannot run {}: {e}", bin.display()))
 }
 
+/// Runs `m3c run OUT --model MODEL ARGS`: a compiled pipeline on a model's folder.
+pub fn m3c_run(out: &Path, model: &Path, args: &[&str]) -> Output {
+    let mut all = vec!["run", out.to_str().expect("a UTF-8 path"), "--model", model.to_str().expect("a UTF-8 path")];
+    all.extend_from_slice(args);
+    m3c(&all)
+}
+
 /// Runs `m3c ARGS` with extra environment variables.
 pub fn m3c_env(args: &[&str], env: &[(&str, &str)]) -> Output {
     let bin = m3c_bin();

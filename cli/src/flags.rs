@@ -144,12 +144,31 @@ pub(crate) struct RunArgs {
     /// Seconds without a sign of life (a heartbeat) from a neighbour before a stage gives up on it; a stage that computes counts as alive.
     #[arg(long, default_value_t = 30.0, value_parser = timeout_s)]
     pub(crate) timeout_s: f64,
+    #[command(flatten)]
+    pub(crate) gpu: GpuFlags,
+}
+
+/// How GPU stages run, for `m3c run` and `m3c serve` alike.
+#[derive(clap::Args)]
+pub(crate) struct GpuFlags {
     /// CUDA stages: capture each decode micro-batch's step once as a CUDA graph and replay it (`off`: launch every kernel each step).
     #[arg(long, value_parser = ["on", "off"], default_value = "on")]
     pub(crate) cuda_graphs: String,
     /// CUDA stages: run prefill linears with bf16 weights as cuBLAS tensor-core GEMMs (activations rounded to bf16 for them; `M3C_GEMM_MIN_ROWS`, default 32, sets the smallest step), or `off`: m3c's GEMV kernel, exact f32.
     #[arg(long, value_parser = ["cublas", "off"], default_value = "off")]
     pub(crate) prefill_gemm: String,
+}
+
+impl GpuFlags {
+    /// Whether decode steps replay as CUDA graphs.
+    pub(crate) fn graphs(&self) -> bool {
+        self.cuda_graphs == "on"
+    }
+
+    /// Whether prefill linears go to cuBLAS.
+    pub(crate) fn gemm_cublas(&self) -> bool {
+        self.prefill_gemm == "cublas"
+    }
 }
 
 #[derive(clap::Args)]
@@ -191,12 +210,8 @@ pub(crate) struct ServeArgs {
     /// Seconds in-flight requests get to finish after SIGTERM or SIGINT.
     #[arg(long, default_value_t = 30.0, value_parser = timeout_s)]
     pub(crate) grace_s: f64,
-    /// CUDA stages: replay decode steps as CUDA graphs.
-    #[arg(long, value_parser = ["on", "off"], default_value = "on")]
-    pub(crate) cuda_graphs: String,
-    /// CUDA stages: prefill linears on cuBLAS tensor cores (`cublas`) or m3c's GEMV (`off`).
-    #[arg(long, value_parser = ["cublas", "off"], default_value = "off")]
-    pub(crate) prefill_gemm: String,
+    #[command(flatten)]
+    pub(crate) gpu: GpuFlags,
     /// Chat images given as file:// URLs are read only from inside this folder (without it, file:// URLs are refused).
     #[arg(long, value_name = "DIR")]
     pub(crate) allowed_local_media_path: Option<PathBuf>,

@@ -166,8 +166,8 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
     stage.prefill_chunk = args.prefill_chunk;
     stage.micro_batch = args.micro_batch;
     stage.timeout_s = args.timeout_s;
-    stage.cuda_graphs = args.cuda_graphs == "on";
-    stage.prefill_gemm_cublas = args.prefill_gemm == "cublas";
+    stage.cuda_graphs = args.gpu.graphs();
+    stage.prefill_gemm_cublas = args.gpu.gemm_cublas();
     stage.sampling = sampling;
     stage.eos_ids = eos.to_vec();
     stage.stops = args.stop.iter().map(|s| s.as_bytes().to_vec()).collect();

@@ -41,8 +41,10 @@ pub struct Options {
     pub timeout_s: f64,
     /// Seconds in-flight requests get to finish after SIGTERM.
     pub grace_s: f64,
-    pub cuda_graphs: String,
-    pub prefill_gemm: String,
+    /// GPU stages: replay decode steps as CUDA graphs.
+    pub cuda_graphs: bool,
+    /// GPU stages: prefill linears on the vendor's GEMM library.
+    pub prefill_gemm_cublas: bool,
     /// `file://` images only from inside this folder.
     pub allowed_local_media_path: Option<PathBuf>,
     pub media_timeout_s: f64,
@@ -101,8 +103,8 @@ fn prepare(o: &Options) -> Result<Prepared> {
     stage.micro_batch = Some(micro);
     stage.prefill_chunk = Some(o.prefill_chunk);
     stage.timeout_s = o.timeout_s;
-    stage.cuda_graphs = o.cuda_graphs == "on";
-    stage.prefill_gemm_cublas = o.prefill_gemm == "cublas";
+    stage.cuda_graphs = o.cuda_graphs;
+    stage.prefill_gemm_cublas = o.prefill_gemm_cublas;
     stage.eos_ids = gen.eos_ids.clone();
     let cmd = compiled.mpirun(&stage.to_args())?;
     let allowed_local = match &o.allowed_local_media_path {

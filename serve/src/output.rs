@@ -93,34 +93,18 @@ impl ChatOutput {
                         self.part = Part::Content;
                     }
                 }
-                Part::Reasoning => match self.pending.find(END_THINK) {
-                    Some(i) => {
-                        let r = self.pending[..i].to_string();
-                        d.reasoning.push_str(&r);
-                        self.pending.drain(..i + END_THINK.len());
-                        self.part = Part::Content;
-                    }
-                    None => {
-                        let keep = if end { 0 } else { held(&self.pending, &[END_THINK]) };
-                        let cut = self.pending.len() - keep;
-                        d.reasoning.extend(self.pending.drain(..cut));
+                Part::Reasoning => {
+                    if !take_until(&mut self.pending, END_THINK, &mut d.reasoning, end) {
                         break;
                     }
-                },
-                Part::Content => match self.pending.find(CALLS) {
-                    Some(i) => {
-                        let c = self.pending[..i].to_string();
-                        d.content.push_str(&c);
-                        self.pending.drain(..i + CALLS.len());
-                        self.part = Part::Calls;
-                    }
-                    None => {
-                        let keep = if end { 0 } else { held(&self.pending, &[CALLS]) };
-                        let cut = self.pending.len() - keep;
-                        d.content.extend(self.pending.drain(..cut));
+                    self.part = Part::Content;
+                }
+                Part::Content => {
+                    if !take_until(&mut self.pending, CALLS, &mut d.content, end) {
                         break;
                     }
-                },
+                    self.part = Part::Calls;
+                }
                 Part::Calls => {
                     self.calls.push_str(&std::mem::take(&mut self.pending));
                     break;
@@ -161,6 +145,25 @@ impl ChatOutput {
     /// [`ChatOutput::tool_calls`]).
     pub fn has_calls(&self) -> bool {
         !self.calls.is_empty()
+    }
+}
+
+/// Moves `pending` up to `marker` into `into` and drops the marker: true.
+/// Without the marker, moves what cannot be the start of one (all of it at
+/// the `end`) and returns false: the caller waits for more text.
+fn take_until(pending: &mut String, marker: &str, into: &mut String, end: bool) -> bool {
+    match pending.find(marker) {
+        Some(i) => {
+            into.push_str(&pending[..i]);
+            pending.drain(..i + marker.len());
+            true
+        }
+        None => {
+            let keep = if end { 0 } else { held(pending, &[marker]) };
+            let cut = pending.len() - keep;
+            into.extend(pending.drain(..cut));
+            false
+        }
     }
 }
 

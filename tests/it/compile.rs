@@ -161,7 +161,7 @@ fn plan_hosts_place_the_stages() {
     assert_eq!(m["stages"][1]["host"], "localhost");
     let launcher = std::fs::read_to_string(out.join("run.sh")).unwrap();
     assert!(launcher.contains("-np 1 --host 'localhost' \"$here/stage-1\""), "{launcher}");
-    let o = m3c(&["run", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--prompt-ids", "3,4,5", "--max-new-tokens", "2"]);
+    let o = m3c_tests::m3c_run(&out, &model, &["--prompt-ids", "3,4,5", "--max-new-tokens", "2"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(m3c_tests::stdout(&o).starts_with("prompt 0: "));
 }

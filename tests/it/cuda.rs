@@ -155,7 +155,7 @@ fn a_cuda_stage_without_a_gpu_fails_cleanly() {
     let out = compile_cuda(&model, 2, dir.path(), &["--activations", "f32"]);
     let golden = model.join("golden.safetensors");
     let prompt = ids_arg(&read_tensor_i64(&golden, "prompt_ids"));
-    let o = m3c(&["run", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--prompt-ids", &prompt, "--max-new-tokens", "16"]);
+    let o = m3c_tests::m3c_run(&out, &model, &["--prompt-ids", &prompt, "--max-new-tokens", "16"]);
     if driver_present() {
         // On a GPU machine: the fixture's tokens on the GPU (f32 activations).
         assert!(o.status.success(), "{}", stderr(&o));

@@ -92,18 +92,7 @@ fn fixture_golden(name: &str) -> (PathBuf, PathBuf, Vec<i64>, (Vec<usize>, Vec<f
 /// `m3c run OUT --model MODEL --prompt-ids PROMPT --max-new-tokens N --dump DUMP`.
 fn run_prompt(out: &Path, model: &Path, prompt: &[i64], n: usize, dump: &Path) -> std::process::Output {
     let n = n.to_string();
-    m3c(&[
-        "run",
-        out.to_str().unwrap(),
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt-ids",
-        &ids_arg(prompt),
-        "--max-new-tokens",
-        &n,
-        "--dump",
-        dump.to_str().unwrap(),
-    ])
+    m3c_tests::m3c_run(out, model, &["--prompt-ids", &ids_arg(prompt), "--max-new-tokens", &n, "--dump", dump.to_str().unwrap()])
 }
 
 fn golden_prompt() -> Vec<i64> {

@@ -217,27 +217,16 @@ fn text_prompts_run_through_the_stages_and_stream_back_as_text() {
 
 #[test]
 fn text_prompts_on_a_checkpoint_without_a_tokenizer_point_to_prompt_ids() {
-    use m3c_tests::{m3c, stderr};
+    use m3c_tests::stderr;
     let model = fixture("tiny-m3-mxfp8");
     let dir = tempfile::tempdir().unwrap();
     let out = m3c_tests::compile(&model, 1, dir.path(), &[]);
-    let r = m3c(&["run", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--prompt", "Hello", "--max-new-tokens", "2"]);
+    let r = m3c_tests::m3c_run(&out, &model, &["--prompt", "Hello", "--max-new-tokens", "2"]);
     assert!(!r.status.success());
     let e = stderr(&r);
     assert!(e.contains("no tokenizer.json") && e.contains("--prompt-ids"), "{e}");
     // --system without --chat is a usage error, before anything runs.
-    let r = m3c(&[
-        "run",
-        out.to_str().unwrap(),
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt",
-        "Hi",
-        "--system",
-        "x",
-        "--max-new-tokens",
-        "2",
-    ]);
+    let r = m3c_tests::m3c_run(&out, &model, &["--prompt", "Hi", "--system", "x", "--max-new-tokens", "2"]);
     assert!(!r.status.success());
     assert!(stderr(&r).contains("--chat"), "{}", stderr(&r));
 }
@@ -467,31 +456,31 @@ fn a_sampled_runs_dump_replays_through_the_host_sampler() {
     let model = fixture("tiny-m3");
     let out = m3c_tests::compile(&model, 2, dir.path(), &[]);
     let dump = dir.path().join("s.safetensors");
-    let r = m3c_tests::m3c(&[
-        "run",
-        out.to_str().unwrap(),
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt-ids",
-        "1,2,3,4,5",
-        "--max-new-tokens",
-        "16",
-        "--temperature",
-        "0.8",
-        "--top-k",
-        "40",
-        "--top-p",
-        "0.95",
-        "--min-p",
-        "0.02",
-        "--repetition-penalty",
-        "1.1",
-        "--seed",
-        "7",
-        "--ignore-eos",
-        "--dump",
-        dump.to_str().unwrap(),
-    ]);
+    let r = m3c_tests::m3c_run(
+        &out,
+        &model,
+        &[
+            "--prompt-ids",
+            "1,2,3,4,5",
+            "--max-new-tokens",
+            "16",
+            "--temperature",
+            "0.8",
+            "--top-k",
+            "40",
+            "--top-p",
+            "0.95",
+            "--min-p",
+            "0.02",
+            "--repetition-penalty",
+            "1.1",
+            "--seed",
+            "7",
+            "--ignore-eos",
+            "--dump",
+            dump.to_str().unwrap(),
+        ],
+    );
     assert!(r.status.success(), "{}", m3c_tests::stderr(&r));
     let ids = |n: &str| m3c_tests::read_tensor_i64(&dump, n).into_iter().map(|i| i as u32).collect::<Vec<u32>>();
     let (shape, prefill) = m3c_tests::read_tensor_f32(&dump, "prefill_logits");

@@ -269,7 +269,7 @@ fn image_prompts_match_the_golden_at_every_pp_and_beside_text_prompts() {
 /// drawn by the recorded rule), and pp = 2 prints and dumps what pp = 1 does.
 #[test]
 fn an_image_chat_runs_as_the_reference_processor_prompts_it() {
-    use m3c_tests::{compile, m3c, stderr, stdout};
+    use m3c_tests::{compile, stderr, stdout};
     let dir = tempfile::tempdir().unwrap();
     let model = fixture("tiny-m3");
     let golden: serde_json::Value = serde_json::from_slice(&std::fs::read(model.join("tokenizer_golden.json")).unwrap()).unwrap();
@@ -285,24 +285,24 @@ fn an_image_chat_runs_as_the_reference_processor_prompts_it() {
         std::fs::create_dir(&d).unwrap();
         let out = compile(&model, pp, &d, &[]);
         let dump = d.join("d.safetensors");
-        let o = m3c(&[
-            "run",
-            out.to_str().unwrap(),
-            "--model",
-            model.to_str().unwrap(),
-            "--chat",
-            "What is in this picture?",
-            "--system",
-            "You are a helpful assistant.",
-            "--thinking",
-            "disabled",
-            "--image",
-            png.to_str().unwrap(),
-            "--max-new-tokens",
-            "5",
-            "--dump",
-            dump.to_str().unwrap(),
-        ]);
+        let o = m3c_tests::m3c_run(
+            &out,
+            &model,
+            &[
+                "--chat",
+                "What is in this picture?",
+                "--system",
+                "You are a helpful assistant.",
+                "--thinking",
+                "disabled",
+                "--image",
+                png.to_str().unwrap(),
+                "--max-new-tokens",
+                "5",
+                "--dump",
+                dump.to_str().unwrap(),
+            ],
+        );
         assert!(o.status.success(), "{}", stderr(&o));
         let want: Vec<i64> = case["input_ids"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap()).collect();
         assert_eq!(m3c_tests::read_tensor_i64(&dump, "prompt_ids"), want, "pp={pp}: the image chat's prompt ids");
@@ -340,18 +340,7 @@ fn bad_image_input_is_a_clear_error() {
         ids_arg(&ids)
     };
     // The 56×84 image takes (56/28)·(84/28) = 6 tokens.
-    let ok = m3c(&[
-        "run",
-        out.to_str().unwrap(),
-        "--model",
-        model.to_str().unwrap(),
-        "--max-new-tokens",
-        "2",
-        "--prompt-ids",
-        &run_of(6),
-        "--image",
-        png.to_str().unwrap(),
-    ]);
+    let ok = m3c_tests::m3c_run(&out, &model, &["--max-new-tokens", "2", "--prompt-ids", &run_of(6), "--image", png.to_str().unwrap()]);
     assert!(ok.status.success(), "{}", stderr(&ok));
     let e = fails(&["--prompt-ids", &run_of(7), "--image", png.to_str().unwrap()]);
     assert!(e.contains("takes 6 placeholder tokens") && e.contains("has 7"), "{e}");
@@ -392,18 +381,7 @@ fn bad_image_input_is_a_clear_error() {
     );
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && e.contains("without the vision tower"), "{e}");
-    let o = m3c(&[
-        "run",
-        t.to_str().unwrap(),
-        "--model",
-        model.to_str().unwrap(),
-        "--max-new-tokens",
-        "2",
-        "--chat",
-        "hi",
-        "--image",
-        png.to_str().unwrap(),
-    ]);
+    let o = m3c_tests::m3c_run(&t, &model, &["--max-new-tokens", "2", "--chat", "hi", "--image", png.to_str().unwrap()]);
     assert!(o.status.code() == Some(1) && stderr(&o).contains("compiled without the vision tower"), "{}", stderr(&o));
 }
 
