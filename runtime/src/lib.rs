@@ -231,7 +231,7 @@ fn stage_main(
     st.set_cuda_graphs(args.cuda_graphs);
     if args.prefill_gemm_cublas && meta_is_cuda {
         let min_rows = std::env::var("M3C_GEMM_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(32);
-        match st.gpu().map_or(Ok(()), |g| g.enable_gemm(min_rows)) {
+        match st.device().map_or(Ok(()), |g| g.enable_gemm(min_rows)) {
             Ok(()) => say!("{who}: prefill linears with bf16 weights of {min_rows}+ rows run on cuBLAS"),
             Err(e) => say!("{who}: {e}; prefill linears stay on m3c's GEMV kernel"),
         }
@@ -283,7 +283,7 @@ fn connect_gpus(world: &SimpleCommunicator, peers: &mut Peers, who: &str, st: &m
         return Ok(());
     }
     let forced_host = std::env::var("M3C_TRANSPORT").map(|v| v == "host").unwrap_or(false);
-    let key = match (st.device_key(), st.gpu(), forced_host) {
+    let key = match (st.device_key(), st.device(), forced_host) {
         (Some(k), Some(gpu), false) => match gpu.links_available() {
             Ok(()) => k,
             Err(why) => {
@@ -305,10 +305,10 @@ fn connect_gpus(world: &SimpleCommunicator, peers: &mut Peers, who: &str, st: &m
     }
     let mut id = [0u8; 128];
     if world.rank() == 0 {
-        id = st.gpu().ok_or_else(|| StageError::Device("runtime bug: a link between GPUs for a host stage".into()))?.link_id()?;
+        id = st.device().ok_or_else(|| StageError::Device("runtime bug: a link between GPUs for a host stage".into()))?.link_id()?;
     }
     startup::broadcast(world, peers, who, &mut id[..]);
-    let gpu = st.gpu().ok_or_else(|| StageError::Device("runtime bug: a link between GPUs for a host stage".into()))?;
+    let gpu = st.device().ok_or_else(|| StageError::Device("runtime bug: a link between GPUs for a host stage".into()))?;
     let link = gpu.join_link(id, size as i32, world.rank())?;
     st.use_nccl(link);
     Ok(())

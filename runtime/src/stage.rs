@@ -499,7 +499,7 @@ impl Stage {
     }
 
     /// The GPU of a GPU stage.
-    pub fn gpu(&self) -> Option<&dyn Gpu> {
+    pub fn device(&self) -> Option<&dyn Gpu> {
         match &self.backing {
             Backing::Gpu { device, .. } => Some(device.as_ref()),
             Backing::Host { .. } => None,
