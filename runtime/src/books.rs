@@ -6,6 +6,7 @@
 use crate::dump::SeqRecord;
 use crate::error::StageError;
 use crate::stage::{self, Segment};
+use m3c_contract::protocol::TokenLogprobs;
 use m3c_contract::sampling::SamplingParams;
 use std::collections::{BTreeMap, HashMap};
 
@@ -24,6 +25,16 @@ struct SeqBook {
     /// Tokens it may generate; a step past them only scores (its logits
     /// are recorded, its id is not).
     max_new: usize,
+    /// Alternatives to report with each token's logprob (`None`: no logprobs).
+    logprobs: Option<u8>,
+}
+
+/// What the last stage drew for one segment: its id (-1: the sequence met
+/// non-finite logits) and, when the sequence asked, the token's logprobs.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Drawn {
+    pub id: i64,
+    pub logprobs: Option<TokenLogprobs>,
 }
 
 /// The last stage's books.
@@ -42,9 +53,9 @@ impl LastBooks {
     }
 
     /// A sequence joins.
-    pub fn start(&mut self, seq: usize, prompt: Vec<i64>, sampling: SamplingParams, max_new: usize) {
+    pub fn start(&mut self, seq: usize, prompt: Vec<i64>, sampling: SamplingParams, max_new: usize, logprobs: Option<u8>) {
         let record = SeqRecord { prompt, prefill_logits: Vec::new(), generated: Vec::new(), decode_logits: Vec::new() };
-        self.live.insert(seq, SeqBook { record, sampling, max_new });
+        self.live.insert(seq, SeqBook { record, sampling, max_new, logprobs });
     }
 
     /// A sequence leaves; its record is kept when logits are wanted.
@@ -75,11 +86,13 @@ impl LastBooks {
         let tokens: usize = segs.iter().map(|s| s.rows).sum();
         let mut table = Vec::with_capacity(tokens * ROW_WORDS);
         let mut seen = vec![0u32; segs.len() * words];
-        let mut penalised = false;
+        let (mut penalised, mut want_logits) = (false, self.want_logits);
         for (k, s) in segs.iter().enumerate() {
             let b = self.seq(s.seq)?;
             let (r, p) = (&b.record, &b.sampling);
             let draws = gives_token(r, s);
+            // Logprobs come from the logits of the row that draws.
+            want_logits |= draws && b.logprobs.is_some();
             if draws && p.repetition_penalty != 1.0 {
                 penalised = true;
                 let bits = seen_bitmap(r.prompt.iter().chain(&r.generated).map(|&i| i as u32), vocab);
@@ -89,14 +102,14 @@ impl LastBooks {
                 table.extend_from_slice(&row_words(p, 0, r.generated.len() as u64, draws && j + 1 == s.rows, k));
             }
         }
-        Ok(stage::SampleIn { table, seen, penalised, want_logits: self.want_logits })
+        Ok(stage::SampleIn { table, seen, penalised, want_logits })
     }
 
     /// The last stage's part of a step: checks the logits, records them
     /// (when wanted) and returns one id per segment. Non-finite logits (NaN
     /// or Inf in the weights, or an overflow) end the run with the sequence
     /// and position, or (serving) only that sequence, whose id is then -1.
-    pub fn finish(&mut self, segs: &[Segment], out: &stage::StepOut, vocab: usize, stage: usize) -> Result<Vec<i64>, StageError> {
+    pub fn finish(&mut self, segs: &[Segment], out: &stage::StepOut, vocab: usize, stage: usize) -> Result<Vec<Drawn>, StageError> {
         use m3c_contract::sampling::{row, ROW_WORDS};
         let mut row0 = 0;
         let mut ids = Vec::with_capacity(segs.len());
@@ -108,7 +121,7 @@ impl LastBooks {
                     .copied()
                     .ok_or_else(|| StageError::Step("a step returned a short sampling table".into()))?;
                 if bad != 0 && self.on_bad == OnNonFinite::EndSequence {
-                    ids.push(-1);
+                    ids.push(Drawn { id: -1, logprobs: None });
                     row0 += s.rows;
                     continue 'segments;
                 }
@@ -126,9 +139,18 @@ impl LastBooks {
             if id < 0 || id as usize >= vocab {
                 return Err(StageError::Step(format!("stage {stage}: the sampler chose id {id}, outside the vocabulary (0..{vocab})")));
             }
+            let want_logits = self.want_logits;
             let b = self.seq_mut(s.seq)?;
             let r = &mut b.record;
-            if let Some(rows) = out.logits.get(row0 * vocab..(row0 + s.rows) * vocab) {
+            let draws = gives_token(r, s) && r.generated.len() < b.max_new;
+            let logprobs = match (b.logprobs, out.logits.get((row0 + s.rows - 1) * vocab..(row0 + s.rows) * vocab)) {
+                (Some(k), Some(row)) if draws => Some(TokenLogprobs::of(row, id as u32, k as usize)),
+                (Some(_), None) if draws => {
+                    return Err(StageError::Step("runtime bug: logprobs wanted, but the step returned no logits".into()))
+                }
+                _ => None,
+            };
+            if let Some(rows) = out.logits.get(row0 * vocab..(row0 + s.rows) * vocab).filter(|_| want_logits) {
                 if s.pos0 < r.prompt.len() {
                     // A prefill chunk (chunks of a sequence arrive in order).
                     r.prefill_logits.extend_from_slice(rows);
@@ -137,13 +159,61 @@ impl LastBooks {
                 }
             }
             // Only the prompt's last row and decode rows give tokens.
-            if gives_token(r, s) && r.generated.len() < b.max_new {
+            if draws {
                 r.generated.push(id);
             }
-            ids.push(id);
+            ids.push(Drawn { id, logprobs });
             row0 += s.rows;
         }
         Ok(ids)
+    }
+}
+
+impl Drawn {
+    /// The ids message's payload (i64 words): per segment its id, the count
+    /// of (id, logprob) pairs that follow (0: no logprobs; else the token's
+    /// own, then its alternatives), and the pairs (logprobs as f32 bits).
+    pub fn encode(drawn: &[Drawn]) -> Vec<u8> {
+        let mut w: Vec<i64> = Vec::with_capacity(drawn.len() * 2);
+        for d in drawn {
+            w.push(d.id);
+            match &d.logprobs {
+                None => w.push(0),
+                Some(lp) => {
+                    w.push(1 + lp.top.len() as i64);
+                    for (i, v) in std::iter::once((d.id as u32, lp.logprob)).chain(lp.top.iter().copied()) {
+                        w.extend([i64::from(i), i64::from(v.to_bits())]);
+                    }
+                }
+            }
+        }
+        w.iter().flat_map(|v| v.to_le_bytes()).collect()
+    }
+
+    /// The inverse of [`Drawn::encode`] for `n` segments; a malformed
+    /// payload (only a damaged peer sends one) is an error.
+    pub fn decode(words: &[i64], n: usize) -> Result<Vec<Drawn>, StageError> {
+        let bad = || StageError::Peer("a malformed ids message from the last stage".into());
+        let mut it = words.iter().copied();
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let id = it.next().ok_or_else(bad)?;
+            let pairs = usize::try_from(it.next().ok_or_else(bad)?).map_err(|_| bad())?;
+            if pairs > 1 + m3c_contract::protocol::MAX_TOP_LOGPROBS as usize {
+                return Err(bad());
+            }
+            let mut list = Vec::with_capacity(pairs);
+            for _ in 0..pairs {
+                let (i, v) = (it.next().ok_or_else(bad)?, it.next().ok_or_else(bad)?);
+                list.push((u32::try_from(i).map_err(|_| bad())?, f32::from_bits(u32::try_from(v).map_err(|_| bad())?)));
+            }
+            let logprobs = (!list.is_empty()).then(|| TokenLogprobs { logprob: list[0].1, top: list[1..].to_vec() });
+            out.push(Drawn { id, logprobs });
+        }
+        if it.next().is_some() {
+            return Err(bad());
+        }
+        Ok(out)
     }
 }
 
@@ -151,4 +221,28 @@ impl LastBooks {
 /// last row gives a token.
 fn gives_token(r: &SeqRecord, s: &Segment) -> bool {
     s.pos0 + s.rows >= r.prompt.len()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drawn_ids_and_logprobs_round_trip_and_damage_is_an_error() {
+        let drawn = vec![
+            Drawn { id: 5, logprobs: None },
+            Drawn { id: 9, logprobs: Some(TokenLogprobs { logprob: -0.5, top: vec![(9, -0.5), (2, -1.25)] }) },
+            Drawn { id: -1, logprobs: None },
+        ];
+        let bytes = Drawn::encode(&drawn);
+        let words: Vec<i64> = bytes.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect();
+        assert_eq!(Drawn::decode(&words, 3).unwrap(), drawn);
+        for cut in 0..words.len() {
+            assert!(Drawn::decode(&words[..cut], 3).is_err(), "cut at {cut}");
+        }
+        assert!(Drawn::decode(&words, 2).is_err(), "a word left over");
+        let mut huge = words.clone();
+        huge[3] = 1 << 40;
+        assert!(Drawn::decode(&huge, 3).is_err());
+    }
 }

@@ -15,7 +15,9 @@ use mpi::topology::SimpleCommunicator;
 
 /// A `KIND_ADD` message: the sequence, its cache capacity, sampling and prompt.
 pub(crate) fn add_message(a: &SeqRequest) -> Vec<u8> {
-    let mut payload: Vec<u8> = row_words(&a.sampling, 0, 0, true, 0).iter().flat_map(|w| w.to_le_bytes()).collect();
+    let mut row = row_words(&a.sampling, 0, 0, true, 0);
+    row[m3c_contract::sampling::row::LOGPROBS] = a.logprobs.map_or(0, |k| i64::from(k) + 1);
+    let mut payload: Vec<u8> = row.iter().flat_map(|w| w.to_le_bytes()).collect();
     payload.extend(a.prompt.iter().flat_map(|i| i.to_le_bytes()));
     message(KIND_ADD, &[Segment { seq: a.seq, pos0: 0, rows: capacity(a) }], &payload)
 }
@@ -67,7 +69,11 @@ pub(crate) fn follow(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Sta
                         .rows
                         .checked_sub(prompt.len() + 1)
                         .ok_or_else(|| StageError::Peer("an add message's capacity is short".into()))?;
-                    books.start(s.seq, prompt, sampling, max_new);
+                    let logprobs = match table[m3c_contract::sampling::row::LOGPROBS] {
+                        0 => None,
+                        k => Some(u8::try_from(k - 1).map_err(|_| StageError::Peer("an add message's logprobs are out of range".into()))?),
+                    };
+                    books.start(s.seq, prompt, sampling, max_new, logprobs);
                 }
                 pass_on(&mut outbox, KIND_ADD, &m.payload);
             }
@@ -111,8 +117,7 @@ fn step(
     let out = st.step(segs, &[], &mut x, sample)?;
     if last {
         let got = books.finish(segs, &out, st.meta.vocab, rank)?;
-        let payload: Vec<u8> = got.iter().flat_map(|i| i.to_le_bytes()).collect();
-        outbox.send(world, 0, TAG_IDS, message(KIND_STEP, segs, &payload));
+        outbox.send(world, 0, TAG_IDS, message(KIND_STEP, segs, &crate::books::Drawn::encode(&got)));
     } else if !st.uses_nccl() {
         outbox.send(world, rank + 1, TAG_ACT, message(KIND_STEP, segs, &f32_bytes(&x)));
     }

@@ -94,6 +94,8 @@ impl<'a> RunFeed<'a> {
                 prompt: p.clone(),
                 images: None,
                 stops: args.stops.clone(),
+                stop_ids: Vec::new(),
+                logprobs: None,
             })
             .collect();
         let n = args.prompts.len();

@@ -14,7 +14,7 @@
 //! depend on what else runs: the stages are batch-invariant and each draw
 //! is keyed by the sequence's own step.
 
-use crate::books::LastBooks;
+use crate::books::{Drawn, LastBooks};
 use crate::error::StageError;
 use crate::follow::{add_message, capacity, stats_words, words};
 use crate::liveness::Peers;
@@ -83,6 +83,8 @@ struct Live {
     cancelled: bool,
     /// Stop strings (bytes), and the bytes it has generated so far.
     stops: Vec<Vec<u8>>,
+    /// Token ids that end it when generated.
+    stop_ids: Vec<i64>,
     text: Vec<u8>,
 }
 
@@ -208,7 +210,8 @@ impl Leader {
                 *stats_pending = false;
             } else {
                 self.in_flight -= 1;
-                self.returned(world, st, books, feed, &m.segments, &words(&m.payload))?;
+                let drawn = Drawn::decode(&words(&m.payload), m.segments.len())?;
+                self.returned(world, st, books, feed, &m.segments, &drawn)?;
             }
             worked = true;
         }
@@ -259,6 +262,9 @@ impl Leader {
         if a.prompt.is_empty() || a.prompt.iter().any(|&i| i < 0 || i as usize >= st.meta.vocab) {
             return feed.refuse(Some(a.seq), "the prompt is empty or has ids outside the vocabulary".into());
         }
+        if a.stop_ids.iter().any(|&i| i < 0 || i as usize >= st.meta.vocab) {
+            return feed.refuse(Some(a.seq), "a stop id is outside the vocabulary".into());
+        }
         if a.prompt.len().checked_add(a.max_new).and_then(|n| n.checked_add(1)).is_none_or(|n| n > MAX_CAPACITY) {
             return feed.refuse(Some(a.seq), format!("the prompt and max_new exceed {MAX_CAPACITY} positions"));
         }
@@ -280,7 +286,7 @@ impl Leader {
         if self.stages > 1 {
             self.outbox.send(world, 1, TAG_ACT, add_message(&a));
         } else {
-            books.start(a.seq, a.prompt.clone(), a.sampling, a.max_new);
+            books.start(a.seq, a.prompt.clone(), a.sampling, a.max_new, a.logprobs);
         }
         let chunk = self.batching.chunk;
         let chunks = a.prompt.chunks(chunk).enumerate().map(|(k, c)| (k * chunk, c.to_vec())).collect();
@@ -296,6 +302,7 @@ impl Leader {
                 busy: false,
                 cancelled: false,
                 stops: a.stops,
+                stop_ids: a.stop_ids,
                 text: Vec::new(),
             },
         );
@@ -352,12 +359,13 @@ impl Leader {
         books: &mut LastBooks,
         feed: &mut impl Feed,
         segs: &[Segment],
-        ids: &[i64],
+        drawn: &[Drawn],
     ) -> Result<(), StageError> {
-        if ids.len() != segs.len() {
+        if drawn.len() != segs.len() {
             return Err(StageError::Peer("an id message with one id per segment expected".into()));
         }
-        for (s, &id) in segs.iter().zip(ids) {
+        for (s, d) in segs.iter().zip(drawn) {
+            let id = d.id;
             let l = self.live.get_mut(&s.seq).ok_or_else(|| StageError::Step(format!("ids for sequence {}, which is not live", s.seq)))?;
             l.busy = false;
             let reason = if l.cancelled {
@@ -375,9 +383,12 @@ impl Leader {
             } else {
                 l.generated += 1;
                 l.last_id = id;
+                if let Some(lp) = &d.logprobs {
+                    feed.event(Event::Logprobs { seq: s.seq, id: id as u32, lp: lp.clone() });
+                }
                 feed.event(Event::Id { seq: s.seq, id: id as u32 });
                 let eos = !l.ignore_eos && self.batching.eos.contains(&id);
-                if eos || stop_string_ends(l, id, self.token_bytes.as_deref()) {
+                if eos || l.stop_ids.contains(&id) || stop_string_ends(l, id, self.token_bytes.as_deref()) {
                     Some(EndReason::Stop)
                 } else if l.generated >= l.max_new && !self.batching.score_last {
                     Some(EndReason::Length)

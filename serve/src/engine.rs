@@ -6,7 +6,7 @@
 //! and a pipeline that stops fails every request still open.
 
 use super::metrics::{Gauges, Metrics, StageStat};
-use m3c_contract::protocol::{Command, EndReason, Event as StageEvent, SeqRequest};
+use m3c_contract::protocol::{Command, EndReason, Event as StageEvent, SeqRequest, TokenLogprobs};
 use m3c_contract::sampling::SamplingParams;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,7 +18,8 @@ use tokio::sync::{mpsc, watch};
 /// What a request hears from the pipeline.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
-    Token(u32),
+    /// A generated token, with its logprobs when the request asked.
+    Token(u32, Option<TokenLogprobs>),
     /// `stop` (EOS), `length`, or `cancelled`.
     End(String),
     /// The pipeline stopped, or the server is shutting down.
@@ -33,10 +34,14 @@ pub struct Submission {
     pub sampling: SamplingParams,
     /// The request's images file (`m3c_contract::images`, sequence 0),
     /// kept until the request ends.
-    pub images: Option<tempfile::TempPath>,
+    pub images: Option<std::sync::Arc<tempfile::TempPath>>,
     /// Stop strings: the first stage ends the sequence on the token that
     /// completes one (the text is cut before it here).
     pub stops: Vec<String>,
+    /// Token ids that end the sequence when generated.
+    pub stop_ids: Vec<u32>,
+    /// Each token's logprob and this many alternatives (`None`: none).
+    pub logprobs: Option<u8>,
 }
 
 /// Why a request was not taken.
@@ -65,15 +70,17 @@ pub struct Limits {
 struct Running {
     tx: mpsc::UnboundedSender<Event>,
     /// The images file, deleted when the request ends.
-    _images: Option<tempfile::TempPath>,
+    _images: Option<std::sync::Arc<tempfile::TempPath>>,
     bytes: u64,
     arrived: Instant,
     last: Option<Instant>,
+    /// The logprobs of the token whose id comes next.
+    logprobs: Option<TokenLogprobs>,
 }
 
 struct Waiting {
     seq: usize,
-    images: Option<tempfile::TempPath>,
+    images: Option<std::sync::Arc<tempfile::TempPath>>,
     line: String,
     bytes: u64,
     prompt_tokens: usize,
@@ -249,6 +256,8 @@ impl Engine {
             prompt: s.prompt.iter().map(|&i| i64::from(i)).collect(),
             images: s.images.as_ref().map(|p| p.to_path_buf()),
             stops: s.stops.iter().map(|t| t.as_bytes().to_vec()).collect(),
+            stop_ids: s.stop_ids.iter().map(|&i| i64::from(i)).collect(),
+            logprobs: s.logprobs,
         };
         let line = format!("{}\n", Command::Add(request).encode());
         let images = s.images;
@@ -272,7 +281,8 @@ impl Engine {
             st.cache_used += w.bytes;
             self.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).prompt_tokens += w.prompt_tokens as u64;
             self.send(w.line);
-            st.running.insert(w.seq, Running { tx: w.tx, _images: w.images, bytes: w.bytes, arrived: w.arrived, last: None });
+            st.running
+                .insert(w.seq, Running { tx: w.tx, _images: w.images, bytes: w.bytes, arrived: w.arrived, last: None, logprobs: None });
         }
     }
 
@@ -354,7 +364,12 @@ impl Engine {
                     }
                     c.generation_tokens += 1;
                     r.last = Some(now);
-                    let _ = r.tx.send(Event::Token(id));
+                    let _ = r.tx.send(Event::Token(id, r.logprobs.take()));
+                }
+            }
+            StageEvent::Logprobs { seq, lp, .. } => {
+                if let Some(r) = self.state().running.get_mut(&seq) {
+                    r.logprobs = Some(lp);
                 }
             }
             StageEvent::End { seq, reason } => {

@@ -13,6 +13,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use m3c_contract::images::SeqImages;
+use m3c_contract::protocol::TokenLogprobs;
 use m3c_front::text::front::StopFilter;
 use m3c_front::text::{ChatTemplate, IncrementalDecoder, TextTokenizer};
 use serde_json::{json, Value};
@@ -52,6 +53,9 @@ pub fn router(shared: Shared) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route("/version", get(version))
         .fallback(|| async { error(&ApiError::new(404, "not_found_error", "no such route")) })
         .layer(axum::extract::DefaultBodyLimit::max(body_limit))
         .with_state(Arc::new(shared))
@@ -113,7 +117,7 @@ async fn completions(State(app): State<App>, headers: HeaderMap, body: Bytes) ->
         let m = openai::object(&body)?;
         openai::check_model(&m, &app.name)?;
         openai::check_fields(&m, openai::Endpoint::Completions)?;
-        let common = openai::common(&m, &app.defaults, &["max_tokens"], fresh_seed())?;
+        let common = openai::common(&m, &app.defaults, openai::Endpoint::Completions, fresh_seed())?;
         let ids = match openai::prompt(&m)? {
             openai::Prompt::Text(t) => app.tokenizer.encode(&t).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?,
             openai::Prompt::Ids(ids) => ids,
@@ -134,26 +138,8 @@ async fn chat_completions(State(app): State<App>, headers: HeaderMap, body: Byte
         let m = openai::object(&body)?;
         openai::check_model(&m, &app.name)?;
         openai::check_fields(&m, openai::Endpoint::ChatCompletions)?;
-        let common = openai::common(&m, &app.defaults, &["max_tokens", "max_completion_tokens"], fresh_seed())?;
-        let chat = openai::chat(&m)?;
-        let template = app
-            .template
-            .as_ref()
-            .ok_or_else(|| ApiError::new(400, "invalid_request_error", "this model has no chat template; use /v1/completions"))?;
-        let mut kwargs: Vec<(&str, minijinja::Value)> = vec![("add_generation_prompt", minijinja::Value::from(true))];
-        if !chat.tools.is_empty() {
-            kwargs.push(("tools", jinja(Value::Array(chat.tools.clone()))?));
-        }
-        for (k, v) in &chat.kwargs {
-            if k == "add_generation_prompt" || k == "tools" || k == "messages" {
-                return Err(ApiError::bad("chat_template_kwargs", format!("`chat_template_kwargs` may not set `{k}`")));
-            }
-            kwargs.push((k.as_str(), jinja(v.clone())?));
-        }
-        let messages = jinja(chat.messages.clone())?;
-        let rendered = template
-            .render(&messages, &kwargs)
-            .map_err(|e| ApiError::bad("messages", format!("the chat template refused the messages: {e}")))?;
+        let common = openai::common(&m, &app.defaults, openai::Endpoint::ChatCompletions, fresh_seed())?;
+        let (rendered, chat) = render_chat(&app, &m, true)?;
         let ids = app.tokenizer.encode(&rendered).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?;
         // Thinking enabled leaves the prompt inside an open <mm:think>.
         let thinking = rendered.trim_end().ends_with("<mm:think>");
@@ -170,6 +156,107 @@ async fn chat_completions(State(app): State<App>, headers: HeaderMap, body: Byte
         Ok((ids, im)) => generate(app, ids, common, kind, Some(im)).await,
         Err(e) => error(&e),
     }
+}
+
+/// A chat request's prompt as the model's template writes it, and the
+/// request's chat parts; `generation_prompt`: the assistant's turn opened.
+fn render_chat(app: &Shared, m: &serde_json::Map<String, Value>, generation_prompt: bool) -> Result<(String, openai::Chat), ApiError> {
+    let chat = openai::chat(m)?;
+    let template = app
+        .template
+        .as_ref()
+        .ok_or_else(|| ApiError::new(400, "invalid_request_error", "this model has no chat template; use /v1/completions"))?;
+    let mut kwargs: Vec<(&str, minijinja::Value)> = vec![("add_generation_prompt", minijinja::Value::from(generation_prompt))];
+    if !chat.tools.is_empty() {
+        kwargs.push(("tools", jinja(Value::Array(chat.tools.clone()))?));
+    }
+    for (k, v) in &chat.kwargs {
+        if k == "add_generation_prompt" || k == "tools" || k == "messages" {
+            return Err(ApiError::bad("chat_template_kwargs", format!("`chat_template_kwargs` may not set `{k}`")));
+        }
+        kwargs.push((k.as_str(), jinja(v.clone())?));
+    }
+    let messages = jinja(chat.messages.clone())?;
+    let rendered = template
+        .render(&messages, &kwargs)
+        .map_err(|e| ApiError::bad("messages", format!("the chat template refused the messages: {e}")))?;
+    Ok((rendered, chat))
+}
+
+/// vLLM's `/tokenize`: a completions `prompt` or chat `messages` (with
+/// `tools`, `chat_template_kwargs`, `add_generation_prompt`) as the token
+/// ids the generation routes would use.
+async fn tokenize(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
+    let run = || -> Result<Value, ApiError> {
+        authorize(&app, &headers)?;
+        let m = openai::object(&body)?;
+        openai::check_known(&m, openai::TOKENIZE_FIELDS, "/tokenize")?;
+        if m.get("model").is_some_and(|v| !v.is_null()) {
+            openai::check_model(&m, &app.name)?;
+        }
+        let flag = |k: &str, default: bool| match m.get(k) {
+            None | Some(Value::Null) => Ok(default),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(v) => Err(ApiError::bad(k, format!("`{k}` must be true or false, not {}", openai::kind(v)))),
+        };
+        let add_special = flag("add_special_tokens", false)?;
+        let encode =
+            |text: &str| app.tokenizer.encode_with(text, add_special).map_err(|e| ApiError::new(500, "server_error", e.to_string()));
+        let ids = match (m.get("prompt"), m.get("messages")) {
+            (Some(_), Some(_)) => return Err(ApiError::bad("messages", "give `prompt` or `messages`, not both")),
+            (_, Some(_)) => {
+                let (rendered, chat) = render_chat(&app, &m, flag("add_generation_prompt", true)?)?;
+                if !chat.images.is_empty() {
+                    return Err(ApiError::bad("messages", "/tokenize takes text messages (an image's tokens depend on its size)"));
+                }
+                encode(&rendered)?
+            }
+            (Some(_), None) => match openai::prompt(&m)? {
+                openai::Prompt::Text(t) => encode(&t)?,
+                openai::Prompt::Ids(ids) => ids,
+            },
+            (None, None) => return Err(ApiError::bad("prompt", "`prompt` or `messages` is required")),
+        };
+        let strs = if flag("return_token_strs", false)? { json!(app.tokenizer.id_strings(&ids)) } else { Value::Null };
+        Ok(json!({"count": ids.len(), "max_model_len": app.context, "tokens": ids, "token_strs": strs}))
+    };
+    match run() {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => error(&e),
+    }
+}
+
+/// vLLM's `/detokenize`: `tokens` back to text (special tokens kept, as vLLM).
+async fn detokenize(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
+    let run = || -> Result<Value, ApiError> {
+        authorize(&app, &headers)?;
+        let m = openai::object(&body)?;
+        openai::check_known(&m, &["model", "tokens"], "/detokenize")?;
+        if m.get("model").is_some_and(|v| !v.is_null()) {
+            openai::check_model(&m, &app.name)?;
+        }
+        let bad = || ApiError::bad("tokens", "`tokens` must be an array of token ids in the vocabulary");
+        let ids: Vec<u32> = match m.get("tokens") {
+            Some(Value::Array(a)) => {
+                a.iter().map(|v| v.as_u64().and_then(|i| u32::try_from(i).ok())).collect::<Option<_>>().ok_or_else(bad)?
+            }
+            _ => return Err(bad()),
+        };
+        if ids.iter().any(|&i| i as usize >= app.tokenizer.vocab_size()) {
+            return Err(bad());
+        }
+        let text = app.tokenizer.decode(&ids, false).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?;
+        Ok(json!({"prompt": text}))
+    };
+    match run() {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => error(&e),
+    }
+}
+
+/// The server's version, as vLLM's `/version`.
+async fn version() -> Response {
+    Json(json!({"version": env!("CARGO_PKG_VERSION")})).into_response()
 }
 
 /// A chat's `image_url` parts: (the part's field, its URL).
@@ -218,17 +305,25 @@ enum Kind {
     Chat { thinking: bool, tools: Vec<Value> },
 }
 
-/// One request's way from token ids to OpenAI's answer.
+/// One choice's way from token ids to OpenAI's answer.
 struct Generation {
     app: App,
     ticket: Ticket,
     kind: Kind,
     common: Common,
+    /// Which of the request's choices this is.
+    index: usize,
     decoder: IncrementalDecoder,
     filter: StopFilter,
     chat: Option<ChatOutput>,
     prompt_tokens: usize,
     completion_tokens: usize,
+    /// Tokens generated by all of the request's choices (for its usage).
+    all_tokens: Arc<std::sync::atomic::AtomicUsize>,
+    /// Logprobs of tokens not yet sent (streaming), or of every token (whole).
+    logprobs: Vec<(u32, TokenLogprobs)>,
+    /// Characters of the tokens whose logprobs were sent (completions' `text_offset`).
+    lp_offset: usize,
     id: String,
     created: u64,
     finish: Option<String>,
@@ -247,8 +342,22 @@ impl Generation {
         };
         let tk = &self.app.tokenizer;
         let (new, end) = match ev {
-            Event::Token(id) => {
+            Event::Token(id, lp) => {
+                if let Some(lp) = lp {
+                    self.logprobs.push((id, lp));
+                }
                 self.completion_tokens += 1;
+                self.all_tokens.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if self.common.stop_ids.contains(&id) {
+                    // A stop id ends the choice; its text is left out
+                    // unless the request includes stops (as vLLM does), and
+                    // the text before it ends as at any other end.
+                    self.finish = Some("stop".into());
+                    let mut piece = if self.common.include_stop { self.decoder.push(tk, id).unwrap_or_default() } else { String::new() };
+                    piece += &self.decoder.finish(tk).unwrap_or_default();
+                    let text = self.filter.push(&piece, &self.common.stop, true);
+                    return self.shown(text, true);
+                }
                 let piece = self.decoder.push(tk, id).unwrap_or_default();
                 let text = self.filter.push(&piece, &self.common.stop, false);
                 if self.filter.stopped() {
@@ -270,6 +379,12 @@ impl Generation {
                 return Step::Failed(why);
             }
         };
+        self.shown(new, end)
+    }
+
+    /// What the client sees of `new` text: for chat, split into reasoning
+    /// and content.
+    fn shown(&mut self, new: String, end: bool) -> Step {
         match &mut self.chat {
             Some(c) => {
                 let mut d = c.push(&new);
@@ -294,9 +409,50 @@ impl Generation {
         calls
     }
 
+    /// The logprobs gathered since the last call, in OpenAI's shape for this
+    /// endpoint (null when the request asked for none). Each token is its
+    /// own text; a log-probability of −∞ is sent as −9999, as vLLM does
+    /// (JSON has no infinity).
+    fn take_logprobs(&mut self) -> Value {
+        if self.common.logprobs.is_none() {
+            return Value::Null;
+        }
+        let entries = std::mem::take(&mut self.logprobs);
+        let tk = &self.app.tokenizer;
+        let text = |id: u32| tk.decode(&[id], false).unwrap_or_default();
+        let num = |v: f32| if v.is_finite() { f64::from(v) } else { -9999.0 };
+        if self.chat.is_some() {
+            let item = |id: u32, v: f32| {
+                let t = text(id);
+                json!({"token": t, "logprob": num(v), "bytes": t.as_bytes()})
+            };
+            let content: Vec<Value> = entries
+                .iter()
+                .map(|(id, lp)| {
+                    let mut v = item(*id, lp.logprob);
+                    v["top_logprobs"] = lp.top.iter().map(|&(i, l)| item(i, l)).collect();
+                    v
+                })
+                .collect();
+            return json!({"content": content});
+        }
+        let (mut tokens, mut lps, mut tops, mut offsets) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (id, lp) in &entries {
+            let t = text(*id);
+            offsets.push(self.lp_offset);
+            self.lp_offset += t.chars().count();
+            tokens.push(t);
+            lps.push(num(lp.logprob));
+            let top: serde_json::Map<String, Value> = lp.top.iter().map(|&(i, l)| (text(i), json!(num(l)))).collect();
+            tops.push(Value::Object(top));
+        }
+        json!({"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets})
+    }
+
+    /// The usage of the whole request: its prompt once, every choice's tokens.
     fn usage(&self) -> Value {
-        json!({"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-               "total_tokens": self.prompt_tokens + self.completion_tokens})
+        let done = self.all_tokens.load(std::sync::atomic::Ordering::Relaxed);
+        json!({"prompt_tokens": self.prompt_tokens, "completion_tokens": done, "total_tokens": self.prompt_tokens + done})
     }
 
     fn chunk(&self, choice: Value) -> Value {
@@ -311,6 +467,9 @@ async fn generate(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: O
     }
     if let Some(&bad) = ids.iter().find(|&&i| i as usize >= app.tokenizer.vocab_size()) {
         return error(&ApiError::bad("prompt", format!("token id {bad} is outside the vocabulary")));
+    }
+    if let Some(&bad) = common.stop_ids.iter().find(|&&i| i as usize >= app.tokenizer.vocab_size()) {
+        return error(&ApiError::bad("stop_token_ids", format!("`stop_token_ids`: token id {bad} is outside the vocabulary")));
     }
     // Image placeholders come only from image parts: the same token typed
     // into text (or sent as an id) has no image to stand for.
@@ -348,52 +507,76 @@ async fn generate(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: O
         Some(im) => {
             let a = app.clone();
             match tokio::task::spawn_blocking(move || write_images(&a, im)).await {
-                Ok(Ok(p)) => Some(p),
+                Ok(Ok(p)) => Some(Arc::new(p)),
                 Ok(Err(e)) => return error(&ApiError::new(500, "server_error", format!("writing the request's images: {e}"))),
                 Err(e) => return error(&ApiError::new(500, "server_error", format!("writing the request's images: {e}"))),
             }
         }
     };
-    let sub = Submission {
-        prompt: ids.clone(),
-        max_new,
-        ignore_eos: common.ignore_eos,
-        sampling: common.sampling,
-        images,
-        stops: common.stop.clone(),
-    };
-    let ticket = match app.engine.submit(sub) {
-        Ok(t) => t,
-        Err(SubmitError::QueueFull(n)) => {
-            return error(&ApiError::new(503, "server_error", format!("the server is at capacity: {n} requests already wait; retry later")))
-        }
-        Err(SubmitError::TooLarge(m)) => return error(&ApiError::bad("max_tokens", m)),
-        Err(SubmitError::Down(why)) => return error(&ApiError::new(503, "server_error", format!("the model is not available: {why}"))),
-    };
+    // Each choice is its own sequence, drawing from its own seed, so
+    // choice i of a request is what the same request with n = 1 and seed
+    // `seed + i` gives.
+    let mut tickets = Vec::with_capacity(common.n);
+    for i in 0..common.n {
+        let mut sampling = common.sampling;
+        sampling.seed = sampling.seed.wrapping_add(i as u64);
+        let sub = Submission {
+            prompt: ids.clone(),
+            max_new,
+            ignore_eos: common.ignore_eos,
+            sampling,
+            images: images.clone(),
+            stops: common.stop.clone(),
+            stop_ids: common.stop_ids.clone(),
+            logprobs: common.logprobs,
+        };
+        // A refused choice drops the tickets taken so far, which cancels them.
+        tickets.push(match app.engine.submit(sub) {
+            Ok(t) => t,
+            Err(SubmitError::QueueFull(n)) => {
+                return error(&ApiError::new(
+                    503,
+                    "server_error",
+                    format!("the server is at capacity: {n} requests already wait; retry later"),
+                ))
+            }
+            Err(SubmitError::TooLarge(m)) => return error(&ApiError::bad("max_tokens", m)),
+            Err(SubmitError::Down(why)) => return error(&ApiError::new(503, "server_error", format!("the model is not available: {why}"))),
+        });
+    }
     let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let chat = match &kind {
-        Kind::Chat { thinking, .. } => Some(ChatOutput::new(*thinking)),
-        Kind::Completion => None,
-    };
-    let prefix = if chat.is_some() { "chatcmpl" } else { "cmpl" };
-    let g = Generation {
-        id: format!("{prefix}-{created:x}{:x}", ticket.seq),
-        app,
-        ticket,
-        kind,
-        common,
-        decoder: IncrementalDecoder::new(true),
-        filter: StopFilter::default(),
-        chat,
-        prompt_tokens: ids.len(),
-        completion_tokens: 0,
-        created,
-        finish: None,
-    };
-    if g.common.stream {
-        stream(g)
+    let prefix = if matches!(kind, Kind::Chat { .. }) { "chatcmpl" } else { "cmpl" };
+    let id = format!("{prefix}-{created:x}{:x}", tickets[0].seq);
+    let all_tokens = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let gens: Vec<Generation> = tickets
+        .into_iter()
+        .enumerate()
+        .map(|(index, ticket)| Generation {
+            id: id.clone(),
+            app: app.clone(),
+            ticket,
+            chat: match &kind {
+                Kind::Chat { thinking, .. } => Some(ChatOutput::new(*thinking)),
+                Kind::Completion => None,
+            },
+            kind: kind.clone(),
+            common: common.clone(),
+            index,
+            decoder: IncrementalDecoder::new(common.skip_special),
+            filter: StopFilter::new(common.include_stop),
+            prompt_tokens: ids.len(),
+            completion_tokens: 0,
+            all_tokens: all_tokens.clone(),
+            logprobs: Vec::new(),
+            lp_offset: 0,
+            created,
+            finish: None,
+        })
+        .collect();
+    if common.stream {
+        stream(gens)
     } else {
-        whole(g).await
+        whole(gens).await
     }
 }
 
@@ -406,8 +589,28 @@ fn write_images(app: &App, im: SeqImages) -> std::io::Result<tempfile::TempPath>
     Ok(path)
 }
 
-/// The answer in one response.
-async fn whole(mut g: Generation) -> Response {
+/// The answer in one response: every choice, generated side by side.
+async fn whole(gens: Vec<Generation>) -> Response {
+    let done = futures_util::future::join_all(gens.into_iter().map(whole_choice)).await;
+    let mut choices = Vec::with_capacity(done.len());
+    let mut last = None;
+    for d in done {
+        match d {
+            Ok((choice, g)) => {
+                choices.push(choice);
+                last = Some(g);
+            }
+            Err(why) => return error(&ApiError::new(503, "server_error", format!("the request could not finish: {why}"))),
+        }
+    }
+    let Some(g) = last else { return error(&ApiError::new(500, "server_error", "a request without choices")) };
+    let object = if g.chat.is_some() { "chat.completion" } else { "text_completion" };
+    Json(json!({"id": g.id, "object": object, "created": g.created, "model": g.app.name, "choices": choices, "usage": g.usage()}))
+        .into_response()
+}
+
+/// One choice to its end, as the choice object of a whole answer.
+async fn whole_choice(mut g: Generation) -> Result<(Value, Generation), String> {
     let (mut reasoning, mut content) = (String::new(), String::new());
     loop {
         match g.next().await {
@@ -418,7 +621,7 @@ async fn whole(mut g: Generation) -> Response {
                     break;
                 }
             }
-            Step::Failed(why) => return error(&ApiError::new(503, "server_error", format!("the request could not finish: {why}"))),
+            Step::Failed(why) => return Err(why),
         }
     }
     let calls = g.tool_calls();
@@ -427,7 +630,7 @@ async fn whole(mut g: Generation) -> Response {
         reasoning = c.reasoning.clone();
     }
     let finish = g.finish.clone().unwrap_or_else(|| "stop".into());
-    let body = if g.chat.is_some() {
+    let choice = if g.chat.is_some() {
         let mut message = json!({"role": "assistant", "content": if content.is_empty() && !calls.is_empty() { Value::Null } else { Value::String(content) }});
         if !reasoning.is_empty() {
             message["reasoning_content"] = Value::String(reasoning);
@@ -435,24 +638,47 @@ async fn whole(mut g: Generation) -> Response {
         if !calls.is_empty() {
             message["tool_calls"] = Value::Array(calls);
         }
-        json!({"id": g.id, "object": "chat.completion", "created": g.created, "model": g.app.name,
-               "choices": [{"index": 0, "message": message, "logprobs": null, "finish_reason": finish}], "usage": g.usage()})
+        json!({"index": g.index, "message": message, "logprobs": g.take_logprobs(), "finish_reason": finish})
     } else {
-        json!({"id": g.id, "object": "text_completion", "created": g.created, "model": g.app.name,
-               "choices": [{"index": 0, "text": content, "logprobs": null, "finish_reason": finish}], "usage": g.usage()})
+        json!({"index": g.index, "text": content, "logprobs": g.take_logprobs(), "finish_reason": finish})
     };
-    Json(body).into_response()
+    Ok((choice, g))
 }
 
-/// The answer as server-sent events, chunk by chunk, then `[DONE]`. A
-/// client that goes away drops the stream, and with it the ticket, which
-/// cancels the sequence.
-fn stream(g: Generation) -> Response {
+/// The answer as server-sent events: every choice's chunks as they come
+/// (each names its index), then the usage when asked for, then `[DONE]`.
+/// A client that goes away drops the stream, and with it the tickets, which
+/// cancels the sequences.
+fn stream(gens: Vec<Generation>) -> Response {
+    let data = |v: &Value| Ok::<_, Infallible>(Sse_::default().data(v.to_string()));
+    // What the closing events need, taken before the choices move.
+    let Some(first) = gens.first() else { return error(&ApiError::new(500, "server_error", "a request without choices")) };
+    let (include_usage, mut tail_chunk) = (first.common.include_usage, first.chunk(Value::Null));
+    let (all_tokens, prompt_tokens) = (first.all_tokens.clone(), first.prompt_tokens);
+    let choices = futures_util::stream::select_all(gens.into_iter().map(|g| Box::pin(choice_events(g))));
+    let tail = futures_util::stream::once(async move {
+        let mut out = Vec::new();
+        if include_usage {
+            let done = all_tokens.load(std::sync::atomic::Ordering::Relaxed);
+            tail_chunk["choices"] = json!([]);
+            tail_chunk["usage"] = json!({"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done});
+            out.push(data(&tail_chunk));
+        }
+        out.push(Ok(Sse_::default().data("[DONE]")));
+        futures_util::stream::iter(out)
+    });
+    let flat = futures_util::StreamExt::chain(choices, futures_util::StreamExt::flatten(tail));
+    Sse::new(flat).keep_alive(KeepAlive::default()).into_response()
+}
+
+/// One choice's server-sent events, up to its finish reason.
+fn choice_events(g: Generation) -> impl futures_util::Stream<Item = Result<Sse_, Infallible>> {
     let data = |v: &Value| Ok::<_, Infallible>(Sse_::default().data(v.to_string()));
     let events = futures_util::stream::unfold((g, 0u8), move |(mut g, phase)| async move {
         // Phase 0: the role (chat); 1: text; 2: done.
         if phase == 0 && g.chat.is_some() {
-            let c = g.chunk(json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}));
+            let c =
+                g.chunk(json!({"index": g.index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}));
             return Some((vec![data(&c)], (g, 1)));
         }
         if phase == 2 {
@@ -471,10 +697,12 @@ fn stream(g: Generation) -> Response {
                         delta.insert("content".into(), Value::String(content));
                     }
                     if !delta.is_empty() {
-                        out.push(data(&g.chunk(json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": null}))));
+                        let lp = g.take_logprobs();
+                        out.push(data(&g.chunk(json!({"index": g.index, "delta": delta, "logprobs": lp, "finish_reason": null}))));
                     }
                 } else if !content.is_empty() {
-                    out.push(data(&g.chunk(json!({"index": 0, "text": content, "logprobs": null, "finish_reason": null}))));
+                    let lp = g.take_logprobs();
+                    out.push(data(&g.chunk(json!({"index": g.index, "text": content, "logprobs": lp, "finish_reason": null}))));
                 }
                 if !end {
                     return Some((out, (g, 1)));
@@ -484,7 +712,9 @@ fn stream(g: Generation) -> Response {
                 // A block that was not a call comes back as text.
                 if let Some(rest) = g.chat.as_ref().and_then(|c| c.content.get(shown..)).filter(|r| !r.is_empty()) {
                     let rest = rest.to_string();
-                    out.push(data(&g.chunk(json!({"index": 0, "delta": {"content": rest}, "logprobs": null, "finish_reason": null}))));
+                    out.push(data(
+                        &g.chunk(json!({"index": g.index, "delta": {"content": rest}, "logprobs": null, "finish_reason": null})),
+                    ));
                 }
                 if chat && !calls.is_empty() {
                     let indexed: Vec<Value> = calls
@@ -496,33 +726,26 @@ fn stream(g: Generation) -> Response {
                         })
                         .collect();
                     out.push(data(
-                        &g.chunk(json!({"index": 0, "delta": {"tool_calls": indexed}, "logprobs": null, "finish_reason": null})),
+                        &g.chunk(json!({"index": g.index, "delta": {"tool_calls": indexed}, "logprobs": null, "finish_reason": null})),
                     ));
                 }
                 let finish = g.finish.clone().unwrap_or_else(|| "stop".into());
+                // The logprobs of tokens whose text never came out (held, or cut).
+                let lp = g.take_logprobs();
                 let last = if chat {
-                    json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish})
+                    json!({"index": g.index, "delta": {}, "logprobs": lp, "finish_reason": finish})
                 } else {
-                    json!({"index": 0, "text": "", "logprobs": null, "finish_reason": finish})
+                    json!({"index": g.index, "text": "", "logprobs": lp, "finish_reason": finish})
                 };
                 out.push(data(&g.chunk(last)));
-                if g.common.include_usage {
-                    let mut u = g.chunk(Value::Null);
-                    u["choices"] = json!([]);
-                    u["usage"] = g.usage();
-                    out.push(data(&u));
-                }
-                out.push(Ok(Sse_::default().data("[DONE]")));
                 Some((out, (g, 2)))
             }
             Step::Failed(why) => {
                 let e = ApiError::new(503, "server_error", format!("the request could not finish: {why}"));
                 out.push(data(&e.body()));
-                out.push(Ok(Sse_::default().data("[DONE]")));
                 Some((out, (g, 2)))
             }
         }
     });
-    let flat = futures_util::StreamExt::flat_map(events, futures_util::stream::iter);
-    Sse::new(flat).keep_alive(KeepAlive::default()).into_response()
+    futures_util::StreamExt::flat_map(events, futures_util::stream::iter)
 }

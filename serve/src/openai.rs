@@ -38,7 +38,21 @@ pub struct Common {
     pub ignore_eos: bool,
     pub stream: bool,
     pub include_usage: bool,
+    /// Choices to generate, each from its own seed (`seed + i`).
+    pub n: usize,
+    /// Token ids that end a choice when generated (vLLM's `stop_token_ids`).
+    pub stop_ids: Vec<u32>,
+    /// The stop string that ended a choice stays in its text.
+    pub include_stop: bool,
+    /// Special tokens are left out of the text (vLLM's default).
+    pub skip_special: bool,
+    /// Each token's logprob and this many alternatives (`None`: no logprobs).
+    pub logprobs: Option<u8>,
 }
+
+/// The most choices one request may ask for: each is a sequence in the
+/// running batch.
+pub const MAX_N: u64 = 16;
 
 /// Sampling defaults (the checkpoint's generation_config.json, as vLLM).
 #[derive(Debug, Clone, Copy)]
@@ -175,6 +189,18 @@ fn unsupported(field: &str) -> Option<&'static str> {
     })
 }
 
+/// The fields `/tokenize` reads.
+pub const TOKENIZE_FIELDS: &[&str] =
+    &["model", "prompt", "messages", "tools", "chat_template_kwargs", "add_generation_prompt", "add_special_tokens", "return_token_strs"];
+
+/// Refuses any field of `m` outside `known` (null counts as absent), naming it.
+pub fn check_known(m: &Map<String, Value>, known: &[&str], route: &str) -> Result<(), ApiError> {
+    match m.iter().find(|(k, v)| !v.is_null() && !known.contains(&k.as_str())) {
+        Some((k, _)) => Err(ApiError::bad(k, format!("`{k}` is not a field m3c's {route} takes"))),
+        None => Ok(()),
+    }
+}
+
 /// Refuses every field `endpoint` does not honour, naming it. Null counts as
 /// absent, as in OpenAI's API.
 pub fn check_fields(m: &Map<String, Value>, endpoint: Endpoint) -> Result<(), ApiError> {
@@ -216,15 +242,6 @@ pub fn check_fields(m: &Map<String, Value>, endpoint: Endpoint) -> Result<(), Ap
     if uint(m, "min_tokens")?.is_some_and(|v| v > 0) {
         return refuse("min_tokens", "m3c cannot hold back EOS yet (only 0)");
     }
-    if m.get("stop_token_ids").is_some_and(|v| !(v.is_null() || v.as_array().is_some_and(Vec::is_empty))) {
-        return refuse("stop_token_ids", "not supported by m3c yet (use `stop`)");
-    }
-    if boolean(m, "include_stop_str_in_output")? == Some(true) {
-        return refuse("include_stop_str_in_output", "not supported by m3c yet (only false)");
-    }
-    if boolean(m, "skip_special_tokens")? == Some(false) {
-        return refuse("skip_special_tokens", "m3c always skips special tokens in text (only true)");
-    }
     if let Some(o) = m.get("stream_options").and_then(Value::as_object) {
         if let Some(k) = o.keys().find(|k| k.as_str() != "include_usage" && !o[k.as_str()].is_null()) {
             return Err(ApiError::bad("stream_options", format!("`stream_options.{k}` is not supported by m3c (only include_usage)")));
@@ -248,18 +265,24 @@ pub fn check_model(m: &Map<String, Value>, served: &str) -> Result<(), ApiError>
     }
 }
 
-/// Sampling, limits, stop strings and streaming, shared by both endpoints;
-/// `max_keys` are the names the endpoint accepts for the token limit.
-pub fn common(m: &Map<String, Value>, d: &Defaults, max_keys: &[&str], seed_fallback: u64) -> Result<Common, ApiError> {
+/// Sampling, limits, stop strings, logprobs and streaming, shared by both
+/// endpoints (each spells the token limit and logprobs its own way).
+pub fn common(m: &Map<String, Value>, d: &Defaults, endpoint: Endpoint, seed_fallback: u64) -> Result<Common, ApiError> {
+    let max_keys: &[&str] = match endpoint {
+        Endpoint::Completions => &["max_tokens"],
+        Endpoint::ChatCompletions => &["max_tokens", "max_completion_tokens"],
+    };
     for k in ["presence_penalty", "frequency_penalty"] {
         if num(m, k)?.is_some_and(|v| v != 0.0) {
             return Err(ApiError::bad(k, format!("`{k}` is not supported by m3c (use `repetition_penalty`)")));
         }
     }
-    if uint(m, "n")?.is_some_and(|n| n != 1) {
-        return Err(ApiError::bad("n", "m3c returns one choice per request (`n` must be 1)"));
+    let n = uint(m, "n")?.unwrap_or(1);
+    if !(1..=MAX_N).contains(&n) {
+        return Err(ApiError::bad("n", format!("`n` must be from 1 to {MAX_N}")));
     }
-    for k in ["logprobs", "top_logprobs", "logit_bias", "echo", "best_of", "suffix"] {
+    let logprobs = logprobs(m, endpoint)?;
+    for k in ["logit_bias", "echo", "best_of", "suffix"] {
         match m.get(k) {
             None | Some(Value::Null) | Some(Value::Bool(false)) => {}
             Some(Value::Number(n)) if k == "best_of" && n.as_u64() == Some(1) => {}
@@ -308,7 +331,55 @@ pub fn common(m: &Map<String, Value>, d: &Defaults, max_keys: &[&str], seed_fall
         Some(Value::Object(o)) => boolean(o, "include_usage")?.unwrap_or(false),
         Some(v) => return Err(ApiError::bad("stream_options", format!("`stream_options` must be an object, not {}", kind(v)))),
     };
-    Ok(Common { sampling, max_tokens, stop, ignore_eos: boolean(m, "ignore_eos")?.unwrap_or(false), stream, include_usage })
+    let stop_ids = match m.get("stop_token_ids") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(a)) if a.len() <= 64 => a
+            .iter()
+            .map(|v| v.as_u64().and_then(|i| u32::try_from(i).ok()))
+            .collect::<Option<Vec<u32>>>()
+            .ok_or_else(|| ApiError::bad("stop_token_ids", "`stop_token_ids` must be an array of token ids"))?,
+        Some(_) => return Err(ApiError::bad("stop_token_ids", "`stop_token_ids` must be an array of at most 64 token ids")),
+    };
+    Ok(Common {
+        sampling,
+        max_tokens,
+        stop,
+        ignore_eos: boolean(m, "ignore_eos")?.unwrap_or(false),
+        stream,
+        include_usage,
+        n: n as usize,
+        stop_ids,
+        include_stop: boolean(m, "include_stop_str_in_output")?.unwrap_or(false),
+        skip_special: boolean(m, "skip_special_tokens")?.unwrap_or(true),
+        logprobs,
+    })
+}
+
+/// The alternatives to report with each token's logprob: chat's
+/// `logprobs: true` with `top_logprobs: N`, or completions' `logprobs: N`.
+fn logprobs(m: &Map<String, Value>, endpoint: Endpoint) -> Result<Option<u8>, ApiError> {
+    use m3c_contract::protocol::MAX_TOP_LOGPROBS;
+    let count = |k: &str| -> Result<Option<u8>, ApiError> {
+        match uint(m, k)? {
+            Some(n) if n <= u64::from(MAX_TOP_LOGPROBS) => Ok(Some(n as u8)),
+            Some(_) => Err(ApiError::bad(k, format!("`{k}` must be from 0 to {MAX_TOP_LOGPROBS}"))),
+            None => Ok(None),
+        }
+    };
+    match endpoint {
+        Endpoint::Completions => match m.get("logprobs") {
+            Some(Value::Bool(_)) => Err(ApiError::bad("logprobs", "`logprobs` of completions is a count of alternatives (0 to 20)")),
+            _ => count("logprobs"),
+        },
+        Endpoint::ChatCompletions => {
+            let on = boolean(m, "logprobs")?.unwrap_or(false);
+            match (on, count("top_logprobs")?) {
+                (true, top) => Ok(Some(top.unwrap_or(0))),
+                (false, Some(_)) => Err(ApiError::bad("top_logprobs", "`top_logprobs` needs `logprobs: true`")),
+                (false, None) => Ok(None),
+            }
+        }
+    }
 }
 
 /// A completions `prompt`: a string, a one-string array, or token ids.
@@ -403,7 +474,7 @@ mod tests {
     fn param(extra: Value, endpoint: Endpoint) -> Option<String> {
         let m = body(extra, endpoint);
         let d = Defaults { sampling: SamplingParams::GREEDY };
-        let e = check_fields(&m, endpoint).and_then(|()| common(&m, &d, &["max_tokens"], 0).map(|_| ()));
+        let e = check_fields(&m, endpoint).and_then(|()| common(&m, &d, endpoint, 0).map(|_| ()));
         let e = e.and_then(|()| if endpoint == Endpoint::ChatCompletions { chat(&m).map(|_| ()) } else { Ok(()) });
         e.err().map(|e| {
             assert_eq!(e.status, 400, "{e:?}");
@@ -442,16 +513,20 @@ mod tests {
             (json!({"tool_choice": "auto"}), Completions, "tool_choice"),
             (json!({"parallel_tool_calls": false}), ChatCompletions, "parallel_tool_calls"),
             (json!({"min_tokens": 4}), Completions, "min_tokens"),
-            (json!({"stop_token_ids": [7]}), ChatCompletions, "stop_token_ids"),
-            (json!({"include_stop_str_in_output": true}), Completions, "include_stop_str_in_output"),
-            (json!({"skip_special_tokens": false}), ChatCompletions, "skip_special_tokens"),
+            (json!({"stop_token_ids": [-7]}), ChatCompletions, "stop_token_ids"),
+            (json!({"stop_token_ids": 7}), Completions, "stop_token_ids"),
+            (json!({"include_stop_str_in_output": "yes"}), Completions, "include_stop_str_in_output"),
+            (json!({"skip_special_tokens": 0}), ChatCompletions, "skip_special_tokens"),
             (json!({"prompt_logprobs": 1}), Completions, "prompt_logprobs"),
-            (json!({"logprobs": true}), ChatCompletions, "logprobs"),
-            (json!({"logprobs": 0}), Completions, "logprobs"),
+            (json!({"logprobs": 3}), ChatCompletions, "logprobs"),
+            (json!({"logprobs": true}), Completions, "logprobs"),
+            (json!({"logprobs": 21}), Completions, "logprobs"),
             (json!({"top_logprobs": 2}), ChatCompletions, "top_logprobs"),
+            (json!({"logprobs": true, "top_logprobs": 21}), ChatCompletions, "top_logprobs"),
             (json!({"echo": true}), Completions, "echo"),
             (json!({"echo": true}), ChatCompletions, "echo"),
-            (json!({"n": 3}), ChatCompletions, "n"),
+            (json!({"n": 0}), ChatCompletions, "n"),
+            (json!({"n": 17}), Completions, "n"),
             (json!({"presence_penalty": 0.5}), ChatCompletions, "presence_penalty"),
             (json!({"frequency_penalty": 0.5}), Completions, "frequency_penalty"),
             (json!({"logit_bias": {"5": 10}}), ChatCompletions, "logit_bias"),
@@ -472,8 +547,12 @@ mod tests {
             (json!({"tool_choice": "none", "tools": [{"type": "function", "function": {"name": "f"}}]}), ChatCompletions),
             (json!({"tool_choice": "auto", "parallel_tool_calls": true}), ChatCompletions),
             (json!({"min_tokens": 0, "stop_token_ids": [], "include_stop_str_in_output": false, "skip_special_tokens": true}), Completions),
+            (json!({"stop_token_ids": [7, 9], "include_stop_str_in_output": true, "skip_special_tokens": false, "n": 3}), ChatCompletions),
             (json!({"n": 1, "best_of": 1, "logprobs": null, "echo": false, "presence_penalty": 0, "frequency_penalty": 0}), Completions),
             (json!({"logprobs": false, "top_logprobs": null, "user": "alice", "max_completion_tokens": 5}), ChatCompletions),
+            (json!({"logprobs": true, "top_logprobs": 20}), ChatCompletions),
+            (json!({"logprobs": 0}), Completions),
+            (json!({"logprobs": 5}), Completions),
             (json!({"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "ignore_eos": true, "seed": 3, "stop": ["x"]}), Completions),
             (json!({"stream": true, "stream_options": {"include_usage": true}, "chat_template_kwargs": {}}), ChatCompletions),
             (json!({"structured_outputs": null, "guided_json": null}), ChatCompletions),

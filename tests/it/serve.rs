@@ -182,6 +182,43 @@ fn completions_and_chat_give_the_text_m3c_run_gives() {
     assert_eq!((got["whole"].as_str(), got["streamed"].as_str()), (Some(want_chat), Some(want_chat)), "chat vs m3c run --chat");
 }
 
+/// `n` choices (each its seed's), `stop_token_ids`,
+/// `include_stop_str_in_output`, `skip_special_tokens` and the /tokenize,
+/// /detokenize and /version routes, against `m3c run`'s ids.
+#[test]
+fn choices_stop_ids_and_the_token_routes() {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, model) = compiled(dir.path());
+    let dump = dir.path().join("d.safetensors");
+    let (printed, _) = run_text(
+        &out,
+        &model,
+        &["--prompt-ids", "5,6,7", "--max-new-tokens", "6", "--temperature", "0", "--ignore-eos", "--dump", dump.to_str().unwrap()],
+    );
+    let ids: Vec<u32> = printed.trim_start_matches("prompt 0: ").split(',').map(|t| t.trim().parse().unwrap()).collect();
+    assert_eq!(ids.len(), 6, "{printed}");
+    assert!(!ids[..2].contains(&ids[2]), "the stop id must first come third: {ids:?}");
+    let s = Server::start(&out, &model, &[]);
+    let got = s.client(&["choices", &serde_json::to_string(&ids).unwrap(), &ids[2].to_string()]);
+    assert_eq!(got["version"], env!("CARGO_PKG_VERSION"));
+    assert!(got["n_distinct"].as_u64() > Some(1), "three seeds gave one text: {got}");
+    // Each token's logprob is the log-softmax of the logits it was drawn
+    // from: the prompt's last row, then each decode row.
+    let (shape, prefill) = m3c_tests::read_tensor_f32(&dump, "prefill_logits");
+    let (_, decode) = m3c_tests::read_tensor_f32(&dump, "decode_logits");
+    let vocab = shape[1];
+    let rows: Vec<&[f32]> = std::iter::once(&prefill[prefill.len() - vocab..]).chain(decode.chunks(vocab)).take(6).collect();
+    let lp = s.client(&["logprobs"]);
+    let served: Vec<f64> = lp["logprobs"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+    assert_eq!(served.len(), 6, "{lp}");
+    for (j, (row, got)) in rows.iter().zip(&served).enumerate() {
+        let max = row.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64));
+        let lse = max + row.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
+        let want = row[ids[j] as usize] as f64 - lse;
+        assert!((got - want).abs() < 1e-5, "token {j}: served logprob {got}, log-softmax of the dumped logits {want}");
+    }
+}
+
 #[test]
 fn thirty_two_concurrent_streams_each_get_their_solo_result_whenever_they_arrive() {
     let dir = tempfile::tempdir().unwrap();

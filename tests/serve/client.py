@@ -181,7 +181,7 @@ def errors(base, model):
     seen["bad_role"] = post("/v1/chat/completions", {"model": model, "messages": [{"role": "wizard", "content": "x"}]})[0]
     seen["too_long"], e = post("/v1/completions", {"model": model, "prompt": "x", "max_tokens": 10_000_000})
     assert "maximum context length" in e["message"], e
-    seen["n"] = post("/v1/completions", {"model": model, "prompt": "x", "n": 2})[0]
+    seen["n"] = post("/v1/completions", {"model": model, "prompt": "x", "n": 17})[0]
     seen["huge_max"] = post("/v1/completions", {"model": model, "prompt": "x", "max_tokens": 2**64 - 1})[0]
     seen["tiny_temperature"] = post("/v1/completions", {"model": model, "prompt": "x", "temperature": 1e-30})[0]
     seen["top_p"] = post("/v1/completions", {"model": model, "prompt": "x", "top_p": 0})[0]
@@ -423,6 +423,120 @@ def images(base, model, png, allowed, outside):
     return {"text": text, "prompt_tokens": first.usage.prompt_tokens}
 
 
+def choices_and_tokens(base, model, ids, stop_id):
+    """n choices, stop_token_ids, include_stop_str_in_output,
+    skip_special_tokens and the /tokenize, /detokenize and /version routes.
+    `ids`: a prompt's greedy continuation's first tokens, as m3c run gives
+    them; `stop_id` is its third and not among the first two."""
+    c = client(base)
+    root = base.removesuffix("/v1")
+    prompt = [5, 6, 7]
+    out = {}
+    # n = 3: each choice is the n = 1 answer of seed + its index.
+    sampled = dict(max_tokens=8, temperature=0.9, extra_body={"ignore_eos": True})
+    whole = c.completions.create(model=model, prompt=prompt, n=3, seed=11, **sampled)
+    assert [ch.index for ch in whole.choices] == [0, 1, 2], whole.choices
+    alone = [c.completions.create(model=model, prompt=prompt, seed=11 + i, **sampled).choices[0].text for i in range(3)]
+    assert [ch.text for ch in whole.choices] == alone, ([ch.text for ch in whole.choices], alone)
+    assert whole.usage.completion_tokens == 24 and whole.usage.prompt_tokens == 3, whole.usage
+    texts, usage, finishes = ["", "", ""], None, {}
+    for chunk in c.completions.create(model=model, prompt=prompt, n=3, seed=11, stream=True, stream_options={"include_usage": True}, **sampled):
+        usage = chunk.usage or usage
+        for ch in chunk.choices:
+            texts[ch.index] += ch.text
+            finishes[ch.index] = ch.finish_reason or finishes.get(ch.index)
+    assert texts == alone and finishes == {0: "length", 1: "length", 2: "length"}, (texts, finishes)
+    assert usage is not None and usage.completion_tokens == 24, usage
+    out["n_distinct"] = len(set(alone))
+    chat = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], n=2, max_tokens=4, temperature=1, seed=3, extra_body={"ignore_eos": True})
+    assert [ch.index for ch in chat.choices] == [0, 1] and chat.usage.completion_tokens == 8, chat
+    # stop_token_ids: the choice ends on the stop id, whose text is left
+    # out unless include_stop_str_in_output.
+    greedy = lambda n, **extra: c.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0, extra_body={"ignore_eos": True, **extra})
+    stopped = greedy(8, stop_token_ids=[stop_id])
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 3, stopped
+    assert stopped.choices[0].text == greedy(2).choices[0].text, (stopped.choices[0].text, greedy(2).choices[0].text)
+    kept = greedy(8, stop_token_ids=[stop_id], include_stop_str_in_output=True)
+    assert kept.choices[0].text == greedy(3).choices[0].text, kept
+    # include_stop_str_in_output with a stop string: the text ends with it.
+    full = greedy(6).choices[0].text
+    stop = full[len(full) // 2 :][:2]
+    cut = c.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0, stop=[stop], extra_body={"ignore_eos": True})
+    inc = c.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0, stop=[stop], extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert inc.choices[0].text == cut.choices[0].text + stop and full.startswith(inc.choices[0].text), (full, stop, cut, inc)
+    # skip_special_tokens false: the text is every token's, as /detokenize gives it.
+    raw = greedy(len(ids), skip_special_tokens=False).choices[0].text
+    detok = httpx.post(f"{root}/detokenize", json={"model": model, "tokens": ids}, timeout=30).json()
+    assert raw == detok["prompt"], (raw, detok)
+    # /tokenize: the prompt and chat token counts the generation routes use.
+    text = "Hello world, tokenize me."
+    t = httpx.post(f"{root}/tokenize", json={"model": model, "prompt": text, "return_token_strs": True}, timeout=30).json()
+    used = c.completions.create(model=model, prompt=text, max_tokens=1).usage.prompt_tokens
+    assert t["count"] == len(t["tokens"]) == len(t["token_strs"]) == used and t["max_model_len"] > 0, (t, used)
+    back = httpx.post(f"{root}/detokenize", json={"tokens": t["tokens"]}, timeout=30).json()["prompt"]
+    assert back == text, back
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    tc = httpx.post(f"{root}/tokenize", json={"model": model, "messages": messages}, timeout=30).json()
+    chat_used = c.chat.completions.create(model=model, messages=messages, max_tokens=1).usage.prompt_tokens
+    assert tc["count"] == chat_used, (tc["count"], chat_used)
+    bad = httpx.post(f"{root}/tokenize", json={"prompt": "x", "add_bos": True}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "add_bos", bad.text
+    bad = httpx.post(f"{root}/detokenize", json={"tokens": [10**9]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens", bad.text
+    out["version"] = httpx.get(f"{root}/version", timeout=10).json()["version"]
+    out["tokens"] = t["count"]
+    return out
+
+
+def logprobs(base, model):
+    """Logprobs on both endpoints, whole and streamed: each token's own
+    logprob and its alternatives, most likely first, all <= 0; greedy picks
+    the top one. Returns the completions' per-token logprobs of a greedy
+    continuation of [5, 6, 7] (checked against the stages' logits by the
+    caller)."""
+    c = client(base)
+    prompt = [5, 6, 7]
+    greedy = dict(max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    whole = c.completions.create(model=model, prompt=prompt, logprobs=5, **greedy)
+    lp = whole.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6, lp
+    for own, top in zip(lp.token_logprobs, lp.top_logprobs):
+        # (Completions key alternatives by text, so tokens of one text merge.)
+        assert own <= 0 and all(v <= 0 for v in top.values()) and 1 <= len(top) <= 5, (own, top)
+        assert own >= max(top.values()) - 1e-6, ("greedy takes the most likely token", own, top)
+    assert "".join(lp.tokens) == whole.choices[0].text, (lp.tokens, whole.choices[0].text)
+    streamed = []
+    for chunk in c.completions.create(model=model, prompt=prompt, logprobs=5, stream=True, **greedy):
+        for ch in chunk.choices:
+            if ch.logprobs is not None:
+                streamed += ch.logprobs.token_logprobs
+    assert streamed == lp.token_logprobs, (streamed, lp.token_logprobs)
+    # Chat: logprobs true with top_logprobs, sampled; whole and streamed agree.
+    messages = [{"role": "user", "content": "Hi"}]
+    kw = dict(max_tokens=5, temperature=0.8, seed=4, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    chat = c.chat.completions.create(model=model, messages=messages, **kw)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5, content
+    for t in content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 3 and t.bytes == list(t.token.encode()), t
+        tops = [a.logprob for a in t.top_logprobs]
+        assert tops == sorted(tops, reverse=True) and t.logprob <= tops[0] + 1e-6, t
+    got = []
+    for chunk in c.chat.completions.create(model=model, messages=messages, stream=True, **kw):
+        for ch in chunk.choices:
+            if ch.logprobs is not None and ch.logprobs.content:
+                got += [(t.token, t.logprob) for t in ch.logprobs.content]
+    assert got == [(t.token, t.logprob) for t in content], (got, content)
+    # Greedy chat: the token is the first alternative.
+    g = c.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    for t in g.choices[0].logprobs.content:
+        assert t.top_logprobs[0].logprob == t.logprob and t.top_logprobs[0].token == t.token, t
+    # Without the flag, no logprobs.
+    plain = c.chat.completions.create(model=model, messages=messages, max_tokens=2)
+    assert plain.choices[0].logprobs is None, plain
+    return {"logprobs": lp.token_logprobs, "tokens": lp.tokens}
+
+
 # Each subcommand: its function and how it reads its arguments.
 COMMANDS = {
     "complete": lambda base, model, rest: complete(base, model, rest[0], json.loads(rest[1])),
@@ -436,6 +550,8 @@ COMMANDS = {
     "poison": lambda base, model, rest: poison(base, model),
     "stream": lambda base, model, rest: stream_until_end(base, model),
     "images": lambda base, model, rest: images(base, model, rest[0], rest[1], rest[2]),
+    "logprobs": lambda base, model, rest: logprobs(base, model),
+    "choices": lambda base, model, rest: choices_and_tokens(base, model, json.loads(rest[0]), int(rest[1])),
 }
 
 

@@ -172,17 +172,25 @@ pub fn encode(model: &Path, req: &TextRequest) -> Result<Encoded, TextError> {
     Ok(Encoded { tokenizer, ids, overrides, images })
 }
 
-/// A sequence's text on its way out: cut before the first stop string, and
-/// holding back an end that may yet become one (a stop string can span
-/// tokens), so no part of a stop string is ever printed.
+/// A sequence's text on its way out: cut before the first stop string (or
+/// after it, when the request includes it), and holding back an end that
+/// may yet become one (a stop string can span tokens), so no part of a stop
+/// string is ever printed unless asked for.
 #[derive(Default)]
 pub struct StopFilter {
     text: String,
     released: usize,
     cut: bool,
+    /// vLLM's `include_stop_str_in_output`: the text ends after the stop string.
+    include: bool,
 }
 
 impl StopFilter {
+    /// A filter that keeps the stop string it stops on (`include`) or cuts it.
+    pub fn new(include: bool) -> StopFilter {
+        StopFilter { include, ..StopFilter::default() }
+    }
+
     /// A stop string has been found: nothing more will be released.
     pub fn stopped(&self) -> bool {
         self.cut
@@ -201,11 +209,20 @@ impl StopFilter {
         while !self.text.is_char_boundary(from) {
             from -= 1;
         }
-        let first = stops.iter().filter(|s| !s.is_empty()).filter_map(|s| self.text[from..].find(s.as_str()).map(|i| i + from)).min();
+        // The earliest stop string, the longest of those found there.
+        let first = stops
+            .iter()
+            .filter(|s| !s.is_empty())
+            .filter_map(|s| self.text[from..].find(s.as_str()).map(|i| (i + from, std::cmp::Reverse(s.len()))))
+            .min();
         let upto = match first {
-            Some(i) => {
+            Some((i, std::cmp::Reverse(len))) => {
                 self.cut = true;
-                i
+                if self.include {
+                    i + len
+                } else {
+                    i
+                }
             }
             None if end => self.text.len(),
             None => {
@@ -331,5 +348,10 @@ mod tests {
         let mut f = StopFilter::default();
         assert_eq!(f.push("xEN", &stops, false), "x");
         assert_eq!(f.push("", &stops, true), "EN");
+        // Included, the text ends right after the stop string.
+        let mut f = StopFilter::new(true);
+        let shown = f.push("Hello\n\nUs", &stops, false) + &f.push("er: more", &stops, false);
+        assert_eq!(shown, "Hello\n\nUser:");
+        assert!(f.stopped());
     }
 }

@@ -30,8 +30,21 @@ impl TextTokenizer {
 
     /// Token ids of `text` (no special tokens added).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TextError> {
-        let enc = self.tk.encode(text, false).map_err(|e| TextError::Tokenizer { file: self.file.clone(), message: e.to_string() })?;
+        self.encode_with(text, false)
+    }
+
+    /// Token ids of `text`, with the special tokens the tokenizer's
+    /// post-processor adds (a BOS, for one that has it) when `add_special`.
+    pub fn encode_with(&self, text: &str, add_special: bool) -> Result<Vec<u32>, TextError> {
+        let enc =
+            self.tk.encode(text, add_special).map_err(|e| TextError::Tokenizer { file: self.file.clone(), message: e.to_string() })?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// Each id's token string (the tokenizer's symbols), `None` for an id
+    /// outside the vocabulary.
+    pub fn id_strings(&self, ids: &[u32]) -> Vec<Option<String>> {
+        ids.iter().map(|&i| self.tk.id_to_token(i)).collect()
     }
 
     /// The tokens' strings (the tokenizer's symbols, e.g. `Ġwor`).
