@@ -1,5 +1,6 @@
-//! The HTTP routes of `m3c serve` (axum): health, models, metrics, and
-//! OpenAI's completions and chat completions, streamed as server-sent
+//! The HTTP routes of `m3c serve` (axum): health, models, metrics, vLLM's
+//! tokenize, detokenize and version, and OpenAI's completions, chat
+//! completions and (in `responses`) Responses, streamed as server-sent
 //! events or answered whole.
 
 use super::engine::{Engine, Event, Submission, SubmitError, Ticket};
@@ -19,6 +20,8 @@ use m3c_front::text::{ChatTemplate, IncrementalDecoder, TextTokenizer};
 use serde_json::{json, Value};
 use std::convert::Infallible;
 use std::sync::Arc;
+
+mod responses;
 
 /// What every handler shares.
 pub struct Shared {
@@ -53,6 +56,7 @@ pub fn router(shared: Shared) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/responses", post(responses::responses))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/version", get(version))
@@ -462,14 +466,25 @@ impl Generation {
 }
 
 async fn generate(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: Option<SeqImages>) -> Response {
+    let stream_it = common.stream;
+    match start(app, ids, common, kind, images).await {
+        Ok(gens) if stream_it => stream(gens),
+        Ok(gens) => whole(gens).await,
+        Err(r) => r,
+    }
+}
+
+/// A request's checks and admission: its choices, submitted to the
+/// engine, as generations to read; or the error response.
+async fn start(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: Option<SeqImages>) -> Result<Vec<Generation>, Response> {
     if ids.is_empty() {
-        return error(&ApiError::bad("prompt", "the prompt has no tokens"));
+        return Err(error(&ApiError::bad("prompt", "the prompt has no tokens")));
     }
     if let Some(&bad) = ids.iter().find(|&&i| i as usize >= app.tokenizer.vocab_size()) {
-        return error(&ApiError::bad("prompt", format!("token id {bad} is outside the vocabulary")));
+        return Err(error(&ApiError::bad("prompt", format!("token id {bad} is outside the vocabulary"))));
     }
     if let Some(&bad) = common.stop_ids.iter().find(|&&i| i as usize >= app.tokenizer.vocab_size()) {
-        return error(&ApiError::bad("stop_token_ids", format!("`stop_token_ids`: token id {bad} is outside the vocabulary")));
+        return Err(error(&ApiError::bad("stop_token_ids", format!("`stop_token_ids`: token id {bad} is outside the vocabulary"))));
     }
     // Image placeholders come only from image parts: the same token typed
     // into text (or sent as an id) has no image to stand for.
@@ -477,12 +492,12 @@ async fn generate(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: O
         let found = ids.iter().filter(|&&i| i as usize == t).count();
         let expected: usize = images.as_ref().map_or(0, |im| im.tokens().iter().sum());
         if found != expected {
-            return error(&ApiError::bad(
+            return Err(error(&ApiError::bad(
                 "messages",
                 format!(
                     "the prompt holds {found} image placeholder token(s) (id {t}) for {expected} image token(s): send images as image_url content parts, not as placeholder text"
                 ),
-            ));
+            )));
         }
     }
     let room = app.context.saturating_sub(ids.len());
@@ -490,7 +505,7 @@ async fn generate(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: O
     // default (a request reserves its whole cache when admitted).
     let max_new = common.max_tokens.unwrap_or(room.min(app.default_max_tokens));
     if ids.len().checked_add(max_new).is_none_or(|n| n > app.context) || max_new == 0 {
-        return error(&ApiError::bad(
+        return Err(error(&ApiError::bad(
             "max_tokens",
             format!(
                 "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the prompt, {max_new} for the completion).",
@@ -498,7 +513,7 @@ async fn generate(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: O
                 ids.len().saturating_add(max_new),
                 ids.len()
             ),
-        ));
+        )));
     }
     // The images go to the first stage as a file it reads when it takes
     // the request; the file lives as long as the request.
@@ -508,8 +523,8 @@ async fn generate(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: O
             let a = app.clone();
             match tokio::task::spawn_blocking(move || write_images(&a, im)).await {
                 Ok(Ok(p)) => Some(Arc::new(p)),
-                Ok(Err(e)) => return error(&ApiError::new(500, "server_error", format!("writing the request's images: {e}"))),
-                Err(e) => return error(&ApiError::new(500, "server_error", format!("writing the request's images: {e}"))),
+                Ok(Err(e)) => return Err(error(&ApiError::new(500, "server_error", format!("writing the request's images: {e}")))),
+                Err(e) => return Err(error(&ApiError::new(500, "server_error", format!("writing the request's images: {e}")))),
             }
         }
     };
@@ -534,14 +549,16 @@ async fn generate(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: O
         tickets.push(match app.engine.submit(sub) {
             Ok(t) => t,
             Err(SubmitError::QueueFull(n)) => {
-                return error(&ApiError::new(
+                return Err(error(&ApiError::new(
                     503,
                     "server_error",
                     format!("the server is at capacity: {n} requests already wait; retry later"),
-                ))
+                )))
             }
-            Err(SubmitError::TooLarge(m)) => return error(&ApiError::bad("max_tokens", m)),
-            Err(SubmitError::Down(why)) => return error(&ApiError::new(503, "server_error", format!("the model is not available: {why}"))),
+            Err(SubmitError::TooLarge(m)) => return Err(error(&ApiError::bad("max_tokens", m))),
+            Err(SubmitError::Down(why)) => {
+                return Err(error(&ApiError::new(503, "server_error", format!("the model is not available: {why}"))))
+            }
         });
     }
     let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
@@ -573,11 +590,7 @@ async fn generate(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: O
             finish: None,
         })
         .collect();
-    if common.stream {
-        stream(gens)
-    } else {
-        whole(gens).await
-    }
+    Ok(gens)
 }
 
 /// A request's images file, in the server's private media folder (deleted

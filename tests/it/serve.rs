@@ -183,10 +183,12 @@ fn completions_and_chat_give_the_text_m3c_run_gives() {
 }
 
 /// `n` choices (each its seed's), `stop_token_ids`,
-/// `include_stop_str_in_output`, `skip_special_tokens` and the /tokenize,
-/// /detokenize and /version routes, against `m3c run`'s ids.
+/// `include_stop_str_in_output`, `skip_special_tokens`, the /tokenize,
+/// /detokenize and /version routes, against `m3c run`'s ids; logprobs
+/// against the log-softmax of its dumped logits; and the Responses API
+/// against the chat route.
 #[test]
-fn choices_stop_ids_and_the_token_routes() {
+fn choices_logprobs_stop_ids_token_routes_and_responses() {
     let dir = tempfile::tempdir().unwrap();
     let (out, model) = compiled(dir.path());
     let dump = dir.path().join("d.safetensors");
@@ -217,6 +219,13 @@ fn choices_stop_ids_and_the_token_routes() {
         let want = row[ids[j] as usize] as f64 - lse;
         assert!((got - want).abs() < 1e-5, "token {j}: served logprob {got}, log-softmax of the dumped logits {want}");
     }
+    // OpenAI's Responses API gives the chat route's text, whole and streamed.
+    let r = s.client(&[
+        "responses",
+        "What is the capital of France?",
+        r#"{"max_output_tokens": 8, "temperature": 0.7, "extra_body": {"seed": 9, "ignore_eos": true, "chat_template_kwargs": {"thinking_mode": "disabled"}}}"#,
+    ]);
+    assert_eq!(r["status"], "incomplete", "8 tokens, EOS ignored: {r}");
 }
 
 #[test]

@@ -537,6 +537,45 @@ def logprobs(base, model):
     return {"logprobs": lp.token_logprobs, "tokens": lp.tokens}
 
 
+def responses(base, model, user, params):
+    """OpenAI's Responses API, whole and streamed, through the official
+    client: the text equals the chat route's for the same conversation."""
+    c = client(base)
+    params = json.loads(params)
+    r = c.responses.create(model=model, input=user, instructions="Be brief.", **params)
+    assert r.object == "response" and r.status in ("completed", "incomplete"), r
+    assert r.output_text, r
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": user}]
+    chat_params = {k: v for k, v in params.items() if k != "max_output_tokens"}
+    chat = c.chat.completions.create(model=model, messages=messages, max_tokens=params["max_output_tokens"], **chat_params)
+    assert r.output_text == (chat.choices[0].message.content or ""), (r.output_text, chat.choices[0].message.content)
+    assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == chat.usage.completion_tokens, (r.usage, chat.usage)
+    # Streamed: the deltas add up to the text, and the last event carries the response.
+    deltas, kinds, final = "", [], None
+    with c.responses.stream(model=model, input=user, instructions="Be brief.", **params) as s:
+        for ev in s:
+            kinds.append(ev.type)
+            if ev.type == "response.output_text.delta":
+                deltas += ev.delta
+        final = s.get_final_response()
+    assert deltas == r.output_text and final.output_text == r.output_text, (deltas, final.output_text, r.output_text)
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed" and final.status == r.status, (kinds, final.status)
+    # Message items as input, and fields m3c cannot honour refused by name.
+    items = [{"role": "user", "content": [{"type": "input_text", "text": user}]}]
+    again = c.responses.create(model=model, input=items, instructions="Be brief.", **params)
+    assert again.output_text == r.output_text, (again.output_text, r.output_text)
+    for bad, field in [({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+                       ({"store": True}, "store"),
+                       ({"previous_response_id": "resp_1"}, "previous_response_id"),
+                       ({"text": {"format": {"type": "json_object"}}}, "text")]:
+        try:
+            c.responses.create(model=model, input=user, **bad)
+            raise AssertionError(f"{field} was accepted")
+        except openai.BadRequestError as e:
+            assert e.body["param"] == field, (field, e.body)
+    return {"text": r.output_text, "status": r.status, "events": len(kinds)}
+
+
 # Each subcommand: its function and how it reads its arguments.
 COMMANDS = {
     "complete": lambda base, model, rest: complete(base, model, rest[0], json.loads(rest[1])),
@@ -550,6 +589,7 @@ COMMANDS = {
     "poison": lambda base, model, rest: poison(base, model),
     "stream": lambda base, model, rest: stream_until_end(base, model),
     "images": lambda base, model, rest: images(base, model, rest[0], rest[1], rest[2]),
+    "responses": lambda base, model, rest: responses(base, model, rest[0], rest[1]),
     "logprobs": lambda base, model, rest: logprobs(base, model),
     "choices": lambda base, model, rest: choices_and_tokens(base, model, json.loads(rest[0]), int(rest[1])),
 }

@@ -1,0 +1,336 @@
+//! OpenAI's Responses API (`POST /v1/responses`), which recent clients
+//! default to, for text in and text out, whole or streamed: the `input`
+//! (a string, or messages with text and image parts) and `instructions`
+//! become a chat, rendered by the model's template and generated as chat
+//! completions are; the answer is a `message` output item (and a
+//! `reasoning` item for the model's thinking). Fields m3c cannot honour
+//! here (tools, stored responses, structured text formats) are refused by
+//! name, as everywhere.
+
+use super::{authorize, error, fresh_seed, images, render_chat, start, App, Generation, Kind, Step};
+use crate::openai::{self, ApiError};
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::sse::{Event as Sse_, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Map, Value};
+use std::convert::Infallible;
+
+/// Every field `/v1/responses` reads.
+const FIELDS: &[&str] = &[
+    "model",
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "stream",
+    "store",
+    "metadata",
+    "user",
+    "text",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "truncation",
+    // vLLM's extra sampling fields, as on the chat route.
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "seed",
+    "ignore_eos",
+    "chat_template_kwargs",
+];
+
+/// What the answer echoes of the request.
+struct Echo {
+    instructions: Value,
+    metadata: Value,
+    temperature: Value,
+    top_p: Value,
+    max_output_tokens: Value,
+    user: Value,
+}
+
+pub(super) async fn responses(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
+    let run = || -> Result<_, ApiError> {
+        authorize(&app, &headers)?;
+        let m = openai::object(&body)?;
+        openai::check_model(&m, &app.name)?;
+        openai::check_known(&m, FIELDS, "/v1/responses")?;
+        refuse_unhonoured(&m)?;
+        let chat = as_chat(&m)?;
+        let common = openai::common(&chat, &app.defaults, openai::Endpoint::ChatCompletions, fresh_seed())?;
+        let (rendered, parts) = render_chat(&app, &chat, true)?;
+        let ids = app.tokenizer.encode(&rendered).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?;
+        let thinking = rendered.trim_end().ends_with("<mm:think>");
+        let get = |k: &str| m.get(k).cloned().unwrap_or(Value::Null);
+        let echo = Echo {
+            instructions: get("instructions"),
+            metadata: get("metadata"),
+            temperature: json!(common.sampling.temperature),
+            top_p: json!(common.sampling.top_p),
+            max_output_tokens: get("max_output_tokens"),
+            user: get("user"),
+        };
+        Ok((ids, common, thinking, parts.images, echo))
+    };
+    let (ids, common, thinking, urls, echo) = match run() {
+        Ok(r) => r,
+        Err(e) => return error(&e),
+    };
+    let (ids, im) = if urls.is_empty() {
+        (ids, None)
+    } else {
+        match images(&app, &ids, &urls).await {
+            Ok((ids, im)) => (ids, Some(im)),
+            Err(e) => return error(&e),
+        }
+    };
+    let streaming = common.stream;
+    let mut gens = match start(app, ids, common, Kind::Chat { thinking, tools: Vec::new() }, im).await {
+        Ok(g) => g,
+        Err(r) => return r,
+    };
+    let mut g = gens.remove(0);
+    g.id = g.id.replacen("chatcmpl-", "resp_", 1);
+    if streaming {
+        stream(g, echo)
+    } else {
+        whole(g, echo).await
+    }
+}
+
+/// Values of known fields that m3c cannot honour on this route.
+fn refuse_unhonoured(m: &Map<String, Value>) -> Result<(), ApiError> {
+    let refuse = |k: &str, why: &str| Err(ApiError::bad(k, format!("`{k}`: {why}")));
+    if m.get("store").is_some_and(|v| v == &Value::Bool(true)) {
+        return refuse("store", "m3c keeps no responses (only false)");
+    }
+    if m.get("tools").is_some_and(|v| !(v.is_null() || v.as_array().is_some_and(Vec::is_empty))) {
+        return refuse("tools", "tools are served on /v1/chat/completions; /v1/responses takes text only");
+    }
+    if m.get("tool_choice").is_some_and(|v| !(v.is_null() || v == "none" || v == "auto")) {
+        return refuse("tool_choice", "only \"none\" or \"auto\" (no tools)");
+    }
+    if m.get("truncation").is_some_and(|v| !(v.is_null() || v == "disabled")) {
+        return refuse("truncation", "m3c does not drop input to fit (only \"disabled\")");
+    }
+    if let Some(t) = m.get("text").filter(|v| !v.is_null()) {
+        let plain = t.as_object().is_some_and(|o| {
+            o.iter().all(|(k, v)| {
+                k == "format" && v.get("type").and_then(Value::as_str) == Some("text") && v.as_object().is_some_and(|f| f.len() == 1)
+            })
+        });
+        if !plain {
+            return refuse("text", "only {\"format\": {\"type\": \"text\"}}: m3c cannot constrain the output yet");
+        }
+    }
+    if m.get("metadata").is_some_and(|v| !(v.is_null() || v.is_object())) {
+        return Err(ApiError::bad("metadata", "`metadata` must be an object"));
+    }
+    Ok(())
+}
+
+/// The request as a chat request: `instructions` as the system message,
+/// `input` as the messages, the limits and sampling under chat's names.
+fn as_chat(m: &Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
+    let mut messages = Vec::new();
+    match m.get("instructions") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) => messages.push(json!({"role": "system", "content": s})),
+        Some(v) => return Err(ApiError::bad("instructions", format!("`instructions` must be a string, not {}", openai::kind(v)))),
+    }
+    match m.get("input") {
+        Some(Value::String(s)) => messages.push(json!({"role": "user", "content": s})),
+        Some(Value::Array(items)) => {
+            for (i, item) in items.iter().enumerate() {
+                messages.push(input_message(item).map_err(|why| ApiError::bad("input", format!("input[{i}]: {why}")))?);
+            }
+        }
+        Some(v) => {
+            return Err(ApiError::bad("input", format!("`input` must be a string or an array of messages, not {}", openai::kind(v))))
+        }
+        None => return Err(ApiError::bad("input", "`input` is required")),
+    }
+    let mut chat = Map::new();
+    chat.insert("messages".into(), Value::Array(messages));
+    for (from, to) in [
+        ("max_output_tokens", "max_tokens"),
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("stream", "stream"),
+        ("top_k", "top_k"),
+        ("min_p", "min_p"),
+        ("repetition_penalty", "repetition_penalty"),
+        ("seed", "seed"),
+        ("ignore_eos", "ignore_eos"),
+        ("chat_template_kwargs", "chat_template_kwargs"),
+    ] {
+        if let Some(v) = m.get(from).filter(|v| !v.is_null()) {
+            chat.insert(to.into(), v.clone());
+        }
+    }
+    Ok(chat)
+}
+
+/// One `input` item as a chat message: `{role, content}` (with or without
+/// `"type": "message"`), its content a string or `input_text`,
+/// `output_text` and `input_image` parts.
+fn input_message(item: &Value) -> Result<Value, String> {
+    let o = item.as_object().ok_or("each item must be a message object")?;
+    if let Some(t) = o.get("type").and_then(Value::as_str).filter(|t| *t != "message") {
+        return Err(format!("items of type `{t}` are not taken; m3c's /v1/responses takes messages"));
+    }
+    let role = o.get("role").and_then(Value::as_str).ok_or("a message needs a `role`")?;
+    let content = match o.get("content") {
+        Some(Value::String(s)) => Value::String(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut out = Vec::new();
+            for p in parts {
+                let text = p.get("text").and_then(Value::as_str);
+                match (p.get("type").and_then(Value::as_str), text) {
+                    (Some("input_text" | "output_text"), Some(t)) => out.push(json!({"type": "text", "text": t})),
+                    (Some("input_image"), _) => {
+                        let url = p.get("image_url").and_then(Value::as_str).ok_or("an `input_image` part needs an `image_url`")?;
+                        out.push(json!({"type": "image_url", "image_url": {"url": url}}));
+                    }
+                    (t, _) => return Err(format!("content parts of type {t:?} are not taken (input_text, output_text, input_image)")),
+                }
+            }
+            Value::Array(out)
+        }
+        _ => return Err("`content` must be a string or an array of parts".into()),
+    };
+    Ok(json!({"role": role, "content": content}))
+}
+
+/// The response object, as OpenAI's `Response`.
+fn response(g: &Generation, echo: &Echo, status: &str, output: Vec<Value>) -> Value {
+    let incomplete = (status == "incomplete").then(|| json!({"reason": "max_output_tokens"}));
+    let usage = (status != "in_progress").then(|| {
+        json!({"input_tokens": g.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+               "output_tokens": g.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+               "total_tokens": g.prompt_tokens + g.completion_tokens})
+    });
+    json!({
+        "id": g.id, "object": "response", "created_at": g.created, "model": g.app.name, "status": status,
+        "error": null, "incomplete_details": incomplete, "instructions": echo.instructions, "metadata": echo.metadata,
+        "max_output_tokens": echo.max_output_tokens, "temperature": echo.temperature, "top_p": echo.top_p,
+        "user": echo.user, "output": output, "parallel_tool_calls": false, "tool_choice": "none", "tools": [],
+        "store": false, "truncation": "disabled", "usage": usage
+    })
+}
+
+fn message_item(id: &str, text: &str, status: &str) -> Value {
+    json!({"type": "message", "id": id, "status": status, "role": "assistant",
+           "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]})
+}
+
+fn reasoning_item(id: &str, text: &str) -> Value {
+    json!({"type": "reasoning", "id": id, "summary": [], "content": [{"type": "reasoning_text", "text": text}], "status": "completed"})
+}
+
+/// The status an ended generation gives.
+fn status(g: &Generation) -> &'static str {
+    if g.finish.as_deref() == Some("length") {
+        "incomplete"
+    } else {
+        "completed"
+    }
+}
+
+/// The output items of an ended generation: the thinking, then the message.
+fn output(g: &Generation, text: &str, reasoning: &str) -> Vec<Value> {
+    let mut out = Vec::new();
+    if !reasoning.is_empty() {
+        out.push(reasoning_item(&format!("rs_{}", g.id), reasoning));
+    }
+    out.push(message_item(&format!("msg_{}", g.id), text, status(g)));
+    out
+}
+
+async fn whole(mut g: Generation, echo: Echo) -> Response {
+    loop {
+        match g.next().await {
+            Step::Text { end: true, .. } => break,
+            Step::Text { .. } => {}
+            Step::Failed(why) => return error(&ApiError::new(503, "server_error", format!("the request could not finish: {why}"))),
+        }
+    }
+    let (text, reasoning) = g.chat.as_ref().map(|c| (c.content.clone(), c.reasoning.clone())).unwrap_or_default();
+    let out = output(&g, &text, &reasoning);
+    Json(response(&g, &echo, status(&g), out)).into_response()
+}
+
+/// The answer as Responses' server-sent events: `response.created`, the
+/// message item and its text part opened, one `response.output_text.delta`
+/// per piece of text, then the closing events and `response.completed`
+/// with the whole response (its reasoning item, when the model thought,
+/// after the message: its text is known only at the end). Each event names
+/// its type and carries a rising `sequence_number`.
+fn stream(g: Generation, echo: Echo) -> Response {
+    let events = futures_util::stream::unfold((g, echo, 0u8, 0u64), |(mut g, echo, phase, seq)| async move {
+        let mut out: Vec<Value> = Vec::new();
+        let msg_id = format!("msg_{}", g.id);
+        let next_phase = match phase {
+            0 => {
+                out.push(json!({"type": "response.created", "response": response(&g, &echo, "in_progress", Vec::new())}));
+                out.push(json!({"type": "response.output_item.added", "output_index": 0,
+                                "item": {"type": "message", "id": msg_id, "status": "in_progress", "role": "assistant", "content": []}}));
+                out.push(json!({"type": "response.content_part.added", "item_id": msg_id, "output_index": 0, "content_index": 0,
+                                "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}));
+                1
+            }
+            1 => match g.next().await {
+                Step::Text { content, end, .. } => {
+                    if !content.is_empty() {
+                        out.push(json!({"type": "response.output_text.delta", "item_id": msg_id, "output_index": 0,
+                                        "content_index": 0, "delta": content, "logprobs": []}));
+                    }
+                    if end {
+                        let (text, reasoning) = g.chat.as_ref().map(|c| (c.content.clone(), c.reasoning.clone())).unwrap_or_default();
+                        let part = json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []});
+                        out.push(json!({"type": "response.output_text.done", "item_id": msg_id, "output_index": 0, "content_index": 0,
+                                        "text": text, "logprobs": []}));
+                        out.push(json!({"type": "response.content_part.done", "item_id": msg_id, "output_index": 0, "content_index": 0, "part": part}));
+                        out.push(json!({"type": "response.output_item.done", "output_index": 0, "item": message_item(&msg_id, &text, status(&g))}));
+                        // The thinking follows the message here: its text is known only now.
+                        let mut items = vec![message_item(&msg_id, &text, status(&g))];
+                        if !reasoning.is_empty() {
+                            items.push(reasoning_item(&format!("rs_{}", g.id), &reasoning));
+                        }
+                        // `response.completed` whatever the status, as the
+                        // official client's stream helper expects.
+                        out.push(json!({"type": "response.completed", "response": response(&g, &echo, status(&g), items)}));
+                        2
+                    } else {
+                        1
+                    }
+                }
+                Step::Failed(why) => {
+                    let mut r = response(&g, &echo, "failed", Vec::new());
+                    r["error"] = json!({"code": "server_error", "message": format!("the request could not finish: {why}")});
+                    out.push(json!({"type": "response.failed", "response": r}));
+                    2
+                }
+            },
+            _ => return None,
+        };
+        let mut seq = seq;
+        let sse: Vec<Result<Sse_, Infallible>> = out
+            .into_iter()
+            .map(|mut v| {
+                v["sequence_number"] = json!(seq);
+                seq += 1;
+                let kind = v["type"].as_str().unwrap_or_default().to_string();
+                Ok(Sse_::default().event(kind).data(v.to_string()))
+            })
+            .collect();
+        Some((sse, (g, echo, next_phase, seq)))
+    });
+    let flat = futures_util::StreamExt::flat_map(events, futures_util::stream::iter);
+    Sse::new(flat).keep_alive(KeepAlive::default()).into_response()
+}
