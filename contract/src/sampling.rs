@@ -817,8 +817,9 @@ pub mod row {
     /// Reserved: the step's logit-bias entries of this row (first entry in
     /// bits 0-31, count in bits 32 and up; 0 = none).
     pub const LOGIT_BIAS: usize = 11;
-    /// Reserved: 1 + the row of the step's allowed-token bitmaps
-    /// (structured output; 0 = every token allowed).
+    /// 1 + the row of the step's bitmaps (the seen-id bitmaps' buffer)
+    /// that holds the tokens this row may draw (structured output: a token
+    /// whose bit is 0 weighs nothing); 0 = every token allowed.
     pub const TOKEN_MASK: usize = 12;
     pub const SAMPLE: i64 = 1;
 }
@@ -861,15 +862,30 @@ pub fn row_params(w: &[i64; ROW_WORDS]) -> (SamplingParams, u64, u64, bool) {
 
 /// One row of the sampling kernel's work, as the host target runs it:
 /// counts the row's non-finite logits into its table row and returns the
-/// sampled id (0 for a row that gives no token).
-pub fn sample_row(logits: &[f32], seen: &[u32], words: &mut [i64; ROW_WORDS]) -> u32 {
+/// sampled id (0 for a row that gives no token). `allowed` is the row's
+/// allowed-token bitmap, when it has one ([`row::TOKEN_MASK`]).
+pub fn sample_row(logits: &[f32], seen: &[u32], allowed: Option<&[u32]>, words: &mut [i64; ROW_WORDS]) -> u32 {
     words[row::NON_FINITE] = logits.iter().filter(|v| !v.is_finite()).count() as i64;
     let (p, request, step, give) = row_params(words);
-    if give {
-        sample(logits, seen, &p, request, step)
-    } else {
-        0
+    match (give, allowed) {
+        (false, _) => 0,
+        (true, None) => sample(logits, seen, &p, request, step),
+        // A token left out weighs nothing: as if its logit were -∞ (only
+        // constrained rows pay for the copy).
+        (true, Some(mask)) => {
+            let masked: Vec<f32> = logits
+                .iter()
+                .enumerate()
+                .map(|(i, &l)| if mask.get(i / 32).is_some_and(|w| w >> (i % 32) & 1 == 1) { l } else { f32::NEG_INFINITY })
+                .collect();
+            sample(&masked, seen, &p, request, step)
+        }
     }
+}
+
+/// The allowed-token bitmap row a table row names, if any.
+pub fn mask_row(w: &[i64; ROW_WORDS]) -> Option<usize> {
+    usize::try_from(w[row::TOKEN_MASK]).ok().and_then(|m| m.checked_sub(1))
 }
 
 /// Replays a sequence's draws from its logits: token 0 from the prompt's
@@ -1154,11 +1170,24 @@ mod tests {
         assert_eq!(row_params(&w), (p, 5, 1 << 40, true));
         assert_eq!(seen_row(&w), 3);
         let logits = [0.5, f32::NAN, 2.0, f32::INFINITY, -1.0];
-        let id = sample_row(&logits, &seen_bitmap([], 5), &mut w);
+        let id = sample_row(&logits, &seen_bitmap([], 5), None, &mut w);
         assert_eq!(w[row::NON_FINITE], 2);
         assert!(id < 5);
         let mut off = row_words(&p, 5, 0, false, 0);
-        assert_eq!(sample_row(&logits, &seen_bitmap([], 5), &mut off), 0);
+        assert_eq!(sample_row(&logits, &seen_bitmap([], 5), None, &mut off), 0);
         assert_eq!(off[row::NON_FINITE], 2);
+        // An allowed-token bitmap: only its tokens are drawn, the non-finite
+        // count is still the raw row's, and greedy takes the best allowed.
+        assert_eq!(mask_row(&w), None);
+        w[row::TOKEN_MASK] = 1;
+        assert_eq!(mask_row(&w), Some(0));
+        let only = seen_bitmap([0, 4], 5);
+        for seed in 0..20 {
+            let mut r = row_words(&SamplingParams { seed, ..p }, 5, 0, true, 0);
+            assert!([0, 4].contains(&sample_row(&logits, &[], Some(&only), &mut r)));
+            assert_eq!(r[row::NON_FINITE], 2);
+        }
+        let mut g = row_words(&SamplingParams::GREEDY, 0, 0, true, 0);
+        assert_eq!(sample_row(&logits, &[], Some(&only), &mut g), 0, "0.5 beats -1.0");
     }
 }

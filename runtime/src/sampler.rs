@@ -3,7 +3,7 @@
 //! every row of a step. (On a GPU the kernel's own device code samples, and
 //! is checked to pick the same ids.)
 
-use m3c_contract::sampling::{sample_row, seen_row, ROW_WORDS};
+use m3c_contract::sampling::{mask_row, sample_row, seen_row, ROW_WORDS};
 
 /// Samples `rows` rows of `vocab` logits under their sampling-table rows
 /// (writing each row's non-finite count into it) into `ids`. The stage
@@ -38,8 +38,10 @@ pub unsafe extern "C" fn m3c_sample_rows(
     let seen = if seen_rows * seen_words == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(seen, seen_rows * seen_words) } };
     for ((row, words), id) in logits.chunks_exact(vocab.max(1)).zip(table.chunks_exact_mut(ROW_WORDS)).zip(ids.iter_mut()) {
         let words: &mut [i64; ROW_WORDS] = words.try_into().expect("chunks of ROW_WORDS");
-        let s = seen_row(words);
-        let bitmap = seen.get(s * seen_words..(s + 1) * seen_words).unwrap_or(&[]);
-        *id = sample_row(row, bitmap, words) as i64;
+        let rows_of = |s: usize| seen.get(s * seen_words..(s + 1) * seen_words);
+        let bitmap = rows_of(seen_row(words)).unwrap_or(&[]);
+        // A mask row past the buffer allows nothing rather than everything.
+        let allowed = mask_row(words).map(|m| rows_of(m).unwrap_or(&[]));
+        *id = sample_row(row, bitmap, allowed, words) as i64;
     }
 }

@@ -924,7 +924,7 @@ fn nan_scores_still_give_distinct_valid_ids_on_host_and_gpu() {
     let host: Vec<i64> = (0..rows)
         .map(|r| {
             let mut w = row_words(&SamplingParams::GREEDY, 0, 0, true, 0);
-            sample_row(&logits[r * 300..(r + 1) * 300], &[0; 10], &mut w) as i64
+            sample_row(&logits[r * 300..(r + 1) * 300], &[0; 10], None, &mut w) as i64
         })
         .collect();
     assert_eq!(gpu, host, "{k}: host and GPU choose alike");
@@ -965,6 +965,13 @@ fn the_device_sampler_picks_the_host_samplers_ids() {
     // equal weight, spread over the block's threads.
     let mut cases = cases;
     cases.extend((0..10).map(|step| (p(1.0, 0, 0.99, 0.0, 1.0, 8), 3, step, true, 0)));
+    // Rows with an allowed-token bitmap (structured output): row 20 greedy
+    // over multiples of 3, row 21 sampled over them with a penalty, row 22
+    // allowed a single token.
+    cases.push((greedy, 0, 0, true, 0));
+    cases.push((p(0.9, 30, 0.9, 0.0, 1.3, 11), 4, 2, true, 1));
+    cases.push((p(1.0, 0, 1.0, 0.0, 1.0, 12), 5, 0, true, 0));
+    let masks: [(usize, usize); 3] = [(20, 3), (21, 3), (22, 4)];
     let rows = cases.len();
     let mut logits = vals(rows * width, 21, 6.0);
     for r in 0..rows {
@@ -988,19 +995,29 @@ fn the_device_sampler_picks_the_host_samplers_ids() {
     }
     logits[width + 33] = f32::INFINITY; // a non-finite row that still samples
     let vocab_words = seen_words(width);
-    let seen: Vec<u32> = [vec![], vec![(2 * 97) as u32, 5, 6, 7, 1099], (0..400).map(|i| i * 2).collect::<Vec<u32>>()]
-        .into_iter()
-        .flat_map(|ids| seen_bitmap(ids, width))
-        .collect();
+    let seen: Vec<u32> = [
+        vec![],
+        vec![(2 * 97) as u32, 5, 6, 7, 1099],
+        (0..400).map(|i| i * 2).collect::<Vec<u32>>(),
+        (0..width as u32).filter(|i| i % 3 == 0).collect(),
+        vec![512],
+    ]
+    .into_iter()
+    .flat_map(|ids| seen_bitmap(ids, width))
+    .collect();
     let mut table: Vec<i64> = Vec::new();
-    for &(p, req, step, give, bitmap) in &cases {
-        table.extend_from_slice(&row_words(&p, req, step, give, bitmap));
+    for (r, &(p, req, step, give, bitmap)) in cases.iter().enumerate() {
+        let mut w = row_words(&p, req, step, give, bitmap);
+        if let Some(&(_, m)) = masks.iter().find(|&&(row, _)| row == r) {
+            w[row::TOKEN_MASK] = m as i64 + 1;
+        }
+        table.extend_from_slice(&w);
     }
     let k = Kernel::Sample(m3c_kernels::Sample { width });
     let args = [
         buf(&logits, &[rows, width], &format!("memref<?x{width}xf32>"), false),
         buf(&table, &[rows, ROW_WORDS], &format!("memref<?x{ROW_WORDS}xi64>"), true),
-        buf(&seen, &[3, vocab_words], &format!("memref<?x{vocab_words}xi32>"), false),
+        buf(&seen, &[5, vocab_words], &format!("memref<?x{vocab_words}xi32>"), false),
         buf(&vec![-1i64; rows], &[rows], "memref<?xi64>", true),
     ];
     let out = run_gpu(&GpuTarget::CUDA, &k, rows, &args, args.len());
@@ -1008,11 +1025,15 @@ fn the_device_sampler_picks_the_host_samplers_ids() {
     let gpu_ids: Vec<i64> = out[1].chunks(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect();
     for (r, &(p, _, _, give, bitmap)) in cases.iter().enumerate() {
         let mut w: [i64; ROW_WORDS] = table[r * ROW_WORDS..(r + 1) * ROW_WORDS].try_into().unwrap();
-        let host = sample_row(&logits[r * width..(r + 1) * width], &seen[bitmap * vocab_words..(bitmap + 1) * vocab_words], &mut w);
+        let rows_of = |b: usize| &seen[b * vocab_words..(b + 1) * vocab_words];
+        let allowed = m3c_contract::sampling::mask_row(&w).map(rows_of);
+        let host = sample_row(&logits[r * width..(r + 1) * width], rows_of(bitmap), allowed, &mut w);
         assert_eq!(gpu_ids[r], host as i64, "row {r} ({p:?}, gives a token: {give}): device id vs host id");
         assert_eq!(gpu_table[r * ROW_WORDS + row::NON_FINITE], w[row::NON_FINITE], "row {r}: non-finite count");
     }
     assert_eq!(gpu_table[ROW_WORDS + row::NON_FINITE], 3, "NaN, -inf and +inf");
-    let draws: BTreeSet<i64> = gpu_ids[10..].iter().copied().collect();
-    assert!(draws.len() >= 5, "ten draws from a flat row should mostly differ: {:?}", &gpu_ids[10..]);
+    assert!(gpu_ids[20] % 3 == 0 && gpu_ids[21] % 3 == 0, "masked rows draw allowed tokens: {:?}", &gpu_ids[20..22]);
+    assert_eq!(gpu_ids[22], 512, "the one allowed token");
+    let draws: BTreeSet<i64> = gpu_ids[10..20].iter().copied().collect();
+    assert!(draws.len() >= 5, "ten draws from a flat row should mostly differ: {:?}", &gpu_ids[10..20]);
 }

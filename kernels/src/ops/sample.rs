@@ -129,7 +129,8 @@ fn i32c(name: &str, v: u32) -> String {
 }
 
 /// The scaled value `%{p}x` of logit `l` at index `i` of the row: NaN as
-/// -∞, the penalty if the row's bitmap has the token, divided by `%tt`.
+/// -∞, the penalty if the row's bitmap has the token, divided by `%tt`;
+/// -∞ for a token the row's allowed-token bitmap leaves out.
 fn scaled(p: &str, l: &str, i: &str, nw: usize) -> String {
     format!(
         "%{p}nan = arith.cmpf uno, {l}, {l} : f32\n\
@@ -152,7 +153,19 @@ fn scaled(p: &str, l: &str, i: &str, nw: usize) -> String {
          %{p}pnan = arith.cmpf uno, %{p}pl, %{p}pl : f32\n\
          %{p}pf = arith.select %{p}pnan, %ninf, %{p}pl : f32\n\
          %{p}v = arith.select %{p}hit, %{p}pf, %{p}fl : f32\n\
-         %{p}x = arith.divf %{p}v, %tt : f32\n"
+         %{p}x0 = arith.divf %{p}v, %tt : f32\n\
+         %{p}ok = scf.if %maskon -> (i1) {{\n\
+         \x20 %{p}mi = arith.divui {i}, %c32 : index\n\
+         \x20 %{p}mw = memref.load %seen[%mrow, %{p}mi] : memref<?x{nw}xi32>\n\
+         \x20 %{p}mb = arith.remui {i}, %c32 : index\n\
+         \x20 %{p}mb32 = arith.index_cast %{p}mb : index to i32\n\
+         \x20 %{p}ms = arith.shrui %{p}mw, %{p}mb32 : i32\n\
+         \x20 %{p}m1 = arith.trunci %{p}ms : i32 to i1\n\
+         \x20 scf.yield %{p}m1 : i1\n\
+         }} else {{\n\
+         \x20 scf.yield %true : i1\n\
+         }}\n\
+         %{p}x = arith.select %{p}ok, %{p}x0, %ninf : f32\n"
     )
 }
 
@@ -368,9 +381,9 @@ fn gpu_constants(width: usize) -> String {
         i32c("%pw0", 0x9E37_79B9),
         i32c("%pw1", 0xBB67_AE85),
     ));
-    // The words this kernel reads or writes (the reserved ones after them
-    // are not yet read).
-    for idx in 0..=row::NON_FINITE {
+    // The words this kernel reads or writes (of the reserved ones, only
+    // the allowed-token mask is read yet).
+    for idx in (0..=row::NON_FINITE).chain([row::TOKEN_MASK]) {
         s.push_str(&format!("%cw{idx} = arith.constant {idx} : index\n"));
     }
     s.push_str(&f32c("%log2e", exp_consts::LOG2_E));
@@ -401,6 +414,7 @@ fn gpu_row_params() -> String {
     s.push_str(&word("step", row::STEP));
     s.push_str(&word("req", row::REQUEST));
     s.push_str(&word("flags", row::FLAGS));
+    s.push_str(&word("mword", row::TOKEN_MASK));
     s.push_str(
         "%temp_i = arith.trunci %w0 : i64 to i32\n%temp = arith.bitcast %temp_i : i32 to f32\n\
          %topp_h = arith.shrui %w0, %c32l : i64\n%topp_i = arith.trunci %topp_h : i64 to i32\n%topp = arith.bitcast %topp_i : i32 to f32\n\
@@ -409,6 +423,8 @@ fn gpu_row_params() -> String {
          %give0 = arith.andi %flags, %c1l : i64\n%give = arith.cmpi ne, %give0, %z64 : i64\n\
          %srow_l = arith.shrui %flags, %c32l : i64\n%srow = arith.index_cast %srow_l : i64 to index\n\
          %penne = arith.cmpf one, %pen, %fone : f32\n%penon = arith.andi %give, %penne : i1\n\
+         %maskne = arith.cmpi ne, %mword, %z64 : i64\n%maskon = arith.andi %give, %maskne : i1\n\
+         %mrow_l = arith.subi %mword, %c1l : i64\n%mrow = arith.index_cast %mrow_l : i64 to index\n\
          %tpos = arith.cmpf ogt, %temp, %zero : f32\n%tt = arith.select %tpos, %temp, %fone : f32\n",
     );
     s
