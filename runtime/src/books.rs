@@ -18,6 +18,38 @@ pub(crate) enum OnNonFinite {
     EndSequence,
 }
 
+/// A sequence's grammar (structured output), as far as its output has gone.
+struct SeqGrammar {
+    constraint: m3c_constrain::Constraint,
+    /// The token after which the grammar starts (the end of the model's
+    /// thinking); `None` once it has started.
+    after: Option<i64>,
+}
+
+/// Where the last stage finds the model's tokens for grammars, and the
+/// vocabulary built from them when the first grammar comes.
+pub(crate) struct GrammarSource {
+    pub model: Option<std::path::PathBuf>,
+    pub vocab: usize,
+    pub eos: u32,
+    built: Option<Result<m3c_constrain::Vocabulary, String>>,
+}
+
+impl GrammarSource {
+    pub fn new(model: Option<std::path::PathBuf>, vocab: usize, eos: u32) -> GrammarSource {
+        GrammarSource { model, vocab, eos, built: None }
+    }
+
+    fn compile(&mut self, text: &str) -> Result<m3c_constrain::Constraint, String> {
+        let (model, vocab, eos) = (self.model.clone(), self.vocab, self.eos);
+        let v = self.built.get_or_insert_with(|| match model {
+            Some(m) => m3c_constrain::Vocabulary::load(&m, vocab, eos).map_err(|e| e.to_string()),
+            None => Err("structured output needs --model DIR with a tokenizer.json".into()),
+        });
+        v.as_ref().map_err(Clone::clone)?.compile(text).map_err(|e| e.to_string())
+    }
+}
+
 /// One live sequence.
 struct SeqBook {
     record: SeqRecord,
@@ -27,6 +59,18 @@ struct SeqBook {
     max_new: usize,
     /// Alternatives to report with each token's logprob (`None`: no logprobs).
     logprobs: Option<u8>,
+    grammar: Option<SeqGrammar>,
+    /// Why the sequence cannot go on (its grammar failed): its next draw
+    /// ends it, as non-finite logits do.
+    failed: Option<String>,
+}
+
+/// What a sequence asks of its output besides sampling: logprobs, and a
+/// grammar (its text, and the token after which it starts).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct OutputSpec {
+    pub logprobs: Option<u8>,
+    pub grammar: Option<(String, Option<i64>)>,
 }
 
 /// What the last stage drew for one segment: its id (-1: the sequence met
@@ -45,17 +89,37 @@ pub(crate) struct LastBooks {
     /// The records of ended sequences, when the run's closing work reads them.
     pub finished: BTreeMap<usize, SeqRecord>,
     pub on_bad: OnNonFinite,
+    pub grammars: GrammarSource,
+    /// Masks computed, and the seconds they took (structured output).
+    pub masks: (usize, f64),
 }
 
 impl LastBooks {
-    pub fn new(want_logits: bool, on_bad: OnNonFinite) -> LastBooks {
-        LastBooks { live: HashMap::new(), want_logits, finished: BTreeMap::new(), on_bad }
+    pub fn new(want_logits: bool, on_bad: OnNonFinite, grammars: GrammarSource) -> LastBooks {
+        LastBooks { live: HashMap::new(), want_logits, finished: BTreeMap::new(), on_bad, grammars, masks: (0, 0.0) }
     }
 
     /// A sequence joins.
-    pub fn start(&mut self, seq: usize, prompt: Vec<i64>, sampling: SamplingParams, max_new: usize, logprobs: Option<u8>) {
+    /// A sequence joins. A grammar that does not compile here (the front
+    /// checked it) fails the sequence at its first draw, with the reason on
+    /// standard error.
+    pub fn start(&mut self, seq: usize, prompt: Vec<i64>, sampling: SamplingParams, max_new: usize, out: OutputSpec) {
         let record = SeqRecord { prompt, prefill_logits: Vec::new(), generated: Vec::new(), decode_logits: Vec::new() };
-        self.live.insert(seq, SeqBook { record, sampling, max_new, logprobs });
+        let (mut grammar, mut failed) = (None, None);
+        if let Some((text, after)) = out.grammar {
+            if sampling.repetition_penalty != 1.0 {
+                failed = Some("a grammar with a repetition penalty (the sampler has one bitmap per sequence)".to_string());
+            } else {
+                match self.grammars.compile(&text) {
+                    Ok(constraint) => grammar = Some(SeqGrammar { constraint, after }),
+                    Err(e) => failed = Some(e),
+                }
+            }
+        }
+        if let Some(why) = &failed {
+            eprintln!("m3c stage: sequence {seq}: {why}");
+        }
+        self.live.insert(seq, SeqBook { record, sampling, max_new, logprobs: out.logprobs, grammar, failed });
     }
 
     /// A sequence leaves; its record is kept when logits are wanted.
@@ -67,10 +131,6 @@ impl LastBooks {
         }
     }
 
-    fn seq(&self, seq: usize) -> Result<&SeqBook, StageError> {
-        self.live.get(&seq).ok_or_else(|| StageError::Step(format!("a step for sequence {seq}, which is not live")))
-    }
-
     fn seq_mut(&mut self, seq: usize) -> Result<&mut SeqBook, StageError> {
         self.live.get_mut(&seq).ok_or_else(|| StageError::Step(format!("a step for sequence {seq}, which is not live")))
     }
@@ -80,15 +140,17 @@ impl LastBooks {
     /// sequence's own step, so the draw is the same whatever the split, the
     /// batch or the chunking), and a seen-id bitmap per segment for those
     /// with a repetition penalty.
-    pub fn sample_in(&self, segs: &[Segment], vocab: usize) -> Result<stage::SampleIn, StageError> {
-        use m3c_contract::sampling::{row_words, seen_bitmap, seen_words, ROW_WORDS};
+    pub fn sample_in(&mut self, segs: &[Segment], vocab: usize) -> Result<stage::SampleIn, StageError> {
+        use m3c_contract::sampling::{row, row_words, seen_bitmap, seen_words, ROW_WORDS};
         let words = seen_words(vocab);
         let tokens: usize = segs.iter().map(|s| s.rows).sum();
         let mut table = Vec::with_capacity(tokens * ROW_WORDS);
         let mut seen = vec![0u32; segs.len() * words];
         let (mut penalised, mut want_logits) = (false, self.want_logits);
         for (k, s) in segs.iter().enumerate() {
-            let b = self.seq(s.seq)?;
+            let masks = &mut self.masks;
+            let b =
+                self.live.get_mut(&s.seq).ok_or_else(|| StageError::Step(format!("a step for sequence {}, which is not live", s.seq)))?;
             let (r, p) = (&b.record, &b.sampling);
             let draws = gives_token(r, s);
             // Logprobs come from the logits of the row that draws.
@@ -98,8 +160,28 @@ impl LastBooks {
                 let bits = seen_bitmap(r.prompt.iter().chain(&r.generated).map(|&i| i as u32), vocab);
                 seen[k * words..(k + 1) * words].copy_from_slice(&bits);
             }
+            // A started grammar's allowed tokens take the segment's bitmap
+            // row (a grammar goes without a repetition penalty).
+            let mut mask = false;
+            if let (true, Some(g)) = (draws && b.failed.is_none(), b.grammar.as_mut().filter(|g| g.after.is_none())) {
+                let t0 = std::time::Instant::now();
+                match g.constraint.mask() {
+                    Ok(bits) => {
+                        seen[k * words..(k + 1) * words].copy_from_slice(&bits[..words]);
+                        (mask, penalised) = (true, true);
+                    }
+                    Err(e) => b.failed = Some(e.to_string()),
+                }
+                masks.0 += 1;
+                masks.1 += t0.elapsed().as_secs_f64();
+            }
+            let r = &b.record;
             for j in 0..s.rows {
-                table.extend_from_slice(&row_words(p, 0, r.generated.len() as u64, draws && j + 1 == s.rows, k));
+                let mut w = row_words(&b.sampling, 0, r.generated.len() as u64, draws && j + 1 == s.rows, k);
+                if mask && j + 1 == s.rows {
+                    w[row::TOKEN_MASK] = k as i64 + 1;
+                }
+                table.extend_from_slice(&w);
             }
         }
         Ok(stage::SampleIn { table, seen, penalised, want_logits })
@@ -143,6 +225,24 @@ impl LastBooks {
             let b = self.seq_mut(s.seq)?;
             let r = &mut b.record;
             let draws = gives_token(r, s) && r.generated.len() < b.max_new;
+            if let (true, Some(why)) = (draws, &b.failed) {
+                eprintln!("m3c stage: sequence {}: its grammar failed ({why}); it ends", s.seq);
+                ids.push(Drawn { id: -1, logprobs: None });
+                row0 += s.rows;
+                continue 'segments;
+            }
+            if let (true, Some(g)) = (draws, b.grammar.as_mut()) {
+                match g.after {
+                    // The thinking ends with this token; the grammar starts next.
+                    Some(a) if a == id => g.after = None,
+                    Some(_) => {}
+                    None => {
+                        if let Err(e) = g.constraint.consume(id as u32) {
+                            b.failed = Some(e.to_string());
+                        }
+                    }
+                }
+            }
             let logprobs = match (b.logprobs, out.logits.get((row0 + s.rows - 1) * vocab..(row0 + s.rows) * vocab)) {
                 (Some(k), Some(row)) if draws => Some(TokenLogprobs::of(row, id as u32, k as usize)),
                 (Some(_), None) if draws => {

@@ -4,22 +4,58 @@
 //! the activations on, and (the last stage) samples and returns the ids to
 //! the first stage.
 
-use crate::books::LastBooks;
+use crate::books::{LastBooks, OutputSpec};
 use crate::error::StageError;
 use crate::liveness::Peers;
 use crate::stage::{Segment, Stage};
 use crate::wire::{self, bytes_f32, f32_bytes, message, Outbox, KIND_ADD, KIND_DROP, KIND_STATS, KIND_STEP, KIND_STOP, TAG_ACT, TAG_IDS};
 use m3c_contract::protocol::SeqRequest;
-use m3c_contract::sampling::{row_params, row_words, ROW_WORDS};
+use m3c_contract::sampling::{row_params, row_words, SamplingParams, ROW_WORDS};
 use mpi::topology::SimpleCommunicator;
 
-/// A `KIND_ADD` message: the sequence, its cache capacity, sampling and prompt.
+/// A `KIND_ADD` message: the sequence, its cache capacity, and a payload of
+/// i64 words (its sampling-table row, logprobs in the row's `LOGPROBS`
+/// word; the prompt's length and ids; the token after which its grammar
+/// starts, -1 for the first, -2 for no grammar) and then the grammar's text.
 pub(crate) fn add_message(a: &SeqRequest) -> Vec<u8> {
     let mut row = row_words(&a.sampling, 0, 0, true, 0);
     row[m3c_contract::sampling::row::LOGPROBS] = a.logprobs.map_or(0, |k| i64::from(k) + 1);
-    let mut payload: Vec<u8> = row.iter().flat_map(|w| w.to_le_bytes()).collect();
-    payload.extend(a.prompt.iter().flat_map(|i| i.to_le_bytes()));
+    let after = match &a.grammar {
+        None => -2,
+        Some((_, after)) => after.unwrap_or(-1),
+    };
+    let words = row.iter().copied().chain([a.prompt.len() as i64]).chain(a.prompt.iter().copied()).chain([after]);
+    let mut payload: Vec<u8> = words.flat_map(|w| w.to_le_bytes()).collect();
+    if let Some((text, _)) = &a.grammar {
+        payload.extend_from_slice(text.as_bytes());
+    }
     message(KIND_ADD, &[Segment { seq: a.seq, pos0: 0, rows: capacity(a) }], &payload)
+}
+
+/// The last stage's reading of a `KIND_ADD` payload ([`add_message`]):
+/// sampling, prompt and what the sequence asks of its output.
+pub(crate) fn parse_add(payload: &[u8]) -> Result<(SamplingParams, Vec<i64>, OutputSpec), StageError> {
+    let short = || StageError::Peer("a short or malformed add message".into());
+    let word = |i: usize| payload.get(i * 8..i * 8 + 8).map(|b| i64::from_le_bytes(b.try_into().unwrap_or([0; 8])));
+    let table: Vec<i64> = (0..ROW_WORDS).map(word).collect::<Option<_>>().ok_or_else(short)?;
+    let table: [i64; ROW_WORDS] = table.try_into().map_err(|_| short())?;
+    let (sampling, ..) = row_params(&table);
+    let n = word(ROW_WORDS).and_then(|n| usize::try_from(n).ok()).filter(|&n| n <= payload.len() / 8).ok_or_else(short)?;
+    let prompt: Vec<i64> = (ROW_WORDS + 1..ROW_WORDS + 1 + n).map(word).collect::<Option<_>>().ok_or_else(short)?;
+    let after = word(ROW_WORDS + 1 + n).ok_or_else(short)?;
+    let logprobs = match table[m3c_contract::sampling::row::LOGPROBS] {
+        0 => None,
+        k => Some(u8::try_from(k - 1).map_err(|_| StageError::Peer("an add message's logprobs are out of range".into()))?),
+    };
+    let rest = &payload[(ROW_WORDS + 2 + n) * 8..];
+    let grammar = match after {
+        -2 => None,
+        a => {
+            let text = String::from_utf8(rest.to_vec()).map_err(|_| short())?;
+            Some((text, (a >= 0).then_some(a)))
+        }
+    };
+    Ok((sampling, prompt, OutputSpec { logprobs, grammar }))
 }
 
 /// Cache rows a sequence needs: its prompt and every token it may generate
@@ -60,20 +96,12 @@ pub(crate) fn follow(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Sta
                 let s = m.segments.first().ok_or_else(|| StageError::Peer("an add message without its sequence".into()))?;
                 st.start_seq(s.seq, s.rows)?;
                 if last {
-                    let w = words(&m.payload);
-                    let table: [i64; ROW_WORDS] =
-                        w.get(..ROW_WORDS).and_then(|t| t.try_into().ok()).ok_or_else(|| StageError::Peer("a short add message".into()))?;
-                    let (sampling, ..) = row_params(&table);
-                    let prompt = w[ROW_WORDS..].to_vec();
+                    let (sampling, prompt, out) = parse_add(&m.payload)?;
                     let max_new = s
                         .rows
                         .checked_sub(prompt.len() + 1)
                         .ok_or_else(|| StageError::Peer("an add message's capacity is short".into()))?;
-                    let logprobs = match table[m3c_contract::sampling::row::LOGPROBS] {
-                        0 => None,
-                        k => Some(u8::try_from(k - 1).map_err(|_| StageError::Peer("an add message's logprobs are out of range".into()))?),
-                    };
-                    books.start(s.seq, prompt, sampling, max_new, logprobs);
+                    books.start(s.seq, prompt, sampling, max_new, out);
                 }
                 pass_on(&mut outbox, KIND_ADD, &m.payload);
             }

@@ -32,7 +32,9 @@ pub fn run(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Stage, args: 
     }
     let want_logits = args.dump.is_some() || args.expect.is_some();
     let on_bad = if args.serve { OnNonFinite::EndSequence } else { OnNonFinite::EndRun };
-    let mut books = LastBooks::new(want_logits, on_bad);
+    let eos = args.eos_ids.first().and_then(|&e| u32::try_from(e).ok()).unwrap_or(0);
+    let grammars = crate::books::GrammarSource::new(args.model.clone(), st.meta.vocab, eos);
+    let mut books = LastBooks::new(want_logits, on_bad, grammars);
     if !st.meta.first_stage {
         crate::follow::follow(world, peers, st, &mut books)?;
     } else if args.serve {
@@ -96,6 +98,7 @@ impl<'a> RunFeed<'a> {
                 stops: args.stops.clone(),
                 stop_ids: Vec::new(),
                 logprobs: None,
+                grammar: None,
             })
             .collect();
         let n = args.prompts.len();

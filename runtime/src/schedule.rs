@@ -286,7 +286,8 @@ impl Leader {
         if self.stages > 1 {
             self.outbox.send(world, 1, TAG_ACT, add_message(&a));
         } else {
-            books.start(a.seq, a.prompt.clone(), a.sampling, a.max_new, a.logprobs);
+            let out = crate::books::OutputSpec { logprobs: a.logprobs, grammar: a.grammar.clone() };
+            books.start(a.seq, a.prompt.clone(), a.sampling, a.max_new, out);
         }
         let chunk = self.batching.chunk;
         let chunks = a.prompt.chunks(chunk).enumerate().map(|(k, c)| (k * chunk, c.to_vec())).collect();

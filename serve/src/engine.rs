@@ -42,6 +42,9 @@ pub struct Submission {
     pub stop_ids: Vec<u32>,
     /// Each token's logprob and this many alternatives (`None`: none).
     pub logprobs: Option<u8>,
+    /// The grammar the output must match (its text), from the token after
+    /// the given one (the end of the model's thinking) or from the first.
+    pub grammar: Option<(String, Option<u32>)>,
 }
 
 /// Why a request was not taken.
@@ -258,6 +261,7 @@ impl Engine {
             stops: s.stops.iter().map(|t| t.as_bytes().to_vec()).collect(),
             stop_ids: s.stop_ids.iter().map(|&i| i64::from(i)).collect(),
             logprobs: s.logprobs,
+            grammar: s.grammar.as_ref().map(|(g, after)| (g.clone(), after.map(i64::from))),
         };
         let line = format!("{}\n", Command::Add(request).encode());
         let images = s.images;

@@ -42,6 +42,11 @@ pub struct Shared {
     pub media: super::media::MediaPolicy,
     /// A private folder for the requests' images files.
     pub media_dir: tempfile::TempDir,
+    /// The model's tokens as the grammar compiler sees them (structured
+    /// output), or why there are none.
+    pub grammars: Result<m3c_constrain::Vocabulary, String>,
+    /// The ids that end a sequence (generation_config.json).
+    pub eos_ids: Vec<u32>,
 }
 
 type App = Arc<Shared>;
@@ -147,7 +152,8 @@ async fn chat_completions(State(app): State<App>, headers: HeaderMap, body: Byte
         let ids = app.tokenizer.encode(&rendered).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?;
         // Thinking enabled leaves the prompt inside an open <mm:think>.
         let thinking = rendered.trim_end().ends_with("<mm:think>");
-        Ok((ids, common, Kind::Chat { thinking, tools: chat.tools }, chat.images))
+        let closed_thinking = rendered.trim_end().ends_with("</mm:think>");
+        Ok((ids, common, Kind::Chat { thinking, closed_thinking, tools: chat.tools }, chat.images))
     };
     let (ids, common, kind, urls) = match run() {
         Ok(r) => r,
@@ -306,7 +312,13 @@ fn jinja(v: Value) -> Result<minijinja::Value, ApiError> {
 #[derive(Clone)]
 enum Kind {
     Completion,
-    Chat { thinking: bool, tools: Vec<Value> },
+    /// `thinking`: the prompt opened the model's thinking;
+    /// `closed_thinking`: it closed it (the answer comes at once).
+    Chat {
+        thinking: bool,
+        closed_thinking: bool,
+        tools: Vec<Value>,
+    },
 }
 
 /// One choice's way from token ids to OpenAI's answer.
@@ -531,6 +543,16 @@ async fn start(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: Opti
     // Each choice is its own sequence, drawing from its own seed, so
     // choice i of a request is what the same request with n = 1 and seed
     // `seed + i` gives.
+    let grammar = match &common.grammar {
+        None => None,
+        Some((g, field)) => Some((check_grammar(&app, &common, g, field).map_err(|e| error(&e))?, grammar_after(&app, &kind))),
+    };
+    // A grammar's end is an EOS the sequence must stop on, whatever
+    // `ignore_eos` says, and whose text is not the answer's.
+    let mut common = common;
+    if grammar.is_some() {
+        common.stop_ids.extend(&app.eos_ids);
+    }
     let mut tickets = Vec::with_capacity(common.n);
     for i in 0..common.n {
         let mut sampling = common.sampling;
@@ -544,6 +566,7 @@ async fn start(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: Opti
             stops: common.stop.clone(),
             stop_ids: common.stop_ids.clone(),
             logprobs: common.logprobs,
+            grammar: grammar.clone(),
         };
         // A refused choice drops the tickets taken so far, which cancels them.
         tickets.push(match app.engine.submit(sub) {
@@ -591,6 +614,31 @@ async fn start(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: Opti
         })
         .collect();
     Ok(gens)
+}
+
+/// A request's grammar, compiled once here so that a bad one is the
+/// client's 400 (naming the field that gave it), as its text for the stages.
+fn check_grammar(app: &Shared, common: &Common, g: &m3c_constrain::Grammar, field: &str) -> Result<String, ApiError> {
+    if common.sampling.repetition_penalty != 1.0 {
+        return Err(ApiError::bad(
+            "repetition_penalty",
+            format!("`repetition_penalty` cannot go with `{field}` (the sampler has one token bitmap per sequence); leave it at 1"),
+        ));
+    }
+    let v = app.grammars.as_ref().map_err(|why| ApiError::bad(field, format!("`{field}`: structured output is not available: {why}")))?;
+    let text = g.to_text();
+    v.compile(&text).map_err(|e| ApiError::bad(field, format!("`{field}`: {e}")))?;
+    Ok(text)
+}
+
+/// The token after which a chat's grammar starts: the end of the model's
+/// thinking (`</mm:think>`), unless the prompt already closed it (thinking
+/// disabled). Completions constrain from the first token.
+fn grammar_after(app: &Shared, kind: &Kind) -> Option<u32> {
+    match kind {
+        Kind::Chat { closed_thinking: false, .. } => app.tokenizer.token_id("</mm:think>"),
+        _ => None,
+    }
 }
 
 /// A request's images file, in the server's private media folder (deleted

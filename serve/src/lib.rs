@@ -129,6 +129,10 @@ fn prepare(o: &Options) -> Result<Prepared> {
     // Images: only where the first stage encodes them (the manifest's
     // stages were compiled with the vision tower unless the plan said not).
     let image_token = compiled.manifest.image_token.filter(|_| compiled.encodes_images());
+    // Structured output compiles grammars against the model's own tokens.
+    let eos_ids: Vec<u32> = gen.eos_ids.iter().filter_map(|&e| u32::try_from(e).ok()).collect();
+    let grammars =
+        m3c_constrain::Vocabulary::load(&o.model, tokenizer.vocab_size(), eos_ids.first().copied().unwrap_or(0)).map_err(|e| e.to_string());
     let shared = move |engine| http::Shared {
         engine,
         tokenizer,
@@ -142,6 +146,8 @@ fn prepare(o: &Options) -> Result<Prepared> {
         image_token,
         media,
         media_dir,
+        grammars,
+        eos_ids,
     };
     Ok(Prepared { cmd, stages, limits, shared: Box::new(shared) })
 }

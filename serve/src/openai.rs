@@ -3,6 +3,7 @@
 //! error object), vLLM's extra sampling fields accepted, and fields m3c
 //! cannot honour refused rather than ignored.
 
+use m3c_constrain::Grammar;
 use m3c_contract::sampling::{SamplingOverrides, SamplingParams};
 use serde_json::{json, Map, Value};
 
@@ -48,6 +49,9 @@ pub struct Common {
     pub skip_special: bool,
     /// Each token's logprob and this many alternatives (`None`: no logprobs).
     pub logprobs: Option<u8>,
+    /// What the output must match (structured output), and the request
+    /// field that asked for it.
+    pub grammar: Option<(Grammar, &'static str)>,
 }
 
 /// The most choices one request may ask for: each is a sequence in the
@@ -154,6 +158,12 @@ impl Endpoint {
             "include_stop_str_in_output",
             "skip_special_tokens",
             "response_format",
+            // vLLM's structured outputs, new and legacy spellings.
+            "structured_outputs",
+            "guided_json",
+            "guided_regex",
+            "guided_choice",
+            "guided_grammar",
             // OpenAI's end-user id, for abuse monitoring: by definition it
             // changes no output, so taking it is honouring it.
             "user",
@@ -173,13 +183,9 @@ impl Endpoint {
 /// is refused by name rather than answered as if it were absent.
 fn unsupported(field: &str) -> Option<&'static str> {
     Some(match field {
-        "structured_outputs"
-        | "guided_json"
-        | "guided_regex"
-        | "guided_choice"
-        | "guided_grammar"
-        | "guided_decoding_backend"
-        | "guided_whitespace_pattern" => "structured outputs are not supported by m3c yet; the answer would be free text",
+        "guided_decoding_backend" | "guided_whitespace_pattern" => {
+            "m3c's structured outputs have one back end (llguidance) and its JSON whitespace; leave this out"
+        }
         "prompt_logprobs" => "prompt logprobs are not supported by m3c yet",
         "tool_choice" => "m3c cannot force a tool call yet (`tool_choice` may be \"none\" or \"auto\")",
         "reasoning_effort" => "use `chat_template_kwargs: {\"thinking_mode\": ...}` to set MiniMax-M3's thinking",
@@ -221,16 +227,6 @@ pub fn check_fields(m: &Map<String, Value>, endpoint: Endpoint) -> Result<(), Ap
     }
     // Values that would change the answer in ways m3c does not do yet.
     let refuse = |k: &str, why: &str| Err(ApiError::bad(k, format!("`{k}`: {why}")));
-    match m.get("response_format") {
-        None | Some(Value::Null) => {}
-        Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("text") && o.len() == 1 => {}
-        Some(_) => {
-            return refuse(
-                "response_format",
-                "JSON output (json_object, json_schema) is not supported by m3c yet; only {\"type\": \"text\"}",
-            )
-        }
-    }
     if let Some(v) = m.get("tool_choice") {
         if !(v.is_null() || v == "none" || v == "auto") {
             return refuse("tool_choice", unsupported("tool_choice").unwrap_or_default());
@@ -352,7 +348,100 @@ pub fn common(m: &Map<String, Value>, d: &Defaults, endpoint: Endpoint, seed_fal
         include_stop: boolean(m, "include_stop_str_in_output")?.unwrap_or(false),
         skip_special: boolean(m, "skip_special_tokens")?.unwrap_or(true),
         logprobs,
+        grammar: grammar(m)?,
     })
+}
+/// The request's structured output: OpenAI's `response_format`
+/// (`json_object`, `json_schema`), or vLLM's `structured_outputs` (`json`,
+/// `regex`, `choice`, `grammar`) and their older `guided_*` spellings. At
+/// most one may be given.
+fn grammar(m: &Map<String, Value>) -> Result<Option<(Grammar, &'static str)>, ApiError> {
+    let mut found: Vec<(Grammar, &'static str)> = Vec::new();
+    if let Some(g) = response_format(m)? {
+        found.push((g, "response_format"));
+    }
+    match m.get("structured_outputs") {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(o)) => {
+            let k = "structured_outputs";
+            let set: Vec<(&String, &Value)> = o.iter().filter(|(_, v)| !v.is_null()).collect();
+            let [(name, v)] = set.as_slice() else {
+                return Err(ApiError::bad(k, "`structured_outputs` must set exactly one of json, regex, choice, grammar, json_object"));
+            };
+            let g = match name.as_str() {
+                "json" => schema_of(k, v)?,
+                "regex" => Grammar::Regex(text_of(k, v)?),
+                "choice" => choice_of(k, v)?,
+                "grammar" => Grammar::Lark(text_of(k, v)?),
+                "json_object" if *v == &Value::Bool(true) => Grammar::JsonObject,
+                other => {
+                    return Err(ApiError::bad(
+                        k,
+                        format!("`structured_outputs.{other}` is not supported (json, regex, choice, grammar, json_object)"),
+                    ))
+                }
+            };
+            found.push((g, k));
+        }
+        Some(v) => return Err(ApiError::bad("structured_outputs", format!("`structured_outputs` must be an object, not {}", kind(v)))),
+    }
+    for k in ["guided_json", "guided_regex", "guided_choice", "guided_grammar"] {
+        let Some(v) = m.get(k).filter(|v| !v.is_null()) else { continue };
+        let g = match k {
+            "guided_json" => schema_of(k, v)?,
+            "guided_regex" => Grammar::Regex(text_of(k, v)?),
+            "guided_choice" => choice_of(k, v)?,
+            _ => Grammar::Lark(text_of(k, v)?),
+        };
+        found.push((g, k));
+    }
+    if found.len() > 1 {
+        return Err(ApiError::bad(found[1].1, format!("`{}` and `{}` both constrain the output; give one", found[0].1, found[1].1)));
+    }
+    Ok(found.pop())
+}
+
+/// OpenAI's `response_format`: text (no grammar), any JSON object, or a JSON schema.
+fn response_format(m: &Map<String, Value>) -> Result<Option<Grammar>, ApiError> {
+    let k = "response_format";
+    let o = match m.get(k) {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Object(o)) => o,
+        Some(v) => return Err(ApiError::bad(k, format!("`{k}` must be an object, not {}", kind(v)))),
+    };
+    match o.get("type").and_then(Value::as_str) {
+        Some("text") if o.len() == 1 => Ok(None),
+        Some("json_object") if o.len() == 1 => Ok(Some(Grammar::JsonObject)),
+        Some("json_schema") => match o.get("json_schema").and_then(|j| j.get("schema")) {
+            Some(schema) => schema_of(k, schema).map(Some),
+            None => Err(ApiError::bad(k, "`response_format`: json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}")),
+        },
+        _ => Err(ApiError::bad(
+            k,
+            "`response_format` must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": \"json_schema\", ...}",
+        )),
+    }
+}
+
+/// A JSON schema: an object (or `true`), or JSON text of one as vLLM takes it.
+fn schema_of(k: &str, v: &Value) -> Result<Grammar, ApiError> {
+    match v {
+        Value::Object(_) | Value::Bool(true) => Ok(Grammar::JsonSchema(v.clone())),
+        Value::String(s) => {
+            serde_json::from_str(s).map(Grammar::JsonSchema).map_err(|e| ApiError::bad(k, format!("`{k}`: the schema is not JSON: {e}")))
+        }
+        v => Err(ApiError::bad(k, format!("`{k}`: a JSON schema is an object, not {}", kind(v)))),
+    }
+}
+
+fn text_of(k: &str, v: &Value) -> Result<String, ApiError> {
+    v.as_str().map(str::to_string).ok_or_else(|| ApiError::bad(k, format!("`{k}` must be a string, not {}", kind(v))))
+}
+
+fn choice_of(k: &str, v: &Value) -> Result<Grammar, ApiError> {
+    let list = v.as_array().filter(|a| !a.is_empty() && a.len() <= 1024);
+    let strings: Option<Vec<String>> = list.and_then(|a| a.iter().map(|c| c.as_str().map(str::to_string)).collect());
+    strings.map(Grammar::Choice).ok_or_else(|| ApiError::bad(k, format!("`{k}` must be an array of 1 to 1024 strings")))
 }
 
 /// The alternatives to report with each token's logprob: chat's
@@ -489,17 +578,15 @@ mod tests {
     fn fields_m3c_cannot_honour_are_refused_by_name() {
         use Endpoint::*;
         let refused = [
-            (json!({"response_format": {"type": "json_object"}}), ChatCompletions, "response_format"),
-            (
-                json!({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}}}}),
-                ChatCompletions,
-                "response_format",
-            ),
-            (json!({"response_format": {"type": "json_object"}}), Completions, "response_format"),
-            (json!({"structured_outputs": {"choice": ["a", "b"]}}), ChatCompletions, "structured_outputs"),
-            (json!({"structured_outputs": {"regex": "[0-9]+"}}), Completions, "structured_outputs"),
-            (json!({"guided_json": {}}), ChatCompletions, "guided_json"),
-            (json!({"guided_choice": ["a"]}), Completions, "guided_choice"),
+            (json!({"response_format": {"type": "json_schema"}}), ChatCompletions, "response_format"),
+            (json!({"response_format": {"type": "xml"}}), Completions, "response_format"),
+            (json!({"structured_outputs": {"choice": []}}), ChatCompletions, "structured_outputs"),
+            (json!({"structured_outputs": {"regex": "a", "choice": ["b"]}}), Completions, "structured_outputs"),
+            (json!({"structured_outputs": {"whitespace_pattern": " "}}), Completions, "structured_outputs"),
+            (json!({"guided_json": "{not json"}), ChatCompletions, "guided_json"),
+            (json!({"guided_choice": [1]}), Completions, "guided_choice"),
+            (json!({"guided_regex": "a", "response_format": {"type": "json_object"}}), Completions, "guided_regex"),
+            (json!({"guided_decoding_backend": "xgrammar"}), Completions, "guided_decoding_backend"),
             (
                 json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}),
                 ChatCompletions,
@@ -556,6 +643,12 @@ mod tests {
             (json!({"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "ignore_eos": true, "seed": 3, "stop": ["x"]}), Completions),
             (json!({"stream": true, "stream_options": {"include_usage": true}, "chat_template_kwargs": {}}), ChatCompletions),
             (json!({"structured_outputs": null, "guided_json": null}), ChatCompletions),
+            (json!({"response_format": {"type": "json_object"}}), ChatCompletions),
+            (json!({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}}), Completions),
+            (json!({"structured_outputs": {"choice": ["a", "b"]}}), ChatCompletions),
+            (json!({"structured_outputs": {"regex": "[0-9]+"}}), Completions),
+            (json!({"guided_json": {"type": "integer"}}), ChatCompletions),
+            (json!({"guided_grammar": "start: \"x\""}), Completions),
         ];
         for (extra, endpoint) in honoured {
             assert_eq!(param(extra.clone(), endpoint), None, "{endpoint:?} {extra}");

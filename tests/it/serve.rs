@@ -228,6 +228,19 @@ fn choices_logprobs_stop_ids_token_routes_and_responses() {
     assert_eq!(r["status"], "incomplete", "8 tokens, EOS ignored: {r}");
 }
 
+/// Structured outputs: on random weights the grammar alone makes every
+/// answer valid (a Pydantic model through `parse()`, a JSON object, a
+/// regex, a choice, a Lark grammar, n constrained choices), at pp 2.
+#[test]
+fn structured_outputs_hold_on_random_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, model) = compiled(dir.path());
+    let s = Server::start(&out, &model, &[]);
+    let got = s.client(&["structured"]);
+    assert_eq!(got["pets"].as_array().map(Vec::len), Some(3), "{got}");
+    assert_eq!(got["regex_ok"], true);
+}
+
 #[test]
 fn thirty_two_concurrent_streams_each_get_their_solo_result_whenever_they_arrive() {
     let dir = tempfile::tempdir().unwrap();

@@ -236,6 +236,7 @@ fn the_crates_are_layered_as_the_pipeline_is() {
         ("m3c-front", &[COMPILER, SERVING, &["m3c-runtime"]]),
         ("m3c-serve", &[COMPILER, &["m3c-runtime"]]),
         ("m3c-runtime", &[COMPILER, SERVING, FRONT]),
+        ("m3c-constrain", &[COMPILER, SERVING, FRONT, &["m3c-runtime"]]),
     ];
     let mut broken = Vec::new();
     for (package, forbidden) in rules {
