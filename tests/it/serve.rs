@@ -292,9 +292,9 @@ fn bad_requests_get_openai_errors_and_the_server_stays_up() {
         assert_eq!(got[case].as_u64(), Some(status), "{case}: {got}");
     }
     for (case, param) in [
-        ("json_object", "response_format"),
-        ("json_schema", "response_format"),
-        ("structured_outputs", "structured_outputs"),
+        ("bad_schema", "response_format"),
+        ("bad_regex", "structured_outputs"),
+        ("backend", "guided_decoding_backend"),
         ("tool_required", "tool_choice"),
         ("tool_named", "tool_choice"),
         ("unknown", "frobnicate"),

@@ -199,14 +199,14 @@ def errors(base, model):
         raise AssertionError("a negative temperature was taken")
     except openai.BadRequestError:
         seen["client_400"] = True
-    # Fields m3c cannot honour yet are 400s naming the field, never free
-    # text in place of what was asked for.
+    # Fields m3c cannot honour (yet, or as given) are 400s naming the
+    # field, never free text in place of what was asked for.
     msgs = [{"role": "user", "content": "x"}]
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     for case, kw in [
-        ("json_object", {"response_format": {"type": "json_object"}}),
-        ("json_schema", {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}}),
-        ("structured_outputs", {"extra_body": {"structured_outputs": {"choice": ["yes", "no"]}}}),
+        ("bad_schema", {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "nonsense"}}}}),
+        ("bad_regex", {"extra_body": {"structured_outputs": {"regex": "(unclosed"}}}),
+        ("backend", {"extra_body": {"guided_decoding_backend": "xgrammar"}}),
         ("tool_required", {"tools": [tool], "tool_choice": "required"}),
         ("tool_named", {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "f"}}}),
         ("unknown", {"extra_body": {"frobnicate": 1}}),
