@@ -144,6 +144,24 @@ pub(crate) struct RunArgs {
     /// Seconds without a sign of life (a heartbeat) from a neighbour before a stage gives up on it; a stage that computes counts as alive.
     #[arg(long, default_value_t = 30.0, value_parser = timeout_s)]
     pub(crate) timeout_s: f64,
+    /// Report each generated token's log-probability (raw logits, as vLLM's
+    /// default) and this many most likely alternatives (0 to 20): a line
+    /// `logprobs N: [{"id", "logprob", "top": [[id, logprob], ...]}, ...]`
+    /// per prompt after its ids or text.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(0..=20))]
+    pub(crate) logprobs: Option<u8>,
+    /// Constrain every output to JSON valid under this JSON schema (a file).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["regex", "choice", "grammar"])]
+    pub(crate) json_schema: Option<PathBuf>,
+    /// Constrain every output to match this regular expression whole.
+    #[arg(long, value_name = "REGEX", conflicts_with_all = ["choice", "grammar"])]
+    pub(crate) regex: Option<String>,
+    /// Constrain every output to one of these strings (repeat the flag).
+    #[arg(long, value_name = "TEXT", conflicts_with = "grammar")]
+    pub(crate) choice: Vec<String>,
+    /// Constrain every output to this Lark grammar (a file, llguidance's dialect).
+    #[arg(long, value_name = "FILE")]
+    pub(crate) grammar: Option<PathBuf>,
     #[command(flatten)]
     pub(crate) gpu: GpuFlags,
 }

@@ -78,6 +78,46 @@ fn image_prompt(
     Ok(Some(dir))
 }
 
+/// The run's grammar (`--json-schema`, `--regex`, `--choice`, `--grammar`),
+/// checked against the model's tokens, as the stages take it: its text and
+/// the token after which it starts (the end of the thinking of a `--chat`
+/// left to think).
+fn run_grammar(
+    args: &RunArgs,
+    sampling: &m3c_contract::sampling::SamplingParams,
+    eos: &[i64],
+    think_end: Option<u32>,
+) -> Result<Option<(String, Option<i64>)>> {
+    use m3c_constrain::Grammar;
+    let read = |f: &std::path::Path, what: &str| {
+        m3c_contract::read_user_file(f, what, m3c_contract::input::limits::TOKENIZER).map_err(|e| anyhow::anyhow!("{e}"))
+    };
+    let (grammar, flag) = if let Some(f) = &args.json_schema {
+        let schema = serde_json::from_str(&read(f, "--json-schema")?)
+            .map_err(|e| anyhow::anyhow!("--json-schema {}: not JSON: {e}", f.display()))?;
+        (Grammar::JsonSchema(schema), "--json-schema")
+    } else if let Some(r) = &args.regex {
+        (Grammar::Regex(r.clone()), "--regex")
+    } else if !args.choice.is_empty() {
+        (Grammar::Choice(args.choice.clone()), "--choice")
+    } else if let Some(f) = &args.grammar {
+        (Grammar::Lark(read(f, "--grammar")?), "--grammar")
+    } else {
+        return Ok(None);
+    };
+    let Some(&first_eos) = eos.first() else {
+        anyhow::bail!("{flag} needs the model's EOS to end the output (not --ignore-eos, and an eos_token_id in the checkpoint)");
+    };
+    if sampling.repetition_penalty != 1.0 {
+        anyhow::bail!("{flag} cannot go with a repetition penalty (the sampler has one token bitmap per sequence)");
+    }
+    let text = grammar.to_text();
+    let vocabulary = m3c_constrain::Vocabulary::load(&args.model, None, u32::try_from(first_eos).unwrap_or(0))?;
+    vocabulary.compile(&text).map_err(|e| anyhow::anyhow!("{flag}: {e}"))?;
+    let thinks = !args.chat.is_empty() && args.thinking.as_deref() != Some("disabled");
+    Ok(Some((text, think_end.filter(|_| thinks).map(i64::from))))
+}
+
 pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
     let compiled = m3c_front::launch::Compiled::open(&args.out, &args.model)?;
     if let Some(d) = &args.dump {
@@ -172,6 +212,9 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
     stage.eos_ids = eos.to_vec();
     stage.stops = args.stop.iter().map(|s| s.as_bytes().to_vec()).collect();
     stage.stream_ids = text_in.is_some();
+    stage.logprobs = args.logprobs;
+    let think_end = text_in.as_ref().and_then(|t| t.tokenizer.token_id("</mm:think>"));
+    stage.grammar = run_grammar(&args, &sampling, eos, think_end)?;
     // A JSONL line's own sampling fields, over the run's.
     for (seq, o) in text_in.iter().flat_map(|t| t.overrides.iter().enumerate()) {
         if o.is_empty() {
@@ -191,7 +234,10 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
     let forwarding = m3c_signals::ChildRegistration::new(child.id());
     let streamed = match (&text_in, child.stdout.take()) {
         (Some(enc), Some(pipe)) => {
-            let done = m3c_front::text::front::stream(std::io::BufReader::new(pipe), enc, &args.stop, std::io::stdout().lock());
+            // A grammar's output ends on an EOS whose text is not the answer's.
+            let silent: Vec<u32> =
+                if stage.grammar.is_some() { stage.eos_ids.iter().filter_map(|&e| u32::try_from(e).ok()).collect() } else { Vec::new() };
+            let done = m3c_front::text::front::stream(std::io::BufReader::new(pipe), enc, &args.stop, &silent, std::io::stdout().lock());
             if done.is_err() {
                 // Nobody reads the pipe any more: end the job rather than
                 // leave a stage blocked on a write.

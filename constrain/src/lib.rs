@@ -98,8 +98,9 @@ pub struct Vocabulary {
 
 impl Vocabulary {
     /// From the tokenizer of the checkpoint folder `model` (its
-    /// `tokenizer.json`), for logits `vocab` wide, ending on `eos`.
-    pub fn load(model: &Path, vocab: usize, eos: u32) -> Result<Vocabulary, ConstrainError> {
+    /// `tokenizer.json`), for logits `vocab` wide (`None`: the tokenizer's
+    /// own ids), ending on `eos`.
+    pub fn load(model: &Path, vocab: Option<usize>, eos: u32) -> Result<Vocabulary, ConstrainError> {
         let file = model.join("tokenizer.json");
         let json = m3c_contract::read_user_file(&file, "tokenizer", m3c_contract::input::limits::TOKENIZER)
             .map_err(|e| ConstrainError::Tokenizer(format!("structured output: {e}")))?;
@@ -107,8 +108,9 @@ impl Vocabulary {
     }
 
     /// From a byte-level `tokenizer.json`'s text.
-    pub fn from_tokenizer_json(json: &str, vocab: usize, eos: u32) -> Result<Vocabulary, ConstrainError> {
+    pub fn from_tokenizer_json(json: &str, vocab: Option<usize>, eos: u32) -> Result<Vocabulary, ConstrainError> {
         let mut words = m3c_contract::token_bytes::byte_level_table(json).map_err(ConstrainError::Tokenizer)?;
+        let vocab = vocab.unwrap_or(words.len());
         let t: Value = serde_json::from_str(json).map_err(|e| ConstrainError::Tokenizer(e.to_string()))?;
         // Special tokens are llguidance's 0xFF-marked words: never text a
         // grammar's string could spell.
@@ -222,7 +224,7 @@ mod tests {
     fn masks_allow_only_what_the_grammar_can_still_become() {
         let t = tokenizer();
         let eos = 97;
-        let v = Vocabulary::from_tokenizer_json(&t, 100, eos).unwrap();
+        let v = Vocabulary::from_tokenizer_json(&t, Some(100), eos).unwrap();
         // A choice: the highest allowed id each time spells one of them.
         let g = Grammar::Choice(vec!["yes".into(), "no".into()]);
         let (ids, _) = drive(&v, &g, |m| (0..100u32).rev().find(|&i| m[i as usize / 32] >> (i % 32) & 1 == 1).unwrap());
@@ -248,11 +250,11 @@ mod tests {
 
     #[test]
     fn bad_grammars_are_errors_that_say_why() {
-        let v = Vocabulary::from_tokenizer_json(&tokenizer(), 100, 97).unwrap();
+        let v = Vocabulary::from_tokenizer_json(&tokenizer(), Some(100), 97).unwrap();
         let e = v.compile(&Grammar::Regex("(".into()).to_text()).err().expect("an unclosed group");
         assert!(e.to_string().contains("does not compile"), "{e}");
         assert!(v.compile("{not json").is_err());
-        assert!(Vocabulary::from_tokenizer_json(&tokenizer(), 10, 9).is_err(), "a vocabulary narrower than the tokenizer");
+        assert!(Vocabulary::from_tokenizer_json(&tokenizer(), Some(10), 9).is_err(), "a vocabulary narrower than the tokenizer");
     }
 
     #[test]

@@ -94,6 +94,23 @@ impl TokenLogprobs {
         TokenLogprobs { logprob, top: top.into_iter().map(|(i, v)| (i, lp(v))).collect() }
     }
 }
+
+/// A sequence's logprobs as one JSON array: per token its id, logprob and
+/// alternatives (`[id, logprob]`, most likely first); −∞ as −9999 (JSON has
+/// no infinity).
+pub fn logprobs_json(l: &[(u32, TokenLogprobs)]) -> String {
+    let num = |v: f32| if v.is_finite() { serde_json::json!(v) } else { serde_json::json!(-9999.0) };
+    let items: Vec<serde_json::Value> = l
+        .iter()
+        .map(|(id, lp)| {
+            let top: Vec<serde_json::Value> = lp.top.iter().map(|&(i, v)| serde_json::json!([i, num(v)])).collect();
+            serde_json::json!({"id": id, "logprob": num(lp.logprob), "top": top})
+        })
+        .collect();
+    serde_json::Value::Array(items).to_string()
+}
+
+/// A command from the front.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Command {
     Add(SeqRequest),

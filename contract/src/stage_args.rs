@@ -49,6 +49,11 @@ pub struct StageArgs {
     /// The images of the prompts (`m3c_contract::images`), read by the stage
     /// that encodes them.
     pub images: Option<PathBuf>,
+    /// Report each generated token's logprob and this many alternatives.
+    pub logprobs: Option<u8>,
+    /// The grammar every prompt's output must match (`m3c_constrain`'s
+    /// text form), and the token after which it starts.
+    pub grammar: Option<(String, Option<i64>)>,
 }
 
 impl StageArgs {
@@ -74,6 +79,8 @@ impl StageArgs {
             seq_sampling: Vec::new(),
             serve: false,
             images: None,
+            logprobs: None,
+            grammar: None,
         }
     }
 
@@ -120,6 +127,15 @@ impl StageArgs {
         }
         for stop in &self.stops {
             flag("--stop", crate::protocol::hex(stop));
+        }
+        if let Some(k) = self.logprobs {
+            flag("--logprobs", k.to_string());
+        }
+        if let Some((g, after)) = &self.grammar {
+            flag("--grammar", crate::protocol::hex(g.as_bytes()));
+            if let Some(a) = after {
+                flag("--grammar-after", a.to_string());
+            }
         }
         if self.stream_ids {
             out.push("--stream-ids".into());
@@ -188,6 +204,7 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
     let mut seq_sampling_text = Vec::new();
     let mut serve = false;
     let mut images = None;
+    let (mut logprobs, mut grammar, mut grammar_after) = (None, None, None);
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = |name: &str| it.next().cloned().ok_or_else(|| format!("{name} needs a value; {USAGE}"));
@@ -224,6 +241,19 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
             "--serve" => serve = true,
             "--eos-ids" => eos_ids = parse_ids(&value("--eos-ids")?, "--eos-ids")?,
             "--stop" => stops.push(parse_hex(&value("--stop")?)?),
+            "--logprobs" => {
+                let v = value("--logprobs")?;
+                let k = v.parse::<u8>().ok().filter(|&k| k <= crate::protocol::MAX_TOP_LOGPROBS);
+                logprobs = Some(k.ok_or_else(|| format!("--logprobs `{v}`: expected 0 to {}", crate::protocol::MAX_TOP_LOGPROBS))?);
+            }
+            "--grammar" => {
+                let bytes = parse_hex(&value("--grammar")?)?;
+                grammar = Some(String::from_utf8(bytes).map_err(|_| "--grammar: not UTF-8 text".to_string())?);
+            }
+            "--grammar-after" => {
+                let v = value("--grammar-after")?;
+                grammar_after = Some(v.parse::<i64>().map_err(|_| format!("--grammar-after `{v}`: expected a token id"))?);
+            }
             "--seq-sampling" => seq_sampling_text.push(value("--seq-sampling")?),
             other => {
                 // A sampling field, by its own name (`--top-k K`).
@@ -277,6 +307,12 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
         seq_sampling,
         serve,
         images,
+        logprobs,
+        grammar: match (grammar, grammar_after) {
+            (Some(g), after) => Some((g, after)),
+            (None, Some(_)) => return Err("--grammar-after needs --grammar".into()),
+            (None, None) => None,
+        },
     })
 }
 
@@ -298,6 +334,8 @@ mod tests {
         a.sampling = SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.0, repetition_penalty: 1.05, seed: 7 };
         a.seq_sampling = vec![(1, SamplingParams { seed: 9, top_k: 3, ..a.sampling })];
         a.eos_ids = vec![200_020];
+        a.logprobs = Some(3);
+        a.grammar = Some(("{\"grammars\": []}".into(), Some(200_060)));
         a.stops = vec![b"\n\n".to_vec(), vec![0xff, 0]];
         a.dump = Some(PathBuf::from("d.safetensors"));
         a.images = Some(PathBuf::from("/tmp/i.safetensors"));

@@ -43,7 +43,7 @@ impl GrammarSource {
     fn compile(&mut self, text: &str) -> Result<m3c_constrain::Constraint, String> {
         let (model, vocab, eos) = (self.model.clone(), self.vocab, self.eos);
         let v = self.built.get_or_insert_with(|| match model {
-            Some(m) => m3c_constrain::Vocabulary::load(&m, vocab, eos).map_err(|e| e.to_string()),
+            Some(m) => m3c_constrain::Vocabulary::load(&m, Some(vocab), eos).map_err(|e| e.to_string()),
             None => Err("structured output needs --model DIR with a tokenizer.json".into()),
         });
         v.as_ref().map_err(Clone::clone)?.compile(text).map_err(|e| e.to_string())

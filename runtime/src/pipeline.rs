@@ -64,6 +64,8 @@ struct RunFeed<'a> {
     requests: VecDeque<SeqRequest>,
     images: BTreeMap<usize, SeqImages>,
     generated: Vec<Vec<i64>>,
+    /// Each prompt's tokens' logprobs (`--logprobs`).
+    logprobs: Vec<Vec<(u32, m3c_contract::protocol::TokenLogprobs)>>,
     start: Instant,
     /// When each prompt's prefill was done (its first event).
     prefilled: Vec<Option<Duration>>,
@@ -97,12 +99,20 @@ impl<'a> RunFeed<'a> {
                 images: None,
                 stops: args.stops.clone(),
                 stop_ids: Vec::new(),
-                logprobs: None,
-                grammar: None,
+                logprobs: args.logprobs,
+                grammar: args.grammar.clone(),
             })
             .collect();
         let n = args.prompts.len();
-        Ok(RunFeed { args, requests, images, generated: vec![Vec::new(); n], start: Instant::now(), prefilled: vec![None; n] })
+        Ok(RunFeed {
+            args,
+            requests,
+            images,
+            generated: vec![Vec::new(); n],
+            logprobs: vec![Vec::new(); n],
+            start: Instant::now(),
+            prefilled: vec![None; n],
+        })
     }
 
     /// The ids of each prompt (unless they were streamed) and the timing line.
@@ -111,6 +121,9 @@ impl<'a> RunFeed<'a> {
         for (s, g) in self.generated.iter().enumerate().filter(|_| !self.args.stream_ids) {
             let ids: Vec<String> = g.iter().map(|i| i.to_string()).collect();
             print_line(&format!("prompt {s}: {}\n", ids.join(",")));
+            if self.args.logprobs.is_some() {
+                print_line(&format!("logprobs {s}: {}\n", m3c_contract::protocol::logprobs_json(&self.logprobs[s])));
+            }
         }
         let prefill_end = self.prefilled.iter().flatten().max().copied().unwrap_or_default();
         let prompt_tokens: usize = self.args.prompts.iter().map(|p| p.len()).sum();
@@ -139,6 +152,14 @@ impl Feed for RunFeed<'_> {
     }
 
     fn event(&mut self, e: Event) {
+        if let Event::Logprobs { seq, id, lp } = &e {
+            if self.args.stream_ids {
+                crate::serve::say(e);
+            } else if let Some(l) = self.logprobs.get_mut(*seq) {
+                l.push((*id, lp.clone()));
+            }
+            return;
+        }
         let seq = match &e {
             Event::Id { seq, .. } | Event::End { seq, .. } => *seq,
             _ => return,

@@ -228,6 +228,12 @@ fn choices_logprobs_stop_ids_token_routes_and_responses() {
     assert_eq!(r["status"], "incomplete", "8 tokens, EOS ignored: {r}");
 }
 
+/// `[A-Z]{2}-[0-9]{3}`, checked by hand (the tests take no regex crate).
+fn regex_like(t: &str) -> bool {
+    let b = t.as_bytes();
+    b.len() == 6 && b[..2].iter().all(u8::is_ascii_uppercase) && b[2] == b'-' && b[3..].iter().all(u8::is_ascii_digit)
+}
+
 /// Structured outputs: on random weights the grammar alone makes every
 /// answer valid (a Pydantic model through `parse()`, a JSON object, a
 /// regex, a choice, a Lark grammar, n constrained choices), at pp 2.
@@ -235,7 +241,36 @@ fn choices_logprobs_stop_ids_token_routes_and_responses() {
 fn structured_outputs_hold_on_random_weights() {
     let dir = tempfile::tempdir().unwrap();
     let (out, model) = compiled(dir.path());
+    // m3c run takes the same grammar and sampling: the same text.
+    let (run, _) = run_text(
+        &out,
+        &model,
+        &[
+            "--prompt",
+            "Code:",
+            "--max-new-tokens",
+            "12",
+            "--temperature",
+            "1",
+            "--seed",
+            "2",
+            "--regex",
+            "[A-Z]{2}-[0-9]{3}",
+            "--logprobs",
+            "2",
+        ],
+    );
+    let (text, lps) = run.split_once("\nlogprobs 0: ").unwrap_or_else(|| panic!("a logprobs line: {run:?}"));
+    let lps: Value = serde_json::from_str(lps).unwrap();
+    assert!(regex_like(text), "m3c run --regex: {text:?}");
+    assert!(lps.as_array().is_some_and(|a| a.len() >= 6 && a.iter().all(|t| t["top"].as_array().map(Vec::len) == Some(2))), "{lps}");
     let s = Server::start(&out, &model, &[]);
+    let served = s.client(&[
+        "complete",
+        "Code:",
+        r#"{"max_tokens": 12, "temperature": 1, "seed": 2, "extra_body": {"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}"}}}"#,
+    ]);
+    assert_eq!((served["whole"].as_str(), served["streamed"].as_str()), (Some(text), Some(text)), "serve and m3c run");
     let got = s.client(&["structured"]);
     assert_eq!(got["pets"].as_array().map(Vec::len), Some(3), "{got}");
     assert_eq!(got["regex_ok"], true);

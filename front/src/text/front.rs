@@ -256,14 +256,23 @@ pub struct Finished {
 /// it is generated, and passes any other line through. One prompt streams
 /// at a time, in order; the others' text waits in a buffer until their turn
 /// (so several prompts never interleave mid-line). With several prompts each
-/// continuation gets a `### prompt N` heading.
-pub fn stream(stages: impl BufRead, enc: &Encoded, stops: &[String], mut out: impl Write) -> Result<Vec<Finished>, anyhow::Error> {
+/// continuation gets a `### prompt N` heading. The text of an id in `silent`
+/// is never shown (the EOS that ends a grammar's output, as serving leaves
+/// it out).
+pub fn stream(
+    stages: impl BufRead,
+    enc: &Encoded,
+    stops: &[String],
+    silent: &[u32],
+    mut out: impl Write,
+) -> Result<Vec<Finished>, anyhow::Error> {
     let n = enc.ids.len();
     let mut decoders: Vec<IncrementalDecoder> = (0..n).map(|_| IncrementalDecoder::new(true)).collect();
     let mut filters: Vec<StopFilter> = (0..n).map(|_| StopFilter::default()).collect();
     let mut generated: Vec<Vec<u32>> = vec![Vec::new(); n];
     let mut pending: Vec<String> = vec![String::new(); n];
     let mut reasons: Vec<Option<String>> = vec![None; n];
+    let mut logprobs: Vec<Vec<(u32, m3c_contract::protocol::TokenLogprobs)>> = vec![Vec::new(); n];
     let mut current = 0;
     let heading = |i: usize| if n > 1 { format!("### prompt {i}\n") } else { String::new() };
     if n > 0 {
@@ -277,8 +286,15 @@ pub fn stream(stages: impl BufRead, enc: &Encoded, stops: &[String], mut out: im
             Some(Ok(Event::Id { seq, id })) => {
                 let seq = seq_of(seq)?;
                 generated[seq].push(id);
+                if silent.contains(&id) {
+                    continue;
+                }
                 let new = decoders[seq].push(&enc.tokenizer, id)?;
                 pending[seq].push_str(&filters[seq].push(&new, stops, false));
+            }
+            Some(Ok(Event::Logprobs { seq, id, lp })) => {
+                logprobs[seq_of(seq)?].push((id, lp));
+                continue;
             }
             Some(Ok(Event::End { seq, reason })) => {
                 let seq = seq_of(seq)?;
@@ -316,6 +332,10 @@ pub fn stream(stages: impl BufRead, enc: &Encoded, stops: &[String], mut out: im
     }
     if n > 0 {
         out.write_all(b"\n")?;
+    }
+    // `--logprobs`: each prompt's, after all the text.
+    for (i, l) in logprobs.iter().enumerate().filter(|(_, l)| !l.is_empty()) {
+        writeln!(out, "logprobs {i}: {}", m3c_contract::protocol::logprobs_json(l))?;
     }
     out.flush()?;
     Ok(enc
