@@ -82,12 +82,7 @@ fn image_prompt(
 /// checked against the model's tokens, as the stages take it: its text and
 /// the token after which it starts (the end of the thinking of a `--chat`
 /// left to think).
-fn run_grammar(
-    args: &RunArgs,
-    sampling: &m3c_contract::sampling::SamplingParams,
-    eos: &[i64],
-    think_end: Option<u32>,
-) -> Result<Option<(String, Option<i64>)>> {
+fn run_grammar(args: &RunArgs, eos: &[i64], think_end: Option<u32>) -> Result<Option<(String, Option<i64>)>> {
     use m3c_constrain::Grammar;
     let read = |f: &std::path::Path, what: &str| {
         m3c_contract::read_user_file(f, what, m3c_contract::input::limits::TOKENIZER).map_err(|e| anyhow::anyhow!("{e}"))
@@ -108,9 +103,6 @@ fn run_grammar(
     let Some(&first_eos) = eos.first() else {
         anyhow::bail!("{flag} needs the model's EOS to end the output (not --ignore-eos, and an eos_token_id in the checkpoint)");
     };
-    if sampling.repetition_penalty != 1.0 {
-        anyhow::bail!("{flag} cannot go with a repetition penalty (the sampler has one token bitmap per sequence)");
-    }
     let text = grammar.to_text();
     let vocabulary = m3c_constrain::Vocabulary::load(&args.model, None, u32::try_from(first_eos).unwrap_or(0))?;
     vocabulary.compile(&text).map_err(|e| anyhow::anyhow!("{flag}: {e}"))?;
@@ -214,7 +206,7 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
     stage.stream_ids = text_in.is_some();
     stage.logprobs = args.logprobs;
     let think_end = text_in.as_ref().and_then(|t| t.tokenizer.token_id("</mm:think>"));
-    stage.grammar = run_grammar(&args, &sampling, eos, think_end)?;
+    stage.grammar = run_grammar(&args, eos, think_end)?;
     // A JSONL line's own sampling fields, over the run's.
     for (seq, o) in text_in.iter().flat_map(|t| t.overrides.iter().enumerate()) {
         if o.is_empty() {

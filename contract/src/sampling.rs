@@ -790,6 +790,11 @@ pub fn sample(logits: &[f32], seen: &[u32], p: &SamplingParams, request: u64, st
 /// every one of them defines as "off", so the table's width and the
 /// kernels' signature do not change when they land.
 pub const ROW_WORDS: usize = 16;
+
+/// Bitmap rows per sequence of a step (the seen-id and allowed-token
+/// bitmaps' buffer): row `k` is sequence `k`'s seen ids (the repetition
+/// penalty), row `sequences + k` its allowed tokens (structured output).
+pub const BITMAP_ROWS: usize = 2;
 pub mod row {
     /// Temperature (f32 bits, low half) and top-p (f32 bits, high half).
     pub const TEMPERATURE_TOP_P: usize = 0;

@@ -107,13 +107,9 @@ impl LastBooks {
         let record = SeqRecord { prompt, prefill_logits: Vec::new(), generated: Vec::new(), decode_logits: Vec::new() };
         let (mut grammar, mut failed) = (None, None);
         if let Some((text, after)) = out.grammar {
-            if sampling.repetition_penalty != 1.0 {
-                failed = Some("a grammar with a repetition penalty (the sampler has one bitmap per sequence)".to_string());
-            } else {
-                match self.grammars.compile(&text) {
-                    Ok(constraint) => grammar = Some(SeqGrammar { constraint, after }),
-                    Err(e) => failed = Some(e),
-                }
+            match self.grammars.compile(&text) {
+                Ok(constraint) => grammar = Some(SeqGrammar { constraint, after }),
+                Err(e) => failed = Some(e),
             }
         }
         if let Some(why) = &failed {
@@ -145,7 +141,8 @@ impl LastBooks {
         let words = seen_words(vocab);
         let tokens: usize = segs.iter().map(|s| s.rows).sum();
         let mut table = Vec::with_capacity(tokens * ROW_WORDS);
-        let mut seen = vec![0u32; segs.len() * words];
+        // Row k: segment k's seen ids; row segs + k: its allowed tokens.
+        let mut seen = vec![0u32; m3c_contract::sampling::BITMAP_ROWS * segs.len() * words];
         let (mut penalised, mut want_logits) = (false, self.want_logits);
         for (k, s) in segs.iter().enumerate() {
             let masks = &mut self.masks;
@@ -160,14 +157,14 @@ impl LastBooks {
                 let bits = seen_bitmap(r.prompt.iter().chain(&r.generated).map(|&i| i as u32), vocab);
                 seen[k * words..(k + 1) * words].copy_from_slice(&bits);
             }
-            // A started grammar's allowed tokens take the segment's bitmap
-            // row (a grammar goes without a repetition penalty).
+            // A started grammar's allowed tokens.
+            let mask_row = segs.len() + k;
             let mut mask = false;
             if let (true, Some(g)) = (draws && b.failed.is_none(), b.grammar.as_mut().filter(|g| g.after.is_none())) {
                 let t0 = std::time::Instant::now();
                 match g.constraint.mask() {
                     Ok(bits) => {
-                        seen[k * words..(k + 1) * words].copy_from_slice(&bits[..words]);
+                        seen[mask_row * words..(mask_row + 1) * words].copy_from_slice(&bits[..words]);
                         (mask, penalised) = (true, true);
                     }
                     Err(e) => b.failed = Some(e.to_string()),
@@ -179,7 +176,7 @@ impl LastBooks {
             for j in 0..s.rows {
                 let mut w = row_words(&b.sampling, 0, r.generated.len() as u64, draws && j + 1 == s.rows, k);
                 if mask && j + 1 == s.rows {
-                    w[row::TOKEN_MASK] = k as i64 + 1;
+                    w[row::TOKEN_MASK] = mask_row as i64 + 1;
                 }
                 table.extend_from_slice(&w);
             }

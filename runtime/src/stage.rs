@@ -121,7 +121,7 @@ impl Io {
             logits: a(tokens * vocab * 4),
             out: a(tokens * 8),
             table: a(if last { tokens * m3c_contract::sampling::ROW_WORDS * 8 } else { 0 }),
-            seen: a(sequences * words * 4),
+            seen: a(m3c_contract::sampling::BITMAP_ROWS * sequences * words * 4),
         }
     }
 
@@ -634,7 +634,8 @@ impl Stage {
                 ))
             }
         };
-        if m.last_stage && (table.len() != tokens * m3c_contract::sampling::ROW_WORDS || seen.len() != segments.len() * words) {
+        let bitmap_words = m3c_contract::sampling::BITMAP_ROWS * segments.len() * words;
+        if m.last_stage && (table.len() != tokens * m3c_contract::sampling::ROW_WORDS || seen.len() != bitmap_words) {
             return Err(StageError::Step(format!(
                 "step of {tokens} rows got a sampling table of {} words and {} bitmap words",
                 table.len(),

@@ -545,7 +545,7 @@ async fn start(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: Opti
     // `seed + i` gives.
     let grammar = match &common.grammar {
         None => None,
-        Some((g, field)) => Some((check_grammar(&app, &common, g, field).map_err(|e| error(&e))?, grammar_after(&app, &kind))),
+        Some((g, field)) => Some((check_grammar(&app, g, field).map_err(|e| error(&e))?, grammar_after(&app, &kind))),
     };
     // A grammar's end is an EOS the sequence must stop on, whatever
     // `ignore_eos` says, and whose text is not the answer's.
@@ -618,13 +618,7 @@ async fn start(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: Opti
 
 /// A request's grammar, compiled once here so that a bad one is the
 /// client's 400 (naming the field that gave it), as its text for the stages.
-fn check_grammar(app: &Shared, common: &Common, g: &m3c_constrain::Grammar, field: &str) -> Result<String, ApiError> {
-    if common.sampling.repetition_penalty != 1.0 {
-        return Err(ApiError::bad(
-            "repetition_penalty",
-            format!("`repetition_penalty` cannot go with `{field}` (the sampler has one token bitmap per sequence); leave it at 1"),
-        ));
-    }
+fn check_grammar(app: &Shared, g: &m3c_constrain::Grammar, field: &str) -> Result<String, ApiError> {
     let v = app.grammars.as_ref().map_err(|why| ApiError::bad(field, format!("`{field}`: structured output is not available: {why}")))?;
     let text = g.to_text();
     v.compile(&text).map_err(|e| ApiError::bad(field, format!("`{field}`: {e}")))?;

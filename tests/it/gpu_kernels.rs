@@ -520,7 +520,7 @@ fn cuda_stage_logits(model: &str, act: Storage, gemm: bool, decode: &[i64]) -> V
             g.mem.alloc(rows * 8),
             g.mem.alloc(rows * 8),
             g.mem.alloc(rows * m3c_contract::sampling::ROW_WORDS * 8),
-            g.mem.alloc(m3c_contract::sampling::seen_words(vocab) * 4),
+            g.mem.alloc(m3c_contract::sampling::BITMAP_ROWS * m3c_contract::sampling::seen_words(vocab) * 4),
         ]
     };
     let (prefill_io, decode_io) = (io(&mut g, prompt.len()), io(&mut g, 1));
@@ -700,7 +700,7 @@ fn tiny_cuda_vision_reproduces_the_golden_in_the_interpreter() {
         logits,
         g.mem.alloc(s * 8),
         g.mem.put(&samp),
-        g.mem.alloc(m3c_contract::sampling::seen_words(vocab) * 4),
+        g.mem.alloc(m3c_contract::sampling::BITMAP_ROWS * m3c_contract::sampling::seen_words(vocab) * 4),
         g.mem.put(&pos),
         img_rows.len() as u64,
         g.mem.put(&feats),
@@ -804,7 +804,7 @@ impl CudaPipeline {
                 g.mem.alloc(s * 8),
                 g.mem.put(&pos),
                 g.mem.alloc(s * m3c_contract::sampling::ROW_WORDS * 8),
-                g.mem.alloc(segs.len() * m3c_contract::sampling::seen_words(self.vocab) * 4),
+                g.mem.alloc(m3c_contract::sampling::BITMAP_ROWS * segs.len() * m3c_contract::sampling::seen_words(self.vocab) * 4),
             ];
             let args =
                 [st.weights, st.weights, a[0], segs.len() as u64, a[1], a[2], s as u64, a[3], a[4], a[5], a[6], a[8], a[9], a[7], 0, 0, 0]

@@ -623,6 +623,10 @@ def structured(base, model):
     r = c.completions.create(model=model, prompt="Yes or no:", max_tokens=8, temperature=1.0, seed=1,
                              extra_body={"guided_grammar": 'start: "yes" | "no"'})
     assert r.choices[0].text in ("yes", "no"), r.choices[0].text
+    # With a repetition penalty too (its bitmap and the grammar's are separate rows).
+    r = c.completions.create(model=model, prompt="Digits:", max_tokens=8, temperature=1.0, seed=4,
+                             extra_body={"repetition_penalty": 1.3, "structured_outputs": {"regex": "[0-9]{5}"}})
+    assert re.fullmatch(r"[0-9]{5}", r.choices[0].text), r.choices[0].text
     # n choices, each constrained.
     r = c.completions.create(model=model, prompt="Digits:", max_tokens=8, temperature=1.0, seed=9, n=3,
                              extra_body={"structured_outputs": {"regex": "[0-9]{4}"}})
@@ -630,7 +634,7 @@ def structured(base, model):
     # Bad grammars and conflicts: 400 naming the field.
     for body, field in [({"structured_outputs": {"regex": "("}}, "structured_outputs"),
                         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),
-                        ({"guided_regex": "a", "repetition_penalty": 1.2}, "repetition_penalty")]:
+                        ({"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "guided_regex")]:
         try:
             c.completions.create(model=model, prompt="x", max_tokens=4, extra_body=body)
             raise AssertionError(f"{body} was accepted")

@@ -347,8 +347,13 @@ fn entry_body(f: &FusedStage, flavor: Flavor) -> Emitter {
         e.view_as("%logits", "%logits_p", "%S", MemTy::rows(vocab, "f32"));
         e.view_as("%out_ids", "%out_ids_p", "%S", ids_ty);
         e.view_as("%table", "%table_p", "%S", MemTy::rows(m3c_contract::sampling::ROW_WORDS, "i64"));
+        // Two bitmap rows per sequence: its seen ids, then its allowed tokens.
         let words = m3c_contract::sampling::seen_words(vocab);
-        e.view_as("%seen", "%seen_p", "%nseq", MemTy::rows(words, "i32"));
+        e.body.push_str(&format!(
+            "%bitmap_rows = arith.constant {} : index\n%seen_rows = arith.muli %nseq, %bitmap_rows : index\n",
+            m3c_contract::sampling::BITMAP_ROWS
+        ));
+        e.view_as("%seen", "%seen_p", "%seen_rows", MemTy::rows(words, "i32"));
     }
     emit_steps(&mut e, &f.steps, 0);
     e.body.push_str("return\n");
