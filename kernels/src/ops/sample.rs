@@ -135,17 +135,7 @@ fn scaled(p: &str, l: &str, i: &str, nw: usize) -> String {
     format!(
         "%{p}nan = arith.cmpf uno, {l}, {l} : f32\n\
          %{p}fl = arith.select %{p}nan, %ninf, {l} : f32\n\
-         %{p}hit = scf.if %penon -> (i1) {{\n\
-         \x20 %{p}wi = arith.divui {i}, %c32 : index\n\
-         \x20 %{p}bw = memref.load %seen[%srow, %{p}wi] : memref<?x{nw}xi32>\n\
-         \x20 %{p}bi = arith.remui {i}, %c32 : index\n\
-         \x20 %{p}bi32 = arith.index_cast %{p}bi : index to i32\n\
-         \x20 %{p}bs = arith.shrui %{p}bw, %{p}bi32 : i32\n\
-         \x20 %{p}b1 = arith.trunci %{p}bs : i32 to i1\n\
-         \x20 scf.yield %{p}b1 : i1\n\
-         }} else {{\n\
-         \x20 scf.yield %false : i1\n\
-         }}\n\
+         {hit}\
          %{p}pos = arith.cmpf ogt, {l}, %zero : f32\n\
          %{p}dv = arith.divf {l}, %pen : f32\n\
          %{p}mv = arith.mulf {l}, %pen : f32\n\
@@ -154,18 +144,27 @@ fn scaled(p: &str, l: &str, i: &str, nw: usize) -> String {
          %{p}pf = arith.select %{p}pnan, %ninf, %{p}pl : f32\n\
          %{p}v = arith.select %{p}hit, %{p}pf, %{p}fl : f32\n\
          %{p}x0 = arith.divf %{p}v, %tt : f32\n\
-         %{p}ok = scf.if %maskon -> (i1) {{\n\
-         \x20 %{p}mi = arith.divui {i}, %c32 : index\n\
-         \x20 %{p}mw = memref.load %seen[%mrow, %{p}mi] : memref<?x{nw}xi32>\n\
-         \x20 %{p}mb = arith.remui {i}, %c32 : index\n\
-         \x20 %{p}mb32 = arith.index_cast %{p}mb : index to i32\n\
-         \x20 %{p}ms = arith.shrui %{p}mw, %{p}mb32 : i32\n\
-         \x20 %{p}m1 = arith.trunci %{p}ms : i32 to i1\n\
-         \x20 scf.yield %{p}m1 : i1\n\
+         {ok}\
+         %{p}x = arith.select %{p}ok, %{p}x0, %ninf : f32\n",
+        hit = bitmap_bit(&format!("{p}hit"), "%penon", "%srow", i, nw, "%false"),
+        ok = bitmap_bit(&format!("{p}ok"), "%maskon", "%mrow", i, nw, "%true"),
+    )
+}
+
+/// `%{d}` (i1) = bit `i` of bitmap row `row` of `%seen` when `on`, else `otherwise`.
+fn bitmap_bit(d: &str, on: &str, row: &str, i: &str, nw: usize, otherwise: &str) -> String {
+    format!(
+        "%{d} = scf.if {on} -> (i1) {{\n\
+         \x20 %{d}_wi = arith.divui {i}, %c32 : index\n\
+         \x20 %{d}_w = memref.load %seen[{row}, %{d}_wi] : memref<?x{nw}xi32>\n\
+         \x20 %{d}_bi = arith.remui {i}, %c32 : index\n\
+         \x20 %{d}_b32 = arith.index_cast %{d}_bi : index to i32\n\
+         \x20 %{d}_s = arith.shrui %{d}_w, %{d}_b32 : i32\n\
+         \x20 %{d}_1 = arith.trunci %{d}_s : i32 to i1\n\
+         \x20 scf.yield %{d}_1 : i1\n\
          }} else {{\n\
-         \x20 scf.yield %true : i1\n\
-         }}\n\
-         %{p}x = arith.select %{p}ok, %{p}x0, %ninf : f32\n"
+         \x20 scf.yield {otherwise} : i1\n\
+         }}\n"
     )
 }
 
