@@ -9,7 +9,7 @@
 //!
 //! ```text
 //! add seq=SEQ max_new=N ignore_eos=0|1 prompt=ID,ID,... [images=HEX] [stop=HEX ...] [stop_ids=ID,ID,...] [logprobs=K]
-//!     [grammar=HEX [grammar_after=ID]] [temperature=T top_k=K ...]
+//!     [grammar=HEX [grammar_after=ID]] [min_tokens=N] [temperature=T top_k=K ...]
 //! cancel SEQ
 //! ```
 //!
@@ -55,6 +55,9 @@ pub struct SeqRequest {
     /// The grammar the output must match (its text form), and the token
     /// after which it starts (`None`: from the first token).
     pub grammar: Option<(String, Option<i64>)>,
+    /// Tokens generated before an EOS or a stop id may be drawn (vLLM's
+    /// `min_tokens`; 0: none).
+    pub min_tokens: usize,
 }
 
 /// The most alternatives a token's logprobs may list (vLLM's and OpenAI's 20).
@@ -160,6 +163,9 @@ impl Command {
                 if let Some(k) = r.logprobs {
                     line.push_str(&format!(" logprobs={k}"));
                 }
+                if r.min_tokens > 0 {
+                    line.push_str(&format!(" min_tokens={}", r.min_tokens));
+                }
                 if let Some((g, after)) = &r.grammar {
                     line.push_str(&format!(" grammar={}", hex(g.as_bytes())));
                     if let Some(a) = after {
@@ -185,7 +191,7 @@ impl Command {
             Some("add") => {
                 let (mut seq, mut max_new, mut prompt) = (None, None, None);
                 let (mut ignore_eos, mut images, mut stops, mut stop_ids) = (false, None, Vec::new(), Vec::new());
-                let (mut logprobs, mut grammar, mut grammar_after) = (None, None, None);
+                let (mut logprobs, mut grammar, mut grammar_after, mut min_tokens) = (None, None, None, 0);
                 let mut sampling = SamplingParams::GREEDY;
                 for w in words {
                     let (k, v) = w.split_once('=').ok_or_else(|| format!("`{w}`: expected name=value"))?;
@@ -202,6 +208,7 @@ impl Command {
                             grammar = Some(String::from_utf8(bytes).map_err(|_| "grammar: not UTF-8")?);
                         }
                         "grammar_after" => grammar_after = Some(int::<i64>("grammar_after", v)?),
+                        "min_tokens" => min_tokens = int("min_tokens", v)?,
                         "logprobs" => {
                             let k = int::<u8>("logprobs", v)?;
                             if k > MAX_TOP_LOGPROBS {
@@ -233,6 +240,7 @@ impl Command {
                         (None, Some(_)) => return Err("grammar_after= without grammar=".into()),
                         (None, None) => None,
                     },
+                    min_tokens,
                 }))
             }
             _ => Err("expected `add seq=SEQ max_new=N prompt=IDS ...` or `cancel SEQ`".into()),
@@ -393,6 +401,7 @@ mod tests {
             stop_ids: vec![200_020, 3],
             logprobs: Some(5),
             grammar: Some(("{\"grammars\": [{\"lark_grammar\": \"start: /a b/\"}]}".into(), Some(200_060))),
+            min_tokens: 4,
         }
     }
 
@@ -406,6 +415,7 @@ mod tests {
                 stop_ids: vec![],
                 logprobs: None,
                 grammar: Some(("{}".into(), None)),
+                min_tokens: 0,
                 ..request()
             }),
             Command::Cancel(3),

@@ -32,12 +32,14 @@ pub(crate) struct GrammarSource {
     pub model: Option<std::path::PathBuf>,
     pub vocab: usize,
     pub eos: u32,
+    /// Every EOS id: what `min_tokens` holds back, with the stop ids.
+    pub eos_ids: Vec<i64>,
     built: Option<Result<m3c_constrain::Vocabulary, String>>,
 }
 
 impl GrammarSource {
     pub fn new(model: Option<std::path::PathBuf>, vocab: usize, eos: u32) -> GrammarSource {
-        GrammarSource { model, vocab, eos, built: None }
+        GrammarSource { model, vocab, eos, eos_ids: Vec::new(), built: None }
     }
 
     fn compile(&mut self, text: &str) -> Result<m3c_constrain::Constraint, String> {
@@ -60,6 +62,10 @@ struct SeqBook {
     /// Alternatives to report with each token's logprob (`None`: no logprobs).
     logprobs: Option<u8>,
     grammar: Option<SeqGrammar>,
+    /// Tokens generated before `held` may be drawn, and the ids held back
+    /// until then (EOS and the request's stop ids).
+    min_tokens: usize,
+    held: Vec<i64>,
     /// Why the sequence cannot go on (its grammar failed): its next draw
     /// ends it, as non-finite logits do.
     failed: Option<String>,
@@ -71,6 +77,8 @@ struct SeqBook {
 pub(crate) struct OutputSpec {
     pub logprobs: Option<u8>,
     pub grammar: Option<(String, Option<i64>)>,
+    pub min_tokens: usize,
+    pub stop_ids: Vec<i64>,
 }
 
 /// What the last stage drew for one segment: its id (-1: the sequence met
@@ -115,7 +123,9 @@ impl LastBooks {
         if let Some(why) = &failed {
             eprintln!("m3c stage: sequence {seq}: {why}");
         }
-        self.live.insert(seq, SeqBook { record, sampling, max_new, logprobs: out.logprobs, grammar, failed });
+        let held = self.grammars.eos_ids.iter().chain(&out.stop_ids).copied().collect();
+        let min_tokens = out.min_tokens;
+        self.live.insert(seq, SeqBook { record, sampling, max_new, logprobs: out.logprobs, grammar, min_tokens, held, failed });
     }
 
     /// A sequence leaves; its record is kept when logits are wanted.
@@ -171,6 +181,19 @@ impl LastBooks {
                 }
                 masks.0 += 1;
                 masks.1 += t0.elapsed().as_secs_f64();
+            }
+            // `min_tokens`: EOS and the stop ids are held back until then
+            // (from the grammar's allowed tokens, or from every token).
+            if draws && b.record.generated.len() < b.min_tokens && !b.held.is_empty() {
+                let row = &mut seen[mask_row * words..(mask_row + 1) * words];
+                if !mask {
+                    row.copy_from_slice(&m3c_contract::sampling::seen_bitmap(0..vocab as u32, vocab));
+                    mask = true;
+                    penalised = true;
+                }
+                for &h in b.held.iter().filter(|&&h| h >= 0 && (h as usize) < vocab) {
+                    row[h as usize / 32] &= !(1 << (h % 32));
+                }
             }
             let r = &b.record;
             for j in 0..s.rows {

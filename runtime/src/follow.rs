@@ -15,16 +15,26 @@ use mpi::topology::SimpleCommunicator;
 
 /// A `KIND_ADD` message: the sequence, its cache capacity, and a payload of
 /// i64 words (its sampling-table row, logprobs in the row's `LOGPROBS`
-/// word; the prompt's length and ids; the token after which its grammar
+/// word and `min_tokens` in its `MIN_TOKENS` word; the prompt's length and
+/// ids; the stop ids' count and ids; the token after which its grammar
 /// starts, -1 for the first, -2 for no grammar) and then the grammar's text.
 pub(crate) fn add_message(a: &SeqRequest) -> Vec<u8> {
-    let mut row = row_words(&a.sampling, 0, 0, true, 0);
-    row[m3c_contract::sampling::row::LOGPROBS] = a.logprobs.map_or(0, |k| i64::from(k) + 1);
+    use m3c_contract::sampling::row;
+    let mut w = row_words(&a.sampling, 0, 0, true, 0);
+    w[row::LOGPROBS] = a.logprobs.map_or(0, |k| i64::from(k) + 1);
+    w[row::MIN_TOKENS] = a.min_tokens as i64;
     let after = match &a.grammar {
         None => -2,
         Some((_, after)) => after.unwrap_or(-1),
     };
-    let words = row.iter().copied().chain([a.prompt.len() as i64]).chain(a.prompt.iter().copied()).chain([after]);
+    let words = w
+        .iter()
+        .copied()
+        .chain([a.prompt.len() as i64])
+        .chain(a.prompt.iter().copied())
+        .chain([a.stop_ids.len() as i64])
+        .chain(a.stop_ids.iter().copied())
+        .chain([after]);
     let mut payload: Vec<u8> = words.flat_map(|w| w.to_le_bytes()).collect();
     if let Some((text, _)) = &a.grammar {
         payload.extend_from_slice(text.as_bytes());
@@ -42,12 +52,16 @@ pub(crate) fn parse_add(payload: &[u8]) -> Result<(SamplingParams, Vec<i64>, Out
     let (sampling, ..) = row_params(&table);
     let n = word(ROW_WORDS).and_then(|n| usize::try_from(n).ok()).filter(|&n| n <= payload.len() / 8).ok_or_else(short)?;
     let prompt: Vec<i64> = (ROW_WORDS + 1..ROW_WORDS + 1 + n).map(word).collect::<Option<_>>().ok_or_else(short)?;
-    let after = word(ROW_WORDS + 1 + n).ok_or_else(short)?;
+    let at = ROW_WORDS + 1 + n;
+    let ns = word(at).and_then(|k| usize::try_from(k).ok()).filter(|&k| k <= payload.len() / 8).ok_or_else(short)?;
+    let stop_ids: Vec<i64> = (at + 1..at + 1 + ns).map(word).collect::<Option<_>>().ok_or_else(short)?;
+    let after = word(at + 1 + ns).ok_or_else(short)?;
     let logprobs = match table[m3c_contract::sampling::row::LOGPROBS] {
         0 => None,
         k => Some(u8::try_from(k - 1).map_err(|_| StageError::Peer("an add message's logprobs are out of range".into()))?),
     };
-    let rest = &payload[(ROW_WORDS + 2 + n) * 8..];
+    let rest = payload.get((at + 2 + ns) * 8..).ok_or_else(short)?;
+    let min_tokens = usize::try_from(table[m3c_contract::sampling::row::MIN_TOKENS]).map_err(|_| short())?;
     let grammar = match after {
         -2 => None,
         a => {
@@ -55,7 +69,7 @@ pub(crate) fn parse_add(payload: &[u8]) -> Result<(SamplingParams, Vec<i64>, Out
             Some((text, (a >= 0).then_some(a)))
         }
     };
-    Ok((sampling, prompt, OutputSpec { logprobs, grammar }))
+    Ok((sampling, prompt, OutputSpec { logprobs, grammar, min_tokens, stop_ids }))
 }
 
 /// Cache rows a sequence needs: its prompt and every token it may generate

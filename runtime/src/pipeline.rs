@@ -33,7 +33,8 @@ pub fn run(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Stage, args: 
     let want_logits = args.dump.is_some() || args.expect.is_some();
     let on_bad = if args.serve { OnNonFinite::EndSequence } else { OnNonFinite::EndRun };
     let eos = args.eos_ids.first().and_then(|&e| u32::try_from(e).ok()).unwrap_or(0);
-    let grammars = crate::books::GrammarSource::new(args.model.clone(), st.meta.vocab, eos);
+    let mut grammars = crate::books::GrammarSource::new(args.model.clone(), st.meta.vocab, eos);
+    grammars.eos_ids = args.eos_ids.clone();
     let mut books = LastBooks::new(want_logits, on_bad, grammars);
     if !st.meta.first_stage {
         crate::follow::follow(world, peers, st, &mut books)?;
@@ -101,6 +102,7 @@ impl<'a> RunFeed<'a> {
                 stop_ids: Vec::new(),
                 logprobs: args.logprobs,
                 grammar: args.grammar.clone(),
+                min_tokens: 0,
             })
             .collect();
         let n = args.prompts.len();

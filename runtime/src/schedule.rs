@@ -286,7 +286,12 @@ impl Leader {
         if self.stages > 1 {
             self.outbox.send(world, 1, TAG_ACT, add_message(&a));
         } else {
-            let out = crate::books::OutputSpec { logprobs: a.logprobs, grammar: a.grammar.clone() };
+            let out = crate::books::OutputSpec {
+                logprobs: a.logprobs,
+                grammar: a.grammar.clone(),
+                min_tokens: a.min_tokens,
+                stop_ids: a.stop_ids.clone(),
+            };
             books.start(a.seq, a.prompt.clone(), a.sampling, a.max_new, out);
         }
         let chunk = self.batching.chunk;

@@ -45,6 +45,8 @@ pub struct Submission {
     /// The grammar the output must match (its text), from the token after
     /// the given one (the end of the model's thinking) or from the first.
     pub grammar: Option<(String, Option<u32>)>,
+    /// Tokens before an EOS or a stop id may be drawn.
+    pub min_tokens: usize,
 }
 
 /// Why a request was not taken.
@@ -262,6 +264,7 @@ impl Engine {
             stop_ids: s.stop_ids.iter().map(|&i| i64::from(i)).collect(),
             logprobs: s.logprobs,
             grammar: s.grammar.as_ref().map(|(g, after)| (g.clone(), after.map(i64::from))),
+            min_tokens: s.min_tokens,
         };
         let line = format!("{}\n", Command::Add(request).encode());
         let images = s.images;

@@ -567,6 +567,7 @@ async fn start(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: Opti
             stop_ids: common.stop_ids.clone(),
             logprobs: common.logprobs,
             grammar: grammar.clone(),
+            min_tokens: common.min_tokens,
         };
         // A refused choice drops the tickets taken so far, which cancels them.
         tickets.push(match app.engine.submit(sub) {

@@ -52,6 +52,8 @@ pub struct Common {
     /// What the output must match (structured output), and the request
     /// field that asked for it.
     pub grammar: Option<(Grammar, &'static str)>,
+    /// Tokens generated before EOS or a stop id may be drawn (vLLM's `min_tokens`).
+    pub min_tokens: usize,
 }
 
 /// The most choices one request may ask for: each is a sequence in the
@@ -235,9 +237,6 @@ pub fn check_fields(m: &Map<String, Value>, endpoint: Endpoint) -> Result<(), Ap
     if m.get("parallel_tool_calls").is_some_and(|v| v == &Value::Bool(false)) {
         return refuse("parallel_tool_calls", "m3c cannot limit the model to one tool call (only true)");
     }
-    if uint(m, "min_tokens")?.is_some_and(|v| v > 0) {
-        return refuse("min_tokens", "m3c cannot hold back EOS yet (only 0)");
-    }
     if let Some(o) = m.get("stream_options").and_then(Value::as_object) {
         if let Some(k) = o.keys().find(|k| k.as_str() != "include_usage" && !o[k.as_str()].is_null()) {
             return Err(ApiError::bad("stream_options", format!("`stream_options.{k}` is not supported by m3c (only include_usage)")));
@@ -349,6 +348,12 @@ pub fn common(m: &Map<String, Value>, d: &Defaults, endpoint: Endpoint, seed_fal
         skip_special: boolean(m, "skip_special_tokens")?.unwrap_or(true),
         logprobs,
         grammar: grammar(m)?,
+        min_tokens: match (uint(m, "min_tokens")?, max_tokens) {
+            (Some(v), Some(max)) if v as usize > max => {
+                return Err(ApiError::bad("min_tokens", format!("`min_tokens` ({v}) is more than the token limit ({max})")))
+            }
+            (v, _) => v.map_or(0, |v| usize::try_from(v).unwrap_or(usize::MAX)),
+        },
     })
 }
 /// The request's structured output: OpenAI's `response_format`
@@ -599,7 +604,8 @@ mod tests {
             ),
             (json!({"tool_choice": "auto"}), Completions, "tool_choice"),
             (json!({"parallel_tool_calls": false}), ChatCompletions, "parallel_tool_calls"),
-            (json!({"min_tokens": 4}), Completions, "min_tokens"),
+            (json!({"min_tokens": 4, "max_tokens": 2}), Completions, "min_tokens"),
+            (json!({"min_tokens": -1}), Completions, "min_tokens"),
             (json!({"stop_token_ids": [-7]}), ChatCompletions, "stop_token_ids"),
             (json!({"stop_token_ids": 7}), Completions, "stop_token_ids"),
             (json!({"include_stop_str_in_output": "yes"}), Completions, "include_stop_str_in_output"),

@@ -456,6 +456,11 @@ def choices_and_tokens(base, model, ids, stop_id):
     stopped = greedy(8, stop_token_ids=[stop_id])
     assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 3, stopped
     assert stopped.choices[0].text == greedy(2).choices[0].text, (stopped.choices[0].text, greedy(2).choices[0].text)
+    # min_tokens holds the stop id back: the greedy path goes on past it.
+    held = greedy(8, stop_token_ids=[stop_id], min_tokens=5)
+    assert held.usage.completion_tokens >= 6, held
+    assert held.choices[0].text.startswith(greedy(2).choices[0].text), (held.choices[0].text, greedy(2).choices[0].text)
+    out["min_tokens"] = held.usage.completion_tokens
     kept = greedy(8, stop_token_ids=[stop_id], include_stop_str_in_output=True)
     assert kept.choices[0].text == greedy(3).choices[0].text, kept
     # include_stop_str_in_output with a stop string: the text ends with it.
