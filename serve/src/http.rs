@@ -135,9 +135,28 @@ async fn completions(State(app): State<App>, headers: HeaderMap, body: Bytes) ->
         let common = Common { max_tokens: common.max_tokens.or(Some(16)), ..common };
         Ok((ids, common))
     };
-    match run() {
-        Ok((ids, common)) => generate(app, ids, common, Kind::Completion, None).await,
-        Err(e) => error(&e),
+    let (ids, common) = match run() {
+        Ok(r) => r,
+        Err(e) => return error(&e),
+    };
+    let echo = match common.echo.then(|| app.tokenizer.decode(&ids, common.skip_special)) {
+        None => None,
+        Some(Ok(t)) => Some(t),
+        Some(Err(e)) => return error(&ApiError::new(500, "server_error", e.to_string())),
+    };
+    let stream_it = common.stream;
+    match start(app, ids, common, Kind::Completion, None).await {
+        Ok(mut gens) => {
+            for g in &mut gens {
+                g.echo.clone_from(&echo);
+            }
+            if stream_it {
+                stream(gens)
+            } else {
+                whole(gens).await
+            }
+        }
+        Err(r) => r,
     }
 }
 
@@ -340,6 +359,8 @@ struct Generation {
     logprobs: Vec<(u32, TokenLogprobs)>,
     /// Characters of the tokens whose logprobs were sent (completions' `text_offset`).
     lp_offset: usize,
+    /// The prompt's text, which the answer starts with (completions' `echo`).
+    echo: Option<String>,
     id: String,
     created: u64,
     finish: Option<String>,
@@ -610,6 +631,7 @@ async fn start(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: Opti
             all_tokens: all_tokens.clone(),
             logprobs: Vec::new(),
             lp_offset: 0,
+            echo: None,
             created,
             finish: None,
         })
@@ -696,7 +718,8 @@ async fn whole_choice(mut g: Generation) -> Result<(Value, Generation), String> 
         }
         json!({"index": g.index, "message": message, "logprobs": g.take_logprobs(), "finish_reason": finish})
     } else {
-        json!({"index": g.index, "text": content, "logprobs": g.take_logprobs(), "finish_reason": finish})
+        let text = g.echo.take().unwrap_or_default() + &content;
+        json!({"index": g.index, "text": text, "logprobs": g.take_logprobs(), "finish_reason": finish})
     };
     Ok((choice, g))
 }
@@ -732,6 +755,13 @@ fn choice_events(g: Generation) -> impl futures_util::Stream<Item = Result<Sse_,
     let data = |v: &Value| Ok::<_, Infallible>(Sse_::default().data(v.to_string()));
     let events = futures_util::stream::unfold((g, 0u8), move |(mut g, phase)| async move {
         // Phase 0: the role (chat); 1: text; 2: done.
+        if phase == 0 && g.chat.is_none() {
+            // Completions' `echo`: the prompt's text comes first.
+            if let Some(text) = g.echo.take().filter(|t| !t.is_empty()) {
+                let c = g.chunk(json!({"index": g.index, "text": text, "logprobs": null, "finish_reason": null}));
+                return Some((vec![data(&c)], (g, 1)));
+            }
+        }
         if phase == 0 && g.chat.is_some() {
             let c =
                 g.chunk(json!({"index": g.index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}));

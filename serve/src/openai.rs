@@ -54,6 +54,8 @@ pub struct Common {
     pub grammar: Option<(Grammar, &'static str)>,
     /// Tokens generated before EOS or a stop id may be drawn (vLLM's `min_tokens`).
     pub min_tokens: usize,
+    /// Completions: the answer's text starts with the prompt's.
+    pub echo: bool,
 }
 
 /// The most choices one request may ask for: each is a sequence in the
@@ -277,7 +279,11 @@ pub fn common(m: &Map<String, Value>, d: &Defaults, endpoint: Endpoint, seed_fal
         return Err(ApiError::bad("n", format!("`n` must be from 1 to {MAX_N}")));
     }
     let logprobs = logprobs(m, endpoint)?;
-    for k in ["logit_bias", "echo", "best_of", "suffix"] {
+    let echo = boolean(m, "echo")?.unwrap_or(false);
+    if echo && logprobs.is_some() {
+        return Err(ApiError::bad("echo", "`echo` with `logprobs` needs the prompt's logprobs, which m3c does not compute yet"));
+    }
+    for k in ["logit_bias", "best_of", "suffix"] {
         match m.get(k) {
             None | Some(Value::Null) | Some(Value::Bool(false)) => {}
             Some(Value::Number(n)) if k == "best_of" && n.as_u64() == Some(1) => {}
@@ -354,6 +360,7 @@ pub fn common(m: &Map<String, Value>, d: &Defaults, endpoint: Endpoint, seed_fal
             }
             (v, _) => v.map_or(0, |v| usize::try_from(v).unwrap_or(usize::MAX)),
         },
+        echo,
     })
 }
 /// The request's structured output: OpenAI's `response_format`
@@ -616,7 +623,8 @@ mod tests {
             (json!({"logprobs": 21}), Completions, "logprobs"),
             (json!({"top_logprobs": 2}), ChatCompletions, "top_logprobs"),
             (json!({"logprobs": true, "top_logprobs": 21}), ChatCompletions, "top_logprobs"),
-            (json!({"echo": true}), Completions, "echo"),
+            (json!({"echo": true, "logprobs": 2}), Completions, "echo"),
+            (json!({"echo": 1}), Completions, "echo"),
             (json!({"echo": true}), ChatCompletions, "echo"),
             (json!({"n": 0}), ChatCompletions, "n"),
             (json!({"n": 17}), Completions, "n"),
@@ -645,6 +653,7 @@ mod tests {
             (json!({"logprobs": false, "top_logprobs": null, "user": "alice", "max_completion_tokens": 5}), ChatCompletions),
             (json!({"logprobs": true, "top_logprobs": 20}), ChatCompletions),
             (json!({"logprobs": 0}), Completions),
+            (json!({"echo": true}), Completions),
             (json!({"logprobs": 5}), Completions),
             (json!({"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "ignore_eos": true, "seed": 3, "stop": ["x"]}), Completions),
             (json!({"stream": true, "stream_options": {"include_usage": true}, "chat_template_kwargs": {}}), ChatCompletions),

@@ -473,6 +473,12 @@ def choices_and_tokens(base, model, ids, stop_id):
     raw = greedy(len(ids), skip_special_tokens=False).choices[0].text
     detok = httpx.post(f"{root}/detokenize", json={"model": model, "tokens": ids}, timeout=30).json()
     assert raw == detok["prompt"], (raw, detok)
+    # echo: the answer starts with the prompt's text, whole and streamed.
+    plain = c.completions.create(model=model, prompt="Hello world", max_tokens=4, temperature=0).choices[0].text
+    echoed = c.completions.create(model=model, prompt="Hello world", max_tokens=4, temperature=0, echo=True).choices[0].text
+    streamed = "".join(ch.text for chunk in c.completions.create(model=model, prompt="Hello world", max_tokens=4, temperature=0,
+                                                                echo=True, stream=True) for ch in chunk.choices)
+    assert echoed == streamed == "Hello world" + plain, (echoed, streamed, plain)
     # /tokenize: the prompt and chat token counts the generation routes use.
     text = "Hello world, tokenize me."
     t = httpx.post(f"{root}/tokenize", json={"model": model, "prompt": text, "return_token_strs": True}, timeout=30).json()
