@@ -111,6 +111,10 @@ impl Vocabulary {
     pub fn from_tokenizer_json(json: &str, vocab: Option<usize>, eos: u32) -> Result<Vocabulary, ConstrainError> {
         let mut words = m3c_contract::token_bytes::byte_level_table(json).map_err(ConstrainError::Tokenizer)?;
         let vocab = vocab.unwrap_or(words.len());
+        // llguidance indexes its trie by the EOS id: one outside the ids is the config's error.
+        if eos as usize >= vocab.max(words.len()) {
+            return Err(ConstrainError::Tokenizer(format!("the EOS id {eos} is outside the tokenizer's {} ids", vocab.max(words.len()))));
+        }
         let t: Value = serde_json::from_str(json).map_err(|e| ConstrainError::Tokenizer(e.to_string()))?;
         // Special tokens are llguidance's 0xFF-marked words: never text a
         // grammar's string could spell.
@@ -255,6 +259,8 @@ mod tests {
         assert!(e.to_string().contains("does not compile"), "{e}");
         assert!(v.compile("{not json").is_err());
         assert!(Vocabulary::from_tokenizer_json(&tokenizer(), Some(10), 9).is_err(), "a vocabulary narrower than the tokenizer");
+        let e = Vocabulary::from_tokenizer_json(&tokenizer(), Some(100), 100).err().expect("an EOS past the ids");
+        assert!(e.to_string().contains("EOS id 100"), "{e}");
     }
 
     #[test]
