@@ -120,6 +120,12 @@ pub(crate) struct RunArgs {
     /// Above 1, tokens already in the sequence become less likely (Hugging Face's rule). Default: generation_config.json's, else 1.
     #[arg(long, value_name = "R", value_parser = number)]
     pub(crate) repetition_penalty: Option<f32>,
+    /// OpenAI's presence penalty (-2 to 2): subtracted from the logit of every token already generated (0 = none).
+    #[arg(long, value_name = "P", value_parser = number, allow_negative_numbers = true)]
+    pub(crate) presence_penalty: Option<f32>,
+    /// OpenAI's frequency penalty (-2 to 2): subtracted once per time a token was already generated (0 = none).
+    #[arg(long, value_name = "F", value_parser = number, allow_negative_numbers = true)]
+    pub(crate) frequency_penalty: Option<f32>,
     /// Seed of the draws: with it, a prompt's tokens are the same at any pp, batch or thread count.
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u64,

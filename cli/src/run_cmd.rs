@@ -163,6 +163,8 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
         top_p: args.top_p,
         min_p: args.min_p,
         repetition_penalty: args.repetition_penalty,
+        presence_penalty: args.presence_penalty,
+        frequency_penalty: args.frequency_penalty,
         seed: Some(args.seed),
     };
     let sampling = flags.or(defaults.sampling).over(m3c_contract::sampling::SamplingParams::GREEDY);
@@ -171,11 +173,17 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
     eprintln!(
         "m3c: {}; {}{}",
         if sampling.temperature == 0.0 {
-            format!("greedy (repetition penalty {})", sampling.repetition_penalty)
+            format!("greedy (repetition penalty {}{})", sampling.repetition_penalty, openai_penalties(&sampling))
         } else {
             format!(
-                "sampling at temperature {}, top-k {}, top-p {}, min-p {}, repetition penalty {}, seed {}",
-                sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.repetition_penalty, sampling.seed
+                "sampling at temperature {}, top-k {}, top-p {}, min-p {}, repetition penalty {}{}, seed {}",
+                sampling.temperature,
+                sampling.top_k,
+                sampling.top_p,
+                sampling.min_p,
+                sampling.repetition_penalty,
+                openai_penalties(&sampling),
+                sampling.seed
             )
         },
         if eos.is_empty() { "no EOS stop".to_string() } else { format!("stops on EOS id(s) {eos:?}") },
@@ -256,4 +264,13 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The presence and frequency penalties for the banner, when on.
+fn openai_penalties(p: &m3c_contract::sampling::SamplingParams) -> String {
+    if p.adjusts() {
+        format!(", presence penalty {}, frequency penalty {}", p.presence_penalty, p.frequency_penalty)
+    } else {
+        String::new()
+    }
 }

@@ -31,6 +31,7 @@ fn main() -> Result<(), String> {
         min_p: num(5)?,
         repetition_penalty: num(6)?,
         seed: a[7].parse().map_err(|_| "seed")?,
+        ..SamplingParams::GREEDY
     };
     let ints = |b: Vec<u8>| b.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])) as u32).collect::<Vec<u32>>();
     let floats = |b: Vec<u8>| b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap_or([0; 4]))).collect::<Vec<f32>>();

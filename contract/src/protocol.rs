@@ -9,7 +9,7 @@
 //!
 //! ```text
 //! add seq=SEQ max_new=N ignore_eos=0|1 prompt=ID,ID,... [images=HEX] [stop=HEX ...] [stop_ids=ID,ID,...] [logprobs=K]
-//!     [grammar=HEX [grammar_after=ID]] [min_tokens=N] [temperature=T top_k=K ...]
+//!     [grammar=HEX [grammar_after=ID]] [min_tokens=N] [logit_bias=ID:BIAS,...] [temperature=T top_k=K ...]
 //! cancel SEQ
 //! ```
 //!
@@ -58,6 +58,9 @@ pub struct SeqRequest {
     /// Tokens generated before an EOS or a stop id may be drawn (vLLM's
     /// `min_tokens`; 0: none).
     pub min_tokens: usize,
+    /// Added to these tokens' logits before sampling (OpenAI's
+    /// `logit_bias`), ids ascending.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 /// The most alternatives a token's logprobs may list (vLLM's and OpenAI's 20).
@@ -115,6 +118,8 @@ pub fn logprobs_json(l: &[(u32, TokenLogprobs)]) -> String {
 
 /// A command from the front.
 #[derive(Debug, Clone, PartialEq)]
+// One command per line of a pipe: boxing the request would buy nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum Command {
     Add(SeqRequest),
     Cancel(usize),
@@ -139,6 +144,19 @@ fn path_of(bytes: Vec<u8>) -> PathBuf {
 
 fn int<T: std::str::FromStr>(name: &str, v: &str) -> Result<T, String> {
     v.parse::<T>().map_err(|_| format!("{name} `{v}`: expected an unsigned integer"))
+}
+
+/// `ID:BIAS,...`, each bias finite and within OpenAI's ±100.
+fn parse_logit_bias(v: &str) -> Result<Vec<(u32, f32)>, String> {
+    let max = crate::sampling::MAX_LOGIT_BIAS;
+    v.split(',')
+        .map(|pair| {
+            let bad = || format!("logit_bias `{pair}`: expected ID:BIAS with BIAS from -{max} to {max}");
+            let (id, b) = pair.split_once(':').ok_or_else(bad)?;
+            let b = b.parse::<f32>().ok().filter(|b| (-max..=max).contains(b)).ok_or_else(bad)?;
+            Ok((id.parse::<u32>().map_err(|_| bad())?, b))
+        })
+        .collect()
 }
 
 impl Command {
@@ -166,6 +184,10 @@ impl Command {
                 if r.min_tokens > 0 {
                     line.push_str(&format!(" min_tokens={}", r.min_tokens));
                 }
+                if !r.logit_bias.is_empty() {
+                    let pairs: Vec<String> = r.logit_bias.iter().map(|(i, b)| format!("{i}:{b}")).collect();
+                    line.push_str(&format!(" logit_bias={}", pairs.join(",")));
+                }
                 if let Some((g, after)) = &r.grammar {
                     line.push_str(&format!(" grammar={}", hex(g.as_bytes())));
                     if let Some(a) = after {
@@ -192,6 +214,7 @@ impl Command {
                 let (mut seq, mut max_new, mut prompt) = (None, None, None);
                 let (mut ignore_eos, mut images, mut stops, mut stop_ids) = (false, None, Vec::new(), Vec::new());
                 let (mut logprobs, mut grammar, mut grammar_after, mut min_tokens) = (None, None, None, 0);
+                let mut logit_bias = Vec::new();
                 let mut sampling = SamplingParams::GREEDY;
                 for w in words {
                     let (k, v) = w.split_once('=').ok_or_else(|| format!("`{w}`: expected name=value"))?;
@@ -209,6 +232,7 @@ impl Command {
                         }
                         "grammar_after" => grammar_after = Some(int::<i64>("grammar_after", v)?),
                         "min_tokens" => min_tokens = int("min_tokens", v)?,
+                        "logit_bias" => logit_bias = parse_logit_bias(v)?,
                         "logprobs" => {
                             let k = int::<u8>("logprobs", v)?;
                             if k > MAX_TOP_LOGPROBS {
@@ -241,6 +265,7 @@ impl Command {
                         (None, None) => None,
                     },
                     min_tokens,
+                    logit_bias,
                 }))
             }
             _ => Err("expected `add seq=SEQ max_new=N prompt=IDS ...` or `cancel SEQ`".into()),
@@ -394,7 +419,16 @@ mod tests {
             seq: 7,
             max_new: 16,
             ignore_eos: true,
-            sampling: SamplingParams { temperature: 0.7, top_k: 40, top_p: 0.95, min_p: 0.05, repetition_penalty: 1.1, seed: u64::MAX },
+            sampling: SamplingParams {
+                temperature: 0.7,
+                top_k: 40,
+                top_p: 0.95,
+                min_p: 0.05,
+                repetition_penalty: 1.1,
+                presence_penalty: 0.5,
+                frequency_penalty: -0.25,
+                seed: u64::MAX,
+            },
             prompt: vec![1, 2, 200_063],
             images: Some(PathBuf::from("/tmp/a b/\u{e9}.safetensors")),
             stops: vec![b"\n\nUser:".to_vec(), "\u{e9}nd".as_bytes().to_vec()],
@@ -402,6 +436,7 @@ mod tests {
             logprobs: Some(5),
             grammar: Some(("{\"grammars\": [{\"lark_grammar\": \"start: /a b/\"}]}".into(), Some(200_060))),
             min_tokens: 4,
+            logit_bias: vec![(3, -100.0), (17, 0.125), (200_000, 100.0)],
         }
     }
 
@@ -416,6 +451,7 @@ mod tests {
                 logprobs: None,
                 grammar: Some(("{}".into(), None)),
                 min_tokens: 0,
+                logit_bias: vec![],
                 ..request()
             }),
             Command::Cancel(3),

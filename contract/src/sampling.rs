@@ -28,20 +28,40 @@ pub struct SamplingParams {
     /// Hugging Face does: a positive logit is divided by it, a negative one
     /// multiplied.
     pub repetition_penalty: f32,
+    /// OpenAI's presence penalty: subtracted once from the logit of every
+    /// token the sequence has generated (0 = none; the prompt does not count).
+    pub presence_penalty: f32,
+    /// OpenAI's frequency penalty: subtracted from a token's logit as many
+    /// times as the sequence has generated it (0 = none).
+    pub frequency_penalty: f32,
     pub seed: u64,
 }
 
 impl SamplingParams {
     /// Greedy decoding: `m3c run`'s base.
-    pub const GREEDY: SamplingParams =
-        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0 };
+    pub const GREEDY: SamplingParams = SamplingParams {
+        temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        repetition_penalty: 1.0,
+        presence_penalty: 0.0,
+        frequency_penalty: 0.0,
+        seed: 0,
+    };
     /// OpenAI's defaults (temperature 1, every token kept): `m3c serve`'s
     /// base, as vLLM's.
     pub const OPENAI: SamplingParams = SamplingParams { temperature: 1.0, ..SamplingParams::GREEDY };
 
     /// Greedy with nothing to adjust: the argmax kernels' id is the answer.
     pub fn is_plain_greedy(&self) -> bool {
-        self.temperature == 0.0 && self.repetition_penalty == 1.0
+        self.temperature == 0.0 && self.repetition_penalty == 1.0 && !self.adjusts()
+    }
+
+    /// Whether the presence or frequency penalty is on: the sequence's draws
+    /// then take an additive bias row (see [`row::BIAS_ROW`]).
+    pub fn adjusts(&self) -> bool {
+        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
     }
 
     /// Every field by name, in one order: the one text form of sampling
@@ -55,6 +75,8 @@ impl SamplingParams {
             ("top_p", self.top_p.to_string()),
             ("min_p", self.min_p.to_string()),
             ("repetition_penalty", self.repetition_penalty.to_string()),
+            ("presence_penalty", self.presence_penalty.to_string()),
+            ("frequency_penalty", self.frequency_penalty.to_string()),
             ("seed", self.seed.to_string()),
         ]
     }
@@ -70,6 +92,8 @@ impl SamplingParams {
             "top_p" => self.top_p = num()?,
             "min_p" => self.min_p = num()?,
             "repetition_penalty" => self.repetition_penalty = num()?,
+            "presence_penalty" => self.presence_penalty = num()?,
+            "frequency_penalty" => self.frequency_penalty = num()?,
             "seed" => self.seed = int()?,
             _ => return Ok(false),
         }
@@ -96,7 +120,7 @@ impl SamplingParams {
 
     /// Checks every field's range; the message names the field.
     pub fn check(&self) -> Result<(), String> {
-        let SamplingParams { temperature: t, top_p, min_p, repetition_penalty: r, .. } = *self;
+        let SamplingParams { temperature: t, top_p, min_p, repetition_penalty: r, presence_penalty, frequency_penalty, .. } = *self;
         // Below 1e-5 (vLLM's threshold) logit / temperature overflows f32.
         if !(t.is_finite() && (t == 0.0 || t >= 1e-5)) {
             return Err(format!("temperature {t}: expected 0 (greedy) or a number ≥ 1e-5"));
@@ -109,6 +133,12 @@ impl SamplingParams {
         }
         if !(r.is_finite() && r > 0.0) {
             return Err(format!("repetition_penalty {r}: expected a positive number"));
+        }
+        // OpenAI's range.
+        for (name, v) in [("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)] {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(format!("{name} {v}: expected a number from -2 to 2"));
+            }
         }
         Ok(())
     }
@@ -128,6 +158,8 @@ pub struct SamplingOverrides {
     pub top_p: Option<f32>,
     pub min_p: Option<f32>,
     pub repetition_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
     pub seed: Option<u64>,
 }
 
@@ -140,6 +172,8 @@ impl SamplingOverrides {
             top_p: self.top_p.or(lower.top_p),
             min_p: self.min_p.or(lower.min_p),
             repetition_penalty: self.repetition_penalty.or(lower.repetition_penalty),
+            presence_penalty: self.presence_penalty.or(lower.presence_penalty),
+            frequency_penalty: self.frequency_penalty.or(lower.frequency_penalty),
             seed: self.seed.or(lower.seed),
         }
     }
@@ -153,6 +187,8 @@ impl SamplingOverrides {
             top_p: self.top_p.unwrap_or(base.top_p),
             min_p: self.min_p.unwrap_or(base.min_p),
             repetition_penalty: self.repetition_penalty.unwrap_or(base.repetition_penalty),
+            presence_penalty: self.presence_penalty.unwrap_or(base.presence_penalty),
+            frequency_penalty: self.frequency_penalty.unwrap_or(base.frequency_penalty),
             seed: self.seed.unwrap_or(base.seed),
         }
     }
@@ -791,6 +827,69 @@ pub fn sample(logits: &[f32], seen: &[u32], p: &SamplingParams, request: u64, st
 /// kernels' signature do not change when they land.
 pub const ROW_WORDS: usize = 16;
 
+/// OpenAI's bound on a `logit_bias` value.
+pub const MAX_LOGIT_BIAS: f32 = 100.0;
+
+/// A sequence's additive logit adjustments: its `logit_bias` and its
+/// presence and frequency penalties, as one dense row that the sampler adds
+/// to the raw logits before the repetition penalty, temperature and every
+/// filter (vLLM applies the bias there too; it subtracts the presence and
+/// frequency penalties after the repetition penalty, which only differs
+/// when both kinds are on). Each entry is recomputed from its count, never
+/// accumulated, so `bias − (frequency × count + presence)` in f32 is the
+/// exact value a reference computes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BiasRow {
+    presence: f32,
+    frequency: f32,
+    base: std::collections::HashMap<u32, f32>,
+    counts: std::collections::HashMap<u32, u32>,
+    row: Vec<f32>,
+}
+
+impl BiasRow {
+    /// The row of a sequence with these parameters and `logit_bias` (ids
+    /// inside `vocab`; the caller checked them), or `None` when it adjusts
+    /// nothing.
+    pub fn new(p: &SamplingParams, logit_bias: &[(u32, f32)], vocab: usize) -> Option<BiasRow> {
+        if !p.adjusts() && logit_bias.is_empty() {
+            return None;
+        }
+        let mut row = vec![0f32; vocab];
+        let base: std::collections::HashMap<u32, f32> = logit_bias.iter().copied().filter(|&(i, _)| (i as usize) < vocab).collect();
+        for (&i, &b) in &base {
+            row[i as usize] = b;
+        }
+        let counts = std::collections::HashMap::new();
+        Some(BiasRow { presence: p.presence_penalty, frequency: p.frequency_penalty, base, counts, row })
+    }
+
+    /// The sequence generated `id`.
+    pub fn generated(&mut self, id: u32) {
+        if (id as usize) >= self.row.len() || (self.presence == 0.0 && self.frequency == 0.0) {
+            return;
+        }
+        let c = self.counts.entry(id).or_insert(0);
+        *c += 1;
+        self.row[id as usize] = adjusted_bias(self.base.get(&id).copied().unwrap_or(0.0), self.presence, self.frequency, *c);
+    }
+
+    /// What the sampler adds to each logit.
+    pub fn row(&self) -> &[f32] {
+        &self.row
+    }
+}
+
+/// A token's adjustment: its bias less `frequency × count + presence` once
+/// it has been generated (`count` > 0).
+pub fn adjusted_bias(bias: f32, presence: f32, frequency: f32, count: u32) -> f32 {
+    if count == 0 {
+        bias
+    } else {
+        bias - (frequency * count as f32 + presence)
+    }
+}
+
 /// Bitmap rows per sequence of a step (the seen-id and allowed-token
 /// bitmaps' buffer): row `k` is sequence `k`'s seen ids (the repetition
 /// penalty), row `sequences + k` its allowed tokens (structured output).
@@ -810,8 +909,8 @@ pub mod row {
     pub const FLAGS: usize = 6;
     /// Written by the sampler: how many of the row's logits are NaN or ±∞.
     pub const NON_FINITE: usize = 7;
-    /// Reserved: presence (low half) and frequency (high half) penalties,
-    /// f32 bits (0 = none).
+    /// Presence (low half) and frequency (high half) penalties, f32 bits
+    /// (0 = none). The kernel reads the bias row they make, not these.
     pub const PRESENCE_FREQUENCY: usize = 8;
     /// Reserved: min tokens (the EOS ids are masked until the sequence has
     /// this many; 0 = none).
@@ -819,9 +918,10 @@ pub mod row {
     /// Reserved: how many most likely alternatives to report with each
     /// token's log-probability (logprobs; 0 = none).
     pub const LOGPROBS: usize = 10;
-    /// Reserved: the step's logit-bias entries of this row (first entry in
-    /// bits 0-31, count in bits 32 and up; 0 = none).
-    pub const LOGIT_BIAS: usize = 11;
+    /// 1 + the row of the step's bias buffer (`[rows, vocab]` f32, a
+    /// [`super::BiasRow`] each) added to this row's logits before anything
+    /// else (`logit_bias`, presence and frequency penalties); 0 = none.
+    pub const BIAS_ROW: usize = 11;
     /// 1 + the row of the step's bitmaps (the seen-id bitmaps' buffer)
     /// that holds the tokens this row may draw (structured output: a token
     /// whose bit is 0 weighs nothing); 0 = every token allowed.
@@ -837,6 +937,7 @@ pub fn row_words(p: &SamplingParams, request: u64, step: u64, sample: bool, seen
     let mut w = [0i64; ROW_WORDS];
     w[row::TEMPERATURE_TOP_P] = pair(p.temperature, p.top_p);
     w[row::MIN_P_PENALTY] = pair(p.min_p, p.repetition_penalty);
+    w[row::PRESENCE_FREQUENCY] = pair(p.presence_penalty, p.frequency_penalty);
     w[row::TOP_K] = p.top_k as i64;
     w[row::SEED] = p.seed as i64;
     w[row::STEP] = step as i64;
@@ -859,6 +960,8 @@ pub fn row_params(w: &[i64; ROW_WORDS]) -> (SamplingParams, u64, u64, bool) {
         top_p: half(w[row::TEMPERATURE_TOP_P], true),
         min_p: half(w[row::MIN_P_PENALTY], false),
         repetition_penalty: half(w[row::MIN_P_PENALTY], true),
+        presence_penalty: half(w[row::PRESENCE_FREQUENCY], false),
+        frequency_penalty: half(w[row::PRESENCE_FREQUENCY], true),
         top_k: w[row::TOP_K] as u64 as usize,
         seed: w[row::SEED] as u64,
     };
@@ -868,24 +971,37 @@ pub fn row_params(w: &[i64; ROW_WORDS]) -> (SamplingParams, u64, u64, bool) {
 /// One row of the sampling kernel's work, as the host target runs it:
 /// counts the row's non-finite logits into its table row and returns the
 /// sampled id (0 for a row that gives no token). `allowed` is the row's
-/// allowed-token bitmap, when it has one ([`row::TOKEN_MASK`]).
-pub fn sample_row(logits: &[f32], seen: &[u32], allowed: Option<&[u32]>, words: &mut [i64; ROW_WORDS]) -> u32 {
+/// allowed-token bitmap, when it has one ([`row::TOKEN_MASK`]), and `bias`
+/// its bias row ([`row::BIAS_ROW`]). The non-finite count is of the raw
+/// logits.
+pub fn sample_row(logits: &[f32], seen: &[u32], allowed: Option<&[u32]>, bias: Option<&[f32]>, words: &mut [i64; ROW_WORDS]) -> u32 {
     words[row::NON_FINITE] = logits.iter().filter(|v| !v.is_finite()).count() as i64;
     let (p, request, step, give) = row_params(words);
-    match (give, allowed) {
-        (false, _) => 0,
-        (true, None) => sample(logits, seen, &p, request, step),
-        // A token left out weighs nothing: as if its logit were -∞ (only
-        // constrained rows pay for the copy).
-        (true, Some(mask)) => {
-            let masked: Vec<f32> = logits
-                .iter()
-                .enumerate()
-                .map(|(i, &l)| if mask.get(i / 32).is_some_and(|w| w >> (i % 32) & 1 == 1) { l } else { f32::NEG_INFINITY })
-                .collect();
-            sample(&masked, seen, &p, request, step)
-        }
+    if !give {
+        return 0;
     }
+    if allowed.is_none() && bias.is_none() {
+        return sample(logits, seen, &p, request, step);
+    }
+    // A token left out weighs nothing: as if its logit were -∞; a bias is
+    // added to the raw logit (only rows with either pay for the copy).
+    let adjusted: Vec<f32> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| {
+            let l = bias.map_or(l, |b| l + b.get(i).copied().unwrap_or(0.0));
+            match allowed {
+                Some(mask) if mask.get(i / 32).is_none_or(|w| w >> (i % 32) & 1 == 0) => f32::NEG_INFINITY,
+                _ => l,
+            }
+        })
+        .collect();
+    sample(&adjusted, seen, &p, request, step)
+}
+
+/// The bias row a table row names, if any.
+pub fn bias_row(w: &[i64; ROW_WORDS]) -> Option<usize> {
+    usize::try_from(w[row::BIAS_ROW]).ok().and_then(|m| m.checked_sub(1))
 }
 
 /// The allowed-token bitmap row a table row names, if any.
@@ -924,7 +1040,15 @@ mod tests {
         let p = request.or(flags.or(checkpoint)).over(SamplingParams::OPENAI);
         assert_eq!(
             p,
-            SamplingParams { temperature: 0.5, top_k: 5, top_p: 0.8, min_p: 0.0, repetition_penalty: 1.0, seed: 7 },
+            SamplingParams {
+                temperature: 0.5,
+                top_k: 5,
+                top_p: 0.8,
+                min_p: 0.0,
+                repetition_penalty: 1.0,
+                seed: 7,
+                ..SamplingParams::GREEDY
+            },
             "each field from the highest source that sets it"
         );
         assert!(SamplingOverrides::default().is_empty() && !request.is_empty());
@@ -958,7 +1082,15 @@ mod tests {
     #[test]
     fn draws_depend_only_on_seed_request_and_step() {
         let logits: Vec<f32> = (0..1000).map(|i| ((i * 7919) % 1000) as f32 / 300.0).collect();
-        let p = SamplingParams { temperature: 0.8, top_k: 50, top_p: 0.9, min_p: 0.0, repetition_penalty: 1.0, seed: 7 };
+        let p = SamplingParams {
+            temperature: 0.8,
+            top_k: 50,
+            top_p: 0.9,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            seed: 7,
+            ..SamplingParams::GREEDY
+        };
         let none = seen_bitmap([], 1000);
         let a: Vec<u32> = (0..20).map(|s| sample(&logits, &none, &p, 3, s)).collect();
         let b: Vec<u32> = (0..20).map(|s| sample(&logits, &none, &p, 3, s)).collect();
@@ -999,7 +1131,15 @@ mod tests {
         // top-k 24 and top-p 0.9. Philox makes the draws fixed, so this
         // cannot flake; a wrong filter or a biased draw fails it.
         let logits: Vec<f32> = (0..64u32).map(|i| ((i * 37) % 64) as f32 / 12.0).collect();
-        let p = SamplingParams { temperature: 0.7, top_k: 24, top_p: 0.9, min_p: 0.0, repetition_penalty: 1.0, seed: 2026 };
+        let p = SamplingParams {
+            temperature: 0.7,
+            top_k: 24,
+            top_p: 0.9,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            seed: 2026,
+            ..SamplingParams::GREEDY
+        };
         let want = expected(&logits, 0.7, 24, 0.9);
         let n = 100_000u64;
         let mut counts = vec![0u64; logits.len()];
@@ -1100,6 +1240,7 @@ mod tests {
                 min_p: [0.0, 0.05, 0.5, 1.0][(rnd() % 4) as usize],
                 repetition_penalty: [1.0, 1.3, 0.8][(rnd() % 3) as usize],
                 seed: rnd(),
+                ..SamplingParams::GREEDY
             };
             for step in 0..5 {
                 assert_eq!(
@@ -1119,9 +1260,33 @@ mod tests {
         let logits: Vec<f32> = (0..vocab as u64).map(|i| (draw_bits(5, i, 0) % 3001) as f32 / 1000.0).collect();
         let seen = seen_bitmap((0..300u32).map(|i| i * 131), vocab);
         for (case, p) in [
-            SamplingParams { temperature: 1.0, top_k: 0, top_p: 0.95, min_p: 0.0, repetition_penalty: 1.0, seed: 1 },
-            SamplingParams { temperature: 0.7, top_k: 0, top_p: 0.5, min_p: 0.1, repetition_penalty: 1.3, seed: 2 },
-            SamplingParams { temperature: 2.0, top_k: 20_000, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 3 },
+            SamplingParams {
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 0.95,
+                min_p: 0.0,
+                repetition_penalty: 1.0,
+                seed: 1,
+                ..SamplingParams::GREEDY
+            },
+            SamplingParams {
+                temperature: 0.7,
+                top_k: 0,
+                top_p: 0.5,
+                min_p: 0.1,
+                repetition_penalty: 1.3,
+                seed: 2,
+                ..SamplingParams::GREEDY
+            },
+            SamplingParams {
+                temperature: 2.0,
+                top_k: 20_000,
+                top_p: 1.0,
+                min_p: 0.0,
+                repetition_penalty: 1.0,
+                seed: 3,
+                ..SamplingParams::GREEDY
+            },
         ]
         .iter()
         .enumerate()
@@ -1135,7 +1300,15 @@ mod tests {
 
     #[test]
     fn top_k_breaks_ties_towards_the_lower_id() {
-        let p = SamplingParams { temperature: 1.0, top_k: 1, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0 };
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_k: 1,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            seed: 0,
+            ..SamplingParams::GREEDY
+        };
         let none = seen_bitmap([], 6);
         for step in 0..50 {
             assert_eq!(sample(&[1.0, 2.0, 3.0, 0.5, 3.0, 3.0], &none, &p, 0, step), 2);
@@ -1154,7 +1327,15 @@ mod tests {
     fn replaying_draws_finds_exactly_the_changed_token() {
         let vocab = 300;
         let rows: Vec<f32> = (0..vocab * 6).map(|i| ((i * 7919) % 997) as f32 / 150.0).collect();
-        let p = SamplingParams { temperature: 0.9, top_k: 50, top_p: 0.95, min_p: 0.0, repetition_penalty: 1.2, seed: 4 };
+        let p = SamplingParams {
+            temperature: 0.9,
+            top_k: 50,
+            top_p: 0.95,
+            min_p: 0.0,
+            repetition_penalty: 1.2,
+            seed: 4,
+            ..SamplingParams::GREEDY
+        };
         let prompt = [1u32, 2, 3];
         let mut gen = Vec::new();
         let mut ctx = prompt.to_vec();
@@ -1170,16 +1351,24 @@ mod tests {
 
     #[test]
     fn table_rows_round_trip_and_count_non_finite_logits() {
-        let p = SamplingParams { temperature: 0.6, top_k: 20, top_p: 0.95, min_p: 0.01, repetition_penalty: 1.1, seed: u64::MAX - 3 };
+        let p = SamplingParams {
+            temperature: 0.6,
+            top_k: 20,
+            top_p: 0.95,
+            min_p: 0.01,
+            repetition_penalty: 1.1,
+            seed: u64::MAX - 3,
+            ..SamplingParams::GREEDY
+        };
         let mut w = row_words(&p, 5, 1 << 40, true, 3);
         assert_eq!(row_params(&w), (p, 5, 1 << 40, true));
         assert_eq!(seen_row(&w), 3);
         let logits = [0.5, f32::NAN, 2.0, f32::INFINITY, -1.0];
-        let id = sample_row(&logits, &seen_bitmap([], 5), None, &mut w);
+        let id = sample_row(&logits, &seen_bitmap([], 5), None, None, &mut w);
         assert_eq!(w[row::NON_FINITE], 2);
         assert!(id < 5);
         let mut off = row_words(&p, 5, 0, false, 0);
-        assert_eq!(sample_row(&logits, &seen_bitmap([], 5), None, &mut off), 0);
+        assert_eq!(sample_row(&logits, &seen_bitmap([], 5), None, None, &mut off), 0);
         assert_eq!(off[row::NON_FINITE], 2);
         // An allowed-token bitmap: only its tokens are drawn, the non-finite
         // count is still the raw row's, and greedy takes the best allowed.
@@ -1189,10 +1378,46 @@ mod tests {
         let only = seen_bitmap([0, 4], 5);
         for seed in 0..20 {
             let mut r = row_words(&SamplingParams { seed, ..p }, 5, 0, true, 0);
-            assert!([0, 4].contains(&sample_row(&logits, &[], Some(&only), &mut r)));
+            assert!([0, 4].contains(&sample_row(&logits, &[], Some(&only), None, &mut r)));
             assert_eq!(r[row::NON_FINITE], 2);
         }
         let mut g = row_words(&SamplingParams::GREEDY, 0, 0, true, 0);
-        assert_eq!(sample_row(&logits, &[], Some(&only), &mut g), 0, "0.5 beats -1.0");
+        assert_eq!(sample_row(&logits, &[], Some(&only), None, &mut g), 0, "0.5 beats -1.0");
+    }
+
+    #[test]
+    fn bias_rows_follow_openai_penalties_and_logit_bias() {
+        let p = SamplingParams { presence_penalty: 0.5, frequency_penalty: 0.25, ..SamplingParams::GREEDY };
+        assert!(p.adjusts() && !p.is_plain_greedy());
+        assert_eq!(BiasRow::new(&SamplingParams::GREEDY, &[], 8), None, "nothing to adjust");
+        let mut b = BiasRow::new(&p, &[(2, 3.0), (9, 1.0)], 8).unwrap();
+        assert_eq!(b.row(), &[0.0, 0.0, 3.0, 0.0, 0.0, 0.0, 0.0, 0.0], "ids past the vocabulary are dropped");
+        for id in [2, 2, 5, 2, 8] {
+            b.generated(id);
+        }
+        // Token 2: 3 − (0.25·3 + 0.5); token 5: −(0.25 + 0.5); id 8 is outside.
+        assert_eq!(b.row()[2], 3.0 - (0.25 * 3.0 + 0.5));
+        assert_eq!(b.row()[5], -0.75);
+        assert_eq!(b.row().iter().filter(|&&v| v != 0.0).count(), 2);
+        assert_eq!(adjusted_bias(1.5, 0.5, 0.25, 0), 1.5, "an ungenerated token keeps its bias");
+        // Only a bias: the penalties never touch the row.
+        let mut only = BiasRow::new(&SamplingParams::GREEDY, &[(1, -100.0)], 4).unwrap();
+        only.generated(1);
+        assert_eq!(only.row(), &[0.0, -100.0, 0.0, 0.0]);
+        // The sampler adds the row to the raw logits first: greedy moves,
+        // and the non-finite count is still the raw row's.
+        let logits = [1.0, 2.0, f32::NAN, 1.5];
+        let mut w = row_words(&SamplingParams::GREEDY, 0, 0, true, 0);
+        assert_eq!(sample_row(&logits, &[], None, None, &mut w), 1);
+        assert_eq!(sample_row(&logits, &[], None, Some(only.row()), &mut w), 3);
+        assert_eq!(w[row::NON_FINITE], 1);
+        assert_eq!(bias_row(&w), None);
+        w[row::BIAS_ROW] = 2;
+        assert_eq!(bias_row(&w), Some(1));
+        // The penalties round-trip through the table row.
+        let (back, ..) = row_params(&row_words(&p, 0, 0, true, 0));
+        assert_eq!(back, p);
+        assert!(SamplingParams { presence_penalty: 2.5, ..p }.check().unwrap_err().starts_with("presence_penalty"));
+        assert!(SamplingParams { frequency_penalty: -2.0, ..p }.check().is_ok());
     }
 }

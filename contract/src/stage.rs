@@ -114,7 +114,9 @@ pub mod abi {
     ///                     float *logits,            // [S, vocab] (last stage)
     ///                     int64_t *out_ids,         // [S] sampled ids (last stage)
     ///                     int64_t *table,           // [S, ROW_WORDS] sampling table (last stage; sampling::row)
-    ///                     const int32_t *seen,      // [sequences, ⌈vocab/32⌉] seen-id bitmaps (last stage)
+    ///                     const int32_t *seen,      // [BITMAP_ROWS × sequences, ⌈vocab/32⌉] seen-id and allowed-token bitmaps (last stage)
+    ///                     const float *bias,        // [bias_rows, vocab] bias rows added to the logits (last stage; sampling::BiasRow)
+    ///                     int64_t bias_rows,
     ///                     const int64_t *pos,       // [S] position of each row
     ///                     int64_t nimg,             // K: rows of this step that are image placeholders (vision stage)
     ///                     const void *img,          // [K, hidden] their image features (activation storage)
@@ -146,7 +148,8 @@ pub mod abi {
     pub const GEMM_WANTED: &str = "m3c_gemm_wanted"; // int32_t (int64_t rows)
     pub const GEMM_BF16: &str = "m3c_gemm_bf16"; // void (x, w, y, rows, inp, out, y_bf16)
     /// The host target's sampler (`sampling::sample_row` over every row):
-    /// void (logits, table, seen, ids, rows, vocab, seen rows, seen words).
+    /// void (logits, table, seen, bias, ids, rows, vocab, seen rows, seen
+    /// words, bias rows).
     pub const SAMPLE_ROWS: &str = "m3c_sample_rows";
 }
 

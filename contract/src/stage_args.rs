@@ -331,7 +331,15 @@ mod tests {
         a.cuda_graphs = false;
         a.prefill_gemm_cublas = true;
         a.stream_ids = true;
-        a.sampling = SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.0, repetition_penalty: 1.05, seed: 7 };
+        a.sampling = SamplingParams {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.0,
+            repetition_penalty: 1.05,
+            seed: 7,
+            ..SamplingParams::GREEDY
+        };
         a.seq_sampling = vec![(1, SamplingParams { seed: 9, top_k: 3, ..a.sampling })];
         a.eos_ids = vec![200_020];
         a.logprobs = Some(3);

@@ -69,6 +69,8 @@ struct SeqBook {
     /// Why the sequence cannot go on (its grammar failed): its next draw
     /// ends it, as non-finite logits do.
     failed: Option<String>,
+    /// Its logit bias and presence/frequency penalties, when it has any.
+    bias: Option<m3c_contract::sampling::BiasRow>,
 }
 
 /// What a sequence asks of its output besides sampling: logprobs, and a
@@ -79,6 +81,7 @@ pub(crate) struct OutputSpec {
     pub grammar: Option<(String, Option<i64>)>,
     pub min_tokens: usize,
     pub stop_ids: Vec<i64>,
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 /// What the last stage drew for one segment: its id (-1: the sequence met
@@ -112,6 +115,7 @@ impl LastBooks {
     /// checked it) fails the sequence at its first draw, with the reason on
     /// standard error.
     pub fn start(&mut self, seq: usize, prompt: Vec<i64>, sampling: SamplingParams, max_new: usize, out: OutputSpec) {
+        let bias = m3c_contract::sampling::BiasRow::new(&sampling, &out.logit_bias, self.grammars.vocab);
         let record = SeqRecord { prompt, prefill_logits: Vec::new(), generated: Vec::new(), decode_logits: Vec::new() };
         let (mut grammar, mut failed) = (None, None);
         if let Some((text, after)) = out.grammar {
@@ -125,7 +129,7 @@ impl LastBooks {
         }
         let held = self.grammars.eos_ids.iter().chain(&out.stop_ids).copied().collect();
         let min_tokens = out.min_tokens;
-        self.live.insert(seq, SeqBook { record, sampling, max_new, logprobs: out.logprobs, grammar, min_tokens, held, failed });
+        self.live.insert(seq, SeqBook { record, sampling, max_new, logprobs: out.logprobs, grammar, min_tokens, held, failed, bias });
     }
 
     /// A sequence leaves; its record is kept when logits are wanted.
@@ -145,7 +149,8 @@ impl LastBooks {
     /// (the last row of each segment that gives a token draws, keyed by the
     /// sequence's own step, so the draw is the same whatever the split, the
     /// batch or the chunking), and a seen-id bitmap per segment for those
-    /// with a repetition penalty.
+    /// with a repetition penalty, and a bias row for each drawing segment
+    /// whose sequence has a logit bias or presence/frequency penalties.
     pub fn sample_in(&mut self, segs: &[Segment], vocab: usize) -> Result<stage::SampleIn, StageError> {
         use m3c_contract::sampling::{row, row_words, seen_bitmap, seen_words, ROW_WORDS};
         let words = seen_words(vocab);
@@ -154,6 +159,7 @@ impl LastBooks {
         // Row k: segment k's seen ids; row segs + k: its allowed tokens.
         let mut seen = vec![0u32; m3c_contract::sampling::BITMAP_ROWS * segs.len() * words];
         let (mut penalised, mut want_logits) = (false, self.want_logits);
+        let mut bias: Vec<f32> = Vec::new();
         for (k, s) in segs.iter().enumerate() {
             let masks = &mut self.masks;
             let b =
@@ -195,16 +201,29 @@ impl LastBooks {
                     row[h as usize / 32] &= !(1 << (h % 32));
                 }
             }
+            let bias_row = match (draws, &b.bias) {
+                (true, Some(adj)) => {
+                    bias.extend_from_slice(adj.row());
+                    Some(bias.len() / vocab.max(1))
+                }
+                _ => None,
+            };
             let r = &b.record;
             for j in 0..s.rows {
                 let mut w = row_words(&b.sampling, 0, r.generated.len() as u64, draws && j + 1 == s.rows, k);
-                if mask && j + 1 == s.rows {
-                    w[row::TOKEN_MASK] = mask_row as i64 + 1;
+                if j + 1 == s.rows {
+                    if mask {
+                        w[row::TOKEN_MASK] = mask_row as i64 + 1;
+                    }
+                    // 1 + the row: the count after it was pushed.
+                    if let Some(n) = bias_row {
+                        w[row::BIAS_ROW] = n as i64;
+                    }
                 }
                 table.extend_from_slice(&w);
             }
         }
-        Ok(stage::SampleIn { table, seen, penalised, want_logits })
+        Ok(stage::SampleIn { table, seen, penalised, want_logits, bias })
     }
 
     /// The last stage's part of a step: checks the logits, records them
@@ -281,6 +300,9 @@ impl LastBooks {
             // Only the prompt's last row and decode rows give tokens.
             if draws {
                 r.generated.push(id);
+                if let Some(adj) = b.bias.as_mut() {
+                    adj.generated(id as u32);
+                }
             }
             ids.push(Drawn { id, logprobs });
             row0 += s.rows;

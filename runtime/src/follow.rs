@@ -16,8 +16,10 @@ use mpi::topology::SimpleCommunicator;
 /// A `KIND_ADD` message: the sequence, its cache capacity, and a payload of
 /// i64 words (its sampling-table row, logprobs in the row's `LOGPROBS`
 /// word and `min_tokens` in its `MIN_TOKENS` word; the prompt's length and
-/// ids; the stop ids' count and ids; the token after which its grammar
-/// starts, -1 for the first, -2 for no grammar) and then the grammar's text.
+/// ids; the stop ids' count and ids; the logit biases' count and entries
+/// (id in the low half, the bias's f32 bits in the high); the token after
+/// which its grammar starts, -1 for the first, -2 for no grammar) and then
+/// the grammar's text.
 pub(crate) fn add_message(a: &SeqRequest) -> Vec<u8> {
     use m3c_contract::sampling::row;
     let mut w = row_words(&a.sampling, 0, 0, true, 0);
@@ -34,6 +36,8 @@ pub(crate) fn add_message(a: &SeqRequest) -> Vec<u8> {
         .chain(a.prompt.iter().copied())
         .chain([a.stop_ids.len() as i64])
         .chain(a.stop_ids.iter().copied())
+        .chain([a.logit_bias.len() as i64])
+        .chain(a.logit_bias.iter().map(|&(id, b)| (u64::from(id) | u64::from(b.to_bits()) << 32) as i64))
         .chain([after]);
     let mut payload: Vec<u8> = words.flat_map(|w| w.to_le_bytes()).collect();
     if let Some((text, _)) = &a.grammar {
@@ -55,12 +59,18 @@ pub(crate) fn parse_add(payload: &[u8]) -> Result<(SamplingParams, Vec<i64>, Out
     let at = ROW_WORDS + 1 + n;
     let ns = word(at).and_then(|k| usize::try_from(k).ok()).filter(|&k| k <= payload.len() / 8).ok_or_else(short)?;
     let stop_ids: Vec<i64> = (at + 1..at + 1 + ns).map(word).collect::<Option<_>>().ok_or_else(short)?;
-    let after = word(at + 1 + ns).ok_or_else(short)?;
+    let at = at + 1 + ns;
+    let nb = word(at).and_then(|k| usize::try_from(k).ok()).filter(|&k| k <= payload.len() / 8).ok_or_else(short)?;
+    let logit_bias: Vec<(u32, f32)> = (at + 1..at + 1 + nb)
+        .map(|i| word(i).map(|w| (w as u64 as u32, f32::from_bits((w as u64 >> 32) as u32))))
+        .collect::<Option<_>>()
+        .ok_or_else(short)?;
+    let after = word(at + 1 + nb).ok_or_else(short)?;
     let logprobs = match table[m3c_contract::sampling::row::LOGPROBS] {
         0 => None,
         k => Some(u8::try_from(k - 1).map_err(|_| StageError::Peer("an add message's logprobs are out of range".into()))?),
     };
-    let rest = payload.get((at + 2 + ns) * 8..).ok_or_else(short)?;
+    let rest = payload.get((at + 2 + nb) * 8..).ok_or_else(short)?;
     let min_tokens = usize::try_from(table[m3c_contract::sampling::row::MIN_TOKENS]).map_err(|_| short())?;
     let grammar = match after {
         -2 => None,
@@ -69,7 +79,7 @@ pub(crate) fn parse_add(payload: &[u8]) -> Result<(SamplingParams, Vec<i64>, Out
             Some((text, (a >= 0).then_some(a)))
         }
     };
-    Ok((sampling, prompt, OutputSpec { logprobs, grammar, min_tokens, stop_ids }))
+    Ok((sampling, prompt, OutputSpec { logprobs, grammar, min_tokens, stop_ids, logit_bias }))
 }
 
 /// Cache rows a sequence needs: its prompt and every token it may generate

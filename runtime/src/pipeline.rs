@@ -103,6 +103,7 @@ impl<'a> RunFeed<'a> {
                 logprobs: args.logprobs,
                 grammar: args.grammar.clone(),
                 min_tokens: 0,
+                logit_bias: Vec::new(),
             })
             .collect();
         let n = args.prompts.len();

@@ -31,6 +31,8 @@ use std::time::{Duration, Instant};
 const MAX_CAPACITY: usize = 1 << 24;
 
 /// What the feed has next.
+// One per line read: boxing the command would buy nothing.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Next {
     Command(Command),
     /// A line that is not a command (serve: refused with `m3c-bad`).
@@ -291,6 +293,7 @@ impl Leader {
                 grammar: a.grammar.clone(),
                 min_tokens: a.min_tokens,
                 stop_ids: a.stop_ids.clone(),
+                logit_bias: a.logit_bias.clone(),
             };
             books.start(a.seq, a.prompt.clone(), a.sampling, a.max_new, out);
         }

@@ -24,6 +24,8 @@ extern "C" {
         out_ids: *mut i64,
         table: *mut i64,
         seen: *const u32,
+        bias: *const f32,
+        bias_rows: i64,
         pos: *const i64,
         nimg: i64,
         img: *const f32,
@@ -93,6 +95,9 @@ struct Io {
     out: ScratchBuffer,
     table: ScratchBuffer,
     seen: ScratchBuffer,
+    bias: ScratchBuffer,
+    /// Rows `bias` holds.
+    bias_rows: usize,
 }
 
 /// The addresses of an [`Io`], for one step.
@@ -105,12 +110,14 @@ struct IoPtrs {
     out: u64,
     table: u64,
     seen: u64,
+    bias: u64,
+    bias_rows: usize,
 }
 
 impl Io {
-    /// Buffers for a step of `tokens` rows over `sequences` sequences
-    /// (`vocab` 0 unless this is the last stage).
-    fn alloc(tokens: usize, sequences: usize, x_words: usize, vocab: usize) -> Io {
+    /// Buffers for a step of `tokens` rows over `sequences` sequences, with
+    /// `bias_rows` bias rows (`vocab` 0 unless this is the last stage).
+    fn alloc(tokens: usize, sequences: usize, bias_rows: usize, x_words: usize, vocab: usize) -> Io {
         let a = |n: usize| ScratchBuffer::new(n);
         let last = vocab > 0;
         let words = if last { m3c_contract::sampling::seen_words(vocab) } else { 0 };
@@ -122,6 +129,8 @@ impl Io {
             out: a(tokens * 8),
             table: a(if last { tokens * m3c_contract::sampling::ROW_WORDS * 8 } else { 0 }),
             seen: a(m3c_contract::sampling::BITMAP_ROWS * sequences * words * 4),
+            bias: a(bias_rows * vocab * 4),
+            bias_rows,
         }
     }
 
@@ -134,6 +143,8 @@ impl Io {
             out: self.out.ptr(),
             table: self.table.ptr(),
             seen: self.seen.ptr(),
+            bias: self.bias.ptr(),
+            bias_rows: self.bias_rows,
         }
     }
 }
@@ -255,12 +266,15 @@ pub struct Stage {
 /// (`[S, ROW_WORDS]`, see `m3c_contract::sampling::row`), the seen-id
 /// bitmaps (`[sequences, ⌈vocab/32⌉]`, read only by rows with a repetition
 /// penalty) and whether the logits must come back (for `--dump` and
-/// `--expect`; a GPU stage otherwise returns only the ids and the table).
+/// `--expect`; a GPU stage otherwise returns only the ids and the table),
+/// and the bias rows (`[rows, vocab]`, `m3c_contract::sampling::BiasRow`)
+/// that table rows name.
 pub struct SampleIn {
     pub table: Vec<i64>,
     pub seen: Vec<u32>,
     pub penalised: bool,
     pub want_logits: bool,
+    pub bias: Vec<f32>,
 }
 
 /// What a step produced.
@@ -625,9 +639,11 @@ impl Stage {
             return Err(StageError::Step(format!("step of {tokens} rows got {} activations and {} ids", x.len(), ids.len())));
         }
         let words = m3c_contract::sampling::seen_words(m.vocab);
-        let SampleIn { table, seen, penalised, want_logits } = match sample {
+        let SampleIn { table, seen, penalised, want_logits, bias } = match sample {
             Some(s) if m.last_stage => s,
-            None if !m.last_stage => SampleIn { table: Vec::new(), seen: Vec::new(), penalised: false, want_logits: false },
+            None if !m.last_stage => {
+                SampleIn { table: Vec::new(), seen: Vec::new(), penalised: false, want_logits: false, bias: Vec::new() }
+            }
             _ => {
                 return Err(StageError::Step(
                     "runtime bug: sampling inputs for a stage that does not sample, or none for one that does".into(),
@@ -635,11 +651,17 @@ impl Stage {
             }
         };
         let bitmap_words = m3c_contract::sampling::BITMAP_ROWS * segments.len() * words;
-        if m.last_stage && (table.len() != tokens * m3c_contract::sampling::ROW_WORDS || seen.len() != bitmap_words) {
+        if m.last_stage
+            && (table.len() != tokens * m3c_contract::sampling::ROW_WORDS
+                || seen.len() != bitmap_words
+                || bias.len() % m.vocab.max(1) != 0
+                || bias.len() / m.vocab.max(1) > segments.len())
+        {
             return Err(StageError::Step(format!(
-                "step of {tokens} rows got a sampling table of {} words and {} bitmap words",
+                "step of {tokens} rows got a sampling table of {} words, {} bitmap words and {} bias words",
                 table.len(),
-                seen.len()
+                seen.len(),
+                bias.len()
             )));
         }
         // The host's kernels write the logits here; a GPU's stay on the
@@ -656,6 +678,8 @@ impl Stage {
             pos: segments.iter().flat_map(|s| (s.pos0..s.pos0 + s.rows).map(|p| p as i64)).collect(),
             seen,
             penalised,
+            bias_rows: bias.len() / m.vocab.max(1),
+            bias,
             img,
             img_rows,
         };
@@ -674,6 +698,9 @@ struct StepInputs<'a> {
     seen: Vec<u32>,
     /// Some row has a repetition penalty (the bitmaps matter).
     penalised: bool,
+    /// `[bias_rows, vocab]` additive logit rows (last stage).
+    bias: Vec<f32>,
+    bias_rows: usize,
     img: Vec<f32>,
     img_rows: Vec<i64>,
 }
@@ -729,6 +756,8 @@ fn host_step(
             out.ids.as_mut_ptr(),
             out.table.as_mut_ptr(),
             inp.seen.as_ptr(),
+            inp.bias.as_ptr(),
+            inp.bias_rows as i64,
             inp.pos.as_ptr(),
             inp.img_rows.len() as i64,
             inp.img.as_ptr(),
@@ -775,14 +804,22 @@ impl GpuStep<'_> {
             (graphs.on && nimg == 0 && segments.iter().all(|s| s.rows == 1)).then(|| segments.iter().map(|s| s.seq).collect());
         let img_dev = if nimg > 0 { Some((device.upload(bytes_of(&inp.img))?, device.upload(bytes_of(&inp.img_rows))?)) } else { None };
         let (img_p, img_rows_p) = img_dev.as_ref().map_or((0, 0), |(a, b)| (a.ptr(), b.ptr()));
-        let fresh = || Io::alloc(tokens, segments.len(), m.x_words(), if m.last_stage { m.vocab } else { 0 });
+        let fresh = || Io::alloc(tokens, segments.len(), inp.bias_rows, m.x_words(), if m.last_stage { m.vocab } else { 0 });
         let (plan, io, mut fresh_io) = graphs.plan(key, fresh);
+        // A graph's micro-batch is a fixed set of sequences, and whether a
+        // sequence has a bias row is fixed for its life: the count matches.
+        if io.bias_rows != inp.bias_rows {
+            return Err(StageError::Step(format!("runtime bug: a step with {} bias rows on buffers for {}", inp.bias_rows, io.bias_rows)));
+        }
         device.copy_in(io.pos, bytes_of(&inp.pos))?;
         if m.last_stage {
             device.copy_in(io.table, bytes_of(&out.table))?;
             // The bitmaps matter only to penalised rows.
             if inp.penalised {
                 device.copy_in(io.seen, bytes_of(&inp.seen))?;
+            }
+            if inp.bias_rows > 0 {
+                device.copy_in(io.bias, bytes_of(&inp.bias))?;
             }
         }
         if m.first_stage {
@@ -810,6 +847,8 @@ impl GpuStep<'_> {
                     io.out as *mut i64,
                     io.table as *mut i64,
                     io.seen as *const u32,
+                    io.bias as *const f32,
+                    io.bias_rows as i64,
                     io.pos as *const i64,
                     nimg,
                     img_p as *const f32,

@@ -47,6 +47,8 @@ pub struct Submission {
     pub grammar: Option<(String, Option<u32>)>,
     /// Tokens before an EOS or a stop id may be drawn.
     pub min_tokens: usize,
+    /// Added to these tokens' logits before sampling.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 /// Why a request was not taken.
@@ -265,6 +267,7 @@ impl Engine {
             logprobs: s.logprobs,
             grammar: s.grammar.as_ref().map(|(g, after)| (g.clone(), after.map(i64::from))),
             min_tokens: s.min_tokens,
+            logit_bias: s.logit_bias.clone(),
         };
         let line = format!("{}\n", Command::Add(request).encode());
         let images = s.images;

@@ -516,6 +516,9 @@ async fn start(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: Opti
     if let Some(&bad) = ids.iter().find(|&&i| i as usize >= app.tokenizer.vocab_size()) {
         return Err(error(&ApiError::bad("prompt", format!("token id {bad} is outside the vocabulary"))));
     }
+    if let Some(&(bad, _)) = common.logit_bias.iter().find(|&&(i, _)| i as usize >= app.tokenizer.vocab_size()) {
+        return Err(error(&ApiError::bad("logit_bias", format!("`logit_bias`: token id {bad} is outside the vocabulary"))));
+    }
     if let Some(&bad) = common.stop_ids.iter().find(|&&i| i as usize >= app.tokenizer.vocab_size()) {
         return Err(error(&ApiError::bad("stop_token_ids", format!("`stop_token_ids`: token id {bad} is outside the vocabulary"))));
     }
@@ -589,6 +592,7 @@ async fn start(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: Opti
             logprobs: common.logprobs,
             grammar: grammar.clone(),
             min_tokens: common.min_tokens,
+            logit_bias: common.logit_bias.clone(),
         };
         // A refused choice drops the tickets taken so far, which cancels them.
         tickets.push(match app.engine.submit(sub) {

@@ -56,6 +56,8 @@ pub struct Common {
     pub min_tokens: usize,
     /// Completions: the answer's text starts with the prompt's.
     pub echo: bool,
+    /// Added to the listed tokens' logits before sampling (ids ascending).
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 /// The most choices one request may ask for: each is a sequence in the
@@ -269,11 +271,6 @@ pub fn common(m: &Map<String, Value>, d: &Defaults, endpoint: Endpoint, seed_fal
         Endpoint::Completions => &["max_tokens"],
         Endpoint::ChatCompletions => &["max_tokens", "max_completion_tokens"],
     };
-    for k in ["presence_penalty", "frequency_penalty"] {
-        if num(m, k)?.is_some_and(|v| v != 0.0) {
-            return Err(ApiError::bad(k, format!("`{k}` is not supported by m3c (use `repetition_penalty`)")));
-        }
-    }
     let n = uint(m, "n")?.unwrap_or(1);
     if !(1..=MAX_N).contains(&n) {
         return Err(ApiError::bad("n", format!("`n` must be from 1 to {MAX_N}")));
@@ -283,7 +280,7 @@ pub fn common(m: &Map<String, Value>, d: &Defaults, endpoint: Endpoint, seed_fal
     if echo && logprobs.is_some() {
         return Err(ApiError::bad("echo", "`echo` with `logprobs` needs the prompt's logprobs, which m3c does not compute yet"));
     }
-    for k in ["logit_bias", "best_of", "suffix"] {
+    for k in ["best_of", "suffix"] {
         match m.get(k) {
             None | Some(Value::Null) | Some(Value::Bool(false)) => {}
             Some(Value::Number(n)) if k == "best_of" && n.as_u64() == Some(1) => {}
@@ -296,6 +293,8 @@ pub fn common(m: &Map<String, Value>, d: &Defaults, endpoint: Endpoint, seed_fal
         top_p: f32_of("top_p")?,
         min_p: f32_of("min_p")?,
         repetition_penalty: f32_of("repetition_penalty")?,
+        presence_penalty: f32_of("presence_penalty")?,
+        frequency_penalty: f32_of("frequency_penalty")?,
         top_k: uint(m, "top_k")?.map(|v| usize::try_from(v).unwrap_or(usize::MAX)),
         seed: Some(uint(m, "seed")?.unwrap_or(seed_fallback)),
     };
@@ -361,7 +360,33 @@ pub fn common(m: &Map<String, Value>, d: &Defaults, endpoint: Endpoint, seed_fal
             (v, _) => v.map_or(0, |v| usize::try_from(v).unwrap_or(usize::MAX)),
         },
         echo,
+        logit_bias: logit_bias(m)?,
     })
+}
+
+/// OpenAI's `logit_bias`: token ids (as the object's keys) to a bias from
+/// -100 to 100, added to the token's logit before sampling.
+fn logit_bias(m: &Map<String, Value>) -> Result<Vec<(u32, f32)>, ApiError> {
+    const K: &str = "logit_bias";
+    const MAX_ENTRIES: usize = 1024;
+    let o = match m.get(K) {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Object(o)) if o.len() <= MAX_ENTRIES => o,
+        Some(Value::Object(_)) => return Err(ApiError::bad(K, format!("`{K}`: at most {MAX_ENTRIES} tokens"))),
+        Some(v) => return Err(ApiError::bad(K, format!("`{K}` must be an object of token ids to numbers, not {}", kind(v)))),
+    };
+    let max = m3c_contract::sampling::MAX_LOGIT_BIAS;
+    let mut out = Vec::with_capacity(o.len());
+    for (id, v) in o {
+        let id = id.parse::<u32>().map_err(|_| ApiError::bad(K, format!("`{K}`: key `{id}` is not a token id")))?;
+        let v = v
+            .as_f64()
+            .filter(|v| (-f64::from(max)..=f64::from(max)).contains(v))
+            .ok_or_else(|| ApiError::bad(K, format!("`{K}`: the bias of token {id} must be a number from -{max} to {max}")))?;
+        out.push((id, v as f32));
+    }
+    out.sort_by_key(|&(id, _)| id);
+    Ok(out)
 }
 /// The request's structured output: OpenAI's `response_format`
 /// (`json_object`, `json_schema`), or vLLM's `structured_outputs` (`json`,
@@ -628,9 +653,14 @@ mod tests {
             (json!({"echo": true}), ChatCompletions, "echo"),
             (json!({"n": 0}), ChatCompletions, "n"),
             (json!({"n": 17}), Completions, "n"),
-            (json!({"presence_penalty": 0.5}), ChatCompletions, "presence_penalty"),
-            (json!({"frequency_penalty": 0.5}), Completions, "frequency_penalty"),
-            (json!({"logit_bias": {"5": 10}}), ChatCompletions, "logit_bias"),
+            (json!({"presence_penalty": 2.5}), ChatCompletions, "presence_penalty"),
+            (json!({"frequency_penalty": -3}), Completions, "frequency_penalty"),
+            (json!({"frequency_penalty": "high"}), Completions, "frequency_penalty"),
+            (json!({"logit_bias": {"5": 101}}), ChatCompletions, "logit_bias"),
+            (json!({"logit_bias": {"x": 1}}), ChatCompletions, "logit_bias"),
+            (json!({"logit_bias": {"-1": 1}}), Completions, "logit_bias"),
+            (json!({"logit_bias": [[5, 1]]}), Completions, "logit_bias"),
+            (json!({"logit_bias": {"5": "1"}}), Completions, "logit_bias"),
             (json!({"reasoning_effort": "low"}), ChatCompletions, "reasoning_effort"),
             (json!({"functions": []}), ChatCompletions, "functions"),
             (json!({"stream_options": {"include_usage": true, "continuous_usage_stats": true}}), Completions, "stream_options"),
@@ -652,6 +682,8 @@ mod tests {
             (json!({"n": 1, "best_of": 1, "logprobs": null, "echo": false, "presence_penalty": 0, "frequency_penalty": 0}), Completions),
             (json!({"logprobs": false, "top_logprobs": null, "user": "alice", "max_completion_tokens": 5}), ChatCompletions),
             (json!({"logprobs": true, "top_logprobs": 20}), ChatCompletions),
+            (json!({"presence_penalty": 0.5, "frequency_penalty": -2, "logit_bias": {"5": 10, "7": -100}}), ChatCompletions),
+            (json!({"presence_penalty": 2, "frequency_penalty": 1.5, "logit_bias": {}}), Completions),
             (json!({"logprobs": 0}), Completions),
             (json!({"echo": true}), Completions),
             (json!({"logprobs": 5}), Completions),

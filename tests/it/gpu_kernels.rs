@@ -925,13 +925,14 @@ fn nan_scores_still_give_distinct_valid_ids_on_host_and_gpu() {
         buf(&logits, &[rows, 300], "memref<?x300xf32>", false),
         buf(&table, &[rows, ROW_WORDS], &format!("memref<?x{ROW_WORDS}xi64>"), true),
         buf(&[0u32; 10], &[1, 10], "memref<?x10xi32>", false),
+        buf(&[0f32; 300], &[1, 300], "memref<?x300xf32>", false),
         buf(&[-1i64; 3], &[rows], "memref<?xi64>", true),
     ];
     let gpu = ids_of(&run_gpu(&GpuTarget::CUDA, &k, rows, &args, args.len())[1]);
     let host: Vec<i64> = (0..rows)
         .map(|r| {
             let mut w = row_words(&SamplingParams::GREEDY, 0, 0, true, 0);
-            sample_row(&logits[r * 300..(r + 1) * 300], &[0; 10], None, &mut w) as i64
+            sample_row(&logits[r * 300..(r + 1) * 300], &[0; 10], None, None, &mut w) as i64
         })
         .collect();
     assert_eq!(gpu, host, "{k}: host and GPU choose alike");
@@ -954,6 +955,7 @@ fn the_device_sampler_picks_the_host_samplers_ids() {
         min_p,
         repetition_penalty,
         seed,
+        ..SamplingParams::GREEDY
     };
     // (params, request, step, gives a token, the row's bitmap)
     let cases: Vec<(SamplingParams, u64, u64, bool, usize)> = vec![
@@ -978,7 +980,21 @@ fn the_device_sampler_picks_the_host_samplers_ids() {
     cases.push((greedy, 0, 0, true, 0));
     cases.push((p(0.9, 30, 0.9, 0.0, 1.3, 11), 4, 2, true, 1));
     cases.push((p(1.0, 0, 1.0, 0.0, 1.0, 12), 5, 0, true, 0));
-    let masks: [(usize, usize); 3] = [(20, 3), (21, 3), (22, 4)];
+    let masks: [(usize, usize); 4] = [(20, 3), (21, 3), (22, 4), (24, 3)];
+    // Rows with a bias row (logit_bias, presence and frequency penalties):
+    // row 23 greedy under a bias that lifts token 77 past every other, row
+    // 24 sampled under a noisy bias, a mask and a repetition penalty, row
+    // 25 sampled with top-k under the first bias.
+    cases.push((greedy, 0, 0, true, 0));
+    cases.push((p(0.8, 0, 0.95, 0.0, 1.2, 13), 6, 3, true, 1));
+    cases.push((p(1.0, 50, 1.0, 0.0, 1.0, 14), 7, 5, true, 0));
+    let biases: [(usize, usize); 3] = [(23, 0), (24, 1), (25, 0)];
+    let mut bias = vec![0f32; 2 * width];
+    bias[77] = 40.0;
+    bias[78] = -40.0;
+    for (i, b) in bias[width..].iter_mut().enumerate() {
+        *b = ((i * 7919) % 1000) as f32 / 100.0 - 5.0;
+    }
     let rows = cases.len();
     let mut logits = vals(rows * width, 21, 6.0);
     for r in 0..rows {
@@ -1018,6 +1034,9 @@ fn the_device_sampler_picks_the_host_samplers_ids() {
         if let Some(&(_, m)) = masks.iter().find(|&&(row, _)| row == r) {
             w[row::TOKEN_MASK] = m as i64 + 1;
         }
+        if let Some(&(_, b)) = biases.iter().find(|&&(row, _)| row == r) {
+            w[row::BIAS_ROW] = b as i64 + 1;
+        }
         table.extend_from_slice(&w);
     }
     let k = Kernel::Sample(m3c_kernels::Sample { width });
@@ -1025,6 +1044,7 @@ fn the_device_sampler_picks_the_host_samplers_ids() {
         buf(&logits, &[rows, width], &format!("memref<?x{width}xf32>"), false),
         buf(&table, &[rows, ROW_WORDS], &format!("memref<?x{ROW_WORDS}xi64>"), true),
         buf(&seen, &[5, vocab_words], &format!("memref<?x{vocab_words}xi32>"), false),
+        buf(&bias, &[2, width], &format!("memref<?x{width}xf32>"), false),
         buf(&vec![-1i64; rows], &[rows], "memref<?xi64>", true),
     ];
     let out = run_gpu(&GpuTarget::CUDA, &k, rows, &args, args.len());
@@ -1034,13 +1054,16 @@ fn the_device_sampler_picks_the_host_samplers_ids() {
         let mut w: [i64; ROW_WORDS] = table[r * ROW_WORDS..(r + 1) * ROW_WORDS].try_into().unwrap();
         let rows_of = |b: usize| &seen[b * vocab_words..(b + 1) * vocab_words];
         let allowed = m3c_contract::sampling::mask_row(&w).map(rows_of);
-        let host = sample_row(&logits[r * width..(r + 1) * width], rows_of(bitmap), allowed, &mut w);
+        let add = m3c_contract::sampling::bias_row(&w).map(|b| &bias[b * width..(b + 1) * width]);
+        let host = sample_row(&logits[r * width..(r + 1) * width], rows_of(bitmap), allowed, add, &mut w);
         assert_eq!(gpu_ids[r], host as i64, "row {r} ({p:?}, gives a token: {give}): device id vs host id");
         assert_eq!(gpu_table[r * ROW_WORDS + row::NON_FINITE], w[row::NON_FINITE], "row {r}: non-finite count");
     }
     assert_eq!(gpu_table[ROW_WORDS + row::NON_FINITE], 3, "NaN, -inf and +inf");
     assert!(gpu_ids[20] % 3 == 0 && gpu_ids[21] % 3 == 0, "masked rows draw allowed tokens: {:?}", &gpu_ids[20..22]);
     assert_eq!(gpu_ids[22], 512, "the one allowed token");
+    assert_eq!(gpu_ids[23], 77, "a bias of 40 lifts its token past every other");
+    assert!(gpu_ids[24] % 3 == 0, "a biased, masked row still draws an allowed token: {}", gpu_ids[24]);
     let draws: BTreeSet<i64> = gpu_ids[10..20].iter().copied().collect();
     assert!(draws.len() >= 5, "ten draws from a flat row should mostly differ: {:?}", &gpu_ids[10..20]);
 }

@@ -219,6 +219,49 @@ fn choices_logprobs_stop_ids_token_routes_and_responses() {
         let want = row[ids[j] as usize] as f64 - lse;
         assert!((got - want).abs() < 1e-5, "token {j}: served logprob {got}, log-softmax of the dumped logits {want}");
     }
+    // Presence and frequency penalties, as OpenAI defines them: m3c run's
+    // greedy path under them is, step by step, the first maximum of the
+    // dumped raw logits less `frequency × count + presence` for every token
+    // generated so far. (Negative ones, which favour repeats, show on random
+    // weights, whose greedy path seldom repeats within 8 tokens.)
+    let pdump = dir.path().join("p.safetensors");
+    let (printed, _) = run_text(
+        &out,
+        &model,
+        &[
+            "--prompt-ids",
+            "5,6,7",
+            "--max-new-tokens",
+            "8",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--presence-penalty",
+            "-2",
+            "--frequency-penalty",
+            "-0.75",
+            "--dump",
+            pdump.to_str().unwrap(),
+        ],
+    );
+    let penal: Vec<u32> = printed.trim_start_matches("prompt 0: ").split(',').map(|t| t.trim().parse().unwrap()).collect();
+    let (_, prefill) = m3c_tests::read_tensor_f32(&pdump, "prefill_logits");
+    let (_, decode) = m3c_tests::read_tensor_f32(&pdump, "decode_logits");
+    let rows: Vec<&[f32]> = std::iter::once(&prefill[prefill.len() - vocab..]).chain(decode.chunks(vocab)).take(8).collect();
+    assert_eq!((rows.len(), penal.len()), (8, 8), "{printed}");
+    let mut counts: std::collections::HashMap<u32, u32> = Default::default();
+    for (j, row) in rows.iter().enumerate() {
+        let adjusted: Vec<f32> =
+            (0..vocab as u32).map(|i| row[i as usize] + counts.get(&i).map_or(0.0, |&c| -(-0.75 * c as f32 + -2.0))).collect();
+        let max = adjusted.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let first = adjusted.iter().position(|&v| v == max).unwrap() as u32;
+        assert_eq!(penal[j], first, "step {j}: the penalised greedy token");
+        *counts.entry(penal[j]).or_default() += 1;
+    }
+    assert_ne!(&penal[..6], &ids[..], "the penalties changed nothing");
+    // The server gives the same tokens for the same request, and honours
+    // logit_bias.
+    s.client(&["penalties", &serde_json::to_string(&ids).unwrap(), &serde_json::to_string(&penal).unwrap()]);
     // OpenAI's Responses API gives the chat route's text, whole and streamed.
     let r = s.client(&[
         "responses",

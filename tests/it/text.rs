@@ -487,7 +487,15 @@ fn a_sampled_runs_dump_replays_through_the_host_sampler() {
     let vocab = shape[1];
     let mut rows = prefill[(shape[0] - 1) * vocab..].to_vec();
     rows.extend(m3c_tests::read_tensor_f32(&dump, "decode_logits").1);
-    let p = SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.02, repetition_penalty: 1.1, seed: 7 };
+    let p = SamplingParams {
+        temperature: 0.8,
+        top_k: 40,
+        top_p: 0.95,
+        min_p: 0.02,
+        repetition_penalty: 1.1,
+        seed: 7,
+        ..SamplingParams::GREEDY
+    };
     let generated = ids("generated_ids");
     assert_eq!(generated.len(), 16);
     assert!(replay_mismatches(&ids("prompt_ids"), &rows, vocab, &generated, &p).is_empty());

@@ -548,6 +548,39 @@ def logprobs(base, model):
     return {"logprobs": lp.token_logprobs, "tokens": lp.tokens}
 
 
+def penalties(base, model, plain, penal):
+    """presence_penalty, frequency_penalty and logit_bias through the openai
+    client. `plain`: m3c run's greedy continuation of [5, 6, 7]; `penal`:
+    its greedy continuation under presence -2 and frequency -0.75 (checked
+    against the dumped logits by the caller)."""
+    c = client(base)
+    root = base.removesuffix("/v1")
+    prompt = [5, 6, 7]
+    detok = lambda ids: httpx.post(f"{root}/detokenize", json={"model": model, "tokens": ids}, timeout=30).json()["prompt"]
+    greedy = lambda n, **kw: c.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0,
+                                                  extra_body={"ignore_eos": True, "skip_special_tokens": False}, **kw).choices[0].text
+    got = greedy(len(penal), presence_penalty=-2, frequency_penalty=-0.75)
+    assert got == detok(penal), ("served under the penalties", got, detok(penal))
+    assert greedy(len(plain)) == detok(plain), "without them, the plain path"
+    # A bias of 100 forces its token; -100 bans the greedy one.
+    forced = next(i for i in range(100, 1000) if i not in plain)
+    assert greedy(4, logit_bias={str(forced): 100}) == detok([forced] * 4), (forced, greedy(4, logit_bias={str(forced): 100}))
+    banned = greedy(1, logit_bias={str(plain[0]): -100})
+    assert banned != detok(plain[:1]), ("a -100 bias on the greedy token", banned)
+    # Sampled and on chat, the typed arguments are taken.
+    r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0.8, seed=2,
+                                  presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={str(forced): 5})
+    assert r.usage.completion_tokens >= 1, r
+    for bad in [dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(logit_bias={"1000000000": 1}), dict(logit_bias={"5": 101})]:
+        try:
+            c.completions.create(model=model, prompt=prompt, max_tokens=1, **bad)
+        except openai.BadRequestError as e:
+            assert e.body["param"] == next(iter(bad)), (bad, e.body)
+        else:
+            raise AssertionError(f"{bad} was taken")
+    return {"forced": forced}
+
+
 def responses(base, model, user, params):
     """OpenAI's Responses API, whole and streamed, through the official
     client: the text equals the chat route's for the same conversation."""
@@ -671,6 +704,7 @@ COMMANDS = {
     "responses": lambda base, model, rest: responses(base, model, rest[0], rest[1]),
     "structured": lambda base, model, rest: structured(base, model),
     "logprobs": lambda base, model, rest: logprobs(base, model),
+    "penalties": lambda base, model, rest: penalties(base, model, json.loads(rest[0]), json.loads(rest[1])),
     "choices": lambda base, model, rest: choices_and_tokens(base, model, json.loads(rest[0]), int(rest[1])),
 }
 

@@ -10,7 +10,7 @@
 //! (the runtime passes exactly those arguments).
 //!
 //! On the GPU every array the kernels touch (weights, caches, ids, x,
-//! logits, out_ids, table, seen, pos) is device memory; the small per-sequence arrays and
+//! logits, out_ids, table, seen, bias, pos) is device memory; the small per-sequence arrays and
 //! the tables are host memory read by the host code. Scratch buffers come from
 //! the runtime (`m3c_buf_alloc/free/copy`), host or device memory by target.
 
@@ -147,6 +147,7 @@ impl Emitter {
             Arg::OutIds => "%out_ids".to_string(),
             Arg::Table => "%table".to_string(),
             Arg::Seen { .. } => "%seen".to_string(),
+            Arg::Bias { .. } => "%bias".to_string(),
             Arg::Cache { slot, width, cache } => {
                 let p = self.table_ptr("%ctab", *slot);
                 self.view(&p, "%scap", MemTy::rows(*width, cache.mlir_elem()))
@@ -354,6 +355,8 @@ fn entry_body(f: &FusedStage, flavor: Flavor) -> Emitter {
             m3c_contract::sampling::BITMAP_ROWS
         ));
         e.view_as("%seen", "%seen_p", "%seen_rows", MemTy::rows(words, "i32"));
+        e.body.push_str("%nbias = arith.index_cast %bias_rows : i64 to index\n");
+        e.view_as("%bias", "%bias_p", "%nbias", MemTy::rows(vocab, "f32"));
     }
     emit_steps(&mut e, &f.steps, 0);
     e.body.push_str("return\n");
@@ -516,7 +519,8 @@ fn entry_func(body: &str) -> String {
     format!(
         "  func.func @{ENTRY_SYMBOL}(%weights: !llvm.ptr, %weights_dev: !llvm.ptr, %caches: !llvm.ptr, %sequences: i64, \
          %rows_p: !llvm.ptr, %caps_p: !llvm.ptr, %tokens: i64, %ids_p: !llvm.ptr, %x_p: !llvm.ptr, %logits_p: !llvm.ptr, \
-         %out_ids_p: !llvm.ptr, %table_p: !llvm.ptr, %seen_p: !llvm.ptr, %pos_p: !llvm.ptr, %nimg: i64, %img_p: !llvm.ptr, \
+         %out_ids_p: !llvm.ptr, %table_p: !llvm.ptr, %seen_p: !llvm.ptr, %bias_p: !llvm.ptr, %bias_rows: i64, %pos_p: !llvm.ptr, \
+         %nimg: i64, %img_p: !llvm.ptr, \
          %img_rows_p: !llvm.ptr) {{\n{}  }}\n",
         indent(body, 4)
     )

@@ -48,6 +48,9 @@ pub enum Arg {
     Table,
     /// The seen-id bitmaps of the repetition penalty, one row per sequence.
     Seen { words: usize },
+    /// The bias rows added to the logits of the rows that name one
+    /// (`logit_bias`, presence and frequency penalties) `[B, vocab]`.
+    Bias { vocab: usize },
     /// Vision entry: the images' normalised patch rows `[P, row]` f32.
     Pixels { row: usize },
     /// Vision entry: each patch row's `(t, h, w)` `[P, 3]`.
@@ -73,6 +76,7 @@ impl Arg {
             Arg::Logits { vocab } => MemTy::rows(*vocab, "f32"),
             Arg::Table => MemTy::rows(m3c_contract::sampling::ROW_WORDS, "i64"),
             Arg::Seen { words } => MemTy::rows(*words, "i32"),
+            Arg::Bias { vocab } => MemTy::rows(*vocab, "f32"),
             Arg::Pixels { row } => MemTy::rows(*row, "f32"),
             Arg::PatchPos => MemTy::rows(3, "i64"),
             Arg::Segments | Arg::ImgRows => MemTy { dims: vec![None], elem: "i64" },
@@ -95,6 +99,7 @@ impl fmt::Display for Arg {
             Arg::OutIds => f.write_str("out_ids"),
             Arg::Table => f.write_str("table"),
             Arg::Seen { .. } => f.write_str("seen"),
+            Arg::Bias { .. } => f.write_str("bias"),
             Arg::Pixels { .. } => f.write_str("pixels"),
             Arg::PatchPos => f.write_str("patch_pos"),
             Arg::Segments => f.write_str("segments"),
@@ -534,7 +539,7 @@ impl Fuser<'_> {
                 let words = m3c_contract::sampling::seen_words(vocab);
                 self.call(
                     Kernel::Sample(m3c_kernels::Sample { width: vocab }),
-                    vec![x, Arg::Table, Arg::Seen { words }, Arg::OutIds],
+                    vec![x, Arg::Table, Arg::Seen { words }, Arg::Bias { vocab }, Arg::OutIds],
                     what,
                 );
             }

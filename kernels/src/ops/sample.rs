@@ -1,5 +1,6 @@
 //! Next-token sampling on the last stage: per row of logits, the sampler of
-//! `m3c_contract::sampling` (repetition penalty, temperature, top-k, top-p,
+//! `m3c_contract::sampling` (an additive bias row, repetition penalty,
+//! temperature, allowed tokens, top-k, top-p,
 //! min-p, one Philox draw keyed by (seed, request, step)), so that on a GPU
 //! only the ids leave the device. Each row also gets the count of its
 //! non-finite logits, which the runtime turns into an error.
@@ -33,14 +34,15 @@ const THREADS: usize = 1024;
 /// entry of `table` (`[S, ROW_WORDS]` i64, see `m3c_contract::sampling::row`;
 /// the kernel writes each row's non-finite count into it), with `seen` the
 /// repetition-penalty bitmaps (`[sequences, ⌈width/32⌉]` i32, a row picks
-/// its own). `ids`: `[S]`.
+/// its own) and `bias` the bias rows (`[rows, width]` f32, added to the
+/// logits of the rows that name one). `ids`: `[S]`.
 #[derive(Debug, Clone, PartialEq, PartialOrd)]
 pub struct Sample {
     pub width: usize,
 }
 
-/// The runtime's host sampler: (logits, table, seen, ids, rows, width,
-/// seen rows, seen words).
+/// The runtime's host sampler: (logits, table, seen, bias, ids, rows,
+/// width, seen rows, seen words, bias rows).
 const HOST_SAMPLER: &str = m3c_contract::stage::abi::SAMPLE_ROWS;
 
 impl Sample {
@@ -58,6 +60,7 @@ impl KernelUnit for Sample {
             crate::unit::param("x", format!("memref<?x{}xf32>", self.width)),
             crate::unit::param("table", format!("memref<?x{ROW_WORDS}xi64>")),
             crate::unit::param("seen", format!("memref<?x{}xi32>", self.seen_words())),
+            crate::unit::param("bias", format!("memref<?x{}xf32>", self.width)),
             crate::unit::param("ids", "memref<?xi64>"),
         ]
     }
@@ -75,26 +78,31 @@ impl KernelUnit for Sample {
         };
         format!(
             "%c0 = arith.constant 0 : index\n\
-             {}{}{}{}\
+             {}{}{}{}{}\
              %rows_ix = memref.dim %x, %c0 : memref<?x{w}xf32>\n\
              %rows = arith.index_cast %rows_ix : index to i64\n\
              %seqs_ix = memref.dim %seen, %c0 : memref<?x{nw}xi32>\n\
              %seqs = arith.index_cast %seqs_ix : index to i64\n\
+             %brows_ix = memref.dim %bias, %c0 : memref<?x{w}xf32>\n\
+             %brows = arith.index_cast %brows_ix : index to i64\n\
              %width = arith.constant {w} : i64\n\
              %words = arith.constant {nw} : i64\n\
-             func.call @{HOST_SAMPLER}(%x_p, %table_p, %seen_p, %ids_p, %rows, %width, %seqs, %words) : \
-             (!llvm.ptr, !llvm.ptr, !llvm.ptr, !llvm.ptr, i64, i64, i64, i64) -> ()\n\
+             func.call @{HOST_SAMPLER}(%x_p, %table_p, %seen_p, %bias_p, %ids_p, %rows, %width, %seqs, %words, %brows) : \
+             (!llvm.ptr, !llvm.ptr, !llvm.ptr, !llvm.ptr, !llvm.ptr, i64, i64, i64, i64, i64) -> ()\n\
              return\n",
             ptr("x", &format!("memref<?x{w}xf32>")),
             ptr("table", &format!("memref<?x{ROW_WORDS}xi64>")),
             ptr("seen", &format!("memref<?x{nw}xi32>")),
+            ptr("bias", &format!("memref<?x{w}xf32>")),
             ptr("ids", "memref<?xi64>"),
         )
     }
     fn globals(&self) -> Vec<(String, String)> {
         vec![(
             HOST_SAMPLER.into(),
-            format!("  func.func private @{HOST_SAMPLER}(!llvm.ptr, !llvm.ptr, !llvm.ptr, !llvm.ptr, i64, i64, i64, i64)\n"),
+            format!(
+                "  func.func private @{HOST_SAMPLER}(!llvm.ptr, !llvm.ptr, !llvm.ptr, !llvm.ptr, !llvm.ptr, i64, i64, i64, i64, i64)\n"
+            ),
         )]
     }
     fn gpu_funcs(&self, target: &GpuTarget) -> Vec<GpuFunc> {
@@ -128,12 +136,21 @@ fn i32c(name: &str, v: u32) -> String {
     format!("{name} = arith.constant {} : i32\n", v as i32)
 }
 
-/// The scaled value `%{p}x` of logit `l` at index `i` of the row: NaN as
-/// -∞, the penalty if the row's bitmap has the token, divided by `%tt`;
-/// -∞ for a token the row's allowed-token bitmap leaves out.
-fn scaled(p: &str, l: &str, i: &str, nw: usize) -> String {
+/// The scaled value `%{p}x` of logit `l0` at index `i` of the row: plus
+/// the row's bias when it has one, NaN as -∞, the penalty if the row's
+/// bitmap has the token, divided by `%tt`; -∞ for a token the row's
+/// allowed-token bitmap leaves out.
+fn scaled(p: &str, l0: &str, i: &str, width: usize, nw: usize) -> String {
+    let l = format!("%{p}bias_x");
     format!(
-        "%{p}nan = arith.cmpf uno, {l}, {l} : f32\n\
+        "{l} = scf.if %biason -> (f32) {{\n\
+         \x20 %{p}bias_v = memref.load %bias[%brow, {i}] : memref<?x{width}xf32>\n\
+         \x20 %{p}bias_s = arith.addf {l0}, %{p}bias_v : f32\n\
+         \x20 scf.yield %{p}bias_s : f32\n\
+         }} else {{\n\
+         \x20 scf.yield {l0} : f32\n\
+         }}\n\
+         %{p}nan = arith.cmpf uno, {l}, {l} : f32\n\
          %{p}fl = arith.select %{p}nan, %ninf, {l} : f32\n\
          {hit}\
          %{p}pos = arith.cmpf ogt, {l}, %zero : f32\n\
@@ -212,7 +229,7 @@ fn weight(p: &str, x: &str) -> String {
 fn weigh_at(p: &str, i: &str, width: usize, nw: usize) -> String {
     format!(
         "%{p}l = memref.load %x[%r, {i}] : memref<?x{width}xf32>\n{}{}",
-        scaled(p, &format!("%{p}l"), i, nw),
+        scaled(p, &format!("%{p}l"), i, width, nw),
         weight(p, &format!("%{p}x"))
     )
 }
@@ -380,9 +397,9 @@ fn gpu_constants(width: usize) -> String {
         i32c("%pw0", 0x9E37_79B9),
         i32c("%pw1", 0xBB67_AE85),
     ));
-    // The words this kernel reads or writes (of the reserved ones, only
-    // the allowed-token mask is read yet).
-    for idx in (0..=row::NON_FINITE).chain([row::TOKEN_MASK]) {
+    // The words this kernel reads or writes (the penalties' own words and
+    // the bookkeeping ones are the host's).
+    for idx in (0..=row::NON_FINITE).chain([row::BIAS_ROW, row::TOKEN_MASK]) {
         s.push_str(&format!("%cw{idx} = arith.constant {idx} : index\n"));
     }
     s.push_str(&f32c("%log2e", exp_consts::LOG2_E));
@@ -414,6 +431,7 @@ fn gpu_row_params() -> String {
     s.push_str(&word("req", row::REQUEST));
     s.push_str(&word("flags", row::FLAGS));
     s.push_str(&word("mword", row::TOKEN_MASK));
+    s.push_str(&word("bword", row::BIAS_ROW));
     s.push_str(
         "%temp_i = arith.trunci %w0 : i64 to i32\n%temp = arith.bitcast %temp_i : i32 to f32\n\
          %topp_h = arith.shrui %w0, %c32l : i64\n%topp_i = arith.trunci %topp_h : i64 to i32\n%topp = arith.bitcast %topp_i : i32 to f32\n\
@@ -424,6 +442,8 @@ fn gpu_row_params() -> String {
          %penne = arith.cmpf one, %pen, %fone : f32\n%penon = arith.andi %give, %penne : i1\n\
          %maskne = arith.cmpi ne, %mword, %z64 : i64\n%maskon = arith.andi %give, %maskne : i1\n\
          %mrow_l = arith.subi %mword, %c1l : i64\n%mrow = arith.index_cast %mrow_l : i64 to index\n\
+         %biasne = arith.cmpi ne, %bword, %z64 : i64\n%biason = arith.andi %give, %biasne : i1\n\
+         %brow_l = arith.subi %bword, %c1l : i64\n%brow = arith.index_cast %brow_l : i64 to index\n\
          %tpos = arith.cmpf ogt, %temp, %zero : f32\n%tt = arith.select %tpos, %temp, %fone : f32\n",
     );
     s
@@ -464,7 +484,7 @@ fn gpu_scan(width: usize, nw: usize) -> String {
          \x20 %nb = memref.load %si[%c1] : {si}\n  %nbl = arith.extui %nb : i32 to i64\n\
          \x20 memref.store %nbl, %table[%r, %cw{nf}] : {tab}\n\
          }}\n",
-        indent(&scaled("a", "%l", "%i", nw), 2),
+        indent(&scaled("a", "%l", "%i", width, nw), 2),
         nf = row::NON_FINITE,
     ));
     // The maximum, decoded from its order key.
@@ -510,7 +530,7 @@ fn gpu_greedy(width: usize, nw: usize) -> String {
          \x20   memref.store %fl, %ids[%r] : memref<?xi64>\n\
          \x20 }}\n\
          }}\n",
-        indent(&scaled("gg", "%gl", "%i", nw), 4),
+        indent(&scaled("gg", "%gl", "%i", width, nw), 4),
     ));
     s
 }
