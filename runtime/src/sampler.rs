@@ -11,9 +11,8 @@ use m3c_contract::sampling::{bias_row, mask_row, sample_row, seen_row, ROW_WORDS
 /// and sequence count.
 ///
 /// # Safety
-/// `logits` holds `rows × vocab` f32, `table` `rows × ROW_WORDS` i64, `ids`
-/// `rows` i64, `seen` `seen_rows × seen_words` u32 and `bias` `bias_rows ×
-/// vocab` f32, none overlapping.
+/// In parameter order the buffers hold `rows × vocab` f32, `rows × ROW_WORDS` i64, `seen_rows ×
+/// seen_words` u32, `bias_rows × vocab` f32 and `rows` i64, none overlapping.
 #[no_mangle]
 pub unsafe extern "C" fn m3c_sample_rows(
     logits: *const f32,
