@@ -166,8 +166,18 @@ async fn chat_completions(State(app): State<App>, headers: HeaderMap, body: Byte
         let m = openai::object(&body)?;
         openai::check_model(&m, &app.name)?;
         openai::check_fields(&m, openai::Endpoint::ChatCompletions)?;
-        let common = openai::common(&m, &app.defaults, openai::Endpoint::ChatCompletions, fresh_seed())?;
+        let mut common = openai::common(&m, &app.defaults, openai::Endpoint::ChatCompletions, fresh_seed())?;
         let (rendered, chat) = render_chat(&app, &m, true)?;
+        // A forced tool call is the request's grammar (one per request).
+        if let Some(g) = chat.forced.clone() {
+            if let Some((_, field)) = &common.grammar {
+                return Err(ApiError::bad(
+                    "tool_choice",
+                    format!("a forced `tool_choice` constrains the output, and so does `{field}`: a request takes one of them"),
+                ));
+            }
+            common.grammar = Some((g, "tool_choice"));
+        }
         let ids = app.tokenizer.encode(&rendered).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?;
         // Thinking enabled leaves the prompt inside an open <mm:think>.
         let thinking = rendered.trim_end().ends_with("<mm:think>");

@@ -14,6 +14,7 @@ mod media;
 mod metrics;
 pub mod openai;
 pub mod output;
+pub mod tool_grammar;
 
 use anyhow::{Context, Result};
 use m3c_contract::sampling::SamplingParams;

@@ -193,7 +193,6 @@ fn unsupported(field: &str) -> Option<&'static str> {
             "m3c's structured outputs have one back end (llguidance) and its JSON whitespace; leave this out"
         }
         "prompt_logprobs" => "prompt logprobs are not supported by m3c yet",
-        "tool_choice" => "m3c cannot force a tool call yet (`tool_choice` may be \"none\" or \"auto\")",
         "reasoning_effort" => "use `chat_template_kwargs: {\"thinking_mode\": ...}` to set MiniMax-M3's thinking",
         "functions" | "function_call" => "the legacy `functions` API is not supported; use `tools`",
         "modalities" | "audio" | "prediction" | "web_search_options" => "m3c serves text (and image input) only",
@@ -220,7 +219,7 @@ pub fn check_fields(m: &Map<String, Value>, endpoint: Endpoint) -> Result<(), Ap
         if v.is_null() || endpoint.knows(k) {
             continue;
         }
-        let why = unsupported(k).filter(|_| k != "tool_choice").map_or_else(
+        let why = unsupported(k).map_or_else(
             || {
                 format!(
                     "`{k}` is not a field m3c's {} takes; m3c refuses fields it cannot honour rather than ignoring them",
@@ -230,16 +229,6 @@ pub fn check_fields(m: &Map<String, Value>, endpoint: Endpoint) -> Result<(), Ap
             |why| format!("`{k}`: {why}"),
         );
         return Err(ApiError::bad(k, why));
-    }
-    // Values that would change the answer in ways m3c does not do yet.
-    let refuse = |k: &str, why: &str| Err(ApiError::bad(k, format!("`{k}`: {why}")));
-    if let Some(v) = m.get("tool_choice") {
-        if !(v.is_null() || v == "none" || v == "auto") {
-            return refuse("tool_choice", unsupported("tool_choice").unwrap_or_default());
-        }
-    }
-    if m.get("parallel_tool_calls").is_some_and(|v| v == &Value::Bool(false)) {
-        return refuse("parallel_tool_calls", "m3c cannot limit the model to one tool call (only true)");
     }
     if let Some(o) = m.get("stream_options").and_then(Value::as_object) {
         if let Some(k) = o.keys().find(|k| k.as_str() != "include_usage" && !o[k.as_str()].is_null()) {
@@ -542,6 +531,9 @@ pub struct Chat {
     /// became an `{"type": "image"}` part the template writes as the image
     /// placeholder.
     pub images: Vec<(String, String)>,
+    /// The grammar of the call block `tool_choice` forces (`"required"` or
+    /// a named function), if it forces one.
+    pub forced: Option<Grammar>,
 }
 
 pub fn chat(m: &Map<String, Value>) -> Result<Chat, ApiError> {
@@ -567,19 +559,48 @@ pub fn chat(m: &Map<String, Value>) -> Result<Chat, ApiError> {
         }
         Some(v) => return Err(ApiError::bad("tools", format!("`tools` must be an array, not {}", kind(v)))),
     };
-    let tools = match m.get("tool_choice") {
-        None | Some(Value::Null) => tools,
-        Some(Value::String(s)) if s == "none" => Vec::new(),
-        Some(Value::String(s)) if s == "auto" => tools,
-        // `check_fields` refused "required" and named functions.
-        Some(_) => return Err(ApiError::bad("tool_choice", "`tool_choice` must be \"none\" or \"auto\"")),
+    use crate::tool_grammar::{forced_calls, Forced};
+    let choice = match m.get("tool_choice") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if s == "none" || s == "auto" => None,
+        Some(Value::String(s)) if s == "required" => Some(Forced::Any),
+        Some(Value::Object(o)) if o.get("type") == Some(&json!("function")) && o["function"]["name"].is_string() => {
+            Some(Forced::Named(o["function"]["name"].as_str().unwrap_or_default().to_string()))
+        }
+        Some(_) => {
+            return Err(ApiError::bad(
+                "tool_choice",
+                "`tool_choice` must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+            ))
+        }
     };
+    let single = match m.get("parallel_tool_calls") {
+        None | Some(Value::Null) | Some(Value::Bool(true)) => false,
+        Some(Value::Bool(false)) if choice.is_some() => true,
+        Some(Value::Bool(false)) => {
+            return Err(ApiError::bad(
+                "parallel_tool_calls",
+                "`parallel_tool_calls: false` is honoured only with a forced `tool_choice` (m3c cannot limit a free answer to one call)",
+            ))
+        }
+        Some(v) => return Err(ApiError::bad("parallel_tool_calls", format!("`parallel_tool_calls` must be a boolean, not {}", kind(v)))),
+    };
+    let forced = match &choice {
+        None => None,
+        Some(c) => {
+            let text = forced_calls(&tools, c, single || matches!(c, Forced::Named(_)))
+                .map_err(|e| ApiError::bad(if e.path == "tool_choice" { "tool_choice" } else { "tools" }, e.to_string()))?;
+            Some(Grammar::Lark(text))
+        }
+    };
+    let none = matches!(m.get("tool_choice"), Some(Value::String(s)) if s == "none");
+    let tools = if none { Vec::new() } else { tools };
     let kwargs = match m.get("chat_template_kwargs") {
         None | Some(Value::Null) => Map::new(),
         Some(Value::Object(o)) => o.clone(),
         Some(v) => return Err(ApiError::bad("chat_template_kwargs", format!("`chat_template_kwargs` must be an object, not {}", kind(v)))),
     };
-    Ok(Chat { messages, tools, kwargs, images })
+    Ok(Chat { messages, tools, kwargs, images, forced })
 }
 
 #[cfg(test)]
@@ -624,15 +645,17 @@ mod tests {
             (json!({"guided_choice": [1]}), Completions, "guided_choice"),
             (json!({"guided_regex": "a", "response_format": {"type": "json_object"}}), Completions, "guided_regex"),
             (json!({"guided_decoding_backend": "xgrammar"}), Completions, "guided_decoding_backend"),
+            (json!({"tool_choice": "required"}), ChatCompletions, "tool_choice"),
             (
-                json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}),
+                json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}),
                 ChatCompletions,
                 "tool_choice",
             ),
+            (json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "any"}), ChatCompletions, "tool_choice"),
             (
-                json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+                json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "string", "pattern": "a+"}}}}}], "tool_choice": "required"}),
                 ChatCompletions,
-                "tool_choice",
+                "tools",
             ),
             (json!({"tool_choice": "auto"}), Completions, "tool_choice"),
             (json!({"parallel_tool_calls": false}), ChatCompletions, "parallel_tool_calls"),
@@ -677,6 +700,14 @@ mod tests {
             (json!({"response_format": {"type": "text"}}), ChatCompletions),
             (json!({"tool_choice": "none", "tools": [{"type": "function", "function": {"name": "f"}}]}), ChatCompletions),
             (json!({"tool_choice": "auto", "parallel_tool_calls": true}), ChatCompletions),
+            (
+                json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "parallel_tool_calls": false}),
+                ChatCompletions,
+            ),
+            (
+                json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+                ChatCompletions,
+            ),
             (json!({"min_tokens": 0, "stop_token_ids": [], "include_stop_str_in_output": false, "skip_special_tokens": true}), Completions),
             (json!({"stop_token_ids": [7, 9], "include_stop_str_in_output": true, "skip_special_tokens": false, "n": 3}), ChatCompletions),
             (json!({"n": 1, "best_of": 1, "logprobs": null, "echo": false, "presence_penalty": 0, "frequency_penalty": 0}), Completions),

@@ -214,7 +214,12 @@ fn parse_elements(text: &str, schema: &Value) -> Option<Map<String, Value>> {
 fn value_of(inner: &str, schema: &Value) -> Option<Value> {
     let kids = elements(inner)?;
     if kids.is_empty() {
-        return Some(leaf(inner.trim(), schema));
+        // An array or object without elements is empty, not a string.
+        return Some(match (schema["type"].as_str(), inner.trim().is_empty()) {
+            (Some("array"), true) => Value::Array(Vec::new()),
+            (Some("object"), true) => Value::Object(Map::new()),
+            _ => leaf(inner.trim(), schema),
+        });
     }
     if kids.iter().all(|(t, _)| t == "item") {
         return kids.iter().map(|(_, v)| value_of(v, &schema["items"])).collect::<Option<Vec<_>>>().map(Value::Array);

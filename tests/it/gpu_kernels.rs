@@ -544,7 +544,8 @@ fn cuda_stage_logits(model: &str, act: Storage, gemm: bool, decode: &[i64]) -> V
         let greedy = m3c_contract::sampling::SamplingParams::GREEDY;
         let table: Vec<i64> = (0..rows).flat_map(|r| m3c_contract::sampling::row_words(&greedy, 0, 0, r + 1 == rows, 0)).collect();
         g.mem.write(a[7], &table).unwrap();
-        let args = [weights, weights, caches, 1, a[0], a[1], rows as u64, a[2], a[3], a[4], a[5], a[7], a[8], a[6], 0, 0, 0].map(Arg::Ptr);
+        let args =
+            [weights, weights, caches, 1, a[0], a[1], rows as u64, a[2], a[3], a[4], a[5], a[7], a[8], 0, 0, a[6], 0, 0, 0].map(Arg::Ptr);
         g.mem.launches.clear();
         g.call_host(m3c_compiler::lower::ENTRY_SYMBOL, &args).unwrap_or_else(|e| panic!("{model}: {e}"));
         traces.push(std::mem::take(&mut g.mem.launches));
@@ -708,6 +709,8 @@ fn tiny_cuda_vision_reproduces_the_golden_in_the_interpreter() {
         g.mem.alloc(s * 8),
         g.mem.put(&samp),
         g.mem.alloc(m3c_contract::sampling::BITMAP_ROWS * m3c_contract::sampling::seen_words(vocab) * 4),
+        0,
+        0,
         g.mem.put(&pos),
         img_rows.len() as u64,
         g.mem.put(&feats),
@@ -813,9 +816,28 @@ impl CudaPipeline {
                 g.mem.alloc(s * m3c_contract::sampling::ROW_WORDS * 8),
                 g.mem.alloc(m3c_contract::sampling::BITMAP_ROWS * segs.len() * m3c_contract::sampling::seen_words(self.vocab) * 4),
             ];
-            let args =
-                [st.weights, st.weights, a[0], segs.len() as u64, a[1], a[2], s as u64, a[3], a[4], a[5], a[6], a[8], a[9], a[7], 0, 0, 0]
-                    .map(Arg::Ptr);
+            let args = [
+                st.weights,
+                st.weights,
+                a[0],
+                segs.len() as u64,
+                a[1],
+                a[2],
+                s as u64,
+                a[3],
+                a[4],
+                a[5],
+                a[6],
+                a[8],
+                a[9],
+                0,
+                0,
+                a[7],
+                0,
+                0,
+                0,
+            ]
+            .map(Arg::Ptr);
             g.call_host(m3c_compiler::lower::ENTRY_SYMBOL, &args).unwrap_or_else(|e| panic!("stage {k}: {e}"));
             if k + 1 == n {
                 logits = g.mem.get::<f32>(a[5])[..s * self.vocab].to_vec();

@@ -317,6 +317,10 @@ fn structured_outputs_hold_on_random_weights() {
     let got = s.client(&["structured"]);
     assert_eq!(got["pets"].as_array().map(Vec::len), Some(3), "{got}");
     assert_eq!(got["regex_ok"], true);
+    // Forced tool calls: MiniMax-M3's call format, arguments valid under
+    // each tool's schema.
+    let got = s.client(&["forced_tools"]);
+    assert!(got["calls"].as_u64() >= Some(4), "{got}");
 }
 
 #[test]

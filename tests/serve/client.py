@@ -688,6 +688,93 @@ def structured(base, model):
     return out
 
 
+def forced_tools(base, model):
+    """tool_choice "required" and a named function on random weights: the
+    grammar alone makes every answer a call in MiniMax-M3's format whose
+    arguments validate (pydantic, strict) against the tool's schema; a
+    schema keyword the grammar cannot enforce, an unknown name and a second
+    grammar are 400s naming their field."""
+    from typing import Literal, Optional
+    from pydantic import BaseModel, ConfigDict, Field
+
+    class Options(BaseModel):
+        model_config = ConfigDict(extra="forbid", strict=True)
+        hourly: bool
+        threshold: Optional[float] = None
+
+    class Weather(BaseModel):
+        model_config = ConfigDict(extra="forbid", strict=True)
+        city: str = Field(max_length=6)
+        days: int
+        unit: Optional[Literal["c", "f"]] = None
+        tags: Optional[list[str]] = Field(default=None, max_length=2)
+        options: Optional[Options] = None
+
+    class Search(BaseModel):
+        model_config = ConfigDict(extra="forbid", strict=True)
+        query: str = Field(min_length=1, max_length=5)
+
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "The forecast.", "parameters": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 6},
+            "days": {"type": "integer"},
+            "unit": {"enum": ["c", "f"]},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2},
+            "options": {"type": "object", "properties": {"hourly": {"type": "boolean"}, "threshold": {"type": "number"}},
+                        "required": ["hourly"]},
+        },
+        "required": ["city", "days"],
+    }}}
+    search = {"type": "function", "function": {"name": "search", "parameters": {
+        "type": "object", "properties": {"query": {"type": "string", "minLength": 1, "maxLength": 5}}, "required": ["query"]}}}
+    models = {"get_weather": Weather, "search": Search}
+    c = client(base)
+    off = {"chat_template_kwargs": {"thinking_mode": "disabled"}}
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    out = {"calls": 0}
+
+    def check(r, single=None):
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls", (ch.finish_reason, ch.message)
+        calls = ch.message.tool_calls
+        assert calls and (single is None or (len(calls) == 1 and calls[0].function.name == single)), calls
+        for call in calls:
+            models[call.function.name].model_validate_json(call.function.arguments)
+        out["calls"] += len(calls)
+
+    for seed in range(3):
+        check(c.chat.completions.create(model=model, messages=msgs, tools=[weather, search], tool_choice="required",
+                                        parallel_tool_calls=False, max_tokens=400, temperature=1.0, seed=seed, extra_body=off))
+    # Any number of calls, streamed: the deltas rebuild valid calls.
+    args, names, finish = {}, {}, None
+    for chunk in c.chat.completions.create(model=model, messages=msgs, tools=[weather, search], tool_choice="required", max_tokens=800,
+                                           temperature=1.0, seed=7, stream=True, extra_body=off):
+        for ch in chunk.choices:
+            finish = ch.finish_reason or finish
+            for d in ch.delta.tool_calls or []:
+                names[d.index] = d.function.name or names.get(d.index)
+                args[d.index] = args.get(d.index, "") + (d.function.arguments or "")
+    assert finish == "tool_calls" and names, (finish, names, args)
+    for i, name in names.items():
+        models[name].model_validate_json(args[i])
+    # A named function: one call of it.
+    named = {"type": "function", "function": {"name": "search"}}
+    check(c.chat.completions.create(model=model, messages=msgs, tools=[weather, search], tool_choice=named, max_tokens=100,
+                                    temperature=1.0, seed=3, extra_body=off), single="search")
+    bad_schema = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 1}}}}}
+    for kw, field in [(dict(tools=[weather], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+                      (dict(tools=[bad_schema], tool_choice="required"), "tools"),
+                      (dict(tools=[weather], tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
+                      (dict(tools=[weather], parallel_tool_calls=False), "parallel_tool_calls")]:
+        try:
+            c.chat.completions.create(model=model, messages=msgs, max_tokens=4, **kw)
+            raise AssertionError(f"{kw} was accepted")
+        except openai.BadRequestError as e:
+            assert e.body["param"] == field, (field, e.body)
+    return out
+
+
 # Each subcommand: its function and how it reads its arguments.
 COMMANDS = {
     "complete": lambda base, model, rest: complete(base, model, rest[0], json.loads(rest[1])),
@@ -703,6 +790,7 @@ COMMANDS = {
     "images": lambda base, model, rest: images(base, model, rest[0], rest[1], rest[2]),
     "responses": lambda base, model, rest: responses(base, model, rest[0], rest[1]),
     "structured": lambda base, model, rest: structured(base, model),
+    "forced_tools": lambda base, model, rest: forced_tools(base, model),
     "logprobs": lambda base, model, rest: logprobs(base, model),
     "penalties": lambda base, model, rest: penalties(base, model, json.loads(rest[0]), json.loads(rest[1])),
     "choices": lambda base, model, rest: choices_and_tokens(base, model, json.loads(rest[0]), int(rest[1])),

@@ -1,0 +1,321 @@
+//! The grammar of a forced tool call (`tool_choice: "required"` or a named
+//! function) in MiniMax-M3's own call format
+//! (`../shared/spec/minimax-m3-chat.md` §3–4): a `<tool_call>` block of
+//! `<invoke name="…">` elements whose arguments are XML elements typed by
+//! the tool's JSON schema (nested objects as nested tags, arrays as `<item>`
+//! children, every tag preceded by the `]<]minimax[>[` mark). It is written
+//! in llguidance's Lark, so the sampler's mask makes the model's output a
+//! call that [`crate::output`] parses into arguments valid under the schema,
+//! whatever the weights.
+//!
+//! Leaf values are text without `<` (the XML reader's delimiter), so each
+//! leaf and the closing tag after it are one regular-expression terminal:
+//! the lexer then needs no lookahead to see where a value ends. A schema
+//! keyword that the grammar cannot enforce is refused by its path rather
+//! than ignored, so a forced call always validates.
+
+use serde_json::{Map, Value};
+
+/// The mark before every tag of a call block.
+const MARK: &str = "]<]minimax[>[";
+
+/// Keywords that only describe a value, and the ones the grammar enforces.
+const KNOWN: &[&str] = &[
+    "type",
+    "properties",
+    "required",
+    "items",
+    "enum",
+    "const",
+    "minLength",
+    "maxLength",
+    "minItems",
+    "maxItems",
+    "additionalProperties",
+    "description",
+    "title",
+    "default",
+    "examples",
+    "format",
+    "$schema",
+    "strict",
+];
+
+/// The longest `maxLength`, `minItems` or `maxItems` the grammar spells out
+/// as a counted repetition.
+const MAX_COUNT: u64 = 1024;
+
+/// A tool schema the grammar cannot express: the path of the offending
+/// part (`tools[0].function.parameters.properties.days.minimum`) and why.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("`{path}`: {why}")]
+pub struct ToolGrammarError {
+    pub path: String,
+    pub why: String,
+}
+
+/// Which calls the output must make.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Forced {
+    /// One or more calls of any of the tools (`"required"`).
+    Any,
+    /// A call of this function.
+    Named(String),
+}
+
+/// The Lark grammar of a block of calls of `tools` (the request's, each
+/// `{"type": "function", "function": {...}}`): one call when `single`
+/// (`parallel_tool_calls: false`, or a named function), else one or more.
+pub fn forced_calls(tools: &[Value], forced: &Forced, single: bool) -> Result<String, ToolGrammarError> {
+    let mut g = Writer::default();
+    let mut calls = Vec::new();
+    for (i, t) in tools.iter().enumerate() {
+        let f = &t["function"];
+        let Some(name) = f["name"].as_str() else { continue };
+        if matches!(forced, Forced::Named(n) if n != name) {
+            continue;
+        }
+        let path = format!("tools[{i}].function");
+        if name.is_empty() || name.contains(['"', '<', '>']) {
+            return Err(ToolGrammarError {
+                path: format!("{path}.name"),
+                why: "a forced call's name may not be empty or hold `\"`, `<` or `>`".into(),
+            });
+        }
+        let empty = Value::Object(Map::new());
+        let params = if f["parameters"].is_null() { &empty } else { &f["parameters"] };
+        let args = g.object_body(params, &format!("{path}.parameters"))?;
+        let rule = g.rule(format!("{} {args} {}", lit(&format!("{MARK}<invoke name=\"{name}\">")), lit(&format!("{MARK}</invoke>\n"))));
+        calls.push(rule);
+    }
+    if calls.is_empty() {
+        let why = match forced {
+            Forced::Any => "`tool_choice: \"required\"` needs at least one tool".to_string(),
+            Forced::Named(n) => format!("`tool_choice` names `{n}`, which is not among `tools`"),
+        };
+        return Err(ToolGrammarError { path: "tool_choice".into(), why });
+    }
+    let call = g.rule(calls.join(" | "));
+    let repeat = if single { "" } else { "+" };
+    let start = format!("start: {} {call}{repeat} {}\n", lit(&format!("{MARK}<tool_call>\n")), lit(&format!("{MARK}</tool_call>")));
+    Ok(start + &g.rules.join(""))
+}
+
+/// The grammar's rules, numbered as they are made.
+#[derive(Default)]
+struct Writer {
+    rules: Vec<String>,
+}
+
+impl Writer {
+    /// A new rule with this body; its name.
+    fn rule(&mut self, body: String) -> String {
+        let name = format!("r{}", self.rules.len());
+        self.rules.push(format!("{name}: {body}\n"));
+        name
+    }
+
+    /// The elements of an object's properties, in the schema's order:
+    /// required ones always, the others optionally.
+    fn object_body(&mut self, schema: &Value, path: &str) -> Result<String, ToolGrammarError> {
+        check_keywords(schema, path)?;
+        match schema.get("type") {
+            None => {}
+            Some(Value::String(t)) if t == "object" => {}
+            Some(_) => return Err(ToolGrammarError { path: format!("{path}.type"), why: "a tool's parameters must be an object".into() }),
+        }
+        let required: Vec<&str> = schema["required"].as_array().map(|a| a.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
+        let empty = Map::new();
+        let props = schema["properties"].as_object().unwrap_or(&empty);
+        if let Some(r) = required.iter().find(|r| !props.contains_key(**r)) {
+            return Err(ToolGrammarError {
+                path: format!("{path}.required"),
+                why: format!("`{r}` is required but not among the properties"),
+            });
+        }
+        let mut parts = Vec::new();
+        for (k, sub) in props {
+            let here = format!("{path}.properties.{k}");
+            if k.is_empty() || !k.chars().all(|c| c.is_alphanumeric() || "_-.:".contains(c)) {
+                return Err(ToolGrammarError {
+                    path: here,
+                    why: "a forced call's argument names are letters, digits, `_`, `-`, `.` and `:`".into(),
+                });
+            }
+            let element = format!("{} {}", lit(&format!("{MARK}<{k}>")), self.value(sub, k, &here)?);
+            parts.push(if required.contains(&k.as_str()) { element } else { format!("({element})?") });
+        }
+        Ok(parts.join(" "))
+    }
+
+    /// A value under `schema` and then its closing tag `</tag>`.
+    fn value(&mut self, schema: &Value, tag: &str, path: &str) -> Result<String, ToolGrammarError> {
+        check_keywords(schema, path)?;
+        let close = format!("{MARK}</{tag}>");
+        if let Some(values) = schema.get("enum").or(schema.get("const")) {
+            let list: Vec<&Value> = match values {
+                Value::Array(a) if schema.get("enum").is_some() => a.iter().collect(),
+                v => vec![v],
+            };
+            let mut texts = Vec::with_capacity(list.len());
+            for v in list {
+                texts.push(leaf_text(v).ok_or_else(|| ToolGrammarError {
+                    path: path.into(),
+                    why: "a forced call's enum values are strings without `<`, numbers, booleans or null".into(),
+                })?);
+            }
+            return Ok(format!("/(?:{}){}/", texts.iter().map(|t| escape(t)).collect::<Vec<_>>().join("|"), escape(&close)));
+        }
+        let types: Vec<&str> = match schema.get("type") {
+            None => vec!["string"],
+            Some(Value::String(t)) => vec![t.as_str()],
+            Some(Value::Array(a)) => a.iter().filter_map(Value::as_str).collect(),
+            Some(_) => return Err(ToolGrammarError { path: format!("{path}.type"), why: "expected a type name or a list of them".into() }),
+        };
+        let mut alts = Vec::new();
+        for t in types {
+            alts.push(match t {
+                "string" => {
+                    let min = count(schema, "minLength", path)?.unwrap_or(0);
+                    let max = count(schema, "maxLength", path)?.map_or(String::new(), |m| m.to_string());
+                    format!("/[^<]{{{min},{max}}}{}/", escape(&close))
+                }
+                "integer" => format!("/-?(?:0|[1-9][0-9]{{0,17}}){}/", escape(&close)),
+                "number" => format!("/-?(?:0|[1-9][0-9]{{0,17}})(?:\\.[0-9]{{1,17}})?(?:[eE][+-]?[0-9]{{1,3}})?{}/", escape(&close)),
+                "boolean" => format!("/(?:true|false){}/", escape(&close)),
+                "null" => format!("/{}/", escape(&close)),
+                "object" => {
+                    let body = self.object_body(schema, path)?;
+                    self.rule(format!("{body} {}", lit(&close)))
+                }
+                "array" => {
+                    let empty = Value::Object(Map::new());
+                    let items = schema.get("items").unwrap_or(&empty);
+                    let item = format!("{} {}", lit(&format!("{MARK}<item>")), self.value(items, "item", &format!("{path}.items"))?);
+                    let item = self.rule(item);
+                    let min = count(schema, "minItems", path)?.unwrap_or(0);
+                    let max = count(schema, "maxItems", path)?.map_or(String::new(), |m| m.to_string());
+                    self.rule(format!("{item}{{{min},{max}}} {}", lit(&close)))
+                }
+                other => {
+                    return Err(ToolGrammarError { path: format!("{path}.type"), why: format!("`{other}` is not a JSON schema type") })
+                }
+            });
+        }
+        Ok(if alts.len() == 1 { alts.remove(0) } else { format!("({})", alts.join(" | ")) })
+    }
+}
+
+/// Refuses a keyword the grammar would not enforce.
+fn check_keywords(schema: &Value, path: &str) -> Result<(), ToolGrammarError> {
+    let Some(o) = schema.as_object() else {
+        return Err(ToolGrammarError { path: path.into(), why: "expected a JSON schema object".into() });
+    };
+    if let Some(k) = o.keys().find(|k| !KNOWN.contains(&k.as_str())) {
+        return Err(ToolGrammarError { path: format!("{path}.{k}"), why: format!("a forced tool call cannot enforce `{k}`") });
+    }
+    if matches!(o.get("additionalProperties"), Some(v) if !v.is_boolean()) {
+        return Err(ToolGrammarError {
+            path: format!("{path}.additionalProperties"),
+            why: "a forced tool call takes only `true` or `false` here (it writes the listed properties only)".into(),
+        });
+    }
+    Ok(())
+}
+
+/// A length or count keyword, when given: an integer up to [`MAX_COUNT`].
+fn count(schema: &Value, key: &str, path: &str) -> Result<Option<u64>, ToolGrammarError> {
+    match schema.get(key) {
+        None => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .filter(|&n| n <= MAX_COUNT)
+            .map(Some)
+            .ok_or_else(|| ToolGrammarError { path: format!("{path}.{key}"), why: format!("expected an integer from 0 to {MAX_COUNT}") }),
+    }
+}
+
+/// The text an enum value is written as in a call (what the reader types
+/// back by the schema), if it can be written.
+fn leaf_text(v: &Value) -> Option<String> {
+    match v {
+        Value::String(s) if !s.contains('<') => Some(s.clone()),
+        Value::Number(n) => Some(n.to_string()),
+        Value::Bool(b) => Some(b.to_string()),
+        Value::Null => Some(String::new()),
+        _ => None,
+    }
+}
+
+/// A Lark string literal of `s`.
+fn lit(s: &str) -> String {
+    Value::String(s.into()).to_string()
+}
+
+/// `s` as a literal inside a `/…/` terminal: regex metacharacters and the
+/// delimiter escaped (`<` and `>` are not: `\<` is a word boundary in Rust's
+/// regex syntax).
+fn escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() * 2);
+    for c in s.chars() {
+        match c {
+            '\\' | '.' | '+' | '*' | '?' | '(' | ')' | '|' | '[' | ']' | '{' | '}' | '^' | '$' | '#' | '&' | '-' | '~' | '/' => {
+                out.push('\\');
+                out.push(c);
+            }
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn weather() -> Value {
+        json!({"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "days": {"type": "integer"},
+                "unit": {"enum": ["c", "f"]},
+                "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 2},
+                "options": {"type": "object", "properties": {"hourly": {"type": "boolean"}}},
+            },
+            "required": ["city", "days"],
+        }}})
+    }
+
+    #[test]
+    fn a_forced_call_is_a_lark_grammar_over_the_tools() {
+        let g = forced_calls(&[weather(), json!({"type": "function", "function": {"name": "noop"}})], &Forced::Any, false).unwrap();
+        assert!(g.starts_with("start: \"]<]minimax[>[<tool_call>\\n\" r"), "{g}");
+        assert!(g.contains("+ \"]<]minimax[>[</tool_call>\""), "one or more calls: {g}");
+        assert!(g.contains("\"]<]minimax[>[<invoke name=\\\"get_weather\\\">\""), "{g}");
+        assert!(g.contains("/[^<]{0,12}\\]<\\]minimax\\[>\\[<\\/city>/"), "a bounded string and its closing tag: {g}");
+        assert!(g.contains("(\"]<]minimax[>[<unit>\" /(?:c|f)\\]<\\]minimax\\[>\\[<\\/unit>/)?"), "an optional enum: {g}");
+        assert!(g.contains("{0,2} \"]<]minimax[>[</tags>\""), "maxItems: {g}");
+        let one = forced_calls(&[weather()], &Forced::Named("get_weather".into()), true).unwrap();
+        assert!(!one.contains("r1+") && !one.contains(") +"), "a named call is one call: {one}");
+    }
+
+    #[test]
+    fn what_the_grammar_cannot_enforce_is_refused_by_path() {
+        let mut t = weather();
+        t["function"]["parameters"]["properties"]["days"]["minimum"] = json!(1);
+        let e = forced_calls(&[t], &Forced::Any, false).unwrap_err();
+        assert_eq!(e.path, "tools[0].function.parameters.properties.days.minimum");
+        let e = forced_calls(&[weather()], &Forced::Named("search".into()), true).unwrap_err();
+        assert_eq!(e.path, "tool_choice");
+        assert!(forced_calls(&[], &Forced::Any, false).is_err());
+        let mut t = weather();
+        t["function"]["parameters"]["required"] = json!(["zip"]);
+        assert_eq!(forced_calls(&[t], &Forced::Any, false).unwrap_err().path, "tools[0].function.parameters.required");
+        let mut t = weather();
+        t["function"]["parameters"]["properties"]["a b"] = json!({"type": "string"});
+        assert!(forced_calls(&[t], &Forced::Any, false).unwrap_err().path.ends_with("properties.a b"));
+    }
+}
