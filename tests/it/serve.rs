@@ -120,7 +120,8 @@ impl Drop for Server {
 /// The tiny fixture compiled at pp = 2 (host, f32: batch-invariant logits).
 fn compiled(dir: &Path) -> (PathBuf, PathBuf) {
     let model = fixture("tiny-m3");
-    (compile(&model, 2, dir, &[]), model)
+    let _ = dir;
+    (crate::shared::out("tiny-m3", 2), model)
 }
 
 /// `m3c run`'s printed text for a prompt (its trailing newline dropped).
@@ -338,7 +339,7 @@ fn a_client_that_disconnects_frees_its_cache_and_tools_round_trip() {
     let dir = tempfile::tempdir().unwrap();
     // One stage too: there a step runs to its end on the first stage itself,
     // and commands (the join, the cancel) must still get in between steps.
-    let pp1 = compile(&fixture("tiny-m3"), 1, &dir.path().join("pp1"), &[]);
+    let pp1 = crate::shared::out("tiny-m3", 1);
     let s = Server::start(&pp1, &fixture("tiny-m3"), &[]);
     assert_eq!(s.client(&["disconnect"])["freed"], true);
     drop(s);
@@ -379,6 +380,7 @@ fn bad_requests_get_openai_errors_and_the_server_stays_up() {
         ("backend", "guided_decoding_backend"),
         ("tool_required", "tool_choice"),
         ("tool_named", "tool_choice"),
+        ("tool_unenforceable", "tools"),
         ("unknown", "frobnicate"),
     ] {
         assert_eq!(got[format!("refused_{case}")], param, "{case}: {got}");

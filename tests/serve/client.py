@@ -207,8 +207,9 @@ def errors(base, model):
         ("bad_schema", {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "nonsense"}}}}),
         ("bad_regex", {"extra_body": {"structured_outputs": {"regex": "(unclosed"}}}),
         ("backend", {"extra_body": {"guided_decoding_backend": "xgrammar"}}),
-        ("tool_required", {"tools": [tool], "tool_choice": "required"}),
-        ("tool_named", {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+        ("tool_required", {"tool_choice": "required"}),
+        ("tool_named", {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "g"}}}),
+        ("tool_unenforceable", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}}}], "tool_choice": "required"}),
         ("unknown", {"extra_body": {"frobnicate": 1}}),
     ]:
         try:
