@@ -7,21 +7,11 @@ use m3c_tests::{compile, configs, fixture, ids_arg, m3c, stderr, stdout};
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-/// Scratch space of this test binary (kept between runs, inside target/).
-fn scratch(name: &str) -> PathBuf {
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join("hostile").join(name);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-/// The tiny fixture compiled once per test run at pp = 1 and pp = 2 (an
-/// earlier m3c output there is replaced).
+/// The tiny fixture compiled once per test run (`crate::shared`).
 fn shared_out(pp: usize) -> PathBuf {
-    static OUTS: [OnceLock<PathBuf>; 3] = [OnceLock::new(), OnceLock::new(), OnceLock::new()];
-    OUTS[pp].get_or_init(|| compile(&fixture("tiny-m3"), pp, &scratch(&format!("pp{pp}")), &[])).clone()
+    crate::shared::out("tiny-m3", pp)
 }
 
 /// A copy of the tiny fixture (config.json byte for byte, so compiled

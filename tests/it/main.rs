@@ -13,6 +13,7 @@ mod parsers;
 mod pipeline;
 mod plan;
 mod serve;
+mod shared;
 mod text;
 mod tidy;
 mod tiny;

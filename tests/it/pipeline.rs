@@ -39,7 +39,7 @@ fn check_fixture(name: &str) {
     for pp in [1, 2, 4, 8] {
         let d = dir.path().join(format!("pp{pp}"));
         std::fs::create_dir(&d).unwrap();
-        let out = compile(&model, pp, &d, &[]);
+        let out = crate::shared::out(name, pp);
         let manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
         assert_eq!(manifest["stages"].as_array().unwrap().len(), pp);
         let dump = d.join("dump.safetensors");
@@ -109,7 +109,7 @@ fn batched_prompts_equal_one_at_a_time() {
     let p = golden_prompt();
     let prompts: [&[i64]; 3] = [&p[..40], &p[3..10], &p[11..30]];
     let dir = tempfile::tempdir().unwrap();
-    let out = compile(&model, 3, dir.path(), &[]);
+    let out = crate::shared::out("tiny-m3", 3);
     let mut singles = Vec::new();
     for (i, pr) in prompts.iter().enumerate() {
         let single = dir.path().join(format!("s{i}.safetensors"));
@@ -150,7 +150,7 @@ struct Compiled {
 
 fn tiny_pp2() -> Compiled {
     let dir = tempfile::tempdir().unwrap();
-    let out = compile(&fixture("tiny-m3"), 2, dir.path(), &[]);
+    let out = crate::shared::out("tiny-m3", 2);
     Compiled { _dir: dir, out }
 }
 
@@ -235,8 +235,7 @@ fn stages_run_by_hand_and_reject_a_wrong_world_or_a_foreign_stage() {
     let e = stderr(&o);
     assert!(e.contains("this pipeline has 2 stages but MPI started 3 rank(s)"), "{e}");
     // A stage from another compile (the MXFP8 model) in the same job.
-    let dir = tempfile::tempdir().unwrap();
-    let other = compile(&fixture("tiny-m3-mxfp8"), 2, dir.path(), &[]);
+    let other = crate::shared::out("tiny-m3-mxfp8", 2);
     let o = mpirun(&[args(&s0), args(&other.join("stage-1"))]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("the ranks come from different compiles"), "{}", stderr(&o));
@@ -248,7 +247,7 @@ fn stages_run_by_hand_and_reject_a_wrong_world_or_a_foreign_stage() {
 fn kernel_thread_count_does_not_change_results() {
     let model = fixture("tiny-m3");
     let dir = tempfile::tempdir().unwrap();
-    let out = compile(&model, 1, dir.path(), &[]);
+    let out = crate::shared::out("tiny-m3", 1);
     let prompt = ids_arg(&golden_prompt());
     let mut dumps = Vec::new();
     for threads in ["1", "3"] {
@@ -274,7 +273,7 @@ fn chunked_prefill_equals_one_piece() {
     let model = fixture("tiny-m3");
     let prompt = golden_prompt();
     let dir = tempfile::tempdir().unwrap();
-    let out = compile(&model, 2, dir.path(), &[]);
+    let out = crate::shared::out("tiny-m3", 2);
     let whole = dir.path().join("whole.safetensors");
     run_dump(&out, &model, &[&prompt], 4, &whole, &[]);
     let want = std::fs::read(&whole).unwrap();
@@ -291,8 +290,7 @@ fn chunked_prefill_equals_one_piece() {
 #[test]
 fn a_silent_stage_times_out_instead_of_hanging() {
     let model = fixture("tiny-m3");
-    let dir = tempfile::tempdir().unwrap();
-    let out = compile(&model, 2, dir.path(), &[]);
+    let out = crate::shared::out("tiny-m3", 2);
     let t0 = std::time::Instant::now();
     let o =
         run_env(&out, &model, &["--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--timeout-s", "3"], &[("M3C_TEST_STALL_STAGE", "1")]);

@@ -147,7 +147,7 @@ impl Tiny {
     fn compiled() -> Tiny {
         let model = fixture("tiny-m3");
         let dir = tempfile::tempdir().unwrap();
-        let out = m3c_tests::compile(&model, 2, dir.path(), &[]);
+        let out = crate::shared::out("tiny-m3", 2);
         Tiny { model, out, dir }
     }
     fn model(&self) -> &str {
@@ -219,8 +219,7 @@ fn text_prompts_run_through_the_stages_and_stream_back_as_text() {
 fn text_prompts_on_a_checkpoint_without_a_tokenizer_point_to_prompt_ids() {
     use m3c_tests::stderr;
     let model = fixture("tiny-m3-mxfp8");
-    let dir = tempfile::tempdir().unwrap();
-    let out = m3c_tests::compile(&model, 1, dir.path(), &[]);
+    let out = crate::shared::out("tiny-m3-mxfp8", 1);
     let r = m3c_tests::m3c_run(&out, &model, &["--prompt", "Hello", "--max-new-tokens", "2"]);
     assert!(!r.status.success());
     let e = stderr(&r);
@@ -247,7 +246,7 @@ fn fixture_with_generation_config(dir: &std::path::Path, gen: &str) -> std::path
 
 #[test]
 fn sampled_tokens_depend_only_on_the_seed_not_on_pp_batch_or_threads() {
-    use m3c_tests::{compile, m3c_env, read_tensor_i64, stderr, stdout};
+    use m3c_tests::{m3c_env, read_tensor_i64, stderr, stdout};
     let model = fixture("tiny-m3");
     let m = model.to_str().unwrap();
     let prompt = read_tensor_i64(&model.join("golden.safetensors"), "prompt_ids");
@@ -259,7 +258,7 @@ fn sampled_tokens_depend_only_on_the_seed_not_on_pp_batch_or_threads() {
         .map(|pp| {
             let d = dir.path().join(format!("pp{pp}"));
             std::fs::create_dir(&d).unwrap();
-            (pp, compile(&model, pp, &d, &[]))
+            (pp, crate::shared::out("tiny-m3", pp))
         })
         .collect();
     // Prompt 0's ids from a run with these prompts and flags.
@@ -454,7 +453,7 @@ fn a_sampled_runs_dump_replays_through_the_host_sampler() {
     use m3c_contract::sampling::{replay_mismatches, SamplingParams};
     let dir = tempfile::tempdir().unwrap();
     let model = fixture("tiny-m3");
-    let out = m3c_tests::compile(&model, 2, dir.path(), &[]);
+    let out = crate::shared::out("tiny-m3", 2);
     let dump = dir.path().join("s.safetensors");
     let r = m3c_tests::m3c_run(
         &out,

@@ -232,7 +232,7 @@ fn image_prompts_match_the_golden_at_every_pp_and_beside_text_prompts() {
     for pp in [1, 2, 4] {
         let d = dir.path().join(format!("pp{pp}"));
         std::fs::create_dir(&d).unwrap();
-        let out = m3c_tests::compile(&model, pp, &d, &[]);
+        let out = crate::shared::out("tiny-m3", pp);
         let dump = d.join("mm.safetensors");
         let base = ["--model", m, "--max-new-tokens", "6", "--images", images.to_str().unwrap()];
         let o = run_stages(&out, &[&base[..], &["--prompt-ids", &ids, "--dump", dump.to_str().unwrap()]].concat());
@@ -269,7 +269,7 @@ fn image_prompts_match_the_golden_at_every_pp_and_beside_text_prompts() {
 /// drawn by the recorded rule), and pp = 2 prints and dumps what pp = 1 does.
 #[test]
 fn an_image_chat_runs_as_the_reference_processor_prompts_it() {
-    use m3c_tests::{compile, stderr, stdout};
+    use m3c_tests::{stderr, stdout};
     let dir = tempfile::tempdir().unwrap();
     let model = fixture("tiny-m3");
     let golden: serde_json::Value = serde_json::from_slice(&std::fs::read(model.join("tokenizer_golden.json")).unwrap()).unwrap();
@@ -283,7 +283,7 @@ fn an_image_chat_runs_as_the_reference_processor_prompts_it() {
     for pp in [1, 2] {
         let d = dir.path().join(format!("pp{pp}"));
         std::fs::create_dir(&d).unwrap();
-        let out = compile(&model, pp, &d, &[]);
+        let out = crate::shared::out("tiny-m3", pp);
         let dump = d.join("d.safetensors");
         let o = m3c_tests::m3c_run(
             &out,
@@ -318,11 +318,11 @@ fn an_image_chat_runs_as_the_reference_processor_prompts_it() {
 /// compiled without the vision tower.
 #[test]
 fn bad_image_input_is_a_clear_error() {
-    use m3c_tests::{compile, ids_arg, m3c, stderr};
+    use m3c_tests::{ids_arg, m3c, stderr};
     let dir = tempfile::tempdir().unwrap();
     let model = fixture("tiny-m3");
     let png = fixture("vision/A_rgb_56x84_noresize.png");
-    let out = compile(&model, 1, dir.path(), &[]);
+    let out = crate::shared::out("tiny-m3", 1);
     let fails = |extra: &[&str]| -> String {
         let mut a = vec!["run", out.to_str().unwrap(), "--model", model.to_str().unwrap()];
         a.extend_from_slice(extra);
@@ -390,10 +390,10 @@ fn bad_image_input_is_a_clear_error() {
 /// (`--chat --image` and `--chat`), bytes included.
 #[test]
 fn a_jsonl_image_chat_beside_a_text_chat_gets_its_solo_result() {
-    use m3c_tests::{compile, m3c, stderr};
+    use m3c_tests::{m3c, stderr};
     let dir = tempfile::tempdir().unwrap();
     let model = fixture("tiny-m3");
-    let out = compile(&model, 2, dir.path(), &[]);
+    let out = crate::shared::out("tiny-m3", 2);
     std::fs::copy(fixture("vision/B_rgb_70x126_roundhalfeven.png"), dir.path().join("b.png")).unwrap();
     let lines = [
         r#"{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "b.png"}}, {"type": "text", "text": "What is this?"}]}], "thinking": "disabled"}"#,

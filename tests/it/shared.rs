@@ -1,0 +1,27 @@
+//! Compiled fixtures shared by the tests of this binary: each (fixture, pp)
+//! is compiled once per run, under target/tmp, for the tests that only run
+//! its stages. A test that edits, removes or recompiles an output compiles
+//! its own.
+
+use m3c_tests::{compile, fixture};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// The output of `m3c compile --model tests/fixtures/NAME --pp PP`, compiled
+/// on first use (an earlier run's output there is replaced).
+pub fn out(name: &str, pp: usize) -> PathBuf {
+    /// One cell per (fixture, pp): a test waits only for its own compile.
+    type Cells = HashMap<(String, usize), Arc<OnceLock<PathBuf>>>;
+    static OUTS: OnceLock<Mutex<Cells>> = OnceLock::new();
+    let cell = {
+        let mut map = OUTS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+        map.entry((name.to_string(), pp)).or_default().clone()
+    };
+    cell.get_or_init(|| {
+        let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join("shared").join(format!("{}-pp{pp}", name.replace('/', "_")));
+        std::fs::create_dir_all(&d).unwrap();
+        compile(&fixture(name), pp, &d, &[])
+    })
+    .clone()
+}
