@@ -28,6 +28,7 @@
 //! its parsers can be property-tested on arbitrary input.
 
 pub mod checkpoint;
+pub mod drawn;
 pub mod dtype;
 pub mod images;
 pub mod input;

@@ -9,7 +9,8 @@
 //!
 //! ```text
 //! add seq=SEQ max_new=N ignore_eos=0|1 prompt=ID,ID,... [images=HEX] [stop=HEX ...] [stop_ids=ID,ID,...] [logprobs=K]
-//!     [grammar=HEX [grammar_after=ID]] [min_tokens=N] [logit_bias=ID:BIAS,...] [temperature=T top_k=K ...]
+//!     [grammar=HEX [grammar_after=ID]] [min_tokens=N] [logit_bias=ID:BIAS,...] [prompt_logprobs=K]
+//!     [temperature=T top_k=K ...]
 //! cancel SEQ
 //! ```
 //!
@@ -24,7 +25,10 @@
 //! (the end of the model's thinking) or from the first.
 //!
 //! Events (first stage → front): `m3c-ready`, `m3c-id SEQ ID` (after
-//! `m3c-lp SEQ ID LOGPROB [ID:LOGPROB,...]` when the sequence asked for logprobs),
+//! `m3c-lp SEQ ID LOGPROB RANK ID:LOGPROB,...|-` when the sequence asked for
+//! logprobs), `m3c-plp SEQ POS ID LOGPROB RANK ID:LOGPROB,...|-` for prompt
+//! token POS (from 1, before the sequence's first `m3c-id`) when it asked
+//! for prompt logprobs,
 //! `m3c-end SEQ stop|length|cancelled|error`, `m3c-stat STAGE STEPS
 //! BUSY_SECONDS`, and `m3c-bad SEQ|- WHY` for a refused command. Any other
 //! line is a stage's own output, passed on as it is.
@@ -61,6 +65,9 @@ pub struct SeqRequest {
     /// Added to these tokens' logits before sampling (OpenAI's
     /// `logit_bias`), ids ascending.
     pub logit_bias: Vec<(u32, f32)>,
+    /// Report each prompt token's log-probability (from the second on)
+    /// and this many most likely alternatives (vLLM's `prompt_logprobs`).
+    pub prompt_logprobs: Option<u8>,
 }
 
 /// The most alternatives a token's logprobs may list (vLLM's and OpenAI's 20).
@@ -72,6 +79,8 @@ pub const MAX_TOP_LOGPROBS: u8 = 20;
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenLogprobs {
     pub logprob: f32,
+    /// 1 + how many tokens the logits rank strictly above it (vLLM's `rank`).
+    pub rank: u32,
     pub top: Vec<(u32, f32)>,
 }
 
@@ -96,9 +105,27 @@ impl TokenLogprobs {
                 top.truncate(k);
             }
         }
-        let logprob = logits.get(id as usize).map_or(f32::NEG_INFINITY, |&v| lp(v));
-        TokenLogprobs { logprob, top: top.into_iter().map(|(i, v)| (i, lp(v))).collect() }
+        let own = logits.get(id as usize).copied();
+        let logprob = own.map_or(f32::NEG_INFINITY, lp);
+        let rank = own.map_or(0, |o| 1 + logits.iter().filter(|&&v| v > o).count() as u32);
+        TokenLogprobs { logprob, rank, top: top.into_iter().map(|(i, v)| (i, lp(v))).collect() }
     }
+}
+
+/// `LOGPROB RANK ID:LOGPROB,...` (`-` for no alternatives): a token's
+/// logprobs in an event line.
+fn lp_words(lp: &TokenLogprobs) -> String {
+    let top: Vec<String> = lp.top.iter().map(|(i, v)| format!("{i}:{v}")).collect();
+    format!("{} {} {}", lp.logprob, lp.rank, if top.is_empty() { "-".to_string() } else { top.join(",") })
+}
+
+/// The inverse of [`lp_words`], from its three words.
+fn parse_lp(words: &[&str]) -> Option<TokenLogprobs> {
+    let [v, r, top] = words else { return None };
+    let pair = |t: &str| t.split_once(':').and_then(|(i, v)| Some((i.parse::<u32>().ok()?, v.parse::<f32>().ok()?)));
+    let top: Vec<(u32, f32)> = if *top == "-" { Vec::new() } else { top.split(',').map(pair).collect::<Option<_>>()? };
+    (top.len() <= MAX_TOP_LOGPROBS as usize).then_some(())?;
+    Some(TokenLogprobs { logprob: v.parse().ok()?, rank: r.parse().ok()?, top })
 }
 
 /// A sequence's logprobs as one JSON array: per token its id, logprob and
@@ -181,6 +208,9 @@ impl Command {
                 if let Some(k) = r.logprobs {
                     line.push_str(&format!(" logprobs={k}"));
                 }
+                if let Some(k) = r.prompt_logprobs {
+                    line.push_str(&format!(" prompt_logprobs={k}"));
+                }
                 if r.min_tokens > 0 {
                     line.push_str(&format!(" min_tokens={}", r.min_tokens));
                 }
@@ -214,7 +244,7 @@ impl Command {
                 let (mut seq, mut max_new, mut prompt) = (None, None, None);
                 let (mut ignore_eos, mut images, mut stops, mut stop_ids) = (false, None, Vec::new(), Vec::new());
                 let (mut logprobs, mut grammar, mut grammar_after, mut min_tokens) = (None, None, None, 0);
-                let mut logit_bias = Vec::new();
+                let (mut logit_bias, mut prompt_logprobs) = (Vec::new(), None);
                 let mut sampling = SamplingParams::GREEDY;
                 for w in words {
                     let (k, v) = w.split_once('=').ok_or_else(|| format!("`{w}`: expected name=value"))?;
@@ -233,12 +263,12 @@ impl Command {
                         "grammar_after" => grammar_after = Some(int::<i64>("grammar_after", v)?),
                         "min_tokens" => min_tokens = int("min_tokens", v)?,
                         "logit_bias" => logit_bias = parse_logit_bias(v)?,
-                        "logprobs" => {
-                            let k = int::<u8>("logprobs", v)?;
-                            if k > MAX_TOP_LOGPROBS {
-                                return Err(format!("logprobs {k}: at most {MAX_TOP_LOGPROBS} alternatives"));
+                        "logprobs" | "prompt_logprobs" => {
+                            let n = int::<u8>(k, v)?;
+                            if n > MAX_TOP_LOGPROBS {
+                                return Err(format!("{k} {n}: at most {MAX_TOP_LOGPROBS} alternatives"));
                             }
-                            logprobs = Some(k);
+                            *(if k == "logprobs" { &mut logprobs } else { &mut prompt_logprobs }) = Some(n);
                         }
                         _ => {
                             if !sampling.set_field(k, v)? {
@@ -266,6 +296,7 @@ impl Command {
                     },
                     min_tokens,
                     logit_bias,
+                    prompt_logprobs,
                 }))
             }
             _ => Err("expected `add seq=SEQ max_new=N prompt=IDS ...` or `cancel SEQ`".into()),
@@ -319,6 +350,13 @@ pub enum Event {
         id: u32,
         lp: TokenLogprobs,
     },
+    /// The logprobs of prompt token `pos` (`id`) given the ones before it.
+    PromptLogprobs {
+        seq: usize,
+        pos: usize,
+        id: u32,
+        lp: TokenLogprobs,
+    },
     End {
         seq: usize,
         reason: EndReason,
@@ -342,10 +380,8 @@ impl Event {
         match self {
             Event::Ready => "m3c-ready".into(),
             Event::Id { seq, id } => format!("m3c-id {seq} {id}"),
-            Event::Logprobs { seq, id, lp } => {
-                let top: Vec<String> = lp.top.iter().map(|(i, v)| format!("{i}:{v}")).collect();
-                format!("m3c-lp {seq} {id} {} {}", lp.logprob, if top.is_empty() { "-".to_string() } else { top.join(",") })
-            }
+            Event::Logprobs { seq, id, lp } => format!("m3c-lp {seq} {id} {}", lp_words(lp)),
+            Event::PromptLogprobs { seq, pos, id, lp } => format!("m3c-plp {seq} {pos} {id} {}", lp_words(lp)),
             Event::End { seq, reason } => format!("m3c-end {seq} {reason}"),
             Event::Stat { stage, steps, busy_s } => format!("m3c-stat {stage} {steps} {busy_s}"),
             Event::Bad { seq, why } => {
@@ -369,16 +405,14 @@ impl Event {
         let ev = match (head, &words[..]) {
             ("m3c-ready", []) => Some(Event::Ready),
             ("m3c-id", [s, i]) => s.parse().ok().zip(i.parse().ok()).map(|(seq, id)| Event::Id { seq, id }),
-            ("m3c-lp", [s, i, v, top]) => {
-                let pair = |t: &str| t.split_once(':').and_then(|(i, v)| Some((i.parse::<u32>().ok()?, v.parse::<f32>().ok()?)));
-                let top: Option<Vec<(u32, f32)>> = if *top == "-" { Some(Vec::new()) } else { top.split(',').map(pair).collect() };
-                match (s.parse(), i.parse(), v.parse::<f32>(), top) {
-                    (Ok(seq), Ok(id), Ok(logprob), Some(top)) if top.len() <= MAX_TOP_LOGPROBS as usize => {
-                        Some(Event::Logprobs { seq, id, lp: TokenLogprobs { logprob, top } })
-                    }
-                    _ => None,
-                }
-            }
+            ("m3c-lp", [s, i, lp @ ..]) => match (s.parse(), i.parse()) {
+                (Ok(seq), Ok(id)) => parse_lp(lp).map(|lp| Event::Logprobs { seq, id, lp }),
+                _ => None,
+            },
+            ("m3c-plp", [s, p, i, lp @ ..]) => match (s.parse(), p.parse(), i.parse()) {
+                (Ok(seq), Ok(pos), Ok(id)) => parse_lp(lp).map(|lp| Event::PromptLogprobs { seq, pos, id, lp }),
+                _ => None,
+            },
             ("m3c-end", [s, r]) => {
                 let reason = match *r {
                     "stop" => Some(EndReason::Stop),
@@ -437,6 +471,7 @@ mod tests {
             grammar: Some(("{\"grammars\": [{\"lark_grammar\": \"start: /a b/\"}]}".into(), Some(200_060))),
             min_tokens: 4,
             logit_bias: vec![(3, -100.0), (17, 0.125), (200_000, 100.0)],
+            prompt_logprobs: Some(2),
         }
     }
 
@@ -452,6 +487,7 @@ mod tests {
                 grammar: Some(("{}".into(), None)),
                 min_tokens: 0,
                 logit_bias: vec![],
+                prompt_logprobs: None,
                 ..request()
             }),
             Command::Cancel(3),
@@ -465,8 +501,9 @@ mod tests {
         for e in [
             Event::Ready,
             Event::Id { seq: 1, id: 200_019 },
-            Event::Logprobs { seq: 1, id: 7, lp: TokenLogprobs { logprob: -0.125, top: vec![(7, -0.125), (3, -2.5e-7)] } },
-            Event::Logprobs { seq: 2, id: 0, lp: TokenLogprobs { logprob: f32::NEG_INFINITY, top: vec![] } },
+            Event::Logprobs { seq: 1, id: 7, lp: TokenLogprobs { logprob: -0.125, rank: 1, top: vec![(7, -0.125), (3, -2.5e-7)] } },
+            Event::Logprobs { seq: 2, id: 0, lp: TokenLogprobs { logprob: f32::NEG_INFINITY, rank: 9, top: vec![] } },
+            Event::PromptLogprobs { seq: 2, pos: 3, id: 17, lp: TokenLogprobs { logprob: -1.5, rank: 4, top: vec![(1, -0.5)] } },
             Event::End { seq: 2, reason: EndReason::Cancelled },
             Event::End { seq: 2, reason: EndReason::Error },
             Event::Stat { stage: 3, steps: 99, busy_s: 1.25 },
@@ -499,7 +536,16 @@ mod tests {
         ] {
             assert!(Command::parse(line).is_err(), "{line:?}");
         }
-        for line in ["m3c-id 1", "m3c-id x 2", "m3c-end 1 maybe", "m3c-stat 1 2 nan", "m3c-bad x why", "m3c-ready now"] {
+        for line in [
+            "m3c-id 1",
+            "m3c-id x 2",
+            "m3c-lp 1 2 -0.5 - ",
+            "m3c-plp 1 2 3 -0.5 x -",
+            "m3c-end 1 maybe",
+            "m3c-stat 1 2 nan",
+            "m3c-bad x why",
+            "m3c-ready now",
+        ] {
             assert!(matches!(Event::parse(line), Some(Err(_))), "{line:?}");
         }
     }
@@ -515,6 +561,7 @@ mod tests {
         assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1) && lp.top.iter().all(|t| t.1 <= 0.0));
         let sum: f64 = logits.iter().map(|&v| ((v as f64) - lse).exp()).sum();
         assert!((sum - 1.0).abs() < 1e-12);
-        assert_eq!(TokenLogprobs::of(&logits, 4, 0), TokenLogprobs { logprob: f32::NEG_INFINITY, top: vec![] });
+        assert_eq!(TokenLogprobs::of(&logits, 4, 0), TokenLogprobs { logprob: f32::NEG_INFINITY, rank: 5, top: vec![] });
+        assert_eq!((lp.rank, TokenLogprobs::of(&logits, 2, 0).rank, TokenLogprobs::of(&logits, 0, 0).rank), (4, 1, 3), "ties share a rank");
     }
 }

@@ -926,6 +926,10 @@ pub mod row {
     /// that holds the tokens this row may draw (structured output: a token
     /// whose bit is 0 weighs nothing); 0 = every token allowed.
     pub const TOKEN_MASK: usize = 12;
+    /// 1 + how many alternatives to report with each prompt token's
+    /// log-probability (prompt logprobs; 0 = none). Read by the books, not
+    /// the kernel.
+    pub const PROMPT_LOGPROBS: usize = 13;
     pub const SAMPLE: i64 = 1;
 }
 

@@ -6,6 +6,7 @@
 use crate::dump::SeqRecord;
 use crate::error::StageError;
 use crate::stage::{self, Segment};
+pub(crate) use m3c_contract::drawn::Drawn;
 use m3c_contract::protocol::TokenLogprobs;
 use m3c_contract::sampling::SamplingParams;
 use std::collections::{BTreeMap, HashMap};
@@ -61,6 +62,8 @@ struct SeqBook {
     max_new: usize,
     /// Alternatives to report with each token's logprob (`None`: no logprobs).
     logprobs: Option<u8>,
+    /// The same for each prompt token's.
+    prompt_logprobs: Option<u8>,
     grammar: Option<SeqGrammar>,
     /// Tokens generated before `held` may be drawn, and the ids held back
     /// until then (EOS and the request's stop ids).
@@ -82,14 +85,7 @@ pub(crate) struct OutputSpec {
     pub min_tokens: usize,
     pub stop_ids: Vec<i64>,
     pub logit_bias: Vec<(u32, f32)>,
-}
-
-/// What the last stage drew for one segment: its id (-1: the sequence met
-/// non-finite logits) and, when the sequence asked, the token's logprobs.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Drawn {
-    pub id: i64,
-    pub logprobs: Option<TokenLogprobs>,
+    pub prompt_logprobs: Option<u8>,
 }
 
 /// The last stage's books.
@@ -129,7 +125,8 @@ impl LastBooks {
         }
         let held = self.grammars.eos_ids.iter().chain(&out.stop_ids).copied().collect();
         let min_tokens = out.min_tokens;
-        self.live.insert(seq, SeqBook { record, sampling, max_new, logprobs: out.logprobs, grammar, min_tokens, held, failed, bias });
+        let (logprobs, prompt_logprobs) = (out.logprobs, out.prompt_logprobs);
+        self.live.insert(seq, SeqBook { record, sampling, max_new, logprobs, prompt_logprobs, grammar, min_tokens, held, failed, bias });
     }
 
     /// A sequence leaves; its record is kept when logits are wanted.
@@ -166,8 +163,10 @@ impl LastBooks {
                 self.live.get_mut(&s.seq).ok_or_else(|| StageError::Step(format!("a step for sequence {}, which is not live", s.seq)))?;
             let (r, p) = (&b.record, &b.sampling);
             let draws = gives_token(r, s);
-            // Logprobs come from the logits of the row that draws.
+            // Logprobs come from the logits of the row that draws; prompt
+            // logprobs from every prompt row.
             want_logits |= draws && b.logprobs.is_some();
+            want_logits |= s.pos0 < r.prompt.len() && b.prompt_logprobs.is_some();
             if draws && p.repetition_penalty != 1.0 {
                 penalised = true;
                 let bits = seen_bitmap(r.prompt.iter().chain(&r.generated).map(|&i| i as u32), vocab);
@@ -242,7 +241,7 @@ impl LastBooks {
                     .copied()
                     .ok_or_else(|| StageError::Step("a step returned a short sampling table".into()))?;
                 if bad != 0 && self.on_bad == OnNonFinite::EndSequence {
-                    ids.push(Drawn { id: -1, logprobs: None });
+                    ids.push(Drawn { id: -1, logprobs: None, prompt: Vec::new() });
                     row0 += s.rows;
                     continue 'segments;
                 }
@@ -266,7 +265,7 @@ impl LastBooks {
             let draws = gives_token(r, s) && r.generated.len() < b.max_new;
             if let (true, Some(why)) = (draws, &b.failed) {
                 eprintln!("m3c stage: sequence {}: its grammar failed ({why}); it ends", s.seq);
-                ids.push(Drawn { id: -1, logprobs: None });
+                ids.push(Drawn { id: -1, logprobs: None, prompt: Vec::new() });
                 row0 += s.rows;
                 continue 'segments;
             }
@@ -289,6 +288,17 @@ impl LastBooks {
                 }
                 _ => None,
             };
+            // Row j predicts prompt token pos0 + j + 1, while there is one.
+            let mut prompt = Vec::new();
+            if let (Some(k), Some(rows)) = (b.prompt_logprobs, out.logits.get(row0 * vocab..(row0 + s.rows) * vocab)) {
+                for (j, row) in rows.chunks_exact(vocab.max(1)).enumerate() {
+                    if let Some(&tok) = r.prompt.get(s.pos0 + j + 1) {
+                        prompt.push((tok as u32, TokenLogprobs::of(row, tok as u32, k as usize)));
+                    }
+                }
+            } else if b.prompt_logprobs.is_some() && s.pos0 + 1 < r.prompt.len() {
+                return Err(StageError::Step("runtime bug: prompt logprobs wanted, but the step returned no logits".into()));
+            }
             if let Some(rows) = out.logits.get(row0 * vocab..(row0 + s.rows) * vocab).filter(|_| want_logits) {
                 if s.pos0 < r.prompt.len() {
                     // A prefill chunk (chunks of a sequence arrive in order).
@@ -304,58 +314,10 @@ impl LastBooks {
                     adj.generated(id as u32);
                 }
             }
-            ids.push(Drawn { id, logprobs });
+            ids.push(Drawn { id, logprobs, prompt });
             row0 += s.rows;
         }
         Ok(ids)
-    }
-}
-
-impl Drawn {
-    /// The ids message's payload (i64 words): per segment its id, the count
-    /// of (id, logprob) pairs that follow (0: no logprobs; else the token's
-    /// own, then its alternatives), and the pairs (logprobs as f32 bits).
-    pub fn encode(drawn: &[Drawn]) -> Vec<u8> {
-        let mut w: Vec<i64> = Vec::with_capacity(drawn.len() * 2);
-        for d in drawn {
-            w.push(d.id);
-            match &d.logprobs {
-                None => w.push(0),
-                Some(lp) => {
-                    w.push(1 + lp.top.len() as i64);
-                    for (i, v) in std::iter::once((d.id as u32, lp.logprob)).chain(lp.top.iter().copied()) {
-                        w.extend([i64::from(i), i64::from(v.to_bits())]);
-                    }
-                }
-            }
-        }
-        w.iter().flat_map(|v| v.to_le_bytes()).collect()
-    }
-
-    /// The inverse of [`Drawn::encode`] for `n` segments; a malformed
-    /// payload (only a damaged peer sends one) is an error.
-    pub fn decode(words: &[i64], n: usize) -> Result<Vec<Drawn>, StageError> {
-        let bad = || StageError::Peer("a malformed ids message from the last stage".into());
-        let mut it = words.iter().copied();
-        let mut out = Vec::with_capacity(n);
-        for _ in 0..n {
-            let id = it.next().ok_or_else(bad)?;
-            let pairs = usize::try_from(it.next().ok_or_else(bad)?).map_err(|_| bad())?;
-            if pairs > 1 + m3c_contract::protocol::MAX_TOP_LOGPROBS as usize {
-                return Err(bad());
-            }
-            let mut list = Vec::with_capacity(pairs);
-            for _ in 0..pairs {
-                let (i, v) = (it.next().ok_or_else(bad)?, it.next().ok_or_else(bad)?);
-                list.push((u32::try_from(i).map_err(|_| bad())?, f32::from_bits(u32::try_from(v).map_err(|_| bad())?)));
-            }
-            let logprobs = (!list.is_empty()).then(|| TokenLogprobs { logprob: list[0].1, top: list[1..].to_vec() });
-            out.push(Drawn { id, logprobs });
-        }
-        if it.next().is_some() {
-            return Err(bad());
-        }
-        Ok(out)
     }
 }
 
@@ -363,28 +325,4 @@ impl Drawn {
 /// last row gives a token.
 fn gives_token(r: &SeqRecord, s: &Segment) -> bool {
     s.pos0 + s.rows >= r.prompt.len()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn drawn_ids_and_logprobs_round_trip_and_damage_is_an_error() {
-        let drawn = vec![
-            Drawn { id: 5, logprobs: None },
-            Drawn { id: 9, logprobs: Some(TokenLogprobs { logprob: -0.5, top: vec![(9, -0.5), (2, -1.25)] }) },
-            Drawn { id: -1, logprobs: None },
-        ];
-        let bytes = Drawn::encode(&drawn);
-        let words: Vec<i64> = bytes.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect();
-        assert_eq!(Drawn::decode(&words, 3).unwrap(), drawn);
-        for cut in 0..words.len() {
-            assert!(Drawn::decode(&words[..cut], 3).is_err(), "cut at {cut}");
-        }
-        assert!(Drawn::decode(&words, 2).is_err(), "a word left over");
-        let mut huge = words.clone();
-        huge[3] = 1 << 40;
-        assert!(Drawn::decode(&huge, 3).is_err());
-    }
 }

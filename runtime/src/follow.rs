@@ -25,6 +25,7 @@ pub(crate) fn add_message(a: &SeqRequest) -> Vec<u8> {
     let mut w = row_words(&a.sampling, 0, 0, true, 0);
     w[row::LOGPROBS] = a.logprobs.map_or(0, |k| i64::from(k) + 1);
     w[row::MIN_TOKENS] = a.min_tokens as i64;
+    w[row::PROMPT_LOGPROBS] = a.prompt_logprobs.map_or(0, |k| i64::from(k) + 1);
     let after = match &a.grammar {
         None => -2,
         Some((_, after)) => after.unwrap_or(-1),
@@ -66,10 +67,12 @@ pub(crate) fn parse_add(payload: &[u8]) -> Result<(SamplingParams, Vec<i64>, Out
         .collect::<Option<_>>()
         .ok_or_else(short)?;
     let after = word(at + 1 + nb).ok_or_else(short)?;
-    let logprobs = match table[m3c_contract::sampling::row::LOGPROBS] {
-        0 => None,
-        k => Some(u8::try_from(k - 1).map_err(|_| StageError::Peer("an add message's logprobs are out of range".into()))?),
+    let count = |word: usize| match table[word] {
+        0 => Ok(None),
+        k => u8::try_from(k - 1).map(Some).map_err(|_| StageError::Peer("an add message's logprobs are out of range".into())),
     };
+    let logprobs = count(m3c_contract::sampling::row::LOGPROBS)?;
+    let prompt_logprobs = count(m3c_contract::sampling::row::PROMPT_LOGPROBS)?;
     let rest = payload.get((at + 2 + nb) * 8..).ok_or_else(short)?;
     let min_tokens = usize::try_from(table[m3c_contract::sampling::row::MIN_TOKENS]).map_err(|_| short())?;
     let grammar = match after {
@@ -79,7 +82,7 @@ pub(crate) fn parse_add(payload: &[u8]) -> Result<(SamplingParams, Vec<i64>, Out
             Some((text, (a >= 0).then_some(a)))
         }
     };
-    Ok((sampling, prompt, OutputSpec { logprobs, grammar, min_tokens, stop_ids, logit_bias }))
+    Ok((sampling, prompt, OutputSpec { logprobs, grammar, min_tokens, stop_ids, logit_bias, prompt_logprobs }))
 }
 
 /// Cache rows a sequence needs: its prompt and every token it may generate

@@ -104,6 +104,7 @@ impl<'a> RunFeed<'a> {
                 grammar: args.grammar.clone(),
                 min_tokens: 0,
                 logit_bias: Vec::new(),
+                prompt_logprobs: None,
             })
             .collect();
         let n = args.prompts.len();

@@ -212,7 +212,7 @@ impl Leader {
                 *stats_pending = false;
             } else {
                 self.in_flight -= 1;
-                let drawn = Drawn::decode(&words(&m.payload), m.segments.len())?;
+                let drawn = Drawn::decode(&words(&m.payload), m.segments.len()).map_err(StageError::Peer)?;
                 self.returned(world, st, books, feed, &m.segments, &drawn)?;
             }
             worked = true;
@@ -294,6 +294,7 @@ impl Leader {
                 min_tokens: a.min_tokens,
                 stop_ids: a.stop_ids.clone(),
                 logit_bias: a.logit_bias.clone(),
+                prompt_logprobs: a.prompt_logprobs,
             };
             books.start(a.seq, a.prompt.clone(), a.sampling, a.max_new, out);
         }
@@ -375,6 +376,10 @@ impl Leader {
         }
         for (s, d) in segs.iter().zip(drawn) {
             let id = d.id;
+            // Prompt logprobs: row j predicts prompt token pos0 + j + 1.
+            for (j, (tok, lp)) in d.prompt.iter().enumerate() {
+                feed.event(Event::PromptLogprobs { seq: s.seq, pos: s.pos0 + j + 1, id: *tok, lp: lp.clone() });
+            }
             let l = self.live.get_mut(&s.seq).ok_or_else(|| StageError::Step(format!("ids for sequence {}, which is not live", s.seq)))?;
             l.busy = false;
             let reason = if l.cancelled {

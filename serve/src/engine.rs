@@ -20,6 +20,8 @@ use tokio::sync::{mpsc, watch};
 pub enum Event {
     /// A generated token, with its logprobs when the request asked.
     Token(u32, Option<TokenLogprobs>),
+    /// A prompt token's logprobs (position, id), before the first token.
+    Prompt(usize, u32, TokenLogprobs),
     /// `stop` (EOS), `length`, or `cancelled`.
     End(String),
     /// The pipeline stopped, or the server is shutting down.
@@ -49,6 +51,8 @@ pub struct Submission {
     pub min_tokens: usize,
     /// Added to these tokens' logits before sampling.
     pub logit_bias: Vec<(u32, f32)>,
+    /// Each prompt token's logprob and this many alternatives.
+    pub prompt_logprobs: Option<u8>,
 }
 
 /// Why a request was not taken.
@@ -268,6 +272,7 @@ impl Engine {
             grammar: s.grammar.as_ref().map(|(g, after)| (g.clone(), after.map(i64::from))),
             min_tokens: s.min_tokens,
             logit_bias: s.logit_bias.clone(),
+            prompt_logprobs: s.prompt_logprobs,
         };
         let line = format!("{}\n", Command::Add(request).encode());
         let images = s.images;
@@ -375,6 +380,11 @@ impl Engine {
                     c.generation_tokens += 1;
                     r.last = Some(now);
                     let _ = r.tx.send(Event::Token(id, r.logprobs.take()));
+                }
+            }
+            StageEvent::PromptLogprobs { seq, pos, id, lp } => {
+                if let Some(r) = self.state().running.get(&seq) {
+                    let _ = r.tx.send(Event::Prompt(pos, id, lp));
                 }
             }
             StageEvent::Logprobs { seq, lp, .. } => {

@@ -371,6 +371,14 @@ struct Generation {
     lp_offset: usize,
     /// The prompt's text, which the answer starts with (completions' `echo`).
     echo: Option<String>,
+    /// The prompt's first token, and the logprobs of the others as the
+    /// stages report them (prompt logprobs, or `echo` with `logprobs`).
+    prompt_first: Option<u32>,
+    prompt_lps: Vec<(u32, TokenLogprobs)>,
+    /// The prompt's tokens went out with the logprobs already (`echo`).
+    prompt_lps_sent: bool,
+    /// The `prompt_logprobs` field went out already (streaming).
+    prompt_field_sent: bool,
     id: String,
     created: u64,
     finish: Option<String>,
@@ -384,8 +392,12 @@ enum Step {
 
 impl Generation {
     async fn next(&mut self) -> Step {
-        let Some(ev) = self.ticket.rx.recv().await else {
-            return Step::Failed("the request's events ended".into());
+        let ev = loop {
+            match self.ticket.rx.recv().await {
+                None => return Step::Failed("the request's events ended".into()),
+                Some(Event::Prompt(_, id, lp)) => self.prompt_lps.push((id, lp)),
+                Some(ev) => break ev,
+            }
         };
         let tk = &self.app.tokenizer;
         let (new, end) = match ev {
@@ -425,6 +437,7 @@ impl Generation {
                 self.ticket.done();
                 return Step::Failed(why);
             }
+            Event::Prompt(..) => unreachable!("taken in the loop above"),
         };
         self.shown(new, end)
     }
@@ -484,16 +497,71 @@ impl Generation {
             return json!({"content": content});
         }
         let (mut tokens, mut lps, mut tops, mut offsets) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        // `echo` with logprobs: the prompt's tokens come first, the first
+        // without a logprob (nothing comes before it), as vLLM answers.
+        if self.echo_logprobs() && !self.prompt_lps_sent {
+            self.prompt_lps_sent = true;
+            if let Some(first) = self.prompt_first {
+                let t = text(first);
+                offsets.push(self.lp_offset);
+                self.lp_offset += t.chars().count();
+                tokens.push(t);
+                lps.push(Value::Null);
+                tops.push(Value::Null);
+            }
+            for (id, lp) in &self.prompt_lps {
+                let t = text(*id);
+                offsets.push(self.lp_offset);
+                self.lp_offset += t.chars().count();
+                tokens.push(t);
+                lps.push(json!(num(lp.logprob)));
+                tops.push(Value::Object(lp.top.iter().map(|&(i, l)| (text(i), json!(num(l)))).collect()));
+            }
+        }
         for (id, lp) in &entries {
             let t = text(*id);
             offsets.push(self.lp_offset);
             self.lp_offset += t.chars().count();
             tokens.push(t);
-            lps.push(num(lp.logprob));
+            lps.push(json!(num(lp.logprob)));
             let top: serde_json::Map<String, Value> = lp.top.iter().map(|&(i, l)| (text(i), json!(num(l)))).collect();
             tops.push(Value::Object(top));
         }
         json!({"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets})
+    }
+
+    /// The `prompt_logprobs` field, the first time it is asked for
+    /// (streaming sends it once).
+    fn prompt_field(&mut self) -> Option<Value> {
+        (self.common.prompt_logprobs.is_some() && !std::mem::replace(&mut self.prompt_field_sent, true)).then(|| self.prompt_logprobs())
+    }
+
+    /// Completions' `echo` with `logprobs`: the prompt's tokens are in the logprobs.
+    fn echo_logprobs(&self) -> bool {
+        self.chat.is_none() && self.common.echo && self.common.logprobs.is_some()
+    }
+
+    /// vLLM's `prompt_logprobs` answer: null for the first token, then per
+    /// token its id's entry and its alternatives' (`logprob`, `rank`,
+    /// `decoded_token`); null when the request asked for none.
+    fn prompt_logprobs(&self) -> Value {
+        if self.common.prompt_logprobs.is_none() {
+            return Value::Null;
+        }
+        let tk = &self.app.tokenizer;
+        let text = |id: u32| tk.decode(&[id], false).unwrap_or_default();
+        let num = |v: f32| if v.is_finite() { f64::from(v) } else { -9999.0 };
+        let entry = |v: f32, rank: usize, id: u32| json!({"logprob": num(v), "rank": rank, "decoded_token": text(id)});
+        let mut out = vec![Value::Null];
+        for (id, lp) in &self.prompt_lps {
+            let mut m = serde_json::Map::new();
+            for (r, &(i, v)) in lp.top.iter().enumerate() {
+                m.insert(i.to_string(), entry(v, r + 1, i));
+            }
+            m.insert(id.to_string(), entry(lp.logprob, lp.rank as usize, *id));
+            out.push(Value::Object(m));
+        }
+        Value::Array(out)
     }
 
     /// The usage of the whole request: its prompt once, every choice's tokens.
@@ -603,6 +671,7 @@ async fn start(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: Opti
             grammar: grammar.clone(),
             min_tokens: common.min_tokens,
             logit_bias: common.logit_bias.clone(),
+            prompt_logprobs: common.prompt_alternatives(),
         };
         // A refused choice drops the tickets taken so far, which cancels them.
         tickets.push(match app.engine.submit(sub) {
@@ -646,6 +715,10 @@ async fn start(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: Opti
             logprobs: Vec::new(),
             lp_offset: 0,
             echo: None,
+            prompt_first: ids.first().copied(),
+            prompt_lps: Vec::new(),
+            prompt_lps_sent: false,
+            prompt_field_sent: false,
             created,
             finish: None,
         })
@@ -697,8 +770,12 @@ async fn whole(gens: Vec<Generation>) -> Response {
     }
     let Some(g) = last else { return error(&ApiError::new(500, "server_error", "a request without choices")) };
     let object = if g.chat.is_some() { "chat.completion" } else { "text_completion" };
-    Json(json!({"id": g.id, "object": object, "created": g.created, "model": g.app.name, "choices": choices, "usage": g.usage()}))
-        .into_response()
+    let mut body = json!({"id": g.id, "object": object, "created": g.created, "model": g.app.name, "choices": choices, "usage": g.usage()});
+    // vLLM answers a chat's prompt logprobs beside its choices.
+    if g.chat.is_some() && g.common.prompt_logprobs.is_some() {
+        body["prompt_logprobs"] = g.prompt_logprobs();
+    }
+    Json(body).into_response()
 }
 
 /// One choice to its end, as the choice object of a whole answer.
@@ -733,7 +810,11 @@ async fn whole_choice(mut g: Generation) -> Result<(Value, Generation), String> 
         json!({"index": g.index, "message": message, "logprobs": g.take_logprobs(), "finish_reason": finish})
     } else {
         let text = g.echo.take().unwrap_or_default() + &content;
-        json!({"index": g.index, "text": text, "logprobs": g.take_logprobs(), "finish_reason": finish})
+        let mut c = json!({"index": g.index, "text": text, "logprobs": g.take_logprobs(), "finish_reason": finish});
+        if g.common.prompt_logprobs.is_some() {
+            c["prompt_logprobs"] = g.prompt_logprobs();
+        }
+        c
     };
     Ok((choice, g))
 }
@@ -770,8 +851,9 @@ fn choice_events(g: Generation) -> impl futures_util::Stream<Item = Result<Sse_,
     let events = futures_util::stream::unfold((g, 0u8), move |(mut g, phase)| async move {
         // Phase 0: the role (chat); 1: text; 2: done.
         if phase == 0 && g.chat.is_none() {
-            // Completions' `echo`: the prompt's text comes first.
-            if let Some(text) = g.echo.take().filter(|t| !t.is_empty()) {
+            // Completions' `echo`: the prompt's text comes first (with
+            // logprobs, in the first chunk after the prompt's logprobs came).
+            if let Some(text) = g.echo.take_if(|t| !(t.is_empty() || g.common.logprobs.is_some())) {
                 let c = g.chunk(json!({"index": g.index, "text": text, "logprobs": null, "finish_reason": null}));
                 return Some((vec![data(&c)], (g, 1)));
             }
@@ -798,11 +880,22 @@ fn choice_events(g: Generation) -> impl futures_util::Stream<Item = Result<Sse_,
                     }
                     if !delta.is_empty() {
                         let lp = g.take_logprobs();
-                        out.push(data(&g.chunk(json!({"index": g.index, "delta": delta, "logprobs": lp, "finish_reason": null}))));
+                        let mut c = g.chunk(json!({"index": g.index, "delta": delta, "logprobs": lp, "finish_reason": null}));
+                        if let Some(p) = g.prompt_field() {
+                            c["prompt_logprobs"] = p;
+                        }
+                        out.push(data(&c));
                     }
-                } else if !content.is_empty() {
-                    let lp = g.take_logprobs();
-                    out.push(data(&g.chunk(json!({"index": g.index, "text": content, "logprobs": lp, "finish_reason": null}))));
+                } else {
+                    let content = g.echo.take().unwrap_or_default() + &content;
+                    if !content.is_empty() {
+                        let lp = g.take_logprobs();
+                        let mut c = json!({"index": g.index, "text": content, "logprobs": lp, "finish_reason": null});
+                        if let Some(p) = g.prompt_field() {
+                            c["prompt_logprobs"] = p;
+                        }
+                        out.push(data(&g.chunk(c)));
+                    }
                 }
                 if !end {
                     return Some((out, (g, 1)));
@@ -835,9 +928,18 @@ fn choice_events(g: Generation) -> impl futures_util::Stream<Item = Result<Sse_,
                 let last = if chat {
                     json!({"index": g.index, "delta": {}, "logprobs": lp, "finish_reason": finish})
                 } else {
-                    json!({"index": g.index, "text": "", "logprobs": lp, "finish_reason": finish})
+                    let mut c =
+                        json!({"index": g.index, "text": g.echo.take().unwrap_or_default(), "logprobs": lp, "finish_reason": finish});
+                    if let Some(p) = g.prompt_field() {
+                        c["prompt_logprobs"] = p;
+                    }
+                    c
                 };
-                out.push(data(&g.chunk(last)));
+                let mut last = g.chunk(last);
+                if let Some(p) = g.prompt_field() {
+                    last["prompt_logprobs"] = p;
+                }
+                out.push(data(&last));
                 Some((out, (g, 2)))
             }
             Step::Failed(why) => {

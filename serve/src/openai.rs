@@ -58,6 +58,19 @@ pub struct Common {
     pub echo: bool,
     /// Added to the listed tokens' logits before sampling (ids ascending).
     pub logit_bias: Vec<(u32, f32)>,
+    /// vLLM's `prompt_logprobs`: each prompt token's logprob and this many
+    /// alternatives, in the answer's `prompt_logprobs`.
+    pub prompt_logprobs: Option<u8>,
+}
+
+impl Common {
+    /// Alternatives the stages report with each prompt token's logprob:
+    /// `prompt_logprobs`, or completions' `logprobs` when `echo` puts the
+    /// prompt's tokens in the answer (the larger if both).
+    pub fn prompt_alternatives(&self) -> Option<u8> {
+        let echoed = self.logprobs.filter(|_| self.echo);
+        self.prompt_logprobs.max(echoed)
+    }
 }
 
 /// The most choices one request may ask for: each is a sequence in the
@@ -161,6 +174,7 @@ impl Endpoint {
             "logit_bias",
             "min_tokens",
             "stop_token_ids",
+            "prompt_logprobs",
             "include_stop_str_in_output",
             "skip_special_tokens",
             "response_format",
@@ -192,7 +206,6 @@ fn unsupported(field: &str) -> Option<&'static str> {
         "guided_decoding_backend" | "guided_whitespace_pattern" => {
             "m3c's structured outputs have one back end (llguidance) and its JSON whitespace; leave this out"
         }
-        "prompt_logprobs" => "prompt logprobs are not supported by m3c yet",
         "reasoning_effort" => "use `chat_template_kwargs: {\"thinking_mode\": ...}` to set MiniMax-M3's thinking",
         "functions" | "function_call" => "the legacy `functions` API is not supported; use `tools`",
         "modalities" | "audio" | "prediction" | "web_search_options" => "m3c serves text (and image input) only",
@@ -266,9 +279,16 @@ pub fn common(m: &Map<String, Value>, d: &Defaults, endpoint: Endpoint, seed_fal
     }
     let logprobs = logprobs(m, endpoint)?;
     let echo = boolean(m, "echo")?.unwrap_or(false);
-    if echo && logprobs.is_some() {
-        return Err(ApiError::bad("echo", "`echo` with `logprobs` needs the prompt's logprobs, which m3c does not compute yet"));
-    }
+    let prompt_logprobs = match m.get("prompt_logprobs") {
+        None | Some(Value::Null) => None,
+        Some(v) => match v.as_u64() {
+            Some(n) if n <= u64::from(m3c_contract::protocol::MAX_TOP_LOGPROBS) => Some(n as u8),
+            _ => {
+                let max = m3c_contract::protocol::MAX_TOP_LOGPROBS;
+                return Err(ApiError::bad("prompt_logprobs", format!("`prompt_logprobs` must be from 0 to {max}")));
+            }
+        },
+    };
     for k in ["best_of", "suffix"] {
         match m.get(k) {
             None | Some(Value::Null) | Some(Value::Bool(false)) => {}
@@ -350,6 +370,7 @@ pub fn common(m: &Map<String, Value>, d: &Defaults, endpoint: Endpoint, seed_fal
         },
         echo,
         logit_bias: logit_bias(m)?,
+        prompt_logprobs,
     })
 }
 
@@ -665,13 +686,13 @@ mod tests {
             (json!({"stop_token_ids": 7}), Completions, "stop_token_ids"),
             (json!({"include_stop_str_in_output": "yes"}), Completions, "include_stop_str_in_output"),
             (json!({"skip_special_tokens": 0}), ChatCompletions, "skip_special_tokens"),
-            (json!({"prompt_logprobs": 1}), Completions, "prompt_logprobs"),
             (json!({"logprobs": 3}), ChatCompletions, "logprobs"),
             (json!({"logprobs": true}), Completions, "logprobs"),
             (json!({"logprobs": 21}), Completions, "logprobs"),
             (json!({"top_logprobs": 2}), ChatCompletions, "top_logprobs"),
             (json!({"logprobs": true, "top_logprobs": 21}), ChatCompletions, "top_logprobs"),
-            (json!({"echo": true, "logprobs": 2}), Completions, "echo"),
+            (json!({"prompt_logprobs": 21}), Completions, "prompt_logprobs"),
+            (json!({"prompt_logprobs": -1}), ChatCompletions, "prompt_logprobs"),
             (json!({"echo": 1}), Completions, "echo"),
             (json!({"echo": true}), ChatCompletions, "echo"),
             (json!({"n": 0}), ChatCompletions, "n"),

@@ -220,6 +220,21 @@ fn choices_logprobs_stop_ids_token_routes_and_responses() {
         let want = row[ids[j] as usize] as f64 - lse;
         assert!((got - want).abs() < 1e-5, "token {j}: served logprob {got}, log-softmax of the dumped logits {want}");
     }
+    // Prompt logprobs (echo with logprobs, and prompt_logprobs): row p of
+    // the prefill logits gives prompt token p + 1's, with its rank.
+    let pl = s.client(&["prompt_logprobs"]);
+    let prompt = [5usize, 6, 7];
+    for p in 1..prompt.len() {
+        let row = &prefill[(p - 1) * vocab..p * vocab];
+        let max = row.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64));
+        let lse = max + row.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
+        let want = row[prompt[p]] as f64 - lse;
+        let echo = pl["echo"][p].as_f64().unwrap();
+        let (got, rank) = (pl["prompt"][p - 1][prompt[p].to_string()][0].as_f64().unwrap(), &pl["prompt"][p - 1][prompt[p].to_string()][1]);
+        assert!((echo - want).abs() < 1e-5 && (got - want).abs() < 1e-5, "prompt token {p}: {echo} and {got}, log-softmax {want}");
+        assert_eq!(rank.as_u64(), Some(1 + row.iter().filter(|&&v| v > row[prompt[p]]).count() as u64), "prompt token {p}'s rank");
+    }
+    assert!(pl["echo"][0].is_null(), "{pl}");
     // Presence and frequency penalties, as OpenAI defines them: m3c run's
     // greedy path under them is, step by step, the first maximum of the
     // dumped raw logits less `frequency × count + presence` for every token

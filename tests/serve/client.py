@@ -549,6 +549,45 @@ def logprobs(base, model):
     return {"logprobs": lp.token_logprobs, "tokens": lp.tokens}
 
 
+def prompt_logprobs(base, model):
+    """Completions' echo with logprobs (lm-evaluation-harness's scoring
+    request) and vLLM's prompt_logprobs on both routes, whole and streamed.
+    Returns the prompt [5, 6, 7]'s logprobs (checked against the stages'
+    logits by the caller)."""
+    c = client(base)
+    prompt = [5, 6, 7]
+    kw = dict(max_tokens=2, temperature=0, echo=True, logprobs=2, extra_body={"ignore_eos": True})
+    whole = c.completions.create(model=model, prompt=prompt, **kw)
+    lp = whole.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5, lp
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None, lp
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(1 <= len(t) <= 2 for t in lp.top_logprobs[1:]), lp
+    assert lp.text_offset == sorted(lp.text_offset), lp.text_offset
+    streamed, text = [], ""
+    for chunk in c.completions.create(model=model, prompt=prompt, stream=True, **kw):
+        for ch in chunk.choices:
+            text += ch.text
+            if ch.logprobs is not None:
+                streamed += ch.logprobs.token_logprobs
+    assert streamed == lp.token_logprobs and text == whole.choices[0].text, (streamed, lp.token_logprobs, text)
+    # vLLM's prompt_logprobs: null first, then each token's entry by id.
+    p = c.completions.create(model=model, prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 3})
+    entries = p.choices[0].model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == 3, entries
+    for tok, e in zip(prompt[1:], entries[1:]):
+        assert str(tok) in e and 3 <= len(e) <= 4, e
+        assert all(v["logprob"] <= 0 and v["rank"] >= 1 and isinstance(v["decoded_token"], str) for v in e.values()), e
+    chunks = [ch.model_extra.get("prompt_logprobs") for chunk in c.completions.create(
+        model=model, prompt=prompt, max_tokens=2, stream=True, extra_body={"prompt_logprobs": 3}) for ch in chunk.choices]
+    assert [x for x in chunks if x is not None] == [entries], chunks
+    # Chat: beside the choices, one entry per prompt token.
+    msgs = [{"role": "user", "content": "Hi"}]
+    r = c.chat.completions.create(model=model, messages=msgs, max_tokens=1, extra_body={"prompt_logprobs": 0})
+    pl = r.model_extra["prompt_logprobs"]
+    assert len(pl) == r.usage.prompt_tokens and pl[0] is None and all(len(e) == 1 for e in pl[1:]), pl
+    return {"echo": lp.token_logprobs[:3], "prompt": [{k: [v["logprob"], v["rank"]] for k, v in e.items()} for e in entries[1:]]}
+
+
 def penalties(base, model, plain, penal):
     """presence_penalty, frequency_penalty and logit_bias through the openai
     client. `plain`: m3c run's greedy continuation of [5, 6, 7]; `penal`:
@@ -793,6 +832,7 @@ COMMANDS = {
     "structured": lambda base, model, rest: structured(base, model),
     "forced_tools": lambda base, model, rest: forced_tools(base, model),
     "logprobs": lambda base, model, rest: logprobs(base, model),
+    "prompt_logprobs": lambda base, model, rest: prompt_logprobs(base, model),
     "penalties": lambda base, model, rest: penalties(base, model, json.loads(rest[0]), json.loads(rest[1])),
     "choices": lambda base, model, rest: choices_and_tokens(base, model, json.loads(rest[0]), int(rest[1])),
 }
