@@ -156,6 +156,10 @@ pub(crate) struct RunArgs {
     /// per prompt after its ids or text.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(0..=20))]
     pub(crate) logprobs: Option<u8>,
+    /// Choices per prompt (1 to 16), as OpenAI's `n`: choice i draws from seed + i, so it is what a run with
+    /// that seed gives; prompt P's choice C is sequence P × N + C ("### prompt P choice C" with text).
+    #[arg(short = 'n', long = "n", value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=16))]
+    pub(crate) choices: u8,
     /// Constrain every output to JSON valid under this JSON schema (a file).
     #[arg(long, value_name = "FILE", conflicts_with_all = ["regex", "choice", "grammar"])]
     pub(crate) json_schema: Option<PathBuf>,

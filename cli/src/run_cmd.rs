@@ -155,6 +155,18 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
     // prompt they belong to, and handed to the stage that encodes them.
     let mut text_in = text_in;
     let images_dir = image_prompt(&args, text_in.as_mut(), &compiled.manifest)?;
+    let choices = usize::from(args.choices);
+    if choices > 1 {
+        if images_dir.is_some() {
+            bail!("-n {choices}: image prompts take one choice (leave out -n, or run each seed on its own)");
+        }
+        if args.prompts.is_some() && jsonl.is_none() {
+            bail!("-n {choices}: a --prompts file of ids goes to the stages as it is; give the ids with --prompt-ids");
+        }
+    }
+    if let Some(t) = text_in.as_mut() {
+        t.repeat_each(choices);
+    }
     // Sampling: the flags, else the checkpoint's defaults, else greedy.
     let defaults = m3c_front::text::generation::GenerationDefaults::from_dir(&args.model)?;
     let flags = m3c_contract::sampling::SamplingOverrides {
@@ -195,7 +207,10 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
         .prompt_ids
         .iter()
         .map(|p| m3c_contract::prompts::parse_ids(p, "--prompt-ids").map_err(|e| anyhow::anyhow!(e)))
-        .collect::<Result<Vec<_>>>()?;
+        .collect::<Result<Vec<_>>>()?
+        .into_iter()
+        .flat_map(|p| std::iter::repeat_n(p, choices))
+        .collect();
     stage.prompts.extend(text_in.iter().flat_map(|t| &t.ids).map(|p| p.iter().map(|&i| i64::from(i)).collect::<Vec<_>>()));
     // A prompts file of ids goes to the stages as it is.
     stage.prompts_file = args.prompts.clone().filter(|_| jsonl.is_none());
@@ -215,13 +230,17 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
     stage.logprobs = args.logprobs;
     let think_end = text_in.as_ref().and_then(|t| t.tokenizer.token_id("</mm:think>"));
     stage.grammar = run_grammar(&args, eos, think_end)?;
-    // A JSONL line's own sampling fields, over the run's.
-    for (seq, o) in text_in.iter().flat_map(|t| t.overrides.iter().enumerate()) {
-        if o.is_empty() {
+    // A JSONL line's own sampling fields, over the run's; choice C of a
+    // prompt draws from its seed + C (OpenAI's `n`, as `m3c serve` does).
+    let lines = text_in.as_ref().map_or(&[][..], |t| &t.overrides[..]);
+    for seq in 0..stage.prompts.len() {
+        let o = lines.get(seq).copied().unwrap_or_default();
+        if o.is_empty() && choices == 1 {
             continue;
         }
-        let p = o.over(sampling);
-        p.check().map_err(|e| anyhow::anyhow!("--prompts: prompt {seq}: {e}"))?;
+        let mut p = o.over(sampling);
+        p.check().map_err(|e| anyhow::anyhow!("--prompts: prompt {}: {e}", seq / choices))?;
+        p.seed = p.seed.wrapping_add((seq % choices) as u64);
         stage.seq_sampling.push((seq, p));
     }
     let pass = stage.to_args();
@@ -259,8 +278,9 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
         );
     }
     if let Some(done) = streamed {
-        for (i, f) in done.context("streaming the generated text")?.iter().enumerate() {
-            eprintln!("prompt {i}: {} prompt tokens, {} generated, finish: {}", f.prompt_tokens, f.generated.len(), f.reason);
+        let names = text_in.as_ref().map(|t| (0..t.ids.len()).map(|i| t.name(i)).collect::<Vec<_>>()).unwrap_or_default();
+        for (f, name) in done.context("streaming the generated text")?.iter().zip(names) {
+            eprintln!("{name}: {} prompt tokens, {} generated, finish: {}", f.prompt_tokens, f.generated.len(), f.reason);
         }
     }
     Ok(())

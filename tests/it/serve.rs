@@ -220,6 +220,16 @@ fn choices_logprobs_stop_ids_token_routes_and_responses() {
         let want = row[ids[j] as usize] as f64 - lse;
         assert!((got - want).abs() < 1e-5, "token {j}: served logprob {got}, log-softmax of the dumped logits {want}");
     }
+    // m3c run -n: choice C of a prompt is the run with seed + C.
+    let sampled = ["--prompt", "Hello", "--max-new-tokens", "5", "--temperature", "1", "--ignore-eos"];
+    let (three, err) = run_text(&out, &model, &[&sampled[..], &["-n", "3", "--seed", "40"]].concat());
+    let texts: Vec<&str> = three.split("### prompt 0 choice ").skip(1).map(|t| t.split_once('\n').unwrap().1.trim_end()).collect();
+    assert_eq!(texts.len(), 3, "{three}");
+    assert!(err.contains("prompt 0 choice 2: "), "{err}");
+    for (c, text) in texts.iter().enumerate() {
+        let (alone, _) = run_text(&out, &model, &[&sampled[..], &["--seed", &(40 + c).to_string()]].concat());
+        assert_eq!(*text, alone, "choice {c} is the run with seed {}", 40 + c);
+    }
     // Prompt logprobs (echo with logprobs, and prompt_logprobs): row p of
     // the prefill logits gives prompt token p + 1's, with its rank.
     let pl = s.client(&["prompt_logprobs"]);

@@ -32,6 +32,31 @@ pub struct Encoded {
     /// the others): each left one placeholder in its prompt, expanded once
     /// the image is processed.
     pub images: Vec<Vec<std::path::PathBuf>>,
+    /// Choices per prompt (`m3c run -n`): prompt P's choice C is entry
+    /// P × choices + C.
+    pub choices: usize,
+}
+
+impl Encoded {
+    /// Each prompt `n` times in a row (its choices), with its sampling
+    /// fields and images.
+    pub fn repeat_each(&mut self, n: usize) {
+        fn rep<T: Clone>(v: &mut Vec<T>, n: usize) {
+            *v = std::mem::take(v).into_iter().flat_map(|x| std::iter::repeat_n(x, n)).collect();
+        }
+        rep(&mut self.ids, n);
+        rep(&mut self.overrides, n);
+        rep(&mut self.images, n);
+        self.choices = n;
+    }
+
+    /// A sequence's name in headings and summaries.
+    pub fn name(&self, seq: usize) -> String {
+        match self.choices {
+            0 | 1 => format!("prompt {seq}"),
+            c => format!("prompt {} choice {}", seq / c, seq % c),
+        }
+    }
 }
 
 /// An image part's file: a path relative to the prompts file's folder, or
@@ -169,7 +194,7 @@ pub fn encode(model: &Path, req: &TextRequest) -> Result<Encoded, TextError> {
     }
     let overrides = vec![LineSampling::default(); ids.len()];
     let images = vec![Vec::new(); ids.len()];
-    Ok(Encoded { tokenizer, ids, overrides, images })
+    Ok(Encoded { tokenizer, ids, overrides, images, choices: 1 })
 }
 
 /// A sequence's text on its way out: cut before the first stop string (or
@@ -274,7 +299,7 @@ pub fn stream(
     let mut reasons: Vec<Option<String>> = vec![None; n];
     let mut logprobs: Vec<Vec<(u32, m3c_contract::protocol::TokenLogprobs)>> = vec![Vec::new(); n];
     let mut current = 0;
-    let heading = |i: usize| if n > 1 { format!("### prompt {i}\n") } else { String::new() };
+    let heading = |i: usize| if n > 1 { format!("### {}\n", enc.name(i)) } else { String::new() };
     if n > 0 {
         out.write_all(heading(0).as_bytes())?;
     }
