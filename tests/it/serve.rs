@@ -288,6 +288,12 @@ fn choices_logprobs_stop_ids_token_routes_and_responses() {
     // The server gives the same tokens for the same request, and honours
     // logit_bias.
     s.client(&["penalties", &serde_json::to_string(&ids).unwrap(), &serde_json::to_string(&penal).unwrap()]);
+    // At pp 1 the same requests give the same logprobs, bit for bit, and
+    // the same penalised and forced tokens.
+    let one = Server::start(&crate::shared::out("tiny-m3", 1), &model, &[]);
+    assert_eq!(one.client(&["logprobs"]), lp, "logprobs at pp 1 and pp 2");
+    assert_eq!(one.client(&["prompt_logprobs"]), pl, "prompt logprobs at pp 1 and pp 2");
+    one.client(&["penalties", &serde_json::to_string(&ids).unwrap(), &serde_json::to_string(&penal).unwrap()]);
     // OpenAI's Responses API gives the chat route's text, whole and streamed.
     let r = s.client(&[
         "responses",
