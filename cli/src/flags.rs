@@ -174,6 +174,25 @@ pub(crate) struct RunArgs {
     pub(crate) grammar: Option<PathBuf>,
     #[command(flatten)]
     pub(crate) gpu: GpuFlags,
+    #[command(flatten)]
+    pub(crate) launch: LaunchFlags,
+}
+
+/// Where mpirun puts the stages, for `m3c run` and `m3c serve` alike.
+#[derive(clap::Args)]
+pub(crate) struct LaunchFlags {
+    /// Open MPI hostfile (`HOST slots=N` lines): ranks go to its hosts in order, where the plan names none.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) hostfile: Option<PathBuf>,
+    /// An extra mpirun option (repeatable; after those of $M3C_MPIRUN_ARGS), e.g. `--mpirun-arg=--mca --mpirun-arg=btl_tcp_if_include --mpirun-arg=eth0`.
+    #[arg(long, value_name = "ARG", allow_hyphen_values = true)]
+    pub(crate) mpirun_arg: Vec<String>,
+}
+
+impl LaunchFlags {
+    pub(crate) fn launch(&self) -> anyhow::Result<m3c_front::launch::Launch> {
+        m3c_front::launch::Launch::new(self.hostfile.clone(), &self.mpirun_arg)
+    }
 }
 
 /// How GPU stages run, for `m3c run` and `m3c serve` alike.
@@ -240,6 +259,8 @@ pub(crate) struct ServeArgs {
     pub(crate) grace_s: f64,
     #[command(flatten)]
     pub(crate) gpu: GpuFlags,
+    #[command(flatten)]
+    pub(crate) launch: LaunchFlags,
     /// Chat images given as file:// URLs are read only from inside this folder (without it, file:// URLs are refused).
     #[arg(long, value_name = "DIR")]
     pub(crate) allowed_local_media_path: Option<PathBuf>,

@@ -127,6 +127,7 @@ fn run(cli: Cli) -> Result<()> {
                 grace_s: a.grace_s,
                 cuda_graphs: a.gpu.graphs(),
                 prefill_gemm_cublas: a.gpu.gemm_cublas(),
+                launch: a.launch.launch()?,
                 allowed_local_media_path: a.allowed_local_media_path,
                 media_timeout_s: a.media_timeout_s,
                 max_image_bytes: a.max_image_mb as u64 * (1 << 20),

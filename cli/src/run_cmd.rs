@@ -244,7 +244,7 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
         stage.seq_sampling.push((seq, p));
     }
     let pass = stage.to_args();
-    let mut cmd = compiled.mpirun(&pass)?;
+    let mut cmd = compiled.mpirun(&pass, &args.launch.launch()?)?;
     if text_in.is_some() {
         cmd.stdout(std::process::Stdio::piped());
     }

@@ -7,6 +7,30 @@ use anyhow::{bail, Context, Result};
 use m3c_contract::manifest::{sha256_hex, Manifest};
 use std::path::{Path, PathBuf};
 
+/// How mpirun places and connects the ranks beyond the plan's hosts: a
+/// hostfile (Open MPI's format) and extra mpirun options, from
+/// `M3C_MPIRUN_ARGS` (split at whitespace) and then each `--mpirun-arg`.
+/// `OMPI_MCA_*` variables in the environment reach mpirun as they are.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Launch {
+    pub hostfile: Option<PathBuf>,
+    pub mpirun_args: Vec<String>,
+}
+
+impl Launch {
+    /// The launch of `--hostfile` and `--mpirun-arg`s, with
+    /// `M3C_MPIRUN_ARGS` first; a hostfile that cannot be read is an error
+    /// naming it.
+    pub fn new(hostfile: Option<PathBuf>, mpirun_args: &[String]) -> Result<Launch> {
+        if let Some(f) = &hostfile {
+            std::fs::File::open(f).with_context(|| format!("--hostfile {}: cannot be read", f.display()))?;
+        }
+        let env = std::env::var("M3C_MPIRUN_ARGS").unwrap_or_default();
+        let mpirun_args = env.split_ascii_whitespace().map(str::to_string).chain(mpirun_args.iter().cloned()).collect();
+        Ok(Launch { hostfile, mpirun_args })
+    }
+}
+
 /// A compiled OUT folder whose executables are the ones its manifest lists.
 pub struct Compiled {
     pub out: PathBuf,
@@ -57,11 +81,15 @@ impl Compiled {
 
     /// `mpirun` over the stages, each given `args`; mpirun dies with this
     /// process (even by SIGKILL) and takes its ranks with it.
-    pub fn mpirun(&self, args: &[String]) -> Result<std::process::Command> {
+    pub fn mpirun(&self, args: &[String], launch: &Launch) -> Result<std::process::Command> {
         let mut cmd = std::process::Command::new("mpirun");
         // No core binding: each rank runs its kernels on several threads (the
         // runtime shares the node's cores among its ranks).
         cmd.args(["--oversubscribe", "--bind-to", "none"]);
+        if let Some(f) = &launch.hostfile {
+            cmd.arg("--hostfile").arg(f);
+        }
+        cmd.args(&launch.mpirun_args);
         if is_root() {
             cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1").env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
         }

@@ -63,6 +63,11 @@ fn set_kernel_threads() -> usize {
     n
 }
 
+/// This machine's name, as MPI sees it: across hosts, which stage ran where.
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map_or_else(|_| "?".into(), |h| h.trim().to_string())
+}
+
 fn embedded_meta() -> Result<meta::StageMeta, String> {
     // SAFETY: m3c emits both symbols: `m3c_stage_meta_len` bytes of JSON at `m3c_stage_meta`.
     let bytes = unsafe { std::slice::from_raw_parts(&m3c_stage_meta as *const u8, m3c_stage_meta_len as usize) };
@@ -240,11 +245,12 @@ fn stage_main(
     startup::agree(world, peers, who, linked)?;
     let (rss, _) = resident();
     say!(
-        "{who}: {holds}: {} in {:.2} s, resident {:.1} MB, {threads} kernel thread(s){}",
+        "{who}: {holds}: {} in {:.2} s, resident {:.1} MB, {threads} kernel thread(s){}, on host {}",
         st.placement(),
         t0.elapsed().as_secs_f64(),
         rss,
-        if st.uses_nccl() { ", activations over NCCL" } else { "" }
+        if st.uses_nccl() { ", activations over NCCL" } else { "" },
+        host_name()
     );
     let run = pipeline::run(world, peers, &mut st, &args);
     let closing = match run {

@@ -46,6 +46,8 @@ pub struct Options {
     pub cuda_graphs: bool,
     /// GPU stages: prefill linears on the vendor's GEMM library.
     pub prefill_gemm_cublas: bool,
+    /// Hostfile and extra mpirun options.
+    pub launch: m3c_front::launch::Launch,
     /// `file://` images only from inside this folder.
     pub allowed_local_media_path: Option<PathBuf>,
     pub media_timeout_s: f64,
@@ -107,7 +109,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
     stage.cuda_graphs = o.cuda_graphs;
     stage.prefill_gemm_cublas = o.prefill_gemm_cublas;
     stage.eos_ids = gen.eos_ids.clone();
-    let cmd = compiled.mpirun(&stage.to_args())?;
+    let cmd = compiled.mpirun(&stage.to_args(), &o.launch)?;
     let allowed_local = match &o.allowed_local_media_path {
         None => None,
         Some(d) => Some(

@@ -9,6 +9,8 @@ mod gpu_kernels;
 mod graph;
 mod host_kernels;
 mod hostile;
+mod multihost;
+mod netns;
 mod parsers;
 mod pipeline;
 mod plan;

@@ -1,0 +1,152 @@
+//! Hosts made of Linux network namespaces, for multi-host tests without a
+//! cluster (`../shared/notes/multihost.md`): each host is a namespace with
+//! its own `eth0`, address and hostname, wired to the others through a
+//! bridge in a namespace of its own (the root namespace gets no interface),
+//! and each command there runs in a fresh mount namespace with a private
+//! `/tmp`, so anything that assumes a shared temporary folder fails.
+//! Open MPI reaches the hosts through its rsh launcher with an agent script
+//! (`ip netns exec`), no ssh. Everything is torn down when [`Hosts`] drops,
+//! a failing test included: every process in the namespaces is killed,
+//! then the namespaces go.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+/// N hosts on one private /24.
+pub struct Hosts {
+    prefix: String,
+    subnet: u8,
+    n: usize,
+    dir: tempfile::TempDir,
+}
+
+/// Runs `ip ARGS`, panicking with its message when it fails.
+fn ip(args: &[&str]) {
+    let o = Command::new("ip").args(args).output().expect("ip");
+    assert!(o.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+}
+
+impl Hosts {
+    /// `n` hosts, or `None` (with the reason on stderr: the test then
+    /// checks nothing) where this machine cannot make them: namespaces
+    /// need root and iproute2.
+    pub fn new(n: usize) -> Option<Hosts> {
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("SKIPPED: multi-host tests need root (network namespaces); CI runs as root");
+            return None;
+        }
+        if Command::new("ip").arg("-V").output().map(|o| !o.status.success()).unwrap_or(true) {
+            eprintln!("SKIPPED: multi-host tests need `ip` (iproute2)");
+            return None;
+        }
+        let pid = std::process::id();
+        let h = Hosts {
+            prefix: format!("m3c{pid}"),
+            subnet: (pid % 200) as u8 + 20,
+            n,
+            dir: tempfile::Builder::new().prefix("m3c-hosts-").tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap(),
+        };
+        let br = h.bridge();
+        ip(&["netns", "add", &br]);
+        ip(&["-n", &br, "link", "add", "br0", "type", "bridge"]);
+        ip(&["-n", &br, "link", "set", "br0", "up"]);
+        for i in 0..n {
+            let ns = h.ns(i);
+            ip(&["netns", "add", &ns]);
+            let port = format!("v{i}");
+            ip(&["link", "add", &port, "netns", &br, "type", "veth", "peer", "name", "eth0", "netns", &ns]);
+            ip(&["-n", &br, "link", "set", &port, "master", "br0", "up"]);
+            ip(&["-n", &ns, "addr", "add", &format!("{}/24", h.addr(i)), "dev", "eth0"]);
+            ip(&["-n", &ns, "link", "set", "eth0", "up"]);
+            ip(&["-n", &ns, "link", "set", "lo", "up"]);
+        }
+        h.write_agent();
+        Some(h)
+    }
+
+    fn bridge(&self) -> String {
+        format!("{}br", self.prefix)
+    }
+
+    /// Host `i`'s namespace, which is also its hostname.
+    pub fn ns(&self, i: usize) -> String {
+        format!("{}h{i}", self.prefix)
+    }
+
+    /// Host `i`'s address.
+    pub fn addr(&self, i: usize) -> String {
+        format!("10.77.{}.{}", self.subnet, i + 1)
+    }
+
+    fn script(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// `enter NS COMMAND...` runs COMMAND in namespace NS as its own host
+    /// (its hostname, a private /tmp); the rsh agent, `agent [OPTIONS]
+    /// HOST COMMAND...`, runs COMMAND (a shell line, as ssh would) on the
+    /// namespace whose address is HOST.
+    fn write_agent(&self) {
+        let enter = "#!/bin/sh\nns=$1; shift\n\
+                     exec ip netns exec \"$ns\" unshare --uts --mount sh -c 'hostname \"$0\"; mount -t tmpfs tmpfs /tmp; exec \"$@\"' \"$ns\" \"$@\"\n";
+        let cases: String = (0..self.n).map(|i| format!("  {}) ns={} ;;\n", self.addr(i), self.ns(i))).collect();
+        let agent = format!(
+            "#!/bin/sh\n\
+             while [ $# -gt 0 ]; do case \"$1\" in -*) shift ;; *) break ;; esac; done\n\
+             host=$1; shift\n\
+             case \"$host\" in\n{cases}  *) echo \"agent: unknown host $host\" >&2; exit 255 ;;\nesac\n\
+             exec {} \"$ns\" sh -c \"$*\"\n",
+            self.script("enter").display()
+        );
+        use std::os::unix::fs::PermissionsExt;
+        for (name, text) in [("enter", enter.to_string()), ("agent", agent)] {
+            std::fs::write(self.script(name), text).unwrap();
+            std::fs::set_permissions(self.script(name), std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+    }
+
+    /// Runs `args` on host `i` (mpirun there reaches the others through the
+    /// agent), killed after `timeout`.
+    pub fn run(&self, i: usize, args: &[&str], timeout: Duration) -> Output {
+        self.run_env(i, args, &[], timeout)
+    }
+
+    /// [`Hosts::run`] with more environment variables.
+    pub fn run_env(&self, i: usize, args: &[&str], env: &[(&str, &str)], timeout: Duration) -> Output {
+        let net = format!("10.77.{}.0/24", self.subnet);
+        Command::new("timeout")
+            .args(["-k", "5", &timeout.as_secs().to_string()])
+            .arg(self.script("enter"))
+            .arg(self.ns(i))
+            .args(args)
+            .env("OMPI_MCA_plm_rsh_agent", self.script("agent"))
+            .env("OMPI_MCA_plm_rsh_no_tree_spawn", "1")
+            .env("OMPI_MCA_btl_tcp_if_include", &net)
+            .env("OMPI_MCA_oob_tcp_if_include", &net)
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .output()
+            .expect("timeout")
+    }
+
+    /// The folder the test may share between hosts (the repo's disk, as a
+    /// cluster's home folders are).
+    pub fn shared(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for ns in (0..self.n).map(|i| self.ns(i)).chain([self.bridge()]) {
+            if let Ok(o) = Command::new("ip").args(["netns", "pids", &ns]).output() {
+                for pid in String::from_utf8_lossy(&o.stdout).split_whitespace() {
+                    let _ = Command::new("kill").args(["-9", pid]).status();
+                }
+            }
+            let _ = Command::new("ip").args(["netns", "del", &ns]).status();
+        }
+    }
+}
