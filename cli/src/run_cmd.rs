@@ -248,7 +248,11 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
     if text_in.is_some() {
         cmd.stdout(std::process::Stdio::piped());
     }
+    cmd.stderr(std::process::Stdio::piped());
     let mut child = cmd.spawn().map_err(m3c_front::launch::spawn_error)?;
+    // A stage that failed gives mpirun its --timeout-s to end the job.
+    let grace = std::time::Duration::from_secs_f64(args.timeout_s + 2.0);
+    let reaper = m3c_front::launch::reap_after_error(&mut child, grace);
     // SIGINT/SIGTERM to m3c are passed on to mpirun, which ends the job.
     let forwarding = m3c_signals::ChildRegistration::new(child.id());
     let streamed = match (&text_in, child.stdout.take()) {
@@ -267,6 +271,7 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
         _ => None,
     };
     let status = child.wait().context("waiting for mpirun")?;
+    let _ = reaper.join();
     if let Some(sig) = forwarding.received() {
         bail!("interrupted (signal {sig}): the pipeline was stopped");
     }

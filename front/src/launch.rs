@@ -93,6 +93,19 @@ impl Compiled {
         if is_root() {
             cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1").env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
         }
+        // Open MPI's daemons learn that a host is gone from TCP keepalives,
+        // after 8 minutes by default: a host cut off would keep its daemon
+        // (and the job) waiting that long. Seconds instead, unless the user
+        // set them.
+        for (k, v) in [
+            ("OMPI_MCA_oob_tcp_keepalive_time", "5"),
+            ("OMPI_MCA_oob_tcp_keepalive_intvl", "2"),
+            ("OMPI_MCA_oob_tcp_keepalive_probes", "3"),
+        ] {
+            if std::env::var_os(k).is_none() {
+                cmd.env(k, v);
+            }
+        }
         for (k, entry) in self.manifest.stages.iter().enumerate() {
             if k > 0 {
                 cmd.arg(":");
@@ -118,6 +131,45 @@ impl Compiled {
         }
         Ok(cmd)
     }
+}
+
+/// Forwards a job's standard error (piped) to ours, line by line, and ends
+/// mpirun (SIGKILL) when it has not ended `grace` after a stage reported a
+/// fatal error: a launcher that lost a host can wait on it for minutes
+/// after the stages have given up. The caller waits for the child as
+/// usual, then joins the returned thread.
+pub fn reap_after_error(child: &mut std::process::Child, grace: std::time::Duration) -> std::thread::JoinHandle<()> {
+    use std::io::{BufRead, Write};
+    use std::sync::{Arc, Mutex};
+    let pid = child.id() as libc::pid_t;
+    let stderr = child.stderr.take();
+    let failed_at: Arc<Mutex<Option<std::time::Instant>>> = Arc::default();
+    let seen = failed_at.clone();
+    let reader = std::thread::spawn(move || {
+        let Some(e) = stderr else { return };
+        for line in std::io::BufReader::new(e).lines().map_while(Result::ok) {
+            let _ = writeln!(std::io::stderr(), "{line}");
+            if line.starts_with("m3c stage ") && line.contains(": error: ") {
+                seen.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert_with(std::time::Instant::now);
+            }
+        }
+    });
+    std::thread::spawn(move || loop {
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        if reader.is_finished() {
+            // The pipe closed: mpirun (and every rank it started here) ended.
+            return;
+        }
+        let late = failed_at.lock().unwrap_or_else(|p| p.into_inner()).is_some_and(|t| t.elapsed() > grace);
+        if late {
+            let _ = writeln!(std::io::stderr(), "m3c: mpirun did not end the failed job within {} s; killing it", grace.as_secs());
+            // SAFETY: kill has no memory-safety preconditions; the pid is
+            // mpirun's, whose pipe is still open, so it has not been reaped.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            let _ = reader.join();
+            return;
+        }
+    })
 }
 
 /// What a failed `spawn` of mpirun means to a user.

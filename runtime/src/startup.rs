@@ -18,6 +18,26 @@ pub const ID_BYTES: usize = 1 + 64 + 8 + 32;
 /// Ends the job: prints nothing more, every rank is killed by mpirun.
 pub fn abort_job(world: &SimpleCommunicator, who: &str, message: &str) -> ! {
     say!("{who}: error: {message}");
+    // MPI_Abort asks the launcher to end the job. A launcher this host can
+    // no longer reach (a cut link) never answers: the stage then ends
+    // itself, and this job's Open MPI daemon here (a remote rank's parent)
+    // would wait on the lost launcher for as long as TCP retransmits, so a
+    // helper outliving the stage ends it unless the launcher did first.
+    // SAFETY: getppid has no preconditions and cannot fail.
+    let parent = unsafe { libc::getppid() };
+    if std::fs::read_to_string(format!("/proc/{parent}/comm")).is_ok_and(|c| c.trim() == "orted") {
+        let _ = std::process::Command::new("sh")
+            .args(["-c", &format!("sleep 5; kill -9 {parent} 2>/dev/null")])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn();
+    }
+    std::thread::spawn(|| {
+        std::thread::sleep(std::time::Duration::from_secs(3));
+        // SAFETY: _exit ends the process at once; nothing is left to unwind.
+        unsafe { libc::_exit(1) }
+    });
     world.abort(1)
 }
 

@@ -82,3 +82,48 @@ fn a_missing_hostfile_is_named() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("--hostfile /nonexistent/hosts: cannot be read"), "{}", stderr(&o));
 }
+
+/// Faults across hosts, each mid-run: a link cut, and a remote stage
+/// killed. The job ends with a clear error within the timeout (and the
+/// launcher's grace after it), and no process is left on either host.
+#[test]
+fn a_cut_link_or_a_killed_remote_stage_ends_the_job_on_every_host() {
+    let Some(hosts) = Hosts::new(2) else { return };
+    let model = fixture("tiny-m3");
+    let plan = hosts.shared().join("p.yaml");
+    std::fs::write(&plan, plan_on(&model, [hosts.addr(0).as_str(), hosts.addr(1).as_str()])).unwrap();
+    let out = hosts.shared().join("out");
+    let c = m3c(&["compile", "--pp", "2", plan.to_str().unwrap(), "-o", out.to_str().unwrap()]);
+    assert!(c.status.success(), "{}", stderr(&c));
+    let bin = m3c_tests::m3c_bin();
+    let (out_s, model_s) = (out.to_str().unwrap(), model.to_str().unwrap());
+    let cmd = [bin.to_str().unwrap(), "run", out_s, "--model", model_s, "--prompt-ids", "1,2,3"];
+    let cmd = [&cmd[..], &["--max-new-tokens", "4090", "--ignore-eos", "--timeout-s", "3"]].concat();
+    // The kill first: the cut leaves the link down.
+    let faults: [(&str, &dyn Fn()); 2] = [
+        ("killed remote stage", &|| {
+            for p in hosts.pids(1) {
+                if std::fs::read_to_string(format!("/proc/{p}/cmdline")).is_ok_and(|c| c.contains("stage-1")) {
+                    let _ = std::process::Command::new("kill").args(["-9", &p]).status();
+                }
+            }
+        }),
+        ("cut link", &|| hosts.cut(1)),
+    ];
+    for (name, fault) in faults {
+        let t0 = std::time::Instant::now();
+        let child = hosts.spawn(0, &cmd, Duration::from_secs(90));
+        std::thread::sleep(Duration::from_millis(2500));
+        fault();
+        let o = child.wait_with_output().unwrap();
+        let (took, e) = (t0.elapsed(), stderr(&o));
+        assert!(!o.status.success() && took < Duration::from_secs(25), "{name}: {:?} after {took:?}:\n{e}", o.status);
+        assert!(e.contains("stage 1") || e.contains("stage-1"), "{name}: the lost stage is named:\n{e}");
+        let clean = (0..20).any(|_| {
+            let left = hosts.pids(0).len() + hosts.pids(1).len();
+            std::thread::sleep(Duration::from_millis(500));
+            left == 0
+        });
+        assert!(clean, "{name}: processes left: {:?} {:?}", hosts.pids(0), hosts.pids(1));
+    }
+}

@@ -41,10 +41,12 @@ impl Hosts {
             eprintln!("SKIPPED: multi-host tests need `ip` (iproute2)");
             return None;
         }
-        let pid = std::process::id();
+        // Unique per test process and per set, so tests run side by side.
+        static SETS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let (pid, set) = (std::process::id(), SETS.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
         let h = Hosts {
-            prefix: format!("m3c{pid}"),
-            subnet: (pid % 200) as u8 + 20,
+            prefix: format!("m3c{pid}s{set}"),
+            subnet: ((pid + set * 37) % 200) as u8 + 20,
             n,
             dir: tempfile::Builder::new().prefix("m3c-hosts-").tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap(),
         };
@@ -148,5 +150,37 @@ impl Drop for Hosts {
             }
             let _ = Command::new("ip").args(["netns", "del", &ns]).status();
         }
+    }
+}
+
+impl Hosts {
+    /// Takes host `i`'s link to the others down (its bridge port).
+    pub fn cut(&self, i: usize) {
+        ip(&["-n", &self.bridge(), "link", "set", &format!("v{i}"), "down"]);
+    }
+
+    /// The processes left in host `i`'s namespace.
+    pub fn pids(&self, i: usize) -> Vec<String> {
+        let o = Command::new("ip").args(["netns", "pids", &self.ns(i)]).output().expect("ip");
+        String::from_utf8_lossy(&o.stdout).split_whitespace().map(str::to_string).collect()
+    }
+
+    /// Starts `args` on host `i` without waiting (see [`Hosts::run`]).
+    pub fn spawn(&self, i: usize, args: &[&str], timeout: Duration) -> std::process::Child {
+        let net = format!("10.77.{}.0/24", self.subnet);
+        Command::new("timeout")
+            .args(["-k", "5", &timeout.as_secs().to_string()])
+            .arg(self.script("enter"))
+            .arg(self.ns(i))
+            .args(args)
+            .env("OMPI_MCA_plm_rsh_agent", self.script("agent"))
+            .env("OMPI_MCA_plm_rsh_no_tree_spawn", "1")
+            .env("OMPI_MCA_btl_tcp_if_include", &net)
+            .env("OMPI_MCA_oob_tcp_if_include", &net)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("timeout")
     }
 }
