@@ -73,6 +73,48 @@ fn a_pipeline_across_two_hosts_gives_the_one_host_bytes() {
     assert!(std::fs::read(&dump).unwrap() == want, "hostfile: the dump differs from one host's");
 }
 
+/// pp 4 on 4 hosts, stage 0 on the front's: the one-host bytes.
+#[test]
+fn a_pipeline_across_four_hosts_gives_the_one_host_bytes() {
+    let Some(hosts) = Hosts::new(4) else { return };
+    let model = fixture("tiny-m3");
+    let prompt = ids_arg(&read_tensor_i64(&model.join("golden.safetensors"), "prompt_ids"));
+    let run_args =
+        |dump: &std::path::Path| ["--prompt-ids", &prompt, "--max-new-tokens", "4", "--dump", dump.to_str().unwrap()].map(String::from);
+    let want = hosts.shared().join("pp1.safetensors");
+    let o = m3c_run(&crate::shared::out("tiny-m3", 1), &model, &run_args(&want).each_ref().map(String::as_str));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let layers = ["0-1", "2-3", "4-5", "6-7"];
+    let mut plan = format!("version: 1\nmodel: \"{}\"\ntarget: host\nstages:\n", model.display());
+    for (k, l) in layers.iter().enumerate() {
+        plan += &format!("  - layers: \"{l}\"\n    host: \"{}\"\n", hosts.addr(k));
+        plan += if k == 0 {
+            "    embedding: true\n"
+        } else if k == 3 {
+            "    final_norm: true\n    lm_head: true\n"
+        } else {
+            ""
+        };
+    }
+    let (plan_file, out) = (hosts.shared().join("pp4.yaml"), hosts.shared().join("pp4"));
+    std::fs::write(&plan_file, plan).unwrap();
+    let c = m3c(&["compile", "--pp", "4", plan_file.to_str().unwrap(), "-o", out.to_str().unwrap()]);
+    assert!(c.status.success(), "{}", stderr(&c));
+    let dump = hosts.shared().join("pp4.safetensors");
+    let bin = m3c_tests::m3c_bin();
+    let mut cmd = vec![bin.to_str().unwrap(), "run", out.to_str().unwrap(), "--model", model.to_str().unwrap()];
+    let a = run_args(&dump);
+    cmd.extend(a.iter().map(String::as_str));
+    let o = hosts.run(0, &cmd, Duration::from_secs(120));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let e = stderr(&o);
+    for k in 0..4 {
+        let banner = e.lines().find(|l| l.starts_with(&format!("m3c stage {k}/4:")) && l.contains("kernel thread(s)"));
+        assert!(banner.is_some_and(|l| l.ends_with(&format!("on host {}", hosts.ns(k)))), "stage {k} not on host {k}:\n{e}");
+    }
+    assert!(std::fs::read(&dump).unwrap() == std::fs::read(&want).unwrap(), "pp 4 on 4 hosts differs from pp 1 on one");
+}
+
 /// A hostfile that cannot be read is named before mpirun starts.
 #[test]
 fn a_missing_hostfile_is_named() {
