@@ -1,6 +1,6 @@
 //! Pipelines across hosts: stages on separate network-namespace hosts
-//! (`crate::netns`), each with its own address, hostname and /tmp, give
-//! the bytes of one host. Skipped (with a message) where namespaces cannot
+//! (`crate::netns`), each with its own address, hostname and temporary
+//! folder, give the bytes of one host. Skipped (with a message) where namespaces cannot
 //! be made; CI runs as root.
 
 use crate::netns::Hosts;

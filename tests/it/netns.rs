@@ -3,7 +3,8 @@
 //! its own `eth0`, address and hostname, wired to the others through a
 //! bridge in a namespace of its own (the root namespace gets no interface),
 //! and each command there runs in a fresh mount namespace with a private
-//! `/tmp`, so anything that assumes a shared temporary folder fails.
+//! temporary folder (a tmpfs as its `TMPDIR`), so anything that assumes a
+//! shared temporary folder fails.
 //! Open MPI reaches the hosts through its rsh launcher with an agent script
 //! (`ip netns exec`), no ssh. Everything is torn down when [`Hosts`] drops,
 //! a failing test included: every process in the namespaces is killed,
@@ -87,12 +88,18 @@ impl Hosts {
     }
 
     /// `enter NS COMMAND...` runs COMMAND in namespace NS as its own host
-    /// (its hostname, a private /tmp); the rsh agent, `agent [OPTIONS]
+    /// (its hostname, a private TMPDIR); the rsh agent, `agent [OPTIONS]
     /// HOST COMMAND...`, runs COMMAND (a shell line, as ssh would) on the
     /// namespace whose address is HOST.
     fn write_agent(&self) {
-        let enter = "#!/bin/sh\nns=$1; shift\n\
-                     exec ip netns exec \"$ns\" unshare --uts --mount sh -c 'hostname \"$0\"; mount -t tmpfs tmpfs /tmp; exec \"$@\"' \"$ns\" \"$@\"\n";
+        // A private tmpfs as TMPDIR rather than over /tmp itself: the
+        // checkout (and so the binaries) may live under /tmp.
+        let enter = format!(
+            "#!/bin/sh\nns=$1; shift\nt={}/tmp-$ns\nmkdir -p \"$t\"\n\
+             exec ip netns exec \"$ns\" unshare --uts --mount sh -c \
+             'hostname \"$0\"; mount -t tmpfs tmpfs \"$1\"; export TMPDIR=\"$1\"; shift; exec \"$@\"' \"$ns\" \"$t\" \"$@\"\n",
+            self.dir.path().display()
+        );
         let cases: String = (0..self.n).map(|i| format!("  {}) ns={} ;;\n", self.addr(i), self.ns(i))).collect();
         let agent = format!(
             "#!/bin/sh\n\
@@ -103,7 +110,7 @@ impl Hosts {
             self.script("enter").display()
         );
         use std::os::unix::fs::PermissionsExt;
-        for (name, text) in [("enter", enter.to_string()), ("agent", agent)] {
+        for (name, text) in [("enter", enter), ("agent", agent)] {
             std::fs::write(self.script(name), text).unwrap();
             std::fs::set_permissions(self.script(name), std::fs::Permissions::from_mode(0o755)).unwrap();
         }
