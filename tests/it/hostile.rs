@@ -377,8 +377,7 @@ fn d06_a_foreign_rank_ends_the_job() {
 fn d07_killing_m3c_run_leaves_no_process() {
     let dir = tempfile::tempdir().unwrap();
     // A private copy, so that its path identifies this job's processes.
-    let out = dir.path().join("job");
-    copy_dir(&shared_out(2), &out);
+    let out = crate::shared::copy("tiny-m3", 2, dir.path());
     let model = fixture("tiny-m3");
     for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGKILL] {
         let mut args = run_args(&out, &model, &["--max-new-tokens", "4000", "--ignore-eos"]);
@@ -399,13 +398,6 @@ fn d07_killing_m3c_run_leaves_no_process() {
         let status = child.wait().unwrap();
         assert!(!status.success(), "signal {sig}");
         assert!(all_gone(&out.display().to_string(), 15), "signal {sig}: left {:?}", processes_with(&out.display().to_string()));
-    }
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap().flatten() {
-        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
     }
 }
 
@@ -635,8 +627,7 @@ fn d14_weights_that_are_not_files_are_named() {
 #[test]
 fn d15_a_damaged_stage_is_caught_before_launch() {
     let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("out");
-    copy_dir(&shared_out(2), &out);
+    let out = crate::shared::copy("tiny-m3", 2, dir.path());
     let exe = out.join("stage-1");
     let len = std::fs::metadata(&exe).unwrap().len();
     std::fs::OpenOptions::new().write(true).open(&exe).unwrap().set_len(len / 2).unwrap();
@@ -754,8 +745,7 @@ fn d19_plan_arch_is_checked_before_writing() {
 #[test]
 fn d20_a_failing_expect_ends_promptly() {
     let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("job");
-    copy_dir(&shared_out(2), &out);
+    let out = crate::shared::copy("tiny-m3", 2, dir.path());
     let model = fixture("tiny-m3");
     let golden = fixture("tiny-m3-mxfp8").join("golden.safetensors");
     let prompt = ids_arg(&m3c_tests::read_tensor_i64(&golden, "prompt_ids"));

@@ -435,7 +435,8 @@ fn bad_requests_get_openai_errors_and_the_server_stays_up() {
 #[test]
 fn sigterm_lets_running_requests_finish_then_exits_0() {
     let dir = tempfile::tempdir().unwrap();
-    let (out, model) = compiled(dir.path());
+    // A private copy: its stages are found by their path below.
+    let (out, model) = (crate::shared::copy("tiny-m3", 2, dir.path()), fixture("tiny-m3"));
     // Within the grace period the stream ends normally.
     let mut s = Server::start(&out, &model, &[]);
     let (mut c, mut lines) = s.client_spawn(&["stream"]);
@@ -496,7 +497,8 @@ fn pid_of(exe: &Path) -> Option<i32> {
 #[test]
 fn a_stage_killed_mid_stream_fails_the_request_and_the_server_exits_non_zero() {
     let dir = tempfile::tempdir().unwrap();
-    let (out, model) = compiled(dir.path());
+    // A private copy: its stage is found (and killed) by its path below.
+    let (out, model) = (crate::shared::copy("tiny-m3", 2, dir.path()), fixture("tiny-m3"));
     let mut s = Server::start(&out, &model, &["--timeout-s", "5"]);
     let (mut c, mut lines) = s.client_spawn(&["stream"]);
     let mut line = String::new();

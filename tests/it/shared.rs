@@ -1,7 +1,8 @@
 //! Compiled fixtures shared by the tests of this binary: each (fixture, pp)
 //! is compiled once per run, under target/tmp, for the tests that only run
 //! its stages. A test that edits, removes or recompiles an output compiles
-//! its own.
+//! its own, and one that finds or signals its stages by their path runs a
+//! private copy ([`copy`]): other tests run the shared one at the same time.
 
 use m3c_tests::{compile, fixture};
 use std::collections::HashMap;
@@ -24,4 +25,15 @@ pub fn out(name: &str, pp: usize) -> PathBuf {
         compile(&fixture(name), pp, &d, &[])
     })
     .clone()
+}
+
+/// A private copy of [`out`] in `dir` (its own path, so its processes are
+/// told apart from other tests').
+pub fn copy(name: &str, pp: usize, dir: &Path) -> PathBuf {
+    let to = dir.join(format!("{}-pp{pp}", name.replace('/', "_")));
+    std::fs::create_dir_all(&to).unwrap();
+    for e in std::fs::read_dir(out(name, pp)).unwrap().flatten() {
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+    to
 }
