@@ -159,6 +159,7 @@ fn a_cut_link_or_a_killed_remote_stage_ends_the_job_on_every_host() {
         fault();
         let o = child.wait_with_output().unwrap();
         let (took, e) = (t0.elapsed(), stderr(&o));
+        eprintln!("{name}: the job ended {:.1} s after the fault", took.as_secs_f64() - 2.5);
         assert!(!o.status.success() && took < Duration::from_secs(25), "{name}: {:?} after {took:?}:\n{e}", o.status);
         assert!(e.contains("stage 1") || e.contains("stage-1"), "{name}: the lost stage is named:\n{e}");
         let clean = (0..20).any(|_| {
