@@ -124,20 +124,23 @@ impl Hosts {
 
     /// [`Hosts::run`] with more environment variables.
     pub fn run_env(&self, i: usize, args: &[&str], env: &[(&str, &str)], timeout: Duration) -> Output {
+        self.command(i, args, timeout).envs(env.iter().copied()).stdin(Stdio::null()).output().expect("timeout")
+    }
+
+    /// `args` on host `i` under `timeout`, with Open MPI's launcher pointed
+    /// at the agent and its TCP traffic kept on the hosts' network.
+    fn command(&self, i: usize, args: &[&str], timeout: Duration) -> Command {
         let net = format!("10.77.{}.0/24", self.subnet);
-        Command::new("timeout")
-            .args(["-k", "5", &timeout.as_secs().to_string()])
+        let mut c = Command::new("timeout");
+        c.args(["-k", "5", &timeout.as_secs().to_string()])
             .arg(self.script("enter"))
             .arg(self.ns(i))
             .args(args)
             .env("OMPI_MCA_plm_rsh_agent", self.script("agent"))
             .env("OMPI_MCA_plm_rsh_no_tree_spawn", "1")
             .env("OMPI_MCA_btl_tcp_if_include", &net)
-            .env("OMPI_MCA_oob_tcp_if_include", &net)
-            .envs(env.iter().copied())
-            .stdin(Stdio::null())
-            .output()
-            .expect("timeout")
+            .env("OMPI_MCA_oob_tcp_if_include", &net);
+        c
     }
 
     /// The folder the test may share between hosts (the repo's disk, as a
@@ -174,20 +177,6 @@ impl Hosts {
 
     /// Starts `args` on host `i` without waiting (see [`Hosts::run`]).
     pub fn spawn(&self, i: usize, args: &[&str], timeout: Duration) -> std::process::Child {
-        let net = format!("10.77.{}.0/24", self.subnet);
-        Command::new("timeout")
-            .args(["-k", "5", &timeout.as_secs().to_string()])
-            .arg(self.script("enter"))
-            .arg(self.ns(i))
-            .args(args)
-            .env("OMPI_MCA_plm_rsh_agent", self.script("agent"))
-            .env("OMPI_MCA_plm_rsh_no_tree_spawn", "1")
-            .env("OMPI_MCA_btl_tcp_if_include", &net)
-            .env("OMPI_MCA_oob_tcp_if_include", &net)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("timeout")
+        self.command(i, args, timeout).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("timeout")
     }
 }
