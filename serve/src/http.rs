@@ -496,36 +496,23 @@ impl Generation {
                 .collect();
             return json!({"content": content});
         }
-        let (mut tokens, mut lps, mut tops, mut offsets) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         // `echo` with logprobs: the prompt's tokens come first, the first
         // without a logprob (nothing comes before it), as vLLM answers.
+        let mut all: Vec<(u32, Option<&TokenLogprobs>)> = Vec::new();
         if self.echo_logprobs() && !self.prompt_lps_sent {
             self.prompt_lps_sent = true;
-            if let Some(first) = self.prompt_first {
-                let t = text(first);
-                offsets.push(self.lp_offset);
-                self.lp_offset += t.chars().count();
-                tokens.push(t);
-                lps.push(Value::Null);
-                tops.push(Value::Null);
-            }
-            for (id, lp) in &self.prompt_lps {
-                let t = text(*id);
-                offsets.push(self.lp_offset);
-                self.lp_offset += t.chars().count();
-                tokens.push(t);
-                lps.push(json!(num(lp.logprob)));
-                tops.push(Value::Object(lp.top.iter().map(|&(i, l)| (text(i), json!(num(l)))).collect()));
-            }
+            all.extend(self.prompt_first.map(|id| (id, None)));
+            all.extend(self.prompt_lps.iter().map(|(id, lp)| (*id, Some(lp))));
         }
-        for (id, lp) in &entries {
-            let t = text(*id);
+        all.extend(entries.iter().map(|(id, lp)| (*id, Some(lp))));
+        let (mut tokens, mut lps, mut tops, mut offsets) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (id, lp) in all {
+            let t = text(id);
             offsets.push(self.lp_offset);
             self.lp_offset += t.chars().count();
             tokens.push(t);
-            lps.push(json!(num(lp.logprob)));
-            let top: serde_json::Map<String, Value> = lp.top.iter().map(|&(i, l)| (text(i), json!(num(l)))).collect();
-            tops.push(Value::Object(top));
+            lps.push(lp.map_or(Value::Null, |lp| json!(num(lp.logprob))));
+            tops.push(lp.map_or(Value::Null, |lp| Value::Object(lp.top.iter().map(|&(i, l)| (text(i), json!(num(l)))).collect())));
         }
         json!({"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets})
     }
