@@ -25,41 +25,11 @@ fn main() {
     let context = seen_bitmap((0..512u32).map(|i| i * 97 % VOCAB as u32), VOCAB);
     let cases = [
         ("greedy", SamplingParams::GREEDY),
-        (
-            "T=1 top-p 0.95 (the model's default)",
-            SamplingParams {
-                temperature: 1.0,
-                top_k: 0,
-                top_p: 0.95,
-                min_p: 0.0,
-                repetition_penalty: 1.0,
-                seed: 1,
-                ..SamplingParams::GREEDY
-            },
-        ),
-        (
-            "T=0.7 top-k 50 top-p 0.9",
-            SamplingParams {
-                temperature: 0.7,
-                top_k: 50,
-                top_p: 0.9,
-                min_p: 0.0,
-                repetition_penalty: 1.0,
-                seed: 1,
-                ..SamplingParams::GREEDY
-            },
-        ),
+        ("T=1 top-p 0.95 (the model's default)", SamplingParams { temperature: 1.0, top_p: 0.95, seed: 1, ..SamplingParams::GREEDY }),
+        ("T=0.7 top-k 50 top-p 0.9", SamplingParams { temperature: 0.7, top_k: 50, top_p: 0.9, seed: 1, ..SamplingParams::GREEDY }),
         (
             "T=0.7 top-k 40 min-p 0.05 rep 1.1",
-            SamplingParams {
-                temperature: 0.7,
-                top_k: 40,
-                top_p: 1.0,
-                min_p: 0.05,
-                repetition_penalty: 1.1,
-                seed: 1,
-                ..SamplingParams::GREEDY
-            },
+            SamplingParams { temperature: 0.7, top_k: 40, min_p: 0.05, repetition_penalty: 1.1, seed: 1, ..SamplingParams::GREEDY },
         ),
     ];
     // An argument keeps only the cases whose row and name contain it.

@@ -1044,15 +1044,7 @@ mod tests {
         let p = request.or(flags.or(checkpoint)).over(SamplingParams::OPENAI);
         assert_eq!(
             p,
-            SamplingParams {
-                temperature: 0.5,
-                top_k: 5,
-                top_p: 0.8,
-                min_p: 0.0,
-                repetition_penalty: 1.0,
-                seed: 7,
-                ..SamplingParams::GREEDY
-            },
+            SamplingParams { temperature: 0.5, top_k: 5, top_p: 0.8, seed: 7, ..SamplingParams::GREEDY },
             "each field from the highest source that sets it"
         );
         assert!(SamplingOverrides::default().is_empty() && !request.is_empty());
@@ -1086,15 +1078,7 @@ mod tests {
     #[test]
     fn draws_depend_only_on_seed_request_and_step() {
         let logits: Vec<f32> = (0..1000).map(|i| ((i * 7919) % 1000) as f32 / 300.0).collect();
-        let p = SamplingParams {
-            temperature: 0.8,
-            top_k: 50,
-            top_p: 0.9,
-            min_p: 0.0,
-            repetition_penalty: 1.0,
-            seed: 7,
-            ..SamplingParams::GREEDY
-        };
+        let p = SamplingParams { temperature: 0.8, top_k: 50, top_p: 0.9, seed: 7, ..SamplingParams::GREEDY };
         let none = seen_bitmap([], 1000);
         let a: Vec<u32> = (0..20).map(|s| sample(&logits, &none, &p, 3, s)).collect();
         let b: Vec<u32> = (0..20).map(|s| sample(&logits, &none, &p, 3, s)).collect();
@@ -1135,15 +1119,7 @@ mod tests {
         // top-k 24 and top-p 0.9. Philox makes the draws fixed, so this
         // cannot flake; a wrong filter or a biased draw fails it.
         let logits: Vec<f32> = (0..64u32).map(|i| ((i * 37) % 64) as f32 / 12.0).collect();
-        let p = SamplingParams {
-            temperature: 0.7,
-            top_k: 24,
-            top_p: 0.9,
-            min_p: 0.0,
-            repetition_penalty: 1.0,
-            seed: 2026,
-            ..SamplingParams::GREEDY
-        };
+        let p = SamplingParams { temperature: 0.7, top_k: 24, top_p: 0.9, seed: 2026, ..SamplingParams::GREEDY };
         let want = expected(&logits, 0.7, 24, 0.9);
         let n = 100_000u64;
         let mut counts = vec![0u64; logits.len()];
@@ -1264,33 +1240,9 @@ mod tests {
         let logits: Vec<f32> = (0..vocab as u64).map(|i| (draw_bits(5, i, 0) % 3001) as f32 / 1000.0).collect();
         let seen = seen_bitmap((0..300u32).map(|i| i * 131), vocab);
         for (case, p) in [
-            SamplingParams {
-                temperature: 1.0,
-                top_k: 0,
-                top_p: 0.95,
-                min_p: 0.0,
-                repetition_penalty: 1.0,
-                seed: 1,
-                ..SamplingParams::GREEDY
-            },
-            SamplingParams {
-                temperature: 0.7,
-                top_k: 0,
-                top_p: 0.5,
-                min_p: 0.1,
-                repetition_penalty: 1.3,
-                seed: 2,
-                ..SamplingParams::GREEDY
-            },
-            SamplingParams {
-                temperature: 2.0,
-                top_k: 20_000,
-                top_p: 1.0,
-                min_p: 0.0,
-                repetition_penalty: 1.0,
-                seed: 3,
-                ..SamplingParams::GREEDY
-            },
+            SamplingParams { temperature: 1.0, top_p: 0.95, seed: 1, ..SamplingParams::GREEDY },
+            SamplingParams { temperature: 0.7, top_p: 0.5, min_p: 0.1, repetition_penalty: 1.3, seed: 2, ..SamplingParams::GREEDY },
+            SamplingParams { temperature: 2.0, top_k: 20_000, seed: 3, ..SamplingParams::GREEDY },
         ]
         .iter()
         .enumerate()
@@ -1304,15 +1256,7 @@ mod tests {
 
     #[test]
     fn top_k_breaks_ties_towards_the_lower_id() {
-        let p = SamplingParams {
-            temperature: 1.0,
-            top_k: 1,
-            top_p: 1.0,
-            min_p: 0.0,
-            repetition_penalty: 1.0,
-            seed: 0,
-            ..SamplingParams::GREEDY
-        };
+        let p = SamplingParams { temperature: 1.0, top_k: 1, seed: 0, ..SamplingParams::GREEDY };
         let none = seen_bitmap([], 6);
         for step in 0..50 {
             assert_eq!(sample(&[1.0, 2.0, 3.0, 0.5, 3.0, 3.0], &none, &p, 0, step), 2);
@@ -1331,15 +1275,7 @@ mod tests {
     fn replaying_draws_finds_exactly_the_changed_token() {
         let vocab = 300;
         let rows: Vec<f32> = (0..vocab * 6).map(|i| ((i * 7919) % 997) as f32 / 150.0).collect();
-        let p = SamplingParams {
-            temperature: 0.9,
-            top_k: 50,
-            top_p: 0.95,
-            min_p: 0.0,
-            repetition_penalty: 1.2,
-            seed: 4,
-            ..SamplingParams::GREEDY
-        };
+        let p = SamplingParams { temperature: 0.9, top_k: 50, top_p: 0.95, repetition_penalty: 1.2, seed: 4, ..SamplingParams::GREEDY };
         let prompt = [1u32, 2, 3];
         let mut gen = Vec::new();
         let mut ctx = prompt.to_vec();
