@@ -437,8 +437,10 @@ fn sigterm_lets_running_requests_finish_then_exits_0() {
     let dir = tempfile::tempdir().unwrap();
     // A private copy: its stages are found by their path below.
     let (out, model) = (crate::shared::copy("tiny-m3", 2, dir.path()), fixture("tiny-m3"));
-    // Within the grace period the stream ends normally.
-    let mut s = Server::start(&out, &model, &[]);
+    // Within the grace period the stream ends normally (a grace the
+    // 3000-token stream fits even on a loaded machine: the default 30 s
+    // did not, once, with four tests running beside it).
+    let mut s = Server::start(&out, &model, &["--grace-s", "300"]);
     let (mut c, mut lines) = s.client_spawn(&["stream"]);
     let mut line = String::new();
     lines.read_line(&mut line).unwrap();
