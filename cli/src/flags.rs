@@ -187,11 +187,14 @@ pub(crate) struct LaunchFlags {
     /// An extra mpirun option (repeatable; after those of $M3C_MPIRUN_ARGS), e.g. `--mpirun-arg=--mca --mpirun-arg=btl_tcp_if_include --mpirun-arg=eth0`.
     #[arg(long, value_name = "ARG", allow_hyphen_values = true)]
     pub(crate) mpirun_arg: Vec<String>,
+    /// The network interface (eth0, ib0) or subnet (10.0.0.0/24) the stages talk over: Open MPI's TCP and NCCL's sockets.
+    #[arg(long, value_name = "NAME")]
+    pub(crate) iface: Option<String>,
 }
 
 impl LaunchFlags {
     pub(crate) fn launch(&self) -> anyhow::Result<m3c_front::launch::Launch> {
-        m3c_front::launch::Launch::new(self.hostfile.clone(), &self.mpirun_arg)
+        m3c_front::launch::Launch::new(self.hostfile.clone(), &self.mpirun_arg, self.iface.clone())
     }
 }
 

@@ -3,26 +3,25 @@
 
 use crate::flags::RunArgs;
 use anyhow::{bail, Context, Result};
+use m3c_contract::images::SeqImages;
 use m3c_contract::stage_args::StageArgs;
+use std::collections::BTreeMap;
 use std::path::PathBuf;
-
-/// The images file's name in its private folder.
-const IMAGES_FILE: &str = "images.safetensors";
 
 /// Images (`--image`, or a `--prompts` JSONL chat's image parts):
 /// processed, each one's placeholder run put into the prompt it goes with
 /// (a chat's are expanded here; a --prompt-ids prompt must hold them
-/// already), each prompt checked against the context, and the images file
-/// written into a private folder that lives as long as the returned handle.
+/// already), each prompt checked against the context; each prompt's images
+/// by its place among the run's prompts (the `--prompt-ids` first).
 fn image_prompt(
     args: &RunArgs,
     text_in: Option<&mut m3c_front::text::front::Encoded>,
     manifest: &m3c_contract::manifest::Manifest,
-) -> Result<Option<tempfile::TempDir>> {
+) -> Result<BTreeMap<usize, SeqImages>> {
     use m3c_front::vision::prompt::{self, ImageTokens, PromptImageError};
     let from_lines = text_in.as_ref().is_some_and(|t| t.images.iter().any(|i| !i.is_empty()));
     if args.image.is_empty() && !from_lines {
-        return Ok(None);
+        return Ok(BTreeMap::new());
     }
     if !manifest.encodes_images() {
         bail!(
@@ -31,7 +30,9 @@ fn image_prompt(
         );
     }
     let image_token = manifest.image_token.ok_or(PromptImageError::NoVision)?;
-    // Which prompt gets which image files.
+    // Which prompt gets which image files (by its place among the text
+    // prompts; the `--prompt-ids` go before them).
+    let offset = if args.image.is_empty() { args.prompt_ids.len() } else { 0 };
     let per_seq: Vec<(usize, Vec<PathBuf>)> = if args.image.is_empty() {
         text_in.as_ref().map_or(Vec::new(), |t| t.images.iter().cloned().enumerate().filter(|(_, f)| !f.is_empty()).collect())
     } else {
@@ -45,7 +46,7 @@ fn image_prompt(
     };
     let ctx = manifest.max_positions;
     let mut text_in = text_in;
-    let mut seqs = std::collections::BTreeMap::new();
+    let mut seqs = BTreeMap::new();
     for (seq, files) in per_seq {
         let processed = prompt::load(&files)?;
         let tokens: Vec<usize> = processed.iter().map(|p| p.tokens()).collect();
@@ -71,11 +72,40 @@ fn image_prompt(
                 args.max_new_tokens
             );
         }
-        seqs.insert(seq, prompt::seq_images(&processed));
+        seqs.insert(offset + seq, prompt::seq_images(&processed));
     }
-    let dir = tempfile::Builder::new().prefix("m3c-images-").tempdir().context("a folder for the images file")?;
-    prompt::write_images_file(&dir.path().join(IMAGES_FILE), &seqs).context("writing the images file")?;
-    Ok(Some(dir))
+    Ok(seqs)
+}
+
+/// The run's prompts as the first stage reads them on its standard input
+/// (`--stdin-prompts`): one framed `add` per prompt, with its images (an
+/// images file of its own, as sequence 0). The rest of each request comes
+/// from the stage arguments.
+fn stdin_frames(prompts: Vec<Vec<i64>>, images: &BTreeMap<usize, SeqImages>, max_new: usize) -> Vec<Vec<u8>> {
+    use m3c_contract::protocol::{Command, SeqRequest};
+    prompts
+        .into_iter()
+        .enumerate()
+        .map(|(seq, prompt)| {
+            let images = images.get(&seq).map(|im| m3c_contract::images::encode(&BTreeMap::from([(0usize, im.clone())])).into());
+            Command::Add(SeqRequest {
+                seq,
+                max_new,
+                ignore_eos: false,
+                sampling: m3c_contract::sampling::SamplingParams::GREEDY,
+                prompt,
+                images,
+                stops: Vec::new(),
+                stop_ids: Vec::new(),
+                logprobs: None,
+                grammar: None,
+                min_tokens: 0,
+                logit_bias: Vec::new(),
+                prompt_logprobs: None,
+            })
+            .to_bytes()
+        })
+        .collect()
 }
 
 /// The run's grammar (`--json-schema`, `--regex`, `--choice`, `--grammar`),
@@ -117,13 +147,22 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
     }
     // Text prompts become ids here; the stages only see ids.
     // A --prompts file of JSON lines is text too; one of ids goes to the stages as it is.
-    let jsonl = match &args.prompts {
+    // A --prompts file: chats and texts (JSONL), or ids, one prompt a line.
+    let (jsonl, ids_file) = match &args.prompts {
         Some(f) => {
             let text = m3c_contract::read_user_file(f, "--prompts", m3c_contract::input::limits::PROMPTS)?;
-            m3c_front::text::front::is_jsonl(&text).then(|| (f.clone(), text))
+            if m3c_front::text::front::is_jsonl(&text) {
+                (Some((f.clone(), text)), Vec::new())
+            } else {
+                let ids = m3c_contract::prompts::parse_prompts_file(&text, &f.display().to_string()).map_err(|e| anyhow::anyhow!(e))?;
+                (None, ids)
+            }
         }
-        None => None,
+        None => (None, Vec::new()),
     };
+    if !ids_file.is_empty() && !args.prompt_ids.is_empty() {
+        bail!("give --prompt-ids or a --prompts file of ids, not both");
+    }
     let text_in = if args.prompt.is_empty() && args.chat.is_empty() && jsonl.is_none() {
         None
     } else {
@@ -154,16 +193,11 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
     // Images: processed here, expanded into (or checked against) the one
     // prompt they belong to, and handed to the stage that encodes them.
     let mut text_in = text_in;
-    let images_dir = image_prompt(&args, text_in.as_mut(), &compiled.manifest)?;
+    let images = image_prompt(&args, text_in.as_mut(), &compiled.manifest)?;
     let choices = usize::from(args.choices);
-    if choices > 1 {
-        if images_dir.is_some() {
-            bail!("-n {choices}: image prompts take one choice (leave out -n, or run each seed on its own)");
-        }
-        if args.prompts.is_some() && jsonl.is_none() {
-            bail!("-n {choices}: a --prompts file of ids goes to the stages as it is; give the ids with --prompt-ids");
-        }
-    }
+    // Choice C of prompt P is sequence P·n + C, with P's images.
+    let images: BTreeMap<usize, SeqImages> =
+        images.into_iter().flat_map(|(seq, im)| (0..choices).map(move |c| (seq * choices + c, im.clone()))).collect();
     if let Some(t) = text_in.as_mut() {
         t.repeat_each(choices);
     }
@@ -201,20 +235,34 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
         if eos.is_empty() { "no EOS stop".to_string() } else { format!("stops on EOS id(s) {eos:?}") },
         if defaults.sources.is_empty() { String::new() } else { format!(" (defaults from {})", defaults.sources.join(", ")) }
     );
-    // The stage command line: every stage gets the same arguments.
-    let mut stage = StageArgs::new(args.model.clone());
-    stage.prompts = args
+    // The prompts: the ids (flags, then a file's), then the texts and chats.
+    let mut prompts: Vec<Vec<i64>> = args
         .prompt_ids
         .iter()
         .map(|p| m3c_contract::prompts::parse_ids(p, "--prompt-ids").map_err(|e| anyhow::anyhow!(e)))
         .collect::<Result<Vec<_>>>()?
         .into_iter()
+        .chain(ids_file)
         .flat_map(|p| std::iter::repeat_n(p, choices))
         .collect();
-    stage.prompts.extend(text_in.iter().flat_map(|t| &t.ids).map(|p| p.iter().map(|&i| i64::from(i)).collect::<Vec<_>>()));
-    // A prompts file of ids goes to the stages as it is.
-    stage.prompts_file = args.prompts.clone().filter(|_| jsonl.is_none());
-    stage.images = images_dir.as_ref().map(|d| d.path().join(IMAGES_FILE));
+    prompts.extend(text_in.iter().flat_map(|t| &t.ids).map(|p| p.iter().map(|&i| i64::from(i)).collect::<Vec<_>>()));
+    if prompts.is_empty() {
+        bail!("no prompt: give --prompt-ids, --prompt, --chat or --prompts");
+    }
+    // One more position than the tokens: the cache holds the last id too.
+    let ctx = compiled.manifest.max_positions;
+    if let Some((i, p)) = prompts.iter().enumerate().find(|(_, p)| p.len().checked_add(args.max_new_tokens).is_none_or(|n| n >= ctx)) {
+        bail!(
+            "prompt {i}: {} tokens + --max-new-tokens {} exceed the model's {ctx} positions (max_position_embeddings)",
+            p.len(),
+            args.max_new_tokens
+        );
+    }
+    // The stage command line: every stage gets the same arguments. The
+    // prompts and images go to the first stage on its standard input, so
+    // that no stage reads a file of this machine's.
+    let mut stage = StageArgs::new(args.model.clone());
+    stage.stdin_prompts = Some(prompts.len());
     stage.max_new_tokens = args.max_new_tokens;
     stage.dump = args.dump.clone();
     stage.expect = args.expect.clone();
@@ -233,7 +281,7 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
     // A JSONL line's own sampling fields, over the run's; choice C of a
     // prompt draws from its seed + C (OpenAI's `n`, as `m3c serve` does).
     let lines = text_in.as_ref().map_or(&[][..], |t| &t.overrides[..]);
-    for seq in 0..stage.prompts.len() {
+    for seq in 0..prompts.len() {
         let o = lines.get(seq).copied().unwrap_or_default();
         if o.is_empty() && choices == 1 {
             continue;
@@ -243,13 +291,27 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
         p.seed = p.seed.wrapping_add((seq % choices) as u64);
         stage.seq_sampling.push((seq, p));
     }
-    let pass = stage.to_args();
-    let mut cmd = compiled.mpirun(&pass, &args.launch.launch()?)?;
+    let frames = stdin_frames(prompts, &images, args.max_new_tokens);
+    let mut cmd = compiled.mpirun(&stage, &args.launch.launch()?)?;
+    cmd.stdin(std::process::Stdio::piped());
     if text_in.is_some() {
         cmd.stdout(std::process::Stdio::piped());
     }
     cmd.stderr(std::process::Stdio::piped());
     let mut child = cmd.spawn().map_err(m3c_front::launch::spawn_error)?;
+    // mpirun passes its input to the first stage, wherever that runs; a
+    // writer of its own, since the stage reads it only once it is up. A
+    // job that ends first closes the pipe, which ends the writer.
+    if let Some(mut input) = child.stdin.take() {
+        std::thread::spawn(move || {
+            use std::io::Write;
+            for f in frames {
+                if input.write_all(&f).is_err() {
+                    break;
+                }
+            }
+        });
+    }
     // A stage that failed gives mpirun its --timeout-s to end the job.
     let grace = std::time::Duration::from_secs_f64(args.timeout_s + 2.0);
     let reaper = m3c_front::launch::reap_after_error(&mut child, grace);

@@ -18,6 +18,12 @@ pub struct StageArgs {
     pub prompts: Vec<Vec<i64>>,
     /// A prompts file of ids, one prompt a line (`--prompts`).
     pub prompts_file: Option<PathBuf>,
+    /// This many prompts arrive on the first stage's standard input as
+    /// framed `add` commands (`crate::protocol::read_command`), each with
+    /// its images: how `m3c run` sends them, so that no stage reads a file
+    /// of the front's (it may run on another host) and no prompt is bound
+    /// by the length of a command line. Every stage knows the count.
+    pub stdin_prompts: Option<usize>,
     pub max_new_tokens: usize,
     pub dump: Option<PathBuf>,
     /// Seconds a rank waits for a message before it gives up.
@@ -65,6 +71,7 @@ impl StageArgs {
             expect: None,
             prompts: Vec::new(),
             prompts_file: None,
+            stdin_prompts: None,
             max_new_tokens: 0,
             dump: None,
             timeout_s: DEFAULT_TIMEOUT_S,
@@ -99,6 +106,9 @@ impl StageArgs {
         match &self.prompts_file {
             Some(f) => flag("--prompts", path(f)),
             None => self.prompts.iter().for_each(|p| flag("--prompt-ids", ids(p))),
+        }
+        if let Some(n) = self.stdin_prompts {
+            flag("--stdin-prompts", n.to_string());
         }
         if !self.serve {
             flag("--max-new-tokens", self.max_new_tokens.to_string());
@@ -155,7 +165,7 @@ impl StageArgs {
 /// Seconds without a heartbeat before a peer counts as lost.
 pub const DEFAULT_TIMEOUT_S: f64 = 30.0;
 
-pub const USAGE: &str = "usage: stage-K (--model DIR | --synthetic-weights SEED) ((--prompt-ids 1,2,3 [--prompt-ids ...] | --prompts FILE) \
+pub const USAGE: &str = "usage: stage-K (--model DIR | --synthetic-weights SEED) ((--prompt-ids 1,2,3 [--prompt-ids ...] | --prompts FILE | --stdin-prompts N) \
 --max-new-tokens N | --serve) [--micro-batch SEQS] [--prefill-chunk TOKENS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S] [--cuda-graphs on|off] [--prefill-gemm cublas|off] [--stream-ids] \
 [--temperature T] [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S] [--eos-ids 1,2] [--stop HEX ...] [--seq-sampling SEQ:temperature=T,... ...] [--images FILE.safetensors]";
 
@@ -177,6 +187,11 @@ fn parse_hex(v: &str) -> Result<Vec<u8>, String> {
 }
 
 impl StageArgs {
+    /// How many prompts the run has, wherever they come from.
+    pub fn prompt_count(&self) -> usize {
+        self.stdin_prompts.unwrap_or(self.prompts.len())
+    }
+
     /// Parses a stage's command line; the error names the flag. A prompts
     /// file is read here (a bounded user file).
     pub fn parse(args: &[String]) -> Result<StageArgs, String> {
@@ -188,6 +203,7 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
     let mut model = None;
     let mut prompts = Vec::new();
     let mut prompts_file = None;
+    let mut stdin_prompts = None;
     let mut max_new = None;
     let mut dump = None;
     let mut expect = None;
@@ -212,6 +228,7 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
             "--model" => model = Some(PathBuf::from(value("--model")?)),
             "--prompt-ids" => prompts.push(parse_ids(&value("--prompt-ids")?, "--prompt-ids")?),
             "--prompts" => prompts_file = Some(PathBuf::from(value("--prompts")?)),
+            "--stdin-prompts" => stdin_prompts = Some(parse_count(&value("--stdin-prompts")?, "--stdin-prompts", true)?),
             "--max-new-tokens" => max_new = Some(parse_count(&value("--max-new-tokens")?, "--max-new-tokens", false)?),
             "--dump" => dump = Some(PathBuf::from(value("--dump")?)),
             "--expect" => expect = Some(PathBuf::from(value("--expect")?)),
@@ -278,7 +295,10 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
     if serve && (!prompts.is_empty() || max_new.is_some() || dump.is_some() || expect.is_some()) {
         return Err("--serve takes its prompts from the first stage's standard input: no --prompt-ids, --prompts, --max-new-tokens, --dump or --expect".into());
     }
-    if prompts.is_empty() && !serve {
+    if stdin_prompts.is_some() && (!prompts.is_empty() || serve || images.is_some()) {
+        return Err("--stdin-prompts takes the prompts and their images from the first stage's standard input: no --prompt-ids, --prompts, --images or --serve".into());
+    }
+    if prompts.is_empty() && !serve && stdin_prompts.is_none() {
         return Err(format!("no prompt: give --prompt-ids or --prompts; {USAGE}"));
     }
     if model.is_none() && synthetic_seed.is_none() {
@@ -293,6 +313,7 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
         expect,
         prompts,
         prompts_file,
+        stdin_prompts,
         max_new_tokens: if serve { 0 } else { max_new.ok_or_else(|| format!("--max-new-tokens is required; {USAGE}"))? },
         dump,
         timeout_s,
@@ -352,6 +373,11 @@ mod tests {
         s.serve = true;
         s.micro_batch = Some(32);
         assert_eq!(StageArgs::parse(&s.to_args()), Ok(s));
+        let mut r = StageArgs::new(PathBuf::from("m"));
+        r.stdin_prompts = Some(3);
+        r.max_new_tokens = 4;
+        assert_eq!(StageArgs::parse(&r.to_args()), Ok(r.clone()));
+        assert_eq!(r.prompt_count(), 3);
     }
 
     #[test]
@@ -363,6 +389,8 @@ mod tests {
             (&["--model", "m", "--prompt-ids", "1", "--max-new-tokens", "2", "--seq-sampling", "x"], "--seq-sampling"),
             (&["--model", "m", "--prompt-ids", "1"], "--max-new-tokens"),
             (&["--model", "m", "--serve", "--max-new-tokens", "2"], "--serve"),
+            (&["--model", "m", "--stdin-prompts", "2", "--prompt-ids", "1", "--max-new-tokens", "2"], "--stdin-prompts"),
+            (&["--model", "m", "--stdin-prompts", "0", "--max-new-tokens", "2"], "--stdin-prompts"),
         ] {
             let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
             let e = StageArgs::parse(&args).unwrap_err();

@@ -5,6 +5,7 @@
 
 use anyhow::{bail, Context, Result};
 use m3c_contract::manifest::{sha256_hex, Manifest};
+use m3c_contract::stage_args::StageArgs;
 use std::path::{Path, PathBuf};
 
 /// How mpirun places and connects the ranks beyond the plan's hosts: a
@@ -15,19 +16,27 @@ use std::path::{Path, PathBuf};
 pub struct Launch {
     pub hostfile: Option<PathBuf>,
     pub mpirun_args: Vec<String>,
+    /// The network interface (or subnet, `10.0.0.0/24`) the stages talk
+    /// over: Open MPI's TCP traffic and NCCL's sockets.
+    pub iface: Option<String>,
 }
 
 impl Launch {
     /// The launch of `--hostfile` and `--mpirun-arg`s, with
     /// `M3C_MPIRUN_ARGS` first; a hostfile that cannot be read is an error
     /// naming it.
-    pub fn new(hostfile: Option<PathBuf>, mpirun_args: &[String]) -> Result<Launch> {
+    pub fn new(hostfile: Option<PathBuf>, mpirun_args: &[String], iface: Option<String>) -> Result<Launch> {
         if let Some(f) = &hostfile {
             std::fs::File::open(f).with_context(|| format!("--hostfile {}: cannot be read", f.display()))?;
         }
         let env = std::env::var("M3C_MPIRUN_ARGS").unwrap_or_default();
         let mpirun_args = env.split_ascii_whitespace().map(str::to_string).chain(mpirun_args.iter().cloned()).collect();
-        Ok(Launch { hostfile, mpirun_args })
+        if let Some(i) = &iface {
+            if i.is_empty() || !i.chars().all(|c| c.is_ascii_alphanumeric() || ".-_:/@".contains(c)) {
+                bail!("--iface `{i}`: expected a network interface name (eth0) or a subnet (10.0.0.0/24)");
+            }
+        }
+        Ok(Launch { hostfile, mpirun_args, iface })
     }
 }
 
@@ -79,15 +88,135 @@ impl Compiled {
         self.manifest.cache_bytes_per_position()
     }
 
-    /// `mpirun` over the stages, each given `args`; mpirun dies with this
-    /// process (even by SIGKILL) and takes its ranks with it.
-    pub fn mpirun(&self, args: &[String], launch: &Launch) -> Result<std::process::Command> {
+    /// `mpirun` over the stages, each given `stage`'s arguments; mpirun
+    /// dies with this process (even by SIGKILL) and takes its ranks with
+    /// it. A job that spans hosts has them checked first
+    /// ([`Compiled::preflight`], within the stages' `--timeout-s`).
+    pub fn mpirun(&self, stage: &StageArgs, launch: &Launch) -> Result<std::process::Command> {
+        if let (true, Some(model)) = (self.spans_hosts(launch), &stage.model) {
+            self.preflight(model, launch, std::time::Duration::from_secs_f64(stage.timeout_s))?;
+        }
+        let args = stage.to_args();
+        Ok(self.mpirun_each(launch, |k, cmd| {
+            cmd.arg(self.out.join(format!("stage-{k}"))).args(&args);
+        }))
+    }
+
+    /// Whether the job may leave this machine: a stage names a host, or
+    /// the launch places ranks (a hostfile, or mpirun's own host options).
+    pub fn spans_hosts(&self, launch: &Launch) -> bool {
+        self.manifest.stages.iter().any(|s| s.host.is_some())
+            || launch.hostfile.is_some()
+            || launch
+                .mpirun_args
+                .iter()
+                .any(|a| ["--host", "-H", "--hostfile", "--machinefile", "--default-hostfile"].contains(&a.as_str()))
+    }
+
+    /// Checks every stage's host before the job starts, through mpirun with
+    /// the job's own placement: that it answers within `deadline`, that
+    /// it has this OUT's executable (the same bytes: an OUT compiled
+    /// elsewhere is refused) and the model folder's `config.json`. A job
+    /// that would fail at start-up on a host fails here instead, naming
+    /// the host and the path, and a host that never answers cannot hang
+    /// the launch.
+    pub fn preflight(&self, model: &Path, launch: &Launch, deadline: std::time::Duration) -> Result<()> {
+        use std::io::Read;
+        let mut cmd = self.mpirun_each(launch, |k, cmd| {
+            cmd.args(["/bin/sh", "-c", PREFLIGHT, "m3c-preflight", &k.to_string()])
+                .arg(self.out.join(format!("stage-{k}")))
+                .arg(model)
+                .arg(&self.manifest.stages[k].sha256);
+        });
+        // A group of its own, so that a launch stuck on a host ends whole:
+        // mpirun and the agents it started (ssh, or whatever reaches the host).
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        cmd.stdin(std::process::Stdio::null()).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+        let mut child = cmd.spawn().map_err(spawn_error)?;
+        let mut pipes = [child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>), child.stderr.take().map(|p| Box::new(p) as _)];
+        let readers = pipes.each_mut().map(|p| {
+            let p = p.take();
+            std::thread::spawn(move || {
+                let mut text = String::new();
+                if let Some(mut p) = p {
+                    let _ = p.read_to_string(&mut text);
+                }
+                text
+            })
+        });
+        let t0 = std::time::Instant::now();
+        let status = loop {
+            if let Some(s) = child.try_wait().context("waiting for mpirun's pre-flight check")? {
+                break Some(s);
+            }
+            if t0.elapsed() > deadline {
+                // SAFETY: kill has no memory-safety preconditions; the group
+                // is the child's own (process_group(0)), not yet reaped.
+                unsafe { libc::kill(-(child.id() as libc::pid_t), libc::SIGKILL) };
+                let _ = child.wait();
+                break None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        };
+        let [out, err] = readers.map(|r| r.join().unwrap_or_default());
+        let mut heard: Vec<Option<(String, String)>> = vec![None; self.stages];
+        for line in out.lines() {
+            let w: Vec<&str> = line.split_whitespace().collect();
+            if let ["m3c-preflight", k, host, verdict] = w[..] {
+                if let Some(slot) = k.parse::<usize>().ok().and_then(|k| heard.get_mut(k)) {
+                    *slot = Some((host.to_string(), verdict.to_string()));
+                }
+            }
+        }
+        let mut problems = Vec::new();
+        for (k, h) in heard.iter().enumerate() {
+            let exe = self.out.join(format!("stage-{k}"));
+            let placed = self.manifest.stages[k].host.as_deref().map_or("placed by mpirun".to_string(), |h| format!("plan host `{h}`"));
+            match h {
+                Some((_, v)) if v == "ok" => {}
+                Some((host, v)) if v == "no-exe" => {
+                    problems.push(format!("stage {k} on host {host}: {} is missing there (copy {} to the same path on every host)", exe.display(), self.out.display()))
+                }
+                Some((host, v)) if v == "other-exe" => problems.push(format!(
+                    "stage {k} on host {host}: {} there is not the executable this manifest lists (an older or another compile); copy {} to every host again",
+                    exe.display(),
+                    self.out.display()
+                )),
+                Some((host, _)) => problems.push(format!(
+                    "stage {k} on host {host}: the model folder {} (its config.json) is missing there; each host needs the checkpoint at the same path",
+                    model.display()
+                )),
+                None if status.is_none() => problems.push(format!(
+                    "stage {k} ({placed}): its host did not answer within {:.0} s; check that mpirun reaches it (ssh, a firewall, the network interface: --iface)",
+                    deadline.as_secs_f64()
+                )),
+                None => problems.push(format!("stage {k} ({placed}): mpirun could not start it")),
+            }
+        }
+        if problems.is_empty() {
+            return Ok(());
+        }
+        let tail: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).take(12).collect();
+        let mpirun_said = if tail.is_empty() || status.is_none() { String::new() } else { format!("\nmpirun said:\n{}", tail.join("\n")) };
+        bail!("the hosts are not ready for this job:\n  {}{mpirun_said}", problems.join("\n  "))
+    }
+
+    /// `mpirun` with the launch's placement and options, one app context
+    /// per stage that `program` fills in (the program and its arguments).
+    fn mpirun_each(&self, launch: &Launch, program: impl Fn(usize, &mut std::process::Command)) -> std::process::Command {
         let mut cmd = std::process::Command::new("mpirun");
         // No core binding: each rank runs its kernels on several threads (the
         // runtime shares the node's cores among its ranks).
         cmd.args(["--oversubscribe", "--bind-to", "none"]);
         if let Some(f) = &launch.hostfile {
             cmd.arg("--hostfile").arg(f);
+        }
+        if let Some(i) = &launch.iface {
+            cmd.args(["--mca", "btl_tcp_if_include", i, "--mca", "oob_tcp_if_include", i]);
+            // NCCL takes interface names, not subnets.
+            if !i.contains('/') {
+                cmd.args(["-x", &format!("NCCL_SOCKET_IFNAME={i}")]);
+            }
         }
         cmd.args(&launch.mpirun_args);
         if is_root() {
@@ -115,7 +244,7 @@ impl Compiled {
             if let Some(host) = &entry.host {
                 cmd.args(["--host", host]);
             }
-            cmd.arg(self.out.join(format!("stage-{k}"))).args(args);
+            program(k, &mut cmd);
         }
         {
             use std::os::unix::process::CommandExt;
@@ -129,9 +258,19 @@ impl Compiled {
                 })
             };
         }
-        Ok(cmd)
+        cmd
     }
 }
+
+/// Each pre-flight rank's check (`sh -c PREFLIGHT m3c-preflight K EXE
+/// MODEL SHA256`): one line, `m3c-preflight K HOST ok|no-exe|no-model|other-exe`,
+/// and exit 0 whatever it found, so that mpirun runs every rank.
+const PREFLIGHT: &str = r#"k=$1; exe=$2; model=$3; sum=$4; h=$(hostname)
+if [ ! -x "$exe" ]; then v=no-exe
+elif [ ! -r "$model/config.json" ]; then v=no-model
+elif command -v sha256sum >/dev/null 2>&1 && [ "$(sha256sum < "$exe" | cut -d ' ' -f 1)" != "$sum" ]; then v=other-exe
+else v=ok; fi
+echo "m3c-preflight $k $h $v""#;
 
 /// Forwards a job's standard error (piped) to ours, line by line, and ends
 /// mpirun (SIGKILL) when it has not ended `grace` after a stage reported a

@@ -203,8 +203,8 @@ fn stage_main(
     }
     .and_then(|w| {
         if let (true, Some(file)) = (meta.last_stage, &args.dump) {
-            for i in 0..args.prompts.len() {
-                dump::check_target(&dump::dump_path(file, i, args.prompts.len()))?;
+            for i in 0..args.prompt_count() {
+                dump::check_target(&dump::dump_path(file, i, args.prompt_count()))?;
             }
         }
         Ok(w)

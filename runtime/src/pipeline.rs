@@ -65,6 +65,7 @@ struct RunFeed<'a> {
     requests: VecDeque<SeqRequest>,
     images: BTreeMap<usize, SeqImages>,
     generated: Vec<Vec<i64>>,
+    prompt_tokens: usize,
     /// Each prompt's tokens' logprobs (`--logprobs`).
     logprobs: Vec<Vec<(u32, m3c_contract::protocol::TokenLogprobs)>>,
     start: Instant,
@@ -74,29 +75,19 @@ struct RunFeed<'a> {
 
 impl<'a> RunFeed<'a> {
     fn new(st: &Stage, args: &'a RunArgs) -> Result<RunFeed<'a>, StageError> {
-        let images = match (&args.images, &st.meta.vision) {
-            (None, _) => BTreeMap::new(),
-            (Some(f), None) => {
-                return Err(StageError::Args(format!(
-                    "--images {}: this pipeline was compiled without the vision tower (the plan says `vision: false`)",
-                    f.display()
-                )))
-            }
-            (Some(f), Some(v)) => read_images(f, v.patch_row)?,
+        let (prompts, images) = match args.stdin_prompts {
+            Some(n) => stdin_prompts(n, st.meta.vision.as_ref().map(|v| v.patch_row), args.timeout_s)?,
+            None => (args.prompts.clone(), inline_images(st, args)?),
         };
-        if let Some(s) = images.keys().find(|&&s| s >= args.prompts.len()) {
-            return Err(StageError::Args(format!("--images has images for sequence {s}, but there are {} prompts", args.prompts.len())));
-        }
-        let requests = args
-            .prompts
-            .iter()
+        let requests = prompts
+            .into_iter()
             .enumerate()
-            .map(|(seq, p)| SeqRequest {
+            .map(|(seq, prompt)| SeqRequest {
                 seq,
                 max_new: args.max_new_tokens,
                 ignore_eos: false,
                 sampling: *args.sampling_for(seq),
-                prompt: p.clone(),
+                prompt,
                 images: None,
                 stops: args.stops.clone(),
                 stop_ids: Vec::new(),
@@ -106,10 +97,11 @@ impl<'a> RunFeed<'a> {
                 logit_bias: Vec::new(),
                 prompt_logprobs: None,
             })
-            .collect();
-        let n = args.prompts.len();
+            .collect::<VecDeque<_>>();
+        let n = requests.len();
         Ok(RunFeed {
             args,
+            prompt_tokens: requests.iter().map(|r| r.prompt.len()).sum(),
             requests,
             images,
             generated: vec![Vec::new(); n],
@@ -130,8 +122,8 @@ impl<'a> RunFeed<'a> {
             }
         }
         let prefill_end = self.prefilled.iter().flatten().max().copied().unwrap_or_default();
-        let prompt_tokens: usize = self.args.prompts.iter().map(|p| p.len()).sum();
-        let decode_steps = self.args.prompts.len() * self.args.max_new_tokens;
+        let prompt_tokens = self.prompt_tokens;
+        let decode_steps = self.generated.len() * self.args.max_new_tokens;
         let dt = (total - prefill_end).as_secs_f64();
         say!(
             "m3c timing: prefill {prompt_tokens} tokens in {:.1} ms ({:.1} tok/s); decode {decode_steps} steps in {:.1} ms ({:.1} tok/s); up to {per_batch} sequence(s) per micro-batch",
@@ -199,6 +191,55 @@ fn print_line(line: &str) {
     let _ = out.write_all(line.as_bytes()).and_then(|_| out.flush());
 }
 
+/// Each prompt's images, by its sequence.
+type ImagesBySeq = BTreeMap<usize, SeqImages>;
+
+/// The images of a run's `--images` file (prompts on the command line).
+fn inline_images(st: &Stage, args: &RunArgs) -> Result<BTreeMap<usize, SeqImages>, StageError> {
+    let images = match (&args.images, &st.meta.vision) {
+        (None, _) => BTreeMap::new(),
+        (Some(f), None) => {
+            return Err(StageError::Args(format!(
+                "--images {}: this pipeline was compiled without the vision tower (the plan says `vision: false`)",
+                f.display()
+            )))
+        }
+        (Some(f), Some(v)) => read_images(f, v.patch_row)?,
+    };
+    if let Some(s) = images.keys().find(|&&s| s >= args.prompts.len()) {
+        return Err(StageError::Args(format!("--images has images for sequence {s}, but there are {} prompts", args.prompts.len())));
+    }
+    Ok(images)
+}
+
+/// The run's prompts and images from standard input: `n` framed `add`
+/// commands, sequence `i` the `i`-th, each waited for at most `timeout_s`
+/// (the front writes them all at once, so a wait that long means it is gone).
+fn stdin_prompts(n: usize, patch_row: Option<usize>, timeout_s: f64) -> Result<(Vec<Vec<i64>>, ImagesBySeq), StageError> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || crate::serve::read_commands(tx));
+    let (mut prompts, mut images) = (Vec::with_capacity(n), BTreeMap::new());
+    let bad = |why: String| StageError::Args(format!("--stdin-prompts: {why}"));
+    for i in 0..n {
+        let got = rx.recv_timeout(Duration::from_secs_f64(timeout_s)).map_err(|e| {
+            bad(match e {
+                std::sync::mpsc::RecvTimeoutError::Timeout => format!("prompt {i} of {n} did not arrive within --timeout-s {timeout_s}"),
+                std::sync::mpsc::RecvTimeoutError::Disconnected => format!("standard input ended after {i} of {n} prompts"),
+            })
+        })?;
+        match got.map_err(|e| bad(format!("prompt {i}: {e}")))? {
+            Command::Add(a) if a.seq == i => {
+                if let Some(im) = crate::serve::request_images(&a, patch_row).map_err(|e| bad(format!("prompt {i}: {e}")))? {
+                    images.insert(i, im);
+                }
+                prompts.push(a.prompt);
+            }
+            other => return Err(bad(format!("expected prompt {i} (`add seq={i} ...`), got `{}`", other.encode()))),
+        }
+    }
+    Ok((prompts, images))
+}
+
 /// An images file (`m3c_contract::images`), every error naming it.
 pub(crate) fn read_images(f: &std::path::Path, patch_row: usize) -> Result<BTreeMap<usize, SeqImages>, StageError> {
     let bytes =
@@ -213,7 +254,7 @@ fn finish_records(last: bool, args: &RunArgs, records: &BTreeMap<usize, dump::Se
     if !last {
         return Ok(());
     }
-    let n = args.prompts.len();
+    let n = args.prompt_count();
     let record = |i: usize| records.get(&i).ok_or_else(|| StageError::Step(format!("runtime bug: prompt {i} left no record")));
     if let Some(file) = &args.dump {
         for i in 0..n {

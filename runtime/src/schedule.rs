@@ -261,11 +261,20 @@ impl Leader {
         if self.live.contains_key(&a.seq) {
             return feed.refuse(Some(a.seq), "the sequence is already live".into());
         }
-        if a.prompt.is_empty() || a.prompt.iter().any(|&i| i < 0 || i as usize >= st.meta.vocab) {
-            return feed.refuse(Some(a.seq), "the prompt is empty or has ids outside the vocabulary".into());
+        if a.prompt.is_empty() {
+            return feed.refuse(Some(a.seq), "the prompt is empty".into());
+        }
+        if let Some(bad) = a.prompt.iter().find(|&&i| i < 0 || i as usize >= st.meta.vocab) {
+            return feed.refuse(Some(a.seq), format!("token id {bad} is outside the vocabulary (0..{})", st.meta.vocab));
         }
         if a.stop_ids.iter().any(|&i| i < 0 || i as usize >= st.meta.vocab) {
             return feed.refuse(Some(a.seq), "a stop id is outside the vocabulary".into());
+        }
+        if a.prompt.len().checked_add(a.max_new).is_none_or(|n| n > st.meta.max_positions) {
+            let (p, m) = (a.prompt.len(), a.max_new);
+            let why =
+                format!("{p} prompt tokens + {m} new exceed the model's {} positions (max_position_embeddings)", st.meta.max_positions);
+            return feed.refuse(Some(a.seq), why);
         }
         if a.prompt.len().checked_add(a.max_new).and_then(|n| n.checked_add(1)).is_none_or(|n| n > MAX_CAPACITY) {
             return feed.refuse(Some(a.seq), format!("the prompt and max_new exceed {MAX_CAPACITY} positions"));

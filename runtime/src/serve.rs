@@ -6,7 +6,8 @@
 //! Commands arrive one per line and events leave one per line, in the
 //! contract's line protocol (`m3c_contract::protocol`: `add`, `cancel`;
 //! `m3c-ready`, `m3c-id`, `m3c-end`, `m3c-stat`, `m3c-bad`). A request's
-//! images file is read and encoded before its first step; a malformed or
+//! images arrive after its `add` line on the same input, and are encoded
+//! before its first step; a malformed or
 //! refused command gets `m3c-bad` and changes nothing. When its input
 //! closes, the first stage lets every open sequence finish, then stops the
 //! pipeline.
@@ -34,6 +35,30 @@ pub(crate) fn say(event: Event) {
     let _ = out.write_all(event.encode().as_bytes()).and_then(|_| out.write_all(b"\n")).and_then(|_| out.flush());
 }
 
+/// The commands on standard input, framed (`m3c_contract::protocol::read_command`),
+/// sent on until the input or the receiver closes.
+pub(crate) fn read_commands(tx: mpsc::Sender<Result<Command, String>>) {
+    let mut input = std::io::stdin().lock();
+    while let Some(cmd) = m3c_contract::protocol::read_command(&mut input, m3c_contract::images::MAX_BYTES) {
+        if tx.send(cmd).is_err() {
+            break;
+        }
+    }
+}
+
+/// A request's images, from the bytes that came with it (an images file's
+/// sequence 0); `patch_row` is `None` where the pipeline has no tower.
+pub(crate) fn request_images(a: &SeqRequest, patch_row: Option<usize>) -> Result<Option<SeqImages>, String> {
+    match (&a.images, patch_row) {
+        (None, _) => Ok(None),
+        (Some(_), None) => Err("this pipeline was compiled without the vision tower".into()),
+        (Some(bytes), Some(row)) => {
+            let mut seqs = m3c_contract::images::decode(bytes, row).map_err(|e| format!("its images: {e}"))?;
+            seqs.remove(&0).map(Some).ok_or_else(|| "its images have no sequence 0".into())
+        }
+    }
+}
+
 /// How the first stage batches while serving.
 pub(crate) fn batching(args: &RunArgs) -> Batching {
     Batching {
@@ -54,19 +79,7 @@ pub(crate) struct ServeFeed {
 impl ServeFeed {
     pub fn new(patch_row: Option<usize>) -> ServeFeed {
         let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            use std::io::BufRead;
-            for line in std::io::stdin().lock().lines() {
-                let Ok(line) = line else { break };
-                if line.trim().is_empty() {
-                    continue;
-                }
-                let cmd = Command::parse(&line).map_err(|e| format!("{}: {e}", line.chars().take(80).collect::<String>()));
-                if tx.send(cmd).is_err() {
-                    break;
-                }
-            }
-        });
+        std::thread::spawn(move || read_commands(tx));
         ServeFeed { rx, patch_row }
     }
 }
@@ -86,16 +99,8 @@ impl Feed for ServeFeed {
         }
     }
 
-    /// The request's images file (its sequence 0).
     fn images(&mut self, a: &SeqRequest) -> Result<Option<SeqImages>, String> {
-        match (&a.images, self.patch_row) {
-            (None, _) => Ok(None),
-            (Some(_), None) => Err("this pipeline was compiled without the vision tower".into()),
-            (Some(f), Some(row)) => {
-                let mut seqs = crate::pipeline::read_images(f, row).map_err(|e| e.to_string())?;
-                seqs.remove(&0).map(Some).ok_or_else(|| "the images file has no sequence 0".into())
-            }
-        }
+        request_images(a, self.patch_row)
     }
 
     fn event(&mut self, e: Event) {

@@ -34,9 +34,10 @@ pub struct Submission {
     pub max_new: usize,
     pub ignore_eos: bool,
     pub sampling: SamplingParams,
-    /// The request's images file (`m3c_contract::images`, sequence 0),
-    /// kept until the request ends.
-    pub images: Option<std::sync::Arc<tempfile::TempPath>>,
+    /// The bytes of the request's images file (`m3c_contract::images`,
+    /// sequence 0), sent to the first stage after the request's line
+    /// (shared by a request's choices).
+    pub images: Option<Arc<[u8]>>,
     /// Stop strings: the first stage ends the sequence on the token that
     /// completes one (the text is cut before it here).
     pub stops: Vec<String>,
@@ -80,8 +81,6 @@ pub struct Limits {
 
 struct Running {
     tx: mpsc::UnboundedSender<Event>,
-    /// The images file, deleted when the request ends.
-    _images: Option<std::sync::Arc<tempfile::TempPath>>,
     bytes: u64,
     arrived: Instant,
     last: Option<Instant>,
@@ -91,8 +90,8 @@ struct Running {
 
 struct Waiting {
     seq: usize,
-    images: Option<std::sync::Arc<tempfile::TempPath>>,
-    line: String,
+    /// The framed `add` command (its line, and its images).
+    frame: Vec<u8>,
     bytes: u64,
     prompt_tokens: usize,
     tx: mpsc::UnboundedSender<Event>,
@@ -110,7 +109,7 @@ struct State {
 }
 
 pub struct Engine {
-    lines: Mutex<Option<mpsc::UnboundedSender<String>>>,
+    lines: Mutex<Option<mpsc::UnboundedSender<Vec<u8>>>>,
     st: Mutex<State>,
     limits: Limits,
     pub metrics: Metrics,
@@ -156,7 +155,7 @@ impl Engine {
         let (Some(mut stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
             anyhow::bail!("mpirun started without its pipes");
         };
-        let (tx, mut rx) = mpsc::unbounded_channel::<String>();
+        let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
         let (down, _) = watch::channel(None);
         let engine = Arc::new(Engine {
             lines: Mutex::new(Some(tx)),
@@ -170,8 +169,8 @@ impl Engine {
         // Writer: commands to the first stage; dropping the sender closes its input.
         let e = engine.clone();
         tokio::spawn(async move {
-            while let Some(line) = rx.recv().await {
-                if stdin.write_all(line.as_bytes()).await.is_err() || stdin.flush().await.is_err() {
+            while let Some(frame) = rx.recv().await {
+                if stdin.write_all(&frame).await.is_err() || stdin.flush().await.is_err() {
                     e.fail("the first stage's input closed (the pipeline stopped)");
                     break;
                 }
@@ -193,9 +192,9 @@ impl Engine {
         self.st.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn send(&self, line: String) {
+    fn send(&self, frame: Vec<u8>) {
         if let Some(tx) = self.lines.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
-            let _ = tx.send(line);
+            let _ = tx.send(frame);
         }
     }
 
@@ -265,7 +264,7 @@ impl Engine {
             ignore_eos: s.ignore_eos,
             sampling: s.sampling,
             prompt: s.prompt.iter().map(|&i| i64::from(i)).collect(),
-            images: s.images.as_ref().map(|p| p.to_path_buf()),
+            images: s.images.clone(),
             stops: s.stops.iter().map(|t| t.as_bytes().to_vec()).collect(),
             stop_ids: s.stop_ids.iter().map(|&i| i64::from(i)).collect(),
             logprobs: s.logprobs,
@@ -274,9 +273,8 @@ impl Engine {
             logit_bias: s.logit_bias.clone(),
             prompt_logprobs: s.prompt_logprobs,
         };
-        let line = format!("{}\n", Command::Add(request).encode());
-        let images = s.images;
-        st.waiting.push_back(Waiting { seq, images, line, bytes, prompt_tokens: s.prompt.len(), tx, arrived: Instant::now() });
+        let frame = Command::Add(request).to_bytes();
+        st.waiting.push_back(Waiting { seq, frame, bytes, prompt_tokens: s.prompt.len(), tx, arrived: Instant::now() });
         self.admit(&mut st);
         drop(st);
         Ok(Ticket { seq, rx, engine: self.clone(), done: false })
@@ -295,9 +293,8 @@ impl Engine {
             let w = st.waiting.pop_front().expect("front exists");
             st.cache_used += w.bytes;
             self.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).prompt_tokens += w.prompt_tokens as u64;
-            self.send(w.line);
-            st.running
-                .insert(w.seq, Running { tx: w.tx, _images: w.images, bytes: w.bytes, arrived: w.arrived, last: None, logprobs: None });
+            self.send(w.frame);
+            st.running.insert(w.seq, Running { tx: w.tx, bytes: w.bytes, arrived: w.arrived, last: None, logprobs: None });
         }
     }
 
@@ -311,7 +308,7 @@ impl Engine {
             }
             self.admit(&mut st);
         } else if st.running.contains_key(&seq) {
-            self.send(format!("{}\n", Command::Cancel(seq).encode()));
+            self.send(Command::Cancel(seq).to_bytes());
         }
     }
 
@@ -353,7 +350,7 @@ impl Engine {
                 .collect()
         };
         for s in seqs {
-            self.send(format!("{}\n", Command::Cancel(s).encode()));
+            self.send(Command::Cancel(s).to_bytes());
         }
     }
 

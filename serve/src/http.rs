@@ -40,8 +40,6 @@ pub struct Shared {
     pub image_token: Option<usize>,
     /// Where images may come from.
     pub media: super::media::MediaPolicy,
-    /// A private folder for the requests' images files.
-    pub media_dir: tempfile::TempDir,
     /// The model's tokens as the grammar compiler sees them (structured
     /// output), or why there are none.
     pub grammars: Result<m3c_constrain::Vocabulary, String>,
@@ -616,16 +614,15 @@ async fn start(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: Opti
             ),
         )));
     }
-    // The images go to the first stage as a file it reads when it takes
-    // the request; the file lives as long as the request.
+    // The images go to the first stage with the request, over its input
+    // (it may run on another host): an images file's bytes.
     let images = match images {
         None => None,
         Some(im) => {
-            let a = app.clone();
-            match tokio::task::spawn_blocking(move || write_images(&a, im)).await {
-                Ok(Ok(p)) => Some(Arc::new(p)),
-                Ok(Err(e)) => return Err(error(&ApiError::new(500, "server_error", format!("writing the request's images: {e}")))),
-                Err(e) => return Err(error(&ApiError::new(500, "server_error", format!("writing the request's images: {e}")))),
+            match tokio::task::spawn_blocking(move || m3c_contract::images::encode(&std::collections::BTreeMap::from([(0usize, im)]))).await
+            {
+                Ok(bytes) => Some(Arc::<[u8]>::from(bytes)),
+                Err(e) => return Err(error(&ApiError::new(500, "server_error", format!("encoding the request's images: {e}")))),
             }
         }
     };
@@ -730,15 +727,6 @@ fn grammar_after(app: &Shared, kind: &Kind) -> Option<u32> {
         Kind::Chat { closed_thinking: false, .. } => app.tokenizer.token_id("</mm:think>"),
         _ => None,
     }
-}
-
-/// A request's images file, in the server's private media folder (deleted
-/// when the returned path drops).
-fn write_images(app: &App, im: SeqImages) -> std::io::Result<tempfile::TempPath> {
-    let f = tempfile::Builder::new().prefix("req-").suffix(".safetensors").tempfile_in(app.media_dir.path())?;
-    let path = f.into_temp_path();
-    m3c_front::vision::prompt::write_images_file(&path, &std::collections::BTreeMap::from([(0usize, im)]))?;
-    Ok(path)
 }
 
 /// The answer in one response: every choice, generated side by side.

@@ -109,7 +109,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
     stage.cuda_graphs = o.cuda_graphs;
     stage.prefill_gemm_cublas = o.prefill_gemm_cublas;
     stage.eos_ids = gen.eos_ids.clone();
-    let cmd = compiled.mpirun(&stage.to_args(), &o.launch)?;
+    let cmd = compiled.mpirun(&stage, &o.launch)?;
     let allowed_local = match &o.allowed_local_media_path {
         None => None,
         Some(d) => Some(
@@ -126,7 +126,6 @@ fn prepare(o: &Options) -> Result<Prepared> {
         timeout: Duration::from_secs_f64(o.media_timeout_s),
         max_images: o.max_images_per_request,
     };
-    let media_dir = tempfile::Builder::new().prefix("m3c-serve-media-").tempdir().context("a folder for request images")?;
     let (api_key, default_max_tokens) = (o.api_key.clone(), o.default_max_tokens);
     let context = compiled.manifest.max_positions;
     // Images: only where the first stage encodes them (the manifest's
@@ -148,7 +147,6 @@ fn prepare(o: &Options) -> Result<Prepared> {
         created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
         image_token,
         media,
-        media_dir,
         grammars,
         eos_ids,
     };

@@ -125,8 +125,8 @@ fn a_missing_hostfile_is_named() {
     assert!(stderr(&o).contains("--hostfile /nonexistent/hosts: cannot be read"), "{}", stderr(&o));
 }
 
-/// Faults across hosts, each mid-run: a link cut, and a remote stage
-/// killed. The job ends with a clear error within the timeout (and the
+/// Faults across hosts, each mid-run: a remote stage killed, a remote
+/// host's Open MPI daemon killed, and a link cut. The job ends with a clear error within the timeout (and the
 /// launcher's grace after it), and no process is left on either host.
 #[test]
 fn a_cut_link_or_a_killed_remote_stage_ends_the_job_on_every_host() {
@@ -141,17 +141,17 @@ fn a_cut_link_or_a_killed_remote_stage_ends_the_job_on_every_host() {
     let (out_s, model_s) = (out.to_str().unwrap(), model.to_str().unwrap());
     let cmd = [bin.to_str().unwrap(), "run", out_s, "--model", model_s, "--prompt-ids", "1,2,3"];
     let cmd = [&cmd[..], &["--max-new-tokens", "4090", "--ignore-eos", "--timeout-s", "3"]].concat();
-    // The kill first: the cut leaves the link down.
-    let faults: [(&str, &dyn Fn()); 2] = [
-        ("killed remote stage", &|| {
-            for p in hosts.pids(1) {
-                if std::fs::read_to_string(format!("/proc/{p}/cmdline")).is_ok_and(|c| c.contains("stage-1")) {
-                    let _ = std::process::Command::new("kill").args(["-9", &p]).status();
-                }
+    // Host 1's processes whose command line holds `what`, killed.
+    let kill = |what: &str| {
+        for p in hosts.pids(1) {
+            if std::fs::read_to_string(format!("/proc/{p}/cmdline")).is_ok_and(|c| c.contains(what)) {
+                let _ = std::process::Command::new("kill").args(["-9", &p]).status();
             }
-        }),
-        ("cut link", &|| hosts.cut(1)),
-    ];
+        }
+    };
+    // The kills first: the cut leaves the link down.
+    let faults: [(&str, &dyn Fn()); 3] =
+        [("killed remote stage", &|| kill("stage-1")), ("killed remote daemon", &|| kill("orted")), ("cut link", &|| hosts.cut(1))];
     for (name, fault) in faults {
         let t0 = std::time::Instant::now();
         let child = hosts.spawn(0, &cmd, Duration::from_secs(90));
@@ -169,4 +169,213 @@ fn a_cut_link_or_a_killed_remote_stage_ends_the_job_on_every_host() {
         });
         assert!(clean, "{name}: processes left: {:?} {:?}", hosts.pids(0), hosts.pids(1));
     }
+}
+
+/// A pp 2 plan of the tiny fixture with stage 0 on host 1, away from the
+/// front (which runs on host 0), compiled into the hosts' shared folder.
+fn remote_first_stage(hosts: &Hosts, name: &str) -> std::path::PathBuf {
+    let model = fixture("tiny-m3");
+    let plan = hosts.shared().join(format!("{name}.yaml"));
+    std::fs::write(&plan, plan_on(&model, [hosts.addr(1).as_str(), hosts.addr(0).as_str()])).unwrap();
+    let out = hosts.shared().join(name);
+    let c = m3c(&["compile", "--pp", "2", plan.to_str().unwrap(), "-o", out.to_str().unwrap()]);
+    assert!(c.status.success(), "{}", stderr(&c));
+    out
+}
+
+/// Stage 0 on another host than the front: an image chat's pixels and a
+/// prompts file of ids reach it over mpirun's input. Both files sit in
+/// the front's private temporary folder, which no other host sees; the
+/// answers are one host's.
+#[test]
+fn prompts_and_images_reach_a_remote_first_stage_over_the_wire() {
+    let Some(hosts) = Hosts::new(2) else { return };
+    let model = fixture("tiny-m3");
+    let png = fixture("vision/A_rgb_56x84_noresize.png");
+    let (png_s, model_s) = (png.to_str().unwrap(), model.to_str().unwrap());
+    let chat =
+        ["--chat", "What is in this picture?", "--thinking", "disabled", "--max-new-tokens", "6", "--temperature", "0", "--ignore-eos"];
+    let one_host = crate::shared::out("tiny-m3", 2);
+    let o = m3c_run(&one_host, &model, &[&chat[..], &["--image", png_s]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let want_chat = m3c_tests::stdout(&o);
+    let ids = ["--max-new-tokens", "3", "--prompt-ids", "1,2,3", "--prompt-ids", "4,5"];
+    let o = m3c_run(&one_host, &model, &ids);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let want_ids = m3c_tests::stdout(&o);
+
+    let out = remote_first_stage(&hosts, "wire");
+    let bin = m3c_tests::m3c_bin();
+    let run = [bin.to_str().unwrap(), "run", out.to_str().unwrap(), "--model", model_s];
+    // `sh -c SCRIPT sh FILE COMMAND...`: the file copied into this host's
+    // private TMPDIR, then the command run with it.
+    let with_private = |script: &str, file: &str, rest: &[&str]| {
+        let cmd = [&["sh", "-c", script, "sh", file][..], &run[..], rest].concat();
+        let o = hosts.run(0, &cmd, Duration::from_secs(120));
+        assert!(o.status.success(), "{script}: {}", stderr(&o));
+        let e = stderr(&o);
+        let banner = e.lines().find(|l| l.starts_with("m3c stage 0/2:") && l.contains("kernel thread(s)"));
+        assert!(banner.is_some_and(|l| l.ends_with(&format!("on host {}", hosts.ns(1)))), "stage 0 is not on host 1:\n{e}");
+        m3c_tests::stdout(&o)
+    };
+    let got = with_private(r#"cp "$1" "$TMPDIR/a.png" && shift && exec "$@" --image "$TMPDIR/a.png""#, png_s, &chat);
+    assert_eq!(got, want_chat, "an image chat with stage 0 on another host");
+    let got = with_private(r#"printf '%s\n' "$1" 4,5 > "$TMPDIR/ids" && shift && exec "$@" --prompts "$TMPDIR/ids""#, "1,2,3", &ids[..2]);
+    assert_eq!(got, want_ids, "a prompts file with stage 0 on another host");
+}
+
+/// `m3c serve` with its first stage on another host, driven by OpenAI's
+/// client on the front's host: a text completion and an image chat give
+/// `m3c run`'s answers. Then the remote stage is killed mid-stream:
+/// `/health` answers 503, the server exits with an error, and no process
+/// is left on either host.
+#[test]
+fn serve_across_hosts_answers_as_one_host_and_fails_cleanly() {
+    let Some(hosts) = Hosts::new(2) else { return };
+    let model = fixture("tiny-m3");
+    let png = fixture("vision/A_rgb_56x84_noresize.png");
+    let one_host = crate::shared::out("tiny-m3", 2);
+    let prompt = "The capital of France is";
+    let o =
+        m3c_run(&one_host, &model, &["--prompt", prompt, "--max-new-tokens", "8", "--temperature", "0.8", "--seed", "5", "--ignore-eos"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let want_text = m3c_tests::stdout(&o).strip_suffix('\n').unwrap_or_default().to_string();
+    let user = "What is in this picture?";
+    let chat = ["--chat", user, "--thinking", "disabled", "--max-new-tokens", "8", "--temperature", "0", "--ignore-eos"];
+    let o = m3c_run(&one_host, &model, &[&chat[..], &["--image", png.to_str().unwrap()]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let want_image = m3c_tests::stdout(&o).strip_suffix('\n').unwrap_or_default().to_string();
+
+    let out = remote_first_stage(&hosts, "serve");
+    let bin = m3c_tests::m3c_bin();
+    let (out_s, model_s) = (out.to_str().unwrap(), model.to_str().unwrap());
+    let serve =
+        [bin.to_str().unwrap(), "serve", out_s, "--model", model_s, "--port", "0", "--served-model-name", "tiny", "--timeout-s", "3"];
+    let mut server = hosts.spawn(0, &serve, Duration::from_secs(300));
+    let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (err, l) = (server.stderr.take().unwrap(), log.clone());
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(err).lines().map_while(Result::ok) {
+            if let Some(i) = line.find("http://127.0.0.1:") {
+                let _ = tx.send(line[i + 17..].chars().take_while(char::is_ascii_digit).collect::<String>());
+            }
+            l.lock().unwrap().push_str(&(line + "\n"));
+        }
+    });
+    let port = rx.recv_timeout(Duration::from_secs(90)).unwrap_or_else(|_| panic!("serve did not start:\n{}", log.lock().unwrap()));
+    let base = format!("http://127.0.0.1:{port}/v1");
+    let health = || {
+        let url = format!("http://127.0.0.1:{port}/health");
+        let o = hosts.run(0, &["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-m", "5", &url], Duration::from_secs(10));
+        String::from_utf8_lossy(&o.stdout).trim().parse::<u16>().unwrap_or(0)
+    };
+    let t0 = std::time::Instant::now();
+    while health() != 200 {
+        assert!(t0.elapsed() < Duration::from_secs(90), "/health never answered 200:\n{}", log.lock().unwrap());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let python = crate::serve::python();
+    let client = m3c_tests::root().join("tests/serve/client.py");
+    let call = |args: &[&str]| -> serde_json::Value {
+        let cmd = [&[python.to_str().unwrap(), client.to_str().unwrap(), &base, "tiny"][..], args].concat();
+        let o = hosts.run(0, &cmd, Duration::from_secs(120));
+        assert!(o.status.success(), "client {args:?}: {}\n{}", stderr(&o), log.lock().unwrap());
+        serde_json::from_str(m3c_tests::stdout(&o).lines().last().unwrap_or("")).unwrap()
+    };
+    let got = call(&["complete", prompt, r#"{"max_tokens": 8, "temperature": 0.8, "seed": 5, "extra_body": {"ignore_eos": true}}"#]);
+    assert_eq!((got["whole"].as_str(), got["streamed"].as_str()), (Some(want_text.as_str()), Some(want_text.as_str())), "completion");
+    let got = call(&["image_chat", png.to_str().unwrap(), user]);
+    assert_eq!(got["text"].as_str(), Some(want_image.trim_start_matches('\n')), "image chat");
+    let l = log.lock().unwrap().clone();
+    let banner = l.lines().find(|l| l.starts_with("m3c stage 0/2:") && l.contains("kernel thread(s)"));
+    assert!(banner.is_some_and(|b| b.ends_with(&format!("on host {}", hosts.ns(1)))), "stage 0 is not on host 1:\n{l}");
+
+    // A stream, then the remote first stage killed under it.
+    let cmd = [python.to_str().unwrap(), client.to_str().unwrap(), &base, "tiny", "stream"];
+    let mut stream = hosts.spawn(0, &cmd, Duration::from_secs(120));
+    let mut first = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(stream.stdout.as_mut().unwrap()), &mut first).unwrap();
+    for p in hosts.pids(1) {
+        if std::fs::read_to_string(format!("/proc/{p}/cmdline")).is_ok_and(|c| c.contains("stage-0")) {
+            let _ = std::process::Command::new("kill").args(["-9", &p]).status();
+        }
+    }
+    let t0 = std::time::Instant::now();
+    let mut saw_503 = false;
+    while t0.elapsed() < Duration::from_secs(20) && server.try_wait().unwrap().is_none() {
+        if health() == 503 {
+            saw_503 = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let status = server.wait().unwrap();
+    let took = t0.elapsed();
+    eprintln!("serve, killed remote stage: the server ended {:.1} s after the fault", took.as_secs_f64());
+    let _ = stream.wait();
+    let l = log.lock().unwrap().clone();
+    assert!(saw_503, "/health should answer 503 once the remote stage is lost:\n{l}");
+    assert!(!status.success() && took < Duration::from_secs(25), "{status:?} after {took:?}:\n{l}");
+    assert!(l.contains("pipeline stopped"), "{l}");
+    let clean = (0..20).any(|_| {
+        let left = hosts.pids(0).len() + hosts.pids(1).len();
+        std::thread::sleep(Duration::from_millis(500));
+        left == 0
+    });
+    assert!(clean, "processes left: {:?} {:?}", hosts.pids(0), hosts.pids(1));
+}
+
+/// Before the job starts every host is checked, through mpirun with the
+/// job's placement: a host without the model folder, one without the
+/// executables, and one that never answers (its link down from the
+/// start) are each a clear error naming the stage, the host and what is
+/// missing, within --timeout-s, with no process left on either host.
+#[test]
+fn hosts_that_are_not_ready_are_named_before_the_job_starts() {
+    let Some(hosts) = Hosts::new(2) else { return };
+    let model = fixture("tiny-m3");
+    let plan = hosts.shared().join("p.yaml");
+    std::fs::write(&plan, plan_on(&model, [hosts.addr(0).as_str(), hosts.addr(1).as_str()])).unwrap();
+    let out = hosts.shared().join("out");
+    let c = m3c(&["compile", "--pp", "2", plan.to_str().unwrap(), "-o", out.to_str().unwrap()]);
+    assert!(c.status.success(), "{}", stderr(&c));
+    let bin = m3c_tests::m3c_bin();
+    let (bin_s, out_s, model_s) = (bin.to_str().unwrap(), out.to_str().unwrap(), model.to_str().unwrap());
+    let job = ["--prompt-ids", "1,2", "--max-new-tokens", "1", "--timeout-s", "3"];
+    let check = |name: &str, cmd: &[&str], want: &[String]| {
+        let t0 = std::time::Instant::now();
+        let o = hosts.run(0, cmd, Duration::from_secs(60));
+        let (took, e) = (t0.elapsed(), stderr(&o));
+        eprintln!("{name}: refused after {:.1} s", took.as_secs_f64());
+        assert!(!o.status.success() && took < Duration::from_secs(15), "{name}: {:?} after {took:?}:\n{e}", o.status);
+        for w in want {
+            assert!(e.contains(w.as_str()), "{name}: no `{w}` in:\n{e}");
+        }
+        assert!(!e.contains("m3c stage 0/2") && !e.contains("m3c stage 1/2"), "{name}: the stages started:\n{e}");
+        let clean = (0..20).any(|_| {
+            let left = hosts.pids(0).len() + hosts.pids(1).len();
+            std::thread::sleep(Duration::from_millis(250));
+            left == 0
+        });
+        assert!(clean, "{name}: processes left: {:?} {:?}", hosts.pids(0), hosts.pids(1));
+    };
+    let stage1 = format!("stage 1 on host {}", hosts.ns(1));
+    // The model only in the front host's private TMPDIR.
+    let cmd = [
+        &["sh", "-c", r#"cp -r "$1" "$TMPDIR/m" && shift && exec "$@" --model "$TMPDIR/m""#, "sh", model_s, bin_s, "run", out_s][..],
+        &job,
+    ]
+    .concat();
+    check("no model folder", &cmd, &[stage1.clone(), "/m (its config.json) is missing there".into()]);
+    // The executables only there.
+    let cmd =
+        [&["sh", "-c", r#"cp -r "$1" "$TMPDIR/o" && shift && exec "$@" "$TMPDIR/o" --model "$0""#, model_s, out_s, bin_s, "run"][..], &job]
+            .concat();
+    check("no executables", &cmd, &[stage1, "/o/stage-1 is missing there".into()]);
+    // Host 1 cut off before the job.
+    hosts.cut(1);
+    let cmd = [&[bin_s, "run", out_s, "--model", model_s][..], &job].concat();
+    check("a host that never answers", &cmd, &[format!("stage 1 (plan host `{}`): its host did not answer within 3 s", hosts.addr(1))]);
 }

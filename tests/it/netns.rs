@@ -93,11 +93,14 @@ impl Hosts {
     /// namespace whose address is HOST.
     fn write_agent(&self) {
         // A private tmpfs as TMPDIR rather than over /tmp itself: the
-        // checkout (and so the binaries) may live under /tmp.
+        // checkout (and so the binaries) may live under /tmp. A fresh one
+        // over the folder that holds every host's TMPDIR, since the agent
+        // enters a host from the launching host's mount namespace, whose
+        // private files it must not see.
         let enter = format!(
-            "#!/bin/sh\nns=$1; shift\nt={}/tmp-$ns\nmkdir -p \"$t\"\n\
+            "#!/bin/sh\nns=$1; shift\np={}/private\nmkdir -p \"$p\"\n\
              exec ip netns exec \"$ns\" unshare --uts --mount sh -c \
-             'hostname \"$0\"; mount -t tmpfs tmpfs \"$1\"; export TMPDIR=\"$1\"; shift; exec \"$@\"' \"$ns\" \"$t\" \"$@\"\n",
+             'hostname \"$0\"; mount -t tmpfs tmpfs \"$1\"; mkdir \"$1/tmp-$0\"; export TMPDIR=\"$1/tmp-$0\"; shift; exec \"$@\"' \"$ns\" \"$p\" \"$@\"\n",
             self.dir.path().display()
         );
         let cases: String = (0..self.n).map(|i| format!("  {}) ns={} ;;\n", self.addr(i), self.ns(i))).collect();

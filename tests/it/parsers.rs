@@ -243,14 +243,14 @@ fn prompts_files_never_panic() {
     });
 }
 
-/// The front↔stage line protocol: damaged commands and events are errors,
-/// never panics, and whatever parses re-encodes to a line that parses back
-/// to the same message.
+/// The front↔stage protocol: damaged commands (framed, with payloads) and
+/// events are errors, never panics, and whatever parses re-encodes to
+/// bytes that parse back to the same message.
 #[test]
 fn protocol_lines_never_panic_and_round_trip() {
-    use m3c_contract::protocol::{Command, Event};
+    use m3c_contract::protocol::{read_command, Event};
     let seeds = vec![
-        b"add seq=3 max_new=16 ignore_eos=1 prompt=1,2,3 images=2f746d70 temperature=0.7 top_k=40 top_p=0.95 min_p=0 repetition_penalty=1.1 seed=7"
+        b"add seq=3 max_new=16 ignore_eos=1 prompt=1,2,3 images=4 temperature=0.7 top_k=40 top_p=0.95 min_p=0 repetition_penalty=1.1 seed=7\n\0\n\xffacancel 2\n"
             .to_vec(),
         b"cancel 12".to_vec(),
         b"m3c-id 3 200019".to_vec(),
@@ -259,12 +259,17 @@ fn protocol_lines_never_panic_and_round_trip() {
         b"m3c-bad 4 the sequence is already live".to_vec(),
     ];
     run("protocol", 5000, seeded(seeds), |b| {
-        let line = text(b);
-        if let Ok(c) = Command::parse(&line) {
-            if Command::parse(&c.encode()).as_ref() != Ok(&c) {
-                return Err(format!("{line:?} parsed, but its encoding {:?} does not parse back", c.encode()));
+        // As a stream of framed commands: every one that parses re-encodes
+        // to bytes that read back the same.
+        let mut stream = b;
+        while let Some(got) = read_command(&mut stream, 1 << 16) {
+            let Ok(c) = got else { continue };
+            let bytes = c.to_bytes();
+            if read_command(&mut &bytes[..], 1 << 16) != Some(Ok(c.clone())) {
+                return Err(format!("{:?} parsed, but its encoding {:?} does not read back", text(b), c.encode()));
             }
         }
+        let line = text(b);
         if let Some(Ok(e)) = Event::parse(&line) {
             if Event::parse(&e.encode()) != Some(Ok(e.clone())) {
                 return Err(format!("{line:?} parsed, but its encoding {:?} does not parse back", e.encode()));

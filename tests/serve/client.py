@@ -340,6 +340,23 @@ def _image_chat(c, model, url, user, **kw):
     return c.chat.completions.create(model=model, messages=messages, **params)
 
 
+def image_chat(base, model, png, user):
+    """One chat with an image sent as a data: URI (its bytes travel with the
+    request), whole and streamed: the text, and the prompt's length."""
+    import base64
+
+    c = client(base)
+    url = "data:image/png;base64," + base64.b64encode(open(png, "rb").read()).decode()
+    whole = _image_chat(c, model, url, user)
+    streamed = ""
+    for chunk in _image_chat(c, model, url, user, stream=True):
+        for ch in chunk.choices:
+            streamed += ch.delta.content or ""
+    text = whole.choices[0].message.content or ""
+    assert streamed == text, f"streamed {streamed!r} vs whole {text!r}"
+    return {"text": text, "prompt_tokens": whole.usage.prompt_tokens}
+
+
 def images(base, model, png, allowed, outside):
     """An image by data: URI, by http URL from a local server and as a
     file:// path inside the allowed folder all give the same answer; it runs
@@ -828,6 +845,7 @@ COMMANDS = {
     "poison": lambda base, model, rest: poison(base, model),
     "stream": lambda base, model, rest: stream_until_end(base, model),
     "images": lambda base, model, rest: images(base, model, rest[0], rest[1], rest[2]),
+    "image_chat": lambda base, model, rest: image_chat(base, model, rest[0], rest[1]),
     "responses": lambda base, model, rest: responses(base, model, rest[0], rest[1]),
     "structured": lambda base, model, rest: structured(base, model),
     "forced_tools": lambda base, model, rest: forced_tools(base, model),
