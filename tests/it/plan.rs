@@ -60,6 +60,14 @@ fn plan_errors_point_at_line_and_column() {
         ("stages: []\n", "p.yaml:1:9: `stages` is empty"),
         ("version: 2\nstages:\n  - layers: 0-7\n", "p.yaml:1:10: unsupported plan version 2"),
         ("stages:\n  - layers: 0-3\n   bad indent\n", "p.yaml:3:"),
+        ("links:\n  ib: fast\nstages:\n  - layers: 0-7\n", "p.yaml:2:7: link `ib`: `fast`: expected BANDWIDTH, LATENCY"),
+        ("links:\n  ib: 400 Gb, 5 us\nstages:\n  - layers: 0-7\n", "p.yaml:2:7: link `ib`: `400 Gb`: expected a bandwidth"),
+        ("stages:\n  - layers: 0-3\n    link: ib\n  - layers: 4-7\n", "p.yaml:3:5: stage 0 has no stage before it"),
+        ("stages:\n  - layers: 0-3\n  - layers: 4-7\n    link: ib\n", "p.yaml:4:11: stage 1: no link named `ib` (the plan has no `links`)"),
+        (
+            "links:\n  ib: 400 Gb/s, 5 us\n  eth: 100 Gb/s, 20 us\nstages:\n  - layers: 0-3\n    host: a\n  - layers: 4-7\n    host: b\n",
+            "p.yaml:8:11: stages 0 and 1 are on different hosts and the plan has several links (eth, ib): say which",
+        ),
     ];
     for (text, expected) in cases {
         let e = plan_error(text);
@@ -165,6 +173,47 @@ fn written_plan_round_trips() {
     assert_eq!(std::fs::canonicalize(p.model.unwrap()).unwrap(), std::fs::canonicalize(model).unwrap());
     let check = m3c(&["plan", "--check", out.to_str().unwrap()]);
     assert!(check.status.success(), "{}", stderr(&check));
+}
+
+/// A plan's links: the report counts each boundary across hosts (a
+/// decode step's rows and a prefill's, hidden width × storage bytes each),
+/// from the only link or the one a stage names, and points out hosts
+/// whose link is not described; a written plan keeps its links.
+#[test]
+fn links_between_hosts_are_counted_per_boundary() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = m3c_tests::configs("minimax-m3-mxfp8.config.json");
+    let plan = dir.path().join("p.yaml");
+    let stages = "stages:\n  - layers: 0-16\n    host: a\n  - layers: 17-32\n    host: a\n  - layers: 33-48\n    host: b\n  - layers: 49-59\n    host: c\n";
+    let write = |links: &str| {
+        std::fs::write(&plan, format!("model: {}\ntarget: cuda\n{links}{stages}", cfg.display())).unwrap();
+        let o = m3c(&["plan", "--check", plan.to_str().unwrap(), "--batch", "64", "--context", "8192"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        m3c_tests::stdout(&o)
+    };
+    let t = write("links:\n  ib: \"400 Gb/s, 5 us\"\n");
+    // 64 rows × 6144 × 2 B = 0.786 MB: 5 us + 15.7 us; 8192 rows: 100.663 MB, 2.018 ms.
+    let row = |b: &str| {
+        t.lines().find(|l| l.starts_with(b)).unwrap_or_else(|| panic!("no {b} row:\n{t}")).split_whitespace().collect::<Vec<_>>().join(" ")
+    };
+    assert_eq!(row("1->2"), "1->2 ib (400 Gb/s, 5 us) 64 0.786 0.021 8192 100.663 2.018", "{t}");
+    assert_eq!(row("2->3"), "2->3 ib (400 Gb/s, 5 us) 64 0.786 0.021 8192 100.663 2.018", "{t}");
+    assert!(!t.contains("0->1"), "stages 0 and 1 share a host:\n{t}");
+    assert!(
+        t.contains("crossing hosts adds 0.041 ms to each decoded token's trip") && t.contains("4.037 ms to a 8192-token prefill"),
+        "{t}"
+    );
+    let t = write("");
+    assert!(t.contains("1->2     stages on a and b: describe the link between them (`links:`)"), "{t}");
+    // A stage names its link among several; the written plan keeps them.
+    let stages2 = stages.replace("    host: c\n", "    host: c\n    link: eth\n").replace("    host: b\n", "    host: b\n    link: ib\n");
+    let text = format!("target: cuda\nlinks:\n  ib: 400 Gb/s, 5 us\n  eth: 100 Gb/s, 20 us\n{stages2}");
+    let real = m3c_compiler::source::ModelSource::open(&cfg).unwrap().config;
+    let p = m3c_compiler::plan::parse_plan(Path::new("p.yaml"), &text, Some(&real)).unwrap();
+    assert_eq!(p.boundary_link(2).map(|(n, l)| (n, l.to_string())), Some(("eth", "100 Gb/s, 20 us".to_string())));
+    assert_eq!(p.boundary_link(0), None);
+    let yaml = m3c_compiler::plan::plan_yaml(&p, None, "", "");
+    assert_eq!(m3c_compiler::plan::parse_plan(Path::new("w.yaml"), &yaml, Some(&real)).unwrap(), p, "{yaml}");
 }
 
 /// The command failed, and its message says each of `parts`.

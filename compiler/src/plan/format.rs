@@ -1,11 +1,12 @@
 //! The YAML partition plan: parsing and validation against a model config.
 //! See docs/plan.md for the format.
 
+use super::links::Link;
 use super::locate::{locate, Locations, Pos};
 use crate::config::ModelConfig;
 use crate::model::Part;
 use serde::Deserialize;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::path::{Path, PathBuf};
 
@@ -61,6 +62,9 @@ pub struct StagePlan {
     pub device: Option<usize>,
     /// The host (MPI node) the stage should run on.
     pub host: Option<String>,
+    /// The link (a name in the plan's `links`) the previous stage's
+    /// activations cross to reach this one.
+    pub link: Option<String>,
 }
 
 impl StagePlan {
@@ -109,6 +113,8 @@ pub struct Plan {
     pub model: Option<PathBuf>,
     pub target: Target,
     pub stages: Vec<StagePlan>,
+    /// The links between hosts, by name (`links:`).
+    pub links: BTreeMap<String, Link>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -129,6 +135,7 @@ struct RawPlan {
     model: Option<String>,
     target: Option<String>,
     arch: Option<String>,
+    links: Option<BTreeMap<String, String>>,
     stages: Vec<RawStage>,
 }
 
@@ -142,6 +149,7 @@ struct RawStage {
     vision: Option<bool>,
     device: Option<usize>,
     host: Option<String>,
+    link: Option<String>,
 }
 
 struct Ctx<'a> {
@@ -309,7 +317,48 @@ pub fn parse_plan(path: &Path, text: &str, cfg: Option<&ModelConfig>) -> Result<
     let mut stages = parse_stages(&ctx, &raw, &target, num_layers)?;
     let norm = place_parts(&ctx, &raw, &mut stages)?;
     check_layers(&ctx, &stages, num_layers, norm)?;
-    Ok(Plan { model: raw.model.as_deref().map(|m| resolve(path, m)), target, stages })
+    let links = parse_links(&ctx, &raw, &stages)?;
+    Ok(Plan { model: raw.model.as_deref().map(|m| resolve(path, m)), target, stages, links })
+}
+
+/// The plan's `links`, each parsed, and each stage's `link` checked: it
+/// names one of them, and not on stage 0. Stages on different named hosts
+/// with no `link` take the plan's only link; with several, they must say.
+fn parse_links(ctx: &Ctx, raw: &RawPlan, stages: &[StagePlan]) -> Result<BTreeMap<String, Link>, PlanError> {
+    let mut links = BTreeMap::new();
+    for (name, text) in raw.links.iter().flatten() {
+        if !valid_host(name) {
+            return Err(ctx.key(&format!("links.{name}"), format!("link name {name:?}: letters, digits, `-`, `_` and `.` only")));
+        }
+        let link = Link::parse(text).map_err(|e| ctx.value(&format!("links.{name}"), format!("link `{name}`: {e}")))?;
+        links.insert(name.clone(), link);
+    }
+    let known = || links.keys().map(String::as_str).collect::<Vec<_>>().join(", ");
+    for (i, s) in stages.iter().enumerate() {
+        let path = format!("stages[{i}].link");
+        match &s.link {
+            Some(_) if i == 0 => {
+                return Err(ctx.key(&path, "stage 0 has no stage before it: `link` names the link from the previous stage".into()))
+            }
+            Some(l) if !links.contains_key(l) => {
+                let have = if links.is_empty() { "the plan has no `links`".to_string() } else { format!("known: {}", known()) };
+                return Err(ctx.value(&path, format!("stage {i}: no link named `{l}` ({have})")));
+            }
+            None if i > 0 && links.len() > 1 && crosses_hosts(&stages[i - 1], s) => {
+                return Err(ctx.value(
+                    &format!("stages[{i}].host"),
+                    format!("stages {} and {i} are on different hosts and the plan has several links ({}): say which joins them (`link:` on stage {i})", i - 1, known()),
+                ))
+            }
+            _ => {}
+        }
+    }
+    Ok(links)
+}
+
+/// Two stages on named, different hosts.
+fn crosses_hosts(a: &StagePlan, b: &StagePlan) -> bool {
+    matches!((&a.host, &b.host), (Some(x), Some(y)) if x != y)
 }
 
 /// The plan's `target` and `arch`.
@@ -360,6 +409,7 @@ fn parse_stages(ctx: &Ctx, raw: &RawPlan, target: &Target, num_layers: Option<us
             vision: false,
             device: s.device,
             host: s.host.clone(),
+            link: s.link.clone(),
         });
     }
     Ok(stages)
@@ -474,6 +524,19 @@ impl RawStage {
 }
 
 impl Plan {
+    /// The link stage `k`'s activations cross to stage `k + 1`: the one
+    /// stage `k + 1` names, else the plan's only link when the two are on
+    /// different named hosts; `None`: the same host (or not known).
+    pub fn boundary_link(&self, k: usize) -> Option<(&str, &Link)> {
+        let next = self.stages.get(k + 1)?;
+        let name = match &next.link {
+            Some(l) => l.as_str(),
+            None if self.links.len() == 1 && crosses_hosts(&self.stages[k], next) => self.links.keys().next()?.as_str(),
+            None => return None,
+        };
+        self.links.get_key_value(name).map(|(n, l)| (n.as_str(), l))
+    }
+
     /// Checks the stage count against `--pp N`.
     pub fn check_pp(&self, file: &Path, pp: usize) -> Result<(), PlanError> {
         if self.stages.len() != pp {

@@ -4,12 +4,14 @@
 mod balance;
 mod cost;
 mod format;
+mod links;
 mod locate;
 mod report;
 
 pub use balance::{balance, brute_force, min_stages, Item, Split};
 pub use cost::{expected_experts, part_costs, GpuProfile, PartCost, Workload, USABLE_MEMORY};
 pub use format::{load_plan, parse_plan, plan_model, valid_arch, valid_host, LayerRange, Plan, PlanError, StagePlan, Target};
+pub use links::Link;
 pub use report::{even_plan, plan_yaml, stage_costs, table, StageCost};
 
 use crate::config::ModelConfig;
@@ -79,8 +81,9 @@ pub fn make_plan(cfg: &ModelConfig, pp: usize, gpu: &GpuProfile, w: Workload, ta
                 vision: a == 0 && cfg.vision.is_some(),
                 device: None,
                 host: None,
+                link: None,
             }
         })
         .collect();
-    Ok(Plan { model: None, target, stages })
+    Ok(Plan { model: None, target, stages, links: Default::default() })
 }

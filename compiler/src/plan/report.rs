@@ -52,10 +52,11 @@ pub fn even_plan(cfg: &ModelConfig, pp: usize) -> Option<Plan> {
                 vision: k == 0,
                 device: None,
                 host: None,
+                link: None,
             }
         })
         .collect();
-    Some(Plan { model: None, target: Target::Host, stages })
+    Some(Plan { model: None, target: Target::Host, stages, links: Default::default() })
 }
 
 fn summary(costs: &[StageCost]) -> (f64, f64, usize) {
@@ -128,8 +129,9 @@ pub fn table(cfg: &ModelConfig, plan: &Plan, gpu: &GpuProfile, w: Workload) -> S
     if !fits {
         let _ = writeln!(o, "warning: some stage does not fit {} ({:.1} GB usable)", gpu.name, cap / 1e9);
     }
+    o += &boundaries(cfg, plan, w, slow, (tu, ts));
     if let Some(even) = even_plan(cfg, plan.stages.len()) {
-        if even.stages != plan.stages.iter().map(|s| StagePlan { device: None, host: None, ..s.clone() }).collect::<Vec<_>>() {
+        if even.stages != plan.stages.iter().map(|s| StagePlan { device: None, host: None, link: None, ..s.clone() }).collect::<Vec<_>>() {
             let ec = stage_costs(cfg, &even, gpu, w);
             let (eslow, ebubble, eat) = summary(&ec);
             let emax = ec.iter().map(|c| c.memory).fold(0.0, f64::max);
@@ -150,6 +152,70 @@ pub fn table(cfg: &ModelConfig, plan: &Plan, gpu: &GpuProfile, w: Workload) -> S
     o
 }
 
+/// What each stage boundary that crosses a link costs: a step's
+/// activation rows (hidden width × the activation storage's bytes: bf16 on
+/// GPU targets, f32 on the host) sent once, for a decode step of the
+/// workload's batch and for a prefill of its context. Boundaries between
+/// named, different hosts without a described link are pointed out.
+fn boundaries(cfg: &ModelConfig, plan: &Plan, w: Workload, slowest: f64, (tu, ts): (&str, f64)) -> String {
+    let mut o = String::new();
+    let row = (cfg.text.hidden_size * if plan.target.is_gpu() { 2 } else { 4 }) as f64;
+    let mut lines = Vec::new();
+    let (mut decode, mut prefill) = (0.0, 0.0);
+    for k in 0..plan.stages.len().saturating_sub(1) {
+        let (a, b) = (&plan.stages[k], &plan.stages[k + 1]);
+        match plan.boundary_link(k) {
+            Some((name, link)) => {
+                let (d, p) = (link.time(row * w.batch as f64), link.time(row * w.context as f64));
+                decode += d;
+                prefill += p;
+                lines.push(format!(
+                    "{:<8} {:<26} {:>7} {:>9.3} {:>9.3} {:>8} {:>10.3} {:>10.3}",
+                    format!("{k}->{}", k + 1),
+                    format!("{name} ({link})"),
+                    w.batch,
+                    row * w.batch as f64 / 1e6,
+                    d * ts,
+                    w.context,
+                    row * w.context as f64 / 1e6,
+                    p * ts
+                ));
+            }
+            None if a.host.is_some() && b.host.is_some() && a.host != b.host => lines.push(format!(
+                "{:<8} stages on {} and {}: describe the link between them (`links:`) to see its cost",
+                format!("{k}->{}", k + 1),
+                a.host.as_deref().unwrap_or_default(),
+                b.host.as_deref().unwrap_or_default()
+            )),
+            None => {}
+        }
+    }
+    if lines.is_empty() {
+        return o;
+    }
+    let _ = writeln!(
+        o,
+        "stage boundaries across hosts: activation rows x {} x {} B each, sent once per step",
+        cfg.text.hidden_size,
+        row as usize / cfg.text.hidden_size
+    );
+    let _ = writeln!(o, "{:<8} {:<26} {:>7} {:>9} {:>9} {:>8} {:>10} {:>10}", "boundary", "link", "decode", "MB", tu, "prefill", "MB", tu);
+    for l in lines {
+        let _ = writeln!(o, "{l}");
+    }
+    if decode > 0.0 {
+        let _ = writeln!(
+            o,
+            "crossing hosts adds {:.3} {tu} to each decoded token's trip through the pipeline ({:.1}% of the slowest stage's step; sends overlap other micro-batches' work) and {:.3} {tu} to a {}-token prefill",
+            decode * ts,
+            if slowest > 0.0 { decode / slowest * 100.0 } else { 0.0 },
+            prefill * ts,
+            w.context
+        );
+    }
+    o
+}
+
 /// The plan as YAML, with the table as comments. `model` is written as given.
 pub fn plan_yaml(plan: &Plan, model: Option<&str>, header: &str, table: &str) -> String {
     let mut o = String::new();
@@ -166,6 +232,12 @@ pub fn plan_yaml(plan: &Plan, model: Option<&str>, header: &str, table: &str) ->
         }
         Target::Cuda { arch } => {
             let _ = writeln!(o, "target: cuda\narch: {arch}");
+        }
+    }
+    if !plan.links.is_empty() {
+        let _ = writeln!(o, "links:");
+        for (name, link) in &plan.links {
+            let _ = writeln!(o, "  {name}: \"{link}\"");
         }
     }
     let _ = writeln!(o, "stages:");
@@ -191,6 +263,9 @@ pub fn plan_yaml(plan: &Plan, model: Option<&str>, header: &str, table: &str) ->
         }
         if let Some(h) = &s.host {
             fields.push(format!("host: {}", yaml_str(h)));
+        }
+        if let Some(l) = &s.link {
+            fields.push(format!("link: {}", yaml_str(l)));
         }
         for (i, f) in fields.iter().enumerate() {
             let lead = if i == 0 { "  - " } else { "    " };
