@@ -38,7 +38,8 @@ impl Link {
 
 impl fmt::Display for Link {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} Gb/s, {} us", self.bandwidth * 8.0 / 1e9, self.latency * 1e6)
+        // To the bit per second and the nanosecond: no float noise.
+        write!(f, "{} Gb/s, {} us", (self.bandwidth * 8.0).round() / 1e9, (self.latency * 1e9).round() / 1e3)
     }
 }
 
@@ -74,14 +75,15 @@ fn bandwidth(text: &str) -> Option<f64> {
 
 fn latency(text: &str) -> Option<f64> {
     let (v, unit) = number_unit(text)?;
-    let scale = match unit {
-        "ns" => 1e-9,
-        "us" | "µs" => 1e-6,
-        "ms" => 1e-3,
+    // Divided, not multiplied by 1e-6: 5 us is then exactly the f64 of 5e-6.
+    let per_second = match unit {
+        "ns" => 1e9,
+        "us" | "µs" => 1e6,
+        "ms" => 1e3,
         "s" => 1.0,
         _ => return None,
     };
-    Some(v * scale)
+    Some(v / per_second)
 }
 
 #[cfg(test)]
