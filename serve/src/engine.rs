@@ -150,9 +150,12 @@ impl Engine {
         // drains; mpirun still dies with the front (PR_SET_PDEATHSIG).
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         let mut cmd = tokio::process::Command::from(cmd);
-        cmd.stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).kill_on_drop(true);
+        cmd.stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true);
         let mut child = cmd.spawn().map_err(m3c_front::launch::spawn_error)?;
-        let (Some(mut stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
+        let (Some(mut stdin), Some(stdout), Some(stderr)) = (child.stdin.take(), child.stdout.take(), child.stderr.take()) else {
             anyhow::bail!("mpirun started without its pipes");
         };
         let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
@@ -173,6 +176,19 @@ impl Engine {
                 if stdin.write_all(&frame).await.is_err() || stdin.flush().await.is_err() {
                     e.fail("the first stage's input closed (the pipeline stopped)");
                     break;
+                }
+            }
+        });
+        // The stages' log, passed on. A stage's fatal error means the
+        // pipeline is lost now: mpirun may wait minutes on a host that is
+        // cut off before it exits (and closes the first stage's output).
+        let e = engine.clone();
+        tokio::spawn(async move {
+            let mut lines = tokio::io::BufReader::new(stderr).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                eprintln!("{line}");
+                if line.starts_with("m3c stage ") && line.contains(": error: ") {
+                    e.fail("the pipeline stopped (a stage ended or was lost; its message is in the server's log)");
                 }
             }
         });

@@ -224,9 +224,95 @@ fn prompts_and_images_reach_a_remote_first_stage_over_the_wire() {
     assert_eq!(got, want_ids, "a prompts file with stage 0 on another host");
 }
 
+/// A running `m3c serve` on host 0 of `hosts`: its process, its log and
+/// its port, once `/health` answers 200.
+struct RemoteServer {
+    child: std::process::Child,
+    log: std::sync::Arc<std::sync::Mutex<String>>,
+    port: String,
+}
+
+impl RemoteServer {
+    fn start(hosts: &Hosts, args: &[&str]) -> RemoteServer {
+        let mut child = hosts.spawn(0, args, Duration::from_secs(300));
+        let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (err, l) = (child.stderr.take().unwrap(), log.clone());
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(err).lines().map_while(Result::ok) {
+                if let Some(i) = line.find("http://127.0.0.1:") {
+                    let _ = tx.send(line[i + 17..].chars().take_while(char::is_ascii_digit).collect::<String>());
+                }
+                l.lock().unwrap().push_str(&(line + "\n"));
+            }
+        });
+        let port = rx.recv_timeout(Duration::from_secs(90)).unwrap_or_else(|_| panic!("serve did not start:\n{}", log.lock().unwrap()));
+        let s = RemoteServer { child, log, port };
+        let t0 = std::time::Instant::now();
+        while s.health(hosts) != 200 {
+            assert!(t0.elapsed() < Duration::from_secs(90), "/health never answered 200:\n{}", s.log());
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        s
+    }
+
+    fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    fn base(&self) -> String {
+        format!("http://127.0.0.1:{}/v1", self.port)
+    }
+
+    /// `/health`'s status, asked from the server's host (0: no answer).
+    fn health(&self, hosts: &Hosts) -> u16 {
+        let url = format!("http://127.0.0.1:{}/health", self.port);
+        let o = hosts.run(0, &["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-m", "5", &url], Duration::from_secs(10));
+        String::from_utf8_lossy(&o.stdout).trim().parse::<u16>().unwrap_or(0)
+    }
+
+    /// Runs `fault` under a client's stream: `/health` must answer 503,
+    /// the server exit with an error naming the lost pipeline within the
+    /// timeout and a grace, and no process be left on any host.
+    fn fails_cleanly(mut self, hosts: &Hosts, name: &str, fault: impl FnOnce()) {
+        let (python, client) = (crate::serve::python(), m3c_tests::root().join("tests/serve/client.py"));
+        let base = self.base();
+        let cmd = [python.to_str().unwrap(), client.to_str().unwrap(), &base, "tiny", "stream"];
+        let mut stream = hosts.spawn(0, &cmd, Duration::from_secs(120));
+        let mut first = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(stream.stdout.as_mut().unwrap()), &mut first).unwrap();
+        fault();
+        let t0 = std::time::Instant::now();
+        let mut saw_503 = false;
+        while t0.elapsed() < Duration::from_secs(20) && self.child.try_wait().unwrap().is_none() {
+            if self.health(hosts) == 503 {
+                saw_503 = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let status = self.child.wait().unwrap();
+        let took = t0.elapsed();
+        eprintln!("serve, {name}: the server ended {:.1} s after the fault", took.as_secs_f64());
+        let _ = stream.wait();
+        let l = self.log();
+        assert!(saw_503, "{name}: /health should answer 503 once the pipeline is lost:\n{l}");
+        assert!(!status.success() && took < Duration::from_secs(25), "{name}: {status:?} after {took:?}:\n{l}");
+        assert!(l.contains("pipeline stopped") && l.contains("stage 0"), "{name}: {l}");
+        let clean = (0..20).any(|_| {
+            let left = hosts.pids(0).len() + hosts.pids(1).len();
+            std::thread::sleep(Duration::from_millis(500));
+            left == 0
+        });
+        assert!(clean, "{name}: processes left: {:?} {:?}", hosts.pids(0), hosts.pids(1));
+    }
+}
+
 /// `m3c serve` with its first stage on another host, driven by OpenAI's
 /// client on the front's host: a text completion and an image chat give
-/// `m3c run`'s answers. Then the remote stage is killed mid-stream:
+/// `m3c run`'s answers. Then, under a stream, the remote stage is killed,
+/// and (a second server) the remote host's link is cut: each time
 /// `/health` answers 503, the server exits with an error, and no process
 /// is left on either host.
 #[test]
@@ -251,80 +337,32 @@ fn serve_across_hosts_answers_as_one_host_and_fails_cleanly() {
     let (out_s, model_s) = (out.to_str().unwrap(), model.to_str().unwrap());
     let serve =
         [bin.to_str().unwrap(), "serve", out_s, "--model", model_s, "--port", "0", "--served-model-name", "tiny", "--timeout-s", "3"];
-    let mut server = hosts.spawn(0, &serve, Duration::from_secs(300));
-    let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
-    let (tx, rx) = std::sync::mpsc::channel();
-    let (err, l) = (server.stderr.take().unwrap(), log.clone());
-    std::thread::spawn(move || {
-        use std::io::BufRead;
-        for line in std::io::BufReader::new(err).lines().map_while(Result::ok) {
-            if let Some(i) = line.find("http://127.0.0.1:") {
-                let _ = tx.send(line[i + 17..].chars().take_while(char::is_ascii_digit).collect::<String>());
-            }
-            l.lock().unwrap().push_str(&(line + "\n"));
-        }
-    });
-    let port = rx.recv_timeout(Duration::from_secs(90)).unwrap_or_else(|_| panic!("serve did not start:\n{}", log.lock().unwrap()));
-    let base = format!("http://127.0.0.1:{port}/v1");
-    let health = || {
-        let url = format!("http://127.0.0.1:{port}/health");
-        let o = hosts.run(0, &["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-m", "5", &url], Duration::from_secs(10));
-        String::from_utf8_lossy(&o.stdout).trim().parse::<u16>().unwrap_or(0)
-    };
-    let t0 = std::time::Instant::now();
-    while health() != 200 {
-        assert!(t0.elapsed() < Duration::from_secs(90), "/health never answered 200:\n{}", log.lock().unwrap());
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let python = crate::serve::python();
-    let client = m3c_tests::root().join("tests/serve/client.py");
+    let server = RemoteServer::start(&hosts, &serve);
+    let (python, client) = (crate::serve::python(), m3c_tests::root().join("tests/serve/client.py"));
+    let base = server.base();
     let call = |args: &[&str]| -> serde_json::Value {
         let cmd = [&[python.to_str().unwrap(), client.to_str().unwrap(), &base, "tiny"][..], args].concat();
         let o = hosts.run(0, &cmd, Duration::from_secs(120));
-        assert!(o.status.success(), "client {args:?}: {}\n{}", stderr(&o), log.lock().unwrap());
+        assert!(o.status.success(), "client {args:?}: {}\n{}", stderr(&o), server.log());
         serde_json::from_str(m3c_tests::stdout(&o).lines().last().unwrap_or("")).unwrap()
     };
     let got = call(&["complete", prompt, r#"{"max_tokens": 8, "temperature": 0.8, "seed": 5, "extra_body": {"ignore_eos": true}}"#]);
     assert_eq!((got["whole"].as_str(), got["streamed"].as_str()), (Some(want_text.as_str()), Some(want_text.as_str())), "completion");
     let got = call(&["image_chat", png.to_str().unwrap(), user]);
     assert_eq!(got["text"].as_str(), Some(want_image.trim_start_matches('\n')), "image chat");
-    let l = log.lock().unwrap().clone();
+    let l = server.log();
     let banner = l.lines().find(|l| l.starts_with("m3c stage 0/2:") && l.contains("kernel thread(s)"));
     assert!(banner.is_some_and(|b| b.ends_with(&format!("on host {}", hosts.ns(1)))), "stage 0 is not on host 1:\n{l}");
 
-    // A stream, then the remote first stage killed under it.
-    let cmd = [python.to_str().unwrap(), client.to_str().unwrap(), &base, "tiny", "stream"];
-    let mut stream = hosts.spawn(0, &cmd, Duration::from_secs(120));
-    let mut first = String::new();
-    std::io::BufRead::read_line(&mut std::io::BufReader::new(stream.stdout.as_mut().unwrap()), &mut first).unwrap();
-    for p in hosts.pids(1) {
-        if std::fs::read_to_string(format!("/proc/{p}/cmdline")).is_ok_and(|c| c.contains("stage-0")) {
-            let _ = std::process::Command::new("kill").args(["-9", &p]).status();
+    server.fails_cleanly(&hosts, "killed remote stage", || {
+        for p in hosts.pids(1) {
+            if std::fs::read_to_string(format!("/proc/{p}/cmdline")).is_ok_and(|c| c.contains("stage-0")) {
+                let _ = std::process::Command::new("kill").args(["-9", &p]).status();
+            }
         }
-    }
-    let t0 = std::time::Instant::now();
-    let mut saw_503 = false;
-    while t0.elapsed() < Duration::from_secs(20) && server.try_wait().unwrap().is_none() {
-        if health() == 503 {
-            saw_503 = true;
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let status = server.wait().unwrap();
-    let took = t0.elapsed();
-    eprintln!("serve, killed remote stage: the server ended {:.1} s after the fault", took.as_secs_f64());
-    let _ = stream.wait();
-    let l = log.lock().unwrap().clone();
-    assert!(saw_503, "/health should answer 503 once the remote stage is lost:\n{l}");
-    assert!(!status.success() && took < Duration::from_secs(25), "{status:?} after {took:?}:\n{l}");
-    assert!(l.contains("pipeline stopped"), "{l}");
-    let clean = (0..20).any(|_| {
-        let left = hosts.pids(0).len() + hosts.pids(1).len();
-        std::thread::sleep(Duration::from_millis(500));
-        left == 0
     });
-    assert!(clean, "processes left: {:?} {:?}", hosts.pids(0), hosts.pids(1));
+    // The cut last: it leaves the link down.
+    RemoteServer::start(&hosts, &serve).fails_cleanly(&hosts, "cut link", || hosts.cut(1));
 }
 
 /// Before the job starts every host is checked, through mpirun with the
