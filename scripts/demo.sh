@@ -23,6 +23,12 @@ echo "== m3c run: 4 MPI ranks, one per stage, greedy decoding of 16 tokens of te
 echo "   (the weights are random: the text is noise; the path is the real one)"
 $M3C run "$work/pp4" --model "$work/tiny" --prompt "$PROMPT" --max-new-tokens 16 --dump "$work/pp4.safetensors" | tee "$work/pp4.txt"
 echo
+echo "== the pipeline's timeline: four prompts in flight through the four stages (--trace, m3c report)"
+$M3C run "$work/pp4" --model "$work/tiny" --prompt "$PROMPT" --prompt "The tallest mountain is" --prompt "Water boils at" \
+  --prompt "The largest ocean is" --max-new-tokens 16 --trace "$work/pp4.trace.json" >/dev/null 2>&1
+$M3C report "$work/pp4.trace.json"
+echo "   (the trace opens in Perfetto or chrome://tracing; this demo removes its folder at the end)"
+echo
 echo "== the same model compiled as one stage"
 $M3C compile --model "$work/tiny" --pp 1 -o "$work/pp1" >/dev/null
 $M3C run "$work/pp1" --model "$work/tiny" --prompt "$PROMPT" --max-new-tokens 16 --dump "$work/pp1.safetensors" 2>/dev/null | tee "$work/pp1.txt"

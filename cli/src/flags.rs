@@ -37,6 +37,9 @@ pub(crate) struct PlanArgs {
     /// Write the plan here instead of standard output.
     #[arg(short = 'o', long = "out", value_name = "PLAN.yaml")]
     pub(crate) out: Option<PathBuf>,
+    /// Also draw the plan (made or checked): per stage its layers, weight and KV memory against the GPU's, and its predicted step time.
+    #[arg(long, value_name = "FILE.svg")]
+    pub(crate) svg: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -138,6 +141,9 @@ pub(crate) struct RunArgs {
     /// Write prompt_ids, prefill_logits, generated_ids and decode_logits here (several prompts: FILE.p0.safetensors, ...).
     #[arg(long, value_name = "FILE.safetensors")]
     pub(crate) dump: Option<PathBuf>,
+    /// Record every stage's timeline (steps, sends, receives, waits) into this Chrome trace file (Perfetto, chrome://tracing; `m3c report` reads it).
+    #[arg(long, value_name = "FILE.json")]
+    pub(crate) trace: Option<PathBuf>,
     /// Sequences per micro-batch (default: the prompts shared evenly over the stages).
     #[arg(long, value_name = "SEQS", value_parser = positive_count)]
     pub(crate) micro_batch: Option<usize>,

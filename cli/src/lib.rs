@@ -42,6 +42,26 @@ enum Command {
     Run(Box<RunArgs>),
     /// Serve a compiled OUT folder over HTTP with OpenAI's API (completions, chat), batching requests continuously.
     Serve(Box<ServeArgs>),
+    /// Read a trace of `m3c run --trace`: each stage's busy share and waits, the pipeline's bubble, and optionally a timeline picture.
+    Report {
+        /// The Chrome trace file.
+        trace: PathBuf,
+        /// Also draw the timeline as a Gantt chart (one row per stage, micro-batches coloured apart).
+        #[arg(long, value_name = "FILE.svg")]
+        svg: Option<PathBuf>,
+        /// Put the plan's predicted step times (its cost model, at --batch and --context) beside the measured ones.
+        #[arg(long, value_name = "PLAN.yaml")]
+        plan: Option<PathBuf>,
+        /// With --plan: the GPU profile of the prediction.
+        #[arg(long, default_value = "H200")]
+        gpu: String,
+        /// With --plan: sequences per decode step.
+        #[arg(long, default_value_t = 1)]
+        batch: usize,
+        /// With --plan: context length of the prediction.
+        #[arg(long, default_value_t = 4096)]
+        context: usize,
+    },
     /// Write a random tiny MiniMax-M3 checkpoint (hub layout) into a new folder.
     InitTiny {
         /// The folder to create.
@@ -72,6 +92,25 @@ enum Command {
         #[arg(long, default_value_t = 96)]
         projector_hidden: usize,
     },
+}
+
+/// `m3c report`: the trace's per-stage table (and the plan's prediction
+/// beside it), and the timeline as SVG.
+fn report(trace: &Path, svg: Option<&Path>, plan: Option<&Path>, gpu: &str, batch: usize, context: usize) -> Result<()> {
+    let text = m3c_contract::read_user_file(trace, "trace", 1 << 30)?;
+    let t = m3c_front::trace::Timeline::parse(&text).with_context(|| format!("{}: not a trace of `m3c run --trace`", trace.display()))?;
+    if t.stages.is_empty() {
+        bail!("{}: the trace has no steps", trace.display());
+    }
+    say(&t.table())?;
+    if let Some(p) = plan {
+        say(&plan_cmd::predicted_beside(p, &t, gpu, batch, context)?)?;
+    }
+    if let Some(out) = svg {
+        m3c_compiler::fsutil::write_file_atomically(out, t.svg().as_bytes())?;
+        say(&format!("wrote {}\n", out.display()))?;
+    }
+    Ok(())
 }
 
 /// Writes to standard output. A closed pipe ends the process quietly by
@@ -107,6 +146,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Plan(args) => plan_cmd::plan_cmd(args),
         Command::Compile(args) => compile_cmd::compile_cmd(args),
         Command::Run(args) => run_cmd::run_cmd(*args),
+        Command::Report { trace, svg, plan, gpu, batch, context } => report(&trace, svg.as_deref(), plan.as_deref(), &gpu, batch, context),
         Command::Serve(a) => {
             if !(a.kv_budget > 0.0 && a.kv_budget <= 1e6) {
                 bail!("--kv-budget {}: expected a positive number of GB (at most 1e6)", a.kv_budget);

@@ -39,7 +39,8 @@ pub(crate) fn plan_cmd(args: PlanArgs) -> Result<()> {
             p.check_pp(file, pp)?;
         }
         say(&format!("{}: valid plan, {} stages, target {}\n", file.display(), p.stages.len(), p.target))?;
-        return say(&plan::table(&src.config, &p, &gpu, w));
+        say(&plan::table(&src.config, &p, &gpu, w))?;
+        return write_svg(&args, &src.config, &p, &gpu, w);
     }
     let model = args.model.as_ref().context("--model is required (a checkpoint folder or config.json)")?;
     let pp = args.pp.context("--pp N is required to make a plan (or --check PLAN.yaml to check one)")?;
@@ -49,6 +50,7 @@ pub(crate) fn plan_cmd(args: PlanArgs) -> Result<()> {
     }
     let target = if args.target == "cuda" { Target::Cuda { arch: args.arch.clone() } } else { Target::Host };
     let p = plan::make_plan(&src.config, pp, &gpu, w, target)?;
+    write_svg(&args, &src.config, &p, &gpu, w)?;
     let table = plan::table(&src.config, &p, &gpu, w);
     let header = format!(
         "m3c partition plan for {}, made by `m3c plan --pp {pp} --batch {} --context {} --kv-cache {} --gpu {}`",
@@ -92,4 +94,49 @@ fn relative_to(target: &Path, base: &Path) -> String {
         r.push(c);
     }
     r.display().to_string()
+}
+
+/// `--svg`: the plan's picture.
+fn write_svg(args: &PlanArgs, cfg: &m3c_compiler::config::ModelConfig, p: &plan::Plan, gpu: &GpuProfile, w: Workload) -> Result<()> {
+    if let Some(out) = &args.svg {
+        m3c_compiler::fsutil::write_file_atomically(out, plan::plan_svg(cfg, p, gpu, w).as_bytes())?;
+        eprintln!("wrote {}", out.display());
+    }
+    Ok(())
+}
+
+/// The plan's predicted decode step per stage (its cost model on `gpu` at
+/// `batch` and `context`) beside the trace's measured mean decode step.
+pub(crate) fn predicted_beside(
+    plan_file: &Path,
+    t: &m3c_front::trace::Timeline,
+    gpu: &str,
+    batch: usize,
+    context: usize,
+) -> Result<String> {
+    let gpu =
+        GpuProfile::named(gpu).with_context(|| format!("--gpu {gpu}: unknown GPU; known: {}", GpuProfile::known_names().join(", ")))?;
+    let model = plan::plan_model(plan_file)?.with_context(|| format!("{}: the plan names no `model:`", plan_file.display()))?;
+    let src = ModelSource::open(&model)?;
+    let p = plan::load_plan(plan_file, Some(&src.config))?;
+    if p.stages.len() != t.stages.len() {
+        bail!("{}: {} stages, but the trace has {}", plan_file.display(), p.stages.len(), t.stages.len());
+    }
+    let w = Workload { batch: batch.max(1), context: context.max(1), kv_cache: storage("f32") };
+    let predicted = plan::stage_costs(&src.config, &p, &gpu, w);
+    let measured = t.mean_steps("decode");
+    let mut o = format!("predicted ({} at batch {batch}, context {context}) beside measured decode steps:\n", gpu.name);
+    o += &format!("{:<6} {:<32} {:>14} {:>13} {:>8}\n", "stage", "holds", "predicted ms", "measured ms", "ratio");
+    for (k, (s, c)) in p.stages.iter().zip(&predicted).enumerate() {
+        let m = measured.get(&k).map(|us| us / 1e3);
+        o += &format!(
+            "{:<6} {:<32} {:>14.4} {:>13} {:>8}\n",
+            k,
+            s.describe(),
+            c.time * 1e3,
+            m.map_or("-".into(), |m| format!("{m:.4}")),
+            m.map_or("-".into(), |m| format!("{:.2}", m / (c.time * 1e3).max(1e-12)))
+        );
+    }
+    Ok(o)
 }

@@ -140,13 +140,20 @@ fn run_grammar(args: &RunArgs, eos: &[i64], think_end: Option<u32>) -> Result<Op
     Ok(Some((text, think_end.filter(|_| thinks).map(i64::from))))
 }
 
-pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
-    let compiled = m3c_front::launch::Compiled::open(&args.out, &args.model)?;
-    if let Some(d) = &args.dump {
-        m3c_compiler::fsutil::check_replaceable_file(d).context("--dump")?;
-    }
-    // Text prompts become ids here; the stages only see ids.
-    // A --prompts file of JSON lines is text too; one of ids goes to the stages as it is.
+/// The run's prompts as the stages take them: ids (the flags', then a
+/// file's), then the texts and chats encoded; each repeated for `-n`
+/// choices, with its images.
+struct Inputs {
+    prompts: Vec<Vec<i64>>,
+    images: BTreeMap<usize, SeqImages>,
+    /// The text front, when any prompt is text (its output is streamed as text).
+    text: Option<m3c_front::text::front::Encoded>,
+    choices: usize,
+}
+
+/// Reads every prompt source of the run, checks each prompt against the
+/// model's context, and processes the images.
+fn inputs(args: &RunArgs, compiled: &m3c_front::launch::Compiled) -> Result<Inputs> {
     // A --prompts file: chats and texts (JSONL), or ids, one prompt a line.
     let (jsonl, ids_file) = match &args.prompts {
         Some(f) => {
@@ -163,45 +170,76 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
     if !ids_file.is_empty() && !args.prompt_ids.is_empty() {
         bail!("give --prompt-ids or a --prompts file of ids, not both");
     }
-    let text_in = if args.prompt.is_empty() && args.chat.is_empty() && jsonl.is_none() {
-        None
-    } else {
-        let thinking = args.thinking.as_deref().map(|t| match t {
-            "enabled" => m3c_front::text::ThinkingMode::Enabled,
-            "disabled" => m3c_front::text::ThinkingMode::Disabled,
-            _ => m3c_front::text::ThinkingMode::Adaptive,
-        });
-        let req = m3c_front::text::front::TextRequest {
-            prompts: &args.prompt,
-            chats: &args.chat,
-            system: args.system.as_deref(),
-            thinking,
-            chat_images: args.image.len(),
-        };
-        let mut enc = m3c_front::text::front::encode(&args.model, &req)?;
-        if let Some((file, text)) = &jsonl {
-            m3c_front::text::front::encode_jsonl(&args.model, file, text, &mut enc)?;
-            if enc.ids.is_empty() {
-                bail!("--prompts {}: no prompts in it", file.display());
-            }
-        }
-        if let Some(i) = enc.ids.iter().position(|p| p.is_empty()) {
-            bail!("prompt {i} is empty: it has no tokens to continue from");
-        }
-        Some(enc)
-    };
+    // Text prompts become ids here; the stages only see ids.
+    let mut text = text_prompts(args, jsonl.as_ref())?;
     // Images: processed here, expanded into (or checked against) the one
     // prompt they belong to, and handed to the stage that encodes them.
-    let mut text_in = text_in;
-    let images = image_prompt(&args, text_in.as_mut(), &compiled.manifest)?;
+    let images = image_prompt(args, text.as_mut(), &compiled.manifest)?;
     let choices = usize::from(args.choices);
     // Choice C of prompt P is sequence P·n + C, with P's images.
-    let images: BTreeMap<usize, SeqImages> =
-        images.into_iter().flat_map(|(seq, im)| (0..choices).map(move |c| (seq * choices + c, im.clone()))).collect();
-    if let Some(t) = text_in.as_mut() {
+    let images = images.into_iter().flat_map(|(seq, im)| (0..choices).map(move |c| (seq * choices + c, im.clone()))).collect();
+    if let Some(t) = text.as_mut() {
         t.repeat_each(choices);
     }
-    // Sampling: the flags, else the checkpoint's defaults, else greedy.
+    let mut prompts: Vec<Vec<i64>> = args
+        .prompt_ids
+        .iter()
+        .map(|p| m3c_contract::prompts::parse_ids(p, "--prompt-ids").map_err(|e| anyhow::anyhow!(e)))
+        .collect::<Result<Vec<_>>>()?
+        .into_iter()
+        .chain(ids_file)
+        .flat_map(|p| std::iter::repeat_n(p, choices))
+        .collect();
+    prompts.extend(text.iter().flat_map(|t| &t.ids).map(|p| p.iter().map(|&i| i64::from(i)).collect::<Vec<_>>()));
+    if prompts.is_empty() {
+        bail!("no prompt: give --prompt-ids, --prompt, --chat or --prompts");
+    }
+    // One more position than the tokens: the cache holds the last id too.
+    let ctx = compiled.manifest.max_positions;
+    if let Some((i, p)) = prompts.iter().enumerate().find(|(_, p)| p.len().checked_add(args.max_new_tokens).is_none_or(|n| n >= ctx)) {
+        bail!(
+            "prompt {i}: {} tokens + --max-new-tokens {} exceed the model's {ctx} positions (max_position_embeddings)",
+            p.len(),
+            args.max_new_tokens
+        );
+    }
+    Ok(Inputs { prompts, images, text, choices })
+}
+
+/// `--prompt`, `--chat` and a JSONL `--prompts` file through the tokenizer
+/// and chat template (`None`: the run has no text prompt).
+fn text_prompts(args: &RunArgs, jsonl: Option<&(PathBuf, String)>) -> Result<Option<m3c_front::text::front::Encoded>> {
+    if args.prompt.is_empty() && args.chat.is_empty() && jsonl.is_none() {
+        return Ok(None);
+    }
+    let thinking = args.thinking.as_deref().map(|t| match t {
+        "enabled" => m3c_front::text::ThinkingMode::Enabled,
+        "disabled" => m3c_front::text::ThinkingMode::Disabled,
+        _ => m3c_front::text::ThinkingMode::Adaptive,
+    });
+    let req = m3c_front::text::front::TextRequest {
+        prompts: &args.prompt,
+        chats: &args.chat,
+        system: args.system.as_deref(),
+        thinking,
+        chat_images: args.image.len(),
+    };
+    let mut enc = m3c_front::text::front::encode(&args.model, &req)?;
+    if let Some((file, text)) = jsonl {
+        m3c_front::text::front::encode_jsonl(&args.model, file, text, &mut enc)?;
+        if enc.ids.is_empty() {
+            bail!("--prompts {}: no prompts in it", file.display());
+        }
+    }
+    if let Some(i) = enc.ids.iter().position(|p| p.is_empty()) {
+        bail!("prompt {i} is empty: it has no tokens to continue from");
+    }
+    Ok(Some(enc))
+}
+
+/// The run's sampling: the flags, else the checkpoint's defaults, else
+/// greedy; and the EOS ids that stop a sequence. Says which on stderr.
+fn sampling(args: &RunArgs) -> Result<(m3c_contract::sampling::SamplingParams, Vec<i64>)> {
     let defaults = m3c_front::text::generation::GenerationDefaults::from_dir(&args.model)?;
     let flags = m3c_contract::sampling::SamplingOverrides {
         temperature: args.temperature,
@@ -215,7 +253,7 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
     };
     let sampling = flags.or(defaults.sampling).over(m3c_contract::sampling::SamplingParams::GREEDY);
     sampling.check().map_err(|e| anyhow::anyhow!("{e} (from the flags or {}/generation_config.json)", args.model.display()))?;
-    let eos: &[i64] = if args.ignore_eos { &[] } else { &defaults.eos_ids };
+    let eos: Vec<i64> = if args.ignore_eos { Vec::new() } else { defaults.eos_ids.clone() };
     eprintln!(
         "m3c: {}; {}{}",
         if sampling.temperature == 0.0 {
@@ -235,34 +273,16 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
         if eos.is_empty() { "no EOS stop".to_string() } else { format!("stops on EOS id(s) {eos:?}") },
         if defaults.sources.is_empty() { String::new() } else { format!(" (defaults from {})", defaults.sources.join(", ")) }
     );
-    // The prompts: the ids (flags, then a file's), then the texts and chats.
-    let mut prompts: Vec<Vec<i64>> = args
-        .prompt_ids
-        .iter()
-        .map(|p| m3c_contract::prompts::parse_ids(p, "--prompt-ids").map_err(|e| anyhow::anyhow!(e)))
-        .collect::<Result<Vec<_>>>()?
-        .into_iter()
-        .chain(ids_file)
-        .flat_map(|p| std::iter::repeat_n(p, choices))
-        .collect();
-    prompts.extend(text_in.iter().flat_map(|t| &t.ids).map(|p| p.iter().map(|&i| i64::from(i)).collect::<Vec<_>>()));
-    if prompts.is_empty() {
-        bail!("no prompt: give --prompt-ids, --prompt, --chat or --prompts");
-    }
-    // One more position than the tokens: the cache holds the last id too.
-    let ctx = compiled.manifest.max_positions;
-    if let Some((i, p)) = prompts.iter().enumerate().find(|(_, p)| p.len().checked_add(args.max_new_tokens).is_none_or(|n| n >= ctx)) {
-        bail!(
-            "prompt {i}: {} tokens + --max-new-tokens {} exceed the model's {ctx} positions (max_position_embeddings)",
-            p.len(),
-            args.max_new_tokens
-        );
-    }
-    // The stage command line: every stage gets the same arguments. The
-    // prompts and images go to the first stage on its standard input, so
-    // that no stage reads a file of this machine's.
+    Ok((sampling, eos))
+}
+
+/// The stage command line: every stage gets the same arguments. The
+/// prompts and images go to the first stage on its standard input
+/// (`--stdin-prompts`), so that no stage reads a file of this machine's.
+fn stage_args(args: &RunArgs, inputs: &Inputs) -> Result<StageArgs> {
+    let (sampling, eos) = sampling(args)?;
     let mut stage = StageArgs::new(args.model.clone());
-    stage.stdin_prompts = Some(prompts.len());
+    stage.stdin_prompts = Some(inputs.prompts.len());
     stage.max_new_tokens = args.max_new_tokens;
     stage.dump = args.dump.clone();
     stage.expect = args.expect.clone();
@@ -272,29 +292,49 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
     stage.cuda_graphs = args.gpu.graphs();
     stage.prefill_gemm_cublas = args.gpu.gemm_cublas();
     stage.sampling = sampling;
-    stage.eos_ids = eos.to_vec();
     stage.stops = args.stop.iter().map(|s| s.as_bytes().to_vec()).collect();
-    stage.stream_ids = text_in.is_some();
+    stage.stream_ids = inputs.text.is_some();
     stage.logprobs = args.logprobs;
-    let think_end = text_in.as_ref().and_then(|t| t.tokenizer.token_id("</mm:think>"));
-    stage.grammar = run_grammar(&args, eos, think_end)?;
+    stage.trace = args.trace.is_some();
+    let think_end = inputs.text.as_ref().and_then(|t| t.tokenizer.token_id("</mm:think>"));
+    stage.grammar = run_grammar(args, &eos, think_end)?;
+    stage.eos_ids = eos;
     // A JSONL line's own sampling fields, over the run's; choice C of a
     // prompt draws from its seed + C (OpenAI's `n`, as `m3c serve` does).
-    let lines = text_in.as_ref().map_or(&[][..], |t| &t.overrides[..]);
-    for seq in 0..prompts.len() {
+    let lines = inputs.text.as_ref().map_or(&[][..], |t| &t.overrides[..]);
+    for seq in 0..inputs.prompts.len() {
         let o = lines.get(seq).copied().unwrap_or_default();
-        if o.is_empty() && choices == 1 {
+        if o.is_empty() && inputs.choices == 1 {
             continue;
         }
         let mut p = o.over(sampling);
-        p.check().map_err(|e| anyhow::anyhow!("--prompts: prompt {}: {e}", seq / choices))?;
-        p.seed = p.seed.wrapping_add((seq % choices) as u64);
+        p.check().map_err(|e| anyhow::anyhow!("--prompts: prompt {}: {e}", seq / inputs.choices))?;
+        p.seed = p.seed.wrapping_add((seq % inputs.choices) as u64);
         stage.seq_sampling.push((seq, p));
     }
+    Ok(stage)
+}
+
+pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
+    let compiled = m3c_front::launch::Compiled::open(&args.out, &args.model)?;
+    if let Some(d) = &args.dump {
+        m3c_compiler::fsutil::check_replaceable_file(d).context("--dump")?;
+    }
+    if let Some(t) = &args.trace {
+        // Checked now, not after the whole run.
+        if let Some(dir) = t.parent().filter(|d| !d.as_os_str().is_empty() && !d.is_dir()) {
+            bail!("--trace {}: the folder {} does not exist", t.display(), dir.display());
+        }
+        m3c_compiler::fsutil::check_replaceable_file(t).context("--trace")?;
+    }
+    let inputs = inputs(&args, &compiled)?;
+    let stage = stage_args(&args, &inputs)?;
+    let Inputs { prompts, images, text: text_in, .. } = inputs;
     let frames = stdin_frames(prompts, &images, args.max_new_tokens);
-    let mut cmd = compiled.mpirun(&stage, &args.launch.launch()?)?;
+    let launch = args.launch.launch()?;
+    let mut cmd = compiled.mpirun(&stage, &launch)?;
     cmd.stdin(std::process::Stdio::piped());
-    if text_in.is_some() {
+    if text_in.is_some() || args.trace.is_some() {
         cmd.stdout(std::process::Stdio::piped());
     }
     cmd.stderr(std::process::Stdio::piped());
@@ -317,12 +357,22 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
     let reaper = m3c_front::launch::reap_after_error(&mut child, grace);
     // SIGINT/SIGTERM to m3c are passed on to mpirun, which ends the job.
     let forwarding = m3c_signals::ChildRegistration::new(child.id());
-    let streamed = match (&text_in, child.stdout.take()) {
+    // The trace's lines are taken out of the stages' output; the rest is
+    // the run's (streamed text, or printed as it is).
+    let (output, tap): (Option<Box<dyn std::io::BufRead>>, _) = match child.stdout.take() {
+        Some(pipe) if args.trace.is_some() => {
+            let (rest, tap) = m3c_front::trace::tap(pipe);
+            (Some(Box::new(rest)), Some(tap))
+        }
+        Some(pipe) => (Some(Box::new(std::io::BufReader::new(pipe))), None),
+        None => (None, None),
+    };
+    let streamed = match (&text_in, output) {
         (Some(enc), Some(pipe)) => {
             // A grammar's output ends on an EOS whose text is not the answer's.
             let silent: Vec<u32> =
                 if stage.grammar.is_some() { stage.eos_ids.iter().filter_map(|&e| u32::try_from(e).ok()).collect() } else { Vec::new() };
-            let done = m3c_front::text::front::stream(std::io::BufReader::new(pipe), enc, &args.stop, &silent, std::io::stdout().lock());
+            let done = m3c_front::text::front::stream(pipe, enc, &args.stop, &silent, std::io::stdout().lock());
             if done.is_err() {
                 // Nobody reads the pipe any more: end the job rather than
                 // leave a stage blocked on a write.
@@ -330,18 +380,40 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
             }
             Some(done)
         }
+        (None, Some(mut pipe)) => {
+            let _ = std::io::copy(&mut pipe, &mut std::io::stdout().lock());
+            None
+        }
         _ => None,
     };
     let status = child.wait().context("waiting for mpirun")?;
-    let _ = reaper.join();
+    let lost = reaper.join().unwrap_or_default();
+    let collected = tap.map(|t| t.join().unwrap_or_default());
     if let Some(sig) = forwarding.received() {
         bail!("interrupted (signal {sig}): the pipeline was stopped");
     }
     drop(forwarding);
+    if let (false, Some(node)) = (status.success(), &lost) {
+        let stages: Vec<String> = compiled.stages_on(node, &launch).iter().map(|k| format!("stage {k}")).collect();
+        let which = if stages.is_empty() { "the stage(s)".to_string() } else { stages.join(" and ") };
+        bail!(
+            "{which} on host {node} was lost: Open MPI lost its daemon there (the host went down or was cut off, or the daemon was killed)"
+        );
+    }
     if !status.success() {
         bail!(
             "the pipeline failed (mpirun exit status {}); the failing stage's message is above",
             status.code().map_or("signal".into(), |c| c.to_string())
+        );
+    }
+    if let (Some(file), Some(c)) = (&args.trace, collected) {
+        let bytes = m3c_front::trace::chrome_json(&c).context("--trace")?;
+        m3c_compiler::fsutil::write_file_atomically(file, &bytes).context("--trace")?;
+        eprintln!(
+            "m3c: wrote the timeline to {} ({} events); `m3c report {}` summarises it",
+            file.display(),
+            c.events.len(),
+            file.display()
         );
     }
     if let Some(done) = streamed {

@@ -60,6 +60,9 @@ pub struct StageArgs {
     /// The grammar every prompt's output must match (`m3c_constrain`'s
     /// text form), and the token after which it starts.
     pub grammar: Option<(String, Option<i64>)>,
+    /// Record every stage's timeline; the first stage prints it at the end
+    /// (`m3c-trace` lines).
+    pub trace: bool,
 }
 
 impl StageArgs {
@@ -88,6 +91,7 @@ impl StageArgs {
             images: None,
             logprobs: None,
             grammar: None,
+            trace: false,
         }
     }
 
@@ -146,6 +150,9 @@ impl StageArgs {
             if let Some(a) = after {
                 flag("--grammar-after", a.to_string());
             }
+        }
+        if self.trace {
+            out.push("--trace".into());
         }
         if self.stream_ids {
             out.push("--stream-ids".into());
@@ -214,6 +221,7 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
     let mut cuda_graphs = true;
     let mut prefill_gemm_cublas = false;
     let mut stream_ids = false;
+    let mut trace = false;
     let mut sampling = SamplingParams::GREEDY;
     let mut eos_ids = Vec::new();
     let mut stops = Vec::new();
@@ -254,6 +262,7 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
                 }
             }
             "--stream-ids" => stream_ids = true,
+            "--trace" => trace = true,
             "--images" => images = Some(PathBuf::from(value("--images")?)),
             "--serve" => serve = true,
             "--eos-ids" => eos_ids = parse_ids(&value("--eos-ids")?, "--eos-ids")?,
@@ -334,6 +343,7 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
             (None, Some(_)) => return Err("--grammar-after needs --grammar".into()),
             (None, None) => None,
         },
+        trace,
     })
 }
 
@@ -368,6 +378,7 @@ mod tests {
         a.stops = vec![b"\n\n".to_vec(), vec![0xff, 0]];
         a.dump = Some(PathBuf::from("d.safetensors"));
         a.images = Some(PathBuf::from("/tmp/i.safetensors"));
+        a.trace = true;
         assert_eq!(StageArgs::parse(&a.to_args()), Ok(a.clone()));
         let mut s = StageArgs::new(PathBuf::from("m"));
         s.serve = true;

@@ -102,6 +102,18 @@ impl Compiled {
         }))
     }
 
+    /// The stages placed on `node` (a plan host, or by the launch's
+    /// hostfile filled in order, slot by slot).
+    pub fn stages_on(&self, node: &str, launch: &Launch) -> Vec<usize> {
+        let by_file = launch.hostfile.as_deref().and_then(hostfile_slots).unwrap_or_default();
+        (0..self.stages)
+            .filter(|&k| match &self.manifest.stages[k].host {
+                Some(h) => h == node,
+                None => by_file.get(k).is_some_and(|h| h == node),
+            })
+            .collect()
+    }
+
     /// Whether the job may leave this machine: a stage names a host, or
     /// the launch places ranks (a hostfile, or mpirun's own host options).
     pub fn spans_hosts(&self, launch: &Launch) -> bool {
@@ -169,9 +181,14 @@ impl Compiled {
             }
         }
         let mut problems = Vec::new();
+        let by_file = launch.hostfile.as_deref().and_then(hostfile_slots).unwrap_or_default();
         for (k, h) in heard.iter().enumerate() {
             let exe = self.out.join(format!("stage-{k}"));
-            let placed = self.manifest.stages[k].host.as_deref().map_or("placed by mpirun".to_string(), |h| format!("plan host `{h}`"));
+            let placed = match (&self.manifest.stages[k].host, by_file.get(k)) {
+                (Some(h), _) => format!("plan host `{h}`"),
+                (None, Some(h)) => format!("hostfile host `{h}`"),
+                (None, None) => "placed by mpirun".to_string(),
+            };
             match h {
                 Some((_, v)) if v == "ok" => {}
                 Some((host, v)) if v == "no-exe" => {
@@ -276,8 +293,9 @@ echo "m3c-preflight $k $h $v""#;
 /// mpirun (SIGKILL) when it has not ended `grace` after a stage reported a
 /// fatal error: a launcher that lost a host can wait on it for minutes
 /// after the stages have given up. The caller waits for the child as
-/// usual, then joins the returned thread.
-pub fn reap_after_error(child: &mut std::process::Child, grace: std::time::Duration) -> std::thread::JoinHandle<()> {
+/// usual, then joins the returned thread, which returns the node whose
+/// Open MPI daemon mpirun lost, if it said so.
+pub fn reap_after_error(child: &mut std::process::Child, grace: std::time::Duration) -> std::thread::JoinHandle<Option<String>> {
     use std::io::{BufRead, Write};
     use std::sync::{Arc, Mutex};
     let pid = child.id() as libc::pid_t;
@@ -285,19 +303,25 @@ pub fn reap_after_error(child: &mut std::process::Child, grace: std::time::Durat
     let failed_at: Arc<Mutex<Option<std::time::Instant>>> = Arc::default();
     let seen = failed_at.clone();
     let reader = std::thread::spawn(move || {
-        let Some(e) = stderr else { return };
+        let mut lost = None;
+        let Some(e) = stderr else { return lost };
         for line in std::io::BufReader::new(e).lines().map_while(Result::ok) {
             let _ = writeln!(std::io::stderr(), "{line}");
             if line.starts_with("m3c stage ") && line.contains(": error: ") {
                 seen.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert_with(std::time::Instant::now);
             }
+            // Open MPI's "  Remote daemon: [[J,0],K] on node HOST".
+            if let Some(node) = line.trim_start().strip_prefix("Remote daemon:").and_then(|r| r.split(" on node ").nth(1)) {
+                lost = Some(node.trim().to_string());
+            }
         }
+        lost
     });
     std::thread::spawn(move || loop {
         std::thread::sleep(std::time::Duration::from_millis(200));
         if reader.is_finished() {
             // The pipe closed: mpirun (and every rank it started here) ended.
-            return;
+            return reader.join().unwrap_or_default();
         }
         let late = failed_at.lock().unwrap_or_else(|p| p.into_inner()).is_some_and(|t| t.elapsed() > grace);
         if late {
@@ -305,8 +329,7 @@ pub fn reap_after_error(child: &mut std::process::Child, grace: std::time::Durat
             // SAFETY: kill has no memory-safety preconditions; the pid is
             // mpirun's, whose pipe is still open, so it has not been reaped.
             unsafe { libc::kill(pid, libc::SIGKILL) };
-            let _ = reader.join();
-            return;
+            return reader.join().unwrap_or_default();
         }
     })
 }
@@ -318,6 +341,21 @@ pub fn spawn_error(e: std::io::Error) -> anyhow::Error {
     } else {
         anyhow::Error::new(e).context("cannot start mpirun")
     }
+}
+
+/// The host of each slot of an Open MPI hostfile (`HOST slots=N` lines, in
+/// order), as its default mapping fills them; `None` when a line gives no
+/// slot count (mpirun would count the host's cores).
+fn hostfile_slots(file: &Path) -> Option<Vec<String>> {
+    let text = std::fs::read_to_string(file).ok()?;
+    let mut out = Vec::new();
+    for line in text.lines().map(|l| l.split('#').next().unwrap_or("").trim()).filter(|l| !l.is_empty()) {
+        let mut words = line.split_whitespace();
+        let host = words.next()?;
+        let slots: usize = words.find_map(|w| w.strip_prefix("slots=")).and_then(|n| n.parse().ok())?;
+        out.extend(std::iter::repeat_n(host.to_string(), slots.min(1 << 16)));
+    }
+    Some(out)
 }
 
 fn is_root() -> bool {

@@ -32,6 +32,7 @@ mod schedule;
 mod serve;
 mod stage;
 mod startup;
+mod trace;
 mod weights;
 mod wire;
 
@@ -64,7 +65,7 @@ fn set_kernel_threads() -> usize {
 }
 
 /// This machine's name, as MPI sees it: across hosts, which stage ran where.
-fn host_name() -> String {
+pub(crate) fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname").map_or_else(|_| "?".into(), |h| h.trim().to_string())
 }
 

@@ -30,6 +30,12 @@ pub fn run(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Stage, args: 
         liveness::fall_silent();
         std::thread::sleep(std::time::Duration::from_secs(3600));
     }
+    let clock_error_us = if args.trace {
+        crate::trace::enable(st.meta.stage);
+        crate::trace::align_clocks(world, peers)?
+    } else {
+        0.0
+    };
     let want_logits = args.dump.is_some() || args.expect.is_some();
     let on_bad = if args.serve { OnNonFinite::EndSequence } else { OnNonFinite::EndRun };
     let eos = args.eos_ids.first().and_then(|&e| u32::try_from(e).ok()).unwrap_or(0);
@@ -55,6 +61,7 @@ pub fn run(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Stage, args: 
         Leader::new(st, batching, args.model.clone()).run(world, peers, st, &mut books, &mut feed)?;
         feed.report(per_batch);
     }
+    crate::trace::gather(world, peers, &crate::host_name(), clock_error_us)?;
     Ok(finish_records(st.meta.last_stage, args, &books.finished, st.meta.vocab))
 }
 

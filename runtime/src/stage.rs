@@ -414,7 +414,7 @@ impl Stage {
                 v.patch_row, v.merge
             )));
         }
-        let t0 = std::time::Instant::now();
+        let (t0, trace_t0) = (std::time::Instant::now(), crate::trace::now_us());
         let rows: Vec<i64> = im.grids.iter().map(|g| (g[0] * g[1] * g[2]) as i64).collect();
         let (ppos, segs) = (im.positions(), im.segment_ends());
         let patches = im.patches();
@@ -467,6 +467,7 @@ impl Stage {
                 device.trim_scratch();
             }
         }
+        crate::trace::vision(trace_t0, seq, patches);
         self.encoded.0 += im.grids.len();
         self.encoded.1 += t0.elapsed().as_secs_f64();
         self.images.insert(seq, SeqImageRows { placeholders, feats });
@@ -585,8 +586,9 @@ impl Stage {
     /// `[S, hidden]` (f32, or bf16 bits two to a word: `x_words` per row),
     /// read unless this is the first stage and written unless it is the last.
     pub fn step(&mut self, segments: &[Segment], ids: &[i64], x: &mut [f32], sample: Option<SampleIn>) -> Result<StepOut, StageError> {
-        let t0 = std::time::Instant::now();
+        let (t0, trace_t0) = (std::time::Instant::now(), crate::trace::now_us());
         let out = self.run_step(segments, ids, x, sample)?;
+        crate::trace::step(trace_t0, segments);
         let dt = t0.elapsed().as_secs_f64();
         let acc = if segments.iter().any(|s| s.pos0 == 0) { &mut self.prefill } else { &mut self.decode };
         acc.0 += 1;

@@ -71,9 +71,11 @@ pub fn parse_msg(m: Vec<u8>) -> Result<Msg, StageError> {
 pub fn recv(world: &SimpleCommunicator, peers: &mut Peers, from: usize, tag: i32) -> Result<Msg, StageError> {
     let p = world.process_at_rank(from as i32);
     let mut spins = 0u32;
+    let waited_from = crate::trace::now_us();
     loop {
         if let Some(m) = p.immediate_matched_probe_with_tag(tag) {
             let (v, _) = m.matched_receive_vec::<u8>();
+            crate::trace::received(waited_from, from, tag, v.len());
             peers.heard(from);
             return parse_msg(v);
         }
@@ -94,6 +96,7 @@ pub fn recv(world: &SimpleCommunicator, peers: &mut Peers, from: usize, tag: i32
 pub fn try_recv(world: &SimpleCommunicator, peers: &mut Peers, from: usize, tag: i32) -> Option<Result<Msg, StageError>> {
     let m = world.process_at_rank(from as i32).immediate_matched_probe_with_tag(tag)?;
     let (v, _) = m.matched_receive_vec::<u8>();
+    crate::trace::received(crate::trace::now_us(), from, tag, v.len());
     peers.heard(from);
     Some(parse_msg(v))
 }
@@ -111,6 +114,7 @@ pub struct Outbox {
 
 impl Outbox {
     pub fn send(&mut self, world: &SimpleCommunicator, to: usize, tag: i32, data: Vec<u8>) {
+        let (t0, bytes) = (crate::trace::now_us(), data.len());
         self.poll();
         let buf: &'static mut [u8] = Box::leak(data.into_boxed_slice());
         let ptr: *mut [u8] = buf;
@@ -118,6 +122,7 @@ impl Outbox {
         // (`poll`/`drain` free it only then) and is never written meanwhile.
         let req = world.process_at_rank(to as i32).immediate_send_with_tag(mpi::request::StaticScope, unsafe { &*ptr }, tag);
         self.pending.push((req, ptr));
+        crate::trace::sent(t0, to, tag, bytes);
     }
 
     /// Frees the buffers of completed sends.

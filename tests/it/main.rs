@@ -19,5 +19,6 @@ mod shared;
 mod text;
 mod tidy;
 mod tiny;
+mod trace;
 mod vision;
 mod weights;

@@ -17,6 +17,30 @@ fn plan_on(model: &std::path::Path, hosts: [&str; 2]) -> String {
     )
 }
 
+/// A pp 2 plan of the tiny fixture with stage 0 on host 1, away from the
+/// front (which runs on host 0), compiled into the hosts' shared folder
+/// (a hostfile cannot put rank 0 away from mpirun's own host: Open MPI
+/// maps its own node first).
+fn remote_first_stage(hosts: &Hosts, name: &str) -> std::path::PathBuf {
+    let plan = hosts.shared().join(format!("{name}.yaml"));
+    std::fs::write(&plan, plan_on(&fixture("tiny-m3"), [hosts.addr(1).as_str(), hosts.addr(0).as_str()])).unwrap();
+    let out = hosts.shared().join(name);
+    let c = m3c(&["compile", "--pp", "2", plan.to_str().unwrap(), "-o", out.to_str().unwrap()]);
+    assert!(c.status.success(), "{}", stderr(&c));
+    out
+}
+
+/// An Open MPI hostfile in the hosts' shared folder that puts stage k on
+/// host `order[k]` (one slot each, filled in order), for the tests' shared
+/// compiles (`crate::shared::out`), whose plans name no host: no test
+/// compiles a pipeline only to place it.
+fn hostfile(hosts: &Hosts, order: &[usize]) -> String {
+    let name = order.iter().map(|i| i.to_string()).collect::<String>();
+    let f = hosts.shared().join(format!("hosts-{name}"));
+    std::fs::write(&f, order.iter().map(|&i| format!("{} slots=1\n", hosts.addr(i))).collect::<String>()).unwrap();
+    f.to_str().unwrap().to_string()
+}
+
 #[test]
 fn a_pipeline_across_two_hosts_gives_the_one_host_bytes() {
     let Some(hosts) = Hosts::new(2) else { return };
@@ -31,46 +55,51 @@ fn a_pipeline_across_two_hosts_gives_the_one_host_bytes() {
     let o = m3c_run(&crate::shared::out("tiny-m3", 1), &model, &a.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(o.status.success(), "{}", stderr(&o));
     let want = std::fs::read(&want).unwrap();
-    // Stage 0 on the front's host, then on the other one.
-    for (name, order) in [("front_first", [0, 1]), ("stage0_remote", [1, 0])] {
-        let plan = hosts.shared().join(format!("{name}.yaml"));
-        std::fs::write(&plan, plan_on(&model, order.map(|i| hosts.addr(i)).each_ref().map(String::as_str))).unwrap();
-        let out = hosts.shared().join(name);
-        let c = m3c(&["compile", "--pp", "2", plan.to_str().unwrap(), "-o", out.to_str().unwrap()]);
-        assert!(c.status.success(), "{}", stderr(&c));
-        let dump = hosts.shared().join(format!("{name}.safetensors"));
-        let bin = m3c_tests::m3c_bin();
-        let mut cmd = vec![bin.to_str().unwrap(), "run", out.to_str().unwrap(), "--model", model.to_str().unwrap()];
-        let a = args(&dump);
-        cmd.extend(a.iter().map(String::as_str));
-        let o = hosts.run(0, &cmd, Duration::from_secs(120));
-        assert!(o.status.success(), "{name}: {}\n{}", String::from_utf8_lossy(&o.stdout), stderr(&o));
-        // Each stage says where it ran: the hosts the plan names.
-        let e = stderr(&o);
-        for (k, &h) in order.iter().enumerate() {
-            let banner = e.lines().find(|l| l.starts_with(&format!("m3c stage {k}/2:")) && l.contains("kernel thread(s)"));
-            assert!(banner.is_some_and(|l| l.ends_with(&format!("on host {}", hosts.ns(h)))), "{name}: stage {k} not on host {h}:\n{e}");
-        }
-        assert!(std::fs::read(&dump).unwrap() == want, "{name}: the dump differs from one host's");
-    }
-    // A plan without hosts, placed by a hostfile, with extra mpirun
-    // options from the environment and the flags (TCP only, here).
-    let hostfile = hosts.shared().join("hosts");
-    std::fs::write(&hostfile, format!("{} slots=1\n{} slots=1\n", hosts.addr(1), hosts.addr(0))).unwrap();
-    let out = crate::shared::out("tiny-m3", 2);
-    let dump = hosts.shared().join("hostfile.safetensors");
+    // The plan's hosts place the stages.
+    let plan = hosts.shared().join("p.yaml");
+    std::fs::write(&plan, plan_on(&model, [hosts.addr(0).as_str(), hosts.addr(1).as_str()])).unwrap();
+    let out = hosts.shared().join("planned");
+    let c = m3c(&["compile", "--pp", "2", plan.to_str().unwrap(), "-o", out.to_str().unwrap()]);
+    assert!(c.status.success(), "{}", stderr(&c));
+    let dump = hosts.shared().join("planned.safetensors");
     let bin = m3c_tests::m3c_bin();
-    let (out_s, model_s, hostfile_s) = (out.to_str().unwrap(), model.to_str().unwrap(), hostfile.to_str().unwrap());
-    let mut cmd = vec![bin.to_str().unwrap(), "run", out_s, "--model", model_s, "--hostfile", hostfile_s];
-    cmd.extend(["--mpirun-arg=--mca", "--mpirun-arg=btl", "--mpirun-arg=tcp,self"]);
+    let mut cmd = vec![bin.to_str().unwrap(), "run", out.to_str().unwrap(), "--model", model.to_str().unwrap()];
     let a = args(&dump);
     cmd.extend(a.iter().map(String::as_str));
-    let o = hosts.run_env(0, &cmd, &[("M3C_MPIRUN_ARGS", "--report-bindings")], Duration::from_secs(120));
+    let o = hosts.run(0, &cmd, Duration::from_secs(120));
+    assert!(o.status.success(), "{}\n{}", String::from_utf8_lossy(&o.stdout), stderr(&o));
+    // Each stage says where it ran: the hosts the plan names.
+    let e = stderr(&o);
+    for k in 0..2 {
+        let banner = e.lines().find(|l| l.starts_with(&format!("m3c stage {k}/2:")) && l.contains("kernel thread(s)"));
+        assert!(banner.is_some_and(|l| l.ends_with(&format!("on host {}", hosts.ns(k)))), "stage {k} not on host {k}:\n{e}");
+    }
+    assert!(std::fs::read(&dump).unwrap() == want, "the planned hosts' dump differs from one host's");
+    // A plan without hosts, placed by a hostfile, with extra mpirun
+    // options from the environment and the flags (TCP only, here).
+    let placed = hostfile(&hosts, &[1, 0]);
+    let out = crate::shared::out("tiny-m3", 2);
+    let dump = hosts.shared().join("hostfile.safetensors");
+    let (out_s, model_s, hostfile_s) = (out.to_str().unwrap(), model.to_str().unwrap(), placed.as_str());
+    let a = args(&dump);
+    let cmd = |iface: &str| {
+        let mut cmd = vec![bin.to_str().unwrap(), "run", out_s, "--model", model_s, "--hostfile", hostfile_s, "--iface", iface];
+        cmd.extend(["--mpirun-arg=--mca", "--mpirun-arg=btl", "--mpirun-arg=tcp,self"]);
+        cmd.extend(a.iter().map(String::as_str));
+        hosts.run_env(0, &cmd, &[("M3C_MPIRUN_ARGS", "--report-bindings")], Duration::from_secs(120))
+    };
+    let o = cmd("eth0");
     assert!(o.status.success(), "hostfile: {}", stderr(&o));
     let e = stderr(&o);
     assert!(e.contains(&format!("on host {}", hosts.ns(1))) && e.contains(&format!("on host {}", hosts.ns(0))), "{e}");
     assert!(e.contains("MCW rank"), "M3C_MPIRUN_ARGS' --report-bindings reached mpirun: {e}");
     assert!(std::fs::read(&dump).unwrap() == want, "hostfile: the dump differs from one host's");
+    // An interface the hosts lack: the pre-flight check says so, at once.
+    let t0 = std::time::Instant::now();
+    let o = cmd("nosuch0");
+    let e = stderr(&o);
+    assert!(!o.status.success() && t0.elapsed() < Duration::from_secs(20), "{e}");
+    assert!(e.contains("the hosts are not ready for this job") && e.contains("nosuch0"), "--iface reached mpirun: {e}");
 }
 
 /// pp 4 on 4 hosts, stage 0 on the front's: the one-host bytes.
@@ -84,25 +113,11 @@ fn a_pipeline_across_four_hosts_gives_the_one_host_bytes() {
     let want = hosts.shared().join("pp1.safetensors");
     let o = m3c_run(&crate::shared::out("tiny-m3", 1), &model, &run_args(&want).each_ref().map(String::as_str));
     assert!(o.status.success(), "{}", stderr(&o));
-    let layers = ["0-1", "2-3", "4-5", "6-7"];
-    let mut plan = format!("version: 1\nmodel: \"{}\"\ntarget: host\nstages:\n", model.display());
-    for (k, l) in layers.iter().enumerate() {
-        plan += &format!("  - layers: \"{l}\"\n    host: \"{}\"\n", hosts.addr(k));
-        plan += if k == 0 {
-            "    embedding: true\n"
-        } else if k == 3 {
-            "    final_norm: true\n    lm_head: true\n"
-        } else {
-            ""
-        };
-    }
-    let (plan_file, out) = (hosts.shared().join("pp4.yaml"), hosts.shared().join("pp4"));
-    std::fs::write(&plan_file, plan).unwrap();
-    let c = m3c(&["compile", "--pp", "4", plan_file.to_str().unwrap(), "-o", out.to_str().unwrap()]);
-    assert!(c.status.success(), "{}", stderr(&c));
+    let out = crate::shared::out("tiny-m3", 4);
     let dump = hosts.shared().join("pp4.safetensors");
     let bin = m3c_tests::m3c_bin();
-    let mut cmd = vec![bin.to_str().unwrap(), "run", out.to_str().unwrap(), "--model", model.to_str().unwrap()];
+    let placed = hostfile(&hosts, &[0, 1, 2, 3]);
+    let mut cmd = vec![bin.to_str().unwrap(), "run", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--hostfile", &placed];
     let a = run_args(&dump);
     cmd.extend(a.iter().map(String::as_str));
     let o = hosts.run(0, &cmd, Duration::from_secs(120));
@@ -132,14 +147,10 @@ fn a_missing_hostfile_is_named() {
 fn a_cut_link_or_a_killed_remote_stage_ends_the_job_on_every_host() {
     let Some(hosts) = Hosts::new(2) else { return };
     let model = fixture("tiny-m3");
-    let plan = hosts.shared().join("p.yaml");
-    std::fs::write(&plan, plan_on(&model, [hosts.addr(0).as_str(), hosts.addr(1).as_str()])).unwrap();
-    let out = hosts.shared().join("out");
-    let c = m3c(&["compile", "--pp", "2", plan.to_str().unwrap(), "-o", out.to_str().unwrap()]);
-    assert!(c.status.success(), "{}", stderr(&c));
+    let out = crate::shared::out("tiny-m3", 2);
     let bin = m3c_tests::m3c_bin();
-    let (out_s, model_s) = (out.to_str().unwrap(), model.to_str().unwrap());
-    let cmd = [bin.to_str().unwrap(), "run", out_s, "--model", model_s, "--prompt-ids", "1,2,3"];
+    let (out_s, model_s, placed) = (out.to_str().unwrap(), model.to_str().unwrap(), hostfile(&hosts, &[0, 1]));
+    let cmd = [bin.to_str().unwrap(), "run", out_s, "--model", model_s, "--hostfile", &placed, "--prompt-ids", "1,2,3"];
     let cmd = [&cmd[..], &["--max-new-tokens", "4090", "--ignore-eos", "--timeout-s", "3"]].concat();
     // Host 1's processes whose command line holds `what`, killed.
     let kill = |what: &str| {
@@ -162,25 +173,9 @@ fn a_cut_link_or_a_killed_remote_stage_ends_the_job_on_every_host() {
         eprintln!("{name}: the job ended {:.1} s after the fault", took.as_secs_f64() - 2.5);
         assert!(!o.status.success() && took < Duration::from_secs(25), "{name}: {:?} after {took:?}:\n{e}", o.status);
         assert!(e.contains("stage 1") || e.contains("stage-1"), "{name}: the lost stage is named:\n{e}");
-        let clean = (0..20).any(|_| {
-            let left = hosts.pids(0).len() + hosts.pids(1).len();
-            std::thread::sleep(Duration::from_millis(500));
-            left == 0
-        });
+        let clean = hosts.quiet(Duration::from_secs(20));
         assert!(clean, "{name}: processes left: {:?} {:?}", hosts.pids(0), hosts.pids(1));
     }
-}
-
-/// A pp 2 plan of the tiny fixture with stage 0 on host 1, away from the
-/// front (which runs on host 0), compiled into the hosts' shared folder.
-fn remote_first_stage(hosts: &Hosts, name: &str) -> std::path::PathBuf {
-    let model = fixture("tiny-m3");
-    let plan = hosts.shared().join(format!("{name}.yaml"));
-    std::fs::write(&plan, plan_on(&model, [hosts.addr(1).as_str(), hosts.addr(0).as_str()])).unwrap();
-    let out = hosts.shared().join(name);
-    let c = m3c(&["compile", "--pp", "2", plan.to_str().unwrap(), "-o", out.to_str().unwrap()]);
-    assert!(c.status.success(), "{}", stderr(&c));
-    out
 }
 
 /// Stage 0 on another host than the front: an image chat's pixels and a
@@ -300,11 +295,7 @@ impl RemoteServer {
         assert!(saw_503, "{name}: /health should answer 503 once the pipeline is lost:\n{l}");
         assert!(!status.success() && took < Duration::from_secs(25), "{name}: {status:?} after {took:?}:\n{l}");
         assert!(l.contains("pipeline stopped") && l.contains("stage 0"), "{name}: {l}");
-        let clean = (0..20).any(|_| {
-            let left = hosts.pids(0).len() + hosts.pids(1).len();
-            std::thread::sleep(Duration::from_millis(500));
-            left == 0
-        });
+        let clean = hosts.quiet(Duration::from_secs(20));
         assert!(clean, "{name}: processes left: {:?} {:?}", hosts.pids(0), hosts.pids(1));
     }
 }
@@ -332,8 +323,8 @@ fn serve_across_hosts_answers_as_one_host_and_fails_cleanly() {
     assert!(o.status.success(), "{}", stderr(&o));
     let want_image = m3c_tests::stdout(&o).strip_suffix('\n').unwrap_or_default().to_string();
 
-    let out = remote_first_stage(&hosts, "serve");
     let bin = m3c_tests::m3c_bin();
+    let out = remote_first_stage(&hosts, "serve");
     let (out_s, model_s) = (out.to_str().unwrap(), model.to_str().unwrap());
     let serve =
         [bin.to_str().unwrap(), "serve", out_s, "--model", model_s, "--port", "0", "--served-model-name", "tiny", "--timeout-s", "3"];
@@ -374,14 +365,11 @@ fn serve_across_hosts_answers_as_one_host_and_fails_cleanly() {
 fn hosts_that_are_not_ready_are_named_before_the_job_starts() {
     let Some(hosts) = Hosts::new(2) else { return };
     let model = fixture("tiny-m3");
-    let plan = hosts.shared().join("p.yaml");
-    std::fs::write(&plan, plan_on(&model, [hosts.addr(0).as_str(), hosts.addr(1).as_str()])).unwrap();
-    let out = hosts.shared().join("out");
-    let c = m3c(&["compile", "--pp", "2", plan.to_str().unwrap(), "-o", out.to_str().unwrap()]);
-    assert!(c.status.success(), "{}", stderr(&c));
+    let out = crate::shared::out("tiny-m3", 2);
     let bin = m3c_tests::m3c_bin();
     let (bin_s, out_s, model_s) = (bin.to_str().unwrap(), out.to_str().unwrap(), model.to_str().unwrap());
-    let job = ["--prompt-ids", "1,2", "--max-new-tokens", "1", "--timeout-s", "3"];
+    let placed = hostfile(&hosts, &[0, 1]);
+    let job = ["--hostfile", &placed, "--prompt-ids", "1,2", "--max-new-tokens", "1", "--timeout-s", "3"];
     let check = |name: &str, cmd: &[&str], want: &[String]| {
         let t0 = std::time::Instant::now();
         let o = hosts.run(0, cmd, Duration::from_secs(60));
@@ -392,11 +380,7 @@ fn hosts_that_are_not_ready_are_named_before_the_job_starts() {
             assert!(e.contains(w.as_str()), "{name}: no `{w}` in:\n{e}");
         }
         assert!(!e.contains("m3c stage 0/2") && !e.contains("m3c stage 1/2"), "{name}: the stages started:\n{e}");
-        let clean = (0..20).any(|_| {
-            let left = hosts.pids(0).len() + hosts.pids(1).len();
-            std::thread::sleep(Duration::from_millis(250));
-            left == 0
-        });
+        let clean = hosts.quiet(Duration::from_secs(20));
         assert!(clean, "{name}: processes left: {:?} {:?}", hosts.pids(0), hosts.pids(1));
     };
     let stage1 = format!("stage 1 on host {}", hosts.ns(1));
@@ -415,5 +399,5 @@ fn hosts_that_are_not_ready_are_named_before_the_job_starts() {
     // Host 1 cut off before the job.
     hosts.cut(1);
     let cmd = [&[bin_s, "run", out_s, "--model", model_s][..], &job].concat();
-    check("a host that never answers", &cmd, &[format!("stage 1 (plan host `{}`): its host did not answer within 3 s", hosts.addr(1))]);
+    check("a host that never answers", &cmd, &[format!("stage 1 (hostfile host `{}`): its host did not answer within 3 s", hosts.addr(1))]);
 }

@@ -172,6 +172,22 @@ impl Hosts {
         ip(&["-n", &self.bridge(), "link", "set", &format!("v{i}"), "down"]);
     }
 
+    /// Whether every host's namespace is empty of processes within `limit`
+    /// (a cut-off host's stage ends itself after the timeout, its Open MPI
+    /// daemon a few seconds later; a loaded machine takes longer).
+    pub fn quiet(&self, limit: Duration) -> bool {
+        let t0 = std::time::Instant::now();
+        loop {
+            if (0..self.n).all(|i| self.pids(i).is_empty()) {
+                return true;
+            }
+            if t0.elapsed() > limit {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+
     /// The processes left in host `i`'s namespace.
     pub fn pids(&self, i: usize) -> Vec<String> {
         let o = Command::new("ip").args(["netns", "pids", &self.ns(i)]).output().expect("ip");

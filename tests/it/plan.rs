@@ -254,3 +254,34 @@ fn vision_weights_count_on_stage_0_and_text_only_models_plan() {
     let o = m3c(&["plan", "--check", out.to_str().unwrap(), "--model", flat.to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
 }
+
+/// `m3c plan --svg`: per stage a weights bar and a KV bar under the GPU's
+/// usable memory, its layers and its predicted step time; a stage over
+/// the memory is drawn red.
+#[test]
+fn the_plan_picture_has_a_bar_per_stage() {
+    let dir = tempfile::tempdir().unwrap();
+    let svg = dir.path().join("p.svg");
+    let o = m3c(&["plan", "--check", configs("minimax-m3-mxfp8.pp4.yaml").to_str().unwrap(), "--svg", svg.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let p = std::fs::read_to_string(&svg).unwrap();
+    assert!(p.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\"") && p.trim_end().ends_with("</svg>"), "{p}");
+    for k in 0..4 {
+        assert!(p.contains(&format!("<title>stage {k} weights ")) && p.contains(&format!("<title>stage {k} KV ")), "stage {k}:\n{p}");
+        assert!(p.contains(&format!(">stage {k}</text>")), "stage {k} label");
+    }
+    assert_eq!(p.matches("(slowest)").count(), 1, "{p}");
+    assert!(!p.contains("#d62728\"><title>"), "the shipped pp 4 plan fits: no red bar\n{p}");
+    // On a smaller GPU the same plan does not fit: its bars turn red.
+    let o = m3c(&[
+        "plan",
+        "--check",
+        configs("minimax-m3-mxfp8.pp4.yaml").to_str().unwrap(),
+        "--gpu-mem",
+        "80",
+        "--svg",
+        svg.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(std::fs::read_to_string(&svg).unwrap().contains("#d62728\"><title>stage"), "over-memory stages are red");
+}

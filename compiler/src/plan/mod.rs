@@ -12,7 +12,7 @@ pub use balance::{balance, brute_force, min_stages, Item, Split};
 pub use cost::{expected_experts, part_costs, GpuProfile, PartCost, Workload, USABLE_MEMORY};
 pub use format::{load_plan, parse_plan, plan_model, valid_arch, valid_host, LayerRange, Plan, PlanError, StagePlan, Target};
 pub use links::Link;
-pub use report::{even_plan, plan_yaml, stage_costs, table, StageCost};
+pub use report::{even_plan, plan_svg, plan_yaml, stage_costs, table, StageCost};
 
 use crate::config::ModelConfig;
 use crate::model::Part;

@@ -216,6 +216,74 @@ fn boundaries(cfg: &ModelConfig, plan: &Plan, w: Workload, slowest: f64, (tu, ts
     o
 }
 
+/// The plan as a picture (SVG): per stage a bar of its memory at the
+/// workload, weights then caches, against the GPU's usable memory (a
+/// dashed line; a stage over it is drawn red), its layers, and its
+/// predicted step time, the slowest marked.
+pub fn plan_svg(cfg: &ModelConfig, plan: &Plan, gpu: &GpuProfile, w: Workload) -> String {
+    let costs = stage_costs(cfg, plan, gpu, w);
+    let cap = gpu.usable_memory();
+    let top = costs.iter().map(|c| c.memory).fold(cap, f64::max) * 1.1;
+    let (slow, _, at) = summary(&costs);
+    let small = costs.iter().all(|c| c.memory < 1e9);
+    let (bu, bs, tu, ts) = if small { ("MB", 1e6, "us", 1e6) } else { ("GB", 1e9, "ms", 1e3) };
+    let (left, bar, gap, chart_h, base) = (60.0, 90.0, 30.0, 300.0, 360.0);
+    let width = left + (bar + gap) * costs.len() as f64 + 40.0;
+    let y = |bytes: f64| base - bytes / top * chart_h;
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="440" viewBox="0 0 {width} 440" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(o, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let _ = writeln!(
+        o,
+        r#"<text x="{left}" y="20">{} stages on {}: memory at batch {}, context {} (weights, KV); predicted step time</text>"#,
+        plan.stages.len(),
+        gpu.name,
+        w.batch,
+        w.context
+    );
+    let _ = writeln!(
+        o,
+        r##"<line x1="{left}" x2="{:.1}" y1="{:.1}" y2="{:.1}" stroke="#d62728" stroke-dasharray="6 4"/><text x="4" y="{:.1}">{:.1} {bu}</text>"##,
+        width - 20.0,
+        y(cap),
+        y(cap),
+        y(cap) + 4.0,
+        cap / bs
+    );
+    for (k, (s, c)) in plan.stages.iter().zip(&costs).enumerate() {
+        let x = left + gap / 2.0 + (bar + gap) * k as f64;
+        let kv = c.memory - c.cost.weight_bytes;
+        let over = c.memory > cap;
+        let (wy, ky) = (y(c.cost.weight_bytes), y(c.memory));
+        let _ = writeln!(
+            o,
+            r##"<rect x="{x:.1}" y="{wy:.1}" width="{bar}" height="{:.1}" fill="{}"><title>stage {k} weights {:.2} {bu}</title></rect>"##,
+            base - wy,
+            if over { "#d62728" } else { "#4e79a7" },
+            c.cost.weight_bytes / bs
+        );
+        let _ = writeln!(
+            o,
+            r##"<rect x="{x:.1}" y="{ky:.1}" width="{bar}" height="{:.1}" fill="#f28e2b"><title>stage {k} KV {:.2} {bu}</title></rect>"##,
+            wy - ky,
+            kv / bs
+        );
+        let mid = x + bar / 2.0;
+        let _ = writeln!(o, r#"<text x="{mid:.1}" y="{:.1}" text-anchor="middle">{:.1} {bu}</text>"#, ky - 6.0, c.memory / bs);
+        let _ = writeln!(o, r#"<text x="{mid:.1}" y="{:.1}" text-anchor="middle">stage {k}</text>"#, base + 16.0);
+        let layers = s.layers.map_or("no layers".to_string(), |r| format!("layers {r}"));
+        let _ = writeln!(o, r#"<text x="{mid:.1}" y="{:.1}" text-anchor="middle">{layers}</text>"#, base + 32.0);
+        let mark = if k == at { " (slowest)" } else { "" };
+        let _ = writeln!(o, r#"<text x="{mid:.1}" y="{:.1}" text-anchor="middle">{:.3} {tu}{mark}</text>"#, base + 48.0, c.time * ts);
+    }
+    let _ = writeln!(o, r#"<text x="{left}" y="434">slowest stage {at}: {:.3} {tu} per step</text>"#, slow * ts);
+    o.push_str("</svg>\n");
+    o
+}
+
 /// The plan as YAML, with the table as comments. `model` is written as given.
 pub fn plan_yaml(plan: &Plan, model: Option<&str>, header: &str, table: &str) -> String {
     let mut o = String::new();

@@ -1,0 +1,275 @@
+//! Pipeline timelines: the trace the stages print (`m3c-trace` lines, see
+//! the runtime's `trace.rs`) collected into a Chrome trace file, and read
+//! back for `m3c report`: each stage's busy share and waits, the bubble,
+//! and a Gantt chart as SVG.
+
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::io::{BufRead, Read};
+use std::sync::mpsc;
+
+/// What the stages' output carries besides their own lines: the trace.
+#[derive(Debug, Default)]
+pub struct Collected {
+    pub events: Vec<String>,
+    pub meta: Option<String>,
+}
+
+/// Splits a job's standard output: `m3c-trace` lines are kept, the rest
+/// goes on through the returned reader (for the text streamer) unchanged.
+pub fn tap(pipe: impl Read + Send + 'static) -> (impl BufRead, std::thread::JoinHandle<Collected>) {
+    let (tx, rx) = mpsc::channel::<Vec<u8>>();
+    let reader = std::thread::spawn(move || {
+        let mut got = Collected::default();
+        let mut input = std::io::BufReader::new(pipe);
+        let mut line = Vec::new();
+        while input.read_until(b'\n', &mut line).is_ok_and(|n| n > 0) {
+            if let Some(e) = line.strip_prefix(b"m3c-trace ") {
+                got.events.push(String::from_utf8_lossy(e).trim_end().to_string());
+            } else if let Some(m) = line.strip_prefix(b"m3c-trace-meta ") {
+                got.meta = Some(String::from_utf8_lossy(m).trim_end().to_string());
+            } else if tx.send(std::mem::take(&mut line)).is_err() {
+                // Nobody reads the rest: keep collecting the trace.
+            }
+            line.clear();
+        }
+        got
+    });
+    (std::io::BufReader::new(ChannelReader { rx, buf: Vec::new(), at: 0 }), reader)
+}
+
+/// Bytes from a channel as a reader (the end of the channel is the end).
+struct ChannelReader {
+    rx: mpsc::Receiver<Vec<u8>>,
+    buf: Vec<u8>,
+    at: usize,
+}
+
+impl Read for ChannelReader {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        while self.at == self.buf.len() {
+            match self.rx.recv() {
+                Ok(b) => (self.buf, self.at) = (b, 0),
+                Err(_) => return Ok(0),
+            }
+        }
+        let n = out.len().min(self.buf.len() - self.at);
+        out[..n].copy_from_slice(&self.buf[self.at..self.at + n]);
+        self.at += n;
+        Ok(n)
+    }
+}
+
+/// The collected trace as a Chrome trace file's bytes.
+pub fn chrome_json(c: &Collected) -> Result<Vec<u8>> {
+    let events: Vec<Value> =
+        c.events.iter().map(|e| serde_json::from_str(e).with_context(|| format!("a damaged trace event: {e}"))).collect::<Result<_>>()?;
+    let meta: Value = match &c.meta {
+        Some(m) => serde_json::from_str(m).context("the trace's metadata line")?,
+        None => bail!("the stages printed no trace metadata (did the run end early?)"),
+    };
+    let doc = serde_json::json!({"traceEvents": events, "displayTimeUnit": "ms", "metadata": meta});
+    Ok(serde_json::to_vec(&doc)?)
+}
+
+/// A span of one stage's track.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Span {
+    pub name: String,
+    pub start: f64,
+    pub dur: f64,
+    pub micro_batch: Option<u64>,
+    /// `wait`: the stage it waited on.
+    pub from: Option<usize>,
+}
+
+/// A trace read back: each stage's spans (steps and waits), in time order.
+#[derive(Debug, Clone)]
+pub struct Timeline {
+    pub stages: BTreeMap<usize, Vec<Span>>,
+    pub names: BTreeMap<usize, String>,
+    /// Sends without a receive and receives without a send (by flow id).
+    pub unpaired: usize,
+    pub clock_error_us: f64,
+}
+
+impl Timeline {
+    /// Reads a Chrome trace file written by `m3c run --trace`.
+    pub fn parse(text: &str) -> Result<Timeline> {
+        let doc: Value = serde_json::from_str(text).context("not JSON")?;
+        let events = doc["traceEvents"].as_array().context("no `traceEvents` array: not a Chrome trace")?;
+        let mut stages: BTreeMap<usize, Vec<Span>> = BTreeMap::new();
+        let mut names = BTreeMap::new();
+        let mut flows: BTreeMap<String, i32> = BTreeMap::new();
+        for e in events {
+            let tid = e["tid"].as_u64().context("an event without a `tid`")? as usize;
+            match (e["ph"].as_str(), e["cat"].as_str()) {
+                (Some("M"), _) if e["name"] == "thread_name" => {
+                    names.insert(tid, e["args"]["name"].as_str().unwrap_or_default().to_string());
+                }
+                (Some("X"), Some("step" | "wait")) => stages.entry(tid).or_default().push(Span {
+                    name: e["name"].as_str().unwrap_or_default().to_string(),
+                    start: e["ts"].as_f64().context("a span without `ts`")?,
+                    dur: e["dur"].as_f64().context("a span without `dur`")?,
+                    micro_batch: e["args"]["micro_batch"].as_u64(),
+                    from: e["args"]["from"].as_u64().map(|f| f as usize),
+                }),
+                (Some(ph @ ("s" | "f")), Some("flow")) => {
+                    let id = e["id"].as_str().context("a flow without an id")?.to_string();
+                    *flows.entry(id).or_default() += if ph == "s" { 1 } else { -1 };
+                }
+                _ => {}
+            }
+        }
+        for spans in stages.values_mut() {
+            spans.sort_by(|a, b| a.start.total_cmp(&b.start));
+        }
+        let clock_error_us = doc["metadata"]["clock_error_us"].as_f64().unwrap_or(0.0);
+        Ok(Timeline { stages, names, unpaired: flows.values().filter(|&&v| v != 0).count(), clock_error_us })
+    }
+
+    /// From the first step's start to the last step's end, over all stages.
+    pub fn window(&self) -> (f64, f64) {
+        let steps = self.stages.values().flatten().filter(|s| s.name != "wait");
+        let start = steps.clone().map(|s| s.start).fold(f64::INFINITY, f64::min);
+        let end = steps.map(|s| s.start + s.dur).fold(f64::NEG_INFINITY, f64::max);
+        (start, end)
+    }
+
+    /// Per stage: (busy µs, µs waited on each stage) within the window.
+    pub fn busy(&self) -> BTreeMap<usize, (f64, BTreeMap<usize, f64>)> {
+        let (a, b) = self.window();
+        let clip = |s: &Span| (s.start + s.dur).min(b) - s.start.max(a);
+        self.stages
+            .iter()
+            .map(|(&k, spans)| {
+                let busy = spans.iter().filter(|s| s.name != "wait").map(|s| clip(s).max(0.0)).sum();
+                let mut waits: BTreeMap<usize, f64> = BTreeMap::new();
+                for s in spans.iter().filter(|s| s.name == "wait") {
+                    *waits.entry(s.from.unwrap_or(usize::MAX)).or_default() += clip(s).max(0.0);
+                }
+                (k, (busy, waits))
+            })
+            .collect()
+    }
+
+    /// The idle share of stage time over the window: 1 − Σ busy / (N × window).
+    pub fn bubble(&self) -> f64 {
+        let (a, b) = self.window();
+        let busy: f64 = self.busy().values().map(|v| v.0).sum();
+        let total = (b - a) * self.stages.len() as f64;
+        if total > 0.0 {
+            1.0 - busy / total
+        } else {
+            0.0
+        }
+    }
+
+    /// Mean step time of each stage by kind (`prefill`, `decode`), in µs.
+    pub fn mean_steps(&self, kind: &str) -> BTreeMap<usize, f64> {
+        self.stages
+            .iter()
+            .filter_map(|(&k, spans)| {
+                let d: Vec<f64> = spans.iter().filter(|s| s.name == kind).map(|s| s.dur).collect();
+                (!d.is_empty()).then(|| (k, d.iter().sum::<f64>() / d.len() as f64))
+            })
+            .collect()
+    }
+
+    /// The per-stage table of `m3c report`.
+    pub fn table(&self) -> String {
+        let (a, b) = self.window();
+        let mut o = String::new();
+        let _ = writeln!(
+            o,
+            "{} stage(s), {:.3} ms from the first step to the last; clocks aligned within {:.1} us",
+            self.stages.len(),
+            (b - a) / 1e3,
+            self.clock_error_us
+        );
+        let _ = writeln!(o, "{:<24} {:>7} {:>8} {:>10} {:>10}  waited on", "stage", "steps", "busy %", "prefill ms", "decode ms");
+        let (pre, dec) = (self.mean_steps("prefill"), self.mean_steps("decode"));
+        for (k, (busy, waits)) in self.busy() {
+            let steps = self.stages[&k].iter().filter(|s| s.name != "wait").count();
+            let w: Vec<String> = waits
+                .iter()
+                .map(|(f, t)| format!("{} {:.3} ms", if *f == usize::MAX { "?".to_string() } else { format!("stage {f}") }, t / 1e3))
+                .collect();
+            let _ = writeln!(
+                o,
+                "{:<24} {:>7} {:>8.1} {:>10} {:>10}  {}",
+                self.names.get(&k).cloned().unwrap_or_else(|| format!("stage {k}")),
+                steps,
+                busy / (b - a).max(1e-9) * 100.0,
+                pre.get(&k).map_or("-".into(), |t| format!("{:.3}", t / 1e3)),
+                dec.get(&k).map_or("-".into(), |t| format!("{:.3}", t / 1e3)),
+                if w.is_empty() { "-".into() } else { w.join(", ") }
+            );
+        }
+        let _ = writeln!(o, "pipeline bubble (idle share of stage time): {:.1}%", self.bubble() * 100.0);
+        o
+    }
+
+    /// The timeline as a Gantt chart: one row per stage, each step a box
+    /// coloured by its micro-batch's slot in the pipeline (micro-batch
+    /// number mod the stage count: the batches in flight together differ),
+    /// vision encodes grey, waits a thin line.
+    pub fn svg(&self) -> String {
+        const PALETTE: [&str; 8] = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7"];
+        let (a, b) = self.window();
+        let span = (b - a).max(1e-9);
+        let (left, width, row, top) = (150.0, 1000.0, 36.0, 40.0);
+        let n = self.stages.len().max(1);
+        let height = top + row * n as f64 + 40.0;
+        let x = |t: f64| left + (t - a) / span * width;
+        let mut o = String::new();
+        let _ = writeln!(
+            o,
+            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{height}" viewBox="0 0 {} {height}" font-family="sans-serif" font-size="12">"#,
+            left + width + 20.0,
+            left + width + 20.0
+        );
+        let _ = writeln!(o, r#"<rect width="100%" height="100%" fill="white"/>"#);
+        let _ = writeln!(
+            o,
+            r#"<text x="{left}" y="20">m3c pipeline timeline: {:.3} ms, bubble {:.1}%</text>"#,
+            span / 1e3,
+            self.bubble() * 100.0
+        );
+        for (i, (k, spans)) in self.stages.iter().enumerate() {
+            let y = top + row * i as f64;
+            let name = self.names.get(k).cloned().unwrap_or_else(|| format!("stage {k}"));
+            let _ = writeln!(o, r#"<text x="4" y="{}">{}</text>"#, y + row / 2.0 + 4.0, xml_escape(&name));
+            for s in spans {
+                let (x0, w) = (x(s.start), (s.dur / span * width).max(0.5));
+                if s.name == "wait" {
+                    let _ = writeln!(o, r##"<rect x="{x0:.2}" y="{:.2}" width="{w:.2}" height="2" fill="#bbbbbb"/>"##, y + row - 6.0);
+                    continue;
+                }
+                let fill = match s.micro_batch {
+                    Some(m) => PALETTE[(m % n as u64 % PALETTE.len() as u64) as usize],
+                    None => "#888888",
+                };
+                let _ = writeln!(
+                    o,
+                    r#"<rect x="{x0:.2}" y="{:.2}" width="{w:.2}" height="{:.2}" fill="{fill}"><title>{} {:.3} ms</title></rect>"#,
+                    y + 4.0,
+                    row - 12.0,
+                    s.name,
+                    s.dur / 1e3
+                );
+            }
+        }
+        let _ = writeln!(o, r#"<text x="{left}" y="{}">0 ms</text>"#, height - 12.0);
+        let _ = writeln!(o, r#"<text x="{}" y="{}" text-anchor="end">{:.3} ms</text>"#, left + width, height - 12.0, span / 1e3);
+        o.push_str("</svg>\n");
+        o
+    }
+}
+
+fn xml_escape(s: &str) -> String {
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+}
+
+use std::fmt::Write as _;
