@@ -276,6 +276,9 @@ pub(crate) struct ServeArgs {
     /// Seconds an http(s) image fetch may take in all.
     #[arg(long, default_value_t = 10.0, value_parser = timeout_s)]
     pub(crate) media_timeout_s: f64,
+    /// Allow `POST /debug/trace {"seconds": N}`: a timeline of every stage over the next N seconds, written here as a Chrome trace.
+    #[arg(long, value_name = "DIR")]
+    pub(crate) trace_dir: Option<PathBuf>,
     /// The largest image a request may bring, in MB (data:, http(s) or file).
     #[arg(long, default_value_t = 20, value_parser = positive_count)]
     pub(crate) max_image_mb: usize,

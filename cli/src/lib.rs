@@ -168,6 +168,7 @@ fn run(cli: Cli) -> Result<()> {
                 cuda_graphs: a.gpu.graphs(),
                 prefill_gemm_cublas: a.gpu.gemm_cublas(),
                 launch: a.launch.launch()?,
+                trace_dir: a.trace_dir,
                 allowed_local_media_path: a.allowed_local_media_path,
                 media_timeout_s: a.media_timeout_s,
                 max_image_bytes: a.max_image_mb as u64 * (1 << 20),

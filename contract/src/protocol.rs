@@ -12,6 +12,7 @@
 //!     [grammar=HEX [grammar_after=ID]] [min_tokens=N] [logit_bias=ID:BIAS,...] [prompt_logprobs=K]
 //!     [temperature=T top_k=K ...]
 //! cancel SEQ
+//! trace on|off
 //! ```
 //!
 //! `images=BYTES` says that the line's newline is followed by that many
@@ -25,7 +26,10 @@
 //! token's log-probability and its `K` most likely alternatives;
 //! `grammar=HEX` is the hex of a grammar's text (`m3c_constrain::Grammar`)
 //! the output must match, from the token after `grammar_after` when given
-//! (the end of the model's thinking) or from the first.
+//! (the end of the model's thinking) or from the first. `trace on` starts
+//! recording every stage's timeline (a pipeline started with `--trace`);
+//! `trace off` stops it and has the first stage print what was recorded
+//! (`m3c-trace` lines, then one `m3c-trace-meta`).
 //!
 //! Events (first stage → front): `m3c-ready`, `m3c-id SEQ ID` (after
 //! `m3c-lp SEQ ID LOGPROB RANK ID:LOGPROB,...|-` when the sequence asked for
@@ -155,6 +159,8 @@ pub fn logprobs_json(l: &[(u32, TokenLogprobs)]) -> String {
 pub enum Command {
     Add(SeqRequest),
     Cancel(usize),
+    /// Start (`true`) or stop and print (`false`) the timeline.
+    Trace(bool),
 }
 
 /// Lower-case hex of `bytes`.
@@ -250,6 +256,7 @@ impl Command {
     pub fn encode(&self) -> String {
         match self {
             Command::Cancel(seq) => format!("cancel {seq}"),
+            Command::Trace(on) => format!("trace {}", if *on { "on" } else { "off" }),
             Command::Add(r) => {
                 let ids: Vec<String> = r.prompt.iter().map(i64::to_string).collect();
                 let mut line =
@@ -321,6 +328,11 @@ fn parse_line(line: &str) -> Result<(Command, usize), String> {
                 (Some(s), None) => Ok((Command::Cancel(int("SEQ", s)?), 0)),
                 _ => Err("expected `cancel SEQ`".into()),
             },
+            Some("trace") => match (words.next(), words.next()) {
+                (Some("on"), None) => Ok((Command::Trace(true), 0)),
+                (Some("off"), None) => Ok((Command::Trace(false), 0)),
+                _ => Err("expected `trace on` or `trace off`".into()),
+            },
             Some("add") => {
                 let (mut seq, mut max_new, mut prompt) = (None, None, None);
                 let (mut ignore_eos, mut images, mut stops, mut stop_ids) = (false, 0usize, Vec::new(), Vec::new());
@@ -381,7 +393,7 @@ fn parse_line(line: &str) -> Result<(Command, usize), String> {
                 });
                 Ok((add, images))
             }
-            _ => Err("expected `add seq=SEQ max_new=N prompt=IDS ...` or `cancel SEQ`".into()),
+            _ => Err("expected `add seq=SEQ max_new=N prompt=IDS ...`, `cancel SEQ` or `trace on|off`".into()),
         }
     }
 }
@@ -573,6 +585,8 @@ mod tests {
                 ..request()
             }),
             Command::Cancel(3),
+            Command::Trace(true),
+            Command::Trace(false),
         ] {
             let bytes = c.to_bytes();
             assert_eq!(read_command(&mut &bytes[..], crate::images::MAX_BYTES), Some(Ok(c.clone())), "{}", c.encode());
@@ -642,6 +656,9 @@ mod tests {
             "cancel",
             "cancel x",
             "cancel 1 2",
+            "trace",
+            "trace maybe",
+            "trace on now",
             "drop 1",
         ] {
             assert!(Command::parse(line).is_err(), "{line:?}");

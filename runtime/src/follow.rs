@@ -8,7 +8,9 @@ use crate::books::{LastBooks, OutputSpec};
 use crate::error::StageError;
 use crate::liveness::Peers;
 use crate::stage::{Segment, Stage};
-use crate::wire::{self, bytes_f32, f32_bytes, message, Outbox, KIND_ADD, KIND_DROP, KIND_STATS, KIND_STEP, KIND_STOP, TAG_ACT, TAG_IDS};
+use crate::wire::{
+    self, bytes_f32, f32_bytes, message, Outbox, KIND_ADD, KIND_DROP, KIND_STATS, KIND_STEP, KIND_STOP, KIND_TRACE, TAG_ACT, TAG_IDS,
+};
 use m3c_contract::protocol::SeqRequest;
 use m3c_contract::sampling::{row_params, row_words, SamplingParams, ROW_WORDS};
 use mpi::topology::SimpleCommunicator;
@@ -146,6 +148,14 @@ pub(crate) fn follow(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Sta
                 outbox.send(world, to, tag, message(KIND_STATS, &[], &payload));
             }
             KIND_STEP => step(world, st, books, &mut outbox, &m.segments, &m.payload)?,
+            KIND_TRACE => {
+                let on = m.payload.first() == Some(&1);
+                crate::trace::set_recording(on);
+                pass_on(&mut outbox, KIND_TRACE, &m.payload);
+                if !on {
+                    crate::trace::gather(world, peers, &crate::host_name())?;
+                }
+            }
             k => return Err(StageError::Peer(format!("a message of unknown kind {k}"))),
         }
     }

@@ -30,12 +30,11 @@ pub fn run(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Stage, args: 
         liveness::fall_silent();
         std::thread::sleep(std::time::Duration::from_secs(3600));
     }
-    let clock_error_us = if args.trace {
+    if args.trace {
         crate::trace::enable(st.meta.stage);
-        crate::trace::align_clocks(world, peers)?
-    } else {
-        0.0
-    };
+        // A run records from here; serving, from the front's `trace on`.
+        crate::trace::align_clocks(world, peers, !args.serve)?;
+    }
     let want_logits = args.dump.is_some() || args.expect.is_some();
     let on_bad = if args.serve { OnNonFinite::EndSequence } else { OnNonFinite::EndRun };
     let eos = args.eos_ids.first().and_then(|&e| u32::try_from(e).ok()).unwrap_or(0);
@@ -61,7 +60,9 @@ pub fn run(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Stage, args: 
         Leader::new(st, batching, args.model.clone()).run(world, peers, st, &mut books, &mut feed)?;
         feed.report(per_batch);
     }
-    crate::trace::gather(world, peers, &crate::host_name(), clock_error_us)?;
+    if !args.serve {
+        crate::trace::gather(world, peers, &crate::host_name())?;
+    }
     Ok(finish_records(st.meta.last_stage, args, &books.finished, st.meta.vocab))
 }
 

@@ -19,7 +19,7 @@ use crate::error::StageError;
 use crate::follow::{add_message, capacity, stats_words, words};
 use crate::liveness::Peers;
 use crate::stage::{Segment, Stage};
-use crate::wire::{self, f32_bytes, message, Outbox, KIND_DROP, KIND_STATS, KIND_STEP, KIND_STOP, TAG_ACT, TAG_IDS};
+use crate::wire::{self, f32_bytes, message, Outbox, KIND_DROP, KIND_STATS, KIND_STEP, KIND_STOP, KIND_TRACE, TAG_ACT, TAG_IDS};
 use m3c_contract::images::SeqImages;
 use m3c_contract::protocol::{Command, EndReason, Event, SeqRequest};
 use mpi::topology::SimpleCommunicator;
@@ -137,6 +137,7 @@ impl Leader {
             // Commands first, so a new request joins the very next step.
             while feed_open {
                 match feed.next(Duration::ZERO) {
+                    Next::Command(Command::Trace(on)) => self.trace(world, peers, feed, on)?,
                     Next::Command(cmd) => {
                         self.command(world, st, books, feed, cmd)?;
                         worked = true;
@@ -178,6 +179,7 @@ impl Leader {
                 let wait = if self.in_flight > 0 { Duration::from_micros(50) } else { Duration::from_millis(2) };
                 if feed_open && self.in_flight == 0 {
                     match feed.next(wait) {
+                        Next::Command(Command::Trace(on)) => self.trace(world, peers, feed, on)?,
                         Next::Command(cmd) => self.command(world, st, books, feed, cmd)?,
                         Next::Bad(why) => feed.refuse(None, why)?,
                         Next::Empty => {}
@@ -236,6 +238,8 @@ impl Leader {
     ) -> Result<(), StageError> {
         match cmd {
             Command::Add(a) => self.add(world, st, books, feed, a),
+            // Taken by the loop, which holds the peers the gather needs.
+            Command::Trace(_) => Err(StageError::Step("runtime bug: a trace command reached Leader::command".into())),
             Command::Cancel(seq) => {
                 let Some(l) = self.live.get_mut(&seq) else { return Ok(()) };
                 l.cancelled = true;
@@ -246,6 +250,23 @@ impl Leader {
                 Ok(())
             }
         }
+    }
+
+    /// A timeline window starts or ends: every stage turns as the
+    /// `KIND_TRACE` message reaches it, in order with the steps; at the
+    /// end each sends its events here, and they are printed.
+    fn trace(&mut self, world: &SimpleCommunicator, peers: &mut Peers, feed: &mut impl Feed, on: bool) -> Result<(), StageError> {
+        if !crate::trace::armed() {
+            return feed.refuse(None, "tracing is off: the pipeline was started without --trace (m3c serve --trace-dir DIR)".into());
+        }
+        if self.stages > 1 {
+            self.outbox.send(world, 1, TAG_ACT, message(KIND_TRACE, &[], &[u8::from(on)]));
+        }
+        crate::trace::set_recording(on);
+        if !on {
+            crate::trace::gather(world, peers, &crate::host_name())?;
+        }
+        Ok(())
     }
 
     /// A sequence joins: checked, its caches allocated on every stage, its

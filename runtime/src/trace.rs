@@ -1,9 +1,12 @@
 //! Timeline tracing (`--trace`, off by default): each stage records its
 //! steps (prefill, decode, vision encode), every message it sends and
-//! receives with its bytes, and the time it waits for one. At the end the
-//! first stage gathers every stage's events and prints them as Chrome
-//! trace events (`m3c-trace JSON` lines on its standard output, which the
-//! front collects into the file; Perfetto and chrome://tracing open it).
+//! receives with its bytes, and the time it waits for one. The first stage
+//! then gathers every stage's events and prints them as Chrome trace
+//! events (`m3c-trace JSON` lines on its standard output, which the front
+//! collects into a file; Perfetto and chrome://tracing open it): at the end
+//! of a run, or, serving, when the front ends a window (`trace on`, then
+//! `trace off`; every stage turns with the `KIND_TRACE` message that passes
+//! down the pipeline in order with the steps).
 //!
 //! Clocks: each stage keeps its own monotonic clock; at start-up the first
 //! stage measures every other stage's offset by ping-pong over MPI (the
@@ -33,7 +36,12 @@ const KIND_TRACE: i64 = 21;
 /// Ping-pongs per stage for the clock offset.
 const CLOCK_ROUNDS: usize = 16;
 
+/// Recording events now.
 static ON: AtomicBool = AtomicBool::new(false);
+/// Counting messages (from the clock alignment on, recording or not), so
+/// that the n-th message between two stages is the same one on both sides
+/// whenever a window starts.
+static ARMED: AtomicBool = AtomicBool::new(false);
 
 thread_local! {
     static STATE: RefCell<Option<State>> = const { RefCell::new(None) };
@@ -44,6 +52,8 @@ struct State {
     start: Instant,
     /// This stage's clock minus the first stage's, in microseconds.
     offset_us: f64,
+    /// The first stage: the largest uncertainty of the offsets.
+    clock_error_us: f64,
     events: Vec<Event>,
     /// Messages so far per (from, to, tag): pairs a send with its receive
     /// (a stage talks to a handful of peers: a short list).
@@ -80,7 +90,15 @@ fn with<R>(f: impl FnOnce(&mut Option<State>) -> R) -> R {
 /// aligned ([`align_clocks`]).
 pub fn enable(rank: usize) {
     with(|s| {
-        *s = Some(State { rank, start: Instant::now(), offset_us: 0.0, events: Vec::with_capacity(1 << 16), counts: Vec::new(), steps: 0 })
+        *s = Some(State {
+            rank,
+            start: Instant::now(),
+            offset_us: 0.0,
+            clock_error_us: 0.0,
+            events: Vec::with_capacity(1 << 16),
+            counts: Vec::new(),
+            steps: 0,
+        })
     });
 }
 
@@ -144,9 +162,19 @@ fn count(s: &mut State, from: usize, to: usize, tag: i32) -> u64 {
     }
 }
 
+/// Whether tracing was set up (a window may start).
+pub fn armed() -> bool {
+    ARMED.load(Ordering::Relaxed)
+}
+
+/// Starts or stops recording (the window of `m3c serve`'s `trace on|off`).
+pub fn set_recording(on: bool) {
+    ON.store(on && armed(), Ordering::Relaxed);
+}
+
 /// A message of `bytes` handed to MPI for rank `to`, from `start_us`.
 pub fn sent(start_us: f64, to: usize, tag: i32, bytes: usize) {
-    if !on() {
+    if !armed() {
         return;
     }
     let n = with(|s| {
@@ -155,17 +183,19 @@ pub fn sent(start_us: f64, to: usize, tag: i32, bytes: usize) {
             count(s, me, to, tag)
         })
     });
-    push(start_us, What::Send { to, tag, bytes, n });
+    if on() {
+        push(start_us, What::Send { to, tag, bytes, n });
+    }
 }
 
 /// A message of `bytes` from rank `from`, received after waiting since
 /// `waited_from_us` (equal to now when it was already there).
 pub fn received(waited_from_us: f64, from: usize, tag: i32, bytes: usize) {
-    if !on() {
+    if !armed() {
         return;
     }
-    let now = now_us();
-    if now - waited_from_us > 1.0 {
+    let now = clock_us();
+    if on() && now - waited_from_us > 1.0 {
         push(waited_from_us, What::Wait { from });
     }
     let n = with(|s| {
@@ -174,17 +204,25 @@ pub fn received(waited_from_us: f64, from: usize, tag: i32, bytes: usize) {
             count(s, from, me, tag)
         })
     });
-    push(now, What::Recv { from, tag, bytes, n });
+    if on() {
+        push(now, What::Recv { from, tag, bytes, n });
+    }
 }
 
 /// Measures every stage's clock against the first stage's (run by every
-/// rank at the same point, after [`enable`]), then starts recording.
-/// Returns the largest uncertainty in microseconds (the first stage's
-/// answer; 0 elsewhere).
-pub fn align_clocks(world: &SimpleCommunicator, peers: &mut Peers) -> Result<f64, StageError> {
+/// rank at the same point, after [`enable`]), then counts messages from
+/// here on, and records them too when `record` (a run; serving waits for
+/// `trace on`).
+pub fn align_clocks(world: &SimpleCommunicator, peers: &mut Peers, record: bool) -> Result<(), StageError> {
     let worst = measure_offsets(world, peers)?;
-    ON.store(true, Ordering::Relaxed);
-    Ok(worst)
+    with(|s| {
+        if let Some(s) = s.as_mut() {
+            s.clock_error_us = worst;
+        }
+    });
+    ARMED.store(true, Ordering::Relaxed);
+    ON.store(record, Ordering::Relaxed);
+    Ok(())
 }
 
 fn measure_offsets(world: &SimpleCommunicator, peers: &mut Peers) -> Result<f64, StageError> {
@@ -283,16 +321,23 @@ fn chrome_lines_of(s: &State, host: &str) -> Vec<String> {
 }
 
 /// Every stage's events to the first, which prints them (`m3c-trace`
-/// lines, then `m3c-trace-meta` with the clock uncertainty) after the run.
-/// Called by every rank once its loop has ended.
-pub fn gather(world: &SimpleCommunicator, peers: &mut Peers, host: &str, clock_error_us: f64) -> Result<(), StageError> {
-    if !on() {
+/// lines, then `m3c-trace-meta` with the clock uncertainty); each stage's
+/// list is emptied. Called by every rank once it has stopped recording:
+/// after a run's loop, or on a serving window's `KIND_TRACE` off.
+pub fn gather(world: &SimpleCommunicator, peers: &mut Peers, host: &str) -> Result<(), StageError> {
+    if !armed() {
         return Ok(());
     }
-    // Tracing stops here: the gather's own messages are not part of the run.
+    // The gather's own messages are not part of the timeline.
     ON.store(false, Ordering::Relaxed);
     let (rank, size) = (world.rank() as usize, world.size() as usize);
     let lines = chrome_lines(host);
+    let clock_error_us = with(|s| {
+        s.as_mut().map_or(0.0, |s| {
+            s.events.clear();
+            s.clock_error_us
+        })
+    });
     if rank > 0 {
         let mut outbox = Outbox::default();
         outbox.send(world, 0, TAG_TRACE, message(KIND_TRACE, &[], lines.join("\n").as_bytes()));

@@ -23,6 +23,9 @@ pub const KIND_DROP: i64 = 3;
 /// `m3c serve`: each stage appends (stage, steps, busy seconds) and passes
 /// it on; the last stage returns it to the first.
 pub const KIND_STATS: i64 = 4;
+/// `m3c serve`: a timeline window starts (payload `[1]`) or ends (`[0]`:
+/// each stage then sends its events to the first).
+pub const KIND_TRACE: i64 = 5;
 
 /// The most segments a step may carry (a micro-batch's sequences).
 const MAX_SEGMENTS: usize = 1 << 20;

@@ -11,7 +11,7 @@ use m3c_contract::sampling::SamplingParams;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 use tokio::sync::{mpsc, watch};
 
@@ -108,8 +108,28 @@ struct State {
     reports: Vec<Option<(u64, f64, Instant)>>,
 }
 
+/// Why a timeline window could not be recorded.
+#[derive(Debug)]
+pub enum TraceError {
+    /// Another window is being recorded (409).
+    Busy,
+    /// The pipeline is not up, or did not send the trace in time (503).
+    Down(String),
+}
+
+/// A timeline window under way: the lines so far, and who waits for them.
+#[derive(Default)]
+struct TraceWindow {
+    busy: bool,
+    got: m3c_front::trace::Collected,
+    done: Option<tokio::sync::oneshot::Sender<m3c_front::trace::Collected>>,
+}
+
 pub struct Engine {
     lines: Mutex<Option<mpsc::UnboundedSender<Vec<u8>>>>,
+    trace: Mutex<TraceWindow>,
+    /// How long a stage may be silent (`--timeout-s`): bounds the wait for a trace.
+    timeout: Duration,
     st: Mutex<State>,
     limits: Limits,
     pub metrics: Metrics,
@@ -144,7 +164,12 @@ impl Drop for Ticket {
 
 impl Engine {
     /// Starts the pipeline (`cmd` is mpirun over the stages with `--serve`).
-    pub fn start(mut cmd: std::process::Command, limits: Limits, stages: usize) -> anyhow::Result<(Arc<Engine>, tokio::process::Child)> {
+    pub fn start(
+        mut cmd: std::process::Command,
+        limits: Limits,
+        stages: usize,
+        timeout: Duration,
+    ) -> anyhow::Result<(Arc<Engine>, tokio::process::Child)> {
         // A process group of its own: a terminal's Ctrl-C (or a service
         // manager's SIGTERM to the group) reaches the front only, which then
         // drains; mpirun still dies with the front (PR_SET_PDEATHSIG).
@@ -162,6 +187,8 @@ impl Engine {
         let (down, _) = watch::channel(None);
         let engine = Arc::new(Engine {
             lines: Mutex::new(Some(tx)),
+            trace: Mutex::new(TraceWindow::default()),
+            timeout,
             st: Mutex::new(State { reports: vec![None; stages], ..State::default() }),
             limits,
             metrics: Metrics::default(),
@@ -202,6 +229,37 @@ impl Engine {
             e.fail("the pipeline stopped (a stage ended or was lost; its message is in the server's log)");
         });
         Ok((engine, child))
+    }
+
+    fn window(&self) -> std::sync::MutexGuard<'_, TraceWindow> {
+        self.trace.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records every stage's timeline for `span`: `trace on`, the wait,
+    /// `trace off`, then the first stage's `m3c-trace` lines (within the
+    /// stages' timeout). One window at a time.
+    pub async fn record_trace(&self, span: Duration) -> Result<m3c_front::trace::Collected, TraceError> {
+        if let Some(why) = self.down_reason() {
+            return Err(TraceError::Down(why));
+        }
+        {
+            let mut w = self.window();
+            if w.busy {
+                return Err(TraceError::Busy);
+            }
+            *w = TraceWindow { busy: true, ..TraceWindow::default() };
+        }
+        self.send(Command::Trace(true).to_bytes());
+        tokio::time::sleep(span).await;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.window().done = Some(tx);
+        self.send(Command::Trace(false).to_bytes());
+        let got = tokio::time::timeout(self.timeout + Duration::from_secs(10), rx).await;
+        self.window().busy = false;
+        match got {
+            Ok(Ok(c)) => Ok(c),
+            _ => Err(TraceError::Down(self.down_reason().unwrap_or_else(|| "the stages did not send their timeline in time".into()))),
+        }
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -371,6 +429,18 @@ impl Engine {
     }
 
     fn on_line(&self, line: &str) {
+        if let Some(e) = line.strip_prefix("m3c-trace ") {
+            return self.window().got.events.push(e.to_string());
+        }
+        if let Some(m) = line.strip_prefix("m3c-trace-meta ") {
+            let mut w = self.window();
+            w.got.meta = Some(m.to_string());
+            let got = std::mem::take(&mut w.got);
+            if let Some(tx) = w.done.take() {
+                let _ = tx.send(got);
+            }
+            return;
+        }
         let event = match StageEvent::parse(line) {
             None => return eprintln!("{line}"),
             Some(Err(e)) => return eprintln!("m3c serve: the first stage printed {e}"),

@@ -45,6 +45,8 @@ pub struct Shared {
     pub grammars: Result<m3c_constrain::Vocabulary, String>,
     /// The ids that end a sequence (generation_config.json).
     pub eos_ids: Vec<u32>,
+    /// Where `POST /debug/trace` writes timelines (`--trace-dir`).
+    pub trace_dir: Option<std::path::PathBuf>,
 }
 
 type App = Arc<Shared>;
@@ -63,6 +65,7 @@ pub fn router(shared: Shared) -> Router {
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/version", get(version))
+        .route("/debug/trace", post(debug_trace))
         .fallback(|| async { error(&ApiError::new(404, "not_found_error", "no such route")) })
         .layer(axum::extract::DefaultBodyLimit::max(body_limit))
         .with_state(Arc::new(shared))
@@ -97,6 +100,64 @@ async fn health(State(app): State<App>) -> Response {
 async fn metrics(State(app): State<App>) -> Response {
     let text = app.engine.metrics.render(&app.engine.gauges());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+/// The longest timeline window `POST /debug/trace` records.
+const MAX_TRACE_SECONDS: f64 = 300.0;
+
+/// `POST /debug/trace {"seconds": N}`: every stage's timeline over the
+/// next N seconds (default 5), written into `--trace-dir` as a Chrome
+/// trace; the answer names the file once it is written.
+async fn debug_trace(State(app): State<App>, headers: HeaderMap, body: axum::body::Bytes) -> Response {
+    if let Err(e) = authorize(&app, &headers) {
+        return error(&e);
+    }
+    let Some(dir) = app.trace_dir.clone() else {
+        return error(&ApiError::new(404, "not_found_error", "tracing is off: start the server with --trace-dir DIR"));
+    };
+    let req: Value = if body.is_empty() {
+        json!({})
+    } else {
+        match serde_json::from_slice(&body) {
+            Ok(v) => v,
+            Err(e) => return error(&ApiError::bad("body", format!("not JSON: {e}"))),
+        }
+    };
+    let seconds = match req.get("seconds") {
+        None => 5.0,
+        Some(v) => match v.as_f64().filter(|s| *s > 0.0 && *s <= MAX_TRACE_SECONDS) {
+            Some(s) => s,
+            None => return error(&ApiError::bad("seconds", format!("`seconds` must be a number above 0 and at most {MAX_TRACE_SECONDS}"))),
+        },
+    };
+    if let Some(k) = req.as_object().and_then(|o| o.keys().find(|k| *k != "seconds")) {
+        return error(&ApiError::bad(k, format!("unknown field `{k}`: this endpoint takes `seconds`")));
+    }
+    let collected = match app.engine.record_trace(std::time::Duration::from_secs_f64(seconds)).await {
+        Ok(c) => c,
+        Err(crate::engine::TraceError::Busy) => {
+            return error(&ApiError::new(409, "conflict_error", "a trace is being recorded; try again when it ends"))
+        }
+        Err(crate::engine::TraceError::Down(why)) => return error(&ApiError::new(503, "server_error", why)),
+    };
+    let events = collected.events.len();
+    let written = tokio::task::spawn_blocking(move || -> anyhow::Result<std::path::PathBuf> {
+        let bytes = m3c_front::trace::chrome_json(&collected)?;
+        let ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
+        let file = dir.join(format!("m3c-trace-{ms}.json"));
+        let tmp = dir.join(format!(".m3c-trace-{ms}.json.tmp"));
+        std::fs::write(&tmp, &bytes).and_then(|_| std::fs::rename(&tmp, &file)).map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            anyhow::anyhow!("writing {}: {e}", file.display())
+        })?;
+        Ok(file)
+    })
+    .await;
+    match written {
+        Ok(Ok(file)) => Json(json!({"trace": file, "events": events, "seconds": seconds})).into_response(),
+        Ok(Err(e)) => error(&ApiError::new(500, "server_error", format!("{e:#}"))),
+        Err(e) => error(&ApiError::new(500, "server_error", e.to_string())),
+    }
 }
 
 async fn models(State(app): State<App>, headers: HeaderMap) -> Response {

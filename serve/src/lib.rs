@@ -48,6 +48,8 @@ pub struct Options {
     pub prefill_gemm_cublas: bool,
     /// Hostfile and extra mpirun options.
     pub launch: m3c_front::launch::Launch,
+    /// Where `POST /debug/trace` writes its timelines (`None`: no tracing).
+    pub trace_dir: Option<PathBuf>,
     /// `file://` images only from inside this folder.
     pub allowed_local_media_path: Option<PathBuf>,
     pub media_timeout_s: f64,
@@ -109,6 +111,13 @@ fn prepare(o: &Options) -> Result<Prepared> {
     stage.cuda_graphs = o.cuda_graphs;
     stage.prefill_gemm_cublas = o.prefill_gemm_cublas;
     stage.eos_ids = gen.eos_ids.clone();
+    if let Some(d) = &o.trace_dir {
+        if !d.is_dir() {
+            anyhow::bail!("--trace-dir {}: not a folder", d.display());
+        }
+        stage.trace = true;
+    }
+    let trace_dir = o.trace_dir.clone();
     let cmd = compiled.mpirun(&stage, &o.launch)?;
     let allowed_local = match &o.allowed_local_media_path {
         None => None,
@@ -149,6 +158,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
         media,
         grammars,
         eos_ids,
+        trace_dir,
     };
     Ok(Prepared { cmd, stages, limits, shared: Box::new(shared) })
 }
@@ -160,7 +170,7 @@ async fn serve(o: Options, p: Prepared) -> Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}:{}", o.host, o.port))?;
     let addr = listener.local_addr()?;
-    let (engine, mut child) = engine::Engine::start(p.cmd, p.limits, p.stages)?;
+    let (engine, mut child) = engine::Engine::start(p.cmd, p.limits, p.stages, Duration::from_secs_f64(o.timeout_s))?;
     let shared = (p.shared)(engine.clone());
     let (name, context, stages) = (shared.name.clone(), shared.context, p.stages);
     let app = http::router(shared);

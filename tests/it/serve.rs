@@ -596,3 +596,81 @@ fn chat_images_by_data_uri_http_and_file_give_the_same_answer() {
     assert!(!["<mm:think>", "</mm:think>", "<tool_call>"].iter().any(|t| want.contains(t)), "pick another image: {want:?}");
     assert_eq!(got["text"].as_str(), Some(want.trim_start_matches('\n')), "the image chat's answer is m3c run's");
 }
+
+/// Each stage's `m3c:stage_busy_seconds_total` from `/metrics`.
+fn busy_seconds(s: &Server) -> Vec<f64> {
+    let o = Command::new("curl").args(["-s", "-m", "5"]).arg(format!("{}/metrics", s.root())).output().unwrap();
+    stdout(&o)
+        .lines()
+        .filter(|l| l.starts_with("m3c:stage_busy_seconds_total{"))
+        .map(|l| l.rsplit(' ').next().and_then(|v| v.parse().ok()).unwrap())
+        .collect()
+}
+
+/// [`busy_seconds`] just after the first stage's next report (they come
+/// once a second), and when: a reading that is not a second stale.
+fn fresh_busy_seconds(s: &Server) -> (Vec<f64>, Instant) {
+    let old = busy_seconds(s);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let now = busy_seconds(s);
+        if now != old || Instant::now() > deadline {
+            return (now, Instant::now());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// `POST /debug/trace` with `body`: (status, answer).
+fn post_trace(s: &Server, body: &str) -> (u16, Value) {
+    let o = Command::new("curl")
+        .args(["-s", "-m", "120", "-w", "\n%{http_code}", "-H", "content-type: application/json", "-d", body])
+        .arg(format!("{}/debug/trace", s.root()))
+        .output()
+        .unwrap();
+    let text = stdout(&o);
+    let (json, code) = text.rsplit_once('\n').unwrap();
+    (code.trim().parse().unwrap(), serde_json::from_str(json).unwrap_or(Value::Null))
+}
+
+/// A serving pipeline's timeline: `POST /debug/trace {"seconds": N}`
+/// writes every stage's steps over the next N seconds under load into
+/// `--trace-dir`, and each stage's busy share there agrees with
+/// `/metrics`' busy seconds over the same window within 5 points. Bad
+/// windows are 400s; a server without `--trace-dir` answers 404.
+#[test]
+fn a_serving_window_is_traced_and_its_busy_share_agrees_with_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, model) = compiled(dir.path());
+    let traces = dir.path().join("traces");
+    std::fs::create_dir(&traces).unwrap();
+    let s = Server::start(&out, &model, &["--trace-dir", traces.to_str().unwrap(), "--max-batch", "16"]);
+    for bad in [r#"{"seconds": 0}"#, r#"{"seconds": 1e9}"#, r#"{"secs": 1}"#, "nope"] {
+        assert_eq!(post_trace(&s, bad).0, 400, "{bad}");
+    }
+    let (mut load, _) = s.client_spawn(&["load", "16", "3000"]);
+    std::thread::sleep(Duration::from_millis(2500));
+    let (b0, t0) = fresh_busy_seconds(&s);
+    let (code, got) = post_trace(&s, r#"{"seconds": 4}"#);
+    let (b1, t1) = fresh_busy_seconds(&s);
+    let _ = load.kill();
+    let _ = load.wait();
+    assert_eq!(code, 200, "{got}\n{}", s.log());
+    let file = PathBuf::from(got["trace"].as_str().unwrap());
+    assert!(file.starts_with(&traces) && got["events"].as_u64().unwrap() > 100, "{got}");
+    let t = m3c_front::trace::Timeline::parse(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    assert_eq!(t.stages.len(), 2, "one track per stage");
+    let (a, b) = t.window();
+    assert!(b - a > 3.0e6, "the window covers the N seconds: {} us", b - a);
+    let span = t1.duration_since(t0).as_secs_f64();
+    for (k, (busy, _)) in t.busy() {
+        let traced = busy / (b - a);
+        let metered = (b1[k] - b0[k]) / span;
+        eprintln!("stage {k}: busy {:.1}% in the trace, {:.1}% by /metrics", traced * 100.0, metered * 100.0);
+        assert!((traced - metered).abs() <= 0.05, "stage {k}: {traced} traced vs {metered} metered");
+    }
+    drop(s);
+    // Without --trace-dir there is no such window.
+    let plain = Server::start(&out, &model, &[]);
+    assert_eq!(post_trace(&plain, r#"{"seconds": 1}"#).0, 404);
+}

@@ -95,6 +95,24 @@ async def concurrent(base, model, n, max_tokens):
     return {"n": n, "identical": n - len(differ)}
 
 
+async def load(base, model, n, max_tokens):
+    """n concurrent streams at once: a steady load (the caller may end it
+    early by killing this process)."""
+    a = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=600)
+
+    async def one(i):
+        tokens = 0
+        stream = await a.completions.create(
+            model=model, prompt=f"Load {i}.", stream=True, max_tokens=max_tokens, temperature=0.9, seed=i, extra_body={"ignore_eos": True}
+        )
+        async for chunk in stream:
+            tokens += len(chunk.choices)
+        return tokens
+
+    got = await asyncio.gather(*[one(i) for i in range(n)])
+    return {"n": n, "chunks": sum(got)}
+
+
 def metric(base, name):
     root = base.rsplit("/v1", 1)[0]
     for line in httpx.get(f"{root}/metrics", timeout=10).text.splitlines():
@@ -837,6 +855,7 @@ COMMANDS = {
     "complete": lambda base, model, rest: complete(base, model, rest[0], json.loads(rest[1])),
     "chat": lambda base, model, rest: chat(base, model, rest[0], json.loads(rest[1])),
     "concurrent": lambda base, model, rest: asyncio.run(concurrent(base, model, int(rest[0]), int(rest[1]))),
+    "load": lambda base, model, rest: asyncio.run(load(base, model, int(rest[0]), int(rest[1]))),
     "disconnect": lambda base, model, rest: disconnect(base, model),
     "tools": lambda base, model, rest: tools(base, model),
     "errors": lambda base, model, rest: errors(base, model),
