@@ -49,6 +49,9 @@ enum Command {
         /// Also draw the timeline as a Gantt chart (one row per stage, micro-batches coloured apart).
         #[arg(long, value_name = "FILE.svg")]
         svg: Option<PathBuf>,
+        /// The same chart as a PNG (boxes only), for places that show no SVG.
+        #[arg(long, value_name = "FILE.png")]
+        png: Option<PathBuf>,
         /// Put the plan's predicted step times (its cost model, at --batch and --context) beside the measured ones.
         #[arg(long, value_name = "PLAN.yaml")]
         plan: Option<PathBuf>,
@@ -96,7 +99,7 @@ enum Command {
 
 /// `m3c report`: the trace's per-stage table (and the plan's prediction
 /// beside it), and the timeline as SVG.
-fn report(trace: &Path, svg: Option<&Path>, plan: Option<&Path>, gpu: &str, batch: usize, context: usize) -> Result<()> {
+fn report(trace: &Path, [svg, png]: [Option<&Path>; 2], plan: Option<&Path>, gpu: &str, (batch, context): (usize, usize)) -> Result<()> {
     let text = m3c_contract::read_user_file(trace, "trace", 1 << 30)?;
     let t = m3c_front::trace::Timeline::parse(&text).with_context(|| format!("{}: not a trace of `m3c run --trace`", trace.display()))?;
     if t.stages.is_empty() {
@@ -108,6 +111,10 @@ fn report(trace: &Path, svg: Option<&Path>, plan: Option<&Path>, gpu: &str, batc
     }
     if let Some(out) = svg {
         m3c_compiler::fsutil::write_file_atomically(out, t.svg().as_bytes())?;
+        say(&format!("wrote {}\n", out.display()))?;
+    }
+    if let Some(out) = png {
+        m3c_compiler::fsutil::write_file_atomically(out, &t.png()?)?;
         say(&format!("wrote {}\n", out.display()))?;
     }
     Ok(())
@@ -146,7 +153,9 @@ fn run(cli: Cli) -> Result<()> {
         Command::Plan(args) => plan_cmd::plan_cmd(args),
         Command::Compile(args) => compile_cmd::compile_cmd(args),
         Command::Run(args) => run_cmd::run_cmd(*args),
-        Command::Report { trace, svg, plan, gpu, batch, context } => report(&trace, svg.as_deref(), plan.as_deref(), &gpu, batch, context),
+        Command::Report { trace, svg, png, plan, gpu, batch, context } => {
+            report(&trace, [svg.as_deref(), png.as_deref()], plan.as_deref(), &gpu, (batch, context))
+        }
         Command::Serve(a) => {
             if !(a.kv_budget > 0.0 && a.kv_budget <= 1e6) {
                 bail!("--kv-budget {}: expected a positive number of GB (at most 1e6)", a.kv_budget);

@@ -211,61 +211,123 @@ impl Timeline {
         o
     }
 
-    /// The timeline as a Gantt chart: one row per stage, each step a box
-    /// coloured by its micro-batch's slot in the pipeline (micro-batch
-    /// number mod the stage count: the batches in flight together differ),
-    /// vision encodes grey, waits a thin line.
-    pub fn svg(&self) -> String {
-        const PALETTE: [&str; 8] = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7"];
+    /// The Gantt chart's boxes, laid out once for the SVG and the PNG: one
+    /// row per stage, each step a box coloured by its micro-batch's slot
+    /// in the pipeline (micro-batch number mod the stage count: the batches
+    /// in flight together differ), vision encodes grey, waits a thin line.
+    fn boxes(&self) -> Vec<GanttBox> {
         let (a, b) = self.window();
         let span = (b - a).max(1e-9);
-        let (left, width, row, top) = (150.0, 1000.0, 36.0, 40.0);
-        let n = self.stages.len().max(1);
-        let height = top + row * n as f64 + 40.0;
-        let x = |t: f64| left + (t - a) / span * width;
+        let n = self.stages.len().max(1) as u64;
+        let mut out = Vec::new();
+        for (row, spans) in self.stages.values().enumerate() {
+            for s in spans {
+                let x0 = GANTT.left + (s.start - a) / span * GANTT.width;
+                let w = (s.dur / span * GANTT.width).max(0.5);
+                let y = GANTT.top + GANTT.row * row as f64;
+                let (y, h, rgb) = if s.name == "wait" {
+                    (y + GANTT.row - 6.0, 2.0, [0xbb, 0xbb, 0xbb])
+                } else {
+                    let rgb = s.micro_batch.map_or([0x88, 0x88, 0x88], |m| PALETTE[(m % n % PALETTE.len() as u64) as usize]);
+                    (y + 4.0, GANTT.row - 12.0, rgb)
+                };
+                out.push(GanttBox { x: x0, y, w, h, rgb, title: (s.name != "wait").then(|| format!("{} {:.3} ms", s.name, s.dur / 1e3)) });
+            }
+        }
+        out
+    }
+
+    fn height(&self) -> f64 {
+        GANTT.top + GANTT.row * self.stages.len().max(1) as f64 + 40.0
+    }
+
+    /// The timeline as a Gantt chart in SVG, with the stages' names and the
+    /// time axis.
+    pub fn svg(&self) -> String {
+        let (a, b) = self.window();
+        let span = (b - a).max(1e-9);
+        let (width, height) = (GANTT.left + GANTT.width + 20.0, self.height());
         let mut o = String::new();
         let _ = writeln!(
             o,
-            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{height}" viewBox="0 0 {} {height}" font-family="sans-serif" font-size="12">"#,
-            left + width + 20.0,
-            left + width + 20.0
+            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">"#
         );
         let _ = writeln!(o, r#"<rect width="100%" height="100%" fill="white"/>"#);
         let _ = writeln!(
             o,
-            r#"<text x="{left}" y="20">m3c pipeline timeline: {:.3} ms, bubble {:.1}%</text>"#,
+            r#"<text x="{}" y="20">m3c pipeline timeline: {:.3} ms, bubble {:.1}%</text>"#,
+            GANTT.left,
             span / 1e3,
             self.bubble() * 100.0
         );
-        for (i, (k, spans)) in self.stages.iter().enumerate() {
-            let y = top + row * i as f64;
+        for (i, k) in self.stages.keys().enumerate() {
+            let y = GANTT.top + GANTT.row * i as f64;
             let name = self.names.get(k).cloned().unwrap_or_else(|| format!("stage {k}"));
-            let _ = writeln!(o, r#"<text x="4" y="{}">{}</text>"#, y + row / 2.0 + 4.0, xml_escape(&name));
-            for s in spans {
-                let (x0, w) = (x(s.start), (s.dur / span * width).max(0.5));
-                if s.name == "wait" {
-                    let _ = writeln!(o, r##"<rect x="{x0:.2}" y="{:.2}" width="{w:.2}" height="2" fill="#bbbbbb"/>"##, y + row - 6.0);
-                    continue;
-                }
-                let fill = match s.micro_batch {
-                    Some(m) => PALETTE[(m % n as u64 % PALETTE.len() as u64) as usize],
-                    None => "#888888",
-                };
-                let _ = writeln!(
-                    o,
-                    r#"<rect x="{x0:.2}" y="{:.2}" width="{w:.2}" height="{:.2}" fill="{fill}"><title>{} {:.3} ms</title></rect>"#,
-                    y + 4.0,
-                    row - 12.0,
-                    s.name,
-                    s.dur / 1e3
-                );
-            }
+            let _ = writeln!(o, r#"<text x="4" y="{}">{}</text>"#, y + GANTT.row / 2.0 + 4.0, xml_escape(&name));
         }
-        let _ = writeln!(o, r#"<text x="{left}" y="{}">0 ms</text>"#, height - 12.0);
-        let _ = writeln!(o, r#"<text x="{}" y="{}" text-anchor="end">{:.3} ms</text>"#, left + width, height - 12.0, span / 1e3);
+        for g in self.boxes() {
+            let fill = format!("#{:02x}{:02x}{:02x}", g.rgb[0], g.rgb[1], g.rgb[2]);
+            let title = g.title.map(|t| format!("<title>{t}</title>")).unwrap_or_default();
+            let _ =
+                writeln!(o, r#"<rect x="{:.2}" y="{:.2}" width="{:.2}" height="{:.2}" fill="{fill}">{title}</rect>"#, g.x, g.y, g.w, g.h);
+        }
+        let _ = writeln!(o, r#"<text x="{}" y="{}">0 ms</text>"#, GANTT.left, height - 12.0);
+        let _ =
+            writeln!(o, r#"<text x="{}" y="{}" text-anchor="end">{:.3} ms</text>"#, GANTT.left + GANTT.width, height - 12.0, span / 1e3);
         o.push_str("</svg>\n");
         o
     }
+
+    /// The same chart as a PNG's bytes (the boxes only: no text), for
+    /// places that show no SVG.
+    pub fn png(&self) -> Result<Vec<u8>> {
+        let (w, h) = ((GANTT.left + GANTT.width + 20.0) as u32, self.height() as u32);
+        let mut img = image::RgbImage::from_pixel(w, h, image::Rgb([255, 255, 255]));
+        for g in self.boxes() {
+            let (x0, y0) = (g.x.floor().max(0.0) as u32, g.y.floor().max(0.0) as u32);
+            let (x1, y1) = (((g.x + g.w).ceil() as u32).min(w), ((g.y + g.h).ceil() as u32).min(h));
+            for y in y0..y1 {
+                for x in x0..x1.max(x0 + 1).min(w) {
+                    img.put_pixel(x, y, image::Rgb(g.rgb));
+                }
+            }
+        }
+        let mut bytes = Vec::new();
+        img.write_to(&mut std::io::Cursor::new(&mut bytes), image::ImageFormat::Png).context("encoding the PNG")?;
+        Ok(bytes)
+    }
+}
+
+/// Where the Gantt chart's parts go, in pixels.
+struct Layout {
+    left: f64,
+    width: f64,
+    row: f64,
+    top: f64,
+}
+
+const GANTT: Layout = Layout { left: 150.0, width: 1000.0, row: 36.0, top: 40.0 };
+
+/// Colours of the micro-batch slots (Tableau 10).
+const PALETTE: [[u8; 3]; 8] = [
+    [0x4e, 0x79, 0xa7],
+    [0xf2, 0x8e, 0x2b],
+    [0x59, 0xa1, 0x4f],
+    [0xe1, 0x57, 0x59],
+    [0x76, 0xb7, 0xb2],
+    [0xed, 0xc9, 0x48],
+    [0xb0, 0x7a, 0xa1],
+    [0xff, 0x9d, 0xa7],
+];
+
+/// One box of the chart: its place, colour and tooltip.
+struct GanttBox {
+    x: f64,
+    y: f64,
+    w: f64,
+    h: f64,
+    rgb: [u8; 3],
+    title: Option<String>,
 }
 
 fn xml_escape(s: &str) -> String {

@@ -152,25 +152,44 @@ fn a_cut_link_or_a_killed_remote_stage_ends_the_job_on_every_host() {
     let (out_s, model_s, placed) = (out.to_str().unwrap(), model.to_str().unwrap(), hostfile(&hosts, &[0, 1]));
     let cmd = [bin.to_str().unwrap(), "run", out_s, "--model", model_s, "--hostfile", &placed, "--prompt-ids", "1,2,3"];
     let cmd = [&cmd[..], &["--max-new-tokens", "4090", "--ignore-eos", "--timeout-s", "3"]].concat();
-    // Host 1's processes whose command line holds `what`, killed.
-    let kill = |what: &str| {
-        for p in hosts.pids(1) {
-            if std::fs::read_to_string(format!("/proc/{p}/cmdline")).is_ok_and(|c| c.contains(what)) {
-                let _ = std::process::Command::new("kill").args(["-9", &p]).status();
+    // Stage 1's process on host 1, once the job runs (the pre-flight
+    // check's ranks come and go first; a loaded machine starts slowly).
+    let stage1 = || -> String {
+        let t0 = std::time::Instant::now();
+        loop {
+            let found = hosts.pids(1).into_iter().find(|p| {
+                std::fs::read(format!("/proc/{p}/cmdline"))
+                    .is_ok_and(|c| c.split(|&b| b == 0).next().is_some_and(|a| a.ends_with(b"/stage-1")))
+            });
+            if let Some(p) = found {
+                return p;
             }
+            assert!(t0.elapsed() < Duration::from_secs(60), "stage 1 never started on host 1");
+            std::thread::sleep(Duration::from_millis(50));
         }
     };
-    // The kills first: the cut leaves the link down.
-    let faults: [(&str, &dyn Fn()); 3] =
-        [("killed remote stage", &|| kill("stage-1")), ("killed remote daemon", &|| kill("orted")), ("cut link", &|| hosts.cut(1))];
+    let kill = |pid: &str| {
+        let _ = std::process::Command::new("kill").args(["-9", pid]).status();
+    };
+    // Its parent is the job's Open MPI daemon there.
+    let parent = |pid: &str| -> String {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        stat.rsplit(')').next().and_then(|r| r.split_whitespace().nth(1)).unwrap_or("0").to_string()
+    };
+    // A fault, given stage 1's pid. The kills first: the cut leaves the link down.
+    type Fault<'a> = &'a dyn Fn(&str);
+    let faults: [(&str, Fault); 3] =
+        [("killed remote stage", &|p| kill(p)), ("killed remote daemon", &|p| kill(&parent(p))), ("cut link", &|_| hosts.cut(1))];
     for (name, fault) in faults {
-        let t0 = std::time::Instant::now();
         let child = hosts.spawn(0, &cmd, Duration::from_secs(90));
-        std::thread::sleep(Duration::from_millis(2500));
-        fault();
+        let pid = stage1();
+        // A moment into decoding.
+        std::thread::sleep(Duration::from_millis(500));
+        let t0 = std::time::Instant::now();
+        fault(&pid);
         let o = child.wait_with_output().unwrap();
         let (took, e) = (t0.elapsed(), stderr(&o));
-        eprintln!("{name}: the job ended {:.1} s after the fault", took.as_secs_f64() - 2.5);
+        eprintln!("{name}: the job ended {:.1} s after the fault", took.as_secs_f64());
         assert!(!o.status.success() && took < Duration::from_secs(25), "{name}: {:?} after {took:?}:\n{e}", o.status);
         assert!(e.contains("stage 1") || e.contains("stage-1"), "{name}: the lost stage is named:\n{e}");
         let clean = hosts.quiet(Duration::from_secs(20));

@@ -315,7 +315,8 @@ fn bf16_kv_cache_stays_near_the_golden_and_pp_invariant() {
         for (pp, kv) in [(1, "bf16"), (2, "bf16"), (1, "f32")] {
             let d = dir.path().join(format!("pp{pp}-{kv}"));
             std::fs::create_dir(&d).unwrap();
-            let out = compile(&model, pp, &d, &["--kv-cache", kv]);
+            // f32 caches are the default: the run's shared compile.
+            let out = if kv == "f32" { crate::shared::out(name, pp) } else { compile(&model, pp, &d, &["--kv-cache", kv]) };
             let manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
             assert_eq!(manifest["kv_cache"], kv);
             let dump = d.join("dump.safetensors");
@@ -356,7 +357,11 @@ fn bf16_activations_stay_near_the_golden_and_pp_invariant() {
         let want_ids = read_tensor_i64(&golden, "generated_ids");
         let dir = tempfile::tempdir().unwrap();
         let mut dumps = Vec::new();
-        for (pp, kv) in [(1, "f32"), (2, "f32"), (1, "bf16"), (2, "bf16")] {
+        // pp invariance with f32 caches on one fixture is enough: the
+        // boundary carries the same bf16 rows whatever the weights are.
+        let runs: &[(usize, &str)] =
+            if name == "tiny-m3" { &[(1, "f32"), (2, "f32"), (1, "bf16"), (2, "bf16")] } else { &[(1, "f32"), (1, "bf16"), (2, "bf16")] };
+        for &(pp, kv) in runs {
             let d = dir.path().join(format!("pp{pp}-{kv}"));
             std::fs::create_dir(&d).unwrap();
             let out = compile(&model, pp, &d, &["--activations", "bf16", "--kv-cache", kv]);
@@ -367,9 +372,12 @@ fn bf16_activations_stay_near_the_golden_and_pp_invariant() {
             assert!(o.status.success(), "{}", stderr(&o));
             dumps.push((dump.clone(), std::fs::read(&dump).unwrap()));
         }
-        assert!(dumps[0].1 == dumps[1].1, "{name}: bf16 activations at pp=2 differ from pp=1");
-        assert!(dumps[2].1 == dumps[3].1, "{name}: bf16 activations and caches at pp=2 differ from pp=1");
-        for (dump, _) in [&dumps[0], &dumps[2]] {
+        let n = dumps.len();
+        if n == 4 {
+            assert!(dumps[0].1 == dumps[1].1, "{name}: bf16 activations at pp=2 differ from pp=1");
+        }
+        assert!(dumps[n - 2].1 == dumps[n - 1].1, "{name}: bf16 activations and caches at pp=2 differ from pp=1");
+        for (dump, _) in [&dumps[0], &dumps[n - 2]] {
             let (_, got) = read_tensor_f32(dump, "prefill_logits");
             let v = shape[1];
             let mut worst: Vec<f32> = (0..shape[0]).map(|r| max_abs_diff(&got[r * v..(r + 1) * v], &want[r * v..(r + 1) * v])).collect();

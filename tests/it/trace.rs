@@ -88,6 +88,42 @@ fn a_pp4_trace_has_every_step_and_message_and_changes_no_token() {
     let boxes = picture.matches("<title>").count();
     let steps: usize = (0..4).map(|k| reported_steps(&log, k, 4)).sum();
     assert_eq!(boxes, steps, "one box per step");
+
+    // The PNG: a coloured band per stage, white between them; and the
+    // cost model's prediction beside the measured steps.
+    let png = dir.path().join("t.png");
+    let o = m3c(&[
+        "report",
+        trace.to_str().unwrap(),
+        "--png",
+        png.to_str().unwrap(),
+        "--plan",
+        m3c_tests::configs("tiny-m3.pp4.yaml").to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let img = image::open(&png).expect("a PNG").to_rgb8();
+    let coloured = |y: u32| {
+        (0..img.width()).any(|x| {
+            let p = img.get_pixel(x, y).0;
+            let (lo, hi) = (*p.iter().min().unwrap(), *p.iter().max().unwrap());
+            hi - lo > 40 // not white or grey
+        })
+    };
+    let bands = (0..img.height())
+        .fold((0, false), |(n, was), y| {
+            let is = coloured(y);
+            (n + usize::from(is && !was), is)
+        })
+        .0;
+    assert_eq!(bands, 4, "one coloured row per stage");
+    let r = stdout(&o);
+    let predicted: Vec<&str> =
+        r.lines().skip_while(|l| !l.starts_with("predicted")).skip(2).take_while(|l| l.starts_with(|c: char| c.is_ascii_digit())).collect();
+    assert_eq!(predicted.len(), 4, "a predicted row per stage:\n{r}");
+    for l in predicted {
+        let ratio: f64 = l.split_whitespace().last().unwrap().parse().unwrap_or_else(|_| panic!("{l}"));
+        assert!(ratio > 0.0, "{l}");
+    }
 }
 
 /// A trace file that is not one is an error naming it; `--trace` into a
