@@ -1,7 +1,8 @@
 //! Shared helpers of the end-to-end tests: where the fixtures are, and how to
 //! run the `m3c` binary.
 
-pub mod simt;
+/// The SIMT interpreter of the GPU kernels (its own crate, compiled optimised).
+pub use m3c_simt as simt;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
