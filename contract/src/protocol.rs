@@ -321,80 +321,78 @@ impl Command {
 
 /// One command line, and how many payload bytes follow it (0: none).
 fn parse_line(line: &str) -> Result<(Command, usize), String> {
-    {
-        let mut words = line.split_ascii_whitespace();
-        match words.next() {
-            Some("cancel") => match (words.next(), words.next()) {
-                (Some(s), None) => Ok((Command::Cancel(int("SEQ", s)?), 0)),
-                _ => Err("expected `cancel SEQ`".into()),
-            },
-            Some("trace") => match (words.next(), words.next()) {
-                (Some("on"), None) => Ok((Command::Trace(true), 0)),
-                (Some("off"), None) => Ok((Command::Trace(false), 0)),
-                _ => Err("expected `trace on` or `trace off`".into()),
-            },
-            Some("add") => {
-                let (mut seq, mut max_new, mut prompt) = (None, None, None);
-                let (mut ignore_eos, mut images, mut stops, mut stop_ids) = (false, 0usize, Vec::new(), Vec::new());
-                let (mut logprobs, mut grammar, mut grammar_after, mut min_tokens) = (None, None, None, 0);
-                let (mut logit_bias, mut prompt_logprobs) = (Vec::new(), None);
-                let mut sampling = SamplingParams::GREEDY;
-                for w in words {
-                    let (k, v) = w.split_once('=').ok_or_else(|| format!("`{w}`: expected name=value"))?;
-                    match k {
-                        "seq" => seq = Some(int("seq", v)?),
-                        "max_new" => max_new = Some(int("max_new", v)?),
-                        "ignore_eos" => ignore_eos = int::<u8>("ignore_eos", v)? != 0,
-                        "prompt" => prompt = Some(crate::prompts::parse_ids(v, "prompt")?),
-                        "images" => images = int::<usize>("images", v).ok().filter(|&n| n > 0).ok_or("images: expected a byte count")?,
-                        "stop" => stops.push(unhex(v).ok_or("stop: not hex bytes")?),
-                        "stop_ids" => stop_ids = crate::prompts::parse_ids(v, "stop_ids")?,
-                        "grammar" => {
-                            let bytes = unhex(v).ok_or("grammar: not hex bytes")?;
-                            grammar = Some(String::from_utf8(bytes).map_err(|_| "grammar: not UTF-8")?);
+    let mut words = line.split_ascii_whitespace();
+    match words.next() {
+        Some("cancel") => match (words.next(), words.next()) {
+            (Some(s), None) => Ok((Command::Cancel(int("SEQ", s)?), 0)),
+            _ => Err("expected `cancel SEQ`".into()),
+        },
+        Some("trace") => match (words.next(), words.next()) {
+            (Some("on"), None) => Ok((Command::Trace(true), 0)),
+            (Some("off"), None) => Ok((Command::Trace(false), 0)),
+            _ => Err("expected `trace on` or `trace off`".into()),
+        },
+        Some("add") => {
+            let (mut seq, mut max_new, mut prompt) = (None, None, None);
+            let (mut ignore_eos, mut images, mut stops, mut stop_ids) = (false, 0usize, Vec::new(), Vec::new());
+            let (mut logprobs, mut grammar, mut grammar_after, mut min_tokens) = (None, None, None, 0);
+            let (mut logit_bias, mut prompt_logprobs) = (Vec::new(), None);
+            let mut sampling = SamplingParams::GREEDY;
+            for w in words {
+                let (k, v) = w.split_once('=').ok_or_else(|| format!("`{w}`: expected name=value"))?;
+                match k {
+                    "seq" => seq = Some(int("seq", v)?),
+                    "max_new" => max_new = Some(int("max_new", v)?),
+                    "ignore_eos" => ignore_eos = int::<u8>("ignore_eos", v)? != 0,
+                    "prompt" => prompt = Some(crate::prompts::parse_ids(v, "prompt")?),
+                    "images" => images = int::<usize>("images", v).ok().filter(|&n| n > 0).ok_or("images: expected a byte count")?,
+                    "stop" => stops.push(unhex(v).ok_or("stop: not hex bytes")?),
+                    "stop_ids" => stop_ids = crate::prompts::parse_ids(v, "stop_ids")?,
+                    "grammar" => {
+                        let bytes = unhex(v).ok_or("grammar: not hex bytes")?;
+                        grammar = Some(String::from_utf8(bytes).map_err(|_| "grammar: not UTF-8")?);
+                    }
+                    "grammar_after" => grammar_after = Some(int::<i64>("grammar_after", v)?),
+                    "min_tokens" => min_tokens = int("min_tokens", v)?,
+                    "logit_bias" => logit_bias = parse_logit_bias(v)?,
+                    "logprobs" | "prompt_logprobs" => {
+                        let n = int::<u8>(k, v)?;
+                        if n > MAX_TOP_LOGPROBS {
+                            return Err(format!("{k} {n}: at most {MAX_TOP_LOGPROBS} alternatives"));
                         }
-                        "grammar_after" => grammar_after = Some(int::<i64>("grammar_after", v)?),
-                        "min_tokens" => min_tokens = int("min_tokens", v)?,
-                        "logit_bias" => logit_bias = parse_logit_bias(v)?,
-                        "logprobs" | "prompt_logprobs" => {
-                            let n = int::<u8>(k, v)?;
-                            if n > MAX_TOP_LOGPROBS {
-                                return Err(format!("{k} {n}: at most {MAX_TOP_LOGPROBS} alternatives"));
-                            }
-                            *(if k == "logprobs" { &mut logprobs } else { &mut prompt_logprobs }) = Some(n);
-                        }
-                        _ => {
-                            if !sampling.set_field(k, v)? {
-                                return Err(format!("`{k}` is not a field of `add`"));
-                            }
+                        *(if k == "logprobs" { &mut logprobs } else { &mut prompt_logprobs }) = Some(n);
+                    }
+                    _ => {
+                        if !sampling.set_field(k, v)? {
+                            return Err(format!("`{k}` is not a field of `add`"));
                         }
                     }
                 }
-                sampling.check()?;
-                let need = |what: &str| format!("`add` needs {what}=");
-                let add = Command::Add(SeqRequest {
-                    seq: seq.ok_or_else(|| need("seq"))?,
-                    max_new: max_new.ok_or_else(|| need("max_new"))?,
-                    ignore_eos,
-                    sampling,
-                    prompt: prompt.ok_or_else(|| need("prompt"))?,
-                    images: None,
-                    stops,
-                    stop_ids,
-                    logprobs,
-                    grammar: match (grammar, grammar_after) {
-                        (Some(g), after) => Some((g, after)),
-                        (None, Some(_)) => return Err("grammar_after= without grammar=".into()),
-                        (None, None) => None,
-                    },
-                    min_tokens,
-                    logit_bias,
-                    prompt_logprobs,
-                });
-                Ok((add, images))
             }
-            _ => Err("expected `add seq=SEQ max_new=N prompt=IDS ...`, `cancel SEQ` or `trace on|off`".into()),
+            sampling.check()?;
+            let need = |what: &str| format!("`add` needs {what}=");
+            let add = Command::Add(SeqRequest {
+                seq: seq.ok_or_else(|| need("seq"))?,
+                max_new: max_new.ok_or_else(|| need("max_new"))?,
+                ignore_eos,
+                sampling,
+                prompt: prompt.ok_or_else(|| need("prompt"))?,
+                images: None,
+                stops,
+                stop_ids,
+                logprobs,
+                grammar: match (grammar, grammar_after) {
+                    (Some(g), after) => Some((g, after)),
+                    (None, Some(_)) => return Err("grammar_after= without grammar=".into()),
+                    (None, None) => None,
+                },
+                min_tokens,
+                logit_bias,
+                prompt_logprobs,
+            });
+            Ok((add, images))
         }
+        _ => Err("expected `add seq=SEQ max_new=N prompt=IDS ...`, `cancel SEQ` or `trace on|off`".into()),
     }
 }
 

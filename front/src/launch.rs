@@ -343,9 +343,11 @@ pub fn spawn_error(e: std::io::Error) -> anyhow::Error {
     }
 }
 
-/// The host of each slot of an Open MPI hostfile (`HOST slots=N` lines, in
-/// order), as its default mapping fills them; `None` when a line gives no
-/// slot count (mpirun would count the host's cores).
+/// The host of each slot of an Open MPI hostfile (`HOST slots=N` lines),
+/// in the file's order: where its default mapping puts each rank when
+/// mpirun's own node is listed first or not at all (it fills its own node
+/// first); `None` when a line gives no slot count (mpirun would count the
+/// host's cores).
 fn hostfile_slots(file: &Path) -> Option<Vec<String>> {
     let text = std::fs::read_to_string(file).ok()?;
     let mut out = Vec::new();

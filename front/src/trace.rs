@@ -29,8 +29,10 @@ pub fn tap(pipe: impl Read + Send + 'static) -> (impl BufRead, std::thread::Join
                 got.events.push(String::from_utf8_lossy(e).trim_end().to_string());
             } else if let Some(m) = line.strip_prefix(b"m3c-trace-meta ") {
                 got.meta = Some(String::from_utf8_lossy(m).trim_end().to_string());
-            } else if tx.send(std::mem::take(&mut line)).is_err() {
-                // Nobody reads the rest: keep collecting the trace.
+            } else {
+                // Nobody may read the rest (the streamer gave up): the
+                // trace is still collected.
+                let _ = tx.send(std::mem::take(&mut line));
             }
             line.clear();
         }

@@ -203,7 +203,7 @@ fn print_line(line: &str) {
 type ImagesBySeq = BTreeMap<usize, SeqImages>;
 
 /// The images of a run's `--images` file (prompts on the command line).
-fn inline_images(st: &Stage, args: &RunArgs) -> Result<BTreeMap<usize, SeqImages>, StageError> {
+fn inline_images(st: &Stage, args: &RunArgs) -> Result<ImagesBySeq, StageError> {
     let images = match (&args.images, &st.meta.vision) {
         (None, _) => BTreeMap::new(),
         (Some(f), None) => {

@@ -147,9 +147,18 @@ pub fn vision(start_us: f64, seq: usize, rows: usize) {
     }
 }
 
-/// The next message number from `from` to `to` on `tag`.
-fn count(s: &mut State, from: usize, to: usize, tag: i32) -> u64 {
-    let key = (from, to, tag);
+/// The next message number between this stage and `peer` on `tag`, sent
+/// (`outgoing`) or received.
+fn count(peer: usize, tag: i32, outgoing: bool) -> u64 {
+    with(|s| {
+        s.as_mut().map_or(0, |s| {
+            let key = if outgoing { (s.rank, peer, tag) } else { (peer, s.rank, tag) };
+            count_in(s, key)
+        })
+    })
+}
+
+fn count_in(s: &mut State, key: (usize, usize, i32)) -> u64 {
     match s.counts.iter_mut().find(|(k, _)| *k == key) {
         Some((_, c)) => {
             *c += 1;
@@ -177,12 +186,7 @@ pub fn sent(start_us: f64, to: usize, tag: i32, bytes: usize) {
     if !armed() {
         return;
     }
-    let n = with(|s| {
-        s.as_mut().map_or(0, |s| {
-            let me = s.rank;
-            count(s, me, to, tag)
-        })
-    });
+    let n = count(to, tag, true);
     if on() {
         push(start_us, What::Send { to, tag, bytes, n });
     }
@@ -198,12 +202,7 @@ pub fn received(waited_from_us: f64, from: usize, tag: i32, bytes: usize) {
     if on() && now - waited_from_us > 1.0 {
         push(waited_from_us, What::Wait { from });
     }
-    let n = with(|s| {
-        s.as_mut().map_or(0, |s| {
-            let me = s.rank;
-            count(s, from, me, tag)
-        })
-    });
+    let n = count(from, tag, false);
     if on() {
         push(now, What::Recv { from, tag, bytes, n });
     }

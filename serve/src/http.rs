@@ -133,7 +133,11 @@ async fn debug_trace(State(app): State<App>, headers: HeaderMap, body: axum::bod
     if let Some(k) = req.as_object().and_then(|o| o.keys().find(|k| *k != "seconds")) {
         return error(&ApiError::bad(k, format!("unknown field `{k}`: this endpoint takes `seconds`")));
     }
-    let collected = match app.engine.record_trace(std::time::Duration::from_secs_f64(seconds)).await {
+    // A task of its own: a client that goes away mid-window must not leave
+    // the stages recording and the window taken.
+    let engine = app.engine.clone();
+    let window = tokio::spawn(async move { engine.record_trace(std::time::Duration::from_secs_f64(seconds)).await });
+    let collected = match window.await.unwrap_or_else(|e| Err(crate::engine::TraceError::Down(e.to_string()))) {
         Ok(c) => c,
         Err(crate::engine::TraceError::Busy) => {
             return error(&ApiError::new(409, "conflict_error", "a trace is being recorded; try again when it ends"))
