@@ -2,6 +2,7 @@
 //! edge where they get context and become a message and an exit code.
 //! `src/main.rs` only calls [`main`], so that tests can build the same CLI.
 
+mod bench_cmd;
 mod compile_cmd;
 mod flags;
 mod plan_cmd;
@@ -65,6 +66,8 @@ enum Command {
         #[arg(long, default_value_t = 4096)]
         context: usize,
     },
+    /// Time the host linear kernels at prefill and decode shapes beside this machine's measured FMA peak.
+    BenchKernels(bench_cmd::BenchArgs),
     /// Write a random tiny MiniMax-M3 checkpoint (hub layout) into a new folder.
     InitTiny {
         /// The folder to create.
@@ -153,6 +156,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Plan(args) => plan_cmd::plan_cmd(args),
         Command::Compile(args) => compile_cmd::compile_cmd(args),
         Command::Run(args) => run_cmd::run_cmd(*args),
+        Command::BenchKernels(args) => bench_cmd::bench_kernels(args),
         Command::Report { trace, svg, png, plan, gpu, batch, context } => {
             report(&trace, [svg.as_deref(), png.as_deref()], plan.as_deref(), &gpu, (batch, context))
         }

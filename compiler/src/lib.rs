@@ -11,6 +11,7 @@ pub mod dtype;
 pub mod fsutil;
 pub mod graph;
 pub mod inspect;
+pub mod kernel_bench;
 pub mod lower;
 pub mod model;
 pub mod plan;

@@ -121,15 +121,16 @@ fn mxfp8_down_proj() -> (Vec<u8>, Vec<u8>) {
     (get(format!("{stem}.weight")), get(format!("{stem}.weight_scale_inv")))
 }
 
-/// Both MXFP8 code paths: 32-wide blocks take the vector path (fp8 decoded
-/// by integer ops); 16-wide blocks (same weights, each scale repeated) take
-/// the scalar path through the fp8 table.
+/// Both MXFP8 code paths: 32- and 16-wide blocks take the tiled vector path
+/// (fp8 decoded by integer ops); 4-wide blocks (same weights, each scale
+/// repeated) take the scalar path through the fp8 table.
 #[test]
 fn mxfp8_linear_matches_dequantized_reference() {
     let dir = tempfile::tempdir().unwrap();
     let (w, s32) = mxfp8_down_proj();
     let (out, inp) = (128, 192);
     let s16: Vec<u8> = s32.iter().flat_map(|&b| [b, b]).collect();
+    let s4: Vec<u8> = s32.iter().flat_map(|&b| [b; 8]).collect();
     // Seven rows: three blocks of two rows, then one single row.
     let rows = 7;
     let x = input(rows, inp);
@@ -142,7 +143,7 @@ fn mxfp8_linear_matches_dequantized_reference() {
         }
     }
     assert!(want.iter().any(|v| v.abs() > 1.0), "the test must see real values");
-    for (block, s) in [(32, &s32), (16, &s16)] {
+    for (block, s) in [(32, &s32), (16, &s16), (4, &s4)] {
         let lin = lin_f32(inp, out, WeightType::Mxfp8 { block });
         let sub = dir.path().join(format!("b{block}"));
         std::fs::create_dir(&sub).unwrap();
@@ -164,9 +165,9 @@ fn kernels_are_emitted_once_per_shape() {
     assert_eq!(text.matches("func.func @m3c_linear_i128_o64_bf16(").count(), 1);
     assert_eq!(text.matches("func.func @m3c_linear_i128_o64_mxfp8b32(").count(), 1);
     assert_eq!(text.matches("memref.global").count(), 0, "the vector path decodes fp8 without a table");
-    // The scalar path (blocks not a multiple of 32) shares one table.
-    let c = lin_f32(128, 64, WeightType::Mxfp8 { block: 16 });
-    let d = lin_f32(96, 64, WeightType::Mxfp8 { block: 16 });
+    // The scalar path (blocks not a multiple of 8) shares one table.
+    let c = lin_f32(128, 64, WeightType::Mxfp8 { block: 4 });
+    let d = lin_f32(96, 64, WeightType::Mxfp8 { block: 4 });
     let text = module(&[c, d]);
     assert_eq!(text.matches("memref.global").count(), 1, "one fp8 table for all scalar MXFP8 kernels");
 }
@@ -426,7 +427,7 @@ fn bf16_twins() -> Vec<[Kernel; 2]> {
     vec![
         twins(&lin(WeightType::BF16, None)),
         twins(&lin(WeightType::Mxfp8 { block: 32 }, None)),
-        twins(&lin(WeightType::Mxfp8 { block: 16 }, None)),
+        twins(&lin(WeightType::Mxfp8 { block: 4 }, None)),
         twins(&lin(WeightType::BF16, Some(f))),
         twins(&|a| Kernel::RmsNorm(m3c_kernels::RmsNorm { width: 128, eps: 1e-6, weight: WeightType::BF16, act: a })),
         twins(&|a| {
@@ -477,7 +478,7 @@ fn bf16_twins() -> Vec<[Kernel; 2]> {
 fn bf16_activation_kernels_round_their_f32_twins_once() {
     let dir = tempfile::tempdir().unwrap();
     let (w8, s32) = mxfp8_down_proj();
-    let s16: Vec<u8> = s32.iter().flat_map(|&b| [b, b]).collect();
+    let s4: Vec<u8> = s32.iter().flat_map(|&b| [b; 8]).collect();
     let wb: Vec<u16> = (0..128 * 192).map(|i| bf16_nearest_even(((i * 7919 % 997) as f32 / 997.0 - 0.5) * 0.2)).collect();
     let norm_w = vec![0x3E80u16; 128]; // 0.25
     let f = Storage::F32;
@@ -519,7 +520,7 @@ fn bf16_activation_kernels_round_their_f32_twins_once() {
                     let (w8m, s) = (
                         m2(&w8, 128, 192),
                         match weight {
-                            WeightType::Mxfp8 { block: 16 } => m2(&s16, 128, 12),
+                            WeightType::Mxfp8 { block: 4 } => m2(&s4, 128, 48),
                             _ => m2(&s32, 128, 6),
                         },
                     );
@@ -642,4 +643,123 @@ fn gelu_is_the_exact_erf_gelu() {
     assert_eq!(y[144], 0.0, "gelu(0)");
     assert_eq!(y[rows * width - 1], x[rows * width - 1], "gelu(x) = x once erf(x/√2) rounds to 1");
     assert!(y[0] <= 0.0 && y[0] > -1e-6, "gelu(-9) is a tiny negative: {}", y[0]);
+}
+
+/// The tiled linear's one summation order: every row of a batch is the same
+/// bits as that row computed alone, whatever the batch's size (decode
+/// micro-tiles of one row, prefill tiles of three rows, f32 panels decoded
+/// from 6 rows on, row tiles of 15 at width 2048; at 2560, K blocks of 768
+/// with a short last one and row tiles of 42) and for every weight type
+/// and activation storage; and the batch matches an f64 reference.
+#[test]
+fn linear_rows_are_bit_identical_alone_and_in_any_batch() {
+    linear_rows_alone_and_batched(2048, &[2, 3, 5, 6, 7, 16, 20]);
+    linear_rows_alone_and_batched(2560, &[1, 6, 20, 45]);
+}
+
+fn linear_rows_alone_and_batched(inp: usize, batches: &[usize]) {
+    let dir = tempfile::tempdir().unwrap();
+    let out = 150;
+    let wf: Vec<f32> = (0..out * inp).map(|i| ((i * 7919 % 2003) as f32 / 1001.5) - 1.0).collect();
+    let w32: Vec<f32> = wf.clone();
+    let w16: Vec<u16> = wf.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+    // fp8 bytes other than the NaNs, and scales 2^-3 .. 2^2.
+    let w8: Vec<u8> = (0..out * inp).map(|i| (i * 7919 % 251) as u8).map(|b| if b & 0x7F == 0x7F { 0x11 } else { b }).collect();
+    let s8: Vec<u8> = (0..out * inp / 32).map(|i| 124 + (i * 31 % 6) as u8).collect();
+    let kinds: Vec<(WeightType, Storage)> = vec![
+        (WeightType::F32, Storage::F32),
+        (WeightType::BF16, Storage::F32),
+        (WeightType::Mxfp8 { block: 32 }, Storage::F32),
+        (WeightType::BF16, Storage::Bf16),
+    ];
+    let kernels: Vec<Kernel> =
+        kinds.iter().map(|&(weight, act)| Kernel::Linear(m3c_kernels::Linear { inp, out, weight, act, out_act: act })).collect();
+    let lib = build(&kernels, dir.path());
+    let max_rows = *batches.iter().max().unwrap();
+    let xf = input(max_rows, inp);
+    let xb: Vec<u16> = xf.iter().map(|&v| bf16_nearest_even(v)).collect();
+    for (k, &(weight, act)) in kernels.iter().zip(&kinds) {
+        // y for rows `r0..r0 + n` of the input, as raw 32-bit or 16-bit words.
+        let run = |r0: usize, n: usize| -> Vec<u32> {
+            let (xm32, xm16) = (m2(&xf[r0 * inp..(r0 + n) * inp], n, inp), m2(&xb[r0 * inp..(r0 + n) * inp], n, inp));
+            let xp = if act == Storage::F32 { p(&xm32) } else { p(&xm16) };
+            let (y32, y16) = (vec![f32::NAN; n * out], vec![0xFFFFu16; n * out]);
+            let (ym32, ym16) = (m2(&y32, n, out), m2(&y16, n, out));
+            let yp = if act == Storage::F32 { p(&ym32) } else { p(&ym16) };
+            let (wm32, wm16, wm8, sm) = (m2(&w32, out, inp), m2(&w16, out, inp), m2(&w8, out, inp), m2(&s8, out, inp / 32));
+            // SAFETY: one live descriptor per argument of this kernel, shaped as its params() say.
+            unsafe {
+                match weight {
+                    WeightType::F32 => call(&lib, k, &[xp, p(&wm32), yp]),
+                    WeightType::Mxfp8 { .. } => call(&lib, k, &[xp, p(&wm8), p(&sm), yp]),
+                    _ => call(&lib, k, &[xp, p(&wm16), yp]),
+                }
+            }
+            if act == Storage::F32 {
+                y32.iter().map(|v| v.to_bits()).collect()
+            } else {
+                y16.iter().map(|&v| v as u32).collect()
+            }
+        };
+        let alone: Vec<Vec<u32>> = (0..max_rows).map(|r| run(r, 1)).collect();
+        for &n in batches {
+            let batch = run(0, n);
+            for r in 0..n {
+                assert_eq!(&batch[r * out..(r + 1) * out], &alone[r][..], "{weight:?} {act:?}: row {r} of {n} differs from the row alone");
+            }
+        }
+        // The values: against f64 sums of the decoded weights.
+        let wv = |o: usize, i: usize| -> f64 {
+            match weight {
+                WeightType::F32 => w32[o * inp + i] as f64,
+                WeightType::Mxfp8 { .. } => e4m3_to_f32(w8[o * inp + i]) as f64 * e8m0_to_f32(s8[o * (inp / 32) + i / 32]) as f64,
+                _ => bf16_to_f32(w16[o * inp + i]) as f64,
+            }
+        };
+        let x = |r: usize, i: usize| if act == Storage::F32 { xf[r * inp + i] } else { bf16_to_f32(xb[r * inp + i]) } as f64;
+        let got: Vec<f32> =
+            alone.iter().flatten().map(|&b| if act == Storage::F32 { f32::from_bits(b) } else { bf16_to_f32(b as u16) }).collect();
+        // Within f32 rounding of the terms' magnitude (long lane sums),
+        // plus the output's own rounding when it is stored as bf16.
+        let y_ulp = if act == Storage::F32 { 0.0 } else { 1.0 / 256.0 };
+        for (e, &g) in got.iter().enumerate() {
+            let (r, o) = (e / out, e % out);
+            let want: f64 = (0..inp).map(|i| x(r, i) * wv(o, i)).sum();
+            let mag: f64 = (0..inp).map(|i| (x(r, i) * wv(o, i)).abs()).sum();
+            let err = (g as f64 - want).abs();
+            assert!(err <= 4e-6 * mag + y_ulp * want.abs(), "{weight:?} {act:?}: y[{r}, {o}] = {g}, want {want} (terms' magnitude {mag})");
+        }
+    }
+}
+
+/// The tiled linear decodes every fp8 byte exactly: output `o` of one row
+/// `x = [1, 0, …]` is byte `o` times its block's scale (scales from the
+/// smallest, 2^-127, to 2^127), the NaN bytes NaN; at one row (decoded in
+/// registers) and at eight (decoded into an f32 panel first).
+#[test]
+fn tiled_mxfp8_linear_decodes_every_byte_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let (inp, out) = (32, 256);
+    let w: Vec<u8> = (0..out * inp).map(|e| if e % inp == 0 { (e / inp) as u8 } else { 0 }).collect();
+    let scales = [0u8, 1, 100, 127, 134, 200, 254];
+    let s: Vec<u8> = (0..out).map(|o| scales[o % scales.len()]).collect();
+    let lin = lin_f32(inp, out, WeightType::Mxfp8 { block: 32 });
+    let lib = build(std::slice::from_ref(&lin), dir.path());
+    for rows in [1, 8] {
+        let x: Vec<f32> = (0..rows * inp).map(|e| if e % inp == 0 { 1.0 } else { 0.0 }).collect();
+        let y = vec![0f32; rows * out];
+        // SAFETY: one live descriptor per argument (x, w, s, y), shaped as the kernel's params() say.
+        unsafe { call(&lib, &lin, &[p(&m2(&x, rows, inp)), p(&m2(&w, out, inp)), p(&m2(&s, out, 1)), p(&m2(&y, rows, out))]) };
+        for r in 0..rows {
+            for o in 0..out {
+                let want = (e4m3_to_f32(o as u8) as f64 * e8m0_to_f32(s[o]) as f64) as f32;
+                let got = y[r * out + o];
+                if o & 0x7F == 0x7F {
+                    assert!(got.is_nan(), "byte {o:#04x} is NaN, got {got}");
+                } else {
+                    assert_eq!(got, want, "byte {o:#04x} × 2^({} − 127) at {rows} row(s)", s[o]);
+                }
+            }
+        }
+    }
 }

@@ -7,7 +7,7 @@
 //! leaves nothing behind; nothing in it depends on time, paths or thread
 //! timing, so the same inputs give byte-identical folders.
 
-mod link;
+pub mod link;
 mod manifest;
 
 pub use link::{find_runtime_lib, sh_quote, RUNTIME_LIB_ENV};

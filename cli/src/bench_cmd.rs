@@ -1,0 +1,102 @@
+//! `m3c bench-kernels`: the host linears at prefill and decode shapes,
+//! timed alone beside this machine's measured FMA peak.
+
+use anyhow::{bail, Context, Result};
+use m3c_compiler::kernel_bench::{self, LinearCase, WeightType};
+use std::time::Duration;
+
+/// The real MiniMax-M3 linears (out × in): attention-sized 6144², one
+/// expert's gate/up and down, and the vision tower's MLP.
+pub const DEFAULT_SHAPES: &str = "6144x6144,1536x6144,6144x1536,5120x1280,1280x5120";
+
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    /// Weight shapes as OUTxIN, comma-separated.
+    #[arg(long, default_value = DEFAULT_SHAPES)]
+    shapes: String,
+    /// Weight types: bf16, mxfp8 (32-wide blocks) or f32, comma-separated.
+    #[arg(long, default_value = "bf16,mxfp8")]
+    weights: String,
+    /// Activation rows of the prefill case (each shape also runs at 1 row, as decode does).
+    #[arg(long, default_value_t = 512)]
+    rows: usize,
+    /// The LLVM CPU the kernels are compiled for, as `m3c compile --cpu`.
+    #[arg(long, default_value = "x86-64-v3")]
+    cpu: String,
+    /// Seconds of timed calls per case (the fastest call counts).
+    #[arg(long, default_value_t = 1.0)]
+    seconds: f64,
+}
+
+fn parse_shapes(s: &str) -> Result<Vec<(usize, usize)>> {
+    s.split(',')
+        .map(|p| {
+            let (o, i) = p.trim().split_once('x').with_context(|| format!("--shapes: `{p}` is not OUTxIN"))?;
+            let o: usize = o.parse().with_context(|| format!("--shapes: `{o}` in `{p}` is not a number"))?;
+            let i: usize = i.parse().with_context(|| format!("--shapes: `{i}` in `{p}` is not a number"))?;
+            if o == 0 || i == 0 || !i.is_multiple_of(32) || o * i > 1 << 30 {
+                bail!("--shapes: `{p}` needs OUT ≥ 1, IN a multiple of 32 and OUT·IN ≤ 2^30");
+            }
+            Ok((o, i))
+        })
+        .collect()
+}
+
+fn parse_weights(s: &str) -> Result<Vec<WeightType>> {
+    s.split(',')
+        .map(|w| match w.trim() {
+            "bf16" => Ok(WeightType::BF16),
+            "mxfp8" => Ok(WeightType::Mxfp8 { block: 32 }),
+            "f32" => Ok(WeightType::F32),
+            other => bail!("--weights: `{other}` is not bf16, mxfp8 or f32"),
+        })
+        .collect()
+}
+
+pub fn bench_kernels(a: BenchArgs) -> Result<()> {
+    let shapes = parse_shapes(&a.shapes)?;
+    let weights = parse_weights(&a.weights)?;
+    if a.rows == 0 || a.rows > 1 << 16 {
+        bail!("--rows: {} is not between 1 and 65536", a.rows);
+    }
+    if !(0.01..=60.0).contains(&a.seconds) {
+        bail!("--seconds: {} is not between 0.01 and 60", a.seconds);
+    }
+    m3c_compiler::backend::check_cpu(&a.cpu)?;
+    let dir = tempfile::tempdir().context("a temporary folder for the kernels")?;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let peak = kernel_bench::fma_peak(&a.cpu, threads, dir.path())?;
+    println!(
+        "FMA peak: {peak:.1} GFLOP/s, measured: {threads} thread(s), each a loop of 12 independent 8-wide f32 FMA chains in registers, compiled for {}",
+        a.cpu
+    );
+    let mut cases = Vec::new();
+    for &(out, inp) in &shapes {
+        for &weight in &weights {
+            for rows in [a.rows, 1] {
+                cases.push(LinearCase { out, inp, weight, rows });
+            }
+        }
+    }
+    let timings = kernel_bench::linears(&cases, &a.cpu, Duration::from_secs_f64(a.seconds), dir.path())?;
+    println!("{:>12} {:>7} {:>6} {:>10} {:>9} {:>7} {:>12}", "out x in", "weight", "rows", "ms/call", "GFLOP/s", "% peak", "weight GB/s");
+    for t in &timings {
+        let c = t.case;
+        let w = match c.weight {
+            WeightType::Mxfp8 { .. } => "mxfp8",
+            WeightType::BF16 => "bf16",
+            WeightType::F16 => "f16",
+            WeightType::F32 => "f32",
+        };
+        println!(
+            "{:>12} {w:>7} {:>6} {:>10.3} {:>9.1} {:>6.1}% {:>12.2}",
+            format!("{}x{}", c.out, c.inp),
+            c.rows,
+            t.seconds * 1e3,
+            t.gflops(),
+            100.0 * t.gflops() / peak,
+            t.weight_gbytes()
+        );
+    }
+    Ok(())
+}
