@@ -20,7 +20,7 @@ fn samples() -> Vec<(&'static str, Kernel)> {
     vec![
         ("rms_norm", RmsNorm { width: 64, eps: 1e-6, weight: bf16, act: f }.into()),
         ("rms_norm_abf16", RmsNorm { width: 64, eps: 1e-6, weight: bf16, act: b }.into()),
-        ("linear_scalar", Linear { inp: 48, out: 8, weight: bf16, act: f, out_act: f }.into()),
+        ("linear_scalar", Linear { inp: 44, out: 8, weight: bf16, act: f, out_act: f }.into()),
         ("linear_vector_mxfp8", Linear { inp: 64, out: 8, weight: mx, act: f, out_act: f }.into()),
         ("linear_logits_abf16", Linear { inp: 64, out: 8, weight: bf16, act: b, out_act: f }.into()),
         ("head_norm_rope", HeadNormRope { heads: 2, head_dim: 32, rotary_dim: 16, theta: 1e4, eps: 1e-6, weight: bf16, act: f }.into()),

@@ -116,8 +116,12 @@ impl KernelUnit for Linear {
         ))
     }
     fn globals(&self) -> Vec<(String, String)> {
-        match self.weight {
-            WeightType::Mxfp8 { .. } if !tiled::vectorizes(self.inp, self.weight) => vec![("m3c_fp8_e4m3_lut".into(), fp8_lut_global())],
+        let Linear { inp, weight, act, out_act, .. } = *self;
+        if tiled::vectorizes(inp, weight) {
+            return tiled::globals(weight, act, out_act);
+        }
+        match weight {
+            WeightType::Mxfp8 { .. } => vec![("m3c_fp8_e4m3_lut".into(), fp8_lut_global())],
             _ => Vec::new(),
         }
     }
