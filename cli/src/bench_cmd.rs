@@ -26,6 +26,9 @@ pub struct BenchArgs {
     /// Seconds of timed calls per case (the fastest call counts).
     #[arg(long, default_value_t = 1.0)]
     seconds: f64,
+    /// Measure and print the FMA peak only.
+    #[arg(long)]
+    peak_only: bool,
 }
 
 fn parse_shapes(s: &str) -> Result<Vec<(usize, usize)>> {
@@ -70,6 +73,9 @@ pub fn bench_kernels(a: BenchArgs) -> Result<()> {
         "FMA peak: {peak:.1} GFLOP/s, measured: {threads} thread(s), each a loop of 12 independent 8-wide f32 FMA chains in registers, compiled for {}",
         a.cpu
     );
+    if a.peak_only {
+        return Ok(());
+    }
     let mut cases = Vec::new();
     for &(out, inp) in &shapes {
         for &weight in &weights {

@@ -198,15 +198,7 @@ fn host(k: &Attention) -> String {
          \x20       scf.yield %a2 : f32\n\
          \x20     }}\n\
          \x20     %inv = arith.divf %one, %sum : f32\n\
-         \x20     scf.for %c = %c0 to %cd step %c1 {{\n\
-         \x20       %oc = arith.addi %qb, %c : index\n\
-         \x20       memref.store %zero, {acc}[{acc_idx}] : {acc_mem}\n\
-         \x20     }}\n\
-         \x20     scf.for %t = %c0 to %nk step %c1 {{\n\
-         \x20       %e = memref.load %sc[%t] : memref<?xf32>\n\
-         \x20       %pw = arith.mulf %e, %inv : f32\n\
          {pv}\
-         \x20     }}\n\
          {acc_out}\
          \x20   }}\n\
          \x20   memref.dealloc %sc : memref<?xf32>\n\
@@ -217,7 +209,7 @@ fn host(k: &Attention) -> String {
 ",
         select = indent(&select, 4),
         dot_qk = indent(&dot("%dot", ("%q", &qt, act), "%r", "%qb", ("%k", &kt, cache), "%t", "%kb", "%cd", d), 10),
-        pv = indent(&pv(&format!("{acc}[{acc_idx}]"), acc_mem, &kt, d, cache), 8),
+        pv = indent(&pv(acc, acc_mem, acc_idx, &kt, d, cache), 6),
         acc_out = indent(&acc_out, 6),
         acc_free = indent(&acc_free, 2),
         allowed = indent(&allowed, 8),
@@ -306,40 +298,74 @@ fn dot(
     }
 }
 
-/// `acc += pw · v[t, kb + c]` over the head, where `acc` is the element
-/// (written with `%c`/`%oc`) of `acc_ty` the column accumulates in: eight
-/// lanes at a time when the head allows (the same multiply and add per
-/// element either way).
-fn pv(acc: &str, acc_ty: &str, kt: &str, d: usize, cache: Storage) -> String {
-    if d.is_multiple_of(8) {
-        format!(
-            "%pv_c8 = arith.constant 8 : index\n\
-             %pwv = vector.broadcast %pw : f32 to vector<8xf32>\n\
-             scf.for %c = %c0 to %cd step %pv_c8 {{\n\
-             \x20 %oc = arith.addi %qb, %c : index\n\
-             \x20 %vc = arith.addi %kb, %c : index\n\
-             {v8}\
-             \x20 %ov = vector.load {acc} : {acc_ty}, vector<8xf32>\n\
-             \x20 %pvv = arith.mulf %pwv, %vv : vector<8xf32>\n\
-             \x20 %o2 = arith.addf %ov, %pvv : vector<8xf32>\n\
-             \x20 vector.store %o2, {acc} : {acc_ty}, vector<8xf32>\n\
-             }}\n",
-            v8 = indent(&load_f32xn(8, "%vv", "%v", kt, "%t", "%vc", cache), 2),
-        )
-    } else {
-        format!(
+/// `acc = Σ_t pw_t · v[t, kb + c]` over the head's columns, `pw_t` =
+/// `sc[t] · inv`, in key order per column (a multiply, then an add). `acc`
+/// is the f32 memref the columns land in, indexed by `acc_idx` (written
+/// with `%c`/`%oc`). When the head allows, eight columns at a time and up
+/// to 64 at once, the sums in registers across the keys and stored once:
+/// the same operations in the same order as summing in memory.
+fn pv(acc: &str, acc_ty: &str, acc_idx: &str, kt: &str, d: usize, cache: Storage) -> String {
+    if !d.is_multiple_of(8) {
+        let at = format!("{acc}[{acc_idx}]");
+        return format!(
             "scf.for %c = %c0 to %cd step %c1 {{\n\
              \x20 %oc = arith.addi %qb, %c : index\n\
-             \x20 %vc = arith.addi %kb, %c : index\n\
+             \x20 memref.store %zero, {at} : {acc_ty}\n\
+             }}\n\
+             scf.for %t = %c0 to %nk step %c1 {{\n\
+             \x20 %e = memref.load %sc[%t] : memref<?xf32>\n\
+             \x20 %pw = arith.mulf %e, %inv : f32\n\
+             \x20 scf.for %c = %c0 to %cd step %c1 {{\n\
+             \x20   %oc = arith.addi %qb, %c : index\n\
+             \x20   %vc = arith.addi %kb, %c : index\n\
              {v1}\
-             \x20 %ov = memref.load {acc} : {acc_ty}\n\
-             \x20 %pvv = arith.mulf %pw, %vv : f32\n\
-             \x20 %o2 = arith.addf %ov, %pvv : f32\n\
-             \x20 memref.store %o2, {acc} : {acc_ty}\n\
+             \x20   %ov = memref.load {at} : {acc_ty}\n\
+             \x20   %pvv = arith.mulf %pw, %vv : f32\n\
+             \x20   %o2 = arith.addf %ov, %pvv : f32\n\
+             \x20   memref.store %o2, {at} : {acc_ty}\n\
+             \x20 }}\n\
              }}\n",
-            v1 = indent(&load_f32("%vv", "%v", kt, "%t", "%vc", cache), 2),
-        )
+            v1 = indent(&load_f32("%vv", "%v", kt, "%t", "%vc", cache), 4),
+        );
     }
+    let v8 = "vector<8xf32>";
+    let mut out = format!("%pvz = arith.constant dense<0.0> : {v8}\n");
+    for (chunk, c0) in (0..d).step_by(64).enumerate() {
+        let nv = ((d - c0) / 8).min(8);
+        let tys = vec![v8; nv].join(", ");
+        let mut body = String::new();
+        for i in 0..nv {
+            body.push_str(&format!("%pvc{i} = arith.constant {} : index\n%vc{i} = arith.addi %kb, %pvc{i} : index\n", c0 + 8 * i));
+            body.push_str(&load_f32xn(8, &format!("%vv{i}"), "%v", kt, "%t", &format!("%vc{i}"), cache));
+            body.push_str(&format!("%pvv{i} = arith.mulf %pwv, %vv{i} : {v8}\n%o{i}n = arith.addf %o{i}, %pvv{i} : {v8}\n"));
+        }
+        let inits = (0..nv).map(|i| format!("%o{i} = %pvz")).collect::<Vec<_>>().join(", ");
+        let next = (0..nv).map(|i| format!("%o{i}n")).collect::<Vec<_>>().join(", ");
+        out.push_str(&format!(
+            "%pacc{chunk}:{nv} = scf.for %t = %c0 to %nk step %c1 iter_args({inits}) -> ({tys}) {{\n\
+             \x20 %e = memref.load %sc[%t] : memref<?xf32>\n\
+             \x20 %pw = arith.mulf %e, %inv : f32\n\
+             \x20 %pwv = vector.broadcast %pw : f32 to {v8}\n\
+             {}\
+             \x20 scf.yield {next} : {tys}\n\
+             }}\n",
+            indent(&body, 2)
+        ));
+        // Each column's store in a region of its own, so `%c`/`%oc` (which
+        // `acc_idx` names) can be defined once per store.
+        for i in 0..nv {
+            let col = c0 + 8 * i;
+            out.push_str(&format!(
+                "scf.execute_region {{\n\
+                 \x20 %c = arith.constant {col} : index\n\
+                 \x20 %oc = arith.addi %qb, %c : index\n\
+                 \x20 vector.store %pacc{chunk}#{i}, {acc}[{acc_idx}] : {acc_ty}, {v8}\n\
+                 \x20 scf.yield\n\
+                 }}\n"
+            ));
+        }
+    }
+    out
 }
 
 /// Attention on the GPU: one warp per (query row, KV group). `q`, `iq` and
