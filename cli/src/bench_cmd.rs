@@ -68,12 +68,17 @@ pub fn bench_kernels(a: BenchArgs) -> Result<()> {
     m3c_compiler::backend::check_cpu(&a.cpu)?;
     let dir = tempfile::tempdir().context("a temporary folder for the kernels")?;
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let peak = kernel_bench::fma_peak(&a.cpu, threads, dir.path())?;
-    println!(
-        "FMA peak: {peak:.1} GFLOP/s, measured: {threads} thread(s), each a loop of 12 independent 8-wide f32 FMA chains in registers, compiled for {}",
-        a.cpu
-    );
+    // A shared machine's neighbours can take a core for a while: the peak
+    // is the best of three measurements, the last after the linears.
+    let mut peak = kernel_bench::fma_peak(&a.cpu, threads, dir.path())?.max(kernel_bench::fma_peak(&a.cpu, threads, dir.path())?);
+    let say_peak = |peak: f64| {
+        println!(
+            "FMA peak: {peak:.1} GFLOP/s, measured: {threads} thread(s), each a loop of 12 independent 8-wide f32 FMA chains in registers, compiled for {}",
+            a.cpu
+        )
+    };
     if a.peak_only {
+        say_peak(peak);
         return Ok(());
     }
     let mut cases = Vec::new();
@@ -85,6 +90,8 @@ pub fn bench_kernels(a: BenchArgs) -> Result<()> {
         }
     }
     let timings = kernel_bench::linears(&cases, &a.cpu, Duration::from_secs_f64(a.seconds), dir.path())?;
+    peak = peak.max(kernel_bench::fma_peak(&a.cpu, threads, dir.path())?);
+    say_peak(peak);
     println!("{:>12} {:>7} {:>6} {:>10} {:>9} {:>7} {:>12}", "out x in", "weight", "rows", "ms/call", "GFLOP/s", "% peak", "weight GB/s");
     for t in &timings {
         let c = t.case;

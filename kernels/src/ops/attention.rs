@@ -163,8 +163,18 @@ fn host(k: &Attention) -> String {
         ),
     };
     // The work of one (query row, KV group): what the parallel loop runs.
+    // Rows in zig-zag order (0, S-1, 1, S-2, ...): a causal row's work grows
+    // with its position, and the threads take contiguous runs of the
+    // iterations, so each run then holds as much work as the next. Each
+    // row's own sums are untouched.
     let iteration = format!(
-        "%p64 = memref.load %pos[%r] : memref<?xi64>\n\
+        "%ri2 = arith.divui %ri, %c2 : index\n\
+         \x20 %rpar = arith.remui %ri, %c2 : index\n\
+         \x20 %rodd = arith.cmpi ne, %rpar, %c0 : index\n\
+         \x20 %rlast = arith.subi %rows, %c1 : index\n\
+         \x20 %rrev = arith.subi %rlast, %ri2 : index\n\
+         \x20 %r = arith.select %rodd, %rrev, %ri2 : index\n\
+         \x20 %p64 = memref.load %pos[%r] : memref<?xi64>\n\
          \x20 %p = arith.index_cast %p64 : i64 to index\n\
          \x20 %nk = arith.addi %p, %c1 : index\n\
          \x20 %sc = memref.alloc(%nk) : memref<?xf32>\n\
@@ -215,7 +225,7 @@ fn host(k: &Attention) -> String {
         allowed = indent(&allowed, 8),
         teardown = indent(&teardown, 4),
     );
-    let idx0 = index_consts(&[("cg", group), ("ckv", kv_heads), ("cd", d)]);
+    let idx0 = index_consts(&[("cg", group), ("ckv", kv_heads), ("cd", d), ("c2", 2)]);
     let body = format!(
         "{BASICS}\
          {idx0}\
@@ -242,7 +252,7 @@ fn host(k: &Attention) -> String {
          return\n",
         scale = f32_lit(scale),
         per_key = heads * d * 2,
-        iters = parallel_or_serial("%work", &["%r", "%g"], &["%c0", "%c0"], &["%rows", "%ckv"], &["%c1", "%c1"], &iteration),
+        iters = parallel_or_serial("%work", &["%ri", "%g"], &["%c0", "%c0"], &["%rows", "%ckv"], &["%c1", "%c1"], &iteration),
     );
     body
 }
