@@ -364,17 +364,15 @@ impl Tile {
                 direct = indent(&self.tile_loops(Source::Direct), 2),
             ),
         };
-        // The lane sums on the stack (at most 96 rows × 64 outputs × 32 B,
-        // at entry, freed on return): a decode step calls this once per
-        // tile of every linear, and a heap allocation each time showed.
         let body = format!(
             "{BASICS}\
              %cmr = arith.constant {MR} : index\n\
              %cnr = arith.constant {NR} : index\n\
              %vz = arith.constant dense<0.0> : {V}\n\
              %rtm = arith.minui %crt, %rows : index\n\
-             %acs = memref.alloca(%rtm, %cot) {{alignment = 64 : i64}} : {ACC}\n\
+             %acs = memref.alloc(%rtm, %cot) {{alignment = 64 : i64}} : {ACC}\n\
              {tile}\
+             memref.dealloc %acs : {ACC}\n\
              return\n"
         );
         // Not inlined: one copy serves every linear (see the module doc).
