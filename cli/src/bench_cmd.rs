@@ -37,7 +37,7 @@ fn parse_shapes(s: &str) -> Result<Vec<(usize, usize)>> {
             let (o, i) = p.trim().split_once('x').with_context(|| format!("--shapes: `{p}` is not OUTxIN"))?;
             let o: usize = o.parse().with_context(|| format!("--shapes: `{o}` in `{p}` is not a number"))?;
             let i: usize = i.parse().with_context(|| format!("--shapes: `{i}` in `{p}` is not a number"))?;
-            if o == 0 || i == 0 || !i.is_multiple_of(32) || o * i > 1 << 30 {
+            if o == 0 || i == 0 || !i.is_multiple_of(32) || o.checked_mul(i).is_none_or(|n| n > 1 << 30) {
                 bail!("--shapes: `{p}` needs OUT ≥ 1, IN a multiple of 32 and OUT·IN ≤ 2^30");
             }
             Ok((o, i))

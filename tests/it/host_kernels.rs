@@ -648,7 +648,7 @@ fn gelu_is_the_exact_erf_gelu() {
 /// The tiled linear's one summation order: every row of a batch is the same
 /// bits as that row computed alone, whatever the batch's size (decode
 /// micro-tiles of one row, prefill tiles of three rows, f32 panels decoded
-/// from 6 rows on, row tiles of 15 at width 2048; at 2560, K blocks of 768
+/// from 3 rows on, row tiles of 15 at width 2048; at 2560, K blocks of 768
 /// with a short last one and row tiles of 42) and for every weight type
 /// and activation storage; and the batch matches an f64 reference.
 #[test]

@@ -138,10 +138,7 @@ impl Micro {
         }
         if let Some(block) = self.mxfp8_block() {
             head.push_str(&format!("%cb = arith.constant {block} : index\n{E8M0_CONSTANTS}"));
-            for (nm, val) in [("80", 0x80), ("8", 8), ("7f", 0x7F), ("7", 7), ("qnan", 0x7E00)] {
-                head.push_str(&format!("%h_{nm} = arith.constant dense<{val}> : {VH}\n"));
-            }
-            head.push_str(&format!("%v_256 = arith.constant dense<256.0> : {V}\n"));
+            head.push_str(&fp8_consts());
         }
         let n_acc = m * n;
         let tys = vec![V; n_acc].join(", ");
@@ -237,6 +234,16 @@ impl Micro {
             indent(&format!("{head}{body}{stores}return\n"), 4)
         )
     }
+}
+
+/// The constants [`weight_vector`]'s fp8 decode uses.
+fn fp8_consts() -> String {
+    let mut c: String = [("80", 0x80), ("8", 8), ("7f", 0x7F), ("7", 7), ("qnan", 0x7E00)]
+        .iter()
+        .map(|(nm, val)| format!("%h_{nm} = arith.constant dense<{val}> : {VH}\n"))
+        .collect();
+    c.push_str(&format!("%v_256 = arith.constant dense<256.0> : {V}\n"));
+    c
 }
 
 /// `{dst}`: the 8 f32 weights of row `{o}` from column `{i}` of `{mem}`
@@ -395,10 +402,7 @@ impl Tile {
         let inner = match self.weight {
             WeightType::Mxfp8 { block } => {
                 consts.push_str(&format!("%cb = arith.constant {block} : index\n%cnb = arith.divui %cin, %cb : index\n{E8M0_CONSTANTS}"));
-                for (nm, val) in [("80", 0x80), ("8", 8), ("7f", 0x7F), ("7", 7), ("qnan", 0x7E00)] {
-                    consts.push_str(&format!("%h_{nm} = arith.constant dense<{val}> : {VH}\n"));
-                }
-                consts.push_str(&format!("%v_256 = arith.constant dense<256.0> : {V}\n"));
+                consts.push_str(&fp8_consts());
                 format!(
                     "scf.for %b = %c0 to %cnb step %c1 {{\n\
                      \x20 %sb = memref.load %s[%po, %b] : memref<?x?xi8>\n\
