@@ -8,6 +8,8 @@ use crate::host::{index_consts, BASICS};
 use crate::unit::{param, KernelUnit, Launch, Param};
 use crate::{indent, num_tag, Storage};
 
+mod scores;
+
 /// MiniMax Sparse Attention's block selection, as fixed by the config.
 #[derive(Debug, Clone, Copy, PartialEq, PartialOrd)]
 pub struct SparseSel {
@@ -162,6 +164,17 @@ fn host(k: &Attention) -> String {
             ),
         ),
     };
+    // The scores and softmax weights of one head into `%sc`, and their
+    // `%sum`: eight keys at a time when the head width allows.
+    let (sc_alloc, softmax) = if d.is_multiple_of(8) {
+        let sel = sparse.is_some().then_some(allowed.as_str());
+        (
+            format!("{}%sc = memref.alloc(%nk8) : memref<?xf32>\n", scores::batch_consts()),
+            scores::softmax8((&qt, act), (&kt, cache), d, sel),
+        )
+    } else {
+        (format!("{}%sc = memref.alloc(%nk) : memref<?xf32>\n", scores::batch_consts()), softmax1(&qt, &kt, act, cache, d, &allowed))
+    };
     // The work of one (query row, KV group): what the parallel loop runs.
     // Rows in zig-zag order (0, S-1, 1, S-2, ...): a causal row's work grows
     // with its position, and the threads take contiguous runs of the
@@ -177,7 +190,7 @@ fn host(k: &Attention) -> String {
          \x20 %p64 = memref.load %pos[%r] : memref<?xi64>\n\
          \x20 %p = arith.index_cast %p64 : i64 to index\n\
          \x20 %nk = arith.addi %p, %c1 : index\n\
-         \x20 %sc = memref.alloc(%nk) : memref<?xf32>\n\
+         {sc_alloc}\
          {acc_alloc}\
          \x20 scf.execute_region {{\n\
          {select}\
@@ -186,27 +199,7 @@ fn host(k: &Attention) -> String {
          \x20     %gi = arith.muli %g, %cg : index\n\
          \x20     %i = arith.addi %gi, %hh : index\n\
          \x20     %qb = arith.muli %i, %cd : index\n\
-         \x20     %mx = scf.for %t = %c0 to %nk step %c1 iter_args(%m = %ninf) -> (f32) {{\n\
-         {allowed}\
-         \x20       %s = scf.if %allowed -> (f32) {{\n\
-         {dot_qk}\
-         \x20         %sd = arith.mulf %dot, %scale : f32\n\
-         \x20         scf.yield %sd : f32\n\
-         \x20       }} else {{\n\
-         \x20         scf.yield %ninf : f32\n\
-         \x20       }}\n\
-         \x20       memref.store %s, %sc[%t] : memref<?xf32>\n\
-         \x20       %m2 = arith.maximumf %m, %s : f32\n\
-         \x20       scf.yield %m2 : f32\n\
-         \x20     }}\n\
-         \x20     %sum = scf.for %t = %c0 to %nk step %c1 iter_args(%a = %zero) -> (f32) {{\n\
-         \x20       %s = memref.load %sc[%t] : memref<?xf32>\n\
-         \x20       %sh = arith.subf %s, %mx : f32\n\
-         \x20       %e = math.exp %sh : f32\n\
-         \x20       memref.store %e, %sc[%t] : memref<?xf32>\n\
-         \x20       %a2 = arith.addf %a, %e : f32\n\
-         \x20       scf.yield %a2 : f32\n\
-         \x20     }}\n\
+         {softmax}\
          \x20     %inv = arith.divf %one, %sum : f32\n\
          {pv}\
          {acc_out}\
@@ -218,11 +211,11 @@ fn host(k: &Attention) -> String {
          \x20 }}\n\
 ",
         select = indent(&select, 4),
-        dot_qk = indent(&dot("%dot", ("%q", &qt, act), "%r", "%qb", ("%k", &kt, cache), "%t", "%kb", "%cd", d), 10),
-        pv = indent(&pv(acc, acc_mem, acc_idx, &kt, d, cache), 6),
+        softmax = indent(&softmax, 6),
+        sc_alloc = indent(&sc_alloc, 2),
+        pv = indent(&pv(acc, acc_mem, acc_idx, &kt, d, cache, sparse.is_some()), 6),
         acc_out = indent(&acc_out, 6),
         acc_free = indent(&acc_free, 2),
-        allowed = indent(&allowed, 8),
         teardown = indent(&teardown, 4),
     );
     let idx0 = index_consts(&[("cg", group), ("ckv", kv_heads), ("cd", d), ("c2", 2)]);
@@ -255,6 +248,36 @@ fn host(k: &Attention) -> String {
         iters = parallel_or_serial("%work", &["%ri", "%g"], &["%c0", "%c0"], &["%rows", "%ckv"], &["%c1", "%c1"], &iteration),
     );
     body
+}
+
+/// [`scores::softmax8`] one key at a time, for head widths that are not a
+/// multiple of 8: fills `%sc` (`%nk` entries) and defines `%sum`.
+fn softmax1(qt: &str, kt: &str, act: Storage, cache: Storage, d: usize, allowed: &str) -> String {
+    format!(
+        "%mx = scf.for %t = %c0 to %nk step %c1 iter_args(%m = %ninf) -> (f32) {{\n\
+         {allowed}\
+         \x20 %s = scf.if %allowed -> (f32) {{\n\
+         {dot_qk}\
+         \x20   %sd = arith.mulf %dot, %scale : f32\n\
+         \x20   scf.yield %sd : f32\n\
+         \x20 }} else {{\n\
+         \x20   scf.yield %ninf : f32\n\
+         \x20 }}\n\
+         \x20 memref.store %s, %sc[%t] : memref<?xf32>\n\
+         \x20 %m2 = arith.maximumf %m, %s : f32\n\
+         \x20 scf.yield %m2 : f32\n\
+         }}\n\
+         %sum = scf.for %t = %c0 to %nk step %c1 iter_args(%a = %zero) -> (f32) {{\n\
+         \x20 %s = memref.load %sc[%t] : memref<?xf32>\n\
+         \x20 %sh = arith.subf %s, %mx : f32\n\
+         \x20 %e = math.exp %sh : f32\n\
+         \x20 memref.store %e, %sc[%t] : memref<?xf32>\n\
+         \x20 %a2 = arith.addf %a, %e : f32\n\
+         \x20 scf.yield %a2 : f32\n\
+         }}\n",
+        allowed = indent(allowed, 2),
+        dot_qk = indent(&dot("%dot", ("%q", qt, act), "%r", "%qb", ("%k", kt, cache), "%t", "%kb", "%cd", d), 4),
+    )
 }
 
 /// `dst` = Σ_c x[xr, xb + c] · y[yr, yb + c] over `len` (its index constant
@@ -309,12 +332,15 @@ fn dot(
 }
 
 /// `acc = Σ_t pw_t · v[t, kb + c]` over the head's columns, `pw_t` =
-/// `sc[t] · inv`, in key order per column (a multiply, then an add). `acc`
+/// `sc[t] · inv`, in key order per column (a multiply, then an add; fused
+/// where the CPU has FMA and the columns go eight at a time). `acc`
 /// is the f32 memref the columns land in, indexed by `acc_idx` (written
 /// with `%c`/`%oc`). When the head allows, eight columns at a time and up
 /// to 64 at once, the sums in registers across the keys and stored once:
-/// the same operations in the same order as summing in memory.
-fn pv(acc: &str, acc_ty: &str, acc_idx: &str, kt: &str, d: usize, cache: Storage) -> String {
+/// the same operations in the same order as summing in memory. With
+/// `skip_zero` (MSA), keys of weight exactly 0 (outside the selected
+/// blocks) are skipped there.
+fn pv(acc: &str, acc_ty: &str, acc_idx: &str, kt: &str, d: usize, cache: Storage, skip_zero: bool) -> String {
     if !d.is_multiple_of(8) {
         let at = format!("{acc}[{acc_idx}]");
         return format!(
@@ -347,19 +373,42 @@ fn pv(acc: &str, acc_ty: &str, acc_idx: &str, kt: &str, d: usize, cache: Storage
         for i in 0..nv {
             body.push_str(&format!("%pvc{i} = arith.constant {} : index\n%vc{i} = arith.addi %kb, %pvc{i} : index\n", c0 + 8 * i));
             body.push_str(&load_f32xn(8, &format!("%vv{i}"), "%v", kt, "%t", &format!("%vc{i}"), cache));
-            body.push_str(&format!("%pvv{i} = arith.mulf %pwv, %vv{i} : {v8}\n%o{i}n = arith.addf %o{i}, %pvv{i} : {v8}\n"));
+            body.push_str(&format!(
+                "%pvv{i} = arith.mulf %pwv, %vv{i} fastmath<contract> : {v8}\n%o{i}n = arith.addf %o{i}, %pvv{i} fastmath<contract> : {v8}\n"
+            ));
         }
         let inits = (0..nv).map(|i| format!("%o{i} = %pvz")).collect::<Vec<_>>().join(", ");
         let next = (0..nv).map(|i| format!("%o{i}n")).collect::<Vec<_>>().join(", ");
+        let key = format!(
+            "%pw = arith.mulf %e, %inv : f32\n\
+             %pwv = vector.broadcast %pw : f32 to {v8}\n\
+             {body}"
+        );
+        // MSA: keys outside the selected blocks (weight exactly 0) are
+        // skipped rather than added as zeros.
+        let key = if skip_zero {
+            let old = (0..nv).map(|i| format!("%o{i}")).collect::<Vec<_>>().join(", ");
+            let res = (0..nv).map(|i| format!("%pkr#{i}")).collect::<Vec<_>>().join(", ");
+            format!(
+                "%enz = arith.cmpf une, %e, %zero : f32\n\
+                 %pkr:{nv} = scf.if %enz -> ({tys}) {{\n\
+                 {}\
+                 \x20 scf.yield {next} : {tys}\n\
+                 }} else {{\n\
+                 \x20 scf.yield {old} : {tys}\n\
+                 }}\n\
+                 scf.yield {res} : {tys}\n",
+                indent(&key, 2)
+            )
+        } else {
+            format!("{key}scf.yield {next} : {tys}\n")
+        };
         out.push_str(&format!(
             "%pacc{chunk}:{nv} = scf.for %t = %c0 to %nk step %c1 iter_args({inits}) -> ({tys}) {{\n\
              \x20 %e = memref.load %sc[%t] : memref<?xf32>\n\
-             \x20 %pw = arith.mulf %e, %inv : f32\n\
-             \x20 %pwv = vector.broadcast %pw : f32 to {v8}\n\
              {}\
-             \x20 scf.yield {next} : {tys}\n\
              }}\n",
-            indent(&body, 2)
+            indent(&key, 2)
         ));
         // Each column's store in a region of its own, so `%c`/`%oc` (which
         // `acc_idx` names) can be defined once per store.
@@ -490,6 +539,44 @@ fn gpu_attention(target: &GpuTarget, name: &str, k: &Attention) -> GpuFunc {
     func(target, name, &params, &body, warp)
 }
 
+/// MSA's token scores `<iq, ik>` of keys `0..%nk`, max-pooled into `%bs`
+/// per key block: eight keys at a time (their dots as the attention
+/// scores' are, [`scores::dots8`]) when the index width allows.
+fn token_scores(s: SparseSel, iq: (&str, Storage), ik: (&str, Storage)) -> String {
+    let ((iqt, act), (ikt, cache)) = (iq, ik);
+    if !s.index_dim.is_multiple_of(8) {
+        return format!(
+            "scf.for %t = %c0 to %nk step %c1 {{\n\
+             {}\
+             \x20 %b = arith.divui %t, %cB : index\n\
+             \x20 %old = memref.load %bs[%b] : memref<?xf32>\n\
+             \x20 %mx = arith.maximumf %old, %dot : f32\n\
+             \x20 memref.store %mx, %bs[%b] : memref<?xf32>\n\
+             }}\n",
+            indent(&dot("%dot", ("%iq", iqt, act), "%r", "%iqb", ("%ik", ikt, cache), "%t", "%c0", "%cid", s.index_dim), 2)
+        );
+    }
+    let mut pool = String::new();
+    for j in 0..8 {
+        pool.push_str(&format!(
+            "scf.if %in{j} {{\n\
+             \x20 %id = vector.extract %idv[{j}] : f32 from vector<8xf32>\n\
+             \x20 %ib = arith.divui %tu{j}, %cB : index\n\
+             \x20 %iold = memref.load %bs[%ib] : memref<?xf32>\n\
+             \x20 %imx = arith.maximumf %iold, %id : f32\n\
+             \x20 memref.store %imx, %bs[%ib] : memref<?xf32>\n\
+             }}\n"
+        ));
+    }
+    let body = format!(
+        "{}{}{}{pool}",
+        scores::batch_keys(),
+        scores::dots8("%ix", ("%iq", iqt, act, "%r", "%iqb"), ("%ik", ikt, cache, "%c0"), "%cid"),
+        scores::transposed_tree("%idv", &(0..8).map(|j| format!("%ix#{j}")).collect::<Vec<_>>()),
+    );
+    format!("scf.for %t0 = %c0 to %nk8 step %c8 {{\n{}}}\n", indent(&body, 2))
+}
+
 /// The host attention's MSA block selection for one (query row, KV group):
 /// constants (`setup`), the block scores and top-k (`select`), the per-key
 /// test (`allowed`) and the scratch release (`teardown`).
@@ -523,13 +610,7 @@ fn msa_host(s: SparseSel, cache: Storage, act: Storage) -> (String, String, Stri
              \x20 memref.store %i32_0, %sel[%b] : memref<?xi32>\n\
              }}\n\
              %iqb = arith.muli %g, %cid : index\n\
-             scf.for %t = %c0 to %nk step %c1 {{\n\
-             {dot_idx}\
-             \x20 %b = arith.divui %t, %cB : index\n\
-             \x20 %old = memref.load %bs[%b] : memref<?xf32>\n\
-             \x20 %mx = arith.maximumf %old, %dot : f32\n\
-             \x20 memref.store %mx, %bs[%b] : memref<?xf32>\n\
-             }}\n\
+             {token_scores}\
              // Forced blocks: the query's own (and `local - 1` before it), and the first `init`.\n\
              %nloc = arith.minui %clocal, %nb : index\n\
              scf.for %j = %c0 to %nloc step %c1 {{\n\
@@ -558,7 +639,7 @@ fn msa_host(s: SparseSel, cache: Storage, act: Storage) -> (String, String, Stri
              \x20   memref.store %i32_1, %sel[%best#1] : memref<?xi32>\n\
              \x20 }}\n\
              }}\n",
-        dot_idx = indent(&dot("%dot", ("%iq", &iqt, act), "%r", "%iqb", ("%ik", &ikt, cache), "%t", "%c0", "%cid", s.index_dim), 2),
+        token_scores = token_scores(s, (&iqt, act), (&ikt, cache)),
     );
     allowed = "%tb = arith.divui %t, %cB : index\n\
                    %sv = memref.load %sel[%tb] : memref<?xi32>\n\

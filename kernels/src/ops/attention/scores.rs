@@ -1,0 +1,273 @@
+//! The host attention's scores and softmax for heads whose width is a
+//! multiple of 8, eight keys at a time.
+//!
+//! A key's score is its own q·k: eight lane sums in increasing column
+//! order (a fused multiply-add each), added by the same tree as the
+//! linear's, `((l0+l4)+(l2+l6))+((l1+l5)+(l3+l7))`. Eight keys' trees run
+//! at once through shuffles that transpose as they add, so the score of a
+//! key is the same bits whichever batch it falls in. The last batch is
+//! padded with clamped key indices (their loads stay inside the rows
+//! written) and its padding masked to -inf, whose exp is exactly 0.
+//!
+//! The exp is a written-out polynomial on eight lanes (Cephes' expf:
+//! about one ulp), not eight calls to libm: at a head width of 80 the
+//! scalar calls cost as much as the two matrix products together. The
+//! softmax's sum is eight lane sums in key order (key t in lane t mod 8),
+//! then the same tree.
+
+use crate::emit::load_f32xn;
+use crate::{indent, Storage};
+
+const V: &str = "vector<8xf32>";
+
+/// What the eight-key batches of one (query row, KV group) need, defined
+/// once before its heads: `%nk8` (`%nk` rounded up to 8), `%nkm1`, `%c8`,
+/// `%ck0`..`%ck7`, and eight-lane zeros, -inf and `%scale`.
+pub(super) fn batch_consts() -> String {
+    let ck: String = (0..8).map(|j| format!("%ck{j} = arith.constant {j} : index\n")).collect();
+    format!(
+        "%c7 = arith.constant 7 : index\n\
+         %c8 = arith.constant 8 : index\n\
+         %nk7 = arith.addi %nk, %c7 : index\n\
+         %nkb = arith.divui %nk7, %c8 : index\n\
+         %nk8 = arith.muli %nkb, %c8 : index\n\
+         %nkm1 = arith.subi %nk, %c1 : index\n\
+         {ck}\
+         %ninf8 = vector.broadcast %ninf : f32 to {V}\n\
+         %z8 = arith.constant dense<0.0> : {V}\n\
+         %scale8 = vector.broadcast %scale : f32 to {V}\n"
+    )
+}
+
+/// The keys of the batch at `%t0`: `%tu{j}` = `%t0` + j, `%tc{j}` the same
+/// clamped to the last key (a row that can be loaded), `%in{j}` whether it
+/// is a key of this row at all.
+pub(super) fn batch_keys() -> String {
+    (0..8)
+        .map(|j| {
+            format!(
+                "%tu{j} = arith.addi %t0, %ck{j} : index\n\
+                 %tc{j} = arith.minui %tu{j}, %nkm1 : index\n\
+                 %in{j} = arith.cmpi ult, %tu{j}, %nk : index\n"
+            )
+        })
+        .collect()
+}
+
+/// Fills `%sc` (allocated with `%nk8` entries, `%nk` rounded up to 8) with
+/// the unnormalised softmax weights of query row `%r`'s head at column
+/// `%qb` over keys `0..%nk` at column `%kb`, and defines `%sum`, their sum.
+/// `allowed`, when given, is MLIR that defines `%allowed : i1` for key `%t`
+/// (the MSA selection). Needs [`batch_consts`] and `%cd` in scope.
+pub(super) fn softmax8(q: (&str, Storage), k: (&str, Storage), d: usize, allowed: Option<&str>) -> String {
+    debug_assert!(d.is_multiple_of(8));
+    let ((qt, act), (kt, cache)) = (q, k);
+    let mut keys = batch_keys();
+    for j in 0..8 {
+        match allowed {
+            Some(a) => keys.push_str(&format!(
+                "%ok{j} = scf.execute_region -> i1 {{\n\
+                 \x20 %t = arith.addi %tc{j}, %c0 : index\n\
+                 {}\
+                 \x20 scf.yield %allowed : i1\n\
+                 }}\n\
+                 %val{j} = arith.andi %in{j}, %ok{j} : i1\n",
+                indent(a, 2)
+            )),
+            None => keys.push_str(&format!("%val{j} = arith.andi %in{j}, %in{j} : i1\n")),
+        }
+    }
+    let list = |f: &dyn Fn(usize) -> String| (0..8).map(f).collect::<Vec<_>>().join(", ");
+    let dots = format!(
+        "{}{}",
+        dots8("%qk", ("%q", qt, act, "%r", "%qb"), ("%k", kt, cache, "%kb"), "%cd"),
+        transposed_tree("%dvt", &(0..8).map(|j| format!("%qk#{j}")).collect::<Vec<_>>())
+    );
+    // MSA: a batch none of whose keys is selected skips its products.
+    let dots = match allowed {
+        Some(_) => format!(
+            "%any0 = arith.ori %val0, %val1 : i1\n%any1 = arith.ori %val2, %val3 : i1\n\
+             %any2 = arith.ori %val4, %val5 : i1\n%any3 = arith.ori %val6, %val7 : i1\n\
+             %any4 = arith.ori %any0, %any1 : i1\n%any5 = arith.ori %any2, %any3 : i1\n\
+             %any = arith.ori %any4, %any5 : i1\n\
+             %dv = scf.if %any -> ({V}) {{\n{}  scf.yield %dvt : {V}\n}} else {{\n  scf.yield %ninf8 : {V}\n}}\n",
+            indent(&dots, 2)
+        ),
+        None => format!("{dots}%dv = arith.addf %dvt, %z8 : {V}\n"),
+    };
+    format!(
+        "%mxv = scf.for %t0 = %c0 to %nk8 step %c8 iter_args(%mv = %ninf8) -> ({V}) {{\n\
+         {keys}\
+         {dots}\
+         \x20 %sv0 = arith.mulf %dv, %scale8 : {V}\n\
+         \x20 %mask = vector.from_elements {vals} : vector<8xi1>\n\
+         \x20 %sv = arith.select %mask, %sv0, %ninf8 : vector<8xi1>, {V}\n\
+         \x20 vector.store %sv, %sc[%t0] : memref<?xf32>, {V}\n\
+         \x20 %mv2 = arith.maximumf %mv, %sv : {V}\n\
+         \x20 scf.yield %mv2 : {V}\n\
+         }}\n\
+         %mx = vector.reduction <maximumf>, %mxv : {V} into f32\n\
+         %mx8 = vector.broadcast %mx : f32 to {V}\n\
+         %sumv = scf.for %t0 = %c0 to %nk8 step %c8 iter_args(%sa = %z8) -> ({V}) {{\n\
+         \x20 %sl = vector.load %sc[%t0] : memref<?xf32>, {V}\n\
+         \x20 %sh = arith.subf %sl, %mx8 : {V}\n\
+         {exp}\
+         \x20 vector.store %e, %sc[%t0] : memref<?xf32>, {V}\n\
+         \x20 %sa2 = arith.addf %sa, %e : {V}\n\
+         \x20 scf.yield %sa2 : {V}\n\
+         }}\n\
+         {sum}",
+        keys = indent(&keys, 2),
+        dots = indent(&dots, 2),
+        vals = list(&|j| format!("%val{j}")),
+        exp = indent(&exp8("%e", "%sh"), 2),
+        sum = tree_sum("%sum", "%sumv"),
+    )
+}
+
+/// `dst:8`: the eight lane sums of x[xr, xb + c] · y[tc_j, yb + c] over
+/// `c < n` (an index value, a multiple of 8), for the eight keys `%tc0` to
+/// `%tc7`, in increasing `c`, a fused multiply-add each. `x` is (memref,
+/// type, storage, row, base), `y` (memref, type, storage, base). Needs
+/// `%c8` and `%z8` in scope.
+pub(super) fn dots8(dst: &str, x: (&str, &str, Storage, &str, &str), y: (&str, &str, Storage, &str), n: &str) -> String {
+    let p = dst.trim_start_matches('%');
+    let ((xm, xt, xs, xr, xb), (ym, yt, ys, yb)) = (x, y);
+    let mut lanes = load_f32xn(8, &format!("%{p}_x"), xm, xt, xr, &format!("%{p}_xc"), xs);
+    for j in 0..8 {
+        lanes.push_str(&load_f32xn(8, &format!("%{p}_y{j}"), ym, yt, &format!("%tc{j}"), &format!("%{p}_yc"), ys));
+        lanes.push_str(&format!(
+            "%{p}_m{j} = arith.mulf %{p}_x, %{p}_y{j} fastmath<contract> : {V}\n\
+             %{p}_a{j}n = arith.addf %{p}_a{j}, %{p}_m{j} fastmath<contract> : {V}\n"
+        ));
+    }
+    let list = |f: &dyn Fn(usize) -> String| (0..8).map(f).collect::<Vec<_>>().join(", ");
+    format!(
+        "{dst}:8 = scf.for %{p}_c = %c0 to {n} step %c8 iter_args({inits}) -> ({tys}) {{\n\
+         \x20 %{p}_xc = arith.addi {xb}, %{p}_c : index\n\
+         \x20 %{p}_yc = arith.addi {yb}, %{p}_c : index\n\
+         {lanes}\
+         \x20 scf.yield {next} : {tys}\n\
+         }}\n",
+        inits = list(&|j| format!("%{p}_a{j} = %z8")),
+        tys = [V; 8].join(", "),
+        lanes = indent(&lanes, 2),
+        next = list(&|j| format!("%{p}_a{j}n")),
+    )
+}
+
+/// `dst`: the eight sums of `v[0..8]`'s lanes, in that order, each by the
+/// tree `((l0+l4)+(l2+l6))+((l1+l5)+(l3+l7))`: three rounds of shuffles
+/// that pair halves across two vectors and add them.
+pub(super) fn transposed_tree(dst: &str, v: &[String]) -> String {
+    let d = dst.trim_start_matches('%');
+    let mut out = String::new();
+    // Round 1: [lo4 of a | lo4 of b] + [hi4 of a | hi4 of b] → per key
+    // [l0+l4, l1+l5, l2+l6, l3+l7], keys (2i, 2i+1).
+    for i in 0..4 {
+        let (a, b) = (&v[2 * i], &v[2 * i + 1]);
+        out.push_str(&format!(
+            "%{d}_x1{i} = vector.shuffle {a}, {b} [0, 1, 2, 3, 8, 9, 10, 11] : {V}, {V}\n\
+             %{d}_y1{i} = vector.shuffle {a}, {b} [4, 5, 6, 7, 12, 13, 14, 15] : {V}, {V}\n\
+             %{d}_r1{i} = arith.addf %{d}_x1{i}, %{d}_y1{i} : {V}\n"
+        ));
+    }
+    // Round 2: per key [(l0+l4)+(l2+l6), (l1+l5)+(l3+l7)]; keys in the
+    // order (4i, 4i+2, 4i+1, 4i+3).
+    for i in 0..2 {
+        let (a, b) = (format!("%{d}_r1{}", 2 * i), format!("%{d}_r1{}", 2 * i + 1));
+        out.push_str(&format!(
+            "%{d}_x2{i} = vector.shuffle {a}, {b} [0, 1, 8, 9, 4, 5, 12, 13] : {V}, {V}\n\
+             %{d}_y2{i} = vector.shuffle {a}, {b} [2, 3, 10, 11, 6, 7, 14, 15] : {V}, {V}\n\
+             %{d}_r2{i} = arith.addf %{d}_x2{i}, %{d}_y2{i} : {V}\n"
+        ));
+    }
+    // Round 3: the two halves of each key's tree; keys (0, 2, 4, 6, 1, 3,
+    // 5, 7), then put in order.
+    out.push_str(&format!(
+        "%{d}_x3 = vector.shuffle %{d}_r20, %{d}_r21 [0, 2, 8, 10, 4, 6, 12, 14] : {V}, {V}\n\
+         %{d}_y3 = vector.shuffle %{d}_r20, %{d}_r21 [1, 3, 9, 11, 5, 7, 13, 15] : {V}, {V}\n\
+         %{d}_r3 = arith.addf %{d}_x3, %{d}_y3 : {V}\n\
+         {dst} = vector.shuffle %{d}_r3, %{d}_r3 [0, 4, 1, 5, 2, 6, 3, 7] : {V}, {V}\n"
+    ));
+    out
+}
+
+/// `dst` = the sum of `v`'s eight lanes by the tree
+/// `((l0+l4)+(l2+l6))+((l1+l5)+(l3+l7))`.
+fn tree_sum(dst: &str, v: &str) -> String {
+    format!(
+        "{dst}_lo4 = vector.extract_strided_slice {v} {{offsets = [0], sizes = [4], strides = [1]}} : {V} to vector<4xf32>\n\
+         {dst}_hi4 = vector.extract_strided_slice {v} {{offsets = [4], sizes = [4], strides = [1]}} : {V} to vector<4xf32>\n\
+         {dst}_4 = arith.addf {dst}_lo4, {dst}_hi4 : vector<4xf32>\n\
+         {dst}_lo2 = vector.extract_strided_slice {dst}_4 {{offsets = [0], sizes = [2], strides = [1]}} : vector<4xf32> to vector<2xf32>\n\
+         {dst}_hi2 = vector.extract_strided_slice {dst}_4 {{offsets = [2], sizes = [2], strides = [1]}} : vector<4xf32> to vector<2xf32>\n\
+         {dst}_2 = arith.addf {dst}_lo2, {dst}_hi2 : vector<2xf32>\n\
+         {dst}_a = vector.extract {dst}_2[0] : f32 from vector<2xf32>\n\
+         {dst}_b = vector.extract {dst}_2[1] : f32 from vector<2xf32>\n\
+         {dst} = arith.addf {dst}_a, {dst}_b : f32\n"
+    )
+}
+
+/// `dst` = e^x on eight lanes, for softmax weights: Cephes' expf (x =
+/// n·ln 2 + r, |r| ≤ ln 2 / 2, a degree-7 polynomial in r, times 2^n built
+/// in the exponent bits). Below ln 2^-126 (including -inf) the result is 0,
+/// NaN stays NaN, and above 88 it is clamped (softmax arguments are ≤ 0).
+pub(super) fn exp8(dst: &str, x: &str) -> String {
+    let d = dst.trim_start_matches('%');
+    let c = |name: &str, v: &str| format!("%{d}_{name} = arith.constant dense<{v}> : {V}\n");
+    let mut out = String::new();
+    out.push_str(&c("lo", "-87.3365402"));
+    out.push_str(&c("hi", "88.0"));
+    out.push_str(&c("l2e", "1.44269502"));
+    out.push_str(&c("c1", "0.693359375"));
+    out.push_str(&c("c2", "-2.12194440e-4"));
+    out.push_str(&c("n126", "-126.0"));
+    out.push_str(&c("p127", "127.0"));
+    out.push_str(&c("one", "1.0"));
+    out.push_str(&c("zero", "0.0"));
+    for (i, p) in ["1.9875691500e-4", "1.3981999507e-3", "8.3334519073e-3", "4.1665795894e-2", "1.6666665459e-1", "5.0000001201e-1"]
+        .iter()
+        .enumerate()
+    {
+        out.push_str(&c(&format!("p{i}"), p));
+    }
+    out.push_str(&format!(
+        "%{d}_xl = arith.maximumf {x}, %{d}_lo : {V}\n\
+         %{d}_xc = arith.minimumf %{d}_xl, %{d}_hi : {V}\n\
+         %{d}_t = arith.mulf %{d}_xc, %{d}_l2e : {V}\n\
+         %{d}_fx = math.roundeven %{d}_t : {V}\n\
+         %{d}_q1 = arith.mulf %{d}_fx, %{d}_c1 : {V}\n\
+         %{d}_r1 = arith.subf %{d}_xc, %{d}_q1 : {V}\n\
+         %{d}_q2 = arith.mulf %{d}_fx, %{d}_c2 : {V}\n\
+         %{d}_r = arith.subf %{d}_r1, %{d}_q2 : {V}\n\
+         %{d}_z = arith.mulf %{d}_r, %{d}_r : {V}\n"
+    ));
+    let mut y = format!("%{d}_p0");
+    for i in 1..6 {
+        out.push_str(&format!(
+            "%{d}_h{i} = arith.mulf {y}, %{d}_r fastmath<contract> : {V}\n\
+             %{d}_y{i} = arith.addf %{d}_h{i}, %{d}_p{i} fastmath<contract> : {V}\n"
+        ));
+        y = format!("%{d}_y{i}");
+    }
+    out.push_str(&format!(
+        "%{d}_hz = arith.mulf {y}, %{d}_z fastmath<contract> : {V}\n\
+         %{d}_yr = arith.addf %{d}_hz, %{d}_r fastmath<contract> : {V}\n\
+         %{d}_y1p = arith.addf %{d}_yr, %{d}_one : {V}\n\
+         // 2^n from its exponent bits; n clamped with the NaN-ignoring max/min so a\n\
+         // NaN input converts a number (it stays NaN through r).\n\
+         %{d}_fl = arith.maxnumf %{d}_fx, %{d}_n126 : {V}\n\
+         %{d}_fn = arith.minnumf %{d}_fl, %{d}_p127 : {V}\n\
+         %{d}_n = arith.fptosi %{d}_fn : {V} to vector<8xi32>\n\
+         %{d}_b127 = arith.constant dense<127> : vector<8xi32>\n\
+         %{d}_s23 = arith.constant dense<23> : vector<8xi32>\n\
+         %{d}_nb = arith.addi %{d}_n, %{d}_b127 : vector<8xi32>\n\
+         %{d}_ns = arith.shli %{d}_nb, %{d}_s23 : vector<8xi32>\n\
+         %{d}_pow = arith.bitcast %{d}_ns : vector<8xi32> to {V}\n\
+         %{d}_y = arith.mulf %{d}_y1p, %{d}_pow : {V}\n\
+         %{d}_uf = arith.cmpf olt, {x}, %{d}_lo : {V}\n\
+         {dst} = arith.select %{d}_uf, %{d}_zero, %{d}_y : vector<8xi1>, {V}\n"
+    ));
+    out
+}
