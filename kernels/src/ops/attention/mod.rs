@@ -8,6 +8,7 @@ use crate::host::{index_consts, BASICS};
 use crate::unit::{param, KernelUnit, Launch, Param};
 use crate::{indent, num_tag, Storage};
 
+mod blocked;
 mod scores;
 
 /// MiniMax Sparse Attention's block selection, as fixed by the config.
@@ -63,7 +64,12 @@ impl KernelUnit for Attention {
         Some(self.act)
     }
     fn host_body(&self) -> String {
-        host(self)
+        match self.sparse {
+            None if self.head_dim.is_multiple_of(8) => {
+                blocked::host(self.heads, self.kv_heads, self.head_dim, self.scale, self.cache, self.act)
+            }
+            _ => host(self),
+        }
     }
     fn gpu_funcs(&self, target: &GpuTarget) -> Vec<GpuFunc> {
         vec![gpu_attention(target, &self.symbol(), self)]

@@ -195,7 +195,7 @@ pub(super) fn transposed_tree(dst: &str, v: &[String]) -> String {
 
 /// `dst` = the sum of `v`'s eight lanes by the tree
 /// `((l0+l4)+(l2+l6))+((l1+l5)+(l3+l7))`.
-fn tree_sum(dst: &str, v: &str) -> String {
+pub(super) fn tree_sum(dst: &str, v: &str) -> String {
     format!(
         "{dst}_lo4 = vector.extract_strided_slice {v} {{offsets = [0], sizes = [4], strides = [1]}} : {V} to vector<4xf32>\n\
          {dst}_hi4 = vector.extract_strided_slice {v} {{offsets = [4], sizes = [4], strides = [1]}} : {V} to vector<4xf32>\n\
