@@ -126,6 +126,7 @@ fn run() -> c_int {
     liveness::stop_heartbeats(beats);
     if had_beats && !startup::barrier_within(&world, timeout) {
         say!("{who}: error: a peer did not reach the end of the job within --timeout-s");
+        startup::end_daemon_later();
         // SAFETY: _exit skips MPI_Finalize, which would wait for the missing
         // peer; mpirun reports the exit and ends the job.
         unsafe { libc::_exit(1) };

@@ -20,25 +20,35 @@ pub fn abort_job(world: &SimpleCommunicator, who: &str, message: &str) -> ! {
     say!("{who}: error: {message}");
     // MPI_Abort asks the launcher to end the job. A launcher this host can
     // no longer reach (a cut link) never answers: the stage then ends
-    // itself, and this job's Open MPI daemon here (a remote rank's parent)
-    // would wait on the lost launcher for as long as TCP retransmits, so a
-    // helper outliving the stage ends it unless the launcher did first.
-    // SAFETY: getppid has no preconditions and cannot fail.
-    let parent = unsafe { libc::getppid() };
-    if std::fs::read_to_string(format!("/proc/{parent}/comm")).is_ok_and(|c| c.trim() == "orted") {
-        let _ = std::process::Command::new("sh")
-            .args(["-c", &format!("sleep 5; kill -9 {parent} 2>/dev/null")])
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn();
-    }
+    // itself.
+    end_daemon_later();
     std::thread::spawn(|| {
         std::thread::sleep(std::time::Duration::from_secs(3));
         // SAFETY: _exit ends the process at once; nothing is left to unwind.
         unsafe { libc::_exit(1) }
     });
     world.abort(1)
+}
+
+/// For a stage leaving a failed job: when its parent is this job's Open MPI
+/// daemon on a remote host, a helper that outlives the stage ends that
+/// daemon in 5 s unless the launcher did first. A daemon cut off from the
+/// launcher otherwise waits on it for as long as TCP retransmits (over 45 s
+/// seen in CI), holding the host; a reachable launcher ends it sooner.
+pub fn end_daemon_later() {
+    // SAFETY: getppid has no preconditions and cannot fail.
+    let parent = unsafe { libc::getppid() };
+    let is_daemon = |pid: i32| std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "orted");
+    if is_daemon(parent) {
+        // The helper checks the name again: the pid may be reused by then.
+        let script = format!("sleep 5; [ \"$(cat /proc/{parent}/comm 2>/dev/null)\" = orted ] && kill -9 {parent} 2>/dev/null");
+        let _ = std::process::Command::new("sh")
+            .args(["-c", &script])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn();
+    }
 }
 
 /// `all_gather` of equal-sized byte records, waiting while every peer is alive.

@@ -199,7 +199,7 @@ fn a_cut_link_or_a_killed_remote_stage_ends_the_job_on_every_host() {
         let t1 = std::time::Instant::now();
         let clean = hosts.quiet(Duration::from_secs(45));
         eprintln!("{name}: every host was quiet {:.1} s after the job ended", t1.elapsed().as_secs_f64());
-        assert!(clean, "{name}: processes left: {:?} {:?}", hosts.pids(0), hosts.pids(1));
+        assert!(clean, "{name}: processes left: {}", hosts.left());
     }
 }
 
@@ -321,7 +321,7 @@ impl RemoteServer {
         assert!(!status.success() && took < Duration::from_secs(25), "{name}: {status:?} after {took:?}:\n{l}");
         assert!(l.contains("pipeline stopped") && l.contains("stage 0"), "{name}: {l}");
         let clean = hosts.quiet(Duration::from_secs(20));
-        assert!(clean, "{name}: processes left: {:?} {:?}", hosts.pids(0), hosts.pids(1));
+        assert!(clean, "{name}: processes left: {}", hosts.left());
     }
 }
 
@@ -406,7 +406,7 @@ fn hosts_that_are_not_ready_are_named_before_the_job_starts() {
         }
         assert!(!e.contains("m3c stage 0/2") && !e.contains("m3c stage 1/2"), "{name}: the stages started:\n{e}");
         let clean = hosts.quiet(Duration::from_secs(20));
-        assert!(clean, "{name}: processes left: {:?} {:?}", hosts.pids(0), hosts.pids(1));
+        assert!(clean, "{name}: processes left: {}", hosts.left());
     };
     let stage1 = format!("stage 1 on host {}", hosts.ns(1));
     // The model only in the front host's private TMPDIR.

@@ -194,6 +194,16 @@ impl Hosts {
         String::from_utf8_lossy(&o.stdout).split_whitespace().map(str::to_string).collect()
     }
 
+    /// The processes left on every host, each with its command line, for
+    /// a failure message.
+    pub fn left(&self) -> String {
+        let cmdline = |p: &str| std::fs::read(format!("/proc/{p}/cmdline")).map(|c| String::from_utf8_lossy(&c).replace('\0', " "));
+        (0..self.n)
+            .flat_map(|i| self.pids(i).into_iter().map(move |p| (i, p)))
+            .map(|(i, p)| format!("\n  host {i}, pid {p}: {}", cmdline(&p).unwrap_or_default()))
+            .collect()
+    }
+
     /// Starts `args` on host `i` without waiting (see [`Hosts::run`]).
     pub fn spawn(&self, i: usize, args: &[&str], timeout: Duration) -> std::process::Child {
         self.command(i, args, timeout).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("timeout")
