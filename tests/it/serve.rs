@@ -636,7 +636,8 @@ fn post_trace(s: &Server, body: &str) -> (u16, Value) {
 /// A serving pipeline's timeline: `POST /debug/trace {"seconds": N}`
 /// writes every stage's steps over the next N seconds under load into
 /// `--trace-dir`, and each stage's busy share there agrees with
-/// `/metrics`' busy seconds over the same window within 5 points. Bad
+/// `/metrics`' busy seconds over the same window within 5 points (plus
+/// the longest step at each edge: /metrics counts a step when it ends). Bad
 /// windows are 400s; a server without `--trace-dir` answers 404.
 #[test]
 fn a_serving_window_is_traced_and_its_busy_share_agrees_with_metrics() {
@@ -666,8 +667,17 @@ fn a_serving_window_is_traced_and_its_busy_share_agrees_with_metrics() {
     for (k, (busy, _)) in t.busy() {
         let traced = busy / (b - a);
         let metered = (b1[k] - b0[k]) / span;
-        eprintln!("stage {k}: busy {:.1}% in the trace, {:.1}% by /metrics", traced * 100.0, metered * 100.0);
-        assert!((traced - metered).abs() <= 0.05, "stage {k}: {traced} traced vs {metered} metered");
+        // /metrics counts a step when it ends, so each edge of its window
+        // can be off by up to the longest step.
+        let longest = t.stages[&k].iter().filter(|s| s.name != "wait").map(|s| s.dur).fold(0.0, f64::max) / 1e6;
+        let allowed = 0.05 + 2.0 * longest / span;
+        eprintln!(
+            "stage {k}: busy {:.1}% in the trace, {:.1}% by /metrics (allowed {:.1} points)",
+            traced * 100.0,
+            metered * 100.0,
+            allowed * 100.0
+        );
+        assert!((traced - metered).abs() <= allowed, "stage {k}: {traced} traced vs {metered} metered, {allowed} allowed");
     }
     drop(s);
     // Without --trace-dir there is no such window.
