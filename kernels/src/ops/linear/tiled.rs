@@ -238,7 +238,7 @@ impl Micro {
 
 /// The constants [`weight_vector`]'s fp8 decode uses.
 fn fp8_consts() -> String {
-    let mut c: String = [("80", 0x80), ("8", 8), ("7f", 0x7F), ("7", 7), ("qnan", 0x7E00)]
+    let mut c: String = [("80", 0x80), ("8", 8), ("7f", 0x7F), ("7", 7), ("1", 1)]
         .iter()
         .map(|(nm, val)| format!("%h_{nm} = arith.constant dense<{val}> : {VH}\n"))
         .collect();
@@ -261,7 +261,12 @@ fn weight_vector(weight: WeightType, (mem, wt): (&str, &str), dst: &str, (o, i):
         // value × 2^-8 exactly, subnormals included, and the F16C convert
         // widens it. Then × 2^8 (exact) and × the block's scale: the one
         // rounding of fp8 × scale, as the table path makes. 0x7F/0xFF
-        // (NaN in E4M3FN, ±1.875·2^8 in f16) become the f16 quiet NaN.
+        // (NaN in E4M3FN, ±1.875·2^8 in f16) become an f16 quiet NaN by
+        // arithmetic, not a select: (m + 1) & 0x80 is 0x80 for them alone,
+        // and shifted up 7 it sets the f16 exponent's top bit, so the
+        // exponent is all ones and the mantissa not zero. (LLVM turned the
+        // select into an 8-lane f32 blend after the convert: three more
+        // micro-ops per 8 weights on Zen 1.)
         WeightType::Mxfp8 { .. } => format!(
             "{w}_q = vector.load {mem}[{o}, {i}] : {wt}, vector<8xi8>\n\
              {w}_u = arith.extui {w}_q : vector<8xi8> to {VH}\n\
@@ -270,8 +275,10 @@ fn weight_vector(weight: WeightType, (mem, wt): (&str, &str), dst: &str, (o, i):
              {w}_m0 = arith.andi {w}_u, %h_7f : {VH}\n\
              {w}_m = arith.shli {w}_m0, %h_7 : {VH}\n\
              {w}_b0 = arith.ori {w}_s, {w}_m : {VH}\n\
-             {w}_nan = arith.cmpi eq, {w}_m0, %h_7f : {VH}\n\
-             {w}_b = arith.select {w}_nan, %h_qnan, {w}_b0 : vector<8xi1>, {VH}\n\
+             {w}_n1 = arith.addi {w}_m0, %h_1 : {VH}\n\
+             {w}_n2 = arith.andi {w}_n1, %h_80 : {VH}\n\
+             {w}_n = arith.shli {w}_n2, %h_7 : {VH}\n\
+             {w}_b = arith.ori {w}_b0, {w}_n : {VH}\n\
              {w}_h = arith.bitcast {w}_b : {VH} to vector<8xf16>\n\
              {w}_f = arith.extf {w}_h : vector<8xf16> to {V}\n\
              {w}_v = arith.mulf {w}_f, %v_256 : {V}\n\
