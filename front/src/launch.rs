@@ -221,6 +221,7 @@ impl Compiled {
     /// `mpirun` with the launch's placement and options, one app context
     /// per stage that `program` fills in (the program and its arguments).
     fn mpirun_each(&self, launch: &Launch, program: impl Fn(usize, &mut std::process::Command)) -> std::process::Command {
+        crate::stale_sessions::sweep_mine();
         let mut cmd = std::process::Command::new("mpirun");
         // No core binding: each rank runs its kernels on several threads (the
         // runtime shares the node's cores among its ranks).

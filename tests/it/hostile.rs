@@ -784,3 +784,33 @@ fn d21_a_model_truncated_during_a_run_is_named() {
     let e = stderr(&o);
     assert!(e.contains("model.safetensors changed during the run"), "{e}");
 }
+
+/// Defect 22: Open MPI's session folders (about 8 MB each) of launchers that
+/// were killed stayed in the temporary folder for good; one full test run
+/// left 15. A launch removes those of dead launchers, and a run that ends
+/// normally leaves none of its own.
+#[test]
+fn d22_killed_launchers_session_folders_are_swept() {
+    let tmp = tempfile::tempdir().unwrap();
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    let top = tmp.path().join(format!("ompi.another-host.{uid}"));
+    // pid_max is at most 2^22: this launcher never exists.
+    let stale = top.join("pid.4194305");
+    std::fs::create_dir_all(stale.join("0")).unwrap();
+    std::fs::write(stale.join("hwloc.sm"), vec![0u8; 4096]).unwrap();
+    let out = shared_out(1);
+    let model = fixture("tiny-m3");
+    let args = run_args(&out, &model, &["--prompt-ids", "1,2,3", "--max-new-tokens", "2"]);
+    let o = m3c_tests::m3c_env(&args, &[("TMPDIR", tmp.path().to_str().unwrap())]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!stale.exists(), "the dead launcher's session folder is still there");
+    let left: Vec<PathBuf> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .flatten()
+        .filter(|t| t.file_name().to_string_lossy().starts_with("ompi."))
+        .flat_map(|t| std::fs::read_dir(t.path()).into_iter().flatten().flatten().map(|j| j.path()))
+        .filter(|j| j.file_name().is_some_and(|n| n.to_string_lossy().starts_with("pid.")))
+        .collect();
+    assert!(left.is_empty(), "session folders left after a normal run: {left:?}");
+}
