@@ -210,3 +210,20 @@ pub fn store_f32(v: &str, mem: &str, ty: &str, r: &str, c: &str, store: crate::S
         ),
     }
 }
+
+/// `{dst}` (f32) = the sum of the 8 lanes of `{v}` by a fixed halving
+/// tree: `((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))`: the host linear's
+/// and attention's one order for a lane sum.
+pub fn hsum(dst: &str, v: &str) -> String {
+    format!(
+        "{dst}_lo4 = vector.extract_strided_slice {v} {{offsets = [0], sizes = [4], strides = [1]}} : vector<8xf32> to vector<4xf32>\n\
+         {dst}_hi4 = vector.extract_strided_slice {v} {{offsets = [4], sizes = [4], strides = [1]}} : vector<8xf32> to vector<4xf32>\n\
+         {dst}_4 = arith.addf {dst}_lo4, {dst}_hi4 : vector<4xf32>\n\
+         {dst}_lo2 = vector.extract_strided_slice {dst}_4 {{offsets = [0], sizes = [2], strides = [1]}} : vector<4xf32> to vector<2xf32>\n\
+         {dst}_hi2 = vector.extract_strided_slice {dst}_4 {{offsets = [2], sizes = [2], strides = [1]}} : vector<4xf32> to vector<2xf32>\n\
+         {dst}_2 = arith.addf {dst}_lo2, {dst}_hi2 : vector<2xf32>\n\
+         {dst}_a = vector.extract {dst}_2[0] : f32 from vector<2xf32>\n\
+         {dst}_b = vector.extract {dst}_2[1] : f32 from vector<2xf32>\n\
+         {dst} = arith.addf {dst}_a, {dst}_b : f32\n"
+    )
+}

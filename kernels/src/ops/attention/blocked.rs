@@ -5,12 +5,12 @@
 //! Row by row, a head's keys (2,304 × 80 f32 on an image: 740 KB) stream
 //! from L3 once per query row, which left the arithmetic waiting on memory
 //! (under 10 GFLOP/s on a 2,304-patch image). A row's own operations are
-//! those of the row-by-row kernel's eight-key path in the same
+//! those of the eight-key path in `scores.rs` in the same
 //! order: the block only decides which rows advance together, so a row's
 //! bits do not depend on the rows beside it.
 
-use super::scores::{batch_keys, dots8, exp8, transposed_tree, tree_sum};
-use crate::emit::{f32_lit, load_f32xn, parallel_or_serial, store_f32};
+use super::scores::{batch_keys, dots8, exp8, transposed_tree};
+use crate::emit::{f32_lit, hsum, load_f32xn, parallel_or_serial, store_f32};
 use crate::host::{index_consts, BASICS};
 use crate::{indent, Storage};
 
@@ -102,7 +102,7 @@ pub(super) fn host(heads: usize, kv_heads: usize, d: usize, scale: f64, cache: S
          }}\n",
         row = indent(row, 2),
         exp = indent(&exp8("%e", "%sh"), 4),
-        sum = indent(&tree_sum("%sum", "%sumv"), 2),
+        sum = indent(&hsum("%sum", "%sumv"), 2),
         zero = indent(&zero, 2),
     );
     // Phase 3: P·V per key block, per row, per chunk of up to 64 columns,
@@ -116,11 +116,12 @@ pub(super) fn host(heads: usize, kv_heads: usize, d: usize, scale: f64, cache: S
         let mut store = String::new();
         for i in 0..nv {
             let col = c0 + 8 * i;
+            // The accumulator's column: in `o`'s row, past the head's start.
+            let c = if act == Storage::F32 { format!("%aq{ch}_{i}") } else { format!("%ac{ch}_{i}") };
             load.push_str(&format!(
                 "%ac{ch}_{i} = arith.constant {col} : index\n\
                  %aq{ch}_{i} = arith.addi %qb, %ac{ch}_{i} : index\n\
-                 %o{ch}_{i} = vector.load {acc}[{acc_row}, {c}] : {acc_ty}, {V}\n",
-                c = if act == Storage::F32 { format!("%aq{ch}_{i}") } else { format!("%ac{ch}_{i}") }
+                 %o{ch}_{i} = vector.load {acc}[{acc_row}, {c}] : {acc_ty}, {V}\n"
             ));
             body.push_str(&format!("%vc{i} = arith.addi %kb, %ac{ch}_{i} : index\n"));
             body.push_str(&load_f32xn(8, &format!("%vv{i}"), "%v", &kt, "%t", &format!("%vc{i}"), cache));
@@ -128,10 +129,7 @@ pub(super) fn host(heads: usize, kv_heads: usize, d: usize, scale: f64, cache: S
                 "%pvv{i} = arith.mulf %pwv, %vv{i} fastmath<contract> : {V}\n\
                  %a{i}n = arith.addf %a{i}, %pvv{i} fastmath<contract> : {V}\n"
             ));
-            store.push_str(&format!(
-                "vector.store %pacc{ch}#{i}, {acc}[{acc_row}, {c}] : {acc_ty}, {V}\n",
-                c = if act == Storage::F32 { format!("%aq{ch}_{i}") } else { format!("%ac{ch}_{i}") }
-            ));
+            store.push_str(&format!("vector.store %pacc{ch}#{i}, {acc}[{acc_row}, {c}] : {acc_ty}, {V}\n"));
         }
         let inits = (0..nv).map(|i| format!("%a{i} = %o{ch}_{i}")).collect::<Vec<_>>().join(", ");
         let next = (0..nv).map(|i| format!("%a{i}n")).collect::<Vec<_>>().join(", ");
@@ -247,27 +245,13 @@ pub(super) fn host(heads: usize, kv_heads: usize, d: usize, scale: f64, cache: S
          %ninf8 = vector.broadcast %ninf : f32 to {V}\n\
          %z8 = arith.constant dense<0.0> : {V}\n\
          %scale8 = vector.broadcast %scale : f32 to {V}\n\
-         %rows = memref.dim %q, %c0 : {qt}\n\
+         {rows}\
          %rowsr = arith.addi %rows, %cRm1 : index\n\
          %nblk = arith.divui %rowsr, %cR : index\n\
-         %has_rows = arith.cmpi ugt, %rows, %c0 : index\n\
-         // Keys the last row sees (the cache view may be longer: its capacity).\n\
-         %ctx = scf.if %has_rows -> (index) {{\n\
-         \x20 %last = arith.subi %rows, %c1 : index\n\
-         \x20 %lp64 = memref.load %pos[%last] : memref<?xi64>\n\
-         \x20 %lp = arith.index_cast %lp64 : i64 to index\n\
-         \x20 %lk = arith.addi %lp, %c1 : index\n\
-         \x20 scf.yield %lk : index\n\
-         }} else {{\n\
-         \x20 scf.yield %c0 : index\n\
-         }}\n\
-         %work0 = arith.muli %rows, %ctx : index\n\
-         %work1 = arith.constant {per_key} : index\n\
-         %work = arith.muli %work0, %work1 : index\n\
          {iters}\
          return\n",
         scale = f32_lit(scale),
-        per_key = heads * d * 2,
+        rows = super::rows_and_work(&qt, heads * d * 2),
         iters = parallel_or_serial("%work", &["%bi", "%g"], &["%c0", "%c0"], &["%nblk", "%ckv"], &["%c1", "%c1"], &iteration),
     )
 }

@@ -171,12 +171,12 @@ fn host(k: &Attention) -> String {
         ),
     };
     // The scores and softmax weights of one head into `%sc`, and their
-    // `%sum`: eight keys at a time when the head width allows.
-    let (sc_alloc, softmax) = if d.is_multiple_of(8) {
-        let sel = sparse.is_some().then_some(allowed.as_str());
+    // `%sum`: eight keys at a time when the head width allows. (Dense
+    // attention with such widths runs in `blocked`, never here.)
+    let (sc_alloc, softmax) = if sparse.is_some() && d.is_multiple_of(8) {
         (
             format!("{}%sc = memref.alloc(%nk8) : memref<?xf32>\n", scores::batch_consts()),
-            scores::softmax8((&qt, act), (&kt, cache), d, sel),
+            scores::softmax8((&qt, act), (&kt, cache), d, &allowed),
         )
     } else {
         (format!("{}%sc = memref.alloc(%nk) : memref<?xf32>\n", scores::batch_consts()), softmax1(&qt, &kt, act, cache, d, &allowed))
@@ -230,9 +230,24 @@ fn host(k: &Attention) -> String {
          {idx0}\
          %scale = arith.constant {scale} : f32\n\
          %ninf = arith.constant {NEG_INF} : f32\n\
-         %rows = memref.dim %q, %c0 : {qt}\n\
+         {rows}\
+         {setup}\
+         {iters}\
+         return\n",
+        scale = f32_lit(scale),
+        rows = rows_and_work(&qt, heads * d * 2),
+        iters = parallel_or_serial("%work", &["%ri", "%g"], &["%c0", "%c0"], &["%rows", "%ckv"], &["%c1", "%c1"], &iteration),
+    );
+    body
+}
+
+/// `%rows` (query rows), `%ctx` (the keys the last row sees; the cache view
+/// may be longer: its capacity) and `%work`, the multiply-adds that decide
+/// whether the parallel loop pays (`per_key` per row and key).
+fn rows_and_work(qt: &str, per_key: usize) -> String {
+    format!(
+        "%rows = memref.dim %q, %c0 : {qt}\n\
          %has_rows = arith.cmpi ugt, %rows, %c0 : index\n\
-         // Keys the last row sees (the cache view may be longer: its capacity).\n\
          %ctx = scf.if %has_rows -> (index) {{\n\
          \x20 %last = arith.subi %rows, %c1 : index\n\
          \x20 %lp64 = memref.load %pos[%last] : memref<?xi64>\n\
@@ -242,18 +257,10 @@ fn host(k: &Attention) -> String {
          }} else {{\n\
          \x20 scf.yield %c0 : index\n\
          }}\n\
-         {setup}\
-         // One (query row, KV group) per iteration, with its own scratch.\n\
          %work0 = arith.muli %rows, %ctx : index\n\
          %work1 = arith.constant {per_key} : index\n\
-         %work = arith.muli %work0, %work1 : index\n\
-         {iters}\
-         return\n",
-        scale = f32_lit(scale),
-        per_key = heads * d * 2,
-        iters = parallel_or_serial("%work", &["%ri", "%g"], &["%c0", "%c0"], &["%rows", "%ckv"], &["%c1", "%c1"], &iteration),
-    );
-    body
+         %work = arith.muli %work0, %work1 : index\n"
+    )
 }
 
 /// [`scores::softmax8`] one key at a time, for head widths that are not a

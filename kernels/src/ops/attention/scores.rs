@@ -1,5 +1,6 @@
 //! The host attention's scores and softmax for heads whose width is a
-//! multiple of 8, eight keys at a time.
+//! multiple of 8, eight keys at a time: MSA's row by row here, and the
+//! pieces dense attention's row blocks (`blocked`) use.
 //!
 //! A key's score is its own q·k: eight lane sums in increasing column
 //! order (a fused multiply-add each), added by the same tree as the
@@ -15,7 +16,7 @@
 //! softmax's sum is eight lane sums in key order (key t in lane t mod 8),
 //! then the same tree.
 
-use crate::emit::load_f32xn;
+use crate::emit::{hsum, load_f32xn};
 use crate::{indent, Storage};
 
 const V: &str = "vector<8xf32>";
@@ -57,25 +58,23 @@ pub(super) fn batch_keys() -> String {
 /// Fills `%sc` (allocated with `%nk8` entries, `%nk` rounded up to 8) with
 /// the unnormalised softmax weights of query row `%r`'s head at column
 /// `%qb` over keys `0..%nk` at column `%kb`, and defines `%sum`, their sum.
-/// `allowed`, when given, is MLIR that defines `%allowed : i1` for key `%t`
-/// (the MSA selection). Needs [`batch_consts`] and `%cd` in scope.
-pub(super) fn softmax8(q: (&str, Storage), k: (&str, Storage), d: usize, allowed: Option<&str>) -> String {
+/// `allowed` is MLIR that defines `%allowed : i1` for key `%t` (the MSA
+/// selection; dense attention at these widths is `blocked`'s, with the
+/// same operations per row). Needs [`batch_consts`] and `%cd` in scope.
+pub(super) fn softmax8(q: (&str, Storage), k: (&str, Storage), d: usize, allowed: &str) -> String {
     debug_assert!(d.is_multiple_of(8));
     let ((qt, act), (kt, cache)) = (q, k);
     let mut keys = batch_keys();
     for j in 0..8 {
-        match allowed {
-            Some(a) => keys.push_str(&format!(
-                "%ok{j} = scf.execute_region -> i1 {{\n\
-                 \x20 %t = arith.addi %tc{j}, %c0 : index\n\
-                 {}\
-                 \x20 scf.yield %allowed : i1\n\
-                 }}\n\
-                 %val{j} = arith.andi %in{j}, %ok{j} : i1\n",
-                indent(a, 2)
-            )),
-            None => keys.push_str(&format!("%val{j} = arith.andi %in{j}, %in{j} : i1\n")),
-        }
+        keys.push_str(&format!(
+            "%ok{j} = scf.execute_region -> i1 {{\n\
+             \x20 %t = arith.addi %tc{j}, %c0 : index\n\
+             {}\
+             \x20 scf.yield %allowed : i1\n\
+             }}\n\
+             %val{j} = arith.andi %in{j}, %ok{j} : i1\n",
+            indent(allowed, 2)
+        ));
     }
     let list = |f: &dyn Fn(usize) -> String| (0..8).map(f).collect::<Vec<_>>().join(", ");
     let dots = format!(
@@ -83,18 +82,15 @@ pub(super) fn softmax8(q: (&str, Storage), k: (&str, Storage), d: usize, allowed
         dots8("%qk", ("%q", qt, act, "%r", "%qb"), ("%k", kt, cache, "%kb"), "%cd"),
         transposed_tree("%dvt", &(0..8).map(|j| format!("%qk#{j}")).collect::<Vec<_>>())
     );
-    // MSA: a batch none of whose keys is selected skips its products.
-    let dots = match allowed {
-        Some(_) => format!(
-            "%any0 = arith.ori %val0, %val1 : i1\n%any1 = arith.ori %val2, %val3 : i1\n\
-             %any2 = arith.ori %val4, %val5 : i1\n%any3 = arith.ori %val6, %val7 : i1\n\
-             %any4 = arith.ori %any0, %any1 : i1\n%any5 = arith.ori %any2, %any3 : i1\n\
-             %any = arith.ori %any4, %any5 : i1\n\
-             %dv = scf.if %any -> ({V}) {{\n{}  scf.yield %dvt : {V}\n}} else {{\n  scf.yield %ninf8 : {V}\n}}\n",
-            indent(&dots, 2)
-        ),
-        None => format!("{dots}%dv = arith.addf %dvt, %z8 : {V}\n"),
-    };
+    // A batch none of whose keys is selected skips its products.
+    let dots = format!(
+        "%any0 = arith.ori %val0, %val1 : i1\n%any1 = arith.ori %val2, %val3 : i1\n\
+         %any2 = arith.ori %val4, %val5 : i1\n%any3 = arith.ori %val6, %val7 : i1\n\
+         %any4 = arith.ori %any0, %any1 : i1\n%any5 = arith.ori %any2, %any3 : i1\n\
+         %any = arith.ori %any4, %any5 : i1\n\
+         %dv = scf.if %any -> ({V}) {{\n{}  scf.yield %dvt : {V}\n}} else {{\n  scf.yield %ninf8 : {V}\n}}\n",
+        indent(&dots, 2)
+    );
     format!(
         "%mxv = scf.for %t0 = %c0 to %nk8 step %c8 iter_args(%mv = %ninf8) -> ({V}) {{\n\
          {keys}\
@@ -121,7 +117,7 @@ pub(super) fn softmax8(q: (&str, Storage), k: (&str, Storage), d: usize, allowed
         dots = indent(&dots, 2),
         vals = list(&|j| format!("%val{j}")),
         exp = indent(&exp8("%e", "%sh"), 2),
-        sum = tree_sum("%sum", "%sumv"),
+        sum = hsum("%sum", "%sumv"),
     )
 }
 
@@ -191,22 +187,6 @@ pub(super) fn transposed_tree(dst: &str, v: &[String]) -> String {
          {dst} = vector.shuffle %{d}_r3, %{d}_r3 [0, 4, 1, 5, 2, 6, 3, 7] : {V}, {V}\n"
     ));
     out
-}
-
-/// `dst` = the sum of `v`'s eight lanes by the tree
-/// `((l0+l4)+(l2+l6))+((l1+l5)+(l3+l7))`.
-pub(super) fn tree_sum(dst: &str, v: &str) -> String {
-    format!(
-        "{dst}_lo4 = vector.extract_strided_slice {v} {{offsets = [0], sizes = [4], strides = [1]}} : {V} to vector<4xf32>\n\
-         {dst}_hi4 = vector.extract_strided_slice {v} {{offsets = [4], sizes = [4], strides = [1]}} : {V} to vector<4xf32>\n\
-         {dst}_4 = arith.addf {dst}_lo4, {dst}_hi4 : vector<4xf32>\n\
-         {dst}_lo2 = vector.extract_strided_slice {dst}_4 {{offsets = [0], sizes = [2], strides = [1]}} : vector<4xf32> to vector<2xf32>\n\
-         {dst}_hi2 = vector.extract_strided_slice {dst}_4 {{offsets = [2], sizes = [2], strides = [1]}} : vector<4xf32> to vector<2xf32>\n\
-         {dst}_2 = arith.addf {dst}_lo2, {dst}_hi2 : vector<2xf32>\n\
-         {dst}_a = vector.extract {dst}_2[0] : f32 from vector<2xf32>\n\
-         {dst}_b = vector.extract {dst}_2[1] : f32 from vector<2xf32>\n\
-         {dst} = arith.addf {dst}_a, {dst}_b : f32\n"
-    )
 }
 
 /// `dst` = e^x on eight lanes, for softmax weights: Cephes' expf (x =

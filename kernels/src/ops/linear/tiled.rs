@@ -21,7 +21,7 @@
 //! the shapes are their arguments, so each is compiled once, not once per
 //! shape (and LLVM cannot fully unroll a small model's short reductions).
 
-use crate::emit::{e8m0_to_f32, indent, load_f32xn, parallel_or_serial, store_f32, E8M0_CONSTANTS};
+use crate::emit::{e8m0_to_f32, hsum, indent, load_f32xn, parallel_or_serial, store_f32, E8M0_CONSTANTS};
 use crate::host::{index_consts, BASICS};
 use crate::{Storage, WeightType};
 
@@ -553,21 +553,5 @@ pub fn body(inp: usize, out: usize, weight: WeightType, act: Storage, out_act: S
         consts = index_consts(&[("cout", out), ("cin", inp), ("crt", row_tile), ("cot", out_tile), ("ckstep", kstep)]),
         macs = inp * out,
         tiles = parallel_or_serial("%work", &["%ot"], &["%c0"], &["%cout"], &["%cot"], &tile),
-    )
-}
-
-/// `{dst}` (f32) = the sum of the 8 lanes of `{v}` by a fixed halving
-/// tree: `((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))`.
-fn hsum(dst: &str, v: &str) -> String {
-    format!(
-        "{dst}_lo4 = vector.extract_strided_slice {v} {{offsets = [0], sizes = [4], strides = [1]}} : {V} to vector<4xf32>\n\
-         {dst}_hi4 = vector.extract_strided_slice {v} {{offsets = [4], sizes = [4], strides = [1]}} : {V} to vector<4xf32>\n\
-         {dst}_4 = arith.addf {dst}_lo4, {dst}_hi4 : vector<4xf32>\n\
-         {dst}_lo2 = vector.extract_strided_slice {dst}_4 {{offsets = [0], sizes = [2], strides = [1]}} : vector<4xf32> to vector<2xf32>\n\
-         {dst}_hi2 = vector.extract_strided_slice {dst}_4 {{offsets = [2], sizes = [2], strides = [1]}} : vector<4xf32> to vector<2xf32>\n\
-         {dst}_2 = arith.addf {dst}_lo2, {dst}_hi2 : vector<2xf32>\n\
-         {dst}_a = vector.extract {dst}_2[0] : f32 from vector<2xf32>\n\
-         {dst}_b = vector.extract {dst}_2[1] : f32 from vector<2xf32>\n\
-         {dst} = arith.addf {dst}_a, {dst}_b : f32\n"
     )
 }
