@@ -1,6 +1,8 @@
 //! The contract between `m3c` (the compiler) and the stage runtime it links
 //! into every executable: what both sides must read the same way.
 //!
+//! - [`blocks`]: the KV block pool's allocator and prefix cache (block
+//!   ids, reference counts, hash chains, least-recently-used eviction).
 //! - [`dtype`]: the one table of checkpoint element types and their sizes
 //!   (no default for an unknown name: it is an error).
 //! - [`checkpoint`]: the one safetensors reader (single file or sharded),
@@ -27,6 +29,7 @@
 //! This crate does no MPI, no mmap and no printing: it is plain parsing, so
 //! its parsers can be property-tested on arbitrary input.
 
+pub mod blocks;
 pub mod checkpoint;
 pub mod drawn;
 pub mod dtype;
