@@ -328,7 +328,16 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
         m3c_compiler::fsutil::check_replaceable_file(t).context("--trace")?;
     }
     let inputs = inputs(&args, &compiled)?;
-    let stage = stage_args(&args, &inputs)?;
+    let mut stage = stage_args(&args, &inputs)?;
+    // Each stage's KV pool: exactly the blocks every prompt can reach
+    // (prompt, new tokens and the row that scores the last), so a run
+    // never waits for blocks.
+    let kv_block = compiled.manifest.kv_block;
+    let blocks: usize = inputs.prompts.iter().map(|p| m3c_contract::blocks::blocks_for(p.len() + args.max_new_tokens + 1, kv_block)).sum();
+    if blocks > m3c_contract::blocks::MAX_BLOCKS {
+        bail!("the prompts and --max-new-tokens need {blocks} cache blocks; a pool holds at most {}", m3c_contract::blocks::MAX_BLOCKS);
+    }
+    stage.kv_blocks = Some(blocks.max(1));
     let Inputs { prompts, images, text: text_in, .. } = inputs;
     let frames = stdin_frames(prompts, &images, args.max_new_tokens);
     let launch = args.launch.launch()?;

@@ -22,6 +22,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 /// A block's id: its index in every layer's pool.
 pub type BlockId = u32;
 
+/// The most blocks a pool may have (2^31 positions at MiniMax-M3's 128).
+pub const MAX_BLOCKS: usize = 1 << 24;
+
 /// What a full block holds, as a chain: the hash of the previous block's
 /// [`BlockHash`] (or none, for a sequence's first block), the block's token
 /// ids and what else decides its rows (an image's content hash for image
@@ -106,7 +109,7 @@ pub struct BlockPool {
 
 impl BlockPool {
     pub fn new(total: usize) -> BlockPool {
-        let total = total.min(BlockId::MAX as usize);
+        let total = total.min(MAX_BLOCKS);
         BlockPool {
             blocks: vec![Block::default(); total],
             free: (0..total as BlockId).collect(),

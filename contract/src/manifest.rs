@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 /// The `format` of the manifests this version writes and reads.
-pub const FORMAT: &str = "m3c-out/2";
+pub const FORMAT: &str = "m3c-out/3";
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Manifest {
@@ -29,6 +29,12 @@ pub struct Manifest {
     pub launcher: String,
     /// The model's context: its config's `max_position_embeddings`.
     pub max_positions: usize,
+    /// Positions per KV cache block (the model's MSA block): what a
+    /// sequence's cache grows by, and the unit of prefix caching.
+    /// (Defaulted so that an older manifest is refused for its format, not
+    /// for a missing key.)
+    #[serde(default)]
+    pub kv_block: usize,
     /// The image placeholder id, when the model has a vision tower.
     pub image_token: Option<usize>,
     pub stages: Vec<StageEntry>,
@@ -66,6 +72,8 @@ pub enum ManifestError {
     Format { found: String },
     #[error("it lists no stages")]
     NoStages,
+    #[error("its kv_block is 0: a cache block holds at least one position")]
+    KvBlock,
     #[error("entry {position} is stage {found}: the stages must be listed in order")]
     Order { position: usize, found: usize },
     #[error("stage {stage} names host {host:?}, which is not a host name")]
@@ -84,6 +92,9 @@ impl Manifest {
         }
         if m.stages.is_empty() {
             return Err(ManifestError::NoStages);
+        }
+        if m.kv_block == 0 {
+            return Err(ManifestError::KvBlock);
         }
         for (position, s) in m.stages.iter().enumerate() {
             if s.stage != position {
@@ -165,6 +176,7 @@ mod tests {
             runtime_sha256: "r".into(),
             launcher: "run.sh".into(),
             max_positions: 64,
+            kv_block: 4,
             image_token: Some(9),
             stages: vec![stage(0), stage(1)],
         }

@@ -54,6 +54,9 @@ pub struct StageMeta {
     pub vocab: usize,
     /// `max_position_embeddings` of the config: the longest sequence.
     pub max_positions: usize,
+    /// Positions per cache block: every cache slot is a pool of blocks of
+    /// this many rows, and each sequence's block table names its blocks.
+    pub kv_block: usize,
     /// What the stage holds, e.g. `embed + layers 0-3`.
     pub holds: String,
     pub first_stage: bool,
@@ -104,10 +107,12 @@ pub mod abi {
     /// ```c
     /// void m3c_stage_step(void *const *weights,     // one pointer per StageMeta::tensors slot
     ///                     void *const *weights_dev, // the same table where kernels can read it (GPU); = weights on the host
-    ///                     void *const *const *caches, // per sequence: one pointer per cache slot, [capacity, width]
+    ///                     void *const *caches,      // one pointer per cache slot: its pool [pool_rows, width]
+    ///                     int64_t pool_rows,        // rows of every pool: blocks × kv_block
+    ///                     const int64_t *const *blocks, // per sequence: its block table [caps / kv_block]
     ///                     int64_t sequences,        // sequences in the micro-batch
     ///                     const int64_t *rows,      // [sequences] rows of each
-    ///                     const int64_t *caps,      // [sequences] cache capacity (rows) of each
+    ///                     const int64_t *caps,      // [sequences] positions each may reach (a multiple of kv_block)
     ///                     int64_t tokens,           // S = Σ rows
     ///                     const int64_t *ids,       // [S] token ids (first stage)
     ///                     void *x,                  // [S, hidden] activations: in (unless first) and out (unless last)
@@ -168,6 +173,7 @@ mod tests {
             act_bytes: 2,
             vocab: 16,
             max_positions: 64,
+            kv_block: 4,
             holds: "layers 1-2".into(),
             first_stage: false,
             last_stage: true,

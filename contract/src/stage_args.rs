@@ -30,6 +30,9 @@ pub struct StageArgs {
     pub timeout_s: f64,
     /// Sequences per micro-batch (default: the prompts shared over the stages).
     pub micro_batch: Option<usize>,
+    /// Blocks in every stage's KV pool (`m3c run` and `m3c serve` size it;
+    /// default: one sequence of the model's whole context).
+    pub kv_blocks: Option<usize>,
     /// Prefill prompts in chunks of this many tokens.
     pub prefill_chunk: Option<usize>,
     /// CUDA stages: replay each decode micro-batch's step as a captured CUDA graph.
@@ -79,6 +82,7 @@ impl StageArgs {
             dump: None,
             timeout_s: DEFAULT_TIMEOUT_S,
             micro_batch: None,
+            kv_blocks: None,
             prefill_chunk: None,
             cuda_graphs: true,
             prefill_gemm_cublas: false,
@@ -123,6 +127,7 @@ impl StageArgs {
             ("--images", self.images.as_ref().map(path)),
             ("--prefill-chunk", self.prefill_chunk.map(|n| n.to_string())),
             ("--micro-batch", self.micro_batch.map(|n| n.to_string())),
+            ("--kv-blocks", self.kv_blocks.map(|n| n.to_string())),
             ("--timeout-s", Some(self.timeout_s.to_string())),
             ("--cuda-graphs", Some(if self.cuda_graphs { "on" } else { "off" }.to_string())),
             ("--prefill-gemm", Some(if self.prefill_gemm_cublas { "cublas" } else { "off" }.to_string())),
@@ -173,7 +178,7 @@ impl StageArgs {
 pub const DEFAULT_TIMEOUT_S: f64 = 30.0;
 
 pub const USAGE: &str = "usage: stage-K (--model DIR | --synthetic-weights SEED) ((--prompt-ids 1,2,3 [--prompt-ids ...] | --prompts FILE | --stdin-prompts N) \
---max-new-tokens N | --serve) [--micro-batch SEQS] [--prefill-chunk TOKENS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S] [--cuda-graphs on|off] [--prefill-gemm cublas|off] [--stream-ids] \
+--max-new-tokens N | --serve) [--micro-batch SEQS] [--kv-blocks N] [--prefill-chunk TOKENS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S] [--cuda-graphs on|off] [--prefill-gemm cublas|off] [--stream-ids] \
 [--temperature T] [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S] [--eos-ids 1,2] [--stop HEX ...] [--seq-sampling SEQ:temperature=T,... ...] [--images FILE.safetensors]";
 
 use crate::prompts::{parse_count, parse_ids, parse_prompts_file, parse_timeout_s};
@@ -217,6 +222,7 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
     let mut synthetic_seed = None;
     let mut timeout_s = DEFAULT_TIMEOUT_S;
     let mut micro_batch = None;
+    let mut kv_blocks = None;
     let mut prefill_chunk = None;
     let mut cuda_graphs = true;
     let mut prefill_gemm_cublas = false;
@@ -242,6 +248,13 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
             "--expect" => expect = Some(PathBuf::from(value("--expect")?)),
             "--prefill-chunk" => prefill_chunk = Some(parse_count(&value("--prefill-chunk")?, "--prefill-chunk", true)?),
             "--micro-batch" => micro_batch = Some(parse_count(&value("--micro-batch")?, "--micro-batch", true)?),
+            "--kv-blocks" => {
+                let n = parse_count(&value("--kv-blocks")?, "--kv-blocks", true)?;
+                if n > crate::blocks::MAX_BLOCKS {
+                    return Err(format!("--kv-blocks {n}: at most {} blocks", crate::blocks::MAX_BLOCKS));
+                }
+                kv_blocks = Some(n);
+            }
             "--synthetic-weights" => {
                 let v = value("--synthetic-weights")?;
                 synthetic_seed = Some(v.parse::<u64>().map_err(|_| format!("--synthetic-weights: `{v}` is not a seed (an integer)"))?);
@@ -327,6 +340,7 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
         dump,
         timeout_s,
         micro_batch,
+        kv_blocks,
         prefill_chunk,
         cuda_graphs,
         prefill_gemm_cublas,
@@ -357,6 +371,7 @@ mod tests {
         a.prompts = vec![vec![1, 2, 3], vec![4]];
         a.max_new_tokens = 16;
         a.micro_batch = Some(2);
+        a.kv_blocks = Some(40);
         a.prefill_chunk = Some(7);
         a.timeout_s = 2.5;
         a.cuda_graphs = false;

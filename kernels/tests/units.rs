@@ -28,11 +28,33 @@ fn samples() -> Vec<(&'static str, Kernel)> {
         ("sample", Sample { width: 40 }.into()),
         ("embedding", Embedding { vocab: 10, width: 32, weight: bf16, act: f }.into()),
         ("add", Add { width: 32, act: f }.into()),
-        ("scatter_rows_kvbf16", ScatterRows { width: 32, cache: b, act: f }.into()),
+        ("scatter_rows_kvbf16", ScatterRows { width: 32, paged: Some(4), cache: b, act: f }.into()),
+        ("scatter_rows_image", ScatterRows { width: 32, paged: None, cache: f, act: f }.into()),
         ("to_bf16", ToBf16 { width: 32 }.into()),
         ("dequant_mxfp8", DequantMxfp8 { out: 4, inp: 64, block: 32 }.into()),
-        ("attention", Attention { heads: 4, kv_heads: 2, head_dim: 16, scale: 0.25, sparse: None, cache: f, act: f }.into()),
-        ("attention_msa", Attention { heads: 4, kv_heads: 2, head_dim: 16, scale: 0.25, sparse: Some(sel), cache: f, act: f }.into()),
+        ("attention", Attention { heads: 4, kv_heads: 2, head_dim: 16, scale: 0.25, sparse: None, paged: None, cache: f, act: f }.into()),
+        (
+            "attention_paged",
+            Attention { heads: 4, kv_heads: 2, head_dim: 16, scale: 0.25, sparse: None, paged: Some(4), cache: f, act: f }.into(),
+        ),
+        (
+            "attention_msa",
+            Attention { heads: 4, kv_heads: 2, head_dim: 16, scale: 0.25, sparse: Some(sel), paged: Some(4), cache: f, act: f }.into(),
+        ),
+        (
+            "attention_msa_w12",
+            Attention {
+                heads: 2,
+                kv_heads: 1,
+                head_dim: 12,
+                scale: 0.25,
+                sparse: Some(SparseSel { index_heads: 1, index_dim: 12, ..sel }),
+                paged: Some(4),
+                cache: f,
+                act: f,
+            }
+            .into(),
+        ),
         (
             "router",
             Router { width: 32, experts: 8, top_k: 2, scale: 2.5, weight: WeightType::F32, bias: Some(WeightType::F32), act: f }.into(),

@@ -9,7 +9,8 @@ use crate::error::StageError;
 use crate::liveness::Peers;
 use crate::stage::{Segment, Stage};
 use crate::wire::{
-    self, bytes_f32, f32_bytes, message, Outbox, KIND_ADD, KIND_DROP, KIND_STATS, KIND_STEP, KIND_STOP, KIND_TRACE, TAG_ACT, TAG_IDS,
+    self, bytes_f32, f32_bytes, message, message_blocks, Outbox, KIND_ADD, KIND_DROP, KIND_STATS, KIND_STEP, KIND_STOP, KIND_TRACE,
+    TAG_ACT, TAG_IDS,
 };
 use m3c_contract::protocol::SeqRequest;
 use m3c_contract::sampling::{row_params, row_words, SamplingParams, ROW_WORDS};
@@ -113,7 +114,7 @@ pub(crate) fn follow(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Sta
         let m = wire::recv(world, peers, rank - 1, TAG_ACT)?;
         let pass_on = |outbox: &mut Outbox, kind, payload: &[u8]| {
             if !last {
-                outbox.send(world, rank + 1, TAG_ACT, message(kind, &m.segments, payload));
+                outbox.send(world, rank + 1, TAG_ACT, message_blocks(kind, &m.segments, &m.blocks, payload));
             }
         };
         match m.kind {
@@ -147,7 +148,7 @@ pub(crate) fn follow(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Sta
                 let (to, tag) = if last { (0, TAG_IDS) } else { (rank + 1, TAG_ACT) };
                 outbox.send(world, to, tag, message(KIND_STATS, &[], &payload));
             }
-            KIND_STEP => step(world, st, books, &mut outbox, &m.segments, &m.payload)?,
+            KIND_STEP => step(world, st, books, &mut outbox, &m)?,
             KIND_TRACE => {
                 let on = m.payload.first() == Some(&1);
                 crate::trace::set_recording(on);
@@ -163,20 +164,17 @@ pub(crate) fn follow(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Sta
 
 /// One micro-batch through this stage: activations in, on to the next
 /// stage, or (the last) sampled and the ids back to the first.
-fn step(
-    world: &SimpleCommunicator,
-    st: &mut Stage,
-    books: &mut LastBooks,
-    outbox: &mut Outbox,
-    segs: &[Segment],
-    payload: &[u8],
-) -> Result<(), StageError> {
+fn step(world: &SimpleCommunicator, st: &mut Stage, books: &mut LastBooks, outbox: &mut Outbox, m: &wire::Msg) -> Result<(), StageError> {
+    let (segs, payload) = (&m.segments[..], &m.payload[..]);
     let (rank, last) = (st.meta.stage, st.meta.last_stage);
+    for (s, b) in segs.iter().zip(&m.blocks) {
+        st.grow_seq(s.seq, b)?;
+    }
     let tokens: usize = segs.iter().map(|s| s.rows).sum();
     let mut x = if st.uses_nccl() { vec![0f32; tokens * st.meta.x_words()] } else { bytes_f32(payload) };
     if !last && st.uses_nccl() {
         // The step's NCCL send waits for the receiver, who needs the header first.
-        outbox.send(world, rank + 1, TAG_ACT, message(KIND_STEP, segs, &[]));
+        outbox.send(world, rank + 1, TAG_ACT, message_blocks(KIND_STEP, segs, &m.blocks, &[]));
     }
     let sample = if last { Some(books.sample_in(segs, st.meta.vocab)?) } else { None };
     let out = st.step(segs, &[], &mut x, sample)?;
@@ -184,7 +182,7 @@ fn step(
         let got = books.finish(segs, &out, st.meta.vocab, rank)?;
         outbox.send(world, 0, TAG_IDS, message(KIND_STEP, segs, &crate::books::Drawn::encode(&got)));
     } else if !st.uses_nccl() {
-        outbox.send(world, rank + 1, TAG_ACT, message(KIND_STEP, segs, &f32_bytes(&x)));
+        outbox.send(world, rank + 1, TAG_ACT, message_blocks(KIND_STEP, segs, &m.blocks, &f32_bytes(&x)));
     }
     Ok(())
 }

@@ -227,11 +227,14 @@ fn stage_main(
     );
     let threads = set_kernel_threads();
     let meta_is_cuda = meta.target.is_gpu();
+    // Every stage's pool has the same block count (the first stage's
+    // allocator hands out ids for all): `m3c run` and `m3c serve` size it.
+    let blocks = args.kv_blocks.unwrap_or_else(|| m3c_contract::blocks::blocks_for(meta.max_positions, meta.kv_block));
     let st = if meta_is_cuda {
         let local_rank = std::env::var("OMPI_COMM_WORLD_LOCAL_RANK").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-        stage::Stage::gpu(meta, weights, local_rank, who)
+        stage::Stage::gpu(meta, weights, local_rank, who, blocks)
     } else {
-        Ok(stage::Stage::host(meta, weights))
+        stage::Stage::host(meta, weights, blocks)
     };
     // Every rank learns whether every device came up.
     let mut st = startup::agree(world, peers, &format!("{who} ({holds})"), st)?;
@@ -247,9 +250,12 @@ fn stage_main(
     startup::agree(world, peers, who, linked)?;
     let (rss, _) = resident();
     say!(
-        "{who}: {holds}: {} in {:.2} s, resident {:.1} MB, {threads} kernel thread(s){}, on host {}",
+        "{who}: {holds}: {} in {:.2} s, KV pool of {} blocks of {} positions ({:.2} MB), resident {:.1} MB, {threads} kernel thread(s){}, on host {}",
         st.placement(),
         t0.elapsed().as_secs_f64(),
+        st.pool_blocks(),
+        st.meta.kv_block,
+        (st.pool_blocks() * st.block_bytes()) as f64 / 1e6,
         rss,
         if st.uses_nccl() { ", activations over NCCL" } else { "" },
         host_name()

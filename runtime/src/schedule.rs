@@ -19,7 +19,10 @@ use crate::error::StageError;
 use crate::follow::{add_message, capacity, stats_words, words};
 use crate::liveness::Peers;
 use crate::stage::{Segment, Stage};
-use crate::wire::{self, f32_bytes, message, Outbox, KIND_DROP, KIND_STATS, KIND_STEP, KIND_STOP, KIND_TRACE, TAG_ACT, TAG_IDS};
+use crate::wire::{
+    self, f32_bytes, message, message_blocks, Outbox, KIND_DROP, KIND_STATS, KIND_STEP, KIND_STOP, KIND_TRACE, TAG_ACT, TAG_IDS,
+};
+use m3c_contract::blocks::{blocks_for, BlockId, BlockPool};
 use m3c_contract::images::SeqImages;
 use m3c_contract::protocol::{Command, EndReason, Event, SeqRequest};
 use mpi::topology::SimpleCommunicator;
@@ -88,6 +91,8 @@ struct Live {
     /// Token ids that end it when generated.
     stop_ids: Vec<i64>,
     text: Vec<u8>,
+    /// The pool blocks of its positions, in order.
+    blocks: Vec<BlockId>,
 }
 
 /// The first stage's scheduler.
@@ -101,6 +106,10 @@ pub(crate) struct Leader {
     token_bytes: Option<Vec<Vec<u8>>>,
     model: Option<std::path::PathBuf>,
     outbox: Outbox,
+    /// The one allocator of every stage's KV blocks (all pools have the
+    /// same count): each step carries the blocks its sequences take.
+    pool: BlockPool,
+    kv_block: usize,
 }
 
 impl Leader {
@@ -114,6 +123,8 @@ impl Leader {
             token_bytes: None,
             model,
             outbox: Outbox::default(),
+            pool: BlockPool::new(st.pool_blocks()),
+            kv_block: st.meta.kv_block,
         }
     }
 
@@ -344,6 +355,7 @@ impl Leader {
                 stops: a.stops,
                 stop_ids: a.stop_ids,
                 text: Vec::new(),
+                blocks: Vec::new(),
             },
         );
         self.ready.push_back(a.seq);
@@ -360,17 +372,50 @@ impl Leader {
     ) -> Result<(), StageError> {
         let mut segs = Vec::new();
         let mut ids = Vec::new();
+        let mut grown: Vec<Vec<u32>> = Vec::new();
         while segs.len() < self.batching.per_batch {
             let Some(seq) = self.ready.pop_front() else { break };
             let l =
                 self.live.get_mut(&seq).ok_or_else(|| StageError::Step(format!("runtime bug: sequence {seq} is ready but not live")))?;
-            let (pos0, item) = match l.chunks.pop_front() {
-                Some(c) => c,
+            let (pos0, item) = match l.chunks.front() {
+                Some((p, c)) => (*p, c.clone()),
                 None => (l.prompt_len + l.generated - 1, vec![l.last_id]),
             };
+            // The blocks its positions reach that it does not hold yet.
+            let need = blocks_for(pos0 + item.len(), self.kv_block).saturating_sub(l.blocks.len());
+            let mut new = Vec::with_capacity(need);
+            while new.len() < need {
+                match self.pool.alloc() {
+                    Some(b) => new.push(b),
+                    None => break,
+                }
+            }
+            if new.len() < need {
+                for b in new {
+                    self.pool.release(b);
+                }
+                let why = format!(
+                    "the KV pool of {} blocks of {} positions is exhausted (sequence {seq} needs {need} more); give the stages more blocks",
+                    self.pool.total(),
+                    self.kv_block
+                );
+                feed.refuse(Some(seq), why)?;
+                self.end(world, st, books, feed, seq, EndReason::Error);
+                continue;
+            }
+            l.chunks.pop_front();
+            l.blocks.extend_from_slice(&new);
             l.busy = true;
+            st.grow_seq(seq, &new)?;
             segs.push(Segment { seq, pos0, rows: item.len() });
+            grown.push(new);
             ids.extend(item);
+        }
+        if segs.is_empty() {
+            return Ok(());
+        }
+        if grown.iter().all(Vec::is_empty) {
+            grown.clear();
         }
         let mut x = vec![0f32; ids.len() * st.meta.x_words()];
         if self.stages == 1 {
@@ -381,11 +426,11 @@ impl Leader {
         }
         if st.uses_nccl() {
             // The step's NCCL send waits for the receiver, who needs the header first.
-            self.outbox.send(world, 1, TAG_ACT, message(KIND_STEP, &segs, &[]));
+            self.outbox.send(world, 1, TAG_ACT, message_blocks(KIND_STEP, &segs, &grown, &[]));
         }
         st.step(&segs, &ids, &mut x, None)?;
         if !st.uses_nccl() {
-            self.outbox.send(world, 1, TAG_ACT, message(KIND_STEP, &segs, &f32_bytes(&x)));
+            self.outbox.send(world, 1, TAG_ACT, message_blocks(KIND_STEP, &segs, &grown, &f32_bytes(&x)));
         }
         self.in_flight += 1;
         Ok(())
@@ -458,7 +503,11 @@ impl Leader {
         seq: usize,
         reason: EndReason,
     ) {
-        self.live.remove(&seq);
+        if let Some(l) = self.live.remove(&seq) {
+            for b in l.blocks {
+                self.pool.release(b);
+            }
+        }
         books.end(seq);
         st.end_seq(seq);
         if self.stages > 1 {

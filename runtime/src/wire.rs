@@ -1,5 +1,7 @@
 //! The wire protocol between stages (MPI point-to-point): a step header
-//! (kind, then each sequence's segment) followed by a payload, which is the
+//! (kind, then each sequence's segment, then, when the step gives
+//! sequences new cache blocks, each segment's new block ids) followed by a
+//! payload, which is the
 //! step's activations (`[S, hidden]` as f32 words, two bf16 to a word under
 //! `--activations bf16`) on the way down the pipeline, or the last stage's
 //! ids (one per segment) on the way back to the first.
@@ -31,12 +33,26 @@ pub const KIND_TRACE: i64 = 5;
 const MAX_SEGMENTS: usize = 1 << 20;
 
 pub fn message(kind: i64, segments: &[Segment], payload: &[u8]) -> Vec<u8> {
-    let mut m = Vec::with_capacity(16 + 24 * segments.len() + payload.len());
+    message_blocks(kind, segments, &[], payload)
+}
+
+/// A message whose segments take new cache blocks: `blocks` is empty (none
+/// do) or has one list per segment, the pool blocks for its next positions.
+pub fn message_blocks(kind: i64, segments: &[Segment], blocks: &[Vec<u32>], payload: &[u8]) -> Vec<u8> {
+    let ids: usize = blocks.iter().map(Vec::len).sum();
+    let mut m = Vec::with_capacity(24 + 24 * segments.len() + 8 * (blocks.len() + ids) + payload.len());
     m.extend(kind.to_le_bytes());
     m.extend((segments.len() as i64).to_le_bytes());
     for s in segments {
         for v in [s.seq as i64, s.pos0 as i64, s.rows as i64] {
             m.extend(v.to_le_bytes());
+        }
+    }
+    m.extend((blocks.len() as i64).to_le_bytes());
+    for b in blocks {
+        m.extend((b.len() as i64).to_le_bytes());
+        for &id in b {
+            m.extend(i64::from(id).to_le_bytes());
         }
     }
     m.extend_from_slice(payload);
@@ -46,6 +62,8 @@ pub fn message(kind: i64, segments: &[Segment], payload: &[u8]) -> Vec<u8> {
 pub struct Msg {
     pub kind: i64,
     pub segments: Vec<Segment>,
+    /// Empty, or per segment the pool blocks it takes for its next positions.
+    pub blocks: Vec<Vec<u32>>,
     pub payload: Vec<u8>,
 }
 
@@ -63,9 +81,20 @@ pub fn parse_msg(m: Vec<u8>) -> Result<Msg, StageError> {
         let field = |k: usize| -> Result<usize, StageError> { usize::try_from(h(2 + 3 * i + k)?).map_err(|_| bad()) };
         segments.push(Segment { seq: field(0)?, pos0: field(1)?, rows: field(2)? });
     }
-    let start = (2 + 3 * n) * 8;
-    let payload = m.get(start..).ok_or_else(bad)?.to_vec();
-    Ok(Msg { kind, segments, payload })
+    let mut at = 2 + 3 * n;
+    let lists = usize::try_from(h(at)?).ok().filter(|&k| k == 0 || k == n).ok_or_else(bad)?;
+    at += 1;
+    let mut blocks = Vec::with_capacity(lists);
+    for _ in 0..lists {
+        let len = usize::try_from(h(at)?).ok().filter(|&k| k <= m.len() / 8).ok_or_else(bad)?;
+        let ids = (at + 1..at + 1 + len)
+            .map(|i| h(i).and_then(|v| u32::try_from(v).map_err(|_| bad())))
+            .collect::<Result<Vec<u32>, StageError>>()?;
+        blocks.push(ids);
+        at += 1 + len;
+    }
+    let payload = m.get(at * 8..).ok_or_else(bad)?.to_vec();
+    Ok(Msg { kind, segments, blocks, payload })
 }
 
 /// Receives the next message with `tag` from rank `from`. Fails only when

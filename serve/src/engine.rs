@@ -73,6 +73,8 @@ pub struct Limits {
     pub budget: u64,
     /// Cache bytes per position of the largest stage.
     pub per_position: u64,
+    /// Positions per cache block: a sequence's cache is whole blocks.
+    pub kv_block: u64,
     /// Sequences running at once.
     pub max_batch: usize,
     /// Requests waiting at once.
@@ -314,7 +316,8 @@ impl Engine {
         if !self.ready.load(Ordering::SeqCst) {
             return Err(SubmitError::Down("the model is still loading".into()));
         }
-        let bytes = (s.prompt.len() + s.max_new + 1) as u64 * self.limits.per_position;
+        let positions = (s.prompt.len() + s.max_new + 1) as u64;
+        let bytes = positions.div_ceil(self.limits.kv_block.max(1)) * self.limits.kv_block * self.limits.per_position;
         if bytes > self.limits.budget {
             return Err(SubmitError::TooLarge(format!(
                 "the prompt ({} tokens) and max_tokens ({}) need {:.1} MB of cache per stage; the server's --kv-budget is {:.1} MB",

@@ -111,6 +111,21 @@ fn prepare(o: &Options) -> Result<Prepared> {
     stage.cuda_graphs = o.cuda_graphs;
     stage.prefill_gemm_cublas = o.prefill_gemm_cublas;
     stage.eos_ids = gen.eos_ids.clone();
+    // The stages' KV pools: as many whole blocks as --kv-budget holds on
+    // the stage with the most cache per position; admission then counts
+    // against exactly what the pools hold.
+    let kv_block = compiled.manifest.kv_block as u64;
+    let block_bytes = per_position * kv_block;
+    let blocks = (o.kv_budget_bytes / block_bytes).min(m3c_contract::blocks::MAX_BLOCKS as u64);
+    if blocks == 0 {
+        anyhow::bail!(
+            "--kv-budget {:.3} GB holds no cache block: one block of {kv_block} positions takes {:.3} MB on the largest stage",
+            o.kv_budget_bytes as f64 / 1e9,
+            block_bytes as f64 / 1e6
+        );
+    }
+    stage.kv_blocks = Some(blocks as usize);
+    let budget = blocks * block_bytes;
     if let Some(d) = &o.trace_dir {
         if !d.is_dir() {
             anyhow::bail!("--trace-dir {}: not a folder", d.display());
@@ -128,7 +143,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
                 .ok_or_else(|| anyhow::anyhow!("--allowed-local-media-path {}: not a folder", d.display()))?,
         ),
     };
-    let limits = engine::Limits { budget: o.kv_budget_bytes, per_position, max_batch: o.max_batch.max(1), max_queue: o.max_queue };
+    let limits = engine::Limits { budget, per_position, kv_block, max_batch: o.max_batch.max(1), max_queue: o.max_queue };
     let media = media::MediaPolicy {
         allowed_local,
         max_bytes: o.max_image_bytes,

@@ -183,7 +183,7 @@ fn f32_activations_and_bf16_kv_cache_stages_assemble_for_sm90a() {
         let ptx_file = out.join(format!("stage-{k}.ptx"));
         let ptx = std::fs::read_to_string(&ptx_file).unwrap();
         let list = entries(&ptx);
-        assert!(list.iter().any(|e| e.starts_with("m3c_scatter_rows_w64_kvbf16 ")), "stage {k}: {list:?}");
+        assert!(list.iter().any(|e| e.starts_with("m3c_scatter_rows_w64_pg4_kvbf16 ")), "stage {k}: {list:?}");
         // (The vision tower's per-image attention, h4_kv4_d16 on stage 0, reads no cache.)
         let cached = |e: &&String| e.starts_with("m3c_attention_") && !e.starts_with("m3c_attention_h4_kv4_d16");
         assert!(list.iter().filter(cached).all(|e| e.contains("_kvbf16 ")), "stage {k}: {list:?}");

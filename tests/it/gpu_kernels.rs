@@ -365,12 +365,26 @@ fn rowwise_gpu_kernels_match_the_host() {
             ],
         );
         agree(&k.symbol(), &o[0].0, &o[0].1, act, 1e-4);
-        // cache scatter to rows `pos` of a longer cache, both cache types
+        // cache scatter to rows `pos` of a longer cache, both cache types,
+        // and through a block table into a pool of 5 blocks of 2
         for cache in ACTS {
-            let k = Kernel::ScatterRows(m3c_kernels::ScatterRows { width: 96, cache, act });
             let pos: Vec<i64> = vec![4, 0, 2];
+            let k = Kernel::ScatterRows(m3c_kernels::ScatterRows { width: 96, paged: None, cache, act });
             let o = run_both(&k, rows, &[a(1, false), buf(&pos, &[rows], "memref<?xi64>", false), act_rows(6, 96, cache, 7, true)]);
             assert_eq!(o[0].0, o[0].1, "{k}: the cache bytes");
+            let k = Kernel::ScatterRows(m3c_kernels::ScatterRows { width: 96, paged: Some(2), cache, act });
+            let table: Vec<i64> = vec![3, 0, 4];
+            let o = run_both(
+                &k,
+                rows,
+                &[
+                    a(1, false),
+                    buf(&pos, &[rows], "memref<?xi64>", false),
+                    buf(&table, &[3], "memref<?xi64>", false),
+                    act_rows(10, 96, cache, 7, true),
+                ],
+            );
+            assert_eq!(o[0].0, o[0].1, "{k}: the pool bytes");
         }
     }
     // to_bf16
@@ -393,20 +407,37 @@ fn attention_and_the_msa_selection_on_the_gpu_match_the_host() {
     let (heads, kv, d, cap) = (4usize, 2usize, 16usize, 40usize);
     for (target, act) in target_acts() {
         for cache in ACTS {
-            for sparse in [None, Some(SparseSel { index_heads: 2, index_dim: 16, block: 4, topk: 3, local: 1, init: 1 })] {
+            let sel = SparseSel { index_heads: 2, index_dim: 16, block: 4, topk: 3, local: 1, init: 1 };
+            // Plain caches of 40 rows, and a pool of 16 blocks of 4 whose
+            // blocks a table of 10 scatters out of order.
+            for (sparse, paged) in [(None, None), (Some(sel), None), (None, Some(4)), (Some(sel), Some(4))] {
+                let table: Vec<i64> = vec![15, 3, 9, 0, 12, 7, 1, 14, 5, 10];
+                let krows = if paged.is_some() { 64 } else { cap };
                 // A prefill of 5 rows at positions 30..34 and a decode row.
                 for pos in [vec![30i64, 31, 32, 33, 34], vec![37]] {
                     let rows = pos.len();
-                    let k = Kernel::Attention(m3c_kernels::Attention { heads, kv_heads: kv, head_dim: d, scale: 0.25, sparse, cache, act });
+                    let k = Kernel::Attention(m3c_kernels::Attention {
+                        heads,
+                        kv_heads: kv,
+                        head_dim: d,
+                        scale: 0.25,
+                        sparse,
+                        paged,
+                        cache,
+                        act,
+                    });
                     let mut args = vec![
                         act_rows(rows, heads * d, act, 1, false),
-                        act_rows(cap, kv * d, cache, 2, false),
-                        act_rows(cap, kv * d, cache, 3, false),
+                        act_rows(krows, kv * d, cache, 2, false),
+                        act_rows(krows, kv * d, cache, 3, false),
                         buf(&pos, &[rows], "memref<?xi64>", false),
                     ];
+                    if paged.is_some() {
+                        args.push(buf(&table, &[table.len()], "memref<?xi64>", false));
+                    }
                     if let Some(s) = sparse {
                         args.push(act_rows(rows, s.index_heads * s.index_dim, act, 4, false));
-                        args.push(act_rows(cap, s.index_dim, cache, 5, false));
+                        args.push(act_rows(krows, s.index_dim, cache, 5, false));
                     }
                     args.push(act_rows(rows, heads * d, act, 6, true));
                     let o = run_both_on(target, &k, rows, &args);
@@ -488,6 +519,37 @@ fn router_and_routed_experts_on_the_gpu_match_the_host() {
 /// branch — in the interpreter, on the fixture's real weights. Returns the
 /// logits of the prefill and of each decode step, after checking that every
 /// decode step launched exactly what the first did.
+/// A stage's KV pool in interpreter memory: one buffer per cache slot of
+/// `POOL_BLOCKS × kv_block` rows. Block tables hand out blocks from the top
+/// down, so a sequence's blocks are out of order in the pool (and, with
+/// several sequences, interleaved with the others').
+struct SimPool {
+    /// The pool pointers, one per cache slot (the entry's `caches`).
+    caches: u64,
+    rows: u64,
+    kv_block: usize,
+    next: usize,
+}
+
+const POOL_BLOCKS: usize = 64;
+
+impl SimPool {
+    fn new(g: &mut Gpu, slots: &[m3c_contract::CacheSlot], kv_block: usize) -> SimPool {
+        let rows = POOL_BLOCKS * kv_block;
+        let pools: Vec<u64> = slots.iter().map(|c| g.mem.alloc(rows * c.width * c.bytes)).collect();
+        SimPool { caches: g.mem.put(&pools), rows: rows as u64, kv_block, next: POOL_BLOCKS }
+    }
+
+    /// A sequence's block table (device memory) for `cap` positions.
+    fn table(&mut self, g: &mut Gpu, cap: usize) -> u64 {
+        let n = cap.div_ceil(self.kv_block);
+        assert!(n <= self.next, "the simulated pool is too small");
+        let t: Vec<i64> = (0..n).map(|i| (self.next - 1 - i) as i64).collect();
+        self.next -= n;
+        g.mem.put(&t)
+    }
+}
+
 fn cuda_stage_logits(model: &str, act: Storage, gemm: bool, decode: &[i64]) -> Vec<Vec<f32>> {
     use m3c_compiler::source::ModelSource;
     let dir = m3c_tests::fixture(model);
@@ -505,9 +567,9 @@ fn cuda_stage_logits(model: &str, act: Storage, gemm: bool, decode: &[i64]) -> V
     let table: Vec<u64> = prog.tensors.iter().map(|t| g.mem.put(ck.bytes(&ck.tensors[&t.name]))).collect();
     let weights = g.mem.put(&table);
     let cap = 64usize;
-    let caches: Vec<u64> = prog.caches.iter().map(|c| g.mem.alloc(cap * c.width * 4)).collect();
-    let seq_tables = [g.mem.put(&caches)];
-    let caches = g.mem.put(&seq_tables);
+    let mut pool = SimPool::new(&mut g, &prog.caches, prog.kv_block);
+    let blocks = [pool.table(&mut g, cap)];
+    let blocks = g.mem.put(&blocks);
     let golden = dir.join("golden.safetensors");
     let prompt = m3c_tests::read_tensor_i64(&golden, "prompt_ids");
     let (hidden, vocab) = (cfg.text.hidden_size, cfg.text.vocab_size);
@@ -544,8 +606,30 @@ fn cuda_stage_logits(model: &str, act: Storage, gemm: bool, decode: &[i64]) -> V
         let greedy = m3c_contract::sampling::SamplingParams::GREEDY;
         let table: Vec<i64> = (0..rows).flat_map(|r| m3c_contract::sampling::row_words(&greedy, 0, 0, r + 1 == rows, 0)).collect();
         g.mem.write(a[7], &table).unwrap();
-        let args =
-            [weights, weights, caches, 1, a[0], a[1], rows as u64, a[2], a[3], a[4], a[5], a[7], a[8], 0, 0, a[6], 0, 0, 0].map(Arg::Ptr);
+        let args = [
+            weights,
+            weights,
+            pool.caches,
+            pool.rows,
+            blocks,
+            1,
+            a[0],
+            a[1],
+            rows as u64,
+            a[2],
+            a[3],
+            a[4],
+            a[5],
+            a[7],
+            a[8],
+            0,
+            0,
+            a[6],
+            0,
+            0,
+            0,
+        ]
+        .map(Arg::Ptr);
         g.mem.launches.clear();
         g.call_host(m3c_compiler::lower::ENTRY_SYMBOL, &args).unwrap_or_else(|e| panic!("{model}: {e}"));
         traces.push(std::mem::take(&mut g.mem.launches));
@@ -689,8 +773,8 @@ fn tiny_cuda_vision_reproduces_the_golden_in_the_interpreter() {
     let img_rows: Vec<i64> = (0..ids.len() as i64).filter(|&r| ids[r as usize] == token).collect();
     assert_eq!(img_rows.len(), p / 4);
     let s = ids.len();
-    let caches: Vec<u64> = prog.caches.iter().map(|c| g.mem.alloc(64 * c.width * 4)).collect();
-    let seq_tables = [g.mem.put(&caches)];
+    let mut pool = SimPool::new(&mut g, &prog.caches, prog.kv_block);
+    let blocks = [pool.table(&mut g, 64)];
     let pos: Vec<i64> = (0..s as i64).collect();
     let greedy = m3c_contract::sampling::SamplingParams::GREEDY;
     let samp: Vec<i64> = (0..s).flat_map(|r| m3c_contract::sampling::row_words(&greedy, 0, 0, r + 1 == s, 0)).collect();
@@ -698,7 +782,9 @@ fn tiny_cuda_vision_reproduces_the_golden_in_the_interpreter() {
     let a = [
         weights,
         weights,
-        g.mem.put(&seq_tables),
+        pool.caches,
+        pool.rows,
+        g.mem.put(&blocks),
         1,
         g.mem.put(&[s as i64]),
         g.mem.put(&[64i64]),
@@ -742,8 +828,9 @@ struct CudaPipeline {
 struct StageSim {
     g: Gpu,
     weights: u64,
-    cache_bytes: Vec<usize>,
-    caches: std::collections::HashMap<usize, u64>,
+    pool: SimPool,
+    /// Each sequence's block table.
+    tables: std::collections::HashMap<usize, u64>,
 }
 
 const CAP: usize = 64;
@@ -777,7 +864,8 @@ impl CudaPipeline {
                 let mut g = Gpu::new(&p.mlir).unwrap();
                 let table: Vec<u64> = p.tensors.iter().map(|t| g.mem.put(ck.bytes(&ck.tensors[&t.name]))).collect();
                 let weights = g.mem.put(&table);
-                StageSim { g, weights, cache_bytes: p.caches.iter().map(|c| CAP * c.width * 4).collect(), caches: Default::default() }
+                let pool = SimPool::new(&mut g, &p.caches, p.kv_block);
+                StageSim { g, weights, pool, tables: Default::default() }
             })
             .collect();
         CudaPipeline { stages, hidden: cfg.text.hidden_size, vocab: cfg.text.vocab_size, act_bytes: act.bytes() }
@@ -795,15 +883,7 @@ impl CudaPipeline {
         let mut logits = Vec::new();
         for (k, st) in self.stages.iter_mut().enumerate() {
             let g = &mut st.g;
-            let tables: Vec<u64> = segs
-                .iter()
-                .map(|sg| {
-                    *st.caches.entry(sg.0).or_insert_with(|| {
-                        let bufs: Vec<u64> = st.cache_bytes.iter().map(|&b| g.mem.alloc(b)).collect();
-                        g.mem.put(&bufs)
-                    })
-                })
-                .collect();
+            let tables: Vec<u64> = segs.iter().map(|sg| *st.tables.entry(sg.0).or_insert_with(|| st.pool.table(g, CAP))).collect();
             let a = [
                 g.mem.put(&tables),
                 g.mem.put(&rows),
@@ -819,6 +899,8 @@ impl CudaPipeline {
             let args = [
                 st.weights,
                 st.weights,
+                st.pool.caches,
+                st.pool.rows,
                 a[0],
                 segs.len() as u64,
                 a[1],

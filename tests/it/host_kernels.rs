@@ -303,7 +303,7 @@ pub(crate) fn bf16_nearest_even(x: f32) -> u16 {
 fn bf16_cache_writes_round_to_nearest_even_at_their_positions() {
     use m3c_kernels::Storage;
     let dir = tempfile::tempdir().unwrap();
-    let k = Kernel::ScatterRows(m3c_kernels::ScatterRows { width: 8, cache: Storage::Bf16, act: Storage::F32 });
+    let k = Kernel::ScatterRows(m3c_kernels::ScatterRows { width: 8, paged: None, cache: Storage::Bf16, act: Storage::F32 });
     let lib = build(std::slice::from_ref(&k), dir.path());
     let step = f32::from_bits(1 << 16); // the smallest bf16 subnormal
     let x: Vec<f32> = vec![
@@ -350,7 +350,16 @@ fn attention_over_bf16_caches_equals_f32_attention_over_the_rounded_values() {
     let (heads, kv, d, cap) = (4usize, 2usize, 16usize, 12usize);
     let sel = SparseSel { index_heads: 2, index_dim: 16, block: 2, topk: 2, local: 1, init: 0 };
     let mk = |sparse: Option<SparseSel>, cache| {
-        Kernel::Attention(m3c_kernels::Attention { heads, kv_heads: kv, head_dim: d, scale: 0.25, sparse, cache, act: Storage::F32 })
+        Kernel::Attention(m3c_kernels::Attention {
+            heads,
+            kv_heads: kv,
+            head_dim: d,
+            scale: 0.25,
+            sparse,
+            paged: None,
+            cache,
+            act: Storage::F32,
+        })
     };
     let kernels = [mk(None, Storage::F32), mk(None, Storage::Bf16), mk(Some(sel), Storage::F32), mk(Some(sel), Storage::Bf16)];
     let lib = build(&kernels, dir.path());
@@ -393,6 +402,105 @@ fn attention_over_bf16_caches_equals_f32_attention_over_the_rounded_values() {
     }
 }
 
+/// The pool row of position `t` under block table `table` (blocks of `b`).
+fn pool_row(table: &[i64], b: usize, t: usize) -> usize {
+    table[t / b] as usize * b + t % b
+}
+
+/// A paged cache changes where rows live, never what is computed: cache
+/// writes through a block table land at the table's pool rows (and
+/// nowhere else), and attention and the MSA indexer over a pool whose
+/// blocks are scattered and out of order give the contiguous kernel's bits
+/// exactly, for the eight-key and one-key paths, dense and MSA, f32 and
+/// bf16 caches, at every context length from 1 to 26. Pool rows no
+/// sequence owns hold NaN, so a read through a wrong row shows.
+#[test]
+fn paged_attention_and_cache_writes_equal_contiguous_ones_bit_for_bit() {
+    use m3c_kernels::SparseSel;
+    let dir = tempfile::tempdir().unwrap();
+    let (heads, kv, cap, b) = (4usize, 2usize, 26usize, 4usize);
+    // Seven blocks for 26 positions, scattered over a pool of 20.
+    let table: Vec<i64> = vec![13, 2, 19, 7, 0, 11, 5];
+    let pool_rows = 20 * b;
+    let sel = SparseSel { index_heads: 2, index_dim: 8, block: b, topk: 2, local: 1, init: 1 };
+    let mk = |d: usize, sparse: Option<SparseSel>, cache: Storage, paged: Option<usize>| {
+        Kernel::Attention(m3c_kernels::Attention { heads, kv_heads: kv, head_dim: d, scale: 0.3, sparse, paged, cache, act: Storage::F32 })
+    };
+    let cases = [
+        (16usize, None, Storage::F32),
+        (12, None, Storage::F32),
+        (16, Some(sel), Storage::F32),
+        (12, Some(sel), Storage::Bf16),
+        (16, None, Storage::Bf16),
+    ];
+    let scatter = Kernel::ScatterRows(m3c_kernels::ScatterRows { width: 8, paged: Some(b), cache: Storage::F32, act: Storage::F32 });
+    let mut kernels: Vec<Kernel> = cases.iter().flat_map(|&(d, sp, c)| [mk(d, sp, c, None), mk(d, sp, c, Some(b))]).collect();
+    kernels.push(scatter.clone());
+    let lib = build(&kernels, dir.path());
+
+    // Cache writes: rows at positions 25, 0, 9 and 4 land in their blocks.
+    let x = input(4, 8);
+    let pos = [25i64, 0, 9, 4];
+    let y = vec![f32::NAN; pool_rows * 8];
+    let (xm, pm, tm, ym) = (m2(&x, 4, 8), m1(&pos), m1(&table), m2(&y, pool_rows, 8));
+    // SAFETY: every descriptor views a live buffer of the compiled shape for the whole call.
+    unsafe { call(&lib, &scatter, &[p(&xm), p(&pm), p(&tm), p(&ym)]) };
+    let written: Vec<usize> = pos.iter().map(|&t| pool_row(&table, b, t as usize)).collect();
+    for (r, &row) in written.iter().enumerate() {
+        assert_eq!(&y[row * 8..row * 8 + 8], &x[r * 8..r * 8 + 8], "position {} at pool row {row}", pos[r]);
+    }
+    assert!(
+        (0..pool_rows).filter(|r| !written.contains(r)).all(|r| y[r * 8..r * 8 + 8].iter().all(|v| v.is_nan())),
+        "nothing else written"
+    );
+
+    // Attention: the same keys contiguous and paged.
+    let bits16 = |v: &[f32]| -> Vec<u16> { v.iter().map(|&x| bf16_nearest_even(x)).collect() };
+    let page = |cont: &[f32], width: usize| -> Vec<f32> {
+        let mut pool = vec![f32::NAN; pool_rows * width];
+        for t in 0..cap {
+            let r = pool_row(&table, b, t);
+            pool[r * width..(r + 1) * width].copy_from_slice(&cont[t * width..(t + 1) * width]);
+        }
+        pool
+    };
+    for (i, &(d, sparse, cache)) in cases.iter().enumerate() {
+        let (plain, paged) = (&kernels[2 * i], &kernels[2 * i + 1]);
+        let q = input(cap, heads * d);
+        let iq: Vec<f32> = input(cap, 16).iter().map(|v| v * 0.7 + 0.1).collect();
+        let k: Vec<f32> = input(cap, kv * d).iter().rev().map(|v| v * 0.9).collect();
+        let v: Vec<f32> = input(cap, kv * d).iter().map(|v| v * 0.5 - 0.2).collect();
+        let ik: Vec<f32> = input(cap, 8).iter().rev().copied().collect();
+        let (kp, vp, ikp) = (page(&k, kv * d), page(&v, kv * d), page(&ik, 8));
+        let (kh, vh, ikh, kph, vph, ikph) = (bits16(&k), bits16(&v), bits16(&ik), bits16(&kp), bits16(&vp), bits16(&ikp));
+        let pos: Vec<i64> = (0..cap as i64).collect();
+        let run = |kernel: &Kernel, rows: usize, keys: (&[f32], &[f32], &[f32]), halves: (&[u16], &[u16], &[u16]), with_table: bool| {
+            let o = vec![0f32; cap * heads * d];
+            let krows = if with_table { pool_rows } else { rows };
+            let (qm, posm, tm, om, iqm) = (m2(&q, cap, heads * d), m1(&pos), m1(&table), m2(&o, cap, heads * d), m2(&iq, cap, 16));
+            let (kf, vf, ikf) = (m2(keys.0, krows, kv * d), m2(keys.1, krows, kv * d), m2(keys.2, krows, 8));
+            let (kb, vb, ikb) = (m2(halves.0, krows, kv * d), m2(halves.1, krows, kv * d), m2(halves.2, krows, 8));
+            let (km, vm, ikm) = if cache == Storage::Bf16 { (p(&kb), p(&vb), p(&ikb)) } else { (p(&kf), p(&vf), p(&ikf)) };
+            let mut args = vec![p(&qm), km, vm, p(&posm)];
+            if with_table {
+                args.push(p(&tm));
+            }
+            if sparse.is_some() {
+                args.extend([p(&iqm), ikm]);
+            }
+            args.push(p(&om));
+            // SAFETY: every descriptor views a live buffer of the compiled shape for the whole call.
+            unsafe { call(&lib, kernel, &args) };
+            o
+        };
+        let want = run(plain, cap, (&k, &v, &ik), (&kh, &vh, &ikh), false);
+        let got = run(paged, cap, (&kp, &vp, &ikp), (&kph, &vph, &ikph), true);
+        assert!(want.iter().all(|x| x.is_finite()) && want.iter().any(|x| *x != 0.0), "{plain}: real outputs");
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(&want), "{paged} differs from {plain}");
+    }
+}
+
 /// Host attention against an f64 reference, for head widths that take the
 /// eight-keys-at-a-time path (16, with the vector exp) and the one-by-one
 /// path (12), over every context length from 1 to 26 (so every remainder
@@ -412,6 +520,7 @@ fn attention_matches_an_f64_reference_and_each_row_alone() {
             head_dim: d,
             scale,
             sparse,
+            paged: None,
             cache: Storage::F32,
             act: Storage::F32,
         })
@@ -489,6 +598,9 @@ pub(crate) unsafe fn call(lib: &libloading::Library, k: &Kernel, a: &[*const std
             5 => lib.get::<unsafe extern "C" fn(P, P, P, P, P)>(name.as_bytes()).unwrap()(a[0], a[1], a[2], a[3], a[4]),
             6 => lib.get::<unsafe extern "C" fn(P, P, P, P, P, P)>(name.as_bytes()).unwrap()(a[0], a[1], a[2], a[3], a[4], a[5]),
             7 => lib.get::<unsafe extern "C" fn(P, P, P, P, P, P, P)>(name.as_bytes()).unwrap()(a[0], a[1], a[2], a[3], a[4], a[5], a[6]),
+            8 => lib.get::<unsafe extern "C" fn(P, P, P, P, P, P, P, P)>(name.as_bytes()).unwrap()(
+                a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7],
+            ),
             n => panic!("no call shape for {n} arguments"),
         }
     }
@@ -544,6 +656,7 @@ fn bf16_twins() -> Vec<[Kernel; 2]> {
                 head_dim: 16,
                 scale: 0.25,
                 sparse: Some(sel),
+                paged: None,
                 cache: f,
                 act: a,
             })

@@ -31,6 +31,7 @@ pub fn new(
         runtime_sha256: runtime_sha.into(),
         launcher: "run.sh".into(),
         max_positions: cfg.text.max_position_embeddings,
+        kv_block: cfg.text.kv_block(),
         image_token: cfg.vision.as_ref().map(|v| v.image_token_id),
         stages: Vec::new(),
     }

@@ -130,6 +130,7 @@ fn stage_meta(
         act_bytes: act.bytes(),
         vocab: cfg.text.vocab_size,
         max_positions: cfg.text.max_position_embeddings,
+        kv_block: cfg.text.kv_block(),
         holds: holds(p),
         first_stage: p.input == Boundary::TokenIds,
         last_stage: matches!(p.output, Boundary::Logits { .. }),

@@ -124,6 +124,11 @@ impl TextConfig {
     pub fn has_sparse_layers(&self) -> bool {
         self.layers.iter().any(|l| l.attention == AttentionKind::Sparse)
     }
+    /// Positions per KV cache block: the MSA block, so a block is exactly
+    /// the unit MSA selects (128 on MiniMax-M3), or 128 without MSA.
+    pub fn kv_block(&self) -> usize {
+        self.sparse.as_ref().map_or(128, |s| s.block_size)
+    }
 }
 
 /// The CLIP-style vision tower (`vision_config`) and the projector around it.

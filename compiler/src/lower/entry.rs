@@ -149,9 +149,10 @@ impl Emitter {
             Arg::Seen { .. } => "%seen".to_string(),
             Arg::Bias { .. } => "%bias".to_string(),
             Arg::Cache { slot, width, cache } => {
-                let p = self.table_ptr("%ctab", *slot);
-                self.view(&p, "%scap", MemTy::rows(*width, cache.mlir_elem()))
+                let p = self.table_ptr("%caches", *slot);
+                self.view(&p, "%pool_rows_ix", MemTy::rows(*width, cache.mlir_elem()))
             }
+            Arg::BlockTable => self.view("%sbt", "%snb", MemTy { dims: vec![None], elem: "i64" }),
         };
         (name, ty.expect("memref argument").mlir())
     }
@@ -329,13 +330,16 @@ fn emitter(f: &FusedStage, flavor: Flavor) -> Emitter {
 fn entry_body(f: &FusedStage, flavor: Flavor) -> Emitter {
     let mut e = emitter(f, flavor);
     let h = f.hidden;
-    e.body.push_str(
+    e.body.push_str(&format!(
         "%c0 = arith.constant 0 : index\n\
          %c1 = arith.constant 1 : index\n\
          %S = arith.index_cast %tokens : i64 to index\n\
          %K = arith.index_cast %nimg : i64 to index\n\
-         %nseq = arith.index_cast %sequences : i64 to index\n",
-    );
+         %nseq = arith.index_cast %sequences : i64 to index\n\
+         %pool_rows_ix = arith.index_cast %pool_rows : i64 to index\n\
+         %kv_block = arith.constant {} : index\n",
+        f.kv_block
+    ));
     let ids_ty = MemTy { dims: vec![None], elem: "i64" };
     e.view_as("%x", "%x_p", "%S", MemTy::rows(h, f.act.mlir_elem()));
     e.view_as("%ids", "%ids_p", "%S", ids_ty.clone());
@@ -478,8 +482,9 @@ fn emit_steps(e: &mut Emitter, steps: &[Step], first: usize) {
                         "\x20 %scp = llvm.getelementptr %caps_p[%sqi] : (!llvm.ptr, i64) -> !llvm.ptr, i64\n\
                          \x20 %scap_i = llvm.load %scp : !llvm.ptr -> i64\n\
                          \x20 %scap = arith.index_cast %scap_i : i64 to index\n\
-                         \x20 %ctp = llvm.getelementptr %caches[%sqi] : (!llvm.ptr, i64) -> !llvm.ptr, !llvm.ptr\n\
-                         \x20 %ctab = llvm.load %ctp : !llvm.ptr -> !llvm.ptr"
+                         \x20 %snb = arith.divui %scap, %kv_block : index\n\
+                         \x20 %sbtp = llvm.getelementptr %blocks[%sqi] : (!llvm.ptr, i64) -> !llvm.ptr, !llvm.ptr\n\
+                         \x20 %sbt = llvm.load %sbtp : !llvm.ptr -> !llvm.ptr"
                     );
                 }
                 let outer = std::mem::take(&mut e.body);
@@ -517,7 +522,8 @@ fn vision_text(e: &mut Emitter, f: &FusedStage) -> String {
 
 fn entry_func(body: &str) -> String {
     format!(
-        "  func.func @{ENTRY_SYMBOL}(%weights: !llvm.ptr, %weights_dev: !llvm.ptr, %caches: !llvm.ptr, %sequences: i64, \
+        "  func.func @{ENTRY_SYMBOL}(%weights: !llvm.ptr, %weights_dev: !llvm.ptr, %caches: !llvm.ptr, %pool_rows: i64, \
+         %blocks: !llvm.ptr, %sequences: i64, \
          %rows_p: !llvm.ptr, %caps_p: !llvm.ptr, %tokens: i64, %ids_p: !llvm.ptr, %x_p: !llvm.ptr, %logits_p: !llvm.ptr, \
          %out_ids_p: !llvm.ptr, %table_p: !llvm.ptr, %seen_p: !llvm.ptr, %bias_p: !llvm.ptr, %bias_rows: i64, %pos_p: !llvm.ptr, \
          %nimg: i64, %img_p: !llvm.ptr, \

@@ -36,10 +36,13 @@ pub enum Arg {
     Weight { slot: usize, ty: MemTy },
     /// A pointer into the weight table: the first of a layer's expert tensors.
     ExpertTable { first_slot: usize },
-    /// A sequence's whole cache `[capacity, width]` of `cache`'s type; kernels
-    /// reach its rows through positions read from `pos`, so no call depends
-    /// on the position.
+    /// A cache slot's whole pool `[blocks × kv_block, width]` of `cache`'s
+    /// type; kernels reach a sequence's rows through its block table and
+    /// positions read from `pos`, so no call depends on the position.
     Cache { slot: usize, width: usize, cache: Storage },
+    /// The sequence's block table `[capacity / kv_block]`: the pool block
+    /// that holds each of its blocks of positions.
+    BlockTable,
     /// The logits output `[S, vocab]`.
     Logits { vocab: usize },
     /// The sampled ids `[S]`.
@@ -68,7 +71,7 @@ impl Arg {
     pub fn mem_ty(&self, hidden: usize, act: Storage) -> Option<MemTy> {
         Some(match self {
             Arg::X => MemTy::rows(hidden, act.mlir_elem()),
-            Arg::Ids | Arg::Pos | Arg::OutIds => MemTy { dims: vec![None], elem: "i64" },
+            Arg::Ids | Arg::Pos | Arg::OutIds | Arg::BlockTable => MemTy { dims: vec![None], elem: "i64" },
             Arg::ExpertTable { .. } => return None,
             Arg::Buf { width, elem, .. } => MemTy::rows(*width, elem),
             Arg::Weight { ty, .. } => ty.clone(),
@@ -95,6 +98,7 @@ impl fmt::Display for Arg {
             Arg::Weight { slot, .. } => write!(f, "w{slot}"),
             Arg::ExpertTable { first_slot } => write!(f, "&w{first_slot}"),
             Arg::Cache { slot, .. } => write!(f, "cache{slot}"),
+            Arg::BlockTable => f.write_str("blocks"),
             Arg::Logits { .. } => f.write_str("logits"),
             Arg::OutIds => f.write_str("out_ids"),
             Arg::Table => f.write_str("table"),
@@ -155,6 +159,8 @@ pub struct FusedStage {
     pub act: Storage,
     pub tensors: Vec<TensorSlot>,
     pub caches: Vec<CacheSlot>,
+    /// Positions per cache block (the model's MSA block).
+    pub kv_block: usize,
     pub input: Boundary,
     pub output: Boundary,
     pub steps: Vec<Step>,
@@ -268,6 +274,8 @@ struct Fuser<'a> {
     cache_slots: HashMap<(usize, CacheKind), usize>,
     /// How every cache of the stage stores its elements.
     cache: Storage,
+    /// Positions per cache block.
+    kv_block: usize,
     /// How activations between kernels are stored.
     act: Storage,
     steps: Vec<Step>,
@@ -407,8 +415,8 @@ impl Fuser<'_> {
     fn write_cache(&mut self, buf: &Arg, slot: Option<(usize, Storage)>, width: usize, what: &str) {
         if let Some((slot, cache)) = slot {
             self.call(
-                Kernel::ScatterRows(m3c_kernels::ScatterRows { width, cache, act: self.act }),
-                vec![buf.clone(), Arg::Pos, Arg::Cache { slot, width, cache }],
+                Kernel::ScatterRows(m3c_kernels::ScatterRows { width, paged: Some(self.kv_block), cache, act: self.act }),
+                vec![buf.clone(), Arg::Pos, Arg::BlockTable, Arg::Cache { slot, width, cache }],
                 format!("{what} → cache"),
             );
         }
@@ -503,7 +511,16 @@ impl Fuser<'_> {
                 // last row sees exactly its image: bidirectional, one segment each.
                 let (q, k, v) = (self.val(ops[0])?, self.val(ops[1])?, self.val(ops[2])?);
                 let o = self.alloc(heads * head_dim, self.act.mlir_elem());
-                let att = m3c_kernels::Attention { heads, kv_heads: heads, head_dim, scale, sparse: None, cache: self.act, act: self.act };
+                let att = m3c_kernels::Attention {
+                    heads,
+                    kv_heads: heads,
+                    head_dim,
+                    scale,
+                    sparse: None,
+                    paged: None,
+                    cache: self.act,
+                    act: self.act,
+                };
                 self.call_per_image(Kernel::Attention(att), vec![q, k, v, Arg::Segments, o.clone()], what);
                 self.vals.insert(n, o);
             }
@@ -521,7 +538,7 @@ impl Fuser<'_> {
                 // Only where this stage encodes images; `x` holds the embeddings.
                 let x = self.val(ops[0])?;
                 if self.parts.contains(&Part::Vision) {
-                    let k = Kernel::ScatterRows(m3c_kernels::ScatterRows { width, cache: self.act, act: self.act });
+                    let k = Kernel::ScatterRows(m3c_kernels::ScatterRows { width, paged: None, cache: self.act, act: self.act });
                     if !self.kernels.contains(&k) {
                         self.kernels.push(k.clone());
                     }
@@ -611,7 +628,7 @@ impl Fuser<'_> {
         };
         let (g, ops) = (self.graph, self.graph.operands(n));
         let (q, kc, vc) = (self.val(ops[0])?, self.val(ops[1])?, self.val(ops[2])?);
-        let mut args = vec![q, kc, vc, Arg::Pos];
+        let mut args = vec![q, kc, vc, Arg::Pos, Arg::BlockTable];
         let sparse = match sparse_block {
             None => None,
             Some(block) => {
@@ -633,7 +650,16 @@ impl Fuser<'_> {
         let o = self.alloc(heads * head_dim, self.act.mlir_elem());
         args.push(o.clone());
         self.call(
-            Kernel::Attention(m3c_kernels::Attention { heads, kv_heads, head_dim, scale, sparse, cache: self.cache, act: self.act }),
+            Kernel::Attention(m3c_kernels::Attention {
+                heads,
+                kv_heads,
+                head_dim,
+                scale,
+                sparse,
+                paged: Some(self.kv_block),
+                cache: self.cache,
+                act: self.act,
+            }),
             args,
             what,
         );
@@ -729,6 +755,7 @@ pub fn fuse_stage(cfg: &ModelConfig, graph: &ModelGraph, parts: &BTreeSet<Part>,
         caches: Vec::new(),
         cache_slots: HashMap::new(),
         cache: storages.kv_cache,
+        kv_block: cfg.text.kv_block(),
         act: storages.activations,
         steps: Vec::new(),
         kernels: Vec::new(),
@@ -767,6 +794,7 @@ pub fn fuse_stage(cfg: &ModelConfig, graph: &ModelGraph, parts: &BTreeSet<Part>,
         act: storages.activations,
         tensors: f.tensors,
         caches: f.caches,
+        kv_block: f.kv_block,
         input,
         output,
         steps: f.steps,

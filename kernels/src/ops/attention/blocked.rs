@@ -9,7 +9,8 @@
 //! order: the block only decides which rows advance together, so a row's
 //! bits do not depend on the rows beside it.
 
-use super::scores::{batch_keys, dots8, exp8, transposed_tree};
+use super::key_row;
+use super::scores::{batch_keys, dots8, exp8, key_rows, transposed_tree};
 use crate::emit::{f32_lit, hsum, load_f32xn, parallel_or_serial, store_f32};
 use crate::host::{index_consts, BASICS};
 use crate::{indent, Storage};
@@ -22,7 +23,8 @@ const KEYS: usize = 64;
 
 /// The kernel body. `q`, `o`: `[S, heads·d]` stored as `act`; `k`, `v`:
 /// `[T, kv_heads·d]` stored as `cache`; row `r` sees keys `0..=pos[r]`.
-pub(super) fn host(heads: usize, kv_heads: usize, d: usize, scale: f64, cache: Storage, act: Storage) -> String {
+pub(super) fn host(k: &super::Attention) -> String {
+    let super::Attention { heads, kv_heads, head_dim: d, scale, paged, cache, act, .. } = *k;
     debug_assert!(d.is_multiple_of(8));
     let group = heads / kv_heads;
     let qt = format!("memref<?x{}x{}>", heads * d, act.mlir_elem());
@@ -34,8 +36,8 @@ pub(super) fn host(heads: usize, kv_heads: usize, d: usize, scale: f64, cache: S
                %p = arith.index_cast %p64 : i64 to index\n\
                %nk = arith.addi %p, %c1 : index\n";
     // Phase 1: scores. Per key batch, per row of the block that sees it.
-    let mut score = batch_keys();
-    score.push_str(&dots8("%qk", ("%q", &qt, act, "%r0i", "%qb"), ("%k", &kt, cache, "%kb"), "%cd"));
+    let mut score = batch_keys(paged);
+    score.push_str(&dots8("%qk", ("%q", &qt, act, "%r0i", "%qb"), ("%k", &kt, cache, "%kb"), key_rows(paged), "%cd"));
     score.push_str(&transposed_tree("%dv", &(0..8).map(|j| format!("%qk#{j}")).collect::<Vec<_>>()));
     let vals = (0..8).map(|j| format!("%in{j}")).collect::<Vec<_>>().join(", ");
     score.push_str(&format!(
@@ -108,6 +110,7 @@ pub(super) fn host(heads: usize, kv_heads: usize, d: usize, scale: f64, cache: S
     // Phase 3: P·V per key block, per row, per chunk of up to 64 columns,
     // the chunk's sums in registers across the block's keys.
     let mut chunks = String::new();
+    let (vrow, vt) = key_row(paged, "%t", "%tp");
     for (ch, c0) in (0..d).step_by(64).enumerate() {
         let nv = ((d - c0) / 8).min(8);
         let tys = vec![V; nv].join(", ");
@@ -124,7 +127,7 @@ pub(super) fn host(heads: usize, kv_heads: usize, d: usize, scale: f64, cache: S
                  %o{ch}_{i} = vector.load {acc}[{acc_row}, {c}] : {acc_ty}, {V}\n"
             ));
             body.push_str(&format!("%vc{i} = arith.addi %kb, %ac{ch}_{i} : index\n"));
-            body.push_str(&load_f32xn(8, &format!("%vv{i}"), "%v", &kt, "%t", &format!("%vc{i}"), cache));
+            body.push_str(&load_f32xn(8, &format!("%vv{i}"), "%v", &kt, &vt, &format!("%vc{i}"), cache));
             body.push_str(&format!(
                 "%pvv{i} = arith.mulf %pwv, %vv{i} fastmath<contract> : {V}\n\
                  %a{i}n = arith.addf %a{i}, %pvv{i} fastmath<contract> : {V}\n"
@@ -139,11 +142,13 @@ pub(super) fn host(heads: usize, kv_heads: usize, d: usize, scale: f64, cache: S
              \x20 %e = memref.load %sc[%ii, %t] : {sct}\n\
              \x20 %pw = arith.mulf %e, %invr : f32\n\
              \x20 %pwv = vector.broadcast %pw : f32 to {V}\n\
+             {vrow}\
              {body}\
              \x20 scf.yield {next} : {tys}\n\
              }}\n\
              {store}",
             body = indent(&body, 2),
+            vrow = indent(&vrow, 2),
         ));
     }
     let phase3 = format!(
@@ -245,12 +250,14 @@ pub(super) fn host(heads: usize, kv_heads: usize, d: usize, scale: f64, cache: S
          %ninf8 = vector.broadcast %ninf : f32 to {V}\n\
          %z8 = arith.constant dense<0.0> : {V}\n\
          %scale8 = vector.broadcast %scale : f32 to {V}\n\
+         {pconst}\
          {rows}\
          %rowsr = arith.addi %rows, %cRm1 : index\n\
          %nblk = arith.divui %rowsr, %cR : index\n\
          {iters}\
          return\n",
         scale = f32_lit(scale),
+        pconst = super::page_const(paged),
         rows = super::rows_and_work(&qt, heads * d * 2),
         iters = parallel_or_serial("%work", &["%bi", "%g"], &["%c0", "%c0"], &["%nblk", "%ckv"], &["%c1", "%c1"], &iteration),
     )

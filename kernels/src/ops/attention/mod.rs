@@ -33,26 +33,37 @@ pub struct Attention {
     pub head_dim: usize,
     pub scale: f64,
     pub sparse: Option<SparseSel>,
+    /// The keys live in a paged cache of blocks of this many positions:
+    /// `k`, `v` (and `ik`) are the whole pools, and key `t` is row
+    /// `bt[t / B]·B + t mod B` of them. None: `k`, `v` are plain rows
+    /// (the vision tower's per-image keys).
+    pub paged: Option<usize>,
     pub cache: Storage,
     pub act: Storage,
 }
 
 impl KernelUnit for Attention {
     fn symbol(&self) -> String {
-        let Attention { heads, kv_heads, head_dim, scale, sparse, cache, act } = self;
+        let Attention { heads, kv_heads, head_dim, scale, sparse, paged, cache, act } = self;
         let mut s = format!("m3c_attention_h{heads}_kv{kv_heads}_d{head_dim}_s{}", num_tag(*scale));
         if let Some(m) = sparse {
             s.push_str(&format!("_msa_ih{}_id{}_b{}_k{}_l{}_i{}", m.index_heads, m.index_dim, m.block, m.topk, m.local, m.init));
+        }
+        if let Some(b) = paged {
+            s.push_str(&format!("_pg{b}"));
         }
         s.push_str(cache.suffix());
         s.push_str(act.act_suffix());
         s
     }
     fn params(&self) -> Vec<Param> {
-        let Attention { heads, kv_heads, head_dim: d, sparse, cache, act, .. } = self;
+        let Attention { heads, kv_heads, head_dim: d, sparse, paged, cache, act, .. } = self;
         let qt = format!("memref<?x{}x{}>", heads * d, act.mlir_elem());
         let kt = format!("memref<?x{}x{}>", kv_heads * d, cache.mlir_elem());
         let mut p = vec![param("q", &qt), param("k", &kt), param("v", &kt), param("pos", "memref<?xi64>")];
+        if paged.is_some() {
+            p.push(param("bt", "memref<?xi64>"));
+        }
         if let Some(s) = sparse {
             p.push(param("iq", format!("memref<?x{}x{}>", s.index_heads * s.index_dim, act.mlir_elem())));
             p.push(param("ik", format!("memref<?x{}x{}>", s.index_dim, cache.mlir_elem())));
@@ -65,9 +76,7 @@ impl KernelUnit for Attention {
     }
     fn host_body(&self) -> String {
         match self.sparse {
-            None if self.head_dim.is_multiple_of(8) => {
-                blocked::host(self.heads, self.kv_heads, self.head_dim, self.scale, self.cache, self.act)
-            }
+            None if self.head_dim.is_multiple_of(8) => blocked::host(self),
             _ => host(self),
         }
     }
@@ -85,10 +94,20 @@ impl KernelUnit for Attention {
         let mut a = args.to_vec();
         if let Some(s) = sparse {
             // Per (row, group) block scores and selection flags, in global scratch.
-            let (k_name, k_ty) = &args[1];
+            // The keys a row may see: the cache's rows, or, paged, its
+            // block table's length in positions.
+            let ctx = match self.paged {
+                None => format!("%g{tag}_ctx = memref.dim {}, %g{tag}_c0 : {}\n", args[1].0, args[1].1),
+                Some(b) => format!(
+                    "%g{tag}_nbt = memref.dim {}, %g{tag}_c0 : memref<?xi64>\n\
+                     %g{tag}_pb = arith.constant {b} : index\n\
+                     %g{tag}_ctx = arith.muli %g{tag}_nbt, %g{tag}_pb : index\n",
+                    args[4].0
+                ),
+            };
             text.push_str(&format!(
                 "%g{tag}_c0 = arith.constant 0 : index\n\
-                 %g{tag}_ctx = memref.dim {k_name}, %g{tag}_c0 : {k_ty}\n\
+                 {ctx}\
                  %g{tag}_bm1 = arith.constant {} : index\n\
                  %g{tag}_bsz = arith.constant {} : index\n\
                  %g{tag}_cp = arith.addi %g{tag}_ctx, %g{tag}_bm1 : index\n\
@@ -138,16 +157,18 @@ const POS_INF: &str = "0x7F800000";
 /// `q`, `o` and `iq` hold values stored as `act`; the output is accumulated
 /// in f32 (in `o` itself when that is f32, else in scratch) and stored once.
 fn host(k: &Attention) -> String {
-    let Attention { heads, kv_heads, head_dim: d, scale, sparse, cache, act } = *k;
+    let Attention { heads, kv_heads, head_dim: d, scale, sparse, paged, cache, act } = *k;
     let group = heads / kv_heads;
     let qt = format!("memref<?x{}x{}>", heads * d, act.mlir_elem());
     let kt = format!("memref<?x{}x{}>", kv_heads * d, cache.mlir_elem());
-    let mut setup = String::new();
+    let mut setup = page_const(paged);
     let mut select = String::new();
     let mut allowed = String::from("%allowed = arith.constant true\n");
     let mut teardown = String::new();
     if let Some(s) = sparse {
-        (setup, select, allowed, teardown) = msa_host(s, cache, act);
+        let msa;
+        (msa, select, allowed, teardown) = msa_host(s, paged, cache, act);
+        setup.push_str(&msa);
     }
     // Where P·V accumulates: `o` itself when it holds f32, else an f32 row
     // stored into `o` (rounded once) when the head is done.
@@ -176,10 +197,10 @@ fn host(k: &Attention) -> String {
     let (sc_alloc, softmax) = if sparse.is_some() && d.is_multiple_of(8) {
         (
             format!("{}%sc = memref.alloc(%nk8) : memref<?xf32>\n", scores::batch_consts()),
-            scores::softmax8((&qt, act), (&kt, cache), d, &allowed),
+            scores::softmax8((&qt, act), (&kt, cache), d, paged, &allowed),
         )
     } else {
-        (format!("{}%sc = memref.alloc(%nk) : memref<?xf32>\n", scores::batch_consts()), softmax1(&qt, &kt, act, cache, d, &allowed))
+        (format!("{}%sc = memref.alloc(%nk) : memref<?xf32>\n", scores::batch_consts()), softmax1(&qt, &kt, act, cache, d, paged, &allowed))
     };
     // The work of one (query row, KV group): what the parallel loop runs.
     // Rows in zig-zag order (0, S-1, 1, S-2, ...): a causal row's work grows
@@ -219,7 +240,7 @@ fn host(k: &Attention) -> String {
         select = indent(&select, 4),
         softmax = indent(&softmax, 6),
         sc_alloc = indent(&sc_alloc, 2),
-        pv = indent(&pv(acc, acc_mem, acc_idx, &kt, d, cache, sparse.is_some()), 6),
+        pv = indent(&pv(acc, acc_mem, acc_idx, &kt, d, cache, paged, sparse.is_some()), 6),
         acc_out = indent(&acc_out, 6),
         acc_free = indent(&acc_free, 2),
         teardown = indent(&teardown, 4),
@@ -265,7 +286,8 @@ fn rows_and_work(qt: &str, per_key: usize) -> String {
 
 /// [`scores::softmax8`] one key at a time, for head widths that are not a
 /// multiple of 8: fills `%sc` (`%nk` entries) and defines `%sum`.
-fn softmax1(qt: &str, kt: &str, act: Storage, cache: Storage, d: usize, allowed: &str) -> String {
+fn softmax1(qt: &str, kt: &str, act: Storage, cache: Storage, d: usize, paged: Option<usize>, allowed: &str) -> String {
+    let (row, tp) = key_row(paged, "%t", "%tp");
     format!(
         "%mx = scf.for %t = %c0 to %nk step %c1 iter_args(%m = %ninf) -> (f32) {{\n\
          {allowed}\
@@ -289,7 +311,7 @@ fn softmax1(qt: &str, kt: &str, act: Storage, cache: Storage, d: usize, allowed:
          \x20 scf.yield %a2 : f32\n\
          }}\n",
         allowed = indent(allowed, 2),
-        dot_qk = indent(&dot("%dot", ("%q", qt, act), "%r", "%qb", ("%k", kt, cache), "%t", "%kb", "%cd", d), 4),
+        dot_qk = indent(&format!("{row}{}", dot("%dot", ("%q", qt, act), "%r", "%qb", ("%k", kt, cache), &tp, "%kb", "%cd", d)), 4),
     )
 }
 
@@ -353,7 +375,9 @@ fn dot(
 /// the same operations in the same order as summing in memory. With
 /// `skip_zero` (MSA), keys of weight exactly 0 (outside the selected
 /// blocks) are skipped there.
-fn pv(acc: &str, acc_ty: &str, acc_idx: &str, kt: &str, d: usize, cache: Storage, skip_zero: bool) -> String {
+#[allow(clippy::too_many_arguments)]
+fn pv(acc: &str, acc_ty: &str, acc_idx: &str, kt: &str, d: usize, cache: Storage, paged: Option<usize>, skip_zero: bool) -> String {
+    let (row, tp) = key_row(paged, "%t", "%tp");
     if !d.is_multiple_of(8) {
         let at = format!("{acc}[{acc_idx}]");
         return format!(
@@ -364,6 +388,7 @@ fn pv(acc: &str, acc_ty: &str, acc_idx: &str, kt: &str, d: usize, cache: Storage
              scf.for %t = %c0 to %nk step %c1 {{\n\
              \x20 %e = memref.load %sc[%t] : memref<?xf32>\n\
              \x20 %pw = arith.mulf %e, %inv : f32\n\
+             {row}\
              \x20 scf.for %c = %c0 to %cd step %c1 {{\n\
              \x20   %oc = arith.addi %qb, %c : index\n\
              \x20   %vc = arith.addi %kb, %c : index\n\
@@ -374,7 +399,8 @@ fn pv(acc: &str, acc_ty: &str, acc_idx: &str, kt: &str, d: usize, cache: Storage
              \x20   memref.store %o2, {at} : {acc_ty}\n\
              \x20 }}\n\
              }}\n",
-            v1 = indent(&load_f32("%vv", "%v", kt, "%t", "%vc", cache), 4),
+            v1 = indent(&load_f32("%vv", "%v", kt, &tp, "%vc", cache), 4),
+            row = indent(&row, 2),
         );
     }
     let v8 = "vector<8xf32>";
@@ -385,7 +411,7 @@ fn pv(acc: &str, acc_ty: &str, acc_idx: &str, kt: &str, d: usize, cache: Storage
         let mut body = String::new();
         for i in 0..nv {
             body.push_str(&format!("%pvc{i} = arith.constant {} : index\n%vc{i} = arith.addi %kb, %pvc{i} : index\n", c0 + 8 * i));
-            body.push_str(&load_f32xn(8, &format!("%vv{i}"), "%v", kt, "%t", &format!("%vc{i}"), cache));
+            body.push_str(&load_f32xn(8, &format!("%vv{i}"), "%v", kt, &tp, &format!("%vc{i}"), cache));
             body.push_str(&format!(
                 "%pvv{i} = arith.mulf %pwv, %vv{i} fastmath<contract> : {v8}\n%o{i}n = arith.addf %o{i}, %pvv{i} fastmath<contract> : {v8}\n"
             ));
@@ -395,6 +421,7 @@ fn pv(acc: &str, acc_ty: &str, acc_idx: &str, kt: &str, d: usize, cache: Storage
         let key = format!(
             "%pw = arith.mulf %e, %inv : f32\n\
              %pwv = vector.broadcast %pw : f32 to {v8}\n\
+             {row}\
              {body}"
         );
         // MSA: keys outside the selected blocks (weight exactly 0) are
@@ -443,13 +470,17 @@ fn pv(acc: &str, acc_ty: &str, acc_idx: &str, kt: &str, d: usize, cache: Storage
 /// Attention on the GPU: one warp per (query row, KV group). `q`, `iq` and
 /// `o` hold values stored as `act`.
 fn gpu_attention(target: &GpuTarget, name: &str, k: &Attention) -> GpuFunc {
-    let Attention { heads, kv_heads, head_dim: d, scale, sparse, cache, act } = *k;
+    let Attention { heads, kv_heads, head_dim: d, scale, sparse, paged, cache, act } = *k;
     let (idx, warp) = (target.idx(), target.warp);
+    let (row, tp) = key_row(paged, "%t", "%tp");
     let group = heads / kv_heads;
     let qt = format!("memref<?x{}x{}>", heads * d, act.mlir_elem());
     let kt = format!("memref<?x{}x{}>", kv_heads * d, cache.mlir_elem());
     let load = |dst: &str, mem: &str, ty: &str, r: &str, c: &str| crate::emit::load_f32(dst, mem, ty, r, c, cache);
     let mut params = format!("%q: {qt}, %k: {kt}, %v: {kt}, %pos: memref<?xi64>");
+    if paged.is_some() {
+        params.push_str(", %bt: memref<?xi64>");
+    }
     let mut select = String::new();
     let mut allowed = "%allowed = arith.constant true\n".to_string();
     if let Some(s) = sparse {
@@ -468,6 +499,7 @@ fn gpu_attention(target: &GpuTarget, name: &str, k: &Attention) -> GpuFunc {
              scf.for %b = %lane to %nb step %cwarp {{\n\
              \x20 %t0 = arith.muli %b, %cB : index\n  %t1a = arith.addi %t0, %cB : index\n  %t1 = arith.minui %t1a, %nk : index\n\
              \x20 %mx = scf.for %t = %t0 to %t1 step %c1 iter_args(%m = %ninf) -> (f32) {{\n\
+             {ik_row}\
              \x20   %dot = scf.for %c = %c0 to %cid step %c1 iter_args(%a = %zero) -> (f32) {{\n\
              \x20     %qc = arith.addi %iqb, %c : index\n{iq_load}{ik_load}\
              \x20     %mm = arith.mulf %x1, %x2 : f32\n      %a2 = arith.addf %a, %mm : f32\n      scf.yield %a2 : f32\n    }}\n\
@@ -496,7 +528,8 @@ fn gpu_attention(target: &GpuTarget, name: &str, k: &Attention) -> GpuFunc {
             local = s.local,
             init = s.init,
             iq_load = indent(&load_f32("%x1", "%iq", &iqt, "%r", "%qc", act), 6),
-            ik_load = indent(&load("%x2", "%ik", &ikt, "%t", "%c"), 6),
+            ik_load = indent(&load("%x2", "%ik", &ikt, &tp, "%c"), 6),
+            ik_row = indent(&row, 4),
         );
         allowed = "%tb = arith.divui %t, %cB : index\n%at = arith.addi %rbase, %tb : index\n%sv = memref.load %sel[%at] : memref<?xi32>\n%allowed = arith.cmpi ne, %sv, %i0 : i32\n".into();
     }
@@ -508,6 +541,7 @@ fn gpu_attention(target: &GpuTarget, name: &str, k: &Attention) -> GpuFunc {
         "{idx}%r = gpu.block_id x\n%g = gpu.block_id y\n%lane = gpu.thread_id x\n\
          %cg = arith.constant {group} : index\n%ckv = arith.constant {kv_heads} : index\n%cd = arith.constant {d} : index\n\
          %scale = arith.constant {sc} : f32\n\
+         {pconst}\
          %p64 = memref.load %pos[%r] : memref<?xi64>\n%p = arith.index_cast %p64 : i64 to index\n%nk = arith.addi %p, %c1 : index\n\
          {select}\
          %kb = arith.muli %g, %cd : index\n\
@@ -519,6 +553,7 @@ fn gpu_attention(target: &GpuTarget, name: &str, k: &Attention) -> GpuFunc {
          \x20 %ml:2 = scf.for %t = %lane to %nk step %cwarp iter_args(%m = %ninf, %l = %zero) -> (f32, f32) {{\n\
          {allowed}\
          \x20   %res:2 = scf.if %allowed -> (f32, f32) {{\n\
+         {kv_row}\
          \x20     %dot = scf.for %c = %c0 to %cd step %c1 iter_args(%a = %zero) -> (f32) {{\n\
          \x20       %qc = arith.addi %qb, %c : index\n        %kc = arith.addi %kb, %c : index\n\
          {q_load}{k_load}\
@@ -546,8 +581,10 @@ fn gpu_attention(target: &GpuTarget, name: &str, k: &Attention) -> GpuFunc {
         allowed = indent(&allowed, 4),
         q_load = indent(&load_f32("%x1", "%q", &qt, "%r", "%qc", act), 8),
         o_store = indent(&store_f32("%ov", "%o", &qt, "%r", "%oc", act), 6),
-        k_load = indent(&load("%x2", "%k", &kt, "%t", "%kc"), 8),
-        v_load = indent(&load("%vv", "%v", &kt, "%t", "%vc"), 8),
+        k_load = indent(&load("%x2", "%k", &kt, &tp, "%kc"), 8),
+        v_load = indent(&load("%vv", "%v", &kt, &tp, "%vc"), 8),
+        kv_row = indent(&row, 6),
+        pconst = page_const(paged),
     );
     func(target, name, &params, &body, warp)
 }
@@ -555,9 +592,10 @@ fn gpu_attention(target: &GpuTarget, name: &str, k: &Attention) -> GpuFunc {
 /// MSA's token scores `<iq, ik>` of keys `0..%nk`, max-pooled into `%bs`
 /// per key block: eight keys at a time (their dots as the attention
 /// scores' are, [`scores::dots8`]) when the index width allows.
-fn token_scores(s: SparseSel, iq: (&str, Storage), ik: (&str, Storage)) -> String {
+fn token_scores(s: SparseSel, paged: Option<usize>, iq: (&str, Storage), ik: (&str, Storage)) -> String {
     let ((iqt, act), (ikt, cache)) = (iq, ik);
     if !s.index_dim.is_multiple_of(8) {
+        let (row, tp) = key_row(paged, "%t", "%tp");
         return format!(
             "scf.for %t = %c0 to %nk step %c1 {{\n\
              {}\
@@ -566,7 +604,10 @@ fn token_scores(s: SparseSel, iq: (&str, Storage), ik: (&str, Storage)) -> Strin
              \x20 %mx = arith.maximumf %old, %dot : f32\n\
              \x20 memref.store %mx, %bs[%b] : memref<?xf32>\n\
              }}\n",
-            indent(&dot("%dot", ("%iq", iqt, act), "%r", "%iqb", ("%ik", ikt, cache), "%t", "%c0", "%cid", s.index_dim), 2)
+            indent(
+                &format!("{row}{}", dot("%dot", ("%iq", iqt, act), "%r", "%iqb", ("%ik", ikt, cache), &tp, "%c0", "%cid", s.index_dim)),
+                2
+            )
         );
     }
     let mut pool = String::new();
@@ -583,8 +624,8 @@ fn token_scores(s: SparseSel, iq: (&str, Storage), ik: (&str, Storage)) -> Strin
     }
     let body = format!(
         "{}{}{}{pool}",
-        scores::batch_keys(),
-        scores::dots8("%ix", ("%iq", iqt, act, "%r", "%iqb"), ("%ik", ikt, cache, "%c0"), "%cid"),
+        scores::batch_keys(paged),
+        scores::dots8("%ix", ("%iq", iqt, act, "%r", "%iqb"), ("%ik", ikt, cache, "%c0"), scores::key_rows(paged), "%cid"),
         scores::transposed_tree("%idv", &(0..8).map(|j| format!("%ix#{j}")).collect::<Vec<_>>()),
     );
     format!("scf.for %t0 = %c0 to %nk8 step %c8 {{\n{}}}\n", indent(&body, 2))
@@ -593,7 +634,7 @@ fn token_scores(s: SparseSel, iq: (&str, Storage), ik: (&str, Storage)) -> Strin
 /// The host attention's MSA block selection for one (query row, KV group):
 /// constants (`setup`), the block scores and top-k (`select`), the per-key
 /// test (`allowed`) and the scratch release (`teardown`).
-fn msa_host(s: SparseSel, cache: Storage, act: Storage) -> (String, String, String, String) {
+fn msa_host(s: SparseSel, paged: Option<usize>, cache: Storage, act: Storage) -> (String, String, String, String) {
     let (setup, select, allowed, teardown): (String, String, String, String);
 
     let iqt = format!("memref<?x{}x{}>", s.index_heads * s.index_dim, act.mlir_elem());
@@ -652,7 +693,7 @@ fn msa_host(s: SparseSel, cache: Storage, act: Storage) -> (String, String, Stri
              \x20   memref.store %i32_1, %sel[%best#1] : memref<?xi32>\n\
              \x20 }}\n\
              }}\n",
-        token_scores = token_scores(s, (&iqt, act), (&ikt, cache)),
+        token_scores = token_scores(s, paged, (&iqt, act), (&ikt, cache)),
     );
     allowed = "%tb = arith.divui %t, %cB : index\n\
                    %sv = memref.load %sel[%tb] : memref<?xi32>\n\
@@ -660,4 +701,31 @@ fn msa_host(s: SparseSel, cache: Storage, act: Storage) -> (String, String, Stri
         .into();
 
     (setup, select, allowed, teardown)
+}
+
+/// `%cPB`, the block size of a paged cache (nothing when unpaged).
+fn page_const(paged: Option<usize>) -> String {
+    paged.map_or(String::new(), |b| format!("%cPB = arith.constant {b} : index\n"))
+}
+
+/// The cache row that holds key `t`, named `out`: `t` itself in plain
+/// rows, else row `bt[t / B]·B + t mod B` of the pool (the MLIR that
+/// computes it comes first; it needs `%bt` and [`page_const`]'s `%cPB`).
+/// Returns (that MLIR, the row's name).
+pub(super) fn key_row(paged: Option<usize>, t: &str, out: &str) -> (String, String) {
+    if paged.is_none() {
+        return (String::new(), t.to_string());
+    }
+    let o = out.trim_start_matches('%');
+    (
+        format!(
+            "%{o}_b = arith.divui {t}, %cPB : index\n\
+             %{o}_o = arith.remui {t}, %cPB : index\n\
+             %{o}_e64 = memref.load %bt[%{o}_b] : memref<?xi64>\n\
+             %{o}_e = arith.index_cast %{o}_e64 : i64 to index\n\
+             %{o}_s = arith.muli %{o}_e, %cPB : index\n\
+             {out} = arith.addi %{o}_s, %{o}_o : index\n"
+        ),
+        out.to_string(),
+    )
 }

@@ -43,16 +43,28 @@ pub(super) fn batch_consts() -> String {
 /// The keys of the batch at `%t0`: `%tu{j}` = `%t0` + j, `%tc{j}` the same
 /// clamped to the last key (a row that can be loaded), `%in{j}` whether it
 /// is a key of this row at all.
-pub(super) fn batch_keys() -> String {
+/// In a paged cache (`paged`: its block size) also `%tp{j}`, the pool row
+/// of key `%tc{j}` ([`super::key_row`]); [`key_rows`] names the rows to load.
+pub(super) fn batch_keys(paged: Option<usize>) -> String {
     (0..8)
         .map(|j| {
             format!(
                 "%tu{j} = arith.addi %t0, %ck{j} : index\n\
                  %tc{j} = arith.minui %tu{j}, %nkm1 : index\n\
-                 %in{j} = arith.cmpi ult, %tu{j}, %nk : index\n"
+                 %in{j} = arith.cmpi ult, %tu{j}, %nk : index\n{}",
+                super::key_row(paged, &format!("%tc{j}"), &format!("%tp{j}")).0
             )
         })
         .collect()
+}
+
+/// The prefix of the eight rows [`batch_keys`] defines for loading keys.
+pub(super) fn key_rows(paged: Option<usize>) -> &'static str {
+    if paged.is_some() {
+        "%tp"
+    } else {
+        "%tc"
+    }
 }
 
 /// Fills `%sc` (allocated with `%nk8` entries, `%nk` rounded up to 8) with
@@ -61,10 +73,10 @@ pub(super) fn batch_keys() -> String {
 /// `allowed` is MLIR that defines `%allowed : i1` for key `%t` (the MSA
 /// selection; dense attention at these widths is `blocked`'s, with the
 /// same operations per row). Needs [`batch_consts`] and `%cd` in scope.
-pub(super) fn softmax8(q: (&str, Storage), k: (&str, Storage), d: usize, allowed: &str) -> String {
+pub(super) fn softmax8(q: (&str, Storage), k: (&str, Storage), d: usize, paged: Option<usize>, allowed: &str) -> String {
     debug_assert!(d.is_multiple_of(8));
     let ((qt, act), (kt, cache)) = (q, k);
-    let mut keys = batch_keys();
+    let mut keys = batch_keys(paged);
     for j in 0..8 {
         keys.push_str(&format!(
             "%ok{j} = scf.execute_region -> i1 {{\n\
@@ -79,7 +91,7 @@ pub(super) fn softmax8(q: (&str, Storage), k: (&str, Storage), d: usize, allowed
     let list = |f: &dyn Fn(usize) -> String| (0..8).map(f).collect::<Vec<_>>().join(", ");
     let dots = format!(
         "{}{}",
-        dots8("%qk", ("%q", qt, act, "%r", "%qb"), ("%k", kt, cache, "%kb"), "%cd"),
+        dots8("%qk", ("%q", qt, act, "%r", "%qb"), ("%k", kt, cache, "%kb"), key_rows(paged), "%cd"),
         transposed_tree("%dvt", &(0..8).map(|j| format!("%qk#{j}")).collect::<Vec<_>>())
     );
     // A batch none of whose keys is selected skips its products.
@@ -121,17 +133,17 @@ pub(super) fn softmax8(q: (&str, Storage), k: (&str, Storage), d: usize, allowed
     )
 }
 
-/// `dst:8`: the eight lane sums of x[xr, xb + c] · y[tc_j, yb + c] over
-/// `c < n` (an index value, a multiple of 8), for the eight keys `%tc0` to
-/// `%tc7`, in increasing `c`, a fused multiply-add each. `x` is (memref,
+/// `dst:8`: the eight lane sums of x[xr, xb + c] · y[{rows}j, yb + c] over
+/// `c < n` (an index value, a multiple of 8), for the eight key rows
+/// `{rows}0` to `{rows}7` (see [`key_rows`]), in increasing `c`, a fused multiply-add each. `x` is (memref,
 /// type, storage, row, base), `y` (memref, type, storage, base). Needs
 /// `%c8` and `%z8` in scope.
-pub(super) fn dots8(dst: &str, x: (&str, &str, Storage, &str, &str), y: (&str, &str, Storage, &str), n: &str) -> String {
+pub(super) fn dots8(dst: &str, x: (&str, &str, Storage, &str, &str), y: (&str, &str, Storage, &str), rows: &str, n: &str) -> String {
     let p = dst.trim_start_matches('%');
     let ((xm, xt, xs, xr, xb), (ym, yt, ys, yb)) = (x, y);
     let mut lanes = load_f32xn(8, &format!("%{p}_x"), xm, xt, xr, &format!("%{p}_xc"), xs);
     for j in 0..8 {
-        lanes.push_str(&load_f32xn(8, &format!("%{p}_y{j}"), ym, yt, &format!("%tc{j}"), &format!("%{p}_yc"), ys));
+        lanes.push_str(&load_f32xn(8, &format!("%{p}_y{j}"), ym, yt, &format!("{rows}{j}"), &format!("%{p}_yc"), ys));
         lanes.push_str(&format!(
             "%{p}_m{j} = arith.mulf %{p}_x, %{p}_y{j} fastmath<contract> : {V}\n\
              %{p}_a{j}n = arith.addf %{p}_a{j}, %{p}_m{j} fastmath<contract> : {V}\n"
