@@ -4,6 +4,8 @@ chunk per token). Prints one JSON line: output tok/s, TTFT and ITL
 percentiles, and each stage's busy fraction over the run (from /metrics).
 
     python bench_serve.py BASE_URL MODEL CONCURRENCY REQUESTS MAX_TOKENS
+    python bench_serve.py BASE_URL MODEL shared REQUESTS MAX_TOKENS
+    python bench_serve.py BASE_URL MODEL capacity REQUESTS MAX_TOKENS STOP
 """
 
 import asyncio
@@ -80,6 +82,100 @@ async def run(base, model, conc, n, max_tokens):
     }
 
 
+def metric(root, name):
+    for line in httpx.get(f"{root}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no {name} in /metrics")
+
+
+# A long system prompt that every request of the shared-prefix workload
+# sends, each with its own short question.
+SYSTEM = (
+    "You are the assistant of a small team that compiles the MiniMax-M3 model into pipeline-parallel executables. "
+    "Answer briefly, cite the file you rely on, and say what you did not check. "
+) * 6
+
+
+async def first_token(http, base, body):
+    """A streamed request: (seconds to its first generated token, completion tokens)."""
+    t0 = time.perf_counter()
+    ttft, tokens = None, 0
+    async with http.stream("POST", base, json={**body, "stream": True, "stream_options": {"include_usage": True}}, timeout=1200) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for ch in chunk.get("choices") or []:
+                d = ch.get("delta") or {}
+                if ttft is None and (ch.get("text") or d.get("content") or d.get("reasoning_content")):
+                    ttft = time.perf_counter() - t0
+    return ttft, tokens
+
+
+async def shared(base, model, n, max_tokens):
+    """n chats at once that share SYSTEM: TTFT and throughput, and the
+    prefix cache's figures."""
+    root = base.rsplit("/v1", 1)[0]
+    q0, h0 = metric(root, "m3c:prefix_cache_queries_total"), metric(root, "m3c:prefix_cache_hits_total")
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=n + 4)) as http:
+        w0 = time.perf_counter()
+
+        async def one(i):
+            body = {"model": model, "max_tokens": max_tokens, "temperature": 0.8, "seed": i, "ignore_eos": True,
+                    "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Question {i}: what is {i} times 7?"}]}
+            return await first_token(http, f"{base}/chat/completions", body)
+
+        got = await asyncio.gather(*[one(i) for i in range(n)])
+        wall = time.perf_counter() - w0
+    ttft = [t * 1e3 for t, _ in got if t is not None]
+    q, h = metric(root, "m3c:prefix_cache_queries_total") - q0, metric(root, "m3c:prefix_cache_hits_total") - h0
+    return {"requests": n, "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99),
+            "output_tok_s": sum(k for _, k in got) / wall, "wall_s": wall, "prompt_tokens": q / n, "hit_share": h / max(q, 1)}
+
+
+async def capacity(base, model, n, max_tokens, stop):
+    """n completions at once, each allowed max_tokens but ending on a stop
+    string: the sequences in flight (peak and mean, sampled from /metrics)
+    and throughput."""
+    root = base.rsplit("/v1", 1)[0]
+    seen = []
+    done = False
+
+    async def watch():
+        while not done:
+            seen.append(await asyncio.to_thread(metric, root, "m3c:num_sequences_running"))
+            await asyncio.sleep(0.02)
+
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=n + 4)) as http:
+        w0 = time.perf_counter()
+        watcher = asyncio.create_task(watch())
+
+        async def one(i):
+            body = {"model": model, "prompt": f"Request {i}: list the numbers after {i * 7}.", "max_tokens": max_tokens,
+                    "temperature": 0.8, "seed": i, "stop": [stop]}
+            return await first_token(http, f"{base}/completions", body)
+
+        got = await asyncio.gather(*[one(i) for i in range(n)])
+        wall = time.perf_counter() - w0
+        done = True
+        await watcher
+    tokens = [k for _, k in got]
+    busy = [x for x in seen if x > 0] or [0.0]
+    return {"requests": n, "peak_in_flight": max(seen or [0.0]), "mean_in_flight": sum(busy) / len(busy),
+            "output_tok_s": sum(tokens) / wall, "mean_tokens": sum(tokens) / n, "wall_s": wall}
+
+
 if __name__ == "__main__":
-    base, model, conc, n, max_tokens = sys.argv[1:]
-    print(json.dumps(asyncio.run(run(base, model, int(conc), int(n), int(max_tokens)))))
+    if sys.argv[3] == "shared":
+        base, model, _, n, max_tokens = sys.argv[1:]
+        print(json.dumps(asyncio.run(shared(base, model, int(n), int(max_tokens)))))
+    elif sys.argv[3] == "capacity":
+        base, model, _, n, max_tokens, stop = sys.argv[1:]
+        print(json.dumps(asyncio.run(capacity(base, model, int(n), int(max_tokens), stop))))
+    else:
+        base, model, conc, n, max_tokens = sys.argv[1:]
+        print(json.dumps(asyncio.run(run(base, model, int(conc), int(n), int(max_tokens)))))

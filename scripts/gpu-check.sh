@@ -213,6 +213,20 @@ run() {
     if cmp -s "$work/$m-graphs-on.p0.safetensors" "$work/$m-graphs-off.p0.safetensors" \
        && cmp -s "$work/$m-graphs-on.p1.safetensors" "$work/$m-graphs-off.p1.safetensors"; then verdict=pass; else verdict=FAIL; fi
     rows+=("$(printf '%-32s %-6s %-5s %s' "$m CUDA graphs" "pp=2" "$verdict" "graphs on = off, dump bytes of 2 prompts; ${replays:-$(why "$logs/$m-graphs-on.log")}")")
+    # Paged caches on the device: four prompts sharing a 36-token prefix,
+    # from a pool of 14 blocks (so they are preempted and resume) with
+    # prefix caching, against each computed in full from the default pool:
+    # the same ids and logprobs.
+    pre=$(echo "$prompt" | cut -d, -f1-36)
+    paged=(--model "tests/fixtures/$m" --prompt-ids "$pre,7" --prompt-ids "$pre,8,9" --prompt-ids "$pre,10,11,12" --prompt-ids "$pre,13"
+           --max-new-tokens 8 --logprobs 2 --micro-batch 2)
+    timeout 120 "$b/out/$m-pp2/run.sh" "${paged[@]}" --prefix-caching off >"$logs/$m-paged-cold.log" 2>&1 || true
+    timeout 120 "$b/out/$m-pp2/run.sh" "${paged[@]}" --kv-blocks 14 >"$logs/$m-paged.log" 2>&1 || true
+    cold=$(grep -E '^(prompt|logprobs) ' "$logs/$m-paged-cold.log" || true)
+    warm=$(grep -E '^(prompt|logprobs) ' "$logs/$m-paged.log" || true)
+    if [ -n "$cold" ] && [ "$cold" = "$warm" ]; then verdict=pass; else verdict=FAIL; fi
+    kvline=$(grep -o 'm3c kv:.*' "$logs/$m-paged.log" | head -1 || true)
+    rows+=("$(printf '%-32s %-6s %-5s %s' "$m paged KV, prefix cache" "pp=2" "$verdict" "14-block pool = cold run, ids and logprobs of 4 prompts; ${kvline:-$(why "$logs/$m-paged.log")}")")
     if [ "$m" = tiny-m3 ]; then
       # The device sampler picks what the host sampler picks on the same
       # logits: the GPU's own, dumped.

@@ -147,6 +147,12 @@ pub(crate) struct RunArgs {
     /// Sequences per micro-batch (default: the prompts shared evenly over the stages).
     #[arg(long, value_name = "SEQS", value_parser = positive_count)]
     pub(crate) micro_batch: Option<usize>,
+    /// Compute every prompt in full: no prompt reuses the cache blocks of another with the same prefix.
+    #[arg(long)]
+    pub(crate) no_enable_prefix_caching: bool,
+    /// Cache blocks in each stage's KV pool (default: exactly what every prompt reaches); with fewer, prompts take turns (preemption).
+    #[arg(long, value_name = "N", value_parser = positive_count)]
+    pub(crate) kv_blocks: Option<usize>,
     /// Prefill long prompts in chunks of this many tokens, so they pipeline through the stages.
     #[arg(long, value_name = "TOKENS", value_parser = positive_count)]
     pub(crate) prefill_chunk: Option<usize>,
@@ -248,16 +254,22 @@ pub(crate) struct ServeArgs {
     /// Sequences running at once (more wait).
     #[arg(long, default_value_t = 64, value_parser = positive_count)]
     pub(crate) max_batch: usize,
-    /// Cache memory per stage for the running sequences, in GB; a request reserves its prompt plus max_tokens.
+    /// KV cache memory per stage, in GB: the stages' pools of cache blocks, shared by the running sequences and the prefix cache.
     #[arg(long, value_name = "GB", default_value_t = 8.0, value_parser = number)]
     pub(crate) kv_budget: f32,
+    /// Compute every prompt in full: keep no finished sequence's cache blocks for later requests with the same prefix.
+    #[arg(long)]
+    pub(crate) no_enable_prefix_caching: bool,
+    /// Cache blocks in each stage's KV pool, in place of what --kv-budget holds (as vLLM's --num-gpu-blocks-override).
+    #[arg(long, value_name = "N", value_parser = positive_count)]
+    pub(crate) kv_blocks: Option<usize>,
     /// Requests that may wait for a slot; past that a request gets 503.
     #[arg(long, default_value_t = 256, value_parser = count)]
     pub(crate) max_queue: usize,
     /// Prefill long prompts in chunks of this many tokens, alongside the running decodes.
     #[arg(long, value_name = "TOKENS", default_value_t = 256, value_parser = positive_count)]
     pub(crate) prefill_chunk: usize,
-    /// `max_tokens` of a chat request that sets none (capped by the context); a request reserves cache for all of it.
+    /// `max_tokens` of a chat request that sets none (capped by the context and the KV pool).
     #[arg(long, value_name = "TOKENS", default_value_t = 4096, value_parser = positive_count)]
     pub(crate) default_max_tokens: usize,
     /// Seconds without a heartbeat before a stage is declared lost.

@@ -173,6 +173,8 @@ fn run(cli: Cli) -> Result<()> {
                 api_key: a.api_key.or_else(|| std::env::var("M3C_API_KEY").ok().filter(|k| !k.is_empty())),
                 max_batch: a.max_batch,
                 kv_budget_bytes: (a.kv_budget as f64 * 1e9) as u64,
+                prefix_caching: !a.no_enable_prefix_caching,
+                kv_blocks: a.kv_blocks,
                 max_queue: a.max_queue,
                 prefill_chunk: a.prefill_chunk,
                 default_max_tokens: a.default_max_tokens,

@@ -288,6 +288,7 @@ fn stage_args(args: &RunArgs, inputs: &Inputs) -> Result<StageArgs> {
     stage.expect = args.expect.clone();
     stage.prefill_chunk = args.prefill_chunk;
     stage.micro_batch = args.micro_batch;
+    stage.prefix_caching = !args.no_enable_prefix_caching;
     stage.timeout_s = args.timeout_s;
     stage.cuda_graphs = args.gpu.graphs();
     stage.prefill_gemm_cublas = args.gpu.gemm_cublas();
@@ -329,15 +330,21 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
     }
     let inputs = inputs(&args, &compiled)?;
     let mut stage = stage_args(&args, &inputs)?;
-    // Each stage's KV pool: exactly the blocks every prompt can reach
-    // (prompt, new tokens and the row that scores the last), so a run
-    // never waits for blocks.
+    // Each stage's KV pool: by default exactly the blocks every prompt can
+    // reach (prompt, new tokens and the row that scores the last), so a
+    // run never waits for blocks; `--kv-blocks` may give fewer (prompts
+    // then take turns), but never fewer than the longest prompt needs.
     let kv_block = compiled.manifest.kv_block;
-    let blocks: usize = inputs.prompts.iter().map(|p| m3c_contract::blocks::blocks_for(p.len() + args.max_new_tokens + 1, kv_block)).sum();
+    let per_prompt: Vec<usize> =
+        inputs.prompts.iter().map(|p| m3c_contract::blocks::blocks_for(p.len() + args.max_new_tokens + 1, kv_block)).collect();
+    let blocks = args.kv_blocks.unwrap_or_else(|| per_prompt.iter().sum::<usize>().max(1));
     if blocks > m3c_contract::blocks::MAX_BLOCKS {
         bail!("the prompts and --max-new-tokens need {blocks} cache blocks; a pool holds at most {}", m3c_contract::blocks::MAX_BLOCKS);
     }
-    stage.kv_blocks = Some(blocks.max(1));
+    if let Some((i, &need)) = per_prompt.iter().enumerate().max_by_key(|(_, &n)| n).filter(|(_, &n)| n > blocks) {
+        bail!("--kv-blocks {blocks}: prompt {i} and --max-new-tokens {} need {need} blocks of {kv_block} positions", args.max_new_tokens);
+    }
+    stage.kv_blocks = Some(blocks);
     let Inputs { prompts, images, text: text_in, .. } = inputs;
     let frames = stdin_frames(prompts, &images, args.max_new_tokens);
     let launch = args.launch.launch()?;

@@ -464,6 +464,28 @@ pub enum Event {
         seq: Option<usize>,
         why: String,
     },
+    /// Sequence `seq` started: `queried` prompt tokens were looked up in
+    /// the prefix cache and the first `hit` of them were found there.
+    Prefix {
+        seq: usize,
+        queried: usize,
+        hit: usize,
+    },
+    /// Sequence `seq` gave its cache blocks back to let older sequences
+    /// go on; it resumes later by recomputing what it has.
+    Preempted {
+        seq: usize,
+    },
+    /// The KV pool: blocks sequences hold, blocks that hold cached
+    /// prefixes only, and every block; and the sequences that hold blocks
+    /// and take steps, and those that wait for blocks.
+    Kv {
+        used: usize,
+        cached: usize,
+        total: usize,
+        running: usize,
+        waiting: usize,
+    },
 }
 
 impl Event {
@@ -476,6 +498,9 @@ impl Event {
             Event::PromptLogprobs { seq, pos, id, lp } => format!("m3c-plp {seq} {pos} {id} {}", lp_words(lp)),
             Event::End { seq, reason } => format!("m3c-end {seq} {reason}"),
             Event::Stat { stage, steps, busy_s } => format!("m3c-stat {stage} {steps} {busy_s}"),
+            Event::Prefix { seq, queried, hit } => format!("m3c-pfx {seq} {queried} {hit}"),
+            Event::Preempted { seq } => format!("m3c-preempt {seq}"),
+            Event::Kv { used, cached, total, running, waiting } => format!("m3c-kv {used} {cached} {total} {running} {waiting}"),
             Event::Bad { seq, why } => {
                 // One line, whatever the message held.
                 let why = why.replace(['\n', '\r'], " ");
@@ -519,6 +544,15 @@ impl Event {
                 (Ok(stage), Ok(steps), Ok(busy_s)) if busy_s.is_finite() => Some(Event::Stat { stage, steps, busy_s }),
                 _ => None,
             },
+            ("m3c-pfx", [s, q, h]) => match (s.parse(), q.parse(), h.parse()) {
+                (Ok(seq), Ok(queried), Ok(hit)) if hit <= queried => Some(Event::Prefix { seq, queried, hit }),
+                _ => None,
+            },
+            ("m3c-preempt", [s]) => s.parse().ok().map(|seq| Event::Preempted { seq }),
+            ("m3c-kv", [u, c, t, r, w]) => match (u.parse(), c.parse(), t.parse(), r.parse(), w.parse()) {
+                (Ok(used), Ok(cached), Ok(total), Ok(running), Ok(waiting)) => Some(Event::Kv { used, cached, total, running, waiting }),
+                _ => None,
+            },
             ("m3c-bad", [s, ..]) => {
                 let flat = rest.replace(['\n', '\r'], " ");
                 let after = flat.trim_start();
@@ -529,7 +563,7 @@ impl Event {
                 }
             }
             // Another `m3c-` line is a stage's own output (its log lines).
-            ("m3c-ready" | "m3c-id" | "m3c-lp" | "m3c-end" | "m3c-stat" | "m3c-bad", _) => None,
+            ("m3c-ready" | "m3c-id" | "m3c-lp" | "m3c-end" | "m3c-stat" | "m3c-bad" | "m3c-pfx" | "m3c-preempt" | "m3c-kv", _) => None,
             _ => return None,
         };
         Some(ev.ok_or_else(bad))
@@ -629,6 +663,9 @@ mod tests {
             Event::End { seq: 2, reason: EndReason::Cancelled },
             Event::End { seq: 2, reason: EndReason::Error },
             Event::Stat { stage: 3, steps: 99, busy_s: 1.25 },
+            Event::Prefix { seq: 5, queried: 40, hit: 32 },
+            Event::Preempted { seq: 6 },
+            Event::Kv { used: 12, cached: 3, total: 64, running: 5, waiting: 2 },
             Event::Bad { seq: Some(4), why: "the sequence is already live".into() },
             Event::Bad { seq: None, why: "expected `cancel SEQ`".into() },
         ] {

@@ -33,6 +33,9 @@ pub struct StageArgs {
     /// Blocks in every stage's KV pool (`m3c run` and `m3c serve` size it;
     /// default: one sequence of the model's whole context).
     pub kv_blocks: Option<usize>,
+    /// Automatic prefix caching: full cache blocks are kept after their
+    /// sequence ends and reused by later sequences with the same prefix.
+    pub prefix_caching: bool,
     /// Prefill prompts in chunks of this many tokens.
     pub prefill_chunk: Option<usize>,
     /// CUDA stages: replay each decode micro-batch's step as a captured CUDA graph.
@@ -83,6 +86,7 @@ impl StageArgs {
             timeout_s: DEFAULT_TIMEOUT_S,
             micro_batch: None,
             kv_blocks: None,
+            prefix_caching: true,
             prefill_chunk: None,
             cuda_graphs: true,
             prefill_gemm_cublas: false,
@@ -130,6 +134,7 @@ impl StageArgs {
             ("--kv-blocks", self.kv_blocks.map(|n| n.to_string())),
             ("--timeout-s", Some(self.timeout_s.to_string())),
             ("--cuda-graphs", Some(if self.cuda_graphs { "on" } else { "off" }.to_string())),
+            ("--prefix-caching", Some(if self.prefix_caching { "on" } else { "off" }.to_string())),
             ("--prefill-gemm", Some(if self.prefill_gemm_cublas { "cublas" } else { "off" }.to_string())),
             ("--eos-ids", (!self.eos_ids.is_empty()).then(|| ids(&self.eos_ids))),
         ] {
@@ -178,7 +183,7 @@ impl StageArgs {
 pub const DEFAULT_TIMEOUT_S: f64 = 30.0;
 
 pub const USAGE: &str = "usage: stage-K (--model DIR | --synthetic-weights SEED) ((--prompt-ids 1,2,3 [--prompt-ids ...] | --prompts FILE | --stdin-prompts N) \
---max-new-tokens N | --serve) [--micro-batch SEQS] [--kv-blocks N] [--prefill-chunk TOKENS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S] [--cuda-graphs on|off] [--prefill-gemm cublas|off] [--stream-ids] \
+--max-new-tokens N | --serve) [--micro-batch SEQS] [--kv-blocks N] [--prefill-chunk TOKENS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S] [--cuda-graphs on|off] [--prefix-caching on|off] [--prefill-gemm cublas|off] [--stream-ids] \
 [--temperature T] [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S] [--eos-ids 1,2] [--stop HEX ...] [--seq-sampling SEQ:temperature=T,... ...] [--images FILE.safetensors]";
 
 use crate::prompts::{parse_count, parse_ids, parse_prompts_file, parse_timeout_s};
@@ -225,6 +230,7 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
     let mut kv_blocks = None;
     let mut prefill_chunk = None;
     let mut cuda_graphs = true;
+    let mut prefix_caching = true;
     let mut prefill_gemm_cublas = false;
     let mut stream_ids = false;
     let mut trace = false;
@@ -265,6 +271,13 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
                     "on" => true,
                     "off" => false,
                     v => return Err(format!("--cuda-graphs: `{v}` is not `on` or `off`")),
+                }
+            }
+            "--prefix-caching" => {
+                prefix_caching = match value("--prefix-caching")?.as_str() {
+                    "on" => true,
+                    "off" => false,
+                    v => return Err(format!("--prefix-caching: `{v}` is not `on` or `off`")),
                 }
             }
             "--prefill-gemm" => {
@@ -343,6 +356,7 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
         kv_blocks,
         prefill_chunk,
         cuda_graphs,
+        prefix_caching,
         prefill_gemm_cublas,
         stream_ids,
         sampling,
@@ -375,6 +389,7 @@ mod tests {
         a.prefill_chunk = Some(7);
         a.timeout_s = 2.5;
         a.cuda_graphs = false;
+        a.prefix_caching = false;
         a.prefill_gemm_cublas = true;
         a.stream_ids = true;
         a.sampling = SamplingParams {

@@ -64,6 +64,9 @@ struct SeqBook {
     logprobs: Option<u8>,
     /// The same for each prompt token's.
     prompt_logprobs: Option<u8>,
+    /// The next prompt position whose logprob is still to report (a
+    /// preempted sequence recomputes rows whose logprobs went out already).
+    prompt_next: usize,
     grammar: Option<SeqGrammar>,
     /// Tokens generated before `held` may be drawn, and the ids held back
     /// until then (EOS and the request's stop ids).
@@ -126,7 +129,10 @@ impl LastBooks {
         let held = self.grammars.eos_ids.iter().chain(&out.stop_ids).copied().collect();
         let min_tokens = out.min_tokens;
         let (logprobs, prompt_logprobs) = (out.logprobs, out.prompt_logprobs);
-        self.live.insert(seq, SeqBook { record, sampling, max_new, logprobs, prompt_logprobs, grammar, min_tokens, held, failed, bias });
+        self.live.insert(
+            seq,
+            SeqBook { record, sampling, max_new, logprobs, prompt_logprobs, prompt_next: 1, grammar, min_tokens, held, failed, bias },
+        );
     }
 
     /// A sequence leaves; its record is kept when logits are wanted.
@@ -166,7 +172,7 @@ impl LastBooks {
             // Logprobs come from the logits of the row that draws; prompt
             // logprobs from every prompt row.
             want_logits |= draws && b.logprobs.is_some();
-            want_logits |= s.pos0 < r.prompt.len() && b.prompt_logprobs.is_some();
+            want_logits |= b.prompt_logprobs.is_some() && unreported_prompt_rows(r, s, b.prompt_next);
             if draws && p.repetition_penalty != 1.0 {
                 penalised = true;
                 let bits = seen_bitmap(r.prompt.iter().chain(&r.generated).map(|&i| i as u32), vocab);
@@ -288,22 +294,29 @@ impl LastBooks {
                 }
                 _ => None,
             };
-            // Row j predicts prompt token pos0 + j + 1, while there is one.
+            // Row j predicts prompt token pos0 + j + 1, while there is one
+            // not reported yet.
             let mut prompt = Vec::new();
-            if let (Some(k), Some(rows)) = (b.prompt_logprobs, out.logits.get(row0 * vocab..(row0 + s.rows) * vocab)) {
+            let unreported = unreported_prompt_rows(r, s, b.prompt_next);
+            if let (Some(k), Some(rows), true) = (b.prompt_logprobs, out.logits.get(row0 * vocab..(row0 + s.rows) * vocab), unreported) {
                 for (j, row) in rows.chunks_exact(vocab.max(1)).enumerate() {
-                    if let Some(&tok) = r.prompt.get(s.pos0 + j + 1) {
+                    let p = s.pos0 + j + 1;
+                    if let (Some(&tok), true) = (r.prompt.get(p), p >= b.prompt_next) {
                         prompt.push((tok as u32, TokenLogprobs::of(row, tok as u32, k as usize)));
+                        b.prompt_next = p + 1;
                     }
                 }
-            } else if b.prompt_logprobs.is_some() && s.pos0 + 1 < r.prompt.len() {
+            } else if b.prompt_logprobs.is_some() && unreported {
                 return Err(StageError::Step("runtime bug: prompt logprobs wanted, but the step returned no logits".into()));
             }
             if let Some(rows) = out.logits.get(row0 * vocab..(row0 + s.rows) * vocab).filter(|_| want_logits) {
                 if s.pos0 < r.prompt.len() {
-                    // A prefill chunk (chunks of a sequence arrive in order).
-                    r.prefill_logits.extend_from_slice(rows);
-                } else {
+                    // A prefill chunk (a sequence's chunks arrive in order;
+                    // rows recomputed after a preemption are not recorded twice).
+                    if r.prefill_logits.len() == s.pos0 * vocab {
+                        r.prefill_logits.extend_from_slice(rows);
+                    }
+                } else if gives_token(r, s) {
                     r.decode_logits.extend_from_slice(&rows[(s.rows - 1) * vocab..]);
                 }
             }
@@ -321,8 +334,15 @@ impl LastBooks {
     }
 }
 
-/// Whether a sequence's step ends at or past its prompt's last row, so its
-/// last row gives a token.
+/// Whether a sequence's step ends at its next draw: the row of its
+/// prompt's last token, or of the last token it generated. (Steps before
+/// that are prefill chunks, or a preempted sequence recomputing its rows.)
 fn gives_token(r: &SeqRecord, s: &Segment) -> bool {
-    s.pos0 + s.rows >= r.prompt.len()
+    s.pos0 + s.rows == r.prompt.len() + r.generated.len()
+}
+
+/// Whether a step's rows predict a prompt token whose logprob is still to
+/// report (row j predicts token pos0 + j + 1).
+fn unreported_prompt_rows(r: &SeqRecord, s: &Segment, next: usize) -> bool {
+    s.pos0 + s.rows >= next && next < r.prompt.len() && s.pos0 + 1 < r.prompt.len()
 }

@@ -9,8 +9,8 @@ use crate::error::StageError;
 use crate::liveness::Peers;
 use crate::stage::{Segment, Stage};
 use crate::wire::{
-    self, bytes_f32, f32_bytes, message, message_blocks, Outbox, KIND_ADD, KIND_DROP, KIND_STATS, KIND_STEP, KIND_STOP, KIND_TRACE,
-    TAG_ACT, TAG_IDS,
+    self, bytes_f32, f32_bytes, message, message_blocks, Outbox, KIND_ADD, KIND_DROP, KIND_RESET, KIND_STATS, KIND_STEP, KIND_STOP,
+    KIND_TRACE, TAG_ACT, TAG_IDS,
 };
 use m3c_contract::protocol::SeqRequest;
 use m3c_contract::sampling::{row_params, row_words, SamplingParams, ROW_WORDS};
@@ -141,6 +141,12 @@ pub(crate) fn follow(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Sta
                     books.end(s.seq);
                 }
                 pass_on(&mut outbox, KIND_DROP, &[]);
+            }
+            KIND_RESET => {
+                for s in &m.segments {
+                    st.reset_seq(s.seq);
+                }
+                pass_on(&mut outbox, KIND_RESET, &[]);
             }
             KIND_STATS => {
                 let mut payload = m.payload;

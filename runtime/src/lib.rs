@@ -21,6 +21,7 @@ mod books;
 mod device;
 mod error;
 mod follow;
+mod kv;
 
 use error::StageError;
 mod dump;
@@ -118,9 +119,13 @@ fn run() -> c_int {
         say!("{who}: MPI offers no multi-threaded calls; peers are declared lost after --timeout-s without a message, even while they compute");
     }
     let mut peers = Peers::new(size, rank, timeout);
-    let code = match stage_main(&world, &mut peers, &who, meta, parsed, &argv) {
-        Ok(()) => 0,
-        Err(()) => 1,
+    // A panic is a runtime bug: it ends the whole job at once (peers would
+    // otherwise wait on this rank, whose heartbeats go on, for ever).
+    let main = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| stage_main(&world, &mut peers, &who, meta, parsed, &argv)));
+    let code = match main {
+        Ok(Ok(())) => 0,
+        Ok(Err(())) => 1,
+        Err(_) => startup::abort_job(&world, &who, "a runtime bug ended this stage (the panic above); please report it"),
     };
     let had_beats = beats.is_some();
     liveness::stop_heartbeats(beats);

@@ -55,6 +55,7 @@ pub fn run(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Stage, args: 
             chunk: args.prefill_chunk.unwrap_or(usize::MAX).max(1),
             eos: args.eos_ids.clone(),
             score_last: want_logits,
+            prefix_caching: args.prefix_caching,
         };
         let per_batch = batching.per_batch;
         Leader::new(st, batching, args.model.clone()).run(world, peers, st, &mut books, &mut feed)?;
@@ -79,6 +80,10 @@ struct RunFeed<'a> {
     start: Instant,
     /// When each prompt's prefill was done (its first event).
     prefilled: Vec<Option<Duration>>,
+    /// Prompt tokens looked up in the prefix cache and found there, and
+    /// preemptions.
+    prefix: (usize, usize),
+    preempted: usize,
 }
 
 impl<'a> RunFeed<'a> {
@@ -116,6 +121,8 @@ impl<'a> RunFeed<'a> {
             logprobs: vec![Vec::new(); n],
             start: Instant::now(),
             prefilled: vec![None; n],
+            prefix: (0, 0),
+            preempted: 0,
         })
     }
 
@@ -140,6 +147,8 @@ impl<'a> RunFeed<'a> {
             dt * 1e3,
             decode_steps as f64 / dt.max(1e-9)
         );
+        let (queried, hit) = self.prefix;
+        say!("m3c kv: {hit} of {queried} prompt tokens came from the prefix cache; {} preemption(s)", self.preempted);
     }
 }
 
@@ -156,6 +165,18 @@ impl Feed for RunFeed<'_> {
     }
 
     fn event(&mut self, e: Event) {
+        match &e {
+            Event::Prefix { queried, hit, .. } => {
+                self.prefix.0 += queried;
+                self.prefix.1 += hit;
+                return;
+            }
+            Event::Preempted { .. } => {
+                self.preempted += 1;
+                return;
+            }
+            _ => {}
+        }
         if let Event::Logprobs { seq, id, lp } = &e {
             if self.args.stream_ids {
                 crate::serve::say(e);

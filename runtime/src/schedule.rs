@@ -3,26 +3,33 @@
 //! it the front's commands as they arrive on standard input; `m3c run`
 //! feeds it the run's prompts, all at once, and closes the feed.
 //!
-//! Each live sequence's next item (a prefill chunk of at most
+//! A sequence joins the stages with a `KIND_ADD` message and waits until
+//! the KV pool has the blocks of its first chunk (a sequence whose next
+//! block another is computing waits for that one, so a shared prefix is
+//! computed once); then it takes the longest prefix the cache holds and
+//! runs. Each running sequence's next item (a prefill chunk of at most
 //! `--prefill-chunk` tokens, or one decode token) waits in a ready queue; up
 //! to one micro-batch per stage is in flight, each of up to `--micro-batch`
 //! sequences, so a long prompt is prefilled in chunks alongside the others'
-//! decodes and no stage idles while there is work. A sequence joins the
-//! stages (its caches are allocated) with a `KIND_ADD` message before its
-//! first step and leaves with `KIND_DROP` after its last, so each stage's
-//! memory holds only the live sequences. What a sequence generates does not
-//! depend on what else runs: the stages are batch-invariant and each draw
-//! is keyed by the sequence's own step.
+//! decodes and no stage idles while there is work. Each step carries the
+//! cache blocks its sequences take. When the pool runs out, the newest
+//! running sequence gives its blocks back (preemption) and waits again; it
+//! resumes by recomputing what it has (mostly from the cache). It leaves
+//! with `KIND_DROP` after its last step. What a sequence generates does not
+//! depend on what else runs, on a cache hit or on being preempted: the
+//! stages are batch- and chunk-invariant and each draw is keyed by the
+//! sequence's own step.
 
 use crate::books::{Drawn, LastBooks};
 use crate::error::StageError;
 use crate::follow::{add_message, capacity, stats_words, words};
+use crate::kv::{extend_chain, ImageRows, Kv, SeqBlocks};
 use crate::liveness::Peers;
 use crate::stage::{Segment, Stage};
 use crate::wire::{
-    self, f32_bytes, message, message_blocks, Outbox, KIND_DROP, KIND_STATS, KIND_STEP, KIND_STOP, KIND_TRACE, TAG_ACT, TAG_IDS,
+    self, f32_bytes, message, message_blocks, Outbox, KIND_DROP, KIND_RESET, KIND_STATS, KIND_STEP, KIND_STOP, KIND_TRACE, TAG_ACT, TAG_IDS,
 };
-use m3c_contract::blocks::{blocks_for, BlockId, BlockPool};
+use m3c_contract::blocks::{blocks_for, BlockHash};
 use m3c_contract::images::SeqImages;
 use m3c_contract::protocol::{Command, EndReason, Event, SeqRequest};
 use mpi::topology::SimpleCommunicator;
@@ -30,7 +37,7 @@ use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 /// The most cache rows a sequence may ask for (a bound, not a budget: the
-/// front admits requests against its cache budget and the model's context).
+/// KV pool is the budget).
 const MAX_CAPACITY: usize = 1 << 24;
 
 /// What the feed has next.
@@ -70,8 +77,11 @@ pub(crate) struct Batching {
     /// The ids that end a sequence (kept as its last token).
     pub eos: Vec<i64>,
     /// One more step after a sequence's last token, whose logits the run's
-    /// dump or `--expect` records (its id is not kept).
+    /// dump or `--expect` records (its id is not kept). Such a run computes
+    /// every row (no prefix-cache hits), since the dump holds every row.
     pub score_last: bool,
+    /// Automatic prefix caching.
+    pub prefix_caching: bool,
 }
 
 /// A live sequence.
@@ -79,7 +89,13 @@ struct Live {
     prompt_len: usize,
     max_new: usize,
     ignore_eos: bool,
-    /// Prefill chunks not yet stepped: (first position, ids).
+    /// Its inputs so far: the prompt, then each generated token.
+    ids: Vec<i64>,
+    /// The hashes of the full blocks of `ids` (its prefix-cache keys).
+    chain: Vec<BlockHash>,
+    /// Its images' content hashes and placeholder rows (in those keys).
+    images: Vec<ImageRows>,
+    /// Steps still to take before its next draw: (first position, ids).
     chunks: VecDeque<(usize, Vec<i64>)>,
     generated: usize,
     last_id: i64,
@@ -91,13 +107,32 @@ struct Live {
     /// Token ids that end it when generated.
     stop_ids: Vec<i64>,
     text: Vec<u8>,
-    /// The pool blocks of its positions, in order.
-    blocks: Vec<BlockId>,
+    /// Its cache blocks.
+    kv: SeqBlocks,
+    /// It holds blocks and takes steps (else it waits for blocks: new, or
+    /// preempted).
+    running: bool,
+    /// When it last started running: the newest is preempted first.
+    started: u64,
+    /// Its first start was reported (the prefix-cache counts).
+    counted: bool,
+    /// It asked for prompt logprobs: its first start computes every row.
+    prompt_rows: bool,
+}
+
+impl Live {
+    /// Where its next draw is: the row of its last prompt token, or, once
+    /// it has generated, the row of its last token (fed as a decode step).
+    fn draw_row(&self) -> usize {
+        self.prompt_len + self.generated.saturating_sub(1) - usize::from(self.generated == 0)
+    }
 }
 
 /// The first stage's scheduler.
 pub(crate) struct Leader {
     live: HashMap<usize, Live>,
+    /// Waiting for blocks, in order (preempted ones first).
+    waiting: VecDeque<usize>,
     ready: VecDeque<usize>,
     in_flight: usize,
     stages: usize,
@@ -107,15 +142,17 @@ pub(crate) struct Leader {
     model: Option<std::path::PathBuf>,
     outbox: Outbox,
     /// The one allocator of every stage's KV blocks (all pools have the
-    /// same count): each step carries the blocks its sequences take.
-    pool: BlockPool,
-    kv_block: usize,
+    /// same count), with the prefix cache.
+    kv: Kv,
+    clock: u64,
 }
 
 impl Leader {
     pub fn new(st: &Stage, batching: Batching, model: Option<std::path::PathBuf>) -> Leader {
+        let kv = Kv::new(st.pool_blocks(), st.meta.kv_block, batching.prefix_caching);
         Leader {
             live: HashMap::new(),
+            waiting: VecDeque::new(),
             ready: VecDeque::new(),
             in_flight: 0,
             stages: st.meta.stages,
@@ -123,8 +160,8 @@ impl Leader {
             token_bytes: None,
             model,
             outbox: Outbox::default(),
-            pool: BlockPool::new(st.pool_blocks()),
-            kv_block: st.meta.kv_block,
+            kv,
+            clock: 0,
         }
     }
 
@@ -141,6 +178,8 @@ impl Leader {
         let mut feed_open = true;
         let mut last_stats = Instant::now();
         let mut stats_pending = false;
+        let mut last_usage = (usize::MAX, 0, 0, 0, 0);
+        let mut last_kv = Instant::now() - Duration::from_secs(1);
         feed.event(Event::Ready);
         loop {
             peers.drain(world);
@@ -158,10 +197,13 @@ impl Leader {
                     Next::Closed => feed_open = false,
                 }
             }
+            worked |= self.admit(feed);
             // One micro-batch per stage in flight. With one stage a step runs
             // to its end here: one per turn, so commands are read between steps.
             while self.in_flight < self.stages && !self.ready.is_empty() {
-                self.launch(world, st, books, feed)?;
+                if !self.launch(world, st, books, feed)? {
+                    break;
+                }
                 worked = true;
                 if self.stages == 1 {
                     break;
@@ -169,6 +211,16 @@ impl Leader {
             }
             if self.stages > 1 {
                 worked |= self.collect(world, peers, st, books, feed, &mut stats_pending)?;
+            }
+            // The pool's figures when they change, at most ten times a second.
+            if feed.wants_stats() && last_kv.elapsed() >= Duration::from_millis(100) {
+                let (used, cached, total) = self.kv.usage();
+                let running = self.live.values().filter(|l| l.running).count();
+                let usage = (used, cached, total, running, self.waiting.len());
+                if usage != last_usage {
+                    (last_usage, last_kv) = (usage, Instant::now());
+                    feed.event(Event::Kv { used, cached, total, running, waiting: self.waiting.len() });
+                }
             }
             if feed.wants_stats() && last_stats.elapsed() >= Duration::from_secs(1) && !stats_pending {
                 last_stats = Instant::now();
@@ -255,7 +307,6 @@ impl Leader {
                 let Some(l) = self.live.get_mut(&seq) else { return Ok(()) };
                 l.cancelled = true;
                 if !l.busy {
-                    self.ready.retain(|&s| s != seq);
                     self.end(world, st, books, feed, seq, EndReason::Cancelled);
                 }
                 Ok(())
@@ -280,8 +331,8 @@ impl Leader {
         Ok(())
     }
 
-    /// A sequence joins: checked, its caches allocated on every stage, its
-    /// images encoded, its prefill queued.
+    /// A sequence joins: checked, its block table opened on every stage, its
+    /// images encoded; it waits for blocks.
     fn add(
         &mut self,
         world: &SimpleCommunicator,
@@ -311,6 +362,18 @@ impl Leader {
         if a.prompt.len().checked_add(a.max_new).and_then(|n| n.checked_add(1)).is_none_or(|n| n > MAX_CAPACITY) {
             return feed.refuse(Some(a.seq), format!("the prompt and max_new exceed {MAX_CAPACITY} positions"));
         }
+        // Alone in the pool it must fit, or it could never finish.
+        let blocks = blocks_for(capacity(&a), self.kv.block);
+        if blocks > self.kv.total() {
+            let why = format!(
+                "{} prompt tokens + {} new need {blocks} cache blocks of {} positions; the KV pool has {}",
+                a.prompt.len(),
+                a.max_new,
+                self.kv.block,
+                self.kv.total()
+            );
+            return feed.refuse(Some(a.seq), why);
+        }
         if !a.stops.is_empty() && self.token_bytes.is_none() {
             match load_token_bytes(self.model.as_deref()) {
                 Ok(t) => self.token_bytes = Some(t),
@@ -318,7 +381,9 @@ impl Leader {
             }
         }
         st.start_seq(a.seq, capacity(&a))?;
-        let encoded = feed.images(&a).and_then(|im| match im {
+        let images = feed.images(&a);
+        let image_rows = images.as_ref().ok().and_then(Option::as_ref).map(|im| image_rows(st, &a.prompt, im)).unwrap_or_default();
+        let encoded = images.and_then(|im| match im {
             Some(im) => st.encode_images(a.seq, &a.prompt, &im).map_err(|e| e.to_string()),
             None => placeholders_without_images(st, &a.prompt),
         });
@@ -339,15 +404,20 @@ impl Leader {
             };
             books.start(a.seq, a.prompt.clone(), a.sampling, a.max_new, out);
         }
-        let chunk = self.batching.chunk;
-        let chunks = a.prompt.chunks(chunk).enumerate().map(|(k, c)| (k * chunk, c.to_vec())).collect();
+        let mut chain = Vec::new();
+        if self.kv.caching {
+            extend_chain(&mut chain, &a.prompt, &image_rows, self.kv.block);
+        }
         self.live.insert(
             a.seq,
             Live {
                 prompt_len: a.prompt.len(),
                 max_new: a.max_new,
                 ignore_eos: a.ignore_eos,
-                chunks,
+                ids: a.prompt,
+                chain,
+                images: image_rows,
+                chunks: VecDeque::new(),
                 generated: 0,
                 last_id: 0,
                 busy: false,
@@ -355,64 +425,136 @@ impl Leader {
                 stops: a.stops,
                 stop_ids: a.stop_ids,
                 text: Vec::new(),
-                blocks: Vec::new(),
+                kv: SeqBlocks::default(),
+                running: false,
+                started: 0,
+                counted: false,
+                prompt_rows: a.prompt_logprobs.is_some(),
             },
         );
-        self.ready.push_back(a.seq);
+        self.waiting.push_back(a.seq);
         Ok(())
     }
 
-    /// Steps the next micro-batch of ready sequences.
+    /// Starts waiting sequences, oldest first, while the pool has the
+    /// blocks of their first step (beyond one block per running sequence,
+    /// so those can go on): each takes the longest prefix the cache holds
+    /// and prefills the rest, or, preempted, recomputes what it had. One
+    /// whose next block another sequence is computing waits for it. Returns
+    /// whether any started.
+    fn admit(&mut self, feed: &mut impl Feed) -> bool {
+        let mut started = false;
+        let mut deferred = Vec::new();
+        let reserved: usize = self.live.values().map(|l| blocks_for(l.prompt_len + l.max_new + 1, self.kv.block)).sum();
+        while let Some(seq) = self.waiting.pop_front() {
+            let running = self.live.values().filter(|l| l.running).count();
+            let Some(l) = self.live.get_mut(&seq) else { continue };
+            let b = self.kv.block;
+            // Its rows up to the next draw: computed, or from the cache.
+            let draw = l.draw_row();
+            let cold = self.batching.score_last || (l.prompt_rows && l.generated == 0);
+            if self.kv.caching && l.chain.len() * b < l.ids.len() {
+                extend_chain(&mut l.chain, &l.ids, &l.images, b);
+            }
+            let limit = if cold { 0 } else { draw / b };
+            let hit = self.kv.lookup(&mut l.kv, &l.chain, limit);
+            let first_end = hit.saturating_add(self.batching.chunk).min(draw + 1);
+            let next_block = hit / b;
+            let wait_for_other = hit < draw && !cold && self.kv.computed_elsewhere(&l.chain, next_block, seq);
+            let need = self.kv.need(&l.kv, first_end);
+            // Beyond its own, a block for each running sequence to go on
+            // with, unless every live sequence's whole need fits the pool
+            // (then none can run out: an `m3c run` sizes it so).
+            let watermark = if reserved <= self.kv.total() { 0 } else { running };
+            let room = self.kv.available() >= need + watermark;
+            if wait_for_other || (!room && running > 0) || !self.kv.grow(&mut l.kv, first_end) {
+                self.kv.release(&mut l.kv);
+                deferred.push(seq);
+                if wait_for_other {
+                    continue;
+                }
+                break;
+            }
+            // Its steps up to the next draw: chunks from the first row not
+            // cached; a resumed sequence then feeds its last token as usual.
+            let upto = if l.generated == 0 { l.prompt_len } else { draw };
+            let chunk = self.batching.chunk;
+            l.chunks = l.ids[hit..upto].chunks(chunk).enumerate().map(|(k, c)| (hit + k * chunk, c.to_vec())).collect();
+            if !cold {
+                self.kv.will_compute(&mut l.kv, &l.chain, next_block, seq);
+            }
+            l.running = true;
+            self.clock += 1;
+            l.started = self.clock;
+            if !l.counted {
+                l.counted = true;
+                feed.event(Event::Prefix { seq, queried: l.prompt_len, hit: hit.min(l.prompt_len) });
+            }
+            self.ready.push_back(seq);
+            started = true;
+        }
+        // The deferred keep their places at the head of the queue.
+        for seq in deferred.into_iter().rev() {
+            self.waiting.push_front(seq);
+        }
+        started
+    }
+
+    /// Steps the next micro-batch of ready sequences; false when none
+    /// could take a step (they wait for blocks that steps in flight hold).
     fn launch(
         &mut self,
         world: &SimpleCommunicator,
         st: &mut Stage,
         books: &mut LastBooks,
         feed: &mut impl Feed,
-    ) -> Result<(), StageError> {
+    ) -> Result<bool, StageError> {
         let mut segs = Vec::new();
         let mut ids = Vec::new();
         let mut grown: Vec<Vec<u32>> = Vec::new();
-        while segs.len() < self.batching.per_batch {
+        let mut stalled = Vec::new();
+        'seqs: while segs.len() < self.batching.per_batch {
             let Some(seq) = self.ready.pop_front() else { break };
-            let l =
-                self.live.get_mut(&seq).ok_or_else(|| StageError::Step(format!("runtime bug: sequence {seq} is ready but not live")))?;
+            let l = self.live.get(&seq).ok_or_else(|| StageError::Step(format!("runtime bug: sequence {seq} is ready but not live")))?;
             let (pos0, item) = match l.chunks.front() {
                 Some((p, c)) => (*p, c.clone()),
                 None => (l.prompt_len + l.generated - 1, vec![l.last_id]),
             };
-            // The blocks its positions reach that it does not hold yet.
-            let need = blocks_for(pos0 + item.len(), self.kv_block).saturating_sub(l.blocks.len());
-            let mut new = Vec::with_capacity(need);
-            while new.len() < need {
-                match self.pool.alloc() {
-                    Some(b) => new.push(b),
-                    None => break,
+            // The blocks its positions reach; when the pool is out of them,
+            // the newest running sequence not in flight gives its back.
+            loop {
+                let l = self.live.get_mut(&seq).ok_or_else(|| StageError::Step(format!("runtime bug: sequence {seq} vanished")))?;
+                if self.kv.grow(&mut l.kv, pos0 + item.len()) {
+                    break;
+                }
+                let victim = self.live.iter().filter(|(_, v)| v.running && !v.busy).max_by_key(|(_, v)| v.started).map(|(&s, _)| s);
+                match victim {
+                    Some(v) => {
+                        self.preempt(world, st, feed, v);
+                        if v == seq {
+                            continue 'seqs;
+                        }
+                    }
+                    None => {
+                        stalled.push(seq);
+                        break 'seqs;
+                    }
                 }
             }
-            if new.len() < need {
-                for b in new {
-                    self.pool.release(b);
-                }
-                let why = format!(
-                    "the KV pool of {} blocks of {} positions is exhausted (sequence {seq} needs {need} more); give the stages more blocks",
-                    self.pool.total(),
-                    self.kv_block
-                );
-                feed.refuse(Some(seq), why)?;
-                self.end(world, st, books, feed, seq, EndReason::Error);
-                continue;
-            }
+            let l = self.live.get_mut(&seq).ok_or_else(|| StageError::Step(format!("runtime bug: sequence {seq} vanished")))?;
             l.chunks.pop_front();
-            l.blocks.extend_from_slice(&new);
             l.busy = true;
+            let new = Kv::unsent(&mut l.kv);
             st.grow_seq(seq, &new)?;
             segs.push(Segment { seq, pos0, rows: item.len() });
             grown.push(new);
             ids.extend(item);
         }
+        for seq in stalled.into_iter().rev() {
+            self.ready.push_front(seq);
+        }
         if segs.is_empty() {
-            return Ok(());
+            return Ok(false);
         }
         if grown.iter().all(Vec::is_empty) {
             grown.clear();
@@ -422,7 +564,8 @@ impl Leader {
             let sample = books.sample_in(&segs, st.meta.vocab)?;
             let out = st.step(&segs, &ids, &mut x, Some(sample))?;
             let got = books.finish(&segs, &out, st.meta.vocab, 0)?;
-            return self.returned(world, st, books, feed, &segs, &got);
+            self.returned(world, st, books, feed, &segs, &got)?;
+            return Ok(true);
         }
         if st.uses_nccl() {
             // The step's NCCL send waits for the receiver, who needs the header first.
@@ -433,7 +576,25 @@ impl Leader {
             self.outbox.send(world, 1, TAG_ACT, message_blocks(KIND_STEP, &segs, &grown, &f32_bytes(&x)));
         }
         self.in_flight += 1;
-        Ok(())
+        Ok(true)
+    }
+
+    /// Sequence `seq` (running, no step in flight) gives its blocks back on
+    /// every stage and waits again, first in line; what it generated stays
+    /// (the last stage's books, the stop-string text), and it resumes by
+    /// recomputing its rows, from the cache where it can.
+    fn preempt(&mut self, world: &SimpleCommunicator, st: &mut Stage, feed: &mut impl Feed, seq: usize) {
+        let Some(l) = self.live.get_mut(&seq) else { return };
+        self.kv.release(&mut l.kv);
+        l.running = false;
+        l.chunks.clear();
+        self.ready.retain(|&s| s != seq);
+        self.waiting.push_front(seq);
+        st.reset_seq(seq);
+        if self.stages > 1 {
+            self.outbox.send(world, 1, TAG_ACT, message(KIND_RESET, &[Segment { seq, pos0: 0, rows: 0 }], &[]));
+        }
+        feed.event(Event::Preempted { seq });
     }
 
     /// A micro-batch came back with one id per segment.
@@ -457,13 +618,16 @@ impl Leader {
             }
             let l = self.live.get_mut(&s.seq).ok_or_else(|| StageError::Step(format!("ids for sequence {}, which is not live", s.seq)))?;
             l.busy = false;
+            // Every stage has written these rows: their full blocks can be shared.
+            self.kv.commit(&mut l.kv, &l.chain, s.pos0 + s.rows);
             let reason = if l.cancelled {
                 Some(EndReason::Cancelled)
             } else if id < 0 {
                 // Its logits were not finite: it ends, the others go on.
                 Some(EndReason::Error)
-            } else if s.pos0 + s.rows < l.prompt_len {
-                // A prefill chunk before the prompt's last: no token yet.
+            } else if s.pos0 + s.rows < l.prompt_len + l.generated {
+                // A prefill chunk before the prompt's last (or one that
+                // recomputes a resumed sequence's rows): no token yet.
                 None
             } else if l.generated >= l.max_new {
                 // Nothing more to generate: this step only scored the last
@@ -472,6 +636,10 @@ impl Leader {
             } else {
                 l.generated += 1;
                 l.last_id = id;
+                l.ids.push(id);
+                if self.kv.caching && (l.chain.len() + 1) * self.kv.block <= l.ids.len() {
+                    extend_chain(&mut l.chain, &l.ids, &l.images, self.kv.block);
+                }
                 if let Some(lp) = &d.logprobs {
                     feed.event(Event::Logprobs { seq: s.seq, id: id as u32, lp: lp.clone() });
                 }
@@ -494,6 +662,7 @@ impl Leader {
     }
 
     /// A sequence leaves: the feed is told, every stage frees its caches.
+    /// A sequence leaves: the feed is told, every stage frees its caches.
     fn end(
         &mut self,
         world: &SimpleCommunicator,
@@ -503,11 +672,11 @@ impl Leader {
         seq: usize,
         reason: EndReason,
     ) {
-        if let Some(l) = self.live.remove(&seq) {
-            for b in l.blocks {
-                self.pool.release(b);
-            }
+        if let Some(mut l) = self.live.remove(&seq) {
+            self.kv.release(&mut l.kv);
         }
+        self.ready.retain(|&s| s != seq);
+        self.waiting.retain(|&s| s != seq);
         books.end(seq);
         st.end_seq(seq);
         if self.stages > 1 {
@@ -550,4 +719,29 @@ fn stat_events(feed: &mut impl Feed, w: &[i64]) {
     for s in w.chunks_exact(3) {
         feed.event(Event::Stat { stage: s[0] as usize, steps: s[1] as u64, busy_s: s[2] as f64 / 1e6 });
     }
+}
+
+/// Each image's content hash and the prompt positions of its placeholder
+/// rows (the images' tokens, in order), for the prefix-cache keys.
+fn image_rows(st: &Stage, prompt: &[i64], im: &SeqImages) -> Vec<ImageRows> {
+    use sha2::{Digest, Sha256};
+    let Some(v) = &st.meta.vision else { return Vec::new() };
+    let mut rows = prompt.iter().enumerate().filter(|(_, &id)| id == v.image_token).map(|(p, _)| p);
+    let row = im.pixels.len() / im.patches().max(1);
+    let mut out = Vec::new();
+    let mut at = 0;
+    for (i, n) in im.tokens().into_iter().enumerate() {
+        let grid = &im.grids[i];
+        let patches: usize = grid.iter().product();
+        let mut h = Sha256::new();
+        for d in grid {
+            h.update((*d as u64).to_le_bytes());
+        }
+        for x in im.pixels.get(at * row..(at + patches) * row).unwrap_or_default() {
+            h.update(x.to_bits().to_le_bytes());
+        }
+        at += patches;
+        out.push((h.finalize().into(), rows.by_ref().take(n).collect()));
+    }
+    out
 }

@@ -443,6 +443,22 @@ impl Stage {
         Ok(Stage::new(meta, backing, blocks))
     }
 
+    /// Sequence `seq` holds no block any more (it was preempted): its
+    /// table stays, at the same address, for the blocks it takes when it
+    /// resumes, and so do its images.
+    pub fn reset_seq(&mut self, seq: usize) {
+        let Some(t) = self.seqs.get_mut(&seq) else { return };
+        for &b in &t.table[..t.held] {
+            let r = &mut self.block_refs[b as usize];
+            *r -= 1;
+            if *r == 0 {
+                self.blocks_held -= 1;
+            }
+        }
+        t.table.iter_mut().for_each(|e| *e = 0);
+        t.held = 0;
+    }
+
     /// Blocks in this stage's pool.
     pub fn pool_blocks(&self) -> usize {
         self.blocks
@@ -507,15 +523,8 @@ impl Stage {
     /// that point at it): a sequence that finished or was cancelled.
     pub fn end_seq(&mut self, seq: usize) {
         self.images.remove(&seq);
-        if let Some(t) = self.seqs.remove(&seq) {
-            for &b in &t.table[..t.held] {
-                let r = &mut self.block_refs[b as usize];
-                *r -= 1;
-                if *r == 0 {
-                    self.blocks_held -= 1;
-                }
-            }
-        }
+        self.reset_seq(seq);
+        self.seqs.remove(&seq);
         if let Backing::Gpu { graphs, .. } = &mut self.backing {
             graphs.forget(seq);
         }

@@ -28,6 +28,9 @@ pub const KIND_STATS: i64 = 4;
 /// `m3c serve`: a timeline window starts (payload `[1]`) or ends (`[0]`:
 /// each stage then sends its events to the first).
 pub const KIND_TRACE: i64 = 5;
+/// A sequence gives its cache blocks back (preempted) but stays live: the
+/// last stage keeps its books, and later steps give it blocks again.
+pub const KIND_RESET: i64 = 6;
 
 /// The most segments a step may carry (a micro-batch's sequences).
 const MAX_SEGMENTS: usize = 1 << 20;

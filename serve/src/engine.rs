@@ -1,9 +1,11 @@
 //! The front's side of the pipeline: the stages run under mpirun with
 //! `--serve`; requests become `add` lines on the first stage's standard
 //! input and come back as `m3c-id`/`m3c-end` lines on its standard output.
-//! Here requests are admitted against the cache budget and the batch limit
-//! (the rest wait, up to `--max-queue`), tokens are routed to their request,
-//! and a pipeline that stops fails every request still open.
+//! Here requests are admitted against the batch limit (the rest wait, up
+//! to `--max-queue`; the first stage starts each sequence when the KV pool
+//! has blocks for it), tokens are routed to their request, the pool's
+//! figures are kept for `/metrics`, and a pipeline that stops fails every
+//! request still open.
 
 use super::metrics::{Gauges, Metrics, StageStat};
 use m3c_contract::protocol::{Command, EndReason, Event as StageEvent, SeqRequest, TokenLogprobs};
@@ -61,7 +63,7 @@ pub struct Submission {
 pub enum SubmitError {
     /// The waiting queue is full (503).
     QueueFull(usize),
-    /// It could never fit the cache budget (400).
+    /// It could never fit the KV pool, even alone (400).
     TooLarge(String),
     /// The pipeline is not up (503).
     Down(String),
@@ -69,12 +71,14 @@ pub enum SubmitError {
 
 /// Limits of admission.
 pub struct Limits {
-    /// Cache bytes per stage for all running sequences together.
+    /// Cache bytes per stage of the KV pool (the largest stage's).
     pub budget: u64,
     /// Cache bytes per position of the largest stage.
     pub per_position: u64,
     /// Positions per cache block: a sequence's cache is whole blocks.
     pub kv_block: u64,
+    /// Blocks in every stage's pool.
+    pub blocks: u64,
     /// Sequences running at once.
     pub max_batch: usize,
     /// Requests waiting at once.
@@ -83,7 +87,6 @@ pub struct Limits {
 
 struct Running {
     tx: mpsc::UnboundedSender<Event>,
-    bytes: u64,
     arrived: Instant,
     last: Option<Instant>,
     /// The logprobs of the token whose id comes next.
@@ -94,7 +97,6 @@ struct Waiting {
     seq: usize,
     /// The framed `add` command (its line, and its images).
     frame: Vec<u8>,
-    bytes: u64,
     prompt_tokens: usize,
     tx: mpsc::UnboundedSender<Event>,
     arrived: Instant,
@@ -105,7 +107,13 @@ struct State {
     next_seq: usize,
     running: HashMap<usize, Running>,
     waiting: VecDeque<Waiting>,
-    cache_used: u64,
+    /// The pool's blocks held by sequences and held by the prefix cache
+    /// only (the first stage's last report).
+    blocks_used: u64,
+    blocks_cached: u64,
+    /// Sequences the first stage runs (holding blocks) and holds back
+    /// (waiting for blocks).
+    sequences: (usize, usize),
     /// Per stage: the last report (steps, busy seconds, when).
     reports: Vec<Option<(u64, f64, Instant)>>,
 }
@@ -305,10 +313,20 @@ impl Engine {
 
     pub fn gauges(&self) -> Gauges {
         let st = self.state();
-        Gauges { running: st.running.len(), waiting: st.waiting.len(), cache_used: st.cache_used, cache_budget: self.limits.budget }
+        let block_bytes = self.limits.kv_block * self.limits.per_position;
+        Gauges {
+            running: st.running.len(),
+            waiting: st.waiting.len(),
+            cache_used: st.blocks_used * block_bytes,
+            cache_budget: self.limits.budget,
+            blocks_used: st.blocks_used,
+            blocks_cached: st.blocks_cached,
+            blocks_total: self.limits.blocks,
+            sequences: st.sequences,
+        }
     }
 
-    /// Admits a request, or queues it while the budget or the batch is full.
+    /// Admits a request, or queues it while the batch is full.
     pub fn submit(self: &Arc<Engine>, s: Submission) -> Result<Ticket, SubmitError> {
         if let Some(why) = self.down_reason() {
             return Err(SubmitError::Down(why));
@@ -320,7 +338,7 @@ impl Engine {
         let bytes = positions.div_ceil(self.limits.kv_block.max(1)) * self.limits.kv_block * self.limits.per_position;
         if bytes > self.limits.budget {
             return Err(SubmitError::TooLarge(format!(
-                "the prompt ({} tokens) and max_tokens ({}) need {:.1} MB of cache per stage; the server's --kv-budget is {:.1} MB",
+                "the prompt ({} tokens) and max_tokens ({}) need {:.1} MB of cache per stage; the server's KV pool (--kv-budget) holds {:.1} MB",
                 s.prompt.len(),
                 s.max_new,
                 bytes as f64 / 1e6,
@@ -329,7 +347,7 @@ impl Engine {
         }
         let (tx, rx) = mpsc::unbounded_channel();
         let mut st = self.state();
-        let would_wait = !st.waiting.is_empty() || !self.fits(&st, bytes);
+        let would_wait = !st.waiting.is_empty() || !self.fits(&st);
         if would_wait && st.waiting.len() >= self.limits.max_queue {
             return Err(SubmitError::QueueFull(self.limits.max_queue));
         }
@@ -351,27 +369,23 @@ impl Engine {
             prompt_logprobs: s.prompt_logprobs,
         };
         let frame = Command::Add(request).to_bytes();
-        st.waiting.push_back(Waiting { seq, frame, bytes, prompt_tokens: s.prompt.len(), tx, arrived: Instant::now() });
+        st.waiting.push_back(Waiting { seq, frame, prompt_tokens: s.prompt.len(), tx, arrived: Instant::now() });
         self.admit(&mut st);
         drop(st);
         Ok(Ticket { seq, rx, engine: self.clone(), done: false })
     }
 
-    fn fits(&self, st: &State, bytes: u64) -> bool {
-        st.running.len() < self.limits.max_batch && st.cache_used + bytes <= self.limits.budget
+    fn fits(&self, st: &State) -> bool {
+        st.running.len() < self.limits.max_batch
     }
 
     /// Starts waiting requests, in order, while they fit.
     fn admit(&self, st: &mut State) {
-        while let Some(w) = st.waiting.front() {
-            if !self.fits(st, w.bytes) {
-                break;
-            }
-            let w = st.waiting.pop_front().expect("front exists");
-            st.cache_used += w.bytes;
+        while self.fits(st) {
+            let Some(w) = st.waiting.pop_front() else { break };
             self.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).prompt_tokens += w.prompt_tokens as u64;
             self.send(w.frame);
-            st.running.insert(w.seq, Running { tx: w.tx, bytes: w.bytes, arrived: w.arrived, last: None, logprobs: None });
+            st.running.insert(w.seq, Running { tx: w.tx, arrived: w.arrived, last: None, logprobs: None });
         }
     }
 
@@ -399,7 +413,6 @@ impl Engine {
         for w in st.waiting.drain(..) {
             let _ = w.tx.send(Event::Failed(why.to_string()));
         }
-        st.cache_used = 0;
         self.down.send_if_modified(|d| {
             if d.is_none() {
                 *d = Some(why.to_string());
@@ -481,7 +494,6 @@ impl Engine {
             StageEvent::End { seq, reason } => {
                 let mut st = self.state();
                 if let Some(r) = st.running.remove(&seq) {
-                    st.cache_used -= r.bytes;
                     let mut c = self.metrics.c.lock().unwrap_or_else(|e| e.into_inner());
                     match reason {
                         EndReason::Cancelled => c.requests_cancelled += 1,
@@ -513,12 +525,22 @@ impl Engine {
                 }
                 *slot = Some((steps, busy, now));
             }
+            StageEvent::Prefix { queried, hit, .. } => {
+                let mut c = self.metrics.c.lock().unwrap_or_else(|e| e.into_inner());
+                c.prefix_queries += queried as u64;
+                c.prefix_hits += hit as u64;
+            }
+            StageEvent::Preempted { .. } => self.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).preemptions += 1,
+            StageEvent::Kv { used, cached, running, waiting, .. } => {
+                let mut st = self.state();
+                (st.blocks_used, st.blocks_cached) = (used as u64, cached as u64);
+                st.sequences = (running, waiting);
+            }
             StageEvent::Bad { seq, why } => {
                 eprintln!("m3c serve: the first stage refused a command: {line}");
                 // A refused add ends its request (and frees its reservation).
                 let mut st = self.state();
                 if let Some(r) = seq.and_then(|s| st.running.remove(&s)) {
-                    st.cache_used -= r.bytes;
                     self.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).requests_failed += 1;
                     let _ = r.tx.send(Event::Failed(format!("the pipeline refused the request: {why}")));
                 }

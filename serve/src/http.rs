@@ -665,8 +665,8 @@ async fn start(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: Opti
         }
     }
     let room = app.context.saturating_sub(ids.len());
-    // Without max_tokens: to the end of the context, up to the server's
-    // default (a request reserves its whole cache when admitted).
+    // Without max_tokens: to the end of the context (or of the KV pool),
+    // up to the server's default.
     let max_new = common.max_tokens.unwrap_or(room.min(app.default_max_tokens));
     if ids.len().checked_add(max_new).is_none_or(|n| n > app.context) || max_new == 0 {
         return Err(error(&ApiError::bad(

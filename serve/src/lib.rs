@@ -33,11 +33,15 @@ pub struct Options {
     pub api_key: Option<String>,
     /// Sequences running at once.
     pub max_batch: usize,
-    /// Cache bytes per stage for all running sequences.
+    /// Bytes per stage of the KV pool (whole blocks of it).
     pub kv_budget_bytes: u64,
+    /// Automatic prefix caching (on unless `--no-enable-prefix-caching`).
+    pub prefix_caching: bool,
+    /// Blocks per stage pool, in place of what `kv_budget_bytes` holds.
+    pub kv_blocks: Option<usize>,
     pub max_queue: usize,
     pub prefill_chunk: usize,
-    /// `max_tokens` of a chat request that gives none (capped by the context).
+    /// `max_tokens` of a chat request that gives none (capped by the context and the KV pool).
     pub default_max_tokens: usize,
     pub timeout_s: f64,
     /// Seconds in-flight requests get to finish after SIGTERM.
@@ -116,7 +120,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
     // against exactly what the pools hold.
     let kv_block = compiled.manifest.kv_block as u64;
     let block_bytes = per_position * kv_block;
-    let blocks = (o.kv_budget_bytes / block_bytes).min(m3c_contract::blocks::MAX_BLOCKS as u64);
+    let blocks = o.kv_blocks.map_or(o.kv_budget_bytes / block_bytes, |n| n as u64).min(m3c_contract::blocks::MAX_BLOCKS as u64);
     if blocks == 0 {
         anyhow::bail!(
             "--kv-budget {:.3} GB holds no cache block: one block of {kv_block} positions takes {:.3} MB on the largest stage",
@@ -125,6 +129,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
         );
     }
     stage.kv_blocks = Some(blocks as usize);
+    stage.prefix_caching = o.prefix_caching;
     let budget = blocks * block_bytes;
     if let Some(d) = &o.trace_dir {
         if !d.is_dir() {
@@ -143,7 +148,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
                 .ok_or_else(|| anyhow::anyhow!("--allowed-local-media-path {}: not a folder", d.display()))?,
         ),
     };
-    let limits = engine::Limits { budget, per_position, kv_block, max_batch: o.max_batch.max(1), max_queue: o.max_queue };
+    let limits = engine::Limits { budget, per_position, kv_block, blocks, max_batch: o.max_batch.max(1), max_queue: o.max_queue };
     let media = media::MediaPolicy {
         allowed_local,
         max_bytes: o.max_image_bytes,
@@ -151,7 +156,9 @@ fn prepare(o: &Options) -> Result<Prepared> {
         max_images: o.max_images_per_request,
     };
     let (api_key, default_max_tokens) = (o.api_key.clone(), o.default_max_tokens);
-    let context = compiled.manifest.max_positions;
+    // The longest sequence: the model's context, or what the KV pool holds
+    // (a sequence must fit it alone; its last row scores nothing).
+    let context = compiled.manifest.max_positions.min((blocks as usize * kv_block as usize).saturating_sub(1));
     // Images: only where the first stage encodes them (the manifest's
     // stages were compiled with the vision tower unless the plan said not).
     let image_token = compiled.manifest.image_token.filter(|_| compiled.encodes_images());

@@ -54,6 +54,10 @@ pub struct Counters {
     pub ttft: Histogram,
     pub itl: Histogram,
     pub stages: Vec<StageStat>,
+    /// Prompt tokens looked up in the prefix cache, and found there.
+    pub prefix_queries: u64,
+    pub prefix_hits: u64,
+    pub preemptions: u64,
 }
 
 #[derive(Default)]
@@ -67,6 +71,12 @@ pub struct Gauges {
     pub waiting: usize,
     pub cache_used: u64,
     pub cache_budget: u64,
+    /// KV pool blocks held by sequences, held by the prefix cache only, and in all.
+    pub blocks_used: u64,
+    pub blocks_cached: u64,
+    pub blocks_total: u64,
+    /// Sequences holding KV blocks, and sequences waiting for them.
+    pub sequences: (usize, usize),
 }
 
 impl Metrics {
@@ -84,10 +94,34 @@ impl Metrics {
         gauge(
             &mut out,
             "m3c:cache_bytes_used",
-            "Cache bytes reserved by the running sequences (per stage, the largest stage).",
+            "Cache bytes of the KV blocks sequences hold (per stage, the largest stage).",
             g.cache_used.to_string(),
         );
-        gauge(&mut out, "m3c:cache_bytes_budget", "The --kv-budget, per stage.", g.cache_budget.to_string());
+        gauge(
+            &mut out,
+            "m3c:cache_bytes_budget",
+            "The KV pool's bytes (the whole blocks --kv-budget holds), per stage.",
+            g.cache_budget.to_string(),
+        );
+        let usage = if g.blocks_total == 0 { 0.0 } else { g.blocks_used as f64 / g.blocks_total as f64 };
+        gauge(&mut out, "m3c:kv_cache_usage_perc", "Share of the KV pool's blocks that sequences hold (1 = full).", usage.to_string());
+        gauge(&mut out, "m3c:kv_cache_blocks_total", "Blocks in every stage's KV pool.", g.blocks_total.to_string());
+        gauge(
+            &mut out,
+            "m3c:kv_cache_blocks_cached",
+            "Blocks that hold only cached prefixes (no sequence holds them; evicted least recently used).",
+            g.blocks_cached.to_string(),
+        );
+        gauge(&mut out, "m3c:num_sequences_running", "Sequences that hold KV blocks and take steps.", g.sequences.0.to_string());
+        gauge(
+            &mut out,
+            "m3c:num_sequences_waiting",
+            "Sequences sent to the pipeline that wait for KV blocks (new, or preempted).",
+            g.sequences.1.to_string(),
+        );
+        counter(&mut out, "m3c:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", c.prefix_queries);
+        counter(&mut out, "m3c:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", c.prefix_hits);
+        counter(&mut out, "m3c:num_preemptions_total", "Sequences that gave their KV blocks back to let older ones go on.", c.preemptions);
         counter(&mut out, "m3c:prompt_tokens_total", "Prompt tokens of admitted requests.", c.prompt_tokens);
         counter(&mut out, "m3c:generation_tokens_total", "Tokens generated.", c.generation_tokens);
         counter(&mut out, "m3c:requests_success_total", "Requests that finished.", c.requests_ok);

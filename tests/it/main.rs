@@ -10,6 +10,7 @@ mod gpu_kernels;
 mod graph;
 mod host_kernels;
 mod hostile;
+mod kv;
 mod multihost;
 mod netns;
 mod parsers;

@@ -355,6 +355,37 @@ fn structured_outputs_hold_on_random_weights() {
     assert!(got["calls"].as_u64() >= Some(4), "{got}");
 }
 
+/// Sixteen chats with a shared system prompt of well over eight blocks,
+/// all at once, get the same texts and logprobs from a server with prefix
+/// caching, one without, and one whose pool is too small for them all at
+/// once (so sequences are preempted and resume); the hits and preemptions
+/// are counted, and every block is given back afterwards (with caching,
+/// blocks stay cached, held by no sequence).
+#[test]
+fn a_shared_system_prompt_is_computed_once_and_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, model) = compiled(dir.path());
+    let serve = |extra: &[&str]| Server::start(&out, &model, extra).client(&["shared_prefix", "16"]);
+    let cold = serve(&["--no-enable-prefix-caching"]);
+    let warm = serve(&[]);
+    let tight = serve(&["--kv-blocks", "180"]);
+    let prompt_tokens = cold["answers"][0]["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt_tokens >= 500, "the shared system prompt should span well over 8 blocks: {prompt_tokens} tokens");
+    assert_eq!(warm["answers"], cold["answers"], "prefix caching changed an answer");
+    assert_eq!(tight["answers"], cold["answers"], "preemption changed an answer");
+    let m = |v: &Value, k: &str| v["metrics"][k].as_f64().unwrap();
+    assert_eq!(m(&cold, "prefix_cache_hits_total"), 0.0);
+    assert!(m(&cold, "prefix_cache_queries_total") >= 16.0 * 500.0);
+    // Each request after the first finds the system prompt's full blocks.
+    assert!(m(&warm, "prefix_cache_hits_total") >= 15.0 * 480.0, "{}", warm["metrics"]);
+    assert!(m(&warm, "kv_cache_blocks_cached") > 0.0, "{}", warm["metrics"]);
+    assert!(m(&tight, "num_preemptions_total") > 0.0, "{}", tight["metrics"]);
+    assert_eq!(m(&tight, "kv_cache_blocks_total"), 180.0);
+    for v in [&cold, &warm, &tight] {
+        assert_eq!(m(v, "cache_bytes_used"), 0.0, "{}", v["metrics"]);
+    }
+}
+
 #[test]
 fn thirty_two_concurrent_streams_each_get_their_solo_result_whenever_they_arrive() {
     let dir = tempfile::tempdir().unwrap();

@@ -150,6 +150,41 @@ def disconnect(base, model):
     raise AssertionError("the cache was not freed within 20 s of the disconnect")
 
 
+async def shared_prefix(base, model, n):
+    """n chats that share a long system prompt, each with its own question,
+    all at once: their texts and logprobs (to compare across servers), and
+    the KV pool's figures once they are done (every block back: held by no
+    sequence, at most cached)."""
+    system = "You are a careful assistant for the m3c project. " * 3
+    a = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=300)
+
+    async def one(i):
+        r = await a.chat.completions.create(
+            model=model,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}: what is {i} + {i}?"}],
+            max_tokens=8,
+            temperature=0.9,
+            seed=100 + i,
+            logprobs=True,
+            top_logprobs=2,
+            extra_body={"ignore_eos": True},
+        )
+        ch = r.choices[0]
+        lps = [[t.token, t.logprob, [(x.token, x.logprob) for x in t.top_logprobs]] for t in ch.logprobs.content]
+        return {"text": ch.message.content, "reasoning": getattr(ch.message, "reasoning_content", None), "logprobs": lps, "prompt_tokens": r.usage.prompt_tokens}
+
+    got = await asyncio.gather(*[one(i) for i in range(n)])
+    deadline = time.time() + 20
+    while metric(base, "m3c:kv_cache_usage_perc") != 0 or metric(base, "m3c:num_requests_running") != 0:
+        assert time.time() < deadline, "the KV blocks were not all given back within 20 s"
+        time.sleep(0.05)
+    figures = {
+        name: metric(base, f"m3c:{name}")
+        for name in ["prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total", "kv_cache_blocks_total", "kv_cache_blocks_cached", "cache_bytes_used"]
+    }
+    return {"answers": got, "metrics": figures}
+
+
 def tools(base, model):
     """A tool-call round trip: tools rendered into the prompt, then the
     assistant's call and the tool's result sent back."""
@@ -283,6 +318,11 @@ def poison(base, model):
         assert "non-finite" in str(e), e
     ok2 = c.completions.create(model=model, prompt=[20, 21, 22], max_tokens=3, temperature=0)
     assert ok1.usage.completion_tokens == 3
+    # The failed request gave its KV blocks back, as the served ones did.
+    deadline = time.time() + 10
+    while metric(base, "m3c:kv_cache_usage_perc") != 0:
+        assert time.time() < deadline, "KV blocks are still held after every request ended"
+        time.sleep(0.05)
     return {"failed": failed, "after": ok2.usage.completion_tokens, "health": httpx.get(f"{root}/health", timeout=10).status_code,
             "failed_total": metric(base, "m3c:requests_failed_total")}
 
@@ -858,6 +898,7 @@ COMMANDS = {
     "load": lambda base, model, rest: asyncio.run(load(base, model, int(rest[0]), int(rest[1]))),
     "disconnect": lambda base, model, rest: disconnect(base, model),
     "tools": lambda base, model, rest: tools(base, model),
+    "shared_prefix": lambda base, model, rest: asyncio.run(shared_prefix(base, model, int(rest[0]))),
     "errors": lambda base, model, rest: errors(base, model),
     "auth": lambda base, model, rest: auth(base, model, rest[0]),
     "busy": lambda base, model, rest: busy(base, model),
