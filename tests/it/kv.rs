@@ -66,8 +66,10 @@ fn prefix_cache_hits_and_preemptions_give_the_cold_runs_tokens_and_logprobs() {
         let tight = run(&out, &["--kv-blocks", "14"]);
         assert_eq!(tight.0, cold_pp1.0, "pp {pp}: preemption changed the output");
         assert!(kv_counts(&tight.1).1 > 0, "pp {pp}: a pool of 14 blocks should preempt: {}", tight.1);
-        let tight_cold = run(&out, &["--kv-blocks", "14", "--no-enable-prefix-caching"]);
-        assert_eq!(tight_cold.0, cold_pp1.0, "pp {pp}: preemption without the cache changed the output");
+        if pp == 2 {
+            let tight_cold = run(&out, &["--kv-blocks", "14", "--no-enable-prefix-caching"]);
+            assert_eq!(tight_cold.0, cold_pp1.0, "pp {pp}: preemption without the cache changed the output");
+        }
     }
 }
 
@@ -75,8 +77,7 @@ fn prefix_cache_hits_and_preemptions_give_the_cold_runs_tokens_and_logprobs() {
 /// reuse the very bits a cold run computes.
 #[test]
 fn bf16_prefix_cache_hits_and_preemptions_change_nothing() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = m3c_tests::compile(&fixture("tiny-m3"), 2, dir.path(), &["--kv-cache", "bf16", "--activations", "bf16"]);
+    let out = crate::shared::out_with("tiny-m3", 2, &["--activations", "bf16", "--kv-cache", "bf16"]);
     let cold = run(&out, &["--no-enable-prefix-caching"]);
     let warm = run(&out, &[]);
     assert!(kv_counts(&warm.1).0 >= 5 * 36, "{}", warm.1);

@@ -364,7 +364,7 @@ fn bf16_activations_stay_near_the_golden_and_pp_invariant() {
         for &(pp, kv) in runs {
             let d = dir.path().join(format!("pp{pp}-{kv}"));
             std::fs::create_dir(&d).unwrap();
-            let out = compile(&model, pp, &d, &["--activations", "bf16", "--kv-cache", kv]);
+            let out = crate::shared::out_with(name, pp, &["--activations", "bf16", "--kv-cache", kv]);
             let manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
             assert_eq!(manifest["activations"], "bf16");
             let dump = d.join("dump.safetensors");

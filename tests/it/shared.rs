@@ -12,17 +12,24 @@ use std::sync::{Arc, Mutex, OnceLock};
 /// The output of `m3c compile --model tests/fixtures/NAME --pp PP`, compiled
 /// on first use (an earlier run's output there is replaced).
 pub fn out(name: &str, pp: usize) -> PathBuf {
-    /// One cell per (fixture, pp): a test waits only for its own compile.
-    type Cells = HashMap<(String, usize), Arc<OnceLock<PathBuf>>>;
+    out_with(name, pp, &[])
+}
+
+/// The same with more compile flags (`--activations bf16`, ...).
+pub fn out_with(name: &str, pp: usize, extra: &[&str]) -> PathBuf {
+    /// One cell per (fixture, pp, flags): a test waits only for its own compile.
+    type Cells = HashMap<(String, usize, String), Arc<OnceLock<PathBuf>>>;
     static OUTS: OnceLock<Mutex<Cells>> = OnceLock::new();
+    let flags = extra.join(" ");
     let cell = {
         let mut map = OUTS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
-        map.entry((name.to_string(), pp)).or_default().clone()
+        map.entry((name.to_string(), pp, flags.clone())).or_default().clone()
     };
     cell.get_or_init(|| {
-        let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join("shared").join(format!("{}-pp{pp}", name.replace('/', "_")));
+        let tag: String = flags.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
+        let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join("shared").join(format!("{}-pp{pp}{tag}", name.replace('/', "_")));
         std::fs::create_dir_all(&d).unwrap();
-        compile(&fixture(name), pp, &d, &[])
+        compile(&fixture(name), pp, &d, extra)
     })
     .clone()
 }
