@@ -263,6 +263,9 @@ pub(crate) struct ServeArgs {
     /// Cache blocks in each stage's KV pool, in place of what --kv-budget holds (as vLLM's --num-gpu-blocks-override).
     #[arg(long, value_name = "N", value_parser = positive_count)]
     pub(crate) kv_blocks: Option<usize>,
+    /// Size each stage's KV pool to this share (0-1] of its free memory at start-up (a GPU's after its weights; leave room for step scratch), in place of --kv-budget.
+    #[arg(long, value_name = "F", value_parser = fraction, conflicts_with = "kv_blocks")]
+    pub(crate) kv_fraction: Option<f64>,
     /// Requests that may wait for a slot; past that a request gets 503.
     #[arg(long, default_value_t = 256, value_parser = count)]
     pub(crate) max_queue: usize,
@@ -317,6 +320,10 @@ pub(crate) fn stop_string(v: &str) -> Result<String, String> {
 
 pub(crate) fn number(v: &str) -> Result<f32, String> {
     m3c_contract::prompts::parse_number(v, "value").map_err(|_| format!("`{v}` is not a number"))
+}
+
+pub(crate) fn fraction(v: &str) -> Result<f64, String> {
+    m3c_contract::stage_args::parse_fraction(v)
 }
 
 pub(crate) fn timeout_s(v: &str) -> Result<f64, String> {

@@ -175,6 +175,7 @@ fn run(cli: Cli) -> Result<()> {
                 kv_budget_bytes: (a.kv_budget as f64 * 1e9) as u64,
                 prefix_caching: !a.no_enable_prefix_caching,
                 kv_blocks: a.kv_blocks,
+                kv_fraction: a.kv_fraction,
                 max_queue: a.max_queue,
                 prefill_chunk: a.prefill_chunk,
                 default_max_tokens: a.default_max_tokens,

@@ -36,6 +36,10 @@ pub struct StageArgs {
     /// Automatic prefix caching: full cache blocks are kept after their
     /// sequence ends and reused by later sequences with the same prefix.
     pub prefix_caching: bool,
+    /// Size every stage's KV pool to this share of its free memory (a
+    /// GPU's after its weights; the least any stage offers), when
+    /// `kv_blocks` is not given.
+    pub kv_fraction: Option<f64>,
     /// Prefill prompts in chunks of this many tokens.
     pub prefill_chunk: Option<usize>,
     /// CUDA stages: replay each decode micro-batch's step as a captured CUDA graph.
@@ -87,6 +91,7 @@ impl StageArgs {
             micro_batch: None,
             kv_blocks: None,
             prefix_caching: true,
+            kv_fraction: None,
             prefill_chunk: None,
             cuda_graphs: true,
             prefill_gemm_cublas: false,
@@ -132,6 +137,7 @@ impl StageArgs {
             ("--prefill-chunk", self.prefill_chunk.map(|n| n.to_string())),
             ("--micro-batch", self.micro_batch.map(|n| n.to_string())),
             ("--kv-blocks", self.kv_blocks.map(|n| n.to_string())),
+            ("--kv-fraction", self.kv_fraction.map(|f| f.to_string())),
             ("--timeout-s", Some(self.timeout_s.to_string())),
             ("--cuda-graphs", Some(if self.cuda_graphs { "on" } else { "off" }.to_string())),
             ("--prefix-caching", Some(if self.prefix_caching { "on" } else { "off" }.to_string())),
@@ -182,8 +188,16 @@ impl StageArgs {
 /// Seconds without a heartbeat before a peer counts as lost.
 pub const DEFAULT_TIMEOUT_S: f64 = 30.0;
 
+/// A share of memory: a number in (0, 1].
+pub fn parse_fraction(v: &str) -> Result<f64, String> {
+    match v.trim().parse::<f64>() {
+        Ok(f) if f > 0.0 && f <= 1.0 => Ok(f),
+        _ => Err(format!("--kv-fraction: `{}` is not a share of memory in (0, 1]", v.chars().take(40).collect::<String>())),
+    }
+}
+
 pub const USAGE: &str = "usage: stage-K (--model DIR | --synthetic-weights SEED) ((--prompt-ids 1,2,3 [--prompt-ids ...] | --prompts FILE | --stdin-prompts N) \
---max-new-tokens N | --serve) [--micro-batch SEQS] [--kv-blocks N] [--prefill-chunk TOKENS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S] [--cuda-graphs on|off] [--prefix-caching on|off] [--prefill-gemm cublas|off] [--stream-ids] \
+--max-new-tokens N | --serve) [--micro-batch SEQS] [--kv-blocks N | --kv-fraction F] [--prefill-chunk TOKENS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S] [--cuda-graphs on|off] [--prefix-caching on|off] [--prefill-gemm cublas|off] [--stream-ids] \
 [--temperature T] [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S] [--eos-ids 1,2] [--stop HEX ...] [--seq-sampling SEQ:temperature=T,... ...] [--images FILE.safetensors]";
 
 use crate::prompts::{parse_count, parse_ids, parse_prompts_file, parse_timeout_s};
@@ -228,6 +242,7 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
     let mut timeout_s = DEFAULT_TIMEOUT_S;
     let mut micro_batch = None;
     let mut kv_blocks = None;
+    let mut kv_fraction = None;
     let mut prefill_chunk = None;
     let mut cuda_graphs = true;
     let mut prefix_caching = true;
@@ -261,6 +276,7 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
                 }
                 kv_blocks = Some(n);
             }
+            "--kv-fraction" => kv_fraction = Some(parse_fraction(&value("--kv-fraction")?)?),
             "--synthetic-weights" => {
                 let v = value("--synthetic-weights")?;
                 synthetic_seed = Some(v.parse::<u64>().map_err(|_| format!("--synthetic-weights: `{v}` is not a seed (an integer)"))?);
@@ -354,6 +370,7 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
         timeout_s,
         micro_batch,
         kv_blocks,
+        kv_fraction,
         prefill_chunk,
         cuda_graphs,
         prefix_caching,
@@ -386,6 +403,7 @@ mod tests {
         a.max_new_tokens = 16;
         a.micro_batch = Some(2);
         a.kv_blocks = Some(40);
+        a.kv_fraction = Some(0.25);
         a.prefill_chunk = Some(7);
         a.timeout_s = 2.5;
         a.cuda_graphs = false;

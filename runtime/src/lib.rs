@@ -81,6 +81,18 @@ pub extern "C" fn main(_argc: c_int, _argv: *const *const c_char) -> c_int {
     std::panic::catch_unwind(run).unwrap_or(101)
 }
 
+/// The KV pool blocks this stage offers: `--kv-blocks`, else `--kv-fraction`
+/// of its free memory (a GPU's after the weights), else one sequence of the
+/// model's whole context.
+fn pool_blocks(st: &stage::Stage, args: &m3c_contract::stage_args::StageArgs) -> Result<usize, StageError> {
+    use m3c_contract::blocks::{blocks_for, MAX_BLOCKS};
+    Ok(match (args.kv_blocks, args.kv_fraction) {
+        (Some(n), _) => n,
+        (None, Some(f)) => ((f * st.free_memory()? as f64) as usize / st.block_bytes().max(1)).min(MAX_BLOCKS),
+        (None, None) => blocks_for(st.meta.max_positions, st.meta.kv_block),
+    })
+}
+
 /// Resident and peak resident memory of this process, from /proc.
 fn resident() -> (f64, f64) {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
@@ -232,17 +244,26 @@ fn stage_main(
     );
     let threads = set_kernel_threads();
     let meta_is_cuda = meta.target.is_gpu();
-    // Every stage's pool has the same block count (the first stage's
-    // allocator hands out ids for all): `m3c run` and `m3c serve` size it.
-    let blocks = args.kv_blocks.unwrap_or_else(|| m3c_contract::blocks::blocks_for(meta.max_positions, meta.kv_block));
     let st = if meta_is_cuda {
         let local_rank = std::env::var("OMPI_COMM_WORLD_LOCAL_RANK").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-        stage::Stage::gpu(meta, weights, local_rank, who, blocks)
+        stage::Stage::gpu(meta, weights, local_rank, who)
     } else {
-        stage::Stage::host(meta, weights, blocks)
+        Ok(stage::Stage::host(meta, weights))
     };
     // Every rank learns whether every device came up.
     let mut st = startup::agree(world, peers, &format!("{who} ({holds})"), st)?;
+    // The KV pool. Every stage's has the same block count (the first
+    // stage's allocator hands out ids for all): the least any stage offers.
+    let offered = pool_blocks(&st, &args);
+    let all = startup::gather(world, peers, who, &(*offered.as_ref().unwrap_or(&0) as u64).to_le_bytes());
+    let blocks = all.chunks_exact(8).map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as usize).min().unwrap_or(0);
+    let pooled = offered.and_then(|_| {
+        if blocks == 0 {
+            return Err(StageError::Device("a stage has no memory for a single KV cache block (--kv-fraction, --kv-blocks)".into()));
+        }
+        st.alloc_pool(blocks)
+    });
+    startup::agree(world, peers, &format!("{who} ({holds})"), pooled)?;
     st.set_cuda_graphs(args.cuda_graphs);
     if args.prefill_gemm_cublas && meta_is_cuda {
         let min_rows = std::env::var("M3C_GEMM_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(32);

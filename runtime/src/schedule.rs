@@ -180,6 +180,12 @@ impl Leader {
         let mut stats_pending = false;
         let mut last_usage = (usize::MAX, 0, 0, 0, 0);
         let mut last_kv = Instant::now() - Duration::from_secs(1);
+        if feed.wants_stats() {
+            // The pool's size before anything else (a front that let the
+            // stages size it learns it here).
+            let (used, cached, total) = self.kv.usage();
+            feed.event(Event::Kv { used, cached, total, running: 0, waiting: 0 });
+        }
         feed.event(Event::Ready);
         loop {
             peers.drain(world);

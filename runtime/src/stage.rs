@@ -379,25 +379,69 @@ impl Stage {
         self.meta.caches.iter().map(|c| self.slot_block_bytes(c)).sum()
     }
 
-    /// A host stage with a pool of `blocks` cache blocks.
-    pub fn host(meta: StageMeta, weights: StageWeights, blocks: usize) -> Result<Stage, StageError> {
-        let mut pools = Vec::with_capacity(meta.caches.len());
-        for c in &meta.caches {
-            let bytes = blocks.checked_mul(meta.kv_block * c.width * c.bytes);
-            let pool = bytes.and_then(|b| zeroed_words(b.div_ceil(4))).ok_or_else(|| {
-                StageError::Device(format!(
-                    "the KV pool of {blocks} blocks of {} positions (layer {} {}) cannot be allocated in host memory",
-                    meta.kv_block, c.layer, c.kind
-                ))
-            })?;
-            pools.push(pool);
-        }
-        Ok(Stage::new(meta, Backing::Host { weights, pools }, blocks))
+    /// A host stage; its KV pool comes with [`Stage::alloc_pool`].
+    pub fn host(meta: StageMeta, weights: StageWeights) -> Stage {
+        Stage::new(meta, Backing::Host { weights, pools: Vec::new() }, 0)
     }
 
-    /// Opens the GPU, uploads the stage's weights to it (reporting
-    /// progress) and allocates its pool of `blocks` cache blocks.
-    pub fn gpu(meta: StageMeta, weights: StageWeights, local_rank: i32, who: &str, blocks: usize) -> Result<Stage, StageError> {
+    /// Bytes the KV pool could take: on a GPU the device's free memory now
+    /// (after the weights), on the host the memory available on this
+    /// machine shared by the ranks on it.
+    pub fn free_memory(&self) -> Result<usize, StageError> {
+        match &self.backing {
+            Backing::Gpu { device, .. } => device.free_bytes(),
+            Backing::Host { .. } => {
+                let info = std::fs::read_to_string("/proc/meminfo").map_err(|e| StageError::Device(format!("/proc/meminfo: {e}")))?;
+                let kb = info
+                    .lines()
+                    .find_map(|l| l.strip_prefix("MemAvailable:"))
+                    .and_then(|v| v.split_whitespace().next()?.parse::<usize>().ok())
+                    .ok_or_else(|| StageError::Device("/proc/meminfo has no MemAvailable line".into()))?;
+                let ranks = std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(1).max(1);
+                Ok(kb * 1024 / ranks)
+            }
+        }
+    }
+
+    /// Allocates the KV pool: `blocks` blocks in every cache slot.
+    pub fn alloc_pool(&mut self, blocks: usize) -> Result<(), StageError> {
+        let meta = &self.meta;
+        match &mut self.backing {
+            Backing::Host { pools, .. } => {
+                for c in &meta.caches {
+                    let bytes = blocks.checked_mul(meta.kv_block * c.width * c.bytes);
+                    let pool = bytes.and_then(|b| zeroed_words(b.div_ceil(4))).ok_or_else(|| {
+                        StageError::Device(format!(
+                            "the KV pool of {blocks} blocks of {} positions (layer {} {}) cannot be allocated in host memory",
+                            meta.kv_block, c.layer, c.kind
+                        ))
+                    })?;
+                    pools.push(pool);
+                }
+            }
+            Backing::Gpu { device, pools, .. } => {
+                for c in &meta.caches {
+                    let bytes = blocks * meta.kv_block * c.width * c.bytes;
+                    pools.push(device.zeros(bytes).map_err(|e| {
+                        StageError::Device(format!(
+                            "the KV pool of {blocks} blocks ({:.2} GB for layer {} {}) does not fit GPU {}: {e}",
+                            bytes as f64 / 1e9,
+                            c.layer,
+                            c.kind,
+                            device.ordinal()
+                        ))
+                    })?);
+                }
+            }
+        }
+        self.blocks = blocks;
+        self.block_refs = vec![0; blocks];
+        Ok(())
+    }
+
+    /// Opens the GPU and uploads the stage's weights to it (reporting
+    /// progress); its KV pool comes with [`Stage::alloc_pool`].
+    pub fn gpu(meta: StageMeta, weights: StageWeights, local_rank: i32, who: &str) -> Result<Stage, StageError> {
         let device = device::open(&meta.target, meta.device, local_rank)?;
         let total: u64 = weights.sizes.iter().sum();
         let mut uploaded = Vec::with_capacity(weights.ptrs.len());
@@ -425,22 +469,9 @@ impl Stage {
         let table: Vec<u64> = uploaded.iter().map(DeviceBuffer::ptr).collect();
         let table_dev = device.upload(bytes_of(&table))?;
         // The mapped checkpoint is no longer needed: `weights` is dropped here.
-        let mut pools = Vec::with_capacity(meta.caches.len());
-        for c in &meta.caches {
-            let bytes = blocks * meta.kv_block * c.width * c.bytes;
-            pools.push(device.zeros(bytes).map_err(|e| {
-                StageError::Device(format!(
-                    "the KV pool of {blocks} blocks ({:.2} GB for layer {} {}) does not fit GPU {}: {e}",
-                    bytes as f64 / 1e9,
-                    c.layer,
-                    c.kind,
-                    device.ordinal()
-                ))
-            })?);
-        }
         let graphs = Graphs { on: true, ..Graphs::default() };
-        let backing = Backing::Gpu { device, weights: uploaded, table, table_dev, pools, graphs };
-        Ok(Stage::new(meta, backing, blocks))
+        let backing = Backing::Gpu { device, weights: uploaded, table, table_dev, pools: Vec::new(), graphs };
+        Ok(Stage::new(meta, backing, 0))
     }
 
     /// Sequence `seq` holds no block any more (it was preempted): its

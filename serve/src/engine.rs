@@ -71,13 +71,12 @@ pub enum SubmitError {
 
 /// Limits of admission.
 pub struct Limits {
-    /// Cache bytes per stage of the KV pool (the largest stage's).
-    pub budget: u64,
     /// Cache bytes per position of the largest stage.
     pub per_position: u64,
     /// Positions per cache block: a sequence's cache is whole blocks.
     pub kv_block: u64,
-    /// Blocks in every stage's pool.
+    /// Blocks in every stage's pool (0 until the first stage reports them,
+    /// when the stages size their pools from their free memory).
     pub blocks: u64,
     /// Sequences running at once.
     pub max_batch: usize,
@@ -111,6 +110,8 @@ struct State {
     /// only (the first stage's last report).
     blocks_used: u64,
     blocks_cached: u64,
+    /// Blocks in every stage's pool, as the first stage reports them.
+    blocks_total: u64,
     /// Sequences the first stage runs (holding blocks) and holds back
     /// (waiting for blocks).
     sequences: (usize, usize),
@@ -314,14 +315,15 @@ impl Engine {
     pub fn gauges(&self) -> Gauges {
         let st = self.state();
         let block_bytes = self.limits.kv_block * self.limits.per_position;
+        let blocks = if st.blocks_total > 0 { st.blocks_total } else { self.limits.blocks };
         Gauges {
             running: st.running.len(),
             waiting: st.waiting.len(),
             cache_used: st.blocks_used * block_bytes,
-            cache_budget: self.limits.budget,
+            cache_budget: blocks * block_bytes,
             blocks_used: st.blocks_used,
             blocks_cached: st.blocks_cached,
-            blocks_total: self.limits.blocks,
+            blocks_total: blocks,
             sequences: st.sequences,
         }
     }
@@ -334,19 +336,21 @@ impl Engine {
         if !self.ready.load(Ordering::SeqCst) {
             return Err(SubmitError::Down("the model is still loading".into()));
         }
+        let mut st = self.state();
+        let pool = if st.blocks_total > 0 { st.blocks_total } else { self.limits.blocks };
         let positions = (s.prompt.len() + s.max_new + 1) as u64;
-        let bytes = positions.div_ceil(self.limits.kv_block.max(1)) * self.limits.kv_block * self.limits.per_position;
-        if bytes > self.limits.budget {
+        let need = positions.div_ceil(self.limits.kv_block.max(1));
+        if need > pool {
+            let block_mb = (self.limits.kv_block * self.limits.per_position) as f64 / 1e6;
             return Err(SubmitError::TooLarge(format!(
-                "the prompt ({} tokens) and max_tokens ({}) need {:.1} MB of cache per stage; the server's KV pool (--kv-budget) holds {:.1} MB",
+                "the prompt ({} tokens) and max_tokens ({}) need {:.1} MB of cache per stage; the server's KV pool holds {:.1} MB",
                 s.prompt.len(),
                 s.max_new,
-                bytes as f64 / 1e6,
-                self.limits.budget as f64 / 1e6
+                need as f64 * block_mb,
+                pool as f64 * block_mb
             )));
         }
         let (tx, rx) = mpsc::unbounded_channel();
-        let mut st = self.state();
         let would_wait = !st.waiting.is_empty() || !self.fits(&st);
         if would_wait && st.waiting.len() >= self.limits.max_queue {
             return Err(SubmitError::QueueFull(self.limits.max_queue));
@@ -531,9 +535,9 @@ impl Engine {
                 c.prefix_hits += hit as u64;
             }
             StageEvent::Preempted { .. } => self.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).preemptions += 1,
-            StageEvent::Kv { used, cached, running, waiting, .. } => {
+            StageEvent::Kv { used, cached, total, running, waiting } => {
                 let mut st = self.state();
-                (st.blocks_used, st.blocks_cached) = (used as u64, cached as u64);
+                (st.blocks_used, st.blocks_cached, st.blocks_total) = (used as u64, cached as u64, total as u64);
                 st.sequences = (running, waiting);
             }
             StageEvent::Bad { seq, why } => {

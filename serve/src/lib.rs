@@ -39,6 +39,8 @@ pub struct Options {
     pub prefix_caching: bool,
     /// Blocks per stage pool, in place of what `kv_budget_bytes` holds.
     pub kv_blocks: Option<usize>,
+    /// Or: this share of each stage's free memory (after its weights).
+    pub kv_fraction: Option<f64>,
     pub max_queue: usize,
     pub prefill_chunk: usize,
     /// `max_tokens` of a chat request that gives none (capped by the context and the KV pool).
@@ -84,6 +86,8 @@ struct Prepared {
     cmd: std::process::Command,
     stages: usize,
     limits: engine::Limits,
+    /// The KV pool, in words for the start-up line.
+    pool: String,
     shared: Box<dyn FnOnce(std::sync::Arc<engine::Engine>) -> http::Shared + Send>,
 }
 
@@ -121,16 +125,19 @@ fn prepare(o: &Options) -> Result<Prepared> {
     let kv_block = compiled.manifest.kv_block as u64;
     let block_bytes = per_position * kv_block;
     let blocks = o.kv_blocks.map_or(o.kv_budget_bytes / block_bytes, |n| n as u64).min(m3c_contract::blocks::MAX_BLOCKS as u64);
-    if blocks == 0 {
+    if blocks == 0 && o.kv_fraction.is_none() {
         anyhow::bail!(
             "--kv-budget {:.3} GB holds no cache block: one block of {kv_block} positions takes {:.3} MB on the largest stage",
             o.kv_budget_bytes as f64 / 1e9,
             block_bytes as f64 / 1e6
         );
     }
-    stage.kv_blocks = Some(blocks as usize);
+    // With --kv-fraction each stage sizes its pool from its free memory at
+    // start-up (the least any stage offers), and the first stage reports it.
+    let blocks = if o.kv_fraction.is_some() && o.kv_blocks.is_none() { 0 } else { blocks };
+    stage.kv_blocks = (blocks > 0).then_some(blocks as usize);
+    stage.kv_fraction = o.kv_fraction.filter(|_| blocks == 0);
     stage.prefix_caching = o.prefix_caching;
-    let budget = blocks * block_bytes;
     if let Some(d) = &o.trace_dir {
         if !d.is_dir() {
             anyhow::bail!("--trace-dir {}: not a folder", d.display());
@@ -148,7 +155,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
                 .ok_or_else(|| anyhow::anyhow!("--allowed-local-media-path {}: not a folder", d.display()))?,
         ),
     };
-    let limits = engine::Limits { budget, per_position, kv_block, blocks, max_batch: o.max_batch.max(1), max_queue: o.max_queue };
+    let limits = engine::Limits { per_position, kv_block, blocks, max_batch: o.max_batch.max(1), max_queue: o.max_queue };
     let media = media::MediaPolicy {
         allowed_local,
         max_bytes: o.max_image_bytes,
@@ -158,7 +165,8 @@ fn prepare(o: &Options) -> Result<Prepared> {
     let (api_key, default_max_tokens) = (o.api_key.clone(), o.default_max_tokens);
     // The longest sequence: the model's context, or what the KV pool holds
     // (a sequence must fit it alone; its last row scores nothing).
-    let context = compiled.manifest.max_positions.min((blocks as usize * kv_block as usize).saturating_sub(1));
+    let pool_positions = if blocks == 0 { usize::MAX } else { (blocks as usize * kv_block as usize).saturating_sub(1) };
+    let context = compiled.manifest.max_positions.min(pool_positions);
     // Images: only where the first stage encodes them (the manifest's
     // stages were compiled with the vision tower unless the plan said not).
     let image_token = compiled.manifest.image_token.filter(|_| compiled.encodes_images());
@@ -182,7 +190,11 @@ fn prepare(o: &Options) -> Result<Prepared> {
         eos_ids,
         trace_dir,
     };
-    Ok(Prepared { cmd, stages, limits, shared: Box::new(shared) })
+    let pool = match stage.kv_fraction {
+        Some(f) => format!("KV pool: {f} of each stage's free memory"),
+        None => format!("KV pool: {blocks} blocks of {kv_block} positions, {:.2} GB per stage", (blocks * block_bytes) as f64 / 1e9),
+    };
+    Ok(Prepared { cmd, stages, limits, pool, shared: Box::new(shared) })
 }
 
 /// Listens, starts the pipeline, serves until a signal or a lost pipeline,
@@ -196,10 +208,10 @@ async fn serve(o: Options, p: Prepared) -> Result<()> {
     let shared = (p.shared)(engine.clone());
     let (name, context, stages) = (shared.name.clone(), shared.context, p.stages);
     let app = http::router(shared);
+    let pool = &p.pool;
     eprintln!(
-        "m3c serve: http://{addr}/v1 serves `{name}` ({stages} stage(s), context {context}, up to {} running, cache budget {:.1} GB per stage); /health answers 200 once every stage is up",
-        o.max_batch,
-        o.kv_budget_bytes as f64 / 1e9
+        "m3c serve: http://{addr}/v1 serves `{name}` ({stages} stage(s), context {context}, up to {} running, {pool}); /health answers 200 once every stage is up",
+        o.max_batch
     );
     // Signals and a lost pipeline both stop the server.
     let (stop_tx, stop_rx) = watch::channel(None::<Stop>);

@@ -108,3 +108,46 @@ fn a_pool_too_small_for_one_prompt_is_refused_up_front() {
     let e = stderr(&o);
     assert!(e.contains("--kv-blocks 4: prompt 0 and --max-new-tokens 8 need 5 blocks of 4 positions"), "{e}");
 }
+
+/// Image rows are keyed by the image's content: the same chat with another
+/// image of the same size (the same placeholder ids) shares no image block
+/// and gets its own answer, and the first image again hits the cache and
+/// gets the first answer, bit for bit (ids and logprobs), as each alone.
+#[test]
+fn images_behind_the_same_placeholders_share_blocks_only_when_they_are_the_same() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = fixture("tiny-m3");
+    let out = crate::shared::out("tiny-m3", 2);
+    // Two images of the same size: the fixture's, and its negative.
+    let a = dir.path().join("a.png");
+    std::fs::copy(fixture("vision/A_rgb_56x84_noresize.png"), &a).unwrap();
+    let mut neg = image::open(&a).unwrap().to_rgb8();
+    neg.pixels_mut().for_each(|p| p.0 = p.0.map(|c| 255 - c));
+    neg.save(dir.path().join("b.png")).unwrap();
+    let line = |png: &str| {
+        format!(
+            r#"{{"messages": [{{"role": "user", "content": [{{"type": "image_url", "image_url": {{"url": "{png}"}}}}, {{"type": "text", "text": "What is this?"}}]}}], "thinking": "disabled"}}"#
+        )
+    };
+    let run = |pngs: &[&str], extra: &[&str]| -> (Vec<String>, String) {
+        let jsonl = dir.path().join(format!("{}.jsonl", pngs.join("-")));
+        std::fs::write(&jsonl, pngs.iter().map(|p| line(p)).collect::<Vec<_>>().join("\n")).unwrap();
+        let mut args = vec!["run", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--prompts", jsonl.to_str().unwrap()];
+        args.extend(["--max-new-tokens", "6", "--logprobs", "2", "--micro-batch", "1"]);
+        args.extend(extra);
+        let o = m3c(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let lines = stdout(&o).lines().filter(|l| l.starts_with("logprobs ")).map(|l| l.split_once(": ").unwrap().1.to_string()).collect();
+        let kv = stderr(&o).lines().find(|l| l.starts_with("m3c kv: ")).unwrap().to_string();
+        (lines, kv)
+    };
+    let (both, kv) = run(&["a.png", "b.png", "a.png"], &[]);
+    let (alone_a, _) = run(&["a.png"], &["--no-enable-prefix-caching"]);
+    let (alone_b, _) = run(&["b.png"], &["--no-enable-prefix-caching"]);
+    assert_ne!(alone_a, alone_b, "the two images should give different answers");
+    assert_eq!(both, [alone_a[0].clone(), alone_b[0].clone(), alone_a[0].clone()], "{kv}");
+    // The template's text before the image is shared by all three; the
+    // third prompt also finds the first one's image blocks.
+    let (hit, _) = kv_counts(&kv);
+    assert!(hit > 0, "{kv}");
+}

@@ -406,9 +406,18 @@ fn a_client_that_disconnects_frees_its_cache_and_tools_round_trip() {
     assert_eq!(s.client(&["disconnect"])["freed"], true);
     drop(s);
     let (out, model) = compiled(dir.path());
-    let s = Server::start(&out, &model, &[]);
+    // Pools sized by the stages from their free memory: every stage
+    // allocates the least any offers, and /metrics learns the count.
+    let s = Server::start(&out, &model, &["--kv-fraction", "0.02"]);
     let got = s.client(&["disconnect"]);
     assert_eq!(got["freed"], true);
+    let log = s.log();
+    let pools: Vec<&str> =
+        log.lines().filter_map(|l| l.split_once("KV pool of ")).map(|(_, r)| r.split_whitespace().next().unwrap()).collect();
+    assert!(pools.len() == 2 && pools[0] == pools[1] && pools[0] != "0", "{log}");
+    let metrics = Command::new("curl").args(["-s", "-m", "5"]).arg(format!("{}/metrics", s.root())).output().unwrap();
+    let total = format!("m3c:kv_cache_blocks_total {}", pools[0]);
+    assert!(String::from_utf8_lossy(&metrics.stdout).lines().any(|l| l == total), "/metrics lacks `{total}`");
     let got = s.client(&["tools"]);
     assert!(got["round_trip"].as_u64() > got["with_tools"].as_u64(), "{got}");
 }

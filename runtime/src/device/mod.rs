@@ -24,6 +24,8 @@ pub trait Gpu {
     fn name(&self) -> &str;
     /// Its memory in bytes.
     fn total_bytes(&self) -> usize;
+    /// Its memory free now, in bytes.
+    fn free_bytes(&self) -> Result<usize, StageError>;
     /// New device memory holding a copy of `bytes`.
     fn upload(&self, bytes: &[u8]) -> Result<DeviceBuffer, StageError>;
     /// New zeroed device memory of `bytes`.

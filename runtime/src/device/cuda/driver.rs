@@ -100,6 +100,13 @@ impl Gpu for CudaGpu {
         self.total_bytes
     }
 
+    fn free_bytes(&self) -> Result<usize, StageError> {
+        let (mut free, mut total) = (0, 0);
+        // SAFETY: a query of the current context (this device's, set when it was opened) into two locals.
+        unsafe { checked("cuMemGetInfo", cu::cuMemGetInfo_v2(&mut free, &mut total))? };
+        Ok(free)
+    }
+
     fn upload(&self, bytes: &[u8]) -> Result<DeviceBuffer, StageError> {
         let buf = alloc(bytes.len())?;
         if !bytes.is_empty() {
