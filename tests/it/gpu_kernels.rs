@@ -448,6 +448,82 @@ fn attention_and_the_msa_selection_on_the_gpu_match_the_host() {
     }
 }
 
+/// `b`'s rows (a cache of `cap` rows) placed in a pool of `pool_rows` rows
+/// at the rows block table `table` gives them (blocks of `block`); the
+/// pool's other rows are all-ones bits (NaN in either storage).
+fn paged_copy(b: &B, table: &[i64], block: usize, pool_rows: usize) -> B {
+    let B::Data(b) = b else { panic!("a cache is a data buffer") };
+    let (cap, row) = (b.dims[0], b.bytes / b.dims[0]);
+    // SAFETY: `words` holds at least `bytes` bytes.
+    let src = unsafe { std::slice::from_raw_parts(b.words.as_ptr() as *const u8, b.bytes) };
+    let mut pool = vec![0xFFu8; pool_rows * row];
+    for t in 0..cap {
+        let r = table[t / block] as usize * block + t % block;
+        pool[r * row..(r + 1) * row].copy_from_slice(&src[t * row..(t + 1) * row]);
+    }
+    let mut words = vec![0u64; pool.len().div_ceil(8)];
+    // SAFETY: plain bytes copied into words of at least as many bytes.
+    unsafe { std::ptr::copy_nonoverlapping(pool.as_ptr(), words.as_mut_ptr() as *mut u8, pool.len()) };
+    B::Data(Buf { words, bytes: pool.len(), dims: vec![pool_rows, b.dims[1]], ty: b.ty.clone(), out: false })
+}
+
+/// On the GPU too a paged cache changes only where rows live: attention
+/// (dense and MSA, f32 and bf16 caches, a warp of 32 and a wave of 64) over
+/// a pool whose blocks are scattered out of order, its other rows NaN,
+/// gives the bytes the same kernel gives over the contiguous cache.
+#[test]
+fn paged_attention_on_the_gpu_equals_its_contiguous_twin_bit_for_bit() {
+    let (heads, kv, d, cap, b) = (4usize, 2usize, 16usize, 40usize, 4usize);
+    let table: Vec<i64> = vec![15, 3, 9, 0, 12, 7, 1, 14, 5, 10];
+    let pool_rows = 16 * b;
+    let sel = SparseSel { index_heads: 2, index_dim: 16, block: b, topk: 3, local: 1, init: 1 };
+    for target in &TARGETS {
+        for cache in ACTS {
+            for sparse in [None, Some(sel)] {
+                let pos = vec![30i64, 31, 32, 33, 34];
+                let rows = pos.len();
+                let mk = |paged| {
+                    Kernel::Attention(m3c_kernels::Attention {
+                        heads,
+                        kv_heads: kv,
+                        head_dim: d,
+                        scale: 0.25,
+                        sparse,
+                        paged,
+                        cache,
+                        act: Storage::F32,
+                    })
+                };
+                let (k, v) = (act_rows(cap, kv * d, cache, 2, false), act_rows(cap, kv * d, cache, 3, false));
+                let ik = act_rows(cap, 16, cache, 5, false);
+                let q = || act_rows(rows, heads * d, Storage::F32, 1, false);
+                let iq = || act_rows(rows, 32, Storage::F32, 4, false);
+                let o = || act_rows(rows, heads * d, Storage::F32, 6, true);
+                let pos_b = || buf(&pos, &[rows], "memref<?xi64>", false);
+                let mut plain = vec![
+                    q(),
+                    paged_copy(&k, &(0..10).collect::<Vec<_>>(), b, cap),
+                    paged_copy(&v, &(0..10).collect::<Vec<_>>(), b, cap),
+                    pos_b(),
+                ];
+                let mut paged = vec![q(), paged_copy(&k, &table, b, pool_rows), paged_copy(&v, &table, b, pool_rows), pos_b()];
+                paged.push(buf(&table, &[table.len()], "memref<?xi64>", false));
+                if sparse.is_some() {
+                    plain.extend([iq(), paged_copy(&ik, &(0..10).collect::<Vec<_>>(), b, cap)]);
+                    paged.extend([iq(), paged_copy(&ik, &table, b, pool_rows)]);
+                }
+                plain.push(o());
+                paged.push(o());
+                let (kp, kq) = (mk(None), mk(Some(b)));
+                let want = run_gpu(target, &kp, rows, &plain, plain.len());
+                let got = run_gpu(target, &kq, rows, &paged, paged.len());
+                assert!(f32s(&want[0]).iter().all(|x| x.is_finite()), "{kp}: finite outputs");
+                assert_eq!(got, want, "{kq} at warp {} differs from {kp}", target.warp);
+            }
+        }
+    }
+}
+
 #[test]
 fn router_and_routed_experts_on_the_gpu_match_the_host() {
     let (e, hidden, inter, top) = (8usize, 256usize, 64usize, 2usize);
