@@ -56,19 +56,19 @@ impl BlockHash {
         BlockHash(h.finalize().into())
     }
 
-    /// The hashes of the full blocks of a prompt: block `i` covers ids
-    /// `i·B .. (i+1)·B`; a last partial block has none. `extra(i)` gives the
-    /// bytes of block `i`'s non-token inputs.
-    pub fn prefix_chain(ids: &[i64], block: usize, extra: impl Fn(usize) -> Vec<u8>) -> Vec<BlockHash> {
-        let mut out: Vec<BlockHash> = Vec::with_capacity(ids.len() / block.max(1));
+    /// Extends `chain` (the hashes of the first full blocks of `ids`) to
+    /// every full block of `ids`: block `i` covers ids `i·B .. (i+1)·B`; a
+    /// last partial block has none. `extra(i)` gives the bytes of block
+    /// `i`'s non-token inputs.
+    pub fn extend_chain(chain: &mut Vec<BlockHash>, ids: &[i64], block: usize, extra: impl Fn(usize) -> Vec<u8>) {
         if block == 0 {
-            return out;
+            return;
         }
-        for (i, chunk) in ids.chunks_exact(block).enumerate() {
-            let h = BlockHash::chain(out.last(), chunk, &extra(i));
-            out.push(h);
+        while (chain.len() + 1) * block <= ids.len() {
+            let i = chain.len();
+            let h = BlockHash::chain(chain.last(), &ids[i * block..(i + 1) * block], &extra(i));
+            chain.push(h);
         }
-        out
     }
 }
 
@@ -215,18 +215,6 @@ impl BlockPool {
             self.free.insert(id);
         }
     }
-
-    /// Forgets every cached block's contents (`--no-enable-prefix-caching`
-    /// never commits; this is for a reset): idle ones become free.
-    pub fn clear_cache(&mut self) {
-        for (_, id) in std::mem::take(&mut self.evictable) {
-            self.free.insert(id);
-        }
-        for b in &mut self.blocks {
-            b.hash = None;
-        }
-        self.by_hash.clear();
-    }
 }
 
 /// The blocks that positions `0..positions` need.
@@ -284,19 +272,24 @@ mod tests {
     #[test]
     fn hash_chains_differ_by_prefix_ids_and_images() {
         let ids = [1i64, 2, 3, 4, 5, 6, 7, 8, 9];
-        let c = BlockHash::prefix_chain(&ids, 4, |_| Vec::new());
+        let chain = |ids: &[i64], extra: &dyn Fn(usize) -> Vec<u8>| {
+            let mut c = Vec::new();
+            BlockHash::extend_chain(&mut c, ids, 4, extra);
+            c
+        };
+        let c = chain(&ids, &|_| Vec::new());
         assert_eq!(c.len(), 2);
         let mut other = ids;
         other[0] = 0;
-        let d = BlockHash::prefix_chain(&other, 4, |_| Vec::new());
+        let d = chain(&other, &|_| Vec::new());
         // A change in block 0 changes every later hash too.
         assert!(c[0] != d[0] && c[1] != d[1]);
         let imgs = vec![([7u8; 32], vec![5usize, 6])];
-        let e = BlockHash::prefix_chain(&ids, 4, |i| image_extra(&imgs, i * 4, 4));
+        let e = chain(&ids, &|i| image_extra(&imgs, i * 4, 4));
         assert_eq!(e[0], c[0]);
         assert_ne!(e[1], c[1]);
         let imgs2 = vec![([8u8; 32], vec![5usize, 6])];
-        let f = BlockHash::prefix_chain(&ids, 4, |i| image_extra(&imgs2, i * 4, 4));
+        let f = chain(&ids, &|i| image_extra(&imgs2, i * 4, 4));
         assert_ne!(f[1], e[1]);
     }
 }

@@ -40,11 +40,7 @@ pub(crate) struct Kv {
 /// The hashes of the full blocks of `ids`, extending `chain` (which holds
 /// the first ones already).
 pub(crate) fn extend_chain(chain: &mut Vec<BlockHash>, ids: &[i64], images: &[ImageRows], block: usize) {
-    while (chain.len() + 1) * block <= ids.len() {
-        let i = chain.len();
-        let h = BlockHash::chain(chain.last(), &ids[i * block..(i + 1) * block], &image_extra(images, i * block, block));
-        chain.push(h);
-    }
+    BlockHash::extend_chain(chain, ids, block, |i| image_extra(images, i * block, block));
 }
 
 impl Kv {

@@ -124,7 +124,7 @@ impl Live {
     /// Where its next draw is: the row of its last prompt token, or, once
     /// it has generated, the row of its last token (fed as a decode step).
     fn draw_row(&self) -> usize {
-        self.prompt_len + self.generated.saturating_sub(1) - usize::from(self.generated == 0)
+        self.prompt_len + self.generated - 1
     }
 }
 

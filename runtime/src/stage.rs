@@ -352,7 +352,7 @@ fn bytes_of_mut<T: bytemuck::Pod>(v: &mut [T]) -> &mut [u8] {
 
 impl Stage {
     /// A stage with nothing run yet.
-    fn new(meta: StageMeta, backing: Backing, blocks: usize) -> Stage {
+    fn new(meta: StageMeta, backing: Backing) -> Stage {
         Stage {
             meta,
             backing,
@@ -361,9 +361,9 @@ impl Stage {
             decode: (0, 0.0),
             images: HashMap::new(),
             encoded: (0, 0.0),
-            blocks,
+            blocks: 0,
             seqs: HashMap::new(),
-            block_refs: vec![0; blocks],
+            block_refs: Vec::new(),
             blocks_held: 0,
             held_peak: 0,
         }
@@ -381,7 +381,7 @@ impl Stage {
 
     /// A host stage; its KV pool comes with [`Stage::alloc_pool`].
     pub fn host(meta: StageMeta, weights: StageWeights) -> Stage {
-        Stage::new(meta, Backing::Host { weights, pools: Vec::new() }, 0)
+        Stage::new(meta, Backing::Host { weights, pools: Vec::new() })
     }
 
     /// Bytes the KV pool could take: on a GPU the device's free memory now
@@ -471,7 +471,7 @@ impl Stage {
         // The mapped checkpoint is no longer needed: `weights` is dropped here.
         let graphs = Graphs { on: true, ..Graphs::default() };
         let backing = Backing::Gpu { device, weights: uploaded, table, table_dev, pools: Vec::new(), graphs };
-        Ok(Stage::new(meta, backing, 0))
+        Ok(Stage::new(meta, backing))
     }
 
     /// Sequence `seq` holds no block any more (it was preempted): its
