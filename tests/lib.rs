@@ -28,10 +28,27 @@ pub fn m3c_bin() -> PathBuf {
     dir.join(format!("m3c-cli{}", std::env::consts::EXE_SUFFIX))
 }
 
+/// The object cache every test compile shares (under target/tmp, never the
+/// user's ~/.cache): a kernel is compiled once per test run, whichever
+/// tests, splits and stages use it. Tests that check the cache itself pass
+/// `--cache-dir` or `--no-cache`.
+pub fn cache_dir() -> PathBuf {
+    // target/<profile>/m3c-cli → target/tmp/m3c-cache (where cargo puts
+    // integration tests' CARGO_TARGET_TMPDIR).
+    let target = m3c_bin().parent().and_then(Path::parent).expect("target dir").to_path_buf();
+    target.join("tmp/m3c-cache")
+}
+
+/// `m3c` as the tests run it: with the tests' object cache.
+pub fn m3c_command() -> Command {
+    let mut cmd = Command::new(m3c_bin());
+    cmd.env("M3C_CACHE_DIR", cache_dir());
+    cmd
+}
+
 /// Runs `m3c ARGS` and returns its output.
 pub fn m3c(args: &[&str]) -> Output {
-    let bin = m3c_bin();
-    Command::new(&bin).args(args).output().unwrap_or_else(|e| panic!("cannot run {}: {e}", bin.display()))
+    m3c_command().args(args).output().unwrap_or_else(|e| panic!("cannot run {}: {e}", m3c_bin().display()))
 }
 
 /// Runs `m3c run OUT --model MODEL ARGS`: a compiled pipeline on a model's folder.
@@ -43,13 +60,12 @@ pub fn m3c_run(out: &Path, model: &Path, args: &[&str]) -> Output {
 
 /// Runs `m3c ARGS` with extra environment variables.
 pub fn m3c_env(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let bin = m3c_bin();
-    let mut cmd = Command::new(&bin);
+    let mut cmd = m3c_command();
     cmd.args(args);
     for (k, v) in env {
         cmd.env(k, v);
     }
-    cmd.output().unwrap_or_else(|e| panic!("cannot run {}: {e}", bin.display()))
+    cmd.output().unwrap_or_else(|e| panic!("cannot run {}: {e}", m3c_bin().display()))
 }
 
 pub fn stdout(o: &Output) -> String {

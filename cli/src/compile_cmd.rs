@@ -70,9 +70,31 @@ pub(crate) fn compile_cmd(args: CompileArgs) -> Result<()> {
         (None, Target::Cuda { .. }) => m3c_compiler::lower::Storage::Bf16,
     };
     let storages = m3c_compiler::lower::Storages { kv_cache: storage(&args.kv_cache), activations };
-    let req =
-        m3c_compiler::compile::CompileRequest { config: cfg, plan: &p, out: &args.out, emit, cpu: args.cpu.clone(), storages, runtime_lib };
-    let m = m3c_compiler::compile::compile(&req)?;
+    let cache = match (&args.cache_dir, args.no_cache) {
+        (_, true) => None,
+        // A folder the user named must work (compile errors otherwise).
+        (Some(dir), false) => Some(dir.clone()),
+        // The default one is worth a warning, not a failed compile.
+        (None, false) => m3c_compiler::compile::cache::default_dir().filter(|dir| match std::fs::create_dir_all(dir) {
+            Ok(()) => true,
+            Err(e) => {
+                eprintln!("m3c: warning: no object cache ({}: {e}); every unit is compiled", dir.display());
+                false
+            }
+        }),
+    };
+    let req = m3c_compiler::compile::CompileRequest {
+        config: cfg,
+        plan: &p,
+        out: &args.out,
+        emit,
+        cpu: args.cpu.clone(),
+        storages,
+        runtime_lib,
+        cache,
+    };
+    let compiled = m3c_compiler::compile::compile(&req)?;
+    let m = &compiled.manifest;
     let mut text = String::new();
     for s in &m.stages {
         text +=
@@ -81,10 +103,12 @@ pub(crate) fn compile_cmd(args: CompileArgs) -> Result<()> {
     // The hint shows text prompts where the checkpoint can read them.
     let prompt = if model.is_dir() && model.join("tokenizer.json").is_file() { "--prompt \"Hello\"" } else { "--prompt-ids 1,2,3" };
     text += &format!(
-        "compiled {} stage(s) for {} in {:.1} s; run: m3c run {} --model DIR {prompt} --max-new-tokens 16\n",
+        "compiled {} stage(s) for {} in {:.1} s ({} units, {} from the object cache); run: m3c run {} --model DIR {prompt} --max-new-tokens 16\n",
         m.stages.len(),
         m.target,
         t0.elapsed().as_secs_f64(),
+        compiled.units,
+        compiled.from_cache,
         args.out.display()
     );
     say(&text)

@@ -70,6 +70,12 @@ pub(crate) struct CompileArgs {
     /// How activations between kernels and stages are stored: `f32` (exact; the host default) or `bf16` (the cuda default: half the activation memory and bytes sent between stages; every kernel still computes and accumulates in f32).
     #[arg(long, value_parser = ["f32", "bf16"])]
     pub(crate) activations: Option<String>,
+    /// The object cache: compiled kernels and entries by the hash of everything they depend on, so a kernel shared by stages, splits and compiles is compiled once (default: $M3C_CACHE_DIR, else $XDG_CACHE_HOME/m3c, else ~/.cache/m3c).
+    #[arg(long, value_name = "DIR", conflicts_with = "no_cache")]
+    pub(crate) cache_dir: Option<PathBuf>,
+    /// Compile every unit, reading and writing no object cache.
+    #[arg(long)]
+    pub(crate) no_cache: bool,
 }
 
 #[derive(clap::Args)]

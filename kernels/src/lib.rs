@@ -236,6 +236,51 @@ pub fn module(kernels: &[Kernel]) -> String {
     module_with(kernels, &[], "")
 }
 
+/// Each kernel of `kernels`, and each kernel they call, as a module of its
+/// own: the kernel's `func.func`, the globals it needs and declarations of
+/// the kernels it calls. The modules are compiled one by one (a back end
+/// caches each by its text, so a kernel shared by stages, splits and
+/// compiles is compiled once), and the objects linked together equal
+/// [`module`]'s. In the order [`module`] emits them.
+pub fn host_units(kernels: &[Kernel]) -> Vec<(String, String)> {
+    let mut seen = std::collections::BTreeSet::new();
+    let mut units = Vec::new();
+    fn visit(k: &Kernel, seen: &mut std::collections::BTreeSet<String>, units: &mut Vec<(String, String)>) {
+        if !seen.insert(k.symbol()) {
+            return;
+        }
+        let deps = k.deps();
+        for d in &deps {
+            visit(d, seen, units);
+        }
+        // Globals are private (constants, helpers) or declarations, so a
+        // copy in every unit that needs one links without a clash.
+        let globals: std::collections::BTreeMap<String, String> = k.globals().into_iter().collect();
+        let mut text = String::from("module {\n");
+        for g in globals.values() {
+            text.push_str(g);
+        }
+        let decls: std::collections::BTreeSet<String> = deps.iter().map(host_decl).collect();
+        for d in decls {
+            text.push_str(&d);
+        }
+        text.push_str(&k.mlir());
+        text.push_str("}\n");
+        units.push((k.symbol(), text));
+    }
+    for k in kernels {
+        visit(k, &mut seen, &mut units);
+    }
+    units
+}
+
+/// A declaration of `k`'s host function, for a module that calls it but
+/// does not define it (see [`host_units`]).
+pub fn host_decl(k: &Kernel) -> String {
+    let types: Vec<String> = k.params().into_iter().map(|p| p.ty).collect();
+    format!("  func.func private @{}({})\n", k.symbol(), types.join(", "))
+}
+
 /// [`module`] plus view helpers for `views` and extra functions (`tail`, a
 /// stage entry) that call them.
 pub fn module_with(kernels: &[Kernel], views: &[MemTy], tail: &str) -> String {

@@ -7,7 +7,7 @@ use m3c_compiler::plan::load_plan;
 use m3c_compiler::source::ModelSource;
 use m3c_tests::{compile, configs, fixture, m3c, stderr};
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 #[test]
 fn tiny_pp2_stages_snapshots() {
@@ -69,11 +69,109 @@ fn compile_id(out: &Path) -> String {
     m["compile_id"].as_str().unwrap().to_string()
 }
 
+/// `(units, from the cache)` from `m3c compile`'s summary line.
+fn unit_counts(o: &std::process::Output) -> (usize, usize) {
+    let text = m3c_tests::stdout(o);
+    let at = text.find(" units, ").unwrap_or_else(|| panic!("no unit counts in:\n{text}"));
+    let units = text[..at].rsplit('(').next().unwrap().parse().unwrap();
+    let cached = text[at + 8..].split(' ').next().unwrap().parse().unwrap();
+    (units, cached)
+}
+
+/// Compiles tiny-m3 at `pp` into `dir/out` with `flags`; the output folder and the unit counts.
+fn compile_counted(dir: &Path, pp: usize, flags: &[&str]) -> (PathBuf, (usize, usize)) {
+    let out = dir.join("out");
+    let pp = pp.to_string();
+    let model = fixture("tiny-m3");
+    let mut args = vec!["compile", "--model", model.to_str().unwrap(), "--pp", &pp, "-o", out.to_str().unwrap()];
+    args.extend_from_slice(flags);
+    let o = m3c(&args);
+    assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+    (out, unit_counts(&o))
+}
+
+/// The object cache holds each kernel once for every split, and changes no
+/// byte: a cold compile, a split that shares its kernels and a compile
+/// wholly from the cache give what compiling everything gives; a damaged
+/// entry is compiled again, never used; `--emit llvm` compiles every unit
+/// and writes each one's IR.
+#[test]
+fn the_object_cache_compiles_a_kernel_once_and_changes_no_byte() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path().join("cache");
+    let with_cache = ["--cache-dir", cache.to_str().unwrap()];
+    let dir = |name: &str| {
+        let d = tmp.path().join(name);
+        std::fs::create_dir(&d).unwrap();
+        d
+    };
+    let (cold, (units, cached)) = compile_counted(&dir("cold"), 2, &with_cache);
+    assert!(units > 2 && cached == 0, "an empty cache: {units} units, {cached} cached");
+    // pp 4 cuts the same layers finer: every kernel is pp 2's; only the
+    // four entries are new.
+    let (_, (units4, cached4)) = compile_counted(&dir("pp4"), 4, &with_cache);
+    assert_eq!(units4 - cached4, 4, "pp 4 after pp 2: {units4} units, {cached4} cached");
+    let (warm, (units_w, cached_w)) = compile_counted(&dir("warm"), 2, &with_cache);
+    assert_eq!((units_w, cached_w), (units, units), "everything from the cache");
+    let same = |a: &Path, b: &Path, what: &str| {
+        for f in ["stage-0", "stage-1", "manifest.json", "run.sh"] {
+            assert!(std::fs::read(a.join(f)).unwrap() == std::fs::read(b.join(f)).unwrap(), "{what}: {f} differs");
+        }
+    };
+    same(&cold, &warm, "cold and warm cache");
+    // Damage every entry: each is a miss, compiled again and rewritten.
+    let mut entries = Vec::new();
+    for sub in std::fs::read_dir(cache.join("objects")).unwrap() {
+        for e in std::fs::read_dir(sub.unwrap().path()).unwrap() {
+            entries.push(e.unwrap().path());
+        }
+    }
+    assert!(entries.len() >= units4, "{} entries", entries.len());
+    for e in &entries {
+        let mut bytes = std::fs::read(e).unwrap();
+        let mid = bytes.len() / 2;
+        bytes[mid] ^= 1;
+        std::fs::write(e, bytes).unwrap();
+    }
+    let (damaged, counts) = compile_counted(&dir("damaged"), 2, &with_cache);
+    assert_eq!(counts, (units, 0), "damaged entries are never used");
+    same(&cold, &damaged, "after damage");
+    assert_eq!(compile_counted(&dir("mended"), 2, &with_cache).1, (units, units), "the damaged entries were rewritten");
+    // `--emit llvm`: every unit compiled (the cache keeps no IR), each
+    // unit's IR in the stage's file, the same executables.
+    let (emitted, counts) = compile_counted(&dir("emit"), 2, &["--cache-dir", cache.to_str().unwrap(), "--emit", "llvm"]);
+    assert_eq!(counts, (units, 0));
+    same(&cold, &emitted, "with --emit llvm");
+    let ll = std::fs::read_to_string(emitted.join("stage-1.ll")).unwrap();
+    for unit in ["entry", "metadata", "m3c_rms_norm_w128_eps1em6_bf16"] {
+        assert!(ll.contains(&format!("; ---- unit {unit} ----")), "stage-1.ll has no unit {unit}");
+    }
+    assert!(std::fs::read_to_string(emitted.join("stage-1.llvm.mlir")).unwrap().contains("// ---- unit entry ----"));
+    // An explicit cache folder that cannot be made is an error, naming it.
+    let file = tmp.path().join("a-file");
+    std::fs::write(&file, "").unwrap();
+    let o = m3c(&[
+        "compile",
+        "--model",
+        fixture("tiny-m3").to_str().unwrap(),
+        "--pp",
+        "1",
+        "-o",
+        tmp.path().join("x").to_str().unwrap(),
+        "--cache-dir",
+        file.to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("a-file") && stderr(&o).contains("object cache"), "{}", stderr(&o));
+    assert!(!tmp.path().join("x").exists(), "nothing written on failure");
+}
+
 #[test]
 fn same_inputs_give_byte_identical_out_and_every_input_changes_the_compile_id() {
     let model = fixture("tiny-m3");
     let dirs: Vec<tempfile::TempDir> = (0..4).map(|_| tempfile::tempdir().unwrap()).collect();
-    let a = compile(&model, 2, dirs[0].path(), &["--emit", "mlir"]);
+    // One compiles every unit; the other takes what the tests' object cache has.
+    let a = compile(&model, 2, dirs[0].path(), &["--emit", "mlir", "--no-cache"]);
     let b = compile(&model, 2, dirs[1].path(), &["--emit", "mlir"]);
     let (fa, fb) = (files(&a), files(&b));
     assert_eq!(fa.keys().collect::<Vec<_>>(), fb.keys().collect::<Vec<_>>());

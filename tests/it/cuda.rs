@@ -106,7 +106,7 @@ fn tiny_cuda_stages_assemble_for_sm90a_and_their_kernels_are_pinned() {
         }
         // The same inputs give the same bytes, ptxas included.
         std::fs::create_dir(dir.path().join("again")).unwrap();
-        let again = compile_cuda(&fixture(model), 2, &dir.path().join("again"), &["--emit", "ptx"]);
+        let again = compile_cuda(&fixture(model), 2, &dir.path().join("again"), &["--emit", "ptx", "--no-cache"]);
         for f in ["stage-0", "stage-1", "stage-0.cubin", "manifest.json", "compile-report.txt"] {
             assert!(
                 std::fs::read(out.join(f)).unwrap() == std::fs::read(again.join(f)).unwrap(),

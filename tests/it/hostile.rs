@@ -116,7 +116,7 @@ fn assert_clean_failure(o: &Output, what: &str) {
 }
 
 fn m3c_in(dir: &Path, args: &[&str]) -> Output {
-    Command::new(m3c_tests::m3c_bin()).args(args).current_dir(dir).output().unwrap()
+    m3c_tests::m3c_command().args(args).current_dir(dir).output().unwrap()
 }
 
 fn tree(dir: &Path) -> Vec<String> {
@@ -385,7 +385,7 @@ fn d07_killing_m3c_run_leaves_no_process() {
         for _ in 0..8 {
             args.extend(["--prompt-ids", p]);
         }
-        let mut child = Command::new(m3c_tests::m3c_bin()).args(&args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+        let mut child = m3c_tests::m3c_command().args(&args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
         let needle = out.join("stage-1").display().to_string();
         // Wait until the stages run.
         let t0 = Instant::now();
@@ -412,7 +412,7 @@ fn d08_interrupted_compiles_leave_nothing() {
     std::fs::create_dir(&stale).unwrap();
     std::fs::write(stale.join("stage-0"), vec![0u8; 1000]).unwrap();
     let real = configs("minimax-m3.config.json");
-    let mut child = Command::new(m3c_tests::m3c_bin())
+    let mut child = m3c_tests::m3c_command()
         .args(["compile", "--model", real.to_str().unwrap(), "--pp", "4", "-o", out.to_str().unwrap()])
         .stderr(Stdio::piped())
         .spawn()
@@ -452,7 +452,7 @@ fn d09_no_panics_on_numbers_or_closed_outputs() {
         assert!(stderr(&o).contains("--timeout-s") && !stderr(&o).contains("panicked"), "{}", stderr(&o));
     }
     // A closed pipe: ends like `cat` (SIGPIPE), not with a panic (101).
-    let mut child = Command::new(m3c_tests::m3c_bin())
+    let mut child = m3c_tests::m3c_command()
         .args(["inspect", fixture("tiny-m3").to_str().unwrap(), "--graph"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -466,11 +466,7 @@ fn d09_no_panics_on_numbers_or_closed_outputs() {
     assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
     // A full disk is an error that says so.
     let full = std::fs::File::create("/dev/full").unwrap();
-    let o = Command::new(m3c_tests::m3c_bin())
-        .args(["inspect", fixture("tiny-m3").to_str().unwrap(), "--graph"])
-        .stdout(full)
-        .output()
-        .unwrap();
+    let o = m3c_tests::m3c_command().args(["inspect", fixture("tiny-m3").to_str().unwrap(), "--graph"]).stdout(full).output().unwrap();
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     says(&o, "cannot write to standard output");
     // hidden_size 2^62 used to divide by zero in the kernel generator.
@@ -683,7 +679,7 @@ fn d17_busy_stages_are_alive_and_stopped_ones_are_lost() {
     // --ignore-eos: a random model may emit its EOS id early, ending the run before the stop.
     let mut args = run_args(&out, &model, &["--max-new-tokens", "3000", "--timeout-s", "2", "--ignore-eos"]);
     args.extend(["--prompt-ids", "1,2,3"]);
-    let child = Command::new(m3c_tests::m3c_bin()).args(&args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let child = m3c_tests::m3c_command().args(&args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
     let needle = out.join("stage-1").display().to_string();
     let t1 = Instant::now();
     let stage1 = loop {
@@ -771,7 +767,7 @@ fn d21_a_model_truncated_during_a_run_is_named() {
     for _ in 0..4 {
         args.extend(["--prompt-ids", "1,2,3"]);
     }
-    let child = Command::new(m3c_tests::m3c_bin()).args(&args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let child = m3c_tests::m3c_command().args(&args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
     let needle = model.display().to_string();
     let t0 = Instant::now();
     while processes_with(&needle).len() < 3 && t0.elapsed() < Duration::from_secs(20) {

@@ -84,7 +84,18 @@ pub fn compile(mlir: &str, cpu: &str) -> Result<HostArtifacts, BackendError> {
     let context = context();
     let mut module = parse(&context, mlir)?;
     run(&context, &mut module, HOST_PIPELINE)?;
-    object(&module, cpu)
+    object(&module, cpu, None)
+}
+
+/// [`compile`] for one unit of a stage: only the functions in `exports`
+/// keep external linkage. MLIR lowers private `func.func`s (view helpers,
+/// linear tiles) to external LLVM functions, which would clash when the
+/// units that each carry a copy are linked together.
+pub fn compile_unit(mlir: &str, cpu: &str, exports: &[String]) -> Result<HostArtifacts, BackendError> {
+    let context = context();
+    let mut module = parse(&context, mlir)?;
+    run(&context, &mut module, HOST_PIPELINE)?;
+    object(&module, cpu, Some(exports))
 }
 
 /// Translates `lowered` (a module already in the LLVM dialect, possibly with
@@ -92,10 +103,12 @@ pub fn compile(mlir: &str, cpu: &str) -> Result<HostArtifacts, BackendError> {
 pub fn object_from_lowered(lowered: &str, cpu: &str) -> Result<HostArtifacts, BackendError> {
     let context = context();
     let module = parse(&context, lowered)?;
-    object(&module, cpu)
+    object(&module, cpu, None)
 }
 
-fn object(module: &Module, cpu: &str) -> Result<HostArtifacts, BackendError> {
+/// The object of a module in the LLVM dialect; with `exports`, every other
+/// defined function becomes internal.
+fn object(module: &Module, cpu: &str, exports: Option<&[String]>) -> Result<HostArtifacts, BackendError> {
     let llvm_dialect = module.as_operation().to_string();
     init_once();
     let llvm = inkwell::context::Context::create();
@@ -107,6 +120,14 @@ fn object(module: &Module, cpu: &str) -> Result<HostArtifacts, BackendError> {
     }
     // SAFETY: `raw` is the non-null module just translated into `llvm`'s context, which outlives it; inkwell takes ownership.
     let llvm_module = unsafe { inkwell::module::Module::new(raw as inkwell::llvm_sys::prelude::LLVMModuleRef) };
+    if let Some(exports) = exports {
+        for f in llvm_module.get_functions() {
+            let exported = f.get_name().to_str().is_ok_and(|n| exports.iter().any(|e| e == n));
+            if f.count_basic_blocks() > 0 && !exported {
+                f.set_linkage(inkwell::module::Linkage::Internal);
+            }
+        }
+    }
     let triple = TargetTriple::create(HOST_TRIPLE);
     llvm_module.set_triple(&triple);
     let target = Target::from_triple(&triple).map_err(|e| BackendError::Codegen(e.to_string()))?;

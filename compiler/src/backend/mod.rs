@@ -8,7 +8,7 @@ pub mod ptx_report;
 mod target;
 
 pub use llvm_fatal::install_llvm_fatal_handler;
-pub use target::{backend, Backend, StageCode};
+pub use target::{backend, Backend, Unit, UnitCode};
 
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {

@@ -10,9 +10,25 @@ use m3c_contract::target::Target;
 use m3c_kernels::GpuTarget;
 use std::path::Path;
 
-/// What a back end made of one stage.
-pub struct StageCode {
-    /// The stage's object file (host code, any device code embedded).
+/// A piece of a stage compiled on its own: a kernel, the entry, or a
+/// GPU target's whole stage. Its code depends only on its name, its text,
+/// the CPU and the back end's [`Backend::toolchain`], so the compile
+/// compiles a unit that several stages share once and may take it from
+/// the object cache.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Unit {
+    /// A kernel's symbol, `entry`, or `stage-K` (GPU targets, whose report
+    /// lines name the stage).
+    pub name: String,
+    /// The stage it belongs to, for a unit that only one stage has.
+    pub stage: Option<usize>,
+    pub mlir: String,
+}
+
+/// What a back end made of one unit.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct UnitCode {
+    /// An object file (host code, any device code embedded).
     pub object: Vec<u8>,
     /// (file suffix, text) of the intermediate forms `--emit llvm` writes.
     pub emitted: Vec<(String, String)>,
@@ -20,19 +36,27 @@ pub struct StageCode {
     pub device_files: Vec<(String, Vec<u8>)>,
     /// What the manifest says the executable embeds (GPU targets).
     pub device_code: Option<String>,
-    /// The stage's lines of the compile report (GPU targets).
+    /// Its lines of the compile report (GPU targets).
     pub report: String,
 }
 
 /// A target's back end.
 pub trait Backend: Sync {
     /// A stage's MLIR module: its kernels and the step and vision entries
-    /// as this target runs them.
+    /// as this target runs them (what `--emit mlir` writes).
     fn module(&self, fused: &FusedStage) -> Result<String, String>;
-    /// Device code and the host object (for the x86-64 `cpu`) of stage
-    /// `stage` from its module (metadata globals included); `work` is a
-    /// scratch folder.
-    fn compile_stage(&self, stage: usize, module: &str, cpu: &str, work: &Path) -> Result<StageCode>;
+    /// The same stage as the units its code is compiled in; their objects,
+    /// linked together, are the stage's code.
+    fn units(&self, stage: usize, fused: &FusedStage) -> Result<Vec<Unit>, String>;
+    /// Device code and the host object (for the x86-64 `cpu`) of one unit;
+    /// `work` is a scratch folder.
+    fn compile_unit(&self, unit: &Unit, cpu: &str, work: &Path) -> Result<UnitCode>;
+    /// What a unit's code depends on besides its text, the CPU and m3c
+    /// itself: the tools the back end runs, by content (part of the object
+    /// cache's key).
+    fn toolchain(&self) -> Result<String> {
+        Ok(String::new())
+    }
     /// The compile report's header, when the target reports per kernel.
     fn report_header(&self) -> Option<String> {
         None
@@ -59,15 +83,40 @@ impl Backend for Host {
         crate::lower::host_module(fused)
     }
 
-    fn compile_stage(&self, stage: usize, module: &str, cpu: &str, _work: &Path) -> Result<StageCode> {
-        let art = host::compile(module, cpu).with_context(|| format!("stage {stage}: back end"))?;
-        Ok(StageCode {
+    /// One unit per kernel and one for the entry: a kernel is compiled once
+    /// however many stages, splits and compiles use it.
+    fn units(&self, stage: usize, fused: &FusedStage) -> Result<Vec<Unit>, String> {
+        let units = crate::lower::host_units(fused)?;
+        Ok(units
+            .into_iter()
+            .map(|(name, mlir)| {
+                let stage = (name == "entry").then_some(stage);
+                Unit { name, stage, mlir }
+            })
+            .collect())
+    }
+
+    fn compile_unit(&self, unit: &Unit, cpu: &str, _work: &Path) -> Result<UnitCode> {
+        // A kernel unit exports the kernel (and its C wrapper); the entry
+        // unit the two entries the runtime calls.
+        let exports = match unit.stage {
+            Some(_) => vec![crate::lower::ENTRY_SYMBOL.to_string(), crate::lower::VISION_SYMBOL.to_string()],
+            None => vec![unit.name.clone(), format!("_mlir_ciface_{}", unit.name)],
+        };
+        let art = host::compile_unit(&unit.mlir, cpu, &exports).with_context(|| format!("{}: back end", unit_label(unit)))?;
+        Ok(UnitCode {
             object: art.object,
             emitted: vec![(".llvm.mlir".into(), art.llvm_dialect), (".ll".into(), art.llvm_ir)],
-            device_files: Vec::new(),
-            device_code: None,
-            report: String::new(),
+            ..UnitCode::default()
         })
+    }
+}
+
+/// How errors name a unit: `stage 1` for a stage's own, else the kernel.
+fn unit_label(unit: &Unit) -> String {
+    match unit.stage {
+        Some(k) => format!("stage {k}"),
+        None => format!("kernel {}", unit.name),
     }
 }
 
@@ -83,9 +132,16 @@ impl Backend for Cuda {
         crate::lower::gpu_module(fused, &GpuTarget::CUDA)
     }
 
-    fn compile_stage(&self, stage: usize, module: &str, cpu: &str, work: &Path) -> Result<StageCode> {
+    /// The whole stage is one unit: its kernels are one `gpu.module`, one
+    /// PTX file and one cubin.
+    fn units(&self, stage: usize, fused: &FusedStage) -> Result<Vec<Unit>, String> {
+        Ok(vec![Unit { name: format!("stage-{stage}"), stage: Some(stage), mlir: self.module(fused)? }])
+    }
+
+    fn compile_unit(&self, unit: &Unit, cpu: &str, work: &Path) -> Result<UnitCode> {
+        let stage = unit.stage.context("a CUDA unit is a stage")?;
         let ctx = || format!("stage {stage}: back end");
-        let gpu = cuda::compile(module, &self.arch).with_context(ctx)?;
+        let gpu = cuda::compile(&unit.mlir, &self.arch).with_context(ctx)?;
         let asm = ptx_report::assemble(stage, &gpu.ptx, work)?;
         let lowered = match &asm.cubin {
             Some(cubin) => cuda::embed_cubin(&gpu.lowered, cubin)
@@ -98,13 +154,26 @@ impl Backend for Cuda {
             if asm.cubin.is_some() { format!("cubin {arch}") } else { format!("ptx {arch} (JIT-compiled by the driver at start-up)") };
         let mut device_files = vec![(".ptx".to_string(), gpu.ptx.into_bytes())];
         device_files.extend(asm.cubin.map(|c| (".cubin".to_string(), c)));
-        Ok(StageCode {
+        Ok(UnitCode {
             object: art.object,
             emitted: vec![(".llvm.mlir".into(), art.llvm_dialect), (".ll".into(), art.llvm_ir)],
             device_files,
             device_code: Some(device_code),
             report: asm.report,
         })
+    }
+
+    /// libdevice (linked into the PTX) and ptxas (which makes the cubin
+    /// and the report), by content.
+    fn toolchain(&self) -> Result<String> {
+        let root = cuda::cuda_root()?;
+        let libdevice = root.join("nvvm/libdevice/libdevice.10.bc");
+        let mut parts = vec![format!("libdevice {}", file_sha(&libdevice)?)];
+        match cuda::ptxas(&root) {
+            Some(p) => parts.push(format!("ptxas {}", file_sha(&p)?)),
+            None => parts.push("no ptxas".into()),
+        }
+        Ok(parts.join("; "))
     }
 
     fn report_header(&self) -> Option<String> {
@@ -114,4 +183,9 @@ impl Backend for Cuda {
     fn has_device_code(&self) -> bool {
         true
     }
+}
+
+fn file_sha(p: &Path) -> Result<String> {
+    let bytes = std::fs::read(p).with_context(|| format!("cannot read {}", p.display()))?;
+    Ok(m3c_contract::manifest::sha256_hex(&bytes))
 }

@@ -36,15 +36,15 @@ pub fn find_runtime_lib() -> Result<PathBuf> {
 /// Where Debian's libomp-22-dev puts libomp.
 pub const OMP_DIR: &str = "/usr/lib/llvm-22/lib";
 
-/// `mpicc` links: the stage object, the runtime (which has `main`), MPI and
-/// what Rust's std needs from libc.
-pub fn link(obj: &Path, runtime: &Path, exe: &Path) -> Result<()> {
+/// `mpicc` links: the stage's objects, the runtime (which has `main`), MPI
+/// and what Rust's std needs from libc.
+pub fn link(objects: &[PathBuf], runtime: &Path, exe: &Path) -> Result<()> {
     let mut cmd = Command::new("mpicc");
     cmd.args(linker_flags());
     let out = cmd
         .arg("-o")
         .arg(exe)
-        .arg(obj)
+        .args(objects)
         .arg(runtime)
         // OpenMP runs the kernels' parallel loops (LLVM's libomp, as MLIR's
         // OpenMP lowering targets its ABI).

@@ -7,13 +7,14 @@
 //! leaves nothing behind; nothing in it depends on time, paths or thread
 //! timing, so the same inputs give byte-identical folders.
 
+pub mod cache;
 pub mod link;
 mod manifest;
 
 pub use link::{find_runtime_lib, sh_quote, RUNTIME_LIB_ENV};
 pub use m3c_contract::manifest::{sha256_hex, Manifest, StageEntry};
 
-use crate::backend::StageCode;
+use crate::backend::{Backend, Unit, UnitCode};
 use crate::config::ModelConfig;
 use crate::graph::build_graph;
 use crate::lower::{lower_stage, Boundary, StageProgram, Storages};
@@ -44,6 +45,16 @@ pub struct CompileRequest<'a> {
     /// How the stages store their KV and index-key caches and their activations.
     pub storages: Storages,
     pub runtime_lib: PathBuf,
+    /// The object cache's folder (see [`cache`]); `None` compiles every unit.
+    pub cache: Option<PathBuf>,
+}
+
+/// A finished compile: the manifest written, and how many distinct units
+/// the stages were compiled in and how many of those the cache held.
+pub struct Compiled {
+    pub manifest: Manifest,
+    pub units: usize,
+    pub from_cache: usize,
 }
 
 /// The names m3c writes into OUT: anything else there means the folder is
@@ -204,7 +215,7 @@ pub fn lower_all(cfg: &ModelConfig, plan: &Plan, storages: Storages) -> Result<V
     plan.stages.iter().enumerate().map(|(i, s)| Ok(lower_stage(cfg, &graph, i, s, &*backend, storages)?)).collect()
 }
 
-pub fn compile(req: &CompileRequest) -> Result<Manifest> {
+pub fn compile(req: &CompileRequest) -> Result<Compiled> {
     let backend = crate::backend::backend(&req.plan.target);
     let cfg = req.config;
     let config_bytes = std::fs::read(&cfg.source).with_context(|| format!("cannot read {}", cfg.source.display()))?;
@@ -234,57 +245,33 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
     let compile_id: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
 
     let n = programs.len();
+    let stage_units = programs
+        .iter()
+        .map(|p| backend.units(p.index, &p.fused).map_err(|m| anyhow::anyhow!("stage {}: {m}", p.index)))
+        .collect::<Result<Vec<_>>>()?;
+    let cache = match &req.cache {
+        Some(dir) => Some(cache::ObjectCache::open(dir, &target_name, &req.cpu, &backend.toolchain()?)?),
+        None => None,
+    };
     let mut manifest =
         manifest::new(cfg, &config_sha, &plan_json, &runtime_sha, &compile_id, &req.cpu, &req.plan.target, kv_cache, activations);
     let mut report = String::new();
+    let mut counts = (0, 0);
     crate::fsutil::write_dir_atomically(req.out, check_replaceable_output, |dir| {
         let work = dir.join(".obj");
         std::fs::create_dir(&work)?;
-        // The back end runs one thread per stage (bounded by the cores);
-        // each stage's output depends only on its own module, so the result
-        // is the same in any order.
-        let modules: Vec<String> = programs
-            .iter()
-            .map(|p| {
-                let meta = stage_meta(
-                    p,
-                    n,
-                    cfg,
-                    &compile_id,
-                    &config_sha,
-                    &req.cpu,
-                    &req.plan.target,
-                    req.plan.stages[p.index].device,
-                    req.storages.activations,
-                );
-                format!("{}{}}}\n", p.mlir.trim_end().strip_suffix('}').unwrap_or(&p.mlir), meta_globals(&meta))
-            })
-            .collect();
-        let arts = parallel_map(&modules, |i, m| -> Result<StageCode> { backend.compile_stage(i, m, &req.cpu, &work) })?;
-        for (p, art) in programs.iter().zip(arts) {
-            let name = format!("stage-{}", p.index);
-            if req.emit.contains(&Emit::Mlir) {
-                std::fs::write(dir.join(format!("{name}.steps.txt")), p.listing())?;
-                std::fs::write(dir.join(format!("{name}.mlir")), &p.mlir)?;
-            }
-            if req.emit.contains(&Emit::Llvm) {
-                for (suffix, text) in &art.emitted {
-                    std::fs::write(dir.join(format!("{name}{suffix}")), text)?;
-                }
-            }
-            if req.emit.contains(&Emit::Ptx) {
-                for (suffix, bytes) in &art.device_files {
-                    std::fs::write(dir.join(format!("{name}{suffix}")), bytes)?;
-                }
-            }
-            report.push_str(&art.report);
-            let obj = work.join(format!("{name}.o"));
-            std::fs::write(&obj, &art.object)?;
-            let exe = dir.join(&name);
-            link::link(&obj, &req.runtime_lib, &exe).with_context(|| format!("stage {}: linking {}", p.index, exe.display()))?;
-            let bytes = std::fs::read(&exe)?;
-            let mut entry = manifest::stage_entry(p, &name, &bytes, req.plan.stages[p.index].host.clone());
-            entry.device_code = art.device_code;
+        // `--emit llvm` writes every unit's IR, which the cache does not keep.
+        let codes = unit_codes(&*backend, &stage_units, cache.as_ref(), req.emit.contains(&Emit::Llvm), &req.cpu, &work)?;
+        counts = (codes.len(), codes.values().filter(|c| c.cached).count());
+        for (key, c) in &codes {
+            std::fs::write(work.join(format!("{key}.o")), &c.code.object)?;
+        }
+        // Each stage's metadata, link and files, one thread per core: a
+        // stage's executable depends only on its own objects.
+        let job = StageJob { req, stages: n, compile_id: &compile_id, config_sha: &config_sha, codes: &codes, work: &work, dir };
+        let jobs: Vec<(&StageProgram, &Vec<Unit>)> = programs.iter().zip(&stage_units).collect();
+        for (entry, lines) in parallel_map(&jobs, |_, (p, units)| job.finish(p, units))? {
+            report.push_str(&lines);
             manifest.stages.push(entry);
         }
         std::fs::remove_dir_all(&work)?;
@@ -298,7 +285,150 @@ pub fn compile(req: &CompileRequest) -> Result<Manifest> {
         std::fs::write(dir.join("manifest.json"), text)?;
         Ok(())
     })?;
-    Ok(manifest)
+    Ok(Compiled { manifest, units: counts.0, from_cache: counts.1 })
+}
+
+/// What every stage's last steps share.
+struct StageJob<'a> {
+    req: &'a CompileRequest<'a>,
+    stages: usize,
+    compile_id: &'a str,
+    config_sha: &'a str,
+    codes: &'a std::collections::BTreeMap<String, UnitResult>,
+    work: &'a Path,
+    dir: &'a Path,
+}
+
+impl StageJob<'_> {
+    /// Compiles stage `p`'s metadata, links its executable from its units'
+    /// objects, writes what `--emit` asks for, and returns its manifest
+    /// entry and compile-report lines.
+    fn finish(&self, p: &StageProgram, units: &[Unit]) -> Result<(StageEntry, String)> {
+        let (req, work, dir) = (self.req, self.work, self.dir);
+        let name = format!("stage-{}", p.index);
+        let device = req.plan.stages[p.index].device;
+        let meta = stage_meta(
+            p,
+            self.stages,
+            req.config,
+            self.compile_id,
+            self.config_sha,
+            &req.cpu,
+            &req.plan.target,
+            device,
+            req.storages.activations,
+        );
+        // The metadata is an object of its own: the units' code does not
+        // depend on the compile id, so the cache can hold it.
+        let meta = crate::backend::host::compile(&format!("module {{\n{}}}\n", meta_globals(&meta)), &req.cpu)
+            .with_context(|| format!("stage {}: metadata", p.index))?;
+        let meta_obj = work.join(format!("{name}.meta.o"));
+        std::fs::write(&meta_obj, &meta.object)?;
+        let codes: Vec<(&Unit, &UnitCode)> = units.iter().map(|u| (u, &self.codes[&unit_hash(u)].code)).collect();
+        if req.emit.contains(&Emit::Mlir) {
+            std::fs::write(dir.join(format!("{name}.steps.txt")), p.listing())?;
+            std::fs::write(dir.join(format!("{name}.mlir")), &p.mlir)?;
+        }
+        if req.emit.contains(&Emit::Llvm) {
+            for (suffix, text) in emitted_texts(&codes, &meta.llvm_dialect, &meta.llvm_ir) {
+                std::fs::write(dir.join(format!("{name}{suffix}")), text)?;
+            }
+        }
+        if req.emit.contains(&Emit::Ptx) {
+            for (suffix, bytes) in codes.iter().flat_map(|(_, c)| &c.device_files) {
+                std::fs::write(dir.join(format!("{name}{suffix}")), bytes)?;
+            }
+        }
+        let mut objects: Vec<PathBuf> = units.iter().map(|u| work.join(format!("{}.o", unit_hash(u)))).collect();
+        objects.push(meta_obj);
+        let exe = dir.join(&name);
+        link::link(&objects, &req.runtime_lib, &exe).with_context(|| format!("stage {}: linking {}", p.index, exe.display()))?;
+        let bytes = std::fs::read(&exe)?;
+        let mut entry = manifest::stage_entry(p, &name, &bytes, req.plan.stages[p.index].host.clone());
+        entry.device_code = codes.iter().find_map(|(_, c)| c.device_code.clone());
+        Ok((entry, codes.iter().map(|(_, c)| c.report.as_str()).collect()))
+    }
+}
+
+/// A unit's identity within one compile: the SHA-256 of its name, stage
+/// and text (units equal in all three are compiled once).
+fn unit_hash(u: &Unit) -> String {
+    let mut h = Sha256::new();
+    let stage = u.stage.map_or(String::new(), |k| k.to_string());
+    for part in [u.name.as_bytes(), stage.as_bytes(), u.mlir.as_bytes()] {
+        h.update((part.len() as u64).to_le_bytes());
+        h.update(part);
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A unit's code, and whether the cache had it.
+struct UnitResult {
+    code: UnitCode,
+    cached: bool,
+}
+
+/// The code of every distinct unit of every stage, by [`unit_hash`]: from
+/// the cache where it has it (unless `fresh`), else compiled, on up to one
+/// thread per core, and stored.
+fn unit_codes(
+    backend: &dyn Backend,
+    stage_units: &[Vec<Unit>],
+    cache: Option<&cache::ObjectCache>,
+    fresh: bool,
+    cpu: &str,
+    work: &Path,
+) -> Result<std::collections::BTreeMap<String, UnitResult>> {
+    let mut distinct = std::collections::BTreeMap::new();
+    for u in stage_units.iter().flatten() {
+        distinct.entry(unit_hash(u)).or_insert(u);
+    }
+    let mut codes = std::collections::BTreeMap::new();
+    let mut todo = Vec::new();
+    for (hash, u) in distinct {
+        match cache.filter(|_| !fresh).and_then(|c| c.get(&c.key(u))) {
+            Some(code) => {
+                codes.insert(hash, UnitResult { code, cached: true });
+            }
+            None => todo.push((hash, u)),
+        }
+    }
+    let compiled = parallel_map(&todo, |_, (_, u)| backend.compile_unit(u, cpu, work))?;
+    let mut warned = false;
+    for ((hash, u), code) in todo.into_iter().zip(compiled) {
+        if let Some(c) = cache {
+            // A cache that cannot be written costs time, not correctness: say so once.
+            if let Err(e) = c.put(&c.key(u), &code) {
+                if !warned {
+                    eprintln!("m3c: warning: the object cache is not written: {e:#}");
+                    warned = true;
+                }
+            }
+        }
+        codes.insert(hash, UnitResult { code, cached: false });
+    }
+    Ok(codes)
+}
+
+/// A stage's `--emit llvm` files: each unit's text in link order under a
+/// comment naming it, then the metadata's.
+fn emitted_texts(codes: &[(&Unit, &UnitCode)], meta_dialect: &str, meta_ir: &str) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = Vec::new();
+    let sections =
+        codes.iter().flat_map(|(u, c)| c.emitted.iter().map(move |(suffix, text)| (u.name.as_str(), suffix.as_str(), text.as_str())));
+    let meta = [("metadata", ".llvm.mlir", meta_dialect), ("metadata", ".ll", meta_ir)];
+    for (name, suffix, text) in sections.chain(meta) {
+        let comment = if suffix == ".ll" { ";" } else { "//" };
+        let i = match out.iter().position(|(s, _)| s == suffix) {
+            Some(i) => i,
+            None => {
+                out.push((suffix.to_string(), String::new()));
+                out.len() - 1
+            }
+        };
+        out[i].1.push_str(&format!("{comment} ---- unit {name} ----\n{text}\n"));
+    }
+    out
 }
 
 /// `f` over `items` on up to `available_parallelism` threads; results in

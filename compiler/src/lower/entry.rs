@@ -549,6 +549,30 @@ pub fn module(f: &FusedStage) -> Result<String, String> {
     Ok(m3c_kernels::module_with(&f.kernels, &views, &format!("{}{}{vision}", runtime_decls(), entry_func(&e.body))))
 }
 
+/// The same stage as separately compiled modules: one per kernel (see
+/// [`m3c_kernels::host_units`]) and, last, `entry`: the view helpers, the
+/// runtime's and the kernels' declarations and the two entries.
+pub fn host_units(f: &FusedStage) -> Result<Vec<(String, String)>, String> {
+    let mut e = entry_body(f, Flavor::Host);
+    let vision = vision_text(&mut e, f);
+    check(&e)?;
+    let mut units = m3c_kernels::host_units(&f.kernels);
+    let mut entry = String::from("module {\n");
+    for v in &e.views {
+        entry.push_str(&v.view_fn_text());
+    }
+    entry.push_str(&runtime_decls());
+    let decls: BTreeSet<String> = f.kernels.iter().map(m3c_kernels::host_decl).collect();
+    for d in decls {
+        entry.push_str(&d);
+    }
+    entry.push_str(&entry_func(&e.body));
+    entry.push_str(&vision);
+    entry.push_str("}\n");
+    units.push(("entry".into(), entry));
+    Ok(units)
+}
+
 /// The module of a stage for the GPU `target`: the kernels as `gpu.func`s
 /// in one `gpu.module`, and the same entry, launching them.
 pub fn gpu_module(f: &FusedStage, target: &GpuTarget) -> Result<String, String> {

@@ -9,7 +9,7 @@
 mod entry;
 pub mod fuse;
 
-pub use entry::{gpu_module, module as host_module, ENTRY_SYMBOL, VISION_SYMBOL};
+pub use entry::{gpu_module, host_units, module as host_module, ENTRY_SYMBOL, VISION_SYMBOL};
 pub use fuse::{fuse_stage, FusedStage, Step, VisionProgram};
 /// The slots and boundaries are the contract's: the stage metadata and the
 /// manifest carry them as they are.
