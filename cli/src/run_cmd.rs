@@ -403,13 +403,13 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
         _ => None,
     };
     let status = child.wait().context("waiting for mpirun")?;
-    let lost = reaper.join().unwrap_or_default();
+    let end = reaper.join().unwrap_or_default();
     let collected = tap.map(|t| t.join().unwrap_or_default());
     if let Some(sig) = forwarding.received() {
         bail!("interrupted (signal {sig}): the pipeline was stopped");
     }
     drop(forwarding);
-    if let (false, Some(node)) = (status.success(), &lost) {
+    if let (false, Some(node)) = (status.success(), &end.lost_node) {
         let stages: Vec<String> = compiled.stages_on(node, &launch).iter().map(|k| format!("stage {k}")).collect();
         let which = if stages.is_empty() { "the stage(s)".to_string() } else { stages.join(" and ") };
         bail!(
@@ -417,10 +417,13 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
         );
     }
     if !status.success() {
-        bail!(
-            "the pipeline failed (mpirun exit status {}); the failing stage's message is above",
-            status.code().map_or("signal".into(), |c| c.to_string())
-        );
+        let code = status.code().map_or("signal".into(), |c| c.to_string());
+        // A stage killed outright prints nothing, and a stage's last words
+        // can be lost when mpirun tears the job down: name what mpirun saw.
+        if let Some((rank, node, signal)) = end.killed.filter(|_| !end.stage_error) {
+            bail!("the pipeline failed (mpirun exit status {code}): stage {rank} was killed on {node} by signal {signal}");
+        }
+        bail!("the pipeline failed (mpirun exit status {code}); the failing stage's message is above");
     }
     if let (Some(file), Some(c)) = (&args.trace, collected) {
         let bytes = m3c_front::trace::chrome_json(&c).context("--trace")?;

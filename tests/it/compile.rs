@@ -78,15 +78,20 @@ fn unit_counts(o: &std::process::Output) -> (usize, usize) {
     (units, cached)
 }
 
-/// Compiles tiny-m3 at `pp` into `dir/out` with `flags`; the output folder and the unit counts.
-fn compile_counted(dir: &Path, pp: usize, flags: &[&str]) -> (PathBuf, (usize, usize)) {
-    let out = dir.join("out");
+/// `m3c compile` of tiny-m3 at `pp` into `out` with `flags`.
+fn compile_tiny(out: &Path, pp: usize, flags: &[&str]) -> std::process::Output {
     let pp = pp.to_string();
     let model = fixture("tiny-m3");
     let mut args = vec!["compile", "--model", model.to_str().unwrap(), "--pp", &pp, "-o", out.to_str().unwrap()];
     args.extend_from_slice(flags);
-    let o = m3c(&args);
-    assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+    m3c(&args)
+}
+
+/// Compiles tiny-m3 at `pp` into `dir/out` with `flags`; the output folder and the unit counts.
+fn compile_counted(dir: &Path, pp: usize, flags: &[&str]) -> (PathBuf, (usize, usize)) {
+    let out = dir.join("out");
+    let o = compile_tiny(&out, pp, flags);
+    assert!(o.status.success(), "{flags:?}: {}", stderr(&o));
     (out, unit_counts(&o))
 }
 
@@ -150,17 +155,7 @@ fn the_object_cache_compiles_a_kernel_once_and_changes_no_byte() {
     // An explicit cache folder that cannot be made is an error, naming it.
     let file = tmp.path().join("a-file");
     std::fs::write(&file, "").unwrap();
-    let o = m3c(&[
-        "compile",
-        "--model",
-        fixture("tiny-m3").to_str().unwrap(),
-        "--pp",
-        "1",
-        "-o",
-        tmp.path().join("x").to_str().unwrap(),
-        "--cache-dir",
-        file.to_str().unwrap(),
-    ]);
+    let o = compile_tiny(&tmp.path().join("x"), 1, &["--cache-dir", file.to_str().unwrap()]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("a-file") && stderr(&o).contains("object cache"), "{}", stderr(&o));
     assert!(!tmp.path().join("x").exists(), "nothing written on failure");
