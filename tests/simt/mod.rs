@@ -490,6 +490,12 @@ struct OpInfo {
     out_tys: Vec<Option<Ty>>,
     /// Attributes as text, read on first use.
     attrs: std::cell::RefCell<HashMap<&'static str, Option<String>>>,
+    /// Which dialect's handler runs the op (0: not yet known), found on
+    /// its first run: later runs skip the other dialects' name matches.
+    handler: std::cell::Cell<u8>,
+    /// A constant's value for a thread count, parsed on its first run (a
+    /// constant in a loop body runs once per iteration).
+    constant: std::cell::RefCell<Option<(usize, Data)>>,
 }
 
 impl OpInfo {
@@ -641,7 +647,7 @@ fn launch(
     Ok(())
 }
 
-impl Frame<'_> {
+impl<'m> Frame<'m> {
     fn get(&self, v: MlirValue) -> Result<&Data, String> {
         self.vals.get(&(v.ptr as usize)).ok_or_else(|| "simt: a value used before it is defined".to_string())
     }
@@ -719,21 +725,29 @@ impl Frame<'_> {
             ins,
             outs,
             attrs: Default::default(),
+            handler: Default::default(),
+            constant: Default::default(),
         });
         self.info.insert(op.ptr as usize, i.clone());
         Ok(i)
     }
 
     fn op(&mut self, op: MlirOperation, info: &OpInfo, mask: &[bool]) -> Result<(), String> {
-        // Each dialect's file says whether the op is one of its own.
-        let handled = self.arith_op(op, info, mask)?
-            || self.llvm_op(op, info, mask)?
-            || self.memory_op(op, info, mask)?
-            || self.vector_op(op, info, mask)?
-            || self.gpu_op(op, info, mask)?
-            || self.control_op(op, info, mask)?;
-        if handled {
-            return Ok(());
+        // Each dialect's file says whether the op is one of its own; the
+        // one that did is asked first next time.
+        type Handler<'m> = fn(&mut Frame<'m>, MlirOperation, &OpInfo, &[bool]) -> Result<bool, String>;
+        let handlers: [Handler<'m>; 6] =
+            [Frame::arith_op, Frame::llvm_op, Frame::memory_op, Frame::vector_op, Frame::gpu_op, Frame::control_op];
+        if let Some(h) = (info.handler.get() as usize).checked_sub(1) {
+            if handlers[h](self, op, info, mask)? {
+                return Ok(());
+            }
+        }
+        for (h, handler) in handlers.iter().enumerate() {
+            if handler(self, op, info, mask)? {
+                info.handler.set(h as u8 + 1);
+                return Ok(());
+            }
         }
         Err(format!("simt: no semantics for `{}`", info.name))
     }
