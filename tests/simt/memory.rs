@@ -27,6 +27,7 @@ impl Frame<'_> {
                 let mty = info.in_tys[if name == "memref.store" { 1 } else { 0 }].clone().ok_or("a memref of unknown type")?;
                 let eb = elem(&mty).bytes();
                 let lanes = if name == "vector.load" { width(out_ty.as_ref().unwrap()) } else { 1 };
+                let mut v = if val.is_none() { self.take_buf(res[0], t * lanes) } else { Vec::new() };
                 // Borrow the operands and the memory side by side (distinct fields).
                 let vals = &self.vals;
                 let mem = &mut *self.mem;
@@ -44,7 +45,6 @@ impl Frame<'_> {
                     Some(_) => return Err("storing a memref".into()),
                     None => None,
                 };
-                let mut v = if val.is_none() { vec![0u64; t * lanes] } else { Vec::new() };
                 for th in 0..t {
                     if !mask[th] {
                         continue;

@@ -670,6 +670,21 @@ impl<'m> Frame<'m> {
         self.vals.insert(v.ptr as usize, d);
     }
 
+    /// A zeroed buffer of `n` words for a new value of `v`: the buffer of
+    /// its value from the previous run of the op when it has one (an op in
+    /// a loop redefines its value every iteration), so that a loop body
+    /// allocates nothing.
+    fn take_buf(&mut self, v: MlirValue, n: usize) -> Vec<u64> {
+        match self.vals.remove(&(v.ptr as usize)) {
+            Some(Data::Bits { mut v, .. }) => {
+                v.clear();
+                v.resize(n, 0);
+                v
+            }
+            _ => vec![0u64; n],
+        }
+    }
+
     /// Runs a block's operations under `mask`; returns the terminator's operand values.
     fn block(&mut self, b: MlirBlock, mask: &[bool]) -> Result<Vec<Data>, String> {
         let ops = self.blocks.entry(b.ptr as usize).or_insert_with(|| Rc::new(block_ops(b))).clone();
@@ -694,11 +709,18 @@ impl<'m> Frame<'m> {
     fn elementwise(&mut self, info: &OpInfo, f: impl Fn(&[u64]) -> Result<u64, String>) -> Result<(), String> {
         let w = info.out.as_ref().map_or(1, width);
         let n = self.threads * w;
-        let mut srcs: Vec<(usize, &Vec<u64>)> = Vec::with_capacity(info.ins.len());
-        for v in &info.ins {
-            srcs.push(self.bits(*v)?);
+        // (An SSA result is never its own operand, so its old buffer is free.)
+        let mut res = self.take_buf(info.outs[0], n);
+        let empty: &[u64] = &[];
+        let mut srcs: [(usize, &[u64]); 4] = [(0, empty); 4];
+        if info.ins.len() > srcs.len() {
+            return Err(format!("{} operands; elementwise ops take at most 4", info.ins.len()));
         }
-        let mut res = vec![0u64; n];
+        for (k, v) in info.ins.iter().enumerate() {
+            let (wi, s) = self.bits(*v)?;
+            srcs[k] = (wi, s.as_slice());
+        }
+        let srcs = &srcs[..info.ins.len()];
         let mut a = [0u64; 4];
         for (i, r) in res.iter_mut().enumerate() {
             for (k, (wi, s)) in srcs.iter().enumerate() {
