@@ -12,6 +12,9 @@
 //! Entries are written to a temporary name and renamed, so concurrent
 //! compiles never see half an entry, and each ends with the SHA-256 of its
 //! bytes: a damaged entry is a miss (and is rewritten), never wrong code.
+//! A compile that stored entries keeps the cache under its cap
+//! (`$M3C_CACHE_MAX_GB`, 5 GB by default) by removing the least recently
+//! used ones; a hit counts as a use.
 
 use crate::backend::{Unit, UnitCode};
 use anyhow::{Context, Result};
@@ -21,6 +24,25 @@ use std::path::{Path, PathBuf};
 
 /// Where the cache lives unless `--cache-dir` says otherwise.
 pub const CACHE_DIR_ENV: &str = "M3C_CACHE_DIR";
+
+/// The cache's size cap in GB (default [`DEFAULT_MAX_GB`]): a compile that
+/// stored entries removes the least recently used ones beyond it.
+pub const CACHE_MAX_ENV: &str = "M3C_CACHE_MAX_GB";
+pub const DEFAULT_MAX_GB: f64 = 5.0;
+
+/// The cap in bytes: `$M3C_CACHE_MAX_GB`, else [`DEFAULT_MAX_GB`].
+pub fn max_bytes() -> Result<u64> {
+    let gb = match std::env::var(CACHE_MAX_ENV) {
+        Ok(v) => v
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|g| g.is_finite() && *g >= 0.0)
+            .with_context(|| format!("{CACHE_MAX_ENV}={v}: expected a size in GB, such as 5 or 0.5"))?,
+        Err(_) => DEFAULT_MAX_GB,
+    };
+    Ok((gb * 1e9) as u64)
+}
 
 const MAGIC: &[u8] = b"m3c-unit-cache/1\n";
 
@@ -35,6 +57,8 @@ pub struct ObjectCache {
     dir: PathBuf,
     /// The key's prefix: m3c, the target, the CPU and the tools.
     salt: Vec<u8>,
+    /// The size cap in bytes ([`max_bytes`]).
+    max: u64,
 }
 
 impl ObjectCache {
@@ -47,7 +71,7 @@ impl ObjectCache {
         for part in [std::str::from_utf8(MAGIC).unwrap_or_default(), compiler_identity()?, target, cpu, toolchain] {
             push_field(&mut salt, part.as_bytes());
         }
-        Ok(ObjectCache { dir: objects, salt })
+        Ok(ObjectCache { dir: objects, salt, max: max_bytes()? })
     }
 
     /// The key of `unit`: a hex SHA-256.
@@ -69,8 +93,54 @@ impl ObjectCache {
     /// The stored code for `key` (without `emitted`, which is not kept), or
     /// `None` when there is none or it is damaged.
     pub fn get(&self, key: &str) -> Option<UnitCode> {
-        let bytes = std::fs::read(self.path(key)).ok()?;
-        decode(&bytes)
+        let path = self.path(key);
+        let code = decode(&std::fs::read(&path).ok()?)?;
+        // A hit is a use: the size cap removes the least recently used.
+        if let Ok(f) = std::fs::File::options().write(true).open(&path) {
+            let _ = f.set_modified(std::time::SystemTime::now());
+        }
+        Some(code)
+    }
+
+    /// [`ObjectCache::prune`] to the cap `$M3C_CACHE_MAX_GB` sets.
+    pub fn prune_to_cap(&self) -> usize {
+        self.prune(self.max)
+    }
+
+    /// Removes the least recently used entries while the cache holds more
+    /// than `max` bytes, down to 80% of it (so that the next compiles do not
+    /// each remove a few). Returns how many it removed. Entries another
+    /// compile removes or writes meanwhile are skipped: a removed entry is
+    /// a miss, never wrong code.
+    pub fn prune(&self, max: u64) -> usize {
+        let mut entries: Vec<(std::time::SystemTime, u64, PathBuf)> = Vec::new();
+        for sub in std::fs::read_dir(&self.dir).into_iter().flatten().flatten() {
+            for e in std::fs::read_dir(sub.path()).into_iter().flatten().flatten() {
+                let name = e.file_name();
+                if name.to_string_lossy().starts_with(".tmp-") {
+                    continue;
+                }
+                if let Some(m) = e.metadata().ok().filter(|m| m.is_file()) {
+                    entries.push((m.modified().unwrap_or(std::time::UNIX_EPOCH), m.len(), e.path()));
+                }
+            }
+        }
+        let mut total: u64 = entries.iter().map(|e| e.1).sum();
+        if total <= max {
+            return 0;
+        }
+        entries.sort();
+        let mut removed = 0;
+        for (_, len, path) in entries {
+            if total <= max / 10 * 8 {
+                break;
+            }
+            if std::fs::remove_file(&path).is_ok() {
+                total = total.saturating_sub(len);
+                removed += 1;
+            }
+        }
+        removed
     }
 
     /// Stores `code` under `key` (its `emitted` texts are left out).
@@ -270,6 +340,30 @@ mod tests {
         let id = build_id(&exe).expect("rustc links with --build-id on this toolchain");
         assert!(id.len() >= 16 && id.bytes().all(|b| b.is_ascii_hexdigit()), "{id}");
         assert_eq!(build_id(Path::new("/dev/null")), None);
+    }
+
+    #[test]
+    fn the_cap_removes_the_least_recently_used_entries() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = ObjectCache::open(dir.path(), "host", "x86-64-v3", "").unwrap();
+        let t0 = std::time::SystemTime::now() - std::time::Duration::from_secs(1000);
+        let mut keys = Vec::new();
+        for i in 0..10u64 {
+            let u = Unit { name: format!("k{i}"), stage: None, mlir: String::new() };
+            let k = c.key(&u);
+            c.put(&k, &UnitCode { object: vec![0; 1000], ..UnitCode::default() }).unwrap();
+            let f = std::fs::File::options().write(true).open(c.path(&k)).unwrap();
+            f.set_modified(t0 + std::time::Duration::from_secs(i)).unwrap();
+            keys.push(k);
+        }
+        let size = std::fs::metadata(c.path(&keys[0])).unwrap().len();
+        assert_eq!(c.prune(10 * size), 0, "at the cap nothing goes");
+        // A hit makes the oldest the newest.
+        assert!(c.get(&keys[0]).is_some());
+        // Over a cap of 5 entries: down to 80% of it, 4, the least recently used first.
+        assert_eq!(c.prune(5 * size), 6);
+        let kept: Vec<usize> = (0..10).filter(|&i| c.path(&keys[i]).exists()).collect();
+        assert_eq!(kept, vec![0, 7, 8, 9]);
     }
 
     #[test]

@@ -395,6 +395,7 @@ fn unit_codes(
     }
     let compiled = parallel_map(&todo, |_, (_, u)| backend.compile_unit(u, cpu, work))?;
     let mut warned = false;
+    let stored = !todo.is_empty();
     for ((hash, u), code) in todo.into_iter().zip(compiled) {
         if let Some(c) = cache {
             // A cache that cannot be written costs time, not correctness: say so once.
@@ -406,6 +407,9 @@ fn unit_codes(
             }
         }
         codes.insert(hash, UnitResult { code, cached: false });
+    }
+    if let Some(c) = cache.filter(|_| stored) {
+        c.prune_to_cap();
     }
     Ok(codes)
 }
