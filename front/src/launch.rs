@@ -305,7 +305,7 @@ pub struct JobEnd {
 }
 
 impl JobEnd {
-    /// The line of mpirun's that names a rank killed by a signal.
+    /// Takes in one line of the job's standard error.
     fn note(&mut self, line: &str) {
         if line.starts_with("m3c stage ") && line.contains(": error: ") {
             self.stage_error = true;

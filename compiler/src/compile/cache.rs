@@ -78,11 +78,7 @@ impl ObjectCache {
     pub fn key(&self, unit: &Unit) -> String {
         let mut h = Sha256::new();
         h.update(&self.salt);
-        let stage = unit.stage.map_or(String::new(), |k| k.to_string());
-        for part in [unit.name.as_bytes(), stage.as_bytes(), unit.mlir.as_bytes()] {
-            h.update((part.len() as u64).to_le_bytes());
-            h.update(part);
-        }
+        h.update(unit_hash(unit).as_bytes());
         h.finalize().iter().map(|b| format!("{b:02x}")).collect()
     }
 
@@ -157,6 +153,19 @@ impl ObjectCache {
         }
         write.with_context(|| format!("cannot write {}", path.display()))
     }
+}
+
+/// A unit's identity: the SHA-256 of its name, stage and text, as hex.
+/// Units equal in all three are compiled once in a compile; the cache key
+/// adds what else their code depends on.
+pub fn unit_hash(u: &Unit) -> String {
+    let mut h = Sha256::new();
+    let stage = u.stage.map_or(String::new(), |k| k.to_string());
+    for part in [u.name.as_bytes(), stage.as_bytes(), u.mlir.as_bytes()] {
+        h.update((part.len() as u64).to_le_bytes());
+        h.update(part);
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn push_field(out: &mut Vec<u8>, bytes: &[u8]) {

@@ -20,6 +20,7 @@ use crate::graph::build_graph;
 use crate::lower::{lower_stage, Boundary, StageProgram, Storages};
 use crate::plan::Plan;
 use anyhow::{Context, Result};
+use cache::unit_hash;
 use m3c_contract::target::Target;
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
@@ -348,18 +349,6 @@ impl StageJob<'_> {
         entry.device_code = codes.iter().find_map(|(_, c)| c.device_code.clone());
         Ok((entry, codes.iter().map(|(_, c)| c.report.as_str()).collect()))
     }
-}
-
-/// A unit's identity within one compile: the SHA-256 of its name, stage
-/// and text (units equal in all three are compiled once).
-fn unit_hash(u: &Unit) -> String {
-    let mut h = Sha256::new();
-    let stage = u.stage.map_or(String::new(), |k| k.to_string());
-    for part in [u.name.as_bytes(), stage.as_bytes(), u.mlir.as_bytes()] {
-        h.update((part.len() as u64).to_le_bytes());
-        h.update(part);
-    }
-    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// A unit's code, and whether the cache had it.
