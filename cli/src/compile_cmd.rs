@@ -19,11 +19,18 @@ pub(crate) fn compile_cmd(args: CompileArgs) -> Result<()> {
     };
     let src = ModelSource::open(&model)?;
     let cfg = &src.config;
-    let want_target = args.target.as_deref().map(|t| if t == "cuda" { Target::Cuda { arch: "sm_90a".into() } } else { Target::Host });
+    let want_target = match (args.target.as_deref(), args.arch.as_deref()) {
+        (Some(t), arch) => Some(Target::named(t, arch).map_err(|e| anyhow::anyhow!("--target {t} --arch: {e}"))?),
+        (None, Some(_)) => bail!("--arch needs --target cuda or --target rocm"),
+        (None, None) => None,
+    };
     let p = match &args.plan {
         Some(file) => {
             let p = plan::load_plan(file, Some(cfg))?;
             p.check_pp(file, args.pp)?;
+            if args.arch.is_some() {
+                bail!("--arch: {} names its own (`arch:`); change it there", file.display());
+            }
             if let Some(t) = &want_target {
                 if std::mem::discriminant(t) != std::mem::discriminant(&p.target) {
                     bail!(
@@ -38,7 +45,10 @@ pub(crate) fn compile_cmd(args: CompileArgs) -> Result<()> {
         }
         None => {
             let target = want_target.unwrap_or(Target::Host);
-            let mut gpu = GpuProfile::named("H200").context("built-in H200 profile")?;
+            // Without a plan, the planner sizes stages for the target's
+            // flagship memory: an H200's for cuda, an MI300X's for rocm.
+            let profile = if matches!(target, Target::Rocm { .. }) { "MI300X" } else { "H200" };
+            let mut gpu = GpuProfile::named(profile).context("built-in GPU profile")?;
             if target == Target::Host {
                 // Host stages live in host memory: balance time, do not cap by HBM.
                 gpu.memory = f64::INFINITY;
@@ -67,7 +77,7 @@ pub(crate) fn compile_cmd(args: CompileArgs) -> Result<()> {
     let activations = match (args.activations.as_deref(), &p.target) {
         (Some(a), _) => storage(a),
         (None, Target::Host) => m3c_compiler::lower::Storage::F32,
-        (None, Target::Cuda { .. }) => m3c_compiler::lower::Storage::Bf16,
+        (None, Target::Cuda { .. } | Target::Rocm { .. }) => m3c_compiler::lower::Storage::Bf16,
     };
     let storages = m3c_compiler::lower::Storages { kv_cache: storage(&args.kv_cache), activations };
     let cache = match (&args.cache_dir, args.no_cache) {

@@ -22,18 +22,18 @@ pub(crate) struct PlanArgs {
     /// How the compiled stages will store K and V (as `m3c compile --kv-cache`).
     #[arg(long = "kv-cache", value_parser = ["f32", "bf16"], default_value = "f32")]
     pub(crate) kv_cache: String,
-    /// GPU profile (H200, H100, H20, B200, A100, L40S).
+    /// GPU profile (H200, H100, H20, B200, A100, L40S, MI300X, MI325X, MI355X).
     #[arg(long, default_value = "H200")]
     pub(crate) gpu: String,
     /// GPU memory in GB (overrides the profile's).
     #[arg(long, value_name = "GB")]
     pub(crate) gpu_mem: Option<f64>,
     /// Target the plan compiles for.
-    #[arg(long, default_value = "host", value_parser = ["host", "cuda"])]
+    #[arg(long, default_value = "host", value_parser = ["host", "cuda", "rocm"])]
     pub(crate) target: String,
-    /// CUDA architecture for --target cuda.
-    #[arg(long, default_value = "sm_90a")]
-    pub(crate) arch: String,
+    /// GPU architecture: a CUDA one for --target cuda (default sm_90a), an AMD chip for --target rocm (gfx942, the default, or gfx950).
+    #[arg(long)]
+    pub(crate) arch: Option<String>,
     /// Write the plan here instead of standard output.
     #[arg(short = 'o', long = "out", value_name = "PLAN.yaml")]
     pub(crate) out: Option<PathBuf>,
@@ -53,12 +53,15 @@ pub(crate) struct CompileArgs {
     #[arg(long)]
     pub(crate) pp: usize,
     /// Target to compile for (default: the plan's, else host).
-    #[arg(long, value_parser = ["host", "cuda"])]
+    #[arg(long, value_parser = ["host", "cuda", "rocm"])]
     pub(crate) target: Option<String>,
+    /// GPU architecture without a plan: a CUDA one for --target cuda (default sm_90a), an AMD chip for --target rocm (gfx942, the default, or gfx950). A plan names its own.
+    #[arg(long)]
+    pub(crate) arch: Option<String>,
     /// Output folder; an earlier m3c output there is replaced, anything else is refused.
     #[arg(short = 'o', long = "out", default_value = "out")]
     pub(crate) out: PathBuf,
-    /// Also write intermediate code per stage: `mlir` (fused steps + MLIR), `llvm` (LLVM dialect + LLVM IR), `ptx` (CUDA).
+    /// Also write intermediate code per stage: `mlir` (fused steps + MLIR), `llvm` (LLVM dialect + LLVM IR), `ptx` (the GPU's device code: PTX and cubin for cuda, the code object for rocm).
     #[arg(long, value_parser = ["mlir", "llvm", "ptx"], action = clap::ArgAction::Append)]
     pub(crate) emit: Vec<String>,
     /// LLVM CPU for host code (`x86-64` runs anywhere; `x86-64-v3` needs AVX2).

@@ -45,10 +45,7 @@ pub(crate) fn plan_cmd(args: PlanArgs) -> Result<()> {
     let model = args.model.as_ref().context("--model is required (a checkpoint folder or config.json)")?;
     let pp = args.pp.context("--pp N is required to make a plan (or --check PLAN.yaml to check one)")?;
     let src = ModelSource::open(model)?;
-    if args.target == "cuda" && !plan::valid_arch(&args.arch) {
-        bail!("--arch {:?}: expected a CUDA architecture like sm_90a", args.arch);
-    }
-    let target = if args.target == "cuda" { Target::Cuda { arch: args.arch.clone() } } else { Target::Host };
+    let target = Target::named(&args.target, args.arch.as_deref()).map_err(|e| anyhow::anyhow!("--target {} --arch: {e}", args.target))?;
     let p = plan::make_plan(&src.config, pp, &gpu, w, target)?;
     write_svg(&args, &src.config, &p, &gpu, w)?;
     let table = plan::table(&src.config, &p, &gpu, w);

@@ -18,6 +18,7 @@
 //! `_r1` twin, for experts with a single token), then a weighted combine.
 
 use crate::builder::{warp_reduce, Reduce};
+use crate::devmath::DeviceMath;
 use crate::emit::{e8m0_to_f32, indent, load_f32, load_f32xn_aligned, E8M0_CONSTANTS};
 use crate::view::MemTy;
 use crate::{Storage, WeightType};
@@ -89,6 +90,18 @@ pub struct GpuTarget {
     /// threads and to size registers; NVVM does not, and its output is kept
     /// as it is without it.
     pub declares_block_size: bool,
+    /// Where `sin`, `cos`, `erf`, `rsqrt` and `ceil` come from.
+    pub math: DeviceMath,
+    /// Whether block-wide sums are written out as warp shuffles and
+    /// workgroup memory instead of `gpu.all_reduce`, whose ROCDL lowering
+    /// asks ROCm's device library for the block size.
+    pub writes_block_sums: bool,
+    /// Whether private arrays are allocated at the kernel's entry, in the
+    /// private address space. AMDGPU cannot select a stack allocation after
+    /// a loop (a dynamic one), nor one in the generic address space where
+    /// its promotion to registers fails (a 128-float accumulator indexed by
+    /// a loop); NVVM places them itself, and its output is kept as it is.
+    pub explicit_private: bool,
 }
 
 /// How a GPU target decodes `float8_e4m3fn`.
@@ -107,7 +120,26 @@ pub enum Fp8Decode {
 
 impl GpuTarget {
     /// NVIDIA GPUs from sm_89 on (the CUDA back end's `sm_90a` included).
-    pub const CUDA: GpuTarget = GpuTarget { warp: 32, fp8: Fp8Decode::PtxCvt, declares_block_size: false };
+    pub const CUDA: GpuTarget = GpuTarget {
+        warp: 32,
+        fp8: Fp8Decode::PtxCvt,
+        declares_block_size: false,
+        math: DeviceMath::Library,
+        writes_block_sums: false,
+        explicit_private: false,
+    };
+
+    /// AMD's CDNA 3 and 4 (gfx942, gfx950): waves of 64, fp8 decoded by
+    /// arithmetic, every kernel's block size declared, math functions and
+    /// block sums written out (no ROCm device library needed to compile).
+    pub const ROCM: GpuTarget = GpuTarget {
+        warp: 64,
+        fp8: Fp8Decode::Bits,
+        declares_block_size: true,
+        math: DeviceMath::Inline,
+        writes_block_sums: true,
+        explicit_private: true,
+    };
 
     /// Threads of a block of [`WARPS`] warps: a linear's or an expert projection's.
     pub(crate) fn warps_block(&self) -> usize {
@@ -343,20 +375,88 @@ pub(crate) fn func(t: &GpuTarget, name: &str, params: &str, body: &str, block: u
 /// [`func`] with workgroup (shared) memory: `shared` lists each buffer's
 /// name (without `%`) and memref type (in the workgroup address space).
 pub(crate) fn func_shared(t: &GpuTarget, name: &str, params: &str, shared: &[(&str, String)], body: &str, block: usize) -> GpuFunc {
+    let mut shared = shared.to_vec();
+    let summed;
+    let body = if t.writes_block_sums {
+        let (text, partials) = block_sums(t, body, block);
+        shared.extend(partials.map(|n| (BLOCK_SUM_PARTIALS, format!("memref<{n}xf32, #gpu.address_space<workgroup>>"))));
+        summed = text;
+        &summed
+    } else {
+        body
+    };
     let workgroup = if shared.is_empty() {
         String::new()
     } else {
         let list: Vec<String> = shared.iter().map(|(n, ty)| format!("%{n}: {ty}")).collect();
         format!(" workgroup({})", list.join(", "))
     };
+    let body = match t.math {
+        DeviceMath::Library => indent(body, 6),
+        DeviceMath::Inline => indent(&crate::devmath::expand(body), 6),
+    };
     GpuFunc {
         name: name.to_string(),
-        text: format!(
-            "    gpu.func @{name}({params}){workgroup} kernel{} {{\n{}      gpu.return\n    }}\n",
-            t.block_attr(block),
-            indent(body, 6)
-        ),
+        text: format!("    gpu.func @{name}({params}){workgroup} kernel{} {{\n{body}      gpu.return\n    }}\n", t.block_attr(block)),
     }
+}
+
+/// The workgroup buffer of the warps' partial sums in [`block_sums`].
+const BLOCK_SUM_PARTIALS: &str = "m3c_block_sum";
+
+/// `body` with each `%s = gpu.all_reduce add %x uniform {} : (f32) -> (f32)`
+/// over a block of `block` threads written out: a shuffle butterfly per warp,
+/// then (for a block of several warps) each warp's sum through workgroup
+/// memory, added in warp order by every thread. Returns the partials
+/// buffer's length when one is needed. A block that is neither a power of
+/// two up to a warp nor whole warps keeps `gpu.all_reduce`.
+fn block_sums(t: &GpuTarget, body: &str, block: usize) -> (String, Option<usize>) {
+    let mut out = String::with_capacity(body.len());
+    let mut partials = None;
+    for line in body.split_inclusive('\n') {
+        let sum = line.trim().split_once(" = gpu.all_reduce add ").and_then(|(d, rest)| {
+            let x = rest.strip_suffix(" uniform {} : (f32) -> (f32)")?;
+            (d.starts_with('%') && x.starts_with('%') && !x.contains(' ')).then_some((d, x))
+        });
+        let Some((d, x)) = sum else {
+            out.push_str(line);
+            continue;
+        };
+        if block <= t.warp && block.is_power_of_two() && block > 1 {
+            out.push_str(&warp_reduce(block, d, Reduce::Add, x, "f32"));
+        } else if block > t.warp && block.is_multiple_of(t.warp) {
+            let n = block / t.warp;
+            partials = Some(n);
+            let buf = format!("%{BLOCK_SUM_PARTIALS}");
+            let ty = format!("memref<{n}xf32, #gpu.address_space<workgroup>>");
+            let base = d.trim_start_matches('%');
+            out.push_str(&warp_reduce(t.warp, &format!("%{base}_ws"), Reduce::Add, x, "f32"));
+            out.push_str(&format!(
+                "%{base}_tid = gpu.thread_id x\n%{base}_cw = arith.constant {w} : index\n\
+                 %{base}_lane = arith.remui %{base}_tid, %{base}_cw : index\n%{base}_wid = arith.divui %{base}_tid, %{base}_cw : index\n\
+                 %{base}_c0 = arith.constant 0 : index\n%{base}_first = arith.cmpi eq, %{base}_lane, %{base}_c0 : index\n\
+                 scf.if %{base}_first {{\n  memref.store %{base}_ws, {buf}[%{base}_wid] : {ty}\n}}\ngpu.barrier\n",
+                w = t.warp
+            ));
+            for i in 0..n {
+                let name = if i + 1 == n { d.to_string() } else { format!("%{base}_a{i}") };
+                out.push_str(&format!(
+                    "%{base}_i{i} = arith.constant {i} : index\n%{base}_p{i} = memref.load {buf}[%{base}_i{i}] : {ty}\n"
+                ));
+                if i == 0 && n == 1 {
+                    out.push_str(&format!("{name} = arith.addf %{base}_p0, %zero : f32\n"));
+                } else if i > 0 {
+                    let prev = if i == 1 { format!("%{base}_p0") } else { format!("%{base}_a{}", i - 1) };
+                    out.push_str(&format!("{name} = arith.addf {prev}, %{base}_p{i} : f32\n"));
+                }
+            }
+            // The next sum writes the buffer again: every thread has read it first.
+            out.push_str("gpu.barrier\n");
+        } else {
+            out.push_str(line);
+        }
+    }
+    (out, partials)
 }
 
 /// Warp dot products of weight row `o` with activation rows `rows` (index

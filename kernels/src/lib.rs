@@ -7,6 +7,7 @@
 //! arrive as memref arguments at run time.
 
 pub mod builder;
+pub mod devmath;
 mod emit;
 pub mod gpu;
 mod host;
@@ -15,6 +16,7 @@ mod view;
 
 use std::fmt;
 
+pub use devmath::DeviceMath;
 /// The value of a `float8_e4m3fn` byte: the table MXFP8 kernels decode with.
 pub use emit::fp8_e4m3_value;
 pub use gpu::{Fp8Decode, GpuCall, GpuFunc, GpuTarget};

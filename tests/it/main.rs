@@ -16,6 +16,7 @@ mod netns;
 mod parsers;
 mod pipeline;
 mod plan;
+mod rocm;
 mod serve;
 mod shared;
 mod text;

@@ -56,7 +56,10 @@ impl Frame<'_> {
             "arith.extsi" => self.elementwise(info, move |a| Ok(mask_bits(sext(a[0], in_bits) as u64, ibits)))?,
             "arith.trunci" => self.elementwise(info, move |a| Ok(mask_bits(a[0], ibits)))?,
             "arith.index_cast" => self.elementwise(info, move |a| Ok(mask_bits(sext(a[0], in_bits) as u64, ibits)))?,
-            "arith.sitofp" => self.elementwise(info, move |a| Ok(fb(sext(a[0], in_bits) as f32)))?,
+            "arith.sitofp" => self.elementwise(info, move |a| {
+                let v = sext(a[0], in_bits);
+                Ok(if wide { (v as f64).to_bits() } else { fb(v as f32) })
+            })?,
             "arith.addf" => self.elementwise(info, fl(|x, y| x + y, |x, y| x + y))?,
             "arith.subf" => self.elementwise(info, fl(|x, y| x - y, |x, y| x - y))?,
             "arith.mulf" => self.elementwise(info, fl(|x, y| x * y, |x, y| x * y))?,
@@ -92,7 +95,14 @@ impl Frame<'_> {
                     Ok(mask_bits(if signed { f as i64 as u64 } else { f as u64 }, ibits))
                 })?
             }
-            "arith.negf" => self.elementwise(info, |a| Ok(fb(-f32v(a[0]))))?,
+            "arith.negf" => self.elementwise(info, move |a| Ok(if wide { (-f64::from_bits(a[0])).to_bits() } else { fb(-f32v(a[0])) }))?,
+            // f64 to f32, rounded to nearest even (the written-out math's last step).
+            "arith.truncf" if in_ty.as_ref().map(elem) == Some(Elem::F64) && e == Some(Elem::F32) => {
+                self.elementwise(info, |a| Ok(fb(f64::from_bits(a[0]) as f32)))?
+            }
+            "math.sqrt" => {
+                self.elementwise(info, move |a| Ok(if wide { f64::from_bits(a[0]).sqrt().to_bits() } else { fb(f32v(a[0]).sqrt()) }))?
+            }
             "math.exp" => self.elementwise(info, |a| Ok(fb(f32v(a[0]).exp())))?,
             "math.rsqrt" => self.elementwise(info, |a| Ok(fb(1.0 / f32v(a[0]).sqrt())))?,
             "math.sin" => self.elementwise(info, |a| Ok(fb(f32v(a[0]).sin())))?,
@@ -157,8 +167,10 @@ impl Frame<'_> {
             }
             "arith.cmpf" => {
                 let p = attr_ints(&attr(op, "predicate").ok_or("cmpf without predicate")?)[0];
+                let from64 = in_ty.as_ref().map(elem) == Some(Elem::F64);
                 self.elementwise(info, move |a| {
-                    let (x, y) = (f32v(a[0]), f32v(a[1]));
+                    let f = |b: u64| if from64 { f64::from_bits(b) } else { f32v(b) as f64 };
+                    let (x, y) = (f(a[0]), f(a[1]));
                     let ord = !x.is_nan() && !y.is_nan();
                     Ok(match p {
                         1 => ord && x == y,

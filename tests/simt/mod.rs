@@ -602,6 +602,14 @@ fn launch(
     args: &[Arg],
 ) -> Result<(), String> {
     let f = *funcs.get(name).ok_or_else(|| format!("simt: no kernel {name}"))?;
+    // A kernel that declares its block size is compiled for exactly that
+    // many threads (AMDGPU sizes its workgroup and registers by it).
+    if let Some(known) = attr(f, "known_block_size") {
+        let dims = attr_ints(&known);
+        if dims != [threads as i64, 1, 1] {
+            return Err(format!("{name}: launched with {threads} threads, declares known_block_size {dims:?}"));
+        }
+    }
     let entry = region_block(f, 0);
     let all = block_args(entry);
     // Workgroup buffers are entry-block arguments after the parameters.

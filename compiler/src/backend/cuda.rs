@@ -145,23 +145,29 @@ fn string_end(body: &[u8]) -> Option<usize> {
 
 /// The `assembly = "..."` string of the module's `gpu.binary`, unescaped.
 fn extract_ptx(lowered: &str) -> Option<String> {
-    let start = lowered.find("assembly = \"")? + "assembly = \"".len();
+    String::from_utf8(embedded_object(lowered, "assembly = \"")?).ok()
+}
+
+/// The bytes of the string that follows `key` (`assembly = "` or `bin = "`)
+/// in a lowered module's `gpu.binary`, unescaped.
+pub fn embedded_object(lowered: &str, key: &str) -> Option<Vec<u8>> {
+    let start = lowered.find(key)? + key.len();
     let bytes = lowered.as_bytes();
     let mut out = Vec::new();
     let mut i = start;
     while i < bytes.len() {
         match bytes[i] {
-            b'"' => return String::from_utf8(out).ok(),
-            b'\\' if i + 2 < bytes.len() + 1 => {
-                let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).ok()?;
-                match u8::from_str_radix(hex, 16) {
-                    Ok(b) => {
+            b'"' => return Some(out),
+            b'\\' => {
+                let hex = bytes.get(i + 1..i + 3).and_then(|h| std::str::from_utf8(h).ok());
+                match hex.and_then(|h| u8::from_str_radix(h, 16).ok()) {
+                    Some(b) => {
                         out.push(b);
                         i += 3;
                     }
-                    Err(_) => {
+                    None => {
                         // `\\` or `\"`
-                        out.push(bytes[i + 1]);
+                        out.push(*bytes.get(i + 1)?);
                         i += 2;
                     }
                 }

@@ -3,8 +3,10 @@
 
 pub mod cuda;
 pub mod host;
+pub mod hsaco;
 mod llvm_fatal;
 pub mod ptx_report;
+pub mod rocm;
 mod target;
 
 pub use llvm_fatal::install_llvm_fatal_handler;
@@ -20,7 +22,7 @@ pub enum BackendError {
     Translate,
     #[error("LLVM code generation failed: {0}")]
     Codegen(String),
-    #[error("CUDA toolkit: {0}")]
+    #[error("toolchain: {0}")]
     Toolkit(String),
     #[error(
         "--cpu {0}: not an x86-64 CPU LLVM knows; use x86-64 (any x86-64), x86-64-v2/v3/v4, or a name such as znver4 or sapphirerapids"

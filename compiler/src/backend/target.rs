@@ -3,7 +3,7 @@
 //! compile report. `lower` and `compile` ask the trait; neither tests which
 //! target it is.
 
-use super::{cuda, host, ptx_report};
+use super::{cuda, host, hsaco, ptx_report, rocm};
 use crate::lower::FusedStage;
 use anyhow::{Context, Result};
 use m3c_contract::target::Target;
@@ -72,6 +72,7 @@ pub fn backend(target: &Target) -> Box<dyn Backend> {
     match target {
         Target::Host => Box::new(Host),
         Target::Cuda { arch } => Box::new(Cuda { arch: arch.clone() }),
+        Target::Rocm { arch } => Box::new(Rocm { chip: arch.clone() }),
     }
 }
 
@@ -178,6 +179,59 @@ impl Backend for Cuda {
 
     fn report_header(&self) -> Option<String> {
         Some(ptx_report::header())
+    }
+
+    fn has_device_code(&self) -> bool {
+        true
+    }
+}
+
+/// AMD GPUs: `gpu.func` kernels through ROCDL to one code object per stage
+/// (checked as it is made: see [`hsaco::check`]), launched by the entry
+/// through the same `mgpu*` ABI as CUDA's.
+struct Rocm {
+    chip: String,
+}
+
+impl Backend for Rocm {
+    fn module(&self, fused: &FusedStage) -> Result<String, String> {
+        crate::lower::gpu_module(fused, &GpuTarget::ROCM)
+    }
+
+    /// The whole stage is one unit: its kernels are one `gpu.module` and
+    /// one code object.
+    fn units(&self, stage: usize, fused: &FusedStage) -> Result<Vec<Unit>, String> {
+        Ok(vec![Unit { name: format!("stage-{stage}"), stage: Some(stage), mlir: self.module(fused)? }])
+    }
+
+    fn compile_unit(&self, unit: &Unit, cpu: &str, work: &Path) -> Result<UnitCode> {
+        let stage = unit.stage.context("a ROCm unit is a stage")?;
+        let ctx = || format!("stage {stage}: back end");
+        let gpu = rocm::compile(&unit.mlir, &self.chip, work).with_context(ctx)?;
+        let kernels = hsaco::check(&gpu.hsaco, &self.chip).with_context(|| format!("stage {stage}: the code object m3c made"))?;
+        let art = host::object_from_lowered(&gpu.lowered, cpu).with_context(ctx)?;
+        Ok(UnitCode {
+            object: art.object,
+            emitted: vec![(".llvm.mlir".into(), art.llvm_dialect), (".ll".into(), art.llvm_ir)],
+            device_files: vec![(".hsaco".to_string(), gpu.hsaco)],
+            device_code: Some(format!("hsaco {} (code object v5)", self.chip)),
+            report: hsaco::report(stage, &kernels),
+        })
+    }
+
+    /// `ld.lld`, which links the code object, by content.
+    fn toolchain(&self) -> Result<String> {
+        Ok(format!("ld.lld {}", file_sha(&rocm::lld()?)?))
+    }
+
+    /// The kernels' figures from the code object, under a line saying what
+    /// a user of another vendor's GEMM would look for.
+    fn report_header(&self) -> Option<String> {
+        Some(format!(
+            "# rocm {}: no GEMM library yet (hipBLASLt is planned): every linear runs m3c's own kernels at every row count\n{}",
+            self.chip,
+            hsaco::header()
+        ))
     }
 
     fn has_device_code(&self) -> bool {

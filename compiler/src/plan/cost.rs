@@ -26,6 +26,9 @@ const PROFILES: &[(&str, f64, f64, f64)] = &[
     ("B200", 180.0, 8.0, 2250.0),
     ("A100", 80.0, 2.039, 312.0),
     ("L40S", 48.0, 0.864, 362.0),
+    ("MI300X", 192.0, 5.3, 1307.0),
+    ("MI325X", 256.0, 6.0, 1307.0),
+    ("MI355X", 288.0, 8.0, 2300.0),
 ];
 
 /// Share of GPU memory the planner fills with weights and caches; the rest is

@@ -363,18 +363,12 @@ fn crosses_hosts(a: &StagePlan, b: &StagePlan) -> bool {
 
 /// The plan's `target` and `arch`.
 fn parse_target(ctx: &Ctx, raw: &RawPlan) -> Result<Target, PlanError> {
-    Ok(match (raw.target.as_deref().unwrap_or("host"), raw.arch.clone()) {
-        ("host", None) => Target::Host,
-        ("host", Some(_)) => return Err(ctx.key("arch", "`arch` applies to target cuda only; this plan's target is host".into())),
-        ("cuda", arch) => {
-            let arch = arch.unwrap_or_else(|| "sm_90a".into());
-            if !valid_arch(&arch) {
-                return Err(ctx.value("arch", format!("`arch` must be a CUDA architecture like \"sm_90a\", found \"{arch}\"")));
-            }
-            Target::Cuda { arch }
-        }
-        (other, _) => return Err(ctx.value("target", format!("unknown target \"{other}\": expected \"host\" or \"cuda\""))),
-    })
+    let name = raw.target.as_deref().unwrap_or("host");
+    match (name, raw.arch.as_deref()) {
+        ("host", Some(_)) => Err(ctx.key("arch", "`arch` applies to targets cuda and rocm only; this plan's target is host".into())),
+        ("host" | "cuda" | "rocm", arch) => Target::named(name, arch).map_err(|e| ctx.value("arch", format!("`arch`: {e}"))),
+        (other, _) => Err(ctx.value("target", format!("unknown target \"{other}\": expected \"host\", \"cuda\" or \"rocm\""))),
+    }
 }
 
 /// Each stage as written: its layer range, host and device checked, the
@@ -397,9 +391,10 @@ fn parse_stages(ctx: &Ctx, raw: &RawPlan, target: &Target, num_layers: Option<us
             }
         }
         if s.device.is_some() && *target == Target::Host {
-            return Err(
-                ctx.key(&format!("{p}.device"), format!("stage {i}: `device` applies to target cuda only; this plan's target is host"))
-            );
+            return Err(ctx.key(
+                &format!("{p}.device"),
+                format!("stage {i}: `device` applies to the GPU targets (cuda, rocm) only; this plan's target is host"),
+            ));
         }
         stages.push(StagePlan {
             layers,

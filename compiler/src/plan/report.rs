@@ -298,8 +298,8 @@ pub fn plan_yaml(plan: &Plan, model: Option<&str>, header: &str, table: &str) ->
         Target::Host => {
             let _ = writeln!(o, "target: host");
         }
-        Target::Cuda { arch } => {
-            let _ = writeln!(o, "target: cuda\narch: {arch}");
+        Target::Cuda { arch } | Target::Rocm { arch } => {
+            let _ = writeln!(o, "target: {}\narch: {arch}", plan.target.name());
         }
     }
     if !plan.links.is_empty() {

@@ -73,6 +73,12 @@ pub fn open(target: &Target, ordinal: Option<i32>, local_rank: i32) -> Result<Bo
     match target {
         Target::Cuda { .. } => Ok(Box::new(cuda::CudaGpu::open(ordinal, local_rank)?)),
         Target::Host => Err(StageError::Device("runtime bug: opening a GPU for a host stage".into())),
+        // The compiler makes rocm stages (their code objects are checked in
+        // CI); the HIP implementation of `Gpu` is issue 23's next step.
+        Target::Rocm { arch } => Err(StageError::Device(format!(
+            "this stage was compiled for rocm {arch}, and this m3c's stage runtime has no HIP device yet: \
+             run rocm stages with a later m3c, or compile for cuda or host"
+        ))),
     }
 }
 

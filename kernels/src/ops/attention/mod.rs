@@ -534,6 +534,9 @@ fn gpu_attention(target: &GpuTarget, name: &str, k: &Attention) -> GpuFunc {
         allowed = "%tb = arith.divui %t, %cB : index\n%at = arith.addi %rbase, %tb : index\n%sv = memref.load %sel[%at] : memref<?xi32>\n%allowed = arith.cmpi ne, %sv, %i0 : i32\n".into();
     }
     params.push_str(&format!(", %o: {qt}"));
+    // The lane's output accumulator, in private memory.
+    let acc_ty = if target.explicit_private { format!("memref<{d}xf32, #gpu.address_space<private>>") } else { format!("memref<{d}xf32>") };
+    let acc = format!("%acc = memref.alloca() : {acc_ty}\n");
     let wr2 = warp_reduce(warp, "%gm", Reduce::Max, "%ml#0", "f32");
     let wr3 = warp_reduce(warp, "%gl", Reduce::Add, "%lf", "f32");
     let wr4 = warp_reduce(warp, "%sum", Reduce::Add, "%af", "f32");
@@ -542,13 +545,14 @@ fn gpu_attention(target: &GpuTarget, name: &str, k: &Attention) -> GpuFunc {
          %cg = arith.constant {group} : index\n%ckv = arith.constant {kv_heads} : index\n%cd = arith.constant {d} : index\n\
          %scale = arith.constant {sc} : f32\n\
          {pconst}\
+         {acc_entry}\
          %p64 = memref.load %pos[%r] : memref<?xi64>\n%p = arith.index_cast %p64 : i64 to index\n%nk = arith.addi %p, %c1 : index\n\
          {select}\
          %kb = arith.muli %g, %cd : index\n\
-         %acc = memref.alloca() : memref<{d}xf32>\n\
+         {acc_after}\
          scf.for %hh = %c0 to %cg step %c1 {{\n\
          \x20 %gi = arith.muli %g, %cg : index\n  %i = arith.addi %gi, %hh : index\n  %qb = arith.muli %i, %cd : index\n\
-         \x20 scf.for %c = %c0 to %cd step %c1 {{\n    memref.store %zero, %acc[%c] : memref<{d}xf32>\n  }}\n\
+         \x20 scf.for %c = %c0 to %cd step %c1 {{\n    memref.store %zero, %acc[%c] : {acc_ty}\n  }}\n\
          \x20 // Online softmax over this lane's keys.\n\
          \x20 %ml:2 = scf.for %t = %lane to %nk step %cwarp iter_args(%m = %ninf, %l = %zero) -> (f32, f32) {{\n\
          {allowed}\
@@ -562,9 +566,9 @@ fn gpu_attention(target: &GpuTarget, name: &str, k: &Attention) -> GpuFunc {
          \x20     %dm = arith.subf %m, %m2 : f32\n      %cold = math.exp %dm : f32\n      %ds = arith.subf %s, %m2 : f32\n      %pw = math.exp %ds : f32\n\
          \x20     %lc = arith.mulf %l, %cold : f32\n      %l2 = arith.addf %lc, %pw : f32\n\
          \x20     scf.for %c = %c0 to %cd step %c1 {{\n\
-         \x20       %vc = arith.addi %kb, %c : index\n{v_load}        %av = memref.load %acc[%c] : memref<{d}xf32>\n\
+         \x20       %vc = arith.addi %kb, %c : index\n{v_load}        %av = memref.load %acc[%c] : {acc_ty}\n\
          \x20       %a1 = arith.mulf %av, %cold : f32\n        %pv = arith.mulf %pw, %vv : f32\n        %a2 = arith.addf %a1, %pv : f32\n\
-         \x20       memref.store %a2, %acc[%c] : memref<{d}xf32>\n      }}\n\
+         \x20       memref.store %a2, %acc[%c] : {acc_ty}\n      }}\n\
          \x20     scf.yield %m2, %l2 : f32, f32\n    }} else {{\n      scf.yield %m, %l : f32, f32\n    }}\n\
          \x20   scf.yield %res#0, %res#1 : f32, f32\n  }}\n\
          \x20 // Merge the lanes: one max, rescaled sums.\n\
@@ -573,7 +577,7 @@ fn gpu_attention(target: &GpuTarget, name: &str, k: &Attention) -> GpuFunc {
          \x20 {wr3}  %inv = arith.divf %one, %gl : f32\n\
          \x20 %lead = arith.cmpi eq, %lane, %c0 : index\n\
          \x20 scf.for %c = %c0 to %cd step %c1 {{\n\
-         \x20   %av = memref.load %acc[%c] : memref<{d}xf32>\n    %af = arith.mulf %av, %f : f32\n\
+         \x20   %av = memref.load %acc[%c] : {acc_ty}\n    %af = arith.mulf %av, %f : f32\n\
          \x20   {wr4}    %ov = arith.mulf %sum, %inv : f32\n\
          \x20   scf.if %lead {{\n      %oc = arith.addi %qb, %c : index\n{o_store}    }}\n  }}\n\
          }}\n",
@@ -585,6 +589,8 @@ fn gpu_attention(target: &GpuTarget, name: &str, k: &Attention) -> GpuFunc {
         v_load = indent(&load("%vv", "%v", &kt, &tp, "%vc"), 8),
         kv_row = indent(&row, 6),
         pconst = page_const(paged),
+        acc_entry = if target.explicit_private { &acc } else { "" },
+        acc_after = if target.explicit_private { "" } else { &acc },
     );
     func(target, name, &params, &body, warp)
 }

@@ -1,0 +1,133 @@
+//! The ROCm back end: a stage's GPU module (`gpu.func` kernels + the
+//! launching entry) through MLIR's ROCDL conversion. Device code becomes one
+//! AMDGPU code object (HSACO, code object v5) for the chosen chip, embedded
+//! in the host module; host code becomes the LLVM dialect, whose launches
+//! call the same `mgpu*` runtime ABI as CUDA's.
+//!
+//! Nothing from AMD is needed to compile: LLVM's AMDGPU back end is part of
+//! the LLVM m3c links, the kernels call no device library (the generators
+//! write their few math functions out for this target, see
+//! `m3c_kernels::DeviceMath`), and the code object is linked by LLVM's
+//! `ld.lld`.
+
+use super::BackendError;
+use melior::ir::operation::OperationLike;
+use melior::ir::Module;
+use melior::pass::PassManager;
+use melior::utility::{parse_pass_pipeline, register_all_passes};
+use std::path::{Path, PathBuf};
+
+/// What the ROCm back end makes of one stage.
+pub struct RocmArtifacts {
+    /// The stage's code object: an AMDGPU ELF shared object.
+    pub hsaco: Vec<u8>,
+    /// The whole module after lowering (host code in the LLVM dialect, the
+    /// code object embedded in a `gpu.binary`).
+    pub lowered: String,
+}
+
+/// The pass pipeline: the shape of MLIR's NVVM pipeline (see `cuda.rs`)
+/// with ROCDL in NVVM's place. There is no built-in ROCDL pipeline.
+///
+/// `abi=500` asks for code object v5 (LLVM 22 defaults to v6, which the
+/// ROCm 6 runtimes users have cannot load). `gpu-module-to-binary` runs
+/// `TOOLKIT/llvm/bin/ld.lld`; `toolkit` names a folder laid out so.
+const ROCDL_PIPELINE: &str = "builtin.module(gpu-kernel-outlining{data-layout-str=},\
+convert-vector-to-scf{full-unroll=false lower-scalable=false lower-tensors=false target-rank=1},\
+convert-scf-to-cf{allow-pattern-rollback=true},\
+convert-func-to-llvm{index-bitwidth=0 use-bare-ptr-memref-call-conv=false},expand-strided-metadata,\
+rocdl-attach-target{O=3 abi=500 chip=CHIP correct-sqrt=true daz=false fast=false features= finite-only=false module= \
+triple=amdgcn-amd-amdhsa unsafe-math=false wave64=true},\
+lower-affine,convert-arith-to-llvm{index-bitwidth=0},convert-index-to-llvm{index-bitwidth=64},\
+canonicalize{  max-iterations=10 max-num-rewrites=-1 region-simplify=normal test-convergence=false top-down=true},cse,\
+gpu.module(convert-gpu-to-rocdl{chipset=CHIP index-bitwidth=64 runtime=HIP use-bare-ptr-memref-call-conv=false}),\
+gpu.module(canonicalize{  max-iterations=10 max-num-rewrites=-1 region-simplify=normal test-convergence=false top-down=true}),\
+gpu.module(cse),gpu.module(reconcile-unrealized-casts),\
+gpu-to-llvm{intersperse-sizes-for-kernels=false use-bare-pointers-for-host=false use-bare-pointers-for-kernels=false},\
+gpu-module-to-binary{format=bin  opts= section= toolkit=TOOLKIT},convert-math-to-llvm{approximate-log1p=true},\
+canonicalize{  max-iterations=10 max-num-rewrites=-1 region-simplify=normal test-convergence=false top-down=true},cse,\
+reconcile-unrealized-casts)";
+
+/// The pass pipeline for `chip`, linking with the `ld.lld` under `toolkit`.
+pub fn pipeline(chip: &str, toolkit: &Path) -> Result<String, BackendError> {
+    let root = toolkit.to_str().filter(|t| !t.is_empty() && !t.contains(|c: char| c.is_whitespace() || ",{}\"'=".contains(c)));
+    let root = root.ok_or_else(|| {
+        BackendError::Toolkit(format!(
+            "{}: a scratch folder m3c can pass to MLIR must be UTF-8 without spaces, commas, quotes, braces or `=`; set TMPDIR to such a folder",
+            toolkit.display()
+        ))
+    })?;
+    Ok(ROCDL_PIPELINE
+        .replace("chip=CHIP", &format!("chip={chip}"))
+        .replace("chipset=CHIP", &format!("chipset={chip}"))
+        .replace("toolkit=TOOLKIT", &format!("toolkit={root}")))
+}
+
+/// LLVM's `ld.lld`, which links the code object: `$M3C_LLD`, else
+/// `ld.lld-22` or `ld.lld` on PATH, else Debian's `/usr/lib/llvm-22/bin`.
+pub fn lld() -> Result<PathBuf, BackendError> {
+    if let Some(p) = std::env::var_os("M3C_LLD") {
+        let p = PathBuf::from(p);
+        return if p.is_file() {
+            Ok(p)
+        } else {
+            Err(BackendError::Toolkit(format!("M3C_LLD={}: no such file (it should name LLVM's ld.lld)", p.display())))
+        };
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let on_path = ["ld.lld-22", "ld.lld"].into_iter().find_map(|n| std::env::split_paths(&path).map(|d| d.join(n)).find(|p| p.is_file()));
+    on_path.or_else(|| Some(PathBuf::from("/usr/lib/llvm-22/bin/ld.lld")).filter(|p| p.is_file())).ok_or_else(|| {
+        BackendError::Toolkit(
+            "LLVM's ld.lld (which links AMDGPU code objects) not found: install lld-22 (scripts/setup.sh does), or set M3C_LLD to it"
+                .into(),
+        )
+    })
+}
+
+/// A folder under `work` laid out as MLIR's ROCDL serializer expects a ROCm
+/// install to be (`llvm/bin/ld.lld`), holding only a link to `lld`: MLIR
+/// finds the linker there and no device library, which the kernels do not
+/// call.
+fn toolkit_folder(work: &Path, lld: &Path) -> Result<PathBuf, BackendError> {
+    let root = work.join("rocm-toolkit");
+    let bin = root.join("llvm/bin");
+    let err = |e: std::io::Error| BackendError::Toolkit(format!("{}: {e}", bin.display()));
+    std::fs::create_dir_all(&bin).map_err(err)?;
+    let link = bin.join("ld.lld");
+    if std::fs::symlink_metadata(&link).is_err() {
+        std::os::unix::fs::symlink(lld, &link).map_err(err)?;
+    }
+    Ok(root)
+}
+
+/// Lowers one stage's GPU module for `chip` (e.g. `gfx942`); `work` is a
+/// scratch folder.
+pub fn compile(mlir: &str, chip: &str, work: &Path) -> Result<RocmArtifacts, BackendError> {
+    let toolkit = toolkit_folder(work, &lld()?)?;
+    let pipeline = pipeline(chip, &toolkit)?;
+    static INIT: std::sync::Once = std::sync::Once::new();
+    INIT.call_once(register_all_passes);
+    if let Some(d) = std::env::var_os("M3C_DUMP_DIR") {
+        // Debugging aid: the module as generated (also when it does not parse).
+        let _ = std::fs::write(Path::new(&d).join("rocm-in.mlir"), mlir);
+    }
+    let context = super::host::context();
+    let mut module =
+        Module::parse(&context, mlir).ok_or_else(|| BackendError::Parse { head: mlir.lines().take(12).collect::<Vec<_>>().join("\n") })?;
+    let pm = PassManager::new(&context);
+    pm.enable_verifier(true);
+    let err = |e: melior::Error| BackendError::Passes { pipeline: pipeline.clone(), message: e.to_string() };
+    parse_pass_pipeline(pm.as_operation_pass_manager(), &pipeline).map_err(err)?;
+    pm.run(&mut module).map_err(err)?;
+    if !module.as_operation().verify() {
+        return Err(BackendError::Passes { pipeline, message: "the lowered module does not verify".into() });
+    }
+    let lowered = module.as_operation().to_string();
+    if let Some(d) = std::env::var_os("M3C_DUMP_DIR") {
+        // Debugging aid: the module after the ROCDL pipeline.
+        let _ = std::fs::write(Path::new(&d).join("rocm-lowered.mlir"), &lowered);
+    }
+    let hsaco = super::cuda::embedded_object(&lowered, "bin = \"")
+        .ok_or_else(|| BackendError::Codegen("no code object in the lowered module".into()))?;
+    Ok(RocmArtifacts { hsaco, lowered })
+}
