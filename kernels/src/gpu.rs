@@ -443,9 +443,7 @@ fn block_sums(t: &GpuTarget, body: &str, block: usize) -> (String, Option<usize>
                 out.push_str(&format!(
                     "%{base}_i{i} = arith.constant {i} : index\n%{base}_p{i} = memref.load {buf}[%{base}_i{i}] : {ty}\n"
                 ));
-                if i == 0 && n == 1 {
-                    out.push_str(&format!("{name} = arith.addf %{base}_p0, %zero : f32\n"));
-                } else if i > 0 {
+                if i > 0 {
                     let prev = if i == 1 { format!("%{base}_p0") } else { format!("%{base}_a{}", i - 1) };
                     out.push_str(&format!("{name} = arith.addf {prev}, %{base}_p{i} : f32\n"));
                 }

@@ -633,14 +633,28 @@ impl SimPool {
     }
 }
 
+/// The plan header of each GPU target the interpreter runs whole stages for.
+const CUDA_PLAN: &str = "version: 1\ntarget: cuda\narch: sm_90a\n";
+const ROCM_PLAN: &str = "version: 1\ntarget: rocm\narch: gfx942\n";
+
 fn cuda_stage_logits(model: &str, act: Storage, gemm: bool, decode: &[i64]) -> Vec<Vec<f32>> {
+    gpu_stage_logits(CUDA_PLAN, model, act, gemm, decode)
+}
+
+/// A one-stage compile of `model` for the target `plan_head` names, run
+/// whole in the interpreter: the logits of the prompt and each decode step.
+fn gpu_stage_logits(plan_head: &str, model: &str, act: Storage, gemm: bool, decode: &[i64]) -> Vec<Vec<f32>> {
     use m3c_compiler::source::ModelSource;
     let dir = m3c_tests::fixture(model);
     let src = ModelSource::open(&dir).unwrap();
     let cfg = &src.config;
     let tmp = tempfile::tempdir().unwrap();
     let plan_file = tmp.path().join("plan.yaml");
-    std::fs::write(&plan_file, "version: 1\ntarget: cuda\narch: sm_90a\nstages:\n  - layers: \"0-7\"\n    embedding: true\n    final_norm: true\n    lm_head: true\n").unwrap();
+    std::fs::write(
+        &plan_file,
+        format!("{plan_head}stages:\n  - layers: \"0-7\"\n    embedding: true\n    final_norm: true\n    lm_head: true\n"),
+    )
+    .unwrap();
     let plan = m3c_compiler::plan::load_plan(&plan_file, Some(cfg)).unwrap();
     let storages = m3c_compiler::lower::Storages { kv_cache: Storage::F32, activations: act };
     let prog = m3c_compiler::compile::lower_all(cfg, &plan, storages).unwrap().remove(0);
@@ -811,14 +825,44 @@ fn tiny_cuda_stage_reproduces_the_golden_in_the_interpreter() {
 /// per-image attention, GELU, the 2×2 merge) gives the reference's merged
 /// image features, and the step entry with those features over the image
 /// placeholder rows gives the reference's `mm_logits`, both within 1e-4.
+/// The generated ROCm stage in the interpreter at wave 64: the MXFP8
+/// fixture (fp8 decoded by arithmetic, the written-out math and block sums)
+/// within 1e-4 of the reference logits, as CUDA's.
+#[test]
+fn tiny_rocm_stage_reproduces_the_golden_in_the_interpreter() {
+    let model = "tiny-m3-mxfp8";
+    let golden = m3c_tests::fixture(model).join("golden.safetensors");
+    let gen = m3c_tests::read_tensor_i64(&golden, "generated_ids");
+    let (shape, prefill) = m3c_tests::read_tensor_f32(&golden, "prefill_logits");
+    let (_, decode) = m3c_tests::read_tensor_f32(&golden, "decode_logits");
+    let v = shape[1];
+    let got = gpu_stage_logits(ROCM_PLAN, model, Storage::F32, false, &gen[..2]);
+    let mut worst = (0..shape[0]).map(|r| max_diff(&got[0][r * v..(r + 1) * v], &prefill[r * v..(r + 1) * v])).fold(0f32, f32::max);
+    for t in 0..2 {
+        worst = worst.max(max_diff(&got[t + 1], &decode[t * v..(t + 1) * v]));
+    }
+    assert!(worst <= 1e-4, "{model}: f32 ROCm stage off by {worst}");
+}
+
 #[test]
 fn tiny_cuda_vision_reproduces_the_golden_in_the_interpreter() {
+    vision_golden(CUDA_PLAN);
+}
+
+/// The same for ROCm: its written-out erf (GELU), sin and cos (axial RoPE)
+/// and block sums (LayerNorm) at wave 64.
+#[test]
+fn tiny_rocm_vision_reproduces_the_golden_in_the_interpreter() {
+    vision_golden(ROCM_PLAN);
+}
+
+fn vision_golden(plan_head: &str) {
     use m3c_compiler::source::ModelSource;
     let dir = m3c_tests::fixture("tiny-m3");
     let cfg = &ModelSource::open(&dir).unwrap().config;
     let tmp = tempfile::tempdir().unwrap();
     let plan_file = tmp.path().join("plan.yaml");
-    std::fs::write(&plan_file, "version: 1\ntarget: cuda\narch: sm_90a\nstages:\n  - layers: \"0-7\"\n").unwrap();
+    std::fs::write(&plan_file, format!("{plan_head}stages:\n  - layers: \"0-7\"\n")).unwrap();
     let plan = m3c_compiler::plan::load_plan(&plan_file, Some(cfg)).unwrap();
     let storages = m3c_compiler::lower::Storages { kv_cache: Storage::F32, activations: Storage::F32 };
     let prog = m3c_compiler::compile::lower_all(cfg, &plan, storages).unwrap().remove(0);

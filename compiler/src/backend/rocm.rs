@@ -29,6 +29,8 @@ pub struct RocmArtifacts {
 /// The pass pipeline: the shape of MLIR's NVVM pipeline (see `cuda.rs`)
 /// with ROCDL in NVVM's place. There is no built-in ROCDL pipeline.
 ///
+/// The target's math flags keep IEEE semantics (no fast or finite-only math,
+/// correctly rounded sqrt, denormals kept), as on the host and CUDA.
 /// `abi=500` asks for code object v5 (LLVM 22 defaults to v6, which the
 /// ROCm 6 runtimes users have cannot load). `gpu-module-to-binary` runs
 /// `TOOLKIT/llvm/bin/ld.lld`; `toolkit` names a folder laid out so.
@@ -37,7 +39,7 @@ convert-vector-to-scf{full-unroll=false lower-scalable=false lower-tensors=false
 convert-scf-to-cf{allow-pattern-rollback=true},\
 convert-func-to-llvm{index-bitwidth=0 use-bare-ptr-memref-call-conv=false},expand-strided-metadata,\
 rocdl-attach-target{O=3 abi=500 chip=CHIP correct-sqrt=true daz=false fast=false features= finite-only=false module= \
-triple=amdgcn-amd-amdhsa unsafe-math=false wave64=true},\
+triple=amdgcn-amd-amdhsa wave64=true},\
 lower-affine,convert-arith-to-llvm{index-bitwidth=0},convert-index-to-llvm{index-bitwidth=64},\
 canonicalize{  max-iterations=10 max-num-rewrites=-1 region-simplify=normal test-convergence=false top-down=true},cse,\
 gpu.module(convert-gpu-to-rocdl{chipset=CHIP index-bitwidth=64 runtime=HIP use-bare-ptr-memref-call-conv=false}),\
@@ -93,11 +95,12 @@ fn toolkit_folder(work: &Path, lld: &Path) -> Result<PathBuf, BackendError> {
     let bin = root.join("llvm/bin");
     let err = |e: std::io::Error| BackendError::Toolkit(format!("{}: {e}", bin.display()));
     std::fs::create_dir_all(&bin).map_err(err)?;
-    let link = bin.join("ld.lld");
-    if std::fs::symlink_metadata(&link).is_err() {
-        std::os::unix::fs::symlink(lld, &link).map_err(err)?;
+    // Stages compile on parallel threads with one scratch folder: the
+    // first makes the link, the others find it.
+    match std::os::unix::fs::symlink(lld, bin.join("ld.lld")) {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => Err(err(e)),
+        _ => Ok(root),
     }
-    Ok(root)
 }
 
 /// Lowers one stage's GPU module for `chip` (e.g. `gfx942`); `work` is a
