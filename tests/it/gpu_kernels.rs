@@ -363,7 +363,7 @@ fn rowwise_gpu_kernels_match_the_host() {
             weight: WeightType::BF16,
             act,
         });
-        let pos: Vec<i64> = vec![0, 5, 4000];
+        let pos: Vec<i64> = vec![0, 5, 150_000]; // angles up to 150 000 rad: a long range reduction
         let o = run_both_on(
             target,
             &k,

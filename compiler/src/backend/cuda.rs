@@ -5,10 +5,6 @@
 //! runtime ABI.
 
 use super::BackendError;
-use melior::ir::operation::OperationLike;
-use melior::ir::Module;
-use melior::pass::PassManager;
-use melior::utility::{parse_pass_pipeline, register_all_passes};
 use std::path::{Path, PathBuf};
 
 /// What the CUDA back end makes of one stage.
@@ -80,28 +76,7 @@ pub fn ptxas(root: &Path) -> Option<PathBuf> {
 pub fn compile(mlir: &str, arch: &str) -> Result<CudaArtifacts, BackendError> {
     // libdevice (math functions) comes from the toolkit the pipeline names.
     let pipeline = pipeline(arch, &cuda_root()?)?;
-    static INIT: std::sync::Once = std::sync::Once::new();
-    INIT.call_once(register_all_passes);
-    if let Some(d) = std::env::var_os("M3C_DUMP_DIR") {
-        // Debugging aid: the module as generated (also when it does not parse).
-        let _ = std::fs::write(Path::new(&d).join("cuda-in.mlir"), mlir);
-    }
-    let context = super::host::context();
-    let mut module =
-        Module::parse(&context, mlir).ok_or_else(|| BackendError::Parse { head: mlir.lines().take(12).collect::<Vec<_>>().join("\n") })?;
-    let pm = PassManager::new(&context);
-    pm.enable_verifier(true);
-    let err = |e: melior::Error| BackendError::Passes { pipeline: pipeline.clone(), message: e.to_string() };
-    parse_pass_pipeline(pm.as_operation_pass_manager(), &pipeline).map_err(err)?;
-    pm.run(&mut module).map_err(err)?;
-    if !module.as_operation().verify() {
-        return Err(BackendError::Passes { pipeline, message: "the lowered module does not verify".into() });
-    }
-    let lowered = module.as_operation().to_string();
-    if let Some(d) = std::env::var_os("M3C_DUMP_DIR") {
-        // Debugging aid: the module after the NVVM pipeline.
-        let _ = std::fs::write(Path::new(&d).join("cuda-lowered.mlir"), &lowered);
-    }
+    let lowered = super::host::lower_gpu_stage(mlir, &pipeline, "cuda")?;
     let ptx = extract_ptx(&lowered).ok_or_else(|| BackendError::Codegen("no PTX in the lowered module".into()))?;
     Ok(CudaArtifacts { ptx, lowered })
 }
@@ -184,6 +159,8 @@ pub fn embedded_object(lowered: &str, key: &str) -> Option<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use melior::pass::PassManager;
+    use melior::utility::{parse_pass_pipeline, register_all_passes};
 
     /// The spelled-out pipeline is MLIR's own `gpu-lower-to-nvvm-pipeline`
     /// (with our options) pass for pass and option for option, but for

@@ -11,10 +11,6 @@
 //! `ld.lld`.
 
 use super::BackendError;
-use melior::ir::operation::OperationLike;
-use melior::ir::Module;
-use melior::pass::PassManager;
-use melior::utility::{parse_pass_pipeline, register_all_passes};
 use std::path::{Path, PathBuf};
 
 /// What the ROCm back end makes of one stage.
@@ -108,28 +104,7 @@ fn toolkit_folder(work: &Path, lld: &Path) -> Result<PathBuf, BackendError> {
 pub fn compile(mlir: &str, chip: &str, work: &Path) -> Result<RocmArtifacts, BackendError> {
     let toolkit = toolkit_folder(work, &lld()?)?;
     let pipeline = pipeline(chip, &toolkit)?;
-    static INIT: std::sync::Once = std::sync::Once::new();
-    INIT.call_once(register_all_passes);
-    if let Some(d) = std::env::var_os("M3C_DUMP_DIR") {
-        // Debugging aid: the module as generated (also when it does not parse).
-        let _ = std::fs::write(Path::new(&d).join("rocm-in.mlir"), mlir);
-    }
-    let context = super::host::context();
-    let mut module =
-        Module::parse(&context, mlir).ok_or_else(|| BackendError::Parse { head: mlir.lines().take(12).collect::<Vec<_>>().join("\n") })?;
-    let pm = PassManager::new(&context);
-    pm.enable_verifier(true);
-    let err = |e: melior::Error| BackendError::Passes { pipeline: pipeline.clone(), message: e.to_string() };
-    parse_pass_pipeline(pm.as_operation_pass_manager(), &pipeline).map_err(err)?;
-    pm.run(&mut module).map_err(err)?;
-    if !module.as_operation().verify() {
-        return Err(BackendError::Passes { pipeline, message: "the lowered module does not verify".into() });
-    }
-    let lowered = module.as_operation().to_string();
-    if let Some(d) = std::env::var_os("M3C_DUMP_DIR") {
-        // Debugging aid: the module after the ROCDL pipeline.
-        let _ = std::fs::write(Path::new(&d).join("rocm-lowered.mlir"), &lowered);
-    }
+    let lowered = super::host::lower_gpu_stage(mlir, &pipeline, "rocm")?;
     let hsaco = super::cuda::embedded_object(&lowered, "bin = \"")
         .ok_or_else(|| BackendError::Codegen("no code object in the lowered module".into()))?;
     Ok(RocmArtifacts { hsaco, lowered })
