@@ -22,9 +22,9 @@ pub(crate) struct PlanArgs {
     /// How the compiled stages will store K and V (as `m3c compile --kv-cache`).
     #[arg(long = "kv-cache", value_parser = ["f32", "bf16"], default_value = "f32")]
     pub(crate) kv_cache: String,
-    /// GPU profile (H200, H100, H20, B200, A100, L40S, MI300X, MI325X, MI355X).
-    #[arg(long, default_value = "H200")]
-    pub(crate) gpu: String,
+    /// GPU profile (H200, H100, H20, B200, A100, L40S, MI300X, MI325X, MI355X); default H200, MI300X for --target rocm.
+    #[arg(long)]
+    pub(crate) gpu: Option<String>,
     /// GPU memory in GB (overrides the profile's).
     #[arg(long, value_name = "GB")]
     pub(crate) gpu_mem: Option<f64>,
@@ -40,6 +40,17 @@ pub(crate) struct PlanArgs {
     /// Also draw the plan (made or checked): per stage its layers, weight and KV memory against the GPU's, and its predicted step time.
     #[arg(long, value_name = "FILE.svg")]
     pub(crate) svg: Option<PathBuf>,
+}
+
+impl PlanArgs {
+    /// The GPU profile's name: `--gpu`, else the target's flagship.
+    pub(crate) fn gpu_name(&self) -> &str {
+        match (&self.gpu, self.target.as_str()) {
+            (Some(g), _) => g,
+            (None, "rocm") => "MI300X",
+            (None, _) => "H200",
+        }
+    }
 }
 
 #[derive(clap::Args)]

@@ -9,8 +9,9 @@ use m3c_compiler::source::ModelSource;
 use std::path::{Path, PathBuf};
 
 fn gpu_profile(args: &PlanArgs) -> Result<GpuProfile> {
-    let mut gpu = GpuProfile::named(&args.gpu)
-        .with_context(|| format!("--gpu {}: unknown GPU; known: {}", args.gpu, GpuProfile::known_names().join(", ")))?;
+    let name = args.gpu_name();
+    let mut gpu =
+        GpuProfile::named(name).with_context(|| format!("--gpu {name}: unknown GPU; known: {}", GpuProfile::known_names().join(", ")))?;
     if let Some(gb) = args.gpu_mem {
         if !(gb.is_finite() && gb > 0.0) {
             bail!("--gpu-mem {gb}: expected a positive number of GB");
@@ -55,7 +56,7 @@ pub(crate) fn plan_cmd(args: PlanArgs) -> Result<()> {
         args.batch,
         args.context,
         args.kv_cache,
-        args.gpu
+        args.gpu_name()
     );
     match &args.out {
         Some(out) => {

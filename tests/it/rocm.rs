@@ -138,3 +138,18 @@ fn a_rocm_stage_without_hip_fails_cleanly() {
     assert!(e.contains("rocm gfx942") && !e.contains("panicked"), "{e}");
     assert!(Path::new(&out).join("stage-0").is_file());
 }
+
+/// `m3c plan --target rocm` sizes stages for an MI300X (192 GB): the real
+/// MXFP8 model fits in 3 stages there, where an H200 needs 4, and the plan
+/// it writes names the target and chip.
+#[test]
+fn plans_for_rocm_size_stages_for_an_mi300x() {
+    let model = configs("minimax-m3-mxfp8.config.json");
+    let plan = |target: &str| m3c(&["plan", "--model", model.to_str().unwrap(), "--pp", "3", "--target", target]);
+    let o = plan("rocm");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = m3c_tests::stdout(&o);
+    assert!(text.contains("--gpu MI300X") && text.contains("\ntarget: rocm\narch: gfx942\n"), "{text}");
+    let o = plan("cuda");
+    assert!(!o.status.success() && stderr(&o).contains("no split into 3 stages fits H200"), "{}", stderr(&o));
+}
