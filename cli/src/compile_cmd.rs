@@ -46,9 +46,8 @@ pub(crate) fn compile_cmd(args: CompileArgs) -> Result<()> {
         None => {
             let target = want_target.unwrap_or(Target::Host);
             // Without a plan, the planner sizes stages for the target's
-            // flagship memory: an H200's for cuda, an MI300X's for rocm.
-            let profile = if matches!(target, Target::Rocm { .. }) { "MI300X" } else { "H200" };
-            let mut gpu = GpuProfile::named(profile).context("built-in GPU profile")?;
+            // flagship memory.
+            let mut gpu = GpuProfile::named(GpuProfile::default_name(target.name())).context("built-in GPU profile")?;
             if target == Target::Host {
                 // Host stages live in host memory: balance time, do not cap by HBM.
                 gpu.memory = f64::INFINITY;

@@ -45,11 +45,7 @@ pub(crate) struct PlanArgs {
 impl PlanArgs {
     /// The GPU profile's name: `--gpu`, else the target's flagship.
     pub(crate) fn gpu_name(&self) -> &str {
-        match (&self.gpu, self.target.as_str()) {
-            (Some(g), _) => g,
-            (None, "rocm") => "MI300X",
-            (None, _) => "H200",
-        }
+        self.gpu.as_deref().unwrap_or_else(|| m3c_compiler::plan::GpuProfile::default_name(&self.target))
     }
 }
 

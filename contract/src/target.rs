@@ -13,7 +13,8 @@ pub enum Target {
     Host,
     /// NVIDIA GPUs of the given architecture (`sm_90a`); stages talk over NCCL.
     Cuda { arch: String },
-    /// AMD GPUs of the given chip (`gfx942`: MI300X); stages talk over RCCL.
+    /// AMD GPUs of the given chip (`gfx942`: MI300X). The compiler makes
+    /// their stages; the stage runtime cannot run them yet (no HIP device).
     Rocm { arch: String },
 }
 

@@ -111,7 +111,7 @@ fn sin_cos(d: &str, x: &str, cos: bool) -> String {
     let (flip, pick, other) = if cos { ("1", "s", "c") } else { ("0", "c", "s") };
     format!(
         "{d}_x = arith.extf {x} : f32 to f64\n\
-         {d}_2pi = arith.constant {} : f64\n{d}_y = arith.mulf {d}_x, {d}_2pi : f64\n\
+         {d}_2opi = arith.constant {} : f64\n{d}_y = arith.mulf {d}_x, {d}_2opi : f64\n\
          {d}_half = arith.constant 0.5 : f64\n{d}_nhalf = arith.constant -0.5 : f64\n{d}_f0 = arith.constant 0.0 : f64\n\
          {d}_neg = arith.cmpf olt, {d}_y, {d}_f0 : f64\n{d}_bias = arith.select {d}_neg, {d}_nhalf, {d}_half : f64\n\
          {d}_yb = arith.addf {d}_y, {d}_bias : f64\n{d}_k = arith.fptosi {d}_yb : f64 to i64\n{d}_kf = arith.sitofp {d}_k : i64 to f64\n\

@@ -111,7 +111,9 @@ fn real_config_compiles_for_rocm_at_pp4_without_weights() {
     assert!(o.status.success(), "{}", stderr(&o));
     let report = std::fs::read_to_string(out.join("compile-report.txt")).unwrap();
     assert!(report.contains("m3c_linear_i6144_o8192_mxfp8b32"), "{report}");
-    // (The compile itself checked each code object: no spills or scratch.)
+    // (The compile itself checked each code object: no spills, no dynamic
+    // stack; attention's 128-float accumulator is in scratch, as in CUDA's
+    // local memory.)
     assert_eq!(report.lines().filter(|l| l.starts_with("3      m3c_sample_w")).count(), 1, "{report}");
 }
 

@@ -39,8 +39,7 @@ reconcile-unrealized-casts)";
 
 /// The pass pipeline for `arch` with libdevice from the toolkit at `toolkit`.
 pub fn pipeline(arch: &str, toolkit: &Path) -> Result<String, BackendError> {
-    let root = toolkit.to_str().filter(|t| !t.is_empty() && !t.contains(|c: char| c.is_whitespace() || ",{}\"'=".contains(c)));
-    let root = root.ok_or_else(|| {
+    let root = super::gpu_stage::option_path(toolkit).ok_or_else(|| {
         BackendError::Toolkit(format!(
             "{}: a CUDA toolkit path m3c can pass to MLIR must be UTF-8 without spaces, commas, quotes, braces or `=`; \
              link or copy the toolkit to such a path and set CUDA_ROOT to it",
@@ -76,7 +75,7 @@ pub fn ptxas(root: &Path) -> Option<PathBuf> {
 pub fn compile(mlir: &str, arch: &str) -> Result<CudaArtifacts, BackendError> {
     // libdevice (math functions) comes from the toolkit the pipeline names.
     let pipeline = pipeline(arch, &cuda_root()?)?;
-    let lowered = super::host::lower_gpu_stage(mlir, &pipeline, "cuda")?;
+    let lowered = super::gpu_stage::lower(mlir, &pipeline, "cuda")?;
     let ptx = extract_ptx(&lowered).ok_or_else(|| BackendError::Codegen("no PTX in the lowered module".into()))?;
     Ok(CudaArtifacts { ptx, lowered })
 }
@@ -120,40 +119,7 @@ fn string_end(body: &[u8]) -> Option<usize> {
 
 /// The `assembly = "..."` string of the module's `gpu.binary`, unescaped.
 fn extract_ptx(lowered: &str) -> Option<String> {
-    String::from_utf8(embedded_object(lowered, "assembly = \"")?).ok()
-}
-
-/// The bytes of the string that follows `key` (`assembly = "` or `bin = "`)
-/// in a lowered module's `gpu.binary`, unescaped.
-pub fn embedded_object(lowered: &str, key: &str) -> Option<Vec<u8>> {
-    let start = lowered.find(key)? + key.len();
-    let bytes = lowered.as_bytes();
-    let mut out = Vec::new();
-    let mut i = start;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'"' => return Some(out),
-            b'\\' => {
-                let hex = bytes.get(i + 1..i + 3).and_then(|h| std::str::from_utf8(h).ok());
-                match hex.and_then(|h| u8::from_str_radix(h, 16).ok()) {
-                    Some(b) => {
-                        out.push(b);
-                        i += 3;
-                    }
-                    None => {
-                        // `\\` or `\"`
-                        out.push(*bytes.get(i + 1)?);
-                        i += 2;
-                    }
-                }
-            }
-            b => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    None
+    String::from_utf8(super::gpu_stage::embedded_object(lowered, "assembly = \"")?).ok()
 }
 
 #[cfg(test)]

@@ -52,12 +52,12 @@ pub fn run_pipeline(mlir: &str, pipeline: &str) -> Result<String, BackendError> 
     Ok(module.as_operation().to_string())
 }
 
-fn parse<'c>(context: &'c Context, mlir: &str) -> Result<Module<'c>, BackendError> {
+pub(crate) fn parse<'c>(context: &'c Context, mlir: &str) -> Result<Module<'c>, BackendError> {
     Module::parse(context, mlir).ok_or_else(|| BackendError::Parse { head: mlir.lines().take(12).collect::<Vec<_>>().join("\n") })
 }
 
 /// Process-wide LLVM/MLIR registrations, done once (stages compile on several threads).
-fn init_once() {
+pub(crate) fn init_once() {
     static INIT: std::sync::Once = std::sync::Once::new();
     INIT.call_once(|| {
         register_all_passes();
@@ -76,35 +76,6 @@ fn run(context: &Context, module: &mut Module, pipeline: &str) -> Result<(), Bac
         return Err(BackendError::Passes { pipeline: pipeline.to_string(), message: "the lowered module does not verify".into() });
     }
     Ok(())
-}
-
-/// Runs a GPU back end's `pipeline` on a stage's module (kernels and the
-/// launching entry) with the verifier after every pass, and returns the
-/// lowered module's text. With `M3C_DUMP_DIR` set, the module as generated
-/// and as lowered are written there as `{tag}-in.mlir` and
-/// `{tag}-lowered.mlir` (a debugging aid; the first also when it does not
-/// parse).
-pub(crate) fn lower_gpu_stage(mlir: &str, pipeline: &str, tag: &str) -> Result<String, BackendError> {
-    let dump = |suffix: &str, text: &str| {
-        if let Some(d) = std::env::var_os("M3C_DUMP_DIR") {
-            let _ = std::fs::write(std::path::Path::new(&d).join(format!("{tag}-{suffix}.mlir")), text);
-        }
-    };
-    dump("in", mlir);
-    init_once();
-    let context = context();
-    let mut module = parse(&context, mlir)?;
-    let pm = PassManager::new(&context);
-    pm.enable_verifier(true);
-    let err = |e: melior::Error| BackendError::Passes { pipeline: pipeline.to_string(), message: e.to_string() };
-    parse_pass_pipeline(pm.as_operation_pass_manager(), pipeline).map_err(err)?;
-    pm.run(&mut module).map_err(err)?;
-    if !module.as_operation().verify() {
-        return Err(BackendError::Passes { pipeline: pipeline.to_string(), message: "the lowered module does not verify".into() });
-    }
-    let lowered = module.as_operation().to_string();
-    dump("lowered", &lowered);
-    Ok(lowered)
 }
 
 /// Lowers a module of kernels to an x86-64 object. `cpu` is the LLVM CPU

@@ -124,8 +124,7 @@ pub fn read(bytes: &[u8]) -> Result<CodeObject, HsacoError> {
     let chip = MACHS.iter().find(|m| m.0 == mach).map_or_else(|| format!("mach 0x{mach:03x}"), |m| m.1.to_string());
     let sections = elf.sections()?;
     let mut kernels = Vec::new();
-    for &(ty, off, size, _) in sections.iter().filter(|s| s.0 == SHT_NOTE) {
-        debug_assert_eq!(ty, SHT_NOTE);
+    for &(_, off, size, _) in sections.iter().filter(|s| s.0 == SHT_NOTE) {
         kernels.extend(note_kernels(&elf, off, size)?);
     }
     let (mut descriptors, mut undefined) = (Vec::new(), Vec::new());
@@ -312,7 +311,9 @@ impl Msgpack<'_> {
 
 /// Reads the code object m3c made for `chip` and checks what the runtime
 /// relies on: the chip, code object v5, one descriptor per kernel, waves of
-/// 64, no spills, scratch or dynamic stack, nothing left undefined.
+/// 64, no spills or dynamic stack, nothing left undefined. (Scratch is
+/// allowed: a private array, such as attention's accumulator, lives there,
+/// as in CUDA's local memory.)
 pub fn check(bytes: &[u8], chip: &str) -> Result<Vec<KernelMeta>, HsacoError> {
     let co = read(bytes)?;
     if co.chip != chip {

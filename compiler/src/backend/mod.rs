@@ -2,6 +2,7 @@
 //! target-specific lives here, at the end of the pipeline.
 
 pub mod cuda;
+mod gpu_stage;
 pub mod host;
 pub mod hsaco;
 mod llvm_fatal;

@@ -48,8 +48,7 @@ reconcile-unrealized-casts)";
 
 /// The pass pipeline for `chip`, linking with the `ld.lld` under `toolkit`.
 pub fn pipeline(chip: &str, toolkit: &Path) -> Result<String, BackendError> {
-    let root = toolkit.to_str().filter(|t| !t.is_empty() && !t.contains(|c: char| c.is_whitespace() || ",{}\"'=".contains(c)));
-    let root = root.ok_or_else(|| {
+    let root = super::gpu_stage::option_path(toolkit).ok_or_else(|| {
         BackendError::Toolkit(format!(
             "{}: a scratch folder m3c can pass to MLIR must be UTF-8 without spaces, commas, quotes, braces or `=`; set TMPDIR to such a folder",
             toolkit.display()
@@ -104,8 +103,8 @@ fn toolkit_folder(work: &Path, lld: &Path) -> Result<PathBuf, BackendError> {
 pub fn compile(mlir: &str, chip: &str, work: &Path) -> Result<RocmArtifacts, BackendError> {
     let toolkit = toolkit_folder(work, &lld()?)?;
     let pipeline = pipeline(chip, &toolkit)?;
-    let lowered = super::host::lower_gpu_stage(mlir, &pipeline, "rocm")?;
-    let hsaco = super::cuda::embedded_object(&lowered, "bin = \"")
+    let lowered = super::gpu_stage::lower(mlir, &pipeline, "rocm")?;
+    let hsaco = super::gpu_stage::embedded_object(&lowered, "bin = \"")
         .ok_or_else(|| BackendError::Codegen("no code object in the lowered module".into()))?;
     Ok(RocmArtifacts { hsaco, lowered })
 }

@@ -194,8 +194,20 @@ struct Rocm {
 }
 
 impl Backend for Rocm {
+    /// The stage's module, refused if it still holds an op that ROCDL
+    /// lowers to a call into ROCm's device library (which the compile does
+    /// not link): a shape the generators do not write out, named here
+    /// instead of as a missing-library error from MLIR's serializer.
     fn module(&self, fused: &FusedStage) -> Result<String, String> {
-        crate::lower::gpu_module(fused, &GpuTarget::ROCM)
+        let text = crate::lower::gpu_module(fused, &GpuTarget::ROCM)?;
+        let mut library = std::iter::once(&"gpu.all_reduce").chain(m3c_kernels::devmath::EXPANDED);
+        match library.find(|op| text.contains(&format!("{op} "))) {
+            Some(op) => Err(format!(
+                "the rocm stage module still has `{op}`, which ROCm lowers to a device-library call m3c does not link \
+                 (a compiler bug: a shape the kernel generators do not write out for rocm)"
+            )),
+            None => Ok(text),
+        }
     }
 
     /// The whole stage is one unit: its kernels are one `gpu.module` and

@@ -44,6 +44,15 @@ impl GpuProfile {
             flops: f * 1e12,
         })
     }
+    /// The profile a plan for `target` (`host`, `cuda`, `rocm`) is sized
+    /// for unless told otherwise: the target's flagship GPU.
+    pub fn default_name(target: &str) -> &'static str {
+        if target == "rocm" {
+            "MI300X"
+        } else {
+            "H200"
+        }
+    }
     pub fn known_names() -> Vec<&'static str> {
         PROFILES.iter().map(|p| p.0).collect()
     }
