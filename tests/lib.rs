@@ -96,12 +96,17 @@ pub fn read_tensor_i64(path: &Path, name: &str) -> Vec<i64> {
 /// `m3c compile --model MODEL --pp N [extra] -o DIR/out`; panics with m3c's message on failure.
 pub fn compile(model: &Path, pp: usize, dir: &Path, extra: &[&str]) -> PathBuf {
     let out = dir.join("out");
+    let o = compile_to(model, pp, &out, extra);
+    assert!(o.status.success(), "m3c compile {} {extra:?} failed:\n{}", model.display(), stderr(&o));
+    out
+}
+
+/// `m3c compile --model MODEL --pp N [extra] -o OUT`, whatever it gives.
+pub fn compile_to(model: &Path, pp: usize, out: &Path, extra: &[&str]) -> Output {
     let pp = pp.to_string();
     let mut args = vec!["compile", "--model", model.to_str().unwrap(), "--pp", &pp, "-o", out.to_str().unwrap()];
     args.extend_from_slice(extra);
-    let o = m3c(&args);
-    assert!(o.status.success(), "m3c {args:?} failed:\n{}", stderr(&o));
-    out
+    m3c(&args)
 }
 
 /// Comma-separated ids, as `--prompt-ids` takes them.

@@ -230,6 +230,15 @@ impl StageArgs {
     }
 }
 
+/// A two-way switch: `v` must be the word for on or the word for off.
+fn parse_switch(flag: &str, v: &str, (on, off): (&str, &str)) -> Result<bool, String> {
+    match v {
+        _ if v == on => Ok(true),
+        _ if v == off => Ok(false),
+        _ => Err(format!("{flag}: `{v}` is not `{on}` or `{off}`")),
+    }
+}
+
 fn parse_args(args: &[String]) -> Result<StageArgs, String> {
     let mut model = None;
     let mut prompts = Vec::new();
@@ -282,27 +291,9 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
                 synthetic_seed = Some(v.parse::<u64>().map_err(|_| format!("--synthetic-weights: `{v}` is not a seed (an integer)"))?);
             }
             "--timeout-s" => timeout_s = parse_timeout_s(&value("--timeout-s")?)?,
-            "--cuda-graphs" => {
-                cuda_graphs = match value("--cuda-graphs")?.as_str() {
-                    "on" => true,
-                    "off" => false,
-                    v => return Err(format!("--cuda-graphs: `{v}` is not `on` or `off`")),
-                }
-            }
-            "--prefix-caching" => {
-                prefix_caching = match value("--prefix-caching")?.as_str() {
-                    "on" => true,
-                    "off" => false,
-                    v => return Err(format!("--prefix-caching: `{v}` is not `on` or `off`")),
-                }
-            }
-            "--prefill-gemm" => {
-                prefill_gemm_cublas = match value("--prefill-gemm")?.as_str() {
-                    "cublas" => true,
-                    "off" => false,
-                    v => return Err(format!("--prefill-gemm: `{v}` is not `cublas` or `off`")),
-                }
-            }
+            "--cuda-graphs" => cuda_graphs = parse_switch("--cuda-graphs", &value("--cuda-graphs")?, ("on", "off"))?,
+            "--prefix-caching" => prefix_caching = parse_switch("--prefix-caching", &value("--prefix-caching")?, ("on", "off"))?,
+            "--prefill-gemm" => prefill_gemm_cublas = parse_switch("--prefill-gemm", &value("--prefill-gemm")?, ("cublas", "off"))?,
             "--stream-ids" => stream_ids = true,
             "--trace" => trace = true,
             "--images" => images = Some(PathBuf::from(value("--images")?)),

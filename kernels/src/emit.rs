@@ -73,6 +73,23 @@ pub const E8M0_CONSTANTS: &str = "%c23_i32 = arith.constant 23 : i32\n\
      %c_sub_i32 = arith.constant 4194304 : i32\n\
      %c_nan_i32 = arith.constant 2143289344 : i32\n";
 
+/// RoPE's rotation of the pair `(%a, %b)` by the angle whose cosine and
+/// sine are `%cs`, `%sn`: `%y1 = a·cos − b·sin`, `%y2 = b·cos + a·sin`, each
+/// product rounded before the sum, as the reference's `rotate_half` does.
+pub const ROTATE: &str = "%ac = arith.mulf %a, %cs : f32\n\
+                          %bs = arith.mulf %b, %sn : f32\n\
+                          %y1 = arith.subf %ac, %bs : f32\n\
+                          %bc = arith.mulf %b, %cs : f32\n\
+                          %as = arith.mulf %a, %sn : f32\n\
+                          %y2 = arith.addf %bc, %as : f32\n";
+
+/// The end of a reduction loop's body that carries `acc` (of type `ty`):
+/// `prod = x·y`, then `acc2 = acc + prod`, yielded (the per-element step of
+/// the linear and attention dot products).
+pub fn mul_add_yield(acc: &str, prod: &str, x: &str, y: &str, ty: &str) -> String {
+    format!("{prod} = arith.mulf {x}, {y} : {ty}\n{acc}2 = arith.addf {acc}, {prod} : {ty}\nscf.yield {acc}2 : {ty}\n")
+}
+
 /// Indents every line of `body` by `n` spaces.
 pub fn indent(body: &str, n: usize) -> String {
     let pad = " ".repeat(n);

@@ -151,6 +151,39 @@ fn run() -> c_int {
     code
 }
 
+/// This rank's own start-up checks: MPI started one rank per stage, the
+/// arguments parse, and every prompt fits the vocabulary and the positions.
+fn local_checks(
+    meta: meta::StageMeta,
+    parsed: Result<args::RunArgs, StageError>,
+    size: usize,
+) -> Result<(meta::StageMeta, args::RunArgs), String> {
+    if size != meta.stages {
+        return Err(format!(
+            "this pipeline has {} stages but MPI started {size} rank(s); run one rank per stage: \
+             mpirun -np 1 OUT/stage-0 : ... : -np 1 OUT/stage-{}",
+            meta.stages,
+            meta.stages - 1
+        ));
+    }
+    let a = parsed.map_err(|e| e.to_string())?;
+    for (i, p) in a.prompts.iter().enumerate() {
+        if let Some(bad) = p.iter().find(|&&t| t < 0 || t as usize >= meta.vocab) {
+            return Err(format!("prompt {i}: token id {bad} is outside the vocabulary (0..{})", meta.vocab));
+        }
+        // One more position than the tokens: the cache holds the last id too.
+        if p.len().checked_add(a.max_new_tokens).is_none_or(|n| n >= meta.max_positions) {
+            return Err(format!(
+                "prompt {i}: {} tokens + --max-new-tokens {} exceed the model's {} positions (max_position_embeddings)",
+                p.len(),
+                a.max_new_tokens,
+                meta.max_positions
+            ));
+        }
+    }
+    Ok((meta, a))
+}
+
 /// Everything between MPI's start and end: start-up verdicts, weights,
 /// device, pipeline, closing verdict. `Err(())` once the reason has been
 /// printed and every rank agrees to stop.
@@ -164,32 +197,7 @@ fn stage_main(
 ) -> Result<(), ()> {
     let (rank, size) = (world.rank() as usize, world.size() as usize);
     // Local checks first; then one gather tells every rank every verdict.
-    let local: Result<(meta::StageMeta, args::RunArgs), String> = meta.and_then(|meta| {
-        if size != meta.stages {
-            return Err(format!(
-                "this pipeline has {} stages but MPI started {size} rank(s); run one rank per stage: \
-                 mpirun -np 1 OUT/stage-0 : ... : -np 1 OUT/stage-{}",
-                meta.stages,
-                meta.stages - 1
-            ));
-        }
-        let a = parsed.map_err(|e| e.to_string())?;
-        for (i, p) in a.prompts.iter().enumerate() {
-            if let Some(bad) = p.iter().find(|&&t| t < 0 || t as usize >= meta.vocab) {
-                return Err(format!("prompt {i}: token id {bad} is outside the vocabulary (0..{})", meta.vocab));
-            }
-            // One more position than the tokens: the cache holds the last id too.
-            if p.len().checked_add(a.max_new_tokens).is_none_or(|n| n >= meta.max_positions) {
-                return Err(format!(
-                    "prompt {i}: {} tokens + --max-new-tokens {} exceed the model's {} positions (max_position_embeddings)",
-                    p.len(),
-                    a.max_new_tokens,
-                    meta.max_positions
-                ));
-            }
-        }
-        Ok((meta, a))
-    });
+    let local = meta.and_then(|meta| local_checks(meta, parsed, size));
     let (compile_id, stage_no) = local.as_ref().map_or((String::new(), usize::MAX), |(m, _)| (m.compile_id.clone(), m.stage));
     let record = startup::identity(local.is_ok(), &compile_id, stage_no, &startup::args_hash(argv));
     let all = startup::gather(world, peers, who, &record);
@@ -215,36 +223,12 @@ fn stage_main(
     // Weights: each rank maps its own (and the last checks its dump
     // targets before any work); then all agree on whether to go on.
     let t0 = Instant::now();
-    let loaded = match (&args.model, args.synthetic_seed) {
-        (Some(model), _) => weights::check_config(model, &meta).and_then(|_| weights::StageWeights::open(model, &meta)),
-        (None, Some(seed)) => Ok(weights::StageWeights::synthetic(&meta, seed)),
-        (None, None) => Err(StageError::Weights("no weights: give --model DIR or --synthetic-weights SEED".into())),
-    }
-    .and_then(|w| {
-        if let (true, Some(file)) = (meta.last_stage, &args.dump) {
-            for i in 0..args.prompt_count() {
-                dump::check_target(&dump::dump_path(file, i, args.prompt_count()))?;
-            }
-        }
-        Ok(w)
-    });
     let holds = meta.holds.clone();
-    let weights = startup::agree(world, peers, &format!("{who} ({holds})"), loaded)?;
-    liveness::watch_mappings(
-        who,
-        weights
-            .regions
-            .iter()
-            .map(|(start, len, file)| liveness::Mapping {
-                start: *start,
-                len: *len,
-                message: format!("{who}: error: {} changed during the run (truncated or rewritten under its memory mapping); the checkpoint must not be modified while stages run\n", file.display()).into_bytes(),
-            })
-            .collect(),
-    );
+    let weights = startup::agree(world, peers, &format!("{who} ({holds})"), load_weights(&meta, &args))?;
+    watch_weight_files(who, &weights);
     let threads = set_kernel_threads();
-    let meta_is_cuda = meta.target.is_gpu();
-    let st = if meta_is_cuda {
+    let on_gpu = meta.target.is_gpu();
+    let st = if on_gpu {
         let local_rank = std::env::var("OMPI_COMM_WORLD_LOCAL_RANK").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
         stage::Stage::gpu(meta, weights, local_rank, who)
     } else {
@@ -265,7 +249,7 @@ fn stage_main(
     });
     startup::agree(world, peers, &format!("{who} ({holds})"), pooled)?;
     st.set_cuda_graphs(args.cuda_graphs);
-    if args.prefill_gemm_cublas && meta_is_cuda {
+    if args.prefill_gemm_cublas && on_gpu {
         let min_rows = std::env::var("M3C_GEMM_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(32);
         match st.device().map_or(Ok(()), |g| g.enable_gemm(min_rows)) {
             Ok(()) => say!("{who}: prefill linears with bf16 weights of {min_rows}+ rows run on cuBLAS"),
@@ -312,6 +296,39 @@ fn stage_main(
         );
     }
     Ok(())
+}
+
+/// This stage's weights (mapped from the checkpoint, or synthetic), once the
+/// last stage has checked that its dump targets can be written.
+fn load_weights(meta: &meta::StageMeta, args: &args::RunArgs) -> Result<weights::StageWeights, StageError> {
+    let w = match (&args.model, args.synthetic_seed) {
+        (Some(model), _) => weights::check_config(model, meta).and_then(|_| weights::StageWeights::open(model, meta))?,
+        (None, Some(seed)) => weights::StageWeights::synthetic(meta, seed),
+        (None, None) => return Err(StageError::Weights("no weights: give --model DIR or --synthetic-weights SEED".into())),
+    };
+    if let (true, Some(file)) = (meta.last_stage, &args.dump) {
+        for i in 0..args.prompt_count() {
+            dump::check_target(&dump::dump_path(file, i, args.prompt_count()))?;
+        }
+    }
+    Ok(w)
+}
+
+/// A checkpoint file truncated or rewritten under its mapping ends the job
+/// with this message instead of a bus error.
+fn watch_weight_files(who: &str, weights: &weights::StageWeights) {
+    liveness::watch_mappings(
+        who,
+        weights
+            .regions
+            .iter()
+            .map(|(start, len, file)| liveness::Mapping {
+                start: *start,
+                len: *len,
+                message: format!("{who}: error: {} changed during the run (truncated or rewritten under its memory mapping); the checkpoint must not be modified while stages run\n", file.display()).into_bytes(),
+            })
+            .collect(),
+    );
 }
 
 /// Sets up NCCL between the stages when every rank is a GPU stage on its

@@ -5,7 +5,7 @@
 use m3c_compiler::backend::host::{run_pipeline, HOST_PIPELINE};
 use m3c_compiler::plan::load_plan;
 use m3c_compiler::source::ModelSource;
-use m3c_tests::{compile, configs, fixture, m3c, stderr};
+use m3c_tests::{compile, compile_to, configs, fixture, m3c, stderr};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -201,17 +201,7 @@ fn compile_errors_leave_nothing_behind() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("already exists, is not empty and has no m3c manifest.json"), "{}", stderr(&o));
     assert_eq!(std::fs::read_to_string(out.join("notes.txt")).unwrap(), "mine");
-    let o = m3c(&[
-        "compile",
-        "--model",
-        fixture("tiny-m3").to_str().unwrap(),
-        "--pp",
-        "1",
-        "--emit",
-        "ptx",
-        "-o",
-        dir.path().join("p").to_str().unwrap(),
-    ]);
+    let o = compile_to(&fixture("tiny-m3"), 1, &dir.path().join("p"), &["--emit", "ptx"]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("--emit ptx needs a GPU target"), "{}", stderr(&o));
     // No partial folders are left beside it.

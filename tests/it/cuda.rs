@@ -4,7 +4,7 @@
 //! driver fails cleanly. (With a driver present, the last test runs the
 //! fixture on the GPU against the goldens instead.)
 
-use m3c_tests::{compile, configs, fixture, ids_arg, m3c, read_tensor_i64, root, stderr, stdout};
+use m3c_tests::{compile, compile_to, configs, fixture, ids_arg, read_tensor_i64, root, stderr, stdout};
 use std::path::{Path, PathBuf};
 
 /// The nvidia-cuda-nvcc wheel's toolkit folder (ptxas + libdevice) that
@@ -119,16 +119,7 @@ fn real_config_compiles_for_cuda_at_pp4_without_weights() {
     let dir = tempfile::tempdir().unwrap();
     std::env::set_var("CUDA_ROOT", cuda_root());
     let out = dir.path().join("out");
-    let o = m3c(&[
-        "compile",
-        "--pp",
-        "4",
-        "--model",
-        configs("minimax-m3-mxfp8.config.json").to_str().unwrap(),
-        configs("minimax-m3-mxfp8.pp4.yaml").to_str().unwrap(),
-        "-o",
-        out.to_str().unwrap(),
-    ]);
+    let o = compile_to(&configs("minimax-m3-mxfp8.config.json"), 4, &out, &[configs("minimax-m3-mxfp8.pp4.yaml").to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
     let report = std::fs::read_to_string(out.join("compile-report.txt")).unwrap();
     // The MXFP8 linears of the real shapes are there, with no spills.

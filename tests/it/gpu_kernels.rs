@@ -6,7 +6,7 @@
 //! kernel, every weight type, both activation storages, and row counts that
 //! take the one-row (`_r1`) and four-rows-per-pass variants with a ragged tail.
 
-use crate::host_kernels::{bf16_nearest_even, build, call, m1, m2, p};
+use crate::host_kernels::{attention, bf16_nearest_even, build, call, m1, m2, p};
 use m3c_kernels::{GpuTarget, Kernel, MemTy, SparseSel, Storage, WeightType};
 use m3c_tests::simt::{Arg, Gpu};
 use std::collections::BTreeSet;
@@ -426,16 +426,7 @@ fn attention_and_the_msa_selection_on_the_gpu_match_the_host() {
                 // A prefill of 5 rows at positions 30..34 and a decode row.
                 for pos in [vec![30i64, 31, 32, 33, 34], vec![37]] {
                     let rows = pos.len();
-                    let k = Kernel::Attention(m3c_kernels::Attention {
-                        heads,
-                        kv_heads: kv,
-                        head_dim: d,
-                        scale: 0.25,
-                        sparse,
-                        paged: None,
-                        cache,
-                        act,
-                    });
+                    let k = Kernel::Attention(m3c_kernels::Attention { sparse, cache, act, ..attention(heads, kv, d) });
                     let mut args = vec![
                         act_rows(rows, heads * d, act, 1, false),
                         act_rows(cap, kv * d, cache, 2, false),
@@ -489,18 +480,7 @@ fn paged_attention_on_the_gpu_equals_its_contiguous_twin_bit_for_bit() {
             for sparse in [None, Some(sel)] {
                 let pos = vec![30i64, 31, 32, 33, 34];
                 let rows = pos.len();
-                let mk = |paged| {
-                    Kernel::Attention(m3c_kernels::Attention {
-                        heads,
-                        kv_heads: kv,
-                        head_dim: d,
-                        scale: 0.25,
-                        sparse,
-                        paged,
-                        cache,
-                        act: Storage::F32,
-                    })
-                };
+                let mk = |paged| Kernel::Attention(m3c_kernels::Attention { sparse, paged, cache, ..attention(heads, kv, d) });
                 let (k, v) = (act_rows(cap, kv * d, cache, 2, false), act_rows(cap, kv * d, cache, 3, false));
                 let ik = act_rows(cap, 16, cache, 5, false);
                 let q = || act_rows(rows, heads * d, Storage::F32, 1, false);

@@ -8,6 +8,21 @@ use m3c_compiler::weights::Checkpoint;
 use m3c_kernels::{module, Kernel, Storage, WeightType};
 use m3c_tests::fixture;
 
+/// Dense, unpaged attention of `heads` query heads over `kv` KV heads of
+/// width `d`, scale 0.25, all f32: tests override what they vary.
+pub(crate) fn attention(heads: usize, kv: usize, d: usize) -> m3c_kernels::Attention {
+    m3c_kernels::Attention {
+        heads,
+        kv_heads: kv,
+        head_dim: d,
+        scale: 0.25,
+        sparse: None,
+        paged: None,
+        cache: Storage::F32,
+        act: Storage::F32,
+    }
+}
+
 /// A memref descriptor of rank `N`, as MLIR's C interface passes it.
 #[repr(C)]
 pub(crate) struct Memref<T, const N: usize> {
@@ -349,18 +364,7 @@ fn attention_over_bf16_caches_equals_f32_attention_over_the_rounded_values() {
     let dir = tempfile::tempdir().unwrap();
     let (heads, kv, d, cap) = (4usize, 2usize, 16usize, 12usize);
     let sel = SparseSel { index_heads: 2, index_dim: 16, block: 2, topk: 2, local: 1, init: 0 };
-    let mk = |sparse: Option<SparseSel>, cache| {
-        Kernel::Attention(m3c_kernels::Attention {
-            heads,
-            kv_heads: kv,
-            head_dim: d,
-            scale: 0.25,
-            sparse,
-            paged: None,
-            cache,
-            act: Storage::F32,
-        })
-    };
+    let mk = |sparse: Option<SparseSel>, cache| Kernel::Attention(m3c_kernels::Attention { sparse, cache, ..attention(heads, kv, d) });
     let kernels = [mk(None, Storage::F32), mk(None, Storage::Bf16), mk(Some(sel), Storage::F32), mk(Some(sel), Storage::Bf16)];
     let lib = build(&kernels, dir.path());
     let rows = 3;
@@ -514,16 +518,7 @@ fn attention_matches_an_f64_reference_and_each_row_alone() {
     let (heads, kv, cap) = (4usize, 2usize, 26usize);
     let sel = SparseSel { index_heads: 2, index_dim: 8, block: 4, topk: 2, local: 1, init: 1 };
     let mk = |d: usize, scale: f64, sparse: Option<SparseSel>| {
-        Kernel::Attention(m3c_kernels::Attention {
-            heads,
-            kv_heads: kv,
-            head_dim: d,
-            scale,
-            sparse,
-            paged: None,
-            cache: Storage::F32,
-            act: Storage::F32,
-        })
+        Kernel::Attention(m3c_kernels::Attention { scale, sparse, ..attention(heads, kv, d) })
     };
     let cases = [(16usize, 0.25, None), (12, 0.3, None), (16, 0.25, Some(sel)), (16, 40.0, None), (12, 40.0, Some(sel))];
     let kernels: Vec<Kernel> = cases.iter().map(|&(d, sc, sp)| mk(d, sc, sp)).collect();
@@ -649,18 +644,7 @@ fn bf16_twins() -> Vec<[Kernel; 2]> {
                 act: a,
             })
         }),
-        twins(&|a| {
-            Kernel::Attention(m3c_kernels::Attention {
-                heads: 4,
-                kv_heads: 2,
-                head_dim: 16,
-                scale: 0.25,
-                sparse: Some(sel),
-                paged: None,
-                cache: f,
-                act: a,
-            })
-        }),
+        twins(&|a| Kernel::Attention(m3c_kernels::Attention { sparse: Some(sel), cache: f, act: a, ..attention(4, 2, 16) })),
     ]
 }
 

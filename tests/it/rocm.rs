@@ -5,7 +5,7 @@
 //! the SIMT interpreter (`gpu_kernels.rs`), whole stages included.
 
 use m3c_compiler::backend::hsaco;
-use m3c_tests::{compile, configs, fixture, ids_arg, m3c, read_tensor_i64, stderr};
+use m3c_tests::{compile, compile_to, configs, fixture, ids_arg, m3c, read_tensor_i64, stderr};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -73,19 +73,7 @@ fn rocm_compiles_for_gfx950_and_refuses_an_unknown_chip() {
     let co = hsaco::read(&std::fs::read(out.join("stage-0.hsaco")).unwrap()).unwrap();
     assert_eq!((co.chip.as_str(), co.version), ("gfx950", 5));
     let bad = dir.path().join("bad");
-    let o = m3c(&[
-        "compile",
-        "--pp",
-        "1",
-        "--model",
-        fixture("tiny-m3").to_str().unwrap(),
-        "--target",
-        "rocm",
-        "--arch",
-        "gfx90a",
-        "-o",
-        bad.to_str().unwrap(),
-    ]);
+    let o = compile_to(&fixture("tiny-m3"), 1, &bad, &["--target", "rocm", "--arch", "gfx90a"]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("\"gfx90a\" is not an AMD GPU m3c compiles for: expected one of gfx942, gfx950"), "{}", stderr(&o));
     assert!(!bad.exists(), "nothing written");
@@ -98,16 +86,7 @@ fn real_config_compiles_for_rocm_at_pp4_without_weights() {
     let plan = dir.path().join("plan.yaml");
     let cuda_plan = std::fs::read_to_string(configs("minimax-m3-mxfp8.pp4.yaml")).unwrap();
     std::fs::write(&plan, rocm_plan(&cuda_plan)).unwrap();
-    let o = m3c(&[
-        "compile",
-        "--pp",
-        "4",
-        "--model",
-        configs("minimax-m3-mxfp8.config.json").to_str().unwrap(),
-        plan.to_str().unwrap(),
-        "-o",
-        out.to_str().unwrap(),
-    ]);
+    let o = compile_to(&configs("minimax-m3-mxfp8.config.json"), 4, &out, &[plan.to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
     let report = std::fs::read_to_string(out.join("compile-report.txt")).unwrap();
     assert!(report.contains("m3c_linear_i6144_o8192_mxfp8b32"), "{report}");

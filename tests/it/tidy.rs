@@ -255,3 +255,141 @@ fn the_crates_are_layered_as_the_pipeline_is() {
         assert!(cli.iter().any(|c| c == d), "m3c depends on {d}: {cli:?}");
     }
 }
+
+/// `text` with comments, string and char literals blanked (their line
+/// breaks kept), so that braces and `fn` are counted only as code.
+fn code_only(text: &str) -> String {
+    let b: Vec<char> = text.chars().collect();
+    let mut out = String::with_capacity(text.len());
+    let keep_lines = |s: &[char], out: &mut String| out.extend(s.iter().filter(|&&c| c == '\n'));
+    let mut i = 0;
+    while i < b.len() {
+        let rest = &b[i..];
+        let word_before = i > 0 && (b[i - 1].is_alphanumeric() || b[i - 1] == '_');
+        if rest.starts_with(&['/', '/']) {
+            i += rest.iter().position(|&c| c == '\n').unwrap_or(rest.len());
+        } else if rest.starts_with(&['/', '*']) {
+            let (mut depth, mut j) = (0, 0);
+            while j < rest.len() {
+                if rest[j..].starts_with(&['/', '*']) {
+                    depth += 1;
+                    j += 2;
+                } else if rest[j..].starts_with(&['*', '/']) {
+                    depth -= 1;
+                    j += 2;
+                    if depth == 0 {
+                        break;
+                    }
+                } else {
+                    j += 1;
+                }
+            }
+            keep_lines(&rest[..j.min(rest.len())], &mut out);
+            i += j;
+        } else if let Some(hashes) = (!word_before).then(|| raw_string_start(rest)).flatten() {
+            // r#"..."#: ends at the quote followed by as many hashes.
+            let open = rest.iter().position(|&c| c == '"').unwrap_or(0) + 1;
+            let mut j = open;
+            while j < rest.len() && !(rest[j] == '"' && rest[j + 1..].iter().take(hashes).filter(|&&c| c == '#').count() == hashes) {
+                j += 1;
+            }
+            let end = (j + 1 + hashes).min(rest.len());
+            out.push_str("\"\"");
+            keep_lines(&rest[..end], &mut out);
+            i += end;
+        } else if b[i] == '"' {
+            let mut j = 1;
+            while j < rest.len() && rest[j] != '"' {
+                j += if rest[j] == '\\' { 2 } else { 1 };
+            }
+            out.push_str("\"\"");
+            keep_lines(&rest[..j.min(rest.len())], &mut out);
+            i += j + 1;
+        } else if b[i] == '\'' && rest.get(1) == Some(&'\\') {
+            let j = rest[2..].iter().position(|&c| c == '\'').map_or(rest.len(), |p| p + 3);
+            out.push_str("' '");
+            i += j;
+        } else if b[i] == '\'' && rest.get(2) == Some(&'\'') {
+            out.push_str("' '");
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    out
+}
+
+/// The number of `#`s of a raw string literal that starts `s` (`r"`,
+/// `r#"`, `br"`...).
+fn raw_string_start(s: &[char]) -> Option<usize> {
+    let s = if s.first() == Some(&'b') { &s[1..] } else { s };
+    if s.first() != Some(&'r') {
+        return None;
+    }
+    let hashes = s[1..].iter().take_while(|&&c| c == '#').count();
+    (s.get(1 + hashes) == Some(&'"')).then_some(hashes)
+}
+
+/// Each function with a body in `text`: its name, first line and length in
+/// lines (from `fn` to its closing brace).
+fn function_lengths(text: &str) -> Vec<(String, usize, usize)> {
+    let code: Vec<char> = code_only(text).chars().collect();
+    let line_at = |k: usize| code[..k].iter().filter(|&&c| c == '\n').count() + 1;
+    let mut found = Vec::new();
+    for k in 0..code.len().saturating_sub(3) {
+        let starts_word = k == 0 || !(code[k - 1].is_alphanumeric() || code[k - 1] == '_');
+        if !(starts_word && code[k..].starts_with(&['f', 'n']) && code[k + 2].is_whitespace()) {
+            continue;
+        }
+        let name: String =
+            code[k + 2..].iter().skip_while(|c| c.is_whitespace()).take_while(|c| c.is_alphanumeric() || **c == '_').collect();
+        // The body starts at the first `{` after the signature; a `;` first
+        // is a declaration without one.
+        let Some(open) = code[k..].iter().position(|&c| c == '{' || c == ';').map(|p| k + p).filter(|&p| code[p] == '{') else {
+            continue;
+        };
+        let mut depth = 0usize;
+        let close = (open..code.len()).find(|&j| {
+            match code[j] {
+                '{' => depth += 1,
+                '}' => depth -= 1,
+                _ => {}
+            }
+            depth == 0
+        });
+        if let (false, Some(close)) = (name.is_empty(), close) {
+            found.push((name, line_at(k), line_at(close) - line_at(k) + 1));
+        }
+    }
+    found
+}
+
+/// Small functions: none over 150 lines, tests included. The SIMT
+/// interpreter's per-dialect op dispatch (`tests/simt/*::*_op`) may stay
+/// one long match, as the structure issue allowed.
+#[test]
+fn no_function_is_longer_than_150_lines() {
+    let mut long = Vec::new();
+    let files: Vec<PathBuf> = crates().iter().flat_map(|d| rust_files(&root().join(d))).collect();
+    for f in &files {
+        let text = std::fs::read_to_string(f).unwrap();
+        let interpreter = f.starts_with(root().join("tests/simt"));
+        for (name, line, len) in function_lengths(&text) {
+            if len > 150 && !(interpreter && name.ends_with("_op")) {
+                long.push(format!("{}:{line}: fn {name} has {len} lines", f.strip_prefix(root()).unwrap().display()));
+            }
+        }
+    }
+    assert!(long.is_empty(), "split these functions:\n{}", long.join("\n"));
+}
+
+#[test]
+fn the_function_length_check_can_fail() {
+    let text = "fn short() {\n    let s = \"}\";\n}\n\
+                // fn commented() {\n\
+                fn long<'a>(x: &'a str) -> char {\n    let c = '{';\n    let r = r#\"}\"#;\n    /* } */\n    c\n}\n\
+                trait T { fn declared(&self); }\n";
+    let lens = function_lengths(text);
+    assert_eq!(lens, vec![("short".to_string(), 1, 3), ("long".to_string(), 5, 6)], "{lens:?}");
+}

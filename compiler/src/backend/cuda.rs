@@ -22,22 +22,6 @@ pub struct CudaArtifacts {
 /// where the toolkit is: the built-in pipeline only finds libdevice through
 /// the process environment, which worker threads must not change. A unit
 /// test checks this is exactly the built-in expansion but for `toolkit`.
-const NVVM_PIPELINE: &str = "builtin.module(convert-nvgpu-to-nvvm,gpu-kernel-outlining{data-layout-str=},\
-convert-vector-to-scf{full-unroll=false lower-scalable=false lower-tensors=false target-rank=1},\
-convert-scf-to-cf{allow-pattern-rollback=true},convert-nvvm-to-llvm,\
-convert-func-to-llvm{index-bitwidth=0 use-bare-ptr-memref-call-conv=false},expand-strided-metadata,\
-nvvm-attach-target{O=3 chip=ARCH fast=false features=+ptx80 ftz=false  module= ptxas-cmd-options= triple=nvptx64-nvidia-cuda},\
-lower-affine,convert-arith-to-llvm{index-bitwidth=0},convert-index-to-llvm{index-bitwidth=64},\
-canonicalize{  max-iterations=10 max-num-rewrites=-1 region-simplify=normal test-convergence=false top-down=true},cse,\
-gpu.module(convert-gpu-to-nvvm{allow-pattern-rollback=true  has-redux=false index-bitwidth=64 use-bare-ptr-memref-call-conv=false}),\
-gpu.module(canonicalize{  max-iterations=10 max-num-rewrites=-1 region-simplify=normal test-convergence=false top-down=true}),\
-gpu.module(cse),gpu.module(reconcile-unrealized-casts),\
-gpu-to-llvm{intersperse-sizes-for-kernels=false use-bare-pointers-for-host=false use-bare-pointers-for-kernels=false},\
-gpu-module-to-binary{format=isa  opts= section= toolkit=TOOLKIT},convert-math-to-llvm{approximate-log1p=true},\
-canonicalize{  max-iterations=10 max-num-rewrites=-1 region-simplify=normal test-convergence=false top-down=true},cse,\
-reconcile-unrealized-casts)";
-
-/// The pass pipeline for `arch` with libdevice from the toolkit at `toolkit`.
 pub fn pipeline(arch: &str, toolkit: &Path) -> Result<String, BackendError> {
     let root = super::gpu_stage::option_path(toolkit).ok_or_else(|| {
         BackendError::Toolkit(format!(
@@ -46,7 +30,16 @@ pub fn pipeline(arch: &str, toolkit: &Path) -> Result<String, BackendError> {
             toolkit.display()
         ))
     })?;
-    Ok(NVVM_PIPELINE.replace("chip=ARCH", &format!("chip={arch}")).replace("toolkit=TOOLKIT", &format!("toolkit={root}")))
+    Ok(super::gpu_stage::pipeline(&super::gpu_stage::PipelineParts {
+        before: "convert-nvgpu-to-nvvm,",
+        after_cf: "convert-nvvm-to-llvm,",
+        attach: &format!(
+            "nvvm-attach-target{{O=3 chip={arch} fast=false features=+ptx80 ftz=false  module= ptxas-cmd-options= triple=nvptx64-nvidia-cuda}}"
+        ),
+        to_device: "convert-gpu-to-nvvm{allow-pattern-rollback=true  has-redux=false index-bitwidth=64 use-bare-ptr-memref-call-conv=false}",
+        format: "isa",
+        toolkit: root,
+    }))
 }
 
 /// Where libdevice (and ptxas) come from: `$CUDA_ROOT`, else `/usr/local/cuda`.

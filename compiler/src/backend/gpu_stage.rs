@@ -69,6 +69,45 @@ pub(crate) fn embedded_object(lowered: &str, key: &str) -> Option<Vec<u8>> {
     None
 }
 
+/// What differs between the GPU back ends' pass pipelines. The rest is the
+/// shape of MLIR's `gpu-lower-to-nvvm-pipeline`: outline the kernels, lower
+/// the host side to the LLVM dialect, convert the kernels inside each
+/// `gpu.module`, serialize them into a `gpu.binary`, and clean up.
+pub(crate) struct PipelineParts<'a> {
+    /// Passes before kernel outlining, each followed by a comma.
+    pub before: &'a str,
+    /// Passes right after `convert-scf-to-cf`, each followed by a comma.
+    pub after_cf: &'a str,
+    /// The `*-attach-target` pass with its options.
+    pub attach: &'a str,
+    /// The kernels' conversion, run inside each `gpu.module`.
+    pub to_device: &'a str,
+    /// `gpu-module-to-binary`'s `format` (`isa`: PTX; `bin`: the device's object).
+    pub format: &'a str,
+    /// The toolkit folder, as `option_path` gives it.
+    pub toolkit: &'a str,
+}
+
+/// The whole pass pipeline, as text `parse_pass_pipeline` takes.
+pub(crate) fn pipeline(p: &PipelineParts) -> String {
+    const CANONICALIZE: &str =
+        "canonicalize{  max-iterations=10 max-num-rewrites=-1 region-simplify=normal test-convergence=false top-down=true}";
+    let PipelineParts { before, after_cf, attach, to_device, format, toolkit } = p;
+    format!(
+        "builtin.module({before}gpu-kernel-outlining{{data-layout-str=}},\
+         convert-vector-to-scf{{full-unroll=false lower-scalable=false lower-tensors=false target-rank=1}},\
+         convert-scf-to-cf{{allow-pattern-rollback=true}},{after_cf}\
+         convert-func-to-llvm{{index-bitwidth=0 use-bare-ptr-memref-call-conv=false}},expand-strided-metadata,\
+         {attach},\
+         lower-affine,convert-arith-to-llvm{{index-bitwidth=0}},convert-index-to-llvm{{index-bitwidth=64}},\
+         {CANONICALIZE},cse,\
+         gpu.module({to_device}),gpu.module({CANONICALIZE}),gpu.module(cse),gpu.module(reconcile-unrealized-casts),\
+         gpu-to-llvm{{intersperse-sizes-for-kernels=false use-bare-pointers-for-host=false use-bare-pointers-for-kernels=false}},\
+         gpu-module-to-binary{{format={format}  opts= section= toolkit={toolkit}}},convert-math-to-llvm{{approximate-log1p=true}},\
+         {CANONICALIZE},cse,reconcile-unrealized-casts)"
+    )
+}
+
 /// `p` as text MLIR takes inside a pass option (`toolkit=...`): UTF-8,
 /// not empty, without white space or the characters that end an option.
 pub(crate) fn option_path(p: &Path) -> Option<&str> {

@@ -22,31 +22,15 @@ pub struct RocmArtifacts {
     pub lowered: String,
 }
 
-/// The pass pipeline: the shape of MLIR's NVVM pipeline (see `cuda.rs`)
-/// with ROCDL in NVVM's place. There is no built-in ROCDL pipeline.
+/// The pass pipeline for `chip`, linking with the `ld.lld` under `toolkit`:
+/// the shape of MLIR's NVVM pipeline (see `cuda.rs`) with ROCDL in NVVM's
+/// place. There is no built-in ROCDL pipeline.
 ///
 /// The target's math flags keep IEEE semantics (no fast or finite-only math,
 /// correctly rounded sqrt, denormals kept), as on the host and CUDA.
 /// `abi=500` asks for code object v5 (LLVM 22 defaults to v6, which the
 /// ROCm 6 runtimes users have cannot load). `gpu-module-to-binary` runs
 /// `TOOLKIT/llvm/bin/ld.lld`; `toolkit` names a folder laid out so.
-const ROCDL_PIPELINE: &str = "builtin.module(gpu-kernel-outlining{data-layout-str=},\
-convert-vector-to-scf{full-unroll=false lower-scalable=false lower-tensors=false target-rank=1},\
-convert-scf-to-cf{allow-pattern-rollback=true},\
-convert-func-to-llvm{index-bitwidth=0 use-bare-ptr-memref-call-conv=false},expand-strided-metadata,\
-rocdl-attach-target{O=3 abi=500 chip=CHIP correct-sqrt=true daz=false fast=false features= finite-only=false module= \
-triple=amdgcn-amd-amdhsa wave64=true},\
-lower-affine,convert-arith-to-llvm{index-bitwidth=0},convert-index-to-llvm{index-bitwidth=64},\
-canonicalize{  max-iterations=10 max-num-rewrites=-1 region-simplify=normal test-convergence=false top-down=true},cse,\
-gpu.module(convert-gpu-to-rocdl{chipset=CHIP index-bitwidth=64 runtime=HIP use-bare-ptr-memref-call-conv=false}),\
-gpu.module(canonicalize{  max-iterations=10 max-num-rewrites=-1 region-simplify=normal test-convergence=false top-down=true}),\
-gpu.module(cse),gpu.module(reconcile-unrealized-casts),\
-gpu-to-llvm{intersperse-sizes-for-kernels=false use-bare-pointers-for-host=false use-bare-pointers-for-kernels=false},\
-gpu-module-to-binary{format=bin  opts= section= toolkit=TOOLKIT},convert-math-to-llvm{approximate-log1p=true},\
-canonicalize{  max-iterations=10 max-num-rewrites=-1 region-simplify=normal test-convergence=false top-down=true},cse,\
-reconcile-unrealized-casts)";
-
-/// The pass pipeline for `chip`, linking with the `ld.lld` under `toolkit`.
 pub fn pipeline(chip: &str, toolkit: &Path) -> Result<String, BackendError> {
     let root = super::gpu_stage::option_path(toolkit).ok_or_else(|| {
         BackendError::Toolkit(format!(
@@ -54,10 +38,17 @@ pub fn pipeline(chip: &str, toolkit: &Path) -> Result<String, BackendError> {
             toolkit.display()
         ))
     })?;
-    Ok(ROCDL_PIPELINE
-        .replace("chip=CHIP", &format!("chip={chip}"))
-        .replace("chipset=CHIP", &format!("chipset={chip}"))
-        .replace("toolkit=TOOLKIT", &format!("toolkit={root}")))
+    Ok(super::gpu_stage::pipeline(&super::gpu_stage::PipelineParts {
+        before: "",
+        after_cf: "",
+        attach: &format!(
+            "rocdl-attach-target{{O=3 abi=500 chip={chip} correct-sqrt=true daz=false fast=false features= finite-only=false module= \
+             triple=amdgcn-amd-amdhsa wave64=true}}"
+        ),
+        to_device: &format!("convert-gpu-to-rocdl{{chipset={chip} index-bitwidth=64 runtime=HIP use-bare-ptr-memref-call-conv=false}}"),
+        format: "bin",
+        toolkit: root,
+    }))
 }
 
 /// LLVM's `ld.lld`, which links the code object: `$M3C_LLD`, else

@@ -7,7 +7,7 @@
 //! `y[i+3d/2] = x[i+3d/2]·cos a_i + x[i]·sin a_i`; the rest pass through.
 //! `y` may be `x`: each pair is read before it is written.
 
-use crate::emit::{f32_lit, load_f32, store_f32};
+use crate::emit::{f32_lit, load_f32, store_f32, ROTATE};
 use crate::gpu::{GpuCall, GpuFunc, GpuTarget};
 use crate::host::{index_consts, BASICS};
 use crate::ops::head_norm_rope::{rope_table, rope_table_name};
@@ -36,8 +36,7 @@ impl AxialRope {
         format!(
             "%ang = arith.mulf %pf, %f : f32\n%cs = math.cos %ang : f32\n%sn = math.sin %ang : f32\n\
              %o1 = arith.addi %base, %j : index\n%j2 = arith.addi %j, %chalf : index\n%o2 = arith.addi %base, %j2 : index\n\
-             {}{}%ac = arith.mulf %a, %cs : f32\n%bs = arith.mulf %b, %sn : f32\n%y1 = arith.subf %ac, %bs : f32\n\
-             %bc = arith.mulf %b, %cs : f32\n%as = arith.mulf %a, %sn : f32\n%y2 = arith.addf %bc, %as : f32\n{}{}",
+             {}{}{ROTATE}{}{}",
             load_f32("%a", "%x", &x, "%r", "%o1", self.act),
             load_f32("%b", "%x", &x, "%r", "%o2", self.act),
             st("%y1", "%o1"),

@@ -1,7 +1,7 @@
 //! Per-head Gemma RMSNorm fused with partial NeoX RoPE (QK-norm + RoPE,
 //! also the MSA indexer's).
 
-use crate::emit::{f32_lit, gemma_norm_span, load_f32, store_f32};
+use crate::emit::{f32_lit, gemma_norm_span, load_f32, store_f32, ROTATE};
 use crate::gpu::{func_shared, GpuCall, GpuFunc, GpuTarget};
 use crate::host::{index_consts, BASICS};
 use crate::unit::{param, params_text, KernelUnit, Launch, Param};
@@ -79,8 +79,7 @@ impl KernelUnit for HeadNormRope {
                      \x20 %j2 = arith.addi %t, %chalf : index\n\
                      \x20 %a = memref.load %sh[%t] : memref<{d}xf32, #gpu.address_space<workgroup>>\n\
                      \x20 %b = memref.load %sh[%j2] : memref<{d}xf32, #gpu.address_space<workgroup>>\n\
-                     \x20 %ac = arith.mulf %a, %cs : f32\n  %bs = arith.mulf %b, %sn : f32\n  %y1 = arith.subf %ac, %bs : f32\n\
-                     \x20 %bc = arith.mulf %b, %cs : f32\n  %as = arith.mulf %a, %sn : f32\n  %y2 = arith.addf %bc, %as : f32\n\
+                     {rotate}\
                      \x20 %o2 = arith.addi %base, %j2 : index\n\
                      {st12}\
                      }}\n\
@@ -88,6 +87,7 @@ impl KernelUnit for HeadNormRope {
                      scf.if %pass {{\n{stp}}}\n",
                     xl = load_f32("%v", "%x", &t, "%r", "%col", *act),
                     st12 = indent(&format!("{}{}", st("%y1", "%col"), st("%y2", "%o2")), 2),
+                    rotate = indent(ROTATE, 2),
                     stp = indent(&st("%nv", "%col"), 2),
                     nf = f32_lit(d as f64),
                     epsf = f32_lit(*eps),
@@ -140,12 +140,7 @@ fn host(heads: usize, head_dim: usize, rotary_dim: usize, theta: f64, eps: f64, 
          \x20     %j2 = arith.addi %j, %chalf : index\n\
          \x20     %a = memref.load %tmp[%j] : memref<{head_dim}xf32>\n\
          \x20     %b = memref.load %tmp[%j2] : memref<{head_dim}xf32>\n\
-         \x20     %ac = arith.mulf %a, %cs : f32\n\
-         \x20     %bs = arith.mulf %b, %sn : f32\n\
-         \x20     %y1 = arith.subf %ac, %bs : f32\n\
-         \x20     %bc = arith.mulf %b, %cs : f32\n\
-         \x20     %as = arith.mulf %a, %sn : f32\n\
-         \x20     %y2 = arith.addf %bc, %as : f32\n\
+         {rotate}\
          \x20     %o1 = arith.addi %base, %j : index\n\
          \x20     %o2 = arith.addi %base, %j2 : index\n\
          {st12}\
@@ -170,6 +165,7 @@ fn host(heads: usize, head_dim: usize, rotary_dim: usize, theta: f64, eps: f64, 
             6
         ),
         stv = indent(&crate::emit::store_f32("%v", "%y", &x, "%r", "%c", act), 6),
+        rotate = indent(ROTATE, 6),
         span = indent(
             &gemma_norm_span(&x, act, "%base", "%cd", &wt, weight, &format!("memref.store %o, %tmp[%i] : memref<{head_dim}xf32>")),
             4

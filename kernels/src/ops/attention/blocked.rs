@@ -21,217 +21,49 @@ const ROWS: usize = 8;
 /// Keys per P·V block: V tiles of 64 × head width f32 (20 KB at width 80).
 const KEYS: usize = 64;
 
+/// The position of block row `%ii` (`%r0i`) and how many keys it sees (`%nk`).
+const ROW: &str = "%r0i = arith.addi %r0, %ii : index\n\
+                   %p64 = memref.load %pos[%r0i] : memref<?xi64>\n\
+                   %p = arith.index_cast %p64 : i64 to index\n\
+                   %nk = arith.addi %p, %c1 : index\n";
+/// The block's scores: `[rows of the block, keys rounded up to 8]`.
+const SCT: &str = "memref<?x?xf32>";
+
+/// The memref types, and where each row's f32 sums accumulate: in `o`'s
+/// own row for f32 outputs, in the block's `%oacc` for bf16 ones (rounded
+/// once at the end).
+struct Layout {
+    qt: String,
+    kt: String,
+    acct: String,
+    acc: &'static str,
+    acc_row: &'static str,
+    acc_ty: String,
+}
+
+impl Layout {
+    fn of(k: &super::Attention) -> Layout {
+        let super::Attention { heads, kv_heads, head_dim: d, act, cache, .. } = *k;
+        let qt = format!("memref<?x{}x{}>", heads * d, act.mlir_elem());
+        let kt = format!("memref<?x{}x{}>", kv_heads * d, cache.mlir_elem());
+        let acct = format!("memref<?x{d}xf32>");
+        let ((acc, acc_row), acc_ty) = match act {
+            Storage::F32 => (("%o", "%r0i"), qt.clone()),
+            Storage::Bf16 => (("%oacc", "%ii"), acct.clone()),
+        };
+        Layout { qt, kt, acct, acc, acc_row, acc_ty }
+    }
+}
+
 /// The kernel body. `q`, `o`: `[S, heads·d]` stored as `act`; `k`, `v`:
 /// `[T, kv_heads·d]` stored as `cache`; row `r` sees keys `0..=pos[r]`.
 pub(super) fn host(k: &super::Attention) -> String {
-    let super::Attention { heads, kv_heads, head_dim: d, scale, paged, cache, act, .. } = *k;
+    let super::Attention { heads, kv_heads, head_dim: d, scale, paged, .. } = *k;
     debug_assert!(d.is_multiple_of(8));
-    let group = heads / kv_heads;
-    let qt = format!("memref<?x{}x{}>", heads * d, act.mlir_elem());
-    let kt = format!("memref<?x{}x{}>", kv_heads * d, cache.mlir_elem());
-    let sct = "memref<?x?xf32>";
-    let acct = format!("memref<?x{d}xf32>");
-    let row = "%r0i = arith.addi %r0, %ii : index\n\
-               %p64 = memref.load %pos[%r0i] : memref<?xi64>\n\
-               %p = arith.index_cast %p64 : i64 to index\n\
-               %nk = arith.addi %p, %c1 : index\n";
-    // Phase 1: scores. Per key batch, per row of the block that sees it.
-    let mut score = batch_keys(paged);
-    score.push_str(&dots8("%qk", ("%q", &qt, act, "%r0i", "%qb"), ("%k", &kt, cache, "%kb"), key_rows(paged), "%cd"));
-    score.push_str(&transposed_tree("%dv", &(0..8).map(|j| format!("%qk#{j}")).collect::<Vec<_>>()));
-    let vals = (0..8).map(|j| format!("%in{j}")).collect::<Vec<_>>().join(", ");
-    score.push_str(&format!(
-        "%sv0 = arith.mulf %dv, %scale8 : {V}\n\
-         %mask = vector.from_elements {vals} : vector<8xi1>\n\
-         %sv = arith.select %mask, %sv0, %ninf8 : vector<8xi1>, {V}\n\
-         vector.store %sv, %sc[%ii, %t0] : {sct}, {V}\n"
-    ));
-    let phase1 = format!(
-        "scf.for %t0 = %c0 to %nk8max step %c8 {{\n\
-         \x20 scf.for %ii = %c0 to %nr step %c1 {{\n\
-         {row}\
-         \x20   %live = arith.cmpi ult, %t0, %nk : index\n\
-         \x20   scf.if %live {{\n\
-         \x20     %nkm1 = arith.subi %nk, %c1 : index\n\
-         {score}\
-         \x20   }}\n\
-         \x20 }}\n\
-         }}\n",
-        row = indent(row, 4),
-        score = indent(&score, 6),
-    );
-    // Phase 2: per row, the max, the weights and 1 / their sum; the row's
-    // accumulator zeroed.
-    let (acc, acc_row) = match act {
-        Storage::F32 => ("%o", "%r0i"),
-        Storage::Bf16 => ("%oacc", "%ii"),
-    };
-    let acc_ty = if act == Storage::F32 { qt.clone() } else { acct.clone() };
-    let mut zero = String::new();
-    for c in (0..d).step_by(8) {
-        zero.push_str(&format!(
-            "%zc{c} = arith.constant {c} : index\n\
-             %zq{c} = arith.addi %qb, %zc{c} : index\n\
-             vector.store %z8, {acc}[{acc_row}, {}] : {acc_ty}, {V}\n",
-            if act == Storage::F32 { format!("%zq{c}") } else { format!("%zc{c}") }
-        ));
-    }
-    let phase2 = format!(
-        "scf.for %ii = %c0 to %nr step %c1 {{\n\
-         {row}\
-         \x20 %nk7 = arith.addi %nk, %c7 : index\n\
-         \x20 %nkb = arith.divui %nk7, %c8 : index\n\
-         \x20 %nk8 = arith.muli %nkb, %c8 : index\n\
-         \x20 %mxv = scf.for %t0 = %c0 to %nk8 step %c8 iter_args(%mv = %ninf8) -> ({V}) {{\n\
-         \x20   %sl = vector.load %sc[%ii, %t0] : {sct}, {V}\n\
-         \x20   %mv2 = arith.maximumf %mv, %sl : {V}\n\
-         \x20   scf.yield %mv2 : {V}\n\
-         \x20 }}\n\
-         \x20 %mx = vector.reduction <maximumf>, %mxv : {V} into f32\n\
-         \x20 %mx8 = vector.broadcast %mx : f32 to {V}\n\
-         \x20 %sumv = scf.for %t0 = %c0 to %nk8 step %c8 iter_args(%sa = %z8) -> ({V}) {{\n\
-         \x20   %sl = vector.load %sc[%ii, %t0] : {sct}, {V}\n\
-         \x20   %sh = arith.subf %sl, %mx8 : {V}\n\
-         {exp}\
-         \x20   vector.store %e, %sc[%ii, %t0] : {sct}, {V}\n\
-         \x20   %sa2 = arith.addf %sa, %e : {V}\n\
-         \x20   scf.yield %sa2 : {V}\n\
-         \x20 }}\n\
-         {sum}\
-         \x20 %invr = arith.divf %one, %sum : f32\n\
-         \x20 memref.store %invr, %inv[%ii] : memref<?xf32>\n\
-         {zero}\
-         }}\n",
-        row = indent(row, 2),
-        exp = indent(&exp8("%e", "%sh"), 4),
-        sum = indent(&hsum("%sum", "%sumv"), 2),
-        zero = indent(&zero, 2),
-    );
-    // Phase 3: P·V per key block, per row, per chunk of up to 64 columns,
-    // the chunk's sums in registers across the block's keys.
-    let mut chunks = String::new();
-    let (vrow, vt) = key_row(paged, "%t", "%tp");
-    for (ch, c0) in (0..d).step_by(64).enumerate() {
-        let nv = ((d - c0) / 8).min(8);
-        let tys = vec![V; nv].join(", ");
-        let mut load = String::new();
-        let mut body = String::new();
-        let mut store = String::new();
-        for i in 0..nv {
-            let col = c0 + 8 * i;
-            // The accumulator's column: in `o`'s row, past the head's start.
-            let c = if act == Storage::F32 { format!("%aq{ch}_{i}") } else { format!("%ac{ch}_{i}") };
-            load.push_str(&format!(
-                "%ac{ch}_{i} = arith.constant {col} : index\n\
-                 %aq{ch}_{i} = arith.addi %qb, %ac{ch}_{i} : index\n\
-                 %o{ch}_{i} = vector.load {acc}[{acc_row}, {c}] : {acc_ty}, {V}\n"
-            ));
-            body.push_str(&format!("%vc{i} = arith.addi %kb, %ac{ch}_{i} : index\n"));
-            body.push_str(&load_f32xn(8, &format!("%vv{i}"), "%v", &kt, &vt, &format!("%vc{i}"), cache));
-            body.push_str(&format!(
-                "%pvv{i} = arith.mulf %pwv, %vv{i} fastmath<contract> : {V}\n\
-                 %a{i}n = arith.addf %a{i}, %pvv{i} fastmath<contract> : {V}\n"
-            ));
-            store.push_str(&format!("vector.store %pacc{ch}#{i}, {acc}[{acc_row}, {c}] : {acc_ty}, {V}\n"));
-        }
-        let inits = (0..nv).map(|i| format!("%a{i} = %o{ch}_{i}")).collect::<Vec<_>>().join(", ");
-        let next = (0..nv).map(|i| format!("%a{i}n")).collect::<Vec<_>>().join(", ");
-        chunks.push_str(&format!(
-            "{load}\
-             %pacc{ch}:{nv} = scf.for %t = %tb to %te step %c1 iter_args({inits}) -> ({tys}) {{\n\
-             \x20 %e = memref.load %sc[%ii, %t] : {sct}\n\
-             \x20 %pw = arith.mulf %e, %invr : f32\n\
-             \x20 %pwv = vector.broadcast %pw : f32 to {V}\n\
-             {vrow}\
-             {body}\
-             \x20 scf.yield {next} : {tys}\n\
-             }}\n\
-             {store}",
-            body = indent(&body, 2),
-            vrow = indent(&vrow, 2),
-        ));
-    }
-    let phase3 = format!(
-        "scf.for %tb = %c0 to %nkmax step %cKB {{\n\
-         \x20 scf.for %ii = %c0 to %nr step %c1 {{\n\
-         {row}\
-         \x20   %tbe = arith.addi %tb, %cKB : index\n\
-         \x20   %te = arith.minui %tbe, %nk : index\n\
-         \x20   %live = arith.cmpi ult, %tb, %te : index\n\
-         \x20   scf.if %live {{\n\
-         \x20     %invr = memref.load %inv[%ii] : memref<?xf32>\n\
-         {chunks}\
-         \x20   }}\n\
-         \x20 }}\n\
-         }}\n",
-        row = indent(row, 4),
-        chunks = indent(&chunks, 6),
-    );
-    // bf16 outputs: each row's f32 sums rounded once into `o`.
-    let out = match act {
-        Storage::F32 => String::new(),
-        Storage::Bf16 => format!(
-            "scf.for %ii = %c0 to %nr step %c1 {{\n\
-             \x20 %r0i = arith.addi %r0, %ii : index\n\
-             \x20 scf.for %c = %c0 to %cd step %c1 {{\n\
-             \x20   %oc = arith.addi %qb, %c : index\n\
-             \x20   %ov = memref.load %oacc[%ii, %c] : {acct}\n\
-             {}\
-             \x20 }}\n\
-             }}\n",
-            indent(&store_f32("%ov", "%o", &qt, "%r0i", "%oc", act), 4)
-        ),
-    };
-    let (acc_alloc, acc_free) = match act {
-        Storage::F32 => (String::new(), String::new()),
-        Storage::Bf16 => (format!("%oacc = memref.alloc(%nr) : {acct}\n"), format!("memref.dealloc %oacc : {acct}\n")),
-    };
+    let l = Layout::of(k);
     let ck: String = (0..8).map(|j| format!("%ck{j} = arith.constant {j} : index\n")).collect();
-    // One block of rows × one KV group per iteration. Blocks in zig-zag
-    // order (0, B-1, 1, B-2, ...), as rows are in the row-by-row kernel.
-    let iteration = format!(
-        "%bi2 = arith.divui %bi, %c2 : index\n\
-         %bpar = arith.remui %bi, %c2 : index\n\
-         %bodd = arith.cmpi ne, %bpar, %c0 : index\n\
-         %blast = arith.subi %nblk, %c1 : index\n\
-         %brev = arith.subi %blast, %bi2 : index\n\
-         %blk = arith.select %bodd, %brev, %bi2 : index\n\
-         %r0 = arith.muli %blk, %cR : index\n\
-         %r1a = arith.addi %r0, %cR : index\n\
-         %r1 = arith.minui %r1a, %rows : index\n\
-         %nr = arith.subi %r1, %r0 : index\n\
-         %nkmax = scf.for %ii = %c0 to %nr step %c1 iter_args(%m = %c0) -> (index) {{\n\
-         {row}\
-         \x20 %m2 = arith.maxui %m, %nk : index\n\
-         \x20 scf.yield %m2 : index\n\
-         }}\n\
-         %nkm7 = arith.addi %nkmax, %c7 : index\n\
-         %nkmb = arith.divui %nkm7, %c8 : index\n\
-         %nk8max = arith.muli %nkmb, %c8 : index\n\
-         %sc = memref.alloc(%nr, %nk8max) : {sct}\n\
-         %inv = memref.alloc(%nr) : memref<?xf32>\n\
-         {acc_alloc}\
-         %kb = arith.muli %g, %cd : index\n\
-         scf.for %hh = %c0 to %cg step %c1 {{\n\
-         \x20 %gi = arith.muli %g, %cg : index\n\
-         \x20 %hi = arith.addi %gi, %hh : index\n\
-         \x20 %qb = arith.muli %hi, %cd : index\n\
-         {phase1}\
-         {phase2}\
-         {phase3}\
-         {out}\
-         }}\n\
-         memref.dealloc %sc : {sct}\n\
-         memref.dealloc %inv : memref<?xf32>\n\
-         {acc_free}",
-        row = indent(row, 2),
-        phase1 = indent(&phase1, 2),
-        phase2 = indent(&phase2, 2),
-        phase3 = indent(&phase3, 2),
-        out = indent(&out, 2),
-    );
     let idx0 = index_consts(&[
-        ("cg", group),
+        ("cg", heads / kv_heads),
         ("ckv", kv_heads),
         ("cd", d),
         ("c2", 2),
@@ -258,7 +90,217 @@ pub(super) fn host(k: &super::Attention) -> String {
          return\n",
         scale = f32_lit(scale),
         pconst = super::page_const(paged),
-        rows = super::rows_and_work(&qt, heads * d * 2),
-        iters = parallel_or_serial("%work", &["%bi", "%g"], &["%c0", "%c0"], &["%nblk", "%ckv"], &["%c1", "%c1"], &iteration),
+        rows = super::rows_and_work(&l.qt, heads * d * 2),
+        iters = parallel_or_serial("%work", &["%bi", "%g"], &["%c0", "%c0"], &["%nblk", "%ckv"], &["%c1", "%c1"], &block(k, &l)),
     )
+}
+
+/// One block of rows × one KV group. Blocks go in zig-zag order (0, B-1,
+/// 1, B-2, ...), as rows do in the row-by-row kernel.
+fn block(k: &super::Attention, l: &Layout) -> String {
+    let (acc_alloc, acc_free) = match k.act {
+        Storage::F32 => (String::new(), String::new()),
+        Storage::Bf16 => (format!("%oacc = memref.alloc(%nr) : {}\n", l.acct), format!("memref.dealloc %oacc : {}\n", l.acct)),
+    };
+    format!(
+        "%bi2 = arith.divui %bi, %c2 : index\n\
+         %bpar = arith.remui %bi, %c2 : index\n\
+         %bodd = arith.cmpi ne, %bpar, %c0 : index\n\
+         %blast = arith.subi %nblk, %c1 : index\n\
+         %brev = arith.subi %blast, %bi2 : index\n\
+         %blk = arith.select %bodd, %brev, %bi2 : index\n\
+         %r0 = arith.muli %blk, %cR : index\n\
+         %r1a = arith.addi %r0, %cR : index\n\
+         %r1 = arith.minui %r1a, %rows : index\n\
+         %nr = arith.subi %r1, %r0 : index\n\
+         %nkmax = scf.for %ii = %c0 to %nr step %c1 iter_args(%m = %c0) -> (index) {{\n\
+         {row}\
+         \x20 %m2 = arith.maxui %m, %nk : index\n\
+         \x20 scf.yield %m2 : index\n\
+         }}\n\
+         %nkm7 = arith.addi %nkmax, %c7 : index\n\
+         %nkmb = arith.divui %nkm7, %c8 : index\n\
+         %nk8max = arith.muli %nkmb, %c8 : index\n\
+         %sc = memref.alloc(%nr, %nk8max) : {SCT}\n\
+         %inv = memref.alloc(%nr) : memref<?xf32>\n\
+         {acc_alloc}\
+         %kb = arith.muli %g, %cd : index\n\
+         scf.for %hh = %c0 to %cg step %c1 {{\n\
+         \x20 %gi = arith.muli %g, %cg : index\n\
+         \x20 %hi = arith.addi %gi, %hh : index\n\
+         \x20 %qb = arith.muli %hi, %cd : index\n\
+         {phase1}\
+         {phase2}\
+         {phase3}\
+         {out}\
+         }}\n\
+         memref.dealloc %sc : {SCT}\n\
+         memref.dealloc %inv : memref<?xf32>\n\
+         {acc_free}",
+        row = indent(ROW, 2),
+        phase1 = indent(&scores_phase(k, l), 2),
+        phase2 = indent(&weights_phase(k, l), 2),
+        phase3 = indent(&values_phase(k, l), 2),
+        out = indent(&bf16_out(k, l), 2),
+    )
+}
+
+/// Phase 1: scores. Per key batch, per row of the block that sees it.
+fn scores_phase(k: &super::Attention, l: &Layout) -> String {
+    let mut score = batch_keys(k.paged);
+    score.push_str(&dots8("%qk", ("%q", &l.qt, k.act, "%r0i", "%qb"), ("%k", &l.kt, k.cache, "%kb"), key_rows(k.paged), "%cd"));
+    score.push_str(&transposed_tree("%dv", &(0..8).map(|j| format!("%qk#{j}")).collect::<Vec<_>>()));
+    let vals = (0..8).map(|j| format!("%in{j}")).collect::<Vec<_>>().join(", ");
+    score.push_str(&format!(
+        "%sv0 = arith.mulf %dv, %scale8 : {V}\n\
+         %mask = vector.from_elements {vals} : vector<8xi1>\n\
+         %sv = arith.select %mask, %sv0, %ninf8 : vector<8xi1>, {V}\n\
+         vector.store %sv, %sc[%ii, %t0] : {SCT}, {V}\n"
+    ));
+    each_live_row(
+        "scf.for %t0 = %c0 to %nk8max step %c8",
+        "%live = arith.cmpi ult, %t0, %nk : index\n",
+        &format!("%nkm1 = arith.subi %nk, %c1 : index\n{score}"),
+    )
+}
+
+/// `outer { for each row of the block { its row; live; if %live { body } } }`:
+/// the loop nest of phases 1 and 3, whose `live` statements decide whether
+/// the row sees any key of the outer loop's batch.
+fn each_live_row(outer: &str, live: &str, body: &str) -> String {
+    format!(
+        "{outer} {{\n\
+         \x20 scf.for %ii = %c0 to %nr step %c1 {{\n\
+         {row}\
+         {live}\
+         \x20   scf.if %live {{\n\
+         {body}\
+         \x20   }}\n\
+         \x20 }}\n\
+         }}\n",
+        row = indent(ROW, 4),
+        live = indent(live, 4),
+        body = indent(body, 6),
+    )
+}
+
+/// Phase 2: per row, the max, the weights and 1 / their sum; the row's
+/// accumulator zeroed.
+fn weights_phase(k: &super::Attention, l: &Layout) -> String {
+    let Layout { acc, acc_row, acc_ty, .. } = l;
+    let mut zero = String::new();
+    for c in (0..k.head_dim).step_by(8) {
+        zero.push_str(&format!(
+            "%zc{c} = arith.constant {c} : index\n\
+             %zq{c} = arith.addi %qb, %zc{c} : index\n\
+             vector.store %z8, {acc}[{acc_row}, {}] : {acc_ty}, {V}\n",
+            if k.act == Storage::F32 { format!("%zq{c}") } else { format!("%zc{c}") }
+        ));
+    }
+    format!(
+        "scf.for %ii = %c0 to %nr step %c1 {{\n\
+         {row}\
+         \x20 %nk7 = arith.addi %nk, %c7 : index\n\
+         \x20 %nkb = arith.divui %nk7, %c8 : index\n\
+         \x20 %nk8 = arith.muli %nkb, %c8 : index\n\
+         \x20 %mxv = scf.for %t0 = %c0 to %nk8 step %c8 iter_args(%mv = %ninf8) -> ({V}) {{\n\
+         \x20   %sl = vector.load %sc[%ii, %t0] : {SCT}, {V}\n\
+         \x20   %mv2 = arith.maximumf %mv, %sl : {V}\n\
+         \x20   scf.yield %mv2 : {V}\n\
+         \x20 }}\n\
+         \x20 %mx = vector.reduction <maximumf>, %mxv : {V} into f32\n\
+         \x20 %mx8 = vector.broadcast %mx : f32 to {V}\n\
+         \x20 %sumv = scf.for %t0 = %c0 to %nk8 step %c8 iter_args(%sa = %z8) -> ({V}) {{\n\
+         \x20   %sl = vector.load %sc[%ii, %t0] : {SCT}, {V}\n\
+         \x20   %sh = arith.subf %sl, %mx8 : {V}\n\
+         {exp}\
+         \x20   vector.store %e, %sc[%ii, %t0] : {SCT}, {V}\n\
+         \x20   %sa2 = arith.addf %sa, %e : {V}\n\
+         \x20   scf.yield %sa2 : {V}\n\
+         \x20 }}\n\
+         {sum}\
+         \x20 %invr = arith.divf %one, %sum : f32\n\
+         \x20 memref.store %invr, %inv[%ii] : memref<?xf32>\n\
+         {zero}\
+         }}\n",
+        row = indent(ROW, 2),
+        exp = indent(&exp8("%e", "%sh"), 4),
+        sum = indent(&hsum("%sum", "%sumv"), 2),
+        zero = indent(&zero, 2),
+    )
+}
+
+/// Phase 3: P·V per key block, per row, per chunk of up to 64 columns, the
+/// chunk's sums in registers across the block's keys.
+fn values_phase(k: &super::Attention, l: &Layout) -> String {
+    let d = k.head_dim;
+    let Layout { kt, acc, acc_row, acc_ty, .. } = l;
+    let mut chunks = String::new();
+    let (vrow, vt) = key_row(k.paged, "%t", "%tp");
+    for (ch, c0) in (0..d).step_by(64).enumerate() {
+        let nv = ((d - c0) / 8).min(8);
+        let tys = vec![V; nv].join(", ");
+        let mut load = String::new();
+        let mut body = String::new();
+        let mut store = String::new();
+        for i in 0..nv {
+            let col = c0 + 8 * i;
+            // The accumulator's column: in `o`'s row, past the head's start.
+            let c = if k.act == Storage::F32 { format!("%aq{ch}_{i}") } else { format!("%ac{ch}_{i}") };
+            load.push_str(&format!(
+                "%ac{ch}_{i} = arith.constant {col} : index\n\
+                 %aq{ch}_{i} = arith.addi %qb, %ac{ch}_{i} : index\n\
+                 %o{ch}_{i} = vector.load {acc}[{acc_row}, {c}] : {acc_ty}, {V}\n"
+            ));
+            body.push_str(&format!("%vc{i} = arith.addi %kb, %ac{ch}_{i} : index\n"));
+            body.push_str(&load_f32xn(8, &format!("%vv{i}"), "%v", kt, &vt, &format!("%vc{i}"), k.cache));
+            body.push_str(&format!(
+                "%pvv{i} = arith.mulf %pwv, %vv{i} fastmath<contract> : {V}\n\
+                 %a{i}n = arith.addf %a{i}, %pvv{i} fastmath<contract> : {V}\n"
+            ));
+            store.push_str(&format!("vector.store %pacc{ch}#{i}, {acc}[{acc_row}, {c}] : {acc_ty}, {V}\n"));
+        }
+        let inits = (0..nv).map(|i| format!("%a{i} = %o{ch}_{i}")).collect::<Vec<_>>().join(", ");
+        let next = (0..nv).map(|i| format!("%a{i}n")).collect::<Vec<_>>().join(", ");
+        chunks.push_str(&format!(
+            "{load}\
+             %pacc{ch}:{nv} = scf.for %t = %tb to %te step %c1 iter_args({inits}) -> ({tys}) {{\n\
+             \x20 %e = memref.load %sc[%ii, %t] : {SCT}\n\
+             \x20 %pw = arith.mulf %e, %invr : f32\n\
+             \x20 %pwv = vector.broadcast %pw : f32 to {V}\n\
+             {vrow}\
+             {body}\
+             \x20 scf.yield {next} : {tys}\n\
+             }}\n\
+             {store}",
+            body = indent(&body, 2),
+            vrow = indent(&vrow, 2),
+        ));
+    }
+    each_live_row(
+        "scf.for %tb = %c0 to %nkmax step %cKB",
+        "%tbe = arith.addi %tb, %cKB : index\n\
+         %te = arith.minui %tbe, %nk : index\n\
+         %live = arith.cmpi ult, %tb, %te : index\n",
+        &format!("%invr = memref.load %inv[%ii] : memref<?xf32>\n{chunks}"),
+    )
+}
+
+/// bf16 outputs: each row's f32 sums rounded once into `o`.
+fn bf16_out(k: &super::Attention, l: &Layout) -> String {
+    match k.act {
+        Storage::F32 => String::new(),
+        Storage::Bf16 => format!(
+            "scf.for %ii = %c0 to %nr step %c1 {{\n\
+             \x20 %r0i = arith.addi %r0, %ii : index\n\
+             \x20 scf.for %c = %c0 to %cd step %c1 {{\n\
+             \x20   %oc = arith.addi %qb, %c : index\n\
+             \x20   %ov = memref.load %oacc[%ii, %c] : {}\n\
+             {}\
+             \x20 }}\n\
+             }}\n",
+            l.acct,
+            indent(&store_f32("%ov", "%o", &l.qt, "%r0i", "%oc", k.act), 4)
+        ),
+    }
 }

@@ -2,7 +2,7 @@
 //! (MiniMax Sparse Attention's indexer) fused in when it is set.
 
 use crate::builder::{warp_reduce, Reduce};
-use crate::emit::{f32_lit, load_f32, load_f32xn, parallel_or_serial, store_f32};
+use crate::emit::{f32_lit, load_f32, load_f32xn, mul_add_yield, parallel_or_serial, store_f32};
 use crate::gpu::{device_buffer, func, GpuCall, GpuFunc, GpuTarget};
 use crate::host::{index_consts, BASICS};
 use crate::unit::{param, KernelUnit, Launch, Param};
@@ -341,13 +341,12 @@ fn dot(
              \x20 %yc = arith.addi {yb}, %c : index\n\
              {x8}\
              {y8}\
-             \x20 %mm = arith.mulf %x1, %x2 : vector<8xf32>\n\
-             \x20 %a2 = arith.addf %a, %mm : vector<8xf32>\n\
-             \x20 scf.yield %a2 : vector<8xf32>\n\
+             {mac}\
              }}\n\
              {dst} = vector.reduction <add>, %{d}_v fastmath<reassoc> : vector<8xf32> into f32\n",
             x8 = indent(&load_f32xn(8, "%x1", x, xt, xr, "%xc", xs), 2),
             y8 = indent(&load_f32xn(8, "%x2", y, yt, yr, "%yc", ycache), 2),
+            mac = indent(&mul_add_yield("%a", "%mm", "%x1", "%x2", "vector<8xf32>"), 2),
         )
     } else {
         format!(
@@ -356,12 +355,11 @@ fn dot(
              \x20 %yc = arith.addi {yb}, %c : index\n\
              {x1}\
              {y1}\
-             \x20 %mm = arith.mulf %x1, %x2 : f32\n\
-             \x20 %a2 = arith.addf %a, %mm : f32\n\
-             \x20 scf.yield %a2 : f32\n\
+             {mac}\
              }}\n",
             x1 = indent(&load_f32("%x1", x, xt, xr, "%xc", xs), 2),
             y1 = indent(&load_f32("%x2", y, yt, yr, "%yc", ycache), 2),
+            mac = indent(&mul_add_yield("%a", "%mm", "%x1", "%x2", "f32"), 2),
         )
     }
 }

@@ -4,7 +4,7 @@
 
 mod tiled;
 
-use crate::emit::{e8m0_to_f32, fp8_lut_global, load_f32, load_weight_f32, store_f32, E8M0_CONSTANTS};
+use crate::emit::{e8m0_to_f32, fp8_lut_global, load_f32, load_weight_f32, mul_add_yield, store_f32, E8M0_CONSTANTS};
 use crate::gpu::{warp_dots, GpuCall, GpuFunc, GpuTarget, WeightArgs, ROWS_PER_PASS, WARPS};
 use crate::host::index_consts;
 use crate::unit::{gpu_func_block, param, KernelUnit, Launch, Param};
@@ -163,18 +163,16 @@ fn host(inp: usize, out: usize, weight: WeightType, act: Storage, out_act: Stora
                  \x20   %qi = arith.extui %q : i8 to i32\n\
                  \x20   %qx = arith.index_cast %qi : i32 to index\n\
                  \x20   %wv = memref.load %lut[%qx] : memref<256xf32>\n\
-                 \x20   %m = arith.mulf %xv, %wv : f32\n\
-                 \x20   %p2 = arith.addf %p, %m : f32\n\
-                 \x20   scf.yield %p2 : f32\n\
+                 {inner}\
                  \x20 }}\n\
                  \x20 %sb = memref.load %s[%o, %b] : {st}\n\
                  {dec}\
-                 \x20 %ps = arith.mulf %part, %scale : f32\n\
-                 \x20 %a2 = arith.addf %a, %ps : f32\n\
-                 \x20 scf.yield %a2 : f32\n\
+                 {outer}\
                  }}\n",
                 xload = indent(&xload, 4),
                 dec = indent(&e8m0_to_f32("%scale", "%sb"), 2),
+                inner = indent(&mul_add_yield("%p", "%m", "%xv", "%wv", "f32"), 4),
+                outer = indent(&mul_add_yield("%a", "%ps", "%part", "%scale", "f32"), 2),
             );
             (consts, acc)
         }
@@ -183,12 +181,11 @@ fn host(inp: usize, out: usize, weight: WeightType, act: Storage, out_act: Stora
                 "%acc = scf.for %i = %c0 to %cin step %c1 iter_args(%a = %zero) -> (f32) {{\n\
                  {xload}\
                  {load}\
-                 \x20 %m = arith.mulf %xv, %wv : f32\n\
-                 \x20 %a2 = arith.addf %a, %m : f32\n\
-                 \x20 scf.yield %a2 : f32\n\
+                 {mac}\
                  }}\n",
                 xload = indent(&xload, 2),
                 load = indent(&load_weight_f32("%wv", "%w", "%o, %i", &wt, weight), 2),
+                mac = indent(&mul_add_yield("%a", "%m", "%xv", "%wv", "f32"), 2),
             );
             (index_consts(&[("cout", out), ("cin", inp)]), acc)
         }
