@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# The prepared GPU check of the CUDA back end, in two phases:
+# The prepared GPU check of a GPU back end, in two phases:
 #
-#   scripts/gpu-check.sh prepare     # on a CPU build machine (network, Rust, LLVM 22)
-#   scripts/gpu-check.sh run         # on the GPU machine (NVIDIA driver, no network), < 8 min
+#   scripts/gpu-check.sh prepare [cuda|rocm]   # on a CPU build machine (network, Rust, LLVM 22)
+#   scripts/gpu-check.sh run [cuda|rocm]       # on the GPU machine (driver, no network), < 8 min
 #
-# `prepare` builds m3c, compiles every executable the check runs for
-# --target cuda (sm_90a), and packs them with the Open MPI and libomp
-# libraries they need into gpu-bundle.tar.xz at the repository root; `run`
-# (in the repository copy on the GPU machine, the bundle beside it) unpacks
-# it and runs:
+# cuda (the default) checks an NVIDIA H200 (sm_90a); rocm checks an AMD
+# MI300X (gfx942, ROCm 6 or later there: HIP, and RCCL if installed).
+# `prepare` builds m3c, compiles every executable the check runs for the
+# target, and packs them with the Open MPI and libomp libraries they need
+# into gpu-bundle.tar.xz (rocm: gpu-bundle-rocm.tar.xz) at the repository
+# root; `run` (in the repository copy on the GPU machine, the bundle beside
+# it) unpacks it and runs:
 #   1. the tiny fixtures (bf16 and MXFP8) at pp = 1 and pp = 2 (both stages
 #      on GPU 0, host-staged transfers) against their goldens: f32 activations,
 #      so the tokens must be exact and logits within 1e-3; then two prompts in
@@ -34,12 +36,19 @@
 #   3. prefill linears on cuBLAS tensor cores (--prefill-gemm cublas; MXFP8
 #      weights decoded to bf16 per call) against m3c's GEMV kernel: both tiny
 #      fixtures' distance from their goldens, and a 1024-token prefill of the
-#      real-size dense layer, bf16 and MXFP8, timed both ways.
-# It prints one table last.
+#      real-size dense layer, bf16 and MXFP8, timed both ways (cuda only:
+#      rocm has no GEMM library yet).
+# On rocm "CUDA graphs" are HIP graphs (the same --cuda-graphs flag) and the
+# HBM floor is the MI300X's 5.3 TB/s. It prints one table last.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-BUNDLE="$ROOT/gpu-bundle.tar.xz"
+TARGET="${2:-cuda}"
+case "$TARGET" in
+  cuda) ARCH=sm_90a; HBM_TBS=4.8; BUNDLE="$ROOT/gpu-bundle.tar.xz" ;;
+  rocm) ARCH=gfx942; HBM_TBS=5.3; BUNDLE="$ROOT/gpu-bundle-rocm.tar.xz" ;;
+  *) echo "gpu-check: unknown target \`$TARGET\`: expected cuda or rocm" >&2; exit 2 ;;
+esac
 
 # Open MPI's runtime packages (Debian 12), minus what every Linux has.
 OMPI_DEBS=(openmpi-bin libopenmpi3 openmpi-common libpmix2 libhwloc15 libevent-core-2.1-7 libevent-pthreads-2.1-7
@@ -49,8 +58,8 @@ OMPI_DEBS=(openmpi-bin libopenmpi3 openmpi-common libpmix2 libhwloc15 libevent-c
 plan3() { # a 3-stage plan: embedding | layer 0 | norm + lm_head, all on GPU 0
   cat <<EOF
 version: 1
-target: cuda
-arch: sm_90a
+target: $TARGET
+arch: $ARCH
 stages:
   - embedding: true
     device: 0
@@ -65,8 +74,8 @@ EOF
 plan2() { # the tiny fixtures at pp = 2, both stages on GPU 0
   cat <<EOF
 version: 1
-target: cuda
-arch: sm_90a
+target: $TARGET
+arch: $ARCH
 stages:
   - layers: "0-3"
     embedding: true
@@ -92,15 +101,15 @@ prepare() {
   mkdir -p "$b/out" "$b/lib" "$b/ompi" "$b/plans" "$b/bin"
   cp "$ROOT/target/release/examples/sampled_check" "$b/bin/"
 
-  echo "== fixtures: cuda stages at pp = 1 and pp = 2"
+  echo "== fixtures: $TARGET stages at pp = 1 and pp = 2"
   for m in tiny-m3 tiny-m3-mxfp8; do
     # f32 activations: the exact mode the goldens are checked in.
-    $M3C compile --model "tests/fixtures/$m" --pp 1 --target cuda --activations f32 -o "$b/out/$m-pp1" >/dev/null
+    $M3C compile --model "tests/fixtures/$m" --pp 1 --target "$TARGET" --activations f32 -o "$b/out/$m-pp1" >/dev/null
     plan2 > "$b/plans/tiny-pp2.yaml"
     $M3C compile --model "tests/fixtures/$m" --pp 2 "$b/plans/tiny-pp2.yaml" --activations f32 -o "$b/out/$m-pp2" >/dev/null
-    $M3C compile --model "tests/fixtures/$m" --pp 1 --target cuda --activations bf16 -o "$b/out/$m-pp1-abf16" >/dev/null
+    $M3C compile --model "tests/fixtures/$m" --pp 1 --target "$TARGET" --activations bf16 -o "$b/out/$m-pp1-abf16" >/dev/null
   done
-  $M3C compile --model tests/fixtures/tiny-m3 --pp 1 --target cuda --activations f32 --kv-cache bf16 -o "$b/out/tiny-m3-pp1-kvbf16" >/dev/null
+  $M3C compile --model tests/fixtures/tiny-m3 --pp 1 --target "$TARGET" --activations f32 --kv-cache bf16 -o "$b/out/tiny-m3-pp1-kvbf16" >/dev/null
   # The golden image input as the images file a first stage reads.
   python3 - tests/fixtures/tiny-m3/golden.safetensors "$b/mm-images.safetensors" <<'PY'
 import json, struct, sys
@@ -184,12 +193,20 @@ run() {
   export LD_LIBRARY_PATH="$b/lib:$b/ompi/usr/lib/x86_64-linux-gnu:$b/ompi/usr/lib/x86_64-linux-gnu/openmpi/lib:${LD_LIBRARY_PATH:-}"
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
   export OMPI_MCA_btl=self,vader OMPI_MCA_pml=ob1
-  gpu=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1 || echo "no nvidia-smi")
+  if [ "$TARGET" = rocm ]; then
+    gpu=$( (rocm-smi --showproductname --csv 2>/dev/null | sed -n 2p) || echo "no rocm-smi")
+    libs="amdhip64:HIP rccl:RCCL"
+  else
+    gpu=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1 || echo "no nvidia-smi")
+    libs="cublas:CUBLAS nccl:NCCL"
+  fi
   echo "GPU: $gpu"
-  # cuBLAS and NCCL as that machine has them (e.g. in its Python's nvidia-* wheels).
-  for lib in cublas nccl; do
+  # The vendor's libraries as that machine has them (e.g. in its Python's
+  # nvidia-* wheels, or under /opt/rocm).
+  for pair in $libs; do
+    lib=${pair%%:*}
     f=$(find /opt /usr/local /usr/lib -name "lib$lib.so.[0-9]*" 2>/dev/null | grep -v stub | sort | tail -1 || true)
-    [ -n "$f" ] && export "M3C_$(echo $lib | tr a-z A-Z)_LIB=$f" && echo "lib$lib: $f"
+    [ -n "$f" ] && export "M3C_${pair##*:}_LIB=$f" && echo "lib$lib: $f"
   done
   rows=()
 
@@ -212,7 +229,7 @@ run() {
     replays=$(grep -o '[0-9]* decode step(s) replayed' "$logs/$m-graphs-on.log" | head -1 || true)
     if cmp -s "$work/$m-graphs-on.p0.safetensors" "$work/$m-graphs-off.p0.safetensors" \
        && cmp -s "$work/$m-graphs-on.p1.safetensors" "$work/$m-graphs-off.p1.safetensors"; then verdict=pass; else verdict=FAIL; fi
-    rows+=("$(printf '%-32s %-6s %-5s %s' "$m CUDA graphs" "pp=2" "$verdict" "graphs on = off, dump bytes of 2 prompts; ${replays:-$(why "$logs/$m-graphs-on.log")}")")
+    rows+=("$(printf '%-32s %-6s %-5s %s' "$m $([ "$TARGET" = rocm ] && echo HIP || echo CUDA) graphs" "pp=2" "$verdict" "graphs on = off, dump bytes of 2 prompts; ${replays:-$(why "$logs/$m-graphs-on.log")}")")
     # Paged caches on the device: four prompts sharing a 36-token prefix,
     # from a pool of 14 blocks (so they are preempted and resume) with
     # prefix caching, against each computed in full from the default pool:
@@ -281,7 +298,10 @@ PY
   # Tensor-core GEMMs (cuBLAS) for prefill vs m3c's GEMV kernel: each tiny
   # fixture with every linear on cuBLAS (inputs rounded to bf16: reported),
   # and one 1024-token prefill of the real-size dense layer both ways.
-  for m in tiny-m3 tiny-m3-mxfp8; do
+  # rocm has no GEMM library yet: the GEMV prefill alone.
+  gemms="off cublas"
+  [ "$TARGET" = rocm ] && gemms="off"
+  for m in $([ "$TARGET" = cuda ] && echo tiny-m3 tiny-m3-mxfp8); do
     golden="tests/fixtures/$m/golden.safetensors"
     prompt=$(prompt_ids "$golden")
     log="$logs/$m-cublas.log"
@@ -293,7 +313,7 @@ PY
   long=$(seq -s, 1 1024)
   for q in bf16 mxfp8; do
     times=""
-    for g in off cublas; do
+    for g in $gemms; do
       log="$logs/dense-$q-prefill-$g.log"
       if timeout 150 "$b/out/dense-$q/run.sh" --synthetic-weights 1 --prompt-ids "$long" --max-new-tokens 2 --prefill-gemm $g >"$log" 2>&1; then
         times="$times $g $(grep 'm3c stage 1/3: done' "$log" | sed -E 's/.*prefill [0-9]+ step\(s\), mean ([0-9.]+) ms.*/\1/') ms;"
@@ -313,7 +333,7 @@ PY
         for i in $(seq 1 $batch); do prompts+=(--prompt-ids "$(seq -s, $i $((i + 15)))"); done
         if timeout 150 "$b/out/$kind-$q/run.sh" --synthetic-weights 1 "${prompts[@]}" --micro-batch $batch --max-new-tokens 16 >"$log" 2>&1; then
           ms=$(grep 'm3c stage 1/3: done' "$log" | sed -E 's/.*decode [0-9]+ step\(s\), mean ([0-9.]+) ms.*/\1/')
-          floor=$(awk -v g="$gb" 'BEGIN {printf "%.3f", g / 4.8}')
+          floor=$(awk -v g="$gb" -v t="$HBM_TBS" 'BEGIN {printf "%.3f", g / t}')
           frac=$(awk -v f="$floor" -v m="$ms" 'BEGIN {printf "%.0f%%", 100 * f / m}')
           nograph=""
           if [ "$batch" = 1 ] && [ "$q" = bf16 ] && timeout 150 "$b/out/$kind-$q/run.sh" --synthetic-weights 1 "${prompts[@]}" --micro-batch $batch \
@@ -335,5 +355,5 @@ PY
 case "${1:-}" in
   prepare) prepare ;;
   run) run ;;
-  *) echo "usage: scripts/gpu-check.sh prepare | run" >&2; exit 2 ;;
+  *) echo "usage: scripts/gpu-check.sh prepare [cuda|rocm] | run [cuda|rocm]" >&2; exit 2 ;;
 esac

@@ -267,7 +267,11 @@ fn stage_main(
         st.meta.kv_block,
         (st.pool_blocks() * st.block_bytes()) as f64 / 1e6,
         rss,
-        if st.uses_nccl() { ", activations over NCCL" } else { "" },
+        match (st.uses_nccl(), &st.meta.target) {
+            (false, _) => "",
+            (true, m3c_contract::target::Target::Rocm { .. }) => ", activations over RCCL",
+            (true, _) => ", activations over NCCL",
+        },
         host_name()
     );
     let run = pipeline::run(world, peers, &mut st, &args);

@@ -7,7 +7,6 @@
 use m3c_compiler::backend::hsaco;
 use m3c_tests::{compile, compile_to, configs, fixture, ids_arg, m3c, read_tensor_i64, stderr};
 use std::collections::BTreeMap;
-use std::path::Path;
 
 /// Each `gpu.func`'s declared block size in a stage's `--emit mlir` text.
 fn declared_blocks(mlir: &str) -> BTreeMap<String, u64> {
@@ -106,18 +105,28 @@ fn rocm_plan(cuda: &str) -> String {
         .join("\n")
 }
 
-/// A rocm stage on a machine without HIP says so and exits non-zero.
+/// A rocm stage on a machine without HIP says so, naming every file it
+/// tried, and exits non-zero; so does one pointed at a library that is not
+/// HIP (`M3C_HIP_LIB`). Neither panics.
 #[test]
 fn a_rocm_stage_without_hip_fails_cleanly() {
     let dir = tempfile::tempdir().unwrap();
     let model = fixture("tiny-m3");
     let out = compile(&model, 2, dir.path(), &["--target", "rocm"]);
     let prompt = ids_arg(&read_tensor_i64(&model.join("golden.safetensors"), "prompt_ids"));
-    let o = m3c_tests::m3c_run(&out, &model, &["--prompt-ids", &prompt, "--max-new-tokens", "4"]);
+    let run = ["run", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--prompt-ids", &prompt, "--max-new-tokens", "4"];
+    let o = m3c(&run);
     assert!(!o.status.success());
     let e = stderr(&o);
-    assert!(e.contains("rocm gfx942") && !e.contains("panicked"), "{e}");
-    assert!(Path::new(&out).join("stage-0").is_file());
+    assert!(e.contains("this stage was compiled for rocm gfx942, but the HIP runtime is not on this machine"), "{e}");
+    for tried in ["libamdhip64.so (", "libamdhip64.so.7 (", "libamdhip64.so.6 (", "/opt/rocm/lib/libamdhip64.so.6 ("] {
+        assert!(e.contains(tried), "{tried}: {e}");
+    }
+    assert!(!e.contains("panicked"), "{e}");
+    let o = m3c_tests::m3c_env(&run, &[("M3C_HIP_LIB", "libm.so.6")]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(e.contains("libm.so.6 is not the HIP runtime of ROCm 6 or later: it has no hipInit") && !e.contains("panicked"), "{e}");
 }
 
 /// `m3c plan --target rocm` sizes stages for an MI300X (192 GB): the real

@@ -4,16 +4,20 @@
 //! `Stage` holds a `Box<dyn Gpu>` chosen by the manifest's target; only
 //! [`open`] names a vendor.
 //!
-//! Generated code reaches the device through C ABIs of its own, which a
-//! vendor module provides as well: MLIR's `mgpu*` launch functions and the
-//! `m3c_buf_*` scratch hooks (see `cuda/`).
+//! Generated code reaches the device through C ABIs of its own: MLIR's
+//! `mgpu*` launch functions and the `m3c_buf_*` scratch hooks, defined once
+//! in [`hooks`] and forwarded to the open GPU's [`hooks::Driver`]. Links
+//! between stages' GPUs are NCCL's or RCCL's ([`peer`]).
 
 pub mod cuda;
+pub mod hip;
+pub mod hooks;
+pub mod peer;
 
 use crate::error::StageError;
 use m3c_contract::target::Target;
 
-pub use cuda::ScratchBuffer;
+pub use hooks::ScratchBuffer;
 
 /// A GPU as a stage uses it. Addresses are the device's (`u64`); every
 /// operation is ordered on the device's one stream.
@@ -73,12 +77,7 @@ pub fn open(target: &Target, ordinal: Option<i32>, local_rank: i32) -> Result<Bo
     match target {
         Target::Cuda { .. } => Ok(Box::new(cuda::CudaGpu::open(ordinal, local_rank)?)),
         Target::Host => Err(StageError::Device("runtime bug: opening a GPU for a host stage".into())),
-        // The compiler makes rocm stages (their code objects are checked in
-        // CI); the HIP implementation of `Gpu` is issue 23's next step.
-        Target::Rocm { arch } => Err(StageError::Device(format!(
-            "this stage was compiled for rocm {arch}, and this m3c's stage runtime has no HIP device yet: \
-             run rocm stages with a later m3c, or compile for cuda or host"
-        ))),
+        Target::Rocm { arch } => Ok(Box::new(hip::HipGpu::open(arch, ordinal, local_rank)?)),
     }
 }
 

@@ -75,7 +75,7 @@ pub fn enable(min_rows: usize) -> Result<(), StageError> {
             if r != 0 {
                 return Err(StageError::Device(format!("{name}: cublasCreate failed (status {r})")));
             }
-            let r = set_stream(h, super::state().stream as *mut c_void);
+            let r = set_stream(h, crate::device::hooks::stream() as *mut c_void);
             if r != 0 {
                 return Err(StageError::Device(format!("{name}: cublasSetStream failed (status {r})")));
             }
@@ -107,7 +107,7 @@ pub extern "C" fn m3c_gemm_wanted(rows: i64) -> i32 {
 /// The pointers must be device buffers of `rows × inp`, `out × inp` and
 /// `rows × out` elements as the generated entry passes them.
 pub unsafe extern "C" fn m3c_gemm_bf16(xb: *const c_void, w: *const c_void, y: *mut c_void, rows: i64, inp: i64, out: i64, y_bf16: i32) {
-    let Some(api) = API.get() else { super::die("m3c_gemm_bf16 called with cuBLAS not loaded (runtime bug)") };
+    let Some(api) = API.get() else { crate::device::hooks::die("m3c_gemm_bf16 called with cuBLAS not loaded (runtime bug)") };
     let (alpha, beta) = (1f32, 0f32);
     // SAFETY: the generated entry passes device buffers of these shapes.
     let r = unsafe {
@@ -134,6 +134,6 @@ pub unsafe extern "C" fn m3c_gemm_bf16(xb: *const c_void, w: *const c_void, y: *
         )
     };
     if r != 0 {
-        super::die(&format!("cublasGemmEx failed (status {r}) for {rows}×{inp} · {out}×{inp}ᵀ"));
+        crate::device::hooks::die(&format!("cublasGemmEx failed (status {r}) for {rows}×{inp} · {out}×{inp}ᵀ"));
     }
 }

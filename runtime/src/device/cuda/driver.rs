@@ -1,11 +1,10 @@
 //! The CUDA GPU this rank runs on: the [`Gpu`] trait on the driver API,
 //! device memory that frees itself, and CUDA graphs of captured steps.
 
-use super::{checked, cu, state, ON_DEVICE};
-use crate::device::{DeviceBuffer, Gpu, Graph, PeerLink};
+use super::{checked, cu, CudaDriver};
+use crate::device::{hooks, peer, DeviceBuffer, Gpu, Graph, PeerLink};
 use crate::error::StageError;
 use std::ffi::{c_char, c_void, CStr};
-use std::sync::atomic::Ordering;
 
 /// The CUDA GPU this rank runs on.
 pub struct CudaGpu {
@@ -26,7 +25,7 @@ impl CudaGpu {
                     .into(),
             ));
         }
-        // SAFETY: driver calls in their documented order (init, device, primary context, stream); every out-pointer is a live local, and the images were registered by the stage's static constructors and stay alive for the process.
+        // SAFETY: driver calls in their documented order (init, device, primary context, stream); every out-pointer is a live local.
         unsafe {
             checked("cuInit", cu::cuInit(0))?;
             let mut count = 0;
@@ -51,17 +50,7 @@ impl CudaGpu {
             checked("cuStreamCreate", cu::cuStreamCreate(&mut stream, 0))?;
             let (mut free, mut total) = (0, 0);
             checked("cuMemGetInfo", cu::cuMemGetInfo_v2(&mut free, &mut total))?;
-            let mut st = state();
-            st.stream = stream as usize;
-            ON_DEVICE.store(true, Ordering::SeqCst);
-            for i in 0..st.images.len() {
-                let mut m = std::ptr::null_mut();
-                checked(
-                    "loading the stage's device code (cuModuleLoadData; a cubin for the compiled arch, or PTX)",
-                    cu::cuModuleLoadData(&mut m, st.images[i] as *const c_void),
-                )?;
-                st.modules[i] = Some(m as usize);
-            }
+            hooks::install(&CudaDriver, stream as usize).map_err(StageError::Device)?;
             Ok(CudaGpu { ordinal, name: CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned(), total_bytes: total })
         }
     }
@@ -140,25 +129,24 @@ impl Gpu for CudaGpu {
     }
 
     fn sync(&self) -> Result<(), StageError> {
-        let s = state().stream;
-        // SAFETY: `s` is this process's stream, created in `Device::open`.
+        let s = hooks::stream();
+        // SAFETY: `s` is this process's stream, created in `CudaGpu::open`.
         unsafe { checked("cuStreamSynchronize", cu::cuStreamSynchronize(s as cu::CUstream)) }
     }
 
     fn scratch_bytes(&self) -> (u64, u64) {
-        let st = state();
-        (st.live_bytes, st.peak_bytes)
+        hooks::scratch_bytes()
     }
 
     fn trim_scratch(&self) {
-        super::pool::trim_pool()
+        hooks::trim_pool()
     }
 
     /// Runs `f` (the generated step) with the stream capturing: its launches
     /// and copies are recorded, not run. Relaxed mode, so a scratch pool miss
     /// may still allocate. Returns the instantiated graph.
     fn capture(&self, f: &mut dyn FnMut()) -> Result<Graph, StageError> {
-        let s = state().stream as cu::CUstream;
+        let s = hooks::stream() as cu::CUstream;
         // SAFETY: `s` is this process's stream, idle between steps' launches.
         unsafe {
             checked("cuStreamBeginCapture", cu::cuStreamBeginCapture_v2(s, cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED))?
@@ -176,7 +164,7 @@ impl Gpu for CudaGpu {
     }
 
     fn replay(&self, g: &Graph) -> Result<(), StageError> {
-        let s = state().stream as cu::CUstream;
+        let s = hooks::stream() as cu::CUstream;
         // SAFETY: a live exec graph on this context's stream.
         unsafe { checked("cuGraphLaunch", cu::cuGraphLaunch(g.handle() as cu::CUgraphExec, s)) }
     }
@@ -190,14 +178,14 @@ impl Gpu for CudaGpu {
     }
 
     fn links_available(&self) -> Result<(), StageError> {
-        super::nccl::availability()
+        peer::NCCL.availability()
     }
 
     fn link_id(&self) -> Result<[u8; 128], StageError> {
-        super::nccl::unique_id()
+        peer::NCCL.unique_id()
     }
 
     fn join_link(&self, id: [u8; 128], ranks: i32, rank: i32) -> Result<Box<dyn PeerLink>, StageError> {
-        Ok(Box::new(super::nccl::Link::join(id, ranks, rank)?))
+        Ok(Box::new(peer::NCCL.join(id, ranks, rank)?))
     }
 }

@@ -1,105 +1,100 @@
 //! The CUDA device, on the driver API through cudarc (loaded at run time,
 //! so a stage started on a machine without a driver says so and exits).
 //!
-//! Generated host code reaches the GPU through two small ABIs:
-//! - MLIR's `mgpu*` functions (module load, function lookup, launch,
-//!   streams), which `gpu.launch_func` lowers to. Every launch goes to this
-//!   process's one stream, in order; the runtime synchronises once per step.
-//! - `m3c_buf_alloc/free/copy`, for scratch buffers: a size-keyed pool, so
-//!   a decode step allocates nothing after the first. The pool never gives
-//!   memory back to the driver, so addresses baked into a captured
-//!   [`Graph`](super::Graph) stay valid; every step runs on the one stream,
-//!   so a graph replay and any other step never use a scratch buffer at once.
-//!   On a host stage the same hooks hand out host memory.
-//!
-//! Modules are registered by static constructors before `main` (MLIR emits
-//! one per stage binary) and loaded only when [`CudaGpu::open`] has a context.
-//!
 //! Split by job: `driver` (the device and its [`Gpu`](super::Gpu)
-//! implementation), `pool` (the `m3c_buf_*` scratch hooks), `mgpu` (MLIR's
-//! launch ABI), `nccl` and `cublas` (libraries loaded by name). Failures are
-//! reported one way: [`checked`] turns a driver result into a `String` error
-//! for the caller; callbacks from generated code, which cannot return
-//! errors, end the process through [`die`] with the same message.
+//! implementation), this module's [`CudaDriver`] (what generated code's
+//! hooks in [`hooks`](super::hooks) need: module loads, launches, scratch
+//! memory), and `cublas` (a library loaded by name). Links between stages
+//! are NCCL's, in [`peer`](super::peer). Failures are reported one way:
+//! [`checked`] turns a driver result into an error for the caller.
 
 use crate::error::StageError;
 mod cublas;
 mod driver;
-mod mgpu;
-mod nccl;
-mod pool;
 
 pub use driver::CudaGpu;
-pub use pool::ScratchBuffer;
 
 use cudarc::driver::sys as cu;
-use std::collections::BTreeMap;
-use std::ffi::{c_char, CStr};
-use std::sync::atomic::AtomicBool;
-use std::sync::Mutex;
+use std::ffi::{c_char, c_void, CStr};
 
-/// Whether `m3c_buf_*` hand out device memory (a CUDA stage) or host memory.
-pub(crate) static ON_DEVICE: AtomicBool = AtomicBool::new(false);
-
-/// Ends the process with `message` and exit code 1: how callbacks from
-/// generated code report failure (unwinding across that boundary is not allowed).
-pub(crate) fn die(message: &str) -> ! {
-    let line = format!("m3c stage: {message}\n");
-    let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
-    std::process::exit(1)
-}
-
-/// [`die`] for a failed driver call.
-fn fail(what: &str, r: cu::CUresult) -> ! {
+/// The driver's message for `r`, prefixed with the call that failed.
+fn message(what: &str, r: cu::CUresult) -> String {
     let mut p: *const c_char = std::ptr::null();
-    // SAFETY: cuGetErrorString writes a static string pointer or leaves null.
+    // SAFETY: cuGetErrorString writes a pointer to a static string, or leaves null.
     unsafe { cu::cuGetErrorString(r, &mut p) };
+    // SAFETY: when set, `p` is the driver's static NUL-terminated string.
     let msg = if p.is_null() { format!("{r:?}") } else { unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned() };
-    die(&format!("CUDA error in {what}: {msg}"))
+    format!("CUDA error in {what}: {msg}")
 }
 
-pub(crate) fn check(what: &str, r: cu::CUresult) {
-    if r != cu::CUresult::CUDA_SUCCESS {
-        fail(what, r)
+fn ok(what: &str, r: cu::CUresult) -> Result<(), String> {
+    if r == cu::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(message(what, r))
     }
 }
 
 pub(crate) fn checked(what: &str, r: cu::CUresult) -> Result<(), StageError> {
-    if r == cu::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        let mut p: *const c_char = std::ptr::null();
-        // SAFETY: cuGetErrorString writes a pointer to a static string, or leaves null.
-        unsafe { cu::cuGetErrorString(r, &mut p) };
-        let msg = if p.is_null() { format!("{r:?}") } else { unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned() };
-        Err(StageError::Device(format!("{what}: {msg}")))
+    ok(what, r).map_err(StageError::Device)
+}
+
+/// The hooks' CUDA calls. The primary context is current on the thread
+/// that opened the device, which is the thread that runs every step.
+pub(crate) struct CudaDriver;
+
+impl super::hooks::Driver for CudaDriver {
+    fn load_module(&self, image: *const c_void) -> Result<usize, String> {
+        let mut m = std::ptr::null_mut();
+        // SAFETY: `image` is a PTX or cubin image registered by the stage's constructors, alive for the process; `m` is a live out-pointer.
+        ok("loading the stage's device code (cuModuleLoadData; a cubin for the compiled arch, or PTX)", unsafe {
+            cu::cuModuleLoadData(&mut m, image)
+        })?;
+        Ok(m as usize)
     }
-}
 
-pub(crate) struct State {
-    /// PTX images registered by the binaries' constructors (address of a NUL-terminated string).
-    images: Vec<usize>,
-    modules: Vec<Option<usize>>,
-    functions: BTreeMap<(usize, String), usize>,
-    stream: usize,
-    /// Free device buffers by size.
-    pool: BTreeMap<u64, Vec<u64>>,
-    sizes: BTreeMap<u64, u64>,
-    live_bytes: u64,
-    peak_bytes: u64,
-}
+    fn function(&self, module: usize, name: &CStr) -> Result<usize, String> {
+        let mut f = std::ptr::null_mut();
+        // SAFETY: `module` was loaded by `load_module`; `name` is NUL-terminated and `f` a live out-pointer.
+        ok(&format!("cuModuleGetFunction({})", name.to_string_lossy()), unsafe {
+            cu::cuModuleGetFunction(&mut f, module as cu::CUmodule, name.as_ptr())
+        })?;
+        Ok(f as usize)
+    }
 
-static STATE: Mutex<State> = Mutex::new(State {
-    images: Vec::new(),
-    modules: Vec::new(),
-    functions: BTreeMap::new(),
-    stream: 0,
-    pool: BTreeMap::new(),
-    sizes: BTreeMap::new(),
-    live_bytes: 0,
-    peak_bytes: 0,
-});
+    fn launch(&self, f: usize, grid: [u32; 3], block: [u32; 3], smem: u32, stream: usize, params: *mut *mut c_void) -> Result<(), String> {
+        // SAFETY: `f` is a kernel of a loaded module and `params` points to one live pointer per argument (the hooks' contract); the launch is queued on the stage's stream.
+        ok("cuLaunchKernel", unsafe {
+            cu::cuLaunchKernel(
+                f as cu::CUfunction,
+                grid[0],
+                grid[1],
+                grid[2],
+                block[0],
+                block[1],
+                block[2],
+                smem,
+                stream as cu::CUstream,
+                params,
+                std::ptr::null_mut(),
+            )
+        })
+    }
 
-pub(crate) fn state() -> std::sync::MutexGuard<'static, State> {
-    STATE.lock().unwrap_or_else(|e| e.into_inner())
+    fn alloc(&self, bytes: usize) -> Result<u64, String> {
+        let mut p = 0;
+        // SAFETY: `p` is a live out-pointer for a new allocation.
+        ok("cuMemAlloc", unsafe { cu::cuMemAlloc_v2(&mut p, bytes) })?;
+        Ok(p)
+    }
+
+    fn free(&self, ptr: u64) -> Result<(), String> {
+        // SAFETY: the hooks free only what `alloc` gave and no one holds.
+        ok("cuMemFree", unsafe { cu::cuMemFree_v2(ptr) })
+    }
+
+    fn copy(&self, dst: u64, src: u64, bytes: usize, stream: usize) -> Result<(), String> {
+        // SAFETY: the generated code passes two device buffers of at least `bytes` bytes; the copy is ordered on the stage's stream.
+        ok("cuMemcpyAsync", unsafe { cu::cuMemcpyAsync(dst, src, bytes, stream as cu::CUstream) })
+    }
 }
