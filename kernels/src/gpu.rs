@@ -112,9 +112,16 @@ pub enum Fp8Decode {
     /// integer ops of [`Fp8Decode::Bits`], which would make an MXFP8 GEMV
     /// compute-bound far below HBM bandwidth.
     PtxCvt,
+    /// gfx942's converter (`v_cvt_f32_fp8`, MLIR's `rocdl.cvt.f32.fp8`),
+    /// which reads the byte as `float8_e4m3fnuz`: an exponent bias one
+    /// higher (half the value), NaN at `0x80` and none at `0x7F`/`0xFF`.
+    /// A fix-up makes it e4m3fn's exactly: the value doubled (exact in
+    /// f32, subnormals included), then `0x80` as −0 and `0x7F`/`0xFF` as
+    /// NaN. Four instructions a byte instead of the ~15 of [`Fp8Decode::Bits`].
+    FnuzCvt,
     /// Integer and f32 arithmetic on the bits, exact for every byte: for a
-    /// target whose converter decodes another fp8 (gfx942's decodes
-    /// e4m3fnuz, whose bias and NaN differ) or has none.
+    /// target whose converter has not been checked against this one (gfx950
+    /// decodes OCP e4m3fn natively, unmeasured) or that has none.
     Bits,
 }
 
@@ -129,17 +136,28 @@ impl GpuTarget {
         explicit_private: false,
     };
 
-    /// AMD's CDNA 3 and 4 (gfx942, gfx950): waves of 64, fp8 decoded by
-    /// arithmetic, every kernel's block size declared, math functions and
-    /// block sums written out (no ROCm device library needed to compile).
+    /// AMD's CDNA 3 (gfx942: MI300X, MI325X): waves of 64, fp8 through the
+    /// FNUZ converter and its fix-up, every kernel's block size declared,
+    /// math functions and block sums written out (no ROCm device library
+    /// needed to compile).
     pub const ROCM: GpuTarget = GpuTarget {
         warp: 64,
-        fp8: Fp8Decode::Bits,
+        fp8: Fp8Decode::FnuzCvt,
         declares_block_size: true,
         math: DeviceMath::Inline,
         writes_block_sums: true,
         explicit_private: true,
     };
+
+    /// The ROCm target for `chip`: [`GpuTarget::ROCM`] on gfx942; other
+    /// chips (gfx950) decode fp8 by [`Fp8Decode::Bits`], whose converter
+    /// reads another format.
+    pub fn rocm(chip: &str) -> GpuTarget {
+        match chip {
+            "gfx942" => GpuTarget::ROCM,
+            _ => GpuTarget { fp8: Fp8Decode::Bits, ..GpuTarget::ROCM },
+        }
+    }
 
     /// Threads of a block of [`WARPS`] warps: a linear's or an expert projection's.
     pub(crate) fn warps_block(&self) -> usize {
@@ -191,9 +209,42 @@ impl GpuTarget {
                  %{d}_f16 = arith.bitcast %{d}_lo : i16 to f16\n\
                  %{d} = arith.extf %{d}_f16 : f16 to f32\n"
             ),
+            Fp8Decode::FnuzCvt => format!(
+                "%{d}_b = arith.extui %{q} : i8 to i32\n\
+                 %{d}_h = rocdl.cvt.f32.fp8 %{d}_b[0] : f32\n{}",
+                fnuz_fixup(d, &format!("%{d}_h"), &format!("%{d}_b"), None)
+            ),
             Fp8Decode::Bits => format!("%{d}_b = arith.extui %{q} : i8 to i32\n{}", fp8_bits(d, &format!("%{d}_b"), None)),
         }
     }
+}
+
+/// `%{d}` = the `float8_e4m3fn` value(s) of the byte(s) `b` (i32, or
+/// `vector<N x i32>` when `lanes` is `Some(N)`), from `h`, what gfx942's
+/// converter made of them as `float8_e4m3fnuz`: `2·h`, but −0 for `0x80`
+/// (FNUZ's NaN) and NaN for `0x7F` and `0xFF` (FNUZ's ±240).
+fn fnuz_fixup(d: &str, h: &str, b: &str, lanes: Option<usize>) -> String {
+    let (it, ft, bt) = match lanes {
+        Some(n) => (format!("vector<{n}xi32>"), format!("vector<{n}xf32>"), format!("vector<{n}xi1>")),
+        None => ("i32".to_string(), "f32".to_string(), "i1".to_string()),
+    };
+    let c = |name: &str, v: &str, ty: &str| match lanes {
+        Some(_) => format!("%{d}_{name} = arith.constant dense<{v}> : {ty}\n"),
+        None => format!("%{d}_{name} = arith.constant {v} : {ty}\n"),
+    };
+    format!(
+        "{}{}{}{}\
+         %{d}_x2 = arith.addf {h}, {h} : {ft}\n\
+         %{d}_isnz = arith.cmpi eq, {b}, %{d}_k128 : {it}\n\
+         %{d}_low = arith.andi {b}, %{d}_k127 : {it}\n\
+         %{d}_isnan = arith.cmpi eq, %{d}_low, %{d}_k127 : {it}\n\
+         %{d}_z = arith.select %{d}_isnz, %{d}_nz, %{d}_x2 : {bt}, {ft}\n\
+         %{d} = arith.select %{d}_isnan, %{d}_nan, %{d}_z : {bt}, {ft}\n",
+        c("k127", "127", &it),
+        c("k128", "128", &it),
+        c("nz", "-0.0", &ft),
+        c("nan", "0x7FC00000", &ft),
+    )
 }
 
 /// `%{d}` = the f32 value(s) of the `float8_e4m3fn` byte(s) in the low 8 bits
@@ -336,6 +387,23 @@ impl WeightArgs {
                              %{d}_hi = vector.shuffle %{d}_f2, %{d}_f3 [0, 1, 2, 3] : vector<2xf32>, vector<2xf32>\n\
                              %{d}_all = vector.shuffle %{d}_lo, %{d}_hi [0, 1, 2, 3, 4, 5, 6, 7] : vector<4xf32>, vector<4xf32>\n"
                         ));
+                    }
+                    Fp8Decode::FnuzCvt => {
+                        // Each byte of the two words through the converter,
+                        // then the fix-up on all eight at once.
+                        s.push_str(&format!(
+                            "%{d}_b = arith.extui %{d}_raw : vector<8xi8> to vector<8xi32>\n\
+                             %{d}_wd = vector.bitcast %{d}_raw : vector<8xi8> to vector<2xi32>\n"
+                        ));
+                        for w in 0..2 {
+                            s.push_str(&format!("%{d}_w{w} = vector.extract %{d}_wd[{w}] : i32 from vector<2xi32>\n"));
+                            for k in 0..4 {
+                                s.push_str(&format!("%{d}_c{} = rocdl.cvt.f32.fp8 %{d}_w{w}[{k}] : f32\n", 4 * w + k));
+                            }
+                        }
+                        let cs = (0..8).map(|k| format!("%{d}_c{k}")).collect::<Vec<_>>().join(", ");
+                        s.push_str(&format!("%{d}_h = vector.from_elements {cs} : vector<8xf32>\n"));
+                        s.push_str(&fnuz_fixup(&format!("{d}_all"), &format!("%{d}_h"), &format!("%{d}_b"), Some(8)));
                     }
                     Fp8Decode::Bits => {
                         // All eight bytes at once, as a vector of i32.

@@ -261,7 +261,7 @@ const ACTS: [Storage; 2] = [Storage::F32, Storage::Bf16];
 
 /// The kernels whose work split follows the warp run for CUDA and for a GPU
 /// unlike it in every way the generators are told of: a wave of 64, fp8
-/// decoded by arithmetic, block sizes declared (AMD CDNA's shape).
+/// through gfx942's FNUZ converter, block sizes declared (AMD CDNA's shape).
 const TARGETS: [GpuTarget; 2] = [GpuTarget::CUDA, GpuTarget::ROCM];
 
 /// (target, activation storage) pairs of the warp-dependent tests: CUDA with
@@ -412,6 +412,44 @@ fn rowwise_gpu_kernels_match_the_host() {
     for target in &TARGETS {
         let o = run_both_on(target, &k, 24, &args);
         assert_eq!(o[0].0, o[0].1, "{k} decoded as {:?}", target.fp8);
+    }
+}
+
+/// Every fp8 decode a GPU target uses gives e4m3fn's value for all 256
+/// bytes, NaN for `0x7F` and `0xFF`: Hopper's converter (CUDA), gfx942's
+/// FNUZ converter with its fix-up, and the arithmetic decode (gfx950). Each
+/// on the wide path (8 bytes a lane; byte `o` at position `o mod 8`, so
+/// every position sees 32 bytes) and the one-element path, with E8M0
+/// scales from 2^-127 to 2^127 (so the fix-up's doubling is not folded into
+/// a scale that would overflow).
+#[test]
+fn every_fp8_decode_gives_e4m3fn_for_all_256_bytes() {
+    use m3c_compiler::tiny::encode::{e4m3_to_f32, e8m0_to_f32};
+    let scales = [0u8, 1, 100, 127, 134, 200, 254];
+    let out = 256;
+    for target in [GpuTarget::CUDA, GpuTarget::ROCM, GpuTarget::rocm("gfx950")] {
+        for inp in [256usize, 192] {
+            let nb = inp / 32;
+            let w: Vec<u8> = (0..out * inp).map(|e| if e % inp == (e / inp) % 8 { (e / inp) as u8 } else { 0 }).collect();
+            let s: Vec<u8> = (0..out * nb).map(|e| scales[(e / nb) % scales.len()]).collect();
+            let weight = WeightType::Mxfp8 { block: 32 };
+            let k = Kernel::Linear(m3c_kernels::Linear { inp, out, weight, act: Storage::F32, out_act: Storage::F32 });
+            let args = [
+                buf(&vec![1f32; inp], &[1, inp], &format!("memref<?x{inp}xf32>"), false),
+                buf(&w, &[out, inp], &format!("memref<{out}x{inp}xi8>"), false),
+                buf(&s, &[out, nb], &format!("memref<{out}x{nb}xi8>"), false),
+                buf(&vec![0f32; out], &[1, out], &format!("memref<?x{out}xf32>"), true),
+            ];
+            let y = f32s(&run_gpu(&target, &k, 1, &args, args.len())[0]);
+            for (o, &got) in y.iter().enumerate() {
+                let want = (e4m3_to_f32(o as u8) as f64 * e8m0_to_f32(s[o * nb]) as f64) as f32;
+                if o & 0x7F == 0x7F {
+                    assert!(got.is_nan(), "{:?}: byte {o:#04x} is NaN, got {got}", target.fp8);
+                } else {
+                    assert_eq!(got, want, "{:?}, {inp} inputs: byte {o:#04x} × 2^({} − 127)", target.fp8, s[o * nb]);
+                }
+            }
+        }
     }
 }
 
@@ -806,7 +844,8 @@ fn tiny_cuda_stage_reproduces_the_golden_in_the_interpreter() {
 /// image features, and the step entry with those features over the image
 /// placeholder rows gives the reference's `mm_logits`, both within 1e-4.
 /// The generated ROCm stage in the interpreter at wave 64: the MXFP8
-/// fixture (fp8 decoded by arithmetic, the written-out math and block sums)
+/// fixture (fp8 through gfx942's FNUZ converter and its fix-up, the
+/// written-out math and block sums)
 /// within 1e-4 of the reference logits, as CUDA's.
 #[test]
 fn tiny_rocm_stage_reproduces_the_golden_in_the_interpreter() {

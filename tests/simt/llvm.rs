@@ -1,4 +1,5 @@
-//! The SIMT interpreter's What the lowering leaves of memref descriptors and inline PTX: `llvm.mlir.undef`, `llvm.insertvalue`, casts, `llvm.inline_asm`.
+//! The SIMT interpreter's What the lowering leaves of memref descriptors and inline PTX: `llvm.mlir.undef`, `llvm.insertvalue`, casts, `llvm.inline_asm`;
+//! and the one vendor intrinsic the kernels call, gfx942's fp8 converter (`rocdl.cvt.f32.fp8`).
 
 use super::*;
 
@@ -62,8 +63,31 @@ impl Frame<'_> {
                     Ok(lo | (hi << 16))
                 })?
             }
+            "rocdl.cvt.f32.fp8" => {
+                // gfx942's `v_cvt_f32_fp8`: byte `byteSel` of the i32 as float8_e4m3fnuz.
+                let sel = attr_ints(&attr(op, "byteSel").ok_or("cvt.f32.fp8 without byteSel")?)[0];
+                if !(0..4).contains(&sel) {
+                    return Err(format!("cvt.f32.fp8 byteSel {sel}"));
+                }
+                self.elementwise(info, move |a| Ok(fb(e4m3fnuz_to_f32((a[0] >> (8 * sel)) as u8))))?
+            }
             _ => return Ok(false),
         }
         Ok(true)
+    }
+}
+
+/// A `float8_e4m3fnuz` byte's value: exponent bias 8, NaN only at `0x80`
+/// (negative zero's pattern), no infinities, ±240 at the top.
+pub(super) fn e4m3fnuz_to_f32(b: u8) -> f32 {
+    if b == 0x80 {
+        return f32::NAN;
+    }
+    let (e, m) = (((b >> 3) & 0xF) as i32, (b & 7) as f32);
+    let mag = if e == 0 { m * 2f32.powi(-10) } else { (8.0 + m) * 2f32.powi(e - 11) };
+    if b & 0x80 != 0 {
+        -mag
+    } else {
+        mag
     }
 }

@@ -1,4 +1,4 @@
-//! The SIMT interpreter's `vector`: broadcasts, extracts, shuffles, reductions, vector loads.
+//! The SIMT interpreter's `vector`: broadcasts, extracts, shuffles, reductions, vector loads, vectors from elements.
 
 use super::*;
 
@@ -37,6 +37,13 @@ impl Frame<'_> {
                     }
                 }
                 self.set(res[0], Data::Bits { w: wo, v });
+            }
+            "vector.from_elements" => {
+                let ins = operands(op);
+                let lanes = ins.iter().map(|v| self.bits(*v).map(|(_, d)| d.clone())).collect::<Result<Vec<_>, _>>()?;
+                let w = lanes.len();
+                let v = (0..t * w).map(|i| lanes[i % w][i / w]).collect();
+                self.set(res[0], Data::Bits { w, v });
             }
             "vector.reduction" => {
                 require(attr(op, "kind"), "add")?;

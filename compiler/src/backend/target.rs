@@ -199,7 +199,7 @@ impl Backend for Rocm {
     /// not link): a shape the generators do not write out, named here
     /// instead of as a missing-library error from MLIR's serializer.
     fn module(&self, fused: &FusedStage) -> Result<String, String> {
-        let text = crate::lower::gpu_module(fused, &GpuTarget::ROCM)?;
+        let text = crate::lower::gpu_module(fused, &GpuTarget::rocm(&self.chip))?;
         let mut library = std::iter::once(&"gpu.all_reduce").chain(m3c_kernels::devmath::EXPANDED);
         match library.find(|op| text.contains(&format!("{op} "))) {
             Some(op) => Err(format!(
