@@ -206,7 +206,8 @@ run() {
   for pair in $libs; do
     lib=${pair%%:*}
     f=$(find /opt /usr/local /usr/lib -name "lib$lib.so.[0-9]*" 2>/dev/null | grep -v stub | sort | tail -1 || true)
-    [ -n "$f" ] && export "M3C_${pair##*:}_LIB=$f" && echo "lib$lib: $f"
+    # (An `if`, not `&&`: a library that is missing must not end the check under `set -e`.)
+    if [ -n "$f" ]; then export "M3C_${pair##*:}_LIB=$f"; echo "lib$lib: $f"; else echo "lib$lib: not found"; fi
   done
   rows=()
 
@@ -266,7 +267,8 @@ PY
         timeout 120 "$b/out/$m-pp$pp/run.sh" --model "tests/fixtures/$m" --prompt-ids "$mm" --images "$b/mm-images.safetensors" \
           --max-new-tokens 4 --dump "$work/mm-pp$pp.safetensors" >"$logs/$m-image-pp$pp.log" 2>&1 || true
       done
-      check=$(python3 - "$golden" "$work/mm-pp1.safetensors" <<'PY' 2>&1
+      check="no dump from pp=1"
+      [ -f "$work/mm-pp1.safetensors" ] && check=$(python3 - "$golden" "$work/mm-pp1.safetensors" <<'PY' 2>&1 || true
 import json, struct, sys
 def f32(path, name):
     b = open(path, 'rb').read(); n = struct.unpack('<Q', b[:8])[0]; h = json.loads(b[8:8+n])
