@@ -1,7 +1,8 @@
 //! The HIP runtime (`libamdhip64`), loaded at run time by its file names so
 //! that a stage binary starts on any machine and a rocm stage without ROCm
 //! says so instead of failing to link. Only the C API that has been stable
-//! since ROCm 5 is used (`hip_runtime_api.h`); every handle is a pointer.
+//! since ROCm 5 is used (`hip_runtime_api.h`; ROCm 7 adds a `const` to
+//! `hipMemcpyHtoD`'s source, the same ABI); every handle is a pointer.
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 
@@ -9,6 +10,8 @@ use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 pub const MEMCPY_DEVICE_TO_DEVICE: c_int = 3;
 /// `hipStreamCaptureModeRelaxed` of `hipStreamCaptureMode`.
 pub const CAPTURE_MODE_RELAXED: c_int = 2;
+/// `hipErrorNoDevice`: what `hipGetDeviceCount` returns on a machine without an AMD GPU.
+pub const NO_DEVICE: c_int = 100;
 
 type Ptr = *mut c_void;
 

@@ -48,11 +48,15 @@ impl HipGpu {
         let h = hip();
         let mut count = 0;
         // SAFETY: HIP calls in their documented order (init, count, device, stream); every out-pointer is a live local.
-        unsafe {
+        let r = unsafe {
             checked("hipInit", (h.hipInit)(0))?;
-            checked("hipGetDeviceCount", (h.hipGetDeviceCount)(&mut count))?;
+            (h.hipGetDeviceCount)(&mut count)
+        };
+        // HIP answers "no device" (hipErrorNoDevice) rather than a count of 0.
+        if r != api::NO_DEVICE {
+            checked("hipGetDeviceCount", r)?;
         }
-        if count == 0 {
+        if r == api::NO_DEVICE || count == 0 {
             return Err(StageError::Device("this stage was compiled for rocm, but HIP reports no GPU".into()));
         }
         let ordinal = ordinal.unwrap_or(local_rank % count);
