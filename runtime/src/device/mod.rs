@@ -22,12 +22,20 @@ pub use hooks::ScratchBuffer;
 /// A GPU as a stage uses it. Addresses are the device's (`u64`); every
 /// operation is ordered on the device's one stream.
 pub trait Gpu {
+    /// What `open` learned of the device.
+    fn info(&self) -> &DeviceInfo;
     /// The device's index on this machine.
-    fn ordinal(&self) -> i32;
+    fn ordinal(&self) -> i32 {
+        self.info().ordinal
+    }
     /// Its product name.
-    fn name(&self) -> &str;
+    fn name(&self) -> &str {
+        &self.info().name
+    }
     /// Its memory in bytes.
-    fn total_bytes(&self) -> usize;
+    fn total_bytes(&self) -> usize {
+        self.info().total_bytes
+    }
     /// Its memory free now, in bytes.
     fn free_bytes(&self) -> Result<usize, StageError>;
     /// New device memory holding a copy of `bytes`.
@@ -41,10 +49,14 @@ pub trait Gpu {
     /// Waits for everything queued on the stream.
     fn sync(&self) -> Result<(), StageError>;
     /// Scratch bytes the generated code holds now and at most.
-    fn scratch_bytes(&self) -> (u64, u64);
+    fn scratch_bytes(&self) -> (u64, u64) {
+        hooks::scratch_bytes()
+    }
     /// Gives idle scratch back to the device (after a step whose scratch
     /// sizes will not recur).
-    fn trim_scratch(&self);
+    fn trim_scratch(&self) {
+        hooks::trim_pool()
+    }
     /// Runs `f` (a generated step) with the stream capturing, and returns
     /// the captured work as a graph to replay.
     fn capture(&self, f: &mut dyn FnMut()) -> Result<Graph, StageError>;
@@ -55,12 +67,20 @@ pub trait Gpu {
     fn enable_gemm(&self, min_rows: usize) -> Result<(), StageError>;
     /// Whether the coming step is a prefill (the GEMM library takes only those).
     fn set_prefill(&self, prefill: bool);
-    /// Whether the vendor's library for links between GPUs loads here.
-    fn links_available(&self) -> Result<(), StageError>;
+    /// The vendor's library for links between GPUs (NCCL, RCCL).
+    fn collectives(&self) -> &'static peer::Collectives;
+    /// Whether that library loads here.
+    fn links_available(&self) -> Result<(), StageError> {
+        self.collectives().availability()
+    }
     /// A new link id, made by one rank and broadcast to the others.
-    fn link_id(&self) -> Result<[u8; 128], StageError>;
+    fn link_id(&self) -> Result<[u8; 128], StageError> {
+        self.collectives().unique_id()
+    }
     /// Joins the link `id` of `ranks` ranks as `rank`.
-    fn join_link(&self, id: [u8; 128], ranks: i32, rank: i32) -> Result<Box<dyn PeerLink>, StageError>;
+    fn join_link(&self, id: [u8; 128], ranks: i32, rank: i32) -> Result<Box<dyn PeerLink>, StageError> {
+        Ok(Box::new(self.collectives().join(id, ranks, rank)?))
+    }
 }
 
 /// Device-to-device transfers between stages' GPUs (NCCL on CUDA).
@@ -79,6 +99,26 @@ pub fn open(target: &Target, ordinal: Option<i32>, local_rank: i32) -> Result<Bo
         Target::Host => Err(StageError::Device("runtime bug: opening a GPU for a host stage".into())),
         Target::Rocm { arch } => Ok(Box::new(hip::HipGpu::open(arch, ordinal, local_rank)?)),
     }
+}
+
+/// A GPU as `open` found it.
+pub struct DeviceInfo {
+    /// Its index on this machine.
+    pub ordinal: i32,
+    /// Its product name.
+    pub name: String,
+    /// Its memory in bytes.
+    pub total_bytes: usize,
+}
+
+/// The device a stage runs on among the `count` this machine has: the
+/// plan's `requested` one, else the one this machine's `local_rank` falls on.
+pub(crate) fn pick_ordinal(requested: Option<i32>, local_rank: i32, count: i32) -> Result<i32, StageError> {
+    let ordinal = requested.unwrap_or(local_rank % count.max(1));
+    if ordinal >= count {
+        return Err(StageError::Device(format!("the plan puts this stage on device {ordinal}, but this machine has {count} GPU(s)")));
+    }
+    Ok(ordinal)
 }
 
 /// Device memory with one owner, given back to its device when dropped

@@ -2,16 +2,12 @@
 //! device memory that frees itself, and CUDA graphs of captured steps.
 
 use super::{checked, cu, CudaDriver};
-use crate::device::{hooks, peer, DeviceBuffer, Gpu, Graph, PeerLink};
+use crate::device::{hooks, peer, pick_ordinal, DeviceBuffer, DeviceInfo, Gpu, Graph};
 use crate::error::StageError;
 use std::ffi::{c_char, c_void, CStr};
 
 /// The CUDA GPU this rank runs on.
-pub struct CudaGpu {
-    ordinal: i32,
-    name: String,
-    total_bytes: usize,
-}
+pub struct CudaGpu(DeviceInfo);
 
 impl CudaGpu {
     /// Initialises the driver, makes `ordinal`'s primary context current,
@@ -33,12 +29,7 @@ impl CudaGpu {
             if count == 0 {
                 return Err(StageError::Device("this stage was compiled for CUDA, but the driver reports no GPU".into()));
             }
-            let ordinal = ordinal.unwrap_or(local_rank % count);
-            if ordinal >= count {
-                return Err(StageError::Device(format!(
-                    "the plan puts this stage on device {ordinal}, but this machine has {count} GPU(s)"
-                )));
-            }
+            let ordinal = pick_ordinal(ordinal, local_rank, count)?;
             let mut dev = 0;
             checked("cuDeviceGet", cu::cuDeviceGet(&mut dev, ordinal))?;
             let mut name = [0 as c_char; 128];
@@ -51,7 +42,8 @@ impl CudaGpu {
             let (mut free, mut total) = (0, 0);
             checked("cuMemGetInfo", cu::cuMemGetInfo_v2(&mut free, &mut total))?;
             hooks::install(&CudaDriver, stream as usize).map_err(StageError::Device)?;
-            Ok(CudaGpu { ordinal, name: CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned(), total_bytes: total })
+            let name = CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned();
+            Ok(CudaGpu(DeviceInfo { ordinal, name, total_bytes: total }))
         }
     }
 }
@@ -77,16 +69,8 @@ fn destroy_graph(exec: usize) {
 }
 
 impl Gpu for CudaGpu {
-    fn ordinal(&self) -> i32 {
-        self.ordinal
-    }
-
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn total_bytes(&self) -> usize {
-        self.total_bytes
+    fn info(&self) -> &DeviceInfo {
+        &self.0
     }
 
     fn free_bytes(&self) -> Result<usize, StageError> {
@@ -134,14 +118,6 @@ impl Gpu for CudaGpu {
         unsafe { checked("cuStreamSynchronize", cu::cuStreamSynchronize(s as cu::CUstream)) }
     }
 
-    fn scratch_bytes(&self) -> (u64, u64) {
-        hooks::scratch_bytes()
-    }
-
-    fn trim_scratch(&self) {
-        hooks::trim_pool()
-    }
-
     /// Runs `f` (the generated step) with the stream capturing: its launches
     /// and copies are recorded, not run. Relaxed mode, so a scratch pool miss
     /// may still allocate. Returns the instantiated graph.
@@ -177,15 +153,7 @@ impl Gpu for CudaGpu {
         super::cublas::set_prefill(prefill)
     }
 
-    fn links_available(&self) -> Result<(), StageError> {
-        peer::NCCL.availability()
-    }
-
-    fn link_id(&self) -> Result<[u8; 128], StageError> {
-        peer::NCCL.unique_id()
-    }
-
-    fn join_link(&self, id: [u8; 128], ranks: i32, rank: i32) -> Result<Box<dyn PeerLink>, StageError> {
-        Ok(Box::new(peer::NCCL.join(id, ranks, rank)?))
+    fn collectives(&self) -> &'static peer::Collectives {
+        &peer::NCCL
     }
 }

@@ -13,7 +13,7 @@
 mod api;
 
 use super::hooks::{self, Driver};
-use super::{peer, DeviceBuffer, Gpu, Graph, PeerLink};
+use super::{peer, pick_ordinal, DeviceBuffer, DeviceInfo, Gpu, Graph};
 use crate::error::StageError;
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::OnceLock;
@@ -30,11 +30,7 @@ fn checked(what: &str, r: i32) -> Result<(), StageError> {
 }
 
 /// The ROCm GPU this rank runs on.
-pub struct HipGpu {
-    ordinal: i32,
-    name: String,
-    total_bytes: usize,
-}
+pub struct HipGpu(DeviceInfo);
 
 impl HipGpu {
     /// Loads HIP, makes `ordinal` (or the one `local_rank` falls on) this
@@ -59,10 +55,7 @@ impl HipGpu {
         if r == api::NO_DEVICE || count == 0 {
             return Err(StageError::Device("this stage was compiled for rocm, but HIP reports no GPU".into()));
         }
-        let ordinal = ordinal.unwrap_or(local_rank % count);
-        if ordinal >= count {
-            return Err(StageError::Device(format!("the plan puts this stage on device {ordinal}, but this machine has {count} GPU(s)")));
-        }
+        let ordinal = pick_ordinal(ordinal, local_rank, count)?;
         let mut name = [0 as c_char; 256];
         let (mut total, mut stream) = (0usize, std::ptr::null_mut());
         // SAFETY: as above; `name` holds the 256 bytes passed.
@@ -76,7 +69,7 @@ impl HipGpu {
         let name = unsafe { CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned();
         hooks::install(&HipDriver, stream as usize)
             .map_err(|e| StageError::Device(format!("{e}; the stage's code object is for {arch}: is device {ordinal} ({name}) one?")))?;
-        Ok(HipGpu { ordinal, name, total_bytes: total })
+        Ok(HipGpu(DeviceInfo { ordinal, name, total_bytes: total }))
     }
 }
 
@@ -159,16 +152,8 @@ fn destroy_graph(exec: usize) {
 }
 
 impl Gpu for HipGpu {
-    fn ordinal(&self) -> i32 {
-        self.ordinal
-    }
-
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn total_bytes(&self) -> usize {
-        self.total_bytes
+    fn info(&self) -> &DeviceInfo {
+        &self.0
     }
 
     fn free_bytes(&self) -> Result<usize, StageError> {
@@ -217,14 +202,6 @@ impl Gpu for HipGpu {
         unsafe { checked("hipStreamSynchronize", (hip().hipStreamSynchronize)(hooks::stream() as *mut c_void)) }
     }
 
-    fn scratch_bytes(&self) -> (u64, u64) {
-        hooks::scratch_bytes()
-    }
-
-    fn trim_scratch(&self) {
-        hooks::trim_pool()
-    }
-
     /// Runs `f` (the generated step) with the stream capturing, in relaxed
     /// mode as on CUDA (a scratch pool miss may still allocate), and
     /// returns the instantiated HIP graph.
@@ -256,15 +233,7 @@ impl Gpu for HipGpu {
 
     fn set_prefill(&self, _prefill: bool) {}
 
-    fn links_available(&self) -> Result<(), StageError> {
-        peer::RCCL.availability()
-    }
-
-    fn link_id(&self) -> Result<[u8; 128], StageError> {
-        peer::RCCL.unique_id()
-    }
-
-    fn join_link(&self, id: [u8; 128], ranks: i32, rank: i32) -> Result<Box<dyn PeerLink>, StageError> {
-        Ok(Box::new(peer::RCCL.join(id, ranks, rank)?))
+    fn collectives(&self) -> &'static peer::Collectives {
+        &peer::RCCL
     }
 }
