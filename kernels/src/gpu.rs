@@ -219,19 +219,30 @@ impl GpuTarget {
     }
 }
 
+/// The i32, f32 and i1 types of an fp8 decode: scalars, or vectors of
+/// `lanes` when `Some`.
+fn lane_types(lanes: Option<usize>) -> [String; 3] {
+    match lanes {
+        Some(n) => [format!("vector<{n}xi32>"), format!("vector<{n}xf32>"), format!("vector<{n}xi1>")],
+        None => ["i32".to_string(), "f32".to_string(), "i1".to_string()],
+    }
+}
+
+/// The constant `%{d}_{name}` = `v` of type `ty` (splat over the lanes).
+fn lane_const(d: &str, name: &str, v: &str, ty: &str, lanes: Option<usize>) -> String {
+    match lanes {
+        Some(_) => format!("%{d}_{name} = arith.constant dense<{v}> : {ty}\n"),
+        None => format!("%{d}_{name} = arith.constant {v} : {ty}\n"),
+    }
+}
+
 /// `%{d}` = the `float8_e4m3fn` value(s) of the byte(s) `b` (i32, or
 /// `vector<N x i32>` when `lanes` is `Some(N)`), from `h`, what gfx942's
 /// converter made of them as `float8_e4m3fnuz`: `2·h`, but −0 for `0x80`
 /// (FNUZ's NaN) and NaN for `0x7F` and `0xFF` (FNUZ's ±240).
 fn fnuz_fixup(d: &str, h: &str, b: &str, lanes: Option<usize>) -> String {
-    let (it, ft, bt) = match lanes {
-        Some(n) => (format!("vector<{n}xi32>"), format!("vector<{n}xf32>"), format!("vector<{n}xi1>")),
-        None => ("i32".to_string(), "f32".to_string(), "i1".to_string()),
-    };
-    let c = |name: &str, v: &str, ty: &str| match lanes {
-        Some(_) => format!("%{d}_{name} = arith.constant dense<{v}> : {ty}\n"),
-        None => format!("%{d}_{name} = arith.constant {v} : {ty}\n"),
-    };
+    let [it, ft, bt] = lane_types(lanes);
+    let c = |name: &str, v: &str, ty: &str| lane_const(d, name, v, ty, lanes);
     format!(
         "{}{}{}{}\
          %{d}_x2 = arith.addf {h}, {h} : {ft}\n\
@@ -255,18 +266,8 @@ fn fnuz_fixup(d: &str, h: &str, b: &str, lanes: Option<usize>) -> String {
 /// and `0xFF`. No subnormal f32 is formed, so a target that flushes them
 /// decodes the same.
 fn fp8_bits(d: &str, b: &str, lanes: Option<usize>) -> String {
-    let (it, ft) = match lanes {
-        Some(n) => (format!("vector<{n}xi32>"), format!("vector<{n}xf32>")),
-        None => ("i32".to_string(), "f32".to_string()),
-    };
-    let bt = match lanes {
-        Some(n) => format!("vector<{n}xi1>"),
-        None => "i1".to_string(),
-    };
-    let c = |name: &str, v: &str, ty: &str| match lanes {
-        Some(_) => format!("%{d}_{name} = arith.constant dense<{v}> : {ty}\n"),
-        None => format!("%{d}_{name} = arith.constant {v} : {ty}\n"),
-    };
+    let [it, ft, bt] = lane_types(lanes);
+    let c = |name: &str, v: &str, ty: &str| lane_const(d, name, v, ty, lanes);
     let mut s = String::new();
     for (name, v) in [("k0", "0"), ("k1", "1"), ("k3", "3"), ("k7", "7"), ("k8", "8"), ("k15", "15"), ("k23", "23"), ("k24", "24")] {
         s.push_str(&c(name, v, &it));
