@@ -1,5 +1,6 @@
 //! The host linear when the widths allow vectors: register-tiled, with
-//! bf16/F16/MXFP8 weights decoded into f32 panels once per tile at prefill.
+//! bf16/F16/MXFP8 weights decoded into f32 panels, one K block of an output
+//! tile at a time, at prefill.
 //!
 //! # The summation order, and why it never depends on the tile
 //! Every output `y[r, o]` is the same sum whatever path computes it:
@@ -47,12 +48,27 @@ const TILE_BYTES: usize = 128 * 1024;
 /// a micro-tile's 4 panel rows (12 KB) then stay in L1 while every row
 /// group of the tile passes them, and its 3 activation rows (9 KB) come
 /// from L2. Measured on the real widths at 512 rows (`m3c bench-kernels`):
-/// 6144 × 6144 in 580 ms against 790 unblocked, while widths up to 1536
-/// run faster unblocked.
+/// 6144 × 6144 in 580 ms against 790 unblocked.
 const KC: usize = 768;
 
-/// Reductions longer than this are K-blocked.
-const KC_FROM: usize = 2048;
+/// Reductions longer than this are K-blocked. With panels decoded per K
+/// block into wide output tiles, the vision tower's 1280-input linears at
+/// 2304 rows went from 41–56 % of the FMA peak unblocked to 63–70 %
+/// (paired runs; the expert's 6144 × 1536 at 512 rows from 61–69 % to
+/// 56–76 %). The tiny fixtures' widths stay unblocked.
+const KC_FROM: usize = 1024;
+
+/// Rows of a K-blocked row tile: their K block (288 KB) stays in L2 while
+/// every output of the tile passes it.
+const KC_ROWS: usize = 96;
+
+/// Outputs of a K-blocked output tile, at most. The tile's activations are
+/// read from L3 once per output tile, so wider tiles read them fewer times;
+/// the panel is decoded per K block and streamed once per row tile, and
+/// only its four rows in use need stay in L1. Measured on the real widths
+/// at 512 rows against 44 (`m3c bench-kernels`, paired runs): 6144 × 6144,
+/// 1280 × 5120 and 6144 × 24576 from 46–54 % of the FMA peak to 54–73 %.
+const KC_OUTS: usize = 176;
 
 /// Whether this path applies: every input width of MiniMax-M3 (and of the
 /// tiny fixtures) is a multiple of 32, as MXFP8's blocks require.
@@ -112,7 +128,7 @@ impl Micro {
         let (wt, xt) = (self.w_ty(), self.x_ty());
         let (sa, st) = if self.mxfp8_block().is_some() { (format!(", {s}"), ", memref<?x?xi8>") } else { (String::new(), "") };
         format!(
-            "func.call @{}(%xd, {w}{sa}, %acs, {idx}) : ({xt}, {wt}{st}, {ACC}, index, index, index, index, index, index, index) -> ()\n",
+            "func.call @{}(%xd, {w}{sa}, %acs, {idx}) : ({xt}, {wt}{st}, {ACC}, index, index, index, index, index, index, index, index) -> ()\n",
             self.symbol()
         )
     }
@@ -157,8 +173,15 @@ impl Micro {
             for j in 0..m {
                 s.push_str(&load_f32xn(LANES, &format!("%kx{j}{t}"), "%x", &xt, &row(j), col, act));
             }
+            s.push_str(&format!("%kwc{t} = arith.subi {col}, %wc0 : index\n"));
             for q in 0..n {
-                s.push_str(&weight_vector(weight, ("%w", &wt), &format!("%wk{q}{t}"), (&format!("%kw{q}"), col), &format!("%ksv{q}")));
+                s.push_str(&weight_vector(
+                    weight,
+                    ("%w", &wt),
+                    &format!("%wk{q}{t}"),
+                    (&format!("%kw{q}"), &format!("%kwc{t}")),
+                    &format!("%ksv{q}"),
+                ));
                 for j in 0..m {
                     let i = j * n + q;
                     s.push_str(&format!(
@@ -229,7 +252,7 @@ impl Micro {
         let stores: String = (0..n_acc).map(|a| format!("vector.store %acc#{a}, {}\n", slot(a))).collect();
         // Not inlined: one copy serves every call site (see the module doc).
         format!(
-            "  func.func private @{}(%x: {xt}, %w: {wt}{s_param}, %acs: {ACC}, %r0: index, %wo0: index, %ar: index, %ao: index, %qs: index, %k0: index, %k1: index) attributes {{passthrough = [\"noinline\"]}} {{\n{}  }}\n",
+            "  func.func private @{}(%x: {xt}, %w: {wt}{s_param}, %acs: {ACC}, %r0: index, %wo0: index, %ar: index, %ao: index, %qs: index, %k0: index, %k1: index, %wc0: index) attributes {{passthrough = [\"noinline\"]}} {{\n{}  }}\n",
             self.symbol(),
             indent(&format!("{head}{body}{stores}return\n"), 4)
         )
@@ -287,13 +310,35 @@ fn weight_vector(weight: WeightType, (mem, wt): (&str, &str), dst: &str, (o, i):
     }
 }
 
+/// Inputs per K block: the whole reduction up to [`KC_FROM`], else [`KC`]
+/// (the last block shorter). Even blocks (640 + 640 at 1280 inputs) ran
+/// 10–20 points of the FMA peak slower than 768 + 512 in paired runs.
+fn k_block(inp: usize) -> usize {
+    if inp > KC_FROM {
+        KC
+    } else {
+        inp
+    }
+}
+
 /// The tile sizes of one linear's shape.
-fn tiles_of(inp: usize, out: usize) -> (usize, usize) {
-    let span = if inp > KC_FROM { KC } else { inp };
-    let row_tile = (TILE_BYTES / (span * 4)).clamp(MR, 96) / MR * MR;
-    // A multiple of NR, small enough for L2 and for every core to get tiles.
-    let out_tile = (TILE_BYTES / (span * 4)).min(out.div_ceil(16)).max(NR).next_multiple_of(NR);
-    (row_tile, out_tile)
+#[derive(Clone, Copy)]
+struct Tiles {
+    rows: usize,
+    /// Outputs per tile when the weights are decoded into panels.
+    outs_packed: usize,
+    /// Outputs per tile when they are read in place (decode): the tile's
+    /// four weight strands then stay close enough for the prefetcher
+    /// (176-output tiles halved MXFP8 decode over 24576 inputs).
+    outs_direct: usize,
+}
+
+fn tiles_of(inp: usize, out: usize) -> Tiles {
+    // A multiple of NR, with enough tiles for every core to get some.
+    let outs = |n: usize| n.min(out.div_ceil(16)).max(NR).next_multiple_of(NR);
+    let fit = TILE_BYTES / (k_block(inp) * 4);
+    let (rows, outs_packed) = if inp > KC_FROM { (KC_ROWS, KC_OUTS) } else { (fit.clamp(MR, 96) / MR * MR, fit) };
+    Tiles { rows, outs_packed: outs(outs_packed), outs_direct: outs(fit) }
 }
 
 /// The function that computes one output tile for every row: shared by all
@@ -366,14 +411,12 @@ impl Tile {
                 "%pack_min = arith.constant {PACK_MIN_ROWS} : index\n\
                  %pack = arith.cmpi uge, %rows, %pack_min : index\n\
                  scf.if %pack {{\n\
-                 \x20 %pwd = memref.alloc(%cot, %cin) {{alignment = 64 : i64}} : memref<?x?xf32>\n\
-                 {fill}\
+                 \x20 %pwd = memref.alloc(%cot, %kstep) {{alignment = 64 : i64}} : memref<?x?xf32>\n\
                  {panel}\
                  \x20 memref.dealloc %pwd : memref<?x?xf32>\n\
                  }} else {{\n\
                  {direct}\
                  }}\n",
-                fill = indent(&self.pack(), 2),
                 panel = indent(&self.tile_loops(Source::Panel), 2),
                 direct = indent(&self.tile_loops(Source::Direct), 2),
             ),
@@ -397,21 +440,24 @@ impl Tile {
         )
     }
 
-    /// Decodes outputs `%ot..%ot_end` of the weights into the panel `%pwd`.
+    /// Decodes outputs `%ot..%ot_end`, inputs `%kb0..%kb1` (one K block)
+    /// of the weights into the panel `%pwd`, its column 0 at input `%kb0`.
     fn pack(&self) -> String {
         let wt = &self.types()[1];
         let pt = "memref<?x?xf32>";
         let per_vector = format!(
-            "{}vector.store %wp, %pwd[%pr, %ki] : {pt}, {V}\n",
+            "{}%pc = arith.subi %ki, %kb0 : index\nvector.store %wp, %pwd[%pr, %pc] : {pt}, {V}\n",
             weight_vector(self.weight, ("%wd", wt), "%wp", ("%po", "%ki"), "%psv")
         );
         let mut consts = String::from("%cl = arith.constant 8 : index\n");
         let inner = match self.weight {
             WeightType::Mxfp8 { block } => {
-                consts.push_str(&format!("%cb = arith.constant {block} : index\n%cnb = arith.divui %cin, %cb : index\n{E8M0_CONSTANTS}"));
+                consts.push_str(&format!(
+                    "%cb = arith.constant {block} : index\n%pb0 = arith.divui %kb0, %cb : index\n%pb1 = arith.divui %kb1, %cb : index\n{E8M0_CONSTANTS}"
+                ));
                 consts.push_str(&fp8_consts());
                 format!(
-                    "scf.for %b = %c0 to %cnb step %c1 {{\n\
+                    "scf.for %b = %pb0 to %pb1 step %c1 {{\n\
                      \x20 %sb = memref.load %s[%po, %b] : memref<?x?xi8>\n\
                      {dec}\
                      \x20 %psv = vector.broadcast %scale : f32 to {V}\n\
@@ -425,7 +471,7 @@ impl Tile {
                     store = indent(&per_vector, 4),
                 )
             }
-            _ => format!("scf.for %ki = %c0 to %cin step %cl {{\n{}}}\n", indent(&per_vector, 2)),
+            _ => format!("scf.for %ki = %kb0 to %kb1 step %cl {{\n{}}}\n", indent(&per_vector, 2)),
         };
         format!("{consts}scf.for %po = %ot to %ot_end step %c1 {{\n\x20 %pr = arith.subi %po, %ot : index\n{}}}\n", indent(&inner, 2))
     }
@@ -443,14 +489,28 @@ impl Tile {
         // one long line that the hardware prefetcher follows (neighbouring
         // rows would make four streams of one row each, restarting every
         // row).
-        let (o_end, o_step, qs, w, wo0) = match src {
-            Source::Panel => ("%oq_end", "%cnr", "%c1", "%pwd", "%aor"),
-            Source::Direct => ("%oq_str", "%c1", "%nq0", "%wd", "%o0"),
+        let (o_end, o_step, qs, w, wo0, wc0) = match src {
+            Source::Panel => ("%oq_end", "%cnr", "%c1", "%pwd", "%aor", "%kb0"),
+            Source::Direct => ("%oq_str", "%c1", "%nq0", "%wd", "%o0", "%c0"),
         };
+        // A panel holds one K block of the tile's outputs, so it stays in L2
+        // however long the reduction. It is decoded for each row tile when
+        // there are several blocks, and once when one block is the whole.
+        let fill = match src {
+            Source::Panel => format!(
+                "%first_rt = arith.cmpi eq, %rt, %c0 : index\n\
+                 %blocked = arith.cmpi ult, %kstep, %cin : index\n\
+                 %refill = arith.ori %first_rt, %blocked : i1\n\
+                 scf.if %refill {{\n{}}}\n",
+                indent(&self.pack(), 2)
+            ),
+            Source::Direct => String::new(),
+        };
+        let fill = indent(&fill, 4);
         let micros = self.micros(src);
         let call = |m: usize, n: usize| -> String {
             let mc = micros.iter().find(|mc| mc.m == m && mc.n == n).expect("the micro-tile is listed");
-            format!("%arr = arith.subi %r0, %rt : index\n{}", mc.call(w, "%s", &format!("%r0, {wo0}, %arr, %aor, %qs, %kb0, %kb1")))
+            format!("%arr = arith.subi %r0, %rt : index\n{}", mc.call(w, "%s", &format!("%r0, {wo0}, %arr, %aor, %qs, %kb0, %kb1, {wc0}")))
         };
         let rows_of = |n: usize| {
             if self.row_groups(src) {
@@ -487,6 +547,7 @@ impl Tile {
              \x20 scf.for %kb0 = %c0 to %cin step {k_step} {{\n\
              \x20   %kb1a = arith.addi %kb0, {k_step} : index\n\
              \x20   %kb1 = arith.minui %kb1a, %cin : index\n\
+             {fill}\
              \x20   scf.for %o0 = %ot to {o_end} step {o_step} {{\n\
              \x20     %aor = arith.subi %o0, %ot : index\n\
              {quads}\
@@ -526,7 +587,7 @@ pub fn globals(weight: WeightType, act: Storage, out_act: Storage) -> Vec<(Strin
 /// output tiles, in parallel, each through the shared tile function.
 pub fn body(inp: usize, out: usize, weight: WeightType, act: Storage, out_act: Storage) -> String {
     debug_assert!(vectorizes(inp, weight) && LANES == 8);
-    let (row_tile, out_tile) = tiles_of(inp, out);
+    let tiles = tiles_of(inp, out);
     let t = Tile { weight, act, out_act };
     let [xt, wt, yt] = t.types();
     let x = format!("memref<?x{inp}x{}>", act.mlir_elem());
@@ -540,17 +601,27 @@ pub fn body(inp: usize, out: usize, weight: WeightType, act: Storage, out_act: S
     if let WeightType::Mxfp8 { block } = weight {
         casts.push_str(&format!("%sd = memref.cast %s : memref<{out}x{}xi8> to memref<?x?xi8>\n", inp / block));
     }
-    let kstep = if inp > KC_FROM { KC } else { inp };
+    let kstep = k_block(inp);
     let tile = format!("%ot_end0 = arith.addi %ot, %cot : index\n%ot_end = arith.minui %ot_end0, %cout : index\n{}", t.call("%ckstep"));
     format!(
         "{BASICS}{consts}\
          %rows = memref.dim %x, %c0 : {x}\n\
+         %packs = arith.cmpi uge, %rows, %cpack_min : index\n\
+         %cot = arith.select %packs, %cot_p, %cot_d : index\n\
          {casts}\
          %work0 = arith.constant {macs} : index\n\
          %work = arith.muli %rows, %work0 : index\n\
          {tiles}\
          return\n",
-        consts = index_consts(&[("cout", out), ("cin", inp), ("crt", row_tile), ("cot", out_tile), ("ckstep", kstep)]),
+        consts = index_consts(&[
+            ("cout", out),
+            ("cin", inp),
+            ("crt", tiles.rows),
+            ("cot_p", tiles.outs_packed),
+            ("cot_d", tiles.outs_direct),
+            ("ckstep", kstep),
+            ("cpack_min", PACK_MIN_ROWS),
+        ]),
         macs = inp * out,
         tiles = parallel_or_serial("%work", &["%ot"], &["%c0"], &["%cout"], &["%cot"], &tile),
     )
