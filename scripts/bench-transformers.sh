@@ -21,6 +21,8 @@ import os, statistics, sys, time
 import torch, transformers
 model_dir, n, runs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 torch.set_num_threads(os.cpu_count())
+# Its progress bar would land in the middle of bench.sh's table.
+transformers.utils.logging.disable_progress_bar()
 m = transformers.MiniMaxM3SparseForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
 # Ids 3..402: clear of the special and image placeholder ids, as bench.sh's prompts.
 ids = torch.tensor([[i % 400 + 3 for i in range(n)]])
