@@ -94,9 +94,9 @@ enum Source {
     Panel,
 }
 
-/// A micro-tile function: rows `r0..r0+m` of `x` against weight rows
-/// `wo0 + q·qs` (q < n) over inputs `k0..k1`, adding to the lane sums at
-/// `acc[ar + j, ao + q·qs]`.
+/// A micro-tile function: rows `r0..r1` of `x`, `m` at a time, against
+/// weight rows `wo0 + q·qs` (q < n) over inputs `k0..k1`, adding to the
+/// lane sums at `acc[ar + (r - r0), ao + q·qs]`.
 #[derive(Clone, Copy)]
 struct Micro {
     m: usize,
@@ -124,11 +124,11 @@ impl Micro {
     }
 
     /// The call: `x`, `w` (and `s`) as dynamic memrefs, then the indices.
-    fn call(&self, w: &str, s: &str, idx: &str) -> String {
+    fn call(&self, x: &str, w: &str, s: &str, idx: &str) -> String {
         let (wt, xt) = (self.w_ty(), self.x_ty());
         let (sa, st) = if self.mxfp8_block().is_some() { (format!(", {s}"), ", memref<?x?xi8>") } else { (String::new(), "") };
         format!(
-            "func.call @{}(%xd, {w}{sa}, %acs, {idx}) : ({xt}, {wt}{st}, {ACC}, index, index, index, index, index, index, index, index) -> ()\n",
+            "func.call @{}({x}, {w}{sa}, %acs, {idx}) : ({xt}, {wt}{st}, {ACC}, index, index, index, index, index, index, index, index) -> ()\n",
             self.symbol()
         )
     }
@@ -138,13 +138,16 @@ impl Micro {
         let Micro { m, n, weight, act } = *self;
         let (xt, wt) = (self.x_ty(), self.w_ty());
         let s_param = if self.mxfp8_block().is_some() { ", %s: memref<?x?xi8>" } else { "" };
-        let row = |j: usize| if j == 0 { "%r0".to_string() } else { format!("%kr{j}") };
-        let mut head = format!("{BASICS}%cl = arith.constant {LANES} : index\n");
+        let row = |j: usize| if j == 0 { "%rg".to_string() } else { format!("%kr{j}") };
+        let mut head = format!("{BASICS}%cl = arith.constant {LANES} : index\n%cm = arith.constant {m} : index\n");
+        // Per row group: its rows in `x` and in the lane sums, and the sums.
+        let mut rowhead = String::new();
         for j in 1..m {
-            head.push_str(&format!("%c{j}_k = arith.constant {j} : index\n%kr{j} = arith.addi %r0, %c{j}_k : index\n"));
+            head.push_str(&format!("%c{j}_k = arith.constant {j} : index\n"));
+            rowhead.push_str(&format!("%kr{j} = arith.addi %rg, %c{j}_k : index\n"));
         }
         for j in 0..m {
-            head.push_str(&format!("%ka{j} = arith.addi %ar, {} : index\n", if j == 0 { "%c0".into() } else { format!("%c{j}_k") }));
+            rowhead.push_str(&format!("%ka{j} = arith.addi %arg, {} : index\n", if j == 0 { "%c0".into() } else { format!("%c{j}_k") }));
         }
         for q in 0..n {
             head.push_str(&format!(
@@ -162,7 +165,7 @@ impl Micro {
         let iter_args = |p: &str, init: &[String]| (0..n_acc).map(|a| format!("%{p}{a} = {}", init[a])).collect::<Vec<_>>().join(", ");
         let slot = |a: usize| format!("%acs[%ka{}, %kc{}, %c0] : {ACC}, {V}", a / n, a % n);
         for a in 0..n_acc {
-            head.push_str(&format!("%kin{a} = vector.load {}\n", slot(a)));
+            rowhead.push_str(&format!("%kin{a} = vector.load {}\n", slot(a)));
         }
         // One step at column `%ki` from accumulators `a` to `b`: each
         // weight vector right before its m FMAs, so m activation registers,
@@ -173,15 +176,8 @@ impl Micro {
             for j in 0..m {
                 s.push_str(&load_f32xn(LANES, &format!("%kx{j}{t}"), "%x", &xt, &row(j), col, act));
             }
-            s.push_str(&format!("%kwc{t} = arith.subi {col}, %wc0 : index\n"));
             for q in 0..n {
-                s.push_str(&weight_vector(
-                    weight,
-                    ("%w", &wt),
-                    &format!("%wk{q}{t}"),
-                    (&format!("%kw{q}"), &format!("%kwc{t}")),
-                    &format!("%ksv{q}"),
-                ));
+                s.push_str(&weight_vector(weight, ("%w", &wt), &format!("%wk{q}{t}"), (&format!("%kw{q}"), col), &format!("%ksv{q}")));
                 for j in 0..m {
                     let i = j * n + q;
                     s.push_str(&format!(
@@ -250,11 +246,22 @@ impl Micro {
             ),
         };
         let stores: String = (0..n_acc).map(|a| format!("vector.store %acc#{a}, {}\n", slot(a))).collect();
+        // The row groups loop here, not around the call: the call's entry
+        // (about 60 instructions unpacking memref descriptors) is then paid
+        // once per output quad and K block, not once per 1,152 FMAs.
+        let groups = format!(
+            "scf.for %rg = %r0 to %r1 step %cm {{\n\
+             \x20 %rga = arith.subi %rg, %r0 : index\n\
+             \x20 %arg = arith.addi %ar, %rga : index\n\
+             {}\
+             }}\n",
+            indent(&format!("{rowhead}{body}{stores}"), 2)
+        );
         // Not inlined: one copy serves every call site (see the module doc).
         format!(
-            "  func.func private @{}(%x: {xt}, %w: {wt}{s_param}, %acs: {ACC}, %r0: index, %wo0: index, %ar: index, %ao: index, %qs: index, %k0: index, %k1: index, %wc0: index) attributes {{passthrough = [\"noinline\"]}} {{\n{}  }}\n",
+            "  func.func private @{}(%x: {xt}, %w: {wt}{s_param}, %acs: {ACC}, %r0: index, %r1: index, %wo0: index, %ar: index, %ao: index, %qs: index, %k0: index, %k1: index) attributes {{passthrough = [\"noinline\"]}} {{\n{}  }}\n",
             self.symbol(),
-            indent(&format!("{head}{body}{stores}return\n"), 4)
+            indent(&format!("{head}{groups}return\n"), 4)
         )
     }
 }
@@ -373,13 +380,13 @@ impl Tile {
     /// The micro-tiles a pass from `src` calls: 4 outputs, then 1 for
     /// widths that leave some over.
     fn micros(&self, src: Source) -> Vec<Micro> {
-        let weight = if src == Source::Panel { WeightType::F32 } else { self.weight };
+        let (weight, act) = if src == Source::Panel { (WeightType::F32, Storage::F32) } else { (self.weight, self.act) };
         let mut ms = Vec::new();
         for n in [NR, 1] {
             if self.row_groups(src) {
-                ms.push(Micro { m: MR, n, weight, act: self.act });
+                ms.push(Micro { m: MR, n, weight, act });
             }
-            ms.push(Micro { m: 1, n, weight, act: self.act });
+            ms.push(Micro { m: 1, n, weight, act });
         }
         ms
     }
@@ -412,7 +419,9 @@ impl Tile {
                  %pack = arith.cmpi uge, %rows, %pack_min : index\n\
                  scf.if %pack {{\n\
                  \x20 %pwd = memref.alloc(%cot, %kstep) {{alignment = 64 : i64}} : memref<?x?xf32>\n\
+                 \x20 %xp = memref.alloc(%rtm, %kstep) {{alignment = 64 : i64}} : memref<?x?xf32>\n\
                  {panel}\
+                 \x20 memref.dealloc %xp : memref<?x?xf32>\n\
                  \x20 memref.dealloc %pwd : memref<?x?xf32>\n\
                  }} else {{\n\
                  {direct}\
@@ -425,6 +434,7 @@ impl Tile {
             "{BASICS}\
              %cmr = arith.constant {MR} : index\n\
              %cnr = arith.constant {NR} : index\n\
+             %c8 = arith.constant {LANES} : index\n\
              %vz = arith.constant dense<0.0> : {V}\n\
              %rtm = arith.minui %crt, %rows : index\n\
              %acs = memref.alloc(%rtm, %cot) {{alignment = 64 : i64}} : {ACC}\n\
@@ -489,39 +499,55 @@ impl Tile {
         // one long line that the hardware prefetcher follows (neighbouring
         // rows would make four streams of one row each, restarting every
         // row).
-        let (o_end, o_step, qs, w, wo0, wc0) = match src {
-            Source::Panel => ("%oq_end", "%cnr", "%c1", "%pwd", "%aor", "%kb0"),
-            Source::Direct => ("%oq_str", "%c1", "%nq0", "%wd", "%o0", "%c0"),
+        let (o_end, o_step, qs, w) = match src {
+            Source::Panel => ("%oq_end", "%cnr", "%c1", "%pwd"),
+            Source::Direct => ("%oq_str", "%c1", "%nq0", "%wd"),
         };
         // A panel holds one K block of the tile's outputs, so it stays in L2
         // however long the reduction. It is decoded for each row tile when
         // there are several blocks, and once when one block is the whole.
+        // The row tile's K block of activations is copied to `%xp` (f32,
+        // rows `kstep` apart) beside the panel, so every output quad's pass
+        // reads one contiguous block: bf16 activations are widened once,
+        // not once per quad, and rows of 6144 inputs (24 KB apart, twelve
+        // of 96 on the same L2 sets) no longer evict each other.
         let fill = match src {
             Source::Panel => format!(
                 "%first_rt = arith.cmpi eq, %rt, %c0 : index\n\
                  %blocked = arith.cmpi ult, %kstep, %cin : index\n\
                  %refill = arith.ori %first_rt, %blocked : i1\n\
-                 scf.if %refill {{\n{}}}\n",
-                indent(&self.pack(), 2)
+                 scf.if %refill {{\n{}}}\n\
+                 %klen = arith.subi %kb1, %kb0 : index\n\
+                 scf.for %xr = %rt to %rt_end step %c1 {{\n\
+                 \x20 %xri = arith.subi %xr, %rt : index\n\
+                 \x20 scf.for %xk = %kb0 to %kb1 step %c8 {{\n\
+                 {}\
+                 \x20   %xkc = arith.subi %xk, %kb0 : index\n\
+                 \x20   vector.store %xv, %xp[%xri, %xkc] : memref<?x?xf32>, {V}\n\
+                 \x20 }}\n\
+                 }}\n",
+                indent(&self.pack(), 2),
+                indent(&load_f32xn(LANES, "%xv", "%xd", &self.types()[0], "%xr", "%xk", self.act), 4),
             ),
             Source::Direct => String::new(),
         };
         let fill = indent(&fill, 4);
         let micros = self.micros(src);
-        let call = |m: usize, n: usize| -> String {
+        // Rows `from..to` of the row tile (relative to `%rt`, and absolute
+        // as `abs_from..abs_to`) in groups of `m`: the packed activations
+        // `%xp` start at the tile's first row, the activations in place at 0.
+        let call = |m: usize, n: usize, (from, to): (&str, &str), (abs_from, abs_to): (&str, &str)| -> String {
             let mc = micros.iter().find(|mc| mc.m == m && mc.n == n).expect("the micro-tile is listed");
-            format!("%arr = arith.subi %r0, %rt : index\n{}", mc.call(w, "%s", &format!("%r0, {wo0}, %arr, %aor, %qs, %kb0, %kb1, {wc0}")))
+            match src {
+                Source::Panel => mc.call("%xp", w, "%s", &format!("{from}, {to}, %aor, {from}, %aor, %qs, %c0, %klen")),
+                Source::Direct => mc.call("%xd", w, "%s", &format!("{abs_from}, {abs_to}, %o0, {from}, %aor, %qs, %kb0, %kb1")),
+            }
         };
         let rows_of = |n: usize| {
             if self.row_groups(src) {
-                format!(
-                    "scf.for %r0 = %rt to %rfull step %cmr {{\n{}}}\n\
-                     scf.for %r0 = %rfull to %rt_end step %c1 {{\n{}}}\n",
-                    indent(&call(MR, n), 2),
-                    indent(&call(1, n), 2)
-                )
+                call(MR, n, ("%c0", "%nf"), ("%rt", "%rfull")) + &call(1, n, ("%nf", "%rn"), ("%rfull", "%rt_end"))
             } else {
-                format!("scf.for %r0 = %rt to %rt_end step %c1 {{\n{}}}\n", indent(&call(1, n), 2))
+                call(1, n, ("%c0", "%rn"), ("%rt", "%rt_end"))
             }
         };
         let red = hsum("%zs", "%zv") + &store_f32("%zs", "%y", &self.types()[2], "%zr", "%zo", self.out_act);
