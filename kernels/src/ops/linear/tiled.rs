@@ -1,6 +1,6 @@
 //! The host linear when the widths allow vectors: register-tiled, with
-//! bf16/F16/MXFP8 weights decoded into f32 panels, one K block of an output
-//! tile at a time, at prefill.
+//! bf16/F16/MXFP8 weights decoded into f32 panels of an output tile (its
+//! whole reduction, or one K block at a time) at prefill.
 //!
 //! # The summation order, and why it never depends on the tile
 //! Every output `y[r, o]` is the same sum whatever path computes it:
@@ -128,7 +128,7 @@ impl Micro {
         let (wt, xt) = (self.w_ty(), self.x_ty());
         let (sa, st) = if self.mxfp8_block().is_some() { (format!(", {s}"), ", memref<?x?xi8>") } else { (String::new(), "") };
         format!(
-            "func.call @{}({x}, {w}{sa}, %acs, {idx}) : ({xt}, {wt}{st}, {ACC}, index, index, index, index, index, index, index, index) -> ()\n",
+            "func.call @{}({x}, {w}{sa}, %acs, {idx}) : ({xt}, {wt}{st}, {ACC}, index, index, index, index, index, index, index, index, index) -> ()\n",
             self.symbol()
         )
     }
@@ -176,8 +176,15 @@ impl Micro {
             for j in 0..m {
                 s.push_str(&load_f32xn(LANES, &format!("%kx{j}{t}"), "%x", &xt, &row(j), col, act));
             }
+            s.push_str(&format!("%kwc{t} = arith.addi {col}, %wc : index\n"));
             for q in 0..n {
-                s.push_str(&weight_vector(weight, ("%w", &wt), &format!("%wk{q}{t}"), (&format!("%kw{q}"), col), &format!("%ksv{q}")));
+                s.push_str(&weight_vector(
+                    weight,
+                    ("%w", &wt),
+                    &format!("%wk{q}{t}"),
+                    (&format!("%kw{q}"), &format!("%kwc{t}")),
+                    &format!("%ksv{q}"),
+                ));
                 for j in 0..m {
                     let i = j * n + q;
                     s.push_str(&format!(
@@ -259,7 +266,7 @@ impl Micro {
         );
         // Not inlined: one copy serves every call site (see the module doc).
         format!(
-            "  func.func private @{}(%x: {xt}, %w: {wt}{s_param}, %acs: {ACC}, %r0: index, %r1: index, %wo0: index, %ar: index, %ao: index, %qs: index, %k0: index, %k1: index) attributes {{passthrough = [\"noinline\"]}} {{\n{}  }}\n",
+            "  func.func private @{}(%x: {xt}, %w: {wt}{s_param}, %acs: {ACC}, %r0: index, %r1: index, %wo0: index, %ar: index, %ao: index, %qs: index, %k0: index, %k1: index, %wc: index) attributes {{passthrough = [\"noinline\"]}} {{\n{}  }}\n",
             self.symbol(),
             indent(&format!("{head}{groups}return\n"), 4)
         )
@@ -325,6 +332,23 @@ fn k_block(inp: usize) -> usize {
         KC
     } else {
         inp
+    }
+}
+
+/// Bytes a thread's panel may take to hold its output tile's whole
+/// reduction: such a panel is decoded once, on the first row tile, and the
+/// later row tiles read it from L3 instead of decoding every K block again
+/// (6144 × 6144: 4.3 MB). A longer one (the 2×2 merge's 24576 inputs)
+/// holds one K block and is decoded per row tile.
+const FULL_PANEL_BYTES: usize = 8 << 20;
+
+/// The inputs a panel holds: all of them where they fit
+/// [`FULL_PANEL_BYTES`], else one K block.
+fn panel_inputs(inp: usize, tiles: Tiles) -> usize {
+    if tiles.outs_packed * inp * 4 <= FULL_PANEL_BYTES {
+        inp
+    } else {
+        k_block(inp)
     }
 }
 
@@ -399,11 +423,11 @@ impl Tile {
     }
 
     /// The call for output tile `%ot..%ot_end`.
-    fn call(&self, kstep: &str) -> String {
+    fn call(&self, kstep: &str, pk: &str) -> String {
         let [xt, wt, yt] = self.types();
         let (s, st) = if self.has_scales() { (", %sd", ", memref<?x?xi8>") } else { ("", "") };
         format!(
-            "func.call @{}(%xd, %wd{s}, %yd, %ot, %ot_end, %rows, %cin, %crt, %cot, {kstep}) : ({xt}, {wt}{st}, {yt}, index, index, index, index, index, index, index) -> ()\n",
+            "func.call @{}(%xd, %wd{s}, %yd, %ot, %ot_end, %rows, %cin, %crt, %cot, {kstep}, {pk}) : ({xt}, {wt}{st}, {yt}, index, index, index, index, index, index, index, index) -> ()\n",
             self.symbol()
         )
     }
@@ -418,7 +442,7 @@ impl Tile {
                 "%pack_min = arith.constant {PACK_MIN_ROWS} : index\n\
                  %pack = arith.cmpi uge, %rows, %pack_min : index\n\
                  scf.if %pack {{\n\
-                 \x20 %pwd = memref.alloc(%cot, %kstep) {{alignment = 64 : i64}} : memref<?x?xf32>\n\
+                 \x20 %pwd = memref.alloc(%cot, %pk) {{alignment = 64 : i64}} : memref<?x?xf32>\n\
                  \x20 %xp = memref.alloc(%rtm, %kstep) {{alignment = 64 : i64}} : memref<?x?xf32>\n\
                  {panel}\
                  \x20 memref.dealloc %xp : memref<?x?xf32>\n\
@@ -444,7 +468,7 @@ impl Tile {
         );
         // Not inlined: one copy serves every linear (see the module doc).
         format!(
-            "  func.func private @{}(%xd: {xt}, %wd: {wt}{s_param}, %y: {yt}, %ot: index, %ot_end: index, %rows: index, %cin: index, %crt: index, %cot: index, %kstep: index) attributes {{passthrough = [\"noinline\"]}} {{\n{}  }}\n",
+            "  func.func private @{}(%xd: {xt}, %wd: {wt}{s_param}, %y: {yt}, %ot: index, %ot_end: index, %rows: index, %cin: index, %crt: index, %cot: index, %kstep: index, %pk: index) attributes {{passthrough = [\"noinline\"]}} {{\n{}  }}\n",
             self.symbol(),
             indent(&body, 4)
         )
@@ -456,7 +480,7 @@ impl Tile {
         let wt = &self.types()[1];
         let pt = "memref<?x?xf32>";
         let per_vector = format!(
-            "{}%pc = arith.subi %ki, %kb0 : index\nvector.store %wp, %pwd[%pr, %pc] : {pt}, {V}\n",
+            "{}%pc = arith.subi %ki, %pc0 : index\nvector.store %wp, %pwd[%pr, %pc] : {pt}, {V}\n",
             weight_vector(self.weight, ("%wd", wt), "%wp", ("%po", "%ki"), "%psv")
         );
         let mut consts = String::from("%cl = arith.constant 8 : index\n");
@@ -503,9 +527,10 @@ impl Tile {
             Source::Panel => ("%oq_end", "%cnr", "%c1", "%pwd"),
             Source::Direct => ("%oq_str", "%c1", "%nq0", "%wd"),
         };
-        // A panel holds one K block of the tile's outputs, so it stays in L2
-        // however long the reduction. It is decoded for each row tile when
-        // there are several blocks, and once when one block is the whole.
+        // A panel holds the tile's outputs over `%pk` inputs: the whole
+        // reduction (decoded K block by K block on the first row tile, read
+        // by the later ones), or, where that is too large, one K block
+        // (decoded again for each row tile, so it stays in L2).
         // The row tile's K block of activations is copied to `%xp` (f32,
         // rows `kstep` apart) beside the panel, so every output quad's pass
         // reads one contiguous block: bf16 activations are widened once,
@@ -514,10 +539,12 @@ impl Tile {
         let fill = match src {
             Source::Panel => format!(
                 "%first_rt = arith.cmpi eq, %rt, %c0 : index\n\
-                 %blocked = arith.cmpi ult, %kstep, %cin : index\n\
-                 %refill = arith.ori %first_rt, %blocked : i1\n\
+                 %pblocked = arith.cmpi ult, %pk, %cin : index\n\
+                 %refill = arith.ori %first_rt, %pblocked : i1\n\
+                 %pc0 = arith.select %pblocked, %kb0, %c0 : index\n\
                  scf.if %refill {{\n{}}}\n\
                  %klen = arith.subi %kb1, %kb0 : index\n\
+                 %wcol = arith.subi %kb0, %pc0 : index\n\
                  scf.for %xr = %rt to %rt_end step %c1 {{\n\
                  \x20 %xri = arith.subi %xr, %rt : index\n\
                  \x20 scf.for %xk = %kb0 to %kb1 step %c8 {{\n\
@@ -539,8 +566,8 @@ impl Tile {
         let call = |m: usize, n: usize, (from, to): (&str, &str), (abs_from, abs_to): (&str, &str)| -> String {
             let mc = micros.iter().find(|mc| mc.m == m && mc.n == n).expect("the micro-tile is listed");
             match src {
-                Source::Panel => mc.call("%xp", w, "%s", &format!("{from}, {to}, %aor, {from}, %aor, %qs, %c0, %klen")),
-                Source::Direct => mc.call("%xd", w, "%s", &format!("{abs_from}, {abs_to}, %o0, {from}, %aor, %qs, %kb0, %kb1")),
+                Source::Panel => mc.call("%xp", w, "%s", &format!("{from}, {to}, %aor, {from}, %aor, %qs, %c0, %klen, %wcol")),
+                Source::Direct => mc.call("%xd", w, "%s", &format!("{abs_from}, {abs_to}, %o0, {from}, %aor, %qs, %kb0, %kb1, %c0")),
             }
         };
         let rows_of = |n: usize| {
@@ -628,7 +655,8 @@ pub fn body(inp: usize, out: usize, weight: WeightType, act: Storage, out_act: S
         casts.push_str(&format!("%sd = memref.cast %s : memref<{out}x{}xi8> to memref<?x?xi8>\n", inp / block));
     }
     let kstep = k_block(inp);
-    let tile = format!("%ot_end0 = arith.addi %ot, %cot : index\n%ot_end = arith.minui %ot_end0, %cout : index\n{}", t.call("%ckstep"));
+    let tile =
+        format!("%ot_end0 = arith.addi %ot, %cot : index\n%ot_end = arith.minui %ot_end0, %cout : index\n{}", t.call("%ckstep", "%cpk"));
     format!(
         "{BASICS}{consts}\
          %rows = memref.dim %x, %c0 : {x}\n\
@@ -646,6 +674,7 @@ pub fn body(inp: usize, out: usize, weight: WeightType, act: Storage, out_act: S
             ("cot_p", tiles.outs_packed),
             ("cot_d", tiles.outs_direct),
             ("ckstep", kstep),
+            ("cpk", panel_inputs(inp, tiles)),
             ("cpack_min", PACK_MIN_ROWS),
         ]),
         macs = inp * out,
