@@ -832,8 +832,9 @@ fn gelu_is_the_exact_erf_gelu() {
 /// for all of them; at 2560, K blocks of 768 with a short last one, row
 /// tiles of 96 and a panel of the whole reduction decoded on the first;
 /// at 2816 × 12288, a panel too large for that, decoded per row tile and
-/// K block) and for every weight type and activation storage; and the
-/// batch matches an f64 reference.
+/// K block) and for every weight type and activation storage; K-blocked
+/// batches are the same bits on 1, 2 and 3 threads (which size their output
+/// tiles differently); and the batch matches an f64 reference.
 #[test]
 fn linear_rows_are_bit_identical_alone_and_in_any_batch() {
     linear_rows_alone_and_batched(150, 1024, &[2, 3, 5, 6, 7, 16, 20, 40], None);
@@ -841,6 +842,23 @@ fn linear_rows_are_bit_identical_alone_and_in_any_batch() {
     // Only the panel's weight types, and a few rows alone: the weights are
     // 35 M values.
     linear_rows_alone_and_batched(2816, 12288, &[100], Some(&[0, 2, 95, 96, 99]));
+}
+
+/// Runs `f` with the kernels' OpenMP thread count set to `threads` for
+/// this test thread (the setting is per thread, so parallel tests keep
+/// theirs), then restores it.
+fn with_threads<T>(lib: &libloading::Library, threads: i32, f: impl FnOnce() -> T) -> T {
+    // SAFETY: libomp's own entry points, with the C signatures its omp.h declares.
+    unsafe {
+        let get: libloading::Symbol<unsafe extern "C" fn() -> i32> = lib.get(b"omp_get_max_threads").unwrap();
+        let set: libloading::Symbol<unsafe extern "C" fn(i32)> = lib.get(b"omp_set_num_threads").unwrap();
+        let before = get();
+        set(threads);
+        assert_eq!(get(), threads, "omp_set_num_threads took effect");
+        let out = f();
+        set(before);
+        out
+    }
 }
 
 /// `alone_rows`: the rows computed alone and checked (all when `None`);
@@ -898,6 +916,13 @@ fn linear_rows_alone_and_batched(out: usize, inp: usize, batches: &[usize], alon
             let batch = run(0, n);
             for (r, y) in alone.iter().filter(|(r, _)| *r < n) {
                 assert_eq!(&batch[r * out..(r + 1) * out], &y[..], "{weight:?} {act:?}: row {r} of {n} differs from the row alone");
+            }
+            // K-blocked shapes size their output tiles by the thread count.
+            if inp > 1024 {
+                for threads in [1, 3] {
+                    let other = with_threads(&lib, threads, || run(0, n));
+                    assert!(other == batch, "{weight:?} {act:?}: {n} rows on {threads} thread(s) differ from the default");
+                }
             }
         }
         // The values: against f64 sums of the decoded weights.

@@ -118,7 +118,7 @@ impl KernelUnit for Linear {
     fn globals(&self) -> Vec<(String, String)> {
         let Linear { inp, weight, act, out_act, .. } = *self;
         if tiled::vectorizes(inp, weight) {
-            return tiled::globals(weight, act, out_act);
+            return tiled::globals(inp, weight, act, out_act);
         }
         match weight {
             WeightType::Mxfp8 { .. } => vec![("m3c_fp8_e4m3_lut".into(), fp8_lut_global())],

@@ -345,7 +345,8 @@ const FULL_PANEL_BYTES: usize = 8 << 20;
 /// The inputs a panel holds: all of them where they fit
 /// [`FULL_PANEL_BYTES`], else one K block.
 fn panel_inputs(inp: usize, tiles: Tiles) -> usize {
-    if tiles.outs_packed * inp * 4 <= FULL_PANEL_BYTES {
+    let outs = if tiles.outs_balanced { KC_OUTS } else { tiles.outs_packed };
+    if outs * inp * 4 <= FULL_PANEL_BYTES {
         inp
     } else {
         k_block(inp)
@@ -358,6 +359,9 @@ struct Tiles {
     rows: usize,
     /// Outputs per tile when the weights are decoded into panels.
     outs_packed: usize,
+    /// Whether the call picks the panel tiles' width at run time (the
+    /// K-blocked shapes; see [`balanced_outs`]).
+    outs_balanced: bool,
     /// Outputs per tile when they are read in place (decode): the tile's
     /// four weight strands then stay close enough for the prefetcher
     /// (176-output tiles halved MXFP8 decode over 24576 inputs).
@@ -369,7 +373,7 @@ fn tiles_of(inp: usize, out: usize) -> Tiles {
     let outs = |n: usize| n.min(out.div_ceil(16)).max(NR).next_multiple_of(NR);
     let fit = TILE_BYTES / (k_block(inp) * 4);
     let (rows, outs_packed) = if inp > KC_FROM { (KC_ROWS, KC_OUTS) } else { (fit.clamp(MR, 96) / MR * MR, fit) };
-    Tiles { rows, outs_packed: outs(outs_packed), outs_direct: outs(fit) }
+    Tiles { rows, outs_packed: outs(outs_packed), outs_balanced: inp > KC_FROM, outs_direct: outs(fit) }
 }
 
 /// The function that computes one output tile for every row: shared by all
@@ -629,9 +633,12 @@ impl Tile {
 
 /// The functions the linear calls, as (name, text) globals: its output-tile
 /// function and the micro-tiles that calls.
-pub fn globals(weight: WeightType, act: Storage, out_act: Storage) -> Vec<(String, String)> {
+pub fn globals(inp: usize, weight: WeightType, act: Storage, out_act: Storage) -> Vec<(String, String)> {
     let t = Tile { weight, act, out_act };
     let mut g = vec![(t.symbol(), t.text())];
+    if tiles_of(inp, 1).outs_balanced {
+        g.push(("omp_get_max_threads".into(), "  func.func private @omp_get_max_threads() -> i32\n".into()));
+    }
     g.extend(t.sources().into_iter().flat_map(|src| t.micros(src)).map(|m| (m.symbol(), m.text())));
     g
 }
@@ -661,6 +668,7 @@ pub fn body(inp: usize, out: usize, weight: WeightType, act: Storage, out_act: S
         "{BASICS}{consts}\
          %rows = memref.dim %x, %c0 : {x}\n\
          %packs = arith.cmpi uge, %rows, %cpack_min : index\n\
+         {balance}\
          %cot = arith.select %packs, %cot_p, %cot_d : index\n\
          {casts}\
          %work0 = arith.constant {macs} : index\n\
@@ -671,13 +679,51 @@ pub fn body(inp: usize, out: usize, weight: WeightType, act: Storage, out_act: S
             ("cout", out),
             ("cin", inp),
             ("crt", tiles.rows),
-            ("cot_p", tiles.outs_packed),
             ("cot_d", tiles.outs_direct),
             ("ckstep", kstep),
             ("cpk", panel_inputs(inp, tiles)),
             ("cpack_min", PACK_MIN_ROWS),
         ]),
         macs = inp * out,
+        balance = balanced_outs(out, tiles),
         tiles = parallel_or_serial("%work", &["%ot"], &["%c0"], &["%cout"], &["%cot"], &tile),
+    )
+}
+
+/// `%cot_p`: the outputs of a panel tile. A K-blocked shape reads its
+/// activations once per output tile (from L3 or DRAM: 12 MB at 512 rows of
+/// 6144 inputs), so its tiles are as wide as [`KC_OUTS`] allows, in a count
+/// that is a multiple of the thread count: 35 tiles of 176 on 2 threads
+/// left one core a tile alone, and the 16 tiles of 80 that a 1280-output
+/// shape got for a 16-core machine read the activations twice as often as
+/// 2 cores need. Measured at 512 rows (`m3c bench-kernels`, 4 paired
+/// rounds, Zen 4): 6144 × 6144 MXFP8 from 62 to 72 % of the FMA peak,
+/// 1280 × 5120 bf16 from 64 to 77 %, the expert's 6144 × 1536 from 69–71
+/// to 79–80 %. The width never changes a result (see the module doc).
+/// Other shapes keep their compile-time width.
+fn balanced_outs(out: usize, tiles: Tiles) -> String {
+    if !tiles.outs_balanced {
+        return index_consts(&[("cot_p", tiles.outs_packed)]);
+    }
+    // tiles = ⌈⌈out / KC_OUTS⌉ / threads⌉ · threads; width = ⌈out / tiles⌉
+    // up to a multiple of NR.
+    format!(
+        "%nth_i = func.call @omp_get_max_threads() : () -> i32\n\
+         %nth0 = arith.index_cast %nth_i : i32 to index\n\
+         %nth = arith.maxui %nth0, %c1 : index\n\
+         %bal_min = arith.constant {min} : index\n\
+         %bal_nr = arith.constant {NR} : index\n\
+         %nt_a = arith.addi %bal_min, %nth : index\n\
+         %nt_b = arith.subi %nt_a, %c1 : index\n\
+         %nt_c = arith.divui %nt_b, %nth : index\n\
+         %nt = arith.muli %nt_c, %nth : index\n\
+         %bo_a = arith.addi %cout, %nt : index\n\
+         %bo_b = arith.subi %bo_a, %c1 : index\n\
+         %bo_c = arith.divui %bo_b, %nt : index\n\
+         %bo_d = arith.addi %bo_c, %bal_nr : index\n\
+         %bo_e = arith.subi %bo_d, %c1 : index\n\
+         %bo_f = arith.divui %bo_e, %bal_nr : index\n\
+         %cot_p = arith.muli %bo_f, %bal_nr : index\n",
+        min = out.div_ceil(KC_OUTS),
     )
 }
