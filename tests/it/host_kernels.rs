@@ -506,8 +506,8 @@ fn paged_attention_and_cache_writes_equal_contiguous_ones_bit_for_bit() {
 }
 
 /// Host attention against an f64 reference, for head widths that take the
-/// eight-keys-at-a-time path (16, with the vector exp) and the one-by-one
-/// path (12), over every context length from 1 to 26 (so every remainder
+/// eight-keys-at-a-time path (16, 80 and 96, with the vector exp) and the
+/// one-by-one path (12), over every context length from 1 to 26 (so every remainder
 /// of the last batch of 8); and each query row computed alone gives the
 /// same bits as in the batch, dense and MSA, with scores large enough that
 /// some weights underflow to exactly 0.
@@ -520,7 +520,17 @@ fn attention_matches_an_f64_reference_and_each_row_alone() {
     let mk = |d: usize, scale: f64, sparse: Option<SparseSel>| {
         Kernel::Attention(m3c_kernels::Attention { scale, sparse, ..attention(heads, kv, d) })
     };
-    let cases = [(16usize, 0.25, None), (12, 0.3, None), (16, 0.25, Some(sel)), (16, 40.0, None), (12, 40.0, Some(sel))];
+    // 80 (the vision tower's) and 96 wide: P·V in one chunk of 80 columns,
+    // and in two of 48.
+    let cases = [
+        (16usize, 0.25, None),
+        (12, 0.3, None),
+        (16, 0.25, Some(sel)),
+        (16, 40.0, None),
+        (12, 40.0, Some(sel)),
+        (80, 0.11, None),
+        (96, 0.1, Some(sel)),
+    ];
     let kernels: Vec<Kernel> = cases.iter().map(|&(d, sc, sp)| mk(d, sc, sp)).collect();
     let lib = build(&kernels, dir.path());
     for (kernel, &(d, scale, sparse)) in kernels.iter().zip(&cases) {

@@ -230,15 +230,15 @@ fn weights_phase(k: &super::Attention, l: &Layout) -> String {
     )
 }
 
-/// Phase 3: P·V per key block, per row, per chunk of up to 64 columns, the
-/// chunk's sums in registers across the block's keys.
+/// Phase 3: P·V per key block, per row, per chunk of up to 80 columns
+/// ([`super::pv_chunks`]), the chunk's sums in registers across the block's
+/// keys.
 fn values_phase(k: &super::Attention, l: &Layout) -> String {
     let d = k.head_dim;
     let Layout { kt, acc, acc_row, acc_ty, .. } = l;
     let mut chunks = String::new();
     let (vrow, vt) = key_row(k.paged, "%t", "%tp");
-    for (ch, c0) in (0..d).step_by(64).enumerate() {
-        let nv = ((d - c0) / 8).min(8);
+    for (ch, (c0, nv)) in super::pv_chunks(d).into_iter().enumerate() {
         let tys = vec![V; nv].join(", ");
         let mut load = String::new();
         let mut body = String::new();

@@ -364,12 +364,29 @@ fn dot(
     }
 }
 
+/// Vectors of 8 columns whose P·V sums one pass over the keys keeps in
+/// registers, at most: with the key's weight and a V vector, 12 of AVX2's
+/// 16.
+const PV_VECTORS: usize = 10;
+
+/// P·V's column chunks of a head `d` wide (a multiple of 8), as (first
+/// column, vectors): as few as [`PV_VECTORS`] allows, of even sizes. Each
+/// of a chunk's sums gains one FMA per key, so a short chunk waits on the
+/// FMA latency: the vision tower's 80 columns as 64 + 16 spent as long on
+/// the 16 as on the 64; as one chunk of 80 they take one pass. A column's
+/// sum is the same, in the same key order, in any chunk.
+pub(super) fn pv_chunks(d: usize) -> Vec<(usize, usize)> {
+    let vectors = d / 8;
+    let n = vectors.div_ceil(PV_VECTORS).max(1);
+    (0..n).map(|i| (8 * (vectors * i / n), vectors * (i + 1) / n - vectors * i / n)).collect()
+}
+
 /// `acc = Σ_t pw_t · v[t, kb + c]` over the head's columns, `pw_t` =
 /// `sc[t] · inv`, in key order per column (a multiply, then an add; fused
 /// where the CPU has FMA and the columns go eight at a time). `acc`
 /// is the f32 memref the columns land in, indexed by `acc_idx` (written
 /// with `%c`/`%oc`). When the head allows, eight columns at a time and up
-/// to 64 at once, the sums in registers across the keys and stored once:
+/// to 80 at once ([`pv_chunks`]), the sums in registers across the keys and stored once:
 /// the same operations in the same order as summing in memory. With
 /// `skip_zero` (MSA), keys of weight exactly 0 (outside the selected
 /// blocks) are skipped there.
@@ -403,8 +420,7 @@ fn pv(acc: &str, acc_ty: &str, acc_idx: &str, kt: &str, d: usize, cache: Storage
     }
     let v8 = "vector<8xf32>";
     let mut out = format!("%pvz = arith.constant dense<0.0> : {v8}\n");
-    for (chunk, c0) in (0..d).step_by(64).enumerate() {
-        let nv = ((d - c0) / 8).min(8);
+    for (chunk, (c0, nv)) in pv_chunks(d).into_iter().enumerate() {
         let tys = vec![v8; nv].join(", ");
         let mut body = String::new();
         for i in 0..nv {
@@ -732,4 +748,16 @@ pub(super) fn key_row(paged: Option<usize>, t: &str, out: &str) -> (String, Stri
         ),
         out.to_string(),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn pv_chunks_are_few_and_even() {
+        assert_eq!(super::pv_chunks(32), [(0, 4)]);
+        assert_eq!(super::pv_chunks(80), [(0, 10)]);
+        assert_eq!(super::pv_chunks(96), [(0, 6), (48, 6)]);
+        assert_eq!(super::pv_chunks(128), [(0, 8), (64, 8)]);
+        assert_eq!(super::pv_chunks(168), [(0, 7), (56, 7), (112, 7)]);
+    }
 }
