@@ -590,6 +590,50 @@ fn attention_matches_an_f64_reference_and_each_row_alone() {
     }
 }
 
+/// MSA whose selection takes every block is dense attention, to the bit:
+/// the same scores, weights and sums in the same order, whichever keys the
+/// sparse path passes over (batches of eight unselected keys, keys of
+/// weight 0). Heads of 16 and 80 (P·V in one chunk of 80), over 40
+/// positions: five full batches of eight keys.
+#[test]
+fn msa_selecting_every_block_is_dense_attention_bit_for_bit() {
+    use m3c_kernels::SparseSel;
+    let dir = tempfile::tempdir().unwrap();
+    let (heads, kv, cap) = (4usize, 2usize, 40usize);
+    let every = SparseSel { index_heads: 2, index_dim: 8, block: 4, topk: 10, local: 1, init: 1 };
+    for d in [16usize, 80] {
+        let dense = Kernel::Attention(m3c_kernels::Attention { scale: 0.3, ..attention(heads, kv, d) });
+        let msa = Kernel::Attention(m3c_kernels::Attention { scale: 0.3, sparse: Some(every), ..attention(heads, kv, d) });
+        let lib = build(&[dense.clone(), msa.clone()], dir.path());
+        let q = input(cap, heads * d);
+        let k: Vec<f32> = input(cap, kv * d).iter().rev().map(|v| v * 0.9).collect();
+        let v: Vec<f32> = input(cap, kv * d).iter().map(|v| v * 0.5 - 0.2).collect();
+        let iq: Vec<f32> = input(cap, 16).iter().map(|v| v * 0.7 + 0.1).collect();
+        let ik: Vec<f32> = input(cap, 8).iter().rev().copied().collect();
+        let pos: Vec<i64> = (0..cap as i64).collect();
+        let run = |kernel: &Kernel| -> Vec<u32> {
+            let o = vec![f32::NAN; cap * heads * d];
+            let (qm, km, vm, posm, om) =
+                (m2(&q, cap, heads * d), m2(&k, cap, kv * d), m2(&v, cap, kv * d), m1(&pos), m2(&o, cap, heads * d));
+            let (iqm, ikm) = (m2(&iq, cap, 16), m2(&ik, cap, 8));
+            let mut args = vec![p(&qm), p(&km), p(&vm), p(&posm)];
+            if kernel == &msa {
+                args.extend([p(&iqm), p(&ikm)]);
+            }
+            args.push(p(&om));
+            // SAFETY: every descriptor views a live buffer of the compiled shape for the whole call.
+            unsafe { call(&lib, kernel, &args) };
+            o.iter().map(|x| x.to_bits()).collect()
+        };
+        let (want, got) = (run(&dense), run(&msa));
+        assert!(want.iter().all(|b| f32::from_bits(*b).is_finite()), "d {d}: dense attention wrote every output");
+        for r in 0..cap {
+            let row = r * heads * d..(r + 1) * heads * d;
+            assert!(got[row.clone()] == want[row], "d {d}: row {r}: MSA over every block differs from dense attention");
+        }
+    }
+}
+
 /// Calls the C interface of kernel `k` with memref descriptors (as pointers).
 // SAFETY: callers pass one live descriptor per kernel argument (see the # Safety note).
 pub(crate) unsafe fn call(lib: &libloading::Library, k: &Kernel, a: &[*const std::ffi::c_void]) {

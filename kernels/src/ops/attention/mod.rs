@@ -457,13 +457,45 @@ fn pv(acc: &str, acc_ty: &str, acc_idx: &str, kt: &str, d: usize, cache: Storage
         } else {
             format!("{key}scf.yield {next} : {tys}\n")
         };
-        out.push_str(&format!(
-            "%pacc{chunk}:{nv} = scf.for %t = %c0 to %nk step %c1 iter_args({inits}) -> ({tys}) {{\n\
-             \x20 %e = memref.load %sc[%t] : memref<?xf32>\n\
-             {}\
-             }}\n",
-            indent(&key, 2)
-        ));
+        let keys = |from: &str, to: &str, inits: &str| {
+            format!(
+                "scf.for %t = {from} to {to} step %c1 iter_args({inits}) -> ({tys}) {{\n\
+                 \x20 %e = memref.load %sc[%t] : memref<?xf32>\n\
+                 {}\
+                 }}\n",
+                indent(&key, 2)
+            )
+        };
+        if skip_zero {
+            // MSA: a batch of eight keys none of which is selected (all
+            // weights exactly 0: most of a long context) is passed over
+            // with one test, not eight. `%sc` holds the weights padded
+            // with zeros to a multiple of eight (`scores::softmax8`).
+            let outer = (0..nv).map(|i| format!("%ob{i} = %pvz")).collect::<Vec<_>>().join(", ");
+            let carried = (0..nv).map(|i| format!("%o{i} = %ob{i}")).collect::<Vec<_>>().join(", ");
+            let pass = (0..nv).map(|i| format!("%ob{i}")).collect::<Vec<_>>().join(", ");
+            let inner = (0..nv).map(|i| format!("%pin#{i}")).collect::<Vec<_>>().join(", ");
+            let batch = (0..nv).map(|i| format!("%pbr#{i}")).collect::<Vec<_>>().join(", ");
+            out.push_str(&format!(
+                "%pacc{chunk}:{nv} = scf.for %tb0 = %c0 to %nk step %c8 iter_args({outer}) -> ({tys}) {{\n\
+                 \x20 %ebv = vector.load %sc[%tb0] : memref<?xf32>, {v8}\n\
+                 \x20 %ebnz = arith.cmpf une, %ebv, %z8 : {v8}\n\
+                 \x20 %eany = vector.reduction <or>, %ebnz : vector<8xi1> into i1\n\
+                 \x20 %pbr:{nv} = scf.if %eany -> ({tys}) {{\n\
+                 \x20   %tb1a = arith.addi %tb0, %c8 : index\n\
+                 \x20   %tb1 = arith.minui %tb1a, %nk : index\n\
+                 \x20   %pin:{nv} = {}\
+                 \x20   scf.yield {inner} : {tys}\n\
+                 \x20 }} else {{\n\
+                 \x20   scf.yield {pass} : {tys}\n\
+                 \x20 }}\n\
+                 \x20 scf.yield {batch} : {tys}\n\
+                 }}\n",
+                indent(&keys("%tb0", "%tb1", &carried), 4).trim_start()
+            ));
+        } else {
+            out.push_str(&format!("%pacc{chunk}:{nv} = {}", keys("%c0", "%nk", &inits)));
+        }
         // Each column's store in a region of its own, so `%c`/`%oc` (which
         // `acc_idx` names) can be defined once per store.
         for i in 0..nv {

@@ -103,6 +103,8 @@ pub(super) fn softmax8(q: (&str, Storage), k: (&str, Storage), d: usize, paged: 
          %dv = scf.if %any -> ({V}) {{\n{}  scf.yield %dvt : {V}\n}} else {{\n  scf.yield %ninf8 : {V}\n}}\n",
         indent(&dots, 2)
     );
+    // The weights: a batch of eight scores all -inf (no key selected, or
+    // past the row's last) skips the exp, whose weights would be exactly 0.
     format!(
         "%mxv = scf.for %t0 = %c0 to %nk8 step %c8 iter_args(%mv = %ninf8) -> ({V}) {{\n\
          {keys}\
@@ -118,8 +120,15 @@ pub(super) fn softmax8(q: (&str, Storage), k: (&str, Storage), d: usize, paged: 
          %mx8 = vector.broadcast %mx : f32 to {V}\n\
          %sumv = scf.for %t0 = %c0 to %nk8 step %c8 iter_args(%sa = %z8) -> ({V}) {{\n\
          \x20 %sl = vector.load %sc[%t0] : memref<?xf32>, {V}\n\
-         \x20 %sh = arith.subf %sl, %mx8 : {V}\n\
+         \x20 %slmax = vector.reduction <maximumf>, %sl : {V} into f32\n\
+         \x20 %slive = arith.cmpf une, %slmax, %ninf : f32\n\
+         \x20 %e = scf.if %slive -> ({V}) {{\n\
+         \x20   %sh = arith.subf %sl, %mx8 : {V}\n\
          {exp}\
+         \x20   scf.yield %ee : {V}\n\
+         \x20 }} else {{\n\
+         \x20   scf.yield %z8 : {V}\n\
+         \x20 }}\n\
          \x20 vector.store %e, %sc[%t0] : memref<?xf32>, {V}\n\
          \x20 %sa2 = arith.addf %sa, %e : {V}\n\
          \x20 scf.yield %sa2 : {V}\n\
@@ -128,7 +137,7 @@ pub(super) fn softmax8(q: (&str, Storage), k: (&str, Storage), d: usize, paged: 
         keys = indent(&keys, 2),
         dots = indent(&dots, 2),
         vals = list(&|j| format!("%val{j}")),
-        exp = indent(&exp8("%e", "%sh"), 2),
+        exp = indent(&exp8("%ee", "%sh"), 4),
         sum = hsum("%sum", "%sumv"),
     )
 }
