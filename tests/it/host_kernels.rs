@@ -510,13 +510,17 @@ fn paged_attention_and_cache_writes_equal_contiguous_ones_bit_for_bit() {
 /// one-by-one path (12), over every context length from 1 to 26 (so every remainder
 /// of the last batch of 8); and each query row computed alone gives the
 /// same bits as in the batch, dense and MSA, with scores large enough that
-/// some weights underflow to exactly 0.
+/// some weights underflow to exactly 0. The MSA reference selects its own
+/// blocks (see [`msa_reference_keys`]): top-k picks two blocks by score past
+/// the forced ones, over blocks of 4 (a batch of eight keys spans two) and
+/// of 2 (four).
 #[test]
 fn attention_matches_an_f64_reference_and_each_row_alone() {
     use m3c_kernels::SparseSel;
     let dir = tempfile::tempdir().unwrap();
     let (heads, kv, cap) = (4usize, 2usize, 26usize);
-    let sel = SparseSel { index_heads: 2, index_dim: 8, block: 4, topk: 2, local: 1, init: 1 };
+    let sel = SparseSel { index_heads: 2, index_dim: 8, block: 4, topk: 4, local: 1, init: 1 };
+    let sel2 = SparseSel { block: 2, ..sel };
     let mk = |d: usize, scale: f64, sparse: Option<SparseSel>| {
         Kernel::Attention(m3c_kernels::Attention { scale, sparse, ..attention(heads, kv, d) })
     };
@@ -530,6 +534,7 @@ fn attention_matches_an_f64_reference_and_each_row_alone() {
         (12, 40.0, Some(sel)),
         (80, 0.11, None),
         (96, 0.1, Some(sel)),
+        (16, 0.25, Some(sel2)),
     ];
     let kernels: Vec<Kernel> = cases.iter().map(|&(d, sc, sp)| mk(d, sc, sp)).collect();
     let lib = build(&kernels, dir.path());
@@ -565,20 +570,26 @@ fn attention_matches_an_f64_reference_and_each_row_alone() {
             // At scale 40 the f32 rounding of scores in the hundreds moves
             // the weights by more than any tolerance worth checking; those
             // cases are for the underflowing weights and the invariance.
-            if sparse.is_some() || scale > 1.0 {
+            if scale > 1.0 {
                 continue;
             }
-            // f64 reference: row r at position r sees keys 0..=r.
+            // f64 reference: row r at position r sees keys 0..=r, or the
+            // MSA selection's among them.
             for h in 0..heads {
                 let g = h / (heads / kv);
-                let sc: Vec<f64> = (0..=r)
-                    .map(|t| scale * (0..d).map(|c| q[r * heads * d + h * d + c] as f64 * k[t * kv * d + g * d + c] as f64).sum::<f64>())
+                let keys: Vec<usize> = match sparse {
+                    None => (0..=r).collect(),
+                    Some(s) => msa_reference_keys(s, &iq[r * 16 + g * 8..][..8], &ik, r),
+                };
+                let sc: Vec<f64> = keys
+                    .iter()
+                    .map(|&t| scale * (0..d).map(|c| q[r * heads * d + h * d + c] as f64 * k[t * kv * d + g * d + c] as f64).sum::<f64>())
                     .collect();
                 let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let w: Vec<f64> = sc.iter().map(|s| (s - mx).exp()).collect();
                 let sum: f64 = w.iter().sum();
                 for c in 0..d {
-                    let want = (0..=r).map(|t| w[t] / sum * v[t * kv * d + g * d + c] as f64).sum::<f64>();
+                    let want = keys.iter().zip(&w).map(|(&t, w)| w / sum * v[t * kv * d + g * d + c] as f64).sum::<f64>();
                     let got = row[h * d + c] as f64;
                     assert!(
                         (got - want).abs() <= 2e-6 * (1.0 + want.abs()),
@@ -588,6 +599,35 @@ fn attention_matches_an_f64_reference_and_each_row_alone() {
             }
         }
     }
+}
+
+/// The keys MSA lets a query at position `p` see, by the spec's rule
+/// (minimax-m3.md, 2.3), in f64: each block scored by its best causal key's
+/// index score (`iq`, the group's index query, against `ik`'s rows), the
+/// query's own `local` blocks and the first `init` forced, then the top
+/// `topk`, the lower block first on ties and never one with no causal key.
+fn msa_reference_keys(s: m3c_kernels::SparseSel, iq: &[f32], ik: &[f32], p: usize) -> Vec<usize> {
+    let (b, dim) = (s.block, s.index_dim);
+    let nb = p / b + 1;
+    let mut score = vec![f64::NEG_INFINITY; nb];
+    for t in 0..=p {
+        let dot: f64 = (0..dim).map(|c| iq[c] as f64 * ik[t * dim + c] as f64).sum();
+        score[t / b] = score[t / b].max(dot);
+    }
+    for j in 0..s.local.min(nb) {
+        score[p / b - j] = f64::INFINITY;
+    }
+    for sc in score.iter_mut().take(s.init) {
+        *sc = f64::INFINITY;
+    }
+    let mut order: Vec<usize> = (0..nb).filter(|&i| score[i] > f64::NEG_INFINITY).collect();
+    order.sort_by(|&i, &j| score[j].total_cmp(&score[i]).then(i.cmp(&j)));
+    // A near tie at the cut would make the test depend on rounding.
+    if let (Some(&last), Some(&next)) = (order.get(s.topk - 1), order.get(s.topk)) {
+        assert!(score[last] - score[next] > 1e-4, "position {p}: blocks {last} and {next} nearly tie; change the inputs");
+    }
+    order.truncate(s.topk);
+    (0..=p).filter(|t| order.contains(&(t / b))).collect()
 }
 
 /// MSA whose selection takes every block is dense attention, to the bit:
