@@ -164,10 +164,11 @@ fn host(k: &Attention) -> String {
     let mut setup = page_const(paged);
     let mut select = String::new();
     let mut allowed = String::from("%allowed = arith.constant true\n");
+    let mut batch_allowed = String::from("%bany = arith.constant true\n");
     let mut teardown = String::new();
     if let Some(s) = sparse {
         let msa;
-        (msa, select, allowed, teardown) = msa_host(s, paged, cache, act);
+        (msa, select, (allowed, batch_allowed), teardown) = msa_host(s, paged, cache, act);
         setup.push_str(&msa);
     }
     // Where P·V accumulates: `o` itself when it holds f32, else an f32 row
@@ -197,7 +198,7 @@ fn host(k: &Attention) -> String {
     let (sc_alloc, softmax) = if sparse.is_some() && d.is_multiple_of(8) {
         (
             format!("{}%sc = memref.alloc(%nk8) : memref<?xf32>\n", scores::batch_consts()),
-            scores::softmax8((&qt, act), (&kt, cache), d, paged, &allowed),
+            scores::softmax8((&qt, act), (&kt, cache), d, paged, (&allowed, &batch_allowed)),
         )
     } else {
         (format!("{}%sc = memref.alloc(%nk) : memref<?xf32>\n", scores::batch_consts()), softmax1(&qt, &kt, act, cache, d, paged, &allowed))
@@ -685,8 +686,10 @@ fn token_scores(s: SparseSel, paged: Option<usize>, iq: (&str, Storage), ik: (&s
 
 /// The host attention's MSA block selection for one (query row, KV group):
 /// constants (`setup`), the block scores and top-k (`select`), the per-key
-/// test (`allowed`) and the scratch release (`teardown`).
-fn msa_host(s: SparseSel, paged: Option<usize>, cache: Storage, act: Storage) -> (String, String, String, String) {
+/// test (`allowed`) and the eight-key batch's (`%bany` for the batch at
+/// `%t0`: whether a block it touches is selected), and the scratch release
+/// (`teardown`).
+fn msa_host(s: SparseSel, paged: Option<usize>, cache: Storage, act: Storage) -> (String, String, (String, String), String) {
     let (setup, select, allowed, teardown): (String, String, String, String);
 
     let iqt = format!("memref<?x{}x{}>", s.index_heads * s.index_dim, act.mlir_elem());
@@ -751,8 +754,23 @@ fn msa_host(s: SparseSel, paged: Option<usize>, cache: Storage, act: Storage) ->
                    %sv = memref.load %sel[%tb] : memref<?xi32>\n\
                    %allowed = arith.cmpi ne, %sv, %i32_0 : i32\n"
         .into();
+    // The batch's keys `%t0..=min(%t0 + 7, %nkm1)` lie in blocks
+    // `%t0 / B ..= that / B`, all below `%nb`.
+    let batch_allowed = "%bt_hi0 = arith.addi %t0, %c7 : index\n\
+                         %bt_hi = arith.minui %bt_hi0, %nkm1 : index\n\
+                         %bb_lo = arith.divui %t0, %cB : index\n\
+                         %bb_hi0 = arith.divui %bt_hi, %cB : index\n\
+                         %bb_hi = arith.addi %bb_hi0, %c1 : index\n\
+                         %bfalse = arith.constant false\n\
+                         %bany = scf.for %bb = %bb_lo to %bb_hi step %c1 iter_args(%ba = %bfalse) -> (i1) {\n\
+                         \x20 %bsv = memref.load %sel[%bb] : memref<?xi32>\n\
+                         \x20 %bsel = arith.cmpi ne, %bsv, %i32_0 : i32\n\
+                         \x20 %ba2 = arith.ori %ba, %bsel : i1\n\
+                         \x20 scf.yield %ba2 : i1\n\
+                         }\n"
+    .to_string();
 
-    (setup, select, allowed, teardown)
+    (setup, select, (allowed, batch_allowed), teardown)
 }
 
 /// `%cPB`, the block size of a paged cache (nothing when unpaged).
