@@ -512,8 +512,8 @@ fn paged_attention_and_cache_writes_equal_contiguous_ones_bit_for_bit() {
 /// same bits as in the batch, dense and MSA, with scores large enough that
 /// some weights underflow to exactly 0. The MSA reference selects its own
 /// blocks (see [`msa_reference_keys`]): top-k picks two blocks by score past
-/// the forced ones, over blocks of 4 (a batch of eight keys spans two) and
-/// of 2 (four).
+/// the forced ones, over blocks of 4 (a batch of eight keys spans two),
+/// 2 (four), 8 (one; it picks one by score) and 3.
 #[test]
 fn attention_matches_an_f64_reference_and_each_row_alone() {
     use m3c_kernels::SparseSel;
@@ -521,6 +521,10 @@ fn attention_matches_an_f64_reference_and_each_row_alone() {
     let (heads, kv, cap) = (4usize, 2usize, 26usize);
     let sel = SparseSel { index_heads: 2, index_dim: 8, block: 4, topk: 4, local: 1, init: 1 };
     let sel2 = SparseSel { block: 2, ..sel };
+    // Blocks of 8 (a batch of eight keys in one block, as the real 128)
+    // and of 3 (blocks that straddle batches, pooled key by key).
+    let sel8 = SparseSel { block: 8, topk: 3, ..sel };
+    let sel3 = SparseSel { block: 3, ..sel };
     let mk = |d: usize, scale: f64, sparse: Option<SparseSel>| {
         Kernel::Attention(m3c_kernels::Attention { scale, sparse, ..attention(heads, kv, d) })
     };
@@ -535,6 +539,8 @@ fn attention_matches_an_f64_reference_and_each_row_alone() {
         (80, 0.11, None),
         (96, 0.1, Some(sel)),
         (16, 0.25, Some(sel2)),
+        (16, 0.25, Some(sel8)),
+        (16, 0.25, Some(sel3)),
     ];
     let kernels: Vec<Kernel> = cases.iter().map(|&(d, sc, sp)| mk(d, sc, sp)).collect();
     let lib = build(&kernels, dir.path());

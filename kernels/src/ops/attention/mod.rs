@@ -164,11 +164,13 @@ fn host(k: &Attention) -> String {
     let mut setup = page_const(paged);
     let mut select = String::new();
     let mut allowed = String::from("%allowed = arith.constant true\n");
-    let mut batch_allowed = String::from("%bany = arith.constant true\n");
     let mut teardown = String::new();
+    // MSA heads that go eight keys at a time visit only the batches that
+    // hold a selected key (`%bl`, made once per KV group).
+    let batches = d.is_multiple_of(8);
     if let Some(s) = sparse {
         let msa;
-        (msa, select, (allowed, batch_allowed), teardown) = msa_host(s, paged, cache, act);
+        (msa, select, allowed, teardown) = msa_host(s, paged, cache, act, batches);
         setup.push_str(&msa);
     }
     // Where P·V accumulates: `o` itself when it holds f32, else an f32 row
@@ -198,7 +200,7 @@ fn host(k: &Attention) -> String {
     let (sc_alloc, softmax) = if sparse.is_some() && d.is_multiple_of(8) {
         (
             format!("{}%sc = memref.alloc(%nk8) : memref<?xf32>\n", scores::batch_consts()),
-            scores::softmax8((&qt, act), (&kt, cache), d, paged, (&allowed, &batch_allowed)),
+            scores::softmax8((&qt, act), (&kt, cache), d, paged, &allowed),
         )
     } else {
         (format!("{}%sc = memref.alloc(%nk) : memref<?xf32>\n", scores::batch_consts()), softmax1(&qt, &kt, act, cache, d, paged, &allowed))
@@ -468,17 +470,19 @@ fn pv(acc: &str, acc_ty: &str, acc_idx: &str, kt: &str, d: usize, cache: Storage
             )
         };
         if skip_zero {
-            // MSA: a batch of eight keys none of which is selected (all
-            // weights exactly 0: most of a long context) is passed over
-            // with one test, not eight. `%sc` holds the weights padded
-            // with zeros to a multiple of eight (`scores::softmax8`).
+            // MSA: only the batches of eight keys that touch a selected
+            // block (`%bl[0..%nbl]`, see `msa_host`); one of them whose
+            // weights are all exactly 0 is passed over with one test, not
+            // eight. `%sc` holds those batches' weights, padded with zeros
+            // to a multiple of eight (`scores::softmax8`).
             let outer = (0..nv).map(|i| format!("%ob{i} = %pvz")).collect::<Vec<_>>().join(", ");
             let carried = (0..nv).map(|i| format!("%o{i} = %ob{i}")).collect::<Vec<_>>().join(", ");
             let pass = (0..nv).map(|i| format!("%ob{i}")).collect::<Vec<_>>().join(", ");
             let inner = (0..nv).map(|i| format!("%pin#{i}")).collect::<Vec<_>>().join(", ");
             let batch = (0..nv).map(|i| format!("%pbr#{i}")).collect::<Vec<_>>().join(", ");
             out.push_str(&format!(
-                "%pacc{chunk}:{nv} = scf.for %tb0 = %c0 to %nk step %c8 iter_args({outer}) -> ({tys}) {{\n\
+                "%pacc{chunk}:{nv} = scf.for %tbi = %c0 to %nbl step %c1 iter_args({outer}) -> ({tys}) {{\n\
+                 \x20 %tb0 = memref.load %bl[%tbi] : memref<?xindex>\n\
                  \x20 %ebv = vector.load %sc[%tb0] : memref<?xf32>, {v8}\n\
                  \x20 %ebnz = arith.cmpf une, %ebv, %z8 : {v8}\n\
                  \x20 %eany = vector.reduction <or>, %ebnz : vector<8xi1> into i1\n\
@@ -663,18 +667,7 @@ fn token_scores(s: SparseSel, paged: Option<usize>, iq: (&str, Storage), ik: (&s
             )
         );
     }
-    let mut pool = String::new();
-    for j in 0..8 {
-        pool.push_str(&format!(
-            "scf.if %in{j} {{\n\
-             \x20 %id = vector.extract %idv[{j}] : f32 from vector<8xf32>\n\
-             \x20 %ib = arith.divui %tu{j}, %cB : index\n\
-             \x20 %iold = memref.load %bs[%ib] : memref<?xf32>\n\
-             \x20 %imx = arith.maximumf %iold, %id : f32\n\
-             \x20 memref.store %imx, %bs[%ib] : memref<?xf32>\n\
-             }}\n"
-        ));
-    }
+    let pool = pool_blocks(s.block);
     let body = format!(
         "{}{}{}{pool}",
         scores::batch_keys(paged),
@@ -684,13 +677,63 @@ fn token_scores(s: SparseSel, paged: Option<usize>, iq: (&str, Storage), ik: (&s
     format!("scf.for %t0 = %c0 to %nk8 step %c8 {{\n{}}}\n", indent(&body, 2))
 }
 
+/// Max-pools the batch at `%t0`'s eight index scores (`%idv`, keys past
+/// the row's last excluded) into their blocks' scores `%bs`. Where blocks
+/// and batches nest (a block of 8·n keys holds whole batches; a batch holds
+/// whole blocks of 1, 2 or 4), each block's lanes reduce in-register and
+/// update `%bs` once, not once per key. Max is exact and ignores order, so
+/// the scores are the same bits either way.
+fn pool_blocks(block: usize) -> String {
+    // Group `g` of `width` lanes: its block, if its first key is the row's.
+    let update = |g: usize, width: usize, value: &str| {
+        let first = g * width;
+        format!(
+            "scf.if %in{first} {{\n\
+             \x20 %ib{g} = arith.divui %tu{first}, %cB : index\n\
+             \x20 %iold{g} = memref.load %bs[%ib{g}] : memref<?xf32>\n\
+             \x20 %imx{g} = arith.maximumf %iold{g}, {value} : f32\n\
+             \x20 memref.store %imx{g}, %bs[%ib{g}] : memref<?xf32>\n\
+             }}\n"
+        )
+    };
+    if !(block.is_multiple_of(8) || 8 % block == 0) {
+        // Blocks that straddle batches: key by key.
+        return (0..8)
+            .map(|j| format!("%id{j} = vector.extract %idv[{j}] : f32 from vector<8xf32>\n{}", update(j, 1, &format!("%id{j}"))))
+            .collect();
+    }
+    let width = block.min(8);
+    let mask = (0..8).map(|j| format!("%in{j}")).collect::<Vec<_>>().join(", ");
+    let mut out = format!(
+        "%ipm = vector.from_elements {mask} : vector<8xi1>\n\
+         %ipv = arith.select %ipm, %idv, %ninf8 : vector<8xi1>, vector<8xf32>\n"
+    );
+    for g in 0..8 / width {
+        let lanes = if width == 8 {
+            "%ipv".to_string()
+        } else {
+            out.push_str(&format!(
+                "%ipg{g} = vector.extract_strided_slice %ipv {{offsets = [{}], sizes = [{width}], strides = [1]}} : vector<8xf32> to vector<{width}xf32>\n",
+                g * width
+            ));
+            format!("%ipg{g}")
+        };
+        out.push_str(&format!("%ipr{g} = vector.reduction <maximumf>, {lanes} : vector<{width}xf32> into f32\n"));
+        out.push_str(&update(g, width, &format!("%ipr{g}")));
+    }
+    out
+}
+
 /// The host attention's MSA block selection for one (query row, KV group):
 /// constants (`setup`), the block scores and top-k (`select`), the per-key
-/// test (`allowed`) and the eight-key batch's (`%bany` for the batch at
-/// `%t0`: whether a block it touches is selected), and the scratch release
-/// (`teardown`).
-fn msa_host(s: SparseSel, paged: Option<usize>, cache: Storage, act: Storage) -> (String, String, (String, String), String) {
-    let (setup, select, allowed, teardown): (String, String, String, String);
+/// test (`allowed`) and the scratch release (`teardown`). With `batches`,
+/// `select` also lists the eight-key batches that touch a selected block,
+/// in key order: their first keys in `%bl[0..%nbl]` (it needs
+/// [`scores::batch_consts`]). The rest of a long context is -inf and weight
+/// 0, so passing it over changes no sum: each batch's keys would have added
+/// exact zeros.
+fn msa_host(s: SparseSel, paged: Option<usize>, cache: Storage, act: Storage, batches: bool) -> (String, String, String, String) {
+    let (setup, mut select, allowed, mut teardown): (String, String, String, String);
 
     let iqt = format!("memref<?x{}x{}>", s.index_heads * s.index_dim, act.mlir_elem());
     let ikt = format!("memref<?x{}x{}>", s.index_dim, cache.mlir_elem());
@@ -754,23 +797,38 @@ fn msa_host(s: SparseSel, paged: Option<usize>, cache: Storage, act: Storage) ->
                    %sv = memref.load %sel[%tb] : memref<?xi32>\n\
                    %allowed = arith.cmpi ne, %sv, %i32_0 : i32\n"
         .into();
-    // The batch's keys `%t0..=min(%t0 + 7, %nkm1)` lie in blocks
-    // `%t0 / B ..= that / B`, all below `%nb`.
-    let batch_allowed = "%bt_hi0 = arith.addi %t0, %c7 : index\n\
-                         %bt_hi = arith.minui %bt_hi0, %nkm1 : index\n\
-                         %bb_lo = arith.divui %t0, %cB : index\n\
-                         %bb_hi0 = arith.divui %bt_hi, %cB : index\n\
-                         %bb_hi = arith.addi %bb_hi0, %c1 : index\n\
-                         %bfalse = arith.constant false\n\
-                         %bany = scf.for %bb = %bb_lo to %bb_hi step %c1 iter_args(%ba = %bfalse) -> (i1) {\n\
-                         \x20 %bsv = memref.load %sel[%bb] : memref<?xi32>\n\
-                         \x20 %bsel = arith.cmpi ne, %bsv, %i32_0 : i32\n\
-                         \x20 %ba2 = arith.ori %ba, %bsel : i1\n\
-                         \x20 scf.yield %ba2 : i1\n\
-                         }\n"
-    .to_string();
+    if batches {
+        // Batch `%t0`'s keys `%t0..=min(%t0 + 7, %nkm1)` lie in blocks
+        // `%t0 / B ..= that / B`, all below `%nb`.
+        select.push_str(
+            "%bl = memref.alloc(%nkb) : memref<?xindex>\n\
+             %nbl = scf.for %t0 = %c0 to %nk8 step %c8 iter_args(%bn = %c0) -> (index) {\n\
+             \x20 %bt_hi0 = arith.addi %t0, %c7 : index\n\
+             \x20 %bt_hi = arith.minui %bt_hi0, %nkm1 : index\n\
+             \x20 %bb_lo = arith.divui %t0, %cB : index\n\
+             \x20 %bb_hi0 = arith.divui %bt_hi, %cB : index\n\
+             \x20 %bb_hi = arith.addi %bb_hi0, %c1 : index\n\
+             \x20 %bfalse = arith.constant false\n\
+             \x20 %bany = scf.for %bb = %bb_lo to %bb_hi step %c1 iter_args(%ba = %bfalse) -> (i1) {\n\
+             \x20   %bsv = memref.load %sel[%bb] : memref<?xi32>\n\
+             \x20   %bsel = arith.cmpi ne, %bsv, %i32_0 : i32\n\
+             \x20   %ba2 = arith.ori %ba, %bsel : i1\n\
+             \x20   scf.yield %ba2 : i1\n\
+             \x20 }\n\
+             \x20 %bn2 = scf.if %bany -> (index) {\n\
+             \x20   memref.store %t0, %bl[%bn] : memref<?xindex>\n\
+             \x20   %bn1 = arith.addi %bn, %c1 : index\n\
+             \x20   scf.yield %bn1 : index\n\
+             \x20 } else {\n\
+             \x20   scf.yield %bn : index\n\
+             \x20 }\n\
+             \x20 scf.yield %bn2 : index\n\
+             }\n",
+        );
+        teardown.push_str("memref.dealloc %bl : memref<?xindex>\n");
+    }
 
-    (setup, select, (allowed, batch_allowed), teardown)
+    (setup, select, allowed, teardown)
 }
 
 /// `%cPB`, the block size of a paged cache (nothing when unpaged).

@@ -69,13 +69,14 @@ pub(super) fn key_rows(paged: Option<usize>) -> &'static str {
 
 /// Fills `%sc` (allocated with `%nk8` entries, `%nk` rounded up to 8) with
 /// the unnormalised softmax weights of query row `%r`'s head at column
-/// `%qb` over keys `0..%nk` at column `%kb`, and defines `%sum`, their sum.
-/// `allowed` is a pair of MLIR texts: one defines `%allowed : i1` for key
-/// `%t`, the other `%bany : i1` for the batch at `%t0`, false only when no
-/// key of the batch can be allowed (the MSA selection; dense attention at
-/// these widths is `blocked`'s, with the same operations per row). Needs [`batch_consts`] and `%cd` in scope.
-pub(super) fn softmax8(q: (&str, Storage), k: (&str, Storage), d: usize, paged: Option<usize>, allowed: (&str, &str)) -> String {
-    let (allowed, batch_allowed) = allowed;
+/// `%qb` over keys `0..%nk` at column `%kb`, and defines `%sum`, their sum,
+/// for MSA: only the batches of eight keys listed in `%bl[0..%nbl]` (in key
+/// order; every other key's weight would be exactly 0, and `%sc` is not
+/// written there). `allowed` is MLIR that defines `%allowed : i1` for key
+/// `%t` (the selection; dense attention at these widths is `blocked`'s,
+/// with the same operations per row). Needs [`batch_consts`] and `%cd` in
+/// scope.
+pub(super) fn softmax8(q: (&str, Storage), k: (&str, Storage), d: usize, paged: Option<usize>, allowed: &str) -> String {
     debug_assert!(d.is_multiple_of(8));
     let ((qt, act), (kt, cache)) = (q, k);
     let mut keys = batch_keys(paged);
@@ -107,29 +108,22 @@ pub(super) fn softmax8(q: (&str, Storage), k: (&str, Storage), d: usize, paged: 
     );
     // The weights: a batch of eight scores all -inf (no key selected, or
     // past the row's last) skips the exp, whose weights would be exactly 0.
-    // A batch whose blocks are all unselected (most of a long context)
-    // is -inf without a look at its keys: one test of its block (two at
-    // blocks of 4), not eight key tests per head.
     format!(
-        "%mxv = scf.for %t0 = %c0 to %nk8 step %c8 iter_args(%mv = %ninf8) -> ({V}) {{\n\
-         {batch_allowed}\
-         \x20 %sv = scf.if %bany -> ({V}) {{\n\
+        "%mxv = scf.for %bi = %c0 to %nbl step %c1 iter_args(%mv = %ninf8) -> ({V}) {{\n\
+         \x20 %t0 = memref.load %bl[%bi] : memref<?xindex>\n\
          {keys}\
          {dots}\
-         \x20   %sv0 = arith.mulf %dv, %scale8 : {V}\n\
-         \x20   %mask = vector.from_elements {vals} : vector<8xi1>\n\
-         \x20   %svm = arith.select %mask, %sv0, %ninf8 : vector<8xi1>, {V}\n\
-         \x20   scf.yield %svm : {V}\n\
-         \x20 }} else {{\n\
-         \x20   scf.yield %ninf8 : {V}\n\
-         \x20 }}\n\
+         \x20 %sv0 = arith.mulf %dv, %scale8 : {V}\n\
+         \x20 %mask = vector.from_elements {vals} : vector<8xi1>\n\
+         \x20 %sv = arith.select %mask, %sv0, %ninf8 : vector<8xi1>, {V}\n\
          \x20 vector.store %sv, %sc[%t0] : memref<?xf32>, {V}\n\
          \x20 %mv2 = arith.maximumf %mv, %sv : {V}\n\
          \x20 scf.yield %mv2 : {V}\n\
          }}\n\
          %mx = vector.reduction <maximumf>, %mxv : {V} into f32\n\
          %mx8 = vector.broadcast %mx : f32 to {V}\n\
-         %sumv = scf.for %t0 = %c0 to %nk8 step %c8 iter_args(%sa = %z8) -> ({V}) {{\n\
+         %sumv = scf.for %bi = %c0 to %nbl step %c1 iter_args(%sa = %z8) -> ({V}) {{\n\
+         \x20 %t0 = memref.load %bl[%bi] : memref<?xindex>\n\
          \x20 %sl = vector.load %sc[%t0] : memref<?xf32>, {V}\n\
          \x20 %slmax = vector.reduction <maximumf>, %sl : {V} into f32\n\
          \x20 %slive = arith.cmpf une, %slmax, %ninf : f32\n\
@@ -145,9 +139,8 @@ pub(super) fn softmax8(q: (&str, Storage), k: (&str, Storage), d: usize, paged: 
          \x20 scf.yield %sa2 : {V}\n\
          }}\n\
          {sum}",
-        batch_allowed = indent(batch_allowed, 2),
-        keys = indent(&keys, 4),
-        dots = indent(&dots, 4),
+        keys = indent(&keys, 2),
+        dots = indent(&dots, 2),
         vals = list(&|j| format!("%val{j}")),
         exp = indent(&exp8("%ee", "%sh"), 4),
         sum = hsum("%sum", "%sumv"),
