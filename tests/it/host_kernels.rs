@@ -136,15 +136,18 @@ fn mxfp8_down_proj() -> (Vec<u8>, Vec<u8>) {
     (get(format!("{stem}.weight")), get(format!("{stem}.weight_scale_inv")))
 }
 
-/// Both MXFP8 code paths: 32- and 16-wide blocks take the tiled vector path
-/// (fp8 decoded by integer ops); 4-wide blocks (same weights, each scale
-/// repeated) take the scalar path through the fp8 table.
+/// Both MXFP8 code paths: 32-, 16- and 8-wide blocks take the tiled vector
+/// path (fp8 decoded by integer ops, 16 weights at a time where the block
+/// allows); 4-wide blocks (same weights, each scale repeated) take the
+/// scalar path through the fp8 table. Seven rows go through decoded panels,
+/// one row decodes in registers.
 #[test]
 fn mxfp8_linear_matches_dequantized_reference() {
     let dir = tempfile::tempdir().unwrap();
     let (w, s32) = mxfp8_down_proj();
     let (out, inp) = (128, 192);
     let s16: Vec<u8> = s32.iter().flat_map(|&b| [b, b]).collect();
+    let s8: Vec<u8> = s32.iter().flat_map(|&b| [b; 4]).collect();
     let s4: Vec<u8> = s32.iter().flat_map(|&b| [b; 8]).collect();
     // Seven rows: three blocks of two rows, then one single row.
     let rows = 7;
@@ -158,7 +161,7 @@ fn mxfp8_linear_matches_dequantized_reference() {
         }
     }
     assert!(want.iter().any(|v| v.abs() > 1.0), "the test must see real values");
-    for (block, s) in [(32, &s32), (16, &s16), (4, &s4)] {
+    for (block, s) in [(32, &s32), (16, &s16), (8, &s8), (4, &s4)] {
         let lin = lin_f32(inp, out, WeightType::Mxfp8 { block });
         let sub = dir.path().join(format!("b{block}"));
         std::fs::create_dir(&sub).unwrap();
@@ -169,6 +172,10 @@ fn mxfp8_linear_matches_dequantized_reference() {
             unsafe { lib.get(format!("_mlir_ciface_{}", lin.symbol()).as_bytes()).unwrap() };
         unsafe { f(&m2(&x, rows, inp), &m2(&w, out, inp), &m2(s, out, inp / block), &m2(&y, rows, out)) };
         close(&y, &want, 1e-5);
+        let y1 = vec![0f32; out];
+        // SAFETY: as above, with the first row alone.
+        unsafe { f(&m2(&x[..inp], 1, inp), &m2(&w, out, inp), &m2(s, out, inp / block), &m2(&y1, 1, out)) };
+        close(&y1, &want[..out], 1e-5);
     }
 }
 

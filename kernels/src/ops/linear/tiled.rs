@@ -81,7 +81,6 @@ pub fn vectorizes(inp: usize, weight: WeightType) -> bool {
 }
 
 const V: &str = "vector<8xf32>";
-const VH: &str = "vector<8xi16>";
 /// The lane-sum scratch: `[row, output, lane]` within a tile.
 const ACC: &str = "memref<?x?x8xf32>";
 
@@ -157,7 +156,9 @@ impl Micro {
         }
         if let Some(block) = self.mxfp8_block() {
             head.push_str(&format!("%cb = arith.constant {block} : index\n{E8M0_CONSTANTS}"));
-            head.push_str(&fp8_consts());
+            head.push_str(&fp8_consts(LANES));
+            head.push_str(&fp8_consts(2 * LANES));
+            head.push_str(&format!("%cl16 = arith.constant {} : index\n", 2 * LANES));
         }
         let n_acc = m * n;
         let tys = vec![V; n_acc].join(", ");
@@ -195,23 +196,59 @@ impl Micro {
             }
             s
         };
+        // Two steps from 16 fp8 weights per output decoded at once: the
+        // integer operations that make their f16 bits then run on 16 lanes
+        // of one register, not 8 of one each. Every sum still takes
+        // column `%ki`'s product, then `%ki + 8`'s.
+        let step16 = |a: &str, b: &str| -> String {
+            let mut s = String::from("%ki2 = arith.addi %ki, %cl : index\n");
+            for j in 0..m {
+                s.push_str(&load_f32xn(LANES, &format!("%kx{j}"), "%x", &xt, &row(j), "%ki", act));
+                s.push_str(&load_f32xn(LANES, &format!("%kx{j}_u"), "%x", &xt, &row(j), "%ki2", act));
+            }
+            s.push_str("%kwc = arith.addi %ki, %wc : index\n");
+            for q in 0..n {
+                s.push_str(&fp8_decode(&format!("%wk{q}w"), ("%w", &wt), (&format!("%kw{q}"), "%kwc"), &format!("%ksw{q}"), 2 * LANES));
+                for (half, t) in [(0, ""), (LANES, "_u")] {
+                    s.push_str(&format!(
+                        "%wk{q}{t} = vector.extract_strided_slice %wk{q}w {{offsets = [{half}], sizes = [{LANES}], strides = [1]}} : vector<{}xf32> to {V}\n",
+                        2 * LANES
+                    ));
+                }
+                for j in 0..m {
+                    let i = j * n + q;
+                    s.push_str(&format!(
+                        "%kpr{j}_{q} = arith.mulf %kx{j}, %wk{q} fastmath<contract> : {V}\n\
+                         %kmid{i} = arith.addf %{a}{i}, %kpr{j}_{q} fastmath<contract> : {V}\n\
+                         %kpr{j}_{q}_u = arith.mulf %kx{j}_u, %wk{q}_u fastmath<contract> : {V}\n\
+                         %{b}{i} = arith.addf %kmid{i}, %kpr{j}_{q}_u fastmath<contract> : {V}\n"
+                    ));
+                }
+            }
+            s
+        };
         let body = match self.mxfp8_block() {
             // Block by block, each with its four scales.
-            Some(_) => {
+            Some(block) => {
+                let wide = block.is_multiple_of(2 * LANES);
                 let mut scales = String::new();
                 for q in 0..n {
                     scales.push_str(&format!(
                         "%ksb{q} = memref.load %s[%kw{q}, %kb] : memref<?x?xi8>\n{}%ksv{q} = vector.broadcast %kscale{q} : f32 to {V}\n",
                         e8m0_to_f32(&format!("%kscale{q}"), &format!("%ksb{q}"))
                     ));
+                    if wide {
+                        scales.push_str(&format!("%ksw{q} = vector.broadcast %kscale{q} : f32 to vector<{}xf32>\n", 2 * LANES));
+                    }
                 }
+                let (kstep, inner) = if wide { ("%cl16", step16("b", "n")) } else { ("%cl", step("b", "n", "%ki", "")) };
                 format!(
                     "%kb0 = arith.divui %k0, %cb : index\n\
                      %kb1 = arith.divui %k1, %cb : index\n\
                      %acc:{n_acc} = scf.for %kb = %kb0 to %kb1 step %c1 iter_args({}) -> ({tys}) {{\n\
                      {}\
                      \x20 %kbase = arith.muli %kb, %cb : index\n\
-                     \x20 %ab:{n_acc} = scf.for %kj = %c0 to %cb step %cl iter_args({}) -> ({tys}) {{\n\
+                     \x20 %ab:{n_acc} = scf.for %kj = %c0 to %cb step {kstep} iter_args({}) -> ({tys}) {{\n\
                      \x20   %ki = arith.addi %kbase, %kj : index\n\
                      {}\
                      \x20   scf.yield {} : {tys}\n\
@@ -221,7 +258,7 @@ impl Micro {
                     iter_args("a", &names("kin")),
                     indent(&scales, 2),
                     iter_args("b", &names("a")),
-                    indent(&step("b", "n", "%ki", ""), 4),
+                    indent(&inner, 4),
                     names("n").join(", "),
                     (0..n_acc).map(|a| format!("%ab#{a}")).collect::<Vec<_>>().join(", "),
                 )
@@ -273,13 +310,13 @@ impl Micro {
     }
 }
 
-/// The constants [`weight_vector`]'s fp8 decode uses.
-fn fp8_consts() -> String {
+/// The constants [`fp8_decode`] uses at `lanes` lanes.
+fn fp8_consts(lanes: usize) -> String {
     let mut c: String = [("8", 8), ("1", 1), ("3f80", 0x3F80), ("80", 0x80), ("4000", 0x4000), ("bfff", 0xBFFF_u16 as i16 as i32)]
         .iter()
-        .map(|(nm, val)| format!("%h_{nm} = arith.constant dense<{val}> : {VH}\n"))
+        .map(|(nm, val)| format!("%h{lanes}_{nm} = arith.constant dense<{val}> : vector<{lanes}xi16>\n"))
         .collect();
-    c.push_str(&format!("%v_256 = arith.constant dense<256.0> : {V}\n"));
+    c.push_str(&format!("%v{lanes}_256 = arith.constant dense<256.0> : vector<{lanes}xf32>\n"));
     c
 }
 
@@ -293,37 +330,44 @@ fn weight_vector(weight: WeightType, (mem, wt): (&str, &str), dst: &str, (o, i):
             "{w}_n = vector.load {mem}[{o}, {i}] : {wt}, vector<8x{e}>\n{w} = arith.extf {w}_n : vector<8x{e}> to {V}\n",
             e = weight.mlir_elem()
         ),
-        // fp8 E4M3FN as the f16 with the same exponent and mantissa bits
-        // (sign to bit 15, the rest shifted up 7): that f16 is the fp8
-        // value × 2^-8 exactly, subnormals included, and the F16C convert
-        // widens it. Then × 2^8 (exact) and × the block's scale: the one
-        // rounding of fp8 × scale, as the table path makes. The byte goes
-        // to the top (sign at 15, magnitude at 14..8) and one arithmetic
-        // shift puts the magnitude at 13..7 with the sign in bits 15 and
-        // 14; clearing 14 leaves the f16. 0x7F/0xFF (NaN in E4M3FN,
-        // ±1.875·2^8 in f16) become an f16 quiet NaN by arithmetic, not a
-        // select: the magnitude's bits plus 0x80 carry into bit 14 for
-        // 0x7F alone, and bit 14 set makes the exponent all ones with the
-        // mantissa not zero. (LLVM turned a select into an 8-lane f32
-        // blend after the convert: three more micro-ops per 8 weights on
-        // Zen 1; this is two integer operations fewer than masking sign
-        // and magnitude apart.)
-        WeightType::Mxfp8 { .. } => format!(
-            "{w}_q = vector.load {mem}[{o}, {i}] : {wt}, vector<8xi8>\n\
-             {w}_u = arith.extui {w}_q : vector<8xi8> to {VH}\n\
-             {w}_t = arith.shli {w}_u, %h_8 : {VH}\n\
-             {w}_a = arith.shrsi {w}_t, %h_1 : {VH}\n\
-             {w}_m = arith.andi {w}_a, %h_3f80 : {VH}\n\
-             {w}_n1 = arith.addi {w}_m, %h_80 : {VH}\n\
-             {w}_n = arith.andi {w}_n1, %h_4000 : {VH}\n\
-             {w}_b0 = arith.andi {w}_a, %h_bfff : {VH}\n\
-             {w}_b = arith.ori {w}_b0, {w}_n : {VH}\n\
-             {w}_h = arith.bitcast {w}_b : {VH} to vector<8xf16>\n\
-             {w}_f = arith.extf {w}_h : vector<8xf16> to {V}\n\
-             {w}_v = arith.mulf {w}_f, %v_256 : {V}\n\
-             {w} = arith.mulf {w}_v, {scale} : {V}\n"
-        ),
+        WeightType::Mxfp8 { .. } => fp8_decode(w, (mem, wt), (o, i), scale, LANES),
     }
+}
+
+/// `{w}`: `lanes` f32 weights (a vector of that many) of row `{o}` from
+/// column `{i}` of the fp8 memref `{mem}` (type `wt`), times `{scale}` (a
+/// broadcast vector of `lanes`). Needs [`fp8_consts`] at `lanes`.
+///
+/// fp8 E4M3FN as the f16 with the same exponent and mantissa bits (sign to
+/// bit 15, the rest shifted up 7): that f16 is the fp8 value × 2^-8
+/// exactly, subnormals included, and the F16C convert widens it. Then ×
+/// 2^8 (exact) and × the block's scale: the one rounding of fp8 × scale,
+/// as the table path makes. The byte goes to the top (sign at 15,
+/// magnitude at 14..8) and one arithmetic shift puts the magnitude at
+/// 13..7 with the sign in bits 15 and 14; clearing 14 leaves the f16.
+/// 0x7F/0xFF (NaN in E4M3FN, ±1.875·2^8 in f16) become an f16 quiet NaN by
+/// arithmetic, not a select: the magnitude's bits plus 0x80 carry into bit
+/// 14 for 0x7F alone, and bit 14 set makes the exponent all ones with the
+/// mantissa not zero. (LLVM turned a select into an 8-lane f32 blend after
+/// the convert: three more micro-ops per 8 weights on Zen 1; this is two
+/// integer operations fewer than masking sign and magnitude apart.)
+fn fp8_decode(w: &str, (mem, wt): (&str, &str), (o, i): (&str, &str), scale: &str, lanes: usize) -> String {
+    let (vh, vf, h) = (format!("vector<{lanes}xi16>"), format!("vector<{lanes}xf32>"), format!("%h{lanes}"));
+    format!(
+        "{w}_q = vector.load {mem}[{o}, {i}] : {wt}, vector<{lanes}xi8>\n\
+         {w}_u = arith.extui {w}_q : vector<{lanes}xi8> to {vh}\n\
+         {w}_t = arith.shli {w}_u, {h}_8 : {vh}\n\
+         {w}_a = arith.shrsi {w}_t, {h}_1 : {vh}\n\
+         {w}_m = arith.andi {w}_a, {h}_3f80 : {vh}\n\
+         {w}_n1 = arith.addi {w}_m, {h}_80 : {vh}\n\
+         {w}_n = arith.andi {w}_n1, {h}_4000 : {vh}\n\
+         {w}_b0 = arith.andi {w}_a, {h}_bfff : {vh}\n\
+         {w}_b = arith.ori {w}_b0, {w}_n : {vh}\n\
+         {w}_h = arith.bitcast {w}_b : {vh} to vector<{lanes}xf16>\n\
+         {w}_f = arith.extf {w}_h : vector<{lanes}xf16> to {vf}\n\
+         {w}_v = arith.mulf {w}_f, %v{lanes}_256 : {vf}\n\
+         {w} = arith.mulf {w}_v, {scale} : {vf}\n"
+    )
 }
 
 /// Inputs per K block: the whole reduction up to [`KC_FROM`], else [`KC`]
@@ -495,7 +539,7 @@ impl Tile {
                 consts.push_str(&format!(
                     "%cb = arith.constant {block} : index\n%pb0 = arith.divui %kb0, %cb : index\n%pb1 = arith.divui %kb1, %cb : index\n{E8M0_CONSTANTS}"
                 ));
-                consts.push_str(&fp8_consts());
+                consts.push_str(&fp8_consts(LANES));
                 format!(
                     "scf.for %b = %pb0 to %pb1 step %c1 {{\n\
                      \x20 %sb = memref.load %s[%po, %b] : memref<?x?xi8>\n\
