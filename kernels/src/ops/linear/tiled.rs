@@ -132,12 +132,85 @@ impl Micro {
         )
     }
 
-    /// The function's text, a module-level global.
-    fn text(&self) -> String {
+    /// Row `j` of the row group in `x`.
+    fn row(j: usize) -> String {
+        if j == 0 {
+            "%rg".to_string()
+        } else {
+            format!("%kr{j}")
+        }
+    }
+
+    /// One step at column `col` from accumulators `a` to `b` (names
+    /// suffixed `t`): each weight vector right before its m FMAs, so m
+    /// activation registers, one weight register and the m·n accumulators
+    /// (16 at 3 × 4) are live and nothing spills.
+    fn step(&self, a: &str, b: &str, col: &str, t: &str) -> String {
         let Micro { m, n, weight, act } = *self;
         let (xt, wt) = (self.x_ty(), self.w_ty());
+        let mut s = String::new();
+        for j in 0..m {
+            s.push_str(&load_f32xn(LANES, &format!("%kx{j}{t}"), "%x", &xt, &Self::row(j), col, act));
+        }
+        s.push_str(&format!("%kwc{t} = arith.addi {col}, %wc : index\n"));
+        for q in 0..n {
+            s.push_str(&weight_vector(
+                weight,
+                ("%w", &wt),
+                &format!("%wk{q}{t}"),
+                (&format!("%kw{q}"), &format!("%kwc{t}")),
+                &format!("%ksv{q}"),
+            ));
+            for j in 0..m {
+                let i = j * n + q;
+                s.push_str(&format!(
+                    "%kpr{j}_{q}{t} = arith.mulf %kx{j}{t}, %wk{q}{t} fastmath<contract> : {V}\n\
+                     %{b}{i} = arith.addf %{a}{i}, %kpr{j}_{q}{t} fastmath<contract> : {V}\n"
+                ));
+            }
+        }
+        s
+    }
+
+    /// Two MXFP8 steps, at `%ki` and `%ki + 8`, from 16 fp8 weights per
+    /// output decoded at once: the integer operations that make their f16
+    /// bits then run on 16 lanes of one register, not 8 of one each. Every
+    /// sum still takes column `%ki`'s product, then `%ki + 8`'s.
+    fn step16(&self, a: &str, b: &str) -> String {
+        let Micro { m, n, act, .. } = *self;
+        let (xt, wt) = (self.x_ty(), self.w_ty());
+        let mut s = String::from("%ki2 = arith.addi %ki, %cl : index\n");
+        for j in 0..m {
+            s.push_str(&load_f32xn(LANES, &format!("%kx{j}"), "%x", &xt, &Self::row(j), "%ki", act));
+            s.push_str(&load_f32xn(LANES, &format!("%kx{j}_u"), "%x", &xt, &Self::row(j), "%ki2", act));
+        }
+        s.push_str("%kwc = arith.addi %ki, %wc : index\n");
+        for q in 0..n {
+            s.push_str(&fp8_decode(&format!("%wk{q}w"), ("%w", &wt), (&format!("%kw{q}"), "%kwc"), &format!("%ksw{q}"), 2 * LANES));
+            for (half, t) in [(0, ""), (LANES, "_u")] {
+                s.push_str(&format!(
+                    "%wk{q}{t} = vector.extract_strided_slice %wk{q}w {{offsets = [{half}], sizes = [{LANES}], strides = [1]}} : vector<{}xf32> to {V}\n",
+                    2 * LANES
+                ));
+            }
+            for j in 0..m {
+                let i = j * n + q;
+                s.push_str(&format!(
+                    "%kpr{j}_{q} = arith.mulf %kx{j}, %wk{q} fastmath<contract> : {V}\n\
+                     %kmid{i} = arith.addf %{a}{i}, %kpr{j}_{q} fastmath<contract> : {V}\n\
+                     %kpr{j}_{q}_u = arith.mulf %kx{j}_u, %wk{q}_u fastmath<contract> : {V}\n\
+                     %{b}{i} = arith.addf %kmid{i}, %kpr{j}_{q}_u fastmath<contract> : {V}\n"
+                ));
+            }
+        }
+        s
+    }
+
+    /// The function's text, a module-level global.
+    fn text(&self) -> String {
+        let Micro { m, n, .. } = *self;
+        let (xt, wt) = (self.x_ty(), self.w_ty());
         let s_param = if self.mxfp8_block().is_some() { ", %s: memref<?x?xi8>" } else { "" };
-        let row = |j: usize| if j == 0 { "%rg".to_string() } else { format!("%kr{j}") };
         let mut head = format!("{BASICS}%cl = arith.constant {LANES} : index\n%cm = arith.constant {m} : index\n");
         // Per row group: its rows in `x` and in the lane sums, and the sums.
         let mut rowhead = String::new();
@@ -168,65 +241,6 @@ impl Micro {
         for a in 0..n_acc {
             rowhead.push_str(&format!("%kin{a} = vector.load {}\n", slot(a)));
         }
-        // One step at column `%ki` from accumulators `a` to `b`: each
-        // weight vector right before its m FMAs, so m activation registers,
-        // one weight register and the m·n accumulators (16 at 3 × 4) are
-        // live and nothing spills.
-        let step = |a: &str, b: &str, col: &str, t: &str| -> String {
-            let mut s = String::new();
-            for j in 0..m {
-                s.push_str(&load_f32xn(LANES, &format!("%kx{j}{t}"), "%x", &xt, &row(j), col, act));
-            }
-            s.push_str(&format!("%kwc{t} = arith.addi {col}, %wc : index\n"));
-            for q in 0..n {
-                s.push_str(&weight_vector(
-                    weight,
-                    ("%w", &wt),
-                    &format!("%wk{q}{t}"),
-                    (&format!("%kw{q}"), &format!("%kwc{t}")),
-                    &format!("%ksv{q}"),
-                ));
-                for j in 0..m {
-                    let i = j * n + q;
-                    s.push_str(&format!(
-                        "%kpr{j}_{q}{t} = arith.mulf %kx{j}{t}, %wk{q}{t} fastmath<contract> : {V}\n\
-                         %{b}{i} = arith.addf %{a}{i}, %kpr{j}_{q}{t} fastmath<contract> : {V}\n"
-                    ));
-                }
-            }
-            s
-        };
-        // Two steps from 16 fp8 weights per output decoded at once: the
-        // integer operations that make their f16 bits then run on 16 lanes
-        // of one register, not 8 of one each. Every sum still takes
-        // column `%ki`'s product, then `%ki + 8`'s.
-        let step16 = |a: &str, b: &str| -> String {
-            let mut s = String::from("%ki2 = arith.addi %ki, %cl : index\n");
-            for j in 0..m {
-                s.push_str(&load_f32xn(LANES, &format!("%kx{j}"), "%x", &xt, &row(j), "%ki", act));
-                s.push_str(&load_f32xn(LANES, &format!("%kx{j}_u"), "%x", &xt, &row(j), "%ki2", act));
-            }
-            s.push_str("%kwc = arith.addi %ki, %wc : index\n");
-            for q in 0..n {
-                s.push_str(&fp8_decode(&format!("%wk{q}w"), ("%w", &wt), (&format!("%kw{q}"), "%kwc"), &format!("%ksw{q}"), 2 * LANES));
-                for (half, t) in [(0, ""), (LANES, "_u")] {
-                    s.push_str(&format!(
-                        "%wk{q}{t} = vector.extract_strided_slice %wk{q}w {{offsets = [{half}], sizes = [{LANES}], strides = [1]}} : vector<{}xf32> to {V}\n",
-                        2 * LANES
-                    ));
-                }
-                for j in 0..m {
-                    let i = j * n + q;
-                    s.push_str(&format!(
-                        "%kpr{j}_{q} = arith.mulf %kx{j}, %wk{q} fastmath<contract> : {V}\n\
-                         %kmid{i} = arith.addf %{a}{i}, %kpr{j}_{q} fastmath<contract> : {V}\n\
-                         %kpr{j}_{q}_u = arith.mulf %kx{j}_u, %wk{q}_u fastmath<contract> : {V}\n\
-                         %{b}{i} = arith.addf %kmid{i}, %kpr{j}_{q}_u fastmath<contract> : {V}\n"
-                    ));
-                }
-            }
-            s
-        };
         let body = match self.mxfp8_block() {
             // Block by block, each with its four scales.
             Some(block) => {
@@ -241,7 +255,7 @@ impl Micro {
                         scales.push_str(&format!("%ksw{q} = vector.broadcast %kscale{q} : f32 to vector<{}xf32>\n", 2 * LANES));
                     }
                 }
-                let (kstep, inner) = if wide { ("%cl16", step16("b", "n")) } else { ("%cl", step("b", "n", "%ki", "")) };
+                let (kstep, inner) = if wide { ("%cl16", self.step16("b", "n")) } else { ("%cl", self.step("b", "n", "%ki", "")) };
                 format!(
                     "%kb0 = arith.divui %k0, %cb : index\n\
                      %kb1 = arith.divui %k1, %cb : index\n\
@@ -281,11 +295,11 @@ impl Micro {
                  \x20 scf.yield {} : {tys}\n\
                  }}\n",
                 iter_args("a", &names("kin")),
-                indent(&step("a", "m", "%ki", ""), 2),
-                indent(&step("m", "n", "%ki2", "_u"), 2),
+                indent(&self.step("a", "m", "%ki", ""), 2),
+                indent(&self.step("m", "n", "%ki2", "_u"), 2),
                 names("n").join(", "),
                 iter_args("a", &(0..n_acc).map(|i| format!("%accu#{i}")).collect::<Vec<_>>()),
-                indent(&step("a", "n", "%ki", ""), 2),
+                indent(&self.step("a", "n", "%ki", ""), 2),
                 names("n").join(", "),
             ),
         };
