@@ -599,7 +599,39 @@ impl Tile {
         // rows `kstep` apart) beside the panel, so every output quad's pass
         // reads one contiguous block: bf16 activations are widened once,
         // not once per quad, and rows of 6144 inputs (24 KB apart, twelve
-        // of 96 on the same L2 sets) no longer evict each other.
+        // of 96 on the same L2 sets) no longer evict each other. The copy
+        // reads the activations from L3 or DRAM, and the prefetcher starts
+        // over at each row (its K block is 3 KB): a K-blocked copy
+        // prefetches the row two ahead as it goes. 6144 × 6144 bf16 at 512
+        // rows: 69.9 → 74.1 % of the FMA peak, mean of 6 paired rounds,
+        // every round faster; the other real shapes +0.5 to +2 points.
+        // Unblocked shapes (their activations stay in L2 across output
+        // tiles) ran 15 points slower with it: 2048 × 1024 bf16.
+        let copy = |prefetch: bool| {
+            let (ahead, pf) = if prefetch {
+                (
+                    "%xpf0 = arith.addi %xr, %c2x : index\n%xpf = arith.minui %xpf0, %xlast : index\n".to_string(),
+                    format!("memref.prefetch %xd[%xpf, %xk], read, locality<3>, data : {}\n", self.types()[0]),
+                )
+            } else {
+                (String::new(), String::new())
+            };
+            format!(
+                "scf.for %xr = %rt to %rt_end step %c1 {{\n\
+                 \x20 %xri = arith.subi %xr, %rt : index\n\
+                 {}\
+                 \x20 scf.for %xk = %kb0 to %kb1 step %c8 {{\n\
+                 {}\
+                 {}\
+                 \x20   %xkc = arith.subi %xk, %kb0 : index\n\
+                 \x20   vector.store %xv, %xp[%xri, %xkc] : memref<?x?xf32>, {V}\n\
+                 \x20 }}\n\
+                 }}\n",
+                indent(&ahead, 2),
+                indent(&pf, 4),
+                indent(&load_f32xn(LANES, "%xv", "%xd", &self.types()[0], "%xr", "%xk", self.act), 4),
+            )
+        };
         let fill = match src {
             Source::Panel => format!(
                 "%first_rt = arith.cmpi eq, %rt, %c0 : index\n\
@@ -609,16 +641,13 @@ impl Tile {
                  scf.if %refill {{\n{}}}\n\
                  %klen = arith.subi %kb1, %kb0 : index\n\
                  %wcol = arith.subi %kb0, %pc0 : index\n\
-                 scf.for %xr = %rt to %rt_end step %c1 {{\n\
-                 \x20 %xri = arith.subi %xr, %rt : index\n\
-                 \x20 scf.for %xk = %kb0 to %kb1 step %c8 {{\n\
-                 {}\
-                 \x20   %xkc = arith.subi %xk, %kb0 : index\n\
-                 \x20   vector.store %xv, %xp[%xri, %xkc] : memref<?x?xf32>, {V}\n\
-                 \x20 }}\n\
-                 }}\n",
+                 %xlast = arith.subi %rows, %c1 : index\n\
+                 %c2x = arith.constant 2 : index\n\
+                 %kblocked = arith.cmpi ult, %kstep, %cin : index\n\
+                 scf.if %kblocked {{\n{}}} else {{\n{}}}\n",
                 indent(&self.pack(), 2),
-                indent(&load_f32xn(LANES, "%xv", "%xd", &self.types()[0], "%xr", "%xk", self.act), 4),
+                indent(&copy(true), 2),
+                indent(&copy(false), 2),
             ),
             Source::Direct => String::new(),
         };
