@@ -465,6 +465,18 @@ impl Tile {
     fn row_groups(&self, src: Source) -> bool {
         src == Source::Panel || self.weight == WeightType::F32
     }
+    /// Whether a panel pass over an unblocked reduction reads the
+    /// activations in place rather than from a copy: when they are f32
+    /// already. Its rows (4 KB apart at 1024 inputs) then stay in L2 for
+    /// every output tile, where a copy per output tile cost more than it
+    /// saved. 512 rows (`m3c bench-kernels`, 3 paired rounds, % of the FMA
+    /// peak): 1024 × 1024 from 63-73 to 80-82, 1536 × 1024 from 69-71 to
+    /// 79-84. The copy stays for bf16 activations (widened once) and for
+    /// K-blocked shapes (rows 24 KB apart that would evict each other).
+    fn in_place_unblocked(&self) -> bool {
+        self.act == Storage::F32
+    }
+
     /// The micro-tiles a pass from `src` calls: 4 outputs, then 1 for
     /// widths that leave some over.
     fn micros(&self, src: Source) -> Vec<Micro> {
@@ -574,23 +586,10 @@ impl Tile {
         format!("{consts}scf.for %po = %ot to %ot_end step %c1 {{\n\x20 %pr = arith.subi %po, %ot : index\n{}}}\n", indent(&inner, 2))
     }
 
-    /// The row tiles of output tile `%ot..%ot_end`, each: its lane sums
-    /// zeroed, every K block (`%kstep` inputs; one block when weights are
-    /// decoded in place) through the micro-tiles, then each output reduced
-    /// and stored.
-    fn tile_loops(&self, src: Source) -> String {
-        let k_step = if self.row_groups(src) { "%kstep" } else { "%cin" };
-        // Outputs `%o0 + q·%qs` advance together. From a panel, `%qs` is 1:
-        // four neighbouring panel rows. Straight from the weights (decode),
-        // the tile's full groups are cut in four strands, `%qs` = groups
-        // apart, so each of the four weight streams runs through memory in
-        // one long line that the hardware prefetcher follows (neighbouring
-        // rows would make four streams of one row each, restarting every
-        // row).
-        let (o_end, o_step, qs, w) = match src {
-            Source::Panel => ("%oq_end", "%cnr", "%c1", "%pwd"),
-            Source::Direct => ("%oq_str", "%c1", "%nq0", "%wd"),
-        };
+    /// What a panel pass does at each K block before its micro-tiles: the
+    /// panel's refill, then the row tile's activations copied or (unblocked
+    /// f32) chosen in place.
+    fn panel_fill(&self) -> String {
         // A panel holds the tile's outputs over `%pk` inputs: the whole
         // reduction (decoded K block by K block on the first row tile, read
         // by the later ones), or, where that is too large, one K block
@@ -632,9 +631,8 @@ impl Tile {
                 indent(&load_f32xn(LANES, "%xv", "%xd", &self.types()[0], "%xr", "%xk", self.act), 4),
             )
         };
-        let fill = match src {
-            Source::Panel => format!(
-                "%first_rt = arith.cmpi eq, %rt, %c0 : index\n\
+        format!(
+            "%first_rt = arith.cmpi eq, %rt, %c0 : index\n\
                  %pblocked = arith.cmpi ult, %pk, %cin : index\n\
                  %refill = arith.ori %first_rt, %pblocked : i1\n\
                  %pc0 = arith.select %pblocked, %kb0, %c0 : index\n\
@@ -645,10 +643,42 @@ impl Tile {
                  %c2x = arith.constant 2 : index\n\
                  %kblocked = arith.cmpi ult, %kstep, %cin : index\n\
                  scf.if %kblocked {{\n{}}} else {{\n{}}}\n",
-                indent(&self.pack(), 2),
-                indent(&copy(true), 2),
-                indent(&copy(false), 2),
-            ),
+            indent(&self.pack(), 2),
+            indent(&copy(true), 2),
+            indent(&if self.in_place_unblocked() { String::new() } else { copy(false) }, 2),
+        ) + &if self.in_place_unblocked() {
+            format!(
+                "%xsrc = arith.select %kblocked, %xp, %xd : {}\n\
+                     %xrb = arith.select %kblocked, %c0, %rt : index\n\
+                     %xk0 = arith.select %kblocked, %c0, %kb0 : index\n\
+                     %xk1 = arith.select %kblocked, %klen, %kb1 : index\n\
+                     %xwc = arith.select %kblocked, %wcol, %c0 : index\n",
+                self.types()[0]
+            )
+        } else {
+            String::new()
+        }
+    }
+
+    /// The row tiles of output tile `%ot..%ot_end`, each: its lane sums
+    /// zeroed, every K block (`%kstep` inputs; one block when weights are
+    /// decoded in place) through the micro-tiles, then each output reduced
+    /// and stored.
+    fn tile_loops(&self, src: Source) -> String {
+        let k_step = if self.row_groups(src) { "%kstep" } else { "%cin" };
+        // Outputs `%o0 + q·%qs` advance together. From a panel, `%qs` is 1:
+        // four neighbouring panel rows. Straight from the weights (decode),
+        // the tile's full groups are cut in four strands, `%qs` = groups
+        // apart, so each of the four weight streams runs through memory in
+        // one long line that the hardware prefetcher follows (neighbouring
+        // rows would make four streams of one row each, restarting every
+        // row).
+        let (o_end, o_step, qs, w) = match src {
+            Source::Panel => ("%oq_end", "%cnr", "%c1", "%pwd"),
+            Source::Direct => ("%oq_str", "%c1", "%nq0", "%wd"),
+        };
+        let fill = match src {
+            Source::Panel => self.panel_fill(),
             Source::Direct => String::new(),
         };
         let fill = indent(&fill, 4);
@@ -659,6 +689,14 @@ impl Tile {
         let call = |m: usize, n: usize, (from, to): (&str, &str), (abs_from, abs_to): (&str, &str)| -> String {
             let mc = micros.iter().find(|mc| mc.m == m && mc.n == n).expect("the micro-tile is listed");
             match src {
+                // Unblocked f32 activations are read where they are: the
+                // source, rows and columns chosen by `select` (two calls
+                // under an `scf.if` would lower to one block taking the
+                // memref as an argument, which LLVM's dialect refuses).
+                Source::Panel if self.in_place_unblocked() => format!(
+                    "%xa{m} = arith.addi {from}, %xrb : index\n%xb{m} = arith.addi {to}, %xrb : index\n{}",
+                    mc.call("%xsrc", w, "%s", &format!("%xa{m}, %xb{m}, %aor, {from}, %aor, %qs, %xk0, %xk1, %xwc"))
+                ),
                 Source::Panel => mc.call("%xp", w, "%s", &format!("{from}, {to}, %aor, {from}, %aor, %qs, %c0, %klen, %wcol")),
                 Source::Direct => mc.call("%xd", w, "%s", &format!("{abs_from}, {abs_to}, %o0, {from}, %aor, %qs, %kb0, %kb1, %c0")),
             }
