@@ -72,6 +72,17 @@ pub fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
+/// Asserts that the command failed and that its stderr says each of
+/// `parts`; the stderr.
+pub fn fails_with(out: &Output, parts: &[&str]) -> String {
+    let e = stderr(out);
+    assert!(!out.status.success(), "succeeded:\n{e}");
+    for p in parts {
+        assert!(e.contains(p), "expected `{p}` in:\n{e}");
+    }
+    e
+}
+
 pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }

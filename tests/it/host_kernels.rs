@@ -690,8 +690,16 @@ fn msa_selecting_every_block_is_dense_attention_bit_for_bit() {
 /// Calls the C interface of kernel `k` with memref descriptors (as pointers).
 // SAFETY: callers pass one live descriptor per kernel argument (see the # Safety note).
 pub(crate) unsafe fn call(lib: &libloading::Library, k: &Kernel, a: &[*const std::ffi::c_void]) {
+    // SAFETY: passed on from the caller.
+    unsafe { call_symbol(lib, &k.symbol(), a) }
+}
+
+/// Calls the C interface of the kernel named `symbol` with memref
+/// descriptors (as pointers).
+// SAFETY: callers pass one live descriptor per kernel argument.
+pub(crate) unsafe fn call_symbol(lib: &libloading::Library, symbol: &str, a: &[*const std::ffi::c_void]) {
     type P = *const std::ffi::c_void;
-    let name = format!("_mlir_ciface_{}", k.symbol());
+    let name = format!("_mlir_ciface_{symbol}");
     unsafe {
         match a.len() {
             2 => lib.get::<unsafe extern "C" fn(P, P)>(name.as_bytes()).unwrap()(a[0], a[1]),
@@ -703,7 +711,7 @@ pub(crate) unsafe fn call(lib: &libloading::Library, k: &Kernel, a: &[*const std
             8 => lib.get::<unsafe extern "C" fn(P, P, P, P, P, P, P, P)>(name.as_bytes()).unwrap()(
                 a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7],
             ),
-            n => panic!("no call shape for {n} arguments"),
+            n => panic!("{symbol}: no call shape for {n} arguments"),
         }
     }
 }

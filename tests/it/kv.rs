@@ -90,23 +90,9 @@ fn bf16_prefix_cache_hits_and_preemptions_change_nothing() {
 /// A pool smaller than one prompt needs is refused before anything runs.
 #[test]
 fn a_pool_too_small_for_one_prompt_is_refused_up_front() {
-    let out = crate::shared::out("tiny-m3", 1);
-    let model = fixture("tiny-m3");
-    let o = m3c(&[
-        "run",
-        out.to_str().unwrap(),
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt-ids",
-        "1,2,3,4,5,6,7,8,9",
-        "--max-new-tokens",
-        "8",
-        "--kv-blocks",
-        "4",
-    ]);
-    assert!(!o.status.success());
-    let e = stderr(&o);
-    assert!(e.contains("--kv-blocks 4: prompt 0 and --max-new-tokens 8 need 5 blocks of 4 positions"), "{e}");
+    let (out, model) = crate::shared::tiny(1);
+    let o = m3c_tests::m3c_run(&out, &model, &["--prompt-ids", "1,2,3,4,5,6,7,8,9", "--max-new-tokens", "8", "--kv-blocks", "4"]);
+    m3c_tests::fails_with(&o, &["--kv-blocks 4: prompt 0 and --max-new-tokens 8 need 5 blocks of 4 positions"]);
 }
 
 /// Image rows are keyed by the image's content: the same chat with another
@@ -116,8 +102,7 @@ fn a_pool_too_small_for_one_prompt_is_refused_up_front() {
 #[test]
 fn images_behind_the_same_placeholders_share_blocks_only_when_they_are_the_same() {
     let dir = tempfile::tempdir().unwrap();
-    let model = fixture("tiny-m3");
-    let out = crate::shared::out("tiny-m3", 2);
+    let (out, model) = crate::shared::tiny(2);
     // Two images of the same size: the fixture's, and its negative.
     let a = dir.path().join("a.png");
     std::fs::copy(fixture("vision/A_rgb_56x84_noresize.png"), &a).unwrap();

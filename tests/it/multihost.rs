@@ -133,8 +133,7 @@ fn a_pipeline_across_four_hosts_gives_the_one_host_bytes() {
 /// A hostfile that cannot be read is named before mpirun starts.
 #[test]
 fn a_missing_hostfile_is_named() {
-    let out = crate::shared::out("tiny-m3", 2);
-    let model = fixture("tiny-m3");
+    let (out, model) = crate::shared::tiny(2);
     let o = m3c_run(&out, &model, &["--prompt-ids", "1,2", "--max-new-tokens", "1", "--hostfile", "/nonexistent/hosts"]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("--hostfile /nonexistent/hosts: cannot be read"), "{}", stderr(&o));
@@ -146,8 +145,7 @@ fn a_missing_hostfile_is_named() {
 #[test]
 fn a_cut_link_or_a_killed_remote_stage_ends_the_job_on_every_host() {
     let Some(hosts) = Hosts::new(2) else { return };
-    let model = fixture("tiny-m3");
-    let out = crate::shared::out("tiny-m3", 2);
+    let (out, model) = crate::shared::tiny(2);
     let bin = m3c_tests::m3c_bin();
     let (out_s, model_s, placed) = (out.to_str().unwrap(), model.to_str().unwrap(), hostfile(&hosts, &[0, 1]));
     let cmd = [bin.to_str().unwrap(), "run", out_s, "--model", model_s, "--hostfile", &placed, "--prompt-ids", "1,2,3"];
@@ -196,10 +194,8 @@ fn a_cut_link_or_a_killed_remote_stage_ends_the_job_on_every_host() {
         // (5 s idle, then 3 probes 2 s apart: 11 s) after its stage's own
         // timeout; once, in a full run on two loaded cores, that took over
         // 20 s, so allow twice that.
-        let t1 = std::time::Instant::now();
-        let clean = hosts.quiet(Duration::from_secs(45));
-        eprintln!("{name}: every host was quiet {:.1} s after the job ended", t1.elapsed().as_secs_f64());
-        assert!(clean, "{name}: processes left: {}", hosts.left());
+        let took = hosts.assert_quiet(name, Duration::from_secs(45));
+        eprintln!("{name}: every host was quiet {:.1} s after the job ended", took.as_secs_f64());
     }
 }
 
@@ -320,8 +316,7 @@ impl RemoteServer {
         assert!(saw_503, "{name}: /health should answer 503 once the pipeline is lost:\n{l}");
         assert!(!status.success() && took < Duration::from_secs(25), "{name}: {status:?} after {took:?}:\n{l}");
         assert!(l.contains("pipeline stopped") && l.contains("stage 0"), "{name}: {l}");
-        let clean = hosts.quiet(Duration::from_secs(20));
-        assert!(clean, "{name}: processes left: {}", hosts.left());
+        hosts.assert_quiet(name, Duration::from_secs(20));
     }
 }
 
@@ -389,8 +384,7 @@ fn serve_across_hosts_answers_as_one_host_and_fails_cleanly() {
 #[test]
 fn hosts_that_are_not_ready_are_named_before_the_job_starts() {
     let Some(hosts) = Hosts::new(2) else { return };
-    let model = fixture("tiny-m3");
-    let out = crate::shared::out("tiny-m3", 2);
+    let (out, model) = crate::shared::tiny(2);
     let bin = m3c_tests::m3c_bin();
     let (bin_s, out_s, model_s) = (bin.to_str().unwrap(), out.to_str().unwrap(), model.to_str().unwrap());
     let placed = hostfile(&hosts, &[0, 1]);
@@ -405,8 +399,7 @@ fn hosts_that_are_not_ready_are_named_before_the_job_starts() {
             assert!(e.contains(w.as_str()), "{name}: no `{w}` in:\n{e}");
         }
         assert!(!e.contains("m3c stage 0/2") && !e.contains("m3c stage 1/2"), "{name}: the stages started:\n{e}");
-        let clean = hosts.quiet(Duration::from_secs(20));
-        assert!(clean, "{name}: processes left: {}", hosts.left());
+        hosts.assert_quiet(name, Duration::from_secs(20));
     };
     let stage1 = format!("stage 1 on host {}", hosts.ns(1));
     // The model only in the front host's private TMPDIR.

@@ -188,6 +188,15 @@ impl Hosts {
         }
     }
 
+    /// Asserts that every host is empty of processes within `limit` (see
+    /// [`Hosts::quiet`]), naming `what` ran and what is left if not; how
+    /// long they took.
+    pub fn assert_quiet(&self, what: &str, limit: Duration) -> Duration {
+        let t0 = std::time::Instant::now();
+        assert!(self.quiet(limit), "{what}: processes left: {}", self.left());
+        t0.elapsed()
+    }
+
     /// The processes left in host `i`'s namespace.
     pub fn pids(&self, i: usize) -> Vec<String> {
         let o = Command::new("ip").args(["netns", "pids", &self.ns(i)]).output().expect("ip");

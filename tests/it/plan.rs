@@ -1,6 +1,6 @@
 use m3c_compiler::config::{load_config, ModelConfig};
 use m3c_compiler::plan::{balance, brute_force, make_plan, parse_plan, table, GpuProfile, Item, Target, Workload};
-use m3c_tests::{configs, fixture, m3c, stderr, stdout};
+use m3c_tests::{configs, fails_with, fixture, m3c, stderr, stdout};
 use std::path::Path;
 
 fn tiny() -> ModelConfig {
@@ -144,12 +144,19 @@ fn planner_equals_brute_force_on_random_tables() {
     assert!(feasible > 100, "too few feasible cases ({feasible}) to mean anything");
 }
 
-#[test]
-fn real_model_pp4_moves_away_from_even_split() {
+/// The planner's pp=4 plan of the real MXFP8 checkpoint for one
+/// 8192-token sequence on H200s, with what it was planned for.
+fn real_model_pp4_on_h200() -> (ModelConfig, GpuProfile, Workload, m3c_compiler::plan::Plan) {
     let cfg = load_config(&configs("minimax-m3-mxfp8.config.json")).unwrap();
     let gpu = GpuProfile::named("H200").unwrap();
     let w = Workload { batch: 1, context: 8192, kv_cache: m3c_kernels::Storage::Bf16 };
     let p = make_plan(&cfg, 4, &gpu, w, Target::Host).unwrap();
+    (cfg, gpu, w, p)
+}
+
+#[test]
+fn real_model_pp4_moves_away_from_even_split() {
+    let (cfg, gpu, w, p) = real_model_pp4_on_h200();
     let counts: Vec<usize> = p.stages.iter().map(|s| s.layers.unwrap().len()).collect();
     assert_ne!(counts, vec![15, 15, 15, 15]);
     // The dense layers make stage 0 take more layers; the lm_head makes the last take fewer.
@@ -216,23 +223,11 @@ fn links_between_hosts_are_counted_per_boundary() {
     assert_eq!(m3c_compiler::plan::parse_plan(Path::new("w.yaml"), &yaml, Some(&real)).unwrap(), p, "{yaml}");
 }
 
-/// The command failed, and its message says each of `parts`.
-fn fails_with(out: &std::process::Output, parts: &[&str]) {
-    let e = stderr(out);
-    assert!(!out.status.success(), "succeeded:\n{e}");
-    for p in parts {
-        assert!(e.contains(p), "expected `{p}` in:\n{e}");
-    }
-}
-
 /// The vision tower's weights count on stage 0 when the planner balances,
 /// and a text-only (flat) config plans and checks without one.
 #[test]
 fn vision_weights_count_on_stage_0_and_text_only_models_plan() {
-    let cfg = load_config(&configs("minimax-m3-mxfp8.config.json")).unwrap();
-    let gpu = GpuProfile::named("H200").unwrap();
-    let w = Workload { batch: 1, context: 8192, kv_cache: m3c_kernels::Storage::Bf16 };
-    let p = make_plan(&cfg, 4, &gpu, w, Target::Host).unwrap();
+    let (cfg, gpu, w, p) = real_model_pp4_on_h200();
     assert!(p.stages[0].vision && !p.stages[1].vision);
     let mut off = p.clone();
     off.stages[0].vision = false;

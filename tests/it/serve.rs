@@ -97,6 +97,21 @@ impl Server {
         (c, out)
     }
 
+    /// The client's long streaming request, once its first text arrived.
+    fn stream(&self) -> Stream {
+        let (client, mut out) = self.client_spawn(&["stream"]);
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), "streaming", "the stream did not start:\n{}", self.log());
+        Stream { client, out }
+    }
+
+    /// Sends the server process `signal`.
+    fn signal(&self, signal: i32) {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(self.child.id() as i32, signal) };
+    }
+
     /// Waits for the server to exit; its status.
     fn wait(&mut self, limit: Duration) -> std::process::ExitStatus {
         let deadline = Instant::now() + limit;
@@ -110,6 +125,30 @@ impl Server {
     }
 }
 
+/// A streaming request in flight (see [`Server::stream`]).
+struct Stream {
+    client: Child,
+    out: BufReader<std::process::ChildStdout>,
+}
+
+impl Stream {
+    /// How the stream ended, as the client reports it once it exits:
+    /// its exit status and its last line (`finish`, `error`, `chars`).
+    fn end(mut self) -> (std::process::ExitStatus, Value) {
+        let mut rest = String::new();
+        std::io::Read::read_to_string(&mut self.out, &mut rest).unwrap();
+        let status = self.client.wait().unwrap();
+        (status, serde_json::from_str(rest.lines().last().unwrap()).unwrap())
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        let _ = self.client.kill();
+        let _ = self.client.wait();
+    }
+}
+
 impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -117,11 +156,19 @@ impl Drop for Server {
     }
 }
 
-/// The tiny fixture compiled at pp = 2 (host, f32: batch-invariant logits).
-fn compiled(dir: &Path) -> (PathBuf, PathBuf) {
-    let model = fixture("tiny-m3");
-    let _ = dir;
-    (crate::shared::out("tiny-m3", 2), model)
+/// The tiny fixture compiled at pp = 2 (host, f32: batch-invariant
+/// logits), and the model.
+fn compiled() -> (PathBuf, PathBuf) {
+    crate::shared::tiny(2)
+}
+
+/// [`compiled`], copied into a folder of its own (the first value; the
+/// copy goes with it): its stage processes are then this test's alone,
+/// found by their path.
+fn private_copy() -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let out = crate::shared::copy("tiny-m3", 2, dir.path());
+    (dir, out, fixture("tiny-m3"))
 }
 
 /// `m3c run`'s printed text for a prompt (its trailing newline dropped).
@@ -135,8 +182,7 @@ fn run_text(out: &Path, model: &Path, args: &[&str]) -> (String, String) {
 
 #[test]
 fn completions_and_chat_give_the_text_m3c_run_gives() {
-    let dir = tempfile::tempdir().unwrap();
-    let (out, model) = compiled(dir.path());
+    let (out, model) = compiled();
     let prompt = "The capital of France is";
     let (want, _) = run_text(
         &out,
@@ -191,7 +237,7 @@ fn completions_and_chat_give_the_text_m3c_run_gives() {
 #[test]
 fn choices_logprobs_stop_ids_token_routes_and_responses() {
     let dir = tempfile::tempdir().unwrap();
-    let (out, model) = compiled(dir.path());
+    let (out, model) = compiled();
     let dump = dir.path().join("d.safetensors");
     let (printed, _) = run_text(
         &out,
@@ -314,8 +360,7 @@ fn regex_like(t: &str) -> bool {
 /// regex, a choice, a Lark grammar, n constrained choices), at pp 2.
 #[test]
 fn structured_outputs_hold_on_random_weights() {
-    let dir = tempfile::tempdir().unwrap();
-    let (out, model) = compiled(dir.path());
+    let (out, model) = compiled();
     // m3c run takes the same grammar and sampling: the same text.
     let (run, _) = run_text(
         &out,
@@ -363,8 +408,7 @@ fn structured_outputs_hold_on_random_weights() {
 /// blocks stay cached, held by no sequence).
 #[test]
 fn a_shared_system_prompt_is_computed_once_and_changes_nothing() {
-    let dir = tempfile::tempdir().unwrap();
-    let (out, model) = compiled(dir.path());
+    let (out, model) = compiled();
     let serve = |extra: &[&str]| Server::start(&out, &model, extra).client(&["shared_prefix", "16"]);
     let cold = serve(&["--no-enable-prefix-caching"]);
     let warm = serve(&[]);
@@ -388,8 +432,7 @@ fn a_shared_system_prompt_is_computed_once_and_changes_nothing() {
 
 #[test]
 fn thirty_two_concurrent_streams_each_get_their_solo_result_whenever_they_arrive() {
-    let dir = tempfile::tempdir().unwrap();
-    let (out, model) = compiled(dir.path());
+    let (out, model) = compiled();
     // Prompts of about 12 tokens prefill in two chunks, beside the others' decodes.
     let s = Server::start(&out, &model, &["--prefill-chunk", "8"]);
     let got = s.client(&["concurrent", "32", "24"]);
@@ -398,14 +441,13 @@ fn thirty_two_concurrent_streams_each_get_their_solo_result_whenever_they_arrive
 
 #[test]
 fn a_client_that_disconnects_frees_its_cache_and_tools_round_trip() {
-    let dir = tempfile::tempdir().unwrap();
     // One stage too: there a step runs to its end on the first stage itself,
     // and commands (the join, the cancel) must still get in between steps.
     let pp1 = crate::shared::out("tiny-m3", 1);
     let s = Server::start(&pp1, &fixture("tiny-m3"), &[]);
     assert_eq!(s.client(&["disconnect"])["freed"], true);
     drop(s);
-    let (out, model) = compiled(dir.path());
+    let (out, model) = compiled();
     // Pools sized by the stages from their free memory: every stage
     // allocates the least any offers, and /metrics learns the count.
     let s = Server::start(&out, &model, &["--kv-fraction", "0.02"]);
@@ -424,8 +466,7 @@ fn a_client_that_disconnects_frees_its_cache_and_tools_round_trip() {
 
 #[test]
 fn bad_requests_get_openai_errors_and_the_server_stays_up() {
-    let dir = tempfile::tempdir().unwrap();
-    let (out, model) = compiled(dir.path());
+    let (out, model) = compiled();
     let s = Server::start(&out, &model, &[]);
     let got = s.client(&["errors"]);
     for (case, status) in [
@@ -474,51 +515,33 @@ fn bad_requests_get_openai_errors_and_the_server_stays_up() {
 
 #[test]
 fn sigterm_lets_running_requests_finish_then_exits_0() {
-    let dir = tempfile::tempdir().unwrap();
-    // A private copy: its stages are found by their path below.
-    let (out, model) = (crate::shared::copy("tiny-m3", 2, dir.path()), fixture("tiny-m3"));
+    let (_dir, out, model) = private_copy();
     // Within the grace period the stream ends normally (a grace the
     // 3000-token stream fits even on a loaded machine: the default 30 s
     // did not, once, with four tests running beside it).
     let mut s = Server::start(&out, &model, &["--grace-s", "300"]);
-    let (mut c, mut lines) = s.client_spawn(&["stream"]);
-    let mut line = String::new();
-    lines.read_line(&mut line).unwrap();
-    assert_eq!(line.trim(), "streaming");
-    // SAFETY: kill(2) on our own child's pid.
-    unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) };
-    let mut rest = String::new();
-    std::io::Read::read_to_string(&mut lines, &mut rest).unwrap();
-    assert!(c.wait().unwrap().success());
-    let got: Value = serde_json::from_str(rest.lines().last().unwrap()).unwrap();
+    let stream = s.stream();
+    s.signal(libc::SIGTERM);
+    let (client, got) = stream.end();
+    assert!(client.success());
     assert_eq!((got["finish"].as_str(), &got["error"]), (Some("length"), &Value::Null), "{got}");
     assert!(s.wait(Duration::from_secs(30)).success(), "{}", s.log());
     // Past the grace period the stream ends with an error; still exit 0.
     let mut s = Server::start(&out, &model, &["--grace-s", "0.05"]);
-    let (mut c, mut lines) = s.client_spawn(&["stream"]);
-    let mut line = String::new();
-    lines.read_line(&mut line).unwrap();
-    // SAFETY: kill(2) on our own child's pid.
-    unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) };
-    let mut rest = String::new();
-    std::io::Read::read_to_string(&mut lines, &mut rest).unwrap();
-    c.wait().unwrap();
-    let got: Value = serde_json::from_str(rest.lines().last().unwrap()).unwrap();
+    let stream = s.stream();
+    s.signal(libc::SIGTERM);
+    let (_, got) = stream.end();
     assert!(got["error"].as_str().is_some_and(|e| e.contains("shut down")), "{got}");
     assert!(s.wait(Duration::from_secs(30)).success(), "{}", s.log());
     // A second signal stops at once, and takes mpirun and the stages along.
     let mut s = Server::start(&out, &model, &[]);
-    let (mut c, mut lines) = s.client_spawn(&["stream"]);
-    let mut line = String::new();
-    lines.read_line(&mut line).unwrap();
+    let _stream = s.stream();
     for _ in 0..2 {
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) };
+        s.signal(libc::SIGTERM);
         std::thread::sleep(Duration::from_millis(20));
     }
     let status = s.wait(Duration::from_secs(10));
     assert_eq!(std::os::unix::process::ExitStatusExt::into_raw(status) >> 8, 128 + libc::SIGTERM, "{}", s.log());
-    let _ = c.wait();
     let deadline = Instant::now() + Duration::from_secs(10);
     while pid_of(&out.join("stage-0")).is_some() || pid_of(&out.join("stage-1")).is_some() {
         assert!(Instant::now() < deadline, "stages outlived the server");
@@ -538,13 +561,9 @@ fn pid_of(exe: &Path) -> Option<i32> {
 
 #[test]
 fn a_stage_killed_mid_stream_fails_the_request_and_the_server_exits_non_zero() {
-    let dir = tempfile::tempdir().unwrap();
-    // A private copy: its stage is found (and killed) by its path below.
-    let (out, model) = (crate::shared::copy("tiny-m3", 2, dir.path()), fixture("tiny-m3"));
+    let (_dir, out, model) = private_copy();
     let mut s = Server::start(&out, &model, &["--timeout-s", "5"]);
-    let (mut c, mut lines) = s.client_spawn(&["stream"]);
-    let mut line = String::new();
-    lines.read_line(&mut line).unwrap();
+    let stream = s.stream();
     let stage = pid_of(&out.join("stage-1")).expect("stage 1 runs");
     // SAFETY: kill(2) on a stage process of this test's own server.
     unsafe { libc::kill(stage, libc::SIGKILL) };
@@ -558,10 +577,7 @@ fn a_stage_killed_mid_stream_fails_the_request_and_the_server_exits_non_zero() {
         std::thread::sleep(Duration::from_millis(20));
     }
     assert!(saw_503, "/health should answer 503 once a stage is lost:\n{}", s.log());
-    let mut rest = String::new();
-    std::io::Read::read_to_string(&mut lines, &mut rest).unwrap();
-    c.wait().unwrap();
-    let got: Value = serde_json::from_str(rest.lines().last().unwrap()).unwrap();
+    let (_, got) = stream.end();
     assert!(got["error"].as_str().is_some_and(|e| e.contains("pipeline stopped")), "{got}");
     let status = s.wait(Duration::from_secs(15));
     assert!(!status.success(), "a lost stage must end the server with a failure");
@@ -599,7 +615,7 @@ fn a_request_that_meets_non_finite_logits_fails_alone() {
 #[test]
 fn chat_images_by_data_uri_http_and_file_give_the_same_answer() {
     let dir = tempfile::tempdir().unwrap();
-    let (out, model) = compiled(dir.path());
+    let (out, model) = compiled();
     let media = dir.path().join("media");
     std::fs::create_dir(&media).unwrap();
     let png = media.join("a.png");
@@ -681,10 +697,9 @@ fn post_trace(s: &Server, body: &str) -> (u16, Value) {
 /// windows are 400s; a server without `--trace-dir` answers 404.
 #[test]
 fn a_serving_window_is_traced_and_its_busy_share_agrees_with_metrics() {
-    let dir = tempfile::tempdir().unwrap();
-    let (out, model) = compiled(dir.path());
-    let traces = dir.path().join("traces");
-    std::fs::create_dir(&traces).unwrap();
+    let (out, model) = compiled();
+    let trace_dir = tempfile::tempdir().unwrap();
+    let traces = trace_dir.path();
     let s = Server::start(&out, &model, &["--trace-dir", traces.to_str().unwrap(), "--max-batch", "16"]);
     for bad in [r#"{"seconds": 0}"#, r#"{"seconds": 1e9}"#, r#"{"secs": 1}"#, "nope"] {
         assert_eq!(post_trace(&s, bad).0, 400, "{bad}");
@@ -698,7 +713,7 @@ fn a_serving_window_is_traced_and_its_busy_share_agrees_with_metrics() {
     let _ = load.wait();
     assert_eq!(code, 200, "{got}\n{}", s.log());
     let file = PathBuf::from(got["trace"].as_str().unwrap());
-    assert!(file.starts_with(&traces) && got["events"].as_u64().unwrap() > 100, "{got}");
+    assert!(file.starts_with(traces) && got["events"].as_u64().unwrap() > 100, "{got}");
     let t = m3c_front::trace::Timeline::parse(&std::fs::read_to_string(&file).unwrap()).unwrap();
     assert_eq!(t.stages.len(), 2, "one track per stage");
     let (a, b) = t.window();

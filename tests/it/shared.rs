@@ -15,6 +15,12 @@ pub fn out(name: &str, pp: usize) -> PathBuf {
     out_with(name, pp, &[])
 }
 
+/// The tiny fixture compiled at `pp` ([`out`]), and its model folder: what
+/// most runs take.
+pub fn tiny(pp: usize) -> (PathBuf, PathBuf) {
+    (out("tiny-m3", pp), fixture("tiny-m3"))
+}
+
 /// The same with more compile flags (`--activations bf16`, ...).
 pub fn out_with(name: &str, pp: usize, extra: &[&str]) -> PathBuf {
     /// One cell per (fixture, pp, flags): a test waits only for its own compile.

@@ -452,8 +452,7 @@ fn a_jsonl_prompts_file_takes_text_chats_and_per_line_sampling() {
 fn a_sampled_runs_dump_replays_through_the_host_sampler() {
     use m3c_contract::sampling::{replay_mismatches, SamplingParams};
     let dir = tempfile::tempdir().unwrap();
-    let model = fixture("tiny-m3");
-    let out = crate::shared::out("tiny-m3", 2);
+    let (out, model) = crate::shared::tiny(2);
     let dump = dir.path().join("s.safetensors");
     let r = m3c_tests::m3c_run(
         &out,

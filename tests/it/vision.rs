@@ -83,20 +83,10 @@ fn descriptor(ptr: *const u8, sizes: &[usize]) -> Vec<u64> {
 
 /// Calls a kernel's C interface with one descriptor per argument.
 fn call(lib: &libloading::Library, symbol: &str, args: &[Vec<u64>]) {
-    type D = *const u64;
-    let name = format!("_mlir_ciface_{symbol}");
-    let p: Vec<D> = args.iter().map(|a| a.as_ptr()).collect();
+    let p: Vec<*const std::ffi::c_void> = args.iter().map(|a| a.as_ptr().cast()).collect();
     // SAFETY: `_mlir_ciface_` symbols take one descriptor pointer per
     // argument; each descriptor covers a live buffer of the sizes it states.
-    unsafe {
-        match p.len() {
-            2 => lib.get::<unsafe extern "C" fn(D, D)>(name.as_bytes()).unwrap()(p[0], p[1]),
-            3 => lib.get::<unsafe extern "C" fn(D, D, D)>(name.as_bytes()).unwrap()(p[0], p[1], p[2]),
-            4 => lib.get::<unsafe extern "C" fn(D, D, D, D)>(name.as_bytes()).unwrap()(p[0], p[1], p[2], p[3]),
-            5 => lib.get::<unsafe extern "C" fn(D, D, D, D, D)>(name.as_bytes()).unwrap()(p[0], p[1], p[2], p[3], p[4]),
-            n => panic!("{symbol}: {n} arguments"),
-        }
-    }
+    unsafe { crate::host_kernels::call_symbol(lib, symbol, &p) }
 }
 
 /// The tiny fixture's vision program, as m3c fuses it for the host, run
@@ -392,8 +382,7 @@ fn bad_image_input_is_a_clear_error() {
 fn a_jsonl_image_chat_beside_a_text_chat_gets_its_solo_result() {
     use m3c_tests::{m3c, stderr};
     let dir = tempfile::tempdir().unwrap();
-    let model = fixture("tiny-m3");
-    let out = crate::shared::out("tiny-m3", 2);
+    let (out, model) = crate::shared::tiny(2);
     std::fs::copy(fixture("vision/B_rgb_70x126_roundhalfeven.png"), dir.path().join("b.png")).unwrap();
     let lines = [
         r#"{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "b.png"}}, {"type": "text", "text": "What is this?"}]}], "thinking": "disabled"}"#,

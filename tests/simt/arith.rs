@@ -64,20 +64,12 @@ impl Frame<'_> {
             "arith.subf" => self.elementwise(info, fl(|x, y| x - y, |x, y| x - y))?,
             "arith.mulf" => self.elementwise(info, fl(|x, y| x * y, |x, y| x * y))?,
             "arith.divf" => self.elementwise(info, fl(|x, y| x / y, |x, y| x / y))?,
-            "arith.maximumf" => self.elementwise(
-                info,
-                fl(
-                    |x, y| if x.is_nan() || y.is_nan() { f32::NAN } else { x.max(y) },
-                    |x, y| if x.is_nan() || y.is_nan() { f64::NAN } else { x.max(y) },
-                ),
-            )?,
-            "arith.minimumf" => self.elementwise(
-                info,
-                fl(
-                    |x, y| if x.is_nan() || y.is_nan() { f32::NAN } else { x.min(y) },
-                    |x, y| if x.is_nan() || y.is_nan() { f64::NAN } else { x.min(y) },
-                ),
-            )?,
+            "arith.maximumf" => {
+                self.elementwise(info, fl(|x, y| nan_or(x, y, x.max(y), f32::NAN), |x, y| nan_or(x, y, x.max(y), f64::NAN)))?
+            }
+            "arith.minimumf" => {
+                self.elementwise(info, fl(|x, y| nan_or(x, y, x.min(y), f32::NAN), |x, y| nan_or(x, y, x.min(y), f64::NAN)))?
+            }
             "math.ceil" => {
                 self.elementwise(info, move |a| Ok(if wide { f64::from_bits(a[0]).ceil().to_bits() } else { fb(f32v(a[0]).ceil()) }))?
             }
@@ -189,5 +181,16 @@ impl Frame<'_> {
             _ => return Ok(false),
         }
         Ok(true)
+    }
+}
+
+/// `v`, unless `x` or `y` is NaN: then `nan`. `arith.maximumf` and
+/// `minimumf` propagate NaN, where Rust's `max` and `min` drop it.
+#[allow(clippy::eq_op)] // `x != x` is the NaN test for any float type.
+fn nan_or<T: PartialEq + Copy>(x: T, y: T, v: T, nan: T) -> T {
+    if x != x || y != y {
+        nan
+    } else {
+        v
     }
 }
