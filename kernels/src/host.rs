@@ -42,14 +42,14 @@ pub fn row_loop(rows_of: &str, ty: &str, width: usize, consts: &str, row: &str, 
 /// `[S, width]` of f32 values stored as `act` (`first` gives S): `consts`
 /// statements before the loops, `element` the body for row `%r`, column `%i`.
 pub fn rowwise(width: usize, act: Storage, first: &str, consts: &str, element: &str) -> String {
-    row_loop(first, &format!("memref<?x{width}x{}>", act.mlir_elem()), width, consts, "", element)
+    row_loop(first, &act.rows_ty(width), width, consts, "", element)
 }
 
 /// The body storing each row of `%x` (stored as `from`) as `into`: at row
 /// `pos[r]` of `%y` (`scatter`) or at row `r`.
 pub fn store_rows(width: usize, from: Storage, into: Storage, scatter: bool) -> String {
-    let t = format!("memref<?x{width}x{}>", from.mlir_elem());
-    let yt = format!("memref<?x{width}x{}>", into.mlir_elem());
+    let t = from.rows_ty(width);
+    let yt = into.rows_ty(width);
     let (row, pos_load) = if scatter {
         ("%p", "%p64 = memref.load %pos[%r] : memref<?xi64>\n%p = arith.index_cast %p64 : i64 to index\n")
     } else {

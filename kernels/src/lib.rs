@@ -54,6 +54,12 @@ impl Storage {
         }
     }
 
+    /// The memref type of rows of `width` values stored this way, the row
+    /// count dynamic: how activations and caches cross a kernel's boundary.
+    pub fn rows_ty(self, width: usize) -> String {
+        format!("memref<?x{width}x{}>", self.mlir_elem())
+    }
+
     pub fn bytes(self) -> usize {
         match self {
             Storage::F32 => 4,

@@ -18,7 +18,7 @@ impl KernelUnit for Add {
         format!("m3c_add_w{}{}", self.width, self.act.act_suffix())
     }
     fn params(&self) -> Vec<Param> {
-        let t = format!("memref<?x{}x{}>", self.width, self.act.mlir_elem());
+        let t = self.act.rows_ty(self.width);
         vec![param("a", &t), param("b", &t), param("y", &t)]
     }
     fn act(&self) -> Option<Storage> {
@@ -26,7 +26,7 @@ impl KernelUnit for Add {
     }
     fn host_body(&self) -> String {
         let Add { width, act } = *self;
-        let t = format!("memref<?x{width}x{}>", act.mlir_elem());
+        let t = act.rows_ty(width);
         rowwise(
             width,
             act,
@@ -43,7 +43,7 @@ impl KernelUnit for Add {
     fn gpu_funcs(&self, target: &GpuTarget) -> Vec<GpuFunc> {
         let idx = target.idx();
         let Add { width, act } = self;
-        let t = format!("memref<?x{width}x{}>", act.mlir_elem());
+        let t = act.rows_ty(*width);
         let body = format!(
             "{idx}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
                      scf.for %i = %t to %cw step %c256 {{\n{}{}  %s = arith.addf %x, %z : f32\n{}}}\n",

@@ -26,7 +26,7 @@ pub struct AxialRope {
 
 impl AxialRope {
     fn x_ty(&self) -> String {
-        format!("memref<?x{}x{}>", self.heads * self.head_dim, self.act.mlir_elem())
+        self.act.rows_ty(self.heads * self.head_dim)
     }
     /// The pair `(j, j + half)` of head `%hd` (base `%base`) of row `%r`
     /// rotated by the angle of `%pf` (the axis position) times `%f`.

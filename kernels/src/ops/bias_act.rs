@@ -19,13 +19,10 @@ pub struct BiasAct {
 }
 
 impl BiasAct {
-    fn x_ty(&self) -> String {
-        format!("memref<?x{}x{}>", self.width, self.act.mlir_elem())
-    }
     /// Loads `[%r, %i]`, adds the bias, applies GELU (`erf` spells erf for
     /// the target) and stores.
     fn element(&self, erf: impl Fn(&mut Builder, &Value) -> Value) -> String {
-        let x = self.x_ty();
+        let x = self.act.rows_ty(self.width);
         let wt = format!("memref<{}x{}>", self.width, self.weight.mlir_elem());
         let mut b = Builder::new("ba");
         let xv = Value { name: "%xv".into(), ty: "f32".into() };
@@ -49,7 +46,7 @@ impl KernelUnit for BiasAct {
         format!("m3c_bias{}_w{width}_{}{}", if *gelu { "_gelu" } else { "" }, weight.tag(), act.act_suffix())
     }
     fn params(&self) -> Vec<Param> {
-        let x = self.x_ty();
+        let x = self.act.rows_ty(self.width);
         vec![param("x", &x), param("b", format!("memref<{}x{}>", self.width, self.weight.mlir_elem())), param("y", &x)]
     }
     fn act(&self) -> Option<Storage> {

@@ -25,7 +25,7 @@ impl KernelUnit for Embedding {
         vec![
             param("ids", "memref<?xi64>"),
             param("w", format!("memref<{vocab}x{width}x{}>", weight.mlir_elem())),
-            param("y", format!("memref<?x{width}x{}>", act.mlir_elem())),
+            param("y", act.rows_ty(*width)),
         ]
     }
     fn act(&self) -> Option<Storage> {
@@ -39,7 +39,7 @@ impl KernelUnit for Embedding {
         let Embedding { vocab, width, weight, act } = self;
 
         let wa = WeightArgs::new(target, "%w", "", *vocab, *width, *weight);
-        let yt = format!("memref<?x{width}x{}>", act.mlir_elem());
+        let yt = act.rows_ty(*width);
         let body = format!(
             "{idx}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
                      %id64 = memref.load %ids[%r] : memref<?xi64>\n%id = arith.index_cast %id64 : i64 to index\n\
@@ -54,7 +54,7 @@ impl KernelUnit for Embedding {
 /// Row gather: `y[r] = f32(W[ids[r]])`. Ids are checked against the
 /// vocabulary by the runtime before a step starts.
 fn host(vocab: usize, width: usize, weight: WeightType, act: Storage) -> String {
-    let t = format!("memref<?x{width}x{}>", act.mlir_elem());
+    let t = act.rows_ty(width);
     let wt = format!("memref<{vocab}x{width}x{}>", weight.mlir_elem());
     let row = "%id64 = memref.load %ids[%r] : memref<?xi64>\n%id = arith.index_cast %id64 : i64 to index\n";
     let element = crate::emit::load_weight_f32("%wv", "%w", "%id, %i", &wt, weight) + &store_f32("%wv", "%y", &t, "%r", "%i", act);

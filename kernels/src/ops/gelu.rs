@@ -42,14 +42,14 @@ impl KernelUnit for Gelu {
         format!("m3c_gelu_w{}{}", self.width, self.act.act_suffix())
     }
     fn params(&self) -> Vec<Param> {
-        let t = format!("memref<?x{}x{}>", self.width, self.act.mlir_elem());
+        let t = self.act.rows_ty(self.width);
         vec![param("x", &t), param("y", &t)]
     }
     fn act(&self) -> Option<Storage> {
         Some(self.act)
     }
     fn host_body(&self) -> String {
-        let t = format!("memref<?x{}x{}>", self.width, self.act.mlir_elem());
+        let t = self.act.rows_ty(self.width);
         let mut b = Builder::new("ge");
         let y = Gelu::element(&mut b, "%xv", |b, v| {
             let r = b.fresh("f32");
@@ -66,7 +66,7 @@ impl KernelUnit for Gelu {
     }
     fn gpu_funcs(&self, target: &GpuTarget) -> Vec<GpuFunc> {
         let idx = target.idx();
-        let t = format!("memref<?x{}x{}>", self.width, self.act.mlir_elem());
+        let t = self.act.rows_ty(self.width);
         let mut b = Builder::new("ge");
         let y = Gelu::element(&mut b, "%xv", |b, v| b.unary("math.erf", v));
         let body = format!(

@@ -32,7 +32,7 @@ impl KernelUnit for HeadNormRope {
     }
     fn params(&self) -> Vec<Param> {
         let HeadNormRope { heads, head_dim, weight, act, .. } = self;
-        let x = format!("memref<?x{}x{}>", heads * head_dim, act.mlir_elem());
+        let x = act.rows_ty(heads * head_dim);
         vec![
             param("x", &x),
             param("w", format!("memref<{head_dim}x{}>", weight.mlir_elem())),
@@ -53,7 +53,7 @@ impl KernelUnit for HeadNormRope {
         let HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight, act } = self;
 
         let (d, half) = (*head_dim, rotary_dim / 2);
-        let t = format!("memref<?x{}x{}>", heads * d, act.mlir_elem());
+        let t = act.rows_ty(heads * d);
         let st = |v: &str, c: &str| store_f32(v, "%y", &t, "%r", c, *act);
         let wt = format!("memref<{d}x{}>", weight.mlir_elem());
         let inv: Vec<String> =
@@ -115,7 +115,7 @@ impl KernelUnit for HeadNormRope {
 fn host(heads: usize, head_dim: usize, rotary_dim: usize, theta: f64, eps: f64, weight: WeightType, act: Storage) -> String {
     let width = heads * head_dim;
     let half = rotary_dim / 2;
-    let x = format!("memref<?x{width}x{}>", act.mlir_elem());
+    let x = act.rows_ty(width);
     let wt = format!("memref<{head_dim}x{}>", weight.mlir_elem());
     let idx0 = index_consts(&[("ch", heads), ("cd", head_dim), ("chalf", half), ("crot", rotary_dim)]);
     let body = format!(

@@ -18,9 +18,6 @@ pub struct LayerNorm {
 }
 
 impl LayerNorm {
-    fn x_ty(&self) -> String {
-        format!("memref<?x{}x{}>", self.width, self.act.mlir_elem())
-    }
     fn w_ty(&self) -> String {
         format!("memref<{}x{}>", self.width, self.weight.mlir_elem())
     }
@@ -40,7 +37,7 @@ impl KernelUnit for LayerNorm {
         format!("m3c_layer_norm_w{width}_eps{}_{}{}", num_tag(*eps), weight.tag(), act.act_suffix())
     }
     fn params(&self) -> Vec<Param> {
-        let (x, w) = (self.x_ty(), self.w_ty());
+        let (x, w) = (self.act.rows_ty(self.width), self.w_ty());
         vec![param("x", &x), param("w", &w), param("b", &w), param("y", &x)]
     }
     fn act(&self) -> Option<Storage> {
@@ -48,7 +45,7 @@ impl KernelUnit for LayerNorm {
     }
     /// Two passes over the row (mean, then the centred squares), each row on one thread.
     fn host_body(&self) -> String {
-        let x = self.x_ty();
+        let x = self.act.rows_ty(self.width);
         let load = indent(&load_f32("%v", "%x", &x, "%r", "%c", self.act), 2);
         let row = format!(
             "%sum = scf.for %c = %c0 to %cw step %c1 iter_args(%a = %zero) -> (f32) {{\n{load}  %a2 = arith.addf %a, %v : f32\n  scf.yield %a2 : f32\n}}\n\
@@ -71,7 +68,7 @@ impl KernelUnit for LayerNorm {
     /// A block of 256 threads per row; the sums by `gpu.all_reduce`.
     fn gpu_funcs(&self, target: &GpuTarget) -> Vec<GpuFunc> {
         let idx = target.idx();
-        let x = self.x_ty();
+        let x = self.act.rows_ty(self.width);
         let load = indent(&load_f32("%v", "%x", &x, "%r", "%c", self.act), 2);
         let body = format!(
             "{idx}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {w} : index\n\

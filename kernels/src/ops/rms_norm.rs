@@ -22,7 +22,7 @@ impl KernelUnit for RmsNorm {
     }
     fn params(&self) -> Vec<Param> {
         let RmsNorm { width, weight, act, .. } = self;
-        let x = format!("memref<?x{width}x{}>", act.mlir_elem());
+        let x = act.rows_ty(*width);
         vec![param("x", &x), param("w", format!("memref<{width}x{}>", weight.mlir_elem())), param("y", &x)]
     }
     fn act(&self) -> Option<Storage> {
@@ -35,7 +35,7 @@ impl KernelUnit for RmsNorm {
         let idx = target.idx();
         let RmsNorm { width, eps, weight, act } = self;
 
-        let t = format!("memref<?x{width}x{}>", act.mlir_elem());
+        let t = act.rows_ty(*width);
         let xl = indent(&load_f32("%v", "%x", &t, "%r", "%c", *act), 2);
         let wt = format!("memref<{width}x{}>", weight.mlir_elem());
         let wl = crate::emit::load_weight_f32("%wv", "%w", "%c", &wt, *weight);
@@ -62,7 +62,7 @@ impl KernelUnit for RmsNorm {
 /// Gemma RMSNorm over rows of `width`, in f32: `x · rsqrt(mean(x²) + eps) · (1 + w)`.
 /// `x` and `y` hold values stored as `act`.
 fn host(width: usize, eps: f64, weight: WeightType, act: Storage) -> String {
-    let x = format!("memref<?x{width}x{}>", act.mlir_elem());
+    let x = act.rows_ty(width);
     let wt = format!("memref<{width}x{}>", weight.mlir_elem());
     let body = format!(
         "{BASICS}\

@@ -38,7 +38,7 @@ impl KernelUnit for RoutedExperts {
     }
     fn params(&self) -> Vec<Param> {
         let RoutedExperts { hidden, top_k, act, .. } = self;
-        let hat = format!("memref<?x{hidden}x{}>", act.mlir_elem());
+        let hat = act.rows_ty(*hidden);
         vec![
             param("h", &hat),
             param("wts", format!("memref<?x{top_k}xf32>")),
@@ -173,7 +173,7 @@ fn host(re: &RoutedExperts) -> String {
     let RoutedExperts { experts, hidden, inter, top_k: k, weight, alpha, limit, beta, act } = *re;
     let ht = format!("memref<?x{hidden}xf32>");
     // `h` and `y` as the stage stores activations; the rest is f32 scratch.
-    let hat = format!("memref<?x{hidden}x{}>", act.mlir_elem());
+    let hat = act.rows_ty(hidden);
     let (sum, sum_alloc, sum_out) = match act {
         Storage::F32 => ("%y", String::new(), String::new()),
         Storage::Bf16 => (
@@ -326,7 +326,7 @@ fn gpu_routed_experts(target: &GpuTarget, name: &str, re: &RoutedExperts) -> Vec
     let RoutedExperts { experts, hidden, inter, top_k: k, weight, alpha, limit, beta, act } = *re;
     let (idx, warp_ids) = (target.idx(), target.warp_ids());
     let ht = format!("memref<?x{hidden}xf32>");
-    let hat = format!("memref<?x{hidden}x{}>", act.mlir_elem());
+    let hat = act.rows_ty(hidden);
     let it = format!("memref<?x{inter}xf32>");
     let ids = format!("memref<?x{k}xi64>");
     let wts = format!("memref<?x{k}xf32>");
@@ -506,7 +506,7 @@ fn group_body(idx: &str, k: usize, e_n: usize) -> String {
 /// The combine kernel's body: each row's weighted sum of its experts' outputs.
 fn combine_body(idx: &str, hidden: usize, k: usize, act: Storage) -> String {
     let ht = format!("memref<?x{hidden}xf32>");
-    let hat = format!("memref<?x{hidden}x{}>", act.mlir_elem());
+    let hat = act.rows_ty(hidden);
     let wts = format!("memref<?x{k}xf32>");
     format!(
         "{idx}%r = gpu.block_id x\n%t = gpu.thread_id x\n%ch = arith.constant {hidden} : index\n%ck = arith.constant {k} : index\n\

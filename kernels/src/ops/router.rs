@@ -33,10 +33,7 @@ impl KernelUnit for Router {
     }
     fn params(&self) -> Vec<Param> {
         let Router { width, experts, top_k, weight, bias, act, .. } = self;
-        let mut p = vec![
-            param("h", format!("memref<?x{width}x{}>", act.mlir_elem())),
-            param("w", format!("memref<{experts}x{width}x{}>", weight.mlir_elem())),
-        ];
+        let mut p = vec![param("h", act.rows_ty(*width)), param("w", format!("memref<{experts}x{width}x{}>", weight.mlir_elem()))];
         if let Some(bt) = bias {
             p.push(param("bias", format!("memref<{experts}x{}>", bt.mlir_elem())));
         }
@@ -56,7 +53,7 @@ impl KernelUnit for Router {
         let sym = self.symbol();
         let Router { width, experts, top_k, scale, weight, bias, act } = self;
 
-        let ht = format!("memref<?x{width}x{}>", act.mlir_elem());
+        let ht = act.rows_ty(*width);
         let wa = WeightArgs::new(target, "%w", "", *experts, *width, *weight);
         let e = *experts;
         let wts = format!("memref<?x{top_k}xf32>");
@@ -121,7 +118,7 @@ impl KernelUnit for Router {
 /// `h` holds values stored as `act`.
 #[allow(clippy::too_many_arguments)]
 fn host(width: usize, experts: usize, k: usize, scale: f64, weight: WeightType, bias: Option<WeightType>, act: Storage) -> String {
-    let ht = format!("memref<?x{width}x{}>", act.mlir_elem());
+    let ht = act.rows_ty(width);
     let wt = format!("memref<{experts}x{width}x{}>", weight.mlir_elem());
     let wts = format!("memref<?x{k}xf32>");
     let ids = format!("memref<?x{k}xi64>");

@@ -43,11 +43,11 @@ impl KernelUnit for ScatterRows {
     }
     fn params(&self) -> Vec<Param> {
         let ScatterRows { width, paged, cache, act } = self;
-        let mut p = vec![param("x", format!("memref<?x{width}x{}>", act.mlir_elem())), param("pos", "memref<?xi64>")];
+        let mut p = vec![param("x", act.rows_ty(*width)), param("pos", "memref<?xi64>")];
         if paged.is_some() {
             p.push(param("bt", "memref<?xi64>"));
         }
-        p.push(param("y", format!("memref<?x{width}x{}>", cache.mlir_elem())));
+        p.push(param("y", cache.rows_ty(*width)));
         p
     }
     fn act(&self) -> Option<Storage> {
@@ -58,8 +58,8 @@ impl KernelUnit for ScatterRows {
         if paged.is_none() {
             return store_rows(width, act, cache, true);
         }
-        let t = format!("memref<?x{width}x{}>", act.mlir_elem());
-        let yt = format!("memref<?x{width}x{}>", cache.mlir_elem());
+        let t = act.rows_ty(width);
+        let yt = cache.rows_ty(width);
         let row = format!("%p64 = memref.load %pos[%r] : memref<?xi64>\n%p = arith.index_cast %p64 : i64 to index\n{}", pool_row(paged));
         let element = load_f32("%v", "%x", &t, "%r", "%i", act) + &store_f32("%v", "%y", &yt, "%pr", "%i", cache);
         row_loop("x", &t, width, "", &row, &element)
@@ -68,8 +68,8 @@ impl KernelUnit for ScatterRows {
         let idx = target.idx();
         let ScatterRows { width, paged, cache, act } = *self;
 
-        let t = format!("memref<?x{width}x{}>", act.mlir_elem());
-        let yt = format!("memref<?x{width}x{}>", cache.mlir_elem());
+        let t = act.rows_ty(width);
+        let yt = cache.rows_ty(width);
         let body = format!(
             "{idx}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
                      %p64 = memref.load %pos[%r] : memref<?xi64>\n%p = arith.index_cast %p64 : i64 to index\n{}\

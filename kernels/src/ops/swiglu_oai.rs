@@ -23,7 +23,7 @@ impl KernelUnit for SwiGluOai {
         format!("m3c_swiglu_oai_w{width}_a{}_l{}_b{}{}", num_tag(*alpha), num_tag(*limit), num_tag(*beta), act.act_suffix())
     }
     fn params(&self) -> Vec<Param> {
-        let t = format!("memref<?x{}x{}>", self.width, self.act.mlir_elem());
+        let t = self.act.rows_ty(self.width);
         vec![param("g", &t), param("u", &t), param("y", &t)]
     }
     fn act(&self) -> Option<Storage> {
@@ -31,7 +31,7 @@ impl KernelUnit for SwiGluOai {
     }
     fn host_body(&self) -> String {
         let SwiGluOai { width, alpha, limit, beta, act } = *self;
-        let t = format!("memref<?x{width}x{}>", act.mlir_elem());
+        let t = act.rows_ty(width);
         let consts = format!(
             "%one = arith.constant 1.0 : f32\n\
          %alpha = arith.constant {} : f32\n\
@@ -70,7 +70,7 @@ impl KernelUnit for SwiGluOai {
         let idx = target.idx();
         let SwiGluOai { width, alpha, limit, beta, act } = self;
 
-        let t = format!("memref<?x{width}x{}>", act.mlir_elem());
+        let t = act.rows_ty(*width);
         let body = format!(
                     "{idx}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
                      %alpha = arith.constant {a} : f32\n%lim = arith.constant {l} : f32\n%nlim = arith.constant {nl} : f32\n%beta = arith.constant {b} : f32\n\

@@ -44,8 +44,8 @@ struct Layout {
 impl Layout {
     fn of(k: &super::Attention) -> Layout {
         let super::Attention { heads, kv_heads, head_dim: d, act, cache, .. } = *k;
-        let qt = format!("memref<?x{}x{}>", heads * d, act.mlir_elem());
-        let kt = format!("memref<?x{}x{}>", kv_heads * d, cache.mlir_elem());
+        let qt = act.rows_ty(heads * d);
+        let kt = cache.rows_ty(kv_heads * d);
         let acct = format!("memref<?x{d}xf32>");
         let ((acc, acc_row), acc_ty) = match act {
             Storage::F32 => (("%o", "%r0i"), qt.clone()),

@@ -58,15 +58,15 @@ impl KernelUnit for Attention {
     }
     fn params(&self) -> Vec<Param> {
         let Attention { heads, kv_heads, head_dim: d, sparse, paged, cache, act, .. } = self;
-        let qt = format!("memref<?x{}x{}>", heads * d, act.mlir_elem());
-        let kt = format!("memref<?x{}x{}>", kv_heads * d, cache.mlir_elem());
+        let qt = act.rows_ty(heads * d);
+        let kt = cache.rows_ty(kv_heads * d);
         let mut p = vec![param("q", &qt), param("k", &kt), param("v", &kt), param("pos", "memref<?xi64>")];
         if paged.is_some() {
             p.push(param("bt", "memref<?xi64>"));
         }
         if let Some(s) = sparse {
-            p.push(param("iq", format!("memref<?x{}x{}>", s.index_heads * s.index_dim, act.mlir_elem())));
-            p.push(param("ik", format!("memref<?x{}x{}>", s.index_dim, cache.mlir_elem())));
+            p.push(param("iq", act.rows_ty(s.index_heads * s.index_dim)));
+            p.push(param("ik", cache.rows_ty(s.index_dim)));
         }
         p.push(param("o", &qt));
         p
@@ -159,8 +159,8 @@ const POS_INF: &str = "0x7F800000";
 fn host(k: &Attention) -> String {
     let Attention { heads, kv_heads, head_dim: d, scale, sparse, paged, cache, act } = *k;
     let group = heads / kv_heads;
-    let qt = format!("memref<?x{}x{}>", heads * d, act.mlir_elem());
-    let kt = format!("memref<?x{}x{}>", kv_heads * d, cache.mlir_elem());
+    let qt = act.rows_ty(heads * d);
+    let kt = cache.rows_ty(kv_heads * d);
     let mut setup = page_const(paged);
     let mut select = String::new();
     let mut allowed = String::from("%allowed = arith.constant true\n");
@@ -525,8 +525,8 @@ fn gpu_attention(target: &GpuTarget, name: &str, k: &Attention) -> GpuFunc {
     let (idx, warp) = (target.idx(), target.warp);
     let (row, tp) = key_row(paged, "%t", "%tp");
     let group = heads / kv_heads;
-    let qt = format!("memref<?x{}x{}>", heads * d, act.mlir_elem());
-    let kt = format!("memref<?x{}x{}>", kv_heads * d, cache.mlir_elem());
+    let qt = act.rows_ty(heads * d);
+    let kt = cache.rows_ty(kv_heads * d);
     let load = |dst: &str, mem: &str, ty: &str, r: &str, c: &str| crate::emit::load_f32(dst, mem, ty, r, c, cache);
     let mut params = format!("%q: {qt}, %k: {kt}, %v: {kt}, %pos: memref<?xi64>");
     if paged.is_some() {
@@ -535,8 +535,8 @@ fn gpu_attention(target: &GpuTarget, name: &str, k: &Attention) -> GpuFunc {
     let mut select = String::new();
     let mut allowed = "%allowed = arith.constant true\n".to_string();
     if let Some(s) = sparse {
-        let iqt = format!("memref<?x{}x{}>", s.index_heads * s.index_dim, act.mlir_elem());
-        let ikt = format!("memref<?x{}x{}>", s.index_dim, cache.mlir_elem());
+        let iqt = act.rows_ty(s.index_heads * s.index_dim);
+        let ikt = cache.rows_ty(s.index_dim);
         params.push_str(&format!(", %iq: {iqt}, %ik: {ikt}, %bs: memref<?xf32>, %sel: memref<?xi32>, %nbmax: index"));
         let wr0 = warp_reduce(warp, "%wm", Reduce::Max, "%best#0", "f32");
         let wr1 = warp_reduce(warp, "%win", Reduce::MinSi, "%cand", "i32");
@@ -735,8 +735,8 @@ fn pool_blocks(block: usize) -> String {
 fn msa_host(s: SparseSel, paged: Option<usize>, cache: Storage, act: Storage, batches: bool) -> (String, String, String, String) {
     let (setup, mut select, allowed, mut teardown): (String, String, String, String);
 
-    let iqt = format!("memref<?x{}x{}>", s.index_heads * s.index_dim, act.mlir_elem());
-    let ikt = format!("memref<?x{}x{}>", s.index_dim, cache.mlir_elem());
+    let iqt = act.rows_ty(s.index_heads * s.index_dim);
+    let ikt = cache.rows_ty(s.index_dim);
     let idx1 = index_consts(&[
         ("cB", s.block),
         ("cBm1", s.block - 1),

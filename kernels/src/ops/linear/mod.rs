@@ -30,14 +30,11 @@ impl KernelUnit for Linear {
     }
     fn params(&self) -> Vec<Param> {
         let Linear { inp, out, weight, act, out_act } = self;
-        let mut p = vec![
-            param("x", format!("memref<?x{inp}x{}>", act.mlir_elem())),
-            param("w", format!("memref<{out}x{inp}x{}>", weight.mlir_elem())),
-        ];
+        let mut p = vec![param("x", act.rows_ty(*inp)), param("w", format!("memref<{out}x{inp}x{}>", weight.mlir_elem()))];
         if let WeightType::Mxfp8 { block } = weight {
             p.push(param("s", format!("memref<{out}x{}xi8>", inp / block)));
         }
-        p.push(param("y", format!("memref<?x{out}x{}>", out_act.mlir_elem())));
+        p.push(param("y", out_act.rows_ty(*out)));
         p
     }
     fn act(&self) -> Option<Storage> {
@@ -59,8 +56,8 @@ impl KernelUnit for Linear {
         // `{sym}_r1` takes one row per pass: a batch-1 decode step
         // then does no clamped duplicate work.
         let wa = WeightArgs::new(target, "%w", "%s", *out, *inp, *weight);
-        let xt = format!("memref<?x{inp}x{}>", act.mlir_elem());
-        let yt = format!("memref<?x{out}x{}>", out_act.mlir_elem());
+        let xt = act.rows_ty(*inp);
+        let yt = out_act.rows_ty(*out);
         let mut funcs = Vec::new();
         for (rows, name) in [(ROWS_PER_PASS, sym.clone()), (1, format!("{sym}_r1"))] {
             let mut clamp = String::new();
@@ -135,8 +132,8 @@ fn host(inp: usize, out: usize, weight: WeightType, act: Storage, out_act: Stora
     if tiled::vectorizes(inp, weight) {
         return tiled::body(inp, out, weight, act, out_act);
     }
-    let x = format!("memref<?x{inp}x{}>", act.mlir_elem());
-    let y = format!("memref<?x{out}x{}>", out_act.mlir_elem());
+    let x = act.rows_ty(inp);
+    let y = out_act.rows_ty(out);
     let xload = load_f32("%xv", "%x", &x, "%r", "%i", act);
     let ystore = indent(&store_f32("%acc", "%y", &y, "%r", "%o", out_act), 4);
     let wt = format!("memref<{out}x{inp}x{}>", weight.mlir_elem());

@@ -777,7 +777,7 @@ pub fn body(inp: usize, out: usize, weight: WeightType, act: Storage, out_act: S
     let tiles = tiles_of(inp, out);
     let t = Tile { weight, act, out_act };
     let [xt, wt, yt] = t.types();
-    let x = format!("memref<?x{inp}x{}>", act.mlir_elem());
+    let x = act.rows_ty(inp);
     let mut casts = format!(
         "%xd = memref.cast %x : {x} to {xt}\n\
          %wd = memref.cast %w : memref<{out}x{inp}x{e}> to {wt}\n\
