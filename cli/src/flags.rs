@@ -238,14 +238,9 @@ pub(crate) struct GpuFlags {
 }
 
 impl GpuFlags {
-    /// Whether decode steps replay as CUDA graphs.
-    pub(crate) fn graphs(&self) -> bool {
-        self.cuda_graphs == "on"
-    }
-
-    /// Whether prefill linears go to cuBLAS.
-    pub(crate) fn gemm_cublas(&self) -> bool {
-        self.prefill_gemm == "cublas"
+    /// What the flags ask of GPU stages.
+    pub(crate) fn modes(&self) -> m3c_contract::stage_args::GpuModes {
+        m3c_contract::stage_args::GpuModes { graphs: self.cuda_graphs == "on", prefill_gemm_cublas: self.prefill_gemm == "cublas" }
     }
 }
 

@@ -288,10 +288,9 @@ fn stage_args(args: &RunArgs, inputs: &Inputs) -> Result<StageArgs> {
     stage.expect = args.expect.clone();
     stage.prefill_chunk = args.prefill_chunk;
     stage.micro_batch = args.micro_batch;
-    stage.prefix_caching = !args.no_enable_prefix_caching;
+    stage.kv.prefix_caching = !args.no_enable_prefix_caching;
     stage.timeout_s = args.timeout_s;
-    stage.cuda_graphs = args.gpu.graphs();
-    stage.prefill_gemm_cublas = args.gpu.gemm_cublas();
+    stage.gpu = args.gpu.modes();
     stage.sampling = sampling;
     stage.stops = args.stop.iter().map(|s| s.as_bytes().to_vec()).collect();
     stage.stream_ids = inputs.text.is_some();
@@ -344,7 +343,7 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
     if let Some((i, &need)) = per_prompt.iter().enumerate().max_by_key(|(_, &n)| n).filter(|(_, &n)| n > blocks) {
         bail!("--kv-blocks {blocks}: prompt {i} and --max-new-tokens {} need {need} blocks of {kv_block} positions", args.max_new_tokens);
     }
-    stage.kv_blocks = Some(blocks);
+    stage.kv.blocks = Some(blocks);
     let Inputs { prompts, images, text: text_in, .. } = inputs;
     let frames = stdin_frames(prompts, &images, args.max_new_tokens);
     let launch = args.launch.launch()?;

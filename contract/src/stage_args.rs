@@ -30,22 +30,12 @@ pub struct StageArgs {
     pub timeout_s: f64,
     /// Sequences per micro-batch (default: the prompts shared over the stages).
     pub micro_batch: Option<usize>,
-    /// Blocks in every stage's KV pool (`m3c run` and `m3c serve` size it;
-    /// default: one sequence of the model's whole context).
-    pub kv_blocks: Option<usize>,
-    /// Automatic prefix caching: full cache blocks are kept after their
-    /// sequence ends and reused by later sequences with the same prefix.
-    pub prefix_caching: bool,
-    /// Size every stage's KV pool to this share of its free memory (a
-    /// GPU's after its weights; the least any stage offers), when
-    /// `kv_blocks` is not given.
-    pub kv_fraction: Option<f64>,
+    /// Every stage's KV pool.
+    pub kv: KvPool,
     /// Prefill prompts in chunks of this many tokens.
     pub prefill_chunk: Option<usize>,
-    /// CUDA stages: replay each decode micro-batch's step as a captured CUDA graph.
-    pub cuda_graphs: bool,
-    /// CUDA stages: prefill linears with bf16 or MXFP8 weights on cuBLAS (tensor cores).
-    pub prefill_gemm_cublas: bool,
+    /// How GPU stages run their steps.
+    pub gpu: GpuModes,
     /// Print each generated id as it arrives (`m3c-id SEQ ID`) instead of
     /// every prompt's ids at the end: what `m3c run` reads to stream text.
     pub stream_ids: bool,
@@ -75,6 +65,43 @@ pub struct StageArgs {
     pub trace: bool,
 }
 
+/// How large every stage's KV pool is, and whether it keeps prefixes:
+/// what `m3c run` and `m3c serve` decide and every stage is told.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KvPool {
+    /// Blocks in the pool (default: one sequence of the model's whole
+    /// context).
+    pub blocks: Option<usize>,
+    /// Or this share of each stage's free memory (a GPU's after its
+    /// weights; the least any stage offers), when `blocks` is not given.
+    pub fraction: Option<f64>,
+    /// Automatic prefix caching: full cache blocks are kept after their
+    /// sequence ends and reused by later sequences with the same prefix.
+    pub prefix_caching: bool,
+}
+
+impl Default for KvPool {
+    fn default() -> KvPool {
+        KvPool { blocks: None, fraction: None, prefix_caching: true }
+    }
+}
+
+/// How GPU stages run their steps (host stages ignore both).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GpuModes {
+    /// Replay each decode micro-batch's step as a captured graph.
+    pub graphs: bool,
+    /// Prefill linears with bf16 or MXFP8 weights on the vendor's GEMM
+    /// library (cuBLAS: tensor cores).
+    pub prefill_gemm_cublas: bool,
+}
+
+impl Default for GpuModes {
+    fn default() -> GpuModes {
+        GpuModes { graphs: true, prefill_gemm_cublas: false }
+    }
+}
+
 impl StageArgs {
     /// Arguments with every default: greedy, no prompts, no flags.
     pub fn new(model: PathBuf) -> StageArgs {
@@ -89,12 +116,9 @@ impl StageArgs {
             dump: None,
             timeout_s: DEFAULT_TIMEOUT_S,
             micro_batch: None,
-            kv_blocks: None,
-            prefix_caching: true,
-            kv_fraction: None,
+            kv: KvPool::default(),
             prefill_chunk: None,
-            cuda_graphs: true,
-            prefill_gemm_cublas: false,
+            gpu: GpuModes::default(),
             stream_ids: false,
             sampling: SamplingParams::GREEDY,
             eos_ids: Vec::new(),
@@ -136,12 +160,12 @@ impl StageArgs {
             ("--images", self.images.as_ref().map(path)),
             ("--prefill-chunk", self.prefill_chunk.map(|n| n.to_string())),
             ("--micro-batch", self.micro_batch.map(|n| n.to_string())),
-            ("--kv-blocks", self.kv_blocks.map(|n| n.to_string())),
-            ("--kv-fraction", self.kv_fraction.map(|f| f.to_string())),
+            ("--kv-blocks", self.kv.blocks.map(|n| n.to_string())),
+            ("--kv-fraction", self.kv.fraction.map(|f| f.to_string())),
             ("--timeout-s", Some(self.timeout_s.to_string())),
-            ("--cuda-graphs", Some(if self.cuda_graphs { "on" } else { "off" }.to_string())),
-            ("--prefix-caching", Some(if self.prefix_caching { "on" } else { "off" }.to_string())),
-            ("--prefill-gemm", Some(if self.prefill_gemm_cublas { "cublas" } else { "off" }.to_string())),
+            ("--cuda-graphs", Some(if self.gpu.graphs { "on" } else { "off" }.to_string())),
+            ("--prefix-caching", Some(if self.kv.prefix_caching { "on" } else { "off" }.to_string())),
+            ("--prefill-gemm", Some(if self.gpu.prefill_gemm_cublas { "cublas" } else { "off" }.to_string())),
             ("--eos-ids", (!self.eos_ids.is_empty()).then(|| ids(&self.eos_ids))),
         ] {
             if let Some(v) = value {
@@ -240,70 +264,51 @@ fn parse_switch(flag: &str, v: &str, (on, off): (&str, &str)) -> Result<bool, St
 }
 
 fn parse_args(args: &[String]) -> Result<StageArgs, String> {
-    let mut model = None;
-    let mut prompts = Vec::new();
-    let mut prompts_file = None;
-    let mut stdin_prompts = None;
+    // Every flag sets its field of `a`; what needs all the flags (the
+    // prompts file, per-sequence sampling, the grammar) is settled after.
+    let mut a = StageArgs { model: None, ..StageArgs::new(PathBuf::new()) };
     let mut max_new = None;
-    let mut dump = None;
-    let mut expect = None;
-    let mut synthetic_seed = None;
-    let mut timeout_s = DEFAULT_TIMEOUT_S;
-    let mut micro_batch = None;
-    let mut kv_blocks = None;
-    let mut kv_fraction = None;
-    let mut prefill_chunk = None;
-    let mut cuda_graphs = true;
-    let mut prefix_caching = true;
-    let mut prefill_gemm_cublas = false;
-    let mut stream_ids = false;
-    let mut trace = false;
-    let mut sampling = SamplingParams::GREEDY;
-    let mut eos_ids = Vec::new();
-    let mut stops = Vec::new();
     let mut seq_sampling_text = Vec::new();
-    let mut serve = false;
-    let mut images = None;
-    let (mut logprobs, mut grammar, mut grammar_after) = (None, None, None);
+    let (mut grammar, mut grammar_after) = (None, None);
     let mut it = args.iter();
-    while let Some(a) = it.next() {
+    while let Some(arg) = it.next() {
         let mut value = |name: &str| it.next().cloned().ok_or_else(|| format!("{name} needs a value; {USAGE}"));
-        match a.as_str() {
-            "--model" => model = Some(PathBuf::from(value("--model")?)),
-            "--prompt-ids" => prompts.push(parse_ids(&value("--prompt-ids")?, "--prompt-ids")?),
-            "--prompts" => prompts_file = Some(PathBuf::from(value("--prompts")?)),
-            "--stdin-prompts" => stdin_prompts = Some(parse_count(&value("--stdin-prompts")?, "--stdin-prompts", true)?),
+        match arg.as_str() {
+            "--model" => a.model = Some(PathBuf::from(value("--model")?)),
+            "--prompt-ids" => a.prompts.push(parse_ids(&value("--prompt-ids")?, "--prompt-ids")?),
+            "--prompts" => a.prompts_file = Some(PathBuf::from(value("--prompts")?)),
+            "--stdin-prompts" => a.stdin_prompts = Some(parse_count(&value("--stdin-prompts")?, "--stdin-prompts", true)?),
             "--max-new-tokens" => max_new = Some(parse_count(&value("--max-new-tokens")?, "--max-new-tokens", false)?),
-            "--dump" => dump = Some(PathBuf::from(value("--dump")?)),
-            "--expect" => expect = Some(PathBuf::from(value("--expect")?)),
-            "--prefill-chunk" => prefill_chunk = Some(parse_count(&value("--prefill-chunk")?, "--prefill-chunk", true)?),
-            "--micro-batch" => micro_batch = Some(parse_count(&value("--micro-batch")?, "--micro-batch", true)?),
+            "--dump" => a.dump = Some(PathBuf::from(value("--dump")?)),
+            "--expect" => a.expect = Some(PathBuf::from(value("--expect")?)),
+            "--prefill-chunk" => a.prefill_chunk = Some(parse_count(&value("--prefill-chunk")?, "--prefill-chunk", true)?),
+            "--micro-batch" => a.micro_batch = Some(parse_count(&value("--micro-batch")?, "--micro-batch", true)?),
             "--kv-blocks" => {
                 let n = parse_count(&value("--kv-blocks")?, "--kv-blocks", true)?;
                 if n > crate::blocks::MAX_BLOCKS {
                     return Err(format!("--kv-blocks {n}: at most {} blocks", crate::blocks::MAX_BLOCKS));
                 }
-                kv_blocks = Some(n);
+                a.kv.blocks = Some(n);
             }
-            "--kv-fraction" => kv_fraction = Some(parse_fraction(&value("--kv-fraction")?)?),
+            "--kv-fraction" => a.kv.fraction = Some(parse_fraction(&value("--kv-fraction")?)?),
             "--synthetic-weights" => {
                 let v = value("--synthetic-weights")?;
-                synthetic_seed = Some(v.parse::<u64>().map_err(|_| format!("--synthetic-weights: `{v}` is not a seed (an integer)"))?);
+                a.synthetic_seed = Some(v.parse::<u64>().map_err(|_| format!("--synthetic-weights: `{v}` is not a seed (an integer)"))?);
             }
-            "--timeout-s" => timeout_s = parse_timeout_s(&value("--timeout-s")?)?,
-            "--cuda-graphs" => cuda_graphs = parse_switch("--cuda-graphs", &value("--cuda-graphs")?, ("on", "off"))?,
-            "--prefix-caching" => prefix_caching = parse_switch("--prefix-caching", &value("--prefix-caching")?, ("on", "off"))?,
-            "--prefill-gemm" => prefill_gemm_cublas = parse_switch("--prefill-gemm", &value("--prefill-gemm")?, ("cublas", "off"))?,
-            "--stream-ids" => stream_ids = true,
-            "--trace" => trace = true,
-            "--images" => images = Some(PathBuf::from(value("--images")?)),
-            "--serve" => serve = true,
-            "--eos-ids" => eos_ids = parse_ids(&value("--eos-ids")?, "--eos-ids")?,
-            "--stop" => stops.push(parse_hex(&value("--stop")?)?),
+            "--timeout-s" => a.timeout_s = parse_timeout_s(&value("--timeout-s")?)?,
+            "--cuda-graphs" => a.gpu.graphs = parse_switch("--cuda-graphs", &value("--cuda-graphs")?, ("on", "off"))?,
+            "--prefix-caching" => a.kv.prefix_caching = parse_switch("--prefix-caching", &value("--prefix-caching")?, ("on", "off"))?,
+            "--prefill-gemm" => a.gpu.prefill_gemm_cublas = parse_switch("--prefill-gemm", &value("--prefill-gemm")?, ("cublas", "off"))?,
+            "--stream-ids" => a.stream_ids = true,
+            "--trace" => a.trace = true,
+            "--images" => a.images = Some(PathBuf::from(value("--images")?)),
+            "--serve" => a.serve = true,
+            "--eos-ids" => a.eos_ids = parse_ids(&value("--eos-ids")?, "--eos-ids")?,
+            "--stop" => a.stops.push(parse_hex(&value("--stop")?)?),
             "--logprobs" => {
                 let v = value("--logprobs")?;
                 let k = v.parse::<u8>().ok().filter(|&k| k <= crate::protocol::MAX_TOP_LOGPROBS);
-                logprobs = Some(k.ok_or_else(|| format!("--logprobs `{v}`: expected 0 to {}", crate::protocol::MAX_TOP_LOGPROBS))?);
+                a.logprobs = Some(k.ok_or_else(|| format!("--logprobs `{v}`: expected 0 to {}", crate::protocol::MAX_TOP_LOGPROBS))?);
             }
             "--grammar" => {
                 let bytes = parse_hex(&value("--grammar")?)?;
@@ -320,67 +325,43 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
                 if !SamplingParams::GREEDY.fields().iter().any(|(k, _)| *k == field) {
                     return Err(format!("unknown argument `{other}`; {USAGE}"));
                 }
-                sampling.set_field(&field, &value(other)?).map_err(|e| format!("{other}: {e}"))?;
+                a.sampling.set_field(&field, &value(other)?).map_err(|e| format!("{other}: {e}"))?;
             }
         }
     }
-    if let Some(f) = &prompts_file {
-        if !prompts.is_empty() {
+    if let Some(f) = &a.prompts_file {
+        if !a.prompts.is_empty() {
             return Err("give --prompt-ids or --prompts, not both".into());
         }
         let text = crate::read_user_file(f, "--prompts", crate::input::limits::PROMPTS).map_err(|e| e.to_string())?;
-        prompts = parse_prompts_file(&text, &f.display().to_string())?;
+        a.prompts = parse_prompts_file(&text, &f.display().to_string())?;
     }
-    sampling.check()?;
+    a.sampling.check()?;
     // Per-sequence sampling is over the run's, wherever the flags stood.
-    let seq_sampling = seq_sampling_text.iter().map(|v| parse_seq_sampling(v, sampling)).collect::<Result<Vec<_>, _>>()?;
-    if serve && (!prompts.is_empty() || max_new.is_some() || dump.is_some() || expect.is_some()) {
+    a.seq_sampling = seq_sampling_text.iter().map(|v| parse_seq_sampling(v, a.sampling)).collect::<Result<Vec<_>, _>>()?;
+    a.grammar = match (grammar, grammar_after) {
+        (Some(g), after) => Some((g, after)),
+        (None, Some(_)) => return Err("--grammar-after needs --grammar".into()),
+        (None, None) => None,
+    };
+    if a.serve && (!a.prompts.is_empty() || max_new.is_some() || a.dump.is_some() || a.expect.is_some()) {
         return Err("--serve takes its prompts from the first stage's standard input: no --prompt-ids, --prompts, --max-new-tokens, --dump or --expect".into());
     }
-    if stdin_prompts.is_some() && (!prompts.is_empty() || serve || images.is_some()) {
+    if a.stdin_prompts.is_some() && (!a.prompts.is_empty() || a.serve || a.images.is_some()) {
         return Err("--stdin-prompts takes the prompts and their images from the first stage's standard input: no --prompt-ids, --prompts, --images or --serve".into());
     }
-    if prompts.is_empty() && !serve && stdin_prompts.is_none() {
+    if a.prompts.is_empty() && !a.serve && a.stdin_prompts.is_none() {
         return Err(format!("no prompt: give --prompt-ids or --prompts; {USAGE}"));
     }
-    if model.is_none() && synthetic_seed.is_none() {
-        return Err(format!("--model DIR is required; {USAGE}"));
+    match (&a.model, a.synthetic_seed) {
+        (None, None) => return Err(format!("--model DIR is required; {USAGE}")),
+        (Some(_), Some(_)) => return Err("give --model or --synthetic-weights, not both".into()),
+        _ => {}
     }
-    if model.is_some() && synthetic_seed.is_some() {
-        return Err("give --model or --synthetic-weights, not both".into());
+    if !a.serve {
+        a.max_new_tokens = max_new.ok_or_else(|| format!("--max-new-tokens is required; {USAGE}"))?;
     }
-    Ok(StageArgs {
-        model,
-        synthetic_seed,
-        expect,
-        prompts,
-        prompts_file,
-        stdin_prompts,
-        max_new_tokens: if serve { 0 } else { max_new.ok_or_else(|| format!("--max-new-tokens is required; {USAGE}"))? },
-        dump,
-        timeout_s,
-        micro_batch,
-        kv_blocks,
-        kv_fraction,
-        prefill_chunk,
-        cuda_graphs,
-        prefix_caching,
-        prefill_gemm_cublas,
-        stream_ids,
-        sampling,
-        eos_ids,
-        stops,
-        seq_sampling,
-        serve,
-        images,
-        logprobs,
-        grammar: match (grammar, grammar_after) {
-            (Some(g), after) => Some((g, after)),
-            (None, Some(_)) => return Err("--grammar-after needs --grammar".into()),
-            (None, None) => None,
-        },
-        trace,
-    })
+    Ok(a)
 }
 
 #[cfg(test)]
@@ -393,13 +374,10 @@ mod tests {
         a.prompts = vec![vec![1, 2, 3], vec![4]];
         a.max_new_tokens = 16;
         a.micro_batch = Some(2);
-        a.kv_blocks = Some(40);
-        a.kv_fraction = Some(0.25);
+        a.kv = KvPool { blocks: Some(40), fraction: Some(0.25), prefix_caching: false };
         a.prefill_chunk = Some(7);
         a.timeout_s = 2.5;
-        a.cuda_graphs = false;
-        a.prefix_caching = false;
-        a.prefill_gemm_cublas = true;
+        a.gpu = GpuModes { graphs: false, prefill_gemm_cublas: true };
         a.stream_ids = true;
         a.sampling = SamplingParams {
             temperature: 0.8,

@@ -112,7 +112,7 @@ pub extern "C" fn main(_argc: c_int, _argv: *const *const c_char) -> c_int {
 /// model's whole context.
 fn pool_blocks(st: &stage::Stage, args: &m3c_contract::stage_args::StageArgs) -> Result<usize, StageError> {
     use m3c_contract::blocks::{blocks_for, MAX_BLOCKS};
-    Ok(match (args.kv_blocks, args.kv_fraction) {
+    Ok(match (args.kv.blocks, args.kv.fraction) {
         (Some(n), _) => n,
         (None, Some(f)) => ((f * st.free_memory()? as f64) as usize / st.block_bytes().max(1)).min(MAX_BLOCKS),
         (None, None) => blocks_for(st.meta.max_positions, st.meta.kv_block),
@@ -275,8 +275,8 @@ fn stage_main(
         st.alloc_pool(blocks)
     });
     startup::agree(world, peers, &format!("{who} ({holds})"), pooled)?;
-    st.set_cuda_graphs(args.cuda_graphs);
-    if args.prefill_gemm_cublas && on_gpu {
+    st.set_cuda_graphs(args.gpu.graphs);
+    if args.gpu.prefill_gemm_cublas && on_gpu {
         let min_rows = std::env::var("M3C_GEMM_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(32);
         match st.device().map_or(Ok(()), |g| g.enable_gemm(min_rows)) {
             Ok(()) => say!("{who}: prefill linears with bf16 weights of {min_rows}+ rows run on cuBLAS"),

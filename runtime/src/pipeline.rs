@@ -55,7 +55,7 @@ pub fn run(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Stage, args: 
             chunk: args.prefill_chunk.unwrap_or(usize::MAX).max(1),
             eos: args.eos_ids.clone(),
             score_last: want_logits,
-            prefix_caching: args.prefix_caching,
+            prefix_caching: args.kv.prefix_caching,
         };
         let per_batch = batching.per_batch;
         Leader::new(st, batching, args.model.clone()).run(world, peers, st, &mut books, &mut feed)?;

@@ -66,7 +66,7 @@ pub(crate) fn batching(args: &RunArgs) -> Batching {
         chunk: args.prefill_chunk.unwrap_or(SERVE_PREFILL_CHUNK).max(1),
         eos: args.eos_ids.clone(),
         score_last: false,
-        prefix_caching: args.prefix_caching,
+        prefix_caching: args.kv.prefix_caching,
     }
 }
 

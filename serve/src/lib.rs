@@ -18,6 +18,8 @@ pub mod tool_grammar;
 
 use anyhow::{Context, Result};
 use m3c_contract::sampling::SamplingParams;
+use m3c_contract::stage_args::{GpuModes, KvPool};
+pub use media::MediaPolicy;
 use std::future::IntoFuture;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -33,14 +35,10 @@ pub struct Options {
     pub api_key: Option<String>,
     /// Sequences running at once.
     pub max_batch: usize,
-    /// Bytes per stage of the KV pool (whole blocks of it).
+    /// Bytes per stage of the KV pool (whole blocks of it), unless `kv`
+    /// gives its blocks or its share of memory.
     pub kv_budget_bytes: u64,
-    /// Automatic prefix caching (on unless `--no-enable-prefix-caching`).
-    pub prefix_caching: bool,
-    /// Blocks per stage pool, in place of what `kv_budget_bytes` holds.
-    pub kv_blocks: Option<usize>,
-    /// Or: this share of each stage's free memory (after its weights).
-    pub kv_fraction: Option<f64>,
+    pub kv: KvPool,
     pub max_queue: usize,
     pub prefill_chunk: usize,
     /// `max_tokens` of a chat request that gives none (capped by the context and the KV pool).
@@ -48,19 +46,14 @@ pub struct Options {
     pub timeout_s: f64,
     /// Seconds in-flight requests get to finish after SIGTERM.
     pub grace_s: f64,
-    /// GPU stages: replay decode steps as CUDA graphs.
-    pub cuda_graphs: bool,
-    /// GPU stages: prefill linears on the vendor's GEMM library.
-    pub prefill_gemm_cublas: bool,
+    pub gpu: GpuModes,
     /// Hostfile and extra mpirun options.
     pub launch: m3c_front::launch::Launch,
     /// Where `POST /debug/trace` writes its timelines (`None`: no tracing).
     pub trace_dir: Option<PathBuf>,
-    /// `file://` images only from inside this folder.
-    pub allowed_local_media_path: Option<PathBuf>,
-    pub media_timeout_s: f64,
-    pub max_image_bytes: u64,
-    pub max_images_per_request: usize,
+    /// Where chat images may come from, and how much of them
+    /// (`allowed_local` as given: checked and made canonical at start).
+    pub media: MediaPolicy,
 }
 
 /// How long a server whose pipeline was lost still answers (with 503s).
@@ -116,16 +109,15 @@ fn prepare(o: &Options) -> Result<Prepared> {
     stage.micro_batch = Some(micro);
     stage.prefill_chunk = Some(o.prefill_chunk);
     stage.timeout_s = o.timeout_s;
-    stage.cuda_graphs = o.cuda_graphs;
-    stage.prefill_gemm_cublas = o.prefill_gemm_cublas;
+    stage.gpu = o.gpu;
     stage.eos_ids = gen.eos_ids.clone();
     // The stages' KV pools: as many whole blocks as --kv-budget holds on
     // the stage with the most cache per position; admission then counts
     // against exactly what the pools hold.
     let kv_block = compiled.manifest.kv_block as u64;
     let block_bytes = per_position * kv_block;
-    let blocks = o.kv_blocks.map_or(o.kv_budget_bytes / block_bytes, |n| n as u64).min(m3c_contract::blocks::MAX_BLOCKS as u64);
-    if blocks == 0 && o.kv_fraction.is_none() {
+    let blocks = o.kv.blocks.map_or(o.kv_budget_bytes / block_bytes, |n| n as u64).min(m3c_contract::blocks::MAX_BLOCKS as u64);
+    if blocks == 0 && o.kv.fraction.is_none() {
         anyhow::bail!(
             "--kv-budget {:.3} GB holds no cache block: one block of {kv_block} positions takes {:.3} MB on the largest stage",
             o.kv_budget_bytes as f64 / 1e9,
@@ -134,10 +126,8 @@ fn prepare(o: &Options) -> Result<Prepared> {
     }
     // With --kv-fraction each stage sizes its pool from its free memory at
     // start-up (the least any stage offers), and the first stage reports it.
-    let blocks = if o.kv_fraction.is_some() && o.kv_blocks.is_none() { 0 } else { blocks };
-    stage.kv_blocks = (blocks > 0).then_some(blocks as usize);
-    stage.kv_fraction = o.kv_fraction.filter(|_| blocks == 0);
-    stage.prefix_caching = o.prefix_caching;
+    let blocks = if o.kv.fraction.is_some() && o.kv.blocks.is_none() { 0 } else { blocks };
+    stage.kv = KvPool { blocks: (blocks > 0).then_some(blocks as usize), fraction: o.kv.fraction.filter(|_| blocks == 0), ..o.kv };
     if let Some(d) = &o.trace_dir {
         if !d.is_dir() {
             anyhow::bail!("--trace-dir {}: not a folder", d.display());
@@ -146,22 +136,8 @@ fn prepare(o: &Options) -> Result<Prepared> {
     }
     let trace_dir = o.trace_dir.clone();
     let cmd = compiled.mpirun(&stage, &o.launch)?;
-    let allowed_local = match &o.allowed_local_media_path {
-        None => None,
-        Some(d) => Some(
-            d.canonicalize()
-                .ok()
-                .filter(|p| p.is_dir())
-                .ok_or_else(|| anyhow::anyhow!("--allowed-local-media-path {}: not a folder", d.display()))?,
-        ),
-    };
+    let media = o.media.clone().checked()?;
     let limits = engine::Limits { per_position, kv_block, blocks, max_batch: o.max_batch.max(1), max_queue: o.max_queue };
-    let media = media::MediaPolicy {
-        allowed_local,
-        max_bytes: o.max_image_bytes,
-        timeout: Duration::from_secs_f64(o.media_timeout_s),
-        max_images: o.max_images_per_request,
-    };
     let (api_key, default_max_tokens) = (o.api_key.clone(), o.default_max_tokens);
     // The longest sequence: the model's context, or what the KV pool holds
     // (a sequence must fit it alone; its last row scores nothing).
@@ -190,7 +166,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
         eos_ids,
         trace_dir,
     };
-    let pool = match stage.kv_fraction {
+    let pool = match stage.kv.fraction {
         Some(f) => format!("KV pool: {f} of each stage's free memory"),
         None => format!("KV pool: {blocks} blocks of {kv_block} positions, {:.2} GB per stage", (blocks * block_bytes) as f64 / 1e9),
     };

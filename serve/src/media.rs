@@ -20,6 +20,23 @@ pub struct MediaPolicy {
     pub max_images: usize,
 }
 
+impl MediaPolicy {
+    /// The policy with its local folder made canonical; an error if that
+    /// is not a folder (named by the flag that gave it).
+    pub fn checked(self) -> anyhow::Result<MediaPolicy> {
+        let allowed_local = match self.allowed_local {
+            None => None,
+            Some(d) => Some(
+                d.canonicalize()
+                    .ok()
+                    .filter(|p| p.is_dir())
+                    .ok_or_else(|| anyhow::anyhow!("--allowed-local-media-path {}: not a folder", d.display()))?,
+            ),
+        };
+        Ok(MediaPolicy { allowed_local, ..self })
+    }
+}
+
 impl Default for MediaPolicy {
     fn default() -> Self {
         MediaPolicy { allowed_local: None, max_bytes: 20 << 20, timeout: Duration::from_secs(10), max_images: 8 }
