@@ -144,7 +144,7 @@ fn plan_yaml_never_panics_or_hangs() {
                     }
                     next = r.last + 1;
                 }
-                if let Some(h) = &s.host {
+                if let Some(h) = &s.place.host {
                     if !m3c_compiler::plan::valid_host(h) {
                         return Err(format!("host {h:?} passed"));
                     }

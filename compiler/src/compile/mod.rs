@@ -276,7 +276,7 @@ pub fn compile(req: &CompileRequest) -> Result<Compiled> {
             manifest.stages.push(entry);
         }
         std::fs::remove_dir_all(&work)?;
-        let hosts: Vec<Option<String>> = req.plan.stages.iter().map(|s| s.host.clone()).collect();
+        let hosts: Vec<Option<String>> = req.plan.stages.iter().map(|s| s.place.host.clone()).collect();
         std::fs::write(dir.join("run.sh"), link::launcher(&hosts))?;
         set_executable(&dir.join("run.sh"))?;
         if let Some(header) = backend.report_header().filter(|_| !report.is_empty()) {
@@ -307,7 +307,7 @@ impl StageJob<'_> {
     fn finish(&self, p: &StageProgram, units: &[Unit]) -> Result<(StageEntry, String)> {
         let (req, work, dir) = (self.req, self.work, self.dir);
         let name = format!("stage-{}", p.index);
-        let device = req.plan.stages[p.index].device;
+        let device = req.plan.stages[p.index].place.device;
         let meta = stage_meta(
             p,
             self.stages,
@@ -345,7 +345,7 @@ impl StageJob<'_> {
         let exe = dir.join(&name);
         link::link(&objects, &req.runtime_lib, &exe).with_context(|| format!("stage {}: linking {}", p.index, exe.display()))?;
         let bytes = std::fs::read(&exe)?;
-        let mut entry = manifest::stage_entry(p, &name, &bytes, req.plan.stages[p.index].host.clone());
+        let mut entry = manifest::stage_entry(p, &name, &bytes, req.plan.stages[p.index].place.host.clone());
         entry.device_code = codes.iter().find_map(|(_, c)| c.device_code.clone());
         Ok((entry, codes.iter().map(|(_, c)| c.report.as_str()).collect()))
     }

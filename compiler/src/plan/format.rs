@@ -58,7 +58,16 @@ pub struct StagePlan {
     /// Holds the vision tower, projector and patch merge (the embedding's
     /// stage unless the plan says `vision: false` there: a text-only deployment).
     pub vision: bool,
-    /// CUDA device ordinal on its host (cuda target).
+    /// Where it runs (the plan's keys of the same names).
+    #[serde(flatten)]
+    pub place: Placement,
+}
+
+/// Where a stage runs: what the plan says beyond the split itself (none
+/// of it changes what a stage computes).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Placement {
+    /// GPU device ordinal on its host (GPU targets).
     pub device: Option<usize>,
     /// The host (MPI node) the stage should run on.
     pub host: Option<String>,
@@ -336,7 +345,7 @@ fn parse_links(ctx: &Ctx, raw: &RawPlan, stages: &[StagePlan]) -> Result<BTreeMa
     let known = || links.keys().map(String::as_str).collect::<Vec<_>>().join(", ");
     for (i, s) in stages.iter().enumerate() {
         let path = format!("stages[{i}].link");
-        match &s.link {
+        match &s.place.link {
             Some(_) if i == 0 => {
                 return Err(ctx.key(&path, "stage 0 has no stage before it: `link` names the link from the previous stage".into()))
             }
@@ -358,7 +367,7 @@ fn parse_links(ctx: &Ctx, raw: &RawPlan, stages: &[StagePlan]) -> Result<BTreeMa
 
 /// Two stages on named, different hosts.
 fn crosses_hosts(a: &StagePlan, b: &StagePlan) -> bool {
-    matches!((&a.host, &b.host), (Some(x), Some(y)) if x != y)
+    matches!((&a.place.host, &b.place.host), (Some(x), Some(y)) if x != y)
 }
 
 /// The plan's `target` and `arch`.
@@ -402,9 +411,7 @@ fn parse_stages(ctx: &Ctx, raw: &RawPlan, target: &Target, num_layers: Option<us
             final_norm: s.final_norm.unwrap_or(false),
             lm_head: s.lm_head.unwrap_or(false),
             vision: false,
-            device: s.device,
-            host: s.host.clone(),
-            link: s.link.clone(),
+            place: Placement { device: s.device, host: s.host.clone(), link: s.link.clone() },
         });
     }
     Ok(stages)
@@ -524,7 +531,7 @@ impl Plan {
     /// different named hosts; `None`: the same host (or not known).
     pub fn boundary_link(&self, k: usize) -> Option<(&str, &Link)> {
         let next = self.stages.get(k + 1)?;
-        let name = match &next.link {
+        let name = match &next.place.link {
             Some(l) => l.as_str(),
             None if self.links.len() == 1 && crosses_hosts(&self.stages[k], next) => self.links.keys().next()?.as_str(),
             None => return None,

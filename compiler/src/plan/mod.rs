@@ -10,7 +10,7 @@ mod report;
 
 pub use balance::{balance, brute_force, min_stages, Item, Split};
 pub use cost::{expected_experts, part_costs, GpuProfile, PartCost, Workload, USABLE_MEMORY};
-pub use format::{load_plan, parse_plan, plan_model, valid_arch, valid_host, LayerRange, Plan, PlanError, StagePlan, Target};
+pub use format::{load_plan, parse_plan, plan_model, valid_arch, valid_host, LayerRange, Placement, Plan, PlanError, StagePlan, Target};
 pub use links::Link;
 pub use report::{even_plan, plan_svg, plan_yaml, stage_costs, table, StageCost};
 
@@ -79,9 +79,7 @@ pub fn make_plan(cfg: &ModelConfig, pp: usize, gpu: &GpuProfile, w: Workload, ta
                 final_norm: e == n_layers + 2,
                 lm_head: e == n_layers + 2,
                 vision: a == 0 && cfg.vision.is_some(),
-                device: None,
-                host: None,
-                link: None,
+                place: Placement::default(),
             }
         })
         .collect();

@@ -1,7 +1,7 @@
 //! The per-stage table (`m3c plan`, `m3c plan --check`) and plan YAML output.
 
 use super::cost::{part_costs, GpuProfile, PartCost, Workload, USABLE_MEMORY};
-use super::format::{LayerRange, Plan, StagePlan, Target};
+use super::format::{LayerRange, Placement, Plan, StagePlan, Target};
 use crate::config::ModelConfig;
 use std::fmt::Write;
 
@@ -50,9 +50,7 @@ pub fn even_plan(cfg: &ModelConfig, pp: usize) -> Option<Plan> {
                 final_norm: k == pp - 1,
                 lm_head: k == pp - 1,
                 vision: k == 0,
-                device: None,
-                host: None,
-                link: None,
+                place: Placement::default(),
             }
         })
         .collect();
@@ -131,7 +129,7 @@ pub fn table(cfg: &ModelConfig, plan: &Plan, gpu: &GpuProfile, w: Workload) -> S
     }
     o += &boundaries(cfg, plan, w, slow, (tu, ts));
     if let Some(even) = even_plan(cfg, plan.stages.len()) {
-        if even.stages != plan.stages.iter().map(|s| StagePlan { device: None, host: None, link: None, ..s.clone() }).collect::<Vec<_>>() {
+        if even.stages != plan.stages.iter().map(|s| StagePlan { place: Placement::default(), ..s.clone() }).collect::<Vec<_>>() {
             let ec = stage_costs(cfg, &even, gpu, w);
             let (eslow, ebubble, eat) = summary(&ec);
             let emax = ec.iter().map(|c| c.memory).fold(0.0, f64::max);
@@ -181,11 +179,11 @@ fn boundaries(cfg: &ModelConfig, plan: &Plan, w: Workload, slowest: f64, (tu, ts
                     p * ts
                 ));
             }
-            None if a.host.is_some() && b.host.is_some() && a.host != b.host => lines.push(format!(
+            None if a.place.host.is_some() && b.place.host.is_some() && a.place.host != b.place.host => lines.push(format!(
                 "{:<8} stages on {} and {}: describe the link between them (`links:`) to see its cost",
                 format!("{k}->{}", k + 1),
-                a.host.as_deref().unwrap_or_default(),
-                b.host.as_deref().unwrap_or_default()
+                a.place.host.as_deref().unwrap_or_default(),
+                b.place.host.as_deref().unwrap_or_default()
             )),
             None => {}
         }
@@ -326,13 +324,13 @@ pub fn plan_yaml(plan: &Plan, model: Option<&str>, header: &str, table: &str) ->
         if s.embedding && !s.vision {
             fields.push("vision: false".into());
         }
-        if let Some(d) = s.device {
+        if let Some(d) = s.place.device {
             fields.push(format!("device: {d}"));
         }
-        if let Some(h) = &s.host {
+        if let Some(h) = &s.place.host {
             fields.push(format!("host: {}", yaml_str(h)));
         }
-        if let Some(l) = &s.link {
+        if let Some(l) = &s.place.link {
             fields.push(format!("link: {}", yaml_str(l)));
         }
         for (i, f) in fields.iter().enumerate() {
