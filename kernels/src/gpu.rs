@@ -319,7 +319,7 @@ impl WeightArgs {
             WeightType::Mxfp8 { block } => format!("memref<{out}x{}xi8>", inp / block),
             _ => String::new(),
         };
-        WeightArgs { t: *t, weight, w: w.into(), s: s.into(), wty: format!("memref<{out}x{inp}x{}>", weight.mlir_elem()), sty }
+        WeightArgs { t: *t, weight, w: w.into(), s: s.into(), wty: weight.memref(&[out, inp]), sty }
     }
 
     /// `%{d}` = W[o, i] as f32.

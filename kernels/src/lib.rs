@@ -114,6 +114,11 @@ impl WeightType {
             WeightType::Mxfp8 { .. } => "i8",
         }
     }
+    /// The static memref type of a weight of shape `dims` stored this way.
+    pub fn memref(self, dims: &[usize]) -> String {
+        let dims: String = dims.iter().map(|d| format!("{d}x")).collect();
+        format!("memref<{dims}{}>", self.mlir_elem())
+    }
     pub(crate) fn tag(self) -> String {
         match self {
             WeightType::F32 => "f32".into(),

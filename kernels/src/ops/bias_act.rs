@@ -23,7 +23,7 @@ impl BiasAct {
     /// the target) and stores.
     fn element(&self, erf: impl Fn(&mut Builder, &Value) -> Value) -> String {
         let x = self.act.rows_ty(self.width);
-        let wt = format!("memref<{}x{}>", self.width, self.weight.mlir_elem());
+        let wt = self.weight.memref(&[self.width]);
         let mut b = Builder::new("ba");
         let xv = Value { name: "%xv".into(), ty: "f32".into() };
         let bv = Value { name: "%bv".into(), ty: "f32".into() };
@@ -47,7 +47,7 @@ impl KernelUnit for BiasAct {
     }
     fn params(&self) -> Vec<Param> {
         let x = self.act.rows_ty(self.width);
-        vec![param("x", &x), param("b", format!("memref<{}x{}>", self.width, self.weight.mlir_elem())), param("y", &x)]
+        vec![param("x", &x), param("b", self.weight.memref(&[self.width])), param("y", &x)]
     }
     fn act(&self) -> Option<Storage> {
         Some(self.act)

@@ -35,8 +35,38 @@ impl KernelUnit for DequantMxfp8 {
     fn act(&self) -> Option<Storage> {
         None
     }
+    /// `y[o, i] = bf16(fp8(w[o, i]) · 2^(s[o, i / block] − 127))` as bf16 bits:
+    /// an MXFP8 weight decoded for a tensor-core GEMM (see `Kernel::DequantMxfp8`).
     fn host_body(&self) -> String {
-        host(self.out, self.inp, self.block)
+        let DequantMxfp8 { out, inp, block } = *self;
+        let wt = format!("memref<{out}x{inp}xi8>");
+        let st = format!("memref<{out}x{}xi8>", inp / block);
+        // Rows of bf16 bits, as the scratch the entry allocates for it is viewed.
+        let yt = format!("memref<?x{inp}xi16>");
+        let idx0 = index_consts(&[("cout", out), ("cin", inp), ("cb", block)]);
+        let body = format!(
+            "{BASICS}\
+             {idx0}\
+             {E8M0_CONSTANTS}\
+             %lut = memref.get_global @m3c_fp8_e4m3_lut : memref<256xf32>\n\
+             scf.for %o = %c0 to %cout step %c1 {{\n\
+             \x20 scf.for %i = %c0 to %cin step %c1 {{\n\
+             \x20   %q = memref.load %w[%o, %i] : {wt}\n\
+             \x20   %qi = arith.extui %q : i8 to i32\n\
+             \x20   %qx = arith.index_cast %qi : i32 to index\n\
+             \x20   %wv = memref.load %lut[%qx] : memref<256xf32>\n\
+             \x20   %b = arith.divui %i, %cb : index\n\
+             \x20   %sb = memref.load %s[%o, %b] : {st}\n\
+             {dec}\
+             \x20   %v = arith.mulf %wv, %scale : f32\n\
+             {store}\
+             \x20 }}\n\
+             }}\n\
+             return\n",
+            dec = indent(&e8m0_to_f32("%scale", "%sb"), 4),
+            store = indent(&store_f32("%v", "%y", &yt, "%o", "%i", Storage::Bf16), 4),
+        );
+        body
     }
     fn gpu_funcs(&self, target: &GpuTarget) -> Vec<GpuFunc> {
         let idx = target.idx();
@@ -62,37 +92,4 @@ impl KernelUnit for DequantMxfp8 {
     fn globals(&self) -> Vec<(String, String)> {
         vec![("m3c_fp8_e4m3_lut".into(), fp8_lut_global())]
     }
-}
-
-/// `y[o, i] = bf16(fp8(w[o, i]) · 2^(s[o, i / block] − 127))` as bf16 bits:
-/// an MXFP8 weight decoded for a tensor-core GEMM (see `Kernel::DequantMxfp8`).
-fn host(out: usize, inp: usize, block: usize) -> String {
-    let wt = format!("memref<{out}x{inp}xi8>");
-    let st = format!("memref<{out}x{}xi8>", inp / block);
-    // Rows of bf16 bits, as the scratch the entry allocates for it is viewed.
-    let yt = format!("memref<?x{inp}xi16>");
-    let idx0 = index_consts(&[("cout", out), ("cin", inp), ("cb", block)]);
-    let body = format!(
-        "{BASICS}\
-         {idx0}\
-         {E8M0_CONSTANTS}\
-         %lut = memref.get_global @m3c_fp8_e4m3_lut : memref<256xf32>\n\
-         scf.for %o = %c0 to %cout step %c1 {{\n\
-         \x20 scf.for %i = %c0 to %cin step %c1 {{\n\
-         \x20   %q = memref.load %w[%o, %i] : {wt}\n\
-         \x20   %qi = arith.extui %q : i8 to i32\n\
-         \x20   %qx = arith.index_cast %qi : i32 to index\n\
-         \x20   %wv = memref.load %lut[%qx] : memref<256xf32>\n\
-         \x20   %b = arith.divui %i, %cb : index\n\
-         \x20   %sb = memref.load %s[%o, %b] : {st}\n\
-         {dec}\
-         \x20   %v = arith.mulf %wv, %scale : f32\n\
-         {store}\
-         \x20 }}\n\
-         }}\n\
-         return\n",
-        dec = indent(&e8m0_to_f32("%scale", "%sb"), 4),
-        store = indent(&store_f32("%v", "%y", &yt, "%o", "%i", Storage::Bf16), 4),
-    );
-    body
 }

@@ -22,17 +22,20 @@ impl KernelUnit for Embedding {
     }
     fn params(&self) -> Vec<Param> {
         let Embedding { vocab, width, weight, act } = self;
-        vec![
-            param("ids", "memref<?xi64>"),
-            param("w", format!("memref<{vocab}x{width}x{}>", weight.mlir_elem())),
-            param("y", act.rows_ty(*width)),
-        ]
+        vec![param("ids", "memref<?xi64>"), param("w", weight.memref(&[*vocab, *width])), param("y", act.rows_ty(*width))]
     }
     fn act(&self) -> Option<Storage> {
         Some(self.act)
     }
+    /// Row gather: `y[r] = f32(W[ids[r]])`. Ids are checked against the
+    /// vocabulary by the runtime before a step starts.
     fn host_body(&self) -> String {
-        host(self.vocab, self.width, self.weight, self.act)
+        let Embedding { vocab, width, weight, act } = *self;
+        let t = act.rows_ty(width);
+        let wt = weight.memref(&[vocab, width]);
+        let row = "%id64 = memref.load %ids[%r] : memref<?xi64>\n%id = arith.index_cast %id64 : i64 to index\n";
+        let element = crate::emit::load_weight_f32("%wv", "%w", "%id, %i", &wt, weight) + &store_f32("%wv", "%y", &t, "%r", "%i", act);
+        row_loop("ids", "memref<?xi64>", width, "", row, &element)
     }
     fn gpu_funcs(&self, target: &GpuTarget) -> Vec<GpuFunc> {
         let idx = target.idx();
@@ -49,14 +52,4 @@ impl KernelUnit for Embedding {
         );
         vec![gpu_func(target, &self.symbol(), &self.params(), &body)]
     }
-}
-
-/// Row gather: `y[r] = f32(W[ids[r]])`. Ids are checked against the
-/// vocabulary by the runtime before a step starts.
-fn host(vocab: usize, width: usize, weight: WeightType, act: Storage) -> String {
-    let t = act.rows_ty(width);
-    let wt = format!("memref<{vocab}x{width}x{}>", weight.mlir_elem());
-    let row = "%id64 = memref.load %ids[%r] : memref<?xi64>\n%id = arith.index_cast %id64 : i64 to index\n";
-    let element = crate::emit::load_weight_f32("%wv", "%w", "%id, %i", &wt, weight) + &store_f32("%wv", "%y", &t, "%r", "%i", act);
-    row_loop("ids", "memref<?xi64>", width, "", row, &element)
 }

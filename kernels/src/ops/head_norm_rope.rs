@@ -33,19 +33,77 @@ impl KernelUnit for HeadNormRope {
     fn params(&self) -> Vec<Param> {
         let HeadNormRope { heads, head_dim, weight, act, .. } = self;
         let x = act.rows_ty(heads * head_dim);
-        vec![
-            param("x", &x),
-            param("w", format!("memref<{head_dim}x{}>", weight.mlir_elem())),
-            param("pos", "memref<?xi64>"),
-            param("y", &x),
-        ]
+        vec![param("x", &x), param("w", weight.memref(&[*head_dim])), param("pos", "memref<?xi64>"), param("y", &x)]
     }
     fn act(&self) -> Option<Storage> {
         Some(self.act)
     }
+    /// Per-head Gemma RMSNorm over `head_dim` channels (one weight for all heads)
+    /// fused with NeoX rotate-half RoPE on channels `0..rotary_dim`:
+    /// for `j < rotary_dim/2`, `y[j] = x[j]·cos − x[j+h]·sin`, `y[j+h] = x[j+h]·cos + x[j]·sin`
+    /// with `h = rotary_dim/2`, angle `pos · θ^(−2j/rotary_dim)` in f32.
+    /// `x`, `y`: `[S, heads·head_dim]` stored as `act`; `pos`: `[S]` i64.
     fn host_body(&self) -> String {
-        let k = self;
-        host(k.heads, k.head_dim, k.rotary_dim, k.theta, k.eps, k.weight, k.act)
+        let HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight, act } = *self;
+        let width = heads * head_dim;
+        let half = rotary_dim / 2;
+        let x = act.rows_ty(width);
+        let wt = weight.memref(&[head_dim]);
+        let idx0 = index_consts(&[("ch", heads), ("cd", head_dim), ("chalf", half), ("crot", rotary_dim)]);
+        let body = format!(
+            "{BASICS}\
+             {idx0}\
+             %n = arith.constant {n} : f32\n\
+             %eps = arith.constant {eps} : f32\n\
+             %inv = memref.get_global @{table} : memref<{half}xf32>\n\
+             %rows = memref.dim %x, %c0 : {x}\n\
+             %tmp = memref.alloca() : memref<{head_dim}xf32>\n\
+             scf.for %r = %c0 to %rows step %c1 {{\n\
+             \x20 %p64 = memref.load %pos[%r] : memref<?xi64>\n\
+             \x20 %pf = arith.sitofp %p64 : i64 to f32\n\
+             \x20 scf.for %hd = %c0 to %ch step %c1 {{\n\
+             \x20   %base = arith.muli %hd, %cd : index\n\
+             {span}\
+             \x20   scf.for %j = %c0 to %chalf step %c1 {{\n\
+             \x20     %f = memref.load %inv[%j] : memref<{half}xf32>\n\
+             \x20     %ang = arith.mulf %pf, %f : f32\n\
+             \x20     %cs = math.cos %ang : f32\n\
+             \x20     %sn = math.sin %ang : f32\n\
+             \x20     %j2 = arith.addi %j, %chalf : index\n\
+             \x20     %a = memref.load %tmp[%j] : memref<{head_dim}xf32>\n\
+             \x20     %b = memref.load %tmp[%j2] : memref<{head_dim}xf32>\n\
+             {rotate}\
+             \x20     %o1 = arith.addi %base, %j : index\n\
+             \x20     %o2 = arith.addi %base, %j2 : index\n\
+             {st12}\
+             \x20   }}\n\
+             \x20   scf.for %i = %crot to %cd step %c1 {{\n\
+             \x20     %v = memref.load %tmp[%i] : memref<{head_dim}xf32>\n\
+             \x20     %c = arith.addi %base, %i : index\n\
+             {stv}\
+             \x20   }}\n\
+             \x20 }}\n\
+             }}\n\
+             return\n",
+            n = f32_lit(head_dim as f64),
+            eps = f32_lit(eps),
+            table = rope_table_name(rotary_dim, theta),
+            st12 = indent(
+                &format!(
+                    "{}{}",
+                    crate::emit::store_f32("%y1", "%y", &x, "%r", "%o1", act),
+                    crate::emit::store_f32("%y2", "%y", &x, "%r", "%o2", act)
+                ),
+                6
+            ),
+            stv = indent(&crate::emit::store_f32("%v", "%y", &x, "%r", "%c", act), 6),
+            rotate = indent(ROTATE, 6),
+            span = indent(
+                &gemma_norm_span(&x, act, "%base", "%cd", &wt, weight, &format!("memref.store %o, %tmp[%i] : memref<{head_dim}xf32>")),
+                4
+            ),
+        );
+        body
     }
     fn gpu_funcs(&self, target: &GpuTarget) -> Vec<GpuFunc> {
         let idx = target.idx();
@@ -55,7 +113,7 @@ impl KernelUnit for HeadNormRope {
         let (d, half) = (*head_dim, rotary_dim / 2);
         let t = act.rows_ty(heads * d);
         let st = |v: &str, c: &str| store_f32(v, "%y", &t, "%r", c, *act);
-        let wt = format!("memref<{d}x{}>", weight.mlir_elem());
+        let wt = weight.memref(&[d]);
         let inv: Vec<String> =
             (0..half.max(1)).map(|j| f32_lit((1.0 / (*theta as f32).powf((2 * j) as f32 / *rotary_dim as f32)) as f64)).collect();
         let wl = crate::emit::load_weight_f32("%wv", "%w", "%t", &wt, *weight);
@@ -104,74 +162,6 @@ impl KernelUnit for HeadNormRope {
     fn globals(&self) -> Vec<(String, String)> {
         vec![(rope_table_name(self.rotary_dim, self.theta), rope_table(self.rotary_dim, self.theta))]
     }
-}
-
-/// Per-head Gemma RMSNorm over `head_dim` channels (one weight for all heads)
-/// fused with NeoX rotate-half RoPE on channels `0..rotary_dim`:
-/// for `j < rotary_dim/2`, `y[j] = x[j]·cos − x[j+h]·sin`, `y[j+h] = x[j+h]·cos + x[j]·sin`
-/// with `h = rotary_dim/2`, angle `pos · θ^(−2j/rotary_dim)` in f32.
-/// `x`, `y`: `[S, heads·head_dim]` stored as `act`; `pos`: `[S]` i64.
-#[allow(clippy::too_many_arguments)]
-fn host(heads: usize, head_dim: usize, rotary_dim: usize, theta: f64, eps: f64, weight: WeightType, act: Storage) -> String {
-    let width = heads * head_dim;
-    let half = rotary_dim / 2;
-    let x = act.rows_ty(width);
-    let wt = format!("memref<{head_dim}x{}>", weight.mlir_elem());
-    let idx0 = index_consts(&[("ch", heads), ("cd", head_dim), ("chalf", half), ("crot", rotary_dim)]);
-    let body = format!(
-        "{BASICS}\
-         {idx0}\
-         %n = arith.constant {n} : f32\n\
-         %eps = arith.constant {eps} : f32\n\
-         %inv = memref.get_global @{table} : memref<{half}xf32>\n\
-         %rows = memref.dim %x, %c0 : {x}\n\
-         %tmp = memref.alloca() : memref<{head_dim}xf32>\n\
-         scf.for %r = %c0 to %rows step %c1 {{\n\
-         \x20 %p64 = memref.load %pos[%r] : memref<?xi64>\n\
-         \x20 %pf = arith.sitofp %p64 : i64 to f32\n\
-         \x20 scf.for %hd = %c0 to %ch step %c1 {{\n\
-         \x20   %base = arith.muli %hd, %cd : index\n\
-         {span}\
-         \x20   scf.for %j = %c0 to %chalf step %c1 {{\n\
-         \x20     %f = memref.load %inv[%j] : memref<{half}xf32>\n\
-         \x20     %ang = arith.mulf %pf, %f : f32\n\
-         \x20     %cs = math.cos %ang : f32\n\
-         \x20     %sn = math.sin %ang : f32\n\
-         \x20     %j2 = arith.addi %j, %chalf : index\n\
-         \x20     %a = memref.load %tmp[%j] : memref<{head_dim}xf32>\n\
-         \x20     %b = memref.load %tmp[%j2] : memref<{head_dim}xf32>\n\
-         {rotate}\
-         \x20     %o1 = arith.addi %base, %j : index\n\
-         \x20     %o2 = arith.addi %base, %j2 : index\n\
-         {st12}\
-         \x20   }}\n\
-         \x20   scf.for %i = %crot to %cd step %c1 {{\n\
-         \x20     %v = memref.load %tmp[%i] : memref<{head_dim}xf32>\n\
-         \x20     %c = arith.addi %base, %i : index\n\
-         {stv}\
-         \x20   }}\n\
-         \x20 }}\n\
-         }}\n\
-         return\n",
-        n = f32_lit(head_dim as f64),
-        eps = f32_lit(eps),
-        table = rope_table_name(rotary_dim, theta),
-        st12 = indent(
-            &format!(
-                "{}{}",
-                crate::emit::store_f32("%y1", "%y", &x, "%r", "%o1", act),
-                crate::emit::store_f32("%y2", "%y", &x, "%r", "%o2", act)
-            ),
-            6
-        ),
-        stv = indent(&crate::emit::store_f32("%v", "%y", &x, "%r", "%c", act), 6),
-        rotate = indent(ROTATE, 6),
-        span = indent(
-            &gemma_norm_span(&x, act, "%base", "%cd", &wt, weight, &format!("memref.store %o, %tmp[%i] : memref<{head_dim}xf32>")),
-            4
-        ),
-    );
-    body
 }
 
 pub fn rope_table_name(rotary_dim: usize, theta: f64) -> String {

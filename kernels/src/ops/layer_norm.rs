@@ -19,7 +19,7 @@ pub struct LayerNorm {
 
 impl LayerNorm {
     fn w_ty(&self) -> String {
-        format!("memref<{}x{}>", self.width, self.weight.mlir_elem())
+        self.weight.memref(&[self.width])
     }
     /// `%o`: the normalised, scaled and shifted `%v` (column `%c`), given `%mean` and `%rs`.
     fn affine(&self) -> String {

@@ -23,13 +23,35 @@ impl KernelUnit for RmsNorm {
     fn params(&self) -> Vec<Param> {
         let RmsNorm { width, weight, act, .. } = self;
         let x = act.rows_ty(*width);
-        vec![param("x", &x), param("w", format!("memref<{width}x{}>", weight.mlir_elem())), param("y", &x)]
+        vec![param("x", &x), param("w", weight.memref(&[*width])), param("y", &x)]
     }
     fn act(&self) -> Option<Storage> {
         Some(self.act)
     }
+    /// Gemma RMSNorm over rows of `width`, in f32: `x · rsqrt(mean(x²) + eps) · (1 + w)`.
+    /// `x` and `y` hold values stored as `act`.
     fn host_body(&self) -> String {
-        host(self.width, self.eps, self.weight, self.act)
+        let RmsNorm { width, eps, weight, act } = *self;
+        let x = act.rows_ty(width);
+        let wt = weight.memref(&[width]);
+        let body = format!(
+            "{BASICS}\
+             %cw = arith.constant {width} : index\n\
+             %n = arith.constant {n} : f32\n\
+             %eps = arith.constant {eps} : f32\n\
+             %rows = memref.dim %x, %c0 : {x}\n\
+             scf.for %r = %c0 to %rows step %c1 {{\n\
+             {span}\
+             }}\n\
+             return\n",
+            n = f32_lit(width as f64),
+            eps = f32_lit(eps),
+            span = indent(
+                &gemma_norm_span(&x, act, "%c0", "%cw", &wt, weight, crate::emit::store_f32("%o", "%y", &x, "%r", "%c", act).trim_end()),
+                2
+            ),
+        );
+        body
     }
     fn gpu_funcs(&self, target: &GpuTarget) -> Vec<GpuFunc> {
         let idx = target.idx();
@@ -37,7 +59,7 @@ impl KernelUnit for RmsNorm {
 
         let t = act.rows_ty(*width);
         let xl = indent(&load_f32("%v", "%x", &t, "%r", "%c", *act), 2);
-        let wt = format!("memref<{width}x{}>", weight.mlir_elem());
+        let wt = weight.memref(&[*width]);
         let wl = crate::emit::load_weight_f32("%wv", "%w", "%c", &wt, *weight);
         let body = format!(
             "{idx}%r = gpu.block_id x\n%t = gpu.thread_id x\n%cw = arith.constant {width} : index\n\
@@ -57,29 +79,4 @@ impl KernelUnit for RmsNorm {
         );
         vec![gpu_func(target, &self.symbol(), &self.params(), &body)]
     }
-}
-
-/// Gemma RMSNorm over rows of `width`, in f32: `x · rsqrt(mean(x²) + eps) · (1 + w)`.
-/// `x` and `y` hold values stored as `act`.
-fn host(width: usize, eps: f64, weight: WeightType, act: Storage) -> String {
-    let x = act.rows_ty(width);
-    let wt = format!("memref<{width}x{}>", weight.mlir_elem());
-    let body = format!(
-        "{BASICS}\
-         %cw = arith.constant {width} : index\n\
-         %n = arith.constant {n} : f32\n\
-         %eps = arith.constant {eps} : f32\n\
-         %rows = memref.dim %x, %c0 : {x}\n\
-         scf.for %r = %c0 to %rows step %c1 {{\n\
-         {span}\
-         }}\n\
-         return\n",
-        n = f32_lit(width as f64),
-        eps = f32_lit(eps),
-        span = indent(
-            &gemma_norm_span(&x, act, "%c0", "%cw", &wt, weight, crate::emit::store_f32("%o", "%y", &x, "%r", "%c", act).trim_end()),
-            2
-        ),
-    );
-    body
 }

@@ -33,7 +33,7 @@ impl KernelUnit for Router {
     }
     fn params(&self) -> Vec<Param> {
         let Router { width, experts, top_k, weight, bias, act, .. } = self;
-        let mut p = vec![param("h", act.rows_ty(*width)), param("w", format!("memref<{experts}x{width}x{}>", weight.mlir_elem()))];
+        let mut p = vec![param("h", act.rows_ty(*width)), param("w", weight.memref(&[*experts, *width]))];
         if let Some(bt) = bias {
             p.push(param("bias", format!("memref<{experts}x{}>", bt.mlir_elem())));
         }
@@ -44,9 +44,103 @@ impl KernelUnit for Router {
     fn act(&self) -> Option<Storage> {
         Some(self.act)
     }
+    /// The MoE router, in f32: `s = σ(h Wᵀ)`, top-k of `s + bias` (the bias only
+    /// selects; first index on ties), weights `scale · s[idx] / Σ s[idx]`.
+    /// Whatever the scores, the k ids are distinct and in range: a NaN score
+    /// ranks as -inf, and each round takes the first free expert unless a
+    /// later one scores strictly higher (the routed experts index by these ids).
+    /// `h`: `[S, width]`, `w`: `[experts, width]`, `bias`: `[experts]`;
+    /// out: `wts` `[S, k]` f32 and `ids` `[S, k]` i64, in selection order.
+    /// `h` holds values stored as `act`.
     fn host_body(&self) -> String {
-        let k = self;
-        host(k.width, k.experts, k.top_k, k.scale, k.weight, k.bias, k.act)
+        let Router { width, experts, top_k: k, scale, weight, bias, act } = *self;
+        let ht = act.rows_ty(width);
+        let wt = weight.memref(&[experts, width]);
+        let wts = format!("memref<?x{k}xf32>");
+        let ids = format!("memref<?x{k}xi64>");
+        let add_bias = match bias {
+            Some(bt) => {
+                let bty = format!("memref<{experts}x{}>", bt.mlir_elem());
+                format!("{}%ch = arith.addf %sg, %bv : f32\n", load_weight_f32("%bv", "%bias", "%e", &bty, bt))
+            }
+            None => "%ch = arith.addf %sg, %zero : f32\n".into(),
+        };
+        // One token: logits, sigmoid, top-k, renormalised weights.
+        let row = format!(
+            "%s = memref.alloc() : memref<{experts}xf32>\n\
+             %choice = memref.alloc() : memref<{experts}xf32>\n\
+             %taken = memref.alloc() : memref<{experts}xi32>\n\
+             \x20 scf.for %e = %c0 to %ce step %c1 {{\n\
+             \x20   %l = scf.for %i = %c0 to %cw step %c1 iter_args(%a = %zero) -> (f32) {{\n\
+             {xload}\
+             {wload}\
+             \x20     %m = arith.mulf %xv, %wv : f32\n\
+             \x20     %a2 = arith.addf %a, %m : f32\n\
+             \x20     scf.yield %a2 : f32\n\
+             \x20   }}\n\
+             \x20   %nl = arith.negf %l : f32\n\
+             \x20   %ex = math.exp %nl : f32\n\
+             \x20   %den = arith.addf %one, %ex : f32\n\
+             \x20   %sg = arith.divf %one, %den : f32\n\
+             \x20   memref.store %sg, %s[%e] : memref<{experts}xf32>\n\
+             {add_bias}\
+             \x20   memref.store %ch, %choice[%e] : memref<{experts}xf32>\n\
+             \x20   memref.store %i32_0, %taken[%e] : memref<{experts}xi32>\n\
+             \x20 }}\n\
+             \x20 %sum = scf.for %j = %c0 to %ck step %c1 iter_args(%acc = %zero) -> (f32) {{\n\
+             \x20   %best:2 = scf.for %e = %c0 to %ce step %c1 iter_args(%bv = %ninf, %bi = %ce) -> (f32, index) {{\n\
+             \x20     %t = memref.load %taken[%e] : memref<{experts}xi32>\n\
+             \x20     %free = arith.cmpi eq, %t, %i32_0 : i32\n\
+             \x20     %v0 = memref.load %choice[%e] : memref<{experts}xf32>\n\
+             \x20     %isnan = arith.cmpf uno, %v0, %v0 : f32\n\
+             \x20     %v = arith.select %isnan, %ninf, %v0 : f32\n\
+             \x20     %gt = arith.cmpf ogt, %v, %bv : f32\n\
+             \x20     %none = arith.cmpi eq, %bi, %ce : index\n\
+             \x20     %better = arith.ori %gt, %none : i1\n\
+             \x20     %ok = arith.andi %free, %better : i1\n\
+             \x20     %nv = arith.select %ok, %v, %bv : f32\n\
+             \x20     %ni = arith.select %ok, %e, %bi : index\n\
+             \x20     scf.yield %nv, %ni : f32, index\n\
+             \x20   }}\n\
+             \x20   memref.store %i32_1, %taken[%best#1] : memref<{experts}xi32>\n\
+             \x20   %id = arith.index_cast %best#1 : index to i64\n\
+             \x20   memref.store %id, %ids[%r, %j] : {ids}\n\
+             \x20   %sv = memref.load %s[%best#1] : memref<{experts}xf32>\n\
+             \x20   memref.store %sv, %wts[%r, %j] : {wts}\n\
+             \x20   %acc2 = arith.addf %acc, %sv : f32\n\
+             \x20   scf.yield %acc2 : f32\n\
+             \x20 }}\n\
+             \x20 scf.for %j = %c0 to %ck step %c1 {{\n\
+             \x20   %sv = memref.load %wts[%r, %j] : {wts}\n\
+             \x20   %nw = arith.divf %sv, %sum : f32\n\
+             \x20   %sw = arith.mulf %nw, %scale : f32\n\
+             \x20   memref.store %sw, %wts[%r, %j] : {wts}\n\
+             \x20 }}\n\
+             memref.dealloc %s : memref<{experts}xf32>\n\
+             memref.dealloc %choice : memref<{experts}xf32>\n\
+             memref.dealloc %taken : memref<{experts}xi32>\n",
+            xload = indent(&load_f32("%xv", "%h", &ht, "%r", "%i", act), 6),
+            wload = indent(&load_weight_f32("%wv", "%w", "%e, %i", &wt, weight), 6),
+            add_bias = indent(&add_bias, 4),
+        );
+        let idx0 = index_consts(&[("cw", width), ("ce", experts), ("ck", k)]);
+        let body = format!(
+            "{BASICS}\
+             {idx0}\
+             %scale = arith.constant {scale} : f32\n\
+             %ninf = arith.constant 0xFF800000 : f32\n\
+             %i32_0 = arith.constant 0 : i32\n\
+             %i32_1 = arith.constant 1 : i32\n\
+             %rows = memref.dim %h, %c0 : {ht}\n\
+             %work0 = arith.constant {macs} : index\n\
+             %work = arith.muli %rows, %work0 : index\n\
+             {rows_loop}\
+             return\n",
+            scale = f32_lit(scale),
+            macs = experts * width,
+            rows_loop = parallel_or_serial("%work", &["%r"], &["%c0"], &["%rows"], &["%c1"], &row),
+        );
+        body
     }
     fn gpu_funcs(&self, target: &GpuTarget) -> Vec<GpuFunc> {
         let idx = target.idx();
@@ -106,103 +200,4 @@ impl KernelUnit for Router {
     fn launch(&self, l: &Launch) -> GpuCall {
         l.call(l.grid(&self.symbol(), [l.rows, &l.one(), &l.one()], l.target.warp, l.args))
     }
-}
-
-/// The MoE router, in f32: `s = σ(h Wᵀ)`, top-k of `s + bias` (the bias only
-/// selects; first index on ties), weights `scale · s[idx] / Σ s[idx]`.
-/// Whatever the scores, the k ids are distinct and in range: a NaN score
-/// ranks as -inf, and each round takes the first free expert unless a
-/// later one scores strictly higher (the routed experts index by these ids).
-/// `h`: `[S, width]`, `w`: `[experts, width]`, `bias`: `[experts]`;
-/// out: `wts` `[S, k]` f32 and `ids` `[S, k]` i64, in selection order.
-/// `h` holds values stored as `act`.
-#[allow(clippy::too_many_arguments)]
-fn host(width: usize, experts: usize, k: usize, scale: f64, weight: WeightType, bias: Option<WeightType>, act: Storage) -> String {
-    let ht = act.rows_ty(width);
-    let wt = format!("memref<{experts}x{width}x{}>", weight.mlir_elem());
-    let wts = format!("memref<?x{k}xf32>");
-    let ids = format!("memref<?x{k}xi64>");
-    let add_bias = match bias {
-        Some(bt) => {
-            let bty = format!("memref<{experts}x{}>", bt.mlir_elem());
-            format!("{}%ch = arith.addf %sg, %bv : f32\n", load_weight_f32("%bv", "%bias", "%e", &bty, bt))
-        }
-        None => "%ch = arith.addf %sg, %zero : f32\n".into(),
-    };
-    // One token: logits, sigmoid, top-k, renormalised weights.
-    let row = format!(
-        "%s = memref.alloc() : memref<{experts}xf32>\n\
-         %choice = memref.alloc() : memref<{experts}xf32>\n\
-         %taken = memref.alloc() : memref<{experts}xi32>\n\
-         \x20 scf.for %e = %c0 to %ce step %c1 {{\n\
-         \x20   %l = scf.for %i = %c0 to %cw step %c1 iter_args(%a = %zero) -> (f32) {{\n\
-         {xload}\
-         {wload}\
-         \x20     %m = arith.mulf %xv, %wv : f32\n\
-         \x20     %a2 = arith.addf %a, %m : f32\n\
-         \x20     scf.yield %a2 : f32\n\
-         \x20   }}\n\
-         \x20   %nl = arith.negf %l : f32\n\
-         \x20   %ex = math.exp %nl : f32\n\
-         \x20   %den = arith.addf %one, %ex : f32\n\
-         \x20   %sg = arith.divf %one, %den : f32\n\
-         \x20   memref.store %sg, %s[%e] : memref<{experts}xf32>\n\
-         {add_bias}\
-         \x20   memref.store %ch, %choice[%e] : memref<{experts}xf32>\n\
-         \x20   memref.store %i32_0, %taken[%e] : memref<{experts}xi32>\n\
-         \x20 }}\n\
-         \x20 %sum = scf.for %j = %c0 to %ck step %c1 iter_args(%acc = %zero) -> (f32) {{\n\
-         \x20   %best:2 = scf.for %e = %c0 to %ce step %c1 iter_args(%bv = %ninf, %bi = %ce) -> (f32, index) {{\n\
-         \x20     %t = memref.load %taken[%e] : memref<{experts}xi32>\n\
-         \x20     %free = arith.cmpi eq, %t, %i32_0 : i32\n\
-         \x20     %v0 = memref.load %choice[%e] : memref<{experts}xf32>\n\
-         \x20     %isnan = arith.cmpf uno, %v0, %v0 : f32\n\
-         \x20     %v = arith.select %isnan, %ninf, %v0 : f32\n\
-         \x20     %gt = arith.cmpf ogt, %v, %bv : f32\n\
-         \x20     %none = arith.cmpi eq, %bi, %ce : index\n\
-         \x20     %better = arith.ori %gt, %none : i1\n\
-         \x20     %ok = arith.andi %free, %better : i1\n\
-         \x20     %nv = arith.select %ok, %v, %bv : f32\n\
-         \x20     %ni = arith.select %ok, %e, %bi : index\n\
-         \x20     scf.yield %nv, %ni : f32, index\n\
-         \x20   }}\n\
-         \x20   memref.store %i32_1, %taken[%best#1] : memref<{experts}xi32>\n\
-         \x20   %id = arith.index_cast %best#1 : index to i64\n\
-         \x20   memref.store %id, %ids[%r, %j] : {ids}\n\
-         \x20   %sv = memref.load %s[%best#1] : memref<{experts}xf32>\n\
-         \x20   memref.store %sv, %wts[%r, %j] : {wts}\n\
-         \x20   %acc2 = arith.addf %acc, %sv : f32\n\
-         \x20   scf.yield %acc2 : f32\n\
-         \x20 }}\n\
-         \x20 scf.for %j = %c0 to %ck step %c1 {{\n\
-         \x20   %sv = memref.load %wts[%r, %j] : {wts}\n\
-         \x20   %nw = arith.divf %sv, %sum : f32\n\
-         \x20   %sw = arith.mulf %nw, %scale : f32\n\
-         \x20   memref.store %sw, %wts[%r, %j] : {wts}\n\
-         \x20 }}\n\
-         memref.dealloc %s : memref<{experts}xf32>\n\
-         memref.dealloc %choice : memref<{experts}xf32>\n\
-         memref.dealloc %taken : memref<{experts}xi32>\n",
-        xload = indent(&load_f32("%xv", "%h", &ht, "%r", "%i", act), 6),
-        wload = indent(&load_weight_f32("%wv", "%w", "%e, %i", &wt, weight), 6),
-        add_bias = indent(&add_bias, 4),
-    );
-    let idx0 = index_consts(&[("cw", width), ("ce", experts), ("ck", k)]);
-    let body = format!(
-        "{BASICS}\
-         {idx0}\
-         %scale = arith.constant {scale} : f32\n\
-         %ninf = arith.constant 0xFF800000 : f32\n\
-         %i32_0 = arith.constant 0 : i32\n\
-         %i32_1 = arith.constant 1 : i32\n\
-         %rows = memref.dim %h, %c0 : {ht}\n\
-         %work0 = arith.constant {macs} : index\n\
-         %work = arith.muli %rows, %work0 : index\n\
-         {rows_loop}\
-         return\n",
-        scale = f32_lit(scale),
-        macs = experts * width,
-        rows_loop = parallel_or_serial("%work", &["%r"], &["%c0"], &["%rows"], &["%c1"], &row),
-    );
-    body
 }

@@ -30,7 +30,7 @@ impl KernelUnit for Linear {
     }
     fn params(&self) -> Vec<Param> {
         let Linear { inp, out, weight, act, out_act } = self;
-        let mut p = vec![param("x", act.rows_ty(*inp)), param("w", format!("memref<{out}x{inp}x{}>", weight.mlir_elem()))];
+        let mut p = vec![param("x", act.rows_ty(*inp)), param("w", weight.memref(&[*out, *inp]))];
         if let WeightType::Mxfp8 { block } = weight {
             p.push(param("s", format!("memref<{out}x{}xi8>", inp / block)));
         }
@@ -40,8 +40,82 @@ impl KernelUnit for Linear {
     fn act(&self) -> Option<Storage> {
         Some(self.act)
     }
+    /// `y[S, out] = x[S, inp] · W[out, inp]ᵀ`, f32 accumulation. MXFP8 weights are
+    /// decoded in the inner loop (fp8 through a 256-entry table, one E8M0 scale
+    /// per block applied to the block's partial sum), so each weight byte is read
+    /// once and never expanded in memory. `x` is stored as `act`, `y` as `out_act`.
     fn host_body(&self) -> String {
-        host(self.inp, self.out, self.weight, self.act, self.out_act)
+        let Linear { inp, out, weight, act, out_act } = *self;
+        if tiled::vectorizes(inp, weight) {
+            return tiled::body(inp, out, weight, act, out_act);
+        }
+        let x = act.rows_ty(inp);
+        let y = out_act.rows_ty(out);
+        let xload = load_f32("%xv", "%x", &x, "%r", "%i", act);
+        let ystore = indent(&store_f32("%acc", "%y", &y, "%r", "%o", out_act), 4);
+        let wt = weight.memref(&[out, inp]);
+        let head = "%c0 = arith.constant 0 : index\n\
+                    %c1 = arith.constant 1 : index\n\
+                    %zero = arith.constant 0.0 : f32\n";
+        // The reduction over the inputs of output `%o` for row `%r` into `%acc`
+        // (written 4 columns in), and the constants it needs.
+        let (consts, acc) = match weight {
+            WeightType::Mxfp8 { block } => {
+                let nb = inp / block;
+                let st = format!("memref<{out}x{nb}xi8>");
+                let consts = format!(
+                    "{E8M0_CONSTANTS}{}%lut = memref.get_global @m3c_fp8_e4m3_lut : memref<256xf32>\n",
+                    index_consts(&[("cout", out), ("cnb", nb), ("cb", block)])
+                );
+                let acc = format!(
+                    "%acc = scf.for %b = %c0 to %cnb step %c1 iter_args(%a = %zero) -> (f32) {{\n\
+                     \x20 %base = arith.muli %b, %cb : index\n\
+                     \x20 %part = scf.for %j = %c0 to %cb step %c1 iter_args(%p = %zero) -> (f32) {{\n\
+                     \x20   %i = arith.addi %base, %j : index\n\
+                     {xload}\
+                     \x20   %q = memref.load %w[%o, %i] : {wt}\n\
+                     \x20   %qi = arith.extui %q : i8 to i32\n\
+                     \x20   %qx = arith.index_cast %qi : i32 to index\n\
+                     \x20   %wv = memref.load %lut[%qx] : memref<256xf32>\n\
+                     {inner}\
+                     \x20 }}\n\
+                     \x20 %sb = memref.load %s[%o, %b] : {st}\n\
+                     {dec}\
+                     {outer}\
+                     }}\n",
+                    xload = indent(&xload, 4),
+                    dec = indent(&e8m0_to_f32("%scale", "%sb"), 2),
+                    inner = indent(&mul_add_yield("%p", "%m", "%xv", "%wv", "f32"), 4),
+                    outer = indent(&mul_add_yield("%a", "%ps", "%part", "%scale", "f32"), 2),
+                );
+                (consts, acc)
+            }
+            _ => {
+                let acc = format!(
+                    "%acc = scf.for %i = %c0 to %cin step %c1 iter_args(%a = %zero) -> (f32) {{\n\
+                     {xload}\
+                     {load}\
+                     {mac}\
+                     }}\n",
+                    xload = indent(&xload, 2),
+                    load = indent(&load_weight_f32("%wv", "%w", "%o, %i", &wt, weight), 2),
+                    mac = indent(&mul_add_yield("%a", "%m", "%xv", "%wv", "f32"), 2),
+                );
+                (index_consts(&[("cout", out), ("cin", inp)]), acc)
+            }
+        };
+        format!(
+            "{head}{consts}\
+             %rows = memref.dim %x, %c0 : {x}\n\
+             scf.for %r = %c0 to %rows step %c1 {{\n\
+             \x20 scf.for %o = %c0 to %cout step %c1 {{\n\
+             {acc}\
+             {ystore}\
+             \x20 }}\n\
+             }}\n\
+             return\n",
+            acc = indent(&acc, 4),
+        )
     }
     fn gpu_funcs(&self, target: &GpuTarget) -> Vec<GpuFunc> {
         let idx = target.idx();
@@ -122,81 +196,4 @@ impl KernelUnit for Linear {
             _ => Vec::new(),
         }
     }
-}
-
-/// `y[S, out] = x[S, inp] · W[out, inp]ᵀ`, f32 accumulation. MXFP8 weights are
-/// decoded in the inner loop (fp8 through a 256-entry table, one E8M0 scale
-/// per block applied to the block's partial sum), so each weight byte is read
-/// once and never expanded in memory. `x` is stored as `act`, `y` as `out_act`.
-fn host(inp: usize, out: usize, weight: WeightType, act: Storage, out_act: Storage) -> String {
-    if tiled::vectorizes(inp, weight) {
-        return tiled::body(inp, out, weight, act, out_act);
-    }
-    let x = act.rows_ty(inp);
-    let y = out_act.rows_ty(out);
-    let xload = load_f32("%xv", "%x", &x, "%r", "%i", act);
-    let ystore = indent(&store_f32("%acc", "%y", &y, "%r", "%o", out_act), 4);
-    let wt = format!("memref<{out}x{inp}x{}>", weight.mlir_elem());
-    let head = "%c0 = arith.constant 0 : index\n\
-                %c1 = arith.constant 1 : index\n\
-                %zero = arith.constant 0.0 : f32\n";
-    // The reduction over the inputs of output `%o` for row `%r` into `%acc`
-    // (written 4 columns in), and the constants it needs.
-    let (consts, acc) = match weight {
-        WeightType::Mxfp8 { block } => {
-            let nb = inp / block;
-            let st = format!("memref<{out}x{nb}xi8>");
-            let consts = format!(
-                "{E8M0_CONSTANTS}{}%lut = memref.get_global @m3c_fp8_e4m3_lut : memref<256xf32>\n",
-                index_consts(&[("cout", out), ("cnb", nb), ("cb", block)])
-            );
-            let acc = format!(
-                "%acc = scf.for %b = %c0 to %cnb step %c1 iter_args(%a = %zero) -> (f32) {{\n\
-                 \x20 %base = arith.muli %b, %cb : index\n\
-                 \x20 %part = scf.for %j = %c0 to %cb step %c1 iter_args(%p = %zero) -> (f32) {{\n\
-                 \x20   %i = arith.addi %base, %j : index\n\
-                 {xload}\
-                 \x20   %q = memref.load %w[%o, %i] : {wt}\n\
-                 \x20   %qi = arith.extui %q : i8 to i32\n\
-                 \x20   %qx = arith.index_cast %qi : i32 to index\n\
-                 \x20   %wv = memref.load %lut[%qx] : memref<256xf32>\n\
-                 {inner}\
-                 \x20 }}\n\
-                 \x20 %sb = memref.load %s[%o, %b] : {st}\n\
-                 {dec}\
-                 {outer}\
-                 }}\n",
-                xload = indent(&xload, 4),
-                dec = indent(&e8m0_to_f32("%scale", "%sb"), 2),
-                inner = indent(&mul_add_yield("%p", "%m", "%xv", "%wv", "f32"), 4),
-                outer = indent(&mul_add_yield("%a", "%ps", "%part", "%scale", "f32"), 2),
-            );
-            (consts, acc)
-        }
-        _ => {
-            let acc = format!(
-                "%acc = scf.for %i = %c0 to %cin step %c1 iter_args(%a = %zero) -> (f32) {{\n\
-                 {xload}\
-                 {load}\
-                 {mac}\
-                 }}\n",
-                xload = indent(&xload, 2),
-                load = indent(&load_weight_f32("%wv", "%w", "%o, %i", &wt, weight), 2),
-                mac = indent(&mul_add_yield("%a", "%m", "%xv", "%wv", "f32"), 2),
-            );
-            (index_consts(&[("cout", out), ("cin", inp)]), acc)
-        }
-    };
-    format!(
-        "{head}{consts}\
-         %rows = memref.dim %x, %c0 : {x}\n\
-         scf.for %r = %c0 to %rows step %c1 {{\n\
-         \x20 scf.for %o = %c0 to %cout step %c1 {{\n\
-         {acc}\
-         {ystore}\
-         \x20 }}\n\
-         }}\n\
-         return\n",
-        acc = indent(&acc, 4),
-    )
 }
