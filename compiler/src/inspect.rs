@@ -59,7 +59,7 @@ fn stats_of(cfg: &ModelConfig, specs: &[TensorSpec]) -> ModelStats {
         }
     }
     // Each token runs top-k of the routed experts; they all have the same size.
-    let routed_active = (expert_params as u128 * t.experts_per_token as u128 / t.num_experts as u128) as u64;
+    let routed_active = (expert_params as u128 * t.moe.experts_per_token as u128 / t.moe.num_experts as u128) as u64;
     s.active_params = s.text_params - expert_params + routed_active;
     s
 }
@@ -75,7 +75,14 @@ pub fn report(cfg: &ModelConfig, checkpoint: Option<&Checkpoint>) -> Result<Stri
     let _ = writeln!(
         o,
         "text        hidden {}, {} heads / {} KV heads × {}, vocab {}, {} experts top-{} + {} shared",
-        t.hidden_size, t.num_heads, t.num_kv_heads, t.head_dim, t.vocab_size, t.num_experts, t.experts_per_token, t.num_shared_experts
+        t.hidden_size,
+        t.num_heads,
+        t.num_kv_heads,
+        t.head_dim,
+        t.vocab_size,
+        t.moe.num_experts,
+        t.moe.experts_per_token,
+        t.moe.num_shared_experts
     );
     if let Some(v) = &cfg.vision {
         let _ = writeln!(
@@ -106,8 +113,8 @@ pub fn report(cfg: &ModelConfig, checkpoint: Option<&Checkpoint>) -> Result<Stri
         o,
         "  active per token   {:>20}  (top-{} of {} experts; embedding and lm_head included)",
         grouped(stats.active_params),
-        t.experts_per_token,
-        t.num_experts
+        t.moe.experts_per_token,
+        t.moe.num_experts
     );
 
     let (by_dtype, what) = match checkpoint {

@@ -26,7 +26,7 @@ fn real_config_parses_with_exact_parameter_count() {
     let cfg = m3c_compiler::config::load_config(&path).unwrap();
     let t = &cfg.text;
     assert_eq!((t.hidden_size, t.num_layers, t.num_heads, t.num_kv_heads, t.head_dim), (6144, 60, 64, 4, 128));
-    assert_eq!((t.num_experts, t.experts_per_token, t.rotary_dim, t.vocab_size), (128, 4, 64, 200064));
+    assert_eq!((t.moe.num_experts, t.moe.experts_per_token, t.rotary_dim, t.vocab_size), (128, 4, 64, 200064));
     assert_eq!(t.swiglu_beta, 1.0);
     assert_eq!(cfg.text_prefix, "language_model.");
     for (l, k) in t.layers.iter().enumerate() {

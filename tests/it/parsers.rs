@@ -168,7 +168,7 @@ fn config_json_never_panics_or_hangs() {
         if let Ok(c) = m3c_compiler::config::parse_config(Path::new("config.json"), &text(b)) {
             let t = &c.text;
             let bounded = t.hidden_size <= 1 << 16 && t.vocab_size <= 1 << 22 && t.num_layers <= 1024 && t.max_position_embeddings >= 2;
-            if !bounded || t.experts_per_token > t.num_experts {
+            if !bounded || t.moe.experts_per_token > t.moe.num_experts {
                 return Err(format!(
                     "out-of-bounds config passed: hidden {}, vocab {}, layers {}",
                     t.hidden_size, t.vocab_size, t.num_layers

@@ -75,6 +75,23 @@ pub struct SparseConfig {
     pub init_blocks: usize,
 }
 
+/// The experts of the MoE layers: `experts_per_token` of `num_experts`
+/// routed experts chosen per token, and the shared expert every token
+/// goes through.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct MoeConfig {
+    /// Width of each routed expert.
+    pub expert_intermediate_size: usize,
+    /// Width of the shared expert (all shared experts together).
+    pub shared_intermediate_size: usize,
+    pub num_experts: usize,
+    pub experts_per_token: usize,
+    pub num_shared_experts: usize,
+    /// The router's bias selects experts (it does not weight them).
+    pub use_routing_bias: bool,
+    pub routed_scaling_factor: f64,
+}
+
 /// The text backbone: everything the forward pass needs.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct TextConfig {
@@ -92,17 +109,11 @@ pub struct TextConfig {
     pub swiglu_alpha: f64,
     pub swiglu_limit: f64,
     pub swiglu_beta: f64,
-    /// Width of each routed expert.
-    pub expert_intermediate_size: usize,
     /// Width of the dense MLP layers.
     pub dense_intermediate_size: usize,
-    /// Width of the shared expert (all shared experts together).
-    pub shared_intermediate_size: usize,
-    pub num_experts: usize,
-    pub experts_per_token: usize,
-    pub num_shared_experts: usize,
-    pub use_routing_bias: bool,
-    pub routed_scaling_factor: f64,
+    /// The MoE layers' experts (the config's keys of the same names).
+    #[serde(flatten)]
+    pub moe: MoeConfig,
     pub tie_word_embeddings: bool,
     pub layers: Vec<LayerKind>,
     pub sparse: Option<SparseConfig>,

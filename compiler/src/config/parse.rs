@@ -234,14 +234,16 @@ fn parse_text(t: &Obj) -> Result<TextConfig, ConfigError> {
         swiglu_limit: t.opt_float("swiglu_limit")?.unwrap_or(7.0),
         // Absent from the published config.json; the reference hard-codes 1.0.
         swiglu_beta: t.opt_float("swiglu_beta")?.unwrap_or(1.0),
-        expert_intermediate_size,
         dense_intermediate_size,
-        shared_intermediate_size,
-        num_experts,
-        experts_per_token,
-        num_shared_experts,
-        use_routing_bias,
-        routed_scaling_factor,
+        moe: MoeConfig {
+            expert_intermediate_size,
+            shared_intermediate_size,
+            num_experts,
+            experts_per_token,
+            num_shared_experts,
+            use_routing_bias,
+            routed_scaling_factor,
+        },
         tie_word_embeddings: false,
         layers,
         sparse,
@@ -360,8 +362,8 @@ fn parse_quantization(q: &Obj, text: &TextConfig) -> Result<Quantization, Config
     let ins = [
         ("hidden_size", text.hidden_size),
         ("num_attention_heads × head_dim (the attention output projection's input)", text.q_dim()),
-        ("intermediate_size", text.expert_intermediate_size),
-        ("shared_intermediate_size", text.shared_intermediate_size),
+        ("intermediate_size", text.moe.expert_intermediate_size),
+        ("shared_intermediate_size", text.moe.shared_intermediate_size),
         ("dense_intermediate_size", text.dense_intermediate_size),
     ];
     for (what, n) in ins {

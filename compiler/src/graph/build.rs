@@ -121,28 +121,28 @@ impl Builder<'_> {
         let ffn = match kind.mlp {
             MlpKind::Dense => self.mlp(h2, &n.mlp(), t.dense_intermediate_size),
             MlpKind::Moe => {
-                let k = t.experts_per_token;
+                let k = t.moe.experts_per_token;
                 let router = Op::Router {
                     weight: n.router(),
-                    bias: t.use_routing_bias.then(|| n.router_bias()),
-                    experts: t.num_experts,
+                    bias: t.moe.use_routing_bias.then(|| n.router_bias()),
+                    experts: t.moe.num_experts,
                     top_k: k,
-                    scale: t.routed_scaling_factor,
+                    scale: t.moe.routed_scaling_factor,
                 };
                 let routing = self.node(router, ty(&[Dim::Tokens, Dim::Fixed(k)], Elem::F32), &[h2]);
                 let experts = Op::RoutedExperts {
                     stem: n.experts(),
-                    experts: t.num_experts,
+                    experts: t.moe.num_experts,
                     hidden: h,
-                    intermediate: t.expert_intermediate_size,
+                    intermediate: t.moe.expert_intermediate_size,
                     mxfp8_block: self.mxfp8_block(),
                     alpha: t.swiglu_alpha,
                     limit: t.swiglu_limit,
                     beta: t.swiglu_beta,
                 };
                 let routed = self.node(experts, ty(&hidden, Elem::Act), &[h2, routing]);
-                if t.num_shared_experts > 0 {
-                    let shared = self.mlp(h2, &n.shared_experts(), t.shared_intermediate_size);
+                if t.moe.num_shared_experts > 0 {
+                    let shared = self.mlp(h2, &n.shared_experts(), t.moe.shared_intermediate_size);
                     self.node(Op::Add, ty(&hidden, Elem::Act), &[routed, shared])
                 } else {
                     routed

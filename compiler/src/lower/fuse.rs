@@ -706,7 +706,7 @@ impl Fuser<'_> {
         let routing = ops[1];
         let wts = self.val(routing)?;
         let ids = self.router_ids.get(&routing).cloned().ok_or("routed experts without router ids")?;
-        let top_k = t.experts_per_token;
+        let top_k = t.moe.experts_per_token;
         let weight = match mxfp8_block {
             Some(block) => WeightType::Mxfp8 { block },
             None => {

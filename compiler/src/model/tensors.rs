@@ -141,19 +141,19 @@ pub fn expected_tensors(cfg: &ModelConfig) -> Vec<TensorSpec> {
             MlpKind::Dense => mlp(&mut b, &n.mlp(), t.dense_intermediate_size, h, part),
             MlpKind::Moe => {
                 // The router is stored in fp32 and is never quantized.
-                b.push(n.router(), vec![t.num_experts, h], TypeRule::Float, DType::F32, part, Role::Router);
-                if t.use_routing_bias {
-                    b.push(n.router_bias(), vec![t.num_experts], TypeRule::Float, DType::F32, part, Role::Router);
+                b.push(n.router(), vec![t.moe.num_experts, h], TypeRule::Float, DType::F32, part, Role::Router);
+                if t.moe.use_routing_bias {
+                    b.push(n.router_bias(), vec![t.moe.num_experts], TypeRule::Float, DType::F32, part, Role::Router);
                 }
-                let i = t.expert_intermediate_size;
+                let i = t.moe.expert_intermediate_size;
                 let experts = n.experts();
-                for e in 0..t.num_experts {
+                for e in 0..t.moe.num_experts {
                     b.linear(&names::expert(&experts, e, ExpertProj::W1), i, h, part, Role::Expert(e));
                     b.linear(&names::expert(&experts, e, ExpertProj::W2), h, i, part, Role::Expert(e));
                     b.linear(&names::expert(&experts, e, ExpertProj::W3), i, h, part, Role::Expert(e));
                 }
-                if t.num_shared_experts > 0 {
-                    mlp(&mut b, &n.shared_experts(), t.shared_intermediate_size, h, part);
+                if t.moe.num_shared_experts > 0 {
+                    mlp(&mut b, &n.shared_experts(), t.moe.shared_intermediate_size, h, part);
                 }
             }
         }

@@ -141,13 +141,13 @@ pub fn part_costs(cfg: &ModelConfig, w: Workload) -> BTreeMap<Part, PartCost> {
             }
         }
     }
-    let touched = expected_experts(t.num_experts, t.experts_per_token, w.batch);
+    let touched = expected_experts(t.moe.num_experts, t.moe.experts_per_token, w.batch);
     for (part, bytes) in &expert_bytes {
         let c = costs.get_mut(part).expect("expert part has a cost");
-        let per_expert = bytes / t.num_experts as f64;
+        let per_expert = bytes / t.moe.num_experts as f64;
         c.step_bytes += touched * per_expert;
-        let per_expert_params = expert_params[part] / t.num_experts as f64;
-        c.step_flops += 2.0 * b * t.experts_per_token as f64 * per_expert_params;
+        let per_expert_params = expert_params[part] / t.moe.num_experts as f64;
+        c.step_flops += 2.0 * b * t.moe.experts_per_token as f64 * per_expert_params;
     }
     for (l, kind) in t.layers.iter().enumerate() {
         let c = costs.get_mut(&Part::Layer(l)).expect("every layer has weights");
