@@ -348,7 +348,7 @@ fn entry_body(f: &FusedStage, flavor: Flavor) -> Emitter {
         e.view_as("%img", "%img_p", "%K", MemTy::rows(h, f.act.mlir_elem()));
         e.view_as("%img_rows", "%img_rows_p", "%K", ids_ty.clone());
     }
-    if let super::Boundary::Logits { vocab } = f.output {
+    if let super::Boundary::Logits { vocab } = f.text.output {
         e.view_as("%logits", "%logits_p", "%S", MemTy::rows(vocab, "f32"));
         e.view_as("%out_ids", "%out_ids_p", "%S", ids_ty);
         e.view_as("%table", "%table_p", "%S", MemTy::rows(m3c_contract::sampling::ROW_WORDS, "i64"));
@@ -362,7 +362,7 @@ fn entry_body(f: &FusedStage, flavor: Flavor) -> Emitter {
         e.body.push_str("%nbias = arith.index_cast %bias_rows : i64 to index\n");
         e.view_as("%bias", "%bias_p", "%nbias", MemTy::rows(vocab, "f32"));
     }
-    emit_steps(&mut e, &f.steps, 0);
+    emit_steps(&mut e, &f.text.steps, 0);
     e.body.push_str("return\n");
     e
 }

@@ -152,6 +152,8 @@ impl fmt::Display for Step {
     }
 }
 
+/// A stage as one fused program per entry, over one set of weights,
+/// caches and kernels: what a back end turns into code.
 #[derive(Debug, Clone)]
 pub struct FusedStage {
     pub hidden: usize,
@@ -161,13 +163,21 @@ pub struct FusedStage {
     pub caches: Vec<CacheSlot>,
     /// Positions per cache block (the model's MSA block).
     pub kv_block: usize,
-    pub input: Boundary,
-    pub output: Boundary,
-    pub steps: Vec<Step>,
+    /// Every kernel the entries call, each once.
     pub kernels: Vec<Kernel>,
+    /// The step entry: token ids or hidden rows in, hidden rows or logits out.
+    pub text: TextProgram,
     /// The vision entry's steps (patch rows in, merged image features out
     /// in `x`), when the stage holds the vision tower.
     pub vision: Option<VisionProgram>,
+}
+
+/// The stage's step entry: what it takes, what it gives and its steps.
+#[derive(Debug, Clone)]
+pub struct TextProgram {
+    pub input: Boundary,
+    pub output: Boundary,
+    pub steps: Vec<Step>,
 }
 
 /// The stage's vision entry: what it takes and its steps.
@@ -795,10 +805,8 @@ pub fn fuse_stage(cfg: &ModelConfig, graph: &ModelGraph, parts: &BTreeSet<Part>,
         tensors: f.tensors,
         caches: f.caches,
         kv_block: f.kv_block,
-        input,
-        output,
-        steps: f.steps,
         kernels: f.kernels,
+        text: TextProgram { input, output, steps: f.steps },
         vision,
     })
 }

@@ -10,7 +10,7 @@ mod entry;
 pub mod fuse;
 
 pub use entry::{gpu_module, host_units, module as host_module, ENTRY_SYMBOL, VISION_SYMBOL};
-pub use fuse::{fuse_stage, FusedStage, Step, VisionProgram};
+pub use fuse::{fuse_stage, FusedStage, Step, TextProgram, VisionProgram};
 /// The slots and boundaries are the contract's: the stage metadata and the
 /// manifest carry them as they are.
 pub use m3c_contract::stage::{Boundary, CacheSlot, TensorSlot};
@@ -83,8 +83,8 @@ impl std::ops::Deref for StageProgram {
 impl StageProgram {
     /// The fused program as text, one step per line (for `--emit` and snapshots).
     pub fn listing(&self) -> String {
-        let mut s = format!("stage {} input {:?} output {:?}\n", self.index, self.input, self.output);
-        for step in &self.steps {
+        let mut s = format!("stage {} input {:?} output {:?}\n", self.index, self.text.input, self.text.output);
+        for step in &self.text.steps {
             s.push_str(&step.to_string());
             s.push('\n');
         }

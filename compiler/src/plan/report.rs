@@ -312,18 +312,14 @@ pub fn plan_yaml(plan: &Plan, model: Option<&str>, header: &str, table: &str) ->
         if let Some(r) = s.layers {
             fields.push(format!("layers: \"{r}\""));
         }
-        if s.embedding {
-            fields.push("embedding: true".into());
-        }
-        if s.final_norm {
-            fields.push("final_norm: true".into());
-        }
-        if s.lm_head {
-            fields.push("lm_head: true".into());
-        }
-        if s.embedding && !s.vision {
-            fields.push("vision: false".into());
-        }
+        // The parts a stage holds, where they differ from a key's default.
+        let parts = [
+            ("embedding: true", s.embedding),
+            ("final_norm: true", s.final_norm),
+            ("lm_head: true", s.lm_head),
+            ("vision: false", s.embedding && !s.vision),
+        ];
+        fields.extend(parts.iter().filter(|(_, set)| *set).map(|(field, _)| field.to_string()));
         if let Some(d) = s.place.device {
             fields.push(format!("device: {d}"));
         }
