@@ -9,7 +9,6 @@
 
 use super::metrics::{Gauges, Metrics, StageStat};
 use m3c_contract::protocol::{Command, EndReason, Event as StageEvent, SeqRequest, TokenLogprobs};
-use m3c_contract::sampling::SamplingParams;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -28,34 +27,6 @@ pub enum Event {
     End(String),
     /// The pipeline stopped, or the server is shutting down.
     Failed(String),
-}
-
-/// A request as the stages take it.
-pub struct Submission {
-    pub prompt: Vec<u32>,
-    pub max_new: usize,
-    pub ignore_eos: bool,
-    pub sampling: SamplingParams,
-    /// The bytes of the request's images file (`m3c_contract::images`,
-    /// sequence 0), sent to the first stage after the request's line
-    /// (shared by a request's choices).
-    pub images: Option<Arc<[u8]>>,
-    /// Stop strings: the first stage ends the sequence on the token that
-    /// completes one (the text is cut before it here).
-    pub stops: Vec<String>,
-    /// Token ids that end the sequence when generated.
-    pub stop_ids: Vec<u32>,
-    /// Each token's logprob and this many alternatives (`None`: none).
-    pub logprobs: Option<u8>,
-    /// The grammar the output must match (its text), from the token after
-    /// the given one (the end of the model's thinking) or from the first.
-    pub grammar: Option<(String, Option<u32>)>,
-    /// Tokens before an EOS or a stop id may be drawn.
-    pub min_tokens: usize,
-    /// Added to these tokens' logits before sampling.
-    pub logit_bias: Vec<(u32, f32)>,
-    /// Each prompt token's logprob and this many alternatives.
-    pub prompt_logprobs: Option<u8>,
 }
 
 /// Why a request was not taken.
@@ -328,8 +299,9 @@ impl Engine {
         }
     }
 
-    /// Admits a request, or queues it while the batch is full.
-    pub fn submit(self: &Arc<Engine>, s: Submission) -> Result<Ticket, SubmitError> {
+    /// Admits a request, or queues it while the batch is full; its `seq`
+    /// is the engine's to give.
+    pub fn submit(self: &Arc<Engine>, mut request: SeqRequest) -> Result<Ticket, SubmitError> {
         if let Some(why) = self.down_reason() {
             return Err(SubmitError::Down(why));
         }
@@ -338,14 +310,14 @@ impl Engine {
         }
         let mut st = self.state();
         let pool = if st.blocks_total > 0 { st.blocks_total } else { self.limits.blocks };
-        let positions = (s.prompt.len() + s.max_new + 1) as u64;
+        let positions = (request.prompt.len() + request.max_new + 1) as u64;
         let need = positions.div_ceil(self.limits.kv_block.max(1));
         if need > pool {
             let block_mb = (self.limits.kv_block * self.limits.per_position) as f64 / 1e6;
             return Err(SubmitError::TooLarge(format!(
                 "the prompt ({} tokens) and max_tokens ({}) need {:.1} MB of cache per stage; the server's KV pool holds {:.1} MB",
-                s.prompt.len(),
-                s.max_new,
+                request.prompt.len(),
+                request.max_new,
                 need as f64 * block_mb,
                 pool as f64 * block_mb
             )));
@@ -357,23 +329,10 @@ impl Engine {
         }
         let seq = st.next_seq;
         st.next_seq += 1;
-        let request = SeqRequest {
-            seq,
-            max_new: s.max_new,
-            ignore_eos: s.ignore_eos,
-            sampling: s.sampling,
-            prompt: s.prompt.iter().map(|&i| i64::from(i)).collect(),
-            images: s.images.clone(),
-            stops: s.stops.iter().map(|t| t.as_bytes().to_vec()).collect(),
-            stop_ids: s.stop_ids.iter().map(|&i| i64::from(i)).collect(),
-            logprobs: s.logprobs,
-            grammar: s.grammar.as_ref().map(|(g, after)| (g.clone(), after.map(i64::from))),
-            min_tokens: s.min_tokens,
-            logit_bias: s.logit_bias.clone(),
-            prompt_logprobs: s.prompt_logprobs,
-        };
+        request.seq = seq;
+        let prompt_tokens = request.prompt.len();
         let frame = Command::Add(request).to_bytes();
-        st.waiting.push_back(Waiting { seq, frame, prompt_tokens: s.prompt.len(), tx, arrived: Instant::now() });
+        st.waiting.push_back(Waiting { seq, frame, prompt_tokens, tx, arrived: Instant::now() });
         self.admit(&mut st);
         drop(st);
         Ok(Ticket { seq, rx, engine: self.clone(), done: false })

@@ -3,7 +3,7 @@
 //! completions and (in `responses`) Responses, streamed as server-sent
 //! events or answered whole.
 
-use super::engine::{Engine, Event, Submission, SubmitError, Ticket};
+use super::engine::{Engine, Event, SubmitError, Ticket};
 use super::openai::{self, ApiError, Common, Defaults};
 use super::output::ChatOutput;
 use axum::body::Bytes;
@@ -14,6 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use m3c_contract::images::SeqImages;
+use m3c_contract::protocol::SeqRequest;
 use m3c_contract::protocol::TokenLogprobs;
 use m3c_front::text::front::StopFilter;
 use m3c_front::text::{ChatTemplate, IncrementalDecoder, TextTokenizer};
@@ -708,16 +709,17 @@ async fn start(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: Opti
     for i in 0..common.n {
         let mut sampling = common.sampling;
         sampling.seed = sampling.seed.wrapping_add(i as u64);
-        let sub = Submission {
-            prompt: ids.clone(),
+        let sub = SeqRequest {
+            seq: 0,
+            prompt: ids.iter().map(|&i| i64::from(i)).collect(),
             max_new,
             ignore_eos: common.ignore_eos,
             sampling,
             images: images.clone(),
-            stops: common.stop.clone(),
-            stop_ids: common.stop_ids.clone(),
+            stops: common.stop.iter().map(|t| t.as_bytes().to_vec()).collect(),
+            stop_ids: common.stop_ids.iter().map(|&i| i64::from(i)).collect(),
             logprobs: common.logprobs,
-            grammar: grammar.clone(),
+            grammar: grammar.as_ref().map(|(g, after)| (g.clone(), after.map(i64::from))),
             min_tokens: common.min_tokens,
             logit_bias: common.logit_bias.clone(),
             prompt_logprobs: common.prompt_alternatives(),
