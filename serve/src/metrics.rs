@@ -1,6 +1,6 @@
 //! `GET /metrics`: Prometheus text, with vLLM-like names under `m3c:`.
 
-use std::fmt::Write;
+use std::fmt::{self, Write};
 use std::sync::Mutex;
 
 /// Upper bounds (seconds) of the latency histograms' buckets.
@@ -79,86 +79,73 @@ pub struct Gauges {
     pub sequences: (usize, usize),
 }
 
+/// Prometheus text, one metric family at a time, every name under `m3c:`.
+struct Exposition(String);
+
+impl Exposition {
+    fn family(&mut self, name: &str, kind: &str, help: &str) {
+        let _ = writeln!(self.0, "# HELP m3c:{name} {help}\n# TYPE m3c:{name} {kind}");
+    }
+    fn gauge(&mut self, name: &str, help: &str, v: impl fmt::Display) {
+        self.family(name, "gauge", help);
+        let _ = writeln!(self.0, "m3c:{name} {v}");
+    }
+    fn counter(&mut self, name: &str, help: &str, v: u64) {
+        self.family(name, "counter", help);
+        let _ = writeln!(self.0, "m3c:{name} {v}");
+    }
+    /// One value per stage, labelled `stage="K"`.
+    fn per_stage<T: fmt::Display>(&mut self, name: &str, kind: &str, help: &str, values: impl Iterator<Item = T>) {
+        self.family(name, kind, help);
+        for (k, v) in values.enumerate() {
+            let _ = writeln!(self.0, "m3c:{name}{{stage=\"{k}\"}} {v}");
+        }
+    }
+}
+
 impl Metrics {
     pub fn render(&self, g: &Gauges) -> String {
         let c = self.c.lock().unwrap_or_else(|e| e.into_inner());
-        let mut out = String::new();
-        let gauge = |out: &mut String, name: &str, help: &str, v: String| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
-        };
-        let counter = |out: &mut String, name: &str, help: &str, v: u64| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
-        };
-        gauge(&mut out, "m3c:num_requests_running", "Requests whose sequences are in the pipeline.", g.running.to_string());
-        gauge(&mut out, "m3c:num_requests_waiting", "Requests waiting for cache budget or a batch slot.", g.waiting.to_string());
-        gauge(
-            &mut out,
-            "m3c:cache_bytes_used",
-            "Cache bytes of the KV blocks sequences hold (per stage, the largest stage).",
-            g.cache_used.to_string(),
-        );
-        gauge(
-            &mut out,
-            "m3c:cache_bytes_budget",
-            "The KV pool's bytes (the whole blocks --kv-budget holds), per stage.",
-            g.cache_budget.to_string(),
-        );
+        let mut w = Exposition(String::new());
+        w.gauge("num_requests_running", "Requests whose sequences are in the pipeline.", g.running);
+        w.gauge("num_requests_waiting", "Requests waiting for cache budget or a batch slot.", g.waiting);
+        w.gauge("cache_bytes_used", "Cache bytes of the KV blocks sequences hold (per stage, the largest stage).", g.cache_used);
+        w.gauge("cache_bytes_budget", "The KV pool's bytes (the whole blocks --kv-budget holds), per stage.", g.cache_budget);
         let usage = if g.blocks_total == 0 { 0.0 } else { g.blocks_used as f64 / g.blocks_total as f64 };
-        gauge(&mut out, "m3c:kv_cache_usage_perc", "Share of the KV pool's blocks that sequences hold (1 = full).", usage.to_string());
-        gauge(&mut out, "m3c:kv_cache_blocks_total", "Blocks in every stage's KV pool.", g.blocks_total.to_string());
-        gauge(
-            &mut out,
-            "m3c:kv_cache_blocks_cached",
-            "Blocks that hold only cached prefixes (no sequence holds them; evicted least recently used).",
-            g.blocks_cached.to_string(),
-        );
-        gauge(&mut out, "m3c:num_sequences_running", "Sequences that hold KV blocks and take steps.", g.sequences.0.to_string());
-        gauge(
-            &mut out,
-            "m3c:num_sequences_waiting",
-            "Sequences sent to the pipeline that wait for KV blocks (new, or preempted).",
-            g.sequences.1.to_string(),
-        );
-        counter(&mut out, "m3c:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", c.prefix_queries);
-        counter(&mut out, "m3c:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", c.prefix_hits);
-        counter(&mut out, "m3c:num_preemptions_total", "Sequences that gave their KV blocks back to let older ones go on.", c.preemptions);
-        counter(&mut out, "m3c:prompt_tokens_total", "Prompt tokens of admitted requests.", c.prompt_tokens);
-        counter(&mut out, "m3c:generation_tokens_total", "Tokens generated.", c.generation_tokens);
-        counter(&mut out, "m3c:requests_success_total", "Requests that finished.", c.requests_ok);
-        counter(&mut out, "m3c:requests_failed_total", "Requests that ended with an error.", c.requests_failed);
-        counter(
-            &mut out,
-            "m3c:requests_cancelled_total",
+        w.gauge("kv_cache_usage_perc", "Share of the KV pool's blocks that sequences hold (1 = full).", usage);
+        w.gauge("kv_cache_blocks_total", "Blocks in every stage's KV pool.", g.blocks_total);
+        w.gauge("kv_cache_blocks_cached", "Blocks that only cached prefixes hold (evicted least recently used).", g.blocks_cached);
+        w.gauge("num_sequences_running", "Sequences that hold KV blocks and take steps.", g.sequences.0);
+        w.gauge("num_sequences_waiting", "Sequences in the pipeline waiting for KV blocks (new, or preempted).", g.sequences.1);
+        w.counter("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", c.prefix_queries);
+        w.counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", c.prefix_hits);
+        w.counter("num_preemptions_total", "Sequences that gave their KV blocks back to let older ones go on.", c.preemptions);
+        w.counter("prompt_tokens_total", "Prompt tokens of admitted requests.", c.prompt_tokens);
+        w.counter("generation_tokens_total", "Tokens generated.", c.generation_tokens);
+        w.counter("requests_success_total", "Requests that finished.", c.requests_ok);
+        w.counter("requests_failed_total", "Requests that ended with an error.", c.requests_failed);
+        w.counter(
+            "requests_cancelled_total",
             "Requests cancelled: the client went away or a stop string ended them.",
             c.requests_cancelled,
         );
-        c.ttft.write(&mut out, "m3c:time_to_first_token_seconds", "Time from a request's arrival to its first token.");
-        c.itl.write(&mut out, "m3c:inter_token_latency_seconds", "Time between a request's consecutive tokens.");
-        let _ = writeln!(
-            out,
-            "# HELP m3c:stage_step_seconds Mean compute time of a stage's step over the last second.\n# TYPE m3c:stage_step_seconds gauge"
+        c.ttft.write(&mut w.0, "m3c:time_to_first_token_seconds", "Time from a request's arrival to its first token.");
+        c.itl.write(&mut w.0, "m3c:inter_token_latency_seconds", "Time between a request's consecutive tokens.");
+        let stages = &c.stages;
+        w.per_stage(
+            "stage_step_seconds",
+            "gauge",
+            "Mean compute time of a stage's step over the last second.",
+            stages.iter().map(|s| s.step_s),
         );
-        for (k, s) in c.stages.iter().enumerate() {
-            let _ = writeln!(out, "m3c:stage_step_seconds{{stage=\"{k}\"}} {}", s.step_s);
-        }
-        let _ = writeln!(
-            out,
-            "# HELP m3c:stage_busy_fraction Share of the last second a stage spent computing.\n# TYPE m3c:stage_busy_fraction gauge"
+        w.per_stage(
+            "stage_busy_fraction",
+            "gauge",
+            "Share of the last second a stage spent computing.",
+            stages.iter().map(|s| s.busy_fraction),
         );
-        for (k, s) in c.stages.iter().enumerate() {
-            let _ = writeln!(out, "m3c:stage_busy_fraction{{stage=\"{k}\"}} {}", s.busy_fraction);
-        }
-        let _ = writeln!(
-            out,
-            "# HELP m3c:stage_busy_seconds_total Seconds a stage has spent computing.\n# TYPE m3c:stage_busy_seconds_total counter"
-        );
-        for (k, s) in c.stages.iter().enumerate() {
-            let _ = writeln!(out, "m3c:stage_busy_seconds_total{{stage=\"{k}\"}} {}", s.busy_s);
-        }
-        let _ = writeln!(out, "# HELP m3c:stage_steps_total Steps a stage has run.\n# TYPE m3c:stage_steps_total counter");
-        for (k, s) in c.stages.iter().enumerate() {
-            let _ = writeln!(out, "m3c:stage_steps_total{{stage=\"{k}\"}} {}", s.steps);
-        }
-        out
+        w.per_stage("stage_busy_seconds_total", "counter", "Seconds a stage has spent computing.", stages.iter().map(|s| s.busy_s));
+        w.per_stage("stage_steps_total", "counter", "Steps a stage has run.", stages.iter().map(|s| s.steps));
+        w.0
     }
 }
