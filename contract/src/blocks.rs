@@ -230,6 +230,17 @@ mod tests {
         BlockHash([n; 32])
     }
 
+    /// A pool of two blocks, `a` committed with contents `ha` and `b`
+    /// with `hb`; `b` released, `a` still held.
+    fn two_committed(ha: u8, hb: u8) -> (BlockPool, BlockId, BlockId) {
+        let mut p = BlockPool::new(2);
+        let (a, b) = (p.alloc().unwrap(), p.alloc().unwrap());
+        p.commit(a, h(ha));
+        p.commit(b, h(hb));
+        p.release(b);
+        (p, a, b)
+    }
+
     #[test]
     fn free_blocks_go_lowest_first_and_come_back() {
         let mut p = BlockPool::new(3);
@@ -243,11 +254,7 @@ mod tests {
 
     #[test]
     fn cached_blocks_are_shared_then_evicted_least_recent_first() {
-        let mut p = BlockPool::new(2);
-        let (a, b) = (p.alloc().unwrap(), p.alloc().unwrap());
-        p.commit(a, h(1));
-        p.commit(b, h(2));
-        p.release(b);
+        let (mut p, a, b) = two_committed(1, 2);
         p.release(a);
         assert_eq!((p.available(), p.cached_idle()), (2, 2));
         // A hit holds the block again; the other is evicted for a fresh one.
@@ -260,11 +267,7 @@ mod tests {
 
     #[test]
     fn a_second_block_with_known_contents_is_not_cached() {
-        let mut p = BlockPool::new(2);
-        let (a, b) = (p.alloc().unwrap(), p.alloc().unwrap());
-        p.commit(a, h(1));
-        p.commit(b, h(1));
-        p.release(b);
+        let (mut p, _, b) = two_committed(1, 1);
         assert_eq!(p.cached_idle(), 0);
         assert_eq!(p.alloc(), Some(b));
     }

@@ -191,14 +191,10 @@ impl StageArgs {
                 flag("--grammar-after", a.to_string());
             }
         }
-        if self.trace {
-            out.push("--trace".into());
-        }
-        if self.stream_ids {
-            out.push("--stream-ids".into());
-        }
-        if self.serve {
-            out.push("--serve".into());
+        for (switch, on) in [("--trace", self.trace), ("--stream-ids", self.stream_ids), ("--serve", self.serve)] {
+            if on {
+                out.push(switch.into());
+            }
         }
         out
     }
