@@ -124,3 +124,17 @@ pub fn compile_to(model: &Path, pp: usize, out: &Path, extra: &[&str]) -> Output
 pub fn ids_arg(ids: &[i64]) -> String {
     ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",")
 }
+
+/// `mpirun -np 1 APP : -np 1 APP ...` over stage executables started by
+/// hand (each app a command line), as root if need be.
+pub fn mpirun(apps: &[Vec<String>]) -> Output {
+    let mut cmd = Command::new("mpirun");
+    cmd.arg("--oversubscribe").env("OMPI_ALLOW_RUN_AS_ROOT", "1").env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    for (i, app) in apps.iter().enumerate() {
+        if i > 0 {
+            cmd.arg(":");
+        }
+        cmd.args(["-np", "1"]).args(app);
+    }
+    cmd.output().expect("mpirun")
+}

@@ -282,7 +282,7 @@ fn sampling(args: &RunArgs) -> Result<(m3c_contract::sampling::SamplingParams, V
 fn stage_args(args: &RunArgs, inputs: &Inputs) -> Result<StageArgs> {
     let (sampling, eos) = sampling(args)?;
     let mut stage = StageArgs::new(args.model.clone());
-    stage.stdin_prompts = Some(inputs.prompts.len());
+    stage.prompts = m3c_contract::stage_args::Prompts::Stdin(inputs.prompts.len());
     stage.max_new_tokens = args.max_new_tokens;
     stage.dump = args.dump.clone();
     stage.expect = args.expect.clone();

@@ -7,23 +7,12 @@ use std::path::PathBuf;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct StageArgs {
-    /// The checkpoint folder; `None` with `--synthetic-weights`.
-    pub model: Option<PathBuf>,
-    /// Random weights of the compiled shapes instead of a checkpoint (for
-    /// timing real-size layers without their files).
-    pub synthetic_seed: Option<u64>,
+    /// Where the weights come from.
+    pub weights: Weights,
     /// A golden file (the fixtures' tensor names) the last stage compares its results with.
     pub expect: Option<PathBuf>,
-    /// The prompts' ids (read from `prompts_file` when that is given).
-    pub prompts: Vec<Vec<i64>>,
-    /// A prompts file of ids, one prompt a line (`--prompts`).
-    pub prompts_file: Option<PathBuf>,
-    /// This many prompts arrive on the first stage's standard input as
-    /// framed `add` commands (`crate::protocol::read_command`), each with
-    /// its images: how `m3c run` sends them, so that no stage reads a file
-    /// of the front's (it may run on another host) and no prompt is bound
-    /// by the length of a command line. Every stage knows the count.
-    pub stdin_prompts: Option<usize>,
+    /// The run's prompts, or `Served` (requests arrive while serving).
+    pub prompts: Prompts,
     pub max_new_tokens: usize,
     pub dump: Option<PathBuf>,
     /// Seconds a rank waits for a message before it gives up.
@@ -49,9 +38,6 @@ pub struct StageArgs {
     /// Per-sequence sampling that differs from `sampling` (a `--prompts`
     /// JSONL line's own settings).
     pub seq_sampling: Vec<(usize, SamplingParams)>,
-    /// Serve requests that arrive on the first stage's standard input
-    /// (`m3c serve`) instead of running a fixed set of prompts.
-    pub serve: bool,
     /// The images of the prompts (`m3c_contract::images`), read by the stage
     /// that encodes them.
     pub images: Option<PathBuf>,
@@ -63,6 +49,66 @@ pub struct StageArgs {
     /// Record every stage's timeline; the first stage prints it at the end
     /// (`m3c-trace` lines).
     pub trace: bool,
+}
+
+/// Where a stage's weights come from: a checkpoint or a seed, never both.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Weights {
+    /// The checkpoint folder (`--model`).
+    Checkpoint(PathBuf),
+    /// Random weights of the compiled shapes from this seed
+    /// (`--synthetic-weights`): real-size layers timed without their files.
+    Synthetic(u64),
+}
+
+impl Weights {
+    /// The checkpoint folder, unless the weights are synthetic.
+    pub fn checkpoint(&self) -> Option<&PathBuf> {
+        match self {
+            Weights::Checkpoint(dir) => Some(dir),
+            Weights::Synthetic(_) => None,
+        }
+    }
+}
+
+/// Where a run's prompts come from: each way of giving them excludes the
+/// others, so only one can be said.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompts {
+    /// Token ids on the command line, one `--prompt-ids` a prompt.
+    Ids(Vec<Vec<i64>>),
+    /// A prompts file of ids, one prompt a line (`--prompts`), with the
+    /// prompts it held when the arguments were parsed.
+    File { path: PathBuf, ids: Vec<Vec<i64>> },
+    /// This many prompts arrive on the first stage's standard input as
+    /// framed `add` commands (`crate::protocol::read_command`), each with
+    /// its images (`--stdin-prompts`): how `m3c run` sends them, so that
+    /// no stage reads a file of the front's (it may run on another host)
+    /// and no prompt is bound by the length of a command line. Every
+    /// stage knows the count.
+    Stdin(usize),
+    /// None: requests arrive on the first stage's standard input for as
+    /// long as it serves (`--serve`, what `m3c serve` starts).
+    Served,
+}
+
+impl Prompts {
+    /// The prompts given on the command line or in a file (none when they
+    /// come on standard input, or while serving).
+    pub fn inline(&self) -> &[Vec<i64>] {
+        match self {
+            Prompts::Ids(ids) | Prompts::File { ids, .. } => ids,
+            Prompts::Stdin(_) | Prompts::Served => &[],
+        }
+    }
+
+    /// How many prompts the run has, wherever they come from (0 while serving).
+    pub fn count(&self) -> usize {
+        match self {
+            Prompts::Stdin(n) => *n,
+            other => other.inline().len(),
+        }
+    }
 }
 
 /// How large every stage's KV pool is, and whether it keeps prefixes:
@@ -106,12 +152,9 @@ impl StageArgs {
     /// Arguments with every default: greedy, no prompts, no flags.
     pub fn new(model: PathBuf) -> StageArgs {
         StageArgs {
-            model: Some(model),
-            synthetic_seed: None,
+            weights: Weights::Checkpoint(model),
             expect: None,
-            prompts: Vec::new(),
-            prompts_file: None,
-            stdin_prompts: None,
+            prompts: Prompts::Ids(Vec::new()),
             max_new_tokens: 0,
             dump: None,
             timeout_s: DEFAULT_TIMEOUT_S,
@@ -124,7 +167,6 @@ impl StageArgs {
             eos_ids: Vec::new(),
             stops: Vec::new(),
             seq_sampling: Vec::new(),
-            serve: false,
             images: None,
             logprobs: None,
             grammar: None,
@@ -138,20 +180,17 @@ impl StageArgs {
         let mut flag = |name: &str, value: String| out.extend([name.to_string(), value]);
         let path = |p: &PathBuf| p.display().to_string();
         let ids = |p: &[i64]| p.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
-        if let Some(m) = &self.model {
-            flag("--model", path(m));
+        match &self.weights {
+            Weights::Checkpoint(dir) => flag("--model", path(dir)),
+            Weights::Synthetic(seed) => flag("--synthetic-weights", seed.to_string()),
         }
-        if let Some(s) = self.synthetic_seed {
-            flag("--synthetic-weights", s.to_string());
+        match &self.prompts {
+            Prompts::Ids(prompts) => prompts.iter().for_each(|p| flag("--prompt-ids", ids(p))),
+            Prompts::File { path: f, .. } => flag("--prompts", path(f)),
+            Prompts::Stdin(n) => flag("--stdin-prompts", n.to_string()),
+            Prompts::Served => {}
         }
-        match &self.prompts_file {
-            Some(f) => flag("--prompts", path(f)),
-            None => self.prompts.iter().for_each(|p| flag("--prompt-ids", ids(p))),
-        }
-        if let Some(n) = self.stdin_prompts {
-            flag("--stdin-prompts", n.to_string());
-        }
-        if !self.serve {
+        if !self.serving() {
             flag("--max-new-tokens", self.max_new_tokens.to_string());
         }
         for (name, value) in [
@@ -191,7 +230,7 @@ impl StageArgs {
                 flag("--grammar-after", a.to_string());
             }
         }
-        for (switch, on) in [("--trace", self.trace), ("--stream-ids", self.stream_ids), ("--serve", self.serve)] {
+        for (switch, on) in [("--trace", self.trace), ("--stream-ids", self.stream_ids), ("--serve", self.serving())] {
             if on {
                 out.push(switch.into());
             }
@@ -240,7 +279,13 @@ fn parse_hex(v: &str) -> Result<Vec<u8>, String> {
 impl StageArgs {
     /// How many prompts the run has, wherever they come from.
     pub fn prompt_count(&self) -> usize {
-        self.stdin_prompts.unwrap_or(self.prompts.len())
+        self.prompts.count()
+    }
+
+    /// Whether the stages serve requests (`m3c serve`) instead of running
+    /// a fixed set of prompts.
+    pub fn serving(&self) -> bool {
+        self.prompts == Prompts::Served
     }
 
     /// Parses a stage's command line; the error names the flag. A prompts
@@ -262,18 +307,21 @@ fn parse_switch(flag: &str, v: &str, (on, off): (&str, &str)) -> Result<bool, St
 fn parse_args(args: &[String]) -> Result<StageArgs, String> {
     // Every flag sets its field of `a`; what needs all the flags (the
     // prompts file, per-sequence sampling, the grammar) is settled after.
-    let mut a = StageArgs { model: None, ..StageArgs::new(PathBuf::new()) };
+    let mut a = StageArgs::new(PathBuf::new());
+    let (mut model, mut synthetic) = (None, None);
     let mut max_new = None;
+    // The ways of giving prompts, settled into one `Prompts` at the end.
+    let (mut ids, mut file, mut stdin, mut serve) = (Vec::new(), None, None, false);
     let mut seq_sampling_text = Vec::new();
     let (mut grammar, mut grammar_after) = (None, None);
     let mut it = args.iter();
     while let Some(arg) = it.next() {
         let mut value = |name: &str| it.next().cloned().ok_or_else(|| format!("{name} needs a value; {USAGE}"));
         match arg.as_str() {
-            "--model" => a.model = Some(PathBuf::from(value("--model")?)),
-            "--prompt-ids" => a.prompts.push(parse_ids(&value("--prompt-ids")?, "--prompt-ids")?),
-            "--prompts" => a.prompts_file = Some(PathBuf::from(value("--prompts")?)),
-            "--stdin-prompts" => a.stdin_prompts = Some(parse_count(&value("--stdin-prompts")?, "--stdin-prompts", true)?),
+            "--model" => model = Some(PathBuf::from(value("--model")?)),
+            "--prompt-ids" => ids.push(parse_ids(&value("--prompt-ids")?, "--prompt-ids")?),
+            "--prompts" => file = Some(PathBuf::from(value("--prompts")?)),
+            "--stdin-prompts" => stdin = Some(parse_count(&value("--stdin-prompts")?, "--stdin-prompts", true)?),
             "--max-new-tokens" => max_new = Some(parse_count(&value("--max-new-tokens")?, "--max-new-tokens", false)?),
             "--dump" => a.dump = Some(PathBuf::from(value("--dump")?)),
             "--expect" => a.expect = Some(PathBuf::from(value("--expect")?)),
@@ -289,7 +337,7 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
             "--kv-fraction" => a.kv.fraction = Some(parse_fraction(&value("--kv-fraction")?)?),
             "--synthetic-weights" => {
                 let v = value("--synthetic-weights")?;
-                a.synthetic_seed = Some(v.parse::<u64>().map_err(|_| format!("--synthetic-weights: `{v}` is not a seed (an integer)"))?);
+                synthetic = Some(v.parse::<u64>().map_err(|_| format!("--synthetic-weights: `{v}` is not a seed (an integer)"))?);
             }
             "--timeout-s" => a.timeout_s = parse_timeout_s(&value("--timeout-s")?)?,
             "--cuda-graphs" => a.gpu.graphs = parse_switch("--cuda-graphs", &value("--cuda-graphs")?, ("on", "off"))?,
@@ -298,7 +346,7 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
             "--stream-ids" => a.stream_ids = true,
             "--trace" => a.trace = true,
             "--images" => a.images = Some(PathBuf::from(value("--images")?)),
-            "--serve" => a.serve = true,
+            "--serve" => serve = true,
             "--eos-ids" => a.eos_ids = parse_ids(&value("--eos-ids")?, "--eos-ids")?,
             "--stop" => a.stops.push(parse_hex(&value("--stop")?)?),
             "--logprobs" => {
@@ -325,12 +373,12 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
             }
         }
     }
-    if let Some(f) = &a.prompts_file {
-        if !a.prompts.is_empty() {
+    if let Some(f) = &file {
+        if !ids.is_empty() {
             return Err("give --prompt-ids or --prompts, not both".into());
         }
         let text = crate::read_user_file(f, "--prompts", crate::input::limits::PROMPTS).map_err(|e| e.to_string())?;
-        a.prompts = parse_prompts_file(&text, &f.display().to_string())?;
+        ids = parse_prompts_file(&text, &f.display().to_string())?;
     }
     a.sampling.check()?;
     // Per-sequence sampling is over the run's, wherever the flags stood.
@@ -340,23 +388,30 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
         (None, Some(_)) => return Err("--grammar-after needs --grammar".into()),
         (None, None) => None,
     };
-    if a.serve && (!a.prompts.is_empty() || max_new.is_some() || a.dump.is_some() || a.expect.is_some()) {
+    if serve && (!ids.is_empty() || max_new.is_some() || a.dump.is_some() || a.expect.is_some()) {
         return Err("--serve takes its prompts from the first stage's standard input: no --prompt-ids, --prompts, --max-new-tokens, --dump or --expect".into());
     }
-    if a.stdin_prompts.is_some() && (!a.prompts.is_empty() || a.serve || a.images.is_some()) {
+    if stdin.is_some() && (!ids.is_empty() || serve || a.images.is_some()) {
         return Err("--stdin-prompts takes the prompts and their images from the first stage's standard input: no --prompt-ids, --prompts, --images or --serve".into());
     }
-    if a.prompts.is_empty() && !a.serve && a.stdin_prompts.is_none() {
+    if ids.is_empty() && !serve && stdin.is_none() {
         return Err(format!("no prompt: give --prompt-ids or --prompts; {USAGE}"));
     }
-    match (&a.model, a.synthetic_seed) {
+    a.weights = match (model, synthetic) {
+        (Some(dir), None) => Weights::Checkpoint(dir),
+        (None, Some(seed)) => Weights::Synthetic(seed),
         (None, None) => return Err(format!("--model DIR is required; {USAGE}")),
         (Some(_), Some(_)) => return Err("give --model or --synthetic-weights, not both".into()),
-        _ => {}
-    }
-    if !a.serve {
+    };
+    if !serve {
         a.max_new_tokens = max_new.ok_or_else(|| format!("--max-new-tokens is required; {USAGE}"))?;
     }
+    a.prompts = match (serve, stdin, file) {
+        (true, ..) => Prompts::Served,
+        (_, Some(n), _) => Prompts::Stdin(n),
+        (_, None, Some(path)) => Prompts::File { path, ids },
+        (_, None, None) => Prompts::Ids(ids),
+    };
     Ok(a)
 }
 
@@ -367,7 +422,7 @@ mod tests {
     #[test]
     fn stage_arguments_round_trip() {
         let mut a = StageArgs::new(PathBuf::from("/models/tiny m3"));
-        a.prompts = vec![vec![1, 2, 3], vec![4]];
+        a.prompts = Prompts::Ids(vec![vec![1, 2, 3], vec![4]]);
         a.max_new_tokens = 16;
         a.micro_batch = Some(2);
         a.kv = KvPool { blocks: Some(40), fraction: Some(0.25), prefix_caching: false };
@@ -394,14 +449,17 @@ mod tests {
         a.trace = true;
         assert_eq!(StageArgs::parse(&a.to_args()), Ok(a.clone()));
         let mut s = StageArgs::new(PathBuf::from("m"));
-        s.serve = true;
+        s.prompts = Prompts::Served;
         s.micro_batch = Some(32);
         assert_eq!(StageArgs::parse(&s.to_args()), Ok(s));
         let mut r = StageArgs::new(PathBuf::from("m"));
-        r.stdin_prompts = Some(3);
+        r.prompts = Prompts::Stdin(3);
         r.max_new_tokens = 4;
         assert_eq!(StageArgs::parse(&r.to_args()), Ok(r.clone()));
         assert_eq!(r.prompt_count(), 3);
+        let mut w = r.clone();
+        w.weights = Weights::Synthetic(7);
+        assert_eq!(StageArgs::parse(&w.to_args()), Ok(w));
     }
 
     #[test]

@@ -93,7 +93,7 @@ impl Compiled {
     /// it. A job that spans hosts has them checked first
     /// ([`Compiled::preflight`], within the stages' `--timeout-s`).
     pub fn mpirun(&self, stage: &StageArgs, launch: &Launch) -> Result<std::process::Command> {
-        if let (true, Some(model)) = (self.spans_hosts(launch), &stage.model) {
+        if let (true, Some(model)) = (self.spans_hosts(launch), stage.weights.checkpoint()) {
             self.preflight(model, launch, std::time::Duration::from_secs_f64(stage.timeout_s))?;
         }
         let args = stage.to_args();

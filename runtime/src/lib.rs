@@ -194,7 +194,7 @@ fn local_checks(
         ));
     }
     let a = parsed.map_err(|e| e.to_string())?;
-    for (i, p) in a.prompts.iter().enumerate() {
+    for (i, p) in a.prompts.inline().iter().enumerate() {
         if let Some(bad) = p.iter().find(|&&t| t < 0 || t as usize >= meta.vocab) {
             return Err(format!("prompt {i}: token id {bad} is outside the vocabulary (0..{})", meta.vocab));
         }
@@ -332,10 +332,10 @@ fn stage_main(
 /// This stage's weights (mapped from the checkpoint, or synthetic), once the
 /// last stage has checked that its dump targets can be written.
 fn load_weights(meta: &meta::StageMeta, args: &args::RunArgs) -> Result<weights::StageWeights, StageError> {
-    let w = match (&args.model, args.synthetic_seed) {
-        (Some(model), _) => weights::check_config(model, meta).and_then(|_| weights::StageWeights::open(model, meta))?,
-        (None, Some(seed)) => weights::StageWeights::synthetic(meta, seed),
-        (None, None) => return Err(StageError::Weights("no weights: give --model DIR or --synthetic-weights SEED".into())),
+    use m3c_contract::stage_args::Weights;
+    let w = match &args.weights {
+        Weights::Checkpoint(model) => weights::check_config(model, meta).and_then(|_| weights::StageWeights::open(model, meta))?,
+        Weights::Synthetic(seed) => weights::StageWeights::synthetic(meta, *seed),
     };
     if let (true, Some(file)) = (meta.last_stage, &args.dump) {
         for i in 0..args.prompt_count() {

@@ -14,6 +14,7 @@ use crate::schedule::{Batching, Feed, Leader, Next};
 use crate::stage::Stage;
 use m3c_contract::images::SeqImages;
 use m3c_contract::protocol::{Command, Event, SeqRequest};
+use m3c_contract::stage_args::Prompts;
 use mpi::topology::SimpleCommunicator;
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -33,35 +34,37 @@ pub fn run(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Stage, args: 
     if args.trace {
         crate::trace::enable(st.meta.stage);
         // A run records from here; serving, from the front's `trace on`.
-        crate::trace::align_clocks(world, peers, !args.serve)?;
+        crate::trace::align_clocks(world, peers, !args.serving())?;
     }
     let want_logits = args.dump.is_some() || args.expect.is_some();
-    let on_bad = if args.serve { OnNonFinite::EndSequence } else { OnNonFinite::EndRun };
+    let on_bad = if args.serving() { OnNonFinite::EndSequence } else { OnNonFinite::EndRun };
     let eos = args.eos_ids.first().and_then(|&e| u32::try_from(e).ok()).unwrap_or(0);
-    let mut grammars = crate::books::GrammarSource::new(args.model.clone(), st.meta.vocab, eos);
+    let mut grammars = crate::books::GrammarSource::new(args.weights.checkpoint().cloned(), st.meta.vocab, eos);
     grammars.eos_ids = args.eos_ids.clone();
     let mut books = LastBooks::new(want_logits, on_bad, grammars);
     if !st.meta.first_stage {
         crate::follow::follow(world, peers, st, &mut books)?;
-    } else if args.serve {
+    } else if args.serving() {
         let mut feed = crate::serve::ServeFeed::new(st.meta.vision.as_ref().map(|v| v.patch_row));
-        Leader::new(st, crate::serve::batching(args), args.model.clone()).run(world, peers, st, &mut books, &mut feed)?;
+        Leader::new(st, crate::serve::batching(args), args.weights.checkpoint().cloned()).run(world, peers, st, &mut books, &mut feed)?;
     } else {
         let mut feed = RunFeed::new(st, args)?;
         let batching = Batching {
             // Enough micro-batches to keep every stage busy (one per stage),
-            // as few as that allows (weights are read once per step).
-            per_batch: args.micro_batch.unwrap_or_else(|| args.prompts.len().div_ceil(st.meta.stages)).max(1),
+            // as few as that allows (weights are read once per step). The
+            // prompts may come on standard input (`m3c run`), so count
+            // them wherever they come from.
+            per_batch: args.micro_batch.unwrap_or_else(|| args.prompt_count().div_ceil(st.meta.stages)).max(1),
             chunk: args.prefill_chunk.unwrap_or(usize::MAX).max(1),
             eos: args.eos_ids.clone(),
             score_last: want_logits,
             prefix_caching: args.kv.prefix_caching,
         };
         let per_batch = batching.per_batch;
-        Leader::new(st, batching, args.model.clone()).run(world, peers, st, &mut books, &mut feed)?;
+        Leader::new(st, batching, args.weights.checkpoint().cloned()).run(world, peers, st, &mut books, &mut feed)?;
         feed.report(per_batch);
     }
-    if !args.serve {
+    if !args.serving() {
         crate::trace::gather(world, peers, &crate::host_name())?;
     }
     Ok(finish_records(st.meta.last_stage, args, &books.finished, st.meta.vocab))
@@ -88,9 +91,9 @@ struct RunFeed<'a> {
 
 impl<'a> RunFeed<'a> {
     fn new(st: &Stage, args: &'a RunArgs) -> Result<RunFeed<'a>, StageError> {
-        let (prompts, images) = match args.stdin_prompts {
-            Some(n) => stdin_prompts(n, st.meta.vision.as_ref().map(|v| v.patch_row), args.timeout_s)?,
-            None => (args.prompts.clone(), inline_images(st, args)?),
+        let (prompts, images) = match args.prompts {
+            Prompts::Stdin(n) => stdin_prompts(n, st.meta.vision.as_ref().map(|v| v.patch_row), args.timeout_s)?,
+            _ => (args.prompts.inline().to_vec(), inline_images(st, args)?),
         };
         let requests = prompts
             .into_iter()
@@ -235,8 +238,9 @@ fn inline_images(st: &Stage, args: &RunArgs) -> Result<ImagesBySeq, StageError> 
         }
         (Some(f), Some(v)) => read_images(f, v.patch_row)?,
     };
-    if let Some(s) = images.keys().find(|&&s| s >= args.prompts.len()) {
-        return Err(StageError::Args(format!("--images has images for sequence {s}, but there are {} prompts", args.prompts.len())));
+    let prompts = args.prompt_count();
+    if let Some(s) = images.keys().find(|&&s| s >= prompts) {
+        return Err(StageError::Args(format!("--images has images for sequence {s}, but there are {prompts} prompts")));
     }
     Ok(images)
 }

@@ -105,7 +105,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
     // so every stage has a micro-batch to work on.
     let micro = o.max_batch.div_ceil(stages).max(1);
     let mut stage = m3c_contract::stage_args::StageArgs::new(o.model.clone());
-    stage.serve = true;
+    stage.prompts = m3c_contract::stage_args::Prompts::Served;
     stage.micro_batch = Some(micro);
     stage.prefill_chunk = Some(o.prefill_chunk);
     stage.timeout_s = o.timeout_s;

@@ -3,7 +3,7 @@
 //! names the file, key or stage; the user's files untouched; no process and
 //! no temporary file left behind; never a panic, a crash or a hang.
 
-use m3c_tests::{compile, configs, fixture, ids_arg, m3c, stderr, stdout};
+use m3c_tests::{compile, configs, fixture, ids_arg, m3c, mpirun, stderr, stdout};
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -85,19 +85,6 @@ fn stage_app(exe: &Path, model: &Path, extra: &[&str]) -> Vec<String> {
     let mut v = vec![exe.display().to_string(), "--model".into(), model.display().to_string()];
     v.extend(extra.iter().map(|s| s.to_string()));
     v
-}
-
-/// `mpirun -np 1 APP : -np 1 APP ...`, as root if need be.
-fn mpirun(apps: &[Vec<String>]) -> Output {
-    let mut cmd = Command::new("mpirun");
-    cmd.arg("--oversubscribe").env("OMPI_ALLOW_RUN_AS_ROOT", "1").env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
-    for (i, app) in apps.iter().enumerate() {
-        if i > 0 {
-            cmd.arg(":");
-        }
-        cmd.args(["-np", "1"]).args(app);
-    }
-    cmd.output().unwrap()
 }
 
 /// The command's standard error says `what`.

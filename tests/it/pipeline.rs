@@ -1,7 +1,7 @@
 //! Compiled stages under mpirun, against the golden fixtures: every pp gives
 //! the golden logits and tokens, and exactly the bytes pp = 1 gives.
 
-use m3c_tests::{compile, fixture, ids_arg, m3c, m3c_env, read_tensor_f32, read_tensor_i64, stderr, stdout};
+use m3c_tests::{compile, fixture, ids_arg, m3c, m3c_env, mpirun, read_tensor_f32, read_tensor_i64, stderr, stdout};
 use std::path::{Path, PathBuf};
 
 const NEW_TOKENS: usize = 16;
@@ -129,6 +129,49 @@ fn batched_prompts_equal_one_at_a_time() {
     }
 }
 
+/// `m3c run` shares its prompts over as many micro-batches as stages (each
+/// step then reads a stage's weights once for several sequences), whether
+/// the prompts reach stage 0 on its command line or on its standard
+/// input, as `m3c run` sends them; `--micro-batch` overrides it.
+#[test]
+fn run_shares_its_prompts_over_one_micro_batch_per_stage() {
+    let (out, model) = crate::shared::tiny(2);
+    let four = ["--prompt-ids", "1,2", "--prompt-ids", "3,4", "--prompt-ids", "5,6", "--prompt-ids", "7,8", "--max-new-tokens", "2"];
+    for (extra, want) in [(&[][..], 2), (&["--micro-batch", "4"][..], 4), (&["--micro-batch", "1"][..], 1)] {
+        let o = m3c_tests::m3c_run(&out, &model, &[&four[..], extra].concat());
+        assert!(o.status.success(), "{}", stderr(&o));
+        let e = stderr(&o);
+        assert!(e.contains(&format!("up to {want} sequence(s) per micro-batch")), "{extra:?}: {e}");
+    }
+}
+
+/// `--synthetic-weights SEED` runs the stages without a checkpoint (what
+/// timing real-size layers uses): the same seed gives the same ids,
+/// another seed others, and a checkpoint too is refused.
+#[test]
+fn synthetic_weights_run_without_a_checkpoint_and_follow_their_seed() {
+    let (out, model) = crate::shared::tiny(2);
+    let run = |extra: &[&str]| {
+        let apps: Vec<Vec<String>> = (0..2)
+            .map(|k| {
+                let mut app = vec![out.join(format!("stage-{k}")).display().to_string()];
+                app.extend(["--prompt-ids", "1,2,3", "--max-new-tokens", "8"].iter().chain(extra).map(|s| s.to_string()));
+                app
+            })
+            .collect();
+        mpirun(&apps)
+    };
+    let ids = |o: &std::process::Output| {
+        assert!(o.status.success(), "{}", stderr(o));
+        stdout(o).lines().find(|l| l.starts_with("prompt 0: ")).expect("ids printed").to_string()
+    };
+    let seven = ids(&run(&["--synthetic-weights", "7"]));
+    assert_eq!(ids(&run(&["--synthetic-weights", "7"])), seven);
+    assert_ne!(ids(&run(&["--synthetic-weights", "8"])), seven);
+    let both = run(&["--synthetic-weights", "7", "--model", model.to_str().unwrap()]);
+    assert!(!both.status.success() && stderr(&both).contains("give --model or --synthetic-weights, not both"), "{}", stderr(&both));
+}
+
 fn copy_dir(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
     for e in std::fs::read_dir(from).unwrap() {
@@ -192,18 +235,6 @@ fn wrong_model_folder_missing_tensor_and_bad_ids_are_clear_errors() {
         "2",
     ]);
     assert!(e.contains("not an m3c output folder"), "{e}");
-}
-
-fn mpirun(apps: &[Vec<String>]) -> std::process::Output {
-    let mut cmd = std::process::Command::new("mpirun");
-    cmd.arg("--oversubscribe").env("OMPI_ALLOW_RUN_AS_ROOT", "1").env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
-    for (i, app) in apps.iter().enumerate() {
-        if i > 0 {
-            cmd.arg(":");
-        }
-        cmd.args(["-np", "1"]).args(app);
-    }
-    cmd.output().expect("mpirun")
 }
 
 #[test]
