@@ -169,29 +169,31 @@ fn run(cli: Cli) -> Result<()> {
                 model: a.model,
                 host: a.host,
                 port: a.port,
-                served_model_name: a.served_model_name,
-                api_key: a.api_key.or_else(|| std::env::var("M3C_API_KEY").ok().filter(|k| !k.is_empty())),
-                max_batch: a.max_batch,
-                kv_budget_bytes: (a.kv_budget as f64 * 1e9) as u64,
-                kv: m3c_contract::stage_args::KvPool {
-                    blocks: a.kv_blocks,
-                    fraction: a.kv_fraction,
-                    prefix_caching: !a.no_enable_prefix_caching,
+                api: m3c_serve::ApiOptions {
+                    served_model_name: a.served_model_name,
+                    api_key: a.api_key.or_else(|| std::env::var("M3C_API_KEY").ok().filter(|k| !k.is_empty())),
+                    default_max_tokens: a.default_max_tokens,
+                    media: m3c_serve::MediaPolicy {
+                        allowed_local: a.allowed_local_media_path,
+                        max_bytes: a.max_image_mb as u64 * (1 << 20),
+                        timeout: std::time::Duration::from_secs_f64(a.media_timeout_s),
+                        max_images: a.max_images_per_request,
+                    },
                 },
+                max_batch: a.max_batch,
+                kv_size: match (a.kv_blocks, a.kv_fraction) {
+                    (Some(n), _) => m3c_serve::KvSize::Blocks(n),
+                    (None, Some(f)) => m3c_serve::KvSize::Fraction(f),
+                    (None, None) => m3c_serve::KvSize::Budget((a.kv_budget as f64 * 1e9) as u64),
+                },
+                prefix_caching: !a.no_enable_prefix_caching,
                 max_queue: a.max_queue,
                 prefill_chunk: a.prefill_chunk,
-                default_max_tokens: a.default_max_tokens,
                 timeout_s: a.timeout_s,
                 grace_s: a.grace_s,
                 gpu: a.gpu.modes(),
                 launch: a.launch.launch()?,
                 trace_dir: a.trace_dir,
-                media: m3c_serve::MediaPolicy {
-                    allowed_local: a.allowed_local_media_path,
-                    max_bytes: a.max_image_mb as u64 * (1 << 20),
-                    timeout: std::time::Duration::from_secs_f64(a.media_timeout_s),
-                    max_images: a.max_images_per_request,
-                },
             })
         }
         Command::InitTiny {

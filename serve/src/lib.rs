@@ -31,18 +31,16 @@ pub struct Options {
     pub model: PathBuf,
     pub host: String,
     pub port: u16,
-    pub served_model_name: Option<String>,
-    pub api_key: Option<String>,
+    /// How the API names the model, whom it answers, and what it accepts.
+    pub api: ApiOptions,
     /// Sequences running at once.
     pub max_batch: usize,
-    /// Bytes per stage of the KV pool (whole blocks of it), unless `kv`
-    /// gives its blocks or its share of memory.
-    pub kv_budget_bytes: u64,
-    pub kv: KvPool,
+    /// How large each stage's KV pool is.
+    pub kv_size: KvSize,
+    /// Automatic prefix caching (on unless `--no-enable-prefix-caching`).
+    pub prefix_caching: bool,
     pub max_queue: usize,
     pub prefill_chunk: usize,
-    /// `max_tokens` of a chat request that gives none (capped by the context and the KV pool).
-    pub default_max_tokens: usize,
     pub timeout_s: f64,
     /// Seconds in-flight requests get to finish after SIGTERM.
     pub grace_s: f64,
@@ -51,9 +49,33 @@ pub struct Options {
     pub launch: m3c_front::launch::Launch,
     /// Where `POST /debug/trace` writes its timelines (`None`: no tracing).
     pub trace_dir: Option<PathBuf>,
+}
+
+/// What the OpenAI API itself is asked for, beside the pipeline behind it.
+pub struct ApiOptions {
+    /// The model's name in requests and answers (default: the checkpoint
+    /// folder's name).
+    pub served_model_name: Option<String>,
+    /// Requests must carry `Authorization: Bearer KEY` (`None`: open).
+    pub api_key: Option<String>,
+    /// `max_tokens` of a chat request that gives none (capped by the context and the KV pool).
+    pub default_max_tokens: usize,
     /// Where chat images may come from, and how much of them
     /// (`allowed_local` as given: checked and made canonical at start).
     pub media: MediaPolicy,
+}
+
+/// How `m3c serve` sizes each stage's KV pool: one of three ways.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum KvSize {
+    /// As many whole blocks as this many bytes hold on the stage with the
+    /// most cache per position (`--kv-budget`, the default).
+    Budget(u64),
+    /// This many blocks (`--kv-blocks`).
+    Blocks(usize),
+    /// This share of each stage's free memory at start-up, the least any
+    /// stage offers (`--kv-fraction`); the first stage reports the count.
+    Fraction(f64),
 }
 
 /// How long a server whose pipeline was lost still answers (with 503s).
@@ -96,7 +118,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
     // OpenAI's (temperature 1, everything kept).
     let sampling = gen.sampling.over(SamplingParams::OPENAI);
     sampling.check().map_err(|e| anyhow::anyhow!("{}/generation_config.json: {e}", o.model.display()))?;
-    let name = o.served_model_name.clone().unwrap_or_else(|| {
+    let name = o.api.served_model_name.clone().unwrap_or_else(|| {
         o.model.canonicalize().ok().and_then(|p| p.file_name().map(|f| f.to_string_lossy().into_owned())).unwrap_or_else(|| "model".into())
     });
     let per_position = compiled.cache_bytes_per_position().into_iter().max().unwrap_or(0).max(1);
@@ -111,23 +133,24 @@ fn prepare(o: &Options) -> Result<Prepared> {
     stage.timeout_s = o.timeout_s;
     stage.gpu = o.gpu;
     stage.eos_ids = gen.eos_ids.clone();
-    // The stages' KV pools: as many whole blocks as --kv-budget holds on
-    // the stage with the most cache per position; admission then counts
-    // against exactly what the pools hold.
+    // The stages' KV pools; admission then counts against exactly what the
+    // pools hold (0 blocks: the stages size them, by --kv-fraction).
     let kv_block = compiled.manifest.kv_block as u64;
     let block_bytes = per_position * kv_block;
-    let blocks = o.kv.blocks.map_or(o.kv_budget_bytes / block_bytes, |n| n as u64).min(m3c_contract::blocks::MAX_BLOCKS as u64);
-    if blocks == 0 && o.kv.fraction.is_none() {
-        anyhow::bail!(
-            "--kv-budget {:.3} GB holds no cache block: one block of {kv_block} positions takes {:.3} MB on the largest stage",
-            o.kv_budget_bytes as f64 / 1e9,
-            block_bytes as f64 / 1e6
-        );
-    }
-    // With --kv-fraction each stage sizes its pool from its free memory at
-    // start-up (the least any stage offers), and the first stage reports it.
-    let blocks = if o.kv.fraction.is_some() && o.kv.blocks.is_none() { 0 } else { blocks };
-    stage.kv = KvPool { blocks: (blocks > 0).then_some(blocks as usize), fraction: o.kv.fraction.filter(|_| blocks == 0), ..o.kv };
+    let max_blocks = m3c_contract::blocks::MAX_BLOCKS as u64;
+    let (blocks, fraction) = match o.kv_size {
+        KvSize::Budget(bytes) => match (bytes / block_bytes).min(max_blocks) {
+            0 => anyhow::bail!(
+                "--kv-budget {:.3} GB holds no cache block: one block of {kv_block} positions takes {:.3} MB on the largest stage",
+                bytes as f64 / 1e9,
+                block_bytes as f64 / 1e6
+            ),
+            n => (n, None),
+        },
+        KvSize::Blocks(n) => ((n as u64).min(max_blocks), None),
+        KvSize::Fraction(f) => (0, Some(f)),
+    };
+    stage.kv = KvPool { blocks: (blocks > 0).then_some(blocks as usize), fraction, prefix_caching: o.prefix_caching };
     if let Some(d) = &o.trace_dir {
         if !d.is_dir() {
             anyhow::bail!("--trace-dir {}: not a folder", d.display());
@@ -136,9 +159,9 @@ fn prepare(o: &Options) -> Result<Prepared> {
     }
     let trace_dir = o.trace_dir.clone();
     let cmd = compiled.mpirun(&stage, &o.launch)?;
-    let media = o.media.clone().checked()?;
+    let media = o.api.media.clone().checked()?;
     let limits = engine::Limits { per_position, kv_block, blocks, max_batch: o.max_batch.max(1), max_queue: o.max_queue };
-    let (api_key, default_max_tokens) = (o.api_key.clone(), o.default_max_tokens);
+    let (api_key, default_max_tokens) = (o.api.api_key.clone(), o.api.default_max_tokens);
     // The longest sequence: the model's context, or what the KV pool holds
     // (a sequence must fit it alone; its last row scores nothing).
     let pool_positions = if blocks == 0 { usize::MAX } else { (blocks as usize * kv_block as usize).saturating_sub(1) };
