@@ -343,7 +343,7 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
     if let Some((i, &need)) = per_prompt.iter().enumerate().max_by_key(|(_, &n)| n).filter(|(_, &n)| n > blocks) {
         bail!("--kv-blocks {blocks}: prompt {i} and --max-new-tokens {} need {need} blocks of {kv_block} positions", args.max_new_tokens);
     }
-    stage.kv.blocks = Some(blocks);
+    stage.kv.size = m3c_contract::stage_args::PoolSize::Blocks(blocks);
     let Inputs { prompts, images, text: text_in, .. } = inputs;
     let frames = stdin_frames(prompts, &images, args.max_new_tokens);
     let launch = args.launch.launch()?;

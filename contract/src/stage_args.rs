@@ -115,12 +115,7 @@ impl Prompts {
 /// what `m3c run` and `m3c serve` decide and every stage is told.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct KvPool {
-    /// Blocks in the pool (default: one sequence of the model's whole
-    /// context).
-    pub blocks: Option<usize>,
-    /// Or this share of each stage's free memory (a GPU's after its
-    /// weights; the least any stage offers), when `blocks` is not given.
-    pub fraction: Option<f64>,
+    pub size: PoolSize,
     /// Automatic prefix caching: full cache blocks are kept after their
     /// sequence ends and reused by later sequences with the same prefix.
     pub prefix_caching: bool,
@@ -128,8 +123,21 @@ pub struct KvPool {
 
 impl Default for KvPool {
     fn default() -> KvPool {
-        KvPool { blocks: None, fraction: None, prefix_caching: true }
+        KvPool { size: PoolSize::WholeContext, prefix_caching: true }
     }
+}
+
+/// How many blocks a stage's KV pool has: one way of three.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum PoolSize {
+    /// One sequence of the model's whole context.
+    #[default]
+    WholeContext,
+    /// This many blocks (`--kv-blocks`).
+    Blocks(usize),
+    /// This share of each stage's free memory (a GPU's after its weights;
+    /// the least any stage offers: `--kv-fraction`).
+    Fraction(f64),
 }
 
 /// How GPU stages run their steps (host stages ignore both).
@@ -199,8 +207,8 @@ impl StageArgs {
             ("--images", self.images.as_ref().map(path)),
             ("--prefill-chunk", self.prefill_chunk.map(|n| n.to_string())),
             ("--micro-batch", self.micro_batch.map(|n| n.to_string())),
-            ("--kv-blocks", self.kv.blocks.map(|n| n.to_string())),
-            ("--kv-fraction", self.kv.fraction.map(|f| f.to_string())),
+            ("--kv-blocks", if let PoolSize::Blocks(n) = self.kv.size { Some(n.to_string()) } else { None }),
+            ("--kv-fraction", if let PoolSize::Fraction(f) = self.kv.size { Some(f.to_string()) } else { None }),
             ("--timeout-s", Some(self.timeout_s.to_string())),
             ("--cuda-graphs", Some(if self.gpu.graphs { "on" } else { "off" }.to_string())),
             ("--prefix-caching", Some(if self.kv.prefix_caching { "on" } else { "off" }.to_string())),
@@ -309,6 +317,7 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
     // prompts file, per-sequence sampling, the grammar) is settled after.
     let mut a = StageArgs::new(PathBuf::new());
     let (mut model, mut synthetic) = (None, None);
+    let (mut kv_blocks, mut kv_fraction) = (None, None);
     let mut max_new = None;
     // The ways of giving prompts, settled into one `Prompts` at the end.
     let (mut ids, mut file, mut stdin, mut serve) = (Vec::new(), None, None, false);
@@ -332,9 +341,9 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
                 if n > crate::blocks::MAX_BLOCKS {
                     return Err(format!("--kv-blocks {n}: at most {} blocks", crate::blocks::MAX_BLOCKS));
                 }
-                a.kv.blocks = Some(n);
+                kv_blocks = Some(n);
             }
-            "--kv-fraction" => a.kv.fraction = Some(parse_fraction(&value("--kv-fraction")?)?),
+            "--kv-fraction" => kv_fraction = Some(parse_fraction(&value("--kv-fraction")?)?),
             "--synthetic-weights" => {
                 let v = value("--synthetic-weights")?;
                 synthetic = Some(v.parse::<u64>().map_err(|_| format!("--synthetic-weights: `{v}` is not a seed (an integer)"))?);
@@ -397,6 +406,12 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
     if ids.is_empty() && !serve && stdin.is_none() {
         return Err(format!("no prompt: give --prompt-ids or --prompts; {USAGE}"));
     }
+    a.kv.size = match (kv_blocks, kv_fraction) {
+        (None, None) => PoolSize::WholeContext,
+        (Some(n), None) => PoolSize::Blocks(n),
+        (None, Some(f)) => PoolSize::Fraction(f),
+        (Some(_), Some(_)) => return Err("give --kv-blocks or --kv-fraction, not both".into()),
+    };
     a.weights = match (model, synthetic) {
         (Some(dir), None) => Weights::Checkpoint(dir),
         (None, Some(seed)) => Weights::Synthetic(seed),
@@ -425,7 +440,7 @@ mod tests {
         a.prompts = Prompts::Ids(vec![vec![1, 2, 3], vec![4]]);
         a.max_new_tokens = 16;
         a.micro_batch = Some(2);
-        a.kv = KvPool { blocks: Some(40), fraction: Some(0.25), prefix_caching: false };
+        a.kv = KvPool { size: PoolSize::Blocks(40), prefix_caching: false };
         a.prefill_chunk = Some(7);
         a.timeout_s = 2.5;
         a.gpu = GpuModes { graphs: false, prefill_gemm_cublas: true };
@@ -459,6 +474,7 @@ mod tests {
         assert_eq!(r.prompt_count(), 3);
         let mut w = r.clone();
         w.weights = Weights::Synthetic(7);
+        w.kv.size = PoolSize::Fraction(0.25);
         assert_eq!(StageArgs::parse(&w.to_args()), Ok(w));
     }
 
@@ -473,6 +489,9 @@ mod tests {
             (&["--model", "m", "--serve", "--max-new-tokens", "2"], "--serve"),
             (&["--model", "m", "--stdin-prompts", "2", "--prompt-ids", "1", "--max-new-tokens", "2"], "--stdin-prompts"),
             (&["--model", "m", "--stdin-prompts", "0", "--max-new-tokens", "2"], "--stdin-prompts"),
+            (&["--model", "m", "--serve", "--kv-blocks", "4", "--kv-fraction", "0.5"], "give --kv-blocks or --kv-fraction, not both"),
+            (&["--synthetic-weights", "1", "--model", "m", "--serve"], "give --model or --synthetic-weights, not both"),
+            (&["--prompts", "p.txt", "--prompt-ids", "1", "--model", "m", "--max-new-tokens", "2"], "--prompt-ids or --prompts"),
         ] {
             let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
             let e = StageArgs::parse(&args).unwrap_err();

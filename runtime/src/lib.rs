@@ -112,10 +112,11 @@ pub extern "C" fn main(_argc: c_int, _argv: *const *const c_char) -> c_int {
 /// model's whole context.
 fn pool_blocks(st: &stage::Stage, args: &m3c_contract::stage_args::StageArgs) -> Result<usize, StageError> {
     use m3c_contract::blocks::{blocks_for, MAX_BLOCKS};
-    Ok(match (args.kv.blocks, args.kv.fraction) {
-        (Some(n), _) => n,
-        (None, Some(f)) => ((f * st.free_memory()? as f64) as usize / st.block_bytes().max(1)).min(MAX_BLOCKS),
-        (None, None) => blocks_for(st.meta.max_positions, st.meta.kv_block),
+    use m3c_contract::stage_args::PoolSize;
+    Ok(match args.kv.size {
+        PoolSize::Blocks(n) => n,
+        PoolSize::Fraction(f) => ((f * st.free_memory()? as f64) as usize / st.block_bytes().max(1)).min(MAX_BLOCKS),
+        PoolSize::WholeContext => blocks_for(st.meta.max_positions, st.meta.kv_block),
     })
 }
 

@@ -18,7 +18,7 @@ pub mod tool_grammar;
 
 use anyhow::{Context, Result};
 use m3c_contract::sampling::SamplingParams;
-use m3c_contract::stage_args::{GpuModes, KvPool};
+use m3c_contract::stage_args::{GpuModes, KvPool, PoolSize};
 pub use media::MediaPolicy;
 use std::future::IntoFuture;
 use std::path::PathBuf;
@@ -138,19 +138,20 @@ fn prepare(o: &Options) -> Result<Prepared> {
     let kv_block = compiled.manifest.kv_block as u64;
     let block_bytes = per_position * kv_block;
     let max_blocks = m3c_contract::blocks::MAX_BLOCKS as u64;
-    let (blocks, fraction) = match o.kv_size {
+    let size = match o.kv_size {
         KvSize::Budget(bytes) => match (bytes / block_bytes).min(max_blocks) {
             0 => anyhow::bail!(
                 "--kv-budget {:.3} GB holds no cache block: one block of {kv_block} positions takes {:.3} MB on the largest stage",
                 bytes as f64 / 1e9,
                 block_bytes as f64 / 1e6
             ),
-            n => (n, None),
+            n => PoolSize::Blocks(n as usize),
         },
-        KvSize::Blocks(n) => ((n as u64).min(max_blocks), None),
-        KvSize::Fraction(f) => (0, Some(f)),
+        KvSize::Blocks(n) => PoolSize::Blocks(n.min(max_blocks as usize)),
+        KvSize::Fraction(f) => PoolSize::Fraction(f),
     };
-    stage.kv = KvPool { blocks: (blocks > 0).then_some(blocks as usize), fraction, prefix_caching: o.prefix_caching };
+    let blocks = if let PoolSize::Blocks(n) = size { n as u64 } else { 0 };
+    stage.kv = KvPool { size, prefix_caching: o.prefix_caching };
     if let Some(d) = &o.trace_dir {
         if !d.is_dir() {
             anyhow::bail!("--trace-dir {}: not a folder", d.display());
@@ -189,9 +190,9 @@ fn prepare(o: &Options) -> Result<Prepared> {
         eos_ids,
         trace_dir,
     };
-    let pool = match stage.kv.fraction {
-        Some(f) => format!("KV pool: {f} of each stage's free memory"),
-        None => format!("KV pool: {blocks} blocks of {kv_block} positions, {:.2} GB per stage", (blocks * block_bytes) as f64 / 1e9),
+    let pool = match size {
+        PoolSize::Fraction(f) => format!("KV pool: {f} of each stage's free memory"),
+        _ => format!("KV pool: {blocks} blocks of {kv_block} positions, {:.2} GB per stage", (blocks * block_bytes) as f64 / 1e9),
     };
     Ok(Prepared { cmd, stages, limits, pool, shared: Box::new(shared) })
 }
