@@ -392,11 +392,6 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
     a.sampling.check()?;
     // Per-sequence sampling is over the run's, wherever the flags stood.
     a.seq_sampling = seq_sampling_text.iter().map(|v| parse_seq_sampling(v, a.sampling)).collect::<Result<Vec<_>, _>>()?;
-    a.grammar = match (grammar, grammar_after) {
-        (Some(g), after) => Some((g, after)),
-        (None, Some(_)) => return Err("--grammar-after needs --grammar".into()),
-        (None, None) => None,
-    };
     if serve && (!ids.is_empty() || max_new.is_some() || a.dump.is_some() || a.expect.is_some()) {
         return Err("--serve takes its prompts from the first stage's standard input: no --prompt-ids, --prompts, --max-new-tokens, --dump or --expect".into());
     }
@@ -421,6 +416,11 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
     if !serve {
         a.max_new_tokens = max_new.ok_or_else(|| format!("--max-new-tokens is required; {USAGE}"))?;
     }
+    a.grammar = match (grammar, grammar_after) {
+        (Some(g), after) => Some((g, after)),
+        (None, Some(_)) => return Err("--grammar-after needs --grammar".into()),
+        (None, None) => None,
+    };
     a.prompts = match (serve, stdin, file) {
         (true, ..) => Prompts::Served,
         (_, Some(n), _) => Prompts::Stdin(n),
@@ -492,6 +492,8 @@ mod tests {
             (&["--model", "m", "--serve", "--kv-blocks", "4", "--kv-fraction", "0.5"], "give --kv-blocks or --kv-fraction, not both"),
             (&["--synthetic-weights", "1", "--model", "m", "--serve"], "give --model or --synthetic-weights, not both"),
             (&["--prompts", "p.txt", "--prompt-ids", "1", "--model", "m", "--max-new-tokens", "2"], "--prompt-ids or --prompts"),
+            (&["--model", "m", "--prompt-ids", "1", "--grammar-after", "3"], "--max-new-tokens is required"),
+            (&["--model", "m", "--prompt-ids", "1", "--max-new-tokens", "2", "--grammar-after", "3"], "--grammar-after needs --grammar"),
         ] {
             let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
             let e = StageArgs::parse(&args).unwrap_err();
