@@ -121,6 +121,11 @@ pub(crate) struct RunArgs {
     /// The template's thinking mode for --chat (default: the template's own, adaptive for MiniMax-M3).
     #[arg(long, value_parser = ["enabled", "disabled", "adaptive"], requires = "chat")]
     pub(crate) thinking: Option<String>,
+    /// Close the model's reasoning after this many tokens of it (vLLM's
+    /// `thinking_token_budget`; under --json-schema, --regex, --choice or
+    /// --grammar the default is half of --max-new-tokens).
+    #[arg(long, value_name = "TOKENS")]
+    pub(crate) thinking_token_budget: Option<u32>,
     /// Tokens to generate per prompt, at most (a sequence also ends on an EOS id).
     #[arg(long, value_parser = count)]
     pub(crate) max_new_tokens: usize,
@@ -299,6 +304,13 @@ pub(crate) struct ServeArgs {
     /// Chat images given as file:// URLs are read only from inside this folder (without it, file:// URLs are refused).
     #[arg(long, value_name = "DIR")]
     pub(crate) allowed_local_media_path: Option<PathBuf>,
+    /// Fetch http(s) media only from these hosts (vLLM's flag; every hop of a redirect too).
+    #[arg(long, value_name = "HOST", num_args = 1..)]
+    pub(crate) allowed_media_domains: Option<Vec<String>>,
+    /// Let http(s) media come from loopback, private and link-local addresses (refused by default: a client could
+    /// otherwise make the server fetch from this machine's or its network's own services).
+    #[arg(long)]
+    pub(crate) allow_private_media_urls: bool,
     /// Seconds an http(s) image fetch may take in all.
     #[arg(long, default_value_t = 10.0, value_parser = timeout_s)]
     pub(crate) media_timeout_s: f64,

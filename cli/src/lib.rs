@@ -178,6 +178,8 @@ fn run(cli: Cli) -> Result<()> {
                         max_bytes: a.max_image_mb as u64 * (1 << 20),
                         timeout: std::time::Duration::from_secs_f64(a.media_timeout_s),
                         max_images: a.max_images_per_request,
+                        allowed_domains: a.allowed_media_domains,
+                        allow_private: a.allow_private_media_urls,
                     },
                 },
                 max_batch: a.max_batch,

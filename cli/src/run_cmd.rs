@@ -5,6 +5,7 @@ use crate::flags::RunArgs;
 use anyhow::{bail, Context, Result};
 use m3c_contract::images::SeqImages;
 use m3c_contract::stage_args::StageArgs;
+use m3c_contract::thinking::{ThinkBudget, ThinkStart};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -79,14 +80,16 @@ fn image_prompt(
 
 /// The run's prompts as the first stage reads them on its standard input
 /// (`--stdin-prompts`): one framed `add` per prompt, with its images (an
-/// images file of its own, as sequence 0). The rest of each request comes
-/// from the stage arguments.
-fn stdin_frames(prompts: Vec<Vec<i64>>, images: &BTreeMap<usize, SeqImages>, max_new: usize) -> Vec<Vec<u8>> {
+/// images file of its own, as sequence 0) and what its output is held to
+/// (its grammar and reasoning budget). The rest of each request comes from
+/// the stage arguments.
+fn stdin_frames(prompts: Vec<Vec<i64>>, images: &BTreeMap<usize, SeqImages>, max_new: usize, outputs: &[OutputRules]) -> Vec<Vec<u8>> {
     use m3c_contract::protocol::{Command, SeqRequest};
     prompts
         .into_iter()
         .enumerate()
         .map(|(seq, prompt)| {
+            let (grammar, think) = outputs.get(seq).cloned().unwrap_or_default();
             let images = images.get(&seq).map(|im| m3c_contract::images::encode(&BTreeMap::from([(0usize, im.clone())])).into());
             Command::Add(SeqRequest {
                 seq,
@@ -98,7 +101,8 @@ fn stdin_frames(prompts: Vec<Vec<i64>>, images: &BTreeMap<usize, SeqImages>, max
                 stops: Vec::new(),
                 stop_ids: Vec::new(),
                 logprobs: None,
-                grammar: None,
+                grammar,
+                think,
                 min_tokens: 0,
                 logit_bias: Vec::new(),
                 prompt_logprobs: None,
@@ -108,11 +112,46 @@ fn stdin_frames(prompts: Vec<Vec<i64>>, images: &BTreeMap<usize, SeqImages>, max
         .collect()
 }
 
-/// The run's grammar (`--json-schema`, `--regex`, `--choice`, `--grammar`),
-/// checked against the model's tokens, as the stages take it: its text and
-/// the token after which it starts (the end of the thinking of a `--chat`
-/// left to think).
-fn run_grammar(args: &RunArgs, eos: &[i64], think_end: Option<u32>) -> Result<Option<(String, Option<i64>)>> {
+/// A prompt's grammar (its text) and reasoning budget.
+type OutputRules = (Option<String>, Option<ThinkBudget>);
+
+/// What each prompt's output is held to: the run's grammar
+/// (`--json-schema`, `--regex`, `--choice`, `--grammar`) behind the
+/// reasoning the prompt leaves room for (`m3c_constrain::thinking::wrap`),
+/// checked against the model's tokens; and the reasoning budget
+/// (`--thinking-token-budget`, else half of `--max-new-tokens` under a
+/// constraint, as `m3c serve` does).
+fn run_outputs(args: &RunArgs, eos: &[i64], think: &[ThinkStart]) -> Result<Vec<OutputRules>> {
+    let grammar = run_grammar(args, eos)?;
+    let vocabulary = match &grammar {
+        Some(_) => Some(m3c_constrain::Vocabulary::load(&args.model, None, eos.first().map_or(0, |&e| u32::try_from(e).unwrap_or(0)))?),
+        None => None,
+    };
+    let mut wrapped: BTreeMap<&'static str, String> = BTreeMap::new();
+    think
+        .iter()
+        .map(|&start| {
+            let g = match (&grammar, &vocabulary) {
+                (Some((text, flag)), Some(v)) => {
+                    if !wrapped.contains_key(start.name()) {
+                        let w = m3c_constrain::thinking::wrap(text, start).map_err(|e| anyhow::anyhow!("{flag}: {e}"))?;
+                        v.compile(&w).map_err(|e| anyhow::anyhow!("{flag}: {e}"))?;
+                        wrapped.insert(start.name(), w);
+                    }
+                    wrapped.get(start.name()).cloned()
+                }
+                _ => None,
+            };
+            let default = g.is_some().then(|| u32::try_from(args.max_new_tokens / 2).unwrap_or(u32::MAX));
+            let budget = args.thinking_token_budget.or(default).filter(|_| start != ThinkStart::Closed);
+            Ok((g, budget.map(|budget| ThinkBudget { start, budget })))
+        })
+        .collect()
+}
+
+/// The run's grammar as llguidance's text, checked against the model's
+/// tokens, and the flag that gave it.
+fn run_grammar(args: &RunArgs, eos: &[i64]) -> Result<Option<(String, &'static str)>> {
     use m3c_constrain::Grammar;
     let read = |f: &std::path::Path, what: &str| {
         m3c_contract::read_user_file(f, what, m3c_contract::input::limits::TOKENIZER).map_err(|e| anyhow::anyhow!("{e}"))
@@ -136,8 +175,7 @@ fn run_grammar(args: &RunArgs, eos: &[i64], think_end: Option<u32>) -> Result<Op
     let text = grammar.to_text();
     let vocabulary = m3c_constrain::Vocabulary::load(&args.model, None, u32::try_from(first_eos).unwrap_or(0))?;
     vocabulary.compile(&text).map_err(|e| anyhow::anyhow!("{flag}: {e}"))?;
-    let thinks = !args.chat.is_empty() && args.thinking.as_deref() != Some("disabled");
-    Ok(Some((text, think_end.filter(|_| thinks).map(i64::from))))
+    Ok(Some((text, flag)))
 }
 
 /// The run's prompts as the stages take them: ids (the flags', then a
@@ -145,6 +183,8 @@ fn run_grammar(args: &RunArgs, eos: &[i64], think_end: Option<u32>) -> Result<Op
 /// choices, with its images.
 struct Inputs {
     prompts: Vec<Vec<i64>>,
+    /// Where each prompt leaves the model's reasoning (ids: all content).
+    think: Vec<ThinkStart>,
     images: BTreeMap<usize, SeqImages>,
     /// The text front, when any prompt is text (its output is streamed as text).
     text: Option<m3c_front::text::front::Encoded>,
@@ -190,6 +230,8 @@ fn inputs(args: &RunArgs, compiled: &m3c_front::launch::Compiled) -> Result<Inpu
         .chain(ids_file)
         .flat_map(|p| std::iter::repeat_n(p, choices))
         .collect();
+    let mut think = vec![ThinkStart::Closed; prompts.len()];
+    think.extend(text.iter().flat_map(|t| t.think.iter().copied()));
     prompts.extend(text.iter().flat_map(|t| &t.ids).map(|p| p.iter().map(|&i| i64::from(i)).collect::<Vec<_>>()));
     if prompts.is_empty() {
         bail!("no prompt: give --prompt-ids, --prompt, --chat or --prompts");
@@ -203,7 +245,7 @@ fn inputs(args: &RunArgs, compiled: &m3c_front::launch::Compiled) -> Result<Inpu
             args.max_new_tokens
         );
     }
-    Ok(Inputs { prompts, images, text, choices })
+    Ok(Inputs { prompts, think, images, text, choices })
 }
 
 /// `--prompt`, `--chat` and a JSONL `--prompts` file through the tokenizer
@@ -279,7 +321,7 @@ fn sampling(args: &RunArgs) -> Result<(m3c_contract::sampling::SamplingParams, V
 /// The stage command line: every stage gets the same arguments. The
 /// prompts and images go to the first stage on its standard input
 /// (`--stdin-prompts`), so that no stage reads a file of this machine's.
-fn stage_args(args: &RunArgs, inputs: &Inputs) -> Result<StageArgs> {
+fn stage_args(args: &RunArgs, inputs: &Inputs) -> Result<(StageArgs, Vec<OutputRules>)> {
     let (sampling, eos) = sampling(args)?;
     let mut stage = StageArgs::new(args.model.clone());
     stage.prompts = m3c_contract::stage_args::Prompts::Stdin(inputs.prompts.len());
@@ -296,8 +338,7 @@ fn stage_args(args: &RunArgs, inputs: &Inputs) -> Result<StageArgs> {
     stage.stream_ids = inputs.text.is_some();
     stage.logprobs = args.logprobs;
     stage.trace = args.trace.is_some();
-    let think_end = inputs.text.as_ref().and_then(|t| t.tokenizer.token_id("</mm:think>"));
-    stage.grammar = run_grammar(args, &eos, think_end)?;
+    let outputs = run_outputs(args, &eos, &inputs.think)?;
     stage.eos_ids = eos;
     // A JSONL line's own sampling fields, over the run's; choice C of a
     // prompt draws from its seed + C (OpenAI's `n`, as `m3c serve` does).
@@ -312,7 +353,7 @@ fn stage_args(args: &RunArgs, inputs: &Inputs) -> Result<StageArgs> {
         p.seed = p.seed.wrapping_add((seq % inputs.choices) as u64);
         stage.seq_sampling.push((seq, p));
     }
-    Ok(stage)
+    Ok((stage, outputs))
 }
 
 pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
@@ -328,7 +369,7 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
         m3c_compiler::fsutil::check_replaceable_file(t).context("--trace")?;
     }
     let inputs = inputs(&args, &compiled)?;
-    let mut stage = stage_args(&args, &inputs)?;
+    let (mut stage, outputs) = stage_args(&args, &inputs)?;
     // Each stage's KV pool: by default exactly the blocks every prompt can
     // reach (prompt, new tokens and the row that scores the last), so a
     // run never waits for blocks; `--kv-blocks` may give fewer (prompts
@@ -345,7 +386,7 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
     }
     stage.kv.size = m3c_contract::stage_args::PoolSize::Blocks(blocks);
     let Inputs { prompts, images, text: text_in, .. } = inputs;
-    let frames = stdin_frames(prompts, &images, args.max_new_tokens);
+    let frames = stdin_frames(prompts, &images, args.max_new_tokens, &outputs);
     let launch = args.launch.launch()?;
     let mut cmd = compiled.mpirun(&stage, &launch)?;
     cmd.stdin(std::process::Stdio::piped());
@@ -385,8 +426,11 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
     let streamed = match (&text_in, output) {
         (Some(enc), Some(pipe)) => {
             // A grammar's output ends on an EOS whose text is not the answer's.
-            let silent: Vec<u32> =
-                if stage.grammar.is_some() { stage.eos_ids.iter().filter_map(|&e| u32::try_from(e).ok()).collect() } else { Vec::new() };
+            let silent: Vec<u32> = if outputs.iter().any(|o| o.0.is_some()) {
+                stage.eos_ids.iter().filter_map(|&e| u32::try_from(e).ok()).collect()
+            } else {
+                Vec::new()
+            };
             let done = m3c_front::text::front::stream(pipe, enc, &args.stop, &silent, std::io::stdout().lock());
             if done.is_err() {
                 // Nobody reads the pipe any more: end the job rather than

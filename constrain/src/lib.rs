@@ -18,6 +18,8 @@ use serde_json::Value;
 use std::path::Path;
 use std::sync::Arc;
 
+pub mod thinking;
+
 /// Why a grammar or a vocabulary could not be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ConstrainError {
@@ -92,6 +94,7 @@ fn regex_literal(s: &str) -> String {
 /// built once per process.
 pub struct Vocabulary {
     factory: ParserFactory,
+    env: TokEnv,
     /// The sampler's vocabulary (the logits' width; may exceed the tokenizer's).
     vocab: usize,
 }
@@ -141,7 +144,23 @@ impl Vocabulary {
         let env: TokEnv = Arc::new(ApproximateTokEnv::new(TokTrie::from(&info, &words)));
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| ConstrainError::Tokenizer(e.to_string()))?;
         factory.quiet();
-        Ok(Vocabulary { factory, vocab })
+        Ok(Vocabulary { factory, env, vocab })
+    }
+
+    /// The token whose text is exactly `bytes`, if one is.
+    pub fn token_of(&self, bytes: &[u8]) -> Option<u32> {
+        let trie = self.env.tok_trie();
+        trie.token_id(bytes).filter(|&id| trie.token(id) == bytes)
+    }
+
+    /// A token's text as decoding without special tokens gives it (a
+    /// special token's is empty).
+    pub fn text_of(&self, id: u32) -> &[u8] {
+        let trie = self.env.tok_trie();
+        if (id as usize) >= self.vocab || trie.is_special_token(id) {
+            return &[];
+        }
+        trie.token(id)
     }
 
     /// The matcher of a grammar given as [`Grammar::to_text`] (or any of
@@ -190,7 +209,7 @@ mod tests {
 
     /// A byte-level tokenizer.json of single printable bytes and a few
     /// merges' worth of longer tokens, with one special EOS.
-    fn tokenizer() -> String {
+    pub(crate) fn tokenizer() -> String {
         let mut vocab = serde_json::Map::new();
         // GPT-2's byte alphabet maps printable ASCII to itself.
         for (i, b) in (b'!'..=b'~').enumerate() {

@@ -23,6 +23,8 @@
 //!   encoder (the front's) and one parser (the stage's).
 //! - [`protocol`]: the commands and events between the front and the first
 //!   stage (`add`, `cancel`; `m3c-ready`, `m3c-id`, `m3c-end`, ...).
+//! - [`thinking`]: where a chat's output starts relative to the model's
+//!   reasoning (`<mm:think>`), and the reasoning budget.
 //! - [`sampling`]: sampling parameters (with their one text form) and the
 //!   host sampler every target's sampler must agree with.
 //!
@@ -42,6 +44,7 @@ pub mod sampling;
 pub mod stage;
 pub mod stage_args;
 pub mod target;
+pub mod thinking;
 pub mod token_bytes;
 mod unique_map;
 

@@ -9,7 +9,7 @@
 //!
 //! ```text
 //! add seq=SEQ max_new=N ignore_eos=0|1 prompt=ID,ID,... [images=BYTES] [stop=HEX ...] [stop_ids=ID,ID,...] [logprobs=K]
-//!     [grammar=HEX [grammar_after=ID]] [min_tokens=N] [logit_bias=ID:BIAS,...] [prompt_logprobs=K]
+//!     [grammar=HEX] [think=open|adaptive think_budget=N] [min_tokens=N] [logit_bias=ID:BIAS,...] [prompt_logprobs=K]
 //!     [temperature=T top_k=K ...]
 //! cancel SEQ
 //! trace on|off
@@ -25,8 +25,10 @@
 //! and whatever `ignore_eos` says); `logprobs=K` asks for each generated
 //! token's log-probability and its `K` most likely alternatives;
 //! `grammar=HEX` is the hex of a grammar's text (`m3c_constrain::Grammar`)
-//! the output must match, from the token after `grammar_after` when given
-//! (the end of the model's thinking) or from the first. `trace on` starts
+//! the output must match from its first token (a chat's grammar already
+//! allows the reasoning its prompt leaves room for); `think=` and
+//! `think_budget=N` cap the reasoning (`crate::thinking`): once N tokens
+//! were drawn inside it, the next draw closes it. `trace on` starts
 //! recording every stage's timeline (a pipeline started with `--trace`);
 //! `trace off` stops it and has the first stage print what was recorded
 //! (`m3c-trace` lines, then one `m3c-trace-meta`).
@@ -65,9 +67,11 @@ pub struct SeqRequest {
     /// Report each generated token's log-probability and this many most
     /// likely alternatives (`None`: no logprobs).
     pub logprobs: Option<u8>,
-    /// The grammar the output must match (its text form), and the token
-    /// after which it starts (`None`: from the first token).
-    pub grammar: Option<(String, Option<i64>)>,
+    /// The grammar the output must match from its first token (its text
+    /// form).
+    pub grammar: Option<String>,
+    /// The cap on the output's reasoning (vLLM's `thinking_token_budget`).
+    pub think: Option<crate::thinking::ThinkBudget>,
     /// Tokens generated before an EOS or a stop id may be drawn (vLLM's
     /// `min_tokens`; 0: none).
     pub min_tokens: usize,
@@ -284,11 +288,11 @@ impl Command {
                     let pairs: Vec<String> = r.logit_bias.iter().map(|(i, b)| format!("{i}:{b}")).collect();
                     line.push_str(&format!(" logit_bias={}", pairs.join(",")));
                 }
-                if let Some((g, after)) = &r.grammar {
+                if let Some(g) = &r.grammar {
                     line.push_str(&format!(" grammar={}", hex(g.as_bytes())));
-                    if let Some(a) = after {
-                        line.push_str(&format!(" grammar_after={a}"));
-                    }
+                }
+                if let Some(t) = &r.think {
+                    line.push_str(&format!(" think={} think_budget={}", t.start.name(), t.budget));
                 }
                 for (k, v) in r.sampling.fields() {
                     line.push_str(&format!(" {k}={v}"));
@@ -335,7 +339,7 @@ fn parse_line(line: &str) -> Result<(Command, usize), String> {
         Some("add") => {
             let (mut seq, mut max_new, mut prompt) = (None, None, None);
             let (mut ignore_eos, mut images, mut stops, mut stop_ids) = (false, 0usize, Vec::new(), Vec::new());
-            let (mut logprobs, mut grammar, mut grammar_after, mut min_tokens) = (None, None, None, 0);
+            let (mut logprobs, mut grammar, mut think, mut think_budget, mut min_tokens) = (None, None, None, None, 0);
             let (mut logit_bias, mut prompt_logprobs) = (Vec::new(), None);
             let mut sampling = SamplingParams::GREEDY;
             for w in words {
@@ -352,7 +356,8 @@ fn parse_line(line: &str) -> Result<(Command, usize), String> {
                         let bytes = unhex(v).ok_or("grammar: not hex bytes")?;
                         grammar = Some(String::from_utf8(bytes).map_err(|_| "grammar: not UTF-8")?);
                     }
-                    "grammar_after" => grammar_after = Some(int::<i64>("grammar_after", v)?),
+                    "think" => think = Some(crate::thinking::ThinkStart::parse(v)?),
+                    "think_budget" => think_budget = Some(int::<u32>("think_budget", v)?),
                     "min_tokens" => min_tokens = int("min_tokens", v)?,
                     "logit_bias" => logit_bias = parse_logit_bias(v)?,
                     "logprobs" | "prompt_logprobs" => {
@@ -381,10 +386,11 @@ fn parse_line(line: &str) -> Result<(Command, usize), String> {
                 stops,
                 stop_ids,
                 logprobs,
-                grammar: match (grammar, grammar_after) {
-                    (Some(g), after) => Some((g, after)),
-                    (None, Some(_)) => return Err("grammar_after= without grammar=".into()),
+                grammar,
+                think: match (think, think_budget) {
+                    (Some(start), Some(budget)) => Some(crate::thinking::ThinkBudget { start, budget }),
                     (None, None) => None,
+                    _ => return Err("think= and think_budget= go together".into()),
                 },
                 min_tokens,
                 logit_bias,
@@ -594,7 +600,8 @@ mod tests {
             stops: vec![b"\n\nUser:".to_vec(), "\u{e9}nd".as_bytes().to_vec()],
             stop_ids: vec![200_020, 3],
             logprobs: Some(5),
-            grammar: Some(("{\"grammars\": [{\"lark_grammar\": \"start: /a b/\"}]}".into(), Some(200_060))),
+            grammar: Some("{\"grammars\": [{\"lark_grammar\": \"start: /a b/\"}]}".into()),
+            think: Some(crate::thinking::ThinkBudget { start: crate::thinking::ThinkStart::Adaptive, budget: 512 }),
             min_tokens: 4,
             logit_bias: vec![(3, -100.0), (17, 0.125), (200_000, 100.0)],
             prompt_logprobs: Some(2),
@@ -610,7 +617,8 @@ mod tests {
                 stops: vec![],
                 stop_ids: vec![],
                 logprobs: None,
-                grammar: Some(("{}".into(), None)),
+                grammar: Some("{}".into()),
+                think: None,
                 min_tokens: 0,
                 logit_bias: vec![],
                 prompt_logprobs: None,
@@ -687,6 +695,9 @@ mod tests {
             "add seq=-1 max_new=2 prompt=1",
             "add seq=1 max_new=2 prompt=1 images=abc",
             "add seq=1 max_new=2 prompt=1 stop=zz",
+            "add seq=1 max_new=2 prompt=1 think=open",
+            "add seq=1 max_new=2 prompt=1 think=sometimes think_budget=3",
+            "add seq=1 max_new=2 prompt=1 think_budget=3",
             "add 1 2 0 1 0 1 0 1 0 1,2",
             "cancel",
             "cancel x",

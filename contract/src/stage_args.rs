@@ -43,9 +43,10 @@ pub struct StageArgs {
     pub images: Option<PathBuf>,
     /// Report each generated token's logprob and this many alternatives.
     pub logprobs: Option<u8>,
-    /// The grammar every prompt's output must match (`m3c_constrain`'s
-    /// text form), and the token after which it starts.
-    pub grammar: Option<(String, Option<i64>)>,
+    /// The grammar every prompt's output must match from its first token
+    /// (`m3c_constrain`'s text form), unless a prompt that arrives on
+    /// standard input brings its own.
+    pub grammar: Option<String>,
     /// Record every stage's timeline; the first stage prints it at the end
     /// (`m3c-trace` lines).
     pub trace: bool,
@@ -232,11 +233,8 @@ impl StageArgs {
         if let Some(k) = self.logprobs {
             flag("--logprobs", k.to_string());
         }
-        if let Some((g, after)) = &self.grammar {
+        if let Some(g) = &self.grammar {
             flag("--grammar", crate::protocol::hex(g.as_bytes()));
-            if let Some(a) = after {
-                flag("--grammar-after", a.to_string());
-            }
         }
         for (switch, on) in [("--trace", self.trace), ("--stream-ids", self.stream_ids), ("--serve", self.serving())] {
             if on {
@@ -322,7 +320,6 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
     // The ways of giving prompts, settled into one `Prompts` at the end.
     let (mut ids, mut file, mut stdin, mut serve) = (Vec::new(), None, None, false);
     let mut seq_sampling_text = Vec::new();
-    let (mut grammar, mut grammar_after) = (None, None);
     let mut it = args.iter();
     while let Some(arg) = it.next() {
         let mut value = |name: &str| it.next().cloned().ok_or_else(|| format!("{name} needs a value; {USAGE}"));
@@ -365,11 +362,7 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
             }
             "--grammar" => {
                 let bytes = parse_hex(&value("--grammar")?)?;
-                grammar = Some(String::from_utf8(bytes).map_err(|_| "--grammar: not UTF-8 text".to_string())?);
-            }
-            "--grammar-after" => {
-                let v = value("--grammar-after")?;
-                grammar_after = Some(v.parse::<i64>().map_err(|_| format!("--grammar-after `{v}`: expected a token id"))?);
+                a.grammar = Some(String::from_utf8(bytes).map_err(|_| "--grammar: not UTF-8 text".to_string())?);
             }
             "--seq-sampling" => seq_sampling_text.push(value("--seq-sampling")?),
             other => {
@@ -416,11 +409,6 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
     if !serve {
         a.max_new_tokens = max_new.ok_or_else(|| format!("--max-new-tokens is required; {USAGE}"))?;
     }
-    a.grammar = match (grammar, grammar_after) {
-        (Some(g), after) => Some((g, after)),
-        (None, Some(_)) => return Err("--grammar-after needs --grammar".into()),
-        (None, None) => None,
-    };
     a.prompts = match (serve, stdin, file) {
         (true, ..) => Prompts::Served,
         (_, Some(n), _) => Prompts::Stdin(n),
@@ -457,7 +445,7 @@ mod tests {
         a.seq_sampling = vec![(1, SamplingParams { seed: 9, top_k: 3, ..a.sampling })];
         a.eos_ids = vec![200_020];
         a.logprobs = Some(3);
-        a.grammar = Some(("{\"grammars\": []}".into(), Some(200_060)));
+        a.grammar = Some("{\"grammars\": []}".into());
         a.stops = vec![b"\n\n".to_vec(), vec![0xff, 0]];
         a.dump = Some(PathBuf::from("d.safetensors"));
         a.images = Some(PathBuf::from("/tmp/i.safetensors"));
@@ -492,8 +480,7 @@ mod tests {
             (&["--model", "m", "--serve", "--kv-blocks", "4", "--kv-fraction", "0.5"], "give --kv-blocks or --kv-fraction, not both"),
             (&["--synthetic-weights", "1", "--model", "m", "--serve"], "give --model or --synthetic-weights, not both"),
             (&["--prompts", "p.txt", "--prompt-ids", "1", "--model", "m", "--max-new-tokens", "2"], "--prompt-ids or --prompts"),
-            (&["--model", "m", "--prompt-ids", "1", "--grammar-after", "3"], "--max-new-tokens is required"),
-            (&["--model", "m", "--prompt-ids", "1", "--max-new-tokens", "2", "--grammar-after", "3"], "--grammar-after needs --grammar"),
+            (&["--model", "m", "--prompt-ids", "1", "--max-new-tokens", "2", "--grammar-after", "3"], "unknown argument `--grammar-after`"),
         ] {
             let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
             let e = StageArgs::parse(&args).unwrap_err();

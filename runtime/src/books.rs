@@ -6,6 +6,8 @@
 use crate::dump::SeqRecord;
 use crate::error::StageError;
 use crate::stage::{self, Segment};
+use m3c_constrain::thinking::Budget;
+use m3c_constrain::Constraint;
 pub(crate) use m3c_contract::drawn::Drawn;
 use m3c_contract::protocol::TokenLogprobs;
 use m3c_contract::sampling::SamplingParams;
@@ -17,14 +19,6 @@ use std::collections::{BTreeMap, HashMap};
 pub(crate) enum OnNonFinite {
     EndRun,
     EndSequence,
-}
-
-/// A sequence's grammar (structured output), as far as its output has gone.
-struct SeqGrammar {
-    constraint: m3c_constrain::Constraint,
-    /// The token after which the grammar starts (the end of the model's
-    /// thinking); `None` once it has started.
-    after: Option<i64>,
 }
 
 /// Where the last stage finds the model's tokens for grammars, and the
@@ -43,13 +37,27 @@ impl GrammarSource {
         GrammarSource { model, vocab, eos, eos_ids: Vec::new(), built: None }
     }
 
-    fn compile(&mut self, text: &str) -> Result<m3c_constrain::Constraint, String> {
+    /// The model's tokens, read when the first sequence needs them.
+    fn vocabulary(&mut self) -> Result<&m3c_constrain::Vocabulary, String> {
         let (model, vocab, eos) = (self.model.clone(), self.vocab, self.eos);
         let v = self.built.get_or_insert_with(|| match model {
             Some(m) => m3c_constrain::Vocabulary::load(&m, Some(vocab), eos).map_err(|e| e.to_string()),
-            None => Err("structured output needs --model DIR with a tokenizer.json".into()),
+            None => Err("structured output and reasoning budgets need --model DIR with a tokenizer.json".into()),
         });
-        v.as_ref().map_err(Clone::clone)?.compile(text).map_err(|e| e.to_string())
+        v.as_ref().map_err(Clone::clone)
+    }
+
+    /// What a sequence's output is held to: its grammar and its reasoning
+    /// budget (which reads the reasoning as the server will: strictly under
+    /// a grammar, leniently without).
+    fn output_rules(&mut self, out: &OutputSpec) -> Result<(Option<Constraint>, Option<Budget>), String> {
+        if out.grammar.is_none() && out.think.is_none() {
+            return Ok((None, None));
+        }
+        let v = self.vocabulary()?;
+        let grammar = out.grammar.as_deref().map(|text| v.compile(text)).transpose().map_err(|e| e.to_string())?;
+        let budget = out.think.map(|t| Budget::new(v, t, grammar.is_none())).transpose().map_err(|e| e.to_string())?;
+        Ok((grammar, budget))
     }
 }
 
@@ -67,7 +75,9 @@ struct SeqBook {
     /// The next prompt position whose logprob is still to report (a
     /// preempted sequence recomputes rows whose logprobs went out already).
     prompt_next: usize,
-    grammar: Option<SeqGrammar>,
+    grammar: Option<Constraint>,
+    /// The cap on its reasoning, as far as its output has gone.
+    budget: Option<Budget>,
     /// Tokens generated before `held` may be drawn, and the ids held back
     /// until then (EOS and the request's stop ids).
     min_tokens: usize,
@@ -79,12 +89,13 @@ struct SeqBook {
     bias: Option<m3c_contract::sampling::BiasRow>,
 }
 
-/// What a sequence asks of its output besides sampling: logprobs, and a
-/// grammar (its text, and the token after which it starts).
+/// What a sequence asks of its output besides sampling: logprobs, a
+/// grammar (its text) and a reasoning budget.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub(crate) struct OutputSpec {
     pub logprobs: Option<u8>,
-    pub grammar: Option<(String, Option<i64>)>,
+    pub grammar: Option<String>,
+    pub think: Option<m3c_contract::thinking::ThinkBudget>,
     pub min_tokens: usize,
     pub stop_ids: Vec<i64>,
     pub logit_bias: Vec<(u32, f32)>,
@@ -116,13 +127,10 @@ impl LastBooks {
     pub fn start(&mut self, seq: usize, prompt: Vec<i64>, sampling: SamplingParams, max_new: usize, out: OutputSpec) {
         let bias = m3c_contract::sampling::BiasRow::new(&sampling, &out.logit_bias, self.grammars.vocab);
         let record = SeqRecord { prompt, prefill_logits: Vec::new(), generated: Vec::new(), decode_logits: Vec::new() };
-        let (mut grammar, mut failed) = (None, None);
-        if let Some((text, after)) = out.grammar {
-            match self.grammars.compile(&text) {
-                Ok(constraint) => grammar = Some(SeqGrammar { constraint, after }),
-                Err(e) => failed = Some(e),
-            }
-        }
+        let (grammar, budget, failed) = match self.grammars.output_rules(&out) {
+            Ok((g, b)) => (g, b, None),
+            Err(e) => (None, None, Some(e)),
+        };
         if let Some(why) = &failed {
             eprintln!("m3c stage: sequence {seq}: {why}");
         }
@@ -131,7 +139,20 @@ impl LastBooks {
         let (logprobs, prompt_logprobs) = (out.logprobs, out.prompt_logprobs);
         self.live.insert(
             seq,
-            SeqBook { record, sampling, max_new, logprobs, prompt_logprobs, prompt_next: 1, grammar, min_tokens, held, failed, bias },
+            SeqBook {
+                record,
+                sampling,
+                max_new,
+                logprobs,
+                prompt_logprobs,
+                prompt_next: 1,
+                grammar,
+                budget,
+                min_tokens,
+                held,
+                failed,
+                bias,
+            },
         );
     }
 
@@ -142,10 +163,6 @@ impl LastBooks {
                 self.finished.insert(seq, b.record);
             }
         }
-    }
-
-    fn seq_mut(&mut self, seq: usize) -> Result<&mut SeqBook, StageError> {
-        self.live.get_mut(&seq).ok_or_else(|| StageError::Step(format!("a step for sequence {seq}, which is not live")))
     }
 
     /// The sampling inputs of a step: one table row per row of the step
@@ -181,9 +198,9 @@ impl LastBooks {
             // A started grammar's allowed tokens.
             let mask_row = segs.len() + k;
             let mut mask = false;
-            if let (true, Some(g)) = (draws && b.failed.is_none(), b.grammar.as_mut().filter(|g| g.after.is_none())) {
+            if let (true, Some(g)) = (draws && b.failed.is_none(), b.grammar.as_mut()) {
                 let t0 = std::time::Instant::now();
-                match g.constraint.mask() {
+                match g.mask() {
                     Ok(bits) => {
                         seen[mask_row * words..(mask_row + 1) * words].copy_from_slice(&bits[..words]);
                         (mask, penalised) = (true, true);
@@ -192,6 +209,17 @@ impl LastBooks {
                 }
                 masks.0 += 1;
                 masks.1 += t0.elapsed().as_secs_f64();
+            }
+            // A spent reasoning budget: the next token closes the reasoning
+            // (a grammar allows it wherever the reasoning is open).
+            if let (true, Some(close)) = (draws && b.failed.is_none(), b.budget.as_ref().and_then(Budget::forced)) {
+                let row = &mut seen[mask_row * words..(mask_row + 1) * words];
+                let allowed = !mask || row[close as usize / 32] >> (close % 32) & 1 == 1;
+                if allowed && (close as usize) < vocab {
+                    row.fill(0);
+                    row[close as usize / 32] = 1 << (close % 32);
+                    (mask, penalised) = (true, true);
+                }
             }
             // `min_tokens`: EOS and the stop ids are held back until then
             // (from the grammar's allowed tokens, or from every token).
@@ -266,7 +294,9 @@ impl LastBooks {
                 return Err(StageError::Step(format!("stage {stage}: the sampler chose id {id}, outside the vocabulary (0..{vocab})")));
             }
             let want_logits = self.want_logits;
-            let b = self.seq_mut(s.seq)?;
+            let vocabulary = self.grammars.built.as_ref().and_then(|v| v.as_ref().ok());
+            let b =
+                self.live.get_mut(&s.seq).ok_or_else(|| StageError::Step(format!("a step for sequence {}, which is not live", s.seq)))?;
             let r = &mut b.record;
             let draws = gives_token(r, s) && r.generated.len() < b.max_new;
             if let (true, Some(why)) = (draws, &b.failed) {
@@ -276,16 +306,12 @@ impl LastBooks {
                 continue 'segments;
             }
             if let (true, Some(g)) = (draws, b.grammar.as_mut()) {
-                match g.after {
-                    // The thinking ends with this token; the grammar starts next.
-                    Some(a) if a == id => g.after = None,
-                    Some(_) => {}
-                    None => {
-                        if let Err(e) = g.constraint.consume(id as u32) {
-                            b.failed = Some(e.to_string());
-                        }
-                    }
+                if let Err(e) = g.consume(id as u32) {
+                    b.failed = Some(e.to_string());
                 }
+            }
+            if let (true, Some(budget), Some(v)) = (draws, b.budget.as_mut(), vocabulary) {
+                budget.consume(v, id as u32);
             }
             let logprobs = match (b.logprobs, out.logits.get((row0 + s.rows - 1) * vocab..(row0 + s.rows) * vocab)) {
                 (Some(k), Some(row)) if draws => Some(TokenLogprobs::of(row, id as u32, k as usize)),

@@ -14,24 +14,28 @@ use crate::wire::{
 };
 use m3c_contract::protocol::SeqRequest;
 use m3c_contract::sampling::{row_params, row_words, SamplingParams, ROW_WORDS};
+use m3c_contract::thinking::{ThinkBudget, ThinkStart};
 use mpi::topology::SimpleCommunicator;
+
+/// The reasoning starts an add message numbers (from 1; 0 is none).
+const THINK_STARTS: [ThinkStart; 3] = [ThinkStart::Open, ThinkStart::Closed, ThinkStart::Adaptive];
 
 /// A `KIND_ADD` message: the sequence, its cache capacity, and a payload of
 /// i64 words (its sampling-table row, logprobs in the row's `LOGPROBS`
 /// word and `min_tokens` in its `MIN_TOKENS` word; the prompt's length and
 /// ids; the stop ids' count and ids; the logit biases' count and entries
-/// (id in the low half, the bias's f32 bits in the high); the token after
-/// which its grammar starts, -1 for the first, -2 for no grammar) and then
-/// the grammar's text.
+/// (id in the low half, the bias's f32 bits in the high); the reasoning
+/// budget's start (0: none, else 1 + its index in [`THINK_STARTS`]) and
+/// size; 1 when a grammar follows, else 0) and then the grammar's text.
 pub(crate) fn add_message(a: &SeqRequest) -> Vec<u8> {
     use m3c_contract::sampling::row;
     let mut w = row_words(&a.sampling, 0, 0, true, 0);
     w[row::LOGPROBS] = a.logprobs.map_or(0, |k| i64::from(k) + 1);
     w[row::MIN_TOKENS] = a.min_tokens as i64;
     w[row::PROMPT_LOGPROBS] = a.prompt_logprobs.map_or(0, |k| i64::from(k) + 1);
-    let after = match &a.grammar {
-        None => -2,
-        Some((_, after)) => after.unwrap_or(-1),
+    let (think, budget) = match a.think {
+        None => (0, 0),
+        Some(t) => (1 + THINK_STARTS.iter().position(|&s| s == t.start).unwrap_or(0) as i64, i64::from(t.budget)),
     };
     let words = w
         .iter()
@@ -42,9 +46,9 @@ pub(crate) fn add_message(a: &SeqRequest) -> Vec<u8> {
         .chain(a.stop_ids.iter().copied())
         .chain([a.logit_bias.len() as i64])
         .chain(a.logit_bias.iter().map(|&(id, b)| (u64::from(id) | u64::from(b.to_bits()) << 32) as i64))
-        .chain([after]);
+        .chain([think, budget, i64::from(a.grammar.is_some())]);
     let mut payload: Vec<u8> = words.flat_map(|w| w.to_le_bytes()).collect();
-    if let Some((text, _)) = &a.grammar {
+    if let Some(text) = &a.grammar {
         payload.extend_from_slice(text.as_bytes());
     }
     message(KIND_ADD, &[Segment { seq: a.seq, pos0: 0, rows: capacity(a) }], &payload)
@@ -69,23 +73,28 @@ pub(crate) fn parse_add(payload: &[u8]) -> Result<(SamplingParams, Vec<i64>, Out
         .map(|i| word(i).map(|w| (w as u64 as u32, f32::from_bits((w as u64 >> 32) as u32))))
         .collect::<Option<_>>()
         .ok_or_else(short)?;
-    let after = word(at + 1 + nb).ok_or_else(short)?;
+    let at = at + 1 + nb;
+    let (think, budget, has_grammar) = (word(at).ok_or_else(short)?, word(at + 1).ok_or_else(short)?, word(at + 2).ok_or_else(short)?);
     let count = |word: usize| match table[word] {
         0 => Ok(None),
         k => u8::try_from(k - 1).map(Some).map_err(|_| StageError::Peer("an add message's logprobs are out of range".into())),
     };
     let logprobs = count(m3c_contract::sampling::row::LOGPROBS)?;
     let prompt_logprobs = count(m3c_contract::sampling::row::PROMPT_LOGPROBS)?;
-    let rest = payload.get((at + 2 + nb) * 8..).ok_or_else(short)?;
+    let rest = payload.get((at + 3) * 8..).ok_or_else(short)?;
     let min_tokens = usize::try_from(table[m3c_contract::sampling::row::MIN_TOKENS]).map_err(|_| short())?;
-    let grammar = match after {
-        -2 => None,
-        a => {
-            let text = String::from_utf8(rest.to_vec()).map_err(|_| short())?;
-            Some((text, (a >= 0).then_some(a)))
-        }
+    let grammar = match has_grammar {
+        0 => None,
+        _ => Some(String::from_utf8(rest.to_vec()).map_err(|_| short())?),
     };
-    Ok((sampling, prompt, OutputSpec { logprobs, grammar, min_tokens, stop_ids, logit_bias, prompt_logprobs }))
+    let think = match think {
+        0 => None,
+        k => Some(ThinkBudget {
+            start: *usize::try_from(k - 1).ok().and_then(|i| THINK_STARTS.get(i)).ok_or_else(short)?,
+            budget: u32::try_from(budget).map_err(|_| short())?,
+        }),
+    };
+    Ok((sampling, prompt, OutputSpec { logprobs, grammar, think, min_tokens, stop_ids, logit_bias, prompt_logprobs }))
 }
 
 /// Cache rows a sequence needs: its prompt and every token it may generate

@@ -93,12 +93,15 @@ impl<'a> RunFeed<'a> {
     fn new(st: &Stage, args: &'a RunArgs) -> Result<RunFeed<'a>, StageError> {
         let (prompts, images) = match args.prompts {
             Prompts::Stdin(n) => stdin_prompts(n, st.meta.vision.as_ref().map(|v| v.patch_row), args.timeout_s)?,
-            _ => (args.prompts.inline().to_vec(), inline_images(st, args)?),
+            _ => {
+                let inline = args.prompts.inline().iter().map(|p| (p.clone(), args.grammar.clone(), None)).collect();
+                (inline, inline_images(st, args)?)
+            }
         };
         let requests = prompts
             .into_iter()
             .enumerate()
-            .map(|(seq, prompt)| SeqRequest {
+            .map(|(seq, (prompt, grammar, think)): (usize, RunPrompt)| SeqRequest {
                 seq,
                 max_new: args.max_new_tokens,
                 ignore_eos: false,
@@ -108,7 +111,8 @@ impl<'a> RunFeed<'a> {
                 stops: args.stops.clone(),
                 stop_ids: Vec::new(),
                 logprobs: args.logprobs,
-                grammar: args.grammar.clone(),
+                grammar: grammar.or_else(|| args.grammar.clone()),
+                think,
                 min_tokens: 0,
                 logit_bias: Vec::new(),
                 prompt_logprobs: None,
@@ -245,10 +249,14 @@ fn inline_images(st: &Stage, args: &RunArgs) -> Result<ImagesBySeq, StageError> 
     Ok(images)
 }
 
+/// A prompt as `m3c run` sends it: its ids, and the grammar and reasoning
+/// budget its output is held to.
+type RunPrompt = (Vec<i64>, Option<String>, Option<m3c_contract::thinking::ThinkBudget>);
+
 /// The run's prompts and images from standard input: `n` framed `add`
 /// commands, sequence `i` the `i`-th, each waited for at most `timeout_s`
 /// (the front writes them all at once, so a wait that long means it is gone).
-fn stdin_prompts(n: usize, patch_row: Option<usize>, timeout_s: f64) -> Result<(Vec<Vec<i64>>, ImagesBySeq), StageError> {
+fn stdin_prompts(n: usize, patch_row: Option<usize>, timeout_s: f64) -> Result<(Vec<RunPrompt>, ImagesBySeq), StageError> {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || crate::serve::read_commands(tx));
     let (mut prompts, mut images) = (Vec::with_capacity(n), BTreeMap::new());
@@ -265,7 +273,7 @@ fn stdin_prompts(n: usize, patch_row: Option<usize>, timeout_s: f64) -> Result<(
                 if let Some(im) = crate::serve::request_images(&a, patch_row).map_err(|e| bad(format!("prompt {i}: {e}")))? {
                     images.insert(i, im);
                 }
-                prompts.push(a.prompt);
+                prompts.push((a.prompt, a.grammar, a.think));
             }
             other => return Err(bad(format!("expected prompt {i} (`add seq={i} ...`), got `{}`", other.encode()))),
         }

@@ -403,6 +403,7 @@ impl Leader {
             let out = crate::books::OutputSpec {
                 logprobs: a.logprobs,
                 grammar: a.grammar.clone(),
+                think: a.think,
                 min_tokens: a.min_tokens,
                 stop_ids: a.stop_ids.clone(),
                 logit_bias: a.logit_bias.clone(),

@@ -5,7 +5,7 @@
 
 use super::engine::{Engine, Event, SubmitError, Ticket};
 use super::openai::{self, ApiError, Common, Defaults};
-use super::output::ChatOutput;
+use super::output::{ChatOutput, Reading};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
@@ -16,6 +16,7 @@ use axum::{Json, Router};
 use m3c_contract::images::SeqImages;
 use m3c_contract::protocol::SeqRequest;
 use m3c_contract::protocol::TokenLogprobs;
+use m3c_contract::thinking::{ThinkBudget, ThinkStart};
 use m3c_front::text::front::StopFilter;
 use m3c_front::text::{ChatTemplate, IncrementalDecoder, TextTokenizer};
 use serde_json::{json, Value};
@@ -56,7 +57,7 @@ pub fn router(shared: Shared) -> Router {
     // Bodies up to the images a request may carry as data: URIs (base64:
     // 4/3 of their bytes), plus 8 MB of text.
     let body_limit = (shared.media.max_images as u64 * shared.media.max_bytes * 4 / 3 + (8 << 20)).min(usize::MAX as u64) as usize;
-    Router::new()
+    let routes = Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/v1/models", get(models))
@@ -69,7 +70,45 @@ pub fn router(shared: Shared) -> Router {
         .route("/debug/trace", post(debug_trace))
         .fallback(|| async { error(&ApiError::new(404, "not_found_error", "no such route")) })
         .layer(axum::extract::DefaultBodyLimit::max(body_limit))
-        .with_state(Arc::new(shared))
+        .with_state(Arc::new(shared));
+    // Around the whole router, not each route: a 405 gets its `Allow`
+    // header from the routing itself.
+    Router::new().fallback_service(routes).layer(axum::middleware::from_fn(json_errors))
+}
+
+/// Every error answer as OpenAI's JSON error object: axum's own (a method
+/// a route does not take, a body over the limit, a body that is not the
+/// type expected) come as plain text or empty, and are rewritten here with
+/// what they said, the method and the path.
+async fn json_errors(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let (method, path) = (req.method().clone(), req.uri().path().to_string());
+    let resp = next.run(req).await;
+    let status = resp.status();
+    let json = resp.headers().get(header::CONTENT_TYPE).is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || json {
+        return resp;
+    }
+    let (mut parts, body) = resp.into_parts();
+    let said = axum::body::to_bytes(body, 64 << 10).await.unwrap_or_default();
+    let said = String::from_utf8_lossy(&said).trim().to_string();
+    let message = match status {
+        StatusCode::METHOD_NOT_ALLOWED => {
+            let allow = parts.headers.get(header::ALLOW).and_then(|v| v.to_str().ok()).unwrap_or("another method").to_string();
+            format!("`{method} {path}`: this route takes {allow}")
+        }
+        _ if said.is_empty() => format!("`{method} {path}`: {}", status.canonical_reason().unwrap_or("error")),
+        _ => format!("`{method} {path}`: {said}"),
+    };
+    let kind = match status.as_u16() {
+        405 => "method_not_allowed",
+        413 => "request_too_large",
+        s if s >= 500 => "server_error",
+        _ => "invalid_request_error",
+    };
+    parts.headers.remove(header::CONTENT_LENGTH);
+    parts.headers.insert(header::CONTENT_TYPE, header::HeaderValue::from_static("application/json"));
+    let body = ApiError::new(status.as_u16(), kind, message).body().to_string();
+    Response::from_parts(parts, axum::body::Body::from(body))
 }
 
 fn error(e: &ApiError) -> Response {
@@ -243,10 +282,9 @@ async fn chat_completions(State(app): State<App>, headers: HeaderMap, body: Byte
             common.grammar = Some((g, "tool_choice"));
         }
         let ids = app.tokenizer.encode(&rendered).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?;
-        // Thinking enabled leaves the prompt inside an open <mm:think>.
-        let thinking = rendered.trim_end().ends_with("<mm:think>");
-        let closed_thinking = rendered.trim_end().ends_with("</mm:think>");
-        Ok((ids, common, Kind::Chat { thinking, closed_thinking, tools: chat.tools }, chat.images))
+        // Where the template left the model's reasoning (its thinking mode).
+        let think = ThinkStart::of_prompt(&rendered);
+        Ok((ids, common, Kind::Chat { think, tools: chat.tools }, chat.images))
     };
     let (ids, common, kind, urls) = match run() {
         Ok(r) => r,
@@ -405,11 +443,9 @@ fn jinja(v: Value) -> Result<minijinja::Value, ApiError> {
 #[derive(Clone)]
 enum Kind {
     Completion,
-    /// `thinking`: the prompt opened the model's thinking;
-    /// `closed_thinking`: it closed it (the answer comes at once).
+    /// `think`: where the prompt left the model's reasoning.
     Chat {
-        thinking: bool,
-        closed_thinking: bool,
+        think: ThinkStart,
         tools: Vec<Value>,
     },
 }
@@ -543,7 +579,9 @@ impl Generation {
         }
         let entries = std::mem::take(&mut self.logprobs);
         let tk = &self.app.tokenizer;
-        let text = |id: u32| tk.decode(&[id], false).unwrap_or_default();
+        // `return_tokens_as_token_ids`: vLLM's spelling of a token by its id.
+        let as_ids = self.common.tokens_as_ids;
+        let text = |id: u32| if as_ids { format!("token_id:{id}") } else { tk.decode(&[id], false).unwrap_or_default() };
         let num = |v: f32| if v.is_finite() { f64::from(v) } else { -9999.0 };
         if self.chat.is_some() {
             let item = |id: u32, v: f32| {
@@ -695,10 +733,15 @@ async fn start(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: Opti
     // Each choice is its own sequence, drawing from its own seed, so
     // choice i of a request is what the same request with n = 1 and seed
     // `seed + i` gives.
+    let think = match &kind {
+        Kind::Chat { think, .. } => *think,
+        Kind::Completion => ThinkStart::Closed,
+    };
     let grammar = match &common.grammar {
         None => None,
-        Some((g, field)) => Some((check_grammar(&app, g, field).map_err(|e| error(&e))?, grammar_after(&app, &kind))),
+        Some((g, field)) => Some(check_grammar(&app, g, field, think).map_err(|e| error(&e))?),
     };
+    let budget = thinking_budget(&common, grammar.is_some(), think, max_new);
     // A grammar's end is an EOS the sequence must stop on, whatever
     // `ignore_eos` says, and whose text is not the answer's.
     let mut common = common;
@@ -719,7 +762,8 @@ async fn start(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: Opti
             stops: common.stop.iter().map(|t| t.as_bytes().to_vec()).collect(),
             stop_ids: common.stop_ids.iter().map(|&i| i64::from(i)).collect(),
             logprobs: common.logprobs,
-            grammar: grammar.as_ref().map(|(g, after)| (g.clone(), after.map(i64::from))),
+            grammar: grammar.clone(),
+            think: budget,
             min_tokens: common.min_tokens,
             logit_bias: common.logit_bias.clone(),
             prompt_logprobs: common.prompt_alternatives(),
@@ -752,7 +796,7 @@ async fn start(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: Opti
             app: app.clone(),
             ticket,
             chat: match &kind {
-                Kind::Chat { thinking, .. } => Some(ChatOutput::new(*thinking)),
+                Kind::Chat { think, .. } => Some(ChatOutput::new(*think, reading(&common))),
                 Kind::Completion => None,
             },
             kind: kind.clone(),
@@ -777,22 +821,36 @@ async fn start(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: Opti
     Ok(gens)
 }
 
-/// A request's grammar, compiled once here so that a bad one is the
-/// client's 400 (naming the field that gave it), as its text for the stages.
-fn check_grammar(app: &Shared, g: &m3c_constrain::Grammar, field: &str) -> Result<String, ApiError> {
+/// A request's grammar behind the reasoning its prompt allows
+/// (`m3c_constrain::thinking::wrap`: what the reader then calls content is
+/// what the grammar matched), compiled once here so that a bad one is the
+/// client's 400 (naming the field that gave it), as its text for the
+/// stages. Completions constrain from the first token.
+fn check_grammar(app: &Shared, g: &m3c_constrain::Grammar, field: &str, think: ThinkStart) -> Result<String, ApiError> {
     let v = app.grammars.as_ref().map_err(|why| ApiError::bad(field, format!("`{field}`: structured output is not available: {why}")))?;
-    let text = g.to_text();
+    let text = m3c_constrain::thinking::wrap(&g.to_text(), think).map_err(|e| ApiError::bad(field, format!("`{field}`: {e}")))?;
     v.compile(&text).map_err(|e| ApiError::bad(field, format!("`{field}`: {e}")))?;
     Ok(text)
 }
 
-/// The token after which a chat's grammar starts: the end of the model's
-/// thinking (`</mm:think>`), unless the prompt already closed it (thinking
-/// disabled). Completions constrain from the first token.
-fn grammar_after(app: &Shared, kind: &Kind) -> Option<u32> {
-    match kind {
-        Kind::Chat { closed_thinking: false, .. } => app.tokenizer.token_id("</mm:think>"),
-        _ => None,
+/// The cap on a chat's reasoning: the request's `thinking_token_budget`;
+/// under a constraint without one, half the request's tokens, so that a
+/// model that never closes its reasoning still leaves the other half to the
+/// constrained answer. Nothing to cap when the prompt closed the reasoning.
+fn thinking_budget(common: &Common, constrained: bool, start: ThinkStart, max_new: usize) -> Option<ThinkBudget> {
+    if start == ThinkStart::Closed {
+        return None;
+    }
+    let default = constrained.then(|| u32::try_from(max_new / 2).unwrap_or(u32::MAX));
+    common.thinking_budget.or(default).map(|budget| ThinkBudget { start, budget })
+}
+
+/// How a chat's output is read: by the grammar that binds it, if any.
+fn reading(common: &Common) -> Reading {
+    match &common.grammar {
+        None => Reading::Free,
+        Some((_, "tool_choice")) => Reading::ForcedCalls,
+        Some(_) => Reading::Constrained,
     }
 }
 
@@ -844,6 +902,8 @@ async fn whole_choice(mut g: Generation) -> Result<(Value, Generation), String> 
     let choice = if g.chat.is_some() {
         let mut message = json!({"role": "assistant", "content": if content.is_empty() && !calls.is_empty() { Value::Null } else { Value::String(content) }});
         if !reasoning.is_empty() {
+            // vLLM's name, and the older one its clients still read.
+            message["reasoning"] = Value::String(reasoning.clone());
             message["reasoning_content"] = Value::String(reasoning);
         }
         if !calls.is_empty() {
@@ -915,6 +975,7 @@ fn choice_events(g: Generation) -> impl futures_util::Stream<Item = Result<Sse_,
                 if chat {
                     let mut delta = serde_json::Map::new();
                     if !reasoning.is_empty() {
+                        delta.insert("reasoning".into(), Value::String(reasoning.clone()));
                         delta.insert("reasoning_content".into(), Value::String(reasoning));
                     }
                     if !content.is_empty() {

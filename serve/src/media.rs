@@ -2,10 +2,27 @@
 //! (base64), `http(s)` URLs fetched with a size limit and a deadline, and
 //! `file://` paths inside `--allowed-local-media-path` only. Every failure
 //! is a 400 that names the content part and what went wrong.
+//!
+//! A URL a client names is fetched by the server, from inside its network:
+//! without a rule, `http://169.254.169.254/` reads a cloud VM's metadata
+//! and `http://127.0.0.1:PORT/` any service of the machine (server-side
+//! request forgery). So, by default, every hop of a fetch (the URL, then
+//! each redirect, at most [`MAX_REDIRECTS`]) must go to a public address:
+//! its host is resolved here, every address it resolves to is checked
+//! ([`refused_kind`]), and the connection goes to the checked address only
+//! (the name is pinned to it, no proxy), so a name that resolves once to a
+//! public and then to a private address (DNS rebinding) gains nothing.
+//! `--allowed-media-domains` (vLLM's flag) also limits hosts to a list,
+//! and `--allow-private-media-urls` lifts the address rule for media served
+//! from the operator's own network.
 
 use super::openai::ApiError;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+/// Redirects one fetch may follow.
+pub const MAX_REDIRECTS: usize = 5;
 
 /// Where images may come from, and how much of them.
 #[derive(Debug, Clone)]
@@ -18,6 +35,12 @@ pub struct MediaPolicy {
     pub timeout: Duration,
     /// Images one request may carry.
     pub max_images: usize,
+    /// `--allowed-media-domains`: when set, the only hosts fetched from
+    /// (lower case, as URLs spell them).
+    pub allowed_domains: Option<Vec<String>>,
+    /// `--allow-private-media-urls`: loopback, private and link-local
+    /// addresses may be fetched.
+    pub allow_private: bool,
 }
 
 impl MediaPolicy {
@@ -33,13 +56,21 @@ impl MediaPolicy {
                     .ok_or_else(|| anyhow::anyhow!("--allowed-local-media-path {}: not a folder", d.display()))?,
             ),
         };
-        Ok(MediaPolicy { allowed_local, ..self })
+        let allowed_domains = self.allowed_domains.map(|d| d.iter().map(|h| h.trim().to_ascii_lowercase()).collect());
+        Ok(MediaPolicy { allowed_local, allowed_domains, ..self })
     }
 }
 
 impl Default for MediaPolicy {
     fn default() -> Self {
-        MediaPolicy { allowed_local: None, max_bytes: 20 << 20, timeout: Duration::from_secs(10), max_images: 8 }
+        MediaPolicy {
+            allowed_local: None,
+            max_bytes: 20 << 20,
+            timeout: Duration::from_secs(10),
+            max_images: 8,
+            allowed_domains: None,
+            allow_private: false,
+        }
     }
 }
 
@@ -78,37 +109,151 @@ fn data_uri(rest: &str, max: u64) -> Result<Vec<u8>, String> {
     base64::engine::general_purpose::STANDARD.decode(data.trim()).map_err(|e| format!("the data: URI is not valid base64: {e}"))
 }
 
-/// An http(s) image: the whole fetch within the deadline, the body within the size limit.
+/// An http(s) image: the whole fetch (name lookups, every hop) within the
+/// deadline, the body within the size limit, every hop checked by
+/// [`target`] before it connects.
 async fn http(url: &str, policy: &MediaPolicy) -> Result<Vec<u8>, String> {
-    let client = reqwest::Client::builder()
-        .timeout(policy.timeout)
-        .connect_timeout(policy.timeout)
-        .redirect(reqwest::redirect::Policy::limited(5))
-        .build()
-        .map_err(|e| format!("no HTTP client: {e}"))?;
     let secs = policy.timeout.as_secs_f64();
-    let describe = |e: reqwest::Error| {
-        if e.is_timeout() {
-            format!("fetching {url}: no complete answer within {secs} s")
-        } else {
-            format!("fetching {url}: {e}")
+    match tokio::time::timeout(policy.timeout, follow(url, policy)).await {
+        Ok(r) => r,
+        Err(_) => Err(format!("fetching {url}: no complete answer within {secs} s")),
+    }
+}
+
+async fn follow(first: &str, policy: &MediaPolicy) -> Result<Vec<u8>, String> {
+    let mut url = reqwest::Url::parse(first).map_err(|e| format!("`{first}` is not a valid URL: {e}"))?;
+    for hop in 0..=MAX_REDIRECTS {
+        // Which hop, in every message about it.
+        let what = if hop == 0 { format!("`{url}`") } else { format!("redirect {hop} of `{first}`, to `{url}`,") };
+        let pinned = target(&url, policy).await.map_err(|why| format!("{what} is refused: {why}"))?;
+        let mut client = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).no_proxy();
+        if let Some((name, addr)) = pinned {
+            client = client.resolve(&name, addr);
+        }
+        let client = client.build().map_err(|e| format!("no HTTP client: {e}"))?;
+        let mut resp = client.get(url.clone()).send().await.map_err(|e| format!("fetching {what}: {e}"))?;
+        let status = resp.status();
+        if status.is_redirection() {
+            let to = resp
+                .headers()
+                .get(reqwest::header::LOCATION)
+                .and_then(|l| l.to_str().ok())
+                .ok_or_else(|| format!("fetching {what}: the server answered {status} without a Location"))?;
+            url = url.join(to).map_err(|e| format!("fetching {what}: a redirect to `{to}`, which is not a URL: {e}"))?;
+            continue;
+        }
+        if !status.is_success() {
+            return Err(format!("fetching {what}: the server answered {status}"));
+        }
+        let too_big = || format!("fetching {what}: the image is larger than the server's limit of {} bytes", policy.max_bytes);
+        if resp.content_length().is_some_and(|n| n > policy.max_bytes) {
+            return Err(too_big());
+        }
+        let mut body = Vec::new();
+        while let Some(chunk) = resp.chunk().await.map_err(|e| format!("fetching {what}: {e}"))? {
+            if body.len() as u64 + chunk.len() as u64 > policy.max_bytes {
+                return Err(too_big());
+            }
+            body.extend_from_slice(&chunk);
+        }
+        return Ok(body);
+    }
+    Err(format!("fetching `{first}`: more than {MAX_REDIRECTS} redirects"))
+}
+
+/// Whether one hop may be fetched: an http(s) URL, its host among
+/// `--allowed-media-domains` (when given), and every address it resolves
+/// to public (unless `--allow-private-media-urls`). A host name comes back
+/// with the checked address the connection must use.
+async fn target(url: &reqwest::Url, policy: &MediaPolicy) -> Result<Option<(String, SocketAddr)>, String> {
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err(format!("only http and https are fetched, not {}", url.scheme()));
+    }
+    let shown = url.host_str().ok_or("the URL has no host")?.to_string();
+    if let Some(allowed) = &policy.allowed_domains {
+        if !allowed.contains(&shown) {
+            return Err(format!("its host `{shown}` is not among --allowed-media-domains ({})", allowed.join(", ")));
+        }
+    }
+    let port = url.port_or_known_default().ok_or("the URL has no port")?;
+    // An address literal (IPv6 in brackets) is its own address; a name is
+    // looked up here.
+    let (name, addrs) = match shown.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>() {
+        Ok(ip) => (None, vec![SocketAddr::new(ip, port)]),
+        Err(_) => {
+            let found: Vec<SocketAddr> = tokio::net::lookup_host((shown.as_str(), port))
+                .await
+                .map_err(|e| format!("its host `{shown}` does not resolve: {e}"))?
+                .collect();
+            (Some(shown.clone()), found)
         }
     };
-    let mut resp = client.get(url).send().await.map_err(describe)?;
-    if !resp.status().is_success() {
-        return Err(format!("fetching {url}: the server answered {}", resp.status()));
-    }
-    if resp.content_length().is_some_and(|n| n > policy.max_bytes) {
-        return Err(format!("fetching {url}: the image is larger than the server's limit of {} bytes", policy.max_bytes));
-    }
-    let mut body = Vec::new();
-    while let Some(chunk) = resp.chunk().await.map_err(describe)? {
-        if body.len() as u64 + chunk.len() as u64 > policy.max_bytes {
-            return Err(format!("fetching {url}: the image is larger than the server's limit of {} bytes", policy.max_bytes));
+    let first = *addrs.first().ok_or_else(|| format!("its host `{shown}` resolves to no address"))?;
+    if !policy.allow_private {
+        // Every address counts: a name with one private address among
+        // public ones could be steered to it.
+        for a in &addrs {
+            if let Some(kind) = refused_kind(a.ip()) {
+                let subject = match &name {
+                    Some(n) => format!("`{n}` resolves to {}, {kind}", a.ip()),
+                    None => format!("{} is {kind}", a.ip()),
+                };
+                return Err(format!(
+                    "{subject}; the server fetches media only from public addresses (start it with --allow-private-media-urls to allow this)"
+                ));
+            }
         }
-        body.extend_from_slice(&chunk);
     }
-    Ok(body)
+    Ok(name.map(|n| (n, first)))
+}
+
+/// Why the server will not fetch from `ip` by default (`None`: a public
+/// address): loopback, private, shared, link-local, unspecified, multicast,
+/// broadcast and reserved ranges, and IPv6's unique-local, site-local and
+/// IPv4-carrying forms by the IPv4 address they carry.
+pub fn refused_kind(ip: IpAddr) -> Option<&'static str> {
+    match ip {
+        IpAddr::V4(v4) => refused_v4(v4),
+        IpAddr::V6(v6) => refused_v6(v6),
+    }
+}
+
+fn refused_v4(ip: Ipv4Addr) -> Option<&'static str> {
+    let [a, b, ..] = ip.octets();
+    Some(match () {
+        _ if ip.is_loopback() => "a loopback address",
+        _ if ip.is_private() => "a private address",
+        _ if ip.is_link_local() => "a link-local address (cloud metadata services live here)",
+        _ if ip.is_unspecified() || a == 0 => "an unspecified address",
+        _ if ip.is_multicast() => "a multicast address",
+        _ if ip.is_broadcast() => "the broadcast address",
+        _ if a == 100 && (64..128).contains(&b) => "a shared (carrier-grade NAT) address",
+        _ if a >= 240 => "a reserved address",
+        _ => return None,
+    })
+}
+
+fn refused_v6(ip: Ipv6Addr) -> Option<&'static str> {
+    if let Some(v4) = ip.to_ipv4_mapped() {
+        return refused_v4(v4);
+    }
+    let s = ip.segments();
+    // NAT64 (64:ff9b::/96) reaches the IPv4 address in its low bits.
+    if s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
+        let [a, b, c, d] = [(s[6] >> 8) as u8, s[6] as u8, (s[7] >> 8) as u8, s[7] as u8];
+        return refused_v4(Ipv4Addr::new(a, b, c, d));
+    }
+    Some(match () {
+        _ if ip.is_loopback() => "a loopback address",
+        _ if ip.is_unspecified() => "an unspecified address",
+        _ if ip.is_multicast() => "a multicast address",
+        _ if s[0] & 0xfe00 == 0xfc00 => "a unique-local (private) address",
+        _ if s[0] & 0xffc0 == 0xfe80 => "a link-local address",
+        _ if s[0] & 0xffc0 == 0xfec0 => "a site-local address",
+        // ::a.b.c.d, the deprecated IPv4-compatible form.
+        _ if s[..6] == [0; 6] => return refused_v4(Ipv4Addr::new((s[6] >> 8) as u8, s[6] as u8, (s[7] >> 8) as u8, s[7] as u8)),
+        _ => return None,
+    })
 }
 
 /// `%XX` escapes of a URL path decoded (`a%20b.png` → `a b.png`).
@@ -154,6 +299,52 @@ mod tests {
         assert!(data_uri("image/png,hello", 100).unwrap_err().contains("base64"));
         assert!(data_uri("image/png;base64,aGVsbG8=", 2).unwrap_err().contains("limit"));
         assert!(data_uri("image/png;base64,@@@@", 100).unwrap_err().contains("not valid base64"));
+    }
+
+    #[test]
+    fn addresses_inside_a_network_are_refused_and_public_ones_are_not() {
+        let refused = |s: &str| refused_kind(s.parse().unwrap());
+        for ip in [
+            "127.0.0.1",
+            "127.8.9.10",
+            "10.0.0.1",
+            "172.16.5.4",
+            "172.31.255.255",
+            "192.168.1.1",
+            "169.254.169.254",
+            "0.0.0.0",
+            "0.1.2.3",
+            "224.0.0.1",
+            "255.255.255.255",
+            "100.64.0.1",
+            "240.0.0.1",
+            "::1",
+            "::",
+            "fc00::1",
+            "fd12:3456::1",
+            "fe80::1",
+            "fec0::1",
+            "ff02::1",
+            "::ffff:127.0.0.1",
+            "::ffff:169.254.169.254",
+            "64:ff9b::a9fe:a9fe",
+            "::127.0.0.1",
+        ] {
+            assert!(refused(ip).is_some(), "{ip} should be refused");
+        }
+        for ip in [
+            "8.8.8.8",
+            "1.1.1.1",
+            "172.32.0.1",
+            "100.128.0.1",
+            "198.51.100.2",
+            "2001:4860:4860::8888",
+            "::ffff:8.8.8.8",
+            "64:ff9b::808:808",
+        ] {
+            assert_eq!(refused(ip), None, "{ip} is public");
+        }
+        assert_eq!(refused("169.254.169.254").map(|k| k.contains("metadata")), Some(true));
     }
 
     #[test]

@@ -61,6 +61,12 @@ pub struct Common {
     /// vLLM's `prompt_logprobs`: each prompt token's logprob and this many
     /// alternatives, in the answer's `prompt_logprobs`.
     pub prompt_logprobs: Option<u8>,
+    /// vLLM's `thinking_token_budget`: reasoning tokens after which the
+    /// reasoning is closed (`None`: no cap asked for).
+    pub thinking_budget: Option<u32>,
+    /// vLLM's `return_tokens_as_token_ids`: logprobs name each token
+    /// `token_id:N` instead of its text.
+    pub tokens_as_ids: bool,
 }
 
 impl Common {
@@ -187,10 +193,19 @@ impl Endpoint {
             // OpenAI's end-user id, for abuse monitoring: by definition it
             // changes no output, so taking it is honouring it.
             "user",
+            "return_tokens_as_token_ids",
         ];
         const COMPLETIONS: &[&str] = &["prompt", "echo", "best_of", "suffix"];
-        const CHAT: &[&str] =
-            &["messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "top_logprobs"];
+        const CHAT: &[&str] = &[
+            "messages",
+            "max_completion_tokens",
+            "tools",
+            "tool_choice",
+            "parallel_tool_calls",
+            "chat_template_kwargs",
+            "top_logprobs",
+            "thinking_token_budget",
+        ];
         let own = match self {
             Endpoint::Completions => COMPLETIONS,
             Endpoint::ChatCompletions => CHAT,
@@ -371,7 +386,24 @@ pub fn common(m: &Map<String, Value>, d: &Defaults, endpoint: Endpoint, seed_fal
         echo,
         logit_bias: logit_bias(m)?,
         prompt_logprobs,
+        thinking_budget: thinking_budget(m)?,
+        tokens_as_ids: boolean(m, "return_tokens_as_token_ids")?.unwrap_or(false),
     })
+}
+
+/// vLLM's `thinking_token_budget`: a count of tokens, or -1 for no cap.
+fn thinking_budget(m: &Map<String, Value>) -> Result<Option<u32>, ApiError> {
+    const K: &str = "thinking_token_budget";
+    match m.get(K) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) if n.as_i64() == Some(-1) => Ok(None),
+        Some(Value::Number(n)) => n
+            .as_u64()
+            .and_then(|v| u32::try_from(v).ok())
+            .map(Some)
+            .ok_or_else(|| ApiError::bad(K, format!("`{K}` must be a count of tokens, or -1 for no cap"))),
+        Some(v) => Err(ApiError::bad(K, format!("`{K}` must be an integer, not {}", kind(v)))),
+    }
 }
 
 /// OpenAI's `logit_bias`: token ids (as the object's keys) to a bias from

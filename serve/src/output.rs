@@ -1,27 +1,30 @@
 //! Reading MiniMax-M3's chat output as OpenAI's API gives it: the reasoning
-//! between `<mm:think>` tags as `reasoning_content` (as vLLM's reasoning
-//! parser does) and a `<tool_call>` block as `tool_calls`
+//! between `<mm:think>` tags as `reasoning` (as vLLM's reasoning parser
+//! does) and a `<tool_call>` block as `tool_calls`
 //! (`../shared/spec/minimax-m3-chat.md` §4), incrementally, so a stream
-//! never shows a tag or half a tool call.
+//! never shows a tag or half a tool call. Where the reasoning ends is
+//! `m3c_constrain::thinking`'s rule, the one a constrained request's grammar
+//! and the stage's reasoning budget follow too.
 
+use m3c_constrain::thinking::{Splitter, ThinkStart};
 use serde_json::{json, Map, Value};
 
-const THINK: &str = "<mm:think>";
-const END_THINK: &str = "</mm:think>";
 /// Removed wherever it appears (the spec's parsers do so first).
 const MARK: &str = "]<]minimax[>[";
 const CALLS: &str = "<tool_call>";
 const END_CALLS: &str = "</tool_call>";
 
-/// Where the output is.
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Part {
-    /// Nothing decided yet (the start: reasoning may open).
-    Start,
-    Reasoning,
-    Content,
-    /// Inside the tool-call block: held back until it is whole.
-    Calls,
+/// How a chat's output is read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reading {
+    /// No constraint: a lenient reasoning prefix, and a tool-call block
+    /// anywhere in the content.
+    Free,
+    /// A grammar binds the content: it is every byte after the reasoning,
+    /// as the grammar matched it.
+    Constrained,
+    /// A forced tool call: the content is the grammar's call block.
+    ForcedCalls,
 }
 
 /// What a piece of output adds.
@@ -33,24 +36,28 @@ pub struct Delta {
 
 /// The incremental reader of one chat completion's text.
 pub struct ChatOutput {
-    part: Part,
+    splitter: Splitter,
+    reading: Reading,
     /// Received text that may end in the start of a marker.
     raw: String,
-    /// Text received but not yet given out (a tag may be forming).
+    /// Content not yet given out (a `<tool_call>` tag may be forming).
     pending: String,
+    /// Inside the tool-call block: held back until it is whole.
+    in_calls: bool,
     calls: String,
     pub reasoning: String,
     pub content: String,
 }
 
 impl ChatOutput {
-    /// `thinking`: the prompt ended inside an open `<mm:think>` (thinking
-    /// enabled), so the output starts as reasoning.
-    pub fn new(thinking: bool) -> ChatOutput {
+    /// `start`: where the rendered prompt left the model's reasoning.
+    pub fn new(start: ThinkStart, reading: Reading) -> ChatOutput {
         ChatOutput {
-            part: if thinking { Part::Reasoning } else { Part::Start },
+            splitter: Splitter::new(start, reading == Reading::Free),
+            reading,
             raw: String::new(),
             pending: String::new(),
+            in_calls: false,
             calls: String::new(),
             reasoning: String::new(),
             content: String::new(),
@@ -59,64 +66,41 @@ impl ChatOutput {
 
     /// Adds decoded text; returns what can be shown now.
     pub fn push(&mut self, text: &str) -> Delta {
-        self.raw.push_str(text);
-        // Markers go; an end that may begin one waits for the next piece.
-        let keep = held(&self.raw, &[MARK]);
-        let ready: String = self.raw.drain(..self.raw.len() - keep).collect();
-        self.pending.push_str(&ready.replace(MARK, ""));
-        self.advance(false)
+        let ready = if self.reading == Reading::Constrained {
+            text.to_string()
+        } else {
+            // Markers go; an end that may begin one waits for the next piece.
+            self.raw.push_str(text);
+            let keep = held(&self.raw, &[MARK]);
+            let ready: String = self.raw.drain(..self.raw.len() - keep).collect();
+            ready.replace(MARK, "")
+        };
+        let split = self.splitter.push(ready.as_bytes());
+        self.advance(split, false)
     }
 
     /// The end of the output: everything held back.
     pub fn finish(&mut self) -> Delta {
         let rest = std::mem::take(&mut self.raw);
-        self.pending.push_str(&rest);
-        self.advance(true)
+        let mut split = self.splitter.push(rest.as_bytes());
+        let tail = self.splitter.finish();
+        split.reasoning.extend(tail.reasoning);
+        split.content.extend(tail.content);
+        self.advance(split, true)
     }
 
-    fn advance(&mut self, end: bool) -> Delta {
-        let mut d = Delta::default();
-        loop {
-            match self.part {
-                Part::Start => {
-                    let t = self.pending.trim_start();
-                    if let Some(rest) = t.strip_prefix(THINK) {
-                        self.pending = rest.to_string();
-                        self.part = Part::Reasoning;
-                    } else if let Some(rest) = t.strip_prefix(END_THINK) {
-                        // A bare close: no reasoning.
-                        self.pending = rest.to_string();
-                        self.part = Part::Content;
-                    } else if !end && (THINK.starts_with(t) || END_THINK.starts_with(t)) {
-                        break; // a tag may be forming
-                    } else {
-                        self.part = Part::Content;
-                    }
-                }
-                Part::Reasoning => {
-                    if !take_until(&mut self.pending, END_THINK, &mut d.reasoning, end) {
-                        break;
-                    }
-                    self.part = Part::Content;
-                }
-                Part::Content => {
-                    if !take_until(&mut self.pending, CALLS, &mut d.content, end) {
-                        break;
-                    }
-                    self.part = Part::Calls;
-                }
-                Part::Calls => {
-                    self.calls.push_str(&std::mem::take(&mut self.pending));
-                    break;
-                }
-            }
-        }
-        if end && self.part == Part::Start {
-            d.content.push_str(&std::mem::take(&mut self.pending));
-        }
-        // Leading blank lines after the reasoning are not content.
-        if self.content.is_empty() {
-            d.content = d.content.trim_start_matches('\n').to_string();
+    fn advance(&mut self, split: m3c_constrain::thinking::Split, end: bool) -> Delta {
+        // The splitter cuts only at ASCII tags, so whole characters stay whole.
+        let text = |b: Vec<u8>| String::from_utf8(b).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned());
+        let mut d = Delta { reasoning: text(split.reasoning), content: String::new() };
+        self.pending.push_str(&text(split.content));
+        if self.reading == Reading::Constrained {
+            d.content = std::mem::take(&mut self.pending);
+        } else if self.in_calls {
+            self.calls.push_str(&std::mem::take(&mut self.pending));
+        } else if take_until(&mut self.pending, CALLS, &mut d.content, end) {
+            self.in_calls = true;
+            self.calls.push_str(&std::mem::take(&mut self.pending));
         }
         self.reasoning.push_str(&d.reasoning);
         self.content.push_str(&d.content);
@@ -292,7 +276,8 @@ mod tests {
     use super::*;
 
     fn whole(thinking: bool, pieces: &[&str]) -> ChatOutput {
-        let mut o = ChatOutput::new(thinking);
+        let start = if thinking { ThinkStart::Open } else { ThinkStart::Adaptive };
+        let mut o = ChatOutput::new(start, Reading::Free);
         let mut shown = Delta::default();
         for p in pieces {
             let d = o.push(p);

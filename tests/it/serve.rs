@@ -400,6 +400,229 @@ fn structured_outputs_hold_on_random_weights() {
     assert!(got["calls"].as_u64() >= Some(4), "{got}");
 }
 
+/// Chat constraints under MiniMax-M3's three thinking modes (the real
+/// template's `adaptive` default, `enabled`, `disabled`), through OpenAI's
+/// client on random weights: json_schema, json_object, choice, regex,
+/// grammar, tool_choice required and named, whole and streamed, with the
+/// model left alone and with it steered to reason without end. Whatever
+/// comes back as content or tool calls satisfies the constraint; the
+/// reasoning budget closes a reasoning that never ends; a budget past
+/// max_tokens ends in "length" with no content. `m3c run --chat` reads its
+/// constraint by the same rule.
+#[test]
+fn chat_constraints_hold_in_every_thinking_mode() {
+    let (out, model) = compiled();
+    let s = Server::start(&out, &model, &[]);
+    for mode in ["adaptive", "enabled", "disabled"] {
+        let got = s.client(&["chat_constraints", mode]);
+        let outcomes = got["outcomes"].as_array().unwrap_or_else(|| panic!("{got}"));
+        assert_eq!(outcomes.len(), 28, "{got}");
+        for o in outcomes {
+            eprintln!(
+                "{mode:9} {:13} {:13} stream={:5} finish={:10} reasoning={:4} chars, content {}",
+                o["constraint"].as_str().unwrap_or(""),
+                o["steer"].as_str().unwrap_or(""),
+                o["stream"],
+                o["finish"].as_str().unwrap_or(""),
+                o["reasoning_chars"],
+                o["content"]
+            );
+        }
+        if mode != "disabled" {
+            assert_eq!(got["capped"]["finish"], "length", "{got}");
+        }
+    }
+    // m3c run: the default (adaptive) chat, constrained; what follows the
+    // reasoning is one of the choices.
+    for seed in ["1", "2", "3"] {
+        let (text, _) = run_text(
+            &out,
+            &model,
+            &["--chat", "Yes or no?", "--max-new-tokens", "40", "--temperature", "1", "--seed", seed, "--choice", "yes", "--choice", "no"],
+        );
+        let content = match text.strip_prefix("<mm:think>") {
+            Some(rest) => rest.split_once("</mm:think>").map(|(_, c)| c).unwrap_or_else(|| panic!("an unclosed reasoning: {text:?}")),
+            None => text.strip_prefix("</mm:think>").unwrap_or(&text),
+        };
+        assert!(content == "yes" || content == "no", "m3c run --chat --choice, seed {seed}: {text:?}");
+    }
+}
+
+/// A media server (tests/serve/media_server.py) on `host`, in the network
+/// namespace `ns` when given; killed when dropped.
+struct MediaServer {
+    child: Child,
+    url: String,
+}
+
+impl MediaServer {
+    fn start(ns: Option<&str>, host: &str, png: &Path) -> MediaServer {
+        let script = m3c_tests::root().join("tests/serve/media_server.py");
+        let mut cmd = match ns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, "python3"]);
+                c
+            }
+            None => Command::new("python3"),
+        };
+        let mut child = cmd
+            // Its own port in a namespace of its own; any free one here.
+            .args([script.to_str().unwrap(), host, if ns.is_some() { "8080" } else { "0" }, png.to_str().unwrap()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("python3 runs the media server");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        assert!(line.starts_with("http://"), "the media server did not start: {line:?}");
+        MediaServer { child, url: line.trim().to_string() }
+    }
+
+    /// Requests it has served (its /count, which itself is not counted).
+    fn count(&self) -> u64 {
+        use std::io::{Read, Write};
+        let addr = self.url.trim_start_matches("http://");
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        write!(s, "GET /count HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+        let mut r = String::new();
+        s.read_to_string(&mut r).unwrap();
+        r.rsplit("\r\n\r\n").next().and_then(|b| b.trim().parse().ok()).unwrap_or_else(|| panic!("a count: {r:?}"))
+    }
+}
+
+impl Drop for MediaServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A network namespace that stands for a public web host: 198.51.100.2
+/// (a documentation range: public to the fetch rules, routed nowhere),
+/// wired to this namespace's 198.51.100.1 by a veth pair; removed when
+/// dropped. `None` (and a SKIPPED line) without root or iproute2.
+struct PublicHost {
+    ns: String,
+}
+
+impl PublicHost {
+    fn new() -> Option<PublicHost> {
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        if unsafe { libc::geteuid() } != 0 || Command::new("ip").arg("-V").output().map(|o| !o.status.success()).unwrap_or(true) {
+            eprintln!("SKIPPED: the public-host part needs root and iproute2 (network namespaces); CI has both");
+            return None;
+        }
+        let pid = std::process::id();
+        let h = PublicHost { ns: format!("m3cweb{pid}") };
+        let root_end = format!("m3cw{pid}");
+        for args in [
+            vec!["netns", "add", &h.ns],
+            vec!["link", "add", &root_end, "type", "veth", "peer", "name", "eth0", "netns", &h.ns],
+            vec!["addr", "add", "198.51.100.1/24", "dev", &root_end],
+            vec!["link", "set", &root_end, "up"],
+            vec!["-n", &h.ns, "addr", "add", "198.51.100.2/24", "dev", "eth0"],
+            vec!["-n", &h.ns, "link", "set", "eth0", "up"],
+            vec!["-n", &h.ns, "link", "set", "lo", "up"],
+        ] {
+            let o = Command::new("ip").args(&args).output().unwrap();
+            assert!(o.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+        }
+        Some(h)
+    }
+}
+
+impl Drop for PublicHost {
+    fn drop(&mut self) {
+        // Deleting the namespace deletes its veth end, and with it ours.
+        let _ = Command::new("ip").args(["netns", "pids", &self.ns]).output().map(|o| {
+            for pid in String::from_utf8_lossy(&o.stdout).split_whitespace() {
+                let _ = Command::new("kill").args(["-9", pid]).status();
+            }
+        });
+        let _ = Command::new("ip").args(["netns", "del", &self.ns]).status();
+    }
+}
+
+/// Image URLs never reach this machine's or its network's own services by
+/// default: loopback, private, link-local and unspecified addresses are
+/// refused before any connection (a server on 127.0.0.1 counts no
+/// request), by address or by a name that resolves to one, and so is a
+/// redirect from a public host to loopback; a public host is fetched.
+/// `--allow-private-media-urls` and `--allowed-media-domains` (every hop
+/// checked) work as documented. Every refusal is a 400 naming the part and
+/// the rule.
+#[test]
+fn media_fetches_never_reach_private_addresses_unless_allowed() {
+    let (out, model) = compiled();
+    let png = fixture("vision/A_rgb_56x84_noresize.png");
+    let local = MediaServer::start(None, "127.0.0.1", &png);
+    let port = local.url.rsplit(':').next().unwrap().to_string();
+    let img = |host: &str| format!("http://{host}:{port}/image.png");
+    let fetch = |s: &Server, urls: &[String]| -> Vec<Value> {
+        let mut args = vec!["media_fetch"];
+        args.extend(urls.iter().map(String::as_str));
+        s.client(&args).as_array().cloned().unwrap_or_default()
+    };
+    let refused = |r: &Value, rule: &str| {
+        assert_eq!(r["status"], 400, "{r}");
+        assert!(r["param"].as_str().is_some_and(|p| p.starts_with("messages[0].content[0]")), "the part is named: {r}");
+        assert!(r["message"].as_str().is_some_and(|m| m.contains(rule)), "{rule}: {r}");
+    };
+    let public = PublicHost::new();
+    let web = public.as_ref().map(|h| MediaServer::start(Some(&h.ns), "198.51.100.2", &png));
+
+    let s = Server::start(&out, &model, &["--media-timeout-s", "5"]);
+    let mut urls = vec![
+        img("127.0.0.1"),
+        img("localhost"),
+        img("[::1]"),
+        img("0.0.0.0"),
+        "http://169.254.169.254/latest/meta-data/".to_string(),
+        "http://10.255.255.1/image.png".to_string(),
+        "http://[::ffff:127.0.0.1]:1/image.png".to_string(),
+    ];
+    if let Some(w) = &web {
+        urls.push(format!("{}/image.png", w.url));
+        urls.push(format!("{}/redirect?to={}", w.url, img("127.0.0.1")));
+    }
+    let got = fetch(&s, &urls);
+    assert_eq!(got.len(), urls.len());
+    refused(&got[0], "127.0.0.1 is a loopback address");
+    refused(&got[0], "--allow-private-media-urls");
+    refused(&got[1], "`localhost` resolves to");
+    refused(&got[2], "loopback");
+    refused(&got[3], "unspecified");
+    refused(&got[4], "link-local");
+    refused(&got[5], "private");
+    refused(&got[6], "loopback");
+    if let Some(w) = &web {
+        assert_eq!(got[7]["status"], 200, "a public host is fetched: {}", got[7]);
+        refused(&got[8], "redirect 1 of");
+        refused(&got[8], "loopback");
+        assert_eq!(w.count(), 2, "the public host served the image and the redirect");
+    }
+    assert_eq!(local.count(), 0, "nothing reached the server on 127.0.0.1");
+    drop(s);
+
+    // The operator's own network, on purpose.
+    let s = Server::start(&out, &model, &["--allow-private-media-urls"]);
+    let got = fetch(&s, &[img("127.0.0.1")]);
+    assert_eq!(got[0]["status"], 200, "{}", got[0]);
+    assert_eq!(local.count(), 1);
+    drop(s);
+
+    // A list of hosts: other hosts are refused, on every hop.
+    let s = Server::start(&out, &model, &["--allowed-media-domains", "localhost", "--allow-private-media-urls"]);
+    let got = fetch(&s, &[img("localhost"), img("127.0.0.1"), format!("http://localhost:{port}/redirect?to={}", img("127.0.0.1"))]);
+    assert_eq!(got[0]["status"], 200, "{}", got[0]);
+    refused(&got[1], "its host `127.0.0.1` is not among --allowed-media-domains (localhost)");
+    refused(&got[2], "redirect 1 of");
+    refused(&got[2], "not among --allowed-media-domains");
+    assert_eq!(local.count(), 3, "the allowed image and the redirect; never the refused host");
+}
+
 /// Sixteen chats with a shared system prompt of well over eight blocks,
 /// all at once, get the same texts and logprobs from a server with prefix
 /// caching, one without, and one whose pool is too small for them all at
@@ -483,6 +706,7 @@ fn bad_requests_get_openai_errors_and_the_server_stays_up() {
         ("top_p", 400),
         ("bad_id", 400),
         ("route", 404),
+        ("get_on_post", 405),
     ] {
         assert_eq!(got[case].as_u64(), Some(status), "{case}: {got}");
     }
@@ -644,7 +868,15 @@ fn chat_images_by_data_uri_http_and_file_give_the_same_answer() {
     let s = Server::start(
         &out,
         &model,
-        &["--allowed-local-media-path", media.to_str().unwrap(), "--media-timeout-s", "2", "--max-image-mb", "1"],
+        &[
+            "--allowed-local-media-path",
+            media.to_str().unwrap(),
+            "--media-timeout-s",
+            "2",
+            "--max-image-mb",
+            "1",
+            "--allow-private-media-urls",
+        ],
     );
     let got = s.client(&["images", png.to_str().unwrap(), png.to_str().unwrap(), outside.to_str().unwrap()]);
     assert_eq!(got["prompt_tokens"].as_u64(), Some(tokens), "the image chat's prompt is m3c run's");

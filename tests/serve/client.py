@@ -240,6 +240,13 @@ def errors(base, model):
     seen["top_p"] = post("/v1/completions", {"model": model, "prompt": "x", "top_p": 0})[0]
     seen["bad_id"] = post("/v1/completions", {"model": model, "prompt": [10**9]})[0]
     seen["route"] = httpx.get(f"{root}/v1/nothing", timeout=10).status_code
+    # A method a route does not take: 405, as a JSON error like the others.
+    for path in ["/v1/chat/completions", "/v1/completions", "/tokenize"]:
+        r = httpx.get(f"{root}{path}", timeout=10)
+        e = r.json()["error"]
+        assert r.status_code == 405 and "POST" in e["message"] and path in e["message"], (path, r.status_code, r.text)
+        assert r.headers["content-type"].startswith("application/json"), r.headers
+    seen["get_on_post"] = r.status_code
     # The official client raises the matching exceptions.
     c = client(base)
     try:
@@ -735,11 +742,18 @@ def responses(base, model, user, params):
     return {"text": r.output_text, "status": r.status, "events": len(kinds)}
 
 
-def structured(base, model):
+def thinking_kwargs(mode):
+    """The chat_template_kwargs of a thinking mode ("adaptive" is the
+    template's default: no kwargs at all)."""
+    return {} if mode == "adaptive" else {"chat_template_kwargs": {"thinking_mode": mode}}
+
+
+def structured(base, model, mode="disabled"):
     """Structured outputs on the tiny model's random weights: the constraint
     alone makes every answer valid. parse() with a Pydantic model, a JSON
     object, a regex, a choice and a Lark grammar, on both endpoints, whole
-    and streamed; a bad schema or regex is a 400 naming its field."""
+    and streamed; a bad schema or regex is a 400 naming its field. `mode`:
+    the chat's thinking mode."""
     import re
     from pydantic import BaseModel, Field
 
@@ -749,7 +763,7 @@ def structured(base, model):
         tame: bool
 
     c = client(base)
-    off = {"chat_template_kwargs": {"thinking_mode": "disabled"}}
+    off = thinking_kwargs(mode)
     out = {}
     msgs = [{"role": "user", "content": "Describe a pet as JSON."}]
     for seed in range(3):
@@ -803,7 +817,7 @@ def structured(base, model):
     return out
 
 
-def forced_tools(base, model):
+def forced_tools(base, model, mode="disabled"):
     """tool_choice "required" and a named function on random weights: the
     grammar alone makes every answer a call in MiniMax-M3's format whose
     arguments validate (pydantic, strict) against the tool's schema; a
@@ -845,7 +859,7 @@ def forced_tools(base, model):
         "type": "object", "properties": {"query": {"type": "string", "minLength": 1, "maxLength": 5}}, "required": ["query"]}}}
     models = {"get_weather": Weather, "search": Search}
     c = client(base)
-    off = {"chat_template_kwargs": {"thinking_mode": "disabled"}}
+    off = thinking_kwargs(mode)
     msgs = [{"role": "user", "content": "Weather in Paris?"}]
     out = {"calls": 0}
 
@@ -890,6 +904,158 @@ def forced_tools(base, model):
     return out
 
 
+# The tiny tokenizer's reasoning tags (MiniMax-M3's 200059 and 200060).
+OPEN, CLOSE = 495, 496
+
+
+def chat_constraints(base, model, mode):
+    """Every chat constraint under one thinking mode, on random weights:
+    whatever the server returns as `content` (or as tool calls) satisfies
+    the constraint, whether the model reasons first or not. The reasoning is
+    driven both ways with logit_bias: a model made to open its reasoning and
+    never close it still answers validly once its budget is spent (the
+    closing tag is forced), and a budget larger than max_tokens ends in
+    finish "length" with no unconstrained content."""
+    import re
+    from pydantic import BaseModel, Field
+
+    class Pet(BaseModel):
+        name: str = Field(max_length=6)
+        legs: int = Field(ge=0, le=8)
+        tame: bool
+
+    c = client(base)
+    kw = thinking_kwargs(mode)
+    msgs = [{"role": "user", "content": "Answer in the format asked."}]
+    out = {"mode": mode, "outcomes": []}
+    # How the model is steered: as it likes; made to open its reasoning and
+    # never close it (a reasoning that runs into the budget). The fixture's
+    # config names id 2 as its EOS, which this tokenizer spells "#": every
+    # "#" would end the answer early, as an EOS does, so it is kept out
+    # (a real checkpoint's EOS is a special token no grammar can spell).
+    steer = {"free": {"2": -100}, "never_closes": {"2": -100, str(OPEN): 100, str(CLOSE): -100}}
+
+    def ask(name, how, check, stream=False, **extra):
+        body = dict(kw)
+        body.update(extra.pop("extra_body", {}))
+        params = dict(model=model, messages=msgs, max_tokens=extra.pop("max_tokens", 100), temperature=1.0, seed=extra.pop("seed", 3),
+                      logit_bias=steer[how], extra_body=body, **extra)
+        if stream:
+            content, reasoning, finish, calls = "", "", None, {}
+            for chunk in c.chat.completions.create(stream=True, **params):
+                for ch in chunk.choices:
+                    content += ch.delta.content or ""
+                    reasoning += getattr(ch.delta, "reasoning", None) or ""
+                    finish = ch.finish_reason or finish
+                    for d in ch.delta.tool_calls or []:
+                        calls.setdefault(d.index, ["", ""])
+                        calls[d.index][0] = d.function.name or calls[d.index][0]
+                        calls[d.index][1] += d.function.arguments or ""
+            calls = [(n, a) for n, a in calls.values()]
+        else:
+            r = c.chat.completions.create(**params)
+            m = r.choices[0].message
+            content, reasoning, finish = m.content or "", getattr(m, "reasoning", None) or "", r.choices[0].finish_reason
+            assert (getattr(m, "reasoning_content", None) or "") == reasoning, "reasoning_content is reasoning's alias"
+            calls = [(t.function.name, t.function.arguments) for t in m.tool_calls or []]
+        if mode == "disabled":
+            assert reasoning == "", (name, "the prompt closed the reasoning", reasoning)
+        if how == "never_closes" and mode != "disabled":
+            assert reasoning, (name, how, "the steered model reasons")
+        check(content, calls, finish)
+        out["outcomes"].append({"constraint": name, "steer": how, "stream": stream, "finish": finish, "reasoning_chars": len(reasoning),
+                                "content": content, "calls": len(calls)})
+
+    def pet(content, calls, finish):
+        assert finish == "stop", (finish, content)
+        Pet.model_validate_json(content)
+
+    def any_object(content, calls, finish):
+        if finish == "stop":
+            assert isinstance(json.loads(content), dict), content
+        else:
+            assert finish == "length" and content.startswith("{"), (finish, content)
+
+    def matches(pattern):
+        def check(content, calls, finish):
+            assert finish == "stop" and re.fullmatch(pattern, content), (pattern, finish, content)
+        return check
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 6}, "days": {"type": "integer"}}, "required": ["city", "days"]}}}
+    search = {"type": "function", "function": {"name": "search", "parameters": {
+        "type": "object", "properties": {"query": {"type": "string", "minLength": 1, "maxLength": 5}}, "required": ["query"]}}}
+
+    def called(single=None):
+        def check(content, calls, finish):
+            assert finish == "tool_calls" and calls and content == "", (finish, calls, content)
+            for name, args in calls:
+                a = json.loads(args)
+                if name == "get_weather":
+                    assert isinstance(a["city"], str) and len(a["city"]) <= 6 and isinstance(a["days"], int), a
+                else:
+                    assert name == "search" and 1 <= len(a["query"]) <= 5, (name, a)
+            assert single is None or [n for n, _ in calls] == [single], calls
+        return check
+
+    for how in steer:
+        for stream in (False, True):
+            ask("json_schema", how, pet, stream, response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": dict(Pet.model_json_schema(), additionalProperties=False)}})
+            ask("json_object", how, any_object, stream, response_format={"type": "json_object"}, max_tokens=400)
+            ask("choice", how, matches("yes|no"), stream, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+            ask("regex", how, matches(r"[A-Z]{2}-[0-9]{3}"), stream, extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}"}})
+            ask("grammar", how, matches("red|green"), stream, extra_body={"structured_outputs": {"grammar": 'start: "red" | "green"'}})
+            ask("tool_required", how, called(), stream, tools=[weather, search], tool_choice="required", max_tokens=400)
+            ask("tool_named", how, called("search"), stream, tools=[weather, search],
+                tool_choice={"type": "function", "function": {"name": "search"}}, max_tokens=200)
+    # parse() gives the Pydantic object.
+    r = c.chat.completions.parse(model=model, messages=msgs, response_format=Pet, max_tokens=100, temperature=1.0, seed=11,
+                                 logit_bias=steer["never_closes"], extra_body=kw)
+    assert isinstance(r.choices[0].message.parsed, Pet), r.choices[0].message
+    if mode != "disabled":
+        # An explicit budget: the reasoning closes after exactly that many
+        # tokens (the tag is the next token in the logprobs).
+        r = c.chat.completions.create(model=model, messages=msgs, max_tokens=40, temperature=1.0, seed=5, logprobs=True,
+                                      logit_bias=steer["never_closes"], extra_body=dict(kw, thinking_token_budget=7,
+                                      structured_outputs={"choice": ["yes", "no"]}))
+        toks = [t.token for t in r.choices[0].logprobs.content]
+        opened = 1 if mode == "adaptive" else 0
+        assert toks[opened + 7] == "</mm:think>" and "</mm:think>" not in toks[:opened + 7], toks
+        assert r.choices[0].message.content in ("yes", "no"), r.choices[0].message
+        # A budget past max_tokens: the answer runs out inside the
+        # reasoning, says so, and shows no unconstrained content.
+        r = c.chat.completions.create(model=model, messages=msgs, max_tokens=12, temperature=1.0, seed=5,
+                                      logit_bias=steer["never_closes"], extra_body=dict(kw, thinking_token_budget=100,
+                                      structured_outputs={"regex": "[0-9]{3}"}))
+        ch = r.choices[0]
+        assert ch.finish_reason == "length" and not ch.message.content and ch.message.reasoning, ch
+        out["capped"] = {"finish": ch.finish_reason, "reasoning_chars": len(ch.message.reasoning)}
+    # vLLM's return_tokens_as_token_ids.
+    r = c.chat.completions.create(model=model, messages=msgs, max_tokens=4, temperature=1.0, seed=1, logprobs=True, top_logprobs=2,
+                                  extra_body=dict(kw, return_tokens_as_token_ids=True))
+    for t in r.choices[0].logprobs.content:
+        assert re.fullmatch(r"token_id:\d+", t.token) and bytes(t.bytes) == t.token.encode(), t
+        assert all(re.fullmatch(r"token_id:\d+", x.token) for x in t.top_logprobs), t
+    return out
+
+
+def media_fetch(base, model, urls):
+    """One image chat per URL (thinking disabled, greedy): each answer's
+    HTTP status, and its text or its error's message and param."""
+    h = httpx.Client(timeout=120)
+    out = []
+    for url in urls:
+        body = {"model": model, "max_tokens": 4, "temperature": 0, "chat_template_kwargs": {"thinking_mode": "disabled"},
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "hi"}]}]}
+        r = h.post(base + "/chat/completions", json=body)
+        j = r.json()
+        if r.status_code == 200:
+            out.append({"url": url, "status": 200, "text": j["choices"][0]["message"]["content"]})
+        else:
+            out.append({"url": url, "status": r.status_code, "message": j["error"]["message"], "param": j["error"]["param"]})
+    return out
+
+
 # Each subcommand: its function and how it reads its arguments.
 COMMANDS = {
     "complete": lambda base, model, rest: complete(base, model, rest[0], json.loads(rest[1])),
@@ -907,8 +1073,10 @@ COMMANDS = {
     "images": lambda base, model, rest: images(base, model, rest[0], rest[1], rest[2]),
     "image_chat": lambda base, model, rest: image_chat(base, model, rest[0], rest[1]),
     "responses": lambda base, model, rest: responses(base, model, rest[0], rest[1]),
-    "structured": lambda base, model, rest: structured(base, model),
-    "forced_tools": lambda base, model, rest: forced_tools(base, model),
+    "structured": lambda base, model, rest: structured(base, model, *rest),
+    "forced_tools": lambda base, model, rest: forced_tools(base, model, *rest),
+    "chat_constraints": lambda base, model, rest: chat_constraints(base, model, rest[0]),
+    "media_fetch": lambda base, model, rest: media_fetch(base, model, rest),
     "logprobs": lambda base, model, rest: logprobs(base, model),
     "prompt_logprobs": lambda base, model, rest: prompt_logprobs(base, model),
     "penalties": lambda base, model, rest: penalties(base, model, json.loads(rest[0]), json.loads(rest[1])),

@@ -60,7 +60,13 @@ pub fn link(objects: &[PathBuf], runtime: &Path, exe: &Path) -> Result<()> {
         Err(e) => return Err(e).context("cannot run mpicc"),
     };
     if !out.status.success() {
-        bail!("mpicc failed:\n{}", String::from_utf8_lossy(&out.stderr));
+        let said = [&out.stderr, &out.stdout].iter().map(|b| String::from_utf8_lossy(b).trim().to_string()).collect::<Vec<_>>().join("\n");
+        let said = if said.trim().is_empty() { "it printed nothing".to_string() } else { said.trim().to_string() };
+        // A full disk often shows only as a crash or a silent failure of
+        // the linker: say so, with the folder and the figures.
+        let inputs: u64 = objects.iter().chain([&runtime.to_path_buf()]).filter_map(|p| p.metadata().ok()).map(|m| m.len()).sum();
+        let space = exe.parent().into_iter().chain([std::env::temp_dir().as_path()]).find_map(|dir| short_of_space(dir, inputs));
+        bail!("mpicc failed ({}){}:\n{said}", out.status, space.map(|s| format!("; {s}")).unwrap_or_default());
     }
     Ok(())
 }
@@ -111,4 +117,30 @@ pub fn launcher(hosts: &[Option<String>]) -> String {
          exec mpirun --oversubscribe --bind-to none $MPIRUN_FLAGS {}\n",
         apps.join(" : ")
     )
+}
+
+/// "no space left on device" with the figures, when the file system of
+/// `dir` has less room than `need` bytes (a stage executable is at most
+/// its objects and the runtime library together).
+fn short_of_space(dir: &Path, need: u64) -> Option<String> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: `c` is a NUL-terminated path that outlives the call, and
+    // `st` is a plain C struct that statvfs fills (zeroed is a valid value).
+    let free = unsafe {
+        let mut st: libc::statvfs = std::mem::zeroed();
+        if libc::statvfs(c.as_ptr(), &mut st) != 0 {
+            return None;
+        }
+        st.f_bavail as u64 * st.f_frsize as u64
+    };
+    (free < need).then(|| {
+        let mb = |b: u64| b as f64 / (1u64 << 20) as f64;
+        format!(
+            "no space left on device: {} has {:.1} MB free, and linking a stage needs up to {:.1} MB",
+            dir.display(),
+            mb(free),
+            mb(need)
+        )
+    })
 }

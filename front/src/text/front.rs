@@ -4,6 +4,7 @@
 
 use super::{ChatTemplate, IncrementalDecoder, TextError, TextTokenizer, ThinkingMode};
 use m3c_contract::protocol::Event;
+use m3c_contract::thinking::ThinkStart;
 use minijinja::Value;
 use std::io::{BufRead, Write};
 use std::path::Path;
@@ -32,6 +33,9 @@ pub struct Encoded {
     /// the others): each left one placeholder in its prompt, expanded once
     /// the image is processed.
     pub images: Vec<Vec<std::path::PathBuf>>,
+    /// Where each prompt leaves the model's reasoning (a chat's thinking
+    /// mode; a raw completion's output is all content).
+    pub think: Vec<ThinkStart>,
     /// Choices per prompt (`m3c run -n`): prompt P's choice C is entry
     /// P × choices + C.
     pub choices: usize,
@@ -47,6 +51,7 @@ impl Encoded {
         rep(&mut self.ids, n);
         rep(&mut self.overrides, n);
         rep(&mut self.images, n);
+        rep(&mut self.think, n);
         self.choices = n;
     }
 
@@ -114,6 +119,7 @@ pub fn encode_jsonl(model: &Path, file: &Path, text: &str, enc: &mut Encoded) ->
         let bad = |message: String| TextError::Config { file: file.to_path_buf(), message: format!("line {}: {message}", n + 1) };
         let line: Line = serde_json::from_str(raw).map_err(|e| bad(e.to_string()))?;
         let mut line_images = Vec::new();
+        let mut think = ThinkStart::Closed;
         let ids = match (line.prompt, line.messages) {
             (Some(p), None) if line.thinking.is_none() => enc.tokenizer.encode(&p)?,
             (None, Some(m)) => {
@@ -142,7 +148,9 @@ pub fn encode_jsonl(model: &Path, file: &Path, text: &str, enc: &mut Encoded) ->
                 let base = file.parent().unwrap_or(Path::new("."));
                 line_images = urls.iter().map(|(field, url)| image_file(field, url, base)).collect::<Result<_, _>>().map_err(bad)?;
                 let messages: Value = serde_json::from_value(normalized).map_err(|e| bad(format!("`messages`: {e}")))?;
-                enc.tokenizer.encode(&t.render(&messages, &kwargs)?)?
+                let rendered = t.render(&messages, &kwargs)?;
+                think = ThinkStart::of_prompt(&rendered);
+                enc.tokenizer.encode(&rendered)?
             }
             _ => {
                 return Err(bad(
@@ -151,6 +159,7 @@ pub fn encode_jsonl(model: &Path, file: &Path, text: &str, enc: &mut Encoded) ->
             }
         };
         enc.ids.push(ids);
+        enc.think.push(think);
         enc.overrides.push(line.sampling);
         enc.images.push(line_images);
     }
@@ -161,9 +170,10 @@ pub fn encode_jsonl(model: &Path, file: &Path, text: &str, enc: &mut Encoded) ->
 /// chat template for `--chat`).
 pub fn encode(model: &Path, req: &TextRequest) -> Result<Encoded, TextError> {
     let tokenizer = TextTokenizer::from_dir(model)?;
-    let mut ids = Vec::new();
+    let (mut ids, mut think) = (Vec::new(), Vec::new());
     for p in req.prompts {
         ids.push(tokenizer.encode(p)?);
+        think.push(ThinkStart::Closed);
     }
     if !req.chats.is_empty() {
         let template = ChatTemplate::from_dir(model)?.ok_or_else(|| TextError::Config {
@@ -190,11 +200,12 @@ pub fn encode(model: &Path, req: &TextRequest) -> Result<Encoded, TextError> {
                 .map_err(|e| TextError::Render { file: template.file.clone(), message: format!("the messages: {e}") })?;
             let rendered = template.render(&messages, &kwargs)?;
             ids.push(tokenizer.encode(&rendered)?);
+            think.push(ThinkStart::of_prompt(&rendered));
         }
     }
     let overrides = vec![LineSampling::default(); ids.len()];
     let images = vec![Vec::new(); ids.len()];
-    Ok(Encoded { tokenizer, ids, overrides, images, choices: 1 })
+    Ok(Encoded { tokenizer, ids, overrides, images, think, choices: 1 })
 }
 
 /// A sequence's text on its way out: cut before the first stop string (or

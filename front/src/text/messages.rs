@@ -43,6 +43,11 @@ pub fn normalize(list: &[Value]) -> Result<(Value, Vec<(String, String)>), Messa
         }
         let mut out = o.clone();
         out.insert("role".into(), Value::String(if role == "developer" { "system".into() } else { role.into() }));
+        // vLLM's current name for an assistant turn's reasoning; the
+        // template reads the older `reasoning_content`.
+        if let (Some(r @ Value::String(_)), None) = (o.get("reasoning"), o.get("reasoning_content")) {
+            out.insert("reasoning_content".into(), r.clone());
+        }
         match o.get("content") {
             None | Some(Value::Null) if role == "assistant" => {}
             Some(Value::String(_)) => {}

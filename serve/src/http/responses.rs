@@ -65,8 +65,7 @@ pub(super) async fn responses(State(app): State<App>, headers: HeaderMap, body: 
         let common = openai::common(&chat, &app.defaults, openai::Endpoint::ChatCompletions, fresh_seed())?;
         let (rendered, parts) = render_chat(&app, &chat, true)?;
         let ids = app.tokenizer.encode(&rendered).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?;
-        let thinking = rendered.trim_end().ends_with("<mm:think>");
-        let closed_thinking = rendered.trim_end().ends_with("</mm:think>");
+        let think = m3c_constrain::thinking::ThinkStart::of_prompt(&rendered);
         let get = |k: &str| m.get(k).cloned().unwrap_or(Value::Null);
         let echo = Echo {
             instructions: get("instructions"),
@@ -76,9 +75,9 @@ pub(super) async fn responses(State(app): State<App>, headers: HeaderMap, body: 
             max_output_tokens: get("max_output_tokens"),
             user: get("user"),
         };
-        Ok((ids, common, (thinking, closed_thinking), parts.images, echo))
+        Ok((ids, common, think, parts.images, echo))
     };
-    let (ids, common, (thinking, closed_thinking), urls, echo) = match run() {
+    let (ids, common, think, urls, echo) = match run() {
         Ok(r) => r,
         Err(e) => return error(&e),
     };
@@ -91,7 +90,7 @@ pub(super) async fn responses(State(app): State<App>, headers: HeaderMap, body: 
         }
     };
     let streaming = common.stream;
-    let mut gens = match start(app, ids, common, Kind::Chat { thinking, closed_thinking, tools: Vec::new() }, im).await {
+    let mut gens = match start(app, ids, common, Kind::Chat { think, tools: Vec::new() }, im).await {
         Ok(g) => g,
         Err(r) => return r,
     };

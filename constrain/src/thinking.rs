@@ -1,0 +1,365 @@
+//! MiniMax-M3's reasoning block as one rule (`m3c_contract::thinking`),
+//! implemented three times over the same definitions so the three can
+//! never disagree about where content starts:
+//!
+//! - [`Splitter`] reads output bytes into reasoning and content (the
+//!   server's chat reader and the stage's budget both run it);
+//! - [`wrap`] puts a content grammar behind the reasoning the prompt allows,
+//!   as an llguidance grammar, so a constraint binds exactly what the reader
+//!   will call content;
+//! - [`Budget`] counts reasoning tokens in the last stage and names the
+//!   token to force when the cap is reached.
+//!
+//! Reasoning is text up to the first [`CLOSE`]; it never contains one. A
+//! constrained reader is strict: content is every byte after the prefix,
+//! with nothing trimmed. An unconstrained one is lenient, as it was before
+//! constraints followed reasoning: whitespace before the opening tag is
+//! skipped, blank lines before the content are dropped, and a model that
+//! opens `<mm:think>` after a `disabled` prompt is still read as reasoning.
+
+use crate::{ConstrainError, Vocabulary};
+pub use m3c_contract::thinking::{ThinkBudget, ThinkStart, CLOSE, OPEN};
+
+/// Where the output is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Part {
+    /// Nothing decided yet: a tag may come first.
+    Start,
+    Reasoning,
+    Content,
+}
+
+/// What a piece of output adds to each side.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Split {
+    pub reasoning: Vec<u8>,
+    pub content: Vec<u8>,
+}
+
+/// The incremental reader of one output's reasoning and content. Bytes
+/// that may begin a tag are held until the next piece shows what they are.
+#[derive(Debug, Clone)]
+pub struct Splitter {
+    part: Part,
+    pending: Vec<u8>,
+    lenient: bool,
+    content_seen: bool,
+}
+
+impl Splitter {
+    /// `lenient`: the unconstrained reading (above).
+    pub fn new(start: ThinkStart, lenient: bool) -> Splitter {
+        let part = match start {
+            ThinkStart::Open => Part::Reasoning,
+            ThinkStart::Closed if !lenient => Part::Content,
+            ThinkStart::Closed | ThinkStart::Adaptive => Part::Start,
+        };
+        Splitter { part, pending: Vec::new(), lenient, content_seen: false }
+    }
+
+    /// Whether the output is inside the reasoning now.
+    pub fn in_reasoning(&self) -> bool {
+        self.part == Part::Reasoning
+    }
+
+    /// Adds bytes; returns what is decided now.
+    pub fn push(&mut self, bytes: &[u8]) -> Split {
+        self.pending.extend_from_slice(bytes);
+        self.advance(false)
+    }
+
+    /// The end of the output: everything held back.
+    pub fn finish(&mut self) -> Split {
+        self.advance(true)
+    }
+
+    fn advance(&mut self, end: bool) -> Split {
+        let mut out = Split::default();
+        loop {
+            match self.part {
+                Part::Start => {
+                    let skip = if self.lenient { self.pending.iter().take_while(|b| b.is_ascii_whitespace()).count() } else { 0 };
+                    let t = &self.pending[skip..];
+                    if t.starts_with(OPEN.as_bytes()) {
+                        self.pending.drain(..skip + OPEN.len());
+                        self.part = Part::Reasoning;
+                    } else if t.starts_with(CLOSE.as_bytes()) {
+                        self.pending.drain(..skip + CLOSE.len());
+                        self.part = Part::Content;
+                    } else if !end && (OPEN.as_bytes().starts_with(t) || CLOSE.as_bytes().starts_with(t)) {
+                        break; // a tag may be forming
+                    } else {
+                        self.part = Part::Content;
+                    }
+                }
+                Part::Reasoning => match find(&self.pending, CLOSE.as_bytes()) {
+                    Some(i) => {
+                        out.reasoning.extend(self.pending.drain(..i));
+                        self.pending.drain(..CLOSE.len());
+                        self.part = Part::Content;
+                    }
+                    None => {
+                        let keep = if end { 0 } else { held(&self.pending, CLOSE.as_bytes()) };
+                        out.reasoning.extend(self.pending.drain(..self.pending.len() - keep));
+                        break;
+                    }
+                },
+                Part::Content => {
+                    if self.lenient && !self.content_seen {
+                        let blank = self.pending.iter().take_while(|&&b| b == b'\n').count();
+                        self.pending.drain(..blank);
+                    }
+                    self.content_seen |= !self.pending.is_empty();
+                    out.content.append(&mut self.pending);
+                    break;
+                }
+            }
+        }
+        out
+    }
+}
+
+/// The first position of `needle` in `hay`.
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+/// The longest end of `text` that begins `tag` (and is shorter than it).
+fn held(text: &[u8], tag: &[u8]) -> usize {
+    (1..tag.len()).rev().find(|&k| text.ends_with(&tag[..k])).unwrap_or(0)
+}
+
+/// The name the wrapped content grammar goes by in the grammar list.
+const BODY: &str = "m3c_content";
+
+/// A content grammar (llguidance's JSON form, as `Grammar::to_text`
+/// writes it) behind the reasoning prefix `start` allows, so that the
+/// output's content, as [`Splitter`] reads it strictly, is exactly what
+/// the grammar matches:
+///
+/// - `Open`: reasoning (any text without `</mm:think>`), `</mm:think>`,
+///   then the content;
+/// - `Adaptive`: optionally `<mm:think>` + reasoning + `</mm:think>`, or a
+///   bare `</mm:think>`, then the content;
+/// - `Closed`: the content grammar as it is.
+///
+/// The reasoning and its tags are one terminal, so the lexer ends it at
+/// the first `</mm:think>` without looking back.
+pub fn wrap(content: &str, start: ThinkStart) -> Result<String, ConstrainError> {
+    use llguidance::api::{GrammarWithLexer, TopLevelGrammar};
+    if start == ThinkStart::Closed {
+        return Ok(content.to_string());
+    }
+    let mut g: TopLevelGrammar = serde_json::from_str(content).map_err(|e| ConstrainError::Grammar(e.to_string()))?;
+    let Some(first) = g.grammars.first_mut() else {
+        return Err(ConstrainError::Grammar("a grammar list without grammars".into()));
+    };
+    let name = first.name.get_or_insert_with(|| BODY.to_string()).clone();
+    let reasoning = r#"REASONING: /(?s:.*)/ & ~/(?s:.*)<\/mm:think>(?s:.*)/"#;
+    let lark = match start {
+        ThinkStart::Open => format!("start: THOUGHT @{name}\nTHOUGHT: REASONING \"{CLOSE}\"\n{reasoning}\n"),
+        _ => format!(
+            "start: THOUGHT @{name} | NO_THOUGHT @{name} | @{name}\nTHOUGHT: \"{OPEN}\" REASONING \"{CLOSE}\"\nNO_THOUGHT: \"{CLOSE}\"\n{reasoning}\n"
+        ),
+    };
+    let wrapper = GrammarWithLexer { name: None, json_schema: None, lark_grammar: Some(lark) };
+    g.grammars.insert(0, wrapper);
+    serde_json::to_string(&g).map_err(|e| ConstrainError::Grammar(e.to_string()))
+}
+
+/// One sequence's reasoning budget in the last stage: it follows the
+/// drawn tokens through a [`Splitter`] and, once `budget` tokens were drawn
+/// inside the reasoning, says that the next draw must close it.
+#[derive(Debug, Clone)]
+pub struct Budget {
+    splitter: Splitter,
+    budget: u32,
+    spent: u32,
+    close: u32,
+}
+
+impl Budget {
+    /// `lenient`: the sequence has no grammar, so the server reads its
+    /// output leniently (the budget then counts what that reader calls
+    /// reasoning).
+    pub fn new(vocabulary: &Vocabulary, b: ThinkBudget, lenient: bool) -> Result<Budget, ConstrainError> {
+        let close = vocabulary.token_of(CLOSE.as_bytes()).ok_or_else(|| {
+            ConstrainError::Tokenizer(format!("a reasoning budget needs `{CLOSE}` as one token, and the tokenizer has none"))
+        })?;
+        Ok(Budget { splitter: Splitter::new(b.start, lenient), budget: b.budget, spent: 0, close })
+    }
+
+    /// The token the next draw must take (the closing tag), if the budget
+    /// is spent while the reasoning is still open.
+    pub fn forced(&self) -> Option<u32> {
+        (self.splitter.in_reasoning() && self.spent >= self.budget).then_some(self.close)
+    }
+
+    /// The token the sequence drew.
+    pub fn consume(&mut self, vocabulary: &Vocabulary, id: u32) {
+        if self.splitter.in_reasoning() {
+            self.spent = self.spent.saturating_add(1);
+        }
+        self.splitter.push(vocabulary.text_of(id));
+    }
+
+    /// Reasoning tokens drawn so far.
+    pub fn spent(&self) -> u32 {
+        self.spent
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read(start: ThinkStart, lenient: bool, pieces: &[&str]) -> (String, String) {
+        let mut s = Splitter::new(start, lenient);
+        let mut all = Split::default();
+        for p in pieces.iter().map(|p| p.as_bytes()).chain([&b""[..]]) {
+            let d = if p.is_empty() { s.finish() } else { s.push(p) };
+            all.reasoning.extend(d.reasoning);
+            all.content.extend(d.content);
+        }
+        (String::from_utf8(all.reasoning).unwrap(), String::from_utf8(all.content).unwrap())
+    }
+
+    #[test]
+    fn the_prefix_is_read_as_the_mode_says_even_when_tags_span_pieces() {
+        let r = |a: &str, b: &str| (a.to_string(), b.to_string());
+        assert_eq!(read(ThinkStart::Adaptive, false, &["<mm:", "think>a</mm", ":think>{}"]), r("a", "{}"));
+        assert_eq!(read(ThinkStart::Adaptive, false, &["</mm:", "think>\n{}"]), r("", "\n{}"));
+        assert_eq!(read(ThinkStart::Adaptive, false, &["{", "}"]), r("", "{}"));
+        assert_eq!(read(ThinkStart::Open, false, &["x </mm:thi", "nk", ">yes"]), r("x ", "yes"));
+        assert_eq!(read(ThinkStart::Open, false, &["never closed </mm:th"]), r("never closed </mm:th", ""));
+        assert_eq!(read(ThinkStart::Closed, false, &["<mm:think>x</mm:think>"]), r("", "<mm:think>x</mm:think>"));
+        // Lenient: whitespace before the tag, blank lines after it.
+        assert_eq!(read(ThinkStart::Adaptive, true, &["\n<mm:think>a</mm:think>\n\nParis"]), r("a", "Paris"));
+        assert_eq!(read(ThinkStart::Closed, true, &["<mm:think>a</mm:think>b"]), r("a", "b"));
+        // Only the first close ends the reasoning.
+        assert_eq!(read(ThinkStart::Open, false, &["a</mm:think>b</mm:think>"]), r("a", "b</mm:think>"));
+    }
+
+    /// The test tokenizer of the crate, with MiniMax-M3's two reasoning
+    /// tags as (non-special) tokens of their own.
+    fn vocabulary() -> (Vocabulary, u32, u32, u32) {
+        let mut t: serde_json::Value = serde_json::from_str(&crate::tests::tokenizer()).unwrap();
+        let n = t["model"]["vocab"].as_object().unwrap().len() as u64 + 1;
+        let added = t["added_tokens"].as_array_mut().unwrap();
+        added.push(serde_json::json!({"id": n, "content": OPEN, "special": false}));
+        added.push(serde_json::json!({"id": n + 1, "content": CLOSE, "special": false}));
+        let eos = n as u32 - 1;
+        let v = Vocabulary::from_tokenizer_json(&t.to_string(), Some(100), eos).unwrap();
+        (v, eos, n as u32, n as u32 + 1)
+    }
+
+    /// Draws as the last stage does: the grammar's mask, narrowed to the
+    /// closing tag when the budget is spent; `pick` chooses among the
+    /// allowed ids. Returns the output's bytes and whether the grammar ended.
+    fn generate(v: &Vocabulary, grammar: &str, budget: Option<ThinkBudget>, pick: impl Fn(&[u32], usize) -> u32) -> (Vec<u8>, bool) {
+        let mut c = v.compile(grammar).unwrap();
+        let mut b = budget.map(|b| Budget::new(v, b, false).unwrap());
+        let mut out = Vec::new();
+        for step in 0..200 {
+            let mut m = c.mask().unwrap();
+            if let Some(f) = b.as_ref().and_then(Budget::forced) {
+                assert!(m[f as usize / 32] >> (f % 32) & 1 == 1, "the grammar allows the close wherever the budget forces it");
+                m.iter_mut().for_each(|w| *w = 0);
+                m[f as usize / 32] |= 1 << (f % 32);
+            }
+            let id = pick(&m, step);
+            assert!(m[id as usize / 32] >> (id % 32) & 1 == 1, "picked a disallowed token {id}");
+            if c.is_done() {
+                return (out, true);
+            }
+            c.consume(id).unwrap();
+            if let Some(b) = b.as_mut() {
+                b.consume(v, id);
+            }
+            out.extend_from_slice(v.text_of(id));
+        }
+        (out, false)
+    }
+
+    fn allowed(m: &[u32], i: u32) -> bool {
+        m[i as usize / 32] >> (i % 32) & 1 == 1
+    }
+
+    fn content_of(start: ThinkStart, out: &[u8]) -> (String, String) {
+        let mut s = Splitter::new(start, false);
+        let mut d = s.push(out);
+        let e = s.finish();
+        d.reasoning.extend(e.reasoning);
+        d.content.extend(e.content);
+        (String::from_utf8(d.reasoning).unwrap(), String::from_utf8(d.content).unwrap())
+    }
+
+    #[test]
+    fn a_wrapped_grammar_binds_exactly_what_the_reader_calls_content() {
+        let (v, _eos, open, close) = vocabulary();
+        let choice = crate::Grammar::Choice(vec!["yes".into(), "no".into()]).to_text();
+        // Adaptive: a model that opens its reasoning, thinks, closes it.
+        let g = wrap(&choice, ThinkStart::Adaptive).unwrap();
+        let thinker = |m: &[u32], step: usize| {
+            let want = match step {
+                0 => open,
+                1..=4 => b'z' as u32 - b'!' as u32,
+                _ => close,
+            };
+            if allowed(m, want) {
+                want
+            } else {
+                (0..100).rev().find(|&i| allowed(m, i)).unwrap()
+            }
+        };
+        let (out, done) = generate(&v, &g, None, thinker);
+        assert!(done);
+        assert_eq!(content_of(ThinkStart::Adaptive, &out), ("zzzz".into(), "yes".into()), "{:?}", String::from_utf8_lossy(&out));
+        // Adaptive, a model that answers at once (the highest ids first,
+        // which are the tags: it closes without reasoning).
+        let (out, done) = generate(&v, &g, None, |m, _| (0..100).rev().find(|&i| allowed(m, i)).unwrap());
+        let (_, content) = content_of(ThinkStart::Adaptive, &out);
+        assert!(done && (content == "yes" || content == "no"), "{:?}", String::from_utf8_lossy(&out));
+        // Open: the reasoning is required, and a bare answer is not allowed
+        // until it closes.
+        let g = wrap(&choice, ThinkStart::Open).unwrap();
+        let (out, done) = generate(&v, &g, None, thinker);
+        assert!(done);
+        let (r, c) = content_of(ThinkStart::Open, &out);
+        assert!(r.ends_with("zzzz") && (c == "yes" || c == "no"), "{:?}", String::from_utf8_lossy(&out));
+        // Closed: the grammar as it was.
+        assert_eq!(wrap(&choice, ThinkStart::Closed).unwrap(), choice);
+    }
+
+    #[test]
+    fn a_spent_budget_closes_the_reasoning_and_the_content_still_matches() {
+        let (v, _eos, open, close) = vocabulary();
+        let schema = serde_json::json!({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": false});
+        let json = crate::Grammar::JsonSchema(schema).to_text();
+        // A model that would think forever: it never picks the close.
+        let never_closes = |m: &[u32], _| (0..100u32).find(|&i| i != close && allowed(m, i)).unwrap_or(close);
+        for start in [ThinkStart::Open, ThinkStart::Adaptive] {
+            let g = wrap(&json, start).unwrap();
+            let (out, done) = generate(&v, &g, Some(ThinkBudget { start, budget: 5 }), |m, step| {
+                if step == 0 && start == ThinkStart::Adaptive {
+                    open
+                } else {
+                    never_closes(m, step)
+                }
+            });
+            let (reasoning, content) = content_of(start, &out);
+            assert!(done, "{start:?}: {:?}", String::from_utf8_lossy(&out));
+            assert_eq!(reasoning.len(), 5, "{start:?}: five reasoning tokens, then the forced close: {reasoning:?}");
+            let parsed: serde_json::Value = serde_json::from_str(&content).unwrap_or_else(|e| panic!("{e}: {content:?}"));
+            assert!(parsed["ok"].is_boolean());
+        }
+        // Without a grammar, the budget alone.
+        let mut b = Budget::new(&v, ThinkBudget { start: ThinkStart::Open, budget: 2 }, true).unwrap();
+        assert_eq!(b.forced(), None);
+        b.consume(&v, 5);
+        b.consume(&v, 6);
+        assert_eq!((b.forced(), b.spent()), (Some(close), 2));
+        b.consume(&v, close);
+        assert_eq!(b.forced(), None, "content is not reasoning");
+    }
+}
