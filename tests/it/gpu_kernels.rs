@@ -1321,3 +1321,34 @@ fn the_device_sampler_picks_the_host_samplers_ids() {
         assert!(draws.len() >= 5, "ten draws from a flat row should mostly differ: {:?}", &gpu_ids[10..20]);
     }
 }
+
+/// The MSA tie cases (`host_kernels::msa_tie_cases`: exact ties to the
+/// lower block, a rounding tie to the block the reference's score order
+/// picks) choose the same block on the GPU, for both warp widths and both
+/// storages of the caches.
+#[test]
+fn msa_ties_on_the_gpu_fall_as_on_the_host() {
+    use crate::host_kernels::{chosen_blocks, msa_tie_cases, tie_qkv};
+    for target in &TARGETS {
+        for dim in [16usize, 12] {
+            let sel = SparseSel { index_heads: 1, index_dim: dim, block: 8, topk: 2, local: 1, init: 0 };
+            let k = Kernel::Attention(m3c_kernels::Attention { sparse: Some(sel), ..attention(2, 1, 16) });
+            let (q, kk, v) = tie_qkv();
+            for case in msa_tie_cases(dim) {
+                let args = vec![
+                    buf(&q, &[1, 32], "memref<?x32xf32>", false),
+                    buf(&kk, &[32, 16], "memref<?x16xf32>", false),
+                    buf(&v, &[32, 16], "memref<?x16xf32>", false),
+                    buf(&[31i64], &[1], "memref<?xi64>", false),
+                    buf(&case.iq, &[1, dim], &format!("memref<?x{dim}xf32>"), false),
+                    buf(&case.ik, &[32, dim], &format!("memref<?x{dim}xf32>"), false),
+                    buf(&[0f32; 32], &[1, 32], "memref<?x32xf32>", true),
+                ];
+                let o = run_both_on(target, &k, 1, &args);
+                let (host, gpu) = (f32s(&o[0].0), f32s(&o[0].1));
+                assert_eq!(chosen_blocks(&host), vec![case.want, 3], "host, width {dim}: {}", case.name);
+                assert_eq!(chosen_blocks(&gpu), vec![case.want, 3], "warp {}, width {dim}: {}", target.warp, case.name);
+            }
+        }
+    }
+}

@@ -1096,3 +1096,133 @@ fn tiled_mxfp8_linear_decodes_every_byte_exactly() {
         }
     }
 }
+
+/// One MSA block choice that hangs on how block scores compare exactly: a
+/// query at position 31 over 32 keys in blocks of 8 (blocks 0-2 compete,
+/// block 3 is its own), top 2, so exactly one of blocks 0-2 is chosen:
+/// `want`. The index query is one constant (0.1, whose products round), so
+/// keys whose entries are the same numbers in another order have equal
+/// exact scores; every key scores low except one in each of two blocks.
+pub(crate) struct TieCase {
+    pub name: &'static str,
+    pub iq: Vec<f32>,
+    pub ik: Vec<f32>,
+    pub want: usize,
+}
+
+/// A score as the reference computes it: one fused multiply-add chain over
+/// the index width in column order, from 0 (what `torch.matmul`'s GEMM
+/// gives, checked bit for bit against torch 2.15 for index widths 32 and
+/// 128).
+pub(crate) fn chain_score(iq: &[f32], ik: &[f32]) -> f32 {
+    iq.iter().zip(ik).fold(0f32, |a, (x, y)| x.mul_add(*y, a))
+}
+
+/// The chain with each product rounded before it is added (no fused
+/// multiply-add).
+fn unfused_score(iq: &[f32], ik: &[f32]) -> f32 {
+    iq.iter().zip(ik).fold(0f32, |a, (x, y)| a + x * y)
+}
+
+/// The same sum in m3c's former order: eight lane chains (column c in lane
+/// c mod 8), then the tree ((l0+l4)+(l2+l6))+((l1+l5)+(l3+l7)).
+fn lane_tree_score(iq: &[f32], ik: &[f32]) -> f32 {
+    let mut l = [0f32; 8];
+    for (c, (x, y)) in iq.iter().zip(ik).enumerate() {
+        l[c % 8] = x.mul_add(*y, l[c % 8]);
+    }
+    ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
+}
+
+/// The tie cases for an index width `dim`: two exact ties (the lower block
+/// wins, whichever pair), and, for widths of 8 or more, a rounding tie: two
+/// keys whose entries are the same numbers in another order, so their exact
+/// sums are equal and only the arithmetic separates them; the reference's
+/// fused chain ranks them one way, the lane tree and an unfused chain the
+/// other.
+pub(crate) fn msa_tie_cases(dim: usize) -> Vec<TieCase> {
+    let iq = vec![0.1f32; dim];
+    let low = vec![-1f32; dim];
+    let hi: Vec<f32> = (0..dim).map(|c| 0.5 + c as f32 * 0.125).collect();
+    let with = |keys: &[(usize, &[f32])]| {
+        let mut ik: Vec<f32> = (0..32).flat_map(|_| low.clone()).collect();
+        for &(t, v) in keys {
+            ik[t * dim..(t + 1) * dim].copy_from_slice(v);
+        }
+        ik
+    };
+    let mut cases = vec![
+        TieCase { name: "exact tie of blocks 1 and 2", iq: iq.clone(), ik: with(&[(9, &hi), (17, &hi)]), want: 1 },
+        TieCase { name: "exact tie of blocks 0 and 2", iq: iq.clone(), ik: with(&[(20, &hi), (3, &hi)]), want: 0 },
+    ];
+    if dim >= 8 {
+        // A deterministic search: entries of mixed magnitudes, and
+        // permutations of them, until the two orders disagree.
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let found = (0..20_000).find_map(|_| {
+            let a: Vec<f32> = (0..dim).map(|_| ((next() % 2001) as f32 - 1000.0) * (2f32).powi((next() % 24) as i32 - 12)).collect();
+            let mut b = a.clone();
+            for i in (1..dim).rev() {
+                b.swap(i, (next() % (i as u64 + 1)) as usize);
+            }
+            let (ca, cb) = (chain_score(&iq, &a), chain_score(&iq, &b));
+            let (ta, tb) = (lane_tree_score(&iq, &a), lane_tree_score(&iq, &b));
+            let (ua, ub) = (unfused_score(&iq, &a), unfused_score(&iq, &b));
+            // The reference prefers block 2 (b); the lane tree and the
+            // unfused chain would keep block 1 (a).
+            (cb > ca && ta >= tb && ua >= ub && cb > 0.0).then_some((a, b))
+        });
+        let (a, b) = found.expect("a pair of keys whose summation orders disagree");
+        cases.push(TieCase { name: "rounding tie decided by the reference's order", iq, ik: with(&[(12, &a), (22, &b)]), want: 2 });
+    }
+    cases
+}
+
+/// The blocks an MSA attention output shows as chosen, for the tie cases'
+/// values: value column c is 1 on the keys of block c, so with all scores
+/// equal (q = 0) output column c is positive exactly when block c was
+/// attended.
+pub(crate) fn chosen_blocks(o: &[f32]) -> Vec<usize> {
+    (0..4).filter(|&c| o[c] > 0.0).collect()
+}
+
+/// The tie cases' inputs besides iq and ik: q (zeros; 2 heads of 16), k
+/// (zeros; one KV head) and v (block indicators) over 32 keys.
+pub(crate) fn tie_qkv() -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let v = (0..32).flat_map(|t| (0..16).map(move |c| if c == t / 8 { 1f32 } else { 0.0 })).collect();
+    (vec![0f32; 32], vec![0f32; 32 * 16], v)
+}
+
+/// MSA's block choice where block scores tie: exactly (the lower block
+/// wins, `../shared/spec/minimax-m3.md` 2.3), or only after rounding (the
+/// scores are the reference's fused multiply-add chain, so the block the
+/// reference chooses; m3c's former lane-tree scores chose the other). Index
+/// widths 8 and 16 (eight keys at a time) and 12 (key by key).
+#[test]
+fn msa_ties_fall_as_the_reference_breaks_them() {
+    use m3c_kernels::SparseSel;
+    let dir = tempfile::tempdir().unwrap();
+    for dim in [8usize, 16, 12] {
+        let sel = SparseSel { index_heads: 1, index_dim: dim, block: 8, topk: 2, local: 1, init: 0 };
+        let kernel = Kernel::Attention(m3c_kernels::Attention { sparse: Some(sel), ..attention(2, 1, 16) });
+        let lib = build(std::slice::from_ref(&kernel), dir.path());
+        let (q, k, v) = tie_qkv();
+        let cases = msa_tie_cases(dim);
+        assert_eq!(cases.len(), if dim >= 8 { 3 } else { 2 });
+        for case in cases {
+            let pos = [31i64];
+            let o = vec![f32::NAN; 32];
+            let (qm, km, vm, posm, om) = (m2(&q, 1, 32), m2(&k, 32, 16), m2(&v, 32, 16), m1(&pos), m2(&o, 1, 32));
+            let (iqm, ikm) = (m2(&case.iq, 1, dim), m2(&case.ik, 32, dim));
+            // SAFETY: every descriptor views a live buffer of the compiled shape for the whole call.
+            unsafe { call(&lib, &kernel, &[p(&qm), p(&km), p(&vm), p(&posm), p(&iqm), p(&ikm), p(&om)]) };
+            assert_eq!(chosen_blocks(&o), vec![case.want, 3], "index width {dim}: {}", case.name);
+        }
+    }
+}

@@ -70,6 +70,14 @@ impl Frame<'_> {
             "arith.minimumf" => {
                 self.elementwise(info, fl(|x, y| nan_or(x, y, x.min(y), f32::NAN), |x, y| nan_or(x, y, x.min(y), f64::NAN)))?
             }
+            // One rounding, as the hardware's fused multiply-add.
+            "math.fma" => self.elementwise(info, move |a| {
+                Ok(if wide {
+                    f64::from_bits(a[0]).mul_add(f64::from_bits(a[1]), f64::from_bits(a[2])).to_bits()
+                } else {
+                    fb(f32v(a[0]).mul_add(f32v(a[1]), f32v(a[2])))
+                })
+            })?,
             "math.ceil" => {
                 self.elementwise(info, move |a| Ok(if wide { f64::from_bits(a[0]).ceil().to_bits() } else { fb(f32v(a[0]).ceil()) }))?
             }

@@ -546,14 +546,15 @@ fn gpu_attention(target: &GpuTarget, name: &str, k: &Attention) -> GpuFunc {
              %i0 = arith.constant 0 : i32\n%i1 = arith.constant 1 : i32\n%big = arith.constant 2147483647 : i32\n\
              %row0 = arith.muli %r, %ckv : index\n%row = arith.addi %row0, %g : index\n%rbase = arith.muli %row, %nbmax : index\n\
              %bq = arith.divui %p, %cB : index\n%nb = arith.addi %bq, %c1 : index\n%iqb = arith.muli %g, %cid : index\n\
-             // Block scores: lane-strided blocks, max over the block's causal keys.\n\
+             // Block scores: lane-strided blocks, max over the block's causal keys; each\n\
+             // index score one fused multiply-add chain in column order, as the host's.\n\
              scf.for %b = %lane to %nb step %cwarp {{\n\
              \x20 %t0 = arith.muli %b, %cB : index\n  %t1a = arith.addi %t0, %cB : index\n  %t1 = arith.minui %t1a, %nk : index\n\
              \x20 %mx = scf.for %t = %t0 to %t1 step %c1 iter_args(%m = %ninf) -> (f32) {{\n\
              {ik_row}\
              \x20   %dot = scf.for %c = %c0 to %cid step %c1 iter_args(%a = %zero) -> (f32) {{\n\
              \x20     %qc = arith.addi %iqb, %c : index\n{iq_load}{ik_load}\
-             \x20     %mm = arith.mulf %x1, %x2 : f32\n      %a2 = arith.addf %a, %mm : f32\n      scf.yield %a2 : f32\n    }}\n\
+             \x20     %a2 = math.fma %x1, %x2, %a : f32\n      scf.yield %a2 : f32\n    }}\n\
              \x20   %m2 = arith.maximumf %m, %dot : f32\n    scf.yield %m2 : f32\n  }}\n\
              \x20 %bl = arith.addi %b, %clocal : index\n  %isloc = arith.cmpi ugt, %bl, %bq : index\n  %isinit = arith.cmpi ult, %b, %cinit : index\n\
              \x20 %forced = arith.ori %isloc, %isinit : i1\n  %val = arith.select %forced, %pinf, %mx : f32\n\
@@ -647,8 +648,12 @@ fn gpu_attention(target: &GpuTarget, name: &str, k: &Attention) -> GpuFunc {
 }
 
 /// MSA's token scores `<iq, ik>` of keys `0..%nk`, max-pooled into `%bs`
-/// per key block: eight keys at a time (their dots as the attention
-/// scores' are, [`scores::dots8`]) when the index width allows.
+/// per key block: eight keys at a time ([`scores::chains8`]) when the
+/// index width allows, else key by key. Either way each score is one fused
+/// multiply-add chain over the index width in column order, the order of
+/// the reference's `torch.matmul` (a GEMM's inner loop), so a block choice
+/// that hangs on the last bit of a score falls as the reference's does;
+/// the GPU kernel computes the same chain.
 fn token_scores(s: SparseSel, paged: Option<usize>, iq: (&str, Storage), ik: (&str, Storage)) -> String {
     let ((iqt, act), (ikt, cache)) = (iq, ik);
     if !s.index_dim.is_multiple_of(8) {
@@ -662,7 +667,16 @@ fn token_scores(s: SparseSel, paged: Option<usize>, iq: (&str, Storage), ik: (&s
              \x20 memref.store %mx, %bs[%b] : memref<?xf32>\n\
              }}\n",
             indent(
-                &format!("{row}{}", dot("%dot", ("%iq", iqt, act), "%r", "%iqb", ("%ik", ikt, cache), &tp, "%c0", "%cid", s.index_dim)),
+                &format!(
+                    "{row}%dot = scf.for %c = %c0 to %cid step %c1 iter_args(%a = %zero) -> (f32) {{\n\
+                     \x20 %qc = arith.addi %iqb, %c : index\n\
+                     {}{}\
+                     \x20 %a2 = math.fma %x1, %x2, %a : f32\n\
+                     \x20 scf.yield %a2 : f32\n\
+                     }}\n",
+                    indent(&crate::emit::load_f32("%x1", "%iq", iqt, "%r", "%qc", act), 2),
+                    indent(&crate::emit::load_f32("%x2", "%ik", ikt, &tp, "%c", cache), 2),
+                ),
                 2
             )
         );
@@ -671,8 +685,8 @@ fn token_scores(s: SparseSel, paged: Option<usize>, iq: (&str, Storage), ik: (&s
     let body = format!(
         "{}{}{}{pool}",
         scores::batch_keys(paged),
-        scores::dots8("%ix", ("%iq", iqt, act, "%r", "%iqb"), ("%ik", ikt, cache, "%c0"), scores::key_rows(paged), "%cid"),
-        scores::transposed_tree("%idv", &(0..8).map(|j| format!("%ix#{j}")).collect::<Vec<_>>()),
+        scores::chains8("%idv", ("%iq", iqt, act, "%r", "%iqb"), ("%ik", ikt, cache, "%c0"), scores::key_rows(paged), "%cid"),
+        "",
     );
     format!("scf.for %t0 = %c0 to %nk8 step %c8 {{\n{}}}\n", indent(&body, 2))
 }

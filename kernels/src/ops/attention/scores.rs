@@ -178,6 +178,78 @@ pub(super) fn dots8(dst: &str, x: (&str, &str, Storage, &str, &str), y: (&str, &
     )
 }
 
+/// `dst` (a `vector<8xf32>`): the eight dot products x[xr, xb + c] ·
+/// y[{rows}j, yb + c] over `c < n` (a multiple of 8), lane j for key row
+/// `{rows}j`, each one fused multiply-add chain in increasing `c` from 0:
+/// the order of a GEMM's inner loop, so the scores are the bits the
+/// reference's `torch.matmul` gives (checked against it for the MSA index
+/// scores, whose block choice flips on a difference in the last bit).
+/// Eight keys' rows load as eight vectors and transpose in registers
+/// (three rounds of shuffles), so each step multiplies one column of x
+/// into all eight keys. Needs `%c8` and `%z8` in scope.
+pub(super) fn chains8(dst: &str, x: (&str, &str, Storage, &str, &str), y: (&str, &str, Storage, &str), rows: &str, n: &str) -> String {
+    let p = dst.trim_start_matches('%');
+    let ((xm, xt, xs, xr, xb), (ym, yt, ys, yb)) = (x, y);
+    let mut body = load_f32xn(8, &format!("%{p}_x"), xm, xt, xr, &format!("%{p}_xc"), xs);
+    for j in 0..8 {
+        body.push_str(&load_f32xn(8, &format!("%{p}_r{j}"), ym, yt, &format!("{rows}{j}"), &format!("%{p}_yc"), ys));
+    }
+    body.push_str(&transpose8(&format!("%{p}_col"), &(0..8).map(|j| format!("%{p}_r{j}")).collect::<Vec<_>>()));
+    let mut acc = format!("%{p}_a");
+    for d in 0..8 {
+        body.push_str(&format!(
+            "%{p}_b{d} = vector.shuffle %{p}_x, %{p}_x [{d}, {d}, {d}, {d}, {d}, {d}, {d}, {d}] : {V}, {V}\n\
+             %{p}_f{d} = math.fma %{p}_b{d}, %{p}_col{d}, {acc} : {V}\n"
+        ));
+        acc = format!("%{p}_f{d}");
+    }
+    format!(
+        "{dst} = scf.for %{p}_c = %c0 to {n} step %c8 iter_args(%{p}_a = %z8) -> ({V}) {{\n\
+         \x20 %{p}_xc = arith.addi {xb}, %{p}_c : index\n\
+         \x20 %{p}_yc = arith.addi {yb}, %{p}_c : index\n\
+         {body}\
+         \x20 scf.yield {acc} : {V}\n\
+         }}\n",
+        body = indent(&body, 2),
+    )
+}
+
+/// `{dst}0`..`{dst}7`: the columns of the 8×8 matrix whose rows are `rows`
+/// (`{dst}d` lane j = `rows[j]` lane d), by three rounds of two-vector
+/// shuffles (pairs of elements, then pairs of pairs, then halves).
+fn transpose8(dst: &str, rows: &[String]) -> String {
+    let d = dst.trim_start_matches('%');
+    let mut out = String::new();
+    // Round 1, rows (2i, 2i+1): even columns interleaved, odd columns interleaved.
+    for i in 0..4 {
+        let (a, b) = (&rows[2 * i], &rows[2 * i + 1]);
+        out.push_str(&format!(
+            "%{d}_e{i} = vector.shuffle {a}, {b} [0, 8, 2, 10, 4, 12, 6, 14] : {V}, {V}\n\
+             %{d}_o{i} = vector.shuffle {a}, {b} [1, 9, 3, 11, 5, 13, 7, 15] : {V}, {V}\n"
+        ));
+    }
+    // Round 2, row quads (4h..4h+3): columns (c, c + 4) for c = 0, 2 (from
+    // the even pairs) and 1, 3 (from the odd ones), four rows each.
+    for h in 0..2 {
+        for (par, lo, hi) in [("e", 0, 2), ("o", 1, 3)] {
+            let (a, b) = (format!("%{d}_{par}{}", 2 * h), format!("%{d}_{par}{}", 2 * h + 1));
+            out.push_str(&format!(
+                "%{d}_q{h}c{lo} = vector.shuffle {a}, {b} [0, 1, 8, 9, 4, 5, 12, 13] : {V}, {V}\n\
+                 %{d}_q{h}c{hi} = vector.shuffle {a}, {b} [2, 3, 10, 11, 6, 7, 14, 15] : {V}, {V}\n"
+            ));
+        }
+    }
+    // Round 3: the two quads' halves make each column, rows 0..8.
+    for c in 0..4 {
+        out.push_str(&format!(
+            "{dst}{c} = vector.shuffle %{d}_q0c{c}, %{d}_q1c{c} [0, 1, 2, 3, 8, 9, 10, 11] : {V}, {V}\n\
+             {dst}{} = vector.shuffle %{d}_q0c{c}, %{d}_q1c{c} [4, 5, 6, 7, 12, 13, 14, 15] : {V}, {V}\n",
+            c + 4
+        ));
+    }
+    out
+}
+
 /// `dst`: the eight sums of `v[0..8]`'s lanes, in that order, each by the
 /// tree `((l0+l4)+(l2+l6))+((l1+l5)+(l3+l7))`: three rounds of shuffles
 /// that pair halves across two vectors and add them.
