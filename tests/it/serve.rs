@@ -446,6 +446,38 @@ fn chat_constraints_hold_in_every_thinking_mode() {
         };
         assert!(content == "yes" || content == "no", "m3c run --chat --choice, seed {seed}: {text:?}");
     }
+    // m3c run's budget: thinking enabled, at most 3 reasoning tokens, then
+    // `</mm:think>` (id 496 of the fixture's tokenizer) and the choice.
+    let (text, _) = run_text(
+        &out,
+        &model,
+        &[
+            "--chat",
+            "Yes or no?",
+            "--thinking",
+            "enabled",
+            "--thinking-token-budget",
+            "3",
+            "--max-new-tokens",
+            "40",
+            "--temperature",
+            "1",
+            "--seed",
+            "4",
+            "--choice",
+            "yes",
+            "--choice",
+            "no",
+            "--logprobs",
+            "0",
+        ],
+    );
+    let (shown, lps) = text.split_once("\nlogprobs 0: ").unwrap_or_else(|| panic!("a logprobs line: {text:?}"));
+    let ids: Vec<u64> = serde_json::from_str::<Value>(lps).unwrap().as_array().unwrap().iter().filter_map(|t| t["id"].as_u64()).collect();
+    let close = ids.iter().position(|&i| i == 496).unwrap_or_else(|| panic!("no </mm:think> in {ids:?}"));
+    assert!(close <= 3, "the reasoning closed after {close} tokens: {ids:?}");
+    let answer = shown.rsplit("</mm:think>").next().unwrap_or_default();
+    assert!(answer == "yes" || answer == "no", "{shown:?}");
 }
 
 /// A media server (tests/serve/media_server.py) on `host`, in the network
