@@ -169,7 +169,7 @@ pub(crate) fn follow(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Sta
                 crate::trace::set_recording(on);
                 pass_on(&mut outbox, KIND_TRACE, &m.payload);
                 if !on {
-                    crate::trace::gather(world, peers, &crate::host_name())?;
+                    crate::trace_exchange::gather(world, peers, &crate::host_name())?;
                 }
             }
             k => return Err(StageError::Peer(format!("a message of unknown kind {k}"))),

@@ -34,6 +34,7 @@ mod serve;
 mod stage;
 mod startup;
 mod trace;
+mod trace_exchange;
 mod weights;
 mod wire;
 

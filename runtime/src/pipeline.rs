@@ -34,7 +34,7 @@ pub fn run(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Stage, args: 
     if args.trace {
         crate::trace::enable(st.meta.stage);
         // A run records from here; serving, from the front's `trace on`.
-        crate::trace::align_clocks(world, peers, !args.serving())?;
+        crate::trace_exchange::align_clocks(world, peers, !args.serving())?;
     }
     let want_logits = args.dump.is_some() || args.expect.is_some();
     let on_bad = if args.serving() { OnNonFinite::EndSequence } else { OnNonFinite::EndRun };
@@ -65,7 +65,7 @@ pub fn run(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Stage, args: 
         feed.report(per_batch);
     }
     if !args.serving() {
-        crate::trace::gather(world, peers, &crate::host_name())?;
+        crate::trace_exchange::gather(world, peers, &crate::host_name())?;
     }
     Ok(finish_records(st.meta.last_stage, args, &books.finished, st.meta.vocab))
 }

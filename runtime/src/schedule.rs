@@ -332,7 +332,7 @@ impl Leader {
         }
         crate::trace::set_recording(on);
         if !on {
-            crate::trace::gather(world, peers, &crate::host_name())?;
+            crate::trace_exchange::gather(world, peers, &crate::host_name())?;
         }
         Ok(())
     }

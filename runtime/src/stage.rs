@@ -762,7 +762,9 @@ impl Stage {
     pub fn step(&mut self, segments: &[Segment], ids: &[i64], x: &mut [f32], sample: Option<SampleIn>) -> Result<StepOut, StageError> {
         let (t0, trace_t0) = (std::time::Instant::now(), crate::trace::now_us());
         let out = self.run_step(segments, ids, x, sample)?;
-        crate::trace::step(trace_t0, segments);
+        if crate::trace::on() {
+            crate::trace::step(trace_t0, &segments.iter().map(|s| (s.seq, s.pos0, s.rows)).collect::<Vec<_>>());
+        }
         let dt = t0.elapsed().as_secs_f64();
         let acc = if segments.iter().any(|s| s.pos0 == 0) { &mut self.prefill } else { &mut self.decode };
         acc.0 += 1;

@@ -19,22 +19,10 @@
 //! the thread that runs the pipeline loop): no lock, no allocation but the
 //! list's growth.
 
-use crate::error::StageError;
-use crate::liveness::Peers;
-use crate::wire::{self, message, Outbox};
-use mpi::point_to_point::Destination;
-use mpi::topology::{Communicator, SimpleCommunicator};
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-// Tags of their own: 7 and 8 carry steps and ids, 9 the heartbeats.
-pub const TAG_CLOCK: i32 = 20;
-pub const TAG_TRACE: i32 = 21;
-const KIND_CLOCK: i64 = 20;
-const KIND_TRACE: i64 = 21;
-/// Ping-pongs per stage for the clock offset.
-const CLOCK_ROUNDS: usize = 16;
 
 /// Recording events now.
 static ON: AtomicBool = AtomicBool::new(false);
@@ -87,7 +75,7 @@ fn with<R>(f: impl FnOnce(&mut Option<State>) -> R) -> R {
 }
 
 /// Prepares stage `rank`'s clock; recording starts once the clocks are
-/// aligned ([`align_clocks`]).
+/// aligned ([`crate::trace_exchange::align_clocks`]).
 pub fn enable(rank: usize) {
     with(|s| {
         *s = Some(State {
@@ -110,14 +98,19 @@ pub fn now_us() -> f64 {
     clock_us()
 }
 
-fn clock_us() -> f64 {
+pub(crate) fn clock_us() -> f64 {
     with(|s| s.as_ref().map_or(0.0, |s| s.start.elapsed().as_secs_f64() * 1e6))
 }
 
 fn push(start_us: f64, what: What) {
+    push_until(start_us, None, what);
+}
+
+/// An event from `start_us` to `end_us` (`None`: now).
+fn push_until(start_us: f64, end_us: Option<f64>, what: What) {
     with(|s| {
         if let Some(s) = s.as_mut() {
-            let end = s.start.elapsed().as_secs_f64() * 1e6;
+            let end = end_us.unwrap_or_else(|| s.start.elapsed().as_secs_f64() * 1e6);
             s.events.push(Event { start_us, dur_us: (end - start_us).max(0.0), what });
         }
     })
@@ -125,19 +118,20 @@ fn push(start_us: f64, what: What) {
 
 /// A step that began at `start_us`: prefill when a segment starts its
 /// sequence or carries several rows, else decode.
-pub fn step(start_us: f64, segments: &[crate::stage::Segment]) {
+/// Each segment is (sequence, first position, rows).
+pub fn step(start_us: f64, segments: &[(usize, usize, usize)]) {
     if !on() {
         return;
     }
-    let kind = if segments.iter().any(|s| s.pos0 == 0 || s.rows > 1) { "prefill" } else { "decode" };
+    let kind = if segments.iter().any(|&(_, pos0, rows)| pos0 == 0 || rows > 1) { "prefill" } else { "decode" };
     let micro_batch = with(|s| {
         s.as_mut().map_or(0, |s| {
             s.steps += 1;
             s.steps - 1
         })
     });
-    let seqs = segments.iter().map(|s| s.seq).collect();
-    push(start_us, What::Step { kind, micro_batch, seqs, rows: segments.iter().map(|s| s.rows).sum() });
+    let seqs = segments.iter().map(|s| s.0).collect();
+    push(start_us, What::Step { kind, micro_batch, seqs, rows: segments.iter().map(|s| s.2).sum() });
 }
 
 /// A vision encode of sequence `seq` that began at `start_us`.
@@ -199,8 +193,10 @@ pub fn received(waited_from_us: f64, from: usize, tag: i32, bytes: usize) {
         return;
     }
     let now = clock_us();
+    // The wait ends where the receive starts: one clock reading for both,
+    // so the two never overlap on the stage's track.
     if on() && now - waited_from_us > 1.0 {
-        push(waited_from_us, What::Wait { from });
+        push_until(waited_from_us, Some(now), What::Wait { from });
     }
     let n = count(from, tag, false);
     if on() {
@@ -208,62 +204,6 @@ pub fn received(waited_from_us: f64, from: usize, tag: i32, bytes: usize) {
     }
 }
 
-/// Measures every stage's clock against the first stage's (run by every
-/// rank at the same point, after [`enable`]), then counts messages from
-/// here on, and records them too when `record` (a run; serving waits for
-/// `trace on`).
-pub fn align_clocks(world: &SimpleCommunicator, peers: &mut Peers, record: bool) -> Result<(), StageError> {
-    let worst = measure_offsets(world, peers)?;
-    with(|s| {
-        if let Some(s) = s.as_mut() {
-            s.clock_error_us = worst;
-        }
-    });
-    ARMED.store(true, Ordering::Relaxed);
-    ON.store(record, Ordering::Relaxed);
-    Ok(())
-}
-
-fn measure_offsets(world: &SimpleCommunicator, peers: &mut Peers) -> Result<f64, StageError> {
-    let (rank, size) = (world.rank() as usize, world.size() as usize);
-    let word = |m: &wire::Msg, i: usize| -> f64 {
-        m.payload.get(i * 8..i * 8 + 8).map_or(f64::NAN, |b| f64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
-    };
-    if rank == 0 {
-        let mut worst: f64 = 0.0;
-        for k in 1..size {
-            let mut best = (f64::INFINITY, 0.0);
-            for _ in 0..CLOCK_ROUNDS {
-                let t1 = clock_us();
-                world.process_at_rank(k as i32).send_with_tag(&message(KIND_CLOCK, &[], &[])[..], TAG_CLOCK);
-                let reply = wire::recv(world, peers, k, TAG_CLOCK)?;
-                let t2 = clock_us();
-                let rtt = t2 - t1;
-                if rtt < best.0 {
-                    best = (rtt, word(&reply, 0) - (t1 + t2) / 2.0);
-                }
-            }
-            let (rtt, offset) = best;
-            let payload: Vec<u8> = [offset, rtt / 2.0].iter().flat_map(|v| v.to_le_bytes()).collect();
-            world.process_at_rank(k as i32).send_with_tag(&message(KIND_CLOCK, &[], &payload)[..], TAG_CLOCK);
-            worst = worst.max(rtt / 2.0);
-        }
-        Ok(worst)
-    } else {
-        for _ in 0..CLOCK_ROUNDS {
-            wire::recv(world, peers, 0, TAG_CLOCK)?;
-            let t = clock_us().to_le_bytes();
-            world.process_at_rank(0).send_with_tag(&message(KIND_CLOCK, &[], &t)[..], TAG_CLOCK);
-        }
-        let m = wire::recv(world, peers, 0, TAG_CLOCK)?;
-        with(|s| {
-            if let Some(s) = s.as_mut() {
-                s.offset_us = word(&m, 0);
-            }
-        });
-        Ok(0.0)
-    }
-}
 
 /// This stage's events as Chrome trace events, one JSON object a line, on
 /// the first stage's clock: one track (`tid`) per stage, each message a
@@ -281,7 +221,10 @@ fn chrome_lines_of(s: &State, host: &str) -> Vec<String> {
     out.push(json!({"name": "thread_sort_index", "ph": "M", "pid": 1, "tid": k, "args": {"sort_index": k}}).to_string());
     let flow = |from: usize, to: usize, tag: i32, n: u64| format!("{from}-{to}-{tag}-{n}");
     for e in &s.events {
-        let (start, dur) = (ts(e.start_us), (e.dur_us * 1000.0).round() / 1000.0);
+        // The end rounded as the start is, so that an event that ends where
+        // the next starts (a wait and its receive) still does in the file.
+        let (start, end) = (ts(e.start_us), ts(e.start_us + e.dur_us));
+        let dur = ((end - start) * 1000.0).round() / 1000.0;
         match &e.what {
             What::Step { kind, micro_batch, seqs, rows } => {
                 let mut args = json!({"seqs": seqs, "rows": rows});
@@ -319,17 +262,32 @@ fn chrome_lines_of(s: &State, host: &str) -> Vec<String> {
     out
 }
 
-/// Every stage's events to the first, which prints them (`m3c-trace`
-/// lines, then `m3c-trace-meta` with the clock uncertainty); each stage's
-/// list is emptied. Called by every rank once it has stopped recording:
-/// after a run's loop, or on a serving window's `KIND_TRACE` off.
-pub fn gather(world: &SimpleCommunicator, peers: &mut Peers, host: &str) -> Result<(), StageError> {
-    if !armed() {
-        return Ok(());
-    }
-    // The gather's own messages are not part of the timeline.
+/// Counts messages from now on, and records them too when `record`; the
+/// largest uncertainty of the other stages' clock offsets is `clock_error_us`
+/// (the first stage's figure).
+pub(crate) fn arm(record: bool, clock_error_us: f64) {
+    with(|s| {
+        if let Some(s) = s.as_mut() {
+            s.clock_error_us = clock_error_us;
+        }
+    });
+    ARMED.store(true, Ordering::Relaxed);
+    ON.store(record, Ordering::Relaxed);
+}
+
+/// This stage's clock minus the first stage's, in microseconds.
+pub(crate) fn set_offset(offset_us: f64) {
+    with(|s| {
+        if let Some(s) = s.as_mut() {
+            s.offset_us = offset_us;
+        }
+    });
+}
+
+/// Stops recording and takes this stage's events as Chrome trace lines,
+/// with the clock uncertainty.
+pub(crate) fn take_lines(host: &str) -> (Vec<String>, f64) {
     ON.store(false, Ordering::Relaxed);
-    let (rank, size) = (world.rank() as usize, world.size() as usize);
     let lines = chrome_lines(host);
     let clock_error_us = with(|s| {
         s.as_mut().map_or(0.0, |s| {
@@ -337,28 +295,5 @@ pub fn gather(world: &SimpleCommunicator, peers: &mut Peers, host: &str) -> Resu
             s.clock_error_us
         })
     });
-    if rank > 0 {
-        let mut outbox = Outbox::default();
-        outbox.send(world, 0, TAG_TRACE, message(KIND_TRACE, &[], lines.join("\n").as_bytes()));
-        return outbox.drain(world, peers);
-    }
-    use std::io::Write;
-    let mut out = std::io::stdout().lock();
-    let mut say = |l: &str| out.write_all(format!("m3c-trace {l}\n").as_bytes());
-    let mut events = lines.len();
-    for l in &lines {
-        let _ = say(l);
-    }
-    for k in 1..size {
-        let m = wire::recv(world, peers, k, TAG_TRACE)?;
-        let text = String::from_utf8_lossy(&m.payload).into_owned();
-        for l in text.lines().filter(|l| !l.is_empty()) {
-            events += 1;
-            let _ = say(l);
-        }
-    }
-    let meta = serde_json::json!({"stages": size, "events": events, "clock_error_us": clock_error_us});
-    let _ = out.write_all(format!("m3c-trace-meta {meta}\n").as_bytes());
-    let _ = out.flush();
-    Ok(())
+    (lines, clock_error_us)
 }

@@ -307,19 +307,18 @@ fn render_chat(app: &Shared, m: &serde_json::Map<String, Value>, generation_prom
         .template
         .as_ref()
         .ok_or_else(|| ApiError::new(400, "invalid_request_error", "this model has no chat template; use /v1/completions"))?;
-    let mut kwargs: Vec<(&str, minijinja::Value)> = vec![("add_generation_prompt", minijinja::Value::from(generation_prompt))];
+    let mut kwargs: Vec<(&str, Value)> = vec![("add_generation_prompt", Value::Bool(generation_prompt))];
     if !chat.tools.is_empty() {
-        kwargs.push(("tools", jinja(Value::Array(chat.tools.clone()))?));
+        kwargs.push(("tools", Value::Array(chat.tools.clone())));
     }
     for (k, v) in &chat.kwargs {
         if k == "add_generation_prompt" || k == "tools" || k == "messages" {
             return Err(ApiError::bad("chat_template_kwargs", format!("`chat_template_kwargs` may not set `{k}`")));
         }
-        kwargs.push((k.as_str(), jinja(v.clone())?));
+        kwargs.push((k.as_str(), v.clone()));
     }
-    let messages = jinja(chat.messages.clone())?;
     let rendered = template
-        .render(&messages, &kwargs)
+        .render_json(&chat.messages, &kwargs)
         .map_err(|e| ApiError::bad("messages", format!("the chat template refused the messages: {e}")))?;
     Ok((rendered, chat))
 }
@@ -431,12 +430,6 @@ async fn images(app: &App, ids: &[u32], urls: &[(String, String)]) -> Result<(Ve
         .map_err(|e| ApiError::new(500, "server_error", e.to_string()))?;
     let ids = t.expand(ids, &tokens).map_err(|e| ApiError::bad("messages", e.to_string()))?;
     Ok((ids, m3c_front::vision::prompt::seq_images(&processed)))
-}
-
-/// A JSON value as the template sees it.
-fn jinja(v: Value) -> Result<minijinja::Value, ApiError> {
-    serde_json::from_value(v)
-        .map_err(|e| ApiError::new(400, "invalid_request_error", format!("a value the chat template cannot take: {e}")))
 }
 
 /// Which API a generation answers.

@@ -4,7 +4,7 @@
 //! driver fails cleanly. (With a driver present, the last test runs the
 //! fixture on the GPU against the goldens instead.)
 
-use m3c_tests::{compile, compile_to, configs, fixture, ids_arg, read_tensor_i64, root, stderr, stdout};
+use m3c_tests::{configs, fixture, ids_arg, read_tensor_i64, root, stderr, stdout};
 use std::path::{Path, PathBuf};
 
 /// The nvidia-cuda-nvcc wheel's toolkit folder (ptxas + libdevice) that
@@ -24,11 +24,23 @@ pub fn cuda_root() -> PathBuf {
     p
 }
 
+/// `m3c compile ... --target cuda` with this project's toolkit as the
+/// compile's `CUDA_ROOT` (given to that process only: the test process's
+/// environment is shared by every test thread).
 fn compile_cuda(model: &Path, pp: usize, dir: &Path, extra: &[&str]) -> PathBuf {
-    std::env::set_var("CUDA_ROOT", cuda_root());
-    let mut args = vec!["--target", "cuda"];
+    let out = dir.join("out");
+    let o = compile_cuda_to(model, pp, &out, &[&["--target", "cuda"], extra].concat());
+    assert!(o.status.success(), "m3c compile {} --target cuda {extra:?} failed:\n{}", model.display(), stderr(&o));
+    out
+}
+
+/// `m3c compile --model MODEL --pp PP -o OUT EXTRA...` with `CUDA_ROOT` set
+/// for it.
+fn compile_cuda_to(model: &Path, pp: usize, out: &Path, extra: &[&str]) -> std::process::Output {
+    let (pp, root) = (pp.to_string(), cuda_root());
+    let mut args = vec!["compile", "--model", model.to_str().unwrap(), "--pp", &pp, "-o", out.to_str().unwrap()];
     args.extend_from_slice(extra);
-    compile(model, pp, dir, &args)
+    m3c_tests::m3c_env(&args, &[("CUDA_ROOT", root.to_str().unwrap())])
 }
 
 /// `.entry` lines of a PTX file: each kernel with its parameter count.
@@ -117,9 +129,8 @@ fn tiny_cuda_stages_assemble_for_sm90a_and_their_kernels_are_pinned() {
 #[test]
 fn real_config_compiles_for_cuda_at_pp4_without_weights() {
     let dir = tempfile::tempdir().unwrap();
-    std::env::set_var("CUDA_ROOT", cuda_root());
     let out = dir.path().join("out");
-    let o = compile_to(&configs("minimax-m3-mxfp8.config.json"), 4, &out, &[configs("minimax-m3-mxfp8.pp4.yaml").to_str().unwrap()]);
+    let o = compile_cuda_to(&configs("minimax-m3-mxfp8.config.json"), 4, &out, &[configs("minimax-m3-mxfp8.pp4.yaml").to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
     let report = std::fs::read_to_string(out.join("compile-report.txt")).unwrap();
     // The MXFP8 linears of the real shapes are there, with no spills.

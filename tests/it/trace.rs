@@ -53,6 +53,16 @@ fn a_pp4_trace_has_every_step_and_message_and_changes_no_token() {
         for w in steps.windows(2) {
             assert!(w[0].0 + w[0].1 <= w[1].0 + 1e-3, "stage {k}: steps overlap: {w:?}");
         }
+        // A wait ends where the receive it waited for starts (Perfetto
+        // draws overlapping spans on one track mis-nested).
+        // In whole nanoseconds, as Perfetto reads the microseconds.
+        let ns = |v: &Value| (v.as_f64().unwrap() * 1000.0).round() as i64;
+        let span = |e: &Value| (ns(&e["ts"]), ns(&e["ts"]) + ns(&e["dur"]));
+        let recv_starts: Vec<i64> = events.iter().filter(|e| e["tid"] == k && e["name"] == "recv").map(|e| span(e).0).collect();
+        for w in events.iter().filter(|e| e["tid"] == k && e["name"] == "wait").map(span) {
+            let next = recv_starts.iter().filter(|&&r| r >= w.0).fold(i64::MAX, |a, &b| a.min(b));
+            assert!(w.1 <= next, "stage {k}: the wait {w:?} runs past the receive at {next}");
+        }
     }
     // Every send has its receive: flow starts and ends pair by id, and
     // each send's bytes are what its receive got.

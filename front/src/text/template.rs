@@ -88,6 +88,18 @@ impl ChatTemplate {
     /// shape) with the template's other variables in `kwargs`
     /// (`add_generation_prompt`, `thinking_mode`, `tools`, ...). A variable
     /// left out stays undefined, as in transformers.
+    /// [`ChatTemplate::render`] of JSON values (the messages and keyword
+    /// arguments as a request carries them), so that callers never build
+    /// the template engine's own values.
+    pub fn render_json(&self, messages: &serde_json::Value, kwargs: &[(&str, serde_json::Value)]) -> Result<String, TextError> {
+        let value = |v: &serde_json::Value| {
+            serde_json::from_value::<Value>(v.clone())
+                .map_err(|e| TextError::Render { file: self.file.clone(), message: format!("a value the chat template cannot take: {e}") })
+        };
+        let kwargs = kwargs.iter().map(|(k, v)| Ok((*k, value(v)?))).collect::<Result<Vec<_>, TextError>>()?;
+        self.render(&value(messages)?, &kwargs)
+    }
+
     pub fn render(&self, messages: &Value, kwargs: &[(&str, Value)]) -> Result<String, TextError> {
         let mut ctx: std::collections::BTreeMap<String, Value> = self.specials.iter().cloned().collect();
         ctx.insert("messages".into(), messages.clone());

@@ -1,0 +1,155 @@
+//! Starting a compiled OUT folder's stages under mpirun, for `m3c run` and
+//! `m3c serve`: the manifest read and every executable checked against it
+//! (here), then one rank per stage on the plan's hosts, every stage with
+//! the same arguments ([`mpirun`]), a job that spans hosts checked host by
+//! host first ([`preflight`]), and a failed job's end read and reaped
+//! ([`job_end`]).
+
+mod job_end;
+mod mpirun;
+mod preflight;
+
+pub use job_end::{reap_after_error, JobEnd};
+pub use mpirun::spawn_error;
+
+use anyhow::{bail, Context, Result};
+use m3c_contract::manifest::{sha256_hex, Manifest};
+use m3c_contract::stage_args::StageArgs;
+use std::path::{Path, PathBuf};
+
+/// How mpirun places and connects the ranks beyond the plan's hosts: a
+/// hostfile (Open MPI's format) and extra mpirun options, from
+/// `M3C_MPIRUN_ARGS` (split at whitespace) and then each `--mpirun-arg`.
+/// `OMPI_MCA_*` variables in the environment reach mpirun as they are.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Launch {
+    pub hostfile: Option<PathBuf>,
+    pub mpirun_args: Vec<String>,
+    /// The network interface (or subnet, `10.0.0.0/24`) the stages talk
+    /// over: Open MPI's TCP traffic and NCCL's sockets.
+    pub iface: Option<String>,
+}
+
+impl Launch {
+    /// The launch of `--hostfile` and `--mpirun-arg`s, with
+    /// `M3C_MPIRUN_ARGS` first; a hostfile that cannot be read is an error
+    /// naming it.
+    pub fn new(hostfile: Option<PathBuf>, mpirun_args: &[String], iface: Option<String>) -> Result<Launch> {
+        if let Some(f) = &hostfile {
+            std::fs::File::open(f).with_context(|| format!("--hostfile {}: cannot be read", f.display()))?;
+        }
+        let env = std::env::var("M3C_MPIRUN_ARGS").unwrap_or_default();
+        let mpirun_args = env.split_ascii_whitespace().map(str::to_string).chain(mpirun_args.iter().cloned()).collect();
+        if let Some(i) = &iface {
+            if i.is_empty() || !i.chars().all(|c| c.is_ascii_alphanumeric() || ".-_:/@".contains(c)) {
+                bail!("--iface `{i}`: expected a network interface name (eth0) or a subnet (10.0.0.0/24)");
+            }
+        }
+        Ok(Launch { hostfile, mpirun_args, iface })
+    }
+}
+
+/// A compiled OUT folder whose executables are the ones its manifest lists.
+pub struct Compiled {
+    pub out: PathBuf,
+    pub manifest: Manifest,
+    pub stages: usize,
+}
+
+impl Compiled {
+    /// Reads OUT's manifest and checks each stage's sha256 against it, and
+    /// that `model` is a folder.
+    pub fn open(out: &Path, model: &Path) -> Result<Compiled> {
+        let file = out.join("manifest.json");
+        let text = m3c_contract::read_user_file(&file, "manifest", 64 << 20).with_context(|| {
+            format!("{}: not an m3c output folder (no readable manifest.json); make one with `m3c compile`", out.display())
+        })?;
+        let manifest = Manifest::parse(&text).with_context(|| format!("{}: cannot be used", file.display()))?;
+        if !model.is_dir() {
+            bail!("--model {}: not a folder (expected the checkpoint folder with config.json and safetensors)", model.display());
+        }
+        // Each executable must be the one compiled: a damaged or swapped file
+        // would otherwise surface as a crash ("exit status 139") mid-job.
+        for (k, entry) in manifest.stages.iter().enumerate() {
+            let exe = out.join(format!("stage-{k}"));
+            let bytes = m3c_contract::input::read_bytes(&exe, "stage executable", 16 << 30)
+                .with_context(|| format!("{}: missing or unreadable; recompile {}", exe.display(), out.display()))?;
+            if sha256_hex(&bytes) != entry.sha256 {
+                bail!(
+                    "{}: is not the executable manifest.json lists (its sha256 differs: damaged or replaced); recompile {}",
+                    exe.display(),
+                    out.display()
+                );
+            }
+        }
+        let stages = manifest.stages.len();
+        Ok(Compiled { out: out.to_path_buf(), manifest, stages })
+    }
+
+    /// Whether the first stage encodes images (it holds the vision tower).
+    pub fn encodes_images(&self) -> bool {
+        self.manifest.encodes_images()
+    }
+
+    /// Cache bytes per position of each stage (every cache row of a
+    /// sequence), from the manifest's cache slots.
+    pub fn cache_bytes_per_position(&self) -> Vec<u64> {
+        self.manifest.cache_bytes_per_position()
+    }
+
+    /// `mpirun` over the stages, each given `stage`'s arguments; mpirun
+    /// dies with this process (even by SIGKILL) and takes its ranks with
+    /// it. A job that spans hosts has them checked first
+    /// ([`Compiled::preflight`], within the stages' `--timeout-s`).
+    pub fn mpirun(&self, stage: &StageArgs, launch: &Launch) -> Result<std::process::Command> {
+        if let (true, Some(model)) = (self.spans_hosts(launch), stage.weights.checkpoint()) {
+            self.preflight(model, launch, std::time::Duration::from_secs_f64(stage.timeout_s))?;
+        }
+        let args = stage.to_args();
+        Ok(self.mpirun_each(launch, |k, cmd| {
+            cmd.arg(self.out.join(format!("stage-{k}"))).args(&args);
+        }))
+    }
+
+    /// The stages placed on `node` (a plan host, or by the launch's
+    /// hostfile filled in order, slot by slot).
+    pub fn stages_on(&self, node: &str, launch: &Launch) -> Vec<usize> {
+        let by_file = launch.hostfile.as_deref().and_then(hostfile_slots).unwrap_or_default();
+        (0..self.stages)
+            .filter(|&k| match &self.manifest.stages[k].host {
+                Some(h) => h == node,
+                None => by_file.get(k).is_some_and(|h| h == node),
+            })
+            .collect()
+    }
+
+    /// Whether the job may leave this machine: a stage names a host, or
+    /// the launch places ranks (a hostfile, or mpirun's own host options).
+    pub fn spans_hosts(&self, launch: &Launch) -> bool {
+        self.manifest.stages.iter().any(|s| s.host.is_some())
+            || launch.hostfile.is_some()
+            || launch
+                .mpirun_args
+                .iter()
+                .any(|a| ["--host", "-H", "--hostfile", "--machinefile", "--default-hostfile"].contains(&a.as_str()))
+    }
+
+}
+
+/// The host of each slot of an Open MPI hostfile (`HOST slots=N` lines),
+/// in the file's order: where its default mapping puts each rank when
+/// mpirun's own node is listed first or not at all (it fills its own node
+/// first); `None` when a line gives no slot count (mpirun would count the
+/// host's cores).
+fn hostfile_slots(file: &Path) -> Option<Vec<String>> {
+    let text = std::fs::read_to_string(file).ok()?;
+    let mut out = Vec::new();
+    for line in text.lines().map(|l| l.split('#').next().unwrap_or("").trim()).filter(|l| !l.is_empty()) {
+        let mut words = line.split_whitespace();
+        let host = words.next()?;
+        let slots: usize = words.find_map(|w| w.strip_prefix("slots=")).and_then(|n| n.parse().ok())?;
+        out.extend(std::iter::repeat_n(host.to_string(), slots.min(1 << 16)));
+    }
+    Some(out)
+}
+

@@ -1,0 +1,81 @@
+//! The mpirun command line of a job: placement, interfaces, keepalives,
+//! one app context per stage, and a launcher that dies with its parent.
+
+use super::{Compiled, Launch};
+
+impl Compiled {
+    /// `mpirun` with the launch's placement and options, one app context
+    /// per stage that `program` fills in (the program and its arguments).
+    pub(super) fn mpirun_each(&self, launch: &Launch, program: impl Fn(usize, &mut std::process::Command)) -> std::process::Command {
+        crate::stale_sessions::sweep_mine();
+        let mut cmd = std::process::Command::new("mpirun");
+        // No core binding: each rank runs its kernels on several threads (the
+        // runtime shares the node's cores among its ranks).
+        cmd.args(["--oversubscribe", "--bind-to", "none"]);
+        if let Some(f) = &launch.hostfile {
+            cmd.arg("--hostfile").arg(f);
+        }
+        if let Some(i) = &launch.iface {
+            cmd.args(["--mca", "btl_tcp_if_include", i, "--mca", "oob_tcp_if_include", i]);
+            // NCCL takes interface names, not subnets.
+            if !i.contains('/') {
+                cmd.args(["-x", &format!("NCCL_SOCKET_IFNAME={i}")]);
+            }
+        }
+        cmd.args(&launch.mpirun_args);
+        if is_root() {
+            cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1").env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+        }
+        // Open MPI's daemons learn that a host is gone from TCP keepalives,
+        // after 8 minutes by default: a host cut off would keep its daemon
+        // (and the job) waiting that long. Seconds instead, unless the user
+        // set them.
+        for (k, v) in [
+            ("OMPI_MCA_oob_tcp_keepalive_time", "5"),
+            ("OMPI_MCA_oob_tcp_keepalive_intvl", "2"),
+            ("OMPI_MCA_oob_tcp_keepalive_probes", "3"),
+        ] {
+            if std::env::var_os(k).is_none() {
+                cmd.env(k, v);
+            }
+        }
+        for (k, entry) in self.manifest.stages.iter().enumerate() {
+            if k > 0 {
+                cmd.arg(":");
+            }
+            cmd.args(["-np", "1"]);
+            // Manifest::parse checked that the host is a host name.
+            if let Some(host) = &entry.host {
+                cmd.args(["--host", host]);
+            }
+            program(k, &mut cmd);
+        }
+        {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: prctl is async-signal-safe, as a pre_exec hook requires.
+            unsafe {
+                cmd.pre_exec(|| {
+                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong, 0, 0, 0) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                })
+            };
+        }
+        cmd
+    }
+}
+
+/// What a failed `spawn` of mpirun means to a user.
+pub fn spawn_error(e: std::io::Error) -> anyhow::Error {
+    if e.kind() == std::io::ErrorKind::NotFound {
+        anyhow::anyhow!("`mpirun` not found: install Open MPI (`apt install openmpi-bin`, or run scripts/setup.sh)")
+    } else {
+        anyhow::Error::new(e).context("cannot start mpirun")
+    }
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
