@@ -122,11 +122,25 @@ type OutputRules = (Option<String>, Option<ThinkBudget>);
 /// (`--thinking-token-budget`, else half of `--max-new-tokens` under a
 /// constraint, as `m3c serve` does).
 fn run_outputs(args: &RunArgs, eos: &[i64], think: &[ThinkStart]) -> Result<Vec<OutputRules>> {
-    let grammar = run_grammar(args, eos)?;
-    let vocabulary = match &grammar {
-        Some(_) => Some(m3c_constrain::Vocabulary::load(&args.model, None, eos.first().map_or(0, |&e| u32::try_from(e).unwrap_or(0)))?),
-        None => None,
+    let thinks = think.iter().any(|&t| t != ThinkStart::Closed);
+    let (grammar, vocabulary) = match run_grammar(args, eos)? {
+        Some((text, flag, v)) => (Some((text, flag)), Some(v)),
+        None if thinks && args.thinking_token_budget.is_some() => {
+            let eos = eos.first().map_or(0, |&e| u32::try_from(e).unwrap_or(0));
+            (None, Some(m3c_constrain::Vocabulary::load(&args.model, None, eos)?))
+        }
+        None => (None, None),
     };
+    // A budget needs the closing tag as one token: asked for without one,
+    // an error; the default one is then left out.
+    let closes = vocabulary.as_ref().is_some_and(|v| v.token_of(m3c_contract::thinking::CLOSE.as_bytes()).is_some());
+    if args.thinking_token_budget.is_some() && thinks && !closes {
+        anyhow::bail!(
+            "--thinking-token-budget needs `{}` as one token of {}/tokenizer.json, and it has none",
+            m3c_contract::thinking::CLOSE,
+            args.model.display()
+        );
+    }
     let mut wrapped: BTreeMap<&'static str, String> = BTreeMap::new();
     think
         .iter()
@@ -143,15 +157,15 @@ fn run_outputs(args: &RunArgs, eos: &[i64], think: &[ThinkStart]) -> Result<Vec<
                 _ => None,
             };
             let default = g.is_some().then(|| u32::try_from(args.max_new_tokens / 2).unwrap_or(u32::MAX));
-            let budget = args.thinking_token_budget.or(default).filter(|_| start != ThinkStart::Closed);
+            let budget = args.thinking_token_budget.or(default).filter(|_| start != ThinkStart::Closed && closes);
             Ok((g, budget.map(|budget| ThinkBudget { start, budget })))
         })
         .collect()
 }
 
 /// The run's grammar as llguidance's text, checked against the model's
-/// tokens, and the flag that gave it.
-fn run_grammar(args: &RunArgs, eos: &[i64]) -> Result<Option<(String, &'static str)>> {
+/// tokens (which come back too), and the flag that gave it.
+fn run_grammar(args: &RunArgs, eos: &[i64]) -> Result<Option<(String, &'static str, m3c_constrain::Vocabulary)>> {
     use m3c_constrain::Grammar;
     let read = |f: &std::path::Path, what: &str| {
         m3c_contract::read_user_file(f, what, m3c_contract::input::limits::TOKENIZER).map_err(|e| anyhow::anyhow!("{e}"))
@@ -175,7 +189,7 @@ fn run_grammar(args: &RunArgs, eos: &[i64]) -> Result<Option<(String, &'static s
     let text = grammar.to_text();
     let vocabulary = m3c_constrain::Vocabulary::load(&args.model, None, u32::try_from(first_eos).unwrap_or(0))?;
     vocabulary.compile(&text).map_err(|e| anyhow::anyhow!("{flag}: {e}"))?;
-    Ok(Some((text, flag)))
+    Ok(Some((text, flag, vocabulary)))
 }
 
 /// The run's prompts as the stages take them: ids (the flags', then a

@@ -139,8 +139,11 @@ const BODY: &str = "m3c_content";
 ///
 /// - `Open`: reasoning (any text without `</mm:think>`), `</mm:think>`,
 ///   then the content;
-/// - `Adaptive`: optionally `<mm:think>` + reasoning + `</mm:think>`, or a
-///   bare `</mm:think>`, then the content;
+/// - `Adaptive`: `<mm:think>` + reasoning + `</mm:think>`, or a bare
+///   `</mm:think>`, then the content (the two ways the template's adaptive
+///   mode lets the model begin: `minimax-m3-chat.md` §3; a content that
+///   began with neither could itself begin with a tag, which the reader
+///   would take for reasoning);
 /// - `Closed`: the content grammar as it is.
 ///
 /// The reasoning and its tags are one terminal, so the lexer ends it at
@@ -159,7 +162,7 @@ pub fn wrap(content: &str, start: ThinkStart) -> Result<String, ConstrainError> 
     let lark = match start {
         ThinkStart::Open => format!("start: THOUGHT @{name}\nTHOUGHT: REASONING \"{CLOSE}\"\n{reasoning}\n"),
         _ => format!(
-            "start: THOUGHT @{name} | NO_THOUGHT @{name} | @{name}\nTHOUGHT: \"{OPEN}\" REASONING \"{CLOSE}\"\nNO_THOUGHT: \"{CLOSE}\"\n{reasoning}\n"
+            "start: THOUGHT @{name} | NO_THOUGHT @{name}\nTHOUGHT: \"{OPEN}\" REASONING \"{CLOSE}\"\nNO_THOUGHT: \"{CLOSE}\"\n{reasoning}\n"
         ),
     };
     let wrapper = GrammarWithLexer { name: None, json_schema: None, lark_grammar: Some(lark) };
@@ -315,11 +318,16 @@ mod tests {
         let (out, done) = generate(&v, &g, None, thinker);
         assert!(done);
         assert_eq!(content_of(ThinkStart::Adaptive, &out), ("zzzz".into(), "yes".into()), "{:?}", String::from_utf8_lossy(&out));
-        // Adaptive, a model that answers at once (the highest ids first,
-        // which are the tags: it closes without reasoning).
+        // Adaptive, a model that closes at once (the highest ids first:
+        // the closing tag).
         let (out, done) = generate(&v, &g, None, |m, _| (0..100).rev().find(|&i| allowed(m, i)).unwrap());
         let (_, content) = content_of(ThinkStart::Adaptive, &out);
-        assert!(done && (content == "yes" || content == "no"), "{:?}", String::from_utf8_lossy(&out));
+        assert!(done && out.starts_with(CLOSE.as_bytes()) && (content == "yes" || content == "no"), "{:?}", String::from_utf8_lossy(&out));
+        // Adaptive, the content cannot come first: it could itself begin
+        // with a tag, which the reader would take for reasoning.
+        let mut c = v.compile(&wrap(&crate::Grammar::Regex("<mm:think>.*|y".into()).to_text(), ThinkStart::Adaptive).unwrap()).unwrap();
+        let m = c.mask().unwrap();
+        assert!(!allowed(&m, b'y' as u32 - b'!' as u32), "a bare answer before the tag");
         // Open: the reasoning is required, and a bare answer is not allowed
         // until it closes.
         let g = wrap(&choice, ThinkStart::Open).unwrap();

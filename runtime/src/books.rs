@@ -102,6 +102,21 @@ pub(crate) struct OutputSpec {
     pub prompt_logprobs: Option<u8>,
 }
 
+impl OutputSpec {
+    /// What a request asks of its output.
+    pub fn of(r: &m3c_contract::protocol::SeqRequest) -> OutputSpec {
+        OutputSpec {
+            logprobs: r.logprobs,
+            grammar: r.grammar.clone(),
+            think: r.think,
+            min_tokens: r.min_tokens,
+            stop_ids: r.stop_ids.clone(),
+            logit_bias: r.logit_bias.clone(),
+            prompt_logprobs: r.prompt_logprobs,
+        }
+    }
+}
+
 /// The last stage's books.
 pub(crate) struct LastBooks {
     live: HashMap<usize, SeqBook>,
@@ -300,7 +315,7 @@ impl LastBooks {
             let r = &mut b.record;
             let draws = gives_token(r, s) && r.generated.len() < b.max_new;
             if let (true, Some(why)) = (draws, &b.failed) {
-                eprintln!("m3c stage: sequence {}: its grammar failed ({why}); it ends", s.seq);
+                eprintln!("m3c stage: sequence {}: its grammar or reasoning budget could not be applied ({why}); it ends", s.seq);
                 ids.push(Drawn { id: -1, logprobs: None, prompt: Vec::new() });
                 row0 += s.rows;
                 continue 'segments;

@@ -400,16 +400,7 @@ impl Leader {
         if self.stages > 1 {
             self.outbox.send(world, 1, TAG_ACT, add_message(&a));
         } else {
-            let out = crate::books::OutputSpec {
-                logprobs: a.logprobs,
-                grammar: a.grammar.clone(),
-                think: a.think,
-                min_tokens: a.min_tokens,
-                stop_ids: a.stop_ids.clone(),
-                logit_bias: a.logit_bias.clone(),
-                prompt_logprobs: a.prompt_logprobs,
-            };
-            books.start(a.seq, a.prompt.clone(), a.sampling, a.max_new, out);
+            books.start(a.seq, a.prompt.clone(), a.sampling, a.max_new, crate::books::OutputSpec::of(&a));
         }
         let mut chain = Vec::new();
         if self.kv.caching {

@@ -23,7 +23,6 @@ use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-
 /// Recording events now.
 static ON: AtomicBool = AtomicBool::new(false);
 /// Counting messages (from the clock alignment on, recording or not), so
@@ -203,7 +202,6 @@ pub fn received(waited_from_us: f64, from: usize, tag: i32, bytes: usize) {
         push(now, What::Recv { from, tag, bytes, n });
     }
 }
-
 
 /// This stage's events as Chrome trace events, one JSON object a line, on
 /// the first stage's clock: one track (`tid`) per stage, each message a

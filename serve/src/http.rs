@@ -734,7 +734,7 @@ async fn start(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: Opti
         None => None,
         Some((g, field)) => Some(check_grammar(&app, g, field, think).map_err(|e| error(&e))?),
     };
-    let budget = thinking_budget(&common, grammar.is_some(), think, max_new);
+    let budget = thinking_budget(&app, &common, grammar.is_some(), think, max_new).map_err(|e| error(&e))?;
     // A grammar's end is an EOS the sequence must stop on, whatever
     // `ignore_eos` says, and whose text is not the answer's.
     let mut common = common;
@@ -830,12 +830,35 @@ fn check_grammar(app: &Shared, g: &m3c_constrain::Grammar, field: &str, think: T
 /// under a constraint without one, half the request's tokens, so that a
 /// model that never closes its reasoning still leaves the other half to the
 /// constrained answer. Nothing to cap when the prompt closed the reasoning.
-fn thinking_budget(common: &Common, constrained: bool, start: ThinkStart, max_new: usize) -> Option<ThinkBudget> {
+/// A budget needs the closing tag as one token of the model's vocabulary:
+/// asked for without one it is a 400; the default one is then left out
+/// (the grammar alone still binds the content).
+fn thinking_budget(
+    app: &Shared,
+    common: &Common,
+    constrained: bool,
+    start: ThinkStart,
+    max_new: usize,
+) -> Result<Option<ThinkBudget>, ApiError> {
     if start == ThinkStart::Closed {
-        return None;
+        return Ok(None);
     }
-    let default = constrained.then(|| u32::try_from(max_new / 2).unwrap_or(u32::MAX));
-    common.thinking_budget.or(default).map(|budget| ThinkBudget { start, budget })
+    let closes = app.grammars.as_ref().ok().is_some_and(|v| v.token_of(m3c_contract::thinking::CLOSE.as_bytes()).is_some());
+    let budget = match (common.thinking_budget, closes) {
+        (Some(b), true) => Some(b),
+        (Some(_), false) => {
+            return Err(ApiError::bad(
+                "thinking_token_budget",
+                format!(
+                    "`thinking_token_budget` needs `{}` as one token of the model's tokenizer, and it has none",
+                    m3c_contract::thinking::CLOSE
+                ),
+            ))
+        }
+        (None, true) if constrained => Some(u32::try_from(max_new / 2).unwrap_or(u32::MAX)),
+        (None, _) => None,
+    };
+    Ok(budget.map(|budget| ThinkBudget { start, budget }))
 }
 
 /// How a chat's output is read: by the grammar that binds it, if any.

@@ -56,7 +56,22 @@ impl MediaPolicy {
                     .ok_or_else(|| anyhow::anyhow!("--allowed-local-media-path {}: not a folder", d.display()))?,
             ),
         };
-        let allowed_domains = self.allowed_domains.map(|d| d.iter().map(|h| h.trim().to_ascii_lowercase()).collect());
+        // Each host as a URL spells it (lower case, punycode), without a
+        // trailing dot: the form fetched hosts are compared in.
+        let allowed_domains = match self.allowed_domains {
+            None => None,
+            Some(d) => Some(
+                d.iter()
+                    .map(|h| {
+                        reqwest::Url::parse(&format!("http://{}/", h.trim()))
+                            .ok()
+                            .and_then(|u| u.host_str().map(|h| h.trim_end_matches('.').to_string()))
+                            .filter(|h| !h.is_empty())
+                            .ok_or_else(|| anyhow::anyhow!("--allowed-media-domains: `{h}` is not a host name"))
+                    })
+                    .collect::<anyhow::Result<Vec<_>>>()?,
+            ),
+        };
         Ok(MediaPolicy { allowed_local, allowed_domains, ..self })
     }
 }
@@ -171,7 +186,7 @@ async fn target(url: &reqwest::Url, policy: &MediaPolicy) -> Result<Option<(Stri
     }
     let shown = url.host_str().ok_or("the URL has no host")?.to_string();
     if let Some(allowed) = &policy.allowed_domains {
-        if !allowed.contains(&shown) {
+        if !allowed.iter().any(|d| d == shown.trim_end_matches('.')) {
             return Err(format!("its host `{shown}` is not among --allowed-media-domains ({})", allowed.join(", ")));
         }
     }
@@ -228,6 +243,8 @@ fn refused_v4(ip: Ipv4Addr) -> Option<&'static str> {
         _ if ip.is_multicast() => "a multicast address",
         _ if ip.is_broadcast() => "the broadcast address",
         _ if a == 100 && (64..128).contains(&b) => "a shared (carrier-grade NAT) address",
+        _ if a == 198 && (18..20).contains(&b) => "a benchmarking address (often used inside networks)",
+        _ if a == 192 && b == 0 && ip.octets()[2] == 0 => "an IETF protocol address",
         _ if a >= 240 => "a reserved address",
         _ => return None,
     })
@@ -238,10 +255,14 @@ fn refused_v6(ip: Ipv6Addr) -> Option<&'static str> {
         return refused_v4(v4);
     }
     let s = ip.segments();
-    // NAT64 (64:ff9b::/96) reaches the IPv4 address in its low bits.
-    if s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
-        let [a, b, c, d] = [(s[6] >> 8) as u8, s[6] as u8, (s[7] >> 8) as u8, s[7] as u8];
-        return refused_v4(Ipv4Addr::new(a, b, c, d));
+    let low_v4 = Ipv4Addr::new((s[6] >> 8) as u8, s[6] as u8, (s[7] >> 8) as u8, s[7] as u8);
+    // Forms that reach the IPv4 address they carry: NAT64 (64:ff9b::/96),
+    // IPv4-translated (::ffff:0:a.b.c.d), and 6to4 (2002:a.b.c.d::/48).
+    if s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] || s[..6] == [0, 0, 0, 0, 0xffff, 0] {
+        return refused_v4(low_v4);
+    }
+    if s[0] == 0x2002 {
+        return refused_v4(Ipv4Addr::new((s[1] >> 8) as u8, s[1] as u8, (s[2] >> 8) as u8, s[2] as u8));
     }
     Some(match () {
         _ if ip.is_loopback() => "a loopback address",
@@ -250,8 +271,10 @@ fn refused_v6(ip: Ipv6Addr) -> Option<&'static str> {
         _ if s[0] & 0xfe00 == 0xfc00 => "a unique-local (private) address",
         _ if s[0] & 0xffc0 == 0xfe80 => "a link-local address",
         _ if s[0] & 0xffc0 == 0xfec0 => "a site-local address",
+        // NAT64 for local use (64:ff9b:1::/48), whose IPv4 side is private.
+        _ if s[..3] == [0x64, 0xff9b, 1] => "a local-use NAT64 address",
         // ::a.b.c.d, the deprecated IPv4-compatible form.
-        _ if s[..6] == [0; 6] => return refused_v4(Ipv4Addr::new((s[6] >> 8) as u8, s[6] as u8, (s[7] >> 8) as u8, s[7] as u8)),
+        _ if s[..6] == [0; 6] => return refused_v4(low_v4),
         _ => return None,
     })
 }
@@ -341,8 +364,12 @@ mod tests {
             "2001:4860:4860::8888",
             "::ffff:8.8.8.8",
             "64:ff9b::808:808",
+            "2002:808:808::1",
         ] {
             assert_eq!(refused(ip), None, "{ip} is public");
+        }
+        for ip in ["198.18.0.1", "192.0.0.8", "2002:7f00:1::1", "2002:a9fe:a9fe::", "::ffff:0:127.0.0.1", "64:ff9b:1::a00:1"] {
+            assert!(refused(ip).is_some(), "{ip} should be refused");
         }
         assert_eq!(refused("169.254.169.254").map(|k| k.contains("metadata")), Some(true));
     }

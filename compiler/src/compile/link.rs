@@ -65,7 +65,8 @@ pub fn link(objects: &[PathBuf], runtime: &Path, exe: &Path) -> Result<()> {
         // A full disk often shows only as a crash or a silent failure of
         // the linker: say so, with the folder and the figures.
         let inputs: u64 = objects.iter().chain([&runtime.to_path_buf()]).filter_map(|p| p.metadata().ok()).map(|m| m.len()).sum();
-        let space = exe.parent().into_iter().chain([std::env::temp_dir().as_path()]).find_map(|dir| short_of_space(dir, inputs));
+        let folder = exe.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let space = [folder, std::env::temp_dir().as_path()].into_iter().find_map(|dir| short_of_space(dir, inputs));
         bail!("mpicc failed ({}){}:\n{said}", out.status, space.map(|s| format!("; {s}")).unwrap_or_default());
     }
     Ok(())
@@ -132,7 +133,7 @@ fn short_of_space(dir: &Path, need: u64) -> Option<String> {
         if libc::statvfs(c.as_ptr(), &mut st) != 0 {
             return None;
         }
-        st.f_bavail as u64 * st.f_frsize as u64
+        (st.f_bavail as u64).saturating_mul(st.f_frsize as u64)
     };
     (free < need).then(|| {
         let mb = |b: u64| b as f64 / (1u64 << 20) as f64;

@@ -133,7 +133,6 @@ impl Compiled {
                 .iter()
                 .any(|a| ["--host", "-H", "--hostfile", "--machinefile", "--default-hostfile"].contains(&a.as_str()))
     }
-
 }
 
 /// The host of each slot of an Open MPI hostfile (`HOST slots=N` lines),
@@ -152,4 +151,3 @@ fn hostfile_slots(file: &Path) -> Option<Vec<String>> {
     }
     Some(out)
 }
-
