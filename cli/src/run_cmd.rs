@@ -4,6 +4,7 @@
 use crate::flags::RunArgs;
 use anyhow::{bail, Context, Result};
 use m3c_contract::images::SeqImages;
+use m3c_contract::protocol::SeqRequest;
 use m3c_contract::stage_args::StageArgs;
 use m3c_contract::thinking::{ThinkBudget, ThinkStart};
 use std::collections::BTreeMap;
@@ -78,36 +79,17 @@ fn image_prompt(
     Ok(seqs)
 }
 
-/// The run's prompts as the first stage reads them on its standard input
-/// (`--stdin-prompts`): one framed `add` per prompt, with its images (an
-/// images file of its own, as sequence 0) and what its output is held to
-/// (its grammar and reasoning budget). The rest of each request comes from
-/// the stage arguments.
-fn stdin_frames(prompts: Vec<Vec<i64>>, images: &BTreeMap<usize, SeqImages>, max_new: usize, outputs: &[OutputRules]) -> Vec<Vec<u8>> {
-    use m3c_contract::protocol::{Command, SeqRequest};
-    prompts
+/// The run's requests as the first stage reads them on its standard input
+/// (`--stdin-prompts`): one framed `add` per request, complete as `m3c
+/// serve` sends them, with its images (an images file of its own, as
+/// sequence 0).
+fn stdin_frames(requests: Vec<SeqRequest>, images: &BTreeMap<usize, SeqImages>) -> Vec<Vec<u8>> {
+    use m3c_contract::protocol::Command;
+    requests
         .into_iter()
-        .enumerate()
-        .map(|(seq, prompt)| {
-            let (grammar, think) = outputs.get(seq).cloned().unwrap_or_default();
-            let images = images.get(&seq).map(|im| m3c_contract::images::encode(&BTreeMap::from([(0usize, im.clone())])).into());
-            Command::Add(SeqRequest {
-                seq,
-                max_new,
-                ignore_eos: false,
-                sampling: m3c_contract::sampling::SamplingParams::GREEDY,
-                prompt,
-                images,
-                stops: Vec::new(),
-                stop_ids: Vec::new(),
-                logprobs: None,
-                grammar,
-                think,
-                min_tokens: 0,
-                logit_bias: Vec::new(),
-                prompt_logprobs: None,
-            })
-            .to_bytes()
+        .map(|r| {
+            let images = images.get(&r.seq).map(|im| m3c_contract::images::encode(&BTreeMap::from([(0usize, im.clone())])).into());
+            Command::Add(SeqRequest { images, ..r }).to_bytes()
         })
         .collect()
 }
@@ -332,14 +314,17 @@ fn sampling(args: &RunArgs) -> Result<(m3c_contract::sampling::SamplingParams, V
     Ok((sampling, eos))
 }
 
-/// The stage command line: every stage gets the same arguments. The
-/// prompts and images go to the first stage on its standard input
-/// (`--stdin-prompts`), so that no stage reads a file of this machine's.
-fn stage_args(args: &RunArgs, inputs: &Inputs) -> Result<(StageArgs, Vec<OutputRules>)> {
+/// The stage command line (every stage gets the same arguments: pipeline
+/// settings only) and the run's requests, one per prompt and choice, each
+/// complete: the run's sampling (over a JSONL line's own fields; choice C
+/// of a prompt draws from its seed + C, as OpenAI's `n` in `m3c serve`),
+/// stop strings, logprobs, grammar and reasoning budget. The requests go to
+/// the first stage on its standard input (`--stdin-prompts`), so that no
+/// stage reads a file of this machine's.
+fn stage_args(args: &RunArgs, inputs: &Inputs) -> Result<(StageArgs, Vec<SeqRequest>)> {
     let (sampling, eos) = sampling(args)?;
     let mut stage = StageArgs::new(args.model.clone());
     stage.prompts = m3c_contract::stage_args::Prompts::Stdin(inputs.prompts.len());
-    stage.max_new_tokens = args.max_new_tokens;
     stage.dump = args.dump.clone();
     stage.expect = args.expect.clone();
     stage.prefill_chunk = args.prefill_chunk;
@@ -347,27 +332,36 @@ fn stage_args(args: &RunArgs, inputs: &Inputs) -> Result<(StageArgs, Vec<OutputR
     stage.kv.prefix_caching = !args.no_enable_prefix_caching;
     stage.timeout_s = args.timeout_s;
     stage.gpu = args.gpu.modes();
-    stage.sampling = sampling;
-    stage.stops = args.stop.iter().map(|s| s.as_bytes().to_vec()).collect();
     stage.stream_ids = inputs.text.is_some();
-    stage.logprobs = args.logprobs;
     stage.trace = args.trace.is_some();
     let outputs = run_outputs(args, &eos, &inputs.think)?;
     stage.eos_ids = eos;
-    // A JSONL line's own sampling fields, over the run's; choice C of a
-    // prompt draws from its seed + C (OpenAI's `n`, as `m3c serve` does).
     let lines = inputs.text.as_ref().map_or(&[][..], |t| &t.overrides[..]);
-    for seq in 0..inputs.prompts.len() {
-        let o = lines.get(seq).copied().unwrap_or_default();
-        if o.is_empty() && inputs.choices == 1 {
-            continue;
-        }
-        let mut p = o.over(sampling);
+    let stops: Vec<Vec<u8>> = args.stop.iter().map(|s| s.as_bytes().to_vec()).collect();
+    let mut requests = Vec::with_capacity(inputs.prompts.len());
+    for (seq, prompt) in inputs.prompts.iter().enumerate() {
+        let mut p = lines.get(seq).copied().unwrap_or_default().over(sampling);
         p.check().map_err(|e| anyhow::anyhow!("--prompts: prompt {}: {e}", seq / inputs.choices))?;
         p.seed = p.seed.wrapping_add((seq % inputs.choices) as u64);
-        stage.seq_sampling.push((seq, p));
+        let (grammar, think) = outputs.get(seq).cloned().unwrap_or_default();
+        requests.push(SeqRequest {
+            seq,
+            max_new: args.max_new_tokens,
+            ignore_eos: false,
+            sampling: p,
+            prompt: prompt.clone(),
+            images: None,
+            stops: stops.clone(),
+            stop_ids: Vec::new(),
+            logprobs: args.logprobs,
+            grammar,
+            think,
+            min_tokens: 0,
+            logit_bias: Vec::new(),
+            prompt_logprobs: None,
+        });
     }
-    Ok((stage, outputs))
+    Ok((stage, requests))
 }
 
 pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
@@ -383,7 +377,7 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
         m3c_compiler::fsutil::check_replaceable_file(t).context("--trace")?;
     }
     let inputs = inputs(&args, &compiled)?;
-    let (mut stage, outputs) = stage_args(&args, &inputs)?;
+    let (mut stage, requests) = stage_args(&args, &inputs)?;
     // Each stage's KV pool: by default exactly the blocks every prompt can
     // reach (prompt, new tokens and the row that scores the last), so a
     // run never waits for blocks; `--kv-blocks` may give fewer (prompts
@@ -399,8 +393,9 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
         bail!("--kv-blocks {blocks}: prompt {i} and --max-new-tokens {} need {need} blocks of {kv_block} positions", args.max_new_tokens);
     }
     stage.kv.size = m3c_contract::stage_args::PoolSize::Blocks(blocks);
-    let Inputs { prompts, images, text: text_in, .. } = inputs;
-    let frames = stdin_frames(prompts, &images, args.max_new_tokens, &outputs);
+    let Inputs { images, text: text_in, .. } = inputs;
+    let constrained = requests.iter().any(|r| r.grammar.is_some());
+    let frames = stdin_frames(requests, &images);
     let launch = args.launch.launch()?;
     let mut cmd = compiled.mpirun(&stage, &launch)?;
     cmd.stdin(std::process::Stdio::piped());
@@ -440,11 +435,8 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
     let streamed = match (&text_in, output) {
         (Some(enc), Some(pipe)) => {
             // A grammar's output ends on an EOS whose text is not the answer's.
-            let silent: Vec<u32> = if outputs.iter().any(|o| o.0.is_some()) {
-                stage.eos_ids.iter().filter_map(|&e| u32::try_from(e).ok()).collect()
-            } else {
-                Vec::new()
-            };
+            let silent: Vec<u32> =
+                if constrained { stage.eos_ids.iter().filter_map(|&e| u32::try_from(e).ok()).collect() } else { Vec::new() };
             let done = m3c_front::text::front::stream(pipe, enc, &args.stop, &silent, std::io::stdout().lock());
             if done.is_err() {
                 // Nobody reads the pipe any more: end the job rather than

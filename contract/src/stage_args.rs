@@ -199,7 +199,10 @@ impl StageArgs {
             Prompts::Stdin(n) => flag("--stdin-prompts", n.to_string()),
             Prompts::Served => {}
         }
-        if !self.serving() {
+        // What shapes each request, for prompts given as flags only: a
+        // request on standard input (`m3c run`, `m3c serve`) brings its own.
+        let inline = matches!(self.prompts, Prompts::Ids(_) | Prompts::File { .. });
+        if inline {
             flag("--max-new-tokens", self.max_new_tokens.to_string());
         }
         for (name, value) in [
@@ -220,21 +223,23 @@ impl StageArgs {
                 flag(name, v);
             }
         }
-        // Each sampling field as a flag of its own name (`--top-k`).
-        for (k, v) in self.sampling.fields() {
-            flag(&format!("--{}", k.replace('_', "-")), v);
-        }
-        for (seq, p) in &self.seq_sampling {
-            flag("--seq-sampling", format!("{seq}:{}", p.encode()));
-        }
-        for stop in &self.stops {
-            flag("--stop", crate::protocol::hex(stop));
-        }
-        if let Some(k) = self.logprobs {
-            flag("--logprobs", k.to_string());
-        }
-        if let Some(g) = &self.grammar {
-            flag("--grammar", crate::protocol::hex(g.as_bytes()));
+        if inline {
+            // Each sampling field as a flag of its own name (`--top-k`).
+            for (k, v) in self.sampling.fields() {
+                flag(&format!("--{}", k.replace('_', "-")), v);
+            }
+            for (seq, p) in &self.seq_sampling {
+                flag("--seq-sampling", format!("{seq}:{}", p.encode()));
+            }
+            for stop in &self.stops {
+                flag("--stop", crate::protocol::hex(stop));
+            }
+            if let Some(k) = self.logprobs {
+                flag("--logprobs", k.to_string());
+            }
+            if let Some(g) = &self.grammar {
+                flag("--grammar", crate::protocol::hex(g.as_bytes()));
+            }
         }
         for (switch, on) in [("--trace", self.trace), ("--stream-ids", self.stream_ids), ("--serve", self.serving())] {
             if on {
@@ -310,6 +315,10 @@ fn parse_switch(flag: &str, v: &str, (on, off): (&str, &str)) -> Result<bool, St
     }
 }
 
+/// The flags (besides the sampling fields) that shape each request of a
+/// run whose prompts are flags.
+const PER_REQUEST: &[&str] = &["--max-new-tokens", "--stop", "--logprobs", "--grammar", "--seq-sampling"];
+
 fn parse_args(args: &[String]) -> Result<StageArgs, String> {
     // Every flag sets its field of `a`; what needs all the flags (the
     // prompts file, per-sequence sampling, the grammar) is settled after.
@@ -320,8 +329,18 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
     // The ways of giving prompts, settled into one `Prompts` at the end.
     let (mut ids, mut file, mut stdin, mut serve) = (Vec::new(), None, None, false);
     let mut seq_sampling_text = Vec::new();
+    // Flags that shape each request, which requests on standard input bring themselves.
+    let mut per_request: Vec<String> = Vec::new();
     let mut it = args.iter();
     while let Some(arg) = it.next() {
+        if PER_REQUEST.contains(&arg.as_str())
+            || SamplingParams::GREEDY
+                .fields()
+                .iter()
+                .any(|(k, _)| arg.strip_prefix("--").map(|f| f.replace('-', "_")).as_deref() == Some(k))
+        {
+            per_request.push(arg.clone());
+        }
         let mut value = |name: &str| it.next().cloned().ok_or_else(|| format!("{name} needs a value; {USAGE}"));
         match arg.as_str() {
             "--model" => model = Some(PathBuf::from(value("--model")?)),
@@ -391,6 +410,12 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
     if stdin.is_some() && (!ids.is_empty() || serve || a.images.is_some()) {
         return Err("--stdin-prompts takes the prompts and their images from the first stage's standard input: no --prompt-ids, --prompts, --images or --serve".into());
     }
+    if let (true, Some(flag)) = (stdin.is_some() || serve, per_request.first()) {
+        let mode = if serve { "--serve" } else { "--stdin-prompts" };
+        return Err(format!(
+            "{mode}: each request on standard input brings its own sampling, token limit, stop strings, logprobs and grammar: no {flag}"
+        ));
+    }
     if ids.is_empty() && !serve && stdin.is_none() {
         return Err(format!("no prompt: give --prompt-ids or --prompts; {USAGE}"));
     }
@@ -406,7 +431,7 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
         (None, None) => return Err(format!("--model DIR is required; {USAGE}")),
         (Some(_), Some(_)) => return Err("give --model or --synthetic-weights, not both".into()),
     };
-    if !serve {
+    if !serve && stdin.is_none() {
         a.max_new_tokens = max_new.ok_or_else(|| format!("--max-new-tokens is required; {USAGE}"))?;
     }
     a.prompts = match (serve, stdin, file) {
@@ -457,8 +482,12 @@ mod tests {
         assert_eq!(StageArgs::parse(&s.to_args()), Ok(s));
         let mut r = StageArgs::new(PathBuf::from("m"));
         r.prompts = Prompts::Stdin(3);
-        r.max_new_tokens = 4;
         assert_eq!(StageArgs::parse(&r.to_args()), Ok(r.clone()));
+        for flag in [&["--max-new-tokens", "4"][..], &["--top-k", "3"], &["--logprobs", "1"]] {
+            let mut args = r.to_args();
+            args.extend(flag.iter().map(|f| f.to_string()));
+            assert!(StageArgs::parse(&args).is_err_and(|e| e.contains(&format!("no {}", flag[0]))), "{flag:?}");
+        }
         assert_eq!(r.prompt_count(), 3);
         let mut w = r.clone();
         w.weights = Weights::Synthetic(7);

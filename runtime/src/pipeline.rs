@@ -78,8 +78,10 @@ struct RunFeed<'a> {
     images: BTreeMap<usize, SeqImages>,
     generated: Vec<Vec<i64>>,
     prompt_tokens: usize,
-    /// Each prompt's tokens' logprobs (`--logprobs`).
-    logprobs: Vec<Vec<(u32, m3c_contract::protocol::TokenLogprobs)>>,
+    /// Each prompt's tokens' logprobs, for those that asked (`None`: not asked).
+    logprobs: Vec<Option<Vec<(u32, m3c_contract::protocol::TokenLogprobs)>>>,
+    /// Tokens the prompts may generate, in all.
+    max_new: usize,
     start: Instant,
     /// When each prompt's prefill was done (its first event).
     prefilled: Vec<Option<Duration>>,
@@ -91,41 +93,22 @@ struct RunFeed<'a> {
 
 impl<'a> RunFeed<'a> {
     fn new(st: &Stage, args: &'a RunArgs) -> Result<RunFeed<'a>, StageError> {
-        let (prompts, images) = match args.prompts {
-            Prompts::Stdin(n) => stdin_prompts(n, st.meta.vision.as_ref().map(|v| v.patch_row), args.timeout_s)?,
-            _ => {
-                let inline = args.prompts.inline().iter().map(|p| (p.clone(), args.grammar.clone(), None)).collect();
-                (inline, inline_images(st, args)?)
-            }
+        // `m3c run` sends complete requests, as `m3c serve` does; prompts
+        // given as flags (a stage run by hand) take the run's flags.
+        let (requests, images) = match args.prompts {
+            Prompts::Stdin(n) => stdin_requests(n, st.meta.vision.as_ref().map(|v| v.patch_row), args.timeout_s)?,
+            _ => (inline_requests(args), inline_images(st, args)?),
         };
-        let requests = prompts
-            .into_iter()
-            .enumerate()
-            .map(|(seq, (prompt, grammar, think)): (usize, RunPrompt)| SeqRequest {
-                seq,
-                max_new: args.max_new_tokens,
-                ignore_eos: false,
-                sampling: *args.sampling_for(seq),
-                prompt,
-                images: None,
-                stops: args.stops.clone(),
-                stop_ids: Vec::new(),
-                logprobs: args.logprobs,
-                grammar: grammar.or_else(|| args.grammar.clone()),
-                think,
-                min_tokens: 0,
-                logit_bias: Vec::new(),
-                prompt_logprobs: None,
-            })
-            .collect::<VecDeque<_>>();
+        let requests: VecDeque<SeqRequest> = requests.into();
         let n = requests.len();
         Ok(RunFeed {
             args,
             prompt_tokens: requests.iter().map(|r| r.prompt.len()).sum(),
+            logprobs: requests.iter().map(|r| r.logprobs.map(|_| Vec::new())).collect(),
+            max_new: requests.iter().map(|r| r.max_new).sum(),
             requests,
             images,
             generated: vec![Vec::new(); n],
-            logprobs: vec![Vec::new(); n],
             start: Instant::now(),
             prefilled: vec![None; n],
             prefix: (0, 0),
@@ -139,13 +122,13 @@ impl<'a> RunFeed<'a> {
         for (s, g) in self.generated.iter().enumerate().filter(|_| !self.args.stream_ids) {
             let ids: Vec<String> = g.iter().map(|i| i.to_string()).collect();
             print_line(&format!("prompt {s}: {}\n", ids.join(",")));
-            if self.args.logprobs.is_some() {
-                print_line(&format!("logprobs {s}: {}\n", m3c_contract::protocol::logprobs_json(&self.logprobs[s])));
+            if let Some(Some(lps)) = self.logprobs.get(s) {
+                print_line(&format!("logprobs {s}: {}\n", m3c_contract::protocol::logprobs_json(lps)));
             }
         }
         let prefill_end = self.prefilled.iter().flatten().max().copied().unwrap_or_default();
         let prompt_tokens = self.prompt_tokens;
-        let decode_steps = self.generated.len() * self.args.max_new_tokens;
+        let decode_steps = self.max_new;
         let dt = (total - prefill_end).as_secs_f64();
         say!(
             "m3c timing: prefill {prompt_tokens} tokens in {:.1} ms ({:.1} tok/s); decode {decode_steps} steps in {:.1} ms ({:.1} tok/s); up to {per_batch} sequence(s) per micro-batch",
@@ -187,7 +170,7 @@ impl Feed for RunFeed<'_> {
         if let Event::Logprobs { seq, id, lp } = &e {
             if self.args.stream_ids {
                 crate::serve::say(e);
-            } else if let Some(l) = self.logprobs.get_mut(*seq) {
+            } else if let Some(Some(l)) = self.logprobs.get_mut(*seq) {
                 l.push((*id, lp.clone()));
             }
             return;
@@ -249,14 +232,38 @@ fn inline_images(st: &Stage, args: &RunArgs) -> Result<ImagesBySeq, StageError> 
     Ok(images)
 }
 
-/// A prompt as `m3c run` sends it: its ids, and the grammar and reasoning
-/// budget its output is held to.
-type RunPrompt = (Vec<i64>, Option<String>, Option<m3c_contract::thinking::ThinkBudget>);
+/// The requests of a run whose prompts come as flags: each prompt with the
+/// run's sampling (and its own, `--seq-sampling`), stop strings, logprobs
+/// and grammar.
+fn inline_requests(args: &RunArgs) -> Vec<SeqRequest> {
+    args.prompts
+        .inline()
+        .iter()
+        .enumerate()
+        .map(|(seq, prompt)| SeqRequest {
+            seq,
+            max_new: args.max_new_tokens,
+            ignore_eos: false,
+            sampling: *args.sampling_for(seq),
+            prompt: prompt.clone(),
+            images: None,
+            stops: args.stops.clone(),
+            stop_ids: Vec::new(),
+            logprobs: args.logprobs,
+            grammar: args.grammar.clone(),
+            think: None,
+            min_tokens: 0,
+            logit_bias: Vec::new(),
+            prompt_logprobs: None,
+        })
+        .collect()
+}
 
-/// The run's prompts and images from standard input: `n` framed `add`
-/// commands, sequence `i` the `i`-th, each waited for at most `timeout_s`
-/// (the front writes them all at once, so a wait that long means it is gone).
-fn stdin_prompts(n: usize, patch_row: Option<usize>, timeout_s: f64) -> Result<(Vec<RunPrompt>, ImagesBySeq), StageError> {
+/// The run's requests and images from standard input (`m3c run`'s: each
+/// complete, as a served request is): `n` framed `add` commands, sequence
+/// `i` the `i`-th, each waited for at most `timeout_s` (the front writes
+/// them all at once, so a wait that long means it is gone).
+fn stdin_requests(n: usize, patch_row: Option<usize>, timeout_s: f64) -> Result<(Vec<SeqRequest>, ImagesBySeq), StageError> {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || crate::serve::read_commands(tx));
     let (mut prompts, mut images) = (Vec::with_capacity(n), BTreeMap::new());
@@ -273,7 +280,7 @@ fn stdin_prompts(n: usize, patch_row: Option<usize>, timeout_s: f64) -> Result<(
                 if let Some(im) = crate::serve::request_images(&a, patch_row).map_err(|e| bad(format!("prompt {i}: {e}")))? {
                     images.insert(i, im);
                 }
-                prompts.push((a.prompt, a.grammar, a.think));
+                prompts.push(a);
             }
             other => return Err(bad(format!("expected prompt {i} (`add seq={i} ...`), got `{}`", other.encode()))),
         }
