@@ -91,7 +91,7 @@ prepare() {
   ./scripts/setup.sh
   export PATH="$HOME/.cargo/bin:$PATH"
   cargo build --release --locked -q -p m3c -p m3c-runtime
-  cargo build --release --locked -q -p m3c-contract --example sampled_check
+  cargo build --release --locked -q -p m3c-sampler --example sampled_check
   M3C="$ROOT/target/release/m3c"
   CUDA_ROOT=$(ls -d "$ROOT"/.venv-cuda/lib/python3*/site-packages/nvidia/cuda_nvcc | head -1)
   export CUDA_ROOT

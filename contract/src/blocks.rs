@@ -1,9 +1,9 @@
-//! The KV block pool: every layer's caches are stored in blocks of `B`
-//! positions, and this is the one allocator of their ids, run by the first
-//! stage for the whole pipeline (every stage has the same block count, and
-//! the steps carry the ids each sequence takes).
+//! The KV block pool's formats: every layer's caches are stored in blocks
+//! of `B` positions, named by a [`BlockId`]; a full block's contents are
+//! named by a [`BlockHash`] chain (what the prefix cache is keyed by). The
+//! allocator of the ids, with the prefix cache, is `m3c_kvpool::BlockPool`.
 //!
-//! A block is either
+//! (In the allocator, a block is either
 //! - **free** (on the free list, no contents that matter),
 //! - **in use** (held by one or more sequences: a reference count), or
 //! - **cached** (no sequence holds it, but it is full and its contents are
@@ -11,13 +11,10 @@
 //!   the same prefix, or evicted, least recently released first, when the
 //!   free list is empty).
 //!
-//! Free blocks are handed out lowest id first, so a pool that is never
-//! full touches only its low blocks (on the host, memory the OS never had to
-//! provide stays untouched), and every decision is a function of the calls
-//! made: two pools given the same calls give the same ids.
+//! Free blocks are handed out lowest id first, and every decision is a
+//! function of the calls made.)
 
 use sha2::{Digest, Sha256};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 /// A block's id: its index in every layer's pool.
 pub type BlockId = u32;
@@ -88,135 +85,6 @@ pub fn image_extra(images: &[([u8; 32], Vec<usize>)], start: usize, len: usize) 
     out
 }
 
-#[derive(Debug, Clone, Default)]
-struct Block {
-    refs: u32,
-    hash: Option<BlockHash>,
-    /// When it was last released to the cache (its LRU key).
-    released: u64,
-}
-
-/// The allocator of a pool of `total` blocks, with the prefix cache.
-#[derive(Debug, Clone)]
-pub struct BlockPool {
-    blocks: Vec<Block>,
-    free: BTreeSet<BlockId>,
-    by_hash: HashMap<BlockHash, BlockId>,
-    /// Cached blocks no sequence holds, by release time: the eviction order.
-    evictable: BTreeMap<u64, BlockId>,
-    clock: u64,
-}
-
-impl BlockPool {
-    pub fn new(total: usize) -> BlockPool {
-        let total = total.min(MAX_BLOCKS);
-        BlockPool {
-            blocks: vec![Block::default(); total],
-            free: (0..total as BlockId).collect(),
-            by_hash: HashMap::new(),
-            evictable: BTreeMap::new(),
-            clock: 0,
-        }
-    }
-
-    pub fn total(&self) -> usize {
-        self.blocks.len()
-    }
-
-    /// Blocks a sequence could take now: free ones and evictable cached ones.
-    pub fn available(&self) -> usize {
-        self.free.len() + self.evictable.len()
-    }
-
-    /// Blocks some sequence holds.
-    pub fn in_use(&self) -> usize {
-        self.blocks.len() - self.available()
-    }
-
-    /// Blocks that hold cached contents (held or not).
-    pub fn cached(&self) -> usize {
-        self.by_hash.len()
-    }
-
-    /// Cached blocks no sequence holds: what stays of a pool when every
-    /// sequence has ended.
-    pub fn cached_idle(&self) -> usize {
-        self.evictable.len()
-    }
-
-    /// References to `id` (0 for a free or idle cached block).
-    pub fn refs(&self, id: BlockId) -> u32 {
-        self.blocks.get(id as usize).map_or(0, |b| b.refs)
-    }
-
-    /// A fresh block for one sequence (reference count 1): the lowest free
-    /// id, else the least recently released cached block, whose hash is
-    /// forgotten. None when every block is in use.
-    pub fn alloc(&mut self) -> Option<BlockId> {
-        let id = match self.free.pop_first() {
-            Some(id) => id,
-            None => {
-                let (_, id) = self.evictable.pop_first()?;
-                if let Some(h) = self.blocks[id as usize].hash.take() {
-                    self.by_hash.remove(&h);
-                }
-                id
-            }
-        };
-        self.blocks[id as usize].refs = 1;
-        Some(id)
-    }
-
-    /// The cached block with contents `hash`, now held once more, if there is one.
-    pub fn lookup(&mut self, hash: &BlockHash) -> Option<BlockId> {
-        let id = *self.by_hash.get(hash)?;
-        let b = &mut self.blocks[id as usize];
-        if b.refs == 0 {
-            self.evictable.remove(&b.released);
-        }
-        b.refs += 1;
-        Some(id)
-    }
-
-    /// Whether a block with contents `hash` is cached (nothing changes).
-    pub fn contains(&self, hash: &BlockHash) -> bool {
-        self.by_hash.contains_key(hash)
-    }
-
-    /// Records that held block `id` is full with contents `hash`, so later
-    /// sequences may share it. When another block already has those
-    /// contents, `id` stays uncached (it is freed, not kept, on release).
-    pub fn commit(&mut self, id: BlockId, hash: BlockHash) {
-        let Some(b) = self.blocks.get_mut(id as usize) else { return };
-        if b.refs == 0 || b.hash.is_some() || self.by_hash.contains_key(&hash) {
-            return;
-        }
-        b.hash = Some(hash);
-        self.by_hash.insert(hash, id);
-    }
-
-    /// Drops one reference to `id`. A block no one holds becomes free, or,
-    /// when it has cached contents, the most recently released evictable
-    /// block. Releasing a block no one holds is ignored.
-    pub fn release(&mut self, id: BlockId) {
-        let Some(b) = self.blocks.get_mut(id as usize) else { return };
-        if b.refs == 0 {
-            return;
-        }
-        b.refs -= 1;
-        if b.refs > 0 {
-            return;
-        }
-        if b.hash.is_some() {
-            self.clock += 1;
-            b.released = self.clock;
-            self.evictable.insert(self.clock, id);
-        } else {
-            self.free.insert(id);
-        }
-    }
-}
-
 /// The blocks that positions `0..positions` need.
 pub fn blocks_for(positions: usize, block: usize) -> usize {
     positions.div_ceil(block.max(1))
@@ -225,52 +93,6 @@ pub fn blocks_for(positions: usize, block: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn h(n: u8) -> BlockHash {
-        BlockHash([n; 32])
-    }
-
-    /// A pool of two blocks, `a` committed with contents `ha` and `b`
-    /// with `hb`; `b` released, `a` still held.
-    fn two_committed(ha: u8, hb: u8) -> (BlockPool, BlockId, BlockId) {
-        let mut p = BlockPool::new(2);
-        let (a, b) = (p.alloc().unwrap(), p.alloc().unwrap());
-        p.commit(a, h(ha));
-        p.commit(b, h(hb));
-        p.release(b);
-        (p, a, b)
-    }
-
-    #[test]
-    fn free_blocks_go_lowest_first_and_come_back() {
-        let mut p = BlockPool::new(3);
-        assert_eq!((p.alloc(), p.alloc()), (Some(0), Some(1)));
-        p.release(0);
-        assert_eq!(p.alloc(), Some(0));
-        assert_eq!(p.alloc(), Some(2));
-        assert_eq!(p.alloc(), None);
-        assert_eq!(p.in_use(), 3);
-    }
-
-    #[test]
-    fn cached_blocks_are_shared_then_evicted_least_recent_first() {
-        let (mut p, a, b) = two_committed(1, 2);
-        p.release(a);
-        assert_eq!((p.available(), p.cached_idle()), (2, 2));
-        // A hit holds the block again; the other is evicted for a fresh one.
-        assert_eq!(p.lookup(&h(1)), Some(a));
-        assert_eq!(p.alloc(), Some(b));
-        assert!(!p.contains(&h(2)));
-        assert_eq!(p.lookup(&h(1)), Some(a));
-        assert_eq!(p.refs(a), 2);
-    }
-
-    #[test]
-    fn a_second_block_with_known_contents_is_not_cached() {
-        let (mut p, _, b) = two_committed(1, 1);
-        assert_eq!(p.cached_idle(), 0);
-        assert_eq!(p.alloc(), Some(b));
-    }
 
     #[test]
     fn hash_chains_differ_by_prefix_ids_and_images() {

@@ -1,8 +1,9 @@
 //! The contract between `m3c` (the compiler) and the stage runtime it links
 //! into every executable: what both sides must read the same way.
 //!
-//! - [`blocks`]: the KV block pool's allocator and prefix cache (block
-//!   ids, reference counts, hash chains, least-recently-used eviction).
+//! - [`blocks`]: the KV block pool's formats: block ids and the content
+//!   hash chains its prefix cache is keyed by (the allocator is
+//!   `m3c_kvpool`).
 //! - [`dtype`]: the one table of checkpoint element types and their sizes
 //!   (no default for an unknown name: it is an error).
 //! - [`checkpoint`]: the one safetensors reader (single file or sharded),
@@ -26,7 +27,8 @@
 //! - [`thinking`]: where a chat's output starts relative to the model's
 //!   reasoning (`<mm:think>`), and the reasoning budget.
 //! - [`sampling`]: sampling parameters (with their one text form) and the
-//!   host sampler every target's sampler must agree with.
+//!   sampling table's layout (the host sampler, which every target's
+//!   sampler must agree with, is `m3c_sampler`).
 //!
 //! This crate does no MPI, no mmap and no printing: it is plain parsing, so
 //! its parsers can be property-tested on arbitrary input.

@@ -86,7 +86,7 @@ struct SeqBook {
     /// ends it, as non-finite logits do.
     failed: Option<String>,
     /// Its logit bias and presence/frequency penalties, when it has any.
-    bias: Option<m3c_contract::sampling::BiasRow>,
+    bias: Option<m3c_sampler::BiasRow>,
 }
 
 /// What a sequence asks of its output besides sampling: logprobs, a
@@ -140,7 +140,7 @@ impl LastBooks {
     /// checked it) fails the sequence at its first draw, with the reason on
     /// standard error.
     pub fn start(&mut self, seq: usize, prompt: Vec<i64>, sampling: SamplingParams, max_new: usize, out: OutputSpec) {
-        let bias = m3c_contract::sampling::BiasRow::new(&sampling, &out.logit_bias, self.grammars.vocab);
+        let bias = m3c_sampler::BiasRow::new(&sampling, &out.logit_bias, self.grammars.vocab);
         let record = SeqRecord { prompt, prefill_logits: Vec::new(), generated: Vec::new(), decode_logits: Vec::new() };
         let (grammar, budget, failed) = match self.grammars.output_rules(&out) {
             Ok((g, b)) => (g, b, None),

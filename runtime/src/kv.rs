@@ -5,7 +5,8 @@
 //! block count, so these ids are every stage's: each step carries the
 //! blocks its sequences took since their last step.
 
-use m3c_contract::blocks::{blocks_for, image_extra, BlockHash, BlockId, BlockPool};
+use m3c_contract::blocks::{blocks_for, image_extra, BlockHash, BlockId};
+use m3c_kvpool::BlockPool;
 use std::collections::HashMap;
 
 /// An image of a sequence, for the hashes of the blocks its rows are in:

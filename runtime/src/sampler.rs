@@ -3,7 +3,8 @@
 //! every row of a step. (On a GPU the kernel's own device code samples, and
 //! is checked to pick the same ids.)
 
-use m3c_contract::sampling::{bias_row, mask_row, sample_row, seen_row, ROW_WORDS};
+use m3c_contract::sampling::{bias_row, mask_row, seen_row, ROW_WORDS};
+use m3c_sampler::sample_row;
 
 /// Samples `rows` rows of `vocab` logits under their sampling-table rows
 /// (writing each row's non-finite count into it) into `ids`. The stage

@@ -301,7 +301,7 @@ pub struct Stage {
 /// bitmaps (`[sequences, ⌈vocab/32⌉]`, read only by rows with a repetition
 /// penalty) and whether the logits must come back (for `--dump` and
 /// `--expect`; a GPU stage otherwise returns only the ids and the table),
-/// and the bias rows (`[rows, vocab]`, `m3c_contract::sampling::BiasRow`)
+/// and the bias rows (`[rows, vocab]`, `m3c_sampler::BiasRow`)
 /// that table rows name.
 pub struct SampleIn {
     pub table: Vec<i64>,

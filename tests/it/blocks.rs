@@ -2,7 +2,8 @@
 //! against a model written the plainest way: a list of blocks scanned in
 //! full on every call.
 
-use m3c_contract::blocks::{BlockHash, BlockId, BlockPool};
+use m3c_contract::blocks::{BlockHash, BlockId};
+use m3c_kvpool::BlockPool;
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]

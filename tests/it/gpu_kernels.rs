@@ -751,11 +751,7 @@ fn gpu_stage_logits(plan_head: &str, model: &str, act: Storage, gemm: bool, deco
         let logits = g.mem.get::<f32>(a[4])[..rows * vocab].to_vec();
         // The stage's own sampler took the last row's first maximum.
         let id = g.mem.get::<i64>(a[5])[rows - 1];
-        assert_eq!(
-            id as usize,
-            m3c_contract::sampling::greedy(&logits[(rows - 1) * vocab..]),
-            "{model}: the sampled id at position {pos0}"
-        );
+        assert_eq!(id as usize, m3c_sampler::greedy(&logits[(rows - 1) * vocab..]), "{model}: the sampled id at position {pos0}");
         out.push(logits);
     }
     // What CUDA graph replay relies on: every decode step makes the same
@@ -1161,7 +1157,8 @@ fn nan_scores_still_give_distinct_valid_ids_on_host_and_gpu() {
             }
         }
     }
-    use m3c_contract::sampling::{row_words, sample_row, SamplingParams, ROW_WORDS};
+    use m3c_contract::sampling::{row_words, SamplingParams, ROW_WORDS};
+    use m3c_sampler::sample_row;
     let k = Kernel::Sample(m3c_kernels::Sample { width: 300 });
     let mut logits = vals(rows * 300, 9, 2.0);
     logits[0] = f32::NAN; // row 0: NaN first, the best is elsewhere
@@ -1194,7 +1191,8 @@ fn nan_scores_still_give_distinct_valid_ids_on_host_and_gpu() {
 /// every filter, must give the very same ids and non-finite counts.
 #[test]
 fn the_device_sampler_picks_the_host_samplers_ids() {
-    use m3c_contract::sampling::{row, row_words, sample_row, seen_bitmap, seen_words, SamplingParams, ROW_WORDS};
+    use m3c_contract::sampling::{row, row_words, seen_bitmap, seen_words, SamplingParams, ROW_WORDS};
+    use m3c_sampler::sample_row;
     // Not a multiple of 32 (the bitmap's last word) nor of the block.
     let width = 1100;
     let greedy = SamplingParams::GREEDY;

@@ -100,7 +100,7 @@ fn streaming_decode_of_random_ids_adds_up_to_the_full_decode() {
     let tk = TextTokenizer::from_dir(&fixture("tiny-m3")).unwrap();
     let vocab = tk.vocab_size() as u64;
     for seed in 0..4u64 {
-        let ids: Vec<u32> = (0..1500u64).map(|i| (m3c_contract::sampling::draw_bits(seed, 0, i) % vocab) as u32).collect();
+        let ids: Vec<u32> = (0..1500u64).map(|i| (m3c_sampler::draw_bits(seed, 0, i) % vocab) as u32).collect();
         let mut dec = IncrementalDecoder::new(true);
         let mut streamed = String::new();
         for &id in &ids {
@@ -450,7 +450,8 @@ fn a_jsonl_prompts_file_takes_text_chats_and_per_line_sampling() {
 /// sampler (and a wrong seed would not).
 #[test]
 fn a_sampled_runs_dump_replays_through_the_host_sampler() {
-    use m3c_contract::sampling::{replay_mismatches, SamplingParams};
+    use m3c_contract::sampling::SamplingParams;
+    use m3c_sampler::replay_mismatches;
     let dir = tempfile::tempdir().unwrap();
     let (out, model) = crate::shared::tiny(2);
     let dump = dir.path().join("s.safetensors");

@@ -186,7 +186,7 @@ fn bitmap_bit(d: &str, on: &str, row: &str, i: &str, nw: usize, otherwise: &str)
 }
 
 /// The weight `%{p}w` (i64) of scaled value `x` below the maximum `%m`:
-/// `m3c_contract::sampling::weight`, operation for operation.
+/// `m3c_sampler::weight`, operation for operation.
 fn weight(p: &str, x: &str) -> String {
     let mut s = format!(
         "%{p}d = arith.subf %m, {x} : f32\n\
@@ -301,7 +301,7 @@ fn select(t: &str, by_count: bool, goal: &str, width: usize, nw: usize) -> Strin
 
 /// Philox-4x32-10 of (counter, key) as i32 SSA names; defines `%{p}bits`
 /// (i64): the first two output words, low first
-/// (`m3c_contract::sampling::draw_bits`).
+/// (`m3c_sampler::draw_bits`).
 fn philox(p: &str, counter: [&str; 4], key: [&str; 2]) -> String {
     let mut s = String::new();
     let (mut c, mut k) = (counter.map(str::to_string), key.map(str::to_string));

@@ -5,7 +5,8 @@
 //!
 //!     sampled_check DUMP.safetensors TEMPERATURE TOP_K TOP_P MIN_P PENALTY SEED
 
-use m3c_contract::sampling::{replay_mismatches, SamplingParams};
+use m3c_contract::sampling::SamplingParams;
+use m3c_sampler::replay_mismatches;
 
 fn tensor(bytes: &[u8], name: &str) -> Result<(Vec<usize>, Vec<u8>), String> {
     let n = u64::from_le_bytes(bytes.get(..8).ok_or("not a safetensors file")?.try_into().map_err(|_| "header")?) as usize;

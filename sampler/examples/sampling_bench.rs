@@ -1,9 +1,10 @@
 //! Host sampler cost at MiniMax-M3's vocabulary (200 064 logits), the
 //! number the text issue's 0.3 ms budget is about.
 //!
-//!     cargo run --release -p m3c-contract --example sampling_bench
+//!     cargo run --release -p m3c-sampler --example sampling_bench
 
-use m3c_contract::sampling::{sample, seen_bitmap, uniform, SamplingParams};
+use m3c_contract::sampling::{seen_bitmap, SamplingParams};
+use m3c_sampler::{sample, uniform};
 use std::time::Instant;
 
 const VOCAB: usize = 200_064;
