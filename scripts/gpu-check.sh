@@ -32,13 +32,13 @@
 #      step at that batch, from m3c's cost model, / 4.8 TB/s). The layer runs alone in
 #      the middle stage of a 3-stage pipeline (embedding | layer | head), and
 #      that stage reports its own compute time per step (bf16 at batch 1 also
-#      with --cuda-graphs off, to show what graph replay saves);
-#   3. prefill linears on cuBLAS tensor cores (--prefill-gemm cublas; MXFP8
+#      with --graphs off, to show what graph replay saves);
+#   3. prefill linears on cuBLAS tensor cores (--prefill-gemm vendor: cuBLAS; MXFP8
 #      weights decoded to bf16 per call) against m3c's GEMV kernel: both tiny
 #      fixtures' distance from their goldens, and a 1024-token prefill of the
 #      real-size dense layer, bf16 and MXFP8, timed both ways (cuda only:
 #      rocm has no GEMM library yet).
-# On rocm "CUDA graphs" are HIP graphs (the same --cuda-graphs flag) and the
+# On rocm "CUDA graphs" are HIP graphs (the same --graphs flag) and the
 # HBM floor is the MI300X's 5.3 TB/s. It prints one table last.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -225,7 +225,7 @@ run() {
     # replayed from graphs vs every kernel launched, dump bytes compared.
     for g in on off; do
       timeout 120 "$b/out/$m-pp2/run.sh" --model "tests/fixtures/$m" --prompt-ids "$prompt" --prompt-ids "3,1,4,1,5" \
-        --micro-batch 2 --max-new-tokens 12 --cuda-graphs $g --dump "$work/$m-graphs-$g.safetensors" >"$logs/$m-graphs-$g.log" 2>&1 || true
+        --micro-batch 2 --max-new-tokens 12 --graphs $g --dump "$work/$m-graphs-$g.safetensors" >"$logs/$m-graphs-$g.log" 2>&1 || true
     done
     replays=$(grep -o '[0-9]* decode step(s) replayed' "$logs/$m-graphs-on.log" | head -1 || true)
     if cmp -s "$work/$m-graphs-on.p0.safetensors" "$work/$m-graphs-off.p0.safetensors" \
@@ -301,14 +301,14 @@ PY
   # fixture with every linear on cuBLAS (inputs rounded to bf16: reported),
   # and one 1024-token prefill of the real-size dense layer both ways.
   # rocm has no GEMM library yet: the GEMV prefill alone.
-  gemms="off cublas"
+  gemms="off vendor"
   [ "$TARGET" = rocm ] && gemms="off"
   for m in $([ "$TARGET" = cuda ] && echo tiny-m3 tiny-m3-mxfp8); do
     golden="tests/fixtures/$m/golden.safetensors"
     prompt=$(prompt_ids "$golden")
     log="$logs/$m-cublas.log"
     M3C_GEMM_MIN_ROWS=1 timeout 120 "$b/out/$m-pp1/run.sh" --model "tests/fixtures/$m" --prompt-ids "$prompt" --max-new-tokens 16 \
-      --prefill-gemm cublas --expect "$golden" >"$log" 2>&1 || true
+      --prefill-gemm vendor --expect "$golden" >"$log" 2>&1 || true
     check=$(grep -o 'prefill max.*' "$log" | head -1 || true)
     rows+=("$(printf '%-32s %-6s %-5s %s' "$m prefill on cuBLAS" "pp=1" "$([ -n "$check" ] && echo ran || echo FAIL)" "${check:-$(why "$log")}; $(grep -o 'run on cuBLAS\|cuBLAS not found[^;]*' "$log" | head -1)")")
   done
@@ -339,7 +339,7 @@ PY
           frac=$(awk -v f="$floor" -v m="$ms" 'BEGIN {printf "%.0f%%", 100 * f / m}')
           nograph=""
           if [ "$batch" = 1 ] && [ "$q" = bf16 ] && timeout 150 "$b/out/$kind-$q/run.sh" --synthetic-weights 1 "${prompts[@]}" --micro-batch $batch \
-               --max-new-tokens 16 --cuda-graphs off >"$log.nographs" 2>&1; then
+               --max-new-tokens 16 --graphs off >"$log.nographs" 2>&1; then
             nograph="; without graphs $(grep 'm3c stage 1/3: done' "$log.nographs" | sed -E 's/.*decode [0-9]+ step\(s\), mean ([0-9.]+) ms.*/\1/') ms"
           fi
           rows+=("$(printf '%-32s %-8s %-5s decode step %s ms; HBM floor %s ms (%s GB); %s of the floor%s' "$kind layer, $q" "batch $batch" "ran" "$ms" "$floor" "$gb" "$frac" "$nograph")")

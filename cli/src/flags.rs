@@ -234,18 +234,18 @@ impl LaunchFlags {
 /// How GPU stages run, for `m3c run` and `m3c serve` alike.
 #[derive(clap::Args)]
 pub(crate) struct GpuFlags {
-    /// CUDA stages: capture each decode micro-batch's step once as a CUDA graph and replay it (`off`: launch every kernel each step).
-    #[arg(long, value_parser = ["on", "off"], default_value = "on")]
-    pub(crate) cuda_graphs: String,
-    /// CUDA stages: run prefill linears with bf16 weights as cuBLAS tensor-core GEMMs (activations rounded to bf16 for them; `M3C_GEMM_MIN_ROWS`, default 32, sets the smallest step), or `off`: m3c's GEMV kernel, exact f32.
-    #[arg(long, value_parser = ["cublas", "off"], default_value = "off")]
+    /// GPU stages: capture each decode micro-batch's step once as a device graph (CUDA or HIP) and replay it (`off`: launch every kernel each step). `--cuda-graphs` is the older name.
+    #[arg(long, alias = "cuda-graphs", value_parser = ["on", "off"], default_value = "on")]
+    pub(crate) graphs: String,
+    /// GPU stages: run prefill linears as the vendor library's tensor-core GEMMs (`vendor`, or its older name `cublas`: cuBLAS on CUDA; activations rounded to bf16 for them; `M3C_GEMM_MIN_ROWS`, default 32, sets the smallest step), or `off`: m3c's GEMV kernel, exact f32.
+    #[arg(long, value_parser = ["vendor", "cublas", "off"], default_value = "off")]
     pub(crate) prefill_gemm: String,
 }
 
 impl GpuFlags {
     /// What the flags ask of GPU stages.
     pub(crate) fn modes(&self) -> m3c_contract::stage_args::GpuModes {
-        m3c_contract::stage_args::GpuModes { graphs: self.cuda_graphs == "on", prefill_gemm_cublas: self.prefill_gemm == "cublas" }
+        m3c_contract::stage_args::GpuModes { graphs: self.graphs == "on", prefill_gemm_vendor: self.prefill_gemm != "off" }
     }
 }
 

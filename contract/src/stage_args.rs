@@ -148,12 +148,12 @@ pub struct GpuModes {
     pub graphs: bool,
     /// Prefill linears with bf16 or MXFP8 weights on the vendor's GEMM
     /// library (cuBLAS: tensor cores).
-    pub prefill_gemm_cublas: bool,
+    pub prefill_gemm_vendor: bool,
 }
 
 impl Default for GpuModes {
     fn default() -> GpuModes {
-        GpuModes { graphs: true, prefill_gemm_cublas: false }
+        GpuModes { graphs: true, prefill_gemm_vendor: false }
     }
 }
 
@@ -214,9 +214,9 @@ impl StageArgs {
             ("--kv-blocks", if let PoolSize::Blocks(n) = self.kv.size { Some(n.to_string()) } else { None }),
             ("--kv-fraction", if let PoolSize::Fraction(f) = self.kv.size { Some(f.to_string()) } else { None }),
             ("--timeout-s", Some(self.timeout_s.to_string())),
-            ("--cuda-graphs", Some(if self.gpu.graphs { "on" } else { "off" }.to_string())),
+            ("--graphs", Some(if self.gpu.graphs { "on" } else { "off" }.to_string())),
             ("--prefix-caching", Some(if self.kv.prefix_caching { "on" } else { "off" }.to_string())),
-            ("--prefill-gemm", Some(if self.gpu.prefill_gemm_cublas { "cublas" } else { "off" }.to_string())),
+            ("--prefill-gemm", Some(if self.gpu.prefill_gemm_vendor { "vendor" } else { "off" }.to_string())),
             ("--eos-ids", (!self.eos_ids.is_empty()).then(|| ids(&self.eos_ids))),
         ] {
             if let Some(v) = value {
@@ -267,7 +267,7 @@ pub fn parse_fraction(v: &str) -> Result<f64, String> {
 }
 
 pub const USAGE: &str = "usage: stage-K (--model DIR | --synthetic-weights SEED) ((--prompt-ids 1,2,3 [--prompt-ids ...] | --prompts FILE | --stdin-prompts N) \
---max-new-tokens N | --serve) [--micro-batch SEQS] [--kv-blocks N | --kv-fraction F] [--prefill-chunk TOKENS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S] [--cuda-graphs on|off] [--prefix-caching on|off] [--prefill-gemm cublas|off] [--stream-ids] \
+--max-new-tokens N | --serve) [--micro-batch SEQS] [--kv-blocks N | --kv-fraction F] [--prefill-chunk TOKENS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S] [--graphs on|off] [--prefix-caching on|off] [--prefill-gemm vendor|off] [--stream-ids] \
 [--temperature T] [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S] [--eos-ids 1,2] [--stop HEX ...] [--seq-sampling SEQ:temperature=T,... ...] [--images FILE.safetensors]";
 
 use crate::prompts::{parse_count, parse_ids, parse_prompts_file, parse_timeout_s};
@@ -365,9 +365,15 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
                 synthetic = Some(v.parse::<u64>().map_err(|_| format!("--synthetic-weights: `{v}` is not a seed (an integer)"))?);
             }
             "--timeout-s" => a.timeout_s = parse_timeout_s(&value("--timeout-s")?)?,
-            "--cuda-graphs" => a.gpu.graphs = parse_switch("--cuda-graphs", &value("--cuda-graphs")?, ("on", "off"))?,
+            // `--cuda-graphs`: the older name, kept for command lines that use it.
+            "--graphs" | "--cuda-graphs" => a.gpu.graphs = parse_switch(arg, &value(arg)?, ("on", "off"))?,
             "--prefix-caching" => a.kv.prefix_caching = parse_switch("--prefix-caching", &value("--prefix-caching")?, ("on", "off"))?,
-            "--prefill-gemm" => a.gpu.prefill_gemm_cublas = parse_switch("--prefill-gemm", &value("--prefill-gemm")?, ("cublas", "off"))?,
+            "--prefill-gemm" => {
+                // `cublas`: the older name of the vendor library's GEMMs.
+                let v = value("--prefill-gemm")?;
+                let v = if v == "cublas" { "vendor".to_string() } else { v };
+                a.gpu.prefill_gemm_vendor = parse_switch("--prefill-gemm", &v, ("vendor", "off"))?;
+            }
             "--stream-ids" => a.stream_ids = true,
             "--trace" => a.trace = true,
             "--images" => a.images = Some(PathBuf::from(value("--images")?)),
@@ -456,7 +462,7 @@ mod tests {
         a.kv = KvPool { size: PoolSize::Blocks(40), prefix_caching: false };
         a.prefill_chunk = Some(7);
         a.timeout_s = 2.5;
-        a.gpu = GpuModes { graphs: false, prefill_gemm_cublas: true };
+        a.gpu = GpuModes { graphs: false, prefill_gemm_vendor: true };
         a.stream_ids = true;
         a.sampling = SamplingParams {
             temperature: 0.8,
@@ -480,6 +486,11 @@ mod tests {
         s.prompts = Prompts::Served;
         s.micro_batch = Some(32);
         assert_eq!(StageArgs::parse(&s.to_args()), Ok(s));
+        // The older, vendor-named spellings mean what the neutral ones do.
+        let base = ["--model", "m", "--serve"].map(String::from).to_vec();
+        let with = |extra: &[&str]| StageArgs::parse(&[base.clone(), extra.iter().map(|s| s.to_string()).collect()].concat());
+        assert_eq!(with(&["--cuda-graphs", "off", "--prefill-gemm", "cublas"]), with(&["--graphs", "off", "--prefill-gemm", "vendor"]));
+        assert_eq!(with(&["--graphs", "off"]).map(|a| a.gpu.graphs), Ok(false));
         let mut r = StageArgs::new(PathBuf::from("m"));
         r.prompts = Prompts::Stdin(3);
         assert_eq!(StageArgs::parse(&r.to_args()), Ok(r.clone()));

@@ -123,8 +123,8 @@ fn step(world: &SimpleCommunicator, st: &mut Stage, books: &mut LastBooks, outbo
         st.grow_seq(s.seq, b)?;
     }
     let tokens: usize = segs.iter().map(|s| s.rows).sum();
-    let mut x = if st.uses_nccl() { vec![0f32; tokens * st.meta.x_words()] } else { bytes_f32(payload) };
-    if !last && st.uses_nccl() {
+    let mut x = if st.uses_collectives() { vec![0f32; tokens * st.meta.x_words()] } else { bytes_f32(payload) };
+    if !last && st.uses_collectives() {
         // The step's NCCL send waits for the receiver, who needs the header first.
         outbox.send(world, rank + 1, TAG_ACT, message_blocks(KIND_STEP, segs, &m.blocks, &[]));
     }
@@ -133,7 +133,7 @@ fn step(world: &SimpleCommunicator, st: &mut Stage, books: &mut LastBooks, outbo
     if last {
         let got = books.finish(segs, &out, st.meta.vocab, rank)?;
         outbox.send(world, 0, TAG_IDS, message(KIND_STEP, segs, &crate::books::Drawn::encode(&got)));
-    } else if !st.uses_nccl() {
+    } else if !st.uses_collectives() {
         outbox.send(world, rank + 1, TAG_ACT, message_blocks(KIND_STEP, segs, &m.blocks, &f32_bytes(&x)));
     }
     Ok(())

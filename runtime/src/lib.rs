@@ -277,8 +277,8 @@ fn stage_main(
         st.alloc_pool(blocks)
     });
     startup::agree(world, peers, &format!("{who} ({holds})"), pooled)?;
-    st.set_cuda_graphs(args.gpu.graphs);
-    if args.gpu.prefill_gemm_cublas && on_gpu {
+    st.set_graphs(args.gpu.graphs);
+    if args.gpu.prefill_gemm_vendor && on_gpu {
         let min_rows = std::env::var("M3C_GEMM_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(32);
         match st.device().map_or(Ok(()), |g| g.enable_gemm(min_rows)) {
             Ok(()) => say!("{who}: prefill linears with bf16 weights of {min_rows}+ rows run on cuBLAS"),
@@ -296,10 +296,10 @@ fn stage_main(
         st.meta.kv_block,
         (st.pool_blocks() * st.block_bytes()) as f64 / 1e6,
         rss,
-        match (st.uses_nccl(), &st.meta.target) {
+        match (st.uses_collectives(), &st.meta.target) {
             (false, _) => "",
             (true, m3c_contract::target::Target::Rocm { .. }) => ", activations over RCCL",
-            (true, _) => ", activations over NCCL",
+            (true, _) => ", activations GPU to GPU (collectives library)",
         },
         host_name()
     );
@@ -316,7 +316,7 @@ fn stage_main(
     let gpu = st
         .gpu_scratch()
         .map(|(_, p)| {
-            format!(", GPU scratch peak {:.1} MB, {} decode step(s) replayed from CUDA graphs", p as f64 / 1e6, st.graph_replays())
+            format!(", GPU scratch peak {:.1} MB, {} decode step(s) replayed from device graphs", p as f64 / 1e6, st.graph_replays())
         })
         .unwrap_or_default();
     if ok {
@@ -364,8 +364,8 @@ fn watch_weight_files(who: &str, weights: &weights::StageWeights) {
     );
 }
 
-/// Sets up NCCL between the stages when every rank is a GPU stage on its
-/// own device and NCCL loads everywhere (`M3C_TRANSPORT=host` keeps MPI).
+/// Sets up the collectives library (NCCL or RCCL) between the stages when every rank is a GPU stage on its
+/// own device and the library loads everywhere (`M3C_TRANSPORT=host` keeps MPI).
 /// Every rank reaches the same decision from the same gathered facts.
 fn connect_gpus(world: &SimpleCommunicator, peers: &mut Peers, who: &str, st: &mut stage::Stage) -> Result<(), StageError> {
     let size = world.size() as usize;
@@ -391,7 +391,7 @@ fn connect_gpus(world: &SimpleCommunicator, peers: &mut Peers, who: &str, st: &m
     let keys: Vec<&[u8]> = all.chunks(64).collect();
     let distinct: std::collections::BTreeSet<&[u8]> = keys.iter().copied().collect();
     if keys.iter().any(|k| k.iter().all(|&b| b == 0)) || distinct.len() != size {
-        return Ok(()); // a host stage, no NCCL, or two stages on one GPU: host-staged transfers
+        return Ok(()); // a host stage, no collectives library, or two stages on one GPU: host-staged transfers
     }
     let mut id = [0u8; 128];
     if world.rank() == 0 {
@@ -400,6 +400,6 @@ fn connect_gpus(world: &SimpleCommunicator, peers: &mut Peers, who: &str, st: &m
     startup::broadcast(world, peers, who, &mut id[..]);
     let gpu = st.device().ok_or_else(|| StageError::Device("runtime bug: a link between GPUs for a host stage".into()))?;
     let link = gpu.join_link(id, size as i32, world.rank())?;
-    st.use_nccl(link);
+    st.use_collectives(link);
     Ok(())
 }

@@ -565,12 +565,12 @@ impl Leader {
             self.returned(world, st, books, feed, &segs, &got)?;
             return Ok(true);
         }
-        if st.uses_nccl() {
+        if st.uses_collectives() {
             // The step's NCCL send waits for the receiver, who needs the header first.
             self.outbox.send(world, 1, TAG_ACT, message_blocks(KIND_STEP, &segs, &grown, &[]));
         }
         st.step(&segs, &ids, &mut x, None)?;
-        if !st.uses_nccl() {
+        if !st.uses_collectives() {
             self.outbox.send(world, 1, TAG_ACT, message_blocks(KIND_STEP, &segs, &grown, &f32_bytes(&x)));
         }
         self.in_flight += 1;

@@ -74,7 +74,7 @@ pub struct Segment {
 /// positions, `held` of them assigned so far (the rest 0, never read: a
 /// step reaches only positions below `held × kv_block`), and on a GPU its
 /// copy in device memory, whose address stays fixed for the sequence's life
-/// (what its micro-batches' CUDA graphs captured).
+/// (what its micro-batches' device graphs captured).
 struct SeqTable {
     table: Vec<i64>,
     held: usize,
@@ -176,7 +176,7 @@ impl Io {
     }
 }
 
-/// Decode steps captured as CUDA graphs, by micro-batch: its sequences, one
+/// Decode steps captured as device graphs (CUDA or HIP), by micro-batch: its sequences, one
 /// row each. Kernels read positions from memory (`pos`), so a micro-batch's
 /// decode step launches the same kernels with the same arguments at every
 /// position; the graph owns its `Io` buffers and the runtime writes each
@@ -276,8 +276,8 @@ enum Plan {
 pub struct Stage {
     pub meta: StageMeta,
     backing: Backing,
-    /// NCCL to the neighbouring GPU stages, when every stage has its own GPU.
-    nccl: Option<Box<dyn PeerLink>>,
+    /// The collectives library (NCCL or RCCL, `device::peer`) to the neighbouring GPU stages, when every stage has its own GPU.
+    collectives: Option<Box<dyn PeerLink>>,
     /// (steps, seconds) of prefill steps (position 0) and of decode steps.
     prefill: (usize, f64),
     decode: (usize, f64),
@@ -356,7 +356,7 @@ impl Stage {
         Stage {
             meta,
             backing,
-            nccl: None,
+            collectives: None,
             prefill: (0, 0.0),
             decode: (0, 0.0),
             images: HashMap::new(),
@@ -695,7 +695,7 @@ impl Stage {
         }
     }
 
-    /// `host:device` of a GPU stage (ranks on one device cannot use NCCL).
+    /// `host:device` of a GPU stage (ranks on one device cannot use the collectives library).
     pub fn device_key(&self) -> Option<String> {
         match &self.backing {
             Backing::Gpu { device, .. } => {
@@ -707,20 +707,20 @@ impl Stage {
     }
 
     /// From now on, activations to and from the neighbouring stages go over
-    /// NCCL: the caller sends each step's header over MPI before the step
-    /// (the step's NCCL send waits for the receiver) and no payload.
-    pub fn use_nccl(&mut self, link: Box<dyn PeerLink>) {
-        self.nccl = Some(link);
+    /// Collectives: the caller sends each step's header over MPI before the step
+    /// (the step's device send waits for the receiver) and no payload.
+    pub fn use_collectives(&mut self, link: Box<dyn PeerLink>) {
+        self.collectives = Some(link);
     }
 
-    /// CUDA stages: whether decode steps are captured and replayed as graphs.
-    pub fn set_cuda_graphs(&mut self, on: bool) {
+    /// GPU stages: whether decode steps are captured and replayed as graphs.
+    pub fn set_graphs(&mut self, on: bool) {
         if let Backing::Gpu { graphs, .. } = &mut self.backing {
             graphs.on = on;
         }
     }
 
-    /// Decode steps replayed from CUDA graphs so far.
+    /// Decode steps replayed from device graphs so far.
     pub fn graph_replays(&self) -> usize {
         match &self.backing {
             Backing::Gpu { graphs, .. } => graphs.replays,
@@ -728,8 +728,8 @@ impl Stage {
         }
     }
 
-    pub fn uses_nccl(&self) -> bool {
-        self.nccl.is_some()
+    pub fn uses_collectives(&self) -> bool {
+        self.collectives.is_some()
     }
 
     /// GPU scratch bytes held now and at most (GPU stages).
@@ -808,7 +808,7 @@ impl Stage {
                     pool_rows,
                     seqs: &seqs,
                     graphs,
-                    nccl: self.nccl.as_deref(),
+                    collectives: self.collectives.as_deref(),
                     meta: &self.meta,
                 };
                 gpu.run(&inputs, x, &mut out, want_logits)?
@@ -986,16 +986,16 @@ struct GpuStep<'a> {
     pool_rows: usize,
     seqs: &'a SeqArgs,
     graphs: &'a mut Graphs,
-    nccl: Option<&'a dyn PeerLink>,
+    collectives: Option<&'a dyn PeerLink>,
     meta: &'a StageMeta,
 }
 
 impl GpuStep<'_> {
-    /// One step on the device: inputs copied in (or received over NCCL),
-    /// the entry run eagerly, captured or replayed as a CUDA graph, and only
+    /// One step on the device: inputs copied in (or received through the collectives library),
+    /// the entry run eagerly, captured or replayed as a device graph, and only
     /// what the host needs copied back.
     fn run(self, inp: &StepInputs, x: &mut [f32], out: &mut StepOut, want_logits: bool) -> Result<(), StageError> {
-        let GpuStep { device, table, table_dev, pools, pool_rows, seqs, graphs, nccl, meta: m } = self;
+        let GpuStep { device, table, table_dev, pools, pool_rows, seqs, graphs, collectives, meta: m } = self;
         let (segments, tokens) = (inp.segments, inp.tokens);
         let n = segments.len() as i64;
         let nimg = inp.img_rows.len() as i64;
@@ -1027,7 +1027,7 @@ impl GpuStep<'_> {
         }
         if m.first_stage {
             device.copy_in(io.ids, bytes_of(inp.ids))?;
-        } else if let Some(link) = nccl {
+        } else if let Some(link) = collectives {
             link.recv(io.x, x.len(), m.stage - 1)?;
         } else {
             device.copy_in(io.x, bytes_of(x))?;
@@ -1080,7 +1080,7 @@ impl GpuStep<'_> {
                     graphs.set(k, GraphSlot::Ready(g, own));
                 }
                 Err(e) => {
-                    let line = format!("m3c stage {}: CUDA graph capture failed ({e}); this micro-batch runs without a graph\n", m.stage);
+                    let line = format!("m3c stage {}: graph capture failed ({e}); this micro-batch runs without a graph\n", m.stage);
                     let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
                     graphs.set(k, GraphSlot::Eager);
                     run();
@@ -1088,7 +1088,7 @@ impl GpuStep<'_> {
             },
         }
         if !m.last_stage {
-            if let Some(link) = nccl {
+            if let Some(link) = collectives {
                 link.send(io.x, x.len(), m.stage + 1)?;
             }
         }
@@ -1103,7 +1103,7 @@ impl GpuStep<'_> {
             }
             device.download(io.out, bytes_of_mut(&mut out.ids))?;
             device.download(io.table, bytes_of_mut(&mut out.table))?;
-        } else if nccl.is_none() {
+        } else if collectives.is_none() {
             device.download(io.x, bytes_of_mut(x))?;
         }
         Ok(())

@@ -226,7 +226,7 @@ impl Emitter {
     /// decoded into scratch for this call only (exact: fp8 · 2^k fits bf16),
     /// so no stage ever holds an expanded copy. Taken when the runtime says
     /// so (`m3c_gemm_wanted`: prefill steps of enough rows, cuBLAS loaded,
-    /// `--prefill-gemm cublas`), where the GEMM's reuse of each weight over
+    /// `--prefill-gemm vendor`), where the GEMM's reuse of each weight over
     /// many rows outweighs decoding it once.
     #[allow(clippy::too_many_arguments)]
     fn blas_gemm(
