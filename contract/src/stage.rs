@@ -102,31 +102,15 @@ impl StageMeta {
 
 /// The C ABI between a stage's generated code and the runtime.
 pub mod abi {
-    /// The generated step function:
+    /// The generated step function takes one pointer, to a [`StepArgs`]:
     ///
     /// ```c
-    /// void m3c_stage_step(void *const *weights,     // one pointer per StageMeta::tensors slot
-    ///                     void *const *weights_dev, // the same table where kernels can read it (GPU); = weights on the host
-    ///                     void *const *caches,      // one pointer per cache slot: its pool [pool_rows, width]
-    ///                     int64_t pool_rows,        // rows of every pool: blocks × kv_block
-    ///                     const int64_t *const *blocks, // per sequence: its block table [caps / kv_block]
-    ///                     int64_t sequences,        // sequences in the micro-batch
-    ///                     const int64_t *rows,      // [sequences] rows of each
-    ///                     const int64_t *caps,      // [sequences] positions each may reach (a multiple of kv_block)
-    ///                     int64_t tokens,           // S = Σ rows
-    ///                     const int64_t *ids,       // [S] token ids (first stage)
-    ///                     void *x,                  // [S, hidden] activations: in (unless first) and out (unless last)
-    ///                     float *logits,            // [S, vocab] (last stage)
-    ///                     int64_t *out_ids,         // [S] sampled ids (last stage)
-    ///                     int64_t *table,           // [S, ROW_WORDS] sampling table (last stage; sampling::row)
-    ///                     const int32_t *seen,      // [BITMAP_ROWS × sequences, ⌈vocab/32⌉] seen-id and allowed-token bitmaps (last stage)
-    ///                     const float *bias,        // [bias_rows, vocab] bias rows added to the logits (last stage; sampling::BiasRow)
-    ///                     int64_t bias_rows,
-    ///                     const int64_t *pos,       // [S] position of each row
-    ///                     int64_t nimg,             // K: rows of this step that are image placeholders (vision stage)
-    ///                     const void *img,          // [K, hidden] their image features (activation storage)
-    ///                     const int64_t *img_rows); // [K] the row of x each replaces
+    /// void m3c_stage_step(const StepArgs *args);
     /// ```
+    ///
+    /// [`STEP_FIELDS`] is the one list of its fields: the struct below
+    /// follows it (a test checks every offset), and the compiler writes the
+    /// entry's loads from it, field `k` at byte `8k`.
     pub const ENTRY: &str = "m3c_stage_step";
     /// The generated vision entry (a no-op on stages without the tower):
     ///
@@ -156,11 +140,117 @@ pub mod abi {
     /// void (logits, table, seen, bias, ids, rows, vocab, seen rows, seen
     /// words, bias rows).
     pub const SAMPLE_ROWS: &str = "m3c_sample_rows";
+
+    /// What one word of [`StepArgs`] holds.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Word {
+        Ptr,
+        I64,
+    }
+
+    /// The layout version the generated code and the runtime agree on;
+    /// the entry traps on any other (a stage linked against another
+    /// runtime).
+    pub const STEP_VERSION: i64 = 1;
+
+    /// The fields of [`StepArgs`], in order, each one 8-byte word. On a GPU
+    /// stage every array but `rows`, `caps` and the pointer tables is device
+    /// memory.
+    pub const STEP_FIELDS: &[(&str, Word)] = &[
+        ("version", Word::I64),     // STEP_VERSION
+        ("weights", Word::Ptr),     // void *const *: one pointer per StageMeta::tensors slot
+        ("weights_dev", Word::Ptr), // the same table where kernels can read it (GPU); = weights on the host
+        ("caches", Word::Ptr),      // void *const *: one pointer per cache slot, its pool [pool_rows, width]
+        ("pool_rows", Word::I64),   // rows of every pool: blocks × kv_block
+        ("blocks", Word::Ptr),      // const int64_t *const *: per sequence, its block table [caps / kv_block]
+        ("sequences", Word::I64),   // sequences in the micro-batch
+        ("rows", Word::Ptr),        // const int64_t [sequences]: rows of each
+        ("caps", Word::Ptr),        // const int64_t [sequences]: positions each may reach (a multiple of kv_block)
+        ("tokens", Word::I64),      // S = Σ rows
+        ("ids", Word::Ptr),         // const int64_t [S]: token ids (first stage)
+        ("x", Word::Ptr),           // [S, hidden] activations: in (unless first) and out (unless last)
+        ("logits", Word::Ptr),      // float [S, vocab] (last stage)
+        ("out_ids", Word::Ptr),     // int64_t [S]: sampled ids (last stage)
+        ("table", Word::Ptr),       // int64_t [S, ROW_WORDS]: the sampling table (last stage; sampling::row)
+        ("seen", Word::Ptr),        // const int32_t [BITMAP_ROWS × sequences, ⌈vocab/32⌉]: seen-id and allowed-token bitmaps
+        ("bias", Word::Ptr),        // const float [bias_rows, vocab]: bias rows added to the logits (last stage)
+        ("bias_rows", Word::I64),
+        ("pos", Word::Ptr),      // const int64_t [S]: the position of each row
+        ("nimg", Word::I64),     // K: rows of this step that are image placeholders (vision stage)
+        ("img", Word::Ptr),      // [K, hidden]: their image features (activation storage)
+        ("img_rows", Word::Ptr), // const int64_t [K]: the row of x each replaces
+    ];
+
+    /// The step's arguments, as [`STEP_FIELDS`] lists them.
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy)]
+    pub struct StepArgs {
+        pub version: i64,
+        pub weights: *const *const u8,
+        pub weights_dev: *const *const u8,
+        pub caches: *const *mut f32,
+        pub pool_rows: i64,
+        pub blocks: *const *const i64,
+        pub sequences: i64,
+        pub rows: *const i64,
+        pub caps: *const i64,
+        pub tokens: i64,
+        pub ids: *const i64,
+        pub x: *mut f32,
+        pub logits: *mut f32,
+        pub out_ids: *mut i64,
+        pub table: *mut i64,
+        pub seen: *const u32,
+        pub bias: *const f32,
+        pub bias_rows: i64,
+        pub pos: *const i64,
+        pub nimg: i64,
+        pub img: *const f32,
+        pub img_rows: *const i64,
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn step_args_are_laid_out_as_their_field_list_says() {
+        use abi::{StepArgs, Word, STEP_FIELDS};
+        use std::mem::{offset_of, size_of};
+        assert_eq!(size_of::<StepArgs>(), STEP_FIELDS.len() * 8);
+        let offsets = [
+            ("version", offset_of!(StepArgs, version)),
+            ("weights", offset_of!(StepArgs, weights)),
+            ("weights_dev", offset_of!(StepArgs, weights_dev)),
+            ("caches", offset_of!(StepArgs, caches)),
+            ("pool_rows", offset_of!(StepArgs, pool_rows)),
+            ("blocks", offset_of!(StepArgs, blocks)),
+            ("sequences", offset_of!(StepArgs, sequences)),
+            ("rows", offset_of!(StepArgs, rows)),
+            ("caps", offset_of!(StepArgs, caps)),
+            ("tokens", offset_of!(StepArgs, tokens)),
+            ("ids", offset_of!(StepArgs, ids)),
+            ("x", offset_of!(StepArgs, x)),
+            ("logits", offset_of!(StepArgs, logits)),
+            ("out_ids", offset_of!(StepArgs, out_ids)),
+            ("table", offset_of!(StepArgs, table)),
+            ("seen", offset_of!(StepArgs, seen)),
+            ("bias", offset_of!(StepArgs, bias)),
+            ("bias_rows", offset_of!(StepArgs, bias_rows)),
+            ("pos", offset_of!(StepArgs, pos)),
+            ("nimg", offset_of!(StepArgs, nimg)),
+            ("img", offset_of!(StepArgs, img)),
+            ("img_rows", offset_of!(StepArgs, img_rows)),
+        ];
+        assert_eq!(offsets.len(), STEP_FIELDS.len(), "a field of the list without its offset here");
+        for (k, (&(field, off), (name, _))) in offsets.iter().zip(STEP_FIELDS).enumerate() {
+            assert_eq!((field, off), (*name, 8 * k), "field {k} of the list is `{name}`");
+        }
+        // The two kinds of word are both 8 bytes on the targets m3c runs on.
+        assert_eq!((size_of::<*const u8>(), size_of::<i64>()), (8, 8));
+        assert!(STEP_FIELDS.iter().filter(|(_, w)| *w == Word::I64).count() == 6);
+    }
 
     #[test]
     fn metadata_round_trips_and_damage_is_named() {

@@ -171,6 +171,23 @@ fn same_inputs_give_byte_identical_out_and_every_input_changes_the_compile_id() 
     }
     assert!(fa.contains_key("stage-0") && fa.contains_key("stage-1") && fa.contains_key("manifest.json") && fa.contains_key("run.sh"));
     assert!(fa.contains_key("stage-1.mlir") && fa.contains_key("stage-1.steps.txt"));
+    // The step entry reads the contract's StepArgs as its field list lays
+    // them out: field k, of its kind, at word k.
+    let mlir = String::from_utf8(fa["stage-1.mlir"].clone()).unwrap();
+    assert!(mlir.contains("func.func @m3c_stage_step(%args: !llvm.ptr)"), "one pointer argument");
+    for (k, (name, word)) in m3c_contract::stage::abi::STEP_FIELDS.iter().enumerate() {
+        let ty = match word {
+            m3c_contract::stage::abi::Word::I64 => "i64",
+            m3c_contract::stage::abi::Word::Ptr => "!llvm.ptr",
+        };
+        let load = format!("%args_{k} = llvm.getelementptr %args[{k}] : (!llvm.ptr) -> !llvm.ptr, i64\n");
+        let at = mlir.find(&load).unwrap_or_else(|| panic!("field {k} (`{name}`) is not read at word {k}"));
+        let next = mlir[at + load.len()..].lines().next().unwrap_or_default();
+        assert!(
+            next.trim_end().ends_with(&format!("llvm.load %args_{k} : !llvm.ptr -> {ty}")) && next.contains(name),
+            "field {k} (`{name}`): {next}"
+        );
+    }
     let id = compile_id(&a);
     // Another CPU, another plan (pp), another config: each gives another compile id.
     let cpu = compile(&model, 2, dirs[2].path(), &["--cpu", "x86-64"]);

@@ -743,8 +743,8 @@ fn gpu_stage_logits(plan_head: &str, model: &str, act: Storage, gemm: bool, deco
             0,
             0,
             0,
-        ]
-        .map(Arg::Ptr);
+        ];
+        let args = step_args(&mut g, args);
         g.mem.launches.clear();
         g.call_host(m3c_compiler::lower::ENTRY_SYMBOL, &args).unwrap_or_else(|e| panic!("{model}: {e}"));
         traces.push(std::mem::take(&mut g.mem.launches));
@@ -943,8 +943,8 @@ fn vision_golden(plan_head: &str) {
         img_rows.len() as u64,
         g.mem.put(&feats),
         g.mem.put(&img_rows),
-    ]
-    .map(Arg::Ptr);
+    ];
+    let a = step_args(&mut g, a);
     g.call_host(m3c_compiler::lower::ENTRY_SYMBOL, &a).unwrap_or_else(|e| panic!("step entry: {e}"));
     let got = g.mem.get::<f32>(logits)[..s * vocab].to_vec();
     let (_, mm) = m3c_tests::read_tensor_f32(&golden, "mm_logits");
@@ -1060,8 +1060,8 @@ impl CudaPipeline {
                 0,
                 0,
                 0,
-            ]
-            .map(Arg::Ptr);
+            ];
+            let args = step_args(g, args);
             g.call_host(m3c_compiler::lower::ENTRY_SYMBOL, &args).unwrap_or_else(|e| panic!("stage {k}: {e}"));
             if k + 1 == n {
                 logits = g.mem.get::<f32>(a[5])[..s * self.vocab].to_vec();
@@ -1349,4 +1349,14 @@ fn msa_ties_on_the_gpu_fall_as_on_the_host() {
             }
         }
     }
+}
+
+/// The step entry's one argument: the contract's `StepArgs` (its version,
+/// then `words` in `abi::STEP_FIELDS` order), written into the
+/// interpreter's memory.
+fn step_args(g: &mut Gpu, words: [u64; 21]) -> [Arg; 1] {
+    use m3c_contract::stage::abi::{STEP_FIELDS, STEP_VERSION};
+    assert_eq!(words.len() + 1, STEP_FIELDS.len(), "the fields after the version");
+    let all: Vec<u64> = std::iter::once(STEP_VERSION as u64).chain(words).collect();
+    [Arg::Ptr(g.mem.put(&all))]
 }

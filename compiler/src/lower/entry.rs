@@ -6,8 +6,9 @@
 //! and caches; every other call runs once over all rows, so a weight is read
 //! once per micro-batch.
 //!
-//! Its C signature is written once, in `m3c_contract::stage::abi::ENTRY`
-//! (the runtime passes exactly those arguments).
+//! It takes one pointer, to the contract's `StepArgs`, whose one field
+//! list (`m3c_contract::stage::abi::STEP_FIELDS`) both the runtime's struct
+//! and the entry's loads here follow.
 //!
 //! On the GPU every array the kernels touch (weights, caches, ids, x,
 //! logits, out_ids, table, seen, bias, pos) is device memory; the small per-sequence arrays and
@@ -520,16 +521,32 @@ fn vision_text(e: &mut Emitter, f: &FusedStage) -> String {
     vision_func(&body)
 }
 
+/// The step entry: one pointer to the contract's `StepArgs`, whose fields
+/// (`abi::STEP_FIELDS`, field `k` at byte `8k`) are loaded into the SSA
+/// names the body uses (an array as `%NAME_p`, but for the pointer tables);
+/// a layout version other than the contract's traps.
 fn entry_func(body: &str) -> String {
-    format!(
-        "  func.func @{ENTRY_SYMBOL}(%weights: !llvm.ptr, %weights_dev: !llvm.ptr, %caches: !llvm.ptr, %pool_rows: i64, \
-         %blocks: !llvm.ptr, %sequences: i64, \
-         %rows_p: !llvm.ptr, %caps_p: !llvm.ptr, %tokens: i64, %ids_p: !llvm.ptr, %x_p: !llvm.ptr, %logits_p: !llvm.ptr, \
-         %out_ids_p: !llvm.ptr, %table_p: !llvm.ptr, %seen_p: !llvm.ptr, %bias_p: !llvm.ptr, %bias_rows: i64, %pos_p: !llvm.ptr, \
-         %nimg: i64, %img_p: !llvm.ptr, \
-         %img_rows_p: !llvm.ptr) {{\n{}  }}\n",
-        indent(body, 4)
-    )
+    use m3c_contract::stage::abi::{Word, STEP_FIELDS, STEP_VERSION};
+    let mut loads = String::new();
+    for (k, (name, word)) in STEP_FIELDS.iter().enumerate() {
+        let (ssa, ty) = match word {
+            Word::I64 => (format!("%{name}"), "i64"),
+            Word::Ptr if ["weights", "weights_dev", "caches", "blocks"].contains(name) => (format!("%{name}"), "!llvm.ptr"),
+            Word::Ptr => (format!("%{name}_p"), "!llvm.ptr"),
+        };
+        let _ = writeln!(
+            loads,
+            "%args_{k} = llvm.getelementptr %args[{k}] : (!llvm.ptr) -> !llvm.ptr, i64
+{ssa} = llvm.load %args_{k} : !llvm.ptr -> {ty}"
+        );
+    }
+    let _ = writeln!(
+        loads,
+        "%args_version = arith.constant {STEP_VERSION} : i64\n\
+         %args_other = arith.cmpi ne, %version, %args_version : i64\n\
+         scf.if %args_other {{\n  llvm.intr.trap\n}}"
+    );
+    format!("  func.func @{ENTRY_SYMBOL}(%args: !llvm.ptr) {{\n{}{}  }}\n", indent(&loads, 4), indent(body, 4))
 }
 
 /// Calls that disagree with their kernel's signature, as an error.
