@@ -129,30 +129,9 @@ pub(crate) struct RunArgs {
     /// Tokens to generate per prompt, at most (a sequence also ends on an EOS id).
     #[arg(long, value_parser = count)]
     pub(crate) max_new_tokens: usize,
-    /// Sampling temperature; 0 = greedy. Default: the checkpoint's generation_config.json, else 0.
-    #[arg(long, value_parser = number)]
-    pub(crate) temperature: Option<f32>,
-    /// Sample among the K most likely tokens only (0 = all). Default: generation_config.json's, else 0.
-    #[arg(long, value_name = "K", value_parser = count)]
-    pub(crate) top_k: Option<usize>,
-    /// Sample among the most likely tokens that together reach probability P (1 = all). Default: generation_config.json's, else 1.
-    #[arg(long, value_name = "P", value_parser = number)]
-    pub(crate) top_p: Option<f32>,
-    /// Drop tokens less likely than P times the most likely one (0 = none). Default: generation_config.json's, else 0.
-    #[arg(long, value_name = "P", value_parser = number)]
-    pub(crate) min_p: Option<f32>,
-    /// Above 1, tokens already in the sequence become less likely (Hugging Face's rule). Default: generation_config.json's, else 1.
-    #[arg(long, value_name = "R", value_parser = number)]
-    pub(crate) repetition_penalty: Option<f32>,
-    /// OpenAI's presence penalty (-2 to 2): subtracted from the logit of every token already generated (0 = none).
-    #[arg(long, value_name = "P", value_parser = number, allow_negative_numbers = true)]
-    pub(crate) presence_penalty: Option<f32>,
-    /// OpenAI's frequency penalty (-2 to 2): subtracted once per time a token was already generated (0 = none).
-    #[arg(long, value_name = "F", value_parser = number, allow_negative_numbers = true)]
-    pub(crate) frequency_penalty: Option<f32>,
-    /// Seed of the draws: with it, a prompt's tokens are the same at any pp, batch or thread count.
-    #[arg(long, default_value_t = 0)]
-    pub(crate) seed: u64,
+    /// The sampling fields, one flag each (`m3c_contract::sampling::FIELDS`).
+    #[command(flatten)]
+    pub(crate) sampling: SamplingFlags,
     /// End a sequence once its text holds STR (repeatable; it may span tokens). The stop string is not printed.
     #[arg(long, value_name = "STR", value_parser = stop_string)]
     pub(crate) stop: Vec<String>,
@@ -359,5 +338,56 @@ pub(crate) fn storage(name: &str) -> m3c_compiler::lower::Storage {
         m3c_compiler::lower::Storage::Bf16
     } else {
         m3c_compiler::lower::Storage::F32
+    }
+}
+
+/// One flag per sampling field of the contract's table (`--temperature`,
+/// `--top-k`, ...): a new field there is a new flag here, with its help and
+/// its value checked as the field's kind says. Unset flags leave the
+/// checkpoint's `generation_config.json`, else greedy decoding.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct SamplingFlags(pub(crate) m3c_contract::sampling::SamplingOverrides);
+
+impl clap::FromArgMatches for SamplingFlags {
+    fn from_arg_matches(m: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        let mut s = SamplingFlags::default();
+        s.update_from_arg_matches(m)?;
+        Ok(s)
+    }
+
+    fn update_from_arg_matches(&mut self, m: &clap::ArgMatches) -> Result<(), clap::Error> {
+        for f in m3c_contract::sampling::FIELDS {
+            if let Some(v) = m.get_one::<m3c_contract::sampling::FieldValue>(f.name) {
+                (f.set_override)(&mut self.0, Some(*v));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl clap::Args for SamplingFlags {
+    fn augment_args(cmd: clap::Command) -> clap::Command {
+        use m3c_contract::sampling::{Kind, FIELDS};
+        FIELDS.iter().fold(cmd, |cmd, f| {
+            let default = match f.name {
+                "seed" => " Default: 0.".to_string(),
+                _ => format!(
+                    " Default: the checkpoint's generation_config.json, else {}.",
+                    (f.get)(&m3c_contract::sampling::SamplingParams::GREEDY)
+                ),
+            };
+            cmd.arg(
+                clap::Arg::new(f.name)
+                    .long(f.long)
+                    .value_name(f.value_name)
+                    .help(format!("{}.{default}", f.help))
+                    .allow_negative_numbers(f.kind == Kind::Real || f.kind == Kind::Count)
+                    .value_parser(move |v: &str| f.parse(v)),
+            )
+        })
+    }
+
+    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
+        Self::augment_args(cmd)
     }
 }

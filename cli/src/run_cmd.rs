@@ -279,34 +279,20 @@ fn text_prompts(args: &RunArgs, jsonl: Option<&(PathBuf, String)>) -> Result<Opt
 /// greedy; and the EOS ids that stop a sequence. Says which on stderr.
 fn sampling(args: &RunArgs) -> Result<(m3c_contract::sampling::SamplingParams, Vec<i64>)> {
     let defaults = m3c_front::text::generation::GenerationDefaults::from_dir(&args.model)?;
-    let flags = m3c_contract::sampling::SamplingOverrides {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
-        repetition_penalty: args.repetition_penalty,
-        presence_penalty: args.presence_penalty,
-        frequency_penalty: args.frequency_penalty,
-        seed: Some(args.seed),
-    };
+    let flags = args.sampling.0;
     let sampling = flags.or(defaults.sampling).over(m3c_contract::sampling::SamplingParams::GREEDY);
     sampling.check().map_err(|e| anyhow::anyhow!("{e} (from the flags or {}/generation_config.json)", args.model.display()))?;
     let eos: Vec<i64> = if args.ignore_eos { Vec::new() } else { defaults.eos_ids.clone() };
     eprintln!(
         "m3c: {}; {}{}",
-        if sampling.temperature == 0.0 {
-            format!("greedy (repetition penalty {}{})", sampling.repetition_penalty, openai_penalties(&sampling))
-        } else {
-            format!(
-                "sampling at temperature {}, top-k {}, top-p {}, min-p {}, repetition penalty {}{}, seed {}",
-                sampling.temperature,
-                sampling.top_k,
-                sampling.top_p,
-                sampling.min_p,
-                sampling.repetition_penalty,
-                openai_penalties(&sampling),
-                sampling.seed
-            )
+        {
+            // Every field by the contract's table, as its flag names it.
+            let fields: Vec<String> = m3c_contract::sampling::FIELDS.iter().map(|f| format!("{} {}", f.long, (f.get)(&sampling))).collect();
+            if sampling.temperature == 0.0 {
+                format!("greedy ({})", fields[1..].join(", "))
+            } else {
+                format!("sampling at {}", fields.join(", "))
+            }
         },
         if eos.is_empty() { "no EOS stop".to_string() } else { format!("stops on EOS id(s) {eos:?}") },
         if defaults.sources.is_empty() { String::new() } else { format!(" (defaults from {})", defaults.sources.join(", ")) }
@@ -491,13 +477,4 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// The presence and frequency penalties for the banner, when on.
-fn openai_penalties(p: &m3c_contract::sampling::SamplingParams) -> String {
-    if p.adjusts() {
-        format!(", presence penalty {}, frequency penalty {}", p.presence_penalty, p.frequency_penalty)
-    } else {
-        String::new()
-    }
 }

@@ -58,39 +58,18 @@ impl SamplingParams {
         self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
     }
 
-    /// Every field by name, in one order: the one text form of sampling
-    /// parameters wherever they cross a process boundary (stage arguments,
-    /// the serve protocol). A new field is a new line here and in
-    /// [`SamplingParams::set_field`]; no positional format to renumber.
+    /// Every field by name, in [`FIELDS`]' order: the one text form of
+    /// sampling parameters wherever they cross a process boundary (stage
+    /// arguments, the serve protocol).
     pub fn fields(&self) -> Vec<(&'static str, String)> {
-        vec![
-            ("temperature", self.temperature.to_string()),
-            ("top_k", self.top_k.to_string()),
-            ("top_p", self.top_p.to_string()),
-            ("min_p", self.min_p.to_string()),
-            ("repetition_penalty", self.repetition_penalty.to_string()),
-            ("presence_penalty", self.presence_penalty.to_string()),
-            ("frequency_penalty", self.frequency_penalty.to_string()),
-            ("seed", self.seed.to_string()),
-        ]
+        FIELDS.iter().map(|f| (f.name, (f.get)(self).to_string())).collect()
     }
 
     /// Sets the field `name` from its text form; `Ok(false)` when no field
     /// has that name (the caller decides whether that is an error).
     pub fn set_field(&mut self, name: &str, value: &str) -> Result<bool, String> {
-        let num = || value.parse::<f32>().ok().filter(|v| v.is_finite()).ok_or_else(|| format!("{name} `{value}`: expected a number"));
-        let int = || value.parse::<u64>().map_err(|_| format!("{name} `{value}`: expected an unsigned integer"));
-        match name {
-            "temperature" => self.temperature = num()?,
-            "top_k" => self.top_k = usize::try_from(int()?).map_err(|_| format!("top_k `{value}` is too large"))?,
-            "top_p" => self.top_p = num()?,
-            "min_p" => self.min_p = num()?,
-            "repetition_penalty" => self.repetition_penalty = num()?,
-            "presence_penalty" => self.presence_penalty = num()?,
-            "frequency_penalty" => self.frequency_penalty = num()?,
-            "seed" => self.seed = int()?,
-            _ => return Ok(false),
-        }
+        let Some(f) = field(name) else { return Ok(false) };
+        (f.set)(self, f.parse(value)?);
         Ok(true)
     }
 
@@ -160,36 +139,260 @@ pub struct SamplingOverrides {
 impl SamplingOverrides {
     /// `self`'s fields where set, else `lower`'s.
     pub fn or(self, lower: SamplingOverrides) -> SamplingOverrides {
-        SamplingOverrides {
-            temperature: self.temperature.or(lower.temperature),
-            top_k: self.top_k.or(lower.top_k),
-            top_p: self.top_p.or(lower.top_p),
-            min_p: self.min_p.or(lower.min_p),
-            repetition_penalty: self.repetition_penalty.or(lower.repetition_penalty),
-            presence_penalty: self.presence_penalty.or(lower.presence_penalty),
-            frequency_penalty: self.frequency_penalty.or(lower.frequency_penalty),
-            seed: self.seed.or(lower.seed),
+        let mut out = self;
+        for f in FIELDS {
+            if (f.get_override)(&out).is_none() {
+                (f.set_override)(&mut out, (f.get_override)(&lower));
+            }
         }
+        out
     }
 
     /// `base` with `self`'s fields where set (not checked: the caller checks
     /// and names the source of a bad value).
     pub fn over(self, base: SamplingParams) -> SamplingParams {
-        SamplingParams {
-            temperature: self.temperature.unwrap_or(base.temperature),
-            top_k: self.top_k.unwrap_or(base.top_k),
-            top_p: self.top_p.unwrap_or(base.top_p),
-            min_p: self.min_p.unwrap_or(base.min_p),
-            repetition_penalty: self.repetition_penalty.unwrap_or(base.repetition_penalty),
-            presence_penalty: self.presence_penalty.unwrap_or(base.presence_penalty),
-            frequency_penalty: self.frequency_penalty.unwrap_or(base.frequency_penalty),
-            seed: self.seed.unwrap_or(base.seed),
+        let mut p = base;
+        for f in FIELDS {
+            if let Some(v) = (f.get_override)(&self) {
+                (f.set)(&mut p, v);
+            }
         }
+        p
     }
 
     pub fn is_empty(&self) -> bool {
         *self == SamplingOverrides::default()
     }
+
+    /// Every field [`FIELDS`] names that `m` (a request's or a checkpoint's
+    /// JSON object) sets; null counts as absent. The error names the field.
+    pub fn from_json(m: &serde_json::Map<String, serde_json::Value>) -> Result<SamplingOverrides, (&'static str, String)> {
+        let mut o = SamplingOverrides::default();
+        for f in FIELDS {
+            match m.get(f.name) {
+                None | Some(serde_json::Value::Null) => {}
+                Some(v) => (f.set_override)(&mut o, Some(f.from_json(v).map_err(|e| (f.name, e))?)),
+            }
+        }
+        Ok(o)
+    }
+}
+
+/// A sampling field's value.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum FieldValue {
+    Real(f32),
+    Count(u64),
+}
+
+impl std::fmt::Display for FieldValue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FieldValue::Real(v) => write!(f, "{v}"),
+            FieldValue::Count(v) => write!(f, "{v}"),
+        }
+    }
+}
+
+/// What values a field takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// A finite number (negative ones allowed).
+    Real,
+    /// A count; vLLM's -1 means 0 (`top_k: -1`: no top-k).
+    Count,
+    /// A 64-bit seed.
+    Seed,
+}
+
+/// Where a sampling-table row ([`row_words`]) keeps a field: the low or
+/// high half of a word (f32 bits), or a whole word.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Slot {
+    Low(usize),
+    High(usize),
+    Word(usize),
+}
+
+/// One sampling field: its name (the request field, the `--kebab-case`
+/// flag, the `generation_config.json` key and its word in the text form),
+/// its kind, its flag's help and value name, its place in the sampling
+/// table's row, and how to read and write it in [`SamplingParams`] and
+/// [`SamplingOverrides`]. [`FIELDS`] lists them all: every parser, flag,
+/// encoding and the device row iterate it, so a new field is an entry
+/// there (and a field of the two structs), plus the device sampler's read
+/// of its slot when it acts on the logits.
+pub struct Field {
+    pub name: &'static str,
+    /// The flag's name without its dashes (`top-k`).
+    pub long: &'static str,
+    pub kind: Kind,
+    pub help: &'static str,
+    pub value_name: &'static str,
+    pub slot: Slot,
+    pub get: fn(&SamplingParams) -> FieldValue,
+    pub set: fn(&mut SamplingParams, FieldValue),
+    pub get_override: fn(&SamplingOverrides) -> Option<FieldValue>,
+    pub set_override: fn(&mut SamplingOverrides, Option<FieldValue>),
+}
+
+impl Field {
+    /// A value from its text form; the error names the field.
+    pub fn parse(&self, text: &str) -> Result<FieldValue, String> {
+        let name = self.name;
+        match self.kind {
+            Kind::Real => text
+                .parse::<f32>()
+                .ok()
+                .filter(|v| v.is_finite())
+                .map(FieldValue::Real)
+                .ok_or_else(|| format!("{name} `{text}`: expected a number")),
+            Kind::Count if text == "-1" => Ok(FieldValue::Count(0)),
+            Kind::Count | Kind::Seed => text
+                .parse::<u64>()
+                .ok()
+                .filter(|&v| self.kind == Kind::Seed || usize::try_from(v).is_ok())
+                .map(FieldValue::Count)
+                .ok_or_else(|| format!("{name} `{text}`: expected an unsigned integer")),
+        }
+    }
+
+    /// A value from a JSON number; the error says what was expected.
+    pub fn from_json(&self, v: &serde_json::Value) -> Result<FieldValue, String> {
+        let name = self.name;
+        match (self.kind, v) {
+            (Kind::Real, serde_json::Value::Number(n)) => n
+                .as_f64()
+                .filter(|v| v.is_finite())
+                .map(|v| FieldValue::Real(v as f32))
+                .ok_or_else(|| format!("`{name}` must be a finite number")),
+            (Kind::Count, serde_json::Value::Number(n)) if n.as_i64() == Some(-1) => Ok(FieldValue::Count(0)),
+            (Kind::Count | Kind::Seed, serde_json::Value::Number(n)) => {
+                n.as_u64().map(FieldValue::Count).ok_or_else(|| format!("`{name}` must be a non-negative integer"))
+            }
+            (Kind::Real, _) => Err(format!("`{name}` must be a number, not {}", json_kind(v))),
+            (_, _) => Err(format!("`{name}` must be an integer, not {}", json_kind(v))),
+        }
+    }
+}
+
+fn json_kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
+}
+
+/// A real field's accessors, by its name in both structs.
+macro_rules! real_field {
+    ($name:ident, $long:expr, $slot:expr, $value_name:expr, $help:expr) => {
+        Field {
+            name: stringify!($name),
+            long: $long,
+            kind: Kind::Real,
+            help: $help,
+            value_name: $value_name,
+            slot: $slot,
+            get: |p| FieldValue::Real(p.$name),
+            set: |p, v| {
+                if let FieldValue::Real(x) = v {
+                    p.$name = x;
+                }
+            },
+            get_override: |o| o.$name.map(FieldValue::Real),
+            set_override: |o, v| {
+                o.$name = match v {
+                    Some(FieldValue::Real(x)) => Some(x),
+                    _ => None,
+                }
+            },
+        }
+    };
+}
+
+/// Every sampling field, in the order of their text form.
+pub const FIELDS: &[Field] = &[
+    real_field!(temperature, "temperature", Slot::Low(row::TEMPERATURE_TOP_P), "T", "Sampling temperature; 0 = greedy"),
+    Field {
+        name: "top_k",
+        long: "top-k",
+        kind: Kind::Count,
+        help: "Sample among the K most likely tokens only (0 or -1 = all)",
+        value_name: "K",
+        slot: Slot::Word(row::TOP_K),
+        get: |p| FieldValue::Count(p.top_k as u64),
+        set: |p, v| {
+            if let FieldValue::Count(k) = v {
+                p.top_k = usize::try_from(k).unwrap_or(usize::MAX);
+            }
+        },
+        get_override: |o| o.top_k.map(|k| FieldValue::Count(k as u64)),
+        set_override: |o, v| {
+            o.top_k = match v {
+                Some(FieldValue::Count(k)) => Some(usize::try_from(k).unwrap_or(usize::MAX)),
+                _ => None,
+            }
+        },
+    },
+    real_field!(
+        top_p,
+        "top-p",
+        Slot::High(row::TEMPERATURE_TOP_P),
+        "P",
+        "Sample among the most likely tokens that together reach probability P (1 = all)"
+    ),
+    real_field!(min_p, "min-p", Slot::Low(row::MIN_P_PENALTY), "P", "Drop tokens less likely than P times the most likely one (0 = none)"),
+    real_field!(
+        repetition_penalty,
+        "repetition-penalty",
+        Slot::High(row::MIN_P_PENALTY),
+        "R",
+        "Above 1, tokens already in the sequence become less likely (Hugging Face's rule; 1 = none)"
+    ),
+    real_field!(
+        presence_penalty,
+        "presence-penalty",
+        Slot::Low(row::PRESENCE_FREQUENCY),
+        "P",
+        "OpenAI's presence penalty (-2 to 2): subtracted from the logit of every token already generated (0 = none)"
+    ),
+    real_field!(
+        frequency_penalty,
+        "frequency-penalty",
+        Slot::High(row::PRESENCE_FREQUENCY),
+        "F",
+        "OpenAI's frequency penalty (-2 to 2): subtracted once per time a token was already generated (0 = none)"
+    ),
+    Field {
+        name: "seed",
+        long: "seed",
+        kind: Kind::Seed,
+        help: "Seed of the draws: with it, a prompt's tokens are the same at any pp, batch or thread count",
+        value_name: "SEED",
+        slot: Slot::Word(row::SEED),
+        get: |p| FieldValue::Count(p.seed),
+        set: |p, v| {
+            if let FieldValue::Count(s) = v {
+                p.seed = s;
+            }
+        },
+        get_override: |o| o.seed.map(FieldValue::Count),
+        set_override: |o, v| {
+            o.seed = match v {
+                Some(FieldValue::Count(s)) => Some(s),
+                _ => None,
+            }
+        },
+    },
+];
+
+/// The field named `name`.
+pub fn field(name: &str) -> Option<&'static Field> {
+    FIELDS.iter().find(|f| f.name == name)
 }
 
 /// The constants of `m3c_sampler::exp_neg`, which the device sampler writes into its
@@ -288,13 +491,19 @@ pub mod row {
 /// token, whose logits are only checked), whose sequence's seen-id bitmap is
 /// row `seen_row` of the bitmaps.
 pub fn row_words(p: &SamplingParams, request: u64, step: u64, sample: bool, seen_row: usize) -> [i64; ROW_WORDS] {
-    let pair = |lo: f32, hi: f32| (lo.to_bits() as u64 | (hi.to_bits() as u64) << 32) as i64;
     let mut w = [0i64; ROW_WORDS];
-    w[row::TEMPERATURE_TOP_P] = pair(p.temperature, p.top_p);
-    w[row::MIN_P_PENALTY] = pair(p.min_p, p.repetition_penalty);
-    w[row::PRESENCE_FREQUENCY] = pair(p.presence_penalty, p.frequency_penalty);
-    w[row::TOP_K] = p.top_k as i64;
-    w[row::SEED] = p.seed as i64;
+    for f in FIELDS {
+        let bits = |v: FieldValue| match v {
+            FieldValue::Real(x) => x.to_bits() as u64,
+            FieldValue::Count(n) => n,
+        };
+        let v = bits((f.get)(p));
+        match f.slot {
+            Slot::Low(k) => w[k] = ((w[k] as u64 & !0xFFFF_FFFF) | v) as i64,
+            Slot::High(k) => w[k] = ((w[k] as u64 & 0xFFFF_FFFF) | v << 32) as i64,
+            Slot::Word(k) => w[k] = v as i64,
+        }
+    }
     w[row::STEP] = step as i64;
     w[row::REQUEST] = request as i64;
     w[row::FLAGS] = if sample { row::SAMPLE } else { 0 } | (seen_row as i64) << 32;
@@ -309,17 +518,19 @@ pub fn seen_row(w: &[i64; ROW_WORDS]) -> usize {
 /// The inverse of [`row_words`]: the parameters, request, step and whether
 /// the row gives a token.
 pub fn row_params(w: &[i64; ROW_WORDS]) -> (SamplingParams, u64, u64, bool) {
-    let half = |v: i64, hi: bool| f32::from_bits(if hi { (v as u64 >> 32) as u32 } else { v as u32 });
-    let p = SamplingParams {
-        temperature: half(w[row::TEMPERATURE_TOP_P], false),
-        top_p: half(w[row::TEMPERATURE_TOP_P], true),
-        min_p: half(w[row::MIN_P_PENALTY], false),
-        repetition_penalty: half(w[row::MIN_P_PENALTY], true),
-        presence_penalty: half(w[row::PRESENCE_FREQUENCY], false),
-        frequency_penalty: half(w[row::PRESENCE_FREQUENCY], true),
-        top_k: w[row::TOP_K] as u64 as usize,
-        seed: w[row::SEED] as u64,
-    };
+    let mut p = SamplingParams::GREEDY;
+    for f in FIELDS {
+        let bits = match f.slot {
+            Slot::Low(k) => w[k] as u64 & 0xFFFF_FFFF,
+            Slot::High(k) => w[k] as u64 >> 32,
+            Slot::Word(k) => w[k] as u64,
+        };
+        let v = match f.kind {
+            Kind::Real => FieldValue::Real(f32::from_bits(bits as u32)),
+            Kind::Count | Kind::Seed => FieldValue::Count(bits),
+        };
+        (f.set)(&mut p, v);
+    }
     (p, w[row::REQUEST] as u64, w[row::STEP] as u64, w[row::FLAGS] & row::SAMPLE != 0)
 }
 
@@ -336,6 +547,41 @@ pub fn mask_row(w: &[i64; ROW_WORDS]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_field_table_is_every_field_once_and_drives_the_row_and_text_forms() {
+        let names: Vec<&str> = FIELDS.iter().map(|f| f.name).collect();
+        let mut unique = names.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert_eq!(names.len(), unique.len(), "a field twice: {names:?}");
+        for f in FIELDS {
+            assert_eq!(f.long, f.name.replace('_', "-"), "{}: the flag is the name in kebab case", f.name);
+        }
+        let p = SamplingParams {
+            temperature: 0.7,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.05,
+            repetition_penalty: 1.1,
+            presence_penalty: -0.5,
+            frequency_penalty: 0.25,
+            seed: u64::MAX,
+        };
+        let w = row_words(&p, 3, 9, true, 2);
+        assert_eq!(row_params(&w), (p, 3, 9, true));
+        assert_eq!(seen_row(&w), 2);
+        // The layout the device sampler reads (kernels/src/ops/sample.rs).
+        assert_eq!(w[row::TEMPERATURE_TOP_P] as u64, 0.7f32.to_bits() as u64 | (0.95f32.to_bits() as u64) << 32);
+        assert_eq!((w[row::TOP_K], w[row::SEED] as u64), (40, u64::MAX));
+        assert_eq!(SamplingParams::decode(&p.encode(), SamplingParams::GREEDY), Ok(p));
+        let o =
+            SamplingOverrides::from_json(serde_json::json!({"top_k": -1, "temperature": 0.5, "other": 1}).as_object().unwrap()).unwrap();
+        assert_eq!(o, SamplingOverrides { top_k: Some(0), temperature: Some(0.5), ..Default::default() });
+        let e = SamplingOverrides::from_json(serde_json::json!({"top_p": "high"}).as_object().unwrap()).unwrap_err();
+        assert_eq!(e.0, "top_p");
+        assert!(e.1.contains("must be a number"), "{}", e.1);
+    }
 
     #[test]
     fn overrides_layer_request_over_flags_over_checkpoint_over_base() {

@@ -59,7 +59,9 @@ enum What {
 
 struct Event {
     start_us: f64,
-    dur_us: f64,
+    /// The clock reading it ended on (kept as read, not as a duration: a
+    /// wait and the receive after it share one reading, to the bit).
+    end_us: f64,
     what: What,
 }
 
@@ -110,7 +112,7 @@ fn push_until(start_us: f64, end_us: Option<f64>, what: What) {
     with(|s| {
         if let Some(s) = s.as_mut() {
             let end = end_us.unwrap_or_else(|| s.start.elapsed().as_secs_f64() * 1e6);
-            s.events.push(Event { start_us, dur_us: (end - start_us).max(0.0), what });
+            s.events.push(Event { start_us, end_us: end.max(start_us), what });
         }
     })
 }
@@ -221,7 +223,7 @@ fn chrome_lines_of(s: &State, host: &str) -> Vec<String> {
     for e in &s.events {
         // The end rounded as the start is, so that an event that ends where
         // the next starts (a wait and its receive) still does in the file.
-        let (start, end) = (ts(e.start_us), ts(e.start_us + e.dur_us));
+        let (start, end) = (ts(e.start_us), ts(e.end_us));
         let dur = ((end - start) * 1000.0).round() / 1000.0;
         match &e.what {
             What::Step { kind, micro_batch, seqs, rows } => {

@@ -98,25 +98,10 @@ pub fn object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     }
 }
 
-fn num(m: &Map<String, Value>, k: &str) -> Result<Option<f64>, ApiError> {
-    match m.get(k) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Number(n)) => {
-            n.as_f64().filter(|v| v.is_finite()).map(Some).ok_or_else(|| ApiError::bad(k, format!("`{k}` must be a finite number")))
-        }
-        Some(v) => Err(ApiError::bad(k, format!("`{k}` must be a number, not {}", kind(v)))),
-    }
-}
-
 fn uint(m: &Map<String, Value>, k: &str) -> Result<Option<u64>, ApiError> {
     match m.get(k) {
         None | Some(Value::Null) => Ok(None),
-        Some(Value::Number(n)) => match (n.as_u64(), n.as_i64()) {
-            (Some(v), _) => Ok(Some(v)),
-            // vLLM's "no top-k".
-            (None, Some(-1)) if k == "top_k" => Ok(Some(0)),
-            _ => Err(ApiError::bad(k, format!("`{k}` must be a non-negative integer"))),
-        },
+        Some(Value::Number(n)) => n.as_u64().map(Some).ok_or_else(|| ApiError::bad(k, format!("`{k}` must be a non-negative integer"))),
         Some(v) => Err(ApiError::bad(k, format!("`{k}` must be an integer, not {}", kind(v)))),
     }
 }
@@ -161,12 +146,6 @@ impl Endpoint {
     fn knows(self, field: &str) -> bool {
         const SHARED: &[&str] = &[
             "model",
-            "temperature",
-            "top_p",
-            "top_k",
-            "min_p",
-            "repetition_penalty",
-            "seed",
             "stop",
             "stream",
             "stream_options",
@@ -174,8 +153,6 @@ impl Endpoint {
             "max_tokens",
             // Checked by `common`: only their no-op values pass.
             "n",
-            "presence_penalty",
-            "frequency_penalty",
             "logprobs",
             "logit_bias",
             "min_tokens",
@@ -210,7 +187,7 @@ impl Endpoint {
             Endpoint::Completions => COMPLETIONS,
             Endpoint::ChatCompletions => CHAT,
         };
-        SHARED.contains(&field) || own.contains(&field)
+        SHARED.contains(&field) || own.contains(&field) || m3c_contract::sampling::field(field).is_some()
     }
 }
 
@@ -311,17 +288,10 @@ pub fn common(m: &Map<String, Value>, d: &Defaults, endpoint: Endpoint, seed_fal
             Some(_) => return Err(ApiError::bad(k, format!("`{k}` is not supported by m3c"))),
         }
     }
-    let f32_of = |k: &str| -> Result<Option<f32>, ApiError> { Ok(num(m, k)?.map(|v| v as f32)) };
-    let request = SamplingOverrides {
-        temperature: f32_of("temperature")?,
-        top_p: f32_of("top_p")?,
-        min_p: f32_of("min_p")?,
-        repetition_penalty: f32_of("repetition_penalty")?,
-        presence_penalty: f32_of("presence_penalty")?,
-        frequency_penalty: f32_of("frequency_penalty")?,
-        top_k: uint(m, "top_k")?.map(|v| usize::try_from(v).unwrap_or(usize::MAX)),
-        seed: Some(uint(m, "seed")?.unwrap_or(seed_fallback)),
-    };
+    // Every sampling field by the contract's table; a request without a
+    // seed gets a fresh one.
+    let request = SamplingOverrides::from_json(m).map_err(|(k, e)| ApiError::bad(k, e))?;
+    let request = SamplingOverrides { seed: request.seed.or(Some(seed_fallback)), ..request };
     let sampling = request.over(d.sampling);
     if let Err(e) = sampling.check() {
         let field = e.split_whitespace().next().unwrap_or("temperature").to_string();

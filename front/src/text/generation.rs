@@ -47,20 +47,10 @@ impl GenerationDefaults {
         let gen_file = dir.join("generation_config.json");
         if let Some(g) = read_json(&gen_file, "generation config")? {
             let bad = |key: &str, want: &str| TextError::Config { file: gen_file.clone(), message: format!("`{key}`: expected {want}") };
-            let num = |key: &str| -> Result<Option<f32>, TextError> {
-                match g.get(key) {
-                    None | Some(serde_json::Value::Null) => Ok(None),
-                    Some(v) => v.as_f64().map(|x| Some(x as f32)).ok_or_else(|| bad(key, "a number")),
-                }
-            };
-            d.sampling.temperature = num("temperature")?;
-            d.sampling.top_p = num("top_p")?;
-            d.sampling.min_p = num("min_p")?;
-            d.sampling.repetition_penalty = num("repetition_penalty")?;
-            d.sampling.top_k = match g.get("top_k") {
-                None | Some(serde_json::Value::Null) => None,
-                Some(v) => Some(v.as_u64().ok_or_else(|| bad("top_k", "a count"))? as usize),
-            };
+            // Every sampling field the checkpoint sets, by the contract's table.
+            let map = g.as_object().cloned().unwrap_or_default();
+            d.sampling = SamplingOverrides::from_json(&map)
+                .map_err(|(key, why)| TextError::Config { file: gen_file.clone(), message: format!("`{key}`: {why}") })?;
             if let Some(v) = g.get("eos_token_id").filter(|v| !v.is_null()) {
                 d.eos_ids = ids(v).ok_or_else(|| bad("eos_token_id", "an id or a list of ids"))?;
                 d.sources.push("generation_config.json".into());
