@@ -217,7 +217,8 @@ fn run(cli: Cli) -> Result<()> {
                 layers: vision_layers,
                 projector: projector_hidden,
             };
-            let spec = m3c_compiler::tiny::TinySpec { seed, layers, hidden, mxfp8, vision };
+            let family = m3c_compiler::family::Family::MiniMaxM3;
+            let spec = m3c_compiler::tiny::TinySpec { family, seed, layers, hidden, mxfp8, vision };
             m3c_compiler::tiny::init_tiny(&out, &spec)?;
             say(&format!(
                 "wrote {} ({} layers, hidden {}, {}, seed {seed})\n",

@@ -8,6 +8,7 @@ pub mod backend;
 pub mod compile;
 pub mod config;
 pub mod dtype;
+pub mod family;
 pub mod fsutil;
 pub mod graph;
 pub mod inspect;

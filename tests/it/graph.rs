@@ -27,3 +27,34 @@ fn every_layer_has_its_structure() {
     }
     assert!(matches!(g.graph[g.logits].op, Op::Linear { mxfp8_block: None, .. }), "lm_head is never quantized");
 }
+
+/// The family seam's contract, for every family: its tiny config reads back
+/// as that family, and a stage holding every part binds exactly the
+/// family's layout (every tensor the graph names exists, and every tensor of
+/// the layout is read by some kernel).
+#[test]
+fn every_family_reads_its_tiny_config_and_its_graph_reads_exactly_its_layout() {
+    use m3c_compiler::family::Family;
+    use m3c_compiler::lower::{fuse_stage, Storages};
+    use m3c_compiler::model::expected_tensors;
+    use m3c_compiler::tiny::TinySpec;
+    use m3c_kernels::Storage;
+    use std::collections::BTreeSet;
+    for family in Family::ALL {
+        for mxfp8 in [false, true] {
+            let spec = TinySpec { family, mxfp8, ..TinySpec::default() };
+            let text = serde_json::to_string(&spec.config_json()).unwrap();
+            let cfg = m3c_compiler::config::parse_config(std::path::Path::new("config.json"), &text).unwrap();
+            assert_eq!(cfg.family, family);
+            assert!(Family::all_architectures().contains(&cfg.architecture.as_str()));
+            let layout: BTreeSet<String> = expected_tensors(&cfg).into_iter().map(|t| t.name).collect();
+            let graph = build_graph(&cfg);
+            let parts: BTreeSet<Part> = graph.graph.node_weights().map(|n| n.part).collect();
+            let storages = Storages { kv_cache: Storage::F32, activations: Storage::F32 };
+            let stage = fuse_stage(&cfg, &graph, &parts, storages).unwrap();
+            let read: BTreeSet<String> = stage.tensors.iter().map(|t| t.name.clone()).collect();
+            assert_eq!(read.len(), stage.tensors.len(), "{family:?}: a tensor bound twice");
+            assert_eq!(read, layout, "{family:?} mxfp8 {mxfp8}: the graph's tensors and the layout differ");
+        }
+    }
+}

@@ -8,7 +8,7 @@ use std::path::Path;
 
 /// A JSON object together with its dotted path inside the config file.
 #[derive(Clone)]
-pub(crate) struct Obj<'a> {
+pub struct Obj<'a> {
     pub file: &'a Path,
     pub path: String,
     pub map: &'a Map<String, Value>,

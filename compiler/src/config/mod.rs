@@ -1,17 +1,17 @@
-//! The MiniMax-M3 configuration: the hub `config.json` (the VL wrapper with a
-//! `text_config`, optionally with an MXFP8 `quantization_config`) or a flat
-//! text-only config, parsed into types the compiler relies on.
+//! The model configuration: the hub `config.json`, read by its model family
+//! (`crate::family`) into types the rest of the compiler relies on.
 //!
 //! Everything that later stages assume (head counts divide, one entry per
 //! layer in the per-layer lists, index heads = KV heads, ...) is checked here,
 //! once, and reported with the key and the expected value.
 
-mod json;
-mod parse;
+pub(crate) mod json;
+pub(crate) mod parse;
 
 use std::path::PathBuf;
 
-pub use parse::{load_config, parse_config};
+pub use json::Obj;
+pub use parse::{bounds, load_config, parse_config};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -24,7 +24,7 @@ pub enum ConfigError {
     Missing { file: PathBuf, key: String, expected: String },
     #[error("{file}: `{key}`: expected {expected}, found {found}")]
     Invalid { file: PathBuf, key: String, expected: String, found: String },
-    #[error("{file}: unsupported architecture {found} (m3c compiles MiniMax-M3: architectures {expected})")]
+    #[error("{file}: unsupported architecture {found} (m3c compiles the architectures {expected})")]
     Architecture { file: PathBuf, found: String, expected: String },
 }
 
@@ -171,9 +171,11 @@ pub enum Quantization {
     Mxfp8 { block: usize, ignored_layers: Vec<String> },
 }
 
-/// A parsed and validated MiniMax-M3 config.
+/// A parsed and validated config.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct ModelConfig {
+    /// The model family that read it, and that builds its layout and graph.
+    pub family: crate::family::Family,
     /// The file it came from (for messages).
     pub source: PathBuf,
     /// `architectures[0]` of the file.

@@ -3,7 +3,7 @@
 //! topological order; every node records the model [`Part`] it belongs to,
 //! which is how a stage takes its slice of the graph.
 
-mod build;
+pub(crate) mod build;
 mod dump;
 mod ops;
 

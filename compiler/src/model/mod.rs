@@ -4,6 +4,6 @@
 //! `m3c init-tiny` all read this one list, so they cannot disagree.
 
 pub mod names;
-mod tensors;
+pub(crate) mod tensors;
 
 pub use tensors::{expected_tensors, Part, Role, TensorSpec, TypeRule};

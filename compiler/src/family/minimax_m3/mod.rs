@@ -1,0 +1,48 @@
+//! MiniMax-M3 (MiniMaxAI's sparse-attention MoE vision-language model): the
+//! family the compiler was built for, and the reference for the seam.
+
+mod config;
+mod graph;
+mod tensors;
+mod tiny;
+
+use super::ModelFamily;
+use crate::config::{ConfigError, ModelConfig, Obj};
+use crate::graph::ModelGraph;
+use crate::model::TensorSpec;
+use crate::tiny::{Rng, TinySpec};
+
+pub(super) struct MiniMaxM3;
+
+impl ModelFamily for MiniMaxM3 {
+    fn name(&self) -> &'static str {
+        "MiniMax-M3"
+    }
+
+    fn architectures(&self) -> &'static [&'static str] {
+        &ARCHITECTURES
+    }
+
+    fn parse_config(&self, root: &Obj, architecture: &str) -> Result<ModelConfig, ConfigError> {
+        config::parse(root, architecture)
+    }
+
+    fn tensors(&self, cfg: &ModelConfig) -> Vec<TensorSpec> {
+        tensors::tensors(cfg)
+    }
+
+    fn graph(&self, cfg: &ModelConfig) -> ModelGraph {
+        graph::graph(cfg)
+    }
+
+    fn tiny_config(&self, spec: &TinySpec) -> serde_json::Value {
+        tiny::config(spec)
+    }
+
+    fn tiny_values(&self, rng: &mut Rng, spec: &TensorSpec) -> Vec<f32> {
+        tiny::values(rng, spec)
+    }
+}
+
+/// The VL wrapper's architectures first: messages list them in this order.
+const ARCHITECTURES: [&str; 3] = [config::VL_ARCHITECTURES[0], config::TEXT_ARCHITECTURES[0], config::TEXT_ARCHITECTURES[1]];
