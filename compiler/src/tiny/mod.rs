@@ -1,8 +1,10 @@
-//! `m3c init-tiny`: a random MiniMax-M3 checkpoint in the hub layout
-//! (config.json + model.safetensors) with every structural feature of the real
-//! model — full and MSA attention, dense and MoE layers, shared expert,
-//! routing bias, partial RoPE, the vision tower — small enough for tests and
-//! the demo. The same options give byte-identical files.
+//! `m3c init-tiny`: a random checkpoint of a model family in the hub layout
+//! (config.json + model.safetensors), small enough for tests and the demo.
+//! The family gives the config (for MiniMax-M3 every structural feature of
+//! the real model: full and MSA attention, dense and MoE layers, shared
+//! expert, routing bias, partial RoPE, the vision tower) and the scale of
+//! each tensor's values; this module draws, encodes and writes them. The
+//! same options give byte-identical files.
 
 pub mod encode;
 mod rng;

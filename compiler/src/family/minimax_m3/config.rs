@@ -9,13 +9,14 @@ use crate::config::*;
 use crate::family::Family;
 use serde_json::Value;
 
-/// Architectures of the VL wrapper (the published checkpoints).
-pub(super) const VL_ARCHITECTURES: &[&str] = &["MiniMaxM3SparseForConditionalGeneration"];
-/// Architectures of a flat, text-only config.
-pub(super) const TEXT_ARCHITECTURES: &[&str] = &["MiniMaxM3SparseForCausalLM", "MiniMaxM3VLForCausalLM"];
+/// The architecture of the VL wrapper (the published checkpoints).
+const VL_ARCHITECTURE: &str = "MiniMaxM3SparseForConditionalGeneration";
+/// Every architecture the family reads: the VL wrapper first (messages list
+/// them in this order), then those of a flat, text-only config.
+pub(super) const ARCHITECTURES: &[&str] = &[VL_ARCHITECTURE, "MiniMaxM3SparseForCausalLM", "MiniMaxM3VLForCausalLM"];
 
 pub(super) fn parse(root: &Obj, architecture: &str) -> Result<ModelConfig, ConfigError> {
-    let is_vl = VL_ARCHITECTURES.contains(&architecture);
+    let is_vl = architecture == VL_ARCHITECTURE;
     let (text_obj, text_prefix) = if is_vl { (root.obj("text_config")?, crate::model::names::VL_TEXT_PREFIX) } else { (root.clone(), "") };
     // Flat configs are sometimes used with the hub shards, whose names carry
     // `language_model.`; the weight binder accepts either (see weights::bind).

@@ -20,7 +20,7 @@ impl ModelFamily for MiniMaxM3 {
     }
 
     fn architectures(&self) -> &'static [&'static str] {
-        &ARCHITECTURES
+        config::ARCHITECTURES
     }
 
     fn parse_config(&self, root: &Obj, architecture: &str) -> Result<ModelConfig, ConfigError> {
@@ -43,6 +43,3 @@ impl ModelFamily for MiniMaxM3 {
         tiny::values(rng, spec)
     }
 }
-
-/// The VL wrapper's architectures first: messages list them in this order.
-const ARCHITECTURES: [&str; 3] = [config::VL_ARCHITECTURES[0], config::TEXT_ARCHITECTURES[0], config::TEXT_ARCHITECTURES[1]];
