@@ -72,7 +72,7 @@ for pp in 1 2; do
   t1=$(date +%s.%N)
   timing=$(grep 'm3c timing' "$work/run.log")
   pre_ms=$(sed -E 's/.*prefill [0-9]+ tokens in ([0-9.]+) ms.*/\1/' <<<"$timing")
-  dec_ms=$(sed -E 's/.*decode [0-9]+ steps in ([0-9.]+) ms.*/\1/' <<<"$timing")
+  dec_ms=$(sed -E 's/.*decode [0-9]+ tokens in ([0-9.]+) ms.*/\1/' <<<"$timing")
   offline=$(awk "BEGIN {printf \"%.1f\", 16 * $MAX_TOKENS / (($pre_ms + $dec_ms) / 1000)}")
   start_server "$work/pp$pp" "$work/h1024" h1024 --max-batch 16
   for conc in 1 4 16; do

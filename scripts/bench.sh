@@ -38,7 +38,7 @@ for model in tests/fixtures/tiny-m3 "$work/h1024"; do
       for r in $(seq 1 "$RUNS"); do
         line=$($M3C run "$work/out" --model "$model" "${args[@]}" --max-new-tokens 32 2>&1 >/dev/null | grep 'm3c timing')
         pre+=("$(echo "$line" | sed -E 's/.*prefill [0-9]+ tokens in [0-9.]+ ms \(([0-9.]+) tok\/s\).*/\1/')")
-        dec+=("$(echo "$line" | sed -E 's/.*decode [0-9]+ steps in [0-9.]+ ms \(([0-9.]+) tok\/s\).*/\1/')")
+        dec+=("$(echo "$line" | sed -E 's/.*decode [0-9]+ tokens in [0-9.]+ ms \(([0-9.]+) tok\/s\).*/\1/')")
       done
       printf '%-34s %4s %8s %14s %14s\n' "$name" "$pp" "$np" \
         "$(printf '%s\n' "${pre[@]}" | median)" "$(printf '%s\n' "${dec[@]}" | median)"
@@ -52,7 +52,7 @@ pre=(); dec=()
 for r in $(seq 1 "$RUNS"); do
   line=$($M3C run "$work/out" --model "$work/h1024" --prompt-ids "$long" --max-new-tokens 33 --ignore-eos 2>&1 >/dev/null | grep 'm3c timing')
   pre+=("$(echo "$line" | sed -E 's/.*\(([0-9.]+) tok\/s\); decode.*/\1/')")
-  dec+=("$(echo "$line" | sed -E 's/.*decode [0-9]+ steps in [0-9.]+ ms \(([0-9.]+) tok\/s\).*/\1/')")
+  dec+=("$(echo "$line" | sed -E 's/.*decode [0-9]+ tokens in [0-9.]+ ms \(([0-9.]+) tok\/s\).*/\1/')")
 done
 m3c_pre=$(printf '%s\n' "${pre[@]}" | median)
 m3c_dec=$(printf '%s\n' "${dec[@]}" | median)

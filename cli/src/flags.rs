@@ -168,6 +168,9 @@ pub(crate) struct RunArgs {
     /// per prompt after its ids or text.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(0..=20))]
     pub(crate) logprobs: Option<u8>,
+    /// Speculative decoding, in vLLM's JSON: `{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": A, "prompt_lookup_max": B}` (prompt lookup). The output is bit-identical with and without it; it prints the mean acceptance length.
+    #[arg(long, value_name = "JSON", value_parser = speculative_config)]
+    pub(crate) speculative_config: Option<m3c_contract::speculative::Ngram>,
     /// Choices per prompt (1 to 16), as OpenAI's `n`: choice i draws from seed + i, so it is what a run with
     /// that seed gives; prompt P's choice C is sequence P × N + C ("### prompt P choice C" with text).
     #[arg(short = 'n', long = "n", value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=16))]
@@ -276,6 +279,9 @@ pub(crate) struct ServeArgs {
     /// Seconds in-flight requests get to finish after SIGTERM or SIGINT.
     #[arg(long, default_value_t = 30.0, value_parser = timeout_s)]
     pub(crate) grace_s: f64,
+    /// Speculative decoding, in vLLM's JSON: `{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": A, "prompt_lookup_max": B}` (prompt lookup). Answers are bit-identical with and without it; /metrics counts drafts and accepted tokens.
+    #[arg(long, value_name = "JSON", value_parser = speculative_config)]
+    pub(crate) speculative_config: Option<m3c_contract::speculative::Ngram>,
     #[command(flatten)]
     pub(crate) gpu: GpuFlags,
     #[command(flatten)]
@@ -310,6 +316,18 @@ pub(crate) fn count(v: &str) -> Result<usize, String> {
 
 pub(crate) fn positive_count(v: &str) -> Result<usize, String> {
     m3c_contract::prompts::parse_count(v, "count", true).map_err(|_| format!("`{v}` is not a positive count"))
+}
+
+/// `--speculative-config`: vLLM's JSON, checked; the methods m3c runs.
+pub(crate) fn speculative_config(v: &str) -> Result<m3c_contract::speculative::Ngram, String> {
+    use m3c_contract::speculative::SpeculativeConfig;
+    match SpeculativeConfig::from_json(v)? {
+        SpeculativeConfig::Ngram(n) => Ok(n),
+        SpeculativeConfig::Eagle3 { model, .. } => Err(format!(
+            "method `eagle3` ({}): EAGLE3 draft heads are not compiled by this m3c yet; speculate with {{\"method\": \"ngram\", \"num_speculative_tokens\": 3}}",
+            model.display()
+        )),
+    }
 }
 
 pub(crate) fn stop_string(v: &str) -> Result<String, String> {

@@ -196,6 +196,7 @@ fn run(cli: Cli) -> Result<()> {
                 gpu: a.gpu.modes(),
                 launch: a.launch.launch()?,
                 trace_dir: a.trace_dir,
+                speculative: a.speculative_config,
             })
         }
         Command::InitTiny {

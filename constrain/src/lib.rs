@@ -197,6 +197,18 @@ impl Constraint {
         self.matcher.consume_token(id).map_err(|e| ConstrainError::Matcher(e.to_string()))
     }
 
+    /// Consumes `id` if the grammar allows it here (`false`, and nothing
+    /// changes, if not): a verify step follows its drafts this way.
+    pub fn try_consume(&mut self, id: u32) -> Result<bool, ConstrainError> {
+        self.matcher.try_consume_tokens(&[id]).map(|n| n == 1).map_err(|e| ConstrainError::Matcher(e.to_string()))
+    }
+
+    /// Takes back the last `n` tokens consumed (a verify step's drafts,
+    /// followed to compute each row's mask).
+    pub fn rollback(&mut self, n: usize) -> Result<(), ConstrainError> {
+        self.matcher.rollback(n).map_err(|e| ConstrainError::Matcher(e.to_string()))
+    }
+
     /// Whether the output is complete (only EOS may follow).
     pub fn is_done(&self) -> bool {
         self.matcher.is_stopped()

@@ -1,32 +1,51 @@
 //! The payload of the ids message that the last stage sends the first for
-//! each micro-batch: per segment the drawn id and, when its sequence asked,
-//! the token's logprobs and those of the prompt tokens the segment's rows
-//! predict. One encoder and one parser, on both sides of the wire.
+//! each micro-batch: per segment the tokens it gave (none for a prefill
+//! chunk, one for a decode step, up to K + 1 for a verify step of K draft
+//! tokens) with, when its sequence asked, each token's logprobs, and the
+//! logprobs of the prompt tokens the segment's rows predict. One encoder
+//! and one parser, on both sides of the wire.
 
 use crate::protocol::TokenLogprobs;
 
-/// What the last stage drew for one segment: its id (-1: the sequence met
-/// non-finite logits) and, when the sequence asked, the token's logprobs
-/// and those of the prompt tokens the segment's rows predict (row j: prompt
-/// token `pos0 + j + 1`, with its id).
+/// One token the last stage drew for a sequence: its id (-1: the
+/// sequence met non-finite logits, or its grammar failed, and ends there)
+/// and its logprobs when the sequence asked.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Drawn {
+pub struct Token {
     pub id: i64,
     pub logprobs: Option<TokenLogprobs>,
+}
+
+/// What the last stage drew for one segment: the tokens it accepted, in
+/// order (a -1 ends the list and the sequence), and, when the sequence
+/// asked, the logprobs of the prompt tokens the segment's rows predict
+/// (row j: prompt token `pos0 + j + 1`, with its id).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Drawn {
+    pub tokens: Vec<Token>,
     pub prompt: Vec<(u32, TokenLogprobs)>,
 }
 
 impl Drawn {
-    /// The ids message's payload (i64 words): per segment its id and its
-    /// logprobs ([`push_lp`]: none is one 0 word), then the count of prompt
-    /// tokens with logprobs and each one's logprobs.
+    /// A segment whose sequence ends here without a token.
+    pub fn failed() -> Drawn {
+        Drawn { tokens: vec![Token { id: -1, logprobs: None }], prompt: Vec::new() }
+    }
+
+    /// The ids message's payload (i64 words): per segment the count of its
+    /// tokens, each token's id and logprobs ([`push_lp`]: none is one 0
+    /// word), then the count of prompt tokens with logprobs and each one's
+    /// logprobs.
     pub fn encode(drawn: &[Drawn]) -> Vec<u8> {
-        let mut w: Vec<i64> = Vec::with_capacity(drawn.len() * 3);
+        let mut w: Vec<i64> = Vec::with_capacity(drawn.len() * 4);
         for d in drawn {
-            w.push(d.id);
-            match &d.logprobs {
-                None => w.push(0),
-                Some(lp) => push_lp(&mut w, d.id as u32, lp),
+            w.push(d.tokens.len() as i64);
+            for t in &d.tokens {
+                w.push(t.id);
+                match &t.logprobs {
+                    None => w.push(0),
+                    Some(lp) => push_lp(&mut w, t.id as u32, lp),
+                }
             }
             w.push(d.prompt.len() as i64);
             for (id, lp) in &d.prompt {
@@ -42,15 +61,20 @@ impl Drawn {
         let bad = || "a malformed ids message from the last stage".to_string();
         let mut it = words.iter().copied();
         let mut out = Vec::with_capacity(n);
+        let count = |it: &mut dyn Iterator<Item = i64>| -> Result<usize, String> {
+            usize::try_from(it.next().ok_or_else(bad)?).ok().filter(|&c| c <= words.len()).ok_or_else(bad)
+        };
         for _ in 0..n {
-            let id = it.next().ok_or_else(bad)?;
-            let logprobs = read_lp(&mut it).ok_or_else(bad)?.map(|(_, lp)| lp);
-            let count = usize::try_from(it.next().ok_or_else(bad)?).map_err(|_| bad())?;
-            if count > words.len() {
-                return Err(bad());
-            }
-            let prompt = (0..count).map(|_| read_lp(&mut it).flatten()).collect::<Option<Vec<_>>>().ok_or_else(bad)?;
-            out.push(Drawn { id, logprobs, prompt });
+            let tokens = (0..count(&mut it)?)
+                .map(|_| {
+                    let id = it.next()?;
+                    let logprobs = read_lp(&mut it)?.map(|(_, lp)| lp);
+                    Some(Token { id, logprobs })
+                })
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(bad)?;
+            let prompt = (0..count(&mut it)?).map(|_| read_lp(&mut it).flatten()).collect::<Option<Vec<_>>>().ok_or_else(bad)?;
+            out.push(Drawn { tokens, prompt });
         }
         if it.next().is_some() {
             return Err(bad());
@@ -96,20 +120,25 @@ mod tests {
     #[test]
     fn drawn_ids_and_logprobs_round_trip_and_damage_is_an_error() {
         let lp = |logprob: f32, rank: u32| TokenLogprobs { logprob, rank, top: vec![(9, -0.5), (2, -1.25)] };
+        let tok = |id: i64, logprobs: Option<TokenLogprobs>| Token { id, logprobs };
         let drawn = vec![
-            Drawn { id: 5, logprobs: None, prompt: vec![(7, lp(-3.0, 5)), (1, TokenLogprobs { logprob: -0.25, rank: 1, top: vec![] })] },
-            Drawn { id: 9, logprobs: Some(lp(-0.5, 1)), prompt: vec![] },
-            Drawn { id: -1, logprobs: None, prompt: vec![] },
+            Drawn {
+                tokens: vec![tok(5, None)],
+                prompt: vec![(7, lp(-3.0, 5)), (1, TokenLogprobs { logprob: -0.25, rank: 1, top: vec![] })],
+            },
+            Drawn { tokens: vec![tok(9, Some(lp(-0.5, 1))), tok(4, Some(lp(-0.75, 2))), tok(-1, None)], prompt: vec![] },
+            Drawn::default(),
+            Drawn::failed(),
         ];
         let bytes = Drawn::encode(&drawn);
         let words: Vec<i64> = bytes.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect();
-        assert_eq!(Drawn::decode(&words, 3).unwrap(), drawn);
+        assert_eq!(Drawn::decode(&words, 4).unwrap(), drawn);
         for cut in 0..words.len() {
-            assert!(Drawn::decode(&words[..cut], 3).is_err(), "cut at {cut}");
+            assert!(Drawn::decode(&words[..cut], 4).is_err(), "cut at {cut}");
         }
-        assert!(Drawn::decode(&words, 2).is_err(), "a word left over");
+        assert!(Drawn::decode(&words, 3).is_err(), "a word left over");
         let mut huge = words.clone();
-        huge[3] = 1 << 40;
-        assert!(Drawn::decode(&huge, 3).is_err());
+        huge[0] = 1 << 40;
+        assert!(Drawn::decode(&huge, 4).is_err());
     }
 }

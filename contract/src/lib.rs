@@ -29,6 +29,8 @@
 //! - [`sampling`]: sampling parameters (with their one text form) and the
 //!   sampling table's layout (the host sampler, which every target's
 //!   sampler must agree with, is `m3c_sampler`).
+//! - [`speculative`]: `--speculative-config` (vLLM's JSON) and n-gram
+//!   prompt lookup's proposals.
 //!
 //! This crate does no MPI, no mmap and no printing: it is plain parsing, so
 //! its parsers can be property-tested on arbitrary input.
@@ -43,6 +45,7 @@ pub mod manifest;
 pub mod prompts;
 pub mod protocol;
 pub mod sampling;
+pub mod speculative;
 pub mod stage;
 pub mod stage_args;
 pub mod target;

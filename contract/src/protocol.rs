@@ -482,6 +482,13 @@ pub enum Event {
     Preempted {
         seq: usize,
     },
+    /// Sequence `seq` verified `drafted` draft tokens (speculative
+    /// decoding) and the first `accepted` of them were its own draws.
+    Spec {
+        seq: usize,
+        drafted: usize,
+        accepted: usize,
+    },
     /// The KV pool: blocks sequences hold, blocks that hold cached
     /// prefixes only, and every block; and the sequences that hold blocks
     /// and take steps, and those that wait for blocks.
@@ -506,6 +513,7 @@ impl Event {
             Event::Stat { stage, steps, busy_s } => format!("m3c-stat {stage} {steps} {busy_s}"),
             Event::Prefix { seq, queried, hit } => format!("m3c-pfx {seq} {queried} {hit}"),
             Event::Preempted { seq } => format!("m3c-preempt {seq}"),
+            Event::Spec { seq, drafted, accepted } => format!("m3c-spec {seq} {drafted} {accepted}"),
             Event::Kv { used, cached, total, running, waiting } => format!("m3c-kv {used} {cached} {total} {running} {waiting}"),
             Event::Bad { seq, why } => {
                 // One line, whatever the message held.
@@ -555,6 +563,10 @@ impl Event {
                 _ => None,
             },
             ("m3c-preempt", [s]) => s.parse().ok().map(|seq| Event::Preempted { seq }),
+            ("m3c-spec", [s, d, a]) => match (s.parse(), d.parse(), a.parse()) {
+                (Ok(seq), Ok(drafted), Ok(accepted)) if accepted <= drafted => Some(Event::Spec { seq, drafted, accepted }),
+                _ => None,
+            },
             ("m3c-kv", [u, c, t, r, w]) => match (u.parse(), c.parse(), t.parse(), r.parse(), w.parse()) {
                 (Ok(used), Ok(cached), Ok(total), Ok(running), Ok(waiting)) => Some(Event::Kv { used, cached, total, running, waiting }),
                 _ => None,
@@ -569,7 +581,10 @@ impl Event {
                 }
             }
             // Another `m3c-` line is a stage's own output (its log lines).
-            ("m3c-ready" | "m3c-id" | "m3c-lp" | "m3c-end" | "m3c-stat" | "m3c-bad" | "m3c-pfx" | "m3c-preempt" | "m3c-kv", _) => None,
+            (
+                "m3c-ready" | "m3c-id" | "m3c-lp" | "m3c-end" | "m3c-stat" | "m3c-bad" | "m3c-pfx" | "m3c-preempt" | "m3c-kv" | "m3c-spec",
+                _,
+            ) => None,
             _ => return None,
         };
         Some(ev.ok_or_else(bad))
@@ -673,6 +688,7 @@ mod tests {
             Event::Stat { stage: 3, steps: 99, busy_s: 1.25 },
             Event::Prefix { seq: 5, queried: 40, hit: 32 },
             Event::Preempted { seq: 6 },
+            Event::Spec { seq: 7, drafted: 3, accepted: 2 },
             Event::Kv { used: 12, cached: 3, total: 64, running: 5, waiting: 2 },
             Event::Bad { seq: Some(4), why: "the sequence is already live".into() },
             Event::Bad { seq: None, why: "expected `cancel SEQ`".into() },

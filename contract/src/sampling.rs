@@ -444,9 +444,11 @@ pub const ROW_WORDS: usize = 16;
 /// OpenAI's bound on a `logit_bias` value.
 pub const MAX_LOGIT_BIAS: f32 = 100.0;
 
-/// Bitmap rows per sequence of a step (the seen-id and allowed-token
-/// bitmaps' buffer): row `k` is sequence `k`'s seen ids (the repetition
-/// penalty), row `sequences + k` its allowed tokens (structured output).
+/// Bitmap rows per drawing slot of a step (the seen-id and allowed-token
+/// bitmaps' buffer). A step has a slot per segment, and a verify segment
+/// (speculative decoding) one per row, since each of its rows draws: row
+/// `k` is slot `k`'s seen ids (the repetition penalty), row `slots + k`
+/// its allowed tokens (structured output).
 pub const BITMAP_ROWS: usize = 2;
 pub mod row {
     /// Temperature (f32 bits, low half) and top-p (f32 bits, high half).

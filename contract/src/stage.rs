@@ -151,7 +151,7 @@ pub mod abi {
     /// The layout version the generated code and the runtime agree on;
     /// the entry traps on any other (a stage linked against another
     /// runtime).
-    pub const STEP_VERSION: i64 = 1;
+    pub const STEP_VERSION: i64 = 2;
 
     /// The fields of [`StepArgs`], in order, each one 8-byte word. On a GPU
     /// stage every array but `rows`, `caps` and the pointer tables is device
@@ -172,7 +172,8 @@ pub mod abi {
         ("logits", Word::Ptr),      // float [S, vocab] (last stage)
         ("out_ids", Word::Ptr),     // int64_t [S]: sampled ids (last stage)
         ("table", Word::Ptr),       // int64_t [S, ROW_WORDS]: the sampling table (last stage; sampling::row)
-        ("seen", Word::Ptr),        // const int32_t [BITMAP_ROWS × sequences, ⌈vocab/32⌉]: seen-id and allowed-token bitmaps
+        ("seen", Word::Ptr),        // const int32_t [bitmap_rows, ⌈vocab/32⌉]: seen-id and allowed-token bitmaps
+        ("bitmap_rows", Word::I64), // BITMAP_ROWS per drawing slot: per segment, or per row of a verify segment
         ("bias", Word::Ptr),        // const float [bias_rows, vocab]: bias rows added to the logits (last stage)
         ("bias_rows", Word::I64),
         ("pos", Word::Ptr),      // const int64_t [S]: the position of each row
@@ -201,6 +202,7 @@ pub mod abi {
         pub out_ids: *mut i64,
         pub table: *mut i64,
         pub seen: *const u32,
+        pub bitmap_rows: i64,
         pub bias: *const f32,
         pub bias_rows: i64,
         pub pos: *const i64,
@@ -236,6 +238,7 @@ mod tests {
             ("out_ids", offset_of!(StepArgs, out_ids)),
             ("table", offset_of!(StepArgs, table)),
             ("seen", offset_of!(StepArgs, seen)),
+            ("bitmap_rows", offset_of!(StepArgs, bitmap_rows)),
             ("bias", offset_of!(StepArgs, bias)),
             ("bias_rows", offset_of!(StepArgs, bias_rows)),
             ("pos", offset_of!(StepArgs, pos)),
@@ -249,7 +252,7 @@ mod tests {
         }
         // The two kinds of word are both 8 bytes on the targets m3c runs on.
         assert_eq!((size_of::<*const u8>(), size_of::<i64>()), (8, 8));
-        assert!(STEP_FIELDS.iter().filter(|(_, w)| *w == Word::I64).count() == 6);
+        assert!(STEP_FIELDS.iter().filter(|(_, w)| *w == Word::I64).count() == 7);
     }
 
     #[test]

@@ -50,6 +50,8 @@ pub struct StageArgs {
     /// Record every stage's timeline; the first stage prints it at the end
     /// (`m3c-trace` lines).
     pub trace: bool,
+    /// Speculative decoding by prompt lookup (`--speculative ngram:K:MIN:MAX`).
+    pub speculative: Option<crate::speculative::Ngram>,
 }
 
 /// Where a stage's weights come from: a checkpoint or a seed, never both.
@@ -180,6 +182,7 @@ impl StageArgs {
             logprobs: None,
             grammar: None,
             trace: false,
+            speculative: None,
         }
     }
 
@@ -218,6 +221,7 @@ impl StageArgs {
             ("--prefix-caching", Some(if self.kv.prefix_caching { "on" } else { "off" }.to_string())),
             ("--prefill-gemm", Some(if self.gpu.prefill_gemm_vendor { "vendor" } else { "off" }.to_string())),
             ("--eos-ids", (!self.eos_ids.is_empty()).then(|| ids(&self.eos_ids))),
+            ("--speculative", self.speculative.map(|n| n.encode())),
         ] {
             if let Some(v) = value {
                 flag(name, v);
@@ -268,7 +272,7 @@ pub fn parse_fraction(v: &str) -> Result<f64, String> {
 
 pub const USAGE: &str = "usage: stage-K (--model DIR | --synthetic-weights SEED) ((--prompt-ids 1,2,3 [--prompt-ids ...] | --prompts FILE | --stdin-prompts N) \
 --max-new-tokens N | --serve) [--micro-batch SEQS] [--kv-blocks N | --kv-fraction F] [--prefill-chunk TOKENS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S] [--graphs on|off] [--prefix-caching on|off] [--prefill-gemm vendor|off] [--stream-ids] \
-[--temperature T] [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S] [--eos-ids 1,2] [--stop HEX ...] [--seq-sampling SEQ:temperature=T,... ...] [--images FILE.safetensors]";
+[--temperature T] [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S] [--eos-ids 1,2] [--stop HEX ...] [--seq-sampling SEQ:temperature=T,... ...] [--images FILE.safetensors] [--speculative ngram:K:MIN:MAX]";
 
 use crate::prompts::{parse_count, parse_ids, parse_prompts_file, parse_timeout_s};
 use crate::sampling::SamplingParams;
@@ -390,6 +394,7 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
                 a.grammar = Some(String::from_utf8(bytes).map_err(|_| "--grammar: not UTF-8 text".to_string())?);
             }
             "--seq-sampling" => seq_sampling_text.push(value("--seq-sampling")?),
+            "--speculative" => a.speculative = Some(crate::speculative::Ngram::parse(&value("--speculative")?)?),
             other => {
                 // A sampling field, by its own name (`--top-k K`).
                 let field = other.strip_prefix("--").map(|f| f.replace('-', "_")).unwrap_or_default();
@@ -461,6 +466,7 @@ mod tests {
         a.micro_batch = Some(2);
         a.kv = KvPool { size: PoolSize::Blocks(40), prefix_caching: false };
         a.prefill_chunk = Some(7);
+        a.speculative = Some(crate::speculative::Ngram { tokens: 3, min: 2, max: 4 });
         a.timeout_s = 2.5;
         a.gpu = GpuModes { graphs: false, prefill_gemm_vendor: true };
         a.stream_ids = true;

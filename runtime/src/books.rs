@@ -8,7 +8,7 @@ use crate::error::StageError;
 use crate::stage::{self, Segment};
 use m3c_constrain::thinking::Budget;
 use m3c_constrain::Constraint;
-pub(crate) use m3c_contract::drawn::Drawn;
+pub(crate) use m3c_contract::drawn::{Drawn, Token};
 use m3c_contract::protocol::TokenLogprobs;
 use m3c_contract::sampling::SamplingParams;
 use std::collections::{BTreeMap, HashMap};
@@ -180,206 +180,377 @@ impl LastBooks {
         }
     }
 
-    /// The sampling inputs of a step: one table row per row of the step
-    /// (the last row of each segment that gives a token draws, keyed by the
+    /// The sampling inputs of a step: one table row per row of the step.
+    /// The last row of each segment that gives a token draws, keyed by the
     /// sequence's own step, so the draw is the same whatever the split, the
-    /// batch or the chunking), and a seen-id bitmap per segment for those
-    /// with a repetition penalty, and a bias row for each drawing segment
-    /// whose sequence has a logit bias or presence/frequency penalties.
-    pub fn sample_in(&mut self, segs: &[Segment], vocab: usize) -> Result<stage::SampleIn, StageError> {
-        use m3c_contract::sampling::{row, row_words, seen_bitmap, seen_words, ROW_WORDS};
+    /// batch or the chunking. A verify segment (`drafts[k]` not empty: its
+    /// rows after the first hold draft ids) draws at every row, row j as
+    /// plain decoding would draw that position had the drafts before it
+    /// been drawn: step `generated + j`, and the seen ids, grammar mask,
+    /// reasoning budget, `min_tokens` and bias of that history. Each
+    /// drawing slot (a segment, or a verify segment's row) has a seen-id
+    /// bitmap when its sequence has a repetition penalty, an allowed-token
+    /// bitmap when something masks its draw, and a bias row when its
+    /// sequence has a logit bias or presence/frequency penalties.
+    pub fn sample_in(&mut self, segs: &[Segment], drafts: &[Vec<i64>], vocab: usize) -> Result<stage::SampleIn, StageError> {
+        use m3c_contract::sampling::{row, row_words, seen_words, BITMAP_ROWS, ROW_WORDS};
         let words = seen_words(vocab);
         let tokens: usize = segs.iter().map(|s| s.rows).sum();
+        let draft_of = |k: usize| drafts.get(k).map_or(&[][..], Vec::as_slice);
+        let slots: usize = segs.iter().enumerate().map(|(k, s)| if draft_of(k).is_empty() { 1 } else { s.rows }).sum();
+        let mut inp = SlotInputs { words, vocab, slots, seen: vec![0u32; BITMAP_ROWS * slots * words], bias: Vec::new(), penalised: false };
         let mut table = Vec::with_capacity(tokens * ROW_WORDS);
-        // Row k: segment k's seen ids; row segs + k: its allowed tokens.
-        let mut seen = vec![0u32; m3c_contract::sampling::BITMAP_ROWS * segs.len() * words];
-        let (mut penalised, mut want_logits) = (false, self.want_logits);
-        let mut bias: Vec<f32> = Vec::new();
+        let mut want_logits = self.want_logits;
+        let mut slot0 = 0;
         for (k, s) in segs.iter().enumerate() {
-            let masks = &mut self.masks;
+            let draft = draft_of(k);
+            let vocabulary = self.grammars.built.as_ref().and_then(|v| v.as_ref().ok());
             let b =
                 self.live.get_mut(&s.seq).ok_or_else(|| StageError::Step(format!("a step for sequence {}, which is not live", s.seq)))?;
-            let (r, p) = (&b.record, &b.sampling);
-            let draws = gives_token(r, s);
-            // Logprobs come from the logits of the row that draws; prompt
+            let draws = gives_token(&b.record, s, draft.len());
+            if !draft.is_empty() && (!draws || draft.len() + 1 != s.rows || self.want_logits) {
+                return Err(StageError::Step(format!("runtime bug: sequence {}'s verify step is not at its next draw", s.seq)));
+            }
+            // Logprobs come from the logits of the rows that draw; prompt
             // logprobs from every prompt row.
             want_logits |= draws && b.logprobs.is_some();
-            want_logits |= b.prompt_logprobs.is_some() && unreported_prompt_rows(r, s, b.prompt_next);
-            if draws && p.repetition_penalty != 1.0 {
-                penalised = true;
-                let bits = seen_bitmap(r.prompt.iter().chain(&r.generated).map(|&i| i as u32), vocab);
-                seen[k * words..(k + 1) * words].copy_from_slice(&bits);
+            want_logits |= b.prompt_logprobs.is_some() && unreported_prompt_rows(&b.record, s, b.prompt_next);
+            let drawing = if draws { b.draw_rows(&mut inp, slot0, draft, vocabulary, &mut self.masks) } else { Vec::new() };
+            let generated = b.record.generated.len();
+            for j in 0..s.rows {
+                // The slot's row: a plain segment's last row, or each row of a verify segment.
+                let d = if draft.is_empty() { (j + 1 == s.rows).then(|| drawing.first()).flatten() } else { drawing.get(j) };
+                let step = (generated + if draft.is_empty() { 0 } else { j }) as u64;
+                let slot = slot0 + if draft.is_empty() { 0 } else { j };
+                let mut w = row_words(&b.sampling, 0, step, d.is_some(), slot);
+                if let Some(d) = d {
+                    if d.mask {
+                        w[row::TOKEN_MASK] = (slots + slot) as i64 + 1;
+                    }
+                    // 1 + the row: the count after it was pushed.
+                    if let Some(n) = d.bias_row {
+                        w[row::BIAS_ROW] = n as i64;
+                    }
+                }
+                table.extend_from_slice(&w);
             }
-            // A started grammar's allowed tokens.
-            let mask_row = segs.len() + k;
+            slot0 += if draft.is_empty() { 1 } else { s.rows };
+        }
+        Ok(stage::SampleIn { table, seen: inp.seen, penalised: inp.penalised, want_logits, bias: inp.bias })
+    }
+
+    /// The last stage's part of a step: checks the logits, records them
+    /// (when wanted) and returns each segment's tokens: one where it draws,
+    /// and for a verify segment its draws while they equal the drafts, then
+    /// the first that does not (or the last row's). Non-finite logits (NaN
+    /// or Inf in the weights, or an overflow) end the run with the sequence
+    /// and position, or (serving) only that sequence, whose last token is
+    /// then -1.
+    pub fn finish(
+        &mut self,
+        segs: &[Segment],
+        drafts: &[Vec<i64>],
+        out: &stage::StepOut,
+        vocab: usize,
+        stage: usize,
+    ) -> Result<Vec<Drawn>, StageError> {
+        let mut row0 = 0;
+        let mut drawn = Vec::with_capacity(segs.len());
+        for (k, s) in segs.iter().enumerate() {
+            let draft = drafts.get(k).map_or(&[][..], Vec::as_slice);
+            let d = if draft.is_empty() {
+                self.finish_segment(s, out, row0, vocab, stage)?
+            } else {
+                self.finish_verify(s, draft, out, row0, vocab, stage)?
+            };
+            drawn.push(d);
+            row0 += s.rows;
+        }
+        Ok(drawn)
+    }
+
+    /// Whether row `row` of the step had non-finite logits: an error for a
+    /// run, `true` (the sequence ends) while serving.
+    fn non_finite(&self, out: &stage::StepOut, row: usize, s: &Segment, pos: usize, stage: usize) -> Result<bool, StageError> {
+        use m3c_contract::sampling::{row, ROW_WORDS};
+        let bad = out
+            .table
+            .get(row * ROW_WORDS + row::NON_FINITE)
+            .copied()
+            .ok_or_else(|| StageError::Step("a step returned a short sampling table".into()))?;
+        if bad != 0 && self.on_bad == OnNonFinite::EndRun {
+            return Err(StageError::Step(format!(
+                "stage {stage}: {bad} non-finite logits (NaN or Inf) at step for prompt {}, position {pos}; the weights or activations \
+                 hold NaN or Inf (check the checkpoint with `m3c inspect MODEL --check-values`)",
+                s.seq
+            )));
+        }
+        Ok(bad != 0)
+    }
+
+    /// A segment without drafts: a prefill chunk, or one row that draws.
+    fn finish_segment(&mut self, s: &Segment, out: &stage::StepOut, row0: usize, vocab: usize, stage: usize) -> Result<Drawn, StageError> {
+        for j in 0..s.rows {
+            if self.non_finite(out, row0 + j, s, s.pos0 + j, stage)? {
+                return Ok(Drawn::failed());
+            }
+        }
+        let id = sampled(out, row0 + s.rows - 1, vocab, stage)?;
+        let want_logits = self.want_logits;
+        let vocabulary = self.grammars.built.as_ref().and_then(|v| v.as_ref().ok());
+        let b = self.live.get_mut(&s.seq).ok_or_else(|| StageError::Step(format!("a step for sequence {}, which is not live", s.seq)))?;
+        let gives = gives_token(&b.record, s, 0);
+        let draws = gives && b.record.generated.len() < b.max_new;
+        if let (true, Some(why)) = (draws, &b.failed) {
+            eprintln!("m3c stage: sequence {}: its grammar or reasoning budget could not be applied ({why}); it ends", s.seq);
+            return Ok(Drawn::failed());
+        }
+        let token = if draws { Some(b.take(id, out, row0 + s.rows - 1, vocab, vocabulary)?) } else { None };
+        // Row j predicts prompt token pos0 + j + 1, while there is one
+        // not reported yet.
+        let mut prompt = Vec::new();
+        let r = &mut b.record;
+        let unreported = unreported_prompt_rows(r, s, b.prompt_next);
+        if let (Some(k), Some(rows), true) = (b.prompt_logprobs, out.logits.get(row0 * vocab..(row0 + s.rows) * vocab), unreported) {
+            for (j, row) in rows.chunks_exact(vocab.max(1)).enumerate() {
+                let p = s.pos0 + j + 1;
+                if let (Some(&tok), true) = (r.prompt.get(p), p >= b.prompt_next) {
+                    prompt.push((tok as u32, TokenLogprobs::of(row, tok as u32, k as usize)));
+                    b.prompt_next = p + 1;
+                }
+            }
+        } else if b.prompt_logprobs.is_some() && unreported {
+            return Err(StageError::Step("runtime bug: prompt logprobs wanted, but the step returned no logits".into()));
+        }
+        if let Some(rows) = out.logits.get(row0 * vocab..(row0 + s.rows) * vocab).filter(|_| want_logits) {
+            if s.pos0 < r.prompt.len() {
+                // A prefill chunk (a sequence's chunks arrive in order;
+                // rows recomputed after a preemption are not recorded twice).
+                if r.prefill_logits.len() == s.pos0 * vocab {
+                    r.prefill_logits.extend_from_slice(rows);
+                }
+            } else if gives {
+                r.decode_logits.extend_from_slice(&rows[(s.rows - 1) * vocab..]);
+            }
+        }
+        Ok(Drawn { tokens: token.into_iter().collect(), prompt })
+    }
+
+    /// A verify segment: row j drew the token after draft j - 1; its draws
+    /// are kept while each equals the draft the next row was fed, and the
+    /// first that differs (or the last row's) ends the list. Acceptance
+    /// also stops after an id that ends sequences (EOS, a stop id), so the
+    /// books never run past what plain decoding would have drawn.
+    fn finish_verify(
+        &mut self,
+        s: &Segment,
+        draft: &[i64],
+        out: &stage::StepOut,
+        row0: usize,
+        vocab: usize,
+        stage: usize,
+    ) -> Result<Drawn, StageError> {
+        use m3c_contract::sampling::{row, ROW_WORDS};
+        let mut tokens = Vec::with_capacity(draft.len() + 1);
+        for j in 0..=draft.len() {
+            // A row left out of the draws (after a draft the grammar refuses).
+            let flags = out.table.get((row0 + j) * ROW_WORDS + row::FLAGS).copied().unwrap_or(0);
+            if flags & row::SAMPLE == 0 {
+                break;
+            }
+            if self.non_finite(out, row0 + j, s, s.pos0 + j, stage)? {
+                tokens.push(Token { id: -1, logprobs: None });
+                break;
+            }
+            let id = sampled(out, row0 + j, vocab, stage)?;
+            let vocabulary = self.grammars.built.as_ref().and_then(|v| v.as_ref().ok());
+            let b =
+                self.live.get_mut(&s.seq).ok_or_else(|| StageError::Step(format!("a step for sequence {}, which is not live", s.seq)))?;
+            if b.record.generated.len() >= b.max_new {
+                break;
+            }
+            if let Some(why) = &b.failed {
+                eprintln!("m3c stage: sequence {}: its grammar or reasoning budget could not be applied ({why}); it ends", s.seq);
+                tokens.push(Token { id: -1, logprobs: None });
+                break;
+            }
+            tokens.push(b.take(id, out, row0 + j, vocab, vocabulary)?);
+            if j == draft.len() || id != draft[j] || b.held.contains(&id) {
+                break;
+            }
+        }
+        Ok(Drawn { tokens, prompt: Vec::new() })
+    }
+}
+
+/// The bitmaps and bias rows of a step's drawing slots, as they are filled.
+struct SlotInputs {
+    words: usize,
+    vocab: usize,
+    slots: usize,
+    /// `[BITMAP_ROWS × slots, words]`: seen ids, then allowed tokens.
+    seen: Vec<u32>,
+    bias: Vec<f32>,
+    /// Some row reads its bitmaps.
+    penalised: bool,
+}
+
+/// What one drawing row's table row points at.
+struct RowDraw {
+    mask: bool,
+    bias_row: Option<usize>,
+}
+
+impl SeqBook {
+    /// The sampling inputs of a sequence's drawing rows: one row at
+    /// `slot0`, or, verifying `draft`, a row per draft token and one more,
+    /// row j with the state after the first j drafts. Its grammar, budget
+    /// and bias are advanced through the drafts on copies (the grammar
+    /// rolls back), so the books stay where the sequence's output is. Rows
+    /// after a draft the grammar refuses never draw (the row before cannot
+    /// draw that draft), and are left out.
+    fn draw_rows(
+        &mut self,
+        inp: &mut SlotInputs,
+        slot0: usize,
+        draft: &[i64],
+        vocabulary: Option<&m3c_constrain::Vocabulary>,
+        masks: &mut (usize, f64),
+    ) -> Vec<RowDraw> {
+        let (words, vocab) = (inp.words, inp.vocab);
+        let mut budget = self.budget.clone();
+        let mut bias = self.bias.clone();
+        let mut history: Vec<u32> = self.record.prompt.iter().chain(&self.record.generated).map(|&i| i as u32).collect();
+        let mut advanced = 0;
+        let mut rows = Vec::with_capacity(draft.len() + 1);
+        for j in 0..=draft.len() {
+            if j > 0 {
+                // Nothing is drawn after an id that ends the sequence.
+                if self.held.contains(&draft[j - 1]) {
+                    break;
+                }
+                let t = draft[j - 1] as u32;
+                if let Some(g) = self.grammar.as_mut().filter(|_| self.failed.is_none()) {
+                    if !g.try_consume(t).unwrap_or(false) {
+                        break;
+                    }
+                    advanced += 1;
+                }
+                if let (Some(bu), Some(v)) = (budget.as_mut(), vocabulary) {
+                    bu.consume(v, t);
+                }
+                if let Some(adj) = bias.as_mut() {
+                    adj.generated(t);
+                }
+                history.push(t);
+            }
+            let slot = slot0 + j;
+            if self.sampling.repetition_penalty != 1.0 {
+                inp.penalised = true;
+                let bits = m3c_contract::sampling::seen_bitmap(history.iter().copied(), vocab);
+                inp.seen[slot * words..(slot + 1) * words].copy_from_slice(&bits);
+            }
+            let mask_row = inp.slots + slot;
+            let allowed = &mut inp.seen[mask_row * words..(mask_row + 1) * words];
             let mut mask = false;
-            if let (true, Some(g)) = (draws && b.failed.is_none(), b.grammar.as_mut()) {
+            // A started grammar's allowed tokens.
+            if let (None, Some(g)) = (&self.failed, self.grammar.as_mut()) {
                 let t0 = std::time::Instant::now();
                 match g.mask() {
                     Ok(bits) => {
-                        seen[mask_row * words..(mask_row + 1) * words].copy_from_slice(&bits[..words]);
-                        (mask, penalised) = (true, true);
+                        allowed.copy_from_slice(&bits[..words]);
+                        mask = true;
                     }
-                    Err(e) => b.failed = Some(e.to_string()),
+                    // The row cannot draw: its sequence ends at it (a
+                    // verify row after the first ends there too).
+                    Err(e) if j == 0 => self.failed = Some(e.to_string()),
+                    Err(_) => break,
                 }
                 masks.0 += 1;
                 masks.1 += t0.elapsed().as_secs_f64();
             }
             // A spent reasoning budget: the next token closes the reasoning
             // (a grammar allows it wherever the reasoning is open).
-            if let (true, Some(close)) = (draws && b.failed.is_none(), b.budget.as_ref().and_then(Budget::forced)) {
-                let row = &mut seen[mask_row * words..(mask_row + 1) * words];
-                let allowed = !mask || row[close as usize / 32] >> (close % 32) & 1 == 1;
-                if allowed && (close as usize) < vocab {
-                    row.fill(0);
-                    row[close as usize / 32] = 1 << (close % 32);
-                    (mask, penalised) = (true, true);
+            if let (None, Some(close)) = (&self.failed, budget.as_ref().and_then(Budget::forced)) {
+                let ok = !mask || allowed[close as usize / 32] >> (close % 32) & 1 == 1;
+                if ok && (close as usize) < vocab {
+                    allowed.fill(0);
+                    allowed[close as usize / 32] = 1 << (close % 32);
+                    mask = true;
                 }
             }
             // `min_tokens`: EOS and the stop ids are held back until then
             // (from the grammar's allowed tokens, or from every token).
-            if draws && b.record.generated.len() < b.min_tokens && !b.held.is_empty() {
-                let row = &mut seen[mask_row * words..(mask_row + 1) * words];
+            if self.record.generated.len() + j < self.min_tokens && !self.held.is_empty() {
                 if !mask {
-                    row.copy_from_slice(&m3c_contract::sampling::seen_bitmap(0..vocab as u32, vocab));
+                    allowed.copy_from_slice(&m3c_contract::sampling::seen_bitmap(0..vocab as u32, vocab));
                     mask = true;
-                    penalised = true;
                 }
-                for &h in b.held.iter().filter(|&&h| h >= 0 && (h as usize) < vocab) {
-                    row[h as usize / 32] &= !(1 << (h % 32));
+                for &h in self.held.iter().filter(|&&h| h >= 0 && (h as usize) < vocab) {
+                    allowed[h as usize / 32] &= !(1 << (h % 32));
                 }
             }
-            let bias_row = match (draws, &b.bias) {
-                (true, Some(adj)) => {
-                    bias.extend_from_slice(adj.row());
-                    Some(bias.len() / vocab.max(1))
-                }
-                _ => None,
-            };
-            let r = &b.record;
-            for j in 0..s.rows {
-                let mut w = row_words(&b.sampling, 0, r.generated.len() as u64, draws && j + 1 == s.rows, k);
-                if j + 1 == s.rows {
-                    if mask {
-                        w[row::TOKEN_MASK] = mask_row as i64 + 1;
-                    }
-                    // 1 + the row: the count after it was pushed.
-                    if let Some(n) = bias_row {
-                        w[row::BIAS_ROW] = n as i64;
-                    }
-                }
-                table.extend_from_slice(&w);
+            inp.penalised |= mask;
+            let bias_row = bias.as_ref().map(|adj| {
+                inp.bias.extend_from_slice(adj.row());
+                inp.bias.len() / vocab.max(1)
+            });
+            rows.push(RowDraw { mask, bias_row });
+        }
+        if let (true, Some(g)) = (advanced > 0, self.grammar.as_mut()) {
+            if let Err(e) = g.rollback(advanced) {
+                self.failed = Some(e.to_string());
             }
         }
-        Ok(stage::SampleIn { table, seen, penalised, want_logits, bias })
+        rows
     }
 
-    /// The last stage's part of a step: checks the logits, records them
-    /// (when wanted) and returns one id per segment. Non-finite logits (NaN
-    /// or Inf in the weights, or an overflow) end the run with the sequence
-    /// and position, or (serving) only that sequence, whose id is then -1.
-    pub fn finish(&mut self, segs: &[Segment], out: &stage::StepOut, vocab: usize, stage: usize) -> Result<Vec<Drawn>, StageError> {
-        use m3c_contract::sampling::{row, ROW_WORDS};
-        let mut row0 = 0;
-        let mut ids = Vec::with_capacity(segs.len());
-        'segments: for s in segs {
-            for j in 0..s.rows {
-                let bad = out
-                    .table
-                    .get((row0 + j) * ROW_WORDS + row::NON_FINITE)
-                    .copied()
-                    .ok_or_else(|| StageError::Step("a step returned a short sampling table".into()))?;
-                if bad != 0 && self.on_bad == OnNonFinite::EndSequence {
-                    ids.push(Drawn { id: -1, logprobs: None, prompt: Vec::new() });
-                    row0 += s.rows;
-                    continue 'segments;
-                }
-                if bad != 0 {
-                    return Err(StageError::Step(format!(
-                        "stage {stage}: {bad} non-finite logits (NaN or Inf) at step for prompt {}, position {}; the weights or activations \
-                         hold NaN or Inf (check the checkpoint with `m3c inspect MODEL --check-values`)",
-                        s.seq,
-                        s.pos0 + j
-                    )));
-                }
+    /// The sequence drew `id` at row `row` of the step: its grammar, budget,
+    /// record and bias follow, and its logprobs are read from the row.
+    fn take(
+        &mut self,
+        id: i64,
+        out: &stage::StepOut,
+        row: usize,
+        vocab: usize,
+        vocabulary: Option<&m3c_constrain::Vocabulary>,
+    ) -> Result<Token, StageError> {
+        if let Some(g) = self.grammar.as_mut() {
+            if let Err(e) = g.consume(id as u32) {
+                self.failed = Some(e.to_string());
             }
-            let id =
-                out.ids.get(row0 + s.rows - 1).copied().ok_or_else(|| StageError::Step("a step returned fewer ids than rows".into()))?;
-            if id < 0 || id as usize >= vocab {
-                return Err(StageError::Step(format!("stage {stage}: the sampler chose id {id}, outside the vocabulary (0..{vocab})")));
-            }
-            let want_logits = self.want_logits;
-            let vocabulary = self.grammars.built.as_ref().and_then(|v| v.as_ref().ok());
-            let b =
-                self.live.get_mut(&s.seq).ok_or_else(|| StageError::Step(format!("a step for sequence {}, which is not live", s.seq)))?;
-            let r = &mut b.record;
-            let draws = gives_token(r, s) && r.generated.len() < b.max_new;
-            if let (true, Some(why)) = (draws, &b.failed) {
-                eprintln!("m3c stage: sequence {}: its grammar or reasoning budget could not be applied ({why}); it ends", s.seq);
-                ids.push(Drawn { id: -1, logprobs: None, prompt: Vec::new() });
-                row0 += s.rows;
-                continue 'segments;
-            }
-            if let (true, Some(g)) = (draws, b.grammar.as_mut()) {
-                if let Err(e) = g.consume(id as u32) {
-                    b.failed = Some(e.to_string());
-                }
-            }
-            if let (true, Some(budget), Some(v)) = (draws, b.budget.as_mut(), vocabulary) {
-                budget.consume(v, id as u32);
-            }
-            let logprobs = match (b.logprobs, out.logits.get((row0 + s.rows - 1) * vocab..(row0 + s.rows) * vocab)) {
-                (Some(k), Some(row)) if draws => Some(TokenLogprobs::of(row, id as u32, k as usize)),
-                (Some(_), None) if draws => {
-                    return Err(StageError::Step("runtime bug: logprobs wanted, but the step returned no logits".into()))
-                }
-                _ => None,
-            };
-            // Row j predicts prompt token pos0 + j + 1, while there is one
-            // not reported yet.
-            let mut prompt = Vec::new();
-            let unreported = unreported_prompt_rows(r, s, b.prompt_next);
-            if let (Some(k), Some(rows), true) = (b.prompt_logprobs, out.logits.get(row0 * vocab..(row0 + s.rows) * vocab), unreported) {
-                for (j, row) in rows.chunks_exact(vocab.max(1)).enumerate() {
-                    let p = s.pos0 + j + 1;
-                    if let (Some(&tok), true) = (r.prompt.get(p), p >= b.prompt_next) {
-                        prompt.push((tok as u32, TokenLogprobs::of(row, tok as u32, k as usize)));
-                        b.prompt_next = p + 1;
-                    }
-                }
-            } else if b.prompt_logprobs.is_some() && unreported {
-                return Err(StageError::Step("runtime bug: prompt logprobs wanted, but the step returned no logits".into()));
-            }
-            if let Some(rows) = out.logits.get(row0 * vocab..(row0 + s.rows) * vocab).filter(|_| want_logits) {
-                if s.pos0 < r.prompt.len() {
-                    // A prefill chunk (a sequence's chunks arrive in order;
-                    // rows recomputed after a preemption are not recorded twice).
-                    if r.prefill_logits.len() == s.pos0 * vocab {
-                        r.prefill_logits.extend_from_slice(rows);
-                    }
-                } else if gives_token(r, s) {
-                    r.decode_logits.extend_from_slice(&rows[(s.rows - 1) * vocab..]);
-                }
-            }
-            // Only the prompt's last row and decode rows give tokens.
-            if draws {
-                r.generated.push(id);
-                if let Some(adj) = b.bias.as_mut() {
-                    adj.generated(id as u32);
-                }
-            }
-            ids.push(Drawn { id, logprobs, prompt });
-            row0 += s.rows;
         }
-        Ok(ids)
+        if let (Some(budget), Some(v)) = (self.budget.as_mut(), vocabulary) {
+            budget.consume(v, id as u32);
+        }
+        let logprobs = match (self.logprobs, out.logits.get(row * vocab..(row + 1) * vocab)) {
+            (Some(k), Some(logits)) => Some(TokenLogprobs::of(logits, id as u32, k as usize)),
+            (Some(_), None) => return Err(StageError::Step("runtime bug: logprobs wanted, but the step returned no logits".into())),
+            _ => None,
+        };
+        self.record.generated.push(id);
+        if let Some(adj) = self.bias.as_mut() {
+            adj.generated(id as u32);
+        }
+        Ok(Token { id, logprobs })
     }
 }
 
-/// Whether a sequence's step ends at its next draw: the row of its
-/// prompt's last token, or of the last token it generated. (Steps before
-/// that are prefill chunks, or a preempted sequence recomputing its rows.)
-fn gives_token(r: &SeqRecord, s: &Segment) -> bool {
-    s.pos0 + s.rows == r.prompt.len() + r.generated.len()
+/// The id the sampler drew at `row`, checked against the vocabulary.
+fn sampled(out: &stage::StepOut, row: usize, vocab: usize, stage: usize) -> Result<i64, StageError> {
+    let id = out.ids.get(row).copied().ok_or_else(|| StageError::Step("a step returned fewer ids than rows".into()))?;
+    if id < 0 || id as usize >= vocab {
+        return Err(StageError::Step(format!("stage {stage}: the sampler chose id {id}, outside the vocabulary (0..{vocab})")));
+    }
+    Ok(id)
+}
+
+/// Whether a sequence's step reaches its next draw: the row of its
+/// prompt's last token, or of the last token it generated, followed by
+/// `drafts` draft rows. (Steps before that are prefill chunks, or a
+/// preempted sequence recomputing its rows.)
+fn gives_token(r: &SeqRecord, s: &Segment, drafts: usize) -> bool {
+    s.pos0 + s.rows == r.prompt.len() + r.generated.len() + drafts
 }
 
 /// Whether a step's rows predict a prompt token whose logprob is still to

@@ -9,7 +9,7 @@ use crate::error::StageError;
 use crate::liveness::Peers;
 use crate::stage::{Segment, Stage};
 use crate::wire::{
-    self, bytes_f32, f32_bytes, message, message_blocks, Outbox, KIND_ADD, KIND_DROP, KIND_RESET, KIND_STATS, KIND_STEP, KIND_STOP,
+    self, bytes_f32, f32_bytes, message, message_step, Outbox, KIND_ADD, KIND_DROP, KIND_RESET, KIND_STATS, KIND_STEP, KIND_STOP,
     KIND_TRACE, TAG_ACT, TAG_IDS,
 };
 use m3c_contract::protocol::{Command, SeqRequest};
@@ -60,7 +60,7 @@ pub(crate) fn follow(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Sta
         let m = wire::recv(world, peers, rank - 1, TAG_ACT)?;
         let pass_on = |outbox: &mut Outbox, kind, payload: &[u8]| {
             if !last {
-                outbox.send(world, rank + 1, TAG_ACT, message_blocks(kind, &m.segments, &m.blocks, payload));
+                outbox.send(world, rank + 1, TAG_ACT, message_step(kind, &m.segments, &m.blocks, &m.drafts, payload));
             }
         };
         match m.kind {
@@ -126,15 +126,15 @@ fn step(world: &SimpleCommunicator, st: &mut Stage, books: &mut LastBooks, outbo
     let mut x = if st.uses_collectives() { vec![0f32; tokens * st.meta.x_words()] } else { bytes_f32(payload) };
     if !last && st.uses_collectives() {
         // The step's NCCL send waits for the receiver, who needs the header first.
-        outbox.send(world, rank + 1, TAG_ACT, message_blocks(KIND_STEP, segs, &m.blocks, &[]));
+        outbox.send(world, rank + 1, TAG_ACT, message_step(KIND_STEP, segs, &m.blocks, &m.drafts, &[]));
     }
-    let sample = if last { Some(books.sample_in(segs, st.meta.vocab)?) } else { None };
-    let out = st.step(segs, &[], &mut x, sample)?;
+    let sample = if last { Some(books.sample_in(segs, &m.drafts, st.meta.vocab)?) } else { None };
+    let out = st.step(segs, &[], &mut x, sample, !m.drafts.is_empty())?;
     if last {
-        let got = books.finish(segs, &out, st.meta.vocab, rank)?;
+        let got = books.finish(segs, &m.drafts, &out, st.meta.vocab, rank)?;
         outbox.send(world, 0, TAG_IDS, message(KIND_STEP, segs, &crate::books::Drawn::encode(&got)));
     } else if !st.uses_collectives() {
-        outbox.send(world, rank + 1, TAG_ACT, message_blocks(KIND_STEP, segs, &m.blocks, &f32_bytes(&x)));
+        outbox.send(world, rank + 1, TAG_ACT, message_step(KIND_STEP, segs, &m.blocks, &m.drafts, &f32_bytes(&x)));
     }
     Ok(())
 }

@@ -59,6 +59,8 @@ pub fn run(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Stage, args: 
             eos: args.eos_ids.clone(),
             score_last: want_logits,
             prefix_caching: args.kv.prefix_caching,
+            // A dump records one row per step: it is taken without speculation.
+            speculative: args.speculative.filter(|_| !want_logits),
         };
         let per_batch = batching.per_batch;
         Leader::new(st, batching, args.weights.checkpoint().cloned()).run(world, peers, st, &mut books, &mut feed)?;
@@ -80,8 +82,6 @@ struct RunFeed<'a> {
     prompt_tokens: usize,
     /// Each prompt's tokens' logprobs, for those that asked (`None`: not asked).
     logprobs: Vec<Option<Vec<(u32, m3c_contract::protocol::TokenLogprobs)>>>,
-    /// Tokens the prompts may generate, in all.
-    max_new: usize,
     start: Instant,
     /// When each prompt's prefill was done (its first event).
     prefilled: Vec<Option<Duration>>,
@@ -89,6 +89,8 @@ struct RunFeed<'a> {
     /// preemptions.
     prefix: (usize, usize),
     preempted: usize,
+    /// Speculative decoding: verify steps, draft tokens, accepted drafts.
+    spec: (usize, usize, usize),
 }
 
 impl<'a> RunFeed<'a> {
@@ -105,7 +107,6 @@ impl<'a> RunFeed<'a> {
             args,
             prompt_tokens: requests.iter().map(|r| r.prompt.len()).sum(),
             logprobs: requests.iter().map(|r| r.logprobs.map(|_| Vec::new())).collect(),
-            max_new: requests.iter().map(|r| r.max_new).sum(),
             requests,
             images,
             generated: vec![Vec::new(); n],
@@ -113,6 +114,7 @@ impl<'a> RunFeed<'a> {
             prefilled: vec![None; n],
             prefix: (0, 0),
             preempted: 0,
+            spec: (0, 0, 0),
         })
     }
 
@@ -128,15 +130,24 @@ impl<'a> RunFeed<'a> {
         }
         let prefill_end = self.prefilled.iter().flatten().max().copied().unwrap_or_default();
         let prompt_tokens = self.prompt_tokens;
-        let decode_steps = self.max_new;
+        let decode_tokens: usize = self.generated.iter().map(Vec::len).sum();
         let dt = (total - prefill_end).as_secs_f64();
         say!(
-            "m3c timing: prefill {prompt_tokens} tokens in {:.1} ms ({:.1} tok/s); decode {decode_steps} steps in {:.1} ms ({:.1} tok/s); up to {per_batch} sequence(s) per micro-batch",
+            "m3c timing: prefill {prompt_tokens} tokens in {:.1} ms ({:.1} tok/s); decode {decode_tokens} tokens in {:.1} ms ({:.1} tok/s); up to {per_batch} sequence(s) per micro-batch",
             prefill_end.as_secs_f64() * 1e3,
             prompt_tokens as f64 / prefill_end.as_secs_f64().max(1e-9),
             dt * 1e3,
-            decode_steps as f64 / dt.max(1e-9)
+            decode_tokens as f64 / dt.max(1e-9)
         );
+        let (drafts, drafted, accepted) = self.spec;
+        if drafts > 0 {
+            // vLLM's mean acceptance length: the bonus token counts.
+            say!(
+                "m3c spec: {drafts} verify step(s), {drafted} draft tokens, {accepted} accepted ({:.1}%); mean acceptance length {:.3}",
+                100.0 * accepted as f64 / drafted as f64,
+                1.0 + accepted as f64 / drafts as f64
+            );
+        }
         let (queried, hit) = self.prefix;
         say!("m3c kv: {hit} of {queried} prompt tokens came from the prefix cache; {} preemption(s)", self.preempted);
     }
@@ -163,6 +174,12 @@ impl Feed for RunFeed<'_> {
             }
             Event::Preempted { .. } => {
                 self.preempted += 1;
+                return;
+            }
+            Event::Spec { drafted, accepted, .. } => {
+                self.spec.0 += 1;
+                self.spec.1 += drafted;
+                self.spec.2 += accepted;
                 return;
             }
             _ => {}

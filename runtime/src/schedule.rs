@@ -27,7 +27,7 @@ use crate::kv::{extend_chain, ImageRows, Kv, SeqBlocks};
 use crate::liveness::Peers;
 use crate::stage::{Segment, Stage};
 use crate::wire::{
-    self, f32_bytes, message, message_blocks, Outbox, KIND_DROP, KIND_RESET, KIND_STATS, KIND_STEP, KIND_STOP, KIND_TRACE, TAG_ACT, TAG_IDS,
+    self, f32_bytes, message, message_step, Outbox, KIND_DROP, KIND_RESET, KIND_STATS, KIND_STEP, KIND_STOP, KIND_TRACE, TAG_ACT, TAG_IDS,
 };
 use m3c_contract::blocks::{blocks_for, BlockHash};
 use m3c_contract::images::SeqImages;
@@ -82,6 +82,9 @@ pub(crate) struct Batching {
     pub score_last: bool,
     /// Automatic prefix caching.
     pub prefix_caching: bool,
+    /// Speculative decoding by prompt lookup (never with `score_last`,
+    /// whose records hold one row per step).
+    pub speculative: Option<m3c_contract::speculative::Ngram>,
 }
 
 /// A live sequence.
@@ -118,6 +121,12 @@ struct Live {
     counted: bool,
     /// It asked for prompt logprobs: its first start computes every row.
     prompt_rows: bool,
+    /// The draft ids its step in flight verifies (empty: a plain step).
+    drafts: Vec<i64>,
+    /// Speculation backs off while drafts miss: decode steps to take
+    /// without a draft, and verify steps in a row that accepted nothing.
+    spec_skip: usize,
+    spec_misses: u32,
 }
 
 impl Live {
@@ -428,6 +437,9 @@ impl Leader {
                 started: 0,
                 counted: false,
                 prompt_rows: a.prompt_logprobs.is_some(),
+                drafts: Vec::new(),
+                spec_skip: 0,
+                spec_misses: 0,
             },
         );
         self.waiting.push_back(a.seq);
@@ -510,20 +522,36 @@ impl Leader {
         let mut segs = Vec::new();
         let mut ids = Vec::new();
         let mut grown: Vec<Vec<u32>> = Vec::new();
+        let mut drafts: Vec<Vec<i64>> = Vec::new();
         let mut stalled = Vec::new();
         'seqs: while segs.len() < self.batching.per_batch {
             let Some(seq) = self.ready.pop_front() else { break };
             let l = self.live.get(&seq).ok_or_else(|| StageError::Step(format!("runtime bug: sequence {seq} is ready but not live")))?;
-            let (pos0, item) = match l.chunks.front() {
+            let (pos0, mut item) = match l.chunks.front() {
                 Some((p, c)) => (*p, c.clone()),
                 None => (l.prompt_len + l.generated - 1, vec![l.last_id]),
             };
+            // A decode step verifies a draft when one is proposed, at most
+            // the tokens the sequence may still generate less the one the
+            // step draws anyway.
+            let draft = match self.batching.speculative {
+                Some(ngram) if l.chunks.is_empty() && !self.batching.score_last && !l.cancelled && l.spec_skip == 0 => {
+                    ngram.propose(&l.ids, l.max_new.saturating_sub(l.generated + 1))
+                }
+                _ => Vec::new(),
+            };
+            item.extend_from_slice(&draft);
             // The blocks its positions reach; when the pool is out of them,
-            // the newest running sequence not in flight gives its back.
+            // a draft is dropped first, then the newest running sequence
+            // not in flight gives its back.
             loop {
                 let l = self.live.get_mut(&seq).ok_or_else(|| StageError::Step(format!("runtime bug: sequence {seq} vanished")))?;
                 if self.kv.grow(&mut l.kv, pos0 + item.len()) {
                     break;
+                }
+                if item.len() > 1 && l.chunks.is_empty() {
+                    item.truncate(1);
+                    continue;
                 }
                 let victim = self.live.iter().filter(|(_, v)| v.running && !v.busy).max_by_key(|(_, v)| v.started).map(|(&s, _)| s);
                 match victim {
@@ -540,12 +568,17 @@ impl Leader {
                 }
             }
             let l = self.live.get_mut(&seq).ok_or_else(|| StageError::Step(format!("runtime bug: sequence {seq} vanished")))?;
-            l.chunks.pop_front();
+            // A decode item's rows after the first are its draft.
+            l.drafts = if l.chunks.pop_front().is_none() { item[1..].to_vec() } else { Vec::new() };
+            if l.drafts.is_empty() && l.chunks.is_empty() {
+                l.spec_skip = l.spec_skip.saturating_sub(1);
+            }
             l.busy = true;
             let new = Kv::unsent(&mut l.kv);
             st.grow_seq(seq, &new)?;
             segs.push(Segment { seq, pos0, rows: item.len() });
             grown.push(new);
+            drafts.push(l.drafts.clone());
             ids.extend(item);
         }
         for seq in stalled.into_iter().rev() {
@@ -557,21 +590,24 @@ impl Leader {
         if grown.iter().all(Vec::is_empty) {
             grown.clear();
         }
+        if drafts.iter().all(Vec::is_empty) {
+            drafts.clear();
+        }
         let mut x = vec![0f32; ids.len() * st.meta.x_words()];
         if self.stages == 1 {
-            let sample = books.sample_in(&segs, st.meta.vocab)?;
-            let out = st.step(&segs, &ids, &mut x, Some(sample))?;
-            let got = books.finish(&segs, &out, st.meta.vocab, 0)?;
+            let sample = books.sample_in(&segs, &drafts, st.meta.vocab)?;
+            let out = st.step(&segs, &ids, &mut x, Some(sample), !drafts.is_empty())?;
+            let got = books.finish(&segs, &drafts, &out, st.meta.vocab, 0)?;
             self.returned(world, st, books, feed, &segs, &got)?;
             return Ok(true);
         }
         if st.uses_collectives() {
             // The step's NCCL send waits for the receiver, who needs the header first.
-            self.outbox.send(world, 1, TAG_ACT, message_blocks(KIND_STEP, &segs, &grown, &[]));
+            self.outbox.send(world, 1, TAG_ACT, message_step(KIND_STEP, &segs, &grown, &drafts, &[]));
         }
-        st.step(&segs, &ids, &mut x, None)?;
+        st.step(&segs, &ids, &mut x, None, !drafts.is_empty())?;
         if !st.uses_collectives() {
-            self.outbox.send(world, 1, TAG_ACT, message_blocks(KIND_STEP, &segs, &grown, &f32_bytes(&x)));
+            self.outbox.send(world, 1, TAG_ACT, message_step(KIND_STEP, &segs, &grown, &drafts, &f32_bytes(&x)));
         }
         self.in_flight += 1;
         Ok(true)
@@ -595,7 +631,9 @@ impl Leader {
         feed.event(Event::Preempted { seq });
     }
 
-    /// A micro-batch came back with one id per segment.
+    /// A micro-batch came back with each segment's tokens: none for a
+    /// prefill chunk, one for a decode step, the accepted drafts and one
+    /// more for a verify step.
     fn returned(
         &mut self,
         world: &SimpleCommunicator,
@@ -606,51 +644,81 @@ impl Leader {
         drawn: &[Drawn],
     ) -> Result<(), StageError> {
         if drawn.len() != segs.len() {
-            return Err(StageError::Peer("an id message with one id per segment expected".into()));
+            return Err(StageError::Peer("an id message with one entry per segment expected".into()));
         }
         for (s, d) in segs.iter().zip(drawn) {
-            let id = d.id;
             // Prompt logprobs: row j predicts prompt token pos0 + j + 1.
             for (j, (tok, lp)) in d.prompt.iter().enumerate() {
                 feed.event(Event::PromptLogprobs { seq: s.seq, pos: s.pos0 + j + 1, id: *tok, lp: lp.clone() });
             }
             let l = self.live.get_mut(&s.seq).ok_or_else(|| StageError::Step(format!("ids for sequence {}, which is not live", s.seq)))?;
             l.busy = false;
-            // Every stage has written these rows: their full blocks can be shared.
-            self.kv.commit(&mut l.kv, &l.chain, s.pos0 + s.rows);
-            let reason = if l.cancelled {
-                Some(EndReason::Cancelled)
-            } else if id < 0 {
-                // Its logits were not finite: it ends, the others go on.
-                Some(EndReason::Error)
-            } else if s.pos0 + s.rows < l.prompt_len + l.generated {
-                // A prefill chunk before the prompt's last (or one that
-                // recomputes a resumed sequence's rows): no token yet.
-                None
-            } else if l.generated >= l.max_new {
-                // Nothing more to generate: this step only scored the last
-                // token (or, with max_new 0, the prompt).
-                Some(EndReason::Length)
-            } else {
+            let drafts = std::mem::take(&mut l.drafts);
+            // The step reached its next draw (else it was a prefill chunk
+            // before the prompt's last, or recomputed a resumed sequence's rows).
+            let draws = s.pos0 + s.rows == l.prompt_len + l.generated + drafts.len();
+            let mut reason = if l.cancelled { Some(EndReason::Cancelled) } else { None };
+            let mut taken = 0;
+            for t in &d.tokens {
+                if reason.is_some() {
+                    break;
+                }
+                if t.id < 0 {
+                    // Its logits were not finite (or its grammar failed): it
+                    // ends, the others go on.
+                    reason = Some(EndReason::Error);
+                    break;
+                }
+                if !draws {
+                    return Err(StageError::Peer(format!("a token for sequence {}'s prefill chunk", s.seq)));
+                }
+                if l.generated >= l.max_new {
+                    break;
+                }
+                let id = t.id;
+                taken += 1;
                 l.generated += 1;
                 l.last_id = id;
                 l.ids.push(id);
-                if self.kv.caching && (l.chain.len() + 1) * self.kv.block <= l.ids.len() {
-                    extend_chain(&mut l.chain, &l.ids, &l.images, self.kv.block);
-                }
-                if let Some(lp) = &d.logprobs {
+                if let Some(lp) = &t.logprobs {
                     feed.event(Event::Logprobs { seq: s.seq, id: id as u32, lp: lp.clone() });
                 }
                 feed.event(Event::Id { seq: s.seq, id: id as u32 });
                 let eos = !l.ignore_eos && self.batching.eos.contains(&id);
                 if eos || l.stop_ids.contains(&id) || stop_string_ends(l, id, self.token_bytes.as_deref()) {
-                    Some(EndReason::Stop)
+                    reason = Some(EndReason::Stop);
                 } else if l.generated >= l.max_new && !self.batching.score_last {
-                    Some(EndReason::Length)
-                } else {
-                    None
+                    reason = Some(EndReason::Length);
                 }
-            };
+            }
+            if draws && reason.is_none() && (taken == 0 || taken > drafts.len() + 1) {
+                // Nothing more to generate: this step only scored the last
+                // token (or, with max_new 0, the prompt).
+                if l.generated >= l.max_new && taken == 0 {
+                    reason = Some(EndReason::Length);
+                } else {
+                    return Err(StageError::Peer(format!("{} tokens for sequence {}'s step of {} drafts", taken, s.seq, drafts.len())));
+                }
+            }
+            if !drafts.is_empty() {
+                let accepted = taken.saturating_sub(1).min(drafts.len());
+                feed.event(Event::Spec { seq: s.seq, drafted: drafts.len(), accepted });
+                // Drafts that keep missing cost rows for nothing: skip 2, 4,
+                // 8, then 16 decode steps before the next try.
+                (l.spec_misses, l.spec_skip) = match accepted {
+                    0 => (l.spec_misses + 1, 1 << (l.spec_misses + 1).min(4)),
+                    _ => (0, 0),
+                };
+            }
+            if self.kv.caching && (l.chain.len() + 1) * self.kv.block <= l.ids.len() {
+                extend_chain(&mut l.chain, &l.ids, &l.images, self.kv.block);
+            }
+            // Every stage has written these rows: their full blocks can be
+            // shared. A verify step's rows hold its fed token and the
+            // accepted drafts; those after hold rejected drafts, which the
+            // sequence's next steps overwrite.
+            let written = if drafts.is_empty() { s.pos0 + s.rows } else { s.pos0 + taken.max(1) };
+            self.kv.commit(&mut l.kv, &l.chain, written);
             match reason {
                 Some(r) => self.end(world, st, books, feed, s.seq, r),
                 None => self.ready.push_back(s.seq),
@@ -659,7 +727,6 @@ impl Leader {
         Ok(())
     }
 
-    /// A sequence leaves: the feed is told, every stage frees its caches.
     /// A sequence leaves: the feed is told, every stage frees its caches.
     fn end(
         &mut self,

@@ -67,6 +67,7 @@ pub(crate) fn batching(args: &RunArgs) -> Batching {
         eos: args.eos_ids.clone(),
         score_last: false,
         prefix_caching: args.kv.prefix_caching,
+        speculative: args.speculative,
     }
 }
 

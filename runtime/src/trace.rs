@@ -120,11 +120,17 @@ fn push_until(start_us: f64, end_us: Option<f64>, what: What) {
 /// A step that began at `start_us`: prefill when a segment starts its
 /// sequence or carries several rows, else decode.
 /// Each segment is (sequence, first position, rows).
-pub fn step(start_us: f64, segments: &[(usize, usize, usize)]) {
+pub fn step(start_us: f64, segments: &[(usize, usize, usize)], verify: bool) {
     if !on() {
         return;
     }
-    let kind = if segments.iter().any(|&(_, pos0, rows)| pos0 == 0 || rows > 1) { "prefill" } else { "decode" };
+    let kind = if verify {
+        "verify"
+    } else if segments.iter().any(|&(_, pos0, rows)| pos0 == 0 || rows > 1) {
+        "prefill"
+    } else {
+        "decode"
+    };
     let micro_batch = with(|s| {
         s.as_mut().map_or(0, |s| {
             s.steps += 1;

@@ -1,6 +1,7 @@
 //! The wire protocol between stages (MPI point-to-point): a step header
 //! (kind, then each sequence's segment, then, when the step gives
-//! sequences new cache blocks, each segment's new block ids) followed by a
+//! sequences new cache blocks, each segment's new block ids, then, when
+//! it verifies draft tokens, each segment's drafts) followed by a
 //! payload, which is the
 //! step's activations (`[S, hidden]` as f32 words, two bf16 to a word under
 //! `--activations bf16`) on the way down the pipeline, or the last stage's
@@ -36,14 +37,17 @@ pub const KIND_RESET: i64 = 6;
 const MAX_SEGMENTS: usize = 1 << 20;
 
 pub fn message(kind: i64, segments: &[Segment], payload: &[u8]) -> Vec<u8> {
-    message_blocks(kind, segments, &[], payload)
+    message_step(kind, segments, &[], &[], payload)
 }
 
-/// A message whose segments take new cache blocks: `blocks` is empty (none
-/// do) or has one list per segment, the pool blocks for its next positions.
-pub fn message_blocks(kind: i64, segments: &[Segment], blocks: &[Vec<u32>], payload: &[u8]) -> Vec<u8> {
-    let ids: usize = blocks.iter().map(Vec::len).sum();
-    let mut m = Vec::with_capacity(24 + 24 * segments.len() + 8 * (blocks.len() + ids) + payload.len());
+/// A step's message. `blocks` is empty (no segment takes new cache
+/// blocks) or has one list per segment, the pool blocks for its next
+/// positions; `drafts` is empty (no segment verifies a draft) or has one
+/// list per segment, the draft ids its rows after the first hold (which
+/// the last stage checks its draws against).
+pub fn message_step(kind: i64, segments: &[Segment], blocks: &[Vec<u32>], drafts: &[Vec<i64>], payload: &[u8]) -> Vec<u8> {
+    let ids: usize = blocks.iter().map(Vec::len).sum::<usize>() + drafts.iter().map(Vec::len).sum::<usize>();
+    let mut m = Vec::with_capacity(32 + 24 * segments.len() + 8 * (blocks.len() + drafts.len() + ids) + payload.len());
     m.extend(kind.to_le_bytes());
     m.extend((segments.len() as i64).to_le_bytes());
     for s in segments {
@@ -58,6 +62,13 @@ pub fn message_blocks(kind: i64, segments: &[Segment], blocks: &[Vec<u32>], payl
             m.extend(i64::from(id).to_le_bytes());
         }
     }
+    m.extend((drafts.len() as i64).to_le_bytes());
+    for d in drafts {
+        m.extend((d.len() as i64).to_le_bytes());
+        for &id in d {
+            m.extend(id.to_le_bytes());
+        }
+    }
     m.extend_from_slice(payload);
     m
 }
@@ -67,6 +78,8 @@ pub struct Msg {
     pub segments: Vec<Segment>,
     /// Empty, or per segment the pool blocks it takes for its next positions.
     pub blocks: Vec<Vec<u32>>,
+    /// Empty, or per segment the draft ids it verifies.
+    pub drafts: Vec<Vec<i64>>,
     pub payload: Vec<u8>,
 }
 
@@ -85,19 +98,28 @@ pub fn parse_msg(m: Vec<u8>) -> Result<Msg, StageError> {
         segments.push(Segment { seq: field(0)?, pos0: field(1)?, rows: field(2)? });
     }
     let mut at = 2 + 3 * n;
-    let lists = usize::try_from(h(at)?).ok().filter(|&k| k == 0 || k == n).ok_or_else(bad)?;
-    at += 1;
-    let mut blocks = Vec::with_capacity(lists);
-    for _ in 0..lists {
-        let len = usize::try_from(h(at)?).ok().filter(|&k| k <= m.len() / 8).ok_or_else(bad)?;
-        let ids = (at + 1..at + 1 + len)
-            .map(|i| h(i).and_then(|v| u32::try_from(v).map_err(|_| bad())))
-            .collect::<Result<Vec<u32>, StageError>>()?;
-        blocks.push(ids);
-        at += 1 + len;
+    // Per-segment lists of ids: none, or one per segment.
+    let lists = |at: &mut usize| -> Result<Vec<Vec<i64>>, StageError> {
+        let count = usize::try_from(h(*at)?).ok().filter(|&k| k == 0 || k == n).ok_or_else(bad)?;
+        *at += 1;
+        let mut out = Vec::with_capacity(count);
+        for _ in 0..count {
+            let len = usize::try_from(h(*at)?).ok().filter(|&k| k <= m.len() / 8).ok_or_else(bad)?;
+            out.push((*at + 1..*at + 1 + len).map(&h).collect::<Result<Vec<i64>, StageError>>()?);
+            *at += 1 + len;
+        }
+        Ok(out)
+    };
+    let blocks = lists(&mut at)?
+        .into_iter()
+        .map(|b| b.into_iter().map(|v| u32::try_from(v).map_err(|_| bad())).collect::<Result<Vec<u32>, StageError>>())
+        .collect::<Result<Vec<_>, _>>()?;
+    let drafts = lists(&mut at)?;
+    if drafts.iter().zip(&segments).any(|(d, s)| d.len() >= s.rows.max(1)) {
+        return Err(bad());
     }
     let payload = m.get(at * 8..).ok_or_else(bad)?.to_vec();
-    Ok(Msg { kind, segments, blocks, payload })
+    Ok(Msg { kind, segments, blocks, drafts, payload })
 }
 
 /// Receives the next message with `tag` from rank `from`. Fails only when

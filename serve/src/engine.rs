@@ -494,6 +494,18 @@ impl Engine {
                 c.prefix_hits += hit as u64;
             }
             StageEvent::Preempted { .. } => self.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).preemptions += 1,
+            StageEvent::Spec { drafted, accepted, .. } => {
+                let mut c = self.metrics.c.lock().unwrap_or_else(|e| e.into_inner());
+                c.spec_drafts += 1;
+                c.spec_draft_tokens += drafted as u64;
+                c.spec_accepted += accepted as u64;
+                if c.spec_accepted_per_pos.len() < drafted {
+                    c.spec_accepted_per_pos.resize(drafted, 0);
+                }
+                for n in &mut c.spec_accepted_per_pos[..accepted] {
+                    *n += 1;
+                }
+            }
             StageEvent::Kv { used, cached, total, running, waiting } => {
                 let mut st = self.state();
                 (st.blocks_used, st.blocks_cached, st.blocks_total) = (used as u64, cached as u64, total as u64);

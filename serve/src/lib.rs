@@ -49,6 +49,8 @@ pub struct Options {
     pub launch: m3c_front::launch::Launch,
     /// Where `POST /debug/trace` writes its timelines (`None`: no tracing).
     pub trace_dir: Option<PathBuf>,
+    /// Speculative decoding by prompt lookup.
+    pub speculative: Option<m3c_contract::speculative::Ngram>,
 }
 
 /// What the OpenAI API itself is asked for, beside the pipeline behind it.
@@ -133,6 +135,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
     stage.timeout_s = o.timeout_s;
     stage.gpu = o.gpu;
     stage.eos_ids = gen.eos_ids.clone();
+    stage.speculative = o.speculative;
     // The stages' KV pools; admission then counts against exactly what the
     // pools hold (0 blocks: the stages size them, by --kv-fraction).
     let kv_block = compiled.manifest.kv_block as u64;

@@ -58,6 +58,12 @@ pub struct Counters {
     pub prefix_queries: u64,
     pub prefix_hits: u64,
     pub preemptions: u64,
+    /// Speculative decoding: verify steps, draft tokens, accepted drafts,
+    /// and accepted drafts by position in their draft.
+    pub spec_drafts: u64,
+    pub spec_draft_tokens: u64,
+    pub spec_accepted: u64,
+    pub spec_accepted_per_pos: Vec<u64>,
 }
 
 #[derive(Default)]
@@ -120,6 +126,14 @@ impl Metrics {
         w.counter("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", c.prefix_queries);
         w.counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", c.prefix_hits);
         w.counter("num_preemptions_total", "Sequences that gave their KV blocks back to let older ones go on.", c.preemptions);
+        // vLLM's names (under m3c:): mean acceptance length = 1 + accepted / drafts.
+        w.counter("spec_decode_num_drafts_total", "Verify steps of speculative decoding (a sequence's draft checked).", c.spec_drafts);
+        w.counter("spec_decode_num_draft_tokens_total", "Draft tokens proposed.", c.spec_draft_tokens);
+        w.counter("spec_decode_num_accepted_tokens_total", "Draft tokens accepted (each equal to the target's own draw).", c.spec_accepted);
+        w.family("spec_decode_num_accepted_tokens_per_pos", "counter", "Draft tokens accepted, by position in their draft.");
+        for (pos, n) in c.spec_accepted_per_pos.iter().enumerate() {
+            let _ = writeln!(w.0, "m3c:spec_decode_num_accepted_tokens_per_pos{{position=\"{pos}\"}} {n}");
+        }
         w.counter("prompt_tokens_total", "Prompt tokens of admitted requests.", c.prompt_tokens);
         w.counter("generation_tokens_total", "Tokens generated.", c.generation_tokens);
         w.counter("requests_success_total", "Requests that finished.", c.requests_ok);

@@ -737,6 +737,7 @@ fn gpu_stage_logits(plan_head: &str, model: &str, act: Storage, gemm: bool, deco
             a[5],
             a[7],
             a[8],
+            m3c_contract::sampling::BITMAP_ROWS as u64,
             0,
             0,
             a[6],
@@ -937,6 +938,7 @@ fn vision_golden(plan_head: &str) {
         g.mem.alloc(s * 8),
         g.mem.put(&samp),
         g.mem.alloc(m3c_contract::sampling::BITMAP_ROWS * m3c_contract::sampling::seen_words(vocab) * 4),
+        m3c_contract::sampling::BITMAP_ROWS as u64,
         0,
         0,
         g.mem.put(&pos),
@@ -1054,6 +1056,7 @@ impl CudaPipeline {
                 a[6],
                 a[8],
                 a[9],
+                (m3c_contract::sampling::BITMAP_ROWS * segs.len()) as u64,
                 0,
                 0,
                 a[7],
@@ -1354,7 +1357,7 @@ fn msa_ties_on_the_gpu_fall_as_on_the_host() {
 /// The step entry's one argument: the contract's `StepArgs` (its version,
 /// then `words` in `abi::STEP_FIELDS` order), written into the
 /// interpreter's memory.
-fn step_args(g: &mut Gpu, words: [u64; 21]) -> [Arg; 1] {
+fn step_args(g: &mut Gpu, words: [u64; 22]) -> [Arg; 1] {
     use m3c_contract::stage::abi::{STEP_FIELDS, STEP_VERSION};
     assert_eq!(words.len() + 1, STEP_FIELDS.len(), "the fields after the version");
     let all: Vec<u64> = std::iter::once(STEP_VERSION as u64).chain(words).collect();

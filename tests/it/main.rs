@@ -19,6 +19,7 @@ mod plan;
 mod rocm;
 mod serve;
 mod shared;
+mod speculative;
 mod text;
 mod tidy;
 mod tiny;

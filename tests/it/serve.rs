@@ -685,6 +685,34 @@ fn a_shared_system_prompt_is_computed_once_and_changes_nothing() {
     }
 }
 
+/// Speculative decoding changes no answer: sixteen streams at once
+/// (greedy, sampled, penalised, stop strings, min_tokens, logprobs) get the
+/// same texts, logprobs and finish reasons from a server without it, one
+/// with n-gram drafts, and one with drafts and a pool small enough to
+/// preempt, with prefix caching on; drafts are proposed and some accepted.
+#[test]
+fn speculative_streams_get_the_answers_of_plain_decoding() {
+    let (out, model) = compiled();
+    let spec = r#"{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}"#;
+    let serve = |extra: &[&str]| Server::start(&out, &model, extra).client(&["spec_streams", "16", "32"]);
+    let plain = serve(&[]);
+    let drafted = serve(&["--speculative-config", spec]);
+    let tight = serve(&["--speculative-config", spec, "--kv-blocks", "90"]);
+    assert_eq!(drafted["answers"], plain["answers"], "speculation changed an answer");
+    assert_eq!(tight["answers"], plain["answers"], "speculation under preemption changed an answer");
+    let m = |v: &Value, k: &str| v["metrics"][k].as_f64().unwrap();
+    assert_eq!(m(&plain, "spec_decode_num_drafts_total"), 0.0);
+    for v in [&drafted, &tight] {
+        assert!(m(v, "spec_decode_num_drafts_total") > 0.0, "{}", v["metrics"]);
+        let (proposed, accepted) = (m(v, "spec_decode_num_draft_tokens_total"), m(v, "spec_decode_num_accepted_tokens_total"));
+        assert!(accepted > 0.0 && accepted < proposed, "some drafts accepted, some not: {}", v["metrics"]);
+    }
+    assert!(m(&tight, "num_preemptions_total") > 0.0, "{}", tight["metrics"]);
+    let finishes: std::collections::BTreeSet<String> =
+        plain["answers"].as_array().unwrap().iter().map(|a| a["finish"].as_str().unwrap_or("").to_string()).collect();
+    assert!(finishes.len() >= 2, "the streams should end in different ways: {finishes:?}");
+}
+
 #[test]
 fn thirty_two_concurrent_streams_each_get_their_solo_result_whenever_they_arrive() {
     let (out, model) = compiled();

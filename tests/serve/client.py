@@ -185,6 +185,46 @@ async def shared_prefix(base, model, n):
     return {"answers": got, "metrics": figures}
 
 
+async def spec_streams(base, model, n, max_tokens):
+    """n streams at once (odd ones arriving while the others decode):
+    greedy, sampled, penalised, with a stop string, min_tokens or a JSON
+    object, each with its logprobs, for comparing a server that speculates
+    with one that does not; then the server's speculation, preemption and
+    prefix-cache counts once every request is done."""
+    shared = "Repeat after me: one two three, one two three, one two three. "
+    a = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=300)
+
+    async def one(i):
+        kw = dict(max_tokens=max_tokens, seed=500 + i, logprobs=2, extra_body={"ignore_eos": True})
+        kw["temperature"] = 0.0 if i % 2 == 0 else 0.6
+        if i % 4 == 1:
+            kw.update(presence_penalty=0.4, frequency_penalty=0.2)
+        if i % 4 == 3:
+            kw["extra_body"] = {"ignore_eos": False, "min_tokens": 6, "repetition_penalty": 1.1}
+        if i % 8 == 6:
+            kw["stop"] = [" t"]
+        if i % 2:
+            await asyncio.sleep(0.002 * i)
+        text, lps, finish = "", [], None
+        stream = await a.completions.create(model=model, prompt=shared + f"Request {i}.", stream=True, **kw)
+        async for chunk in stream:
+            for ch in chunk.choices:
+                text += ch.text
+                if ch.logprobs is not None:
+                    lps += list(zip(ch.logprobs.tokens, ch.logprobs.token_logprobs))
+                finish = ch.finish_reason or finish
+        return {"text": text, "logprobs": lps, "finish": finish}
+
+    got = await asyncio.gather(*[one(i) for i in range(n)])
+    deadline = time.time() + 20
+    while metric(base, "m3c:num_requests_running") != 0:
+        assert time.time() < deadline, "requests still running 20 s after their answers"
+        time.sleep(0.05)
+    names = ["spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total"]
+    names += ["num_preemptions_total", "prefix_cache_hits_total"]
+    return {"answers": got, "metrics": {name: metric(base, f"m3c:{name}") for name in names}}
+
+
 def tools(base, model):
     """A tool-call round trip: tools rendered into the prompt, then the
     assistant's call and the tool's result sent back."""
@@ -1065,6 +1105,7 @@ COMMANDS = {
     "disconnect": lambda base, model, rest: disconnect(base, model),
     "tools": lambda base, model, rest: tools(base, model),
     "shared_prefix": lambda base, model, rest: asyncio.run(shared_prefix(base, model, int(rest[0]))),
+    "spec_streams": lambda base, model, rest: asyncio.run(spec_streams(base, model, int(rest[0]), int(rest[1]))),
     "errors": lambda base, model, rest: errors(base, model),
     "auth": lambda base, model, rest: auth(base, model, rest[0]),
     "busy": lambda base, model, rest: busy(base, model),

@@ -353,12 +353,10 @@ fn entry_body(f: &FusedStage, flavor: Flavor) -> Emitter {
         e.view_as("%logits", "%logits_p", "%S", MemTy::rows(vocab, "f32"));
         e.view_as("%out_ids", "%out_ids_p", "%S", ids_ty);
         e.view_as("%table", "%table_p", "%S", MemTy::rows(m3c_contract::sampling::ROW_WORDS, "i64"));
-        // Two bitmap rows per sequence: its seen ids, then its allowed tokens.
+        // Two bitmap rows per drawing slot (a segment, or each row of a
+        // verify segment): its seen ids, then its allowed tokens.
         let words = m3c_contract::sampling::seen_words(vocab);
-        e.body.push_str(&format!(
-            "%bitmap_rows = arith.constant {} : index\n%seen_rows = arith.muli %nseq, %bitmap_rows : index\n",
-            m3c_contract::sampling::BITMAP_ROWS
-        ));
+        e.body.push_str("%seen_rows = arith.index_cast %bitmap_rows : i64 to index\n");
         e.view_as("%seen", "%seen_p", "%seen_rows", MemTy::rows(words, "i32"));
         e.body.push_str("%nbias = arith.index_cast %bias_rows : i64 to index\n");
         e.view_as("%bias", "%bias_p", "%nbias", MemTy::rows(vocab, "f32"));

@@ -194,6 +194,8 @@ struct Io {
     out: ScratchBuffer,
     table: ScratchBuffer,
     seen: ScratchBuffer,
+    /// Rows `seen` holds (`BITMAP_ROWS` per drawing slot).
+    bitmap_rows: usize,
     bias: ScratchBuffer,
     /// Rows `bias` holds.
     bias_rows: usize,
@@ -209,14 +211,15 @@ struct IoPtrs {
     out: u64,
     table: u64,
     seen: u64,
+    bitmap_rows: usize,
     bias: u64,
     bias_rows: usize,
 }
 
 impl Io {
-    /// Buffers for a step of `tokens` rows over `sequences` sequences, with
-    /// `bias_rows` bias rows (`vocab` 0 unless this is the last stage).
-    fn alloc(tokens: usize, sequences: usize, bias_rows: usize, x_words: usize, vocab: usize) -> Io {
+    /// Buffers for a step of `tokens` rows with `bitmap_rows` bitmap rows
+    /// and `bias_rows` bias rows (`vocab` 0 unless this is the last stage).
+    fn alloc(tokens: usize, bitmap_rows: usize, bias_rows: usize, x_words: usize, vocab: usize) -> Io {
         let a = |n: usize| ScratchBuffer::new(n);
         let last = vocab > 0;
         let words = if last { m3c_contract::sampling::seen_words(vocab) } else { 0 };
@@ -227,7 +230,8 @@ impl Io {
             logits: a(tokens * vocab * 4),
             out: a(tokens * 8),
             table: a(if last { tokens * m3c_contract::sampling::ROW_WORDS * 8 } else { 0 }),
-            seen: a(m3c_contract::sampling::BITMAP_ROWS * sequences * words * 4),
+            seen: a(bitmap_rows * words * 4),
+            bitmap_rows,
             bias: a(bias_rows * vocab * 4),
             bias_rows,
         }
@@ -242,6 +246,7 @@ impl Io {
             out: self.out.ptr(),
             table: self.table.ptr(),
             seen: self.seen.ptr(),
+            bitmap_rows: self.bitmap_rows,
             bias: self.bias.ptr(),
             bias_rows: self.bias_rows,
         }
@@ -375,12 +380,15 @@ impl GpuStep<'_> {
             (graphs.on && nimg == 0 && segments.iter().all(|s| s.rows == 1)).then(|| segments.iter().map(|s| s.seq).collect());
         let img_dev = if nimg > 0 { Some((device.upload(bytes_of(&inp.img))?, device.upload(bytes_of(&inp.img_rows))?)) } else { None };
         let (img_p, img_rows_p) = img_dev.as_ref().map_or((0, 0), |(a, b)| (a.ptr(), b.ptr()));
-        let fresh = || Io::alloc(tokens, segments.len(), inp.bias_rows, m.x_words(), if m.last_stage { m.vocab } else { 0 });
+        let fresh = || Io::alloc(tokens, inp.bitmap_rows, inp.bias_rows, m.x_words(), if m.last_stage { m.vocab } else { 0 });
         let (plan, io, mut fresh_io) = graphs.plan(key, fresh);
         // A graph's micro-batch is a fixed set of sequences, and whether a
         // sequence has a bias row is fixed for its life: the count matches.
-        if io.bias_rows != inp.bias_rows {
-            return Err(StageError::Step(format!("runtime bug: a step with {} bias rows on buffers for {}", inp.bias_rows, io.bias_rows)));
+        if io.bias_rows != inp.bias_rows || (m.last_stage && io.bitmap_rows != inp.bitmap_rows) {
+            return Err(StageError::Step(format!(
+                "runtime bug: a step with {} bias and {} bitmap rows on buffers for {} and {}",
+                inp.bias_rows, inp.bitmap_rows, io.bias_rows, io.bitmap_rows
+            )));
         }
         device.copy_in(io.pos, bytes_of(&inp.pos))?;
         if m.last_stage {
@@ -421,6 +429,7 @@ impl GpuStep<'_> {
                     out_ids: io.out as *mut i64,
                     table: io.table as *mut i64,
                     seen: io.seen as *const u32,
+                    bitmap_rows: io.bitmap_rows as i64,
                     bias: io.bias as *const f32,
                     bias_rows: io.bias_rows as i64,
                     pos: io.pos as *const i64,

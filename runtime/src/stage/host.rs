@@ -165,6 +165,7 @@ fn host_step(
             out_ids: out.ids.as_mut_ptr(),
             table: out.table.as_mut_ptr(),
             seen: inp.seen.as_ptr(),
+            bitmap_rows: inp.bitmap_rows as i64,
             bias: inp.bias.as_ptr(),
             bias_rows: inp.bias_rows as i64,
             pos: inp.pos.as_ptr(),

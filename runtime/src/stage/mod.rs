@@ -451,11 +451,20 @@ impl Stage {
     /// (stacked in that order in `ids` and `x`) and first position. `x` is
     /// `[S, hidden]` (f32, or bf16 bits two to a word: `x_words` per row),
     /// read unless this is the first stage and written unless it is the last.
-    pub fn step(&mut self, segments: &[Segment], ids: &[i64], x: &mut [f32], sample: Option<SampleIn>) -> Result<StepOut, StageError> {
+    /// `verify`: the step checks draft tokens (speculative decoding; a
+    /// kind of its own on the timeline).
+    pub fn step(
+        &mut self,
+        segments: &[Segment],
+        ids: &[i64],
+        x: &mut [f32],
+        sample: Option<SampleIn>,
+        verify: bool,
+    ) -> Result<StepOut, StageError> {
         let (t0, trace_t0) = (std::time::Instant::now(), crate::trace::now_us());
         let out = self.run_step(segments, ids, x, sample)?;
         if crate::trace::on() {
-            crate::trace::step(trace_t0, &segments.iter().map(|s| (s.seq, s.pos0, s.rows)).collect::<Vec<_>>());
+            crate::trace::step(trace_t0, &segments.iter().map(|s| (s.seq, s.pos0, s.rows)).collect::<Vec<_>>(), verify);
         }
         let dt = t0.elapsed().as_secs_f64();
         let acc = if segments.iter().any(|s| s.pos0 == 0) { &mut self.prefill } else { &mut self.decode };
@@ -522,12 +531,14 @@ impl Stage {
                 ))
             }
         };
-        let bitmap_words = m3c_contract::sampling::BITMAP_ROWS * segments.len() * words;
+        // Two bitmap rows per drawing slot: a segment, or each row of a verify segment.
+        let slots = seen.len() / (m3c_contract::sampling::BITMAP_ROWS * words.max(1));
         if m.last_stage
             && (table.len() != tokens * m3c_contract::sampling::ROW_WORDS
-                || seen.len() != bitmap_words
+                || seen.len() != m3c_contract::sampling::BITMAP_ROWS * slots * words
+                || !(segments.len()..=tokens.max(segments.len())).contains(&slots)
                 || bias.len() % m.vocab.max(1) != 0
-                || bias.len() / m.vocab.max(1) > segments.len())
+                || bias.len() / m.vocab.max(1) > tokens)
         {
             return Err(StageError::Step(format!(
                 "step of {tokens} rows got a sampling table of {} words, {} bitmap words and {} bias words",
@@ -548,6 +559,7 @@ impl Stage {
             tokens,
             rows: segments.iter().map(|s| s.rows as i64).collect(),
             pos: segments.iter().flat_map(|s| (s.pos0..s.pos0 + s.rows).map(|p| p as i64)).collect(),
+            bitmap_rows: seen.len() / words.max(1),
             seen,
             penalised,
             bias_rows: bias.len() / m.vocab.max(1),
@@ -568,6 +580,8 @@ struct StepInputs<'a> {
     rows: Vec<i64>,
     pos: Vec<i64>,
     seen: Vec<u32>,
+    /// Rows of `seen` (`BITMAP_ROWS` per drawing slot).
+    bitmap_rows: usize,
     /// Some row has a repetition penalty (the bitmaps matter).
     penalised: bool,
     /// `[bias_rows, vocab]` additive logit rows (last stage).

@@ -1,0 +1,142 @@
+//! Speculative decoding (`--speculative-config`, n-gram prompt lookup)
+//! changes no bit of a run's output: the same ids and logprobs with and
+//! without it, at pp 1, 2 and 4, with f32 and bf16 activations and caches,
+//! greedy and sampled (penalties included), in micro-batches, under
+//! preemption and prefix-cache hits, with stop strings and grammars; and a
+//! bad config is an error that names the key. (The served path, OpenAI's
+//! client on sixteen streams, is `serve::speculative_streams_get_the_answers_of_plain_decoding`.)
+
+use m3c_tests::{fixture, m3c, stderr, stdout};
+use std::path::Path;
+
+const SPEC: &str = r#"{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}"#;
+
+/// Verify steps, draft tokens and accepted drafts of a run (its `m3c spec:` line).
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+struct Counts {
+    steps: u64,
+    drafted: u64,
+    accepted: u64,
+}
+
+impl std::ops::AddAssign for Counts {
+    fn add_assign(&mut self, o: Counts) {
+        (self.steps, self.drafted, self.accepted) = (self.steps + o.steps, self.drafted + o.drafted, self.accepted + o.accepted);
+    }
+}
+
+/// A run's output (each prompt's ids and logprobs lines, or its text),
+/// and its speculation counts.
+fn run(out: &Path, args: &[&str], spec: bool) -> (String, Counts) {
+    let model = fixture("tiny-m3");
+    let mut a = vec!["run", out.to_str().unwrap(), "--model", model.to_str().unwrap()];
+    a.extend_from_slice(args);
+    if spec {
+        a.extend_from_slice(&["--speculative-config", SPEC]);
+    }
+    let r = m3c(&a);
+    assert!(r.status.success(), "{a:?}: {}", stderr(&r));
+    let counts = stderr(&r).lines().find_map(|l| l.strip_prefix("m3c spec: ")).map_or(Counts::default(), |l| {
+        let n: Vec<u64> = l.split(|c: char| !c.is_ascii_digit()).filter_map(|w| w.parse().ok()).collect();
+        Counts { steps: n[0], drafted: n[1], accepted: n[2] }
+    });
+    (stdout(&r), counts)
+}
+
+/// Three prompts (one repeats itself, so prompt lookup finds drafts early).
+const PROMPTS: [&str; 6] = ["--prompt-ids", "1,2,3", "--prompt-ids", "100,200,300,100,200,300", "--prompt-ids", "7,7,7,7"];
+
+#[test]
+fn speculation_changes_no_bit_at_any_pp_batch_or_precision() {
+    let sampled = ["--temperature", "0.5", "--top-k", "3", "--seed", "3", "--presence-penalty", "0.2", "--frequency-penalty", "0.1"];
+    let mut total = Counts::default();
+    for (pp, extra) in [1, 2, 4].into_iter().flat_map(|pp| [(pp, &[][..]), (pp, &["--activations", "bf16", "--kv-cache", "bf16"][..])]) {
+        let out = crate::shared::out_with("tiny-m3", pp, extra);
+        for (flags, batch) in [(&["--logprobs", "3"][..], "3"), (&sampled[..], "3"), (&sampled[..], "1")] {
+            let mut args = vec!["--max-new-tokens", "60", "--ignore-eos", "--micro-batch", batch];
+            args.extend_from_slice(flags);
+            args.extend_from_slice(&PROMPTS);
+            let (plain, none) = run(&out, &args, false);
+            let (drafted, counts) = run(&out, &args, true);
+            assert_eq!(none, Counts::default());
+            assert_eq!(drafted, plain, "pp {pp} {extra:?} {flags:?} micro-batch {batch}: speculation changed the output");
+            assert!(counts.steps > 0 && counts.drafted >= counts.steps, "pp {pp} {extra:?} {flags:?}: {counts:?}");
+            total += counts;
+        }
+    }
+    // Both outcomes happened: drafts accepted (the draws that follow them
+    // are then made in the same step) and drafts rejected (rolled back).
+    assert!(total.accepted > 0 && total.accepted < total.drafted, "{total:?}");
+}
+
+#[test]
+fn speculation_keeps_preemption_prefix_hits_stops_and_grammars_exact() {
+    let out = crate::shared::out("tiny-m3", 2);
+    // Four prompts sharing a prefix, in a pool too small for all of them:
+    // sequences are preempted and resume from cache hits.
+    let shared = "9,8,7,6,5,4,3,2,1,9,8,7,6,5,4,3";
+    let prompts: Vec<String> = (0..4).map(|i| format!("{shared},{},{}", 20 + i, 40 + i)).collect();
+    let mut args = vec!["--max-new-tokens", "48", "--ignore-eos", "--kv-blocks", "40", "--micro-batch", "2"];
+    for p in &prompts {
+        args.extend_from_slice(&["--prompt-ids", p]);
+    }
+    let (plain, _) = run(&out, &args, false);
+    let model = fixture("tiny-m3");
+    let mut a = vec!["run", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--speculative-config", SPEC];
+    a.extend_from_slice(&args);
+    let r = m3c(&a);
+    assert!(r.status.success(), "{}", stderr(&r));
+    assert_eq!(stdout(&r), plain, "speculation under preemption changed the output");
+    let kv = stderr(&r).lines().find(|l| l.starts_with("m3c kv: ")).unwrap_or_default().to_string();
+    assert!(!kv.contains(" 0 preemption(s)") && !kv.contains(": 0 of"), "no preemption or no hit: {kv}");
+    // Text with a stop string from the middle of the plain output.
+    let text = ["--prompt", "Hello there, hello there", "--max-new-tokens", "40", "--ignore-eos"];
+    let (whole, _) = run(&out, &text, false);
+    let stop: String = whole.chars().skip(12).take(3).collect();
+    let mut stopped = text.to_vec();
+    stopped.extend_from_slice(&["--stop", &stop]);
+    let (plain, _) = run(&out, &stopped, false);
+    assert!(plain.len() < whole.len(), "the stop string {stop:?} should cut {whole:?}");
+    assert_eq!(run(&out, &stopped, true).0, plain, "speculation changed a stopped output");
+    // A grammar: drafts are followed through the matcher and rolled back.
+    let digits = ["--prompt", "Count: 1 1 1 1", "--max-new-tokens", "40", "--regex", "[0-9 ]{8,60}"];
+    let (plain, _) = run(&out, &digits, false);
+    let (drafted, counts) = run(&out, &digits, true);
+    assert_eq!(drafted, plain, "speculation changed a constrained output");
+    assert!(counts.steps > 0, "{counts:?}");
+}
+
+#[test]
+fn bad_speculative_configs_are_errors_that_name_the_key() {
+    let out = crate::shared::out("tiny-m3", 1);
+    let model = fixture("tiny-m3");
+    for (config, says) in [
+        (r#"{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_mx": 4}"#, "unknown key `prompt_lookup_mx`"),
+        (r#"{"method": "medusa", "num_speculative_tokens": 3}"#, "unknown method `medusa`"),
+        (r#"{"method": "ngram"}"#, "num_speculative_tokens"),
+        (r#"{"method": "eagle3", "model": "d", "num_speculative_tokens": 3}"#, "EAGLE3 draft heads are not compiled"),
+        ("not json", "not JSON"),
+    ] {
+        let r =
+            m3c(&["run", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--prompt-ids", "1,2", "--speculative-config", config]);
+        assert!(!r.status.success(), "{config}");
+        assert!(stderr(&r).contains(says), "{config}: {}", stderr(&r));
+    }
+    let dump = tempfile::tempdir().unwrap();
+    let file = dump.path().join("d.safetensors");
+    let args = [
+        "run",
+        out.to_str().unwrap(),
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt-ids",
+        "1,2",
+        "--max-new-tokens",
+        "4",
+        "--speculative-config",
+        SPEC,
+    ];
+    let r = m3c(&[&args[..], &["--dump", file.to_str().unwrap()]].concat());
+    assert!(!r.status.success() && stderr(&r).contains("does not combine with --dump"), "{}", stderr(&r));
+    assert!(!file.exists(), "nothing written");
+}
