@@ -703,12 +703,12 @@ impl Leader {
             if !drafts.is_empty() {
                 let accepted = taken.saturating_sub(1).min(drafts.len());
                 feed.event(Event::Spec { seq: s.seq, drafted: drafts.len(), accepted });
-                // Drafts that keep missing cost rows for nothing: skip 2, 4,
-                // 8, then 16 decode steps before the next try.
-                (l.spec_misses, l.spec_skip) = match accepted {
-                    0 => (l.spec_misses + 1, 1 << (l.spec_misses + 1).min(4)),
-                    _ => (0, 0),
-                };
+                // A verify step's rows cost more than one (a row of an MoE
+                // layer reads its own experts' weights): a sequence whose
+                // drafts keep failing to earn them (fewer than half kept)
+                // skips 4, 8, ... then 64 decode steps before the next try.
+                (l.spec_misses, l.spec_skip) =
+                    if 2 * accepted < drafts.len() { (l.spec_misses + 1, 4 << l.spec_misses.min(4)) } else { (0, 0) };
             }
             if self.kv.caching && (l.chain.len() + 1) * self.kv.block <= l.ids.len() {
                 extend_chain(&mut l.chain, &l.ids, &l.images, self.kv.block);
