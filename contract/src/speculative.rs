@@ -22,6 +22,9 @@ pub struct Ngram {
     pub tokens: usize,
     pub min: usize,
     pub max: usize,
+    /// vLLM's `disable_by_batch_size`: no drafts while more sequences than
+    /// this are running (a big batch is compute-bound: verify rows cost).
+    pub disable_by_batch_size: Option<usize>,
 }
 
 /// A `--speculative-config`, checked.
@@ -48,8 +51,8 @@ impl SpeculativeConfig {
             None => return Err("--speculative-config: `method` is missing (\"ngram\" or \"eagle3\")".into()),
         };
         let known: &[&str] = match method {
-            "ngram" => &["method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"],
-            "eagle3" => &["method", "num_speculative_tokens", "model"],
+            "ngram" => &["method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"],
+            "eagle3" => &["method", "num_speculative_tokens", "model", "disable_by_batch_size"],
             other => return Err(format!("--speculative-config: unknown method `{other}`; m3c speculates with \"ngram\" or \"eagle3\"")),
         };
         if let Some(k) = obj.keys().find(|k| !known.contains(&k.as_str())) {
@@ -68,6 +71,7 @@ impl SpeculativeConfig {
         };
         let tokens = count("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)?
             .ok_or("--speculative-config: `num_speculative_tokens` is missing (draft tokens per step)")?;
+        let disable_by_batch_size = count("disable_by_batch_size", 1, 1 << 20)?;
         match method {
             "ngram" => {
                 let (min, max) = match (count("prompt_lookup_min", 1, MAX_LOOKUP)?, count("prompt_lookup_max", 1, MAX_LOOKUP)?) {
@@ -80,7 +84,7 @@ impl SpeculativeConfig {
                 if min > max {
                     return Err(format!("--speculative-config: prompt_lookup_min ({min}) is larger than prompt_lookup_max ({max})"));
                 }
-                Ok(SpeculativeConfig::Ngram(Ngram { tokens, min, max }))
+                Ok(SpeculativeConfig::Ngram(Ngram { tokens, min, max, disable_by_batch_size }))
             }
             _ => {
                 let model = match obj.get("model") {
@@ -106,22 +110,36 @@ const EXAMPLE: &str = r#"{"method": "ngram", "num_speculative_tokens": 3, "promp
 pub const DEFAULT_LOOKUP: usize = 5;
 
 impl Ngram {
-    /// The stage argument's text (`ngram:K:MIN:MAX`).
+    /// The stage argument's text (`ngram:K:MIN:MAX`, then `:B` with a
+    /// `disable_by_batch_size`).
     pub fn encode(&self) -> String {
-        format!("ngram:{}:{}:{}", self.tokens, self.min, self.max)
+        let base = format!("ngram:{}:{}:{}", self.tokens, self.min, self.max);
+        match self.disable_by_batch_size {
+            Some(b) => format!("{base}:{b}"),
+            None => base,
+        }
     }
 
     /// The inverse of [`Ngram::encode`].
     pub fn parse(text: &str) -> Result<Ngram, String> {
-        let bad = || format!("--speculative `{text}`: expected ngram:TOKENS:MIN:MAX");
+        let bad = || format!("--speculative `{text}`: expected ngram:TOKENS:MIN:MAX[:BATCH]");
         let parts: Vec<&str> = text.split(':').collect();
-        let [method, k, min, max] = parts[..] else { return Err(bad()) };
+        let (method, k, min, max, batch) = match parts[..] {
+            [method, k, min, max] => (method, k, min, max, None),
+            [method, k, min, max, b] => (method, k, min, max, Some(b)),
+            _ => return Err(bad()),
+        };
         let n = |s: &str| s.parse::<usize>().ok();
+        let disable_by_batch_size = match batch.map(n) {
+            None => None,
+            Some(Some(b)) if b >= 1 => Some(b),
+            Some(_) => return Err(bad()),
+        };
         match (method, n(k), n(min), n(max)) {
             ("ngram", Some(tokens), Some(min), Some(max))
                 if (1..=MAX_SPECULATIVE_TOKENS).contains(&tokens) && 1 <= min && min <= max && max <= MAX_LOOKUP =>
             {
-                Ok(Ngram { tokens, min, max })
+                Ok(Ngram { tokens, min, max, disable_by_batch_size })
             }
             _ => Err(bad()),
         }
@@ -158,15 +176,15 @@ mod tests {
         let ng = |t: &str| SpeculativeConfig::from_json(t);
         assert_eq!(
             ng(r#"{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}"#),
-            Ok(SpeculativeConfig::Ngram(Ngram { tokens: 3, min: 2, max: 4 }))
+            Ok(SpeculativeConfig::Ngram(Ngram { tokens: 3, min: 2, max: 4, disable_by_batch_size: None }))
         );
         assert_eq!(
             ng(r#"{"method": "ngram", "num_speculative_tokens": 5}"#),
-            Ok(SpeculativeConfig::Ngram(Ngram { tokens: 5, min: 5, max: 5 }))
+            Ok(SpeculativeConfig::Ngram(Ngram { tokens: 5, min: 5, max: 5, disable_by_batch_size: None }))
         );
         assert_eq!(
-            ng(r#"{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}"#),
-            Ok(SpeculativeConfig::Ngram(Ngram { tokens: 2, min: 3, max: 3 }))
+            ng(r#"{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "disable_by_batch_size": 4}"#),
+            Ok(SpeculativeConfig::Ngram(Ngram { tokens: 2, min: 3, max: 3, disable_by_batch_size: Some(4) }))
         );
         assert_eq!(
             ng(r#"{"method": "eagle3", "model": "d", "num_speculative_tokens": 3}"#),
@@ -191,16 +209,18 @@ mod tests {
 
     #[test]
     fn stage_text_round_trips() {
-        let n = Ngram { tokens: 4, min: 2, max: 7 };
+        let n = Ngram { tokens: 4, min: 2, max: 7, disable_by_batch_size: None };
         assert_eq!(Ngram::parse(&n.encode()), Ok(n));
-        for bad in ["", "ngram:1:2", "ngram:0:1:1", "ngram:3:4:2", "eagle3:1:1:1", "ngram:1:0:1"] {
+        let b = Ngram { disable_by_batch_size: Some(16), ..n };
+        assert_eq!(Ngram::parse(&b.encode()), Ok(b));
+        for bad in ["", "ngram:1:2", "ngram:0:1:1", "ngram:3:4:2", "eagle3:1:1:1", "ngram:1:0:1", "ngram:1:1:1:0", "ngram:1:1:1:2:3"] {
             assert!(Ngram::parse(bad).is_err(), "{bad}");
         }
     }
 
     #[test]
     fn prompt_lookup_takes_the_longest_recurring_suffix_at_its_earliest_match() {
-        let n = Ngram { tokens: 3, min: 1, max: 3 };
+        let n = Ngram { tokens: 3, min: 1, max: 3, disable_by_batch_size: None };
         // Suffix [1, 2] occurs at 0 and at 4; the earliest is followed by 5.
         assert_eq!(n.propose(&[1, 2, 5, 6, 1, 2, 9, 8, 7, 1, 2], 8), vec![5, 6, 1]);
         // Capped by the limit, and by the ids that follow the match.
@@ -211,7 +231,7 @@ mod tests {
         // The longest suffix wins over a shorter, earlier one.
         assert_eq!(n.propose(&[7, 3, 5, 2, 3, 9, 2, 3, 0, 1, 2, 3], 3), vec![9, 2, 3]);
         assert_eq!(n.propose(&[1, 2, 3], 8), Vec::<i64>::new());
-        let min2 = Ngram { tokens: 3, min: 2, max: 3 };
+        let min2 = Ngram { tokens: 3, min: 2, max: 3, disable_by_batch_size: None };
         assert_eq!(min2.propose(&[5, 1, 6, 1], 8), Vec::<i64>::new(), "only a 1-gram recurs");
     }
 }

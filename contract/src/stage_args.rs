@@ -272,7 +272,7 @@ pub fn parse_fraction(v: &str) -> Result<f64, String> {
 
 pub const USAGE: &str = "usage: stage-K (--model DIR | --synthetic-weights SEED) ((--prompt-ids 1,2,3 [--prompt-ids ...] | --prompts FILE | --stdin-prompts N) \
 --max-new-tokens N | --serve) [--micro-batch SEQS] [--kv-blocks N | --kv-fraction F] [--prefill-chunk TOKENS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S] [--graphs on|off] [--prefix-caching on|off] [--prefill-gemm vendor|off] [--stream-ids] \
-[--temperature T] [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S] [--eos-ids 1,2] [--stop HEX ...] [--seq-sampling SEQ:temperature=T,... ...] [--images FILE.safetensors] [--speculative ngram:K:MIN:MAX]";
+[--temperature T] [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S] [--eos-ids 1,2] [--stop HEX ...] [--seq-sampling SEQ:temperature=T,... ...] [--images FILE.safetensors] [--speculative ngram:K:MIN:MAX[:BATCH]]";
 
 use crate::prompts::{parse_count, parse_ids, parse_prompts_file, parse_timeout_s};
 use crate::sampling::SamplingParams;
@@ -466,7 +466,7 @@ mod tests {
         a.micro_batch = Some(2);
         a.kv = KvPool { size: PoolSize::Blocks(40), prefix_caching: false };
         a.prefill_chunk = Some(7);
-        a.speculative = Some(crate::speculative::Ngram { tokens: 3, min: 2, max: 4 });
+        a.speculative = Some(crate::speculative::Ngram { tokens: 3, min: 2, max: 4, disable_by_batch_size: Some(8) });
         a.timeout_s = 2.5;
         a.gpu = GpuModes { graphs: false, prefill_gemm_vendor: true };
         a.stream_ids = true;

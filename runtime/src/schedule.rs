@@ -127,6 +127,10 @@ struct Live {
     /// without a draft, and verify steps in a row that accepted nothing.
     spec_skip: usize,
     spec_misses: u32,
+    /// Drafts its recent verify steps kept (a running mean): its next
+    /// draft is one longer, at most K, so rows a draft would likely lose
+    /// are not computed.
+    spec_kept: f32,
 }
 
 impl Live {
@@ -440,6 +444,7 @@ impl Leader {
                 drafts: Vec::new(),
                 spec_skip: 0,
                 spec_misses: 0,
+                spec_kept: self.batching.speculative.map_or(0.0, |n| n.tokens as f32),
             },
         );
         self.waiting.push_back(a.seq);
@@ -524,6 +529,9 @@ impl Leader {
         let mut grown: Vec<Vec<u32>> = Vec::new();
         let mut drafts: Vec<Vec<i64>> = Vec::new();
         let mut stalled = Vec::new();
+        // vLLM's `disable_by_batch_size`: a large batch takes no drafts.
+        let running = self.live.values().filter(|l| l.running).count();
+        let speculative = self.batching.speculative.filter(|n| n.disable_by_batch_size.is_none_or(|b| running <= b));
         'seqs: while segs.len() < self.batching.per_batch {
             let Some(seq) = self.ready.pop_front() else { break };
             let l = self.live.get(&seq).ok_or_else(|| StageError::Step(format!("runtime bug: sequence {seq} is ready but not live")))?;
@@ -534,9 +542,10 @@ impl Leader {
             // A decode step verifies a draft when one is proposed, at most
             // the tokens the sequence may still generate less the one the
             // step draws anyway.
-            let draft = match self.batching.speculative {
+            let draft = match speculative {
                 Some(ngram) if l.chunks.is_empty() && !self.batching.score_last && !l.cancelled && l.spec_skip == 0 => {
-                    ngram.propose(&l.ids, l.max_new.saturating_sub(l.generated + 1))
+                    let adaptive = l.spec_kept.ceil() as usize + 1;
+                    ngram.propose(&l.ids, l.max_new.saturating_sub(l.generated + 1).min(adaptive))
                 }
                 _ => Vec::new(),
             };
@@ -703,6 +712,7 @@ impl Leader {
             if !drafts.is_empty() {
                 let accepted = taken.saturating_sub(1).min(drafts.len());
                 feed.event(Event::Spec { seq: s.seq, drafted: drafts.len(), accepted });
+                l.spec_kept = 0.5 * l.spec_kept + 0.5 * accepted as f32;
                 // A verify step's rows cost more than one (a row of an MoE
                 // layer reads its own experts' weights): a sequence whose
                 // drafts keep failing to earn them (fewer than half kept)

@@ -28,11 +28,16 @@ impl std::ops::AddAssign for Counts {
 /// A run's output (each prompt's ids and logprobs lines, or its text),
 /// and its speculation counts.
 fn run(out: &Path, args: &[&str], spec: bool) -> (String, Counts) {
+    run_with(out, args, spec.then_some(SPEC))
+}
+
+/// [`run`] with a config of its own (`None`: without speculation).
+fn run_with(out: &Path, args: &[&str], spec: Option<&str>) -> (String, Counts) {
     let model = fixture("tiny-m3");
     let mut a = vec!["run", out.to_str().unwrap(), "--model", model.to_str().unwrap()];
     a.extend_from_slice(args);
-    if spec {
-        a.extend_from_slice(&["--speculative-config", SPEC]);
+    if let Some(config) = spec {
+        a.extend_from_slice(&["--speculative-config", config]);
     }
     let r = m3c(&a);
     assert!(r.status.success(), "{a:?}: {}", stderr(&r));
@@ -103,6 +108,23 @@ fn speculation_keeps_preemption_prefix_hits_stops_and_grammars_exact() {
     let (plain, _) = run(&out, &digits, false);
     let (drafted, counts) = run(&out, &digits, true);
     assert_eq!(drafted, plain, "speculation changed a constrained output");
+    assert!(counts.steps > 0, "{counts:?}");
+}
+
+#[test]
+fn a_batch_larger_than_disable_by_batch_size_takes_no_drafts() {
+    let out = crate::shared::out("tiny-m3", 1);
+    let config = r#"{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "disable_by_batch_size": 2}"#;
+    let mut args = vec!["--max-new-tokens", "60", "--ignore-eos"];
+    args.extend_from_slice(&PROMPTS);
+    // Three running sequences: more than 2, so no drafts, and the same output.
+    let (plain, _) = run_with(&out, &args, None);
+    assert_eq!(run_with(&out, &args, Some(config)), (plain, Counts::default()));
+    // One prompt alone speculates.
+    let one = ["--max-new-tokens", "60", "--ignore-eos", "--prompt-ids", "100,200,300,100,200,300"];
+    let (plain, _) = run_with(&out, &one, None);
+    let (drafted, counts) = run_with(&out, &one, Some(config));
+    assert_eq!(drafted, plain);
     assert!(counts.steps > 0, "{counts:?}");
 }
 
