@@ -40,6 +40,9 @@ pub(crate) struct PlanArgs {
     /// Also draw the plan (made or checked): per stage its layers, weight and KV memory against the GPU's, and its predicted step time.
     #[arg(long, value_name = "FILE.svg")]
     pub(crate) svg: Option<PathBuf>,
+    /// Count a speculative draft too, in vLLM's JSON: for `{"method": "eagle3", "model": DIR, "num_speculative_tokens": K}` the draft's weights and cache on the last stage and the aux hidden states each boundary carries to it.
+    #[arg(long, value_name = "JSON", value_parser = m3c_contract::speculative::SpeculativeConfig::from_json)]
+    pub(crate) speculative_config: Option<m3c_contract::speculative::SpeculativeConfig>,
 }
 
 impl PlanArgs {

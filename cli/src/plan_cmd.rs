@@ -41,6 +41,7 @@ pub(crate) fn plan_cmd(args: PlanArgs) -> Result<()> {
         }
         say(&format!("{}: valid plan, {} stages, target {}\n", file.display(), p.stages.len(), p.target))?;
         say(&plan::table(&src.config, &p, &gpu, w))?;
+        say(&draft_lines(&args, &src.config, &p, &gpu, w)?)?;
         return write_svg(&args, &src.config, &p, &gpu, w);
     }
     let model = args.model.as_ref().context("--model is required (a checkpoint folder or config.json)")?;
@@ -48,6 +49,7 @@ pub(crate) fn plan_cmd(args: PlanArgs) -> Result<()> {
     let src = ModelSource::open(model)?;
     let target = Target::named(&args.target, args.arch.as_deref()).map_err(|e| anyhow::anyhow!("--target {} --arch: {e}", args.target))?;
     let p = plan::make_plan(&src.config, pp, &gpu, w, target)?;
+    let draft = draft_lines(&args, &src.config, &p, &gpu, w)?;
     write_svg(&args, &src.config, &p, &gpu, w)?;
     let table = plan::table(&src.config, &p, &gpu, w);
     let header = format!(
@@ -65,15 +67,36 @@ pub(crate) fn plan_cmd(args: PlanArgs) -> Result<()> {
             // Round-trip: what we write must validate.
             plan::parse_plan(out, &yaml, Some(&src.config)).context("internal: the written plan does not validate")?;
             m3c_compiler::fsutil::write_file_atomically(out, yaml.as_bytes())?;
-            say(&format!("{table}wrote {}\n", out.display()))?;
+            say(&format!("{table}{draft}wrote {}\n", out.display()))?;
         }
         None => {
             let yaml = plan::plan_yaml(&p, Some(&model.display().to_string()), &header, &table);
             plan::parse_plan(Path::new("<stdout>"), &yaml, Some(&src.config)).context("internal: the printed plan does not validate")?;
             say(&yaml)?;
+            if !draft.is_empty() {
+                eprint!("{draft}");
+            }
         }
     }
     Ok(())
+}
+
+/// `--speculative-config`: an EAGLE3 draft's costs under the plan (an
+/// n-gram draft has no weights and adds nothing).
+fn draft_lines(args: &PlanArgs, cfg: &m3c_compiler::config::ModelConfig, p: &plan::Plan, gpu: &GpuProfile, w: Workload) -> Result<String> {
+    use m3c_contract::speculative::SpeculativeConfig;
+    match &args.speculative_config {
+        None => Ok(String::new()),
+        Some(SpeculativeConfig::Ngram(_)) => {
+            Ok("n-gram drafts have no weights and send nothing between stages: the plan is unchanged\n".into())
+        }
+        Some(SpeculativeConfig::Eagle3 { model, tokens }) => {
+            let draft = plan::DraftHead::load(model)?.for_target(cfg).map_err(anyhow::Error::msg)?;
+            // Activations cross stages in f32 on the host, bf16 on a GPU (the defaults).
+            let act_bytes = if p.target == Target::Host { 4 } else { 2 };
+            Ok(plan::draft_section(cfg, p, &draft, *tokens, gpu, w, act_bytes))
+        }
+    }
 }
 
 /// `target` written relative to `base` (both made absolute first), so a plan

@@ -280,3 +280,64 @@ fn the_plan_picture_has_a_bar_per_stage() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(std::fs::read_to_string(&svg).unwrap().contains("#d62728\"><title>stage"), "over-memory stages are red");
 }
+
+/// `m3c plan --speculative-config` with an EAGLE3 draft: its weights and
+/// cache on the last stage, and the target's aux states each boundary
+/// carries to it (tiny-m3 at pp 4, layers 0-1 | 2 | 3 | 4-7); a draft
+/// that does not fit its target is an error naming the key.
+#[test]
+fn plan_counts_an_eagle3_drafts_weights_and_aux_states() {
+    let draft = fixture("eagle3-tiny");
+    let spec = |dir: &Path| format!(r#"{{"method": "eagle3", "model": "{}", "num_speculative_tokens": 3}}"#, dir.display());
+    let model = fixture("tiny-m3");
+    let args = |s: &str| {
+        vec![
+            "plan".to_string(),
+            "--model".into(),
+            model.display().to_string(),
+            "--pp".into(),
+            "4".into(),
+            "--speculative-config".into(),
+            s.to_string(),
+        ]
+    };
+    let r = m3c(&args(&spec(&draft)).iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(r.status.success(), "{}", stderr(&r));
+    let err = stderr(&r);
+    assert!(err.contains("EAGLE3 draft") && err.contains("on stage 3 (the last)"), "{err}");
+    // f32 activations on the host: 128 × 4 = 512 B per aux state and row.
+    // The fixture reads the inputs of layers 2, 4 and 5 (vLLM's default):
+    // made on stage 0 (layer 1's output), stage 2 (layer 3's) and stage 3.
+    for line in [
+        "0->1               1          512        1          512",
+        "1->2               1          512        0            0",
+        "2->3               2         1024        1          512",
+    ] {
+        assert!(err.contains(line), "missing `{line}` in {err}");
+    }
+    assert!(err.contains("2048 B per row forwarded") && err.contains("1024 B per row sent straight"), "{err}");
+    // A draft whose aux layers or width do not fit the target.
+    let dir = tempfile::tempdir().unwrap();
+    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(draft.join("config.json")).unwrap()).unwrap();
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = serde_json::json!([2, 4, 9]);
+    std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+    let r = m3c(&args(&spec(dir.path())).iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(
+        !r.status.success() && stderr(&r).contains("`eagle_aux_hidden_state_layer_ids` holds 9, but the target has 8 layers"),
+        "{}",
+        stderr(&r)
+    );
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = serde_json::json!([2, 4, 5]);
+    config["target_hidden_size"] = serde_json::json!(256);
+    std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+    let r = m3c(&args(&spec(dir.path())).iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(
+        !r.status.success() && stderr(&r).contains("`target_hidden_size` (or `hidden_size`) is 256, but the target's hidden size is 128"),
+        "{}",
+        stderr(&r)
+    );
+    config["architectures"] = serde_json::json!(["LlamaForCausalLM"]);
+    std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+    let r = m3c(&args(&spec(dir.path())).iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(!r.status.success() && stderr(&r).contains("an EAGLE3 draft head"), "{}", stderr(&r));
+}

@@ -114,7 +114,8 @@ fn speculation_keeps_preemption_prefix_hits_stops_and_grammars_exact() {
 #[test]
 fn a_batch_larger_than_disable_by_batch_size_takes_no_drafts() {
     let out = crate::shared::out("tiny-m3", 1);
-    let config = r#"{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "disable_by_batch_size": 2}"#;
+    let config =
+        r#"{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "disable_by_batch_size": 2}"#;
     let mut args = vec!["--max-new-tokens", "60", "--ignore-eos"];
     args.extend_from_slice(&PROMPTS);
     // Three running sequences: more than 2, so no drafts, and the same output.

@@ -35,6 +35,10 @@ pub struct TextNames<'a> {
 /// The prefix of the text model in the published VL checkpoints.
 pub const VL_TEXT_PREFIX: &str = "language_model.";
 
+/// An EAGLE3 draft checkpoint's own embedding (absent when the draft
+/// shares its target's), as vLLM's `llama_eagle3.py` loads it.
+pub const EAGLE3_OWN_EMBEDDING: &str = "embed_tokens.weight";
+
 impl<'a> TextNames<'a> {
     pub fn new(prefix: &'a str) -> TextNames<'a> {
         TextNames { prefix }

@@ -3,6 +3,7 @@
 
 mod balance;
 mod cost;
+mod draft;
 mod format;
 mod links;
 mod locate;
@@ -10,6 +11,7 @@ mod report;
 
 pub use balance::{balance, brute_force, min_stages, Item, Split};
 pub use cost::{expected_experts, part_costs, GpuProfile, PartCost, Workload, USABLE_MEMORY};
+pub use draft::{draft_section, DraftHead};
 pub use format::{load_plan, parse_plan, plan_model, valid_arch, valid_host, LayerRange, Placement, Plan, PlanError, StagePlan, Target};
 pub use links::Link;
 pub use report::{even_plan, plan_svg, plan_yaml, stage_costs, table, StageCost};
