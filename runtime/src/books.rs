@@ -417,10 +417,17 @@ impl SeqBook {
         vocabulary: Option<&m3c_constrain::Vocabulary>,
         masks: &mut (usize, f64),
     ) -> Vec<RowDraw> {
+        use std::borrow::Cow;
         let (words, vocab) = (inp.words, inp.vocab);
-        let mut budget = self.budget.clone();
-        let mut bias = self.bias.clone();
-        let mut history: Vec<u32> = self.record.prompt.iter().chain(&self.record.generated).map(|&i| i as u32).collect();
+        // Copies only once a draft advances them: a plain decode step (every
+        // step without speculation) reads the books as they are.
+        let mut budget = Cow::Borrowed(&self.budget);
+        let mut bias = Cow::Borrowed(&self.bias);
+        let penalised = self.sampling.repetition_penalty != 1.0;
+        let mut history: Vec<u32> = match penalised {
+            true => self.record.prompt.iter().chain(&self.record.generated).map(|&i| i as u32).collect(),
+            false => Vec::new(),
+        };
         let mut advanced = 0;
         let mut rows = Vec::with_capacity(draft.len() + 1);
         for j in 0..=draft.len() {
@@ -436,16 +443,18 @@ impl SeqBook {
                     }
                     advanced += 1;
                 }
-                if let (Some(bu), Some(v)) = (budget.as_mut(), vocabulary) {
+                if let (Some(bu), Some(v)) = (budget.is_some().then(|| budget.to_mut().as_mut()).flatten(), vocabulary) {
                     bu.consume(v, t);
                 }
-                if let Some(adj) = bias.as_mut() {
+                if let Some(adj) = bias.is_some().then(|| bias.to_mut().as_mut()).flatten() {
                     adj.generated(t);
                 }
-                history.push(t);
+                if penalised {
+                    history.push(t);
+                }
             }
             let slot = slot0 + j;
-            if self.sampling.repetition_penalty != 1.0 {
+            if penalised {
                 inp.penalised = true;
                 let bits = m3c_contract::sampling::seen_bitmap(history.iter().copied(), vocab);
                 inp.seen[slot * words..(slot + 1) * words].copy_from_slice(&bits);
@@ -471,7 +480,7 @@ impl SeqBook {
             }
             // A spent reasoning budget: the next token closes the reasoning
             // (a grammar allows it wherever the reasoning is open).
-            if let (None, Some(close)) = (&self.failed, budget.as_ref().and_then(Budget::forced)) {
+            if let (None, Some(close)) = (&self.failed, (*budget).as_ref().and_then(Budget::forced)) {
                 let ok = !mask || allowed[close as usize / 32] >> (close % 32) & 1 == 1;
                 if ok && (close as usize) < vocab {
                     allowed.fill(0);
@@ -491,7 +500,7 @@ impl SeqBook {
                 }
             }
             inp.penalised |= mask;
-            let bias_row = bias.as_ref().map(|adj| {
+            let bias_row = (*bias).as_ref().map(|adj| {
                 inp.bias.extend_from_slice(adj.row());
                 inp.bias.len() / vocab.max(1)
             });
