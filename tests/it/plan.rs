@@ -316,28 +316,29 @@ fn plan_counts_an_eagle3_drafts_weights_and_aux_states() {
         assert!(err.contains(line), "missing `{line}` in {err}");
     }
     assert!(err.contains("2048 B per row forwarded") && err.contains("1024 B per row sent straight"), "{err}");
-    // A draft whose aux layers or width do not fit the target.
+    // A draft whose aux layers, width or architecture do not fit the target.
     let dir = tempfile::tempdir().unwrap();
-    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(draft.join("config.json")).unwrap()).unwrap();
-    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = serde_json::json!([2, 4, 9]);
-    std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
-    let r = m3c(&args(&spec(dir.path())).iter().map(String::as_str).collect::<Vec<_>>());
-    assert!(
-        !r.status.success() && stderr(&r).contains("`eagle_aux_hidden_state_layer_ids` holds 9, but the target has 8 layers"),
-        "{}",
-        stderr(&r)
-    );
-    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = serde_json::json!([2, 4, 5]);
-    config["target_hidden_size"] = serde_json::json!(256);
-    std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
-    let r = m3c(&args(&spec(dir.path())).iter().map(String::as_str).collect::<Vec<_>>());
-    assert!(
-        !r.status.success() && stderr(&r).contains("`target_hidden_size` (or `hidden_size`) is 256, but the target's hidden size is 128"),
-        "{}",
-        stderr(&r)
-    );
-    config["architectures"] = serde_json::json!(["LlamaForCausalLM"]);
-    std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
-    let r = m3c(&args(&spec(dir.path())).iter().map(String::as_str).collect::<Vec<_>>());
-    assert!(!r.status.success() && stderr(&r).contains("an EAGLE3 draft head"), "{}", stderr(&r));
+    let fixture_config = std::fs::read_to_string(draft.join("config.json")).unwrap();
+    for (key, value, says) in [
+        (
+            "eagle_aux_hidden_state_layer_ids",
+            serde_json::json!([2, 4, 9]),
+            "`eagle_aux_hidden_state_layer_ids` holds 9, but the target has 8 layers",
+        ),
+        (
+            "target_hidden_size",
+            serde_json::json!(256),
+            "`target_hidden_size` (or `hidden_size`) is 256, but the target's hidden size is 128",
+        ),
+        ("architectures", serde_json::json!(["LlamaForCausalLM"]), "an EAGLE3 draft head"),
+    ] {
+        let mut config: serde_json::Value = serde_json::from_str(&fixture_config).unwrap();
+        match key {
+            "eagle_aux_hidden_state_layer_ids" => config["eagle_config"][key] = value,
+            _ => config[key] = value,
+        }
+        std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+        let r = m3c(&args(&spec(dir.path())).iter().map(String::as_str).collect::<Vec<_>>());
+        assert!(!r.status.success() && stderr(&r).contains(says), "{key}: {}", stderr(&r));
+    }
 }
