@@ -92,6 +92,15 @@ pub(crate) fn compile_cmd(args: CompileArgs) -> Result<()> {
             }
         }),
     };
+    let draft = match &args.speculative_config {
+        None => None,
+        Some(m3c_contract::speculative::SpeculativeConfig::Ngram(_)) => {
+            bail!("--speculative-config: n-gram drafts have nothing to compile; give them to `m3c run` or `m3c serve`")
+        }
+        Some(m3c_contract::speculative::SpeculativeConfig::Eagle3 { model, .. }) => {
+            Some(plan::DraftHead::load(model)?.for_target(cfg).map_err(anyhow::Error::msg)?)
+        }
+    };
     let req = m3c_compiler::compile::CompileRequest {
         config: cfg,
         plan: &p,
@@ -101,6 +110,7 @@ pub(crate) fn compile_cmd(args: CompileArgs) -> Result<()> {
         storages,
         runtime_lib,
         cache,
+        draft: draft.as_ref(),
     };
     let compiled = m3c_compiler::compile::compile(&req)?;
     let m = &compiled.manifest;

@@ -86,6 +86,9 @@ pub(crate) struct CompileArgs {
     /// The object cache: compiled kernels and entries by the hash of everything they depend on, so a kernel shared by stages, splits and compiles is compiled once (default: $M3C_CACHE_DIR, else $XDG_CACHE_HOME/m3c, else ~/.cache/m3c).
     #[arg(long, value_name = "DIR", conflicts_with = "no_cache")]
     pub(crate) cache_dir: Option<PathBuf>,
+    /// Compile an EAGLE3 draft head into the last stage, in vLLM's JSON: `{"method": "eagle3", "model": DIR, "num_speculative_tokens": K}` (DIR: the draft's config.json; its weights are read when the stages start). Every stage then carries the target's aux hidden states to it; `run` and `serve` speculate with it when given the same config.
+    #[arg(long, value_name = "JSON", value_parser = m3c_contract::speculative::SpeculativeConfig::from_json)]
+    pub(crate) speculative_config: Option<m3c_contract::speculative::SpeculativeConfig>,
     /// Compile every unit, reading and writing no object cache.
     #[arg(long)]
     pub(crate) no_cache: bool,
@@ -171,9 +174,9 @@ pub(crate) struct RunArgs {
     /// per prompt after its ids or text.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(0..=20))]
     pub(crate) logprobs: Option<u8>,
-    /// Speculative decoding, in vLLM's JSON: `{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": A, "prompt_lookup_max": B}` (prompt lookup). The output is bit-identical with and without it; it prints the mean acceptance length.
+    /// Speculative decoding, in vLLM's JSON: `{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": A, "prompt_lookup_max": B}` (prompt lookup), or `{"method": "eagle3", "model": DIR, "num_speculative_tokens": K}` (the draft head OUT was compiled with; DIR holds its weights). The output is bit-identical with and without it; it prints the mean acceptance length.
     #[arg(long, value_name = "JSON", value_parser = speculative_config)]
-    pub(crate) speculative_config: Option<m3c_contract::speculative::Ngram>,
+    pub(crate) speculative_config: Option<m3c_contract::speculative::SpeculativeConfig>,
     /// Choices per prompt (1 to 16), as OpenAI's `n`: choice i draws from seed + i, so it is what a run with
     /// that seed gives; prompt P's choice C is sequence P × N + C ("### prompt P choice C" with text).
     #[arg(short = 'n', long = "n", value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=16))]
@@ -282,9 +285,9 @@ pub(crate) struct ServeArgs {
     /// Seconds in-flight requests get to finish after SIGTERM or SIGINT.
     #[arg(long, default_value_t = 30.0, value_parser = timeout_s)]
     pub(crate) grace_s: f64,
-    /// Speculative decoding, in vLLM's JSON: `{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": A, "prompt_lookup_max": B}` (prompt lookup). Answers are bit-identical with and without it; /metrics counts drafts and accepted tokens.
+    /// Speculative decoding, in vLLM's JSON: `{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": A, "prompt_lookup_max": B}` (prompt lookup), or `{"method": "eagle3", "model": DIR, "num_speculative_tokens": K}` (the draft head OUT was compiled with). Answers are bit-identical with and without it; /metrics counts drafts and accepted tokens.
     #[arg(long, value_name = "JSON", value_parser = speculative_config)]
-    pub(crate) speculative_config: Option<m3c_contract::speculative::Ngram>,
+    pub(crate) speculative_config: Option<m3c_contract::speculative::SpeculativeConfig>,
     #[command(flatten)]
     pub(crate) gpu: GpuFlags,
     #[command(flatten)]
@@ -321,16 +324,18 @@ pub(crate) fn positive_count(v: &str) -> Result<usize, String> {
     m3c_contract::prompts::parse_count(v, "count", true).map_err(|_| format!("`{v}` is not a positive count"))
 }
 
-/// `--speculative-config`: vLLM's JSON, checked; the methods m3c runs.
-pub(crate) fn speculative_config(v: &str) -> Result<m3c_contract::speculative::Ngram, String> {
+/// `--speculative-config` of `run` and `serve`: vLLM's JSON, checked. An
+/// EAGLE3 draft's folder must hold its config (the stages check it is the
+/// one their head was compiled from, and read its weights).
+pub(crate) fn speculative_config(v: &str) -> Result<m3c_contract::speculative::SpeculativeConfig, String> {
     use m3c_contract::speculative::SpeculativeConfig;
-    match SpeculativeConfig::from_json(v)? {
-        SpeculativeConfig::Ngram(n) => Ok(n),
-        SpeculativeConfig::Eagle3 { model, .. } => Err(format!(
-            "method `eagle3` ({}): EAGLE3 draft heads are not compiled by this m3c yet; speculate with {{\"method\": \"ngram\", \"num_speculative_tokens\": 3}}",
-            model.display()
-        )),
+    let c = SpeculativeConfig::from_json(v)?;
+    if let SpeculativeConfig::Eagle3 { model, .. } = &c {
+        if !model.join("config.json").is_file() {
+            return Err(format!("--speculative-config: `model` {} has no config.json (an EAGLE3 draft's folder)", model.display()));
+        }
     }
+    Ok(c)
 }
 
 pub(crate) fn stop_string(v: &str) -> Result<String, String> {

@@ -16,5 +16,6 @@ pub fn to_safetensors(d: DType) -> safetensors::Dtype {
         DType::I64 => S::I64,
         DType::I32 => S::I32,
         DType::F64 => S::F64,
+        DType::Bool => S::BOOL,
     }
 }

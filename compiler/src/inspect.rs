@@ -144,6 +144,7 @@ pub fn report(cfg: &ModelConfig, checkpoint: Option<&Checkpoint>) -> Result<Stri
                 Part::FinalNorm => ("norm".to_string(), String::new()),
                 Part::LmHead => ("lm_head".to_string(), String::new()),
                 Part::Vision => ("vision".to_string(), "tower + projector + merger".to_string()),
+                Part::Draft => ("draft".to_string(), "EAGLE3 draft head".to_string()),
             };
             (name, kind, stats.part_params[part], *b)
         })

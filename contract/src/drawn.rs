@@ -24,18 +24,21 @@ pub struct Token {
 pub struct Drawn {
     pub tokens: Vec<Token>,
     pub prompt: Vec<(u32, TokenLogprobs)>,
+    /// The EAGLE3 draft head's proposals for the sequence's next step
+    /// (target ids), made on the last stage right after this draw.
+    pub proposals: Vec<i64>,
 }
 
 impl Drawn {
     /// A segment whose sequence ends here without a token.
     pub fn failed() -> Drawn {
-        Drawn { tokens: vec![Token { id: -1, logprobs: None }], prompt: Vec::new() }
+        Drawn { tokens: vec![Token { id: -1, logprobs: None }], prompt: Vec::new(), proposals: Vec::new() }
     }
 
     /// The ids message's payload (i64 words): per segment the count of its
     /// tokens, each token's id and logprobs ([`push_lp`]: none is one 0
     /// word), then the count of prompt tokens with logprobs and each one's
-    /// logprobs.
+    /// logprobs, then the count of the draft's proposals and their ids.
     pub fn encode(drawn: &[Drawn]) -> Vec<u8> {
         let mut w: Vec<i64> = Vec::with_capacity(drawn.len() * 4);
         for d in drawn {
@@ -51,6 +54,8 @@ impl Drawn {
             for (id, lp) in &d.prompt {
                 push_lp(&mut w, *id, lp);
             }
+            w.push(d.proposals.len() as i64);
+            w.extend_from_slice(&d.proposals);
         }
         w.iter().flat_map(|v| v.to_le_bytes()).collect()
     }
@@ -74,7 +79,8 @@ impl Drawn {
                 .collect::<Option<Vec<_>>>()
                 .ok_or_else(bad)?;
             let prompt = (0..count(&mut it)?).map(|_| read_lp(&mut it).flatten()).collect::<Option<Vec<_>>>().ok_or_else(bad)?;
-            out.push(Drawn { tokens, prompt });
+            let proposals = (0..count(&mut it)?).map(|_| it.next()).collect::<Option<Vec<_>>>().ok_or_else(bad)?;
+            out.push(Drawn { tokens, prompt, proposals });
         }
         if it.next().is_some() {
             return Err(bad());
@@ -125,8 +131,9 @@ mod tests {
             Drawn {
                 tokens: vec![tok(5, None)],
                 prompt: vec![(7, lp(-3.0, 5)), (1, TokenLogprobs { logprob: -0.25, rank: 1, top: vec![] })],
+                proposals: vec![3, 8, 1],
             },
-            Drawn { tokens: vec![tok(9, Some(lp(-0.5, 1))), tok(4, Some(lp(-0.75, 2))), tok(-1, None)], prompt: vec![] },
+            Drawn { tokens: vec![tok(9, Some(lp(-0.5, 1))), tok(4, Some(lp(-0.75, 2))), tok(-1, None)], prompt: vec![], proposals: vec![] },
             Drawn::default(),
             Drawn::failed(),
         ];

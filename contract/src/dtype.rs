@@ -23,14 +23,18 @@ pub enum DType {
     I32,
     #[serde(rename = "F64")]
     F64,
+    /// `bool`, one byte each: an EAGLE3 draft's `t2d` (read past, never used).
+    #[serde(rename = "BOOL")]
+    Bool,
 }
 
 impl DType {
-    pub const ALL: [DType; 8] = [DType::BF16, DType::F16, DType::F32, DType::F8E4M3, DType::U8, DType::I64, DType::I32, DType::F64];
+    pub const ALL: [DType; 9] =
+        [DType::BF16, DType::F16, DType::F32, DType::F8E4M3, DType::U8, DType::I64, DType::I32, DType::F64, DType::Bool];
 
     pub fn size_bytes(self) -> usize {
         match self {
-            DType::F8E4M3 | DType::U8 => 1,
+            DType::F8E4M3 | DType::U8 | DType::Bool => 1,
             DType::BF16 | DType::F16 => 2,
             DType::F32 | DType::I32 => 4,
             DType::I64 | DType::F64 => 8,
@@ -48,6 +52,7 @@ impl DType {
             DType::I64 => "I64",
             DType::I32 => "I32",
             DType::F64 => "F64",
+            DType::Bool => "BOOL",
         }
     }
 
@@ -82,6 +87,7 @@ impl fmt::Display for DType {
             DType::I64 => "i64",
             DType::I32 => "i32",
             DType::F64 => "f64",
+            DType::Bool => "bool",
         })
     }
 }

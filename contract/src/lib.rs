@@ -56,4 +56,4 @@ mod unique_map;
 pub use checkpoint::{CheckpointError, CheckpointLayout, TensorLocation};
 pub use dtype::DType;
 pub use input::{read_user_file, InputError};
-pub use stage::{CacheSlot, StageMeta, TensorSlot};
+pub use stage::{CacheSlot, DraftMeta, StageMeta, TensorSlot};

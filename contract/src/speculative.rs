@@ -27,6 +27,22 @@ pub struct Ngram {
     pub disable_by_batch_size: Option<usize>,
 }
 
+/// EAGLE3 at run time: `tokens` drafts per step from the head compiled
+/// into the last stage, whose weights are in `model`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Eagle3Run {
+    pub tokens: usize,
+    pub model: PathBuf,
+}
+
+/// A draft length as a stage argument: 1 to [`MAX_SPECULATIVE_TOKENS`].
+pub fn parse_draft_tokens(v: &str) -> Result<usize, String> {
+    v.parse::<usize>()
+        .ok()
+        .filter(|k| (1..=MAX_SPECULATIVE_TOKENS).contains(k))
+        .ok_or_else(|| format!("`{v}` is not a draft length (1 to {MAX_SPECULATIVE_TOKENS})"))
+}
+
 /// A `--speculative-config`, checked.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SpeculativeConfig {

@@ -70,6 +70,20 @@ pub struct StageMeta {
     pub caches: Vec<CacheSlot>,
     /// Set on the stage that encodes images (the embedding's, with the vision tower).
     pub vision: Option<VisionMeta>,
+    /// EAGLE3 aux slots each step carries after its `x` rows: `[S, hidden]`
+    /// each, in activation storage; 0 without a draft head.
+    pub aux_slots: usize,
+    /// Set on the stage that runs the EAGLE3 draft head (the last).
+    pub draft: Option<DraftMeta>,
+}
+
+/// What the stage that runs an EAGLE3 draft head knows of it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DraftMeta {
+    /// The draft vocabulary (its logits' width; `d2t` maps it to the target's).
+    pub vocab: usize,
+    /// sha256 of the draft's config.json the head was compiled from.
+    pub config_sha256: String,
 }
 
 /// What the stage that encodes images knows about them.
@@ -89,6 +103,13 @@ impl StageMeta {
     /// hidden size, checked at compile time) take half as many.
     pub fn x_words(&self) -> usize {
         self.hidden * self.act_bytes / 4
+    }
+
+    /// f32 words per row of what a step carries between stages: `x` and,
+    /// with an EAGLE3 draft, its aux slots (`x` for all rows, then each
+    /// slot for all rows).
+    pub fn carry_words(&self) -> usize {
+        self.x_words() * (1 + self.aux_slots)
     }
 
     pub fn to_json(&self) -> String {
@@ -125,6 +146,12 @@ pub mod abi {
     ///                       void *out);              // [P/4, hidden] merged image features (activation storage)
     /// ```
     pub const VISION: &str = "m3c_stage_vision";
+    /// The EAGLE3 draft head's entries (no-ops on stages without one), each
+    /// `void (const StepArgs *)`: the first over the target's aux states
+    /// (`aux`, `[S, slots·hidden]`), the next over its own hidden states
+    /// (`x`); both write `x`, `logits`, `out_ids` (greedy, `table` rows).
+    pub const DRAFT_FIRST: &str = "m3c_draft_first";
+    pub const DRAFT_NEXT: &str = "m3c_draft_next";
     /// The embedded metadata (`StageMeta` as JSON) and its length.
     pub const META: &str = "m3c_stage_meta";
     pub const META_LEN: &str = "m3c_stage_meta_len";
@@ -151,7 +178,7 @@ pub mod abi {
     /// The layout version the generated code and the runtime agree on;
     /// the entry traps on any other (a stage linked against another
     /// runtime).
-    pub const STEP_VERSION: i64 = 2;
+    pub const STEP_VERSION: i64 = 3;
 
     /// The fields of [`StepArgs`], in order, each one 8-byte word. On a GPU
     /// stage every array but `rows`, `caps` and the pointer tables is device
@@ -180,6 +207,7 @@ pub mod abi {
         ("nimg", Word::I64),     // K: rows of this step that are image placeholders (vision stage)
         ("img", Word::Ptr),      // [K, hidden]: their image features (activation storage)
         ("img_rows", Word::Ptr), // const int64_t [K]: the row of x each replaces
+        ("aux", Word::Ptr), // EAGLE3 aux states: [slots, S, hidden] written by steps; [S, slots·hidden] read by the draft's first entry
     ];
 
     /// The step's arguments, as [`STEP_FIELDS`] lists them.
@@ -209,6 +237,7 @@ pub mod abi {
         pub nimg: i64,
         pub img: *const f32,
         pub img_rows: *const i64,
+        pub aux: *mut f32,
     }
 }
 
@@ -245,6 +274,7 @@ mod tests {
             ("nimg", offset_of!(StepArgs, nimg)),
             ("img", offset_of!(StepArgs, img)),
             ("img_rows", offset_of!(StepArgs, img_rows)),
+            ("aux", offset_of!(StepArgs, aux)),
         ];
         assert_eq!(offsets.len(), STEP_FIELDS.len(), "a field of the list without its offset here");
         for (k, (&(field, off), (name, _))) in offsets.iter().zip(STEP_FIELDS).enumerate() {
@@ -276,9 +306,11 @@ mod tests {
             tensors: vec![TensorSlot { name: "w".into(), shape: vec![2, 8], dtype: DType::BF16 }],
             caches: vec![CacheSlot { layer: 1, kind: "key".into(), width: 8, bytes: 4 }],
             vision: Some(VisionMeta { patch_row: 1176, merge: 4, image_token: 200025 }),
+            aux_slots: 3,
+            draft: Some(DraftMeta { vocab: 8, config_sha256: "d".into() }),
         };
         assert_eq!(StageMeta::parse(m.to_json().as_bytes()).unwrap(), m);
-        assert_eq!(m.x_words(), 4);
+        assert_eq!((m.x_words(), m.carry_words()), (4, 16));
         assert!(StageMeta::parse(b"{").unwrap_err().contains("damaged"));
     }
 }

@@ -52,6 +52,9 @@ pub struct StageArgs {
     pub trace: bool,
     /// Speculative decoding by prompt lookup (`--speculative ngram:K:MIN:MAX`).
     pub speculative: Option<crate::speculative::Ngram>,
+    /// Speculative decoding by the EAGLE3 draft head compiled into the last
+    /// stage (`--eagle3 K --draft-model DIR`).
+    pub eagle3: Option<crate::speculative::Eagle3Run>,
 }
 
 /// Where a stage's weights come from: a checkpoint or a seed, never both.
@@ -183,7 +186,19 @@ impl StageArgs {
             grammar: None,
             trace: false,
             speculative: None,
+            eagle3: None,
         }
+    }
+
+    /// Speculative decoding as `--speculative-config` says: prompt lookup,
+    /// or the EAGLE3 head compiled into the last stage.
+    pub fn set_speculation(&mut self, c: Option<crate::speculative::SpeculativeConfig>) {
+        use crate::speculative::{Eagle3Run, SpeculativeConfig};
+        (self.speculative, self.eagle3) = match c {
+            None => (None, None),
+            Some(SpeculativeConfig::Ngram(n)) => (Some(n), None),
+            Some(SpeculativeConfig::Eagle3 { model, tokens }) => (None, Some(Eagle3Run { tokens, model })),
+        };
     }
 
     /// The command line that [`StageArgs::parse`] reads back as `self`.
@@ -222,6 +237,8 @@ impl StageArgs {
             ("--prefill-gemm", Some(if self.gpu.prefill_gemm_vendor { "vendor" } else { "off" }.to_string())),
             ("--eos-ids", (!self.eos_ids.is_empty()).then(|| ids(&self.eos_ids))),
             ("--speculative", self.speculative.map(|n| n.encode())),
+            ("--eagle3", self.eagle3.as_ref().map(|e| e.tokens.to_string())),
+            ("--draft-model", self.eagle3.as_ref().map(|e| path(&e.model))),
         ] {
             if let Some(v) = value {
                 flag(name, v);
@@ -272,7 +289,7 @@ pub fn parse_fraction(v: &str) -> Result<f64, String> {
 
 pub const USAGE: &str = "usage: stage-K (--model DIR | --synthetic-weights SEED) ((--prompt-ids 1,2,3 [--prompt-ids ...] | --prompts FILE | --stdin-prompts N) \
 --max-new-tokens N | --serve) [--micro-batch SEQS] [--kv-blocks N | --kv-fraction F] [--prefill-chunk TOKENS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S] [--graphs on|off] [--prefix-caching on|off] [--prefill-gemm vendor|off] [--stream-ids] \
-[--temperature T] [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S] [--eos-ids 1,2] [--stop HEX ...] [--seq-sampling SEQ:temperature=T,... ...] [--images FILE.safetensors] [--speculative ngram:K:MIN:MAX[:BATCH]]";
+[--temperature T] [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S] [--eos-ids 1,2] [--stop HEX ...] [--seq-sampling SEQ:temperature=T,... ...] [--images FILE.safetensors] [--speculative ngram:K:MIN:MAX[:BATCH] | --eagle3 K --draft-model DIR]";
 
 use crate::prompts::{parse_count, parse_ids, parse_prompts_file, parse_timeout_s};
 use crate::sampling::SamplingParams;
@@ -333,6 +350,7 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
     // The ways of giving prompts, settled into one `Prompts` at the end.
     let (mut ids, mut file, mut stdin, mut serve) = (Vec::new(), None, None, false);
     let mut seq_sampling_text = Vec::new();
+    let (mut eagle3_tokens, mut draft_model) = (None, None);
     // Flags that shape each request, which requests on standard input bring themselves.
     let mut per_request: Vec<String> = Vec::new();
     let mut it = args.iter();
@@ -395,6 +413,11 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
             }
             "--seq-sampling" => seq_sampling_text.push(value("--seq-sampling")?),
             "--speculative" => a.speculative = Some(crate::speculative::Ngram::parse(&value("--speculative")?)?),
+            "--eagle3" => {
+                let v = value("--eagle3")?;
+                eagle3_tokens = Some(crate::speculative::parse_draft_tokens(&v).map_err(|e| format!("--eagle3: {e}"))?);
+            }
+            "--draft-model" => draft_model = Some(PathBuf::from(value("--draft-model")?)),
             other => {
                 // A sampling field, by its own name (`--top-k K`).
                 let field = other.strip_prefix("--").map(|f| f.replace('-', "_")).unwrap_or_default();
@@ -436,6 +459,14 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
         (None, Some(f)) => PoolSize::Fraction(f),
         (Some(_), Some(_)) => return Err("give --kv-blocks or --kv-fraction, not both".into()),
     };
+    a.eagle3 = match (eagle3_tokens, draft_model) {
+        (Some(tokens), Some(model)) => Some(crate::speculative::Eagle3Run { tokens, model }),
+        (None, None) => None,
+        _ => return Err("--eagle3 K and --draft-model DIR go together".into()),
+    };
+    if a.eagle3.is_some() && a.speculative.is_some() {
+        return Err("give --speculative or --eagle3, not both".into());
+    }
     a.weights = match (model, synthetic) {
         (Some(dir), None) => Weights::Checkpoint(dir),
         (None, Some(seed)) => Weights::Synthetic(seed),
@@ -491,7 +522,16 @@ mod tests {
         let mut s = StageArgs::new(PathBuf::from("m"));
         s.prompts = Prompts::Served;
         s.micro_batch = Some(32);
-        assert_eq!(StageArgs::parse(&s.to_args()), Ok(s));
+        s.eagle3 = Some(crate::speculative::Eagle3Run { tokens: 3, model: PathBuf::from("/drafts/e 3") });
+        assert_eq!(StageArgs::parse(&s.to_args()), Ok(s.clone()));
+        // One method at a time, and EAGLE3's two flags together.
+        s.speculative = a.speculative;
+        assert_eq!(StageArgs::parse(&s.to_args()), Err("give --speculative or --eagle3, not both".into()));
+        let served = ["--model", "m", "--serve"].map(String::from);
+        for extra in [&["--eagle3", "3"][..], &["--draft-model", "d"], &["--eagle3", "0", "--draft-model", "d"]] {
+            let args = [&served[..], &extra.iter().map(|s| s.to_string()).collect::<Vec<_>>()].concat();
+            assert!(StageArgs::parse(&args).is_err(), "{extra:?}");
+        }
         // The older, vendor-named spellings mean what the neutral ones do.
         let base = ["--model", "m", "--serve"].map(String::from).to_vec();
         let with = |extra: &[&str]| StageArgs::parse(&[base.clone(), extra.iter().map(|s| s.to_string()).collect()].concat());

@@ -102,7 +102,19 @@ pub fn indent(body: &str, n: usize) -> String {
 /// that writes each result `%o` (it may use `%i`, the position in the span,
 /// and `%c`, the column). Needs `%c0`, `%c1`, `%zero`, `%one`, `%n` (the width
 /// as f32) and `%eps` in scope. `%x` holds values stored as `act`.
-pub fn gemma_norm_span(xty: &str, act: crate::Storage, base: &str, width: &str, wty: &str, weight: WeightType, store: &str) -> String {
+/// `offset` is `%one` for Gemma's `(1 + w)` and `%zero` for a plain RMSNorm's
+/// `w` (`0 + w` is `w` exactly, so the two share one body).
+#[allow(clippy::too_many_arguments)]
+pub fn gemma_norm_span(
+    xty: &str,
+    act: crate::Storage,
+    base: &str,
+    width: &str,
+    wty: &str,
+    weight: WeightType,
+    offset: &str,
+    store: &str,
+) -> String {
     let load = indent(&load_f32("%v", "%x", xty, "%r", "%c", act), 2);
     format!(
         "%ss = scf.for %i = %c0 to {width} step %c1 iter_args(%acc = %zero) -> (f32) {{\n\
@@ -119,7 +131,7 @@ pub fn gemma_norm_span(xty: &str, act: crate::Storage, base: &str, width: &str, 
          \x20 %c = arith.addi {base}, %i : index\n\
          {load}\
          {wload}\
-         \x20 %s = arith.addf %one, %wf : f32\n\
+         \x20 %s = arith.addf {offset}, %wf : f32\n\
          \x20 %t = arith.mulf %v, %rs : f32\n\
          \x20 %o = arith.mulf %t, %s : f32\n\
          {store}\

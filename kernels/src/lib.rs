@@ -184,6 +184,7 @@ kernels! {
     layer_norm::LayerNorm,
     bias_act::BiasAct,
     axial_rope::AxialRope,
+    copy_cols::CopyCols,
 }
 
 impl Kernel {

@@ -18,16 +18,25 @@ fn samples() -> Vec<(&'static str, Kernel)> {
     let mx = WeightType::Mxfp8 { block: 32 };
     let sel = SparseSel { index_heads: 2, index_dim: 16, block: 4, topk: 3, local: 1, init: 1 };
     vec![
-        ("rms_norm", RmsNorm { width: 64, eps: 1e-6, weight: bf16, act: f }.into()),
-        ("rms_norm_abf16", RmsNorm { width: 64, eps: 1e-6, weight: bf16, act: b }.into()),
+        ("rms_norm", RmsNorm { width: 64, eps: 1e-6, weight: bf16, act: f, gemma: true }.into()),
+        ("rms_norm_abf16", RmsNorm { width: 64, eps: 1e-6, weight: bf16, act: b, gemma: true }.into()),
         ("linear_scalar", Linear { inp: 44, out: 8, weight: bf16, act: f, out_act: f }.into()),
         ("linear_vector_mxfp8", Linear { inp: 64, out: 8, weight: mx, act: f, out_act: f }.into()),
         ("linear_logits_abf16", Linear { inp: 64, out: 8, weight: bf16, act: b, out_act: f }.into()),
-        ("head_norm_rope", HeadNormRope { heads: 2, head_dim: 32, rotary_dim: 16, theta: 1e4, eps: 1e-6, weight: bf16, act: f }.into()),
+        (
+            "head_norm_rope",
+            HeadNormRope { heads: 2, head_dim: 32, rotary_dim: 16, theta: 1e4, eps: 1e-6, weight: bf16, act: f, norm: true }.into(),
+        ),
         ("swiglu_oai", SwiGluOai { width: 32, alpha: 1.702, limit: 7.0, beta: 1.0, act: f }.into()),
         ("sample", Sample { width: 40 }.into()),
         ("embedding", Embedding { vocab: 10, width: 32, weight: bf16, act: f }.into()),
         ("add", Add { width: 32, act: f }.into()),
+        ("copy_cols", CopyCols { width: 16, into: 48, offset: 16, act: b }.into()),
+        ("rms_norm_plain", RmsNorm { width: 64, eps: 1e-6, weight: bf16, act: f, gemma: false }.into()),
+        (
+            "rope_without_norm",
+            HeadNormRope { heads: 2, head_dim: 32, rotary_dim: 32, theta: 1e4, eps: 0.0, weight: bf16, act: f, norm: false }.into(),
+        ),
         ("scatter_rows_kvbf16", ScatterRows { width: 32, paged: Some(4), cache: b, act: f }.into()),
         ("scatter_rows_image", ScatterRows { width: 32, paged: None, cache: f, act: f }.into()),
         ("to_bf16", ToBf16 { width: 32 }.into()),

@@ -128,11 +128,13 @@ pub(crate) struct LastBooks {
     pub grammars: GrammarSource,
     /// Masks computed, and the seconds they took (structured output).
     pub masks: (usize, f64),
+    /// The EAGLE3 draft head's proposer, on a last stage that has one.
+    pub drafter: Option<crate::draft::Drafter>,
 }
 
 impl LastBooks {
     pub fn new(want_logits: bool, on_bad: OnNonFinite, grammars: GrammarSource) -> LastBooks {
-        LastBooks { live: HashMap::new(), want_logits, finished: BTreeMap::new(), on_bad, grammars, masks: (0, 0.0) }
+        LastBooks { live: HashMap::new(), want_logits, finished: BTreeMap::new(), on_bad, grammars, masks: (0, 0.0), drafter: None }
     }
 
     /// A sequence joins.
@@ -169,6 +171,21 @@ impl LastBooks {
                 bias,
             },
         );
+    }
+
+    /// The token at position `pos` of sequence `seq` (prompt, then what it
+    /// generated so far), if it has one yet.
+    pub fn token_at(&self, seq: usize, pos: usize) -> Option<i64> {
+        let r = &self.live.get(&seq)?.record;
+        match pos.checked_sub(r.prompt.len()) {
+            None => r.prompt.get(pos).copied(),
+            Some(g) => r.generated.get(g).copied(),
+        }
+    }
+
+    /// Tokens sequence `seq` may still generate.
+    pub fn remaining(&self, seq: usize) -> usize {
+        self.live.get(&seq).map_or(0, |b| b.max_new.saturating_sub(b.record.generated.len()))
     }
 
     /// A sequence leaves; its record is kept when logits are wanted.
@@ -333,7 +350,7 @@ impl LastBooks {
                 r.decode_logits.extend_from_slice(&rows[(s.rows - 1) * vocab..]);
             }
         }
-        Ok(Drawn { tokens: token.into_iter().collect(), prompt })
+        Ok(Drawn { tokens: token.into_iter().collect(), prompt, proposals: Vec::new() })
     }
 
     /// A verify segment: row j drew the token after draft j - 1; its draws
@@ -379,7 +396,7 @@ impl LastBooks {
                 break;
             }
         }
-        Ok(Drawn { tokens, prompt: Vec::new() })
+        Ok(Drawn { tokens, prompt: Vec::new(), proposals: Vec::new() })
     }
 }
 

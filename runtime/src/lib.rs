@@ -19,6 +19,7 @@ macro_rules! say {
 mod args;
 mod books;
 mod device;
+mod draft;
 mod error;
 mod follow;
 mod kv;
@@ -336,7 +337,14 @@ fn stage_main(
 fn load_weights(meta: &meta::StageMeta, args: &args::RunArgs) -> Result<weights::StageWeights, StageError> {
     use m3c_contract::stage_args::Weights;
     let w = match &args.weights {
-        Weights::Checkpoint(model) => weights::check_config(model, meta).and_then(|_| weights::StageWeights::open(model, meta))?,
+        Weights::Checkpoint(model) => {
+            let draft = args.eagle3.as_ref().map(|e| e.model.as_path());
+            weights::check_config(model, meta)?;
+            if let Some(d) = draft {
+                weights::check_draft_config(d, meta)?;
+            }
+            weights::StageWeights::open(model, draft, meta)?
+        }
         Weights::Synthetic(seed) => weights::StageWeights::synthetic(meta, *seed),
     };
     if let (true, Some(file)) = (meta.last_stage, &args.dump) {

@@ -42,6 +42,16 @@ pub fn run(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Stage, args: 
     let mut grammars = crate::books::GrammarSource::new(args.weights.checkpoint().cloned(), st.meta.vocab, eos);
     grammars.eos_ids = args.eos_ids.clone();
     let mut books = LastBooks::new(want_logits, on_bad, grammars);
+    // The last stage drafts when it holds an EAGLE3 head and the run asks for it.
+    if let (Some(d), Some(e)) = (&st.meta.draft, args.eagle3.as_ref().filter(|_| !want_logits)) {
+        let dir = args.weights.checkpoint().map(|_| e.model.as_path());
+        books.drafter = Some(crate::draft::Drafter::load(dir, d.vocab, st.meta.vocab, e.tokens)?);
+    }
+    if args.eagle3.is_some() && st.meta.aux_slots == 0 {
+        return Err(StageError::Step(
+            "EAGLE3 speculation needs stages compiled with its draft head (`m3c compile --speculative-config '{\"method\": \"eagle3\", ...}'`)".into(),
+        ));
+    }
     if !st.meta.first_stage {
         crate::follow::follow(world, peers, st, &mut books)?;
     } else if args.serving() {
@@ -61,6 +71,7 @@ pub fn run(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Stage, args: 
             prefix_caching: args.kv.prefix_caching,
             // A dump records one row per step: it is taken without speculation.
             speculative: args.speculative.filter(|_| !want_logits),
+            eagle3: args.eagle3.as_ref().filter(|_| !want_logits).map(|e| e.tokens),
         };
         let per_batch = batching.per_batch;
         Leader::new(st, batching, args.weights.checkpoint().cloned()).run(world, peers, st, &mut books, &mut feed)?;

@@ -85,6 +85,9 @@ pub(crate) struct Batching {
     /// Speculative decoding by prompt lookup (never with `score_last`,
     /// whose records hold one row per step).
     pub speculative: Option<m3c_contract::speculative::Ngram>,
+    /// Speculative decoding by the last stage's EAGLE3 head: at most this
+    /// many drafts per step, which come back with each step's ids.
+    pub eagle3: Option<usize>,
 }
 
 /// A live sequence.
@@ -131,6 +134,8 @@ struct Live {
     /// draft is one longer, at most K, so rows a draft would likely lose
     /// are not computed.
     spec_kept: f32,
+    /// The EAGLE3 head's proposals for its next step (from its last step's ids).
+    proposals: Vec<i64>,
 }
 
 impl Live {
@@ -444,7 +449,8 @@ impl Leader {
                 drafts: Vec::new(),
                 spec_skip: 0,
                 spec_misses: 0,
-                spec_kept: self.batching.speculative.map_or(0.0, |n| n.tokens as f32),
+                spec_kept: self.batching.speculative.map(|n| n.tokens).or(self.batching.eagle3).unwrap_or(0) as f32,
+                proposals: Vec::new(),
             },
         );
         self.waiting.push_back(a.seq);
@@ -542,20 +548,25 @@ impl Leader {
             // A decode step verifies a draft when one is proposed, at most
             // the tokens the sequence may still generate less the one the
             // step draws anyway.
-            let draft = match speculative {
-                Some(ngram) if l.chunks.is_empty() && !self.batching.score_last && !l.cancelled && l.spec_skip == 0 => {
-                    let adaptive = l.spec_kept.ceil() as usize + 1;
-                    ngram.propose(&l.ids, l.max_new.saturating_sub(l.generated + 1).min(adaptive))
-                }
+            let drafting = l.chunks.is_empty() && !self.batching.score_last && !l.cancelled && l.spec_skip == 0;
+            let cap = l.max_new.saturating_sub(l.generated + 1).min(l.spec_kept.ceil() as usize + 1);
+            let draft = match (speculative, self.batching.eagle3) {
+                (Some(ngram), _) if drafting => ngram.propose(&l.ids, cap),
+                (None, Some(_)) if drafting => l.proposals.iter().copied().take(cap).collect(),
                 _ => Vec::new(),
             };
             item.extend_from_slice(&draft);
+            // The EAGLE3 head writes its own rows up to K − 1 positions past
+            // the step's: blocks for them come now, while the pool has them.
+            let ahead = self.batching.eagle3.map_or(0, |k| k.saturating_sub(1));
             // The blocks its positions reach; when the pool is out of them,
             // a draft is dropped first, then the newest running sequence
             // not in flight gives its back.
             loop {
                 let l = self.live.get_mut(&seq).ok_or_else(|| StageError::Step(format!("runtime bug: sequence {seq} vanished")))?;
-                if self.kv.grow(&mut l.kv, pos0 + item.len()) {
+                let reach = (pos0 + item.len() + ahead).min(l.prompt_len + l.max_new + 1);
+                if self.kv.grow(&mut l.kv, reach) || (ahead > 0 && reach > pos0 + item.len() && self.kv.grow(&mut l.kv, pos0 + item.len()))
+                {
                     break;
                 }
                 if item.len() > 1 && l.chunks.is_empty() {
@@ -602,11 +613,12 @@ impl Leader {
         if drafts.iter().all(Vec::is_empty) {
             drafts.clear();
         }
-        let mut x = vec![0f32; ids.len() * st.meta.x_words()];
+        let mut x = vec![0f32; ids.len() * st.meta.carry_words()];
         if self.stages == 1 {
             let sample = books.sample_in(&segs, &drafts, st.meta.vocab)?;
             let out = st.step(&segs, &ids, &mut x, Some(sample), !drafts.is_empty())?;
-            let got = books.finish(&segs, &drafts, &out, st.meta.vocab, 0)?;
+            let mut got = books.finish(&segs, &drafts, &out, st.meta.vocab, 0)?;
+            crate::draft::attach(st, books, &segs, &drafts, &mut got, &x)?;
             self.returned(world, st, books, feed, &segs, &got)?;
             return Ok(true);
         }
@@ -662,6 +674,7 @@ impl Leader {
             }
             let l = self.live.get_mut(&s.seq).ok_or_else(|| StageError::Step(format!("ids for sequence {}, which is not live", s.seq)))?;
             l.busy = false;
+            l.proposals.clone_from(&d.proposals);
             let drafts = std::mem::take(&mut l.drafts);
             // The step reached its next draw (else it was a prefill chunk
             // before the prompt's last, or recomputed a resumed sequence's rows).

@@ -68,6 +68,7 @@ pub(crate) fn batching(args: &RunArgs) -> Batching {
         score_last: false,
         prefix_caching: args.kv.prefix_caching,
         speculative: args.speculative,
+        eagle3: args.eagle3.as_ref().map(|e| e.tokens),
     }
 }
 

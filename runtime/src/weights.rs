@@ -45,22 +45,62 @@ pub fn check_config(dir: &Path, meta: &StageMeta) -> Result<(), StageError> {
     Ok(())
 }
 
+/// Slot names of an EAGLE3 draft head's tensors start with this (the
+/// compiler's `graph::draft::PREFIX`).
+pub const DRAFT_PREFIX: &str = "draft/";
+
+/// sha256 of the draft's `config.json`, which must equal the one its head
+/// was compiled from.
+pub fn check_draft_config(dir: &Path, meta: &StageMeta) -> Result<(), StageError> {
+    let Some(d) = &meta.draft else { return Ok(()) };
+    let cfg = dir.join("config.json");
+    let bytes = m3c_contract::input::read_bytes(&cfg, "draft config", m3c_contract::input::limits::CONFIG)
+        .map_err(|e| StageError::Weights(format!("EAGLE3 draft {}: {e}", dir.display())))?;
+    let hash = hex(&Sha256::digest(&bytes));
+    if hash != d.config_sha256 {
+        return Err(StageError::Weights(format!(
+            "EAGLE3 draft {}: {} is not the draft these stages were compiled with (sha256 {}…, compiled for {}…); \
+             recompile with `m3c compile --speculative-config` naming this draft",
+            dir.display(),
+            cfg.display(),
+            &hash[..12],
+            &d.config_sha256[..12.min(d.config_sha256.len())]
+        )));
+    }
+    Ok(())
+}
+
 pub fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 impl StageWeights {
-    /// Finds, checks and maps every tensor of the stage. All problems are
-    /// reported together.
-    pub fn open(dir: &Path, meta: &StageMeta) -> Result<StageWeights, StageError> {
+    /// Finds, checks and maps every tensor of the stage: the target's from
+    /// `dir`, an EAGLE3 draft head's (slots named `draft/…`) from `draft`,
+    /// or, without one, none of the head's (its entries never run then:
+    /// the stage decodes without speculation). All problems are reported
+    /// together.
+    pub fn open(dir: &Path, draft: Option<&Path>, meta: &StageMeta) -> Result<StageWeights, StageError> {
         // The contract's reader: exactly what `m3c inspect` accepts.
         let layout = CheckpointLayout::open(dir).map_err(|e| StageError::Weights(e.to_string()))?;
+        let draft_layout = match (meta.draft.is_some(), draft) {
+            (true, Some(d)) => Some(CheckpointLayout::open(d).map_err(|e| StageError::Weights(e.to_string()))?),
+            _ => None,
+        };
         let mut problems = Vec::new();
         let mut entries = Vec::new();
         for slot in &meta.tensors {
+            let (layout, dir, name) = match (slot.name.strip_prefix(DRAFT_PREFIX), &draft_layout, draft) {
+                (Some(n), Some(l), Some(d)) => (l, d, n),
+                (Some(_), _, _) => {
+                    entries.push(None);
+                    continue;
+                }
+                _ => (&layout, dir, slot.name.as_str()),
+            };
             let file = |t: &m3c_contract::TensorLocation| layout.files[t.file].display().to_string();
-            match layout.tensors.get(&slot.name) {
-                None => problems.push(format!("tensor `{}` is missing from the checkpoint in {}", slot.name, dir.display())),
+            match layout.tensors.get(name) {
+                None => problems.push(format!("tensor `{name}` is missing from the checkpoint in {}", dir.display())),
                 Some(e) if e.dtype != slot.dtype || e.shape != slot.shape => problems.push(format!(
                     "tensor `{}` in {} is {} {:?}; the stage was compiled for {} {:?}",
                     slot.name,
@@ -70,7 +110,7 @@ impl StageWeights {
                     slot.dtype.safetensors_name(),
                     slot.shape
                 )),
-                Some(e) => entries.push(e),
+                Some(e) => entries.push(Some((layout, e))),
             }
         }
         if !problems.is_empty() {
@@ -83,10 +123,15 @@ impl StageWeights {
         let mut ptrs = Vec::new();
         let mut sizes = Vec::new();
         let mut bytes = 0;
-        let mut files: HashMap<usize, File> = HashMap::new();
-        for e in entries {
+        let mut files: HashMap<std::path::PathBuf, File> = HashMap::new();
+        for entry in entries {
+            let Some((layout, e)) = entry else {
+                ptrs.push(std::ptr::null());
+                sizes.push(0);
+                continue;
+            };
             let path = &layout.files[e.file];
-            let file = match files.get(&e.file) {
+            let file = match files.get(path) {
                 Some(f) => f,
                 None => {
                     let f = File::open(path).map_err(|err| StageError::Weights(format!("{}: {err}", path.display())))?;
@@ -100,7 +145,7 @@ impl StageWeights {
                             layout.file_sizes[e.file]
                         )));
                     }
-                    files.entry(e.file).or_insert(f)
+                    files.entry(path.clone()).or_insert(f)
                 }
             };
             let base = e.start / page * page;

@@ -49,8 +49,8 @@ pub struct Options {
     pub launch: m3c_front::launch::Launch,
     /// Where `POST /debug/trace` writes its timelines (`None`: no tracing).
     pub trace_dir: Option<PathBuf>,
-    /// Speculative decoding by prompt lookup.
-    pub speculative: Option<m3c_contract::speculative::Ngram>,
+    /// Speculative decoding (`--speculative-config`).
+    pub speculative: Option<m3c_contract::speculative::SpeculativeConfig>,
 }
 
 /// What the OpenAI API itself is asked for, beside the pipeline behind it.
@@ -135,7 +135,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
     stage.timeout_s = o.timeout_s;
     stage.gpu = o.gpu;
     stage.eos_ids = gen.eos_ids.clone();
-    stage.speculative = o.speculative;
+    stage.set_speculation(o.speculative.clone());
     // The stages' KV pools; admission then counts against exactly what the
     // pools hold (0 blocks: the stages size them, by --kv-fraction).
     let kv_block = compiled.manifest.kv_block as u64;

@@ -309,7 +309,7 @@ fn rowwise_gpu_kernels_match_the_host() {
     for (target, act) in [(&GpuTarget::CUDA, Storage::F32), (&GpuTarget::CUDA, Storage::Bf16), (&GpuTarget::ROCM, Storage::F32)] {
         let a = |salt, out| act_rows(rows, 96, act, salt, out);
         // RMSNorm
-        let k = Kernel::RmsNorm(m3c_kernels::RmsNorm { width: 96, eps: 1e-6, weight: WeightType::BF16, act });
+        let k = Kernel::RmsNorm(m3c_kernels::RmsNorm { width: 96, eps: 1e-6, weight: WeightType::BF16, act, gemma: true });
         let o = run_both_on(target, &k, rows, &[a(1, false), buf(&bits16(&vals(96, 4, 0.3)), &[96], "memref<96xbf16>", false), a(2, true)]);
         agree(&k.symbol(), &o[0].0, &o[0].1, act, 1e-5);
         // add, in place as the residual add runs
@@ -362,6 +362,7 @@ fn rowwise_gpu_kernels_match_the_host() {
             eps: 1e-6,
             weight: WeightType::BF16,
             act,
+            norm: true,
         });
         let pos: Vec<i64> = vec![0, 5, 150_000]; // angles up to 150 000 rad: a long range reduction
         let o = run_both_on(
@@ -675,7 +676,7 @@ fn gpu_stage_logits(plan_head: &str, model: &str, act: Storage, gemm: bool, deco
     .unwrap();
     let plan = m3c_compiler::plan::load_plan(&plan_file, Some(cfg)).unwrap();
     let storages = m3c_compiler::lower::Storages { kv_cache: Storage::F32, activations: act };
-    let prog = m3c_compiler::compile::lower_all(cfg, &plan, storages).unwrap().remove(0);
+    let prog = m3c_compiler::compile::lower_all(cfg, &plan, storages, None).unwrap().remove(0);
     let mut g = Gpu::new(&prog.mlir).unwrap();
     g.gemm = gemm;
     let ck = m3c_compiler::weights::Checkpoint::open(&dir).unwrap();
@@ -881,7 +882,7 @@ fn vision_golden(plan_head: &str) {
     std::fs::write(&plan_file, format!("{plan_head}stages:\n  - layers: \"0-7\"\n")).unwrap();
     let plan = m3c_compiler::plan::load_plan(&plan_file, Some(cfg)).unwrap();
     let storages = m3c_compiler::lower::Storages { kv_cache: Storage::F32, activations: Storage::F32 };
-    let prog = m3c_compiler::compile::lower_all(cfg, &plan, storages).unwrap().remove(0);
+    let prog = m3c_compiler::compile::lower_all(cfg, &plan, storages, None).unwrap().remove(0);
     let mut g = Gpu::new(&prog.mlir).unwrap();
     let ck = m3c_compiler::weights::Checkpoint::open(&dir).unwrap();
     let table: Vec<u64> = prog.tensors.iter().map(|t| g.mem.put(ck.bytes(&ck.tensors[&t.name]))).collect();
@@ -999,7 +1000,7 @@ impl CudaPipeline {
         std::fs::write(tmp.path().join("plan.yaml"), yaml).unwrap();
         let plan = m3c_compiler::plan::load_plan(&tmp.path().join("plan.yaml"), Some(cfg)).unwrap();
         let progs =
-            m3c_compiler::compile::lower_all(cfg, &plan, m3c_compiler::lower::Storages { kv_cache: Storage::F32, activations: act })
+            m3c_compiler::compile::lower_all(cfg, &plan, m3c_compiler::lower::Storages { kv_cache: Storage::F32, activations: act }, None)
                 .unwrap();
         let ck = m3c_compiler::weights::Checkpoint::open(&dir).unwrap();
         let stages = progs

@@ -90,7 +90,7 @@ fn rms_norm_and_bf16_linear_match_reference() {
     let get = |n: &str| ck.bytes(&ck.tensors[n]);
     let norm_w = bf16s(get("language_model.model.layers.0.input_layernorm.weight"));
     let q_w = bf16s(get("language_model.model.layers.0.self_attn.q_proj.weight"));
-    let norm = Kernel::RmsNorm(m3c_kernels::RmsNorm { width: 128, eps: 1e-6, weight: WeightType::BF16, act: Storage::F32 });
+    let norm = Kernel::RmsNorm(m3c_kernels::RmsNorm { width: 128, eps: 1e-6, weight: WeightType::BF16, act: Storage::F32, gemma: true });
     let lin = lin_f32(128, 256, WeightType::BF16);
     let lib = build(&[norm.clone(), lin.clone(), norm.clone()], dir.path());
     let rows = 5;
@@ -208,6 +208,7 @@ fn head_norm_rope_matches_reference() {
         eps: 1e-6,
         weight: WeightType::BF16,
         act: Storage::F32,
+        norm: true,
     });
     let lib = build(std::slice::from_ref(&k), dir.path());
     let rows = 4;
@@ -734,7 +735,7 @@ fn bf16_twins() -> Vec<[Kernel; 2]> {
         twins(&lin(WeightType::Mxfp8 { block: 32 }, None)),
         twins(&lin(WeightType::Mxfp8 { block: 4 }, None)),
         twins(&lin(WeightType::BF16, Some(f))),
-        twins(&|a| Kernel::RmsNorm(m3c_kernels::RmsNorm { width: 128, eps: 1e-6, weight: WeightType::BF16, act: a })),
+        twins(&|a| Kernel::RmsNorm(m3c_kernels::RmsNorm { width: 128, eps: 1e-6, weight: WeightType::BF16, act: a, gemma: true })),
         twins(&|a| {
             Kernel::HeadNormRope(m3c_kernels::HeadNormRope {
                 heads: 4,
@@ -744,6 +745,7 @@ fn bf16_twins() -> Vec<[Kernel; 2]> {
                 eps: 1e-6,
                 weight: WeightType::BF16,
                 act: a,
+                norm: true,
             })
         }),
         twins(&|a| Kernel::SwiGluOai(m3c_kernels::SwiGluOai { width: 128, alpha: 1.702, limit: 7.0, beta: 1.0, act: a })),

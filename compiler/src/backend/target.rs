@@ -99,9 +99,12 @@ impl Backend for Host {
 
     fn compile_unit(&self, unit: &Unit, cpu: &str, _work: &Path) -> Result<UnitCode> {
         // A kernel unit exports the kernel (and its C wrapper); the entry
-        // unit the two entries the runtime calls.
+        // unit the entries the runtime calls.
         let exports = match unit.stage {
-            Some(_) => vec![crate::lower::ENTRY_SYMBOL.to_string(), crate::lower::VISION_SYMBOL.to_string()],
+            Some(_) => {
+                use m3c_contract::stage::abi::{DRAFT_FIRST, DRAFT_NEXT};
+                [crate::lower::ENTRY_SYMBOL, crate::lower::VISION_SYMBOL, DRAFT_FIRST, DRAFT_NEXT].map(String::from).to_vec()
+            }
             None => vec![unit.name.clone(), format!("_mlir_ciface_{}", unit.name)],
         };
         let art = host::compile_unit(&unit.mlir, cpu, &exports).with_context(|| format!("{}: back end", unit_label(unit)))?;

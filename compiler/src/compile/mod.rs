@@ -17,7 +17,8 @@ pub use m3c_contract::manifest::{sha256_hex, Manifest, StageEntry};
 use crate::backend::{Backend, Unit, UnitCode};
 use crate::config::ModelConfig;
 use crate::graph::build_graph;
-use crate::lower::{lower_stage, Boundary, StageProgram, Storages};
+use crate::lower::{lower_stage, Boundary, DraftPart, StageProgram, Storages};
+use crate::plan::draft::DraftHead;
 use crate::plan::Plan;
 use anyhow::{Context, Result};
 use cache::unit_hash;
@@ -48,6 +49,9 @@ pub struct CompileRequest<'a> {
     pub runtime_lib: PathBuf,
     /// The object cache's folder (see [`cache`]); `None` compiles every unit.
     pub cache: Option<PathBuf>,
+    /// An EAGLE3 draft head compiled into the last stage (the target's
+    /// stages then carry its aux states).
+    pub draft: Option<&'a DraftHead>,
 }
 
 /// A finished compile: the manifest written, and how many distinct units
@@ -131,6 +135,7 @@ fn stage_meta(
     target: &Target,
     device: Option<usize>,
     act: m3c_kernels::Storage,
+    draft_sha: Option<&str>,
 ) -> String {
     use m3c_contract::stage::StageMeta;
     StageMeta {
@@ -156,6 +161,8 @@ fn stage_meta(
             merge: v.merge,
             image_token: vc.image_token_id as i64,
         }),
+        aux_slots: p.aux_slots,
+        draft: p.draft.as_ref().zip(draft_sha).map(|(d, sha)| m3c_contract::stage::DraftMeta { vocab: d.vocab, config_sha256: sha.into() }),
     }
     .to_json()
 }
@@ -202,7 +209,7 @@ fn meta_globals(json: &str) -> String {
 
 /// Lowers every stage of `plan` for its target (no back end): what
 /// `--emit mlir` shows and what the compile id hashes.
-pub fn lower_all(cfg: &ModelConfig, plan: &Plan, storages: Storages) -> Result<Vec<StageProgram>> {
+pub fn lower_all(cfg: &ModelConfig, plan: &Plan, storages: Storages, draft: Option<&DraftHead>) -> Result<Vec<StageProgram>> {
     // bf16 rows travel between stages as f32 words (MPI, NCCL), two to a word.
     if storages.activations == m3c_kernels::Storage::Bf16 && !cfg.text.hidden_size.is_multiple_of(2) {
         anyhow::bail!(
@@ -211,9 +218,22 @@ pub fn lower_all(cfg: &ModelConfig, plan: &Plan, storages: Storages) -> Result<V
             cfg.source.display()
         );
     }
-    let graph = build_graph(cfg);
+    let mut graph = build_graph(cfg);
+    if let Some(d) = draft {
+        crate::graph::draft::tap_aux_states(&mut graph, &d.aux_layers).map_err(|e| anyhow::anyhow!("{}: {e}", cfg.source.display()))?;
+    }
     let backend = crate::backend::backend(&plan.target);
-    plan.stages.iter().enumerate().map(|(i, s)| Ok(lower_stage(cfg, &graph, i, s, &*backend, storages)?)).collect()
+    let last = plan.stages.len().saturating_sub(1);
+    let aux_slots = draft.map_or(0, |d| d.aux_layers.len());
+    plan.stages
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            // The head runs on the last stage, where the target's tokens are drawn.
+            let part = DraftPart { aux_slots, head: draft.filter(|_| i == last) };
+            Ok(lower_stage(cfg, &graph, i, s, &*backend, storages, part)?)
+        })
+        .collect()
 }
 
 pub fn compile(req: &CompileRequest) -> Result<Compiled> {
@@ -227,7 +247,15 @@ pub fn compile(req: &CompileRequest) -> Result<Compiled> {
     let mut plan = req.plan.clone();
     plan.model = None;
     let plan_json = serde_json::to_string(&plan).context("plan serialisation")?;
-    let programs = lower_all(cfg, req.plan, req.storages)?;
+    let programs = lower_all(cfg, req.plan, req.storages, req.draft)?;
+    // The draft's config by content (its folder's path is no input).
+    let draft_sha = match req.draft {
+        Some(d) => {
+            let file = d.source.join("config.json");
+            sha256_hex(&std::fs::read(&file).with_context(|| format!("cannot read {}", file.display()))?)
+        }
+        None => String::new(),
+    };
 
     // The compile id covers every input: compiler version, target and CPU,
     // the config's bytes, the plan, the runtime library and the generated
@@ -235,7 +263,9 @@ pub fn compile(req: &CompileRequest) -> Result<Compiled> {
     let target_name = req.plan.target.to_string();
     let mut h = Sha256::new();
     let (kv_cache, activations) = (req.storages.kv_cache.name(), req.storages.activations.name());
-    for part in [env!("CARGO_PKG_VERSION"), &target_name, &req.cpu, kv_cache, activations, &config_sha, &plan_json, &runtime_sha] {
+    for part in
+        [env!("CARGO_PKG_VERSION"), &target_name, &req.cpu, kv_cache, activations, &config_sha, &plan_json, &runtime_sha, &draft_sha]
+    {
         h.update((part.len() as u64).to_le_bytes());
         h.update(part.as_bytes());
     }
@@ -269,7 +299,16 @@ pub fn compile(req: &CompileRequest) -> Result<Compiled> {
         }
         // Each stage's metadata, link and files, one thread per core: a
         // stage's executable depends only on its own objects.
-        let job = StageJob { req, stages: n, compile_id: &compile_id, config_sha: &config_sha, codes: &codes, work: &work, dir };
+        let job = StageJob {
+            req,
+            stages: n,
+            compile_id: &compile_id,
+            config_sha: &config_sha,
+            draft_sha: &draft_sha,
+            codes: &codes,
+            work: &work,
+            dir,
+        };
         let jobs: Vec<(&StageProgram, &Vec<Unit>)> = programs.iter().zip(&stage_units).collect();
         for (entry, lines) in parallel_map(&jobs, |_, (p, units)| job.finish(p, units))? {
             report.push_str(&lines);
@@ -295,6 +334,7 @@ struct StageJob<'a> {
     stages: usize,
     compile_id: &'a str,
     config_sha: &'a str,
+    draft_sha: &'a str,
     codes: &'a std::collections::BTreeMap<String, UnitResult>,
     work: &'a Path,
     dir: &'a Path,
@@ -318,6 +358,7 @@ impl StageJob<'_> {
             &req.plan.target,
             device,
             req.storages.activations,
+            Some(self.draft_sha).filter(|s| !s.is_empty()),
         );
         // The metadata is an object of its own: the units' code does not
         // depend on the compile id, so the cache can hold it.

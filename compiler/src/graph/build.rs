@@ -55,7 +55,7 @@ impl<'a> GraphBuilder<'a> {
 
     pub fn norm(&mut self, x: NodeIndex, weight: String, width: usize) -> NodeIndex {
         let eps = self.cfg.text.rms_norm_eps;
-        self.node(Op::RmsNorm { weight, eps }, ty(&[Dim::Tokens, Dim::Fixed(width)], Elem::Act), &[x])
+        self.node(Op::RmsNorm { weight, eps, gemma: true }, ty(&[Dim::Tokens, Dim::Fixed(width)], Elem::Act), &[x])
     }
 
     /// Per-head QK-norm then partial RoPE, as `[S, heads, head_dim]`.

@@ -8,7 +8,17 @@ use std::fmt::Write;
 fn attrs(op: &Op) -> String {
     let q = |b: &Option<usize>| b.map(|b| format!(" mxfp8(block={b})")).unwrap_or_default();
     match op {
-        Op::TokenIds | Op::Positions | Op::Add | Op::Sample | Op::PixelRows | Op::PatchPositions | Op::ImageSegments => String::new(),
+        Op::TokenIds
+        | Op::Positions
+        | Op::Add
+        | Op::Sample
+        | Op::PixelRows
+        | Op::PatchPositions
+        | Op::ImageSegments
+        | Op::AuxRows
+        | Op::DraftHidden
+        | Op::Concat => String::new(),
+        Op::AuxState { slot } => format!(" slot={slot}"),
         Op::LayerNorm { weight, bias, eps } => format!(" w={weight} b={bias} eps={eps:e}"),
         Op::BiasAct { bias, gelu } => format!(" b={bias}{}", if *gelu { " gelu(exact)" } else { "" }),
         Op::AxialRope { heads, head_dim, axis_dim, theta } => format!(" heads={heads} dim={head_dim} axis={axis_dim}x3 theta={theta}"),
@@ -16,7 +26,7 @@ fn attrs(op: &Op) -> String {
         Op::MergePatches { factor } => format!(" factor={factor}"),
         Op::ImageScatter { token } => format!(" token={token}"),
         Op::Embedding { weight } => format!(" w={weight}"),
-        Op::RmsNorm { weight, eps } => format!(" w={weight} eps={eps:e} gemma"),
+        Op::RmsNorm { weight, eps, gemma } => format!(" w={weight} eps={eps:e} {}", if *gemma { "gemma" } else { "plain" }),
         Op::Linear { weight, out, inp, mxfp8_block } => format!(" w={weight} {inp}->{out}{}", q(mxfp8_block)),
         Op::HeadRmsNorm { weight, heads, head_dim, eps } => format!(" w={weight} heads={heads} dim={head_dim} eps={eps:e} gemma"),
         Op::Rope { heads, head_dim, rotary_dim, theta } => format!(" heads={heads} dim={head_dim} rotary={rotary_dim} theta={theta} neox"),
@@ -47,6 +57,7 @@ fn part_title(part: Part, layer_titles: &[String]) -> String {
         Part::FinalNorm => "final norm".into(),
         Part::LmHead => "lm_head".into(),
         Part::Vision => "vision".into(),
+        Part::Draft => "EAGLE3 draft head".into(),
     }
 }
 

@@ -4,6 +4,7 @@
 //! which is how a stage takes its slice of the graph.
 
 pub(crate) mod build;
+pub mod draft;
 mod dump;
 mod ops;
 

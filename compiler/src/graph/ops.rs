@@ -83,13 +83,15 @@ pub enum Op {
     Positions,
     /// Row gather from the embedding table.
     Embedding { weight: String },
-    /// Gemma RMSNorm over the last dim: `x · rsqrt(mean(x²) + eps) · (1 + w)`, in f32.
-    RmsNorm { weight: String, eps: f64 },
+    /// RMSNorm over the last dim, in f32: Gemma's `x · rsqrt(mean(x²) + eps) · (1 + w)`,
+    /// or (`gemma` false) the plain `· w` of Llama (an EAGLE3 draft's norms).
+    RmsNorm { weight: String, eps: f64, gemma: bool },
     /// `y = x Wᵀ` (no bias). `mxfp8_block` is set when W is fp8 with E8M0 block scales.
     Linear { weight: String, out: usize, inp: usize, mxfp8_block: Option<usize> },
     /// Gemma RMSNorm of each head's `head_dim` channels, one weight for all heads.
     HeadRmsNorm { weight: String, heads: usize, head_dim: usize, eps: f64 },
-    /// NeoX rotate-half RoPE on channels `0..rotary_dim` of each head.
+    /// NeoX rotate-half RoPE on channels `0..rotary_dim` of each head (after a
+    /// per-head norm, fused with it, or on the projection itself).
     Rope { heads: usize, head_dim: usize, rotary_dim: usize, theta: f64 },
     /// Appends this step's rows to a layer cache and yields the whole cache `[T, heads, dim]`.
     CacheAppend { kind: CacheKind, layer: usize, heads: usize, dim: usize },
@@ -143,6 +145,17 @@ pub enum Op {
     /// The embedding rows of image placeholder tokens replaced by the
     /// merged image features, in order (operands: embeddings, features).
     ImageScatter { token: usize },
+    /// The residual stream entering a target layer an EAGLE3 draft reads,
+    /// copied into aux slot `slot` of the step (no value of its own).
+    AuxState { slot: usize },
+    /// An EAGLE3 draft's first-step input: the target's aux states of each
+    /// row, concatenated in slot order `[S, slots·hidden]`.
+    AuxRows,
+    /// An EAGLE3 draft's later-step input: its own pre-norm hidden state of
+    /// the row before `[S, hidden]`.
+    DraftHidden,
+    /// `[a | b]`, row by row.
+    Concat,
 }
 
 impl Op {
@@ -175,6 +188,10 @@ impl Op {
             Op::ImageAttention { .. } => "image_attention",
             Op::MergePatches { .. } => "merge_patches",
             Op::ImageScatter { .. } => "image_scatter",
+            Op::AuxState { .. } => "aux_state",
+            Op::AuxRows => "aux_rows",
+            Op::DraftHidden => "draft_hidden",
+            Op::Concat => "concat",
         }
     }
 }

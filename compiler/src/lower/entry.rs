@@ -139,6 +139,7 @@ impl Emitter {
             Arg::PatchPos => "%ppos".to_string(),
             Arg::Segments => "%segs".to_string(),
             Arg::Img => "%img".to_string(),
+            Arg::Aux { .. } => "%aux".to_string(),
             Arg::ImgRows => "%img_rows".to_string(),
             Arg::X => "%x".to_string(),
             Arg::Ids => "%ids".to_string(),
@@ -330,6 +331,21 @@ fn emitter(f: &FusedStage, flavor: Flavor) -> Emitter {
 
 fn entry_body(f: &FusedStage, flavor: Flavor) -> Emitter {
     let mut e = emitter(f, flavor);
+    let vocab = match f.text.output {
+        super::Boundary::Logits { vocab } => Some(vocab),
+        _ => None,
+    };
+    step_views(&mut e, f, vocab, f.vision.is_some(), None);
+    emit_steps(&mut e, &f.text.steps, 0);
+    e.body.push_str("return\n");
+    e
+}
+
+/// The statements every entry over a `StepArgs` starts with: its sizes,
+/// and views of the arrays its steps read (`logits`: the width of the
+/// logits it samples from; `img`: it takes image rows; `aux`: the width of
+/// the draft's first entry's input rows).
+fn step_views(e: &mut Emitter, f: &FusedStage, logits: Option<usize>, img: bool, aux: Option<usize>) {
     let h = f.hidden;
     e.body.push_str(&format!(
         "%c0 = arith.constant 0 : index\n\
@@ -345,11 +361,14 @@ fn entry_body(f: &FusedStage, flavor: Flavor) -> Emitter {
     e.view_as("%x", "%x_p", "%S", MemTy::rows(h, f.act.mlir_elem()));
     e.view_as("%ids", "%ids_p", "%S", ids_ty.clone());
     e.view_as("%pos", "%pos_p", "%S", ids_ty.clone());
-    if f.vision.is_some() {
+    if img {
         e.view_as("%img", "%img_p", "%K", MemTy::rows(h, f.act.mlir_elem()));
         e.view_as("%img_rows", "%img_rows_p", "%K", ids_ty.clone());
     }
-    if let super::Boundary::Logits { vocab } = f.text.output {
+    if let Some(width) = aux {
+        e.view_as("%aux", "%aux_p", "%S", MemTy::rows(width, f.act.mlir_elem()));
+    }
+    if let Some(vocab) = logits {
         e.view_as("%logits", "%logits_p", "%S", MemTy::rows(vocab, "f32"));
         e.view_as("%out_ids", "%out_ids_p", "%S", ids_ty);
         e.view_as("%table", "%table_p", "%S", MemTy::rows(m3c_contract::sampling::ROW_WORDS, "i64"));
@@ -361,9 +380,26 @@ fn entry_body(f: &FusedStage, flavor: Flavor) -> Emitter {
         e.body.push_str("%nbias = arith.index_cast %bias_rows : i64 to index\n");
         e.view_as("%bias", "%bias_p", "%nbias", MemTy::rows(vocab, "f32"));
     }
-    emit_steps(&mut e, &f.text.steps, 0);
-    e.body.push_str("return\n");
-    e
+}
+
+/// The EAGLE3 draft head's two entries (`abi::DRAFT_FIRST`, `DRAFT_NEXT`),
+/// or, on a stage without one, two that do nothing.
+fn draft_text(e: &mut Emitter, f: &FusedStage) -> String {
+    use m3c_contract::stage::abi::{DRAFT_FIRST, DRAFT_NEXT};
+    let mut out = String::new();
+    for (symbol, first) in [(DRAFT_FIRST, true), (DRAFT_NEXT, false)] {
+        let outer = std::mem::take(&mut e.body);
+        // (The vision entry before may have left its merged row count.)
+        e.rows = "%S".into();
+        if let Some(d) = &f.draft {
+            step_views(e, f, Some(d.vocab), false, first.then_some(d.aux_width));
+            emit_steps(e, if first { &d.first } else { &d.next }, 0);
+        }
+        e.body.push_str("return\n");
+        let body = std::mem::replace(&mut e.body, outer);
+        out.push_str(&step_func(symbol, &body));
+    }
+    out
 }
 
 /// The vision entry's body (see [`vision_func`]): the stage's vision steps
@@ -441,6 +477,21 @@ fn emit_steps(e: &mut Emitter, steps: &[Step], first: usize) {
             }
             Step::Free { id, .. } => {
                 let _ = writeln!(e.body, "func.call @m3c_buf_free(%b{id}_p) : (!llvm.ptr) -> ()");
+            }
+            Step::CopyAux { from, slot, width } => {
+                // Slot k of `aux` starts after k slots of S rows.
+                let bytes = width * e.act.bytes();
+                let src = from.map_or("%x_p".to_string(), |id| format!("%b{id}_p"));
+                let _ = writeln!(
+                    e.body,
+                    "%ca{n}_sz = arith.constant {bytes} : index\n\
+                     %ca{n}_nb = arith.muli %S, %ca{n}_sz : index\n\
+                     %ca{n}_nb64 = arith.index_cast %ca{n}_nb : index to i64\n\
+                     %ca{n}_k = arith.constant {slot} : i64\n\
+                     %ca{n}_o = arith.muli %ca{n}_nb64, %ca{n}_k : i64\n\
+                     %ca{n}_dst = llvm.getelementptr %aux_p[%ca{n}_o] : (!llvm.ptr, i64) -> !llvm.ptr, i8\n\
+                     func.call @m3c_buf_copy(%ca{n}_dst, {src}, %ca{n}_nb64) : (!llvm.ptr, !llvm.ptr, i64) -> ()"
+                );
             }
             Step::CopyToX { id, .. } => {
                 let _ = writeln!(e.body, "func.call @m3c_buf_copy(%x_p, %b{id}_p, %b{id}_nb64) : (!llvm.ptr, !llvm.ptr, i64) -> ()");
@@ -524,6 +575,11 @@ fn vision_text(e: &mut Emitter, f: &FusedStage) -> String {
 /// names the body uses (an array as `%NAME_p`, but for the pointer tables);
 /// a layout version other than the contract's traps.
 fn entry_func(body: &str) -> String {
+    step_func(ENTRY_SYMBOL, body)
+}
+
+/// A function named `symbol` over one `StepArgs` pointer (see [`entry_func`]).
+fn step_func(symbol: &str, body: &str) -> String {
     use m3c_contract::stage::abi::{Word, STEP_FIELDS, STEP_VERSION};
     let mut loads = String::new();
     for (k, (name, word)) in STEP_FIELDS.iter().enumerate() {
@@ -544,7 +600,7 @@ fn entry_func(body: &str) -> String {
          %args_other = arith.cmpi ne, %version, %args_version : i64\n\
          scf.if %args_other {{\n  llvm.intr.trap\n}}"
     );
-    format!("  func.func @{ENTRY_SYMBOL}(%args: !llvm.ptr) {{\n{}{}  }}\n", indent(&loads, 4), indent(body, 4))
+    format!("  func.func @{symbol}(%args: !llvm.ptr) {{\n{}{}  }}\n", indent(&loads, 4), indent(body, 4))
 }
 
 /// Calls that disagree with their kernel's signature, as an error.
@@ -559,9 +615,10 @@ fn check(e: &Emitter) -> Result<(), String> {
 pub fn module(f: &FusedStage) -> Result<String, String> {
     let mut e = entry_body(f, Flavor::Host);
     let vision = vision_text(&mut e, f);
+    let draft = draft_text(&mut e, f);
     check(&e)?;
     let views: Vec<MemTy> = e.views.iter().cloned().collect();
-    Ok(m3c_kernels::module_with(&f.kernels, &views, &format!("{}{}{vision}", runtime_decls(), entry_func(&e.body))))
+    Ok(m3c_kernels::module_with(&f.kernels, &views, &format!("{}{}{vision}{draft}", runtime_decls(), entry_func(&e.body))))
 }
 
 /// The same stage as separately compiled modules: one per kernel (see
@@ -570,6 +627,7 @@ pub fn module(f: &FusedStage) -> Result<String, String> {
 pub fn host_units(f: &FusedStage) -> Result<Vec<(String, String)>, String> {
     let mut e = entry_body(f, Flavor::Host);
     let vision = vision_text(&mut e, f);
+    let draft = draft_text(&mut e, f);
     check(&e)?;
     let mut units = m3c_kernels::host_units(&f.kernels);
     let mut entry = String::from("module {\n");
@@ -583,6 +641,7 @@ pub fn host_units(f: &FusedStage) -> Result<Vec<(String, String)>, String> {
     }
     entry.push_str(&entry_func(&e.body));
     entry.push_str(&vision);
+    entry.push_str(&draft);
     entry.push_str("}\n");
     units.push(("entry".into(), entry));
     Ok(units)
@@ -593,6 +652,7 @@ pub fn host_units(f: &FusedStage) -> Result<Vec<(String, String)>, String> {
 pub fn gpu_module(f: &FusedStage, target: &GpuTarget) -> Result<String, String> {
     let mut e = entry_body(f, Flavor::Gpu(*target));
     let vision = vision_text(&mut e, f);
+    let draft = draft_text(&mut e, f);
     check(&e)?;
     let mut out = String::from("module attributes {gpu.container_module} {\n");
     out.push_str(&runtime_decls());
@@ -610,6 +670,7 @@ pub fn gpu_module(f: &FusedStage, target: &GpuTarget) -> Result<String, String> 
     out.push_str("  }\n");
     out.push_str(&entry_func(&e.body));
     out.push_str(&vision);
+    out.push_str(&draft);
     out.push_str("}\n");
     Ok(out)
 }

@@ -64,6 +64,10 @@ pub enum Arg {
     Img,
     /// Step entry: the row of `x` each `Img` row replaces `[K]`.
     ImgRows,
+    /// Step entry: the EAGLE3 aux states, one `[S, hidden]` slab per slot
+    /// (`slot`); the draft's first entry: each row's slabs concatenated
+    /// (`slot` None, `[S, width]`).
+    Aux { slot: Option<usize>, width: usize },
 }
 
 impl Arg {
@@ -84,6 +88,7 @@ impl Arg {
             Arg::PatchPos => MemTy::rows(3, "i64"),
             Arg::Segments | Arg::ImgRows => MemTy { dims: vec![None], elem: "i64" },
             Arg::Img => MemTy::rows(hidden, act.mlir_elem()),
+            Arg::Aux { width, .. } => MemTy::rows(*width, act.mlir_elem()),
         })
     }
 }
@@ -109,6 +114,8 @@ impl fmt::Display for Arg {
             Arg::Segments => f.write_str("segments"),
             Arg::Img => f.write_str("img"),
             Arg::ImgRows => f.write_str("img_rows"),
+            Arg::Aux { slot: Some(s), .. } => write!(f, "aux{s}"),
+            Arg::Aux { slot: None, .. } => f.write_str("aux"),
         }
     }
 }
@@ -130,6 +137,8 @@ pub enum Step {
     Regroup { from: usize, to: usize, width: usize, factor: usize, elem: &'static str },
     /// A call over the `K` image rows of the step, made only when there are some.
     ImageRows { kernel: Kernel, args: Vec<Arg>, what: String },
+    /// `x` (or buffer `from`) copied to EAGLE3 aux slab `slot` (`[S, width]`).
+    CopyAux { from: Option<usize>, slot: usize, width: usize },
 }
 
 impl fmt::Display for Step {
@@ -144,6 +153,10 @@ impl fmt::Display for Step {
             }
             Step::CopyToX { id, .. } => write!(f, "  x = copy b{id}"),
             Step::Regroup { from, to, width, factor, .. } => write!(f, "  b{to} = b{from} as [S/{factor}, {}]", width * factor),
+            Step::CopyAux { from, slot, .. } => match from {
+                Some(id) => write!(f, "  aux{slot} = copy b{id}"),
+                None => write!(f, "  aux{slot} = copy x"),
+            },
             Step::ImageRows { kernel, args, what } => {
                 let a: Vec<String> = args.iter().map(|a| a.to_string()).collect();
                 write!(f, "  image rows: {}({})  # {what}", kernel.symbol(), a.join(", "))
@@ -170,6 +183,26 @@ pub struct FusedStage {
     /// The vision entry's steps (patch rows in, merged image features out
     /// in `x`), when the stage holds the vision tower.
     pub vision: Option<VisionProgram>,
+    /// EAGLE3 aux slots every step carries (`[S, hidden]` each, after `x`);
+    /// 0 without a draft.
+    pub aux_slots: usize,
+    /// The EAGLE3 draft head's two entries, on the stage that runs it.
+    pub draft: Option<DraftProgram>,
+}
+
+/// An EAGLE3 draft head's entries: both take the step's rows (ids, positions,
+/// block tables) and leave the greedy draft ids in `out_ids`, the logits
+/// (draft vocabulary) in `logits` and the pre-norm hidden state in `x`.
+#[derive(Debug, Clone)]
+pub struct DraftProgram {
+    /// The draft vocabulary (its logits' width).
+    pub vocab: usize,
+    /// Width of the first entry's input rows: the aux states concatenated.
+    pub aux_width: usize,
+    /// From the target's aux states (`aux`, `[S, aux_width]`).
+    pub first: Vec<Step>,
+    /// From its own hidden state of the row before (`x`).
+    pub next: Vec<Step>,
 }
 
 /// The stage's step entry: what it takes, what it gives and its steps.
@@ -295,6 +328,9 @@ struct Fuser<'a> {
     router_ids: HashMap<NodeIndex, Arg>,
     next_buf: usize,
     live: Vec<(usize, usize, &'static str)>,
+    /// Lowering a draft entry: the embedding gets a buffer of its own (`x`
+    /// holds the draft's hidden state).
+    in_draft: bool,
 }
 
 fn weight_type(d: DType) -> Result<WeightType, String> {
@@ -343,6 +379,8 @@ impl Fuser<'_> {
             Op::PixelRows => Ok(Arg::Pixels { row: width_of(&self.graph.graph[n].ty.shape) }),
             Op::PatchPositions => Ok(Arg::PatchPos),
             Op::ImageSegments => Ok(Arg::Segments),
+            Op::AuxRows => Ok(Arg::Aux { slot: None, width: width_of(&self.graph.graph[n].ty.shape) }),
+            Op::DraftHidden => Ok(Arg::X),
             _ if !self.in_stage(n) => Ok(Arg::X),
             op => Err(format!("operand {} ({}) used before it is computed", n.index(), op.name())),
         }
@@ -444,6 +482,8 @@ impl Fuser<'_> {
             | Op::PixelRows
             | Op::PatchPositions
             | Op::ImageSegments
+            | Op::AuxRows
+            | Op::DraftHidden
             | Op::HeadRmsNorm { .. }
             | Op::IndexScores { .. }
             | Op::BlockMaxScore { .. }
@@ -456,14 +496,19 @@ impl Fuser<'_> {
             Op::Embedding { weight } => {
                 let (w, wt) = self.float_weight(&weight)?;
                 let k = Kernel::Embedding(m3c_kernels::Embedding { vocab: t.vocab_size, width: t.hidden_size, weight: wt, act: self.act });
-                self.call(k, vec![Arg::Ids, w, Arg::X], what);
-                self.vals.insert(n, Arg::X);
+                let y = if self.in_draft { self.alloc(t.hidden_size, self.act.mlir_elem()) } else { Arg::X };
+                self.call(k, vec![Arg::Ids, w, y.clone()], what);
+                self.vals.insert(n, y);
             }
-            Op::RmsNorm { weight, eps } => {
+            Op::RmsNorm { weight, eps, gemma } => {
                 let x = self.val(ops[0])?;
                 let (w, wt) = self.float_weight(&weight)?;
                 let y = self.alloc(width, self.act.mlir_elem());
-                self.call(Kernel::RmsNorm(m3c_kernels::RmsNorm { width, eps, weight: wt, act: self.act }), vec![x, w, y.clone()], what);
+                self.call(
+                    Kernel::RmsNorm(m3c_kernels::RmsNorm { width, eps, weight: wt, act: self.act, gemma }),
+                    vec![x, w, y.clone()],
+                    what,
+                );
                 self.vals.insert(n, y);
             }
             Op::Linear { .. } => self.lower_linear(n, &node.op, what)?,
@@ -472,7 +517,9 @@ impl Fuser<'_> {
             Op::Add => {
                 let (a, b) = (self.val(ops[0])?, self.val(ops[1])?);
                 // In place when the first operand dies here (residual stream, routed sum).
-                let a_dies = self.consumers(ops[0]).iter().all(|&c| c <= n);
+                // (An aux tap reads the stream at the end of its producer's
+                // part, before this add.)
+                let a_dies = self.consumers(ops[0]).iter().all(|&c| c <= n || crate::graph::draft::is_tap(self.graph, c));
                 let y = if a_dies { a.clone() } else { self.alloc(width, self.act.mlir_elem()) };
                 self.call(Kernel::Add(m3c_kernels::Add { width, act: self.act }), vec![a, b, y.clone()], what);
                 self.vals.insert(n, y);
@@ -556,6 +603,24 @@ impl Fuser<'_> {
                 }
                 self.vals.insert(n, x);
             }
+            Op::AuxState { slot } => {
+                let from = match self.val(ops[0])? {
+                    Arg::X => None,
+                    Arg::Buf { id, .. } => Some(id),
+                    other => return Err(format!("{what}: an aux state in {other}, not the residual stream")),
+                };
+                self.steps.push(Step::CopyAux { from, slot, width });
+            }
+            Op::Concat => {
+                let (a, b) = (self.val(ops[0])?, self.val(ops[1])?);
+                let wa = width_of(&g.graph[ops[0]].ty.shape);
+                let y = self.alloc(width, self.act.mlir_elem());
+                for (x, w, offset) in [(a, wa, 0), (b, width - wa, wa)] {
+                    let k = Kernel::CopyCols(m3c_kernels::CopyCols { width: w, into: width, offset, act: self.act });
+                    self.call(k, vec![x, y.clone()], what.clone());
+                }
+                self.vals.insert(n, y);
+            }
             Op::Router { .. } => self.lower_router(n, &node.op, what)?,
             Op::RoutedExperts { .. } => self.lower_routed_experts(n, &node.op, what)?,
             Op::Sample => {
@@ -620,12 +685,36 @@ impl Fuser<'_> {
         let (g, ops) = (self.graph, self.graph.operands(n));
         let norm = ops[0];
         let Op::HeadRmsNorm { weight, eps, .. } = self.node(norm).clone() else {
-            return Err(format!("{what}: RoPE without a per-head norm before it"));
+            // RoPE on the projection itself (an EAGLE3 draft's q and k).
+            let x = self.val(norm)?;
+            let (y, cache) = self.output_for(n, heads * head_dim);
+            let k = m3c_kernels::HeadNormRope {
+                heads,
+                head_dim,
+                rotary_dim,
+                theta,
+                eps: 0.0,
+                weight: WeightType::F32,
+                act: self.act,
+                norm: false,
+            };
+            self.call(Kernel::HeadNormRope(k), vec![x, Arg::Pos, y.clone()], what.clone());
+            self.write_cache(&y, cache, heads * head_dim, &what);
+            return self.define(n, y);
         };
         let x = self.val(g.operands(norm)[0])?;
         let (w, wt) = self.float_weight(&weight)?;
         let (y, cache) = self.output_for(n, heads * head_dim);
-        let k = Kernel::HeadNormRope(m3c_kernels::HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight: wt, act: self.act });
+        let k = Kernel::HeadNormRope(m3c_kernels::HeadNormRope {
+            heads,
+            head_dim,
+            rotary_dim,
+            theta,
+            eps,
+            weight: wt,
+            act: self.act,
+            norm: true,
+        });
         self.call(k, vec![x, w, Arg::Pos, y.clone()], what.clone());
         self.write_cache(&y, cache, heads * head_dim, &what);
         self.define(n, y)
@@ -753,9 +842,29 @@ impl Fuser<'_> {
     }
 }
 
-/// Fuses and schedules the nodes of `parts`.
-pub fn fuse_stage(cfg: &ModelConfig, graph: &ModelGraph, parts: &BTreeSet<Part>, storages: Storages) -> Result<FusedStage, String> {
-    let specs = expected_tensors(cfg).into_iter().map(|s| (s.name.clone(), s)).collect();
+/// What a stage compiles of an EAGLE3 draft: the aux slots every step
+/// carries, and the head itself on the stage that runs it.
+#[derive(Clone, Copy, Default)]
+pub struct DraftPart<'d> {
+    pub aux_slots: usize,
+    pub head: Option<&'d crate::plan::draft::DraftHead>,
+}
+
+/// Fuses and schedules the nodes of `parts` (and, with `draft.head`, the
+/// draft head's entries).
+pub fn fuse_stage(
+    cfg: &ModelConfig,
+    graph: &ModelGraph,
+    parts: &BTreeSet<Part>,
+    storages: Storages,
+    draft: DraftPart,
+) -> Result<FusedStage, String> {
+    let mut specs: HashMap<String, TensorSpec> = expected_tensors(cfg).into_iter().map(|s| (s.name.clone(), s)).collect();
+    let heads = draft.head.map(|d| (d, crate::graph::draft::draft_graph(cfg, d, true), crate::graph::draft::draft_graph(cfg, d, false)));
+    if let Some((d, _, _)) = &heads {
+        specs.extend(crate::graph::draft::tensors(d).into_iter().map(|s| (s.name.clone(), s)));
+    }
+    let draft_parts: BTreeSet<Part> = [Part::Draft].into();
     let mut f = Fuser {
         cfg,
         graph,
@@ -773,6 +882,7 @@ pub fn fuse_stage(cfg: &ModelConfig, graph: &ModelGraph, parts: &BTreeSet<Part>,
         router_ids: HashMap::new(),
         next_buf: 0,
         live: Vec::new(),
+        in_draft: false,
     };
     let hidden = cfg.text.hidden_size;
     // Nodes in graph order (a topological order), grouped by part; the
@@ -795,6 +905,16 @@ pub fn fuse_stage(cfg: &ModelConfig, graph: &ModelGraph, parts: &BTreeSet<Part>,
         (true, Some(v)) => Some(f.vision_program(graph, v)?),
         _ => None,
     };
+    let aux_slots = draft.aux_slots;
+    let draft = match &heads {
+        Some((d, first, next)) => {
+            f.parts = &draft_parts;
+            f.in_draft = true;
+            let aux_width = d.aux_layers.len() * d.target_hidden;
+            Some(DraftProgram { vocab: d.draft_vocab, aux_width, first: f.draft_entry(first)?, next: f.draft_entry(next)? })
+        }
+        None => None,
+    };
     let input = if parts.contains(&Part::Embedding) { Boundary::TokenIds } else { Boundary::Hidden { width: hidden } };
     // The stage's result: the value that a later stage (or nobody) reads.
     let output =
@@ -808,10 +928,37 @@ pub fn fuse_stage(cfg: &ModelConfig, graph: &ModelGraph, parts: &BTreeSet<Part>,
         kernels: f.kernels,
         text: TextProgram { input, output, steps: f.steps },
         vision,
+        aux_slots,
+        draft,
     })
 }
 
-impl Fuser<'_> {
+impl<'a> Fuser<'a> {
+    /// One entry of the draft head: its nodes in graph order, the pre-norm
+    /// hidden state (the last residual add) left in `x`, every buffer freed.
+    fn draft_entry(&mut self, graph: &'a ModelGraph) -> Result<Vec<Step>, String> {
+        let outer = std::mem::take(&mut self.steps);
+        let outer_live = std::mem::take(&mut self.live);
+        let (outer_graph, outer_vals) = (std::mem::replace(&mut self.graph, graph), std::mem::take(&mut self.vals));
+        for n in graph.graph.node_indices() {
+            let what = format!("draft {}{}", graph.graph[n].op.name(), weight_label(&graph.graph[n].op));
+            self.lower(n, what)?;
+        }
+        let hidden = graph.graph.node_indices().rev().find(|&n| matches!(graph.graph[n].op, Op::Add));
+        match hidden.and_then(|n| self.vals.get(&n).cloned()) {
+            Some(Arg::X) => {}
+            Some(Arg::Buf { id, width, .. }) => self.steps.push(Step::CopyToX { id, width }),
+            other => return Err(format!("the draft head's hidden state is not a buffer: {other:?}")),
+        }
+        for (id, width, elem) in std::mem::take(&mut self.live) {
+            self.steps.push(Step::Free { id, width, elem });
+        }
+        self.graph = outer_graph;
+        self.vals = outer_vals;
+        self.live = outer_live;
+        Ok(std::mem::replace(&mut self.steps, outer))
+    }
+
     /// The vision entry: every vision node in graph order, its result
     /// copied to `x` (`[P/4, hidden]`), every buffer freed.
     fn vision_program(&mut self, graph: &ModelGraph, v: &crate::config::VisionConfig) -> Result<VisionProgram, String> {
@@ -962,5 +1109,6 @@ pub fn part_label(p: Part) -> String {
         Part::FinalNorm => "final norm".into(),
         Part::LmHead => "lm_head".into(),
         Part::Vision => "vision".into(),
+        Part::Draft => "draft".into(),
     }
 }

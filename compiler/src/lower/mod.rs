@@ -10,7 +10,7 @@ mod entry;
 pub mod fuse;
 
 pub use entry::{gpu_module, host_units, module as host_module, ENTRY_SYMBOL, VISION_SYMBOL};
-pub use fuse::{fuse_stage, FusedStage, Step, TextProgram, VisionProgram};
+pub use fuse::{fuse_stage, DraftPart, DraftProgram, FusedStage, Step, TextProgram, VisionProgram};
 /// The slots and boundaries are the contract's: the stage metadata and the
 /// manifest carry them as they are.
 pub use m3c_contract::stage::{Boundary, CacheSlot, TensorSlot};
@@ -66,9 +66,10 @@ pub fn lower_stage(
     stage: &StagePlan,
     backend: &dyn crate::backend::Backend,
     storages: Storages,
+    draft: DraftPart,
 ) -> Result<StageProgram, LowerError> {
     let parts = stage.parts();
-    let fused = fuse_stage(cfg, graph, &parts, storages).map_err(|message| LowerError::Stage { stage: index, message })?;
+    let fused = fuse_stage(cfg, graph, &parts, storages, draft).map_err(|message| LowerError::Stage { stage: index, message })?;
     let mlir = backend.module(&fused).map_err(|message| LowerError::Stage { stage: index, message })?;
     Ok(StageProgram { index, parts, fused, mlir })
 }
@@ -104,6 +105,15 @@ impl StageProgram {
             for step in &v.steps {
                 s.push_str(&step.to_string());
                 s.push('\n');
+            }
+        }
+        if let Some(d) = &self.draft {
+            for (name, steps) in [("first", &d.first), ("next", &d.next)] {
+                s.push_str(&format!("EAGLE3 draft entry ({name}): draft vocabulary {}\n", d.vocab));
+                for step in steps {
+                    s.push_str(&step.to_string());
+                    s.push('\n');
+                }
             }
         }
         s

@@ -11,6 +11,8 @@ pub enum Part {
     LmHead,
     /// The vision tower, projector and patch merger.
     Vision,
+    /// An EAGLE3 draft head (its own program on the stage that runs it).
+    Draft,
 }
 
 /// What a tensor does; the cost model reads this.

@@ -29,6 +29,10 @@ pub struct DraftHead {
     pub aux_layers: Vec<usize>,
     /// Its own embedding (else the target's is shared).
     pub own_embedding: bool,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    /// The type its checkpoint stores (`torch_dtype`; bf16 when absent).
+    pub dtype: m3c_contract::dtype::DType,
 }
 
 /// The architectures vLLM loads as an EAGLE3 Llama draft.
@@ -77,7 +81,32 @@ impl DraftHead {
             Some(e) if e.has("eagle_aux_hidden_state_layer_ids") => aux_ids(&e)?,
             _ => Vec::new(),
         };
+        // What the compiled head computes: SiLU, plain RoPE over the whole
+        // head, no biases. Anything else would be drafted wrongly.
+        if let Some(act) = o.opt_string("hidden_act")? {
+            crate::config::parse::check(act == "silu", &o, "hidden_act", "\"silu\" (the EAGLE3 Llama head's MLP)")?;
+        }
+        for key in ["attention_bias", "mlp_bias"] {
+            if o.has(key) {
+                crate::config::parse::check(!o.boolean(key)?, &o, key, "false (the compiled head has no biases)")?;
+            }
+        }
+        if o.map.get("rope_scaling").is_some_and(|v| !v.is_null()) {
+            return Err(o.invalid("rope_scaling", "null (the compiled head applies plain RoPE)", &o.map["rope_scaling"]));
+        }
+        let dtype = match o.opt_string("torch_dtype")?.or(o.opt_string("dtype")?) {
+            None | Some("bfloat16") => m3c_contract::dtype::DType::BF16,
+            Some("float16") => m3c_contract::dtype::DType::F16,
+            Some("float32") => m3c_contract::dtype::DType::F32,
+            Some(_) => {
+                let key = if o.has("torch_dtype") { "torch_dtype" } else { "dtype" };
+                return Err(o.invalid(key, "bfloat16, float16 or float32", &o.map[key]));
+            }
+        };
         Ok(DraftHead {
+            rms_norm_eps: o.opt_float("rms_norm_eps")?.unwrap_or(1e-6),
+            rope_theta: o.opt_float("rope_theta")?.unwrap_or(10000.0),
+            dtype,
             source: dir.to_path_buf(),
             hidden,
             intermediate: size(&o, "intermediate_size", bounds::INTERMEDIATE)?,
@@ -105,6 +134,14 @@ impl DraftHead {
                 "{}: `target_hidden_size` (or `hidden_size`) is {}, but the target's hidden size is {}",
                 file.display(),
                 self.target_hidden,
+                t.hidden_size
+            ));
+        }
+        if self.hidden != t.hidden_size {
+            return Err(format!(
+                "{}: `hidden_size` is {}, but the target's is {}; m3c compiles EAGLE3 heads of the target's width (they read its embedding)",
+                file.display(),
+                self.hidden,
                 t.hidden_size
             ));
         }

@@ -3,7 +3,7 @@
 
 mod balance;
 mod cost;
-mod draft;
+pub mod draft;
 mod format;
 mod links;
 mod locate;

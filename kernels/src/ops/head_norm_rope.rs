@@ -17,11 +17,17 @@ pub struct HeadNormRope {
     pub eps: f64,
     pub weight: WeightType,
     pub act: Storage,
+    /// The per-head norm before the RoPE; without it (an EAGLE3 draft's
+    /// q and k) the kernel takes no weight and `eps` is unused.
+    pub norm: bool,
 }
 
 impl KernelUnit for HeadNormRope {
     fn symbol(&self) -> String {
-        let HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight, act } = self;
+        let HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight, act, norm } = self;
+        if !norm {
+            return format!("m3c_rope_h{heads}_d{head_dim}_r{rotary_dim}_t{}{}", num_tag(*theta), act.act_suffix());
+        }
         format!(
             "m3c_head_norm_rope_h{heads}_d{head_dim}_r{rotary_dim}_t{}_eps{}_{}{}",
             num_tag(*theta),
@@ -31,8 +37,11 @@ impl KernelUnit for HeadNormRope {
         )
     }
     fn params(&self) -> Vec<Param> {
-        let HeadNormRope { heads, head_dim, weight, act, .. } = self;
+        let HeadNormRope { heads, head_dim, weight, act, norm, .. } = self;
         let x = act.rows_ty(heads * head_dim);
+        if !norm {
+            return vec![param("x", &x), param("pos", "memref<?xi64>"), param("y", &x)];
+        }
         vec![param("x", &x), param("w", weight.memref(&[*head_dim])), param("pos", "memref<?xi64>"), param("y", &x)]
     }
     fn act(&self) -> Option<Storage> {
@@ -44,7 +53,7 @@ impl KernelUnit for HeadNormRope {
     /// with `h = rotary_dim/2`, angle `pos · θ^(−2j/rotary_dim)` in f32.
     /// `x`, `y`: `[S, heads·head_dim]` stored as `act`; `pos`: `[S]` i64.
     fn host_body(&self) -> String {
-        let HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight, act } = *self;
+        let HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight, act, norm } = *self;
         let width = heads * head_dim;
         let half = rotary_dim / 2;
         let x = act.rows_ty(width);
@@ -99,7 +108,27 @@ impl KernelUnit for HeadNormRope {
             stv = indent(&crate::emit::store_f32("%v", "%y", &x, "%r", "%c", act), 6),
             rotate = indent(ROTATE, 6),
             span = indent(
-                &gemma_norm_span(&x, act, "%base", "%cd", &wt, weight, &format!("memref.store %o, %tmp[%i] : memref<{head_dim}xf32>")),
+                &if norm {
+                    gemma_norm_span(
+                        &x,
+                        act,
+                        "%base",
+                        "%cd",
+                        &wt,
+                        weight,
+                        "%one",
+                        &format!("memref.store %o, %tmp[%i] : memref<{head_dim}xf32>"),
+                    )
+                } else {
+                    format!(
+                        "scf.for %i = %c0 to %cd step %c1 {{\n\
+                         \x20 %c = arith.addi %base, %i : index\n\
+                         {}\
+                         \x20 memref.store %v, %tmp[%i] : memref<{head_dim}xf32>\n\
+                         }}\n",
+                        indent(&load_f32("%v", "%x", &x, "%r", "%c", act), 2)
+                    )
+                },
                 4
             ),
         );
@@ -108,7 +137,7 @@ impl KernelUnit for HeadNormRope {
     fn gpu_funcs(&self, target: &GpuTarget) -> Vec<GpuFunc> {
         let idx = target.idx();
         let sym = self.symbol();
-        let HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight, act } = self;
+        let HeadNormRope { heads, head_dim, rotary_dim, theta, eps, weight, act, norm } = self;
 
         let (d, half) = (*head_dim, rotary_dim / 2);
         let t = act.rows_ty(heads * d);
@@ -123,10 +152,7 @@ impl KernelUnit for HeadNormRope {
                      %n = arith.constant {nf} : f32\n%eps = arith.constant {epsf} : f32\n\
                      %inv = arith.constant dense<[{inv}]> : vector<{hv}xf32>\n\
                      %base = arith.muli %h, %cd : index\n%col = arith.addi %base, %t : index\n\
-                     {xl}%q = arith.mulf %v, %v : f32\n\
-                     %ss = gpu.all_reduce add %q uniform {{}} : (f32) -> (f32)\n\
-                     %mean = arith.divf %ss, %n : f32\n%me = arith.addf %mean, %eps : f32\n%rs = math.rsqrt %me : f32\n\
-                     {wl}%s = arith.addf %one, %wv : f32\n%u = arith.mulf %v, %rs : f32\n%nv = arith.mulf %u, %s : f32\n\
+                     {xl}{normed}\
                      memref.store %nv, %sh[%t] : memref<{d}xf32, #gpu.address_space<workgroup>>\n\
                      gpu.barrier\n\
                      %p64 = memref.load %pos[%r] : memref<?xi64>\n%pf = arith.sitofp %p64 : i64 to f32\n\
@@ -144,6 +170,16 @@ impl KernelUnit for HeadNormRope {
                      %pass = arith.cmpi uge, %t, %crot : index\n\
                      scf.if %pass {{\n{stp}}}\n",
                     xl = load_f32("%v", "%x", &t, "%r", "%col", *act),
+                    normed = if *norm {
+                        format!(
+                            "%q = arith.mulf %v, %v : f32\n\
+                             %ss = gpu.all_reduce add %q uniform {{}} : (f32) -> (f32)\n\
+                             %mean = arith.divf %ss, %n : f32\n%me = arith.addf %mean, %eps : f32\n%rs = math.rsqrt %me : f32\n\
+                             {wl}%s = arith.addf %one, %wv : f32\n%u = arith.mulf %v, %rs : f32\n%nv = arith.mulf %u, %s : f32\n"
+                        )
+                    } else {
+                        "%nv = arith.mulf %v, %one : f32\n".to_string()
+                    },
                     st12 = indent(&format!("{}{}", st("%y1", "%col"), st("%y2", "%o2")), 2),
                     rotate = indent(ROTATE, 2),
                     stp = indent(&st("%nv", "%col"), 2),

@@ -1,4 +1,5 @@
-//! Gemma RMSNorm over rows of `width`, in f32: `x · rsqrt(mean(x²) + eps) · (1 + w)`.
+//! RMSNorm over rows of `width`, in f32: Gemma's `x · rsqrt(mean(x²) + eps) · (1 + w)`,
+//! or the plain `· w` of Llama (an EAGLE3 draft head's norms).
 
 use crate::emit::{f32_lit, gemma_norm_span, load_f32, store_f32};
 use crate::gpu::{GpuFunc, GpuTarget};
@@ -6,19 +7,33 @@ use crate::host::BASICS;
 use crate::unit::{gpu_func, param, KernelUnit, Param};
 use crate::{indent, num_tag, Storage, WeightType};
 
-/// Gemma RMSNorm of each row; `x` and `y` hold values stored as `act`.
+/// RMSNorm of each row; `x` and `y` hold values stored as `act`.
 #[derive(Debug, Clone, PartialEq, PartialOrd)]
 pub struct RmsNorm {
     pub width: usize,
     pub eps: f64,
     pub weight: WeightType,
     pub act: Storage,
+    /// Gemma's `(1 + w)`; else the plain `w`.
+    pub gemma: bool,
+}
+
+impl RmsNorm {
+    /// The constant the weight is added to: 1 (Gemma) or 0 (plain).
+    fn offset(&self) -> &'static str {
+        if self.gemma {
+            "%one"
+        } else {
+            "%zero"
+        }
+    }
 }
 
 impl KernelUnit for RmsNorm {
     fn symbol(&self) -> String {
-        let RmsNorm { width, eps, weight, act } = self;
-        format!("m3c_rms_norm_w{width}_eps{}_{}{}", num_tag(*eps), weight.tag(), act.act_suffix())
+        let RmsNorm { width, eps, weight, act, gemma } = self;
+        let kind = if *gemma { "" } else { "plain_" };
+        format!("m3c_rms_norm_{kind}w{width}_eps{}_{}{}", num_tag(*eps), weight.tag(), act.act_suffix())
     }
     fn params(&self) -> Vec<Param> {
         let RmsNorm { width, weight, act, .. } = self;
@@ -31,7 +46,8 @@ impl KernelUnit for RmsNorm {
     /// Gemma RMSNorm over rows of `width`, in f32: `x · rsqrt(mean(x²) + eps) · (1 + w)`.
     /// `x` and `y` hold values stored as `act`.
     fn host_body(&self) -> String {
-        let RmsNorm { width, eps, weight, act } = *self;
+        let RmsNorm { width, eps, weight, act, .. } = *self;
+        let offset = self.offset();
         let x = act.rows_ty(width);
         let wt = weight.memref(&[width]);
         let body = format!(
@@ -47,7 +63,16 @@ impl KernelUnit for RmsNorm {
             n = f32_lit(width as f64),
             eps = f32_lit(eps),
             span = indent(
-                &gemma_norm_span(&x, act, "%c0", "%cw", &wt, weight, crate::emit::store_f32("%o", "%y", &x, "%r", "%c", act).trim_end()),
+                &gemma_norm_span(
+                    &x,
+                    act,
+                    "%c0",
+                    "%cw",
+                    &wt,
+                    weight,
+                    offset,
+                    crate::emit::store_f32("%o", "%y", &x, "%r", "%c", act).trim_end()
+                ),
                 2
             ),
         );
@@ -55,7 +80,8 @@ impl KernelUnit for RmsNorm {
     }
     fn gpu_funcs(&self, target: &GpuTarget) -> Vec<GpuFunc> {
         let idx = target.idx();
-        let RmsNorm { width, eps, weight, act } = self;
+        let RmsNorm { width, eps, weight, act, .. } = self;
+        let offset = self.offset();
 
         let t = act.rows_ty(*width);
         let xl = indent(&load_f32("%v", "%x", &t, "%r", "%c", *act), 2);
@@ -70,7 +96,7 @@ impl KernelUnit for RmsNorm {
                      %mean = arith.divf %ss, %n : f32\n%me = arith.addf %mean, %eps : f32\n%rs = math.rsqrt %me : f32\n\
                      scf.for %c = %t to %cw step %c256 {{\n\
                      {xl}{}\
-                     \x20 %s = arith.addf %one, %wv : f32\n  %u = arith.mulf %v, %rs : f32\n  %o = arith.mulf %u, %s : f32\n\
+                     \x20 %s = arith.addf {offset}, %wv : f32\n  %u = arith.mulf %v, %rs : f32\n  %o = arith.mulf %u, %s : f32\n\
                      {}}}\n",
             indent(&wl, 2),
             indent(&store_f32("%o", "%y", &t, "%r", "%c", *act), 2),

@@ -28,6 +28,13 @@ impl GpuBacking {
     /// Opens the GPU and uploads the stage's weights to it (reporting
     /// progress); the KV pools come with [`Backing::alloc_pools`].
     pub(super) fn open(meta: &StageMeta, weights: StageWeights, local_rank: i32, who: &str) -> Result<GpuBacking, StageError> {
+        if meta.aux_slots > 0 {
+            // Its steps would carry the aux states in device memory and run
+            // the head's entries there; neither is wired yet.
+            return Err(StageError::Device(format!(
+                "{who}: this stage was compiled with an EAGLE3 draft head, which runs on host stages in this build (compile with `--target host`)"
+            )));
+        }
         let device = device::open(&meta.target, meta.device, local_rank)?;
         let total: u64 = weights.sizes.iter().sum();
         let mut uploaded = Vec::with_capacity(weights.ptrs.len());
@@ -436,6 +443,7 @@ impl GpuStep<'_> {
                     nimg,
                     img: img_p as *const f32,
                     img_rows: img_rows_p as *const i64,
+                    aux: std::ptr::null_mut(),
                 });
             }
         };

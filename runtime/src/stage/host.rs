@@ -99,7 +99,24 @@ impl Backing for HostBacking {
         _want_logits: bool,
     ) -> Result<(), StageError> {
         let pools: Vec<*mut f32> = self.pools.iter_mut().map(|p| p.as_mut_ptr()).collect();
-        host_step(&self.weights, &pools, s.pool_rows, s.seqs, inp, x, out)
+        // The aux slots follow `x`'s rows in the step's buffer.
+        let (x, aux) = x.split_at_mut(inp.tokens * s.meta.x_words());
+        let aux = if s.meta.aux_slots > 0 { aux.as_mut_ptr() } else { std::ptr::null_mut() };
+        host_step(Entry::Step, &self.weights, &pools, s.pool_rows, s.seqs, inp, x, aux, out)
+    }
+
+    fn draft(
+        &mut self,
+        s: super::StepContext,
+        first: bool,
+        inp: &StepInputs,
+        x: &mut [f32],
+        aux: &mut [f32],
+        out: &mut StepOut,
+    ) -> Result<(), StageError> {
+        let pools: Vec<*mut f32> = self.pools.iter_mut().map(|p| p.as_mut_ptr()).collect();
+        let entry = if first { Entry::DraftFirst } else { Entry::DraftNext };
+        host_step(entry, &self.weights, &pools, s.pool_rows, s.seqs, inp, x, aux.as_mut_ptr(), out)
     }
 
     fn device(&self) -> Option<&dyn Gpu> {
@@ -130,14 +147,25 @@ fn zeroed_words(words: usize) -> Option<Vec<f32>> {
     Some(unsafe { Vec::from_raw_parts(p, words, words) })
 }
 
+/// Which generated entry a step runs.
+#[derive(Clone, Copy)]
+enum Entry {
+    Step,
+    DraftFirst,
+    DraftNext,
+}
+
 /// One step on the host: the entry reads and writes host memory directly.
+#[allow(clippy::too_many_arguments)]
 fn host_step(
+    entry: Entry,
     weights: &StageWeights,
     pools: &[*mut f32],
     pool_rows: usize,
     seqs: &SeqArgs,
     inp: &StepInputs,
     x: &mut [f32],
+    aux: *mut f32,
     out: &mut StepOut,
 ) -> Result<(), StageError> {
     // (Seen holds one bitmap per sequence, or nothing on a stage that does
@@ -146,9 +174,16 @@ fn host_step(
     // the pool, covering its segment's positions (`seq_tables`).
     // SAFETY: every pointer covers what the compiled step reads or writes:
     // the weights have the compiled shapes, pools and tables are as above,
-    // and x, ids, logits, out_ids, table and pos hold `tokens` rows.
+    // and x, ids, logits, out_ids, table and pos hold `tokens` rows; `aux`
+    // is null where the entry has no aux slots, else holds them (the
+    // caller's split of the step's buffer, or the draft's gathered rows).
+    let run = match entry {
+        Entry::Step => super::m3c_stage_step,
+        Entry::DraftFirst => super::m3c_draft_first,
+        Entry::DraftNext => super::m3c_draft_next,
+    };
     unsafe {
-        super::m3c_stage_step(&StepArgs {
+        run(&StepArgs {
             version: STEP_VERSION,
             weights: weights.ptrs.as_ptr(),
             weights_dev: weights.ptrs.as_ptr(),
@@ -172,6 +207,7 @@ fn host_step(
             nimg: inp.img_rows.len() as i64,
             img: inp.img.as_ptr(),
             img_rows: inp.img_rows.as_ptr(),
+            aux,
         });
     }
     Ok(())
