@@ -40,9 +40,11 @@ impl Drafter {
         let d2t = match d2t {
             Some(v) => v,
             None if vocab == target_vocab => vec![0; vocab],
-            None => return Err(StageError::Weights(format!(
+            None => {
+                return Err(StageError::Weights(format!(
                 "the EAGLE3 draft's vocabulary ({vocab}) is not the target's ({target_vocab}), and its checkpoint has no `d2t` to map it"
-            ))),
+            )))
+            }
         };
         if let Some((d, off)) = d2t.iter().enumerate().find(|(d, off)| !(0..target_vocab as i64).contains(&(*d as i64 + **off))) {
             return Err(StageError::Weights(format!(

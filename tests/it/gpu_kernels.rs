@@ -377,6 +377,28 @@ fn rowwise_gpu_kernels_match_the_host() {
             ],
         );
         agree(&k.symbol(), &o[0].0, &o[0].1, act, 1e-4);
+        // The EAGLE3 draft head's variants: RoPE over whole heads without a
+        // norm, the plain (Llama) RMSNorm, and its concatenated input.
+        let k = Kernel::HeadNormRope(m3c_kernels::HeadNormRope {
+            heads: 3,
+            head_dim: 32,
+            rotary_dim: 32,
+            theta: 1e4,
+            eps: 0.0,
+            weight: WeightType::F32,
+            act,
+            norm: false,
+        });
+        let o = run_both_on(target, &k, rows, &[a(1, false), buf(&pos, &[rows], "memref<?xi64>", false), a(3, true)]);
+        agree(&k.symbol(), &o[0].0, &o[0].1, act, 1e-4);
+        let k = Kernel::RmsNorm(m3c_kernels::RmsNorm { width: 96, eps: 1e-6, weight: WeightType::BF16, act, gemma: false });
+        let o = run_both_on(target, &k, rows, &[a(1, false), buf(&bits16(&vals(96, 4, 0.3)), &[96], "memref<96xbf16>", false), a(2, true)]);
+        agree(&k.symbol(), &o[0].0, &o[0].1, act, 1e-5);
+        for offset in [0, 96] {
+            let k = Kernel::CopyCols(m3c_kernels::CopyCols { width: 96, into: 192, offset, act });
+            let o = run_both_on(target, &k, rows, &[a(1, false), act_rows(rows, 192, act, 2, true)]);
+            agree(&k.symbol(), &o[0].0, &o[0].1, act, 0.0);
+        }
         // cache scatter to rows `pos` of a longer cache, both cache types,
         // and through a block table into a pool of 5 blocks of 2
         for cache in ACTS {

@@ -6,6 +6,7 @@ mod cli;
 mod compile;
 mod config;
 mod cuda;
+mod eagle3;
 mod gpu_kernels;
 mod graph;
 mod host_kernels;

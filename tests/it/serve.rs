@@ -698,16 +698,25 @@ fn speculative_streams_get_the_answers_of_plain_decoding() {
     let plain = serve(&[]);
     let drafted = serve(&["--speculative-config", spec]);
     let tight = serve(&["--speculative-config", spec, "--kv-blocks", "90"]);
+    // EAGLE3: the stages with the draft head compiled in, preempting too.
+    let e3 = crate::eagle3::config(3);
+    let eagle = Server::start(&crate::eagle3::out(2, &[]), &model, &["--speculative-config", &e3, "--kv-blocks", "90"]).client(&[
+        "spec_streams",
+        "16",
+        "32",
+    ]);
     assert_eq!(drafted["answers"], plain["answers"], "speculation changed an answer");
     assert_eq!(tight["answers"], plain["answers"], "speculation under preemption changed an answer");
+    assert_eq!(eagle["answers"], plain["answers"], "EAGLE3 changed an answer");
     let m = |v: &Value, k: &str| v["metrics"][k].as_f64().unwrap();
     assert_eq!(m(&plain, "spec_decode_num_drafts_total"), 0.0);
-    for v in [&drafted, &tight] {
+    for v in [&drafted, &tight, &eagle] {
         assert!(m(v, "spec_decode_num_drafts_total") > 0.0, "{}", v["metrics"]);
         let (proposed, accepted) = (m(v, "spec_decode_num_draft_tokens_total"), m(v, "spec_decode_num_accepted_tokens_total"));
         assert!(accepted > 0.0 && accepted < proposed, "some drafts accepted, some not: {}", v["metrics"]);
     }
     assert!(m(&tight, "num_preemptions_total") > 0.0, "{}", tight["metrics"]);
+    assert!(m(&eagle, "num_preemptions_total") > 0.0, "{}", eagle["metrics"]);
     let finishes: std::collections::BTreeSet<String> =
         plain["answers"].as_array().unwrap().iter().map(|a| a["finish"].as_str().unwrap_or("").to_string()).collect();
     assert!(finishes.len() >= 2, "the streams should end in different ways: {finishes:?}");

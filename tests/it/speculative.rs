@@ -137,7 +137,7 @@ fn bad_speculative_configs_are_errors_that_name_the_key() {
         (r#"{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_mx": 4}"#, "unknown key `prompt_lookup_mx`"),
         (r#"{"method": "medusa", "num_speculative_tokens": 3}"#, "unknown method `medusa`"),
         (r#"{"method": "ngram"}"#, "num_speculative_tokens"),
-        (r#"{"method": "eagle3", "model": "d", "num_speculative_tokens": 3}"#, "EAGLE3 draft heads are not compiled"),
+        (r#"{"method": "eagle3", "model": "d", "num_speculative_tokens": 3}"#, "`model` d has no config.json"),
         ("not json", "not JSON"),
     ] {
         let r =
