@@ -8,25 +8,39 @@
 # Each figure is the median of RUNS runs (default 3), plain and speculative
 # runs alternating so that both see the same machine. The output is the
 # same bytes either way (checked here on every pair).
+#
+# METHOD=eagle3 measures the EAGLE3 head instead: tiny-m3 compiled with
+# tests/fixtures/eagle3-tiny (the draft trained for it), K = 3, on the same
+# prompts and on the golden's held-out path.
 set -euo pipefail
+METHOD=${METHOD:-ngram}
 RUNS=${RUNS:-3}
 NEW=${NEW:-128}
 SPEC=${SPEC:-'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'}
 # shellcheck source=scripts/bench-common.sh
 . "$(dirname "$0")/bench-common.sh"
 
-$M3C init-tiny "$work/h1024" --hidden 1024 --layers 8 --seed 1 >/dev/null
+models=(tests/fixtures/tiny-m3 "$work/h1024")
+compile_flags=()
+if [ "$METHOD" = eagle3 ]; then
+  SPEC="{\"method\": \"eagle3\", \"model\": \"$PWD/tests/fixtures/eagle3-tiny\", \"num_speculative_tokens\": 3}"
+  # The head is compiled into the last stage; its draft is tiny-m3's.
+  compile_flags=(--speculative-config "$SPEC")
+  models=(tests/fixtures/tiny-m3)
+else
+  $M3C init-tiny "$work/h1024" --hidden 1024 --layers 8 --seed 1 >/dev/null
+fi
 # Prompt i: 16 ids from i on, four times over.
 prompt() { python3 -c "import sys; i = int(sys.argv[1]); print(','.join(str(3 + (i * 37 + k) % 400) for _ in range(4) for k in range(16)))" "$1"; }
 decode_rate() { sed -E 's/.*decode [0-9]+ tokens in [0-9.]+ ms \(([0-9.]+) tok\/s\).*/\1/'; }
 
 printf 'speculative config: %s; %s new tokens per prompt, greedy\n' "$SPEC" "$NEW"
-printf '%-34s %4s %8s %14s %14s %9s %11s\n' "model" "pp" "prompts" "plain tok/s" "ngram tok/s" "speed-up" "accept len"
-for model in tests/fixtures/tiny-m3 "$work/h1024"; do
+printf '%-34s %4s %8s %14s %14s %9s %11s\n' "model" "pp" "prompts" "plain tok/s" "$METHOD tok/s" "speed-up" "accept len"
+for model in "${models[@]}"; do
   name=$(basename "$model")
   [ "$name" = h1024 ] && name="init-tiny hidden 1024, 8 layers"
   for pp in 1 2; do
-    $M3C compile --model "$model" --pp $pp -o "$work/out" >/dev/null
+    $M3C compile --model "$model" --pp $pp -o "$work/out" "${compile_flags[@]}" >/dev/null
     for np in 1 8; do
       args=(--max-new-tokens "$NEW" --ignore-eos)
       for i in $(seq 1 $np); do args+=(--prompt-ids "$(prompt "$i")"); done

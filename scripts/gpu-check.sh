@@ -21,7 +21,8 @@
 #      the tiny fixture's image + text prefill (the vision entry on the GPU,
 #      its features over the placeholder rows) against the reference's
 #      mm_logits at pp = 1 and 2 (within 1e-3, pp dumps byte-identical);
-#      tiny-m3 with bf16 caches, and
+#      tiny-m3 with bf16 caches; tiny-m3 with its EAGLE3 draft head (ids
+#      and logprobs equal to the same stages' without it); and
 #      both fixtures with bf16 activations (the GPU default), their distance
 #      from the f32 golden reported (on the host: median position 0.07-0.09,
 #      a few positions where an expert or MSA block choice flips up to 2.3);
@@ -110,6 +111,10 @@ prepare() {
     $M3C compile --model "tests/fixtures/$m" --pp 1 --target "$TARGET" --activations bf16 -o "$b/out/$m-pp1-abf16" >/dev/null
   done
   $M3C compile --model tests/fixtures/tiny-m3 --pp 1 --target "$TARGET" --activations f32 --kv-cache bf16 -o "$b/out/tiny-m3-pp1-kvbf16" >/dev/null
+  # EAGLE3: tiny-m3's draft head compiled into the last stage (the path is
+  # the repository's, the same on the GPU machine).
+  $M3C compile --model tests/fixtures/tiny-m3 --pp 2 "$b/plans/tiny-pp2.yaml" --activations f32 -o "$b/out/tiny-m3-pp2-eagle3" \
+    --speculative-config '{"method": "eagle3", "model": "tests/fixtures/eagle3-tiny", "num_speculative_tokens": 3}' >/dev/null
   # The golden image input as the images file a first stage reads.
   python3 - tests/fixtures/tiny-m3/golden.safetensors "$b/mm-images.safetensors" <<'PY'
 import json, struct, sys
@@ -288,6 +293,16 @@ PY
         --expect "$golden" >"$log" 2>&1 || true
       check=$(grep -o 'prefill max.*' "$log" | head -1 || true)
       rows+=("$(printf '%-32s %-6s %-5s %s' "$m bf16 caches" "pp=1" "$([ -n "$check" ] && echo ran || echo FAIL)" "${check:-$(why "$log")}")")
+      # EAGLE3 on the device: aux states carried in device memory, the
+      # head's entries on the last stage; ids and logprobs as without it.
+      e3=(--model "tests/fixtures/$m" --prompt-ids "$prompt" --prompt-ids "7,7,7,7" --micro-batch 2 --max-new-tokens 24 --logprobs 2)
+      timeout 120 "$b/out/$m-pp2-eagle3/run.sh" "${e3[@]}" >"$logs/$m-eagle3-plain.log" 2>&1 || true
+      timeout 120 "$b/out/$m-pp2-eagle3/run.sh" "${e3[@]}" --eagle3 3 --draft-model tests/fixtures/eagle3-tiny >"$logs/$m-eagle3.log" 2>&1 || true
+      plain=$(grep -E '^(prompt|logprobs) ' "$logs/$m-eagle3-plain.log" || true)
+      spec=$(grep -E '^(prompt|logprobs) ' "$logs/$m-eagle3.log" || true)
+      specline=$(grep -o 'm3c spec:.*' "$logs/$m-eagle3.log" | head -1 || true)
+      if [ -n "$plain" ] && [ "$plain" = "$spec" ] && [ -n "$specline" ]; then verdict=pass; else verdict=FAIL; fi
+      rows+=("$(printf '%-32s %-6s %-5s %s' "$m EAGLE3" "pp=2" "$verdict" "ids and logprobs = plain; ${specline:-$(why "$logs/$m-eagle3.log")}")")
     fi
     # bf16 activations (the GPU default): reported, not judged, like the caches.
     log="$logs/$m-abf16.log"

@@ -90,7 +90,7 @@ fn draft_lines(args: &PlanArgs, cfg: &m3c_compiler::config::ModelConfig, p: &pla
         Some(SpeculativeConfig::Ngram(_)) => {
             Ok("n-gram drafts have no weights and send nothing between stages: the plan is unchanged\n".into())
         }
-        Some(SpeculativeConfig::Eagle3 { model, tokens }) => {
+        Some(SpeculativeConfig::Eagle3 { model, tokens, .. }) => {
             let draft = plan::DraftHead::load(model)?.for_target(cfg).map_err(anyhow::Error::msg)?;
             // Activations cross stages in f32 on the host, bf16 on a GPU (the defaults).
             let act_bytes = if p.target == Target::Host { 4 } else { 2 };

@@ -33,14 +33,30 @@ pub struct Ngram {
 pub struct Eagle3Run {
     pub tokens: usize,
     pub model: PathBuf,
+    /// vLLM's `disable_by_batch_size`: no drafts while more sequences run.
+    pub disable_by_batch_size: Option<usize>,
 }
 
-/// A draft length as a stage argument: 1 to [`MAX_SPECULATIVE_TOKENS`].
-pub fn parse_draft_tokens(v: &str) -> Result<usize, String> {
-    v.parse::<usize>()
-        .ok()
-        .filter(|k| (1..=MAX_SPECULATIVE_TOKENS).contains(k))
-        .ok_or_else(|| format!("`{v}` is not a draft length (1 to {MAX_SPECULATIVE_TOKENS})"))
+impl Eagle3Run {
+    /// `K[:BATCH]`, the stage argument's form.
+    pub fn encode_tokens(&self) -> String {
+        match self.disable_by_batch_size {
+            Some(b) => format!("{}:{b}", self.tokens),
+            None => self.tokens.to_string(),
+        }
+    }
+}
+
+/// `K[:BATCH]` as a stage argument: a draft length of 1 to
+/// [`MAX_SPECULATIVE_TOKENS`], and the batch size above which no drafts are made.
+pub fn parse_draft_tokens(v: &str) -> Result<(usize, Option<usize>), String> {
+    let bad = || format!("`{v}` is not K[:BATCH] (a draft length of 1 to {MAX_SPECULATIVE_TOKENS}, then a batch size)");
+    let (k, batch) = match v.split_once(':') {
+        Some((k, b)) => (k, Some(b.parse::<usize>().ok().filter(|&b| b > 0).ok_or_else(bad)?)),
+        None => (v, None),
+    };
+    let k = k.parse::<usize>().ok().filter(|k| (1..=MAX_SPECULATIVE_TOKENS).contains(k)).ok_or_else(bad)?;
+    Ok((k, batch))
 }
 
 /// A `--speculative-config`, checked.
@@ -51,6 +67,7 @@ pub enum SpeculativeConfig {
     Eagle3 {
         model: PathBuf,
         tokens: usize,
+        disable_by_batch_size: Option<usize>,
     },
 }
 
@@ -107,7 +124,7 @@ impl SpeculativeConfig {
                     Some(serde_json::Value::String(m)) if !m.is_empty() => PathBuf::from(m),
                     _ => return Err("--speculative-config: method `eagle3` needs `model`, the draft's checkpoint folder".into()),
                 };
-                Ok(SpeculativeConfig::Eagle3 { model, tokens })
+                Ok(SpeculativeConfig::Eagle3 { model, tokens, disable_by_batch_size })
             }
         }
     }
@@ -224,7 +241,7 @@ mod tests {
         );
         assert_eq!(
             ng(r#"{"method": "eagle3", "model": "d", "num_speculative_tokens": 3}"#),
-            Ok(SpeculativeConfig::Eagle3 { model: "d".into(), tokens: 3 })
+            Ok(SpeculativeConfig::Eagle3 { model: "d".into(), tokens: 3, disable_by_batch_size: None })
         );
         for (text, says) in [
             ("[1]", "JSON object"),

@@ -197,7 +197,9 @@ impl StageArgs {
         (self.speculative, self.eagle3) = match c {
             None => (None, None),
             Some(SpeculativeConfig::Ngram(n)) => (Some(n), None),
-            Some(SpeculativeConfig::Eagle3 { model, tokens }) => (None, Some(Eagle3Run { tokens, model })),
+            Some(SpeculativeConfig::Eagle3 { model, tokens, disable_by_batch_size }) => {
+                (None, Some(Eagle3Run { tokens, model, disable_by_batch_size }))
+            }
         };
     }
 
@@ -237,7 +239,7 @@ impl StageArgs {
             ("--prefill-gemm", Some(if self.gpu.prefill_gemm_vendor { "vendor" } else { "off" }.to_string())),
             ("--eos-ids", (!self.eos_ids.is_empty()).then(|| ids(&self.eos_ids))),
             ("--speculative", self.speculative.map(|n| n.encode())),
-            ("--eagle3", self.eagle3.as_ref().map(|e| e.tokens.to_string())),
+            ("--eagle3", self.eagle3.as_ref().map(crate::speculative::Eagle3Run::encode_tokens)),
             ("--draft-model", self.eagle3.as_ref().map(|e| path(&e.model))),
         ] {
             if let Some(v) = value {
@@ -460,7 +462,9 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
         (Some(_), Some(_)) => return Err("give --kv-blocks or --kv-fraction, not both".into()),
     };
     a.eagle3 = match (eagle3_tokens, draft_model) {
-        (Some(tokens), Some(model)) => Some(crate::speculative::Eagle3Run { tokens, model }),
+        (Some((tokens, disable_by_batch_size)), Some(model)) => {
+            Some(crate::speculative::Eagle3Run { tokens, model, disable_by_batch_size })
+        }
         (None, None) => None,
         _ => return Err("--eagle3 K and --draft-model DIR go together".into()),
     };
@@ -522,7 +526,7 @@ mod tests {
         let mut s = StageArgs::new(PathBuf::from("m"));
         s.prompts = Prompts::Served;
         s.micro_batch = Some(32);
-        s.eagle3 = Some(crate::speculative::Eagle3Run { tokens: 3, model: PathBuf::from("/drafts/e 3") });
+        s.eagle3 = Some(crate::speculative::Eagle3Run { tokens: 3, model: PathBuf::from("/drafts/e 3"), disable_by_batch_size: Some(4) });
         assert_eq!(StageArgs::parse(&s.to_args()), Ok(s.clone()));
         // One method at a time, and EAGLE3's two flags together.
         s.speculative = a.speculative;

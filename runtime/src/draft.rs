@@ -64,14 +64,17 @@ impl Drafter {
     }
 
     /// Each segment's proposals after the step that drew `got` (verify
-    /// segments' drafts in `drafts`), from the aux states the step left in
+    /// segments' drafts in `drafts`; at most `wanted[k]` for segment k, none
+    /// where `wanted` is empty), from the aux states the step left in
     /// `carry` after its `x` rows.
+    #[allow(clippy::too_many_arguments)]
     pub fn propose(
         &self,
         st: &mut Stage,
         books: &LastBooks,
         segs: &[Segment],
         drafts: &[Vec<i64>],
+        wanted: &[i64],
         got: &[Drawn],
         carry: &[f32],
     ) -> Result<Vec<Vec<i64>>, StageError> {
@@ -94,7 +97,9 @@ impl Drafter {
                     books.token_at(s.seq, s.pos0 + j + 1)
                 }
             };
-            let rows = (0..s.rows).take_while(|&j| next(j).is_some_and(|id| id >= 0)).count();
+            // (−1: the first stage asks nothing of the head for it.)
+            let skip = wanted.get(k).is_some_and(|&w| w < 0);
+            let rows = if skip { 0 } else { (0..s.rows).take_while(|&j| next(j).is_some_and(|id| id >= 0)).count() };
             if rows > 0 {
                 first.push(Segment { seq: s.seq, pos0: s.pos0, rows });
                 for j in 0..rows {
@@ -106,7 +111,8 @@ impl Drafter {
                 }
                 // It drew a token this step (and may take more): it drafts.
                 let drew = got[k].tokens.last().is_some_and(|t| t.id >= 0);
-                let want = self.tokens.min(books.remaining(s.seq).saturating_sub(1));
+                let asked = wanted.get(k).map_or(0, |&w| usize::try_from(w).unwrap_or(0));
+                let want = self.tokens.min(asked).min(books.remaining(s.seq).saturating_sub(1));
                 if drew && want > 0 {
                     chains[k] = Some((ids.len() - 1, s.pos0 + rows, want));
                 }
@@ -156,17 +162,20 @@ impl Drafter {
 }
 
 /// Sets each segment's proposals in `got` when the stage drafts (its books
-/// hold a drafter); `carry` is the step's buffer.
+/// hold a drafter) and the first stage asked for them (`wanted`); `carry`
+/// is the step's buffer.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn attach(
     st: &mut Stage,
     books: &LastBooks,
     segs: &[Segment],
     drafts: &[Vec<i64>],
+    wanted: &[i64],
     got: &mut [Drawn],
     carry: &[f32],
 ) -> Result<(), StageError> {
     let Some(drafter) = &books.drafter else { return Ok(()) };
-    let proposals = drafter.propose(st, books, segs, drafts, got, carry)?;
+    let proposals = drafter.propose(st, books, segs, drafts, wanted, got, carry)?;
     // Test hook (documented in ARCHITECTURE.md): each proposal on standard
     // error, so the tests can hold them against the reference's goldens.
     let log = std::env::var_os("M3C_TEST_LOG_DRAFTS").is_some();

@@ -60,7 +60,7 @@ pub(crate) fn follow(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Sta
         let m = wire::recv(world, peers, rank - 1, TAG_ACT)?;
         let pass_on = |outbox: &mut Outbox, kind, payload: &[u8]| {
             if !last {
-                outbox.send(world, rank + 1, TAG_ACT, message_step(kind, &m.segments, &m.blocks, &m.drafts, payload));
+                outbox.send(world, rank + 1, TAG_ACT, message_step(kind, &m.segments, &m.blocks, &m.drafts, &m.propose, payload));
             }
         };
         match m.kind {
@@ -126,17 +126,17 @@ fn step(world: &SimpleCommunicator, st: &mut Stage, books: &mut LastBooks, outbo
     let mut x = if st.uses_collectives() { vec![0f32; tokens * st.meta.carry_words()] } else { bytes_f32(payload) };
     if !last && st.uses_collectives() {
         // The step's NCCL send waits for the receiver, who needs the header first.
-        outbox.send(world, rank + 1, TAG_ACT, message_step(KIND_STEP, segs, &m.blocks, &m.drafts, &[]));
+        outbox.send(world, rank + 1, TAG_ACT, message_step(KIND_STEP, segs, &m.blocks, &m.drafts, &m.propose, &[]));
     }
     let sample = if last { Some(books.sample_in(segs, &m.drafts, st.meta.vocab)?) } else { None };
     let out = st.step(segs, &[], &mut x, sample, !m.drafts.is_empty())?;
     // (A last stage's step leaves its `x` rows unwritten, and its aux states after them.)
     if last {
         let mut got = books.finish(segs, &m.drafts, &out, st.meta.vocab, rank)?;
-        crate::draft::attach(st, books, segs, &m.drafts, &mut got, &x)?;
+        crate::draft::attach(st, books, segs, &m.drafts, &m.propose, &mut got, &x)?;
         outbox.send(world, 0, TAG_IDS, message(KIND_STEP, segs, &crate::books::Drawn::encode(&got)));
     } else if !st.uses_collectives() {
-        outbox.send(world, rank + 1, TAG_ACT, message_step(KIND_STEP, segs, &m.blocks, &m.drafts, &f32_bytes(&x)));
+        outbox.send(world, rank + 1, TAG_ACT, message_step(KIND_STEP, segs, &m.blocks, &m.drafts, &m.propose, &f32_bytes(&x)));
     }
     Ok(())
 }

@@ -88,6 +88,8 @@ pub(crate) struct Batching {
     /// Speculative decoding by the last stage's EAGLE3 head: at most this
     /// many drafts per step, which come back with each step's ids.
     pub eagle3: Option<usize>,
+    /// vLLM's `disable_by_batch_size` for EAGLE3.
+    pub eagle3_batch: Option<usize>,
 }
 
 /// A live sequence.
@@ -534,6 +536,8 @@ impl Leader {
         let mut ids = Vec::new();
         let mut grown: Vec<Vec<u32>> = Vec::new();
         let mut drafts: Vec<Vec<i64>> = Vec::new();
+        // Per segment, the proposals the EAGLE3 head should make after it.
+        let mut propose: Vec<i64> = Vec::new();
         let mut stalled = Vec::new();
         // vLLM's `disable_by_batch_size`: a large batch takes no drafts.
         let running = self.live.values().filter(|l| l.running).count();
@@ -599,6 +603,7 @@ impl Leader {
             segs.push(Segment { seq, pos0, rows: item.len() });
             grown.push(new);
             drafts.push(l.drafts.clone());
+            propose.push(eagle3_asks(&self.batching, l, running));
             ids.extend(item);
         }
         for seq in stalled.into_iter().rev() {
@@ -613,22 +618,25 @@ impl Leader {
         if drafts.iter().all(Vec::is_empty) {
             drafts.clear();
         }
+        if propose.iter().all(|&k| k == 0) {
+            propose.clear();
+        }
         let mut x = vec![0f32; ids.len() * st.meta.carry_words()];
         if self.stages == 1 {
             let sample = books.sample_in(&segs, &drafts, st.meta.vocab)?;
             let out = st.step(&segs, &ids, &mut x, Some(sample), !drafts.is_empty())?;
             let mut got = books.finish(&segs, &drafts, &out, st.meta.vocab, 0)?;
-            crate::draft::attach(st, books, &segs, &drafts, &mut got, &x)?;
+            crate::draft::attach(st, books, &segs, &drafts, &propose, &mut got, &x)?;
             self.returned(world, st, books, feed, &segs, &got)?;
             return Ok(true);
         }
         if st.uses_collectives() {
             // The step's NCCL send waits for the receiver, who needs the header first.
-            self.outbox.send(world, 1, TAG_ACT, message_step(KIND_STEP, &segs, &grown, &drafts, &[]));
+            self.outbox.send(world, 1, TAG_ACT, message_step(KIND_STEP, &segs, &grown, &drafts, &propose, &[]));
         }
         st.step(&segs, &ids, &mut x, None, !drafts.is_empty())?;
         if !st.uses_collectives() {
-            self.outbox.send(world, 1, TAG_ACT, message_step(KIND_STEP, &segs, &grown, &drafts, &f32_bytes(&x)));
+            self.outbox.send(world, 1, TAG_ACT, message_step(KIND_STEP, &segs, &grown, &drafts, &propose, &f32_bytes(&x)));
         }
         self.in_flight += 1;
         Ok(true)
@@ -771,6 +779,23 @@ impl Leader {
             self.outbox.send(world, 1, TAG_ACT, message(KIND_DROP, &[Segment { seq, pos0: 0, rows: 0 }], &[]));
         }
         feed.event(Event::End { seq, reason });
+    }
+}
+
+/// What a step asks of the last stage's EAGLE3 head for sequence `l`
+/// (`Msg::propose`): K proposals for a next step that would verify
+/// them; 0 (its cache rows only) while it backs off or the batch is
+/// over `disable_by_batch_size`; −1 (nothing) once its drafts have
+/// missed twice in a row, so a sequence the head cannot predict costs
+/// its decode steps almost nothing (its head cache then has holes,
+/// which only make later proposals worse).
+fn eagle3_asks(b: &Batching, l: &Live, running: usize) -> i64 {
+    let Some(k) = b.eagle3.filter(|_| !b.score_last && !l.cancelled) else { return 0 };
+    let big = b.eagle3_batch.is_some_and(|b| running > b);
+    match (l.spec_skip, big) {
+        (0, false) => k as i64,
+        (_, _) if l.spec_misses >= 2 => -1,
+        _ => 0,
     }
 }
 

@@ -37,15 +37,17 @@ pub const KIND_RESET: i64 = 6;
 const MAX_SEGMENTS: usize = 1 << 20;
 
 pub fn message(kind: i64, segments: &[Segment], payload: &[u8]) -> Vec<u8> {
-    message_step(kind, segments, &[], &[], payload)
+    message_step(kind, segments, &[], &[], &[], payload)
 }
 
 /// A step's message. `blocks` is empty (no segment takes new cache
 /// blocks) or has one list per segment, the pool blocks for its next
 /// positions; `drafts` is empty (no segment verifies a draft) or has one
 /// list per segment, the draft ids its rows after the first hold (which
-/// the last stage checks its draws against).
-pub fn message_step(kind: i64, segments: &[Segment], blocks: &[Vec<u32>], drafts: &[Vec<i64>], payload: &[u8]) -> Vec<u8> {
+/// the last stage checks its draws against); `propose` is empty or has one
+/// count per segment, the drafts the last stage's EAGLE3 head should
+/// propose after the step (0: none; the first stage would not use them).
+pub fn message_step(kind: i64, segments: &[Segment], blocks: &[Vec<u32>], drafts: &[Vec<i64>], propose: &[i64], payload: &[u8]) -> Vec<u8> {
     let ids: usize = blocks.iter().map(Vec::len).sum::<usize>() + drafts.iter().map(Vec::len).sum::<usize>();
     let mut m = Vec::with_capacity(32 + 24 * segments.len() + 8 * (blocks.len() + drafts.len() + ids) + payload.len());
     m.extend(kind.to_le_bytes());
@@ -69,6 +71,11 @@ pub fn message_step(kind: i64, segments: &[Segment], blocks: &[Vec<u32>], drafts
             m.extend(id.to_le_bytes());
         }
     }
+    m.extend((propose.len() as i64).to_le_bytes());
+    for &k in propose {
+        m.extend(1i64.to_le_bytes());
+        m.extend(k.to_le_bytes());
+    }
     m.extend_from_slice(payload);
     m
 }
@@ -80,6 +87,8 @@ pub struct Msg {
     pub blocks: Vec<Vec<u32>>,
     /// Empty, or per segment the draft ids it verifies.
     pub drafts: Vec<Vec<i64>>,
+    /// Empty, or per segment the drafts to propose after the step.
+    pub propose: Vec<i64>,
     pub payload: Vec<u8>,
 }
 
@@ -115,11 +124,12 @@ pub fn parse_msg(m: Vec<u8>) -> Result<Msg, StageError> {
         .map(|b| b.into_iter().map(|v| u32::try_from(v).map_err(|_| bad())).collect::<Result<Vec<u32>, StageError>>())
         .collect::<Result<Vec<_>, _>>()?;
     let drafts = lists(&mut at)?;
+    let propose = lists(&mut at)?.into_iter().map(|k| if let [k] = k[..] { Ok(k) } else { Err(bad()) }).collect::<Result<Vec<i64>, _>>()?;
     if drafts.iter().zip(&segments).any(|(d, s)| d.len() >= s.rows.max(1)) {
         return Err(bad());
     }
     let payload = m.get(at * 8..).ok_or_else(bad)?.to_vec();
-    Ok(Msg { kind, segments, blocks, drafts, payload })
+    Ok(Msg { kind, segments, blocks, drafts, propose, payload })
 }
 
 /// Receives the next message with `tag` from rank `from`. Fails only when

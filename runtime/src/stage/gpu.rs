@@ -28,21 +28,20 @@ impl GpuBacking {
     /// Opens the GPU and uploads the stage's weights to it (reporting
     /// progress); the KV pools come with [`Backing::alloc_pools`].
     pub(super) fn open(meta: &StageMeta, weights: StageWeights, local_rank: i32, who: &str) -> Result<GpuBacking, StageError> {
-        if meta.aux_slots > 0 {
-            // Its steps would carry the aux states in device memory and run
-            // the head's entries there; neither is wired yet.
-            return Err(StageError::Device(format!(
-                "{who}: this stage was compiled with an EAGLE3 draft head, which runs on host stages in this build (compile with `--target host`)"
-            )));
-        }
         let device = device::open(&meta.target, meta.device, local_rank)?;
         let total: u64 = weights.sizes.iter().sum();
         let mut uploaded = Vec::with_capacity(weights.ptrs.len());
         let mut done = 0u64;
         let mut shown = 0;
         for (p, &n) in weights.ptrs.iter().zip(&weights.sizes) {
-            // SAFETY: `p` points at `n` mapped bytes of this tensor.
-            let bytes = unsafe { std::slice::from_raw_parts(*p, n as usize) };
+            // An unbound slot (an EAGLE3 head run without its draft: its
+            // entries never run) gets a byte of its own.
+            let bytes: &[u8] = if p.is_null() {
+                &[0]
+            } else {
+                // SAFETY: `p` points at `n` mapped bytes of this tensor.
+                unsafe { std::slice::from_raw_parts(*p, n as usize) }
+            };
             uploaded
                 .push(device.upload(bytes).map_err(|e| StageError::Step(format!("uploading weights to GPU {}: {e}", device.ordinal())))?);
             done += n;
@@ -162,6 +161,67 @@ impl Backing for GpuBacking {
             meta: s.meta,
         };
         gpu.run(inp, x, out, want_logits)
+    }
+
+    /// An EAGLE3 head's entry, eagerly, on buffers of its own: its rows are
+    /// few (a step's accepted rows, then one per drafting sequence).
+    fn draft(
+        &mut self,
+        s: super::StepContext,
+        first: bool,
+        inp: &StepInputs,
+        x: &mut [f32],
+        aux: &mut [f32],
+        out: &mut StepOut,
+    ) -> Result<(), StageError> {
+        let d = self.device.as_ref();
+        let pools: Vec<u64> = self.pools.iter().map(DeviceBuffer::ptr).collect();
+        d.set_prefill(inp.segments.iter().any(|s| s.rows > 1));
+        let (ids, pos, xb) = (d.upload(bytes_of(inp.ids))?, d.upload(bytes_of(&inp.pos))?, d.upload(bytes_of(x))?);
+        let auxb = if first { Some(d.upload(bytes_of(aux))?) } else { None };
+        let (table, seen) = (d.upload(bytes_of(&out.table))?, d.upload(bytes_of(&inp.seen))?);
+        let (logits, ids_out) = (ScratchBuffer::new(out.logits.len() * 4), ScratchBuffer::new(out.ids.len() * 8));
+        let args = StepArgs {
+            version: STEP_VERSION,
+            weights: self.table.as_ptr() as *const *const u8,
+            weights_dev: self.table_dev.ptr() as *const *const u8,
+            caches: pools.as_ptr() as *const *mut f32,
+            pool_rows: s.pool_rows as i64,
+            blocks: s.seqs.tables.as_ptr() as *const *const i64,
+            sequences: inp.segments.len() as i64,
+            rows: inp.rows.as_ptr(),
+            caps: s.seqs.caps.as_ptr(),
+            tokens: inp.tokens as i64,
+            ids: ids.ptr() as *const i64,
+            x: xb.ptr() as *mut f32,
+            logits: logits.ptr() as *mut f32,
+            out_ids: ids_out.ptr() as *mut i64,
+            table: table.ptr() as *mut i64,
+            seen: seen.ptr() as *const u32,
+            bitmap_rows: inp.bitmap_rows as i64,
+            bias: std::ptr::null(),
+            bias_rows: 0,
+            pos: pos.ptr() as *const i64,
+            nimg: 0,
+            img: std::ptr::null(),
+            img_rows: std::ptr::null(),
+            aux: auxb.as_ref().map_or(std::ptr::null_mut(), |a| a.ptr() as *mut f32),
+        };
+        // SAFETY: as the step's, with device buffers holding `tokens` rows
+        // of ids, positions, x, logits (the draft vocabulary), ids and table
+        // rows, the bitmaps the host side sized, and (first) the aux rows.
+        unsafe {
+            if first {
+                super::m3c_draft_first(&args);
+            } else {
+                super::m3c_draft_next(&args);
+            }
+        }
+        d.sync()?;
+        d.download(ids_out.ptr(), bytes_of_mut(&mut out.ids))?;
+        d.download(table.ptr(), bytes_of_mut(&mut out.table))?;
+        d.download(xb.ptr(), bytes_of_mut(x))?;
+        Ok(())
     }
 
     fn device(&self) -> Option<&dyn Gpu> {
@@ -387,7 +447,9 @@ impl GpuStep<'_> {
             (graphs.on && nimg == 0 && segments.iter().all(|s| s.rows == 1)).then(|| segments.iter().map(|s| s.seq).collect());
         let img_dev = if nimg > 0 { Some((device.upload(bytes_of(&inp.img))?, device.upload(bytes_of(&inp.img_rows))?)) } else { None };
         let (img_p, img_rows_p) = img_dev.as_ref().map_or((0, 0), |(a, b)| (a.ptr(), b.ptr()));
-        let fresh = || Io::alloc(tokens, inp.bitmap_rows, inp.bias_rows, m.x_words(), if m.last_stage { m.vocab } else { 0 });
+        // `x` holds the activations and, with an EAGLE3 head, its aux slots after them.
+        let fresh = || Io::alloc(tokens, inp.bitmap_rows, inp.bias_rows, m.carry_words(), if m.last_stage { m.vocab } else { 0 });
+        let aux_at = (tokens * m.x_words() * 4) as u64;
         let (plan, io, mut fresh_io) = graphs.plan(key, fresh);
         // A graph's micro-batch is a fixed set of sequences, and whether a
         // sequence has a bias row is fixed for its life: the count matches.
@@ -443,7 +505,7 @@ impl GpuStep<'_> {
                     nimg,
                     img: img_p as *const f32,
                     img_rows: img_rows_p as *const i64,
-                    aux: std::ptr::null_mut(),
+                    aux: if m.aux_slots > 0 { (io.x + aux_at) as *mut f32 } else { std::ptr::null_mut() },
                 });
             }
         };
@@ -489,6 +551,10 @@ impl GpuStep<'_> {
             }
             device.download(io.out, bytes_of_mut(&mut out.ids))?;
             device.download(io.table, bytes_of_mut(&mut out.table))?;
+            if m.draft.is_some() {
+                // The EAGLE3 head's first entry reads them, gathered by row.
+                device.download(io.x, bytes_of_mut(x))?;
+            }
         } else if collectives.is_none() {
             device.download(io.x, bytes_of_mut(x))?;
         }

@@ -109,15 +109,13 @@ trait Backing {
     /// in `x`.
     fn draft(
         &mut self,
-        _s: StepContext,
-        _first: bool,
-        _inp: &StepInputs,
-        _x: &mut [f32],
-        _aux: &mut [f32],
-        _out: &mut StepOut,
-    ) -> Result<(), StageError> {
-        Err(StageError::Device("EAGLE3 draft heads run on host stages in this build (`--target host`)".into()))
-    }
+        s: StepContext,
+        first: bool,
+        inp: &StepInputs,
+        x: &mut [f32],
+        aux: &mut [f32],
+        out: &mut StepOut,
+    ) -> Result<(), StageError>;
     /// The GPU of a GPU stage.
     fn device(&self) -> Option<&dyn Gpu>;
     /// Whether decode steps are captured and replayed as graphs (a GPU's).
