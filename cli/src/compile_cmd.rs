@@ -93,9 +93,16 @@ pub(crate) fn compile_cmd(args: CompileArgs) -> Result<()> {
         }),
     };
     let draft = match &args.speculative_config {
-        None => None,
+        // A plan may name the head (`draft:`); the flag names it otherwise.
+        None => match &p.draft {
+            Some(dir) => Some(plan::DraftHead::load(dir)?.for_target(cfg).map_err(anyhow::Error::msg)?),
+            None => None,
+        },
         Some(m3c_contract::speculative::SpeculativeConfig::Ngram(_)) => {
             bail!("--speculative-config: n-gram drafts have nothing to compile; give them to `m3c run` or `m3c serve`")
+        }
+        Some(m3c_contract::speculative::SpeculativeConfig::Eagle3 { .. }) if p.draft.is_some() => {
+            bail!("--speculative-config: the plan names its draft (`draft:`); give one of them")
         }
         Some(m3c_contract::speculative::SpeculativeConfig::Eagle3 { model, .. }) => {
             Some(plan::DraftHead::load(model)?.for_target(cfg).map_err(anyhow::Error::msg)?)

@@ -60,17 +60,26 @@ pub(crate) fn plan_cmd(args: PlanArgs) -> Result<()> {
         args.kv_cache,
         args.gpu_name()
     );
+    // An EAGLE3 draft the plan was made with is named in it (`draft:`), so
+    // `m3c compile PLAN` compiles its head in.
+    let draft_dir = match &args.speculative_config {
+        Some(m3c_contract::speculative::SpeculativeConfig::Eagle3 { model, .. }) => Some(model.as_path()),
+        _ => None,
+    };
     match &args.out {
         Some(out) => {
-            let model_ref = relative_to(model, out.parent().unwrap_or(Path::new(".")));
-            let yaml = plan::plan_yaml(&p, Some(&model_ref), &header, &table);
+            let base = out.parent().unwrap_or(Path::new("."));
+            let model_ref = relative_to(model, base);
+            let draft_ref = draft_dir.map(|d| relative_to(d, base));
+            let yaml = plan::plan_yaml(&p, Some(&model_ref), draft_ref.as_deref(), &header, &table);
             // Round-trip: what we write must validate.
             plan::parse_plan(out, &yaml, Some(&src.config)).context("internal: the written plan does not validate")?;
             m3c_compiler::fsutil::write_file_atomically(out, yaml.as_bytes())?;
             say(&format!("{table}{draft}wrote {}\n", out.display()))?;
         }
         None => {
-            let yaml = plan::plan_yaml(&p, Some(&model.display().to_string()), &header, &table);
+            let draft_ref = draft_dir.map(|d| d.display().to_string());
+            let yaml = plan::plan_yaml(&p, Some(&model.display().to_string()), draft_ref.as_deref(), &header, &table);
             plan::parse_plan(Path::new("<stdout>"), &yaml, Some(&src.config)).context("internal: the printed plan does not validate")?;
             say(&yaml)?;
             if !draft.is_empty() {

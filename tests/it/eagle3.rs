@@ -209,3 +209,30 @@ fn the_draft_head_compiles_for_cuda_and_rocm_from_the_same_units() {
         assert_eq!(first.matches("aux").count() + last.matches("  aux").count(), 3, "{target}: one copy per aux layer");
     }
 }
+
+#[test]
+fn a_plan_made_with_a_draft_names_it_and_compiles_its_head_in() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, spec) = (fixture("tiny-m3"), config(3));
+    let plan = dir.path().join("plan.yaml");
+    let r = m3c(&["plan", "--model", model.to_str().unwrap(), "--pp", "2", "--speculative-config", &spec, "-o", plan.to_str().unwrap()]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    let yaml = std::fs::read_to_string(&plan).unwrap();
+    let line = yaml.lines().find(|l| l.starts_with("draft: ")).unwrap_or_else(|| panic!("no `draft:` in {yaml}"));
+    // Relative to the plan's folder, as `model:` is.
+    assert!(!line.contains(dir.path().to_str().unwrap()) && line.contains("eagle3-tiny"), "{line}");
+    let out = dir.path().join("out");
+    let r = m3c(&["compile", "--pp", "2", plan.to_str().unwrap(), "-o", out.to_str().unwrap(), "--emit", "mlir"]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    let last = std::fs::read_to_string(out.join("stage-1.steps.txt")).unwrap();
+    assert!(last.contains("EAGLE3 draft entry (first)"), "the plan's draft was not compiled in");
+    // Its stages speculate with that draft, and the flag beside the plan's key is refused.
+    let args = ["--prompt-ids", "4,5,6", "--max-new-tokens", "16", "--ignore-eos"];
+    let (plain, _, _) = run(&out, &args, None, &[]);
+    let (text, counts, _) = run(&out, &args, Some(&spec), &[]);
+    assert_eq!(text, plain);
+    assert!(counts[0] > 0, "{counts:?}");
+    let again = dir.path().join("again");
+    let r = m3c(&["compile", "--pp", "2", plan.to_str().unwrap(), "-o", again.to_str().unwrap(), "--speculative-config", &spec]);
+    assert!(!r.status.success() && stderr(&r).contains("the plan names its draft") && !again.exists(), "{}", stderr(&r));
+}

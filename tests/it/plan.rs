@@ -219,7 +219,7 @@ fn links_between_hosts_are_counted_per_boundary() {
     let p = m3c_compiler::plan::parse_plan(Path::new("p.yaml"), &text, Some(&real)).unwrap();
     assert_eq!(p.boundary_link(2).map(|(n, l)| (n, l.to_string())), Some(("eth", "100 Gb/s, 20 us".to_string())));
     assert_eq!(p.boundary_link(0), None);
-    let yaml = m3c_compiler::plan::plan_yaml(&p, None, "", "");
+    let yaml = m3c_compiler::plan::plan_yaml(&p, None, None, "", "");
     assert_eq!(m3c_compiler::plan::parse_plan(Path::new("w.yaml"), &yaml, Some(&real)).unwrap(), p, "{yaml}");
 }
 

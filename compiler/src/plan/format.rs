@@ -124,6 +124,11 @@ pub struct Plan {
     pub stages: Vec<StagePlan>,
     /// The links between hosts, by name (`links:`).
     pub links: BTreeMap<String, Link>,
+    /// An EAGLE3 draft head's folder (`draft:`, resolved like `model:`),
+    /// compiled into the last stage. Not hashed as a path: the compile id
+    /// covers its config's bytes.
+    #[serde(skip)]
+    pub draft: Option<PathBuf>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -142,6 +147,8 @@ pub enum PlanError {
 struct RawPlan {
     version: Option<u32>,
     model: Option<String>,
+    /// An EAGLE3 draft head's folder, compiled into the last stage.
+    draft: Option<String>,
     target: Option<String>,
     arch: Option<String>,
     links: Option<BTreeMap<String, String>>,
@@ -327,7 +334,8 @@ pub fn parse_plan(path: &Path, text: &str, cfg: Option<&ModelConfig>) -> Result<
     let norm = place_parts(&ctx, &raw, &mut stages)?;
     check_layers(&ctx, &stages, num_layers, norm)?;
     let links = parse_links(&ctx, &raw, &stages)?;
-    Ok(Plan { model: raw.model.as_deref().map(|m| resolve(path, m)), target, stages, links })
+    let draft = raw.draft.as_deref().map(|d| resolve(path, d));
+    Ok(Plan { model: raw.model.as_deref().map(|m| resolve(path, m)), target, stages, links, draft })
 }
 
 /// The plan's `links`, each parsed, and each stage's `link` checked: it

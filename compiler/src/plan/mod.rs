@@ -85,5 +85,5 @@ pub fn make_plan(cfg: &ModelConfig, pp: usize, gpu: &GpuProfile, w: Workload, ta
             }
         })
         .collect();
-    Ok(Plan { model: None, target, stages, links: Default::default() })
+    Ok(Plan { model: None, target, stages, links: Default::default(), draft: None })
 }

@@ -54,7 +54,7 @@ pub fn even_plan(cfg: &ModelConfig, pp: usize) -> Option<Plan> {
             }
         })
         .collect();
-    Some(Plan { model: None, target: Target::Host, stages, links: Default::default() })
+    Some(Plan { model: None, target: Target::Host, stages, links: Default::default(), draft: None })
 }
 
 fn summary(costs: &[StageCost]) -> (f64, f64, usize) {
@@ -282,8 +282,9 @@ pub fn plan_svg(cfg: &ModelConfig, plan: &Plan, gpu: &GpuProfile, w: Workload) -
     o
 }
 
-/// The plan as YAML, with the table as comments. `model` is written as given.
-pub fn plan_yaml(plan: &Plan, model: Option<&str>, header: &str, table: &str) -> String {
+/// The plan as YAML, with the table as comments. `model` (and `draft`, an
+/// EAGLE3 head's folder) are written as given.
+pub fn plan_yaml(plan: &Plan, model: Option<&str>, draft: Option<&str>, header: &str, table: &str) -> String {
     let mut o = String::new();
     for line in header.lines().chain(table.lines()) {
         let _ = writeln!(o, "# {line}");
@@ -291,6 +292,9 @@ pub fn plan_yaml(plan: &Plan, model: Option<&str>, header: &str, table: &str) ->
     let _ = writeln!(o, "version: 1");
     if let Some(m) = model {
         let _ = writeln!(o, "model: {}", yaml_str(m));
+    }
+    if let Some(d) = draft {
+        let _ = writeln!(o, "draft: {}", yaml_str(d));
     }
     match &plan.target {
         Target::Host => {
