@@ -70,8 +70,11 @@ pub struct StageMeta {
     pub caches: Vec<CacheSlot>,
     /// Set on the stage that encodes images (the embedding's, with the vision tower).
     pub vision: Option<VisionMeta>,
-    /// EAGLE3 aux slots each step carries after its `x` rows: `[S, hidden]`
-    /// each, in activation storage; 0 without a draft head.
+    /// EAGLE3 aux slots after a step's `x` rows (`[S, hidden]` each, in
+    /// activation storage): those it receives (made on earlier stages),
+    /// and those its steps hold and pass on (with the ones it makes); 0
+    /// without a draft head.
+    pub aux_in: usize,
     pub aux_slots: usize,
     /// Set on the stage that runs the EAGLE3 draft head (the last).
     pub draft: Option<DraftMeta>,
@@ -82,6 +85,8 @@ pub struct StageMeta {
 pub struct DraftMeta {
     /// The draft vocabulary (its logits' width; `d2t` maps it to the target's).
     pub vocab: usize,
+    /// The carry slot of each aux state, in the order its `fc` reads them.
+    pub order: Vec<usize>,
     /// sha256 of the draft's config.json the head was compiled from.
     pub config_sha256: String,
 }
@@ -110,6 +115,12 @@ impl StageMeta {
     /// slot for all rows).
     pub fn carry_words(&self) -> usize {
         self.x_words() * (1 + self.aux_slots)
+    }
+
+    /// f32 words per row of what a step receives from the stage before:
+    /// `x` and the aux slots made before this stage.
+    pub fn carry_in_words(&self) -> usize {
+        self.x_words() * (1 + self.aux_in)
     }
 
     pub fn to_json(&self) -> String {
@@ -306,11 +317,12 @@ mod tests {
             tensors: vec![TensorSlot { name: "w".into(), shape: vec![2, 8], dtype: DType::BF16 }],
             caches: vec![CacheSlot { layer: 1, kind: "key".into(), width: 8, bytes: 4 }],
             vision: Some(VisionMeta { patch_row: 1176, merge: 4, image_token: 200025 }),
+            aux_in: 1,
             aux_slots: 3,
-            draft: Some(DraftMeta { vocab: 8, config_sha256: "d".into() }),
+            draft: Some(DraftMeta { vocab: 8, order: vec![2, 0, 1], config_sha256: "d".into() }),
         };
         assert_eq!(StageMeta::parse(m.to_json().as_bytes()).unwrap(), m);
-        assert_eq!((m.x_words(), m.carry_words()), (4, 16));
+        assert_eq!((m.x_words(), m.carry_in_words(), m.carry_words()), (4, 8, 16));
         assert!(StageMeta::parse(b"{").unwrap_err().contains("damaged"));
     }
 }

@@ -79,6 +79,11 @@ impl Drafter {
         carry: &[f32],
     ) -> Result<Vec<Vec<i64>>, StageError> {
         let (xw, slots) = (st.meta.x_words(), st.meta.aux_slots);
+        // The carry slot of each state, in the order the head's `fc` reads them.
+        let order = st.meta.draft.as_ref().map(|d| d.order.clone()).unwrap_or_default();
+        if order.len() != slots || order.iter().any(|&s| s >= slots) {
+            return Err(StageError::Step("runtime bug: the draft's aux order does not fit the stage's slots".into()));
+        }
         let tokens: usize = segs.iter().map(|s| s.rows).sum();
         if carry.len() != tokens * xw * (1 + slots) {
             return Err(StageError::Step("runtime bug: a step's buffer without its aux states".into()));
@@ -104,7 +109,7 @@ impl Drafter {
                 first.push(Segment { seq: s.seq, pos0: s.pos0, rows });
                 for j in 0..rows {
                     ids.push(next(j).unwrap_or_default());
-                    for slot in 0..slots {
+                    for &slot in &order {
                         let at = (1 + slot) * tokens * xw + (row0 + j) * xw;
                         aux.extend_from_slice(&carry[at..at + xw]);
                     }

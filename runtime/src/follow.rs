@@ -124,6 +124,11 @@ fn step(world: &SimpleCommunicator, st: &mut Stage, books: &mut LastBooks, outbo
     }
     let tokens: usize = segs.iter().map(|s| s.rows).sum();
     let mut x = if st.uses_collectives() { vec![0f32; tokens * st.meta.carry_words()] } else { bytes_f32(payload) };
+    if !st.uses_collectives() && x.len() != tokens * st.meta.carry_in_words() {
+        return Err(StageError::Peer(format!("a step of {tokens} rows came with {} activation words", x.len())));
+    }
+    // The aux slots this stage adds (an EAGLE3 draft's) follow those it received.
+    x.resize(tokens * st.meta.carry_words(), 0.0);
     if !last && st.uses_collectives() {
         // The step's NCCL send waits for the receiver, who needs the header first.
         outbox.send(world, rank + 1, TAG_ACT, message_step(KIND_STEP, segs, &m.blocks, &m.drafts, &m.propose, &[]));

@@ -47,7 +47,7 @@ pub fn run(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Stage, args: 
         let dir = args.weights.checkpoint().map(|_| e.model.as_path());
         books.drafter = Some(crate::draft::Drafter::load(dir, d.vocab, st.meta.vocab, e.tokens)?);
     }
-    if args.eagle3.is_some() && st.meta.aux_slots == 0 {
+    if args.eagle3.is_some() && st.meta.last_stage && st.meta.draft.is_none() {
         return Err(StageError::Step(
             "EAGLE3 speculation needs stages compiled with its draft head (`m3c compile --speculative-config '{\"method\": \"eagle3\", ...}'`)".into(),
         ));

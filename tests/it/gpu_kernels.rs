@@ -1378,11 +1378,12 @@ fn msa_ties_on_the_gpu_fall_as_on_the_host() {
 }
 
 /// The step entry's one argument: the contract's `StepArgs` (its version,
-/// then `words` in `abi::STEP_FIELDS` order), written into the
-/// interpreter's memory.
+/// then `words` in `abi::STEP_FIELDS` order, then a null `aux`: these
+/// stages have no EAGLE3 head), written into the interpreter's memory.
 fn step_args(g: &mut Gpu, words: [u64; 22]) -> [Arg; 1] {
     use m3c_contract::stage::abi::{STEP_FIELDS, STEP_VERSION};
-    assert_eq!(words.len() + 1, STEP_FIELDS.len(), "the fields after the version");
-    let all: Vec<u64> = std::iter::once(STEP_VERSION as u64).chain(words).collect();
+    assert_eq!(words.len() + 2, STEP_FIELDS.len(), "the fields between the version and aux");
+    assert_eq!(STEP_FIELDS.last().map(|f| f.0), Some("aux"));
+    let all: Vec<u64> = std::iter::once(STEP_VERSION as u64).chain(words).chain([0]).collect();
     [Arg::Ptr(g.mem.put(&all))]
 }

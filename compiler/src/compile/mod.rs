@@ -161,8 +161,13 @@ fn stage_meta(
             merge: v.merge,
             image_token: vc.image_token_id as i64,
         }),
+        aux_in: p.aux_in,
         aux_slots: p.aux_slots,
-        draft: p.draft.as_ref().zip(draft_sha).map(|(d, sha)| m3c_contract::stage::DraftMeta { vocab: d.vocab, config_sha256: sha.into() }),
+        draft: p.draft.as_ref().zip(draft_sha).map(|(d, sha)| m3c_contract::stage::DraftMeta {
+            vocab: d.vocab,
+            order: d.order.clone(),
+            config_sha256: sha.into(),
+        }),
     }
     .to_json()
 }
@@ -224,13 +229,23 @@ pub fn lower_all(cfg: &ModelConfig, plan: &Plan, storages: Storages, draft: Opti
     }
     let backend = crate::backend::backend(&plan.target);
     let last = plan.stages.len().saturating_sub(1);
-    let aux_slots = draft.map_or(0, |d| d.aux_layers.len());
+    // Aux states made on stages 0..=i: the slots stage i passes on.
+    let made: Vec<usize> = plan
+        .stages
+        .iter()
+        .scan(0, |n, s| {
+            let parts = s.parts();
+            *n += draft.map_or(0, |d| d.aux_layers.iter().filter(|&&l| parts.contains(&crate::graph::draft::aux_producer(l))).count());
+            Some(*n)
+        })
+        .collect();
     plan.stages
         .iter()
         .enumerate()
         .map(|(i, s)| {
             // The head runs on the last stage, where the target's tokens are drawn.
-            let part = DraftPart { aux_slots, head: draft.filter(|_| i == last) };
+            let aux_in = if i == 0 { 0 } else { made[i - 1] };
+            let part = DraftPart { aux_in, aux_slots: made[i], head: draft.filter(|_| i == last) };
             Ok(lower_stage(cfg, &graph, i, s, &*backend, storages, part)?)
         })
         .collect()

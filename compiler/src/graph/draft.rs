@@ -18,7 +18,7 @@ use super::build::ty;
 use super::ops::{CacheKind, Dim, Elem, Node, Op};
 use super::ModelGraph;
 use crate::config::ModelConfig;
-use crate::model::names::{TextNames, EAGLE3_OWN_EMBEDDING};
+use crate::model::names::{eagle3 as E, TextNames, EAGLE3_OWN_EMBEDDING};
 use crate::model::{Part, Role, TensorSpec, TypeRule};
 use crate::plan::draft::DraftHead;
 use petgraph::graph::{DiGraph, NodeIndex};
@@ -43,19 +43,19 @@ pub fn tensors(d: &DraftHead) -> Vec<TensorSpec> {
     let (h, q, kv, i) = (d.hidden, d.heads * d.head_dim, d.kv_heads * d.head_dim, d.intermediate);
     let n = d.aux_layers.len();
     let mut list: Vec<(String, Vec<usize>, Role)> = vec![
-        ("fc.weight".into(), vec![h, n * d.target_hidden], Role::Linear),
-        ("midlayer.input_layernorm.weight".into(), vec![h], Role::Norm),
-        ("midlayer.hidden_norm.weight".into(), vec![h], Role::Norm),
-        ("midlayer.self_attn.q_proj.weight".into(), vec![q, 2 * h], Role::Linear),
-        ("midlayer.self_attn.k_proj.weight".into(), vec![kv, 2 * h], Role::Linear),
-        ("midlayer.self_attn.v_proj.weight".into(), vec![kv, 2 * h], Role::Linear),
-        ("midlayer.self_attn.o_proj.weight".into(), vec![h, q], Role::Linear),
-        ("midlayer.post_attention_layernorm.weight".into(), vec![h], Role::Norm),
-        ("midlayer.mlp.gate_proj.weight".into(), vec![i, h], Role::Linear),
-        ("midlayer.mlp.up_proj.weight".into(), vec![i, h], Role::Linear),
-        ("midlayer.mlp.down_proj.weight".into(), vec![h, i], Role::Linear),
-        ("norm.weight".into(), vec![h], Role::Norm),
-        ("lm_head.weight".into(), vec![d.draft_vocab, h], Role::Linear),
+        (E::FC.to_string(), vec![h, n * d.target_hidden], Role::Linear),
+        (E::INPUT_NORM.into(), vec![h], Role::Norm),
+        (E::HIDDEN_NORM.into(), vec![h], Role::Norm),
+        (E::Q.into(), vec![q, 2 * h], Role::Linear),
+        (E::K.into(), vec![kv, 2 * h], Role::Linear),
+        (E::V.into(), vec![kv, 2 * h], Role::Linear),
+        (E::O.into(), vec![h, q], Role::Linear),
+        (E::POST_ATTENTION_NORM.into(), vec![h], Role::Norm),
+        (E::GATE.into(), vec![i, h], Role::Linear),
+        (E::UP.into(), vec![i, h], Role::Linear),
+        (E::DOWN.into(), vec![h, i], Role::Linear),
+        (E::NORM.into(), vec![h], Role::Norm),
+        (E::LM_HEAD.into(), vec![d.draft_vocab, h], Role::Linear),
     ];
     if d.own_embedding {
         list.push((EAGLE3_OWN_EMBEDDING.into(), vec![d.vocab, h], Role::Embedding));
@@ -100,19 +100,19 @@ pub fn draft_graph(cfg: &ModelConfig, d: &DraftHead, first: bool) -> ModelGraph 
     let hidden = if first {
         let width = d.aux_layers.len() * d.target_hidden;
         let aux = b.rows(Op::AuxRows, width, &[]);
-        b.linear(aux, "fc.weight", h, width)
+        b.linear(aux, E::FC, h, width)
     } else {
         b.rows(Op::DraftHidden, h, &[])
     };
     let embedding = if d.own_embedding { name(EAGLE3_OWN_EMBEDDING) } else { TextNames::new(&cfg.text_prefix).embedding() };
     let e = b.rows(Op::Embedding { weight: embedding }, h, &[ids]);
-    let en = b.norm(e, "midlayer.input_layernorm.weight", h, eps);
-    let hn = b.norm(hidden, "midlayer.hidden_norm.weight", h, eps);
+    let en = b.norm(e, E::INPUT_NORM, h, eps);
+    let hn = b.norm(hidden, E::HIDDEN_NORM, h, eps);
     let x = b.rows(Op::Concat, 2 * h, &[en, hn]);
     let (q_dim, kv_dim) = (d.heads * hd, d.kv_heads * hd);
-    let q = b.linear(x, "midlayer.self_attn.q_proj.weight", q_dim, 2 * h);
-    let k = b.linear(x, "midlayer.self_attn.k_proj.weight", kv_dim, 2 * h);
-    let v = b.linear(x, "midlayer.self_attn.v_proj.weight", kv_dim, 2 * h);
+    let q = b.linear(x, E::Q, q_dim, 2 * h);
+    let k = b.linear(x, E::K, kv_dim, 2 * h);
+    let v = b.linear(x, E::V, kv_dim, 2 * h);
     let rope = |b: &mut Builder, x: NodeIndex, heads: usize| {
         let op = Op::Rope { heads, head_dim: hd, rotary_dim: hd, theta: d.rope_theta };
         b.node(op, &[Dim::Tokens, Dim::Fixed(heads), Dim::Fixed(hd)], Elem::Act, &[x, pos])
@@ -128,30 +128,55 @@ pub fn draft_graph(cfg: &ModelConfig, d: &DraftHead, first: bool) -> ModelGraph 
     let vc = cache(&mut b, v, CacheKind::Value);
     let att = Op::Attention { heads: d.heads, kv_heads: d.kv_heads, head_dim: hd, scale: 1.0 / (hd as f64).sqrt(), sparse_block: None };
     let o = b.rows(att, q_dim, &[q, kc, vc, pos]);
-    let o = b.linear(o, "midlayer.self_attn.o_proj.weight", h, q_dim);
+    let o = b.linear(o, E::O, h, q_dim);
     let h1 = b.rows(Op::Add, h, &[hidden, o]);
-    let m = b.norm(h1, "midlayer.post_attention_layernorm.weight", h, eps);
-    let gate = b.linear(m, "midlayer.mlp.gate_proj.weight", d.intermediate, h);
-    let up = b.linear(m, "midlayer.mlp.up_proj.weight", d.intermediate, h);
+    let m = b.norm(h1, E::POST_ATTENTION_NORM, h, eps);
+    let gate = b.linear(m, E::GATE, d.intermediate, h);
+    let up = b.linear(m, E::UP, d.intermediate, h);
     // SiLU(g)·u is SwiGLU-OAI with alpha 1, beta 0 and no clamp that binds
     // (the largest finite f32): min(g, L)·σ(g)·(clamp(u, ±L) + 0).
     let silu = Op::SwiGluOai { alpha: 1.0, limit: f32::MAX as f64, beta: 0.0 };
     let act = b.rows(silu, d.intermediate, &[gate, up]);
-    let down = b.linear(act, "midlayer.mlp.down_proj.weight", h, d.intermediate);
+    let down = b.linear(act, E::DOWN, h, d.intermediate);
     let h2 = b.rows(Op::Add, h, &[h1, down]);
-    let n = b.norm(h2, "norm.weight", h, eps);
-    let lm = Op::Linear { weight: name("lm_head.weight"), out: d.draft_vocab, inp: h, mxfp8_block: None };
+    let n = b.norm(h2, E::NORM, h, eps);
+    let lm = Op::Linear { weight: name(E::LM_HEAD), out: d.draft_vocab, inp: h, mxfp8_block: None };
     let logits = b.node(lm, &[Dim::Tokens, Dim::Fixed(d.draft_vocab)], Elem::F32, &[n]);
     b.node(Op::Sample, &[Dim::Tokens], Elem::I64, &[logits]);
     ModelGraph { graph: b.g, logits }
 }
 
-/// Taps the target's graph for an EAGLE3 draft: aux slot k copies the
-/// residual stream entering layer `layers[k]` (vLLM's id: the embedding for
-/// 0, else layer id − 1's output), at the end of the part that makes it,
-/// so the stage holding that part writes the slot.
+/// The carry slot of each aux state the draft names, in its config's
+/// order: slots go in layer order, so the states made by stages 0..=k are
+/// the first slots whatever order the config lists them in, and boundary k
+/// carries only those.
+pub fn carry_order(layers: &[usize]) -> Vec<usize> {
+    let mut by_layer: Vec<usize> = (0..layers.len()).collect();
+    by_layer.sort_by_key(|&j| (layers[j], j));
+    let mut order = vec![0; layers.len()];
+    for (slot, j) in by_layer.into_iter().enumerate() {
+        order[j] = slot;
+    }
+    order
+}
+
+/// The part whose end makes aux state `layer` (the residual stream entering
+/// that layer): the embedding's for 0, else the layer before's.
+pub fn aux_producer(layer: usize) -> Part {
+    match layer {
+        0 => Part::Embedding,
+        l => Part::Layer(l - 1),
+    }
+}
+
+/// Taps the target's graph for an EAGLE3 draft: the aux state of
+/// `layers[j]` (vLLM's id: the residual stream entering that layer, the
+/// embedding for 0, else layer id − 1's output) is copied into carry slot
+/// [`carry_order`]`[j]` at the end of the part that makes it, so the stage
+/// holding that part writes the slot.
 pub fn tap_aux_states(graph: &mut ModelGraph, layers: &[usize]) -> Result<(), String> {
-    for (slot, &l) in layers.iter().enumerate() {
+    let order = carry_order(layers);
+    for (&l, &slot) in layers.iter().zip(&order) {
         let inside = |n: NodeIndex| graph.graph[n].part == Part::Layer(l);
         let mut inputs: Vec<NodeIndex> = graph
             .graph

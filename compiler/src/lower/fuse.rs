@@ -183,8 +183,10 @@ pub struct FusedStage {
     /// The vision entry's steps (patch rows in, merged image features out
     /// in `x`), when the stage holds the vision tower.
     pub vision: Option<VisionProgram>,
-    /// EAGLE3 aux slots every step carries (`[S, hidden]` each, after `x`);
-    /// 0 without a draft.
+    /// EAGLE3 aux slots the stage's steps take in and pass on (`[S,
+    /// hidden]` each, after `x`: the states made on earlier stages, then
+    /// those too that it makes); 0 without a draft.
+    pub aux_in: usize,
     pub aux_slots: usize,
     /// The EAGLE3 draft head's two entries, on the stage that runs it.
     pub draft: Option<DraftProgram>,
@@ -197,6 +199,8 @@ pub struct FusedStage {
 pub struct DraftProgram {
     /// The draft vocabulary (its logits' width).
     pub vocab: usize,
+    /// The carry slot of each aux state, in the order the draft's `fc` reads them.
+    pub order: Vec<usize>,
     /// Width of the first entry's input rows: the aux states concatenated.
     pub aux_width: usize,
     /// From the target's aux states (`aux`, `[S, aux_width]`).
@@ -482,8 +486,6 @@ impl Fuser<'_> {
             | Op::PixelRows
             | Op::PatchPositions
             | Op::ImageSegments
-            | Op::AuxRows
-            | Op::DraftHidden
             | Op::HeadRmsNorm { .. }
             | Op::IndexScores { .. }
             | Op::BlockMaxScore { .. }
@@ -603,6 +605,32 @@ impl Fuser<'_> {
                 }
                 self.vals.insert(n, x);
             }
+            Op::AuxState { .. } | Op::Concat | Op::AuxRows | Op::DraftHidden => self.lower_eagle3(n, what)?,
+            Op::Router { .. } => self.lower_router(n, &node.op, what)?,
+            Op::RoutedExperts { .. } => self.lower_routed_experts(n, &node.op, what)?,
+            Op::Sample => {
+                let x = self.val(ops[0])?;
+                let Arg::Logits { vocab } = x else {
+                    return Err(format!("{what}: sampling from a value that is not the logits"));
+                };
+                let words = m3c_contract::sampling::seen_words(vocab);
+                self.call(
+                    Kernel::Sample(m3c_kernels::Sample { width: vocab }),
+                    vec![x, Arg::Table, Arg::Seen { words }, Arg::Bias { vocab }, Arg::OutIds],
+                    what,
+                );
+            }
+        }
+        Ok(())
+    }
+    /// What an EAGLE3 draft adds: an aux state copied into its carry slot,
+    /// the head's concatenated input (two column copies), and its inputs
+    /// (read where used: `val`).
+    fn lower_eagle3(&mut self, n: NodeIndex, what: String) -> Result<(), String> {
+        let g = self.graph;
+        let ops = g.operands(n);
+        let width = width_of(&g.graph[n].ty.shape);
+        match g.graph[n].op {
             Op::AuxState { slot } => {
                 let from = match self.val(ops[0])? {
                     Arg::X => None,
@@ -621,23 +649,12 @@ impl Fuser<'_> {
                 }
                 self.vals.insert(n, y);
             }
-            Op::Router { .. } => self.lower_router(n, &node.op, what)?,
-            Op::RoutedExperts { .. } => self.lower_routed_experts(n, &node.op, what)?,
-            Op::Sample => {
-                let x = self.val(ops[0])?;
-                let Arg::Logits { vocab } = x else {
-                    return Err(format!("{what}: sampling from a value that is not the logits"));
-                };
-                let words = m3c_contract::sampling::seen_words(vocab);
-                self.call(
-                    Kernel::Sample(m3c_kernels::Sample { width: vocab }),
-                    vec![x, Arg::Table, Arg::Seen { words }, Arg::Bias { vocab }, Arg::OutIds],
-                    what,
-                );
-            }
+            Op::AuxRows | Op::DraftHidden => {}
+            ref other => return Err(format!("{what}: {} is not an EAGLE3 op", other.name())),
         }
         Ok(())
     }
+
     /// A linear: logits (f32, for the sampler) or an activation, MXFP8 or float weights.
     fn lower_linear(&mut self, n: NodeIndex, op: &Op, what: String) -> Result<(), String> {
         let Op::Linear { weight, out, inp, mxfp8_block } = op.clone() else {
@@ -846,6 +863,8 @@ impl Fuser<'_> {
 /// carries, and the head itself on the stage that runs it.
 #[derive(Clone, Copy, Default)]
 pub struct DraftPart<'d> {
+    /// Aux slots the stage receives, and passes on (with its own).
+    pub aux_in: usize,
     pub aux_slots: usize,
     pub head: Option<&'d crate::plan::draft::DraftHead>,
 }
@@ -905,13 +924,14 @@ pub fn fuse_stage(
         (true, Some(v)) => Some(f.vision_program(graph, v)?),
         _ => None,
     };
-    let aux_slots = draft.aux_slots;
+    let (aux_in, aux_slots) = (draft.aux_in, draft.aux_slots);
     let draft = match &heads {
         Some((d, first, next)) => {
             f.parts = &draft_parts;
             f.in_draft = true;
             let aux_width = d.aux_layers.len() * d.target_hidden;
-            Some(DraftProgram { vocab: d.draft_vocab, aux_width, first: f.draft_entry(first)?, next: f.draft_entry(next)? })
+            let order = crate::graph::draft::carry_order(&d.aux_layers);
+            Some(DraftProgram { vocab: d.draft_vocab, order, aux_width, first: f.draft_entry(first)?, next: f.draft_entry(next)? })
         }
         None => None,
     };
@@ -928,6 +948,7 @@ pub fn fuse_stage(
         kernels: f.kernels,
         text: TextProgram { input, output, steps: f.steps },
         vision,
+        aux_in,
         aux_slots,
         draft,
     })

@@ -39,6 +39,24 @@ pub const VL_TEXT_PREFIX: &str = "language_model.";
 /// shares its target's), as vLLM's `llama_eagle3.py` loads it.
 pub const EAGLE3_OWN_EMBEDDING: &str = "embed_tokens.weight";
 
+/// An EAGLE3 draft head's tensors, as vLLM's `llama_eagle3.py` loads them.
+pub mod eagle3 {
+    /// The linear over the concatenated aux states.
+    pub const FC: &str = "fc.weight";
+    pub const INPUT_NORM: &str = "midlayer.input_layernorm.weight";
+    pub const HIDDEN_NORM: &str = "midlayer.hidden_norm.weight";
+    pub const POST_ATTENTION_NORM: &str = "midlayer.post_attention_layernorm.weight";
+    pub const Q: &str = "midlayer.self_attn.q_proj.weight";
+    pub const K: &str = "midlayer.self_attn.k_proj.weight";
+    pub const V: &str = "midlayer.self_attn.v_proj.weight";
+    pub const O: &str = "midlayer.self_attn.o_proj.weight";
+    pub const GATE: &str = "midlayer.mlp.gate_proj.weight";
+    pub const UP: &str = "midlayer.mlp.up_proj.weight";
+    pub const DOWN: &str = "midlayer.mlp.down_proj.weight";
+    pub const NORM: &str = "norm.weight";
+    pub const LM_HEAD: &str = "lm_head.weight";
+}
+
 impl<'a> TextNames<'a> {
     pub fn new(prefix: &'a str) -> TextNames<'a> {
         TextNames { prefix }

@@ -239,8 +239,16 @@ pub fn draft_section(
     let costs = super::stage_costs(cfg, plan, gpu, w);
     let last = plan.stages.len() - 1;
     let weights = draft.params() as f64 * 2.0;
+    // A head that shares the target's embedding reads it on its own stage:
+    // a copy there unless that stage holds the embedding already.
+    let shared = if draft.own_embedding || plan.stages[last].embedding {
+        0.0
+    } else {
+        let name = crate::model::names::TextNames::new(&cfg.text_prefix).embedding();
+        crate::model::expected_tensors(cfg).iter().find(|t| t.name == name).map_or(0.0, |t| t.nominal_bytes() as f64)
+    };
     let kv = draft.kv_bytes_per_position(w.kv_cache.bytes());
-    let memory = costs[last].memory + weights + (kv * w.batch * w.context) as f64;
+    let memory = costs[last].memory + weights + shared + (kv * w.batch * w.context) as f64;
     let mut o = String::new();
     let _ = writeln!(
         o,
@@ -248,7 +256,11 @@ pub fn draft_section(
         draft.source.display(),
         scaled(draft.params() as f64, ""),
         scaled(weights, "B"),
-        if draft.own_embedding { ", its own embedding" } else { "; the embedding is the target's" },
+        match (draft.own_embedding, shared > 0.0) {
+            (true, _) => ", its own embedding".to_string(),
+            (false, true) => format!("; the target's embedding, {} more there", scaled(shared, "B")),
+            (false, false) => "; the embedding is the target's, on that stage already".to_string(),
+        },
         scaled(kv as f64 * 1e3, "B"),
         scaled(memory, "B"),
         100.0 * memory / gpu.usable_memory(),

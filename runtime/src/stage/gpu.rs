@@ -473,7 +473,8 @@ impl GpuStep<'_> {
         if m.first_stage {
             device.copy_in(io.ids, bytes_of(inp.ids))?;
         } else if let Some(link) = collectives {
-            link.recv(io.x, x.len(), m.stage - 1)?;
+            // (What the stage before passes on: `x` and the aux slots made there.)
+            link.recv(io.x, tokens * m.carry_in_words(), m.stage - 1)?;
         } else {
             device.copy_in(io.x, bytes_of(x))?;
         }

@@ -168,20 +168,20 @@ fn host_step(
     aux: *mut f32,
     out: &mut StepOut,
 ) -> Result<(), StageError> {
-    // (Seen holds one bitmap per sequence, or nothing on a stage that does
-    // not sample, whose entry never reads it.) Each pool holds `pool_rows`
-    // rows of its slot; each block table `caps / kv_block` entries, all in
-    // the pool, covering its segment's positions (`seq_tables`).
-    // SAFETY: every pointer covers what the compiled step reads or writes:
-    // the weights have the compiled shapes, pools and tables are as above,
-    // and x, ids, logits, out_ids, table and pos hold `tokens` rows; `aux`
-    // is null where the entry has no aux slots, else holds them (the
-    // caller's split of the step's buffer, or the draft's gathered rows).
     let run = match entry {
         Entry::Step => super::m3c_stage_step,
         Entry::DraftFirst => super::m3c_draft_first,
         Entry::DraftNext => super::m3c_draft_next,
     };
+    // (Seen holds one bitmap per sequence, or nothing on a stage that does
+    // not sample, whose entry never reads it.) Each pool holds `pool_rows`
+    // rows of its slot; each block table `caps / kv_block` entries, all in
+    // the pool, covering its segment's positions (`seq_tables`). `aux` is
+    // null where the entry has no aux slots, else holds them (the caller's
+    // split of the step's buffer, or the draft's gathered rows).
+    // SAFETY: every pointer covers what the compiled step reads or writes:
+    // the weights have the compiled shapes, pools, tables and aux are as
+    // above, and x, ids, logits, out_ids, table and pos hold `tokens` rows.
     unsafe {
         run(&StepArgs {
             version: STEP_VERSION,
