@@ -28,9 +28,9 @@ pub(crate) struct PlanArgs {
     /// GPU memory in GB (overrides the profile's).
     #[arg(long, value_name = "GB")]
     pub(crate) gpu_mem: Option<f64>,
-    /// Target the plan compiles for.
-    #[arg(long, default_value = "host", value_parser = ["host", "cuda", "rocm"])]
-    pub(crate) target: String,
+    /// Target the plan compiles for (written into it): default the maker of --gpu's GPU (cuda for NVIDIA's, rocm for AMD's), else host.
+    #[arg(long, value_parser = ["host", "cuda", "rocm"])]
+    pub(crate) target: Option<String>,
     /// GPU architecture: a CUDA one for --target cuda (default sm_90a), an AMD chip for --target rocm (gfx942, the default, or gfx950).
     #[arg(long)]
     pub(crate) arch: Option<String>,
@@ -48,7 +48,18 @@ pub(crate) struct PlanArgs {
 impl PlanArgs {
     /// The GPU profile's name: `--gpu`, else the target's flagship.
     pub(crate) fn gpu_name(&self) -> &str {
-        self.gpu.as_deref().unwrap_or_else(|| m3c_compiler::plan::GpuProfile::default_name(&self.target))
+        self.gpu.as_deref().unwrap_or_else(|| m3c_compiler::plan::GpuProfile::default_name(self.target()))
+    }
+
+    /// `--target`, else the target of `--gpu`'s maker (a plan sized for a
+    /// GPU compiles for it), else host.
+    pub(crate) fn target(&self) -> &str {
+        match (&self.target, &self.gpu) {
+            (Some(t), _) => t,
+            (None, Some(g)) if g.to_ascii_uppercase().starts_with("MI") => "rocm",
+            (None, Some(_)) => "cuda",
+            (None, None) => "host",
+        }
     }
 }
 

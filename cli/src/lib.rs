@@ -39,7 +39,7 @@ enum Command {
     Plan(PlanArgs),
     /// Compile the model into one executable per pipeline stage (OUT/stage-K), a manifest and a launcher.
     Compile(CompileArgs),
-    /// Run a compiled OUT folder under mpirun: one rank per stage, greedy decoding.
+    /// Run a compiled OUT folder under mpirun, one rank per stage: prompts (ids, text, chat, images) in, tokens out, with sampling, constraints, `-n` choices and speculative decoding.
     Run(Box<RunArgs>),
     /// Serve a compiled OUT folder over HTTP with OpenAI's API (completions, chat), batching requests continuously.
     Serve(Box<ServeArgs>),

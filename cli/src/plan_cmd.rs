@@ -47,7 +47,8 @@ pub(crate) fn plan_cmd(args: PlanArgs) -> Result<()> {
     let model = args.model.as_ref().context("--model is required (a checkpoint folder or config.json)")?;
     let pp = args.pp.context("--pp N is required to make a plan (or --check PLAN.yaml to check one)")?;
     let src = ModelSource::open(model)?;
-    let target = Target::named(&args.target, args.arch.as_deref()).map_err(|e| anyhow::anyhow!("--target {} --arch: {e}", args.target))?;
+    let target =
+        Target::named(args.target(), args.arch.as_deref()).map_err(|e| anyhow::anyhow!("--target {} --arch: {e}", args.target()))?;
     let p = plan::make_plan(&src.config, pp, &gpu, w, target)?;
     let draft = draft_lines(&args, &src.config, &p, &gpu, w)?;
     write_svg(&args, &src.config, &p, &gpu, w)?;

@@ -342,3 +342,20 @@ fn plan_counts_an_eagle3_drafts_weights_and_aux_states() {
         assert!(!r.status.success() && stderr(&r).contains(says), "{key}: {}", stderr(&r));
     }
 }
+
+#[test]
+fn a_plan_sized_for_a_gpu_names_its_target() {
+    let model = fixture("tiny-m3");
+    let target_of = |extra: &[&str]| {
+        let mut a = vec!["plan", "--model", model.to_str().unwrap(), "--pp", "2"];
+        a.extend_from_slice(extra);
+        let r = m3c(&a);
+        assert!(r.status.success(), "{extra:?}: {}", stderr(&r));
+        stdout(&r).lines().find_map(|l| l.strip_prefix("target: ").map(str::to_string)).unwrap_or_default()
+    };
+    assert_eq!(target_of(&["--gpu", "H200"]), "cuda");
+    assert_eq!(target_of(&["--gpu", "MI300X"]), "rocm");
+    assert_eq!(target_of(&[]), "host");
+    // Said outright, the target wins over the GPU's maker.
+    assert_eq!(target_of(&["--gpu", "H200", "--target", "host"]), "host");
+}
