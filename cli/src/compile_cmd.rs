@@ -7,7 +7,77 @@ use anyhow::{bail, Context, Result};
 use m3c_compiler::plan::{self, GpuProfile, Target, Workload};
 use m3c_compiler::source::ModelSource;
 
+/// Everything a compile request borrows, read and checked from the flags.
+pub(crate) struct Inputs {
+    pub(crate) model: std::path::PathBuf,
+    pub(crate) src: ModelSource,
+    pub(crate) plan: plan::Plan,
+    emit: Vec<m3c_compiler::compile::Emit>,
+    cpu: String,
+    storages: m3c_compiler::lower::Storages,
+    runtime_lib: std::path::PathBuf,
+    cache: Option<std::path::PathBuf>,
+    draft: Option<plan::DraftHead>,
+}
+
+impl Inputs {
+    /// The EAGLE3 draft's config.json, when a head is compiled in.
+    pub(crate) fn draft_config(&self) -> Option<std::path::PathBuf> {
+        self.draft.as_ref().map(|d| d.source.join("config.json"))
+    }
+
+    /// The request that compiles these inputs into `out`.
+    pub(crate) fn request<'a>(&'a self, out: &'a std::path::Path) -> m3c_compiler::compile::CompileRequest<'a> {
+        m3c_compiler::compile::CompileRequest {
+            config: &self.src.config,
+            plan: &self.plan,
+            out,
+            emit: self.emit.clone(),
+            cpu: self.cpu.clone(),
+            storages: self.storages,
+            runtime_lib: self.runtime_lib.clone(),
+            cache: self.cache.clone(),
+            draft: self.draft.as_ref(),
+        }
+    }
+}
+
 pub(crate) fn compile_cmd(args: CompileArgs) -> Result<()> {
+    let t0 = std::time::Instant::now();
+    let inputs = inputs(&args)?;
+    m3c_compiler::compile::check_out_path(&args.out, &inputs.model)?;
+    let compiled = m3c_compiler::compile::compile(&inputs.request(&args.out))?;
+    say(&compiled_lines(&compiled, &args.out, &inputs.model, t0))
+}
+
+/// What `m3c compile` says of a finished compile.
+pub(crate) fn compiled_lines(
+    compiled: &m3c_compiler::compile::Compiled,
+    out: &std::path::Path,
+    model: &std::path::Path,
+    t0: std::time::Instant,
+) -> String {
+    let m = &compiled.manifest;
+    let mut text = String::new();
+    for s in &m.stages {
+        text += &format!("{}/{}: {} ({} kernels, {} tensors)\n", out.display(), s.executable, s.holds, s.kernels.len(), s.tensors.len());
+    }
+    // The hint shows text prompts where the checkpoint can read them.
+    let prompt = if model.is_dir() && model.join("tokenizer.json").is_file() { "--prompt \"Hello\"" } else { "--prompt-ids 1,2,3" };
+    text += &format!(
+        "compiled {} stage(s) for {} in {:.1} s ({} units, {} from the object cache); run: m3c run {} --model DIR {prompt} --max-new-tokens 16\n",
+        m.stages.len(),
+        m.target,
+        t0.elapsed().as_secs_f64(),
+        compiled.units,
+        compiled.from_cache,
+        out.display()
+    );
+    text
+}
+
+/// The model, plan, storages, draft and caches the flags name, checked.
+pub(crate) fn inputs(args: &CompileArgs) -> Result<Inputs> {
     let plan_model = match &args.plan {
         Some(p) => plan::plan_model(p)?,
         None => None,
@@ -67,10 +137,8 @@ pub(crate) fn compile_cmd(args: CompileArgs) -> Result<()> {
     if emit.contains(&m3c_compiler::compile::Emit::Ptx) && !m3c_compiler::backend::backend(&p.target).has_device_code() {
         bail!("--emit ptx needs a GPU target (--target cuda, or `target: cuda` in the plan); {} has no device code", p.target);
     }
-    m3c_compiler::compile::check_out_path(&args.out, &model)?;
     m3c_compiler::backend::check_cpu(&args.cpu)?;
     let runtime_lib = m3c_compiler::compile::find_runtime_lib()?;
-    let t0 = std::time::Instant::now();
     // GPUs default to bf16 activations (what inference runs in); the host
     // defaults to f32, the mode that matches the reference exactly.
     let activations = match (args.activations.as_deref(), &p.target) {
@@ -108,34 +176,5 @@ pub(crate) fn compile_cmd(args: CompileArgs) -> Result<()> {
             Some(plan::DraftHead::load(model)?.for_target(cfg).map_err(anyhow::Error::msg)?)
         }
     };
-    let req = m3c_compiler::compile::CompileRequest {
-        config: cfg,
-        plan: &p,
-        out: &args.out,
-        emit,
-        cpu: args.cpu.clone(),
-        storages,
-        runtime_lib,
-        cache,
-        draft: draft.as_ref(),
-    };
-    let compiled = m3c_compiler::compile::compile(&req)?;
-    let m = &compiled.manifest;
-    let mut text = String::new();
-    for s in &m.stages {
-        text +=
-            &format!("{}/{}: {} ({} kernels, {} tensors)\n", args.out.display(), s.executable, s.holds, s.kernels.len(), s.tensors.len());
-    }
-    // The hint shows text prompts where the checkpoint can read them.
-    let prompt = if model.is_dir() && model.join("tokenizer.json").is_file() { "--prompt \"Hello\"" } else { "--prompt-ids 1,2,3" };
-    text += &format!(
-        "compiled {} stage(s) for {} in {:.1} s ({} units, {} from the object cache); run: m3c run {} --model DIR {prompt} --max-new-tokens 16\n",
-        m.stages.len(),
-        m.target,
-        t0.elapsed().as_secs_f64(),
-        compiled.units,
-        compiled.from_cache,
-        args.out.display()
-    );
-    say(&text)
+    Ok(Inputs { model, src, plan: p, emit, cpu: args.cpu.clone(), storages, runtime_lib, cache, draft })
 }

@@ -63,6 +63,9 @@ impl PlanArgs {
     }
 }
 
+/// The LLVM CPU host code is compiled for unless told otherwise.
+pub(crate) const DEFAULT_CPU: &str = "x86-64-v3";
+
 #[derive(clap::Args)]
 pub(crate) struct CompileArgs {
     /// A partition plan; without one, the planner's balanced plan for --pp stages.
@@ -86,7 +89,7 @@ pub(crate) struct CompileArgs {
     #[arg(long, value_parser = ["mlir", "llvm", "ptx"], action = clap::ArgAction::Append)]
     pub(crate) emit: Vec<String>,
     /// LLVM CPU for host code (`x86-64` runs anywhere; `x86-64-v3` needs AVX2).
-    #[arg(long, default_value = "x86-64-v3")]
+    #[arg(long, default_value = DEFAULT_CPU)]
     pub(crate) cpu: String,
     /// How KV and MSA index-key caches store elements: `f32` (exact), or `bf16` (half the memory and attention reads; values rounded to nearest even).
     #[arg(long = "kv-cache", value_parser = ["f32", "bf16"], default_value = "f32")]
@@ -250,81 +253,136 @@ impl GpuFlags {
 
 #[derive(clap::Args)]
 pub(crate) struct ServeArgs {
-    /// A folder written by `m3c compile`.
+    /// A model folder (config.json, safetensors, tokenizer.json), compiled on first start into the build cache and reused after; or a folder written by `m3c compile`, served with --model.
+    #[arg(value_name = "MODEL_DIR | OUT")]
     pub(crate) out: PathBuf,
-    /// The checkpoint folder (config.json, safetensors, tokenizer.json) the stages were compiled for.
+    /// With a compiled OUT: the checkpoint folder it was compiled for.
     #[arg(long)]
-    pub(crate) model: PathBuf,
-    /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1")]
-    pub(crate) host: String,
-    #[arg(long, default_value_t = 8000)]
-    pub(crate) port: u16,
+    pub(crate) model: Option<PathBuf>,
+    /// Pipeline stages to compile a model folder into (as vLLM's; `--pp` for short).
+    #[arg(long, visible_alias = "pp", value_name = "N", value_parser = positive_count, help_heading = "Parallel")]
+    pub(crate) pipeline_parallel_size: Option<usize>,
+    /// A partition plan for a model folder (hosts, devices, the split), in place of the planner's.
+    #[arg(long, value_name = "PLAN.yaml", help_heading = "Parallel")]
+    pub(crate) plan: Option<PathBuf>,
+    /// Target a model folder compiles for (default: the plan's, else host).
+    #[arg(long, value_parser = ["host", "cuda", "rocm"], help_heading = "Parallel")]
+    pub(crate) target: Option<String>,
+    /// Positions per KV cache block: MiniMax-M3's caches are paged by its MSA block (128), so only that value is accepted (vLLM's recipe gives 128).
+    #[arg(long, value_name = "N", value_parser = positive_count, help_heading = "Cache")]
+    pub(crate) block_size: Option<usize>,
+    /// KV cache element type: `auto` (f32 on the host, exact), `bf16`; vLLM's `fp8` is refused until fp8 caches are built.
+    #[arg(long, value_name = "DTYPE", value_parser = ["auto", "bf16", "bfloat16", "fp8", "fp8_e4m3"], help_heading = "Cache")]
+    pub(crate) kv_cache_dtype: Option<String>,
+    /// vLLM's name for --kv-fraction: each stage's KV pool takes this share (0-1] of its free memory at start-up.
+    #[arg(long, value_name = "F", value_parser = fraction, conflicts_with_all = ["kv_fraction", "kv_blocks"], help_heading = "Cache")]
+    pub(crate) gpu_memory_utilization: Option<f64>,
+    /// How activations are stored when a model folder is compiled (`f32`, the host default; `bf16`, the GPU default).
+    #[arg(long, value_parser = ["f32", "bf16"], help_heading = "Cache")]
+    pub(crate) activations: Option<String>,
+    /// The longest sequence (prompt + completion) a request may make, at most the model's context.
+    #[arg(long, value_name = "TOKENS", value_parser = positive_count, help_heading = "Model")]
+    pub(crate) max_model_len: Option<usize>,
+    /// Compile and load no vision tower: a text-only deployment (image parts are refused).
+    #[arg(long, help_heading = "Model")]
+    pub(crate) language_model_only: bool,
+    /// Accepted for vLLM's command lines; m3c runs no code from the model folder.
+    #[arg(long, help_heading = "Model")]
+    pub(crate) trust_remote_code: bool,
     /// The model name clients use (default: the checkpoint folder's name).
-    #[arg(long)]
+    #[arg(long, help_heading = "Frontend")]
     pub(crate) served_model_name: Option<String>,
+    /// Tool-call parser: `minimax_m3` (MiniMax-M3's, what m3c parses; another name is an error).
+    #[arg(long, value_name = "NAME", help_heading = "Frontend")]
+    pub(crate) tool_call_parser: Option<String>,
+    /// Reasoning parser: `minimax_m3` (the `<think>` block becomes `reasoning_content`; another name is an error).
+    #[arg(long, value_name = "NAME", help_heading = "Frontend")]
+    pub(crate) reasoning_parser: Option<String>,
+    /// Accepted for vLLM's command lines: m3c parses tool calls out of every chat answer.
+    #[arg(long, help_heading = "Frontend")]
+    pub(crate) enable_auto_tool_choice: bool,
+    /// Chat template keyword arguments every chat request starts from (a request's `chat_template_kwargs` win), as JSON: e.g. `{"thinking_mode": "enabled"}`.
+    #[arg(long, value_name = "JSON", value_parser = json_object, help_heading = "Frontend")]
+    pub(crate) default_chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    /// vLLM's encoder placement (`data` or `weights`): accepted; m3c runs the whole vision tower where the plan puts it (stage 0), unsharded.
+    #[arg(long, value_name = "MODE", value_parser = ["data", "weights"], help_heading = "Multimodal")]
+    pub(crate) mm_encoder_tp_mode: Option<String>,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1", help_heading = "Frontend")]
+    pub(crate) host: String,
+    #[arg(long, default_value_t = 8000, help_heading = "Frontend")]
+    pub(crate) port: u16,
     /// Require `Authorization: Bearer KEY` on the /v1 routes (default: $M3C_API_KEY, else none).
-    #[arg(long)]
+    #[arg(long, help_heading = "Frontend")]
     pub(crate) api_key: Option<String>,
     /// Sequences running at once (more wait).
-    #[arg(long, default_value_t = 64, value_parser = positive_count)]
+    #[arg(long, default_value_t = 64, value_parser = positive_count, help_heading = "Scheduler")]
     pub(crate) max_batch: usize,
     /// KV cache memory per stage, in GB: the stages' pools of cache blocks, shared by the running sequences and the prefix cache.
-    #[arg(long, value_name = "GB", default_value_t = 8.0, value_parser = number)]
+    #[arg(long, value_name = "GB", default_value_t = 8.0, value_parser = number, help_heading = "Cache")]
     pub(crate) kv_budget: f32,
     /// Compute every prompt in full: keep no finished sequence's cache blocks for later requests with the same prefix.
-    #[arg(long)]
+    #[arg(long, help_heading = "Cache")]
     pub(crate) no_enable_prefix_caching: bool,
     /// Cache blocks in each stage's KV pool, in place of what --kv-budget holds (as vLLM's --num-gpu-blocks-override).
-    #[arg(long, value_name = "N", value_parser = positive_count)]
+    #[arg(long, value_name = "N", value_parser = positive_count, help_heading = "Cache")]
     pub(crate) kv_blocks: Option<usize>,
     /// Size each stage's KV pool to this share (0-1] of its free memory at start-up (a GPU's after its weights; leave room for step scratch), in place of --kv-budget.
-    #[arg(long, value_name = "F", value_parser = fraction, conflicts_with = "kv_blocks")]
+    #[arg(long, value_name = "F", value_parser = fraction, conflicts_with = "kv_blocks", help_heading = "Cache")]
     pub(crate) kv_fraction: Option<f64>,
     /// Requests that may wait for a slot; past that a request gets 503.
-    #[arg(long, default_value_t = 256, value_parser = count)]
+    #[arg(long, default_value_t = 256, value_parser = count, help_heading = "Scheduler")]
     pub(crate) max_queue: usize,
     /// Prefill long prompts in chunks of this many tokens, alongside the running decodes.
-    #[arg(long, value_name = "TOKENS", default_value_t = 256, value_parser = positive_count)]
+    #[arg(long, value_name = "TOKENS", default_value_t = 256, value_parser = positive_count, help_heading = "Scheduler")]
     pub(crate) prefill_chunk: usize,
     /// `max_tokens` of a chat request that sets none (capped by the context and the KV pool).
-    #[arg(long, value_name = "TOKENS", default_value_t = 4096, value_parser = positive_count)]
+    #[arg(long, value_name = "TOKENS", default_value_t = 4096, value_parser = positive_count, help_heading = "Frontend")]
     pub(crate) default_max_tokens: usize,
     /// Seconds without a heartbeat before a stage is declared lost.
-    #[arg(long, default_value_t = 30.0, value_parser = timeout_s)]
+    #[arg(long, default_value_t = 30.0, value_parser = timeout_s, help_heading = "Server")]
     pub(crate) timeout_s: f64,
     /// Seconds in-flight requests get to finish after SIGTERM or SIGINT.
-    #[arg(long, default_value_t = 30.0, value_parser = timeout_s)]
+    #[arg(long, default_value_t = 30.0, value_parser = timeout_s, help_heading = "Server")]
     pub(crate) grace_s: f64,
     /// Speculative decoding, in vLLM's JSON: `{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": A, "prompt_lookup_max": B}` (prompt lookup), or `{"method": "eagle3", "model": DIR, "num_speculative_tokens": K}` (the draft head OUT was compiled with). Answers are bit-identical with and without it; /metrics counts drafts and accepted tokens.
-    #[arg(long, value_name = "JSON", value_parser = speculative_config)]
+    #[arg(long, value_name = "JSON", value_parser = speculative_config, help_heading = "Speculative decoding")]
     pub(crate) speculative_config: Option<m3c_contract::speculative::SpeculativeConfig>,
     #[command(flatten)]
     pub(crate) gpu: GpuFlags,
     #[command(flatten)]
     pub(crate) launch: LaunchFlags,
     /// Chat images given as file:// URLs are read only from inside this folder (without it, file:// URLs are refused).
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, value_name = "DIR", help_heading = "Multimodal")]
     pub(crate) allowed_local_media_path: Option<PathBuf>,
     /// Fetch http(s) media only from these hosts (vLLM's flag; every hop of a redirect too).
-    #[arg(long, value_name = "HOST", num_args = 1..)]
+    #[arg(long, value_name = "HOST", num_args = 1.., help_heading = "Multimodal")]
     pub(crate) allowed_media_domains: Option<Vec<String>>,
     /// Let http(s) media come from loopback, private and link-local addresses (refused by default: a client could
     /// otherwise make the server fetch from this machine's or its network's own services).
-    #[arg(long)]
+    #[arg(long, help_heading = "Multimodal")]
     pub(crate) allow_private_media_urls: bool,
     /// Seconds an http(s) image fetch may take in all.
-    #[arg(long, default_value_t = 10.0, value_parser = timeout_s)]
+    #[arg(long, default_value_t = 10.0, value_parser = timeout_s, help_heading = "Multimodal")]
     pub(crate) media_timeout_s: f64,
     /// Allow `POST /debug/trace {"seconds": N}`: a timeline of every stage over the next N seconds, written here as a Chrome trace.
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, value_name = "DIR", help_heading = "Server")]
     pub(crate) trace_dir: Option<PathBuf>,
     /// The largest image a request may bring, in MB (data:, http(s) or file).
-    #[arg(long, default_value_t = 20, value_parser = positive_count)]
+    #[arg(long, default_value_t = 20, value_parser = positive_count, help_heading = "Multimodal")]
     pub(crate) max_image_mb: usize,
     /// The most images one request may carry.
-    #[arg(long, default_value_t = 8, value_parser = positive_count)]
+    #[arg(long, default_value_t = 8, value_parser = positive_count, help_heading = "Multimodal")]
     pub(crate) max_images_per_request: usize,
+}
+
+/// A JSON object (`--default-chat-template-kwargs`).
+pub(crate) fn json_object(v: &str) -> Result<serde_json::Map<String, serde_json::Value>, String> {
+    match serde_json::from_str::<serde_json::Value>(v) {
+        Ok(serde_json::Value::Object(m)) => Ok(m),
+        Ok(other) => Err(format!("expected a JSON object such as {{\"thinking_mode\": \"enabled\"}}, not {other}")),
+        Err(e) => Err(format!("not JSON ({e}); expected an object such as {{\"thinking_mode\": \"enabled\"}}")),
+    }
 }
 
 pub(crate) fn count(v: &str) -> Result<usize, String> {

@@ -7,6 +7,7 @@ mod compile_cmd;
 mod flags;
 mod plan_cmd;
 mod run_cmd;
+mod serve_cmd;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
@@ -41,7 +42,7 @@ enum Command {
     Compile(CompileArgs),
     /// Run a compiled OUT folder under mpirun, one rank per stage: prompts (ids, text, chat, images) in, tokens out, with sampling, constraints, `-n` choices and speculative decoding.
     Run(Box<RunArgs>),
-    /// Serve a compiled OUT folder over HTTP with OpenAI's API (completions, chat), batching requests continuously.
+    /// Serve a model folder (compiled on first start) or a compiled OUT over HTTP: OpenAI's API (completions, chat, responses; tools, reasoning, images, structured output), vLLM's flags, continuous batching.
     Serve(Box<ServeArgs>),
     /// Read a trace of `m3c run --trace`: each stage's busy share and waits, the pipeline's bubble, and optionally a timeline picture.
     Report {
@@ -160,45 +161,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Report { trace, svg, png, plan, gpu, batch, context } => {
             report(&trace, [svg.as_deref(), png.as_deref()], plan.as_deref(), &gpu, (batch, context))
         }
-        Command::Serve(a) => {
-            if !(a.kv_budget > 0.0 && a.kv_budget <= 1e6) {
-                bail!("--kv-budget {}: expected a positive number of GB (at most 1e6)", a.kv_budget);
-            }
-            m3c_serve::run(m3c_serve::Options {
-                out: a.out,
-                model: a.model,
-                host: a.host,
-                port: a.port,
-                api: m3c_serve::ApiOptions {
-                    served_model_name: a.served_model_name,
-                    api_key: a.api_key.or_else(|| std::env::var("M3C_API_KEY").ok().filter(|k| !k.is_empty())),
-                    default_max_tokens: a.default_max_tokens,
-                    media: m3c_serve::MediaPolicy {
-                        allowed_local: a.allowed_local_media_path,
-                        max_bytes: a.max_image_mb as u64 * (1 << 20),
-                        timeout: std::time::Duration::from_secs_f64(a.media_timeout_s),
-                        max_images: a.max_images_per_request,
-                        allowed_domains: a.allowed_media_domains,
-                        allow_private: a.allow_private_media_urls,
-                    },
-                },
-                max_batch: a.max_batch,
-                kv_size: match (a.kv_blocks, a.kv_fraction) {
-                    (Some(n), _) => m3c_serve::KvSize::Blocks(n),
-                    (None, Some(f)) => m3c_serve::KvSize::Fraction(f),
-                    (None, None) => m3c_serve::KvSize::Budget((a.kv_budget as f64 * 1e9) as u64),
-                },
-                prefix_caching: !a.no_enable_prefix_caching,
-                max_queue: a.max_queue,
-                prefill_chunk: a.prefill_chunk,
-                timeout_s: a.timeout_s,
-                grace_s: a.grace_s,
-                gpu: a.gpu.modes(),
-                launch: a.launch.launch()?,
-                trace_dir: a.trace_dir,
-                speculative: a.speculative_config,
-            })
-        }
+        Command::Serve(a) => serve_cmd::serve_cmd(*a),
         Command::InitTiny {
             out,
             seed,

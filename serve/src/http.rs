@@ -49,6 +49,8 @@ pub struct Shared {
     pub eos_ids: Vec<u32>,
     /// Where `POST /debug/trace` writes timelines (`--trace-dir`).
     pub trace_dir: Option<std::path::PathBuf>,
+    /// Chat template keyword arguments every chat request starts from.
+    pub default_kwargs: serde_json::Map<String, Value>,
 }
 
 type App = Arc<Shared>;
@@ -316,6 +318,12 @@ fn render_chat(app: &Shared, m: &serde_json::Map<String, Value>, generation_prom
             return Err(ApiError::bad("chat_template_kwargs", format!("`chat_template_kwargs` may not set `{k}`")));
         }
         kwargs.push((k.as_str(), v.clone()));
+    }
+    // The server's defaults (`--default-chat-template-kwargs`) under the request's own.
+    for (k, v) in &app.default_kwargs {
+        if !chat.kwargs.contains_key(k) {
+            kwargs.push((k.as_str(), v.clone()));
+        }
     }
     let rendered = template
         .render_json(&chat.messages, &kwargs)

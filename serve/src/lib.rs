@@ -51,6 +51,10 @@ pub struct Options {
     pub trace_dir: Option<PathBuf>,
     /// Speculative decoding (`--speculative-config`).
     pub speculative: Option<m3c_contract::speculative::SpeculativeConfig>,
+    /// The longest sequence a request may make (`--max-model-len`; at most the model's context).
+    pub max_model_len: Option<usize>,
+    /// vLLM's `--block-size`, which must be the compiled cache block.
+    pub block_size: Option<usize>,
 }
 
 /// What the OpenAI API itself is asked for, beside the pipeline behind it.
@@ -65,6 +69,9 @@ pub struct ApiOptions {
     /// Where chat images may come from, and how much of them
     /// (`allowed_local` as given: checked and made canonical at start).
     pub media: MediaPolicy,
+    /// Chat template keyword arguments every chat request starts from
+    /// (`--default-chat-template-kwargs`; a request's own win).
+    pub default_chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
 }
 
 /// How `m3c serve` sizes each stage's KV pool: one of three ways.
@@ -113,6 +120,21 @@ struct Prepared {
 /// the media policy. Every error here is the user's and names its source.
 fn prepare(o: &Options) -> Result<Prepared> {
     let compiled = m3c_front::launch::Compiled::open(&o.out, &o.model)?;
+    if let Some(b) = o.block_size.filter(|&b| b != compiled.manifest.kv_block) {
+        anyhow::bail!(
+            "--block-size {b}: {}'s caches are paged in blocks of its MSA block, {} positions; give --block-size {} or leave it out",
+            o.model.display(),
+            compiled.manifest.kv_block,
+            compiled.manifest.kv_block
+        );
+    }
+    if let Some(n) = o.max_model_len.filter(|&n| n > compiled.manifest.max_positions) {
+        anyhow::bail!(
+            "--max-model-len {n}: {}'s context is {} positions (max_position_embeddings); give at most that",
+            o.model.display(),
+            compiled.manifest.max_positions
+        );
+    }
     let tokenizer = m3c_front::text::TextTokenizer::from_dir(&o.model)?;
     let template = m3c_front::text::ChatTemplate::from_dir(&o.model)?;
     let gen = m3c_front::text::generation::GenerationDefaults::from_dir(&o.model)?;
@@ -166,10 +188,14 @@ fn prepare(o: &Options) -> Result<Prepared> {
     let media = o.api.media.clone().checked()?;
     let limits = engine::Limits { per_position, kv_block, blocks, max_batch: o.max_batch.max(1), max_queue: o.max_queue };
     let (api_key, default_max_tokens) = (o.api.api_key.clone(), o.api.default_max_tokens);
+    let default_kwargs = o.api.default_chat_template_kwargs.clone();
+    if let Some(k) = default_kwargs.keys().find(|k| ["add_generation_prompt", "tools", "messages"].contains(&k.as_str())) {
+        anyhow::bail!("--default-chat-template-kwargs may not set `{k}` (each request sets it)");
+    }
     // The longest sequence: the model's context, or what the KV pool holds
     // (a sequence must fit it alone; its last row scores nothing).
     let pool_positions = if blocks == 0 { usize::MAX } else { (blocks as usize * kv_block as usize).saturating_sub(1) };
-    let context = compiled.manifest.max_positions.min(pool_positions);
+    let context = compiled.manifest.max_positions.min(pool_positions).min(o.max_model_len.unwrap_or(usize::MAX));
     // Images: only where the first stage encodes them (the manifest's
     // stages were compiled with the vision tower unless the plan said not).
     let image_token = compiled.manifest.image_token.filter(|_| compiled.encodes_images());
@@ -192,6 +218,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
         grammars,
         eos_ids,
         trace_dir,
+        default_kwargs,
     };
     let pool = match size {
         PoolSize::Fraction(f) => format!("KV pool: {f} of each stage's free memory"),

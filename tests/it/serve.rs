@@ -28,9 +28,18 @@ struct Server {
 
 impl Server {
     fn start(out: &Path, model: &Path, extra: &[&str]) -> Server {
+        let mut args = vec![out.to_str().unwrap(), "--model", model.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        Server::start_with(&args, &[])
+    }
+
+    /// `m3c serve ARGS --port 0 --served-model-name tiny` with `env` set.
+    fn start_with(args: &[&str], env: &[(&str, &Path)]) -> Server {
         let mut child = Command::new(m3c_bin())
-            .args(["serve", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--port", "0", "--served-model-name", "tiny"])
-            .args(extra)
+            .arg("serve")
+            .args(args)
+            .args(["--port", "0", "--served-model-name", "tiny"])
+            .envs(env.iter().map(|(k, v)| (*k, *v)))
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -1042,4 +1051,100 @@ fn a_serving_window_is_traced_and_its_busy_share_agrees_with_metrics() {
     // Without --trace-dir there is no such window.
     let plain = Server::start(&out, &model, &[]);
     assert_eq!(post_trace(&plain, r#"{"seconds": 1}"#).0, 404);
+}
+
+/// `POST {root}{path}` with a JSON body: (status, answer).
+fn post_json(s: &Server, path: &str, body: &Value) -> (u16, Value) {
+    let o = Command::new("curl")
+        .args(["-s", "-m", "120", "-w", "\n%{http_code}", "-H", "content-type: application/json", "-d", &body.to_string()])
+        .arg(format!("{}{path}", s.root()))
+        .output()
+        .unwrap();
+    let text = stdout(&o);
+    let (json, code) = text.rsplit_once('\n').unwrap();
+    (code.trim().parse().unwrap(), serde_json::from_str(json).unwrap_or(Value::Null))
+}
+
+/// vLLM's MiniMax-M3 recipe, as users type it, adjusted only for the
+/// fixture's path, pp and block size: `m3c serve MODEL_DIR` compiles on
+/// first start into the build cache and reuses the build after; every flag
+/// has vLLM's meaning or is refused by name.
+#[test]
+fn the_vllm_recipe_command_line_serves_a_model_folder() {
+    let cache = tempfile::tempdir().unwrap();
+    let env = [("M3C_CACHE_DIR", cache.path())];
+    let model = fixture("tiny-m3");
+    let m = model.to_str().unwrap();
+    let recipe = [
+        m,
+        "--pipeline-parallel-size",
+        "2",
+        "--block-size",
+        "4",
+        "--max-model-len",
+        "1024",
+        "--gpu-memory-utilization",
+        "0.80",
+        "--no-enable-prefix-caching",
+        "--mm-encoder-tp-mode",
+        "data",
+        "--tool-call-parser",
+        "minimax_m3",
+        "--reasoning-parser",
+        "minimax_m3",
+        "--enable-auto-tool-choice",
+        "--kv-cache-dtype",
+        "fp8",
+        "--default-chat-template-kwargs",
+        r#"{"thinking_mode": "enabled"}"#,
+    ];
+    // fp8 caches are the one part not built yet: refused by name, nothing built.
+    let r = Command::new(m3c_bin()).arg("serve").args(recipe).env("M3C_CACHE_DIR", cache.path()).output().unwrap();
+    assert!(!r.status.success() && stderr(&r).contains("--kv-cache-dtype fp8: fp8 KV caches are not built yet"), "{}", stderr(&r));
+    let args: Vec<&str> = recipe.iter().map(|&a| if a == "fp8" { "bf16" } else { a }).collect();
+    let first = Server::start_with(&args, &env);
+    assert!(first.log().contains("is not built yet; compiling it into"), "{}", first.log());
+    for said in ["--mm-encoder-tp-mode data: m3c does not shard", "--enable-auto-tool-choice:"] {
+        assert!(first.log().contains(said), "`{said}` not said:\n{}", first.log());
+    }
+    // The default kwargs under a request's own: thinking enabled unless the request says otherwise.
+    let chat = |kwargs: Option<Value>| {
+        let mut b = serde_json::json!({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]});
+        if let Some(k) = kwargs {
+            b["chat_template_kwargs"] = k;
+        }
+        let (code, v) = post_json(&first, "/tokenize", &b);
+        assert_eq!(code, 200, "{v}");
+        v["tokens"].clone()
+    };
+    let (by_default, enabled) = (chat(None), chat(Some(serde_json::json!({"thinking_mode": "enabled"}))));
+    assert_eq!(by_default, enabled);
+    assert_ne!(by_default, chat(Some(serde_json::json!({"thinking_mode": "disabled"}))));
+    // An answer, and --max-model-len bounds a request.
+    let ask = |max_tokens: u64| {
+        let b = serde_json::json!({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": max_tokens, "temperature": 0});
+        post_json(&first, "/v1/chat/completions", &b)
+    };
+    let (code, v) = ask(8);
+    assert_eq!(code, 200, "{v}");
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() > 0, "{v}");
+    let (code, v) = ask(600);
+    assert_eq!(code, 400, "a request past --max-model-len 1024 (the template's prompt is about 470 tokens): {v}");
+    drop(first);
+    // The second start reuses the build.
+    let again = Server::start_with(&args, &env);
+    assert!(again.log().contains("is current (compile id"), "{}", again.log());
+    drop(again);
+    // Flags m3c cannot honour are errors that name them.
+    for (flag, value, says) in [
+        ("--block-size", "16", "--block-size 16: "),
+        ("--tool-call-parser", "hermes", "--tool-call-parser hermes: m3c serves MiniMax-M3"),
+        ("--max-model-len", "99999999", "--max-model-len 99999999: "),
+    ] {
+        let mut bad: Vec<&str> = args.clone();
+        let at = bad.iter().position(|&a| a == flag).unwrap();
+        bad[at + 1] = value;
+        let r = Command::new(m3c_bin()).arg("serve").args(&bad).args(["--port", "0"]).env("M3C_CACHE_DIR", cache.path()).output().unwrap();
+        assert!(!r.status.success() && stderr(&r).contains(says), "{flag} {value}: {}", stderr(&r));
+    }
 }

@@ -251,8 +251,23 @@ pub fn lower_all(cfg: &ModelConfig, plan: &Plan, storages: Storages, draft: Opti
         .collect()
 }
 
-pub fn compile(req: &CompileRequest) -> Result<Compiled> {
-    let backend = crate::backend::backend(&req.plan.target);
+/// What a compile hashes, and the lowered stages it hashes.
+struct Lowered {
+    programs: Vec<StageProgram>,
+    compile_id: String,
+    config_sha: String,
+    plan_json: String,
+    runtime_sha: String,
+    draft_sha: String,
+}
+
+/// The compile id `compile` would give `req`'s output (lowering, no back
+/// end): what a build folder kept for reuse is checked against.
+pub fn compile_id(req: &CompileRequest) -> Result<String> {
+    Ok(lower(req)?.compile_id)
+}
+
+fn lower(req: &CompileRequest) -> Result<Lowered> {
     let cfg = req.config;
     let config_bytes = std::fs::read(&cfg.source).with_context(|| format!("cannot read {}", cfg.source.display()))?;
     let config_sha = sha256_hex(&config_bytes);
@@ -289,7 +304,15 @@ pub fn compile(req: &CompileRequest) -> Result<Compiled> {
         h.update(p.mlir.as_bytes());
     }
     let compile_id: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    Ok(Lowered { programs, compile_id, config_sha, plan_json, runtime_sha, draft_sha })
+}
 
+pub fn compile(req: &CompileRequest) -> Result<Compiled> {
+    let backend = crate::backend::backend(&req.plan.target);
+    let cfg = req.config;
+    let Lowered { programs, compile_id, config_sha, plan_json, runtime_sha, draft_sha } = lower(req)?;
+    let target_name = req.plan.target.to_string();
+    let (kv_cache, activations) = (req.storages.kv_cache.name(), req.storages.activations.name());
     let n = programs.len();
     let stage_units = programs
         .iter()
