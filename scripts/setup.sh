@@ -47,3 +47,8 @@ if ! "$ROOT/.venv-serve/bin/python" -c "import openai" >/dev/null 2>&1; then
   python3 -m venv "$ROOT/.venv-serve"
   "$ROOT/.venv-serve/bin/pip" install -q openai==2.8.0
 fi
+# ... and Anthropic's, for the Messages API (/v1/messages).
+if ! "$ROOT/.venv-serve/bin/python" -c "import anthropic" >/dev/null 2>&1; then
+  echo "setup: installing the anthropic Python client into .venv-serve (for m3c serve's tests)"
+  "$ROOT/.venv-serve/bin/pip" install -q anthropic==2.17.0
+fi

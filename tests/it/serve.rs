@@ -1148,3 +1148,25 @@ fn the_vllm_recipe_command_line_serves_a_model_folder() {
         assert!(!r.status.success() && stderr(&r).contains(says), "{flag} {value}: {}", stderr(&r));
     }
 }
+
+/// Anthropic's Messages API through Anthropic's own Python client: the
+/// chat route's text for the same conversation and seed, whole and
+/// streamed; stop sequences, thinking blocks, a forced tool use valid
+/// against its schema and its result sent back, an image turn and its
+/// token count; errors in Anthropic's shape (`tests/serve/anthropic_client.py`).
+#[test]
+fn anthropic_s_client_gets_the_chat_route_s_answers_from_v1_messages() {
+    let (out, model) = compiled();
+    let s = Server::start(&out, &model, &[]);
+    let png = fixture("vision/A_rgb_56x84_noresize.png");
+    let o = Command::new(python())
+        .arg(root().join("tests/serve/anthropic_client.py"))
+        .args([s.base.as_str(), "tiny", png.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}\n{}\nserver log:\n{}", stdout(&o), stderr(&o), s.log());
+    let got: Value = serde_json::from_str(stdout(&o).lines().last().unwrap_or("")).unwrap();
+    assert!(!got["text"].as_str().unwrap_or("").is_empty(), "{got}");
+    assert!(got["image_input_tokens"].as_u64().unwrap() > 0, "{got}");
+    assert!(got["tool_input"]["city"].is_string(), "{got}");
+}

@@ -219,6 +219,8 @@ pub struct StopFilter {
     cut: bool,
     /// vLLM's `include_stop_str_in_output`: the text ends after the stop string.
     include: bool,
+    /// The stop string it stopped on.
+    hit: Option<String>,
 }
 
 impl StopFilter {
@@ -230,6 +232,11 @@ impl StopFilter {
     /// A stop string has been found: nothing more will be released.
     pub fn stopped(&self) -> bool {
         self.cut
+    }
+
+    /// The stop string it stopped on (Anthropic's `stop_sequence`).
+    pub fn hit(&self) -> Option<&str> {
+        self.hit.as_deref()
     }
 
     /// Adds `new`; returns the text now safe to print. `end`: nothing follows.
@@ -254,6 +261,7 @@ impl StopFilter {
         let upto = match first {
             Some((i, std::cmp::Reverse(len))) => {
                 self.cut = true;
+                self.hit = Some(self.text[i..i + len].to_string());
                 if self.include {
                     i + len
                 } else {
