@@ -236,3 +236,50 @@ fn a_plan_made_with_a_draft_names_it_and_compiles_its_head_in() {
     let r = m3c(&["compile", "--pp", "2", plan.to_str().unwrap(), "-o", again.to_str().unwrap(), "--speculative-config", &spec]);
     assert!(!r.status.success() && stderr(&r).contains("the plan names its draft") && !again.exists(), "{}", stderr(&r));
 }
+
+#[test]
+fn a_draft_naming_its_aux_layers_in_another_order_proposes_the_same() {
+    // The fixture reads layers [2, 4, 5]; the same head written for
+    // [5, 2, 4] has fc's column blocks in that order. Its states travel in
+    // layer order all the same, and its fc reads them back in its own.
+    let dir = tempfile::tempdir().unwrap();
+    let draft = dir.path().join("permuted");
+    std::fs::create_dir(&draft).unwrap();
+    let src = fixture("eagle3-tiny");
+    let cfg = std::fs::read_to_string(src.join("config.json")).unwrap();
+    let moved = cfg.replace("[\n      2,\n      4,\n      5\n    ]", "[5, 2, 4]");
+    assert_ne!(moved, cfg, "the fixture's aux list was not found");
+    std::fs::write(draft.join("config.json"), moved).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let fc = st.tensor("fc.weight").unwrap();
+    let (rows, cols) = (fc.shape()[0], fc.shape()[1]);
+    let (h, elem) = (cols / 3, 2);
+    // New column block k holds old block [2, 0, 1][k] (layer 5, then 2, then 4).
+    let mut permuted = Vec::with_capacity(fc.data().len());
+    for r in 0..rows {
+        let row = &fc.data()[r * cols * elem..(r + 1) * cols * elem];
+        for old in [2, 0, 1] {
+            permuted.extend_from_slice(&row[old * h * elem..(old + 1) * h * elem]);
+        }
+    }
+    let view = safetensors::tensor::TensorView::new(fc.dtype(), fc.shape().to_vec(), &permuted).unwrap();
+    let tensors: Vec<(String, safetensors::tensor::TensorView)> =
+        st.tensors().into_iter().map(|(n, t)| if n == "fc.weight" { (n, view.clone()) } else { (n, t) }).collect();
+    safetensors::serialize_to_file(tensors, None, &draft.join("model.safetensors")).unwrap();
+
+    let spec = format!(r#"{{"method": "eagle3", "model": "{}", "num_speculative_tokens": 3}}"#, draft.display());
+    let golden = fixture("eagle3-tiny").join("golden.safetensors");
+    let prompt = ids_arg(&read_tensor_i64(&golden, "ids")[..=20]);
+    let args = ["--prompt-ids", prompt.as_str(), "--max-new-tokens", "24", "--ignore-eos"];
+    let drafts = |out: &Path, spec: &str| -> Vec<String> {
+        let (_, _, err) = run(out, &args, Some(spec), &[("M3C_TEST_LOG_DRAFTS", "1")]);
+        err.lines().filter(|l| l.starts_with("m3c-draft ")).map(str::to_string).collect()
+    };
+    for pp in [1, 2] {
+        let original = drafts(&out(pp, &[]), &config(3));
+        let other = crate::shared::out_with("tiny-m3", pp, &["--speculative-config", spec.as_str()]);
+        assert!(!original.is_empty());
+        assert_eq!(drafts(&other, &spec), original, "pp {pp}: the permuted draft proposed otherwise");
+    }
+}
