@@ -416,6 +416,16 @@ type ImageUrls = Vec<(String, String)>;
 /// A chat's images: fetched, processed as the reference processor does
 /// (off the async threads), and each placeholder the template wrote
 /// expanded into that image's run of tokens.
+/// The prompt's ids with each image's placeholder expanded, and the images
+/// (none when the prompt has no image parts).
+async fn with_images(app: &App, ids: Vec<u32>, urls: &[(String, String)]) -> Result<(Vec<u32>, Option<SeqImages>), ApiError> {
+    if urls.is_empty() {
+        return Ok((ids, None));
+    }
+    let (ids, im) = images(app, &ids, urls).await?;
+    Ok((ids, Some(im)))
+}
+
 async fn images(app: &App, ids: &[u32], urls: &[(String, String)]) -> Result<(Vec<u32>, SeqImages), ApiError> {
     let Some(token) = app.image_token else {
         return Err(ApiError::bad(&urls[0].0, "this model has no vision tower: images are not accepted"));

@@ -989,9 +989,14 @@ fn fresh_busy_seconds(s: &Server) -> (Vec<f64>, Instant) {
 
 /// `POST /debug/trace` with `body`: (status, answer).
 fn post_trace(s: &Server, body: &str) -> (u16, Value) {
+    post_raw(s, "/debug/trace", body)
+}
+
+/// `POST {root}{path}` with `body`: (status, answer).
+fn post_raw(s: &Server, path: &str, body: &str) -> (u16, Value) {
     let o = Command::new("curl")
         .args(["-s", "-m", "120", "-w", "\n%{http_code}", "-H", "content-type: application/json", "-d", body])
-        .arg(format!("{}/debug/trace", s.root()))
+        .arg(format!("{}{path}", s.root()))
         .output()
         .unwrap();
     let text = stdout(&o);
@@ -1055,14 +1060,7 @@ fn a_serving_window_is_traced_and_its_busy_share_agrees_with_metrics() {
 
 /// `POST {root}{path}` with a JSON body: (status, answer).
 fn post_json(s: &Server, path: &str, body: &Value) -> (u16, Value) {
-    let o = Command::new("curl")
-        .args(["-s", "-m", "120", "-w", "\n%{http_code}", "-H", "content-type: application/json", "-d", &body.to_string()])
-        .arg(format!("{}{path}", s.root()))
-        .output()
-        .unwrap();
-    let text = stdout(&o);
-    let (json, code) = text.rsplit_once('\n').unwrap();
-    (code.trim().parse().unwrap(), serde_json::from_str(json).unwrap_or(Value::Null))
+    post_raw(s, path, &body.to_string())
 }
 
 /// vLLM's MiniMax-M3 recipe, as users type it, adjusted only for the

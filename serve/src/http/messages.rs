@@ -8,7 +8,7 @@
 //! or as its event stream. Errors take Anthropic's shape, and a field m3c
 //! does not know is refused by name.
 
-use super::{fresh_seed, images, render_chat, start, App, Generation, Kind, Step};
+use super::{fresh_seed, render_chat, start, with_images, App, Generation, Kind, Step};
 use crate::openai::{self, ApiError};
 use axum::body::Bytes;
 use axum::extract::State;
@@ -101,13 +101,9 @@ pub(super) async fn messages(State(app): State<App>, headers: HeaderMap, body: B
         Ok(r) => r,
         Err(e) => return error(&e),
     };
-    let (ids, im) = if urls.is_empty() {
-        (ids, None)
-    } else {
-        match images(&app, &ids, &urls).await {
-            Ok((ids, im)) => (ids, Some(im)),
-            Err(e) => return error(&e),
-        }
+    let (ids, im) = match with_images(&app, ids, &urls).await {
+        Ok(r) => r,
+        Err(e) => return error(&e),
     };
     let streaming = common.stream;
     let mut gens = match start(app, ids, common, kind, im).await {
@@ -141,15 +137,10 @@ pub(super) async fn count_tokens(State(app): State<App>, headers: HeaderMap, bod
         Ok(r) => r,
         Err(e) => return error(&e),
     };
-    let n = if urls.is_empty() {
-        ids.len()
-    } else {
-        match images(&app, &ids, &urls).await {
-            Ok((ids, _)) => ids.len(),
-            Err(e) => return error(&e),
-        }
-    };
-    Json(json!({"input_tokens": n})).into_response()
+    match with_images(&app, ids, &urls).await {
+        Ok((ids, _)) => Json(json!({"input_tokens": ids.len()})).into_response(),
+        Err(e) => error(&e),
+    }
 }
 
 /// The request as a chat request (OpenAI's shape, which the chat route's

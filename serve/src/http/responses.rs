@@ -7,7 +7,7 @@
 //! here (tools, stored responses, structured text formats) are refused by
 //! name, as everywhere.
 
-use super::{authorize, error, fresh_seed, images, render_chat, start, App, Generation, Kind, Step};
+use super::{authorize, error, fresh_seed, render_chat, start, with_images, App, Generation, Kind, Step};
 use crate::openai::{self, ApiError};
 use axum::body::Bytes;
 use axum::extract::State;
@@ -81,13 +81,9 @@ pub(super) async fn responses(State(app): State<App>, headers: HeaderMap, body: 
         Ok(r) => r,
         Err(e) => return error(&e),
     };
-    let (ids, im) = if urls.is_empty() {
-        (ids, None)
-    } else {
-        match images(&app, &ids, &urls).await {
-            Ok((ids, im)) => (ids, Some(im)),
-            Err(e) => return error(&e),
-        }
+    let (ids, im) = match with_images(&app, ids, &urls).await {
+        Ok(r) => r,
+        Err(e) => return error(&e),
     };
     let streaming = common.stream;
     let mut gens = match start(app, ids, common, Kind::Chat { think, tools: Vec::new() }, im).await {
