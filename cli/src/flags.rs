@@ -20,7 +20,7 @@ pub(crate) struct PlanArgs {
     #[arg(long, default_value_t = 8192)]
     pub(crate) context: usize,
     /// How the compiled stages will store K and V (as `m3c compile --kv-cache`).
-    #[arg(long = "kv-cache", value_parser = ["f32", "bf16"], default_value = "f32")]
+    #[arg(long = "kv-cache", value_parser = ["f32", "bf16", "fp8"], default_value = "f32")]
     pub(crate) kv_cache: String,
     /// GPU profile (H200, H100, H20, B200, A100, L40S, MI300X, MI325X, MI355X); default H200, MI300X for --target rocm.
     #[arg(long)]
@@ -91,8 +91,8 @@ pub(crate) struct CompileArgs {
     /// LLVM CPU for host code (`x86-64` runs anywhere; `x86-64-v3` needs AVX2).
     #[arg(long, default_value = DEFAULT_CPU)]
     pub(crate) cpu: String,
-    /// How KV and MSA index-key caches store elements: `f32` (exact), or `bf16` (half the memory and attention reads; values rounded to nearest even).
-    #[arg(long = "kv-cache", value_parser = ["f32", "bf16"], default_value = "f32")]
+    /// How KV and MSA index-key caches store elements: `f32` (exact), `bf16` (half the memory and attention reads; values rounded to nearest even), or `fp8` (e4m3 with a scale of 1, as vLLM's without calibrated scales: a quarter of f32's; rounded to nearest even, saturated at ±448).
+    #[arg(long = "kv-cache", value_parser = ["f32", "bf16", "fp8"], default_value = "f32")]
     pub(crate) kv_cache: String,
     /// How activations between kernels and stages are stored: `f32` (exact; the host default) or `bf16` (the cuda default: half the activation memory and bytes sent between stages; every kernel still computes and accumulates in f32).
     #[arg(long, value_parser = ["f32", "bf16"])]
@@ -271,7 +271,7 @@ pub(crate) struct ServeArgs {
     /// Positions per KV cache block: MiniMax-M3's caches are paged by its MSA block (128), so only that value is accepted (vLLM's recipe gives 128).
     #[arg(long, value_name = "N", value_parser = positive_count, help_heading = "Cache")]
     pub(crate) block_size: Option<usize>,
-    /// KV cache element type: `auto` (f32 on the host, exact), `bf16`; vLLM's `fp8` is refused until fp8 caches are built.
+    /// KV cache element type: `auto` (f32 on the host, exact), `bf16`, or `fp8` (e4m3, scale 1, as vLLM's without calibrated scales: a quarter of f32's memory).
     #[arg(long, value_name = "DTYPE", value_parser = ["auto", "bf16", "bfloat16", "fp8", "fp8_e4m3"], help_heading = "Cache")]
     pub(crate) kv_cache_dtype: Option<String>,
     /// vLLM's name for --kv-fraction: each stage's KV pool takes this share (0-1] of its free memory at start-up.
@@ -427,12 +427,12 @@ pub(crate) fn timeout_s(v: &str) -> Result<f64, String> {
     m3c_contract::prompts::parse_timeout_s(v)
 }
 
-/// `--kv-cache` or `--activations` (clap has checked it is `f32` or `bf16`).
+/// `--kv-cache` or `--activations` (clap has checked it: `f32`, `bf16`, or `fp8` for caches).
 pub(crate) fn storage(name: &str) -> m3c_compiler::lower::Storage {
-    if name == "bf16" {
-        m3c_compiler::lower::Storage::Bf16
-    } else {
-        m3c_compiler::lower::Storage::F32
+    match name {
+        "bf16" => m3c_compiler::lower::Storage::Bf16,
+        "fp8" => m3c_compiler::lower::Storage::Fp8,
+        _ => m3c_compiler::lower::Storage::F32,
     }
 }
 

@@ -121,9 +121,8 @@ fn build(a: &ServeArgs) -> Result<PathBuf> {
     let kv_cache = match a.kv_cache_dtype.as_deref() {
         None | Some("auto") => "f32",
         Some("bf16" | "bfloat16") => "bf16",
-        Some(other) => {
-            bail!("--kv-cache-dtype {other}: fp8 KV caches are not built yet in this m3c; use auto (f32 on the host, exact) or bf16")
-        }
+        Some("fp8" | "fp8_e4m3") => "fp8",
+        Some(other) => bail!("--kv-cache-dtype {other}: expected auto, bf16 or fp8"),
     };
     let eagle3 = match &a.speculative_config {
         Some(SpeculativeConfig::Eagle3 { .. }) => a.speculative_config.clone(),

@@ -191,7 +191,103 @@ pub fn load_f32(dst: &str, mem: &str, ty: &str, r: &str, c: &str, store: crate::
              {dst}_ls = arith.shli {dst}_lw, {dst}_lk : i32\n\
              {dst} = arith.bitcast {dst}_ls : i32 to f32\n"
         ),
+        crate::Storage::Fp8 => format!(
+            "{dst}_lq = memref.load {mem}[{r}, {c}] : {ty}\n\
+             {dst}_lw = arith.extui {dst}_lq : i8 to i32\n{}",
+            fp8_decode(dst, &format!("{dst}_lw"), "i32", "f32", &|v, t| format!("arith.constant {v} : {t}"))
+        ),
     }
+}
+
+/// `{dst}` (f32, or a vector of them) = the `float8_e4m3fn` value of the
+/// byte in the low bits of `{w}` (i32s of type `it`): sign, exponent (bias
+/// 7) and 3 mantissa bits placed into an f32 for normals, `m · 2^-9` for
+/// subnormals, NaN for 0x7F and 0xFF. `k(value, type)` writes a constant.
+fn fp8_decode(dst: &str, w: &str, it: &str, ft: &str, k: &dyn Fn(&str, &str) -> String) -> String {
+    format!(
+        "{dst}_f7 = {k7}\n{dst}_f3 = {k3}\n{dst}_f15 = {k15}\n{dst}_f127 = {k127}\n{dst}_f128 = {k128}\n\
+         {dst}_f24 = {k24}\n{dst}_f23 = {k23}\n{dst}_f20 = {k20}\n{dst}_f120 = {k120}\n{dst}_f0 = {k0}\n\
+         {dst}_fsub = {ksub}\n{dst}_fnan = {knan}\n\
+         {dst}_fs = arith.andi {w}, {dst}_f128 : {it}\n\
+         {dst}_fs32 = arith.shli {dst}_fs, {dst}_f24 : {it}\n\
+         {dst}_fe0 = arith.shrui {w}, {dst}_f3 : {it}\n\
+         {dst}_fe = arith.andi {dst}_fe0, {dst}_f15 : {it}\n\
+         {dst}_fm = arith.andi {w}, {dst}_f7 : {it}\n\
+         {dst}_fe1 = arith.addi {dst}_fe, {dst}_f120 : {it}\n\
+         {dst}_fe2 = arith.shli {dst}_fe1, {dst}_f23 : {it}\n\
+         {dst}_fm2 = arith.shli {dst}_fm, {dst}_f20 : {it}\n\
+         {dst}_fn0 = arith.ori {dst}_fe2, {dst}_fm2 : {it}\n\
+         {dst}_fn1 = arith.ori {dst}_fn0, {dst}_fs32 : {it}\n\
+         {dst}_fnorm = arith.bitcast {dst}_fn1 : {it} to {ft}\n\
+         {dst}_fmf = arith.uitofp {dst}_fm : {it} to {ft}\n\
+         {dst}_fsu0 = arith.mulf {dst}_fmf, {dst}_fsub : {ft}\n\
+         {dst}_fsu1 = arith.bitcast {dst}_fsu0 : {ft} to {it}\n\
+         {dst}_fsu2 = arith.ori {dst}_fsu1, {dst}_fs32 : {it}\n\
+         {dst}_fsubn = arith.bitcast {dst}_fsu2 : {it} to {ft}\n\
+         {dst}_fiss = arith.cmpi eq, {dst}_fe, {dst}_f0 : {it}\n\
+         {dst}_fv = arith.select {dst}_fiss, {dst}_fsubn, {dst}_fnorm : {sel}{ft}\n\
+         {dst}_flow = arith.andi {w}, {dst}_f127 : {it}\n\
+         {dst}_fisn = arith.cmpi eq, {dst}_flow, {dst}_f127 : {it}\n\
+         {dst} = arith.select {dst}_fisn, {dst}_fnan, {dst}_fv : {sel}{ft}\n",
+        k7 = k("7", it),
+        k3 = k("3", it),
+        k15 = k("15", it),
+        k127 = k("127", it),
+        k128 = k("128", it),
+        k24 = k("24", it),
+        k23 = k("23", it),
+        k20 = k("20", it),
+        k120 = k("120", it),
+        k0 = k("0", it),
+        ksub = k("0.001953125", ft),
+        knan = k("0x7FC00000", ft),
+        sel = if it.starts_with("vector") { format!("{}, ", it.replace("i32", "i1")) } else { String::new() },
+    )
+}
+
+/// `{v}`'s `float8_e4m3fn` byte as an i8 `{q}`: rounded to nearest even,
+/// saturated at ±448 (vLLM's fp8 KV caches saturate), NaN as 0x7F.
+/// Normals round the f32 bits (`a + 0x7FFFF + lsb`, the exponent rebiased
+/// from 127 to 7); below 2^-6 the value is a multiple of 2^-9, rounded as
+/// f32 adds round (`(|v| · 512 + 2^23) − 2^23`).
+fn fp8_encode(v: &str) -> String {
+    format!(
+        "{v}_eb = arith.bitcast {v} : f32 to i32\n\
+         {v}_ek24 = arith.constant 24 : i32\n\
+         {v}_ek128 = arith.constant 128 : i32\n\
+         {v}_ekabs = arith.constant 2147483647 : i32\n\
+         {v}_ek20 = arith.constant 20 : i32\n\
+         {v}_ek1 = arith.constant 1 : i32\n\
+         {v}_ekr = arith.constant 524287 : i32\n\
+         {v}_ekbias = arith.constant 960 : i32\n\
+         {v}_ek126 = arith.constant 126 : i32\n\
+         {v}_ek127 = arith.constant 127 : i32\n\
+         {v}_ek512 = arith.constant 512.0 : f32\n\
+         {v}_ekmagic = arith.constant 8388608.0 : f32\n\
+         {v}_ekmin = arith.constant 0.015625 : f32\n\
+         {v}_es0 = arith.shrui {v}_eb, {v}_ek24 : i32\n\
+         {v}_es = arith.andi {v}_es0, {v}_ek128 : i32\n\
+         {v}_ea = arith.andi {v}_eb, {v}_ekabs : i32\n\
+         {v}_eaf = arith.bitcast {v}_ea : i32 to f32\n\
+         {v}_el0 = arith.shrui {v}_ea, {v}_ek20 : i32\n\
+         {v}_elsb = arith.andi {v}_el0, {v}_ek1 : i32\n\
+         {v}_er0 = arith.addi {v}_ea, {v}_ekr : i32\n\
+         {v}_er1 = arith.addi {v}_er0, {v}_elsb : i32\n\
+         {v}_er2 = arith.shrui {v}_er1, {v}_ek20 : i32\n\
+         {v}_en = arith.subi {v}_er2, {v}_ekbias : i32\n\
+         {v}_ey0 = arith.mulf {v}_eaf, {v}_ek512 : f32\n\
+         {v}_ey1 = arith.addf {v}_ey0, {v}_ekmagic : f32\n\
+         {v}_ey2 = arith.subf {v}_ey1, {v}_ekmagic : f32\n\
+         {v}_eq = arith.fptoui {v}_ey2 : f32 to i32\n\
+         {v}_eiss = arith.cmpf olt, {v}_eaf, {v}_ekmin : f32\n\
+         {v}_ec0 = arith.select {v}_eiss, {v}_eq, {v}_en : i32\n\
+         {v}_ebig = arith.cmpi sgt, {v}_ec0, {v}_ek126 : i32\n\
+         {v}_ec1 = arith.select {v}_ebig, {v}_ek126, {v}_ec0 : i32\n\
+         {v}_enan = arith.cmpf uno, {v}, {v} : f32\n\
+         {v}_ec2 = arith.select {v}_enan, {v}_ek127, {v}_ec1 : i32\n\
+         {v}_ec3 = arith.ori {v}_ec2, {v}_es : i32\n\
+         {v}_eq8 = arith.trunci {v}_ec3 : i32 to i8\n"
+    )
 }
 
 /// [`load_f32`] of `n` consecutive elements into a `vector<n x f32>`, with
@@ -212,6 +308,13 @@ pub fn load_f32xn_aligned(n: usize, align: usize, dst: &str, mem: &str, ty: &str
              {dst}_lk = arith.constant dense<16> : vector<{n}xi32>\n\
              {dst}_ls = arith.shli {dst}_lw, {dst}_lk : vector<{n}xi32>\n\
              {dst} = arith.bitcast {dst}_ls : vector<{n}xi32> to vector<{n}xf32>\n"
+        ),
+        crate::Storage::Fp8 => format!(
+            "{dst}_lq = vector.load {mem}[{r}, {c}]{al} : {ty}, vector<{n}xi8>\n\
+             {dst}_lw = arith.extui {dst}_lq : vector<{n}xi8> to vector<{n}xi32>\n{}",
+            fp8_decode(dst, &format!("{dst}_lw"), &format!("vector<{n}xi32>"), &format!("vector<{n}xf32>"), &|v, t| {
+                format!("arith.constant dense<{v}> : {t}")
+            })
         ),
     }
 }
@@ -237,6 +340,7 @@ pub fn store_f32(v: &str, mem: &str, ty: &str, r: &str, c: &str, store: crate::S
              {v}_qbits = arith.trunci {v}_qsel : i32 to i16\n\
              memref.store {v}_qbits, {mem}[{r}, {c}] : {ty}\n"
         ),
+        crate::Storage::Fp8 => format!("{}memref.store {v}_eq8, {mem}[{r}, {c}] : {ty}\n", fp8_encode(v)),
     }
 }
 

@@ -38,11 +38,17 @@ pub fn indent(body: &str, n: usize) -> String {
 /// bf16 (as `torch.Tensor.to(torch.bfloat16)` does). Stored as `i16` bit
 /// patterns and converted with integer ops, so no back end needs bf16
 /// arithmetic and host and GPU round identically.
+///
+/// `Fp8` is for caches only (`--kv-cache fp8`): `float8_e4m3fn` bytes with a
+/// per-tensor scale of 1 (vLLM's when a checkpoint carries no KV scales),
+/// rounded to nearest even and saturated at ±448, NaN kept NaN, converted
+/// with integer ops as bf16 is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub enum Storage {
     #[default]
     F32,
     Bf16,
+    Fp8,
 }
 
 impl Storage {
@@ -51,6 +57,7 @@ impl Storage {
         match self {
             Storage::F32 => "f32",
             Storage::Bf16 => "i16",
+            Storage::Fp8 => "i8",
         }
     }
 
@@ -64,6 +71,7 @@ impl Storage {
         match self {
             Storage::F32 => 4,
             Storage::Bf16 => 2,
+            Storage::Fp8 => 1,
         }
     }
 
@@ -72,6 +80,7 @@ impl Storage {
         match self {
             Storage::F32 => "f32",
             Storage::Bf16 => "bf16",
+            Storage::Fp8 => "fp8",
         }
     }
 
@@ -80,6 +89,7 @@ impl Storage {
         match self {
             Storage::F32 => "",
             Storage::Bf16 => "_kvbf16",
+            Storage::Fp8 => "_kvfp8",
         }
     }
 
@@ -88,6 +98,7 @@ impl Storage {
         match self {
             Storage::F32 => "",
             Storage::Bf16 => "_abf16",
+            Storage::Fp8 => "_afp8",
         }
     }
 }

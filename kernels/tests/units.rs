@@ -38,6 +38,12 @@ fn samples() -> Vec<(&'static str, Kernel)> {
             HeadNormRope { heads: 2, head_dim: 32, rotary_dim: 32, theta: 1e4, eps: 0.0, weight: bf16, act: f, norm: false }.into(),
         ),
         ("scatter_rows_kvbf16", ScatterRows { width: 32, paged: Some(4), cache: b, act: f }.into()),
+        ("scatter_rows_kvfp8", ScatterRows { width: 32, paged: Some(4), cache: Storage::Fp8, act: f }.into()),
+        (
+            "attention_paged_kvfp8",
+            Attention { heads: 4, kv_heads: 2, head_dim: 16, scale: 0.25, sparse: None, paged: Some(4), cache: Storage::Fp8, act: f }
+                .into(),
+        ),
         ("scatter_rows_image", ScatterRows { width: 32, paged: None, cache: f, act: f }.into()),
         ("to_bf16", ToBf16 { width: 32 }.into()),
         ("dequant_mxfp8", DequantMxfp8 { out: 4, inp: 64, block: 32 }.into()),

@@ -77,6 +77,10 @@ fn act_rows(rows: usize, width: usize, act: Storage, salt: usize, out: bool) -> 
     match act {
         Storage::F32 => buf(&v, &[rows, width], &ty, out),
         Storage::Bf16 => buf(&bits16(&v), &[rows, width], &ty, out),
+        Storage::Fp8 => {
+            let bytes: Vec<u8> = v.iter().map(|&x| crate::host_kernels::fp8_nearest_even(x)).collect();
+            buf(&bytes, &[rows, width], &ty, out)
+        }
     }
 }
 
@@ -247,6 +251,10 @@ fn agree(what: &str, host: &[u8], gpu: &[u8], st: Storage, tol: f32) {
     let (h, g) = match st {
         Storage::F32 => (f32s(host), f32s(gpu)),
         Storage::Bf16 => (widen(host), widen(gpu)),
+        Storage::Fp8 => {
+            let v = |b: &[u8]| b.iter().map(|&c| m3c_kernels::fp8_e4m3_value(c)).collect::<Vec<f32>>();
+            (v(host), v(gpu))
+        }
     };
     assert!(h.iter().any(|v| *v != 0.0), "{what}: the host wrote nothing");
     let step = if st == Storage::Bf16 { 1.0 / 128.0 } else { 0.0 };
@@ -258,6 +266,8 @@ fn agree(what: &str, host: &[u8], gpu: &[u8], st: Storage, tol: f32) {
 }
 
 const ACTS: [Storage; 2] = [Storage::F32, Storage::Bf16];
+/// Every cache storage (fp8 is for caches only).
+const CACHES: [Storage; 3] = [Storage::F32, Storage::Bf16, Storage::Fp8];
 
 /// The kernels whose work split follows the warp run for CUDA and for a GPU
 /// unlike it in every way the generators are told of: a wave of 64, fp8
@@ -401,7 +411,7 @@ fn rowwise_gpu_kernels_match_the_host() {
         }
         // cache scatter to rows `pos` of a longer cache, both cache types,
         // and through a block table into a pool of 5 blocks of 2
-        for cache in ACTS {
+        for cache in CACHES {
             let pos: Vec<i64> = vec![4, 0, 2];
             let k = Kernel::ScatterRows(m3c_kernels::ScatterRows { width: 96, paged: None, cache, act });
             let o =
@@ -480,7 +490,7 @@ fn every_fp8_decode_gives_e4m3fn_for_all_256_bytes() {
 fn attention_and_the_msa_selection_on_the_gpu_match_the_host() {
     let (heads, kv, d, cap) = (4usize, 2usize, 16usize, 40usize);
     for (target, act) in target_acts() {
-        for cache in ACTS {
+        for cache in CACHES {
             // Caches of 40 rows. (Paged caches: the GPU kernel equals its
             // contiguous twin bit for bit, tested below.)
             for sparse in [None, Some(SparseSel { index_heads: 2, index_dim: 16, block: 4, topk: 3, local: 1, init: 1 })] {
@@ -537,7 +547,7 @@ fn paged_attention_on_the_gpu_equals_its_contiguous_twin_bit_for_bit() {
     let pool_rows = 16 * b;
     let sel = SparseSel { index_heads: 2, index_dim: 16, block: b, topk: 3, local: 1, init: 1 };
     for target in &TARGETS {
-        for cache in ACTS {
+        for cache in CACHES {
             for sparse in [None, Some(sel)] {
                 let pos = vec![30i64, 31, 32, 33, 34];
                 let rows = pos.len();

@@ -321,6 +321,83 @@ pub(crate) fn bf16_nearest_even(x: f32) -> u16 {
     }
 }
 
+/// The `float8_e4m3fn` byte nearest `x` (ties to the even code), saturated
+/// at ±448, NaN as 0x7F: by search over every finite code's value.
+pub(crate) fn fp8_nearest_even(x: f32) -> u8 {
+    if x.is_nan() {
+        return 0x7F;
+    }
+    let sign = if x.is_sign_negative() { 0x80 } else { 0 };
+    let a = x.abs().min(448.0) as f64;
+    let mut best = 0u8;
+    for code in 0u8..=0x7E {
+        let (v, b) = (m3c_kernels::fp8_e4m3_value(code) as f64, m3c_kernels::fp8_e4m3_value(best) as f64);
+        let (dv, db) = ((a - v).abs(), (a - b).abs());
+        if dv < db || (dv == db && code % 2 == 0 && best % 2 == 1) {
+            best = code;
+        }
+    }
+    best | sign
+}
+
+#[test]
+fn fp8_cache_writes_round_to_nearest_even_and_reads_give_every_code_s_value() {
+    use m3c_kernels::Storage;
+    let dir = tempfile::tempdir().unwrap();
+    // Writes: f32 rows into an fp8 cache.
+    let w = Kernel::ScatterRows(m3c_kernels::ScatterRows { width: 8, paged: None, cache: Storage::Fp8, act: Storage::F32 });
+    // Reads: fp8 rows (every byte) out as f32.
+    let r = Kernel::ScatterRows(m3c_kernels::ScatterRows { width: 8, paged: None, cache: Storage::F32, act: Storage::Fp8 });
+    let lib = build(&[w.clone(), r.clone()], dir.path());
+    let mut x: Vec<f32> = vec![
+        1.0 + 1.0 / 16.0, // halfway between 1 and 1.125: even (1.0) wins
+        1.0 + 3.0 / 16.0, // halfway: even (1.25) wins
+        448.0,
+        460.0, // nearer 448 than 480: saturates anyway
+        1.0e6,
+        f32::INFINITY,
+        f32::NAN,
+        -0.0,
+        0.001953125,  // the smallest subnormal
+        0.0009765625, // half of it: ties to even (0)
+        0.0029296875, // 1.5 × the smallest: ties to even (2 × it)
+        0.015625,     // the smallest normal
+        0.0146484375, // just below it: the top subnormal rounds up to it
+        -3.3,
+        -0.1,
+        f32::NEG_INFINITY,
+    ];
+    // And a sweep over many magnitudes, both signs.
+    let mut v = 1.0e-4f32;
+    while x.len() < 256 {
+        x.push(if x.len().is_multiple_of(2) { v } else { -v });
+        v *= 1.0717;
+    }
+    let rows = x.len() / 8;
+    let pos: Vec<i64> = (0..rows as i64).collect();
+    let y = vec![0u8; x.len()];
+    type F<'a, T, U> = libloading::Symbol<'a, unsafe extern "C" fn(*const Memref2<T>, *const Memref1<i64>, *const Memref2<U>)>;
+    // SAFETY: the kernels' C interface symbols (`_mlir_ciface_`) take one memref descriptor pointer per argument, as declared.
+    let fw: F<f32, u8> = unsafe { lib.get(format!("_mlir_ciface_{}", w.symbol()).as_bytes()).unwrap() };
+    // SAFETY: as above.
+    let fr: F<u8, f32> = unsafe { lib.get(format!("_mlir_ciface_{}", r.symbol()).as_bytes()).unwrap() };
+    // SAFETY: every buffer holds the rows the descriptors say.
+    unsafe { fw(&m2(&x, rows, 8), &m1(&pos), &m2(&y, rows, 8)) };
+    for (i, (&v, &b)) in x.iter().zip(&y).enumerate() {
+        assert_eq!(b, fp8_nearest_even(v), "value {i} ({v:e}) stored as {b:#04x}");
+    }
+    // Every code read back.
+    let codes: Vec<u8> = (0..=255u8).collect();
+    let out = vec![0f32; 256];
+    let pos: Vec<i64> = (0..32).collect();
+    // SAFETY: every buffer holds the rows the descriptors say.
+    unsafe { fr(&m2(&codes, 32, 8), &m1(&pos), &m2(&out, 32, 8)) };
+    for (code, got) in codes.iter().zip(&out) {
+        let want = m3c_kernels::fp8_e4m3_value(*code);
+        assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "code {code:#04x}: {got} != {want}");
+    }
+}
+
 #[test]
 #[allow(clippy::approx_constant)] // -2.718… is just a value with a long mantissa
 fn bf16_cache_writes_round_to_nearest_even_at_their_positions() {

@@ -73,18 +73,20 @@ fn prefix_cache_hits_and_preemptions_give_the_cold_runs_tokens_and_logprobs() {
     }
 }
 
-/// The same with bf16 caches and bf16 activations: a hit and a resume
-/// reuse the very bits a cold run computes.
+/// The same with bf16 caches and bf16 activations, and with fp8 caches: a
+/// hit and a resume reuse the very bits a cold run computes.
 #[test]
-fn bf16_prefix_cache_hits_and_preemptions_change_nothing() {
-    let out = crate::shared::out_with("tiny-m3", 2, &["--activations", "bf16", "--kv-cache", "bf16"]);
-    let cold = run(&out, &["--no-enable-prefix-caching"]);
-    let warm = run(&out, &[]);
-    assert!(kv_counts(&warm.1).0 >= 5 * 36, "{}", warm.1);
-    assert_eq!(warm.0, cold.0, "bf16: prefix caching changed the output");
-    let tight = run(&out, &["--kv-blocks", "14"]);
-    assert!(kv_counts(&tight.1).1 > 0, "{}", tight.1);
-    assert_eq!(tight.0, cold.0, "bf16: preemption changed the output");
+fn bf16_and_fp8_prefix_cache_hits_and_preemptions_change_nothing() {
+    for kv in ["bf16", "fp8"] {
+        let out = crate::shared::out_with("tiny-m3", 2, &["--activations", "bf16", "--kv-cache", kv]);
+        let cold = run(&out, &["--no-enable-prefix-caching"]);
+        let warm = run(&out, &[]);
+        assert!(kv_counts(&warm.1).0 >= 5 * 36, "{}", warm.1);
+        assert_eq!(warm.0, cold.0, "{kv} caches: prefix caching changed the output");
+        let tight = run(&out, &["--kv-blocks", "14"]);
+        assert!(kv_counts(&tight.1).1 > 0, "{}", tight.1);
+        assert_eq!(tight.0, cold.0, "{kv} caches: preemption changed the output");
+    }
 }
 
 /// A pool smaller than one prompt needs is refused before anything runs.

@@ -1096,12 +1096,10 @@ fn the_vllm_recipe_command_line_serves_a_model_folder() {
         "--default-chat-template-kwargs",
         r#"{"thinking_mode": "enabled"}"#,
     ];
-    // fp8 caches are the one part not built yet: refused by name, nothing built.
-    let r = Command::new(m3c_bin()).arg("serve").args(recipe).env("M3C_CACHE_DIR", cache.path()).output().unwrap();
-    assert!(!r.status.success() && stderr(&r).contains("--kv-cache-dtype fp8: fp8 KV caches are not built yet"), "{}", stderr(&r));
-    let args: Vec<&str> = recipe.iter().map(|&a| if a == "fp8" { "bf16" } else { a }).collect();
+    let args: Vec<&str> = recipe.to_vec();
     let first = Server::start_with(&args, &env);
     assert!(first.log().contains("is not built yet; compiling it into"), "{}", first.log());
+    assert!(first.log().contains("KV pool: 0.8 of each stage's free memory"), "{}", first.log());
     for said in ["--mm-encoder-tp-mode data: m3c does not shard", "--enable-auto-tool-choice:"] {
         assert!(first.log().contains(said), "`{said}` not said:\n{}", first.log());
     }
@@ -1133,6 +1131,16 @@ fn the_vllm_recipe_command_line_serves_a_model_folder() {
     let again = Server::start_with(&args, &env);
     assert!(again.log().contains("is current (compile id"), "{}", again.log());
     drop(again);
+    // fp8 caches hold twice bf16's blocks at one budget (and four times f32's).
+    let blocks = |kv: &str| {
+        let s = Server::start_with(&[m, "--pp", "2", "--kv-cache-dtype", kv, "--kv-budget", "0.002"], &env);
+        let line = s.log().lines().find(|l| l.contains("KV pool: ")).unwrap_or_default().to_string();
+        let n: usize = line.split("KV pool: ").nth(1).and_then(|r| r.split(' ').next()?.parse().ok()).unwrap_or(0);
+        assert!(n > 0, "{line}");
+        n
+    };
+    let (f32_blocks, bf16_blocks, fp8_blocks) = (blocks("auto"), blocks("bf16"), blocks("fp8"));
+    assert!(fp8_blocks as f64 >= 1.9 * bf16_blocks as f64 && bf16_blocks >= 2 * f32_blocks - 1, "{f32_blocks} {bf16_blocks} {fp8_blocks}");
     // Flags m3c cannot honour are errors that name them.
     for (flag, value, says) in [
         ("--block-size", "16", "--block-size 16: "),

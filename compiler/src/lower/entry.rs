@@ -250,7 +250,7 @@ impl Emitter {
             )
         };
         let (convert, xp, free) = match act {
-            Storage::Bf16 => (ptr(&a[0].0, &a[0].1, &format!("%gq{tag}_xp")), format!("%gq{tag}_xp"), String::new()),
+            Storage::Bf16 | Storage::Fp8 => (ptr(&a[0].0, &a[0].1, &format!("%gq{tag}_xp")), format!("%gq{tag}_xp"), String::new()),
             Storage::F32 => {
                 let conv = m3c_kernels::Kernel::ToBf16(m3c_kernels::ToBf16 { width: inp });
                 self.use_gpu_kernel(target, &conv);

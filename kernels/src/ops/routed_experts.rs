@@ -176,7 +176,7 @@ fn host(re: &RoutedExperts) -> String {
     let hat = act.rows_ty(hidden);
     let (sum, sum_alloc, sum_out) = match act {
         Storage::F32 => ("%y", String::new(), String::new()),
-        Storage::Bf16 => (
+        Storage::Bf16 | Storage::Fp8 => (
             "%ysum",
             format!("%ysum = memref.alloc(%rows) : {ht}\n"),
             format!(

@@ -49,7 +49,7 @@ impl Layout {
         let acct = format!("memref<?x{d}xf32>");
         let ((acc, acc_row), acc_ty) = match act {
             Storage::F32 => (("%o", "%r0i"), qt.clone()),
-            Storage::Bf16 => (("%oacc", "%ii"), acct.clone()),
+            Storage::Bf16 | Storage::Fp8 => (("%oacc", "%ii"), acct.clone()),
         };
         Layout { qt, kt, acct, acc, acc_row, acc_ty }
     }
@@ -100,7 +100,9 @@ pub(super) fn host(k: &super::Attention) -> String {
 fn block(k: &super::Attention, l: &Layout) -> String {
     let (acc_alloc, acc_free) = match k.act {
         Storage::F32 => (String::new(), String::new()),
-        Storage::Bf16 => (format!("%oacc = memref.alloc(%nr) : {}\n", l.acct), format!("memref.dealloc %oacc : {}\n", l.acct)),
+        Storage::Bf16 | Storage::Fp8 => {
+            (format!("%oacc = memref.alloc(%nr) : {}\n", l.acct), format!("memref.dealloc %oacc : {}\n", l.acct))
+        }
     };
     format!(
         "%bi2 = arith.divui %bi, %c2 : index\n\
@@ -290,7 +292,7 @@ fn values_phase(k: &super::Attention, l: &Layout) -> String {
 fn bf16_out(k: &super::Attention, l: &Layout) -> String {
     match k.act {
         Storage::F32 => String::new(),
-        Storage::Bf16 => format!(
+        Storage::Bf16 | Storage::Fp8 => format!(
             "scf.for %ii = %c0 to %nr step %c1 {{\n\
              \x20 %r0i = arith.addi %r0, %ii : index\n\
              \x20 scf.for %c = %c0 to %cd step %c1 {{\n\

@@ -178,7 +178,7 @@ fn host(k: &Attention) -> String {
     let acc_ty = format!("memref<{d}xf32>");
     let (acc, acc_mem, acc_idx, acc_alloc, acc_free, acc_out) = match act {
         Storage::F32 => ("%o", qt.as_str(), "%r, %oc", String::new(), String::new(), String::new()),
-        Storage::Bf16 => (
+        Storage::Bf16 | Storage::Fp8 => (
             "%oacc",
             acc_ty.as_str(),
             "%c",
