@@ -222,7 +222,11 @@ fn prepare(o: &Options) -> Result<Prepared> {
     };
     let pool = match size {
         PoolSize::Fraction(f) => format!("KV pool: {f} of each stage's free memory"),
-        _ => format!("KV pool: {blocks} blocks of {kv_block} positions, {:.2} GB per stage", (blocks * block_bytes) as f64 / 1e9),
+        _ => format!(
+            "KV pool: {blocks} blocks of {kv_block} positions, {:.2} GB per stage, {} caches",
+            (blocks * block_bytes) as f64 / 1e9,
+            compiled.manifest.kv_cache
+        ),
     };
     Ok(Prepared { cmd, stages, limits, pool, shared: Box::new(shared) })
 }

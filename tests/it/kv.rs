@@ -29,7 +29,10 @@ fn run(out: &Path, extra: &[&str]) -> (Vec<String>, String) {
         args.extend(["--prompt-ids", p.as_str()]);
     }
     // Sampled, so every draw's key (the sequence's own step) is exercised.
-    args.extend(["--max-new-tokens", "8", "--logprobs", "2", "--temperature", "0.9", "--seed", "7", "--micro-batch", "3"]);
+    args.extend(["--max-new-tokens", "8", "--logprobs", "2", "--temperature", "0.9", "--seed", "7"]);
+    if !extra.contains(&"--micro-batch") {
+        args.extend(["--micro-batch", "3"]);
+    }
     args.extend(extra);
     let o = m3c(&args);
     assert!(o.status.success(), "m3c {extra:?} failed:\n{}", stderr(&o));
@@ -74,7 +77,8 @@ fn prefix_cache_hits_and_preemptions_give_the_cold_runs_tokens_and_logprobs() {
 }
 
 /// The same with bf16 caches and bf16 activations, and with fp8 caches: a
-/// hit and a resume reuse the very bits a cold run computes.
+/// hit and a resume reuse the very bits a cold run computes, and a
+/// sequence alone in its micro-batch gets the bits it gets in company.
 #[test]
 fn bf16_and_fp8_prefix_cache_hits_and_preemptions_change_nothing() {
     for kv in ["bf16", "fp8"] {
@@ -86,6 +90,9 @@ fn bf16_and_fp8_prefix_cache_hits_and_preemptions_change_nothing() {
         let tight = run(&out, &["--kv-blocks", "14"]);
         assert!(kv_counts(&tight.1).1 > 0, "{}", tight.1);
         assert_eq!(tight.0, cold.0, "{kv} caches: preemption changed the output");
+        // Nor does the batch a sequence runs in.
+        let alone = run(&out, &["--no-enable-prefix-caching", "--micro-batch", "1"]);
+        assert_eq!(alone.0, cold.0, "{kv} caches: batching changed the output");
     }
 }
 
