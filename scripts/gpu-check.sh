@@ -21,7 +21,7 @@
 #      the tiny fixture's image + text prefill (the vision entry on the GPU,
 #      its features over the placeholder rows) against the reference's
 #      mm_logits at pp = 1 and 2 (within 1e-3, pp dumps byte-identical);
-#      tiny-m3 with bf16 caches; tiny-m3 with its EAGLE3 draft head (ids
+#      tiny-m3 with bf16 and with fp8 caches; tiny-m3 with its EAGLE3 draft head (ids
 #      and logprobs equal to the same stages' without it); and
 #      both fixtures with bf16 activations (the GPU default), their distance
 #      from the f32 golden reported (on the host: median position 0.07-0.09,
@@ -111,6 +111,7 @@ prepare() {
     $M3C compile --model "tests/fixtures/$m" --pp 1 --target "$TARGET" --activations bf16 -o "$b/out/$m-pp1-abf16" >/dev/null
   done
   $M3C compile --model tests/fixtures/tiny-m3 --pp 1 --target "$TARGET" --activations f32 --kv-cache bf16 -o "$b/out/tiny-m3-pp1-kvbf16" >/dev/null
+  $M3C compile --model tests/fixtures/tiny-m3 --pp 1 --target "$TARGET" --activations f32 --kv-cache fp8 -o "$b/out/tiny-m3-pp1-kvfp8" >/dev/null
   # EAGLE3: tiny-m3's draft head compiled into the last stage (the path is
   # the repository's, the same on the GPU machine).
   $M3C compile --model tests/fixtures/tiny-m3 --pp 2 "$b/plans/tiny-pp2.yaml" --activations f32 -o "$b/out/tiny-m3-pp2-eagle3" \
@@ -293,6 +294,13 @@ PY
         --expect "$golden" >"$log" 2>&1 || true
       check=$(grep -o 'prefill max.*' "$log" | head -1 || true)
       rows+=("$(printf '%-32s %-6s %-5s %s' "$m bf16 caches" "pp=1" "$([ -n "$check" ] && echo ran || echo FAIL)" "${check:-$(why "$log")}")")
+      # fp8 caches (e4m3, scale 1): reported like bf16's (on the host: median
+      # position 0.16 from the golden, 2.3 at worst).
+      log="$logs/$m-kvfp8.log"
+      timeout 120 "$b/out/$m-pp1-kvfp8/run.sh" --model "tests/fixtures/$m" --prompt-ids "$prompt" --max-new-tokens 16 \
+        --expect "$golden" >"$log" 2>&1 || true
+      check=$(grep -o 'prefill max.*' "$log" | head -1 || true)
+      rows+=("$(printf '%-32s %-6s %-5s %s' "$m fp8 caches" "pp=1" "$([ -n "$check" ] && echo ran || echo FAIL)" "${check:-$(why "$log")}")")
       # EAGLE3 on the device: aux states carried in device memory, the
       # head's entries on the last stage; ids and logprobs as without it.
       e3=(--model "tests/fixtures/$m" --prompt-ids "$prompt" --prompt-ids "7,7,7,7" --micro-batch 2 --max-new-tokens 24 --logprobs 2)
