@@ -21,6 +21,12 @@ pub(crate) struct Inputs {
 }
 
 impl Inputs {
+    /// What the flags chose besides the model and plan files: the plan as
+    /// read, the storages and the CPU (a build folder's key).
+    pub(crate) fn choices(&self) -> String {
+        format!("{:?} {:?} {}", self.plan, self.storages, self.cpu)
+    }
+
     /// The EAGLE3 draft's config.json, when a head is compiled in.
     pub(crate) fn draft_config(&self) -> Option<std::path::PathBuf> {
         self.draft.as_ref().map(|d| d.source.join("config.json"))

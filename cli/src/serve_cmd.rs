@@ -178,8 +178,9 @@ fn build(a: &ServeArgs) -> Result<PathBuf> {
 }
 
 /// The build cache's folder for a model folder and what was asked of it:
-/// the config's and the plan's bytes, the split, target, storages, the
-/// vision choice and a draft's config. (The compile id then decides whether
+/// the config's and the plan's bytes, the split, target, storages (caches
+/// and activations), CPU, the vision choice and a draft's config, so builds
+/// for other flags live side by side. (The compile id then decides whether
 /// what it holds is current: the runtime and the compiler are in it.)
 fn build_dir(a: &ServeArgs, inputs: &crate::compile_cmd::Inputs) -> Result<PathBuf> {
     let root = m3c_compiler::compile::cache::default_dir()
@@ -194,7 +195,7 @@ fn build_dir(a: &ServeArgs, inputs: &crate::compile_cmd::Inputs) -> Result<PathB
     for part in [
         read(&inputs.src.config.source)?,
         a.plan.as_deref().map(read).transpose()?.unwrap_or_default(),
-        format!("{:?}", inputs.plan).into_bytes(),
+        inputs.choices().into_bytes(),
         draft,
     ] {
         all.extend((part.len() as u64).to_le_bytes());

@@ -561,8 +561,13 @@ impl Leader {
             };
             item.extend_from_slice(&draft);
             // The EAGLE3 head writes its own rows up to K − 1 positions past
-            // the step's: blocks for them come now, while the pool has them.
-            let ahead = self.batching.eagle3.map_or(0, |k| k.saturating_sub(1));
+            // the step's, when the step draws and proposals are asked of it:
+            // blocks for them come now, while the pool has them.
+            let draws = l.chunks.len() <= 1;
+            let ahead = match self.batching.eagle3 {
+                Some(k) if draws && eagle3_asks(&self.batching, l, running) > 0 => k.saturating_sub(1),
+                _ => 0,
+            };
             // The blocks its positions reach; when the pool is out of them,
             // a draft is dropped first, then the newest running sequence
             // not in flight gives its back.

@@ -263,6 +263,9 @@ fn turn(t: &Value, out: &mut Vec<Value>) -> Result<(), String> {
             msg["tool_calls"] = Value::Array(calls);
         }
         out.push(msg);
+    } else if role == "assistant" {
+        // A turn of thinking alone is still the assistant's turn.
+        out.push(json!({"role": "assistant", "content": ""}));
     }
     Ok(())
 }
@@ -394,7 +397,7 @@ async fn whole(mut g: Generation, asked: Asked) -> Response {
         match g.next().await {
             Step::Text { end: true, .. } => break,
             Step::Text { .. } => {}
-            Step::Failed(why) => return error(&ApiError::new(503, "api_error", format!("the request could not finish: {why}"))),
+            Step::Failed(why) => return error(&ApiError::new(500, "api_error", format!("the request could not finish: {why}"))),
         }
     }
     let calls = g.tool_calls();
