@@ -528,12 +528,13 @@ impl Stage {
                 table.extend_from_slice(&row_words(&SamplingParams::GREEDY, 0, 0, true, k));
             }
         }
+        let (rows, pos) = rows_and_positions(segments);
         let inputs = StepInputs {
             segments,
             ids,
             tokens,
-            rows: segments.iter().map(|s| s.rows as i64).collect(),
-            pos: segments.iter().flat_map(|s| (s.pos0..s.pos0 + s.rows).map(|p| p as i64)).collect(),
+            rows,
+            pos,
             bitmap_rows: BITMAP_ROWS * segments.len(),
             seen: vec![0u32; BITMAP_ROWS * segments.len() * words],
             penalised: false,
@@ -641,12 +642,13 @@ impl Stage {
         let logits = if m.last_stage && (on_host || want_logits) { vec![0f32; tokens * m.vocab] } else { Vec::new() };
         let out_ids = if m.last_stage { vec![0i64; tokens] } else { Vec::new() };
         let (img, img_rows) = self.image_rows(segments);
+        let (rows, pos) = rows_and_positions(segments);
         let inputs = StepInputs {
             segments,
             ids,
             tokens,
-            rows: segments.iter().map(|s| s.rows as i64).collect(),
-            pos: segments.iter().flat_map(|s| (s.pos0..s.pos0 + s.rows).map(|p| p as i64)).collect(),
+            rows,
+            pos,
             bitmap_rows: seen.len() / words.max(1),
             seen,
             penalised,
@@ -657,6 +659,13 @@ impl Stage {
         };
         Ok((inputs, StepOut { logits, ids: out_ids, table }, want_logits))
     }
+}
+
+/// Each segment's row count, and each row's position, as the entry reads them.
+fn rows_and_positions(segments: &[Segment]) -> (Vec<i64>, Vec<i64>) {
+    let rows = segments.iter().map(|s| s.rows as i64).collect();
+    let pos = segments.iter().flat_map(|s| (s.pos0..s.pos0 + s.rows).map(|p| p as i64)).collect();
+    (rows, pos)
 }
 
 /// What a step hands the entry besides weights and caches, the same for
