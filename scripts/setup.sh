@@ -8,10 +8,13 @@ set -euo pipefail
 # inkwell link it statically into m3c.
 # Open MPI links and launches the stage executables (with LLVM's lld, over
 # three times as fast as gold here); LLVM's OpenMP runtime runs the
-# generated kernels' parallel loops.
+# generated kernels' parallel loops. FFmpeg's libraries decode videos (the
+# front's `vision/video.rs` says why not a pure-Rust decoder); ffmpeg-next's
+# bindings are generated against them with LLVM 22's libclang.
 PACKAGES=(build-essential pkg-config llvm-22-dev libmlir-22-dev libpolly-22-dev libclang1-22
           libclang-common-22-dev libzstd-dev zlib1g-dev libxml2-dev libz3-dev
-          openmpi-bin libopenmpi-dev libomp-22-dev lld-22 curl ca-certificates python3-venv)
+          openmpi-bin libopenmpi-dev libomp-22-dev lld-22 curl ca-certificates python3-venv
+          libavcodec-dev libavformat-dev libavutil-dev libswscale-dev)
 
 missing=()
 for p in "${PACKAGES[@]}"; do

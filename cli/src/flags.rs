@@ -135,6 +135,9 @@ pub(crate) struct RunArgs {
     /// An image for the prompt (PNG, JPEG, WebP or GIF; repeatable, in order). With --chat, the user turn holds the images first, then the text; with --prompt-ids, the ids already hold one placeholder run per image.
     #[arg(long, value_name = "FILE")]
     pub(crate) image: Vec<PathBuf>,
+    /// A video for the prompt (MP4, WebM, MKV, ...: what FFmpeg decodes; repeatable, in order), sampled at 1 frame per second as the reference processor samples. With --chat, the user turn holds the images, then the videos, then the text; with --prompt, the text holds one `]<]video[>[` per video.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) video: Vec<PathBuf>,
     /// A system message before each --chat turn.
     #[arg(long, value_name = "TEXT", requires = "chat")]
     pub(crate) system: Option<String>,

@@ -17,12 +17,13 @@ use std::path::PathBuf;
 /// by its place among the run's prompts (the `--prompt-ids` first).
 fn image_prompt(
     args: &RunArgs,
+    videos: Vec<m3c_front::vision::video::Video>,
     text_in: Option<&mut m3c_front::text::front::Encoded>,
     manifest: &m3c_contract::manifest::Manifest,
 ) -> Result<BTreeMap<usize, SeqImages>> {
     use m3c_front::vision::prompt::{self, ImageTokens, PromptImageError};
     let from_lines = text_in.as_ref().is_some_and(|t| t.images.iter().any(|i| !i.is_empty()));
-    if args.image.is_empty() && !from_lines {
+    if args.image.is_empty() && videos.is_empty() && !from_lines {
         return Ok(BTreeMap::new());
     }
     if !manifest.encodes_images() {
@@ -34,9 +35,12 @@ fn image_prompt(
     let image_token = manifest.image_token.ok_or(PromptImageError::NoVision)?;
     // Which prompt gets which image files (by its place among the text
     // prompts; the `--prompt-ids` go before them).
-    let offset = if args.image.is_empty() { args.prompt_ids.len() } else { 0 };
-    let per_seq: Vec<(usize, Vec<PathBuf>)> = if args.image.is_empty() {
+    let offset = if args.image.is_empty() && videos.is_empty() { args.prompt_ids.len() } else { 0 };
+    let per_seq: Vec<(usize, Vec<PathBuf>)> = if args.image.is_empty() && videos.is_empty() {
         text_in.as_ref().map_or(Vec::new(), |t| t.images.iter().cloned().enumerate().filter(|(_, f)| !f.is_empty()).collect())
+    } else if args.image.is_empty() {
+        // Videos alone: the one --prompt or --chat (checked by the caller).
+        vec![(0, Vec::new())]
     } else {
         let prompts = args.prompt_ids.len() + args.prompt.len() + args.chat.len() + usize::from(args.prompts.is_some());
         if prompts != 1 || !args.prompt.is_empty() || args.prompts.is_some() {
@@ -47,34 +51,41 @@ fn image_prompt(
         vec![(0, args.image.clone())]
     };
     let ctx = manifest.max_positions;
+    let video_token = manifest.video_token.unwrap_or(usize::MAX) as u32;
     let mut text_in = text_in;
     let mut seqs = BTreeMap::new();
+    let mut videos = Some(videos);
     for (seq, files) in per_seq {
         let processed = prompt::load(&files)?;
         let tokens: Vec<usize> = processed.iter().map(|p| p.tokens()).collect();
         let names: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
-        let len = match text_in.as_deref_mut() {
+        // The run's videos go with its one prompt (checked by the caller).
+        let seq_videos = videos.take().unwrap_or_default();
+        let video_tokens: usize = seq_videos.iter().map(|v| v.tokens()).sum();
+        let (len, media) = match text_in.as_deref_mut() {
             Some(enc) => {
                 let t = ImageTokens::new(&enc.tokenizer, image_token)?;
                 enc.ids[seq] = t.expand(&enc.ids[seq], &tokens).with_context(|| format!("prompt {seq}"))?;
-                enc.ids[seq].len()
+                let media = prompt::seq_media_in_order(&enc.ids[seq], image_token as u32, video_token, processed, seq_videos)
+                    .with_context(|| format!("prompt {seq}"))?;
+                (enc.ids[seq].len(), media)
             }
             None => {
                 let ids = m3c_contract::prompts::parse_ids(&args.prompt_ids[seq], "--prompt-ids").map_err(|e| anyhow::anyhow!(e))?;
                 let t = ImageTokens { start: 0, image: image_token as u32, end: 0 };
                 t.check_runs(&ids, &tokens, &names)?;
-                ids.len()
+                (ids.len(), prompt::seq_images(&processed))
             }
         };
         if len + args.max_new_tokens > ctx {
             bail!(
-                "prompt {seq} is {len} tokens ({} of them for the image(s): {}) and --max-new-tokens {}: more than the model's context of {ctx} positions",
-                tokens.iter().sum::<usize>(),
+                "prompt {seq} is {len} tokens ({} of them for the image(s) and video(s): {}) and --max-new-tokens {}: more than the model's context of {ctx} positions",
+                tokens.iter().sum::<usize>() + video_tokens,
                 names.iter().zip(&tokens).map(|(n, t)| format!("{n} takes {t}")).collect::<Vec<_>>().join(", "),
                 args.max_new_tokens
             );
         }
-        seqs.insert(offset + seq, prompt::seq_images(&processed));
+        seqs.insert(offset + seq, media);
     }
     Ok(seqs)
 }
@@ -207,10 +218,16 @@ fn inputs(args: &RunArgs, compiled: &m3c_front::launch::Compiled) -> Result<Inpu
         bail!("give --prompt-ids or a --prompts file of ids, not both");
     }
     // Text prompts become ids here; the stages only see ids.
-    let mut text = text_prompts(args, jsonl.as_ref())?;
+    // Videos: decoded and processed first, since their text (timestamps)
+    // is tokenized with the prompt's.
+    if !args.video.is_empty() && (args.prompt.len() + args.chat.len() != 1 || !args.prompt_ids.is_empty() || args.prompts.is_some()) {
+        bail!("--video goes with exactly one --prompt (holding one `]<]video[>[` per video) or one --chat");
+    }
+    let videos = m3c_front::vision::prompt::load_videos(&args.video)?;
+    let mut text = text_prompts(args, jsonl.as_ref(), &videos)?;
     // Images: processed here, expanded into (or checked against) the one
     // prompt they belong to, and handed to the stage that encodes them.
-    let images = image_prompt(args, text.as_mut(), &compiled.manifest)?;
+    let images = image_prompt(args, videos, text.as_mut(), &compiled.manifest)?;
     let choices = usize::from(args.choices);
     // Choice C of prompt P is sequence P·n + C, with P's images.
     let images = images.into_iter().flat_map(|(seq, im)| (0..choices).map(move |c| (seq * choices + c, im.clone()))).collect();
@@ -246,7 +263,11 @@ fn inputs(args: &RunArgs, compiled: &m3c_front::launch::Compiled) -> Result<Inpu
 
 /// `--prompt`, `--chat` and a JSONL `--prompts` file through the tokenizer
 /// and chat template (`None`: the run has no text prompt).
-fn text_prompts(args: &RunArgs, jsonl: Option<&(PathBuf, String)>) -> Result<Option<m3c_front::text::front::Encoded>> {
+fn text_prompts(
+    args: &RunArgs,
+    jsonl: Option<&(PathBuf, String)>,
+    videos: &[m3c_front::vision::video::Video],
+) -> Result<Option<m3c_front::text::front::Encoded>> {
     if args.prompt.is_empty() && args.chat.is_empty() && jsonl.is_none() {
         return Ok(None);
     }
@@ -261,6 +282,7 @@ fn text_prompts(args: &RunArgs, jsonl: Option<&(PathBuf, String)>) -> Result<Opt
         system: args.system.as_deref(),
         thinking,
         chat_images: args.image.len(),
+        videos,
     };
     let mut enc = m3c_front::text::front::encode(&args.model, &req)?;
     if let Some((file, text)) = jsonl {

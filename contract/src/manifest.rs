@@ -37,6 +37,9 @@ pub struct Manifest {
     pub kv_block: usize,
     /// The image placeholder id, when the model has a vision tower.
     pub image_token: Option<usize>,
+    /// The video placeholder id, likewise.
+    #[serde(default)]
+    pub video_token: Option<usize>,
     pub stages: Vec<StageEntry>,
 }
 
@@ -178,6 +181,7 @@ mod tests {
             max_positions: 64,
             kv_block: 4,
             image_token: Some(9),
+            video_token: Some(10),
             stages: vec![stage(0), stage(1)],
         }
     }

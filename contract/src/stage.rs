@@ -100,6 +100,17 @@ pub struct VisionMeta {
     pub merge: usize,
     /// The placeholder id whose embedding rows image features replace.
     pub image_token: i64,
+    /// The video placeholder: video features replace its rows the same way.
+    pub video_token: i64,
+}
+
+impl VisionMeta {
+    /// Whether `id` is a placeholder whose row the vision tower's features
+    /// replace (an image's or a video's: one list of features, in prompt
+    /// order, fills both).
+    pub fn is_placeholder(&self, id: i64) -> bool {
+        id == self.image_token || id == self.video_token
+    }
 }
 
 impl StageMeta {
@@ -316,7 +327,7 @@ mod tests {
             device: None,
             tensors: vec![TensorSlot { name: "w".into(), shape: vec![2, 8], dtype: DType::BF16 }],
             caches: vec![CacheSlot { layer: 1, kind: "key".into(), width: 8, bytes: 4 }],
-            vision: Some(VisionMeta { patch_row: 1176, merge: 4, image_token: 200025 }),
+            vision: Some(VisionMeta { patch_row: 1176, merge: 4, image_token: 200025, video_token: 200026 }),
             aux_in: 1,
             aux_slots: 3,
             draft: Some(DraftMeta { vocab: 8, order: vec![2, 0, 1], config_sha256: "d".into() }),

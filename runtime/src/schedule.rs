@@ -816,9 +816,12 @@ fn stop_string_ends(l: &mut Live, id: i64, token_bytes: Option<&[Vec<u8>]>) -> b
 /// A prompt with image placeholders needs its images, as in the reference.
 fn placeholders_without_images(st: &Stage, prompt: &[i64]) -> Result<(), String> {
     match &st.meta.vision {
-        Some(v) => match prompt.iter().filter(|&&id| id == v.image_token).count() {
+        Some(v) => match prompt.iter().filter(|&&id| v.is_placeholder(id)).count() {
             0 => Ok(()),
-            n => Err(format!("the prompt has {n} image placeholder(s) (id {}) but no image", v.image_token)),
+            n => Err(format!(
+                "the prompt has {n} image or video placeholder(s) (ids {} and {}) but no image or video",
+                v.image_token, v.video_token
+            )),
         },
         None => Ok(()),
     }
@@ -844,7 +847,7 @@ fn stat_events(feed: &mut impl Feed, w: &[i64]) {
 fn image_rows(st: &Stage, prompt: &[i64], im: &SeqImages) -> Vec<ImageRows> {
     use sha2::{Digest, Sha256};
     let Some(v) = &st.meta.vision else { return Vec::new() };
-    let mut rows = prompt.iter().enumerate().filter(|(_, &id)| id == v.image_token).map(|(p, _)| p);
+    let mut rows = prompt.iter().enumerate().filter(|(_, &id)| v.is_placeholder(id)).map(|(p, _)| p);
     let row = im.pixels.len() / im.patches().max(1);
     let mut out = Vec::new();
     let mut at = 0;

@@ -25,5 +25,6 @@ mod text;
 mod tidy;
 mod tiny;
 mod trace;
+mod video;
 mod vision;
 mod weights;

@@ -525,7 +525,7 @@ fn the_same_messages_give_the_same_prompt_through_run_and_serve() {
     let run_ids = |m: &serde_json::Value| {
         let file = dir.path().join("p.jsonl");
         let text = format!("{}\n", serde_json::json!({"messages": m}));
-        let req = TextRequest { prompts: &[], chats: &[], system: None, thinking: None, chat_images: 0 };
+        let req = TextRequest { prompts: &[], chats: &[], system: None, thinking: None, chat_images: 0, videos: &[] };
         let mut enc = encode(&model, &req).unwrap();
         encode_jsonl(&model, &file, &text, &mut enc).unwrap();
         enc.ids.pop().unwrap()

@@ -33,6 +33,7 @@ pub fn new(
         max_positions: cfg.text.max_position_embeddings,
         kv_block: cfg.text.kv_block(),
         image_token: cfg.vision.as_ref().map(|v| v.image_token_id),
+        video_token: cfg.vision.as_ref().map(|v| v.video_token_id),
         stages: Vec::new(),
     }
 }

@@ -160,6 +160,7 @@ fn stage_meta(
             patch_row: v.patch_row,
             merge: v.merge,
             image_token: vc.image_token_id as i64,
+            video_token: vc.video_token_id as i64,
         }),
         aux_in: p.aux_in,
         aux_slots: p.aux_slots,

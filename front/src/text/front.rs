@@ -20,6 +20,11 @@ pub struct TextRequest<'a> {
     /// Images that open each chat's user turn (`{"type": "image"}` parts
     /// before its text, as the reference's processor expects).
     pub chat_images: usize,
+    /// Videos, processed: a chat's user turn holds them after its images
+    /// (`{"type": "video"}` parts); in a raw prompt the text holds their
+    /// `]<]video[>[` tokens. Each token becomes its video's text (timestamps
+    /// and placeholders) before tokenizing, as the reference processor does.
+    pub videos: &'a [crate::vision::video::Video],
 }
 
 /// The encoded prompts, in the order given: `--prompt`s, then `--chat`s,
@@ -171,8 +176,15 @@ pub fn encode_jsonl(model: &Path, file: &Path, text: &str, enc: &mut Encoded) ->
 pub fn encode(model: &Path, req: &TextRequest) -> Result<Encoded, TextError> {
     let tokenizer = TextTokenizer::from_dir(model)?;
     let (mut ids, mut think) = (Vec::new(), Vec::new());
+    let with_videos = |text: &str| -> Result<String, TextError> {
+        if req.videos.is_empty() {
+            Ok(text.to_string())
+        } else {
+            Ok(crate::vision::video::expand_text(text, req.videos)?)
+        }
+    };
     for p in req.prompts {
-        ids.push(tokenizer.encode(p)?);
+        ids.push(tokenizer.encode(&with_videos(p)?)?);
         think.push(ThinkStart::Closed);
     }
     if !req.chats.is_empty() {
@@ -185,10 +197,11 @@ pub fn encode(model: &Path, req: &TextRequest) -> Result<Encoded, TextError> {
             if let Some(s) = req.system {
                 messages.push(serde_json::json!({"role": "system", "content": s}));
             }
-            if req.chat_images == 0 {
+            if req.chat_images == 0 && req.videos.is_empty() {
                 messages.push(serde_json::json!({"role": "user", "content": user}));
             } else {
                 let mut parts = vec![serde_json::json!({"type": "image"}); req.chat_images];
+                parts.extend(std::iter::repeat_n(serde_json::json!({"type": "video"}), req.videos.len()));
                 parts.push(serde_json::json!({"type": "text", "text": user}));
                 messages.push(serde_json::json!({"role": "user", "content": parts}));
             }
@@ -199,7 +212,7 @@ pub fn encode(model: &Path, req: &TextRequest) -> Result<Encoded, TextError> {
             let messages: Value = serde_json::from_value(serde_json::Value::Array(messages))
                 .map_err(|e| TextError::Render { file: template.file.clone(), message: format!("the messages: {e}") })?;
             let rendered = template.render(&messages, &kwargs)?;
-            ids.push(tokenizer.encode(&rendered)?);
+            ids.push(tokenizer.encode(&with_videos(&rendered)?)?);
             think.push(ThinkStart::of_prompt(&rendered));
         }
     }

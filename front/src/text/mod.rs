@@ -30,4 +30,6 @@ pub enum TextError {
     Render { file: PathBuf, message: String },
     #[error(transparent)]
     Input(#[from] m3c_contract::InputError),
+    #[error(transparent)]
+    Media(#[from] crate::vision::prompt::PromptImageError),
 }

@@ -75,6 +75,12 @@ fn round_half_even(x: f64) -> f64 {
 /// The reference's `smart_resize`: the target (height, width), multiples of
 /// 28 holding between MIN_PIXELS and MAX_PIXELS pixels, aspect kept.
 pub fn smart_resize(h: usize, w: usize, what: &str) -> Result<(usize, usize), ImageError> {
+    smart_resize_within(h, w, MIN_PIXELS, MAX_PIXELS, what)
+}
+
+/// `smart_resize` with the pixel bounds given (the video processor's are
+/// its own: 4·28·28 to 768·28·28 per frame).
+pub fn smart_resize_within(h: usize, w: usize, min_pixels: usize, max_pixels: usize, what: &str) -> Result<(usize, usize), ImageError> {
     if h == 0 || w == 0 {
         return Err(ImageError::Empty { what: what.into(), h, w });
     }
@@ -85,12 +91,12 @@ pub fn smart_resize(h: usize, w: usize, what: &str) -> Result<(usize, usize), Im
     let (hf, wf) = (h as f64, w as f64);
     let mut rh = (round_half_even(hf / f) * f) as usize;
     let mut rw = (round_half_even(wf / f) * f) as usize;
-    if rh * rw > MAX_PIXELS {
-        let beta = (hf * wf / MAX_PIXELS as f64).sqrt();
+    if rh * rw > max_pixels {
+        let beta = (hf * wf / max_pixels as f64).sqrt();
         rh = FACTOR.max(((hf / beta / f).floor() * f) as usize);
         rw = FACTOR.max(((wf / beta / f).floor() * f) as usize);
-    } else if rh * rw < MIN_PIXELS {
-        let beta = (MIN_PIXELS as f64 / (hf * wf)).sqrt();
+    } else if rh * rw < min_pixels {
+        let beta = (min_pixels as f64 / (hf * wf)).sqrt();
         rh = ((hf * beta / f).ceil() * f) as usize;
         rw = ((wf * beta / f).ceil() * f) as usize;
     }
@@ -249,35 +255,47 @@ pub fn to_chw(img: &Rgb) -> Vec<u8> {
 }
 
 /// Normalises a resized CHW image (h, w multiples of 28) and lays it out as
-/// patch rows.
+/// patch rows: a still image fills both frames of its one temporal patch.
 pub fn patchify(chw: &[u8], h: usize, w: usize) -> Processed {
+    let pixel_values = patchify_frames(&[chw, chw], h, w);
+    Processed { pixel_values, grid: [1, h / PATCH, w / PATCH] }
+}
+
+/// Normalises resized CHW frames (an even count, each h×w with sides
+/// multiples of 28) into patch rows, as the reference's processors lay them
+/// out: rows ordered (temporal patch, 2×2 block down, across, within the
+/// block down, across), each row's values (channel, frame in the pair, y, x).
+pub fn patchify_frames(frames: &[&[u8]], h: usize, w: usize) -> Vec<f32> {
     let m: [f32; 3] = std::array::from_fn(|c| MEAN[c] * 255.0);
     let s: [f32; 3] = std::array::from_fn(|c| STD[c] * 255.0);
     let (gh, gw) = (h / PATCH, w / PATCH);
-    let mut pv = vec![0f32; gh * gw * ROW];
+    let gt = frames.len() / TEMPORAL;
+    let mut pv = vec![0f32; gt * gh * gw * ROW];
     let mut r = 0;
-    for bh in 0..gh / MERGE {
-        for bw in 0..gw / MERGE {
-            for mh in 0..MERGE {
-                for mw in 0..MERGE {
-                    let (top, left) = ((bh * MERGE + mh) * PATCH, (bw * MERGE + mw) * PATCH);
-                    let row = &mut pv[r * ROW..(r + 1) * ROW];
-                    for c in 0..3 {
-                        for t in 0..TEMPORAL {
-                            for y in 0..PATCH {
-                                for x in 0..PATCH {
-                                    let v = chw[c * h * w + (top + y) * w + left + x] as f32;
-                                    row[((c * TEMPORAL + t) * PATCH + y) * PATCH + x] = (v - m[c]) / s[c];
+    for pair in frames.chunks_exact(TEMPORAL) {
+        for bh in 0..gh / MERGE {
+            for bw in 0..gw / MERGE {
+                for mh in 0..MERGE {
+                    for mw in 0..MERGE {
+                        let (top, left) = ((bh * MERGE + mh) * PATCH, (bw * MERGE + mw) * PATCH);
+                        let row = &mut pv[r * ROW..(r + 1) * ROW];
+                        for c in 0..3 {
+                            for (t, chw) in pair.iter().enumerate() {
+                                for y in 0..PATCH {
+                                    for x in 0..PATCH {
+                                        let v = chw[c * h * w + (top + y) * w + left + x] as f32;
+                                        row[((c * TEMPORAL + t) * PATCH + y) * PATCH + x] = (v - m[c]) / s[c];
+                                    }
                                 }
                             }
                         }
+                        r += 1;
                     }
-                    r += 1;
                 }
             }
         }
     }
-    Processed { pixel_values: pv, grid: [1, gh, gw] }
+    pv
 }
 
 /// The whole processor on decoded RGB.

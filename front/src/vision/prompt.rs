@@ -21,6 +21,10 @@ pub enum PromptImageError {
     Count { found: usize, images: usize },
     #[error("image {index} ({what}) takes {expected} placeholder tokens (id {token}), but its run in the prompt has {found}")]
     Run { index: usize, what: String, expected: usize, found: usize, token: u32 },
+    #[error("the prompt has {found} video placeholder(s) (`]<]video[>[`) but {videos} video(s) were given")]
+    VideoCount { found: usize, videos: usize },
+    #[error("the prompt ends an {what}'s placeholders early: {left} more were expected before any other placeholder or the end")]
+    Interleaved { what: &'static str, left: usize },
     #[error("the tokenizer has no `{0}` token, which image prompts need")]
     NoToken(&'static str),
     #[error("images need a checkpoint with a vision tower (its config.json has no vision_config)")]
@@ -93,6 +97,24 @@ impl ImageTokens {
     }
 }
 
+/// Reads and processes video files (`--video`), each error naming its file.
+pub fn load_videos(files: &[std::path::PathBuf]) -> anyhow::Result<Vec<super::video::Video>> {
+    files
+        .iter()
+        .map(|f| {
+            let size = m3c_contract::input::regular_file(f, "--video")?;
+            if size > super::video::MAX_VIDEO_BYTES {
+                anyhow::bail!(
+                    "--video {}: {size} bytes; the largest video m3c reads is {} bytes",
+                    f.display(),
+                    super::video::MAX_VIDEO_BYTES
+                );
+            }
+            Ok(super::video::process_file(f, &super::video::VideoLimits::default(), &f.display().to_string())?)
+        })
+        .collect()
+}
+
 /// Reads and processes image files (`--image`), each error naming its file.
 pub fn load(files: &[std::path::PathBuf]) -> anyhow::Result<Vec<Processed>> {
     files
@@ -110,6 +132,90 @@ pub fn seq_images(images: &[Processed]) -> SeqImages {
         grids: images.iter().map(|p| p.grid).collect(),
         pixels: images.iter().flat_map(|p| p.pixel_values.iter().copied()).collect(),
     }
+}
+
+/// An image or a video of a prompt, processed.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Media {
+    Image(Processed),
+    Video(super::video::Video),
+}
+
+/// One sequence's images and videos as the stage takes them, in prompt
+/// order: each image one grid, each video one grid per chunk. The stage
+/// gives the rows of all of them, in this order, to the placeholders of
+/// either kind in the prompt's order.
+pub fn seq_media(media: &[Media]) -> SeqImages {
+    let mut out = SeqImages { grids: Vec::new(), pixels: Vec::new() };
+    for m in media {
+        match m {
+            Media::Image(p) => {
+                out.grids.push(p.grid);
+                out.pixels.extend_from_slice(&p.pixel_values);
+            }
+            Media::Video(v) => {
+                out.grids.extend_from_slice(&v.grids);
+                out.pixels.extend_from_slice(&v.pixel_values);
+            }
+        }
+    }
+    out
+}
+
+/// One sequence's images and videos in the order their placeholders take
+/// in `ids` (whatever order a raw prompt wrote them in): walking the ids,
+/// each placeholder that starts an item takes the next image or video of
+/// its kind, which then owns its next `tokens()` placeholders of that kind.
+pub fn seq_media_in_order(
+    ids: &[u32],
+    image_token: u32,
+    video_token: u32,
+    images: Vec<Processed>,
+    videos: Vec<super::video::Video>,
+) -> Result<SeqImages, PromptImageError> {
+    let (n_images, n_videos) = (images.len(), videos.len());
+    let (mut images, mut videos) = (images.into_iter(), videos.into_iter());
+    let mut ordered = Vec::with_capacity(n_images + n_videos);
+    // The kind of the item being filled and the placeholders it still owns.
+    let mut open: Option<(u32, usize)> = None;
+    for &id in ids.iter().filter(|&&id| id == image_token || id == video_token) {
+        match open {
+            Some((kind, left)) if kind == id && left > 0 => open = Some((kind, left - 1)),
+            Some((kind, left)) if left > 0 => {
+                let what = if kind == image_token { "image" } else { "video" };
+                return Err(PromptImageError::Interleaved { what, left });
+            }
+            _ => {
+                let item = if id == image_token { images.next().map(Media::Image) } else { videos.next().map(Media::Video) };
+                let Some(item) = item else {
+                    let found = ids.iter().filter(|&&i| i == id).count();
+                    return Err(if id == image_token {
+                        PromptImageError::Count { found, images: n_images }
+                    } else {
+                        PromptImageError::VideoCount { found, videos: n_videos }
+                    });
+                };
+                let tokens = match &item {
+                    Media::Image(p) => p.tokens(),
+                    Media::Video(v) => v.tokens(),
+                };
+                open = Some((id, tokens.saturating_sub(1)));
+                ordered.push(item);
+            }
+        }
+    }
+    let found = |t: u32| ids.iter().filter(|&&i| i == t).count();
+    if images.next().is_some() {
+        return Err(PromptImageError::Count { found: found(image_token), images: n_images });
+    }
+    if videos.next().is_some() {
+        return Err(PromptImageError::VideoCount { found: found(video_token), videos: n_videos });
+    }
+    if let Some((kind, left @ 1..)) = open {
+        let what = if kind == image_token { "image" } else { "video" };
+        return Err(PromptImageError::Interleaved { what, left });
+    }
+    Ok(seq_media(&ordered))
 }
 
 /// Writes the images file for `seqs` at `path` (a private temporary file

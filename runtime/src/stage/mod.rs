@@ -355,13 +355,14 @@ impl Stage {
                 "sequence {seq} has images, but this pipeline was compiled without the vision tower (the plan says `vision: false`)"
             )));
         };
-        let placeholders: Vec<usize> = prompt.iter().enumerate().filter(|(_, &id)| id == v.image_token).map(|(p, _)| p).collect();
+        let placeholders: Vec<usize> = prompt.iter().enumerate().filter(|(_, &id)| v.is_placeholder(id)).map(|(p, _)| p).collect();
         let want: usize = im.tokens().iter().sum();
         if placeholders.len() != want {
             return Err(StageError::Step(format!(
-                "sequence {seq}: its prompt has {} image placeholder(s) (id {}), but its {} image(s) make {want} image tokens ({:?} per image)",
+                "sequence {seq}: its prompt has {} image and video placeholder(s) (ids {} and {}), but its {} image grid(s) make {want} tokens ({:?} per grid)",
                 placeholders.len(),
                 v.image_token,
+                v.video_token,
                 im.grids.len(),
                 im.tokens()
             )));
