@@ -377,6 +377,12 @@ pub(crate) struct ServeArgs {
     /// The most images one request may carry.
     #[arg(long, default_value_t = 8, value_parser = positive_count, help_heading = "Multimodal")]
     pub(crate) max_images_per_request: usize,
+    /// The largest video a request may bring, in MB (data:, http(s) or file).
+    #[arg(long, default_value_t = 256, value_parser = positive_count, help_heading = "Multimodal")]
+    pub(crate) max_video_mb: usize,
+    /// The most videos one request may carry.
+    #[arg(long, default_value_t = 2, value_parser = positive_count, help_heading = "Multimodal")]
+    pub(crate) max_videos_per_request: usize,
 }
 
 /// A JSON object (`--default-chat-template-kwargs`).

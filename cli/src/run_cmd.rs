@@ -18,11 +18,11 @@ use std::path::PathBuf;
 fn image_prompt(
     args: &RunArgs,
     videos: Vec<m3c_front::vision::video::Video>,
-    text_in: Option<&mut m3c_front::text::front::Encoded>,
+    mut text_in: Option<&mut m3c_front::text::front::Encoded>,
     manifest: &m3c_contract::manifest::Manifest,
 ) -> Result<BTreeMap<usize, SeqImages>> {
     use m3c_front::vision::prompt::{self, ImageTokens, PromptImageError};
-    let from_lines = text_in.as_ref().is_some_and(|t| t.images.iter().any(|i| !i.is_empty()));
+    let from_lines = text_in.as_ref().is_some_and(|t| t.images.iter().any(|i| !i.is_empty()) || t.videos.iter().any(|v| !v.is_empty()));
     if args.image.is_empty() && videos.is_empty() && !from_lines {
         return Ok(BTreeMap::new());
     }
@@ -36,11 +36,15 @@ fn image_prompt(
     // Which prompt gets which image files (by its place among the text
     // prompts; the `--prompt-ids` go before them).
     let offset = if args.image.is_empty() && videos.is_empty() { args.prompt_ids.len() } else { 0 };
-    let per_seq: Vec<(usize, Vec<PathBuf>)> = if args.image.is_empty() && videos.is_empty() {
-        text_in.as_ref().map_or(Vec::new(), |t| t.images.iter().cloned().enumerate().filter(|(_, f)| !f.is_empty()).collect())
+    type Media = (usize, Vec<PathBuf>, Vec<m3c_front::vision::video::Video>);
+    let per_seq: Vec<Media> = if args.image.is_empty() && videos.is_empty() {
+        text_in.as_mut().map_or(Vec::new(), |t| {
+            let lines = t.images.iter().cloned().zip(std::mem::take(&mut t.videos));
+            lines.enumerate().filter(|(_, (f, v))| !f.is_empty() || !v.is_empty()).map(|(s, (f, v))| (s, f, v)).collect()
+        })
     } else if args.image.is_empty() {
         // Videos alone: the one --prompt or --chat (checked by the caller).
-        vec![(0, Vec::new())]
+        vec![(0, Vec::new(), videos)]
     } else {
         let prompts = args.prompt_ids.len() + args.prompt.len() + args.chat.len() + usize::from(args.prompts.is_some());
         if prompts != 1 || !args.prompt.is_empty() || args.prompts.is_some() {
@@ -48,19 +52,15 @@ fn image_prompt(
                 "--image goes with exactly one --chat or one --prompt-ids (this run has {prompts} prompt source(s)); a --prompts JSONL chat takes image parts per line"
             );
         }
-        vec![(0, args.image.clone())]
+        vec![(0, args.image.clone(), videos)]
     };
     let ctx = manifest.max_positions;
     let video_token = manifest.video_token.unwrap_or(usize::MAX) as u32;
-    let mut text_in = text_in;
     let mut seqs = BTreeMap::new();
-    let mut videos = Some(videos);
-    for (seq, files) in per_seq {
+    for (seq, files, seq_videos) in per_seq {
         let processed = prompt::load(&files)?;
         let tokens: Vec<usize> = processed.iter().map(|p| p.tokens()).collect();
         let names: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
-        // The run's videos go with its one prompt (checked by the caller).
-        let seq_videos = videos.take().unwrap_or_default();
         let video_tokens: usize = seq_videos.iter().map(|v| v.tokens()).sum();
         let (len, media) = match text_in.as_deref_mut() {
             Some(enc) => {

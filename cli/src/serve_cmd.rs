@@ -35,6 +35,8 @@ pub(crate) fn serve_cmd(a: ServeArgs) -> Result<()> {
                 max_bytes: a.max_image_mb as u64 * (1 << 20),
                 timeout: std::time::Duration::from_secs_f64(a.media_timeout_s),
                 max_images: a.max_images_per_request,
+                max_video_bytes: a.max_video_mb as u64 * (1 << 20),
+                max_videos: a.max_videos_per_request,
                 allowed_domains: a.allowed_media_domains,
                 allow_private: a.allow_private_media_urls,
             },

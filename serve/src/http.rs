@@ -41,6 +41,8 @@ pub struct Shared {
     pub created: u64,
     /// The image placeholder id (models with a vision tower).
     pub image_token: Option<usize>,
+    /// The video placeholder id (likewise).
+    pub video_token: Option<usize>,
     /// Where images may come from.
     pub media: super::media::MediaPolicy,
     /// The model's tokens as the grammar compiler sees them (structured
@@ -269,7 +271,7 @@ async fn completions(State(app): State<App>, headers: HeaderMap, body: Bytes) ->
 }
 
 async fn chat_completions(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
-    let run = || -> Result<(Vec<u32>, Common, Kind, ImageUrls), ApiError> {
+    let run = || -> Result<(Vec<u32>, Common, Kind, ImageUrls, String), ApiError> {
         authorize(&app, &headers)?;
         let m = openai::object(&body)?;
         openai::check_model(&m, &app.name)?;
@@ -289,16 +291,16 @@ async fn chat_completions(State(app): State<App>, headers: HeaderMap, body: Byte
         let ids = app.tokenizer.encode(&rendered).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?;
         // Where the template left the model's reasoning (its thinking mode).
         let think = ThinkStart::of_prompt(&rendered);
-        Ok((ids, common, Kind::Chat { think, tools: chat.tools }, chat.images))
+        Ok((ids, common, Kind::Chat { think, tools: chat.tools }, chat.images, rendered))
     };
-    let (ids, common, kind, urls) = match run() {
+    let (ids, common, kind, urls, rendered) = match run() {
         Ok(r) => r,
         Err(e) => return error(&e),
     };
     if urls.is_empty() {
         return generate(app, ids, common, kind, None).await;
     }
-    match images(&app, &ids, &urls).await {
+    match media(&app, Some(&rendered), &ids, &urls).await {
         Ok((ids, im)) => generate(app, ids, common, kind, Some(im)).await,
         Err(e) => error(&e),
     }
@@ -410,47 +412,78 @@ async fn version() -> Response {
     Json(json!({"version": env!("CARGO_PKG_VERSION")})).into_response()
 }
 
-/// A chat's `image_url` parts: (the part's field, its URL).
+/// A chat's `image_url` and `video_url` parts: (the part's field, its URL).
 type ImageUrls = Vec<(String, String)>;
 
-/// A chat's images: fetched, processed as the reference processor does
-/// (off the async threads), and each placeholder the template wrote
-/// expanded into that image's run of tokens.
 /// The prompt's ids with each image's placeholder expanded, and the images
-/// (none when the prompt has no image parts).
+/// (none when the prompt has no image parts). Videos come through
+/// `/v1/chat/completions` only ([`media`] with the rendered prompt).
 async fn with_images(app: &App, ids: Vec<u32>, urls: &[(String, String)]) -> Result<(Vec<u32>, Option<SeqImages>), ApiError> {
     if urls.is_empty() {
         return Ok((ids, None));
     }
-    let (ids, im) = images(app, &ids, urls).await?;
+    let (ids, im) = media(app, None, &ids, urls).await?;
     Ok((ids, Some(im)))
 }
 
-async fn images(app: &App, ids: &[u32], urls: &[(String, String)]) -> Result<(Vec<u32>, SeqImages), ApiError> {
+/// A chat's images and videos: fetched, processed as the reference
+/// processors do (off the async threads); each video's token in the
+/// `rendered` prompt replaced by its text (timestamps and placeholders)
+/// and the prompt tokenized again, as the reference processor does; then
+/// each image placeholder expanded into its run of tokens. The media go to
+/// the stage in the order their placeholders take in the prompt.
+async fn media(app: &App, rendered: Option<&str>, ids: &[u32], urls: &[(String, String)]) -> Result<(Vec<u32>, SeqImages), ApiError> {
+    use m3c_front::text::messages::is_video_field;
+    use m3c_front::vision::{processor, prompt, video};
     let Some(token) = app.image_token else {
-        return Err(ApiError::bad(&urls[0].0, "this model has no vision tower: images are not accepted"));
+        return Err(ApiError::bad(&urls[0].0, "this model has no vision tower: images and videos are not accepted"));
     };
-    if urls.len() > app.media.max_images {
-        return Err(ApiError::bad(
-            &urls[app.media.max_images].0,
-            format!("{} images in one request; the server takes at most {} (--max-images-per-request)", urls.len(), app.media.max_images),
-        ));
+    let count = |video: bool| urls.iter().filter(move |(at, _)| is_video_field(at) == video);
+    for (video, most, flag) in [(false, app.media.max_images, "images"), (true, app.media.max_videos, "videos")] {
+        if let Some((at, _)) = count(video).nth(most) {
+            return Err(ApiError::bad(
+                at,
+                format!("{} {flag} in one request; the server takes at most {most} (--max-{flag}-per-request)", count(video).count()),
+            ));
+        }
     }
-    let mut processed = Vec::new();
+    let (mut images, mut videos) = (Vec::new(), Vec::new());
     for (at, url) in urls {
-        let bytes = super::media::fetch(url, &app.media, at).await?;
+        let is_video = is_video_field(at);
         let what = at.clone();
-        let p = tokio::task::spawn_blocking(move || m3c_front::vision::processor::process(&bytes, &what))
-            .await
-            .map_err(|e| ApiError::new(500, "server_error", format!("processing an image: {e}")))?
-            .map_err(|e| ApiError::bad(at, e.to_string()))?;
-        processed.push(p);
+        let failed = |e: tokio::task::JoinError| ApiError::new(500, "server_error", format!("processing {at}: {e}"));
+        if is_video {
+            let policy = super::media::MediaPolicy { max_bytes: app.media.max_video_bytes, ..app.media.clone() };
+            let bytes = super::media::fetch(url, &policy, at).await?;
+            let v = tokio::task::spawn_blocking(move || video::process_bytes(&bytes, &video::VideoLimits::default(), &what))
+                .await
+                .map_err(failed)?
+                .map_err(|e| ApiError::bad(at, e.to_string()))?;
+            videos.push(v);
+        } else {
+            let bytes = super::media::fetch(url, &app.media, at).await?;
+            let p = tokio::task::spawn_blocking(move || processor::process(&bytes, &what))
+                .await
+                .map_err(failed)?
+                .map_err(|e| ApiError::bad(at, e.to_string()))?;
+            images.push(p);
+        }
     }
-    let tokens: Vec<usize> = processed.iter().map(|p| p.tokens()).collect();
-    let t = m3c_front::vision::prompt::ImageTokens::new(&app.tokenizer, token)
-        .map_err(|e| ApiError::new(500, "server_error", e.to_string()))?;
-    let ids = t.expand(ids, &tokens).map_err(|e| ApiError::bad("messages", e.to_string()))?;
-    Ok((ids, m3c_front::vision::prompt::seq_images(&processed)))
+    let ids = if videos.is_empty() {
+        ids.to_vec()
+    } else {
+        let at = &urls.iter().find(|(at, _)| is_video_field(at)).expect("a video is there").0;
+        let text = rendered.ok_or_else(|| ApiError::bad(at, "videos are taken by /v1/chat/completions"))?;
+        let text = video::expand_text(text, &videos).map_err(|e| ApiError::bad("messages", e.to_string()))?;
+        app.tokenizer.encode(&text).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?
+    };
+    let tokens: Vec<usize> = images.iter().map(|p| p.tokens()).collect();
+    let t = prompt::ImageTokens::new(&app.tokenizer, token).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?;
+    let ids = t.expand(&ids, &tokens).map_err(|e| ApiError::bad("messages", e.to_string()))?;
+    let video_token = app.video_token.map_or(u32::MAX, |v| v as u32);
+    let seq = prompt::seq_media_in_order(&ids, token as u32, video_token, images, videos)
+        .map_err(|e| ApiError::bad("messages", e.to_string()))?;
+    Ok((ids, seq))
 }
 
 /// Which API a generation answers.
@@ -703,16 +736,18 @@ async fn start(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: Opti
     if let Some(&bad) = common.stop_ids.iter().find(|&&i| i as usize >= app.tokenizer.vocab_size()) {
         return Err(error(&ApiError::bad("stop_token_ids", format!("`stop_token_ids`: token id {bad} is outside the vocabulary"))));
     }
-    // Image placeholders come only from image parts: the same token typed
-    // into text (or sent as an id) has no image to stand for.
+    // Image and video placeholders come only from image and video parts:
+    // the same tokens typed into text (or sent as ids) have nothing to
+    // stand for.
     if let Some(t) = app.image_token {
-        let found = ids.iter().filter(|&&i| i as usize == t).count();
+        let v = app.video_token.unwrap_or(usize::MAX);
+        let found = ids.iter().filter(|&&i| i as usize == t || i as usize == v).count();
         let expected: usize = images.as_ref().map_or(0, |im| im.tokens().iter().sum());
         if found != expected {
             return Err(error(&ApiError::bad(
                 "messages",
                 format!(
-                    "the prompt holds {found} image placeholder token(s) (id {t}) for {expected} image token(s): send images as image_url content parts, not as placeholder text"
+                    "the prompt holds {found} image and video placeholder token(s) (ids {t} and {v}) for {expected} image and video token(s): send images and videos as image_url and video_url content parts, not as placeholder text"
                 ),
             )));
         }

@@ -199,6 +199,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
     // Images: only where the first stage encodes them (the manifest's
     // stages were compiled with the vision tower unless the plan said not).
     let image_token = compiled.manifest.image_token.filter(|_| compiled.encodes_images());
+    let video_token = compiled.manifest.video_token.filter(|_| compiled.encodes_images());
     // Structured output compiles grammars against the model's own tokens.
     let eos_ids: Vec<u32> = gen.eos_ids.iter().filter_map(|&e| u32::try_from(e).ok()).collect();
     let grammars = m3c_constrain::Vocabulary::load(&o.model, Some(tokenizer.vocab_size()), eos_ids.first().copied().unwrap_or(0))
@@ -214,6 +215,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
         default_max_tokens,
         created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
         image_token,
+        video_token,
         media,
         grammars,
         eos_ids,

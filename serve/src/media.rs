@@ -35,6 +35,10 @@ pub struct MediaPolicy {
     pub timeout: Duration,
     /// Images one request may carry.
     pub max_images: usize,
+    /// The largest video, in bytes, from any source.
+    pub max_video_bytes: u64,
+    /// Videos one request may carry.
+    pub max_videos: usize,
     /// `--allowed-media-domains`: when set, the only hosts fetched from
     /// (lower case, as URLs spell them).
     pub allowed_domains: Option<Vec<String>>,
@@ -83,6 +87,8 @@ impl Default for MediaPolicy {
             max_bytes: 20 << 20,
             timeout: Duration::from_secs(10),
             max_images: 8,
+            max_video_bytes: 256 << 20,
+            max_videos: 2,
             allowed_domains: None,
             allow_private: false,
         }

@@ -963,6 +963,38 @@ fn chat_images_by_data_uri_http_and_file_give_the_same_answer() {
     assert_eq!(got["text"].as_str(), Some(want.trim_start_matches('\n')), "the image chat's answer is m3c run's");
 }
 
+/// A video chat through OpenAI's client at pp 1 and 3: the answer, its
+/// prompt and its logprobs are `m3c run --video`'s and the same at both;
+/// the same video again (by file:// this time) hits the prefix cache, video
+/// rows included, and changes nothing; half a video is a 400 naming its part.
+#[test]
+fn a_video_chat_answers_as_m3c_run_at_pp_1_and_3_and_hits_the_prefix_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let media = dir.path().join("media");
+    std::fs::create_dir(&media).unwrap();
+    let mp4 = media.join("clip.mp4");
+    std::fs::copy(fixture("video/clip.mp4"), &mp4).unwrap();
+    let mut answers = Vec::new();
+    for pp in [1, 3] {
+        let (out, model) = crate::shared::tiny(pp);
+        let run_args = ["--chat", "What moves?", "--thinking", "disabled", "--video", mp4.to_str().unwrap()];
+        let (want, log) =
+            run_text(&out, &model, &[&run_args[..], &["--max-new-tokens", "8", "--temperature", "0", "--ignore-eos"]].concat());
+        let tokens: u64 = log.split("prompt 0: ").nth(1).and_then(|s| s.split(' ').next()).and_then(|n| n.parse().ok()).unwrap();
+        let s = Server::start(&out, &model, &["--allowed-local-media-path", media.to_str().unwrap()]);
+        let got = s.client(&["video", mp4.to_str().unwrap(), mp4.to_str().unwrap()]);
+        assert_eq!(got["prompt_tokens"].as_u64(), Some(tokens), "pp={pp}: the video chat's prompt is m3c run's");
+        assert_eq!(got["text"].as_str(), Some(want.trim_start_matches('\n')), "pp={pp}: the video chat's answer is m3c run's");
+        assert_eq!(got["cold_hits"].as_f64(), Some(0.0), "pp={pp}: a fresh server has nothing cached");
+        let warm = got["warm_hits"].as_f64().unwrap();
+        assert!(warm >= (tokens - 4) as f64, "pp={pp}: the second asking found only {warm} of {tokens} prompt tokens cached");
+        assert_eq!(got["broken_status"].as_u64(), Some(400), "pp={pp}: {got}");
+        assert!(got["broken_message"].as_str().unwrap().contains("messages[0].content[0].video_url"), "{got}");
+        answers.push((got["text"].clone(), got["logprobs"].clone()));
+    }
+    assert_eq!(answers[0], answers[1], "pp=3's answer and logprobs differ from pp=1's");
+}
+
 /// Each stage's `m3c:stage_busy_seconds_total` from `/metrics`.
 fn busy_seconds(s: &Server) -> Vec<f64> {
     let o = Command::new("curl").args(["-s", "-m", "5"]).arg(format!("{}/metrics", s.root())).output().unwrap();

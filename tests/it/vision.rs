@@ -355,7 +355,7 @@ fn bad_image_input_is_a_clear_error() {
         &["--model", model.to_str().unwrap(), "--max-new-tokens", "2", "--prompt-ids", "1,2,500,3", "--images", images.to_str().unwrap()],
     );
     let e = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success() && e.contains("1 image placeholder(s)") && e.contains("make 4 image tokens"), "{e}");
+    assert!(!o.status.success() && e.contains("1 image and video placeholder(s)") && e.contains("make 4 tokens"), "{e}");
     let o = run_stages(&out, &["--model", model.to_str().unwrap(), "--max-new-tokens", "2", "--prompt-ids", "1,2,500,3"]);
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && e.contains("but no image"), "{e}");

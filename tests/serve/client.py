@@ -462,6 +462,41 @@ def image_chat(base, model, png, user):
     return {"text": text, "prompt_tokens": whole.usage.prompt_tokens}
 
 
+def video(base, model, mp4, allowed):
+    """A video by data: URI and as a file:// path give the same answer
+    (greedy, with logprobs); the second asking finds its prompt, video rows
+    included, in the prefix cache; a broken video is a 400 naming its part."""
+    import base64
+
+    c = client(base)
+    raw = open(mp4, "rb").read()
+    data_url = "data:video/mp4;base64," + base64.b64encode(raw).decode()
+    user = "What moves?"
+
+    def ask(url):
+        messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": user}]}]
+        r = c.chat.completions.create(
+            model=model, messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2,
+            extra_body={"ignore_eos": True, "chat_template_kwargs": {"thinking_mode": "disabled"}},
+        )
+        lp = [[t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]] for t in r.choices[0].logprobs.content]
+        return {"text": r.choices[0].message.content or "", "prompt_tokens": r.usage.prompt_tokens, "logprobs": lp}
+
+    hits0 = metric(base, "m3c:prefix_cache_hits_total")
+    first = ask(data_url)
+    hits1 = metric(base, "m3c:prefix_cache_hits_total")
+    again = ask("file://" + allowed)
+    hits2 = metric(base, "m3c:prefix_cache_hits_total")
+    assert again == first, f"file:// {again} vs data: {first}"
+    broken = "data:video/mp4;base64," + base64.b64encode(raw[: len(raw) // 2]).decode()
+    status, message = None, ""
+    try:
+        ask(broken)
+    except openai.BadRequestError as e:
+        status, message = e.status_code, str(e)
+    return {**first, "cold_hits": hits1 - hits0, "warm_hits": hits2 - hits1, "broken_status": status, "broken_message": message}
+
+
 def images(base, model, png, allowed, outside):
     """An image by data: URI, by http URL from a local server and as a
     file:// path inside the allowed folder all give the same answer; it runs
@@ -538,9 +573,9 @@ def images(base, model, png, allowed, outside):
     assert r.status_code == 400 and "at most 8" in r.text, f"nine images: {r.status_code} {r.text}"
     # The placeholder token typed as text, or sent as an id, has no image.
     r = h.post(base + "/chat/completions", json={"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "]<]image[>[ hi"}]})
-    assert r.status_code == 400 and "image placeholder" in r.text, f"placeholder text: {r.status_code} {r.text}"
+    assert r.status_code == 400 and "image and video placeholder" in r.text, f"placeholder text: {r.status_code} {r.text}"
     r = h.post(base + "/completions", json={"model": model, "max_tokens": 2, "prompt": [1, 500, 2]})
-    assert r.status_code == 400 and "image placeholder" in r.text, f"placeholder id: {r.status_code} {r.text}"
+    assert r.status_code == 400 and "image and video placeholder" in r.text, f"placeholder id: {r.status_code} {r.text}"
     ok = _image_chat(c, model, data_url, user).choices[0].message.content or ""
     assert ok == text, "the server answers as before after the errors"
     return {"text": text, "prompt_tokens": first.usage.prompt_tokens}
@@ -1112,6 +1147,7 @@ COMMANDS = {
     "poison": lambda base, model, rest: poison(base, model),
     "stream": lambda base, model, rest: stream_until_end(base, model),
     "images": lambda base, model, rest: images(base, model, rest[0], rest[1], rest[2]),
+    "video": lambda base, model, rest: video(base, model, rest[0], rest[1]),
     "image_chat": lambda base, model, rest: image_chat(base, model, rest[0], rest[1]),
     "responses": lambda base, model, rest: responses(base, model, rest[0], rest[1]),
     "structured": lambda base, model, rest: structured(base, model, *rest),

@@ -38,6 +38,9 @@ pub struct Encoded {
     /// the others): each left one placeholder in its prompt, expanded once
     /// the image is processed.
     pub images: Vec<Vec<std::path::PathBuf>>,
+    /// A JSONL chat's videos, per prompt, in order, processed (their text is
+    /// in the prompt already).
+    pub videos: Vec<Vec<crate::vision::video::Video>>,
     /// Where each prompt leaves the model's reasoning (a chat's thinking
     /// mode; a raw completion's output is all content).
     pub think: Vec<ThinkStart>,
@@ -56,6 +59,7 @@ impl Encoded {
         rep(&mut self.ids, n);
         rep(&mut self.overrides, n);
         rep(&mut self.images, n);
+        rep(&mut self.videos, n);
         rep(&mut self.think, n);
         self.choices = n;
     }
@@ -123,7 +127,7 @@ pub fn encode_jsonl(model: &Path, file: &Path, text: &str, enc: &mut Encoded) ->
     for (n, raw) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
         let bad = |message: String| TextError::Config { file: file.to_path_buf(), message: format!("line {}: {message}", n + 1) };
         let line: Line = serde_json::from_str(raw).map_err(|e| bad(e.to_string()))?;
-        let mut line_images = Vec::new();
+        let (mut line_images, mut line_videos) = (Vec::new(), Vec::new());
         let mut think = ThinkStart::Closed;
         let ids = match (line.prompt, line.messages) {
             (Some(p), None) if line.thinking.is_none() => enc.tokenizer.encode(&p)?,
@@ -151,10 +155,18 @@ pub fn encode_jsonl(model: &Path, file: &Path, text: &str, enc: &mut Encoded) ->
                 let list = image_parts_as_urls(m.as_array().map_or(&[][..], Vec::as_slice));
                 let (normalized, urls) = super::messages::normalize(&list).map_err(|e| bad(e.message))?;
                 let base = file.parent().unwrap_or(Path::new("."));
-                line_images = urls.iter().map(|(field, url)| image_file(field, url, base)).collect::<Result<_, _>>().map_err(bad)?;
+                let (videos, images): (Vec<_>, Vec<_>) = urls.iter().partition(|(field, _)| super::messages::is_video_field(field));
+                line_images = images.iter().map(|(field, url)| image_file(field, url, base)).collect::<Result<_, _>>().map_err(bad)?;
+                for (field, url) in videos {
+                    let path = image_file(field, url, base).map_err(bad)?;
+                    let what = format!("{field} ({})", path.display());
+                    let limits = crate::vision::video::VideoLimits::default();
+                    line_videos.push(crate::vision::video::process_file(&path, &limits, &what).map_err(|e| bad(e.to_string()))?);
+                }
                 let messages: Value = serde_json::from_value(normalized).map_err(|e| bad(format!("`messages`: {e}")))?;
                 let rendered = t.render(&messages, &kwargs)?;
                 think = ThinkStart::of_prompt(&rendered);
+                let rendered = if line_videos.is_empty() { rendered } else { crate::vision::video::expand_text(&rendered, &line_videos)? };
                 enc.tokenizer.encode(&rendered)?
             }
             _ => {
@@ -167,6 +179,7 @@ pub fn encode_jsonl(model: &Path, file: &Path, text: &str, enc: &mut Encoded) ->
         enc.think.push(think);
         enc.overrides.push(line.sampling);
         enc.images.push(line_images);
+        enc.videos.push(line_videos);
     }
     Ok(())
 }
@@ -218,7 +231,8 @@ pub fn encode(model: &Path, req: &TextRequest) -> Result<Encoded, TextError> {
     }
     let overrides = vec![LineSampling::default(); ids.len()];
     let images = vec![Vec::new(); ids.len()];
-    Ok(Encoded { tokenizer, ids, overrides, images, think, choices: 1 })
+    let videos = vec![Vec::new(); ids.len()];
+    Ok(Encoded { tokenizer, ids, overrides, images, videos, think, choices: 1 })
 }
 
 /// A sequence's text on its way out: cut before the first stop string (or

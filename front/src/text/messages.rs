@@ -21,11 +21,18 @@ impl MessageError {
     }
 }
 
+/// Whether a media part's field (as [`normalize`] names it) is a video's.
+pub fn is_video_field(field: &str) -> bool {
+    field.ends_with(".video_url")
+}
+
 /// The messages as the template takes them: `developer` becomes `system`,
-/// text parts join into one string (a message with images keeps its parts
-/// in order, each image as `{"type": "image"}`), and tool-call arguments
-/// sent as JSON strings become objects. Also returns each `image_url`
-/// part's (field, URL), in order.
+/// text parts join into one string (a message with images or videos keeps
+/// its parts in order, each image as `{"type": "image"}`, each video as
+/// `{"type": "video"}`), and tool-call arguments sent as JSON strings become
+/// objects. Also returns each `image_url` and `video_url` part's (field,
+/// URL), in order; the field (`messages[i].content[j].video_url`) says which
+/// kind ([`is_video_field`]).
 pub fn normalize(list: &[Value]) -> Result<(Value, Vec<(String, String)>), MessageError> {
     if list.is_empty() {
         return Err(MessageError::at("messages", "`messages` is empty".into()));
@@ -64,11 +71,12 @@ pub fn normalize(list: &[Value]) -> Result<(Value, Vec<(String, String)>), Messa
                             text.push_str(t);
                             kept.push(serde_json::json!({"type": "text", "text": t}));
                         }
-                        (Some("image_url"), _) => {
+                        (Some(kind @ ("image_url" | "video_url")), _) => {
+                            let noun = if kind == "image_url" { "images" } else { "videos" };
                             if role != "user" {
-                                return Err(MessageError::at(&field, format!("{field}: images go in user messages")));
+                                return Err(MessageError::at(&field, format!("{field}: {noun} go in user messages")));
                             }
-                            let url = match p.get("image_url") {
+                            let url = match p.get(kind) {
                                 Some(Value::String(u)) => u.as_str(),
                                 Some(Value::Object(o)) => o.get("url").and_then(Value::as_str).unwrap_or_default(),
                                 _ => "",
@@ -76,22 +84,22 @@ pub fn normalize(list: &[Value]) -> Result<(Value, Vec<(String, String)>), Messa
                             if url.is_empty() {
                                 return Err(MessageError::at(
                                     &field,
-                                    format!("{field} must be {{\"type\": \"image_url\", \"image_url\": {{\"url\": ...}}}}"),
+                                    format!("{field} must be {{\"type\": \"{kind}\", \"{kind}\": {{\"url\": ...}}}}"),
                                 ));
                             }
-                            images.push((format!("{field}.image_url"), url.to_string()));
-                            kept.push(serde_json::json!({"type": "image"}));
+                            images.push((format!("{field}.{kind}"), url.to_string()));
+                            kept.push(serde_json::json!({"type": if kind == "image_url" { "image" } else { "video" }}));
                         }
                         (Some(t), _) => {
                             return Err(MessageError::at(
                                 &at,
-                                format!("{field}: content parts of type `{t}` are not supported (text and image_url)"),
+                                format!("{field}: content parts of type `{t}` are not supported (text, image_url and video_url)"),
                             ))
                         }
                         _ => return Err(MessageError::at(&at, format!("{field} must be {{\"type\": \"text\", \"text\": ...}}"))),
                     }
                 }
-                let has_image = kept.iter().any(|k| k["type"] == "image");
+                let has_image = kept.iter().any(|k| k["type"] == "image" || k["type"] == "video");
                 out.insert("content".into(), if has_image { Value::Array(kept) } else { Value::String(text) });
             }
             _ => return Err(MessageError::at(&at, format!("{at}.content must be a string or an array of content parts"))),
