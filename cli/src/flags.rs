@@ -173,6 +173,8 @@ pub(crate) struct RunArgs {
     /// Compute every prompt in full: no prompt reuses the cache blocks of another with the same prefix.
     #[arg(long)]
     pub(crate) no_enable_prefix_caching: bool,
+    #[command(flatten)]
+    pub(crate) encoder: EncoderFlags,
     /// Cache blocks in each stage's KV pool (default: exactly what every prompt reaches); with fewer, prompts take turns (preemption).
     #[arg(long, value_name = "N", value_parser = positive_count)]
     pub(crate) kv_blocks: Option<usize>,
@@ -327,6 +329,8 @@ pub(crate) struct ServeArgs {
     /// Compute every prompt in full: keep no finished sequence's cache blocks for later requests with the same prefix.
     #[arg(long, help_heading = "Cache")]
     pub(crate) no_enable_prefix_caching: bool,
+    #[command(flatten)]
+    pub(crate) encoder: EncoderFlags,
     /// Cache blocks in each stage's KV pool, in place of what --kv-budget holds (as vLLM's --num-gpu-blocks-override).
     #[arg(long, value_name = "N", value_parser = positive_count, help_heading = "Cache")]
     pub(crate) kv_blocks: Option<usize>,
@@ -493,5 +497,22 @@ impl clap::Args for SamplingFlags {
 
     fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
         Self::augment_args(cmd)
+    }
+}
+
+/// How the first stage encodes images and videos (`m3c run` and `m3c serve`).
+#[derive(clap::Args, Debug, Clone)]
+pub(crate) struct EncoderFlags {
+    /// Features of image grids and video chunks kept by content, in MB, so a repeated image or video is not encoded again (0: no cache).
+    #[arg(long, value_name = "MB", default_value_t = 512, help_heading = "Multimodal")]
+    pub(crate) encoder_cache_mb: u64,
+    /// Where encodes run: `beside` the step loop (running sequences keep stepping; a request joins when its features are ready) or `inline` in it (every running sequence waits, as before).
+    #[arg(long, value_name = "WHERE", default_value = "beside", value_parser = ["beside", "inline"], help_heading = "Multimodal")]
+    pub(crate) encodes: String,
+}
+
+impl EncoderFlags {
+    pub(crate) fn options(&self) -> m3c_contract::stage_args::EncoderOptions {
+        m3c_contract::stage_args::EncoderOptions { cache_bytes: self.encoder_cache_mb.saturating_mul(1 << 20), inline: self.encodes == "inline" }
     }
 }

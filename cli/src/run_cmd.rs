@@ -338,6 +338,7 @@ fn stage_args(args: &RunArgs, inputs: &Inputs) -> Result<(StageArgs, Vec<SeqRequ
     stage.prefill_chunk = args.prefill_chunk;
     stage.micro_batch = args.micro_batch;
     stage.kv.prefix_caching = !args.no_enable_prefix_caching;
+    stage.encoder = args.encoder.options();
     stage.timeout_s = args.timeout_s;
     stage.gpu = args.gpu.modes();
     stage.stream_ids = inputs.text.is_some();

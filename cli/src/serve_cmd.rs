@@ -45,6 +45,7 @@ pub(crate) fn serve_cmd(a: ServeArgs) -> Result<()> {
         max_batch: a.max_batch,
         kv_size,
         prefix_caching: !a.no_enable_prefix_caching,
+        encoder: a.encoder.options(),
         max_queue: a.max_queue,
         prefill_chunk: a.prefill_chunk,
         timeout_s: a.timeout_s,

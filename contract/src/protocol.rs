@@ -489,6 +489,19 @@ pub enum Event {
         drafted: usize,
         accepted: usize,
     },
+    /// The vision encoder of the first stage: its cache's hits and misses
+    /// (image grids and video chunks, by content), the grids it holds and
+    /// their bytes, the requests whose encodes are in flight, and the grids
+    /// encoded with the microseconds spent.
+    Encoder {
+        hits: u64,
+        misses: u64,
+        entries: u64,
+        bytes: u64,
+        in_flight: u64,
+        encoded: u64,
+        encode_us: u64,
+    },
     /// The KV pool: blocks sequences hold, blocks that hold cached
     /// prefixes only, and every block; and the sequences that hold blocks
     /// and take steps, and those that wait for blocks.
@@ -515,6 +528,9 @@ impl Event {
             Event::Preempted { seq } => format!("m3c-preempt {seq}"),
             Event::Spec { seq, drafted, accepted } => format!("m3c-spec {seq} {drafted} {accepted}"),
             Event::Kv { used, cached, total, running, waiting } => format!("m3c-kv {used} {cached} {total} {running} {waiting}"),
+            Event::Encoder { hits, misses, entries, bytes, in_flight, encoded, encode_us } => {
+                format!("m3c-enc {hits} {misses} {entries} {bytes} {in_flight} {encoded} {encode_us}")
+            }
             Event::Bad { seq, why } => {
                 // One line, whatever the message held.
                 let why = why.replace(['\n', '\r'], " ");
@@ -571,6 +587,18 @@ impl Event {
                 (Ok(used), Ok(cached), Ok(total), Ok(running), Ok(waiting)) => Some(Event::Kv { used, cached, total, running, waiting }),
                 _ => None,
             },
+            ("m3c-enc", w) if w.len() == 7 => {
+                let n: Vec<u64> = w.iter().filter_map(|v| v.parse().ok()).collect();
+                (n.len() == 7).then(|| Event::Encoder {
+                    hits: n[0],
+                    misses: n[1],
+                    entries: n[2],
+                    bytes: n[3],
+                    in_flight: n[4],
+                    encoded: n[5],
+                    encode_us: n[6],
+                })
+            }
             ("m3c-bad", [s, ..]) => {
                 let flat = rest.replace(['\n', '\r'], " ");
                 let after = flat.trim_start();
@@ -690,6 +718,7 @@ mod tests {
             Event::Preempted { seq: 6 },
             Event::Spec { seq: 7, drafted: 3, accepted: 2 },
             Event::Kv { used: 12, cached: 3, total: 64, running: 5, waiting: 2 },
+            Event::Encoder { hits: 3, misses: 4, entries: 5, bytes: 6, in_flight: 1, encoded: 4, encode_us: 9000 },
             Event::Bad { seq: Some(4), why: "the sequence is already live".into() },
             Event::Bad { seq: None, why: "expected `cancel SEQ`".into() },
         ] {

@@ -55,6 +55,25 @@ pub struct StageArgs {
     /// Speculative decoding by the EAGLE3 draft head compiled into the last
     /// stage (`--eagle3 K --draft-model DIR`).
     pub eagle3: Option<crate::speculative::Eagle3Run>,
+    /// How the stage that holds the vision tower encodes images and videos.
+    pub encoder: EncoderOptions,
+}
+
+/// How images and videos are encoded on the stage that holds the tower.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EncoderOptions {
+    /// Bytes of encoded features kept by content hash, so a repeated image
+    /// or video chunk is not encoded again (0: no cache).
+    pub cache_bytes: u64,
+    /// Encode inside the step loop, every running sequence waiting (the
+    /// behaviour before encodes ran beside it; kept to measure against).
+    pub inline: bool,
+}
+
+impl Default for EncoderOptions {
+    fn default() -> EncoderOptions {
+        EncoderOptions { cache_bytes: 512 << 20, inline: false }
+    }
 }
 
 /// Where a stage's weights come from: a checkpoint or a seed, never both.
@@ -187,6 +206,7 @@ impl StageArgs {
             trace: false,
             speculative: None,
             eagle3: None,
+            encoder: EncoderOptions::default(),
         }
     }
 
@@ -241,6 +261,8 @@ impl StageArgs {
             ("--speculative", self.speculative.map(|n| n.encode())),
             ("--eagle3", self.eagle3.as_ref().map(crate::speculative::Eagle3Run::encode_tokens)),
             ("--draft-model", self.eagle3.as_ref().map(|e| path(&e.model))),
+            ("--encoder-cache-bytes", Some(self.encoder.cache_bytes.to_string())),
+            ("--encodes", Some(if self.encoder.inline { "inline" } else { "beside" }.to_string())),
         ] {
             if let Some(v) = value {
                 flag(name, v);
@@ -392,6 +414,12 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
             // `--cuda-graphs`: the older name, kept for command lines that use it.
             "--graphs" | "--cuda-graphs" => a.gpu.graphs = parse_switch(arg, &value(arg)?, ("on", "off"))?,
             "--prefix-caching" => a.kv.prefix_caching = parse_switch("--prefix-caching", &value("--prefix-caching")?, ("on", "off"))?,
+            "--encodes" => a.encoder.inline = parse_switch("--encodes", &value("--encodes")?, ("inline", "beside"))?,
+            "--encoder-cache-bytes" => {
+                let v = value("--encoder-cache-bytes")?;
+                a.encoder.cache_bytes =
+                    v.parse().map_err(|_| format!("--encoder-cache-bytes: `{v}` is not a number of bytes (0 for no cache)"))?;
+            }
             "--prefill-gemm" => {
                 // `cublas`: the older name of the vendor library's GEMMs.
                 let v = value("--prefill-gemm")?;
@@ -500,6 +528,7 @@ mod tests {
         a.max_new_tokens = 16;
         a.micro_batch = Some(2);
         a.kv = KvPool { size: PoolSize::Blocks(40), prefix_caching: false };
+        a.encoder = EncoderOptions { cache_bytes: 12345, inline: true };
         a.prefill_chunk = Some(7);
         a.speculative = Some(crate::speculative::Ngram { tokens: 3, min: 2, max: 4, disable_by_batch_size: Some(8) });
         a.timeout_s = 2.5;

@@ -20,6 +20,7 @@ mod args;
 mod books;
 mod device;
 mod draft;
+mod encoder;
 mod error;
 mod follow;
 mod kv;

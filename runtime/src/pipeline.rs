@@ -73,6 +73,7 @@ pub fn run(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Stage, args: 
             speculative: args.speculative.filter(|_| !want_logits),
             eagle3: args.eagle3.as_ref().filter(|_| !want_logits).map(|e| e.tokens),
             eagle3_batch: args.eagle3.as_ref().and_then(|e| e.disable_by_batch_size),
+            encoder: args.encoder,
         };
         let per_batch = batching.per_batch;
         Leader::new(st, batching, args.weights.checkpoint().cloned()).run(world, peers, st, &mut books, &mut feed)?;

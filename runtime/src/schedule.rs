@@ -22,6 +22,7 @@
 
 use crate::books::{Drawn, LastBooks};
 use crate::error::StageError;
+use crate::encoder::{EncoderCache, Job, Worker};
 use crate::follow::{add_message, capacity, stats_words, words};
 use crate::kv::{extend_chain, ImageRows, Kv, SeqBlocks};
 use crate::liveness::Peers;
@@ -34,6 +35,7 @@ use m3c_contract::images::SeqImages;
 use m3c_contract::protocol::{Command, EndReason, Event, SeqRequest};
 use mpi::topology::SimpleCommunicator;
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The most cache rows a sequence may ask for (a bound, not a budget: the
@@ -90,6 +92,21 @@ pub(crate) struct Batching {
     pub eagle3: Option<usize>,
     /// vLLM's `disable_by_batch_size` for EAGLE3.
     pub eagle3_batch: Option<usize>,
+    /// How images and videos are encoded (beside the loop, the cache).
+    pub encoder: m3c_contract::stage_args::EncoderOptions,
+}
+
+/// A request whose grids are encoding beside the loop: it joins when they
+/// are done.
+struct Encoding {
+    a: SeqRequest,
+    image_rows: Vec<ImageRows>,
+    placeholders: Vec<usize>,
+    /// Each grid's features: from the cache, or `None` for those encoding.
+    feats: Vec<Option<Arc<Vec<f32>>>>,
+    /// Tokens of each grid.
+    tokens: Vec<usize>,
+    cancelled: bool,
 }
 
 /// A live sequence.
@@ -165,6 +182,15 @@ pub(crate) struct Leader {
     /// same count), with the prefix cache.
     kv: Kv,
     clock: u64,
+    /// Encoded features by content.
+    cache: EncoderCache,
+    /// The vision entry on a thread of its own (host stages, unless
+    /// `--encodes inline`).
+    worker: Option<Worker>,
+    /// Requests waiting for their encodes, by sequence.
+    encoding: HashMap<usize, Encoding>,
+    /// What the encoder last reported (to report changes only).
+    last_encoder: (u64, u64, u64, u64, usize),
 }
 
 impl Leader {
@@ -176,12 +202,16 @@ impl Leader {
             ready: VecDeque::new(),
             in_flight: 0,
             stages: st.meta.stages,
-            batching,
             token_bytes: None,
             model,
             outbox: Outbox::default(),
             kv,
             clock: 0,
+            cache: EncoderCache::new(batching.encoder.cache_bytes),
+            worker: if batching.encoder.inline { None } else { st.vision_runner().map(Worker::start) },
+            encoding: HashMap::new(),
+            last_encoder: (0, 0, 0, 0, 0),
+            batching,
         }
     }
 
@@ -223,6 +253,7 @@ impl Leader {
                     Next::Closed => feed_open = false,
                 }
             }
+            worked |= self.encoded(world, st, books, feed)?;
             worked |= self.admit(feed);
             // One micro-batch per stage in flight. With one stage a step runs
             // to its end here: one per turn, so commands are read between steps.
@@ -258,7 +289,8 @@ impl Leader {
                     stat_events(feed, &stats_words(st));
                 }
             }
-            if !feed_open && self.live.is_empty() && self.in_flight == 0 {
+            self.report_encoder(st, feed);
+            if !feed_open && self.live.is_empty() && self.in_flight == 0 && self.encoding.is_empty() {
                 break;
             }
             if !worked {
@@ -266,7 +298,7 @@ impl Leader {
                 // Idle: wait briefly for a command (or, with steps in flight,
                 // for the ids, which the loop probes).
                 let wait = if self.in_flight > 0 { Duration::from_micros(50) } else { Duration::from_millis(2) };
-                if feed_open && self.in_flight == 0 {
+                if feed_open && self.in_flight == 0 && self.encoding.is_empty() {
                     match feed.next(wait) {
                         Next::Command(Command::Trace(on)) => self.trace(world, peers, feed, on)?,
                         Next::Command(cmd) => self.command(world, st, books, feed, cmd)?,
@@ -330,6 +362,11 @@ impl Leader {
             // Taken by the loop, which holds the peers the gather needs.
             Command::Trace(_) => Err(StageError::Step("runtime bug: a trace command reached Leader::command".into())),
             Command::Cancel(seq) => {
+                if let Some(p) = self.encoding.get_mut(&seq) {
+                    // It ends when its encode does (the thread holds its job).
+                    p.cancelled = true;
+                    return Ok(());
+                }
                 let Some(l) = self.live.get_mut(&seq) else { return Ok(()) };
                 l.cancelled = true;
                 if !l.busy {
@@ -367,7 +404,7 @@ impl Leader {
         feed: &mut impl Feed,
         a: SeqRequest,
     ) -> Result<(), StageError> {
-        if self.live.contains_key(&a.seq) {
+        if self.live.contains_key(&a.seq) || self.encoding.contains_key(&a.seq) {
             return feed.refuse(Some(a.seq), "the sequence is already live".into());
         }
         if a.prompt.is_empty() {
@@ -407,16 +444,141 @@ impl Leader {
             }
         }
         st.start_seq(a.seq, capacity(&a))?;
-        let images = feed.images(&a);
-        let image_rows = images.as_ref().ok().and_then(Option::as_ref).map(|im| image_rows(st, &a.prompt, im)).unwrap_or_default();
-        let encoded = images.and_then(|im| match im {
-            Some(im) => st.encode_images(a.seq, &a.prompt, &im).map_err(|e| e.to_string()),
-            None => placeholders_without_images(st, &a.prompt),
-        });
-        if let Err(why) = encoded {
-            st.end_seq(a.seq);
-            return feed.refuse(Some(a.seq), why);
+        let images = match feed.images(&a) {
+            Ok(Some(im)) => im,
+            Ok(None) => {
+                if let Err(why) = placeholders_without_images(st, &a.prompt) {
+                    st.end_seq(a.seq);
+                    return feed.refuse(Some(a.seq), why);
+                }
+                return self.join(world, books, a, Vec::new());
+            }
+            Err(why) => {
+                st.end_seq(a.seq);
+                return feed.refuse(Some(a.seq), why);
+            }
+        };
+        let placeholders = match st.check_images(a.seq, &a.prompt, &images) {
+            Ok(p) => p,
+            Err(e) => {
+                st.end_seq(a.seq);
+                return feed.refuse(Some(a.seq), e.to_string());
+            }
+        };
+        let image_rows = image_rows(st, &a.prompt, &images);
+        self.encode(world, st, books, feed, a, images, image_rows, placeholders)
+    }
+
+    /// A checked request's grids: those the cache holds are taken from it,
+    /// the others encoded, beside the loop where the stage can (the request
+    /// joins when they are done, [`Leader::encoded`]), else here and now.
+    #[allow(clippy::too_many_arguments)]
+    fn encode(
+        &mut self,
+        world: &SimpleCommunicator,
+        st: &mut Stage,
+        books: &mut LastBooks,
+        feed: &mut impl Feed,
+        a: SeqRequest,
+        images: SeqImages,
+        image_rows: Vec<ImageRows>,
+        placeholders: Vec<usize>,
+    ) -> Result<(), StageError> {
+        let feats: Vec<Option<Arc<Vec<f32>>>> = image_rows.iter().map(|(key, _)| self.cache.get(key)).collect();
+        let tokens = images.tokens();
+        let missing = missing_grids(&images, &feats);
+        let seq = a.seq;
+        let mut pending = Encoding { a, image_rows, placeholders, feats, tokens, cancelled: false };
+        if missing.grids.is_empty() {
+            return self.joined(world, st, books, pending);
         }
+        let words = st.meta.x_words();
+        let missing = match &self.worker {
+            Some(w) => match w.submit(Job { seq, images: missing, words }) {
+                Ok(()) => {
+                    self.encoding.insert(seq, pending);
+                    return Ok(());
+                }
+                Err(job) => job.images,
+            },
+            None => missing,
+        };
+        match st.encode_now(seq, &missing) {
+            Ok(f) => {
+                self.fill(&mut pending, f, words);
+                self.joined(world, st, books, pending)
+            }
+            Err(e) => {
+                st.end_seq(seq);
+                feed.refuse(Some(seq), e.to_string())
+            }
+        }
+    }
+
+    /// Puts freshly encoded features (the missing grids', in order) into a
+    /// pending request and the cache.
+    fn fill(&mut self, p: &mut Encoding, feats: Vec<f32>, words: usize) {
+        let mut at = 0;
+        for (i, slot) in p.feats.iter_mut().enumerate() {
+            if slot.is_none() {
+                let n = p.tokens[i] * words;
+                let f = Arc::new(feats[at..at + n].to_vec());
+                at += n;
+                self.cache.put(p.image_rows[i].0, f.clone());
+                *slot = Some(f);
+            }
+        }
+    }
+
+    /// A request whose features are all here: the stage keeps them and
+    /// the request joins.
+    fn joined(&mut self, world: &SimpleCommunicator, st: &mut Stage, books: &mut LastBooks, p: Encoding) -> Result<(), StageError> {
+        let feats: Vec<f32> = p.feats.iter().flat_map(|f| f.as_deref().map_or(&[][..], Vec::as_slice)).copied().collect();
+        st.set_images(p.a.seq, p.placeholders, feats);
+        self.join(world, books, p.a, p.image_rows)
+    }
+
+    /// Encodes finished beside the loop: each request joins (or, cancelled
+    /// meanwhile, ends). Whether any finished.
+    fn encoded(&mut self, world: &SimpleCommunicator, st: &mut Stage, books: &mut LastBooks, feed: &mut impl Feed) -> Result<bool, StageError> {
+        let mut any = false;
+        while let Some(done) = self.worker.as_ref().and_then(Worker::try_done) {
+            any = true;
+            st.count_encoded(self.encoding.get(&done.seq).map_or(0, |p| p.feats.iter().filter(|f| f.is_none()).count()), done.seconds);
+            let Some(mut p) = self.encoding.remove(&done.seq) else { continue };
+            self.fill(&mut p, done.feats, st.meta.x_words());
+            if p.cancelled {
+                st.end_seq(p.a.seq);
+                feed.event(Event::End { seq: p.a.seq, reason: EndReason::Cancelled });
+                continue;
+            }
+            self.joined(world, st, books, p)?;
+        }
+        Ok(any)
+    }
+
+    /// The encoder's figures for the front, when they changed.
+    fn report_encoder(&mut self, st: &Stage, feed: &mut impl Feed) {
+        let (entries, bytes) = self.cache.held();
+        let now = (self.cache.hits, self.cache.misses, entries, bytes, self.encoding.len());
+        if now != self.last_encoder && feed.wants_stats() {
+            self.last_encoder = now;
+            let (encoded, seconds) = st.encoded();
+            feed.event(Event::Encoder {
+                hits: now.0,
+                misses: now.1,
+                entries,
+                bytes,
+                in_flight: now.4 as u64,
+                encoded: encoded as u64,
+                encode_us: (seconds * 1e6) as u64,
+            });
+        }
+    }
+
+    /// A request with its features in place joins the stages and waits for
+    /// blocks.
+    fn join(&mut self, world: &SimpleCommunicator, books: &mut LastBooks, a: SeqRequest, image_rows: Vec<ImageRows>) -> Result<(), StageError> {
         if self.stages > 1 {
             self.outbox.send(world, 1, TAG_ACT, add_message(&a));
         } else {
@@ -811,6 +973,22 @@ fn stop_string_ends(l: &mut Live, id: i64, token_bytes: Option<&[Vec<u8>]>) -> b
     let from = l.text.len();
     l.text.extend_from_slice(usize::try_from(id).ok().and_then(|i| table.get(i)).map_or(&[][..], Vec::as_slice));
     m3c_contract::token_bytes::stop_end(&l.text, from, &l.stops).is_some()
+}
+
+/// The grids of `im` whose features are not in hand (`feats[i]` is `None`).
+fn missing_grids(im: &SeqImages, feats: &[Option<Arc<Vec<f32>>>]) -> SeqImages {
+    let row = im.pixels.len() / im.patches().max(1);
+    let mut out = SeqImages { grids: Vec::new(), pixels: Vec::new() };
+    let mut at = 0;
+    for (g, f) in im.grids.iter().zip(feats) {
+        let rows = g[0] * g[1] * g[2];
+        if f.is_none() {
+            out.grids.push(*g);
+            out.pixels.extend_from_slice(&im.pixels[at * row..(at + rows) * row]);
+        }
+        at += rows;
+    }
+    out
 }
 
 /// A prompt with image placeholders needs its images, as in the reference.

@@ -70,6 +70,7 @@ pub(crate) fn batching(args: &RunArgs) -> Batching {
         speculative: args.speculative,
         eagle3: args.eagle3.as_ref().map(|e| e.tokens),
         eagle3_batch: args.eagle3.as_ref().and_then(|e| e.disable_by_batch_size),
+        encoder: args.encoder,
     }
 }
 

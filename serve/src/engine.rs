@@ -506,6 +506,10 @@ impl Engine {
                     *n += 1;
                 }
             }
+            StageEvent::Encoder { hits, misses, entries, bytes, in_flight, encoded, encode_us } => {
+                self.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).encoder =
+                    crate::metrics::EncoderStats { hits, misses, entries, bytes, in_flight, encoded, encode_us };
+            }
             StageEvent::Kv { used, cached, total, running, waiting } => {
                 let mut st = self.state();
                 (st.blocks_used, st.blocks_cached, st.blocks_total) = (used as u64, cached as u64, total as u64);

@@ -39,6 +39,8 @@ pub struct Options {
     pub kv_size: KvSize,
     /// Automatic prefix caching (on unless `--no-enable-prefix-caching`).
     pub prefix_caching: bool,
+    /// How the first stage encodes images and videos.
+    pub encoder: m3c_contract::stage_args::EncoderOptions,
     pub max_queue: usize,
     pub prefill_chunk: usize,
     pub timeout_s: f64,
@@ -177,6 +179,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
     };
     let blocks = if let PoolSize::Blocks(n) = size { n as u64 } else { 0 };
     stage.kv = KvPool { size, prefix_caching: o.prefix_caching };
+    stage.encoder = o.encoder;
     if let Some(d) = &o.trace_dir {
         if !d.is_dir() {
             anyhow::bail!("--trace-dir {}: not a folder", d.display());

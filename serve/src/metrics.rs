@@ -64,6 +64,21 @@ pub struct Counters {
     pub spec_draft_tokens: u64,
     pub spec_accepted: u64,
     pub spec_accepted_per_pos: Vec<u64>,
+    /// The first stage's vision encoder, as it last reported.
+    pub encoder: EncoderStats,
+}
+
+/// The vision encoder's figures (`Event::Encoder`): cumulative counts and
+/// the cache's and queue's present size.
+#[derive(Default, Clone, Copy)]
+pub struct EncoderStats {
+    pub hits: u64,
+    pub misses: u64,
+    pub entries: u64,
+    pub bytes: u64,
+    pub in_flight: u64,
+    pub encoded: u64,
+    pub encode_us: u64,
 }
 
 #[derive(Default)]
@@ -120,6 +135,14 @@ impl Metrics {
         let usage = if g.blocks_total == 0 { 0.0 } else { g.blocks_used as f64 / g.blocks_total as f64 };
         w.gauge("kv_cache_usage_perc", "Share of the KV pool's blocks that sequences hold (1 = full).", usage);
         w.gauge("kv_cache_blocks_total", "Blocks in every stage's KV pool.", g.blocks_total);
+        let e = c.encoder;
+        w.counter("encoder_cache_hits_total", "Image grids and video chunks whose features the encoder cache held.", e.hits);
+        w.counter("encoder_cache_misses_total", "Image grids and video chunks the encoder cache did not hold (encoded).", e.misses);
+        w.gauge("encoder_cache_entries", "Image grids and video chunks the encoder cache holds.", e.entries);
+        w.gauge("encoder_cache_bytes", "Bytes of features the encoder cache holds (--encoder-cache-mb bounds it).", e.bytes);
+        w.gauge("encoder_requests_in_flight", "Requests whose images or videos are encoding (they join when done).", e.in_flight);
+        w.counter("encoder_grids_total", "Image grids and video chunks encoded.", e.encoded);
+        w.gauge("encoder_seconds_total", "Seconds the vision encoder has spent encoding.", e.encode_us as f64 / 1e6);
         w.gauge("kv_cache_blocks_cached", "Blocks that only cached prefixes hold (evicted least recently used).", g.blocks_cached);
         w.gauge("num_sequences_running", "Sequences that hold KV blocks and take steps.", g.sequences.0);
         w.gauge("num_sequences_waiting", "Sequences in the pipeline waiting for KV blocks (new, or preempted).", g.sequences.1);

@@ -9,6 +9,16 @@ use crate::meta::StageMeta;
 use crate::weights::StageWeights;
 use m3c_contract::stage::abi::{StepArgs, STEP_VERSION};
 
+/// A host stage's weight table, for the encoder's thread.
+struct WeightTable(Vec<*const u8>);
+
+// SAFETY: the pointers address the stage's mapped (or owned synthetic)
+// weights, which nothing writes after start-up and which the stage keeps
+// until it drops; the encoder thread that holds this table is joined when
+// the first stage's scheduler ends (`encoder::Worker`'s drop), before the
+// stage can drop.
+unsafe impl Send for WeightTable {}
+
 /// A host stage's mapped weights and pools.
 pub(super) struct HostBacking {
     weights: StageWeights,
@@ -80,6 +90,31 @@ impl Backing for HostBacking {
             );
         }
         Ok(())
+    }
+
+    fn vision_runner(&self) -> Option<crate::encoder::RunVision> {
+        let table = WeightTable(self.weights.ptrs.clone());
+        Some(Box::new(move |im: &m3c_contract::images::SeqImages, feats: &mut [f32]| {
+            let table = &table;
+            let job = super::VisionJob::of(im);
+            // SAFETY: as in `encode` above (the caller sized `feats` for
+            // the grids' tokens, and checked the grids); the table's
+            // weights are read only, by steps too, and outlive the thread
+            // (see `WeightTable`).
+            unsafe {
+                super::m3c_stage_vision(
+                    table.0.as_ptr(),
+                    table.0.as_ptr(),
+                    job.rows.len() as i64,
+                    job.rows.as_ptr(),
+                    job.patches as i64,
+                    job.pixels.as_ptr(),
+                    job.ppos.as_ptr(),
+                    job.segs.as_ptr(),
+                    feats.as_mut_ptr(),
+                );
+            }
+        }))
     }
 
     fn table_addr(&self, table: &super::SeqTable) -> u64 {

@@ -98,6 +98,11 @@ trait Backing {
     fn seq_ended(&mut self, seq: usize);
     /// Runs the vision entry over `job`, writing the merged features.
     fn encode(&mut self, job: &VisionJob, feats: &mut [f32]) -> Result<(), StageError>;
+    /// The vision entry as a function that may run on another thread while
+    /// steps run, where the backing allows it.
+    fn vision_runner(&self) -> Option<crate::encoder::RunVision> {
+        None
+    }
     /// The address a step reads a sequence's block table at.
     fn table_addr(&self, table: &SeqTable) -> u64;
     /// Whether a step's logits land in host memory whatever is wanted.
@@ -147,6 +152,13 @@ struct VisionJob<'a> {
     pixels: &'a [f32],
     ppos: Vec<i64>,
     segs: Vec<i64>,
+}
+
+impl VisionJob<'_> {
+    fn of(im: &m3c_contract::images::SeqImages) -> VisionJob<'_> {
+        let rows = im.grids.iter().map(|g| (g[0] * g[1] * g[2]) as i64).collect();
+        VisionJob { rows, patches: im.patches(), pixels: &im.pixels, ppos: im.positions(), segs: im.segment_ends() }
+    }
 }
 
 pub struct Stage {
@@ -344,13 +356,13 @@ impl Stage {
         self.backing.seq_ended(seq);
     }
 
-    /// Encodes sequence `seq`'s images (the stage that holds the vision
-    /// tower) and keeps their features for the prefill steps that reach its
-    /// image placeholders. The placeholders of `prompt` must be exactly the
-    /// images' tokens, in order (each image's `t·h·w/4`).
-    pub fn encode_images(&mut self, seq: usize, prompt: &[i64], im: &m3c_contract::images::SeqImages) -> Result<(), StageError> {
-        let m = &self.meta;
-        let Some(v) = &m.vision else {
+    /// Checks sequence `seq`'s images against its prompt (the stage that
+    /// holds the vision tower): the placeholders of `prompt` (image and
+    /// video ids) must be exactly the grids' tokens, in order (each grid's
+    /// `t·h·w/4`), in rows of the compiled width. Returns the placeholders'
+    /// positions.
+    pub fn check_images(&self, seq: usize, prompt: &[i64], im: &m3c_contract::images::SeqImages) -> Result<Vec<usize>, StageError> {
+        let Some(v) = &self.meta.vision else {
             return Err(StageError::Step(format!(
                 "sequence {seq} has images, but this pipeline was compiled without the vision tower (the plan says `vision: false`)"
             )));
@@ -367,9 +379,9 @@ impl Stage {
                 im.tokens()
             )));
         }
-        // What the unsafe call below relies on, checked here too (the
-        // images file's reader checks it for files): rows of the compiled
-        // width, whole merge groups, the compiled merge.
+        // What the vision entry relies on, checked here too (the images
+        // file's reader checks it for files): rows of the compiled width,
+        // whole merge groups, the compiled merge.
         let merge = m3c_contract::images::MERGE_SIDE * m3c_contract::images::MERGE_SIDE;
         if im.pixels.len() != im.patches() * v.patch_row
             || v.merge != merge
@@ -380,18 +392,45 @@ impl Stage {
                 v.patch_row, v.merge
             )));
         }
+        Ok(placeholders)
+    }
+
+    /// Encodes checked images here and now ([`Stage::check_images`]):
+    /// their features, `[tokens, x_words]`, grid after grid.
+    pub fn encode_now(&mut self, seq: usize, im: &m3c_contract::images::SeqImages) -> Result<Vec<f32>, StageError> {
         let (t0, trace_t0) = (std::time::Instant::now(), crate::trace::now_us());
-        let rows: Vec<i64> = im.grids.iter().map(|g| (g[0] * g[1] * g[2]) as i64).collect();
-        let (ppos, segs) = (im.positions(), im.segment_ends());
-        let patches = im.patches();
-        let mut feats = vec![0f32; want * m.x_words()];
-        let job = VisionJob { rows, patches, pixels: &im.pixels, ppos, segs };
-        self.backing.encode(&job, &mut feats)?;
-        crate::trace::vision(trace_t0, seq, patches);
-        self.encoded.0 += im.grids.len();
-        self.encoded.1 += t0.elapsed().as_secs_f64();
+        let tokens: usize = im.tokens().iter().sum();
+        let mut feats = vec![0f32; tokens * self.meta.x_words()];
+        self.backing.encode(&VisionJob::of(im), &mut feats)?;
+        crate::trace::vision(trace_t0, seq, im.patches());
+        self.count_encoded(im.grids.len(), t0.elapsed().as_secs_f64());
+        Ok(feats)
+    }
+
+    /// The vision entry as a function another thread may run (a host
+    /// stage's), for encodes beside the step loop; `None` where encodes
+    /// run in the loop (GPU stages).
+    pub(crate) fn vision_runner(&self) -> Option<crate::encoder::RunVision> {
+        self.meta.vision.as_ref()?;
+        self.backing.vision_runner()
+    }
+
+    /// Grids encoded so far and the seconds spent.
+    pub fn encoded(&self) -> (usize, f64) {
+        self.encoded
+    }
+
+    /// Grids encoded (here or beside the loop) and the seconds spent, for
+    /// the stage's report.
+    pub fn count_encoded(&mut self, grids: usize, seconds: f64) {
+        self.encoded.0 += grids;
+        self.encoded.1 += seconds;
+    }
+
+    /// Keeps sequence `seq`'s features (`[placeholders, x_words]`) for the
+    /// prefill steps that reach its placeholders.
+    pub fn set_images(&mut self, seq: usize, placeholders: Vec<usize>, feats: Vec<f32>) {
         self.images.insert(seq, SeqImageRows { placeholders, feats });
-        Ok(())
     }
 
     /// The image rows of a step: for each row that is an image placeholder
