@@ -513,6 +513,9 @@ pub(crate) struct EncoderFlags {
 
 impl EncoderFlags {
     pub(crate) fn options(&self) -> m3c_contract::stage_args::EncoderOptions {
-        m3c_contract::stage_args::EncoderOptions { cache_bytes: self.encoder_cache_mb.saturating_mul(1 << 20), inline: self.encodes == "inline" }
+        m3c_contract::stage_args::EncoderOptions {
+            cache_bytes: self.encoder_cache_mb.saturating_mul(1 << 20),
+            inline: self.encodes == "inline",
+        }
     }
 }

@@ -17,6 +17,9 @@
 //! provide stays untouched), and every decision is a function of the calls
 //! made: two pools given the same calls give the same ids.
 
+mod features;
+pub use features::{EncoderCache, GridKey};
+
 use m3c_contract::blocks::{BlockHash, BlockId, MAX_BLOCKS};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 

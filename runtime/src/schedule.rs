@@ -21,8 +21,8 @@
 //! sequence's own step.
 
 use crate::books::{Drawn, LastBooks};
+use crate::encoder::{Job, Worker};
 use crate::error::StageError;
-use crate::encoder::{EncoderCache, Job, Worker};
 use crate::follow::{add_message, capacity, stats_words, words};
 use crate::kv::{extend_chain, ImageRows, Kv, SeqBlocks};
 use crate::liveness::Peers;
@@ -33,6 +33,7 @@ use crate::wire::{
 use m3c_contract::blocks::{blocks_for, BlockHash};
 use m3c_contract::images::SeqImages;
 use m3c_contract::protocol::{Command, EndReason, Event, SeqRequest};
+use m3c_kvpool::EncoderCache;
 use mpi::topology::SimpleCommunicator;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -540,11 +541,19 @@ impl Leader {
 
     /// Encodes finished beside the loop: each request joins (or, cancelled
     /// meanwhile, ends). Whether any finished.
-    fn encoded(&mut self, world: &SimpleCommunicator, st: &mut Stage, books: &mut LastBooks, feed: &mut impl Feed) -> Result<bool, StageError> {
+    fn encoded(
+        &mut self,
+        world: &SimpleCommunicator,
+        st: &mut Stage,
+        books: &mut LastBooks,
+        feed: &mut impl Feed,
+    ) -> Result<bool, StageError> {
         let mut any = false;
         while let Some(done) = self.worker.as_ref().and_then(Worker::try_done) {
             any = true;
-            st.count_encoded(self.encoding.get(&done.seq).map_or(0, |p| p.feats.iter().filter(|f| f.is_none()).count()), done.seconds);
+            let grids = self.encoding.get(&done.seq).map_or(0, |p| p.feats.iter().filter(|f| f.is_none()).count());
+            st.count_encoded(grids, (done.finished - done.started).as_secs_f64());
+            crate::trace::vision_beside(done.started, done.finished, done.seq, done.rows);
             let Some(mut p) = self.encoding.remove(&done.seq) else { continue };
             self.fill(&mut p, done.feats, st.meta.x_words());
             if p.cancelled {
@@ -578,7 +587,13 @@ impl Leader {
 
     /// A request with its features in place joins the stages and waits for
     /// blocks.
-    fn join(&mut self, world: &SimpleCommunicator, books: &mut LastBooks, a: SeqRequest, image_rows: Vec<ImageRows>) -> Result<(), StageError> {
+    fn join(
+        &mut self,
+        world: &SimpleCommunicator,
+        books: &mut LastBooks,
+        a: SeqRequest,
+        image_rows: Vec<ImageRows>,
+    ) -> Result<(), StageError> {
         if self.stages > 1 {
             self.outbox.send(world, 1, TAG_ACT, add_message(&a));
         } else {

@@ -51,11 +51,36 @@ struct State {
 }
 
 enum What {
-    Step { kind: &'static str, micro_batch: u64, seqs: Vec<usize>, rows: usize },
-    Send { to: usize, tag: i32, bytes: usize, n: u64 },
-    Recv { from: usize, tag: i32, bytes: usize, n: u64 },
-    Wait { from: usize },
+    Step {
+        kind: &'static str,
+        micro_batch: u64,
+        seqs: Vec<usize>,
+        rows: usize,
+    },
+    Send {
+        to: usize,
+        tag: i32,
+        bytes: usize,
+        n: u64,
+    },
+    Recv {
+        from: usize,
+        tag: i32,
+        bytes: usize,
+        n: u64,
+    },
+    Wait {
+        from: usize,
+    },
+    /// An encode beside the step loop (its own track, under the stage's).
+    Encode {
+        seq: usize,
+        rows: usize,
+    },
 }
+
+/// The track of stage `k`'s encoder thread: clear of every stage's own.
+pub const ENCODER_TRACK: usize = 1000;
 
 struct Event {
     start_us: f64,
@@ -148,6 +173,16 @@ pub fn vision(start_us: f64, seq: usize, rows: usize) {
     }
 }
 
+/// A vision encode of sequence `seq` that ran beside the loop, on another
+/// thread, from `started` to `finished` (placed on this thread's clock).
+pub fn vision_beside(started: std::time::Instant, finished: std::time::Instant, seq: usize, rows: usize) {
+    if on() {
+        let now = clock_us();
+        let at = |t: std::time::Instant| now - t.elapsed().as_secs_f64() * 1e6;
+        push_until(at(started), Some(at(finished)), What::Encode { seq, rows });
+    }
+}
+
 /// The next message number between this stage and `peer` on `tag`, sent
 /// (`outgoing`) or received.
 fn count(peer: usize, tag: i32, outgoing: bool) -> u64 {
@@ -225,6 +260,14 @@ fn chrome_lines_of(s: &State, host: &str) -> Vec<String> {
     let mut out =
         vec![json!({"name": "thread_name", "ph": "M", "pid": 1, "tid": k, "args": {"name": format!("stage {k} ({host})")}}).to_string()];
     out.push(json!({"name": "thread_sort_index", "ph": "M", "pid": 1, "tid": k, "args": {"sort_index": k}}).to_string());
+    if s.events.iter().any(|e| matches!(e.what, What::Encode { .. })) {
+        let t = ENCODER_TRACK + k;
+        out.push(
+            json!({"name": "thread_name", "ph": "M", "pid": 1, "tid": t, "args": {"name": format!("stage {k} encoder ({host})")}})
+                .to_string(),
+        );
+        out.push(json!({"name": "thread_sort_index", "ph": "M", "pid": 1, "tid": t, "args": {"sort_index": k}}).to_string());
+    }
     let flow = |from: usize, to: usize, tag: i32, n: u64| format!("{from}-{to}-{tag}-{n}");
     for e in &s.events {
         // The end rounded as the start is, so that an event that ends where
@@ -232,6 +275,10 @@ fn chrome_lines_of(s: &State, host: &str) -> Vec<String> {
         let (start, end) = (ts(e.start_us), ts(e.end_us));
         let dur = ((end - start) * 1000.0).round() / 1000.0;
         match &e.what {
+            What::Encode { seq, rows } => out.push(
+                json!({"name": "vision", "cat": "encode", "ph": "X", "ts": start, "dur": dur, "pid": 1, "tid": ENCODER_TRACK + k, "args": {"seqs": [seq], "rows": rows}})
+                    .to_string(),
+            ),
             What::Step { kind, micro_batch, seqs, rows } => {
                 let mut args = json!({"seqs": seqs, "rows": rows});
                 if *micro_batch != u64::MAX {

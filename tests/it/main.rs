@@ -7,6 +7,7 @@ mod compile;
 mod config;
 mod cuda;
 mod eagle3;
+mod encoder;
 mod gpu_kernels;
 mod graph;
 mod host_kernels;

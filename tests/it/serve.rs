@@ -966,7 +966,8 @@ fn chat_images_by_data_uri_http_and_file_give_the_same_answer() {
 /// A video chat through OpenAI's client at pp 1 and 3: the answer, its
 /// prompt and its logprobs are `m3c run --video`'s and the same at both;
 /// the same video again (by file:// this time) hits the prefix cache, video
-/// rows included, and changes nothing; half a video is a 400 naming its part.
+/// rows included, and the encoder cache, and changes nothing; half a video
+/// is a 400 naming its part.
 #[test]
 fn a_video_chat_answers_as_m3c_run_at_pp_1_and_3_and_hits_the_prefix_cache() {
     let dir = tempfile::tempdir().unwrap();
@@ -990,6 +991,10 @@ fn a_video_chat_answers_as_m3c_run_at_pp_1_and_3_and_hits_the_prefix_cache() {
         assert!(warm >= (tokens - 4) as f64, "pp={pp}: the second asking found only {warm} of {tokens} prompt tokens cached");
         assert_eq!(got["broken_status"].as_u64(), Some(400), "pp={pp}: {got}");
         assert!(got["broken_message"].as_str().unwrap().contains("messages[0].content[0].video_url"), "{got}");
+        // The video's two chunks: encoded once, then found by content.
+        let enc = &got["encoder"];
+        assert_eq!((enc["cache_misses_total"].as_f64(), enc["cache_hits_total"].as_f64()), (Some(2.0), Some(2.0)), "pp={pp}: {enc}");
+        assert_eq!((enc["cache_entries"].as_f64(), enc["grids_total"].as_f64()), (Some(2.0), Some(2.0)), "pp={pp}: {enc}");
         answers.push((got["text"].clone(), got["logprobs"].clone()));
     }
     assert_eq!(answers[0], answers[1], "pp=3's answer and logprobs differ from pp=1's");

@@ -487,6 +487,12 @@ def video(base, model, mp4, allowed):
     hits1 = metric(base, "m3c:prefix_cache_hits_total")
     again = ask("file://" + allowed)
     hits2 = metric(base, "m3c:prefix_cache_hits_total")
+    # The stage reports its encoder's figures when they change (the loop's
+    # next turn): wait for the second asking's lookups to show.
+    deadline = time.time() + 10
+    while metric(base, "m3c:encoder_cache_hits_total") + metric(base, "m3c:encoder_cache_misses_total") < 4 and time.time() < deadline:
+        time.sleep(0.05)
+    encoder = {k: metric(base, f"m3c:encoder_{k}") for k in ["cache_hits_total", "cache_misses_total", "cache_entries", "grids_total"]}
     assert again == first, f"file:// {again} vs data: {first}"
     broken = "data:video/mp4;base64," + base64.b64encode(raw[: len(raw) // 2]).decode()
     status, message = None, ""
@@ -494,7 +500,7 @@ def video(base, model, mp4, allowed):
         ask(broken)
     except openai.BadRequestError as e:
         status, message = e.status_code, str(e)
-    return {**first, "cold_hits": hits1 - hits0, "warm_hits": hits2 - hits1, "broken_status": status, "broken_message": message}
+    return {**first, "cold_hits": hits1 - hits0, "warm_hits": hits2 - hits1, "broken_status": status, "broken_message": message, "encoder": encoder}
 
 
 def images(base, model, png, allowed, outside):

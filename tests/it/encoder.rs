@@ -1,0 +1,80 @@
+//! Encodes beside the step loop: while a request's image encodes on the
+//! first stage's encoder thread, running sequences keep taking steps (the
+//! timeline shows them inside the encode); `--encodes inline` keeps the old
+//! behaviour, where every step waits. Where an encode runs changes no bit.
+
+use m3c_tests::{m3c_run, stderr};
+use serde_json::Value;
+
+/// A 672×672 PNG (576 image tokens): an encode long enough to see steps in.
+fn big_png(path: &std::path::Path) {
+    let n = 672usize;
+    let rgb: Vec<u8> = (0..n).flat_map(|y| (0..n).flat_map(move |x| [(x * 7 + y * 3) as u8, (x * y) as u8, (x ^ y) as u8])).collect();
+    image::save_buffer(path, &rgb, n as u32, n as u32, image::ExtendedColorType::Rgb8).unwrap();
+}
+
+/// Stage 0's encode spans (`cat: encode`, beside the loop) and its vision
+/// and text steps, from a Chrome trace.
+fn spans(trace: &std::path::Path) -> (Vec<(f64, f64)>, Vec<(String, f64, f64)>) {
+    let doc: Value = serde_json::from_slice(&std::fs::read(trace).unwrap()).unwrap();
+    let events = doc["traceEvents"].as_array().unwrap();
+    let span = |e: &Value| (e["ts"].as_f64().unwrap(), e["ts"].as_f64().unwrap() + e["dur"].as_f64().unwrap());
+    let encodes = events.iter().filter(|e| e["cat"] == "encode" && e["ph"] == "X").map(span).collect();
+    let steps = events
+        .iter()
+        .filter(|e| e["tid"] == 0 && e["cat"] == "step" && e["ph"] == "X")
+        .map(|e| {
+            let (a, b) = span(e);
+            (e["name"].as_str().unwrap().to_string(), a, b)
+        })
+        .collect();
+    (encodes, steps)
+}
+
+#[test]
+fn steps_go_on_while_an_image_encodes_and_no_bit_changes() {
+    let dir = tempfile::tempdir().unwrap();
+    big_png(&dir.path().join("big.png"));
+    let prompts = dir.path().join("prompts.jsonl");
+    let image_chat = r#"{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "big.png"}}, {"type": "text", "text": "What is it?"}]}], "thinking": "disabled"}"#;
+    std::fs::write(&prompts, format!("{{\"prompt\": \"Count with me: 1, 2, 3,\"}}\n{image_chat}\n")).unwrap();
+    let (out, model) = crate::shared::tiny(2);
+    let mut dumps = Vec::new();
+    for mode in ["beside", "inline"] {
+        let d = dir.path().join(mode);
+        std::fs::create_dir(&d).unwrap();
+        let (dump, trace) = (d.join("d.safetensors"), d.join("t.json"));
+        let args = [
+            "--prompts",
+            prompts.to_str().unwrap(),
+            "--max-new-tokens",
+            "48",
+            "--ignore-eos",
+            "--encodes",
+            mode,
+            "--dump",
+            dump.to_str().unwrap(),
+            "--trace",
+            trace.to_str().unwrap(),
+        ];
+        let o = m3c_run(&out, &model, &args);
+        assert!(o.status.success(), "{mode}: {}", stderr(&o));
+        let (encodes, steps) = spans(&trace);
+        let text_steps = |from: f64, to: f64| steps.iter().filter(|(n, a, _)| n != "vision" && *a >= from && *a < to).count();
+        if mode == "beside" {
+            assert_eq!(encodes.len(), 1, "one encode beside the loop: {encodes:?}");
+            assert!(!steps.iter().any(|(n, ..)| n == "vision"), "no encode in the loop");
+            let (from, to) = encodes[0];
+            let inside = text_steps(from, to);
+            eprintln!("beside: {inside} of stage 0's steps ran during the {:.1} ms encode", (to - from) / 1e3);
+            assert!(inside > 0, "no step of the text prompt ran while the image encoded");
+        } else {
+            assert!(encodes.is_empty(), "inline: no encode beside the loop");
+            let (_, from, to) = steps.iter().find(|(n, ..)| n == "vision").cloned().expect("the encode, in the loop");
+            assert_eq!(text_steps(from, to), 0, "inline: steps ran during the encode");
+        }
+        let files = ["d.p0.safetensors", "d.p1.safetensors"].map(|f| std::fs::read(d.join(f)).unwrap());
+        dumps.push(files);
+    }
+    assert!(dumps[0] == dumps[1], "the dumps differ between encodes beside the loop and inline");
+}
