@@ -13,9 +13,13 @@ fn big_png(path: &std::path::Path) {
     image::save_buffer(path, &rgb, n as u32, n as u32, image::ExtendedColorType::Rgb8).unwrap();
 }
 
+/// A span's (start, end) in µs; a step's name with its span.
+type Span = (f64, f64);
+type Named = (String, f64, f64);
+
 /// Stage 0's encode spans (`cat: encode`, beside the loop) and its vision
 /// and text steps, from a Chrome trace.
-fn spans(trace: &std::path::Path) -> (Vec<(f64, f64)>, Vec<(String, f64, f64)>) {
+fn spans(trace: &std::path::Path) -> (Vec<Span>, Vec<Named>) {
     let doc: Value = serde_json::from_slice(&std::fs::read(trace).unwrap()).unwrap();
     let events = doc["traceEvents"].as_array().unwrap();
     let span = |e: &Value| (e["ts"].as_f64().unwrap(), e["ts"].as_f64().unwrap() + e["dur"].as_f64().unwrap());
