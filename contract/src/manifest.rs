@@ -113,9 +113,10 @@ impl Manifest {
         Ok(m)
     }
 
-    /// Whether the first stage encodes images (it holds the vision tower).
+    /// Whether the pipeline encodes images: a stage holds the vision tower
+    /// (the first, or another that sends the features to it).
     pub fn encodes_images(&self) -> bool {
-        self.stages.first().is_some_and(|s| s.vision)
+        self.stages.iter().any(|s| s.vision)
     }
 
     /// Cache bytes per position of each stage (every cache row of a sequence).

@@ -492,7 +492,7 @@ pub enum Event {
     /// The vision encoder of the first stage: its cache's hits and misses
     /// (image grids and video chunks, by content), the grids it holds and
     /// their bytes, the requests whose encodes are in flight, and the grids
-    /// encoded with the microseconds spent.
+    /// encoded with the microseconds from asking to having the features.
     Encoder {
         hits: u64,
         misses: u64,

@@ -102,6 +102,10 @@ pub struct VisionMeta {
     pub image_token: i64,
     /// The video placeholder: video features replace its rows the same way.
     pub video_token: i64,
+    /// The stage that holds the tower and encodes: this one, or (on the
+    /// embedding's stage of a plan that puts the tower elsewhere) the one
+    /// that sends the features here.
+    pub encoder_stage: usize,
 }
 
 impl VisionMeta {
@@ -327,7 +331,7 @@ mod tests {
             device: None,
             tensors: vec![TensorSlot { name: "w".into(), shape: vec![2, 8], dtype: DType::BF16 }],
             caches: vec![CacheSlot { layer: 1, kind: "key".into(), width: 8, bytes: 4 }],
-            vision: Some(VisionMeta { patch_row: 1176, merge: 4, image_token: 200025, video_token: 200026 }),
+            vision: Some(VisionMeta { patch_row: 1176, merge: 4, image_token: 200025, video_token: 200026, encoder_stage: 0 }),
             aux_in: 1,
             aux_slots: 3,
             draft: Some(DraftMeta { vocab: 8, order: vec![2, 0, 1], config_sha256: "d".into() }),

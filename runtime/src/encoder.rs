@@ -32,6 +32,8 @@ pub(crate) struct Done {
     pub started: std::time::Instant,
     pub finished: std::time::Instant,
     pub rows: usize,
+    /// Grids encoded.
+    pub grids: usize,
 }
 
 /// The vision entry on a thread of its own, fed jobs in order.
@@ -53,8 +55,8 @@ impl Worker {
                     let tokens: usize = job.images.tokens().iter().sum();
                     let mut feats = vec![0f32; tokens * job.words];
                     run(&job.images, &mut feats);
-                    let (seq, rows, finished) = (job.seq, job.images.patches(), std::time::Instant::now());
-                    if done.send(Done { seq, feats, started, finished, rows }).is_err() {
+                    let (seq, rows, grids, finished) = (job.seq, job.images.patches(), job.images.grids.len(), std::time::Instant::now());
+                    if done.send(Done { seq, feats, started, finished, rows, grids }).is_err() {
                         break;
                     }
                 }
@@ -87,5 +89,69 @@ impl Drop for Worker {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+    }
+}
+
+/// The tower's stage when it is not the first: encode jobs arrive from the
+/// first stage between this stage's own steps, run on the worker thread
+/// (host) or here (GPU), and their features go back.
+pub(crate) struct Remote {
+    worker: Option<Worker>,
+    /// Jobs run here and now, their features ready to send.
+    ready: Vec<(usize, Vec<f32>)>,
+}
+
+impl Remote {
+    pub fn new(st: &crate::stage::Stage) -> Remote {
+        Remote { worker: st.vision_runner().map(Worker::start), ready: Vec::new() }
+    }
+
+    /// Takes every job that has arrived and sends back every result that is
+    /// done. Whether anything happened.
+    pub fn serve(
+        &mut self,
+        world: &mpi::topology::SimpleCommunicator,
+        peers: &mut crate::liveness::Peers,
+        st: &mut crate::stage::Stage,
+        outbox: &mut crate::wire::Outbox,
+    ) -> Result<bool, crate::error::StageError> {
+        use crate::wire::{message, try_recv, TAG_ENCODE, TAG_FEATURES};
+        let mut any = false;
+        while let Some(m) = try_recv(world, peers, 0, TAG_ENCODE) {
+            any = true;
+            let m = m?;
+            let seq = m
+                .segments
+                .first()
+                .map(|s| s.seq)
+                .ok_or_else(|| crate::error::StageError::Peer("an encode job without its sequence".into()))?;
+            let patch_row = st.meta.vision.as_ref().map_or(0, |v| v.patch_row);
+            let mut files = m3c_contract::images::decode(&m.payload, patch_row)
+                .map_err(|e| crate::error::StageError::Peer(format!("an encode job for sequence {seq}: {e}")))?;
+            let images = files
+                .remove(&0)
+                .ok_or_else(|| crate::error::StageError::Peer(format!("an encode job for sequence {seq} without images")))?;
+            let job = Job { seq, images, words: st.meta.x_words() };
+            let job = match &self.worker {
+                Some(w) => match w.submit(job) {
+                    Ok(()) => continue,
+                    Err(job) => job,
+                },
+                None => job,
+            };
+            let feats = st.encode_now(seq, &job.images)?;
+            self.ready.push((seq, feats));
+        }
+        while let Some(done) = self.worker.as_ref().and_then(Worker::try_done) {
+            st.count_encoded(done.grids, (done.finished - done.started).as_secs_f64());
+            crate::trace::vision_beside(done.started, done.finished, done.seq, done.rows);
+            self.ready.push((done.seq, done.feats));
+        }
+        for (seq, feats) in self.ready.drain(..) {
+            any = true;
+            let seg = crate::stage::Segment { seq, pos0: 0, rows: 0 };
+            outbox.send(world, 0, TAG_FEATURES, message(0, &[seg], &crate::wire::f32_bytes(&feats)));
+        }
+        Ok(any)
     }
 }

@@ -52,12 +52,44 @@ pub(crate) fn stats_words(st: &Stage) -> [i64; 3] {
 }
 
 /// Runs a stage after the first until the first stage stops the pipeline.
+/// The next pipeline message from the previous stage, serving encode jobs
+/// while it waits (as `wire::recv` waits: a silent neighbour is an error).
+fn recv_serving_encodes(
+    world: &SimpleCommunicator,
+    peers: &mut Peers,
+    st: &mut Stage,
+    e: &mut crate::encoder::Remote,
+    outbox: &mut Outbox,
+) -> Result<wire::Msg, StageError> {
+    let from = st.meta.stage - 1;
+    loop {
+        if let Some(m) = wire::try_recv(world, peers, from, TAG_ACT) {
+            return m;
+        }
+        let served = e.serve(world, peers, st, outbox)?;
+        outbox.poll();
+        peers.drain(world);
+        if let Some(r) = peers.silent([from, 0]) {
+            return Err(StageError::Peer(crate::liveness::silent_message(r, peers.timeout)));
+        }
+        if !served {
+            std::thread::sleep(std::time::Duration::from_micros(50));
+        }
+    }
+}
+
 pub(crate) fn follow(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Stage, books: &mut LastBooks) -> Result<(), StageError> {
     let (rank, last) = (st.meta.stage, st.meta.last_stage);
     let mut outbox = Outbox::default();
+    // The tower's stage, when it is not the first, serves encode jobs
+    // between its steps.
+    let mut encodes = st.holds_tower().then(|| crate::encoder::Remote::new(st));
     loop {
         outbox.poll();
-        let m = wire::recv(world, peers, rank - 1, TAG_ACT)?;
+        let m = match encodes.as_mut() {
+            None => wire::recv(world, peers, rank - 1, TAG_ACT)?,
+            Some(e) => recv_serving_encodes(world, peers, st, e, &mut outbox)?,
+        };
         let pass_on = |outbox: &mut Outbox, kind, payload: &[u8]| {
             if !last {
                 outbox.send(world, rank + 1, TAG_ACT, message_step(kind, &m.segments, &m.blocks, &m.drafts, &m.propose, payload));

@@ -28,7 +28,8 @@ use crate::kv::{extend_chain, ImageRows, Kv, SeqBlocks};
 use crate::liveness::Peers;
 use crate::stage::{Segment, Stage};
 use crate::wire::{
-    self, f32_bytes, message, message_step, Outbox, KIND_DROP, KIND_RESET, KIND_STATS, KIND_STEP, KIND_STOP, KIND_TRACE, TAG_ACT, TAG_IDS,
+    self, bytes_f32, f32_bytes, message, message_step, Outbox, KIND_DROP, KIND_RESET, KIND_STATS, KIND_STEP, KIND_STOP, KIND_TRACE,
+    TAG_ACT, TAG_ENCODE, TAG_FEATURES, TAG_IDS,
 };
 use m3c_contract::blocks::{blocks_for, BlockHash};
 use m3c_contract::images::SeqImages;
@@ -108,6 +109,8 @@ struct Encoding {
     /// Tokens of each grid.
     tokens: Vec<usize>,
     cancelled: bool,
+    /// When its encode was asked for.
+    asked: Instant,
 }
 
 /// A live sequence.
@@ -192,6 +195,9 @@ pub(crate) struct Leader {
     encoding: HashMap<usize, Encoding>,
     /// What the encoder last reported (to report changes only).
     last_encoder: (u64, u64, u64, u64, usize),
+    /// Grids encoded for this stage (here, beside the loop or on the
+    /// tower's stage), and the seconds from asking to having the features.
+    encodes: (u64, f64),
 }
 
 impl Leader {
@@ -212,6 +218,7 @@ impl Leader {
             worker: if batching.encoder.inline { None } else { st.vision_runner().map(Worker::start) },
             encoding: HashMap::new(),
             last_encoder: (0, 0, 0, 0, 0),
+            encodes: (0, 0.0),
             batching,
         }
     }
@@ -254,7 +261,7 @@ impl Leader {
                     Next::Closed => feed_open = false,
                 }
             }
-            worked |= self.encoded(world, st, books, feed)?;
+            worked |= self.encoded(world, peers, st, books, feed)?;
             worked |= self.admit(feed);
             // One micro-batch per stage in flight. With one stage a step runs
             // to its end here: one per turn, so commands are read between steps.
@@ -290,7 +297,7 @@ impl Leader {
                     stat_events(feed, &stats_words(st));
                 }
             }
-            self.report_encoder(st, feed);
+            self.report_encoder(feed);
             if !feed_open && self.live.is_empty() && self.in_flight == 0 && self.encoding.is_empty() {
                 break;
             }
@@ -489,11 +496,18 @@ impl Leader {
         let tokens = images.tokens();
         let missing = missing_grids(&images, &feats);
         let seq = a.seq;
-        let mut pending = Encoding { a, image_rows, placeholders, feats, tokens, cancelled: false };
+        let mut pending = Encoding { a, image_rows, placeholders, feats, tokens, cancelled: false, asked: Instant::now() };
         if missing.grids.is_empty() {
             return self.joined(world, st, books, pending);
         }
         let words = st.meta.x_words();
+        if let Some(k) = st.tower_elsewhere() {
+            // The tower's stage encodes; the features come back (`encoded`).
+            let file = m3c_contract::images::encode(&std::collections::BTreeMap::from([(0usize, missing)]));
+            self.outbox.send(world, k, TAG_ENCODE, message(0, &[Segment { seq, pos0: 0, rows: 0 }], &file));
+            self.encoding.insert(seq, pending);
+            return Ok(());
+        }
         let missing = match &self.worker {
             Some(w) => match w.submit(Job { seq, images: missing, words }) {
                 Ok(()) => {
@@ -519,6 +533,8 @@ impl Leader {
     /// Puts freshly encoded features (the missing grids', in order) into a
     /// pending request and the cache.
     fn fill(&mut self, p: &mut Encoding, feats: Vec<f32>, words: usize) {
+        self.encodes.0 += p.feats.iter().filter(|f| f.is_none()).count() as u64;
+        self.encodes.1 += p.asked.elapsed().as_secs_f64();
         let mut at = 0;
         for (i, slot) in p.feats.iter_mut().enumerate() {
             if slot.is_none() {
@@ -544,18 +560,40 @@ impl Leader {
     fn encoded(
         &mut self,
         world: &SimpleCommunicator,
+        peers: &mut Peers,
         st: &mut Stage,
         books: &mut LastBooks,
         feed: &mut impl Feed,
     ) -> Result<bool, StageError> {
         let mut any = false;
+        let mut finished = Vec::new();
         while let Some(done) = self.worker.as_ref().and_then(Worker::try_done) {
-            any = true;
-            let grids = self.encoding.get(&done.seq).map_or(0, |p| p.feats.iter().filter(|f| f.is_none()).count());
-            st.count_encoded(grids, (done.finished - done.started).as_secs_f64());
+            st.count_encoded(done.grids, (done.finished - done.started).as_secs_f64());
             crate::trace::vision_beside(done.started, done.finished, done.seq, done.rows);
-            let Some(mut p) = self.encoding.remove(&done.seq) else { continue };
-            self.fill(&mut p, done.feats, st.meta.x_words());
+            finished.push((done.seq, done.feats));
+        }
+        if let Some(k) = st.tower_elsewhere().filter(|_| !self.encoding.is_empty()) {
+            while let Some(m) = wire::try_recv(world, peers, k, TAG_FEATURES) {
+                let m = m?;
+                let seq = m
+                    .segments
+                    .first()
+                    .map(|s| s.seq)
+                    .ok_or_else(|| StageError::Peer(format!("features from stage {k} without their sequence")))?;
+                finished.push((seq, bytes_f32(&m.payload)));
+            }
+        }
+        for (seq, feats) in finished {
+            any = true;
+            let Some(mut p) = self.encoding.remove(&seq) else { continue };
+            let want: usize = p.feats.iter().zip(&p.tokens).filter(|(f, _)| f.is_none()).map(|(_, t)| t * st.meta.x_words()).sum();
+            if feats.len() != want {
+                return Err(StageError::Peer(format!(
+                    "sequence {seq}: {} feature words came back for its images; expected {want}",
+                    feats.len()
+                )));
+            }
+            self.fill(&mut p, feats, st.meta.x_words());
             if p.cancelled {
                 st.end_seq(p.a.seq);
                 feed.event(Event::End { seq: p.a.seq, reason: EndReason::Cancelled });
@@ -567,19 +605,19 @@ impl Leader {
     }
 
     /// The encoder's figures for the front, when they changed.
-    fn report_encoder(&mut self, st: &Stage, feed: &mut impl Feed) {
+    fn report_encoder(&mut self, feed: &mut impl Feed) {
         let (entries, bytes) = self.cache.held();
         let now = (self.cache.hits, self.cache.misses, entries, bytes, self.encoding.len());
         if now != self.last_encoder && feed.wants_stats() {
             self.last_encoder = now;
-            let (encoded, seconds) = st.encoded();
+            let (encoded, seconds) = self.encodes;
             feed.event(Event::Encoder {
                 hits: now.0,
                 misses: now.1,
                 entries,
                 bytes,
                 in_flight: now.4 as u64,
-                encoded: encoded as u64,
+                encoded,
                 encode_us: (seconds * 1e6) as u64,
             });
         }

@@ -14,8 +14,18 @@ use mpi::point_to_point::{Destination, MatchedReceiveVec, Source};
 use mpi::topology::{Communicator, SimpleCommunicator};
 use std::time::Duration;
 
+// Every tag in one list, as they must not collide: 7 and 8 here,
+// `liveness::TAG_BEAT` 9, 11 and 12 here, `trace_exchange`'s 20 and 21.
 pub const TAG_ACT: i32 = 7;
 pub const TAG_IDS: i32 = 8;
+/// Encode jobs from the first stage to the stage that holds the vision
+/// tower (a plan's `vision: true` on another stage): one segment, the
+/// sequence; payload: an images file (`m3c_contract::images`) of its
+/// grids to encode, as sequence 0.
+pub const TAG_ENCODE: i32 = 11;
+/// The features back: one segment, the sequence; payload: `[tokens,
+/// hidden]` as f32 words (the activation storage).
+pub const TAG_FEATURES: i32 = 12;
 pub const KIND_STEP: i64 = 0;
 pub const KIND_STOP: i64 = 1;
 /// `m3c serve`: a sequence joins (one segment: the sequence and its cache

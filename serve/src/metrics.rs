@@ -142,7 +142,11 @@ impl Metrics {
         w.gauge("encoder_cache_bytes", "Bytes of features the encoder cache holds (--encoder-cache-mb bounds it).", e.bytes);
         w.gauge("encoder_requests_in_flight", "Requests whose images or videos are encoding (they join when done).", e.in_flight);
         w.counter("encoder_grids_total", "Image grids and video chunks encoded.", e.encoded);
-        w.gauge("encoder_seconds_total", "Seconds the vision encoder has spent encoding.", e.encode_us as f64 / 1e6);
+        w.gauge(
+            "encoder_seconds_total",
+            "Seconds from asking for a request's encodes to having its features, summed over requests.",
+            e.encode_us as f64 / 1e6,
+        );
         w.gauge("kv_cache_blocks_cached", "Blocks that only cached prefixes hold (evicted least recently used).", g.blocks_cached);
         w.gauge("num_sequences_running", "Sequences that hold KV blocks and take steps.", g.sequences.0);
         w.gauge("num_sequences_waiting", "Sequences in the pipeline waiting for KV blocks (new, or preempted).", g.sequences.1);

@@ -82,3 +82,37 @@ fn steps_go_on_while_an_image_encodes_and_no_bit_changes() {
     }
     assert!(dumps[0] == dumps[1], "the dumps differ between encodes beside the loop and inline");
 }
+
+/// The tower on the last stage of three (`vision: true` there): a video
+/// prompt and an image chat beside a text prompt give exactly the bytes of
+/// the tower on the first stage; the encodes show on the last stage's
+/// encoder track, beside its own steps.
+#[test]
+fn the_tower_on_another_stage_gives_the_same_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    big_png(&dir.path().join("big.png"));
+    let prompts = dir.path().join("prompts.jsonl");
+    let image_chat = r#"{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "big.png"}}, {"type": "text", "text": "What is it?"}]}], "thinking": "disabled"}"#;
+    std::fs::write(&prompts, format!("{{\"prompt\": \"Count with me: 1, 2, 3,\"}}\n{image_chat}\n")).unwrap();
+    let model = m3c_tests::fixture("tiny-m3");
+    let clip = m3c_tests::fixture("video/clip.mp4");
+    let video = ["--prompt", "Look:]<]video[>[ What moves?", "--video", clip.to_str().unwrap(), "--max-new-tokens", "6"];
+    let mixed = ["--prompts", prompts.to_str().unwrap(), "--max-new-tokens", "24", "--ignore-eos"];
+    let mut runs: Vec<Vec<Vec<u8>>> = Vec::new();
+    for (name, out) in [("first", crate::shared::tiny(3).0), ("last", crate::shared::tiny_tower_on_last())] {
+        let d = dir.path().join(name);
+        std::fs::create_dir(&d).unwrap();
+        let (v, m, trace) = (d.join("v.safetensors"), d.join("m.safetensors"), d.join("t.json"));
+        let o = m3c_run(&out, &model, &[&video[..], &["--dump", v.to_str().unwrap()]].concat());
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        let o = m3c_run(&out, &model, &[&mixed[..], &["--dump", m.to_str().unwrap(), "--trace", trace.to_str().unwrap()]].concat());
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        let doc: Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+        let tracks: Vec<u64> =
+            doc["traceEvents"].as_array().unwrap().iter().filter(|e| e["cat"] == "encode").filter_map(|e| e["tid"].as_u64()).collect();
+        assert_eq!(tracks, vec![if name == "first" { 1000 } else { 1002 }], "{name}: the encode's track");
+        let read = |p: std::path::PathBuf| std::fs::read(p).unwrap();
+        runs.push(vec![read(v), read(d.join("m.p0.safetensors")), read(d.join("m.p1.safetensors"))]);
+    }
+    assert!(runs[0] == runs[1], "the tower on the last stage changed the bytes");
+}

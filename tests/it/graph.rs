@@ -51,7 +51,7 @@ fn every_family_reads_its_tiny_config_and_its_graph_reads_exactly_its_layout() {
             let graph = build_graph(&cfg);
             let parts: BTreeSet<Part> = graph.graph.node_weights().map(|n| n.part).collect();
             let storages = Storages { kv_cache: Storage::F32, activations: Storage::F32 };
-            let stage = fuse_stage(&cfg, &graph, &parts, storages, Default::default()).unwrap();
+            let stage = fuse_stage(&cfg, &graph, &parts, storages, Default::default(), false).unwrap();
             let read: BTreeSet<String> = stage.tensors.iter().map(|t| t.name.clone()).collect();
             assert_eq!(read.len(), stage.tensors.len(), "{family:?}: a tensor bound twice");
             assert_eq!(read, layout, "{family:?} mxfp8 {mxfp8}: the graph's tensors and the layout differ");

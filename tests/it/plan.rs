@@ -57,6 +57,14 @@ fn plan_errors_point_at_line_and_column() {
             "stages:\n  - layers: 0-3\n    lm_head: true\n  - layers: 4-7\n    lm_head: true\n",
             "p.yaml:5:5: `lm_head` is set on stages 0 and 1",
         ),
+        (
+            "stages:\n  - layers: 0-3\n    vision: true\n  - layers: 4-7\n    vision: true\n",
+            "p.yaml:5:5: `vision` is set on stages 0 and 1: the tower lives on exactly one stage",
+        ),
+        (
+            "stages:\n  - layers: 0-2\n  - layers: 3-5\n    vision: true\n  - layers: 6-7\n    vision: true\n",
+            "p.yaml:6:5: `vision` is set on stages 1 and 2",
+        ),
         ("stages: []\n", "p.yaml:1:9: `stages` is empty"),
         ("version: 2\nstages:\n  - layers: 0-7\n", "p.yaml:1:10: unsupported plan version 2"),
         ("stages:\n  - layers: 0-3\n   bad indent\n", "p.yaml:3:"),
@@ -248,6 +256,40 @@ fn vision_weights_count_on_stage_0_and_text_only_models_plan() {
     assert!(o.status.success(), "{}", stderr(&o));
     let o = m3c(&["plan", "--check", out.to_str().unwrap(), "--model", flat.to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
+}
+
+/// `vision: true` on another stage puts the tower there: its weights count
+/// there, the embedding's stage takes its features, the table and the
+/// picture say where it is and what a 672×672 image costs, and a written
+/// plan keeps the placement.
+#[test]
+fn the_vision_tower_can_sit_on_another_stage() {
+    let text = "stages:\n  - layers: 0-2\n  - layers: 3-5\n  - layers: 6-7\n    vision: true\n";
+    let p = parse_plan(Path::new("p.yaml"), text, Some(&tiny())).unwrap();
+    assert!(!p.stages[0].vision && p.stages[2].vision && p.stages[0].vision_from == Some(2));
+    assert_eq!(p.stages[2].describe(), "layers 6-7 + norm + lm_head + vision");
+    let (cfg, gpu) = (tiny(), GpuProfile::named("H200").unwrap());
+    let w = Workload { batch: 1, context: 8192, kv_cache: Default::default() };
+    let t = table(&cfg, &p, &gpu, w);
+    assert!(t.contains("vision tower on stage 2 (beside its own steps; features go to stage 0): a 672x672 image (2304 patches) is"), "{t}");
+    let mut first = p.clone();
+    (first.stages[0].vision, first.stages[0].vision_from, first.stages[2].vision) = (true, None, false);
+    let (there, here) = (m3c_compiler::plan::stage_costs(&cfg, &p, &gpu, w), m3c_compiler::plan::stage_costs(&cfg, &first, &gpu, w));
+    let tower = here[0].cost.weight_bytes - there[0].cost.weight_bytes;
+    assert!(
+        tower > 0.0 && (there[2].cost.weight_bytes - here[2].cost.weight_bytes - tower).abs() < 1.0,
+        "the tower's weights move with it"
+    );
+    let yaml = m3c_compiler::plan::plan_yaml(&p, None, None, "test", "");
+    assert!(yaml.contains("  - layers: \"6-7\"   # stage 2\n    final_norm: true\n    lm_head: true\n    vision: true\n"), "{yaml}");
+    assert!(!yaml.contains("vision: false"), "{yaml}");
+    let back = parse_plan(Path::new("p.yaml"), &yaml, Some(&tiny())).unwrap();
+    assert_eq!(
+        back.stages.iter().map(|s| (s.vision, s.vision_from)).collect::<Vec<_>>(),
+        vec![(false, Some(2)), (false, None), (true, None)]
+    );
+    let svg = m3c_compiler::plan::plan_svg(&cfg, &p, &gpu, w);
+    assert!(svg.contains(">layers 6-7 + vision</text>") && !svg.contains(">layers 0-2 + vision</text>"), "{svg}");
 }
 
 /// `m3c plan --svg`: per stage a weights bar and a KV bar under the GPU's

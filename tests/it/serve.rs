@@ -963,8 +963,9 @@ fn chat_images_by_data_uri_http_and_file_give_the_same_answer() {
     assert_eq!(got["text"].as_str(), Some(want.trim_start_matches('\n')), "the image chat's answer is m3c run's");
 }
 
-/// A video chat through OpenAI's client at pp 1 and 3: the answer, its
-/// prompt and its logprobs are `m3c run --video`'s and the same at both;
+/// A video chat through OpenAI's client at pp 1 and 3, and at pp 3 with
+/// the vision tower on the last stage: the answer, its prompt and its
+/// logprobs are `m3c run --video`'s and the same at all three;
 /// the same video again (by file:// this time) hits the prefix cache, video
 /// rows included, and the encoder cache, and changes nothing; half a video
 /// is a 400 naming its part.
@@ -976,8 +977,10 @@ fn a_video_chat_answers_as_m3c_run_at_pp_1_and_3_and_hits_the_prefix_cache() {
     let mp4 = media.join("clip.mp4");
     std::fs::copy(fixture("video/clip.mp4"), &mp4).unwrap();
     let mut answers = Vec::new();
-    for pp in [1, 3] {
-        let (out, model) = crate::shared::tiny(pp);
+    let model = fixture("tiny-m3");
+    let builds =
+        [("1", crate::shared::tiny(1).0), ("3", crate::shared::tiny(3).0), ("3 (tower on stage 2)", crate::shared::tiny_tower_on_last())];
+    for (pp, out) in builds {
         let run_args = ["--chat", "What moves?", "--thinking", "disabled", "--video", mp4.to_str().unwrap()];
         let (want, log) =
             run_text(&out, &model, &[&run_args[..], &["--max-new-tokens", "8", "--temperature", "0", "--ignore-eos"]].concat());
@@ -998,6 +1001,7 @@ fn a_video_chat_answers_as_m3c_run_at_pp_1_and_3_and_hits_the_prefix_cache() {
         answers.push((got["text"].clone(), got["logprobs"].clone()));
     }
     assert_eq!(answers[0], answers[1], "pp=3's answer and logprobs differ from pp=1's");
+    assert_eq!(answers[0], answers[2], "the tower on stage 2 changed the answer or logprobs");
 }
 
 /// Each stage's `m3c:stage_busy_seconds_total` from `/metrics`.

@@ -50,3 +50,18 @@ pub fn copy(name: &str, pp: usize, dir: &Path) -> PathBuf {
     }
     to
 }
+
+/// tiny-m3 at pp 3 (layers 0-2 | 3-5 | 6-7) with the vision tower on the
+/// last stage (`vision: true` there): the first stage sends it the images
+/// and takes the features back.
+pub fn tiny_tower_on_last() -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("shared");
+    std::fs::create_dir_all(&dir).unwrap();
+    let plan = dir.join("tower-on-last.yaml");
+    // Written whole under another name, then renamed: a test reading it
+    // while another writes never sees half a file.
+    let tmp = dir.join(format!("tower-on-last.{}.{:?}.tmp", std::process::id(), std::thread::current().id()));
+    std::fs::write(&tmp, "version: 1\nstages:\n  - layers: \"0-2\"\n  - layers: \"3-5\"\n  - layers: \"6-7\"\n    vision: true\n").unwrap();
+    std::fs::rename(&tmp, &plan).unwrap();
+    out_with("tiny-m3", 3, &[plan.to_str().unwrap()])
+}

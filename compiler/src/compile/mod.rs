@@ -122,11 +122,34 @@ pub fn check_out_path(out: &Path, model: &Path) -> Result<()> {
     Ok(())
 }
 
+/// What a stage knows of images: the tower's stage knows its program's
+/// geometry; the embedding's stage of a plan that puts the tower elsewhere
+/// knows the placeholders and where the features come from.
+fn vision_meta(p: &StageProgram, plan_stage: &crate::plan::StagePlan, cfg: &ModelConfig) -> Option<m3c_contract::stage::VisionMeta> {
+    let vc = cfg.vision.as_ref()?;
+    let meta = |patch_row, merge, encoder_stage| m3c_contract::stage::VisionMeta {
+        patch_row,
+        merge,
+        image_token: vc.image_token_id as i64,
+        video_token: vc.video_token_id as i64,
+        encoder_stage,
+    };
+    match (&p.vision, plan_stage.vision_from) {
+        (Some(v), _) => Some(meta(v.patch_row, v.merge, p.index)),
+        (None, Some(k)) => {
+            use m3c_contract::images::{MERGE_SIDE, PATCH_ROW};
+            Some(meta(PATCH_ROW, MERGE_SIDE * MERGE_SIDE, k))
+        }
+        (None, None) => None,
+    }
+}
+
 /// The stage metadata embedded in each executable (the contract's
 /// `StageMeta`, which the runtime reads back).
 #[allow(clippy::too_many_arguments)]
 fn stage_meta(
     p: &StageProgram,
+    plan_stage: &crate::plan::StagePlan,
     stages: usize,
     cfg: &ModelConfig,
     compile_id: &str,
@@ -156,12 +179,7 @@ fn stage_meta(
         device: device.map(|d| d as i32),
         tensors: p.tensors.clone(),
         caches: p.caches.clone(),
-        vision: p.vision.as_ref().zip(cfg.vision.as_ref()).map(|(v, vc)| m3c_contract::stage::VisionMeta {
-            patch_row: v.patch_row,
-            merge: v.merge,
-            image_token: vc.image_token_id as i64,
-            video_token: vc.video_token_id as i64,
-        }),
+        vision: vision_meta(p, plan_stage, cfg),
         aux_in: p.aux_in,
         aux_slots: p.aux_slots,
         draft: p.draft.as_ref().zip(draft_sha).map(|(d, sha)| m3c_contract::stage::DraftMeta {
@@ -190,6 +208,9 @@ pub fn holds(p: &StageProgram) -> String {
     }
     if p.parts.contains(&Part::LmHead) {
         s.push("lm_head".into());
+    }
+    if p.parts.contains(&Part::Vision) && !p.parts.contains(&Part::Embedding) {
+        s.push("vision".into());
     }
     s.join(" + ")
 }
@@ -389,6 +410,7 @@ impl StageJob<'_> {
         let device = req.plan.stages[p.index].place.device;
         let meta = stage_meta(
             p,
+            &req.plan.stages[p.index],
             self.stages,
             req.config,
             self.compile_id,

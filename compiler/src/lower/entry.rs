@@ -335,7 +335,10 @@ fn entry_body(f: &FusedStage, flavor: Flavor) -> Emitter {
         super::Boundary::Logits { vocab } => Some(vocab),
         _ => None,
     };
-    step_views(&mut e, f, vocab, f.vision.is_some(), None);
+    // Image rows come in where the embedding takes image features (this
+    // stage's tower's, or another stage's).
+    let img = f.text.steps.iter().any(|s| matches!(s, super::Step::ImageRows { .. }));
+    step_views(&mut e, f, vocab, img, None);
     emit_steps(&mut e, &f.text.steps, 0);
     e.body.push_str("return\n");
     e

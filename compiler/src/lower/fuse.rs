@@ -335,6 +335,8 @@ struct Fuser<'a> {
     /// Lowering a draft entry: the embedding gets a buffer of its own (`x`
     /// holds the draft's hidden state).
     in_draft: bool,
+    /// The embedding takes image features that another stage encodes.
+    images_from_elsewhere: bool,
 }
 
 fn weight_type(d: DType) -> Result<WeightType, String> {
@@ -594,9 +596,10 @@ impl Fuser<'_> {
                 self.vals.insert(n, Arg::Buf { id: to, width: w * factor, elem });
             }
             Op::ImageScatter { .. } => {
-                // Only where this stage encodes images; `x` holds the embeddings.
+                // Only where images come in (this stage's tower, or another
+                // stage's features); `x` holds the embeddings.
                 let x = self.val(ops[0])?;
-                if self.parts.contains(&Part::Vision) {
+                if self.parts.contains(&Part::Vision) || self.images_from_elsewhere {
                     let k = Kernel::ScatterRows(m3c_kernels::ScatterRows { width, paged: None, cache: self.act, act: self.act });
                     if !self.kernels.contains(&k) {
                         self.kernels.push(k.clone());
@@ -877,6 +880,7 @@ pub fn fuse_stage(
     parts: &BTreeSet<Part>,
     storages: Storages,
     draft: DraftPart,
+    images_from_elsewhere: bool,
 ) -> Result<FusedStage, String> {
     let mut specs: HashMap<String, TensorSpec> = expected_tensors(cfg).into_iter().map(|s| (s.name.clone(), s)).collect();
     let heads = draft.head.map(|d| (d, crate::graph::draft::draft_graph(cfg, d, true), crate::graph::draft::draft_graph(cfg, d, false)));
@@ -902,6 +906,7 @@ pub fn fuse_stage(
         next_buf: 0,
         live: Vec::new(),
         in_draft: false,
+        images_from_elsewhere,
     };
     let hidden = cfg.text.hidden_size;
     // Nodes in graph order (a topological order), grouped by part; the

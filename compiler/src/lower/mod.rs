@@ -69,7 +69,8 @@ pub fn lower_stage(
     draft: DraftPart,
 ) -> Result<StageProgram, LowerError> {
     let parts = stage.parts();
-    let fused = fuse_stage(cfg, graph, &parts, storages, draft).map_err(|message| LowerError::Stage { stage: index, message })?;
+    let fused = fuse_stage(cfg, graph, &parts, storages, draft, stage.vision_from.is_some())
+        .map_err(|message| LowerError::Stage { stage: index, message })?;
     let mlir = backend.module(&fused).map_err(|message| LowerError::Stage { stage: index, message })?;
     Ok(StageProgram { index, parts, fused, mlir })
 }

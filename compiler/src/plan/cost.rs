@@ -169,3 +169,24 @@ pub fn part_costs(cfg: &ModelConfig, w: Workload) -> BTreeMap<Part, PartCost> {
     }
     costs
 }
+
+/// Patch rows of a 672×672 image, the reference processor's largest
+/// (48 × 48 patches of 14 pixels; 576 image tokens after the 2×2 merge).
+pub const IMAGE_672_PATCHES: usize = 48 * 48;
+
+/// FLOPs of encoding `patches` patch rows of one image through the vision
+/// tower, projector and patch merge (the stage that holds the tower runs
+/// them once per image, beside its steps): the patch embedding, per layer
+/// the attention's four projections, its scores and weighted sums over the
+/// image's own rows, and the MLP; then the projector on every row and the
+/// merge on every fourth.
+pub fn vision_encode_flops(cfg: &ModelConfig, patches: usize) -> Option<f64> {
+    let v = cfg.vision.as_ref()?;
+    let (p, h, m, big) = (patches as f64, v.hidden_size as f64, v.intermediate_size as f64, v.projector_hidden_size as f64);
+    let row = (v.num_channels * v.temporal_patch_size * v.patch_size * v.patch_size) as f64;
+    let merge = (v.spatial_merge_size * v.spatial_merge_size) as f64;
+    let embed = 2.0 * p * row * h;
+    let layer = 2.0 * p * (4.0 * h * h + 2.0 * h * m) + 4.0 * p * p * h;
+    let projector = 2.0 * p * (h * big + big * big) + 2.0 * (p / merge) * (merge * big * big + big * big);
+    Some(embed + v.num_layers as f64 * layer + projector)
+}

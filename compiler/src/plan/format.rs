@@ -56,8 +56,14 @@ pub struct StagePlan {
     pub final_norm: bool,
     pub lm_head: bool,
     /// Holds the vision tower, projector and patch merge (the embedding's
-    /// stage unless the plan says `vision: false` there: a text-only deployment).
+    /// stage unless the plan says `vision: false` there: a text-only
+    /// deployment; or another stage with `vision: true`, which encodes
+    /// beside its own steps and sends the features to the embedding's).
     pub vision: bool,
+    /// The stage whose tower's features this stage's embedding takes, when
+    /// it is another stage (the embedding's stage of such a plan).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vision_from: Option<usize>,
     /// Where it runs (the plan's keys of the same names).
     #[serde(flatten)]
     pub place: Placement,
@@ -110,6 +116,9 @@ impl StagePlan {
         }
         if self.lm_head {
             s.push("lm_head".to_string());
+        }
+        if self.vision && !self.embedding {
+            s.push("vision".to_string());
         }
         s.join(" + ")
     }
@@ -419,6 +428,7 @@ fn parse_stages(ctx: &Ctx, raw: &RawPlan, target: &Target, num_layers: Option<us
             final_norm: s.final_norm.unwrap_or(false),
             lm_head: s.lm_head.unwrap_or(false),
             vision: false,
+            vision_from: None,
             place: Placement { device: s.device, host: s.host.clone(), link: s.link.clone() },
         });
     }
@@ -451,19 +461,30 @@ fn place_parts(ctx: &Ctx, raw: &RawPlan, stages: &mut [StagePlan]) -> Result<usi
             format!("the embedding must be on the first stage (stage 0), where token ids enter the pipeline; found on stage {emb}"),
         ));
     }
-    // The vision tower's features replace embedding rows before layer 0,
-    // so it lives with the embedding; `vision: false` there leaves it out.
-    for (i, r) in raw.stages.iter().enumerate() {
-        if r.vision == Some(true) && i != emb {
+    // The vision tower's features replace embedding rows before layer 0:
+    // it lives with the embedding unless another stage says `vision: true`
+    // (it then encodes there, off the first stage's step loop, and sends
+    // the features to it); `vision: false` there leaves it out.
+    let elsewhere: Vec<usize> = (0..n).filter(|&i| i != emb && raw.stages[i].vision == Some(true)).collect();
+    match elsewhere.as_slice() {
+        [] => stages[emb].vision = raw.stages[emb].vision != Some(false),
+        [k] => {
+            if raw.stages[emb].vision == Some(true) {
+                return Err(ctx.key(
+                    &format!("stages[{k}].vision"),
+                    format!("`vision` is set on stages {emb} and {k}: the tower lives on exactly one stage"),
+                ));
+            }
+            stages[*k].vision = true;
+            stages[emb].vision_from = Some(*k);
+        }
+        [first, second, ..] => {
             return Err(ctx.key(
-                &format!("stages[{i}].vision"),
-                format!(
-                    "the vision tower must be on the embedding's stage (stage {emb}): its image features replace embedding rows before layer 0; found on stage {i}"
-                ),
-            ));
+                &format!("stages[{second}].vision"),
+                format!("`vision` is set on stages {first} and {second}: the tower lives on exactly one stage"),
+            ))
         }
     }
-    stages[emb].vision = raw.stages[emb].vision != Some(false);
     let head = place("lm_head", n - 1, stages, |s| &mut s.lm_head)?;
     if head != n - 1 {
         return Err(ctx.key(

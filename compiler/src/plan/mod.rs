@@ -81,6 +81,7 @@ pub fn make_plan(cfg: &ModelConfig, pp: usize, gpu: &GpuProfile, w: Workload, ta
                 final_norm: e == n_layers + 2,
                 lm_head: e == n_layers + 2,
                 vision: a == 0 && cfg.vision.is_some(),
+                vision_from: None,
                 place: Placement::default(),
             }
         })

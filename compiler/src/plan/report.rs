@@ -50,6 +50,7 @@ pub fn even_plan(cfg: &ModelConfig, pp: usize) -> Option<Plan> {
                 final_norm: k == pp - 1,
                 lm_head: k == pp - 1,
                 vision: k == 0,
+                vision_from: None,
                 place: Placement::default(),
             }
         })
@@ -67,6 +68,22 @@ fn summary(costs: &[StageCost]) -> (f64, f64, usize) {
 
 fn counts(plan: &Plan) -> String {
     plan.stages.iter().map(|s| s.layers.map_or(0, |r| r.len()).to_string()).collect::<Vec<_>>().join("/")
+}
+
+/// Where the vision tower is and what one image costs it: a 672×672
+/// image's encode (at the GPU's FLOP rate) against the stage's step.
+fn vision_line(cfg: &ModelConfig, plan: &Plan, gpu: &GpuProfile, costs: &[StageCost], (tu, ts): (&str, f64)) -> Option<String> {
+    let k = plan.stages.iter().position(|s| s.vision)?;
+    let flops = super::cost::vision_encode_flops(cfg, super::cost::IMAGE_672_PATCHES)?;
+    let t = flops / gpu.flops;
+    let steps = t / costs[k].time.max(1e-12);
+    let place = if plan.stages[k].embedding { "beside the first stage's steps" } else { "beside its own steps; features go to stage 0" };
+    Some(format!(
+        "vision tower on stage {k} ({place}): a 672x672 image ({} patches) is {:.1} GFLOP, {:.3} {tu} of encode = {steps:.1} of its steps\n",
+        super::cost::IMAGE_672_PATCHES,
+        flops / 1e9,
+        t * ts
+    ))
 }
 
 /// The per-stage table, with the bottleneck, the bubble and (for comparison)
@@ -88,9 +105,11 @@ pub fn table(cfg: &ModelConfig, plan: &Plan, gpu: &GpuProfile, w: Workload) -> S
     // Tiny models get MB and µs so that the table says something.
     let small = costs.iter().all(|c| c.memory < 1e9);
     let (bu, bs, tu, ts) = if small { ("MB", 1e6, "us", 1e6) } else { ("GB", 1e9, "ms", 1e3) };
+    // The holds column fits its longest entry (32 at the least).
+    let wide = plan.stages.iter().map(|s| s.describe().len()).max().unwrap_or(0).max(32);
     let _ = writeln!(
         o,
-        "{:<5} {:<32} {:>7} {:>11} {:>13} {:>11} {:>12} {:>9}",
+        "{:<5} {:<wide$} {:>7} {:>11} {:>13} {:>11} {:>12} {:>9}",
         "stage",
         "holds",
         "layers",
@@ -105,7 +124,7 @@ pub fn table(cfg: &ModelConfig, plan: &Plan, gpu: &GpuProfile, w: Workload) -> S
         let over = if c.memory > cap { "  > GPU memory" } else { "" };
         let _ = writeln!(
             o,
-            "{:<5} {:<32} {:>7} {:>11.2} {:>13.3} {:>11.2} {:>12.3} {:>9.3}{over}",
+            "{:<5} {:<wide$} {:>7} {:>11.2} {:>13.3} {:>11.2} {:>12.3} {:>9.3}{over}",
             k,
             s.describe(),
             s.layers.map_or(0, |r| r.len()),
@@ -123,6 +142,9 @@ pub fn table(cfg: &ModelConfig, plan: &Plan, gpu: &GpuProfile, w: Workload) -> S
         slow * ts,
         bubble * 100.0
     );
+    if let Some(line) = vision_line(cfg, plan, gpu, &costs, (tu, ts)) {
+        o += &line;
+    }
     let fits = costs.iter().all(|c| c.memory <= cap);
     if !fits {
         let _ = writeln!(o, "warning: some stage does not fit {} ({:.1} GB usable)", gpu.name, cap / 1e9);
@@ -272,7 +294,10 @@ pub fn plan_svg(cfg: &ModelConfig, plan: &Plan, gpu: &GpuProfile, w: Workload) -
         let mid = x + bar / 2.0;
         let _ = writeln!(o, r#"<text x="{mid:.1}" y="{:.1}" text-anchor="middle">{:.1} {bu}</text>"#, ky - 6.0, c.memory / bs);
         let _ = writeln!(o, r#"<text x="{mid:.1}" y="{:.1}" text-anchor="middle">stage {k}</text>"#, base + 16.0);
-        let layers = s.layers.map_or("no layers".to_string(), |r| format!("layers {r}"));
+        let mut layers = s.layers.map_or("no layers".to_string(), |r| format!("layers {r}"));
+        if s.vision {
+            layers.push_str(" + vision");
+        }
         let _ = writeln!(o, r#"<text x="{mid:.1}" y="{:.1}" text-anchor="middle">{layers}</text>"#, base + 32.0);
         let mark = if k == at { " (slowest)" } else { "" };
         let _ = writeln!(o, r#"<text x="{mid:.1}" y="{:.1}" text-anchor="middle">{:.3} {tu}{mark}</text>"#, base + 48.0, c.time * ts);
@@ -321,7 +346,8 @@ pub fn plan_yaml(plan: &Plan, model: Option<&str>, draft: Option<&str>, header: 
             ("embedding: true", s.embedding),
             ("final_norm: true", s.final_norm),
             ("lm_head: true", s.lm_head),
-            ("vision: false", s.embedding && !s.vision),
+            ("vision: false", s.embedding && !s.vision && s.vision_from.is_none()),
+            ("vision: true", !s.embedding && s.vision),
         ];
         fields.extend(parts.iter().filter(|(_, set)| *set).map(|(field, _)| field.to_string()));
         if let Some(d) = s.place.device {

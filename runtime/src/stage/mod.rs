@@ -411,13 +411,17 @@ impl Stage {
     /// stage's), for encodes beside the step loop; `None` where encodes
     /// run in the loop (GPU stages).
     pub(crate) fn vision_runner(&self) -> Option<crate::encoder::RunVision> {
-        self.meta.vision.as_ref()?;
-        self.backing.vision_runner()
+        self.holds_tower().then(|| self.backing.vision_runner())?
     }
 
-    /// Grids encoded so far and the seconds spent.
-    pub fn encoded(&self) -> (usize, f64) {
-        self.encoded
+    /// Whether this stage holds the vision tower (it encodes).
+    pub fn holds_tower(&self) -> bool {
+        self.meta.vision.as_ref().is_some_and(|v| v.encoder_stage == self.meta.stage)
+    }
+
+    /// The stage that encodes this one's images, when it is another.
+    pub fn tower_elsewhere(&self) -> Option<usize> {
+        self.meta.vision.as_ref().map(|v| v.encoder_stage).filter(|&k| k != self.meta.stage)
     }
 
     /// Grids encoded (here or beside the loop) and the seconds spent, for
