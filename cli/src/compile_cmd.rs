@@ -68,6 +68,10 @@ pub(crate) fn compiled_lines(
     for s in &m.stages {
         text += &format!("{}/{}: {} ({} kernels, {} tensors)\n", out.display(), s.executable, s.holds, s.kernels.len(), s.tensors.len());
     }
+    if let Some(e) = &m.encoder {
+        text +=
+            &format!("{}/{}: the vision tower, run by {} encoder rank(s) after the stages\n", out.display(), e.executable, e.hosts.len());
+    }
     // The hint shows text prompts where the checkpoint can read them.
     let prompt = if model.is_dir() && model.join("tokenizer.json").is_file() { "--prompt \"Hello\"" } else { "--prompt-ids 1,2,3" };
     text += &format!(

@@ -41,6 +41,19 @@ pub struct Manifest {
     #[serde(default)]
     pub video_token: Option<usize>,
     pub stages: Vec<StageEntry>,
+    /// The encoder ranks' executable (a plan's `vision: {ranks: N}`), run by
+    /// every encoder rank after the stages.
+    #[serde(default)]
+    pub encoder: Option<EncoderEntry>,
+}
+
+/// The encoder ranks: their one executable and where each runs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EncoderEntry {
+    pub executable: String,
+    pub sha256: String,
+    /// One per rank: the host it runs on, if the plan names one.
+    pub hosts: Vec<Option<String>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -110,13 +123,32 @@ impl Manifest {
                 return Err(ManifestError::Sha { stage: s.stage, sha: s.sha256.clone() });
             }
         }
+        // The encoder ranks come after the stages: checked as they are, and
+        // their executable is a plain name in the folder.
+        if let Some(e) = &m.encoder {
+            let after = m.stages.len();
+            if let Some(host) = e.hosts.iter().flatten().find(|h| !valid_host(h)) {
+                return Err(ManifestError::Host { stage: after, host: host.clone() });
+            }
+            if e.sha256.len() != 64 || !e.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Err(ManifestError::Sha { stage: after, sha: e.sha256.clone() });
+            }
+            if e.executable != "encoder" || e.hosts.is_empty() {
+                return Err(ManifestError::Unreadable(format!(
+                    "`encoder`: expected the executable `encoder` and one or more ranks, found `{}` and {} rank(s)",
+                    e.executable,
+                    e.hosts.len()
+                )));
+            }
+        }
         Ok(m)
     }
 
     /// Whether the pipeline encodes images: a stage holds the vision tower
-    /// (the first, or another that sends the features to it).
+    /// (the first, or another that sends the features to it), or encoder
+    /// ranks of their own do.
     pub fn encodes_images(&self) -> bool {
-        self.stages.iter().any(|s| s.vision)
+        self.stages.iter().any(|s| s.vision) || self.encoder.is_some()
     }
 
     /// Cache bytes per position of each stage (every cache row of a sequence).
@@ -183,6 +215,7 @@ mod tests {
             kv_block: 4,
             image_token: Some(9),
             video_token: Some(10),
+            encoder: None,
             stages: vec![stage(0), stage(1)],
         }
     }

@@ -78,6 +78,14 @@ pub struct StageMeta {
     pub aux_slots: usize,
     /// Set on the stage that runs the EAGLE3 draft head (the last).
     pub draft: Option<DraftMeta>,
+    /// Encoder ranks of the job (a plan's `vision: {ranks: N}`): ranks
+    /// `stages..stages + encoders`, after the stages.
+    #[serde(default)]
+    pub encoders: usize,
+    /// This is the encoder ranks' program (the vision tower alone), not a
+    /// stage's; `stage` is then the first encoder rank.
+    #[serde(default)]
+    pub encoder: bool,
 }
 
 /// What the stage that runs an EAGLE3 draft head knows of it.
@@ -334,6 +342,8 @@ mod tests {
             vision: Some(VisionMeta { patch_row: 1176, merge: 4, image_token: 200025, video_token: 200026, encoder_stage: 0 }),
             aux_in: 1,
             aux_slots: 3,
+            encoders: 0,
+            encoder: false,
             draft: Some(DraftMeta { vocab: 8, order: vec![2, 0, 1], config_sha256: "d".into() }),
         };
         assert_eq!(StageMeta::parse(m.to_json().as_bytes()).unwrap(), m);

@@ -107,19 +107,37 @@ impl Remote {
     }
 
     /// Takes every job that has arrived and sends back every result that is
-    /// done. Whether anything happened.
+    /// done. Whether anything happened, and whether the first stage said
+    /// stop (encoder ranks: the job is over).
     pub fn serve(
         &mut self,
         world: &mpi::topology::SimpleCommunicator,
         peers: &mut crate::liveness::Peers,
         st: &mut crate::stage::Stage,
         outbox: &mut crate::wire::Outbox,
-    ) -> Result<bool, crate::error::StageError> {
-        use crate::wire::{message, try_recv, TAG_ENCODE, TAG_FEATURES};
-        let mut any = false;
+    ) -> Result<(bool, bool), crate::error::StageError> {
+        use crate::wire::{message, try_recv, KIND_STOP, KIND_TRACE, TAG_ENCODE, TAG_FEATURES};
+        let (mut any, mut stop) = (false, false);
         while let Some(m) = try_recv(world, peers, 0, TAG_ENCODE) {
             any = true;
             let m = m?;
+            match m.kind {
+                KIND_STOP => {
+                    stop = true;
+                    break;
+                }
+                // A serving timeline window opens or closes (as the stages'
+                // `KIND_TRACE`): closing, this rank's events go to the first.
+                KIND_TRACE => {
+                    let on = m.payload.first() == Some(&1);
+                    crate::trace::set_recording(on);
+                    if !on {
+                        crate::trace_exchange::gather(world, peers, &crate::host_name())?;
+                    }
+                    continue;
+                }
+                _ => {}
+            }
             let seq = m
                 .segments
                 .first()
@@ -152,6 +170,33 @@ impl Remote {
             let seg = crate::stage::Segment { seq, pos0: 0, rows: 0 };
             outbox.send(world, 0, TAG_FEATURES, message(0, &[seg], &crate::wire::f32_bytes(&feats)));
         }
-        Ok(any)
+        Ok((any, stop))
+    }
+}
+
+/// An encoder rank's whole run (a plan's `vision: {ranks: N}`): jobs from
+/// the first stage until it says stop, while the first stage is alive.
+pub(crate) fn serve_rank(
+    world: &mpi::topology::SimpleCommunicator,
+    peers: &mut crate::liveness::Peers,
+    st: &mut crate::stage::Stage,
+) -> Result<(), crate::error::StageError> {
+    let mut remote = Remote::new(st);
+    let mut outbox = crate::wire::Outbox::default();
+    loop {
+        let (any, stop) = remote.serve(world, peers, st, &mut outbox)?;
+        if stop {
+            // A job the stop overtook cannot exist: the first stage stops
+            // only once every encode it asked for has come back.
+            return outbox.drain(world, peers);
+        }
+        outbox.poll();
+        peers.drain(world);
+        if let Some(r) = peers.silent([0]) {
+            return Err(crate::error::StageError::Peer(crate::liveness::silent_message(r, peers.timeout)));
+        }
+        if !any {
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
     }
 }

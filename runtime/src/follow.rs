@@ -66,7 +66,7 @@ fn recv_serving_encodes(
         if let Some(m) = wire::try_recv(world, peers, from, TAG_ACT) {
             return m;
         }
-        let served = e.serve(world, peers, st, outbox)?;
+        let (served, _) = e.serve(world, peers, st, outbox)?;
         outbox.poll();
         peers.drain(world);
         if let Some(r) = peers.silent([from, 0]) {

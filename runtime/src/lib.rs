@@ -154,6 +154,11 @@ fn run() -> c_int {
     };
     let world = universe.world();
     let (rank, size) = (world.rank() as usize, world.size() as usize);
+    // An encoder rank names itself by its place among the encoder ranks.
+    let who = match &meta {
+        Ok(m) if m.encoder => format!("m3c encoder {}/{}", rank.saturating_sub(m.stages), m.encoders),
+        _ => who,
+    };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let parsed = args::parse(&argv);
     let timeout = Duration::from_secs_f64(parsed.as_ref().map_or(args::DEFAULT_TIMEOUT_S, |a| a.timeout_s));
@@ -189,11 +194,14 @@ fn local_checks(
     parsed: Result<args::RunArgs, StageError>,
     size: usize,
 ) -> Result<(meta::StageMeta, args::RunArgs), String> {
-    if size != meta.stages {
+    if size != meta.stages + meta.encoders {
+        let encoders = if meta.encoders > 0 { format!(" : -np {} OUT/encoder", meta.encoders) } else { String::new() };
         return Err(format!(
-            "this pipeline has {} stages but MPI started {size} rank(s); run one rank per stage: \
-             mpirun -np 1 OUT/stage-0 : ... : -np 1 OUT/stage-{}",
+            "this pipeline has {} stages{} but MPI started {size} rank(s); run one rank per stage{}: \
+             mpirun -np 1 OUT/stage-0 : ... : -np 1 OUT/stage-{}{encoders} (or OUT/run.sh)",
             meta.stages,
+            if meta.encoders > 0 { format!(" and {} encoder rank(s)", meta.encoders) } else { String::new() },
+            if meta.encoders > 0 { ", then the encoder ranks" } else { "" },
             meta.stages - 1
         ));
     }
@@ -229,7 +237,11 @@ fn stage_main(
     let (rank, size) = (world.rank() as usize, world.size() as usize);
     // Local checks first; then one gather tells every rank every verdict.
     let local = meta.and_then(|meta| local_checks(meta, parsed, size));
-    let (compile_id, stage_no) = local.as_ref().map_or((String::new(), usize::MAX), |(m, _)| (m.compile_id.clone(), m.stage));
+    // An encoder rank (after the stages) reports its rank: ranks then run
+    // in order whatever the split.
+    let (compile_id, stage_no) = local
+        .as_ref()
+        .map_or((String::new(), usize::MAX), |(m, _)| (m.compile_id.clone(), if m.encoder && rank >= m.stages { rank } else { m.stage }));
     let record = startup::identity(local.is_ok(), &compile_id, stage_no, &startup::args_hash(argv));
     let all = startup::gather(world, peers, who, &record);
     match (startup::judge_identities(&all), &local) {

@@ -32,7 +32,9 @@ pub fn run(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Stage, args: 
         std::thread::sleep(std::time::Duration::from_secs(3600));
     }
     if args.trace {
-        crate::trace::enable(st.meta.stage);
+        // The track of this rank (a stage's is its number; an encoder
+        // rank's, its place after the stages).
+        crate::trace::enable(mpi::topology::Communicator::rank(world) as usize);
         // A run records from here; serving, from the front's `trace on`.
         crate::trace_exchange::align_clocks(world, peers, !args.serving())?;
     }
@@ -52,7 +54,9 @@ pub fn run(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Stage, args: 
             "EAGLE3 speculation needs stages compiled with its draft head (`m3c compile --speculative-config '{\"method\": \"eagle3\", ...}'`)".into(),
         ));
     }
-    if !st.meta.first_stage {
+    if st.meta.encoder {
+        crate::encoder::serve_rank(world, peers, st)?;
+    } else if !st.meta.first_stage {
         crate::follow::follow(world, peers, st, &mut books)?;
     } else if args.serving() {
         let mut feed = crate::serve::ServeFeed::new(st.meta.vision.as_ref().map(|v| v.patch_row));

@@ -111,6 +111,8 @@ struct Encoding {
     cancelled: bool,
     /// When its encode was asked for.
     asked: Instant,
+    /// The rank encoding it, when another does.
+    rank: Option<usize>,
 }
 
 /// A live sequence.
@@ -198,6 +200,8 @@ pub(crate) struct Leader {
     /// Grids encoded for this stage (here, beside the loop or on the
     /// tower's stage), and the seconds from asking to having the features.
     encodes: (u64, f64),
+    /// Encoder ranks of their own, after the stages.
+    encoders: usize,
 }
 
 impl Leader {
@@ -219,6 +223,7 @@ impl Leader {
             encoding: HashMap::new(),
             last_encoder: (0, 0, 0, 0, 0),
             encodes: (0, 0.0),
+            encoders: st.meta.encoders,
             batching,
         }
     }
@@ -322,6 +327,10 @@ impl Leader {
         if self.stages > 1 {
             self.outbox.send(world, 1, TAG_ACT, message(KIND_STOP, &[], &[]));
         }
+        // Encoder ranks of their own stop too (every encode came back).
+        for k in st.encoder_ranks().into_iter().filter(|_| st.meta.encoders > 0) {
+            self.outbox.send(world, k, TAG_ENCODE, message(KIND_STOP, &[], &[]));
+        }
         self.outbox.drain(world, peers)
     }
 
@@ -394,6 +403,9 @@ impl Leader {
         }
         if self.stages > 1 {
             self.outbox.send(world, 1, TAG_ACT, message(KIND_TRACE, &[], &[u8::from(on)]));
+        }
+        for k in (self.stages..self.stages + self.encoders).filter(|_| self.encoders > 0) {
+            self.outbox.send(world, k, TAG_ENCODE, message(KIND_TRACE, &[], &[u8::from(on)]));
         }
         crate::trace::set_recording(on);
         if !on {
@@ -496,15 +508,18 @@ impl Leader {
         let tokens = images.tokens();
         let missing = missing_grids(&images, &feats);
         let seq = a.seq;
-        let mut pending = Encoding { a, image_rows, placeholders, feats, tokens, cancelled: false, asked: Instant::now() };
+        let mut pending = Encoding { a, image_rows, placeholders, feats, tokens, cancelled: false, asked: Instant::now(), rank: None };
         if missing.grids.is_empty() {
             return self.joined(world, st, books, pending);
         }
         let words = st.meta.x_words();
-        if let Some(k) = st.tower_elsewhere() {
-            // The tower's stage encodes; the features come back (`encoded`).
+        // The tower's stage, or the least busy encoder rank, encodes; the
+        // features come back (`encoded`).
+        let load = |r: usize| self.encoding.values().filter(|p| p.rank == Some(r)).count();
+        if let Some(k) = st.encoder_ranks().into_iter().min_by_key(|&r| (load(r), r)) {
             let file = m3c_contract::images::encode(&std::collections::BTreeMap::from([(0usize, missing)]));
             self.outbox.send(world, k, TAG_ENCODE, message(0, &[Segment { seq, pos0: 0, rows: 0 }], &file));
+            pending.rank = Some(k);
             self.encoding.insert(seq, pending);
             return Ok(());
         }
@@ -572,7 +587,8 @@ impl Leader {
             crate::trace::vision_beside(done.started, done.finished, done.seq, done.rows);
             finished.push((done.seq, done.feats));
         }
-        if let Some(k) = st.tower_elsewhere().filter(|_| !self.encoding.is_empty()) {
+        let busy: std::collections::BTreeSet<usize> = self.encoding.values().filter_map(|p| p.rank).collect();
+        for k in busy {
             while let Some(m) = wire::try_recv(world, peers, k, TAG_FEATURES) {
                 let m = m?;
                 let seq = m

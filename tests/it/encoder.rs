@@ -116,3 +116,48 @@ fn the_tower_on_another_stage_gives_the_same_bits() {
     }
     assert!(runs[0] == runs[1], "the tower on the last stage changed the bytes");
 }
+
+/// Two encoder ranks of their own after two stages (`vision: {ranks: 2}`):
+/// two image chats beside a text prompt, and a video prompt, give exactly
+/// the bytes of the tower on the first stage; the two images go to the two
+/// ranks (both encoder tracks show in the timeline).
+#[test]
+fn encoder_ranks_of_their_own_give_the_same_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    big_png(&dir.path().join("big.png"));
+    let small = m3c_tests::fixture("vision/A_rgb_56x84_noresize.png");
+    let prompts = dir.path().join("prompts.jsonl");
+    let chat = |url: &str| {
+        format!(
+            r#"{{"messages": [{{"role": "user", "content": [{{"type": "image_url", "image_url": {{"url": "{url}"}}}}, {{"type": "text", "text": "What is it?"}}]}}], "thinking": "disabled"}}"#
+        )
+    };
+    let lines = [chat("big.png"), "{\"prompt\": \"Count with me: 1, 2, 3,\"}".to_string(), chat(small.to_str().unwrap())];
+    std::fs::write(&prompts, lines.join("\n") + "\n").unwrap();
+    let model = m3c_tests::fixture("tiny-m3");
+    let clip = m3c_tests::fixture("video/clip.mp4");
+    let video = ["--prompt", "Look:]<]video[>[ What moves?", "--video", clip.to_str().unwrap(), "--max-new-tokens", "6"];
+    let mixed = ["--prompts", prompts.to_str().unwrap(), "--max-new-tokens", "16", "--ignore-eos"];
+    let mut runs: Vec<Vec<Vec<u8>>> = Vec::new();
+    for (name, out) in [("first", crate::shared::tiny(2).0), ("ranks", crate::shared::tiny_encoder_ranks())] {
+        let d = dir.path().join(name);
+        std::fs::create_dir(&d).unwrap();
+        let (v, m, trace) = (d.join("v.safetensors"), d.join("m.safetensors"), d.join("t.json"));
+        let o = m3c_run(&out, &model, &[&video[..], &["--dump", v.to_str().unwrap()]].concat());
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        let o = m3c_run(&out, &model, &[&mixed[..], &["--dump", m.to_str().unwrap(), "--trace", trace.to_str().unwrap()]].concat());
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        if name == "ranks" {
+            let log = stderr(&o);
+            assert!(log.contains("m3c encoder 0/2: done") && log.contains("m3c encoder 1/2: done"), "{log}");
+            let doc: Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+            let mut tracks: Vec<u64> =
+                doc["traceEvents"].as_array().unwrap().iter().filter(|e| e["cat"] == "encode").filter_map(|e| e["tid"].as_u64()).collect();
+            tracks.sort();
+            assert_eq!(tracks, vec![1002, 1003], "one image per encoder rank (ranks 2 and 3)");
+        }
+        let read = |p: std::path::PathBuf| std::fs::read(p).unwrap();
+        runs.push(vec![read(v), read(d.join("m.p0.safetensors")), read(d.join("m.p1.safetensors")), read(d.join("m.p2.safetensors"))]);
+    }
+    assert!(runs[0] == runs[1], "encoder ranks of their own changed the bytes");
+}

@@ -292,6 +292,32 @@ fn the_vision_tower_can_sit_on_another_stage() {
     assert!(svg.contains(">layers 6-7 + vision</text>") && !svg.contains(">layers 0-2 + vision</text>"), "{svg}");
 }
 
+/// `vision: {ranks: N}` puts the tower on encoder ranks of their own: no
+/// stage holds it, the embedding's stage takes the features from rank
+/// `stages`; bad counts and hosts, and a stage's own `vision` beside it,
+/// are errors naming the key.
+#[test]
+fn encoder_ranks_of_their_own_are_planned_and_checked() {
+    let text = "vision:\n  ranks: 2\n  hosts: [a, b]\nstages:\n  - layers: 0-3\n  - layers: 4-7\n";
+    let p = parse_plan(Path::new("p.yaml"), text, Some(&tiny())).unwrap();
+    assert!(p.stages.iter().all(|s| !s.vision) && p.stages[0].vision_from == Some(2));
+    let e = p.encoders.as_ref().unwrap();
+    assert_eq!((e.ranks, e.place.iter().map(|p| p.host.clone().unwrap()).collect::<Vec<_>>()), (2, vec!["a".to_string(), "b".into()]));
+    for (text, want) in [
+        ("vision:\n  ranks: 0\nstages:\n  - layers: 0-7\n", "p.yaml:2:10: `ranks` must be 1 to 64, not 0"),
+        ("vision:\n  ranks: 2\n  hosts: [a]\nstages:\n  - layers: 0-7\n", "p.yaml:3:10: `hosts` lists 1 but `ranks` is 2: one per rank"),
+        ("vision:\n  ranks: 1\n  hosts: [\"a b\"]\nstages:\n  - layers: 0-7\n", "`a b` is not a host name"),
+        (
+            "vision:\n  ranks: 1\nstages:\n  - layers: 0-7\n    vision: false\n",
+            "stage 0 says `vision`, but the plan puts the tower on encoder ranks of its own (`vision: {ranks: 1}`)",
+        ),
+        ("vision:\n  rank: 1\nstages:\n  - layers: 0-7\n", "unknown field `rank`"),
+    ] {
+        let e = plan_error(text);
+        assert!(e.contains(want), "plan:\n{text}\nexpected: {want}\ngot:      {e}");
+    }
+}
+
 /// `m3c plan --svg`: per stage a weights bar and a KV bar under the GPU's
 /// usable memory, its layers and its predicted step time; a stage over
 /// the memory is drawn red.

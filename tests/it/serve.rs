@@ -963,9 +963,10 @@ fn chat_images_by_data_uri_http_and_file_give_the_same_answer() {
     assert_eq!(got["text"].as_str(), Some(want.trim_start_matches('\n')), "the image chat's answer is m3c run's");
 }
 
-/// A video chat through OpenAI's client at pp 1 and 3, and at pp 3 with
-/// the vision tower on the last stage: the answer, its prompt and its
-/// logprobs are `m3c run --video`'s and the same at all three;
+/// A video chat through OpenAI's client at pp 1 and 3, at pp 3 with the
+/// vision tower on the last stage, and at pp 2 with two encoder ranks of
+/// their own: the answer, its prompt and its logprobs are `m3c run
+/// --video`'s and the same at all four;
 /// the same video again (by file:// this time) hits the prefix cache, video
 /// rows included, and the encoder cache, and changes nothing; half a video
 /// is a 400 naming its part.
@@ -978,8 +979,12 @@ fn a_video_chat_answers_as_m3c_run_at_pp_1_and_3_and_hits_the_prefix_cache() {
     std::fs::copy(fixture("video/clip.mp4"), &mp4).unwrap();
     let mut answers = Vec::new();
     let model = fixture("tiny-m3");
-    let builds =
-        [("1", crate::shared::tiny(1).0), ("3", crate::shared::tiny(3).0), ("3 (tower on stage 2)", crate::shared::tiny_tower_on_last())];
+    let builds = [
+        ("1", crate::shared::tiny(1).0),
+        ("3", crate::shared::tiny(3).0),
+        ("3 (tower on stage 2)", crate::shared::tiny_tower_on_last()),
+        ("2 (two encoder ranks)", crate::shared::tiny_encoder_ranks()),
+    ];
     for (pp, out) in builds {
         let run_args = ["--chat", "What moves?", "--thinking", "disabled", "--video", mp4.to_str().unwrap()];
         let (want, log) =
@@ -1002,6 +1007,7 @@ fn a_video_chat_answers_as_m3c_run_at_pp_1_and_3_and_hits_the_prefix_cache() {
     }
     assert_eq!(answers[0], answers[1], "pp=3's answer and logprobs differ from pp=1's");
     assert_eq!(answers[0], answers[2], "the tower on stage 2 changed the answer or logprobs");
+    assert_eq!(answers[0], answers[3], "encoder ranks of their own changed the answer or logprobs");
 }
 
 /// Each stage's `m3c:stage_busy_seconds_total` from `/metrics`.

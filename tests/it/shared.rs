@@ -65,3 +65,15 @@ pub fn tiny_tower_on_last() -> PathBuf {
     std::fs::rename(&tmp, &plan).unwrap();
     out_with("tiny-m3", 3, &[plan.to_str().unwrap()])
 }
+
+/// tiny-m3 at pp 2 (layers 0-3 | 4-7) with the vision tower on two encoder
+/// ranks of their own (`vision: {ranks: 2}`), after the stages.
+pub fn tiny_encoder_ranks() -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("shared");
+    std::fs::create_dir_all(&dir).unwrap();
+    let plan = dir.join("encoder-ranks.yaml");
+    let tmp = dir.join(format!("encoder-ranks.{}.{:?}.tmp", std::process::id(), std::thread::current().id()));
+    std::fs::write(&tmp, "version: 1\nvision:\n  ranks: 2\nstages:\n  - layers: \"0-3\"\n  - layers: \"4-7\"\n").unwrap();
+    std::fs::rename(&tmp, &plan).unwrap();
+    out_with("tiny-m3", 2, &[plan.to_str().unwrap()])
+}

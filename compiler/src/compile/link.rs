@@ -99,14 +99,18 @@ pub fn sh_quote(s: &str) -> String {
 
 /// `OUT/run.sh ARGS`: every stage under one mpirun, each with ARGS, on
 /// the host its plan names (`hosts[k]`).
-pub fn launcher(hosts: &[Option<String>]) -> String {
+pub fn launcher(hosts: &[Option<String>], encoders: &[Option<String>]) -> String {
     let stages = hosts.len();
     let mut apps = Vec::new();
+    // Plans only admit host names (`plan::valid_host`); quoted anyway, so
+    // no value can ever be read by the shell as code.
+    let host = |h: &Option<String>| h.as_ref().map(|h| format!("--host {} ", sh_quote(h))).unwrap_or_default();
     for (k, h) in hosts.iter().enumerate() {
-        // Plans only admit host names (`plan::valid_host`); quoted anyway,
-        // so no value can ever be read by the shell as code.
-        let host = h.as_ref().map(|h| format!("--host {} ", sh_quote(h))).unwrap_or_default();
-        apps.push(format!("-np 1 {host}\"$here/stage-{k}\" \"$@\""));
+        apps.push(format!("-np 1 {}\"$here/stage-{k}\" \"$@\"", host(h)));
+    }
+    // The encoder ranks (`vision: {ranks: N}`) after the stages.
+    for h in encoders {
+        apps.push(format!("-np 1 {}\"$here/encoder\" \"$@\"", host(h)));
     }
     format!(
         "#!/bin/sh\n\

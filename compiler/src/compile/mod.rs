@@ -68,9 +68,14 @@ fn is_output_name(name: &str) -> bool {
     if matches!(name, "manifest.json" | "run.sh" | "compile-report.txt") {
         return true;
     }
+    let emitted = |rest: &str| matches!(rest, "" | ".steps.txt" | ".mlir" | ".llvm.mlir" | ".ll" | ".ptx" | ".cubin");
+    // The encoder ranks' executable (and what --emit writes of it).
+    if let Some(rest) = name.strip_prefix("encoder") {
+        return emitted(rest);
+    }
     let Some(rest) = name.strip_prefix("stage-") else { return false };
     let digits = rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len());
-    digits > 0 && matches!(&rest[digits..], "" | ".steps.txt" | ".mlir" | ".llvm.mlir" | ".ll" | ".ptx" | ".cubin")
+    digits > 0 && emitted(&rest[digits..])
 }
 
 /// Refuses to replace `dir` unless it is provably an earlier m3c output:
@@ -150,7 +155,7 @@ fn vision_meta(p: &StageProgram, plan_stage: &crate::plan::StagePlan, cfg: &Mode
 fn stage_meta(
     p: &StageProgram,
     plan_stage: &crate::plan::StagePlan,
-    stages: usize,
+    (stages, encoders): (usize, usize),
     cfg: &ModelConfig,
     compile_id: &str,
     config_sha: &str,
@@ -187,6 +192,8 @@ fn stage_meta(
             order: d.order.clone(),
             config_sha256: sha.into(),
         }),
+        encoders,
+        encoder: p.index >= stages,
     }
     .to_json()
 }
@@ -261,16 +268,32 @@ pub fn lower_all(cfg: &ModelConfig, plan: &Plan, storages: Storages, draft: Opti
             Some(*n)
         })
         .collect();
-    plan.stages
+    let mut programs: Vec<StageProgram> = plan
+        .stages
         .iter()
         .enumerate()
         .map(|(i, s)| {
             // The head runs on the last stage, where the target's tokens are drawn.
             let aux_in = if i == 0 { 0 } else { made[i - 1] };
             let part = DraftPart { aux_in, aux_slots: made[i], head: draft.filter(|_| i == last) };
-            Ok(lower_stage(cfg, &graph, i, s, &*backend, storages, part)?)
+            lower_stage(cfg, &graph, i, s, &*backend, storages, part)
         })
-        .collect()
+        .collect::<Result<_, _>>()?;
+    // Encoder ranks of their own: one program, the tower alone, numbered
+    // after the stages.
+    if plan.encoders.is_some() {
+        let tower = crate::plan::StagePlan {
+            layers: None,
+            embedding: false,
+            final_norm: false,
+            lm_head: false,
+            vision: true,
+            vision_from: None,
+            place: Default::default(),
+        };
+        programs.push(lower_stage(cfg, &graph, plan.stages.len(), &tower, &*backend, storages, DraftPart::default())?);
+    }
+    Ok(programs)
 }
 
 /// What a compile hashes, and the lowered stages it hashes.
@@ -335,7 +358,8 @@ pub fn compile(req: &CompileRequest) -> Result<Compiled> {
     let Lowered { programs, compile_id, config_sha, plan_json, runtime_sha, draft_sha } = lower(req)?;
     let target_name = req.plan.target.to_string();
     let (kv_cache, activations) = (req.storages.kv_cache.name(), req.storages.activations.name());
-    let n = programs.len();
+    // Pipeline stages; an encoder program, if any, comes after them.
+    let n = req.plan.stages.len();
     let stage_units = programs
         .iter()
         .map(|p| backend.units(p.index, &p.fused).map_err(|m| anyhow::anyhow!("stage {}: {m}", p.index)))
@@ -372,11 +396,17 @@ pub fn compile(req: &CompileRequest) -> Result<Compiled> {
         let jobs: Vec<(&StageProgram, &Vec<Unit>)> = programs.iter().zip(&stage_units).collect();
         for (entry, lines) in parallel_map(&jobs, |_, (p, units)| job.finish(p, units))? {
             report.push_str(&lines);
-            manifest.stages.push(entry);
+            if entry.stage < n {
+                manifest.stages.push(entry);
+            } else {
+                let hosts = req.plan.encoders.as_ref().map_or(Vec::new(), |e| e.place.iter().map(|p| p.host.clone()).collect());
+                manifest.encoder = Some(m3c_contract::manifest::EncoderEntry { executable: entry.executable, sha256: entry.sha256, hosts });
+            }
         }
         std::fs::remove_dir_all(&work)?;
         let hosts: Vec<Option<String>> = req.plan.stages.iter().map(|s| s.place.host.clone()).collect();
-        std::fs::write(dir.join("run.sh"), link::launcher(&hosts))?;
+        let encoder_hosts = manifest.encoder.as_ref().map_or(Vec::new(), |e| e.hosts.clone());
+        std::fs::write(dir.join("run.sh"), link::launcher(&hosts, &encoder_hosts))?;
         set_executable(&dir.join("run.sh"))?;
         if let Some(header) = backend.report_header().filter(|_| !report.is_empty()) {
             std::fs::write(dir.join("compile-report.txt"), header + &report)?;
@@ -406,12 +436,25 @@ impl StageJob<'_> {
     /// entry and compile-report lines.
     fn finish(&self, p: &StageProgram, units: &[Unit]) -> Result<(StageEntry, String)> {
         let (req, work, dir) = (self.req, self.work, self.dir);
-        let name = format!("stage-{}", p.index);
-        let device = req.plan.stages[p.index].place.device;
+        // The encoder ranks' program comes after the stages.
+        let encoder = p.index >= self.stages;
+        let name = if encoder { "encoder".to_string() } else { format!("stage-{}", p.index) };
+        let tower = crate::plan::StagePlan {
+            layers: None,
+            embedding: false,
+            final_norm: false,
+            lm_head: false,
+            vision: true,
+            vision_from: None,
+            place: Default::default(),
+        };
+        let plan_stage = req.plan.stages.get(p.index).unwrap_or(&tower);
+        let device = plan_stage.place.device;
+        let encoders = req.plan.encoders.as_ref().map_or(0, |e| e.ranks);
         let meta = stage_meta(
             p,
-            &req.plan.stages[p.index],
-            self.stages,
+            plan_stage,
+            (self.stages, encoders),
             req.config,
             self.compile_id,
             self.config_sha,
@@ -447,7 +490,7 @@ impl StageJob<'_> {
         let exe = dir.join(&name);
         link::link(&objects, &req.runtime_lib, &exe).with_context(|| format!("stage {}: linking {}", p.index, exe.display()))?;
         let bytes = std::fs::read(&exe)?;
-        let mut entry = manifest::stage_entry(p, &name, &bytes, req.plan.stages[p.index].place.host.clone());
+        let mut entry = manifest::stage_entry(p, &name, &bytes, plan_stage.place.host.clone());
         entry.device_code = codes.iter().find_map(|(_, c)| c.device_code.clone());
         Ok((entry, codes.iter().map(|(_, c)| c.report.as_str()).collect()))
     }

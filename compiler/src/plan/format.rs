@@ -138,7 +138,22 @@ pub struct Plan {
     /// covers its config's bytes.
     #[serde(skip)]
     pub draft: Option<PathBuf>,
+    /// Encoder ranks of their own (`vision: {ranks: N}`): the vision tower
+    /// runs there, off every stage, and the first stage sends them images.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub encoders: Option<Encoders>,
 }
+
+/// The encoder ranks of a plan: how many, and where each runs.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Encoders {
+    pub ranks: usize,
+    /// One per rank (or none): its host and GPU, as a stage's.
+    pub place: Vec<Placement>,
+}
+
+/// The most encoder ranks a plan may ask for.
+pub const MAX_ENCODER_RANKS: usize = 64;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
@@ -161,7 +176,16 @@ struct RawPlan {
     target: Option<String>,
     arch: Option<String>,
     links: Option<BTreeMap<String, String>>,
+    /// Encoder ranks of their own for the vision tower.
+    vision: Option<RawVision>,
     stages: Vec<RawStage>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawVision {
+    ranks: usize,
+    hosts: Option<Vec<String>>,
 }
 
 #[derive(Deserialize)]
@@ -344,7 +368,39 @@ pub fn parse_plan(path: &Path, text: &str, cfg: Option<&ModelConfig>) -> Result<
     check_layers(&ctx, &stages, num_layers, norm)?;
     let links = parse_links(&ctx, &raw, &stages)?;
     let draft = raw.draft.as_deref().map(|d| resolve(path, d));
-    Ok(Plan { model: raw.model.as_deref().map(|m| resolve(path, m)), target, stages, links, draft })
+    let encoders = parse_encoders(&ctx, &raw, &mut stages)?;
+    Ok(Plan { model: raw.model.as_deref().map(|m| resolve(path, m)), target, stages, links, draft, encoders })
+}
+
+/// `vision: {ranks: N, hosts: [...]}`: the tower on ranks
+/// of its own, after the stages; no stage then holds it, and the
+/// embedding's takes its features from them.
+fn parse_encoders(ctx: &Ctx, raw: &RawPlan, stages: &mut [StagePlan]) -> Result<Option<Encoders>, PlanError> {
+    let Some(v) = &raw.vision else { return Ok(None) };
+    if v.ranks == 0 || v.ranks > MAX_ENCODER_RANKS {
+        return Err(ctx.value("vision.ranks", format!("`ranks` must be 1 to {MAX_ENCODER_RANKS}, not {}", v.ranks)));
+    }
+    if let Some(i) = raw.stages.iter().position(|s| s.vision.is_some()) {
+        return Err(ctx.key(
+            &format!("stages[{i}].vision"),
+            format!("stage {i} says `vision`, but the plan puts the tower on encoder ranks of its own (`vision: {{ranks: {}}}`); say one of them", v.ranks),
+        ));
+    }
+    if let Some(n) = v.hosts.as_ref().map(Vec::len).filter(|&n| n != v.ranks) {
+        return Err(ctx.value("vision.hosts", format!("`hosts` lists {n} but `ranks` is {}: one per rank", v.ranks)));
+    }
+    if let Some(h) = v.hosts.iter().flatten().find(|h| !valid_host(h)) {
+        return Err(ctx.value("vision.hosts", format!("`{h}` is not a host name")));
+    }
+    // On GPUs an encoder rank takes the device of its local rank number, as
+    // a stage without `device` does.
+    let place = (0..v.ranks).map(|j| Placement { device: None, host: v.hosts.as_ref().map(|h| h[j].clone()), link: None }).collect();
+    // The first encoder rank's number: after the stages.
+    let first = stages.len();
+    if let Some(s) = stages.iter_mut().find(|s| s.embedding) {
+        (s.vision, s.vision_from) = (false, Some(first));
+    }
+    Ok(Some(Encoders { ranks: v.ranks, place }))
 }
 
 /// The plan's `links`, each parsed, and each stage's `link` checked: it

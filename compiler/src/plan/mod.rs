@@ -86,5 +86,5 @@ pub fn make_plan(cfg: &ModelConfig, pp: usize, gpu: &GpuProfile, w: Workload, ta
             }
         })
         .collect();
-    Ok(Plan { model: None, target, stages, links: Default::default(), draft: None })
+    Ok(Plan { model: None, target, stages, links: Default::default(), draft: None, encoders: None })
 }

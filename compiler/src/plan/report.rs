@@ -55,7 +55,7 @@ pub fn even_plan(cfg: &ModelConfig, pp: usize) -> Option<Plan> {
             }
         })
         .collect();
-    Some(Plan { model: None, target: Target::Host, stages, links: Default::default(), draft: None })
+    Some(Plan { model: None, target: Target::Host, stages, links: Default::default(), draft: None, encoders: None })
 }
 
 fn summary(costs: &[StageCost]) -> (f64, f64, usize) {

@@ -70,11 +70,12 @@ impl Compiled {
         }
         // Each executable must be the one compiled: a damaged or swapped file
         // would otherwise surface as a crash ("exit status 139") mid-job.
-        for (k, entry) in manifest.stages.iter().enumerate() {
-            let exe = out.join(format!("stage-{k}"));
+        let stages = manifest.stages.iter().enumerate().map(|(k, e)| (format!("stage-{k}"), &e.sha256));
+        for (name, sha) in stages.chain(manifest.encoder.iter().map(|e| (e.executable.clone(), &e.sha256))) {
+            let exe = out.join(&name);
             let bytes = m3c_contract::input::read_bytes(&exe, "stage executable", 16 << 30)
                 .with_context(|| format!("{}: missing or unreadable; recompile {}", exe.display(), out.display()))?;
-            if sha256_hex(&bytes) != entry.sha256 {
+            if sha256_hex(&bytes) != *sha {
                 bail!(
                     "{}: is not the executable manifest.json lists (its sha256 differs: damaged or replaced); recompile {}",
                     exe.display(),
@@ -107,8 +108,30 @@ impl Compiled {
         }
         let args = stage.to_args();
         Ok(self.mpirun_each(launch, |k, cmd| {
-            cmd.arg(self.out.join(format!("stage-{k}"))).args(&args);
+            cmd.arg(self.executable(k)).args(&args);
         }))
+    }
+
+    /// The executable of rank `k`: a stage's, or after the stages the
+    /// encoder ranks' (a plan's `vision: {ranks: N}`).
+    pub fn executable(&self, k: usize) -> PathBuf {
+        match (&self.manifest.encoder, k >= self.stages) {
+            (Some(e), true) => self.out.join(&e.executable),
+            _ => self.out.join(format!("stage-{k}")),
+        }
+    }
+
+    /// Ranks of the job: the stages, then the encoder ranks.
+    pub fn ranks(&self) -> usize {
+        self.stages + self.manifest.encoder.as_ref().map_or(0, |e| e.hosts.len())
+    }
+
+    /// The host the plan names for rank `k`, if any.
+    pub fn rank_host(&self, k: usize) -> Option<&String> {
+        match self.manifest.stages.get(k) {
+            Some(s) => s.host.as_ref(),
+            None => self.manifest.encoder.as_ref().and_then(|e| e.hosts.get(k - self.stages)).and_then(Option::as_ref),
+        }
     }
 
     /// The stages placed on `node` (a plan host, or by the launch's
@@ -126,7 +149,7 @@ impl Compiled {
     /// Whether the job may leave this machine: a stage names a host, or
     /// the launch places ranks (a hostfile, or mpirun's own host options).
     pub fn spans_hosts(&self, launch: &Launch) -> bool {
-        self.manifest.stages.iter().any(|s| s.host.is_some())
+        (0..self.ranks()).any(|k| self.rank_host(k).is_some())
             || launch.hostfile.is_some()
             || launch
                 .mpirun_args

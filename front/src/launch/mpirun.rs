@@ -39,13 +39,14 @@ impl Compiled {
                 cmd.env(k, v);
             }
         }
-        for (k, entry) in self.manifest.stages.iter().enumerate() {
+        // The stages, then the encoder ranks (a plan's `vision: {ranks: N}`).
+        for k in 0..self.ranks() {
             if k > 0 {
                 cmd.arg(":");
             }
             cmd.args(["-np", "1"]);
             // Manifest::parse checked that the host is a host name.
-            if let Some(host) = &entry.host {
+            if let Some(host) = self.rank_host(k) {
                 cmd.args(["--host", host]);
             }
             program(k, &mut cmd);

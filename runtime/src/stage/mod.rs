@@ -419,9 +419,17 @@ impl Stage {
         self.meta.vision.as_ref().is_some_and(|v| v.encoder_stage == self.meta.stage)
     }
 
-    /// The stage that encodes this one's images, when it is another.
-    pub fn tower_elsewhere(&self) -> Option<usize> {
-        self.meta.vision.as_ref().map(|v| v.encoder_stage).filter(|&k| k != self.meta.stage)
+    /// The ranks that encode this stage's images, when they are others:
+    /// the stage that holds the tower, or the encoder ranks of their own.
+    pub fn encoder_ranks(&self) -> Vec<usize> {
+        let Some(k) = self.meta.vision.as_ref().map(|v| v.encoder_stage).filter(|&k| k != self.meta.stage) else {
+            return Vec::new();
+        };
+        if self.meta.encoders > 0 {
+            (self.meta.stages..self.meta.stages + self.meta.encoders).collect()
+        } else {
+            vec![k]
+        }
     }
 
     /// Grids encoded (here or beside the loop) and the seconds spent, for
