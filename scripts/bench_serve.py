@@ -6,6 +6,7 @@ percentiles, and each stage's busy fraction over the run (from /metrics).
     python bench_serve.py BASE_URL MODEL CONCURRENCY REQUESTS MAX_TOKENS
     python bench_serve.py BASE_URL MODEL shared REQUESTS MAX_TOKENS
     python bench_serve.py BASE_URL MODEL capacity REQUESTS MAX_TOKENS STOP
+    python bench_serve.py BASE_URL MODEL images STREAMS IMAGES SECONDS_ALONE
 """
 
 import asyncio
@@ -169,8 +170,86 @@ async def capacity(base, model, n, max_tokens, stop):
             "output_tok_s": sum(tokens) / wall, "mean_tokens": sum(tokens) / n, "wall_s": wall}
 
 
+def png(side, seed):
+    """A side×side RGB PNG whose pixels depend on `seed` (no two images alike,
+    so the encoder cache never answers for another)."""
+    import struct
+    import zlib
+    raw = b"".join(
+        b"\0" + bytes(v for x in range(side) for v in ((x * 7 + y * 3 + seed * 11) % 256, (x * y + seed) % 256, (x ^ y ^ seed) % 256))
+        for y in range(side)
+    )
+    chunk = lambda t, d: struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d) & 0xFFFFFFFF)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 8, 2, 0, 0, 0)) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+
+
+async def images(base, model, streams, n_images, alone_s):
+    """Text streams' inter-token gaps alone for `alone_s` seconds, then while
+    `n_images` image chats (672×672, each its own) arrive one after another;
+    each phase's streams are cancelled (the client closes) when it ends."""
+    import base64
+
+    urls = ["data:image/png;base64," + base64.b64encode(png(672, i)).decode() for i in range(n_images + 1)]
+
+    async def text(http, i, stop):
+        body = {"model": model, "prompt": f"Stream {i}: count from {i * 100} onwards.", "max_tokens": 3000, "temperature": 0.8,
+                "seed": i, "ignore_eos": True, "stream": True}
+        times = []
+        async with http.stream("POST", f"{base}/completions", json=body, timeout=900) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    times.append(time.perf_counter())
+                if stop.is_set():
+                    break
+        return times
+
+    async def image(http, k):
+        body = {"model": model, "max_tokens": 1, "temperature": 0, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": urls[k]}}, {"type": "text", "text": "What is in this picture?"}]}]}
+        t0 = time.perf_counter()
+        r = await http.post(f"{base}/chat/completions", json=body, timeout=900)
+        r.raise_for_status()
+        return time.perf_counter() - t0
+
+    def gaps(runs, since):
+        out = []
+        for times in runs:
+            ts = [t for t in times if t >= since]
+            out += [b - a for a, b in zip(ts, ts[1:])]
+        return out
+
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=streams + n_images + 4)) as http:
+        # Warm up: the tower's first encode, the text path.
+        await image(http, n_images)
+        result = {}
+        for phase in ["alone", "images"]:
+            stop = asyncio.Event()
+            tasks = [asyncio.create_task(text(http, i, stop)) for i in range(streams)]
+            await asyncio.sleep(2.0)  # every stream decoding
+            t0 = time.perf_counter()
+            if phase == "alone":
+                await asyncio.sleep(alone_s)
+                latency = []
+            else:
+                latency = []
+                for k in range(n_images):
+                    latency.append(await image(http, k))
+            t1 = time.perf_counter()
+            stop.set()
+            runs = await asyncio.gather(*tasks)
+            g = [x for x in gaps([[t for t in r if t <= t1] for r in runs], t0)]
+            result[phase] = {"window_s": t1 - t0, "gaps": len(g), "itl_p50_ms": pct(g, 50) * 1e3, "itl_p99_ms": pct(g, 99) * 1e3,
+                             "itl_p999_ms": pct(g, 99.9) * 1e3, "itl_max_ms": max(g) * 1e3,
+                             "image_latency_s": [round(x, 2) for x in latency]}
+        return result
+
+
 if __name__ == "__main__":
-    if sys.argv[3] == "shared":
+    if sys.argv[3] == "images":
+        base, model, _, streams, n_images, alone_s = sys.argv[1:]
+        print(json.dumps(asyncio.run(images(base, model, int(streams), int(n_images), float(alone_s)))))
+    elif sys.argv[3] == "shared":
         base, model, _, n, max_tokens = sys.argv[1:]
         print(json.dumps(asyncio.run(shared(base, model, int(n), int(max_tokens)))))
     elif sys.argv[3] == "capacity":

@@ -352,6 +352,11 @@ impl StageArgs {
 }
 
 /// A two-way switch: `v` must be the word for on or the word for off.
+/// A count of bytes (0 allowed).
+fn parse_bytes(flag: &str, v: &str) -> Result<u64, String> {
+    v.parse().map_err(|_| format!("{flag}: `{v}` is not a number of bytes (0 for none)"))
+}
+
 fn parse_switch(flag: &str, v: &str, (on, off): (&str, &str)) -> Result<bool, String> {
     match v {
         _ if v == on => Ok(true),
@@ -415,11 +420,7 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
             "--graphs" | "--cuda-graphs" => a.gpu.graphs = parse_switch(arg, &value(arg)?, ("on", "off"))?,
             "--prefix-caching" => a.kv.prefix_caching = parse_switch("--prefix-caching", &value("--prefix-caching")?, ("on", "off"))?,
             "--encodes" => a.encoder.inline = parse_switch("--encodes", &value("--encodes")?, ("inline", "beside"))?,
-            "--encoder-cache-bytes" => {
-                let v = value("--encoder-cache-bytes")?;
-                a.encoder.cache_bytes =
-                    v.parse().map_err(|_| format!("--encoder-cache-bytes: `{v}` is not a number of bytes (0 for no cache)"))?;
-            }
+            "--encoder-cache-bytes" => a.encoder.cache_bytes = parse_bytes("--encoder-cache-bytes", &value(arg)?)?,
             "--prefill-gemm" => {
                 // `cublas`: the older name of the vendor library's GEMMs.
                 let v = value("--prefill-gemm")?;

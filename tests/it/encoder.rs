@@ -155,6 +155,13 @@ fn encoder_ranks_of_their_own_give_the_same_bits() {
                 doc["traceEvents"].as_array().unwrap().iter().filter(|e| e["cat"] == "encode").filter_map(|e| e["tid"].as_u64()).collect();
             tracks.sort();
             assert_eq!(tracks, vec![1002, 1003], "one image per encoder rank (ranks 2 and 3)");
+            // Stage 0 stepped the text prompt while an image encoded on its
+            // rank.
+            let (encodes, steps) = spans(&trace);
+            let inside = |(from, to): Span| steps.iter().filter(|(n, a, _)| n != "vision" && *a >= from && *a < to).count();
+            let most = encodes.iter().map(|&e| inside(e)).max().unwrap_or(0);
+            eprintln!("ranks: {most} of stage 0's steps ran during an encode on an encoder rank ({encodes:?})");
+            assert!(most > 0, "no step of stage 0 ran while an image encoded on its rank");
         }
         let read = |p: std::path::PathBuf| std::fs::read(p).unwrap();
         runs.push(vec![read(v), read(d.join("m.p0.safetensors")), read(d.join("m.p1.safetensors")), read(d.join("m.p2.safetensors"))]);

@@ -303,6 +303,11 @@ fn encoder_ranks_of_their_own_are_planned_and_checked() {
     assert!(p.stages.iter().all(|s| !s.vision) && p.stages[0].vision_from == Some(2));
     let e = p.encoders.as_ref().unwrap();
     assert_eq!((e.ranks, e.place.iter().map(|p| p.host.clone().unwrap()).collect::<Vec<_>>()), (2, vec!["a".to_string(), "b".into()]));
+    let (gpu, w) = (GpuProfile::named("H200").unwrap(), Workload { batch: 1, context: 8192, kv_cache: Default::default() });
+    let t = table(&tiny(), &p, &gpu, w);
+    assert!(t.contains("vision tower on 2 encoder rank(s) of their own (ranks 2..3, "), "{t}");
+    let svg = m3c_compiler::plan::plan_svg(&tiny(), &p, &gpu, w);
+    assert!(svg.contains("; vision tower on 2 encoder rank(s) of their own</text>") && !svg.contains("+ vision"), "{svg}");
     for (text, want) in [
         ("vision:\n  ranks: 0\nstages:\n  - layers: 0-7\n", "p.yaml:2:10: `ranks` must be 1 to 64, not 0"),
         ("vision:\n  ranks: 2\n  hosts: [a]\nstages:\n  - layers: 0-7\n", "p.yaml:3:10: `hosts` lists 1 but `ranks` is 2: one per rank"),

@@ -73,13 +73,32 @@ fn counts(plan: &Plan) -> String {
 /// Where the vision tower is and what one image costs it: a 672×672
 /// image's encode (at the GPU's FLOP rate) against the stage's step.
 fn vision_line(cfg: &ModelConfig, plan: &Plan, gpu: &GpuProfile, costs: &[StageCost], (tu, ts): (&str, f64)) -> Option<String> {
-    let k = plan.stages.iter().position(|s| s.vision)?;
     let flops = super::cost::vision_encode_flops(cfg, super::cost::IMAGE_672_PATCHES)?;
     let t = flops / gpu.flops;
+    let (at, place, k) = match (&plan.encoders, plan.stages.iter().position(|s| s.vision)) {
+        (Some(e), _) => {
+            let n = plan.stages.len();
+            let w = super::cost::Workload { batch: 1, context: 1, kv_cache: Default::default() };
+            let weights: f64 = super::cost::part_costs(cfg, w).get(&crate::model::Part::Vision).map_or(0.0, |c| c.weight_bytes);
+            let (bu, bs) = if weights < 1e9 { ("MB", 1e6) } else { ("GB", 1e9) };
+            let ranks = format!(
+                "{} encoder rank(s) of their own (ranks {n}..{}, {:.2} {bu} of weights each)",
+                e.ranks,
+                n + e.ranks - 1,
+                weights / bs
+            );
+            (ranks, "features go to stage 0".to_string(), 0)
+        }
+        (None, Some(k)) => {
+            let place =
+                if plan.stages[k].embedding { "beside the first stage's steps" } else { "beside its own steps; features go to stage 0" };
+            (format!("stage {k}"), place.to_string(), k)
+        }
+        (None, None) => return None,
+    };
     let steps = t / costs[k].time.max(1e-12);
-    let place = if plan.stages[k].embedding { "beside the first stage's steps" } else { "beside its own steps; features go to stage 0" };
     Some(format!(
-        "vision tower on stage {k} ({place}): a 672x672 image ({} patches) is {:.1} GFLOP, {:.3} {tu} of encode = {steps:.1} of its steps\n",
+        "vision tower on {at} ({place}): a 672x672 image ({} patches) is {:.1} GFLOP, {:.3} {tu} of encode = {steps:.1} of stage {k}'s steps\n",
         super::cost::IMAGE_672_PATCHES,
         flops / 1e9,
         t * ts
@@ -302,7 +321,8 @@ pub fn plan_svg(cfg: &ModelConfig, plan: &Plan, gpu: &GpuProfile, w: Workload) -
         let mark = if k == at { " (slowest)" } else { "" };
         let _ = writeln!(o, r#"<text x="{mid:.1}" y="{:.1}" text-anchor="middle">{:.3} {tu}{mark}</text>"#, base + 48.0, c.time * ts);
     }
-    let _ = writeln!(o, r#"<text x="{left}" y="434">slowest stage {at}: {:.3} {tu} per step</text>"#, slow * ts);
+    let ranks = plan.encoders.as_ref().map_or(String::new(), |e| format!("; vision tower on {} encoder rank(s) of their own", e.ranks));
+    let _ = writeln!(o, r#"<text x="{left}" y="434">slowest stage {at}: {:.3} {tu} per step{ranks}</text>"#, slow * ts);
     o.push_str("</svg>\n");
     o
 }

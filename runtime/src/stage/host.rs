@@ -12,11 +12,11 @@ use m3c_contract::stage::abi::{StepArgs, STEP_VERSION};
 /// A host stage's weight table, for the encoder's thread.
 struct WeightTable(Vec<*const u8>);
 
+// The encoder thread that holds this table is joined when its owner (the
+// scheduler, or the encode server of the tower's rank) ends, before the
+// stage can drop (`encoder::Worker`'s drop).
 // SAFETY: the pointers address the stage's mapped (or owned synthetic)
-// weights, which nothing writes after start-up and which the stage keeps
-// until it drops; the encoder thread that holds this table is joined when
-// the first stage's scheduler ends (`encoder::Worker`'s drop), before the
-// stage can drop.
+// weights, which nothing writes after start-up and the stage keeps.
 unsafe impl Send for WeightTable {}
 
 /// A host stage's mapped weights and pools.
