@@ -16,6 +16,19 @@ use std::sync::mpsc;
 /// on another thread (a host stage's), or none.
 pub(crate) type RunVision = Box<dyn FnMut(&SeqImages, &mut [f32]) + Send>;
 
+/// Encodes are throughput work beside latency-bound steps: where they share
+/// a host's cores with stages, the encoder thread gives way (nice 10).
+/// The OpenMP team its kernels run on is made from this thread, and
+/// inherits its priority.
+fn yield_to_steps() {
+    // SAFETY: setpriority on the calling thread's own id changes only that
+    // thread's scheduling priority; a failure (no permission) leaves it as
+    // it was, which is harmless.
+    unsafe {
+        libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 10);
+    }
+}
+
 /// Grids of one request to encode.
 pub(crate) struct Job {
     pub seq: usize,
@@ -50,6 +63,7 @@ impl Worker {
         let thread = std::thread::Builder::new()
             .name("m3c-encoder".into())
             .spawn(move || {
+                yield_to_steps();
                 for job in jobs {
                     let started = std::time::Instant::now();
                     let tokens: usize = job.images.tokens().iter().sum();
