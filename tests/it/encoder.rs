@@ -83,10 +83,10 @@ fn steps_go_on_while_an_image_encodes_and_no_bit_changes() {
     assert!(dumps[0] == dumps[1], "the dumps differ between encodes beside the loop and inline");
 }
 
-/// The tower on the last stage of three (`vision: true` there): a video
-/// prompt and an image chat beside a text prompt give exactly the bytes of
-/// the tower on the first stage; the encodes show on the last stage's
-/// encoder track, beside its own steps.
+/// The tower on the last stage of three (`vision: true` there): an image
+/// chat beside a text prompt gives exactly the bytes of the tower on the
+/// first stage (videos: `serve::a_video_chat_...`); the encode shows on the
+/// last stage's encoder track, beside its own steps.
 #[test]
 fn the_tower_on_another_stage_gives_the_same_bits() {
     let dir = tempfile::tempdir().unwrap();
@@ -95,16 +95,12 @@ fn the_tower_on_another_stage_gives_the_same_bits() {
     let image_chat = r#"{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "big.png"}}, {"type": "text", "text": "What is it?"}]}], "thinking": "disabled"}"#;
     std::fs::write(&prompts, format!("{{\"prompt\": \"Count with me: 1, 2, 3,\"}}\n{image_chat}\n")).unwrap();
     let model = m3c_tests::fixture("tiny-m3");
-    let clip = m3c_tests::fixture("video/clip.mp4");
-    let video = ["--prompt", "Look:]<]video[>[ What moves?", "--video", clip.to_str().unwrap(), "--max-new-tokens", "6"];
     let mixed = ["--prompts", prompts.to_str().unwrap(), "--max-new-tokens", "24", "--ignore-eos"];
     let mut runs: Vec<Vec<Vec<u8>>> = Vec::new();
     for (name, out) in [("first", crate::shared::tiny(3).0), ("last", crate::shared::tiny_tower_on_last())] {
         let d = dir.path().join(name);
         std::fs::create_dir(&d).unwrap();
-        let (v, m, trace) = (d.join("v.safetensors"), d.join("m.safetensors"), d.join("t.json"));
-        let o = m3c_run(&out, &model, &[&video[..], &["--dump", v.to_str().unwrap()]].concat());
-        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        let (m, trace) = (d.join("m.safetensors"), d.join("t.json"));
         let o = m3c_run(&out, &model, &[&mixed[..], &["--dump", m.to_str().unwrap(), "--trace", trace.to_str().unwrap()]].concat());
         assert!(o.status.success(), "{name}: {}", stderr(&o));
         let doc: Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
@@ -112,15 +108,15 @@ fn the_tower_on_another_stage_gives_the_same_bits() {
             doc["traceEvents"].as_array().unwrap().iter().filter(|e| e["cat"] == "encode").filter_map(|e| e["tid"].as_u64()).collect();
         assert_eq!(tracks, vec![if name == "first" { 1000 } else { 1002 }], "{name}: the encode's track");
         let read = |p: std::path::PathBuf| std::fs::read(p).unwrap();
-        runs.push(vec![read(v), read(d.join("m.p0.safetensors")), read(d.join("m.p1.safetensors"))]);
+        runs.push(vec![read(d.join("m.p0.safetensors")), read(d.join("m.p1.safetensors"))]);
     }
     assert!(runs[0] == runs[1], "the tower on the last stage changed the bytes");
 }
 
 /// Two encoder ranks of their own after two stages (`vision: {ranks: 2}`):
-/// two image chats beside a text prompt, and a video prompt, give exactly
-/// the bytes of the tower on the first stage; the two images go to the two
-/// ranks (both encoder tracks show in the timeline).
+/// two image chats beside a text prompt give exactly the bytes of the tower
+/// on the first stage (videos: `serve::a_video_chat_...`); the two images
+/// go to the two ranks (both encoder tracks show in the timeline).
 #[test]
 fn encoder_ranks_of_their_own_give_the_same_bits() {
     let dir = tempfile::tempdir().unwrap();
@@ -135,16 +131,12 @@ fn encoder_ranks_of_their_own_give_the_same_bits() {
     let lines = [chat("big.png"), "{\"prompt\": \"Count with me: 1, 2, 3,\"}".to_string(), chat(small.to_str().unwrap())];
     std::fs::write(&prompts, lines.join("\n") + "\n").unwrap();
     let model = m3c_tests::fixture("tiny-m3");
-    let clip = m3c_tests::fixture("video/clip.mp4");
-    let video = ["--prompt", "Look:]<]video[>[ What moves?", "--video", clip.to_str().unwrap(), "--max-new-tokens", "6"];
     let mixed = ["--prompts", prompts.to_str().unwrap(), "--max-new-tokens", "16", "--ignore-eos"];
     let mut runs: Vec<Vec<Vec<u8>>> = Vec::new();
     for (name, out) in [("first", crate::shared::tiny(2).0), ("ranks", crate::shared::tiny_encoder_ranks())] {
         let d = dir.path().join(name);
         std::fs::create_dir(&d).unwrap();
-        let (v, m, trace) = (d.join("v.safetensors"), d.join("m.safetensors"), d.join("t.json"));
-        let o = m3c_run(&out, &model, &[&video[..], &["--dump", v.to_str().unwrap()]].concat());
-        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        let (m, trace) = (d.join("m.safetensors"), d.join("t.json"));
         let o = m3c_run(&out, &model, &[&mixed[..], &["--dump", m.to_str().unwrap(), "--trace", trace.to_str().unwrap()]].concat());
         assert!(o.status.success(), "{name}: {}", stderr(&o));
         if name == "ranks" {
@@ -164,7 +156,7 @@ fn encoder_ranks_of_their_own_give_the_same_bits() {
             assert!(most > 0, "no step of stage 0 ran while an image encoded on its rank");
         }
         let read = |p: std::path::PathBuf| std::fs::read(p).unwrap();
-        runs.push(vec![read(v), read(d.join("m.p0.safetensors")), read(d.join("m.p1.safetensors")), read(d.join("m.p2.safetensors"))]);
+        runs.push(vec![read(d.join("m.p0.safetensors")), read(d.join("m.p1.safetensors")), read(d.join("m.p2.safetensors"))]);
     }
     assert!(runs[0] == runs[1], "encoder ranks of their own changed the bytes");
 }

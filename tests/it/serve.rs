@@ -985,11 +985,12 @@ fn a_video_chat_answers_as_m3c_run_at_pp_1_and_3_and_hits_the_prefix_cache() {
         ("3 (tower on stage 2)", crate::shared::tiny_tower_on_last()),
         ("2 (two encoder ranks)", crate::shared::tiny_encoder_ranks()),
     ];
+    // `m3c run --video`'s answer, once: every build below must give it.
+    let run_args = ["--chat", "What moves?", "--thinking", "disabled", "--video", mp4.to_str().unwrap()];
+    let greedy = ["--max-new-tokens", "8", "--temperature", "0", "--ignore-eos"];
+    let (want, log) = run_text(&builds[0].1, &model, &[&run_args[..], &greedy[..]].concat());
+    let tokens: u64 = log.split("prompt 0: ").nth(1).and_then(|s| s.split(' ').next()).and_then(|n| n.parse().ok()).unwrap();
     for (pp, out) in builds {
-        let run_args = ["--chat", "What moves?", "--thinking", "disabled", "--video", mp4.to_str().unwrap()];
-        let (want, log) =
-            run_text(&out, &model, &[&run_args[..], &["--max-new-tokens", "8", "--temperature", "0", "--ignore-eos"]].concat());
-        let tokens: u64 = log.split("prompt 0: ").nth(1).and_then(|s| s.split(' ').next()).and_then(|n| n.parse().ok()).unwrap();
         let s = Server::start(&out, &model, &["--allowed-local-media-path", media.to_str().unwrap()]);
         let got = s.client(&["video", mp4.to_str().unwrap(), mp4.to_str().unwrap()]);
         assert_eq!(got["prompt_tokens"].as_u64(), Some(tokens), "pp={pp}: the video chat's prompt is m3c run's");
