@@ -14,7 +14,7 @@ export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 # Most integration tests wait on mpirun, sockets and timeouts rather than
 # compute: several at once on two cores finish sooner (measured: 642 s with
 # two, 500 s with four; with 208 tests, 465 s with four and 382 s with
-# five) and every test still passes.
+# five, 380-460 s) and every test still passes.
 export RUST_TEST_THREADS="${RUST_TEST_THREADS:-5}"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
