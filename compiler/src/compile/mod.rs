@@ -282,15 +282,7 @@ pub fn lower_all(cfg: &ModelConfig, plan: &Plan, storages: Storages, draft: Opti
     // Encoder ranks of their own: one program, the tower alone, numbered
     // after the stages.
     if plan.encoders.is_some() {
-        let tower = crate::plan::StagePlan {
-            layers: None,
-            embedding: false,
-            final_norm: false,
-            lm_head: false,
-            vision: true,
-            vision_from: None,
-            place: Default::default(),
-        };
+        let tower = crate::plan::StagePlan::tower_only();
         programs.push(lower_stage(cfg, &graph, plan.stages.len(), &tower, &*backend, storages, DraftPart::default())?);
     }
     Ok(programs)
@@ -439,15 +431,7 @@ impl StageJob<'_> {
         // The encoder ranks' program comes after the stages.
         let encoder = p.index >= self.stages;
         let name = if encoder { "encoder".to_string() } else { format!("stage-{}", p.index) };
-        let tower = crate::plan::StagePlan {
-            layers: None,
-            embedding: false,
-            final_norm: false,
-            lm_head: false,
-            vision: true,
-            vision_from: None,
-            place: Default::default(),
-        };
+        let tower = crate::plan::StagePlan::tower_only();
         let plan_stage = req.plan.stages.get(p.index).unwrap_or(&tower);
         let device = plan_stage.place.device;
         let encoders = req.plan.encoders.as_ref().map_or(0, |e| e.ranks);

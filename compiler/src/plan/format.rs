@@ -83,6 +83,20 @@ pub struct Placement {
 }
 
 impl StagePlan {
+    /// The encoder ranks' program (a plan's `vision: {ranks: N}`): the
+    /// vision tower alone.
+    pub fn tower_only() -> StagePlan {
+        StagePlan {
+            layers: None,
+            embedding: false,
+            final_norm: false,
+            lm_head: false,
+            vision: true,
+            vision_from: None,
+            place: Placement::default(),
+        }
+    }
+
     pub fn parts(&self) -> BTreeSet<Part> {
         let mut p = BTreeSet::new();
         if self.embedding {

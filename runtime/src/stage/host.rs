@@ -9,6 +9,29 @@ use crate::meta::StageMeta;
 use crate::weights::StageWeights;
 use m3c_contract::stage::abi::{StepArgs, STEP_VERSION};
 
+/// The vision entry over `job` with the weight table `table`, writing the
+/// merged features to `feats`. The entry reads `patches` rows of pixels,
+/// positions and segment ends and `rows.len()` sizes summing to `patches`,
+/// and writes `patches / 4` rows of `x_words` words to `feats`.
+/// # Safety
+/// Callers pass checked grids and `feats` sized so.
+unsafe fn run_vision(table: &[*const u8], job: &super::VisionJob, feats: &mut [f32]) {
+    // SAFETY: as the caller guarantees (above).
+    unsafe {
+        super::m3c_stage_vision(
+            table.as_ptr(),
+            table.as_ptr(),
+            job.rows.len() as i64,
+            job.rows.as_ptr(),
+            job.patches as i64,
+            job.pixels.as_ptr(),
+            job.ppos.as_ptr(),
+            job.segs.as_ptr(),
+            feats.as_mut_ptr(),
+        );
+    }
+}
+
 /// A host stage's weight table, for the encoder's thread.
 struct WeightTable(Vec<*const u8>);
 
@@ -72,23 +95,9 @@ impl Backing for HostBacking {
     fn seq_ended(&mut self, _seq: usize) {}
 
     fn encode(&mut self, job: &super::VisionJob, feats: &mut [f32]) -> Result<(), StageError> {
-        // SAFETY: the entry reads `patches` rows of pixels, positions and
-        // segment ends and `rows.len()` sizes summing to `patches`, and
-        // writes `patches / 4` rows of `x_words` words to `feats` (the
-        // images were checked: even grid sides, sizes match).
-        unsafe {
-            super::m3c_stage_vision(
-                self.weights.ptrs.as_ptr(),
-                self.weights.ptrs.as_ptr(),
-                job.rows.len() as i64,
-                job.rows.as_ptr(),
-                job.patches as i64,
-                job.pixels.as_ptr(),
-                job.ppos.as_ptr(),
-                job.segs.as_ptr(),
-                feats.as_mut_ptr(),
-            );
-        }
+        // SAFETY: the images were checked (even grid sides, sizes match) and
+        // `feats` holds `patches / 4` rows of `x_words` words.
+        unsafe { run_vision(&self.weights.ptrs, job, feats) };
         Ok(())
     }
 
@@ -96,24 +105,10 @@ impl Backing for HostBacking {
         let table = WeightTable(self.weights.ptrs.clone());
         Some(Box::new(move |im: &m3c_contract::images::SeqImages, feats: &mut [f32]| {
             let table = &table;
-            let job = super::VisionJob::of(im);
-            // SAFETY: as in `encode` above (the caller sized `feats` for
-            // the grids' tokens, and checked the grids); the table's
-            // weights are read only, by steps too, and outlive the thread
-            // (see `WeightTable`).
-            unsafe {
-                super::m3c_stage_vision(
-                    table.0.as_ptr(),
-                    table.0.as_ptr(),
-                    job.rows.len() as i64,
-                    job.rows.as_ptr(),
-                    job.patches as i64,
-                    job.pixels.as_ptr(),
-                    job.ppos.as_ptr(),
-                    job.segs.as_ptr(),
-                    feats.as_mut_ptr(),
-                );
-            }
+            // SAFETY: the caller checked the grids and sized `feats` for
+            // their tokens; the table's weights are read only, by steps too,
+            // and outlive the thread (see `WeightTable`).
+            unsafe { run_vision(&table.0, &super::VisionJob::of(im), feats) };
         }))
     }
 
