@@ -119,8 +119,7 @@ fn run_outputs(args: &RunArgs, eos: &[i64], think: &[ThinkStart]) -> Result<Vec<
     let (grammar, vocabulary) = match run_grammar(args, eos)? {
         Some((text, flag, v)) => (Some((text, flag)), Some(v)),
         None if thinks && args.thinking_token_budget.is_some() => {
-            let eos = eos.first().map_or(0, |&e| u32::try_from(e).unwrap_or(0));
-            (None, Some(m3c_constrain::Vocabulary::load(&args.model, None, eos)?))
+            (None, Some(m3c_constrain::Vocabulary::load(&args.model, None, &ends(eos))?))
         }
         None => (None, None),
     };
@@ -156,6 +155,11 @@ fn run_outputs(args: &RunArgs, eos: &[i64], think: &[ThinkStart]) -> Result<Vec<
         .collect()
 }
 
+/// The EOS ids as the grammar compiler takes them.
+fn ends(eos: &[i64]) -> Vec<u32> {
+    eos.iter().filter_map(|&e| u32::try_from(e).ok()).collect()
+}
+
 /// The run's grammar as llguidance's text, checked against the model's
 /// tokens (which come back too), and the flag that gave it.
 fn run_grammar(args: &RunArgs, eos: &[i64]) -> Result<Option<(String, &'static str, m3c_constrain::Vocabulary)>> {
@@ -176,11 +180,14 @@ fn run_grammar(args: &RunArgs, eos: &[i64]) -> Result<Option<(String, &'static s
     } else {
         return Ok(None);
     };
-    let Some(&first_eos) = eos.first() else {
+    if !args.stop.is_empty() {
+        anyhow::bail!("--stop does not combine with {flag}: the grammar decides where the output ends (a stop string could cut it short)");
+    }
+    if eos.is_empty() {
         anyhow::bail!("{flag} needs the model's EOS to end the output (not --ignore-eos, and an eos_token_id in the checkpoint)");
-    };
+    }
     let text = grammar.to_text();
-    let vocabulary = m3c_constrain::Vocabulary::load(&args.model, None, u32::try_from(first_eos).unwrap_or(0))?;
+    let vocabulary = m3c_constrain::Vocabulary::load(&args.model, None, &ends(eos))?;
     vocabulary.compile(&text).map_err(|e| anyhow::anyhow!("{flag}: {e}"))?;
     Ok(Some((text, flag, vocabulary)))
 }

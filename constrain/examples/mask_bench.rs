@@ -69,7 +69,7 @@ fn main() {
     let t0 = Instant::now();
     let (json, table) = synthetic_tokenizer();
     let eos = (VOCAB - 1) as u32;
-    let v = Vocabulary::from_tokenizer_json(&json, Some(VOCAB), eos).expect("the synthetic vocabulary loads");
+    let v = Vocabulary::from_tokenizer_json(&json, Some(VOCAB), &[eos]).expect("the synthetic vocabulary loads");
     println!("vocabulary of {VOCAB} ids built in {:.2} s (once per process)", t0.elapsed().as_secs_f64());
     let schema = serde_json::json!({
         "type": "object",

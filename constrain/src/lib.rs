@@ -97,26 +97,36 @@ pub struct Vocabulary {
     env: TokEnv,
     /// The sampler's vocabulary (the logits' width; may exceed the tokenizer's).
     vocab: usize,
+    /// The ids that end a sequence (special to every grammar).
+    ends: Vec<u32>,
 }
 
 impl Vocabulary {
     /// From the tokenizer of the checkpoint folder `model` (its
     /// `tokenizer.json`), for logits `vocab` wide (`None`: the tokenizer's
-    /// own ids), ending on `eos`.
-    pub fn load(model: &Path, vocab: Option<usize>, eos: u32) -> Result<Vocabulary, ConstrainError> {
+    /// own ids), ending on `ends` (the model's EOS ids; see
+    /// [`Vocabulary::from_tokenizer_json`]).
+    pub fn load(model: &Path, vocab: Option<usize>, ends: &[u32]) -> Result<Vocabulary, ConstrainError> {
         let file = model.join("tokenizer.json");
         let json = m3c_contract::read_user_file(&file, "tokenizer", m3c_contract::input::limits::TOKENIZER)
             .map_err(|e| ConstrainError::Tokenizer(format!("structured output: {e}")))?;
-        Vocabulary::from_tokenizer_json(&json, vocab, eos).map_err(|e| ConstrainError::Tokenizer(format!("{}: {e}", file.display())))
+        Vocabulary::from_tokenizer_json(&json, vocab, ends).map_err(|e| ConstrainError::Tokenizer(format!("{}: {e}", file.display())))
     }
 
-    /// From a byte-level `tokenizer.json`'s text.
-    pub fn from_tokenizer_json(json: &str, vocab: Option<usize>, eos: u32) -> Result<Vocabulary, ConstrainError> {
+    /// From a byte-level `tokenizer.json`'s text. `ends` are the ids that
+    /// end a sequence: the first is the EOS a finished grammar allows, and
+    /// every one of them is a special token to the grammar, whatever the
+    /// tokenizer says. A checkpoint whose EOS is an ordinary token (the
+    /// tiny fixture's config names id 2, `#`) would otherwise let a grammar
+    /// spell it as text, and the stage would end the answer on it before
+    /// the grammar is satisfied. Without any, id 0 stands in for the EOS.
+    pub fn from_tokenizer_json(json: &str, vocab: Option<usize>, ends: &[u32]) -> Result<Vocabulary, ConstrainError> {
         let mut words = m3c_contract::token_bytes::byte_level_table(json).map_err(ConstrainError::Tokenizer)?;
         let vocab = vocab.unwrap_or(words.len());
+        let eos = ends.first().copied().unwrap_or(0);
         // llguidance indexes its trie by the EOS id: one outside the ids is the config's error.
-        if eos as usize >= vocab.max(words.len()) {
-            return Err(ConstrainError::Tokenizer(format!("the EOS id {eos} is outside the tokenizer's {} ids", vocab.max(words.len()))));
+        if let Some(bad) = [eos].iter().chain(ends).find(|&&e| e as usize >= vocab.max(words.len())) {
+            return Err(ConstrainError::Tokenizer(format!("the EOS id {bad} is outside the tokenizer's {} ids", vocab.max(words.len()))));
         }
         let t: Value = serde_json::from_str(json).map_err(|e| ConstrainError::Tokenizer(e.to_string()))?;
         // Special tokens are llguidance's 0xFF-marked words: never text a
@@ -140,11 +150,17 @@ impl Vocabulary {
         for w in words.iter_mut().filter(|w| w.is_empty()) {
             *w = vec![TokTrie::SPECIAL_TOKEN_MARKER, b'<', b'>'];
         }
+        for &end in ends {
+            let w = &mut words[end as usize];
+            if w.first() != Some(&TokTrie::SPECIAL_TOKEN_MARKER) {
+                w.insert(0, TokTrie::SPECIAL_TOKEN_MARKER);
+            }
+        }
         let info = TokRxInfo::new(vocab as u32, eos);
         let env: TokEnv = Arc::new(ApproximateTokEnv::new(TokTrie::from(&info, &words)));
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| ConstrainError::Tokenizer(e.to_string()))?;
         factory.quiet();
-        Ok(Vocabulary { factory, env, vocab })
+        Ok(Vocabulary { factory, env, vocab, ends: ends.to_vec() })
     }
 
     /// The token whose text is exactly `bytes`, if one is.
@@ -166,13 +182,25 @@ impl Vocabulary {
     /// The matcher of a grammar given as [`Grammar::to_text`] (or any of
     /// llguidance's grammar JSON).
     pub fn compile(&self, text: &str) -> Result<Constraint, ConstrainError> {
+        self.compile_stopping(text, &[])
+    }
+
+    /// The matcher of a grammar for a sequence that also stops on `stops`
+    /// (a request's `stop_token_ids`): the grammar decides where the output
+    /// ends, so those ids are never allowed while it runs (drawing one
+    /// would end the output before the grammar is satisfied), and once it
+    /// is complete only the EOS is.
+    pub fn compile_stopping(&self, text: &str, stops: &[u32]) -> Result<Constraint, ConstrainError> {
         let grammar: TopLevelGrammar = serde_json::from_str(text).map_err(|e| ConstrainError::Grammar(e.to_string()))?;
         let parser = self.factory.create_parser(grammar).map_err(|e| ConstrainError::Grammar(e.to_string()))?;
         let matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
             return Err(ConstrainError::Grammar(e));
         }
-        Ok(Constraint { matcher, words: m3c_contract::sampling::seen_words(self.vocab) })
+        // The ends are special tokens to the grammar already: only the EOS
+        // is ever allowed, and only once the grammar is complete.
+        let forbidden = stops.iter().copied().filter(|s| !self.ends.contains(s) && (*s as usize) < self.vocab).collect();
+        Ok(Constraint { matcher, words: m3c_contract::sampling::seen_words(self.vocab), forbidden })
     }
 }
 
@@ -180,6 +208,8 @@ impl Vocabulary {
 pub struct Constraint {
     matcher: Matcher,
     words: usize,
+    /// Stop ids the grammar never allows ([`Vocabulary::compile_stopping`]).
+    forbidden: Vec<u32>,
 }
 
 impl Constraint {
@@ -189,6 +219,9 @@ impl Constraint {
         let v = self.matcher.compute_mask_or_eos().map_err(|e| ConstrainError::Matcher(e.to_string()))?;
         let mut out = v.as_slice().to_vec();
         out.resize(self.words, 0);
+        for &f in &self.forbidden {
+            out[f as usize / 32] &= !(1 << (f % 32));
+        }
         Ok(out)
     }
 
@@ -259,7 +292,7 @@ mod tests {
     fn masks_allow_only_what_the_grammar_can_still_become() {
         let t = tokenizer();
         let eos = 97;
-        let v = Vocabulary::from_tokenizer_json(&t, Some(100), eos).unwrap();
+        let v = Vocabulary::from_tokenizer_json(&t, Some(100), &[eos]).unwrap();
         // A choice: the highest allowed id each time spells one of them.
         let g = Grammar::Choice(vec!["yes".into(), "no".into()]);
         let (ids, _) = drive(&v, &g, |m| (0..100u32).rev().find(|&i| m[i as usize / 32] >> (i % 32) & 1 == 1).unwrap());
@@ -285,12 +318,12 @@ mod tests {
 
     #[test]
     fn bad_grammars_are_errors_that_say_why() {
-        let v = Vocabulary::from_tokenizer_json(&tokenizer(), Some(100), 97).unwrap();
+        let v = Vocabulary::from_tokenizer_json(&tokenizer(), Some(100), &[97]).unwrap();
         let e = v.compile(&Grammar::Regex("(".into()).to_text()).err().expect("an unclosed group");
         assert!(e.to_string().contains("does not compile"), "{e}");
         assert!(v.compile("{not json").is_err());
-        assert!(Vocabulary::from_tokenizer_json(&tokenizer(), Some(10), 9).is_err(), "a vocabulary narrower than the tokenizer");
-        let e = Vocabulary::from_tokenizer_json(&tokenizer(), Some(100), 100).err().expect("an EOS past the ids");
+        assert!(Vocabulary::from_tokenizer_json(&tokenizer(), Some(10), &[9]).is_err(), "a vocabulary narrower than the tokenizer");
+        let e = Vocabulary::from_tokenizer_json(&tokenizer(), Some(100), &[100]).err().expect("an EOS past the ids");
         assert!(e.to_string().contains("EOS id 100"), "{e}");
     }
 

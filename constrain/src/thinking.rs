@@ -246,14 +246,20 @@ mod tests {
     /// The test tokenizer of the crate, with MiniMax-M3's two reasoning
     /// tags as (non-special) tokens of their own.
     fn vocabulary() -> (Vocabulary, u32, u32, u32) {
+        let (v, open, close) = vocabulary_ending_on(None);
+        (v, open - 1, open, close)
+    }
+
+    /// The same, ending on `eos` (default: the tokenizer's special `<eos>`).
+    fn vocabulary_ending_on(eos: Option<u32>) -> (Vocabulary, u32, u32) {
         let mut t: serde_json::Value = serde_json::from_str(&crate::tests::tokenizer()).unwrap();
         let n = t["model"]["vocab"].as_object().unwrap().len() as u64 + 1;
         let added = t["added_tokens"].as_array_mut().unwrap();
         added.push(serde_json::json!({"id": n, "content": OPEN, "special": false}));
         added.push(serde_json::json!({"id": n + 1, "content": CLOSE, "special": false}));
-        let eos = n as u32 - 1;
-        let v = Vocabulary::from_tokenizer_json(&t.to_string(), Some(100), eos).unwrap();
-        (v, eos, n as u32, n as u32 + 1)
+        let eos = eos.unwrap_or(n as u32 - 1);
+        let v = Vocabulary::from_tokenizer_json(&t.to_string(), Some(100), &[eos]).unwrap();
+        (v, n as u32, n as u32 + 1)
     }
 
     /// Draws as the last stage does: the grammar's mask, narrowed to the
@@ -337,6 +343,56 @@ mod tests {
         assert!(r.ends_with("zzzz") && (c == "yes" || c == "no"), "{:?}", String::from_utf8_lossy(&out));
         // Closed: the grammar as it was.
         assert_eq!(wrap(&choice, ThinkStart::Closed).unwrap(), choice);
+    }
+
+    /// A model whose EOS is an ordinary token (the tiny fixture's config
+    /// names id 2, `#`) and a request that also stops on an ordinary id:
+    /// whatever the reasoning, neither is ever allowed before the grammar
+    /// is complete, so the answer cannot end before its constraint starts.
+    /// The picker takes EOS or the stop id whenever it may, and else a
+    /// pseudo-random allowed token.
+    #[test]
+    fn an_ordinary_eos_or_stop_id_never_ends_a_constrained_answer_early() {
+        let (hash, bang) = (b'#' as u32 - b'!' as u32, 0);
+        let (v, open, close) = vocabulary_ending_on(Some(hash));
+        let schema = serde_json::json!({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": false});
+        let json = crate::Grammar::JsonSchema(schema).to_text();
+        for start in [ThinkStart::Open, ThinkStart::Adaptive] {
+            for seed in 0..8u32 {
+                let mut c = v.compile_stopping(&wrap(&json, start).unwrap(), &[bang, hash]).unwrap();
+                let mut out = Vec::new();
+                let mut state = seed.wrapping_mul(2654435761) | 1;
+                for step in 0..400 {
+                    let m = c.mask().unwrap();
+                    assert!(!allowed(&m, bang), "{start:?} seed {seed}: the stop id is allowed at step {step}");
+                    if c.is_done() {
+                        assert!(allowed(&m, hash), "the EOS once the grammar is complete");
+                        break;
+                    }
+                    assert!(!allowed(&m, hash), "{start:?} seed {seed}: EOS allowed at step {step}: {:?}", String::from_utf8_lossy(&out));
+                    state ^= state << 13;
+                    state ^= state >> 17;
+                    state ^= state << 5;
+                    // Close the reasoning now and then, as a model would.
+                    let want = if state % 7 == 0 {
+                        close
+                    } else if step == 0 {
+                        open
+                    } else {
+                        state % 100
+                    };
+                    let id = if allowed(&m, want) { want } else { (0..100).map(|i| (want + i) % 100).find(|&i| allowed(&m, i)).unwrap() };
+                    c.consume(id).unwrap();
+                    out.extend_from_slice(v.text_of(id));
+                }
+                assert!(c.is_done(), "{start:?} seed {seed}: {:?}", String::from_utf8_lossy(&out));
+                let (_, content) = content_of(start, &out);
+                let parsed: serde_json::Value = serde_json::from_str(&content).unwrap_or_else(|e| panic!("{e}: {content:?}"));
+                assert!(parsed["ok"].is_boolean());
+            }
+        }
+        // The EOS is a special token to grammars: its text is nothing.
+        assert_eq!(v.text_of(hash), b"");
     }
 
     #[test]

@@ -26,22 +26,23 @@ pub(crate) enum OnNonFinite {
 pub(crate) struct GrammarSource {
     pub model: Option<std::path::PathBuf>,
     pub vocab: usize,
-    pub eos: u32,
-    /// Every EOS id: what `min_tokens` holds back, with the stop ids.
+    /// Every EOS id: what `min_tokens` holds back, with the stop ids; the
+    /// first is the one a complete grammar allows.
     pub eos_ids: Vec<i64>,
     built: Option<Result<m3c_constrain::Vocabulary, String>>,
 }
 
 impl GrammarSource {
-    pub fn new(model: Option<std::path::PathBuf>, vocab: usize, eos: u32) -> GrammarSource {
-        GrammarSource { model, vocab, eos, eos_ids: Vec::new(), built: None }
+    pub fn new(model: Option<std::path::PathBuf>, vocab: usize, eos_ids: Vec<i64>) -> GrammarSource {
+        GrammarSource { model, vocab, eos_ids, built: None }
     }
 
     /// The model's tokens, read when the first sequence needs them.
     fn vocabulary(&mut self) -> Result<&m3c_constrain::Vocabulary, String> {
-        let (model, vocab, eos) = (self.model.clone(), self.vocab, self.eos);
+        let (model, vocab) = (self.model.clone(), self.vocab);
+        let ends: Vec<u32> = self.eos_ids.iter().filter_map(|&e| u32::try_from(e).ok()).collect();
         let v = self.built.get_or_insert_with(|| match model {
-            Some(m) => m3c_constrain::Vocabulary::load(&m, Some(vocab), eos).map_err(|e| e.to_string()),
+            Some(m) => m3c_constrain::Vocabulary::load(&m, Some(vocab), &ends).map_err(|e| e.to_string()),
             None => Err("structured output and reasoning budgets need --model DIR with a tokenizer.json".into()),
         });
         v.as_ref().map_err(Clone::clone)
@@ -55,7 +56,10 @@ impl GrammarSource {
             return Ok((None, None));
         }
         let v = self.vocabulary()?;
-        let grammar = out.grammar.as_deref().map(|text| v.compile(text)).transpose().map_err(|e| e.to_string())?;
+        // The grammar decides where the output ends: the request's stop ids
+        // are held back until it is complete (`compile_stopping`).
+        let stops: Vec<u32> = out.stop_ids.iter().filter_map(|&s| u32::try_from(s).ok()).collect();
+        let grammar = out.grammar.as_deref().map(|text| v.compile_stopping(text, &stops)).transpose().map_err(|e| e.to_string())?;
         let budget = out.think.map(|t| Budget::new(v, t, grammar.is_none())).transpose().map_err(|e| e.to_string())?;
         Ok((grammar, budget))
     }

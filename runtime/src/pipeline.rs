@@ -40,9 +40,7 @@ pub fn run(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Stage, args: 
     }
     let want_logits = args.dump.is_some() || args.expect.is_some();
     let on_bad = if args.serving() { OnNonFinite::EndSequence } else { OnNonFinite::EndRun };
-    let eos = args.eos_ids.first().and_then(|&e| u32::try_from(e).ok()).unwrap_or(0);
-    let mut grammars = crate::books::GrammarSource::new(args.weights.checkpoint().cloned(), st.meta.vocab, eos);
-    grammars.eos_ids = args.eos_ids.clone();
+    let grammars = crate::books::GrammarSource::new(args.weights.checkpoint().cloned(), st.meta.vocab, args.eos_ids.clone());
     let mut books = LastBooks::new(want_logits, on_bad, grammars);
     // The last stage drafts when it holds an EAGLE3 head and the run asks for it.
     if let (Some(d), Some(e)) = (&st.meta.draft, args.eagle3.as_ref().filter(|_| !want_logits)) {

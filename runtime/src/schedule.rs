@@ -671,7 +671,10 @@ impl Leader {
                 last_id: 0,
                 busy: false,
                 cancelled: false,
-                stops: a.stops,
+                // Under a grammar the grammar decides where the output
+                // ends (its stop ids are masked until it is complete):
+                // a stop string must not cut it short either.
+                stops: if a.grammar.is_some() { Vec::new() } else { a.stops },
                 stop_ids: a.stop_ids,
                 text: Vec::new(),
                 kv: SeqBlocks::default(),

@@ -792,10 +792,14 @@ async fn start(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: Opti
     };
     let budget = thinking_budget(&app, &common, grammar.is_some(), think, max_new).map_err(|e| error(&e))?;
     // A grammar's end is an EOS the sequence must stop on, whatever
-    // `ignore_eos` says, and whose text is not the answer's.
+    // `ignore_eos` says, and whose text is not the answer's. The grammar
+    // decides where the answer ends: stop strings do not apply (one could
+    // cut a call or a JSON value short), and the stage holds the stop ids
+    // back until the grammar is complete.
     let mut common = common;
     if grammar.is_some() {
         common.stop_ids.extend(&app.eos_ids);
+        common.stop.clear();
     }
     let mut tickets = Vec::with_capacity(common.n);
     for i in 0..common.n {

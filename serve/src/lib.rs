@@ -205,8 +205,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
     let video_token = compiled.manifest.video_token.filter(|_| compiled.encodes_images());
     // Structured output compiles grammars against the model's own tokens.
     let eos_ids: Vec<u32> = gen.eos_ids.iter().filter_map(|&e| u32::try_from(e).ok()).collect();
-    let grammars = m3c_constrain::Vocabulary::load(&o.model, Some(tokenizer.vocab_size()), eos_ids.first().copied().unwrap_or(0))
-        .map_err(|e| e.to_string());
+    let grammars = m3c_constrain::Vocabulary::load(&o.model, Some(tokenizer.vocab_size()), &eos_ids).map_err(|e| e.to_string());
     let shared = move |engine| http::Shared {
         engine,
         tokenizer,
