@@ -300,9 +300,12 @@ pub(crate) struct ServeArgs {
     /// Tool-call parser: `minimax_m3` (MiniMax-M3's, what m3c parses; another name is an error).
     #[arg(long, value_name = "NAME", help_heading = "Frontend")]
     pub(crate) tool_call_parser: Option<String>,
-    /// Reasoning parser: `minimax_m3` (the `<think>` block becomes `reasoning_content`; another name is an error).
+    /// Reasoning parser: `minimax_m3` (the `<mm:think>` block becomes the answer's `reasoning`, and `reasoning_content`; another name is an error).
     #[arg(long, value_name = "NAME", help_heading = "Frontend")]
     pub(crate) reasoning_parser: Option<String>,
+    /// vLLM's structured-output settings, as JSON: `{"enable_in_reasoning": true}` makes a request's grammar bind the whole output, reasoning included (by default it binds what follows the reasoning); `backend` may be `auto` or `guidance` (llguidance, m3c's).
+    #[arg(long, value_name = "JSON", value_parser = json_object, help_heading = "Frontend")]
+    pub(crate) structured_outputs_config: Option<serde_json::Map<String, serde_json::Value>>,
     /// Accepted for vLLM's command lines: m3c parses tool calls out of every chat answer.
     #[arg(long, help_heading = "Frontend")]
     pub(crate) enable_auto_tool_choice: bool,

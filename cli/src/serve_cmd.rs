@@ -41,6 +41,8 @@ pub(crate) fn serve_cmd(a: ServeArgs) -> Result<()> {
                 allow_private: a.allow_private_media_urls,
             },
             default_chat_template_kwargs: a.default_chat_template_kwargs.unwrap_or_default(),
+            structured: m3c_serve::StructuredOutputs::from_json(&a.structured_outputs_config.unwrap_or_default())
+                .map_err(|e| anyhow::anyhow!("--structured-outputs-config: {e}"))?,
         },
         max_batch: a.max_batch,
         kv_size,

@@ -73,6 +73,35 @@ fn compact(mut schema: Value) -> Value {
     schema
 }
 
+/// A JSON schema's `pattern` (which matches anywhere in a string unless it
+/// is anchored with `^` and `$`) as the text of a Lark regular expression
+/// that matches a whole string: `\d`, `\w` and `\s` as ASCII classes, as
+/// llguidance's JSON schemas read them. An anchor anywhere but at the ends
+/// is an error: the grammar could not say what it means.
+pub fn pattern_regex(pattern: &str) -> Result<String, String> {
+    let start = pattern.starts_with('^');
+    let core = if start { &pattern[1..] } else { pattern };
+    // A trailing `$` that is not escaped (an odd count of backslashes before it escapes it).
+    let slashes = core.strip_suffix('$').map(|c| c.len() - c.trim_end_matches('\\').len());
+    let end = slashes.is_some_and(|n| n % 2 == 0);
+    let core = if end { &core[..core.len() - 1] } else { core };
+    let (mut escaped, mut class) = (false, false);
+    for (i, c) in core.char_indices() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' => escaped = true,
+            '[' if !class => class = true,
+            ']' if class => class = false,
+            '^' if class && core[..i].ends_with('[') => {}
+            '^' | '$' if !class => return Err("anchors (`^`, `$`) are supported only at the ends of a pattern".into()),
+            _ => {}
+        }
+    }
+    let any = "(?s:.*)";
+    let lark = llguidance::regex_to_lark(core, "dws");
+    Ok(format!("{}(?:{lark}){}", if start { "" } else { any }, if end { "" } else { any }))
+}
+
 /// `s` as a regular expression that matches exactly `s`.
 fn regex_literal(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
@@ -325,6 +354,16 @@ mod tests {
         assert!(Vocabulary::from_tokenizer_json(&tokenizer(), Some(10), &[9]).is_err(), "a vocabulary narrower than the tokenizer");
         let e = Vocabulary::from_tokenizer_json(&tokenizer(), Some(100), &[100]).err().expect("an EOS past the ids");
         assert!(e.to_string().contains("EOS id 100"), "{e}");
+    }
+
+    #[test]
+    fn schema_patterns_match_anywhere_unless_anchored() {
+        assert_eq!(pattern_regex("a+").unwrap(), "(?s:.*)(?:a+)(?s:.*)");
+        assert_eq!(pattern_regex("^a+$").unwrap(), "(?:a+)");
+        assert_eq!(pattern_regex("^[^a]\\d$").unwrap(), "(?:[^a][0-9])");
+        assert_eq!(pattern_regex("a\\$").unwrap(), "(?s:.*)(?:a\\$)(?s:.*)", "an escaped dollar is a dollar");
+        assert!(pattern_regex("^a|^b").is_err());
+        assert!(pattern_regex("a$b").is_err());
     }
 
     #[test]

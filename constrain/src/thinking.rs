@@ -14,8 +14,11 @@
 //! constrained reader is strict: content is every byte after the prefix,
 //! with nothing trimmed. An unconstrained one is lenient, as it was before
 //! constraints followed reasoning: whitespace before the opening tag is
-//! skipped, blank lines before the content are dropped, and a model that
-//! opens `<mm:think>` after a `disabled` prompt is still read as reasoning.
+//! skipped, blank lines before the content are dropped, a model that
+//! opens `<mm:think>` after a `disabled` prompt is still read as reasoning
+//! (and one that opens it again after an `enabled` prompt loses only the
+//! repeated tag), and no reasoning tag ever reaches the content: a later
+//! `<mm:think>` opens reasoning again, a stray `</mm:think>` is dropped.
 
 use crate::{ConstrainError, Vocabulary};
 pub use m3c_contract::thinking::{ThinkBudget, ThinkStart, CLOSE, OPEN};
@@ -25,6 +28,9 @@ pub use m3c_contract::thinking::{ThinkBudget, ThinkStart, CLOSE, OPEN};
 enum Part {
     /// Nothing decided yet: a tag may come first.
     Start,
+    /// The prompt opened the reasoning; a lenient reader drops the model's
+    /// own `<mm:think>` if it writes one first.
+    OpenStart,
     Reasoning,
     Content,
 }
@@ -50,6 +56,7 @@ impl Splitter {
     /// `lenient`: the unconstrained reading (above).
     pub fn new(start: ThinkStart, lenient: bool) -> Splitter {
         let part = match start {
+            ThinkStart::Open if lenient => Part::OpenStart,
             ThinkStart::Open => Part::Reasoning,
             ThinkStart::Closed if !lenient => Part::Content,
             ThinkStart::Closed | ThinkStart::Adaptive => Part::Start,
@@ -59,7 +66,7 @@ impl Splitter {
 
     /// Whether the output is inside the reasoning now.
     pub fn in_reasoning(&self) -> bool {
-        self.part == Part::Reasoning
+        matches!(self.part, Part::Reasoning | Part::OpenStart)
     }
 
     /// Adds bytes; returns what is decided now.
@@ -109,9 +116,45 @@ impl Splitter {
                         let blank = self.pending.iter().take_while(|&&b| b == b'\n').count();
                         self.pending.drain(..blank);
                     }
-                    self.content_seen |= !self.pending.is_empty();
-                    out.content.append(&mut self.pending);
-                    break;
+                    if !self.lenient {
+                        out.content.append(&mut self.pending);
+                        break;
+                    }
+                    // Lenient: reasoning tags never reach the content. A
+                    // `<mm:think>` there opens reasoning again (a model
+                    // that thinks between answers), a stray `</mm:think>`
+                    // is dropped.
+                    let open = find(&self.pending, OPEN.as_bytes());
+                    let close = find(&self.pending, CLOSE.as_bytes());
+                    let (i, tag, reopens) = match (open, close) {
+                        (Some(o), Some(c)) if o < c => (o, OPEN, true),
+                        (_, Some(c)) => (c, CLOSE, false),
+                        (Some(o), None) => (o, OPEN, true),
+                        (None, None) => {
+                            let keep =
+                                if end { 0 } else { held(&self.pending, OPEN.as_bytes()).max(held(&self.pending, CLOSE.as_bytes())) };
+                            let cut = self.pending.len() - keep;
+                            self.content_seen |= cut > 0;
+                            out.content.extend(self.pending.drain(..cut));
+                            break;
+                        }
+                    };
+                    self.content_seen |= i > 0;
+                    out.content.extend(self.pending.drain(..i));
+                    self.pending.drain(..tag.len());
+                    if reopens {
+                        self.part = Part::Reasoning;
+                    }
+                }
+                Part::OpenStart => {
+                    // A model that opens its reasoning again right after the
+                    // prompt opened it: the tag is not reasoning.
+                    if self.pending.starts_with(OPEN.as_bytes()) {
+                        self.pending.drain(..OPEN.len());
+                    } else if !end && OPEN.as_bytes().starts_with(&self.pending) {
+                        break;
+                    }
+                    self.part = Part::Reasoning;
                 }
             }
         }
@@ -241,6 +284,13 @@ mod tests {
         assert_eq!(read(ThinkStart::Closed, true, &["<mm:think>a</mm:think>b"]), r("a", "b"));
         // Only the first close ends the reasoning.
         assert_eq!(read(ThinkStart::Open, false, &["a</mm:think>b</mm:think>"]), r("a", "b</mm:think>"));
+        // Lenient: no reasoning tag reaches the content.
+        assert_eq!(read(ThinkStart::Open, true, &["a</mm:think>b</mm:th", "ink>c"]), r("a", "bc"));
+        assert_eq!(read(ThinkStart::Adaptive, true, &["</mm:think>x <mm:", "think>more</mm:think> y"]), r("more", "x  y"));
+        assert_eq!(read(ThinkStart::Open, true, &["<mm:th", "ink>a</mm:think>b"]), r("a", "b"), "a repeated opening tag");
+        assert_eq!(read(ThinkStart::Open, true, &["<b>a</mm:think>b"]), r("<b>a", "b"));
+        assert_eq!(read(ThinkStart::Closed, true, &["x</mm:", "think>"]), r("", "x"));
+        assert_eq!(read(ThinkStart::Closed, true, &["x</mm:"]), r("", "x</mm:"), "a cut tag at the end is text");
     }
 
     /// The test tokenizer of the crate, with MiniMax-M3's two reasoning

@@ -5,7 +5,7 @@
 
 use super::engine::{Engine, Event, SubmitError, Ticket};
 use super::openai::{self, ApiError, Common, Defaults};
-use super::output::{ChatOutput, Reading};
+use super::output::{ChatOutput, Piece, Reading};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
@@ -54,6 +54,8 @@ pub struct Shared {
     pub trace_dir: Option<std::path::PathBuf>,
     /// Chat template keyword arguments every chat request starts from.
     pub default_kwargs: serde_json::Map<String, Value>,
+    /// `--structured-outputs-config`.
+    pub structured: super::StructuredOutputs,
 }
 
 type App = Arc<Shared>;
@@ -501,7 +503,6 @@ enum Kind {
 struct Generation {
     app: App,
     ticket: Ticket,
-    kind: Kind,
     common: Common,
     /// Which of the request's choices this is.
     index: usize,
@@ -531,9 +532,10 @@ struct Generation {
     finish: Option<String>,
 }
 
-/// What one event adds: reasoning and content text, and whether it ended.
+/// What one event adds (reasoning, content and tool calls, in order), and
+/// whether the answer ended.
 enum Step {
-    Text { reasoning: String, content: String, end: bool },
+    Text { pieces: Vec<Piece>, end: bool },
     Failed(String),
 }
 
@@ -589,31 +591,49 @@ impl Generation {
         self.shown(new, end)
     }
 
-    /// What the client sees of `new` text: for chat, split into reasoning
-    /// and content.
+    /// What the client sees of `new` text: for chat, read into reasoning,
+    /// content and tool calls.
     fn shown(&mut self, new: String, end: bool) -> Step {
         match &mut self.chat {
             Some(c) => {
-                let mut d = c.push(&new);
+                let mut pieces = c.push(&new);
                 if end {
-                    let e = c.finish();
-                    d.reasoning += &e.reasoning;
-                    d.content += &e.content;
+                    pieces.extend(c.finish());
                 }
-                Step::Text { reasoning: d.reasoning, content: d.content, end }
+                Step::Text { pieces, end }
             }
-            None => Step::Text { reasoning: String::new(), content: new, end },
+            None => Step::Text { pieces: vec![Piece::Content(new)], end },
         }
     }
 
-    /// The tool calls (chat, at the end) and the finish reason they imply.
-    fn tool_calls(&mut self) -> Vec<Value> {
-        let (Kind::Chat { tools, .. }, Some(c)) = (&self.kind, &mut self.chat) else { return Vec::new() };
-        let calls = c.tool_calls(tools);
-        if !calls.is_empty() {
-            self.finish = Some("tool_calls".into());
-        }
+    /// The id of the choice's call `index`: unique in the server's run
+    /// (the request's id, the choice, the call).
+    fn call_id(&self, prefix: &str, index: usize) -> String {
+        let request = self.id.rsplit('-').next().unwrap_or_default();
+        format!("{prefix}_{request}_{}_{index}", self.index)
+    }
+
+    /// The calls read so far, in OpenAI's shape.
+    fn tool_calls(&self) -> Vec<Value> {
+        let calls = self.chat.as_ref().map_or(&[][..], |c| &c.tool_calls[..]);
         calls
+            .iter()
+            .enumerate()
+            .map(
+                |(i, c)| json!({"id": self.call_id("call", i), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}),
+            )
+            .collect()
+    }
+
+    /// The finish reason: `length` when the tokens ran out (a call it cut
+    /// is returned as far as it went), `tool_calls` when the answer
+    /// called tools, else `stop`.
+    fn finish_reason(&self) -> String {
+        match self.finish.as_deref() {
+            Some("length") => "length".into(),
+            _ if self.chat.as_ref().is_some_and(|c| !c.tool_calls.is_empty()) => "tool_calls".into(),
+            f => f.unwrap_or("stop").into(),
+        }
     }
 
     /// The logprobs gathered since the last call, in OpenAI's shape for this
@@ -849,10 +869,9 @@ async fn start(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: Opti
             app: app.clone(),
             ticket,
             chat: match &kind {
-                Kind::Chat { think, .. } => Some(ChatOutput::new(*think, reading(&common))),
+                Kind::Chat { think, tools } => Some(ChatOutput::new(*think, reading(&app, &common, !tools.is_empty()), tools)),
                 Kind::Completion => None,
             },
-            kind: kind.clone(),
             common: common.clone(),
             index,
             decoder: IncrementalDecoder::new(common.skip_special),
@@ -881,6 +900,9 @@ async fn start(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: Opti
 /// stages. Completions constrain from the first token.
 fn check_grammar(app: &Shared, g: &m3c_constrain::Grammar, field: &str, think: ThinkStart) -> Result<String, ApiError> {
     let v = app.grammars.as_ref().map_err(|why| ApiError::bad(field, format!("`{field}`: structured output is not available: {why}")))?;
+    // `enable_in_reasoning`: the request's grammar binds the reasoning too
+    // (a forced call's, which m3c writes, always follows it).
+    let think = if binds_reasoning(app, field) { ThinkStart::Closed } else { think };
     let text = m3c_constrain::thinking::wrap(&g.to_text(), think).map_err(|e| ApiError::bad(field, format!("`{field}`: {e}")))?;
     v.compile(&text).map_err(|e| ApiError::bad(field, format!("`{field}`: {e}")))?;
     Ok(text)
@@ -921,11 +943,22 @@ fn thinking_budget(
     Ok(budget.map(|budget| ThinkBudget { start, budget }))
 }
 
-/// How a chat's output is read: by the grammar that binds it, if any.
-fn reading(common: &Common) -> Reading {
+/// Whether the grammar a request's `field` gave binds the whole output,
+/// reasoning included (`--structured-outputs-config
+/// '{"enable_in_reasoning": true}'`).
+fn binds_reasoning(app: &Shared, field: &str) -> bool {
+    app.structured.in_reasoning && field != "tool_choice"
+}
+
+/// How a chat's output is read: by the grammar that binds it, if any. A
+/// grammar beside tools (with `tool_choice` auto) is read for calls and
+/// reasoning like any other answer, as vLLM does; so is one that binds the
+/// reasoning too.
+fn reading(app: &Shared, common: &Common, tools: bool) -> Reading {
     match &common.grammar {
         None => Reading::Free,
         Some((_, "tool_choice")) => Reading::ForcedCalls,
+        Some((_, field)) if tools || binds_reasoning(app, field) => Reading::Free,
         Some(_) => Reading::Constrained,
     }
 }
@@ -956,12 +989,16 @@ async fn whole(gens: Vec<Generation>) -> Response {
 
 /// One choice to its end, as the choice object of a whole answer.
 async fn whole_choice(mut g: Generation) -> Result<(Value, Generation), String> {
-    let (mut reasoning, mut content) = (String::new(), String::new());
+    let mut content = String::new();
     loop {
         match g.next().await {
-            Step::Text { reasoning: r, content: c, end } => {
-                reasoning += &r;
-                content += &c;
+            Step::Text { pieces, end } => {
+                // A completion's text (a chat's is the reader's, below).
+                for p in pieces {
+                    if let Piece::Content(t) = p {
+                        content += &t;
+                    }
+                }
                 if end {
                     break;
                 }
@@ -970,11 +1007,12 @@ async fn whole_choice(mut g: Generation) -> Result<(Value, Generation), String> 
         }
     }
     let calls = g.tool_calls();
+    let mut reasoning = String::new();
     if let Some(c) = &g.chat {
         content = c.content.clone();
         reasoning = c.reasoning.clone();
     }
-    let finish = g.finish.clone().unwrap_or_else(|| "stop".into());
+    let finish = g.finish_reason();
     let choice = if g.chat.is_some() {
         let mut message = json!({"role": "assistant", "content": if content.is_empty() && !calls.is_empty() { Value::Null } else { Value::String(content) }});
         if !reasoning.is_empty() {
@@ -1023,6 +1061,57 @@ fn stream(gens: Vec<Generation>) -> Response {
     Sse::new(flat).keep_alive(KeepAlive::default()).into_response()
 }
 
+/// A chat's pieces as OpenAI's stream deltas, in order: reasoning and
+/// content in one delta, tool calls in another (a call's first entry has
+/// its `index`, `id`, `type` and `function.name`, later ones its
+/// `function.arguments` fragments).
+fn chat_deltas(g: &Generation, pieces: Vec<Piece>) -> Vec<Value> {
+    let mut deltas: Vec<serde_json::Map<String, Value>> = Vec::new();
+    for p in pieces {
+        let calls = matches!(p, Piece::Call { .. } | Piece::Args { .. });
+        if deltas.last().is_none_or(|d| d.contains_key("tool_calls") != calls) {
+            deltas.push(serde_json::Map::new());
+        }
+        let Some(d) = deltas.last_mut() else { continue };
+        let mut append = |k: &str, t: &str| {
+            let v = d.entry(k.to_string()).or_insert_with(|| Value::String(String::new()));
+            if let Value::String(s) = v {
+                s.push_str(t);
+            }
+        };
+        match p {
+            Piece::Reasoning(t) => {
+                // vLLM's name, and the older one its clients still read.
+                append("reasoning", &t);
+                append("reasoning_content", &t);
+            }
+            Piece::Content(t) => append("content", &t),
+            Piece::Call { index, name } => {
+                let entry = json!({"index": index, "id": g.call_id("call", index), "type": "function",
+                                   "function": {"name": name, "arguments": ""}});
+                if let Some(a) = d.entry("tool_calls").or_insert_with(|| json!([])).as_array_mut() {
+                    a.push(entry);
+                }
+            }
+            Piece::Args { index, json } => {
+                let list = d.entry("tool_calls").or_insert_with(|| json!([]));
+                match list.as_array_mut().and_then(|a| a.last_mut()).filter(|e| e["index"] == index) {
+                    Some(e) => {
+                        let was = e["function"]["arguments"].as_str().unwrap_or_default().to_string();
+                        e["function"]["arguments"] = Value::String(was + &json);
+                    }
+                    None => {
+                        if let Some(a) = list.as_array_mut() {
+                            a.push(json!({"index": index, "function": {"arguments": json}}));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    deltas.into_iter().map(Value::Object).collect()
+}
+
 /// One choice's server-sent events, up to its finish reason.
 fn choice_events(g: Generation) -> impl futures_util::Stream<Item = Result<Sse_, Infallible>> {
     let data = |v: &Value| Ok::<_, Infallible>(Sse_::default().data(v.to_string()));
@@ -1046,18 +1135,9 @@ fn choice_events(g: Generation) -> impl futures_util::Stream<Item = Result<Sse_,
         }
         let mut out = Vec::new();
         match g.next().await {
-            Step::Text { reasoning, content, end } => {
-                let chat = g.chat.is_some();
-                if chat {
-                    let mut delta = serde_json::Map::new();
-                    if !reasoning.is_empty() {
-                        delta.insert("reasoning".into(), Value::String(reasoning.clone()));
-                        delta.insert("reasoning_content".into(), Value::String(reasoning));
-                    }
-                    if !content.is_empty() {
-                        delta.insert("content".into(), Value::String(content));
-                    }
-                    if !delta.is_empty() {
+            Step::Text { pieces, end } => {
+                if g.chat.is_some() {
+                    for delta in chat_deltas(&g, pieces) {
                         let lp = g.take_logprobs();
                         let mut c = g.chunk(json!({"index": g.index, "delta": delta, "logprobs": lp, "finish_reason": null}));
                         if let Some(p) = g.prompt_field() {
@@ -1066,7 +1146,8 @@ fn choice_events(g: Generation) -> impl futures_util::Stream<Item = Result<Sse_,
                         out.push(data(&c));
                     }
                 } else {
-                    let content = g.echo.take().unwrap_or_default() + &content;
+                    let text: String = pieces.into_iter().map(|p| if let Piece::Content(t) = p { t } else { String::new() }).collect();
+                    let content = g.echo.take().unwrap_or_default() + &text;
                     if !content.is_empty() {
                         let lp = g.take_logprobs();
                         let mut c = json!({"index": g.index, "text": content, "logprobs": lp, "finish_reason": null});
@@ -1079,32 +1160,10 @@ fn choice_events(g: Generation) -> impl futures_util::Stream<Item = Result<Sse_,
                 if !end {
                     return Some((out, (g, 1)));
                 }
-                let shown = g.chat.as_ref().map_or(0, |c| c.content.len());
-                let calls = g.tool_calls();
-                // A block that was not a call comes back as text.
-                if let Some(rest) = g.chat.as_ref().and_then(|c| c.content.get(shown..)).filter(|r| !r.is_empty()) {
-                    let rest = rest.to_string();
-                    out.push(data(
-                        &g.chunk(json!({"index": g.index, "delta": {"content": rest}, "logprobs": null, "finish_reason": null})),
-                    ));
-                }
-                if chat && !calls.is_empty() {
-                    let indexed: Vec<Value> = calls
-                        .into_iter()
-                        .enumerate()
-                        .map(|(i, mut c)| {
-                            c["index"] = json!(i);
-                            c
-                        })
-                        .collect();
-                    out.push(data(
-                        &g.chunk(json!({"index": g.index, "delta": {"tool_calls": indexed}, "logprobs": null, "finish_reason": null})),
-                    ));
-                }
-                let finish = g.finish.clone().unwrap_or_else(|| "stop".into());
+                let finish = g.finish_reason();
                 // The logprobs of tokens whose text never came out (held, or cut).
                 let lp = g.take_logprobs();
-                let last = if chat {
+                let last = if g.chat.is_some() {
                     json!({"index": g.index, "delta": {}, "logprobs": lp, "finish_reason": finish})
                 } else {
                     let mut c =

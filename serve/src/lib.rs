@@ -74,6 +74,44 @@ pub struct ApiOptions {
     /// Chat template keyword arguments every chat request starts from
     /// (`--default-chat-template-kwargs`; a request's own win).
     pub default_chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
+    /// vLLM's `--structured-outputs-config`.
+    pub structured: StructuredOutputs,
+}
+
+/// vLLM's `--structured-outputs-config`, as far as m3c has its settings.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StructuredOutputs {
+    /// A request's grammar binds the whole output, reasoning included
+    /// (vLLM's `enable_in_reasoning`); by default it binds what follows the
+    /// reasoning. A forced tool call's grammar always follows it.
+    pub in_reasoning: bool,
+}
+
+impl StructuredOutputs {
+    /// From vLLM's JSON; a key m3c cannot honour is an error naming it.
+    pub fn from_json(m: &serde_json::Map<String, serde_json::Value>) -> Result<StructuredOutputs, String> {
+        use serde_json::Value;
+        let mut s = StructuredOutputs::default();
+        for (k, v) in m {
+            match (k.as_str(), v) {
+                ("enable_in_reasoning", Value::Bool(b)) => s.in_reasoning = *b,
+                ("backend", Value::String(b)) if b == "auto" || b == "guidance" => {}
+                ("backend", v) => return Err(format!("`backend`: m3c's structured outputs are llguidance's (`auto` or `guidance`), not {v}")),
+                // m3c's JSON is compact already, and its schemas are held as written.
+                ("disable_any_whitespace", Value::Bool(true)) | ("disable_fallback", Value::Bool(_)) => {}
+                ("reasoning_parser", Value::String(p)) if p.is_empty() || p == "minimax_m3" => {}
+                ("enable_in_reasoning" | "disable_any_whitespace" | "disable_fallback" | "reasoning_parser", v) => {
+                    return Err(format!("`{k}`: {v} is not a value m3c can honour"))
+                }
+                _ => {
+                    return Err(format!(
+                        "`{k}` is not a setting m3c takes (enable_in_reasoning, backend, disable_any_whitespace, disable_fallback, reasoning_parser)"
+                    ))
+                }
+            }
+        }
+        Ok(s)
+    }
 }
 
 /// How `m3c serve` sizes each stage's KV pool: one of three ways.
@@ -192,6 +230,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
     let limits = engine::Limits { per_position, kv_block, blocks, max_batch: o.max_batch.max(1), max_queue: o.max_queue };
     let (api_key, default_max_tokens) = (o.api.api_key.clone(), o.api.default_max_tokens);
     let default_kwargs = o.api.default_chat_template_kwargs.clone();
+    let structured = o.api.structured;
     if let Some(k) = default_kwargs.keys().find(|k| ["add_generation_prompt", "tools", "messages"].contains(&k.as_str())) {
         anyhow::bail!("--default-chat-template-kwargs may not set `{k}` (each request sets it)");
     }
@@ -223,6 +262,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
         eos_ids,
         trace_dir,
         default_kwargs,
+        structured,
     };
     let pool = match size {
         PoolSize::Fraction(f) => format!("KV pool: {f} of each stage's free memory"),

@@ -676,7 +676,7 @@ mod tests {
             ),
             (json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "any"}), ChatCompletions, "tool_choice"),
             (
-                json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "string", "pattern": "a+"}}}}}], "tool_choice": "required"}),
+                json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "array", "uniqueItems": true}}}}}], "tool_choice": "required"}),
                 ChatCompletions,
                 "tools",
             ),

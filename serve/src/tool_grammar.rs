@@ -10,9 +10,16 @@
 //!
 //! Leaf values are text without `<` (the XML reader's delimiter), so each
 //! leaf and the closing tag after it are one regular-expression terminal:
-//! the lexer then needs no lookahead to see where a value ends. A schema
-//! keyword that the grammar cannot enforce is refused by its path rather
-//! than ignored, so a forced call always validates.
+//! the lexer then needs no lookahead to see where a value ends. The
+//! grammar enforces `type` (one or a list), `enum` and `const` of scalars,
+//! `minLength`, `maxLength` and `pattern` of strings, `minimum`,
+//! `maximum`, their exclusive forms and `multipleOf` of numbers (as
+//! llguidance's JSON schemas do, through a nested `%json` rule), nested
+//! `properties` with `required`, `items` with `minItems` and `maxItems`,
+//! `anyOf`, and local `$ref`s into `$defs` (as Pydantic writes nested
+//! models). A keyword that the grammar cannot enforce (`oneOf`'s "exactly
+//! one", `uniqueItems`, a recursive `$ref`, ...) is refused by its path
+//! rather than ignored, so a forced call always validates.
 
 use serde_json::{Map, Value};
 
@@ -31,6 +38,16 @@ const KNOWN: &[&str] = &[
     "maxLength",
     "minItems",
     "maxItems",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "multipleOf",
+    "pattern",
+    "anyOf",
+    "$ref",
+    "$defs",
+    "definitions",
     "additionalProperties",
     "description",
     "title",
@@ -44,6 +61,12 @@ const KNOWN: &[&str] = &[
 /// The longest `maxLength`, `minItems` or `maxItems` the grammar spells out
 /// as a counted repetition.
 const MAX_COUNT: u64 = 1024;
+
+/// The numeric keywords a nested `%json` rule enforces.
+const NUMERIC: &[&str] = &["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"];
+
+/// The deepest nesting of `$ref`s and alternatives followed.
+const MAX_DEPTH: usize = 32;
 
 /// A tool schema the grammar cannot express: the path of the offending
 /// part (`tools[0].function.parameters.properties.days.minimum`) and why.
@@ -84,6 +107,7 @@ pub fn forced_calls(tools: &[Value], forced: &Forced, single: bool) -> Result<St
         }
         let empty = Value::Object(Map::new());
         let params = if f["parameters"].is_null() { &empty } else { &f["parameters"] };
+        g.root = params.clone();
         let args = g.object_body(params, &format!("{path}.parameters"))?;
         let rule = g.rule(format!("{} {args} {}", lit(&format!("{MARK}<invoke name=\"{name}\">")), lit(&format!("{MARK}</invoke>\n"))));
         calls.push(rule);
@@ -105,6 +129,10 @@ pub fn forced_calls(tools: &[Value], forced: &Forced, single: bool) -> Result<St
 #[derive(Default)]
 struct Writer {
     rules: Vec<String>,
+    /// The tool's parameters schema, which `$ref`s point into.
+    root: Value,
+    /// The `$ref`s being followed (a recursive one is refused).
+    refs: Vec<String>,
 }
 
 impl Writer {
@@ -113,6 +141,49 @@ impl Writer {
         let name = format!("r{}", self.rules.len());
         self.rules.push(format!("{name}: {body}\n"));
         name
+    }
+
+    /// A new terminal (a regular expression, or several that must all
+    /// match: `&`); its name.
+    fn terminal(&mut self, body: String) -> String {
+        let name = format!("T{}", self.rules.len());
+        self.rules.push(format!("{name}: {body}\n"));
+        name
+    }
+
+    /// The schema a `$ref` points to (`#/$defs/...`, `#/definitions/...`).
+    fn target(&self, r: &str, path: &str) -> Result<Value, ToolGrammarError> {
+        let bad = |why: String| ToolGrammarError { path: format!("{path}.$ref"), why };
+        let Some(at) = r.strip_prefix("#/") else { return Err(bad(format!("`{r}`: only local references (`#/$defs/...`) are followed"))) };
+        let mut v = &self.root;
+        for part in at.split('/') {
+            v = v.get(part.replace("~1", "/").replace("~0", "~").as_str()).ok_or_else(|| bad(format!("`{r}` points to nothing")))?;
+        }
+        Ok(v.clone())
+    }
+
+    /// `schema`'s value, following a `$ref` (refused when it recurses).
+    fn follow(&mut self, schema: &Value, tag: &str, path: &str) -> Result<String, ToolGrammarError> {
+        let Some(r) = schema.get("$ref").and_then(Value::as_str) else { return self.value_here(schema, tag, path) };
+        if let Some(k) =
+            schema.as_object().and_then(|o| o.keys().find(|k| !matches!(k.as_str(), "$ref" | "description" | "title" | "default")))
+        {
+            return Err(ToolGrammarError {
+                path: format!("{path}.{k}"),
+                why: "a forced call takes nothing beside a `$ref` but annotations".into(),
+            });
+        }
+        if self.refs.iter().any(|x| x == r) || self.refs.len() >= MAX_DEPTH {
+            return Err(ToolGrammarError {
+                path: format!("{path}.$ref"),
+                why: format!("`{r}` is recursive, which a forced call cannot spell out"),
+            });
+        }
+        let target = self.target(r, path)?;
+        self.refs.push(r.to_string());
+        let v = self.value(&target, tag, &format!("{path}<{r}>"));
+        self.refs.pop();
+        v
     }
 
     /// The elements of an object's properties, in the schema's order:
@@ -151,6 +222,14 @@ impl Writer {
     /// A value under `schema` and then its closing tag `</tag>`.
     fn value(&mut self, schema: &Value, tag: &str, path: &str) -> Result<String, ToolGrammarError> {
         check_keywords(schema, path)?;
+        self.follow(schema, tag, path)
+    }
+
+    /// The same, for a schema that is not a `$ref`.
+    fn value_here(&mut self, schema: &Value, tag: &str, path: &str) -> Result<String, ToolGrammarError> {
+        if let Some(alts) = schema.get("anyOf") {
+            return self.any_of(schema, alts, tag, path);
+        }
         let close = format!("{MARK}</{tag}>");
         if let Some(values) = schema.get("enum").or(schema.get("const")) {
             let list: Vec<&Value> = match values {
@@ -175,10 +254,18 @@ impl Writer {
         let mut alts = Vec::new();
         for t in types {
             alts.push(match t {
-                "string" => {
-                    let min = count(schema, "minLength", path)?.unwrap_or(0);
-                    let max = count(schema, "maxLength", path)?.map_or(String::new(), |m| m.to_string());
-                    format!("/[^<]{{{min},{max}}}{}/", escape(&close))
+                "string" => self.string(schema, &close, path)?,
+                "integer" | "number" if NUMERIC.iter().any(|k| schema.get(*k).is_some()) => {
+                    // The bounds as llguidance's JSON schemas enforce them:
+                    // a nested JSON number, which MiniMax-M3 writes as is.
+                    let mut num = Map::new();
+                    num.insert("type".into(), Value::String(t.into()));
+                    for k in NUMERIC {
+                        if let Some(v) = schema.get(*k) {
+                            num.insert((*k).into(), v.clone());
+                        }
+                    }
+                    format!("%json {} {}", Value::Object(num), lit(&close))
                 }
                 "integer" => format!("/-?(?:0|[1-9][0-9]{{0,17}}){}/", escape(&close)),
                 "number" => format!("/-?(?:0|[1-9][0-9]{{0,17}})(?:\\.[0-9]{{1,17}})?(?:[eE][+-]?[0-9]{{1,3}})?{}/", escape(&close)),
@@ -203,6 +290,48 @@ impl Writer {
             });
         }
         Ok(if alts.len() == 1 { alts.remove(0) } else { format!("({})", alts.join(" | ")) })
+    }
+
+    /// A string: text without `<` (the value's delimiter) of the allowed
+    /// length, matching the `pattern` if there is one, then the closing tag.
+    fn string(&mut self, schema: &Value, close: &str, path: &str) -> Result<String, ToolGrammarError> {
+        let min = count(schema, "minLength", path)?.unwrap_or(0);
+        let max = count(schema, "maxLength", path)?.map_or(String::new(), |m| m.to_string());
+        let text = format!("/[^<]{{{min},{max}}}{}/", escape(close));
+        match schema.get("pattern") {
+            None => Ok(text),
+            Some(Value::String(p)) => {
+                let rx = m3c_constrain::pattern_regex(p).map_err(|why| ToolGrammarError { path: format!("{path}.pattern"), why })?;
+                Ok(self.terminal(format!("{text} & /{rx}{}/", escape(close))))
+            }
+            Some(_) => Err(ToolGrammarError { path: format!("{path}.pattern"), why: "expected a regular expression (a string)".into() }),
+        }
+    }
+
+    /// `anyOf`: any of the alternatives (nothing beside them but annotations).
+    fn any_of(&mut self, schema: &Value, alts: &Value, tag: &str, path: &str) -> Result<String, ToolGrammarError> {
+        let annotations = ["anyOf", "description", "title", "default", "examples", "$defs", "definitions"];
+        if let Some(k) = schema.as_object().and_then(|o| o.keys().find(|k| !annotations.contains(&k.as_str()))) {
+            return Err(ToolGrammarError {
+                path: format!("{path}.{k}"),
+                why: "a forced call takes nothing beside `anyOf` but annotations".into(),
+            });
+        }
+        let list = alts
+            .as_array()
+            .filter(|a| !a.is_empty())
+            .ok_or_else(|| ToolGrammarError { path: format!("{path}.anyOf"), why: "expected a non-empty list of schemas".into() })?;
+        if self.refs.len() >= MAX_DEPTH {
+            return Err(ToolGrammarError { path: format!("{path}.anyOf"), why: "nested too deeply".into() });
+        }
+        let mut out = Vec::with_capacity(list.len());
+        for (i, a) in list.iter().enumerate() {
+            self.refs.push(String::new());
+            let v = self.value(a, tag, &format!("{path}.anyOf[{i}]"));
+            self.refs.pop();
+            out.push(v?);
+        }
+        Ok(format!("({})", out.join(" | ")))
     }
 }
 
@@ -305,9 +434,21 @@ mod tests {
     #[test]
     fn what_the_grammar_cannot_enforce_is_refused_by_path() {
         let mut t = weather();
-        t["function"]["parameters"]["properties"]["days"]["minimum"] = json!(1);
+        t["function"]["parameters"]["properties"]["tags"]["uniqueItems"] = json!(true);
         let e = forced_calls(&[t], &Forced::Any, false).unwrap_err();
-        assert_eq!(e.path, "tools[0].function.parameters.properties.days.minimum");
+        assert_eq!(e.path, "tools[0].function.parameters.properties.tags.uniqueItems");
+        let mut t = weather();
+        t["function"]["parameters"]["properties"]["city"]["oneOf"] = json!([{"type": "string"}]);
+        assert!(forced_calls(&[t], &Forced::Any, false).unwrap_err().path.ends_with("city.oneOf"));
+        let mut t = weather();
+        t["function"]["parameters"]["properties"]["city"]["pattern"] = json!("^a|^b");
+        assert!(forced_calls(&[t], &Forced::Any, false).unwrap_err().path.ends_with("city.pattern"));
+        // A model that contains itself cannot be spelled out.
+        let mut t = weather();
+        t["function"]["parameters"]["$defs"] = json!({"Node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/Node"}}}});
+        t["function"]["parameters"]["properties"]["tree"] = json!({"$ref": "#/$defs/Node"});
+        let e = forced_calls(&[t], &Forced::Any, false).unwrap_err();
+        assert!(e.path.ends_with(".$ref") && e.why.contains("recursive"), "{e}");
         let e = forced_calls(&[weather()], &Forced::Named("search".into()), true).unwrap_err();
         assert_eq!(e.path, "tool_choice");
         assert!(forced_calls(&[], &Forced::Any, false).is_err());
@@ -317,5 +458,88 @@ mod tests {
         let mut t = weather();
         t["function"]["parameters"]["properties"]["a b"] = json!({"type": "string"});
         assert!(forced_calls(&[t], &Forced::Any, false).unwrap_err().path.ends_with("properties.a b"));
+    }
+
+    /// Every keyword the grammar takes, sampled: random tokens among those
+    /// the mask allows, through the fixture's real tokenizer, read back by
+    /// the chat reader; each call satisfies its schema.
+    #[test]
+    fn sampled_forced_calls_satisfy_every_keyword() {
+        use crate::output::{ChatOutput, Reading};
+        use m3c_constrain::thinking::ThinkStart;
+        let tool = json!({"type": "function", "function": {"name": "book", "parameters": {
+            "type": "object",
+            "properties": {
+                "seats": {"type": "integer", "minimum": 1, "maximum": 9},
+                "price": {"type": "number", "exclusiveMinimum": 0, "maximum": 2.5},
+                "step": {"type": "integer", "multipleOf": 5, "minimum": 0, "maximum": 50},
+                "code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]$"},
+                "note": {"type": "string", "pattern": "ok", "maxLength": 6},
+                "name": {"type": "string", "minLength": 2, "maxLength": 4},
+                "class": {"enum": ["eco", "biz"]},
+                "fixed": {"const": 7},
+                "who": {"$ref": "#/$defs/Person"},
+                "maybe": {"anyOf": [{"type": "integer", "minimum": 100}, {"type": "null"}]},
+                "legs": {"type": "array", "items": {"$ref": "#/$defs/Leg"}, "minItems": 1, "maxItems": 2},
+            },
+            "required": ["seats", "price", "step", "code", "note", "name", "class", "fixed", "who", "maybe", "legs"],
+            "$defs": {
+                "Person": {"type": "object", "properties": {"age": {"type": "integer", "minimum": 18, "maximum": 99}}, "required": ["age"]},
+                "Leg": {"type": "object", "properties": {"to": {"type": "string", "minLength": 3, "maxLength": 3}}, "required": ["to"]},
+            },
+        }}});
+        let grammar = forced_calls(std::slice::from_ref(&tool), &Forced::Any, true).unwrap();
+        let tokenizer = include_str!("../../tests/fixtures/tiny-m3/tokenizer.json");
+        let eos = 494;
+        let v = m3c_constrain::Vocabulary::from_tokenizer_json(tokenizer, Some(512), &[eos]).unwrap();
+        let table = m3c_contract::token_bytes::byte_level_table(tokenizer).unwrap();
+        let mut calls = 0;
+        for seed in 0..12u64 {
+            let mut c = v.compile(&m3c_constrain::Grammar::Lark(grammar.clone()).to_text()).unwrap();
+            let mut out = Vec::new();
+            let mut st = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            for _ in 0..3000 {
+                let m = c.mask().unwrap();
+                if c.is_done() {
+                    break;
+                }
+                let allowed: Vec<u32> = (0..512u32).filter(|&i| m[i as usize / 32] >> (i % 32) & 1 == 1).collect();
+                st ^= st << 13;
+                st ^= st >> 7;
+                st ^= st << 17;
+                // Now and then the shortest way on (the highest-numbered
+                // tokens are the tags), so values end.
+                let id = if st % 4 == 0 { *allowed.last().unwrap() } else { allowed[(st >> 8) as usize % allowed.len()] };
+                c.consume(id).unwrap();
+                out.extend_from_slice(&table[id as usize]);
+            }
+            assert!(c.is_done(), "seed {seed}: {:?}", String::from_utf8_lossy(&out));
+            let text = String::from_utf8(out).unwrap();
+            let mut o = ChatOutput::new(ThinkStart::Closed, Reading::ForcedCalls, std::slice::from_ref(&tool));
+            o.push(&text);
+            o.finish();
+            assert!(o.content.is_empty() && o.tool_calls.len() == 1 && !o.cut(), "seed {seed}: {text:?}");
+            let a: Value = serde_json::from_str(&o.tool_calls[0].arguments).unwrap();
+            let n = |k: &str| a[k].as_f64().unwrap_or_else(|| panic!("seed {seed}: {k} in {a}"));
+            let s = |k: &str| a[k].as_str().unwrap_or_else(|| panic!("seed {seed}: {k} in {a}")).to_string();
+            assert!(a["seats"].is_i64() && (1.0..=9.0).contains(&n("seats")), "{a}");
+            assert!(n("price") > 0.0 && n("price") <= 2.5, "{a}");
+            assert!(a["step"].is_i64() && n("step") as i64 % 5 == 0 && (0.0..=50.0).contains(&n("step")), "{a}");
+            let code = s("code");
+            assert!(
+                code.len() == 3 && code[..2].chars().all(|c| c.is_ascii_uppercase()) && code[2..].chars().all(|c| c.is_ascii_digit()),
+                "{a}"
+            );
+            assert!(s("note").contains("ok") && s("note").chars().count() <= 6, "{a}");
+            assert!((2..=4).contains(&s("name").chars().count()), "{a}");
+            assert!(s("class") == "eco" || s("class") == "biz", "{a}");
+            assert_eq!(a["fixed"], json!(7));
+            assert!((18.0..=99.0).contains(&a["who"]["age"].as_f64().unwrap()), "{a}");
+            assert!(a["maybe"].is_null() || a["maybe"].as_i64().is_some_and(|m| m >= 100), "{a}");
+            let legs = a["legs"].as_array().unwrap();
+            assert!((1..=2).contains(&legs.len()) && legs.iter().all(|l| l["to"].as_str().unwrap().chars().count() == 3), "{a}");
+            calls += 1;
+        }
+        assert_eq!(calls, 12);
     }
 }

@@ -309,7 +309,7 @@ def errors(base, model):
         ("backend", {"extra_body": {"guided_decoding_backend": "xgrammar"}}),
         ("tool_required", {"tool_choice": "required"}),
         ("tool_named", {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "g"}}}),
-        ("tool_unenforceable", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}}}], "tool_choice": "required"}),
+        ("tool_unenforceable", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"n": {"type": "array", "uniqueItems": True}}}}}], "tool_choice": "required"}),
         ("unknown", {"extra_body": {"frobnicate": 1}}),
     ]:
         try:
@@ -972,7 +972,7 @@ def forced_tools(base, model, mode="disabled"):
     named = {"type": "function", "function": {"name": "search"}}
     check(c.chat.completions.create(model=model, messages=msgs, tools=[weather, search], tool_choice=named, max_tokens=100,
                                     temperature=1.0, seed=3, extra_body=off), single="search")
-    bad_schema = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 1}}}}}
+    bad_schema = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "array", "uniqueItems": True}}}}}
     for kw, field in [(dict(tools=[weather], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
                       (dict(tools=[bad_schema], tool_choice="required"), "tools"),
                       (dict(tools=[weather], tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),

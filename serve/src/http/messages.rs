@@ -8,7 +8,7 @@
 //! or as its event stream. Errors take Anthropic's shape, and a field m3c
 //! does not know is refused by name.
 
-use super::{fresh_seed, render_chat, start, with_images, App, Generation, Kind, Step};
+use super::{fresh_seed, render_chat, start, with_images, App, Generation, Kind, Piece, Step};
 use crate::openai::{self, ApiError};
 use axum::body::Bytes;
 use axum::extract::State;
@@ -39,6 +39,9 @@ const FIELDS: &[&str] = &[
     "seed",
     "min_p",
     "repetition_penalty",
+    // vLLM's structured outputs (a grammar beside the tools; the answer is
+    // read for thinking and tool use as any other).
+    "structured_outputs",
 ];
 
 /// The fields `/v1/messages/count_tokens` reads.
@@ -180,6 +183,7 @@ fn as_chat(m: &Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
         ("seed", "seed"),
         ("min_p", "min_p"),
         ("repetition_penalty", "repetition_penalty"),
+        ("structured_outputs", "structured_outputs"),
     ] {
         if let Some(v) = m.get(from).filter(|v| !v.is_null()) {
             chat.insert(to.into(), v.clone());
@@ -361,27 +365,13 @@ fn thinking(m: &Map<String, Value>, chat: &mut Map<String, Value>) -> Result<(),
 }
 
 /// Anthropic's `stop_reason` and `stop_sequence` of an ended generation.
-fn stop_reason(g: &Generation, asked: &Asked, calls: bool) -> (&'static str, Value) {
-    if calls {
-        return ("tool_use", Value::Null);
-    }
-    match (g.finish.as_deref(), g.filter.hit()) {
-        (Some("length"), _) => ("max_tokens", Value::Null),
+fn stop_reason(g: &Generation, asked: &Asked) -> (&'static str, Value) {
+    match (g.finish_reason().as_str(), g.filter.hit()) {
+        ("length", _) => ("max_tokens", Value::Null),
+        ("tool_calls", _) => ("tool_use", Value::Null),
         (_, Some(s)) if asked.stops.iter().any(|x| x == s) => ("stop_sequence", json!(s)),
         _ => ("end_turn", Value::Null),
     }
-}
-
-/// OpenAI-shaped tool calls as `tool_use` blocks.
-fn tool_uses(calls: &[Value]) -> Vec<Value> {
-    calls
-        .iter()
-        .map(|c| {
-            let f = &c["function"];
-            let input = f["arguments"].as_str().and_then(|a| serde_json::from_str::<Value>(a).ok()).unwrap_or_else(|| json!({}));
-            json!({"type": "tool_use", "id": c["id"], "name": f["name"], "input": input})
-        })
-        .collect()
 }
 
 fn message(g: &Generation, content: Vec<Value>, stop: (&str, Value), output_tokens: usize) -> Value {
@@ -392,45 +382,127 @@ fn message(g: &Generation, content: Vec<Value>, stop: (&str, Value), output_toke
     })
 }
 
-async fn whole(mut g: Generation, asked: Asked) -> Response {
-    loop {
-        match g.next().await {
-            Step::Text { end: true, .. } => break,
-            Step::Text { .. } => {}
-            Step::Failed(why) => return error(&ApiError::new(500, "api_error", format!("the request could not finish: {why}"))),
-        }
-    }
-    let calls = g.tool_calls();
-    let (text, reasoning) = g.chat.as_ref().map(|c| (c.content.clone(), c.reasoning.clone())).unwrap_or_default();
-    let mut content = Vec::new();
-    if !reasoning.is_empty() {
-        content.push(json!({"type": "thinking", "thinking": reasoning, "signature": ""}));
-    }
-    // (An answer with nothing else is one empty text block, as streamed.)
-    if !text.is_empty() || content.is_empty() && calls.is_empty() {
-        content.push(json!({"type": "text", "text": text}));
-    }
-    content.extend(tool_uses(&calls));
-    let stop = stop_reason(&g, &asked, !calls.is_empty());
-    let tokens = g.completion_tokens;
-    Json(message(&g, content, stop, tokens)).into_response()
-}
-
-/// Which content block the stream has open.
+/// Which content block is open.
 #[derive(Clone, Copy, PartialEq)]
 enum Open {
     None,
     Thinking,
     Text,
+    /// The `tool_use` block of this call.
+    Tool(usize),
+}
+
+/// The content blocks as the answer's pieces open them (thinking, text and
+/// `tool_use` blocks, in the order the model wrote them), with Anthropic's
+/// stream events on the way: the whole message and the stream are made by
+/// this one builder, so they cannot differ.
+struct Blocks {
+    /// Every block so far; a `tool_use` block's input is its JSON text
+    /// until the end.
+    blocks: Vec<Value>,
+    open: Open,
+}
+
+impl Blocks {
+    fn new() -> Blocks {
+        Blocks { blocks: Vec::new(), open: Open::None }
+    }
+
+    /// Closes the open block and opens `start` as `to`.
+    fn switch(&mut self, to: Open, start: Option<Value>, out: &mut Vec<Value>) {
+        if self.open == to {
+            return;
+        }
+        if self.open != Open::None {
+            out.push(json!({"type": "content_block_stop", "index": self.blocks.len() - 1}));
+        }
+        self.open = to;
+        if let Some(block) = start {
+            let mut shown = block.clone();
+            if let Open::Tool(_) = to {
+                shown["input"] = json!({});
+            }
+            out.push(json!({"type": "content_block_start", "index": self.blocks.len(), "content_block": shown}));
+            self.blocks.push(block);
+        }
+    }
+
+    /// Appends to the open block's field `key`, and says so in a delta.
+    fn add(&mut self, key: &str, text: &str, delta: Value, out: &mut Vec<Value>) {
+        if let Some(Value::String(t)) = self.blocks.last_mut().and_then(|b| b.get_mut(key)) {
+            t.push_str(text);
+        }
+        out.push(json!({"type": "content_block_delta", "index": self.blocks.len() - 1, "delta": delta}));
+    }
+
+    fn piece(&mut self, g: &Generation, p: Piece, out: &mut Vec<Value>) {
+        match p {
+            Piece::Reasoning(t) => {
+                self.switch(Open::Thinking, Some(json!({"type": "thinking", "thinking": "", "signature": ""})), out);
+                self.add("thinking", &t, json!({"type": "thinking_delta", "thinking": t}), out);
+            }
+            Piece::Content(t) => {
+                self.switch(Open::Text, Some(json!({"type": "text", "text": ""})), out);
+                self.add("text", &t, json!({"type": "text_delta", "text": t}), out);
+            }
+            Piece::Call { index, name } => {
+                let block = json!({"type": "tool_use", "id": g.call_id("toolu", index), "name": name, "input": ""});
+                self.switch(Open::Tool(index), Some(block), out);
+            }
+            Piece::Args { index, json } if self.open == Open::Tool(index) => {
+                self.add("input", &json, json!({"type": "input_json_delta", "partial_json": json}), out);
+            }
+            Piece::Args { .. } => {}
+        }
+    }
+
+    /// Every block closed (an answer with none is one empty text block);
+    /// the message's content.
+    fn finish(&mut self, out: &mut Vec<Value>) -> Vec<Value> {
+        if self.blocks.is_empty() {
+            self.switch(Open::Text, Some(json!({"type": "text", "text": ""})), out);
+        }
+        self.switch(Open::None, None, out);
+        self.blocks
+            .iter()
+            .map(|b| {
+                let mut b = b.clone();
+                if b["type"] == "tool_use" {
+                    b["input"] = b["input"].as_str().and_then(|a| serde_json::from_str::<Value>(a).ok()).unwrap_or_else(|| json!({}));
+                }
+                b
+            })
+            .collect()
+    }
+}
+
+async fn whole(mut g: Generation, asked: Asked) -> Response {
+    let mut blocks = Blocks::new();
+    let mut events = Vec::new();
+    loop {
+        match g.next().await {
+            Step::Text { pieces, end } => {
+                for p in pieces {
+                    blocks.piece(&g, p, &mut events);
+                }
+                if end {
+                    break;
+                }
+            }
+            Step::Failed(why) => return error(&ApiError::new(500, "api_error", format!("the request could not finish: {why}"))),
+        }
+    }
+    let content = blocks.finish(&mut events);
+    let stop = stop_reason(&g, &asked);
+    let tokens = g.completion_tokens;
+    Json(message(&g, content, stop, tokens)).into_response()
 }
 
 /// The stream's state between events.
 struct Streaming {
     g: Generation,
     asked: Asked,
-    /// Blocks started so far (the next one's index), and the one open.
-    blocks: usize,
-    open: Open,
+    blocks: Blocks,
     done: bool,
     started: bool,
 }
@@ -439,27 +511,6 @@ impl Streaming {
     fn event(v: Value) -> Result<Sse_, Infallible> {
         let kind = v["type"].as_str().unwrap_or_default().to_string();
         Ok(Sse_::default().event(kind).data(v.to_string()))
-    }
-
-    /// Closes the open block and opens one of `kind`, when it is not open.
-    fn switch(&mut self, to: Open, out: &mut Vec<Value>) {
-        if self.open == to {
-            return;
-        }
-        if self.open != Open::None {
-            out.push(json!({"type": "content_block_stop", "index": self.blocks - 1}));
-        }
-        let block = match to {
-            Open::Thinking => json!({"type": "thinking", "thinking": "", "signature": ""}),
-            Open::Text => json!({"type": "text", "text": ""}),
-            Open::None => {
-                self.open = Open::None;
-                return;
-            }
-        };
-        out.push(json!({"type": "content_block_start", "index": self.blocks, "content_block": block}));
-        self.blocks += 1;
-        self.open = to;
     }
 
     /// The events of the next piece of the answer (none once it ended).
@@ -474,19 +525,17 @@ impl Streaming {
             return Some(out);
         }
         match self.g.next().await {
-            Step::Text { reasoning, content, end } => {
-                if !reasoning.is_empty() {
-                    self.switch(Open::Thinking, &mut out);
-                    out.push(json!({"type": "content_block_delta", "index": self.blocks - 1,
-                                    "delta": {"type": "thinking_delta", "thinking": reasoning}}));
-                }
-                if !content.is_empty() {
-                    self.switch(Open::Text, &mut out);
-                    out.push(json!({"type": "content_block_delta", "index": self.blocks - 1,
-                                    "delta": {"type": "text_delta", "text": content}}));
+            Step::Text { pieces, end } => {
+                for p in pieces {
+                    self.blocks.piece(&self.g, p, &mut out);
                 }
                 if end {
-                    self.finish(&mut out);
+                    self.done = true;
+                    self.blocks.finish(&mut out);
+                    let (reason, seq) = stop_reason(&self.g, &self.asked);
+                    out.push(json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+                                    "usage": {"output_tokens": self.g.completion_tokens}}));
+                    out.push(json!({"type": "message_stop"}));
                 }
             }
             Step::Failed(why) => {
@@ -498,46 +547,15 @@ impl Streaming {
         }
         Some(out)
     }
-
-    /// The tool calls as `tool_use` blocks (each input whole in one
-    /// delta), then `message_delta` and `message_stop`.
-    fn finish(&mut self, out: &mut Vec<Value>) {
-        self.done = true;
-        let shown = self.g.chat.as_ref().map_or(0, |c| c.content.len());
-        let calls = self.g.tool_calls();
-        // A block that was not a call comes back as text.
-        if let Some(rest) = self.g.chat.as_ref().and_then(|c| c.content.get(shown..)).filter(|r| !r.is_empty()).map(str::to_string) {
-            self.switch(Open::Text, out);
-            out.push(json!({"type": "content_block_delta", "index": self.blocks - 1, "delta": {"type": "text_delta", "text": rest}}));
-        }
-        if calls.is_empty() && self.blocks == 0 {
-            // An empty answer is still one (empty) text block.
-            self.switch(Open::Text, out);
-        }
-        self.switch(Open::None, out);
-        for t in tool_uses(&calls) {
-            let input = t["input"].to_string();
-            let mut start = t.clone();
-            start["input"] = json!({});
-            out.push(json!({"type": "content_block_start", "index": self.blocks, "content_block": start}));
-            out.push(json!({"type": "content_block_delta", "index": self.blocks,
-                            "delta": {"type": "input_json_delta", "partial_json": input}}));
-            out.push(json!({"type": "content_block_stop", "index": self.blocks}));
-            self.blocks += 1;
-        }
-        let (reason, seq) = stop_reason(&self.g, &self.asked, !calls.is_empty());
-        out.push(json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-                        "usage": {"output_tokens": self.g.completion_tokens}}));
-        out.push(json!({"type": "message_stop"}));
-    }
 }
 
 /// The answer as Anthropic's event stream: `message_start`, each content
-/// block's `content_block_start`, deltas and `content_block_stop` (thinking,
-/// then text, then each tool use), `message_delta` with the stop reason and
-/// usage, `message_stop`.
+/// block's `content_block_start`, deltas (`thinking_delta`, `text_delta`,
+/// a tool use's `input_json_delta` as its arguments are written) and
+/// `content_block_stop`, in the order the model wrote them;
+/// `message_delta` with the stop reason and usage; `message_stop`.
 fn stream(g: Generation, asked: Asked) -> Response {
-    let s = Streaming { g, asked, blocks: 0, open: Open::None, done: false, started: false };
+    let s = Streaming { g, asked, blocks: Blocks::new(), done: false, started: false };
     let events = futures_util::stream::unfold(s, |mut s| async move {
         let out = s.next().await?;
         let sse: Vec<Result<Sse_, Infallible>> = out.into_iter().map(Streaming::event).collect();

@@ -7,7 +7,7 @@
 //! here (tools, stored responses, structured text formats) are refused by
 //! name, as everywhere.
 
-use super::{authorize, error, fresh_seed, render_chat, start, with_images, App, Generation, Kind, Step};
+use super::{authorize, error, fresh_seed, render_chat, start, with_images, App, Generation, Kind, Piece, Step};
 use crate::openai::{self, ApiError};
 use axum::body::Bytes;
 use axum::extract::State;
@@ -220,15 +220,6 @@ fn response(g: &Generation, echo: &Echo, status: &str, output: Vec<Value>) -> Va
     })
 }
 
-fn message_item(id: &str, text: &str, status: &str) -> Value {
-    json!({"type": "message", "id": id, "status": status, "role": "assistant",
-           "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]})
-}
-
-fn reasoning_item(id: &str, text: &str) -> Value {
-    json!({"type": "reasoning", "id": id, "summary": [], "content": [{"type": "reasoning_text", "text": text}], "status": "completed"})
-}
-
 /// The status an ended generation gives.
 fn status(g: &Generation) -> &'static str {
     if g.finish.as_deref() == Some("length") {
@@ -238,69 +229,153 @@ fn status(g: &Generation) -> &'static str {
     }
 }
 
-/// The output items of an ended generation: the thinking, then the message.
-fn output(g: &Generation, text: &str, reasoning: &str) -> Vec<Value> {
-    let mut out = Vec::new();
-    if !reasoning.is_empty() {
-        out.push(reasoning_item(&format!("rs_{}", g.id), reasoning));
+/// The output items as the answer's pieces open them (a `reasoning` item
+/// for the model's thinking, a `message` item for its text, in the order
+/// they began), with the stream's events on the way: the whole answer and
+/// the stream are made by this one builder, so they cannot differ.
+struct Items {
+    rs_id: String,
+    msg_id: String,
+    /// Each item's output index and text so far.
+    reasoning: Option<(usize, String)>,
+    message: Option<(usize, String)>,
+    next: usize,
+}
+
+impl Items {
+    fn new(g: &Generation) -> Items {
+        Items { rs_id: format!("rs_{}", g.id), msg_id: format!("msg_{}", g.id), reasoning: None, message: None, next: 0 }
     }
-    out.push(message_item(&format!("msg_{}", g.id), text, status(g)));
-    out
+
+    /// Opens the message item when it is not open.
+    fn open_message(&mut self, out: &mut Vec<Value>) -> usize {
+        if let Some((i, _)) = &self.message {
+            return *i;
+        }
+        let i = self.next;
+        self.next += 1;
+        self.message = Some((i, String::new()));
+        out.push(json!({"type": "response.output_item.added", "output_index": i,
+                        "item": {"type": "message", "id": self.msg_id, "status": "in_progress", "role": "assistant", "content": []}}));
+        out.push(json!({"type": "response.content_part.added", "item_id": self.msg_id, "output_index": i, "content_index": 0,
+                        "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}));
+        i
+    }
+
+    /// The events of a piece of the answer.
+    fn piece(&mut self, p: Piece, out: &mut Vec<Value>) {
+        match p {
+            Piece::Reasoning(t) => {
+                let i = match &mut self.reasoning {
+                    Some((i, text)) => {
+                        text.push_str(&t);
+                        *i
+                    }
+                    None => {
+                        let i = self.next;
+                        self.next += 1;
+                        self.reasoning = Some((i, t.clone()));
+                        out.push(json!({"type": "response.output_item.added", "output_index": i,
+                                        "item": {"type": "reasoning", "id": self.rs_id, "summary": [], "content": [], "status": "in_progress"}}));
+                        out.push(
+                            json!({"type": "response.content_part.added", "item_id": self.rs_id, "output_index": i, "content_index": 0,
+                                        "part": {"type": "reasoning_text", "text": ""}}),
+                        );
+                        i
+                    }
+                };
+                out.push(json!({"type": "response.reasoning_text.delta", "item_id": self.rs_id, "output_index": i,
+                                "content_index": 0, "delta": t}));
+            }
+            Piece::Content(t) => {
+                let i = self.open_message(out);
+                if let Some((_, text)) = &mut self.message {
+                    text.push_str(&t);
+                }
+                out.push(json!({"type": "response.output_text.delta", "item_id": self.msg_id, "output_index": i,
+                                "content_index": 0, "delta": t, "logprobs": []}));
+            }
+            // /v1/responses offers no tools, so the reader makes no calls.
+            Piece::Call { .. } | Piece::Args { .. } => {}
+        }
+    }
+
+    /// Every item closed (the message opened if nothing did), in output order.
+    fn finish(&mut self, status: &str, out: &mut Vec<Value>) -> Vec<Value> {
+        self.open_message(out);
+        let mut items = Vec::new();
+        if let Some((i, text)) = &self.reasoning {
+            let item = json!({"type": "reasoning", "id": self.rs_id, "summary": [],
+                              "content": [{"type": "reasoning_text", "text": text}], "status": "completed"});
+            out.push(
+                json!({"type": "response.reasoning_text.done", "item_id": self.rs_id, "output_index": i, "content_index": 0, "text": text}),
+            );
+            out.push(json!({"type": "response.content_part.done", "item_id": self.rs_id, "output_index": i, "content_index": 0,
+                            "part": {"type": "reasoning_text", "text": text}}));
+            out.push(json!({"type": "response.output_item.done", "output_index": i, "item": item}));
+            items.push((*i, item));
+        }
+        if let Some((i, text)) = &self.message {
+            let part = json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []});
+            let item = json!({"type": "message", "id": self.msg_id, "status": status, "role": "assistant", "content": [part]});
+            out.push(json!({"type": "response.output_text.done", "item_id": self.msg_id, "output_index": i, "content_index": 0,
+                            "text": text, "logprobs": []}));
+            out.push(
+                json!({"type": "response.content_part.done", "item_id": self.msg_id, "output_index": i, "content_index": 0, "part": part}),
+            );
+            out.push(json!({"type": "response.output_item.done", "output_index": i, "item": item}));
+            items.push((*i, item));
+        }
+        items.sort_by_key(|(i, _)| *i);
+        items.into_iter().map(|(_, item)| item).collect()
+    }
 }
 
 async fn whole(mut g: Generation, echo: Echo) -> Response {
+    let mut items = Items::new(&g);
+    let mut events = Vec::new();
     loop {
         match g.next().await {
-            Step::Text { end: true, .. } => break,
-            Step::Text { .. } => {}
+            Step::Text { pieces, end } => {
+                for p in pieces {
+                    items.piece(p, &mut events);
+                }
+                if end {
+                    break;
+                }
+            }
             Step::Failed(why) => return error(&ApiError::new(503, "server_error", format!("the request could not finish: {why}"))),
         }
     }
-    let (text, reasoning) = g.chat.as_ref().map(|c| (c.content.clone(), c.reasoning.clone())).unwrap_or_default();
-    let out = output(&g, &text, &reasoning);
+    let out = items.finish(status(&g), &mut events);
     Json(response(&g, &echo, status(&g), out)).into_response()
 }
 
-/// The answer as Responses' server-sent events: `response.created`, the
-/// message item and its text part opened, one `response.output_text.delta`
-/// per piece of text, then the closing events and `response.completed`
-/// with the whole response (its reasoning item, when the model thought,
-/// after the message: its text is known only at the end). Each event names
-/// its type and carries a rising `sequence_number`.
+/// The answer as Responses' server-sent events: `response.created`; a
+/// reasoning item streamed as `response.reasoning_text.delta` while the
+/// model thinks, the message item as `response.output_text.delta` once it
+/// answers; their closing events; `response.completed` with the whole
+/// response. Each event names its type and carries a rising
+/// `sequence_number`.
 fn stream(g: Generation, echo: Echo) -> Response {
-    let events = futures_util::stream::unfold((g, echo, 0u8, 0u64), |(mut g, echo, phase, seq)| async move {
+    let items = Items::new(&g);
+    let events = futures_util::stream::unfold((g, echo, items, 0u8, 0u64), |(mut g, echo, mut items, phase, seq)| async move {
         let mut out: Vec<Value> = Vec::new();
-        let msg_id = format!("msg_{}", g.id);
         let next_phase = match phase {
             0 => {
                 out.push(json!({"type": "response.created", "response": response(&g, &echo, "in_progress", Vec::new())}));
-                out.push(json!({"type": "response.output_item.added", "output_index": 0,
-                                "item": {"type": "message", "id": msg_id, "status": "in_progress", "role": "assistant", "content": []}}));
-                out.push(json!({"type": "response.content_part.added", "item_id": msg_id, "output_index": 0, "content_index": 0,
-                                "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}));
                 1
             }
             1 => match g.next().await {
-                Step::Text { content, end, .. } => {
-                    if !content.is_empty() {
-                        out.push(json!({"type": "response.output_text.delta", "item_id": msg_id, "output_index": 0,
-                                        "content_index": 0, "delta": content, "logprobs": []}));
+                Step::Text { pieces, end } => {
+                    for p in pieces {
+                        items.piece(p, &mut out);
                     }
                     if end {
-                        let (text, reasoning) = g.chat.as_ref().map(|c| (c.content.clone(), c.reasoning.clone())).unwrap_or_default();
-                        let part = json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []});
-                        out.push(json!({"type": "response.output_text.done", "item_id": msg_id, "output_index": 0, "content_index": 0,
-                                        "text": text, "logprobs": []}));
-                        out.push(json!({"type": "response.content_part.done", "item_id": msg_id, "output_index": 0, "content_index": 0, "part": part}));
-                        out.push(json!({"type": "response.output_item.done", "output_index": 0, "item": message_item(&msg_id, &text, status(&g))}));
-                        // The thinking follows the message here: its text is known only now.
-                        let mut items = vec![message_item(&msg_id, &text, status(&g))];
-                        if !reasoning.is_empty() {
-                            items.push(reasoning_item(&format!("rs_{}", g.id), &reasoning));
-                        }
+                        let done = items.finish(status(&g), &mut out);
                         // `response.completed` whatever the status, as the
                         // official client's stream helper expects.
-                        out.push(json!({"type": "response.completed", "response": response(&g, &echo, status(&g), items)}));
+                        out.push(json!({"type": "response.completed", "response": response(&g, &echo, status(&g), done)}));
                         2
                     } else {
                         1
@@ -325,7 +400,7 @@ fn stream(g: Generation, echo: Echo) -> Response {
                 Ok(Sse_::default().event(kind).data(v.to_string()))
             })
             .collect();
-        Some((sse, (g, echo, next_phase, seq)))
+        Some((sse, (g, echo, items, next_phase, seq)))
     });
     let flat = futures_util::StreamExt::flat_map(events, futures_util::stream::iter);
     Sse::new(flat).keep_alive(KeepAlive::default()).into_response()
