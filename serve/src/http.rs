@@ -609,7 +609,7 @@ impl Generation {
     /// The id of the choice's call `index`: unique in the server's run
     /// (the request's id, the choice, the call).
     fn call_id(&self, prefix: &str, index: usize) -> String {
-        let request = self.id.rsplit('-').next().unwrap_or_default();
+        let request = self.id.rsplit(['-', '_']).next().unwrap_or_default();
         format!("{prefix}_{request}_{}_{index}", self.index)
     }
 

@@ -268,7 +268,7 @@ impl Writer {
                     format!("%json {} {}", Value::Object(num), lit(&close))
                 }
                 "integer" => format!("/-?(?:0|[1-9][0-9]{{0,17}}){}/", escape(&close)),
-                "number" => format!("/-?(?:0|[1-9][0-9]{{0,17}})(?:\\.[0-9]{{1,17}})?(?:[eE][+-]?[0-9]{{1,3}})?{}/", escape(&close)),
+                "number" => format!("/-?(?:0|[1-9][0-9]{{0,17}})(?:\\.[0-9]{{1,17}})?(?:[eE][+-]?[0-9]{{1,2}})?{}/", escape(&close)),
                 "boolean" => format!("/(?:true|false){}/", escape(&close)),
                 "null" => format!("/{}/", escape(&close)),
                 "object" => {

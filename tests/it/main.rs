@@ -1,6 +1,7 @@
 //! End-to-end tests of m3c. One binary on purpose: every test binary that
 //! links the compiler is large, so areas are modules here.
 
+mod agents;
 mod blocks;
 mod cli;
 mod compile;

@@ -358,7 +358,7 @@ fn thinking(m: &Map<String, Value>, chat: &mut Map<String, Value>) -> Result<(),
         _ => return Err(bad("`type` is enabled, disabled or adaptive")),
     };
     chat.insert("chat_template_kwargs".into(), json!({"thinking_mode": mode}));
-    if let (Some(b), "enabled") = (o.get("budget_tokens"), mode) {
+    if let (Some(b), "enabled" | "adaptive") = (o.get("budget_tokens"), mode) {
         chat.insert("thinking_token_budget".into(), b.clone());
     }
     Ok(())

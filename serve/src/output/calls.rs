@@ -67,6 +67,8 @@ struct Call {
     root: Value,
     /// The open elements; the first is the arguments object itself.
     stack: Vec<Node>,
+    /// Text found among the elements, given out when the call ends.
+    aside: String,
 }
 
 /// An open element.
@@ -223,7 +225,7 @@ impl CallReader {
         out.push(Piece::Call { index, name: name.to_string() });
         let node =
             Node { tag: "invoke".into(), schema: root.clone(), body: Body::Object { open: false }, members: 0, orphan: String::new() };
-        self.at = At::Call(Call { index, root, stack: vec![node] });
+        self.at = At::Call(Call { index, root, stack: vec![node], aside: String::new() });
     }
 }
 
@@ -384,8 +386,8 @@ impl Call {
             }
             Lex::Open { name, .. } => {
                 let orphan = std::mem::take(&mut top.orphan);
-                stray(out, &orphan);
                 let array = matches!(top.body, Body::Array);
+                self.aside(&orphan);
                 if !array && !self.claims(self.stack.len() - 1, name) && self.claimed_above(name) {
                     self.pop(out);
                     return Redo::Again;
@@ -509,7 +511,7 @@ impl Call {
     /// object itself ending ends the call.
     fn pop(&mut self, out: &mut Vec<Piece>) -> Redo {
         let Some(n) = self.stack.pop() else { return Redo::Done(Next::Ended) };
-        stray(out, &n.orphan);
+        self.aside(&n.orphan);
         let end = match n.body {
             Body::Pending(ws) => args::typed(&ws, &n.schema, &self.root).to_string(),
             Body::Str { started: true, .. } => "\"".into(),
@@ -521,9 +523,22 @@ impl Call {
         };
         self.emit(out, &end);
         if self.stack.is_empty() {
+            // The call is whole: the text found inside it follows it.
+            stray(out, &std::mem::take(&mut self.aside));
             Redo::Done(Next::Ended)
         } else {
             Redo::No
+        }
+    }
+
+    /// Text found among a call's elements: content, given out after the
+    /// call (a client's block of arguments is not interrupted).
+    fn aside(&mut self, t: &str) {
+        if !t.trim().is_empty() {
+            if !self.aside.is_empty() {
+                self.aside.push(' ');
+            }
+            self.aside.push_str(t.trim());
         }
     }
 
