@@ -90,6 +90,32 @@ async def openai_whole(o, **kw):
             "finish": r.choices[0].finish_reason, "ids": [t.id for t in m.tool_calls or []]}
 
 
+def items_read(r):
+    reasoning = "".join(c.text for item in r.output if item.type == "reasoning" for c in item.content or [])
+    text = "".join(c.text for item in r.output if item.type == "message" for c in item.content)
+    return {"reasoning": reasoning, "content": text, "calls": [], "finish": "stop" if r.status == "completed" else "length"}
+
+
+async def responses_whole(o, **kw):
+    return items_read(await o.responses.create(**kw))
+
+
+async def responses_stream(o, **kw):
+    """The Responses stream through the client's helper: the deltas it saw
+    add up to its final response."""
+    reasoning, text = "", ""
+    async with o.responses.stream(**kw) as s:
+        async for ev in s:
+            if ev.type == "response.reasoning_text.delta":
+                reasoning += ev.delta
+            elif ev.type == "response.output_text.delta":
+                text += ev.delta
+        final = await s.get_final_response()
+    got = items_read(final)
+    assert (got["reasoning"], got["content"]) == (reasoning, text), (got, reasoning, text)
+    return got
+
+
 def blocks_read(content, stop_reason):
     reasoning = "".join(b.thinking for b in content if b.type == "thinking")
     text = "".join(b.text for b in content if b.type == "text")
@@ -251,13 +277,22 @@ async def corpus(base, model, path):
                     extra_body={"structured_outputs": so, "chat_template_kwargs": {"thinking_mode": case["think"]}})
         messages = dict(model=model, messages=msgs, tools=[as_anthropic(t) for t in tools], max_tokens=800, thinking={"type": case["think"]},
                         extra_body={"temperature": 0, "structured_outputs": so})
+        # Special tokens kept in the text change nothing here.
+        chat_specials = dict(chat, extra_body=dict(chat["extra_body"], skip_special_tokens=False))
         async with gate:
             seen = {
                 "openai": await openai_whole(o, **chat),
                 "openai stream": await openai_stream(o, **chat),
+                "openai stream, special tokens kept": await openai_stream(o, **chat_specials),
                 "anthropic": await anthropic_whole(a, **messages),
                 "anthropic stream": await anthropic_stream(a, **messages),
             }
+            if not want_calls and MARK not in text and "<tool_call>" not in text and "<invoke" not in text:
+                # The Responses API (which offers no tools) reads reasoning the same.
+                responses = dict(model=model, input="Go.", max_output_tokens=800, temperature=0,
+                                 extra_body={"structured_outputs": so, "chat_template_kwargs": {"thinking_mode": case["think"]}})
+                seen["responses"] = await responses_whole(o, **responses)
+                seen["responses stream"] = await responses_stream(o, **responses)
         for way, got in seen.items():
             where = (case["name"], way)
             no_markup(where, got["content"])

@@ -42,6 +42,9 @@ const FIELDS: &[&str] = &[
     "seed",
     "ignore_eos",
     "chat_template_kwargs",
+    "skip_special_tokens",
+    // vLLM's structured outputs, as on the chat route.
+    "structured_outputs",
 ];
 
 /// What the answer echoes of the request.
@@ -164,6 +167,8 @@ fn as_chat(m: &Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
         ("seed", "seed"),
         ("ignore_eos", "ignore_eos"),
         ("chat_template_kwargs", "chat_template_kwargs"),
+        ("skip_special_tokens", "skip_special_tokens"),
+        ("structured_outputs", "structured_outputs"),
     ] {
         if let Some(v) = m.get(from).filter(|v| !v.is_null()) {
             chat.insert(to.into(), v.clone());
