@@ -350,9 +350,6 @@ fn stage_args(args: &RunArgs, inputs: &Inputs) -> Result<(StageArgs, Vec<SeqRequ
     stage.gpu = args.gpu.modes();
     stage.stream_ids = inputs.text.is_some();
     stage.trace = args.trace.is_some();
-    if let (Some(_), true) = (&args.speculative_config, args.dump.is_some() || args.expect.is_some()) {
-        anyhow::bail!("--speculative-config does not combine with --dump or --expect, which record one row of logits per step");
-    }
     stage.set_speculation(args.speculative_config.clone());
     let outputs = run_outputs(args, &eos, &inputs.think)?;
     stage.eos_ids = eos;

@@ -12,7 +12,6 @@
 //! answer, tokenised greedily by the longest allowed token at each step.
 
 use m3c_constrain::{Grammar, Vocabulary};
-use m3c_contract::protocol::TokenLogprobs;
 use std::time::Instant;
 
 const VOCAB: usize = 200_064;
@@ -117,7 +116,7 @@ fn main() {
         let reps = 50;
         let t = Instant::now();
         for r in 0..reps {
-            std::hint::black_box(TokenLogprobs::of(std::hint::black_box(&logits), r as u32, k));
+            std::hint::black_box(m3c_sampler::logprobs::logprobs(std::hint::black_box(&logits), r as u32, k));
         }
         println!("logprobs per token (k = {k}): {:.3} ms", t.elapsed().as_secs_f64() / reps as f64 * 1e3);
     }

@@ -37,7 +37,6 @@
 
 pub mod blocks;
 pub mod checkpoint;
-pub mod drawn;
 pub mod dtype;
 pub mod images;
 pub mod input;

@@ -64,19 +64,6 @@ pub fn byte_level_table(json: &str) -> Result<Vec<Vec<u8>>, String> {
     Ok(table)
 }
 
-/// Where the first stop string ends inside `text`, looking only at matches
-/// that end after byte `from` (bytes before it were checked already).
-pub fn stop_end(text: &[u8], from: usize, stops: &[Vec<u8>]) -> Option<usize> {
-    stops
-        .iter()
-        .filter(|s| !s.is_empty())
-        .filter_map(|s| {
-            let start = from.saturating_sub(s.len() - 1);
-            text.get(start..)?.windows(s.len()).position(|w| w == s.as_slice()).map(|i| start + i + s.len())
-        })
-        .min()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -88,14 +75,5 @@ mod tests {
         assert_eq!(m[&'Ġ'], b' ');
         assert_eq!(m[&'Ċ'], b'\n');
         assert_eq!(m[&'a'], b'a');
-    }
-
-    #[test]
-    fn a_stop_string_is_found_across_the_boundary_only_once() {
-        let stops = vec![b"\n\n".to_vec(), b"END".to_vec()];
-        assert_eq!(stop_end(b"ab\n", 0, &stops), None);
-        assert_eq!(stop_end(b"ab\n\ncd", 3, &stops), Some(4));
-        assert_eq!(stop_end(b"xxEN", 2, &stops), None);
-        assert_eq!(stop_end(b"xxEND", 4, &stops), Some(5));
     }
 }

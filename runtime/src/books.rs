@@ -8,9 +8,8 @@ use crate::error::StageError;
 use crate::stage::{self, Segment};
 use m3c_constrain::thinking::Budget;
 use m3c_constrain::Constraint;
-pub(crate) use m3c_contract::drawn::{Drawn, Token};
-use m3c_contract::protocol::TokenLogprobs;
 use m3c_contract::sampling::SamplingParams;
+pub(crate) use m3c_engine::drawn::{Drawn, Token};
 use std::collections::{BTreeMap, HashMap};
 
 /// What non-finite logits end: the run (`m3c run`: the weights are broken),
@@ -136,6 +135,16 @@ pub(crate) struct LastBooks {
     pub drafter: Option<crate::draft::Drafter>,
 }
 
+impl crate::draft::SeqIds for LastBooks {
+    fn token_at(&self, seq: usize, pos: usize) -> Option<i64> {
+        LastBooks::token_at(self, seq, pos)
+    }
+
+    fn remaining(&self, seq: usize) -> usize {
+        LastBooks::remaining(self, seq)
+    }
+}
+
 impl LastBooks {
     pub fn new(want_logits: bool, on_bad: OnNonFinite, grammars: GrammarSource) -> LastBooks {
         LastBooks { live: HashMap::new(), want_logits, finished: BTreeMap::new(), on_bad, grammars, masks: (0, 0.0), drafter: None }
@@ -229,7 +238,7 @@ impl LastBooks {
             let b =
                 self.live.get_mut(&s.seq).ok_or_else(|| StageError::Step(format!("a step for sequence {}, which is not live", s.seq)))?;
             let draws = gives_token(&b.record, s, draft.len());
-            if !draft.is_empty() && (!draws || draft.len() + 1 != s.rows || self.want_logits) {
+            if !draft.is_empty() && (!draws || draft.len() + 1 != s.rows) {
                 return Err(StageError::Step(format!("runtime bug: sequence {}'s verify step is not at its next draw", s.seq)));
             }
             // Logprobs come from the logits of the rows that draw; prompt
@@ -336,7 +345,7 @@ impl LastBooks {
             for (j, row) in rows.chunks_exact(vocab.max(1)).enumerate() {
                 let p = s.pos0 + j + 1;
                 if let (Some(&tok), true) = (r.prompt.get(p), p >= b.prompt_next) {
-                    prompt.push((tok as u32, TokenLogprobs::of(row, tok as u32, k as usize)));
+                    prompt.push((tok as u32, m3c_sampler::logprobs::logprobs(row, tok as u32, k as usize)));
                     b.prompt_next = p + 1;
                 }
             }
@@ -396,6 +405,11 @@ impl LastBooks {
                 break;
             }
             tokens.push(b.take(id, out, row0 + j, vocab, vocabulary)?);
+            // A dump holds the row of each token fed, as plain decoding's
+            // steps give it: the step's first row, then each kept draft's.
+            if let Some(row) = out.logits.get((row0 + j) * vocab..(row0 + j + 1) * vocab).filter(|_| self.want_logits) {
+                b.record.decode_logits.extend_from_slice(row);
+            }
             if j == draft.len() || id != draft[j] || b.held.contains(&id) {
                 break;
             }
@@ -554,7 +568,7 @@ impl SeqBook {
             budget.consume(v, id as u32);
         }
         let logprobs = match (self.logprobs, out.logits.get(row * vocab..(row + 1) * vocab)) {
-            (Some(k), Some(logits)) => Some(TokenLogprobs::of(logits, id as u32, k as usize)),
+            (Some(k), Some(logits)) => Some(m3c_sampler::logprobs::logprobs(logits, id as u32, k as usize)),
             (Some(_), None) => return Err(StageError::Step("runtime bug: logprobs wanted, but the step returned no logits".into())),
             _ => None,
         };

@@ -13,11 +13,10 @@
 //! Proposals only choose what a verify step checks: every token is still
 //! drawn by the target's sampler, so they change no bit of the output.
 
-use crate::books::LastBooks;
 use crate::error::StageError;
 use crate::stage::{Segment, Stage};
-use m3c_contract::drawn::Drawn;
 use m3c_contract::{CheckpointLayout, DType};
+use m3c_engine::drawn::Drawn;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
 
@@ -71,7 +70,7 @@ impl Drafter {
     pub fn propose(
         &self,
         st: &mut Stage,
-        books: &LastBooks,
+        books: &impl SeqIds,
         segs: &[Segment],
         drafts: &[Vec<i64>],
         wanted: &[i64],
@@ -166,20 +165,28 @@ impl Drafter {
     }
 }
 
-/// Sets each segment's proposals in `got` when the stage drafts (its books
-/// hold a drafter) and the first stage asked for them (`wanted`); `carry`
-/// is the step's buffer.
+/// What the head needs of the last stage's books: each sequence's ids so
+/// far, and how many more it may take.
+pub(crate) trait SeqIds {
+    fn token_at(&self, seq: usize, pos: usize) -> Option<i64>;
+    fn remaining(&self, seq: usize) -> usize;
+}
+
+/// Sets each segment's proposals in `got` when the stage drafts (it holds
+/// a `drafter`) and the first stage asked for them (`wanted`); `carry` is
+/// the step's buffer.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attach(
     st: &mut Stage,
-    books: &LastBooks,
+    drafter: Option<&Drafter>,
+    books: &impl SeqIds,
     segs: &[Segment],
     drafts: &[Vec<i64>],
     wanted: &[i64],
     got: &mut [Drawn],
     carry: &[f32],
 ) -> Result<(), StageError> {
-    let Some(drafter) = &books.drafter else { return Ok(()) };
+    let Some(drafter) = drafter else { return Ok(()) };
     let proposals = drafter.propose(st, books, segs, drafts, wanted, got, carry)?;
     // Test hook (documented in ARCHITECTURE.md): each proposal on standard
     // error, so the tests can hold them against the reference's goldens.

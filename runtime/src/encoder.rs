@@ -9,12 +9,11 @@
 //! the cache nor the thread changes a bit of any result: they change only
 //! when a request may start.
 
+use crate::tag;
 use m3c_contract::images::SeqImages;
 use std::sync::mpsc;
 
-/// What runs the vision entry: the stage's backing gives one that may run
-/// on another thread (a host stage's), or none.
-pub(crate) type RunVision = Box<dyn FnMut(&SeqImages, &mut [f32]) + Send>;
+use crate::stage::RunVision;
 
 /// Encodes are throughput work beside latency-bound steps: where they share
 /// a host's cores with stages, the encoder thread gives way (nice 10).
@@ -130,9 +129,9 @@ impl Remote {
         st: &mut crate::stage::Stage,
         outbox: &mut crate::wire::Outbox,
     ) -> Result<(bool, bool), crate::error::StageError> {
-        use crate::wire::{message, try_recv, KIND_STOP, KIND_TRACE, TAG_ENCODE, TAG_FEATURES};
+        use crate::wire::{message, try_recv, KIND_STOP, KIND_TRACE};
         let (mut any, mut stop) = (false, false);
-        while let Some(m) = try_recv(world, peers, 0, TAG_ENCODE) {
+        while let Some(m) = try_recv(world, peers, 0, tag::ENCODE) {
             any = true;
             let m = m?;
             match m.kind {
@@ -182,7 +181,7 @@ impl Remote {
         for (seq, feats) in self.ready.drain(..) {
             any = true;
             let seg = crate::stage::Segment { seq, pos0: 0, rows: 0 };
-            outbox.send(world, 0, TAG_FEATURES, message(0, &[seg], &crate::wire::f32_bytes(&feats)));
+            outbox.send(world, 0, tag::FEATURES, message(0, &[seg], &crate::wire::f32_bytes(&feats)));
         }
         Ok((any, stop))
     }

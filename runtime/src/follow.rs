@@ -8,9 +8,10 @@ use crate::books::{LastBooks, OutputSpec};
 use crate::error::StageError;
 use crate::liveness::Peers;
 use crate::stage::{Segment, Stage};
+use crate::tag;
 use crate::wire::{
     self, bytes_f32, f32_bytes, message, message_step, Outbox, KIND_ADD, KIND_DROP, KIND_RESET, KIND_STATS, KIND_STEP, KIND_STOP,
-    KIND_TRACE, TAG_ACT, TAG_IDS,
+    KIND_TRACE,
 };
 use m3c_contract::protocol::{Command, SeqRequest};
 use mpi::topology::SimpleCommunicator;
@@ -63,7 +64,7 @@ fn recv_serving_encodes(
 ) -> Result<wire::Msg, StageError> {
     let from = st.meta.stage - 1;
     loop {
-        if let Some(m) = wire::try_recv(world, peers, from, TAG_ACT) {
+        if let Some(m) = wire::try_recv(world, peers, from, tag::ACT) {
             return m;
         }
         let (served, _) = e.serve(world, peers, st, outbox)?;
@@ -87,12 +88,12 @@ pub(crate) fn follow(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Sta
     loop {
         outbox.poll();
         let m = match encodes.as_mut() {
-            None => wire::recv(world, peers, rank - 1, TAG_ACT)?,
+            None => wire::recv(world, peers, rank - 1, tag::ACT)?,
             Some(e) => recv_serving_encodes(world, peers, st, e, &mut outbox)?,
         };
         let pass_on = |outbox: &mut Outbox, kind, payload: &[u8]| {
             if !last {
-                outbox.send(world, rank + 1, TAG_ACT, message_step(kind, &m.segments, &m.blocks, &m.drafts, &m.propose, payload));
+                outbox.send(world, rank + 1, tag::ACT, message_step(kind, &m.segments, &m.blocks, &m.drafts, &m.propose, payload));
             }
         };
         match m.kind {
@@ -129,7 +130,7 @@ pub(crate) fn follow(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Sta
             KIND_STATS => {
                 let mut payload = m.payload;
                 payload.extend(stats_words(st).iter().flat_map(|w| w.to_le_bytes()));
-                let (to, tag) = if last { (0, TAG_IDS) } else { (rank + 1, TAG_ACT) };
+                let (to, tag) = if last { (0, tag::IDS) } else { (rank + 1, tag::ACT) };
                 outbox.send(world, to, tag, message(KIND_STATS, &[], &payload));
             }
             KIND_STEP => step(world, st, books, &mut outbox, &m)?,
@@ -163,17 +164,17 @@ fn step(world: &SimpleCommunicator, st: &mut Stage, books: &mut LastBooks, outbo
     x.resize(tokens * st.meta.carry_words(), 0.0);
     if !last && st.uses_collectives() {
         // The step's NCCL send waits for the receiver, who needs the header first.
-        outbox.send(world, rank + 1, TAG_ACT, message_step(KIND_STEP, segs, &m.blocks, &m.drafts, &m.propose, &[]));
+        outbox.send(world, rank + 1, tag::ACT, message_step(KIND_STEP, segs, &m.blocks, &m.drafts, &m.propose, &[]));
     }
     let sample = if last { Some(books.sample_in(segs, &m.drafts, st.meta.vocab)?) } else { None };
     let out = st.step(segs, &[], &mut x, sample, !m.drafts.is_empty())?;
     // (A last stage's step leaves its `x` rows unwritten, and its aux states after them.)
     if last {
         let mut got = books.finish(segs, &m.drafts, &out, st.meta.vocab, rank)?;
-        crate::draft::attach(st, books, segs, &m.drafts, &m.propose, &mut got, &x)?;
-        outbox.send(world, 0, TAG_IDS, message(KIND_STEP, segs, &crate::books::Drawn::encode(&got)));
+        crate::draft::attach(st, books.drafter.as_ref(), &*books, segs, &m.drafts, &m.propose, &mut got, &x)?;
+        outbox.send(world, 0, tag::IDS, message(KIND_STEP, segs, &crate::books::Drawn::encode(&got)));
     } else if !st.uses_collectives() {
-        outbox.send(world, rank + 1, TAG_ACT, message_step(KIND_STEP, segs, &m.blocks, &m.drafts, &m.propose, &f32_bytes(&x)));
+        outbox.send(world, rank + 1, tag::ACT, message_step(KIND_STEP, segs, &m.blocks, &m.drafts, &m.propose, &f32_bytes(&x)));
     }
     Ok(())
 }

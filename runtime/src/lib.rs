@@ -17,13 +17,15 @@ macro_rules! say {
 }
 
 mod args;
+mod batching;
 mod books;
 mod device;
 mod draft;
 mod encoder;
+mod encodes;
 mod error;
+mod feed;
 mod follow;
-mod kv;
 
 use error::StageError;
 mod dump;
@@ -35,6 +37,7 @@ mod schedule;
 mod serve;
 mod stage;
 mod startup;
+mod tag;
 mod trace;
 mod trace_exchange;
 mod weights;

@@ -1,7 +1,7 @@
 //! How a stage knows its peers are alive, and how it dies cleanly.
 //!
 //! - **Heartbeats.** A thread sends every other rank a one-byte message
-//!   (`TAG_BEAT`) every [`BEAT`], whatever the stage is computing. A rank
+//!   (`tag::BEAT`) every [`BEAT`], whatever the stage is computing. A rank
 //!   that waits (for a neighbour's activations, or in a start-up gather)
 //!   drains them and gives up on a peer only when that peer has been silent
 //!   for `--timeout-s`: a stage busy with a long prefill counts as alive,
@@ -11,13 +11,13 @@
 //! - **SIGBUS.** A mapped checkpoint file truncated during the run makes a
 //!   read fault; the handler names the file instead of dying silently.
 
+use crate::tag;
 use mpi::point_to_point::{Destination, MatchedReceiveVec, Source};
 use mpi::topology::{Communicator, SimpleCommunicator};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-pub const TAG_BEAT: i32 = 9;
 /// How often a stage says it is alive.
 pub const BEAT: Duration = Duration::from_millis(200);
 
@@ -35,7 +35,7 @@ pub fn start_heartbeats(size: usize, me: usize) -> std::thread::JoinHandle<()> {
             if !SILENT.load(Ordering::Relaxed) {
                 for r in (0..size).filter(|&r| r != me) {
                     // A one-byte standard send completes eagerly.
-                    world.process_at_rank(r as i32).send_with_tag(&beat[..], TAG_BEAT);
+                    world.process_at_rank(r as i32).send_with_tag(&beat[..], tag::BEAT);
                 }
             }
             std::thread::sleep(BEAT);
@@ -70,7 +70,7 @@ impl Peers {
 
     /// Receives every heartbeat that has arrived.
     pub fn drain(&mut self, world: &SimpleCommunicator) {
-        while let Some(m) = world.any_process().immediate_matched_probe_with_tag(TAG_BEAT) {
+        while let Some(m) = world.any_process().immediate_matched_probe_with_tag(tag::BEAT) {
             let (_, status) = m.matched_receive_vec::<u8>();
             let r = status.source_rank() as usize;
             if let Some(t) = self.seen.get_mut(r) {

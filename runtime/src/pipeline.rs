@@ -6,11 +6,13 @@
 //! `--expect` at the end.
 
 use crate::args::RunArgs;
+use crate::batching::Batching;
 use crate::books::{LastBooks, OnNonFinite};
 use crate::dump;
 use crate::error::StageError;
+use crate::feed::{Feed, Next};
 use crate::liveness::{self, Peers};
-use crate::schedule::{Batching, Feed, Leader, Next};
+use crate::schedule::Leader;
 use crate::stage::Stage;
 use m3c_contract::images::SeqImages;
 use m3c_contract::protocol::{Command, Event, SeqRequest};
@@ -43,7 +45,7 @@ pub fn run(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Stage, args: 
     let grammars = crate::books::GrammarSource::new(args.weights.checkpoint().cloned(), st.meta.vocab, args.eos_ids.clone());
     let mut books = LastBooks::new(want_logits, on_bad, grammars);
     // The last stage drafts when it holds an EAGLE3 head and the run asks for it.
-    if let (Some(d), Some(e)) = (&st.meta.draft, args.eagle3.as_ref().filter(|_| !want_logits)) {
+    if let (Some(d), Some(e)) = (&st.meta.draft, args.eagle3.as_ref()) {
         let dir = args.weights.checkpoint().map(|_| e.model.as_path());
         books.drafter = Some(crate::draft::Drafter::load(dir, d.vocab, st.meta.vocab, e.tokens)?);
     }
@@ -71,10 +73,8 @@ pub fn run(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Stage, args: 
             eos: args.eos_ids.clone(),
             score_last: want_logits,
             prefix_caching: args.kv.prefix_caching,
-            // A dump records one row per step: it is taken without speculation.
-            speculative: args.speculative.filter(|_| !want_logits),
-            eagle3: args.eagle3.as_ref().filter(|_| !want_logits).map(|e| e.tokens),
-            eagle3_batch: args.eagle3.as_ref().and_then(|e| e.disable_by_batch_size),
+            // A dump records the row of each emitted token, verified or not.
+            spec: crate::batching::speculator(args),
             encoder: args.encoder,
         };
         let per_batch = batching.per_batch;

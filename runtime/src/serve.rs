@@ -17,7 +17,8 @@
 //! standard output.
 
 use crate::args::RunArgs;
-use crate::schedule::{Batching, Feed, Next};
+use crate::batching::Batching;
+use crate::feed::{Feed, Next};
 use m3c_contract::images::SeqImages;
 use m3c_contract::protocol::{Command, Event, SeqRequest};
 use std::sync::mpsc;
@@ -67,9 +68,7 @@ pub(crate) fn batching(args: &RunArgs) -> Batching {
         eos: args.eos_ids.clone(),
         score_last: false,
         prefix_caching: args.kv.prefix_caching,
-        speculative: args.speculative,
-        eagle3: args.eagle3.as_ref().map(|e| e.tokens),
-        eagle3_batch: args.eagle3.as_ref().and_then(|e| e.disable_by_batch_size),
+        spec: crate::batching::speculator(args),
         encoder: args.encoder,
     }
 }

@@ -6,14 +6,12 @@
 
 use crate::error::StageError;
 use crate::liveness::Peers;
+use crate::tag;
 use crate::trace;
 use crate::wire::{self, message, Outbox};
 use mpi::point_to_point::Destination;
 use mpi::topology::{Communicator, SimpleCommunicator};
 
-// Tags of their own: 7 and 8 carry steps and ids, 9 the heartbeats.
-pub const TAG_CLOCK: i32 = 20;
-pub const TAG_TRACE: i32 = 21;
 const KIND_CLOCK: i64 = 20;
 const KIND_TRACE: i64 = 21;
 /// Ping-pongs per stage for the clock offset.
@@ -40,8 +38,8 @@ fn measure_offsets(world: &SimpleCommunicator, peers: &mut Peers) -> Result<f64,
             let mut best = (f64::INFINITY, 0.0);
             for _ in 0..CLOCK_ROUNDS {
                 let t1 = trace::clock_us();
-                world.process_at_rank(k as i32).send_with_tag(&message(KIND_CLOCK, &[], &[])[..], TAG_CLOCK);
-                let reply = wire::recv(world, peers, k, TAG_CLOCK)?;
+                world.process_at_rank(k as i32).send_with_tag(&message(KIND_CLOCK, &[], &[])[..], tag::CLOCK);
+                let reply = wire::recv(world, peers, k, tag::CLOCK)?;
                 let t2 = trace::clock_us();
                 let rtt = t2 - t1;
                 if rtt < best.0 {
@@ -50,17 +48,17 @@ fn measure_offsets(world: &SimpleCommunicator, peers: &mut Peers) -> Result<f64,
             }
             let (rtt, offset) = best;
             let payload: Vec<u8> = [offset, rtt / 2.0].iter().flat_map(|v| v.to_le_bytes()).collect();
-            world.process_at_rank(k as i32).send_with_tag(&message(KIND_CLOCK, &[], &payload)[..], TAG_CLOCK);
+            world.process_at_rank(k as i32).send_with_tag(&message(KIND_CLOCK, &[], &payload)[..], tag::CLOCK);
             worst = worst.max(rtt / 2.0);
         }
         Ok(worst)
     } else {
         for _ in 0..CLOCK_ROUNDS {
-            wire::recv(world, peers, 0, TAG_CLOCK)?;
+            wire::recv(world, peers, 0, tag::CLOCK)?;
             let t = trace::clock_us().to_le_bytes();
-            world.process_at_rank(0).send_with_tag(&message(KIND_CLOCK, &[], &t)[..], TAG_CLOCK);
+            world.process_at_rank(0).send_with_tag(&message(KIND_CLOCK, &[], &t)[..], tag::CLOCK);
         }
-        let m = wire::recv(world, peers, 0, TAG_CLOCK)?;
+        let m = wire::recv(world, peers, 0, tag::CLOCK)?;
         trace::set_offset(word(&m, 0));
         Ok(0.0)
     }
@@ -79,7 +77,7 @@ pub fn gather(world: &SimpleCommunicator, peers: &mut Peers, host: &str) -> Resu
     let (rank, size) = (world.rank() as usize, world.size() as usize);
     if rank > 0 {
         let mut outbox = Outbox::default();
-        outbox.send(world, 0, TAG_TRACE, message(KIND_TRACE, &[], lines.join("\n").as_bytes()));
+        outbox.send(world, 0, tag::TRACE, message(KIND_TRACE, &[], lines.join("\n").as_bytes()));
         return outbox.drain(world, peers);
     }
     use std::io::Write;
@@ -90,7 +88,7 @@ pub fn gather(world: &SimpleCommunicator, peers: &mut Peers, host: &str) -> Resu
         let _ = say(l);
     }
     for k in 1..size {
-        let m = wire::recv(world, peers, k, TAG_TRACE)?;
+        let m = wire::recv(world, peers, k, tag::TRACE)?;
         let text = String::from_utf8_lossy(&m.payload).into_owned();
         for l in text.lines().filter(|l| !l.is_empty()) {
             events += 1;
@@ -101,4 +99,32 @@ pub fn gather(world: &SimpleCommunicator, peers: &mut Peers, host: &str) -> Resu
     let _ = out.write_all(format!("m3c-trace-meta {meta}\n").as_bytes());
     let _ = out.flush();
     Ok(())
+}
+
+/// A timeline window starts or ends (`m3c serve`'s `trace on|off`): every
+/// stage (`stages`) and encoder rank (`encoders`, after them) turns as the
+/// `KIND_TRACE` message reaches it, in order with the steps; at the end
+/// each sends its events here, and they are printed. `Ok(Err)`: refused,
+/// the pipeline was started without `--trace`.
+pub(crate) fn turn(
+    world: &SimpleCommunicator,
+    peers: &mut Peers,
+    outbox: &mut Outbox,
+    (stages, encoders): (usize, usize),
+    on: bool,
+) -> Result<Result<(), String>, StageError> {
+    if !trace::armed() {
+        return Ok(Err("tracing is off: the pipeline was started without --trace (m3c serve --trace-dir DIR)".into()));
+    }
+    if stages > 1 {
+        outbox.send(world, 1, tag::ACT, message(wire::KIND_TRACE, &[], &[u8::from(on)]));
+    }
+    for k in stages..stages + encoders {
+        outbox.send(world, k, tag::ENCODE, message(wire::KIND_TRACE, &[], &[u8::from(on)]));
+    }
+    trace::set_recording(on);
+    if !on {
+        gather(world, peers, &crate::host_name())?;
+    }
+    Ok(Ok(()))
 }

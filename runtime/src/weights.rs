@@ -234,3 +234,12 @@ fn fill(buf: &mut [u8], dtype: DType, seed: u64) {
         _ => {}
     }
 }
+
+/// The bytes of every token id, from the checkpoint's `tokenizer.json`.
+pub(crate) fn load_token_bytes(model: Option<&std::path::Path>) -> Result<Vec<Vec<u8>>, String> {
+    let dir = model.ok_or("stop strings need --model DIR with a tokenizer.json")?;
+    let file = dir.join("tokenizer.json");
+    let json = m3c_contract::read_user_file(&file, "tokenizer", m3c_contract::input::limits::TOKENIZER)
+        .map_err(|e| format!("stop strings: {e}"))?;
+    m3c_contract::token_bytes::byte_level_table(&json).map_err(|e| format!("stop strings: {}: {e}", file.display()))
+}

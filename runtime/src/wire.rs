@@ -9,23 +9,11 @@
 
 use crate::error::StageError;
 use crate::liveness::{self, Peers};
-use crate::stage::Segment;
+use m3c_engine::Segment;
 use mpi::point_to_point::{Destination, MatchedReceiveVec, Source};
 use mpi::topology::{Communicator, SimpleCommunicator};
 use std::time::Duration;
 
-// Every tag in one list, as they must not collide: 7 and 8 here,
-// `liveness::TAG_BEAT` 9, 11 and 12 here, `trace_exchange`'s 20 and 21.
-pub const TAG_ACT: i32 = 7;
-pub const TAG_IDS: i32 = 8;
-/// Encode jobs from the first stage to the stage that holds the vision
-/// tower (a plan's `vision: true` on another stage): one segment, the
-/// sequence; payload: an images file (`m3c_contract::images`) of its
-/// grids to encode, as sequence 0.
-pub const TAG_ENCODE: i32 = 11;
-/// The features back: one segment, the sequence; payload: `[tokens,
-/// hidden]` as f32 words (the activation storage).
-pub const TAG_FEATURES: i32 = 12;
 pub const KIND_STEP: i64 = 0;
 pub const KIND_STOP: i64 = 1;
 /// `m3c serve`: a sequence joins (one segment: the sequence and its cache
@@ -236,6 +224,25 @@ impl Drop for Outbox {
     fn drop(&mut self) {
         for (req, _) in self.pending.drain(..) {
             std::mem::forget(req);
+        }
+    }
+}
+
+/// A plan as the step message and the last stage's books carry it: per
+/// segment the blocks taken, the drafts verified and the draft head's ask
+/// (each list empty when no segment has any).
+pub struct StepLists {
+    pub blocks: Vec<Vec<u32>>,
+    pub drafts: Vec<Vec<i64>>,
+    pub asks: Vec<i64>,
+}
+
+impl StepLists {
+    pub fn of(p: &m3c_engine::StepPlan) -> StepLists {
+        StepLists {
+            blocks: if p.grows() { p.seqs.iter().map(|s| s.blocks.clone()).collect() } else { Vec::new() },
+            drafts: if p.verifies() { p.seqs.iter().map(|s| s.drafts.clone()).collect() } else { Vec::new() },
+            asks: if p.asks() { p.seqs.iter().map(|s| s.ask.word()).collect() } else { Vec::new() },
         }
     }
 }

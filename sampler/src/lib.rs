@@ -12,6 +12,8 @@
 //! probability, ties to the lower id) with arithmetic that does not depend on
 //! the machine's vector width.
 
+pub mod logprobs;
+
 use m3c_contract::sampling::*;
 
 /// Philox-4x32-10 of a 128-bit counter under a 64-bit key.

@@ -145,21 +145,43 @@ fn bad_speculative_configs_are_errors_that_name_the_key() {
         assert!(!r.status.success(), "{config}");
         assert!(stderr(&r).contains(says), "{config}: {}", stderr(&r));
     }
-    let dump = tempfile::tempdir().unwrap();
-    let file = dump.path().join("d.safetensors");
-    let args = [
-        "run",
-        out.to_str().unwrap(),
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt-ids",
-        "1,2",
-        "--max-new-tokens",
-        "4",
-        "--speculative-config",
-        SPEC,
-    ];
-    let r = m3c(&[&args[..], &["--dump", file.to_str().unwrap()]].concat());
-    assert!(!r.status.success() && stderr(&r).contains("does not combine with --dump"), "{}", stderr(&r));
-    assert!(!file.exists(), "nothing written");
+}
+
+/// `--dump` and `--expect` record the row of each emitted token: with
+/// speculation (verified drafts among them) the file is the same bytes,
+/// and `--expect` of a plain run's dump passes on a speculative one.
+#[test]
+fn a_dump_with_speculation_is_the_dump_without() {
+    let model = fixture("tiny-m3");
+    let dir = tempfile::tempdir().unwrap();
+    for pp in [1, 2] {
+        let out = crate::shared::out("tiny-m3", pp);
+        let dump = |name: &str, spec: Option<&str>| {
+            let file = dir.path().join(format!("{name}-{pp}.safetensors"));
+            let mut a = vec!["run", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--max-new-tokens", "24"];
+            a.extend_from_slice(&PROMPTS);
+            a.extend_from_slice(&["--dump", file.to_str().unwrap()]);
+            if let Some(config) = spec {
+                a.extend_from_slice(&["--speculative-config", config]);
+            }
+            let r = m3c(&a);
+            assert!(r.status.success(), "{a:?}: {}", stderr(&r));
+            let drafted = stderr(&r).lines().any(|l| l.starts_with("m3c spec: ") && !l.contains(" 0 verify"));
+            // One file per prompt: FILE.pK.safetensors.
+            let files: Vec<Vec<u8>> =
+                (0..3).map(|k| std::fs::read(file.with_extension(format!("p{k}.safetensors"))).expect("a dump per prompt")).collect();
+            (files, drafted)
+        };
+        let (plain, _) = dump("plain", None);
+        let (spec, drafted) = dump("spec", Some(SPEC));
+        assert!(drafted, "pp {pp}: drafts were verified");
+        assert!(plain == spec, "pp {pp}: the dump changed with speculation");
+        // `--expect` checks the first prompt against its plain dump.
+        let golden = dir.path().join(format!("plain-{pp}.p0.safetensors"));
+        let mut a = vec!["run", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--max-new-tokens", "24"];
+        a.extend_from_slice(&PROMPTS);
+        a.extend_from_slice(&["--expect", golden.to_str().unwrap(), "--speculative-config", SPEC]);
+        let r = m3c(&a);
+        assert!(r.status.success(), "pp {pp}: --expect with speculation: {}", stderr(&r));
+    }
 }

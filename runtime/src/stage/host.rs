@@ -101,7 +101,7 @@ impl Backing for HostBacking {
         Ok(())
     }
 
-    fn vision_runner(&self) -> Option<crate::encoder::RunVision> {
+    fn vision_runner(&self) -> Option<super::RunVision> {
         let table = WeightTable(self.weights.ptrs.clone());
         Some(Box::new(move |im: &m3c_contract::images::SeqImages, feats: &mut [f32]| {
             let table = &table;

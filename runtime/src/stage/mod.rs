@@ -55,13 +55,12 @@ struct SeqImageRows {
     feats: Vec<f32>,
 }
 
-/// One sequence's part of a micro-batch step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Segment {
-    pub seq: usize,
-    pub pos0: usize,
-    pub rows: usize,
-}
+/// What runs the vision entry: the stage's backing gives one that may run
+/// on another thread (a host stage's), or none.
+pub(crate) type RunVision = Box<dyn FnMut(&m3c_contract::images::SeqImages, &mut [f32]) + Send>;
+
+/// One sequence's part of a micro-batch step (the engine's).
+pub use m3c_engine::Segment;
 
 /// A live sequence's block table: the pool block of each `kv_block`
 /// positions, `held` of them assigned so far (the rest 0, never read: a
@@ -100,7 +99,7 @@ trait Backing {
     fn encode(&mut self, job: &VisionJob, feats: &mut [f32]) -> Result<(), StageError>;
     /// The vision entry as a function that may run on another thread while
     /// steps run, where the backing allows it.
-    fn vision_runner(&self) -> Option<crate::encoder::RunVision> {
+    fn vision_runner(&self) -> Option<RunVision> {
         None
     }
     /// The address a step reads a sequence's block table at.
@@ -410,7 +409,7 @@ impl Stage {
     /// The vision entry as a function another thread may run (a host
     /// stage's), for encodes beside the step loop; `None` where encodes
     /// run in the loop (GPU stages).
-    pub(crate) fn vision_runner(&self) -> Option<crate::encoder::RunVision> {
+    pub(crate) fn vision_runner(&self) -> Option<RunVision> {
         self.holds_tower().then(|| self.backing.vision_runner())?
     }
 

@@ -5,7 +5,7 @@
 //! logprobs of the prompt tokens the segment's rows predict. One encoder
 //! and one parser, on both sides of the wire.
 
-use crate::protocol::TokenLogprobs;
+use m3c_contract::protocol::TokenLogprobs;
 
 /// One token the last stage drew for a sequence: its id (-1: the
 /// sequence met non-finite logits, or its grammar failed, and ends there)
@@ -107,7 +107,7 @@ fn read_lp(it: &mut impl Iterator<Item = i64>) -> Option<Option<(u32, TokenLogpr
     if pairs == 0 {
         return Some(None);
     }
-    if pairs > 1 + crate::protocol::MAX_TOP_LOGPROBS as usize {
+    if pairs > 1 + m3c_contract::protocol::MAX_TOP_LOGPROBS as usize {
         return None;
     }
     let rank = u32::try_from(it.next()?).ok()?;

@@ -11,11 +11,11 @@ use std::collections::HashMap;
 
 /// An image of a sequence, for the hashes of the blocks its rows are in:
 /// its content hash and the positions of its placeholder rows.
-pub(crate) type ImageRows = ([u8; 32], Vec<usize>);
+pub type ImageRows = ([u8; 32], Vec<usize>);
 
 /// A sequence's blocks.
 #[derive(Debug, Default)]
-pub(crate) struct SeqBlocks {
+pub struct SeqBlocks {
     /// The pool block of each `kv_block` positions, in order.
     pub blocks: Vec<BlockId>,
     /// How many of `blocks` the stages have been told of.
@@ -27,7 +27,7 @@ pub(crate) struct SeqBlocks {
     pending: Vec<BlockHash>,
 }
 
-pub(crate) struct Kv {
+pub struct Kv {
     pool: BlockPool,
     pub block: usize,
     /// Automatic prefix caching (`--no-enable-prefix-caching` turns it off).
@@ -40,7 +40,7 @@ pub(crate) struct Kv {
 
 /// The hashes of the full blocks of `ids`, extending `chain` (which holds
 /// the first ones already).
-pub(crate) fn extend_chain(chain: &mut Vec<BlockHash>, ids: &[i64], images: &[ImageRows], block: usize) {
+pub fn extend_chain(chain: &mut Vec<BlockHash>, ids: &[i64], images: &[ImageRows], block: usize) {
     BlockHash::extend_chain(chain, ids, block, |i| image_extra(images, i * block, block));
 }
 

@@ -1,0 +1,89 @@
+//! What a step costs, learned while serving: the seconds a micro-batch
+//! step took at each row count (a running mean per count), read back as
+//! an estimate at any count: measured, else interpolated between the
+//! nearest measured counts, else extrapolated from the two largest. Cost
+//! never falls as rows are added (measurements are noisy; an estimate is
+//! at least every measurement at fewer rows).
+
+use std::collections::BTreeMap;
+
+/// How much a new measurement moves a row count's mean.
+const WEIGHT: f64 = 0.2;
+
+#[derive(Debug, Clone, Default)]
+pub struct StepCost {
+    /// Seconds per step, by the step's rows.
+    by_rows: BTreeMap<usize, f64>,
+}
+
+impl StepCost {
+    /// A step of `rows` rows took `seconds`.
+    pub fn observe(&mut self, rows: usize, seconds: f64) {
+        if !(seconds.is_finite() && seconds >= 0.0) || rows == 0 {
+            return;
+        }
+        self.by_rows.entry(rows).and_modify(|m| *m += WEIGHT * (seconds - *m)).or_insert(seconds);
+    }
+
+    /// Whether a step of exactly `rows` was measured.
+    pub fn measured(&self, rows: usize) -> bool {
+        self.by_rows.contains_key(&rows)
+    }
+
+    /// Whether a step of more rows than `rows` was measured (so the cost of
+    /// adding rows can be told).
+    pub fn measured_above(&self, rows: usize) -> bool {
+        self.by_rows.range(rows + 1..).next().is_some()
+    }
+
+    /// The seconds a step of `rows` rows is expected to take (`None`
+    /// before any measurement).
+    pub fn estimate(&self, rows: usize) -> Option<f64> {
+        let below = self.by_rows.range(..=rows).next_back();
+        let above = self.by_rows.range(rows + 1..).next();
+        let floor = self.by_rows.range(..=rows).map(|(_, &s)| s).fold(0.0, f64::max);
+        let line = |(r0, s0): (&usize, &f64), (r1, s1): (&usize, &f64)| {
+            let slope = ((s1 - s0) / (*r1 as f64 - *r0 as f64)).max(0.0);
+            s0 + slope * (rows as f64 - *r0 as f64)
+        };
+        let est = match (below, above) {
+            (Some((&r, &s)), _) if r == rows => s,
+            (Some(lo), Some(hi)) => line(lo, hi),
+            (None, Some((_, &s))) => s,
+            (Some(hi), None) => match self.by_rows.range(..*hi.0).next_back() {
+                Some(lo) => line(lo, hi),
+                None => *hi.1,
+            },
+            (None, None) => return None,
+        };
+        Some(est.max(floor))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn estimates_interpolate_extrapolate_and_never_fall_with_rows() {
+        let mut c = StepCost::default();
+        assert_eq!(c.estimate(4), None);
+        c.observe(1, 1.0);
+        assert_eq!(c.estimate(1), Some(1.0));
+        assert_eq!(c.estimate(5), Some(1.0), "one point: flat");
+        assert!(!c.measured_above(1));
+        c.observe(5, 3.0);
+        assert!(c.measured_above(1) && c.measured(5) && !c.measured(3));
+        assert_eq!(c.estimate(3), Some(2.0));
+        assert_eq!(c.estimate(9), Some(5.0), "the slope of the two largest");
+        // A noisy point below a cheaper one does not make rows free.
+        c.observe(7, 2.5);
+        assert_eq!(c.estimate(7), Some(3.0));
+        assert!(c.estimate(8).unwrap() >= 3.0);
+        // Means move by a fifth of each new measurement.
+        c.observe(1, 2.0);
+        assert!((c.estimate(1).unwrap() - 1.2).abs() < 1e-12);
+        c.observe(1, f64::NAN);
+        assert!((c.estimate(1).unwrap() - 1.2).abs() < 1e-12, "a bad measurement is ignored");
+    }
+}

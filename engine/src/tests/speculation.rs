@@ -1,0 +1,163 @@
+//! Speculation through the engine: drafts never change what a sequence
+//! generates, and the cost model drafts only where drafts pay.
+
+use super::sim::{config, hashed, periodic, request, solo, Sim, VOCAB};
+use crate::plan::Ask;
+use crate::speculate::eagle3::Eagle3Proposer;
+use crate::speculate::ngram::NgramProposer;
+use crate::speculate::{Candidate, Proposer, Speculator};
+use m3c_contract::speculative::Ngram;
+
+const EOS: i64 = VOCAB as i64 - 1;
+
+fn ngram(k: usize) -> Speculator {
+    Speculator::new(Box::new(NgramProposer { config: Ngram { tokens: k, min: 1, max: 3, disable_by_batch_size: None } }), None)
+}
+
+/// A step whose rows cost little beside the step itself (a dense model at
+/// small batch).
+fn cheap_rows(rows: usize) -> f64 {
+    1.0 + 0.02 * rows as f64
+}
+
+/// A step that costs each row in full (a mixture of experts whose rows
+/// each read their own experts).
+fn dear_rows(rows: usize) -> f64 {
+    rows as f64
+}
+
+fn run(model: super::sim::Model, spec: Option<Speculator>, seconds: fn(usize) -> f64, max_new: usize) -> Sim {
+    let mut s = match spec {
+        Some(sp) => Sim::spec(config(), model, sp),
+        None => Sim::new(config(), model),
+    };
+    s.step_seconds = Some(seconds);
+    for seq in 0..2 {
+        s.add(request(seq, &[1, 2, 3, 4, 5, 6, 7, seq as i64], max_new), false).unwrap();
+    }
+    s.run(5000);
+    s
+}
+
+#[test]
+fn drafts_never_change_the_output() {
+    for model in [periodic as super::sim::Model, hashed] {
+        for seconds in [cheap_rows as fn(usize) -> f64, dear_rows] {
+            let s = run(model, Some(ngram(3)), seconds, 40);
+            for seq in 0..2 {
+                assert_eq!(s.outputs[&seq], solo(model, &[1, 2, 3, 4, 5, 6, 7, seq as i64], 40, EOS));
+            }
+        }
+    }
+}
+
+#[test]
+fn predictable_text_with_cheap_rows_is_drafted_at_full_length() {
+    let plain = run(periodic, None, cheap_rows, 60);
+    let spec = run(periodic, Some(ngram(3)), cheap_rows, 60);
+    let kept: usize = spec.verified.iter().map(|v| v.1).sum();
+    assert!(kept > 60, "most tokens come from drafts: {kept}");
+    assert!(spec.plans.len() * 2 < plain.plans.len(), "{} steps against {}", spec.plans.len(), plain.plans.len());
+    assert!(spec.verified.iter().filter(|v| v.0 == 3).count() * 10 > spec.verified.len() * 8, "K = 3 nearly always");
+}
+
+#[test]
+fn dear_rows_are_not_drafted_once_measured() {
+    let s = run(periodic, Some(ngram(3)), dear_rows, 200);
+    // It tries the full K while the cost of more rows is unmeasured, then
+    // stops: a verify row costs a whole step, and a draft token earns less.
+    let late = &s.plans[s.plans.len() / 2..];
+    assert!(late.iter().all(|p| !p.verifies()), "no drafts once the cost is known");
+    assert!(s.plans[..4].iter().any(|p| p.verifies()), "tried first");
+}
+
+#[test]
+fn unpredictable_text_is_not_drafted_once_its_acceptance_is_known() {
+    // Cheap rows but drafts that miss: a few tries, then plain steps.
+    let s = run(hashed, Some(ngram(3)), |r| 1.0 + 0.3 * r as f64, 200);
+    let drafted: usize = s.verified.iter().map(|v| v.0).sum();
+    assert!(drafted < 40, "{drafted} draft tokens over 400 generated");
+}
+
+#[test]
+fn a_draft_stops_at_the_sequence_max_tokens() {
+    let s = run(periodic, Some(ngram(5)), cheap_rows, 7);
+    for p in &s.plans {
+        for x in &p.seqs {
+            let st_new = s.outputs.get(&x.seq).map(Vec::len).unwrap_or(7);
+            assert!(x.drafts.len() <= 5 && x.drafts.len() < st_new.max(1));
+        }
+    }
+    assert!(s.outputs.values().all(|o| o.len() == 7));
+}
+
+#[test]
+fn disable_by_batch_size_drafts_nothing_above_it() {
+    let mut sp = ngram(3);
+    sp.disable_by_batch_size = Some(1);
+    let s = run(periodic, Some(sp), cheap_rows, 30);
+    // Two sequences run together for most of the run.
+    let together = s.plans.iter().filter(|p| p.seqs.len() == 2);
+    assert!(together.clone().count() > 5);
+    assert!(together.into_iter().all(|p| !p.verifies()));
+}
+
+#[test]
+fn lengths_add_the_likeliest_draft_while_it_pays() {
+    let mut sp = ngram(4);
+    // Measured: 1 row 1 s, 2 rows 1.1 s, 8 rows 1.7 s.
+    for (r, t) in [(1, 1.0), (2, 1.1), (8, 1.7)] {
+        sp.observe_step(r, t);
+    }
+    // Sequence 1 keeps every draft, sequence 2 none.
+    for _ in 0..20 {
+        sp.observe_verify(1, 4, 4);
+        sp.observe_verify(2, 4, 0);
+    }
+    let c = |seq| Candidate { seq, rows: 1, draws: true, room: 100 };
+    let k = sp.lengths(&[c(1), c(2)], 2);
+    assert_eq!(k, [4, 0]);
+    // A prefill chunk takes none.
+    let k = sp.lengths(&[Candidate { seq: 1, rows: 4, draws: false, room: 0 }], 1);
+    assert_eq!(k, [0]);
+}
+
+#[test]
+fn a_choice_not_to_speculate_is_tried_again_after_a_while() {
+    let mut sp = ngram(2);
+    for (r, t) in [(1, 1.0), (2, 2.0), (3, 3.0)] {
+        sp.observe_step(r, t);
+    }
+    let c = [Candidate { seq: 1, rows: 1, draws: true, room: 100 }];
+    let mut tried = 0;
+    for _ in 0..600 {
+        if sp.lengths(&c, 1)[0] > 0 {
+            tried += 1;
+        }
+    }
+    assert!((1..=4).contains(&tried), "{tried} tries in 600 plans");
+}
+
+#[test]
+fn eagle3_drafts_its_head_proposals_and_asks_for_more_only_when_they_pay() {
+    let mut p = Eagle3Proposer::new(3);
+    assert_eq!(p.draft(1, &[], 3), Vec::<i64>::new());
+    p.proposed(1, &[7, 8, 9]);
+    assert_eq!(p.draft(1, &[], 2), [7, 8]);
+    assert_eq!(p.ask(1, 2), Ask::Drafts(2));
+    assert_eq!(p.ask(1, 9), Ask::Drafts(3));
+    assert_eq!(p.ask(1, 0), Ask::Nothing);
+    p.forget(1);
+    assert_eq!(p.draft(1, &[], 3), Vec::<i64>::new());
+}
+
+#[test]
+fn eagle3_through_the_engine_changes_nothing() {
+    // The simulated head proposes what the model will say next.
+    let mut s = Sim::spec(config(), periodic, Speculator::new(Box::new(Eagle3Proposer::new(2)), None));
+    s.step_seconds = Some(cheap_rows);
+    s.add(request(1, &[1, 2, 3, 4, 5], 20), false).unwrap();
+    s.run(200);
+    assert_eq!(s.outputs[&1], solo(periodic, &[1, 2, 3, 4, 5], 20, EOS));
+    assert!(s.verified.iter().any(|v| v.1 == 2), "proposals were verified and kept");
+}

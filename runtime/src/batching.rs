@@ -1,0 +1,29 @@
+//! How the first stage batches and speculates: the engine's knobs, as
+//! `m3c run` and `m3c serve` set them.
+
+use crate::args::RunArgs;
+use m3c_engine::speculate::{eagle3::Eagle3Proposer, ngram::NgramProposer, Speculator};
+
+/// How the scheduler batches (the engine's knobs a run or serve sets).
+pub(crate) struct Batching {
+    pub per_batch: usize,
+    pub chunk: usize,
+    pub eos: Vec<i64>,
+    /// One more step after each sequence's last token, for the run's dump
+    /// or `--expect` (which then computes every row).
+    pub score_last: bool,
+    pub prefix_caching: bool,
+    /// Speculative decoding, as the run asks ([`speculator`]).
+    pub spec: Option<Speculator>,
+    /// How images and videos are encoded (beside the loop, the cache).
+    pub encoder: m3c_contract::stage_args::EncoderOptions,
+}
+
+/// The speculation a run asks for: prompt lookup, or the last stage's
+/// EAGLE3 head (whose proposals come back with each step's ids).
+pub(crate) fn speculator(args: &RunArgs) -> Option<Speculator> {
+    if let Some(n) = args.speculative {
+        return Some(Speculator::new(Box::new(NgramProposer { config: n }), n.disable_by_batch_size));
+    }
+    args.eagle3.as_ref().map(|e| Speculator::new(Box::new(Eagle3Proposer::new(e.tokens)), e.disable_by_batch_size))
+}
