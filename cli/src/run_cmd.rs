@@ -64,7 +64,7 @@ fn image_prompt(
         let video_tokens: usize = seq_videos.iter().map(|v| v.tokens()).sum();
         let (len, media) = match text_in.as_deref_mut() {
             Some(enc) => {
-                let t = ImageTokens::new(&enc.tokenizer, image_token)?;
+                let t = ImageTokens::new(|t| enc.tokenizer.token_id(t), image_token)?;
                 enc.ids[seq] = t.expand(&enc.ids[seq], &tokens).with_context(|| format!("prompt {seq}"))?;
                 let media = prompt::seq_media_in_order(&enc.ids[seq], image_token as u32, video_token, processed, seq_videos)
                     .with_context(|| format!("prompt {seq}"))?;

@@ -480,7 +480,8 @@ async fn media(app: &App, rendered: Option<&str>, ids: &[u32], urls: &[(String, 
         app.tokenizer.encode(&text).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?
     };
     let tokens: Vec<usize> = images.iter().map(|p| p.tokens()).collect();
-    let t = prompt::ImageTokens::new(&app.tokenizer, token).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?;
+    let t =
+        prompt::ImageTokens::new(|t| app.tokenizer.token_id(t), token).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?;
     let ids = t.expand(&ids, &tokens).map_err(|e| ApiError::bad("messages", e.to_string()))?;
     let video_token = app.video_token.map_or(u32::MAX, |v| v as u32);
     let seq = prompt::seq_media_in_order(&ids, token as u32, video_token, images, videos)

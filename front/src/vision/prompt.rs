@@ -40,9 +40,10 @@ pub struct ImageTokens {
 }
 
 impl ImageTokens {
-    /// Looks the brackets up in the tokenizer; the placeholder is the config's.
-    pub fn new(tok: &crate::text::TextTokenizer, image_token: usize) -> Result<ImageTokens, PromptImageError> {
-        let id = |t: &'static str| tok.token_id(t).ok_or(PromptImageError::NoToken(t));
+    /// Looks the brackets up with `token_id` (the tokenizer's); the
+    /// placeholder is the config's.
+    pub fn new(token_id: impl Fn(&str) -> Option<u32>, image_token: usize) -> Result<ImageTokens, PromptImageError> {
+        let id = |t: &'static str| token_id(t).ok_or(PromptImageError::NoToken(t));
         Ok(ImageTokens { start: id(START_OF_IMAGE)?, image: image_token as u32, end: id(END_OF_IMAGE)? })
     }
 
