@@ -1,7 +1,8 @@
 //! Where a model comes from: a checkpoint folder (config.json + safetensors)
 //! or a bare config.json (enough for everything but running).
 
-use crate::config::{load_config, ConfigError, ModelConfig};
+use crate::config::{ConfigError, ModelConfig};
+use crate::family::load_config;
 use crate::weights::checkpoint::{INDEX_FILE, SINGLE_FILE};
 use crate::weights::{Checkpoint, WeightsError};
 use std::path::{Path, PathBuf};

@@ -1,4 +1,5 @@
-use m3c_compiler::config::{parse_config, AttentionKind, MlpKind, Quantization};
+use m3c_compiler::config::{AttentionKind, MlpKind, Quantization};
+use m3c_compiler::family::parse_config;
 use m3c_compiler::inspect::model_stats;
 use m3c_tests::{configs, fixture};
 use serde_json::Value;
@@ -23,7 +24,7 @@ fn tiny() -> Value {
 #[test]
 fn real_config_parses_with_exact_parameter_count() {
     let path = configs("minimax-m3.config.json");
-    let cfg = m3c_compiler::config::load_config(&path).unwrap();
+    let cfg = m3c_compiler::family::load_config(&path).unwrap();
     let t = &cfg.text;
     assert_eq!((t.hidden_size, t.num_layers, t.num_heads, t.num_kv_heads, t.head_dim), (6144, 60, 64, 4, 128));
     assert_eq!((t.moe.num_experts, t.moe.experts_per_token, t.rotary_dim, t.vocab_size), (128, 4, 64, 200064));
@@ -48,7 +49,7 @@ fn real_config_parses_with_exact_parameter_count() {
 
 #[test]
 fn mxfp8_config_parses_with_same_parameters() {
-    let cfg = m3c_compiler::config::load_config(&configs("minimax-m3-mxfp8.config.json")).unwrap();
+    let cfg = m3c_compiler::family::load_config(&configs("minimax-m3-mxfp8.config.json")).unwrap();
     match &cfg.quantization {
         Quantization::Mxfp8 { block, ignored_layers } => {
             assert_eq!(*block, 32);

@@ -1,4 +1,4 @@
-use m3c_compiler::config::load_config;
+use m3c_compiler::family::load_config;
 use m3c_compiler::graph::{build_graph, Op};
 use m3c_compiler::model::Part;
 use m3c_tests::fixture;
@@ -44,7 +44,7 @@ fn every_family_reads_its_tiny_config_and_its_graph_reads_exactly_its_layout() {
         for mxfp8 in [false, true] {
             let spec = TinySpec { family, mxfp8, ..TinySpec::default() };
             let text = serde_json::to_string(&spec.config_json()).unwrap();
-            let cfg = m3c_compiler::config::parse_config(std::path::Path::new("config.json"), &text).unwrap();
+            let cfg = m3c_compiler::family::parse_config(std::path::Path::new("config.json"), &text).unwrap();
             assert_eq!(cfg.family, family);
             assert!(Family::all_architectures().contains(&cfg.architecture.as_str()));
             let layout: BTreeSet<String> = expected_tensors(&cfg).into_iter().map(|t| t.name).collect();

@@ -125,7 +125,7 @@ fn text(b: &[u8]) -> String {
 }
 
 fn tiny_config() -> m3c_compiler::config::ModelConfig {
-    m3c_compiler::config::load_config(&fixture("tiny-m3").join("config.json")).unwrap()
+    m3c_compiler::family::load_config(&fixture("tiny-m3").join("config.json")).unwrap()
 }
 
 #[test]
@@ -165,7 +165,7 @@ fn config_json_never_panics_or_hangs() {
         std::fs::read(configs("minimax-m3-mxfp8.config.json")).unwrap(),
     ];
     run("config", 2000, seeded(seeds), |b| {
-        if let Ok(c) = m3c_compiler::config::parse_config(Path::new("config.json"), &text(b)) {
+        if let Ok(c) = m3c_compiler::family::parse_config(Path::new("config.json"), &text(b)) {
             let t = &c.text;
             let bounded = t.hidden_size <= 1 << 16 && t.vocab_size <= 1 << 22 && t.num_layers <= 1024 && t.max_position_embeddings >= 2;
             if !bounded || t.moe.experts_per_token > t.moe.num_experts {
@@ -342,7 +342,7 @@ fn the_corpus_of_hostile_inputs_still_parses_as_expected() {
         let t = text(&bytes);
         let ok = match parser {
             "plan" => m3c_compiler::plan::parse_plan(&path, &t, Some(&cfg)).is_ok(),
-            "config" => m3c_compiler::config::parse_config(&path, &t).is_ok(),
+            "config" => m3c_compiler::family::parse_config(&path, &t).is_ok(),
             "header" => {
                 let (h, len) = bytes.split_at(bytes.len() - 8);
                 parse_header(h, u64::from_le_bytes(len.try_into().unwrap())).is_ok()

@@ -1,4 +1,5 @@
-use m3c_compiler::config::{load_config, ModelConfig};
+use m3c_compiler::config::ModelConfig;
+use m3c_compiler::family::load_config;
 use m3c_compiler::plan::{balance, brute_force, make_plan, parse_plan, table, GpuProfile, Item, Target, Workload};
 use m3c_tests::{configs, fails_with, fixture, m3c, stderr, stdout};
 use std::path::Path;

@@ -1,4 +1,4 @@
-use m3c_compiler::config::load_config;
+use m3c_compiler::family::load_config;
 use m3c_compiler::weights::{bind, Checkpoint};
 use m3c_tests::{m3c, stderr};
 

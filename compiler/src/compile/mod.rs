@@ -16,10 +16,10 @@ pub use m3c_contract::manifest::{sha256_hex, Manifest, StageEntry};
 
 use crate::backend::{Backend, Unit, UnitCode};
 use crate::config::ModelConfig;
-use crate::graph::build_graph;
-use crate::lower::{lower_stage, Boundary, DraftPart, StageProgram, Storages};
+use crate::graph::{build_graph, ModelGraph};
+use crate::lower::{fuse_stage, Boundary, DraftPart, LowerError, StageProgram, Storages};
 use crate::plan::draft::DraftHead;
-use crate::plan::Plan;
+use crate::plan::{Plan, StagePlan};
 use anyhow::{Context, Result};
 use cache::unit_hash;
 use m3c_contract::target::Target;
@@ -578,4 +578,21 @@ fn set_executable(p: &Path) -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755))?;
     Ok(())
+}
+
+/// Lowers stage `index` of a plan for `backend`'s target, storing caches and activations as `storages` says.
+fn lower_stage(
+    cfg: &ModelConfig,
+    graph: &ModelGraph,
+    index: usize,
+    stage: &StagePlan,
+    backend: &dyn Backend,
+    storages: Storages,
+    draft: DraftPart,
+) -> Result<StageProgram, LowerError> {
+    let parts = stage.parts();
+    let fused = fuse_stage(cfg, graph, &parts, storages, draft, stage.vision_from.is_some())
+        .map_err(|message| LowerError::Stage { stage: index, message })?;
+    let mlir = backend.module(&fused).map_err(|message| LowerError::Stage { stage: index, message })?;
+    Ok(StageProgram { index, parts, fused, mlir })
 }

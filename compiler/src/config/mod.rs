@@ -11,7 +11,7 @@ pub(crate) mod parse;
 use std::path::PathBuf;
 
 pub use json::Obj;
-pub use parse::{bounds, load_config, parse_config};
+pub use parse::bounds;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -162,6 +162,14 @@ pub struct VisionConfig {
     pub video_token_id: usize,
 }
 
+/// The model families m3c compiles (each one's implementation is
+/// `crate::family`'s).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+pub enum Family {
+    #[serde(rename = "minimax_m3")]
+    MiniMaxM3,
+}
+
 /// How the checkpoint's linears are stored.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub enum Quantization {
@@ -175,7 +183,7 @@ pub enum Quantization {
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct ModelConfig {
     /// The model family that read it, and that builds its layout and graph.
-    pub family: crate::family::Family,
+    pub family: Family,
     /// The file it came from (for messages).
     pub source: PathBuf,
     /// `architectures[0]` of the file.

@@ -16,11 +16,18 @@
 //! [`Op`]: crate::graph::Op
 
 mod minimax_m3;
+mod read;
+mod rng;
+mod tiny_spec;
+
+pub use crate::config::Family;
+pub use read::{load_config, parse_config};
+pub use rng::Rng;
+pub use tiny_spec::{TinySpec, TinyVision, HEAD_DIM};
 
 use crate::config::{ConfigError, ModelConfig, Obj};
 use crate::graph::ModelGraph;
 use crate::model::TensorSpec;
-use crate::tiny::{Rng, TinySpec};
 
 /// What a model family provides to the compiler.
 pub trait ModelFamily: Sync {
@@ -51,13 +58,6 @@ pub trait ModelFamily: Sync {
     /// Random values for one tensor of the tiny model: scaled so that every
     /// path of the model (clamps, routing, block selection) is exercised.
     fn tiny_values(&self, rng: &mut Rng, spec: &TensorSpec) -> Vec<f32>;
-}
-
-/// The model families m3c compiles.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
-pub enum Family {
-    #[serde(rename = "minimax_m3")]
-    MiniMaxM3,
 }
 
 impl Family {

@@ -15,10 +15,8 @@ pub use fuse::{fuse_stage, DraftPart, DraftProgram, FusedStage, Step, TextProgra
 /// manifest carry them as they are.
 pub use m3c_contract::stage::{Boundary, CacheSlot, TensorSlot};
 
-use crate::config::ModelConfig;
-use crate::graph::{CacheKind, ModelGraph};
+use crate::graph::CacheKind;
 use crate::model::Part;
-use crate::plan::StagePlan;
 pub use m3c_kernels::Storage;
 use std::collections::BTreeSet;
 
@@ -56,23 +54,6 @@ pub(crate) fn cache_kind_name(k: CacheKind) -> &'static str {
         CacheKind::Value => "value",
         CacheKind::IndexKey => "index_key",
     }
-}
-
-/// Lowers stage `index` of a plan for `backend`'s target, storing caches and activations as `storages` says.
-pub fn lower_stage(
-    cfg: &ModelConfig,
-    graph: &ModelGraph,
-    index: usize,
-    stage: &StagePlan,
-    backend: &dyn crate::backend::Backend,
-    storages: Storages,
-    draft: DraftPart,
-) -> Result<StageProgram, LowerError> {
-    let parts = stage.parts();
-    let fused = fuse_stage(cfg, graph, &parts, storages, draft, stage.vision_from.is_some())
-        .map_err(|message| LowerError::Stage { stage: index, message })?;
-    let mlir = backend.module(&fused).map_err(|message| LowerError::Stage { stage: index, message })?;
-    Ok(StageProgram { index, parts, fused, mlir })
 }
 
 impl std::ops::Deref for StageProgram {

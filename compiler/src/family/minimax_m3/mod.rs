@@ -8,9 +8,9 @@ mod tiny;
 
 use super::ModelFamily;
 use crate::config::{ConfigError, ModelConfig, Obj};
+use crate::family::{Rng, TinySpec};
 use crate::graph::ModelGraph;
 use crate::model::TensorSpec;
-use crate::tiny::{Rng, TinySpec};
 
 pub(super) struct MiniMaxM3;
 

@@ -2,9 +2,9 @@
 //! MSA+dense, full+MoE, then MSA+MoE), every structural feature of the real
 //! model at test widths.
 
+use crate::family::{Rng, TinySpec, HEAD_DIM};
 use crate::model::names::{self, TextNames};
 use crate::model::{Role, TensorSpec};
-use crate::tiny::{Rng, TinySpec, HEAD_DIM};
 use serde_json::json;
 
 /// The hub-style config.json of the tiny model.
