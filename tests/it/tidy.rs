@@ -240,6 +240,8 @@ fn the_crates_are_layered_as_the_pipeline_is() {
         // Algorithms of their own, with no MPI: what the stages run, testable alone.
         ("m3c-sampler", &[COMPILER, SERVING, FRONT, &["m3c-runtime", "mpi"]]),
         ("m3c-kvpool", &[COMPILER, SERVING, FRONT, &["m3c-runtime", "mpi"]]),
+        // The scheduler is a pure function of its events: no MPI, device or HTTP.
+        ("m3c-engine", &[COMPILER, SERVING, FRONT, &["m3c-runtime", "mpi", "cudarc", "libloading"]]),
     ];
     let mut broken = Vec::new();
     for (package, forbidden) in rules {
@@ -387,6 +389,20 @@ fn no_function_is_longer_than_150_lines() {
     assert!(long.is_empty(), "split these functions:\n{}", long.join("\n"));
 }
 
+/// The engine's functions are shorter still: each scheduling rule is read
+/// (and tested) on its own.
+#[test]
+fn no_engine_function_is_longer_than_80_lines() {
+    let mut long = Vec::new();
+    for f in rust_files(&root().join("engine")) {
+        let text = std::fs::read_to_string(&f).unwrap();
+        for (name, line, len) in function_lengths(&text).into_iter().filter(|(_, _, len)| *len > 80) {
+            long.push(format!("{}:{line}: fn {name} has {len} lines", f.strip_prefix(root()).unwrap().display()));
+        }
+    }
+    assert!(long.is_empty(), "split these functions:\n{}", long.join("\n"));
+}
+
 #[test]
 fn the_function_length_check_can_fail() {
     let text = "fn short() {\n    let s = \"}\";\n}\n\
@@ -395,4 +411,99 @@ fn the_function_length_check_can_fail() {
                 trait T { fn declared(&self); }\n";
     let lens = function_lengths(text);
     assert_eq!(lens, vec![("short".to_string(), 1, 3), ("long".to_string(), 5, 6)], "{lens:?}");
+}
+
+/// The modules of one crate that the code of each top-level module names
+/// (`crate::m`, `crate::{m, ...}`), tests left out: module → (module →
+/// the files that name it).
+type ModuleEdges = std::collections::BTreeMap<String, std::collections::BTreeMap<String, Vec<String>>>;
+
+fn module_edges(src: &Path) -> ModuleEdges {
+    let top_of = |p: &Path| -> Option<String> {
+        let first = p.strip_prefix(src).ok()?.components().next()?.as_os_str().to_string_lossy().into_owned();
+        let name = first.strip_suffix(".rs").unwrap_or(&first).to_string();
+        (name != "lib" && name != "main").then_some(name)
+    };
+    let files = rust_files(src);
+    let tops: std::collections::BTreeSet<String> = files.iter().filter_map(|f| top_of(f)).collect();
+    let mut edges = ModuleEdges::new();
+    for f in &files {
+        let Some(from) = top_of(f) else { continue };
+        let text = code_only(&std::fs::read_to_string(f).unwrap());
+        let code = text.split("#[cfg(test)]").next().unwrap_or_default();
+        let mut named = Vec::new();
+        for (at, _) in code.match_indices("crate::") {
+            let rest = &code[at + "crate::".len()..];
+            let group = rest.strip_prefix('{').map(|g| &g[..g.find('}').unwrap_or(g.len())]);
+            let words: Vec<&str> = match group {
+                // `crate::{a, b::c}`: each item's first word.
+                Some(g) => g.split(',').filter_map(|item| item.trim().split("::").next()).collect(),
+                None => rest.split(|c: char| !(c.is_alphanumeric() || c == '_')).take(1).collect(),
+            };
+            named.extend(words.into_iter().filter(|w| tops.contains(*w) && *w != from).map(str::to_string));
+        }
+        for to in named {
+            let rel = f.strip_prefix(root()).unwrap().display().to_string();
+            let files = edges.entry(from.clone()).or_default().entry(to).or_default();
+            if !files.contains(&rel) {
+                files.push(rel);
+            }
+        }
+    }
+    edges
+}
+
+/// Each pair of modules that reach each other through `edges`.
+fn circles(edges: &ModuleEdges) -> Vec<(String, String)> {
+    let reach = |from: &str| {
+        let mut seen = std::collections::BTreeSet::new();
+        let mut todo = vec![from.to_string()];
+        while let Some(m) = todo.pop() {
+            for next in edges.get(&m).into_iter().flat_map(|e| e.keys()) {
+                if seen.insert(next.clone()) {
+                    todo.push(next.clone());
+                }
+            }
+        }
+        seen
+    };
+    let mut out = Vec::new();
+    for a in edges.keys() {
+        for b in reach(a).into_iter().filter(|b| b > a) {
+            if reach(&b).contains(a) {
+                out.push((a.clone(), b));
+            }
+        }
+    }
+    out
+}
+
+/// No import circles between a crate's top-level modules: a type both
+/// sides need lives a floor down, in a module both use.
+#[test]
+fn no_module_imports_one_that_imports_it() {
+    let mut found = Vec::new();
+    for krate in crates() {
+        let src = root().join(&krate).join("src");
+        if !src.is_dir() {
+            continue;
+        }
+        let edges = module_edges(&src);
+        for (a, b) in circles(&edges) {
+            let via = |x: &str, y: &str| edges.get(x).and_then(|e| e.get(y)).map(|f| f.join(", ")).unwrap_or_default();
+            found.push(format!("{krate}: {a} -> {b} [{}] and back [{}]", via(&a, &b), via(&b, &a)));
+        }
+    }
+    assert!(found.is_empty(), "import circles (an indirect way back leaves a side's list empty):\n{}", found.join("\n"));
+}
+
+#[test]
+fn the_circle_check_can_fail() {
+    let mut edges = ModuleEdges::new();
+    for (a, b) in [("config", "family"), ("family", "graph"), ("graph", "config"), ("plan", "config")] {
+        edges.entry(a.into()).or_default().insert(b.into(), vec![]);
+    }
+    let c = circles(&edges);
+    assert_eq!(c.len(), 3, "{c:?}");
+    assert!(c.contains(&("config".into(), "graph".into())) && !c.iter().any(|(a, b)| a == "plan" || b == "plan"));
 }
