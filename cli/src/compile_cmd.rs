@@ -1,6 +1,5 @@
 //! `m3c compile`: one executable per stage, a manifest and a launcher.
 
-use crate::flags::storage;
 use crate::flags::CompileArgs;
 use crate::say;
 use anyhow::{bail, Context, Result};
@@ -133,7 +132,7 @@ pub(crate) fn inputs(args: &CompileArgs) -> Result<Inputs> {
                 gpu.memory = f64::INFINITY;
                 gpu.name = "host".into();
             }
-            plan::make_plan(cfg, args.pp, &gpu, Workload { batch: 1, context: 8192, kv_cache: storage(&args.kv_cache) }, target)?
+            plan::make_plan(cfg, args.pp, &gpu, Workload { batch: 1, context: 8192, kv_cache: args.kv_cache.into() }, target)?
         }
     };
     let mut emit = Vec::new();
@@ -151,12 +150,12 @@ pub(crate) fn inputs(args: &CompileArgs) -> Result<Inputs> {
     let runtime_lib = m3c_compiler::compile::find_runtime_lib()?;
     // GPUs default to bf16 activations (what inference runs in); the host
     // defaults to f32, the mode that matches the reference exactly.
-    let activations = match (args.activations.as_deref(), &p.target) {
-        (Some(a), _) => storage(a),
+    let activations = match (args.activations, &p.target) {
+        (Some(a), _) => a.into(),
         (None, Target::Host) => m3c_compiler::lower::Storage::F32,
         (None, Target::Cuda { .. } | Target::Rocm { .. }) => m3c_compiler::lower::Storage::Bf16,
     };
-    let storages = m3c_compiler::lower::Storages { kv_cache: storage(&args.kv_cache), activations };
+    let storages = m3c_compiler::lower::Storages { kv_cache: args.kv_cache.into(), activations };
     let cache = match (&args.cache_dir, args.no_cache) {
         (_, true) => None,
         // A folder the user named must work (compile errors otherwise).

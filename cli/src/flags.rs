@@ -20,8 +20,8 @@ pub(crate) struct PlanArgs {
     #[arg(long, default_value_t = 8192)]
     pub(crate) context: usize,
     /// How the compiled stages will store K and V (as `m3c compile --kv-cache`).
-    #[arg(long = "kv-cache", value_parser = ["f32", "bf16", "fp8"], default_value = "f32")]
-    pub(crate) kv_cache: String,
+    #[arg(long = "kv-cache", value_enum, default_value_t = CacheStorage::F32)]
+    pub(crate) kv_cache: CacheStorage,
     /// GPU profile (H200, H100, H20, B200, A100, L40S, MI300X, MI325X, MI355X); default H200, MI300X for --target rocm.
     #[arg(long)]
     pub(crate) gpu: Option<String>,
@@ -92,11 +92,11 @@ pub(crate) struct CompileArgs {
     #[arg(long, default_value = DEFAULT_CPU)]
     pub(crate) cpu: String,
     /// How KV and MSA index-key caches store elements: `f32` (exact), `bf16` (half the memory and attention reads; values rounded to nearest even), or `fp8` (e4m3 with a scale of 1, as vLLM's without calibrated scales: a quarter of f32's; rounded to nearest even, saturated at ±448).
-    #[arg(long = "kv-cache", value_parser = ["f32", "bf16", "fp8"], default_value = "f32")]
-    pub(crate) kv_cache: String,
+    #[arg(long = "kv-cache", value_enum, default_value_t = CacheStorage::F32)]
+    pub(crate) kv_cache: CacheStorage,
     /// How activations between kernels and stages are stored: `f32` (exact; the host default) or `bf16` (the cuda default: half the activation memory and bytes sent between stages; every kernel still computes and accumulates in f32).
-    #[arg(long, value_parser = ["f32", "bf16"])]
-    pub(crate) activations: Option<String>,
+    #[arg(long, value_enum)]
+    pub(crate) activations: Option<ActivationStorage>,
     /// The object cache: compiled kernels and entries by the hash of everything they depend on, so a kernel shared by stages, splits and compiles is compiled once (default: $M3C_CACHE_DIR, else $XDG_CACHE_HOME/m3c, else ~/.cache/m3c).
     #[arg(long, value_name = "DIR", conflicts_with = "no_cache")]
     pub(crate) cache_dir: Option<PathBuf>,
@@ -277,14 +277,14 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_name = "N", value_parser = positive_count, help_heading = "Cache")]
     pub(crate) block_size: Option<usize>,
     /// KV cache element type: `auto` (f32 on the host, exact), `bf16`, or `fp8` (e4m3, scale 1, as vLLM's without calibrated scales: a quarter of f32's memory).
-    #[arg(long, value_name = "DTYPE", value_parser = ["auto", "bf16", "bfloat16", "fp8", "fp8_e4m3"], help_heading = "Cache")]
-    pub(crate) kv_cache_dtype: Option<String>,
+    #[arg(long, value_name = "DTYPE", value_enum, help_heading = "Cache")]
+    pub(crate) kv_cache_dtype: Option<KvCacheDtype>,
     /// vLLM's name for --kv-fraction: each stage's KV pool takes this share (0-1] of its free memory at start-up.
     #[arg(long, value_name = "F", value_parser = fraction, conflicts_with_all = ["kv_fraction", "kv_blocks"], help_heading = "Cache")]
     pub(crate) gpu_memory_utilization: Option<f64>,
     /// How activations are stored when a model folder is compiled (`f32`, the host default; `bf16`, the GPU default).
-    #[arg(long, value_parser = ["f32", "bf16"], help_heading = "Cache")]
-    pub(crate) activations: Option<String>,
+    #[arg(long, value_enum, help_heading = "Cache")]
+    pub(crate) activations: Option<ActivationStorage>,
     /// The longest sequence (prompt + completion) a request may make, at most the model's context.
     #[arg(long, value_name = "TOKENS", value_parser = positive_count, help_heading = "Model")]
     pub(crate) max_model_len: Option<usize>,
@@ -443,12 +443,69 @@ pub(crate) fn timeout_s(v: &str) -> Result<f64, String> {
     m3c_contract::prompts::parse_timeout_s(v)
 }
 
-/// `--kv-cache` or `--activations` (clap has checked it: `f32`, `bf16`, or `fp8` for caches).
-pub(crate) fn storage(name: &str) -> m3c_compiler::lower::Storage {
-    match name {
-        "bf16" => m3c_compiler::lower::Storage::Bf16,
-        "fp8" => m3c_compiler::lower::Storage::Fp8,
-        _ => m3c_compiler::lower::Storage::F32,
+use m3c_compiler::lower::Storage;
+
+/// `--kv-cache`: how the caches store their elements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum CacheStorage {
+    F32,
+    Bf16,
+    Fp8,
+}
+
+/// `--activations`: how activations between kernels and stages are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum ActivationStorage {
+    F32,
+    Bf16,
+}
+
+/// vLLM's `--kv-cache-dtype` (its spellings): `auto` is exact f32 here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum KvCacheDtype {
+    Auto,
+    #[value(alias = "bfloat16")]
+    Bf16,
+    #[value(alias = "fp8_e4m3")]
+    Fp8,
+}
+
+impl From<CacheStorage> for Storage {
+    fn from(c: CacheStorage) -> Storage {
+        match c {
+            CacheStorage::F32 => Storage::F32,
+            CacheStorage::Bf16 => Storage::Bf16,
+            CacheStorage::Fp8 => Storage::Fp8,
+        }
+    }
+}
+
+impl From<ActivationStorage> for Storage {
+    fn from(a: ActivationStorage) -> Storage {
+        match a {
+            ActivationStorage::F32 => Storage::F32,
+            ActivationStorage::Bf16 => Storage::Bf16,
+        }
+    }
+}
+
+impl From<KvCacheDtype> for CacheStorage {
+    fn from(d: KvCacheDtype) -> CacheStorage {
+        match d {
+            KvCacheDtype::Auto => CacheStorage::F32,
+            KvCacheDtype::Bf16 => CacheStorage::Bf16,
+            KvCacheDtype::Fp8 => CacheStorage::Fp8,
+        }
+    }
+}
+
+impl std::fmt::Display for CacheStorage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use clap::ValueEnum;
+        match self.to_possible_value() {
+            Some(v) => f.write_str(v.get_name()),
+            None => Ok(()),
+        }
     }
 }
 

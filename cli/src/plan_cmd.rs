@@ -1,6 +1,5 @@
 //! `m3c plan`: write a balanced partition plan, or check one.
 
-use crate::flags::storage;
 use crate::flags::PlanArgs;
 use crate::say;
 use anyhow::{bail, Context, Result};
@@ -27,7 +26,7 @@ pub(crate) fn plan_cmd(args: PlanArgs) -> Result<()> {
     if args.batch == 0 || args.context == 0 {
         bail!("--batch and --context must be at least 1");
     }
-    let w = Workload { batch: args.batch, context: args.context, kv_cache: storage(&args.kv_cache) };
+    let w = Workload { batch: args.batch, context: args.context, kv_cache: args.kv_cache.into() };
     if let Some(file) = &args.check {
         let model = match (&args.model, plan::plan_model(file)?) {
             (Some(m), _) => m.clone(),
@@ -153,7 +152,7 @@ pub(crate) fn predicted_beside(
     if p.stages.len() != t.stages.len() {
         bail!("{}: {} stages, but the trace has {}", plan_file.display(), p.stages.len(), t.stages.len());
     }
-    let w = Workload { batch: batch.max(1), context: context.max(1), kv_cache: storage("f32") };
+    let w = Workload { batch: batch.max(1), context: context.max(1), kv_cache: m3c_compiler::lower::Storage::F32 };
     let predicted = plan::stage_costs(&src.config, &p, &gpu, w);
     let measured = t.mean_steps("decode");
     let mut o = format!("predicted ({} at batch {batch}, context {context}) beside measured decode steps:\n", gpu.name);

@@ -123,12 +123,6 @@ fn pipeline(a: &ServeArgs) -> Result<(PathBuf, PathBuf)> {
 /// while its compile id is the one a compile would give now, else compiled
 /// there (and the old one replaced).
 fn build(a: &ServeArgs) -> Result<PathBuf> {
-    let kv_cache = match a.kv_cache_dtype.as_deref() {
-        None | Some("auto") => "f32",
-        Some("bf16" | "bfloat16") => "bf16",
-        Some("fp8" | "fp8_e4m3") => "fp8",
-        Some(other) => bail!("--kv-cache-dtype {other}: expected auto, bf16 or fp8"),
-    };
     let eagle3 = match &a.speculative_config {
         Some(SpeculativeConfig::Eagle3 { .. }) => a.speculative_config.clone(),
         _ => None,
@@ -142,8 +136,8 @@ fn build(a: &ServeArgs) -> Result<PathBuf> {
         out: PathBuf::new(),
         emit: Vec::new(),
         cpu: crate::flags::DEFAULT_CPU.to_string(),
-        kv_cache: kv_cache.to_string(),
-        activations: a.activations.clone(),
+        kv_cache: a.kv_cache_dtype.map_or(crate::flags::CacheStorage::F32, Into::into),
+        activations: a.activations,
         cache_dir: None,
         no_cache: false,
         speculative_config: eagle3,
