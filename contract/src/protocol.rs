@@ -83,6 +83,31 @@ pub struct SeqRequest {
     pub prompt_logprobs: Option<u8>,
 }
 
+impl SeqRequest {
+    /// A request with only what every request has; every option off (no
+    /// images, stops, logprobs, grammar, budget or bias). The one
+    /// constructor: a new option is a field with its default here, so the
+    /// places that build requests set only what they use.
+    pub fn new(seq: usize, prompt: Vec<i64>, max_new: usize, sampling: SamplingParams) -> SeqRequest {
+        SeqRequest {
+            seq,
+            max_new,
+            ignore_eos: false,
+            sampling,
+            prompt,
+            images: None,
+            stops: Vec::new(),
+            stop_ids: Vec::new(),
+            logprobs: None,
+            grammar: None,
+            think: None,
+            min_tokens: 0,
+            logit_bias: Vec::new(),
+            prompt_logprobs: None,
+        }
+    }
+}
+
 /// The most alternatives a token's logprobs may list (vLLM's and OpenAI's 20).
 pub const MAX_TOP_LOGPROBS: u8 = 20;
 
@@ -348,13 +373,14 @@ fn parse_line(line: &str) -> Result<(Command, usize), String> {
             }
             sampling.check()?;
             let need = |what: &str| format!("`add` needs {what}=");
-            let add = Command::Add(SeqRequest {
-                seq: seq.ok_or_else(|| need("seq"))?,
-                max_new: max_new.ok_or_else(|| need("max_new"))?,
-                ignore_eos,
+            let base = SeqRequest::new(
+                seq.ok_or_else(|| need("seq"))?,
+                prompt.ok_or_else(|| need("prompt"))?,
+                max_new.ok_or_else(|| need("max_new"))?,
                 sampling,
-                prompt: prompt.ok_or_else(|| need("prompt"))?,
-                images: None,
+            );
+            let add = Command::Add(SeqRequest {
+                ignore_eos,
                 stops,
                 stop_ids,
                 logprobs,
@@ -367,6 +393,7 @@ fn parse_line(line: &str) -> Result<(Command, usize), String> {
                 min_tokens,
                 logit_bias,
                 prompt_logprobs,
+                ..base
             });
             Ok((add, images))
         }

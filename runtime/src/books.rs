@@ -2,6 +2,31 @@
 //! generated ids, logits when a dump or `--expect` wants them), its
 //! sampling and how many tokens it may generate. The sampling table of a
 //! step is built from it, and the step's ids and logits are written back.
+//!
+//! - **Drawing slots.** A plain segment draws at its last row; a verify
+//!   segment (K drafts, K + 1 rows) gives each row a slot of its own (two
+//!   bitmap rows each: seen ids, then allowed tokens): row j draws at the
+//!   sequence's step `generated + j` with the seen ids, bias row, grammar
+//!   mask (the matcher follows the drafts with `try_consume` and rolls
+//!   back), reasoning budget and `min_tokens` that the history up to draft
+//!   j gives, so each row's draw is the one plain decoding makes there.
+//!   Rows after a draft the grammar refuses, or after an id that ends the
+//!   sequence, do not draw. `finish` keeps the draws while each equals the
+//!   draft the next row was fed, and the first that differs (the correct
+//!   token there): 1 to K + 1 tokens, the same bits as without drafts.
+//! - **Constraints.** A grammar's allowed-token bitmap goes in the slot's
+//!   second row, pointed at by the row's `TOKEN_MASK` word (the sampler,
+//!   host or device, gives a left-out token no weight); a chat's grammar
+//!   already allows its reasoning, and a grammar that fails ends the
+//!   sequence as non-finite logits do. A reasoning budget follows the
+//!   tokens' bytes through the server's splitter; once spent inside the
+//!   reasoning, the next row's mask holds `</mm:think>` alone. `min_tokens`
+//!   clears the EOS and stop ids from the mask until it is met.
+//! - **Logits.** They come back only for `--dump`/`--expect` (every row;
+//!   a verify step records the row of each token it keeps, so the file is
+//!   the same with drafts) and for the drawing rows of sequences that want
+//!   logprobs (`m3c_sampler::logprobs`, an f64 log-softmax). Non-finite
+//!   logits end the run (`m3c run`) or only that sequence (`m3c serve`).
 
 use crate::dump::SeqRecord;
 use crate::error::StageError;

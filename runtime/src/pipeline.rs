@@ -273,20 +273,10 @@ fn inline_requests(args: &RunArgs) -> Vec<SeqRequest> {
         .iter()
         .enumerate()
         .map(|(seq, prompt)| SeqRequest {
-            seq,
-            max_new: args.max_new_tokens,
-            ignore_eos: false,
-            sampling: *args.sampling_for(seq),
-            prompt: prompt.clone(),
-            images: None,
             stops: args.stops.clone(),
-            stop_ids: Vec::new(),
             logprobs: args.logprobs,
             grammar: args.grammar.clone(),
-            think: None,
-            min_tokens: 0,
-            logit_bias: Vec::new(),
-            prompt_logprobs: None,
+            ..SeqRequest::new(seq, prompt.clone(), args.max_new_tokens, *args.sampling_for(seq))
         })
         .collect()
 }

@@ -827,11 +827,7 @@ async fn start(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: Opti
         let mut sampling = common.sampling;
         sampling.seed = sampling.seed.wrapping_add(i as u64);
         let sub = SeqRequest {
-            seq: 0,
-            prompt: ids.iter().map(|&i| i64::from(i)).collect(),
-            max_new,
             ignore_eos: common.ignore_eos,
-            sampling,
             images: images.clone(),
             stops: common.stop.iter().map(|t| t.as_bytes().to_vec()).collect(),
             stop_ids: common.stop_ids.iter().map(|&i| i64::from(i)).collect(),
@@ -841,6 +837,8 @@ async fn start(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: Opti
             min_tokens: common.min_tokens,
             logit_bias: common.logit_bias.clone(),
             prompt_logprobs: common.prompt_alternatives(),
+            // `submit` gives it its sequence number.
+            ..SeqRequest::new(0, ids.iter().map(|&i| i64::from(i)).collect(), max_new, sampling)
         };
         // A refused choice drops the tickets taken so far, which cancels them.
         tickets.push(match app.engine.submit(sub) {
