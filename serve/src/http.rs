@@ -23,6 +23,7 @@ use serde_json::{json, Value};
 use std::convert::Infallible;
 use std::sync::Arc;
 
+mod adapter;
 mod messages;
 mod responses;
 
@@ -70,8 +71,8 @@ pub fn router(shared: Shared) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/responses", post(responses::responses))
-        .route("/v1/messages", post(messages::messages))
+        .route("/v1/responses", post(adapter::handle::<responses::Responses>))
+        .route("/v1/messages", post(adapter::handle::<messages::Messages>))
         .route("/v1/messages/count_tokens", post(messages::count_tokens))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))

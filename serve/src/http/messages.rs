@@ -8,7 +8,8 @@
 //! or as its event stream. Errors take Anthropic's shape, and a field m3c
 //! does not know is refused by name.
 
-use super::{fresh_seed, render_chat, start, with_images, App, Generation, Kind, Piece, Step};
+use super::adapter::Adapter;
+use super::{render_chat, with_images, App, Generation, Piece, Step};
 use crate::openai::{self, ApiError};
 use axum::body::Bytes;
 use axum::extract::State;
@@ -16,29 +17,22 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event as Sse_, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use m3c_constrain::thinking::ThinkStart;
 use serde_json::{json, Map, Value};
 use std::convert::Infallible;
 
-/// Every field `/v1/messages` reads.
+/// Every field `/v1/messages` reads besides the sampling table's
+/// (`temperature`, `top_p`, `top_k`, and vLLM's others, as on the chat route).
 const FIELDS: &[&str] = &[
     "model",
     "messages",
     "system",
     "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
     "stop_sequences",
     "stream",
     "tools",
     "tool_choice",
     "thinking",
     "metadata",
-    // vLLM's extra sampling fields, as on the chat route.
-    "seed",
-    "min_p",
-    "repetition_penalty",
     // vLLM's structured outputs (a grammar beside the tools; the answer is
     // read for thinking and tool use as any other).
     "structured_outputs",
@@ -76,49 +70,47 @@ fn authorize(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
 }
 
 /// What the answer needs of the request besides its generation.
-struct Asked {
+pub(super) struct Asked {
     stops: Vec<String>,
 }
 
-pub(super) async fn messages(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
-    let run = || -> Result<_, ApiError> {
-        authorize(&app, &headers)?;
-        let m = openai::object(&body)?;
-        openai::check_model(&m, &app.name)?;
-        openai::check_known(&m, FIELDS, "/v1/messages")?;
+/// Anthropic's Messages API over the chat route.
+pub(super) struct Messages;
+
+impl Adapter for Messages {
+    const ROUTE: &'static str = "/v1/messages";
+    const FIELDS: &'static [&'static str] = FIELDS;
+    const ID_PREFIX: &'static str = "msg_";
+    type Asked = Asked;
+
+    fn authorize(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
+        authorize(app, headers)
+    }
+
+    fn error(e: &ApiError) -> Response {
+        error(e)
+    }
+
+    fn as_chat(m: &Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
         if m.get("max_tokens").is_none_or(Value::is_null) {
             return Err(ApiError::bad("max_tokens", "`max_tokens` is required"));
         }
-        let chat = as_chat(&m)?;
-        let mut common = openai::common(&chat, &app.defaults, openai::Endpoint::ChatCompletions, fresh_seed())?;
-        let (rendered, parts) = render_chat(&app, &chat, true)?;
-        if let Some(g) = parts.forced.clone() {
+        as_chat(m)
+    }
+
+    fn prepared(_: &Map<String, Value>, common: &mut openai::Common, chat: &openai::Chat) -> (Asked, Vec<Value>) {
+        if let Some(g) = chat.forced.clone() {
             common.grammar = Some((g, "tool_choice"));
         }
-        let ids = app.tokenizer.encode(&rendered).map_err(|e| ApiError::new(500, "api_error", e.to_string()))?;
-        let think = ThinkStart::of_prompt(&rendered);
-        let asked = Asked { stops: common.stop.clone() };
-        Ok((ids, common, Kind::Chat { think, tools: parts.tools }, parts.images, asked))
-    };
-    let (ids, common, kind, urls, asked) = match run() {
-        Ok(r) => r,
-        Err(e) => return error(&e),
-    };
-    let (ids, im) = match with_images(&app, ids, &urls).await {
-        Ok(r) => r,
-        Err(e) => return error(&e),
-    };
-    let streaming = common.stream;
-    let mut gens = match start(app, ids, common, kind, im).await {
-        Ok(g) => g,
-        Err(r) => return r,
-    };
-    let mut g = gens.remove(0);
-    g.id = g.id.replacen("chatcmpl-", "msg_", 1);
-    if streaming {
-        stream(g, asked)
-    } else {
-        whole(g, asked).await
+        (Asked { stops: common.stop.clone() }, chat.tools.clone())
+    }
+
+    async fn answer(g: Generation, asked: Asked, streaming: bool) -> Response {
+        if streaming {
+            stream(g, asked)
+        } else {
+            whole(g, asked).await
+        }
     }
 }
 
@@ -174,19 +166,9 @@ fn as_chat(m: &Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
     }
     let mut chat = Map::new();
     chat.insert("messages".into(), Value::Array(messages));
-    for (from, to) in [
-        ("max_tokens", "max_tokens"),
-        ("temperature", "temperature"),
-        ("top_p", "top_p"),
-        ("top_k", "top_k"),
-        ("stream", "stream"),
-        ("seed", "seed"),
-        ("min_p", "min_p"),
-        ("repetition_penalty", "repetition_penalty"),
-        ("structured_outputs", "structured_outputs"),
-    ] {
-        if let Some(v) = m.get(from).filter(|v| !v.is_null()) {
-            chat.insert(to.into(), v.clone());
+    for key in ["max_tokens", "stream", "structured_outputs"] {
+        if let Some(v) = m.get(key).filter(|v| !v.is_null()) {
+            chat.insert(key.into(), v.clone());
         }
     }
     if let Some(v) = m.get("stop_sequences").filter(|v| !v.is_null()) {

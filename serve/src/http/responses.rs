@@ -7,10 +7,9 @@
 //! here (tools, stored responses, structured text formats) are refused by
 //! name, as everywhere.
 
-use super::{authorize, error, fresh_seed, render_chat, start, with_images, App, Generation, Kind, Piece, Step};
+use super::adapter::Adapter;
+use super::{authorize, error, App, Generation, Piece, Step};
 use crate::openai::{self, ApiError};
-use axum::body::Bytes;
-use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::sse::{Event as Sse_, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -18,14 +17,13 @@ use axum::Json;
 use serde_json::{json, Map, Value};
 use std::convert::Infallible;
 
-/// Every field `/v1/responses` reads.
+/// Every field `/v1/responses` reads besides the sampling table's
+/// (`temperature`, `top_p`, and vLLM's others, as on the chat route).
 const FIELDS: &[&str] = &[
     "model",
     "input",
     "instructions",
     "max_output_tokens",
-    "temperature",
-    "top_p",
     "stream",
     "store",
     "metadata",
@@ -35,11 +33,7 @@ const FIELDS: &[&str] = &[
     "tool_choice",
     "parallel_tool_calls",
     "truncation",
-    // vLLM's extra sampling fields, as on the chat route.
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "seed",
+    // vLLM's extra fields, as on the chat route.
     "ignore_eos",
     "chat_template_kwargs",
     "skip_special_tokens",
@@ -48,7 +42,7 @@ const FIELDS: &[&str] = &[
 ];
 
 /// What the answer echoes of the request.
-struct Echo {
+pub(super) struct Echo {
     instructions: Value,
     metadata: Value,
     temperature: Value,
@@ -57,18 +51,29 @@ struct Echo {
     user: Value,
 }
 
-pub(super) async fn responses(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
-    let run = || -> Result<_, ApiError> {
-        authorize(&app, &headers)?;
-        let m = openai::object(&body)?;
-        openai::check_model(&m, &app.name)?;
-        openai::check_known(&m, FIELDS, "/v1/responses")?;
-        refuse_unhonoured(&m)?;
-        let chat = as_chat(&m)?;
-        let common = openai::common(&chat, &app.defaults, openai::Endpoint::ChatCompletions, fresh_seed())?;
-        let (rendered, parts) = render_chat(&app, &chat, true)?;
-        let ids = app.tokenizer.encode(&rendered).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?;
-        let think = m3c_constrain::thinking::ThinkStart::of_prompt(&rendered);
+/// OpenAI's Responses API over the chat route.
+pub(super) struct Responses;
+
+impl Adapter for Responses {
+    const ROUTE: &'static str = "/v1/responses";
+    const FIELDS: &'static [&'static str] = FIELDS;
+    const ID_PREFIX: &'static str = "resp_";
+    type Asked = Echo;
+
+    fn authorize(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
+        authorize(app, headers)
+    }
+
+    fn error(e: &ApiError) -> Response {
+        error(e)
+    }
+
+    fn as_chat(m: &Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
+        refuse_unhonoured(m)?;
+        as_chat(m)
+    }
+
+    fn prepared(m: &Map<String, Value>, common: &mut openai::Common, _: &openai::Chat) -> (Echo, Vec<Value>) {
         let get = |k: &str| m.get(k).cloned().unwrap_or(Value::Null);
         let echo = Echo {
             instructions: get("instructions"),
@@ -78,27 +83,16 @@ pub(super) async fn responses(State(app): State<App>, headers: HeaderMap, body: 
             max_output_tokens: get("max_output_tokens"),
             user: get("user"),
         };
-        Ok((ids, common, think, parts.images, echo))
-    };
-    let (ids, common, think, urls, echo) = match run() {
-        Ok(r) => r,
-        Err(e) => return error(&e),
-    };
-    let (ids, im) = match with_images(&app, ids, &urls).await {
-        Ok(r) => r,
-        Err(e) => return error(&e),
-    };
-    let streaming = common.stream;
-    let mut gens = match start(app, ids, common, Kind::Chat { think, tools: Vec::new() }, im).await {
-        Ok(g) => g,
-        Err(r) => return r,
-    };
-    let mut g = gens.remove(0);
-    g.id = g.id.replacen("chatcmpl-", "resp_", 1);
-    if streaming {
-        stream(g, echo)
-    } else {
-        whole(g, echo).await
+        // Text only: no tools to read the answer for.
+        (echo, Vec::new())
+    }
+
+    async fn answer(g: Generation, echo: Echo, streaming: bool) -> Response {
+        if streaming {
+            stream(g, echo)
+        } else {
+            whole(g, echo).await
+        }
     }
 }
 
@@ -158,13 +152,7 @@ fn as_chat(m: &Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
     chat.insert("messages".into(), Value::Array(messages));
     for (from, to) in [
         ("max_output_tokens", "max_tokens"),
-        ("temperature", "temperature"),
-        ("top_p", "top_p"),
         ("stream", "stream"),
-        ("top_k", "top_k"),
-        ("min_p", "min_p"),
-        ("repetition_penalty", "repetition_penalty"),
-        ("seed", "seed"),
         ("ignore_eos", "ignore_eos"),
         ("chat_template_kwargs", "chat_template_kwargs"),
         ("skip_special_tokens", "skip_special_tokens"),
