@@ -65,7 +65,7 @@ impl Engine {
             let decode = s.chunks.is_empty();
             let rows = s.chunks.front().map_or(1, |(_, c)| c.len());
             let room = if decode && !s.cancelled { s.max_new.saturating_sub(s.generated + 1) } else { 0 };
-            cands.push(Candidate { seq, rows, draws: s.chunks.len() <= 1, room });
+            cands.push(Candidate { seq, rows, draws: s.chunks.len() <= 1, room, decode });
         }
         Ok(spec.lengths(&cands, running))
     }

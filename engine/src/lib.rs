@@ -216,12 +216,13 @@ impl Engine {
         }
     }
 
-    /// A micro-batch step of `rows` rows, all decoding
-    /// ([`StepPlan::decodes_only`]), took `seconds` (speculation's cost
-    /// model).
-    pub fn timed(&mut self, rows: usize, seconds: f64) {
-        if let Some(s) = self.spec.as_mut() {
-            s.observe_step(rows, seconds);
+    /// Micro-batch `plan` took `seconds` (speculation's cost model, which
+    /// learns from steps that only decode: a prefill chunk's rows say
+    /// little of a verify step's).
+    pub fn timed(&mut self, plan: &StepPlan, seconds: f64) {
+        if let Some(s) = self.spec.as_mut().filter(|_| plan.decodes_only()) {
+            let asked = plan.seqs.iter().any(|x| matches!(x.ask, Ask::Drafts(_)));
+            s.observe_step(plan.rows(), asked, seconds);
         }
     }
 

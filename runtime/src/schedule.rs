@@ -39,9 +39,9 @@ pub(crate) struct Leader {
     encodes: Encodes,
     /// Encoder ranks of their own, after the stages.
     encoders: usize,
-    /// When each micro-batch in flight started, its rows, and whether it
-    /// only decodes (they come back in order).
-    launched: VecDeque<(Instant, usize, bool)>,
+    /// When each micro-batch in flight started, and its plan (they come
+    /// back in order).
+    launched: VecDeque<(Instant, m3c_engine::StepPlan)>,
 }
 
 impl Leader {
@@ -211,8 +211,8 @@ impl Leader {
                 stat_events(feed, &words(&m.payload));
                 *stats_pending = false;
             } else {
-                if let Some((at, rows, true)) = self.launched.pop_front() {
-                    self.engine.timed(rows, at.elapsed().as_secs_f64());
+                if let Some((at, plan)) = self.launched.pop_front() {
+                    self.engine.timed(&plan, at.elapsed().as_secs_f64());
                 }
                 let drawn = Drawn::decode(&words(&m.payload), m.segments.len()).map_err(StageError::Peer)?;
                 self.engine.returned(&m.segments, &drawn).map_err(|e| StageError::Peer(e.0))?;
@@ -349,9 +349,7 @@ impl Leader {
             let out = st.step(&segs, &ids, &mut x, Some(sample), plan.verifies())?;
             let mut got = books.finish(&segs, &wire.drafts, &out, st.meta.vocab, 0)?;
             crate::draft::attach(st, books.drafter.as_ref(), &*books, &segs, &wire.drafts, &wire.asks, &mut got, &x)?;
-            if plan.decodes_only() {
-                self.engine.timed(plan.rows(), started.elapsed().as_secs_f64());
-            }
+            self.engine.timed(&plan, started.elapsed().as_secs_f64());
             self.engine.returned(&segs, &got).map_err(|e| StageError::Step(e.0))?;
             self.apply(world, st, books, feed);
             return Ok(true);
@@ -361,7 +359,7 @@ impl Leader {
             // The step's NCCL send waits for the receiver, who needs the header first.
             self.outbox.send(world, 1, tag::ACT, header(&[]));
         }
-        self.launched.push_back((Instant::now(), plan.rows(), plan.decodes_only()));
+        self.launched.push_back((Instant::now(), plan.clone()));
         st.step(&segs, &ids, &mut x, None, plan.verifies())?;
         if !st.uses_collectives() {
             self.outbox.send(world, 1, tag::ACT, header(&f32_bytes(&x)));

@@ -44,6 +44,10 @@ impl Proposer for Eagle3Proposer {
         }
     }
 
+    fn runs_on_stages(&self) -> bool {
+        true
+    }
+
     fn proposed(&mut self, seq: usize, proposals: &[i64]) {
         self.proposals.insert(seq, proposals.to_vec());
     }

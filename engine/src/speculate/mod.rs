@@ -8,14 +8,16 @@
 //! by [`Speculator::lengths`] from what it measures while serving: the
 //! seconds a step takes at each row count ([`cost::StepCost`]; on a
 //! mixture of experts every verify row reads its own experts' weights, so
-//! rows are far from free) and each sequence's acceptance (the chance a
-//! draft token is kept, pooled over all sequences for a new one). Drafts
-//! are added one at a time, most likely first, while the expected tokens
-//! per second of the micro-batch rise; so a draft is made only where it
-//! is expected to pay for its rows. What it has not measured yet (the
-//! cost of more rows, a new sequence's acceptance) it tries, with the
-//! proposer's full K, and then once in a while again, so a choice not to
-//! speculate is revisited.
+//! rows are far from free; a draft head's proposals cost their own passes,
+//! so steps that ask for them are timed apart) and each sequence's
+//! acceptance (the chance a draft token is kept, pooled over all sequences
+//! for a new one). Drafts are ranked most likely first, and the
+//! micro-batch takes the count of them that gives the most expected tokens
+//! per second, none included; so drafts are made only where they are
+//! expected to pay for their rows. What it has not measured yet (a plain
+//! step's cost, or a drafting one's) it measures, with no drafts or with
+//! the proposer's full K, and it tries the full K again once in a while,
+//! so a choice not to speculate is revisited.
 //!
 //! A third method is one file: a type that implements [`Proposer`].
 
@@ -45,6 +47,11 @@ pub trait Proposer: Send {
     }
     /// A step of `seq` came back with these proposals (a draft head's).
     fn proposed(&mut self, _seq: usize, _proposals: &[i64]) {}
+    /// Whether its proposals are made on the stages (a draft head), so a
+    /// step that asks for them costs more than its rows.
+    fn runs_on_stages(&self) -> bool {
+        false
+    }
     /// Sequence `seq` ended (or was preempted): what the proposer keeps of
     /// it goes.
     fn forget(&mut self, _seq: usize) {}
@@ -84,6 +91,9 @@ pub struct Candidate {
     /// The most drafts it may take (0: none: a prefill chunk, or a
     /// sequence about to reach its `max_tokens`).
     pub room: usize,
+    /// Its step decodes (feeds its last token): a batch of such steps is
+    /// one whose time the cost model learns, so only such a batch explores.
+    pub decode: bool,
 }
 
 /// Plans between tries of the full K when speculation is not chosen.
@@ -92,7 +102,10 @@ const RETRY_EVERY: u64 = 256;
 /// The speculation of one engine: its proposer and what it measured.
 pub struct Speculator {
     proposer: Box<dyn Proposer>,
+    /// Seconds per decode step by rows: plain steps, and (for a proposer
+    /// that runs on the stages) steps that also ask it for proposals.
     cost: StepCost,
+    asking: StepCost,
     seqs: BTreeMap<usize, Acceptance>,
     pooled: Acceptance,
     /// vLLM's `disable_by_batch_size`: no drafts while more sequences run.
@@ -109,6 +122,7 @@ impl Speculator {
         Speculator {
             proposer,
             cost: StepCost::default(),
+            asking: StepCost::default(),
             seqs: BTreeMap::new(),
             pooled: Acceptance::default(),
             disable_by_batch_size,
@@ -126,9 +140,24 @@ impl Speculator {
         self.proposer.max_tokens()
     }
 
-    /// A step of `rows` rows took `seconds` (the engine's runtime measures).
-    pub fn observe_step(&mut self, rows: usize, seconds: f64) {
-        self.cost.observe(rows, seconds);
+    /// A decode step of `rows` rows took `seconds`; `asked`: it asked the
+    /// proposer for proposals.
+    pub fn observe_step(&mut self, rows: usize, asked: bool, seconds: f64) {
+        if asked && self.proposer.runs_on_stages() {
+            self.asking.observe(rows, seconds);
+        } else {
+            self.cost.observe(rows, seconds);
+        }
+    }
+
+    /// What a step that drafts costs: one that asks the proposer where it
+    /// runs on the stages.
+    fn drafting_cost(&self) -> &StepCost {
+        if self.proposer.runs_on_stages() {
+            &self.asking
+        } else {
+            &self.cost
+        }
     }
 
     /// A verify step of `seq` kept `accepted` of its `drafted` drafts.
@@ -145,46 +174,40 @@ impl Speculator {
         self.seqs.get(&seq).map_or(prior, |a| a.rate(prior))
     }
 
-    /// Whether this plan tries the full K: what a choice needs is not
-    /// measured yet (the cost of a step of `rows` rows, or of more), or
-    /// speculation has not been tried for a while.
-    fn trying(&self, rows: usize) -> bool {
-        !self.cost.measured(rows) || !self.cost.measured_above(rows) || self.plans.saturating_sub(self.last_drafted) >= RETRY_EVERY
+    /// What this plan measures instead of choosing by the model:
+    /// `Some(false)` a plain step (its cost at `rows` is unknown),
+    /// `Some(true)` the full K (the cost of drafting steps above `rows` is
+    /// unknown, or speculation was not tried for a while), `None`: neither.
+    fn explore(&self, rows: usize) -> Option<bool> {
+        if !self.cost.measured(rows) {
+            Some(false)
+        } else if !self.drafting_cost().measured_above(rows) || self.plans.saturating_sub(self.last_drafted) >= RETRY_EVERY {
+            Some(true)
+        } else {
+            None
+        }
     }
 
     /// The draft length of each candidate of a micro-batch (`running`:
-    /// the sequences running now): drafts added one at a time, most likely
-    /// first, while they raise the batch's expected tokens per second.
+    /// the sequences running now). Drafts are ranked most likely kept
+    /// first; the batch takes the number of them that gives the most
+    /// expected tokens per second, none included (a draft head's fixed
+    /// cost can pay only over several drafts, so every count is weighed,
+    /// not only the next draft).
     pub fn lengths(&mut self, cands: &[Candidate], running: usize) -> Vec<usize> {
         self.plans += 1;
         let mut k = vec![0usize; cands.len()];
-        let cap = self.proposer.max_tokens();
-        if self.disable_by_batch_size.is_some_and(|b| running > b) {
-            return k;
-        }
-        let mut rows: usize = cands.iter().map(|c| c.rows).sum();
-        let mut tokens = cands.iter().filter(|c| c.draws).count() as f64;
-        let trying = self.trying(rows);
-        let alpha: Vec<f64> = cands.iter().map(|c| self.acceptance(c.seq)).collect();
-        loop {
-            // The next draft most likely kept: draft j of a sequence is
-            // kept with the chance that all j are.
-            let best = (0..cands.len())
-                .filter(|&i| cands[i].draws && k[i] < cands[i].room.min(cap))
-                .map(|i| (alpha[i].powi(k[i] as i32 + 1), i))
-                .max_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)));
-            let Some((gain, i)) = best else { break };
-            let pays = trying
-                || match (self.cost.estimate(rows), self.cost.estimate(rows + 1)) {
-                    (Some(t0), Some(t1)) => (tokens + gain) * t0 > tokens * t1,
-                    _ => false,
-                };
-            if !pays {
-                break;
+        if self.disable_by_batch_size.is_none_or(|b| running <= b) {
+            let rows: usize = cands.iter().map(|c| c.rows).sum();
+            let decoding = cands.iter().all(|c| c.decode);
+            let take = match self.explore(rows).filter(|_| decoding) {
+                Some(false) => 0,
+                Some(true) => usize::MAX,
+                None => self.best_count(cands, rows),
+            };
+            for i in self.ranked(cands).into_iter().take(take) {
+                k[i] += 1;
             }
-            k[i] += 1;
-            rows += 1;
-            tokens += gain;
         }
         if k.iter().any(|&n| n > 0) {
             self.last_drafted = self.plans;
@@ -193,6 +216,41 @@ impl Speculator {
             self.chosen.insert(c.seq, n);
         }
         k
+    }
+
+    /// Every draft the candidates may take, as the index of its sequence,
+    /// most likely kept first (draft j of a sequence is kept with the
+    /// chance that all j are).
+    fn ranked(&self, cands: &[Candidate]) -> Vec<usize> {
+        let cap = self.proposer.max_tokens();
+        let mut all: Vec<(f64, usize)> = Vec::new();
+        for (i, c) in cands.iter().enumerate().filter(|(_, c)| c.draws) {
+            let alpha = self.acceptance(c.seq);
+            all.extend((1..=c.room.min(cap)).map(|j| (alpha.powi(j as i32), i)));
+        }
+        // Stable: ties keep the batch's order (and a sequence's own drafts theirs).
+        all.sort_by(|a, b| b.0.total_cmp(&a.0));
+        all.into_iter().map(|(_, i)| i).collect()
+    }
+
+    /// How many of the ranked drafts give the most expected tokens per
+    /// second, by the measured costs.
+    fn best_count(&self, cands: &[Candidate], rows: usize) -> usize {
+        let tokens = cands.iter().filter(|c| c.draws).count() as f64;
+        let Some(plain) = self.cost.estimate(rows) else { return 0 };
+        let (mut best, mut best_rate) = (0, tokens / plain);
+        let mut gained = tokens;
+        let alphas: Vec<f64> = cands.iter().map(|c| self.acceptance(c.seq)).collect();
+        let mut taken = vec![0i32; cands.len()];
+        for (n, i) in self.ranked(cands).into_iter().enumerate() {
+            taken[i] += 1;
+            gained += alphas[i].powi(taken[i]);
+            let Some(t) = self.drafting_cost().estimate(rows + n + 1) else { break };
+            if gained / t > best_rate {
+                (best, best_rate) = (n + 1, gained / t);
+            }
+        }
+        best
     }
 
     /// The proposer's draft for `seq`, at most `limit` tokens.
@@ -208,7 +266,7 @@ impl Speculator {
     /// due), else nothing.
     pub fn ask(&self, seq: usize) -> Ask {
         let next = self.chosen.get(&seq).copied().unwrap_or(0);
-        let due = !self.cost.measured_above(1) || self.plans + 1 - self.last_drafted >= RETRY_EVERY;
+        let due = self.plans + 1 - self.last_drafted >= RETRY_EVERY;
         self.proposer.ask(seq, if next > 0 || due { self.proposer.max_tokens() } else { 0 })
     }
 

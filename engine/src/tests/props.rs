@@ -84,7 +84,7 @@ fn play(su: &Setup, ops: &[Op]) -> Outcome {
     let mut s = if su.spec {
         let n = Ngram { tokens: 3, min: 1, max: 3, disable_by_batch_size: None };
         let mut sim = Sim::spec(cfg, model, Speculator::new(Box::new(NgramProposer { config: n }), None));
-        sim.step_seconds = Some(|r| 1.0 + 0.1 * r as f64);
+        sim.step_seconds = Some(|p| 1.0 + 0.1 * p.rows() as f64);
         sim
     } else {
         Sim::new(cfg, model)

@@ -92,8 +92,8 @@ pub struct Sim {
     pub outputs: BTreeMap<usize, Vec<i64>>,
     /// Verify steps: (drafted, accepted).
     pub verified: Vec<(usize, usize)>,
-    /// Seconds a step of n rows "takes", fed to the cost model.
-    pub step_seconds: Option<fn(usize) -> f64>,
+    /// Seconds a step "takes", fed to the cost model.
+    pub step_seconds: Option<fn(&StepPlan) -> f64>,
 }
 
 impl Sim {
@@ -184,8 +184,8 @@ impl Sim {
     pub fn land(&mut self) -> bool {
         let Some(plan) = self.in_flight.pop_front() else { return false };
         let drawn: Vec<Drawn> = plan.seqs.iter().map(|s| self.draw(s)).collect();
-        if let Some(f) = self.step_seconds.filter(|_| plan.decodes_only()) {
-            self.e.timed(plan.rows(), f(plan.rows()));
+        if let Some(f) = self.step_seconds {
+            self.e.timed(&plan, f(&plan));
         }
         self.e.returned(&plan.segments(), &drawn).expect("results fit the plan");
         self.apply();
