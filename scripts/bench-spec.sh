@@ -7,7 +7,13 @@
 # a list said four times over ("repeat this list"), so lookup finds drafts.
 # Each figure is the median of RUNS runs (default 3), plain and speculative
 # runs alternating so that both see the same machine. The output is the
-# same bytes either way (checked here on every pair).
+# same bytes either way (checked here on every pair). How many drafts each
+# step takes is the engine's choice (its cost model): `drafts/verify` is
+# the mean it chose where it drafted, `verify steps` how many steps did.
+# `K=1`..`K=3` are the same runs with every step drafting that many
+# (M3C_SPEC_FIXED_K, vLLM's behaviour): the speed-up each fixed K gives,
+# which the engine's choice should match where drafts pay and beat where
+# they do not. FIXED="" leaves them out.
 #
 # METHOD=eagle3 measures the EAGLE3 head instead: tiny-m3 compiled with
 # tests/fixtures/eagle3-tiny (the draft trained for it), K = 3, on the same
@@ -16,6 +22,7 @@ set -euo pipefail
 METHOD=${METHOD:-ngram}
 RUNS=${RUNS:-3}
 NEW=${NEW:-128}
+FIXED=${FIXED-1 2 3}
 SPEC=${SPEC:-'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'}
 # shellcheck source=scripts/bench-common.sh
 . "$(dirname "$0")/bench-common.sh"
@@ -30,12 +37,16 @@ if [ "$METHOD" = eagle3 ]; then
 else
   $M3C init-tiny "$work/h1024" --hidden 1024 --layers 8 --seed 1 >/dev/null
 fi
+# MODELS="DIR ..." measures only those checkpoints.
+if [ -n "${MODELS:-}" ]; then read -ra models <<<"$MODELS"; fi
 # Prompt i: 16 ids from i on, four times over.
 prompt() { python3 -c "import sys; i = int(sys.argv[1]); print(','.join(str(3 + (i * 37 + k) % 400) for _ in range(4) for k in range(16)))" "$1"; }
 decode_rate() { sed -E 's/.*decode [0-9]+ tokens in [0-9.]+ ms \(([0-9.]+) tok\/s\).*/\1/'; }
 
 printf 'speculative config: %s; %s new tokens per prompt, greedy\n' "$SPEC" "$NEW"
-printf '%-34s %4s %8s %14s %14s %9s %11s\n' "model" "pp" "prompts" "plain tok/s" "$METHOD tok/s" "speed-up" "accept len"
+printf '%-34s %4s %8s %14s %14s %9s %11s %14s %13s' "model" "pp" "prompts" "plain tok/s" "$METHOD tok/s" "speed-up" "accept len" "drafts/verify" "verify steps"
+for f in $FIXED; do printf ' %8s' "K=$f"; done
+printf '\n'
 for model in "${models[@]}"; do
   name=$(basename "$model")
   [ "$name" = h1024 ] && name="init-tiny hidden 1024, 8 layers"
@@ -44,7 +55,8 @@ for model in "${models[@]}"; do
     for np in 1 8; do
       args=(--max-new-tokens "$NEW" --ignore-eos)
       for i in $(seq 1 $np); do args+=(--prompt-ids "$(prompt "$i")"); done
-      plain=(); spec=(); len=()
+      plain=(); spec=(); len=(); k=(); steps=()
+      declare -A fixed=()
       for r in $(seq 1 "$RUNS"); do
         $M3C run "$work/out" --model "$model" "${args[@]}" >"$work/plain.out" 2>"$work/plain.err"
         $M3C run "$work/out" --model "$model" "${args[@]}" --speculative-config "$SPEC" >"$work/spec.out" 2>"$work/spec.err"
@@ -52,11 +64,24 @@ for model in "${models[@]}"; do
         plain+=("$(grep 'm3c timing' "$work/plain.err" | decode_rate)")
         spec+=("$(grep 'm3c timing' "$work/spec.err" | decode_rate)")
         len+=("$(grep -o 'mean acceptance length [0-9.]*' "$work/spec.err" | awk '{print $4}' || echo 1)")
+        line=$(grep 'm3c spec:' "$work/spec.err" || echo 'm3c spec: 0 verify step(s), 0 draft tokens')
+        steps+=("$(echo "$line" | awk '{print $3}')")
+        k+=("$(echo "$line" | awk '{printf "%.2f", ($3 > 0 ? $6 / $3 : 0)}')")
+        for f in $FIXED; do
+          M3C_SPEC_FIXED_K=$f $M3C run "$work/out" --model "$model" "${args[@]}" --speculative-config "$SPEC" >"$work/fixed.out" 2>"$work/fixed.err"
+          cmp -s "$work/plain.out" "$work/fixed.out" || { echo "fixed K=$f changed the output" >&2; exit 1; }
+          fixed[$f]+="$(grep 'm3c timing' "$work/fixed.err" | decode_rate) "
+        done
       done
       p=$(printf '%s\n' "${plain[@]}" | median)
       s=$(printf '%s\n' "${spec[@]}" | median)
-      printf '%-34s %4s %8s %14s %14s %9s %11s\n' "$name" "$pp" "$np" "$p" "$s" \
-        "$(awk "BEGIN {printf \"%.2fx\", $s / $p}")" "$(printf '%s\n' "${len[@]}" | median)"
+      printf '%-34s %4s %8s %14s %14s %9s %11s %14s %13s' "$name" "$pp" "$np" "$p" "$s" \
+        "$(awk "BEGIN {printf \"%.2fx\", $s / $p}")" "$(printf '%s\n' "${len[@]}" | median)" \
+        "$(printf '%s\n' "${k[@]}" | median)" "$(printf '%s\n' "${steps[@]}" | median)"
+      for f in $FIXED; do
+        printf ' %8s' "$(awk "BEGIN {printf \"%.2fx\", $(printf '%s\n' ${fixed[$f]} | median) / $p}")"
+      done
+      printf '\n'
     done
   done
 done

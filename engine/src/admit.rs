@@ -80,8 +80,6 @@ impl Engine {
             self.kv.will_compute(&mut s.kv, &s.chain, next_block, seq);
         }
         s.phase = if s.chunks.is_empty() { Phase::Decoding } else { Phase::Prefilling };
-        self.clock += 1;
-        s.started = self.clock;
         if !s.counted {
             s.counted = true;
             let queried = s.prompt_len;

@@ -1,6 +1,6 @@
 //! The next micro-batch: ready sequences in order, each with its next item
 //! (a prefill chunk, or its last token and the drafts speculation chose),
-//! the blocks its positions reach (preempting the newest running sequence
+//! the blocks its positions reach (preempting the latest-arrived running sequence
 //! when the pool is out of them), and what the draft head is to do after.
 
 use crate::lifecycle::Phase;
@@ -11,7 +11,7 @@ use crate::{kv::Kv, Engine, EngineError};
 /// How one sequence's step came out.
 enum Planned {
     Step(SeqStep),
-    /// It was the newest running sequence and gave its blocks back.
+    /// It was the latest-arrived running sequence and gave its blocks back.
     Preempted,
     /// Every block is held by steps in flight: it waits for them.
     Stalled,
@@ -81,7 +81,7 @@ impl Engine {
         let draws = s.chunks.len() <= 1;
         let ids_so_far = s.ids.clone();
         let (draft, ask) = match self.spec.as_mut() {
-            Some(sp) => (sp.draft(seq, &ids_so_far, k), if draws { sp.ask(seq) } else { Ask::CacheOnly }),
+            Some(sp) => (sp.draft(seq, &ids_so_far, k), if draws { sp.ask(seq, s.chunks.is_empty()) } else { Ask::CacheOnly }),
             None => (Vec::new(), Ask::CacheOnly),
         };
         ids.extend_from_slice(&draft);
@@ -106,7 +106,7 @@ impl Engine {
     }
 
     /// The blocks positions `pos0..pos0 + ids.len() + ahead` reach; when the
-    /// pool is out of them, a draft is dropped first, then the newest
+    /// pool is out of them, a draft is dropped first, then the latest-arrived
     /// running sequence not in flight gives its back. `None` once `seq`
     /// holds them.
     fn reach(&mut self, seq: usize, pos0: usize, ids: &mut Vec<i64>, ahead: usize) -> Result<Option<Planned>, EngineError> {
@@ -121,15 +121,24 @@ impl Engine {
                 ids.truncate(1);
                 continue;
             }
-            let victim = self.seqs.iter().filter(|(_, v)| v.phase.running() && !v.busy).max_by_key(|(_, v)| v.started).map(|(&k, _)| k);
+            // Only a later arrival gives way, so the oldest request always
+            // goes on: the latest not in flight, or `seq` itself when no
+            // later one is in flight either (else it waits for those).
+            let me = s.arrival;
+            let later_busy = self.seqs.values().any(|v| v.phase.running() && v.busy && v.arrival > me);
+            let victim = self
+                .seqs
+                .iter()
+                .filter(|(_, v)| v.phase.running() && !v.busy && v.arrival >= me)
+                .max_by_key(|(_, v)| v.arrival)
+                .map(|(&k, _)| k);
             match victim {
-                Some(v) => {
-                    self.preempt(v);
-                    if v == seq {
-                        return Ok(Some(Planned::Preempted));
-                    }
+                Some(v) if v != seq => self.preempt(v),
+                Some(_) if !later_busy => {
+                    self.preempt(seq);
+                    return Ok(Some(Planned::Preempted));
                 }
-                None => return Ok(Some(Planned::Stalled)),
+                _ => return Ok(Some(Planned::Stalled)),
             }
         }
     }

@@ -16,7 +16,7 @@
 //! decode token and its drafts) waits in a ready queue; up to one
 //! micro-batch per stage is in flight, each of up to `per_batch`
 //! sequences. When the pool runs out, a draft is dropped first, then the
-//! newest running sequence gives its blocks back (preemption) and waits
+//! latest-arrived running sequence gives its blocks back (preemption) and waits
 //! again, first in line. What a sequence generates does not depend on any
 //! of this: the stages are batch- and chunk-invariant and each draw is
 //! keyed by the sequence's own step.
@@ -103,7 +103,8 @@ pub struct Engine {
     ready: VecDeque<usize>,
     in_flight: usize,
     kv: Kv,
-    clock: u64,
+    /// Requests added so far (each one's arrival).
+    arrivals: u64,
     /// Each token id's bytes, for stop strings (the runtime reads them).
     token_bytes: Option<Vec<Vec<u8>>>,
     spec: Option<Speculator>,
@@ -121,7 +122,7 @@ impl Engine {
             ready: VecDeque::new(),
             in_flight: 0,
             kv,
-            clock: 0,
+            arrivals: 0,
             token_bytes: None,
             spec,
             effects: Vec::new(),
@@ -183,6 +184,8 @@ impl Engine {
         let seq = r.seq;
         let phase = if encoding { Phase::Encoding } else { Phase::Waiting };
         let mut s = Seq::new(r, phase);
+        self.arrivals += 1;
+        s.arrival = self.arrivals;
         if self.kv.caching {
             kv::extend_chain(&mut s.chain, &s.ids, &s.images, self.kv.block);
         }

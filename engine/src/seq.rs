@@ -70,8 +70,11 @@ pub(crate) struct Seq {
     pub stop: StopText,
     pub stop_ids: Vec<i64>,
     pub kv: SeqBlocks,
-    /// When it last started running: the newest is preempted first.
-    pub started: u64,
+    /// When it arrived: the latest arrival is preempted first, so the
+    /// oldest request always goes on (were it the last one *started*, a
+    /// resumed request would be first in line to be preempted again, and
+    /// two could take turns forever).
+    pub arrival: u64,
     /// Its first start was reported (the prefix-cache counts).
     pub counted: bool,
     pub prompt_rows: bool,
@@ -98,7 +101,7 @@ impl Seq {
             stop: StopText::new(r.stops),
             stop_ids: r.stop_ids,
             kv: SeqBlocks::default(),
-            started: 0,
+            arrival: 0,
             counted: false,
             prompt_rows: r.prompt_logprobs,
             drafts: Vec::new(),

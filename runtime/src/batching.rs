@@ -22,8 +22,13 @@ pub(crate) struct Batching {
 /// The speculation a run asks for: prompt lookup, or the last stage's
 /// EAGLE3 head (whose proposals come back with each step's ids).
 pub(crate) fn speculator(args: &RunArgs) -> Option<Speculator> {
-    if let Some(n) = args.speculative {
-        return Some(Speculator::new(Box::new(NgramProposer { config: n }), n.disable_by_batch_size));
-    }
-    args.eagle3.as_ref().map(|e| Speculator::new(Box::new(Eagle3Proposer::new(e.tokens)), e.disable_by_batch_size))
+    let mut s = match (args.speculative, args.eagle3.as_ref()) {
+        (Some(n), _) => Speculator::new(Box::new(NgramProposer { config: n }), n.disable_by_batch_size),
+        (None, Some(e)) => Speculator::new(Box::new(Eagle3Proposer::new(e.tokens)), e.disable_by_batch_size),
+        (None, None) => return None,
+    };
+    // Benchmark hook (documented in ARCHITECTURE.md): every decode step
+    // drafts K, as vLLM does, to measure the cost model against.
+    s.fixed = std::env::var("M3C_SPEC_FIXED_K").ok().and_then(|k| k.parse().ok());
+    Some(s)
 }

@@ -42,6 +42,8 @@ pub(crate) struct Leader {
     /// When each micro-batch in flight started, and its plan (they come
     /// back in order).
     launched: VecDeque<(Instant, m3c_engine::StepPlan)>,
+    /// When the last micro-batch came back.
+    returned: Option<Instant>,
 }
 
 impl Leader {
@@ -66,6 +68,7 @@ impl Leader {
             encodes: Encodes::new(st, &b.encoder),
             encoders: st.meta.encoders,
             launched: VecDeque::new(),
+            returned: None,
         }
     }
 
@@ -212,7 +215,13 @@ impl Leader {
                 *stats_pending = false;
             } else {
                 if let Some((at, plan)) = self.launched.pop_front() {
-                    self.engine.timed(&plan, at.elapsed().as_secs_f64());
+                    // What the micro-batch cost the pipeline: from its
+                    // launch, or from the return before it when it queued
+                    // behind that one (the bottleneck stage's time for it).
+                    let now = Instant::now();
+                    let from = self.returned.map_or(at, |r| r.max(at));
+                    self.engine.timed(&plan, (now - from).as_secs_f64());
+                    self.returned = Some(now);
                 }
                 let drawn = Drawn::decode(&words(&m.payload), m.segments.len()).map_err(StageError::Peer)?;
                 self.engine.returned(&m.segments, &drawn).map_err(|e| StageError::Peer(e.0))?;

@@ -61,7 +61,7 @@ fn eagle3_proposals_are_the_reference_s() {
         }
         let prompt = ids_arg(&ids[..=t]);
         let args = ["--prompt-ids", prompt.as_str(), "--max-new-tokens", "8", "--ignore-eos"];
-        let (text, _, err) = run(&out, &args, Some(&spec), &[("M3C_TEST_LOG_DRAFTS", "1")]);
+        let (text, _, err) = run(&out, &args, Some(&spec), &[("M3C_TEST_LOG_DRAFTS", "1"), ("M3C_SPEC_FIXED_K", "3")]);
         assert!(text.contains(&ids_arg(&ids[t + 1..t + 3])), "frontier {t}: the target left the golden path: {text}");
         let first = err.lines().find_map(|l| l.strip_prefix("m3c-draft 0 ")).unwrap_or_else(|| panic!("no proposal logged: {err}"));
         assert_eq!(first, ids_arg(&proposals[3 * k..3 * k + 3]), "frontier {t}");
@@ -273,7 +273,9 @@ fn a_draft_naming_its_aux_layers_in_another_order_proposes_the_same() {
     let prompt = ids_arg(&read_tensor_i64(&golden, "ids")[..=20]);
     let args = ["--prompt-ids", prompt.as_str(), "--max-new-tokens", "24", "--ignore-eos"];
     let drafts = |out: &Path, spec: &str| -> Vec<String> {
-        let (_, _, err) = run(out, &args, Some(spec), &[("M3C_TEST_LOG_DRAFTS", "1")]);
+        // A fixed K, so every step's proposals are logged whatever the
+        // steps cost (the cost model's choices follow the machine's timing).
+        let (_, _, err) = run(out, &args, Some(spec), &[("M3C_TEST_LOG_DRAFTS", "1"), ("M3C_SPEC_FIXED_K", "3")]);
         err.lines().filter(|l| l.starts_with("m3c-draft ")).map(str::to_string).collect()
     };
     for pp in [1, 2] {

@@ -709,17 +709,22 @@ fn a_shared_system_prompt_is_computed_once_and_changes_nothing() {
 fn speculative_streams_get_the_answers_of_plain_decoding() {
     let (out, model) = compiled();
     let spec = r#"{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}"#;
-    let serve = |extra: &[&str]| Server::start(&out, &model, extra).client(&["spec_streams", "16", "32"]);
+    // Every decode step drafts (a fixed K): whether drafts pay on this
+    // machine is the engine's tests' subject; here, that they change nothing.
+    let fixed = [("M3C_SPEC_FIXED_K", Path::new("3"))];
+    let start = |out: &Path, extra: &[&str]| {
+        let mut args = vec![out.to_str().unwrap(), "--model", model.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        Server::start_with(&args, &fixed)
+    };
+    let serve = |extra: &[&str]| start(&out, extra).client(&["spec_streams", "16", "32"]);
     let plain = serve(&[]);
     let drafted = serve(&["--speculative-config", spec]);
     let tight = serve(&["--speculative-config", spec, "--kv-blocks", "90"]);
     // EAGLE3: the stages with the draft head compiled in, preempting too.
     let e3 = crate::eagle3::config(3);
-    let eagle = Server::start(&crate::eagle3::out(2, &[]), &model, &["--speculative-config", &e3, "--kv-blocks", "90"]).client(&[
-        "spec_streams",
-        "16",
-        "32",
-    ]);
+    let eagle =
+        start(&crate::eagle3::out(2, &[]), &["--speculative-config", &e3, "--kv-blocks", "90"]).client(&["spec_streams", "16", "32"]);
     assert_eq!(drafted["answers"], plain["answers"], "speculation changed an answer");
     assert_eq!(tight["answers"], plain["answers"], "speculation under preemption changed an answer");
     assert_eq!(eagle["answers"], plain["answers"], "EAGLE3 changed an answer");

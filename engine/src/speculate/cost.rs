@@ -1,19 +1,20 @@
 //! What a step costs, learned while serving: the seconds a micro-batch
-//! step took at each row count (a running mean per count), read back as
+//! step took at each row count (the median of its last measurements, so
+//! one step slowed by the machine does not sway a choice), read back as
 //! an estimate at any count: measured, else interpolated between the
 //! nearest measured counts, else extrapolated from the two largest. Cost
 //! never falls as rows are added (measurements are noisy; an estimate is
 //! at least every measurement at fewer rows).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 
-/// How much a new measurement moves a row count's mean.
-const WEIGHT: f64 = 0.2;
+/// Measurements kept per row count.
+const WINDOW: usize = 15;
 
 #[derive(Debug, Clone, Default)]
 pub struct StepCost {
-    /// Seconds per step, by the step's rows.
-    by_rows: BTreeMap<usize, f64>,
+    /// The last seconds per step, by the step's rows.
+    by_rows: BTreeMap<usize, VecDeque<f64>>,
 }
 
 impl StepCost {
@@ -22,7 +23,11 @@ impl StepCost {
         if !(seconds.is_finite() && seconds >= 0.0) || rows == 0 {
             return;
         }
-        self.by_rows.entry(rows).and_modify(|m| *m += WEIGHT * (seconds - *m)).or_insert(seconds);
+        let w = self.by_rows.entry(rows).or_default();
+        if w.len() == WINDOW {
+            w.pop_front();
+        }
+        w.push_back(seconds);
     }
 
     /// Whether a step of exactly `rows` was measured.
@@ -36,12 +41,23 @@ impl StepCost {
         self.by_rows.range(rows + 1..).next().is_some()
     }
 
+    /// Measurements held of steps of exactly `rows` rows.
+    pub fn samples(&self, rows: usize) -> usize {
+        self.by_rows.get(&rows).map_or(0, VecDeque::len)
+    }
+
+    /// Measurements held of steps of more rows than `rows`.
+    pub fn samples_above(&self, rows: usize) -> usize {
+        self.by_rows.range(rows + 1..).map(|(_, w)| w.len()).sum()
+    }
+
     /// The seconds a step of `rows` rows is expected to take (`None`
     /// before any measurement).
     pub fn estimate(&self, rows: usize) -> Option<f64> {
-        let below = self.by_rows.range(..=rows).next_back();
-        let above = self.by_rows.range(rows + 1..).next();
-        let floor = self.by_rows.range(..=rows).map(|(_, &s)| s).fold(0.0, f64::max);
+        let medians: BTreeMap<usize, f64> = self.by_rows.iter().map(|(&r, w)| (r, median(w))).collect();
+        let below = medians.range(..=rows).next_back();
+        let above = medians.range(rows + 1..).next();
+        let floor = medians.range(..=rows).map(|(_, &s)| s).fold(0.0, f64::max);
         let line = |(r0, s0): (&usize, &f64), (r1, s1): (&usize, &f64)| {
             let slope = ((s1 - s0) / (*r1 as f64 - *r0 as f64)).max(0.0);
             s0 + slope * (rows as f64 - *r0 as f64)
@@ -50,7 +66,7 @@ impl StepCost {
             (Some((&r, &s)), _) if r == rows => s,
             (Some(lo), Some(hi)) => line(lo, hi),
             (None, Some((_, &s))) => s,
-            (Some(hi), None) => match self.by_rows.range(..*hi.0).next_back() {
+            (Some(hi), None) => match medians.range(..*hi.0).next_back() {
                 Some(lo) => line(lo, hi),
                 None => *hi.1,
             },
@@ -58,6 +74,12 @@ impl StepCost {
         };
         Some(est.max(floor))
     }
+}
+
+fn median(w: &VecDeque<f64>) -> f64 {
+    let mut v: Vec<f64> = w.iter().copied().collect();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 #[cfg(test)]
@@ -80,10 +102,21 @@ mod tests {
         c.observe(7, 2.5);
         assert_eq!(c.estimate(7), Some(3.0));
         assert!(c.estimate(8).unwrap() >= 3.0);
-        // Means move by a fifth of each new measurement.
-        c.observe(1, 2.0);
-        assert!((c.estimate(1).unwrap() - 1.2).abs() < 1e-12);
         c.observe(1, f64::NAN);
-        assert!((c.estimate(1).unwrap() - 1.2).abs() < 1e-12, "a bad measurement is ignored");
+        assert_eq!(c.estimate(1), Some(1.0), "a bad measurement is ignored");
+    }
+
+    #[test]
+    fn one_slow_step_does_not_sway_the_estimate_but_a_lasting_change_does() {
+        let mut c = StepCost::default();
+        for _ in 0..5 {
+            c.observe(1, 1.0);
+        }
+        c.observe(1, 50.0);
+        assert_eq!(c.estimate(1), Some(1.0), "an outlier");
+        for _ in 0..WINDOW {
+            c.observe(1, 2.0);
+        }
+        assert_eq!(c.estimate(1), Some(2.0), "the machine got slower");
     }
 }

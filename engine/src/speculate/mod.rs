@@ -96,8 +96,13 @@ pub struct Candidate {
     pub decode: bool,
 }
 
-/// Plans between tries of the full K when speculation is not chosen.
+/// Plans between tries of drafting when speculation is not chosen.
 const RETRY_EVERY: u64 = 256;
+/// Plans between plain steps when it is (so the cost it is weighed
+/// against stays measured: a first plain step is often slow).
+const REFRESH_EVERY: u64 = 64;
+/// Measurements a cost needs before the model trusts it.
+const TRUSTED: usize = 3;
 
 /// The speculation of one engine: its proposer and what it measured.
 pub struct Speculator {
@@ -110,9 +115,14 @@ pub struct Speculator {
     pooled: Acceptance,
     /// vLLM's `disable_by_batch_size`: no drafts while more sequences run.
     pub disable_by_batch_size: Option<usize>,
-    /// Micro-batches planned, and the last one that carried drafts.
+    /// Every decode step drafts this many (at most), whatever it costs:
+    /// vLLM's behaviour, for measuring the cost model against.
+    pub fixed: Option<usize>,
+    /// Micro-batches planned, the last one that carried drafts, and the
+    /// last one that did not.
     plans: u64,
     last_drafted: u64,
+    last_plain: u64,
     /// Draft lengths chosen for each sequence's last step (its next ask).
     chosen: BTreeMap<usize, usize>,
 }
@@ -126,8 +136,10 @@ impl Speculator {
             seqs: BTreeMap::new(),
             pooled: Acceptance::default(),
             disable_by_batch_size,
+            fixed: None,
             plans: 0,
             last_drafted: 0,
+            last_plain: 0,
             chosen: BTreeMap::new(),
         }
     }
@@ -175,13 +187,22 @@ impl Speculator {
     }
 
     /// What this plan measures instead of choosing by the model:
-    /// `Some(false)` a plain step (its cost at `rows` is unknown),
-    /// `Some(true)` the full K (the cost of drafting steps above `rows` is
-    /// unknown, or speculation was not tried for a while), `None`: neither.
+    /// `Some(true)` one draft per sequence, the cheapest drafting step
+    /// (drafting steps above `rows` have fewer than [`TRUSTED`]
+    /// measurements, or none was tried for [`RETRY_EVERY`] plans),
+    /// `Some(false)` a plain step (its cost at `rows` is not measured
+    /// enough, or none was taken for [`REFRESH_EVERY`] plans), `None`:
+    /// neither. Longer drafts
+    /// are then chosen by the model, whose first estimate of them is
+    /// optimistic (flat past the last count measured) and corrected once
+    /// measured.
     fn explore(&self, rows: usize) -> Option<bool> {
-        if !self.cost.measured(rows) {
+        let since = |plan: u64| self.plans.saturating_sub(plan);
+        if self.drafting_cost().samples_above(rows) < TRUSTED {
+            Some(true)
+        } else if self.cost.samples(rows) < TRUSTED || since(self.last_plain) >= REFRESH_EVERY {
             Some(false)
-        } else if !self.drafting_cost().measured_above(rows) || self.plans.saturating_sub(self.last_drafted) >= RETRY_EVERY {
+        } else if since(self.last_drafted) >= RETRY_EVERY {
             Some(true)
         } else {
             None
@@ -200,9 +221,10 @@ impl Speculator {
         if self.disable_by_batch_size.is_none_or(|b| running <= b) {
             let rows: usize = cands.iter().map(|c| c.rows).sum();
             let decoding = cands.iter().all(|c| c.decode);
-            let take = match self.explore(rows).filter(|_| decoding) {
+            let take = match self.explore(rows).filter(|_| decoding && self.fixed.is_none()) {
                 Some(false) => 0,
-                Some(true) => usize::MAX,
+                Some(true) => cands.iter().filter(|c| c.draws && c.room > 0).count(),
+                None if self.fixed.is_some() => usize::MAX,
                 None => self.best_count(cands, rows),
             };
             for i in self.ranked(cands).into_iter().take(take) {
@@ -211,6 +233,8 @@ impl Speculator {
         }
         if k.iter().any(|&n| n > 0) {
             self.last_drafted = self.plans;
+        } else {
+            self.last_plain = self.plans;
         }
         for (c, &n) in cands.iter().zip(&k) {
             self.chosen.insert(c.seq, n);
@@ -222,7 +246,7 @@ impl Speculator {
     /// most likely kept first (draft j of a sequence is kept with the
     /// chance that all j are).
     fn ranked(&self, cands: &[Candidate]) -> Vec<usize> {
-        let cap = self.proposer.max_tokens();
+        let cap = self.fixed.unwrap_or(usize::MAX).min(self.proposer.max_tokens());
         let mut all: Vec<(f64, usize)> = Vec::new();
         for (i, c) in cands.iter().enumerate().filter(|(_, c)| c.draws) {
             let alpha = self.acceptance(c.seq);
@@ -261,13 +285,25 @@ impl Speculator {
         self.proposer.draft(seq, ids, limit)
     }
 
-    /// What the draft head does after this step of `seq`: proposals when
-    /// its next step is likely to take some (it took some now, or a try is
-    /// due), else nothing.
-    pub fn ask(&self, seq: usize) -> Ask {
-        let next = self.chosen.get(&seq).copied().unwrap_or(0);
+    /// What the draft head does after this step of `seq` (one that draws;
+    /// `decode`: a decode step, else its prompt's last chunk): proposals
+    /// when its next step is likely to take some (a decode step took some
+    /// now; after a prompt, while speculation is on or being measured; or
+    /// a try is due), else nothing, except that a prompt's rows always go
+    /// into the head's cache (every later proposal reads them).
+    pub fn ask(&self, seq: usize, decode: bool) -> Ask {
         let due = self.plans + 1 - self.last_drafted >= RETRY_EVERY;
-        self.proposer.ask(seq, if next > 0 || due { self.proposer.max_tokens() } else { 0 })
+        let want = if decode {
+            self.chosen.get(&seq).is_some_and(|&k| k > 0)
+        } else if self.fixed.is_some() {
+            true
+        } else {
+            self.drafting_cost().samples_above(1) < TRUSTED || self.last_drafted > self.last_plain
+        };
+        match self.proposer.ask(seq, if want || due { self.proposer.max_tokens() } else { 0 }) {
+            Ask::Nothing if !decode => Ask::CacheOnly,
+            a => a,
+        }
     }
 
     pub fn proposed(&mut self, seq: usize, proposals: &[i64]) {

@@ -163,3 +163,17 @@ proptest! {
         prop_assert_eq!(a.ended, b.ended);
     }
 }
+
+/// A case the properties found: an older request that joins late (its
+/// images encoded) while a later one holds most of the pool, two
+/// micro-batches in flight. Were the victim the last one *started*, or
+/// could an older one give way while a later one is in flight, the two
+/// would preempt each other forever.
+#[test]
+fn an_older_request_never_gives_way_to_a_later_one_so_both_finish() {
+    let su = Setup { stages: 2, per_batch: 2, chunk: 2, blocks: 6, block: 2, caching: false, spec: false, periodic: false };
+    let add = |len, max_new, encoding| Op::Add { len, family: 0, max_new, encoding };
+    let ops = [add(2, 5, false), add(4, 2, false), add(9, 0, true), add(8, 4, false), add(1, 9, false), Op::Launch, Op::Land];
+    let out = play(&su, &ops);
+    assert_eq!(out.ended.len(), out.added.len());
+}
