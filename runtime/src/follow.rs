@@ -166,13 +166,18 @@ fn step(world: &SimpleCommunicator, st: &mut Stage, books: &mut LastBooks, outbo
         // The step's NCCL send waits for the receiver, who needs the header first.
         outbox.send(world, rank + 1, tag::ACT, message_step(KIND_STEP, segs, &m.blocks, &m.drafts, &m.propose, &[]));
     }
+    let started = std::time::Instant::now();
     let sample = if last { Some(books.sample_in(segs, &m.drafts, st.meta.vocab)?) } else { None };
     let out = st.step(segs, &[], &mut x, sample, !m.drafts.is_empty())?;
     // (A last stage's step leaves its `x` rows unwritten, and its aux states after them.)
     if last {
         let mut got = books.finish(segs, &m.drafts, &out, st.meta.vocab, rank)?;
         crate::draft::attach(st, books.drafter.as_ref(), &*books, segs, &m.drafts, &m.propose, &mut got, &x)?;
-        outbox.send(world, 0, tag::IDS, message(KIND_STEP, segs, &crate::books::Drawn::encode(&got)));
+        // The step's busy time first (speculation's cost model), then the ids.
+        let micros = started.elapsed().as_micros().min(i64::MAX as u128) as i64;
+        let mut payload = micros.to_le_bytes().to_vec();
+        payload.extend(crate::books::Drawn::encode(&got));
+        outbox.send(world, 0, tag::IDS, message(KIND_STEP, segs, &payload));
     } else if !st.uses_collectives() {
         outbox.send(world, rank + 1, tag::ACT, message_step(KIND_STEP, segs, &m.blocks, &m.drafts, &m.propose, &f32_bytes(&x)));
     }

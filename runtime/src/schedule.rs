@@ -39,11 +39,9 @@ pub(crate) struct Leader {
     encodes: Encodes,
     /// Encoder ranks of their own, after the stages.
     encoders: usize,
-    /// When each micro-batch in flight started, and its plan (they come
-    /// back in order).
-    launched: VecDeque<(Instant, m3c_engine::StepPlan)>,
-    /// When the last micro-batch came back.
-    returned: Option<Instant>,
+    /// Each micro-batch in flight (they come back in order) and its seconds
+    /// on this stage.
+    launched: VecDeque<(m3c_engine::StepPlan, f64)>,
 }
 
 impl Leader {
@@ -68,7 +66,6 @@ impl Leader {
             encodes: Encodes::new(st, &b.encoder),
             encoders: st.meta.encoders,
             launched: VecDeque::new(),
-            returned: None,
         }
     }
 
@@ -214,16 +211,17 @@ impl Leader {
                 stat_events(feed, &words(&m.payload));
                 *stats_pending = false;
             } else {
-                if let Some((at, plan)) = self.launched.pop_front() {
-                    // What the micro-batch cost the pipeline: from its
-                    // launch, or from the return before it when it queued
-                    // behind that one (the bottleneck stage's time for it).
-                    let now = Instant::now();
-                    let from = self.returned.map_or(at, |r| r.max(at));
-                    self.engine.timed(&plan, (now - from).as_secs_f64());
-                    self.returned = Some(now);
+                // The last stage's busy seconds for the step come first.
+                let w = words(&m.payload);
+                let (&micros, rest) = w.split_first().ok_or_else(|| StageError::Peer("an ids message without its step time".into()))?;
+                if let Some((plan, first)) = self.launched.pop_front() {
+                    // What the micro-batch cost the pipeline: its time on
+                    // the slower of the two stages that measure it (a
+                    // round trip would count the waits behind other
+                    // micro-batches and the loop's polling).
+                    self.engine.timed(&plan, first.max(micros.max(0) as f64 / 1e6));
                 }
-                let drawn = Drawn::decode(&words(&m.payload), m.segments.len()).map_err(StageError::Peer)?;
+                let drawn = Drawn::decode(rest, m.segments.len()).map_err(StageError::Peer)?;
                 self.engine.returned(&m.segments, &drawn).map_err(|e| StageError::Peer(e.0))?;
                 self.apply(world, st, books, feed);
             }
@@ -368,8 +366,9 @@ impl Leader {
             // The step's NCCL send waits for the receiver, who needs the header first.
             self.outbox.send(world, 1, tag::ACT, header(&[]));
         }
-        self.launched.push_back((Instant::now(), plan.clone()));
+        let started = Instant::now();
         st.step(&segs, &ids, &mut x, None, plan.verifies())?;
+        self.launched.push_back((plan.clone(), started.elapsed().as_secs_f64()));
         if !st.uses_collectives() {
             self.outbox.send(world, 1, tag::ACT, header(&f32_bytes(&x)));
         }

@@ -4,8 +4,9 @@
 //! it verifies draft tokens, each segment's drafts) followed by a
 //! payload, which is the
 //! step's activations (`[S, hidden]` as f32 words, two bf16 to a word under
-//! `--activations bf16`) on the way down the pipeline, or the last stage's
-//! ids (one per segment) on the way back to the first.
+//! `--activations bf16`) on the way down the pipeline, or, on the way back
+//! to the first, the last stage's busy microseconds for the step (one
+//! word) and its ids (`m3c_engine::Drawn`, per segment).
 
 use crate::error::StageError;
 use crate::liveness::{self, Peers};
