@@ -13,8 +13,9 @@
 //! acceptance (the chance a draft token is kept, pooled over all sequences
 //! for a new one). Drafts are ranked most likely first, and the
 //! micro-batch takes the count of them that gives the most expected tokens
-//! per second, none included; so drafts are made only where they are
-//! expected to pay for their rows. What it has not measured yet (a plain
+//! per second, none included, and drafts only when that beats plain steps
+//! by a margin; so drafts are made only where they are expected to pay
+//! for their rows. What it has not measured yet (a plain
 //! step's cost, or a drafting one's) it measures, with no drafts or with
 //! the proposer's full K, and it tries the full K again once in a while,
 //! so a choice not to speculate is revisited.
@@ -103,6 +104,11 @@ const RETRY_EVERY: u64 = 256;
 const REFRESH_EVERY: u64 = 64;
 /// Measurements a cost needs before the model trusts it.
 const TRUSTED: usize = 3;
+/// How much faster than plain steps drafting must be expected to run
+/// before it is chosen: step times of a fraction of a millisecond are
+/// noisy, and a draft that only breaks even costs its rows when the
+/// estimate is off.
+const MARGIN: f64 = 0.05;
 
 /// The speculation of one engine: its proposer and what it measured.
 pub struct Speculator {
@@ -258,11 +264,12 @@ impl Speculator {
     }
 
     /// How many of the ranked drafts give the most expected tokens per
-    /// second, by the measured costs.
+    /// second, by the measured costs (none unless that beats plain steps
+    /// by [`MARGIN`]).
     fn best_count(&self, cands: &[Candidate], rows: usize) -> usize {
         let tokens = cands.iter().filter(|c| c.draws).count() as f64;
         let Some(plain) = self.cost.estimate(rows) else { return 0 };
-        let (mut best, mut best_rate) = (0, tokens / plain);
+        let (mut best, mut best_rate) = (0, (1.0 + MARGIN) * tokens / plain);
         let mut gained = tokens;
         let alphas: Vec<f64> = cands.iter().map(|c| self.acceptance(c.seq)).collect();
         let mut taken = vec![0i32; cands.len()];
