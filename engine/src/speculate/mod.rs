@@ -75,11 +75,16 @@ impl Acceptance {
         self.lost = DECAY * self.lost + f64::from(accepted < drafted);
     }
 
-    /// The estimate, with `prior` counting as one verify's worth.
-    fn rate(&self, prior: f64) -> f64 {
-        (self.kept + prior) / (self.kept + self.lost + 1.0)
+    /// The estimate, with `prior` counting as `weight` verifies' worth.
+    fn rate(&self, prior: f64, weight: f64) -> f64 {
+        (self.kept + weight * prior) / (self.kept + self.lost + weight)
     }
 }
+
+/// How many verifies' worth the pooled rate counts for in a sequence's
+/// own: the sequence picked for a draft is the one that looks likeliest,
+/// so a few lucky verifies must not make it look sure.
+const PRIOR_WEIGHT: f64 = 4.0;
 
 /// A sequence's turn in the next micro-batch, as the speculator sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -188,8 +193,8 @@ impl Speculator {
     }
 
     fn acceptance(&self, seq: usize) -> f64 {
-        let prior = self.pooled.rate(0.5);
-        self.seqs.get(&seq).map_or(prior, |a| a.rate(prior))
+        let prior = self.pooled.rate(0.5, 1.0);
+        self.seqs.get(&seq).map_or(prior, |a| a.rate(prior, PRIOR_WEIGHT))
     }
 
     /// What this plan measures instead of choosing by the model:
