@@ -17,6 +17,7 @@ use crate::error::StageError;
 use crate::stage::{Segment, Stage};
 use m3c_contract::{CheckpointLayout, DType};
 use m3c_engine::drawn::Drawn;
+use m3c_engine::Ask;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
 
@@ -102,7 +103,10 @@ impl Drafter {
                 }
             };
             // (−1: the first stage asks nothing of the head for it.)
-            let skip = wanted.get(k).is_some_and(|&w| w < 0);
+            // The first stage's ask for it, as the wire carries it (none
+            // listed: only the head's cache rows).
+            let ask = wanted.get(k).map_or(Ask::CacheOnly, |&w| Ask::from_word(w));
+            let skip = ask == Ask::Nothing;
             let rows = if skip { 0 } else { (0..s.rows).take_while(|&j| next(j).is_some_and(|id| id >= 0)).count() };
             if rows > 0 {
                 first.push(Segment { seq: s.seq, pos0: s.pos0, rows });
@@ -115,7 +119,7 @@ impl Drafter {
                 }
                 // It drew a token this step (and may take more): it drafts.
                 let drew = got[k].tokens.last().is_some_and(|t| t.id >= 0);
-                let asked = wanted.get(k).map_or(0, |&w| usize::try_from(w).unwrap_or(0));
+                let asked = if let Ask::Drafts(n) = ask { n } else { 0 };
                 let want = self.tokens.min(asked).min(books.remaining(s.seq).saturating_sub(1));
                 if drew && want > 0 {
                     chains[k] = Some((ids.len() - 1, s.pos0 + rows, want));

@@ -368,7 +368,7 @@ impl Leader {
         }
         let started = Instant::now();
         st.step(&segs, &ids, &mut x, None, plan.verifies())?;
-        self.launched.push_back((plan.clone(), started.elapsed().as_secs_f64()));
+        self.launched.push_back((plan, started.elapsed().as_secs_f64()));
         if !st.uses_collectives() {
             self.outbox.send(world, 1, tag::ACT, header(&f32_bytes(&x)));
         }

@@ -13,8 +13,9 @@ const WINDOW: usize = 15;
 
 #[derive(Debug, Clone, Default)]
 pub struct StepCost {
-    /// The last seconds per step, by the step's rows.
-    by_rows: BTreeMap<usize, VecDeque<f64>>,
+    /// The last seconds per step, by the step's rows, and their median
+    /// (kept as they come: estimates are read every plan).
+    by_rows: BTreeMap<usize, (VecDeque<f64>, f64)>,
 }
 
 impl StepCost {
@@ -23,11 +24,12 @@ impl StepCost {
         if !(seconds.is_finite() && seconds >= 0.0) || rows == 0 {
             return;
         }
-        let w = self.by_rows.entry(rows).or_default();
+        let (w, m) = self.by_rows.entry(rows).or_default();
         if w.len() == WINDOW {
             w.pop_front();
         }
         w.push_back(seconds);
+        *m = median(w);
     }
 
     /// Whether a step of exactly `rows` was measured.
@@ -43,32 +45,32 @@ impl StepCost {
 
     /// Measurements held of steps of exactly `rows` rows.
     pub fn samples(&self, rows: usize) -> usize {
-        self.by_rows.get(&rows).map_or(0, VecDeque::len)
+        self.by_rows.get(&rows).map_or(0, |(w, _)| w.len())
     }
 
     /// Measurements held of steps of more rows than `rows`.
     pub fn samples_above(&self, rows: usize) -> usize {
-        self.by_rows.range(rows + 1..).map(|(_, w)| w.len()).sum()
+        self.by_rows.range(rows + 1..).map(|(_, (w, _))| w.len()).sum()
     }
 
     /// The seconds a step of `rows` rows is expected to take (`None`
     /// before any measurement).
     pub fn estimate(&self, rows: usize) -> Option<f64> {
-        let medians: BTreeMap<usize, f64> = self.by_rows.iter().map(|(&r, w)| (r, median(w))).collect();
-        let below = medians.range(..=rows).next_back();
-        let above = medians.range(rows + 1..).next();
-        let floor = medians.range(..=rows).map(|(_, &s)| s).fold(0.0, f64::max);
-        let line = |(r0, s0): (&usize, &f64), (r1, s1): (&usize, &f64)| {
-            let slope = ((s1 - s0) / (*r1 as f64 - *r0 as f64)).max(0.0);
-            s0 + slope * (rows as f64 - *r0 as f64)
+        let at = |(&r, (_, m)): (&usize, &(VecDeque<f64>, f64))| (r, *m);
+        let below = self.by_rows.range(..=rows).next_back().map(at);
+        let above = self.by_rows.range(rows + 1..).next().map(at);
+        let floor = self.by_rows.range(..=rows).map(|(_, (_, m))| *m).fold(0.0, f64::max);
+        let line = |(r0, s0): (usize, f64), (r1, s1): (usize, f64)| {
+            let slope = ((s1 - s0) / (r1 as f64 - r0 as f64)).max(0.0);
+            s0 + slope * (rows as f64 - r0 as f64)
         };
         let est = match (below, above) {
-            (Some((&r, &s)), _) if r == rows => s,
+            (Some((r, s)), _) if r == rows => s,
             (Some(lo), Some(hi)) => line(lo, hi),
-            (None, Some((_, &s))) => s,
-            (Some(hi), None) => match medians.range(..*hi.0).next_back() {
+            (None, Some((_, s))) => s,
+            (Some(hi), None) => match self.by_rows.range(..hi.0).next_back().map(at) {
                 Some(lo) => line(lo, hi),
-                None => *hi.1,
+                None => hi.1,
             },
             (None, None) => return None,
         };

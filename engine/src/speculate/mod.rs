@@ -232,13 +232,14 @@ impl Speculator {
         if self.disable_by_batch_size.is_none_or(|b| running <= b) {
             let rows: usize = cands.iter().map(|c| c.rows).sum();
             let decoding = cands.iter().all(|c| c.decode);
+            let ranked = self.ranked(cands);
             let take = match self.explore(rows).filter(|_| decoding && self.fixed.is_none()) {
                 Some(false) => 0,
                 Some(true) => cands.iter().filter(|c| c.draws && c.room > 0).count(),
                 None if self.fixed.is_some() => usize::MAX,
-                None => self.best_count(cands, rows),
+                None => self.best_count(cands, &ranked, rows),
             };
-            for i in self.ranked(cands).into_iter().take(take) {
+            for &i in ranked.iter().take(take) {
                 k[i] += 1;
             }
         }
@@ -271,14 +272,14 @@ impl Speculator {
     /// How many of the ranked drafts give the most expected tokens per
     /// second, by the measured costs (none unless that beats plain steps
     /// by [`MARGIN`]).
-    fn best_count(&self, cands: &[Candidate], rows: usize) -> usize {
+    fn best_count(&self, cands: &[Candidate], ranked: &[usize], rows: usize) -> usize {
         let tokens = cands.iter().filter(|c| c.draws).count() as f64;
         let Some(plain) = self.cost.estimate(rows) else { return 0 };
         let (mut best, mut best_rate) = (0, (1.0 + MARGIN) * tokens / plain);
         let mut gained = tokens;
         let alphas: Vec<f64> = cands.iter().map(|c| self.acceptance(c.seq)).collect();
         let mut taken = vec![0i32; cands.len()];
-        for (n, i) in self.ranked(cands).into_iter().enumerate() {
+        for (n, &i) in ranked.iter().enumerate() {
             taken[i] += 1;
             gained += alphas[i].powi(taken[i]);
             let Some(t) = self.drafting_cost().estimate(rows + n + 1) else { break };

@@ -168,7 +168,7 @@ fn requests_are_checked_before_they_join() {
 }
 
 #[test]
-fn the_newest_running_sequence_is_preempted_first_and_resumes_first_in_line() {
+fn the_latest_arrival_is_preempted_first_and_preemption_changes_nothing() {
     let mut cfg = config();
     // Two sequences whose whole needs do not fit: 5 blocks of 4.
     cfg.blocks = 5;
