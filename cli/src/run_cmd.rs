@@ -64,7 +64,7 @@ fn image_prompt(
         let video_tokens: usize = seq_videos.iter().map(|v| v.tokens()).sum();
         let (len, media) = match text_in.as_deref_mut() {
             Some(enc) => {
-                let t = ImageTokens::new(|t| enc.tokenizer.token_id(t), image_token)?;
+                let t = ImageTokens::new(|t| enc.tokenizer.token_id(t), image_token, &chat_format(&args.model)?.media)?;
                 enc.ids[seq] = t.expand(&enc.ids[seq], &tokens).with_context(|| format!("prompt {seq}"))?;
                 let media = prompt::seq_media_in_order(&enc.ids[seq], image_token as u32, video_token, processed, seq_videos)
                     .with_context(|| format!("prompt {seq}"))?;
@@ -116,6 +116,7 @@ type OutputRules = (Option<String>, Option<ThinkBudget>);
 /// constraint, as `m3c serve` does).
 fn run_outputs(args: &RunArgs, eos: &[i64], think: &[ThinkStart]) -> Result<Vec<OutputRules>> {
     let thinks = think.iter().any(|&t| t != ThinkStart::Closed);
+    let tags = &chat_format(&args.model)?.think;
     let (grammar, vocabulary) = match run_grammar(args, eos)? {
         Some((text, flag, v)) => (Some((text, flag)), Some(v)),
         None if thinks && args.thinking_token_budget.is_some() => {
@@ -125,11 +126,11 @@ fn run_outputs(args: &RunArgs, eos: &[i64], think: &[ThinkStart]) -> Result<Vec<
     };
     // A budget needs the closing tag as one token: asked for without one,
     // an error; the default one is then left out.
-    let closes = vocabulary.as_ref().is_some_and(|v| v.token_of(m3c_contract::thinking::CLOSE.as_bytes()).is_some());
+    let closes = vocabulary.as_ref().is_some_and(|v| v.token_of(tags.close.as_bytes()).is_some());
     if args.thinking_token_budget.is_some() && thinks && !closes {
         anyhow::bail!(
             "--thinking-token-budget needs `{}` as one token of {}/tokenizer.json, and it has none",
-            m3c_contract::thinking::CLOSE,
+            tags.close,
             args.model.display()
         );
     }
@@ -140,7 +141,7 @@ fn run_outputs(args: &RunArgs, eos: &[i64], think: &[ThinkStart]) -> Result<Vec<
             let g = match (&grammar, &vocabulary) {
                 (Some((text, flag)), Some(v)) => {
                     if !wrapped.contains_key(start.name()) {
-                        let w = m3c_constrain::thinking::wrap(text, start).map_err(|e| anyhow::anyhow!("{flag}: {e}"))?;
+                        let w = m3c_constrain::thinking::wrap(text, start, tags).map_err(|e| anyhow::anyhow!("{flag}: {e}"))?;
                         v.compile(&w).map_err(|e| anyhow::anyhow!("{flag}: {e}"))?;
                         wrapped.insert(start.name(), w);
                     }
@@ -228,7 +229,8 @@ fn inputs(args: &RunArgs, compiled: &m3c_front::launch::Compiled) -> Result<Inpu
     // Videos: decoded and processed first, since their text (timestamps)
     // is tokenized with the prompt's.
     if !args.video.is_empty() && (args.prompt.len() + args.chat.len() != 1 || !args.prompt_ids.is_empty() || args.prompts.is_some()) {
-        bail!("--video goes with exactly one --prompt (holding one `]<]video[>[` per video) or one --chat");
+        let token = chat_format(&args.model).map_or("video placeholder", |f| f.media.video);
+        bail!("--video goes with exactly one --prompt (holding one `{token}` per video) or one --chat");
     }
     let videos = m3c_front::vision::prompt::load_videos(&args.video)?;
     let mut text = text_prompts(args, jsonl.as_ref(), &videos)?;
@@ -508,4 +510,9 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The model's chat format (its `config.json`'s architecture).
+fn chat_format(model: &std::path::Path) -> Result<&'static m3c_contract::chat_format::ChatFormat> {
+    m3c_contract::chat_format::ChatFormat::of_model_dir(model).map_err(anyhow::Error::msg)
 }

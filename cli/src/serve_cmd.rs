@@ -9,10 +9,6 @@ use anyhow::{bail, Context, Result};
 use m3c_contract::speculative::SpeculativeConfig;
 use std::path::{Path, PathBuf};
 
-/// The parsers vLLM's MiniMax-M3 recipe names; m3c's own (the chat
-/// template's tool calls and `<think>` reasoning) are MiniMax-M3's.
-const PARSERS: &[&str] = &["minimax_m3"];
-
 pub(crate) fn serve_cmd(a: ServeArgs) -> Result<()> {
     check_vllm_flags(&a)?;
     let (out, model) = pipeline(&a)?;
@@ -68,8 +64,9 @@ fn check_vllm_flags(a: &ServeArgs) -> Result<()> {
         bail!("--kv-budget {}: expected a positive number of GB (at most 1e6)", a.kv_budget);
     }
     for (flag, name) in [("--tool-call-parser", &a.tool_call_parser), ("--reasoning-parser", &a.reasoning_parser)] {
-        if let Some(n) = name.as_deref().filter(|n| !PARSERS.contains(n)) {
-            bail!("{flag} {n}: m3c serves MiniMax-M3, whose parser is {PARSERS:?} (its chat template's tool calls and reasoning)");
+        let parsers = m3c_contract::chat_format::ChatFormat::all_parsers();
+        if let Some(n) = name.as_deref().filter(|n| !parsers.contains(n)) {
+            bail!("{flag} {n}: m3c's parsers are {parsers:?} (each family's chat template's tool calls and reasoning)");
         }
     }
     if a.trust_remote_code {

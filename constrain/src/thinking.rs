@@ -1,4 +1,6 @@
-//! MiniMax-M3's reasoning block as one rule (`m3c_contract::thinking`),
+//! A chat's reasoning block as one rule (`m3c_contract::thinking`), under
+//! the family's reasoning tags (`m3c_contract::chat_format::ThinkTags`;
+//! MiniMax-M3's `<mm:think>…</mm:think>` in the examples below),
 //! implemented three times over the same definitions so the three can
 //! never disagree about where content starts:
 //!
@@ -10,7 +12,7 @@
 //! - [`Budget`] counts reasoning tokens in the last stage and names the
 //!   token to force when the cap is reached.
 //!
-//! Reasoning is text up to the first [`CLOSE`]; it never contains one. A
+//! Reasoning is text up to the first closing tag; it never contains one. A
 //! constrained reader is strict: content is every byte after the prefix,
 //! with nothing trimmed. An unconstrained one is lenient, as it was before
 //! constraints followed reasoning: whitespace before the opening tag is
@@ -21,7 +23,8 @@
 //! `<mm:think>` opens reasoning again, a stray `</mm:think>` is dropped.
 
 use crate::{ConstrainError, Vocabulary};
-pub use m3c_contract::thinking::{ThinkBudget, ThinkStart, CLOSE, OPEN};
+pub use m3c_contract::chat_format::ThinkTags;
+pub use m3c_contract::thinking::{ThinkBudget, ThinkStart};
 
 /// Where the output is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,6 +49,7 @@ pub struct Split {
 /// that may begin a tag are held until the next piece shows what they are.
 #[derive(Debug, Clone)]
 pub struct Splitter {
+    tags: &'static ThinkTags,
     part: Part,
     pending: Vec<u8>,
     lenient: bool,
@@ -54,14 +58,14 @@ pub struct Splitter {
 
 impl Splitter {
     /// `lenient`: the unconstrained reading (above).
-    pub fn new(start: ThinkStart, lenient: bool) -> Splitter {
+    pub fn new(tags: &'static ThinkTags, start: ThinkStart, lenient: bool) -> Splitter {
         let part = match start {
             ThinkStart::Open if lenient => Part::OpenStart,
             ThinkStart::Open => Part::Reasoning,
             ThinkStart::Closed if !lenient => Part::Content,
             ThinkStart::Closed | ThinkStart::Adaptive => Part::Start,
         };
-        Splitter { part, pending: Vec::new(), lenient, content_seen: false }
+        Splitter { tags, part, pending: Vec::new(), lenient, content_seen: false }
     }
 
     /// Whether the output is inside the reasoning now.
@@ -81,32 +85,33 @@ impl Splitter {
     }
 
     fn advance(&mut self, end: bool) -> Split {
+        let (open, close) = (self.tags.open, self.tags.close);
         let mut out = Split::default();
         loop {
             match self.part {
                 Part::Start => {
                     let skip = if self.lenient { self.pending.iter().take_while(|b| b.is_ascii_whitespace()).count() } else { 0 };
                     let t = &self.pending[skip..];
-                    if t.starts_with(OPEN.as_bytes()) {
-                        self.pending.drain(..skip + OPEN.len());
+                    if t.starts_with(open.as_bytes()) {
+                        self.pending.drain(..skip + open.len());
                         self.part = Part::Reasoning;
-                    } else if t.starts_with(CLOSE.as_bytes()) {
-                        self.pending.drain(..skip + CLOSE.len());
+                    } else if t.starts_with(close.as_bytes()) {
+                        self.pending.drain(..skip + close.len());
                         self.part = Part::Content;
-                    } else if !end && (OPEN.as_bytes().starts_with(t) || CLOSE.as_bytes().starts_with(t)) {
+                    } else if !end && (open.as_bytes().starts_with(t) || close.as_bytes().starts_with(t)) {
                         break; // a tag may be forming
                     } else {
                         self.part = Part::Content;
                     }
                 }
-                Part::Reasoning => match find(&self.pending, CLOSE.as_bytes()) {
+                Part::Reasoning => match find(&self.pending, close.as_bytes()) {
                     Some(i) => {
                         out.reasoning.extend(self.pending.drain(..i));
-                        self.pending.drain(..CLOSE.len());
+                        self.pending.drain(..close.len());
                         self.part = Part::Content;
                     }
                     None => {
-                        let keep = if end { 0 } else { held(&self.pending, CLOSE.as_bytes()) };
+                        let keep = if end { 0 } else { held(&self.pending, close.as_bytes()) };
                         out.reasoning.extend(self.pending.drain(..self.pending.len() - keep));
                         break;
                     }
@@ -124,15 +129,15 @@ impl Splitter {
                     // `<mm:think>` there opens reasoning again (a model
                     // that thinks between answers), a stray `</mm:think>`
                     // is dropped.
-                    let open = find(&self.pending, OPEN.as_bytes());
-                    let close = find(&self.pending, CLOSE.as_bytes());
-                    let (i, tag, reopens) = match (open, close) {
-                        (Some(o), Some(c)) if o < c => (o, OPEN, true),
-                        (_, Some(c)) => (c, CLOSE, false),
-                        (Some(o), None) => (o, OPEN, true),
+                    let open_at = find(&self.pending, open.as_bytes());
+                    let close_at = find(&self.pending, close.as_bytes());
+                    let (i, tag, reopens) = match (open_at, close_at) {
+                        (Some(o), Some(c)) if o < c => (o, open, true),
+                        (_, Some(c)) => (c, close, false),
+                        (Some(o), None) => (o, open, true),
                         (None, None) => {
                             let keep =
-                                if end { 0 } else { held(&self.pending, OPEN.as_bytes()).max(held(&self.pending, CLOSE.as_bytes())) };
+                                if end { 0 } else { held(&self.pending, open.as_bytes()).max(held(&self.pending, close.as_bytes())) };
                             let cut = self.pending.len() - keep;
                             self.content_seen |= cut > 0;
                             out.content.extend(self.pending.drain(..cut));
@@ -149,9 +154,9 @@ impl Splitter {
                 Part::OpenStart => {
                     // A model that opens its reasoning again right after the
                     // prompt opened it: the tag is not reasoning.
-                    if self.pending.starts_with(OPEN.as_bytes()) {
-                        self.pending.drain(..OPEN.len());
-                    } else if !end && OPEN.as_bytes().starts_with(&self.pending) {
+                    if self.pending.starts_with(open.as_bytes()) {
+                        self.pending.drain(..open.len());
+                    } else if !end && open.as_bytes().starts_with(&self.pending) {
                         break;
                     }
                     self.part = Part::Reasoning;
@@ -191,7 +196,7 @@ const BODY: &str = "m3c_content";
 ///
 /// The reasoning and its tags are one terminal, so the lexer ends it at
 /// the first `</mm:think>` without looking back.
-pub fn wrap(content: &str, start: ThinkStart) -> Result<String, ConstrainError> {
+pub fn wrap(content: &str, start: ThinkStart, tags: &ThinkTags) -> Result<String, ConstrainError> {
     use llguidance::api::{GrammarWithLexer, TopLevelGrammar};
     if start == ThinkStart::Closed {
         return Ok(content.to_string());
@@ -201,16 +206,29 @@ pub fn wrap(content: &str, start: ThinkStart) -> Result<String, ConstrainError> 
         return Err(ConstrainError::Grammar("a grammar list without grammars".into()));
     };
     let name = first.name.get_or_insert_with(|| BODY.to_string()).clone();
-    let reasoning = r#"REASONING: /(?s:.*)/ & ~/(?s:.*)<\/mm:think>(?s:.*)/"#;
+    let (open, close) = (tags.open, tags.close);
+    let reasoning = format!("REASONING: /(?s:.*)/ & ~/(?s:.*){}(?s:.*)/", regex_literal(close));
     let lark = match start {
-        ThinkStart::Open => format!("start: THOUGHT @{name}\nTHOUGHT: REASONING \"{CLOSE}\"\n{reasoning}\n"),
+        ThinkStart::Open => format!("start: THOUGHT @{name}\nTHOUGHT: REASONING \"{close}\"\n{reasoning}\n"),
         _ => format!(
-            "start: THOUGHT @{name} | NO_THOUGHT @{name}\nTHOUGHT: \"{OPEN}\" REASONING \"{CLOSE}\"\nNO_THOUGHT: \"{CLOSE}\"\n{reasoning}\n"
+            "start: THOUGHT @{name} | NO_THOUGHT @{name}\nTHOUGHT: \"{open}\" REASONING \"{close}\"\nNO_THOUGHT: \"{close}\"\n{reasoning}\n"
         ),
     };
     let wrapper = GrammarWithLexer { name: None, json_schema: None, lark_grammar: Some(lark) };
     g.grammars.insert(0, wrapper);
     serde_json::to_string(&g).map_err(|e| ConstrainError::Grammar(e.to_string()))
+}
+
+/// `text` as a lark regex that matches it literally (inside `/.../`).
+fn regex_literal(text: &str) -> String {
+    let mut out = String::new();
+    for c in text.chars() {
+        if "\\.+*?()|[]{}^$#&-~/".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
 }
 
 /// One sequence's reasoning budget in the last stage: it follows the
@@ -228,11 +246,11 @@ impl Budget {
     /// `lenient`: the sequence has no grammar, so the server reads its
     /// output leniently (the budget then counts what that reader calls
     /// reasoning).
-    pub fn new(vocabulary: &Vocabulary, b: ThinkBudget, lenient: bool) -> Result<Budget, ConstrainError> {
-        let close = vocabulary.token_of(CLOSE.as_bytes()).ok_or_else(|| {
-            ConstrainError::Tokenizer(format!("a reasoning budget needs `{CLOSE}` as one token, and the tokenizer has none"))
+    pub fn new(vocabulary: &Vocabulary, tags: &'static ThinkTags, b: ThinkBudget, lenient: bool) -> Result<Budget, ConstrainError> {
+        let close = vocabulary.token_of(tags.close.as_bytes()).ok_or_else(|| {
+            ConstrainError::Tokenizer(format!("a reasoning budget needs `{}` as one token, and the tokenizer has none", tags.close))
         })?;
-        Ok(Budget { splitter: Splitter::new(b.start, lenient), budget: b.budget, spent: 0, close })
+        Ok(Budget { splitter: Splitter::new(tags, b.start, lenient), budget: b.budget, spent: 0, close })
     }
 
     /// The token the next draw must take (the closing tag), if the budget
@@ -259,8 +277,18 @@ impl Budget {
 mod tests {
     use super::*;
 
+    const OPEN: &str = "<mm:think>";
+    const CLOSE: &str = "</mm:think>";
+
+    /// MiniMax-M3's tags, which the examples spell.
+    fn tags() -> &'static ThinkTags {
+        let tags = &m3c_contract::chat_format::ChatFormat::of_family("minimax_m3").unwrap().think;
+        assert_eq!((tags.open, tags.close), (OPEN, CLOSE));
+        tags
+    }
+
     fn read(start: ThinkStart, lenient: bool, pieces: &[&str]) -> (String, String) {
-        let mut s = Splitter::new(start, lenient);
+        let mut s = Splitter::new(tags(), start, lenient);
         let mut all = Split::default();
         for p in pieces.iter().map(|p| p.as_bytes()).chain([&b""[..]]) {
             let d = if p.is_empty() { s.finish() } else { s.push(p) };
@@ -317,7 +345,7 @@ mod tests {
     /// allowed ids. Returns the output's bytes and whether the grammar ended.
     fn generate(v: &Vocabulary, grammar: &str, budget: Option<ThinkBudget>, pick: impl Fn(&[u32], usize) -> u32) -> (Vec<u8>, bool) {
         let mut c = v.compile(grammar).unwrap();
-        let mut b = budget.map(|b| Budget::new(v, b, false).unwrap());
+        let mut b = budget.map(|b| Budget::new(v, tags(), b, false).unwrap());
         let mut out = Vec::new();
         for step in 0..200 {
             let mut m = c.mask().unwrap();
@@ -345,7 +373,7 @@ mod tests {
     }
 
     fn content_of(start: ThinkStart, out: &[u8]) -> (String, String) {
-        let mut s = Splitter::new(start, false);
+        let mut s = Splitter::new(tags(), start, false);
         let mut d = s.push(out);
         let e = s.finish();
         d.reasoning.extend(e.reasoning);
@@ -358,7 +386,7 @@ mod tests {
         let (v, _eos, open, close) = vocabulary();
         let choice = crate::Grammar::Choice(vec!["yes".into(), "no".into()]).to_text();
         // Adaptive: a model that opens its reasoning, thinks, closes it.
-        let g = wrap(&choice, ThinkStart::Adaptive).unwrap();
+        let g = wrap(&choice, ThinkStart::Adaptive, tags()).unwrap();
         let thinker = |m: &[u32], step: usize| {
             let want = match step {
                 0 => open,
@@ -381,18 +409,19 @@ mod tests {
         assert!(done && out.starts_with(CLOSE.as_bytes()) && (content == "yes" || content == "no"), "{:?}", String::from_utf8_lossy(&out));
         // Adaptive, the content cannot come first: it could itself begin
         // with a tag, which the reader would take for reasoning.
-        let mut c = v.compile(&wrap(&crate::Grammar::Regex("<mm:think>.*|y".into()).to_text(), ThinkStart::Adaptive).unwrap()).unwrap();
+        let mut c =
+            v.compile(&wrap(&crate::Grammar::Regex("<mm:think>.*|y".into()).to_text(), ThinkStart::Adaptive, tags()).unwrap()).unwrap();
         let m = c.mask().unwrap();
         assert!(!allowed(&m, b'y' as u32 - b'!' as u32), "a bare answer before the tag");
         // Open: the reasoning is required, and a bare answer is not allowed
         // until it closes.
-        let g = wrap(&choice, ThinkStart::Open).unwrap();
+        let g = wrap(&choice, ThinkStart::Open, tags()).unwrap();
         let (out, done) = generate(&v, &g, None, thinker);
         assert!(done);
         let (r, c) = content_of(ThinkStart::Open, &out);
         assert!(r.ends_with("zzzz") && (c == "yes" || c == "no"), "{:?}", String::from_utf8_lossy(&out));
         // Closed: the grammar as it was.
-        assert_eq!(wrap(&choice, ThinkStart::Closed).unwrap(), choice);
+        assert_eq!(wrap(&choice, ThinkStart::Closed, tags()).unwrap(), choice);
     }
 
     /// A model whose EOS is an ordinary token (the tiny fixture's config
@@ -409,7 +438,7 @@ mod tests {
         let json = crate::Grammar::JsonSchema(schema).to_text();
         for start in [ThinkStart::Open, ThinkStart::Adaptive] {
             for seed in 0..8u32 {
-                let mut c = v.compile_stopping(&wrap(&json, start).unwrap(), &[bang, hash]).unwrap();
+                let mut c = v.compile_stopping(&wrap(&json, start, tags()).unwrap(), &[bang, hash]).unwrap();
                 let mut out = Vec::new();
                 let mut state = seed.wrapping_mul(2654435761) | 1;
                 for step in 0..400 {
@@ -453,7 +482,7 @@ mod tests {
         // A model that would think forever: it never picks the close.
         let never_closes = |m: &[u32], _| (0..100u32).find(|&i| i != close && allowed(m, i)).unwrap_or(close);
         for start in [ThinkStart::Open, ThinkStart::Adaptive] {
-            let g = wrap(&json, start).unwrap();
+            let g = wrap(&json, start, tags()).unwrap();
             let (out, done) = generate(&v, &g, Some(ThinkBudget { start, budget: 5 }), |m, step| {
                 if step == 0 && start == ThinkStart::Adaptive {
                     open
@@ -468,7 +497,7 @@ mod tests {
             assert!(parsed["ok"].is_boolean());
         }
         // Without a grammar, the budget alone.
-        let mut b = Budget::new(&v, ThinkBudget { start: ThinkStart::Open, budget: 2 }, true).unwrap();
+        let mut b = Budget::new(&v, tags(), ThinkBudget { start: ThinkStart::Open, budget: 2 }, true).unwrap();
         assert_eq!(b.forced(), None);
         b.consume(&v, 5);
         b.consume(&v, 6);

@@ -6,6 +6,8 @@
 //!   `m3c_kvpool`).
 //! - [`dtype`]: the one table of checkpoint element types and their sizes
 //!   (no default for an unknown name: it is an error).
+//! - [`chat_format`]: a family's chat markers (reasoning tags, tool-call
+//!   markup, media tokens), found by `config.json`'s `architectures`.
 //! - [`checkpoint`]: the one safetensors reader (single file or sharded),
 //!   which rejects exactly the same damaged or hostile files on both sides.
 //! - [`input`]: reading user files with a size limit, regular files only,
@@ -36,6 +38,7 @@
 //! its parsers can be property-tested on arbitrary input.
 
 pub mod blocks;
+pub mod chat_format;
 pub mod checkpoint;
 pub mod dtype;
 pub mod images;

@@ -18,10 +18,7 @@
 //! stage that enforces a reasoning budget all follow this one rule
 //! (`m3c_constrain::thinking` implements it).
 
-/// Opens the reasoning (one token of MiniMax-M3's vocabulary).
-pub const OPEN: &str = "<mm:think>";
-/// Closes the reasoning; content starts after it.
-pub const CLOSE: &str = "</mm:think>";
+use crate::chat_format::ThinkTags;
 
 /// Where the output starts, read from the end of the rendered prompt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,12 +32,13 @@ pub enum ThinkStart {
 }
 
 impl ThinkStart {
-    /// From the text of a rendered chat prompt (trailing whitespace aside).
-    pub fn of_prompt(rendered: &str) -> ThinkStart {
+    /// From the text of a rendered chat prompt (trailing whitespace aside),
+    /// whose reasoning is tagged with `tags`.
+    pub fn of_prompt(rendered: &str, tags: &ThinkTags) -> ThinkStart {
         let t = rendered.trim_end();
-        if t.ends_with(CLOSE) {
+        if t.ends_with(tags.close) {
             ThinkStart::Closed
-        } else if t.ends_with(OPEN) {
+        } else if t.ends_with(tags.open) {
             ThinkStart::Open
         } else {
             ThinkStart::Adaptive
@@ -67,7 +65,7 @@ impl ThinkStart {
 }
 
 /// A sequence's reasoning cap: after `budget` tokens of reasoning the
-/// sampler draws [`CLOSE`] (vLLM's `thinking_token_budget`), so content,
+/// sampler draws the closing tag (vLLM's `thinking_token_budget`), so content,
 /// and a constrained answer, always gets its turn.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ThinkBudget {
@@ -81,9 +79,10 @@ mod tests {
 
     #[test]
     fn the_prompt_end_says_where_the_output_starts() {
-        assert_eq!(ThinkStart::of_prompt("]~b]ai\n<mm:think>"), ThinkStart::Open);
-        assert_eq!(ThinkStart::of_prompt("]~b]ai\n</mm:think>\n"), ThinkStart::Closed);
-        assert_eq!(ThinkStart::of_prompt("]~b]ai\n"), ThinkStart::Adaptive);
+        let tags = &crate::chat_format::ChatFormat::of_family("minimax_m3").unwrap().think;
+        assert_eq!(ThinkStart::of_prompt("]~b]ai\n<mm:think>", tags), ThinkStart::Open);
+        assert_eq!(ThinkStart::of_prompt("]~b]ai\n</mm:think>\n", tags), ThinkStart::Closed);
+        assert_eq!(ThinkStart::of_prompt("]~b]ai\n", tags), ThinkStart::Adaptive);
         for s in [ThinkStart::Open, ThinkStart::Closed, ThinkStart::Adaptive] {
             assert_eq!(ThinkStart::parse(s.name()), Ok(s));
         }

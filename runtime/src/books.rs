@@ -33,6 +33,7 @@ use crate::error::StageError;
 use crate::stage::{self, Segment};
 use m3c_constrain::thinking::Budget;
 use m3c_constrain::Constraint;
+use m3c_contract::chat_format::ChatFormat;
 use m3c_contract::sampling::SamplingParams;
 pub(crate) use m3c_engine::drawn::{Drawn, Token};
 use std::collections::{BTreeMap, HashMap};
@@ -54,11 +55,12 @@ pub(crate) struct GrammarSource {
     /// first is the one a complete grammar allows.
     pub eos_ids: Vec<i64>,
     built: Option<Result<m3c_constrain::Vocabulary, String>>,
+    format: Option<Result<&'static ChatFormat, String>>,
 }
 
 impl GrammarSource {
     pub fn new(model: Option<std::path::PathBuf>, vocab: usize, eos_ids: Vec<i64>) -> GrammarSource {
-        GrammarSource { model, vocab, eos_ids, built: None }
+        GrammarSource { model, vocab, eos_ids, built: None, format: None }
     }
 
     /// The model's tokens, read when the first sequence needs them.
@@ -70,6 +72,17 @@ impl GrammarSource {
             None => Err("structured output and reasoning budgets need --model DIR with a tokenizer.json".into()),
         });
         v.as_ref().map_err(Clone::clone)
+    }
+
+    /// The model's chat format (by its config.json's architecture), whose
+    /// reasoning tags a budget reads, read when the first budget needs it.
+    fn chat_format(&mut self) -> Result<&'static ChatFormat, String> {
+        let model = self.model.clone();
+        let f = self.format.get_or_insert_with(|| match model {
+            Some(m) => ChatFormat::of_model_dir(&m),
+            None => Err("reasoning budgets need --model DIR with its config.json".into()),
+        });
+        f.clone()
     }
 
     /// What a sequence's output is held to: its grammar and its reasoning
@@ -84,7 +97,14 @@ impl GrammarSource {
         // are held back until it is complete (`compile_stopping`).
         let stops: Vec<u32> = out.stop_ids.iter().filter_map(|&s| u32::try_from(s).ok()).collect();
         let grammar = out.grammar.as_deref().map(|text| v.compile_stopping(text, &stops)).transpose().map_err(|e| e.to_string())?;
-        let budget = out.think.map(|t| Budget::new(v, t, grammar.is_none())).transpose().map_err(|e| e.to_string())?;
+        let budget = match out.think {
+            Some(t) => {
+                let format = self.chat_format()?;
+                let v = self.vocabulary()?;
+                Some(Budget::new(v, &format.think, t, grammar.is_none()).map_err(|e| e.to_string())?)
+            }
+            None => None,
+        };
         Ok((grammar, budget))
     }
 }

@@ -13,6 +13,7 @@ use axum::response::sse::{Event as Sse_, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use m3c_contract::chat_format::ChatFormat;
 use m3c_contract::images::SeqImages;
 use m3c_contract::protocol::SeqRequest;
 use m3c_contract::protocol::TokenLogprobs;
@@ -32,6 +33,8 @@ pub struct Shared {
     pub engine: Arc<Engine>,
     pub tokenizer: TextTokenizer,
     pub template: Option<ChatTemplate>,
+    /// The family's markers: reasoning tags, tool-call markup, media tokens.
+    pub format: &'static ChatFormat,
     pub defaults: Defaults,
     pub name: String,
     pub api_key: Option<String>,
@@ -293,7 +296,7 @@ async fn chat_completions(State(app): State<App>, headers: HeaderMap, body: Byte
         }
         let ids = app.tokenizer.encode(&rendered).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?;
         // Where the template left the model's reasoning (its thinking mode).
-        let think = ThinkStart::of_prompt(&rendered);
+        let think = ThinkStart::of_prompt(&rendered, &app.format.think);
         Ok((ids, common, Kind::Chat { think, tools: chat.tools }, chat.images, rendered))
     };
     let (ids, common, kind, urls, rendered) = match run() {
@@ -312,7 +315,7 @@ async fn chat_completions(State(app): State<App>, headers: HeaderMap, body: Byte
 /// A chat request's prompt as the model's template writes it, and the
 /// request's chat parts; `generation_prompt`: the assistant's turn opened.
 fn render_chat(app: &Shared, m: &serde_json::Map<String, Value>, generation_prompt: bool) -> Result<(String, openai::Chat), ApiError> {
-    let chat = openai::chat(m)?;
+    let chat = openai::chat(m, &app.format.tools)?;
     let template = app
         .template
         .as_ref()
@@ -477,12 +480,12 @@ async fn media(app: &App, rendered: Option<&str>, ids: &[u32], urls: &[(String, 
     } else {
         let at = &urls.iter().find(|(at, _)| is_video_field(at)).expect("a video is there").0;
         let text = rendered.ok_or_else(|| ApiError::bad(at, "videos are taken by /v1/chat/completions"))?;
-        let text = video::expand_text(text, &videos).map_err(|e| ApiError::bad("messages", e.to_string()))?;
+        let text = video::expand_text(text, &videos, &app.format.media).map_err(|e| ApiError::bad("messages", e.to_string()))?;
         app.tokenizer.encode(&text).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?
     };
     let tokens: Vec<usize> = images.iter().map(|p| p.tokens()).collect();
-    let t =
-        prompt::ImageTokens::new(|t| app.tokenizer.token_id(t), token).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?;
+    let t = prompt::ImageTokens::new(|t| app.tokenizer.token_id(t), token, &app.format.media)
+        .map_err(|e| ApiError::new(500, "server_error", e.to_string()))?;
     let ids = t.expand(&ids, &tokens).map_err(|e| ApiError::bad("messages", e.to_string()))?;
     let video_token = app.video_token.map_or(u32::MAX, |v| v as u32);
     let seq = prompt::seq_media_in_order(&ids, token as u32, video_token, images, videos)
@@ -869,7 +872,7 @@ async fn start(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: Opti
             app: app.clone(),
             ticket,
             chat: match &kind {
-                Kind::Chat { think, tools } => Some(ChatOutput::new(*think, reading(&app, &common, !tools.is_empty()), tools)),
+                Kind::Chat { think, tools } => Some(ChatOutput::new(app.format, *think, reading(&app, &common, !tools.is_empty()), tools)),
                 Kind::Completion => None,
             },
             common: common.clone(),
@@ -903,7 +906,8 @@ fn check_grammar(app: &Shared, g: &m3c_constrain::Grammar, field: &str, think: T
     // `enable_in_reasoning`: the request's grammar binds the reasoning too
     // (a forced call's, which m3c writes, always follows it).
     let think = if binds_reasoning(app, field) { ThinkStart::Closed } else { think };
-    let text = m3c_constrain::thinking::wrap(&g.to_text(), think).map_err(|e| ApiError::bad(field, format!("`{field}`: {e}")))?;
+    let text = m3c_constrain::thinking::wrap(&g.to_text(), think, &app.format.think)
+        .map_err(|e| ApiError::bad(field, format!("`{field}`: {e}")))?;
     v.compile(&text).map_err(|e| ApiError::bad(field, format!("`{field}`: {e}")))?;
     Ok(text)
 }
@@ -925,7 +929,7 @@ fn thinking_budget(
     if start == ThinkStart::Closed {
         return Ok(None);
     }
-    let closes = app.grammars.as_ref().ok().is_some_and(|v| v.token_of(m3c_contract::thinking::CLOSE.as_bytes()).is_some());
+    let closes = app.grammars.as_ref().ok().is_some_and(|v| v.token_of(app.format.think.close.as_bytes()).is_some());
     let budget = match (common.thinking_budget, closes) {
         (Some(b), true) => Some(b),
         (Some(_), false) => {
@@ -933,7 +937,7 @@ fn thinking_budget(
                 "thinking_token_budget",
                 format!(
                     "`thinking_token_budget` needs `{}` as one token of the model's tokenizer, and it has none",
-                    m3c_contract::thinking::CLOSE
+                    app.format.think.close
                 ),
             ))
         }

@@ -99,7 +99,8 @@ impl StructuredOutputs {
                 ("backend", v) => return Err(format!("`backend`: m3c's structured outputs are llguidance's (`auto` or `guidance`), not {v}")),
                 // m3c's JSON is compact already, and its schemas are held as written.
                 ("disable_any_whitespace", Value::Bool(true)) | ("disable_fallback", Value::Bool(_)) => {}
-                ("reasoning_parser", Value::String(p)) if p.is_empty() || p == "minimax_m3" => {}
+                ("reasoning_parser", Value::String(p))
+                    if p.is_empty() || m3c_contract::chat_format::ChatFormat::all_parsers().contains(&p.as_str()) => {}
                 ("enable_in_reasoning" | "disable_any_whitespace" | "disable_fallback" | "reasoning_parser", v) => {
                     return Err(format!("`{k}`: {v} is not a value m3c can honour"))
                 }
@@ -177,6 +178,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
     }
     let tokenizer = m3c_front::text::TextTokenizer::from_dir(&o.model)?;
     let template = m3c_front::text::ChatTemplate::from_dir(&o.model)?;
+    let format = m3c_contract::chat_format::ChatFormat::of_model_dir(&o.model).map_err(anyhow::Error::msg)?;
     let gen = m3c_front::text::generation::GenerationDefaults::from_dir(&o.model)?;
     // vLLM's defaults: the checkpoint's generation_config.json, else
     // OpenAI's (temperature 1, everything kept).
@@ -249,6 +251,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
         engine,
         tokenizer,
         template,
+        format,
         defaults: openai::Defaults { sampling },
         name,
         api_key,

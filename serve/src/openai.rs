@@ -4,6 +4,7 @@
 //! cannot honour refused rather than ignored.
 
 use m3c_constrain::Grammar;
+use m3c_contract::chat_format::ToolMarkup;
 use m3c_contract::sampling::{SamplingOverrides, SamplingParams};
 use serde_json::{json, Map, Value};
 
@@ -559,7 +560,8 @@ pub struct Chat {
     pub forced: Option<Grammar>,
 }
 
-pub fn chat(m: &Map<String, Value>) -> Result<Chat, ApiError> {
+/// `markup`: the family's call tags, which a forced call's grammar writes.
+pub fn chat(m: &Map<String, Value>, markup: &ToolMarkup) -> Result<Chat, ApiError> {
     let Some(Value::Array(list)) = m.get("messages") else {
         return Err(ApiError::bad("messages", "`messages` is required: an array of messages"));
     };
@@ -611,7 +613,7 @@ pub fn chat(m: &Map<String, Value>) -> Result<Chat, ApiError> {
     let forced = match &choice {
         None => None,
         Some(c) => {
-            let text = forced_calls(&tools, c, single || matches!(c, Forced::Named(_)))
+            let text = forced_calls(markup, &tools, c, single || matches!(c, Forced::Named(_)))
                 .map_err(|e| ApiError::bad(if e.path == "tool_choice" { "tool_choice" } else { "tools" }, e.to_string()))?;
             Some(Grammar::Lark(text))
         }
@@ -645,7 +647,13 @@ mod tests {
         let m = body(extra, endpoint);
         let d = Defaults { sampling: SamplingParams::GREEDY };
         let e = check_fields(&m, endpoint).and_then(|()| common(&m, &d, endpoint, 0).map(|_| ()));
-        let e = e.and_then(|()| if endpoint == Endpoint::ChatCompletions { chat(&m).map(|_| ()) } else { Ok(()) });
+        let e = e.and_then(|()| {
+            if endpoint == Endpoint::ChatCompletions {
+                chat(&m, &m3c_contract::chat_format::ChatFormat::of_family("minimax_m3").unwrap().tools).map(|_| ())
+            } else {
+                Ok(())
+            }
+        });
         e.err().map(|e| {
             assert_eq!(e.status, 400, "{e:?}");
             assert!(e.message.contains(e.param.as_deref().unwrap()), "the message names the field: {e:?}");

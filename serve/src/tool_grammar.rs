@@ -1,9 +1,10 @@
 //! The grammar of a forced tool call (`tool_choice: "required"` or a named
-//! function) in MiniMax-M3's own call format
-//! (`../shared/spec/minimax-m3-chat.md` §3–4): a `<tool_call>` block of
-//! `<invoke name="…">` elements whose arguments are XML elements typed by
-//! the tool's JSON schema (nested objects as nested tags, arrays as `<item>`
-//! children, every tag preceded by the `]<]minimax[>[` mark). It is written
+//! function) in the family's call markup (`ToolMarkup`; MiniMax-M3's in
+//! `../shared/spec/minimax-m3-chat.md` §3–4, the names below): a
+//! `<tool_call>` block of `<invoke name="…">` elements whose arguments are
+//! XML elements typed by the tool's JSON schema (nested objects as nested
+//! tags, arrays as `<item>` children, every tag preceded by the mark,
+//! `]<]minimax[>[`). It is written
 //! in llguidance's Lark, so the sampler's mask makes the model's output a
 //! call that [`crate::output`] parses into arguments valid under the schema,
 //! whatever the weights.
@@ -21,10 +22,8 @@
 //! one", `uniqueItems`, a recursive `$ref`, ...) is refused by its path
 //! rather than ignored, so a forced call always validates.
 
+use m3c_contract::chat_format::ToolMarkup;
 use serde_json::{Map, Value};
-
-/// The mark before every tag of a call block.
-const MARK: &str = "]<]minimax[>[";
 
 /// Keywords that only describe a value, and the ones the grammar enforces.
 const KNOWN: &[&str] = &[
@@ -89,8 +88,9 @@ pub enum Forced {
 /// The Lark grammar of a block of calls of `tools` (the request's, each
 /// `{"type": "function", "function": {...}}`): one call when `single`
 /// (`parallel_tool_calls: false`, or a named function), else one or more.
-pub fn forced_calls(tools: &[Value], forced: &Forced, single: bool) -> Result<String, ToolGrammarError> {
-    let mut g = Writer::default();
+pub fn forced_calls(m: &ToolMarkup, tools: &[Value], forced: &Forced, single: bool) -> Result<String, ToolGrammarError> {
+    let mut g = Writer { mark: m.mark, item: m.item, rules: Vec::new(), root: Value::Null, refs: Vec::new() };
+    let (mark, invoke, block) = (m.mark, m.invoke, m.block);
     let mut calls = Vec::new();
     for (i, t) in tools.iter().enumerate() {
         let f = &t["function"];
@@ -109,7 +109,7 @@ pub fn forced_calls(tools: &[Value], forced: &Forced, single: bool) -> Result<St
         let params = if f["parameters"].is_null() { &empty } else { &f["parameters"] };
         g.root = params.clone();
         let args = g.object_body(params, &format!("{path}.parameters"))?;
-        let rule = g.rule(format!("{} {args} {}", lit(&format!("{MARK}<invoke name=\"{name}\">")), lit(&format!("{MARK}</invoke>\n"))));
+        let rule = g.rule(format!("{} {args} {}", lit(&format!("{mark}<{invoke} name=\"{name}\">")), lit(&format!("{mark}</{invoke}>\n"))));
         calls.push(rule);
     }
     if calls.is_empty() {
@@ -121,13 +121,15 @@ pub fn forced_calls(tools: &[Value], forced: &Forced, single: bool) -> Result<St
     }
     let call = g.rule(calls.join(" | "));
     let repeat = if single { "" } else { "+" };
-    let start = format!("start: {} {call}{repeat} {}\n", lit(&format!("{MARK}<tool_call>\n")), lit(&format!("{MARK}</tool_call>")));
+    let start = format!("start: {} {call}{repeat} {}\n", lit(&format!("{mark}<{block}>\n")), lit(&format!("{mark}</{block}>")));
     Ok(start + &g.rules.join(""))
 }
 
 /// The grammar's rules, numbered as they are made.
-#[derive(Default)]
 struct Writer {
+    /// The markup's mark and array-element tag.
+    mark: &'static str,
+    item: &'static str,
     rules: Vec<String>,
     /// The tool's parameters schema, which `$ref`s point into.
     root: Value,
@@ -213,7 +215,7 @@ impl Writer {
                     why: "a forced call's argument names are letters, digits, `_`, `-`, `.` and `:`".into(),
                 });
             }
-            let element = format!("{} {}", lit(&format!("{MARK}<{k}>")), self.value(sub, k, &here)?);
+            let element = format!("{} {}", lit(&format!("{}<{k}>", self.mark)), self.value(sub, k, &here)?);
             parts.push(if required.contains(&k.as_str()) { element } else { format!("({element})?") });
         }
         Ok(parts.join(" "))
@@ -230,7 +232,7 @@ impl Writer {
         if let Some(alts) = schema.get("anyOf") {
             return self.any_of(schema, alts, tag, path);
         }
-        let close = format!("{MARK}</{tag}>");
+        let close = format!("{}</{tag}>", self.mark);
         if let Some(values) = schema.get("enum").or(schema.get("const")) {
             let list: Vec<&Value> = match values {
                 Value::Array(a) if schema.get("enum").is_some() => a.iter().collect(),
@@ -278,7 +280,8 @@ impl Writer {
                 "array" => {
                     let empty = Value::Object(Map::new());
                     let items = schema.get("items").unwrap_or(&empty);
-                    let item = format!("{} {}", lit(&format!("{MARK}<item>")), self.value(items, "item", &format!("{path}.items"))?);
+                    let item = self.item;
+                    let item = format!("{} {}", lit(&format!("{}<{item}>", self.mark)), self.value(items, item, &format!("{path}.items"))?);
                     let item = self.rule(item);
                     let min = count(schema, "minItems", path)?.unwrap_or(0);
                     let max = count(schema, "maxItems", path)?.map_or(String::new(), |m| m.to_string());
@@ -402,6 +405,10 @@ fn escape(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn markup() -> &'static ToolMarkup {
+        &m3c_contract::chat_format::ChatFormat::of_family("minimax_m3").unwrap().tools
+    }
     use serde_json::json;
 
     fn weather() -> Value {
@@ -420,14 +427,15 @@ mod tests {
 
     #[test]
     fn a_forced_call_is_a_lark_grammar_over_the_tools() {
-        let g = forced_calls(&[weather(), json!({"type": "function", "function": {"name": "noop"}})], &Forced::Any, false).unwrap();
+        let g =
+            forced_calls(markup(), &[weather(), json!({"type": "function", "function": {"name": "noop"}})], &Forced::Any, false).unwrap();
         assert!(g.starts_with("start: \"]<]minimax[>[<tool_call>\\n\" r"), "{g}");
         assert!(g.contains("+ \"]<]minimax[>[</tool_call>\""), "one or more calls: {g}");
         assert!(g.contains("\"]<]minimax[>[<invoke name=\\\"get_weather\\\">\""), "{g}");
         assert!(g.contains("/[^<]{0,12}\\]<\\]minimax\\[>\\[<\\/city>/"), "a bounded string and its closing tag: {g}");
         assert!(g.contains("(\"]<]minimax[>[<unit>\" /(?:c|f)\\]<\\]minimax\\[>\\[<\\/unit>/)?"), "an optional enum: {g}");
         assert!(g.contains("{0,2} \"]<]minimax[>[</tags>\""), "maxItems: {g}");
-        let one = forced_calls(&[weather()], &Forced::Named("get_weather".into()), true).unwrap();
+        let one = forced_calls(markup(), &[weather()], &Forced::Named("get_weather".into()), true).unwrap();
         assert!(!one.contains("r1+") && !one.contains(") +"), "a named call is one call: {one}");
     }
 
@@ -435,29 +443,29 @@ mod tests {
     fn what_the_grammar_cannot_enforce_is_refused_by_path() {
         let mut t = weather();
         t["function"]["parameters"]["properties"]["tags"]["uniqueItems"] = json!(true);
-        let e = forced_calls(&[t], &Forced::Any, false).unwrap_err();
+        let e = forced_calls(markup(), &[t], &Forced::Any, false).unwrap_err();
         assert_eq!(e.path, "tools[0].function.parameters.properties.tags.uniqueItems");
         let mut t = weather();
         t["function"]["parameters"]["properties"]["city"]["oneOf"] = json!([{"type": "string"}]);
-        assert!(forced_calls(&[t], &Forced::Any, false).unwrap_err().path.ends_with("city.oneOf"));
+        assert!(forced_calls(markup(), &[t], &Forced::Any, false).unwrap_err().path.ends_with("city.oneOf"));
         let mut t = weather();
         t["function"]["parameters"]["properties"]["city"]["pattern"] = json!("^a|^b");
-        assert!(forced_calls(&[t], &Forced::Any, false).unwrap_err().path.ends_with("city.pattern"));
+        assert!(forced_calls(markup(), &[t], &Forced::Any, false).unwrap_err().path.ends_with("city.pattern"));
         // A model that contains itself cannot be spelled out.
         let mut t = weather();
         t["function"]["parameters"]["$defs"] = json!({"Node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/Node"}}}});
         t["function"]["parameters"]["properties"]["tree"] = json!({"$ref": "#/$defs/Node"});
-        let e = forced_calls(&[t], &Forced::Any, false).unwrap_err();
+        let e = forced_calls(markup(), &[t], &Forced::Any, false).unwrap_err();
         assert!(e.path.ends_with(".$ref") && e.why.contains("recursive"), "{e}");
-        let e = forced_calls(&[weather()], &Forced::Named("search".into()), true).unwrap_err();
+        let e = forced_calls(markup(), &[weather()], &Forced::Named("search".into()), true).unwrap_err();
         assert_eq!(e.path, "tool_choice");
-        assert!(forced_calls(&[], &Forced::Any, false).is_err());
+        assert!(forced_calls(markup(), &[], &Forced::Any, false).is_err());
         let mut t = weather();
         t["function"]["parameters"]["required"] = json!(["zip"]);
-        assert_eq!(forced_calls(&[t], &Forced::Any, false).unwrap_err().path, "tools[0].function.parameters.required");
+        assert_eq!(forced_calls(markup(), &[t], &Forced::Any, false).unwrap_err().path, "tools[0].function.parameters.required");
         let mut t = weather();
         t["function"]["parameters"]["properties"]["a b"] = json!({"type": "string"});
-        assert!(forced_calls(&[t], &Forced::Any, false).unwrap_err().path.ends_with("properties.a b"));
+        assert!(forced_calls(markup(), &[t], &Forced::Any, false).unwrap_err().path.ends_with("properties.a b"));
     }
 
     /// Every keyword the grammar takes, sampled: random tokens among those
@@ -488,7 +496,7 @@ mod tests {
                 "Leg": {"type": "object", "properties": {"to": {"type": "string", "minLength": 3, "maxLength": 3}}, "required": ["to"]},
             },
         }}});
-        let grammar = forced_calls(std::slice::from_ref(&tool), &Forced::Any, true).unwrap();
+        let grammar = forced_calls(markup(), std::slice::from_ref(&tool), &Forced::Any, true).unwrap();
         let tokenizer = include_str!("../../tests/fixtures/tiny-m3/tokenizer.json");
         let eos = 494;
         let v = m3c_constrain::Vocabulary::from_tokenizer_json(tokenizer, Some(512), &[eos]).unwrap();
@@ -515,7 +523,12 @@ mod tests {
             }
             assert!(c.is_done(), "seed {seed}: {:?}", String::from_utf8_lossy(&out));
             let text = String::from_utf8(out).unwrap();
-            let mut o = ChatOutput::new(ThinkStart::Closed, Reading::ForcedCalls, std::slice::from_ref(&tool));
+            let mut o = ChatOutput::new(
+                m3c_contract::chat_format::ChatFormat::of_family("minimax_m3").unwrap(),
+                ThinkStart::Closed,
+                Reading::ForcedCalls,
+                std::slice::from_ref(&tool),
+            );
             o.push(&text);
             o.finish();
             assert!(o.content.is_empty() && o.tool_calls.len() == 1 && !o.cut(), "seed {seed}: {text:?}");

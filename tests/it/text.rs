@@ -531,7 +531,9 @@ fn the_same_messages_give_the_same_prompt_through_run_and_serve() {
         enc.ids.pop().unwrap()
     };
     let body = serde_json::json!({"model": "tiny", "messages": messages});
-    let chat = m3c_serve::openai::chat(body.as_object().unwrap()).unwrap();
+    let chat =
+        m3c_serve::openai::chat(body.as_object().unwrap(), &m3c_contract::chat_format::ChatFormat::of_family("minimax_m3").unwrap().tools)
+            .unwrap();
     let template = ChatTemplate::from_dir(&model).unwrap().unwrap();
     let rendered =
         template.render(&serde_json::from_value(chat.messages).unwrap(), &[("add_generation_prompt", Value::from(true))]).unwrap();

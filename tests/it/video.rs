@@ -47,7 +47,12 @@ fn the_clip_gives_the_references_frames_pixel_values_and_prompt() {
     // The prompt: the video's text put in before tokenizing, so the first
     // timestamp is tokenized with the `:` before it, as the reference does.
     let tok = m3c_front::text::TextTokenizer::from_dir(&fixture("tiny-m3")).unwrap();
-    let text = video::expand_text(info["prompt"].as_str().unwrap(), std::slice::from_ref(&v)).unwrap();
+    let text = video::expand_text(
+        info["prompt"].as_str().unwrap(),
+        std::slice::from_ref(&v),
+        &m3c_contract::chat_format::ChatFormat::of_family("minimax_m3").unwrap().media,
+    )
+    .unwrap();
     assert_eq!(text, info["text"].as_str().unwrap());
     let ids: Vec<i64> = tok.encode(&text).unwrap().into_iter().map(i64::from).collect();
     assert_eq!(ids, read_tensor_i64(&golden(), "input_ids"), "the expanded prompt's ids");
@@ -75,7 +80,8 @@ fn bad_videos_are_refused_with_a_reason() {
     assert!(e.to_string().contains("9 sampled frames of 56×56 are 31360 pixels"), "{e}");
     // Fewer placeholders than videos.
     let v = video::process_file(&clip(), &limits, "clip.mp4").unwrap();
-    let e = video::expand_text("no video token here", &[v]).unwrap_err();
+    let e = video::expand_text("no video token here", &[v], &m3c_contract::chat_format::ChatFormat::of_family("minimax_m3").unwrap().media)
+        .unwrap_err();
     assert_eq!(e.to_string(), "the prompt has 0 video placeholder(s) (`]<]video[>[`) but 1 video(s) were given");
     // The CLI: a file that is not a video names it and exits non-zero.
     let junk = dir.path().join("junk.mp4");

@@ -165,8 +165,12 @@ pub fn encode_jsonl(model: &Path, file: &Path, text: &str, enc: &mut Encoded) ->
                 }
                 let messages: Value = serde_json::from_value(normalized).map_err(|e| bad(format!("`messages`: {e}")))?;
                 let rendered = t.render(&messages, &kwargs)?;
-                think = ThinkStart::of_prompt(&rendered);
-                let rendered = if line_videos.is_empty() { rendered } else { crate::vision::video::expand_text(&rendered, &line_videos)? };
+                think = ThinkStart::of_prompt(&rendered, &t.format.think);
+                let rendered = if line_videos.is_empty() {
+                    rendered
+                } else {
+                    crate::vision::video::expand_text(&rendered, &line_videos, &t.format.media)?
+                };
                 enc.tokenizer.encode(&rendered)?
             }
             _ => {
@@ -193,7 +197,8 @@ pub fn encode(model: &Path, req: &TextRequest) -> Result<Encoded, TextError> {
         if req.videos.is_empty() {
             Ok(text.to_string())
         } else {
-            Ok(crate::vision::video::expand_text(text, req.videos)?)
+            let format = m3c_contract::chat_format::ChatFormat::of_model_dir(model).map_err(TextError::ChatFormat)?;
+            Ok(crate::vision::video::expand_text(text, req.videos, &format.media)?)
         }
     };
     for p in req.prompts {
@@ -226,7 +231,7 @@ pub fn encode(model: &Path, req: &TextRequest) -> Result<Encoded, TextError> {
                 .map_err(|e| TextError::Render { file: template.file.clone(), message: format!("the messages: {e}") })?;
             let rendered = template.render(&messages, &kwargs)?;
             ids.push(tokenizer.encode(&with_videos(&rendered)?)?);
-            think.push(ThinkStart::of_prompt(&rendered));
+            think.push(ThinkStart::of_prompt(&rendered, &template.format.think));
         }
     }
     let overrides = vec![LineSampling::default(); ids.len()];

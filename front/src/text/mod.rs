@@ -24,6 +24,9 @@ pub enum TextError {
     Tokenizer { file: PathBuf, message: String },
     #[error("{file}: {message}")]
     Config { file: PathBuf, message: String },
+    /// The checkpoint's chat format (its `config.json` names the file).
+    #[error("{0}")]
+    ChatFormat(String),
     #[error("{file}: the chat template does not compile: {message}")]
     Template { file: PathBuf, message: String },
     #[error("rendering the chat template of {file}: {message}")]

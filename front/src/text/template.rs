@@ -6,6 +6,7 @@
 
 use super::pyjson;
 use super::TextError;
+use m3c_contract::chat_format::ChatFormat;
 use m3c_contract::input::{limits, read_user_file};
 use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{Environment, Error, ErrorKind};
@@ -31,6 +32,9 @@ impl ThinkingMode {
 
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// The family's markers (reasoning tags, tool-call markup, media
+    /// tokens), by the checkpoint's `config.json`.
+    pub format: &'static ChatFormat,
     /// The tokenizer's special tokens as template variables (`bos_token`, ...).
     specials: Vec<(String, Value)>,
     pub file: PathBuf,
@@ -42,7 +46,8 @@ fn token_text(v: &serde_json::Value) -> Option<String> {
 }
 
 impl ChatTemplate {
-    /// The chat template of `DIR/tokenizer_config.json`; `None` when the
+    /// The chat template of `DIR/tokenizer_config.json`, and the chat
+    /// format `DIR/config.json`'s architecture uses; `None` when the
     /// checkpoint has no such file or it has no template.
     pub fn from_dir(dir: &Path) -> Result<Option<ChatTemplate>, TextError> {
         let file = dir.join("tokenizer_config.json");
@@ -81,7 +86,8 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.set_formatter(format_value);
         env.add_template_owned("chat", source).map_err(|e| TextError::Template { file: file.clone(), message: e.to_string() })?;
-        Ok(Some(ChatTemplate { env, specials, file }))
+        let format = ChatFormat::of_model_dir(dir).map_err(TextError::ChatFormat)?;
+        Ok(Some(ChatTemplate { env, format, specials, file }))
     }
 
     /// Renders `messages` (a list of `{role, content, ...}`, in the OpenAI

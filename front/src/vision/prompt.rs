@@ -1,17 +1,15 @@
 //! Images in a prompt: each image's placeholder expanded as the reference
-//! processor expands it (`]<]start of image[>[` + `]<]image[>[` × its
-//! tokens + `]<]end of image[>[`), or, for prompts given as ids, the runs
+//! processor expands it (the family's start-of-image token, MiniMax-M3's
+//! `]<]start of image[>[`, + `]<]image[>[` × its tokens + its end token), or, for prompts given as ids, the runs
 //! already there checked against the images; and the images file the stage
 //! that encodes them reads (`m3c_contract::images`).
 
 use super::processor::{self, Processed};
+use m3c_contract::chat_format::MediaTokens;
 use m3c_contract::images::SeqImages;
 use std::path::Path;
 use thiserror::Error;
 
-/// The tokens' spelling in MiniMax-M3's tokenizer (vision spec §3).
-pub const START_OF_IMAGE: &str = "]<]start of image[>[";
-pub const END_OF_IMAGE: &str = "]<]end of image[>[";
 /// The largest image file m3c reads.
 pub const MAX_IMAGE_BYTES: u64 = 64 << 20;
 
@@ -21,8 +19,9 @@ pub enum PromptImageError {
     Count { found: usize, images: usize },
     #[error("image {index} ({what}) takes {expected} placeholder tokens (id {token}), but its run in the prompt has {found}")]
     Run { index: usize, what: String, expected: usize, found: usize, token: u32 },
-    #[error("the prompt has {found} video placeholder(s) (`]<]video[>[`) but {videos} video(s) were given")]
-    VideoCount { found: usize, videos: usize },
+    /// `token`: the placeholder as the prompt has it (its text, or its id).
+    #[error("the prompt has {found} video placeholder(s) ({token}) but {videos} video(s) were given")]
+    VideoCount { found: usize, videos: usize, token: String },
     #[error("the prompt ends an {what}'s placeholders early: {left} more were expected before any other placeholder or the end")]
     Interleaved { what: &'static str, left: usize },
     #[error("the tokenizer has no `{0}` token, which image prompts need")]
@@ -40,11 +39,15 @@ pub struct ImageTokens {
 }
 
 impl ImageTokens {
-    /// Looks the brackets up with `token_id` (the tokenizer's); the
-    /// placeholder is the config's.
-    pub fn new(token_id: impl Fn(&str) -> Option<u32>, image_token: usize) -> Result<ImageTokens, PromptImageError> {
+    /// Looks the family's brackets (`media`) up with `token_id` (the
+    /// tokenizer's); the placeholder is the config's.
+    pub fn new(
+        token_id: impl Fn(&str) -> Option<u32>,
+        image_token: usize,
+        media: &'static MediaTokens,
+    ) -> Result<ImageTokens, PromptImageError> {
         let id = |t: &'static str| token_id(t).ok_or(PromptImageError::NoToken(t));
-        Ok(ImageTokens { start: id(START_OF_IMAGE)?, image: image_token as u32, end: id(END_OF_IMAGE)? })
+        Ok(ImageTokens { start: id(media.start_of_image)?, image: image_token as u32, end: id(media.end_of_image)? })
     }
 
     /// Replaces the k-th placeholder of `ids` (as the chat template writes
@@ -193,7 +196,7 @@ pub fn seq_media_in_order(
                     return Err(if id == image_token {
                         PromptImageError::Count { found, images: n_images }
                     } else {
-                        PromptImageError::VideoCount { found, videos: n_videos }
+                        PromptImageError::VideoCount { found, videos: n_videos, token: format!("id {video_token}") }
                     });
                 };
                 let tokens = match &item {
@@ -210,7 +213,7 @@ pub fn seq_media_in_order(
         return Err(PromptImageError::Count { found: found(image_token), images: n_images });
     }
     if videos.next().is_some() {
-        return Err(PromptImageError::VideoCount { found: found(video_token), videos: n_videos });
+        return Err(PromptImageError::VideoCount { found: found(video_token), videos: n_videos, token: format!("id {video_token}") });
     }
     if let Some((kind, left @ 1..)) = open {
         let what = if kind == image_token { "image" } else { "video" };

@@ -29,11 +29,10 @@
 //!   × (h·w / 784).
 
 use super::processor::{self, ImageError, Rgb, PATCH, TEMPORAL};
+use m3c_contract::chat_format::MediaTokens;
 use std::path::Path;
 use thiserror::Error;
 
-/// The video placeholder's spelling (id 200026 in MiniMax-M3's tokenizer).
-pub const VIDEO_TOKEN: &str = "]<]video[>[";
 /// Temporal patches per attention segment (the processor's
 /// `vision_segment_max_frames`).
 pub const SEGMENT_MAX_PATCHES: usize = 4;
@@ -122,12 +121,10 @@ impl Video {
 
     /// The text the reference processor writes in place of the video's
     /// token: per temporal patch, its time and its bracketed placeholders.
-    pub fn prompt_text(&self) -> String {
-        let run = VIDEO_TOKEN.repeat(self.tokens_per_patch());
-        self.timestamps
-            .iter()
-            .map(|s| format!("]<]{s:.1} seconds[>[{}{run}{}", super::prompt::START_OF_IMAGE, super::prompt::END_OF_IMAGE))
-            .collect()
+    pub fn prompt_text(&self, media: &MediaTokens) -> String {
+        let run = media.video.repeat(self.tokens_per_patch());
+        let [before, after] = media.frame_time;
+        self.timestamps.iter().map(|s| format!("{before}{s:.1}{after}{}{run}{}", media.start_of_image, media.end_of_image)).collect()
     }
 }
 
@@ -216,16 +213,16 @@ pub fn process_bytes(bytes: &[u8], limits: &VideoLimits, what: &str) -> Result<V
 /// Replaces the k-th video token of `text` with video k's prompt text (as
 /// the reference processor does, before tokenizing: its first timestamp
 /// is tokenized with the text before it).
-pub fn expand_text(text: &str, videos: &[Video]) -> Result<String, super::prompt::PromptImageError> {
-    let found = text.matches(VIDEO_TOKEN).count();
+pub fn expand_text(text: &str, videos: &[Video], media: &MediaTokens) -> Result<String, super::prompt::PromptImageError> {
+    let found = text.matches(media.video).count();
     if found != videos.len() {
-        return Err(super::prompt::PromptImageError::VideoCount { found, videos: videos.len() });
+        return Err(super::prompt::PromptImageError::VideoCount { found, videos: videos.len(), token: format!("`{}`", media.video) });
     }
     let mut out = String::with_capacity(text.len() + videos.iter().map(|v| v.tokens() * 16).sum::<usize>());
-    let mut parts = text.split(VIDEO_TOKEN);
+    let mut parts = text.split(media.video);
     out.push_str(parts.next().unwrap_or_default());
     for (v, rest) in videos.iter().zip(parts) {
-        out.push_str(&v.prompt_text());
+        out.push_str(&v.prompt_text(media));
         out.push_str(rest);
     }
     Ok(out)
@@ -411,9 +408,10 @@ mod tests {
         // The last pair repeats frame 8: both halves of its rows are equal.
         let row = &v.pixel_values[v.pixel_values.len() - processor::ROW..];
         assert_eq!(row[..196], row[196..392]);
-        let text = v.prompt_text();
+        let media = &m3c_contract::chat_format::ChatFormat::of_family("minimax_m3").unwrap().media;
+        let text = v.prompt_text(media);
         assert!(text.starts_with("]<]0.0 seconds[>[]<]start of image[>[]<]video[>["), "{text}");
-        assert_eq!(text.matches(VIDEO_TOKEN).count(), 20);
+        assert_eq!(text.matches("]<]video[>[").count(), 20);
         let e = process_frames(&[f(0), Rgb { h: 28, w: 56, data: vec![0; 28 * 56 * 3] }], &[0, 1], 1.0, &VideoLimits::default(), "v.mp4");
         assert!(matches!(e, Err(VideoError::SizeChanged { .. })), "{e:?}");
         let small = VideoLimits { total_pixels: 56 * 56 * 4, ..VideoLimits::default() };

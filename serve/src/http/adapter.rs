@@ -69,7 +69,7 @@ pub(super) async fn handle<A: Adapter>(State(app): State<App>, headers: HeaderMa
         let (rendered, parts) = render_chat(&app, &chat, true)?;
         let (asked, tools) = A::prepared(&m, &mut common, &parts);
         let ids = app.tokenizer.encode(&rendered).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?;
-        let kind = Kind::Chat { think: ThinkStart::of_prompt(&rendered), tools };
+        let kind = Kind::Chat { think: ThinkStart::of_prompt(&rendered, &app.format.think), tools };
         Ok((ids, common, kind, parts.images, asked))
     };
     let (ids, common, kind, urls, asked) = match run() {

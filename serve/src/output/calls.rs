@@ -30,10 +30,13 @@
 use super::args::{self, Types};
 use super::scan::{self, Lexeme, Tags};
 use super::Piece;
+use m3c_contract::chat_format::ToolMarkup;
 use serde_json::Value;
 
 /// The reader of one output's calls.
 pub struct CallReader {
+    /// The family's tags.
+    m: &'static ToolMarkup,
     /// The request's tools: name and parameters schema.
     tools: Vec<(String, Value)>,
     /// Text not yet read (it may end in part of a tag).
@@ -62,6 +65,7 @@ enum At {
 
 /// A call being read.
 struct Call {
+    m: &'static ToolMarkup,
     index: usize,
     /// The tool's parameters schema (what `$ref`s resolve in).
     root: Value,
@@ -109,7 +113,7 @@ enum Lex {
 
 impl CallReader {
     /// `tools`: the request's, each `{"type": "function", "function": {...}}`.
-    pub fn new(tools: &[Value]) -> CallReader {
+    pub fn new(m: &'static ToolMarkup, tools: &[Value]) -> CallReader {
         let tools = tools
             .iter()
             .filter_map(|t| {
@@ -118,7 +122,16 @@ impl CallReader {
                 Some((f["name"].as_str()?.to_string(), params))
             })
             .collect();
-        CallReader { tools, buf: String::new(), at: At::Outside, started: 0, after_mark: false, between: String::new(), skip_space: false }
+        CallReader {
+            m,
+            tools,
+            buf: String::new(),
+            at: At::Outside,
+            started: 0,
+            after_mark: false,
+            between: String::new(),
+            skip_space: false,
+        }
     }
 
     /// Reads more content; what it decides goes to `out`.
@@ -150,7 +163,7 @@ impl CallReader {
     fn run(&mut self, end: bool, out: &mut Vec<Piece>) {
         loop {
             let tags = if matches!(self.at, At::Outside) { Tags::Block } else { Tags::Any };
-            let Some((lex, n)) = scan::next(&self.buf, tags, self.after_mark, end) else { break };
+            let Some((lex, n)) = scan::next(&self.buf, self.m, tags, self.after_mark, end) else { break };
             let raw = self.buf[..n].to_string();
             let lex = match lex {
                 Lexeme::Text(t) => Lex::Text(t.to_string()),
@@ -173,7 +186,7 @@ impl CallReader {
                     self.skip_space &= t.is_empty();
                     content(out, t);
                 }
-                Lex::Open { name, .. } if name == "tool_call" => self.at = At::Block,
+                Lex::Open { name, .. } if name == self.m.block => self.at = At::Block,
                 // A call without its block: read as if it had one.
                 Lex::Open { attrs, .. } => self.begin(&attrs, out),
                 // A stray closing tag, or a mark: markup, dropped.
@@ -182,11 +195,11 @@ impl CallReader {
             At::Block => match lex {
                 Lex::Text(t) => self.between.push_str(&t),
                 Lex::Mark => {}
-                Lex::Open { name, attrs, .. } if name == "invoke" => {
+                Lex::Open { name, attrs, .. } if name == self.m.invoke => {
                     self.flush_between(out);
                     self.begin(&attrs, out);
                 }
-                Lex::Close { name, .. } if name == "tool_call" => {
+                Lex::Close { name, .. } if name == self.m.block => {
                     self.flush_between(out);
                     self.at = At::Outside;
                     self.skip_space = true;
@@ -224,8 +237,8 @@ impl CallReader {
         self.started += 1;
         out.push(Piece::Call { index, name: name.to_string() });
         let node =
-            Node { tag: "invoke".into(), schema: root.clone(), body: Body::Object { open: false }, members: 0, orphan: String::new() };
-        self.at = At::Call(Call { index, root, stack: vec![node], aside: String::new() });
+            Node { tag: self.m.invoke.into(), schema: root.clone(), body: Body::Object { open: false }, members: 0, orphan: String::new() };
+        self.at = At::Call(Call { m: self.m, index, root, stack: vec![node], aside: String::new() });
     }
 }
 
@@ -268,13 +281,13 @@ impl Call {
     fn step(&mut self, lex: Lex, after_mark: bool, out: &mut Vec<Piece>) -> Next {
         loop {
             if let Lex::Open { name, attrs, .. } = &lex {
-                if name == "invoke" && (after_mark || !self.in_leaf()) {
+                if name == self.m.invoke && (after_mark || !self.in_leaf()) {
                     let attrs = attrs.clone();
                     self.close_all(out);
                     return Next::NewCall(attrs);
                 }
                 // A block cannot open inside a call: markup, dropped.
-                if name == "tool_call" && (after_mark || !self.in_leaf()) {
+                if name == self.m.block && (after_mark || !self.in_leaf()) {
                     return Next::Stay;
                 }
             }
@@ -364,7 +377,8 @@ impl Call {
                 }
                 let Some(top) = self.stack.last_mut() else { return Redo::No };
                 let t = args::types(&top.schema, &self.root);
-                let array = name == "item" && (t.unknown() || t.has(Types::ARRAY)) && !args::names(&top.schema, "item", &self.root);
+                let array =
+                    name == self.m.item && (t.unknown() || t.has(Types::ARRAY)) && !args::names(&top.schema, self.m.item, &self.root);
                 top.body = if array { Body::Array } else { Body::Object { open: true } };
                 self.emit(out, if array { "[" } else { "{" });
                 self.push_child(name, out);
@@ -416,7 +430,7 @@ impl Call {
 
     /// A closing tag that is not the open element's own.
     fn close_elsewhere(&mut self, name: &str, out: &mut Vec<Piece>) -> Redo {
-        if name == "tool_call" {
+        if name == self.m.block {
             self.close_all(out);
             return Redo::Done(Next::BlockEnded);
         }
@@ -430,20 +444,20 @@ impl Call {
     /// Whether an element above the open one is `name` (so `</name>`
     /// closes the open one too).
     fn encloses(&self, name: &str) -> bool {
-        name == "tool_call" || self.stack.iter().rev().skip(1).any(|n| n.tag == name)
+        name == self.m.block || self.stack.iter().rev().skip(1).any(|n| n.tag == name)
     }
 
     /// Whether `<name>` after a mark, inside a leaf, starts the leaf's
     /// sibling (a member of the element around it) or a new call.
     fn sibling(&self, name: &str) -> bool {
-        name == "invoke" || (self.stack.len() >= 2 && self.claims(self.stack.len() - 2, name)) || self.claimed_above(name)
+        name == self.m.invoke || (self.stack.len() >= 2 && self.claims(self.stack.len() - 2, name)) || self.claimed_above(name)
     }
 
     /// Whether the element at `i` takes `<name>` as a child.
     fn claims(&self, i: usize, name: &str) -> bool {
         let n = &self.stack[i];
         if matches!(n.body, Body::Array) {
-            return name == "item";
+            return name == self.m.item;
         }
         let t = args::types(&n.schema, &self.root);
         (t.unknown() || t.has(Types::OBJECT)) && (args::names(&n.schema, name, &self.root) || !lists_properties(&n.schema, &self.root))
@@ -453,7 +467,7 @@ impl Call {
     fn claims_as_pending(&self, name: &str) -> bool {
         let Some(n) = self.stack.last() else { return false };
         let t = args::types(&n.schema, &self.root);
-        if name == "item" && (t.unknown() || t.has(Types::ARRAY)) {
+        if name == self.m.item && (t.unknown() || t.has(Types::ARRAY)) {
             return true;
         }
         (t.unknown() || t.has(Types::OBJECT)) && (args::names(&n.schema, name, &self.root) || !lists_properties(&n.schema, &self.root))

@@ -1,5 +1,6 @@
-//! Reading MiniMax-M3's chat output as OpenAI's and Anthropic's APIs give
-//! it, incrementally: the reasoning between `<mm:think>` tags as
+//! Reading a chat's output, in its family's format (`ChatFormat`; MiniMax-M3's
+//! in the examples), as OpenAI's and Anthropic's APIs give it,
+//! incrementally: the reasoning between `<mm:think>` tags as
 //! `reasoning` (as vLLM's reasoning parser does), the content, and the
 //! tool calls of a `<tool_call>` block (`../shared/spec/minimax-m3-chat.md`
 //! §4) as streamed calls whose arguments go out as the model writes them
@@ -15,7 +16,7 @@ mod scan;
 
 use calls::CallReader;
 use m3c_constrain::thinking::{Splitter, ThinkStart};
-use scan::MARK;
+use m3c_contract::chat_format::ChatFormat;
 use serde_json::Value;
 
 /// How a chat's output is read.
@@ -81,14 +82,15 @@ impl ChatOutput {
     /// `start`: where the rendered prompt left the model's reasoning;
     /// `tools`: the request's (empty: a call block is text, there being
     /// nothing to call).
-    pub fn new(start: ThinkStart, reading: Reading, tools: &[Value]) -> ChatOutput {
-        let calls = (reading != Reading::Constrained && !tools.is_empty()).then(|| CallReader::new(tools));
+    pub fn new(format: &'static ChatFormat, start: ThinkStart, reading: Reading, tools: &[Value]) -> ChatOutput {
+        let calls = (reading != Reading::Constrained && !tools.is_empty()).then(|| CallReader::new(&format.tools, tools));
+        let marks = MarkFilter { mark: format.tools.mark, held: String::new() };
         ChatOutput {
-            splitter: Splitter::new(start, reading == Reading::Free),
+            splitter: Splitter::new(&format.think, start, reading == Reading::Free),
             verbatim: reading == Reading::Constrained,
             calls,
-            reasoning_marks: MarkFilter::default(),
-            content_marks: MarkFilter::default(),
+            reasoning_marks: marks.clone(),
+            content_marks: marks,
             reasoning: String::new(),
             content: String::new(),
             tool_calls: Vec::new(),
@@ -167,17 +169,23 @@ fn merged(pieces: Vec<Piece>) -> Vec<Piece> {
 }
 
 /// Removes marks from text that arrives in pieces.
-#[derive(Debug, Default)]
+#[derive(Debug, Clone)]
 struct MarkFilter {
+    mark: &'static str,
     held: String,
 }
 
 impl MarkFilter {
     fn push(&mut self, text: &str, end: bool) -> String {
         self.held.push_str(text);
-        let keep = if end { 0 } else { (1..MARK.len()).rev().find(|&k| self.held.ends_with(&MARK[..k])).unwrap_or(0) };
+        let mark = self.mark;
+        let keep = if end {
+            0
+        } else {
+            (1..mark.len()).rev().filter(|&k| mark.is_char_boundary(k)).find(|&k| self.held.ends_with(&mark[..k])).unwrap_or(0)
+        };
         let ready: String = self.held.drain(..self.held.len() - keep).collect();
-        ready.replace(MARK, "")
+        ready.replace(mark, "")
     }
 }
 

@@ -1,13 +1,15 @@
-//! The lexemes of MiniMax-M3's call markup as text arrives in pieces: the
-//! `]<]minimax[>[` mark, opening and closing tags, and the text between.
+//! The lexemes of a family's call markup (`ToolMarkup`) as text arrives in
+//! pieces: the mark (MiniMax-M3's `]<]minimax[>[`), opening and closing
+//! tags, and the text between.
 //! What may still become a mark or a tag is held back until the next piece
 //! shows what it is, so a reader never acts on half a tag, and text that
 //! cannot be one goes out at once.
 
-/// The mark the model writes before every tag of a call block (one token
-/// of MiniMax-M3's vocabulary). Readers drop it wherever it appears, as
-/// the spec's parsers do, but a tag behind it is certainly markup.
-pub const MARK: &str = "]<]minimax[>[";
+use m3c_contract::chat_format::ToolMarkup;
+
+// The mark is what the model writes before every tag of a call block (one
+// token). Readers drop it wherever it appears, as the spec's parsers do,
+// but a tag behind it is certainly markup.
 
 /// The longest tag name read; a longer `<...` is text.
 const MAX_NAME: usize = 128;
@@ -45,12 +47,12 @@ pub enum Tags {
 /// came just before, so `invoke name=...>`, `/invoke>`, `tool_call>` and
 /// `/tool_call>` are tags even without their `<` (real MiniMax-M3 output
 /// drops it now and then).
-pub fn next(s: &str, tags: Tags, after_mark: bool, end: bool) -> Option<(Lexeme<'_>, usize)> {
+pub fn next<'a>(s: &'a str, m: &ToolMarkup, tags: Tags, after_mark: bool, end: bool) -> Option<(Lexeme<'a>, usize)> {
     if s.is_empty() {
         return None;
     }
     if after_mark {
-        match tag(s, 0, Tags::Block, false, end) {
+        match tag(s, m, 0, Tags::Block, false, end) {
             Found::Tag(l, n) => return Some((l, n)),
             Found::More => return None,
             Found::No => {}
@@ -60,16 +62,16 @@ pub fn next(s: &str, tags: Tags, after_mark: bool, end: bool) -> Option<(Lexeme<
     let mut i = 0;
     while i < s.len() {
         let rest = &s[i..];
-        let stop = if rest.starts_with(']') {
-            if rest.starts_with(MARK) {
+        let stop = if m.mark.chars().next().is_some_and(|c| rest.starts_with(c)) {
+            if rest.starts_with(m.mark) {
                 Stop::Here
-            } else if !end && MARK.starts_with(rest) {
+            } else if !end && m.mark.starts_with(rest) {
                 Stop::More
             } else {
                 Stop::Go
             }
         } else if rest.starts_with('<') {
-            match tag(s, i, tags, true, end) {
+            match tag(s, m, i, tags, true, end) {
                 Found::Tag(..) => Stop::Here,
                 Found::More => Stop::More,
                 Found::No => Stop::Go,
@@ -82,8 +84,8 @@ pub fn next(s: &str, tags: Tags, after_mark: bool, end: bool) -> Option<(Lexeme<
             Stop::Here if i > 0 => return Some((Lexeme::Text(&s[..i]), i)),
             Stop::More if i > 0 => return Some((Lexeme::Text(&s[..i]), i)),
             Stop::More => return None,
-            Stop::Here if s.starts_with(MARK) => return Some((Lexeme::Mark, MARK.len())),
-            Stop::Here => match tag(s, 0, tags, true, end) {
+            Stop::Here if s.starts_with(m.mark) => return Some((Lexeme::Mark, m.mark.len())),
+            Stop::Here => match tag(s, m, 0, tags, true, end) {
                 Found::Tag(l, n) => return Some((l, n)),
                 _ => unreachable!("a tag was found here"),
             },
@@ -106,7 +108,7 @@ enum Found<'a> {
 }
 
 /// Whether a tag starts at byte `at` of `s` (with its `<` when `lt`).
-fn tag(s: &str, at: usize, tags: Tags, lt: bool, end: bool) -> Found<'_> {
+fn tag<'a>(s: &'a str, m: &ToolMarkup, at: usize, tags: Tags, lt: bool, end: bool) -> Found<'a> {
     let mut i = at;
     if lt {
         debug_assert!(s[i..].starts_with('<'));
@@ -128,11 +130,11 @@ fn tag(s: &str, at: usize, tags: Tags, lt: bool, end: bool) -> Found<'_> {
     // Which names may be tags here.
     let wanted = |n: &str| match (tags, lt) {
         (Tags::Any, true) => true,
-        _ => n == "invoke" || n == "tool_call",
+        _ => n == m.invoke || n == m.block,
     };
     let could_be = |n: &str| match (tags, lt) {
         (Tags::Any, true) => true,
-        _ => "invoke".starts_with(n) || "tool_call".starts_with(n),
+        _ => m.invoke.starts_with(n) || m.block.starts_with(n),
     };
     if i == s.len() {
         // The name may go on.
@@ -147,7 +149,7 @@ fn tag(s: &str, at: usize, tags: Tags, lt: bool, end: bool) -> Found<'_> {
         return Found::Tag(l, i + 1 - at);
     }
     // Attributes: only `<invoke name=...>`.
-    if close || name != "invoke" || !rest.starts_with(char::is_whitespace) {
+    if close || name != m.invoke || !rest.starts_with(char::is_whitespace) {
         return Found::No;
     }
     match rest.find(['>', '<']) {
@@ -175,10 +177,12 @@ pub fn invoke_name(attrs: &str) -> Option<&str> {
 mod tests {
     use super::*;
 
+    static M: &ToolMarkup = &ToolMarkup { mark: "]<]minimax[>[", block: "tool_call", invoke: "invoke", item: "item" };
+
     fn all(s: &str, tags: Tags) -> Vec<Lexeme<'_>> {
         let mut out = Vec::new();
         let mut i = 0;
-        while let Some((l, n)) = next(&s[i..], tags, matches!(out.last(), Some(Lexeme::Mark)), true) {
+        while let Some((l, n)) = next(&s[i..], M, tags, matches!(out.last(), Some(Lexeme::Mark)), true) {
             out.push(l);
             i += n;
         }
@@ -203,16 +207,16 @@ mod tests {
 
     #[test]
     fn what_may_become_a_tag_waits_and_the_rest_goes_at_once() {
-        assert_eq!(next("Par", Tags::Any, false, false), Some((Lexeme::Text("Par"), 3)));
-        assert_eq!(next("Paris]<]mini", Tags::Any, false, false), Some((Lexeme::Text("Paris"), 5)));
-        assert_eq!(next("]<]mini", Tags::Any, false, false), None);
-        assert_eq!(next("</ci", Tags::Any, false, false), None);
-        assert_eq!(next("a < b", Tags::Any, false, false), Some((Lexeme::Text("a < b"), 5)));
-        assert_eq!(next("<tool_c", Tags::Block, false, false), None);
-        assert_eq!(next("<tool_x", Tags::Block, false, false), Some((Lexeme::Text("<tool_x"), 7)));
-        assert_eq!(next("<b", Tags::Block, false, false), Some((Lexeme::Text("<b"), 2)));
-        assert_eq!(next("<invoke name=\"get_w", Tags::Block, false, false), None);
-        assert_eq!(next("]<]mini", Tags::Any, false, true), Some((Lexeme::Text("]<]mini"), 7)));
+        assert_eq!(next("Par", M, Tags::Any, false, false), Some((Lexeme::Text("Par"), 3)));
+        assert_eq!(next("Paris]<]mini", M, Tags::Any, false, false), Some((Lexeme::Text("Paris"), 5)));
+        assert_eq!(next("]<]mini", M, Tags::Any, false, false), None);
+        assert_eq!(next("</ci", M, Tags::Any, false, false), None);
+        assert_eq!(next("a < b", M, Tags::Any, false, false), Some((Lexeme::Text("a < b"), 5)));
+        assert_eq!(next("<tool_c", M, Tags::Block, false, false), None);
+        assert_eq!(next("<tool_x", M, Tags::Block, false, false), Some((Lexeme::Text("<tool_x"), 7)));
+        assert_eq!(next("<b", M, Tags::Block, false, false), Some((Lexeme::Text("<b"), 2)));
+        assert_eq!(next("<invoke name=\"get_w", M, Tags::Block, false, false), None);
+        assert_eq!(next("]<]mini", M, Tags::Any, false, true), Some((Lexeme::Text("]<]mini"), 7)));
     }
 
     #[test]

@@ -49,7 +49,7 @@ fn corpus() -> Vec<Case> {
 
 /// Reads `pieces` of one output; returns the reader and what it gave out.
 fn read(case: &Case, pieces: &[&str]) -> (ChatOutput, Vec<Piece>) {
-    let mut o = ChatOutput::new(case.think, Reading::Free, &case.tools);
+    let mut o = ChatOutput::new(minimax(), case.think, Reading::Free, &case.tools);
     let mut shown = Vec::new();
     for p in pieces {
         shown.extend(o.push(p));
@@ -185,7 +185,7 @@ proptest! {
 fn strings_stream_and_numbers_wait_for_their_closing_tag() {
     let tools = vec![json!({"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"s": {"type": "string"}, "n": {"type": "integer"}}}}})];
-    let mut o = ChatOutput::new(ThinkStart::Closed, Reading::Free, &tools);
+    let mut o = ChatOutput::new(minimax(), ThinkStart::Closed, Reading::Free, &tools);
     let mut args = |text: &str| -> String {
         o.push(text).into_iter().filter_map(|p| if let Piece::Args { json, .. } = p { Some(json) } else { None }).collect()
     };
@@ -202,13 +202,21 @@ fn strings_stream_and_numbers_wait_for_their_closing_tag() {
 #[test]
 fn without_tools_a_block_is_text_and_a_constrained_answer_is_verbatim() {
     let text = format!("Hi {MARK}<tool_call>\n{MARK}<invoke name=\"f\">{MARK}<x>1");
-    let mut o = ChatOutput::new(ThinkStart::Closed, Reading::Free, &[]);
+    let mut o = ChatOutput::new(minimax(), ThinkStart::Closed, Reading::Free, &[]);
     o.push(&text);
     o.finish();
     assert_eq!(o.content, "Hi <tool_call>\n<invoke name=\"f\"><x>1");
     assert!(o.tool_calls.is_empty() && !o.cut());
-    let mut o = ChatOutput::new(ThinkStart::Closed, Reading::Constrained, &[]);
+    let mut o = ChatOutput::new(minimax(), ThinkStart::Closed, Reading::Constrained, &[]);
     o.push(&text);
     o.finish();
     assert_eq!(o.content, text);
 }
+
+/// The format the cases are written in.
+fn minimax() -> &'static m3c_contract::chat_format::ChatFormat {
+    m3c_contract::chat_format::ChatFormat::of_family("minimax_m3").unwrap()
+}
+
+/// MiniMax-M3's call mark.
+const MARK: &str = "]<]minimax[>[";
