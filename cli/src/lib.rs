@@ -69,10 +69,13 @@ enum Command {
     },
     /// Time the host linear kernels at prefill and decode shapes beside this machine's measured FMA peak.
     BenchKernels(bench_cmd::BenchArgs),
-    /// Write a random tiny MiniMax-M3 checkpoint (hub layout) into a new folder.
+    /// Write a random tiny checkpoint of a model family (hub layout, with a tokenizer) into a new folder.
     InitTiny {
         /// The folder to create.
         out: PathBuf,
+        /// The model family (minimax_m3).
+        #[arg(long, default_value = "minimax_m3", value_parser = family_id)]
+        family: m3c_compiler::family::Family,
         #[arg(long, default_value_t = 0)]
         seed: u64,
         #[arg(long, default_value_t = 8)]
@@ -127,6 +130,13 @@ fn report(trace: &Path, [svg, png]: [Option<&Path>; 2], plan: Option<&Path>, gpu
 /// Writes to standard output. A closed pipe ends the process quietly by
 /// SIGPIPE, as `cat` does (see [`main`]); any other failure, such as a full
 /// disk, is an error.
+/// `--family ID`: one of the families m3c compiles, named in the error.
+fn family_id(id: &str) -> Result<m3c_compiler::family::Family, String> {
+    use m3c_compiler::family::Family;
+    Family::of_id(id)
+        .ok_or_else(|| format!("no model family `{id}`; m3c has: {}", Family::all().map(Family::id).collect::<Vec<_>>().join(", ")))
+}
+
 pub fn say(text: &str) -> Result<()> {
     use std::io::Write;
     let mut out = std::io::stdout().lock();
@@ -164,6 +174,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Serve(a) => serve_cmd::serve_cmd(*a),
         Command::InitTiny {
             out,
+            family,
             seed,
             layers,
             hidden,
@@ -181,7 +192,6 @@ fn run(cli: Cli) -> Result<()> {
                 layers: vision_layers,
                 projector: projector_hidden,
             };
-            let family = m3c_compiler::family::Family::MiniMaxM3;
             let spec = m3c_compiler::tiny::TinySpec { family, seed, layers, hidden, mxfp8, vision };
             m3c_compiler::tiny::init_tiny(&out, &spec)?;
             say(&format!(

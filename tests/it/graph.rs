@@ -32,6 +32,22 @@ fn every_layer_has_its_structure() {
 /// as that family, and a stage holding every part binds exactly the
 /// family's layout (every tensor the graph names exists, and every tensor of
 /// the layout is read by some kernel).
+/// The front, the server and the stages find a model's chat format by its
+/// `config.json`'s architecture, as the compiler finds its family: each
+/// family has one, for exactly its architectures.
+#[test]
+fn every_family_has_a_chat_format_for_its_architectures() {
+    use m3c_compiler::family::Family;
+    use m3c_contract::chat_format::ChatFormat;
+    for family in Family::all() {
+        let format = ChatFormat::of_family(family.id()).unwrap_or_else(|| panic!("{}: no chat format", family.id()));
+        assert_eq!(format.architectures, family.model().architectures(), "{}", family.id());
+        for a in format.architectures {
+            assert_eq!(ChatFormat::of_architecture(a).map(|f| f.family), Some(family.id()));
+        }
+    }
+}
+
 #[test]
 fn every_family_reads_its_tiny_config_and_its_graph_reads_exactly_its_layout() {
     use m3c_compiler::family::Family;
@@ -40,7 +56,7 @@ fn every_family_reads_its_tiny_config_and_its_graph_reads_exactly_its_layout() {
     use m3c_compiler::tiny::TinySpec;
     use m3c_kernels::Storage;
     use std::collections::BTreeSet;
-    for family in Family::ALL {
+    for family in Family::all() {
         for mxfp8 in [false, true] {
             let spec = TinySpec { family, mxfp8, ..TinySpec::default() };
             let text = serde_json::to_string(&spec.config_json()).unwrap();

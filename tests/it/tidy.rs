@@ -165,13 +165,18 @@ const TENSOR_NAME_PARTS: &[&str] = &[
 ];
 
 #[test]
-fn tensor_names_are_spelled_only_in_the_name_table() {
-    let table = root().join("compiler/src/model");
+fn tensor_names_are_spelled_only_in_the_name_tables() {
+    // The hub's shared conventions, and each family's own names.
+    let is_table = |f: &Path| {
+        let rel = f.strip_prefix(root()).unwrap();
+        rel == Path::new("compiler/src/model/names.rs")
+            || (rel.starts_with("compiler/src/family") && rel.file_name().is_some_and(|n| n == "names.rs"))
+    };
     let mut found = Vec::new();
     for f in
         ["compiler/src", "kernels/src", "runtime/src", "front/src", "serve/src", "cli/src"].iter().flat_map(|d| rust_files(&root().join(d)))
     {
-        if f.starts_with(&table) {
+        if is_table(&f) {
             continue;
         }
         let text = std::fs::read_to_string(&f).unwrap();
@@ -190,7 +195,42 @@ fn tensor_names_are_spelled_only_in_the_name_table() {
             }
         }
     }
-    assert!(found.is_empty(), "tensor names outside compiler/src/model/ (use model::names):\n{}", found.join("\n"));
+    assert!(found.is_empty(), "tensor names outside the name tables (model/names.rs, family/*/names.rs):\n{}", found.join("\n"));
+}
+
+/// Fragments of a chat format's markers (MiniMax-M3's).
+const CHAT_MARKERS: &[&str] = &["mm:think", "]<]", "[>[", "]~b]", "[e~["];
+
+/// A chat's markers are spelled only in its format
+/// (`contract/src/chat_format/`): the readers of reasoning, tool calls and
+/// media take them from there, so a family with its own markers touches
+/// none of them.
+#[test]
+fn chat_markers_are_spelled_only_in_the_chat_formats() {
+    let formats = root().join("contract/src/chat_format");
+    let mut found = Vec::new();
+    let dirs =
+        ["compiler/src", "runtime/src", "front/src", "serve/src", "cli/src", "constrain/src", "contract/src", "engine/src", "sampler/src"];
+    for f in dirs.iter().flat_map(|d| rust_files(&root().join(d))) {
+        // Unit-test files spell the markers of the cases they check.
+        if f.starts_with(&formats) || f.file_name().is_some_and(|n| n == "tests.rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&f).unwrap();
+        let mut in_tests = false;
+        for (i, line) in text.lines().enumerate() {
+            in_tests |= line.trim_start().starts_with("#[cfg(test)]");
+            if in_tests || line.trim_start().starts_with("//") {
+                continue;
+            }
+            for lit in code_of(line).split('"').skip(1).step_by(2) {
+                if let Some(p) = CHAT_MARKERS.iter().find(|p| lit.contains(*p)) {
+                    found.push(format!("{}:{}: `{p}` in \"{lit}\"", f.strip_prefix(root()).unwrap().display(), i + 1));
+                }
+            }
+        }
+    }
+    assert!(found.is_empty(), "chat markers outside contract/src/chat_format/ (take them from the ChatFormat):\n{}", found.join("\n"));
 }
 
 #[test]

@@ -162,13 +162,12 @@ pub struct VisionConfig {
     pub video_token_id: usize,
 }
 
-/// The model families m3c compiles (each one's implementation is
-/// `crate::family`'s).
+/// A model family m3c compiles, by its id (`minimax_m3`). Only
+/// `crate::family`'s registry makes one, so every value names a family
+/// it implements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
-pub enum Family {
-    #[serde(rename = "minimax_m3")]
-    MiniMaxM3,
-}
+#[serde(transparent)]
+pub struct Family(pub(crate) &'static str);
 
 /// How the checkpoint's linears are stored.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]

@@ -8,8 +8,7 @@
 //! tests and the demo are built on.
 //!
 //! Adding a family (docs/ARCHITECTURE.md, "Adding a model family"): a module
-//! under `family/` implementing [`ModelFamily`], one [`Family`] variant, and
-//! one line in [`Family::model`]. A family that needs an operation the shared
+//! under `family/` implementing [`ModelFamily`], and one line in [`FAMILIES`]. A family that needs an operation the shared
 //! vocabulary lacks adds an [`Op`] and its kernel, as any new kernel does; it
 //! never adds a branch on the family to shared code.
 //!
@@ -31,6 +30,10 @@ use crate::model::TensorSpec;
 
 /// What a model family provides to the compiler.
 pub trait ModelFamily: Sync {
+    /// The family's id, as `m3c init-tiny --family` and build caches name it
+    /// (`minimax_m3`).
+    fn id(&self) -> &'static str;
+
     /// The family's name in messages (`MiniMax-M3`).
     fn name(&self) -> &'static str;
 
@@ -52,31 +55,75 @@ pub trait ModelFamily: Sync {
     /// to, so that any split of the parts into stages is a valid plan.
     fn graph(&self, cfg: &ModelConfig) -> ModelGraph;
 
+    /// The hub name of the token embedding (an EAGLE3 head that shares
+    /// its target's reads it there).
+    fn embedding(&self, cfg: &ModelConfig) -> String;
+
+    /// The prefix under which a checkpoint stores the tensors of `cfg` when
+    /// the names of [`ModelFamily::tensors`] are absent from it (`has` says
+    /// whether a name is present): a flat text config beside the hub's
+    /// vision-language shards, for one.
+    fn stored_prefix(&self, _cfg: &ModelConfig, _has: &dyn Fn(&str) -> bool) -> &'static str {
+        ""
+    }
+
+    /// The vision-encoder layer a tensor belongs to, if any: the lowering
+    /// runs the tower layer by layer and needs to know where each begins.
+    fn vision_layer_of(&self, _name: &str) -> Option<usize> {
+        None
+    }
+
     /// The `config.json` of a tiny random model of this family.
     fn tiny_config(&self, spec: &TinySpec) -> serde_json::Value;
 
     /// Random values for one tensor of the tiny model: scaled so that every
     /// path of the model (clamps, routing, block selection) is exercised.
     fn tiny_values(&self, rng: &mut Rng, spec: &TensorSpec) -> Vec<f32>;
+
+    /// The tokenizer files written beside a tiny checkpoint (name, bytes),
+    /// so that it takes prompts and chats like a real one.
+    fn tiny_tokenizer(&self) -> &'static [(&'static str, &'static [u8])];
 }
 
+/// Every family m3c compiles; the first is the default of `init-tiny`.
+const FAMILIES: &[&dyn ModelFamily] = &[&minimax_m3::MiniMaxM3];
+
 impl Family {
-    pub const ALL: [Family; 1] = [Family::MiniMaxM3];
+    /// Every family, in registry order.
+    pub fn all() -> impl Iterator<Item = Family> {
+        FAMILIES.iter().map(|f| Family(f.id()))
+    }
+
+    /// The family `id` names (`minimax_m3`), if m3c has it.
+    pub fn of_id(id: &str) -> Option<Family> {
+        Family::all().find(|f| f.0 == id)
+    }
+
+    /// The family's id.
+    pub fn id(self) -> &'static str {
+        self.0
+    }
 
     /// The family's implementation.
     pub fn model(self) -> &'static dyn ModelFamily {
-        match self {
-            Family::MiniMaxM3 => &minimax_m3::MiniMaxM3,
-        }
+        // A `Family` is only made from `FAMILIES` (its field is the
+        // registry's id), so the search cannot miss.
+        FAMILIES.iter().copied().find(|f| f.id() == self.0).unwrap_or(FAMILIES[0])
     }
 
     /// The family whose `architectures` include `architecture`.
     pub fn of_architecture(architecture: &str) -> Option<Family> {
-        Family::ALL.into_iter().find(|f| f.model().architectures().contains(&architecture))
+        Family::all().find(|f| f.model().architectures().contains(&architecture))
     }
 
     /// Every architecture m3c compiles, for messages.
     pub fn all_architectures() -> Vec<&'static str> {
-        Family::ALL.iter().flat_map(|f| f.model().architectures().iter().copied()).collect()
+        Family::all().flat_map(|f| f.model().architectures().iter().copied()).collect()
+    }
+}
+
+impl Default for Family {
+    fn default() -> Family {
+        Family(FAMILIES[0].id())
     }
 }

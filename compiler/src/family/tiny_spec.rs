@@ -35,7 +35,7 @@ impl Default for TinyVision {
 
 impl Default for TinySpec {
     fn default() -> Self {
-        TinySpec { family: Family::MiniMaxM3, seed: 0, layers: 8, hidden: 128, mxfp8: false, vision: TinyVision::default() }
+        TinySpec { family: Family::default(), seed: 0, layers: 8, hidden: 128, mxfp8: false, vision: TinyVision::default() }
     }
 }
 

@@ -18,7 +18,7 @@ use super::build::ty;
 use super::ops::{CacheKind, Dim, Elem, Node, Op};
 use super::ModelGraph;
 use crate::config::ModelConfig;
-use crate::model::names::{eagle3 as E, TextNames, EAGLE3_OWN_EMBEDDING};
+use crate::model::names::{eagle3 as E, EAGLE3_OWN_EMBEDDING};
 use crate::model::{Part, Role, TensorSpec, TypeRule};
 use crate::plan::draft::DraftHead;
 use petgraph::graph::{DiGraph, NodeIndex};
@@ -104,7 +104,7 @@ pub fn draft_graph(cfg: &ModelConfig, d: &DraftHead, first: bool) -> ModelGraph 
     } else {
         b.rows(Op::DraftHidden, h, &[])
     };
-    let embedding = if d.own_embedding { name(EAGLE3_OWN_EMBEDDING) } else { TextNames::new(&cfg.text_prefix).embedding() };
+    let embedding = if d.own_embedding { name(EAGLE3_OWN_EMBEDDING) } else { cfg.family.model().embedding(cfg) };
     let e = b.rows(Op::Embedding { weight: embedding }, h, &[ids]);
     let en = b.norm(e, E::INPUT_NORM, h, eps);
     let hn = b.norm(hidden, E::HIDDEN_NORM, h, eps);

@@ -43,8 +43,9 @@ fn attrs(op: &Op) -> String {
             " w={weight}{} experts={experts} top_k={top_k} scale={scale} sigmoid renorm",
             bias.as_ref().map(|b| format!(" select_bias={b}")).unwrap_or_default()
         ),
-        Op::RoutedExperts { stem, experts, hidden, intermediate, mxfp8_block, alpha, limit, beta } => format!(
-            " w={stem}.{{0..{experts}}}.{{w1,w3,w2}} {hidden}->{intermediate}->{hidden}{} swiglu_oai(alpha={alpha} limit={limit} beta={beta})",
+        Op::RoutedExperts { stem, weights, experts, hidden, intermediate, mxfp8_block, alpha, limit, beta } => format!(
+            " w={stem}.{{0..{experts}}}.{{{}}} {hidden}->{intermediate}->{hidden}{} swiglu_oai(alpha={alpha} limit={limit} beta={beta})",
+            expert_projections(stem, weights),
             q(mxfp8_block)
         ),
     }
@@ -101,4 +102,12 @@ pub fn dump_where(g: &ModelGraph, keep: impl Fn(Part) -> bool) -> String {
     }
     let _ = writeln!(out, "// logits: %{}", g.logits.index());
     out
+}
+
+/// `w1,w3,w2`: expert 0's linear stems past `STEM.0.`, the projections
+/// every expert has.
+fn expert_projections(stem: &str, weights: &[[String; 3]]) -> String {
+    let first = format!("{stem}.0.");
+    let names = weights.first().map(|w| w.iter().map(|n| n.strip_prefix(&first).unwrap_or(n)).collect::<Vec<_>>());
+    names.unwrap_or_default().join(",")
 }

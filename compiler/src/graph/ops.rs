@@ -113,7 +113,11 @@ pub enum Op {
     Router { weight: String, bias: Option<String>, experts: usize, top_k: usize, scale: f64 },
     /// `Σ_k w_k · Expert_{id_k}(h)` with SwiGLU-OAI experts `w1` (gate), `w3` (up), `w2` (down).
     RoutedExperts {
+        /// The experts' common stem, for listings.
         stem: String,
+        /// Each expert's gate, up and down linear stems, in the order of
+        /// the kernel's pointer table.
+        weights: Vec<[String; 3]>,
         experts: usize,
         hidden: usize,
         intermediate: usize,

@@ -13,7 +13,7 @@ use super::{cache_kind_name, Boundary, CacheSlot, Storages, TensorSlot};
 use crate::config::ModelConfig;
 use crate::dtype::DType;
 use crate::graph::{CacheKind, Dim, ModelGraph, Op};
-use crate::model::names::{self, ExpertProj};
+use crate::model::names;
 use crate::model::{expected_tensors, Part, TensorSpec};
 use m3c_kernels::{expert_tensor_types, Kernel, MemTy, SparseSel, Storage, WeightType};
 use petgraph::graph::NodeIndex;
@@ -817,7 +817,7 @@ impl Fuser<'_> {
 
     /// The routed experts, their tensors bound as one pointer table.
     fn lower_routed_experts(&mut self, n: NodeIndex, op: &Op, what: String) -> Result<(), String> {
-        let Op::RoutedExperts { stem, experts, hidden, intermediate, mxfp8_block, alpha, limit, beta } = op.clone() else {
+        let Op::RoutedExperts { weights: stems, experts, hidden, intermediate, mxfp8_block, alpha, limit, beta, .. } = op.clone() else {
             return Err(format!("{what}: not a RoutedExperts node"));
         };
         let (t, ops) = (&self.cfg.text, self.graph.operands(n));
@@ -829,19 +829,16 @@ impl Fuser<'_> {
         let weight = match mxfp8_block {
             Some(block) => WeightType::Mxfp8 { block },
             None => {
-                let first = names::weight(&names::expert(&stem, 0, ExpertProj::W1));
+                let first = names::weight(stems.first().map(|s| s[0].as_str()).ok_or("routed experts without experts")?);
                 let d = self.specs.get(&first).map(|s| s.nominal).ok_or("no expert 0 in the layout")?;
                 weight_type(d)?
             }
         };
         let first_slot = self.tensors.len();
-        for e in 0..experts {
-            for proj in ExpertProj::TABLE_ORDER {
-                let x = names::expert(&stem, e, proj);
-                self.weight(&names::weight(&x))?;
-                if mxfp8_block.is_some() {
-                    self.weight(&names::scales(&x))?;
-                }
+        for x in stems.iter().flatten() {
+            self.weight(&names::weight(x))?;
+            if mxfp8_block.is_some() {
+                self.weight(&names::scales(x))?;
             }
         }
         debug_assert_eq!(self.tensors.len() - first_slot, experts * expert_tensor_types(hidden, intermediate, weight).len());
@@ -1002,6 +999,7 @@ impl<'a> Fuser<'a> {
                 v.spatial_merge_size
             ));
         }
+        let family = self.cfg.family.model();
         let outer = std::mem::take(&mut self.steps);
         let outer_live = std::mem::take(&mut self.live);
         let nodes = graph.nodes_of(Part::Vision);
@@ -1017,7 +1015,7 @@ impl<'a> Fuser<'a> {
             let (at, slot) = (self.steps.len(), self.tensors.len());
             self.lower(n, what)?;
             let read = self.tensors.get(slot).map(|t| t.name.clone());
-            if let Some(l) = read.as_deref().and_then(names::vision::layer_of) {
+            if let Some(l) = read.as_deref().and_then(|name| family.vision_layer_of(name)) {
                 if l == layer_starts.len() {
                     layer_starts.push((at, slot));
                 }

@@ -244,7 +244,7 @@ pub fn draft_section(
     let shared = if draft.own_embedding || plan.stages[last].embedding {
         0.0
     } else {
-        let name = crate::model::names::TextNames::new(&cfg.text_prefix).embedding();
+        let name = cfg.family.model().embedding(cfg);
         crate::model::expected_tensors(cfg).iter().find(|t| t.name == name).map_or(0.0, |t| t.nominal_bytes() as f64)
     };
     let kv = draft.kv_bytes_per_position(w.kv_cache.bytes());

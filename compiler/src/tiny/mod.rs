@@ -82,15 +82,6 @@ fn tensors(spec: &TinySpec, cfg: &crate::config::ModelConfig) -> Vec<Owned> {
     out
 }
 
-/// A small byte-level BPE (512 ids) with MiniMax-M3's special-token names
-/// and a chat template of the real one's structure: the tokenizer of the
-/// test fixture (`tests/fixtures/tiny-m3`, from the reference), so a tiny
-/// checkpoint takes `--prompt` and `--chat` like a real one.
-pub const TOKENIZER_FILES: [(&str, &[u8]); 2] = [
-    ("tokenizer.json", include_bytes!("../../data/tiny-tokenizer/tokenizer.json")),
-    ("tokenizer_config.json", include_bytes!("../../data/tiny-tokenizer/tokenizer_config.json")),
-];
-
 /// Writes the tiny checkpoint into the new folder `out`.
 pub fn init_tiny(out: &Path, spec: &TinySpec) -> Result<()> {
     spec.check()?;
@@ -119,7 +110,7 @@ pub fn init_tiny(out: &Path, spec: &TinySpec) -> Result<()> {
             meta.insert("format".to_string(), "pt".to_string());
             let bytes = safetensors::serialize(views, Some(meta)).context("cannot encode model.safetensors")?;
             std::fs::write(tmp.join("model.safetensors"), bytes)?;
-            for (name, data) in TOKENIZER_FILES {
+            for (name, data) in cfg.family.model().tiny_tokenizer() {
                 std::fs::write(tmp.join(name), data)?;
             }
             Ok(())

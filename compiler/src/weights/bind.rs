@@ -85,9 +85,7 @@ pub fn bind<'a>(cfg: &ModelConfig, ck: &'a Checkpoint, parts: Option<&BTreeSet<P
     let specs = expected_tensors(cfg);
     // A flat text config may sit beside hub shards that name text tensors
     // `language_model.…`: accept that prefix when the bare name is absent.
-    let vl = crate::model::names::VL_TEXT_PREFIX;
-    let alt_prefix =
-        if cfg.text_prefix.is_empty() && ck.tensors.contains_key(&crate::model::names::TextNames::new(vl).embedding()) { vl } else { "" };
+    let alt_prefix = cfg.family.model().stored_prefix(cfg, &|name| ck.tensors.contains_key(name));
     let mut problems = Vec::new();
     let mut tensors = Vec::new();
     let mut used: BTreeSet<&str> = BTreeSet::new();

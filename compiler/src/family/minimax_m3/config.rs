@@ -17,7 +17,7 @@ pub(super) const ARCHITECTURES: &[&str] = &[VL_ARCHITECTURE, "MiniMaxM3SparseFor
 
 pub(super) fn parse(root: &Obj, architecture: &str) -> Result<ModelConfig, ConfigError> {
     let is_vl = architecture == VL_ARCHITECTURE;
-    let (text_obj, text_prefix) = if is_vl { (root.obj("text_config")?, crate::model::names::VL_TEXT_PREFIX) } else { (root.clone(), "") };
+    let (text_obj, text_prefix) = if is_vl { (root.obj("text_config")?, super::names::VL_TEXT_PREFIX) } else { (root.clone(), "") };
     // Flat configs are sometimes used with the hub shards, whose names carry
     // `language_model.`; the weight binder accepts either (see weights::bind).
     let text = parse_text(&text_obj)?;
@@ -27,7 +27,7 @@ pub(super) fn parse(root: &Obj, architecture: &str) -> Result<ModelConfig, Confi
         None => Quantization::None,
     };
     Ok(ModelConfig {
-        family: Family::MiniMaxM3,
+        family: Family(super::ID),
         source: root.file.to_path_buf(),
         architecture: architecture.to_string(),
         text_prefix: text_prefix.to_string(),

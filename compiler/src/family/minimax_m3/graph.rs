@@ -2,10 +2,10 @@
 //! rows scattered in), decoder layers of full or MSA attention and dense or
 //! MoE MLPs, the final Gemma norm, the lm_head and the sampler.
 
+use super::names::{self, ExpertProj, MlpProj, TextNames};
 use crate::config::{AttentionKind, MlpKind, ModelConfig};
 use crate::graph::build::{ty, GraphBuilder};
 use crate::graph::{CacheKind, Dim, Elem, ModelGraph, Op};
-use crate::model::names::{self, MlpProj, TextNames};
 use crate::model::Part;
 use petgraph::graph::NodeIndex;
 
@@ -91,8 +91,12 @@ impl MiniMaxBlocks for GraphBuilder<'_> {
                     scale: t.moe.routed_scaling_factor,
                 };
                 let routing = self.node(router, ty(&[Dim::Tokens, Dim::Fixed(k)], Elem::F32), &[h2]);
+                let stem = n.experts();
+                let proj = |e, p| names::expert(&stem, e, p);
+                let weights = (0..t.moe.num_experts).map(|e| ExpertProj::TABLE_ORDER.map(|p| proj(e, p))).collect();
                 let experts = Op::RoutedExperts {
-                    stem: n.experts(),
+                    weights,
+                    stem,
                     experts: t.moe.num_experts,
                     hidden: h,
                     intermediate: t.moe.expert_intermediate_size,

@@ -3,6 +3,7 @@
 
 mod config;
 mod graph;
+mod names;
 mod tensors;
 mod tiny;
 
@@ -14,7 +15,14 @@ use crate::model::TensorSpec;
 
 pub(super) struct MiniMaxM3;
 
+/// The family's id.
+const ID: &str = "minimax_m3";
+
 impl ModelFamily for MiniMaxM3 {
+    fn id(&self) -> &'static str {
+        ID
+    }
+
     fn name(&self) -> &'static str {
         "MiniMax-M3"
     }
@@ -35,11 +43,32 @@ impl ModelFamily for MiniMaxM3 {
         graph::graph(cfg)
     }
 
+    fn embedding(&self, cfg: &ModelConfig) -> String {
+        names::TextNames::new(&cfg.text_prefix).embedding()
+    }
+
+    fn stored_prefix(&self, cfg: &ModelConfig, has: &dyn Fn(&str) -> bool) -> &'static str {
+        let vl = names::VL_TEXT_PREFIX;
+        if cfg.text_prefix.is_empty() && has(&names::TextNames::new(vl).embedding()) {
+            vl
+        } else {
+            ""
+        }
+    }
+
+    fn vision_layer_of(&self, name: &str) -> Option<usize> {
+        names::vision::layer_of(name)
+    }
+
     fn tiny_config(&self, spec: &TinySpec) -> serde_json::Value {
         tiny::config(spec)
     }
 
     fn tiny_values(&self, rng: &mut Rng, spec: &TensorSpec) -> Vec<f32> {
         tiny::values(rng, spec)
+    }
+
+    fn tiny_tokenizer(&self) -> &'static [(&'static str, &'static [u8])] {
+        tiny::TOKENIZER_FILES
     }
 }

@@ -1,9 +1,9 @@
 //! MiniMax-M3's checkpoint layout: the text backbone (full and MSA layers,
 //! dense and MoE MLPs, the shared expert) and the vision tower, by hub name.
 
+use super::names::{self, ExpertProj, MlpProj, TextNames};
 use crate::config::{AttentionKind, MlpKind, ModelConfig};
 use crate::dtype::DType;
-use crate::model::names::{self, ExpertProj, MlpProj, TextNames};
 use crate::model::tensors::LayoutBuilder;
 use crate::model::{Part, Role, TensorSpec, TypeRule};
 

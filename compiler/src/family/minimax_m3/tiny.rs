@@ -2,8 +2,8 @@
 //! MSA+dense, full+MoE, then MSA+MoE), every structural feature of the real
 //! model at test widths.
 
+use super::names::{self, TextNames};
 use crate::family::{Rng, TinySpec, HEAD_DIM};
-use crate::model::names::{self, TextNames};
 use crate::model::{Role, TensorSpec};
 use serde_json::json;
 
@@ -101,3 +101,12 @@ pub(super) fn values(rng: &mut Rng, spec: &TensorSpec) -> Vec<f32> {
     let gated = names::is_gate_or_up(name);
     normal(rng, if gated { 3.0 } else { 1.0 } / fan_in.sqrt())
 }
+
+/// A small byte-level BPE (512 ids) with MiniMax-M3's special-token names
+/// and a chat template of the real one's structure: the tokenizer of the
+/// test fixture (`tests/fixtures/tiny-m3`, from the reference), so a tiny
+/// checkpoint takes `--prompt` and `--chat` like a real one.
+pub(super) const TOKENIZER_FILES: &[(&str, &[u8])] = &[
+    ("tokenizer.json", include_bytes!("../../../data/tiny-tokenizer/tokenizer.json")),
+    ("tokenizer_config.json", include_bytes!("../../../data/tiny-tokenizer/tokenizer_config.json")),
+];
