@@ -167,19 +167,40 @@ pub mod abi {
     /// follows it (a test checks every offset), and the compiler writes the
     /// entry's loads from it, field `k` at byte `8k`.
     pub const ENTRY: &str = "m3c_stage_step";
-    /// The generated vision entry (a no-op on stages without the tower):
-    ///
-    /// ```c
-    /// void m3c_stage_vision(void *const *weights, void *const *weights_dev, // as the step's
-    ///                       int64_t images,          // images encoded together
-    ///                       const int64_t *rows,     // [images] patch rows of each (a multiple of 4)
-    ///                       int64_t patches,         // P = Σ rows
-    ///                       const float *pixels,     // [P, patch_row] normalised patch rows
-    ///                       const int64_t *ppos,     // [P, 3] (t, h, w) of each patch row
-    ///                       const int64_t *segs,     // [P] each row's last row index within its image
-    ///                       void *out);              // [P/4, hidden] merged image features (activation storage)
-    /// ```
+    /// The generated vision entry (a no-op on stages without the tower),
+    /// `void m3c_stage_vision(...)` over the positional parameters
+    /// [`VISION_PARAMS`] lists: the compiler writes its signature from the
+    /// list, and the runtime calls it from a [`VisionArgs`], which follows
+    /// the list (a test checks every offset).
     pub const VISION: &str = "m3c_stage_vision";
+    /// The vision entry's parameters, in order, each one 8-byte word. On a
+    /// GPU stage `pixels`, `ppos`, `segs` and `out` are device memory.
+    pub const VISION_PARAMS: &[(&str, Word)] = &[
+        ("weights", Word::Ptr),     // void *const *: as the step's
+        ("weights_dev", Word::Ptr), // as the step's
+        ("images", Word::I64),      // images encoded together
+        ("rows", Word::Ptr),        // const int64_t [images]: patch rows of each (a multiple of 4)
+        ("patches", Word::I64),     // P = Σ rows
+        ("pixels", Word::Ptr),      // const float [P, patch_row]: normalised patch rows
+        ("ppos", Word::Ptr),        // const int64_t [P, 3]: (t, h, w) of each patch row
+        ("segs", Word::Ptr),        // const int64_t [P]: each row's last row index within its image
+        ("out", Word::Ptr),         // [P/4, hidden]: merged image features (activation storage)
+    ];
+
+    /// The vision entry's arguments, as [`VISION_PARAMS`] lists them.
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy)]
+    pub struct VisionArgs {
+        pub weights: *const *const u8,
+        pub weights_dev: *const *const u8,
+        pub images: i64,
+        pub rows: *const i64,
+        pub patches: i64,
+        pub pixels: *const f32,
+        pub ppos: *const i64,
+        pub segs: *const i64,
+        pub out: *mut f32,
+    }
     /// The EAGLE3 draft head's entries (no-ops on stages without one), each
     /// `void (const StepArgs *)`: the first over the target's aux states
     /// (`aux`, `[S, slots·hidden]`), the next over its own hidden states
@@ -317,6 +338,29 @@ mod tests {
         // The two kinds of word are both 8 bytes on the targets m3c runs on.
         assert_eq!((size_of::<*const u8>(), size_of::<i64>()), (8, 8));
         assert!(STEP_FIELDS.iter().filter(|(_, w)| *w == Word::I64).count() == 7);
+    }
+
+    #[test]
+    fn vision_args_are_laid_out_as_their_parameter_list_says() {
+        use abi::{VisionArgs, Word, VISION_PARAMS};
+        use std::mem::{offset_of, size_of};
+        assert_eq!(size_of::<VisionArgs>(), VISION_PARAMS.len() * 8);
+        let offsets = [
+            ("weights", offset_of!(VisionArgs, weights)),
+            ("weights_dev", offset_of!(VisionArgs, weights_dev)),
+            ("images", offset_of!(VisionArgs, images)),
+            ("rows", offset_of!(VisionArgs, rows)),
+            ("patches", offset_of!(VisionArgs, patches)),
+            ("pixels", offset_of!(VisionArgs, pixels)),
+            ("ppos", offset_of!(VisionArgs, ppos)),
+            ("segs", offset_of!(VisionArgs, segs)),
+            ("out", offset_of!(VisionArgs, out)),
+        ];
+        assert_eq!(offsets.len(), VISION_PARAMS.len(), "a parameter of the list without its offset here");
+        for (k, (&(field, off), (name, _))) in offsets.iter().zip(VISION_PARAMS).enumerate() {
+            assert_eq!((field, off), (*name, 8 * k), "parameter {k} of the list is `{name}`");
+        }
+        assert_eq!(VISION_PARAMS.iter().filter(|(_, w)| *w == Word::I64).count(), 2);
     }
 
     #[test]

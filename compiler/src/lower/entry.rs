@@ -555,12 +555,20 @@ fn emit_steps(e: &mut Emitter, steps: &[Step], first: usize) {
 /// nothing (the runtime links the symbol in every stage and calls it only
 /// where the metadata says the stage encodes images).
 fn vision_func(body: &str) -> String {
-    format!(
-        "  func.func @{VISION_SYMBOL}(%weights: !llvm.ptr, %weights_dev: !llvm.ptr, %sequences: i64, %rows_p: !llvm.ptr, \
-         %tokens: i64, %pixels_p: !llvm.ptr, %ppos_p: !llvm.ptr, %segs_p: !llvm.ptr, %x_p: !llvm.ptr) {{\n{}  }}\n",
-        indent(body, 4)
-    )
+    use m3c_contract::stage::abi::{Word, VISION_PARAMS};
+    let params: Vec<String> = VISION_PARAMS
+        .iter()
+        .zip(VISION_SSA)
+        .map(|((_, word), ssa)| format!("%{ssa}: {}", if *word == Word::I64 { "i64" } else { "!llvm.ptr" }))
+        .collect();
+    format!("  func.func @{VISION_SYMBOL}({}) {{\n{}  }}\n", params.join(", "), indent(body, 4))
 }
+
+/// The SSA name the vision body knows each of `abi::VISION_PARAMS` by:
+/// the step's names where they mean the same (images are its sequences,
+/// patch rows its tokens, the merged features its `x`).
+const VISION_SSA: [&str; 9] = ["weights", "weights_dev", "sequences", "rows_p", "tokens", "pixels_p", "ppos_p", "segs_p", "x_p"];
+const _: () = assert!(VISION_SSA.len() == m3c_contract::stage::abi::VISION_PARAMS.len());
 
 /// The vision entry's text, with the emitter that holds its views and GPU functions.
 fn vision_text(e: &mut Emitter, f: &FusedStage) -> String {

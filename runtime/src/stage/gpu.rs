@@ -8,7 +8,7 @@ use crate::device::{self, DeviceBuffer, Gpu, PeerLink, ScratchBuffer};
 use crate::error::StageError;
 use crate::meta::StageMeta;
 use crate::weights::StageWeights;
-use m3c_contract::stage::abi::{StepArgs, STEP_VERSION};
+use m3c_contract::stage::abi::VisionArgs;
 use std::collections::HashMap;
 
 /// A GPU stage's device, weights, pools and graphs.
@@ -112,17 +112,17 @@ impl Backing for GpuBacking {
         // SAFETY: as on the host (`HostBacking::encode`), with device
         // buffers of those sizes and the host and device weight tables.
         unsafe {
-            super::m3c_stage_vision(
-                self.table.as_ptr() as *const *const u8,
-                self.table_dev.ptr() as *const *const u8,
-                job.rows.len() as i64,
-                job.rows.as_ptr(),
-                job.patches as i64,
-                pix.ptr() as *const f32,
-                pp.ptr() as *const i64,
-                sg.ptr() as *const i64,
-                out.ptr() as *mut f32,
-            );
+            super::run_vision(&VisionArgs {
+                weights: self.table.as_ptr() as *const *const u8,
+                weights_dev: self.table_dev.ptr() as *const *const u8,
+                images: job.rows.len() as i64,
+                rows: job.rows.as_ptr(),
+                patches: job.patches as i64,
+                pixels: pix.ptr() as *const f32,
+                ppos: pp.ptr() as *const i64,
+                segs: sg.ptr() as *const i64,
+                out: out.ptr() as *mut f32,
+            });
         }
         device.sync()?;
         device.download(out.ptr(), bytes_of_mut(feats))?;
@@ -163,65 +163,14 @@ impl Backing for GpuBacking {
         gpu.run(inp, x, out, want_logits)
     }
 
-    /// An EAGLE3 head's entry, eagerly, on buffers of its own: its rows are
-    /// few (a step's accepted rows, then one per drafting sequence).
-    fn draft(
-        &mut self,
-        s: super::StepContext,
-        first: bool,
-        inp: &StepInputs,
-        x: &mut [f32],
-        aux: &mut [f32],
-        out: &mut StepOut,
-    ) -> Result<(), StageError> {
-        let d = self.device.as_ref();
-        let pools: Vec<u64> = self.pools.iter().map(DeviceBuffer::ptr).collect();
-        d.set_prefill(inp.segments.iter().any(|s| s.rows > 1));
-        let (ids, pos, xb) = (d.upload(bytes_of(inp.ids))?, d.upload(bytes_of(&inp.pos))?, d.upload(bytes_of(x))?);
-        let auxb = if first { Some(d.upload(bytes_of(aux))?) } else { None };
-        let (table, seen) = (d.upload(bytes_of(&out.table))?, d.upload(bytes_of(&inp.seen))?);
-        let (logits, ids_out) = (ScratchBuffer::new(out.logits.len() * 4), ScratchBuffer::new(out.ids.len() * 8));
-        let args = StepArgs {
-            version: STEP_VERSION,
-            weights: self.table.as_ptr() as *const *const u8,
-            weights_dev: self.table_dev.ptr() as *const *const u8,
-            caches: pools.as_ptr() as *const *mut f32,
-            pool_rows: s.pool_rows as i64,
-            blocks: s.seqs.tables.as_ptr() as *const *const i64,
-            sequences: inp.segments.len() as i64,
-            rows: inp.rows.as_ptr(),
-            caps: s.seqs.caps.as_ptr(),
-            tokens: inp.tokens as i64,
-            ids: ids.ptr() as *const i64,
-            x: xb.ptr() as *mut f32,
-            logits: logits.ptr() as *mut f32,
-            out_ids: ids_out.ptr() as *mut i64,
-            table: table.ptr() as *mut i64,
-            seen: seen.ptr() as *const u32,
-            bitmap_rows: inp.bitmap_rows as i64,
-            bias: std::ptr::null(),
-            bias_rows: 0,
-            pos: pos.ptr() as *const i64,
-            nimg: 0,
-            img: std::ptr::null(),
-            img_rows: std::ptr::null(),
-            aux: auxb.as_ref().map_or(std::ptr::null_mut(), |a| a.ptr() as *mut f32),
-        };
-        // SAFETY: as the step's, with device buffers holding `tokens` rows
-        // of ids, positions, x, logits (the draft vocabulary), ids and table
-        // rows, the bitmaps the host side sized, and (first) the aux rows.
-        unsafe {
-            if first {
-                super::m3c_draft_first(&args);
-            } else {
-                super::m3c_draft_next(&args);
-            }
+    fn tables<'a>(&mut self, s: &super::StepContext<'a>) -> super::StageTables<'a> {
+        super::StageTables {
+            weights: self.table.as_ptr() as u64,
+            weights_dev: self.table_dev.ptr(),
+            caches: self.pools.iter().map(DeviceBuffer::ptr).collect(),
+            pool_rows: s.pool_rows,
+            seqs: s.seqs,
         }
-        d.sync()?;
-        d.download(ids_out.ptr(), bytes_of_mut(&mut out.ids))?;
-        d.download(table.ptr(), bytes_of_mut(&mut out.table))?;
-        d.download(xb.ptr(), bytes_of_mut(x))?;
-        Ok(())
     }
 
     fn device(&self) -> Option<&dyn Gpu> {
@@ -437,7 +386,6 @@ impl GpuStep<'_> {
     fn run(self, inp: &StepInputs, x: &mut [f32], out: &mut StepOut, want_logits: bool) -> Result<(), StageError> {
         let GpuStep { device, table, table_dev, pools, pool_rows, seqs, graphs, collectives, meta: m } = self;
         let (segments, tokens) = (inp.segments, inp.tokens);
-        let n = segments.len() as i64;
         let nimg = inp.img_rows.len() as i64;
         device.set_prefill(segments.iter().any(|s| s.rows > 1));
         // Decode steps (one row per sequence) go through a graph from their
@@ -478,36 +426,29 @@ impl GpuStep<'_> {
         } else {
             device.copy_in(io.x, bytes_of(x))?;
         }
+        let tables =
+            super::StageTables { weights: table.as_ptr() as u64, weights_dev: table_dev.ptr(), caches: pools.to_vec(), pool_rows, seqs };
+        let buffers = super::RowBuffers {
+            ids: io.ids,
+            x: io.x,
+            logits: io.logits,
+            out_ids: io.out,
+            table: io.table,
+            seen: io.seen,
+            bitmap_rows: io.bitmap_rows,
+            bias: io.bias,
+            bias_rows: io.bias_rows,
+            pos: io.pos,
+            img: img_p,
+            img_rows: img_rows_p,
+            nimg: nimg as usize,
+            aux: if m.aux_slots > 0 { io.x + aux_at } else { 0 },
+        };
         let run = || {
             // SAFETY: as on the host, with device buffers of the same sizes
             // and host tables of device pointers.
             unsafe {
-                super::m3c_stage_step(&StepArgs {
-                    version: STEP_VERSION,
-                    weights: table.as_ptr() as *const *const u8,
-                    weights_dev: table_dev.ptr() as *const *const u8,
-                    caches: pools.as_ptr() as *const *mut f32,
-                    pool_rows: pool_rows as i64,
-                    blocks: seqs.tables.as_ptr() as *const *const i64,
-                    sequences: n,
-                    rows: inp.rows.as_ptr(),
-                    caps: seqs.caps.as_ptr(),
-                    tokens: tokens as i64,
-                    ids: io.ids as *const i64,
-                    x: io.x as *mut f32,
-                    logits: io.logits as *mut f32,
-                    out_ids: io.out as *mut i64,
-                    table: io.table as *mut i64,
-                    seen: io.seen as *const u32,
-                    bitmap_rows: io.bitmap_rows as i64,
-                    bias: io.bias as *const f32,
-                    bias_rows: io.bias_rows as i64,
-                    pos: io.pos as *const i64,
-                    nimg,
-                    img: img_p as *const f32,
-                    img_rows: img_rows_p as *const i64,
-                    aux: if m.aux_slots > 0 { (io.x + aux_at) as *mut f32 } else { std::ptr::null_mut() },
-                });
+                super::m3c_stage_step(&inp.args(&tables, &buffers));
             }
         };
         // The graph's own buffers stay with it; fresh ones go back to

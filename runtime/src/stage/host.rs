@@ -2,12 +2,13 @@
 //! checkpoint, its KV pools in host memory, and each step's entry reading
 //! and writing the step's own buffers directly.
 
-use super::{Backing, SeqArgs, StepInputs, StepOut};
+use super::entry_io::Entry;
+use super::{Backing, StepInputs, StepOut};
 use crate::device::{DeviceBuffer, Gpu};
 use crate::error::StageError;
 use crate::meta::StageMeta;
 use crate::weights::StageWeights;
-use m3c_contract::stage::abi::{StepArgs, STEP_VERSION};
+use m3c_contract::stage::abi::VisionArgs;
 
 /// The vision entry over `job` with the weight table `table`, writing the
 /// merged features to `feats`. The entry reads `patches` rows of pixels,
@@ -18,17 +19,17 @@ use m3c_contract::stage::abi::{StepArgs, STEP_VERSION};
 unsafe fn run_vision(table: &[*const u8], job: &super::VisionJob, feats: &mut [f32]) {
     // SAFETY: as the caller guarantees (above).
     unsafe {
-        super::m3c_stage_vision(
-            table.as_ptr(),
-            table.as_ptr(),
-            job.rows.len() as i64,
-            job.rows.as_ptr(),
-            job.patches as i64,
-            job.pixels.as_ptr(),
-            job.ppos.as_ptr(),
-            job.segs.as_ptr(),
-            feats.as_mut_ptr(),
-        );
+        super::run_vision(&VisionArgs {
+            weights: table.as_ptr(),
+            weights_dev: table.as_ptr(),
+            images: job.rows.len() as i64,
+            rows: job.rows.as_ptr(),
+            patches: job.patches as i64,
+            pixels: job.pixels.as_ptr(),
+            ppos: job.ppos.as_ptr(),
+            segs: job.segs.as_ptr(),
+            out: feats.as_mut_ptr(),
+        });
     }
 }
 
@@ -128,25 +129,47 @@ impl Backing for HostBacking {
         out: &mut StepOut,
         _want_logits: bool,
     ) -> Result<(), StageError> {
-        let pools: Vec<*mut f32> = self.pools.iter_mut().map(|p| p.as_mut_ptr()).collect();
+        let tables = self.tables(&s);
         // The aux slots follow `x`'s rows in the step's buffer.
         let (x, aux) = x.split_at_mut(inp.tokens * s.meta.x_words());
-        let aux = if s.meta.aux_slots > 0 { aux.as_mut_ptr() } else { std::ptr::null_mut() };
-        host_step(Entry::Step, &self.weights, &pools, s.pool_rows, s.seqs, inp, x, aux, out)
+        let aux = if s.meta.aux_slots > 0 { aux.as_mut_ptr() as u64 } else { 0 };
+        let buffers = super::RowBuffers {
+            ids: inp.ids.as_ptr() as u64,
+            x: x.as_mut_ptr() as u64,
+            logits: out.logits.as_mut_ptr() as u64,
+            out_ids: out.ids.as_mut_ptr() as u64,
+            table: out.table.as_mut_ptr() as u64,
+            seen: inp.seen.as_ptr() as u64,
+            bitmap_rows: inp.bitmap_rows,
+            bias: inp.bias.as_ptr() as u64,
+            bias_rows: inp.bias_rows,
+            pos: inp.pos.as_ptr() as u64,
+            img: inp.img.as_ptr() as u64,
+            img_rows: inp.img_rows.as_ptr() as u64,
+            nimg: inp.img_rows.len(),
+            aux,
+        };
+        // (Seen holds one bitmap per sequence, or nothing on a stage that
+        // does not sample, whose entry never reads it.) Each pool holds
+        // `pool_rows` rows of its slot; each block table `caps / kv_block`
+        // entries, all in the pool, covering its segment's positions
+        // (`seq_tables`). `aux` is null where the entry has no aux slots,
+        // else the split of the step's buffer that holds them.
+        // SAFETY: every pointer covers what the compiled step reads or writes:
+        // the weights have the compiled shapes, pools, tables and aux are as
+        // above, and x, ids, logits, out_ids, table and pos hold `tokens` rows.
+        unsafe { Entry::Step.run(&inp.args(&tables, &buffers)) };
+        Ok(())
     }
 
-    fn draft(
-        &mut self,
-        s: super::StepContext,
-        first: bool,
-        inp: &StepInputs,
-        x: &mut [f32],
-        aux: &mut [f32],
-        out: &mut StepOut,
-    ) -> Result<(), StageError> {
-        let pools: Vec<*mut f32> = self.pools.iter_mut().map(|p| p.as_mut_ptr()).collect();
-        let entry = if first { Entry::DraftFirst } else { Entry::DraftNext };
-        host_step(entry, &self.weights, &pools, s.pool_rows, s.seqs, inp, x, aux.as_mut_ptr(), out)
+    fn tables<'a>(&mut self, s: &super::StepContext<'a>) -> super::StageTables<'a> {
+        super::StageTables {
+            weights: self.weights.ptrs.as_ptr() as u64,
+            weights_dev: self.weights.ptrs.as_ptr() as u64,
+            caches: self.pools.iter_mut().map(|p| p.as_mut_ptr() as u64).collect(),
+            pool_rows: s.pool_rows,
+            seqs: s.seqs,
+        }
     }
 
     fn device(&self) -> Option<&dyn Gpu> {
@@ -175,70 +198,4 @@ fn zeroed_words(words: usize) -> Option<Vec<f32>> {
     // `words` f32 (so capacity = length = `words`), and all-zero bytes are
     // a valid f32.
     Some(unsafe { Vec::from_raw_parts(p, words, words) })
-}
-
-/// Which generated entry a step runs.
-#[derive(Clone, Copy)]
-enum Entry {
-    Step,
-    DraftFirst,
-    DraftNext,
-}
-
-/// One step on the host: the entry reads and writes host memory directly.
-#[allow(clippy::too_many_arguments)]
-fn host_step(
-    entry: Entry,
-    weights: &StageWeights,
-    pools: &[*mut f32],
-    pool_rows: usize,
-    seqs: &SeqArgs,
-    inp: &StepInputs,
-    x: &mut [f32],
-    aux: *mut f32,
-    out: &mut StepOut,
-) -> Result<(), StageError> {
-    let run = match entry {
-        Entry::Step => super::m3c_stage_step,
-        Entry::DraftFirst => super::m3c_draft_first,
-        Entry::DraftNext => super::m3c_draft_next,
-    };
-    // (Seen holds one bitmap per sequence, or nothing on a stage that does
-    // not sample, whose entry never reads it.) Each pool holds `pool_rows`
-    // rows of its slot; each block table `caps / kv_block` entries, all in
-    // the pool, covering its segment's positions (`seq_tables`). `aux` is
-    // null where the entry has no aux slots, else holds them (the caller's
-    // split of the step's buffer, or the draft's gathered rows).
-    // SAFETY: every pointer covers what the compiled step reads or writes:
-    // the weights have the compiled shapes, pools, tables and aux are as
-    // above, and x, ids, logits, out_ids, table and pos hold `tokens` rows.
-    unsafe {
-        run(&StepArgs {
-            version: STEP_VERSION,
-            weights: weights.ptrs.as_ptr(),
-            weights_dev: weights.ptrs.as_ptr(),
-            caches: pools.as_ptr(),
-            pool_rows: pool_rows as i64,
-            blocks: seqs.tables.as_ptr() as *const *const i64,
-            sequences: inp.segments.len() as i64,
-            rows: inp.rows.as_ptr(),
-            caps: seqs.caps.as_ptr(),
-            tokens: inp.tokens as i64,
-            ids: inp.ids.as_ptr(),
-            x: x.as_mut_ptr(),
-            logits: out.logits.as_mut_ptr(),
-            out_ids: out.ids.as_mut_ptr(),
-            table: out.table.as_mut_ptr(),
-            seen: inp.seen.as_ptr(),
-            bitmap_rows: inp.bitmap_rows as i64,
-            bias: inp.bias.as_ptr(),
-            bias_rows: inp.bias_rows as i64,
-            pos: inp.pos.as_ptr(),
-            nimg: inp.img_rows.len() as i64,
-            img: inp.img.as_ptr(),
-            img_rows: inp.img_rows.as_ptr(),
-            aux,
-        });
-    }
-    Ok(())
 }
