@@ -39,8 +39,13 @@
 //! token POS (from 1, before the sequence's first `m3c-id`) when it asked
 //! for prompt logprobs,
 //! `m3c-end SEQ stop|length|cancelled|error`, `m3c-stat STAGE STEPS
-//! BUSY_SECONDS`, and `m3c-bad SEQ|- WHY` for a refused command. Any other
-//! line is a stage's own output, passed on as it is.
+//! BUSY_SECONDS`, `m3c-pfx SEQ QUERIED HIT` (a sequence started: prompt
+//! tokens looked up in the prefix cache, and found), `m3c-preempt SEQ`,
+//! `m3c-spec SEQ DRAFTED ACCEPTED` (a verify step of speculative
+//! decoding), `m3c-kv USED CACHED TOTAL RUNNING WAITING` (the pool's blocks
+//! and the scheduler's queues, as they change), and `m3c-bad SEQ|- WHY`
+//! for a refused command. Any other line is a stage's own output, passed
+//! on as it is.
 
 use crate::sampling::SamplingParams;
 use std::fmt;
