@@ -53,6 +53,16 @@ impl StepCost {
         self.by_rows.range(rows + 1..).map(|(_, (w, _))| w.len()).sum()
     }
 
+    /// How many row counts were measured.
+    pub fn counts(&self) -> usize {
+        self.by_rows.len()
+    }
+
+    /// The median seconds at the largest row count measured below `rows`.
+    pub fn largest_below(&self, rows: usize) -> Option<(usize, f64)> {
+        self.by_rows.range(..rows).next_back().map(|(&r, (_, m))| (r, *m))
+    }
+
     /// The seconds a step of `rows` rows is expected to take (`None`
     /// before any measurement).
     pub fn estimate(&self, rows: usize) -> Option<f64> {

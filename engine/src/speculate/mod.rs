@@ -102,8 +102,13 @@ pub struct Candidate {
     pub decode: bool,
 }
 
-/// Plans between tries of drafting when speculation is not chosen.
+/// Plans between tries of drafting when speculation is not chosen; each
+/// try after which the model still chooses no drafts doubles it, up to
+/// [`MAX_RETRY_EVERY`] (a try costs a verify row per sequence and, with a
+/// draft head, its proposals: where drafts never pay, tries must not add
+/// up), and a choice to draft brings it back.
 const RETRY_EVERY: u64 = 256;
+const MAX_RETRY_EVERY: u64 = 4096;
 /// Plans between plain steps when it is (so the cost it is weighed
 /// against stays measured: a first plain step is often slow).
 const REFRESH_EVERY: u64 = 64;
@@ -134,6 +139,10 @@ pub struct Speculator {
     plans: u64,
     last_drafted: u64,
     last_plain: u64,
+    /// Plans between tries now, and whether the last drafting plan was a
+    /// try whose verdict the model has not given yet.
+    retry_every: u64,
+    retrying: bool,
     /// Draft lengths chosen for each sequence's last step (its next ask).
     chosen: BTreeMap<usize, usize>,
 }
@@ -151,6 +160,8 @@ impl Speculator {
             plans: 0,
             last_drafted: 0,
             last_plain: 0,
+            retry_every: RETRY_EVERY,
+            retrying: false,
             chosen: BTreeMap::new(),
         }
     }
@@ -180,6 +191,24 @@ impl Speculator {
             &self.asking
         } else {
             &self.cost
+        }
+    }
+
+    /// What a drafting step of `rows` rows is expected to cost. Past the
+    /// one row count a draft head's steps were measured at, the cost
+    /// rises as it did from the plain step below it to that count (rows
+    /// are not free on a mixture of experts; a flat guess would send the
+    /// model after long drafts the next verify step then shows too dear).
+    fn drafting_estimate(&self, rows: usize) -> Option<f64> {
+        let d = self.drafting_cost();
+        let estimate = d.estimate(rows)?;
+        if !self.proposer.runs_on_stages() || d.counts() != 1 {
+            return Some(estimate);
+        }
+        let Some((r1, s1)) = d.largest_below(usize::MAX).filter(|&(r1, _)| rows > r1) else { return Some(estimate) };
+        match self.cost.largest_below(r1) {
+            Some((r0, s0)) => Some(s1 + ((s1 - s0) / (r1 - r0) as f64).max(0.0) * (rows - r1) as f64),
+            None => Some(estimate),
         }
     }
 
@@ -213,10 +242,20 @@ impl Speculator {
             Some(true)
         } else if self.cost.samples(rows) < TRUSTED || since(self.last_plain) >= REFRESH_EVERY {
             Some(false)
-        } else if since(self.last_drafted) >= RETRY_EVERY {
+        } else if since(self.last_drafted) >= self.retry_every {
             Some(true)
         } else {
             None
+        }
+    }
+
+    /// After the model's choice of `take` drafts: a try that did not change
+    /// its mind makes the next one wait twice as long; drafting resets it.
+    fn back_off(&mut self, take: usize) {
+        if take > 0 {
+            self.retry_every = RETRY_EVERY;
+        } else if std::mem::take(&mut self.retrying) {
+            self.retry_every = (2 * self.retry_every).min(MAX_RETRY_EVERY);
         }
     }
 
@@ -235,9 +274,17 @@ impl Speculator {
             let ranked = self.ranked(cands);
             let take = match self.explore(rows).filter(|_| decoding && self.fixed.is_none()) {
                 Some(false) => 0,
-                Some(true) => cands.iter().filter(|c| c.draws && c.room > 0).count(),
+                Some(true) => {
+                    // A try, once the cost of drafting is known.
+                    self.retrying |= self.drafting_cost().samples_above(rows) >= TRUSTED;
+                    cands.iter().filter(|c| c.draws && c.room > 0).count()
+                }
                 None if self.fixed.is_some() => usize::MAX,
-                None => self.best_count(cands, &ranked, rows),
+                None => {
+                    let n = self.best_count(cands, &ranked, rows);
+                    self.back_off(n);
+                    n
+                }
             };
             for &i in ranked.iter().take(take) {
                 k[i] += 1;
@@ -282,7 +329,7 @@ impl Speculator {
         for (n, &i) in ranked.iter().enumerate() {
             taken[i] += 1;
             gained += alphas[i].powi(taken[i]);
-            let Some(t) = self.drafting_cost().estimate(rows + n + 1) else { break };
+            let Some(t) = self.drafting_estimate(rows + n + 1) else { break };
             if gained / t > best_rate {
                 (best, best_rate) = (n + 1, gained / t);
             }
@@ -305,7 +352,7 @@ impl Speculator {
     /// a try is due), else nothing, except that a prompt's rows always go
     /// into the head's cache (every later proposal reads them).
     pub fn ask(&self, seq: usize, decode: bool) -> Ask {
-        let due = self.plans + 1 - self.last_drafted >= RETRY_EVERY;
+        let due = self.plans + 1 - self.last_drafted >= self.retry_every;
         let want = if decode {
             self.chosen.get(&seq).is_some_and(|&k| k > 0)
         } else if self.fixed.is_some() {

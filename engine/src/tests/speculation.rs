@@ -149,6 +149,51 @@ fn a_choice_not_to_speculate_is_tried_again_after_a_while() {
 }
 
 #[test]
+fn tries_that_change_nothing_back_off_and_a_choice_to_draft_resets_them() {
+    let mut sp = ngram(2);
+    // A verify row costs a whole step, and drafts are never kept.
+    let seconds = |rows: usize| rows as f64;
+    for r in 1..=3 {
+        for _ in 0..3 {
+            sp.observe_step(r, false, seconds(r));
+        }
+    }
+    let c = [Candidate { seq: 1, rows: 1, draws: true, room: 100, decode: true }];
+    let mut tries = Vec::new();
+    for plan in 0..8000 {
+        let k = sp.lengths(&c, 1)[0];
+        sp.observe_step(1 + k, false, seconds(1 + k));
+        if k > 0 {
+            sp.observe_verify(1, k, 0);
+            tries.push(plan);
+        }
+    }
+    // Without the back-off that is 31 tries; with it, the gaps double
+    // (256, 512, ...) up to 4096 plans.
+    let gaps: Vec<usize> = tries.windows(2).map(|w| w[1] - w[0]).collect();
+    assert!(tries.len() <= 6, "{tries:?}");
+    assert!(gaps.windows(2).all(|g| g[1] >= g[0]) && gaps.last().is_some_and(|&g| g >= 2048), "{gaps:?}");
+    // Drafts start to be kept and rows get cheap: the next try makes the
+    // model draft, and tries are frequent again.
+    let cheap = |rows: usize| 1.0 + 0.01 * rows as f64;
+    for r in 1..=3 {
+        for _ in 0..15 {
+            sp.observe_step(r, false, cheap(r));
+        }
+    }
+    let mut drafted = 0;
+    for _ in 0..5000 {
+        let k = sp.lengths(&c, 1)[0];
+        sp.observe_step(1 + k, false, cheap(1 + k));
+        if k > 0 {
+            sp.observe_verify(1, k, k);
+            drafted += 1;
+        }
+    }
+    assert!(drafted > 4000, "{drafted} drafting plans of 5000 once drafts pay");
+}
+
+#[test]
 fn eagle3_drafts_its_head_proposals_and_asks_for_more_only_when_they_pay() {
     let mut p = Eagle3Proposer::new(3);
     assert_eq!(p.draft(1, &[], 3), Vec::<i64>::new());
@@ -237,4 +282,24 @@ fn drafts_that_only_break_even_are_not_taken() {
     // steps (within the noise), in 1.7 s 16%.
     assert_eq!(decide(1.9), 0);
     assert_eq!(decide(1.7), 1);
+}
+
+#[test]
+fn a_draft_head_s_longer_steps_are_not_guessed_as_cheap_as_its_one_measured_count() {
+    let mut sp = Speculator::new(Box::new(Eagle3Proposer::new(3)), None);
+    // Plain steps of 8 rows take 1 s; drafting ones of 16 rows (one draft
+    // each, with the head's proposals) 2 s: each added row costs 1/8 s.
+    for _ in 0..3 {
+        sp.observe_step(8, false, 1.0);
+        sp.observe_step(16, true, 2.0);
+    }
+    // Two of three drafts kept: 3 drafts each would earn 19.3 tokens a
+    // step, more per second than plain steps if 32 rows cost what 16 do.
+    for seq in 0..8 {
+        for _ in 0..20 {
+            sp.observe_verify(seq, 3, 2);
+        }
+    }
+    let cands: Vec<Candidate> = (0..8).map(|seq| Candidate { seq, rows: 1, draws: true, room: 100, decode: true }).collect();
+    assert_eq!(sp.lengths(&cands, 8), [0; 8], "32 rows cost 4 s by the rows' measured price, not 2 s");
 }
