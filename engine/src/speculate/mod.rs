@@ -143,6 +143,9 @@ pub struct Speculator {
     /// try whose verdict the model has not given yet.
     retry_every: u64,
     retrying: bool,
+    /// The last plan could have drafted (speculation not disabled by the
+    /// batch size, nor fixed at none): only then is a try ever due.
+    may_draft: bool,
     /// Draft lengths chosen for each sequence's last step (its next ask).
     chosen: BTreeMap<usize, usize>,
 }
@@ -162,6 +165,7 @@ impl Speculator {
             last_plain: 0,
             retry_every: RETRY_EVERY,
             retrying: false,
+            may_draft: false,
             chosen: BTreeMap::new(),
         }
     }
@@ -268,7 +272,8 @@ impl Speculator {
     pub fn lengths(&mut self, cands: &[Candidate], running: usize) -> Vec<usize> {
         self.plans += 1;
         let mut k = vec![0usize; cands.len()];
-        if self.disable_by_batch_size.is_none_or(|b| running <= b) {
+        self.may_draft = self.disable_by_batch_size.is_none_or(|b| running <= b) && self.fixed != Some(0);
+        if self.may_draft {
             let rows: usize = cands.iter().map(|c| c.rows).sum();
             let decoding = cands.iter().all(|c| c.decode);
             let ranked = self.ranked(cands);
@@ -352,7 +357,7 @@ impl Speculator {
     /// a try is due), else nothing, except that a prompt's rows always go
     /// into the head's cache (every later proposal reads them).
     pub fn ask(&self, seq: usize, decode: bool) -> Ask {
-        let due = self.plans + 1 - self.last_drafted >= self.retry_every;
+        let due = self.may_draft && self.plans + 1 - self.last_drafted >= self.retry_every;
         let want = if decode {
             self.chosen.get(&seq).is_some_and(|&k| k > 0)
         } else if self.fixed.is_some() {

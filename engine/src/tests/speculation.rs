@@ -109,6 +109,19 @@ fn disable_by_batch_size_drafts_nothing_above_it() {
 }
 
 #[test]
+fn a_draft_head_is_never_asked_while_the_batch_size_disables_drafts() {
+    let mut sp = Speculator::new(Box::new(Eagle3Proposer::new(3)), Some(1));
+    let c: Vec<Candidate> = (0..2).map(|seq| Candidate { seq, rows: 1, draws: true, room: 100, decode: true }).collect();
+    for plan in 0..1000 {
+        assert_eq!(sp.lengths(&c, 2), [0, 0]);
+        sp.observe_step(2, false, 1.0);
+        for seq in 0..2 {
+            assert_eq!(sp.ask(seq, true), Ask::Nothing, "plan {plan}: no proposals while no step may take them");
+        }
+    }
+}
+
+#[test]
 fn lengths_add_the_likeliest_draft_while_it_pays() {
     let mut sp = ngram(4);
     // Measured: 1 row 1 s, 2 rows 1.1 s, 8 rows 1.7 s.
