@@ -294,9 +294,9 @@ pub(crate) struct ServeArgs {
     /// Accepted for vLLM's command lines; m3c runs no code from the model folder.
     #[arg(long, help_heading = "Model")]
     pub(crate) trust_remote_code: bool,
-    /// The model name clients use (default: the checkpoint folder's name).
-    #[arg(long, help_heading = "Frontend")]
-    pub(crate) served_model_name: Option<String>,
+    /// The model names clients may use, the first in answers (default: the checkpoint folder's name, and the path as given here, as vLLM's). A request without `model` goes to this model.
+    #[arg(long, value_name = "NAME", num_args = 1.., help_heading = "Frontend")]
+    pub(crate) served_model_name: Vec<String>,
     /// Tool-call parser: `minimax_m3` (MiniMax-M3's, what m3c parses; another name is an error).
     #[arg(long, value_name = "NAME", help_heading = "Frontend")]
     pub(crate) tool_call_parser: Option<String>,
@@ -315,6 +315,8 @@ pub(crate) struct ServeArgs {
     /// vLLM's encoder placement (`data` or `weights`): accepted; m3c runs the whole vision tower where the plan puts it (stage 0), unsharded.
     #[arg(long, value_name = "MODE", value_parser = ["data", "weights"], help_heading = "Multimodal")]
     pub(crate) mm_encoder_tp_mode: Option<String>,
+    #[command(flatten)]
+    pub(crate) vllm: VllmFlags,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1", help_heading = "Frontend")]
     pub(crate) host: String,
@@ -323,19 +325,22 @@ pub(crate) struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on the /v1 routes (default: $M3C_API_KEY, else none).
     #[arg(long, help_heading = "Frontend")]
     pub(crate) api_key: Option<String>,
-    /// Sequences running at once (more wait).
-    #[arg(long, default_value_t = 64, value_parser = positive_count, help_heading = "Scheduler")]
+    /// Sequences running at once (more wait); vLLM's --max-num-seqs.
+    #[arg(long, visible_alias = "max-num-seqs", default_value_t = 64, value_parser = positive_count, help_heading = "Scheduler")]
     pub(crate) max_batch: usize,
     /// KV cache memory per stage, in GB: the stages' pools of cache blocks, shared by the running sequences and the prefix cache.
     #[arg(long, value_name = "GB", default_value_t = 8.0, value_parser = number, help_heading = "Cache")]
     pub(crate) kv_budget: f32,
     /// Compute every prompt in full: keep no finished sequence's cache blocks for later requests with the same prefix.
-    #[arg(long, help_heading = "Cache")]
+    #[arg(long, overrides_with = "enable_prefix_caching", help_heading = "Cache")]
     pub(crate) no_enable_prefix_caching: bool,
+    /// Keep finished sequences' cache blocks for later requests with the same prefix: on by default (as in vLLM).
+    #[arg(long, overrides_with = "no_enable_prefix_caching", help_heading = "Cache")]
+    pub(crate) enable_prefix_caching: bool,
     #[command(flatten)]
     pub(crate) encoder: EncoderFlags,
-    /// Cache blocks in each stage's KV pool, in place of what --kv-budget holds (as vLLM's --num-gpu-blocks-override).
-    #[arg(long, value_name = "N", value_parser = positive_count, help_heading = "Cache")]
+    /// Cache blocks in each stage's KV pool, in place of what --kv-budget holds (vLLM's --num-gpu-blocks-override).
+    #[arg(long, visible_alias = "num-gpu-blocks-override", value_name = "N", value_parser = positive_count, help_heading = "Cache")]
     pub(crate) kv_blocks: Option<usize>,
     /// Size each stage's KV pool to this share (0-1] of its free memory at start-up (a GPU's after its weights; leave room for step scratch), in place of --kv-budget.
     #[arg(long, value_name = "F", value_parser = fraction, conflicts_with = "kv_blocks", help_heading = "Cache")]
@@ -390,6 +395,33 @@ pub(crate) struct ServeArgs {
     /// The most videos one request may carry.
     #[arg(long, default_value_t = 2, value_parser = positive_count, help_heading = "Multimodal")]
     pub(crate) max_videos_per_request: usize,
+}
+
+/// vLLM's `serve` flags that m3c takes with their meaning, or refuses
+/// with the flag that does what the user wants (`serve_cmd::check_vllm_flags`).
+#[derive(clap::Args)]
+pub(crate) struct VllmFlags {
+    /// vLLM's weight and activation type: `auto` (m3c's default), `bfloat16` or `float32` (the activations' storage, as --activations).
+    #[arg(long, value_name = "DTYPE", value_parser = ["auto", "bfloat16", "bf16", "float32", "float", "float16", "half"], help_heading = "Model")]
+    pub(crate) dtype: Option<String>,
+    /// vLLM's tensor parallelism: 1 only; m3c splits a model into pipeline stages (--pipeline-parallel-size).
+    #[arg(long, visible_alias = "tp", value_name = "N", value_parser = positive_count, help_heading = "Parallel")]
+    pub(crate) tensor_parallel_size: Option<usize>,
+    /// vLLM's per-step token budget: refused (m3c bounds each prompt's chunk, --prefill-chunk, and the sequences per step, --max-batch).
+    #[arg(long, value_name = "TOKENS", value_parser = positive_count, hide = true)]
+    pub(crate) max_num_batched_tokens: Option<usize>,
+    /// Seeds of requests that give none come from this seed and their order of arrival, so a restarted server draws the same (vLLM's --seed); without it they are random.
+    #[arg(long, value_name = "SEED", help_heading = "Frontend")]
+    pub(crate) seed: Option<u64>,
+    /// Accepted for vLLM's command lines: m3c writes no per-request log.
+    #[arg(long, visible_alias = "disable-log-requests", help_heading = "Server")]
+    pub(crate) no_enable_log_requests: bool,
+    /// No periodic stats line on standard error (vLLM's).
+    #[arg(long, help_heading = "Server")]
+    pub(crate) disable_log_stats: bool,
+    /// Accepted for vLLM's command lines (m3c's HTTP server logs only errors and the stats line).
+    #[arg(long, value_name = "LEVEL", value_parser = ["critical", "error", "warning", "info", "debug", "trace"], help_heading = "Server")]
+    pub(crate) uvicorn_log_level: Option<String>,
 }
 
 /// A JSON object (`--default-chat-template-kwargs`).

@@ -9,8 +9,9 @@ use anyhow::{bail, Context, Result};
 use m3c_contract::speculative::SpeculativeConfig;
 use std::path::{Path, PathBuf};
 
-pub(crate) fn serve_cmd(a: ServeArgs) -> Result<()> {
+pub(crate) fn serve_cmd(mut a: ServeArgs) -> Result<()> {
     check_vllm_flags(&a)?;
+    a.activations = activations_of_dtype(&a)?;
     let (out, model) = pipeline(&a)?;
     let kv_size = match (a.kv_blocks, a.kv_fraction.or(a.gpu_memory_utilization)) {
         (Some(n), _) => m3c_serve::KvSize::Blocks(n),
@@ -43,6 +44,8 @@ pub(crate) fn serve_cmd(a: ServeArgs) -> Result<()> {
         max_batch: a.max_batch,
         kv_size,
         prefix_caching: !a.no_enable_prefix_caching,
+        seed: a.vllm.seed,
+        log_stats: !a.vllm.disable_log_stats,
         encoder: a.encoder.options(),
         max_queue: a.max_queue,
         prefill_chunk: a.prefill_chunk,
@@ -69,6 +72,16 @@ fn check_vllm_flags(a: &ServeArgs) -> Result<()> {
             bail!("{flag} {n}: m3c's parsers are {parsers:?} (each family's chat template's tool calls and reasoning)");
         }
     }
+    if let Some(n) = a.vllm.tensor_parallel_size.filter(|&n| n > 1) {
+        bail!(
+            "--tensor-parallel-size {n}: m3c splits a model into pipeline stages, not tensor shards; give --pipeline-parallel-size {n} (one stage per GPU)"
+        );
+    }
+    if let Some(n) = a.vllm.max_num_batched_tokens {
+        bail!(
+            "--max-num-batched-tokens {n}: m3c has no per-step token budget; it bounds each prompt's chunk (--prefill-chunk TOKENS) and the sequences in a step (--max-batch N)"
+        );
+    }
     if a.trust_remote_code {
         eprintln!("m3c serve: --trust-remote-code has no effect: m3c runs no code from the model folder");
     }
@@ -83,6 +96,25 @@ fn check_vllm_flags(a: &ServeArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// `--activations`, with vLLM's `--dtype` read into it: `auto` leaves the
+/// default, `bfloat16` and `float32` name a storage (one that disagrees
+/// with `--activations` is an error), `float16` is refused.
+fn activations_of_dtype(a: &ServeArgs) -> Result<Option<crate::flags::ActivationStorage>> {
+    use crate::flags::ActivationStorage;
+    let wanted = match a.vllm.dtype.as_deref() {
+        None | Some("auto") => return Ok(a.activations),
+        Some("bfloat16" | "bf16") => ActivationStorage::Bf16,
+        Some("float32" | "float") => ActivationStorage::F32,
+        Some(d) => bail!("--dtype {d}: m3c stores activations in float32 or bfloat16 (--dtype bfloat16, or --activations bf16)"),
+    };
+    match a.activations {
+        Some(given) if given != wanted => {
+            bail!("--dtype {} and --activations {given:?} disagree: give one of them", a.vllm.dtype.as_deref().unwrap_or_default())
+        }
+        _ => Ok(Some(wanted)),
+    }
 }
 
 /// The compiled folder and model folder to serve: as given (`OUT --model

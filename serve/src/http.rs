@@ -36,7 +36,11 @@ pub struct Shared {
     /// The family's markers: reasoning tags, tool-call markup, media tokens.
     pub format: &'static ChatFormat,
     pub defaults: Defaults,
+    /// The name answers carry (the first served name).
     pub name: String,
+    /// Every name a request may give as its `model`.
+    pub names: Vec<String>,
+    pub seeds: Seeds,
     pub api_key: Option<String>,
     /// The model's context length (prompt + completion).
     pub context: usize,
@@ -221,28 +225,58 @@ async fn models(State(app): State<App>, headers: HeaderMap) -> Response {
     if let Err(e) = authorize(&app, &headers) {
         return error(&e);
     }
-    Json(json!({"object": "list", "data": [{
-        "id": app.name, "object": "model", "created": app.created, "owned_by": "m3c", "max_model_len": app.context
-    }]}))
-    .into_response()
+    let cards: Vec<Value> = app
+        .names
+        .iter()
+        .map(|n| json!({"id": n, "object": "model", "created": app.created, "owned_by": "m3c", "max_model_len": app.context}))
+        .collect();
+    Json(json!({"object": "list", "data": cards})).into_response()
 }
 
-/// A seed for requests that give none: distinct per request, so two
-/// unseeded requests draw differently (as OpenAI's API behaves).
-fn fresh_seed() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
-    h.finish()
+/// Seeds for requests that give none: distinct per request, so two
+/// unseeded requests draw differently (as OpenAI's API behaves); with
+/// `--seed`, the n-th such request's seed is a function of the server's
+/// seed and n, so a restarted server draws the same (vLLM's `--seed`).
+pub struct Seeds {
+    base: Option<u64>,
+    next: std::sync::atomic::AtomicU64,
+}
+
+impl Seeds {
+    pub fn new(base: Option<u64>) -> Seeds {
+        Seeds { base, next: std::sync::atomic::AtomicU64::new(0) }
+    }
+
+    fn fresh(&self) -> u64 {
+        use std::hash::{BuildHasher, Hasher};
+        let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        match self.base {
+            Some(b) => splitmix64(b ^ splitmix64(n)),
+            None => {
+                let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+                h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+                h.write_u64(n);
+                h.finish()
+            }
+        }
+    }
+}
+
+/// SplitMix64's finaliser: distinct inputs give well-spread seeds.
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 async fn completions(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
     let run = || -> Result<(Vec<u32>, Common), ApiError> {
         authorize(&app, &headers)?;
         let m = openai::object(&body)?;
-        openai::check_model(&m, &app.name)?;
+        openai::check_model(&m, &app.names)?;
         openai::check_fields(&m, openai::Endpoint::Completions)?;
-        let common = openai::common(&m, &app.defaults, openai::Endpoint::Completions, fresh_seed())?;
+        let common = openai::common(&m, &app.defaults, openai::Endpoint::Completions, app.seeds.fresh())?;
         let ids = match openai::prompt(&m)? {
             openai::Prompt::Text(t) => app.tokenizer.encode(&t).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?,
             openai::Prompt::Ids(ids) => ids,
@@ -280,9 +314,9 @@ async fn chat_completions(State(app): State<App>, headers: HeaderMap, body: Byte
     let run = || -> Result<(Vec<u32>, Common, Kind, ImageUrls, String), ApiError> {
         authorize(&app, &headers)?;
         let m = openai::object(&body)?;
-        openai::check_model(&m, &app.name)?;
+        openai::check_model(&m, &app.names)?;
         openai::check_fields(&m, openai::Endpoint::ChatCompletions)?;
-        let mut common = openai::common(&m, &app.defaults, openai::Endpoint::ChatCompletions, fresh_seed())?;
+        let mut common = openai::common(&m, &app.defaults, openai::Endpoint::ChatCompletions, app.seeds.fresh())?;
         let (rendered, chat) = render_chat(&app, &m, true)?;
         // A forced tool call is the request's grammar (one per request).
         if let Some(g) = chat.forced.clone() {
@@ -351,7 +385,7 @@ async fn tokenize(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Re
         let m = openai::object(&body)?;
         openai::check_known(&m, openai::TOKENIZE_FIELDS, "/tokenize")?;
         if m.get("model").is_some_and(|v| !v.is_null()) {
-            openai::check_model(&m, &app.name)?;
+            openai::check_model(&m, &app.names)?;
         }
         let flag = |k: &str, default: bool| match m.get(k) {
             None | Some(Value::Null) => Ok(default),
@@ -392,7 +426,7 @@ async fn detokenize(State(app): State<App>, headers: HeaderMap, body: Bytes) -> 
         let m = openai::object(&body)?;
         openai::check_known(&m, &["model", "tokens"], "/detokenize")?;
         if m.get("model").is_some_and(|v| !v.is_null()) {
-            openai::check_model(&m, &app.name)?;
+            openai::check_model(&m, &app.names)?;
         }
         let bad = || ApiError::bad("tokens", "`tokens` must be an array of token ids in the vocabulary");
         let ids: Vec<u32> = match m.get("tokens") {

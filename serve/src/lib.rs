@@ -27,6 +27,12 @@ use tokio::sync::watch;
 
 /// What `m3c serve` was asked for.
 pub struct Options {
+    /// Seeds of unseeded requests come from this and their order (vLLM's
+    /// `--seed`); `None`: random.
+    pub seed: Option<u64>,
+    /// A stats line on standard error every few seconds (vLLM's; off with
+    /// `--disable-log-stats`).
+    pub log_stats: bool,
     pub out: PathBuf,
     pub model: PathBuf,
     pub host: String,
@@ -61,9 +67,11 @@ pub struct Options {
 
 /// What the OpenAI API itself is asked for, beside the pipeline behind it.
 pub struct ApiOptions {
-    /// The model's name in requests and answers (default: the checkpoint
-    /// folder's name).
-    pub served_model_name: Option<String>,
+    /// The model's names in requests (`--served-model-name A B ...`; the
+    /// first is the one answers carry). None given: the checkpoint
+    /// folder's name, and the model path as the command line gave it
+    /// (vLLM's default).
+    pub served_model_name: Vec<String>,
     /// Requests must carry `Authorization: Bearer KEY` (`None`: open).
     pub api_key: Option<String>,
     /// `max_tokens` of a chat request that gives none (capped by the context and the KV pool).
@@ -184,9 +192,9 @@ fn prepare(o: &Options) -> Result<Prepared> {
     // OpenAI's (temperature 1, everything kept).
     let sampling = gen.sampling.over(SamplingParams::OPENAI);
     sampling.check().map_err(|e| anyhow::anyhow!("{}/generation_config.json: {e}", o.model.display()))?;
-    let name = o.api.served_model_name.clone().unwrap_or_else(|| {
-        o.model.canonicalize().ok().and_then(|p| p.file_name().map(|f| f.to_string_lossy().into_owned())).unwrap_or_else(|| "model".into())
-    });
+    let names = served_names(&o.api.served_model_name, &o.model);
+    let seeds = http::Seeds::new(o.seed);
+    let name = names[0].clone();
     let per_position = compiled.cache_bytes_per_position().into_iter().max().unwrap_or(0).max(1);
     let stages = compiled.stages;
     // Sequences per micro-batch: the running ones shared over the stages,
@@ -254,6 +262,8 @@ fn prepare(o: &Options) -> Result<Prepared> {
         format,
         defaults: openai::Defaults { sampling },
         name,
+        names,
+        seeds,
         api_key,
         context,
         default_max_tokens,
@@ -278,6 +288,31 @@ fn prepare(o: &Options) -> Result<Prepared> {
     Ok(Prepared { cmd, stages, limits, pool, shared: Box::new(shared) })
 }
 
+/// Seconds between stats lines (vLLM's 10; `M3C_STATS_INTERVAL_S` for tests).
+fn stats_interval() -> Duration {
+    let s = std::env::var("M3C_STATS_INTERVAL_S").ok().and_then(|v| v.parse::<f64>().ok()).filter(|s| *s > 0.0 && *s <= 3600.0);
+    Duration::from_secs_f64(s.unwrap_or(10.0))
+}
+
+/// Writes the stats line (`Metrics::stats_line`) every interval while
+/// the server runs; the task ends with the runtime.
+async fn log_stats(engine: std::sync::Arc<engine::Engine>) {
+    let every = stats_interval();
+    let mut mark = metrics::StatsMark::default();
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    let mut last = std::time::Instant::now();
+    loop {
+        tick.tick().await;
+        let seconds = last.elapsed().as_secs_f64();
+        last = std::time::Instant::now();
+        if let Some(line) = engine.metrics.stats_line(&engine.gauges(), &mut mark, seconds) {
+            eprintln!("{line}");
+        }
+    }
+}
+
 /// Listens, starts the pipeline, serves until a signal or a lost pipeline,
 /// then shuts down (in-flight requests get `--grace` seconds).
 async fn serve(o: Options, p: Prepared) -> Result<()> {
@@ -294,6 +329,9 @@ async fn serve(o: Options, p: Prepared) -> Result<()> {
         "m3c serve: http://{addr}/v1 serves `{name}` ({stages} stage(s), context {context}, up to {} running, {pool}); /health answers 200 once every stage is up",
         o.max_batch
     );
+    if o.log_stats {
+        tokio::spawn(log_stats(engine.clone()));
+    }
     // Signals and a lost pipeline both stop the server.
     let (stop_tx, stop_rx) = watch::channel(None::<Stop>);
     stop_on_signals(stop_tx.clone());
@@ -380,4 +418,32 @@ fn stop_on_signals(stop: watch::Sender<Option<Stop>>) {
             unsafe { libc::_exit(128 + sig) };
         }
     });
+}
+
+/// The names a request may give as its `model`: `given`, else the
+/// checkpoint folder's name and the path as the command line gave it.
+fn served_names(given: &[String], model: &std::path::Path) -> Vec<String> {
+    if !given.is_empty() {
+        return given.to_vec();
+    }
+    let folder = model.canonicalize().ok().and_then(|p| p.file_name().map(|f| f.to_string_lossy().into_owned()));
+    let mut names = vec![folder.unwrap_or_else(|| "model".into())];
+    let as_given = model.to_string_lossy().trim_end_matches('/').to_string();
+    if !as_given.is_empty() && !names.contains(&as_given) {
+        names.push(as_given);
+    }
+    names
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_model_is_served_as_its_folder_and_as_given_unless_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = dir.path().join("MiniMax-M3");
+        std::fs::create_dir(&model).unwrap();
+        let given = format!("{}/", model.display());
+        assert_eq!(super::served_names(&[], std::path::Path::new(&given)), ["MiniMax-M3".to_string(), model.display().to_string()]);
+        assert_eq!(super::served_names(&["a".into(), "b".into()], &model), ["a", "b"]);
+    }
 }

@@ -124,7 +124,66 @@ impl Exposition {
     }
 }
 
+/// The cumulative counts the last stats line was written at.
+#[derive(Default, Clone, Copy)]
+pub struct StatsMark {
+    prompt: u64,
+    generation: u64,
+    prefix_queries: u64,
+    prefix_hits: u64,
+    draft_tokens: u64,
+    accepted: u64,
+    drafts: u64,
+}
+
 impl Metrics {
+    /// vLLM's periodic line over the `seconds` since `last`: prompt and
+    /// generation throughput, running and waiting requests, KV cache usage,
+    /// the prefix cache's hit rate and, where drafts were verified,
+    /// speculation's mean acceptance length. `None` when nothing ran,
+    /// waited or moved since (an idle server stays quiet).
+    pub fn stats_line(&self, g: &Gauges, last: &mut StatsMark, seconds: f64) -> Option<String> {
+        let c = self.c.lock().unwrap_or_else(|e| e.into_inner());
+        let now = StatsMark {
+            prompt: c.prompt_tokens,
+            generation: c.generation_tokens,
+            prefix_queries: c.prefix_queries,
+            prefix_hits: c.prefix_hits,
+            draft_tokens: c.spec_draft_tokens,
+            accepted: c.spec_accepted,
+            drafts: c.spec_drafts,
+        };
+        drop(c);
+        let d = |a: u64, b: u64| a.saturating_sub(b);
+        let (prompt, generation) = (d(now.prompt, last.prompt), d(now.generation, last.generation));
+        if prompt == 0 && generation == 0 && g.running == 0 && g.waiting == 0 {
+            *last = now;
+            return None;
+        }
+        let rate = |n: u64| if seconds > 0.0 { n as f64 / seconds } else { 0.0 };
+        let share = |a: u64, b: u64| if b == 0 { 0.0 } else { 100.0 * a as f64 / b as f64 };
+        let mut line = format!(
+            "m3c serve: prompt throughput {:.1} tokens/s, generation throughput {:.1} tokens/s, running {} reqs, waiting {} reqs, KV cache usage {:.1}%, prefix cache hit rate {:.1}%",
+            rate(prompt),
+            rate(generation),
+            g.running,
+            g.waiting,
+            share(g.blocks_used, g.blocks_total),
+            share(d(now.prefix_hits, last.prefix_hits), d(now.prefix_queries, last.prefix_queries)),
+        );
+        let (drafts, drafted, accepted) =
+            (d(now.drafts, last.drafts), d(now.draft_tokens, last.draft_tokens), d(now.accepted, last.accepted));
+        if drafts > 0 {
+            let _ = write!(
+                line,
+                ", speculation: mean acceptance length {:.2} ({accepted} of {drafted} draft tokens accepted)",
+                1.0 + accepted as f64 / drafts as f64
+            );
+        }
+        *last = now;
+        Some(line)
+    }
+
     pub fn render(&self, g: &Gauges) -> String {
         let c = self.c.lock().unwrap_or_else(|e| e.into_inner());
         let mut w = Exposition(String::new());

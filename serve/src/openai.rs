@@ -244,18 +244,22 @@ pub fn check_fields(m: &Map<String, Value>, endpoint: Endpoint) -> Result<(), Ap
     Ok(())
 }
 
-/// The `model` field: required, and the served name.
-pub fn check_model(m: &Map<String, Value>, served: &str) -> Result<(), ApiError> {
+/// The `model` field: one of the served names, or absent (as vLLM does,
+/// a request without one goes to the model this server serves).
+pub fn check_model(m: &Map<String, Value>, served: &[String]) -> Result<(), ApiError> {
     match m.get("model") {
-        Some(Value::String(s)) if s == served => Ok(()),
+        None | Some(Value::Null) => Ok(()),
+        Some(Value::String(s)) if served.contains(s) => Ok(()),
         Some(Value::String(s)) => Err(ApiError {
             status: 404,
             kind: "not_found_error",
-            message: format!("The model `{s}` does not exist; this server serves `{served}`."),
+            message: format!(
+                "The model `{s}` does not exist; this server serves {} (name it with --served-model-name)",
+                served.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(" or ")
+            ),
             param: Some("model".into()),
         }),
         Some(v) => Err(ApiError::bad("model", format!("`model` must be a string, not {}", kind(v)))),
-        None => Err(ApiError::bad("model", "`model` is required")),
     }
 }
 

@@ -1214,6 +1214,90 @@ fn the_vllm_recipe_command_line_serves_a_model_folder() {
     }
 }
 
+/// vLLM's other `serve` flags: taken with their meaning (prefix caching
+/// on, the block count, the running sequences, `--dtype auto`, one tensor
+/// shard, `--seed`, the logging switches), or refused with the m3c flag
+/// that does what the user wants. A request may leave `model` out, or
+/// name any served name; and a stats line appears while requests run.
+#[test]
+fn vllm_s_serve_flags_have_their_meaning_or_name_m3c_s() {
+    let (out, model) = compiled();
+    let extra = [
+        "--enable-prefix-caching",
+        "--num-gpu-blocks-override",
+        "96",
+        "--max-num-seqs",
+        "3",
+        "--dtype",
+        "auto",
+        "--tensor-parallel-size",
+        "1",
+        "--seed",
+        "7",
+        "--disable-log-requests",
+        "--uvicorn-log-level",
+        "info",
+        "--served-model-name",
+        "MiniMax-M3",
+    ];
+    let mut args = vec![out.to_str().unwrap(), "--model", model.to_str().unwrap()];
+    args.extend_from_slice(&extra);
+    let start = |args: &[&str]| Server::start_with(args, &[("M3C_STATS_INTERVAL_S", Path::new("0.5"))]);
+    let s = start(&args);
+    let log = s.log();
+    assert!(log.contains("KV pool: 96 blocks") && log.contains("up to 3 running"), "{log}");
+    // No `model`, the first served name, and the test's own name all reach it.
+    let sample = |s: &Server, body: Value| {
+        let (code, v) = post_json(s, "/v1/completions", &body);
+        assert_eq!(code, 200, "{body}: {v}");
+        v["choices"][0]["text"].as_str().unwrap_or_default().to_string()
+    };
+    let unseeded = serde_json::json!({"prompt": "Paris is", "max_tokens": 12, "temperature": 1.0});
+    let first = [sample(&s, unseeded.clone()), sample(&s, unseeded.clone())];
+    assert_ne!(first[0], first[1], "two unseeded requests draw differently");
+    for name in ["MiniMax-M3", "tiny"] {
+        sample(&s, serde_json::json!({"model": name, "prompt": "x", "max_tokens": 1}));
+    }
+    let (code, v) = post_json(&s, "/v1/completions", &serde_json::json!({"model": "gpt-4", "prompt": "x"}));
+    assert!(code == 404 && v.to_string().contains("`MiniMax-M3` or `tiny`"), "{code} {v}");
+    let listed = Command::new("curl").args(["-s", "-m", "10"]).arg(format!("{}/models", s.base)).output().unwrap();
+    let listed: Value = serde_json::from_slice(&listed.stdout).unwrap();
+    let ids: Vec<&str> = listed["data"].as_array().unwrap().iter().filter_map(|m| m["id"].as_str()).collect();
+    assert_eq!(ids, ["MiniMax-M3", "tiny"]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !s.log().contains("m3c serve: prompt throughput") && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let stats = s.log().lines().find(|l| l.starts_with("m3c serve: prompt throughput")).map(str::to_string);
+    let stats = stats.unwrap_or_else(|| panic!("no stats line:\n{}", s.log()));
+    assert!(
+        stats.contains("generation throughput") && stats.contains("KV cache usage") && stats.contains("prefix cache hit rate"),
+        "{stats}"
+    );
+    drop(s);
+    // --seed: a restarted server draws the same for the same unseeded requests.
+    let again = start(&args);
+    assert_eq!([sample(&again, unseeded.clone()), sample(&again, unseeded)], first);
+    drop(again);
+    // --disable-log-stats: no stats line.
+    args.push("--disable-log-stats");
+    let quiet = start(&args);
+    sample(&quiet, serde_json::json!({"prompt": "x", "max_tokens": 4}));
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(!quiet.log().contains("prompt throughput"), "{}", quiet.log());
+    drop(quiet);
+    // What m3c does otherwise, named.
+    let base = [out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--port", "0"];
+    for (flags, says) in [
+        (&["--tensor-parallel-size", "2"][..], "give --pipeline-parallel-size 2"),
+        (&["--max-num-batched-tokens", "8192"][..], "--prefill-chunk TOKENS"),
+        (&["--dtype", "float16"][..], "--dtype float16: m3c stores activations in float32 or bfloat16"),
+    ] {
+        let r = Command::new(m3c_bin()).arg("serve").args(base).args(flags).output().unwrap();
+        assert!(!r.status.success() && stderr(&r).contains(says), "{flags:?}: {}", stderr(&r));
+    }
+}
+
 /// Anthropic's Messages API through Anthropic's own Python client: the
 /// chat route's text for the same conversation and seed, whole and
 /// streamed; stop sequences, thinking blocks, a forced tool use valid

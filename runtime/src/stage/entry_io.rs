@@ -141,12 +141,13 @@ pub(super) fn run_draft(
         ..Default::default()
     };
     let entry = if first { Entry::DraftFirst } else { Entry::DraftNext };
-    // SAFETY: the tables are the stage's (weights of the compiled shapes,
-    // pools of `pool_rows` rows, block tables covering every segment's
-    // positions, `seq_tables`), and every row buffer holds `tokens` rows of
-    // its kind (the draft's vocabulary for the logits), the bitmaps the
-    // caller sized, and, for the first entry, the aux rows; on a GPU stage
-    // they are the device copies above, alive until `finish`.
+    // The tables are the stage's (weights of the compiled shapes, pools of
+    // `pool_rows` rows, block tables covering every segment's positions,
+    // `seq_tables`); on a GPU stage the buffers are the device copies
+    // above, alive until `finish`.
+    // SAFETY: as above, and every row buffer holds `tokens` rows of its
+    // kind (the draft's vocabulary for the logits), the bitmaps the caller
+    // sized, and, for the first entry, the aux rows.
     unsafe { entry.run(&inp.args(&tables, &buffers)) };
     io.finish()
 }

@@ -8,7 +8,7 @@
 //! contract's table (`sampling::FIELDS`), so a new field reaches every
 //! route as it reaches `/v1/chat/completions`.
 
-use super::{fresh_seed, render_chat, start, with_images, App, Generation, Kind};
+use super::{render_chat, start, with_images, App, Generation, Kind};
 use crate::openai::{self, ApiError, Common};
 use axum::body::Bytes;
 use axum::extract::State;
@@ -61,11 +61,11 @@ pub(super) async fn handle<A: Adapter>(State(app): State<App>, headers: HeaderMa
     let run = || -> Result<_, ApiError> {
         A::authorize(&app, &headers)?;
         let m = openai::object(&body)?;
-        openai::check_model(&m, &app.name)?;
+        openai::check_model(&m, &app.names)?;
         openai::check_known(&m, &known::<A>(), A::ROUTE)?;
         let mut chat = A::as_chat(&m)?;
         sampling_fields(&m, &mut chat);
-        let mut common = openai::common(&chat, &app.defaults, openai::Endpoint::ChatCompletions, fresh_seed())?;
+        let mut common = openai::common(&chat, &app.defaults, openai::Endpoint::ChatCompletions, app.seeds.fresh())?;
         let (rendered, parts) = render_chat(&app, &chat, true)?;
         let (asked, tools) = A::prepared(&m, &mut common, &parts);
         let ids = app.tokenizer.encode(&rendered).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?;

@@ -121,7 +121,7 @@ pub(super) async fn count_tokens(State(app): State<App>, headers: HeaderMap, bod
     let run = || -> Result<_, ApiError> {
         authorize(&app, &headers)?;
         let m = openai::object(&body)?;
-        openai::check_model(&m, &app.name)?;
+        openai::check_model(&m, &app.names)?;
         openai::check_known(&m, COUNT_FIELDS, "/v1/messages/count_tokens")?;
         let chat = as_chat(&m)?;
         let (rendered, parts) = render_chat(&app, &chat, true)?;
