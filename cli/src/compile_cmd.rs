@@ -51,7 +51,14 @@ pub(crate) fn compile_cmd(args: CompileArgs) -> Result<()> {
     let t0 = std::time::Instant::now();
     let inputs = inputs(&args)?;
     m3c_compiler::compile::check_out_path(&args.out, &inputs.model)?;
-    let compiled = m3c_compiler::compile::compile(&inputs.request(&args.out))?;
+    let compiled = m3c_compiler::compile::compile(&inputs.request(&args.out)).map_err(|e| match (&args.plan, &inputs.plan.target) {
+        // A GPU plan on a machine without the toolkit: say where the target came from.
+        (Some(file), t @ (Target::Cuda { .. } | Target::Rocm { .. })) => anyhow::anyhow!(
+            "{}: compiling its `target: {t}` (what `m3c plan --gpu` writes): {e:#}\n(give --target host to compile the plan's split for this machine)",
+            file.display()
+        ),
+        _ => e,
+    })?;
     say(&compiled_lines(&compiled, &args.out, &inputs.model, t0))
 }
 
@@ -105,20 +112,31 @@ pub(crate) fn inputs(args: &CompileArgs) -> Result<Inputs> {
     };
     let p = match &args.plan {
         Some(file) => {
-            let p = plan::load_plan(file, Some(cfg))?;
-            p.check_pp(file, args.pp)?;
+            let mut p = plan::load_plan(file, Some(cfg))?;
+            if let Some(pp) = args.pp {
+                p.check_pp(file, pp)?;
+            }
             if args.arch.is_some() {
                 bail!("--arch: {} names its own (`arch:`); change it there", file.display());
             }
-            if let Some(t) = &want_target {
-                if std::mem::discriminant(t) != std::mem::discriminant(&p.target) {
-                    bail!(
-                        "--target {}: {} says `target: {}`; change one of them",
-                        args.target.as_deref().unwrap_or(""),
+            match &want_target {
+                // The plan's split, compiled for this machine.
+                Some(Target::Host) if p.target != Target::Host => {
+                    eprintln!(
+                        "m3c compile: --target host: compiling {}'s {} stages for this machine, in place of its `target: {}`",
                         file.display(),
+                        p.stages.len(),
                         p.target
                     );
+                    p.target = Target::Host;
                 }
+                Some(t) if std::mem::discriminant(t) != std::mem::discriminant(&p.target) => bail!(
+                    "--target {}: {} says `target: {}` (`m3c plan --gpu` writes the GPU's target); change the plan, or give --target host to compile its split for this machine",
+                    args.target.as_deref().unwrap_or(""),
+                    file.display(),
+                    p.target
+                ),
+                _ => {}
             }
             p
         }
@@ -132,7 +150,7 @@ pub(crate) fn inputs(args: &CompileArgs) -> Result<Inputs> {
                 gpu.memory = f64::INFINITY;
                 gpu.name = "host".into();
             }
-            plan::make_plan(cfg, args.pp, &gpu, Workload { batch: 1, context: 8192, kv_cache: args.kv_cache.into() }, target)?
+            plan::make_plan(cfg, args.pp.unwrap_or(1), &gpu, Workload { batch: 1, context: 8192, kv_cache: args.kv_cache.into() }, target)?
         }
     };
     let mut emit = Vec::new();

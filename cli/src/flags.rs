@@ -73,9 +73,9 @@ pub(crate) struct CompileArgs {
     /// The model: a checkpoint folder or its config.json (weights are not read). May be omitted when the plan names it.
     #[arg(long)]
     pub(crate) model: Option<PathBuf>,
-    /// Number of pipeline stages (must equal the plan's).
-    #[arg(long)]
-    pub(crate) pp: usize,
+    /// Number of pipeline stages: the plan's when a plan is given (a different count is an error), else 1.
+    #[arg(long, value_parser = positive_count)]
+    pub(crate) pp: Option<usize>,
     /// Target to compile for (default: the plan's, else host).
     #[arg(long, value_parser = ["host", "cuda", "rocm"])]
     pub(crate) target: Option<String>,

@@ -159,7 +159,7 @@ fn build(a: &ServeArgs) -> Result<PathBuf> {
     let args = CompileArgs {
         plan: a.plan.clone(),
         model: Some(a.out.clone()),
-        pp: a.pipeline_parallel_size.unwrap_or(1),
+        pp: a.pipeline_parallel_size,
         target: a.target.clone(),
         arch: None,
         out: PathBuf::new(),

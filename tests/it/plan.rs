@@ -433,3 +433,29 @@ fn a_plan_sized_for_a_gpu_names_its_target() {
     // Said outright, the target wins over the GPU's maker.
     assert_eq!(target_of(&["--gpu", "H200", "--target", "host"]), "host");
 }
+
+/// The README's workflow on a machine without a GPU: `m3c plan --gpu H200`
+/// writes `target: cuda`; `m3c compile PLAN` takes the plan's stage count
+/// (no --pp), and `--target host` compiles the plan's split for this
+/// machine, saying so; another target that disagrees names the plan.
+#[test]
+fn a_gpu_plan_compiles_for_this_machine_with_target_host_and_its_stage_count() {
+    let model = fixture("tiny-m3");
+    let dir = tempfile::tempdir().unwrap();
+    let plan = dir.path().join("plan.yaml");
+    let r = m3c(&["plan", "--model", model.to_str().unwrap(), "--pp", "2", "--gpu", "H200", "-o", plan.to_str().unwrap()]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    let out = dir.path().join("out");
+    let r = m3c(&["compile", plan.to_str().unwrap(), "--target", "host", "-o", out.to_str().unwrap()]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    assert!(stderr(&r).contains("--target host: compiling") && stderr(&r).contains("`target: cuda"), "{}", stderr(&r));
+    assert!(out.join("stage-0").is_file() && out.join("stage-1").is_file() && !out.join("stage-2").exists());
+    let r = m3c(&["compile", plan.to_str().unwrap(), "--target", "rocm", "-o", dir.path().join("o2").to_str().unwrap()]);
+    assert!(
+        !r.status.success() && stderr(&r).contains("plan.yaml says `target: cuda") && stderr(&r).contains("--target host"),
+        "{}",
+        stderr(&r)
+    );
+    let r = m3c(&["compile", plan.to_str().unwrap(), "--pp", "3", "--target", "host", "-o", dir.path().join("o3").to_str().unwrap()]);
+    assert!(!r.status.success() && stderr(&r).contains("the plan has 2 stages but --pp 3 was given"), "{}", stderr(&r));
+}
