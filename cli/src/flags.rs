@@ -150,7 +150,7 @@ pub(crate) struct RunArgs {
     #[arg(long, value_name = "TOKENS")]
     pub(crate) thinking_token_budget: Option<u32>,
     /// Tokens to generate per prompt, at most (a sequence also ends on an EOS id).
-    #[arg(long, value_parser = count)]
+    #[arg(long, default_value_t = 256, value_parser = count)]
     pub(crate) max_new_tokens: usize,
     /// The sampling fields, one flag each (`m3c_contract::sampling::FIELDS`).
     #[command(flatten)]
@@ -200,9 +200,9 @@ pub(crate) struct RunArgs {
     /// that seed gives; prompt P's choice C is sequence P × N + C ("### prompt P choice C" with text).
     #[arg(short = 'n', long = "n", value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=16))]
     pub(crate) choices: u8,
-    /// Constrain every output to JSON valid under this JSON schema (a file).
-    #[arg(long, value_name = "FILE", conflicts_with_all = ["regex", "choice", "grammar"])]
-    pub(crate) json_schema: Option<PathBuf>,
+    /// Constrain every output to JSON valid under this JSON schema: the schema itself (`'{"type": "object", ...}'`) or a file holding it.
+    #[arg(long, value_name = "JSON|FILE", conflicts_with_all = ["regex", "choice", "grammar"])]
+    pub(crate) json_schema: Option<String>,
     /// Constrain every output to match this regular expression whole.
     #[arg(long, value_name = "REGEX", conflicts_with_all = ["choice", "grammar"])]
     pub(crate) regex: Option<String>,

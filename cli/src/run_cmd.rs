@@ -168,9 +168,14 @@ fn run_grammar(args: &RunArgs, eos: &[i64]) -> Result<Option<(String, &'static s
     let read = |f: &std::path::Path, what: &str| {
         m3c_contract::read_user_file(f, what, m3c_contract::input::limits::TOKENIZER).map_err(|e| anyhow::anyhow!("{e}"))
     };
-    let (grammar, flag) = if let Some(f) = &args.json_schema {
-        let schema = serde_json::from_str(&read(f, "--json-schema")?)
-            .map_err(|e| anyhow::anyhow!("--json-schema {}: not JSON: {e}", f.display()))?;
+    let (grammar, flag) = if let Some(given) = &args.json_schema {
+        // The schema itself, or a file holding it.
+        let (text, what) = if given.trim_start().starts_with('{') {
+            (given.clone(), "the schema given".to_string())
+        } else {
+            (read(std::path::Path::new(given), "--json-schema")?, given.clone())
+        };
+        let schema = serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("--json-schema {what}: not JSON: {e}"))?;
         (Grammar::JsonSchema(schema), "--json-schema")
     } else if let Some(r) = &args.regex {
         (Grammar::Regex(r.clone()), "--regex")
@@ -352,6 +357,13 @@ fn stage_args(args: &RunArgs, inputs: &Inputs) -> Result<(StageArgs, Vec<SeqRequ
     stage.gpu = args.gpu.modes();
     stage.stream_ids = inputs.text.is_some();
     stage.trace = args.trace.is_some();
+    if let Some(c) = &args.speculative_config {
+        eprintln!(
+            "m3c run: speculative decoding ({}): up to {} draft tokens a step, as many as the measured cost of their rows repays (none where none does)",
+            c.method(),
+            c.tokens()
+        );
+    }
     stage.set_speculation(args.speculative_config.clone());
     let outputs = run_outputs(args, &eos, &inputs.think)?;
     stage.eos_ids = eos;

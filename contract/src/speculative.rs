@@ -129,6 +129,14 @@ impl SpeculativeConfig {
         }
     }
 
+    /// vLLM's name of the method (`ngram`, `eagle3`).
+    pub fn method(&self) -> &'static str {
+        match self {
+            SpeculativeConfig::Ngram(_) => "ngram",
+            SpeculativeConfig::Eagle3 { .. } => "eagle3",
+        }
+    }
+
     /// Draft tokens per verify step.
     pub fn tokens(&self) -> usize {
         match self {

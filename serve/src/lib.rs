@@ -364,7 +364,7 @@ async fn serve(o: Options, p: Prepared) -> Result<()> {
         Some(Stop::Signal(sig)) => {
             let open = engine.gauges();
             eprintln!(
-                "m3c serve: signal {sig}: no new requests; {} running and {} waiting get {} s to finish",
+                "m3c serve: signal {sig}: draining: no new requests; {} running and {} waiting get {} s to finish (Ctrl-C again stops now)",
                 open.running, open.waiting, o.grace_s
             );
             if tokio::time::timeout(Duration::from_secs_f64(o.grace_s), &mut server).await.is_err() {

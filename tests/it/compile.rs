@@ -262,3 +262,40 @@ fn plan_hosts_place_the_stages() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(m3c_tests::stdout(&o).starts_with("prompt 0: "));
 }
+
+/// The README's by-hand launch (every stage given the same arguments) and
+/// the launcher with extra mpirun options in `M3C_MPIRUN_ARGS` give what
+/// `m3c run` gives.
+#[test]
+fn the_by_hand_mpirun_line_and_run_sh_run_as_the_readme_says() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = fixture("tiny-m3");
+    let out = dir.path().join("out");
+    let o = m3c(&["compile", "--model", model.to_str().unwrap(), "--pp", "2", "-o", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let args = format!("--model {} --prompt-ids 1,2,3 --max-new-tokens 4", model.display());
+    let by_hand = format!("A=\"{args}\"; mpirun --oversubscribe -np 1 {0}/stage-0 $A : -np 1 {0}/stage-1 $A", out.display());
+    let sh = |script: &str, env: &[(&str, &str)]| {
+        let o = std::process::Command::new("sh")
+            .args(["-c", script])
+            .envs(env.iter().copied())
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{script}: {}", stderr(&o));
+        m3c_tests::stdout(&o)
+    };
+    let hand = sh(&by_hand, &[]);
+    let launcher = sh(&format!("{}/run.sh {args}", out.display()), &[("M3C_MPIRUN_ARGS", "-x M3C_README_CHECK=1")]);
+    assert!(hand.starts_with("prompt 0: ") && hand == launcher, "{hand:?} / {launcher:?}");
+    // The launcher hands M3C_MPIRUN_ARGS to mpirun (which refuses this one).
+    let o = std::process::Command::new(out.join("run.sh"))
+        .args(args.split(' '))
+        .env("M3C_MPIRUN_ARGS", "--no-such-mpirun-option")
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .output()
+        .unwrap();
+    assert!(!o.status.success() && stderr(&o).contains("no-such-mpirun-option"), "{}", stderr(&o));
+}

@@ -196,6 +196,27 @@ fn run_text(out: &Path, model: &Path, args: &[&str]) -> (String, String) {
     (stdout(&r).strip_suffix('\n').unwrap_or_default().to_string(), stderr(&r))
 }
 
+/// `m3c run` in a script: a default token limit, a JSON schema given
+/// inline, and speculation said at the start and accounted at the end even
+/// when no draft was taken.
+#[test]
+fn m3c_run_takes_an_inline_schema_a_default_limit_and_says_what_speculation_did() {
+    let (out, model) = compiled();
+    let (_, err) = run_text(&out, &model, &["--prompt", "Paris", "--ignore-eos"]);
+    assert!(err.contains("decode 256 tokens"), "256 new tokens by default: {err}");
+    let schema = r#"{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}"#;
+    let (text, _) = run_text(
+        &out,
+        &model,
+        &["--prompt", "Answer:", "--max-new-tokens", "40", "--temperature", "1", "--seed", "3", "--json-schema", schema],
+    );
+    let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+    assert!(v["ok"].is_boolean(), "{v}");
+    let spec = r#"{"method": "ngram", "num_speculative_tokens": 2}"#;
+    let (_, err) = run_text(&out, &model, &["--prompt", "Paris", "--max-new-tokens", "8", "--speculative-config", spec]);
+    assert!(err.contains("m3c run: speculative decoding (ngram): up to 2 draft tokens") && err.contains("m3c spec: "), "{err}");
+}
+
 #[test]
 fn completions_and_chat_give_the_text_m3c_run_gives() {
     let (out, model) = compiled();
@@ -839,6 +860,7 @@ fn sigterm_lets_running_requests_finish_then_exits_0() {
     assert!(client.success());
     assert_eq!((got["finish"].as_str(), &got["error"]), (Some("length"), &Value::Null), "{got}");
     assert!(s.wait(Duration::from_secs(30)).success(), "{}", s.log());
+    assert!(s.log().contains("draining: no new requests; 1 running") && s.log().contains("Ctrl-C again stops now"), "{}", s.log());
     // Past the grace period the stream ends with an error; still exit 0.
     let mut s = Server::start(&out, &model, &["--grace-s", "0.05"]);
     let stream = s.stream();

@@ -116,10 +116,10 @@ pub fn launcher(hosts: &[Option<String>], encoders: &[Option<String>]) -> String
         "#!/bin/sh\n\
          # Runs the {stages} stage(s) of this folder as one MPI job; arguments go to every stage:\n\
          #   ./run.sh --model DIR --prompt-ids 1,2,3 --max-new-tokens 16 [--dump FILE]\n\
-         # Extra mpirun options (hosts, binding) can come from MPIRUN_FLAGS.\n\
+         # Extra mpirun options (hosts, binding) come from M3C_MPIRUN_ARGS, as for m3c run and m3c serve.\n\
          here=$(cd \"$(dirname \"$0\")\" && pwd)\n\
          if [ \"$(id -u)\" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi\n\
-         exec mpirun --oversubscribe --bind-to none $MPIRUN_FLAGS {}\n",
+         exec mpirun --oversubscribe --bind-to none $M3C_MPIRUN_ARGS {}\n",
         apps.join(" : ")
     )
 }
