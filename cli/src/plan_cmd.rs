@@ -109,13 +109,18 @@ fn draft_lines(args: &PlanArgs, cfg: &m3c_compiler::config::ModelConfig, p: &pla
 }
 
 /// `target` written relative to `base` (both made absolute first), so a plan
-/// names its model relative to the plan file's folder.
+/// names its model relative to the plan file's folder and the two can move
+/// together; absolute when they share nothing but the root (a plan in
+/// `/tmp` names `/work/model`, not `../../work/model`).
 fn relative_to(target: &Path, base: &Path) -> String {
     let abs = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
     let (t, b) = (abs(target), abs(if base.as_os_str().is_empty() { Path::new(".") } else { base }));
     let tc: Vec<_> = t.components().collect();
     let bc: Vec<_> = b.components().collect();
     let common = tc.iter().zip(&bc).take_while(|(a, b)| a == b).count();
+    if common <= 1 {
+        return t.display().to_string();
+    }
     let mut r = PathBuf::new();
     for _ in common..bc.len() {
         r.push("..");
@@ -169,4 +174,17 @@ pub(crate) fn predicted_beside(
         );
     }
     Ok(o)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::relative_to;
+    use std::path::Path;
+
+    #[test]
+    fn a_plan_names_its_model_relative_only_when_they_share_a_folder() {
+        assert_eq!(relative_to(Path::new("/work/models/m3"), Path::new("/work/plans")), "../models/m3");
+        assert_eq!(relative_to(Path::new("/work/m3"), Path::new("/work")), "m3");
+        assert_eq!(relative_to(Path::new("/work/m3"), Path::new("/tmp/x")), "/work/m3");
+    }
 }
