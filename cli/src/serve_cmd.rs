@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 pub(crate) fn serve_cmd(mut a: ServeArgs) -> Result<()> {
     check_vllm_flags(&a)?;
     a.activations = activations_of_dtype(&a)?;
+    check_before_compiling(&a)?;
     let (out, model) = pipeline(&a)?;
     let kv_size = match (a.kv_blocks, a.kv_fraction.or(a.gpu_memory_utilization)) {
         (Some(n), _) => m3c_serve::KvSize::Blocks(n),
@@ -94,6 +95,33 @@ fn check_vllm_flags(a: &ServeArgs) -> Result<()> {
         eprintln!(
             "m3c serve: --enable-auto-tool-choice: tool calls are parsed from every chat answer (`tool_choice: auto` is the default)"
         );
+    }
+    Ok(())
+}
+
+/// What can be told wrong before a model folder's first-start compile
+/// (seconds for the real config): the port, and `--block-size` and
+/// `--max-model-len` against the config (the same checks, and words, as
+/// after it).
+fn check_before_compiling(a: &ServeArgs) -> Result<()> {
+    if a.port != 0 {
+        std::net::TcpListener::bind((a.host.as_str(), a.port))
+            .with_context(|| format!("cannot listen on {}:{} (is another server there? give --port)", a.host, a.port))?;
+    }
+    let config = a.out.join("config.json");
+    if a.out.join("manifest.json").is_file() || !config.is_file() {
+        return Ok(());
+    }
+    let cfg = m3c_compiler::family::load_config(&config)?;
+    let (block, context) = (cfg.text.kv_block(), cfg.text.max_position_embeddings);
+    if let Some(b) = a.block_size.filter(|&b| b != block) {
+        bail!(
+            "--block-size {b}: {}'s caches are paged in blocks of its MSA block, {block} positions; give --block-size {block} or leave it out",
+            a.out.display()
+        );
+    }
+    if let Some(n) = a.max_model_len.filter(|&n| n > context) {
+        bail!("--max-model-len {n}: {}'s context is {context} positions (max_position_embeddings); give at most that", a.out.display());
     }
     Ok(())
 }

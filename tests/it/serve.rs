@@ -1222,6 +1222,12 @@ fn the_vllm_recipe_command_line_serves_a_model_folder() {
     };
     let (f32_blocks, bf16_blocks, fp8_blocks) = (blocks("auto"), blocks("bf16"), blocks("fp8"));
     assert!(fp8_blocks as f64 >= 1.9 * bf16_blocks as f64 && bf16_blocks >= 2 * f32_blocks - 1, "{f32_blocks} {bf16_blocks} {fp8_blocks}");
+    // A port in use is said before compiling too.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let empty = tempfile::tempdir().unwrap();
+    let r = Command::new(m3c_bin()).arg("serve").args(&args).args(["--port", &port]).env("M3C_CACHE_DIR", empty.path()).output().unwrap();
+    assert!(!r.status.success() && stderr(&r).contains("cannot listen on") && !stderr(&r).contains("compiling"), "{}", stderr(&r));
     // Flags m3c cannot honour are errors that name them.
     for (flag, value, says) in [
         ("--block-size", "16", "--block-size 16: "),
@@ -1231,8 +1237,10 @@ fn the_vllm_recipe_command_line_serves_a_model_folder() {
         let mut bad: Vec<&str> = args.clone();
         let at = bad.iter().position(|&a| a == flag).unwrap();
         bad[at + 1] = value;
-        let r = Command::new(m3c_bin()).arg("serve").args(&bad).args(["--port", "0"]).env("M3C_CACHE_DIR", cache.path()).output().unwrap();
-        assert!(!r.status.success() && stderr(&r).contains(says), "{flag} {value}: {}", stderr(&r));
+        // Said before any first-start compile (an empty build cache here).
+        let empty = tempfile::tempdir().unwrap();
+        let r = Command::new(m3c_bin()).arg("serve").args(&bad).args(["--port", "0"]).env("M3C_CACHE_DIR", empty.path()).output().unwrap();
+        assert!(!r.status.success() && stderr(&r).contains(says) && !stderr(&r).contains("compiling"), "{flag} {value}: {}", stderr(&r));
     }
 }
 
