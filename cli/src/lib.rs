@@ -206,6 +206,18 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
+/// Before mpirun starts: the checkpoint's safetensors as every stage will
+/// read them (headers, sizes, each tensor of the layout's name, type and
+/// shape: what `m3c inspect` checks, in milliseconds), so a damaged or
+/// wrong checkpoint is one clear error, not one line among mpirun's.
+pub(crate) fn check_weights_before_launch(model: &Path) -> Result<()> {
+    let src = ModelSource::open(model)?;
+    if let Some(ck) = src.checkpoint()? {
+        m3c_compiler::inspect::report(&src.config, Some(&ck))?;
+    }
+    Ok(())
+}
+
 fn inspect(model: &Path, graph: bool, check_values: bool) -> Result<()> {
     let src = ModelSource::open(model)?;
     if graph {

@@ -14,6 +14,7 @@ pub(crate) fn serve_cmd(mut a: ServeArgs) -> Result<()> {
     a.activations = activations_of_dtype(&a)?;
     check_before_compiling(&a)?;
     let (out, model) = pipeline(&a)?;
+    crate::check_weights_before_launch(&model)?;
     let kv_size = match (a.kv_blocks, a.kv_fraction.or(a.gpu_memory_utilization)) {
         (Some(n), _) => m3c_serve::KvSize::Blocks(n),
         (None, Some(f)) => m3c_serve::KvSize::Fraction(f),

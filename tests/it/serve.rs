@@ -196,6 +196,43 @@ fn run_text(out: &Path, model: &Path, args: &[&str]) -> (String, String) {
     (stdout(&r).strip_suffix('\n').unwrap_or_default().to_string(), stderr(&r))
 }
 
+/// Errors a stage would find at start come first and alone: a model
+/// folder whose config is not the one compiled, or whose safetensors is
+/// truncated, is refused by `m3c run` and `m3c serve` before mpirun
+/// starts (no stage's line, none of Open MPI's), naming the file.
+#[test]
+fn a_wrong_config_or_a_truncated_checkpoint_is_one_error_before_mpirun() {
+    let (out, fixture_model) = compiled();
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m");
+    std::fs::create_dir(&model).unwrap();
+    for f in std::fs::read_dir(&fixture_model).unwrap().map(|e| e.unwrap().path()).filter(|p| p.is_file()) {
+        std::fs::copy(&f, model.join(f.file_name().unwrap())).unwrap();
+    }
+    let refused = |says: &str| {
+        for cmd in [
+            &["run", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--prompt", "x"][..],
+            &["serve", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--port", "0"],
+        ] {
+            let r = m3c(cmd);
+            let err = stderr(&r);
+            assert!(!r.status.success() && err.contains(says), "{cmd:?}: {err}");
+            for noise in ["m3c stage", "mpirun", "MPI_ABORT", "prterun"] {
+                assert!(!err.contains(noise), "{cmd:?}: `{noise}` before the error:\n{err}");
+            }
+        }
+    };
+    let weights = model.join("model.safetensors");
+    let bytes = std::fs::read(&weights).unwrap();
+    std::fs::write(&weights, &bytes[..bytes.len() - 1000]).unwrap();
+    refused("model.safetensors");
+    std::fs::write(&weights, &bytes).unwrap();
+    let config = model.join("config.json");
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, format!("{text}\n")).unwrap();
+    refused("is not the config these stages were compiled from");
+}
+
 /// `m3c run` in a script: a default token limit, a JSON schema given
 /// inline, and speculation said at the start and accounted at the end even
 /// when no draft was taken.
