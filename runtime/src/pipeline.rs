@@ -164,7 +164,7 @@ impl<'a> RunFeed<'a> {
             );
         } else if self.args.speculative.is_some() || self.args.eagle3.is_some() {
             // Asked for, never chosen: say so (the README says the run ends with this line).
-            say!("m3c spec: 0 verify steps: no draft was expected to pay for the rows it costs on this model and batch");
+            say!("m3c spec: 0 verify step(s), 0 draft tokens, 0 accepted: no draft was expected to pay for the rows it costs on this model and batch");
         }
         let (queried, hit) = self.prefix;
         say!("m3c kv: {hit} of {queried} prompt tokens came from the prefix cache; {} preemption(s)", self.preempted);

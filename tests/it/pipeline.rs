@@ -216,8 +216,18 @@ fn wrong_model_folder_missing_tensor_and_bad_ids_are_clear_errors() {
     let kept: Vec<(String, safetensors::tensor::TensorView)> = st.tensors().into_iter().filter(|(n, _)| n != victim).collect();
     assert_eq!(kept.len() + 1, st.len());
     safetensors::serialize_to_file(kept, None, &broken.join("model.safetensors")).unwrap();
+    // `m3c run` reads the checkpoint before mpirun starts: one error.
     let e = run_fails(&["run", out, "--model", broken.to_str().unwrap(), "--prompt-ids", "1,2,3", "--max-new-tokens", "2"]);
-    assert!(e.contains(&format!("tensor `{victim}` is missing")), "{e}");
+    assert!(e.contains(&format!("missing tensor `{victim}`")) && !e.contains("m3c stage"), "{e}");
+    // The stages check it too when started by hand: the one holding it says so.
+    let r = std::process::Command::new(c.out.join("run.sh"))
+        .args(["--model", broken.to_str().unwrap(), "--prompt-ids", "1,2,3", "--max-new-tokens", "2"])
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&r.stderr);
+    assert!(!r.status.success() && e.contains(&format!("tensor `{victim}` is missing")), "{e}");
     assert!(e.contains("m3c stage 1/2"), "the stage holding the tensor reports it: {e}");
 
     let e = run_fails(&["run", out, "--model", fixture("tiny-m3").to_str().unwrap(), "--prompt-ids", "1,900", "--max-new-tokens", "2"]);
