@@ -173,6 +173,28 @@ pub fn valid_host(h: &str) -> bool {
         })
 }
 
+/// Checks that `DIR/config.json` is the config stages were compiled from
+/// (`compiled`: its sha256): the one check, in one wording, that the front
+/// makes before mpirun starts and each stage makes at start.
+pub fn check_config(dir: &std::path::Path, compiled: &str) -> Result<(), String> {
+    let config = dir.join("config.json");
+    let bytes =
+        crate::input::read_bytes(&config, "config", crate::input::limits::CONFIG).map_err(|e| format!("--model {}: {e}", dir.display()))?;
+    let hash = sha256_hex(&bytes);
+    if hash == compiled {
+        return Ok(());
+    }
+    Err(format!(
+        "--model {}: {} is not the config these stages were compiled from (sha256 {}…, compiled for {}…); \
+         recompile with `m3c compile --model {}` or pass the model folder it was compiled for",
+        dir.display(),
+        config.display(),
+        &hash[..12],
+        compiled.get(..12).unwrap_or(compiled),
+        dir.display()
+    ))
+}
+
 /// Lower-case hex sha256 of `bytes`: the manifest's content hashes.
 pub fn sha256_hex(bytes: &[u8]) -> String {
     Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()

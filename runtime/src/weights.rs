@@ -25,24 +25,10 @@ pub struct StageWeights {
     pub bytes: u64,
 }
 
-/// sha256 of `DIR/config.json`, which must equal the one OUT was compiled from.
+/// sha256 of `DIR/config.json`, which must equal the one OUT was compiled
+/// from (the contract's check, which the front makes first).
 pub fn check_config(dir: &Path, meta: &StageMeta) -> Result<(), StageError> {
-    let cfg = dir.join("config.json");
-    let bytes = m3c_contract::input::read_bytes(&cfg, "config", m3c_contract::input::limits::CONFIG)
-        .map_err(|e| StageError::Weights(format!("--model {}: {e}", dir.display())))?;
-    let hash = hex(&Sha256::digest(&bytes));
-    if hash != meta.config_sha256 {
-        return Err(StageError::Weights(format!(
-            "--model {}: {} is not the config these stages were compiled from (sha256 {}…, compiled for {}…); \
-             recompile with `m3c compile --model {}` or pass the model folder it was compiled for",
-            dir.display(),
-            cfg.display(),
-            &hash[..12],
-            &meta.config_sha256[..12.min(meta.config_sha256.len())],
-            dir.display()
-        )));
-    }
-    Ok(())
+    m3c_contract::manifest::check_config(dir, &meta.config_sha256).map_err(StageError::Weights)
 }
 
 /// Slot names of an EAGLE3 draft head's tensors start with this (the

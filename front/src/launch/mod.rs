@@ -85,21 +85,7 @@ impl Compiled {
         }
         // The config the stages were compiled from: each stage checks it at
         // start, in these words; said here, it comes before mpirun's.
-        let config = model.join("config.json");
-        if let Ok(bytes) = m3c_contract::input::read_bytes(&config, "config", m3c_contract::input::limits::CONFIG) {
-            let hash = sha256_hex(&bytes);
-            if hash != manifest.config_sha256 {
-                bail!(
-                    "--model {}: {} is not the config these stages were compiled from (sha256 {}…, compiled for {}…); \
-                     recompile with `m3c compile --model {}` or pass the model folder it was compiled for",
-                    model.display(),
-                    config.display(),
-                    &hash[..12],
-                    &manifest.config_sha256[..12.min(manifest.config_sha256.len())],
-                    model.display()
-                );
-            }
-        }
+        m3c_contract::manifest::check_config(model, &manifest.config_sha256).map_err(anyhow::Error::msg)?;
         let stages = manifest.stages.len();
         Ok(Compiled { out: out.to_path_buf(), manifest, stages })
     }
