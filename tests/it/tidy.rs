@@ -172,30 +172,32 @@ fn tensor_names_are_spelled_only_in_the_name_tables() {
         rel == Path::new("compiler/src/model/names.rs")
             || (rel.starts_with("compiler/src/family") && rel.file_name().is_some_and(|n| n == "names.rs"))
     };
+    let dirs = ["compiler/src", "kernels/src", "runtime/src", "front/src", "serve/src", "cli/src"];
+    // (Unit tests may name tensors to check the table.)
+    let found = literals_holding(&dirs, TENSOR_NAME_PARTS, is_table);
+    assert!(found.is_empty(), "tensor names outside the name tables (model/names.rs, family/*/names.rs):\n{}", found.join("\n"));
+}
+
+/// Every string literal in the non-test code of `dirs` (files `skip` says
+/// aside) that holds one of `parts`, as `FILE:LINE: `part` in "literal"`.
+fn literals_holding(dirs: &[&str], parts: &[&str], skip: impl Fn(&Path) -> bool) -> Vec<String> {
     let mut found = Vec::new();
-    for f in
-        ["compiler/src", "kernels/src", "runtime/src", "front/src", "serve/src", "cli/src"].iter().flat_map(|d| rust_files(&root().join(d)))
-    {
-        if is_table(&f) {
-            continue;
-        }
+    for f in dirs.iter().flat_map(|d| rust_files(&root().join(d))).filter(|f| !skip(f)) {
         let text = std::fs::read_to_string(&f).unwrap();
         let mut in_tests = false;
         for (i, line) in text.lines().enumerate() {
-            // Unit tests may name tensors to check the table.
             in_tests |= line.trim_start().starts_with("#[cfg(test)]");
             if in_tests || line.trim_start().starts_with("//") {
                 continue;
             }
-            let code = code_of(line);
-            for lit in code.split('"').skip(1).step_by(2) {
-                if let Some(p) = TENSOR_NAME_PARTS.iter().find(|p| lit.contains(*p)) {
+            for lit in code_of(line).split('"').skip(1).step_by(2) {
+                if let Some(p) = parts.iter().find(|p| lit.contains(*p)) {
                     found.push(format!("{}:{}: `{p}` in \"{lit}\"", f.strip_prefix(root()).unwrap().display(), i + 1));
                 }
             }
         }
     }
-    assert!(found.is_empty(), "tensor names outside the name tables (model/names.rs, family/*/names.rs):\n{}", found.join("\n"));
+    found
 }
 
 /// Fragments of a chat format's markers (MiniMax-M3's).
@@ -208,28 +210,10 @@ const CHAT_MARKERS: &[&str] = &["mm:think", "]<]", "[>[", "]~b]", "[e~["];
 #[test]
 fn chat_markers_are_spelled_only_in_the_chat_formats() {
     let formats = root().join("contract/src/chat_format");
-    let mut found = Vec::new();
     let dirs =
         ["compiler/src", "runtime/src", "front/src", "serve/src", "cli/src", "constrain/src", "contract/src", "engine/src", "sampler/src"];
-    for f in dirs.iter().flat_map(|d| rust_files(&root().join(d))) {
-        // Unit-test files spell the markers of the cases they check.
-        if f.starts_with(&formats) || f.file_name().is_some_and(|n| n == "tests.rs") {
-            continue;
-        }
-        let text = std::fs::read_to_string(&f).unwrap();
-        let mut in_tests = false;
-        for (i, line) in text.lines().enumerate() {
-            in_tests |= line.trim_start().starts_with("#[cfg(test)]");
-            if in_tests || line.trim_start().starts_with("//") {
-                continue;
-            }
-            for lit in code_of(line).split('"').skip(1).step_by(2) {
-                if let Some(p) = CHAT_MARKERS.iter().find(|p| lit.contains(*p)) {
-                    found.push(format!("{}:{}: `{p}` in \"{lit}\"", f.strip_prefix(root()).unwrap().display(), i + 1));
-                }
-            }
-        }
-    }
+    // Unit-test files spell the markers of the cases they check.
+    let found = literals_holding(&dirs, CHAT_MARKERS, |f| f.starts_with(&formats) || f.file_name().is_some_and(|n| n == "tests.rs"));
     assert!(found.is_empty(), "chat markers outside contract/src/chat_format/ (take them from the ChatFormat):\n{}", found.join("\n"));
 }
 
@@ -241,6 +225,9 @@ fn the_tidy_checks_can_fail() {
     assert!(!uses_unsafe("let unsafe_count = 3;"));
     assert!(!uses_unsafe("say(\"an unsafe { call }\");"));
     assert_eq!(code_of("let a = \"x // y\"; // note"), "let a = \"x // y\"; ");
+    // The literal scan finds what the formats and name tables spell.
+    assert!(!literals_holding(&["contract/src/chat_format"], CHAT_MARKERS, |_| false).is_empty());
+    assert!(!literals_holding(&["compiler/src/family"], TENSOR_NAME_PARTS, |_| false).is_empty());
 }
 
 /// The packages `package` depends on for its normal (non-dev) build, by
