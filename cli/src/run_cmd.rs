@@ -427,6 +427,9 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
     stage.kv.size = m3c_contract::stage_args::PoolSize::Blocks(blocks);
     let Inputs { images, text: text_in, .. } = inputs;
     let constrained = requests.iter().any(|r| r.grammar.is_some());
+    // Text prompts come after any id prompts; their streams are numbered from 0.
+    let first_text = inputs.prompts.len() - text_in.as_ref().map_or(0, |t| t.ids.len());
+    let grammars: Vec<bool> = requests.iter().skip(first_text).map(|r| r.grammar.is_some()).collect();
     let frames = stdin_frames(requests, &images);
     let launch = args.launch.launch()?;
     let mut cmd = compiled.mpirun(&stage, &launch)?;
@@ -469,7 +472,8 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
             // A grammar's output ends on an EOS whose text is not the answer's.
             let silent: Vec<u32> =
                 if constrained { stage.eos_ids.iter().filter_map(|&e| u32::try_from(e).ok()).collect() } else { Vec::new() };
-            let done = m3c_front::text::front::stream(pipe, enc, &args.stop, &silent, std::io::stdout().lock());
+            let reasoning = reasoning_to_stderr(&args.model, enc, &grammars)?;
+            let done = m3c_front::text::front::stream(pipe, enc, &args.stop, &silent, std::io::stdout().lock(), reasoning);
             if done.is_err() {
                 // Nobody reads the pipe any more: end the job rather than
                 // leave a stage blocked on a write.
@@ -523,6 +527,47 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A chat's reasoning goes to stderr and its content to stdout, so that
+/// `m3c run --chat … --json-schema S | jq` reads the answer alone (the
+/// reasoning still shows in a terminal). The split is the server's:
+/// strict under a grammar (content is what the grammar bound), lenient
+/// otherwise. Raw completions are all content.
+fn reasoning_to_stderr<'a>(
+    model: &std::path::Path,
+    enc: &m3c_front::text::front::Encoded,
+    grammars: &[bool],
+) -> Result<Option<m3c_front::text::front::Reasoning<'a>>> {
+    if !enc.chat.iter().any(|&c| c) {
+        return Ok(None);
+    }
+    let tags = &chat_format(model)?.think;
+    let readers = (0..enc.ids.len())
+        .map(|i| {
+            enc.chat.get(i).copied().unwrap_or(false).then(|| {
+                let lenient = !grammars.get(i).copied().unwrap_or(false);
+                let start = enc.think.get(i).copied().unwrap_or(ThinkStart::Closed);
+                Box::new(ThinkReader(m3c_constrain::thinking::Splitter::new(tags, start, lenient)))
+                    as Box<dyn m3c_front::text::front::ReasoningReader>
+            })
+        })
+        .collect();
+    Ok(Some(m3c_front::text::front::Reasoning { readers, out: Box::new(std::io::stderr()) }))
+}
+
+/// The chat format's splitter, read text by text.
+struct ThinkReader(m3c_constrain::thinking::Splitter);
+
+impl m3c_front::text::front::ReasoningReader for ThinkReader {
+    fn push(&mut self, text: &str) -> (Vec<u8>, Vec<u8>) {
+        let s = self.0.push(text.as_bytes());
+        (s.reasoning, s.content)
+    }
+    fn finish(&mut self) -> (Vec<u8>, Vec<u8>) {
+        let s = self.0.finish();
+        (s.reasoning, s.content)
+    }
 }
 
 /// The model's chat format (its `config.json`'s architecture).

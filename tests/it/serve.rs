@@ -505,20 +505,21 @@ fn chat_constraints_hold_in_every_thinking_mode() {
             assert_eq!(got["capped"]["finish"], "length", "{got}");
         }
     }
-    // m3c run: the default (adaptive) chat, constrained; what follows the
-    // reasoning is one of the choices.
-    for seed in ["1", "2", "3"] {
-        let (text, _) = run_text(
+    // m3c run: the default (adaptive) chat, constrained; stdout is the
+    // answer alone, one of the choices (so it pipes into `jq`), and the
+    // reasoning before it went to stderr.
+    let mut reasoned = 0;
+    for seed in ["1", "2", "3", "5", "6", "7"] {
+        let (text, err) = run_text(
             &out,
             &model,
             &["--chat", "Yes or no?", "--max-new-tokens", "40", "--temperature", "1", "--seed", seed, "--choice", "yes", "--choice", "no"],
         );
-        let content = match text.strip_prefix("<mm:think>") {
-            Some(rest) => rest.split_once("</mm:think>").map(|(_, c)| c).unwrap_or_else(|| panic!("an unclosed reasoning: {text:?}")),
-            None => text.strip_prefix("</mm:think>").unwrap_or(&text),
-        };
-        assert!(content == "yes" || content == "no", "m3c run --chat --choice, seed {seed}: {text:?}");
+        assert!(text == "yes" || text == "no", "m3c run --chat --choice, seed {seed}: stdout {text:?}, stderr {err}");
+        assert!(!err.contains("</mm:think>"), "the reasoning's tags are not shown: {err}");
+        reasoned += usize::from(err.lines().any(|l| !l.is_empty() && !l.starts_with("m3c") && !l.starts_with("prompt 0:")));
     }
+    assert!(reasoned > 0, "some seed reasoned first (on stderr)");
     // m3c run's budget: thinking enabled, at most 3 reasoning tokens, then
     // `</mm:think>` (id 496 of the fixture's tokenizer) and the choice.
     let (text, _) = run_text(
@@ -549,8 +550,7 @@ fn chat_constraints_hold_in_every_thinking_mode() {
     let ids: Vec<u64> = serde_json::from_str::<Value>(lps).unwrap().as_array().unwrap().iter().filter_map(|t| t["id"].as_u64()).collect();
     let close = ids.iter().position(|&i| i == 496).unwrap_or_else(|| panic!("no </mm:think> in {ids:?}"));
     assert!(close <= 3, "the reasoning closed after {close} tokens: {ids:?}");
-    let answer = shown.rsplit("</mm:think>").next().unwrap_or_default();
-    assert!(answer == "yes" || answer == "no", "{shown:?}");
+    assert!(shown == "yes" || shown == "no", "{shown:?}");
 }
 
 /// A media server (tests/serve/media_server.py) on `host`, in the network

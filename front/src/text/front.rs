@@ -44,6 +44,9 @@ pub struct Encoded {
     /// Where each prompt leaves the model's reasoning (a chat's thinking
     /// mode; a raw completion's output is all content).
     pub think: Vec<ThinkStart>,
+    /// Whether each prompt is a chat (its output has reasoning and content)
+    /// rather than a raw completion (all of its output is the text).
+    pub chat: Vec<bool>,
     /// Choices per prompt (`m3c run -n`): prompt P's choice C is entry
     /// P × choices + C.
     pub choices: usize,
@@ -61,6 +64,7 @@ impl Encoded {
         rep(&mut self.images, n);
         rep(&mut self.videos, n);
         rep(&mut self.think, n);
+        rep(&mut self.chat, n);
         self.choices = n;
     }
 
@@ -129,6 +133,7 @@ pub fn encode_jsonl(model: &Path, file: &Path, text: &str, enc: &mut Encoded) ->
         let line: Line = serde_json::from_str(raw).map_err(|e| bad(e.to_string()))?;
         let (mut line_images, mut line_videos) = (Vec::new(), Vec::new());
         let mut think = ThinkStart::Closed;
+        let is_chat = line.messages.is_some();
         let ids = match (line.prompt, line.messages) {
             (Some(p), None) if line.thinking.is_none() => enc.tokenizer.encode(&p)?,
             (None, Some(m)) => {
@@ -180,6 +185,7 @@ pub fn encode_jsonl(model: &Path, file: &Path, text: &str, enc: &mut Encoded) ->
             }
         };
         enc.ids.push(ids);
+        enc.chat.push(is_chat);
         enc.think.push(think);
         enc.overrides.push(line.sampling);
         enc.images.push(line_images);
@@ -192,7 +198,7 @@ pub fn encode_jsonl(model: &Path, file: &Path, text: &str, enc: &mut Encoded) ->
 /// chat template for `--chat`).
 pub fn encode(model: &Path, req: &TextRequest) -> Result<Encoded, TextError> {
     let tokenizer = TextTokenizer::from_dir(model)?;
-    let (mut ids, mut think) = (Vec::new(), Vec::new());
+    let (mut ids, mut think, mut chat) = (Vec::new(), Vec::new(), Vec::new());
     let with_videos = |text: &str| -> Result<String, TextError> {
         if req.videos.is_empty() {
             Ok(text.to_string())
@@ -204,6 +210,7 @@ pub fn encode(model: &Path, req: &TextRequest) -> Result<Encoded, TextError> {
     for p in req.prompts {
         ids.push(tokenizer.encode(&with_videos(p)?)?);
         think.push(ThinkStart::Closed);
+        chat.push(false);
     }
     if !req.chats.is_empty() {
         let template = ChatTemplate::from_dir(model)?.ok_or_else(|| TextError::Config {
@@ -232,12 +239,13 @@ pub fn encode(model: &Path, req: &TextRequest) -> Result<Encoded, TextError> {
             let rendered = template.render(&messages, &kwargs)?;
             ids.push(tokenizer.encode(&with_videos(&rendered)?)?);
             think.push(ThinkStart::of_prompt(&rendered, &template.format.think));
+            chat.push(true);
         }
     }
     let overrides = vec![LineSampling::default(); ids.len()];
     let images = vec![Vec::new(); ids.len()];
     let videos = vec![Vec::new(); ids.len()];
-    Ok(Encoded { tokenizer, ids, overrides, images, videos, think, choices: 1 })
+    Ok(Encoded { tokenizer, ids, overrides, images, videos, think, chat, choices: 1 })
 }
 
 /// A sequence's text on its way out: cut before the first stop string (or
@@ -318,6 +326,67 @@ impl StopFilter {
     }
 }
 
+/// Tells a chat output's reasoning from its content, piece by piece (the
+/// CLI gives it the chat format's splitter, `m3c_constrain::thinking`).
+pub trait ReasoningReader {
+    /// Adds text; returns the (reasoning, content) it decides now.
+    fn push(&mut self, text: &str) -> (Vec<u8>, Vec<u8>);
+    /// The end of the output: whatever was held back.
+    fn finish(&mut self) -> (Vec<u8>, Vec<u8>);
+}
+
+/// Where reasoning goes, and which prompts have any to split off (one
+/// entry per prompt; `None`: all of it is content).
+pub struct Reasoning<'a> {
+    pub readers: Vec<Option<Box<dyn ReasoningReader + 'a>>>,
+    pub out: Box<dyn Write + 'a>,
+}
+
+/// The answer's writer and, with reasoning split off, the reasoning's:
+/// each flushed before the other is written, so a terminal showing both
+/// shows them in the order generated.
+struct Sides<'a, W: Write> {
+    out: W,
+    reasoning: Option<Reasoning<'a>>,
+    /// The reasoning side's last line is unfinished: ended with a newline
+    /// when the content starts, so the stats lines after it stand apart.
+    open_line: bool,
+}
+
+impl<W: Write> Sides<'_, W> {
+    /// Prompt `seq`'s next text; `end`: its last.
+    fn text(&mut self, seq: usize, text: &str, end: bool) -> std::io::Result<()> {
+        let reader = self.reasoning.as_mut().and_then(|r| r.readers.get_mut(seq)?.as_mut().map(|x| (x, &mut r.out)));
+        let Some((reader, side)) = reader else { return self.out.write_all(text.as_bytes()) };
+        let (mut thought, mut said) = reader.push(text);
+        if end {
+            let (t, s) = reader.finish();
+            thought.extend(t);
+            said.extend(s);
+        }
+        if !thought.is_empty() {
+            self.out.flush()?;
+            side.write_all(&thought)?;
+            side.flush()?;
+            self.open_line = !thought.ends_with(b"\n");
+        }
+        if self.open_line && (end || !said.is_empty()) {
+            side.write_all(b"\n")?;
+            self.open_line = false;
+        }
+        self.out.write_all(&said)
+    }
+}
+
+impl<W: Write> Write for Sides<'_, W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.out.write(buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.out.flush()
+    }
+}
+
 /// How one prompt's generation went.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Finished {
@@ -334,14 +403,18 @@ pub struct Finished {
 /// (so several prompts never interleave mid-line). With several prompts each
 /// continuation gets a `### prompt N` heading. The text of an id in `silent`
 /// is never shown (the EOS that ends a grammar's output, as serving leaves
-/// it out).
+/// it out). A prompt given a [`ReasoningReader`] in `reasoning` has its
+/// reasoning written to that side's writer and only its content to `out`:
+/// `m3c run --chat … | jq` reads the answer alone.
 pub fn stream(
     stages: impl BufRead,
     enc: &Encoded,
     stops: &[String],
     silent: &[u32],
-    mut out: impl Write,
+    out: impl Write,
+    reasoning: Option<Reasoning<'_>>,
 ) -> Result<Vec<Finished>, anyhow::Error> {
+    let mut out = Sides { out, reasoning, open_line: false };
     let n = enc.ids.len();
     let mut decoders: Vec<IncrementalDecoder> = (0..n).map(|_| IncrementalDecoder::new(true)).collect();
     let mut filters: Vec<StopFilter> = (0..n).map(|_| StopFilter::default()).collect();
@@ -386,7 +459,7 @@ pub fn stream(
         }
         // Write what the current prompt has; move on past finished ones.
         loop {
-            out.write_all(std::mem::take(&mut pending[current]).as_bytes())?;
+            out.text(current, &std::mem::take(&mut pending[current]), reasons[current].is_some())?;
             if reasons[current].is_none() || current + 1 == n {
                 break;
             }
@@ -404,7 +477,7 @@ pub fn stream(
         if i > current {
             out.write_all(format!("\n{}", heading(i)).as_bytes())?;
         }
-        out.write_all(std::mem::take(text).as_bytes())?;
+        out.text(i, &std::mem::take(text), true)?;
     }
     if n > 0 {
         out.write_all(b"\n")?;
