@@ -488,7 +488,8 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
         _ => None,
     };
     let status = child.wait().context("waiting for mpirun")?;
-    let end = reaper.join().unwrap_or_default();
+    let log = reaper.join().unwrap_or_default();
+    let end = &log.end;
     let collected = tap.map(|t| t.join().unwrap_or_default());
     if let Some(sig) = forwarding.received() {
         bail!("interrupted (signal {sig}): the pipeline was stopped");
@@ -505,8 +506,13 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
         let code = status.code().map_or("signal".into(), |c| c.to_string());
         // A stage killed outright prints nothing, and a stage's last words
         // can be lost when mpirun tears the job down: name what mpirun saw.
-        if let Some((rank, node, signal)) = end.killed.filter(|_| !end.stage_error) {
+        if let Some((rank, node, signal)) = end.killed.clone().filter(|_| !end.stage_error) {
             bail!("the pipeline failed (mpirun exit status {code}): stage {rank} was killed on {node} by signal {signal}");
+        }
+        // The stage's own words are the error; mpirun's report of the
+        // abort was left out above.
+        if let Some(first) = &log.first_error {
+            bail!("{first} (the pipeline stopped; mpirun exit status {code})");
         }
         bail!("the pipeline failed (mpirun exit status {code}); the failing stage's message is above");
     }

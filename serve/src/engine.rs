@@ -194,11 +194,19 @@ impl Engine {
         let e = engine.clone();
         tokio::spawn(async move {
             let mut lines = tokio::io::BufReader::new(stderr).lines();
+            let mut log = m3c_front::launch::StageLog::new();
+            let mut told = false;
             while let Ok(Some(line)) = lines.next_line().await {
-                eprintln!("{line}");
-                if line.starts_with("m3c stage ") && line.contains(": error: ") {
-                    e.fail("the pipeline stopped (a stage ended or was lost; its message is in the server's log)");
+                for shown in log.line(&line) {
+                    eprintln!("{shown}");
                 }
+                if let Some(first) = log.first_error.as_ref().filter(|_| !told) {
+                    e.fail(&format!("the pipeline stopped: {first}"));
+                    told = true;
+                }
+            }
+            for shown in log.finish() {
+                eprintln!("{shown}");
             }
         });
         // Reader: the first stage's lines.

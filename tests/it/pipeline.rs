@@ -231,7 +231,12 @@ fn wrong_model_folder_missing_tensor_and_bad_ids_are_clear_errors() {
     assert!(e.contains("m3c stage 1/2"), "the stage holding the tensor reports it: {e}");
 
     let e = run_fails(&["run", out, "--model", fixture("tiny-m3").to_str().unwrap(), "--prompt-ids", "1,900", "--max-new-tokens", "2"]);
+    // A stage's own error is the message: its line, then the same words as
+    // the run's error, and none of Open MPI's report of the abort.
     assert!(e.contains("token id 900 is outside the vocabulary (0..512)"), "{e}");
+    let last = e.lines().last().unwrap_or_default();
+    assert!(last.starts_with("error: stage 0/2: prompt 0: token id 900 is outside the vocabulary (0..512) (the pipeline stopped"), "{e}");
+    assert!(!e.contains("MPI_ABORT") && !e.contains("-----"), "{e}");
     let e = run_fails(&["run", out, "--model", fixture("tiny-m3").to_str().unwrap(), "--prompt-ids", "1,2", "--max-new-tokens", "5000"]);
     assert!(e.contains("exceed the model's 4096 positions"), "{e}");
     let e = run_fails(&[

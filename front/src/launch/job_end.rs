@@ -36,13 +36,91 @@ impl JobEnd {
     }
 }
 
+/// The job's standard error as the user sees it: every stage's line as it
+/// comes, and Open MPI's own reports (its dashed boxes, `mpirun noticed`
+/// lines) held back once a stage has said why it failed, so that the
+/// stage's error is the message and not one line among a dozen of
+/// mpirun's. Without a stage's error they are shown: then they are all
+/// the user has. `M3C_MPI_VERBOSE=1` shows everything.
+#[derive(Debug, Default)]
+pub struct StageLog {
+    pub end: JobEnd,
+    /// The first stage error, as `stage K/N: MESSAGE`.
+    pub first_error: Option<String>,
+    /// Lines of an Open MPI box being read (it shows once complete).
+    boxed: Option<Vec<String>>,
+    verbose: bool,
+}
+
+impl StageLog {
+    pub fn new() -> StageLog {
+        StageLog { verbose: std::env::var_os("M3C_MPI_VERBOSE").is_some_and(|v| v != "0"), ..StageLog::default() }
+    }
+
+    /// Takes one line; returns the lines to show now.
+    pub fn line(&mut self, line: &str) -> Vec<String> {
+        self.end.note(line);
+        if self.first_error.is_none() && self.end.stage_error {
+            self.first_error = stage_error(line);
+        }
+        if self.verbose {
+            return vec![line.to_string()];
+        }
+        let border = line.len() >= 20 && line.bytes().all(|b| b == b'-');
+        match (self.boxed.as_mut(), border) {
+            (None, true) => {
+                self.boxed = Some(vec![line.to_string()]);
+                Vec::new()
+            }
+            (Some(b), false) => {
+                b.push(line.to_string());
+                Vec::new()
+            }
+            (Some(_), true) => {
+                let mut b = self.boxed.take().unwrap_or_default();
+                b.push(line.to_string());
+                if self.end.stage_error {
+                    Vec::new()
+                } else {
+                    b
+                }
+            }
+            (None, false) if self.end.stage_error && is_mpirun_note(line) => Vec::new(),
+            (None, false) => vec![line.to_string()],
+        }
+    }
+
+    /// The job's output ended: a box left open is shown as it is.
+    pub fn finish(&mut self) -> Vec<String> {
+        self.boxed.take().filter(|_| !self.end.stage_error).unwrap_or_default()
+    }
+}
+
+/// `m3c stage K/N: error: MESSAGE` as `stage K/N: MESSAGE`.
+fn stage_error(line: &str) -> Option<String> {
+    let rest = line.strip_prefix("m3c ")?;
+    let (who, message) = rest.split_once(": error: ")?;
+    Some(format!("{who}: {message}"))
+}
+
+/// mpirun's one-line notes about a job's end (outside its boxes).
+fn is_mpirun_note(line: &str) -> bool {
+    let t = line.trim_start();
+    t.starts_with("mpirun noticed")
+        || t.starts_with("mpirun has exited")
+        || t.starts_with("Primary job")
+        || t.starts_with("prterun")
+        // `[host:pid] …` lines of Open MPI's daemons.
+        || (t.starts_with('[') && t.split_once(']').is_some_and(|(h, _)| h.contains(':')))
+}
+
 /// Forwards a job's standard error (piped) to ours, line by line, and ends
 /// mpirun (SIGKILL) when it has not ended `grace` after a stage reported a
 /// fatal error: a launcher that lost a host can wait on it for minutes
 /// after the stages have given up. The caller waits for the child as
-/// usual, then joins the returned thread, which returns what mpirun said
-/// about the job's end.
-pub fn reap_after_error(child: &mut std::process::Child, grace: std::time::Duration) -> std::thread::JoinHandle<JobEnd> {
+/// usual, then joins the returned thread, which returns what the stages and
+/// mpirun said about the job's end ([`StageLog`]).
+pub fn reap_after_error(child: &mut std::process::Child, grace: std::time::Duration) -> std::thread::JoinHandle<StageLog> {
     use std::io::{BufRead, Write};
     use std::sync::{Arc, Mutex};
     let pid = child.id() as libc::pid_t;
@@ -50,16 +128,20 @@ pub fn reap_after_error(child: &mut std::process::Child, grace: std::time::Durat
     let failed_at: Arc<Mutex<Option<std::time::Instant>>> = Arc::default();
     let seen = failed_at.clone();
     let reader = std::thread::spawn(move || {
-        let mut end = JobEnd::default();
-        let Some(e) = stderr else { return end };
+        let mut log = StageLog::new();
+        let Some(e) = stderr else { return log };
         for line in std::io::BufReader::new(e).lines().map_while(Result::ok) {
-            let _ = writeln!(std::io::stderr(), "{line}");
-            end.note(&line);
-            if end.stage_error {
+            for shown in log.line(&line) {
+                let _ = writeln!(std::io::stderr(), "{shown}");
+            }
+            if log.end.stage_error {
                 seen.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert_with(std::time::Instant::now);
             }
         }
-        end
+        for shown in log.finish() {
+            let _ = writeln!(std::io::stderr(), "{shown}");
+        }
+        log
     });
     std::thread::spawn(move || loop {
         std::thread::sleep(std::time::Duration::from_millis(200));
@@ -81,6 +163,37 @@ pub fn reap_after_error(child: &mut std::process::Child, grace: std::time::Durat
 #[cfg(test)]
 mod tests {
     use super::JobEnd;
+
+    #[test]
+    fn a_stages_error_is_shown_and_open_mpis_report_after_it_is_not() {
+        let border = "-".repeat(74);
+        let abort =
+            [border.as_str(), "MPI_ABORT was invoked on rank 0 in communicator MPI_COMM_WORLD", "with errorcode 1.", border.as_str()];
+        let mut log = super::StageLog::default();
+        let mut shown = Vec::new();
+        shown.extend(log.line("m3c stage 0/2: embed + layers 0-3: 100 tensors mapped"));
+        // A box before any stage error is all the user has: shown whole.
+        for l in abort {
+            shown.extend(log.line(l));
+        }
+        assert_eq!(shown.len(), 5, "{shown:?}");
+        shown.extend(log.line("m3c stage 1/2: error: prompt 0: token id 9 is outside the vocabulary (0..4)"));
+        for l in abort {
+            shown.extend(log.line(l));
+        }
+        shown.extend(log.line("[vm:01234] 1 more process has sent help message help-mpi-api.txt / mpi-abort"));
+        shown.extend(log.line("mpirun noticed that process rank 1 with PID 7 on node h exited on signal 9 (Killed)."));
+        shown.extend(log.line("m3c stage 0/2: error: no sign of life from stage 1"));
+        shown.extend(log.finish());
+        assert_eq!(shown.len(), 7, "after the stage's error only the stages' lines show: {shown:?}");
+        assert!(shown[5].starts_with("m3c stage 1/2: error:") && shown[6].starts_with("m3c stage 0/2: error:"), "{shown:?}");
+        assert_eq!(log.first_error.as_deref(), Some("stage 1/2: prompt 0: token id 9 is outside the vocabulary (0..4)"));
+        assert_eq!(log.end.killed.as_ref().map(|k| k.0), Some(1), "what is hidden is still read");
+        // A box cut off by the job's end is shown as it is.
+        let mut cut = super::StageLog::default();
+        assert!(cut.line(&border).is_empty() && cut.line("ORTE was unable to start").is_empty());
+        assert_eq!(cut.finish().len(), 2);
+    }
 
     #[test]
     fn mpiruns_lines_about_a_jobs_end_are_read() {

@@ -9,7 +9,7 @@ mod job_end;
 mod mpirun;
 mod preflight;
 
-pub use job_end::{reap_after_error, JobEnd};
+pub use job_end::{reap_after_error, JobEnd, StageLog};
 pub use mpirun::spawn_error;
 
 use anyhow::{bail, Context, Result};
