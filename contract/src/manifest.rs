@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 /// The `format` of the manifests this version writes and reads.
-pub const FORMAT: &str = "m3c-out/3";
+pub const FORMAT: &str = "m3c-out/4";
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Manifest {
@@ -41,6 +41,11 @@ pub struct Manifest {
     #[serde(default)]
     pub video_token: Option<usize>,
     pub stages: Vec<StageEntry>,
+    /// sha256 of the EAGLE3 draft's `config.json` when its head was
+    /// compiled into the last stage: the front checks a run's draft against
+    /// it before mpirun starts, in the last stage's words.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub draft_config_sha256: Option<String>,
     /// The encoder ranks' executable (a plan's `vision: {ranks: N}`), run by
     /// every encoder rank after the stages.
     #[serde(default)]
@@ -192,6 +197,35 @@ pub fn check_config(dir: &std::path::Path, compiled: &str) -> Result<(), String>
         &hash[..12],
         compiled.get(..12).unwrap_or(compiled),
         dir.display()
+    ))
+}
+
+/// Checks that `dir` is the EAGLE3 draft whose head these stages hold
+/// (`compiled`: its config's sha256; `None`: they hold none), in the words
+/// both the front's pre-flight and the last stage use.
+pub fn check_draft_config(dir: &std::path::Path, compiled: Option<&str>) -> Result<(), String> {
+    let Some(compiled) = compiled else {
+        return Err(format!(
+            "EAGLE3 draft {}: these stages were compiled without a draft head; EAGLE3 speculation needs one \
+             (`m3c compile --speculative-config '{{\"method\": \"eagle3\", \"model\": \"{}\", ...}}'`)",
+            dir.display(),
+            dir.display()
+        ));
+    };
+    let config = dir.join("config.json");
+    let bytes = crate::input::read_bytes(&config, "draft config", crate::input::limits::CONFIG)
+        .map_err(|e| format!("EAGLE3 draft {}: {e}", dir.display()))?;
+    let hash = sha256_hex(&bytes);
+    if hash == compiled {
+        return Ok(());
+    }
+    Err(format!(
+        "EAGLE3 draft {}: {} is not the draft these stages were compiled with (sha256 {}…, compiled for {}…); \
+         recompile with `m3c compile --speculative-config` naming this draft",
+        dir.display(),
+        config.display(),
+        &hash[..12],
+        compiled.get(..12).unwrap_or(compiled)
     ))
 }
 

@@ -6,7 +6,6 @@ use crate::error::StageError;
 use crate::meta::StageMeta;
 use m3c_contract::{CheckpointLayout, DType};
 use memmap2::{Mmap, MmapOptions};
-use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::Path;
@@ -36,28 +35,10 @@ pub fn check_config(dir: &Path, meta: &StageMeta) -> Result<(), StageError> {
 pub const DRAFT_PREFIX: &str = "draft/";
 
 /// sha256 of the draft's `config.json`, which must equal the one its head
-/// was compiled from.
+/// was compiled from (the contract's check, which the front also runs).
 pub fn check_draft_config(dir: &Path, meta: &StageMeta) -> Result<(), StageError> {
     let Some(d) = &meta.draft else { return Ok(()) };
-    let cfg = dir.join("config.json");
-    let bytes = m3c_contract::input::read_bytes(&cfg, "draft config", m3c_contract::input::limits::CONFIG)
-        .map_err(|e| StageError::Weights(format!("EAGLE3 draft {}: {e}", dir.display())))?;
-    let hash = hex(&Sha256::digest(&bytes));
-    if hash != d.config_sha256 {
-        return Err(StageError::Weights(format!(
-            "EAGLE3 draft {}: {} is not the draft these stages were compiled with (sha256 {}…, compiled for {}…); \
-             recompile with `m3c compile --speculative-config` naming this draft",
-            dir.display(),
-            cfg.display(),
-            &hash[..12],
-            &d.config_sha256[..12.min(d.config_sha256.len())]
-        )));
-    }
-    Ok(())
-}
-
-pub fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
+    m3c_contract::manifest::check_draft_config(dir, Some(&d.config_sha256)).map_err(StageError::Weights)
 }
 
 impl StageWeights {

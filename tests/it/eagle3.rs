@@ -137,7 +137,9 @@ fn eagle3_misuse_is_an_error_that_says_what_to_do() {
         "--speculative-config",
         &spec,
     ]);
-    assert!(!r.status.success() && stderr(&r).contains("compiled with its draft head"), "{}", stderr(&r));
+    // Said before mpirun starts (no stage line), as the last stage would.
+    let e = stderr(&r);
+    assert!(!r.status.success() && e.contains("compiled without a draft head") && !e.contains("m3c stage"), "{e}");
     // An n-gram config has nothing to compile.
     let dir = tempfile::tempdir().unwrap();
     let ngram = r#"{"method": "ngram", "num_speculative_tokens": 3}"#;
@@ -181,7 +183,33 @@ fn eagle3_misuse_is_an_error_that_says_what_to_do() {
         "--speculative-config",
         &bad,
     ]);
-    assert!(!r.status.success() && stderr(&r).contains("is not the draft these stages were compiled with"), "{}", stderr(&r));
+    let e = stderr(&r);
+    assert!(!r.status.success() && e.contains("is not the draft these stages were compiled with") && !e.contains("m3c stage"), "{e}");
+    // The compiled draft with its safetensors cut short: the headers are
+    // read before mpirun starts, and the file named.
+    let cut = dir.path().join("cut");
+    std::fs::create_dir(&cut).unwrap();
+    for f in std::fs::read_dir(fixture("eagle3-tiny")).unwrap().flatten() {
+        std::fs::copy(f.path(), cut.join(f.file_name())).unwrap();
+    }
+    let st = cut.join("model.safetensors");
+    let len = std::fs::metadata(&st).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&st).unwrap().set_len(len - 1000).unwrap();
+    let cut_spec = format!(r#"{{"method": "eagle3", "model": "{}", "num_speculative_tokens": 3}}"#, cut.display());
+    let r = m3c(&[
+        "run",
+        compiled.to_str().unwrap(),
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt-ids",
+        "1,2",
+        "--max-new-tokens",
+        "4",
+        "--speculative-config",
+        &cut_spec,
+    ]);
+    let e = stderr(&r);
+    assert!(!r.status.success() && e.contains(st.to_str().unwrap()) && !e.contains("m3c stage"), "{e}");
     // Without a config the same stages decode plainly, as stages without the head do.
     let args = ["--prompt-ids", "5,6,7", "--max-new-tokens", "12", "--ignore-eos"];
     assert_eq!(run(&compiled, &args, None, &[]).0, run(&plain, &args, None, &[]).0);

@@ -35,6 +35,7 @@ pub fn new(
         image_token: cfg.vision.as_ref().map(|v| v.image_token_id),
         video_token: cfg.vision.as_ref().map(|v| v.video_token_id),
         stages: Vec::new(),
+        draft_config_sha256: None,
         encoder: None,
     }
 }

@@ -362,6 +362,7 @@ pub fn compile(req: &CompileRequest) -> Result<Compiled> {
     };
     let mut manifest =
         manifest::new(cfg, &config_sha, &plan_json, &runtime_sha, &compile_id, &req.cpu, &req.plan.target, kv_cache, activations);
+    manifest.draft_config_sha256 = Some(draft_sha.clone()).filter(|s| !s.is_empty());
     let mut report = String::new();
     let mut counts = (0, 0);
     crate::fsutil::write_dir_atomically(req.out, check_replaceable_output, |dir| {

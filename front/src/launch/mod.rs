@@ -90,6 +90,17 @@ impl Compiled {
         Ok(Compiled { out: out.to_path_buf(), manifest, stages })
     }
 
+    /// An EAGLE3 draft a run or server names, checked before mpirun starts
+    /// as the last stage would check it: the stages hold a head compiled
+    /// from this draft's config, and its safetensors headers read (the
+    /// tensors and their sizes).
+    pub fn check_speculation(&self, spec: Option<&m3c_contract::speculative::SpeculativeConfig>) -> Result<()> {
+        let Some(m3c_contract::speculative::SpeculativeConfig::Eagle3 { model, .. }) = spec else { return Ok(()) };
+        m3c_contract::manifest::check_draft_config(model, self.manifest.draft_config_sha256.as_deref()).map_err(anyhow::Error::msg)?;
+        m3c_contract::CheckpointLayout::open(model).map_err(|e| anyhow::anyhow!("EAGLE3 draft {}: {e}", model.display()))?;
+        Ok(())
+    }
+
     /// Whether the first stage encodes images (it holds the vision tower).
     pub fn encodes_images(&self) -> bool {
         self.manifest.encodes_images()
