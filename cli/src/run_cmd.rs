@@ -399,6 +399,7 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
     let compiled = m3c_front::launch::Compiled::open(&args.out, &args.model)?;
     crate::check_weights_before_launch(&args.model)?;
     compiled.check_speculation(args.speculative_config.as_ref())?;
+    compiled.check_gpu_modes(args.gpu.modes())?;
     if let Some(d) = &args.dump {
         m3c_compiler::fsutil::check_replaceable_file(d).context("--dump")?;
     }

@@ -170,6 +170,7 @@ struct Prepared {
 fn prepare(o: &Options) -> Result<Prepared> {
     let compiled = m3c_front::launch::Compiled::open(&o.out, &o.model)?;
     compiled.check_speculation(o.speculative.as_ref())?;
+    compiled.check_gpu_modes(o.gpu)?;
     if let Some(b) = o.block_size.filter(|&b| b != compiled.manifest.kv_block) {
         anyhow::bail!(
             "--block-size {b}: {}'s caches are paged in blocks of its MSA block, {} positions; give --block-size {} or leave it out",

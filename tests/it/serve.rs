@@ -199,7 +199,8 @@ fn run_text(out: &Path, model: &Path, args: &[&str]) -> (String, String) {
 /// Errors a stage would find at start come first and alone: a model
 /// folder whose config is not the one compiled, or whose safetensors is
 /// truncated, is refused by `m3c run` and `m3c serve` before mpirun
-/// starts (no stage's line, none of Open MPI's), naming the file.
+/// starts (no stage's line, none of Open MPI's), naming the file; so are
+/// GPU flags given for host stages.
 #[test]
 fn a_wrong_config_or_a_truncated_checkpoint_is_one_error_before_mpirun() {
     let (out, fixture_model) = compiled();
@@ -231,6 +232,22 @@ fn a_wrong_config_or_a_truncated_checkpoint_is_one_error_before_mpirun() {
     let text = std::fs::read_to_string(&config).unwrap();
     std::fs::write(&config, format!("{text}\n")).unwrap();
     refused("is not the config these stages were compiled from");
+    std::fs::write(&config, &text).unwrap();
+    // Flags against the build: GPU modes asked of host stages.
+    for flags in [&["--prefill-gemm", "vendor"][..], &["--graphs", "off"]] {
+        for cmd in [
+            &["run", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--prompt", "x"][..],
+            &["serve", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--port", "0"],
+        ] {
+            let r = m3c(&[cmd, flags].concat());
+            let err = stderr(&r);
+            assert!(
+                !r.status.success() && err.contains(&format!("{}: ", flags.join(" "))) && err.contains("compiled for the host"),
+                "{cmd:?} {flags:?}: {err}"
+            );
+            assert!(!err.contains("m3c stage"), "{err}");
+        }
+    }
 }
 
 /// `m3c run` in a script: a default token limit, a JSON schema given

@@ -90,6 +90,24 @@ impl Compiled {
         Ok(Compiled { out: out.to_path_buf(), manifest, stages })
     }
 
+    /// The GPU flags against the build: host stages have no device graphs
+    /// or vendor GEMMs, so asking for either there is an error that says
+    /// so, not a flag silently dropped.
+    pub fn check_gpu_modes(&self, modes: m3c_contract::stage_args::GpuModes) -> Result<()> {
+        if self.manifest.target != m3c_contract::target::Target::Host {
+            return Ok(());
+        }
+        let asked = [(modes.prefill_gemm_vendor, "--prefill-gemm vendor"), (!modes.graphs, "--graphs off")];
+        if let Some((_, flag)) = asked.iter().find(|(on, _)| *on) {
+            bail!(
+                "{flag}: {} is compiled for the host (`target: host`), whose stages have no device graphs or vendor GEMMs; \
+                 the flag applies to stages compiled with --target cuda or rocm",
+                self.out.display()
+            );
+        }
+        Ok(())
+    }
+
     /// An EAGLE3 draft a run or server names, checked before mpirun starts
     /// as the last stage would check it: the stages hold a head compiled
     /// from this draft's config, and its safetensors headers read (the
