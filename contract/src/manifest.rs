@@ -272,6 +272,7 @@ mod tests {
             image_token: Some(9),
             video_token: Some(10),
             encoder: None,
+            draft_config_sha256: None,
             stages: vec![stage(0), stage(1)],
         }
     }
