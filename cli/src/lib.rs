@@ -144,6 +144,12 @@ pub fn say(text: &str) -> Result<()> {
 }
 
 /// Parses the process arguments, runs the command, and turns errors into a message and exit code 1.
+/// The command line's definition (subcommands, flags, values), for tests
+/// that check documented command lines against it.
+pub fn command() -> clap::Command {
+    <Cli as clap::CommandFactory>::command()
+}
+
 pub fn main() -> ExitCode {
     // Rust ignores SIGPIPE; restore the default so that `m3c ... | head`
     // ends like other command-line tools instead of failing a write.

@@ -19,6 +19,7 @@ mod netns;
 mod parsers;
 mod pipeline;
 mod plan;
+mod readme;
 mod rocm;
 mod serve;
 mod shared;
