@@ -427,13 +427,14 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
         bail!("--kv-blocks {blocks}: prompt {i} and --max-new-tokens {} need {need} blocks of {kv_block} positions", args.max_new_tokens);
     }
     stage.kv.size = m3c_contract::stage_args::PoolSize::Blocks(blocks);
+    let launch = args.launch.launch()?;
+    compiled.check_memory(&args.model, Some((blocks * kv_block) as u64), &launch)?;
     let Inputs { images, text: text_in, .. } = inputs;
     let constrained = requests.iter().any(|r| r.grammar.is_some());
     // Text prompts come after any id prompts; their streams are numbered from 0.
     let first_text = inputs.prompts.len() - text_in.as_ref().map_or(0, |t| t.ids.len());
     let grammars: Vec<bool> = requests.iter().skip(first_text).map(|r| r.grammar.is_some()).collect();
     let frames = stdin_frames(requests, &images);
-    let launch = args.launch.launch()?;
     let mut cmd = compiled.mpirun(&stage, &launch)?;
     cmd.stdin(std::process::Stdio::piped());
     if text_in.is_some() || args.trace.is_some() {

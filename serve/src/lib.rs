@@ -228,7 +228,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
         KvSize::Fraction(f) => PoolSize::Fraction(f),
     };
     let blocks = if let PoolSize::Blocks(n) = size { n as u64 } else { 0 };
-    warn_if_pools_overcommit(&compiled, blocks * kv_block, o);
+    compiled.check_memory(&o.model, (blocks > 0).then_some(blocks * kv_block), &o.launch)?;
     stage.kv = KvPool { size, prefix_caching: o.prefix_caching };
     stage.encoder = o.encoder;
     if let Some(d) = &o.trace_dir {
@@ -289,37 +289,6 @@ fn prepare(o: &Options) -> Result<Prepared> {
         ),
     };
     Ok(Prepared { cmd, stages, limits, pool, shared: Box::new(shared) })
-}
-
-/// A warning when host stages on this machine, all of them, would hold
-/// pools of `positions` each larger together than its available memory:
-/// pages are touched only as blocks fill, so it starts, but a full pool
-/// would not fit (the default `--kv-budget` is 8 GB per stage).
-fn warn_if_pools_overcommit(compiled: &m3c_front::launch::Compiled, positions: u64, o: &Options) {
-    let m = &compiled.manifest;
-    if m.target != m3c_contract::target::Target::Host || m.stages.iter().any(|s| s.host.is_some()) || o.launch.hostfile.is_some() {
-        return;
-    }
-    let pools: u64 = compiled.cache_bytes_per_position().iter().map(|b| b * positions).sum();
-    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|info| {
-        let kb = info.lines().find_map(|l| l.strip_prefix("MemAvailable:"))?.split_whitespace().next()?.parse::<u64>().ok()?;
-        Some(kb * 1024)
-    });
-    if let Some(line) = available.and_then(|a| overcommit_warning(m.stages.len(), pools, a)) {
-        eprintln!("{line}");
-    }
-}
-
-/// The warning of [`warn_if_pools_overcommit`], when `pools` bytes exceed `available`.
-fn overcommit_warning(stages: usize, pools: u64, available: u64) -> Option<String> {
-    (pools > available).then(|| {
-        format!(
-            "m3c serve: warning: the {stages} stages' KV pools take {:.1} GB in all, more than this machine's {:.1} GB available; \
-             they fill as requests run, and a full pool would not fit: give --kv-budget GB (per stage) or --kv-fraction F",
-            pools as f64 / 1e9,
-            available as f64 / 1e9
-        )
-    })
 }
 
 /// Seconds between stats lines (vLLM's 10; `M3C_STATS_INTERVAL_S` for tests).
@@ -471,13 +440,6 @@ fn served_names(given: &[String], model: &std::path::Path) -> Vec<String> {
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn pools_larger_than_the_memory_are_warned_of() {
-        let w = super::overcommit_warning(4, 32_000_000_000, 23_000_000_000).unwrap();
-        assert!(w.contains("4 stages' KV pools take 32.0 GB") && w.contains("23.0 GB available") && w.contains("--kv-budget"), "{w}");
-        assert_eq!(super::overcommit_warning(4, 8_000_000_000, 23_000_000_000), None);
-    }
-
     #[test]
     fn a_model_is_served_as_its_folder_and_as_given_unless_named() {
         let dir = tempfile::tempdir().unwrap();

@@ -6,6 +6,7 @@
 //! ([`job_end`]).
 
 mod job_end;
+pub mod memory;
 mod mpirun;
 mod preflight;
 
@@ -104,6 +105,48 @@ impl Compiled {
                  the flag applies to stages compiled with --target cuda or rocm",
                 self.out.display()
             );
+        }
+        Ok(())
+    }
+
+    /// The stages' memory on this machine against what it has, before
+    /// mpirun starts ([`memory`]): each stage's weights (its tensors' bytes
+    /// in `model`) and its KV pool of `pool_positions` (`None`: the stages
+    /// size it from their free memory). Host stages whose pools exceed the
+    /// available memory get a warning; a CUDA stage that cannot fit its
+    /// GPU's free memory (nvidia-smi) is an error. A job that spans hosts
+    /// is not judged from here.
+    pub fn check_memory(&self, model: &Path, pool_positions: Option<u64>, launch: &Launch) -> Result<()> {
+        if self.spans_hosts(launch) {
+            return Ok(());
+        }
+        let layout = m3c_contract::CheckpointLayout::open(model).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let per_position = self.cache_bytes_per_position();
+        let stages: Vec<memory::StageMemory> = self
+            .manifest
+            .stages
+            .iter()
+            .enumerate()
+            .map(|(k, e)| memory::StageMemory {
+                stage: k,
+                weights: e.tensors.iter().filter_map(|t| layout.tensors.get(t)).map(|t| t.end - t.start).sum(),
+                pool: pool_positions.map(|p| per_position.get(k).copied().unwrap_or(0) * p),
+            })
+            .collect();
+        match self.manifest.target {
+            m3c_contract::target::Target::Host => {
+                if let Some(w) = memory::host_available().and_then(|a| memory::host_warning(&stages, a)) {
+                    eprintln!("{w}");
+                }
+            }
+            m3c_contract::target::Target::Cuda { .. } => {
+                if let Some(e) = memory::nvidia_free().and_then(|free| memory::gpu_error(&stages, &free)) {
+                    bail!("{e}");
+                }
+            }
+            // ROCm's free memory would come from rocm-smi; the stage's own
+            // allocation error still names the stage.
+            m3c_contract::target::Target::Rocm { .. } => {}
         }
         Ok(())
     }
