@@ -55,3 +55,10 @@ if ! "$ROOT/.venv-serve/bin/python" -c "import anthropic" >/dev/null 2>&1; then
   echo "setup: installing the anthropic Python client into .venv-serve (for m3c serve's tests)"
   "$ROOT/.venv-serve/bin/pip" install -q anthropic==2.17.0
 fi
+# The routers users put in front of replicas (vllm-router, SGLang's
+# gateway `smg`), for the tests that serve behind them (tests/it/routers.rs).
+if ! [ -x "$ROOT/.venv-router/bin/vllm-router" ] || ! [ -x "$ROOT/.venv-router/bin/smg" ]; then
+  echo "setup: installing vllm-router and smg into .venv-router (for m3c serve's router tests)"
+  python3 -m venv "$ROOT/.venv-router"
+  "$ROOT/.venv-router/bin/pip" install -q vllm-router==0.1.17 smg==1.13.0
+fi

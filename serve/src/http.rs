@@ -81,6 +81,9 @@ pub fn router(shared: Shared) -> Router {
         .route("/v1/responses", post(adapter::handle::<responses::Responses>))
         .route("/v1/messages", post(adapter::handle::<messages::Messages>))
         .route("/v1/messages/count_tokens", post(messages::count_tokens))
+        .route("/v1/completions/render", post(completions_render))
+        .route("/v1/chat/completions/render", post(chat_render))
+        .route("/get_load", get(get_load))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/version", get(version))
@@ -155,7 +158,7 @@ async fn health(State(app): State<App>) -> Response {
 }
 
 async fn metrics(State(app): State<App>) -> Response {
-    let text = app.engine.metrics.render(&app.engine.gauges());
+    let text = app.engine.metrics.render(&app.engine.gauges(), &app.name);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
@@ -317,7 +320,7 @@ async fn chat_completions(State(app): State<App>, headers: HeaderMap, body: Byte
         openai::check_model(&m, &app.names)?;
         openai::check_fields(&m, openai::Endpoint::ChatCompletions)?;
         let mut common = openai::common(&m, &app.defaults, openai::Endpoint::ChatCompletions, app.seeds.fresh())?;
-        let (rendered, chat) = render_chat(&app, &m, true)?;
+        let (rendered, chat) = render_chat(&app, &m, openai::chat_opening(&m)?)?;
         // A forced tool call is the request's grammar (one per request).
         if let Some(g) = chat.forced.clone() {
             if let Some((_, field)) = &common.grammar {
@@ -347,8 +350,14 @@ async fn chat_completions(State(app): State<App>, headers: HeaderMap, body: Byte
 }
 
 /// A chat request's prompt as the model's template writes it, and the
-/// request's chat parts; `generation_prompt`: the assistant's turn opened.
-fn render_chat(app: &Shared, m: &serde_json::Map<String, Value>, generation_prompt: bool) -> Result<(String, openai::Chat), ApiError> {
+/// request's chat parts; `opening`: the assistant's turn opened, the final
+/// assistant message continued, or neither.
+pub(crate) fn render_chat(
+    app: &Shared,
+    m: &serde_json::Map<String, Value>,
+    opening: openai::Opening,
+) -> Result<(String, openai::Chat), ApiError> {
+    let generation_prompt = opening == openai::Opening::Generation;
     let chat = openai::chat(m, &app.format.tools)?;
     let template = app
         .template
@@ -373,7 +382,84 @@ fn render_chat(app: &Shared, m: &serde_json::Map<String, Value>, generation_prom
     let rendered = template
         .render_json(&chat.messages, &kwargs)
         .map_err(|e| ApiError::bad("messages", format!("the chat template refused the messages: {e}")))?;
+    let rendered = if opening == openai::Opening::Continue { continue_final(&rendered, &chat.messages)? } else { rendered };
     Ok((rendered, chat))
+}
+
+/// vLLM's `continue_final_message`: the prompt ends where the final
+/// assistant message's text ends in the rendered chat, so the model goes on
+/// writing that message (the template's end of turn after it is cut).
+fn continue_final(rendered: &str, messages: &Value) -> Result<String, ApiError> {
+    const K: &str = "continue_final_message";
+    let last = messages.as_array().and_then(|a| a.last()).cloned().unwrap_or(Value::Null);
+    if last["role"] != "assistant" {
+        return Err(ApiError::bad(K, "`continue_final_message` continues the last message, which must be the assistant's"));
+    }
+    let text = match &last["content"] {
+        Value::String(t) => t.clone(),
+        Value::Array(parts) => parts.iter().filter_map(|p| p["text"].as_str()).collect(),
+        _ => String::new(),
+    };
+    if text.is_empty() {
+        return Err(ApiError::bad(K, "`continue_final_message`: the last assistant message has no text to continue"));
+    }
+    let at = rendered
+        .rfind(&text)
+        .ok_or_else(|| ApiError::bad(K, "`continue_final_message`: the chat template does not write the last message's text as given"))?;
+    Ok(rendered[..at + text.len()].to_string())
+}
+
+/// vLLM's `/v1/completions/render`: the request's prompt as the token ids
+/// generation would take, in vLLM's shape (a list, one entry per prompt).
+/// Prefix-aware routers (vllm-router's `cache_aware` and `kv_aware`) call
+/// it on every replica before routing.
+async fn completions_render(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
+    let run = || -> Result<Value, ApiError> {
+        authorize(&app, &headers)?;
+        let m = openai::object(&body)?;
+        openai::check_model(&m, &app.names)?;
+        openai::check_fields(&m, openai::Endpoint::Completions)?;
+        let ids = match openai::prompt(&m)? {
+            openai::Prompt::Text(t) => app.tokenizer.encode(&t).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?,
+            openai::Prompt::Ids(ids) => ids,
+        };
+        Ok(json!([{"request_id": format!("cmpl-render-{}", app.seeds.fresh()), "model": app.name, "token_ids": ids}]))
+    };
+    match run() {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => error(&e),
+    }
+}
+
+/// vLLM's `/v1/chat/completions/render`: the chat's prompt as the token
+/// ids generation would take (`{"token_ids": [...]}`), rendered as the
+/// request asks (generation prompt, or the final message continued). A chat
+/// with images is refused, as by `/tokenize`: an image's tokens depend on
+/// its size, which rendering does not fetch.
+async fn chat_render(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
+    let run = || -> Result<Value, ApiError> {
+        authorize(&app, &headers)?;
+        let m = openai::object(&body)?;
+        openai::check_model(&m, &app.names)?;
+        openai::check_fields(&m, openai::Endpoint::ChatCompletions)?;
+        let (rendered, chat) = render_chat(&app, &m, openai::chat_opening(&m)?)?;
+        if !chat.images.is_empty() {
+            return Err(ApiError::bad("messages", "rendering takes text messages (an image's tokens depend on its size)"));
+        }
+        let ids = app.tokenizer.encode(&rendered).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?;
+        Ok(json!({"model": app.name, "token_ids": ids}))
+    };
+    match run() {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => error(&e),
+    }
+}
+
+/// SGLang's `/get_load`, which vllm-router's `power_of_two` policy reads:
+/// the requests running and waiting here.
+async fn get_load(State(app): State<App>) -> Response {
+    let g = app.engine.gauges();
+    Json(json!({"load": g.running + g.waiting})).into_response()
 }
 
 /// vLLM's `/tokenize`: a completions `prompt` or chat `messages` (with
@@ -398,7 +484,7 @@ async fn tokenize(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Re
         let ids = match (m.get("prompt"), m.get("messages")) {
             (Some(_), Some(_)) => return Err(ApiError::bad("messages", "give `prompt` or `messages`, not both")),
             (_, Some(_)) => {
-                let (rendered, chat) = render_chat(&app, &m, flag("add_generation_prompt", true)?)?;
+                let (rendered, chat) = render_chat(&app, &m, openai::chat_opening(&m)?)?;
                 if !chat.images.is_empty() {
                     return Err(ApiError::bad("messages", "/tokenize takes text messages (an image's tokens depend on its size)"));
                 }
@@ -1053,7 +1139,7 @@ async fn whole_choice(mut g: Generation) -> Result<(Value, Generation), String> 
     let finish = g.finish_reason();
     let choice = if g.chat.is_some() {
         let mut message = json!({"role": "assistant", "content": if content.is_empty() && !calls.is_empty() { Value::Null } else { Value::String(content) }});
-        if !reasoning.is_empty() {
+        if !reasoning.is_empty() && g.common.include_reasoning {
             // vLLM's name, and the older one its clients still read.
             message["reasoning"] = Value::String(reasoning.clone());
             message["reasoning_content"] = Value::String(reasoning);
@@ -1118,6 +1204,8 @@ fn chat_deltas(g: &Generation, pieces: Vec<Piece>) -> Vec<Value> {
             }
         };
         match p {
+            // `include_reasoning: false` leaves it out of the stream too.
+            Piece::Reasoning(_) if !g.common.include_reasoning => {}
             Piece::Reasoning(t) => {
                 // vLLM's name, and the older one its clients still read.
                 append("reasoning", &t);
@@ -1147,7 +1235,8 @@ fn chat_deltas(g: &Generation, pieces: Vec<Piece>) -> Vec<Value> {
             }
         }
     }
-    deltas.into_iter().map(Value::Object).collect()
+    // (A delta left empty: reasoning left out.)
+    deltas.into_iter().filter(|d| !d.is_empty()).map(Value::Object).collect()
 }
 
 /// One choice's server-sent events, up to its finish reason.

@@ -1,4 +1,8 @@
-//! `GET /metrics`: Prometheus text, with vLLM-like names under `m3c:`.
+//! `GET /metrics`: Prometheus text, with vLLM-like names under `m3c:`, and
+//! the series routers and autoscalers read under vLLM's own names
+//! (`vllm:num_requests_running`, ...), with its `model_name` and `engine`
+//! labels: the same values, so a dashboard or router built for vLLM reads
+//! m3c unchanged.
 
 use std::fmt::{self, Write};
 use std::sync::Mutex;
@@ -24,12 +28,19 @@ impl Histogram {
         self.sum += seconds;
     }
 
-    fn write(&self, out: &mut String, name: &str, help: &str) {
+    /// The histogram's family; `labels` (`a="x",b="y"`, or empty) go on every series.
+    fn write(&self, out: &mut String, name: &str, help: &str, labels: &str) {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let sep = if labels.is_empty() { "" } else { "," };
         for (c, b) in self.counts.iter().zip(BUCKETS) {
-            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {c}");
+            let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"{b}\"}} {c}");
         }
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}", self.count, self.sum, self.count);
+        let plain = if labels.is_empty() { String::new() } else { format!("{{{labels}}}") };
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {}\n{name}_sum{plain} {}\n{name}_count{plain} {}",
+            self.count, self.sum, self.count
+        );
     }
 }
 
@@ -184,7 +195,48 @@ impl Metrics {
         Some(line)
     }
 
-    pub fn render(&self, g: &Gauges) -> String {
+    /// The exposition: m3c's families, then vLLM's names for the series
+    /// that routers and autoscalers read (`model`: the served name).
+    pub fn render(&self, g: &Gauges, model: &str) -> String {
+        let mut text = self.render_m3c(g);
+        self.render_vllm(g, model, &mut text);
+        text
+    }
+
+    /// vLLM's families, same values and meanings as the `m3c:` ones:
+    /// requests running and waiting, KV cache usage (0 to 1), prefix cache
+    /// queries and hits (tokens), prompt and generation tokens,
+    /// preemptions, time to first token and inter-token latency, and
+    /// speculation's counts.
+    fn render_vllm(&self, g: &Gauges, model: &str, out: &mut String) {
+        let c = self.c.lock().unwrap_or_else(|e| e.into_inner());
+        let model: String = model.chars().map(|ch| if ch == '"' || ch == '\\' || ch == '\n' { '_' } else { ch }).collect();
+        let labels = format!("model_name=\"{model}\",engine=\"0\"");
+        let mut one = |name: &str, kind: &str, help: &str, v: String| {
+            let _ = writeln!(out, "# HELP vllm:{name} {help}\n# TYPE vllm:{name} {kind}\nvllm:{name}{{{labels}}} {v}");
+        };
+        one("num_requests_running", "gauge", "Number of requests in model execution batches.", g.running.to_string());
+        one("num_requests_waiting", "gauge", "Number of requests waiting to be processed.", g.waiting.to_string());
+        let usage = if g.blocks_total == 0 { 0.0 } else { g.blocks_used as f64 / g.blocks_total as f64 };
+        one("kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", usage.to_string());
+        one(
+            "prefix_cache_queries_total",
+            "counter",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            c.prefix_queries.to_string(),
+        );
+        one("prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.", c.prefix_hits.to_string());
+        one("prompt_tokens_total", "counter", "Number of prefill tokens processed.", c.prompt_tokens.to_string());
+        one("generation_tokens_total", "counter", "Number of generation tokens processed.", c.generation_tokens.to_string());
+        one("num_preemptions_total", "counter", "Cumulative number of preemption from the engine.", c.preemptions.to_string());
+        one("spec_decode_num_drafts_total", "counter", "Number of spec decoding drafts.", c.spec_drafts.to_string());
+        one("spec_decode_num_draft_tokens_total", "counter", "Number of draft tokens.", c.spec_draft_tokens.to_string());
+        one("spec_decode_num_accepted_tokens_total", "counter", "Number of accepted tokens.", c.spec_accepted.to_string());
+        c.ttft.write(out, "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", &labels);
+        c.itl.write(out, "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", &labels);
+    }
+
+    fn render_m3c(&self, g: &Gauges) -> String {
         let c = self.c.lock().unwrap_or_else(|e| e.into_inner());
         let mut w = Exposition(String::new());
         w.gauge("num_requests_running", "Requests whose sequences are in the pipeline.", g.running);
@@ -229,8 +281,8 @@ impl Metrics {
             "Requests cancelled: the client went away or a stop string ended them.",
             c.requests_cancelled,
         );
-        c.ttft.write(&mut w.0, "m3c:time_to_first_token_seconds", "Time from a request's arrival to its first token.");
-        c.itl.write(&mut w.0, "m3c:inter_token_latency_seconds", "Time between a request's consecutive tokens.");
+        c.ttft.write(&mut w.0, "m3c:time_to_first_token_seconds", "Time from a request's arrival to its first token.", "");
+        c.itl.write(&mut w.0, "m3c:inter_token_latency_seconds", "Time between a request's consecutive tokens.", "");
         let stages = &c.stages;
         w.per_stage(
             "stage_step_seconds",

@@ -68,6 +68,9 @@ pub struct Common {
     /// vLLM's `return_tokens_as_token_ids`: logprobs name each token
     /// `token_id:N` instead of its text.
     pub tokens_as_ids: bool,
+    /// vLLM's `include_reasoning` (chat): the reasoning is in the answer
+    /// (`false`: left out, the content alone).
+    pub include_reasoning: bool,
 }
 
 impl Common {
@@ -172,6 +175,11 @@ impl Endpoint {
             // changes no output, so taking it is honouring it.
             "user",
             "return_tokens_as_token_ids",
+            // What routers add to every body (vllm-router, SGLang's
+            // gateway): SGLang's spelling of include_stop_str_in_output,
+            // and hidden states (only their no-op value passes).
+            "no_stop_trim",
+            "return_hidden_states",
         ];
         const COMPLETIONS: &[&str] = &["prompt", "echo", "best_of", "suffix"];
         const CHAT: &[&str] = &[
@@ -183,6 +191,13 @@ impl Endpoint {
             "chat_template_kwargs",
             "top_logprobs",
             "thinking_token_budget",
+            // vLLM's and SGLang's reasoning and rendering switches
+            // (`chat_options`).
+            "include_reasoning",
+            "separate_reasoning",
+            "stream_reasoning",
+            "continue_final_message",
+            "add_generation_prompt",
         ];
         let own = match self {
             Endpoint::Completions => COMPLETIONS,
@@ -207,8 +222,17 @@ fn unsupported(field: &str) -> Option<&'static str> {
 }
 
 /// The fields `/tokenize` reads.
-pub const TOKENIZE_FIELDS: &[&str] =
-    &["model", "prompt", "messages", "tools", "chat_template_kwargs", "add_generation_prompt", "add_special_tokens", "return_token_strs"];
+pub const TOKENIZE_FIELDS: &[&str] = &[
+    "model",
+    "prompt",
+    "messages",
+    "tools",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "return_token_strs",
+];
 
 /// Refuses any field of `m` outside `known` (null counts as absent), naming it.
 pub fn check_known(m: &Map<String, Value>, known: &[&str], route: &str) -> Result<(), ApiError> {
@@ -325,6 +349,16 @@ pub fn common(m: &Map<String, Value>, d: &Defaults, endpoint: Endpoint, seed_fal
         return Err(ApiError::bad("stop", "`stop`: at most 16 strings of 1 to 1024 bytes"));
     }
     let stream = boolean(m, "stream")?.unwrap_or(false);
+    if boolean(m, "return_hidden_states")? == Some(true) {
+        return Err(ApiError::bad(
+            "return_hidden_states",
+            "`return_hidden_states`: m3c does not return hidden states; leave it out or false",
+        ));
+    }
+    // SGLang's `no_stop_trim` is vLLM's `include_stop_str_in_output`; a
+    // router adds `no_stop_trim: false` to every body, so `false` of
+    // either is the default, not a veto of the other's `true`.
+    let include_stop = boolean(m, "include_stop_str_in_output")?.unwrap_or(false) || boolean(m, "no_stop_trim")?.unwrap_or(false);
     let include_usage = match m.get("stream_options") {
         None | Some(Value::Null) => false,
         Some(Value::Object(o)) => boolean(o, "include_usage")?.unwrap_or(false),
@@ -348,7 +382,7 @@ pub fn common(m: &Map<String, Value>, d: &Defaults, endpoint: Endpoint, seed_fal
         include_usage,
         n: n as usize,
         stop_ids,
-        include_stop: boolean(m, "include_stop_str_in_output")?.unwrap_or(false),
+        include_stop,
         skip_special: boolean(m, "skip_special_tokens")?.unwrap_or(true),
         logprobs,
         grammar: grammar(m)?,
@@ -363,6 +397,7 @@ pub fn common(m: &Map<String, Value>, d: &Defaults, endpoint: Endpoint, seed_fal
         prompt_logprobs,
         thinking_budget: thinking_budget(m)?,
         tokens_as_ids: boolean(m, "return_tokens_as_token_ids")?.unwrap_or(false),
+        include_reasoning: boolean(m, "include_reasoning")?.unwrap_or(true),
     })
 }
 
@@ -564,6 +599,45 @@ pub struct Chat {
     pub forced: Option<Grammar>,
 }
 
+/// How a chat's prompt is rendered: with the assistant's turn opened
+/// (`add_generation_prompt`, vLLM's default), or continuing the final
+/// assistant message (`continue_final_message`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Opening {
+    Generation,
+    Continue,
+    Neither,
+}
+
+/// vLLM's `add_generation_prompt` and `continue_final_message`, and
+/// SGLang's reasoning switches, whose other values m3c refuses by name:
+/// `separate_reasoning: false` (m3c's reader always splits the family's
+/// reasoning tags off) and `stream_reasoning: false` (reasoning streams as
+/// it is generated).
+pub fn chat_opening(m: &Map<String, Value>) -> Result<Opening, ApiError> {
+    if boolean(m, "separate_reasoning")? == Some(false) {
+        return Err(ApiError::bad(
+            "separate_reasoning",
+            "`separate_reasoning: false`: m3c always reads the reasoning apart from the content (`reasoning`); `include_reasoning: false` leaves it out",
+        ));
+    }
+    if boolean(m, "stream_reasoning")? == Some(false) {
+        return Err(ApiError::bad(
+            "stream_reasoning",
+            "`stream_reasoning: false`: m3c streams the reasoning as it is generated; leave it out or true",
+        ));
+    }
+    match (boolean(m, "add_generation_prompt")?, boolean(m, "continue_final_message")?.unwrap_or(false)) {
+        (Some(true), true) => Err(ApiError::bad(
+            "continue_final_message",
+            "`continue_final_message` continues the last assistant message, and `add_generation_prompt` opens a new one: give one of them",
+        )),
+        (_, true) => Ok(Opening::Continue),
+        (Some(false), false) => Ok(Opening::Neither),
+        (None | Some(true), false) => Ok(Opening::Generation),
+    }
+}
+
 /// `markup`: the family's call tags, which a forced call's grammar writes.
 pub fn chat(m: &Map<String, Value>, markup: &ToolMarkup) -> Result<Chat, ApiError> {
     let Some(Value::Array(list)) = m.get("messages") else {
@@ -653,6 +727,7 @@ mod tests {
         let e = check_fields(&m, endpoint).and_then(|()| common(&m, &d, endpoint, 0).map(|_| ()));
         let e = e.and_then(|()| {
             if endpoint == Endpoint::ChatCompletions {
+                chat_opening(&m)?;
                 chat(&m, &m3c_contract::chat_format::ChatFormat::of_family("minimax_m3").unwrap().tools).map(|_| ())
             } else {
                 Ok(())
@@ -726,6 +801,14 @@ mod tests {
             (json!({"prompt": "x"}), ChatCompletions, "prompt"),
             (json!({"some_new_field": 1}), ChatCompletions, "some_new_field"),
             (json!({"extra_body": {"top_k": 1}}), Completions, "extra_body"),
+            // Router-added fields' values m3c cannot honour.
+            (json!({"return_hidden_states": true}), Completions, "return_hidden_states"),
+            (json!({"separate_reasoning": false}), ChatCompletions, "separate_reasoning"),
+            (json!({"stream_reasoning": false}), ChatCompletions, "stream_reasoning"),
+            (json!({"continue_final_message": true, "add_generation_prompt": true}), ChatCompletions, "continue_final_message"),
+            (json!({"no_stop_trim": "no"}), Completions, "no_stop_trim"),
+            (json!({"include_reasoning": 1}), ChatCompletions, "include_reasoning"),
+            (json!({"include_reasoning": false}), Completions, "include_reasoning"),
         ];
         for (extra, endpoint, want) in refused {
             assert_eq!(param(extra.clone(), endpoint).as_deref(), Some(want), "{endpoint:?} {extra}");
@@ -762,9 +845,38 @@ mod tests {
             (json!({"structured_outputs": {"regex": "[0-9]+"}}), Completions),
             (json!({"guided_json": {"type": "integer"}}), ChatCompletions),
             (json!({"guided_grammar": "start: \"x\""}), Completions),
+            // What vllm-router adds to every chat and completion body.
+            (
+                json!({"logprobs": false, "no_stop_trim": false, "ignore_eos": false, "continue_final_message": false,
+                       "skip_special_tokens": true, "separate_reasoning": true, "stream_reasoning": true,
+                       "return_hidden_states": false, "include_reasoning": true}),
+                ChatCompletions,
+            ),
+            (
+                json!({"echo": false, "no_stop_trim": false, "ignore_eos": false, "skip_special_tokens": true, "return_hidden_states": false}),
+                Completions,
+            ),
+            (json!({"include_reasoning": false, "continue_final_message": true, "add_generation_prompt": false}), ChatCompletions),
         ];
         for (extra, endpoint) in honoured {
             assert_eq!(param(extra.clone(), endpoint), None, "{endpoint:?} {extra}");
         }
+    }
+
+    /// SGLang's `no_stop_trim` keeps the stop string as vLLM's
+    /// `include_stop_str_in_output` does; the `false` a router adds to every
+    /// body does not undo a client's `true` of the other.
+    #[test]
+    fn no_stop_trim_is_include_stop_str_in_output() {
+        let d = Defaults { sampling: SamplingParams::GREEDY };
+        let include = |extra: Value| common(&body(extra, Endpoint::Completions), &d, Endpoint::Completions, 0).unwrap().include_stop;
+        assert!(!include(json!({})));
+        assert!(include(json!({"no_stop_trim": true})));
+        assert!(include(json!({"include_stop_str_in_output": true, "no_stop_trim": false})));
+        assert!(!include(json!({"include_stop_str_in_output": false, "no_stop_trim": false})));
+        let opening = |extra: Value| chat_opening(&body(extra, Endpoint::ChatCompletions)).unwrap();
+        assert_eq!(opening(json!({})), Opening::Generation);
+        assert_eq!(opening(json!({"continue_final_message": true})), Opening::Continue);
+        assert_eq!(opening(json!({"add_generation_prompt": false})), Opening::Neither);
     }
 }

@@ -21,6 +21,7 @@ mod pipeline;
 mod plan;
 mod readme;
 mod rocm;
+mod routers;
 mod serve;
 mod shared;
 mod speculative;

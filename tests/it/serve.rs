@@ -71,7 +71,7 @@ impl Server {
         self.log.lock().unwrap().clone()
     }
 
-    fn root(&self) -> String {
+    pub(crate) fn root(&self) -> String {
         self.base.trim_end_matches("/v1").to_string()
     }
 
@@ -1251,6 +1251,28 @@ fn the_vllm_recipe_command_line_serves_a_model_folder() {
     let (by_default, enabled) = (chat(None), chat(Some(serde_json::json!({"thinking_mode": "enabled"}))));
     assert_eq!(by_default, enabled);
     assert_ne!(by_default, chat(Some(serde_json::json!({"thinking_mode": "disabled"}))));
+    // vLLM's `continue_final_message`: the prompt ends with the final
+    // assistant message's text (no end of turn, no new turn), and the
+    // render route a router calls gives the same ids.
+    let partial = serde_json::json!({"model": "tiny", "continue_final_message": true, "add_generation_prompt": false,
+        "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The sky is"}]});
+    let (code, v) = post_json(&first, "/tokenize", &partial);
+    assert_eq!(code, 200, "{v}");
+    let (code, text) = post_json(&first, "/detokenize", &serde_json::json!({"tokens": v["tokens"]}));
+    assert!(code == 200 && text["prompt"].as_str().is_some_and(|t| t.ends_with("The sky is")), "{text}");
+    let (code, r) = post_json(&first, "/v1/chat/completions/render", &partial);
+    assert_eq!((code, &r["token_ids"]), (200, &v["tokens"]), "{r}");
+    // `include_reasoning: false` (vLLM): the same answer without its reasoning.
+    let reasoned = |include: bool| {
+        let b = serde_json::json!({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 24,
+            "temperature": 0, "include_reasoning": include});
+        let (code, v) = post_json(&first, "/v1/chat/completions", &b);
+        assert_eq!(code, 200, "{v}");
+        v["choices"][0]["message"].clone()
+    };
+    let (with, without) = (reasoned(true), reasoned(false));
+    assert!(with["reasoning"].as_str().is_some_and(|r| !r.is_empty()), "thinking is enabled: {with}");
+    assert!(without.get("reasoning").is_none() && without["content"] == with["content"], "{with} / {without}");
     // An answer, and --max-model-len bounds a request.
     let ask = |max_tokens: u64| {
         let b = serde_json::json!({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": max_tokens, "temperature": 0});

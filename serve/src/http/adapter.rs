@@ -66,7 +66,7 @@ pub(super) async fn handle<A: Adapter>(State(app): State<App>, headers: HeaderMa
         let mut chat = A::as_chat(&m)?;
         sampling_fields(&m, &mut chat);
         let mut common = openai::common(&chat, &app.defaults, openai::Endpoint::ChatCompletions, app.seeds.fresh())?;
-        let (rendered, parts) = render_chat(&app, &chat, true)?;
+        let (rendered, parts) = render_chat(&app, &chat, crate::openai::Opening::Generation)?;
         let (asked, tools) = A::prepared(&m, &mut common, &parts);
         let ids = app.tokenizer.encode(&rendered).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?;
         let kind = Kind::Chat { think: ThinkStart::of_prompt(&rendered, &app.format.think), tools };

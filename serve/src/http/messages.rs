@@ -124,7 +124,7 @@ pub(super) async fn count_tokens(State(app): State<App>, headers: HeaderMap, bod
         openai::check_model(&m, &app.names)?;
         openai::check_known(&m, COUNT_FIELDS, "/v1/messages/count_tokens")?;
         let chat = as_chat(&m)?;
-        let (rendered, parts) = render_chat(&app, &chat, true)?;
+        let (rendered, parts) = render_chat(&app, &chat, crate::openai::Opening::Generation)?;
         let ids = app.tokenizer.encode(&rendered).map_err(|e| ApiError::new(500, "api_error", e.to_string()))?;
         Ok((ids, parts.images))
     };

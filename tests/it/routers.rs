@@ -1,0 +1,135 @@
+//! m3c behind the routers vLLM's and SGLang's users put in front of their
+//! replicas: `vllm-router` (round robin, cache-aware, power of two) and
+//! SGLang's gateway (`smg`, cache-aware), the real ones from PyPI (in the
+//! `.venv-router` that scripts/setup.sh makes), before two m3c replicas of
+//! pp 2. Every chat and completion sent through them with OpenAI's client
+//! (tests/serve/router_client.py), whole and streamed, greedy and seeded,
+//! is answered, with the text one replica gives alone: the fields routers
+//! add to each body (`no_stop_trim`, `separate_reasoning`, ...) are taken
+//! with their meaning, the cache-aware routers get each replica's token ids
+//! from its render endpoints, and the load and metrics they read are there.
+
+use crate::serve::Server;
+use m3c_tests::{fixture, root};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn venv(bin: &str) -> PathBuf {
+    root().join(".venv-router/bin").join(bin)
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// A router process, killed when dropped.
+struct Router {
+    child: Child,
+    port: u16,
+    metrics_port: u16,
+    log: PathBuf,
+}
+
+impl Router {
+    /// `program ARGS --port P --prometheus-port Q`, up once its `/v1/models` answers.
+    fn start(program: &str, args: &[&str], dir: &std::path::Path) -> Router {
+        let (port, metrics_port) = (free_port(), free_port());
+        let log = dir.join(format!("{program}-{port}.log"));
+        let file = std::fs::File::create(&log).unwrap();
+        let child = Command::new(venv(program))
+            .args(args)
+            .args(["--host", "127.0.0.1", "--port", &port.to_string(), "--prometheus-port", &metrics_port.to_string()])
+            .stdin(Stdio::null())
+            .stdout(file.try_clone().unwrap())
+            .stderr(file)
+            .spawn()
+            .unwrap_or_else(|e| panic!("{program} from .venv-router starts (scripts/setup.sh installs it): {e}"));
+        let mut r = Router { child, port, metrics_port, log };
+        let deadline = Instant::now() + Duration::from_secs(90);
+        loop {
+            let o = Command::new("curl").args(["-sf", "-m", "2", &format!("http://127.0.0.1:{port}/v1/models")]).output().unwrap();
+            if o.status.success() {
+                return r;
+            }
+            let exited = r.child.try_wait().unwrap();
+            assert!(exited.is_none() && Instant::now() < deadline, "{program} did not come up ({exited:?}):\n{}", r.log());
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn metrics(&self) -> String {
+        let url = format!("http://127.0.0.1:{}/metrics", self.metrics_port);
+        String::from_utf8_lossy(&Command::new("curl").args(["-s", "-m", "5", &url]).output().unwrap().stdout).into_owned()
+    }
+}
+
+impl Drop for Router {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The workload's answers through `base` (a router's or a replica's /v1).
+fn workload(base: &str) -> String {
+    let o = Command::new(root().join(".venv-serve/bin/python"))
+        .arg(root().join("tests/serve/router_client.py"))
+        .args([base, "tiny"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "the workload through {base} failed:\n{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// A counter's value in Prometheus text: the sum over the series of
+/// `name` whose labels contain `with`.
+fn counter(text: &str, name: &str, with: &str) -> f64 {
+    text.lines().filter(|l| l.starts_with(name) && l.contains(with)).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum()
+}
+
+#[test]
+fn vllm_router_and_sglang_gateway_serve_m3c_replicas_as_one_replica_would() {
+    let (out, model) = (crate::shared::out("tiny-m3", 2), fixture("tiny-m3"));
+    let (a, b) = (Server::start(&out, &model, &[]), Server::start(&out, &model, &[]));
+    let want = workload(&format!("{}/v1", a.root()));
+    let dir = tempfile::tempdir().unwrap();
+    let workers = [a.root(), b.root()];
+    let workers: Vec<&str> = workers.iter().map(String::as_str).collect();
+    for policy in ["round_robin", "cache_aware", "power_of_two"] {
+        let args = [&["--worker-urls"][..], &workers, &["--policy", policy]].concat();
+        let r = Router::start("vllm-router", &args, dir.path());
+        let got = workload(&format!("http://127.0.0.1:{}/v1", r.port));
+        assert_eq!(got, want, "vllm-router --policy {policy}: the texts differ from one replica's\n{}", r.log());
+        if policy == "cache_aware" {
+            // Each request was rendered on every replica: the routing had
+            // token ids, not a fallback.
+            let m = r.metrics();
+            assert!(counter(&m, "vllm_router_kv_routing_inputs_total", "result=\"render\"") >= 12.0, "{m}");
+            assert!(counter(&m, "vllm_router_prefix_routing_decisions_total", "outcome=\"prefix_hit\"") >= 1.0, "{m}");
+        }
+    }
+    let args = [&["launch", "--worker-urls"][..], &workers, &["--policy", "cache_aware"]].concat();
+    let r = Router::start("smg", &args, dir.path());
+    let got = workload(&format!("http://127.0.0.1:{}/v1", r.port));
+    assert_eq!(got, want, "smg --policy cache_aware: the texts differ from one replica's\n{}", r.log());
+    drop(r);
+    // The series routers and autoscalers read, under vLLM's names.
+    let m =
+        String::from_utf8_lossy(&Command::new("curl").args(["-s", &format!("{}/metrics", a.root())]).output().unwrap().stdout).into_owned();
+    for series in [
+        "vllm:num_requests_running{",
+        "vllm:num_requests_waiting{",
+        "vllm:kv_cache_usage_perc{",
+        "vllm:time_to_first_token_seconds_bucket{",
+    ] {
+        assert!(m.contains(&format!("{series}model_name=\"tiny\"")), "{series}: {m}");
+    }
+    let (hits, queries) = (counter(&m, "vllm:prefix_cache_hits_total", ""), counter(&m, "vllm:prefix_cache_queries_total", ""));
+    assert!(hits > 0.0 && queries >= hits, "the shared system prompt hit the prefix cache: {hits} of {queries}");
+    assert_eq!(hits, counter(&m, "m3c:prefix_cache_hits_total", ""), "one series under two names");
+}
