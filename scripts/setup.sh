@@ -57,8 +57,10 @@ if ! "$ROOT/.venv-serve/bin/python" -c "import anthropic" >/dev/null 2>&1; then
 fi
 # The routers users put in front of replicas (vllm-router, SGLang's
 # gateway `smg`), for the tests that serve behind them (tests/it/routers.rs).
-if ! [ -x "$ROOT/.venv-router/bin/vllm-router" ] || ! [ -x "$ROOT/.venv-router/bin/smg" ]; then
-  echo "setup: installing vllm-router and smg into .venv-router (for m3c serve's router tests)"
+# pyzmq and msgpack read m3c's KV-cache events as a router's subscriber would.
+if ! [ -x "$ROOT/.venv-router/bin/vllm-router" ] || ! [ -x "$ROOT/.venv-router/bin/smg" ] \
+  || ! "$ROOT/.venv-router/bin/python" -c "import zmq, msgpack" >/dev/null 2>&1; then
+  echo "setup: installing vllm-router, smg, pyzmq and msgpack into .venv-router (for m3c serve's router tests)"
   python3 -m venv "$ROOT/.venv-router"
-  "$ROOT/.venv-router/bin/pip" install -q vllm-router==0.1.17 smg==1.13.0
+  "$ROOT/.venv-router/bin/pip" install -q vllm-router==0.1.17 smg==1.13.0 pyzmq==27.3.0 msgpack==1.2.4
 fi

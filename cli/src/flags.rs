@@ -363,6 +363,9 @@ pub(crate) struct ServeArgs {
     /// Speculative decoding, in vLLM's JSON: `{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": A, "prompt_lookup_max": B}` (prompt lookup), or `{"method": "eagle3", "model": DIR, "num_speculative_tokens": K}` (the draft head OUT was compiled with). Answers are bit-identical with and without it; /metrics counts drafts and accepted tokens.
     #[arg(long, value_name = "JSON", value_parser = speculative_config, help_heading = "Speculative decoding")]
     pub(crate) speculative_config: Option<m3c_contract::speculative::SpeculativeConfig>,
+    /// vLLM's KV-cache events for KV-aware routers, in vLLM's JSON: `{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "", "replay_endpoint": "tcp://*:5558"}`: every block the prefix cache stores or evicts, published over ZeroMQ as msgpack `BlockStored`/`BlockRemoved` (and `AllBlocksCleared` at start).
+    #[arg(long, value_name = "JSON")]
+    pub(crate) kv_events_config: Option<String>,
     #[command(flatten)]
     pub(crate) gpu: GpuFlags,
     #[command(flatten)]

@@ -57,6 +57,10 @@ pub(crate) fn serve_cmd(mut a: ServeArgs) -> Result<()> {
         launch: a.launch.launch()?,
         trace_dir: a.trace_dir,
         speculative: a.speculative_config,
+        kv_events: match &a.kv_events_config {
+            Some(text) => m3c_serve::KvEventsConfig::from_json(text).map_err(anyhow::Error::msg)?,
+            None => None,
+        },
         max_model_len: a.max_model_len,
         block_size: a.block_size,
     })

@@ -31,6 +31,23 @@ pub const MAX_BLOCKS: usize = 1 << 24;
 pub struct BlockHash(pub [u8; 32]);
 
 impl BlockHash {
+    /// Lower-case hex, as the stage protocol writes it.
+    pub fn hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// The hash [`hex`](Self::hex) wrote.
+    pub fn from_hex(text: &str) -> Option<BlockHash> {
+        if text.len() != 64 || !text.is_ascii() {
+            return None;
+        }
+        let mut out = [0u8; 32];
+        for (i, b) in out.iter_mut().enumerate() {
+            *b = u8::from_str_radix(&text[2 * i..2 * i + 2], 16).ok()?;
+        }
+        Some(BlockHash(out))
+    }
+
     /// The hash of the block after `prev` (none for the first block) holding
     /// `ids`, with `extra` the bytes of what else its rows depend on (see
     /// [`image_extra`]; empty for text).

@@ -517,6 +517,17 @@ pub enum Event {
         running: usize,
         waiting: usize,
     },
+    /// A full block entered the prefix cache (only with `--kv-events`):
+    /// its hash, the block before it in its sequence, and its tokens.
+    BlockStored {
+        parent: Option<crate::blocks::BlockHash>,
+        hash: crate::blocks::BlockHash,
+        tokens: Vec<i64>,
+    },
+    /// Cached blocks were evicted (their contents forgotten).
+    BlocksRemoved {
+        hashes: Vec<crate::blocks::BlockHash>,
+    },
 }
 
 impl Event {
@@ -533,6 +544,13 @@ impl Event {
             Event::Preempted { seq } => format!("m3c-preempt {seq}"),
             Event::Spec { seq, drafted, accepted } => format!("m3c-spec {seq} {drafted} {accepted}"),
             Event::Kv { used, cached, total, running, waiting } => format!("m3c-kv {used} {cached} {total} {running} {waiting}"),
+            Event::BlockStored { parent, hash, tokens } => {
+                let tokens: Vec<String> = tokens.iter().map(i64::to_string).collect();
+                format!("m3c-kvs {} {} {}", parent.map_or("-".to_string(), |p| p.hex()), hash.hex(), tokens.join(","))
+            }
+            Event::BlocksRemoved { hashes } => {
+                format!("m3c-kvr {}", hashes.iter().map(crate::blocks::BlockHash::hex).collect::<Vec<_>>().join(" "))
+            }
             Event::Encoder { hits, misses, entries, bytes, in_flight, encoded, encode_us } => {
                 format!("m3c-enc {hits} {misses} {entries} {bytes} {in_flight} {encoded} {encode_us}")
             }
@@ -588,6 +606,22 @@ impl Event {
                 (Ok(seq), Ok(drafted), Ok(accepted)) if accepted <= drafted => Some(Event::Spec { seq, drafted, accepted }),
                 _ => None,
             },
+            ("m3c-kvs", [p, h, t]) => {
+                let parent = match *p {
+                    "-" => Some(None),
+                    p => crate::blocks::BlockHash::from_hex(p).map(Some),
+                };
+                let tokens: Option<Vec<i64>> = t.split(',').map(|x| x.parse().ok()).collect();
+                match (parent, crate::blocks::BlockHash::from_hex(h), tokens) {
+                    (Some(parent), Some(hash), Some(tokens)) => Some(Event::BlockStored { parent, hash, tokens }),
+                    _ => None,
+                }
+            }
+            ("m3c-kvr", hs) if !hs.is_empty() => hs
+                .iter()
+                .map(|h| crate::blocks::BlockHash::from_hex(h))
+                .collect::<Option<Vec<_>>>()
+                .map(|hashes| Event::BlocksRemoved { hashes }),
             ("m3c-kv", [u, c, t, r, w]) => match (u.parse(), c.parse(), t.parse(), r.parse(), w.parse()) {
                 (Ok(used), Ok(cached), Ok(total), Ok(running), Ok(waiting)) => Some(Event::Kv { used, cached, total, running, waiting }),
                 _ => None,
@@ -615,7 +649,8 @@ impl Event {
             }
             // Another `m3c-` line is a stage's own output (its log lines).
             (
-                "m3c-ready" | "m3c-id" | "m3c-lp" | "m3c-end" | "m3c-stat" | "m3c-bad" | "m3c-pfx" | "m3c-preempt" | "m3c-kv" | "m3c-spec",
+                "m3c-ready" | "m3c-id" | "m3c-lp" | "m3c-end" | "m3c-stat" | "m3c-bad" | "m3c-pfx" | "m3c-preempt" | "m3c-kv" | "m3c-spec"
+                | "m3c-kvs" | "m3c-kvr",
                 _,
             ) => None,
             _ => return None,
@@ -723,6 +758,13 @@ mod tests {
             Event::Preempted { seq: 6 },
             Event::Spec { seq: 7, drafted: 3, accepted: 2 },
             Event::Kv { used: 12, cached: 3, total: 64, running: 5, waiting: 2 },
+            Event::BlockStored { parent: None, hash: crate::blocks::BlockHash([7; 32]), tokens: vec![1, 200_019, 3, 4] },
+            Event::BlockStored {
+                parent: Some(crate::blocks::BlockHash([7; 32])),
+                hash: crate::blocks::BlockHash([0xa5; 32]),
+                tokens: vec![9],
+            },
+            Event::BlocksRemoved { hashes: vec![crate::blocks::BlockHash([7; 32]), crate::blocks::BlockHash([0; 32])] },
             Event::Encoder { hits: 3, misses: 4, entries: 5, bytes: 6, in_flight: 1, encoded: 4, encode_us: 9000 },
             Event::Bad { seq: Some(4), why: "the sequence is already live".into() },
             Event::Bad { seq: None, why: "expected `cancel SEQ`".into() },

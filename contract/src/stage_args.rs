@@ -144,11 +144,15 @@ pub struct KvPool {
     /// Automatic prefix caching: full cache blocks are kept after their
     /// sequence ends and reused by later sequences with the same prefix.
     pub prefix_caching: bool,
+    /// The first stage reports blocks stored in and evicted from the prefix
+    /// cache (`m3c-kvs`, `m3c-kvr` lines), for `m3c serve`'s KV-cache
+    /// events.
+    pub events: bool,
 }
 
 impl Default for KvPool {
     fn default() -> KvPool {
-        KvPool { size: PoolSize::WholeContext, prefix_caching: true }
+        KvPool { size: PoolSize::WholeContext, prefix_caching: true, events: false }
     }
 }
 
@@ -256,6 +260,7 @@ impl StageArgs {
             ("--timeout-s", Some(self.timeout_s.to_string())),
             ("--graphs", Some(if self.gpu.graphs { "on" } else { "off" }.to_string())),
             ("--prefix-caching", Some(if self.kv.prefix_caching { "on" } else { "off" }.to_string())),
+            ("--kv-events", self.kv.events.then(|| "on".to_string())),
             ("--prefill-gemm", Some(if self.gpu.prefill_gemm_vendor { "vendor" } else { "off" }.to_string())),
             ("--eos-ids", (!self.eos_ids.is_empty()).then(|| ids(&self.eos_ids))),
             ("--speculative", self.speculative.map(|n| n.encode())),
@@ -419,6 +424,7 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
             // `--cuda-graphs`: the older name, kept for command lines that use it.
             "--graphs" | "--cuda-graphs" => a.gpu.graphs = parse_switch(arg, &value(arg)?, ("on", "off"))?,
             "--prefix-caching" => a.kv.prefix_caching = parse_switch("--prefix-caching", &value("--prefix-caching")?, ("on", "off"))?,
+            "--kv-events" => a.kv.events = parse_switch("--kv-events", &value("--kv-events")?, ("on", "off"))?,
             "--encodes" => a.encoder.inline = parse_switch("--encodes", &value("--encodes")?, ("inline", "beside"))?,
             "--encoder-cache-bytes" => a.encoder.cache_bytes = parse_bytes("--encoder-cache-bytes", &value(arg)?)?,
             "--prefill-gemm" => {
@@ -528,7 +534,7 @@ mod tests {
         a.prompts = Prompts::Ids(vec![vec![1, 2, 3], vec![4]]);
         a.max_new_tokens = 16;
         a.micro_batch = Some(2);
-        a.kv = KvPool { size: PoolSize::Blocks(40), prefix_caching: false };
+        a.kv = KvPool { size: PoolSize::Blocks(40), prefix_caching: false, events: true };
         a.encoder = EncoderOptions { cache_bytes: 12345, inline: true };
         a.prefill_chunk = Some(7);
         a.speculative = Some(crate::speculative::Ngram { tokens: 3, min: 2, max: 4, disable_by_batch_size: Some(8) });

@@ -36,6 +36,9 @@ pub struct Kv {
     /// sequence computing each. A sequence whose next block is one of these
     /// waits for it rather than computing it a second time.
     pending: HashMap<BlockHash, usize>,
+    /// KV-cache events (blocks stored in and evicted from the prefix
+    /// cache, in order), kept only when asked for (`--kv-events`).
+    pub events: Option<Vec<m3c_contract::protocol::Event>>,
 }
 
 /// The hashes of the full blocks of `ids`, extending `chain` (which holds
@@ -46,7 +49,7 @@ pub fn extend_chain(chain: &mut Vec<BlockHash>, ids: &[i64], images: &[ImageRows
 
 impl Kv {
     pub fn new(blocks: usize, block: usize, caching: bool) -> Kv {
-        Kv { pool: BlockPool::new(blocks), block, caching, pending: HashMap::new() }
+        Kv { pool: BlockPool::new(blocks), block, caching, pending: HashMap::new(), events: None }
     }
 
     pub fn total(&self) -> usize {
@@ -119,6 +122,10 @@ impl Kv {
                 None => return false,
             }
         }
+        let evicted = self.pool.take_evicted();
+        if let (Some(events), false) = (self.events.as_mut(), evicted.is_empty()) {
+            events.push(m3c_contract::protocol::Event::BlocksRemoved { hashes: evicted });
+        }
         true
     }
 
@@ -130,15 +137,20 @@ impl Kv {
     }
 
     /// Once every stage has written positions `0..done` of a sequence
-    /// whose full blocks hash to `chain`, those blocks become shareable.
-    pub fn commit(&mut self, s: &mut SeqBlocks, chain: &[BlockHash], done: usize) {
+    /// whose full blocks hash to `chain` (its ids `ids`), those blocks
+    /// become shareable.
+    pub fn commit(&mut self, s: &mut SeqBlocks, chain: &[BlockHash], ids: &[i64], done: usize) {
         if !self.caching {
             return;
         }
         let full = (done / self.block).min(s.blocks.len()).min(chain.len());
         while s.committed < full {
             let (i, h) = (s.committed, chain[s.committed]);
-            self.pool.commit(s.blocks[i], h);
+            let stored = self.pool.commit(s.blocks[i], h);
+            if let (Some(events), true) = (self.events.as_mut(), stored) {
+                let tokens = ids.get(i * self.block..(i + 1) * self.block).unwrap_or_default().to_vec();
+                events.push(m3c_contract::protocol::Event::BlockStored { parent: i.checked_sub(1).map(|p| chain[p]), hash: h, tokens });
+            }
             if let Some(k) = s.pending.iter().position(|p| *p == h) {
                 s.pending.swap_remove(k);
                 self.pending.remove(&h);

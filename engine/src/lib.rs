@@ -71,6 +71,10 @@ pub struct Config {
     /// The model's context and vocabulary (what a request is checked against).
     pub max_positions: usize,
     pub vocab: usize,
+    /// Report blocks stored in and evicted from the prefix cache as events
+    /// (`Event::BlockStored`, `Event::BlocksRemoved`), for KV-cache-aware
+    /// routers.
+    pub kv_events: bool,
 }
 
 /// Something the runtime carries out, in order.
@@ -114,7 +118,8 @@ pub struct Engine {
 impl Engine {
     /// `spec`: speculation, when a run asks for it.
     pub fn new(cfg: Config, spec: Option<Speculator>) -> Engine {
-        let kv = Kv::new(cfg.blocks, cfg.block, cfg.prefix_caching);
+        let mut kv = Kv::new(cfg.blocks, cfg.block, cfg.prefix_caching);
+        kv.events = cfg.kv_events.then(Vec::new);
         Engine {
             cfg,
             seqs: BTreeMap::new(),
@@ -229,9 +234,14 @@ impl Engine {
         }
     }
 
-    /// What the runtime has to carry out, in order (taken).
+    /// What the runtime has to carry out, in order (taken); the KV-cache
+    /// events since the last call come last.
     pub fn effects(&mut self) -> Vec<Effect> {
-        std::mem::take(&mut self.effects)
+        let mut out = std::mem::take(&mut self.effects);
+        if let Some(events) = self.kv.events.as_mut() {
+            out.extend(events.drain(..).map(Effect::Event));
+        }
+        out
     }
 
     /// Micro-batches in flight.

@@ -60,7 +60,7 @@ impl Engine {
         // drafts; those after hold rejected drafts, which the sequence's
         // next steps overwrite.
         let written = if drafts.is_empty() { s.pos0 + s.rows } else { s.pos0 + taken.max(1) };
-        self.kv.commit(&mut l.kv, &l.chain, written);
+        self.kv.commit(&mut l.kv, &l.chain, &l.ids, written);
         match reason {
             Some(r) => self.end(s.seq, r),
             None => self.ready.push_back(s.seq),

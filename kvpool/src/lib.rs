@@ -40,6 +40,9 @@ pub struct BlockPool {
     /// Cached blocks no sequence holds, by release time: the eviction order.
     evictable: BTreeMap<u64, BlockId>,
     clock: u64,
+    /// Hashes of cached blocks evicted since [`BlockPool::take_evicted`]
+    /// (what KV-cache events report as removed).
+    evicted: Vec<BlockHash>,
 }
 
 impl BlockPool {
@@ -51,6 +54,7 @@ impl BlockPool {
             by_hash: HashMap::new(),
             evictable: BTreeMap::new(),
             clock: 0,
+            evicted: Vec::new(),
         }
     }
 
@@ -94,6 +98,7 @@ impl BlockPool {
                 let (_, id) = self.evictable.pop_first()?;
                 if let Some(h) = self.blocks[id as usize].hash.take() {
                     self.by_hash.remove(&h);
+                    self.evicted.push(h);
                 }
                 id
             }
@@ -121,13 +126,20 @@ impl BlockPool {
     /// Records that held block `id` is full with contents `hash`, so later
     /// sequences may share it. When another block already has those
     /// contents, `id` stays uncached (it is freed, not kept, on release).
-    pub fn commit(&mut self, id: BlockId, hash: BlockHash) {
-        let Some(b) = self.blocks.get_mut(id as usize) else { return };
+    /// Returns whether the cache now holds it through `id`.
+    pub fn commit(&mut self, id: BlockId, hash: BlockHash) -> bool {
+        let Some(b) = self.blocks.get_mut(id as usize) else { return false };
         if b.refs == 0 || b.hash.is_some() || self.by_hash.contains_key(&hash) {
-            return;
+            return false;
         }
         b.hash = Some(hash);
         self.by_hash.insert(hash, id);
+        true
+    }
+
+    /// The hashes of the cached blocks evicted since the last call.
+    pub fn take_evicted(&mut self) -> Vec<BlockHash> {
+        std::mem::take(&mut self.evicted)
     }
 
     /// Drops one reference to `id`. A block no one holds becomes free, or,

@@ -13,6 +13,8 @@ pub(crate) struct Batching {
     /// or `--expect` (which then computes every row).
     pub score_last: bool,
     pub prefix_caching: bool,
+    /// Blocks stored and evicted reported as events (`--kv-events`).
+    pub kv_events: bool,
     /// Speculative decoding, as the run asks ([`speculator`]).
     pub spec: Option<Speculator>,
     /// How images and videos are encoded (beside the loop, the cache).

@@ -73,6 +73,7 @@ pub fn run(world: &SimpleCommunicator, peers: &mut Peers, st: &mut Stage, args: 
             eos: args.eos_ids.clone(),
             score_last: want_logits,
             prefix_caching: args.kv.prefix_caching,
+            kv_events: args.kv.events,
             // A dump records the row of each emitted token, verified or not.
             spec: crate::batching::speculator(args),
             encoder: args.encoder,

@@ -57,6 +57,7 @@ impl Leader {
             block: st.meta.kv_block,
             max_positions: st.meta.max_positions,
             vocab: st.meta.vocab,
+            kv_events: b.kv_events,
         };
         Leader {
             engine: Engine::new(cfg, b.spec),

@@ -68,6 +68,7 @@ pub(crate) fn batching(args: &RunArgs) -> Batching {
         eos: args.eos_ids.clone(),
         score_last: false,
         prefix_caching: args.kv.prefix_caching,
+        kv_events: args.kv.events,
         spec: crate::batching::speculator(args),
         encoder: args.encoder,
     }

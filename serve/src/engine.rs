@@ -116,6 +116,8 @@ pub struct Engine {
     limits: Limits,
     pub metrics: Metrics,
     ready: AtomicBool,
+    /// The KV-cache event publisher (`--kv-events-config`).
+    pub kv_events: std::sync::OnceLock<crate::kv_events::Publisher>,
     /// Why the pipeline is down (None while it runs).
     down: watch::Sender<Option<String>>,
 }
@@ -175,6 +177,7 @@ impl Engine {
             limits,
             metrics: Metrics::default(),
             ready: AtomicBool::new(false),
+            kv_events: std::sync::OnceLock::new(),
             down,
         });
         engine.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).stages = vec![StageStat::default(); stages];
@@ -434,7 +437,15 @@ impl Engine {
             Some(Ok(ev)) => ev,
         };
         match event {
+            StageEvent::BlockStored { .. } | StageEvent::BlocksRemoved { .. } => {
+                if let Some(p) = self.kv_events.get() {
+                    p.publish(&event);
+                }
+            }
             StageEvent::Ready => {
+                if let Some(p) = self.kv_events.get() {
+                    p.all_cleared();
+                }
                 self.ready.store(true, Ordering::SeqCst);
                 eprintln!("m3c serve: every stage is up");
             }

@@ -10,6 +10,8 @@
 
 mod engine;
 mod http;
+mod kv_events;
+pub use kv_events::KvEventsConfig;
 mod media;
 mod metrics;
 pub mod openai;
@@ -59,6 +61,8 @@ pub struct Options {
     pub trace_dir: Option<PathBuf>,
     /// Speculative decoding (`--speculative-config`).
     pub speculative: Option<m3c_contract::speculative::SpeculativeConfig>,
+    /// vLLM's KV-cache events (`--kv-events-config`), when enabled.
+    pub kv_events: Option<KvEventsConfig>,
     /// The longest sequence a request may make (`--max-model-len`; at most the model's context).
     pub max_model_len: Option<usize>,
     /// vLLM's `--block-size`, which must be the compiled cache block.
@@ -229,7 +233,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
     };
     let blocks = if let PoolSize::Blocks(n) = size { n as u64 } else { 0 };
     compiled.check_memory(&o.model, (blocks > 0).then_some(blocks * kv_block), &o.launch)?;
-    stage.kv = KvPool { size, prefix_caching: o.prefix_caching };
+    stage.kv = KvPool { size, prefix_caching: o.prefix_caching, events: o.kv_events.is_some() };
     stage.encoder = o.encoder;
     if let Some(d) = &o.trace_dir {
         if !d.is_dir() {
@@ -323,7 +327,20 @@ async fn serve(o: Options, p: Prepared) -> Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}:{}", o.host, o.port))?;
     let addr = listener.local_addr()?;
+    // Bound before the stages start, so a busy endpoint is said at once.
+    let publisher = match o.kv_events.clone() {
+        Some(cfg) => {
+            let at = cfg.endpoint.clone();
+            let p = kv_events::Publisher::start(cfg, p.limits.kv_block as usize).await?;
+            eprintln!("m3c serve: KV-cache events (vLLM's BlockStored/BlockRemoved, msgpack over ZeroMQ) on {at}");
+            Some(p)
+        }
+        None => None,
+    };
     let (engine, mut child) = engine::Engine::start(p.cmd, p.limits, p.stages, Duration::from_secs_f64(o.timeout_s))?;
+    if let Some(p) = publisher {
+        let _ = engine.kv_events.set(p);
+    }
     let shared = (p.shared)(engine.clone());
     let (name, context, stages) = (shared.name.clone(), shared.context, p.stages);
     let app = http::router(shared);

@@ -226,6 +226,48 @@ fn a_cached_prefix_is_counted_and_not_computed_again() {
 }
 
 #[test]
+fn kv_events_report_each_stored_block_once_and_each_eviction() {
+    let mut cfg = config();
+    cfg.kv_events = true;
+    cfg.blocks = 8;
+    let mut s = Sim::new(cfg, hashed);
+    let p = prompt(10, 3);
+    s.add(request(1, &p, 2), false).unwrap();
+    s.run(100);
+    let stored: Vec<(Option<_>, _, Vec<i64>)> = s
+        .events
+        .iter()
+        .filter_map(|e| if let Event::BlockStored { parent, hash, tokens } = e { Some((*parent, *hash, tokens.clone())) } else { None })
+        .collect();
+    // Ten prompt ids and one fed token fill two blocks of 4: each stored
+    // once, with its tokens and the block before it.
+    assert_eq!(stored.len(), 2, "{stored:?}");
+    assert_eq!((stored[0].0, &stored[0].2[..]), (None, &p[0..4]));
+    assert_eq!((stored[1].0, &stored[1].2[..]), (Some(stored[0].1), &p[4..8]));
+    // The same prompt again hits the cache and stores nothing new.
+    s.add(request(2, &p, 2), false).unwrap();
+    s.run(100);
+    assert_eq!(s.events.iter().filter(|e| matches!(e, Event::BlockStored { .. })).count(), 2);
+    // Other prompts need the whole pool of 8: the cached blocks are evicted, and said to be.
+    for seq in 3..6 {
+        s.add(request(seq, &prompt(20, seq as i64 * 11), 2), false).unwrap();
+        s.run(200);
+    }
+    let removed: Vec<_> = s
+        .events
+        .iter()
+        .filter_map(|e| if let Event::BlocksRemoved { hashes } = e { Some(hashes.clone()) } else { None })
+        .flatten()
+        .collect();
+    assert!(removed.contains(&stored[0].1) && removed.contains(&stored[1].1), "{removed:?}");
+    // Without the switch, none.
+    let mut quiet = Sim::new(config(), hashed);
+    quiet.add(request(1, &p, 2), false).unwrap();
+    quiet.run(100);
+    assert!(!quiet.events.iter().any(|e| matches!(e, Event::BlockStored { .. } | Event::BlocksRemoved { .. })));
+}
+
+#[test]
 fn a_shared_prefix_being_computed_is_waited_for() {
     let mut cfg = config();
     cfg.per_batch = 4;

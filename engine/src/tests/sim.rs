@@ -50,6 +50,7 @@ pub fn config() -> Config {
         block: 4,
         max_positions: 4096,
         vocab: VOCAB,
+        kv_events: false,
     }
 }
 
