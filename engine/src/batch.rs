@@ -79,9 +79,10 @@ impl Engine {
             None => (s.prompt_len + s.generated - 1, vec![s.last_id]),
         };
         let draws = s.chunks.len() <= 1;
-        let ids_so_far = s.ids.clone();
+        // (The proposer reads the ids in place: a copy of every sequence's
+        // history each plan would cost more than most drafts save.)
         let (draft, ask) = match self.spec.as_mut() {
-            Some(sp) => (sp.draft(seq, &ids_so_far, k), if draws { sp.ask(seq, s.chunks.is_empty()) } else { Ask::CacheOnly }),
+            Some(sp) => (sp.draft(seq, &s.ids, k), if draws { sp.ask(seq, s.chunks.is_empty()) } else { Ask::CacheOnly }),
             None => (Vec::new(), Ask::CacheOnly),
         };
         ids.extend_from_slice(&draft);
