@@ -515,7 +515,11 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
         // The stage's own words are the error; mpirun's report of the
         // abort was left out above.
         if let Some(first) = &log.first_error {
-            bail!("{first} (the pipeline stopped; mpirun exit status {code})");
+            // A stage killed outright (out of memory, say) says nothing; the
+            // first words may be a peer's about it, so the kill is said too.
+            let kill =
+                end.killed.as_ref().map(|(r, n, s)| format!("; mpirun saw stage {r} killed on {n} by signal {s}")).unwrap_or_default();
+            bail!("{first} (the pipeline stopped; mpirun exit status {code}{kill})");
         }
         bail!("the pipeline failed (mpirun exit status {code}); the failing stage's message is above");
     }

@@ -66,6 +66,11 @@ impl StageLog {
         if self.verbose {
             return vec![line.to_string()];
         }
+        // A stage's own line is never held in a box (Open MPI's boxes and
+        // the stages' lines interleave).
+        if line.starts_with("m3c ") {
+            return vec![line.to_string()];
+        }
         let border = line.len() >= 20 && line.bytes().all(|b| b == b'-');
         match (self.boxed.as_mut(), border) {
             (None, true) => {
@@ -106,8 +111,10 @@ fn stage_error(line: &str) -> Option<String> {
 /// mpirun's one-line notes about a job's end (outside its boxes).
 fn is_mpirun_note(line: &str) -> bool {
     let t = line.trim_start();
-    t.starts_with("mpirun noticed")
-        || t.starts_with("mpirun has exited")
+    // (`mpirun noticed that process rank R … exited on signal S` stays:
+    // a stage killed outright says nothing itself, and that line is how
+    // the user learns of it.)
+    t.starts_with("mpirun has exited")
         || t.starts_with("Primary job")
         || t.starts_with("prterun")
         // `[host:pid] …` lines of Open MPI's daemons.
@@ -185,10 +192,16 @@ mod tests {
         shown.extend(log.line("mpirun noticed that process rank 1 with PID 7 on node h exited on signal 9 (Killed)."));
         shown.extend(log.line("m3c stage 0/2: error: no sign of life from stage 1"));
         shown.extend(log.finish());
-        assert_eq!(shown.len(), 7, "after the stage's error only the stages' lines show: {shown:?}");
-        assert!(shown[5].starts_with("m3c stage 1/2: error:") && shown[6].starts_with("m3c stage 0/2: error:"), "{shown:?}");
+        assert_eq!(shown.len(), 8, "after the stage's error the stages' lines and the kill show: {shown:?}");
+        assert!(shown[5].starts_with("m3c stage 1/2: error:") && shown[6].starts_with("mpirun noticed"), "{shown:?}");
+        assert!(shown[7].starts_with("m3c stage 0/2: error:"), "{shown:?}");
         assert_eq!(log.first_error.as_deref(), Some("stage 1/2: prompt 0: token id 9 is outside the vocabulary (0..4)"));
         assert_eq!(log.end.killed.as_ref().map(|k| k.0), Some(1), "what is hidden is still read");
+        // A stage's line inside a box is shown at once, not dropped with it.
+        let mut mixed = super::StageLog::default();
+        assert!(mixed.line(&border).is_empty());
+        assert_eq!(mixed.line("m3c stage 0/1: error: out of memory").len(), 1);
+        assert!(mixed.line("with errorcode 1.").is_empty() && mixed.line(&border).is_empty());
         // A box cut off by the job's end is shown as it is.
         let mut cut = super::StageLog::default();
         assert!(cut.line(&border).is_empty() && cut.line("ORTE was unable to start").is_empty());
