@@ -3,9 +3,11 @@
 //! what the host or its GPU has. Host stages map their weights (shared page
 //! cache) and touch pool pages only as blocks fill, so too large a pool is
 //! a warning: the job starts, and a full pool would not fit. A GPU stage
-//! allocates its weights and its pool at start, so one that cannot fit its
-//! GPU's free memory is refused here, in one line, rather than by a stage
-//! after mpirun's start-up.
+//! allocates its weights and its pool at start, so one that no GPU here
+//! could hold is refused here, in one line, rather than by a stage after
+//! mpirun's start-up; one that would not fit the GPU it picks by default is
+//! a warning (a plan's `device` or `CUDA_VISIBLE_DEVICES` may place it
+//! elsewhere, which nvidia-smi does not know).
 
 use std::time::{Duration, Instant};
 
@@ -38,10 +40,26 @@ pub fn host_warning(stages: &[StageMemory], available: u64) -> Option<String> {
     })
 }
 
-/// The error for the first GPU stage whose weights and pool exceed its
-/// GPU's free memory (`free[g]`, stage k on GPU k mod the count, as the
-/// stages pick theirs by local rank).
+/// The error for the first GPU stage whose weights and pool exceed every
+/// GPU's free memory (`free`): no placement could hold it.
 pub fn gpu_error(stages: &[StageMemory], free: &[u64]) -> Option<String> {
+    let most = *free.iter().max()?;
+    stages.iter().find(|s| s.weights + s.pool.unwrap_or(0) > most).map(|s| {
+        let pool = s.pool.map_or("its weights".to_string(), |p| format!("its weights ({:.1} GB) and KV pool ({:.1} GB)", gb(s.weights), gb(p)));
+        format!(
+            "stage {}: {pool} need {:.1} GB, more than any GPU here has free (at most {:.1} GB); give a smaller --kv-budget (or --kv-fraction), \
+             or split the model into more stages (--pp)",
+            s.stage,
+            gb(s.weights + s.pool.unwrap_or(0)),
+            gb(most)
+        )
+    })
+}
+
+/// The warning for the first GPU stage whose weights and pool exceed its
+/// GPU's free memory when the stages take GPUs as they do by default
+/// (stage k on GPU k mod the count, by local rank).
+pub fn gpu_warning(stages: &[StageMemory], free: &[u64]) -> Option<String> {
     if free.is_empty() {
         return None;
     }
@@ -55,8 +73,8 @@ pub fn gpu_error(stages: &[StageMemory], free: &[u64]) -> Option<String> {
                 .pool
                 .map_or("its weights".to_string(), |p| format!("its weights ({:.1} GB) and KV pool ({:.1} GB)", gb(s.weights), gb(p)));
             return Some(format!(
-                "stage {}: {pool} need {:.1} GB on GPU {g}, which has {:.1} GB free{}; give a smaller --kv-budget (or --kv-fraction), \
-                 or split the model into more stages (--pp)",
+                "m3c: warning: stage {}: {pool} need {:.1} GB on GPU {g}, which has {:.1} GB free{}, if it runs there (its default); \
+                 give a smaller --kv-budget (or --kv-fraction), or split the model into more stages (--pp)",
                 s.stage,
                 gb(s.weights + s.pool.unwrap_or(0)),
                 gb(free[g]),
@@ -125,22 +143,29 @@ mod tests {
             StageMemory { stage: 1, weights: 130 * GB, pool: Some(20 * GB) },
         ];
         let free = [140 * GB, 140 * GB];
-        let e = gpu_error(&stages, &free).expect("stage 1 needs 150 GB of 140");
+        let e = gpu_error(&stages, &free).expect("stage 1 needs 150 GB; no GPU has more than 140");
         assert!(
-            e.starts_with("stage 1: its weights (130.0 GB) and KV pool (20.0 GB) need 150.0 GB on GPU 1, which has 140.0 GB free;"),
+            e.starts_with(
+                "stage 1: its weights (130.0 GB) and KV pool (20.0 GB) need 150.0 GB, more than any GPU here has free (at most 140.0 GB);"
+            ),
             "{e}"
         );
         assert_eq!(gpu_error(&stages[..1], &free), None);
+        // A GPU with room elsewhere: not certain, a warning for the default placement.
+        let free = [140 * GB, 140 * GB, 200 * GB];
+        assert_eq!(gpu_error(&stages, &free), None);
+        let w = gpu_warning(&stages, &free).expect("stage 1 on GPU 1 by default");
+        assert!(w.contains("stage 1:") && w.contains("on GPU 1, which has 140.0 GB free"), "{w}");
         // Two stages on one GPU share it.
-        let e = gpu_error(&stages, &free[..1]).expect("250 GB on one GPU");
-        assert!(e.contains("for the stages it holds"), "{e}");
+        let w = gpu_warning(&stages, &[200 * GB]).expect("250 GB on one GPU");
+        assert!(w.contains("for the stages it holds"), "{w}");
         // A pool the stage sizes itself counts nothing here.
         let own = [StageMemory { stage: 0, weights: 100 * GB, pool: None }];
-        assert_eq!(gpu_error(&own, &free), None);
+        assert_eq!((gpu_error(&own, &free), gpu_warning(&own, &free)), (None, None));
         assert!(
-            gpu_error(&[StageMemory { stage: 0, weights: 150 * GB, pool: None }], &free).is_some_and(|e| e.contains("its weights need"))
+            gpu_error(&[StageMemory { stage: 0, weights: 250 * GB, pool: None }], &free).is_some_and(|e| e.contains("its weights need"))
         );
-        assert_eq!(gpu_error(&stages, &[]), None, "no GPU seen: nothing said");
+        assert_eq!((gpu_error(&stages, &[]), gpu_warning(&stages, &[])), (None, None), "no GPU seen: nothing said");
     }
 
     #[test]

@@ -114,8 +114,9 @@ impl Compiled {
     /// in `model`) and its KV pool of `pool_positions` (`None`: the stages
     /// size it from their free memory). Host stages whose pools exceed the
     /// available memory get a warning; a CUDA stage that cannot fit its
-    /// GPU's free memory (nvidia-smi) is an error. A job that spans hosts
-    /// is not judged from here.
+    /// no GPU here could hold (nvidia-smi) is an error, and one that would
+    /// not fit the GPU it takes by default a warning. A job that spans
+    /// hosts is not judged from here.
     pub fn check_memory(&self, model: &Path, pool_positions: Option<u64>, launch: &Launch) -> Result<()> {
         if self.spans_hosts(launch) {
             return Ok(());
@@ -140,8 +141,13 @@ impl Compiled {
                 }
             }
             m3c_contract::target::Target::Cuda { .. } => {
-                if let Some(e) = memory::nvidia_free().and_then(|free| memory::gpu_error(&stages, &free)) {
-                    bail!("{e}");
+                if let Some(free) = memory::nvidia_free() {
+                    if let Some(e) = memory::gpu_error(&stages, &free) {
+                        bail!("{e}");
+                    }
+                    if let Some(w) = memory::gpu_warning(&stages, &free) {
+                        eprintln!("{w}");
+                    }
                 }
             }
             // ROCm's free memory would come from rocm-smi; the stage's own
