@@ -403,10 +403,15 @@ fn continue_final(rendered: &str, messages: &Value) -> Result<String, ApiError> 
     if text.is_empty() {
         return Err(ApiError::bad(K, "`continue_final_message`: the last assistant message has no text to continue"));
     }
-    let at = rendered
-        .rfind(&text)
+    // As transformers does: the text's last occurrence, or, when the
+    // template trimmed it, the trimmed text's.
+    let found = rendered.rfind(&text).map(|at| at + text.len()).or_else(|| {
+        let t = text.trim();
+        (!t.is_empty()).then(|| rendered.rfind(t).map(|at| at + t.len())).flatten()
+    });
+    let end = found
         .ok_or_else(|| ApiError::bad(K, "`continue_final_message`: the chat template does not write the last message's text as given"))?;
-    Ok(rendered[..at + text.len()].to_string())
+    Ok(rendered[..end].to_string())
 }
 
 /// vLLM's `/v1/completions/render`: the request's prompt as the token ids

@@ -2,10 +2,11 @@
 //! what each replica's prefix cache holds (vllm-router's `kv_aware`,
 //! llm-d, Dynamo). The first stage reports each block it stores in the
 //! prefix cache and each one it evicts (`--kv-events`); they are published
-//! here as vLLM publishes them: a ZeroMQ PUB socket, each message three
-//! frames (topic, sequence number as 8 big-endian bytes, a msgpack
-//! `[timestamp, [event, ...], data_parallel_rank]` batch), each event a map
-//! tagged by `type`:
+//! here in vLLM's framing: a ZeroMQ PUB socket, each message three frames
+//! (topic, sequence number as 8 big-endian bytes, a msgpack `[timestamp,
+//! [event, ...], data_parallel_rank]` batch). Each event is a map tagged by
+//! `type`, the layout vllm-router reads (0.1.17 refuses the positional
+//! arrays that msgspec's `array_like` structs of older vLLMs write):
 //!
 //! - `BlockStored`: `block_hashes`, `parent_block_hash`, `token_ids`,
 //!   `block_size`, `lora_id`, `medium`, `lora_name`;
@@ -173,30 +174,27 @@ impl Publisher {
     }
 }
 
-type Kept = VecDeque<(i64, bytes::Bytes)>;
+/// The batches kept for replay, by sequence number.
+type Kept = std::sync::Arc<std::sync::Mutex<VecDeque<(i64, bytes::Bytes)>>>;
+
+/// How long one replay message may wait on a client that does not read.
+const REPLAY_SEND: std::time::Duration = std::time::Duration::from_secs(5);
 
 async fn run(
     mut publish: zeromq::PubSocket,
-    mut replay: Option<zeromq::RouterSocket>,
+    replay: Option<zeromq::RouterSocket>,
     mut rx: mpsc::UnboundedReceiver<Value>,
     cfg: KvEventsConfig,
 ) {
-    let mut kept: Kept = VecDeque::new();
+    let kept: Kept = Default::default();
+    // Replay answers from a task of its own: a client that stops reading
+    // must not hold up the live events (PUB itself never waits: a slow
+    // subscriber's messages are dropped, as ZeroMQ does).
+    if let Some(r) = replay {
+        tokio::spawn(serve_replay(r, kept.clone()));
+    }
     let mut seq: i64 = 0;
-    loop {
-        let first = match replay.as_mut() {
-            Some(r) => tokio::select! {
-                v = rx.recv() => v,
-                m = r.recv() => {
-                    if let Ok(m) = m {
-                        answer_replay(r, m, &kept).await;
-                    }
-                    continue;
-                }
-            },
-            None => rx.recv().await,
-        };
-        let Some(first) = first else { return };
+    while let Some(first) = rx.recv().await {
         // One batch: the event that woke the task and whatever came with it.
         let mut events = vec![first];
         while let Ok(v) = rx.try_recv() {
@@ -207,36 +205,38 @@ async fn run(
         let frames =
             vec![bytes::Bytes::from(cfg.topic.clone().into_bytes()), bytes::Bytes::copy_from_slice(&seq.to_be_bytes()), payload.clone()];
         if let Ok(m) = zeromq::ZmqMessage::try_from(frames) {
-            // No subscriber yet is not an error: PUB drops what no one hears.
             let _ = publish.send(m).await;
         }
-        if replay.is_some() {
-            kept.push_back((seq, payload));
-            while kept.len() > cfg.buffer_steps {
-                kept.pop_front();
+        if cfg.replay_endpoint.is_some() {
+            let mut k = kept.lock().unwrap_or_else(|e| e.into_inner());
+            k.push_back((seq, payload));
+            while k.len() > cfg.buffer_steps {
+                k.pop_front();
             }
         }
         seq += 1;
     }
 }
 
-/// Answers a replay request (`[identity, "", start_seq]`).
-async fn answer_replay(r: &mut zeromq::RouterSocket, m: zeromq::ZmqMessage, kept: &Kept) {
-    let frames = m.into_vec();
-    let (Some(id), Some(start)) = (frames.first(), frames.last()) else { return };
-    let Ok(start) = <[u8; 8]>::try_from(start.as_ref()).map(i64::from_be_bytes) else { return };
-    let empty = bytes::Bytes::new();
-    for (seq, payload) in kept.iter().filter(|(s, _)| *s >= start) {
-        let reply = vec![id.clone(), empty.clone(), bytes::Bytes::copy_from_slice(&seq.to_be_bytes()), payload.clone()];
-        if let Ok(m) = zeromq::ZmqMessage::try_from(reply) {
-            if r.send(m).await.is_err() {
-                return;
+/// Answers replay requests (`[identity, "", start_seq]`) with the kept
+/// batches from `start_seq` on, then sequence −1; a client that does not
+/// read within [`REPLAY_SEND`] loses the rest of its answer.
+async fn serve_replay(mut r: zeromq::RouterSocket, kept: Kept) {
+    while let Ok(m) = r.recv().await {
+        let frames = m.into_vec();
+        let (Some(id), Some(start)) = (frames.first().cloned(), frames.last()) else { continue };
+        let Ok(start) = <[u8; 8]>::try_from(start.as_ref()).map(i64::from_be_bytes) else { continue };
+        let batches: Vec<(i64, bytes::Bytes)> =
+            kept.lock().unwrap_or_else(|e| e.into_inner()).iter().filter(|(s, _)| *s >= start).cloned().collect();
+        let empty = bytes::Bytes::new();
+        let end = (-1i64, empty.clone());
+        for (seq, payload) in batches.into_iter().chain(std::iter::once(end)) {
+            let reply = vec![id.clone(), empty.clone(), bytes::Bytes::copy_from_slice(&seq.to_be_bytes()), payload];
+            let Ok(m) = zeromq::ZmqMessage::try_from(reply) else { break };
+            if !matches!(tokio::time::timeout(REPLAY_SEND, r.send(m)).await, Ok(Ok(()))) {
+                break;
             }
         }
-    }
-    let end = vec![id.clone(), empty.clone(), bytes::Bytes::copy_from_slice(&(-1i64).to_be_bytes()), empty];
-    if let Ok(m) = zeromq::ZmqMessage::try_from(end) {
-        let _ = r.send(m).await;
     }
 }
 

@@ -232,6 +232,11 @@ fn prepare(o: &Options) -> Result<Prepared> {
         KvSize::Fraction(f) => PoolSize::Fraction(f),
     };
     let blocks = if let PoolSize::Blocks(n) = size { n as u64 } else { 0 };
+    if o.kv_events.is_some() && !o.prefix_caching {
+        anyhow::bail!(
+            "--kv-events-config: KV-cache events report the blocks the prefix cache stores and evicts, and --no-enable-prefix-caching turns the cache off"
+        );
+    }
     compiled.check_memory(&o.model, (blocks > 0).then_some(blocks * kv_block), &o.launch)?;
     stage.kv = KvPool { size, prefix_caching: o.prefix_caching, events: o.kv_events.is_some() };
     stage.encoder = o.encoder;

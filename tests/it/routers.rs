@@ -204,6 +204,20 @@ fn kv_cache_events_feed_a_subscriber_and_vllm_router_s_kv_aware_policy() {
         .to_string()
     };
     let (ca, cb) = (config(ports[0], ports[1]), config(ports[2], ports[3]));
+    // Events describe the prefix cache: without it they would be silence.
+    let r = m3c_tests::m3c(&[
+        "serve",
+        out.to_str().unwrap(),
+        "--model",
+        model.to_str().unwrap(),
+        "--port",
+        "0",
+        "--no-enable-prefix-caching",
+        "--kv-events-config",
+        &ca,
+    ]);
+    let e = m3c_tests::stderr(&r);
+    assert!(!r.status.success() && e.contains("--kv-events-config") && e.contains("--no-enable-prefix-caching"), "{e}");
     // A pool of 64 blocks of 4 positions, so that prompts evict each other.
     let a = Server::start(&out, &model, &["--kv-events-config", &ca, "--kv-blocks", "64"]);
     let sub = Subscriber::start(&format!("tcp://127.0.0.1:{}", ports[0]), &format!("tcp://127.0.0.1:{}", ports[1]));
