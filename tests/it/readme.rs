@@ -110,10 +110,15 @@ fn end_line(lines: &mut Vec<String>, current: &mut String) {
 }
 
 /// Words as the shell splits them (quotes removed), and whether the line
-/// has synopsis notation (`[`, `|`, `...`) outside quotes.
+/// has synopsis notation outside quotes: `[…]`, `...`, or a `|` of
+/// choices (`a|b`, or any `|` inside brackets; a `|` between spaces
+/// outside them is a shell pipe).
 fn words(line: &str) -> (Vec<String>, bool) {
     let (mut out, mut word, mut quote, mut synopsis, mut in_word) = (Vec::new(), String::new(), None, false, false);
-    for c in line.chars() {
+    let chars: Vec<char> = line.chars().collect();
+    let mut depth = 0usize;
+    for (i, &c) in chars.iter().enumerate() {
+        let spaced = |j: Option<usize>| j.and_then(|j| chars.get(j)).is_none_or(|c| c.is_whitespace());
         match (quote, c) {
             (None, '\'' | '"') => {
                 quote = Some(c);
@@ -128,7 +133,13 @@ fn words(line: &str) -> (Vec<String>, bool) {
                 in_word = false;
             }
             (None, c) => {
-                synopsis |= c == '[' || c == '|';
+                match c {
+                    '[' => depth += 1,
+                    ']' => depth = depth.saturating_sub(1),
+                    '|' => synopsis |= depth > 0 || !(spaced(i.checked_sub(1)) && spaced(Some(i + 1))),
+                    _ => {}
+                }
+                synopsis |= c == '[';
                 word.push(c);
                 in_word = true;
             }
@@ -335,12 +346,14 @@ impl Session {
         if line.starts_with("m3c serve ") {
             return self.serve(at, line);
         }
-        let mut cmd = self.command("bash");
+        let mut cmd = self.command("timeout");
         // The quick start's scripts run where the user cloned m3c.
         if line.starts_with("./scripts/") {
             cmd.current_dir(root());
         }
-        let o = cmd.args(["-euo", "pipefail", "-c", line]).stdin(Stdio::null()).output().unwrap();
+        // Every line has a deadline (coreutils' timeout): a hung command
+        // fails the test rather than the run.
+        let o = cmd.args(["300", "bash", "-euo", "pipefail", "-c", line]).stdin(Stdio::null()).output().unwrap();
         let (out, err) = (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned());
         if !o.status.success() {
             return Err(format!("{at}: `{line}` failed ({}):\n{err}\n{out}", o.status));
@@ -526,6 +539,8 @@ fn the_block_reader_splits_lines_comments_and_synopses_as_the_shell_would() {
         (vec!["m3c", "run", "OUT", "--chat", "a # b", "--max-new-tokens", "4"].into_iter().map(String::from).collect(), false)
     );
     assert!(words(&lines[1]).1 && words("mpirun -np 1 a : ...").1 && !words("m3c run --regex 'a|b'").1);
+    assert!(words("m3c plan --kv-cache f32|bf16").1 && words("m3c plan [--gpu H200 | --gpu-mem 141]").1);
+    assert!(!words("m3c run OUT --chat hi | jq .").1, "a pipe is no synopsis");
     assert_eq!(replace_words("--model MODEL_DIR MODEL OUT/run.sh OUTPUT", "OUT", "out"), "--model MODEL_DIR MODEL out/run.sh OUTPUT");
     assert_eq!(
         least_form("m3c plan --model M [--batch 16] [--gpu H200 | --gpu-mem 141] -o p.yaml").as_deref(),
