@@ -123,20 +123,24 @@ fn eagle3_keeps_preemption_and_prefix_hits_exact() {
 fn eagle3_misuse_is_an_error_that_says_what_to_do() {
     let model = fixture("tiny-m3");
     let spec = config(3);
+    // `m3c run OUT` with a speculative config: what the user types.
+    let run_with = |out: &std::path::Path, spec: &str| {
+        m3c(&[
+            "run",
+            out.to_str().unwrap(),
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt-ids",
+            "1,2",
+            "--max-new-tokens",
+            "4",
+            "--speculative-config",
+            spec,
+        ])
+    };
     // Stages compiled without the head.
     let plain = crate::shared::out("tiny-m3", 1);
-    let r = m3c(&[
-        "run",
-        plain.to_str().unwrap(),
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt-ids",
-        "1,2",
-        "--max-new-tokens",
-        "4",
-        "--speculative-config",
-        &spec,
-    ]);
+    let r = run_with(&plain, &spec);
     // Said before mpirun starts (no stage line), as the last stage would.
     let e = stderr(&r);
     assert!(!r.status.success() && e.contains("compiled without a draft head") && !e.contains("m3c stage"), "{e}");
@@ -157,32 +161,10 @@ fn eagle3_misuse_is_an_error_that_says_what_to_do() {
     assert!(!r.status.success() && stderr(&r).contains("`vocab_size` is 1024, but the target's is 512") && !o.exists(), "{}", stderr(&r));
     let empty = format!(r#"{{"method": "eagle3", "model": "{}", "num_speculative_tokens": 3}}"#, dir.path().display());
     let compiled = out(1, &[]);
-    let r = m3c(&[
-        "run",
-        compiled.to_str().unwrap(),
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt-ids",
-        "1,2",
-        "--max-new-tokens",
-        "4",
-        "--speculative-config",
-        &empty,
-    ]);
+    let r = run_with(&compiled, &empty);
     assert!(!r.status.success() && stderr(&r).contains("has no config.json"), "{}", stderr(&r));
     // The stages run with the draft they were compiled with, not another one.
-    let r = m3c(&[
-        "run",
-        compiled.to_str().unwrap(),
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt-ids",
-        "1,2",
-        "--max-new-tokens",
-        "4",
-        "--speculative-config",
-        &bad,
-    ]);
+    let r = run_with(&compiled, &bad);
     let e = stderr(&r);
     assert!(!r.status.success() && e.contains("is not the draft these stages were compiled with") && !e.contains("m3c stage"), "{e}");
     // The compiled draft with its safetensors cut short: the headers are
@@ -196,18 +178,7 @@ fn eagle3_misuse_is_an_error_that_says_what_to_do() {
     let len = std::fs::metadata(&st).unwrap().len();
     std::fs::OpenOptions::new().write(true).open(&st).unwrap().set_len(len - 1000).unwrap();
     let cut_spec = format!(r#"{{"method": "eagle3", "model": "{}", "num_speculative_tokens": 3}}"#, cut.display());
-    let r = m3c(&[
-        "run",
-        compiled.to_str().unwrap(),
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt-ids",
-        "1,2",
-        "--max-new-tokens",
-        "4",
-        "--speculative-config",
-        &cut_spec,
-    ]);
+    let r = run_with(&compiled, &cut_spec);
     let e = stderr(&r);
     assert!(!r.status.success() && e.contains(st.to_str().unwrap()) && !e.contains("m3c stage"), "{e}");
     // Without a config the same stages decode plainly, as stages without the head do.
