@@ -280,10 +280,7 @@ async fn completions(State(app): State<App>, headers: HeaderMap, body: Bytes) ->
         openai::check_model(&m, &app.names)?;
         openai::check_fields(&m, openai::Endpoint::Completions)?;
         let common = openai::common(&m, &app.defaults, openai::Endpoint::Completions, app.seeds.fresh())?;
-        let ids = match openai::prompt(&m)? {
-            openai::Prompt::Text(t) => app.tokenizer.encode(&t).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?,
-            openai::Prompt::Ids(ids) => ids,
-        };
+        let ids = prompt_ids(&app, &m)?;
         // OpenAI's default for completions.
         let common = Common { max_tokens: common.max_tokens.or(Some(16)), ..common };
         Ok((ids, common))
@@ -414,6 +411,14 @@ fn continue_final(rendered: &str, messages: &Value) -> Result<String, ApiError> 
     Ok(rendered[..end].to_string())
 }
 
+/// A completions request's `prompt` as token ids (text through the tokenizer).
+fn prompt_ids(app: &Shared, m: &serde_json::Map<String, Value>) -> Result<Vec<u32>, ApiError> {
+    match openai::prompt(m)? {
+        openai::Prompt::Text(t) => app.tokenizer.encode(&t).map_err(|e| ApiError::new(500, "server_error", e.to_string())),
+        openai::Prompt::Ids(ids) => Ok(ids),
+    }
+}
+
 /// vLLM's `/v1/completions/render`: the request's prompt as the token ids
 /// generation would take, in vLLM's shape (a list, one entry per prompt).
 /// Prefix-aware routers (vllm-router's `cache_aware` and `kv_aware`) call
@@ -424,10 +429,7 @@ async fn completions_render(State(app): State<App>, headers: HeaderMap, body: By
         let m = openai::object(&body)?;
         openai::check_model(&m, &app.names)?;
         openai::check_fields(&m, openai::Endpoint::Completions)?;
-        let ids = match openai::prompt(&m)? {
-            openai::Prompt::Text(t) => app.tokenizer.encode(&t).map_err(|e| ApiError::new(500, "server_error", e.to_string()))?,
-            openai::Prompt::Ids(ids) => ids,
-        };
+        let ids = prompt_ids(&app, &m)?;
         Ok(json!([{"request_id": format!("cmpl-render-{}", app.seeds.fresh()), "model": app.name, "token_ids": ids}]))
     };
     match run() {
