@@ -1,4 +1,4 @@
-# Sourced by scripts/bench.sh and scripts/bench-vision.sh: from the
+# Sourced by scripts/bench.sh, bench-vision.sh and bench-routers.sh: from the
 # repository root, a release build of m3c and the stage runtime, a work
 # folder removed on exit, and `median` (of numbers on standard input).
 cd "$(dirname "$0")/.."

@@ -13,19 +13,17 @@
 # p50/p99. Replicas are processes of this host (the CPU is shared: TTFT
 # compares configurations, it is not a replica's own speed).
 set -euo pipefail
-cd "$(dirname "$0")/.."
 REPLICAS=${REPLICAS:-2}
 SYSTEMS=${SYSTEMS:-8}
 USERS=${USERS:-8}
 CONCURRENCY=${CONCURRENCY:-16}
-./scripts/setup.sh >/dev/null
-export PATH="$HOME/.cargo/bin:$PATH"
-cargo build --release --locked -q -p m3c -p m3c-runtime
-M3C=$PWD/target/release/m3c
+"$(dirname "$0")"/setup.sh >/dev/null
+# shellcheck source=scripts/bench-common.sh
+. "$(dirname "$0")/bench-common.sh"
 PY=$PWD/.venv-serve/bin/python
 ROUTER=$PWD/.venv-router/bin/vllm-router
-work=$(mktemp -d "${TMPDIR:-/tmp}/m3c-bench-routers.XXXXXX")
 pids=()
+# The replicas and routers go too, with the work folder.
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"; }
 trap cleanup EXIT
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
