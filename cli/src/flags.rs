@@ -325,6 +325,9 @@ pub(crate) struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on the /v1 routes (default: $M3C_API_KEY, else none).
     #[arg(long, help_heading = "Frontend")]
     pub(crate) api_key: Option<String>,
+    /// Pipelines of the build behind this one server (vLLM's flag): N mpirun jobs of the plan's stages, on a --hostfile's slots in turn (replica R's rank K on slot R×ranks+K) or all on this machine. Requests go to the replica whose prefix cache holds the longest start of the prompt, unless it is a batch busier than the least busy one; /health is 200 while any replica serves, and /metrics gives each replica's series (`replica="R"`, vLLM's `engine="R"`).
+    #[arg(long, visible_alias = "dp", value_name = "N", default_value_t = 1, value_parser = positive_count, help_heading = "Parallel")]
+    pub(crate) data_parallel_size: usize,
     /// Sequences running at once (more wait); vLLM's --max-num-seqs.
     #[arg(long, visible_alias = "max-num-seqs", default_value_t = 64, value_parser = positive_count, help_heading = "Scheduler")]
     pub(crate) max_batch: usize,

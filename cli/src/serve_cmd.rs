@@ -63,6 +63,7 @@ pub(crate) fn serve_cmd(mut a: ServeArgs) -> Result<()> {
         },
         max_model_len: a.max_model_len,
         block_size: a.block_size,
+        data_parallel_size: a.data_parallel_size,
     })
 }
 

@@ -57,6 +57,38 @@ pub struct StageArgs {
     pub eagle3: Option<crate::speculative::Eagle3Run>,
     /// How the stage that holds the vision tower encodes images and videos.
     pub encoder: EncoderOptions,
+    /// This rank's place among the ranks of every pipeline on its machine
+    /// (`m3c serve --data-parallel-size`); `None`: its own job's ranks only.
+    pub node_share: Option<NodeShare>,
+}
+
+/// A rank's place among all the ranks on its machine when several
+/// pipelines share it: its GPU is the `offset`-th the machine's ranks
+/// take, and it gets `1/total` of the cores and free memory. (Within one
+/// job, Open MPI's local rank and size say the same.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeShare {
+    pub offset: usize,
+    pub total: usize,
+}
+
+impl std::fmt::Display for NodeShare {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.offset, self.total)
+    }
+}
+
+impl NodeShare {
+    /// `OFFSET/TOTAL`, with the offset below the total.
+    pub fn parse(v: &str) -> Result<NodeShare, String> {
+        let bad = || format!("--node-share `{v}`: expected OFFSET/TOTAL, the offset below the total (0/2)");
+        let (o, t) = v.split_once('/').ok_or_else(bad)?;
+        let (offset, total) = (o.parse::<usize>().map_err(|_| bad())?, t.parse::<usize>().map_err(|_| bad())?);
+        if offset >= total || total > 1 << 16 {
+            return Err(bad());
+        }
+        Ok(NodeShare { offset, total })
+    }
 }
 
 /// How images and videos are encoded on the stage that holds the tower.
@@ -211,6 +243,7 @@ impl StageArgs {
             speculative: None,
             eagle3: None,
             encoder: EncoderOptions::default(),
+            node_share: None,
         }
     }
 
@@ -268,6 +301,7 @@ impl StageArgs {
             ("--draft-model", self.eagle3.as_ref().map(|e| path(&e.model))),
             ("--encoder-cache-bytes", Some(self.encoder.cache_bytes.to_string())),
             ("--encodes", Some(if self.encoder.inline { "inline" } else { "beside" }.to_string())),
+            ("--node-share", self.node_share.map(|s| s.to_string())),
         ] {
             if let Some(v) = value {
                 flag(name, v);
@@ -318,7 +352,7 @@ pub fn parse_fraction(v: &str) -> Result<f64, String> {
 
 pub const USAGE: &str = "usage: stage-K (--model DIR | --synthetic-weights SEED) ((--prompt-ids 1,2,3 [--prompt-ids ...] | --prompts FILE | --stdin-prompts N) \
 --max-new-tokens N | --serve) [--micro-batch SEQS] [--kv-blocks N | --kv-fraction F] [--prefill-chunk TOKENS] [--dump FILE.safetensors] [--expect GOLDEN.safetensors] [--timeout-s S] [--graphs on|off] [--prefix-caching on|off] [--prefill-gemm vendor|off] [--stream-ids] \
-[--temperature T] [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S] [--eos-ids 1,2] [--stop HEX ...] [--seq-sampling SEQ:temperature=T,... ...] [--images FILE.safetensors] [--speculative ngram:K:MIN:MAX[:BATCH] | --eagle3 K --draft-model DIR]";
+[--temperature T] [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S] [--eos-ids 1,2] [--stop HEX ...] [--seq-sampling SEQ:temperature=T,... ...] [--images FILE.safetensors] [--speculative ngram:K:MIN:MAX[:BATCH] | --eagle3 K --draft-model DIR] [--node-share OFFSET/TOTAL]";
 
 use crate::prompts::{parse_count, parse_ids, parse_prompts_file, parse_timeout_s};
 use crate::sampling::SamplingParams;
@@ -455,6 +489,7 @@ fn parse_args(args: &[String]) -> Result<StageArgs, String> {
                 eagle3_tokens = Some(crate::speculative::parse_draft_tokens(&v).map_err(|e| format!("--eagle3: {e}"))?);
             }
             "--draft-model" => draft_model = Some(PathBuf::from(value("--draft-model")?)),
+            "--node-share" => a.node_share = Some(NodeShare::parse(&value("--node-share")?)?),
             other => {
                 // A sampling field, by its own name (`--top-k K`).
                 let field = other.strip_prefix("--").map(|f| f.replace('-', "_")).unwrap_or_default();
@@ -558,7 +593,11 @@ mod tests {
         a.dump = Some(PathBuf::from("d.safetensors"));
         a.images = Some(PathBuf::from("/tmp/i.safetensors"));
         a.trace = true;
+        a.node_share = Some(NodeShare { offset: 1, total: 4 });
         assert_eq!(StageArgs::parse(&a.to_args()), Ok(a.clone()));
+        for bad in ["4/4", "1", "a/2"] {
+            assert!(NodeShare::parse(bad).unwrap_err().contains("OFFSET/TOTAL"), "{bad}");
+        }
         let mut s = StageArgs::new(PathBuf::from("m"));
         s.prompts = Prompts::Served;
         s.micro_batch = Some(32);

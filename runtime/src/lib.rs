@@ -31,6 +31,7 @@ use error::StageError;
 mod dump;
 mod liveness;
 mod meta;
+mod node;
 mod pipeline;
 mod sampler;
 mod schedule;
@@ -64,8 +65,7 @@ fn set_kernel_threads() -> usize {
         return n;
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let local = std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(1).max(1);
-    let n = (cores / local).max(1);
+    let n = (cores / node::local().1).max(1);
     // SAFETY: a plain setter of the OpenMP runtime, called before any kernel runs.
     unsafe { omp_set_num_threads(n as c_int) };
     n
@@ -272,10 +272,11 @@ fn stage_main(
     let holds = meta.holds.clone();
     let weights = startup::agree(world, peers, &format!("{who} ({holds})"), load_weights(&meta, &args))?;
     watch_weight_files(who, &weights);
+    node::set(args.node_share);
     let threads = set_kernel_threads();
     let on_gpu = meta.target.is_gpu();
     let st = if on_gpu {
-        let local_rank = std::env::var("OMPI_COMM_WORLD_LOCAL_RANK").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+        let local_rank = i32::try_from(node::local().0).unwrap_or(0);
         stage::Stage::gpu(meta, weights, local_rank, who)
     } else {
         Ok(stage::Stage::host(meta, weights))

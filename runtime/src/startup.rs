@@ -172,11 +172,20 @@ pub fn judge_identities(all: &[u8]) -> Option<String> {
     None
 }
 
-/// sha256 of the stage arguments, NUL-separated.
+/// sha256 of the stage arguments, NUL-separated, but for `--node-share`.
 pub fn args_hash(argv: &[String]) -> [u8; 32] {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
+    let mut skip = false;
     for a in argv {
+        // `--node-share` is each rank's own (its place on its machine).
+        if std::mem::take(&mut skip) {
+            continue;
+        }
+        if a == "--node-share" {
+            skip = true;
+            continue;
+        }
         h.update(a.as_bytes());
         h.update([0u8]);
     }

@@ -40,7 +40,8 @@ pub enum SubmitError {
     Down(String),
 }
 
-/// Limits of admission.
+/// Limits of admission (each replica's).
+#[derive(Debug, Clone, Copy)]
 pub struct Limits {
     /// Cache bytes per position of the largest stage.
     pub per_position: u64,
@@ -120,6 +121,28 @@ pub struct Engine {
     pub kv_events: std::sync::OnceLock<crate::kv_events::Publisher>,
     /// Why the pipeline is down (None while it runs).
     down: watch::Sender<Option<String>>,
+    /// Which replica this pipeline is, of how many (`--data-parallel-size`).
+    pub replica: Replica,
+    /// The blocks its prefix cache holds or will hold, for routing.
+    pub affinity: Mutex<crate::replicas::route::Affinity>,
+}
+
+/// A pipeline's place among the server's replicas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Replica {
+    pub index: usize,
+    pub of: usize,
+}
+
+impl Replica {
+    /// What its log lines and errors start with: nothing for a lone pipeline.
+    pub fn prefix(&self) -> String {
+        if self.of > 1 {
+            format!("replica {}: ", self.index)
+        } else {
+            String::new()
+        }
+    }
 }
 
 /// A submitted request: its events, and a cancel when dropped before the
@@ -132,6 +155,12 @@ pub struct Ticket {
 }
 
 impl Ticket {
+    /// A number no other request on the server has (for response ids).
+    pub fn number(&self) -> u64 {
+        let r = self.engine.replica;
+        self.seq as u64 * r.of.max(1) as u64 + r.index as u64
+    }
+
     /// The request has ended: nothing to cancel on drop.
     pub fn done(&mut self) {
         self.done = true;
@@ -153,6 +182,7 @@ impl Engine {
         limits: Limits,
         stages: usize,
         timeout: Duration,
+        replica: Replica,
     ) -> anyhow::Result<(Arc<Engine>, tokio::process::Child)> {
         // A process group of its own: a terminal's Ctrl-C (or a service
         // manager's SIGTERM to the group) reaches the front only, which then
@@ -169,7 +199,12 @@ impl Engine {
         };
         let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
         let (down, _) = watch::channel(None);
+        // The affinity table holds about what the pool can (routed blocks
+        // not yet stored age out past twice that).
+        let cap = 2 * (limits.blocks as usize).clamp(1024, m3c_contract::blocks::MAX_BLOCKS);
         let engine = Arc::new(Engine {
+            replica,
+            affinity: Mutex::new(crate::replicas::route::Affinity::new(cap)),
             lines: Mutex::new(Some(tx)),
             trace: Mutex::new(TraceWindow::default()),
             timeout,
@@ -199,9 +234,10 @@ impl Engine {
             let mut lines = tokio::io::BufReader::new(stderr).lines();
             let mut log = m3c_front::launch::StageLog::new();
             let mut told = false;
+            let prefix = replica.prefix();
             while let Ok(Some(line)) = lines.next_line().await {
                 for shown in log.line(&line) {
-                    eprintln!("{shown}");
+                    eprintln!("{prefix}{shown}");
                 }
                 if let Some(first) = log.first_error.as_ref().filter(|_| !told) {
                     e.fail(&format!("the pipeline stopped: {first}"));
@@ -209,7 +245,7 @@ impl Engine {
                 }
             }
             for shown in log.finish() {
-                eprintln!("{shown}");
+                eprintln!("{prefix}{shown}");
             }
         });
         // Reader: the first stage's lines.
@@ -349,6 +385,12 @@ impl Engine {
         Ok(Ticket { seq, rx, engine: self.clone(), done: false })
     }
 
+    /// Requests running and waiting here.
+    pub fn load(&self) -> usize {
+        let st = self.state();
+        st.running.len() + st.waiting.len()
+    }
+
     fn fits(&self, st: &State) -> bool {
         st.running.len() < self.limits.max_batch
     }
@@ -379,6 +421,7 @@ impl Engine {
 
     /// Ends every open request with `why` and marks the pipeline down.
     pub fn fail(&self, why: &str) {
+        let why = &format!("{}{why}", self.replica.prefix());
         let mut st = self.state();
         self.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).requests_failed += (st.running.len() + st.waiting.len()) as u64;
         for (_, r) in st.running.drain() {
@@ -438,16 +481,25 @@ impl Engine {
         };
         match event {
             StageEvent::BlockStored { .. } | StageEvent::BlocksRemoved { .. } => {
+                {
+                    let mut a = self.affinity.lock().unwrap_or_else(|e| e.into_inner());
+                    match &event {
+                        StageEvent::BlockStored { hash, .. } => a.stored(*hash),
+                        StageEvent::BlocksRemoved { hashes } => a.removed(hashes),
+                        _ => {}
+                    }
+                }
                 if let Some(p) = self.kv_events.get() {
                     p.publish(&event);
                 }
             }
             StageEvent::Ready => {
+                self.affinity.lock().unwrap_or_else(|e| e.into_inner()).clear();
                 if let Some(p) = self.kv_events.get() {
                     p.all_cleared();
                 }
                 self.ready.store(true, Ordering::SeqCst);
-                eprintln!("m3c serve: every stage is up");
+                eprintln!("m3c serve: {}every stage is up", self.replica.prefix());
             }
             StageEvent::Id { seq, id } => {
                 let mut st = self.state();

@@ -3,9 +3,10 @@
 //! completions and (in `responses`) Responses, streamed as server-sent
 //! events or answered whole.
 
-use super::engine::{Engine, Event, SubmitError, Ticket};
+use super::engine::{Event, SubmitError, Ticket};
 use super::openai::{self, ApiError, Common, Defaults};
 use super::output::{ChatOutput, Piece, Reading};
+use super::replicas::Replicas;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
@@ -30,7 +31,7 @@ mod responses;
 
 /// What every handler shares.
 pub struct Shared {
-    pub engine: Arc<Engine>,
+    pub engine: Arc<Replicas>,
     pub tokenizer: TextTokenizer,
     pub template: Option<ChatTemplate>,
     /// The family's markers: reasoning tags, tool-call markup, media tokens.
@@ -148,17 +149,32 @@ fn authorize(app: &Shared, headers: &HeaderMap) -> Result<(), ApiError> {
     }
 }
 
+/// 200 while a replica takes requests, else 503 with the reason; with
+/// several replicas (`--data-parallel-size`) the body gives each one's.
 async fn health(State(app): State<App>) -> Response {
-    if app.engine.healthy() {
-        (StatusCode::OK, Json(json!({"status": "ok"}))).into_response()
+    let mut body = if app.engine.healthy() {
+        json!({"status": "ok"})
     } else {
         let why = app.engine.down_reason().unwrap_or_else(|| "the model is loading".into());
-        (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "unavailable", "reason": why}))).into_response()
+        json!({"status": "unavailable", "reason": why})
+    };
+    let states = app.engine.states();
+    if states.len() > 1 {
+        body["replicas"] = states
+            .into_iter()
+            .enumerate()
+            .map(|(i, (up, why))| match (up, why) {
+                (true, _) => json!({"replica": i, "status": "ok"}),
+                (false, why) => json!({"replica": i, "status": "unavailable", "reason": why.unwrap_or_else(|| "loading".into())}),
+            })
+            .collect();
     }
+    let code = if app.engine.healthy() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (code, Json(body)).into_response()
 }
 
 async fn metrics(State(app): State<App>) -> Response {
-    let text = app.engine.metrics.render(&app.engine.gauges(), &app.name);
+    let text = app.engine.render_metrics(&app.name);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
@@ -989,7 +1005,7 @@ async fn start(app: App, ids: Vec<u32>, common: Common, kind: Kind, images: Opti
     }
     let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let prefix = if matches!(kind, Kind::Chat { .. }) { "chatcmpl" } else { "cmpl" };
-    let id = format!("{prefix}-{created:x}{:x}", tickets[0].seq);
+    let id = format!("{prefix}-{created:x}{:x}", tickets[0].number());
     let all_tokens = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let gens: Vec<Generation> = tickets
         .into_iter()

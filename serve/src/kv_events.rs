@@ -35,6 +35,8 @@ pub struct KvEventsConfig {
     pub topic: String,
     /// Batches kept for replay.
     pub buffer_steps: usize,
+    /// The replica's data-parallel rank, with several (`None`: one pipeline).
+    pub rank: Option<usize>,
 }
 
 impl KvEventsConfig {
@@ -81,7 +83,29 @@ impl KvEventsConfig {
                 .filter(|&n| (1..=1_000_000).contains(&n))
                 .ok_or_else(|| format!("{FLAG}: `buffer_steps` must be 1 to 1000000"))? as usize,
         };
-        Ok(Some(KvEventsConfig { endpoint, replay_endpoint, topic: text_of("topic", "")?, buffer_steps }))
+        Ok(Some(KvEventsConfig { endpoint, replay_endpoint, topic: text_of("topic", "")?, buffer_steps, rank: None }))
+    }
+
+    /// Replica `r`'s events (`--data-parallel-size`), as vLLM publishes a
+    /// data-parallel rank's: on the endpoints' ports plus `r`, each batch
+    /// carrying `r` as its `data_parallel_rank`.
+    pub fn for_rank(&self, r: usize) -> Result<KvEventsConfig, String> {
+        let offset = |ep: &str| -> Result<String, String> {
+            let (base, port) = ep.rsplit_once(':').ok_or_else(|| format!("--kv-events-config: endpoint `{ep}` has no port"))?;
+            let port = port
+                .parse::<usize>()
+                .ok()
+                .map(|p| p + r)
+                .filter(|&p| p <= 65_535)
+                .ok_or_else(|| format!("--kv-events-config: endpoint `{ep}`: replica {r} would publish past port 65535"))?;
+            Ok(format!("{base}:{port}"))
+        };
+        Ok(KvEventsConfig {
+            endpoint: offset(&self.endpoint)?,
+            replay_endpoint: self.replay_endpoint.as_deref().map(offset).transpose()?,
+            rank: Some(r),
+            ..self.clone()
+        })
     }
 }
 
@@ -129,10 +153,11 @@ pub fn cleared() -> Value {
 }
 
 /// A batch's msgpack payload: `[timestamp, events, data_parallel_rank]`.
-pub fn batch_payload(events: Vec<Value>, ts: f64) -> Vec<u8> {
+pub fn batch_payload(events: Vec<Value>, ts: f64, rank: Option<usize>) -> Vec<u8> {
     let mut out = Vec::new();
+    let rank = rank.map_or(Value::Nil, |r| Value::from(r as u64));
     // Writing into a Vec cannot fail.
-    let _ = rmpv::encode::write_value(&mut out, &Value::Array(vec![Value::from(ts), Value::Array(events), Value::Nil]));
+    let _ = rmpv::encode::write_value(&mut out, &Value::Array(vec![Value::from(ts), Value::Array(events), rank]));
     out
 }
 
@@ -201,7 +226,7 @@ async fn run(
             events.push(v);
         }
         let ts = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
-        let payload = bytes::Bytes::from(batch_payload(events, ts));
+        let payload = bytes::Bytes::from(batch_payload(events, ts, cfg.rank));
         let frames =
             vec![bytes::Bytes::from(cfg.topic.clone().into_bytes()), bytes::Bytes::copy_from_slice(&seq.to_be_bytes()), payload.clone()];
         if let Ok(m) = zeromq::ZmqMessage::try_from(frames) {
@@ -266,12 +291,30 @@ mod tests {
     }
 
     #[test]
+    fn each_replica_publishes_on_the_ports_plus_its_rank() {
+        let c =
+            KvEventsConfig::from_json(r#"{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5600"}"#)
+                .unwrap()
+                .unwrap();
+        let r2 = c.for_rank(2).unwrap();
+        assert_eq!(
+            (r2.endpoint.as_str(), r2.replay_endpoint.as_deref(), r2.rank),
+            ("tcp://0.0.0.0:5559", Some("tcp://0.0.0.0:5602"), Some(2))
+        );
+        let payload = batch_payload(vec![cleared()], 1.0, r2.rank);
+        let v = rmpv::decode::read_value(&mut &payload[..]).unwrap();
+        assert_eq!(v.as_array().unwrap()[2].as_u64(), Some(2));
+        let high = KvEventsConfig { endpoint: "tcp://0.0.0.0:65535".into(), ..c };
+        assert!(high.for_rank(1).unwrap_err().contains("past port 65535"));
+    }
+
+    #[test]
     fn events_are_vllms_tagged_maps_in_a_batch() {
         let stored = Event::BlockStored { parent: Some(BlockHash([1; 32])), hash: BlockHash([2; 32]), tokens: vec![5, 6, 7, 8] };
         let removed = Event::BlocksRemoved { hashes: vec![BlockHash([2; 32])] };
         let events = vec![event_value(&stored, 4).unwrap(), event_value(&removed, 4).unwrap(), cleared()];
         assert_eq!(event_value(&Event::Ready, 4), None);
-        let payload = batch_payload(events, 12.5);
+        let payload = batch_payload(events, 12.5, None);
         let v = rmpv::decode::read_value(&mut &payload[..]).unwrap();
         let batch = v.as_array().unwrap();
         assert_eq!((batch[0].as_f64(), batch[2].is_nil()), (Some(12.5), true));

@@ -16,6 +16,7 @@ mod media;
 mod metrics;
 pub mod openai;
 pub mod output;
+mod replicas;
 pub mod tool_grammar;
 
 use anyhow::{Context, Result};
@@ -67,6 +68,9 @@ pub struct Options {
     pub max_model_len: Option<usize>,
     /// vLLM's `--block-size`, which must be the compiled cache block.
     pub block_size: Option<usize>,
+    /// Pipelines of the build behind this one front (vLLM's
+    /// `--data-parallel-size`), on the hostfile's slots in turn or all here.
+    pub data_parallel_size: usize,
 }
 
 /// What the OpenAI API itself is asked for, beside the pipeline behind it.
@@ -160,12 +164,13 @@ pub fn run(o: Options) -> Result<()> {
 /// What `prepare` read and checked; the engine (which needs the async
 /// runtime) completes the server's shared state.
 struct Prepared {
-    cmd: std::process::Command,
+    /// Each replica's mpirun.
+    cmds: Vec<std::process::Command>,
     stages: usize,
     limits: engine::Limits,
     /// The KV pool, in words for the start-up line.
     pool: String,
-    shared: Box<dyn FnOnce(std::sync::Arc<engine::Engine>) -> http::Shared + Send>,
+    shared: Box<dyn FnOnce(std::sync::Arc<replicas::Replicas>) -> http::Shared + Send>,
 }
 
 /// Everything the server needs before it listens: OUT checked, the
@@ -238,7 +243,12 @@ fn prepare(o: &Options) -> Result<Prepared> {
         );
     }
     compiled.check_memory(&o.model, (blocks > 0).then_some(blocks * kv_block), &o.launch)?;
-    stage.kv = KvPool { size, prefix_caching: o.prefix_caching, events: o.kv_events.is_some() };
+    let replicas = o.data_parallel_size.max(1);
+    let placements = compiled.replica_placements(replicas, &o.launch)?;
+    // Several replicas are routed by what each one's prefix cache holds,
+    // which its first stage's block events say.
+    let events = o.kv_events.is_some() || (replicas > 1 && o.prefix_caching);
+    stage.kv = KvPool { size, prefix_caching: o.prefix_caching, events };
     stage.encoder = o.encoder;
     if let Some(d) = &o.trace_dir {
         if !d.is_dir() {
@@ -247,7 +257,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
         stage.trace = true;
     }
     let trace_dir = o.trace_dir.clone();
-    let cmd = compiled.mpirun(&stage, &o.launch)?;
+    let cmds = placements.iter().map(|p| compiled.mpirun_placed(&stage, &o.launch, p)).collect::<Result<Vec<_>>>()?;
     let media = o.api.media.clone().checked()?;
     let limits = engine::Limits { per_position, kv_block, blocks, max_batch: o.max_batch.max(1), max_queue: o.max_queue };
     let (api_key, default_max_tokens) = (o.api.api_key.clone(), o.api.default_max_tokens);
@@ -297,7 +307,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
             compiled.manifest.kv_cache
         ),
     };
-    Ok(Prepared { cmd, stages, limits, pool, shared: Box::new(shared) })
+    Ok(Prepared { cmds, stages, limits, pool, shared: Box::new(shared) })
 }
 
 /// Seconds between stats lines (vLLM's 10; `M3C_STATS_INTERVAL_S` for tests).
@@ -307,10 +317,11 @@ fn stats_interval() -> Duration {
 }
 
 /// Writes the stats line (`Metrics::stats_line`) every interval while
-/// the server runs; the task ends with the runtime.
-async fn log_stats(engine: std::sync::Arc<engine::Engine>) {
+/// the server runs, one per replica (named, when there are several); the
+/// task ends with the runtime.
+async fn log_stats(replicas: std::sync::Arc<replicas::Replicas>) {
     let every = stats_interval();
-    let mut mark = metrics::StatsMark::default();
+    let mut marks = vec![metrics::StatsMark::default(); replicas.engines.len()];
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tick.tick().await;
@@ -319,50 +330,116 @@ async fn log_stats(engine: std::sync::Arc<engine::Engine>) {
         tick.tick().await;
         let seconds = last.elapsed().as_secs_f64();
         last = std::time::Instant::now();
-        if let Some(line) = engine.metrics.stats_line(&engine.gauges(), &mut mark, seconds) {
-            eprintln!("{line}");
+        for (e, mark) in replicas.engines.iter().zip(&mut marks) {
+            if let Some(line) = e.metrics.stats_line(&e.gauges(), mark, seconds) {
+                eprintln!("{}", line.replacen("m3c serve: ", &format!("m3c serve: {}", e.replica.prefix()), 1));
+            }
         }
     }
 }
 
-/// Listens, starts the pipeline, serves until a signal or a lost pipeline,
-/// then shuts down (in-flight requests get `--grace` seconds).
+/// A replica's mpirun, shared by the task that reaps it when the replica
+/// is lost and the server's own stop.
+type Job = std::sync::Arc<tokio::sync::Mutex<tokio::process::Child>>;
+
+/// Ends a job that is lost or must stop now: SIGTERM to mpirun, which
+/// takes its ranks down with it, then after a few seconds SIGKILL to its
+/// process group. Its exit status, once reaped.
+async fn end_job(job: &Job) -> Option<std::process::ExitStatus> {
+    let mut child = job.lock().await;
+    if let Ok(Some(s)) = child.try_wait() {
+        return Some(s);
+    }
+    if let Some(pid) = child.id() {
+        // SAFETY: kill has no memory-safety preconditions; `pid` is our
+        // child, not yet reaped, so it names no other process.
+        unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) };
+    }
+    match tokio::time::timeout(JOB_TERM, child.wait()).await {
+        Ok(s) => s.ok(),
+        Err(_) => {
+            if let Some(pid) = child.id() {
+                // SAFETY: as above; the group is the child's own (Engine::start).
+                unsafe { libc::kill(-(pid as libc::pid_t), libc::SIGKILL) };
+            }
+            let _ = child.kill().await;
+            child.wait().await.ok()
+        }
+    }
+}
+
+/// How long a lost job's mpirun gets to take its ranks down.
+const JOB_TERM: Duration = Duration::from_secs(3);
+
+/// Listens, starts the pipelines, serves until a signal or until no
+/// pipeline is left, then shuts down (in-flight requests get `--grace`
+/// seconds).
 async fn serve(o: Options, p: Prepared) -> Result<()> {
     let listener = tokio::net::TcpListener::bind((o.host.as_str(), o.port))
         .await
         .with_context(|| format!("cannot listen on {}:{}", o.host, o.port))?;
     let addr = listener.local_addr()?;
-    // Bound before the stages start, so a busy endpoint is said at once.
-    let publisher = match o.kv_events.clone() {
-        Some(cfg) => {
+    let n = p.cmds.len();
+    // Bound before the stages start, so a busy endpoint is said at once:
+    // one publisher per replica, on the ports plus its rank (vLLM's).
+    let mut publishers = Vec::new();
+    if let Some(cfg) = o.kv_events.clone() {
+        for r in 0..n {
+            let cfg = if n > 1 { cfg.for_rank(r).map_err(anyhow::Error::msg)? } else { cfg.clone() };
             let at = cfg.endpoint.clone();
-            let p = kv_events::Publisher::start(cfg, p.limits.kv_block as usize).await?;
-            eprintln!("m3c serve: KV-cache events (vLLM's BlockStored/BlockRemoved, msgpack over ZeroMQ) on {at}");
-            Some(p)
+            publishers.push(kv_events::Publisher::start(cfg, p.limits.kv_block as usize).await?);
+            let whose = if n > 1 { format!(" for replica {r}") } else { String::new() };
+            eprintln!("m3c serve: KV-cache events{whose} (vLLM's BlockStored/BlockRemoved, msgpack over ZeroMQ) on {at}");
         }
-        None => None,
-    };
-    let (engine, mut child) = engine::Engine::start(p.cmd, p.limits, p.stages, Duration::from_secs_f64(o.timeout_s))?;
-    if let Some(p) = publisher {
-        let _ = engine.kv_events.set(p);
     }
-    let shared = (p.shared)(engine.clone());
+    let mut engines = Vec::with_capacity(n);
+    let mut jobs: Vec<Job> = Vec::with_capacity(n);
+    let mut publishers = publishers.into_iter();
+    for (r, cmd) in p.cmds.into_iter().enumerate() {
+        let (engine, child) =
+            engine::Engine::start(cmd, p.limits, p.stages, Duration::from_secs_f64(o.timeout_s), engine::Replica { index: r, of: n })?;
+        if let Some(pb) = publishers.next() {
+            let _ = engine.kv_events.set(pb);
+        }
+        engines.push(engine);
+        jobs.push(std::sync::Arc::new(tokio::sync::Mutex::new(child)));
+    }
+    let replicas = std::sync::Arc::new(replicas::Replicas::new(engines, p.limits.kv_block as usize, o.prefix_caching, o.max_batch));
+    let shared = (p.shared)(replicas.clone());
     let (name, context, stages) = (shared.name.clone(), shared.context, p.stages);
     let app = http::router(shared);
     let pool = &p.pool;
+    let pipelines = if n > 1 { format!("{n} replicas of {stages} stage(s)") } else { format!("{stages} stage(s)") };
     eprintln!(
-        "m3c serve: http://{addr}/v1 serves `{name}` ({stages} stage(s), context {context}, up to {} running, {pool}); /health answers 200 once every stage is up",
+        "m3c serve: http://{addr}/v1 serves `{name}` ({pipelines}, context {context}, up to {} running, {pool}); /health answers 200 once every stage is up",
         o.max_batch
     );
     if o.log_stats {
-        tokio::spawn(log_stats(engine.clone()));
+        tokio::spawn(log_stats(replicas.clone()));
     }
-    // Signals and a lost pipeline both stop the server.
+    // Signals, and the loss of every pipeline, stop the server.
     let (stop_tx, stop_rx) = watch::channel(None::<Stop>);
     stop_on_signals(stop_tx.clone());
-    let e = engine.clone();
+    // A replica that stops leaves routing (its requests have their error)
+    // and its job is ended and reaped; the others serve on.
+    if n > 1 {
+        for (r, job) in jobs.iter().enumerate() {
+            let (all, job, stop) = (replicas.clone(), job.clone(), stop_rx.clone());
+            tokio::spawn(async move {
+                let why = all.engines[r].wait_down().await;
+                if stop.borrow().is_none() {
+                    let up = all.engines.iter().filter(|e| e.healthy()).count();
+                    if up > 0 {
+                        eprintln!("m3c serve: {why}; the replica is out of routing, {up} serve on");
+                    }
+                    end_job(&job).await;
+                }
+            });
+        }
+    }
+    let r = replicas.clone();
     tokio::spawn(async move {
-        let why = e.wait_down().await;
+        let why = r.wait_all_down().await;
         stop_tx.send_if_modified(|s| {
             if s.is_none() {
                 *s = Some(Stop::Down(why));
@@ -372,8 +449,8 @@ async fn serve(o: Options, p: Prepared) -> Result<()> {
             }
         });
     });
-    // The server stops accepting at once on a signal; when the pipeline
-    // is lost it keeps answering for a moment (503 on /health and on new
+    // The server stops accepting at once on a signal; when the pipelines
+    // are lost it keeps answering for a moment (503 on /health and on new
     // requests) so that a supervisor sees why, then stops.
     let mut rx = stop_rx.clone();
     let graceful = async move {
@@ -387,36 +464,52 @@ async fn serve(o: Options, p: Prepared) -> Result<()> {
     let stop = rx.wait_for(Option::is_some).await.map(|s| s.clone()).ok().flatten();
     match stop {
         Some(Stop::Signal(sig)) => {
-            let open = engine.gauges();
+            let open = replicas.gauges();
             eprintln!(
                 "m3c serve: signal {sig}: draining: no new requests; {} running and {} waiting get {} s to finish (Ctrl-C again stops now)",
                 open.running, open.waiting, o.grace_s
             );
             if tokio::time::timeout(Duration::from_secs_f64(o.grace_s), &mut server).await.is_err() {
-                engine.fail_open("the server shut down before this request finished");
+                replicas.fail_open("the server shut down before this request finished");
                 let _ = tokio::time::timeout(Duration::from_secs(10), &mut server).await;
             }
-            // The first stage finishes what is open and stops the pipeline.
-            engine.close_input();
-            match tokio::time::timeout(Duration::from_secs_f64(o.timeout_s + 10.0), child.wait()).await {
-                Ok(Ok(s)) if s.success() => {
-                    eprintln!("m3c serve: stopped");
-                    Ok(())
+            // Each first stage finishes what is open and stops its pipeline.
+            replicas.close_input();
+            let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(o.timeout_s + 10.0);
+            let mut failed = Vec::new();
+            for (r, job) in jobs.iter().enumerate() {
+                let whose = if n > 1 { format!("replica {r}'s pipeline") } else { "the pipeline".to_string() };
+                let mut child = job.lock().await;
+                match tokio::time::timeout_at(deadline, child.wait()).await {
+                    Ok(Ok(s)) if s.success() => {}
+                    // A replica lost earlier was ended then, and said so.
+                    Ok(Ok(_)) if replicas.engines[r].down_reason().is_some() && n > 1 => {}
+                    Ok(Ok(s)) => failed.push(format!("{whose} ended with {s} while shutting down")),
+                    Ok(Err(e)) => failed.push(format!("waiting for {whose}'s mpirun: {e}")),
+                    Err(_) => {
+                        drop(child);
+                        end_job(job).await;
+                        failed.push(format!("{whose} did not stop within {} s; it was killed", o.timeout_s + 10.0));
+                    }
                 }
-                Ok(Ok(s)) => anyhow::bail!("the pipeline ended with {s} while shutting down"),
-                Ok(Err(e)) => Err(e).context("waiting for mpirun"),
-                Err(_) => {
-                    let _ = child.kill().await;
-                    anyhow::bail!("the pipeline did not stop within {} s; it was killed", o.timeout_s + 10.0)
-                }
+            }
+            if failed.is_empty() {
+                eprintln!("m3c serve: stopped");
+                Ok(())
+            } else {
+                anyhow::bail!("{}", failed.join("; "))
             }
         }
         Some(Stop::Down(why)) => {
             // Every open request has its error; let the responses go out.
             let _ = tokio::time::timeout(LINGER + Duration::from_secs(5), &mut server).await;
-            let _ = child.kill().await;
-            let status = child.wait().await.ok();
-            anyhow::bail!("{why} (mpirun exit status {})", status.and_then(|s| s.code()).map_or("signal".to_string(), |c| c.to_string()))
+            let mut codes = Vec::new();
+            for job in &jobs {
+                let status = end_job(job).await;
+                codes.push(status.and_then(|s| s.code()).map_or("signal".to_string(), |c| c.to_string()));
+            }
+            let word = if n > 1 { "statuses" } else { "status" };
+            anyhow::bail!("{why} (mpirun exit {word} {})", codes.join(", "))
         }
         None => anyhow::bail!("the server's stop channel closed"),
     }

@@ -7,6 +7,7 @@ mod cli;
 mod compile;
 mod config;
 mod cuda;
+mod data_parallel;
 mod eagle3;
 mod encoder;
 mod gpu_kernels;

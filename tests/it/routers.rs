@@ -76,7 +76,7 @@ impl Drop for Router {
 }
 
 /// The workload's answers through `base` (a router's or a replica's /v1).
-fn workload(base: &str) -> String {
+pub(crate) fn workload(base: &str) -> String {
     let o = Command::new(root().join(".venv-serve/bin/python"))
         .arg(root().join("tests/serve/router_client.py"))
         .args([base, "tiny"])
@@ -88,7 +88,7 @@ fn workload(base: &str) -> String {
 
 /// A counter's value in Prometheus text: the sum over the series of
 /// `name` whose labels contain `with`.
-fn counter(text: &str, name: &str, with: &str) -> f64 {
+pub(crate) fn counter(text: &str, name: &str, with: &str) -> f64 {
     text.lines().filter(|l| l.starts_with(name) && l.contains(with)).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum()
 }
 
@@ -179,7 +179,7 @@ impl Subscriber {
     }
 }
 
-fn complete(server: &str, prompt: &[u32]) {
+pub(crate) fn complete(server: &str, prompt: &[u32]) {
     let body = serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": 3, "temperature": 0}).to_string();
     let o = Command::new("curl")
         .args(["-sf", "-m", "60", "-H", "Content-Type: application/json", "-d", &body, &format!("{server}/v1/completions")])

@@ -67,8 +67,13 @@ impl Server {
         s
     }
 
-    fn log(&self) -> String {
+    pub(crate) fn log(&self) -> String {
         self.log.lock().unwrap().clone()
+    }
+
+    /// The API's base URL (`http://127.0.0.1:PORT/v1`).
+    pub(crate) fn base(&self) -> String {
+        self.base.clone()
     }
 
     pub(crate) fn root(&self) -> String {
@@ -76,7 +81,7 @@ impl Server {
     }
 
     /// `GET /health`'s status (0: no answer).
-    fn health(&self) -> u16 {
+    pub(crate) fn health(&self) -> u16 {
         let o = Command::new("curl")
             .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "-m", "5"])
             .arg(format!("{}/health", self.root()))
@@ -123,13 +128,13 @@ impl Server {
     }
 
     /// Sends the server process `signal`.
-    fn signal(&self, signal: i32) {
+    pub(crate) fn signal(&self, signal: i32) {
         // SAFETY: kill(2) on our own child's pid.
         unsafe { libc::kill(self.child.id() as i32, signal) };
     }
 
     /// Waits for the server to exit; its status.
-    fn wait(&mut self, limit: Duration) -> std::process::ExitStatus {
+    pub(crate) fn wait(&mut self, limit: Duration) -> std::process::ExitStatus {
         let deadline = Instant::now() + limit;
         loop {
             if let Some(s) = self.child.try_wait().unwrap() {
@@ -181,7 +186,7 @@ fn compiled() -> (PathBuf, PathBuf) {
 /// [`compiled`], copied into a folder of its own (the first value; the
 /// copy goes with it): its stage processes are then this test's alone,
 /// found by their path.
-fn private_copy() -> (tempfile::TempDir, PathBuf, PathBuf) {
+pub(crate) fn private_copy() -> (tempfile::TempDir, PathBuf, PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let out = crate::shared::copy("tiny-m3", 2, dir.path());
     (dir, out, fixture("tiny-m3"))

@@ -8,10 +8,12 @@
 mod job_end;
 pub mod memory;
 mod mpirun;
+mod placement;
 mod preflight;
 
 pub use job_end::{reap_after_error, JobEnd, StageLog};
 pub use mpirun::spawn_error;
+pub use placement::Placement;
 
 use anyhow::{bail, Context, Result};
 use m3c_contract::manifest::{sha256_hex, Manifest};
@@ -184,12 +186,21 @@ impl Compiled {
     /// it. A job that spans hosts has them checked first
     /// ([`Compiled::preflight`], within the stages' `--timeout-s`).
     pub fn mpirun(&self, stage: &StageArgs, launch: &Launch) -> Result<std::process::Command> {
+        self.mpirun_placed(stage, launch, &self.placement())
+    }
+
+    /// [`Compiled::mpirun`] with the ranks on `placement` (one replica of
+    /// several): each rank also told its share of its machine.
+    pub fn mpirun_placed(&self, stage: &StageArgs, launch: &Launch, placement: &Placement) -> Result<std::process::Command> {
         if let (true, Some(model)) = (self.spans_hosts(launch), stage.weights.checkpoint()) {
-            self.preflight(model, launch, std::time::Duration::from_secs_f64(stage.timeout_s))?;
+            self.preflight(model, launch, placement, std::time::Duration::from_secs_f64(stage.timeout_s))?;
         }
         let args = stage.to_args();
-        Ok(self.mpirun_each(launch, |k, cmd| {
+        Ok(self.mpirun_each(launch, placement, |k, cmd| {
             cmd.arg(self.executable(k)).args(&args);
+            if let Some(share) = placement.shares.get(k).copied().flatten() {
+                cmd.arg("--node-share").arg(share.to_string());
+            }
         }))
     }
 

@@ -1,12 +1,18 @@
 //! The mpirun command line of a job: placement, interfaces, keepalives,
 //! one app context per stage, and a launcher that dies with its parent.
 
-use super::{Compiled, Launch};
+use super::{Compiled, Launch, Placement};
 
 impl Compiled {
-    /// `mpirun` with the launch's placement and options, one app context
-    /// per stage that `program` fills in (the program and its arguments).
-    pub(super) fn mpirun_each(&self, launch: &Launch, program: impl Fn(usize, &mut std::process::Command)) -> std::process::Command {
+    /// `mpirun` with the launch's options and each rank on `placement`'s
+    /// host, one app context per rank that `program` fills in (the program
+    /// and its arguments).
+    pub(super) fn mpirun_each(
+        &self,
+        launch: &Launch,
+        placement: &Placement,
+        program: impl Fn(usize, &mut std::process::Command),
+    ) -> std::process::Command {
         crate::stale_sessions::sweep_mine();
         let mut cmd = std::process::Command::new("mpirun");
         // No core binding: each rank runs its kernels on several threads (the
@@ -45,8 +51,9 @@ impl Compiled {
                 cmd.arg(":");
             }
             cmd.args(["-np", "1"]);
-            // Manifest::parse checked that the host is a host name.
-            if let Some(host) = self.rank_host(k) {
+            // Manifest::parse checked that a plan's host is a host name,
+            // and hostfile_slots took a hostfile's first word.
+            if let Some(host) = placement.hosts.get(k).and_then(Option::as_ref) {
                 cmd.args(["--host", host]);
             }
             program(k, &mut cmd);

@@ -2,7 +2,7 @@
 //! one `sh` per stage through mpirun with the job's own placement, killed
 //! as a process group at the deadline.
 
-use super::{hostfile_slots, mpirun::spawn_error, Compiled, Launch};
+use super::{hostfile_slots, mpirun::spawn_error, Compiled, Launch, Placement};
 use anyhow::{bail, Context, Result};
 use std::path::Path;
 
@@ -14,9 +14,9 @@ impl Compiled {
     /// that would fail at start-up on a host fails here instead, naming
     /// the host and the path, and a host that never answers cannot hang
     /// the launch.
-    pub fn preflight(&self, model: &Path, launch: &Launch, deadline: std::time::Duration) -> Result<()> {
+    pub fn preflight(&self, model: &Path, launch: &Launch, placement: &Placement, deadline: std::time::Duration) -> Result<()> {
         use std::io::Read;
-        let mut cmd = self.mpirun_each(launch, |k, cmd| {
+        let mut cmd = self.mpirun_each(launch, placement, |k, cmd| {
             cmd.args(["/bin/sh", "-c", PREFLIGHT, "m3c-preflight", &k.to_string()])
                 .arg(self.out.join(format!("stage-{k}")))
                 .arg(model)
@@ -66,10 +66,11 @@ impl Compiled {
         let by_file = launch.hostfile.as_deref().and_then(hostfile_slots).unwrap_or_default();
         for (k, h) in heard.iter().enumerate() {
             let exe = self.out.join(format!("stage-{k}"));
-            let placed = match (&self.manifest.stages[k].host, by_file.get(k)) {
-                (Some(h), _) => format!("plan host `{h}`"),
-                (None, Some(h)) => format!("hostfile host `{h}`"),
-                (None, None) => "placed by mpirun".to_string(),
+            let placed = match (&self.manifest.stages[k].host, placement.hosts.get(k).and_then(Option::as_ref), by_file.get(k)) {
+                (Some(h), _, _) => format!("plan host `{h}`"),
+                (None, Some(h), _) => format!("replica host `{h}`"),
+                (None, None, Some(h)) => format!("hostfile host `{h}`"),
+                (None, None, None) => "placed by mpirun".to_string(),
             };
             match h {
                 Some((_, v)) if v == "ok" => {}

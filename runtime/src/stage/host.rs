@@ -67,8 +67,7 @@ impl Backing for HostBacking {
             .find_map(|l| l.strip_prefix("MemAvailable:"))
             .and_then(|v| v.split_whitespace().next()?.parse::<usize>().ok())
             .ok_or_else(|| StageError::Device("/proc/meminfo has no MemAvailable line".into()))?;
-        let ranks = std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(1).max(1);
-        Ok(kb * 1024 / ranks)
+        Ok(kb * 1024 / crate::node::local().1)
     }
 
     fn alloc_pools(&mut self, meta: &StageMeta, blocks: usize) -> Result<(), StageError> {

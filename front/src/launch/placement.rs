@@ -1,0 +1,100 @@
+//! Where a pipeline's ranks run: the plan's hosts for one pipeline, and for
+//! `m3c serve --data-parallel-size N` one placement per replica, each on
+//! hosts of its own where a hostfile lists enough slots, else all on this
+//! machine. Ranks of several replicas that share a machine are told their
+//! place among all of them (`--node-share`), so that they take different
+//! GPUs and share the cores instead of each taking all of them.
+
+use super::{hostfile_slots, Compiled, Launch};
+use anyhow::{bail, Result};
+use m3c_contract::stage_args::NodeShare;
+
+/// Where one pipeline's ranks (its stages, then its encoder ranks) run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    /// Per rank: the host mpirun puts it on (`None`: mpirun's default).
+    pub hosts: Vec<Option<String>>,
+    /// Per rank: its place among every replica's ranks on its machine
+    /// (`None`: it shares the machine only with its own job's ranks).
+    pub shares: Vec<Option<NodeShare>>,
+}
+
+impl Compiled {
+    /// One pipeline as the plan places it.
+    pub fn placement(&self) -> Placement {
+        let ranks = self.ranks();
+        Placement { hosts: (0..ranks).map(|k| self.rank_host(k).cloned()).collect(), shares: vec![None; ranks] }
+    }
+
+    /// `n` pipelines of this build. With a hostfile, replica `r`'s rank `k`
+    /// takes the hostfile's slot `r·ranks + k` (the file's hosts in order,
+    /// each as many times as its `slots=`), so replicas fill hosts in turn;
+    /// without one, every replica runs on this machine. A plan that names
+    /// hosts has one place for each stage, so it cannot hold `n > 1`.
+    pub fn replica_placements(&self, n: usize, launch: &Launch) -> Result<Vec<Placement>> {
+        if n <= 1 {
+            return Ok(vec![self.placement()]);
+        }
+        let ranks = self.ranks();
+        if let Some((k, h)) = (0..ranks).find_map(|k| self.rank_host(k).map(|h| (k, h))) {
+            bail!(
+                "--data-parallel-size {n}: the plan puts rank {k} on host `{h}`, one place for one pipeline; \
+                 compile a plan without hosts and give a --hostfile with {} slots ({n} replicas of {ranks} ranks)",
+                n * ranks
+            );
+        }
+        if let Some(a) =
+            launch.mpirun_args.iter().find(|a| ["--host", "-H", "--hostfile", "--machinefile", "--default-hostfile"].contains(&a.as_str()))
+        {
+            bail!("--data-parallel-size {n}: the mpirun option `{a}` places every replica's ranks alike; list the hosts in --hostfile instead");
+        }
+        let hosts: Vec<Option<String>> = match &launch.hostfile {
+            None => vec![None; n * ranks],
+            Some(f) => {
+                let Some(slots) = hostfile_slots(f) else {
+                    bail!("--hostfile {}: every line needs `slots=N` to place {n} replicas", f.display())
+                };
+                if slots.len() < n * ranks {
+                    bail!(
+                        "--hostfile {} lists {} slots; --data-parallel-size {n} needs {} ({n} replicas of {ranks} ranks)",
+                        f.display(),
+                        slots.len(),
+                        n * ranks
+                    );
+                }
+                slots.into_iter().take(n * ranks).map(Some).collect()
+            }
+        };
+        let shares = node_shares(&hosts);
+        Ok((0..n)
+            .map(|r| Placement { hosts: hosts[r * ranks..(r + 1) * ranks].to_vec(), shares: shares[r * ranks..(r + 1) * ranks].to_vec() })
+            .collect())
+    }
+}
+
+/// Each rank's place among the ranks on its machine (`None` is this one).
+fn node_shares(hosts: &[Option<String>]) -> Vec<Option<NodeShare>> {
+    hosts
+        .iter()
+        .enumerate()
+        .map(|(i, h)| {
+            let offset = hosts[..i].iter().filter(|o| *o == h).count();
+            let total = hosts.iter().filter(|o| *o == h).count();
+            Some(NodeShare { offset, total })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranks_on_one_machine_are_numbered_across_replicas() {
+        let local = node_shares(&[None, None, None, None]);
+        assert_eq!(local.iter().map(|s| s.unwrap().offset).collect::<Vec<_>>(), [0, 1, 2, 3]);
+        assert!(local.iter().all(|s| s.unwrap().total == 4));
+        let two = node_shares(&[Some("a".into()), Some("b".into()), Some("a".into()), Some("b".into())]);
+        assert_eq!(two.iter().map(|s| (s.unwrap().offset, s.unwrap().total)).collect::<Vec<_>>(), [(0, 2), (0, 2), (1, 2), (1, 2)]);
+    }
+}
