@@ -7,7 +7,8 @@
 #   - one replica alone (the hit rate a router should keep),
 #   - vllm-router --policy round_robin,
 #   - vllm-router --policy cache_aware (token ids from the render routes),
-#   - vllm-router --policy kv_aware (fed by m3c's KV-cache events).
+#   - vllm-router --policy kv_aware (fed by m3c's KV-cache events),
+#   - one m3c serve --data-parallel-size REPLICAS (m3c's own balancer).
 # Every configuration starts fresh replicas (empty caches). Prints, per
 # configuration, the prefix cache's hit rate over the replicas and TTFT
 # p50/p99. Replicas are processes of this host (the CPU is shared: TTFT
@@ -83,4 +84,15 @@ start_replicas "$REPLICAS" events
 start_router kv_aware "${sources[@]}" --kv-event-block-size "$block" --kv-event-model m
 row "vllm-router kv_aware" "$(measure "$base")"
 stop_all
-echo "(--data-parallel-size, m3c's own balancer, is not built yet)"
+# One front over REPLICAS pipelines: up once every replica says ok.
+port=$(free_port)
+$M3C serve "$work/out" --model "$work/m" --port "$port" --served-model-name m --disable-log-stats \
+  --data-parallel-size "$REPLICAS" 2>"$work/dp.log" &
+pids+=($!)
+roots=("http://127.0.0.1:$port")
+for _ in $(seq 1 900); do
+  [ "$(curl -s "${roots[0]}/health" | grep -o '"status":"ok"' | wc -l)" -gt "$REPLICAS" ] && break
+  sleep 0.1
+done
+row "m3c --data-parallel-size $REPLICAS" "$(measure "${roots[0]}/v1")"
+stop_all

@@ -114,3 +114,28 @@ fn two_replicas_serve_one_replica_s_text_route_by_prefix_and_outlive_a_lost_one(
     assert!(s.wait(Duration::from_secs(30)).success(), "SIGTERM drains and stops with 0\n{}", s.log());
     assert!(pids_with(&out.join("stage-0"), "0/4").is_empty() && pids_with(&out.join("stage-1"), "1/4").is_empty(), "{}", s.log());
 }
+
+/// Placements that cannot hold the replicas are refused before mpirun,
+/// naming what to change: a hostfile with too few slots, or without slot
+/// counts, and mpirun's own host options.
+#[test]
+fn replicas_that_do_not_fit_the_hosts_are_refused_by_name() {
+    let (out, model) = crate::shared::tiny(2);
+    let dir = tempfile::tempdir().unwrap();
+    let (few, bare) = (dir.path().join("few"), dir.path().join("bare"));
+    std::fs::write(&few, "127.0.0.1 slots=3\n").unwrap();
+    std::fs::write(&bare, "127.0.0.1\n").unwrap();
+    let serve = |extra: &[&str]| {
+        let mut args = vec!["serve", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--port", "0"];
+        args.extend_from_slice(extra);
+        let r = m3c_tests::m3c(&args);
+        assert!(!r.status.success(), "{extra:?} was taken");
+        m3c_tests::stderr(&r)
+    };
+    let e = serve(&["--data-parallel-size", "2", "--hostfile", few.to_str().unwrap()]);
+    assert!(e.contains("lists 3 slots; --data-parallel-size 2 needs 4 (2 replicas of 2 ranks)"), "{e}");
+    let e = serve(&["--data-parallel-size", "2", "--hostfile", bare.to_str().unwrap()]);
+    assert!(e.contains("every line needs `slots=N`"), "{e}");
+    let e = serve(&["--data-parallel-size", "2", "--mpirun-arg", "--host", "--mpirun-arg", "127.0.0.1"]);
+    assert!(e.contains("the mpirun option `--host`") && e.contains("--hostfile"), "{e}");
+}

@@ -419,3 +419,83 @@ fn hosts_that_are_not_ready_are_named_before_the_job_starts() {
     let cmd = [&[bin_s, "run", out_s, "--model", model_s][..], &job].concat();
     check("a host that never answers", &cmd, &[format!("stage 1 (hostfile host `{}`): its host did not answer within 3 s", hosts.addr(1))]);
 }
+
+/// `m3c serve --data-parallel-size 2 --hostfile` over four hosts: replica
+/// 0's stages on hosts 0 and 1, replica 1's on hosts 2 and 3 (the
+/// hostfile's slots in turn), both behind the front on host 0. The routers'
+/// workload gives one host's text; then replica 1's stage on host 3 is
+/// killed: replica 0 serves on with the same text, nothing of replica 1 is
+/// left on hosts 2 and 3, and SIGTERM stops the rest with 0, every host empty.
+#[test]
+fn data_parallel_replicas_on_their_own_hosts_serve_and_outlive_a_lost_one() {
+    let Some(hosts) = Hosts::new(4) else { return };
+    let (out, model) = crate::shared::tiny(2);
+    let one = crate::serve::Server::start(&out, &model, &[]);
+    let want = crate::routers::workload(&one.base());
+    drop(one);
+    let placed = hostfile(&hosts, &[0, 1, 2, 3]);
+    let bin = m3c_tests::m3c_bin();
+    let serve = [
+        bin.to_str().unwrap(),
+        "serve",
+        out.to_str().unwrap(),
+        "--model",
+        model.to_str().unwrap(),
+        "--port",
+        "0",
+        "--served-model-name",
+        "tiny",
+        "--timeout-s",
+        "3",
+        "--data-parallel-size",
+        "2",
+        "--hostfile",
+        &placed,
+    ];
+    let mut server = RemoteServer::start(&hosts, &serve);
+    let health = |server: &RemoteServer| -> serde_json::Value {
+        let url = format!("http://127.0.0.1:{}/health", server.port);
+        let o = hosts.run(0, &["curl", "-s", "-m", "5", &url], Duration::from_secs(10));
+        serde_json::from_slice(&o.stdout).unwrap_or_default()
+    };
+    let wait = |server: &RemoteServer, what: &str, ok: [&str; 2]| {
+        let t0 = std::time::Instant::now();
+        while health(server)["replicas"].as_array().is_none_or(|r| r.iter().zip(ok).any(|(r, s)| r["status"] != s)) {
+            assert!(t0.elapsed() < Duration::from_secs(60), "{what}: {}\n{}", health(server), server.log());
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    wait(&server, "both replicas up", ["ok", "ok"]);
+    let l = server.log();
+    for (r, k, host) in [(0, 0, 0), (0, 1, 1), (1, 0, 2), (1, 1, 3)] {
+        let banner = format!("replica {r}: m3c stage {k}/2:");
+        let line = l.lines().find(|line| line.starts_with(&banner) && line.contains("kernel thread(s)"));
+        assert!(line.is_some_and(|b| b.ends_with(&format!("on host {}", hosts.ns(host)))), "{banner} not on host {host}:\n{l}");
+    }
+    let (python, client) = (crate::serve::python(), m3c_tests::root().join("tests/serve/router_client.py"));
+    let workload = |server: &RemoteServer| {
+        let cmd = [python.to_str().unwrap(), client.to_str().unwrap(), &server.base(), "tiny"];
+        let o = hosts.run(0, &cmd, Duration::from_secs(120));
+        assert!(o.status.success(), "{}\n{}", stderr(&o), server.log());
+        m3c_tests::stdout(&o)
+    };
+    assert_eq!(workload(&server), want, "two replicas on four hosts give one host's text");
+    for p in hosts.pids(3) {
+        if std::fs::read_to_string(format!("/proc/{p}/cmdline")).is_ok_and(|c| c.contains("stage-1")) {
+            let _ = std::process::Command::new("kill").args(["-9", &p]).status();
+        }
+    }
+    wait(&server, "replica 1 out", ["ok", "unavailable"]);
+    assert_eq!(workload(&server), want, "replica 0 alone gives the same text");
+    let t0 = std::time::Instant::now();
+    while !(hosts.pids(2).is_empty() && hosts.pids(3).is_empty()) {
+        assert!(t0.elapsed() < Duration::from_secs(20), "replica 1 left processes: {}", hosts.left());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // SAFETY: kill(2) on the `timeout` wrapper of this test's server,
+    // which passes SIGTERM on to it.
+    unsafe { libc::kill(server.child.id() as i32, libc::SIGTERM) };
+    let status = server.child.wait().unwrap();
+    assert!(status.success(), "{status:?}\n{}", server.log());
+    hosts.assert_quiet("after SIGTERM", Duration::from_secs(20));
+}
