@@ -325,7 +325,7 @@ pub(crate) struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on the /v1 routes (default: $M3C_API_KEY, else none).
     #[arg(long, help_heading = "Frontend")]
     pub(crate) api_key: Option<String>,
-    /// Pipelines of the build behind this one server (vLLM's flag): N mpirun jobs of the plan's stages, on a --hostfile's slots in turn (replica R's rank K on slot R×ranks+K) or all on this machine. Requests go to the replica whose prefix cache holds the longest start of the prompt, unless it is a batch busier than the least busy one; /health is 200 while any replica serves, and /metrics gives each replica's series (`replica="R"`, vLLM's `engine="R"`).
+    /// Pipelines of the build behind this one server (vLLM's flag): N mpirun jobs of the plan's stages, on a --hostfile's slots in turn (replica R's rank K on slot R×ranks+K) or all on this machine. Requests go to the replica whose prefix cache holds the longest start of the prompt when that is at least half of it and the replica is less than a batch busier than the least busy one, else to the least busy; /health is 200 while any replica serves, and /metrics gives each replica's series (`replica="R"`, vLLM's `engine="R"`).
     #[arg(long, visible_alias = "dp", value_name = "N", default_value_t = 1, value_parser = positive_count, help_heading = "Parallel")]
     pub(crate) data_parallel_size: usize,
     /// Sequences running at once (more wait); vLLM's --max-num-seqs.
@@ -360,6 +360,12 @@ pub(crate) struct ServeArgs {
     /// Seconds without a heartbeat before a stage is declared lost.
     #[arg(long, default_value_t = 30.0, value_parser = timeout_s, help_heading = "Server")]
     pub(crate) timeout_s: f64,
+    /// How many times a lost pipeline (a stage that died, a lost link or host) is started again within --restart-window-s: its open requests wait and go on where their streams were, token for token as without the fault. Past it, or with 0, they fail and a lone pipeline ends the server.
+    #[arg(long, value_name = "N", default_value_t = 3, value_parser = count, help_heading = "Server")]
+    pub(crate) max_restarts: usize,
+    /// The window --max-restarts counts restarts in, in seconds.
+    #[arg(long, value_name = "S", default_value_t = 600.0, value_parser = timeout_s, help_heading = "Server")]
+    pub(crate) restart_window_s: f64,
     /// Seconds in-flight requests get to finish after SIGTERM or SIGINT.
     #[arg(long, default_value_t = 30.0, value_parser = timeout_s, help_heading = "Server")]
     pub(crate) grace_s: f64,

@@ -376,20 +376,11 @@ fn stage_args(args: &RunArgs, inputs: &Inputs) -> Result<(StageArgs, Vec<SeqRequ
         p.seed = p.seed.wrapping_add((seq % inputs.choices) as u64);
         let (grammar, think) = outputs.get(seq).cloned().unwrap_or_default();
         requests.push(SeqRequest {
-            seq,
-            max_new: args.max_new_tokens,
-            ignore_eos: false,
-            sampling: p,
-            prompt: prompt.clone(),
-            images: None,
             stops: stops.clone(),
-            stop_ids: Vec::new(),
             logprobs: args.logprobs,
             grammar,
             think,
-            min_tokens: 0,
-            logit_bias: Vec::new(),
-            prompt_logprobs: None,
+            ..SeqRequest::new(seq, prompt.clone(), args.max_new_tokens, p)
         });
     }
     Ok((stage, requests))

@@ -64,6 +64,7 @@ pub(crate) fn serve_cmd(mut a: ServeArgs) -> Result<()> {
         max_model_len: a.max_model_len,
         block_size: a.block_size,
         data_parallel_size: a.data_parallel_size,
+        healing: m3c_serve::Healing { max_restarts: a.max_restarts, window: std::time::Duration::from_secs_f64(a.restart_window_s) },
     })
 }
 

@@ -10,7 +10,7 @@
 //! ```text
 //! add seq=SEQ max_new=N ignore_eos=0|1 prompt=ID,ID,... [images=BYTES] [stop=HEX ...] [stop_ids=ID,ID,...] [logprobs=K]
 //!     [grammar=HEX] [think=open|adaptive think_budget=N] [min_tokens=N] [logit_bias=ID:BIAS,...] [prompt_logprobs=K]
-//!     [temperature=T top_k=K ...]
+//!     [resumed=ID,ID,...] [temperature=T top_k=K ...]
 //! cancel SEQ
 //! trace on|off
 //! ```
@@ -86,6 +86,11 @@ pub struct SeqRequest {
     /// Report each prompt token's log-probability (from the second on)
     /// and this many most likely alternatives (vLLM's `prompt_logprobs`).
     pub prompt_logprobs: Option<u8>,
+    /// The tokens it generated before, on a pipeline that was lost: it
+    /// goes on from there as if never stopped (its rows recomputed, its
+    /// sampler, penalties, grammar, budget and stop strings where those
+    /// tokens left them), and only what follows is reported.
+    pub resumed: Vec<i64>,
 }
 
 impl SeqRequest {
@@ -109,6 +114,7 @@ impl SeqRequest {
             min_tokens: 0,
             logit_bias: Vec::new(),
             prompt_logprobs: None,
+            resumed: Vec::new(),
         }
     }
 }
@@ -296,6 +302,10 @@ impl Command {
                 if let Some(t) = &r.think {
                     line.push_str(&format!(" think={} think_budget={}", t.start.name(), t.budget));
                 }
+                if !r.resumed.is_empty() {
+                    let ids: Vec<String> = r.resumed.iter().map(i64::to_string).collect();
+                    line.push_str(&format!(" resumed={}", ids.join(",")));
+                }
                 for (k, v) in r.sampling.fields() {
                     line.push_str(&format!(" {k}={v}"));
                 }
@@ -342,7 +352,7 @@ fn parse_line(line: &str) -> Result<(Command, usize), String> {
             let (mut seq, mut max_new, mut prompt) = (None, None, None);
             let (mut ignore_eos, mut images, mut stops, mut stop_ids) = (false, 0usize, Vec::new(), Vec::new());
             let (mut logprobs, mut grammar, mut think, mut think_budget, mut min_tokens) = (None, None, None, None, 0);
-            let (mut logit_bias, mut prompt_logprobs) = (Vec::new(), None);
+            let (mut logit_bias, mut prompt_logprobs, mut resumed) = (Vec::new(), None, Vec::new());
             let mut sampling = SamplingParams::GREEDY;
             for w in words {
                 let (k, v) = w.split_once('=').ok_or_else(|| format!("`{w}`: expected name=value"))?;
@@ -362,6 +372,7 @@ fn parse_line(line: &str) -> Result<(Command, usize), String> {
                     "think_budget" => think_budget = Some(int::<u32>("think_budget", v)?),
                     "min_tokens" => min_tokens = int("min_tokens", v)?,
                     "logit_bias" => logit_bias = parse_logit_bias(v)?,
+                    "resumed" => resumed = crate::prompts::parse_ids(v, "resumed")?,
                     "logprobs" | "prompt_logprobs" => {
                         let n = int::<u8>(k, v)?;
                         if n > MAX_TOP_LOGPROBS {
@@ -398,6 +409,7 @@ fn parse_line(line: &str) -> Result<(Command, usize), String> {
                 min_tokens,
                 logit_bias,
                 prompt_logprobs,
+                resumed,
                 ..base
             });
             Ok((add, images))
@@ -688,6 +700,7 @@ mod tests {
             min_tokens: 4,
             logit_bias: vec![(3, -100.0), (17, 0.125), (200_000, 100.0)],
             prompt_logprobs: Some(2),
+            resumed: vec![7, 8, 200_020],
         }
     }
 

@@ -155,6 +155,12 @@ impl Engine {
         if r.stop_ids.iter().any(|&i| i < 0 || i as usize >= c.vocab) {
             return Err("a stop id is outside the vocabulary".into());
         }
+        if r.resumed.iter().any(|&i| i < 0 || i as usize >= c.vocab) {
+            return Err("a resumed token id is outside the vocabulary".into());
+        }
+        if !r.resumed.is_empty() && r.resumed.len() >= r.max_new {
+            return Err(format!("{} resumed tokens leave none of max_new {} to generate", r.resumed.len(), r.max_new));
+        }
         let (p, m) = (r.prompt.len(), r.max_new);
         if p.checked_add(m).is_none_or(|n| n > c.max_positions) {
             return Err(format!("{p} prompt tokens + {m} new exceed the model's {} positions (max_position_embeddings)", c.max_positions));
@@ -188,7 +194,12 @@ impl Engine {
     pub fn add(&mut self, r: Request, encoding: bool) {
         let seq = r.seq;
         let phase = if encoding { Phase::Encoding } else { Phase::Waiting };
+        let resumed = r.resumed.clone();
         let mut s = Seq::new(r, phase);
+        // Its stop strings see the text it generated before.
+        for &id in &resumed {
+            s.stop.ends(id, self.token_bytes.as_deref());
+        }
         self.arrivals += 1;
         s.arrival = self.arrivals;
         if self.kv.caching {

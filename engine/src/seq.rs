@@ -24,6 +24,8 @@ pub struct Request {
     pub prompt_logprobs: bool,
     /// Its images' content hashes and placeholder rows (prefix-cache keys).
     pub images: Vec<ImageRows>,
+    /// What it generated on a pipeline that was lost: it goes on from there.
+    pub resumed: Vec<i64>,
 }
 
 impl Request {
@@ -38,6 +40,7 @@ impl Request {
             stop_ids: a.stop_ids.clone(),
             prompt_logprobs: a.prompt_logprobs.is_some(),
             images,
+            resumed: a.resumed.clone(),
         }
     }
 
@@ -84,18 +87,24 @@ pub(crate) struct Seq {
 }
 
 impl Seq {
+    /// A sequence of `r`; a resumed one holds what it generated before
+    /// and recomputes its rows when it is admitted, as after a preemption.
     pub fn new(r: Request, phase: Phase) -> Seq {
+        let (generated, last_id) = (r.resumed.len(), r.resumed.last().copied().unwrap_or(0));
+        let mut ids = r.prompt;
+        let prompt_len = ids.len();
+        ids.extend(r.resumed);
         Seq {
             phase,
-            prompt_len: r.prompt.len(),
+            prompt_len,
             max_new: r.max_new,
             ignore_eos: r.ignore_eos,
-            ids: r.prompt,
+            ids,
             chain: Vec::new(),
             images: r.images,
             chunks: VecDeque::new(),
-            generated: 0,
-            last_id: 0,
+            generated,
+            last_id,
             busy: false,
             cancelled: false,
             stop: StopText::new(r.stops),
@@ -103,7 +112,8 @@ impl Seq {
             kv: SeqBlocks::default(),
             arrival: 0,
             counted: false,
-            prompt_rows: r.prompt_logprobs,
+            // A resumed request reported its prompt's logprobs before.
+            prompt_rows: r.prompt_logprobs && generated == 0,
             drafts: Vec::new(),
             preemptions: 0,
         }

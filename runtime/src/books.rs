@@ -148,6 +148,8 @@ pub(crate) struct OutputSpec {
     pub stop_ids: Vec<i64>,
     pub logit_bias: Vec<(u32, f32)>,
     pub prompt_logprobs: Option<u8>,
+    /// What it generated on a pipeline that was lost (see `SeqRequest::resumed`).
+    pub resumed: Vec<i64>,
 }
 
 impl OutputSpec {
@@ -161,6 +163,7 @@ impl OutputSpec {
             stop_ids: r.stop_ids.clone(),
             logit_bias: r.logit_bias.clone(),
             prompt_logprobs: r.prompt_logprobs,
+            resumed: r.resumed.clone(),
         }
     }
 }
@@ -212,23 +215,32 @@ impl LastBooks {
         let held = self.grammars.eos_ids.iter().chain(&out.stop_ids).copied().collect();
         let min_tokens = out.min_tokens;
         let (logprobs, prompt_logprobs) = (out.logprobs, out.prompt_logprobs);
-        self.live.insert(
-            seq,
-            SeqBook {
-                record,
-                sampling,
-                max_new,
-                logprobs,
-                prompt_logprobs,
-                prompt_next: 1,
-                grammar,
-                budget,
-                min_tokens,
-                held,
-                failed,
-                bias,
-            },
-        );
+        let prompt_len = record.prompt.len();
+        let mut book = SeqBook {
+            record,
+            sampling,
+            max_new,
+            logprobs,
+            prompt_logprobs,
+            prompt_next: 1,
+            grammar,
+            budget,
+            min_tokens,
+            held,
+            failed,
+            bias,
+        };
+        // A resumed sequence: its grammar, reasoning budget, penalties and
+        // sampler step go where its earlier tokens left them (the next draw
+        // is at step `resumed.len()`), and its prompt's logprobs went out.
+        if !out.resumed.is_empty() {
+            book.prompt_next = prompt_len;
+            let vocabulary = self.grammars.built.as_ref().and_then(|v| v.as_ref().ok());
+            for &id in &out.resumed {
+                book.follow(id, vocabulary);
+            }
+        }
+        self.live.insert(seq, book);
     }
 
     /// The token at position `pos` of sequence `seq` (prompt, then what it
@@ -604,6 +616,18 @@ impl SeqBook {
         vocab: usize,
         vocabulary: Option<&m3c_constrain::Vocabulary>,
     ) -> Result<Token, StageError> {
+        let logprobs = match (self.logprobs, out.logits.get(row * vocab..(row + 1) * vocab)) {
+            (Some(k), Some(logits)) => Some(m3c_sampler::logprobs::logprobs(logits, id as u32, k as usize)),
+            (Some(_), None) => return Err(StageError::Step("runtime bug: logprobs wanted, but the step returned no logits".into())),
+            _ => None,
+        };
+        self.follow(id, vocabulary);
+        Ok(Token { id, logprobs })
+    }
+
+    /// `id` is the sequence's next token: its grammar, budget, record and
+    /// bias follow it.
+    fn follow(&mut self, id: i64, vocabulary: Option<&m3c_constrain::Vocabulary>) {
         if let Some(g) = self.grammar.as_mut() {
             if let Err(e) = g.consume(id as u32) {
                 self.failed = Some(e.to_string());
@@ -612,16 +636,10 @@ impl SeqBook {
         if let (Some(budget), Some(v)) = (self.budget.as_mut(), vocabulary) {
             budget.consume(v, id as u32);
         }
-        let logprobs = match (self.logprobs, out.logits.get(row * vocab..(row + 1) * vocab)) {
-            (Some(k), Some(logits)) => Some(m3c_sampler::logprobs::logprobs(logits, id as u32, k as usize)),
-            (Some(_), None) => return Err(StageError::Step("runtime bug: logprobs wanted, but the step returned no logits".into())),
-            _ => None,
-        };
         self.record.generated.push(id);
         if let Some(adj) = self.bias.as_mut() {
             adj.generated(id as u32);
         }
-        Ok(Token { id, logprobs })
     }
 }
 

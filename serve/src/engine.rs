@@ -62,15 +62,35 @@ struct Running {
     last: Option<Instant>,
     /// The logprobs of the token whose id comes next.
     logprobs: Option<TokenLogprobs>,
+    /// The request as it was added, and the tokens it has sent since: what
+    /// a restarted pipeline is given to go on from ([`SeqRequest::resumed`]).
+    request: SeqRequest,
+    sent: Vec<i64>,
+    /// The next prompt position whose logprobs are still to send.
+    prompt_next: usize,
 }
 
 struct Waiting {
     seq: usize,
-    /// The framed `add` command (its line, and its images).
-    frame: Vec<u8>,
-    prompt_tokens: usize,
+    request: SeqRequest,
     tx: mpsc::UnboundedSender<Event>,
     arrived: Instant,
+}
+
+/// A pipeline lost: why, and the cause as `m3c:pipeline_restarts_total`
+/// labels it.
+#[derive(Debug, Clone)]
+pub struct Loss {
+    pub why: String,
+    pub cause: &'static str,
+}
+
+/// How often a lost pipeline is started again (`--max-restarts N` within
+/// `--restart-window-s`); 0: never (a lost pipeline fails its requests).
+#[derive(Debug, Clone, Copy)]
+pub struct Healing {
+    pub max_restarts: usize,
+    pub window: Duration,
 }
 
 #[derive(Default)]
@@ -109,7 +129,23 @@ struct TraceWindow {
 }
 
 pub struct Engine {
+    /// The first stage's input, of the pipeline started last.
     lines: Mutex<Option<mpsc::UnboundedSender<Vec<u8>>>>,
+    /// Which start of the pipeline is current: lines and losses of an
+    /// earlier one are ignored.
+    epoch: std::sync::atomic::AtomicU64,
+    /// The last start whose loss was told.
+    lost_epoch: std::sync::atomic::AtomicU64,
+    /// Losses go to the supervisor, which restarts the pipeline.
+    lost_tx: mpsc::UnboundedSender<Loss>,
+    /// Why the pipeline is restarting, and since when (None while it runs).
+    restarting: Mutex<Option<(String, Instant)>>,
+    /// What mpirun's log said of a start's end, once it closed (by epoch).
+    ended: Mutex<Option<(u64, m3c_front::launch::JobEnd)>>,
+    healing: Healing,
+    /// Ids that end a sequence (a resumed request whose last token was one
+    /// had ended: it is not resumed).
+    eos_ids: Vec<i64>,
     trace: Mutex<TraceWindow>,
     /// How long a stage may be silent (`--timeout-s`): bounds the wait for a trace.
     timeout: Duration,
@@ -176,14 +212,48 @@ impl Drop for Ticket {
 }
 
 impl Engine {
-    /// Starts the pipeline (`cmd` is mpirun over the stages with `--serve`).
-    pub fn start(
-        mut cmd: std::process::Command,
+    /// An engine with no pipeline yet ([`Engine::attach`] starts one), and
+    /// where its losses go (the supervisor's end).
+    pub fn new(
         limits: Limits,
         stages: usize,
         timeout: Duration,
         replica: Replica,
-    ) -> anyhow::Result<(Arc<Engine>, tokio::process::Child)> {
+        healing: Healing,
+        eos_ids: Vec<i64>,
+    ) -> (Arc<Engine>, mpsc::UnboundedReceiver<Loss>) {
+        let (down, _) = watch::channel(None);
+        let (lost_tx, lost_rx) = mpsc::unbounded_channel();
+        // The affinity table holds about what the pool can (routed blocks
+        // not yet stored age out past twice that).
+        let cap = 2 * (limits.blocks as usize).clamp(1024, m3c_contract::blocks::MAX_BLOCKS);
+        let engine = Arc::new(Engine {
+            replica,
+            affinity: Mutex::new(crate::replicas::route::Affinity::new(cap)),
+            lines: Mutex::new(None),
+            epoch: std::sync::atomic::AtomicU64::new(0),
+            lost_epoch: std::sync::atomic::AtomicU64::new(0),
+            lost_tx,
+            restarting: Mutex::new(None),
+            ended: Mutex::new(None),
+            healing,
+            eos_ids,
+            trace: Mutex::new(TraceWindow::default()),
+            timeout,
+            st: Mutex::new(State { reports: vec![None; stages], ..State::default() }),
+            limits,
+            metrics: Metrics::default(),
+            ready: AtomicBool::new(false),
+            kv_events: std::sync::OnceLock::new(),
+            down,
+        });
+        engine.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).stages = vec![StageStat::default(); stages];
+        (engine, lost_rx)
+    }
+
+    /// Starts a pipeline (`cmd` is mpirun over the stages with `--serve`)
+    /// as the engine's current one; its mpirun.
+    pub fn attach(self: &Arc<Engine>, mut cmd: std::process::Command) -> anyhow::Result<tokio::process::Child> {
         // A process group of its own: a terminal's Ctrl-C (or a service
         // manager's SIGTERM to the group) reaches the front only, which then
         // drains; mpirun still dies with the front (PR_SET_PDEATHSIG).
@@ -197,31 +267,15 @@ impl Engine {
         let (Some(mut stdin), Some(stdout), Some(stderr)) = (child.stdin.take(), child.stdout.take(), child.stderr.take()) else {
             anyhow::bail!("mpirun started without its pipes");
         };
+        let epoch = self.epoch.fetch_add(1, Ordering::SeqCst) + 1;
         let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
-        let (down, _) = watch::channel(None);
-        // The affinity table holds about what the pool can (routed blocks
-        // not yet stored age out past twice that).
-        let cap = 2 * (limits.blocks as usize).clamp(1024, m3c_contract::blocks::MAX_BLOCKS);
-        let engine = Arc::new(Engine {
-            replica,
-            affinity: Mutex::new(crate::replicas::route::Affinity::new(cap)),
-            lines: Mutex::new(Some(tx)),
-            trace: Mutex::new(TraceWindow::default()),
-            timeout,
-            st: Mutex::new(State { reports: vec![None; stages], ..State::default() }),
-            limits,
-            metrics: Metrics::default(),
-            ready: AtomicBool::new(false),
-            kv_events: std::sync::OnceLock::new(),
-            down,
-        });
-        engine.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).stages = vec![StageStat::default(); stages];
+        *self.lines.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
         // Writer: commands to the first stage; dropping the sender closes its input.
-        let e = engine.clone();
+        let e = self.clone();
         tokio::spawn(async move {
             while let Some(frame) = rx.recv().await {
                 if stdin.write_all(&frame).await.is_err() || stdin.flush().await.is_err() {
-                    e.fail("the first stage's input closed (the pipeline stopped)");
+                    e.lost(epoch, "the first stage's input closed (the pipeline stopped)", "input_closed");
                     break;
                 }
             }
@@ -229,35 +283,38 @@ impl Engine {
         // The stages' log, passed on. A stage's fatal error means the
         // pipeline is lost now: mpirun may wait minutes on a host that is
         // cut off before it exits (and closes the first stage's output).
-        let e = engine.clone();
+        let e = self.clone();
         tokio::spawn(async move {
             let mut lines = tokio::io::BufReader::new(stderr).lines();
             let mut log = m3c_front::launch::StageLog::new();
             let mut told = false;
-            let prefix = replica.prefix();
+            let prefix = e.replica.prefix();
             while let Ok(Some(line)) = lines.next_line().await {
                 for shown in log.line(&line) {
                     eprintln!("{prefix}{shown}");
                 }
                 if let Some(first) = log.first_error.as_ref().filter(|_| !told) {
-                    e.fail(&format!("the pipeline stopped: {first}"));
+                    e.lost(epoch, &format!("the pipeline stopped: {first}"), "stage_error");
                     told = true;
                 }
             }
             for shown in log.finish() {
                 eprintln!("{prefix}{shown}");
             }
+            *e.ended.lock().unwrap_or_else(|p| p.into_inner()) = Some((epoch, log.end.clone()));
         });
-        // Reader: the first stage's lines.
-        let e = engine.clone();
+        // Reader: the first stage's lines (an earlier start's are dropped).
+        let e = self.clone();
         tokio::spawn(async move {
             let mut lines = tokio::io::BufReader::new(stdout).lines();
             while let Ok(Some(line)) = lines.next_line().await {
-                e.on_line(&line);
+                if e.epoch.load(Ordering::SeqCst) == epoch {
+                    e.on_line(&line);
+                }
             }
-            e.fail("the pipeline stopped (a stage ended or was lost; its message is in the server's log)");
+            e.lost(epoch, "the pipeline stopped (a stage ended or was lost; its message is in the server's log)", "stage_lost");
         });
-        Ok((engine, child))
+        Ok(child)
     }
 
     fn window(&self) -> std::sync::MutexGuard<'_, TraceWindow> {
@@ -306,6 +363,39 @@ impl Engine {
         self.ready.load(Ordering::SeqCst) && self.down.borrow().is_none()
     }
 
+    /// What mpirun's log said of the end of start `epoch`, once its log
+    /// closed (within `wait`).
+    pub async fn job_end(&self, epoch: u64, wait: Duration) -> Option<m3c_front::launch::JobEnd> {
+        let t0 = Instant::now();
+        loop {
+            if let Some((e, end)) = self.ended.lock().unwrap_or_else(|p| p.into_inner()).as_ref().filter(|(e, _)| *e == epoch) {
+                let _ = e;
+                return Some(end.clone());
+            }
+            if t0.elapsed() > wait {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Which start of the pipeline is current.
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::SeqCst)
+    }
+
+    /// Why it takes no requests now: down, restarting, or still loading.
+    pub fn unready_reason(&self) -> String {
+        self.down_reason()
+            .or_else(|| self.restarting().map(|why| format!("{}the pipeline is restarting after: {why}", self.replica.prefix())))
+            .unwrap_or_else(|| "the model is loading".into())
+    }
+
+    /// Why the pipeline is restarting, while it is.
+    pub fn restarting(&self) -> Option<String> {
+        self.restarting.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|(why, _)| why.clone())
+    }
+
     /// Why the pipeline is down, once it is.
     pub fn down_reason(&self) -> Option<String> {
         self.down.borrow().clone()
@@ -352,7 +442,8 @@ impl Engine {
         if let Some(why) = self.down_reason() {
             return Err(SubmitError::Down(why));
         }
-        if !self.ready.load(Ordering::SeqCst) {
+        // While the pipeline restarts, requests wait (up to --max-queue).
+        if !self.ready.load(Ordering::SeqCst) && self.restarting().is_none() {
             return Err(SubmitError::Down("the model is still loading".into()));
         }
         let mut st = self.state();
@@ -377,9 +468,7 @@ impl Engine {
         let seq = st.next_seq;
         st.next_seq += 1;
         request.seq = seq;
-        let prompt_tokens = request.prompt.len();
-        let frame = Command::Add(request).to_bytes();
-        st.waiting.push_back(Waiting { seq, frame, prompt_tokens, tx, arrived: Instant::now() });
+        st.waiting.push_back(Waiting { seq, request, tx, arrived: Instant::now() });
         self.admit(&mut st);
         drop(st);
         Ok(Ticket { seq, rx, engine: self.clone(), done: false })
@@ -395,14 +484,53 @@ impl Engine {
         st.running.len() < self.limits.max_batch
     }
 
-    /// Starts waiting requests, in order, while they fit.
+    /// Starts waiting requests, in order, while they fit (and the pipeline is up).
     fn admit(&self, st: &mut State) {
-        while self.fits(st) {
+        while self.fits(st) && self.ready.load(Ordering::SeqCst) {
             let Some(w) = st.waiting.pop_front() else { break };
-            self.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).prompt_tokens += w.prompt_tokens as u64;
-            self.send(w.frame);
-            st.running.insert(w.seq, Running { tx: w.tx, arrived: w.arrived, last: None, logprobs: None });
+            self.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).prompt_tokens += w.request.prompt.len() as u64;
+            self.send(Command::Add(w.request.clone()).to_bytes());
+            let running =
+                Running { tx: w.tx, arrived: w.arrived, last: None, logprobs: None, request: w.request, sent: Vec::new(), prompt_next: 0 };
+            st.running.insert(w.seq, running);
         }
+    }
+
+    /// The restarted pipeline is up: every request that was running goes on
+    /// from the tokens it sent (one that had ended, by its last token or its
+    /// length, ends), then the waiting ones are admitted.
+    fn resume(&self, st: &mut State) {
+        let mut seqs: Vec<usize> = st.running.keys().copied().collect();
+        seqs.sort_unstable();
+        let mut resumed = 0u64;
+        for seq in seqs {
+            let Some(r) = st.running.get(&seq) else { continue };
+            let last = r.sent.last().copied();
+            let ended = last.is_some_and(|t| (!r.request.ignore_eos && self.eos_ids.contains(&t)) || r.request.stop_ids.contains(&t));
+            let reason = if ended {
+                Some(EndReason::Stop)
+            } else if r.sent.len() >= r.request.max_new {
+                Some(EndReason::Length)
+            } else {
+                None
+            };
+            if let Some(reason) = reason {
+                if let Some(r) = st.running.remove(&seq) {
+                    self.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).requests_ok += 1;
+                    let _ = r.tx.send(Event::End(reason.as_str().to_string()));
+                }
+                continue;
+            }
+            let mut again = r.request.clone();
+            again.resumed = r.sent.clone();
+            if !r.sent.is_empty() {
+                again.prompt_logprobs = None;
+            }
+            self.send(Command::Add(again).to_bytes());
+            resumed += 1;
+        }
+        self.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).requests_resumed += resumed;
+        self.admit(st);
     }
 
     /// Cancels a request: a waiting one leaves the queue, a running one is
@@ -419,9 +547,37 @@ impl Engine {
         }
     }
 
+    /// The pipeline of start `epoch` is lost: with restarts left, the
+    /// supervisor gets it (its requests wait to resume); otherwise every
+    /// open request fails. A loss of an earlier start, or one already
+    /// told, is ignored.
+    pub fn lost(&self, epoch: u64, why: &str, cause: &'static str) {
+        if epoch != self.epoch.load(Ordering::SeqCst) || self.down.borrow().is_some() {
+            return;
+        }
+        if self.lost_epoch.swap(epoch, Ordering::SeqCst) == epoch {
+            return;
+        }
+        if self.healing.max_restarts == 0 {
+            // The supervisor still ends the job.
+            self.fail(why);
+            let _ = self.lost_tx.send(Loss { why: why.to_string(), cause });
+            return;
+        }
+        // A restart that is lost again keeps the time of the first loss.
+        let mut r = self.restarting.lock().unwrap_or_else(|e| e.into_inner());
+        let since = r.as_ref().map_or_else(Instant::now, |(_, t)| *t);
+        *r = Some((why.to_string(), since));
+        drop(r);
+        self.ready.store(false, Ordering::SeqCst);
+        self.lines.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let _ = self.lost_tx.send(Loss { why: why.to_string(), cause });
+    }
+
     /// Ends every open request with `why` and marks the pipeline down.
     pub fn fail(&self, why: &str) {
         let why = &format!("{}{why}", self.replica.prefix());
+        self.restarting.lock().unwrap_or_else(|e| e.into_inner()).take();
         let mut st = self.state();
         self.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).requests_failed += (st.running.len() + st.waiting.len()) as u64;
         for (_, r) in st.running.drain() {
@@ -499,7 +655,21 @@ impl Engine {
                     p.all_cleared();
                 }
                 self.ready.store(true, Ordering::SeqCst);
-                eprintln!("m3c serve: {}every stage is up", self.replica.prefix());
+                let restarted = self.restarting.lock().unwrap_or_else(|e| e.into_inner()).take();
+                match restarted {
+                    None => eprintln!("m3c serve: {}every stage is up", self.replica.prefix()),
+                    Some((_, since)) => {
+                        let took = since.elapsed().as_secs_f64();
+                        self.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).restart_seconds.observe(took);
+                        let mut st = self.state();
+                        eprintln!(
+                            "m3c serve: {}the pipeline is up again {took:.2} s after it was lost; {} request(s) go on",
+                            self.replica.prefix(),
+                            st.running.len()
+                        );
+                        self.resume(&mut st);
+                    }
+                }
             }
             StageEvent::Id { seq, id } => {
                 let mut st = self.state();
@@ -512,11 +682,14 @@ impl Engine {
                     }
                     c.generation_tokens += 1;
                     r.last = Some(now);
+                    r.sent.push(i64::from(id));
                     let _ = r.tx.send(Event::Token(id, r.logprobs.take()));
                 }
             }
             StageEvent::PromptLogprobs { seq, pos, id, lp } => {
-                if let Some(r) = self.state().running.get(&seq) {
+                // A restarted pipeline may report again what went out before.
+                if let Some(r) = self.state().running.get_mut(&seq).filter(|r| pos >= r.prompt_next) {
+                    r.prompt_next = pos + 1;
                     let _ = r.tx.send(Event::Prompt(pos, id, lp));
                 }
             }

@@ -155,8 +155,7 @@ async fn health(State(app): State<App>) -> Response {
     let mut body = if app.engine.healthy() {
         json!({"status": "ok"})
     } else {
-        let why = app.engine.down_reason().unwrap_or_else(|| "the model is loading".into());
-        json!({"status": "unavailable", "reason": why})
+        json!({"status": "unavailable", "reason": app.engine.unready_reason()})
     };
     let states = app.engine.states();
     if states.len() > 1 {
@@ -165,7 +164,7 @@ async fn health(State(app): State<App>) -> Response {
             .enumerate()
             .map(|(i, (up, why))| match (up, why) {
                 (true, _) => json!({"replica": i, "status": "ok"}),
-                (false, why) => json!({"replica": i, "status": "unavailable", "reason": why.unwrap_or_else(|| "loading".into())}),
+                (false, why) => json!({"replica": i, "status": "unavailable", "reason": why}),
             })
             .collect();
     }

@@ -71,7 +71,12 @@ pub struct Options {
     /// Pipelines of the build behind this one front (vLLM's
     /// `--data-parallel-size`), on the hostfile's slots in turn or all here.
     pub data_parallel_size: usize,
+    /// How often a lost pipeline is started again (`--max-restarts`,
+    /// `--restart-window-s`).
+    pub healing: Healing,
 }
+
+pub use engine::Healing;
 
 /// What the OpenAI API itself is asked for, beside the pipeline behind it.
 pub struct ApiOptions {
@@ -164,8 +169,10 @@ pub fn run(o: Options) -> Result<()> {
 /// What `prepare` read and checked; the engine (which needs the async
 /// runtime) completes the server's shared state.
 struct Prepared {
-    /// Each replica's mpirun.
+    /// Each replica's mpirun, and how to make it again (a restart).
     cmds: Vec<std::process::Command>,
+    launchers: Vec<Launcher>,
+    eos_ids: Vec<i64>,
     stages: usize,
     limits: engine::Limits,
     /// The KV pool, in words for the start-up line.
@@ -258,6 +265,15 @@ fn prepare(o: &Options) -> Result<Prepared> {
     }
     let trace_dir = o.trace_dir.clone();
     let cmds = placements.iter().map(|p| compiled.mpirun_placed(&stage, &o.launch, p)).collect::<Result<Vec<_>>>()?;
+    let compiled = std::sync::Arc::new(compiled);
+    let launchers: Vec<Launcher> = placements
+        .into_iter()
+        .map(|p| {
+            let (c, stage, launch) = (compiled.clone(), stage.clone(), o.launch.clone());
+            std::sync::Arc::new(move || c.mpirun_placed(&stage, &launch, &p)) as Launcher
+        })
+        .collect();
+    let stage_eos = gen.eos_ids.clone();
     let media = o.api.media.clone().checked()?;
     let limits = engine::Limits { per_position, kv_block, blocks, max_batch: o.max_batch.max(1), max_queue: o.max_queue };
     let (api_key, default_max_tokens) = (o.api.api_key.clone(), o.api.default_max_tokens);
@@ -307,7 +323,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
             compiled.manifest.kv_cache
         ),
     };
-    Ok(Prepared { cmds, stages, limits, pool, shared: Box::new(shared) })
+    Ok(Prepared { cmds, launchers, eos_ids: stage_eos, stages, limits, pool, shared: Box::new(shared) })
 }
 
 /// Seconds between stats lines (vLLM's 10; `M3C_STATS_INTERVAL_S` for tests).
@@ -342,12 +358,14 @@ async fn log_stats(replicas: std::sync::Arc<replicas::Replicas>) {
 /// is lost and the server's own stop.
 type Job = std::sync::Arc<tokio::sync::Mutex<tokio::process::Child>>;
 
-/// Ends a job that is lost or must stop now: SIGTERM to mpirun, which
-/// takes its ranks down with it, then after a few seconds SIGKILL to its
-/// process group. Its exit status, once reaped.
-async fn end_job(job: &Job) -> Option<std::process::ExitStatus> {
+/// Ends a job that is lost or must stop now: after `grace` for mpirun to
+/// end by itself (it does within a moment of a rank's death, and says
+/// which), SIGTERM to mpirun, which takes its ranks down with it, then
+/// after a few seconds SIGKILL to its process group. Its exit status,
+/// once reaped.
+async fn end_job(job: &Job, grace: Duration) -> Option<std::process::ExitStatus> {
     let mut child = job.lock().await;
-    if let Ok(Some(s)) = child.try_wait() {
+    if let Ok(Ok(s)) = tokio::time::timeout(grace, child.wait()).await {
         return Some(s);
     }
     if let Some(pid) = child.id() {
@@ -370,6 +388,120 @@ async fn end_job(job: &Job) -> Option<std::process::ExitStatus> {
 
 /// How long a lost job's mpirun gets to take its ranks down.
 const JOB_TERM: Duration = Duration::from_secs(3);
+
+/// How long a lost job's mpirun gets to end by itself before it is told to.
+const JOB_GRACE: Duration = Duration::from_secs(2);
+
+/// Makes a replica's mpirun command again (checking its hosts first, as
+/// at start-up).
+type Launcher = std::sync::Arc<dyn Fn() -> Result<std::process::Command> + Send + Sync>;
+
+/// One replica's supervisor: a lost pipeline's job is ended on every host
+/// and, within `--max-restarts`, started again from the same build; its
+/// open requests wait and go on where they were (`Engine::resume`).
+/// Past the limit, or without healing, the replica is down for good.
+struct Supervisor {
+    all: std::sync::Arc<replicas::Replicas>,
+    r: usize,
+    job: Job,
+    launcher: Launcher,
+    stop: watch::Receiver<Option<Stop>>,
+    healing: Healing,
+    /// The stages' `--timeout-s`: a restart must be up within it (plus start-up).
+    timeout: Duration,
+}
+
+impl Supervisor {
+    async fn run(self, mut losses: tokio::sync::mpsc::UnboundedReceiver<engine::Loss>) {
+        let e = self.all.engines[self.r].clone();
+        let prefix = e.replica.prefix();
+        let mut starts: std::collections::VecDeque<std::time::Instant> = Default::default();
+        while let Some(loss) = losses.recv().await {
+            if self.stop.borrow().is_some() {
+                return;
+            }
+            let epoch = e.epoch();
+            let status = end_job(&self.job, JOB_GRACE).await;
+            // What mpirun said names the stage, its host and the signal, or the lost host.
+            let (said, cause_seen) = match e.job_end(epoch, Duration::from_secs(1)).await {
+                Some(m3c_front::launch::JobEnd { killed: Some((rank, node, signal)), .. }) => {
+                    (format!("; stage {rank} on host {node} was killed by signal {signal}"), Some("signal"))
+                }
+                Some(m3c_front::launch::JobEnd { lost_node: Some(node), .. }) => (format!("; host {node} was lost"), Some("lost_host")),
+                _ => match status.and_then(|s| s.code()) {
+                    Some(c) if c != 0 => (format!("; mpirun exit status {c}"), None),
+                    _ => (String::new(), None),
+                },
+            };
+            if e.down_reason().is_some() {
+                // No healing: the replica is out for good.
+                let up = self.all.engines.iter().filter(|x| x.healthy()).count();
+                if self.all.engines.len() > 1 && up > 0 {
+                    eprintln!("m3c serve: {prefix}{}; the replica is out of routing, {up} serve on", loss.why);
+                }
+                return;
+            }
+            let (mut why, mut cause) = (format!("{}{said}", loss.why), cause_seen.unwrap_or(loss.cause));
+            loop {
+                let now = std::time::Instant::now();
+                while starts.front().is_some_and(|t| now.duration_since(*t) > self.healing.window) {
+                    starts.pop_front();
+                }
+                if starts.len() >= self.healing.max_restarts {
+                    e.fail(&format!(
+                        "{why}; the pipeline was started again {} time(s) within {:.0} s, the --max-restarts limit, so it stays down",
+                        starts.len(),
+                        self.healing.window.as_secs_f64()
+                    ));
+                    return;
+                }
+                starts.push_back(now);
+                *e.metrics.c.lock().unwrap_or_else(|p| p.into_inner()).restarts.entry(cause).or_default() += 1;
+                eprintln!(
+                    "m3c serve: {prefix}{why} (cause {cause}); starting it again ({} of at most {} within {:.0} s)",
+                    starts.len(),
+                    self.healing.max_restarts,
+                    self.healing.window.as_secs_f64()
+                );
+                let l = self.launcher.clone();
+                let started = match tokio::task::spawn_blocking(move || l()).await {
+                    Ok(Ok(cmd)) => e.attach(cmd),
+                    Ok(Err(err)) => Err(err),
+                    Err(join) => Err(anyhow::anyhow!("the launch task failed: {join}")),
+                };
+                match started {
+                    Ok(child) => {
+                        *self.job.lock().await = child;
+                        // A start that is not up in time is lost too.
+                        let (w, epoch, limit) = (e.clone(), e.epoch(), self.timeout + RESTART_UP);
+                        tokio::spawn(async move {
+                            tokio::time::sleep(limit).await;
+                            if !w.healthy() {
+                                w.lost(
+                                    epoch,
+                                    &format!("the restarted pipeline was not up within {:.0} s", limit.as_secs_f64()),
+                                    "not_ready",
+                                );
+                            }
+                        });
+                        break;
+                    }
+                    Err(err) => {
+                        (why, cause) = (format!("starting it again failed: {err:#}"), "start_failed");
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                        if self.stop.borrow().is_some() {
+                            return;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// What a restarted pipeline gets beyond `--timeout-s` to be up (mapping
+/// weights, allocating its pool).
+const RESTART_UP: Duration = Duration::from_secs(60);
 
 /// Listens, starts the pipelines, serves until a signal or until no
 /// pipeline is left, then shuts down (in-flight requests get `--grace`
@@ -394,15 +526,19 @@ async fn serve(o: Options, p: Prepared) -> Result<()> {
     }
     let mut engines = Vec::with_capacity(n);
     let mut jobs: Vec<Job> = Vec::with_capacity(n);
+    let mut losses = Vec::with_capacity(n);
     let mut publishers = publishers.into_iter();
+    let timeout = Duration::from_secs_f64(o.timeout_s);
     for (r, cmd) in p.cmds.into_iter().enumerate() {
-        let (engine, child) =
-            engine::Engine::start(cmd, p.limits, p.stages, Duration::from_secs_f64(o.timeout_s), engine::Replica { index: r, of: n })?;
+        let replica = engine::Replica { index: r, of: n };
+        let (engine, lost) = engine::Engine::new(p.limits, p.stages, timeout, replica, o.healing, p.eos_ids.clone());
         if let Some(pb) = publishers.next() {
             let _ = engine.kv_events.set(pb);
         }
+        let child = engine.attach(cmd)?;
         engines.push(engine);
         jobs.push(std::sync::Arc::new(tokio::sync::Mutex::new(child)));
+        losses.push(lost);
     }
     let replicas = std::sync::Arc::new(replicas::Replicas::new(engines, p.limits.kv_block as usize, o.prefix_caching, o.max_batch));
     let shared = (p.shared)(replicas.clone());
@@ -420,22 +556,10 @@ async fn serve(o: Options, p: Prepared) -> Result<()> {
     // Signals, and the loss of every pipeline, stop the server.
     let (stop_tx, stop_rx) = watch::channel(None::<Stop>);
     stop_on_signals(stop_tx.clone());
-    // A replica that stops leaves routing (its requests have their error)
-    // and its job is ended and reaped; the others serve on.
-    if n > 1 {
-        for (r, job) in jobs.iter().enumerate() {
-            let (all, job, stop) = (replicas.clone(), job.clone(), stop_rx.clone());
-            tokio::spawn(async move {
-                let why = all.engines[r].wait_down().await;
-                if stop.borrow().is_none() {
-                    let up = all.engines.iter().filter(|e| e.healthy()).count();
-                    if up > 0 {
-                        eprintln!("m3c serve: {why}; the replica is out of routing, {up} serve on");
-                    }
-                    end_job(&job).await;
-                }
-            });
-        }
+    // Each pipeline's supervisor ends a lost job and starts it again.
+    for ((r, job), (lost, launcher)) in jobs.iter().enumerate().zip(losses.into_iter().zip(p.launchers)) {
+        let s = Supervisor { all: replicas.clone(), r, job: job.clone(), launcher, stop: stop_rx.clone(), healing: o.healing, timeout };
+        tokio::spawn(s.run(lost));
     }
     let r = replicas.clone();
     tokio::spawn(async move {
@@ -488,7 +612,7 @@ async fn serve(o: Options, p: Prepared) -> Result<()> {
                     Ok(Err(e)) => failed.push(format!("waiting for {whose}'s mpirun: {e}")),
                     Err(_) => {
                         drop(child);
-                        end_job(job).await;
+                        end_job(job, Duration::ZERO).await;
                         failed.push(format!("{whose} did not stop within {} s; it was killed", o.timeout_s + 10.0));
                     }
                 }
@@ -505,7 +629,7 @@ async fn serve(o: Options, p: Prepared) -> Result<()> {
             let _ = tokio::time::timeout(LINGER + Duration::from_secs(5), &mut server).await;
             let mut codes = Vec::new();
             for job in &jobs {
-                let status = end_job(job).await;
+                let status = end_job(job, Duration::ZERO).await;
                 codes.push(status.and_then(|s| s.code()).map_or("signal".to_string(), |c| c.to_string()));
             }
             let word = if n > 1 { "statuses" } else { "status" };

@@ -77,6 +77,11 @@ pub struct Counters {
     pub spec_accepted_per_pos: Vec<u64>,
     /// The first stage's vision encoder, as it last reported.
     pub encoder: EncoderStats,
+    /// Pipeline restarts by cause, requests that went on after one, and
+    /// how long each took from the loss to the stages being up again.
+    pub restarts: std::collections::BTreeMap<&'static str, u64>,
+    pub requests_resumed: u64,
+    pub restart_seconds: Histogram,
 }
 
 /// The vision encoder's figures (`Event::Encoder`): cumulative counts and
@@ -376,6 +381,14 @@ fn render_m3c(w: &mut Exposition) {
     w.counter("requests_cancelled_total", "Requests cancelled: the client went away or a stop string ended them.", |c| {
         c.requests_cancelled
     });
+    w.family("pipeline_restarts_total", "counter", "Pipelines started again after a loss, by cause.");
+    for r in w.rows {
+        for (cause, n) in &r.c.restarts {
+            let _ = writeln!(w.out, "m3c:pipeline_restarts_total{} {n}", braces(&[&format!("cause=\"{cause}\""), &r.labels]));
+        }
+    }
+    w.counter("requests_resumed_total", "Requests that went on from their sent tokens on a restarted pipeline.", |c| c.requests_resumed);
+    w.histogram("m3c:pipeline_restart_seconds", "Time from a pipeline's loss to its restart's stages being up.", |c| &c.restart_seconds);
     w.histogram("m3c:time_to_first_token_seconds", "Time from a request's arrival to its first token.", |c| &c.ttft);
     w.histogram("m3c:inter_token_latency_seconds", "Time between a request's consecutive tokens.", |c| &c.itl);
     let stage_values = |f: fn(&StageStat) -> f64| move |c: &Counters| c.stages.iter().map(f).collect::<Vec<f64>>();

@@ -56,7 +56,7 @@ fn two_replicas_serve_one_replica_s_text_route_by_prefix_and_outlive_a_lost_one(
     let one = Server::start(&crate::shared::out("tiny-m3", 2), &fixture("tiny-m3"), &[]);
     let want = workload(&format!("{}/v1", one.root()));
     drop(one);
-    let mut s = Server::start(&out, &model, &["--data-parallel-size", "2", "--timeout-s", "5"]);
+    let mut s = Server::start(&out, &model, &["--data-parallel-size", "2", "--timeout-s", "5", "--max-restarts", "0"]);
     wait_health(&s, "both replicas up", |r| r.len() == 2 && r.iter().all(|r| r["status"] == "ok"));
     // Four ranks share this machine: each stage knows its place.
     for (k, share) in [(0, "0/4"), (1, "1/4"), (0, "2/4"), (1, "3/4")] {
@@ -64,9 +64,13 @@ fn two_replicas_serve_one_replica_s_text_route_by_prefix_and_outlive_a_lost_one(
     }
     assert_eq!(workload(&s.base()), want, "two replicas give one replica's text\n{}", s.log());
 
-    // P1 runs (streaming) on replica 0 when P2 arrives, which goes to the
-    // idle replica 1. Alone later, each goes back to its own replica's
-    // cache, though both are idle and a tie would pick replica 0.
+    // P1 runs (streaming) on one replica when P2 arrives, which goes to
+    // the other, idle one. Alone later, each goes back to its own
+    // replica's cache, though both are idle.
+    let metric = |name: &str, r: usize| counter(&get(&format!("{}/metrics", s.root())), name, &format!("replica=\"{r}\""));
+    let prompts = |r: usize| metric("m3c:prompt_tokens_total", r);
+    let hits = |r: usize| metric("m3c:prefix_cache_hits_total", r);
+    let before = [prompts(0), prompts(1)];
     let p1: Vec<u32> = (300..340).collect();
     let p2: Vec<u32> = (400..440).collect();
     let body = serde_json::json!({"model": "tiny", "prompt": p1, "max_tokens": 3000, "ignore_eos": true, "temperature": 0, "stream": true});
@@ -80,16 +84,18 @@ fn two_replicas_serve_one_replica_s_text_route_by_prefix_and_outlive_a_lost_one(
     let mut reader = std::io::BufReader::new(long.stdout.take().unwrap());
     reader.read_line(&mut first).unwrap();
     assert!(first.starts_with("data: "), "P1 streams: {first}");
+    let a = usize::from(prompts(1) > before[1]);
+    let b = 1 - a;
     complete(&s.root(), &p2);
+    assert_eq!(prompts(b), before[b] + 40.0, "P2 went to the replica P1 does not run on");
     drop(reader);
     let _ = long.kill();
     let _ = long.wait();
-    let hits = |r: usize| counter(&get(&format!("{}/metrics", s.root())), "m3c:prefix_cache_hits_total", &format!("replica=\"{r}\""));
-    let (h0, h1) = (hits(0), hits(1));
+    let (ha, hb) = (hits(a), hits(b));
     complete(&s.root(), &p2);
-    assert!(hits(1) >= h1 + 36.0 && hits(0) == h0, "P2 went back to replica 1: {h0}->{}, {h1}->{}", hits(0), hits(1));
+    assert!(hits(b) >= hb + 36.0 && hits(a) == ha, "P2 went back to replica {b}: {ha}->{}, {hb}->{}", hits(a), hits(b));
     complete(&s.root(), &p1);
-    assert!(hits(0) >= h0 + 36.0, "P1 went back to replica 0: {h0}->{}", hits(0));
+    assert!(hits(a) >= ha + 36.0, "P1 went back to replica {a}: {ha}->{}", hits(a));
 
     let m = get(&format!("{}/metrics", s.root()));
     for series in ["m3c:replica_up{replica=\"1\"} 1", "vllm:num_requests_running{model_name=\"tiny\",engine=\"1\"} 0"] {

@@ -12,6 +12,7 @@ mod eagle3;
 mod encoder;
 mod gpu_kernels;
 mod graph;
+mod healing;
 mod host_kernels;
 mod hostile;
 mod kv;

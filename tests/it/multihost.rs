@@ -346,8 +346,21 @@ fn serve_across_hosts_answers_as_one_host_and_fails_cleanly() {
     let bin = m3c_tests::m3c_bin();
     let out = remote_first_stage(&hosts, "serve");
     let (out_s, model_s) = (out.to_str().unwrap(), model.to_str().unwrap());
-    let serve =
-        [bin.to_str().unwrap(), "serve", out_s, "--model", model_s, "--port", "0", "--served-model-name", "tiny", "--timeout-s", "3"];
+    let serve = [
+        bin.to_str().unwrap(),
+        "serve",
+        out_s,
+        "--model",
+        model_s,
+        "--port",
+        "0",
+        "--served-model-name",
+        "tiny",
+        "--timeout-s",
+        "3",
+        "--max-restarts",
+        "0",
+    ];
     let server = RemoteServer::start(&hosts, &serve);
     let (python, client) = (crate::serve::python(), m3c_tests::root().join("tests/serve/client.py"));
     let base = server.base();
@@ -451,6 +464,8 @@ fn data_parallel_replicas_on_their_own_hosts_serve_and_outlive_a_lost_one() {
         "2",
         "--hostfile",
         &placed,
+        "--max-restarts",
+        "0",
     ];
     let mut server = RemoteServer::start(&hosts, &serve);
     let health = |server: &RemoteServer| -> serde_json::Value {

@@ -944,7 +944,7 @@ fn sigterm_lets_running_requests_finish_then_exits_0() {
 }
 
 /// The pid of the process whose command line names `exe`.
-fn pid_of(exe: &Path) -> Option<i32> {
+pub(crate) fn pid_of(exe: &Path) -> Option<i32> {
     let want = exe.to_str()?;
     std::fs::read_dir("/proc").ok()?.filter_map(Result::ok).find_map(|e| {
         let pid: i32 = e.file_name().to_str()?.parse().ok()?;
@@ -956,7 +956,8 @@ fn pid_of(exe: &Path) -> Option<i32> {
 #[test]
 fn a_stage_killed_mid_stream_fails_the_request_and_the_server_exits_non_zero() {
     let (_dir, out, model) = private_copy();
-    let mut s = Server::start(&out, &model, &["--timeout-s", "5"]);
+    // Without restarts (--max-restarts 0): tests/it/healing.rs has them.
+    let mut s = Server::start(&out, &model, &["--timeout-s", "5", "--max-restarts", "0"]);
     let stream = s.stream();
     let stage = pid_of(&out.join("stage-1")).expect("stage 1 runs");
     // SAFETY: kill(2) on a stage process of this test's own server.

@@ -113,6 +113,55 @@ async def load(base, model, n, max_tokens):
     return {"n": n, "chunks": sum(got)}
 
 
+async def fault_streams(base, model, n, max_tokens, fault_after):
+    """n concurrent streams, half greedy and half sampled (each with its own
+    seed), with logprobs, and one chat that reasons; once `fault_after`
+    chunks have arrived over all of them, prints `fault` (the caller then
+    harms the pipeline). Each stream's text, token logprobs and finish
+    reason, to compare with a run without the fault."""
+    a = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=300)
+    seen = 0
+
+    def arrived():
+        nonlocal seen
+        seen += 1
+        if seen == fault_after:
+            print("fault", flush=True)
+
+    async def one(i):
+        sampled = dict(temperature=0.8, top_p=0.95, seed=500 + i) if i % 2 else dict(temperature=0)
+        stream = await a.completions.create(
+            model=model, prompt=f"Story {i}: the {i * 3} travellers", stream=True, max_tokens=max_tokens, logprobs=2,
+            extra_body={"ignore_eos": True}, **sampled
+        )
+        text, lps, finish = "", [], None
+        async for chunk in stream:
+            arrived()
+            for ch in chunk.choices:
+                text += ch.text
+                if ch.logprobs:
+                    lps += list(zip(ch.logprobs.tokens, ch.logprobs.token_logprobs))
+                finish = ch.finish_reason or finish
+        return {"text": text, "logprobs": lps, "finish": finish}
+
+    async def chat():
+        stream = await a.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Count the travellers."}], stream=True, max_tokens=max_tokens,
+            temperature=0.7, seed=7, extra_body={"chat_template_kwargs": {"thinking_mode": "enabled"}}
+        )
+        content, reasoning, finish = "", "", None
+        async for chunk in stream:
+            arrived()
+            for ch in chunk.choices:
+                content += ch.delta.content or ""
+                reasoning += getattr(ch.delta, "reasoning_content", None) or getattr(ch.delta, "reasoning", None) or ""
+                finish = ch.finish_reason or finish
+        return {"text": content, "reasoning": reasoning, "finish": finish}
+
+    answers = await asyncio.gather(*[one(i) for i in range(n)], chat())
+    return {"answers": answers}
+
+
 def metric(base, name):
     root = base.rsplit("/v1", 1)[0]
     for line in httpx.get(f"{root}/metrics", timeout=10).text.splitlines():
@@ -1113,6 +1162,7 @@ COMMANDS = {
     "chat": lambda base, model, rest: chat(base, model, rest[0], json.loads(rest[1])),
     "concurrent": lambda base, model, rest: asyncio.run(concurrent(base, model, int(rest[0]), int(rest[1]))),
     "load": lambda base, model, rest: asyncio.run(load(base, model, int(rest[0]), int(rest[1]))),
+    "fault_streams": lambda base, model, rest: asyncio.run(fault_streams(base, model, int(rest[0]), int(rest[1]), int(rest[2]))),
     "disconnect": lambda base, model, rest: disconnect(base, model),
     "tools": lambda base, model, rest: tools(base, model),
     "shared_prefix": lambda base, model, rest: asyncio.run(shared_prefix(base, model, int(rest[0]))),

@@ -206,6 +206,38 @@ fn a_preempted_sequence_keeps_what_it_generated() {
 }
 
 #[test]
+fn a_resumed_request_goes_on_as_if_never_stopped() {
+    // A request re-admitted with the tokens it generated on a lost
+    // pipeline recomputes its rows and draws what it would have drawn.
+    let p = prompt(9, 3);
+    let whole = solo(hashed, &p, 12, EOS);
+    assert!(whole.len() > 6, "{whole:?}");
+    for k in [1, 5] {
+        let mut s = Sim::new(config(), hashed);
+        let mut r = request(1, &p, 12);
+        r.resumed = whole[..k].to_vec();
+        s.add(r, false).unwrap();
+        s.run(200);
+        assert_eq!(s.outputs[&1], whole, "resumed after {k}");
+        let drawn = s.events.iter().filter(|e| matches!(e, Event::Id { seq: 1, .. })).count();
+        assert_eq!(drawn, whole.len() - k, "only the tokens after the {k} resumed are reported");
+    }
+    // Its stop strings see the text it generated before.
+    let mut s = Sim::new(config(), periodic);
+    s.e.set_token_bytes((0..VOCAB).map(|i| vec![b'a' + (i % 26) as u8]).collect());
+    let mut r = request(1, &[1, 2, 3, 4], 10);
+    r.stops = vec![b"bc".to_vec()];
+    r.resumed = vec![1];
+    s.add(r, false).unwrap();
+    s.run(100);
+    assert_eq!(s.outputs[&1], [1, 2], "\"b\" came before the pipeline was lost, \"c\" completes the stop");
+    // A request with nothing left to generate is refused.
+    let mut r = request(2, &[1, 2], 3);
+    r.resumed = vec![5, 6, 7];
+    assert!(s.add(r, false).unwrap_err().contains("resumed"));
+}
+
+#[test]
 fn a_cached_prefix_is_counted_and_not_computed_again() {
     let mut s = Sim::new(config(), hashed);
     let p = prompt(10, 3);

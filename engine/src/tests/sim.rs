@@ -64,6 +64,7 @@ pub fn request(seq: usize, prompt: &[i64], max_new: usize) -> Request {
         stop_ids: Vec::new(),
         prompt_logprobs: false,
         images: Vec::<ImageRows>::new(),
+        resumed: Vec::new(),
     }
 }
 
@@ -128,7 +129,7 @@ impl Sim {
     /// Adds `r` if the engine takes it; the refusal otherwise.
     pub fn add(&mut self, r: Request, encoding: bool) -> Result<(), String> {
         self.e.check(&r)?;
-        self.ids.insert(r.seq, r.prompt.clone());
+        self.ids.insert(r.seq, [&r.prompt[..], &r.resumed[..]].concat());
         self.prompt_len.insert(r.seq, r.prompt.len());
         self.stage.insert(r.seq, StageSeq::default());
         self.e.add(r, encoding);

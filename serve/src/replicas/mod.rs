@@ -44,13 +44,11 @@ impl Replicas {
             .engines
             .iter()
             .map(|e| {
-                e.healthy().then(|| route::Candidate {
-                    load: e.load(),
-                    matched: e.affinity.lock().unwrap_or_else(|p| p.into_inner()).matched(&chain),
-                })
+                let a = e.affinity.lock().unwrap_or_else(|p| p.into_inner());
+                e.healthy().then(|| route::Candidate { load: e.load(), matched: a.matched(&chain), held: a.len() })
             })
             .collect();
-        let Some(r) = route::pick(&candidates, self.slack) else {
+        let Some(r) = route::pick(&candidates, chain.len(), self.slack) else {
             return Err(SubmitError::Down(self.down_reason().unwrap_or_else(|| "the model is still loading".into())));
         };
         let ticket = self.engines[r].submit(request)?;
@@ -73,9 +71,15 @@ impl Replicas {
         (!why.is_empty()).then(|| why.join("; "))
     }
 
+    /// Why no replica takes requests now (down, restarting or loading).
+    pub fn unready_reason(&self) -> String {
+        let why: Vec<String> = self.engines.iter().map(|e| e.unready_reason()).collect();
+        why.join("; ")
+    }
+
     /// Every replica's state for `/health`: (up, why not).
-    pub fn states(&self) -> Vec<(bool, Option<String>)> {
-        self.engines.iter().map(|e| (e.healthy(), e.down_reason())).collect()
+    pub fn states(&self) -> Vec<(bool, String)> {
+        self.engines.iter().map(|e| (e.healthy(), e.unready_reason())).collect()
     }
 
     /// The server's figures: every replica's summed.

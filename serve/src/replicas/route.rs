@@ -1,7 +1,11 @@
-//! Which replica takes a request (`--data-parallel-size`): the one whose
-//! prefix cache holds the longest start of its prompt, unless that one is
-//! a whole batch busier than the least busy, which then takes it. What
-//! each replica holds is known from its first stage's block events
+//! Which replica takes a request (`--data-parallel-size`), as SGLang's
+//! cache-aware router decides: the one whose prefix cache holds the
+//! longest start of its prompt, when that is at least half the prompt and
+//! the replica is less than a batch busier than the least busy one;
+//! otherwise the least busy, and among equals the one holding the fewest
+//! blocks, so that new prefixes spread over the replicas instead of
+//! following the short start (a chat template's) that every prompt shares.
+//! What each replica holds is known from its first stage's block events
 //! (stored, evicted) and from the prompts routed to it, whose blocks it
 //! will hold once they are prefilled: requests of one prefix that arrive
 //! together go to one replica, not one each.
@@ -10,23 +14,25 @@ use m3c_contract::blocks::BlockHash;
 use std::collections::HashMap;
 
 /// A replica that can take requests: its load (requests running and
-/// waiting in the front) and how many leading blocks of the prompt its
-/// cache holds.
+/// waiting in the front), how many leading blocks of the prompt its cache
+/// holds, and how many blocks it holds in all.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Candidate {
     pub load: usize,
     pub matched: usize,
+    pub held: usize,
 }
 
-/// The replica for a request among `candidates` (`None`: down). The best
-/// match wins while its load is below the least load plus `slack` (a
-/// batch); otherwise, or with no match anywhere, the least loaded. Ties go
-/// to the lower load, then the lower index. `None` when every replica is down.
-pub fn pick(candidates: &[Option<Candidate>], slack: usize) -> Option<usize> {
+/// The replica for a request of `blocks` full blocks among `candidates`
+/// (`None`: down). The best match wins when it covers at least half the
+/// prompt and its load is below the least load plus `slack` (a batch);
+/// otherwise the least loaded, ties to the one holding fewer blocks, then
+/// the lower index. `None` when every replica is down.
+pub fn pick(candidates: &[Option<Candidate>], blocks: usize, slack: usize) -> Option<usize> {
     let up = || candidates.iter().enumerate().filter_map(|(i, c)| c.map(|c| (i, c)));
-    let (least, low) = up().min_by_key(|&(i, c)| (c.load, i))?;
+    let (least, low) = up().min_by_key(|&(i, c)| (c.load, c.held, i))?;
     let (best, b) = up().min_by_key(|&(i, c)| (std::cmp::Reverse(c.matched), c.load, i))?;
-    if b.matched > 0 && b.load < low.load + slack.max(1) {
+    if b.matched > 0 && 2 * b.matched >= blocks && b.load < low.load + slack.max(1) {
         Some(best)
     } else {
         Some(least)
@@ -78,7 +84,7 @@ impl Affinity {
         self.held.clear();
     }
 
-    #[cfg(test)]
+    /// Blocks held or expected.
     pub fn len(&self) -> usize {
         self.held.len()
     }
@@ -108,18 +114,22 @@ mod tests {
 
     #[test]
     fn the_longest_match_wins_within_a_batch_of_the_least_load() {
-        let c = |load, matched| Some(Candidate { load, matched });
-        // No match anywhere: the least loaded, the lower index on a tie.
-        assert_eq!(pick(&[c(3, 0), c(1, 0), c(1, 0)], 8), Some(1));
-        // A match wins over a lighter load.
-        assert_eq!(pick(&[c(5, 2), c(0, 0)], 8), Some(0));
+        let c = |load, matched, held| Some(Candidate { load, matched, held });
+        // No match anywhere: the least loaded, then the emptier cache, then the lower index.
+        assert_eq!(pick(&[c(3, 0, 0), c(1, 0, 0), c(1, 0, 0)], 4, 8), Some(1));
+        assert_eq!(pick(&[c(1, 0, 50), c(1, 0, 20)], 4, 8), Some(1));
+        // A match of half the prompt or more wins over a lighter load.
+        assert_eq!(pick(&[c(5, 2, 9), c(0, 0, 0)], 4, 8), Some(0));
         // ... the longer one over a shorter.
-        assert_eq!(pick(&[c(1, 1), c(2, 3)], 8), Some(1));
+        assert_eq!(pick(&[c(1, 2, 9), c(2, 3, 9)], 4, 8), Some(1));
         // ... but not once it is a whole batch busier.
-        assert_eq!(pick(&[c(8, 2), c(0, 0)], 8), Some(1));
+        assert_eq!(pick(&[c(8, 4, 9), c(0, 0, 0)], 4, 8), Some(1));
+        // A short shared start (a chat template's) does not pull a new
+        // prefix to the replica that has it: the emptier one takes it.
+        assert_eq!(pick(&[c(0, 1, 40), c(0, 0, 10)], 10, 8), Some(1));
         // A replica that is down takes nothing; none up: none.
-        assert_eq!(pick(&[None, c(9, 0)], 8), Some(1));
-        assert_eq!(pick(&[None, None], 8), None);
+        assert_eq!(pick(&[None, c(9, 0, 0)], 4, 8), Some(1));
+        assert_eq!(pick(&[None, None], 4, 8), None);
     }
 
     #[test]
