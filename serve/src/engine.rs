@@ -140,6 +140,9 @@ pub struct Engine {
     lost_tx: mpsc::UnboundedSender<Loss>,
     /// Why the pipeline is restarting, and since when (None while it runs).
     restarting: Mutex<Option<(String, Instant)>>,
+    /// When the pipeline last went down, until a resumed request's first
+    /// token comes (the log gives the whole recovery).
+    resumed_since: Mutex<Option<Instant>>,
     /// What mpirun's log said of a start's end, once it closed (by epoch).
     ended: Mutex<Option<(u64, m3c_front::launch::JobEnd)>>,
     healing: Healing,
@@ -235,6 +238,7 @@ impl Engine {
             lost_epoch: std::sync::atomic::AtomicU64::new(0),
             lost_tx,
             restarting: Mutex::new(None),
+            resumed_since: Mutex::new(None),
             ended: Mutex::new(None),
             healing,
             eos_ids,
@@ -542,6 +546,13 @@ impl Engine {
                 let _ = w.tx.send(Event::End("cancelled".into()));
             }
             self.admit(&mut st);
+        } else if st.running.contains_key(&seq) && self.restarting().is_some() {
+            // No pipeline holds it while it restarts: it ends here, and is
+            // not resumed.
+            if let Some(r) = st.running.remove(&seq) {
+                self.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).requests_cancelled += 1;
+                let _ = r.tx.send(Event::End("cancelled".into()));
+            }
         } else if st.running.contains_key(&seq) {
             self.send(Command::Cancel(seq).to_bytes());
         }
@@ -667,6 +678,9 @@ impl Engine {
                             self.replica.prefix(),
                             st.running.len()
                         );
+                        if !st.running.is_empty() {
+                            *self.resumed_since.lock().unwrap_or_else(|e| e.into_inner()) = Some(since);
+                        }
                         self.resume(&mut st);
                     }
                 }
@@ -684,6 +698,13 @@ impl Engine {
                     r.last = Some(now);
                     r.sent.push(i64::from(id));
                     let _ = r.tx.send(Event::Token(id, r.logprobs.take()));
+                    if let Some(since) = self.resumed_since.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                        eprintln!(
+                            "m3c serve: {}the first token after the restart came {:.2} s after the loss",
+                            self.replica.prefix(),
+                            since.elapsed().as_secs_f64()
+                        );
+                    }
                 }
             }
             StageEvent::PromptLogprobs { seq, pos, id, lp } => {

@@ -421,6 +421,7 @@ impl Supervisor {
                 return;
             }
             let epoch = e.epoch();
+            let t0 = std::time::Instant::now();
             let status = end_job(&self.job, JOB_GRACE).await;
             // What mpirun said names the stage, its host and the signal, or the lost host.
             let (said, cause_seen) = match e.job_end(epoch, Duration::from_secs(1)).await {
@@ -463,7 +464,8 @@ impl Supervisor {
                     self.healing.max_restarts,
                     self.healing.window.as_secs_f64()
                 );
-                let l = self.launcher.clone();
+                let (l, t1) = (self.launcher.clone(), std::time::Instant::now());
+                let teardown = t1.duration_since(t0).as_secs_f64();
                 let started = match tokio::task::spawn_blocking(move || l()).await {
                     Ok(Ok(cmd)) => e.attach(cmd),
                     Ok(Err(err)) => Err(err),
@@ -472,6 +474,10 @@ impl Supervisor {
                 match started {
                     Ok(child) => {
                         *self.job.lock().await = child;
+                        eprintln!(
+                            "m3c serve: {prefix}restart: the lost job ended in {teardown:.2} s, mpirun started again in {:.2} s",
+                            t1.elapsed().as_secs_f64()
+                        );
                         // A start that is not up in time is lost too.
                         let (w, epoch, limit) = (e.clone(), e.epoch(), self.timeout + RESTART_UP);
                         tokio::spawn(async move {

@@ -38,7 +38,7 @@ fn wait_health(s: &Server, what: &str, want: impl Fn(&[Value]) -> bool) -> Value
 }
 
 /// Pids of processes running `exe` with `arg` among their arguments.
-fn pids_with(exe: &Path, arg: &str) -> Vec<i32> {
+pub(crate) fn pids_with(exe: &Path, arg: &str) -> Vec<i32> {
     let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
     dir.filter_map(Result::ok)
         .filter_map(|e| {

@@ -1,10 +1,13 @@
 //! A pipeline that heals (`m3c serve --max-restarts`): a stage killed
-//! mid-stream costs a restart, not the requests. Under 8 concurrent streams
-//! (greedy and seeded, with logprobs) and a reasoning chat, each stage of a
-//! pp 3 pipeline in turn is SIGKILLed: every stream ends with the text,
-//! logprobs and finish reason of a run without the fault, and the server
-//! is healthy again. A stage that dies at every start exhausts the
-//! restarts: a non-zero exit naming the limit, nothing left behind.
+//! mid-stream costs a restart, not the requests. Under 16 concurrent
+//! streams (greedy and seeded completions with logprobs, a reasoning chat
+//! and an image chat), each stage of a pp 4 pipeline in turn is SIGKILLed: every stream ends
+//! with the text, logprobs and finish reason of a run without the fault,
+//! and the server is healthy again; the same with EAGLE3 drafting, and for
+//! one replica of two. A restart that fails again and again, with a client
+//! gone meanwhile, still ends in the same streams for the others; a stage
+//! that dies at every start exhausts the restarts: a non-zero exit naming
+//! the limit, nothing left behind.
 
 use crate::serve::{pid_of, python, Server};
 use m3c_tests::{fixture, root};
@@ -13,13 +16,15 @@ use std::io::BufRead;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// The fault workload through `s`, harmed by `fault` once it is under way
-/// (`None`: no fault); its answers.
+/// The fault workload through `s` (14 completions, a reasoning chat and an
+/// image chat: 16 streams), harmed by `fault` once it is under way (`None`: no fault);
+/// its answers.
 fn streams(s: &Server, fault: Option<&dyn Fn()>) -> Value {
     let after = if fault.is_some() { "60" } else { "1000000" };
+    let png = fixture("vision/A_rgb_56x84_noresize.png");
     let mut c = Command::new(python())
         .arg(root().join("tests/serve/client.py"))
-        .args([&s.base(), "tiny", "fault_streams", "8", "40", after])
+        .args([&s.base(), "tiny", "fault_streams", "14", "40", after, png.to_str().unwrap()])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -48,11 +53,11 @@ fn metric(s: &Server, name: &str) -> f64 {
 #[test]
 fn each_stage_killed_mid_stream_costs_a_restart_and_no_stream_changes() {
     let dir = tempfile::tempdir().unwrap();
-    let out = crate::shared::copy("tiny-m3", 3, dir.path());
-    let s = Server::start(&out, &fixture("tiny-m3"), &["--timeout-s", "5", "--max-restarts", "3"]);
+    let out = crate::shared::copy("tiny-m3", 4, dir.path());
+    let s = Server::start(&out, &fixture("tiny-m3"), &["--timeout-s", "5", "--max-restarts", "4"]);
     let want = streams(&s, None);
-    assert_eq!(want["answers"].as_array().map(Vec::len), Some(9));
-    for k in 0..3 {
+    assert_eq!(want["answers"].as_array().map(Vec::len), Some(16));
+    for k in 0..4 {
         let exe = out.join(format!("stage-{k}"));
         let kill = || {
             let pid = pid_of(&exe).expect("the stage runs");
@@ -63,17 +68,20 @@ fn each_stage_killed_mid_stream_costs_a_restart_and_no_stream_changes() {
         assert_eq!(got["answers"], want["answers"], "stage {k} killed mid-stream: the streams differ from the run without it");
         assert_eq!(s.health(), 200, "healthy again after stage {k}:\n{}", s.log());
     }
-    assert_eq!(metric(&s, "m3c:pipeline_restarts_total"), 3.0, "{}", s.log());
-    assert!(metric(&s, "m3c:requests_resumed_total") >= 3.0, "{}", s.log());
-    assert_eq!(metric(&s, "m3c:pipeline_restart_seconds_count"), 3.0);
+    assert_eq!(metric(&s, "m3c:pipeline_restarts_total"), 4.0, "{}", s.log());
+    assert!(metric(&s, "m3c:requests_resumed_total") >= 4.0, "{}", s.log());
+    assert_eq!(metric(&s, "m3c:pipeline_restart_seconds_count"), 4.0);
     let log = s.log();
     // The recovery, as the log gives it (for the table).
-    for l in log.lines().filter(|l| l.contains("starting it again") || l.contains("up again")) {
+    for l in log
+        .lines()
+        .filter(|l| l.contains("starting it again") || l.contains("again in") || l.contains("up again") || l.contains("after the loss"))
+    {
         eprintln!("{l}");
     }
-    assert_eq!(log.matches("the pipeline is up again").count(), 3, "{log}");
+    assert_eq!(log.matches("the pipeline is up again").count(), 4, "{log}");
     assert!(log.contains("on host") && log.contains("killed by signal 9"), "the log names the stage, its host and the signal: {log}");
-    assert!(log.contains("starting it again (1 of at most 3"), "{log}");
+    assert!(log.contains("starting it again (1 of at most 4"), "{log}");
 }
 
 #[test]
@@ -97,4 +105,114 @@ fn a_stage_that_dies_at_every_start_ends_the_server_after_the_restarts() {
     assert_eq!(log.matches("starting it again (").count(), 2, "{log}");
     eprintln!("the server gave up {:.1} s after the fault", t0.elapsed().as_secs_f64());
     assert!(pid_of(&out.join("stage-0")).is_none() && pid_of(&exe).is_none(), "stages outlived the server");
+}
+
+/// Two replicas (`--data-parallel-size 2`): replica 1 loses a stage under
+/// the streams; it is out of routing while it restarts, its streams go on
+/// as without the fault, and both replicas serve again.
+#[test]
+fn a_replica_that_loses_a_stage_heals_while_the_other_serves() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = crate::shared::copy("tiny-m3", 2, dir.path());
+    let s = Server::start(&out, &fixture("tiny-m3"), &["--timeout-s", "5", "--data-parallel-size", "2"]);
+    let both_up = || {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while metric(&s, "m3c:replica_up") != 2.0 {
+            assert!(Instant::now() < deadline, "both replicas up:\n{}", s.log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    both_up();
+    let want = streams(&s, None);
+    let kill = || {
+        let pid = crate::data_parallel::pids_with(&out.join("stage-1"), "3/4");
+        // SAFETY: kill(2) on a stage process of this test's own server.
+        unsafe { libc::kill(pid[0], libc::SIGKILL) };
+    };
+    let got = streams(&s, Some(&kill));
+    assert_eq!(got["answers"], want["answers"], "replica 1 lost a stage: the streams differ");
+    both_up();
+    assert_eq!(metric(&s, "m3c:pipeline_restarts_total"), 1.0, "{}", s.log());
+    assert!(metric(&s, "m3c:requests_resumed_total") >= 1.0, "streams were on replica 1 when it was lost:\n{}", s.log());
+    assert!(s.log().contains("replica 1: the pipeline is up again"), "{}", s.log());
+}
+
+/// EAGLE3 drafting (pp 2): stage 1, which holds the draft head, is killed
+/// under the streams; they go on as without the fault (drafts change only
+/// the speed).
+#[test]
+fn a_speculating_pipeline_heals_with_the_same_streams() {
+    let dir = tempfile::tempdir().unwrap();
+    let shared = crate::eagle3::out(2, &[]);
+    let out = dir.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+    for e in std::fs::read_dir(&shared).unwrap().flatten() {
+        std::fs::copy(e.path(), out.join(e.file_name())).unwrap();
+    }
+    let spec = crate::eagle3::config(3);
+    let s = Server::start(&out, &fixture("tiny-m3"), &["--timeout-s", "5", "--speculative-config", &spec]);
+    let want = streams(&s, None);
+    let kill = || {
+        let pid = pid_of(&out.join("stage-1")).expect("stage 1 runs");
+        // SAFETY: kill(2) on a stage process of this test's own server.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    };
+    let got = streams(&s, Some(&kill));
+    assert_eq!(got["answers"], want["answers"], "the streams differ after the fault");
+    assert!(metric(&s, "m3c:requests_resumed_total") >= 1.0 && metric(&s, "m3c:spec_decode_num_drafts_total") > 0.0, "{}", s.log());
+}
+
+/// The restarted pipeline fails too (stage 1's file is bad for a while),
+/// and a client goes away meanwhile: its request is not resumed, and once
+/// the file is good again the pipeline comes up and serves.
+#[test]
+fn a_fault_during_the_restart_and_a_client_gone_meanwhile() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = crate::shared::copy("tiny-m3", 2, dir.path());
+    let s = Server::start(&out, &fixture("tiny-m3"), &["--timeout-s", "5", "--max-restarts", "50"]);
+    let body = serde_json::json!({"model": "tiny", "prompt": "A long story", "max_tokens": 3000, "ignore_eos": true, "stream": true});
+    let mut client = Command::new("curl")
+        .args(["-sN", "-m", "120", "-H", "Content-Type: application/json", "-d", &body.to_string(), &format!("{}/completions", s.base())])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut reader = std::io::BufReader::new(client.stdout.take().unwrap());
+    let mut first = String::new();
+    reader.read_line(&mut first).unwrap();
+    assert!(first.starts_with("data: "), "{first}");
+    let exe = out.join("stage-1");
+    let good = std::fs::read(&exe).unwrap();
+    let pid = pid_of(&exe).expect("stage 1 runs");
+    std::fs::remove_file(&exe).unwrap();
+    std::fs::write(&exe, b"#!/bin/sh\nexit 3\n").unwrap();
+    std::fs::set_permissions(&exe, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    // SAFETY: kill(2) on a stage process of this test's own server.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    // Restarts fail while the file is bad: the server says so, and the
+    // client leaves then.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while metric(&s, "m3c:pipeline_restarts_total") < 2.0 {
+        assert!(Instant::now() < deadline, "no second restart:\n{}", s.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(s.health(), 503);
+    drop(reader);
+    let _ = client.kill();
+    let _ = client.wait();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while metric(&s, "m3c:requests_cancelled_total") < 1.0 {
+        assert!(Instant::now() < deadline, "the client's request was not cancelled:\n{}", s.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::fs::remove_file(&exe).unwrap();
+    std::fs::write(&exe, &good).unwrap();
+    std::fs::set_permissions(&exe, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while s.health() != 200 {
+        assert!(Instant::now() < deadline, "never healthy again:\n{}", s.log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(metric(&s, "m3c:requests_resumed_total"), 0.0, "the request of the client that left was resumed:\n{}", s.log());
+    let want = streams(&s, None);
+    assert_eq!(want["answers"].as_array().map(Vec::len), Some(16), "it serves again");
 }

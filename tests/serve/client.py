@@ -113,12 +113,13 @@ async def load(base, model, n, max_tokens):
     return {"n": n, "chunks": sum(got)}
 
 
-async def fault_streams(base, model, n, max_tokens, fault_after):
+async def fault_streams(base, model, n, max_tokens, fault_after, png=None):
     """n concurrent streams, half greedy and half sampled (each with its own
-    seed), with logprobs, and one chat that reasons; once `fault_after`
-    chunks have arrived over all of them, prints `fault` (the caller then
-    harms the pipeline). Each stream's text, token logprobs and finish
-    reason, to compare with a run without the fault."""
+    seed), with logprobs, one chat that reasons, and one about an image when
+    `png` is given; once `fault_after` chunks have arrived over all of them,
+    prints `fault` (the caller then harms the pipeline). Each stream's text,
+    token logprobs and finish reason, to compare with a run without the
+    fault."""
     a = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=300)
     seen = 0
 
@@ -144,10 +145,10 @@ async def fault_streams(base, model, n, max_tokens, fault_after):
                 finish = ch.finish_reason or finish
         return {"text": text, "logprobs": lps, "finish": finish}
 
-    async def chat():
+    async def chat(content):
         stream = await a.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "Count the travellers."}], stream=True, max_tokens=max_tokens,
-            temperature=0.7, seed=7, extra_body={"chat_template_kwargs": {"thinking_mode": "enabled"}}
+            model=model, messages=[{"role": "user", "content": content}], stream=True, max_tokens=max_tokens,
+            temperature=0.7, seed=7, extra_body={"chat_template_kwargs": {"thinking_mode": "enabled"}, "ignore_eos": True}
         )
         content, reasoning, finish = "", "", None
         async for chunk in stream:
@@ -158,7 +159,13 @@ async def fault_streams(base, model, n, max_tokens, fault_after):
                 finish = ch.finish_reason or finish
         return {"text": content, "reasoning": reasoning, "finish": finish}
 
-    answers = await asyncio.gather(*[one(i) for i in range(n)], chat())
+    chats = [chat("Count the travellers.")]
+    if png:
+        import base64
+
+        url = "data:image/png;base64," + base64.b64encode(open(png, "rb").read()).decode()
+        chats.append(chat([{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is in this picture?"}]))
+    answers = await asyncio.gather(*[one(i) for i in range(n)], *chats)
     return {"answers": answers}
 
 
@@ -1162,7 +1169,7 @@ COMMANDS = {
     "chat": lambda base, model, rest: chat(base, model, rest[0], json.loads(rest[1])),
     "concurrent": lambda base, model, rest: asyncio.run(concurrent(base, model, int(rest[0]), int(rest[1]))),
     "load": lambda base, model, rest: asyncio.run(load(base, model, int(rest[0]), int(rest[1]))),
-    "fault_streams": lambda base, model, rest: asyncio.run(fault_streams(base, model, int(rest[0]), int(rest[1]), int(rest[2]))),
+    "fault_streams": lambda base, model, rest: asyncio.run(fault_streams(base, model, int(rest[0]), int(rest[1]), int(rest[2]), *rest[3:4])),
     "disconnect": lambda base, model, rest: disconnect(base, model),
     "tools": lambda base, model, rest: tools(base, model),
     "shared_prefix": lambda base, model, rest: asyncio.run(shared_prefix(base, model, int(rest[0]))),
