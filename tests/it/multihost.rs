@@ -246,25 +246,34 @@ struct RemoteServer {
     child: std::process::Child,
     log: std::sync::Arc<std::sync::Mutex<String>>,
     port: String,
+    /// The host it runs on.
+    on: usize,
 }
 
 impl RemoteServer {
     fn start(hosts: &Hosts, args: &[&str]) -> RemoteServer {
-        let mut child = hosts.spawn(0, args, Duration::from_secs(300));
+        RemoteServer::start_on(hosts, 0, args)
+    }
+
+    /// `args` (an `m3c serve` command line, `--port 0`) on host `on`.
+    fn start_on(hosts: &Hosts, on: usize, args: &[&str]) -> RemoteServer {
+        let mut child = hosts.spawn(on, args, Duration::from_secs(300));
         let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
         let (tx, rx) = std::sync::mpsc::channel();
         let (err, l) = (child.stderr.take().unwrap(), log.clone());
         std::thread::spawn(move || {
             use std::io::BufRead;
             for line in std::io::BufReader::new(err).lines().map_while(Result::ok) {
-                if let Some(i) = line.find("http://127.0.0.1:") {
-                    let _ = tx.send(line[i + 17..].chars().take_while(char::is_ascii_digit).collect::<String>());
+                // `m3c serve: http://ADDR:PORT/v1 serves ...`
+                if let Some(rest) = line.strip_prefix("m3c serve: http://") {
+                    let port = rest.split('/').next().and_then(|a| a.rsplit(':').next()).unwrap_or("");
+                    let _ = tx.send(port.to_string());
                 }
                 l.lock().unwrap().push_str(&(line + "\n"));
             }
         });
         let port = rx.recv_timeout(Duration::from_secs(90)).unwrap_or_else(|_| panic!("serve did not start:\n{}", log.lock().unwrap()));
-        let s = RemoteServer { child, log, port };
+        let s = RemoteServer { child, log, port, on };
         let t0 = std::time::Instant::now();
         while s.health(hosts) != 200 {
             assert!(t0.elapsed() < Duration::from_secs(90), "/health never answered 200:\n{}", s.log());
@@ -284,7 +293,7 @@ impl RemoteServer {
     /// `/health`'s status, asked from the server's host (0: no answer).
     fn health(&self, hosts: &Hosts) -> u16 {
         let url = format!("http://127.0.0.1:{}/health", self.port);
-        let o = hosts.run(0, &["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-m", "5", &url], Duration::from_secs(10));
+        let o = hosts.run(self.on, &["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-m", "5", &url], Duration::from_secs(10));
         String::from_utf8_lossy(&o.stdout).trim().parse::<u16>().unwrap_or(0)
     }
 
@@ -513,4 +522,59 @@ fn data_parallel_replicas_on_their_own_hosts_serve_and_outlive_a_lost_one() {
     let status = server.child.wait().unwrap();
     assert!(status.success(), "{status:?}\n{}", server.log());
     hosts.assert_quiet("after SIGTERM", Duration::from_secs(20));
+}
+
+/// vllm-router (cache-aware) and SGLang's gateway in front of two m3c
+/// replicas (pp 2 each) on hosts 1 and 2, the router and the client on
+/// host 0: the router reaches the replicas over the network, and every
+/// answer is the text one replica on this machine gives.
+#[test]
+fn routers_reach_replicas_on_their_own_hosts_and_answer_as_one_replica() {
+    let Some(hosts) = Hosts::new(3) else { return };
+    let (out, model) = crate::shared::tiny(2);
+    let one = crate::serve::Server::start(&out, &model, &[]);
+    let want = crate::routers::workload(&one.base());
+    drop(one);
+    let bin = m3c_tests::m3c_bin();
+    let serve =
+        [bin.to_str().unwrap(), "serve", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--port", "0", "--host", "0.0.0.0"];
+    let serve = [&serve[..], &["--served-model-name", "tiny"]].concat();
+    let replicas = [RemoteServer::start_on(&hosts, 1, &serve), RemoteServer::start_on(&hosts, 2, &serve)];
+    let workers: Vec<String> = replicas.iter().map(|r| format!("http://{}:{}", hosts.addr(r.on), r.port)).collect();
+    let venv = |b: &str| m3c_tests::root().join(".venv-router/bin").join(b);
+    let (python, client) = (crate::serve::python(), m3c_tests::root().join("tests/serve/router_client.py"));
+    for (program, policy) in [("vllm-router", "cache_aware"), ("smg", "cache_aware")] {
+        let port = "30123";
+        let prog = venv(program);
+        let mut args = vec![prog.to_str().unwrap()];
+        if program == "smg" {
+            args.push("launch");
+        }
+        args.push("--worker-urls");
+        args.extend(workers.iter().map(String::as_str));
+        args.extend(["--policy", policy, "--host", "127.0.0.1", "--port", port, "--prometheus-port", "30124"]);
+        let mut router = hosts.spawn(0, &args, Duration::from_secs(200));
+        let base = format!("http://127.0.0.1:{port}/v1");
+        let t0 = std::time::Instant::now();
+        while !hosts.run(0, &["curl", "-sf", "-m", "2", &format!("{base}/models")], Duration::from_secs(5)).status.success() {
+            assert!(t0.elapsed() < Duration::from_secs(60) && router.try_wait().unwrap().is_none(), "{program} did not come up");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let o = hosts.run(0, &[python.to_str().unwrap(), client.to_str().unwrap(), &base, "tiny"], Duration::from_secs(120));
+        assert!(o.status.success(), "{program}: {}", stderr(&o));
+        assert_eq!(m3c_tests::stdout(&o), want, "{program} --policy {policy}: the texts differ from one replica's");
+        terminate(&mut router);
+    }
+    for mut r in replicas {
+        terminate(&mut r.child);
+    }
+    hosts.assert_quiet("after the replicas", Duration::from_secs(20));
+}
+
+/// SIGTERM to a process started on a host (its `timeout` wrapper passes
+/// it on), and its end.
+fn terminate(child: &mut std::process::Child) {
+    // SAFETY: kill(2) on a child of this test, not yet reaped.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let _ = child.wait();
 }
