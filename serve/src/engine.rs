@@ -163,7 +163,7 @@ pub struct Engine {
     /// Which replica this pipeline is, of how many (`--data-parallel-size`).
     pub replica: Replica,
     /// The blocks its prefix cache holds or will hold, for routing.
-    pub affinity: Mutex<crate::replicas::route::Affinity>,
+    pub affinity: Mutex<crate::route::Affinity>,
 }
 
 /// A pipeline's place among the server's replicas.
@@ -232,7 +232,7 @@ impl Engine {
         let cap = 2 * (limits.blocks as usize).clamp(1024, m3c_contract::blocks::MAX_BLOCKS);
         let engine = Arc::new(Engine {
             replica,
-            affinity: Mutex::new(crate::replicas::route::Affinity::new(cap)),
+            affinity: Mutex::new(crate::route::Affinity::new(cap)),
             lines: Mutex::new(None),
             epoch: std::sync::atomic::AtomicU64::new(0),
             lost_epoch: std::sync::atomic::AtomicU64::new(0),
@@ -628,6 +628,32 @@ impl Engine {
         }
     }
 
+    /// Every stage is up: the pool is empty, and after a restart the open
+    /// requests go on.
+    fn on_ready(&self) {
+        self.affinity.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        if let Some(p) = self.kv_events.get() {
+            p.all_cleared();
+        }
+        self.ready.store(true, Ordering::SeqCst);
+        let restarted = self.restarting.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let Some((_, since)) = restarted else {
+            return eprintln!("m3c serve: {}every stage is up", self.replica.prefix());
+        };
+        let took = since.elapsed().as_secs_f64();
+        self.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).restart_seconds.observe(took);
+        let mut st = self.state();
+        eprintln!(
+            "m3c serve: {}the pipeline is up again {took:.2} s after it was lost; {} request(s) go on",
+            self.replica.prefix(),
+            st.running.len()
+        );
+        if !st.running.is_empty() {
+            *self.resumed_since.lock().unwrap_or_else(|e| e.into_inner()) = Some(since);
+        }
+        self.resume(&mut st);
+    }
+
     fn on_line(&self, line: &str) {
         if let Some(e) = line.strip_prefix("m3c-trace ") {
             return self.window().got.events.push(e.to_string());
@@ -660,31 +686,7 @@ impl Engine {
                     p.publish(&event);
                 }
             }
-            StageEvent::Ready => {
-                self.affinity.lock().unwrap_or_else(|e| e.into_inner()).clear();
-                if let Some(p) = self.kv_events.get() {
-                    p.all_cleared();
-                }
-                self.ready.store(true, Ordering::SeqCst);
-                let restarted = self.restarting.lock().unwrap_or_else(|e| e.into_inner()).take();
-                match restarted {
-                    None => eprintln!("m3c serve: {}every stage is up", self.replica.prefix()),
-                    Some((_, since)) => {
-                        let took = since.elapsed().as_secs_f64();
-                        self.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).restart_seconds.observe(took);
-                        let mut st = self.state();
-                        eprintln!(
-                            "m3c serve: {}the pipeline is up again {took:.2} s after it was lost; {} request(s) go on",
-                            self.replica.prefix(),
-                            st.running.len()
-                        );
-                        if !st.running.is_empty() {
-                            *self.resumed_since.lock().unwrap_or_else(|e| e.into_inner()) = Some(since);
-                        }
-                        self.resume(&mut st);
-                    }
-                }
-            }
+            StageEvent::Ready => self.on_ready(),
             StageEvent::Id { seq, id } => {
                 let mut st = self.state();
                 if let Some(r) = st.running.get_mut(&seq) {

@@ -17,6 +17,7 @@ mod metrics;
 pub mod openai;
 pub mod output;
 mod replicas;
+mod route;
 pub mod tool_grammar;
 
 use anyhow::{Context, Result};
@@ -172,6 +173,8 @@ struct Prepared {
     /// Each replica's mpirun, and how to make it again (a restart).
     cmds: Vec<std::process::Command>,
     launchers: Vec<Launcher>,
+    /// Each replica's host per rank, where known.
+    hosts: Vec<Vec<Option<String>>>,
     eos_ids: Vec<i64>,
     stages: usize,
     limits: engine::Limits,
@@ -266,11 +269,18 @@ fn prepare(o: &Options) -> Result<Prepared> {
     let trace_dir = o.trace_dir.clone();
     let cmds = placements.iter().map(|p| compiled.mpirun_placed(&stage, &o.launch, p)).collect::<Result<Vec<_>>>()?;
     let compiled = std::sync::Arc::new(compiled);
+    let hosts: Vec<Vec<Option<String>>> = placements.iter().map(|p| compiled.rank_hosts(p, &o.launch)).collect();
     let launchers: Vec<Launcher> = placements
         .into_iter()
         .map(|p| {
             let (c, stage, launch) = (compiled.clone(), stage.clone(), o.launch.clone());
-            std::sync::Arc::new(move || c.mpirun_placed(&stage, &launch, &p)) as Launcher
+            // A lone pipeline placed by a hostfile avoids its lost hosts
+            // when the hostfile lists spares; otherwise it waits for them.
+            let spares = replicas == 1;
+            std::sync::Arc::new(move |lost: &[String]| {
+                let placed = if spares && !lost.is_empty() { c.avoiding(&launch, lost).unwrap_or_else(|| p.clone()) } else { p.clone() };
+                Ok((c.mpirun_placed(&stage, &launch, &placed)?, c.rank_hosts(&placed, &launch)))
+            }) as Launcher
         })
         .collect();
     let stage_eos = gen.eos_ids.clone();
@@ -323,7 +333,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
             compiled.manifest.kv_cache
         ),
     };
-    Ok(Prepared { cmds, launchers, eos_ids: stage_eos, stages, limits, pool, shared: Box::new(shared) })
+    Ok(Prepared { cmds, launchers, hosts, eos_ids: stage_eos, stages, limits, pool, shared: Box::new(shared) })
 }
 
 /// Seconds between stats lines (vLLM's 10; `M3C_STATS_INTERVAL_S` for tests).
@@ -393,8 +403,9 @@ const JOB_TERM: Duration = Duration::from_secs(3);
 const JOB_GRACE: Duration = Duration::from_secs(2);
 
 /// Makes a replica's mpirun command again (checking its hosts first, as
-/// at start-up).
-type Launcher = std::sync::Arc<dyn Fn() -> Result<std::process::Command> + Send + Sync>;
+/// at start-up), avoiding the hosts given where it can; with the host of
+/// each rank.
+type Launcher = std::sync::Arc<dyn Fn(&[String]) -> Result<(std::process::Command, Vec<Option<String>>)> + Send + Sync>;
 
 /// One replica's supervisor: a lost pipeline's job is ended on every host
 /// and, within `--max-restarts`, started again from the same build; its
@@ -405,6 +416,8 @@ struct Supervisor {
     r: usize,
     job: Job,
     launcher: Launcher,
+    /// The host of each rank of the current start, where known.
+    hosts: Vec<Option<String>>,
     stop: watch::Receiver<Option<Stop>>,
     healing: Healing,
     /// The stages' `--timeout-s`: a restart must be up within it (plus start-up).
@@ -412,10 +425,12 @@ struct Supervisor {
 }
 
 impl Supervisor {
-    async fn run(self, mut losses: tokio::sync::mpsc::UnboundedReceiver<engine::Loss>) {
+    async fn run(mut self, mut losses: tokio::sync::mpsc::UnboundedReceiver<engine::Loss>) {
         let e = self.all.engines[self.r].clone();
         let prefix = e.replica.prefix();
         let mut starts: std::collections::VecDeque<std::time::Instant> = Default::default();
+        // Hosts found lost: a start avoids them where spares are listed.
+        let mut lost_hosts: Vec<String> = Vec::new();
         while let Some(loss) = losses.recv().await {
             if self.stop.borrow().is_some() {
                 return;
@@ -424,7 +439,17 @@ impl Supervisor {
             let t0 = std::time::Instant::now();
             let status = end_job(&self.job, JOB_GRACE).await;
             // What mpirun said names the stage, its host and the signal, or the lost host.
-            let (said, cause_seen) = match e.job_end(epoch, Duration::from_secs(1)).await {
+            let end = e.job_end(epoch, Duration::from_secs(1)).await;
+            // A host is lost when mpirun lost its daemon, or when a stage
+            // found a peer silent (a cut link, a host gone): that peer's host.
+            let silent = silent_stage(&loss.why).and_then(|k| self.hosts.get(k).cloned().flatten());
+            if let Some(h) = end.as_ref().and_then(|x| x.lost_node.clone()).or(silent) {
+                if !lost_hosts.contains(&h) {
+                    eprintln!("m3c serve: {prefix}host {h} is taken as lost: a start places its stages on a spare host where the hostfile lists one");
+                    lost_hosts.push(h);
+                }
+            }
+            let (said, cause_seen) = match end {
                 Some(m3c_front::launch::JobEnd { killed: Some((rank, node, signal)), .. }) => {
                     (format!("; stage {rank} on host {node} was killed by signal {signal}"), Some("signal"))
                 }
@@ -466,13 +491,19 @@ impl Supervisor {
                 );
                 let (l, t1) = (self.launcher.clone(), std::time::Instant::now());
                 let teardown = t1.duration_since(t0).as_secs_f64();
-                let started = match tokio::task::spawn_blocking(move || l()).await {
-                    Ok(Ok(cmd)) => e.attach(cmd),
+                let avoid = lost_hosts.clone();
+                let started = match tokio::task::spawn_blocking(move || l(&avoid)).await {
+                    Ok(Ok((cmd, hosts))) => e.attach(cmd).map(|child| (child, hosts)),
                     Ok(Err(err)) => Err(err),
                     Err(join) => Err(anyhow::anyhow!("the launch task failed: {join}")),
                 };
                 match started {
-                    Ok(child) => {
+                    Ok((child, hosts)) => {
+                        if hosts != self.hosts {
+                            let on: Vec<String> = hosts.iter().map(|h| h.clone().unwrap_or_else(|| "here".into())).collect();
+                            eprintln!("m3c serve: {prefix}the stages now run on {}", on.join(", "));
+                        }
+                        self.hosts = hosts;
                         *self.job.lock().await = child;
                         eprintln!(
                             "m3c serve: {prefix}restart: the lost job ended in {teardown:.2} s, mpirun started again in {:.2} s",
@@ -503,6 +534,13 @@ impl Supervisor {
             }
         }
     }
+}
+
+/// The stage a loss says went silent (the runtime's "no sign of life
+/// from stage K"), if it says so.
+fn silent_stage(why: &str) -> Option<usize> {
+    let rest = why.split("no sign of life from stage ").nth(1)?;
+    rest.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
 }
 
 /// What a restarted pipeline gets beyond `--timeout-s` to be up (mapping
@@ -563,8 +601,10 @@ async fn serve(o: Options, p: Prepared) -> Result<()> {
     let (stop_tx, stop_rx) = watch::channel(None::<Stop>);
     stop_on_signals(stop_tx.clone());
     // Each pipeline's supervisor ends a lost job and starts it again.
-    for ((r, job), (lost, launcher)) in jobs.iter().enumerate().zip(losses.into_iter().zip(p.launchers)) {
-        let s = Supervisor { all: replicas.clone(), r, job: job.clone(), launcher, stop: stop_rx.clone(), healing: o.healing, timeout };
+    let placed = losses.into_iter().zip(p.launchers).zip(p.hosts);
+    for ((r, job), ((lost, launcher), hosts)) in jobs.iter().enumerate().zip(placed) {
+        let (all, job, stop) = (replicas.clone(), job.clone(), stop_rx.clone());
+        let s = Supervisor { all, r, job, launcher, hosts, stop, healing: o.healing, timeout };
         tokio::spawn(s.run(lost));
     }
     let r = replicas.clone();
@@ -685,6 +725,13 @@ fn served_names(given: &[String], model: &std::path::Path) -> Vec<String> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_silent_peer_is_read_from_the_stage_s_words() {
+        let why = "the pipeline stopped: stage 0/2: no sign of life from stage 1 for 3 s (--timeout-s): that stage stopped or was lost";
+        assert_eq!(super::silent_stage(why), Some(1));
+        assert_eq!(super::silent_stage("the pipeline stopped (a stage ended or was lost)"), None);
+    }
+
     #[test]
     fn a_model_is_served_as_its_folder_and_as_given_unless_named() {
         let dir = tempfile::tempdir().unwrap();

@@ -578,3 +578,97 @@ fn terminate(child: &mut std::process::Child) {
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let _ = child.wait();
 }
+
+/// A pipeline across two hosts heals: its first stage, on host 1, is
+/// SIGKILLed under the streams; the job is ended on both hosts, the hosts
+/// are checked again, the pipeline starts again across them, and every
+/// stream ends as without the fault.
+#[test]
+fn a_pipeline_across_hosts_heals_a_killed_remote_stage() {
+    let Some(hosts) = Hosts::new(2) else { return };
+    let model = fixture("tiny-m3");
+    let out = remote_first_stage(&hosts, "heal");
+    let bin = m3c_tests::m3c_bin();
+    let (out_s, model_s) = (out.to_str().unwrap(), model.to_str().unwrap());
+    let serve =
+        [bin.to_str().unwrap(), "serve", out_s, "--model", model_s, "--port", "0", "--served-model-name", "tiny", "--timeout-s", "3"];
+    let mut server = RemoteServer::start(&hosts, &serve);
+    let want = fault_streams(&hosts, &server, None);
+    let got = fault_streams(
+        &hosts,
+        &server,
+        Some(&|| {
+            for p in hosts.pids(1) {
+                if std::fs::read_to_string(format!("/proc/{p}/cmdline")).is_ok_and(|c| c.contains("stage-0")) {
+                    let _ = std::process::Command::new("kill").args(["-9", &p]).status();
+                }
+            }
+        }),
+    );
+    assert_eq!(got["answers"], want["answers"], "the streams differ after the remote stage was killed");
+    assert_eq!(server.health(&hosts), 200);
+    let l = server.log();
+    assert!(l.contains("the pipeline is up again") && l.contains(&format!("stage 0 on host {}", hosts.ns(1))), "{l}");
+    terminate(&mut server.child);
+    hosts.assert_quiet("after SIGTERM", Duration::from_secs(20));
+}
+
+/// tests/serve/client.py's fault workload (6 completions and a chat) from
+/// host 0 through `server`, harmed by `fault` once under way; its answers.
+fn fault_streams(hosts: &Hosts, server: &RemoteServer, fault: Option<&dyn Fn()>) -> serde_json::Value {
+    let (python, client) = (crate::serve::python(), m3c_tests::root().join("tests/serve/client.py"));
+    let after = if fault.is_some() { "40" } else { "1000000" };
+    let base = server.base();
+    let cmd = [python.to_str().unwrap(), client.to_str().unwrap(), &base, "tiny", "fault_streams", "6", "30", after];
+    let mut c = hosts.spawn(0, &cmd, Duration::from_secs(120));
+    let mut out = std::io::BufReader::new(c.stdout.take().unwrap());
+    let mut line = String::new();
+    if let Some(f) = fault {
+        std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+        assert_eq!(line.trim(), "fault", "{}", server.log());
+        f();
+        line.clear();
+    }
+    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+    assert!(c.wait().unwrap().success(), "the streams failed:\n{}", server.log());
+    serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}\n{}", server.log()))
+}
+
+/// A host cut off under the streams, with a spare listed in the hostfile
+/// (hosts 0 and 1 hold the stages, host 2 is the spare): the stage on
+/// host 0 finds its peer silent within --timeout-s, the pipeline starts
+/// again on hosts 0 and 2, and every stream ends as without the fault.
+#[test]
+fn a_cut_host_is_replaced_by_a_spare_and_no_stream_changes() {
+    let Some(hosts) = Hosts::new(3) else { return };
+    let (out, model) = crate::shared::tiny(2);
+    let placed = hostfile(&hosts, &[0, 1, 2]);
+    let bin = m3c_tests::m3c_bin();
+    let (out_s, model_s) = (out.to_str().unwrap(), model.to_str().unwrap());
+    let serve = [
+        bin.to_str().unwrap(),
+        "serve",
+        out_s,
+        "--model",
+        model_s,
+        "--port",
+        "0",
+        "--served-model-name",
+        "tiny",
+        "--timeout-s",
+        "3",
+        "--hostfile",
+        &placed,
+    ];
+    let mut server = RemoteServer::start(&hosts, &serve);
+    let want = fault_streams(&hosts, &server, None);
+    let got = fault_streams(&hosts, &server, Some(&|| hosts.cut(1)));
+    assert_eq!(got["answers"], want["answers"], "the streams differ after host 1 was cut off");
+    assert_eq!(server.health(&hosts), 200);
+    let l = server.log();
+    assert!(l.contains(&format!("host {} is taken as lost", hosts.addr(1))), "{l}");
+    assert!(l.contains(&format!("the stages now run on {}, {}", hosts.addr(0), hosts.addr(2))), "{l}");
+    let banner = l.lines().rev().find(|line| line.starts_with("m3c stage 1/2:") && line.contains("kernel thread(s)"));
+    assert!(banner.is_some_and(|b| b.ends_with(&format!("on host {}", hosts.ns(2)))), "stage 1 is not on the spare:\n{l}");
+    terminate(&mut server.child);
+}

@@ -72,6 +72,31 @@ impl Compiled {
     }
 }
 
+impl Compiled {
+    /// The host each rank of `placement` runs on, where it is known: its
+    /// own, else the hostfile's slot of that rank (Open MPI's default
+    /// mapping), else `None` (mpirun's choice, this machine).
+    pub fn rank_hosts(&self, placement: &Placement, launch: &Launch) -> Vec<Option<String>> {
+        let by_file = launch.hostfile.as_deref().and_then(hostfile_slots).unwrap_or_default();
+        (0..self.ranks()).map(|k| placement.hosts.get(k).cloned().flatten().or_else(|| by_file.get(k).cloned())).collect()
+    }
+
+    /// One pipeline placed by a hostfile, avoiding the `lost` hosts: its
+    /// ranks on the hostfile's first slots that are not on them (the spare
+    /// hosts listed after the ones in use take their place). `None` when
+    /// there is no such placement: no hostfile, a plan that names hosts,
+    /// or too few slots left.
+    pub fn avoiding(&self, launch: &Launch, lost: &[String]) -> Option<Placement> {
+        let ranks = self.ranks();
+        if (0..ranks).any(|k| self.rank_host(k).is_some()) {
+            return None;
+        }
+        let slots = hostfile_slots(launch.hostfile.as_deref()?)?;
+        let hosts: Vec<Option<String>> = slots.into_iter().filter(|h| !lost.contains(h)).take(ranks).map(Some).collect();
+        (hosts.len() == ranks).then(|| Placement { hosts, shares: vec![None; ranks] })
+    }
+}
+
 /// Each rank's place among the ranks on its machine (`None` is this one).
 fn node_shares(hosts: &[Option<String>]) -> Vec<Option<NodeShare>> {
     hosts

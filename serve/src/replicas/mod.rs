@@ -1,14 +1,13 @@
 //! The server's pipelines (`--data-parallel-size N`: N replicas of one
 //! build, each an mpirun job of its own; one without the flag). A request
-//! goes to one replica ([`route`]); the server is healthy while any
+//! goes to one replica (`crate::route`); the server is healthy while any
 //! replica is, and a replica whose pipeline stops is out of routing while
 //! the others serve. Every replica gives a request the same tokens, so
 //! where it runs changes only its speed.
 
-pub mod route;
-
 use crate::engine::{Engine, SubmitError, Ticket, TraceError};
 use crate::metrics::{Gauges, Scrape};
+use crate::route;
 use m3c_contract::blocks::BlockHash;
 use m3c_contract::protocol::SeqRequest;
 use std::sync::{Arc, Mutex};
