@@ -364,7 +364,7 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_name = "N", default_value_t = 3, value_parser = count, help_heading = "Server")]
     pub(crate) max_restarts: usize,
     /// The window --max-restarts counts restarts in, in seconds.
-    #[arg(long, value_name = "S", default_value_t = 600.0, value_parser = timeout_s, help_heading = "Server")]
+    #[arg(long, value_name = "S", default_value_t = 600.0, value_parser = window_s, help_heading = "Server")]
     pub(crate) restart_window_s: f64,
     /// Seconds in-flight requests get to finish after SIGTERM or SIGINT.
     #[arg(long, default_value_t = 30.0, value_parser = timeout_s, help_heading = "Server")]
@@ -485,6 +485,11 @@ pub(crate) fn fraction(v: &str) -> Result<f64, String> {
 
 pub(crate) fn timeout_s(v: &str) -> Result<f64, String> {
     m3c_contract::prompts::parse_timeout_s(v)
+}
+
+/// `--restart-window-s`: seconds, as `--timeout-s` takes them.
+fn window_s(v: &str) -> Result<f64, String> {
+    m3c_contract::prompts::parse_timeout_s(v).map_err(|e| e.replace("--timeout-s", "--restart-window-s"))
 }
 
 use m3c_compiler::lower::Storage;

@@ -68,6 +68,9 @@ struct Running {
     sent: Vec<i64>,
     /// The next prompt position whose logprobs are still to send.
     prompt_next: usize,
+    /// A cancel went to the pipeline (the client left, or a stop string
+    /// ended it): after a loss it is not resumed.
+    cancelled: bool,
 }
 
 struct Waiting {
@@ -134,8 +137,15 @@ pub struct Engine {
     /// Which start of the pipeline is current: lines and losses of an
     /// earlier one are ignored.
     epoch: std::sync::atomic::AtomicU64,
-    /// The last start whose loss was told.
+    /// The last start whose loss was told, and the last that came up.
     lost_epoch: std::sync::atomic::AtomicU64,
+    ready_epoch: std::sync::atomic::AtomicU64,
+    /// `close_input` was called: the server stops, no pipeline starts again.
+    closing: AtomicBool,
+    /// When the engine was made, and how long its first start took to be up
+    /// (a restart gets twice that, at least).
+    created: Instant,
+    first_up: Mutex<Option<Duration>>,
     /// Losses go to the supervisor, which restarts the pipeline.
     lost_tx: mpsc::UnboundedSender<Loss>,
     /// Why the pipeline is restarting, and since when (None while it runs).
@@ -236,6 +246,10 @@ impl Engine {
             lines: Mutex::new(None),
             epoch: std::sync::atomic::AtomicU64::new(0),
             lost_epoch: std::sync::atomic::AtomicU64::new(0),
+            ready_epoch: std::sync::atomic::AtomicU64::new(0),
+            closing: AtomicBool::new(false),
+            created: Instant::now(),
+            first_up: Mutex::new(None),
             lost_tx,
             restarting: Mutex::new(None),
             resumed_since: Mutex::new(None),
@@ -258,6 +272,9 @@ impl Engine {
     /// Starts a pipeline (`cmd` is mpirun over the stages with `--serve`)
     /// as the engine's current one; its mpirun.
     pub fn attach(self: &Arc<Engine>, mut cmd: std::process::Command) -> anyhow::Result<tokio::process::Child> {
+        if self.closing.load(Ordering::SeqCst) {
+            anyhow::bail!("the server is stopping");
+        }
         // A process group of its own: a terminal's Ctrl-C (or a service
         // manager's SIGTERM to the group) reaches the front only, which then
         // drains; mpirun still dies with the front (PR_SET_PDEATHSIG).
@@ -383,6 +400,21 @@ impl Engine {
         }
     }
 
+    /// Whether start `epoch` came up (took requests).
+    pub fn served(&self, epoch: u64) -> bool {
+        self.ready_epoch.load(Ordering::SeqCst) == epoch
+    }
+
+    /// Whether the server is stopping (no restart then).
+    pub fn closing(&self) -> bool {
+        self.closing.load(Ordering::SeqCst)
+    }
+
+    /// How long its first start took to be up, once it was.
+    pub fn first_up(&self) -> Option<Duration> {
+        *self.first_up.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Which start of the pipeline is current.
     pub fn epoch(&self) -> u64 {
         self.epoch.load(Ordering::SeqCst)
@@ -421,6 +453,7 @@ impl Engine {
     /// Closes the first stage's input: it finishes the open sequences and
     /// stops the pipeline.
     pub fn close_input(&self) {
+        self.closing.store(true, Ordering::SeqCst);
         self.lines.lock().unwrap_or_else(|e| e.into_inner()).take();
     }
 
@@ -465,7 +498,7 @@ impl Engine {
             )));
         }
         let (tx, rx) = mpsc::unbounded_channel();
-        let would_wait = !st.waiting.is_empty() || !self.fits(&st);
+        let would_wait = !st.waiting.is_empty() || !self.fits(&st) || !self.ready.load(Ordering::SeqCst);
         if would_wait && st.waiting.len() >= self.limits.max_queue {
             return Err(SubmitError::QueueFull(self.limits.max_queue));
         }
@@ -494,8 +527,16 @@ impl Engine {
             let Some(w) = st.waiting.pop_front() else { break };
             self.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).prompt_tokens += w.request.prompt.len() as u64;
             self.send(Command::Add(w.request.clone()).to_bytes());
-            let running =
-                Running { tx: w.tx, arrived: w.arrived, last: None, logprobs: None, request: w.request, sent: Vec::new(), prompt_next: 0 };
+            let running = Running {
+                tx: w.tx,
+                arrived: w.arrived,
+                last: None,
+                logprobs: None,
+                request: w.request,
+                sent: Vec::new(),
+                prompt_next: 0,
+                cancelled: false,
+            };
             st.running.insert(w.seq, running);
         }
     }
@@ -509,6 +550,14 @@ impl Engine {
         let mut resumed = 0u64;
         for seq in seqs {
             let Some(r) = st.running.get(&seq) else { continue };
+            // A request whose client left, or that a cancel ended, ends here.
+            if r.cancelled || r.tx.is_closed() {
+                if let Some(r) = st.running.remove(&seq) {
+                    self.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).requests_cancelled += 1;
+                    let _ = r.tx.send(Event::End("cancelled".into()));
+                }
+                continue;
+            }
             let last = r.sent.last().copied();
             let ended = last.is_some_and(|t| (!r.request.ignore_eos && self.eos_ids.contains(&t)) || r.request.stop_ids.contains(&t));
             let reason = if ended {
@@ -546,14 +595,15 @@ impl Engine {
                 let _ = w.tx.send(Event::End("cancelled".into()));
             }
             self.admit(&mut st);
-        } else if st.running.contains_key(&seq) && self.restarting().is_some() {
-            // No pipeline holds it while it restarts: it ends here, and is
-            // not resumed.
+        } else if st.running.contains_key(&seq) && !self.ready.load(Ordering::SeqCst) {
+            // No pipeline holds it while it restarts (the flag changes
+            // under this lock): it ends here, and is not resumed.
             if let Some(r) = st.running.remove(&seq) {
                 self.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).requests_cancelled += 1;
                 let _ = r.tx.send(Event::End("cancelled".into()));
             }
-        } else if st.running.contains_key(&seq) {
+        } else if let Some(r) = st.running.get_mut(&seq) {
+            r.cancelled = true;
             self.send(Command::Cancel(seq).to_bytes());
         }
     }
@@ -569,7 +619,9 @@ impl Engine {
         if self.lost_epoch.swap(epoch, Ordering::SeqCst) == epoch {
             return;
         }
-        if self.healing.max_restarts == 0 {
+        // A pipeline that never came up (bad weights, no memory) fails as
+        // at start-up; one that served is healed.
+        if self.healing.max_restarts == 0 || self.ready_epoch.load(Ordering::SeqCst) == 0 || self.closing.load(Ordering::SeqCst) {
             // The supervisor still ends the job.
             self.fail(why);
             let _ = self.lost_tx.send(Loss { why: why.to_string(), cause });
@@ -635,14 +687,19 @@ impl Engine {
         if let Some(p) = self.kv_events.get() {
             p.all_cleared();
         }
+        // Under the state lock, so a cancel sees the pipeline up and its
+        // requests resumed, or neither.
+        let mut st = self.state();
         self.ready.store(true, Ordering::SeqCst);
+        self.ready_epoch.store(self.epoch.load(Ordering::SeqCst), Ordering::SeqCst);
         let restarted = self.restarting.lock().unwrap_or_else(|e| e.into_inner()).take();
         let Some((_, since)) = restarted else {
+            *self.first_up.lock().unwrap_or_else(|e| e.into_inner()) = Some(self.created.elapsed());
+            drop(st);
             return eprintln!("m3c serve: {}every stage is up", self.replica.prefix());
         };
         let took = since.elapsed().as_secs_f64();
         self.metrics.c.lock().unwrap_or_else(|e| e.into_inner()).restart_seconds.observe(took);
-        let mut st = self.state();
         eprintln!(
             "m3c serve: {}the pipeline is up again {took:.2} s after it was lost; {} request(s) go on",
             self.replica.prefix(),

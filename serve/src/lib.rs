@@ -375,6 +375,19 @@ type Job = std::sync::Arc<tokio::sync::Mutex<tokio::process::Child>>;
 /// once reaped.
 async fn end_job(job: &Job, grace: Duration) -> Option<std::process::ExitStatus> {
     let mut child = job.lock().await;
+    let pid = child.id();
+    let status = end_child(&mut child, grace).await;
+    // Ranks in mpirun's group that outlive it (stuck in a driver, say)
+    // would hold their memory into the next start.
+    if let Some(pid) = pid {
+        // SAFETY: kill has no memory-safety preconditions; the group is the
+        // job's own (Engine::attach), its leader reaped just now.
+        unsafe { libc::kill(-(pid as libc::pid_t), libc::SIGKILL) };
+    }
+    status
+}
+
+async fn end_child(child: &mut tokio::process::Child, grace: Duration) -> Option<std::process::ExitStatus> {
     if let Ok(Ok(s)) = tokio::time::timeout(grace, child.wait()).await {
         return Some(s);
     }
@@ -431,6 +444,9 @@ impl Supervisor {
         let mut starts: std::collections::VecDeque<std::time::Instant> = Default::default();
         // Hosts found lost: a start avoids them where spares are listed.
         let mut lost_hosts: Vec<String> = Vec::new();
+        // Starts in a row that never came up: a restart cycle longer than
+        // the window must still end.
+        let mut streak = 0;
         while let Some(loss) = losses.recv().await {
             if self.stop.borrow().is_some() {
                 return;
@@ -468,12 +484,13 @@ impl Supervisor {
                 return;
             }
             let (mut why, mut cause) = (format!("{}{said}", loss.why), cause_seen.unwrap_or(loss.cause));
+            streak = if e.served(epoch) { 0 } else { streak + 1 };
             loop {
                 let now = std::time::Instant::now();
                 while starts.front().is_some_and(|t| now.duration_since(*t) > self.healing.window) {
                     starts.pop_front();
                 }
-                if starts.len() >= self.healing.max_restarts {
+                if starts.len() >= self.healing.max_restarts || streak >= self.healing.max_restarts {
                     e.fail(&format!(
                         "{why}; the pipeline was started again {} time(s) within {:.0} s, the --max-restarts limit, so it stays down",
                         starts.len(),
@@ -492,7 +509,12 @@ impl Supervisor {
                 let (l, t1) = (self.launcher.clone(), std::time::Instant::now());
                 let teardown = t1.duration_since(t0).as_secs_f64();
                 let avoid = lost_hosts.clone();
-                let started = match tokio::task::spawn_blocking(move || l(&avoid)).await {
+                let launched = tokio::task::spawn_blocking(move || l(&avoid)).await;
+                // A stop that came meanwhile: no new job (attach refuses too).
+                if self.stop.borrow().is_some() || e.closing() {
+                    return;
+                }
+                let started = match launched {
                     Ok(Ok((cmd, hosts))) => e.attach(cmd).map(|child| (child, hosts)),
                     Ok(Err(err)) => Err(err),
                     Err(join) => Err(anyhow::anyhow!("the launch task failed: {join}")),
@@ -509,8 +531,11 @@ impl Supervisor {
                             "m3c serve: {prefix}restart: the lost job ended in {teardown:.2} s, mpirun started again in {:.2} s",
                             t1.elapsed().as_secs_f64()
                         );
-                        // A start that is not up in time is lost too.
-                        let (w, epoch, limit) = (e.clone(), e.epoch(), self.timeout + RESTART_UP);
+                        // A start that is not up in time is lost too: it gets
+                        // the stages' timeout and a minute, or twice what
+                        // the first start took.
+                        let first = e.first_up().map_or(Duration::ZERO, |d| 2 * d);
+                        let (w, epoch, limit) = (e.clone(), e.epoch(), (self.timeout + RESTART_UP).max(first));
                         tokio::spawn(async move {
                             tokio::time::sleep(limit).await;
                             if !w.healthy() {
@@ -524,6 +549,7 @@ impl Supervisor {
                         break;
                     }
                     Err(err) => {
+                        streak += 1;
                         (why, cause) = (format!("starting it again failed: {err:#}"), "start_failed");
                         tokio::time::sleep(Duration::from_secs(1)).await;
                         if self.stop.borrow().is_some() {
