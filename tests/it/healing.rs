@@ -216,3 +216,61 @@ fn a_fault_during_the_restart_and_a_client_gone_meanwhile() {
     let want = streams(&s, None);
     assert_eq!(want["answers"].as_array().map(Vec::len), Some(16), "it serves again");
 }
+
+/// Both replicas lose a stage, and their restarts fail for a while (stage
+/// 1's file is bad): a request sent meanwhile waits on a restarting
+/// replica, as on a lone pipeline, instead of a 503, and is answered once
+/// the file is good again.
+#[test]
+fn a_request_waits_while_every_replica_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = crate::shared::copy("tiny-m3", 2, dir.path());
+    let s = Server::start(&out, &fixture("tiny-m3"), &["--timeout-s", "5", "--data-parallel-size", "2", "--max-restarts", "50"]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while metric(&s, "m3c:replica_up") != 2.0 {
+        assert!(Instant::now() < deadline, "both replicas up:\n{}", s.log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let exe = out.join("stage-1");
+    let good = std::fs::read(&exe).unwrap();
+    let pids = [crate::data_parallel::pids_with(&exe, "1/4"), crate::data_parallel::pids_with(&exe, "3/4")];
+    std::fs::remove_file(&exe).unwrap();
+    std::fs::write(&exe, b"#!/bin/sh\nexit 3\n").unwrap();
+    std::fs::set_permissions(&exe, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    for p in pids.iter().flatten() {
+        // SAFETY: kill(2) on a stage process of this test's own server.
+        unsafe { libc::kill(*p, libc::SIGKILL) };
+    }
+    while metric(&s, "m3c:pipeline_restarts_total") < 4.0 {
+        assert!(Instant::now() < deadline, "the restarts did not fail on:\n{}", s.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let body = serde_json::json!({"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}).to_string();
+    let request = Command::new("curl")
+        .args([
+            "-s",
+            "-m",
+            "60",
+            "-w",
+            "\n%{http_code}",
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            &body,
+            &format!("{}/completions", s.base()),
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    std::fs::remove_file(&exe).unwrap();
+    std::fs::write(&exe, &good).unwrap();
+    std::fs::set_permissions(&exe, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let o = request.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        text.ends_with("\n200") && text.contains("\"finish_reason\""),
+        "the request was not answered once a replica was back: {text}\n{}",
+        s.log()
+    );
+}

@@ -47,7 +47,13 @@ impl Replicas {
                 e.healthy().then(|| route::Candidate { load: e.load(), matched: a.matched(&chain), held: a.len() })
             })
             .collect();
-        let Some(r) = route::pick(&candidates, chain.len(), self.slack) else {
+        // None up: a replica that is restarting queues it (the least loaded),
+        // as a lone pipeline does.
+        let restarting = || {
+            let heal = self.engines.iter().enumerate().filter(|(_, e)| e.restarting().is_some());
+            heal.min_by_key(|(i, e)| (e.load(), *i)).map(|(i, _)| i)
+        };
+        let Some(r) = route::pick(&candidates, chain.len(), self.slack).or_else(restarting) else {
             return Err(SubmitError::Down(self.down_reason().unwrap_or_else(|| "the model is still loading".into())));
         };
         let ticket = self.engines[r].submit(request)?;
