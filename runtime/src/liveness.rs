@@ -22,6 +22,8 @@ use std::time::{Duration, Instant};
 pub const BEAT: Duration = Duration::from_millis(200);
 
 static STOP: AtomicBool = AtomicBool::new(false);
+/// The heartbeat thread has left its loop.
+static STOPPED: AtomicBool = AtomicBool::new(false);
 /// Test hook (`M3C_TEST_STALL_STAGE`): the stage falls silent like a hung
 /// process, heartbeats included.
 static SILENT: AtomicBool = AtomicBool::new(false);
@@ -40,13 +42,22 @@ pub fn start_heartbeats(size: usize, me: usize) -> std::thread::JoinHandle<()> {
             }
             std::thread::sleep(BEAT);
         }
+        STOPPED.store(true, Ordering::SeqCst);
     })
 }
 
-/// Stops the heartbeat thread (before MPI is finalised).
+/// Stops the heartbeat thread (before MPI is finalised), waiting for it a
+/// few beats at most: a send to a peer that was cut off can hold it inside
+/// MPI, and a stage leaving a failed job must not wait on it for as long
+/// as TCP takes to give up (its exit path has deadlines of its own).
 pub fn stop_heartbeats(h: Option<std::thread::JoinHandle<()>>) {
     STOP.store(true, Ordering::Relaxed);
-    if let Some(h) = h {
+    let Some(h) = h else { return };
+    let deadline = Instant::now() + 10 * BEAT;
+    while !STOPPED.load(Ordering::SeqCst) && Instant::now() < deadline {
+        std::thread::sleep(BEAT / 10);
+    }
+    if STOPPED.load(Ordering::SeqCst) {
         let _ = h.join();
     }
 }

@@ -203,13 +203,26 @@ impl Hosts {
         String::from_utf8_lossy(&o.stdout).split_whitespace().map(str::to_string).collect()
     }
 
-    /// The processes left on every host, each with its command line, for
+    /// The processes left on every host, each with its command line and
+    /// where each of its threads waits (state and kernel wait channel), for
     /// a failure message.
     pub fn left(&self) -> String {
         let cmdline = |p: &str| std::fs::read(format!("/proc/{p}/cmdline")).map(|c| String::from_utf8_lossy(&c).replace('\0', " "));
+        let threads = |p: &str| -> String {
+            let Ok(dir) = std::fs::read_dir(format!("/proc/{p}/task")) else { return String::new() };
+            dir.flatten()
+                .map(|t| {
+                    let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+                    let state = stat.rsplit(')').next().and_then(|r| r.split_whitespace().next()).unwrap_or("?").to_string();
+                    let wchan = std::fs::read_to_string(t.path().join("wchan")).unwrap_or_default();
+                    format!("{}:{state}:{wchan}", t.file_name().to_string_lossy())
+                })
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
         (0..self.n)
             .flat_map(|i| self.pids(i).into_iter().map(move |p| (i, p)))
-            .map(|(i, p)| format!("\n  host {i}, pid {p}: {}", cmdline(&p).unwrap_or_default()))
+            .map(|(i, p)| format!("\n  host {i}, pid {p}: {}\n    threads: {}", cmdline(&p).unwrap_or_default(), threads(&p)))
             .collect()
     }
 
