@@ -250,14 +250,24 @@ struct RemoteServer {
     on: usize,
 }
 
+/// `m3c serve OUT --model MODEL` on an ephemeral port as `tiny`, with the
+/// stages' timeout at 3 s, then `extra`.
+fn serve_line(out: &std::path::Path, model: &std::path::Path, extra: &[&str]) -> Vec<String> {
+    let bin = m3c_tests::m3c_bin();
+    let (bin, out, model) = (bin.to_str().unwrap(), out.to_str().unwrap(), model.to_str().unwrap());
+    let base = [bin, "serve", out, "--model", model, "--port", "0", "--served-model-name", "tiny", "--timeout-s", "3"];
+    base.iter().chain(extra).map(|a| a.to_string()).collect()
+}
+
 impl RemoteServer {
-    fn start(hosts: &Hosts, args: &[&str]) -> RemoteServer {
+    fn start(hosts: &Hosts, args: &[String]) -> RemoteServer {
         RemoteServer::start_on(hosts, 0, args)
     }
 
     /// `args` (an `m3c serve` command line, `--port 0`) on host `on`.
-    fn start_on(hosts: &Hosts, on: usize, args: &[&str]) -> RemoteServer {
-        let mut child = hosts.spawn(on, args, Duration::from_secs(300));
+    fn start_on(hosts: &Hosts, on: usize, args: &[String]) -> RemoteServer {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let mut child = hosts.spawn(on, &args, Duration::from_secs(300));
         let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
         let (tx, rx) = std::sync::mpsc::channel();
         let (err, l) = (child.stderr.take().unwrap(), log.clone());
@@ -352,24 +362,8 @@ fn serve_across_hosts_answers_as_one_host_and_fails_cleanly() {
     assert!(o.status.success(), "{}", stderr(&o));
     let want_image = m3c_tests::stdout(&o).strip_suffix('\n').unwrap_or_default().to_string();
 
-    let bin = m3c_tests::m3c_bin();
     let out = remote_first_stage(&hosts, "serve");
-    let (out_s, model_s) = (out.to_str().unwrap(), model.to_str().unwrap());
-    let serve = [
-        bin.to_str().unwrap(),
-        "serve",
-        out_s,
-        "--model",
-        model_s,
-        "--port",
-        "0",
-        "--served-model-name",
-        "tiny",
-        "--timeout-s",
-        "3",
-        "--max-restarts",
-        "0",
-    ];
+    let serve = serve_line(&out, &model, &["--max-restarts", "0"]);
     let server = RemoteServer::start(&hosts, &serve);
     let (python, client) = (crate::serve::python(), m3c_tests::root().join("tests/serve/client.py"));
     let base = server.base();
@@ -456,26 +450,7 @@ fn data_parallel_replicas_on_their_own_hosts_serve_and_outlive_a_lost_one() {
     let want = crate::routers::workload(&one.base());
     drop(one);
     let placed = hostfile(&hosts, &[0, 1, 2, 3]);
-    let bin = m3c_tests::m3c_bin();
-    let serve = [
-        bin.to_str().unwrap(),
-        "serve",
-        out.to_str().unwrap(),
-        "--model",
-        model.to_str().unwrap(),
-        "--port",
-        "0",
-        "--served-model-name",
-        "tiny",
-        "--timeout-s",
-        "3",
-        "--data-parallel-size",
-        "2",
-        "--hostfile",
-        &placed,
-        "--max-restarts",
-        "0",
-    ];
+    let serve = serve_line(&out, &model, &["--data-parallel-size", "2", "--hostfile", &placed, "--max-restarts", "0"]);
     let mut server = RemoteServer::start(&hosts, &serve);
     let health = |server: &RemoteServer| -> serde_json::Value {
         let url = format!("http://127.0.0.1:{}/health", server.port);
@@ -535,10 +510,7 @@ fn routers_reach_replicas_on_their_own_hosts_and_answer_as_one_replica() {
     let one = crate::serve::Server::start(&out, &model, &[]);
     let want = crate::routers::workload(&one.base());
     drop(one);
-    let bin = m3c_tests::m3c_bin();
-    let serve =
-        [bin.to_str().unwrap(), "serve", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--port", "0", "--host", "0.0.0.0"];
-    let serve = [&serve[..], &["--served-model-name", "tiny"]].concat();
+    let serve = serve_line(&out, &model, &["--host", "0.0.0.0"]);
     let replicas = [RemoteServer::start_on(&hosts, 1, &serve), RemoteServer::start_on(&hosts, 2, &serve)];
     let workers: Vec<String> = replicas.iter().map(|r| format!("http://{}:{}", hosts.addr(r.on), r.port)).collect();
     let venv = |b: &str| m3c_tests::root().join(".venv-router/bin").join(b);
@@ -588,10 +560,7 @@ fn a_pipeline_across_hosts_heals_a_killed_remote_stage() {
     let Some(hosts) = Hosts::new(2) else { return };
     let model = fixture("tiny-m3");
     let out = remote_first_stage(&hosts, "heal");
-    let bin = m3c_tests::m3c_bin();
-    let (out_s, model_s) = (out.to_str().unwrap(), model.to_str().unwrap());
-    let serve =
-        [bin.to_str().unwrap(), "serve", out_s, "--model", model_s, "--port", "0", "--served-model-name", "tiny", "--timeout-s", "3"];
+    let serve = serve_line(&out, &model, &[]);
     let mut server = RemoteServer::start(&hosts, &serve);
     let want = fault_streams(&hosts, &server, None);
     let got = fault_streams(
@@ -645,23 +614,7 @@ fn a_cut_host_is_replaced_by_a_spare_and_no_stream_changes() {
     let Some(hosts) = Hosts::new(3) else { return };
     let (out, model) = crate::shared::tiny(2);
     let placed = hostfile(&hosts, &[0, 1, 2]);
-    let bin = m3c_tests::m3c_bin();
-    let (out_s, model_s) = (out.to_str().unwrap(), model.to_str().unwrap());
-    let serve = [
-        bin.to_str().unwrap(),
-        "serve",
-        out_s,
-        "--model",
-        model_s,
-        "--port",
-        "0",
-        "--served-model-name",
-        "tiny",
-        "--timeout-s",
-        "3",
-        "--hostfile",
-        &placed,
-    ];
+    let serve = serve_line(&out, &model, &["--hostfile", &placed]);
     let mut server = RemoteServer::start(&hosts, &serve);
     let want = fault_streams(&hosts, &server, None);
     let got = fault_streams(&hosts, &server, Some(&|| hosts.cut(1)));
