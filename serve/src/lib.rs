@@ -267,9 +267,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
         stage.trace = true;
     }
     let trace_dir = o.trace_dir.clone();
-    let cmds = placements.iter().map(|p| compiled.mpirun_placed(&stage, &o.launch, p)).collect::<Result<Vec<_>>>()?;
     let compiled = std::sync::Arc::new(compiled);
-    let hosts: Vec<Vec<Option<String>>> = placements.iter().map(|p| compiled.rank_hosts(p, &o.launch)).collect();
     let launchers: Vec<Launcher> = placements
         .into_iter()
         .map(|p| {
@@ -283,6 +281,9 @@ fn prepare(o: &Options) -> Result<Prepared> {
             }) as Launcher
         })
         .collect();
+    // The first start's commands, the same way a restart makes them: a
+    // multi-host job's hosts are checked now, before the server listens.
+    let (cmds, hosts): (Vec<_>, Vec<_>) = launchers.iter().map(|l| l(&[])).collect::<Result<Vec<_>>>()?.into_iter().unzip();
     let stage_eos = gen.eos_ids.clone();
     let media = o.api.media.clone().checked()?;
     let limits = engine::Limits { per_position, kv_block, blocks, max_batch: o.max_batch.max(1), max_queue: o.max_queue };
