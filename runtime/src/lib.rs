@@ -149,12 +149,17 @@ fn run() -> c_int {
         Ok(m) => format!("m3c stage {}/{}", m.stage, m.stages),
         Err(_) => "m3c stage ?".to_string(),
     };
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let parsed = args::parse(&argv);
+    let timeout = Duration::from_secs_f64(parsed.as_ref().map_or(args::DEFAULT_TIMEOUT_S, |a| a.timeout_s));
+    let init = startup::InitWatch::start(who.clone(), timeout.max(startup::MIN_INIT_DEADLINE));
     // Heartbeats come from a thread of their own, so MPI must take calls
     // from several threads.
     let Some((universe, threading)) = mpi::initialize_with_threading(mpi::Threading::Multiple) else {
         say!("{who}: error: MPI could not be initialised");
         return 1;
     };
+    init.done();
     let world = universe.world();
     let (rank, size) = (world.rank() as usize, world.size() as usize);
     // An encoder rank names itself by its place among the encoder ranks.
@@ -162,9 +167,6 @@ fn run() -> c_int {
         Ok(m) if m.encoder => format!("m3c encoder {}/{}", rank.saturating_sub(m.stages), m.encoders),
         _ => who,
     };
-    let argv: Vec<String> = std::env::args().skip(1).collect();
-    let parsed = args::parse(&argv);
-    let timeout = Duration::from_secs_f64(parsed.as_ref().map_or(args::DEFAULT_TIMEOUT_S, |a| a.timeout_s));
     let beats = (threading >= mpi::Threading::Multiple).then(|| liveness::start_heartbeats(size, rank));
     if beats.is_none() {
         say!("{who}: MPI offers no multi-threaded calls; peers are declared lost after --timeout-s without a message, even while they compute");

@@ -51,6 +51,54 @@ pub fn end_daemon_later() {
     }
 }
 
+/// The least time MPI's start-up gets, whatever `--timeout-s` says: the
+/// wire-up of every rank through the Open MPI daemons takes seconds on a
+/// loaded machine.
+pub const MIN_INIT_DEADLINE: Duration = Duration::from_secs(20);
+
+/// A deadline for `MPI_Init`. Its wire-up (every rank's address exchanged
+/// through the Open MPI daemons) waits with no deadline of its own, before
+/// any heartbeat exists: a host cut off mid-start leaves its stage there,
+/// and its daemon, whose unacknowledged messages keep TCP retransmitting
+/// (keepalives only probe an idle link), waits with it for many minutes.
+/// A stage not through the start-up by the deadline ends itself and its
+/// daemon; the launcher's side ends the job as for any lost host.
+pub struct InitWatch(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl InitWatch {
+    pub fn start(who: String, deadline: Duration) -> InitWatch {
+        use std::sync::atomic::Ordering;
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let seen = done.clone();
+        std::thread::spawn(move || {
+            let t0 = std::time::Instant::now();
+            while t0.elapsed() < deadline {
+                if seen.load(Ordering::SeqCst) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            if !seen.load(Ordering::SeqCst) {
+                say!(
+                    "{who}: error: MPI's start-up did not finish within {:.0} s (--timeout-s, {} s at least): a host of this job is unreachable or its stage never started",
+                    deadline.as_secs_f64(),
+                    MIN_INIT_DEADLINE.as_secs()
+                );
+                end_daemon_later();
+                // SAFETY: _exit ends the process at once; MPI is not usable
+                // (its start-up never finished), so nothing is left to close.
+                unsafe { libc::_exit(1) }
+            }
+        });
+        InitWatch(done)
+    }
+
+    /// MPI is up: the watch ends.
+    pub fn done(self) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 /// `all_gather` of equal-sized byte records, waiting while every peer is alive.
 pub fn gather(world: &SimpleCommunicator, peers: &mut Peers, who: &str, mine: &[u8]) -> Vec<u8> {
     let size = world.size() as usize;

@@ -174,15 +174,23 @@ fn a_cut_link_or_a_killed_remote_stage_ends_the_job_on_every_host() {
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
         stat.rsplit(')').next().and_then(|r| r.split_whitespace().nth(1)).unwrap_or("0").to_string()
     };
-    // A fault, given stage 1's pid. The kills first: the cut leaves the link down.
+    // A fault, given stage 1's pid, and how long after stage 1 started it
+    // comes. The kills first: a cut leaves the link down. A cut at once
+    // finds stage 1 inside MPI's start-up (`MPI_Init`'s wire-up, which has
+    // no deadline of its own), a cut later, decoding.
     type Fault<'a> = &'a dyn Fn(&str);
-    let faults: [(&str, Fault); 3] =
-        [("killed remote stage", &|p| kill(p)), ("killed remote daemon", &|p| kill(&parent(p))), ("cut link", &|_| hosts.cut(1))];
-    for (name, fault) in faults {
+    let (at_once, decoding) = (Duration::ZERO, Duration::from_millis(500));
+    let faults: [(&str, Duration, Fault); 4] = [
+        ("killed remote stage", decoding, &|p| kill(p)),
+        ("killed remote daemon", decoding, &|p| kill(&parent(p))),
+        ("link cut during start-up", at_once, &|_| hosts.cut(1)),
+        ("cut link", decoding, &|_| hosts.cut(1)),
+    ];
+    for (name, after, fault) in faults {
+        hosts.mend(1);
         let child = hosts.spawn(0, &cmd, Duration::from_secs(90));
         let pid = stage1();
-        // A moment into decoding.
-        std::thread::sleep(Duration::from_millis(500));
+        std::thread::sleep(after);
         let t0 = std::time::Instant::now();
         fault(&pid);
         let o = child.wait_with_output().unwrap();

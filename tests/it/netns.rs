@@ -172,6 +172,11 @@ impl Hosts {
         ip(&["-n", &self.bridge(), "link", "set", &format!("v{i}"), "down"]);
     }
 
+    /// Brings host `i`'s link back up (after [`Hosts::cut`]).
+    pub fn mend(&self, i: usize) {
+        ip(&["-n", &self.bridge(), "link", "set", &format!("v{i}"), "up"]);
+    }
+
     /// Whether every host's namespace is empty of processes within `limit`
     /// (a cut-off host's stage ends itself after the timeout, its Open MPI
     /// daemon a few seconds later; a loaded machine takes longer).
