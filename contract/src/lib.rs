@@ -43,6 +43,7 @@ pub mod checkpoint;
 pub mod dtype;
 pub mod images;
 pub mod input;
+pub mod lost_peer;
 pub mod manifest;
 pub mod prompts;
 pub mod protocol;

@@ -105,7 +105,7 @@ impl Peers {
 
 /// The message for a peer that fell silent.
 pub fn silent_message(rank: usize, timeout: Duration) -> String {
-    format!("no sign of life from stage {rank} for {:.0} s (--timeout-s): that stage stopped or was lost", timeout.as_secs_f64())
+    m3c_contract::lost_peer::message(rank, timeout)
 }
 
 /// Ends this stage when its parent (mpirun or orted) dies.
