@@ -187,6 +187,9 @@ pub(crate) struct RunArgs {
     /// Seconds without a sign of life (a heartbeat) from a neighbour before a stage gives up on it; a stage that computes counts as alive.
     #[arg(long, default_value_t = 30.0, value_parser = timeout_s)]
     pub(crate) timeout_s: f64,
+    /// How many times a lost pipeline (a stage killed, a lost link or host) is started again: unfinished prompts go on where they were, token for token as without the fault; finished ones are not run again. 0: a fault ends the run. A run with --dump, --expect or --trace records one job and is not resumed.
+    #[arg(long, value_name = "N", default_value_t = 3, value_parser = count)]
+    pub(crate) max_restarts: usize,
     /// Report each generated token's log-probability (raw logits, as vLLM's
     /// default) and this many most likely alternatives (0 to 20): a line
     /// `logprobs N: [{"id", "logprob", "top": [[id, logprob], ...]}, ...]`

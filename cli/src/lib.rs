@@ -7,6 +7,8 @@ mod compile_cmd;
 mod flags;
 mod plan_cmd;
 mod run_cmd;
+mod run_jobs;
+mod run_journal;
 mod serve_cmd;
 
 use anyhow::{bail, Context, Result};

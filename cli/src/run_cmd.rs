@@ -90,21 +90,6 @@ fn image_prompt(
     Ok(seqs)
 }
 
-/// The run's requests as the first stage reads them on its standard input
-/// (`--stdin-prompts`): one framed `add` per request, complete as `m3c
-/// serve` sends them, with its images (an images file of its own, as
-/// sequence 0).
-fn stdin_frames(requests: Vec<SeqRequest>, images: &BTreeMap<usize, SeqImages>) -> Vec<Vec<u8>> {
-    use m3c_contract::protocol::Command;
-    requests
-        .into_iter()
-        .map(|r| {
-            let images = images.get(&r.seq).map(|im| m3c_contract::images::encode(&BTreeMap::from([(0usize, im.clone())])).into());
-            Command::Add(SeqRequest { images, ..r }).to_bytes()
-        })
-        .collect()
-}
-
 /// A prompt's grammar (its text) and reasoning budget.
 type OutputRules = (Option<String>, Option<ThinkBudget>);
 
@@ -355,7 +340,9 @@ fn stage_args(args: &RunArgs, inputs: &Inputs) -> Result<(StageArgs, Vec<SeqRequ
     stage.encoder = args.encoder.options();
     stage.timeout_s = args.timeout_s;
     stage.gpu = args.gpu.modes();
-    stage.stream_ids = inputs.text.is_some();
+    // The run's front reads every token as it comes (a lost pipeline's
+    // prompts then go on from there) and prints ids or text itself.
+    stage.stream_ids = true;
     stage.trace = args.trace.is_some();
     if let Some(c) = &args.speculative_config {
         eprintln!(
@@ -425,96 +412,52 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
     // Text prompts come after any id prompts; their streams are numbered from 0.
     let first_text = inputs.prompts.len() - text_in.as_ref().map_or(0, |t| t.ids.len());
     let grammars: Vec<bool> = requests.iter().skip(first_text).map(|r| r.grammar.is_some()).collect();
-    let frames = stdin_frames(requests, &images);
-    let mut cmd = compiled.mpirun(&stage, &launch)?;
-    cmd.stdin(std::process::Stdio::piped());
-    if text_in.is_some() || args.trace.is_some() {
-        cmd.stdout(std::process::Stdio::piped());
-    }
-    cmd.stderr(std::process::Stdio::piped());
-    let mut child = cmd.spawn().map_err(m3c_front::launch::spawn_error)?;
-    // mpirun passes its input to the first stage, wherever that runs; a
-    // writer of its own, since the stage reads it only once it is up. A
-    // job that ends first closes the pipe, which ends the writer.
-    if let Some(mut input) = child.stdin.take() {
-        std::thread::spawn(move || {
-            use std::io::Write;
-            for f in frames {
-                if input.write_all(&f).is_err() {
-                    break;
-                }
-            }
-        });
-    }
-    // A stage that failed gives mpirun its --timeout-s to end the job.
-    let grace = std::time::Duration::from_secs_f64(args.timeout_s + 2.0);
-    let reaper = m3c_front::launch::reap_after_error(&mut child, grace);
-    // SIGINT/SIGTERM to m3c are passed on to mpirun, which ends the job.
-    let forwarding = m3c_signals::ChildRegistration::new(child.id());
-    // The trace's lines are taken out of the stages' output; the rest is
-    // the run's (streamed text, or printed as it is).
-    let (output, tap): (Option<Box<dyn std::io::BufRead>>, _) = match child.stdout.take() {
-        Some(pipe) if args.trace.is_some() => {
-            let (rest, tap) = m3c_front::trace::tap(pipe);
-            (Some(Box::new(rest)), Some(tap))
-        }
-        Some(pipe) => (Some(Box::new(std::io::BufReader::new(pipe))), None),
-        None => (None, None),
+    let logprobs: Vec<bool> = requests.iter().map(|r| r.logprobs.is_some()).collect();
+    // A lost pipeline is started again and the prompts go on, except in
+    // runs that record one job whole (a dump, a golden check, a timeline).
+    let resumable = args.dump.is_none() && args.expect.is_none() && args.trace.is_none();
+    let jobs = crate::run_jobs::RunJobs {
+        compiled: &compiled,
+        launch: &launch,
+        stage,
+        requests,
+        images,
+        max_restarts: if resumable { args.max_restarts } else { 0 },
+        trace: args.trace.is_some(),
     };
-    let streamed = match (&text_in, output) {
-        (Some(enc), Some(pipe)) => {
+    let eos = jobs.stage.eos_ids.clone();
+    let (ran, streamed) = match &text_in {
+        None => (jobs.run(None::<std::io::Sink>)?, None),
+        Some(enc) => {
             // A grammar's output ends on an EOS whose text is not the answer's.
-            let silent: Vec<u32> =
-                if constrained { stage.eos_ids.iter().filter_map(|&e| u32::try_from(e).ok()).collect() } else { Vec::new() };
+            let silent: Vec<u32> = if constrained { eos.iter().filter_map(|&e| u32::try_from(e).ok()).collect() } else { Vec::new() };
             let reasoning = reasoning_to_stderr(&args.model, enc, &grammars)?;
-            let done = m3c_front::text::front::stream(pipe, enc, &args.stop, &silent, std::io::stdout().lock(), reasoning);
-            if done.is_err() {
-                // Nobody reads the pipe any more: end the job rather than
-                // leave a stage blocked on a write.
-                let _ = child.kill();
-            }
-            Some(done)
+            // The text streamer reads the jobs' events as one stream.
+            let (events, sink) = std::io::pipe().context("a pipe for the stages' output")?;
+            std::thread::scope(|s| {
+                let ran = s.spawn(|| jobs.run(Some(sink)));
+                let done = m3c_front::text::front::stream(
+                    std::io::BufReader::new(events),
+                    enc,
+                    &args.stop,
+                    &silent,
+                    std::io::stdout().lock(),
+                    reasoning,
+                );
+                // Once the streamer stops reading, the jobs stop too.
+                let ran = ran.join().unwrap_or_else(|_| Err(anyhow::anyhow!("the job runner failed")));
+                match (ran, done) {
+                    // The streamer's own failure (its output closed) is the error.
+                    (Ok(r), d) if r.reader_gone => {
+                        Err(d.err().unwrap_or_else(|| anyhow::anyhow!("the output closed"))).context("streaming the generated text")
+                    }
+                    (Ok(r), d) => Ok((r, Some(d))),
+                    (Err(e), _) => Err(e),
+                }
+            })?
         }
-        (None, Some(mut pipe)) => {
-            let _ = std::io::copy(&mut pipe, &mut std::io::stdout().lock());
-            None
-        }
-        _ => None,
     };
-    let status = child.wait().context("waiting for mpirun")?;
-    let log = reaper.join().unwrap_or_default();
-    let end = &log.end;
-    let collected = tap.map(|t| t.join().unwrap_or_default());
-    if let Some(sig) = forwarding.received() {
-        bail!("interrupted (signal {sig}): the pipeline was stopped");
-    }
-    drop(forwarding);
-    if let (false, Some(node)) = (status.success(), &end.lost_node) {
-        let stages: Vec<String> = compiled.stages_on(node, &launch).iter().map(|k| format!("stage {k}")).collect();
-        let which = if stages.is_empty() { "the stage(s)".to_string() } else { stages.join(" and ") };
-        bail!(
-            "{which} on host {node} was lost: Open MPI lost its daemon there (the host went down or was cut off, or the daemon was killed)"
-        );
-    }
-    if !status.success() {
-        let code = status.code().map_or("signal".into(), |c| c.to_string());
-        // A stage killed outright prints nothing, and a stage's last words
-        // can be lost when mpirun tears the job down: name what mpirun saw.
-        if let Some((rank, node, signal)) = end.killed.clone().filter(|_| !end.stage_error) {
-            bail!("the pipeline failed (mpirun exit status {code}): stage {rank} was killed on {node} by signal {signal}");
-        }
-        // The stage's own words are the error; mpirun's report of the
-        // abort was left out above.
-        if let Some(first) = &log.first_error {
-            // A stage killed outright (out of memory, say) says nothing; the
-            // first words may be a peer's about it, so the kill is said too.
-            let kill =
-                end.killed.as_ref().map(|(r, n, s)| format!("; mpirun saw stage {r} killed on {n} by signal {s}")).unwrap_or_default();
-            bail!("{first} (the pipeline stopped; mpirun exit status {code}{kill})");
-        }
-        bail!("the pipeline failed (mpirun exit status {code}); the failing stage's message is above");
-    }
-    if let (Some(file), Some(c)) = (&args.trace, collected) {
+    if let (Some(file), Some(c)) = (&args.trace, ran.collected) {
         let bytes = m3c_front::trace::chrome_json(&c).context("--trace")?;
         m3c_compiler::fsutil::write_file_atomically(file, &bytes).context("--trace")?;
         eprintln!(
@@ -524,12 +467,30 @@ pub(crate) fn run_cmd(args: RunArgs) -> Result<()> {
             file.display()
         );
     }
-    if let Some(done) = streamed {
-        let names = text_in.as_ref().map(|t| (0..t.ids.len()).map(|i| t.name(i)).collect::<Vec<_>>()).unwrap_or_default();
-        for (f, name) in done.context("streaming the generated text")?.iter().zip(names) {
-            eprintln!("{name}: {} prompt tokens, {} generated, finish: {}", f.prompt_tokens, f.generated.len(), f.reason);
+    match streamed {
+        Some(done) => {
+            let names = text_in.as_ref().map(|t| (0..t.ids.len()).map(|i| t.name(i)).collect::<Vec<_>>()).unwrap_or_default();
+            for (f, name) in done.context("streaming the generated text")?.iter().zip(names) {
+                eprintln!("{name}: {} prompt tokens, {} generated, finish: {}", f.prompt_tokens, f.generated.len(), f.reason);
+            }
+        }
+        None => print_ids(&ran.journal, &logprobs)?,
+    }
+    Ok(())
+}
+
+/// An id run's output: each prompt's ids, and its logprobs where asked.
+fn print_ids(journal: &crate::run_journal::Journal, logprobs: &[bool]) -> Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    for (s, (ids, lps)) in journal.outputs().enumerate() {
+        let ids: Vec<String> = ids.iter().map(i64::to_string).collect();
+        writeln!(out, "prompt {s}: {}", ids.join(","))?;
+        if logprobs.get(s).copied().unwrap_or(false) {
+            writeln!(out, "logprobs {s}: {}", m3c_contract::protocol::logprobs_json(lps))?;
         }
     }
+    out.flush()?;
     Ok(())
 }
 

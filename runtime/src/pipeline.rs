@@ -186,6 +186,14 @@ impl Feed for RunFeed<'_> {
 
     fn event(&mut self, e: Event) {
         match &e {
+            // A streaming run's front learns that the pipeline came up (a
+            // lost one is then started again, not failed as at start-up).
+            Event::Ready => {
+                if self.args.stream_ids {
+                    crate::serve::say(e);
+                }
+                return;
+            }
             Event::Prefix { queried, hit, .. } => {
                 self.prefix.0 += queried;
                 self.prefix.1 += hit;

@@ -22,7 +22,7 @@ pub mod tool_grammar;
 
 use anyhow::{Context, Result};
 use m3c_contract::sampling::SamplingParams;
-use m3c_contract::stage_args::{GpuModes, KvPool, PoolSize};
+use m3c_contract::stage_args::{GpuModes, KvPool, PoolSize, StageArgs};
 pub use media::MediaPolicy;
 use std::future::IntoFuture;
 use std::path::PathBuf;
@@ -221,7 +221,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
     // Sequences per micro-batch: the running ones shared over the stages,
     // so every stage has a micro-batch to work on.
     let micro = o.max_batch.div_ceil(stages).max(1);
-    let mut stage = m3c_contract::stage_args::StageArgs::new(o.model.clone());
+    let mut stage = StageArgs::new(o.model.clone());
     stage.prompts = m3c_contract::stage_args::Prompts::Served;
     stage.micro_batch = Some(micro);
     stage.prefill_chunk = Some(o.prefill_chunk);
@@ -268,19 +268,7 @@ fn prepare(o: &Options) -> Result<Prepared> {
     }
     let trace_dir = o.trace_dir.clone();
     let compiled = std::sync::Arc::new(compiled);
-    let launchers: Vec<Launcher> = placements
-        .into_iter()
-        .map(|p| {
-            let (c, stage, launch) = (compiled.clone(), stage.clone(), o.launch.clone());
-            // A lone pipeline placed by a hostfile avoids its lost hosts
-            // when the hostfile lists spares; otherwise it waits for them.
-            let spares = replicas == 1;
-            std::sync::Arc::new(move |lost: &[String]| {
-                let placed = if spares && !lost.is_empty() { c.avoiding(&launch, lost).unwrap_or_else(|| p.clone()) } else { p.clone() };
-                Ok((c.mpirun_placed(&stage, &launch, &placed)?, c.rank_hosts(&placed, &launch)))
-            }) as Launcher
-        })
-        .collect();
+    let launchers = launchers(&compiled, &stage, &o.launch, placements);
     // The first start's commands, the same way a restart makes them: a
     // multi-host job's hosts are checked now, before the server listens.
     let (cmds, hosts): (Vec<_>, Vec<_>) = launchers.iter().map(|l| l(&[])).collect::<Result<Vec<_>>>()?.into_iter().unzip();
@@ -416,6 +404,50 @@ const JOB_TERM: Duration = Duration::from_secs(3);
 /// How long a lost job's mpirun gets to end by itself before it is told to.
 const JOB_GRACE: Duration = Duration::from_secs(2);
 
+/// Each replica's [`Launcher`]. Where each replica runs now, and the hosts
+/// any of them found lost, are shared: a replica that lost a host starts
+/// again on a spare that no other replica holds (the hostfile's slots
+/// after those in use).
+fn launchers(
+    compiled: &std::sync::Arc<m3c_front::launch::Compiled>,
+    stage: &StageArgs,
+    launch: &m3c_front::launch::Launch,
+    placements: Vec<m3c_front::launch::Placement>,
+) -> Vec<Launcher> {
+    let spread = std::sync::Arc::new(std::sync::Mutex::new(Spread { placed: placements.clone(), lost: Vec::new() }));
+    (0..placements.len())
+        .map(|r| {
+            let (c, stage, launch, spread) = (compiled.clone(), stage.clone(), launch.clone(), spread.clone());
+            std::sync::Arc::new(move |lost: &[String]| {
+                // Chosen and recorded under one lock, so two replicas
+                // restarting at once never take the same spare.
+                let placed = {
+                    let mut s = spread.lock().unwrap_or_else(|e| e.into_inner());
+                    for h in lost {
+                        if !s.lost.contains(h) {
+                            s.lost.push(h.clone());
+                        }
+                    }
+                    let hosts: Vec<Vec<Option<String>>> = s.placed.iter().map(|p| c.rank_hosts(p, &launch)).collect();
+                    // Without a spare, the replica waits for its hosts.
+                    let spare = if lost.is_empty() { None } else { c.avoiding(&launch, &s.lost, &hosts, r) };
+                    if let Some(p) = spare {
+                        s.placed[r] = p;
+                    }
+                    s.placed[r].clone()
+                };
+                Ok((c.mpirun_placed(&stage, &launch, &placed)?, c.rank_hosts(&placed, &launch)))
+            }) as Launcher
+        })
+        .collect()
+}
+
+/// Where every replica runs now, and the hosts any replica found lost.
+struct Spread {
+    placed: Vec<m3c_front::launch::Placement>,
+    lost: Vec<String>,
+}
+
 /// Makes a replica's mpirun command again (checking its hosts first, as
 /// at start-up), avoiding the hosts given where it can; with the host of
 /// each rank.
@@ -459,7 +491,7 @@ impl Supervisor {
             let end = e.job_end(epoch, Duration::from_secs(1)).await;
             // A host is lost when mpirun lost its daemon, or when a stage
             // found a peer silent (a cut link, a host gone): that peer's host.
-            let silent = silent_stage(&loss.why).and_then(|k| self.hosts.get(k).cloned().flatten());
+            let silent = m3c_contract::lost_peer::rank_in(&loss.why).and_then(|k| self.hosts.get(k).cloned().flatten());
             if let Some(h) = end.as_ref().and_then(|x| x.lost_node.clone()).or(silent) {
                 if !lost_hosts.contains(&h) {
                     eprintln!("m3c serve: {prefix}host {h} is taken as lost: a start places its stages on a spare host where the hostfile lists one");
@@ -561,13 +593,6 @@ impl Supervisor {
             }
         }
     }
-}
-
-/// The stage a loss says went silent (the runtime's "no sign of life
-/// from stage K"), if it says so.
-fn silent_stage(why: &str) -> Option<usize> {
-    let rest = why.split("no sign of life from stage ").nth(1)?;
-    rest.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
 }
 
 /// What a restarted pipeline gets beyond `--timeout-s` to be up (mapping
@@ -752,13 +777,6 @@ fn served_names(given: &[String], model: &std::path::Path) -> Vec<String> {
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn a_silent_peer_is_read_from_the_stage_s_words() {
-        let why = "the pipeline stopped: stage 0/2: no sign of life from stage 1 for 3 s (--timeout-s): that stage stopped or was lost";
-        assert_eq!(super::silent_stage(why), Some(1));
-        assert_eq!(super::silent_stage("the pipeline stopped (a stage ended or was lost)"), None);
-    }
-
     #[test]
     fn a_model_is_served_as_its_folder_and_as_given_unless_named() {
         let dir = tempfile::tempdir().unwrap();

@@ -274,3 +274,103 @@ fn a_request_waits_while_every_replica_restarts() {
         s.log()
     );
 }
+
+/// `m3c run OUT --model tiny-m3 ARGS`, with stage `k` SIGKILLed once
+/// `under_way` says so of the output so far (stdout, stderr); the run's
+/// output, and whether the kill came before the run ended.
+fn run_killing(out: &std::path::Path, k: usize, args: &[&str], under_way: &dyn Fn(&str, &str) -> bool) -> (std::process::Output, bool) {
+    use std::sync::{Arc, Mutex};
+    let mut c = m3c_tests::m3c_command()
+        .args(["run", out.to_str().unwrap(), "--model", fixture("tiny-m3").to_str().unwrap(), "--timeout-s", "5"])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let read = |pipe: Box<dyn std::io::Read + Send>| {
+        let got = Arc::new(Mutex::new(Vec::new()));
+        let into = got.clone();
+        let t = std::thread::spawn(move || {
+            let mut pipe = pipe;
+            let mut buf = [0u8; 4096];
+            while let Ok(n @ 1..) = pipe.read(&mut buf) {
+                into.lock().unwrap().extend_from_slice(&buf[..n]);
+            }
+        });
+        (got, t)
+    };
+    let (out_got, out_t) = read(Box::new(c.stdout.take().unwrap()));
+    let (err_got, err_t) = read(Box::new(c.stderr.take().unwrap()));
+    let text = |b: &Arc<Mutex<Vec<u8>>>| String::from_utf8_lossy(&b.lock().unwrap()).into_owned();
+    let (t0, mut killed) = (Instant::now(), false);
+    while c.try_wait().unwrap().is_none() {
+        assert!(t0.elapsed() < Duration::from_secs(120), "the run did not end:\n{}", text(&err_got));
+        if !killed && under_way(&text(&out_got), &text(&err_got)) {
+            let pid = pid_of(&out.join(format!("stage-{k}"))).expect("the stage runs");
+            // SAFETY: kill(2) on a stage process of this test's own run.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            killed = true;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let status = c.wait().unwrap();
+    let (_, _) = (out_t.join(), err_t.join());
+    let (stdout, stderr) = (out_got.lock().unwrap().clone(), err_got.lock().unwrap().clone());
+    (std::process::Output { status, stdout, stderr }, killed)
+}
+
+/// `m3c run` with a prompts file goes on after a fault too: stage 1 of
+/// three is SIGKILLed mid-run; the run restarts its pipeline, the
+/// unfinished prompts go on where they were, and its output (text with
+/// greedy and seeded prompts; ids with logprobs) equals a run without the
+/// fault. With `--max-restarts 0` the fault ends the run, naming the stage.
+#[test]
+fn a_batch_run_that_loses_a_stage_prints_what_a_run_without_the_fault_prints() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = crate::shared::copy("tiny-m3", 3, dir.path());
+    let texts = dir.path().join("prompts.jsonl");
+    std::fs::write(
+        &texts,
+        "{\"prompt\": \"The capital of France is\"}\n\
+         {\"prompt\": \"Once upon a time\", \"temperature\": 0.8, \"seed\": 11}\n\
+         {\"messages\": [{\"role\": \"user\", \"content\": \"Hi!\"}], \"thinking\": \"disabled\", \"temperature\": 1.0, \"top_p\": 0.9, \"seed\": 3}\n\
+         {\"prompt\": \"1, 2, 3,\", \"temperature\": 0.7, \"top_k\": 20, \"seed\": 5}\n",
+    )
+    .unwrap();
+    let ids = dir.path().join("prompts.txt");
+    std::fs::write(&ids, "1,2,3\n4,5,6,7\n8\n9,10\n").unwrap();
+    let (texts, ids) = (texts.to_str().unwrap(), ids.to_str().unwrap());
+    let text_run = ["--prompts", texts, "--max-new-tokens", "300", "--ignore-eos"];
+    let id_run = ["--prompts", ids, "--max-new-tokens", "1500", "--ignore-eos", "--logprobs", "2", "--temperature", "0.9", "--seed", "9"];
+    let never = |_: &str, _: &str| false;
+    // Text streams as it comes: the fault lands once some has.
+    let streaming = |o: &str, _: &str| o.len() > 150;
+    // Ids print at the end: the fault lands a moment after the last stage is up.
+    let loaded = std::cell::Cell::new(None::<Instant>);
+    let up = |_: &str, e: &str| {
+        if e.contains("m3c stage 2/3") && e.contains("KV pool") {
+            loaded.set(loaded.get().or(Some(Instant::now())));
+        }
+        loaded.get().is_some_and(|t| t.elapsed() > Duration::from_millis(300))
+    };
+    for (what, args, under_way) in
+        [("text", &text_run[..], &streaming as &dyn Fn(&str, &str) -> bool), ("ids", &id_run[..], &up as &dyn Fn(&str, &str) -> bool)]
+    {
+        let (want, _) = run_killing(&out, 1, args, &never);
+        assert!(want.status.success(), "{what}: {}", m3c_tests::stderr(&want));
+        loaded.set(None);
+        let (got, killed) = run_killing(&out, 1, args, under_way);
+        let e = m3c_tests::stderr(&got);
+        assert!(killed, "{what}: the run ended before the fault:\n{e}");
+        assert!(got.status.success(), "{what}: {e}");
+        assert!(e.contains("killed") && e.contains("starting the pipeline again (1 of at most 3)"), "{what}: {e}");
+        assert_eq!(m3c_tests::stdout(&got), m3c_tests::stdout(&want), "{what}: the output differs from the run without the fault");
+        eprintln!("{what}: {}", e.lines().find(|l| l.contains("starting the pipeline again")).unwrap_or_default());
+    }
+    loaded.set(None);
+    let (failed, killed) = run_killing(&out, 1, &[&id_run[..], &["--max-restarts", "0"]].concat(), &up);
+    let e = m3c_tests::stderr(&failed);
+    assert!(killed && !failed.status.success(), "{e}");
+    assert!(e.contains("stage 1") && !e.contains("starting the pipeline again"), "{e}");
+    assert!(pid_of(&out.join("stage-0")).is_none(), "a stage outlived the run");
+}

@@ -662,9 +662,11 @@ fn d17_busy_stages_are_alive_and_stopped_ones_are_lost() {
         "the prefill step took only {step_ms} ms, which proves nothing about a 1 s timeout ({:?} in all)",
         t0.elapsed()
     );
-    // SIGSTOP a stage mid-run: the others end the job within the timeout.
+    // SIGSTOP a stage mid-run: the others end the job within the timeout
+    // (and, with no restarts allowed, the run: tests/it/healing.rs has
+    // runs that go on).
     // --ignore-eos: a random model may emit its EOS id early, ending the run before the stop.
-    let mut args = run_args(&out, &model, &["--max-new-tokens", "3000", "--timeout-s", "2", "--ignore-eos"]);
+    let mut args = run_args(&out, &model, &["--max-new-tokens", "3000", "--timeout-s", "2", "--ignore-eos", "--max-restarts", "0"]);
     args.extend(["--prompt-ids", "1,2,3"]);
     let child = m3c_tests::m3c_command().args(&args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
     let needle = out.join("stage-1").display().to_string();

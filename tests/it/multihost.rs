@@ -149,7 +149,9 @@ fn a_cut_link_or_a_killed_remote_stage_ends_the_job_on_every_host() {
     let bin = m3c_tests::m3c_bin();
     let (out_s, model_s, placed) = (out.to_str().unwrap(), model.to_str().unwrap(), hostfile(&hosts, &[0, 1]));
     let cmd = [bin.to_str().unwrap(), "run", out_s, "--model", model_s, "--hostfile", &placed, "--prompt-ids", "1,2,3"];
-    let cmd = [&cmd[..], &["--max-new-tokens", "4090", "--ignore-eos", "--timeout-s", "3"]].concat();
+    // No restarts: each fault ends the run (tests/it/healing.rs has runs
+    // that go on).
+    let cmd = [&cmd[..], &["--max-new-tokens", "4090", "--ignore-eos", "--timeout-s", "3", "--max-restarts", "0"]].concat();
     // Stage 1's process on host 1, once the job runs (the pre-flight
     // check's ranks come and go first; a loaded machine starts slowly).
     let stage1 = || -> String {

@@ -81,20 +81,53 @@ impl Compiled {
         (0..self.ranks()).map(|k| placement.hosts.get(k).cloned().flatten().or_else(|| by_file.get(k).cloned())).collect()
     }
 
-    /// One pipeline placed by a hostfile, avoiding the `lost` hosts: its
-    /// ranks on the hostfile's first slots that are not on them (the spare
-    /// hosts listed after the ones in use take their place). `None` when
-    /// there is no such placement: no hostfile, a plan that names hosts,
-    /// or too few slots left.
-    pub fn avoiding(&self, launch: &Launch, lost: &[String]) -> Option<Placement> {
+    /// Replica `r` of `current` (each replica's hosts now, one replica for
+    /// a lone pipeline) placed by the hostfile again, avoiding the `lost`
+    /// hosts: on the hostfile's first slots that are neither lost nor held
+    /// by another replica (the spare hosts listed after the ones in use
+    /// take the lost one's place). A host another replica uses is taken
+    /// only as far as this replica held it already, so no replica's share
+    /// of a machine changes under it. `None` when there is no such
+    /// placement: no hostfile, a plan that names hosts, or too few slots.
+    pub fn avoiding(&self, launch: &Launch, lost: &[String], current: &[Vec<Option<String>>], r: usize) -> Option<Placement> {
         let ranks = self.ranks();
         if (0..ranks).any(|k| self.rank_host(k).is_some()) {
             return None;
         }
-        let slots = hostfile_slots(launch.hostfile.as_deref()?)?;
-        let hosts: Vec<Option<String>> = slots.into_iter().filter(|h| !lost.contains(h)).take(ranks).map(Some).collect();
-        (hosts.len() == ranks).then(|| Placement { hosts, shares: vec![None; ranks] })
+        avoiding(hostfile_slots(launch.hostfile.as_deref()?)?, ranks, lost, current, r)
     }
+}
+
+/// [`Compiled::avoiding`] on the hostfile's `slots` for `ranks` ranks a replica.
+fn avoiding(mut free: Vec<String>, ranks: usize, lost: &[String], current: &[Vec<Option<String>>], r: usize) -> Option<Placement> {
+    let others: Vec<&String> = current.iter().enumerate().filter(|(q, _)| *q != r).flat_map(|(_, h)| h.iter().flatten()).collect();
+    for h in &others {
+        if let Some(i) = free.iter().position(|f| f == *h) {
+            free.remove(i);
+        }
+    }
+    let held = |h: &String| current.get(r).map_or(0, |own| own.iter().flatten().filter(|o| *o == h).count());
+    let mut hosts: Vec<Option<String>> = Vec::with_capacity(ranks);
+    for h in free {
+        let shared = others.contains(&&h);
+        let taken = hosts.iter().flatten().filter(|t| **t == h).count();
+        if hosts.len() < ranks && !lost.contains(&h) && (!shared || taken < held(&h)) {
+            hosts.push(Some(h));
+        }
+    }
+    if hosts.len() < ranks {
+        return None;
+    }
+    // A lone pipeline shares its machines with nobody; replicas learn
+    // their places among all replicas' ranks, as at start-up.
+    let shares = if current.len() <= 1 {
+        vec![None; ranks]
+    } else {
+        let all: Vec<Option<String>> =
+            current.iter().enumerate().flat_map(|(q, h)| if q == r { hosts.clone() } else { h.clone() }).collect();
+        node_shares(&all)[r * ranks..(r + 1) * ranks].to_vec()
+    };
+    Some(Placement { hosts, shares })
 }
 
 /// Each rank's place among the ranks on its machine (`None` is this one).
@@ -113,6 +146,30 @@ fn node_shares(hosts: &[Option<String>]) -> Vec<Option<NodeShare>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two replicas of two ranks on the slots `a b a c d`: replica 0 on
+    /// (a, b), replica 1 on (a, c), both on machine `a`, `d` a spare.
+    #[test]
+    fn a_replica_that_lost_a_host_takes_a_spare_and_no_other_replicas_slot() {
+        let slots: Vec<String> = ["a", "b", "a", "c", "d"].map(String::from).to_vec();
+        let hosts = |h: &[&str]| h.iter().map(|h| Some(h.to_string())).collect::<Vec<_>>();
+        let shares = |p: &Placement| p.shares.iter().map(|s| s.map(|s| (s.offset, s.total))).collect::<Vec<_>>();
+        let current = vec![hosts(&["a", "b"]), hosts(&["a", "c"])];
+        // Replica 1 loses c: it keeps its place on a (the second of two)
+        // and takes the spare d.
+        let moved = avoiding(slots.clone(), 2, &["c".into()], &current, 1).expect("a spare");
+        assert_eq!((moved.hosts.clone(), shares(&moved)), (hosts(&["a", "d"]), vec![Some((1, 2)), Some((0, 1))]));
+        // Then replica 0 loses b: d is replica 1's now, c is free, and a
+        // stays shared as before.
+        let current = vec![current[0].clone(), moved.hosts];
+        let moved = avoiding(slots.clone(), 2, &["b".into()], &current, 0).expect("c");
+        assert_eq!((moved.hosts.clone(), shares(&moved)), (hosts(&["a", "c"]), vec![Some((0, 2)), Some((0, 1))]));
+        // With b and c lost there is no room that is not another's.
+        assert_eq!(avoiding(slots.clone(), 2, &["b".into(), "c".into()], &current, 0), None);
+        // A lone pipeline takes the first free slots, telling no rank a share.
+        let lone = avoiding(slots, 2, &["b".into()], &current[..1], 0).expect("a and a");
+        assert_eq!((lone.hosts.clone(), shares(&lone)), (hosts(&["a", "a"]), vec![None, None]));
+    }
 
     #[test]
     fn ranks_on_one_machine_are_numbered_across_replicas() {
