@@ -637,3 +637,34 @@ fn a_cut_host_is_replaced_by_a_spare_and_no_stream_changes() {
     assert!(banner.is_some_and(|b| b.ends_with(&format!("on host {}", hosts.ns(2)))), "stage 1 is not on the spare:\n{l}");
     terminate(&mut server.child);
 }
+
+/// `--data-parallel-size 2` over five hosts: replica 0 on hosts 0 and 1,
+/// replica 1 on hosts 2 and 3, host 4 a spare. Host 3 is cut off under
+/// the streams: replica 1 starts again on hosts 2 and 4 (never on replica
+/// 0's), replica 0 is untouched, and every stream ends as without the fault.
+#[test]
+fn a_data_parallel_replica_that_loses_a_host_takes_the_spare() {
+    let Some(hosts) = Hosts::new(5) else { return };
+    let (out, model) = crate::shared::tiny(2);
+    let placed = hostfile(&hosts, &[0, 1, 2, 3, 4]);
+    let serve = serve_line(&out, &model, &["--data-parallel-size", "2", "--hostfile", &placed]);
+    let mut server = RemoteServer::start(&hosts, &serve);
+    let want = fault_streams(&hosts, &server, None);
+    let got = fault_streams(&hosts, &server, Some(&|| hosts.cut(3)));
+    assert_eq!(got["answers"], want["answers"], "the streams differ after host 3 was cut off");
+    // The streams may all have gone to replica 0 (routing follows load and
+    // cache): replica 1 then learns of the cut by its own stages' timeout.
+    let t0 = std::time::Instant::now();
+    while !server.log().contains("replica 1: the pipeline is up again") {
+        assert!(t0.elapsed() < Duration::from_secs(90), "replica 1 never came back:\n{}", server.log());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(server.health(&hosts), 200);
+    let l = server.log();
+    assert!(l.contains(&format!("replica 1: host {} is taken as lost", hosts.addr(3))), "{l}");
+    assert!(l.contains(&format!("replica 1: the stages now run on {}, {}", hosts.addr(2), hosts.addr(4))), "{l}");
+    assert!(!l.contains("replica 0: the stages now run on"), "replica 0 moved:\n{l}");
+    let banner = l.lines().rev().find(|line| line.starts_with("replica 1: m3c stage 1/2:") && line.contains("kernel thread(s)"));
+    assert!(banner.is_some_and(|b| b.ends_with(&format!("on host {}", hosts.ns(4)))), "replica 1's stage 1 is not on the spare:\n{l}");
+    terminate(&mut server.child);
+}

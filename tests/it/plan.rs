@@ -174,6 +174,27 @@ fn real_model_pp4_moves_away_from_even_split() {
     assert!(t.contains("even split 15/15/15/15 would be: slowest stage 3 (layers 45-59 + norm + lm_head)"), "{t}");
 }
 
+/// The table predicts a healing pipeline's recovery for the real model:
+/// the largest stage's weights copied again from the page cache, and the
+/// sequences in flight prefilled again, growing with the batch.
+#[test]
+fn real_model_recovery_is_predicted_part_by_part() {
+    use m3c_compiler::plan::recovery::{predict, PAGE_CACHE_TO_GPU, TEARDOWN_S};
+    let (cfg, gpu, w, p) = real_model_pp4_on_h200();
+    let largest = m3c_compiler::plan::stage_costs(&cfg, &p, &gpu, w).iter().map(|c| c.cost.weight_bytes).fold(0.0, f64::max);
+    let r = predict(&cfg, &p, &gpu, w, 30.0);
+    assert!((r.weights - largest / PAGE_CACHE_TO_GPU).abs() < 1e-9 && r.weights > 5.0, "{r:?}");
+    assert_eq!((r.teardown, r.detect_silent), (TEARDOWN_S, 30.0));
+    let eight = predict(&cfg, &p, &gpu, Workload { batch: 8, ..w }, 30.0);
+    assert!(r.reprefill > 0.0 && eight.reprefill > 4.0 * r.reprefill, "{r:?} {eight:?}");
+    let t = table(&cfg, &p, &gpu, w);
+    let line = t.lines().find(|l| l.starts_with("recovery of a lost stage")).unwrap_or_else(|| panic!("{t}"));
+    assert!(line.contains(&format!("next token {:.1} s after a stage dies", r.after_a_death())), "{line}");
+    for b in [1, 8, 32] {
+        eprintln!("batch {b}: {:?}", predict(&cfg, &p, &gpu, Workload { batch: b, ..w }, 30.0));
+    }
+}
+
 #[test]
 fn written_plan_round_trips() {
     let dir = tempfile::tempdir().unwrap();

@@ -7,6 +7,7 @@ pub mod draft;
 mod format;
 mod links;
 mod locate;
+pub mod recovery;
 mod report;
 
 pub use balance::{balance, brute_force, min_stages, Item, Split};

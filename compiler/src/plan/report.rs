@@ -169,6 +169,8 @@ pub fn table(cfg: &ModelConfig, plan: &Plan, gpu: &GpuProfile, w: Workload) -> S
         let _ = writeln!(o, "warning: some stage does not fit {} ({:.1} GB usable)", gpu.name, cap / 1e9);
     }
     o += &boundaries(cfg, plan, w, slow, (tu, ts));
+    let healing = super::recovery::predict(cfg, plan, gpu, w, m3c_contract::stage_args::DEFAULT_TIMEOUT_S);
+    o += &super::recovery::line(&healing, w);
     if let Some(even) = even_plan(cfg, plan.stages.len()) {
         if even.stages != plan.stages.iter().map(|s| StagePlan { place: Placement::default(), ..s.clone() }).collect::<Vec<_>>() {
             let ec = stage_costs(cfg, &even, gpu, w);
