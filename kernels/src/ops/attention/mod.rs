@@ -168,9 +168,12 @@ fn host(k: &Attention) -> String {
     // MSA heads that go eight keys at a time visit only the batches that
     // hold a selected key (`%bl`, made once per KV group).
     let batches = d.is_multiple_of(8);
+    // MSA's index scores in a phase of their own, every KV group of a row
+    // at once ([`msa_scores`]), when the index width goes eight at a time.
+    let phased = sparse.filter(|s| batches && s.index_dim.is_multiple_of(8));
     if let Some(s) = sparse {
         let msa;
-        (msa, select, allowed, teardown) = msa_host(s, paged, cache, act, batches);
+        (msa, select, allowed, teardown) = msa_host(s, paged, cache, act, batches, phased.is_some());
         setup.push_str(&msa);
     }
     // Where P·V accumulates: `o` itself when it holds f32, else an f32 row
@@ -200,7 +203,7 @@ fn host(k: &Attention) -> String {
     let (sc_alloc, softmax) = if sparse.is_some() && d.is_multiple_of(8) {
         (
             format!("{}%sc = memref.alloc(%nk8) : memref<?xf32>\n", scores::batch_consts()),
-            scores::softmax8((&qt, act), (&kt, cache), d, paged, &allowed),
+            scores::softmax8((&qt, act), (&kt, cache), d, paged, &allowed, sparse.is_some_and(|s| s.block.is_multiple_of(8))),
         )
     } else {
         (format!("{}%sc = memref.alloc(%nk) : memref<?xf32>\n", scores::batch_consts()), softmax1(&qt, &kt, act, cache, d, paged, &allowed))
@@ -210,13 +213,12 @@ fn host(k: &Attention) -> String {
     // with its position, and the threads take contiguous runs of the
     // iterations, so each run then holds as much work as the next. Each
     // row's own sums are untouched.
+    let row = match phased {
+        None => zigzag("%ri", "%rows", "%r"),
+        Some(_) => format!("{}%r = arith.addi %rc0, %lr : index\n", zigzag("%ri", "%crows", "%lr")),
+    };
     let iteration = format!(
-        "%ri2 = arith.divui %ri, %c2 : index\n\
-         \x20 %rpar = arith.remui %ri, %c2 : index\n\
-         \x20 %rodd = arith.cmpi ne, %rpar, %c0 : index\n\
-         \x20 %rlast = arith.subi %rows, %c1 : index\n\
-         \x20 %rrev = arith.subi %rlast, %ri2 : index\n\
-         \x20 %r = arith.select %rodd, %rrev, %ri2 : index\n\
+        "{row}\
          \x20 %p64 = memref.load %pos[%r] : memref<?xi64>\n\
          \x20 %p = arith.index_cast %p64 : i64 to index\n\
          \x20 %nk = arith.addi %p, %c1 : index\n\
@@ -260,9 +262,131 @@ fn host(k: &Attention) -> String {
          return\n",
         scale = f32_lit(scale),
         rows = rows_and_work(&qt, heads * d * 2),
-        iters = parallel_or_serial("%work", &["%ri", "%g"], &["%c0", "%c0"], &["%rows", "%ckv"], &["%c1", "%c1"], &iteration),
+        iters = match phased {
+            None => parallel_or_serial("%work", &["%ri", "%g"], &["%c0", "%c0"], &["%rows", "%ckv"], &["%c1", "%c1"], &iteration),
+            Some(s) => msa_phases(k, s, &iteration),
+        },
     );
     body
+}
+
+/// Row `iv` of `n` in zig-zag order (0, n-1, 1, n-2, ...), named `out`: a
+/// causal row's work grows with its position, and the threads take
+/// contiguous runs of the iterations, so each run then holds as much work
+/// as the next.
+fn zigzag(iv: &str, n: &str, out: &str) -> String {
+    format!(
+        "%ri2 = arith.divui {iv}, %c2 : index\n\
+         %rpar = arith.remui {iv}, %c2 : index\n\
+         %rodd = arith.cmpi ne, %rpar, %c0 : index\n\
+         %rlast = arith.subi {n}, %c1 : index\n\
+         %rrev = arith.subi %rlast, %ri2 : index\n\
+         {out} = arith.select %rodd, %rrev, %ri2 : index\n"
+    )
+}
+
+/// Query rows a pass of the two MSA phases takes: its block scores
+/// (`[rows, KV groups, blocks]` f32) stay small whatever the prompt
+/// (2 MB at 64k positions in blocks of 128, four groups).
+const MSA_ROWS: usize = 256;
+
+/// MSA on the host in two phases per pass of [`MSA_ROWS`] query rows:
+/// every row's block scores for all its KV groups ([`msa_scores`], in
+/// `%bsall`), then the (row, group) iterations, `iteration`, which select
+/// blocks from those scores and attend. Each row's scores are the chains
+/// the one-phase kernel computes, so the same blocks are chosen.
+fn msa_phases(k: &Attention, s: SparseSel, iteration: &str) -> String {
+    let Attention { heads, kv_heads, head_dim: d, .. } = *k;
+    let score = msa_scores(k, s);
+    format!(
+        "%cRC = arith.constant {MSA_ROWS} : index\n\
+         scf.for %rc0 = %c0 to %rows step %cRC {{\n\
+         \x20 %rc1a = arith.addi %rc0, %cRC : index\n\
+         \x20 %rc1 = arith.minui %rc1a, %rows : index\n\
+         \x20 %crows = arith.subi %rc1, %rc0 : index\n\
+         \x20 // The most keys a row of the pass sees (rows of several sequences need not ascend).\n\
+         \x20 %cmax = scf.for %li = %c0 to %crows step %c1 iter_args(%m = %c0) -> (index) {{\n\
+         \x20   %mr = arith.addi %rc0, %li : index\n\
+         \x20   %mp64 = memref.load %pos[%mr] : memref<?xi64>\n\
+         \x20   %mp = arith.index_cast %mp64 : i64 to index\n\
+         \x20   %mk = arith.addi %mp, %c1 : index\n\
+         \x20   %m2 = arith.maxui %m, %mk : index\n\
+         \x20   scf.yield %m2 : index\n\
+         \x20 }}\n\
+         \x20 %nbx = arith.addi %cmax, %cBm1 : index\n\
+         \x20 %nbmax = arith.divui %nbx, %cB : index\n\
+         \x20 %bsall = memref.alloc(%crows, %ckv, %nbmax) : memref<?x?x?xf32>\n\
+         \x20 %keys = arith.muli %crows, %cmax : index\n\
+         \x20 %swork1 = arith.constant {} : index\n\
+         \x20 %swork = arith.muli %keys, %swork1 : index\n\
+         \x20 scf.execute_region {{\n\
+         {}\
+         \x20   scf.yield\n\
+         \x20 }}\n\
+         \x20 %awork1 = arith.constant {} : index\n\
+         \x20 %awork = arith.muli %keys, %awork1 : index\n\
+         \x20 scf.execute_region {{\n\
+         {}\
+         \x20   scf.yield\n\
+         \x20 }}\n\
+         \x20 memref.dealloc %bsall : memref<?x?x?xf32>\n\
+         }}\n",
+        kv_heads * s.index_dim,
+        indent(&parallel_or_serial("%swork", &["%ri"], &["%c0"], &["%crows"], &["%c1"], &score), 4),
+        heads * d * 2,
+        indent(&parallel_or_serial("%awork", &["%ri", "%g"], &["%c0", "%c0"], &["%crows", "%ckv"], &["%c1", "%c1"], iteration), 4),
+    )
+}
+
+/// Phase 1 of [`msa_phases`] for pass row `%ri` (zig-zag, as `%lr`): the
+/// token scores `<iq, ik>` of every KV group's index head over the row's
+/// keys, max-pooled per block into `%bsall[%lr, group, block]` (-inf for a
+/// block with no key of the row). The eight keys of a batch load and
+/// transpose once for all the groups ([`scores::chains8_multi`]); each
+/// score is the one fused multiply-add chain over the index width in
+/// column order that the one-phase kernel ([`token_scores`]) and the GPU
+/// compute, the order of the reference's `torch.matmul`.
+fn msa_scores(k: &Attention, s: SparseSel) -> String {
+    let Attention { kv_heads, paged, cache, act, .. } = *k;
+    let (iqt, ikt) = (act.rows_ty(s.index_heads * s.index_dim), cache.rows_ty(s.index_dim));
+    let heads: Vec<(String, String)> = (0..kv_heads).map(|g| ("%r".to_string(), format!("%iqb{g}"))).collect();
+    let mut consts = String::new();
+    let mut init = String::new();
+    let mut pools = String::new();
+    for g in 0..kv_heads {
+        consts.push_str(&format!("%cgi{g} = arith.constant {g} : index\n%iqb{g} = arith.constant {} : index\n", g * s.index_dim));
+        init.push_str(&format!("\x20 memref.store %ninf, %bsall[%lr, %cgi{g}, %b] : memref<?x?x?xf32>\n"));
+        pools.push_str(&pool_blocks(
+            s.block,
+            &format!("%idv#{g}"),
+            &format!("g{g}"),
+            ("%bsall", &format!("%lr, %cgi{g}, "), "memref<?x?x?xf32>"),
+        ));
+    }
+    let batch = format!(
+        "{}{}{pools}",
+        scores::batch_keys(paged),
+        scores::chains8_multi("%idv", ("%iq", &iqt, act), &heads, ("%ik", &ikt, cache, "%c0"), scores::key_rows(paged), "%cid"),
+    );
+    format!(
+        "{}%r = arith.addi %rc0, %lr : index\n\
+         %p64 = memref.load %pos[%r] : memref<?xi64>\n\
+         %p = arith.index_cast %p64 : i64 to index\n\
+         %nk = arith.addi %p, %c1 : index\n\
+         {}\
+         {consts}\
+         %bq = arith.divui %p, %cB : index\n\
+         %nb = arith.addi %bq, %c1 : index\n\
+         scf.for %b = %c0 to %nb step %c1 {{\n\
+         {init}\
+         }}\n\
+         scf.for %t0 = %c0 to %nk8 step %c8 {{\n\
+         {}\
+         }}\n",
+        zigzag("%ri", "%crows", "%lr"),
+        scores::batch_consts(),
+        indent(&batch, 2),
+    )
 }
 
 /// `%rows` (query rows), `%ctx` (the keys the last row sees; the cache view
@@ -422,6 +546,14 @@ fn pv(acc: &str, acc_ty: &str, acc_idx: &str, kt: &str, d: usize, cache: Storage
         );
     }
     let v8 = "vector<8xf32>";
+    // MSA's batches of eight keys, in a page that holds whole batches:
+    // the batch's first pool row is looked up once, the others follow it.
+    let whole = skip_zero && paged.is_some_and(|b| b.is_multiple_of(8));
+    let (row, batch_row) = if whole {
+        ("%tdo = arith.subi %t, %tb0 : index\n%tp = arith.addi %tpb0, %tdo : index\n".to_string(), key_row(paged, "%tb0", "%tpb0").0)
+    } else {
+        (row, String::new())
+    };
     let mut out = format!("%pvz = arith.constant dense<0.0> : {v8}\n");
     for (chunk, (c0, nv)) in pv_chunks(d).into_iter().enumerate() {
         let tys = vec![v8; nv].join(", ");
@@ -487,6 +619,7 @@ fn pv(acc: &str, acc_ty: &str, acc_idx: &str, kt: &str, d: usize, cache: Storage
                  \x20 %ebnz = arith.cmpf une, %ebv, %z8 : {v8}\n\
                  \x20 %eany = vector.reduction <or>, %ebnz : vector<8xi1> into i1\n\
                  \x20 %pbr:{nv} = scf.if %eany -> ({tys}) {{\n\
+                 {}\
                  \x20   %tb1a = arith.addi %tb0, %c8 : index\n\
                  \x20   %tb1 = arith.minui %tb1a, %nk : index\n\
                  \x20   %pin:{nv} = {}\
@@ -496,6 +629,7 @@ fn pv(acc: &str, acc_ty: &str, acc_idx: &str, kt: &str, d: usize, cache: Storage
                  \x20 }}\n\
                  \x20 scf.yield {batch} : {tys}\n\
                  }}\n",
+                indent(&batch_row, 4),
                 indent(&keys("%tb0", "%tb1", &carried), 4).trim_start()
             ));
         } else {
@@ -681,7 +815,7 @@ fn token_scores(s: SparseSel, paged: Option<usize>, iq: (&str, Storage), ik: (&s
             )
         );
     }
-    let pool = pool_blocks(s.block);
+    let pool = pool_blocks(s.block, "%idv", "", ("%bs", "", "memref<?xf32>"));
     let body = format!(
         "{}{}{}{pool}",
         scores::batch_keys(paged),
@@ -691,49 +825,52 @@ fn token_scores(s: SparseSel, paged: Option<usize>, iq: (&str, Storage), ik: (&s
     format!("scf.for %t0 = %c0 to %nk8 step %c8 {{\n{}}}\n", indent(&body, 2))
 }
 
-/// Max-pools the batch at `%t0`'s eight index scores (`%idv`, keys past
-/// the row's last excluded) into their blocks' scores `%bs`. Where blocks
-/// and batches nest (a block of 8·n keys holds whole batches; a batch holds
-/// whole blocks of 1, 2 or 4), each block's lanes reduce in-register and
-/// update `%bs` once, not once per key. Max is exact and ignores order, so
+/// Max-pools the batch at `%t0`'s eight index scores (`src`, keys past
+/// the row's last excluded) into their blocks' scores, block `b`'s at
+/// `{bs}[{at}b] : {ty}` (names suffixed `tag`). Where blocks and batches
+/// nest (a block of 8·n keys holds whole batches; a batch holds whole
+/// blocks of 1, 2 or 4), each block's lanes reduce in-register and update
+/// its score once, not once per key. Max is exact and ignores order, so
 /// the scores are the same bits either way.
-fn pool_blocks(block: usize) -> String {
+fn pool_blocks(block: usize, src: &str, tag: &str, (bs, at, ty): (&str, &str, &str)) -> String {
     // Group `g` of `width` lanes: its block, if its first key is the row's.
     let update = |g: usize, width: usize, value: &str| {
         let first = g * width;
         format!(
             "scf.if %in{first} {{\n\
-             \x20 %ib{g} = arith.divui %tu{first}, %cB : index\n\
-             \x20 %iold{g} = memref.load %bs[%ib{g}] : memref<?xf32>\n\
-             \x20 %imx{g} = arith.maximumf %iold{g}, {value} : f32\n\
-             \x20 memref.store %imx{g}, %bs[%ib{g}] : memref<?xf32>\n\
+             \x20 %ib{tag}_{g} = arith.divui %tu{first}, %cB : index\n\
+             \x20 %iold{tag}_{g} = memref.load {bs}[{at}%ib{tag}_{g}] : {ty}\n\
+             \x20 %imx{tag}_{g} = arith.maximumf %iold{tag}_{g}, {value} : f32\n\
+             \x20 memref.store %imx{tag}_{g}, {bs}[{at}%ib{tag}_{g}] : {ty}\n\
              }}\n"
         )
     };
     if !(block.is_multiple_of(8) || 8 % block == 0) {
         // Blocks that straddle batches: key by key.
         return (0..8)
-            .map(|j| format!("%id{j} = vector.extract %idv[{j}] : f32 from vector<8xf32>\n{}", update(j, 1, &format!("%id{j}"))))
+            .map(|j| {
+                format!("%id{tag}_{j} = vector.extract {src}[{j}] : f32 from vector<8xf32>\n{}", update(j, 1, &format!("%id{tag}_{j}")))
+            })
             .collect();
     }
     let width = block.min(8);
     let mask = (0..8).map(|j| format!("%in{j}")).collect::<Vec<_>>().join(", ");
     let mut out = format!(
-        "%ipm = vector.from_elements {mask} : vector<8xi1>\n\
-         %ipv = arith.select %ipm, %idv, %ninf8 : vector<8xi1>, vector<8xf32>\n"
+        "%ipm{tag} = vector.from_elements {mask} : vector<8xi1>\n\
+         %ipv{tag} = arith.select %ipm{tag}, {src}, %ninf8 : vector<8xi1>, vector<8xf32>\n"
     );
     for g in 0..8 / width {
         let lanes = if width == 8 {
-            "%ipv".to_string()
+            format!("%ipv{tag}")
         } else {
             out.push_str(&format!(
-                "%ipg{g} = vector.extract_strided_slice %ipv {{offsets = [{}], sizes = [{width}], strides = [1]}} : vector<8xf32> to vector<{width}xf32>\n",
+                "%ipg{tag}_{g} = vector.extract_strided_slice %ipv{tag} {{offsets = [{}], sizes = [{width}], strides = [1]}} : vector<8xf32> to vector<{width}xf32>\n",
                 g * width
             ));
-            format!("%ipg{g}")
+            format!("%ipg{tag}_{g}")
         };
-        out.push_str(&format!("%ipr{g} = vector.reduction <maximumf>, {lanes} : vector<{width}xf32> into f32\n"));
-        out.push_str(&update(g, width, &format!("%ipr{g}")));
+        out.push_str(&format!("%ipr{tag}_{g} = vector.reduction <maximumf>, {lanes} : vector<{width}xf32> into f32\n"));
+        out.push_str(&update(g, width, &format!("%ipr{tag}_{g}")));
     }
     out
 }
@@ -746,7 +883,14 @@ fn pool_blocks(block: usize) -> String {
 /// [`scores::batch_consts`]). The rest of a long context is -inf and weight
 /// 0, so passing it over changes no sum: each batch's keys would have added
 /// exact zeros.
-fn msa_host(s: SparseSel, paged: Option<usize>, cache: Storage, act: Storage, batches: bool) -> (String, String, String, String) {
+fn msa_host(
+    s: SparseSel,
+    paged: Option<usize>,
+    cache: Storage,
+    act: Storage,
+    batches: bool,
+    scored: bool,
+) -> (String, String, String, String) {
     let (setup, mut select, allowed, mut teardown): (String, String, String, String);
 
     let iqt = act.rows_ty(s.index_heads * s.index_dim);
@@ -775,7 +919,6 @@ fn msa_host(s: SparseSel, paged: Option<usize>, cache: Storage, act: Storage, ba
              \x20 memref.store %ninf, %bs[%b] : memref<?xf32>\n\
              \x20 memref.store %i32_0, %sel[%b] : memref<?xi32>\n\
              }}\n\
-             %iqb = arith.muli %g, %cid : index\n\
              {token_scores}\
              // Forced blocks: the query's own (and `local - 1` before it), and the first `init`.\n\
              %nloc = arith.minui %clocal, %nb : index\n\
@@ -805,7 +948,16 @@ fn msa_host(s: SparseSel, paged: Option<usize>, cache: Storage, act: Storage, ba
              \x20   memref.store %i32_1, %sel[%best#1] : memref<?xi32>\n\
              \x20 }}\n\
              }}\n",
-        token_scores = token_scores(s, paged, (&iqt, act), (&ikt, cache)),
+        token_scores = if scored {
+            // Phase 1 scored every KV group of the row ([`msa_scores`]).
+            "scf.for %b = %c0 to %nb step %c1 {\n\
+             \x20 %bsv = memref.load %bsall[%lr, %g, %b] : memref<?x?x?xf32>\n\
+             \x20 memref.store %bsv, %bs[%b] : memref<?xf32>\n\
+             }\n"
+            .to_string()
+        } else {
+            format!("%iqb = arith.muli %g, %cid : index\n{}", token_scores(s, paged, (&iqt, act), (&ikt, cache)))
+        },
     );
     allowed = "%tb = arith.divui %t, %cB : index\n\
                    %sv = memref.load %sel[%tb] : memref<?xi32>\n\

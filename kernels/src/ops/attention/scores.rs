@@ -45,17 +45,28 @@ pub(super) fn batch_consts() -> String {
 /// is a key of this row at all.
 /// In a paged cache (`paged`: its block size) also `%tp{j}`, the pool row
 /// of key `%tc{j}` ([`super::key_row`]); [`key_rows`] names the rows to load.
+///
+/// Where a page holds whole batches (its size a multiple of 8: the
+/// batch's keys, clamped ones included, lie in `%t0`'s page), the batch's
+/// first pool row is looked up once and the others follow it.
 pub(super) fn batch_keys(paged: Option<usize>) -> String {
-    (0..8)
-        .map(|j| {
-            format!(
-                "%tu{j} = arith.addi %t0, %ck{j} : index\n\
-                 %tc{j} = arith.minui %tu{j}, %nkm1 : index\n\
-                 %in{j} = arith.cmpi ult, %tu{j}, %nk : index\n{}",
-                super::key_row(paged, &format!("%tc{j}"), &format!("%tp{j}")).0
-            )
-        })
-        .collect()
+    let whole = paged.filter(|b| b.is_multiple_of(8));
+    let mut out = match whole {
+        Some(_) => super::key_row(paged, "%t0", "%tpb").0,
+        None => String::new(),
+    };
+    for j in 0..8 {
+        out.push_str(&format!(
+            "%tu{j} = arith.addi %t0, %ck{j} : index\n\
+             %tc{j} = arith.minui %tu{j}, %nkm1 : index\n\
+             %in{j} = arith.cmpi ult, %tu{j}, %nk : index\n{}",
+            match whole {
+                Some(_) => format!("%to{j} = arith.subi %tc{j}, %t0 : index\n%tp{j} = arith.addi %tpb, %to{j} : index\n"),
+                None => super::key_row(paged, &format!("%tc{j}"), &format!("%tp{j}")).0,
+            }
+        ));
+    }
+    out
 }
 
 /// The prefix of the eight rows [`batch_keys`] defines for loading keys.
@@ -76,20 +87,33 @@ pub(super) fn key_rows(paged: Option<usize>) -> &'static str {
 /// `%t` (the selection; dense attention at these widths is `blocked`'s,
 /// with the same operations per row). Needs [`batch_consts`] and `%cd` in
 /// scope.
-pub(super) fn softmax8(q: (&str, Storage), k: (&str, Storage), d: usize, paged: Option<usize>, allowed: &str) -> String {
+///
+/// `whole`: the selection is by blocks that hold whole batches (a block
+/// size that is a multiple of 8), so a batch's keys are allowed together
+/// and `allowed` is asked once, of its first key.
+pub(super) fn softmax8(q: (&str, Storage), k: (&str, Storage), d: usize, paged: Option<usize>, allowed: &str, whole: bool) -> String {
     debug_assert!(d.is_multiple_of(8));
     let ((qt, act), (kt, cache)) = (q, k);
     let mut keys = batch_keys(paged);
-    for j in 0..8 {
-        keys.push_str(&format!(
-            "%ok{j} = scf.execute_region -> i1 {{\n\
-             \x20 %t = arith.addi %tc{j}, %c0 : index\n\
+    let ask = |key: &str| {
+        format!(
+            "scf.execute_region -> i1 {{\n\
+             \x20 %t = arith.addi {key}, %c0 : index\n\
              {}\
              \x20 scf.yield %allowed : i1\n\
-             }}\n\
-             %val{j} = arith.andi %in{j}, %ok{j} : i1\n",
+             }}\n",
             indent(allowed, 2)
-        ));
+        )
+    };
+    if whole {
+        keys.push_str(&format!("%okb = {}", ask("%t0")));
+    }
+    for j in 0..8 {
+        let ok = if whole { "%okb".to_string() } else { format!("%ok{j}") };
+        if !whole {
+            keys.push_str(&format!("%ok{j} = {}", ask(&format!("%tc{j}"))));
+        }
+        keys.push_str(&format!("%val{j} = arith.andi %in{j}, {ok} : i1\n"));
     }
     let list = |f: &dyn Fn(usize) -> String| (0..8).map(f).collect::<Vec<_>>().join(", ");
     let dots = format!(
@@ -210,6 +234,56 @@ pub(super) fn chains8(dst: &str, x: (&str, &str, Storage, &str, &str), y: (&str,
          {body}\
          \x20 scf.yield {acc} : {V}\n\
          }}\n",
+        body = indent(&body, 2),
+    )
+}
+
+/// [`chains8`] for several x rows at once (`xs`: each one's row and base
+/// column), into `{dst}:H` (H = `xs.len()`): per eight columns, the eight
+/// key rows load and transpose once for all of them. Each x row's chain is
+/// [`chains8`]'s operations in its order (a broadcast column of x, one
+/// fused multiply-add per column into the lane of each key), so its
+/// scores are the same bits; only which chains advance together changes.
+/// MSA's index heads share their keys: scoring them together reads the
+/// keys and spends the shuffles once instead of once per head.
+pub(super) fn chains8_multi(
+    dst: &str,
+    x: (&str, &str, Storage),
+    xs: &[(String, String)],
+    y: (&str, &str, Storage, &str),
+    rows: &str,
+    n: &str,
+) -> String {
+    let p = dst.trim_start_matches('%');
+    let ((xm, xt, xsto), (ym, yt, ys, yb)) = (x, y);
+    let mut body = format!("%{p}_yc = arith.addi {yb}, %{p}_c : index\n");
+    for j in 0..8 {
+        body.push_str(&load_f32xn(8, &format!("%{p}_r{j}"), ym, yt, &format!("{rows}{j}"), &format!("%{p}_yc"), ys));
+    }
+    body.push_str(&transpose8(&format!("%{p}_col"), &(0..8).map(|j| format!("%{p}_r{j}")).collect::<Vec<_>>()));
+    let mut next = Vec::new();
+    for (h, (xr, xb)) in xs.iter().enumerate() {
+        body.push_str(&format!("%{p}_xc{h} = arith.addi {xb}, %{p}_c : index\n"));
+        body.push_str(&load_f32xn(8, &format!("%{p}_x{h}"), xm, xt, xr, &format!("%{p}_xc{h}"), xsto));
+        let mut acc = format!("%{p}_a{h}");
+        for d in 0..8 {
+            body.push_str(&format!(
+                "%{p}_b{h}_{d} = vector.shuffle %{p}_x{h}, %{p}_x{h} [{d}, {d}, {d}, {d}, {d}, {d}, {d}, {d}] : {V}, {V}\n\
+                 %{p}_f{h}_{d} = math.fma %{p}_b{h}_{d}, %{p}_col{d}, {acc} : {V}\n"
+            ));
+            acc = format!("%{p}_f{h}_{d}");
+        }
+        next.push(acc);
+    }
+    let inits = (0..xs.len()).map(|h| format!("%{p}_a{h} = %z8")).collect::<Vec<_>>().join(", ");
+    let tys = vec![V; xs.len()].join(", ");
+    format!(
+        "{dst}:{} = scf.for %{p}_c = %c0 to {n} step %c8 iter_args({inits}) -> ({tys}) {{\n\
+         {body}\
+         \x20 scf.yield {} : {tys}\n\
+         }}\n",
+        xs.len(),
+        next.join(", "),
         body = indent(&body, 2),
     )
 }
