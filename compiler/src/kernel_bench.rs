@@ -176,10 +176,12 @@ pub fn linears(cases: &[LinearCase], cpu: &str, min: Duration, dir: &Path) -> Re
 const PEAK_CHAINS: usize = 12;
 
 /// This machine's f32 FMA peak in GFLOP/s on `threads` threads: a loop of
-/// [`PEAK_CHAINS`] independent 8-wide FMA chains in registers, one loop per
-/// thread, compiled by the same back end as the kernels for `cpu`.
-pub fn fma_peak(cpu: &str, threads: usize, dir: &Path) -> Result<f64, BenchError> {
-    let v = "vector<8xf32>";
+/// [`PEAK_CHAINS`] independent FMA chains of `lanes`-wide vectors in
+/// registers, one loop per thread, compiled by the same back end as the
+/// kernels for `cpu`.
+pub fn fma_peak(cpu: &str, threads: usize, dir: &Path, lanes: usize) -> Result<f64, BenchError> {
+    let v = format!("vector<{lanes}xf32>");
+    let v = v.as_str();
     let chains = PEAK_CHAINS;
     let inits: Vec<String> = (0..chains).map(|j| format!("%a{j} = %z")).collect();
     let fmas: String = (0..chains).map(|j| format!("        %n{j} = vector.fma %m, %a{j}, %b : {v}\n")).collect();
@@ -222,5 +224,5 @@ pub fn fma_peak(cpu: &str, threads: usize, dir: &Path) -> Result<f64, BenchError
     let n: i64 = 20_000_000;
     // SAFETY: `sink` has one element per thread and outlives the call.
     let seconds = best_of(Duration::from_millis(300), || unsafe { f(&desc, n) });
-    Ok((threads * chains * 8 * 2) as f64 * n as f64 / seconds / 1e9)
+    Ok((threads * chains * lanes * 2) as f64 * n as f64 / seconds / 1e9)
 }

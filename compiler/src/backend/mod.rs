@@ -130,6 +130,42 @@ pub const X86_64_CPUS: &[&str] = &[
     "znver5",
 ];
 
+/// The CPUs of [`X86_64_CPUS`] with AVX-512 (LLVM's `FeatureAVX512` in
+/// their processor definitions): 16 f32 lanes a vector, 32 registers.
+const AVX512_CPUS: &[&str] = &[
+    "cannonlake",
+    "cascadelake",
+    "cooperlake",
+    "diamondrapids",
+    "emeraldrapids",
+    "graniterapids",
+    "graniterapids-d",
+    "icelake-client",
+    "icelake-server",
+    "knl",
+    "knm",
+    "rocketlake",
+    "sapphirerapids",
+    "skx",
+    "skylake-avx512",
+    "skylake_avx512",
+    "tigerlake",
+    "x86-64-v4",
+    "znver4",
+    "znver5",
+];
+
+/// The widest f32 vector code compiled for `cpu` may use, in lanes: 16
+/// with AVX-512, else 8 (AVX2 and the portable levels alike, which the
+/// kernels' 8-lane vectors fit or split).
+pub fn widest_f32_lanes(cpu: &str) -> usize {
+    if AVX512_CPUS.contains(&cpu) {
+        16
+    } else {
+        8
+    }
+}
+
 /// Checks `--cpu` before LLVM sees it: an unknown or 32-bit CPU makes LLVM
 /// abort the whole process instead of returning an error.
 pub fn check_cpu(cpu: &str) -> Result<(), BackendError> {
@@ -137,5 +173,17 @@ pub fn check_cpu(cpu: &str) -> Result<(), BackendError> {
         Ok(())
     } else {
         Err(BackendError::Cpu(cpu.chars().take(40).collect()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn every_avx512_cpu_is_one_llvm_knows() {
+        for c in super::AVX512_CPUS {
+            assert!(super::X86_64_CPUS.contains(c), "{c}");
+        }
+        assert_eq!(super::widest_f32_lanes("znver4"), 16);
+        assert_eq!(super::widest_f32_lanes("x86-64-v3"), 8);
     }
 }
