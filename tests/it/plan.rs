@@ -188,6 +188,15 @@ fn real_model_recovery_is_predicted_part_by_part() {
     let eight = predict(&cfg, &p, &gpu, Workload { batch: 8, ..w }, 30.0);
     assert!(r.reprefill > 0.0 && eight.reprefill > 4.0 * r.reprefill, "{r:?} {eight:?}");
     let t = table(&cfg, &p, &gpu, w);
+    // The prefill line beside the decode table: the same roofline the
+    // recovery's re-prefill takes, and sparse layers keep 4x the context
+    // from costing 16x.
+    let prefill =
+        |c: usize| m3c_compiler::plan::recovery::prefill_seconds(&cfg, &p, &gpu, Workload { context: c, ..w }).iter().sum::<f64>();
+    assert!((prefill(w.context) - r.reprefill).abs() < 1e-12);
+    assert!(t.contains(&format!("prefill of one 8192-token prompt, predicted: {:.3} s", r.reprefill)), "{t}");
+    let growth = prefill(4 * w.context) / prefill(w.context);
+    assert!(growth > 4.0 && growth < 8.0, "{growth}");
     let line = t.lines().find(|l| l.starts_with("recovery of a lost stage")).unwrap_or_else(|| panic!("{t}"));
     assert!(line.contains(&format!("next token {:.1} s after a stage dies", r.after_a_death())), "{line}");
     for b in [1, 8, 32] {

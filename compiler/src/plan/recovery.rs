@@ -53,15 +53,33 @@ impl Recovery {
 /// The recovery of `plan` on `gpu` with the workload's sequences in flight
 /// at its context, under `--timeout-s timeout_s`.
 pub fn predict(cfg: &ModelConfig, plan: &Plan, gpu: &GpuProfile, w: Workload, timeout_s: f64) -> Recovery {
-    let rows = w.batch * w.context;
-    // A prefill row at position p attends to p keys: on average half the context.
-    let prefill = Workload { batch: rows, context: w.context.div_ceil(2), ..w };
     let weights = stage_costs(cfg, plan, gpu, w).iter().map(|c| c.cost.weight_bytes).fold(0.0, f64::max);
-    // Each stage reads its weights once and computes every row: a roofline
-    // of the two (its cache reads overlap its compute in a tiled prefill).
-    let reprefill =
-        stage_costs(cfg, plan, gpu, prefill).iter().map(|c| (c.cost.weight_bytes / gpu.bandwidth).max(c.cost.step_flops / gpu.flops)).sum();
+    let reprefill = prefill_seconds(cfg, plan, gpu, w).iter().sum();
     Recovery { detect_silent: timeout_s, teardown: TEARDOWN_S, start: JOB_START_S, weights: weights / PAGE_CACHE_TO_GPU, reprefill }
+}
+
+/// Each stage's seconds to prefill the workload's sequences, every one
+/// `w.context` tokens long, in one pass: the stage reads its weights once
+/// and computes every row, a roofline of the two (its cache reads overlap
+/// its compute in a tiled prefill). A row at position p attends to p keys
+/// (to MSA's selected blocks on sparse layers): half the context on average.
+pub fn prefill_seconds(cfg: &ModelConfig, plan: &Plan, gpu: &GpuProfile, w: Workload) -> Vec<f64> {
+    let prefill = Workload { batch: w.batch * w.context, context: w.context.div_ceil(2), ..w };
+    stage_costs(cfg, plan, gpu, prefill).iter().map(|c| (c.cost.weight_bytes / gpu.bandwidth).max(c.cost.step_flops / gpu.flops)).collect()
+}
+
+/// The table's line for a prefill of one prompt of the workload's context.
+pub fn prefill_line(cfg: &ModelConfig, plan: &Plan, gpu: &GpuProfile, w: Workload) -> String {
+    let stages = prefill_seconds(cfg, plan, gpu, Workload { batch: 1, ..w });
+    let slowest = stages.iter().copied().fold(0.0, f64::max);
+    let total: f64 = stages.iter().sum();
+    format!(
+        "prefill of one {}-token prompt, predicted: {:.3} s stage after stage (slowest stage {:.3} s; chunks overlap across stages, so between the two), {:.0} tok/s\n",
+        w.context,
+        total,
+        slowest,
+        w.context as f64 / total.max(f64::MIN_POSITIVE)
+    )
 }
 
 /// The table's line for a recovery.

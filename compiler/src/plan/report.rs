@@ -169,6 +169,7 @@ pub fn table(cfg: &ModelConfig, plan: &Plan, gpu: &GpuProfile, w: Workload) -> S
         let _ = writeln!(o, "warning: some stage does not fit {} ({:.1} GB usable)", gpu.name, cap / 1e9);
     }
     o += &boundaries(cfg, plan, w, slow, (tu, ts));
+    o += &super::recovery::prefill_line(cfg, plan, gpu, w);
     let healing = super::recovery::predict(cfg, plan, gpu, w, m3c_contract::stage_args::DEFAULT_TIMEOUT_S);
     o += &super::recovery::line(&healing, w);
     if let Some(even) = even_plan(cfg, plan.stages.len()) {
