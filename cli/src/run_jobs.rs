@@ -46,17 +46,42 @@ impl RunJobs<'_> {
         let mut journal = Journal::new(self.requests.len());
         let (mut restarts, mut lost_hosts) = (0, Vec::<String>::new());
         let mut placement = self.compiled.placement();
+        let mut collected = None;
         loop {
-            let requests = journal.next_job(&self.requests);
+            let (requests, ends) = journal.next_job(&self.requests, &self.stage.eos_ids);
+            // Ends the lost job's last words lost, as its tokens say them.
+            if let Some(w) = sink.as_mut() {
+                for l in &ends {
+                    if writeln!(w, "{l}").and_then(|_| w.flush()).is_err() {
+                        return Ok(Ran { journal, collected, reader_gone: true });
+                    }
+                }
+            }
+            if requests.is_empty() {
+                // Lost after every prompt had its answer: nothing to run again.
+                eprintln!("m3c run: every prompt had finished before the pipeline was lost; nothing is run again");
+                return Ok(Ran { journal, collected, reader_gone: false });
+            }
             self.stage.prompts = Prompts::Stdin(requests.len());
             let job = self.job(&placement, requests, &mut journal, sink.as_mut())?;
+            collected = job.collected;
             if let Some(sig) = job.interrupted {
                 bail!("interrupted (signal {sig}): the pipeline was stopped");
             }
-            if job.status.success() || job.reader_gone {
-                return Ok(Ran { journal, collected: job.collected, reader_gone: job.reader_gone });
+            if job.reader_gone {
+                return Ok(Ran { journal, collected, reader_gone: true });
             }
-            let why = failure(self.compiled, self.launch, job.status, &job.log);
+            if job.status.success() {
+                if let Some(e) = job.unread {
+                    bail!("reading the pipeline's output: {e}");
+                }
+                if journal.unfinished() > 0 {
+                    bail!("the pipeline ended with {} prompt(s) unanswered; a stage's output was lost", journal.unfinished());
+                }
+                return Ok(Ran { journal, collected, reader_gone: false });
+            }
+            let hosts = self.compiled.rank_hosts(&placement, self.launch);
+            let why = failure(self.compiled, &hosts, job.status, &job.log);
             // The first job must come up: one that never did fails as at start-up.
             let cause = fault(&job.log).filter(|_| journal.up() || restarts > 0);
             let Some(cause) = cause.filter(|_| restarts < self.max_restarts) else {
@@ -66,7 +91,6 @@ impl RunJobs<'_> {
                 bail!(why);
             };
             restarts += 1;
-            let hosts = self.compiled.rank_hosts(&placement, self.launch);
             let silent =
                 job.log.first_error.as_deref().and_then(m3c_contract::lost_peer::rank_in).and_then(|k| hosts.get(k).cloned().flatten());
             if let Some(h) = job.log.end.lost_node.clone().or(silent).filter(|h| !lost_hosts.contains(h)) {
@@ -123,7 +147,7 @@ impl RunJobs<'_> {
         } else {
             (Box::new(std::io::BufReader::new(pipe)), None)
         };
-        let reader_gone = pump(output, journal, sink);
+        let (reader_gone, unread) = pump(output, journal, sink);
         if reader_gone {
             // Nobody reads the output any more: end the job rather than
             // leave a stage blocked on a write.
@@ -133,7 +157,7 @@ impl RunJobs<'_> {
         let log = reaper.join().unwrap_or_default();
         let collected = tap.map(|t| t.join().unwrap_or_default());
         let interrupted = forwarding.received();
-        Ok(Job { status, log, collected, interrupted, reader_gone })
+        Ok(Job { status, log, collected, interrupted, reader_gone, unread })
     }
 }
 
@@ -144,27 +168,38 @@ struct Job {
     collected: Option<m3c_front::trace::Collected>,
     interrupted: Option<i32>,
     reader_gone: bool,
+    /// Why the job's output could not be read to its end, if it could not.
+    unread: Option<std::io::Error>,
 }
 
 /// Passes a job's output through the journal to the sink (or, without
-/// one, its lines that are no event to standard output). Whether the
-/// sink's reader went away.
-fn pump(output: Box<dyn BufRead>, journal: &mut Journal, mut sink: Option<&mut impl Write>) -> bool {
-    for line in output.lines().map_while(Result::ok) {
-        let Some(line) = journal.line(&line) else { continue };
-        let wrote = match sink.as_mut() {
-            Some(w) => writeln!(w, "{line}").and_then(|_| w.flush()),
-            None if m3c_contract::protocol::Event::parse(&line).is_some() => Ok(()),
-            None => {
-                let mut out = std::io::stdout().lock();
-                writeln!(out, "{line}").and_then(|_| out.flush())
+/// one, its lines that are no event to standard output), to its end:
+/// whether the sink's reader went away, and a read error, if one ended it.
+/// Bytes that are not UTF-8 pass on replaced, as the reader would see them.
+fn pump(mut output: Box<dyn BufRead>, journal: &mut Journal, mut sink: Option<&mut impl Write>) -> (bool, Option<std::io::Error>) {
+    let mut raw = Vec::new();
+    loop {
+        raw.clear();
+        match output.read_until(b'\n', &mut raw) {
+            Ok(0) => return (false, None),
+            Ok(_) => {}
+            Err(e) => return (false, Some(e)),
+        }
+        let text = String::from_utf8_lossy(&raw);
+        for line in journal.line(text.trim_end_matches(['\n', '\r'])) {
+            let wrote = match sink.as_mut() {
+                Some(w) => writeln!(w, "{line}").and_then(|_| w.flush()),
+                None if m3c_contract::protocol::Event::parse(&line).is_some() => Ok(()),
+                None => {
+                    let mut out = std::io::stdout().lock();
+                    writeln!(out, "{line}").and_then(|_| out.flush())
+                }
+            };
+            if wrote.is_err() {
+                return (true, None);
             }
-        };
-        if wrote.is_err() {
-            return true;
         }
     }
-    false
 }
 
 /// The cause of a job's end when it was a lost pipeline, which a restart
@@ -185,10 +220,12 @@ fn fault(job: &StageLog) -> Option<&'static str> {
 
 /// What a failed job's end says: the lost host and its stages, the killed
 /// stage, or the first stage's own words.
-fn failure(compiled: &Compiled, launch: &Launch, status: std::process::ExitStatus, job: &StageLog) -> String {
+/// `hosts`: each rank's host in the job's placement (a spare's, after a move).
+fn failure(compiled: &Compiled, hosts: &[Option<String>], status: std::process::ExitStatus, job: &StageLog) -> String {
     let end = &job.end;
     if let Some(node) = &end.lost_node {
-        let stages: Vec<String> = compiled.stages_on(node, launch).iter().map(|k| format!("stage {k}")).collect();
+        let on = |k: &usize| hosts.get(*k).is_some_and(|h| h.as_deref() == Some(node.as_str()));
+        let stages: Vec<String> = (0..compiled.stages).filter(on).map(|k| format!("stage {k}")).collect();
         let which = if stages.is_empty() { "the stage(s)".to_string() } else { stages.join(" and ") };
         return format!(
             "{which} on host {node} was lost: Open MPI lost its daemon there (the host went down or was cut off, or the daemon was killed)"

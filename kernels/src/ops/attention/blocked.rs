@@ -91,7 +91,11 @@ pub(super) fn host(k: &super::Attention) -> String {
         scale = f32_lit(scale),
         pconst = super::page_const(paged),
         rows = super::rows_and_work(&l.qt, heads * d * 2),
-        iters = parallel_or_serial("%work", &["%bi", "%g"], &["%c0", "%c0"], &["%nblk", "%ckv"], &["%c1", "%c1"], &block(k, &l)),
+        // KV group first: a thread's run of iterations then goes through
+        // one group's keys and values at a time, which stay in cache from
+        // block to block (all groups' K and V of a 32k context are the
+        // L3 of this machine; cycling through them went to memory).
+        iters = parallel_or_serial("%work", &["%g", "%bi"], &["%c0", "%c0"], &["%ckv", "%nblk"], &["%c1", "%c1"], &block(k, &l)),
     )
 }
 

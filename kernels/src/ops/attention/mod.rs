@@ -334,7 +334,9 @@ fn msa_phases(k: &Attention, s: SparseSel, iteration: &str) -> String {
         kv_heads * s.index_dim,
         indent(&parallel_or_serial("%swork", &["%ri"], &["%c0"], &["%crows"], &["%c1"], &score), 4),
         heads * d * 2,
-        indent(&parallel_or_serial("%awork", &["%ri", "%g"], &["%c0", "%c0"], &["%crows", "%ckv"], &["%c1", "%c1"], iteration), 4),
+        // KV group first, as in `blocked`: a thread's iterations go through
+        // one group's keys and values at a time.
+        indent(&parallel_or_serial("%awork", &["%g", "%ri"], &["%c0", "%c0"], &["%ckv", "%crows"], &["%c1", "%c1"], iteration), 4),
     )
 }
 
