@@ -65,6 +65,7 @@ pub fn bench_kernels(a: BenchArgs) -> Result<()> {
     if !(0.01..=60.0).contains(&a.seconds) {
         bail!("--seconds: {} is not between 0.01 and 60", a.seconds);
     }
+    let a = BenchArgs { cpu: m3c_compiler::backend::resolve_cpu(&a.cpu)?, ..a };
     m3c_compiler::backend::check_cpu(&a.cpu)?;
     let dir = tempfile::tempdir().context("a temporary folder for the kernels")?;
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());

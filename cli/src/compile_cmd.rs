@@ -164,7 +164,8 @@ pub(crate) fn inputs(args: &CompileArgs) -> Result<Inputs> {
     if emit.contains(&m3c_compiler::compile::Emit::Ptx) && !m3c_compiler::backend::backend(&p.target).has_device_code() {
         bail!("--emit ptx needs a GPU target (--target cuda, or `target: cuda` in the plan); {} has no device code", p.target);
     }
-    m3c_compiler::backend::check_cpu(&args.cpu)?;
+    let cpu = m3c_compiler::backend::resolve_cpu(&args.cpu)?;
+    m3c_compiler::backend::check_cpu(&cpu)?;
     let runtime_lib = m3c_compiler::compile::find_runtime_lib()?;
     // GPUs default to bf16 activations (what inference runs in); the host
     // defaults to f32, the mode that matches the reference exactly.
@@ -203,5 +204,5 @@ pub(crate) fn inputs(args: &CompileArgs) -> Result<Inputs> {
             Some(plan::DraftHead::load(model)?.for_target(cfg).map_err(anyhow::Error::msg)?)
         }
     };
-    Ok(Inputs { model, src, plan: p, emit, cpu: args.cpu.clone(), storages, runtime_lib, cache, draft })
+    Ok(Inputs { model, src, plan: p, emit, cpu, storages, runtime_lib, cache, draft })
 }

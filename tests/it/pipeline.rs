@@ -561,3 +561,32 @@ fn a_long_prompt_of_recurring_passages_matches_the_reference_at_pp_1_and_3() {
         }
     }
 }
+
+/// Builds for the CPU they run on: `--cpu native` records this machine's
+/// CPU by its name (never "native": the object cache and the manifest name
+/// a CPU, not a machine), and it and an `x86-64-v4` (AVX-512) build give the
+/// golden's tokens and the default (`x86-64-v3`) build's bytes. Where the
+/// machine lacks AVX-512, the `x86-64-v4` build is compiled, not run.
+#[test]
+fn native_and_avx512_builds_give_the_default_builds_bytes() {
+    let model = fixture("tiny-m3");
+    let prompt = golden_prompt();
+    let dir = tempfile::tempdir().unwrap();
+    let want = dir.path().join("default.safetensors");
+    run_dump(&crate::shared::out("tiny-m3", 1), &model, &[&prompt], NEW_TOKENS, &want, &[]);
+    for cpu in ["native", "x86-64-v4"] {
+        let d = dir.path().join(cpu);
+        std::fs::create_dir(&d).unwrap();
+        let out = compile(&model, 1, &d, &["--cpu", cpu]);
+        let manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
+        let named = manifest["cpu"].as_str().unwrap_or_default().to_string();
+        assert!(!named.is_empty() && named != "native", "--cpu {cpu} is recorded as `{named}`");
+        if cpu == "x86-64-v4" && !std::arch::is_x86_feature_detected!("avx512f") {
+            eprintln!("this machine has no AVX-512: the x86-64-v4 build is compiled, not run");
+            continue;
+        }
+        let dump = d.join("dump.safetensors");
+        run_dump(&out, &model, &[&prompt], NEW_TOKENS, &dump, &[]);
+        assert!(std::fs::read(&dump).unwrap() == std::fs::read(&want).unwrap(), "--cpu {cpu} ({named}): the dump differs from x86-64-v3's");
+    }
+}

@@ -29,6 +29,8 @@ pub enum BackendError {
         "--cpu {0}: not an x86-64 CPU LLVM knows; use x86-64 (any x86-64), x86-64-v2/v3/v4, or a name such as znver4 or sapphirerapids"
     )]
     Cpu(String),
+    #[error("--cpu native: LLVM names this machine's CPU `{0}`, which is not an x86-64 CPU it compiles for; give a level (x86-64-v3, x86-64-v4) or the CPU's name")]
+    NativeCpu(String),
 }
 
 /// The x86-64 CPUs LLVM 22 emits 64-bit code for (`llc -mcpu=help`, less
@@ -166,6 +168,23 @@ pub fn widest_f32_lanes(cpu: &str) -> usize {
     }
 }
 
+/// `--cpu native`: the CPU this command runs on, by LLVM's name for it
+/// (`znver4`, `sapphirerapids`, ...), so that the object cache, the
+/// manifest and every later build name the CPU, not the machine, and the
+/// same inputs give the same bytes on any machine of that CPU. Any other
+/// name is returned as given (checked by [`check_cpu`]).
+pub fn resolve_cpu(cpu: &str) -> Result<String, BackendError> {
+    if cpu != "native" {
+        return Ok(cpu.to_string());
+    }
+    let host = inkwell::targets::TargetMachine::get_host_cpu_name().to_string();
+    if X86_64_CPUS.contains(&host.as_str()) {
+        Ok(host)
+    } else {
+        Err(BackendError::NativeCpu(host.chars().take(40).collect()))
+    }
+}
+
 /// Checks `--cpu` before LLVM sees it: an unknown or 32-bit CPU makes LLVM
 /// abort the whole process instead of returning an error.
 pub fn check_cpu(cpu: &str) -> Result<(), BackendError> {
@@ -185,5 +204,12 @@ mod tests {
         }
         assert_eq!(super::widest_f32_lanes("znver4"), 16);
         assert_eq!(super::widest_f32_lanes("x86-64-v3"), 8);
+    }
+
+    #[test]
+    fn native_is_this_machines_cpu_by_name_and_other_names_pass_as_given() {
+        let native = super::resolve_cpu("native").expect("an x86-64 CPU LLVM knows");
+        assert!(super::X86_64_CPUS.contains(&native.as_str()) && native != "native", "{native}");
+        assert_eq!(super::resolve_cpu("x86-64-v3").unwrap(), "x86-64-v3");
     }
 }
