@@ -236,59 +236,165 @@ fn weights_phase(k: &super::Attention, l: &Layout) -> String {
     )
 }
 
-/// Phase 3: P·V per key block, per row, per chunk of up to 80 columns
+/// Phase 3: P·V per key block, per chunk of up to 80 columns
 /// ([`super::pv_chunks`]), the chunk's sums in registers across the block's
-/// keys.
+/// keys. Rows go in pairs: each key's V vectors load once for both rows,
+/// and the two rows' sums are independent chains, so a narrow head (whose
+/// few chains alone wait on the FMA latency) keeps twice as many FMAs in
+/// flight. Each row's sums are its own, in key order, as alone: over the
+/// keys both rows see, then over the rest of the longer row's.
 fn values_phase(k: &super::Attention, l: &Layout) -> String {
-    let d = k.head_dim;
-    let Layout { kt, acc, acc_row, acc_ty, .. } = l;
-    let mut chunks = String::new();
-    let (vrow, vt) = key_row(k.paged, "%t", "%tp");
-    for (ch, (c0, nv)) in super::pv_chunks(d).into_iter().enumerate() {
-        let tys = vec![V; nv].join(", ");
-        let mut load = String::new();
-        let mut body = String::new();
-        let mut store = String::new();
-        for i in 0..nv {
-            let col = c0 + 8 * i;
-            // The accumulator's column: in `o`'s row, past the head's start.
-            let c = if k.act == Storage::F32 { format!("%aq{ch}_{i}") } else { format!("%ac{ch}_{i}") };
-            load.push_str(&format!(
-                "%ac{ch}_{i} = arith.constant {col} : index\n\
-                 %aq{ch}_{i} = arith.addi %qb, %ac{ch}_{i} : index\n\
-                 %o{ch}_{i} = vector.load {acc}[{acc_row}, {c}] : {acc_ty}, {V}\n"
-            ));
-            body.push_str(&format!("%vc{i} = arith.addi %kb, %ac{ch}_{i} : index\n"));
-            body.push_str(&load_f32xn(8, &format!("%vv{i}"), "%v", kt, &vt, &format!("%vc{i}"), k.cache));
-            body.push_str(&format!(
-                "%pvv{i} = arith.mulf %pwv, %vv{i} fastmath<contract> : {V}\n\
-                 %a{i}n = arith.addf %a{i}, %pvv{i} fastmath<contract> : {V}\n"
-            ));
-            store.push_str(&format!("vector.store %pacc{ch}#{i}, {acc}[{acc_row}, {c}] : {acc_ty}, {V}\n"));
-        }
+    let single = values_row(k, l);
+    let pair = values_pair(k, l);
+    format!(
+        "%npairs0 = arith.addi %nr, %c1 : index\n\
+         %npairs = arith.divui %npairs0, %c2 : index\n\
+         scf.for %tb = %c0 to %nkmax step %cKB {{\n\
+         \x20 %tbe = arith.addi %tb, %cKB : index\n\
+         \x20 scf.for %pi = %c0 to %npairs step %c1 {{\n\
+         \x20   %iia = arith.muli %pi, %c2 : index\n\
+         \x20   %iib = arith.addi %iia, %c1 : index\n\
+         \x20   %hasb = arith.cmpi ult, %iib, %nr : index\n\
+         \x20   scf.if %hasb {{\n\
+         {pair}\
+         \x20   }} else {{\n\
+         {single}\
+         \x20   }}\n\
+         \x20 }}\n\
+         }}\n",
+        pair = indent(&pair, 6),
+        single = indent(&single, 6),
+    )
+}
+
+/// Per chunk: (its columns' loads of row `sfx`'s sums, the V column index
+/// names, their stores), for [`values_row`] and [`values_pair`].
+struct PvChunk {
+    c0: usize,
+    nv: usize,
+}
+
+/// One row's P·V over keys `%tb..%te` of the tile (the pair's odd row
+/// out, or the tail of the longer row of a pair): row `%ii`.
+fn values_row(k: &super::Attention, l: &Layout) -> String {
+    let Layout { acc, acc_row, acc_ty, .. } = l;
+    let mut out = String::from("%ii = arith.addi %iia, %c0 : index\n");
+    out.push_str(ROW);
+    out.push_str(
+        "%te = arith.minui %tbe, %nk : index\n\
+         %invr = memref.load %inv[%ii] : memref<?xf32>\n",
+    );
+    for (ch, (c0, nv)) in super::pv_chunks(k.head_dim).into_iter().enumerate() {
+        let pc = PvChunk { c0, nv };
+        let (load, store) = acc_io(k, &pc, acc, acc_row, acc_ty, &format!("{ch}"), "%qb");
         let inits = (0..nv).map(|i| format!("%a{i} = %o{ch}_{i}")).collect::<Vec<_>>().join(", ");
-        let next = (0..nv).map(|i| format!("%a{i}n")).collect::<Vec<_>>().join(", ");
-        chunks.push_str(&format!(
-            "{load}\
-             %pacc{ch}:{nv} = scf.for %t = %tb to %te step %c1 iter_args({inits}) -> ({tys}) {{\n\
-             \x20 %e = memref.load %sc[%ii, %t] : {SCT}\n\
-             \x20 %pw = arith.mulf %e, %invr : f32\n\
-             \x20 %pwv = vector.broadcast %pw : f32 to {V}\n\
-             {vrow}\
-             {body}\
-             \x20 scf.yield {next} : {tys}\n\
-             }}\n\
-             {store}",
-            body = indent(&body, 2),
-            vrow = indent(&vrow, 2),
+        out.push_str(&load);
+        out.push_str(&format!("%pacc{ch}:{nv} = {}", keys_loop(k, l, &pc, "%tb", "%te", &inits, &[("%ii", "%invr", "a")])));
+        out.push_str(&store.replace("%RES", &format!("%pacc{ch}")));
+    }
+    out
+}
+
+/// Rows `%iia` and `%iib` of the block: their P·V over the keys of the
+/// tile both see, V loaded once for both, then each one's own rest.
+fn values_pair(k: &super::Attention, l: &Layout) -> String {
+    let Layout { acc, acc_ty, .. } = l;
+    let f32_out = k.act == Storage::F32;
+    let mut out = String::new();
+    for (x, ii) in [("a", "%iia"), ("b", "%iib")] {
+        out.push_str(&format!(
+            "%r0{x} = arith.addi %r0, {ii} : index\n\
+             %p64{x} = memref.load %pos[%r0{x}] : memref<?xi64>\n\
+             %p{x} = arith.index_cast %p64{x} : i64 to index\n\
+             %nk{x} = arith.addi %p{x}, %c1 : index\n\
+             %te{x} = arith.minui %tbe, %nk{x} : index\n\
+             %invr{x} = memref.load %inv[{ii}] : memref<?xf32>\n"
         ));
     }
-    each_live_row(
-        "scf.for %tb = %c0 to %nkmax step %cKB",
-        "%tbe = arith.addi %tb, %cKB : index\n\
-         %te = arith.minui %tbe, %nk : index\n\
-         %live = arith.cmpi ult, %tb, %te : index\n",
-        &format!("%invr = memref.load %inv[%ii] : memref<?xf32>\n{chunks}"),
+    out.push_str(
+        "%tec = arith.minui %tea, %teb : index\n\
+         %tsc = arith.maxui %tb, %tec : index\n",
+    );
+    for (ch, (c0, nv)) in super::pv_chunks(k.head_dim).into_iter().enumerate() {
+        let pc = PvChunk { c0, nv };
+        let row = |x: &str, ii: &str| if f32_out { format!("%r0{x}") } else { ii.to_string() };
+        let (load_a, store_a) = acc_io(k, &pc, acc, &row("a", "%iia"), acc_ty, &format!("{ch}a"), "%qb");
+        let (load_b, store_b) = acc_io(k, &pc, acc, &row("b", "%iib"), acc_ty, &format!("{ch}b"), "%qb");
+        out.push_str(&load_a);
+        out.push_str(&load_b);
+        let both = (0..nv)
+            .map(|i| format!("%a{i} = %o{ch}a_{i}"))
+            .chain((0..nv).map(|i| format!("%b{i} = %o{ch}b_{i}")))
+            .collect::<Vec<_>>()
+            .join(", ");
+        out.push_str(&format!(
+            "%pj{ch}:{} = {}",
+            2 * nv,
+            keys_loop(k, l, &pc, "%tb", "%tec", &both, &[("%iia", "%invra", "a"), ("%iib", "%invrb", "b")])
+        ));
+        let from = |first: usize| (0..nv).map(|i| format!("%a{i} = %pj{ch}#{}", first + i)).collect::<Vec<_>>().join(", ");
+        out.push_str(&format!("%pta{ch}:{nv} = {}", keys_loop(k, l, &pc, "%tsc", "%tea", &from(0), &[("%iia", "%invra", "a")])));
+        out.push_str(&format!("%ptb{ch}:{nv} = {}", keys_loop(k, l, &pc, "%tsc", "%teb", &from(nv), &[("%iib", "%invrb", "a")])));
+        out.push_str(&store_a.replace("%RES", &format!("%pta{ch}")));
+        out.push_str(&store_b.replace("%RES", &format!("%ptb{ch}")));
+    }
+    out
+}
+
+/// A chunk's sums of one row at `acc[row, ...]`: their loads as
+/// `%o{tag}_{i}`, and their stores from `%RES#i` (the caller names the
+/// results).
+fn acc_io(k: &super::Attention, pc: &PvChunk, acc: &str, row: &str, acc_ty: &str, tag: &str, qb: &str) -> (String, String) {
+    let (mut load, mut store) = (String::new(), String::new());
+    for i in 0..pc.nv {
+        let col = pc.c0 + 8 * i;
+        // The accumulator's column: in `o`'s row, past the head's start.
+        let c = if k.act == Storage::F32 { format!("%aq{tag}_{i}") } else { format!("%ac{tag}_{i}") };
+        load.push_str(&format!(
+            "%ac{tag}_{i} = arith.constant {col} : index\n\
+             %aq{tag}_{i} = arith.addi {qb}, %ac{tag}_{i} : index\n\
+             %o{tag}_{i} = vector.load {acc}[{row}, {c}] : {acc_ty}, {V}\n"
+        ));
+        store.push_str(&format!("vector.store %RES#{i}, {acc}[{row}, {c}] : {acc_ty}, {V}\n"));
+    }
+    (load, store)
+}
+
+/// `scf.for %t = from to to` over a chunk's columns for the given rows
+/// (each: its row in `%sc`, its `1 / sum`, and the prefix of its sums'
+/// names), each key's V vectors loaded once, each row's sums a multiply
+/// then an add (fused where the CPU has FMA), in key order.
+fn keys_loop(k: &super::Attention, l: &Layout, pc: &PvChunk, from: &str, to: &str, inits: &str, rows: &[(&str, &str, &str)]) -> String {
+    let (vrow, vt) = key_row(k.paged, "%t", "%tp");
+    let tys = vec![V; pc.nv * rows.len()].join(", ");
+    let mut body = vrow;
+    for i in 0..pc.nv {
+        let col = pc.c0 + 8 * i;
+        body.push_str(&format!("%vk{i} = arith.constant {col} : index\n%vc{i} = arith.addi %kb, %vk{i} : index\n"));
+        body.push_str(&load_f32xn(8, &format!("%vv{i}"), "%v", &l.kt, &vt, &format!("%vc{i}"), k.cache));
+    }
+    let mut next = Vec::new();
+    for (ii, invr, x) in rows {
+        body.push_str(&format!(
+            "%e{x} = memref.load %sc[{ii}, %t] : {SCT}\n\
+             %pw{x} = arith.mulf %e{x}, {invr} : f32\n\
+             %pwv{x} = vector.broadcast %pw{x} : f32 to {V}\n"
+        ));
+        for i in 0..pc.nv {
+            body.push_str(&format!(
+                "%pv{x}{i} = arith.mulf %pwv{x}, %vv{i} fastmath<contract> : {V}\n\
+                 %{x}{i}n = arith.addf %{x}{i}, %pv{x}{i} fastmath<contract> : {V}\n"
+            ));
+            next.push(format!("%{x}{i}n"));
+        }
+    }
+    format!(
+        "scf.for %t = {from} to {to} step %c1 iter_args({inits}) -> ({tys}) {{\n\
+         {}\
+         \x20 scf.yield {} : {tys}\n\
+         }}\n",
+        indent(&body, 2),
+        next.join(", ")
     )
 }
 
