@@ -238,13 +238,26 @@ fn weights_phase(k: &super::Attention, l: &Layout) -> String {
 
 /// Phase 3: P·V per key block, per chunk of up to 80 columns
 /// ([`super::pv_chunks`]), the chunk's sums in registers across the block's
-/// keys. Rows go in pairs: each key's V vectors load once for both rows,
-/// and the two rows' sums are independent chains, so a narrow head (whose
-/// few chains alone wait on the FMA latency) keeps twice as many FMAs in
-/// flight. Each row's sums are its own, in key order, as alone: over the
+/// keys. Narrow heads' rows go in pairs: each key's V vectors load once for
+/// both rows, and the two rows' sums are independent chains, so a head of
+/// up to 32 columns (whose few chains alone wait on the FMA latency) keeps
+/// twice as many FMAs in flight. Each row's sums are its own, in key order, as alone: over the
 /// keys both rows see, then over the rest of the longer row's.
 fn values_phase(k: &super::Attention, l: &Layout) -> String {
     let single = values_row(k, l);
+    // Wider heads (the vision tower's 80 columns) have chains enough alone,
+    // and two rows' sums would not fit the registers.
+    if super::pv_chunks(k.head_dim).iter().any(|&(_, nv)| nv > PAIR_MAX_VECTORS) {
+        return format!(
+            "scf.for %tb = %c0 to %nkmax step %cKB {{\n\
+             \x20 %tbe = arith.addi %tb, %cKB : index\n\
+             \x20 scf.for %iia = %c0 to %nr step %c1 {{\n\
+             {}\
+             \x20 }}\n\
+             }}\n",
+            indent(&single, 4)
+        );
+    }
     let pair = values_pair(k, l);
     format!(
         "%npairs0 = arith.addi %nr, %c1 : index\n\
@@ -267,8 +280,12 @@ fn values_phase(k: &super::Attention, l: &Layout) -> String {
     )
 }
 
-/// Per chunk: (its columns' loads of row `sfx`'s sums, the V column index
-/// names, their stores), for [`values_row`] and [`values_pair`].
+/// The widest chunk of P·V columns (in vectors of 8) that rows take in
+/// pairs: two rows' sums, the V vectors and the weights then fit AVX2's 16
+/// registers.
+const PAIR_MAX_VECTORS: usize = 4;
+
+/// A chunk of P·V columns: its first column and its vectors of 8.
 struct PvChunk {
     c0: usize,
     nv: usize,
