@@ -49,6 +49,10 @@ pub struct StageLog {
     pub first_error: Option<String>,
     /// Lines of an Open MPI box being read (it shows once complete).
     boxed: Option<Vec<String>>,
+    /// A complete box, shown with the next line unless that line is a
+    /// stage's error: mpirun's report of an abort can reach us just before
+    /// the aborting stage's own words, which then are the message.
+    pending: Vec<String>,
     verbose: bool,
 }
 
@@ -66,6 +70,14 @@ impl StageLog {
         if self.verbose {
             return vec![line.to_string()];
         }
+        let mut shown = if self.end.stage_error { Vec::new() } else { std::mem::take(&mut self.pending) };
+        self.pending.clear();
+        shown.extend(self.take(line));
+        shown
+    }
+
+    /// [`StageLog::line`] past the box held back.
+    fn take(&mut self, line: &str) -> Vec<String> {
         // A stage's own line is never held in a box (Open MPI's boxes and
         // the stages' lines interleave).
         if line.starts_with("m3c ") {
@@ -84,20 +96,25 @@ impl StageLog {
             (Some(_), true) => {
                 let mut b = self.boxed.take().unwrap_or_default();
                 b.push(line.to_string());
-                if self.end.stage_error {
-                    Vec::new()
-                } else {
-                    b
+                if !self.end.stage_error {
+                    self.pending = b;
                 }
+                Vec::new()
             }
             (None, false) if self.end.stage_error && is_mpirun_note(line) => Vec::new(),
             (None, false) => vec![line.to_string()],
         }
     }
 
-    /// The job's output ended: a box left open is shown as it is.
+    /// The job's output ended: a box held back, or left open, is shown as
+    /// it is (unless a stage said why the job failed).
     pub fn finish(&mut self) -> Vec<String> {
-        self.boxed.take().filter(|_| !self.end.stage_error).unwrap_or_default()
+        let mut shown = std::mem::take(&mut self.pending);
+        shown.extend(self.boxed.take().unwrap_or_default());
+        if self.end.stage_error {
+            shown.clear();
+        }
+        shown
     }
 }
 
@@ -179,11 +196,15 @@ mod tests {
         let mut log = super::StageLog::default();
         let mut shown = Vec::new();
         shown.extend(log.line("m3c stage 0/2: embed + layers 0-3: 100 tensors mapped"));
-        // A box before any stage error is all the user has: shown whole.
+        // A box before any stage error is all the user has: shown whole,
+        // with the next line that is not a stage's error.
         for l in abort {
             shown.extend(log.line(l));
         }
-        assert_eq!(shown.len(), 5, "{shown:?}");
+        assert_eq!(shown.len(), 1, "a complete box waits for the next line: {shown:?}");
+        shown.extend(log.line("m3c stage 1/2: layers 4-7 + norm + lm_head: 207 tensors mapped"));
+        assert_eq!(shown.len(), 6, "{shown:?}");
+        assert!(shown[1] == border && shown[5].starts_with("m3c stage 1/2: layers"), "{shown:?}");
         shown.extend(log.line("m3c stage 1/2: error: prompt 0: token id 9 is outside the vocabulary (0..4)"));
         for l in abort {
             shown.extend(log.line(l));
@@ -192,9 +213,18 @@ mod tests {
         shown.extend(log.line("mpirun noticed that process rank 1 with PID 7 on node h exited on signal 9 (Killed)."));
         shown.extend(log.line("m3c stage 0/2: error: no sign of life from stage 1"));
         shown.extend(log.finish());
-        assert_eq!(shown.len(), 8, "after the stage's error the stages' lines and the kill show: {shown:?}");
-        assert!(shown[5].starts_with("m3c stage 1/2: error:") && shown[6].starts_with("mpirun noticed"), "{shown:?}");
-        assert!(shown[7].starts_with("m3c stage 0/2: error:"), "{shown:?}");
+        assert_eq!(shown.len(), 9, "after the stage's error the stages' lines and the kill show: {shown:?}");
+        assert!(shown[6].starts_with("m3c stage 1/2: error:") && shown[7].starts_with("mpirun noticed"), "{shown:?}");
+        assert!(shown[8].starts_with("m3c stage 0/2: error:"), "{shown:?}");
+        // mpirun's report of an abort that reaches us just before the
+        // aborting stage's own words: the words are the message.
+        let mut raced = super::StageLog::default();
+        for l in abort {
+            assert!(raced.line(l).is_empty());
+        }
+        let error = "m3c stage 0/2: error: prompt 0: token id 900 is outside the vocabulary (0..512)";
+        assert_eq!(raced.line(error), [error]);
+        assert!(raced.finish().is_empty());
         assert_eq!(log.first_error.as_deref(), Some("stage 1/2: prompt 0: token id 9 is outside the vocabulary (0..4)"));
         assert_eq!(log.end.killed.as_ref().map(|k| k.0), Some(1), "what is hidden is still read");
         // A stage's line inside a box is shown at once, not dropped with it.
