@@ -63,39 +63,33 @@ pub const MIN_INIT_DEADLINE: Duration = Duration::from_secs(20);
 /// (keepalives only probe an idle link), waits with it for many minutes.
 /// A stage not through the start-up by the deadline ends itself and its
 /// daemon; the launcher's side ends the job as for any lost host.
-pub struct InitWatch(std::sync::Arc<std::sync::atomic::AtomicBool>);
+pub struct InitWatch(std::sync::mpsc::Sender<()>);
 
 impl InitWatch {
     pub fn start(who: String, deadline: Duration) -> InitWatch {
-        use std::sync::atomic::Ordering;
-        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let seen = done.clone();
+        let (done, watch) = std::sync::mpsc::channel::<()>();
         std::thread::spawn(move || {
-            let t0 = std::time::Instant::now();
-            while t0.elapsed() < deadline {
-                if seen.load(Ordering::SeqCst) {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(50));
+            // Told (or the watch dropped, as when MPI failed to start and
+            // the stage returns): nothing to do.
+            if watch.recv_timeout(deadline) != Err(std::sync::mpsc::RecvTimeoutError::Timeout) {
+                return;
             }
-            if !seen.load(Ordering::SeqCst) {
-                say!(
-                    "{who}: error: MPI's start-up did not finish within {:.0} s (--timeout-s, {} s at least): a host of this job is unreachable or its stage never started",
-                    deadline.as_secs_f64(),
-                    MIN_INIT_DEADLINE.as_secs()
-                );
-                end_daemon_later();
-                // SAFETY: _exit ends the process at once; MPI is not usable
-                // (its start-up never finished), so nothing is left to close.
-                unsafe { libc::_exit(1) }
-            }
+            say!(
+                "{who}: error: MPI's start-up did not finish within {:.0} s (--timeout-s, {} s at least): a host of this job is unreachable or its stage never started",
+                deadline.as_secs_f64(),
+                MIN_INIT_DEADLINE.as_secs()
+            );
+            end_daemon_later();
+            // SAFETY: _exit ends the process at once; MPI is not usable
+            // (its start-up never finished), so nothing is left to close.
+            unsafe { libc::_exit(1) }
         });
         InitWatch(done)
     }
 
     /// MPI is up: the watch ends.
     pub fn done(self) {
-        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+        let _ = self.0.send(());
     }
 }
 
