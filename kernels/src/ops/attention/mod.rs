@@ -317,26 +317,32 @@ fn msa_phases(k: &Attention, s: SparseSel, iteration: &str) -> String {
          \x20 %nbmax = arith.divui %nbx, %cB : index\n\
          \x20 %bsall = memref.alloc(%crows, %ckv, %nbmax) : memref<?x?x?xf32>\n\
          \x20 %keys = arith.muli %crows, %cmax : index\n\
-         \x20 %swork1 = arith.constant {} : index\n\
-         \x20 %swork = arith.muli %keys, %swork1 : index\n\
-         \x20 scf.execute_region {{\n\
          {}\
-         \x20   scf.yield\n\
-         \x20 }}\n\
-         \x20 %awork1 = arith.constant {} : index\n\
-         \x20 %awork = arith.muli %keys, %awork1 : index\n\
-         \x20 scf.execute_region {{\n\
          {}\
-         \x20   scf.yield\n\
-         \x20 }}\n\
          \x20 memref.dealloc %bsall : memref<?x?x?xf32>\n\
          }}\n",
-        kv_heads * s.index_dim,
-        indent(&parallel_or_serial("%swork", &["%ri"], &["%c0"], &["%crows"], &["%c1"], &score), 4),
-        heads * d * 2,
+        indent(&phase("%swork", kv_heads * s.index_dim, &["%ri"], &["%crows"], &score), 2),
         // KV group first, as in `blocked`: a thread's iterations go through
         // one group's keys and values at a time.
-        indent(&parallel_or_serial("%awork", &["%g", "%ri"], &["%c0", "%c0"], &["%ckv", "%crows"], &["%c1", "%c1"], iteration), 4),
+        indent(&phase("%awork", heads * d * 2, &["%g", "%ri"], &["%ckv", "%crows"], iteration), 2),
+    )
+}
+
+/// One phase of [`msa_phases`]: `body` over `ivs` from 0 to `ubs`, in
+/// parallel when its work (`%keys` × `per_key` multiply-adds, named
+/// `work`) pays, in a region of its own (each phase's loop names its
+/// constants alike).
+fn phase(work: &str, per_key: usize, ivs: &[&str], ubs: &[&str], body: &str) -> String {
+    let zeros = vec!["%c0"; ivs.len()];
+    let ones = vec!["%c1"; ivs.len()];
+    format!(
+        "{work}1 = arith.constant {per_key} : index\n\
+         {work} = arith.muli %keys, {work}1 : index\n\
+         scf.execute_region {{\n\
+         {}\
+         \x20 scf.yield\n\
+         }}\n",
+        indent(&parallel_or_serial(work, ivs, &zeros, ubs, &ones, body), 2)
     )
 }
 
