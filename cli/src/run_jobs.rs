@@ -83,7 +83,7 @@ impl RunJobs<'_> {
             let hosts = self.compiled.rank_hosts(&placement, self.launch);
             let why = failure(self.compiled, &hosts, job.status, &job.log);
             // The first job must come up: one that never did fails as at start-up.
-            let cause = fault(&job.log).filter(|_| journal.up() || restarts > 0);
+            let cause = fault(job.status, &job.log).filter(|_| journal.up() || restarts > 0);
             let Some(cause) = cause.filter(|_| restarts < self.max_restarts) else {
                 if cause.is_some() && self.max_restarts > 0 {
                     bail!("{why}; the pipeline was started again {restarts} time(s), the --max-restarts limit");
@@ -125,13 +125,22 @@ impl RunJobs<'_> {
         // mpirun passes its input to the first stage, wherever that runs; a
         // writer of its own, since the stage reads it only once it is up. A
         // job that ends first closes the pipe, which ends the writer.
+        //
+        // The input stays open until mpirun has ended (`_hold` drops then):
+        // the stage reads exactly its prompts and needs no end of input,
+        // and Open MPI 4.1's mpirun can crash on one. Its stdin handler
+        // reads the end after the write side to the stage was released
+        // (after a burst of image bytes held it back) and follows a null
+        // pointer (orte_iof_hnp_read_local_handler, SIGSEGV in CI).
+        let (_hold, held) = std::sync::mpsc::channel::<()>();
         if let Some(mut input) = child.stdin.take() {
             std::thread::spawn(move || {
                 for f in frames {
                     if input.write_all(&f).is_err() {
-                        break;
+                        return;
                     }
                 }
+                let _ = held.recv();
             });
         }
         // A stage that failed gives mpirun its --timeout-s to end the job.
@@ -205,7 +214,9 @@ fn pump(mut output: Box<dyn BufRead>, journal: &mut Journal, mut sink: Option<&m
 /// The cause of a job's end when it was a lost pipeline, which a restart
 /// heals: a stage killed by a signal, a host whose Open MPI daemon was
 /// lost, or a stage that found a peer silent.
-fn fault(job: &StageLog) -> Option<&'static str> {
+/// mpirun's own crash counts too: its stages die with it (each is set to),
+/// so a new start begins from nothing left behind.
+fn fault(status: std::process::ExitStatus, job: &StageLog) -> Option<&'static str> {
     let end = &job.end;
     if end.lost_node.is_some() {
         Some("lost_host")
@@ -213,9 +224,36 @@ fn fault(job: &StageLog) -> Option<&'static str> {
         Some("silent_peer")
     } else if end.killed.is_some() && !end.stage_error {
         Some("signal")
+    } else if launcher_crash(status, job).is_some() {
+        Some("launcher_crash")
     } else {
         None
     }
+}
+
+/// The signal that ended mpirun itself when it crashed: a crash signal,
+/// and nothing in the stages' log (a stage's error, a killed stage, a lost
+/// host) that explains the end. m3c's own kills (SIGKILL after the grace,
+/// forwarded SIGINT/SIGTERM) are no crash.
+fn launcher_crash(status: std::process::ExitStatus, job: &StageLog) -> Option<i32> {
+    use std::os::unix::process::ExitStatusExt;
+    let signal = status.signal()?;
+    let crash = [libc::SIGSEGV, libc::SIGBUS, libc::SIGABRT, libc::SIGILL, libc::SIGFPE].contains(&signal);
+    let explained = job.end.stage_error || job.end.killed.is_some() || job.end.lost_node.is_some() || job.first_error.is_some();
+    (crash && !explained).then_some(signal)
+}
+
+/// A crash signal's name, for the messages (`signal 11 (SIGSEGV)`).
+fn signal_name(signal: i32) -> String {
+    let name = match signal {
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGILL => "SIGILL",
+        libc::SIGFPE => "SIGFPE",
+        _ => return format!("signal {signal}"),
+    };
+    format!("signal {signal} ({name})")
 }
 
 /// What a failed job's end says: the lost host and its stages, the killed
@@ -244,6 +282,12 @@ fn failure(compiled: &Compiled, hosts: &[Option<String>], status: std::process::
         // first words may be a peer's about it, so the kill is said too.
         let kill = end.killed.as_ref().map(|(r, n, s)| format!("; mpirun saw stage {r} killed on {n} by signal {s}")).unwrap_or_default();
         return format!("{first} (the pipeline stopped; mpirun exit status {code}{kill})");
+    }
+    if let Some(signal) = launcher_crash(status, job) {
+        return format!(
+            "mpirun itself crashed ({}) and took the pipeline with it; no stage reported an error (Open MPI's report is above; --max-restarts starts the pipeline again after such a crash)",
+            signal_name(signal)
+        );
     }
     format!("the pipeline failed (mpirun exit status {code}); the failing stage's message is above")
 }

@@ -275,10 +275,47 @@ fn a_request_waits_while_every_replica_restarts() {
     );
 }
 
-/// `m3c run OUT --model tiny-m3 ARGS`, with stage `k` SIGKILLed once
+/// What a batch run's fault strikes: a stage, SIGKILLed (out of memory,
+/// say), or the run's own mpirun, crashing (SIGSEGV, as Open MPI 4.1's
+/// can: an image's bytes on its input once crashed it in CI).
+#[derive(Clone, Copy)]
+enum Victim {
+    Stage(usize),
+    Mpirun,
+}
+
+impl Victim {
+    /// The process to signal, and the signal.
+    fn pid_and_signal(self, out: &std::path::Path, run: u32) -> (i32, i32) {
+        match self {
+            Victim::Stage(k) => (pid_of(&out.join(format!("stage-{k}"))).expect("the stage runs"), libc::SIGKILL),
+            Victim::Mpirun => (child_named(run, "mpirun").expect("the run's mpirun runs"), libc::SIGSEGV),
+        }
+    }
+}
+
+/// The child of `parent` whose command is `name`, from /proc.
+fn child_named(parent: u32, name: &str) -> Option<i32> {
+    std::fs::read_dir("/proc").ok()?.filter_map(Result::ok).find_map(|e| {
+        let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+        let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+        // `pid (comm) state ppid ...`; comm may hold spaces, so split after its `)`.
+        let (head, rest) = stat.rsplit_once(')')?;
+        let comm = head.split_once('(')?.1;
+        let ppid: u32 = rest.split_whitespace().nth(1)?.parse().ok()?;
+        (comm == name && ppid == parent).then_some(pid)
+    })
+}
+
+/// `m3c run OUT --model tiny-m3 ARGS`, with `victim` signalled once
 /// `under_way` says so of the output so far (stdout, stderr); the run's
-/// output, and whether the kill came before the run ended.
-fn run_killing(out: &std::path::Path, k: usize, args: &[&str], under_way: &dyn Fn(&str, &str) -> bool) -> (std::process::Output, bool) {
+/// output, and whether the signal came before the run ended.
+fn run_killing(
+    out: &std::path::Path,
+    victim: Victim,
+    args: &[&str],
+    under_way: &dyn Fn(&str, &str) -> bool,
+) -> (std::process::Output, bool) {
     use std::sync::{Arc, Mutex};
     let mut c = m3c_tests::m3c_command()
         .args(["run", out.to_str().unwrap(), "--model", fixture("tiny-m3").to_str().unwrap(), "--timeout-s", "5"])
@@ -306,9 +343,9 @@ fn run_killing(out: &std::path::Path, k: usize, args: &[&str], under_way: &dyn F
     while c.try_wait().unwrap().is_none() {
         assert!(t0.elapsed() < Duration::from_secs(120), "the run did not end:\n{}", text(&err_got));
         if !killed && under_way(&text(&out_got), &text(&err_got)) {
-            let pid = pid_of(&out.join(format!("stage-{k}"))).expect("the stage runs");
-            // SAFETY: kill(2) on a stage process of this test's own run.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
+            let (pid, signal) = victim.pid_and_signal(out, c.id());
+            // SAFETY: kill(2) on a process of this test's own run.
+            unsafe { libc::kill(pid, signal) };
             killed = true;
         }
         std::thread::sleep(Duration::from_millis(5));
@@ -323,7 +360,8 @@ fn run_killing(out: &std::path::Path, k: usize, args: &[&str], under_way: &dyn F
 /// three is SIGKILLed mid-run; the run restarts its pipeline, the
 /// unfinished prompts go on where they were, and its output (text with
 /// greedy and seeded prompts; ids with logprobs) equals a run without the
-/// fault. With `--max-restarts 0` the fault ends the run, naming the stage.
+/// fault; so does a run whose mpirun crashes (SIGSEGV). With
+/// `--max-restarts 0` the fault ends the run, naming the stage.
 #[test]
 fn a_batch_run_that_loses_a_stage_prints_what_a_run_without_the_fault_prints() {
     let dir = tempfile::tempdir().unwrap();
@@ -353,22 +391,31 @@ fn a_batch_run_that_loses_a_stage_prints_what_a_run_without_the_fault_prints() {
         }
         loaded.get().is_some_and(|t| t.elapsed() > Duration::from_millis(300))
     };
+    let mut wants = Vec::new();
     for (what, args, under_way) in
         [("text", &text_run[..], &streaming as &dyn Fn(&str, &str) -> bool), ("ids", &id_run[..], &up as &dyn Fn(&str, &str) -> bool)]
     {
-        let (want, _) = run_killing(&out, 1, args, &never);
+        let (want, _) = run_killing(&out, Victim::Stage(1), args, &never);
         assert!(want.status.success(), "{what}: {}", m3c_tests::stderr(&want));
         loaded.set(None);
-        let (got, killed) = run_killing(&out, 1, args, under_way);
+        let (got, killed) = run_killing(&out, Victim::Stage(1), args, under_way);
         let e = m3c_tests::stderr(&got);
         assert!(killed, "{what}: the run ended before the fault:\n{e}");
         assert!(got.status.success(), "{what}: {e}");
         assert!(e.contains("killed") && e.contains("starting the pipeline again (1 of at most 3)"), "{what}: {e}");
         assert_eq!(m3c_tests::stdout(&got), m3c_tests::stdout(&want), "{what}: the output differs from the run without the fault");
         eprintln!("{what}: {}", e.lines().find(|l| l.contains("starting the pipeline again")).unwrap_or_default());
+        wants.push(want);
     }
+    // mpirun itself crashing is healed the same way, and named as such.
     loaded.set(None);
-    let (failed, killed) = run_killing(&out, 1, &[&id_run[..], &["--max-restarts", "0"]].concat(), &up);
+    let (got, crashed) = run_killing(&out, Victim::Mpirun, &id_run, &up);
+    let e = m3c_tests::stderr(&got);
+    assert!(crashed && got.status.success(), "{e}");
+    assert!(e.contains("mpirun itself crashed (signal 11 (SIGSEGV))") && e.contains("starting the pipeline again (1 of at most 3)"), "{e}");
+    assert_eq!(m3c_tests::stdout(&got), m3c_tests::stdout(&wants[1]), "ids: the output differs after mpirun's crash");
+    loaded.set(None);
+    let (failed, killed) = run_killing(&out, Victim::Stage(1), &[&id_run[..], &["--max-restarts", "0"]].concat(), &up);
     let e = m3c_tests::stderr(&failed);
     assert!(killed && !failed.status.success(), "{e}");
     assert!(e.contains("stage 1") && !e.contains("starting the pipeline again"), "{e}");

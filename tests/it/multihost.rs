@@ -190,13 +190,35 @@ fn a_cut_link_or_a_killed_remote_stage_ends_the_job_on_every_host() {
     ];
     for (name, after, fault) in faults {
         hosts.mend(1);
-        let child = hosts.spawn(0, &cmd, Duration::from_secs(90));
+        let mut child = hosts.spawn(0, &cmd, Duration::from_secs(90));
+        // The run's log as it comes: stage 1's start-up report (its weights
+        // and KV pool) says MPI's start-up is over on every rank.
+        let log = child.stderr.take().expect("piped");
+        let (up_tx, up) = std::sync::mpsc::channel::<()>();
+        let reader = std::thread::spawn(move || {
+            use std::io::BufRead;
+            let mut all = String::new();
+            for line in std::io::BufReader::new(log).lines().map_while(Result::ok) {
+                if line.contains("m3c stage 1/2") && line.contains("KV pool") {
+                    let _ = up_tx.send(());
+                }
+                all.push_str(&line);
+                all.push('\n');
+            }
+            all
+        });
         let pid = stage1();
+        if !after.is_zero() {
+            // A fault while decoding: after the start-up (a loaded machine
+            // once took more than the wait alone), then the wait.
+            assert!(up.recv_timeout(Duration::from_secs(60)).is_ok(), "{name}: stage 1 never reported its start-up");
+        }
         std::thread::sleep(after);
         let t0 = std::time::Instant::now();
         fault(&pid);
         let o = child.wait_with_output().unwrap();
-        let (took, e) = (t0.elapsed(), stderr(&o));
+        let took = t0.elapsed();
+        let e = reader.join().unwrap();
         eprintln!("{name}: the job ended {:.1} s after the fault", took.as_secs_f64());
         assert!(!o.status.success() && took < Duration::from_secs(25), "{name}: {:?} after {took:?}:\n{e}", o.status);
         assert!(e.contains("stage 1") || e.contains("stage-1"), "{name}: the lost stage is named:\n{e}");
@@ -306,6 +328,20 @@ impl RemoteServer {
             std::thread::sleep(Duration::from_millis(100));
         }
         s
+    }
+
+    /// SIGTERM to the server itself. Its `timeout` wrapper would pass a
+    /// signal on to it and then to its whole process group, so the server
+    /// got two, and a second SIGTERM means "stop now", not "drain".
+    fn terminate(&self, hosts: &Hosts) {
+        let is_serve = |p: &String| {
+            let c = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
+            c.split(|&b| b == 0).nth(1) == Some(b"serve".as_slice())
+        };
+        let pid = hosts.pids(self.on).into_iter().find(is_serve).and_then(|p| p.parse::<i32>().ok());
+        let pid = pid.unwrap_or_else(|| panic!("no m3c serve process on host {}: {}", self.on, hosts.left()));
+        // SAFETY: kill(2) on the server this test started, found by its command line.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
     }
 
     fn log(&self) -> String {
@@ -507,9 +543,7 @@ fn data_parallel_replicas_on_their_own_hosts_serve_and_outlive_a_lost_one() {
         assert!(t0.elapsed() < Duration::from_secs(20), "replica 1 left processes: {}", hosts.left());
         std::thread::sleep(Duration::from_millis(100));
     }
-    // SAFETY: kill(2) on the `timeout` wrapper of this test's server,
-    // which passes SIGTERM on to it.
-    unsafe { libc::kill(server.child.id() as i32, libc::SIGTERM) };
+    server.terminate(&hosts);
     let status = server.child.wait().unwrap();
     assert!(status.success(), "{status:?}\n{}", server.log());
     hosts.assert_quiet("after SIGTERM", Duration::from_secs(20));
