@@ -88,7 +88,7 @@ pub(crate) struct CompileArgs {
     /// Also write intermediate code per stage: `mlir` (fused steps + MLIR), `llvm` (LLVM dialect + LLVM IR), `ptx` (the GPU's device code: PTX and cubin for cuda, the code object for rocm).
     #[arg(long, value_parser = ["mlir", "llvm", "ptx"], action = clap::ArgAction::Append)]
     pub(crate) emit: Vec<String>,
-    /// LLVM CPU for host code (`x86-64` runs anywhere; `x86-64-v3` needs AVX2; `native`: this machine's CPU, recorded by its name, e.g. `znver4`).
+    /// LLVM CPU for host code (`x86-64` runs anywhere; `x86-64-v3` needs AVX2; `native`: this machine's CPU, recorded by its name, e.g. `znver4`). A stage started on a CPU without the features its build uses stops with an error naming them.
     #[arg(long, default_value = DEFAULT_CPU)]
     pub(crate) cpu: String,
     /// How KV and MSA index-key caches store elements: `f32` (exact), `bf16` (half the memory and attention reads; values rounded to nearest even), or `fp8` (e4m3 with a scale of 1, as vLLM's without calibrated scales: a quarter of f32's; rounded to nearest even, saturated at ±448).

@@ -183,6 +183,21 @@ fn pipeline(a: &ServeArgs) -> Result<(PathBuf, PathBuf)> {
     }
 }
 
+/// The CPU a model folder's build is compiled for: this machine's own
+/// (`native`) when every stage runs here (no --hostfile, and a plan that
+/// names no host), since the build then never leaves it; else the portable
+/// default. A stage started on a CPU without what its build uses says so
+/// (the runtime's `cpu_check`).
+fn here_only_cpu(a: &ServeArgs) -> Result<String> {
+    let plan_names_a_host = match &a.plan {
+        // A plan that does not load fails the compile itself, with its error.
+        Some(p) => m3c_compiler::plan::load_plan(p, None).is_ok_and(|plan| plan.stages.iter().any(|s| s.place.host.is_some())),
+        None => false,
+    };
+    let here = a.launch.hostfile.is_none() && !plan_names_a_host;
+    Ok(if here { "native" } else { crate::flags::DEFAULT_CPU }.to_string())
+}
+
 /// The model folder's build for these flags: reused from the build cache
 /// while its compile id is the one a compile would give now, else compiled
 /// there (and the old one replaced).
@@ -199,7 +214,7 @@ fn build(a: &ServeArgs) -> Result<PathBuf> {
         arch: None,
         out: PathBuf::new(),
         emit: Vec::new(),
-        cpu: crate::flags::DEFAULT_CPU.to_string(),
+        cpu: here_only_cpu(a)?,
         kv_cache: a.kv_cache_dtype.map_or(crate::flags::CacheStorage::F32, Into::into),
         activations: a.activations,
         cache_dir: None,

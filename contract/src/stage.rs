@@ -63,6 +63,10 @@ pub struct StageMeta {
     pub last_stage: bool,
     /// LLVM CPU of the host code.
     pub cpu: String,
+    /// The x86-64 features that host code may use, checked when the stage
+    /// starts (`crate::cpu`; empty: not checked).
+    #[serde(default)]
+    pub cpu_features: Vec<String>,
     pub target: crate::target::Target,
     /// The plan's CUDA device ordinal for this stage, if it names one.
     pub device: Option<i32>,
@@ -379,6 +383,7 @@ mod tests {
             first_stage: false,
             last_stage: true,
             cpu: "x86-64".into(),
+            cpu_features: Vec::new(),
             target: crate::target::Target::Host,
             device: None,
             tensors: vec![TensorSlot { name: "w".into(), shape: vec![2, 8], dtype: DType::BF16 }],

@@ -568,7 +568,7 @@ fn a_long_prompt_of_recurring_passages_matches_the_reference_at_pp_1_and_3() {
 /// golden's tokens and the default (`x86-64-v3`) build's bytes. Where the
 /// machine lacks AVX-512, the `x86-64-v4` build is compiled, not run.
 #[test]
-fn native_and_avx512_builds_give_the_default_builds_bytes() {
+fn native_and_avx512_builds_give_the_default_builds_bytes_and_refuse_a_cpu_without_their_features() {
     let model = fixture("tiny-m3");
     let prompt = golden_prompt();
     let dir = tempfile::tempdir().unwrap();
@@ -581,8 +581,22 @@ fn native_and_avx512_builds_give_the_default_builds_bytes() {
         let manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
         let named = manifest["cpu"].as_str().unwrap_or_default().to_string();
         assert!(!named.is_empty() && named != "native", "--cpu {cpu} is recorded as `{named}`");
+        // A CPU without a feature the build uses (pretended, or this one's
+        // own lack) refuses to start, naming it, before any step.
+        let needs = if cpu == "native" { "sse3" } else { "avx512f" };
+        let run = |pretend: &str| {
+            let args = ["run", out.to_str().unwrap(), "--model", model.to_str().unwrap(), "--prompt-ids", "1,2,3", "--max-new-tokens", "2"];
+            m3c_env(&args, &[("M3C_TEST_CPU_LACKS", pretend)])
+        };
+        let o = run(needs);
+        assert!(!o.status.success() && stdout(&o).is_empty(), "{}", stderr(&o));
+        let e = stderr(&o);
+        assert!(e.contains(&format!("compiled for CPU `{named}` and uses {needs}")) && e.contains("which this machine's CPU"), "{e}");
+        assert!(e.contains("--cpu native") && !e.contains("panicked"), "{e}");
         if cpu == "x86-64-v4" && !std::arch::is_x86_feature_detected!("avx512f") {
-            eprintln!("this machine has no AVX-512: the x86-64-v4 build is compiled, not run");
+            let o = run("");
+            assert!(!o.status.success() && stderr(&o).contains("avx512f"), "{}", stderr(&o));
+            eprintln!("this machine has no AVX-512: the x86-64-v4 build is refused, not run");
             continue;
         }
         let dump = d.join("dump.safetensors");

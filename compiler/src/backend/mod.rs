@@ -1,5 +1,12 @@
 //! Back ends: MLIR modules of kernels in, target code out. Everything
 //! target-specific lives here, at the end of the pipeline.
+//!
+//! One trait, [`Backend`] (`target.rs`): `host` (LLVM → x86-64 object),
+//! `cuda` (NVVM → PTX, assembled by ptxas when present; `ptx_report`),
+//! `rocm` (ROCDL → an AMDGPU code object, checked by `hsaco`), and what the
+//! GPU back ends share (`gpu_stage`). `--cpu native` is resolved to LLVM's
+//! name for this machine's CPU ([`resolve_cpu`]) before anything keys on it,
+//! so caches and manifests name a CPU, never a machine.
 
 pub mod cuda;
 mod gpu_stage;
@@ -185,6 +192,20 @@ pub fn resolve_cpu(cpu: &str) -> Result<String, BackendError> {
     }
 }
 
+/// The x86-64 features host code compiled for `cpu` may use, as far as
+/// m3c can tell (`m3c_contract::cpu`): a psABI level's list, or for this
+/// machine's own CPU (what `--cpu native` names) what it reports; another
+/// named CPU gives none, and its stages are not checked.
+pub fn cpu_features(cpu: &str) -> Vec<String> {
+    if let Some(f) = m3c_contract::cpu::level_features(cpu) {
+        return f;
+    }
+    if inkwell::targets::TargetMachine::get_host_cpu_name().to_str() != Ok(cpu) {
+        return Vec::new();
+    }
+    m3c_contract::cpu::checked(&inkwell::targets::TargetMachine::get_host_cpu_features().to_string())
+}
+
 /// Checks `--cpu` before LLVM sees it: an unknown or 32-bit CPU makes LLVM
 /// abort the whole process instead of returning an error.
 pub fn check_cpu(cpu: &str) -> Result<(), BackendError> {
@@ -211,5 +232,9 @@ mod tests {
         let native = super::resolve_cpu("native").expect("an x86-64 CPU LLVM knows");
         assert!(super::X86_64_CPUS.contains(&native.as_str()) && native != "native", "{native}");
         assert_eq!(super::resolve_cpu("x86-64-v3").unwrap(), "x86-64-v3");
+        // This machine's CPU: what it reports (at least SSE3, as every
+        // x86-64 LLVM names a CPU for has).
+        assert!(super::cpu_features(&native).iter().any(|f| f == "sse3"), "{:?}", super::cpu_features(&native));
+        assert_eq!(super::cpu_features("x86-64-v3").len(), 13);
     }
 }

@@ -180,6 +180,7 @@ fn stage_meta(
         first_stage: p.text.input == Boundary::TokenIds,
         last_stage: matches!(p.text.output, Boundary::Logits { .. }),
         cpu: cpu.into(),
+        cpu_features: crate::backend::cpu_features(cpu),
         target: target.clone(),
         device: device.map(|d| d as i32),
         tensors: p.tensors.clone(),
