@@ -15,6 +15,11 @@
 # which the engine's choice should match where drafts pay and beat where
 # they do not. FIXED="" leaves them out.
 #
+# EXTRA="--repetition-penalty 0.5" adds flags to every run: a penalty below
+# 1 favours tokens already seen, so the output repeats itself and lookup's
+# drafts are kept more often (acceptance is high), which is where a fixed K
+# pays and the engine's choice should match the best of them.
+#
 # METHOD=eagle3 measures the EAGLE3 head instead: tiny-m3 compiled with
 # tests/fixtures/eagle3-tiny (the draft trained for it), K = 3, on the same
 # prompts and on the golden's held-out path.
@@ -54,6 +59,7 @@ for model in "${models[@]}"; do
     $M3C compile --model "$model" --pp $pp -o "$work/out" "${compile_flags[@]}" >/dev/null
     for np in 1 8; do
       args=(--max-new-tokens "$NEW" --ignore-eos)
+      if [ -n "${EXTRA:-}" ]; then read -ra extra <<<"$EXTRA"; args+=("${extra[@]}"); fi
       for i in $(seq 1 $np); do args+=(--prompt-ids "$(prompt "$i")"); done
       plain=(); spec=(); len=(); k=(); steps=()
       declare -A fixed=()

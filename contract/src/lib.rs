@@ -22,6 +22,8 @@
 //!   numbers of the run command line.
 //! - [`target`]: what stages are compiled for (`host`, `cuda ARCH`), one
 //!   type from the plan to the manifest and the stage metadata.
+//! - [`cpu`]: the x86-64 features a stage's host code may use, recorded
+//!   when it is compiled and checked when it starts.
 //! - [`stage_args`]: a stage executable's command line, as a type with one
 //!   encoder (the front's) and one parser (the stage's).
 //! - [`protocol`]: the commands and events between the front and the first
@@ -31,8 +33,12 @@
 //! - [`sampling`]: sampling parameters (with their one text form) and the
 //!   sampling table's layout (the host sampler, which every target's
 //!   sampler must agree with, is `m3c_sampler`).
-//! - [`speculative`]: `--speculative-config` (vLLM's JSON) and n-gram
-//!   prompt lookup's proposals.
+//! - [`speculative`]: `--speculative-config` (vLLM's JSON) and the text
+//!   forms a stage takes it in (n-gram prompt lookup, an EAGLE3 head).
+//! - [`lost_peer`]: the words a stage ends with when a peer fell silent,
+//!   from which the fronts read the lost host.
+//! - [`token_bytes`]: each token id's bytes, from a byte-level
+//!   `tokenizer.json`, for stop strings that span tokens.
 //!
 //! This crate does no MPI, no mmap and no printing: it is plain parsing, so
 //! its parsers can be property-tested on arbitrary input.
@@ -40,6 +46,7 @@
 pub mod blocks;
 pub mod chat_format;
 pub mod checkpoint;
+pub mod cpu;
 pub mod dtype;
 pub mod images;
 pub mod input;

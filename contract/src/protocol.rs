@@ -38,14 +38,17 @@
 //! logprobs), `m3c-plp SEQ POS ID LOGPROB RANK ID:LOGPROB,...|-` for prompt
 //! token POS (from 1, before the sequence's first `m3c-id`) when it asked
 //! for prompt logprobs,
-//! `m3c-end SEQ stop|length|cancelled|error`, `m3c-stat STAGE STEPS
-//! BUSY_SECONDS`, `m3c-pfx SEQ QUERIED HIT` (a sequence started: prompt
-//! tokens looked up in the prefix cache, and found), `m3c-preempt SEQ`,
-//! `m3c-spec SEQ DRAFTED ACCEPTED` (a verify step of speculative
-//! decoding), `m3c-kv USED CACHED TOTAL RUNNING WAITING` (the pool's blocks
-//! and the scheduler's queues, as they change), and `m3c-bad SEQ|- WHY`
-//! for a refused command. Any other line is a stage's own output, passed
-//! on as it is.
+//! `m3c-end SEQ stop|length|cancelled|error|constraint` (`error`: non-finite
+//! logits; `constraint`: its grammar or reasoning budget could not be
+//! applied), `m3c-stat STAGE STEPS BUSY_SECONDS`, `m3c-pfx SEQ QUERIED HIT`
+//! (a sequence started: prompt tokens looked up in the prefix cache, and
+//! found), `m3c-preempt SEQ`, `m3c-spec SEQ DRAFTED ACCEPTED` (a verify step
+//! of speculative decoding), `m3c-kv USED CACHED TOTAL RUNNING WAITING` (the
+//! pool's blocks and the scheduler's queues, as they change), `m3c-enc ...`
+//! (the vision encoder's cache and encodes), `m3c-kvs PARENT|- HASH IDS` and
+//! `m3c-kvr HASH ...` (a block stored in the prefix cache, blocks evicted;
+//! only with `--kv-events`), and `m3c-bad SEQ|- WHY` for a refused command.
+//! Any other line is a stage's own output, passed on as it is.
 
 use crate::sampling::SamplingParams;
 use std::fmt;
@@ -429,6 +432,9 @@ pub enum EndReason {
     Cancelled,
     /// The sequence met non-finite logits (serve ends only that sequence).
     Error,
+    /// Its grammar or reasoning budget could not be applied past this
+    /// point (the last stage's log says why); it ends without breaking it.
+    Constraint,
 }
 
 impl EndReason {
@@ -438,6 +444,7 @@ impl EndReason {
             EndReason::Length => "length",
             EndReason::Cancelled => "cancelled",
             EndReason::Error => "error",
+            EndReason::Constraint => "constraint",
         }
     }
 }
@@ -601,6 +608,7 @@ impl Event {
                     "length" => Some(EndReason::Length),
                     "cancelled" => Some(EndReason::Cancelled),
                     "error" => Some(EndReason::Error),
+                    "constraint" => Some(EndReason::Constraint),
                     _ => None,
                 };
                 s.parse().ok().zip(reason).map(|(seq, reason)| Event::End { seq, reason })
@@ -766,6 +774,7 @@ mod tests {
             Event::PromptLogprobs { seq: 2, pos: 3, id: 17, lp: TokenLogprobs { logprob: -1.5, rank: 4, top: vec![(1, -0.5)] } },
             Event::End { seq: 2, reason: EndReason::Cancelled },
             Event::End { seq: 2, reason: EndReason::Error },
+            Event::End { seq: 2, reason: EndReason::Constraint },
             Event::Stat { stage: 3, steps: 99, busy_s: 1.25 },
             Event::Prefix { seq: 5, queried: 40, hit: 32 },
             Event::Preempted { seq: 6 },

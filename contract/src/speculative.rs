@@ -1,6 +1,8 @@
 //! Speculative decoding's settings: vLLM's `--speculative-config` JSON, read
-//! and checked once for `m3c run` and `m3c serve`, and the text form a
-//! stage takes them in (`--speculative ngram:K:MIN:MAX`).
+//! and checked once for `m3c run` and `m3c serve`, and the text forms a
+//! stage takes them in (`--speculative ngram:K:MIN:MAX[:BATCH]`, or
+//! `--eagle3 K[:BATCH] --draft-model DIR`). The n-gram lookup itself is
+//! `m3c_engine`'s.
 //!
 //! Whatever the method, speculation changes no bit of a request's output:
 //! the last stage draws each row of a verify step exactly as plain decoding

@@ -67,7 +67,8 @@ impl Engine {
             let room = if decode && !s.cancelled { s.max_new.saturating_sub(s.generated + 1) } else { 0 };
             cands.push(Candidate { seq, rows, draws: s.chunks.len() <= 1, room, decode });
         }
-        Ok(spec.lengths(&cands, running))
+        let waiting = self.waiting.len();
+        Ok(spec.lengths(&cands, running, waiting))
     }
 
     /// Sequence `seq`'s next item with `k` drafts, and the blocks it needs.

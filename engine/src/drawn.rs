@@ -7,8 +7,8 @@
 
 use m3c_contract::protocol::TokenLogprobs;
 
-/// One token the last stage drew for a sequence: its id (-1: the
-/// sequence met non-finite logits, or its grammar failed, and ends there)
+/// One token the last stage drew for a sequence: its id (negative: the
+/// sequence ends there without a token, for the [`Failure`] the id names)
 /// and its logprobs when the sequence asked.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Token {
@@ -17,7 +17,7 @@ pub struct Token {
 }
 
 /// What the last stage drew for one segment: the tokens it accepted, in
-/// order (a -1 ends the list and the sequence), and, when the sequence
+/// order (a [`Failure`]'s id ends the list and the sequence), and, when the sequence
 /// asked, the logprobs of the prompt tokens the segment's rows predict
 /// (row j: prompt token `pos0 + j + 1`, with its id).
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -29,10 +29,55 @@ pub struct Drawn {
     pub proposals: Vec<i64>,
 }
 
+/// Why the last stage ended a sequence without drawing its token: the
+/// front tells a client which, so that a grammar that cannot go on is not
+/// reported as broken weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// Its logits held NaN or Inf.
+    NonFinite,
+    /// Its grammar or reasoning budget could not be applied (the last
+    /// stage's log says why).
+    Constraint,
+}
+
+impl Failure {
+    /// The token id that carries it.
+    pub fn id(self) -> i64 {
+        match self {
+            Failure::NonFinite => -1,
+            Failure::Constraint => -2,
+        }
+    }
+
+    /// The failure a negative id carries (an unknown one reads as
+    /// non-finite logits, the oldest meaning of a negative id).
+    pub fn of_id(id: i64) -> Option<Failure> {
+        match id {
+            0.. => None,
+            -2 => Some(Failure::Constraint),
+            _ => Some(Failure::NonFinite),
+        }
+    }
+
+    /// The token that ends a sequence for this failure.
+    pub fn token(self) -> Token {
+        Token { id: self.id(), logprobs: None }
+    }
+
+    /// How the sequence ends.
+    pub fn end_reason(self) -> m3c_contract::protocol::EndReason {
+        match self {
+            Failure::NonFinite => m3c_contract::protocol::EndReason::Error,
+            Failure::Constraint => m3c_contract::protocol::EndReason::Constraint,
+        }
+    }
+}
+
 impl Drawn {
-    /// A segment whose sequence ends here without a token.
-    pub fn failed() -> Drawn {
-        Drawn { tokens: vec![Token { id: -1, logprobs: None }], prompt: Vec::new(), proposals: Vec::new() }
+    /// A segment whose sequence ends here without a token, for `why`.
+    pub fn failed(why: Failure) -> Drawn {
+        Drawn { tokens: vec![why.token()], prompt: Vec::new(), proposals: Vec::new() }
     }
 
     /// The ids message's payload (i64 words): per segment the count of its
@@ -135,17 +180,18 @@ mod tests {
             },
             Drawn { tokens: vec![tok(9, Some(lp(-0.5, 1))), tok(4, Some(lp(-0.75, 2))), tok(-1, None)], prompt: vec![], proposals: vec![] },
             Drawn::default(),
-            Drawn::failed(),
+            Drawn::failed(Failure::NonFinite),
+            Drawn::failed(Failure::Constraint),
         ];
         let bytes = Drawn::encode(&drawn);
         let words: Vec<i64> = bytes.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect();
-        assert_eq!(Drawn::decode(&words, 4).unwrap(), drawn);
+        assert_eq!(Drawn::decode(&words, 5).unwrap(), drawn);
         for cut in 0..words.len() {
-            assert!(Drawn::decode(&words[..cut], 4).is_err(), "cut at {cut}");
+            assert!(Drawn::decode(&words[..cut], 5).is_err(), "cut at {cut}");
         }
-        assert!(Drawn::decode(&words, 3).is_err(), "a word left over");
+        assert!(Drawn::decode(&words, 4).is_err(), "a word left over");
         let mut huge = words.clone();
         huge[0] = 1 << 40;
-        assert!(Drawn::decode(&huge, 4).is_err());
+        assert!(Drawn::decode(&huge, 5).is_err());
     }
 }

@@ -32,7 +32,7 @@ mod seq;
 pub mod speculate;
 pub mod stop;
 
-pub use drawn::{Drawn, Token};
+pub use drawn::{Drawn, Failure, Token};
 pub use lifecycle::{Phase, SeqState};
 pub use plan::{Ask, Segment, SeqStep, StepPlan};
 pub use seq::Request;

@@ -3,7 +3,7 @@
 //! and one more for a verify step), which the engine turns into events, a
 //! sequence's end or its next turn, and prefix-cache commits.
 
-use crate::drawn::Drawn;
+use crate::drawn::{Drawn, Failure};
 use crate::plan::Segment;
 use crate::seq::Seq;
 use crate::{kv, Effect, Engine, EngineError};
@@ -87,10 +87,10 @@ fn take_tokens(
         if reason.is_some() {
             break;
         }
-        if t.id < 0 {
-            // Its logits were not finite (or its grammar failed): it ends,
+        if let Some(why) = Failure::of_id(t.id) {
+            // Its logits were not finite, or its grammar failed: it ends,
             // the others go on.
-            reason = Some(EndReason::Error);
+            reason = Some(why.end_reason());
             break;
         }
         if !draws {

@@ -18,7 +18,8 @@
 //!   second row, pointed at by the row's `TOKEN_MASK` word (the sampler,
 //!   host or device, gives a left-out token no weight); a chat's grammar
 //!   already allows its reasoning, and a grammar that fails ends the
-//!   sequence as non-finite logits do. A reasoning budget follows the
+//!   sequence with `Failure::Constraint` (non-finite logits end it with
+//!   `Failure::NonFinite`, so a client is told which). A reasoning budget follows the
 //!   tokens' bytes through the server's splitter; once spent inside the
 //!   reasoning, the next row's mask holds `</mm:think>` alone. `min_tokens`
 //!   clears the EOS and stop ids from the mask until it is met.
@@ -35,7 +36,7 @@ use m3c_constrain::thinking::Budget;
 use m3c_constrain::Constraint;
 use m3c_contract::chat_format::ChatFormat;
 use m3c_contract::sampling::SamplingParams;
-pub(crate) use m3c_engine::drawn::{Drawn, Token};
+pub(crate) use m3c_engine::drawn::{Drawn, Failure, Token};
 use std::collections::{BTreeMap, HashMap};
 
 /// What non-finite logits end: the run (`m3c run`: the weights are broken),
@@ -131,7 +132,7 @@ struct SeqBook {
     min_tokens: usize,
     held: Vec<i64>,
     /// Why the sequence cannot go on (its grammar failed): its next draw
-    /// ends it, as non-finite logits do.
+    /// ends it (`Failure::Constraint`).
     failed: Option<String>,
     /// Its logit bias and presence/frequency penalties, when it has any.
     bias: Option<m3c_sampler::BiasRow>,
@@ -379,7 +380,7 @@ impl LastBooks {
     fn finish_segment(&mut self, s: &Segment, out: &stage::StepOut, row0: usize, vocab: usize, stage: usize) -> Result<Drawn, StageError> {
         for j in 0..s.rows {
             if self.non_finite(out, row0 + j, s, s.pos0 + j, stage)? {
-                return Ok(Drawn::failed());
+                return Ok(Drawn::failed(Failure::NonFinite));
             }
         }
         let id = sampled(out, row0 + s.rows - 1, vocab, stage)?;
@@ -390,7 +391,7 @@ impl LastBooks {
         let draws = gives && b.record.generated.len() < b.max_new;
         if let (true, Some(why)) = (draws, &b.failed) {
             eprintln!("m3c stage: sequence {}: its grammar or reasoning budget could not be applied ({why}); it ends", s.seq);
-            return Ok(Drawn::failed());
+            return Ok(Drawn::failed(Failure::Constraint));
         }
         let token = if draws { Some(b.take(id, out, row0 + s.rows - 1, vocab, vocabulary)?) } else { None };
         // Row j predicts prompt token pos0 + j + 1, while there is one
@@ -446,7 +447,7 @@ impl LastBooks {
                 break;
             }
             if self.non_finite(out, row0 + j, s, s.pos0 + j, stage)? {
-                tokens.push(Token { id: -1, logprobs: None });
+                tokens.push(Failure::NonFinite.token());
                 break;
             }
             let id = sampled(out, row0 + j, vocab, stage)?;
@@ -458,7 +459,7 @@ impl LastBooks {
             }
             if let Some(why) = &b.failed {
                 eprintln!("m3c stage: sequence {}: its grammar or reasoning budget could not be applied ({why}); it ends", s.seq);
-                tokens.push(Token { id: -1, logprobs: None });
+                tokens.push(Failure::Constraint.token());
                 break;
             }
             tokens.push(b.take(id, out, row0 + j, vocab, vocabulary)?);

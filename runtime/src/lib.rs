@@ -19,6 +19,7 @@ macro_rules! say {
 mod args;
 mod batching;
 mod books;
+mod cpu_check;
 mod device;
 mod draft;
 mod encoder;
@@ -26,6 +27,7 @@ mod encodes;
 mod error;
 mod feed;
 mod follow;
+mod in_flight;
 
 use error::StageError;
 mod dump;
@@ -192,8 +194,9 @@ fn run() -> c_int {
     code
 }
 
-/// This rank's own start-up checks: MPI started one rank per stage, the
-/// arguments parse, and every prompt fits the vocabulary and the positions.
+/// This rank's own start-up checks: MPI started one rank per stage, this
+/// CPU has what the stage was compiled to use, the arguments parse, and
+/// every prompt fits the vocabulary and the positions.
 fn local_checks(
     meta: meta::StageMeta,
     parsed: Result<args::RunArgs, StageError>,
@@ -210,6 +213,7 @@ fn local_checks(
             meta.stages - 1
         ));
     }
+    cpu_check::check(&meta)?;
     let a = parsed.map_err(|e| e.to_string())?;
     for (i, p) in a.prompts.inline().iter().enumerate() {
         if let Some(bad) = p.iter().find(|&&t| t < 0 || t as usize >= meta.vocab) {
@@ -255,7 +259,7 @@ fn stage_main(
             // Failed locally: the lowest such rank explains (the others
             // usually have the same complaint).
             if all.chunks(startup::ID_BYTES).position(|r| r[0] == 0) == Some(rank) {
-                say!("{}", if rank == 0 { format!("m3c: error: {e}") } else { format!("{who}: error: {e}") });
+                say!("{who}: error: {e}");
             }
             return Err(());
         }

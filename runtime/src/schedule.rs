@@ -19,6 +19,7 @@ use crate::encodes::{image_rows, placeholders_without_images, Encodes};
 use crate::error::StageError;
 use crate::feed::{stat_events, Feed, Next};
 use crate::follow::{add_message, capacity, stats_words, words};
+use crate::in_flight::InFlight;
 use crate::liveness::Peers;
 use crate::stage::{Segment, Stage};
 use crate::tag;
@@ -27,7 +28,6 @@ use m3c_contract::protocol::{Command, Event, SeqRequest};
 use m3c_engine::kv::ImageRows;
 use m3c_engine::{Effect, Engine, Request};
 use mpi::topology::SimpleCommunicator;
-use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 /// The first stage's loop.
@@ -39,9 +39,8 @@ pub(crate) struct Leader {
     encodes: Encodes,
     /// Encoder ranks of their own, after the stages.
     encoders: usize,
-    /// Each micro-batch in flight (they come back in order) and its seconds
-    /// on this stage.
-    launched: VecDeque<(m3c_engine::StepPlan, f64)>,
+    /// Each micro-batch in flight.
+    launched: InFlight,
 }
 
 impl Leader {
@@ -66,7 +65,7 @@ impl Leader {
             outbox: Outbox::default(),
             encodes: Encodes::new(st, &b.encoder),
             encoders: st.meta.encoders,
-            launched: VecDeque::new(),
+            launched: InFlight::default(),
         }
     }
 
@@ -215,12 +214,8 @@ impl Leader {
                 // The last stage's busy seconds for the step come first.
                 let w = words(&m.payload);
                 let (&micros, rest) = w.split_first().ok_or_else(|| StageError::Peer("an ids message without its step time".into()))?;
-                if let Some((plan, first)) = self.launched.pop_front() {
-                    // What the micro-batch cost the pipeline: its time on
-                    // the slower of the two stages that measure it (a
-                    // round trip would count the waits behind other
-                    // micro-batches and the loop's polling).
-                    self.engine.timed(&plan, first.max(micros.max(0) as f64 / 1e6));
+                if let Some((plan, seconds)) = self.launched.returned(micros) {
+                    self.engine.timed(&plan, seconds);
                 }
                 let drawn = Drawn::decode(rest, m.segments.len()).map_err(StageError::Peer)?;
                 self.engine.returned(&m.segments, &drawn).map_err(|e| StageError::Peer(e.0))?;
@@ -369,7 +364,7 @@ impl Leader {
         }
         let started = Instant::now();
         st.step(&segs, &ids, &mut x, None, plan.verifies())?;
-        self.launched.push_back((plan, started.elapsed().as_secs_f64()));
+        self.launched.launch(plan, started);
         if !st.uses_collectives() {
             self.outbox.send(world, 1, tag::ACT, header(&f32_bytes(&x)));
         }

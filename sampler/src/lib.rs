@@ -7,10 +7,13 @@
 //!
 //! The random numbers are Philox-4x32-10 (Salmon et al., SC'11, the
 //! generator of cuRAND and JAX): pure integer arithmetic, so a device
-//! sampler can reproduce the host's draws exactly. Every decision after the
-//! draw is made in a fixed order (candidates sorted by descending
-//! probability, ties to the lower id) with arithmetic that does not depend on
-//! the machine's vector width.
+//! sampler can reproduce the host's draws exactly. Every decision is made on
+//! integer weights ([`weight`]: `exp(x − max)` in units of 2^-30, from a
+//! fixed polynomial whose constants the device kernel shares), whose sums
+//! are exact in any order: top-k, top-p and min-p each keep a prefix of the
+//! order by weight (ties to the lower id), found by weighted radix selects,
+//! and the draw lands at ⌊kept · 64 random bits / 2^64⌋. So a GPU, summing in
+//! its own order, picks the very token the host picks.
 
 pub mod logprobs;
 

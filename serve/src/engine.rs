@@ -4,8 +4,19 @@
 //! Here requests are admitted against the batch limit (the rest wait, up
 //! to `--max-queue`; the first stage starts each sequence when the KV pool
 //! has blocks for it), tokens are routed to their request, the pool's
-//! figures are kept for `/metrics`, and a pipeline that stops fails every
-//! request still open.
+//! figures are kept for `/metrics`, and a request that could never fit the
+//! pool is a 400. A dropped [`Ticket`] cancels its request.
+//!
+//! The stages' log is read as it comes: a stage's fatal line loses the
+//! pipeline at once (mpirun may wait minutes on a lost host). Each running
+//! request keeps the tokens it sent, so when the supervisor (`lib.rs`)
+//! starts the pipeline again ([`Engine::attach`], a new epoch whose earlier
+//! lines are dropped), it is re-added with them and goes on where it was
+//! (`resume`, `SeqRequest::resumed`). Without restarts left, a pipeline
+//! that stops fails every request still open. A sequence the stage ends for
+//! non-finite logits or for a grammar or budget it cannot apply
+//! (`EndReason::Error`, `EndReason::Constraint`) fails that request only,
+//! saying which.
 
 use super::metrics::{Gauges, Metrics, StageStat};
 use m3c_contract::protocol::{Command, EndReason, Event as StageEvent, SeqRequest, TokenLogprobs};
@@ -784,13 +795,17 @@ impl Engine {
                     let mut c = self.metrics.c.lock().unwrap_or_else(|e| e.into_inner());
                     match reason {
                         EndReason::Cancelled => c.requests_cancelled += 1,
-                        EndReason::Error => c.requests_failed += 1,
+                        EndReason::Error | EndReason::Constraint => c.requests_failed += 1,
                         EndReason::Stop | EndReason::Length => c.requests_ok += 1,
                     }
-                    let ev = if reason == EndReason::Error {
-                        Event::Failed("the model produced non-finite logits (NaN or Inf) for this request".into())
-                    } else {
-                        Event::End(reason.as_str().to_string())
+                    let ev = match reason {
+                        EndReason::Error => Event::Failed("the model produced non-finite logits (NaN or Inf) for this request".into()),
+                        EndReason::Constraint => Event::Failed(
+                            "the request's grammar (response_format, tool_choice or structured_outputs) or reasoning budget could not \
+                             be applied past this point; the server's log has the stage's reason"
+                                .into(),
+                        ),
+                        _ => Event::End(reason.as_str().to_string()),
                     };
                     let _ = r.tx.send(ev);
                 }

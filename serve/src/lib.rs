@@ -7,6 +7,16 @@
 //! standard input and output, which mpirun carries to whichever host runs
 //! it. The stages stay compute-only: the first one schedules the steps
 //! (runtime/src/serve.rs), the last one samples.
+//!
+//! Start-up ([`run`]): the KV pools sized ([`KvSize`]: `--kv-budget`,
+//! `--kv-blocks` or `--kv-fraction`), the context capped at what a pool
+//! holds, one mpirun job per replica (`--data-parallel-size`), then the
+//! HTTP server. A replica's `Supervisor` ends a lost job on every host,
+//! names the stage, host and signal from mpirun's log, and starts it again
+//! within `--max-restarts`, on a spare host in place of a lost one where the
+//! hostfile lists one; without restarts left the replica is out of routing
+//! and the server stops when none is left. (The CLI compiles a model folder
+//! into the build cache before this: `m3c`'s `serve_cmd`.)
 
 mod engine;
 mod http;

@@ -9,7 +9,7 @@ use crate::serve::Server;
 use m3c_tests::fixture;
 
 /// Forced tool calls (`required`, named; Anthropic's `any` and `tool`)
-/// and JSON schemas at temperature 1, over 50 seeds in each thinking mode,
+/// and JSON schemas at temperature 1, over 32 seeds in each thinking mode,
 /// with no logit steering: every answer is a call or JSON valid under its
 /// schema (Pydantic, strict), or ends in finish `length`. The model's
 /// reasoning can only close (or the budget closes it); EOS, whatever id
@@ -18,13 +18,14 @@ use m3c_tests::fixture;
 fn forced_calls_and_schemas_hold_under_sampling_in_every_thinking_mode() {
     let (out, model) = crate::shared::tiny(1);
     let s = Server::start(&out, &model, &[]);
-    let got = s.script("agents.py", &["sweep", "50"]);
+    // 32 seeds: each of the four ways of forcing a call 8 times per mode.
+    let got = s.script("agents.py", &["sweep", "32"]);
     for mode in ["adaptive", "enabled", "disabled"] {
         for what in ["tools", "schema"] {
             let t = &got["tally"][mode][what];
             eprintln!("{mode:9} {what:6}: {} valid, {} cut by max_tokens", t["valid"], t["length"]);
-            assert_eq!(t["valid"].as_u64().unwrap() + t["length"].as_u64().unwrap(), 50, "{got}");
-            assert!(t["valid"].as_u64() >= Some(25), "most answers finish within max_tokens: {got}");
+            assert_eq!(t["valid"].as_u64().unwrap() + t["length"].as_u64().unwrap(), 32, "{got}");
+            assert!(t["valid"].as_u64() >= Some(16), "most answers finish within max_tokens: {got}");
         }
     }
 }

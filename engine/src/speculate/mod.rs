@@ -11,14 +11,25 @@
 //! rows are far from free; a draft head's proposals cost their own passes,
 //! so steps that ask for them are timed apart) and each sequence's
 //! acceptance (the chance a draft token is kept, pooled over all sequences
-//! for a new one). Drafts are ranked most likely first, and the
-//! micro-batch takes the count of them that gives the most expected tokens
-//! per second, none included, and drafts only when that beats plain steps
-//! by a margin; so drafts are made only where they are expected to pay
-//! for their rows. What it has not measured yet (a plain
-//! step's cost, or a drafting one's) it measures, with no drafts or with
-//! the proposer's full K, and it tries the full K again once in a while,
-//! so a choice not to speculate is revisited.
+//! for a new one). The micro-batch takes the count of drafts that gives
+//! the most expected tokens per second, none included, and drafts only
+//! when that beats plain steps by a margin; so drafts are made only where
+//! they are expected to pay for their rows. What a step's tokens are worth
+//! depends on the load:
+//!
+//! - requests waiting: every token kept counts (the sum), since a sequence
+//!   that ends sooner frees its slot for the next; drafts are ranked most
+//!   likely kept first;
+//! - nobody waiting: a step is worth what its slowest sequence gains, times
+//!   the sequences (a draft that speeds one sequence while every other's
+//!   step takes longer costs those requests their latency, and a batch of
+//!   them ends with its last); drafts are ranked level by level, every
+//!   sequence's first before any second.
+//!
+//! What it has not measured yet (a plain step's cost, or a drafting one's)
+//! it measures, with no drafts or with the proposer's full K, and it tries
+//! the full K again once in a while, so a choice not to speculate is
+//! revisited.
 //!
 //! A third method is one file: a type that implements [`Proposer`].
 
@@ -119,6 +130,15 @@ const TRUSTED: usize = 3;
 /// noisy, and a draft that only breaks even costs its rows when the
 /// estimate is off.
 const MARGIN: f64 = 0.05;
+
+/// What a micro-batch's expected tokens are worth (see the module's header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Worth {
+    /// Requests wait: every token kept.
+    Sum,
+    /// Nobody waits: the slowest sequence's tokens, times the sequences.
+    Slowest,
+}
 
 /// The speculation of one engine: its proposer and what it measured.
 pub struct Speculator {
@@ -269,14 +289,15 @@ impl Speculator {
     /// expected tokens per second, none included (a draft head's fixed
     /// cost can pay only over several drafts, so every count is weighed,
     /// not only the next draft).
-    pub fn lengths(&mut self, cands: &[Candidate], running: usize) -> Vec<usize> {
+    pub fn lengths(&mut self, cands: &[Candidate], running: usize, waiting: usize) -> Vec<usize> {
         self.plans += 1;
         let mut k = vec![0usize; cands.len()];
         self.may_draft = self.disable_by_batch_size.is_none_or(|b| running <= b) && self.fixed != Some(0);
         if self.may_draft {
             let rows: usize = cands.iter().map(|c| c.rows).sum();
             let decoding = cands.iter().all(|c| c.decode);
-            let ranked = self.ranked(cands);
+            let worth = if waiting > 0 { Worth::Sum } else { Worth::Slowest };
+            let ranked = self.ranked(cands, worth);
             let take = match self.explore(rows).filter(|_| decoding && self.fixed.is_none()) {
                 Some(false) => 0,
                 Some(true) => {
@@ -286,7 +307,7 @@ impl Speculator {
                 }
                 None if self.fixed.is_some() => usize::MAX,
                 None => {
-                    let n = self.best_count(cands, &ranked, rows);
+                    let n = self.best_count(cands, &ranked, rows, worth);
                     self.back_off(n);
                     n
                 }
@@ -306,34 +327,40 @@ impl Speculator {
         k
     }
 
-    /// Every draft the candidates may take, as the index of its sequence,
+    /// Every draft the candidates may take, as the index of its sequence:
     /// most likely kept first (draft j of a sequence is kept with the
-    /// chance that all j are).
-    fn ranked(&self, cands: &[Candidate]) -> Vec<usize> {
+    /// chance that all j are), or, where a step is worth its slowest
+    /// sequence's gain, level by level (likeliest first within a level).
+    fn ranked(&self, cands: &[Candidate], worth: Worth) -> Vec<usize> {
         let cap = self.fixed.unwrap_or(usize::MAX).min(self.proposer.max_tokens());
-        let mut all: Vec<(f64, usize)> = Vec::new();
+        let mut all: Vec<(usize, f64, usize)> = Vec::new();
         for (i, c) in cands.iter().enumerate().filter(|(_, c)| c.draws) {
             let alpha = self.acceptance(c.seq);
-            all.extend((1..=c.room.min(cap)).map(|j| (alpha.powi(j as i32), i)));
+            let level = |j: usize| if worth == Worth::Slowest { j } else { 0 };
+            all.extend((1..=c.room.min(cap)).map(|j| (level(j), alpha.powi(j as i32), i)));
         }
         // Stable: ties keep the batch's order (and a sequence's own drafts theirs).
-        all.sort_by(|a, b| b.0.total_cmp(&a.0));
-        all.into_iter().map(|(_, i)| i).collect()
+        all.sort_by(|a, b| a.0.cmp(&b.0).then(b.1.total_cmp(&a.1)));
+        all.into_iter().map(|(_, _, i)| i).collect()
     }
 
     /// How many of the ranked drafts give the most expected tokens per
     /// second, by the measured costs (none unless that beats plain steps
     /// by [`MARGIN`]).
-    fn best_count(&self, cands: &[Candidate], ranked: &[usize], rows: usize) -> usize {
-        let tokens = cands.iter().filter(|c| c.draws).count() as f64;
+    fn best_count(&self, cands: &[Candidate], ranked: &[usize], rows: usize, worth: Worth) -> usize {
+        let drawing: Vec<usize> = (0..cands.len()).filter(|&i| cands[i].draws).collect();
+        let tokens = drawing.len() as f64;
         let Some(plain) = self.cost.estimate(rows) else { return 0 };
         let (mut best, mut best_rate) = (0, (1.0 + MARGIN) * tokens / plain);
-        let mut gained = tokens;
         let alphas: Vec<f64> = cands.iter().map(|c| self.acceptance(c.seq)).collect();
-        let mut taken = vec![0i32; cands.len()];
+        let (mut taken, mut expected) = (vec![0i32; cands.len()], vec![1.0; cands.len()]);
         for (n, &i) in ranked.iter().enumerate() {
             taken[i] += 1;
-            gained += alphas[i].powi(taken[i]);
+            expected[i] += alphas[i].powi(taken[i]);
+            let gained = match worth {
+                Worth::Sum => drawing.iter().map(|&d| expected[d]).sum::<f64>(),
+                Worth::Slowest => tokens * drawing.iter().map(|&d| expected[d]).fold(f64::INFINITY, f64::min),
+            };
             let Some(t) = self.drafting_estimate(rows + n + 1) else { break };
             if gained / t > best_rate {
                 (best, best_rate) = (n + 1, gained / t);

@@ -1,7 +1,7 @@
 //! One scheduling rule per test.
 
 use super::sim::{config, hashed, periodic, request, solo, Sim, VOCAB};
-use crate::drawn::{Drawn, Token};
+use crate::drawn::{Drawn, Failure, Token};
 use crate::plan::Segment;
 use crate::{Effect, Engine, Phase};
 use m3c_contract::protocol::{EndReason, Event};
@@ -120,17 +120,19 @@ fn max_new_ends_with_length() {
 }
 
 #[test]
-fn a_failed_draw_ends_only_its_sequence() {
-    let mut e = Engine::new(config(), None);
-    e.add(request(1, &[1, 2], 4), false);
-    e.add(request(2, &[3, 4], 4), false);
-    e.admit();
-    let p = e.next_plan().unwrap().unwrap();
-    let good = Drawn { tokens: vec![Token { id: 9, logprobs: None }], ..Drawn::default() };
-    e.returned(&p.segments(), &[Drawn::failed(), good]).unwrap();
-    let ends: Vec<Effect> = e.effects().into_iter().filter(|x| matches!(x, Effect::Ended { .. })).collect();
-    assert_eq!(ends, [Effect::Ended { seq: 1, reason: EndReason::Error, joined: true }]);
-    assert_eq!(e.state(2).unwrap().generated, [9]);
+fn a_failed_draw_ends_only_its_sequence_and_says_why() {
+    for (why, reason) in [(Failure::NonFinite, EndReason::Error), (Failure::Constraint, EndReason::Constraint)] {
+        let mut e = Engine::new(config(), None);
+        e.add(request(1, &[1, 2], 4), false);
+        e.add(request(2, &[3, 4], 4), false);
+        e.admit();
+        let p = e.next_plan().unwrap().unwrap();
+        let good = Drawn { tokens: vec![Token { id: 9, logprobs: None }], ..Drawn::default() };
+        e.returned(&p.segments(), &[Drawn::failed(why), good]).unwrap();
+        let ends: Vec<Effect> = e.effects().into_iter().filter(|x| matches!(x, Effect::Ended { .. })).collect();
+        assert_eq!(ends, [Effect::Ended { seq: 1, reason, joined: true }]);
+        assert_eq!(e.state(2).unwrap().generated, [9]);
+    }
 }
 
 #[test]

@@ -113,7 +113,7 @@ fn a_draft_head_is_never_asked_while_the_batch_size_disables_drafts() {
     let mut sp = Speculator::new(Box::new(Eagle3Proposer::new(3)), Some(1));
     let c: Vec<Candidate> = (0..2).map(|seq| Candidate { seq, rows: 1, draws: true, room: 100, decode: true }).collect();
     for plan in 0..1000 {
-        assert_eq!(sp.lengths(&c, 2), [0, 0]);
+        assert_eq!(sp.lengths(&c, 2, 0), [0, 0]);
         sp.observe_step(2, false, 1.0);
         for seq in 0..2 {
             assert_eq!(sp.ask(seq, true), Ask::Nothing, "plan {plan}: no proposals while no step may take them");
@@ -121,26 +121,48 @@ fn a_draft_head_is_never_asked_while_the_batch_size_disables_drafts() {
     }
 }
 
-#[test]
-fn lengths_add_the_likeliest_draft_while_it_pays() {
+/// An n-gram speculator (K = 4) that measured steps of 1 row at 1 s, 2
+/// rows at 1.1 s and 8 rows at 1.7 s, and saw sequence 1 keep every draft
+/// and sequence 2 keep `kept2` of 4, over 20 verifies each.
+fn two_sequences(kept2: usize) -> Speculator {
     let mut sp = ngram(4);
-    // Measured: 1 row 1 s, 2 rows 1.1 s, 8 rows 1.7 s.
     for (r, t) in [(1, 1.0), (2, 1.1), (8, 1.7)] {
         for _ in 0..3 {
             sp.observe_step(r, false, t);
         }
     }
-    // Sequence 1 keeps every draft, sequence 2 none.
     for _ in 0..20 {
         sp.observe_verify(1, 4, 4);
-        sp.observe_verify(2, 4, 0);
+        sp.observe_verify(2, 4, kept2);
     }
+    sp
+}
+
+#[test]
+fn lengths_add_the_likeliest_draft_while_it_pays() {
+    // Sequence 1 keeps every draft, sequence 2 none.
+    let mut sp = two_sequences(0);
     let c = |seq| Candidate { seq, rows: 1, draws: true, room: 100, decode: true };
-    let k = sp.lengths(&[c(1), c(2)], 2);
+    // With requests waiting, every token kept counts: sequence 1 drafts.
+    let k = sp.lengths(&[c(1), c(2)], 2, 1);
     assert_eq!(k, [4, 0]);
+    // With nobody waiting, sequence 1 does not run ahead while sequence
+    // 2's steps take longer: a step is worth its slower sequence's gain,
+    // so each takes one draft (sequence 2's is kept with about a third's
+    // chance, from the pooled rate), and no more pays.
+    let k = sp.lengths(&[c(1), c(2)], 2, 0);
+    assert_eq!(k, [1, 1]);
     // A prefill chunk takes none.
-    let k = sp.lengths(&[Candidate { seq: 1, rows: 4, draws: false, room: 0, decode: false }], 1);
+    let k = sp.lengths(&[Candidate { seq: 1, rows: 4, draws: false, room: 0, decode: false }], 1, 0);
     assert_eq!(k, [0]);
+}
+
+#[test]
+fn with_nobody_waiting_every_sequence_that_keeps_drafts_takes_them() {
+    let mut sp = two_sequences(4);
+    let c = |seq| Candidate { seq, rows: 1, draws: true, room: 100, decode: true };
+    assert_eq!(sp.lengths(&[c(1), c(2)], 2, 0), [4, 4]);
+    assert_eq!(sp.lengths(&[c(1), c(2)], 2, 3), [4, 4]);
 }
 
 #[test]
@@ -154,7 +176,7 @@ fn a_choice_not_to_speculate_is_tried_again_after_a_while() {
     let c = [Candidate { seq: 1, rows: 1, draws: true, room: 100, decode: true }];
     let mut tried = 0;
     for _ in 0..600 {
-        if sp.lengths(&c, 1)[0] > 0 {
+        if sp.lengths(&c, 1, 0)[0] > 0 {
             tried += 1;
         }
     }
@@ -174,7 +196,7 @@ fn tries_that_change_nothing_back_off_and_a_choice_to_draft_resets_them() {
     let c = [Candidate { seq: 1, rows: 1, draws: true, room: 100, decode: true }];
     let mut tries = Vec::new();
     for plan in 0..8000 {
-        let k = sp.lengths(&c, 1)[0];
+        let k = sp.lengths(&c, 1, 0)[0];
         sp.observe_step(1 + k, false, seconds(1 + k));
         if k > 0 {
             sp.observe_verify(1, k, 0);
@@ -196,7 +218,7 @@ fn tries_that_change_nothing_back_off_and_a_choice_to_draft_resets_them() {
     }
     let mut drafted = 0;
     for _ in 0..5000 {
-        let k = sp.lengths(&c, 1)[0];
+        let k = sp.lengths(&c, 1, 0)[0];
         sp.observe_step(1 + k, false, cheap(1 + k));
         if k > 0 {
             sp.observe_verify(1, k, k);
@@ -289,7 +311,7 @@ fn drafts_that_only_break_even_are_not_taken() {
         for _ in 0..20 {
             sp.observe_verify(1, 1, 1);
         }
-        sp.lengths(&[Candidate { seq: 1, rows: 1, draws: true, room: 100, decode: true }], 1)[0]
+        sp.lengths(&[Candidate { seq: 1, rows: 1, draws: true, room: 100, decode: true }], 1, 0)[0]
     };
     // Nearly two tokens a step: in 1.9 s that is 3% faster than plain
     // steps (within the noise), in 1.7 s 16%.
@@ -314,5 +336,5 @@ fn a_draft_head_s_longer_steps_are_not_guessed_as_cheap_as_its_one_measured_coun
         }
     }
     let cands: Vec<Candidate> = (0..8).map(|seq| Candidate { seq, rows: 1, draws: true, room: 100, decode: true }).collect();
-    assert_eq!(sp.lengths(&cands, 8), [0; 8], "32 rows cost 4 s by the rows' measured price, not 2 s");
+    assert_eq!(sp.lengths(&cands, 8, 0), [0; 8], "32 rows cost 4 s by the rows' measured price, not 2 s");
 }
