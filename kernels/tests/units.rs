@@ -57,6 +57,21 @@ fn samples() -> Vec<(&'static str, Kernel)> {
             Attention { heads: 4, kv_heads: 2, head_dim: 16, scale: 0.25, sparse: Some(sel), paged: Some(4), cache: f, act: f }.into(),
         ),
         (
+            // Blocks of whole batches of eight keys (as the real 128): blocks of query rows.
+            "attention_msa_b8",
+            Attention {
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 16,
+                scale: 0.25,
+                sparse: Some(SparseSel { block: 8, ..sel }),
+                paged: Some(8),
+                cache: f,
+                act: f,
+            }
+            .into(),
+        ),
+        (
             "attention_msa_w12",
             Attention {
                 heads: 2,

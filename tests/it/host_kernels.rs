@@ -502,13 +502,24 @@ fn pool_row(table: &[i64], b: usize, t: usize) -> usize {
 /// blocks are scattered and out of order give the contiguous kernel's bits
 /// exactly, for the eight-key and one-key paths, dense and MSA, f32 and
 /// bf16 caches, at every context length from 1 to 26. Pool rows no
-/// sequence owns hold NaN, so a read through a wrong row shows.
+/// sequence owns hold NaN, so a read through a wrong row shows. Pages (and
+/// MSA blocks) of 4 keys, and of 8: pages that hold whole batches of eight
+/// keys, as the real model's 128 do, whose batches look their pool rows up
+/// once (MSA's narrow heads then go two at a time, `head_pairs`).
 #[test]
 fn paged_attention_and_cache_writes_equal_contiguous_ones_bit_for_bit() {
+    for b in [4, 8] {
+        paged_equals_contiguous(b);
+    }
+}
+
+/// [`paged_attention_and_cache_writes_equal_contiguous_ones_bit_for_bit`]
+/// for pages of `b` keys.
+fn paged_equals_contiguous(b: usize) {
     use m3c_kernels::SparseSel;
     let dir = tempfile::tempdir().unwrap();
-    let (heads, kv, cap, b) = (4usize, 2usize, 26usize, 4usize);
-    // Seven blocks for 26 positions, scattered over a pool of 20.
+    let (heads, kv, cap) = (4usize, 2usize, 26usize);
+    // Up to seven blocks for 26 positions, scattered over a pool of 20.
     let table: Vec<i64> = vec![13, 2, 19, 7, 0, 11, 5];
     let pool_rows = 20 * b;
     let sel = SparseSel { index_heads: 2, index_dim: 8, block: b, topk: 2, local: 1, init: 1 };
@@ -586,7 +597,7 @@ fn paged_attention_and_cache_writes_equal_contiguous_ones_bit_for_bit() {
         let got = run(paged, cap, (&kp, &vp, &ikp), (&kph, &vph, &ikph), true);
         assert!(want.iter().all(|x| x.is_finite()) && want.iter().any(|x| *x != 0.0), "{plain}: real outputs");
         let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&got), bits(&want), "{paged} differs from {plain}");
+        assert_eq!(bits(&got), bits(&want), "pages of {b}: {paged} differs from {plain}");
     }
 }
 
@@ -725,43 +736,104 @@ fn msa_reference_keys(s: m3c_kernels::SparseSel, iq: &[f32], ik: &[f32], p: usiz
 /// the same scores, weights and sums in the same order, whichever keys the
 /// sparse path passes over (batches of eight unselected keys, keys of
 /// weight 0). Heads of 16 and 80 (P·V in one chunk of 80), over 40
-/// positions: five full batches of eight keys.
+/// positions: five full batches of eight keys. Blocks of 4 go row by row;
+/// blocks of 8 (whole batches, as the real 128) in blocks of query rows.
 #[test]
 fn msa_selecting_every_block_is_dense_attention_bit_for_bit() {
     use m3c_kernels::SparseSel;
     let dir = tempfile::tempdir().unwrap();
     let (heads, kv, cap) = (4usize, 2usize, 40usize);
-    let every = SparseSel { index_heads: 2, index_dim: 8, block: 4, topk: 10, local: 1, init: 1 };
-    for d in [16usize, 80] {
+    for (block, d) in [(4, 16usize), (4, 80), (8, 16), (8, 80)] {
+        let every = SparseSel { index_heads: 2, index_dim: 8, block, topk: 10, local: 1, init: 1 };
         let dense = Kernel::Attention(m3c_kernels::Attention { scale: 0.3, ..attention(heads, kv, d) });
         let msa = Kernel::Attention(m3c_kernels::Attention { scale: 0.3, sparse: Some(every), ..attention(heads, kv, d) });
         let lib = build(&[dense.clone(), msa.clone()], dir.path());
-        let q = input(cap, heads * d);
-        let k: Vec<f32> = input(cap, kv * d).iter().rev().map(|v| v * 0.9).collect();
-        let v: Vec<f32> = input(cap, kv * d).iter().map(|v| v * 0.5 - 0.2).collect();
-        let iq: Vec<f32> = input(cap, 16).iter().map(|v| v * 0.7 + 0.1).collect();
-        let ik: Vec<f32> = input(cap, 8).iter().rev().copied().collect();
-        let pos: Vec<i64> = (0..cap as i64).collect();
-        let run = |kernel: &Kernel| -> Vec<u32> {
-            let o = vec![f32::NAN; cap * heads * d];
-            let (qm, km, vm, posm, om) =
-                (m2(&q, cap, heads * d), m2(&k, cap, kv * d), m2(&v, cap, kv * d), m1(&pos), m2(&o, cap, heads * d));
-            let (iqm, ikm) = (m2(&iq, cap, 16), m2(&ik, cap, 8));
-            let mut args = vec![p(&qm), p(&km), p(&vm), p(&posm)];
-            if kernel == &msa {
-                args.extend([p(&iqm), p(&ikm)]);
-            }
-            args.push(p(&om));
-            // SAFETY: every descriptor views a live buffer of the compiled shape for the whole call.
-            unsafe { call(&lib, kernel, &args) };
-            o.iter().map(|x| x.to_bits()).collect()
-        };
-        let (want, got) = (run(&dense), run(&msa));
+        let data = MsaInputs::new(heads, kv, d, cap, |v| v);
+        let (want, got) = (data.run(&lib, &dense, false, 0..cap), data.run(&lib, &msa, true, 0..cap));
         assert!(want.iter().all(|b| f32::from_bits(*b).is_finite()), "d {d}: dense attention wrote every output");
         for r in 0..cap {
             let row = r * heads * d..(r + 1) * heads * d;
-            assert!(got[row.clone()] == want[row], "d {d}: row {r}: MSA over every block differs from dense attention");
+            assert!(got[row.clone()] == want[row], "block {block}, d {d}: row {r}: MSA over every block differs from dense attention");
         }
+    }
+}
+
+/// MSA blocks of 16 keys (a multiple of two batches, as the real 128): a
+/// call of many rows pools each block's index scores in registers over
+/// keys transposed once for the call, a call of one row batch by batch
+/// from key rows. Over 80 positions (five blocks, two chosen per row, so
+/// the index scores decide), every row alone gives the bits of all rows
+/// together, and the choice matters: the output is not dense attention's.
+#[test]
+fn msa_block_pooling_of_a_whole_call_equals_each_row_alone() {
+    use m3c_kernels::SparseSel;
+    let dir = tempfile::tempdir().unwrap();
+    let (heads, kv, d, cap) = (4usize, 2usize, 16usize, 80usize);
+    let sel = SparseSel { index_heads: 2, index_dim: 8, block: 16, topk: 2, local: 1, init: 0 };
+    let msa = Kernel::Attention(m3c_kernels::Attention { scale: 0.3, sparse: Some(sel), ..attention(heads, kv, d) });
+    let dense = Kernel::Attention(m3c_kernels::Attention { scale: 0.3, ..attention(heads, kv, d) });
+    let lib = build(&[msa.clone(), dense.clone()], dir.path());
+    // Index keys spread wider than the inputs' own, so blocks' scores differ.
+    let data = MsaInputs::new(heads, kv, d, cap, |v| v * 1.3 - 0.4);
+    let all = data.run(&lib, &msa, true, 0..cap);
+    let full = data.run(&lib, &dense, false, 0..cap);
+    let width = heads * d;
+    for r in 0..cap {
+        assert!(data.run(&lib, &msa, true, r..r + 1) == all[r * width..(r + 1) * width], "row {r} alone differs from the whole call");
+    }
+    let differ = (0..cap).filter(|r| all[r * width..(r + 1) * width] != full[r * width..(r + 1) * width]).count();
+    assert!(differ > 0, "no row's output depends on the blocks it chose");
+}
+
+/// Attention inputs over `cap` positions for the MSA bit tests: queries,
+/// keys and values, index queries (two heads of 8) and index keys (`ik`
+/// maps each of the reversed inputs).
+struct MsaInputs {
+    heads: usize,
+    kv: usize,
+    d: usize,
+    cap: usize,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    iq: Vec<f32>,
+    ik: Vec<f32>,
+}
+
+impl MsaInputs {
+    fn new(heads: usize, kv: usize, d: usize, cap: usize, ik: impl Fn(f32) -> f32) -> MsaInputs {
+        MsaInputs {
+            heads,
+            kv,
+            d,
+            cap,
+            q: input(cap, heads * d),
+            k: input(cap, kv * d).iter().rev().map(|v| v * 0.9).collect(),
+            v: input(cap, kv * d).iter().map(|v| v * 0.5 - 0.2).collect(),
+            iq: input(cap, 16).iter().map(|v| v * 0.7 + 0.1).collect(),
+            ik: input(cap, 8).iter().rev().map(|v| ik(*v)).collect(),
+        }
+    }
+
+    /// The output bits of query rows `rs` (at their own positions) over
+    /// every key; `sparse`: the kernel takes the index queries and keys.
+    fn run(&self, lib: &libloading::Library, kernel: &Kernel, sparse: bool, rs: std::ops::Range<usize>) -> Vec<u32> {
+        let MsaInputs { heads, kv, d, cap, .. } = *self;
+        let n = rs.len();
+        let pos: Vec<i64> = rs.clone().map(|r| r as i64).collect();
+        let (qs, iqs) = (&self.q[rs.start * heads * d..rs.end * heads * d], &self.iq[rs.start * 16..rs.end * 16]);
+        let o = vec![f32::NAN; n * heads * d];
+        let (qm, km, vm, posm, om) =
+            (m2(qs, n, heads * d), m2(&self.k, cap, kv * d), m2(&self.v, cap, kv * d), m1(&pos), m2(&o, n, heads * d));
+        let (iqm, ikm) = (m2(iqs, n, 16), m2(&self.ik, cap, 8));
+        let mut args = vec![p(&qm), p(&km), p(&vm), p(&posm)];
+        if sparse {
+            args.extend([p(&iqm), p(&ikm)]);
+        }
+        args.push(p(&om));
+        // SAFETY: every descriptor views a live buffer of the compiled shape for the whole call.
+        unsafe { call(lib, kernel, &args) };
+        o.iter().map(|x| x.to_bits()).collect()
     }
 }
 
@@ -1107,7 +1179,9 @@ fn linear_rows_alone_and_batched(out: usize, inp: usize, batches: &[usize], alon
         };
         let alone: Vec<(usize, Vec<u32>)> = alone_rows.iter().map(|&r| (r, run(r, 1))).collect();
         for &n in batches {
-            let batch = run(0, n);
+            // Two threads named, not the default: the test command runs
+            // with one (`OMP_NUM_THREADS=1`), and 1, 2 and 3 are all checked.
+            let batch = with_threads(&lib, 2, || run(0, n));
             for (r, y) in alone.iter().filter(|(r, _)| *r < n) {
                 assert_eq!(&batch[r * out..(r + 1) * out], &y[..], "{weight:?} {act:?}: row {r} of {n} differs from the row alone");
             }
@@ -1115,7 +1189,7 @@ fn linear_rows_alone_and_batched(out: usize, inp: usize, batches: &[usize], alon
             if inp > 1024 {
                 for threads in [1, 3] {
                     let other = with_threads(&lib, threads, || run(0, n));
-                    assert!(other == batch, "{weight:?} {act:?}: {n} rows on {threads} thread(s) differ from the default");
+                    assert!(other == batch, "{weight:?} {act:?}: {n} rows on {threads} thread(s) differ from 2 threads");
                 }
             }
         }

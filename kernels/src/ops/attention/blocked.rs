@@ -10,14 +10,14 @@
 //! bits do not depend on the rows beside it.
 
 use super::key_row;
-use super::scores::{batch_keys, dots8, exp8, key_rows, transposed_tree};
+use super::scores::{batch_rows, dots8, exp8, key_rows, transposed_tree};
 use crate::emit::{f32_lit, hsum, load_f32xn, parallel_or_serial, store_f32};
 use crate::host::{index_consts, BASICS};
 use crate::{indent, Storage};
 
 const V: &str = "vector<8xf32>";
 /// Query rows per block: K and V tiles are reused this many times from L1.
-const ROWS: usize = 8;
+pub(super) const ROWS: usize = 8;
 /// Keys per P·V block: V tiles of 64 × head width f32 (20 KB at width 80).
 const KEYS: usize = 64;
 
@@ -61,33 +61,22 @@ pub(super) fn host(k: &super::Attention) -> String {
     let super::Attention { heads, kv_heads, head_dim: d, scale, paged, .. } = *k;
     debug_assert!(d.is_multiple_of(8));
     let l = Layout::of(k);
-    let ck: String = (0..8).map(|j| format!("%ck{j} = arith.constant {j} : index\n")).collect();
-    let idx0 = index_consts(&[
-        ("cg", heads / kv_heads),
-        ("ckv", kv_heads),
-        ("cd", d),
-        ("c2", 2),
-        ("c7", 7),
-        ("c8", 8),
-        ("cR", ROWS),
-        ("cRm1", ROWS - 1),
-        ("cKB", KEYS),
-    ]);
+    let idx0 = index_consts(&[("cg", heads / kv_heads), ("ckv", kv_heads), ("cd", d), ("c2", 2)]);
     format!(
         "{BASICS}\
          {idx0}\
-         {ck}\
+         {consts}\
          %scale = arith.constant {scale} : f32\n\
          %ninf = arith.constant 0xFF800000 : f32\n\
-         %ninf8 = vector.broadcast %ninf : f32 to {V}\n\
-         %z8 = arith.constant dense<0.0> : {V}\n\
-         %scale8 = vector.broadcast %scale : f32 to {V}\n\
+         {vconsts}\
          {pconst}\
          {rows}\
          %rowsr = arith.addi %rows, %cRm1 : index\n\
          %nblk = arith.divui %rowsr, %cR : index\n\
          {iters}\
          return\n",
+        consts = block_consts(KEYS),
+        vconsts = VECTOR_CONSTS,
         scale = f32_lit(scale),
         pconst = super::page_const(paged),
         rows = super::rows_and_work(&l.qt, heads * d * 2),
@@ -95,29 +84,114 @@ pub(super) fn host(k: &super::Attention) -> String {
         // one group's keys and values at a time, which stay in cache from
         // block to block (all groups' K and V of a 32k context are the
         // L3 of this machine; cycling through them went to memory).
-        iters = parallel_or_serial("%work", &["%g", "%bi"], &["%c0", "%c0"], &["%ckv", "%nblk"], &["%c1", "%c1"], &block(k, &l)),
+        iters =
+            parallel_or_serial("%work", &["%g", "%bi"], &["%c0", "%c0"], &["%ckv", "%nblk"], &["%c1", "%c1"], &block(k, &l, Keys::Dense)),
     )
 }
 
+/// MSA's sparse phase over blocks of query rows: the body of one (KV
+/// group `%g`, block `%bki` of a pass's `%nblk`) iteration of
+/// `super::msa_phases`, for blocks of keys that hold whole batches of
+/// eight. Each row selects its blocks as the row-by-row kernel does
+/// (`select`: `super::msa_host`'s, from the pass's `%bsall`; `teardown`
+/// frees its scratch), then the block's rows attend as dense ones do but
+/// only over their own selected blocks: each key batch and V tile loads
+/// once for every row of the block that selected it, not once per row.
+///
+/// A row's scores, weights and sums are those of the row-by-row kernel:
+/// its batches in key order, the same operations per batch. The
+/// row-by-row P·V passed over keys whose weight is exactly 0; here they
+/// add 0·v, which leaves a sum as it was for any finite v.
+pub(super) fn msa_block(k: &super::Attention, msa_block: usize, select: &str, teardown: &str) -> String {
+    debug_assert!(k.head_dim.is_multiple_of(8) && msa_block.is_multiple_of(8));
+    let l = Layout::of(k);
+    format!(
+        "{consts}\
+         {VECTOR_CONSTS}\
+         {body}",
+        consts = block_consts(msa_tile(msa_block)),
+        body = block(k, &l, Keys::Msa { select, teardown }),
+    )
+}
+
+/// The P·V tile of MSA blocks of `block` keys: one that never straddles
+/// two blocks, so a tile is selected or not as a whole.
+fn msa_tile(block: usize) -> usize {
+    let (mut a, mut b) = (block, KEYS);
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+/// The index constants of a block's loops; `keys`: the P·V tile.
+fn block_consts(keys: usize) -> String {
+    let ck: String = (0..8).map(|j| format!("%ck{j} = arith.constant {j} : index\n")).collect();
+    format!("{}{ck}", index_consts(&[("c7", 7), ("c8", 8), ("cR", ROWS), ("cRm1", ROWS - 1), ("cKB", keys)]))
+}
+
+/// Eight-lane -inf, zeros and `%scale` (needs `%ninf` and `%scale`).
+const VECTOR_CONSTS: &str = "%ninf8 = vector.broadcast %ninf : f32 to vector<8xf32>\n\
+                             %z8 = arith.constant dense<0.0> : vector<8xf32>\n\
+                             %scale8 = vector.broadcast %scale : f32 to vector<8xf32>\n";
+
+/// Which keys a block's rows attend.
+#[derive(Clone, Copy)]
+enum Keys<'a> {
+    /// Every key a row sees.
+    Dense,
+    /// MSA's selected blocks: each row's choice, made by `select` (which
+    /// defines `%sel[0..%nb]` from the row's `%p`), is kept in
+    /// `%selb[row of the block, block]`, and `%uni[block]` says whether
+    /// any row of the block chose it.
+    Msa { select: &'a str, teardown: &'a str },
+}
+
+impl Keys<'_> {
+    fn msa(self) -> bool {
+        matches!(self, Keys::Msa { .. })
+    }
+}
+
 /// One block of rows × one KV group. Blocks go in zig-zag order (0, B-1,
-/// 1, B-2, ...), as rows do in the row-by-row kernel.
-fn block(k: &super::Attention, l: &Layout) -> String {
+/// 1, B-2, ...), as rows do in the row-by-row kernel. Dense: blocks of the
+/// call's rows; MSA: of the pass's (`%rc0..%rc1`, see `super::msa_phases`).
+fn block(k: &super::Attention, l: &Layout, keys: Keys) -> String {
     let (acc_alloc, acc_free) = match k.act {
         Storage::F32 => (String::new(), String::new()),
         Storage::Bf16 | Storage::Fp8 => {
             (format!("%oacc = memref.alloc(%nr) : {}\n", l.acct), format!("memref.dealloc %oacc : {}\n", l.acct))
         }
     };
+    let rows = match keys {
+        Keys::Dense => "%r0 = arith.muli %blk, %cR : index\n\
+                        %r1a = arith.addi %r0, %cR : index\n\
+                        %r1 = arith.minui %r1a, %rows : index\n"
+            .to_string(),
+        Keys::Msa { .. } => "%r0l = arith.muli %blk, %cR : index\n\
+                             %r0 = arith.addi %rc0, %r0l : index\n\
+                             %r1a = arith.addi %r0, %cR : index\n\
+                             %r1 = arith.minui %r1a, %rc1 : index\n"
+            .to_string(),
+    };
+    let (select, select_free) = match keys {
+        Keys::Dense => (String::new(), String::new()),
+        Keys::Msa { select, teardown } => (
+            selection(select, teardown),
+            "memref.dealloc %selb : memref<?x?xi32>\nmemref.dealloc %uni : memref<?xi32>\nmemref.dealloc %rl : memref<?xindex>\n"
+                .to_string(),
+        ),
+    };
+    // The block's index (MSA's selection names its own `%bi`).
+    let iv = if keys.msa() { "%bki" } else { "%bi" };
     format!(
-        "%bi2 = arith.divui %bi, %c2 : index\n\
-         %bpar = arith.remui %bi, %c2 : index\n\
+        "%bi2 = arith.divui {iv}, %c2 : index\n\
+         %bpar = arith.remui {iv}, %c2 : index\n\
          %bodd = arith.cmpi ne, %bpar, %c0 : index\n\
          %blast = arith.subi %nblk, %c1 : index\n\
          %brev = arith.subi %blast, %bi2 : index\n\
          %blk = arith.select %bodd, %brev, %bi2 : index\n\
-         %r0 = arith.muli %blk, %cR : index\n\
-         %r1a = arith.addi %r0, %cR : index\n\
-         %r1 = arith.minui %r1a, %rows : index\n\
+         {rows}\
          %nr = arith.subi %r1, %r0 : index\n\
          %nkmax = scf.for %ii = %c0 to %nr step %c1 iter_args(%m = %c0) -> (index) {{\n\
          {row}\
@@ -127,8 +201,8 @@ fn block(k: &super::Attention, l: &Layout) -> String {
          %nkm7 = arith.addi %nkmax, %c7 : index\n\
          %nkmb = arith.divui %nkm7, %c8 : index\n\
          %nk8max = arith.muli %nkmb, %c8 : index\n\
+         {select}\
          %sc = memref.alloc(%nr, %nk8max) : {SCT}\n\
-         %inv = memref.alloc(%nr) : memref<?xf32>\n\
          {acc_alloc}\
          %kb = arith.muli %g, %cd : index\n\
          scf.for %hh = %c0 to %cg step %c1 {{\n\
@@ -141,58 +215,158 @@ fn block(k: &super::Attention, l: &Layout) -> String {
          {out}\
          }}\n\
          memref.dealloc %sc : {SCT}\n\
-         memref.dealloc %inv : memref<?xf32>\n\
-         {acc_free}",
+         {acc_free}\
+         {select_free}",
         row = indent(ROW, 2),
-        phase1 = indent(&scores_phase(k, l), 2),
-        phase2 = indent(&weights_phase(k, l), 2),
-        phase3 = indent(&values_phase(k, l), 2),
+        phase1 = indent(&scores_phase(k, l, keys), 2),
+        phase2 = indent(&weights_phase(k, l, keys), 2),
+        phase3 = indent(&values_phase(k, l, keys), 2),
         out = indent(&bf16_out(k, l), 2),
     )
 }
 
-/// Phase 1: scores. Per key batch, per row of the block that sees it.
-fn scores_phase(k: &super::Attention, l: &Layout) -> String {
-    let mut score = batch_keys(k.paged);
-    score.push_str(&dots8("%qk", ("%q", &l.qt, k.act, "%r0i", "%qb"), ("%k", &l.kt, k.cache, "%kb"), key_rows(k.paged), "%cd"));
-    score.push_str(&transposed_tree("%dv", &(0..8).map(|j| format!("%qk#{j}")).collect::<Vec<_>>()));
-    let vals = (0..8).map(|j| format!("%in{j}")).collect::<Vec<_>>().join(", ");
-    score.push_str(&format!(
-        "%sv0 = arith.mulf %dv, %scale8 : {V}\n\
-         %mask = vector.from_elements {vals} : vector<8xi1>\n\
-         %sv = arith.select %mask, %sv0, %ninf8 : vector<8xi1>, {V}\n\
-         vector.store %sv, %sc[%ii, %t0] : {SCT}, {V}\n"
-    ));
-    each_live_row(
-        "scf.for %t0 = %c0 to %nk8max step %c8",
-        "%live = arith.cmpi ult, %t0, %nk : index\n",
-        &format!("%nkm1 = arith.subi %nk, %c1 : index\n{score}"),
+/// MSA: each row of the block chooses its blocks (`select`, then
+/// `teardown`), kept in `%selb[row, block]` for the `%nbk` blocks any row
+/// of the block reaches, with `%uni[block]` their union.
+fn selection(select: &str, teardown: &str) -> String {
+    format!(
+        "%nbk0 = arith.addi %nkmax, %cBm1 : index\n\
+         %nbk = arith.divui %nbk0, %cB : index\n\
+         %selb = memref.alloc(%nr, %nbk) : memref<?x?xi32>\n\
+         %uni = memref.alloc(%nbk) : memref<?xi32>\n\
+         %rl = memref.alloc(%nr) : memref<?xindex>\n\
+         scf.for %b = %c0 to %nbk step %c1 {{\n\
+         \x20 memref.store %i32_0, %uni[%b] : memref<?xi32>\n\
+         }}\n\
+         scf.for %ii = %c0 to %nr step %c1 {{\n\
+         {row}\
+         \x20 %lr = arith.addi %r0l, %ii : index\n\
+         \x20 scf.for %b = %c0 to %nbk step %c1 {{\n\
+         \x20   memref.store %i32_0, %selb[%ii, %b] : memref<?x?xi32>\n\
+         \x20 }}\n\
+         \x20 scf.execute_region {{\n\
+         {select}\
+         \x20   scf.for %b = %c0 to %nb step %c1 {{\n\
+         \x20     %sb = memref.load %sel[%b] : memref<?xi32>\n\
+         \x20     memref.store %sb, %selb[%ii, %b] : memref<?x?xi32>\n\
+         \x20     %ub = memref.load %uni[%b] : memref<?xi32>\n\
+         \x20     %uo = arith.ori %ub, %sb : i32\n\
+         \x20     memref.store %uo, %uni[%b] : memref<?xi32>\n\
+         \x20   }}\n\
+         {teardown}\
+         \x20   scf.yield\n\
+         \x20 }}\n\
+         }}\n",
+        row = indent(ROW, 2),
+        select = indent(select, 4),
+        teardown = indent(teardown, 4),
     )
 }
 
-/// `outer { for each row of the block { its row; live; if %live { body } } }`:
-/// the loop nest of phases 1 and 3, whose `live` statements decide whether
-/// the row sees any key of the outer loop's batch.
-fn each_live_row(outer: &str, live: &str, body: &str) -> String {
+/// Phase 1: scores. Per key batch, per row of the block that sees it
+/// (MSA: that chose its block; a batch no row chose is passed over).
+fn scores_phase(k: &super::Attention, l: &Layout, keys: Keys) -> String {
+    let mut score = dots8("%qk", ("%q", &l.qt, k.act, "%r0i", "%qb"), ("%k", &l.kt, k.cache, "%kb"), key_rows(k.paged), "%cd");
+    score.push_str(&transposed_tree("%dv", &(0..8).map(|j| format!("%qk#{j}")).collect::<Vec<_>>()));
+    // A batch wholly below the row's count keeps every score; the row's
+    // last batch masks the keys past it to -inf.
+    let ins: String = (0..8).map(|j| format!("%in{j} = arith.cmpi ult, %tu{j}, %nk : index\n")).collect();
+    let vals = (0..8).map(|j| format!("%in{j}")).collect::<Vec<_>>().join(", ");
+    score.push_str(&format!(
+        "%sv0 = arith.mulf %dv, %scale8 : {V}\n\
+         %t8 = arith.addi %t0, %c8 : index\n\
+         %whole = arith.cmpi ule, %t8, %nk : index\n\
+         %sv = scf.if %whole -> ({V}) {{\n\
+         \x20 scf.yield %sv0 : {V}\n\
+         }} else {{\n\
+         {}\
+         \x20 %mask = vector.from_elements {vals} : vector<8xi1>\n\
+         \x20 %svm = arith.select %mask, %sv0, %ninf8 : vector<8xi1>, {V}\n\
+         \x20 scf.yield %svm : {V}\n\
+         }}\n\
+         vector.store %sv, %sc[%ii, %t0] : {SCT}, {V}\n",
+        indent(&ins, 2)
+    ));
+    // The batch's key rows once for all the block's rows, clamped to the
+    // last key any of them sees (a loadable row: the padding is masked).
+    let batch = batch_rows(k.paged, "%nkmaxm1");
+    if !keys.msa() {
+        return format!(
+            "%nkmaxm1 = arith.subi %nkmax, %c1 : index\n\
+             scf.for %t0 = %c0 to %nk8max step %c8 {{\n\
+             {}\
+             }}\n",
+            indent(&format!("{batch}{}", live_rows("scf.for %ii = %c0 to %nr step %c1 {\n", &score)), 2)
+        );
+    }
+    // MSA: block by block that any row chose, the rows that chose it
+    // listed once (`%rl[0..%nrs]`), then its batches for those rows only.
+    let rows =
+        format!("{batch}{}", live_rows("scf.for %li = %c0 to %nrs step %c1 {\n  %ii = memref.load %rl[%li] : memref<?xindex>\n", &score));
     format!(
-        "{outer} {{\n\
-         \x20 scf.for %ii = %c0 to %nr step %c1 {{\n\
-         {row}\
-         {live}\
-         \x20   scf.if %live {{\n\
-         {body}\
+        "%nkmaxm1 = arith.subi %nkmax, %c1 : index\n\
+         {}",
+        chosen_blocks(&format!(
+            "%bt0 = arith.muli %sb, %cB : index\n\
+             %bt1a = arith.addi %bt0, %cB : index\n\
+             %bt1 = arith.minui %bt1a, %nk8max : index\n\
+             scf.for %t0 = %bt0 to %bt1 step %c8 {{\n\
+             {}\
+             }}\n",
+            indent(&rows, 2)
+        ))
+    )
+}
+
+/// MSA: `body` for each block `%sb` any row of the block chose, with the
+/// rows that chose it listed in key order: `%rl[0..%nrs]`.
+fn chosen_blocks(body: &str) -> String {
+    format!(
+        "scf.for %sb = %c0 to %nbk step %c1 {{\n\
+         \x20 %uav = memref.load %uni[%sb] : memref<?xi32>\n\
+         \x20 %uaany = arith.cmpi ne, %uav, %i32_0 : i32\n\
+         \x20 scf.if %uaany {{\n\
+         \x20   %nrs = scf.for %ii = %c0 to %nr step %c1 iter_args(%cnt = %c0) -> (index) {{\n\
+         \x20     %rsv = memref.load %selb[%ii, %sb] : memref<?x?xi32>\n\
+         \x20     %rsel = arith.cmpi ne, %rsv, %i32_0 : i32\n\
+         \x20     %cnt2 = scf.if %rsel -> (index) {{\n\
+         \x20       memref.store %ii, %rl[%cnt] : memref<?xindex>\n\
+         \x20       %cnt1 = arith.addi %cnt, %c1 : index\n\
+         \x20       scf.yield %cnt1 : index\n\
+         \x20     }} else {{\n\
+         \x20       scf.yield %cnt : index\n\
+         \x20     }}\n\
+         \x20     scf.yield %cnt2 : index\n\
          \x20   }}\n\
+         {}\
          \x20 }}\n\
          }}\n",
-        row = indent(ROW, 4),
-        live = indent(live, 4),
-        body = indent(body, 6),
+        indent(body, 4)
+    )
+}
+
+/// Phase 1's loop over rows: `head` opens it and defines the row `%ii`
+/// (every row of the block, or MSA's listed ones); `body` runs for a row
+/// that sees a key of the batch at `%t0`.
+fn live_rows(head: &str, body: &str) -> String {
+    format!(
+        "{head}\
+         {row}\
+         \x20 %live = arith.cmpi ult, %t0, %nk : index\n\
+         \x20 scf.if %live {{\n\
+         {body}\
+         \x20 }}\n\
+         }}\n",
+        row = indent(ROW, 2),
+        body = indent(body, 4),
     )
 }
 
 /// Phase 2: per row, the max, the weights and 1 / their sum; the row's
-/// accumulator zeroed.
-fn weights_phase(k: &super::Attention, l: &Layout) -> String {
+/// accumulator zeroed. MSA: over the batches of the row's own blocks
+/// only (the others hold no scores of its), in key order, as the
+/// row-by-row `scores::softmax8` goes through them.
+fn weights_phase(k: &super::Attention, l: &Layout, keys: Keys) -> String {
     let Layout { acc, acc_row, acc_ty, .. } = l;
     let mut zero = String::new();
     for c in (0..k.head_dim).step_by(8) {
@@ -203,35 +377,98 @@ fn weights_phase(k: &super::Attention, l: &Layout) -> String {
             if k.act == Storage::F32 { format!("%zq{c}") } else { format!("%zc{c}") }
         ));
     }
+    let max =
+        "%sl = vector.load %sc[%ii, %t0] : {SCT}, {V}\n%mv2 = arith.maximumf %mv, %sl : {V}\n".replace("{SCT}", SCT).replace("{V}", V);
+    let sum = format!(
+        "%sl = vector.load %sc[%ii, %t0] : {SCT}, {V}\n\
+         %sh = arith.subf %sl, %mx8 : {V}\n\
+         {exp}\
+         vector.store %e, %sc[%ii, %t0] : {SCT}, {V}\n\
+         %sa2 = arith.addf %sa, %e : {V}\n",
+        exp = exp8("%e", "%sh"),
+    );
+    // The weights times 1 / their sum, each the product P·V's multiply-add
+    // takes (the row-by-row kernel's scalar `e · inv`, the same bits).
+    let norm = format!(
+        "%wl = vector.load %sc[%ii, %t0] : {SCT}, {V}\n\
+         %wn = arith.mulf %wl, %inv8 : {V}\n\
+         vector.store %wn, %sc[%ii, %t0] : {SCT}, {V}\n"
+    );
+    // MSA: the batches of the blocks the row chose, in key order: block by
+    // block, each chosen block's batches below the row's count.
+    let over = |x: &str, init: &str, body: &str, acc: &str, next: &str| -> String {
+        if !keys.msa() {
+            return match init {
+                "" => format!("scf.for %t0 = %c0 to %nk8 step %c8 {{\n{}}}\n", indent(body, 2)),
+                _ => format!(
+                    "scf.for %t0 = %c0 to %nk8 step %c8 iter_args({acc} = {init}) -> ({V}) {{\n{}  scf.yield {next} : {V}\n}}\n",
+                    indent(body, 2)
+                ),
+            };
+        }
+        let head = format!(
+            "%{x}sv = memref.load %selb[%ii, %{x}bb] : memref<?x?xi32>\n\
+             %{x}sel = arith.cmpi ne, %{x}sv, %i32_0 : i32\n\
+             %{x}t0 = arith.muli %{x}bb, %cB : index\n\
+             %{x}t1a = arith.addi %{x}t0, %cB : index\n\
+             %{x}t1 = arith.minui %{x}t1a, %nk8 : index\n"
+        );
+        match init {
+            "" => format!(
+                "scf.for %{x}bb = %c0 to %nbr step %c1 {{\n\
+                 {}\
+                 \x20 scf.if %{x}sel {{\n\
+                 \x20   scf.for %t0 = %{x}t0 to %{x}t1 step %c8 {{\n\
+                 {}\
+                 \x20   }}\n\
+                 \x20 }}\n\
+                 }}\n",
+                indent(&head, 2),
+                indent(body, 6)
+            ),
+            _ => format!(
+                "scf.for %{x}bb = %c0 to %nbr step %c1 iter_args(%{x}o = {init}) -> ({V}) {{\n\
+                 {}\
+                 \x20 %{x}k = scf.if %{x}sel -> ({V}) {{\n\
+                 \x20   %{x}i = scf.for %t0 = %{x}t0 to %{x}t1 step %c8 iter_args({acc} = %{x}o) -> ({V}) {{\n\
+                 {}\
+                 \x20     scf.yield {next} : {V}\n\
+                 \x20   }}\n\
+                 \x20   scf.yield %{x}i : {V}\n\
+                 \x20 }} else {{\n\
+                 \x20   scf.yield %{x}o : {V}\n\
+                 \x20 }}\n\
+                 \x20 scf.yield %{x}k : {V}\n\
+                 }}\n",
+                indent(&head, 2),
+                indent(body, 6)
+            ),
+        }
+    };
     format!(
         "scf.for %ii = %c0 to %nr step %c1 {{\n\
          {row}\
          \x20 %nk7 = arith.addi %nk, %c7 : index\n\
          \x20 %nkb = arith.divui %nk7, %c8 : index\n\
          \x20 %nk8 = arith.muli %nkb, %c8 : index\n\
-         \x20 %mxv = scf.for %t0 = %c0 to %nk8 step %c8 iter_args(%mv = %ninf8) -> ({V}) {{\n\
-         \x20   %sl = vector.load %sc[%ii, %t0] : {SCT}, {V}\n\
-         \x20   %mv2 = arith.maximumf %mv, %sl : {V}\n\
-         \x20   scf.yield %mv2 : {V}\n\
-         \x20 }}\n\
+         {blocks}\
+         \x20 %mxv = {max}\
          \x20 %mx = vector.reduction <maximumf>, %mxv : {V} into f32\n\
          \x20 %mx8 = vector.broadcast %mx : f32 to {V}\n\
-         \x20 %sumv = scf.for %t0 = %c0 to %nk8 step %c8 iter_args(%sa = %z8) -> ({V}) {{\n\
-         \x20   %sl = vector.load %sc[%ii, %t0] : {SCT}, {V}\n\
-         \x20   %sh = arith.subf %sl, %mx8 : {V}\n\
-         {exp}\
-         \x20   vector.store %e, %sc[%ii, %t0] : {SCT}, {V}\n\
-         \x20   %sa2 = arith.addf %sa, %e : {V}\n\
-         \x20   scf.yield %sa2 : {V}\n\
-         \x20 }}\n\
-         {sum}\
+         \x20 %sumv = {sum}\
+         {hsum}\
          \x20 %invr = arith.divf %one, %sum : f32\n\
-         \x20 memref.store %invr, %inv[%ii] : memref<?xf32>\n\
+         \x20 %inv8 = vector.broadcast %invr : f32 to {V}\n\
+         {norm}\
          {zero}\
          }}\n",
         row = indent(ROW, 2),
-        exp = indent(&exp8("%e", "%sh"), 4),
-        sum = indent(&hsum("%sum", "%sumv"), 2),
+        // MSA: the row's blocks, chosen or not.
+        blocks = if keys.msa() { "\x20 %nbr0 = arith.addi %nk, %cBm1 : index\n\x20 %nbr = arith.divui %nbr0, %cB : index\n" } else { "" },
+        max = indent(&over("wm", "%ninf8", &max, "%mv", "%mv2"), 2).trim_start(),
+        sum = indent(&over("ws", "%z8", &sum, "%sa", "%sa2"), 2).trim_start(),
+        norm = indent(&over("wn", "", &norm, "", ""), 2),
+        hsum = indent(&hsum("%sum", "%sumv"), 2),
         zero = indent(&zero, 2),
     )
 }
@@ -243,11 +480,18 @@ fn weights_phase(k: &super::Attention, l: &Layout) -> String {
 /// up to 32 columns (whose few chains alone wait on the FMA latency) keeps
 /// twice as many FMAs in flight. Each row's sums are its own, in key order, as alone: over the
 /// keys both rows see, then over the rest of the longer row's.
-fn values_phase(k: &super::Attention, l: &Layout) -> String {
-    let single = values_row(k, l);
+///
+/// MSA: a tile (never wider than a block) no row of the block chose is
+/// passed over; a row that did not choose it sees none of its keys.
+fn values_phase(k: &super::Attention, l: &Layout, keys: Keys) -> String {
     // Wider heads (the vision tower's 80 columns) have chains enough alone,
     // and two rows' sums would not fit the registers.
-    if super::pv_chunks(k.head_dim).iter().any(|&(_, nv)| nv > PAIR_MAX_VECTORS) {
+    let wide = super::pv_chunks(k.head_dim).iter().any(|&(_, nv)| nv > super::PAIR_MAX_VECTORS);
+    if keys.msa() {
+        return msa_values_phase(k, l, wide);
+    }
+    let single = values_row(k, l);
+    if wide {
         return format!(
             "scf.for %tb = %c0 to %nkmax step %cKB {{\n\
              \x20 %tbe = arith.addi %tb, %cKB : index\n\
@@ -280,10 +524,53 @@ fn values_phase(k: &super::Attention, l: &Layout) -> String {
     )
 }
 
-/// The widest chunk of P·V columns (in vectors of 8) that rows take in
-/// pairs: two rows' sums, the V vectors and the weights then fit AVX2's 16
-/// registers.
-const PAIR_MAX_VECTORS: usize = 4;
+/// MSA's phase 3: block by block that any row chose, its tiles for the
+/// rows that chose it ([`chosen_blocks`]), paired in their list's order:
+/// a pair's two rows both see the tile, so both sums advance on every key
+/// (pairing by position left one row of most pairs alone where rows share
+/// few blocks, its few sums waiting on the FMA latency).
+fn msa_values_phase(k: &super::Attention, l: &Layout, wide: bool) -> String {
+    // Every listed row chose the tile: it sees the keys below its count.
+    let single = values_row(k, l);
+    let rows = if wide {
+        format!(
+            "scf.for %li = %c0 to %nrs step %c1 {{\n\
+             \x20 %iia = memref.load %rl[%li] : memref<?xindex>\n\
+             {}\
+             }}\n",
+            indent(&single, 2)
+        )
+    } else {
+        format!(
+            "%npl0 = arith.addi %nrs, %c1 : index\n\
+             %npl = arith.divui %npl0, %c2 : index\n\
+             scf.for %pi = %c0 to %npl step %c1 {{\n\
+             \x20 %lia = arith.muli %pi, %c2 : index\n\
+             \x20 %lib = arith.addi %lia, %c1 : index\n\
+             \x20 %iia = memref.load %rl[%lia] : memref<?xindex>\n\
+             \x20 %hasb = arith.cmpi ult, %lib, %nrs : index\n\
+             \x20 scf.if %hasb {{\n\
+             \x20   %iib = memref.load %rl[%lib] : memref<?xindex>\n\
+             {}\
+             \x20 }} else {{\n\
+             {}\
+             \x20 }}\n\
+             }}\n",
+            indent(&values_pair(k, l), 4),
+            indent(&single, 4)
+        )
+    };
+    chosen_blocks(&format!(
+        "%vb0 = arith.muli %sb, %cB : index\n\
+         %vb1a = arith.addi %vb0, %cB : index\n\
+         %vb1 = arith.minui %vb1a, %nkmax : index\n\
+         scf.for %tb = %vb0 to %vb1 step %cKB {{\n\
+         \x20 %tbe = arith.addi %tb, %cKB : index\n\
+         {}\
+         }}\n",
+        indent(&rows, 2)
+    ))
+}
 
 /// A chunk of P·V columns: its first column and its vectors of 8.
 struct PvChunk {
@@ -297,16 +584,13 @@ fn values_row(k: &super::Attention, l: &Layout) -> String {
     let Layout { acc, acc_row, acc_ty, .. } = l;
     let mut out = String::from("%ii = arith.addi %iia, %c0 : index\n");
     out.push_str(ROW);
-    out.push_str(
-        "%te = arith.minui %tbe, %nk : index\n\
-         %invr = memref.load %inv[%ii] : memref<?xf32>\n",
-    );
+    out.push_str("%te = arith.minui %tbe, %nk : index\n");
     for (ch, (c0, nv)) in super::pv_chunks(k.head_dim).into_iter().enumerate() {
         let pc = PvChunk { c0, nv };
         let (load, store) = acc_io(k, &pc, acc, acc_row, acc_ty, &format!("{ch}"), "%qb");
         let inits = (0..nv).map(|i| format!("%a{i} = %o{ch}_{i}")).collect::<Vec<_>>().join(", ");
         out.push_str(&load);
-        out.push_str(&format!("%pacc{ch}:{nv} = {}", keys_loop(k, l, &pc, "%tb", "%te", &inits, &[("%ii", "%invr", "a")])));
+        out.push_str(&format!("%pacc{ch}:{nv} = {}", keys_loop(k, l, &pc, "%tb", "%te", &inits, &[("%ii", "a")])));
         out.push_str(&store.replace("%RES", &format!("%pacc{ch}")));
     }
     out
@@ -324,8 +608,7 @@ fn values_pair(k: &super::Attention, l: &Layout) -> String {
              %p64{x} = memref.load %pos[%r0{x}] : memref<?xi64>\n\
              %p{x} = arith.index_cast %p64{x} : i64 to index\n\
              %nk{x} = arith.addi %p{x}, %c1 : index\n\
-             %te{x} = arith.minui %tbe, %nk{x} : index\n\
-             %invr{x} = memref.load %inv[{ii}] : memref<?xf32>\n"
+             %te{x} = arith.minui %tbe, %nk{x} : index\n"
         ));
     }
     out.push_str(
@@ -344,14 +627,10 @@ fn values_pair(k: &super::Attention, l: &Layout) -> String {
             .chain((0..nv).map(|i| format!("%b{i} = %o{ch}b_{i}")))
             .collect::<Vec<_>>()
             .join(", ");
-        out.push_str(&format!(
-            "%pj{ch}:{} = {}",
-            2 * nv,
-            keys_loop(k, l, &pc, "%tb", "%tec", &both, &[("%iia", "%invra", "a"), ("%iib", "%invrb", "b")])
-        ));
+        out.push_str(&format!("%pj{ch}:{} = {}", 2 * nv, keys_loop(k, l, &pc, "%tb", "%tec", &both, &[("%iia", "a"), ("%iib", "b")])));
         let from = |first: usize| (0..nv).map(|i| format!("%a{i} = %pj{ch}#{}", first + i)).collect::<Vec<_>>().join(", ");
-        out.push_str(&format!("%pta{ch}:{nv} = {}", keys_loop(k, l, &pc, "%tsc", "%tea", &from(0), &[("%iia", "%invra", "a")])));
-        out.push_str(&format!("%ptb{ch}:{nv} = {}", keys_loop(k, l, &pc, "%tsc", "%teb", &from(nv), &[("%iib", "%invrb", "a")])));
+        out.push_str(&format!("%pta{ch}:{nv} = {}", keys_loop(k, l, &pc, "%tsc", "%tea", &from(0), &[("%iia", "a")])));
+        out.push_str(&format!("%ptb{ch}:{nv} = {}", keys_loop(k, l, &pc, "%tsc", "%teb", &from(nv), &[("%iib", "a")])));
         out.push_str(&store_a.replace("%RES", &format!("%pta{ch}")));
         out.push_str(&store_b.replace("%RES", &format!("%ptb{ch}")));
     }
@@ -378,10 +657,11 @@ fn acc_io(k: &super::Attention, pc: &PvChunk, acc: &str, row: &str, acc_ty: &str
 }
 
 /// `scf.for %t = from to to` over a chunk's columns for the given rows
-/// (each: its row in `%sc`, its `1 / sum`, and the prefix of its sums'
-/// names), each key's V vectors loaded once, each row's sums a multiply
-/// then an add (fused where the CPU has FMA), in key order.
-fn keys_loop(k: &super::Attention, l: &Layout, pc: &PvChunk, from: &str, to: &str, inits: &str, rows: &[(&str, &str, &str)]) -> String {
+/// (each: its row in `%sc`, which holds its weights already divided by
+/// their sum, and the prefix of its sums' names), each key's V vectors
+/// loaded once, each row's sums a multiply then an add (fused where the
+/// CPU has FMA), in key order.
+fn keys_loop(k: &super::Attention, l: &Layout, pc: &PvChunk, from: &str, to: &str, inits: &str, rows: &[(&str, &str)]) -> String {
     let (vrow, vt) = key_row(k.paged, "%t", "%tp");
     let tys = vec![V; pc.nv * rows.len()].join(", ");
     let mut body = vrow;
@@ -391,10 +671,9 @@ fn keys_loop(k: &super::Attention, l: &Layout, pc: &PvChunk, from: &str, to: &st
         body.push_str(&load_f32xn(8, &format!("%vv{i}"), "%v", &l.kt, &vt, &format!("%vc{i}"), k.cache));
     }
     let mut next = Vec::new();
-    for (ii, invr, x) in rows {
+    for (ii, x) in rows {
         body.push_str(&format!(
-            "%e{x} = memref.load %sc[{ii}, %t] : {SCT}\n\
-             %pw{x} = arith.mulf %e{x}, {invr} : f32\n\
+            "%pw{x} = memref.load %sc[{ii}, %t] : {SCT}\n\
              %pwv{x} = vector.broadcast %pw{x} : f32 to {V}\n"
         ));
         for i in 0..pc.nv {

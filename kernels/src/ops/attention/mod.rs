@@ -9,6 +9,7 @@ use crate::unit::{param, KernelUnit, Launch, Param};
 use crate::{indent, num_tag, Storage};
 
 mod blocked;
+mod head_pairs;
 mod scores;
 
 /// MiniMax Sparse Attention's block selection, as fixed by the config.
@@ -200,11 +201,12 @@ fn host(k: &Attention) -> String {
     // The scores and softmax weights of one head into `%sc`, and their
     // `%sum`: eight keys at a time when the head width allows. (Dense
     // attention with such widths runs in `blocked`, never here.)
+    let whole = sparse.is_some_and(|s| s.block.is_multiple_of(8));
+    let softmax_in = |sc: &str| scores::softmax8((&qt, act), (&kt, cache), d, paged, &allowed, whole, sc);
+    let pairs = head_pairs::pairs(k);
     let (sc_alloc, softmax) = if sparse.is_some() && d.is_multiple_of(8) {
-        (
-            format!("{}%sc = memref.alloc(%nk8) : memref<?xf32>\n", scores::batch_consts()),
-            scores::softmax8((&qt, act), (&kt, cache), d, paged, &allowed, sparse.is_some_and(|s| s.block.is_multiple_of(8))),
-        )
+        let second = if pairs { "%scb = memref.alloc(%nk8) : memref<?xf32>\n" } else { "" };
+        (format!("{}%sc = memref.alloc(%nk8) : memref<?xf32>\n{second}", scores::batch_consts()), softmax_in("%sc"))
     } else {
         (format!("{}%sc = memref.alloc(%nk) : memref<?xf32>\n", scores::batch_consts()), softmax1(&qt, &kt, act, cache, d, paged, &allowed))
     };
@@ -227,26 +229,38 @@ fn host(k: &Attention) -> String {
          \x20 scf.execute_region {{\n\
          {select}\
          \x20   %kb = arith.muli %g, %cd : index\n\
-         \x20   scf.for %hh = %c0 to %cg step %c1 {{\n\
-         \x20     %gi = arith.muli %g, %cg : index\n\
-         \x20     %i = arith.addi %gi, %hh : index\n\
-         \x20     %qb = arith.muli %i, %cd : index\n\
-         {softmax}\
-         \x20     %inv = arith.divf %one, %sum : f32\n\
-         {pv}\
-         {acc_out}\
-         \x20   }}\n\
+         {heads}\
          \x20   memref.dealloc %sc : memref<?xf32>\n\
+         {scb_free}\
          {acc_free}\
          {teardown}\
          \x20   scf.yield\n\
          \x20 }}\n\
 ",
         select = indent(&select, 4),
-        softmax = indent(&softmax, 6),
+        heads = indent(
+            &if pairs {
+                head_pairs::heads(k, &softmax, &softmax_in("%scb"))
+            } else {
+                format!(
+                    "scf.for %hh = %c0 to %cg step %c1 {{\n\
+                     \x20 %gi = arith.muli %g, %cg : index\n\
+                     \x20 %i = arith.addi %gi, %hh : index\n\
+                     \x20 %qb = arith.muli %i, %cd : index\n\
+                     {}\
+                     \x20 %inv = arith.divf %one, %sum : f32\n\
+                     {}\
+                     {}\
+                     }}\n",
+                    indent(&softmax, 2),
+                    indent(&pv(acc, acc_mem, acc_idx, &kt, d, cache, paged, sparse.is_some()), 2),
+                    indent(&acc_out, 2),
+                )
+            },
+            4
+        ),
+        scb_free = if pairs { "\x20   memref.dealloc %scb : memref<?xf32>\n" } else { "" },
         sc_alloc = indent(&sc_alloc, 2),
-        pv = indent(&pv(acc, acc_mem, acc_idx, &kt, d, cache, paged, sparse.is_some()), 6),
-        acc_out = indent(&acc_out, 6),
         acc_free = indent(&acc_free, 2),
         teardown = indent(&teardown, 4),
     );
@@ -264,7 +278,12 @@ fn host(k: &Attention) -> String {
         rows = rows_and_work(&qt, heads * d * 2),
         iters = match phased {
             None => parallel_or_serial("%work", &["%ri", "%g"], &["%c0", "%c0"], &["%rows", "%ckv"], &["%c1", "%c1"], &iteration),
-            Some(s) => msa_phases(k, s, &iteration),
+            // Blocks of whole batches: the pass's rows attend in blocks.
+            Some(s) if s.block.is_multiple_of(8) => {
+                let (_, select, _, teardown) = msa_host(s, paged, cache, act, false, true);
+                msa_phases(k, s, Attend::Blocks(&blocked::msa_block(k, s.block, &select, &teardown)))
+            }
+            Some(s) => msa_phases(k, s, Attend::Rows(&iteration)),
         },
     );
     body
@@ -290,16 +309,71 @@ fn zigzag(iv: &str, n: &str, out: &str) -> String {
 /// (2 MB at 64k positions in blocks of 128, four groups).
 const MSA_ROWS: usize = 256;
 
+/// How the second phase of [`msa_phases`] attends: MLIR for one (query
+/// row `%ri`, KV group `%g`), or for one (KV group `%g`, block `%bki` of
+/// `blocked::ROWS` rows) ([`blocked::msa_block`]).
+enum Attend<'a> {
+    Rows(&'a str),
+    Blocks(&'a str),
+}
+
 /// MSA on the host in two phases per pass of [`MSA_ROWS`] query rows:
 /// every row's block scores for all its KV groups ([`msa_scores`], in
-/// `%bsall`), then the (row, group) iterations, `iteration`, which select
-/// blocks from those scores and attend. Each row's scores are the chains
-/// the one-phase kernel computes, so the same blocks are chosen.
-fn msa_phases(k: &Attention, s: SparseSel, iteration: &str) -> String {
-    let Attention { heads, kv_heads, head_dim: d, .. } = *k;
+/// `%bsall`), then iterations that select blocks from those scores and
+/// attend (`attend`). Each row's scores are the chains the one-phase
+/// kernel computes, so the same blocks are chosen.
+fn msa_phases(k: &Attention, s: SparseSel, attend: Attend) -> String {
+    let Attention { heads, kv_heads, head_dim: d, paged, cache, .. } = *k;
     let score = msa_scores(k, s);
+    // The index keys every row scores against, transposed once for the
+    // call (`%ikt`, see `scores::transpose_keys`) up to the last key any
+    // row sees, when the call has 8 rows or more (`%transposed`): fewer
+    // (a decode step's) would spend more on the transposition than it saves.
+    let ck: String = (0..8).map(|j| format!("%ck{j} = arith.constant {j} : index\n")).collect();
+    let transpose = format!(
+        "%kall = scf.for %ka = %c0 to %rows step %c1 iter_args(%km = %c0) -> (index) {{\n\
+         \x20 %kp64 = memref.load %pos[%ka] : memref<?xi64>\n\
+         \x20 %kp = arith.index_cast %kp64 : i64 to index\n\
+         \x20 %kn = arith.addi %kp, %c1 : index\n\
+         \x20 %km2 = arith.maxui %km, %kn : index\n\
+         \x20 scf.yield %km2 : index\n\
+         }}\n\
+         %c8t = arith.constant 8 : index\n\
+         %c7t = arith.constant 7 : index\n\
+         %transposed = arith.cmpi uge, %rows, %c8t : index\n\
+         %kall7 = arith.addi %kall, %c7t : index\n\
+         %nball0 = arith.divui %kall7, %c8t : index\n\
+         %nball = arith.select %transposed, %nball0, %c0 : index\n\
+         %iktb = arith.muli %nball, %cid : index\n\
+         %iktn = arith.muli %iktb, %c8t : index\n\
+         %ikt = memref.alloc(%iktn) : memref<?xf32>\n\
+         %kallm1 = arith.subi %kall, %c1 : index\n\
+         scf.execute_region {{\n\
+         \x20 %c8 = arith.constant 8 : index\n\
+         {}\
+         {}\
+         \x20 scf.yield\n\
+         }}\n",
+        indent(&ck, 2),
+        indent(&scores::transpose_keys(("%ik", &cache.rows_ty(s.index_dim), cache), "%cid", "%ikt", "%nball", "%kallm1", paged), 2),
+    );
+    // KV group first, as in `blocked`: a thread's iterations go through
+    // one group's keys and values at a time.
+    let second = match attend {
+        Attend::Rows(iteration) => phase("%awork", heads * d * 2, &["%g", "%ri"], &["%ckv", "%crows"], iteration),
+        Attend::Blocks(block) => format!(
+            "%cRB = arith.constant {} : index\n\
+             %crowsr = arith.addi %crows, %cRB : index\n\
+             %crowsr1 = arith.subi %crowsr, %c1 : index\n\
+             %nblk = arith.divui %crowsr1, %cRB : index\n\
+             {}",
+            blocked::ROWS,
+            phase("%awork", heads * d * 2, &["%g", "%bki"], &["%ckv", "%nblk"], block)
+        ),
+    };
     format!(
-        "%cRC = arith.constant {MSA_ROWS} : index\n\
+        "{transpose}\
+         %cRC = arith.constant {MSA_ROWS} : index\n\
          scf.for %rc0 = %c0 to %rows step %cRC {{\n\
          \x20 %rc1a = arith.addi %rc0, %cRC : index\n\
          \x20 %rc1 = arith.minui %rc1a, %rows : index\n\
@@ -320,11 +394,10 @@ fn msa_phases(k: &Attention, s: SparseSel, iteration: &str) -> String {
          {}\
          {}\
          \x20 memref.dealloc %bsall : memref<?x?x?xf32>\n\
-         }}\n",
+         }}\n\
+         memref.dealloc %ikt : memref<?xf32>\n",
         indent(&phase("%swork", kv_heads * s.index_dim, &["%ri"], &["%crows"], &score), 2),
-        // KV group first, as in `blocked`: a thread's iterations go through
-        // one group's keys and values at a time.
-        indent(&phase("%awork", heads * d * 2, &["%g", "%ri"], &["%ckv", "%crows"], iteration), 2),
+        indent(&second, 2),
     )
 }
 
@@ -360,21 +433,62 @@ fn msa_scores(k: &Attention, s: SparseSel) -> String {
     let heads: Vec<(String, String)> = (0..kv_heads).map(|g| ("%r".to_string(), format!("%iqb{g}"))).collect();
     let mut consts = String::new();
     let mut init = String::new();
-    let mut pools = String::new();
     for g in 0..kv_heads {
         consts.push_str(&format!("%cgi{g} = arith.constant {g} : index\n%iqb{g} = arith.constant {} : index\n", g * s.index_dim));
         init.push_str(&format!("\x20 memref.store %ninf, %bsall[%lr, %cgi{g}, %b] : memref<?x?x?xf32>\n"));
-        pools.push_str(&pool_blocks(
-            s.block,
-            &format!("%idv#{g}"),
-            &format!("g{g}"),
-            ("%bsall", &format!("%lr, %cgi{g}, "), "memref<?x?x?xf32>"),
-        ));
     }
-    let batch = format!(
-        "{}{}{pools}",
-        scores::batch_keys(paged),
-        scores::chains8_multi("%idv", ("%iq", &iqt, act), &heads, ("%ik", &ikt, cache, "%c0"), scores::key_rows(paged), "%cid"),
+    // Keys transposed for the call (`%ikt`) where it has rows enough to
+    // pay for the transposition, two batches at a time; else transposed
+    // batch by batch in registers. The same chains either way, and each
+    // batch's pooling is its own (a max, whatever the order).
+    let n = heads.len();
+    // The batch's keys (`scores::batch_keys`), then its scores pooled.
+    let pooled = |src: &dyn Fn(usize) -> String, keys: bool| {
+        let mut out = if keys { scores::batch_keys(paged) } else { String::new() };
+        for g in 0..kv_heads {
+            out.push_str(&pool_blocks(s.block, &src(g), &format!("g{g}"), ("%bsall", &format!("%lr, %cgi{g}, "), "memref<?x?x?xf32>")));
+        }
+        out
+    };
+    // Two batches a step; a row's odd last batch is scored twice (its
+    // second copy unused) rather than given code of its own.
+    let picked: String =
+        (0..kv_heads).map(|g| format!("%pick{g} = arith.select %second, %ida#{}, %ida#{g} : vector<8xf32>\n", n + g)).collect();
+    // Blocks of whole pairs of batches (the real 128): each block's max
+    // is kept in registers across its batches and stored once, instead of
+    // pooled batch by batch into `%bsall`; the same max of the same scores.
+    let transposed = if s.block.is_multiple_of(16) {
+        block_max_scores(kv_heads, &iqt, act, &heads)
+    } else {
+        format!(
+            "%c16 = arith.constant 16 : index\n\
+         scf.for %t0p = %c0 to %nk8 step %c16 {{\n\
+         {pair}\
+         {both}\
+         \x20 %nbb = arith.select %two, %c2, %c1 : index\n\
+         \x20 scf.for %bb = %c0 to %nbb step %c1 {{\n\
+         \x20   %second = arith.cmpi ne, %bb, %c0 : index\n\
+         \x20   %bofs = arith.muli %bb, %c8 : index\n\
+         \x20   %t0 = arith.addi %t0p, %bofs : index\n\
+         {picked}\
+         {pool}\
+         \x20 }}\n\
+         }}\n",
+            pair = indent(&pair_bases("%nk8"), 2),
+            both = indent(&scores::chains8_multi_t("%ida", ("%iq", &iqt, act), &heads, "%ikt", &["%tbva", "%tbvb"], "%cid"), 2),
+            picked = indent(&picked, 4),
+            pool = indent(&pooled(&|g| format!("%pick{g}"), true), 4),
+        )
+    };
+    let rowwise = format!(
+        "scf.for %t0 = %c0 to %nk8 step %c8 {{\n\
+         {}\
+         {}\
+         {}\
+         }}\n",
+        indent(&scores::batch_keys(paged), 2),
+        indent(&scores::chains8_multi("%idr", ("%iq", &iqt, act), &heads, ("%ik", &ikt, cache, "%c0"), scores::key_rows(paged), "%cid"), 2),
+        indent(&pooled(&|g| format!("%idr#{g}"), false), 2),
     );
     format!(
         "{}%r = arith.addi %rc0, %lr : index\n\
@@ -388,12 +502,95 @@ fn msa_scores(k: &Attention, s: SparseSel) -> String {
          scf.for %b = %c0 to %nb step %c1 {{\n\
          {init}\
          }}\n\
-         scf.for %t0 = %c0 to %nk8 step %c8 {{\n\
+         scf.if %transposed {{\n\
+         {}\
+         }} else {{\n\
          {}\
          }}\n",
         zigzag("%ri", "%crows", "%lr"),
         scores::batch_consts(),
-        indent(&batch, 2),
+        indent(&transposed, 2),
+        indent(&rowwise, 2),
+    )
+}
+
+/// The two batches at `%t0p` and `%t0q` (`%two`: whether the second is
+/// below `end`) and their first columns in `%ikt`, in vectors of eight:
+/// `%tbva` and `%tbvb` (the first again when there is no second, a column
+/// that can be loaded; its scores go unused).
+fn pair_bases(end: &str) -> String {
+    format!(
+        "%t0q = arith.addi %t0p, %c8 : index\n\
+         %two = arith.cmpi ult, %t0q, {end} : index\n\
+         %tb8 = arith.divui %t0p, %c8 : index\n\
+         %tbva = arith.muli %tb8, %cid : index\n\
+         %tbvb1 = arith.addi %tbva, %cid : index\n\
+         %tbvb = arith.select %two, %tbvb1, %tbva : index\n"
+    )
+}
+
+/// MSA's index scores of row `%r` over keys transposed for the call
+/// (`%ikt`), two batches of eight at a time ([`scores::chains8_multi_t`]),
+/// for blocks of a multiple of 16 keys: per block, each KV group's scores
+/// (keys past the row's last masked to -inf) fold into a vector max in
+/// registers, reduced and stored into `%bsall[%lr, group, block]` once.
+/// Max is exact and ignores order, so these are the bits of pooling batch
+/// by batch.
+fn block_max_scores(kv_heads: usize, iqt: &str, act: Storage, heads: &[(String, String)]) -> String {
+    let v = "vector<8xf32>";
+    let tys = vec![v; kv_heads].join(", ");
+    let inits = (0..kv_heads).map(|g| format!("%bm{g} = %ninf8")).collect::<Vec<_>>().join(", ");
+    let mut fold = String::new();
+    for g in 0..kv_heads {
+        fold.push_str(&format!(
+            "%sa{g} = arith.select %lva, %ida#{g}, %ninf8 : vector<8xi1>, {v}\n\
+             %sb{g} = arith.select %lvb, %ida#{}, %ninf8 : vector<8xi1>, {v}\n\
+             %ma{g} = arith.maximumf %bm{g}, %sa{g} : {v}\n\
+             %mb{g} = arith.maximumf %ma{g}, %sb{g} : {v}\n",
+            kv_heads + g
+        ));
+    }
+    let next = (0..kv_heads).map(|g| format!("%mb{g}")).collect::<Vec<_>>().join(", ");
+    let store: String = (0..kv_heads)
+        .map(|g| {
+            format!(
+                "%bred{g} = vector.reduction <maximumf>, %bmx#{g} : {v} into f32\n\
+                 memref.store %bred{g}, %bsall[%lr, %cgi{g}, %b] : memref<?x?x?xf32>\n"
+            )
+        })
+        .collect();
+    format!(
+        "%c16 = arith.constant 16 : index\n\
+         %iota = arith.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : vector<8xi32>\n\
+         %nk32 = arith.index_cast %nk : index to i32\n\
+         %nkv = vector.broadcast %nk32 : i32 to vector<8xi32>\n\
+         scf.for %b = %c0 to %nb step %c1 {{\n\
+         \x20 %bk0 = arith.muli %b, %cB : index\n\
+         \x20 %bk1a = arith.addi %bk0, %cB : index\n\
+         \x20 %bk1 = arith.minui %bk1a, %nk8 : index\n\
+         \x20 %bmx:{kv_heads} = scf.for %t0p = %bk0 to %bk1 step %c16 iter_args({inits}) -> ({tys}) {{\n\
+         {pair}\
+         {chains}\
+         \x20   // Lanes of keys the row sees; the second batch only if there is one.\n\
+         \x20   %ta32 = arith.index_cast %t0p : index to i32\n\
+         \x20   %tav = vector.broadcast %ta32 : i32 to vector<8xi32>\n\
+         \x20   %kva = arith.addi %tav, %iota : vector<8xi32>\n\
+         \x20   %lva = arith.cmpi slt, %kva, %nkv : vector<8xi32>\n\
+         \x20   %tq32 = arith.index_cast %t0q : index to i32\n\
+         \x20   %tqv = vector.broadcast %tq32 : i32 to vector<8xi32>\n\
+         \x20   %kvb = arith.addi %tqv, %iota : vector<8xi32>\n\
+         \x20   %lvb0 = arith.cmpi slt, %kvb, %nkv : vector<8xi32>\n\
+         \x20   %twov = vector.broadcast %two : i1 to vector<8xi1>\n\
+         \x20   %lvb = arith.andi %lvb0, %twov : vector<8xi1>\n\
+         {fold}\
+         \x20   scf.yield {next} : {tys}\n\
+         \x20 }}\n\
+         {store}\
+         }}\n",
+        pair = indent(&pair_bases("%bk1"), 4),
+        chains = indent(&scores::chains8_multi_t("%ida", ("%iq", iqt, act), heads, "%ikt", &["%tbva", "%tbvb"], "%cid"), 4),
+        fold = indent(&fold, 4),
+        store = indent(&store, 2),
     )
 }
 
@@ -504,6 +701,11 @@ fn dot(
 /// 16.
 const PV_VECTORS: usize = 10;
 
+/// The widest chunk of P·V columns (in vectors of 8) that two rows
+/// (`blocked`) or two heads (`head_pairs`) take together: both sets of
+/// sums, the V vectors and the weights then fit AVX2's 16 registers.
+pub(super) const PAIR_MAX_VECTORS: usize = 4;
+
 /// P·V's column chunks of a head `d` wide (a multiple of 8), as (first
 /// column, vectors): as few as [`PV_VECTORS`] allows, of even sizes. Each
 /// of a chunk's sums gains one FMA per key, so a short chunk waits on the
@@ -554,14 +756,7 @@ fn pv(acc: &str, acc_ty: &str, acc_idx: &str, kt: &str, d: usize, cache: Storage
         );
     }
     let v8 = "vector<8xf32>";
-    // MSA's batches of eight keys, in a page that holds whole batches:
-    // the batch's first pool row is looked up once, the others follow it.
-    let whole = skip_zero && paged.is_some_and(|b| b.is_multiple_of(8));
-    let (row, batch_row) = if whole {
-        ("%tdo = arith.subi %t, %tb0 : index\n%tp = arith.addi %tpb0, %tdo : index\n".to_string(), key_row(paged, "%tb0", "%tpb0").0)
-    } else {
-        (row, String::new())
-    };
+    let (row, batch_row) = if skip_zero { msa_key_rows(paged) } else { (row, String::new()) };
     let mut out = format!("%pvz = arith.constant dense<0.0> : {v8}\n");
     for (chunk, (c0, nv)) in pv_chunks(d).into_iter().enumerate() {
         let tys = vec![v8; nv].join(", ");
@@ -658,6 +853,19 @@ fn pv(acc: &str, acc_ty: &str, acc_idx: &str, kt: &str, d: usize, cache: Storage
         }
     }
     out
+}
+
+/// MSA's P·V over batches of eight keys (`%tb0`): what each key `%t` runs
+/// to define its pool row `%tp`, and what the batch runs once before its
+/// keys. In a page that holds whole batches the batch's first pool row is
+/// looked up once and the others follow it; otherwise each key looks its
+/// own up ([`key_row`]).
+fn msa_key_rows(paged: Option<usize>) -> (String, String) {
+    if paged.is_some_and(|b| b.is_multiple_of(8)) {
+        ("%tdo = arith.subi %t, %tb0 : index\n%tp = arith.addi %tpb0, %tdo : index\n".to_string(), key_row(paged, "%tb0", "%tpb0").0)
+    } else {
+        (key_row(paged, "%t", "%tp").0, String::new())
+    }
 }
 
 /// Attention on the GPU: one warp per (query row, KV group). `q`, `iq` and

@@ -50,6 +50,16 @@ pub(super) fn batch_consts() -> String {
 /// batch's keys, clamped ones included, lie in `%t0`'s page), the batch's
 /// first pool row is looked up once and the others follow it.
 pub(super) fn batch_keys(paged: Option<usize>) -> String {
+    let mut out = batch_rows(paged, "%nkm1");
+    out.extend((0..8).map(|j| format!("%in{j} = arith.cmpi ult, %tu{j}, %nk : index\n")));
+    out
+}
+
+/// [`batch_keys`]' rows without the per-row test: `%tu{j}`, `%tc{j}` (the
+/// key clamped to `last`, a key that can be loaded) and, paged, `%tp{j}`.
+/// For a block of query rows, which clamp to the last key any of them sees
+/// and test their own `%tu{j}` against their own count.
+pub(super) fn batch_rows(paged: Option<usize>, last: &str) -> String {
     let whole = paged.filter(|b| b.is_multiple_of(8));
     let mut out = match whole {
         Some(_) => super::key_row(paged, "%t0", "%tpb").0,
@@ -58,8 +68,7 @@ pub(super) fn batch_keys(paged: Option<usize>) -> String {
     for j in 0..8 {
         out.push_str(&format!(
             "%tu{j} = arith.addi %t0, %ck{j} : index\n\
-             %tc{j} = arith.minui %tu{j}, %nkm1 : index\n\
-             %in{j} = arith.cmpi ult, %tu{j}, %nk : index\n{}",
+             %tc{j} = arith.minui %tu{j}, {last} : index\n{}",
             match whole {
                 Some(_) => format!("%to{j} = arith.subi %tc{j}, %t0 : index\n%tp{j} = arith.addi %tpb, %to{j} : index\n"),
                 None => super::key_row(paged, &format!("%tc{j}"), &format!("%tp{j}")).0,
@@ -78,8 +87,9 @@ pub(super) fn key_rows(paged: Option<usize>) -> &'static str {
     }
 }
 
-/// Fills `%sc` (allocated with `%nk8` entries, `%nk` rounded up to 8) with
-/// the unnormalised softmax weights of query row `%r`'s head at column
+/// Fills `sc` (`%sc`, or `%scb` for the second head of a pair; allocated
+/// with `%nk8` entries, `%nk` rounded up to 8) with the unnormalised
+/// softmax weights of query row `%r`'s head at column
 /// `%qb` over keys `0..%nk` at column `%kb`, and defines `%sum`, their sum,
 /// for MSA: only the batches of eight keys listed in `%bl[0..%nbl]` (in key
 /// order; every other key's weight would be exactly 0, and `%sc` is not
@@ -91,7 +101,15 @@ pub(super) fn key_rows(paged: Option<usize>) -> &'static str {
 /// `whole`: the selection is by blocks that hold whole batches (a block
 /// size that is a multiple of 8), so a batch's keys are allowed together
 /// and `allowed` is asked once, of its first key.
-pub(super) fn softmax8(q: (&str, Storage), k: (&str, Storage), d: usize, paged: Option<usize>, allowed: &str, whole: bool) -> String {
+pub(super) fn softmax8(
+    q: (&str, Storage),
+    k: (&str, Storage),
+    d: usize,
+    paged: Option<usize>,
+    allowed: &str,
+    whole: bool,
+    sc: &str,
+) -> String {
     debug_assert!(d.is_multiple_of(8));
     let ((qt, act), (kt, cache)) = (q, k);
     let mut keys = batch_keys(paged);
@@ -140,7 +158,7 @@ pub(super) fn softmax8(q: (&str, Storage), k: (&str, Storage), d: usize, paged: 
          \x20 %sv0 = arith.mulf %dv, %scale8 : {V}\n\
          \x20 %mask = vector.from_elements {vals} : vector<8xi1>\n\
          \x20 %sv = arith.select %mask, %sv0, %ninf8 : vector<8xi1>, {V}\n\
-         \x20 vector.store %sv, %sc[%t0] : memref<?xf32>, {V}\n\
+         \x20 vector.store %sv, {sc}[%t0] : memref<?xf32>, {V}\n\
          \x20 %mv2 = arith.maximumf %mv, %sv : {V}\n\
          \x20 scf.yield %mv2 : {V}\n\
          }}\n\
@@ -148,7 +166,7 @@ pub(super) fn softmax8(q: (&str, Storage), k: (&str, Storage), d: usize, paged: 
          %mx8 = vector.broadcast %mx : f32 to {V}\n\
          %sumv = scf.for %bi = %c0 to %nbl step %c1 iter_args(%sa = %z8) -> ({V}) {{\n\
          \x20 %t0 = memref.load %bl[%bi] : memref<?xindex>\n\
-         \x20 %sl = vector.load %sc[%t0] : memref<?xf32>, {V}\n\
+         \x20 %sl = vector.load {sc}[%t0] : memref<?xf32>, {V}\n\
          \x20 %slmax = vector.reduction <maximumf>, %sl : {V} into f32\n\
          \x20 %slive = arith.cmpf une, %slmax, %ninf : f32\n\
          \x20 %e = scf.if %slive -> ({V}) {{\n\
@@ -158,7 +176,7 @@ pub(super) fn softmax8(q: (&str, Storage), k: (&str, Storage), d: usize, paged: 
          \x20 }} else {{\n\
          \x20   scf.yield %z8 : {V}\n\
          \x20 }}\n\
-         \x20 vector.store %e, %sc[%t0] : memref<?xf32>, {V}\n\
+         \x20 vector.store %e, {sc}[%t0] : memref<?xf32>, {V}\n\
          \x20 %sa2 = arith.addf %sa, %e : {V}\n\
          \x20 scf.yield %sa2 : {V}\n\
          }}\n\
@@ -214,17 +232,14 @@ pub(super) fn dots8(dst: &str, x: (&str, &str, Storage, &str, &str), y: (&str, &
 pub(super) fn chains8(dst: &str, x: (&str, &str, Storage, &str, &str), y: (&str, &str, Storage, &str), rows: &str, n: &str) -> String {
     let p = dst.trim_start_matches('%');
     let ((xm, xt, xs, xr, xb), (ym, yt, ys, yb)) = (x, y);
-    let mut body = load_f32xn(8, &format!("%{p}_x"), xm, xt, xr, &format!("%{p}_xc"), xs);
+    let mut body = broadcast_columns(&format!("%{p}_b"), (xm, xt, xs), xr, &format!("%{p}_xc"));
     for j in 0..8 {
         body.push_str(&load_f32xn(8, &format!("%{p}_r{j}"), ym, yt, &format!("{rows}{j}"), &format!("%{p}_yc"), ys));
     }
     body.push_str(&transpose8(&format!("%{p}_col"), &(0..8).map(|j| format!("%{p}_r{j}")).collect::<Vec<_>>()));
     let mut acc = format!("%{p}_a");
     for d in 0..8 {
-        body.push_str(&format!(
-            "%{p}_b{d} = vector.shuffle %{p}_x, %{p}_x [{d}, {d}, {d}, {d}, {d}, {d}, {d}, {d}] : {V}, {V}\n\
-             %{p}_f{d} = math.fma %{p}_b{d}, %{p}_col{d}, {acc} : {V}\n"
-        ));
+        body.push_str(&format!("%{p}_f{d} = math.fma %{p}_b_{d}, %{p}_col{d}, {acc} : {V}\n"));
         acc = format!("%{p}_f{d}");
     }
     format!(
@@ -255,37 +270,143 @@ pub(super) fn chains8_multi(
     n: &str,
 ) -> String {
     let p = dst.trim_start_matches('%');
-    let ((xm, xt, xsto), (ym, yt, ys, yb)) = (x, y);
-    let mut body = format!("%{p}_yc = arith.addi {yb}, %{p}_c : index\n");
+    let (ym, yt, ys, yb) = y;
+    let mut cols = format!("%{p}_yc = arith.addi {yb}, %{p}_c : index\n");
     for j in 0..8 {
-        body.push_str(&load_f32xn(8, &format!("%{p}_r{j}"), ym, yt, &format!("{rows}{j}"), &format!("%{p}_yc"), ys));
+        cols.push_str(&load_f32xn(8, &format!("%{p}_r{j}"), ym, yt, &format!("{rows}{j}"), &format!("%{p}_yc"), ys));
     }
-    body.push_str(&transpose8(&format!("%{p}_col"), &(0..8).map(|j| format!("%{p}_r{j}")).collect::<Vec<_>>()));
-    let mut next = Vec::new();
+    cols.push_str(&transpose8(&format!("%{p}_col0_"), &(0..8).map(|j| format!("%{p}_r{j}")).collect::<Vec<_>>()));
+    column_chains(dst, x, xs, cols, 1, n)
+}
+
+/// [`chains8`] for several x rows at once and one or more batches of
+/// eight keys stored transposed ([`transpose_keys`]), into `{dst}:B·H`
+/// (batch `b`'s chain of x row `h` at `#(b·H + h)`; H = `xs.len()`, each
+/// x row's row and base column; `bases`: each batch's first column,
+/// counted in vectors of eight). Per eight columns, each batch's column
+/// vectors load as they are (transposing eight key rows there took 24
+/// shuffles a step) and each x column broadcasts once for every batch.
+/// Each chain is [`chains8`]'s operations in its order (a broadcast
+/// column of x, one fused multiply-add per column into the lane of each
+/// key) on the same values, so its scores are the same bits; only which
+/// chains advance together changes. A chain waits on its last
+/// multiply-add: H·B of them keep the FMA units busy where H alone (MSA's
+/// four index heads) left them half idle.
+pub(super) fn chains8_multi_t(dst: &str, x: (&str, &str, Storage), xs: &[(String, String)], kt: &str, bases: &[&str], n: &str) -> String {
+    let p = dst.trim_start_matches('%');
+    let mut cols = String::new();
+    for (b, base) in bases.iter().enumerate() {
+        for d in 0..8 {
+            cols.push_str(&format!(
+                "%{p}_k{b}_{d} = arith.constant {d} : index\n\
+                 %{p}_v{b}_{d}a = arith.addi {base}, %{p}_c : index\n\
+                 %{p}_v{b}_{d} = arith.addi %{p}_v{b}_{d}a, %{p}_k{b}_{d} : index\n\
+                 %{p}_o{b}_{d} = arith.muli %{p}_v{b}_{d}, %c8 : index\n\
+                 %{p}_col{b}_{d} = vector.load {kt}[%{p}_o{b}_{d}] : memref<?xf32>, {V}\n"
+            ));
+        }
+    }
+    column_chains(dst, x, xs, cols, bases.len(), n)
+}
+
+/// The loop of [`chains8_multi`] and [`chains8_multi_t`]: per eight
+/// columns (`%{p}_c`), `cols` defines each of `batches` batches' column
+/// vectors `%{p}_col{b}_{d}`; each x row's columns broadcast once, and
+/// each (batch, x row) chain takes one fused multiply-add per column, in
+/// column order, into `{dst}:B·H` (batch `b`, x row `h` at `#(b·H + h)`).
+fn column_chains(dst: &str, x: (&str, &str, Storage), xs: &[(String, String)], cols: String, batches: usize, n: &str) -> String {
+    let p = dst.trim_start_matches('%');
+    let (xm, xt, xsto) = x;
+    let mut body = cols;
     for (h, (xr, xb)) in xs.iter().enumerate() {
         body.push_str(&format!("%{p}_xc{h} = arith.addi {xb}, %{p}_c : index\n"));
-        body.push_str(&load_f32xn(8, &format!("%{p}_x{h}"), xm, xt, xr, &format!("%{p}_xc{h}"), xsto));
-        let mut acc = format!("%{p}_a{h}");
-        for d in 0..8 {
-            body.push_str(&format!(
-                "%{p}_b{h}_{d} = vector.shuffle %{p}_x{h}, %{p}_x{h} [{d}, {d}, {d}, {d}, {d}, {d}, {d}, {d}] : {V}, {V}\n\
-                 %{p}_f{h}_{d} = math.fma %{p}_b{h}_{d}, %{p}_col{d}, {acc} : {V}\n"
-            ));
-            acc = format!("%{p}_f{h}_{d}");
-        }
-        next.push(acc);
+        body.push_str(&broadcast_columns(&format!("%{p}_b{h}"), (xm, xt, xsto), xr, &format!("%{p}_xc{h}")));
     }
-    let inits = (0..xs.len()).map(|h| format!("%{p}_a{h} = %z8")).collect::<Vec<_>>().join(", ");
-    let tys = vec![V; xs.len()].join(", ");
+    let mut next = Vec::new();
+    for b in 0..batches {
+        for h in 0..xs.len() {
+            let mut acc = format!("%{p}_a{b}_{h}");
+            for d in 0..8 {
+                body.push_str(&format!("%{p}_f{b}_{h}_{d} = math.fma %{p}_b{h}_{d}, %{p}_col{b}_{d}, {acc} : {V}\n"));
+                acc = format!("%{p}_f{b}_{h}_{d}");
+            }
+            next.push(acc);
+        }
+    }
+    let inits = (0..batches).flat_map(|b| (0..xs.len()).map(move |h| format!("%{p}_a{b}_{h} = %z8"))).collect::<Vec<_>>().join(", ");
+    let tys = vec![V; next.len()].join(", ");
     format!(
         "{dst}:{} = scf.for %{p}_c = %c0 to {n} step %c8 iter_args({inits}) -> ({tys}) {{\n\
          {body}\
          \x20 scf.yield {} : {tys}\n\
          }}\n",
-        xs.len(),
+        next.len(),
         next.join(", "),
         body = indent(&body, 2),
     )
+}
+
+/// Keys `y` (memref, type, storage; `n` columns, a multiple of 8) stored
+/// transposed into `kt` (`memref<?xf32>`, f32 whatever `y` holds), for
+/// [`chains8_multi_t`]: batch `b` of eight keys, column `c` is the vector
+/// at `(b·n + c)·8`, lane j key `8b + j`. Batches `0..nb`, keys past `last`
+/// clamped to it (loadable rows; their scores are masked). A paged `y` is
+/// read through `%bt` ([`super::key_row`]). Needs `%c0`, `%c1`, `%c8`, `%ck0`..`%ck7`.
+pub(super) fn transpose_keys(y: (&str, &str, Storage), n: &str, kt: &str, nb: &str, last: &str, paged: Option<usize>) -> String {
+    let (ym, yt, ys) = y;
+    let mut step = String::new();
+    for j in 0..8 {
+        step.push_str(&load_f32xn(8, &format!("%tk_r{j}"), ym, yt, &format!("{}{j}", key_rows(paged)), "%tk_c", ys));
+    }
+    step.push_str(&transpose8("%tk_col", &(0..8).map(|j| format!("%tk_r{j}")).collect::<Vec<_>>()));
+    for d in 0..8 {
+        step.push_str(&format!(
+            "%tk_k{d} = arith.constant {d} : index\n\
+             %tk_v{d}a = arith.addi %tk_base, %tk_c : index\n\
+             %tk_v{d} = arith.addi %tk_v{d}a, %tk_k{d} : index\n\
+             %tk_o{d} = arith.muli %tk_v{d}, %c8 : index\n\
+             vector.store %tk_col{d}, {kt}[%tk_o{d}] : memref<?xf32>, {V}\n"
+        ));
+    }
+    format!(
+        "scf.for %tk_b = %c0 to {nb} step %c1 {{\n\
+         \x20 %t0 = arith.muli %tk_b, %c8 : index\n\
+         \x20 %tk_base = arith.muli %tk_b, {n} : index\n\
+         {}\
+         \x20 scf.for %tk_c = %c0 to {n} step %c8 {{\n\
+         {}\
+         \x20 }}\n\
+         }}\n",
+        indent(&batch_rows(paged, last), 2),
+        indent(&step, 4),
+    )
+}
+
+/// `{dst}_0`..`{dst}_7`: columns `c..c + 8` of x's row `r`, each broadcast
+/// to eight lanes. f32 rows broadcast straight from memory (a load port's
+/// work); the transposes already keep the shuffle unit busy, and splatting
+/// lanes of a loaded vector took eight more shuffles per head. Narrower
+/// storage loads a vector, widens it and splats its lanes.
+fn broadcast_columns(dst: &str, x: (&str, &str, Storage), r: &str, c: &str) -> String {
+    let (xm, xt, xsto) = x;
+    let d = dst.trim_start_matches('%');
+    if xsto != Storage::F32 {
+        let mut out = load_f32xn(8, &format!("%{d}_x"), xm, xt, r, c, xsto);
+        for j in 0..8 {
+            out.push_str(&format!("{dst}_{j} = vector.shuffle %{d}_x, %{d}_x [{j}, {j}, {j}, {j}, {j}, {j}, {j}, {j}] : {V}, {V}\n"));
+        }
+        return out;
+    }
+    (0..8)
+        .map(|j| {
+            format!(
+                "%{d}_k{j} = arith.constant {j} : index\n\
+                 %{d}_c{j} = arith.addi {c}, %{d}_k{j} : index\n\
+                 %{d}_s{j} = memref.load {xm}[{r}, %{d}_c{j}] : {xt}\n\
+                 {dst}_{j} = vector.broadcast %{d}_s{j} : f32 to {V}\n"
+            )
+        })
+        .collect()
 }
 
 /// `{dst}0`..`{dst}7`: the columns of the 8×8 matrix whose rows are `rows`
