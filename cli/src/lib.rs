@@ -1,6 +1,13 @@
 //! The `m3c` command line. Library code returns typed errors; this is the
 //! edge where they get context and become a message and an exit code.
 //! `src/main.rs` only calls [`main`], so that tests can build the same CLI.
+//!
+//! One module per command: `compile_cmd`, `plan_cmd`, `bench_cmd`,
+//! `run_cmd` (a run is a series of jobs, `run_jobs`, and `run_journal`
+//! carries each prompt's tokens across them) and `serve_cmd` (vLLM's flags,
+//! the build cache); `flags` holds the clap definitions. `inspect`,
+//! `init-tiny` and `report` are here, as is `check_weights_before_launch`,
+//! which reads the checkpoint as the stages will before mpirun starts.
 
 mod bench_cmd;
 mod compile_cmd;

@@ -5,6 +5,16 @@
 //! and the constants the device sampler writes into its code. The host
 //! sampler itself, the definition every target's sampler agrees with, is
 //! `m3c_sampler`.
+//!
+//! One table, [`FIELDS`] (each field's name, flag, kind, help and slot in
+//! the row), drives the text form, [`SamplingOverrides`] (its merge, and its
+//! reading of a request's or `generation_config.json`'s JSON), the row the
+//! device sampler reads, `m3c run`'s flags and the servers' field checks. A
+//! new field is an entry there and a field of the two structs, plus the
+//! device sampler's read of its slot when it acts on the logits.
+//! [`SamplingOverrides`] is the one merge of defaults: a request's or a
+//! prompts-file line's fields, over the flags, over the checkpoint's
+//! `generation_config.json`, over a base.
 
 /// The sampling parameters of one request.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -1,7 +1,10 @@
 //! The command line of a stage executable (every rank gets the same): one
 //! type, [`StageArgs`], with its one encoder ([`StageArgs::to_args`], what
 //! the front passes to mpirun) and its one parser ([`StageArgs::parse`],
-//! what each stage reads).
+//! what each stage reads). Options that exclude each other are one type
+//! each, so only one can be said: where the prompts come from
+//! ([`Prompts`]), the weights ([`Weights`]), the KV pool ([`KvPool`] and its
+//! [`PoolSize`]); [`GpuModes`] holds the GPU stages' modes.
 
 use std::path::PathBuf;
 

@@ -1,5 +1,6 @@
-//! The SIMT interpreter's What the lowering leaves of memref descriptors and inline PTX: `llvm.mlir.undef`, `llvm.insertvalue`, casts, `llvm.inline_asm`;
-//! and the one vendor intrinsic the kernels call, gfx942's fp8 converter (`rocdl.cvt.f32.fp8`).
+//! The SIMT interpreter's `llvm` ops: what the lowering leaves of memref descriptors and inline PTX (`llvm.mlir.undef`,
+//! `llvm.insertvalue`, casts, `llvm.inline_asm`), and the one vendor intrinsic the kernels call, gfx942's fp8 converter
+//! (`rocdl.cvt.f32.fp8`).
 
 use super::*;
 

@@ -8,7 +8,9 @@
 //! tests and the demo are built on.
 //!
 //! Adding a family (docs/ARCHITECTURE.md, "Adding a model family"): a module
-//! under `family/` implementing [`ModelFamily`], and one line in [`FAMILIES`]. A family that needs an operation the shared
+//! under `family/` implementing [`ModelFamily`], its `mod` line and its entry
+//! in [`FAMILIES`]; its chat markers are a `ChatFormat` in
+//! `contract/src/chat_format/`. A family that needs an operation the shared
 //! vocabulary lacks adds an [`Op`] and its kernel, as any new kernel does; it
 //! never adds a branch on the family to shared code.
 //!

@@ -1,10 +1,15 @@
 //! Stage lowering: a stage's slice of the model graph → fused kernel calls →
 //! one MLIR module (the kernels it needs, each once per shape, and the stage
-//! entry `m3c_stage_step` that runs them in graph order).
+//! entry `m3c_stage_step` that runs them in graph order; with the vision
+//! tower, `m3c_stage_vision`; with an EAGLE3 head, `m3c_draft_first` and
+//! `m3c_draft_next`).
 //!
-//! The module is target-neutral; `backend::host` turns it into an object.
-//! Weights are not read here: the entry receives a table of pointers, in the
-//! order of [`StageProgram::tensors`], which the runtime fills at start-up.
+//! The fused program ([`FusedStage`]) is the same for every target; the
+//! target's back end (`backend::Backend::module`) writes it as the host's
+//! module (the entry calls the kernels) or a GPU module (the entry launches
+//! `gpu.func`s), and compiles it. Weights are not read here: the entry
+//! receives a table of pointers, in the order of [`StageProgram::tensors`],
+//! which the runtime fills at start-up.
 
 mod entry;
 pub mod fuse;

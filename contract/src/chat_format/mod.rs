@@ -13,9 +13,9 @@
 //!
 //! A family is found by its `config.json`'s `architectures`, as the
 //! compiler's family registry finds it. A new family with its own markers
-//! is one file here and one line in [`FORMATS`]; one whose tool calls are
-//! not MiniMax's XML (`<invoke>` and `<parameter>`-style tags behind a mark)
-//! also brings a reader for them.
+//! is one file here, its `mod` line and its entry in [`FORMATS`]; one whose
+//! tool calls are not MiniMax's XML (`<invoke>` and `<parameter>`-style tags
+//! behind a mark) also brings a reader for them (in `m3c_serve::output`).
 
 mod minimax_m3;
 

@@ -3,7 +3,9 @@
 //! (here), then one rank per stage on the plan's hosts, every stage with
 //! the same arguments ([`mpirun`]), a job that spans hosts checked host by
 //! host first ([`preflight`]), and a failed job's end read and reaped
-//! ([`job_end`]).
+//! ([`job_end`]). Where ranks run (the plan's hosts, or a placement per
+//! replica with each rank's `--node-share`) is `placement`'s; a job's
+//! memory against the machine's, before mpirun starts, is [`memory`]'s.
 
 mod job_end;
 pub mod memory;
