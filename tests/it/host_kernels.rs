@@ -505,21 +505,25 @@ fn pool_row(table: &[i64], b: usize, t: usize) -> usize {
 /// sequence owns hold NaN, so a read through a wrong row shows. Pages (and
 /// MSA blocks) of 4 keys, and of 8: pages that hold whole batches of eight
 /// keys, as the real model's 128 do, whose batches look their pool rows up
-/// once (MSA's narrow heads then go two at a time, `head_pairs`).
+/// once (MSA's narrow heads then go two at a time, `head_pairs`); and of
+/// 64 over 150 positions: pages that hold whole P·V tiles, whose keys'
+/// rows follow from the tile's first (the blocked kernel's lookup once per
+/// tile).
 #[test]
 fn paged_attention_and_cache_writes_equal_contiguous_ones_bit_for_bit() {
-    for b in [4, 8] {
-        paged_equals_contiguous(b);
+    for (b, cap) in [(4, 26), (8, 26), (64, 150)] {
+        paged_equals_contiguous(b, cap);
     }
 }
 
 /// [`paged_attention_and_cache_writes_equal_contiguous_ones_bit_for_bit`]
-/// for pages of `b` keys.
-fn paged_equals_contiguous(b: usize) {
+/// for pages of `b` keys and a context of `cap` positions.
+fn paged_equals_contiguous(b: usize, cap: usize) {
     use m3c_kernels::SparseSel;
     let dir = tempfile::tempdir().unwrap();
-    let (heads, kv, cap) = (4usize, 2usize, 26usize);
-    // Up to seven blocks for 26 positions, scattered over a pool of 20.
+    let (heads, kv) = (4usize, 2usize);
+    // Up to seven blocks for the positions, scattered over a pool of 20.
+    assert!(cap <= 7 * b);
     let table: Vec<i64> = vec![13, 2, 19, 7, 0, 11, 5];
     let pool_rows = 20 * b;
     let sel = SparseSel { index_heads: 2, index_dim: 8, block: b, topk: 2, local: 1, init: 1 };

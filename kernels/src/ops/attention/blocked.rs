@@ -39,10 +39,13 @@ struct Layout {
     acc: &'static str,
     acc_row: &'static str,
     acc_ty: String,
+    /// Each P·V tile's keys sit in one block of the paged cache
+    /// ([`tile_page`]).
+    one_page: bool,
 }
 
 impl Layout {
-    fn of(k: &super::Attention) -> Layout {
+    fn of(k: &super::Attention, keys: Keys) -> Layout {
         let super::Attention { heads, kv_heads, head_dim: d, act, cache, .. } = *k;
         let qt = act.rows_ty(heads * d);
         let kt = cache.rows_ty(kv_heads * d);
@@ -51,7 +54,7 @@ impl Layout {
             Storage::F32 => (("%o", "%r0i"), qt.clone()),
             Storage::Bf16 | Storage::Fp8 => (("%oacc", "%ii"), acct.clone()),
         };
-        Layout { qt, kt, acct, acc, acc_row, acc_ty }
+        Layout { qt, kt, acct, acc, acc_row, acc_ty, one_page: tile_in_one_page(k, keys) }
     }
 }
 
@@ -60,7 +63,7 @@ impl Layout {
 pub(super) fn host(k: &super::Attention) -> String {
     let super::Attention { heads, kv_heads, head_dim: d, scale, paged, .. } = *k;
     debug_assert!(d.is_multiple_of(8));
-    let l = Layout::of(k);
+    let l = Layout::of(k, Keys::Dense);
     let idx0 = index_consts(&[("cg", heads / kv_heads), ("ckv", kv_heads), ("cd", d), ("c2", 2)]);
     format!(
         "{BASICS}\
@@ -104,7 +107,7 @@ pub(super) fn host(k: &super::Attention) -> String {
 /// add 0·v, which leaves a sum as it was for any finite v.
 pub(super) fn msa_block(k: &super::Attention, msa_block: usize, select: &str, teardown: &str) -> String {
     debug_assert!(k.head_dim.is_multiple_of(8) && msa_block.is_multiple_of(8));
-    let l = Layout::of(k);
+    let l = Layout::of(k, Keys::Msa { select, teardown });
     format!(
         "{consts}\
          {VECTOR_CONSTS}\
@@ -495,10 +498,12 @@ fn values_phase(k: &super::Attention, l: &Layout, keys: Keys) -> String {
         return format!(
             "scf.for %tb = %c0 to %nkmax step %cKB {{\n\
              \x20 %tbe = arith.addi %tb, %cKB : index\n\
+             {}\
              \x20 scf.for %iia = %c0 to %nr step %c1 {{\n\
              {}\
              \x20 }}\n\
              }}\n",
+            indent(&tile_page(k, keys), 2),
             indent(&single, 4)
         );
     }
@@ -508,6 +513,7 @@ fn values_phase(k: &super::Attention, l: &Layout, keys: Keys) -> String {
          %npairs = arith.divui %npairs0, %c2 : index\n\
          scf.for %tb = %c0 to %nkmax step %cKB {{\n\
          \x20 %tbe = arith.addi %tb, %cKB : index\n\
+         {page}\
          \x20 scf.for %pi = %c0 to %npairs step %c1 {{\n\
          \x20   %iia = arith.muli %pi, %c2 : index\n\
          \x20   %iib = arith.addi %iia, %c1 : index\n\
@@ -519,6 +525,7 @@ fn values_phase(k: &super::Attention, l: &Layout, keys: Keys) -> String {
          \x20   }}\n\
          \x20 }}\n\
          }}\n",
+        page = indent(&tile_page(k, keys), 2),
         pair = indent(&pair, 6),
         single = indent(&single, 6),
     )
@@ -567,9 +574,37 @@ fn msa_values_phase(k: &super::Attention, l: &Layout, wide: bool) -> String {
          scf.for %tb = %vb0 to %vb1 step %cKB {{\n\
          \x20 %tbe = arith.addi %tb, %cKB : index\n\
          {}\
+         {}\
          }}\n",
+        indent(&tile_page(k, Keys::Msa { select: "", teardown: "" }), 2),
         indent(&rows, 2)
     ))
+}
+
+/// Keys per P·V tile: [`KEYS`], or for MSA the tile that never straddles
+/// two of its blocks.
+fn tile_keys(k: &super::Attention, keys: Keys) -> usize {
+    match (keys, k.sparse) {
+        (Keys::Msa { .. }, Some(s)) => msa_tile(s.block),
+        _ => KEYS,
+    }
+}
+
+/// Whether a P·V tile's keys sit in one block of a paged cache: tiles
+/// start at multiples of their width, so they do where a cache block
+/// holds whole tiles. Its keys' rows then follow the tile's first.
+fn tile_in_one_page(k: &super::Attention, keys: Keys) -> bool {
+    k.paged.is_some_and(|b| b.is_multiple_of(tile_keys(k, keys)))
+}
+
+/// The pool row of tile `%tb`'s first key, `%tpt`, looked up in the block
+/// table once per tile rather than once per key and row ([`keys_loop`]).
+fn tile_page(k: &super::Attention, keys: Keys) -> String {
+    if tile_in_one_page(k, keys) {
+        key_row(k.paged, "%tb", "%tpt").0
+    } else {
+        String::new()
+    }
 }
 
 /// A chunk of P·V columns: its first column and its vectors of 8.
@@ -662,7 +697,11 @@ fn acc_io(k: &super::Attention, pc: &PvChunk, acc: &str, row: &str, acc_ty: &str
 /// loaded once, each row's sums a multiply then an add (fused where the
 /// CPU has FMA), in key order.
 fn keys_loop(k: &super::Attention, l: &Layout, pc: &PvChunk, from: &str, to: &str, inits: &str, rows: &[(&str, &str)]) -> String {
-    let (vrow, vt) = key_row(k.paged, "%t", "%tp");
+    let (vrow, vt) = if l.one_page {
+        ("%tpo = arith.subi %t, %tb : index\n%tp = arith.addi %tpt, %tpo : index\n".to_string(), "%tp".to_string())
+    } else {
+        key_row(k.paged, "%t", "%tp")
+    };
     let tys = vec![V; pc.nv * rows.len()].join(", ");
     let mut body = vrow;
     for i in 0..pc.nv {
