@@ -83,7 +83,12 @@ impl Engine {
         // (The proposer reads the ids in place: a copy of every sequence's
         // history each plan would cost more than most drafts save.)
         let (draft, ask) = match self.spec.as_mut() {
-            Some(sp) => (sp.draft(seq, &s.ids, k), if draws { sp.ask(seq, s.chunks.is_empty()) } else { Ask::CacheOnly }),
+            Some(sp) => {
+                if k == 0 && s.chunks.is_empty() {
+                    sp.shadow(seq, &s.ids);
+                }
+                (sp.draft(seq, &s.ids, k), if draws { sp.ask(seq, s.chunks.is_empty()) } else { Ask::CacheOnly })
+            }
             None => (Vec::new(), Ask::CacheOnly),
         };
         ids.extend_from_slice(&draft);

@@ -45,7 +45,11 @@ impl Engine {
         }
         if let Some(sp) = self.spec.as_mut() {
             sp.proposed(s.seq, &d.proposals);
-            if !drafts.is_empty() {
+            if drafts.is_empty() {
+                if let Some(&first) = l.ids.len().checked_sub(taken).filter(|_| taken > 0).and_then(|i| l.ids.get(i)) {
+                    sp.observe_drawn(s.seq, first);
+                }
+            } else {
                 let accepted = taken.saturating_sub(1).min(drafts.len());
                 sp.observe_verify(s.seq, drafts.len(), accepted);
                 self.effects.push(Effect::Event(Event::Spec { seq: s.seq, drafted: drafts.len(), accepted }));

@@ -29,7 +29,11 @@
 //! What it has not measured yet (a plain step's cost, or a drafting one's)
 //! it measures, with no drafts or with the proposer's full K, and it tries
 //! the full K again once in a while, so a choice not to speculate is
-//! revisited.
+//! revisited. Where drafts cost nothing to make (n-gram lookup, in the
+//! engine), a plain step's draft is made anyway and checked against the
+//! token drawn ([`Speculator::shadow`]): acceptance stays measured while
+//! nothing is drafted, so text that starts to repeat is drafted within a
+//! few steps rather than at the next try.
 //!
 //! A third method is one file: a type that implements [`Proposer`].
 
@@ -168,6 +172,10 @@ pub struct Speculator {
     may_draft: bool,
     /// Draft lengths chosen for each sequence's last step (its next ask).
     chosen: BTreeMap<usize, usize>,
+    /// Where drafts cost nothing to make (the engine's own lookup), the
+    /// first token a sequence's plain decode step would have drafted: the
+    /// token it draws says whether that draft would have been kept.
+    shadow: BTreeMap<usize, i64>,
 }
 
 impl Speculator {
@@ -187,6 +195,7 @@ impl Speculator {
             retrying: false,
             may_draft: false,
             chosen: BTreeMap::new(),
+            shadow: BTreeMap::new(),
         }
     }
 
@@ -377,6 +386,31 @@ impl Speculator {
         self.proposer.draft(seq, ids, limit)
     }
 
+    /// `seq`'s decode step takes no drafts: where a draft costs nothing to
+    /// make (not a head on the stages), its first token is kept aside, and
+    /// [`Speculator::observe_drawn`] learns from the drawn token whether it
+    /// would have been kept. So a sequence's acceptance stays measured
+    /// while it does not draft: a choice not to draft, made on the misses
+    /// of a generation's first steps, is revised as soon as its text starts
+    /// to repeat, not only at the next try.
+    pub fn shadow(&mut self, seq: usize, ids: &[i64]) {
+        self.shadow.remove(&seq);
+        if !self.may_draft || self.fixed.is_some() || self.proposer.runs_on_stages() {
+            return;
+        }
+        if let Some(&guess) = self.proposer.draft(seq, ids, 1).first() {
+            self.shadow.insert(seq, guess);
+        }
+    }
+
+    /// `seq`'s plain decode step drew `id`: its shadow draft, if it had one,
+    /// counts as a verify of one draft.
+    pub fn observe_drawn(&mut self, seq: usize, id: i64) {
+        if let Some(guess) = self.shadow.remove(&seq) {
+            self.observe_verify(seq, 1, usize::from(guess == id));
+        }
+    }
+
     /// What the draft head does after this step of `seq` (one that draws;
     /// `decode`: a decode step, else its prompt's last chunk): proposals
     /// when its next step is likely to take some (a decode step took some
@@ -407,11 +441,13 @@ impl Speculator {
     pub fn preempted(&mut self, seq: usize) {
         self.proposer.forget(seq);
         self.chosen.remove(&seq);
+        self.shadow.remove(&seq);
     }
 
     pub fn forget(&mut self, seq: usize) {
         self.proposer.forget(seq);
         self.seqs.remove(&seq);
         self.chosen.remove(&seq);
+        self.shadow.remove(&seq);
     }
 }

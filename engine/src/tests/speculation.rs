@@ -77,6 +77,29 @@ fn dear_rows_are_not_drafted_once_measured() {
     assert!(s.plans[..12].iter().any(|p| p.verifies()), "tried first");
 }
 
+/// Text nothing predicts for its first 40 generated tokens (after a
+/// prompt of 8), then text that repeats itself.
+fn predictable_late(ids: &[i64]) -> i64 {
+    if ids.len() < 48 {
+        hashed(ids)
+    } else {
+        periodic(ids)
+    }
+}
+
+#[test]
+fn text_that_becomes_predictable_is_drafted_without_waiting_for_a_try() {
+    // Its first drafts miss, so the model stops drafting; the drafts it
+    // does not make are still checked against the drawn tokens, so once
+    // the text repeats it drafts again within a few steps, long before
+    // the next try (256 plans on).
+    let s = run(predictable_late, Some(ngram(3)), cheap_rows, 160);
+    let verifies = |from: usize, to: usize| s.plans[from..to].iter().filter(|p| p.verifies()).count();
+    assert!(s.plans[..12].iter().any(|p| p.verifies()), "tried first");
+    assert!(verifies(12, 40) <= 2, "not drafted while the text is unpredictable: {}", verifies(12, 40));
+    assert!(verifies(40, 80) > 20, "drafted once it repeats: {} of 40 plans", verifies(40, 80));
+}
+
 #[test]
 fn unpredictable_text_is_not_drafted_once_its_acceptance_is_known() {
     // Cheap rows but drafts that miss: a few tries, then plain steps.
