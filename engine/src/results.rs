@@ -46,8 +46,9 @@ impl Engine {
         if let Some(sp) = self.spec.as_mut() {
             sp.proposed(s.seq, &d.proposals);
             if drafts.is_empty() {
-                if let Some(&first) = l.ids.len().checked_sub(taken).filter(|_| taken > 0).and_then(|i| l.ids.get(i)) {
-                    sp.observe_drawn(s.seq, first);
+                // The step's token: `take_tokens` appended the `taken` it kept.
+                if taken > 0 {
+                    sp.observe_drawn(s.seq, l.ids[l.ids.len() - taken]);
                 }
             } else {
                 let accepted = taken.saturating_sub(1).min(drafts.len());

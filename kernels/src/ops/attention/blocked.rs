@@ -503,7 +503,7 @@ fn values_phase(k: &super::Attention, l: &Layout, keys: Keys) -> String {
              {}\
              \x20 }}\n\
              }}\n",
-            indent(&tile_page(k, keys), 2),
+            indent(&tile_page(k, l), 2),
             indent(&single, 4)
         );
     }
@@ -525,7 +525,7 @@ fn values_phase(k: &super::Attention, l: &Layout, keys: Keys) -> String {
          \x20   }}\n\
          \x20 }}\n\
          }}\n",
-        page = indent(&tile_page(k, keys), 2),
+        page = indent(&tile_page(k, l), 2),
         pair = indent(&pair, 6),
         single = indent(&single, 6),
     )
@@ -576,7 +576,7 @@ fn msa_values_phase(k: &super::Attention, l: &Layout, wide: bool) -> String {
          {}\
          {}\
          }}\n",
-        indent(&tile_page(k, Keys::Msa { select: "", teardown: "" }), 2),
+        indent(&tile_page(k, l), 2),
         indent(&rows, 2)
     ))
 }
@@ -599,8 +599,8 @@ fn tile_in_one_page(k: &super::Attention, keys: Keys) -> bool {
 
 /// The pool row of tile `%tb`'s first key, `%tpt`, looked up in the block
 /// table once per tile rather than once per key and row ([`keys_loop`]).
-fn tile_page(k: &super::Attention, keys: Keys) -> String {
-    if tile_in_one_page(k, keys) {
+fn tile_page(k: &super::Attention, l: &Layout) -> String {
+    if l.one_page {
         key_row(k.paged, "%tb", "%tpt").0
     } else {
         String::new()
