@@ -2,12 +2,13 @@
 //! starts them. The tokenizer and chat template (`text`), the image
 //! processor and image prompts (`vision`), and the compiled OUT folder
 //! opened and launched under mpirun (`launch`, which first sweeps the
-//! session folders killed launchers left: `stale_sessions`), and the pipeline's
+//! session folders killed launchers left: `mpi_sessions`, which also gives
+//! each launch its own), and the pipeline's
 //! timeline collected and read back (`trace`). `m3c run` and `m3c serve`
 //! both build on it; it links nothing of the compiler (no MLIR, no LLVM).
 
 pub mod launch;
-pub mod stale_sessions;
+pub mod mpi_sessions;
 pub mod text;
 pub mod trace;
 pub mod vision;

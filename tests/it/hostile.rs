@@ -774,7 +774,9 @@ fn d21_a_model_truncated_during_a_run_is_named() {
 /// Defect 22: Open MPI's session folders (about 8 MB each) of launchers that
 /// were killed stayed in the temporary folder for good; one full test run
 /// left 15. A launch removes those of dead launchers, and a run that ends
-/// normally leaves none of its own.
+/// normally leaves none of its own. Each launch keeps its session folder
+/// in a base of its own (the CI failure of stop 64: a job starting while
+/// another ended failed in orte_init, "mkdir … File exists").
 #[test]
 fn d22_killed_launchers_session_folders_are_swept() {
     let tmp = tempfile::tempdir().unwrap();
@@ -799,6 +801,17 @@ fn d22_killed_launchers_session_folders_are_swept() {
         .filter(|j| j.file_name().is_some_and(|n| n.to_string_lossy().starts_with("pid.")))
         .collect();
     assert!(left.is_empty(), "session folders left after a normal run: {left:?}");
+    // The run's mpirun kept its session folder in a BASE of its own (so
+    // that no other job's end could remove it while it started), which
+    // Open MPI emptied at the end; the next launch removes it, as its m3c
+    // is gone.
+    let bases = tmp.path().join(format!("m3c-mpi.{uid}"));
+    let mine: Vec<PathBuf> = std::fs::read_dir(&bases).unwrap().flatten().map(|b| b.path()).collect();
+    assert_eq!(mine.len(), 1, "{mine:?}");
+    assert_eq!(std::fs::read_dir(&mine[0]).unwrap().count(), 0, "{} is not empty", mine[0].display());
+    let o = m3c_tests::m3c_env(&args, &[("TMPDIR", tmp.path().to_str().unwrap())]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!mine[0].exists(), "the first run's session base is still there");
 }
 
 /// Defect 23: `m3c compile` on a full disk said `linking …/stage-0: mpicc

@@ -13,7 +13,7 @@ impl Compiled {
         placement: &Placement,
         program: impl Fn(usize, &mut std::process::Command),
     ) -> std::process::Command {
-        crate::stale_sessions::sweep_mine();
+        crate::mpi_sessions::sweep_mine();
         let mut cmd = std::process::Command::new("mpirun");
         // No core binding: each rank runs its kernels on several threads (the
         // runtime shares the node's cores among its ranks).
@@ -29,6 +29,13 @@ impl Compiled {
             }
         }
         cmd.args(&launch.mpirun_args);
+        // A session folder of its own, so that no other job's end removes
+        // it while this one starts (mpi_sessions), unless the user chose one.
+        let chosen =
+            std::env::var_os("OMPI_MCA_orte_tmpdir_base").is_some() || launch.mpirun_args.iter().any(|a| a.contains("orte_tmpdir_base"));
+        if !chosen {
+            cmd.args(["--mca", "orte_tmpdir_base"]).arg(crate::mpi_sessions::launch_base());
+        }
         if is_root() {
             cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1").env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
         }
