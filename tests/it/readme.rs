@@ -255,8 +255,8 @@ fn kind(text: &str) -> Kind {
 /// The README's placeholders in terms of this test's folder: the tiny
 /// fixture is the model (copied as `MiniMax-M3`, so the served name is the
 /// README's), `out` is OUT, the tiny EAGLE3 head the draft, the fixture's
-/// MSA block and context the recipe's, and the server's port one that is
-/// free.
+/// MSA block and context the recipe's, and the server's port `port`, the
+/// running server's.
 fn substitute(line: &str, port: u16) -> String {
     let draft = fixture("eagle3-tiny");
     let mut s = line.to_string();
@@ -276,10 +276,20 @@ fn substitute(line: &str, port: u16) -> String {
         s = replace_words(&s, from, to);
     }
     s = s.replace("localhost:8000", &format!("localhost:{port}"));
+    // The server listens where the system puts it (a port picked here and
+    // released could be another test's server by the time it starts);
+    // the running server's port is read from its start-up line.
     if s.starts_with("m3c serve ") {
-        s.push_str(&format!(" --port {port}"));
+        s.push_str(" --port 0");
     }
     s
+}
+
+/// The port in a server's start-up line (`m3c serve: http://ADDR:PORT/v1
+/// serves …`), once it has said it.
+fn served_port(log: &str) -> Option<u16> {
+    let rest = &log[log.find("m3c serve: http://")? + "m3c serve: http://".len()..];
+    rest[..rest.find("/v1")?].rsplit_once(':')?.1.parse().ok()
 }
 
 /// `from` replaced where it stands as a whole word (letters, digits and
@@ -303,6 +313,7 @@ fn replace_words(s: &str, from: &str, to: &str) -> String {
 /// the files its examples name.
 struct Session {
     dir: tempfile::TempDir,
+    /// The running server's port, as its start-up line said (0 before).
     port: u16,
     server: Option<(Child, String)>,
 }
@@ -325,8 +336,7 @@ impl Session {
         std::fs::copy(&png, d.join("cat.png")).unwrap();
         std::fs::copy(fixture("video").join("clip.mp4"), d.join("clip.mp4")).unwrap();
         std::fs::write(d.join("prompts.txt"), "1,2,3\n4,5\n").unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        Session { dir, port, server: None }
+        Session { dir, port: 0, server: None }
     }
 
     fn command(&self, program: &str) -> Command {
@@ -379,11 +389,14 @@ impl Session {
             .unwrap();
         self.server = Some((child, at.to_string()));
         let deadline = Instant::now() + Duration::from_secs(300);
-        let url = format!("http://127.0.0.1:{}/health", self.port);
         loop {
-            let up = Command::new("curl").args(["-sf", "-m", "2", &url]).output().is_ok_and(|o| o.status.success());
-            if up {
-                return Ok(String::new());
+            // Its own /health: the port it said it listens on.
+            if let Some(port) = served_port(&std::fs::read_to_string(&log).unwrap_or_default()) {
+                let url = format!("http://127.0.0.1:{port}/health");
+                if Command::new("curl").args(["-sf", "-m", "2", &url]).output().is_ok_and(|o| o.status.success()) {
+                    self.port = port;
+                    return Ok(String::new());
+                }
             }
             let exited = self.server.as_mut().and_then(|(c, _)| c.try_wait().ok().flatten());
             if exited.is_some() || Instant::now() > deadline {
@@ -553,4 +566,9 @@ fn the_block_reader_splits_lines_comments_and_synopses_as_the_shell_would() {
     assert_eq!(kind("version: 1\nstages:\n"), Kind::Text);
     assert_eq!(kind("m3c: error: the hosts are not ready\n"), Kind::Text);
     assert_eq!(kind("A=\"x\"\nmpirun -np 1 a\n"), Kind::Shell);
+    let log = "m3c serve: compiling\nm3c serve: http://0.0.0.0:41234/v1 serves `tiny` (1 stage(s))\n";
+    assert_eq!(served_port(log), Some(41234));
+    assert_eq!(served_port("m3c serve: compiling\n"), None);
+    assert!(substitute("m3c serve MODEL_DIR", 9).ends_with(" --port 0"));
+    assert_eq!(substitute("curl -s localhost:8000/health", 41234), "curl -s localhost:41234/health");
 }
