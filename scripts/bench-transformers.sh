@@ -6,12 +6,19 @@
 # Installs torch and transformers (the versions the fixtures were made
 # with) into .venv-ref/ on first use.
 #   scripts/bench-transformers.sh MODEL_DIR [N]     prints: prefill TOK/S decode TOK/S
+# REF_ISA=avx2 keeps torch, MKL and oneDNN to AVX2 (an AVX2 host's
+# reference, on a machine that has AVX-512).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model=${1:?usage: scripts/bench-transformers.sh MODEL_DIR [PROMPT_TOKENS]}
 n=${2:-512}
 RUNS=${RUNS:-3}
 venv=.venv-ref
+case ${REF_ISA:-} in
+  "") ;;
+  avx2) export ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 ;;
+  *) echo "$0: REF_ISA must be avx2 or unset, not $REF_ISA" >&2; exit 2 ;;
+esac
 if ! "$venv/bin/python" -c "import torch, transformers" 2>/dev/null; then
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q torch==2.15.0 transformers==5.24.0 safetensors >&2
