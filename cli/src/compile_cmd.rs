@@ -161,7 +161,7 @@ pub(crate) fn inputs(args: &CompileArgs) -> Result<Inputs> {
             _ => m3c_compiler::compile::Emit::Ptx,
         });
     }
-    if emit.contains(&m3c_compiler::compile::Emit::Ptx) && !m3c_compiler::backend::backend(&p.target).has_device_code() {
+    if emit.contains(&m3c_compiler::compile::Emit::Ptx) && !m3c_compiler::backend::backend(&p.target, "x86-64-v3").has_device_code() {
         bail!("--emit ptx needs a GPU target (--target cuda, or `target: cuda` in the plan); {} has no device code", p.target);
     }
     let cpu = m3c_compiler::backend::resolve_cpu(&args.cpu)?;

@@ -6,7 +6,7 @@
 use crate::backend::host;
 use crate::compile::link::OMP_DIR;
 pub use m3c_kernels::WeightType;
-use m3c_kernels::{module, Kernel, Linear, Storage};
+use m3c_kernels::{Kernel, Linear, Storage};
 use std::ffi::c_void;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -120,7 +120,8 @@ pub fn linears(cases: &[LinearCase], cpu: &str, min: Duration, dir: &Path) -> Re
         .iter()
         .map(|c| Kernel::Linear(Linear { inp: c.inp, out: c.out, weight: c.weight, act: Storage::F32, out_act: Storage::F32 }))
         .collect();
-    let lib = load(&module(&kernels), cpu, dir, "linears")?;
+    let width = m3c_kernels::HostWidth::of_lanes(crate::backend::widest_f32_lanes(cpu));
+    let lib = load(&m3c_kernels::module_at(&kernels, width), cpu, dir, "linears")?;
     let mut out = Vec::new();
     for (case, k) in cases.iter().zip(&kernels) {
         let (rows, inp, o) = (case.rows, case.inp, case.out);

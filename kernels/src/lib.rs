@@ -31,6 +31,30 @@ pub fn indent(body: &str, n: usize) -> String {
     emit::indent(body, n)
 }
 
+/// The widest f32 vectors of the CPU host code is compiled for. A kernel
+/// with a wider form ([`KernelUnit::host_body_at`]) gives the same bits in
+/// either: the wider one runs two of the narrower one's 8-lane sums in one
+/// register, each lane with the same operations in the same order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum HostWidth {
+    /// 8 f32 lanes, 16 registers (AVX2, and the portable levels).
+    #[default]
+    Lanes8,
+    /// 16 f32 lanes, 32 registers (AVX-512).
+    Lanes16,
+}
+
+impl HostWidth {
+    /// The width of a CPU whose widest f32 vector has `lanes` lanes.
+    pub fn of_lanes(lanes: usize) -> HostWidth {
+        if lanes >= 16 {
+            HostWidth::Lanes16
+        } else {
+            HostWidth::Lanes8
+        }
+    }
+}
+
 /// How f32 values are kept in memory: KV and MSA index-key caches
 /// (`--kv-cache`) and the activations that pass between kernels and stages
 /// (`--activations`). Kernels compute in f32 either way; `Bf16` halves the
@@ -220,14 +244,24 @@ impl Kernel {
         self.unit().deps()
     }
 
-    /// The MLIR text of this kernel's host `func.func`.
+    /// The MLIR text of this kernel's host `func.func` (8-lane vectors).
     pub fn mlir(&self) -> String {
-        unit::host_func(self.unit())
+        self.mlir_at(HostWidth::Lanes8)
+    }
+
+    /// [`Kernel::mlir`] for CPUs with vectors of `width`.
+    pub fn mlir_at(&self, width: HostWidth) -> String {
+        unit::host_func(self.unit(), width)
     }
 
     /// Globals (lookup tables) the kernel refers to, by name and MLIR text.
     pub fn globals(&self) -> Vec<(String, String)> {
         self.unit().globals()
+    }
+
+    /// [`Kernel::globals`] of [`Kernel::mlir_at`]'s form.
+    pub fn globals_at(&self, width: HostWidth) -> Vec<(String, String)> {
+        self.unit().globals_at(width)
     }
 
     /// The `gpu.func` kernels this kernel runs as on the GPU `t`.
@@ -258,7 +292,12 @@ impl fmt::Display for Kernel {
 /// A module holding `kernels` and what they call (each once, in the order
 /// first needed) and the globals they need.
 pub fn module(kernels: &[Kernel]) -> String {
-    module_with(kernels, &[], "")
+    module_with(kernels, &[], "", HostWidth::Lanes8)
+}
+
+/// [`module`] for CPUs with vectors of `width`.
+pub fn module_at(kernels: &[Kernel], width: HostWidth) -> String {
+    module_with(kernels, &[], "", width)
 }
 
 /// Each kernel of `kernels`, and each kernel they call, as a module of its
@@ -266,21 +305,21 @@ pub fn module(kernels: &[Kernel]) -> String {
 /// the kernels it calls. The modules are compiled one by one (a back end
 /// caches each by its text, so a kernel shared by stages, splits and
 /// compiles is compiled once), and the objects linked together equal
-/// [`module`]'s. In the order [`module`] emits them.
-pub fn host_units(kernels: &[Kernel]) -> Vec<(String, String)> {
+/// [`module_at`]'s. In the order [`module`] emits them.
+pub fn host_units(kernels: &[Kernel], width: HostWidth) -> Vec<(String, String)> {
     let mut seen = std::collections::BTreeSet::new();
     let mut units = Vec::new();
-    fn visit(k: &Kernel, seen: &mut std::collections::BTreeSet<String>, units: &mut Vec<(String, String)>) {
+    fn visit(k: &Kernel, w: HostWidth, seen: &mut std::collections::BTreeSet<String>, units: &mut Vec<(String, String)>) {
         if !seen.insert(k.symbol()) {
             return;
         }
         let deps = k.deps();
         for d in &deps {
-            visit(d, seen, units);
+            visit(d, w, seen, units);
         }
         // Globals are private (constants, helpers) or declarations, so a
         // copy in every unit that needs one links without a clash.
-        let globals: std::collections::BTreeMap<String, String> = k.globals().into_iter().collect();
+        let globals: std::collections::BTreeMap<String, String> = k.globals_at(w).into_iter().collect();
         let mut text = String::from("module {\n");
         for g in globals.values() {
             text.push_str(g);
@@ -289,12 +328,12 @@ pub fn host_units(kernels: &[Kernel]) -> Vec<(String, String)> {
         for d in decls {
             text.push_str(&d);
         }
-        text.push_str(&k.mlir());
+        text.push_str(&k.mlir_at(w));
         text.push_str("}\n");
         units.push((k.symbol(), text));
     }
     for k in kernels {
-        visit(k, &mut seen, &mut units);
+        visit(k, width, &mut seen, &mut units);
     }
     units
 }
@@ -308,12 +347,13 @@ pub fn host_decl(k: &Kernel) -> String {
 
 /// [`module`] plus view helpers for `views` and extra functions (`tail`, a
 /// stage entry) that call them.
-pub fn module_with(kernels: &[Kernel], views: &[MemTy], tail: &str) -> String {
+pub fn module_with(kernels: &[Kernel], views: &[MemTy], tail: &str, width: HostWidth) -> String {
     let mut seen = std::collections::BTreeSet::new();
     let mut globals = std::collections::BTreeMap::new();
     let mut body = String::new();
     fn visit(
         k: &Kernel,
+        w: HostWidth,
         seen: &mut std::collections::BTreeSet<String>,
         globals: &mut std::collections::BTreeMap<String, String>,
         body: &mut String,
@@ -322,15 +362,15 @@ pub fn module_with(kernels: &[Kernel], views: &[MemTy], tail: &str) -> String {
             return;
         }
         for d in k.deps() {
-            visit(&d, seen, globals, body);
+            visit(&d, w, seen, globals, body);
         }
-        for (name, text) in k.globals() {
+        for (name, text) in k.globals_at(w) {
             globals.insert(name, text);
         }
-        body.push_str(&k.mlir());
+        body.push_str(&k.mlir_at(w));
     }
     for k in kernels {
-        visit(k, &mut seen, &mut globals, &mut body);
+        visit(k, width, &mut seen, &mut globals, &mut body);
     }
     for v in views {
         globals.insert(v.view_fn(), v.view_fn_text());

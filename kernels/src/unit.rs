@@ -6,7 +6,7 @@
 
 use crate::emit::indent;
 use crate::gpu::{GpuCall, GpuFunc, GpuTarget, BLOCK, GPU_MODULE};
-use crate::{Kernel, Storage};
+use crate::{HostWidth, Kernel, Storage};
 use std::fmt;
 
 /// One argument of a kernel: its SSA name (without `%`) and MLIR type.
@@ -42,6 +42,12 @@ pub trait KernelUnit: fmt::Debug {
     /// The host body: the statements of the `func.func`, its parameters in
     /// scope by name.
     fn host_body(&self) -> String;
+    /// The host body for CPUs with vectors of `width`: [`Self::host_body`]
+    /// unless the kernel has a wider form (the same bits either way).
+    fn host_body_at(&self, width: HostWidth) -> String {
+        let _ = width;
+        self.host_body()
+    }
     /// The `gpu.func` kernels it runs as on the GPU `t`.
     fn gpu_funcs(&self, t: &GpuTarget) -> Vec<GpuFunc>;
     /// Host statements launching the GPU functions over the arguments of a
@@ -58,15 +64,20 @@ pub trait KernelUnit: fmt::Debug {
     fn globals(&self) -> Vec<(String, String)> {
         Vec::new()
     }
+    /// [`Self::globals`] of [`Self::host_body_at`]'s form.
+    fn globals_at(&self, width: HostWidth) -> Vec<(String, String)> {
+        let _ = width;
+        self.globals()
+    }
 }
 
-/// The host `func.func` of a kernel.
-pub fn host_func(k: &dyn KernelUnit) -> String {
+/// The host `func.func` of a kernel, for CPUs with vectors of `width`.
+pub fn host_func(k: &dyn KernelUnit, width: HostWidth) -> String {
     format!(
         "  func.func @{}({}) attributes {{llvm.emit_c_interface}} {{\n{}  }}\n",
         k.symbol(),
         params_text(&k.params()),
-        indent(&k.host_body(), 4)
+        indent(&k.host_body_at(width), 4)
     )
 }
 

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 fn tiny_pp2_stages_snapshots() {
     let src = ModelSource::open(&fixture("tiny-m3")).unwrap();
     let plan = load_plan(&configs("tiny-m3.pp2.yaml"), Some(&src.config)).unwrap();
-    let programs = m3c_compiler::compile::lower_all(&src.config, &plan, Default::default(), None).unwrap();
+    let programs = m3c_compiler::compile::lower_all(&src.config, &plan, Default::default(), None, "x86-64-v3").unwrap();
     assert_eq!(programs.len(), 2);
     for p in &programs {
         let k = p.index;
@@ -38,7 +38,7 @@ fn tiny_pp2_stages_snapshots() {
 fn the_real_vision_tower_is_one_loop_of_32_layers() {
     let src = ModelSource::open(&configs("minimax-m3-mxfp8.config.json")).unwrap();
     let plan = load_plan(&configs("minimax-m3-mxfp8.pp4.yaml"), Some(&src.config)).unwrap();
-    let p = m3c_compiler::compile::lower_all(&src.config, &plan, Default::default(), None).unwrap().remove(0);
+    let p = m3c_compiler::compile::lower_all(&src.config, &plan, Default::default(), None, "x86-64-v3").unwrap().remove(0);
     let v = p.vision.as_ref().expect("stage 0 holds the vision tower");
     let l = v.layers.as_ref().expect("the encoder layers are one loop");
     assert_eq!(

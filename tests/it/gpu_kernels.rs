@@ -708,7 +708,7 @@ fn gpu_stage_logits(plan_head: &str, model: &str, act: Storage, gemm: bool, deco
     .unwrap();
     let plan = m3c_compiler::plan::load_plan(&plan_file, Some(cfg)).unwrap();
     let storages = m3c_compiler::lower::Storages { kv_cache: Storage::F32, activations: act };
-    let prog = m3c_compiler::compile::lower_all(cfg, &plan, storages, None).unwrap().remove(0);
+    let prog = m3c_compiler::compile::lower_all(cfg, &plan, storages, None, "x86-64-v3").unwrap().remove(0);
     let mut g = Gpu::new(&prog.mlir).unwrap();
     g.gemm = gemm;
     let ck = m3c_compiler::weights::Checkpoint::open(&dir).unwrap();
@@ -914,7 +914,7 @@ fn vision_golden(plan_head: &str) {
     std::fs::write(&plan_file, format!("{plan_head}stages:\n  - layers: \"0-7\"\n")).unwrap();
     let plan = m3c_compiler::plan::load_plan(&plan_file, Some(cfg)).unwrap();
     let storages = m3c_compiler::lower::Storages { kv_cache: Storage::F32, activations: Storage::F32 };
-    let prog = m3c_compiler::compile::lower_all(cfg, &plan, storages, None).unwrap().remove(0);
+    let prog = m3c_compiler::compile::lower_all(cfg, &plan, storages, None, "x86-64-v3").unwrap().remove(0);
     let mut g = Gpu::new(&prog.mlir).unwrap();
     let ck = m3c_compiler::weights::Checkpoint::open(&dir).unwrap();
     let table: Vec<u64> = prog.tensors.iter().map(|t| g.mem.put(ck.bytes(&ck.tensors[&t.name]))).collect();
@@ -1031,9 +1031,14 @@ impl CudaPipeline {
         let tmp = tempfile::tempdir().unwrap();
         std::fs::write(tmp.path().join("plan.yaml"), yaml).unwrap();
         let plan = m3c_compiler::plan::load_plan(&tmp.path().join("plan.yaml"), Some(cfg)).unwrap();
-        let progs =
-            m3c_compiler::compile::lower_all(cfg, &plan, m3c_compiler::lower::Storages { kv_cache: Storage::F32, activations: act }, None)
-                .unwrap();
+        let progs = m3c_compiler::compile::lower_all(
+            cfg,
+            &plan,
+            m3c_compiler::lower::Storages { kv_cache: Storage::F32, activations: act },
+            None,
+            "x86-64-v3",
+        )
+        .unwrap();
         let ck = m3c_compiler::weights::Checkpoint::open(&dir).unwrap();
         let stages = progs
             .iter()

@@ -5,7 +5,7 @@
 use m3c_compiler::backend::host;
 use m3c_compiler::tiny::encode::{bf16_to_f32, e4m3_to_f32, e8m0_to_f32};
 use m3c_compiler::weights::Checkpoint;
-use m3c_kernels::{module, Kernel, Storage, WeightType};
+use m3c_kernels::{module, module_at, HostWidth, Kernel, Storage, WeightType};
 use m3c_tests::fixture;
 
 /// Dense, unpaged attention of `heads` query heads over `kv` KV heads of
@@ -52,7 +52,12 @@ fn lin_f32(inp: usize, out: usize, weight: WeightType) -> Kernel {
 
 /// Compiles `kernels` and loads them as a shared library.
 pub(crate) fn build(kernels: &[Kernel], dir: &std::path::Path) -> libloading::Library {
-    let art = host::compile(&module(kernels), "x86-64-v2").expect("host back end");
+    build_at(kernels, HostWidth::Lanes8, "x86-64-v2", dir)
+}
+
+/// [`build`] of the kernels' `width` form, compiled for `cpu`.
+fn build_at(kernels: &[Kernel], width: HostWidth, cpu: &str, dir: &std::path::Path) -> libloading::Library {
+    let art = host::compile(&module_at(kernels, width), cpu).expect("host back end");
     assert!(art.llvm_ir.contains("define"), "LLVM IR has functions");
     let obj = dir.join("k.o");
     let so = dir.join("k.so");
@@ -1112,6 +1117,85 @@ fn linear_rows_are_bit_identical_alone_and_in_any_batch() {
     // Only the panel's weight types, and a few rows alone: the weights are
     // 35 M values.
     linear_rows_alone_and_batched(2816, 12288, &[100], Some(&[0, 2, 95, 96, 99]));
+}
+
+/// The 16-lane form of the tiled linear (AVX-512: two outputs' lane sums a
+/// register, micro-tiles of 4 rows × 8 outputs) gives the 8-lane form's
+/// bits, for every weight type and activation storage, whole rows and
+/// leftovers of the micro-tiles (rows 1-3, outputs past a group of 8),
+/// unblocked and K-blocked reductions, on 2 threads. Where the CPU lacks
+/// AVX-512 the 16-lane form is compiled (its 16-lane FMAs checked in the
+/// IR) but cannot run.
+#[test]
+fn linear_16_lane_form_gives_the_8_lane_bits() {
+    let avx512 = ["avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"].iter().all(|f| match *f {
+        "avx512f" => std::arch::is_x86_feature_detected!("avx512f"),
+        "avx512bw" => std::arch::is_x86_feature_detected!("avx512bw"),
+        "avx512cd" => std::arch::is_x86_feature_detected!("avx512cd"),
+        "avx512dq" => std::arch::is_x86_feature_detected!("avx512dq"),
+        _ => std::arch::is_x86_feature_detected!("avx512vl"),
+    });
+    let kinds = [
+        (WeightType::F32, Storage::F32),
+        (WeightType::F32, Storage::Bf16),
+        (WeightType::BF16, Storage::F32),
+        (WeightType::Mxfp8 { block: 32 }, Storage::F32),
+        (WeightType::BF16, Storage::Bf16),
+    ];
+    let mut compared = 0;
+    for (out, inp, rows) in [(150, 1024, 45), (37, 64, 11), (20, 2560, 13)] {
+        let dir = tempfile::tempdir().unwrap();
+        let kernels: Vec<Kernel> =
+            kinds.iter().map(|&(weight, act)| Kernel::Linear(m3c_kernels::Linear { inp, out, weight, act, out_act: act })).collect();
+        // x86-64-v3, m3c's default: FMA, as AVX-512 has (x86-64-v2 has none,
+        // so its products round on their own).
+        let narrow = build_at(&kernels, HostWidth::Lanes8, "x86-64-v3", dir.path());
+        let wide_dir = tempfile::tempdir().unwrap();
+        let text = module_at(&kernels, HostWidth::Lanes16);
+        let ir = host::compile(&text, "x86-64-v4").expect("the 16-lane form compiles").llvm_ir;
+        let fma16 = ir.lines().any(|l| l.contains("fadd contract <16 x float>") || l.contains("@llvm.fma.v16f32"));
+        assert!(fma16, "{out}x{inp}: no 16-lane multiply-adds in the 16-lane form");
+        if !avx512 {
+            continue;
+        }
+        let wide = build_at(&kernels, HostWidth::Lanes16, "x86-64-v4", wide_dir.path());
+        let wf: Vec<f32> = (0..out * inp).map(|i| ((i * 7919 % 2003) as f32 / 1001.5) - 1.0).collect();
+        let w16: Vec<u16> = wf.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+        let w8: Vec<u8> = (0..out * inp).map(|i| (i * 7919 % 251) as u8).map(|b| if b & 0x7F == 0x7F { 0x11 } else { b }).collect();
+        let s8: Vec<u8> = (0..out * inp / 32).map(|i| 124 + (i * 31 % 6) as u8).collect();
+        let xf = input(rows, inp);
+        let xb: Vec<u16> = xf.iter().map(|&v| bf16_nearest_even(v)).collect();
+        for (k, &(weight, act)) in kernels.iter().zip(&kinds) {
+            let run = |lib: &libloading::Library, n: usize| -> Vec<u32> {
+                let (xm32, xm16) = (m2(&xf[..n * inp], n, inp), m2(&xb[..n * inp], n, inp));
+                let xp = if act == Storage::F32 { p(&xm32) } else { p(&xm16) };
+                let (y32, y16) = (vec![f32::NAN; n * out], vec![0xFFFFu16; n * out]);
+                let (ym32, ym16) = (m2(&y32, n, out), m2(&y16, n, out));
+                let yp = if act == Storage::F32 { p(&ym32) } else { p(&ym16) };
+                let (wm32, wm16, wm8, sm) = (m2(&wf, out, inp), m2(&w16, out, inp), m2(&w8, out, inp), m2(&s8, out, inp / 32));
+                // SAFETY: one live descriptor per argument of this kernel, shaped as its params() say.
+                with_threads(lib, 2, || unsafe {
+                    match weight {
+                        WeightType::F32 => call(lib, k, &[xp, p(&wm32), yp]),
+                        WeightType::Mxfp8 { .. } => call(lib, k, &[xp, p(&wm8), p(&sm), yp]),
+                        _ => call(lib, k, &[xp, p(&wm16), yp]),
+                    }
+                });
+                if act == Storage::F32 {
+                    y32.iter().map(|v| v.to_bits()).collect()
+                } else {
+                    y16.iter().map(|&v| v as u32).collect()
+                }
+            };
+            for n in [1, 2, 3, 5, rows] {
+                let (a, b) = (run(&narrow, n), run(&wide, n));
+                let first = a.iter().zip(&b).position(|(x, y)| x != y);
+                assert!(first.is_none(), "{out}x{inp} {weight:?} {act:?}, {n} rows: output {first:?} differs between 8 and 16 lanes");
+                compared += 1;
+            }
+        }
+    }
+    assert!(!avx512 || compared == 3 * kinds.len() * 5, "{compared} comparisons");
 }
 
 /// Runs `f` with the kernels' OpenMP thread count set to `threads` for

@@ -103,7 +103,7 @@ fn the_compiled_vision_tower_matches_every_reference_intermediate() {
     let tmp = tempfile::tempdir().unwrap();
     std::fs::write(tmp.path().join("plan.yaml"), "version: 1\nstages:\n  - layers: \"0-7\"\n").unwrap();
     let plan = m3c_compiler::plan::load_plan(&tmp.path().join("plan.yaml"), Some(cfg)).unwrap();
-    let prog = m3c_compiler::compile::lower_all(cfg, &plan, m3c_compiler::lower::Storages::default(), None).unwrap().remove(0);
+    let prog = m3c_compiler::compile::lower_all(cfg, &plan, m3c_compiler::lower::Storages::default(), None, "x86-64-v3").unwrap().remove(0);
     let vision = prog.vision.clone().expect("the embedding's stage holds the vision tower");
     let used: Vec<m3c_kernels::Kernel> = prog
         .kernels

@@ -7,7 +7,7 @@ use super::{cuda, host, hsaco, ptx_report, rocm};
 use crate::lower::FusedStage;
 use anyhow::{Context, Result};
 use m3c_contract::target::Target;
-use m3c_kernels::GpuTarget;
+use m3c_kernels::{GpuTarget, HostWidth};
 use std::path::Path;
 
 /// A piece of a stage compiled on its own: a kernel, the entry, or a
@@ -67,27 +67,30 @@ pub trait Backend: Sync {
     }
 }
 
-/// The back end of `target`.
-pub fn backend(target: &Target) -> Box<dyn Backend> {
+/// The back end of `target`, its host code for the x86-64 `cpu`.
+pub fn backend(target: &Target, cpu: &str) -> Box<dyn Backend> {
     match target {
-        Target::Host => Box::new(Host),
+        Target::Host => Box::new(Host { width: HostWidth::of_lanes(super::widest_f32_lanes(cpu)) }),
         Target::Cuda { arch } => Box::new(Cuda { arch: arch.clone() }),
         Target::Rocm { arch } => Box::new(Rocm { chip: arch.clone() }),
     }
 }
 
-/// x86-64: the kernels are called from the entry on the CPU.
-struct Host;
+/// x86-64: the kernels are called from the entry on the CPU, generated
+/// for its vector width (the same bits at either).
+struct Host {
+    width: HostWidth,
+}
 
 impl Backend for Host {
     fn module(&self, fused: &FusedStage) -> Result<String, String> {
-        crate::lower::host_module(fused)
+        crate::lower::host_module(fused, self.width)
     }
 
     /// One unit per kernel and one for the entry: a kernel is compiled once
     /// however many stages, splits and compiles use it.
     fn units(&self, stage: usize, fused: &FusedStage) -> Result<Vec<Unit>, String> {
-        let units = crate::lower::host_units(fused)?;
+        let units = crate::lower::host_units(fused, self.width)?;
         Ok(units
             .into_iter()
             .map(|(name, mlir)| {

@@ -244,7 +244,7 @@ fn meta_globals(json: &str) -> String {
 
 /// Lowers every stage of `plan` for its target (no back end): what
 /// `--emit mlir` shows and what the compile id hashes.
-pub fn lower_all(cfg: &ModelConfig, plan: &Plan, storages: Storages, draft: Option<&DraftHead>) -> Result<Vec<StageProgram>> {
+pub fn lower_all(cfg: &ModelConfig, plan: &Plan, storages: Storages, draft: Option<&DraftHead>, cpu: &str) -> Result<Vec<StageProgram>> {
     // bf16 rows travel between stages as f32 words (MPI, NCCL), two to a word.
     if storages.activations == m3c_kernels::Storage::Bf16 && !cfg.text.hidden_size.is_multiple_of(2) {
         anyhow::bail!(
@@ -257,7 +257,7 @@ pub fn lower_all(cfg: &ModelConfig, plan: &Plan, storages: Storages, draft: Opti
     if let Some(d) = draft {
         crate::graph::draft::tap_aux_states(&mut graph, &d.aux_layers).map_err(|e| anyhow::anyhow!("{}: {e}", cfg.source.display()))?;
     }
-    let backend = crate::backend::backend(&plan.target);
+    let backend = crate::backend::backend(&plan.target, cpu);
     let last = plan.stages.len().saturating_sub(1);
     // Aux states made on stages 0..=i: the slots stage i passes on.
     let made: Vec<usize> = plan
@@ -315,7 +315,7 @@ fn lower(req: &CompileRequest) -> Result<Lowered> {
     let mut plan = req.plan.clone();
     plan.model = None;
     let plan_json = serde_json::to_string(&plan).context("plan serialisation")?;
-    let programs = lower_all(cfg, req.plan, req.storages, req.draft)?;
+    let programs = lower_all(cfg, req.plan, req.storages, req.draft, &req.cpu)?;
     // The draft's config by content (its folder's path is no input).
     let draft_sha = match req.draft {
         Some(d) => {
@@ -346,7 +346,7 @@ fn lower(req: &CompileRequest) -> Result<Lowered> {
 }
 
 pub fn compile(req: &CompileRequest) -> Result<Compiled> {
-    let backend = crate::backend::backend(&req.plan.target);
+    let backend = crate::backend::backend(&req.plan.target, &req.cpu);
     let cfg = req.config;
     let Lowered { programs, compile_id, config_sha, plan_json, runtime_sha, draft_sha } = lower(req)?;
     let target_name = req.plan.target.to_string();

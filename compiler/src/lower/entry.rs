@@ -16,7 +16,7 @@
 //! the runtime (`m3c_buf_alloc/free/copy`), host or device memory by target.
 
 use super::fuse::{Arg, FusedStage, Step};
-use m3c_kernels::{GpuTarget, MemTy, Storage};
+use m3c_kernels::{GpuTarget, HostWidth, MemTy, Storage};
 use std::collections::BTreeSet;
 use std::fmt::Write;
 
@@ -622,25 +622,26 @@ fn check(e: &Emitter) -> Result<(), String> {
     }
 }
 
-/// The whole module of a stage for the host: kernels, view helpers and the entry.
-pub fn module(f: &FusedStage) -> Result<String, String> {
+/// The whole module of a stage for the host (CPUs with vectors of
+/// `width`): kernels, view helpers and the entry.
+pub fn module(f: &FusedStage, width: HostWidth) -> Result<String, String> {
     let mut e = entry_body(f, Flavor::Host);
     let vision = vision_text(&mut e, f);
     let draft = draft_text(&mut e, f);
     check(&e)?;
     let views: Vec<MemTy> = e.views.iter().cloned().collect();
-    Ok(m3c_kernels::module_with(&f.kernels, &views, &format!("{}{}{vision}{draft}", runtime_decls(), entry_func(&e.body))))
+    Ok(m3c_kernels::module_with(&f.kernels, &views, &format!("{}{}{vision}{draft}", runtime_decls(), entry_func(&e.body)), width))
 }
 
 /// The same stage as separately compiled modules: one per kernel (see
 /// [`m3c_kernels::host_units`]) and, last, `entry`: the view helpers, the
 /// runtime's and the kernels' declarations and the two entries.
-pub fn host_units(f: &FusedStage) -> Result<Vec<(String, String)>, String> {
+pub fn host_units(f: &FusedStage, width: HostWidth) -> Result<Vec<(String, String)>, String> {
     let mut e = entry_body(f, Flavor::Host);
     let vision = vision_text(&mut e, f);
     let draft = draft_text(&mut e, f);
     check(&e)?;
-    let mut units = m3c_kernels::host_units(&f.kernels);
+    let mut units = m3c_kernels::host_units(&f.kernels, width);
     let mut entry = String::from("module {\n");
     for v in &e.views {
         entry.push_str(&v.view_fn_text());

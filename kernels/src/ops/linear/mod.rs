@@ -8,7 +8,7 @@ use crate::emit::{e8m0_to_f32, fp8_lut_global, load_f32, load_weight_f32, mul_ad
 use crate::gpu::{warp_dots, GpuCall, GpuFunc, GpuTarget, WeightArgs, ROWS_PER_PASS, WARPS};
 use crate::host::index_consts;
 use crate::unit::{gpu_func_block, param, KernelUnit, Launch, Param};
-use crate::{indent, Storage, WeightType};
+use crate::{indent, HostWidth, Storage, WeightType};
 
 /// `y = x Wᵀ` with `W: [out, inp]`; `x` stored as `act`, `y` as `out_act`
 /// (f32 for the logits whatever the activations are).
@@ -45,9 +45,12 @@ impl KernelUnit for Linear {
     /// per block applied to the block's partial sum), so each weight byte is read
     /// once and never expanded in memory. `x` is stored as `act`, `y` as `out_act`.
     fn host_body(&self) -> String {
+        self.host_body_at(HostWidth::Lanes8)
+    }
+    fn host_body_at(&self, width: HostWidth) -> String {
         let Linear { inp, out, weight, act, out_act } = *self;
         if tiled::vectorizes(inp, weight) {
-            return tiled::body(inp, out, weight, act, out_act);
+            return tiled::body(inp, out, weight, act, out_act, width);
         }
         let x = act.rows_ty(inp);
         let y = out_act.rows_ty(out);
@@ -187,9 +190,12 @@ impl KernelUnit for Linear {
         ))
     }
     fn globals(&self) -> Vec<(String, String)> {
+        self.globals_at(HostWidth::Lanes8)
+    }
+    fn globals_at(&self, width: HostWidth) -> Vec<(String, String)> {
         let Linear { inp, weight, act, out_act, .. } = *self;
         if tiled::vectorizes(inp, weight) {
-            return tiled::globals(inp, weight, act, out_act);
+            return tiled::globals(inp, weight, act, out_act, width);
         }
         match weight {
             WeightType::Mxfp8 { .. } => vec![("m3c_fp8_e4m3_lut".into(), fp8_lut_global())],

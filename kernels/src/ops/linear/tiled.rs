@@ -16,6 +16,14 @@
 //! power-of-two scale is exact in f32), so a row's result is the same bits
 //! alone or in a batch, in any prefill chunk, on any thread count.
 //!
+//! # AVX-512: two sums a register
+//! On CPUs with 16-lane vectors ([`HostWidth::Lanes16`]) the prefill
+//! micro-tiles hold two outputs' 8 lane sums in one register: the row's 8
+//! activations twice against 8 weights of each output, one FMA for both.
+//! Each lane still takes the same products in the same order, so the bits
+//! are the 8-lane form's, and the micro-tile goes to 6 rows (12 such
+//! registers of the 32, as 3 rows make 12 of AVX2's 16).
+//!
 //! # Code size
 //! The micro-tiles are functions of their own ([`Micro`]), shared by every
 //! linear of a module with the same weight format and activation storage:
@@ -24,13 +32,19 @@
 
 use crate::emit::{e8m0_to_f32, hsum, indent, load_f32xn, parallel_or_serial, store_f32, E8M0_CONSTANTS};
 use crate::host::{index_consts, BASICS};
-use crate::{Storage, WeightType};
+use crate::{HostWidth, Storage, WeightType};
 
 /// Lanes of a dot product's partial sums: one AVX2 register of f32.
 pub const LANES: usize = 8;
 
-/// Rows of the prefill micro-tile.
+/// Rows of the prefill micro-tile at 8 lanes.
 const MR: usize = 3;
+/// Rows and outputs of the prefill micro-tile at 16 lanes (outputs in
+/// pairs, a register each): 16 accumulators of the 32 registers, and the
+/// row's activations read for 8 outputs, not 4, so that the rows' stream
+/// from L2 stays within what L2 gives at twice the FMA rate.
+const MR_WIDE: usize = 4;
+const NR_WIDE: usize = 8;
 /// Outputs of every micro-tile.
 const NR: usize = 4;
 
@@ -81,6 +95,12 @@ pub fn vectorizes(inp: usize, weight: WeightType) -> bool {
 }
 
 const V: &str = "vector<8xf32>";
+/// Two outputs' lane sums (16-lane micro-tiles).
+const V2: &str = "vector<16xf32>";
+/// `vector.shuffle` indices: `a`'s 8 lanes, then `b`'s.
+const CAT: &str = "[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]";
+/// `vector.shuffle` indices: `a`'s 8 lanes twice.
+const TWICE: &str = "[0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7]";
 /// The lane-sum scratch: `[row, output, lane]` within a tile.
 const ACC: &str = "memref<?x?x8xf32>";
 
@@ -103,11 +123,14 @@ struct Micro {
     /// The format of `w`: a panel is f32.
     weight: WeightType,
     act: Storage,
+    /// Outputs in pairs, one 16-lane register each (`n` even, f32 weights).
+    pair: bool,
 }
 
 impl Micro {
     fn symbol(&self) -> String {
-        format!("m3c_linear_tile{}x{}_{}{}", self.m, self.n, self.weight.tag(), self.act.act_suffix())
+        let p = if self.pair { "_p16" } else { "" };
+        format!("m3c_linear_tile{}x{}{p}_{}{}", self.m, self.n, self.weight.tag(), self.act.act_suffix())
     }
     fn x_ty(&self) -> String {
         format!("memref<?x?x{}>", self.act.mlir_elem())
@@ -146,7 +169,10 @@ impl Micro {
     /// activation registers, one weight register and the m·n accumulators
     /// (16 at 3 × 4) are live and nothing spills.
     fn step(&self, a: &str, b: &str, col: &str, t: &str) -> String {
-        let Micro { m, n, weight, act } = *self;
+        if self.pair {
+            return self.step_pairs(a, b, col, t);
+        }
+        let Micro { m, n, weight, act, .. } = *self;
         let (xt, wt) = (self.x_ty(), self.w_ty());
         let mut s = String::new();
         for j in 0..m {
@@ -172,11 +198,41 @@ impl Micro {
         s
     }
 
+    /// [`Micro::step`] with outputs in pairs: each row's 8 activations
+    /// twice in one register, each pair's 8 weights of both outputs in
+    /// another, one 16-lane FMA for the 2 × 8 lane sums.
+    fn step_pairs(&self, a: &str, b: &str, col: &str, t: &str) -> String {
+        let Micro { m, n, weight, act, .. } = *self;
+        let (xt, wt) = (self.x_ty(), self.w_ty());
+        let mut s = String::new();
+        for j in 0..m {
+            s.push_str(&load_f32xn(LANES, &format!("%kx{j}{t}"), "%x", &xt, &Self::row(j), col, act));
+            s.push_str(&format!("%kxx{j}{t} = vector.shuffle %kx{j}{t}, %kx{j}{t} {TWICE} : {V}, {V}\n"));
+        }
+        s.push_str(&format!("%kwc{t} = arith.addi {col}, %wc : index\n"));
+        for p in 0..n / 2 {
+            for q in [2 * p, 2 * p + 1] {
+                let (w, o, col) = (format!("%wk{q}{t}"), format!("%kw{q}"), format!("%kwc{t}"));
+                s.push_str(&weight_vector(weight, ("%w", &wt), &w, (&o, &col), &format!("%ksv{q}")));
+            }
+            s.push_str(&format!("%wp{p}{t} = vector.shuffle %wk{}{t}, %wk{}{t} {CAT} : {V}, {V}\n", 2 * p, 2 * p + 1));
+            for j in 0..m {
+                let i = j * (n / 2) + p;
+                s.push_str(&format!(
+                    "%kpr{j}_{p}{t} = arith.mulf %kxx{j}{t}, %wp{p}{t} fastmath<contract> : {V2}\n\
+                     %{b}{i} = arith.addf %{a}{i}, %kpr{j}_{p}{t} fastmath<contract> : {V2}\n"
+                ));
+            }
+        }
+        s
+    }
+
     /// Two MXFP8 steps, at `%ki` and `%ki + 8`, from 16 fp8 weights per
     /// output decoded at once: the integer operations that make their f16
     /// bits then run on 16 lanes of one register, not 8 of one each. Every
     /// sum still takes column `%ki`'s product, then `%ki + 8`'s.
     fn step16(&self, a: &str, b: &str) -> String {
+        debug_assert!(!self.pair);
         let Micro { m, n, act, .. } = *self;
         let (xt, wt) = (self.x_ty(), self.w_ty());
         let mut s = String::from("%ki2 = arith.addi %ki, %cl : index\n");
@@ -233,13 +289,25 @@ impl Micro {
             head.push_str(&fp8_consts(2 * LANES));
             head.push_str(&format!("%cl16 = arith.constant {} : index\n", 2 * LANES));
         }
-        let n_acc = m * n;
-        let tys = vec![V; n_acc].join(", ");
+        // Accumulator `a` holds row a / per's sums of output a % per, or
+        // of the pair of outputs 2 (a % per) and the one after.
+        let (per, vt) = if self.pair { (n / 2, V2) } else { (n, V) };
+        let n_acc = m * per;
+        let tys = vec![vt; n_acc].join(", ");
         let names = |p: &str| (0..n_acc).map(|a| format!("%{p}{a}")).collect::<Vec<_>>();
         let iter_args = |p: &str, init: &[String]| (0..n_acc).map(|a| format!("%{p}{a} = {}", init[a])).collect::<Vec<_>>().join(", ");
-        let slot = |a: usize| format!("%acs[%ka{}, %kc{}, %c0] : {ACC}, {V}", a / n, a % n);
+        let slot = |j: usize, q: usize| format!("%acs[%ka{j}, %kc{q}, %c0] : {ACC}, {V}");
         for a in 0..n_acc {
-            rowhead.push_str(&format!("%kin{a} = vector.load {}\n", slot(a)));
+            let (j, q) = (a / per, a % per);
+            if self.pair {
+                rowhead.push_str(&format!(
+                    "%kin{a}_0 = vector.load {}\n%kin{a}_1 = vector.load {}\n%kin{a} = vector.shuffle %kin{a}_0, %kin{a}_1 {CAT} : {V}, {V}\n",
+                    slot(j, 2 * q),
+                    slot(j, 2 * q + 1)
+                ));
+            } else {
+                rowhead.push_str(&format!("%kin{a} = vector.load {}\n", slot(j, q)));
+            }
         }
         let body = match self.mxfp8_block() {
             // Block by block, each with its four scales.
@@ -303,7 +371,23 @@ impl Micro {
                 names("n").join(", "),
             ),
         };
-        let stores: String = (0..n_acc).map(|a| format!("vector.store %acc#{a}, {}\n", slot(a))).collect();
+        let stores: String = (0..n_acc)
+            .map(|a| {
+                let (j, q) = (a / per, a % per);
+                if !self.pair {
+                    return format!("vector.store %acc#{a}, {}\n", slot(j, q));
+                }
+                let half = |h: usize| {
+                    format!(
+                        "%kout{a}_{h} = vector.extract_strided_slice %acc#{a} {{offsets = [{}], sizes = [{LANES}], strides = [1]}} : {V2} to {V}\n\
+                         vector.store %kout{a}_{h}, {}\n",
+                        h * LANES,
+                        slot(j, 2 * q + h)
+                    )
+                };
+                half(0) + &half(1)
+            })
+            .collect();
         // The row groups loop here, not around the call: the call's entry
         // (about 60 instructions unpacking memref descriptors) is then paid
         // once per output quad and K block, not once per 1,152 FMAs.
@@ -428,12 +512,13 @@ struct Tiles {
     outs_direct: usize,
 }
 
-fn tiles_of(inp: usize, out: usize) -> Tiles {
-    // A multiple of NR, with enough tiles for every core to get some.
-    let outs = |n: usize| n.min(out.div_ceil(16)).max(NR).next_multiple_of(NR);
+fn tiles_of(inp: usize, out: usize, (mr, nr): (usize, usize)) -> Tiles {
+    // A multiple of the micro-tiles' outputs, with enough tiles for every
+    // core to get some.
+    let outs = |n: usize, nr: usize| n.min(out.div_ceil(16)).max(nr).next_multiple_of(nr);
     let fit = TILE_BYTES / (k_block(inp) * 4);
-    let (rows, outs_packed) = if inp > KC_FROM { (KC_ROWS, KC_OUTS) } else { (fit.clamp(MR, 96) / MR * MR, fit) };
-    Tiles { rows, outs_packed: outs(outs_packed), outs_balanced: inp > KC_FROM, outs_direct: outs(fit) }
+    let (rows, outs_packed) = if inp > KC_FROM { (KC_ROWS, KC_OUTS) } else { (fit.clamp(mr, 96) / mr * mr, fit) };
+    Tiles { rows, outs_packed: outs(outs_packed, nr), outs_balanced: inp > KC_FROM, outs_direct: outs(fit, NR) }
 }
 
 /// The function that computes one output tile for every row: shared by all
@@ -443,11 +528,36 @@ struct Tile {
     weight: WeightType,
     act: Storage,
     out_act: Storage,
+    /// Pairs of outputs a 16-lane register in the row-group micro-tiles.
+    wide: bool,
 }
 
 impl Tile {
+    fn new(weight: WeightType, act: Storage, out_act: Storage, width: HostWidth) -> Tile {
+        Tile { weight, act, out_act, wide: width == HostWidth::Lanes16 }
+    }
     fn symbol(&self) -> String {
-        format!("m3c_linear_otile_{}{}_y{}", self.weight.tag(), self.act.act_suffix(), self.out_act.name())
+        let w = if self.wide { "_w16" } else { "" };
+        format!("m3c_linear_otile_{}{}_y{}{w}", self.weight.tag(), self.act.act_suffix(), self.out_act.name())
+    }
+    /// Rows and outputs of the row-group micro-tiles.
+    fn mr_nr(&self) -> (usize, usize) {
+        if self.wide {
+            (MR_WIDE, NR_WIDE)
+        } else {
+            (MR, NR)
+        }
+    }
+    fn mr(&self) -> usize {
+        self.mr_nr().0
+    }
+    /// Outputs of the micro-tiles a pass from `src` calls for full groups.
+    fn nr(&self, src: Source) -> usize {
+        if self.row_groups(src) {
+            self.mr_nr().1
+        } else {
+            NR
+        }
     }
     fn types(&self) -> [String; 3] {
         [
@@ -459,7 +569,7 @@ impl Tile {
     fn has_scales(&self) -> bool {
         matches!(self.weight, WeightType::Mxfp8 { .. })
     }
-    /// Rows go through in groups of [`MR`] from panels, and in place for
+    /// Rows go through in groups of [`Tile::mr`] from panels, and in place for
     /// f32 weights (which need no panel); one by one when weights are
     /// decoded in place.
     fn row_groups(&self, src: Source) -> bool {
@@ -482,11 +592,12 @@ impl Tile {
     fn micros(&self, src: Source) -> Vec<Micro> {
         let (weight, act) = if src == Source::Panel { (WeightType::F32, Storage::F32) } else { (self.weight, self.act) };
         let mut ms = Vec::new();
-        for n in [NR, 1] {
+        for n in [self.nr(src), 1] {
             if self.row_groups(src) {
-                ms.push(Micro { m: MR, n, weight, act });
+                // Row groups always read f32 weights (a panel, or f32 ones).
+                ms.push(Micro { m: self.mr(), n, weight, act, pair: self.wide && n > 1 });
             }
-            ms.push(Micro { m: 1, n, weight, act });
+            ms.push(Micro { m: 1, n, weight, act, pair: false });
         }
         ms
     }
@@ -532,15 +643,15 @@ impl Tile {
         };
         let body = format!(
             "{BASICS}\
-             %cmr = arith.constant {MR} : index\n\
-             %cnr = arith.constant {NR} : index\n\
+             %cmr = arith.constant {mr} : index\n\
              %c8 = arith.constant {LANES} : index\n\
              %vz = arith.constant dense<0.0> : {V}\n\
              %rtm = arith.minui %crt, %rows : index\n\
              %acs = memref.alloc(%rtm, %cot) {{alignment = 64 : i64}} : {ACC}\n\
              {tile}\
              memref.dealloc %acs : {ACC}\n\
-             return\n"
+             return\n",
+            mr = self.mr()
         );
         // Not inlined: one copy serves every linear (see the module doc).
         format!(
@@ -703,14 +814,15 @@ impl Tile {
         };
         let rows_of = |n: usize| {
             if self.row_groups(src) {
-                call(MR, n, ("%c0", "%nf"), ("%rt", "%rfull")) + &call(1, n, ("%nf", "%rn"), ("%rfull", "%rt_end"))
+                call(self.mr(), n, ("%c0", "%nf"), ("%rt", "%rfull")) + &call(1, n, ("%nf", "%rn"), ("%rfull", "%rt_end"))
             } else {
                 call(1, n, ("%c0", "%rn"), ("%rt", "%rt_end"))
             }
         };
         let red = hsum("%zs", "%zv") + &store_f32("%zs", "%y", &self.types()[2], "%zr", "%zo", self.out_act);
         format!(
-            "%on = arith.subi %ot_end, %ot : index\n\
+            "%cnr = arith.constant {nr} : index\n\
+             %on = arith.subi %ot_end, %ot : index\n\
              %nq0 = arith.divui %on, %cnr : index\n\
              %nq = arith.muli %nq0, %cnr : index\n\
              %oq_end = arith.addi %ot, %nq : index\n\
@@ -751,7 +863,8 @@ impl Tile {
              \x20   }}\n\
              \x20 }}\n\
              }}\n",
-            quads = indent(&rows_of(NR), 6),
+            quads = indent(&rows_of(self.nr(src)), 6),
+            nr = self.nr(src),
             singles = indent(&rows_of(1), 6),
             red = indent(&red, 6),
         )
@@ -760,10 +873,10 @@ impl Tile {
 
 /// The functions the linear calls, as (name, text) globals: its output-tile
 /// function and the micro-tiles that calls.
-pub fn globals(inp: usize, weight: WeightType, act: Storage, out_act: Storage) -> Vec<(String, String)> {
-    let t = Tile { weight, act, out_act };
+pub fn globals(inp: usize, weight: WeightType, act: Storage, out_act: Storage, width: HostWidth) -> Vec<(String, String)> {
+    let t = Tile::new(weight, act, out_act, width);
     let mut g = vec![(t.symbol(), t.text())];
-    if tiles_of(inp, 1).outs_balanced {
+    if tiles_of(inp, 1, t.mr_nr()).outs_balanced {
         g.push(("omp_get_max_threads".into(), "  func.func private @omp_get_max_threads() -> i32\n".into()));
     }
     g.extend(t.sources().into_iter().flat_map(|src| t.micros(src)).map(|m| (m.symbol(), m.text())));
@@ -772,10 +885,10 @@ pub fn globals(inp: usize, weight: WeightType, act: Storage, out_act: Storage) -
 
 /// The body of the linear `y[S, out] = x[S, inp] · W[out, inp]ᵀ`: its
 /// output tiles, in parallel, each through the shared tile function.
-pub fn body(inp: usize, out: usize, weight: WeightType, act: Storage, out_act: Storage) -> String {
+pub fn body(inp: usize, out: usize, weight: WeightType, act: Storage, out_act: Storage, width: HostWidth) -> String {
     debug_assert!(vectorizes(inp, weight) && LANES == 8);
-    let tiles = tiles_of(inp, out);
-    let t = Tile { weight, act, out_act };
+    let t = Tile::new(weight, act, out_act, width);
+    let tiles = tiles_of(inp, out, t.mr_nr());
     let [xt, wt, yt] = t.types();
     let x = act.rows_ty(inp);
     let mut casts = format!(
@@ -812,7 +925,7 @@ pub fn body(inp: usize, out: usize, weight: WeightType, act: Storage, out_act: S
             ("cpack_min", PACK_MIN_ROWS),
         ]),
         macs = inp * out,
-        balance = balanced_outs(out, tiles),
+        balance = balanced_outs(out, tiles, t.mr_nr().1),
         tiles = parallel_or_serial("%work", &["%ot"], &["%c0"], &["%cout"], &["%cot"], &tile),
     )
 }
@@ -828,18 +941,18 @@ pub fn body(inp: usize, out: usize, weight: WeightType, act: Storage, out_act: S
 /// 1280 × 5120 bf16 from 64 to 77 %, the expert's 6144 × 1536 from 69–71
 /// to 79–80 %. The width never changes a result (see the module doc).
 /// Other shapes keep their compile-time width.
-fn balanced_outs(out: usize, tiles: Tiles) -> String {
+fn balanced_outs(out: usize, tiles: Tiles, nr: usize) -> String {
     if !tiles.outs_balanced {
         return index_consts(&[("cot_p", tiles.outs_packed)]);
     }
     // tiles = ⌈⌈out / KC_OUTS⌉ / threads⌉ · threads; width = ⌈out / tiles⌉
-    // up to a multiple of NR.
+    // up to a multiple of `nr`.
     format!(
         "%nth_i = func.call @omp_get_max_threads() : () -> i32\n\
          %nth0 = arith.index_cast %nth_i : i32 to index\n\
          %nth = arith.maxui %nth0, %c1 : index\n\
          %bal_min = arith.constant {min} : index\n\
-         %bal_nr = arith.constant {NR} : index\n\
+         %bal_nr = arith.constant {nr} : index\n\
          %nt_a = arith.addi %bal_min, %nth : index\n\
          %nt_b = arith.subi %nt_a, %c1 : index\n\
          %nt_c = arith.divui %nt_b, %nth : index\n\
