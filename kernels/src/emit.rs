@@ -344,6 +344,36 @@ pub fn store_f32(v: &str, mem: &str, ty: &str, r: &str, c: &str, store: crate::S
     }
 }
 
+/// `{dst}` (a vector of 8 f32) = [`hsum`] of each of the eight vectors
+/// `vs`, lane `k` `vs[k]`'s: the same additions in the same order, eight
+/// outputs at a time. Each halving step adds the lower halves of two
+/// vectors (or partial sums) to their upper halves in one addition, the
+/// halves gathered by shuffles: 14 shuffles and 7 additions for what takes
+/// eight sums of 8 extractions and 3 additions each.
+pub fn hsum8x8(dst: &str, vs: &[String; 8]) -> String {
+    let v8 = "vector<8xf32>";
+    let step = |out: &str, a: &str, b: &str, lo: &str, hi: &str| {
+        format!(
+            "{out}_l = vector.shuffle {a}, {b} {lo} : {v8}, {v8}\n\
+             {out}_h = vector.shuffle {a}, {b} {hi} : {v8}, {v8}\n\
+             {out} = arith.addf {out}_l, {out}_h : {v8}\n"
+        )
+    };
+    let mut s = String::new();
+    // lanes 0-3 + lanes 4-7 of two vectors: [v: 4 partials | w: 4 partials]
+    for i in 0..4 {
+        s.push_str(&step(&format!("{dst}_4{i}"), &vs[2 * i], &vs[2 * i + 1], "[0, 1, 2, 3, 8, 9, 10, 11]", "[4, 5, 6, 7, 12, 13, 14, 15]"));
+    }
+    // partials 0-1 + partials 2-3: four outputs' two partials each
+    for i in 0..2 {
+        let (a, b) = (format!("{dst}_4{}", 2 * i), format!("{dst}_4{}", 2 * i + 1));
+        s.push_str(&step(&format!("{dst}_2{i}"), &a, &b, "[0, 1, 4, 5, 8, 9, 12, 13]", "[2, 3, 6, 7, 10, 11, 14, 15]"));
+    }
+    // partial 0 + partial 1: the eight sums
+    s.push_str(&step(dst, &format!("{dst}_20"), &format!("{dst}_21"), "[0, 2, 4, 6, 8, 10, 12, 14]", "[1, 3, 5, 7, 9, 11, 13, 15]"));
+    s
+}
+
 /// `{dst}` (f32) = the sum of the 8 lanes of `{v}` by a fixed halving
 /// tree: `((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))`: the host linear's
 /// and attention's one order for a lane sum.

@@ -1198,6 +1198,47 @@ fn linear_16_lane_form_gives_the_8_lane_bits() {
     assert!(!avx512 || compared == 3 * kinds.len() * 5, "{compared} comparisons");
 }
 
+/// The output reduction eight outputs at a time (`hsum8x8`) gives each
+/// output the bits of the one-output `hsum`: every output of a 150-output
+/// linear (most reduced eight at a time) equals the same weight row run
+/// as a linear of its own (one output: reduced alone), f32 and bf16 out.
+#[test]
+fn outputs_reduced_eight_at_a_time_equal_outputs_reduced_alone() {
+    let (out, inp, rows) = (150, 1024, 5);
+    let dir = tempfile::tempdir().unwrap();
+    let acts = [Storage::F32, Storage::Bf16];
+    let lin = |out: usize, act: Storage| Kernel::Linear(m3c_kernels::Linear { inp, out, weight: WeightType::BF16, act, out_act: act });
+    let kernels: Vec<Kernel> = acts.iter().flat_map(|&a| [lin(out, a), lin(1, a)]).collect();
+    let lib = build(&kernels, dir.path());
+    let w: Vec<u16> = (0..out * inp).map(|i| bf16_nearest_even(((i * 7919 % 2003) as f32 / 1001.5) - 1.0)).collect();
+    let xf = input(rows, inp);
+    let xb: Vec<u16> = xf.iter().map(|&v| bf16_nearest_even(v)).collect();
+    for (pair, act) in kernels.chunks(2).zip(acts) {
+        // y of `k` over weight rows `o0..o0 + n`, as raw words.
+        let run = |k: &Kernel, o0: usize, n: usize| -> Vec<u32> {
+            let (xm32, xm16) = (m2(&xf, rows, inp), m2(&xb, rows, inp));
+            let (y32, y16) = (vec![f32::NAN; rows * n], vec![0xFFFFu16; rows * n]);
+            let (ym32, ym16) = (m2(&y32, rows, n), m2(&y16, rows, n));
+            let wm = m2(&w[o0 * inp..(o0 + n) * inp], n, inp);
+            let (xp, yp) = if act == Storage::F32 { (p(&xm32), p(&ym32)) } else { (p(&xm16), p(&ym16)) };
+            // SAFETY: one live descriptor per argument of this kernel, shaped as its params() say.
+            unsafe { call(&lib, k, &[xp, p(&wm), yp]) };
+            if act == Storage::F32 {
+                y32.iter().map(|v| v.to_bits()).collect()
+            } else {
+                y16.iter().map(|&v| v as u32).collect()
+            }
+        };
+        let all = run(&pair[0], 0, out);
+        for o in 0..out {
+            let alone = run(&pair[1], o, 1);
+            for r in 0..rows {
+                assert_eq!(all[r * out + o], alone[r], "{act:?}: y[{r}, {o}] differs from the output reduced alone");
+            }
+        }
+    }
+}
+
 /// Runs `f` with the kernels' OpenMP thread count set to `threads` for
 /// this test thread (the setting is per thread, so parallel tests keep
 /// theirs), then restores it.

@@ -30,7 +30,7 @@
 //! the shapes are their arguments, so each is compiled once, not once per
 //! shape (and LLVM cannot fully unroll a small model's short reductions).
 
-use crate::emit::{e8m0_to_f32, hsum, indent, load_f32xn, parallel_or_serial, store_f32, E8M0_CONSTANTS};
+use crate::emit::{e8m0_to_f32, hsum, hsum8x8, indent, load_f32xn, parallel_or_serial, store_f32, E8M0_CONSTANTS};
 use crate::host::{index_consts, BASICS};
 use crate::{HostWidth, Storage, WeightType};
 
@@ -125,12 +125,16 @@ struct Micro {
     act: Storage,
     /// Outputs in pairs, one 16-lane register each (`n` even, f32 weights).
     pair: bool,
+    /// `w` is a panel of pairs ([`Tile::pack`]): row `o / 2`, the two
+    /// outputs' 8 columns side by side at `2 · column + 8 · (o mod 2)`.
+    paired_panel: bool,
 }
 
 impl Micro {
     fn symbol(&self) -> String {
         let p = if self.pair { "_p16" } else { "" };
-        format!("m3c_linear_tile{}x{}{p}_{}{}", self.m, self.n, self.weight.tag(), self.act.act_suffix())
+        let pp = if self.paired_panel { "_pp" } else { "" };
+        format!("m3c_linear_tile{}x{}{p}{pp}_{}{}", self.m, self.n, self.weight.tag(), self.act.act_suffix())
     }
     fn x_ty(&self) -> String {
         format!("memref<?x?x{}>", self.act.mlir_elem())
@@ -179,14 +183,17 @@ impl Micro {
             s.push_str(&load_f32xn(LANES, &format!("%kx{j}{t}"), "%x", &xt, &Self::row(j), col, act));
         }
         s.push_str(&format!("%kwc{t} = arith.addi {col}, %wc : index\n"));
+        if self.paired_panel {
+            s.push_str(&format!("%kwc2{t} = arith.addi %kwc{t}, %kwc{t} : index\n"));
+        }
         for q in 0..n {
-            s.push_str(&weight_vector(
-                weight,
-                ("%w", &wt),
-                &format!("%wk{q}{t}"),
-                (&format!("%kw{q}"), &format!("%kwc{t}")),
-                &format!("%ksv{q}"),
-            ));
+            let (row, col) = if self.paired_panel {
+                s.push_str(&format!("%kwi{q}{t} = arith.addi %kwc2{t}, %kwh{q} : index\n"));
+                (format!("%kwr{q}"), format!("%kwi{q}{t}"))
+            } else {
+                (format!("%kw{q}"), format!("%kwc{t}"))
+            };
+            s.push_str(&weight_vector(weight, ("%w", &wt), &format!("%wk{q}{t}"), (&row, &col), &format!("%ksv{q}")));
             for j in 0..m {
                 let i = j * n + q;
                 s.push_str(&format!(
@@ -210,12 +217,20 @@ impl Micro {
             s.push_str(&format!("%kxx{j}{t} = vector.shuffle %kx{j}{t}, %kx{j}{t} {TWICE} : {V}, {V}\n"));
         }
         s.push_str(&format!("%kwc{t} = arith.addi {col}, %wc : index\n"));
+        if self.paired_panel {
+            s.push_str(&format!("%kwc2{t} = arith.addi %kwc{t}, %kwc{t} : index\n"));
+        }
         for p in 0..n / 2 {
-            for q in [2 * p, 2 * p + 1] {
-                let (w, o, col) = (format!("%wk{q}{t}"), format!("%kw{q}"), format!("%kwc{t}"));
-                s.push_str(&weight_vector(weight, ("%w", &wt), &w, (&o, &col), &format!("%ksv{q}")));
+            if self.paired_panel {
+                // The pair's 16 weights are side by side: one load.
+                s.push_str(&format!("%wp{p}{t} = vector.load %w[%kwr{}, %kwc2{t}] : {wt}, {V2}\n", 2 * p));
+            } else {
+                for q in [2 * p, 2 * p + 1] {
+                    let (w, o, col) = (format!("%wk{q}{t}"), format!("%kw{q}"), format!("%kwc{t}"));
+                    s.push_str(&weight_vector(weight, ("%w", &wt), &w, (&o, &col), &format!("%ksv{q}")));
+                }
+                s.push_str(&format!("%wp{p}{t} = vector.shuffle %wk{}{t}, %wk{}{t} {CAT} : {V}, {V}\n", 2 * p, 2 * p + 1));
             }
-            s.push_str(&format!("%wp{p}{t} = vector.shuffle %wk{}{t}, %wk{}{t} {CAT} : {V}, {V}\n", 2 * p, 2 * p + 1));
             for j in 0..m {
                 let i = j * (n / 2) + p;
                 s.push_str(&format!(
@@ -282,6 +297,15 @@ impl Micro {
                 "%c{q}_q = arith.constant {q} : index\n%kq{q} = arith.muli %qs, %c{q}_q : index\n\
                  %kw{q} = arith.addi %wo0, %kq{q} : index\n%kc{q} = arith.addi %ao, %kq{q} : index\n"
             ));
+            if self.paired_panel {
+                // Output kw's row of the paired panel, and its 8 columns' offset.
+                head.push_str(&format!(
+                    "%kwr{q} = arith.divui %kw{q}, %c2_pp : index\n%kwp{q} = arith.remui %kw{q}, %c2_pp : index\n%kwh{q} = arith.muli %kwp{q}, %cl : index\n"
+                ));
+            }
+        }
+        if self.paired_panel {
+            head.insert_str(head.find("%cm = ").expect("the row constant"), "%c2_pp = arith.constant 2 : index\n");
         }
         if let Some(block) = self.mxfp8_block() {
             head.push_str(&format!("%cb = arith.constant {block} : index\n{E8M0_CONSTANTS}"));
@@ -592,12 +616,13 @@ impl Tile {
     fn micros(&self, src: Source) -> Vec<Micro> {
         let (weight, act) = if src == Source::Panel { (WeightType::F32, Storage::F32) } else { (self.weight, self.act) };
         let mut ms = Vec::new();
+        let paired_panel = self.wide && src == Source::Panel;
         for n in [self.nr(src), 1] {
             if self.row_groups(src) {
                 // Row groups always read f32 weights (a panel, or f32 ones).
-                ms.push(Micro { m: self.mr(), n, weight, act, pair: self.wide && n > 1 });
+                ms.push(Micro { m: self.mr(), n, weight, act, pair: self.wide && n > 1, paired_panel });
             }
-            ms.push(Micro { m: 1, n, weight, act, pair: false });
+            ms.push(Micro { m: 1, n, weight, act, pair: false, paired_panel });
         }
         ms
     }
@@ -629,7 +654,7 @@ impl Tile {
                 "%pack_min = arith.constant {PACK_MIN_ROWS} : index\n\
                  %pack = arith.cmpi uge, %rows, %pack_min : index\n\
                  scf.if %pack {{\n\
-                 \x20 %pwd = memref.alloc(%cot, %pk) {{alignment = 64 : i64}} : memref<?x?xf32>\n\
+                 {alloc}\
                  \x20 %xp = memref.alloc(%rtm, %kstep) {{alignment = 64 : i64}} : memref<?x?xf32>\n\
                  {panel}\
                  \x20 memref.dealloc %xp : memref<?x?xf32>\n\
@@ -638,6 +663,7 @@ impl Tile {
                  {direct}\
                  }}\n",
                 panel = indent(&self.tile_loops(Source::Panel), 2),
+                alloc = indent(&self.panel_alloc(), 2),
                 direct = indent(&self.tile_loops(Source::Direct), 2),
             ),
         };
@@ -661,16 +687,37 @@ impl Tile {
         )
     }
 
+    /// The panel `%pwd` of `%cot` outputs × `%pk` inputs: at 16 lanes in
+    /// pairs of outputs, each row two outputs' columns 8 by 8 side by side
+    /// (see [`Micro::paired_panel`]), so that a pair's 16 weights are one
+    /// load (`%cot` is even there: a multiple of [`NR_WIDE`]).
+    fn panel_alloc(&self) -> String {
+        if self.wide {
+            "%c2_pa = arith.constant 2 : index\n%pwd_r = arith.divui %cot, %c2_pa : index\n%pwd_c = arith.muli %pk, %c2_pa : index\n\
+             %pwd = memref.alloc(%pwd_r, %pwd_c) {alignment = 64 : i64} : memref<?x?xf32>\n"
+                .to_string()
+        } else {
+            "%pwd = memref.alloc(%cot, %pk) {alignment = 64 : i64} : memref<?x?xf32>\n".to_string()
+        }
+    }
+
     /// Decodes outputs `%ot..%ot_end`, inputs `%kb0..%kb1` (one K block)
-    /// of the weights into the panel `%pwd`, its column 0 at input `%kb0`.
+    /// of the weights into the panel `%pwd`, its column 0 at input `%kb0`
+    /// (laid out as [`Tile::panel_alloc`] says).
     fn pack(&self) -> String {
         let wt = &self.types()[1];
         let pt = "memref<?x?xf32>";
+        let place = if self.wide {
+            "%pc1 = arith.subi %ki, %pc0 : index\n%pcd = arith.addi %pc1, %pc1 : index\n%prp = arith.remui %pr, %c2_pk : index\n\
+             %prh = arith.muli %prp, %cl : index\n%pc = arith.addi %pcd, %prh : index\n%prr = arith.divui %pr, %c2_pk : index\n"
+        } else {
+            "%pc = arith.subi %ki, %pc0 : index\n%prr = arith.addi %pr, %c0 : index\n"
+        };
         let per_vector = format!(
-            "{}%pc = arith.subi %ki, %pc0 : index\nvector.store %wp, %pwd[%pr, %pc] : {pt}, {V}\n",
+            "{}{place}vector.store %wp, %pwd[%prr, %pc] : {pt}, {V}\n",
             weight_vector(self.weight, ("%wd", wt), "%wp", ("%po", "%ki"), "%psv")
         );
-        let mut consts = String::from("%cl = arith.constant 8 : index\n");
+        let mut consts = String::from("%cl = arith.constant 8 : index\n%c2_pk = arith.constant 2 : index\n");
         let inner = match self.weight {
             WeightType::Mxfp8 { block } => {
                 consts.push_str(&format!(
@@ -771,6 +818,30 @@ impl Tile {
         }
     }
 
+    /// Outputs `%zo..%zo + 8` of row `%zr` (lane sums at `%acs[%zri,
+    /// %zoi..]`) reduced and stored: [`hsum`]'s sums, eight at a time.
+    fn reduce8(&self) -> String {
+        let yt = &self.types()[2];
+        let mut s = String::new();
+        let vs: [String; 8] = std::array::from_fn(|q| format!("%zv{q}"));
+        for q in 0..8 {
+            s.push_str(&format!(
+                "%zq{q} = arith.constant {q} : index\n%zoi{q} = arith.addi %zoi, %zq{q} : index\n\
+                 %zv{q} = vector.load %acs[%zri, %zoi{q}, %c0] : {ACC}, {V}\n"
+            ));
+        }
+        s.push_str(&hsum8x8("%zs8", &vs));
+        if self.out_act == Storage::F32 {
+            s.push_str(&format!("vector.store %zs8, %y[%zr, %zo] : {yt}, {V}\n"));
+        } else {
+            for q in 0..8 {
+                s.push_str(&format!("%zs{q} = vector.extract %zs8[{q}] : f32 from {V}\n%zo{q}y = arith.addi %zo, %zq{q} : index\n"));
+                s.push_str(&store_f32(&format!("%zs{q}"), "%y", yt, "%zr", &format!("%zo{q}y"), self.out_act));
+            }
+        }
+        s
+    }
+
     /// The row tiles of output tile `%ot..%ot_end`, each: its lane sums
     /// zeroed, every K block (`%kstep` inputs; one block when weights are
     /// decoded in place) through the micro-tiles, then each output reduced
@@ -820,6 +891,7 @@ impl Tile {
             }
         };
         let red = hsum("%zs", "%zv") + &store_f32("%zs", "%y", &self.types()[2], "%zr", "%zo", self.out_act);
+        let red8 = self.reduce8();
         format!(
             "%cnr = arith.constant {nr} : index\n\
              %on = arith.subi %ot_end, %ot : index\n\
@@ -854,9 +926,16 @@ impl Tile {
              {singles}\
              \x20   }}\n\
              \x20 }}\n\
+             \x20 %zon8 = arith.divui %on, %c8 : index\n\
+             \x20 %zo8n = arith.muli %zon8, %c8 : index\n\
+             \x20 %zo8 = arith.addi %ot, %zo8n : index\n\
              \x20 scf.for %zr = %rt to %rt_end step %c1 {{\n\
              \x20   %zri = arith.subi %zr, %rt : index\n\
-             \x20   scf.for %zo = %ot to %ot_end step %c1 {{\n\
+             \x20   scf.for %zo = %ot to %zo8 step %c8 {{\n\
+             \x20     %zoi = arith.subi %zo, %ot : index\n\
+             {red8}\
+             \x20   }}\n\
+             \x20   scf.for %zo = %zo8 to %ot_end step %c1 {{\n\
              \x20     %zoi = arith.subi %zo, %ot : index\n\
              \x20     %zv = vector.load %acs[%zri, %zoi, %c0] : {ACC}, {V}\n\
              {red}\
@@ -867,6 +946,7 @@ impl Tile {
             nr = self.nr(src),
             singles = indent(&rows_of(1), 6),
             red = indent(&red, 6),
+            red8 = indent(&red8, 6),
         )
     }
 }
