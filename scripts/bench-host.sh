@@ -14,9 +14,13 @@
 #     the linears, the MoE's routing and experts, the rest.
 # Each m3c figure is the median of RUNS runs (default 3; the long prompts
 # run once). Times come from the first stage's own clock (`m3c timing`).
+# CPU=native builds m3c for this CPU (16-lane linears where it has AVX-512;
+# the same bits) instead of the portable x86-64-v3; REF_ISA=avx2 keeps the
+# reference to AVX2 (scripts/bench-transformers.sh).
 set -euo pipefail
 RUNS=${RUNS:-3}
 LONG=${LONG:-16384 32768}
+CPU=${CPU:-x86-64-v3}
 # shellcheck source=scripts/bench-common.sh
 . "$(dirname "$0")/bench-common.sh"
 
@@ -52,10 +56,11 @@ t["max_position_embeddings"] = 65536
 t["sparse_attention_config"].update(sparse_block_size=128, sparse_topk_blocks=16)
 json.dump(c, open(path, "w"), indent=1)
 PY
+echo "m3c built with --cpu $CPU; reference ISA: ${REF_ISA:-torch's own choice}"
 row "case (pp 1, f32 activations)" "m3c prefill" "ref prefill" "m3c decode" "ref decode"
 for spec in "A 128" "A 512" "B 4096"; do
   read -r m n <<<"$spec"
-  $M3C compile --model "$work/$m" --pp 1 -o "$work/out$m" >/dev/null
+  $M3C compile --model "$work/$m" --pp 1 --cpu "$CPU" -o "$work/out$m" >/dev/null
   read -r pre dec < <(m3c_rates "$work/out$m" "$work/$m" "$n" "$RUNS")
   ref_pre="-" ref_dec="-"
   if [ -z "${NO_REFERENCE:-}" ]; then

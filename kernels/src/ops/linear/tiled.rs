@@ -277,6 +277,35 @@ impl Micro {
         s
     }
 
+    /// A row group's accumulators `%kin*` loaded from the lane sums, and
+    /// `%acc#*` stored back to them; `per`: accumulators a row.
+    fn sums_in_out(&self, per: usize) -> (String, String) {
+        let slot = |j: usize, q: usize| format!("%acs[%ka{j}, %kc{q}, %c0] : {ACC}, {V}");
+        let (mut loads, mut stores) = (String::new(), String::new());
+        for a in 0..self.m * per {
+            let (j, q) = (a / per, a % per);
+            if !self.pair {
+                loads.push_str(&format!("%kin{a} = vector.load {}\n", slot(j, q)));
+                stores.push_str(&format!("vector.store %acc#{a}, {}\n", slot(j, q)));
+                continue;
+            }
+            loads.push_str(&format!(
+                "%kin{a}_0 = vector.load {}\n%kin{a}_1 = vector.load {}\n%kin{a} = vector.shuffle %kin{a}_0, %kin{a}_1 {CAT} : {V}, {V}\n",
+                slot(j, 2 * q),
+                slot(j, 2 * q + 1)
+            ));
+            for h in 0..2 {
+                stores.push_str(&format!(
+                    "%kout{a}_{h} = vector.extract_strided_slice %acc#{a} {{offsets = [{}], sizes = [{LANES}], strides = [1]}} : {V2} to {V}\n\
+                     vector.store %kout{a}_{h}, {}\n",
+                    h * LANES,
+                    slot(j, 2 * q + h)
+                ));
+            }
+        }
+        (loads, stores)
+    }
+
     /// The function's text, a module-level global.
     fn text(&self) -> String {
         let Micro { m, n, .. } = *self;
@@ -320,19 +349,8 @@ impl Micro {
         let tys = vec![vt; n_acc].join(", ");
         let names = |p: &str| (0..n_acc).map(|a| format!("%{p}{a}")).collect::<Vec<_>>();
         let iter_args = |p: &str, init: &[String]| (0..n_acc).map(|a| format!("%{p}{a} = {}", init[a])).collect::<Vec<_>>().join(", ");
-        let slot = |j: usize, q: usize| format!("%acs[%ka{j}, %kc{q}, %c0] : {ACC}, {V}");
-        for a in 0..n_acc {
-            let (j, q) = (a / per, a % per);
-            if self.pair {
-                rowhead.push_str(&format!(
-                    "%kin{a}_0 = vector.load {}\n%kin{a}_1 = vector.load {}\n%kin{a} = vector.shuffle %kin{a}_0, %kin{a}_1 {CAT} : {V}, {V}\n",
-                    slot(j, 2 * q),
-                    slot(j, 2 * q + 1)
-                ));
-            } else {
-                rowhead.push_str(&format!("%kin{a} = vector.load {}\n", slot(j, q)));
-            }
-        }
+        let (loads, stores) = self.sums_in_out(per);
+        rowhead.push_str(&loads);
         let body = match self.mxfp8_block() {
             // Block by block, each with its four scales.
             Some(block) => {
@@ -395,23 +413,6 @@ impl Micro {
                 names("n").join(", "),
             ),
         };
-        let stores: String = (0..n_acc)
-            .map(|a| {
-                let (j, q) = (a / per, a % per);
-                if !self.pair {
-                    return format!("vector.store %acc#{a}, {}\n", slot(j, q));
-                }
-                let half = |h: usize| {
-                    format!(
-                        "%kout{a}_{h} = vector.extract_strided_slice %acc#{a} {{offsets = [{}], sizes = [{LANES}], strides = [1]}} : {V2} to {V}\n\
-                         vector.store %kout{a}_{h}, {}\n",
-                        h * LANES,
-                        slot(j, 2 * q + h)
-                    )
-                };
-                half(0) + &half(1)
-            })
-            .collect();
         // The row groups loop here, not around the call: the call's entry
         // (about 60 instructions unpacking memref descriptors) is then paid
         // once per output quad and K block, not once per 1,152 FMAs.
