@@ -56,7 +56,7 @@ t["max_position_embeddings"] = 65536
 t["sparse_attention_config"].update(sparse_block_size=128, sparse_topk_blocks=16)
 json.dump(c, open(path, "w"), indent=1)
 PY
-echo "m3c built with --cpu $CPU; reference ISA: ${REF_ISA:-torch's own choice}"
+echo "m3c built with --cpu $CPU; reference ISA: ${REF_ISA:-torch default}"
 row "case (pp 1, f32 activations)" "m3c prefill" "ref prefill" "m3c decode" "ref decode"
 for spec in "A 128" "A 512" "B 4096"; do
   read -r m n <<<"$spec"
