@@ -15,7 +15,8 @@
 //! restarting, would fail now and then. With `BASE = $TMPDIR/m3c-mpi.<uid>/
 //! <m3c pid>.<n>` per launch no two jobs share that folder, and none of
 //! 1,200 and 1,800 failed (`… own`). A user's own `orte_tmpdir_base` is
-//! left as it is.
+//! left as it is, and a job that spans hosts keeps Open MPI's default (the
+//! path is this machine's temporary folder; another host's may differ).
 //!
 //! **Sweeping.** A launcher that is killed (the front ends one that
 //! outlives a stage's fatal error; a user's kill -9; a crash) leaves its

@@ -30,10 +30,13 @@ impl Compiled {
         }
         cmd.args(&launch.mpirun_args);
         // A session folder of its own, so that no other job's end removes
-        // it while this one starts (mpi_sessions), unless the user chose one.
+        // it while this one starts (mpi_sessions), unless the user chose
+        // one. Only for a job on this machine: the path is this machine's
+        // temporary folder, which another host may not have (its daemons
+        // would take it as theirs).
         let chosen =
             std::env::var_os("OMPI_MCA_orte_tmpdir_base").is_some() || launch.mpirun_args.iter().any(|a| a.contains("orte_tmpdir_base"));
-        if !chosen {
+        if !chosen && !self.spans_hosts(launch) {
             cmd.args(["--mca", "orte_tmpdir_base"]).arg(crate::mpi_sessions::launch_base());
         }
         if is_root() {
