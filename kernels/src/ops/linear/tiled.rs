@@ -21,8 +21,11 @@
 //! micro-tiles hold two outputs' 8 lane sums in one register: the row's 8
 //! activations twice against 8 weights of each output, one FMA for both.
 //! Each lane still takes the same products in the same order, so the bits
-//! are the 8-lane form's, and the micro-tile goes to 6 rows (12 such
-//! registers of the 32, as 3 rows make 12 of AVX2's 16).
+//! are the 8-lane form's. The micro-tile is 4 rows × 8 outputs (16 of the
+//! 32 registers), and a tile's panel keeps each pair's weights side by
+//! side, so that a pair is one load and no shuffle takes an FMA port.
+//! At either width outputs are reduced eight at a time (`hsum8x8`): the
+//! same tree as [`hsum`]'s, across registers.
 //!
 //! # Code size
 //! The micro-tiles are functions of their own ([`Micro`]), shared by every
@@ -39,13 +42,16 @@ pub const LANES: usize = 8;
 
 /// Rows of the prefill micro-tile at 8 lanes.
 const MR: usize = 3;
-/// Rows and outputs of the prefill micro-tile at 16 lanes (outputs in
-/// pairs, a register each): 16 accumulators of the 32 registers, and the
-/// row's activations read for 8 outputs, not 4, so that the rows' stream
-/// from L2 stays within what L2 gives at twice the FMA rate.
+/// Rows of the prefill micro-tile at 16 lanes (outputs in pairs, a
+/// register each): 4 × 4 pairs, 16 accumulators of the 32 registers.
+/// 6 rows × 2 pairs ran at 44 % of the 16-lane peak, against 47-52 % for
+/// 4 × 4 (`m3c bench-kernels`, 512 rows, before the paired panel): a row's
+/// activations then serve 8 outputs, not 4, and their stream from L2 keeps
+/// up with twice the FMA rate.
 const MR_WIDE: usize = 4;
+/// Outputs of the prefill micro-tile at 16 lanes.
 const NR_WIDE: usize = 8;
-/// Outputs of every micro-tile.
+/// Outputs of the micro-tiles at 8 lanes, and of every decode micro-tile.
 const NR: usize = 4;
 
 /// Activation rows from which a call decodes each tile's bf16/F16/MXFP8
