@@ -174,6 +174,34 @@ impl Micro {
         }
     }
 
+    /// A step's start at column `col` (names suffixed `t`): the rows'
+    /// activations `%kx{j}`, and the weights' column `%kwc` (and in a
+    /// paired panel `%kwc2`, its double).
+    fn rows_and_column(&self, col: &str, t: &str) -> String {
+        let xt = self.x_ty();
+        let mut s = String::new();
+        for j in 0..self.m {
+            s.push_str(&load_f32xn(LANES, &format!("%kx{j}{t}"), "%x", &xt, &Self::row(j), col, self.act));
+        }
+        s.push_str(&format!("%kwc{t} = arith.addi {col}, %wc : index\n"));
+        if self.paired_panel {
+            s.push_str(&format!("%kwc2{t} = arith.addi %kwc{t}, %kwc{t} : index\n"));
+        }
+        s
+    }
+
+    /// `%wk{q}`: output `q`'s 8 weights (f32) at the step's column, from
+    /// its row of `w` or its half of a paired panel's row.
+    fn weights_of(&self, q: usize, t: &str) -> String {
+        let (mut s, row, col) = if self.paired_panel {
+            (format!("%kwi{q}{t} = arith.addi %kwc2{t}, %kwh{q} : index\n"), format!("%kwr{q}"), format!("%kwi{q}{t}"))
+        } else {
+            (String::new(), format!("%kw{q}"), format!("%kwc{t}"))
+        };
+        s.push_str(&weight_vector(self.weight, ("%w", &self.w_ty()), &format!("%wk{q}{t}"), (&row, &col), &format!("%ksv{q}")));
+        s
+    }
+
     /// One step at column `col` from accumulators `a` to `b` (names
     /// suffixed `t`): each weight vector right before its m FMAs, so m
     /// activation registers, one weight register and the m·n accumulators
@@ -182,24 +210,10 @@ impl Micro {
         if self.pair {
             return self.step_pairs(a, b, col, t);
         }
-        let Micro { m, n, weight, act, .. } = *self;
-        let (xt, wt) = (self.x_ty(), self.w_ty());
-        let mut s = String::new();
-        for j in 0..m {
-            s.push_str(&load_f32xn(LANES, &format!("%kx{j}{t}"), "%x", &xt, &Self::row(j), col, act));
-        }
-        s.push_str(&format!("%kwc{t} = arith.addi {col}, %wc : index\n"));
-        if self.paired_panel {
-            s.push_str(&format!("%kwc2{t} = arith.addi %kwc{t}, %kwc{t} : index\n"));
-        }
+        let Micro { m, n, .. } = *self;
+        let mut s = self.rows_and_column(col, t);
         for q in 0..n {
-            let (row, col) = if self.paired_panel {
-                s.push_str(&format!("%kwi{q}{t} = arith.addi %kwc2{t}, %kwh{q} : index\n"));
-                (format!("%kwr{q}"), format!("%kwi{q}{t}"))
-            } else {
-                (format!("%kw{q}"), format!("%kwc{t}"))
-            };
-            s.push_str(&weight_vector(weight, ("%w", &wt), &format!("%wk{q}{t}"), (&row, &col), &format!("%ksv{q}")));
+            s.push_str(&self.weights_of(q, t));
             for j in 0..m {
                 let i = j * n + q;
                 s.push_str(&format!(
@@ -215,26 +229,18 @@ impl Micro {
     /// twice in one register, each pair's 8 weights of both outputs in
     /// another, one 16-lane FMA for the 2 × 8 lane sums.
     fn step_pairs(&self, a: &str, b: &str, col: &str, t: &str) -> String {
-        let Micro { m, n, weight, act, .. } = *self;
-        let (xt, wt) = (self.x_ty(), self.w_ty());
-        let mut s = String::new();
+        let Micro { m, n, .. } = *self;
+        let mut s = self.rows_and_column(col, t);
         for j in 0..m {
-            s.push_str(&load_f32xn(LANES, &format!("%kx{j}{t}"), "%x", &xt, &Self::row(j), col, act));
             s.push_str(&format!("%kxx{j}{t} = vector.shuffle %kx{j}{t}, %kx{j}{t} {TWICE} : {V}, {V}\n"));
-        }
-        s.push_str(&format!("%kwc{t} = arith.addi {col}, %wc : index\n"));
-        if self.paired_panel {
-            s.push_str(&format!("%kwc2{t} = arith.addi %kwc{t}, %kwc{t} : index\n"));
         }
         for p in 0..n / 2 {
             if self.paired_panel {
                 // The pair's 16 weights are side by side: one load.
-                s.push_str(&format!("%wp{p}{t} = vector.load %w[%kwr{}, %kwc2{t}] : {wt}, {V2}\n", 2 * p));
+                s.push_str(&format!("%wp{p}{t} = vector.load %w[%kwr{}, %kwc2{t}] : {}, {V2}\n", 2 * p, self.w_ty()));
             } else {
-                for q in [2 * p, 2 * p + 1] {
-                    let (w, o, col) = (format!("%wk{q}{t}"), format!("%kw{q}"), format!("%kwc{t}"));
-                    s.push_str(&weight_vector(weight, ("%w", &wt), &w, (&o, &col), &format!("%ksv{q}")));
-                }
+                s.push_str(&self.weights_of(2 * p, t));
+                s.push_str(&self.weights_of(2 * p + 1, t));
                 s.push_str(&format!("%wp{p}{t} = vector.shuffle %wk{}{t}, %wk{}{t} {CAT} : {V}, {V}\n", 2 * p, 2 * p + 1));
             }
             for j in 0..m {
