@@ -161,11 +161,11 @@ pub(crate) fn inputs(args: &CompileArgs) -> Result<Inputs> {
             _ => m3c_compiler::compile::Emit::Ptx,
         });
     }
-    if emit.contains(&m3c_compiler::compile::Emit::Ptx) && !m3c_compiler::backend::backend(&p.target, "x86-64-v3").has_device_code() {
-        bail!("--emit ptx needs a GPU target (--target cuda, or `target: cuda` in the plan); {} has no device code", p.target);
-    }
     let cpu = m3c_compiler::backend::resolve_cpu(&args.cpu)?;
     m3c_compiler::backend::check_cpu(&cpu)?;
+    if emit.contains(&m3c_compiler::compile::Emit::Ptx) && !m3c_compiler::backend::backend(&p.target, &cpu).has_device_code() {
+        bail!("--emit ptx needs a GPU target (--target cuda, or `target: cuda` in the plan); {} has no device code", p.target);
+    }
     let runtime_lib = m3c_compiler::compile::find_runtime_lib()?;
     // GPUs default to bf16 activations (what inference runs in); the host
     // defaults to f32, the mode that matches the reference exactly.
