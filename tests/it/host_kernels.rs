@@ -52,11 +52,12 @@ fn lin_f32(inp: usize, out: usize, weight: WeightType) -> Kernel {
 
 /// Compiles `kernels` and loads them as a shared library.
 pub(crate) fn build(kernels: &[Kernel], dir: &std::path::Path) -> libloading::Library {
-    build_at(kernels, HostWidth::Lanes8, "x86-64-v2", dir)
+    build_at(kernels, HostWidth::Lanes8, "x86-64-v2", dir).0
 }
 
-/// [`build`] of the kernels' `width` form, compiled for `cpu`.
-fn build_at(kernels: &[Kernel], width: HostWidth, cpu: &str, dir: &std::path::Path) -> libloading::Library {
+/// [`build`] of the kernels' `width` form, compiled for `cpu`; and its
+/// LLVM IR. (Loading code for a CPU this one is not runs nothing of it.)
+fn build_at(kernels: &[Kernel], width: HostWidth, cpu: &str, dir: &std::path::Path) -> (libloading::Library, String) {
     let art = host::compile(&module_at(kernels, width), cpu).expect("host back end");
     assert!(art.llvm_ir.contains("define"), "LLVM IR has functions");
     let obj = dir.join("k.o");
@@ -71,7 +72,7 @@ fn build_at(kernels: &[Kernel], width: HostWidth, cpu: &str, dir: &std::path::Pa
         .unwrap();
     assert!(st.success(), "cc -shared failed");
     // SAFETY: loading the shared library this test just linked from m3c's kernels runs no foreign initialisers.
-    unsafe { libloading::Library::new(&so).unwrap() }
+    (unsafe { libloading::Library::new(&so).unwrap() }, art.llvm_ir)
 }
 
 fn input(rows: usize, cols: usize) -> Vec<f32> {
@@ -1124,17 +1125,16 @@ fn linear_rows_are_bit_identical_alone_and_in_any_batch() {
 /// bits, for every weight type and activation storage, whole rows and
 /// leftovers of the micro-tiles (rows 1-3, outputs past a group of 8),
 /// unblocked and K-blocked reductions, on 2 threads. Where the CPU lacks
-/// AVX-512 the 16-lane form is compiled (its 16-lane FMAs checked in the
-/// IR) but cannot run.
+/// AVX-512 the 16-lane form is compiled and linked (its 16-lane FMAs
+/// checked in the IR) but cannot run.
 #[test]
 fn linear_16_lane_form_gives_the_8_lane_bits() {
-    let avx512 = ["avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"].iter().all(|f| match *f {
-        "avx512f" => std::arch::is_x86_feature_detected!("avx512f"),
-        "avx512bw" => std::arch::is_x86_feature_detected!("avx512bw"),
-        "avx512cd" => std::arch::is_x86_feature_detected!("avx512cd"),
-        "avx512dq" => std::arch::is_x86_feature_detected!("avx512dq"),
-        _ => std::arch::is_x86_feature_detected!("avx512vl"),
-    });
+    // x86-64-v4's features.
+    let avx512 = std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("avx512cd")
+        && std::arch::is_x86_feature_detected!("avx512dq")
+        && std::arch::is_x86_feature_detected!("avx512vl");
     let kinds = [
         (WeightType::F32, Storage::F32),
         (WeightType::F32, Storage::Bf16),
@@ -1149,16 +1149,14 @@ fn linear_16_lane_form_gives_the_8_lane_bits() {
             kinds.iter().map(|&(weight, act)| Kernel::Linear(m3c_kernels::Linear { inp, out, weight, act, out_act: act })).collect();
         // x86-64-v3, m3c's default: FMA, as AVX-512 has (x86-64-v2 has none,
         // so its products round on their own).
-        let narrow = build_at(&kernels, HostWidth::Lanes8, "x86-64-v3", dir.path());
+        let (narrow, _) = build_at(&kernels, HostWidth::Lanes8, "x86-64-v3", dir.path());
         let wide_dir = tempfile::tempdir().unwrap();
-        let text = module_at(&kernels, HostWidth::Lanes16);
-        let ir = host::compile(&text, "x86-64-v4").expect("the 16-lane form compiles").llvm_ir;
+        let (wide, ir) = build_at(&kernels, HostWidth::Lanes16, "x86-64-v4", wide_dir.path());
         let fma16 = ir.lines().any(|l| l.contains("fadd contract <16 x float>") || l.contains("@llvm.fma.v16f32"));
         assert!(fma16, "{out}x{inp}: no 16-lane multiply-adds in the 16-lane form");
         if !avx512 {
             continue;
         }
-        let wide = build_at(&kernels, HostWidth::Lanes16, "x86-64-v4", wide_dir.path());
         let wf: Vec<f32> = (0..out * inp).map(|i| ((i * 7919 % 2003) as f32 / 1001.5) - 1.0).collect();
         let w16: Vec<u16> = wf.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
         let w8: Vec<u8> = (0..out * inp).map(|i| (i * 7919 % 251) as u8).map(|b| if b & 0x7F == 0x7F { 0x11 } else { b }).collect();
